@@ -1,0 +1,47 @@
+"""The `asyncrl` console script. Subcommands import their component lazily so `--help` is fast."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _demo_model(args: argparse.Namespace) -> int:
+    from asyncrl.demo_model import DemoSpec, build_demo_model
+
+    spec = DemoSpec(seed=args.seed, digits=args.digits, sft_steps=args.sft_steps)
+    build_demo_model(args.out, spec)
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous RL post-training for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo-model", help="build the embedded demo model (tokenizer, tiny Qwen2, warm start)")
+    demo.add_argument("--out", required=True, help="output Hugging Face model directory")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--digits", type=_positive_int, default=2, help="max digits per operand")
+    demo.add_argument("--sft-steps", type=_positive_int, default=None, help="warm-start steps (default: the spec's)")
+    demo.set_defaults(func=_demo_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "sft_steps", 0) is None:
+        from asyncrl.demo_model import DemoSpec
+
+        args.sft_steps = DemoSpec().sft_steps
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""The root configuration and one section per component.
+
+Owns: the schema of every knob, its validation, and loading it from a standalone YAML file or
+from the `args` of a Ray Serve config. Each component is handed only its own section
+(`cfg.generator`, `cfg.buffer`, ...), never the root.
+
+Must never: import a component, start a process, or read the environment beyond the documented
+`ASYNCRL_ADMIN_TOKEN` fallback. Engine and Megatron options are passed through untouched
+(`generator.engine_kwargs`, `learner.strategy_config`); only the keys we interpret are checked.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the field path and the bad value."""
+
+
+class _Section(BaseModel):
+    # Unknown keys are typos until proven otherwise: reject them, naming the key.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ModelConfig(_Section):
+    """The policy model (a Hugging Face directory)."""
+
+    path: str = Field("artifacts/demo-model", description="HF model directory; relative paths resolve against the working directory at load time.")
+    served_name: str = Field("asyncrl-policy", description="Name reported by /v1/models and accepted in the `model` field.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype for learner and engines.")
+    max_model_len: int = Field(256, gt=0, description="Context length (prompt + completion) the engines accept.")
+    trust_remote_code: bool = False
+
+
+class AutoscalingConfig(_Section):
+    """Ray Serve `autoscaling_config` for the engine deployment."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(8.0, gt=0)
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas} exceeds max_replicas={self.max_replicas}")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(f"initial_replicas={self.initial_replicas} must lie in [min_replicas, max_replicas]")
+        return self
+
+
+class GeneratorConfig(_Section):
+    """Rollout engines (a Ray Serve deployment) and the HTTP gateway in front of them."""
+
+    engine: Literal["vllm", "sglang"] = "vllm"
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed straight to the engine (vLLM AsyncEngineArgs).")
+    autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+    max_ongoing_requests: int = Field(64, gt=0, description="Per replica; beyond it requests queue.")
+    max_queued_requests: int = Field(256, ge=-1, description="Per caller; beyond it HTTP 503. -1 = unbounded.")
+    num_cpus: float = Field(0.5, ge=0, description="Ray CPUs reserved per engine replica.")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per engine replica (TP engines use placement-group bundles).")
+    max_n: int = Field(64, gt=0, description="Largest `n` one request may ask for.")
+    max_body_bytes: int = Field(1 << 20, gt=0, description="Larger HTTP bodies get 413.")
+    admin_token: str | None = Field(None, description="Bearer token for admin routes; falls back to $ASYNCRL_ADMIN_TOKEN. Unset = admin routes closed.")
+    routing: Literal["power_of_two", "prefix_affinity"] = "power_of_two"
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(8000, gt=0, lt=65536)
+
+    def resolved_admin_token(self) -> str | None:
+        return self.admin_token or os.environ.get("ASYNCRL_ADMIN_TOKEN") or None
+
+
+class BufferConfig(_Section):
+    """Replay buffer and staleness admission control (see ARCHITECTURE.md)."""
+
+    batch_size: int = Field(32, gt=0, description="B: samples per learner step.")
+    max_staleness: int = Field(2, ge=0, description="eta: 0 = synchronous, 1 = one-step off-policy, larger = fully async.")
+    capacity: int = Field(1024, gt=0, description="Most samples held; rollouts wait beyond it.")
+    group_filter: Literal["none", "all_equal"] = Field("none", description="'all_equal' drops GRPO groups whose rewards are all equal (dynamic sampling).")
+
+    @model_validator(mode="after")
+    def _capacity(self) -> "BufferConfig":
+        if self.capacity < self.batch_size:
+            raise ValueError(f"capacity={self.capacity} is smaller than batch_size={self.batch_size}")
+        return self
+
+
+class AlgorithmConfig(_Section):
+    """Which RL algorithm and its knobs (functions live in asyncrl.algorithms)."""
+
+    name: Literal["grpo", "ppo"] = "grpo"
+    group_size: int = Field(8, gt=0, description="Completions per prompt (GRPO n).")
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "gae"] | None = Field(None, description="Default: grpo for GRPO, gae for PPO.")
+    scale_by_std: bool = True
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.2, ge=0)
+    dual_clip: float | None = Field(None, gt=1)
+    behavior_weight_cap: float | None = Field(5.0, gt=0, description="Decoupled PPO: tokens whose pi_prox/pi_behave exceeds it are masked.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    kl_coef: float = Field(0.0, ge=0)
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    kl_mode: Literal["loss", "reward"] = "loss"
+    value_clip: float = Field(0.2, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(16, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AlgorithmConfig":
+        if self.advantage is None:
+            self.__dict__["advantage"] = "gae" if self.name == "ppo" else "grpo"
+        if self.name == "grpo" and self.advantage == "gae":
+            raise ValueError("advantage='gae' needs a critic: use name='ppo'")
+        if self.advantage in ("grpo", "rloo") and self.group_size < 2:
+            raise ValueError(f"advantage={self.advantage!r} needs group_size >= 2, got {self.group_size}")
+        return self
+
+
+_PARALLEL_KEYS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
+
+
+class RoleOffload(_Section):
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+
+
+class LearnerConfig(_Section):
+    """Megatron-core learner group. `strategy_config` passes straight to Megatron."""
+
+    world_size: int = Field(1, gt=0, description="Learner ranks (one Ray actor each).")
+    strategy_config: dict[str, Any] = Field(default_factory=dict, description="Megatron options (tensor_model_parallel_size, ...), passed through.")
+    lr: float = Field(1e-5, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0, description="Global grad-norm clip; 0 disables.")
+    micro_batch_size: int = Field(8, gt=0)
+    max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="Dynamic batch size: token budget per micro-batch.")
+    ppo_epochs: int = Field(1, gt=0)
+    logprob_chunk_size: int = Field(1024, gt=0, description="Tokens per chunk when computing log-probs, to bound memory.")
+    num_cpus_per_rank: float = Field(0.5, ge=0)
+    num_gpus_per_rank: float = Field(0.0, ge=0)
+    seed: int = 1234
+    actor: RoleOffload = Field(default_factory=RoleOffload)
+    critic: RoleOffload = Field(default_factory=RoleOffload)
+    reference: RoleOffload = Field(default_factory=RoleOffload)
+
+    @field_validator("strategy_config")
+    @classmethod
+    def _parallel_sizes(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key in _PARALLEL_KEYS:
+            if key in value and (not isinstance(value[key], int) or isinstance(value[key], bool) or value[key] < 1):
+                raise ValueError(f"{key}={value[key]!r} must be a positive integer")
+        return value
+
+    @model_validator(mode="after")
+    def _divisible(self) -> "LearnerConfig":
+        s = self.strategy_config
+        model_parallel = (
+            s.get("tensor_model_parallel_size", 1)
+            * s.get("pipeline_model_parallel_size", 1)
+            * s.get("context_parallel_size", 1)
+        )
+        if self.world_size % model_parallel:
+            raise ValueError(
+                f"world_size={self.world_size} is not divisible by TP*PP*CP={model_parallel}"
+            )
+        return self
+
+    def parallel_size(self, key: str) -> int:
+        return int(self.strategy_config.get(key, 1))
+
+
+class WeightsyncConfig(_Section):
+    """Learner -> engine weight pushes."""
+
+    transport: Literal["auto", "object_store", "shm", "nccl", "ipc"] = Field("auto", description="auto: object_store on CPU, nccl when separated on GPU, ipc when hybrid.")
+    bucket_mb: float = Field(64.0, gt=0)
+    verify: Literal["full", "sampled", "off"] = "full"
+    timeout_s: float = Field(120.0, gt=0)
+    retries: int = Field(1, ge=0)
+
+
+class HybridConfig(_Section):
+    """Co-located placement: learner and engines time-share the same devices."""
+
+    enabled: bool = False
+    engine_sleep_level: Literal[1, 2] = 1
+
+
+class CheckpointConfig(_Section):
+    dir: str = "runs/demo/checkpoints"
+    interval_steps: int = Field(0, ge=0, description="0 = never.")
+    keep: int = Field(2, gt=0)
+    resume: bool = True
+
+
+class ProfilerConfig(_Section):
+    use_profile: bool = False
+    profile_ranks: list[int] = Field(default_factory=lambda: [0])
+    step_start: int = Field(1, ge=0)
+    step_end: int = Field(2, ge=0)
+    save_path: str = "runs/demo/profile"
+
+    @model_validator(mode="after")
+    def _range(self) -> "ProfilerConfig":
+        if self.step_end < self.step_start:
+            raise ValueError(f"step_end={self.step_end} is before step_start={self.step_start}")
+        return self
+
+
+class LoggingConfig(_Section):
+    dir: str = "runs/demo"
+    jsonl: bool = True
+    tensorboard: bool = True
+    plot_interval_steps: int = Field(5, ge=0)
+    progress_bar: bool = True
+
+
+class DataConfig(_Section):
+    """Where prompts come from: the embedded arithmetic task or a user's JSONL file."""
+
+    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
+    path: str | None = Field(None, description="JSONL prompts file (kind='jsonl').")
+    eval_path: str | None = None
+    seed: int = 0
+    digits: int = Field(2, ge=1, le=6)
+    operators: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
+    train_size: int = Field(20000, gt=0)
+    eval_size: int = Field(200, gt=0)
+
+    @model_validator(mode="after")
+    def _paths(self) -> "DataConfig":
+        if self.kind == "jsonl" and not self.path:
+            raise ValueError("kind='jsonl' needs `path`")
+        if not self.operators:
+            raise ValueError("operators must not be empty")
+        return self
+
+
+class RewardConfig(_Section):
+    function: str = Field("asyncrl.rewards.math:exact_integer_reward", description="Import path 'module:function' of the rule reward.")
+    timeout_s: float = Field(5.0, gt=0)
+    num_workers: int = Field(1, gt=0)
+
+
+class TrainerConfig(_Section):
+    total_steps: int = Field(100, gt=0)
+    rollout_concurrency: int = Field(8, gt=0, description="Prompts in flight at once.")
+    eval_interval_steps: int = Field(10, ge=0)
+    seed: int = 0
+
+
+class RootConfig(_Section):
+    """Everything `serve run deploy/rlhf.yaml` needs, one section per component."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    weightsync: WeightsyncConfig = Field(default_factory=WeightsyncConfig)
+    hybrid: HybridConfig = Field(default_factory=HybridConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> "RootConfig":
+        if self.buffer.batch_size % self.algorithm.group_size:
+            raise ValueError(
+                f"buffer.batch_size={self.buffer.batch_size} must be a multiple of "
+                f"algorithm.group_size={self.algorithm.group_size} (GRPO groups stay whole)"
+            )
+        return self
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        value = e.get("input")
+        shown = repr(value) if not isinstance(value, dict) else "{...}"
+        lines.append(f"  {path} = {shown}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(data: dict[str, Any] | None = None, *, source: str = "args") -> RootConfig:
+    """Validate a config mapping (e.g. Serve `args`). Raises ConfigError naming each bad field."""
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"invalid config ({source}): expected a mapping, got {type(data).__name__}")
+    try:
+        return RootConfig.model_validate(data or {})
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def load_config_file(path: str | os.PathLike[str]) -> RootConfig:
+    """Load a standalone YAML config, or the `args` of the first app in a Serve config file."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if isinstance(raw, dict) and "applications" in raw:
+        apps = raw["applications"] or []
+        if not apps:
+            raise ConfigError(f"{path}: `applications` is empty")
+        raw = apps[0].get("args", {})
+    return load_config(raw, source=str(path))

