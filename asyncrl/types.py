@@ -58,6 +58,18 @@ class Completion(msgspec.Struct, kw_only=True):
         return min(self.versions) if self.versions else -1
 
 
+class CompletionDelta(msgspec.Struct, kw_only=True):
+    """New tokens of one completion, as streamed by an engine replica (added by the generator)."""
+
+    request_id: str
+    index: int  # which of the request's n completions
+    token_ids: list[int]  # tokens new since the previous delta of this completion
+    logprobs: list[float]  # their behaviour log-probs (empty if not asked)
+    versions: list[int]  # weight version that produced each new token
+    text: str = ""  # text new since the previous delta
+    finish_reason: str | None = None  # set on the completion's last delta
+
+
 class GenerationResult(msgspec.Struct, kw_only=True):
     """All completions of one request, as returned by an engine replica."""
 
@@ -115,6 +127,14 @@ class TrainBatch(msgspec.Struct, kw_only=True):
     @property
     def size(self) -> int:
         return len(self.samples)
+
+
+class PutResult(msgspec.Struct, kw_only=True):
+    """What the buffer did with one pushed GRPO group (returned by `put_group`)."""
+
+    kept: int  # samples now waiting in the buffer (0 or the whole group: groups stay whole)
+    dropped_invalid: int  # dropped because the group held an invalid sample (whole group)
+    dropped_filtered: int  # dropped by the group filter (e.g. all rewards equal)
 
 
 class WeightUpdateState(enum.Enum):

@@ -3,3 +3,13 @@
 A rule reward is `fn(completion: str, answer: str, metadata: dict) -> float | None`; None or NaN
 marks the sample invalid (it is counted, never silently scored 0).
 """
+
+from asyncrl.rewards.pool import (
+    RewardFunctionError,
+    RewardOutcome,
+    RewardPool,
+    RewardPoolError,
+    resolve_reward_function,
+)
+
+__all__ = ["RewardFunctionError", "RewardOutcome", "RewardPool", "RewardPoolError", "resolve_reward_function"]

@@ -1,0 +1,237 @@
+"""The replay buffer: accepted GRPO groups waiting to be trained, and the sample accounting.
+
+Owns: the FIFO of whole groups, the invalid / group-filter / stale drops, batch assembly, the
+counters of the accounting identity, and the buffer part of a checkpoint.
+Must never: wait, know about Ray or admission control, or let a sample vanish uncounted:
+
+    generated = trained + dropped_stale + dropped_invalid + dropped_filtered + waiting
+
+Decisions:
+* Groups stay whole. A group holding any invalid sample (status != VALID, non-finite reward, or
+  no response tokens, hence no version) is dropped entirely and all its samples count as
+  dropped_invalid: a GRPO group with a missing member has a biased baseline. Dropping only the
+  invalid samples was rejected for a second reason: ragged groups leave the buffer holding fewer
+  than B samples that cannot be completed while admission is exhausted (a deadlock).
+  `buffer/invalid_samples` counts the samples that were themselves invalid.
+* Staleness is judged per group by its oldest token (min over members), so a group is trained or
+  dropped whole; a dropped group counts all its samples as dropped_stale.
+* Batches are whole groups in FIFO order. When group sizes divide B (the controller's fixed n)
+  every batch is exactly B. With mixed sizes the batch is the longest FIFO prefix of at most B
+  samples, handed out only once it is exactly B or the next group does not fit (waiting longer
+  could not make it larger without reordering).
+* Capacity: `put_group` raises BufferFullError (changing nothing) rather than grow past
+  `capacity`; the actor turns that into back-pressure. One exception keeps the run live: while
+  the waiting samples cannot form a batch, a group is let in even over capacity (the overshoot is
+  below B + one group), since otherwise the learner and the producers would wait on each other.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import msgspec
+
+from asyncrl.config import BufferConfig
+from asyncrl.types import PutResult, Sample, SampleStatus, TrainBatch
+
+_FORMAT = 1
+
+
+class BufferFullError(RuntimeError):
+    """The buffer holds `capacity` samples; the caller should wait for the learner to draw."""
+
+
+@dataclasses.dataclass
+class BufferCounts:
+    generated: int = 0  # samples ever pushed
+    trained: int = 0  # samples handed out in batches
+    dropped_stale: int = 0
+    dropped_invalid: int = 0
+    dropped_filtered: int = 0
+    invalid_samples: int = 0  # samples that were themselves invalid (subset of dropped_invalid)
+    batches: int = 0
+
+
+def group_is_valid(samples: Sequence[Sample]) -> bool:
+    return all(_sample_is_valid(s) for s in samples)
+
+
+def _sample_is_valid(s: Sample) -> bool:
+    return s.status == SampleStatus.VALID and math.isfinite(s.reward) and len(s.versions) > 0
+
+
+class ReplayBuffer:
+    """FIFO of whole GRPO groups with exact sample accounting. Not thread-safe: one owner."""
+
+    def __init__(self, config: BufferConfig) -> None:
+        if not isinstance(config, BufferConfig):
+            raise TypeError(f"config must be a BufferConfig, got {type(config).__name__}")
+        self.config = config
+        self._groups: collections.deque[list[Sample]] = collections.deque()
+        self._waiting = 0
+        self.counts = BufferCounts()
+        self._last_staleness = (0.0, 0.0)  # (mean, max) of v - oldest_version in the last batch
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    @property
+    def waiting_groups(self) -> int:
+        return len(self._groups)
+
+    # -- put ------------------------------------------------------------------------------------
+    def validate_group(self, samples: Sequence[Sample]) -> None:
+        """Raise ValueError/TypeError for malformed input (never for merely invalid rewards)."""
+        if not isinstance(samples, (list, tuple)) or not samples:
+            raise ValueError(f"a group is a non-empty list of Sample, got {type(samples).__name__} {samples!r:.80}")
+        for i, s in enumerate(samples):
+            if not isinstance(s, Sample):
+                raise TypeError(f"group member {i} is a {type(s).__name__}, not a Sample")
+            if len(s.versions) != len(s.response_ids) or len(s.behavior_logprobs) != len(s.response_ids):
+                raise ValueError(
+                    f"group member {i}: {len(s.response_ids)} response tokens but {len(s.versions)} versions "
+                    f"and {len(s.behavior_logprobs)} log-probs"
+                )
+        ids = {s.group_id for s in samples}
+        if len(ids) != 1:
+            raise ValueError(f"a group shares one group_id, got {sorted(ids)}")
+        if len(samples) > self.config.batch_size:
+            raise ValueError(f"group of {len(samples)} samples exceeds batch_size={self.config.batch_size}")
+        gid = samples[0].group_id
+        if any(g[0].group_id == gid for g in self._groups):
+            raise ValueError(f"group_id={gid} is already waiting in the buffer (groups are pushed once, whole)")
+
+    def admits(self, samples: Sequence[Sample]) -> int:
+        """How many of `samples` put_group would keep: 0 or all of them (validates first)."""
+        self.validate_group(samples)
+        if not group_is_valid(samples):
+            return 0
+        if self.config.group_filter == "all_equal" and len({s.reward for s in samples}) == 1:
+            return 0
+        return len(samples)
+
+    def has_room(self, samples: Sequence[Sample]) -> bool:
+        """Whether put_group would accept the group now (filtered/invalid groups always fit)."""
+        return self._room_for(self.admits(samples))
+
+    def _room_for(self, kept: int) -> bool:
+        return (
+            kept == 0
+            or self._waiting + kept <= self.config.capacity
+            or not self.batch_ready(self.config.batch_size)
+        )
+
+    def put_group(self, samples: Sequence[Sample]) -> PutResult:
+        """Push one whole group; drops invalid / filtered groups (counted). Raises BufferFullError."""
+        kept = self.admits(samples)
+        if not self._room_for(kept):
+            raise BufferFullError(
+                f"buffer holds {self._waiting} of capacity={self.config.capacity} samples; "
+                f"cannot add a group of {kept}"
+            )
+        n = len(samples)
+        self.counts.generated += n
+        if not group_is_valid(samples):
+            self.counts.dropped_invalid += n
+            self.counts.invalid_samples += sum(not _sample_is_valid(s) for s in samples)
+            return PutResult(kept=0, dropped_invalid=n, dropped_filtered=0)
+        if kept == 0:
+            self.counts.dropped_filtered += n
+            return PutResult(kept=0, dropped_invalid=0, dropped_filtered=n)
+        self._groups.append(list(samples))
+        self._waiting += n
+        return PutResult(kept=n, dropped_invalid=0, dropped_filtered=0)
+
+    # -- get ------------------------------------------------------------------------------------
+    def drop_stale(self, current_version: int, max_staleness: int) -> int:
+        """Drop every waiting group whose oldest token version is < v - eta; return samples dropped."""
+        floor = current_version - max_staleness
+        keep = collections.deque(g for g in self._groups if min(s.oldest_version for s in g) >= floor)
+        dropped = self._waiting - sum(len(g) for g in keep)
+        self._groups = keep
+        self._waiting -= dropped
+        self.counts.dropped_stale += dropped
+        return dropped
+
+    def _prefix(self, batch_size: int) -> tuple[int, bool]:
+        """(groups, ready) of the FIFO prefix of at most batch_size samples."""
+        total = 0
+        for i, g in enumerate(self._groups):
+            if total + len(g) > batch_size:
+                if i == 0:
+                    raise ValueError(f"the oldest group has {len(g)} samples, more than batch_size={batch_size}")
+                return i, True
+            total += len(g)
+            if total == batch_size:
+                return i + 1, True
+        return len(self._groups), False
+
+    def batch_ready(self, batch_size: int) -> bool:
+        return self._prefix(batch_size)[1]
+
+    def get_batch(self, batch_size: int, current_version: int, max_staleness: int) -> TrainBatch | None:
+        """Drop stale groups, then pop whole groups (FIFO) for one batch, or None if none is ready."""
+        if batch_size <= 0 or current_version < 0 or max_staleness < 0:
+            raise ValueError(
+                f"get_batch(batch_size={batch_size}, current_version={current_version}, "
+                f"max_staleness={max_staleness}): all must be >= 0 and batch_size > 0"
+            )
+        self.drop_stale(current_version, max_staleness)
+        n_groups, ready = self._prefix(batch_size)
+        if not ready:
+            return None
+        samples = [s for _ in range(n_groups) for s in self._groups.popleft()]
+        self._waiting -= len(samples)
+        self.counts.trained += len(samples)
+        self.counts.batches += 1
+        lags = [current_version - s.oldest_version for s in samples]
+        self._last_staleness = (sum(lags) / len(lags), float(max(lags)))
+        return TrainBatch(samples=samples, step=current_version, policy_version=current_version)
+
+    # -- accounting and checkpoints -------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        c = self.counts
+        return {
+            "buffer/generated": float(c.generated),
+            "buffer/trained": float(c.trained),
+            "buffer/dropped_stale": float(c.dropped_stale),
+            "buffer/dropped_invalid": float(c.dropped_invalid),
+            "buffer/dropped_filtered": float(c.dropped_filtered),
+            "buffer/waiting": float(self._waiting),
+            "buffer/waiting_groups": float(len(self._groups)),
+            "buffer/invalid_samples": float(c.invalid_samples),
+            "buffer/batches": float(c.batches),
+            "buffer/staleness_mean": self._last_staleness[0],
+            "buffer/staleness_max": self._last_staleness[1],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain python (msgspec/JSON/pickle-able), samples included; independent of live state."""
+        return {
+            "format": _FORMAT,
+            "groups": [[msgspec.to_builtins(s) for s in g] for g in self._groups],
+            "counts": dataclasses.asdict(self.counts),
+            "last_staleness": list(self._last_staleness),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+            raise ValueError(f"not a replay buffer state (format {_FORMAT}): {str(state)[:80]}")
+        try:
+            groups = [[msgspec.convert(s, Sample) for s in g] for g in state["groups"]]
+            counts = BufferCounts(**state["counts"])
+            if not all(isinstance(v, int) and v >= 0 for v in dataclasses.asdict(counts).values()):
+                raise ValueError(f"counts must be non-negative ints: {state['counts']}")
+            mean, worst = (float(x) for x in state["last_staleness"])
+        except (KeyError, TypeError, ValueError, msgspec.ValidationError) as err:
+            raise ValueError(f"corrupt replay buffer state: {err}") from None
+        if any(not g for g in groups):
+            raise ValueError("corrupt replay buffer state: empty group")
+        self._groups = collections.deque(groups)
+        self._waiting = sum(len(g) for g in groups)
+        self.counts = counts
+        self._last_staleness = (mean, worst)

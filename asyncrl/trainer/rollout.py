@@ -1,0 +1,189 @@
+"""Rollout workers: prompts -> staleness slot -> engine group -> rewards -> buffer.
+
+Owns: the per-prompt rollout protocol (acquire n slots, generate a GRPO group through the Serve
+handle with retries across replicas, score every completion in the reward pool, push the whole
+group) and the bounded concurrency of those rollouts.
+Must never: drop a sample without the buffer counting it (a failed completion is pushed as
+ABORTED, a bad reward as INVALID_REWARD; a rollout that produced nothing releases its slots and
+is counted here), or consume a prompt before its slots are granted (that keeps the prompt stream
+aligned with admission, which exact resume relies on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from asyncrl.config import AlgorithmConfig
+from asyncrl.data.prompts import Prompt, render_chat_prompt
+from asyncrl.trainer.data_stream import PromptStream
+from asyncrl.types import GenerationRequest, GenerationResult, Sample, SampleStatus, SamplingParams
+
+log = logging.getLogger(__name__)
+
+GenerateFn = Callable[[GenerationRequest], Awaitable[GenerationResult]]
+
+
+def request_seed(run_seed: int, prompt_index: int) -> int:
+    """Per-request sampling seed: the same prompt position samples the same way after a resume."""
+    return zlib.crc32(f"{run_seed}:{prompt_index}".encode()) & 0x7FFFFFFF
+
+
+@dataclass
+class RolloutCounters:
+    started: int = 0
+    finished: int = 0
+    failed: int = 0  # generation failed after all retries; slots released, no samples
+    retries: int = 0
+    tokens: int = 0
+    staleness_sum: float = 0.0  # version spread inside completions (first token vs last token)
+    version_switches: int = 0  # completions whose tokens span more than one weight version
+    errors: list[str] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "rollout/started": self.started,
+            "rollout/finished": self.finished,
+            "rollout/failed": self.failed,
+            "rollout/retries": self.retries,
+            "rollout/tokens": self.tokens,
+            "rollout/multi_version_completions": self.version_switches,
+        }
+
+
+async def generate_with_retry(generate: GenerateFn, request: GenerationRequest, *, attempts: int, counters: RolloutCounters, backoff_s: float = 0.5) -> GenerationResult:
+    """Call the engine deployment; a replica that died mid-request is retried (Serve routes the
+    retry to a live replica). Re-raises the last error after `attempts` tries."""
+    for attempt in range(attempts):
+        try:
+            return await generate(request)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - any replica failure is retryable here
+            if attempt == attempts - 1:
+                raise
+            counters.retries += 1
+            log.warning("generation attempt %d failed (%s); retrying", attempt + 1, err)
+            await asyncio.sleep(backoff_s * (2**attempt))
+    raise AssertionError("unreachable")
+
+
+class RolloutWorkers:
+    """`concurrency` asyncio tasks, each looping over: acquire -> prompt -> generate -> score -> push."""
+
+    def __init__(
+        self,
+        *,
+        stream: PromptStream,
+        tokenizer: Any,
+        generate: GenerateFn,
+        rewards: Any,
+        buffer: Any,
+        algorithm: AlgorithmConfig,
+        concurrency: int,
+        seed: int,
+        attempts: int = 3,
+    ) -> None:
+        self._stream = stream
+        self._tokenizer = tokenizer
+        self._generate = generate
+        self._rewards = rewards
+        self._buffer = buffer
+        self._algo = algorithm
+        self._concurrency = concurrency
+        self._seed = seed
+        self._attempts = attempts
+        self._prompt_cache: dict[str, list[int]] = {}
+        self.counters = RolloutCounters()
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        ids = self._prompt_cache.get(prompt.prompt)
+        if ids is None:
+            text = render_chat_prompt(self._tokenizer, prompt.prompt)
+            ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
+            self._prompt_cache[prompt.prompt] = ids
+        return ids
+
+    def _request(self, index: int, prompt: Prompt) -> GenerationRequest:
+        return GenerationRequest(
+            prompt_ids=self._prompt_ids(prompt),
+            sampling=SamplingParams(
+                n=self._algo.group_size,
+                temperature=self._algo.temperature,
+                top_p=self._algo.top_p,
+                max_tokens=self._algo.max_new_tokens,
+                seed=request_seed(self._seed, index),
+                logprobs=True,
+            ),
+        )
+
+    async def rollout_once(self, index: int, prompt: Prompt) -> None:
+        """One prompt's group, with its n slots already acquired by the caller."""
+        n = self._algo.group_size
+        self.counters.started += 1
+        try:
+            result = await generate_with_retry(self._generate, self._request(index, prompt), attempts=self._attempts, counters=self.counters)
+        except asyncio.CancelledError:
+            await self._buffer.release.remote(n)
+            raise
+        except Exception as err:  # noqa: BLE001
+            self.counters.failed += 1
+            self.counters.errors = (self.counters.errors + [f"prompt {index}: {err!r}"])[-20:]
+            await self._buffer.release.remote(n)
+            return
+        completions = sorted(result.completions, key=lambda c: c.index)
+        outcomes = await self._rewards.score([c.text for c in completions], [prompt.answer] * len(completions), [prompt.metadata] * len(completions))
+        samples = []
+        for c, outcome in zip(completions, outcomes):
+            aborted = c.finish_reason == "abort" or not c.token_ids
+            status = SampleStatus.ABORTED if aborted else outcome.status
+            reward = outcome.reward if outcome.reward is not None and status == SampleStatus.VALID else math.nan
+            samples.append(
+                Sample(
+                    prompt_ids=result.prompt_ids,
+                    response_ids=list(c.token_ids),
+                    behavior_logprobs=list(c.logprobs),
+                    versions=list(c.versions),
+                    reward=float(reward),
+                    group_id=index,
+                    prompt_index=index,
+                    status=status,
+                    finish_reason=c.finish_reason,
+                    answer=prompt.answer,
+                    metadata={"completion": c.text[:200]},
+                )
+            )
+            self.counters.tokens += len(c.token_ids)
+            if len(set(c.versions)) > 1:
+                self.counters.version_switches += 1
+        # Completions missing from the result still hold slots: push them as ABORTED so the
+        # buffer counts them rather than leaking reservations.
+        for missing in range(len(samples), n):
+            samples.append(Sample(prompt_ids=result.prompt_ids, response_ids=[], behavior_logprobs=[], versions=[], reward=math.nan, group_id=index, prompt_index=index, status=SampleStatus.ABORTED))
+        await self._buffer.put_group.remote(samples)
+        self.counters.finished += 1
+
+    async def _worker(self, stop: asyncio.Event) -> None:
+        n = self._algo.group_size
+        while not stop.is_set():
+            if not await self._buffer.acquire.remote(n, timeout_s=1.0):
+                continue
+            if stop.is_set():
+                await self._buffer.release.remote(n)
+                return
+            index, prompt = self._stream.next()
+            await self.rollout_once(index, prompt)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run until `stop` is set; in-flight rollouts finish (their groups are pushed)."""
+        tasks = [asyncio.create_task(self._worker(stop), name=f"rollout-{i}") for i in range(self._concurrency)]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

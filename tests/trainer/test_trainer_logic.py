@@ -1,0 +1,114 @@
+"""Pure logic of the training loop: advantages per batch, the prompt stream, metrics files."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from asyncrl.algorithms import grpo_advantages
+from asyncrl.config import AlgorithmConfig
+from asyncrl.data.prompts import Prompt
+from asyncrl.trainer.data_stream import PromptStream
+from asyncrl.trainer.logging_setup import progress_line
+from asyncrl.trainer.rollout import request_seed
+from asyncrl.trainer.step import compute_advantages, pad_per_token
+from asyncrl.trainer.tracking import MetricsTracker
+from asyncrl.types import Sample, TrainBatch
+
+
+def _batch(rewards, groups, lengths):
+    samples = [
+        Sample(prompt_ids=[1], response_ids=list(range(n)), behavior_logprobs=[-1.0] * n, versions=[0] * n, reward=r, group_id=g, prompt_index=g)
+        for r, g, n in zip(rewards, groups, lengths)
+    ]
+    return TrainBatch(samples=samples, step=0, policy_version=0)
+
+
+def test_grpo_advantages_are_broadcast_over_each_response():
+    batch = _batch([1.0, 0.0, 1.0, 1.0], [0, 0, 1, 1], [2, 3, 1, 2])
+    lp = [[-1.0] * n for n in (2, 3, 1, 2)]
+    adv, returns, metrics = compute_advantages(batch, AlgorithmConfig(group_size=2), lp, None, None)
+    expected = grpo_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64), torch.tensor([0, 0, 1, 1]))
+    assert [len(a) for a in adv] == [2, 3, 1, 2]
+    assert adv[0] == pytest.approx([float(expected[0])] * 2)
+    assert adv[1] == pytest.approx([float(expected[1])] * 3)
+    assert adv[2] == [0.0] and adv[3] == [0.0, 0.0]  # all-equal group: no signal
+    assert returns is None
+    assert metrics["train/response_length"] == 2.0
+
+
+def test_kl_as_reward_penalty_lowers_the_sample_that_drifted():
+    batch = _batch([1.0, 1.0], [0, 0], [2, 2])
+    lp = [[-1.0, -1.0], [-1.0, -1.0]]
+    ref = [[-1.0, -1.0], [-3.0, -3.0]]  # sample 1 moved away from the reference
+    algo = AlgorithmConfig(group_size=2, kl_coef=0.1, kl_mode="reward", kl_kind="k1")
+    adv, _, metrics = compute_advantages(batch, algo, lp, ref, None)
+    assert adv[0][0] > 0 > adv[1][0]
+    assert metrics["train/kl_ref"] == pytest.approx(1.0)
+    # as a loss term instead, rewards are untouched
+    adv_loss, _, _ = compute_advantages(batch, AlgorithmConfig(group_size=2, kl_coef=0.1, kl_mode="loss"), lp, ref, None)
+    assert adv_loss[0] == [0.0, 0.0]
+
+
+def test_gae_returns_for_ppo():
+    batch = _batch([1.0, 0.0], [0, 1], [3, 2])
+    lp = [[-1.0] * 3, [-1.0] * 2]
+    values = [[0.5, 0.5, 0.5], [0.1, 0.1]]
+    algo = AlgorithmConfig(name="ppo", group_size=1, gamma=1.0, lam=1.0)
+    adv, returns, _ = compute_advantages(batch, algo, lp, None, values)
+    # gamma = lam = 1: the return of every token is the final reward
+    assert returns[0] == pytest.approx([1.0, 1.0, 1.0])
+    assert returns[1] == pytest.approx([0.0, 0.0])
+    with pytest.raises(ValueError, match="needs critic values"):
+        compute_advantages(batch, algo, lp, None, None)
+
+
+def test_mismatched_lengths_are_rejected():
+    batch = _batch([1.0, 0.0], [0, 0], [2, 2])
+    with pytest.raises(ValueError, match="logprobs rows"):
+        compute_advantages(batch, AlgorithmConfig(group_size=2), [[-1.0], [-1.0, -1.0]], None, None)
+
+
+def test_pad_per_token_handles_empty_rows():
+    values, mask = pad_per_token([[1.0, 2.0], []])
+    assert values.tolist() == [[1.0, 2.0], [0.0, 0.0]]
+    assert mask.tolist() == [[True, True], [False, False]]
+
+
+def test_prompt_stream_resumes_exactly_and_reshuffles_per_epoch():
+    prompts = [Prompt(prompt=f"q{i}", answer=str(i)) for i in range(5)]
+    a = PromptStream(prompts, seed=7)
+    first = [a.next() for _ in range(7)]
+    state = a.state_dict()
+    rest = [a.next() for _ in range(6)]
+    b = PromptStream(prompts, seed=7)
+    b.load_state_dict(state)
+    assert [b.next() for _ in range(6)] == rest
+    assert [i for i, _ in first] == list(range(7))  # stream indices are global and unique
+    epoch0 = [p.prompt for _, p in first[:5]]
+    assert sorted(epoch0) == sorted(p.prompt for p in prompts)
+    with pytest.raises(ValueError, match="prompt stream state"):
+        PromptStream(prompts[:4], seed=7).load_state_dict(state)
+
+
+def test_request_seed_is_stable_and_distinct():
+    assert request_seed(0, 5) == request_seed(0, 5)
+    assert len({request_seed(0, i) for i in range(1000)}) == 1000
+
+
+def test_tracker_writes_jsonl_tensorboard_and_plot(tmp_path):
+    tracker = MetricsTracker(tmp_path, plot_interval_steps=2)
+    tracker.log(1, {"train/reward_mean": 0.5, "eval/accuracy": 0.4, "buffer/staleness_mean": 1.0})
+    tracker.log(2, {"train/reward_mean": 0.6, "eval/accuracy": math.nan})
+    tracker.close()
+    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines] == [1, 2]
+    assert lines[1]["eval/accuracy"] is None  # NaN is written as null, the record stays valid JSON
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+    assert any((tmp_path / "tensorboard").iterdir())
+
+
+def test_progress_line():
+    line = progress_line(5, 10, {"train/reward_mean": 0.25, "eval/accuracy": None})
+    assert line.startswith("[##########----------] 5/10 reward 0.250 acc -")
