@@ -14,6 +14,17 @@ def _demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from asyncrl.learner import convert_cli
+
+    if args.direction == "hf-to-mcore":
+        convert_cli.hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep)
+    else:
+        convert_cli.mcore_to_hf(args.mcore, args.out, args.hf_config, tp=args.tp, pp=args.pp, ep=args.ep)
+    print(f"wrote {args.out}")
+    return 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -31,6 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--digits", type=_positive_int, default=2, help="max digits per operand")
     demo.add_argument("--sft-steps", type=_positive_int, default=None, help="warm-start steps (default: the spec's)")
     demo.set_defaults(func=_demo_model)
+
+    convert = sub.add_parser("convert", help="convert weights between a Hugging Face dir and a Megatron dist checkpoint")
+    csub = convert.add_subparsers(dest="direction", required=True)
+    to_mcore = csub.add_parser("hf-to-mcore", help="HF directory -> dist checkpoint for a TP x PP (x EP) layout")
+    to_mcore.add_argument("--hf", required=True, help="Hugging Face model directory")
+    to_hf = csub.add_parser("mcore-to-hf", help="dist checkpoint (any layout) -> HF directory")
+    to_hf.add_argument("--mcore", required=True, help="dist checkpoint directory")
+    to_hf.add_argument("--hf-config", required=True, help="HF directory whose config/tokenizer files describe the model")
+    for p in (to_mcore, to_hf):
+        p.add_argument("--out", required=True, help="output directory")
+        p.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel ranks to use")
+        p.add_argument("--pp", type=_positive_int, default=1, help="pipeline parallel ranks to use")
+        p.add_argument("--ep", type=_positive_int, default=1, help="expert parallel ranks to use")
+        p.set_defaults(func=_convert)
     return parser
 
 

@@ -1,0 +1,183 @@
+"""Distributed checkpoints of one learner group (Megatron `dist_checkpointing`, torch_dist format).
+
+Owns: building the sharded state dict (model chunks, optional optimizer, optional scheduler,
+per-rank RNG state, caller `extra`), writing it atomically, and loading it back into a possibly
+different TP/PP layout (sharded tensors carry global shapes/offsets, so any layout can read them).
+
+Atomic write: every rank writes into the sibling `.<name>.incomplete`; after a barrier rank 0
+renames it into place (an older checkpoint at `path` is moved aside first and removed after), then
+a final barrier. A crash leaves either the previous checkpoint or none, never a half one.
+
+Must never: decide when or where to checkpoint (the trainer does), or talk to other components.
+All functions are collective over the default process group.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LAYOUT_KEY = "asyncrl_layout"
+
+
+def _layout() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "world_size": torch.distributed.get_world_size(),
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+    }
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module") and not hasattr(chunk, "sharded_state_dict"):
+        chunk = chunk.module
+    return chunk
+
+
+def _model_sharded_state_dict(model_chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    if not model_chunks:
+        raise ValueError("model_chunks is empty")
+    if len(model_chunks) == 1:
+        return {"model": _unwrap(model_chunks[0]).sharded_state_dict()}
+    # Megatron's convention for virtual pipeline chunks.
+    return {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(model_chunks)}
+
+
+def _rng_sharded_object(layout: dict[str, int]):
+    from megatron.core import tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = {
+        "cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    rank = torch.distributed.get_rank()
+    return ShardedObject("rng_state", state, (layout["world_size"],), (rank,), replica_id=0)
+
+
+def _build(model_chunks, optimizer, scheduler, rng: bool, layout: dict[str, int]) -> dict[str, Any]:
+    state = _model_sharded_state_dict(model_chunks)
+    if optimizer is not None:
+        model_sd = state["model"] if len(model_chunks) == 1 else state
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd)
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict() if hasattr(scheduler, "state_dict") else scheduler
+    if rng:
+        state["rng_state"] = _rng_sharded_object(layout)
+    return state
+
+
+def _strategy():
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    return get_default_save_sharded_strategy("torch_dist")
+
+
+def save_checkpoint(
+    path: str | Path,
+    model_chunks: list[torch.nn.Module],
+    optimizer: Any = None,
+    extra: dict[str, Any] | None = None,
+    *,
+    scheduler: Any = None,
+    save_rng: bool = True,
+) -> Path:
+    """Write model (+ optimizer, scheduler, RNG, extra) to `path` atomically. Collective."""
+    from megatron.core import dist_checkpointing
+
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
+    path = Path(path).absolute()
+    tmp = path.parent / f".{path.name}.incomplete"
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a crash mid-save
+        tmp.mkdir(parents=True)
+    torch.distributed.barrier()
+    layout = _layout()
+    state = _build(model_chunks, optimizer, scheduler, save_rng, layout)
+    state["extra"] = dict(extra or {})
+    state[LAYOUT_KEY] = layout
+    dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategy())
+    torch.distributed.barrier()
+    if rank == 0:
+        old = path.parent / f".{path.name}.old"
+        if path.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            path.rename(old)
+        tmp.rename(path)
+        if old.exists():
+            shutil.rmtree(old)
+    torch.distributed.barrier()
+    return path
+
+
+def load_checkpoint(
+    path: str | Path,
+    model_chunks: list[torch.nn.Module],
+    optimizer: Any = None,
+    *,
+    scheduler: Any = None,
+    load_rng: bool = True,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint written by `save_checkpoint` (any TP/PP layout); returns its `extra`.
+
+    RNG state is restored only when the layout is the same as at save time (per-rank streams do
+    not map across layouts). Returns the saved `extra` with `LAYOUT_KEY` added (the saved layout).
+    """
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not (path / "metadata.json").exists():
+        raise FileNotFoundError(f"no dist checkpoint at {path} (metadata.json missing)")
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    saved_layout = common.get(LAYOUT_KEY, {})
+    layout = _layout()
+    has_rng = "rng_state" in _saved_keys(path)
+    rng = load_rng and has_rng and saved_layout == layout
+    state = _build(model_chunks, optimizer, scheduler, rng, layout)
+    loaded = dist_checkpointing.load(state, str(path))
+    if len(model_chunks) == 1:
+        _unwrap(model_chunks[0]).load_state_dict(loaded["model"], strict=strict)
+    else:
+        for i, c in enumerate(model_chunks):
+            _unwrap(c).load_state_dict(loaded[f"model{i}"], strict=strict)
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None and "scheduler" in common and hasattr(scheduler, "load_state_dict"):
+        scheduler.load_state_dict(common["scheduler"])
+    if rng:
+        _restore_rng(loaded["rng_state"])
+    extra = dict(common.get("extra", {}))
+    extra[LAYOUT_KEY] = saved_layout
+    return extra
+
+
+def _saved_keys(path: Path) -> set[str]:
+    from megatron.core import dist_checkpointing
+
+    try:
+        meta = dist_checkpointing.load_sharded_metadata(str(path))
+    except Exception:  # older metadata readers: assume no RNG rather than fail the load
+        return set()
+    return {k.split("/")[0] for k in meta}
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])

@@ -1,0 +1,166 @@
+"""Functions that run inside spawned gloo ranks (see _launch.py). Each returns plain data.
+
+Several layouts run one after another in the same processes (parallel_state is torn down and
+rebuilt between them) so that all of tests/learner needs only two process launches.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+
+
+def setup(world: int, strategy: dict, hf_dir: str, *, load: bool = True):
+    from transformers import AutoConfig
+
+    from asyncrl.config import LearnerConfig
+    from asyncrl.learner.convert import load_hf_weights
+    from asyncrl.learner.model import build_model_chunks
+    from asyncrl.learner.parallel import init_model_parallel
+
+    hf = AutoConfig.from_pretrained(hf_dir)
+    init_model_parallel(LearnerConfig(world_size=world, strategy_config=strategy), hf)
+    chunks = build_model_chunks(hf, strategy)
+    if load:
+        load_hf_weights(chunks, hf_dir, hf)
+    for c in chunks:
+        c.eval()
+    return hf, chunks
+
+
+def reset_parallel() -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+
+
+def forward_logits(chunks: list, ids: torch.Tensor, vocab: int) -> torch.Tensor | None:
+    """Full-vocab logits through Megatron's own schedule; returned on TP rank 0 of the last stage."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    b, s = ids.shape
+    kept: list[torch.Tensor] = []
+
+    def forward_step(data_iter, model):
+        tokens = next(data_iter)
+        out = model(tokens, torch.arange(s).expand(b, s), None)
+
+        def loss_func(output):
+            kept.append(gather_from_tensor_model_parallel_region(output)[..., :vocab].detach().clone())
+            return output.sum() * 0.0, {}
+
+        return out, loss_func
+
+    with torch.no_grad():
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([ids]), model=chunks,
+            num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True,
+        )
+    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+        return kept[0]
+    return None
+
+
+def export(chunks: list, hf) -> dict[str, torch.Tensor] | None:
+    from megatron.core import parallel_state as ps
+
+    from asyncrl.learner.convert import export_hf_tensors
+
+    out = dict(export_hf_tensors(chunks, hf))  # every rank drives the collective iterator
+    return out if ps.get_tensor_model_parallel_rank() == 0 else None
+
+
+def perturb(chunks: list) -> None:
+    """Deterministic, TP-consistent change of every weight (seeded by the parameter name)."""
+    with torch.no_grad():
+        for c in chunks:
+            for name, p in c.named_parameters():
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
+def grad_norm_check(chunks: list) -> tuple[float, float]:
+    """grad := weight, so the global grad norm must equal the full HF model's weight norm."""
+    from asyncrl.learner.compat import clip_grad_norm_
+
+    params = [p for c in chunks for p in c.parameters()]
+    for p in params:
+        p.grad = p.detach().clone()
+    before = clip_grad_norm_(params, 0.0)
+    clip_grad_norm_(params, before / 2)
+    after = clip_grad_norm_(params, 0.0)
+    return before, after
+
+
+def coords_check(world: int, strategy: dict) -> dict[str, Any]:
+    """Our pure rank layout against Megatron's parallel_state, on this rank."""
+    from megatron.core import parallel_state as ps
+
+    from asyncrl.config import LearnerConfig
+    from asyncrl.learner.parallel import ParallelLayout, rank_coords
+
+    layout = ParallelLayout.from_learner_config(LearnerConfig(world_size=world, strategy_config=strategy))
+    c = rank_coords(torch.distributed.get_rank(), layout)
+    return {
+        "ours": (c.tp, c.dp, c.pp),
+        "megatron": (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(),
+                     ps.get_pipeline_model_parallel_rank()),
+    }
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def run_tp(rank: int, world: int, demo: str, qwen3: str, ids: torch.Tensor, ckpt: str) -> dict[str, Any]:
+    """TP=2: parity, round trip, grad norm, checkpoint save; Qwen3 at TP=2; then TP=1 (DP=2):
+    parity and loading the TP=2 checkpoint."""
+    from asyncrl.learner.checkpoint import load_checkpoint, save_checkpoint
+
+    res: dict[str, Any] = {}
+    tp2 = {"tensor_model_parallel_size": 2}
+    hf, chunks = setup(world, tp2, demo)
+    res["coords"] = coords_check(world, tp2)
+    res["tp2_logits"] = forward_logits(chunks, ids, hf.vocab_size)
+    res["tp2_export"] = export(chunks, hf)
+    res["tp2_grad_norm"] = grad_norm_check(chunks)
+    perturb(chunks)
+    res["tp2_perturbed_logits"] = forward_logits(chunks, ids, hf.vocab_size)
+    save_checkpoint(ckpt, chunks, extra={"step": 7})
+
+    hf3, chunks3 = setup(world, tp2, qwen3)
+    res["qwen3_logits"] = forward_logits(chunks3, ids, hf3.vocab_size)
+    res["qwen3_export"] = export(chunks3, hf3)
+    del chunks, chunks3
+
+    reset_parallel()
+    tp1 = {"tensor_model_parallel_size": 1}
+    hf, chunks = setup(world, tp1, demo)
+    res["tp1_logits"] = forward_logits(chunks, ids, hf.vocab_size)
+    _, fresh = setup(world, tp1, demo, load=False)
+    res["ckpt_extra"] = load_checkpoint(ckpt, fresh)
+    res["tp1_from_ckpt_logits"] = forward_logits(fresh, ids, hf.vocab_size)
+    return res
+
+
+def run_pp_ep(rank: int, world: int, demo: str, moe_dirs: list[str], ids: torch.Tensor) -> dict[str, Any]:
+    """PP=2: parity and round trip; then EP=2 (DP=2) for each MoE model: parity and round trip."""
+    res: dict[str, Any] = {}
+    pp2 = {"pipeline_model_parallel_size": 2}
+    hf, chunks = setup(world, pp2, demo)
+    res["coords"] = coords_check(world, pp2)
+    res["pp2_logits"] = forward_logits(chunks, ids, hf.vocab_size)
+    res["pp2_export"] = export(chunks, hf)
+    del chunks
+    reset_parallel()
+    ep2 = {"expert_model_parallel_size": 2}
+    for i, d in enumerate(moe_dirs):
+        hfm, chunks = setup(world, ep2, d)
+        res[f"moe{i}_logits"] = forward_logits(chunks, ids, hfm.vocab_size)
+        res[f"moe{i}_export"] = export(chunks, hfm)
+        del chunks
+        reset_parallel()
+    return res
