@@ -1,0 +1,150 @@
+"""Control operations that must reach every live engine replica (pause, weight updates, sleep, stats).
+
+Owns: fanning one call out to all RUNNING replicas of the engine deployment through Ray Serve's
+`DeploymentHandle.broadcast` (public, alpha in Serve 2.60), collecting one result per replica keyed
+by replica id, and raising `ReplicaControlError` naming every replica that failed. Also the
+convenience sequence `push_weights` (pause(keep) -> begin -> buckets -> commit -> resume).
+
+Must never: route a control call through load balancing (it would reach one replica), or report
+success when any replica failed.
+
+Scope: broadcast reaches the replicas the router knows as running when the call is made. A
+replica still starting is not reached; it loads the latest weights from the `WeightStore` in its
+constructor instead (publish to the store *before* the push so no version is missed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from asyncrl.generator.deployment import ENGINE_DEPLOYMENT, ReplicaCallError
+from asyncrl.generator.weights import NamedTensors, as_cpu_tensor, tensor_fingerprint
+
+
+class ReplicaControlError(RuntimeError):
+    """At least one replica failed a control call; `failures` maps replica id -> message."""
+
+    def __init__(self, method: str, failures: dict[str, str], results: dict[str, Any]) -> None:
+        detail = "; ".join(f"{rid}: {msg}" for rid, msg in sorted(failures.items()))
+        super().__init__(f"{method} failed on {len(failures)} replica(s): {detail}")
+        self.method, self.failures, self.results = method, failures, results
+
+
+def _replica_error(err: BaseException) -> ReplicaCallError | None:
+    # Ray wraps remote exceptions in RayTaskError; the original travels as `.cause`.
+    seen = 0
+    while err is not None and seen < 5:
+        if isinstance(err, ReplicaCallError):
+            return err
+        err = getattr(err, "cause", None) or err.__cause__
+        seen += 1
+    return None
+
+
+def split_buckets(named_tensors: NamedTensors, bucket_bytes: int) -> list[dict[str, Any]]:
+    """Group tensors (name order) into buckets of at most `bucket_bytes` (a bigger tensor goes alone)."""
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    tensors = sorted(((n, as_cpu_tensor(t)) for n, t in items), key=lambda kv: kv[0])
+    buckets: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}
+    size = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class EngineControl:
+    """Broadcasts calls to the engine deployment's replicas. Use from any async context."""
+
+    def __init__(self, handle: Any = None, *, app_name: str = "default", deployment_name: str = ENGINE_DEPLOYMENT) -> None:
+        if handle is None:
+            from ray import serve
+
+            handle = serve.get_deployment_handle(deployment_name, app_name=app_name)
+        self.handle = handle
+
+    async def call(self, method: str, *args: Any, timeout_s: float | None = 120.0, **kwargs: Any) -> dict[str, Any]:
+        """Call `method` on every running replica; {replica_id: result}. Raises ReplicaControlError."""
+        response = self.handle.broadcast(method, *args, **kwargs)
+        outcomes = await response.results_async(timeout_s=timeout_s, return_exceptions=True)
+        results: dict[str, Any] = {}
+        failures: dict[str, str] = {}
+        for i, outcome in enumerate(outcomes):
+            if isinstance(outcome, BaseException):
+                tagged = _replica_error(outcome)
+                rid = tagged.replica_id if tagged else f"unknown-{i}"
+                failures[rid] = tagged.message if tagged else f"{type(outcome).__name__}: {outcome}"
+            elif isinstance(outcome, dict) and "replica_id" in outcome:
+                results[outcome["replica_id"]] = outcome
+            else:
+                results[f"unknown-{i}"] = outcome
+        if failures:
+            raise ReplicaControlError(method, failures, results)
+        return results
+
+    async def wait_ready(self, timeout_s: float = 600.0, interval_s: float = 1.0) -> dict[str, Any]:
+        """Wait until at least one replica is running and answers `stats`; {replica_id: stats}.
+        Raises TimeoutError naming the last failure (a deployment that never comes up)."""
+        import asyncio
+        import time
+
+        deadline, last = time.monotonic() + timeout_s, "no running replica"
+        while time.monotonic() < deadline:
+            try:
+                results = await self.call("stats", timeout_s=min(60.0, timeout_s))
+                if results:
+                    return results
+            except Exception as err:  # not deployed yet, or replicas still starting
+                last = f"{type(err).__name__}: {err}"
+            await asyncio.sleep(interval_s)
+        raise TimeoutError(f"engine deployment not ready after {timeout_s}s: {last}")
+
+    async def pause(self, mode: str = "keep") -> dict[str, Any]:
+        return await self.call("pause", mode)
+
+    async def resume(self) -> dict[str, Any]:
+        return await self.call("resume")
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.call("stats")
+
+    async def versions(self) -> dict[str, int]:
+        return {rid: s["version"] for rid, s in (await self.stats()).items()}
+
+    async def push_weights(
+        self,
+        version: int,
+        named_tensors: NamedTensors | Iterable[tuple[str, Any]],
+        *,
+        fingerprint: str | None = None,
+        bucket_bytes: int = 64 << 20,
+        pause_mode: str = "keep",
+    ) -> dict[str, Any]:
+        """Full update on every replica; on any failure the staged weights are dropped everywhere
+        and generation resumes (replicas that already committed keep the new version: the caller
+        decides whether to retry, the error lists who failed)."""
+        buckets = split_buckets(named_tensors, bucket_bytes)
+        if fingerprint is None:
+            fingerprint = tensor_fingerprint([kv for b in buckets for kv in b.items()])
+        await self.pause(pause_mode)
+        try:
+            await self.call("begin_update", version)
+            for bucket in buckets:
+                await self.call("load_bucket", bucket, version)
+            return await self.call("commit_update", version, fingerprint)
+        except BaseException:
+            try:
+                await self.call("abort_update")
+            except ReplicaControlError:
+                pass
+            raise
+        finally:
+            await self.resume()

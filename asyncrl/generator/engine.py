@@ -1,0 +1,388 @@
+"""One engine replica: a vLLM `AsyncLLM` plus its weight version, update protocol and counters.
+
+Owns: building the engine from `ModelConfig` + `GeneratorConfig`, token-level generation with a
+weight version on every token, the pause -> begin/load/commit (or abort) -> resume protocol,
+sleep/wake, stats and health, and loading the current weights from a `WeightStore` before a late
+replica serves. `EngineReplica` is a plain class (usable in-process); `deployment.py` wraps it
+for Ray Serve.
+
+Must never: accept a request that has not passed `validate_request`, change the version label
+while the engine is producing tokens, or apply staged tensors whose fingerprint differs from
+the one the caller committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Literal
+
+from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
+from asyncrl.generator.sampling import Limits, to_vllm, validate_request
+from asyncrl.generator.versions import CompletionAccumulator, versions_from_spans, versions_from_starts
+from asyncrl.generator.weights import NamedTensors, pack_tensors
+from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "wait", "keep"]
+WORKER_EXTENSION = "asyncrl.generator.worker_ext.WeightUpdateExtension"
+
+
+class ReplicaState(enum.Enum):
+    STARTING = "starting"  # engine booting
+    CATCHING_UP = "catching_up"  # late joiner loading the current weights; not healthy yet
+    READY = "ready"
+    SLEEPING = "sleeping"
+    STOPPED = "stopped"
+
+
+class UpdateState(enum.Enum):
+    IDLE = "idle"
+    STAGING = "staging"  # buckets arriving
+    COMMITTING = "committing"  # fingerprint check + in-place load
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update step failed; the replica stays on its previous version."""
+
+
+class ReplicaNotReady(RuntimeError):
+    """The replica cannot serve (starting, catching up, stopped)."""
+
+
+def build_engine_args(model: ModelConfig, gen: GeneratorConfig):
+    """AsyncEngineArgs from our sections; `engine_kwargs` pass through and win over our defaults."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs: dict[str, Any] = {
+        "model": str(Path(model.path).resolve()),
+        "served_model_name": model.served_name,
+        "dtype": model.dtype,
+        "max_model_len": model.max_model_len,
+        "trust_remote_code": model.trust_remote_code,
+        "worker_extension_cls": WORKER_EXTENSION,
+        "enable_log_requests": False,
+        # Behaviour log-probs of the distribution actually sampled from (after temperature), which
+        # is what the learner recomputes (logits / algorithm.temperature); vLLM's default is raw.
+        "logprobs_mode": "processed_logprobs",
+    }
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        # On CPU this fraction of host RAM must be free at start (a check, not the KV size, which
+        # VLLM_CPU_KVCACHE_SPACE sets); vLLM's 0.92 fails beside Ray and other engines.
+        kwargs["gpu_memory_utilization"] = 0.1
+    kwargs.update(gen.engine_kwargs)
+    try:
+        return AsyncEngineArgs(**kwargs)
+    except TypeError as err:
+        raise ConfigError(f"generator.engine_kwargs: {err}") from None
+
+
+def _is_object_ref(value: Any) -> bool:
+    import ray
+
+    return isinstance(value, ray.ObjectRef)
+
+
+def _sampled_logprobs(completion: Any) -> list[float] | None:
+    lps = completion.logprobs
+    if not lps:
+        return None
+    return [float(entry[tok].logprob) for tok, entry in zip(completion.token_ids, lps)]
+
+
+class EngineReplica:
+    """The replica logic, apart from Serve. Call `await start()` before anything else."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        gen: GeneratorConfig,
+        *,
+        replica_id: str = "local",
+        weight_source: str | None = None,
+        weight_source_namespace: str | None = None,
+    ) -> None:
+        self.model_cfg, self.gen_cfg = model, gen
+        self.replica_id = replica_id
+        self.weight_source, self.weight_source_namespace = weight_source, weight_source_namespace
+        self.state = ReplicaState.STARTING
+        self.update_state = UpdateState.IDLE
+        self.version = 0
+        self._staging_version: int | None = None
+        self._staged_tensors = 0
+        self._paused_mode: str | None = None
+        self._control_lock = asyncio.Lock()  # one control operation at a time
+        self._seq = itertools.count()
+        self.llm: Any = None
+        self.limits: Limits | None = None
+        self.counters = {"requests": 0, "requests_failed": 0, "tokens_generated": 0, "ongoing": 0,
+                         "updates_committed": 0, "updates_failed": 0, "version_fallbacks": 0}
+        self.started_at = time.time()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.llm = AsyncLLM.from_engine_args(build_engine_args(self.model_cfg, self.gen_cfg))
+        vocab = int(self.llm.model_config.get_vocab_size())
+        self.limits = Limits(max_n=self.gen_cfg.max_n, max_model_len=self.model_cfg.max_model_len, vocab_size=vocab)
+        await self.llm.update_weight_version(str(self.version))
+        self.state = ReplicaState.CATCHING_UP
+        await self.sync_from_source()
+        self.state = ReplicaState.READY
+
+    async def sync_from_source(self) -> dict[str, Any]:
+        """Load the weight source's latest version if it is newer than ours (late joiners)."""
+        if not self.weight_source:
+            return {"replica_id": self.replica_id, "version": self.version, "loaded": False}
+        import ray
+
+        try:
+            store = ray.get_actor(self.weight_source, namespace=self.weight_source_namespace)
+        except ValueError:
+            return {"replica_id": self.replica_id, "version": self.version, "loaded": False}
+        version, tensors, fingerprint = await store.latest.remote()
+        if isinstance(tensors, ray.ObjectRef):
+            tensors = await tensors
+        if version <= self.version or tensors is None:
+            return {"replica_id": self.replica_id, "version": self.version, "loaded": False}
+        logger.info("replica %s catching up to weight version %d", self.replica_id, version)
+        await self.begin_update(version)
+        await self.load_bucket(tensors)
+        await self.commit_update(version, fingerprint)
+        return {"replica_id": self.replica_id, "version": self.version, "loaded": True}
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+        self.state = ReplicaState.STOPPED
+
+    # ---- generation ------------------------------------------------------------------------
+
+    async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[list[CompletionDelta]]:
+        """Yield, per engine output, the deltas of the completions that advanced."""
+        async for deltas, _ in self._iterate(request):
+            yield deltas
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        accs: dict[int, CompletionAccumulator] = {}
+        async for _, accs in self._iterate(request):
+            pass
+        return GenerationResult(
+            request_id=request.request_id,
+            prompt_ids=list(request.prompt_ids),
+            completions=[accs[i].to_completion() for i in sorted(accs)],
+            replica_id=self.replica_id,
+        )
+
+    async def _iterate(self, request: GenerationRequest):
+        if self.state not in (ReplicaState.READY, ReplicaState.SLEEPING):
+            raise ReplicaNotReady(f"replica {self.replica_id} is {self.state.value}")
+        assert self.limits is not None
+        validate_request(request, self.limits)
+        # Callers may reuse request ids (GRPO groups, retries); vLLM's id must be unique in flight.
+        engine_id = f"{request.request_id}-{next(self._seq)}"
+        accs = {i: CompletionAccumulator(i) for i in range(request.sampling.n)}
+        self.counters["requests"] += 1
+        self.counters["ongoing"] += 1
+        try:
+            stream = self.llm.generate({"prompt_token_ids": list(request.prompt_ids)}, to_vllm(request.sampling), engine_id)
+            async for out in stream:
+                live: dict[int, list[tuple[str, int]]] | None = None
+                deltas = []
+                for c in out.outputs:
+                    acc = accs[c.index]
+                    new = list(c.token_ids)
+                    begin = len(acc.token_ids)
+                    final = None
+                    if c.weight_versions is not None:
+                        spans = [(s.version, s.start, s.end) for s in c.weight_versions]
+                        final = versions_from_spans(spans, begin + len(new))
+                        versions = final[begin:]
+                    else:
+                        if live is None:
+                            live = self._live_version_starts(engine_id)
+                        versions = self._versions_for(live.get(c.index), begin, len(new))
+                    deltas.append(acc.add(request.request_id, new, _sampled_logprobs(c), versions, c.text, c.finish_reason))
+                    if final is not None:
+                        acc.reconcile(final)
+                    self.counters["tokens_generated"] += len(new)
+                if deltas:
+                    yield deltas, accs
+        except BaseException:
+            self.counters["requests_failed"] += 1
+            raise
+        finally:
+            self.counters["ongoing"] -= 1
+
+    def _live_version_starts(self, engine_id: str) -> dict[int, list[tuple[str, int]]]:
+        # The output processor already holds, per running sequence, the span starts of the
+        # engine-stamped versions of every token it has processed (a superset of what we have
+        # received). Internal vLLM state, read-only; finished sequences carry public spans instead.
+        op = self.llm.output_processor
+        out: dict[int, list[tuple[str, int]]] = {}
+        for internal_id in list(op.external_req_ids.get(engine_id, ())):
+            state = op.request_states.get(internal_id)
+            if state is not None:
+                out[state.request_index] = list(state.weight_version_starts)
+        return out
+
+    def _versions_for(self, starts: list[tuple[str, int]] | None, begin: int, count: int) -> list[int]:
+        try:
+            if starts:
+                return versions_from_starts(starts, begin, begin + count)
+        except ValueError:
+            pass
+        # Only reachable if vLLM's internals change shape; final spans still correct the result.
+        self.counters["version_fallbacks"] += 1
+        return [self.version] * count
+
+    # ---- pause / resume --------------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode = "keep") -> dict[str, Any]:
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be abort|wait|keep, got {mode!r}")
+        # clear_cache: running requests are preempted and recompute their KV on resume, and no
+        # prefix computed with old weights survives into the new version.
+        await self.llm.pause_generation(mode=mode, clear_cache=True)
+        self._paused_mode = mode
+        return {"replica_id": self.replica_id, "paused": True, "mode": mode, "version": self.version}
+
+    async def resume(self) -> dict[str, Any]:
+        await self.llm.resume_generation()
+        self._paused_mode = None
+        return {"replica_id": self.replica_id, "paused": False, "version": self.version}
+
+    # ---- weight update ---------------------------------------------------------------------
+
+    async def begin_update(self, version: int) -> dict[str, Any]:
+        async with self._control_lock:
+            if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+                raise WeightUpdateError(f"replica {self.replica_id}: version {version!r} must be an int >= 0")
+            if version <= self.version:
+                # weightsync restoring the last live version after a torn push (its host copy):
+                # the label goes back with the weights, so tokens stay truthfully tagged.
+                logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
+            await self.llm.collective_rpc("asyncrl_begin_update", args=(version,))
+            self.update_state, self._staging_version, self._staged_tensors = UpdateState.STAGING, version, 0
+            return {"replica_id": self.replica_id, "staging": version}
+
+    async def load_bucket(self, named_tensors: NamedTensors, version: int | None = None) -> dict[str, Any]:
+        async with self._control_lock:
+            if self.update_state is not UpdateState.STAGING:
+                raise WeightUpdateError(f"replica {self.replica_id}: load_bucket without begin_update")
+            if version is not None and version != self._staging_version:
+                raise WeightUpdateError(f"replica {self.replica_id}: bucket for version {version}, staging {self._staging_version}")
+            if _is_object_ref(named_tensors):  # a bucket handle that travelled nested, unresolved
+                named_tensors = await named_tensors
+            packed = pack_tensors(named_tensors)
+            try:
+                (staged, *_) = await self.llm.collective_rpc("asyncrl_stage", args=(self._staging_version, packed))
+            except Exception as err:
+                await self._drop_staged()
+                raise WeightUpdateError(f"replica {self.replica_id}: staging failed: {err}") from err
+            self._staged_tensors = staged
+            return {"replica_id": self.replica_id, "staged_tensors": staged}
+
+    async def commit_update(self, version: int, fingerprint: str) -> dict[str, Any]:
+        async with self._control_lock:
+            if self.update_state is not UpdateState.STAGING or self._staging_version != version:
+                raise WeightUpdateError(
+                    f"replica {self.replica_id}: commit of version {version} but staging {self._staging_version}"
+                )
+            self.update_state = UpdateState.COMMITTING
+            # The version label may only change while no step runs; pause here if the caller did not.
+            paused_here = self._paused_mode is None and self.state is ReplicaState.READY
+            if paused_here:
+                await self.llm.pause_generation(mode="keep", clear_cache=True)
+            try:
+                try:
+                    await self.llm.collective_rpc("asyncrl_commit", args=(version, fingerprint))
+                except Exception as err:
+                    self.counters["updates_failed"] += 1
+                    raise WeightUpdateError(
+                        f"replica {self.replica_id}: commit of version {version} rejected, staying on {self.version}: {err}"
+                    ) from err
+                finally:
+                    self.update_state, self._staging_version, self._staged_tensors = UpdateState.IDLE, None, 0
+                await self.llm.update_weight_version(str(version))
+                await self.llm.reset_prefix_cache()
+                self.version = version
+                self.counters["updates_committed"] += 1
+            finally:
+                if paused_here:
+                    await self.llm.resume_generation()
+            return {"replica_id": self.replica_id, "version": self.version}
+
+    async def abort_update(self) -> dict[str, Any]:
+        async with self._control_lock:
+            await self._drop_staged()
+            return {"replica_id": self.replica_id, "version": self.version}
+
+    async def _drop_staged(self) -> None:
+        await self.llm.collective_rpc("asyncrl_abort_update")
+        self.update_state, self._staging_version, self._staged_tensors = UpdateState.IDLE, None, 0
+
+    async def live_fingerprint(self) -> str:
+        (fp, *_) = await self.llm.collective_rpc("asyncrl_fingerprint_params")
+        return fp
+
+    # ---- sleep / wake ----------------------------------------------------------------------
+
+    def _sleep_unsupported(self) -> str | None:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_sleep_mode_available():
+            return f"sleep mode is not available on platform {current_platform.device_type!r}"
+        if not self.llm.model_config.enable_sleep_mode:
+            return "engine started without enable_sleep_mode (set generator.engine_kwargs.enable_sleep_mode)"
+        return None
+
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        reason = self._sleep_unsupported()
+        if reason:
+            return {"replica_id": self.replica_id, "supported": False, "sleeping": False, "reason": reason}
+        await self.llm.sleep(level)
+        self.state = ReplicaState.SLEEPING
+        return {"replica_id": self.replica_id, "supported": True, "sleeping": True, "level": level}
+
+    async def wake_up(self) -> dict[str, Any]:
+        reason = self._sleep_unsupported()
+        if reason:
+            return {"replica_id": self.replica_id, "supported": False, "sleeping": False, "reason": reason}
+        await self.llm.wake_up()
+        self.state = ReplicaState.READY
+        return {"replica_id": self.replica_id, "supported": True, "sleeping": False}
+
+    # ---- observability ---------------------------------------------------------------------
+
+    async def stats(self) -> dict[str, Any]:
+        return {
+            "replica_id": self.replica_id,
+            "state": self.state.value,
+            "update_state": self.update_state.value,
+            "version": self.version,
+            "paused": self._paused_mode is not None,
+            "pause_mode": self._paused_mode,
+            "engine_unfinished_requests": self.llm.get_num_unfinished_requests() if self.llm else 0,
+            "uptime_s": time.time() - self.started_at,
+            **{f"generator/{k}": v for k, v in self.counters.items()},
+        }
+
+    async def check_health(self) -> None:
+        if self.state not in (ReplicaState.READY, ReplicaState.SLEEPING):
+            raise ReplicaNotReady(f"replica {self.replica_id} is {self.state.value}")
+        if self.llm.errored:
+            raise RuntimeError(f"replica {self.replica_id}: engine is dead: {self.llm.dead_error}")
+

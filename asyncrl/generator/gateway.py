@@ -1,0 +1,431 @@
+"""The HTTP gateway: one FastAPI ingress in front of the engine deployment, for people and programs.
+
+Owns: request parsing and limits (body size, sampling ranges, context length), the token-level
+`/generate` API, health/metrics/train-status, the admin routes (bearer token), mapping of engine
+errors to HTTP statuses (bad input 4xx, overload 503 + Retry-After), and the
+`x-asyncrl-weight-version` header. OpenAI-compatible routes live in `openai_api.py`.
+
+Must never: forward a request that failed validation, hang when the engines are saturated (Serve's
+BackPressureError becomes 503), or open admin routes without a configured token.
+
+Streaming format of `/generate` with `"stream": true`: NDJSON (`application/x-ndjson`), one
+`CompletionDelta` object per line, then a final `{"done": true, "versions": [...]}` line. Headers
+are sent with the first chunk, so a stream's header names the version(s) of its first tokens;
+the per-token versions in the body are authoritative.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray import serve
+
+from asyncrl.config import GeneratorConfig, ModelConfig
+from asyncrl.generator.control import EngineControl, ReplicaControlError
+from asyncrl.generator.metrics import GatewayMetrics, render_training
+from asyncrl.generator.sampling import Limits, RequestError, validate_request
+from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult, SamplingParams
+
+VERSION_HEADER = "x-asyncrl-weight-version"
+GATEWAY_DEPLOYMENT = "GeneratorGateway"
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+
+
+def version_header(versions: list[int] | set[int]) -> str:
+    return ",".join(str(v) for v in sorted(set(versions)))
+
+
+def _unwrap(err: BaseException) -> list[BaseException]:
+    chain, seen = [], 0
+    while err is not None and seen < 6:
+        chain.append(err)
+        err = getattr(err, "cause", None) or err.__cause__
+        seen += 1
+    return chain
+
+
+def engine_error_to_http(err: BaseException) -> HTTPError:
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    from asyncrl.generator.engine import ReplicaNotReady
+
+    for e in _unwrap(err):
+        if isinstance(e, HTTPError):
+            return e
+        if isinstance(e, RequestError):
+            return HTTPError(e.status, str(e))
+        if isinstance(e, BackPressureError):
+            return HTTPError(503, "generator overloaded: request queue is full, retry later", {"Retry-After": "1"})
+        if isinstance(e, (DeploymentUnavailableError, ReplicaNotReady)):
+            return HTTPError(503, f"generator unavailable: {e}", {"Retry-After": "5"})
+    return HTTPError(500, f"generation failed: {type(err).__name__}: {err}")
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """The request body as JSON; 413 past `max_bytes` (declared or actual), 400 if not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > max_bytes:
+                raise HTTPError(413, f"request body of {declared} bytes exceeds generator.max_body_bytes={max_bytes}")
+        except ValueError:
+            raise HTTPError(400, f"invalid Content-Length {declared!r}") from None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise HTTPError(413, f"request body exceeds generator.max_body_bytes={max_bytes}")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise HTTPError(400, f"request body is not valid JSON: {err}") from None
+
+
+def parse_model(model: type[BaseModel], data: Any, status: int = 422) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        parts = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in err.errors()]
+        raise HTTPError(status, "invalid request: " + "; ".join(parts)) from None
+
+
+class GenerateBody(BaseModel):
+    """`POST /generate`: exactly one of prompt_ids / prompt, plus sampling options."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt_ids: list[int] | None = None
+    prompt: str | None = None
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+    logprobs: bool | int = True
+    ignore_eos: bool = False
+    stream: bool = False
+    request_id: str | None = None
+
+
+class GatewayCore:
+    """Everything the routes need, apart from FastAPI: tokenizer, limits, engine calls, metrics."""
+
+    def __init__(
+        self,
+        engine: Any,
+        model: ModelConfig,
+        gen: GeneratorConfig,
+        *,
+        status_actor: str | None = None,
+        status_namespace: str | None = None,
+        status_source: Any = None,
+    ) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.engine, self.model_cfg, self.gen_cfg = engine, model, gen
+        self.tokenizer = AutoTokenizer.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+        hf_config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+        vocab = int(getattr(hf_config, "vocab_size", None) or len(self.tokenizer))
+        self.limits = Limits(max_n=gen.max_n, max_model_len=model.max_model_len, vocab_size=vocab)
+        self.metrics = GatewayMetrics()
+        self.control = EngineControl(engine)
+        self._stream_handle = engine.options(stream=True)
+        self.admin_token = gen.resolved_admin_token()
+        self.status_actor, self.status_namespace = status_actor, status_namespace
+        self.status_source = status_source  # a Serve handle (the trainer deployment) with status()
+
+    # ---- prompts ---------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as err:  # template errors are the caller's messages being malformed
+            raise HTTPError(400, f"messages could not be rendered with the chat template: {err}") from None
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def check(self, request: GenerationRequest) -> None:
+        try:
+            validate_request(request, self.limits)
+        except RequestError as err:
+            raise HTTPError(err.status, str(err)) from None
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        self.check(request)
+        try:
+            return await self.engine.generate.remote(request)
+        except Exception as err:
+            raise engine_error_to_http(err) from None
+
+    async def stream(self, request: GenerationRequest) -> tuple[list[CompletionDelta], AsyncIterator[list[CompletionDelta]]]:
+        """(first chunk, rest). The first chunk is awaited here so errors become statuses, not broken streams."""
+        self.check(request)
+        gen = self._stream_handle.generate_stream.remote(request)
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            first = []
+        except Exception as err:
+            raise engine_error_to_http(err) from None
+        return first, gen
+
+    # ---- admin / status --------------------------------------------------------------------
+
+    def require_admin(self, request: Request) -> None:
+        if not self.admin_token:
+            raise HTTPError(403, "admin routes are closed: no generator.admin_token / $ASYNCRL_ADMIN_TOKEN configured")
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.admin_token.encode()):
+            raise HTTPError(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+
+    async def replica_stats(self) -> dict[str, Any]:
+        try:
+            return await self.control.stats()
+        except ReplicaControlError as err:
+            return err.results
+        except Exception:
+            return {}
+
+    async def training_metrics(self) -> dict[str, Any]:
+        """The loop's latest step metrics for /metrics; empty without a loop (never an error)."""
+        try:
+            status = await self.train_status()
+        except Exception:
+            return {}
+        return status.get("metrics", {}) if isinstance(status, dict) else {}
+
+    async def train_status(self) -> Any:
+        if self.status_source is not None:
+            try:
+                return await self.status_source.status.remote()
+            except Exception as err:
+                raise HTTPError(503, f"training status unavailable: {type(err).__name__}: {err}") from None
+        if not self.status_actor:
+            raise HTTPError(503, "no training loop attached")
+        import ray
+
+        try:
+            actor = ray.get_actor(self.status_actor, namespace=self.status_namespace)
+        except ValueError:
+            raise HTTPError(503, f"training status actor {self.status_actor!r} not found") from None
+        return await actor.status.remote()
+
+
+def sampling_from_body(body: GenerateBody) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return SamplingParams(
+        n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=body.max_tokens,
+        stop=stop, stop_token_ids=list(body.stop_token_ids), seed=body.seed, logprobs=bool(body.logprobs),
+        ignore_eos=body.ignore_eos,
+    )
+
+
+def result_to_json(result: GenerationResult) -> dict[str, Any]:
+    return {
+        "request_id": result.request_id,
+        "replica_id": result.replica_id,
+        "prompt_ids": result.prompt_ids,
+        "versions": result.versions,
+        "completions": [msgspec.to_builtins(c) for c in result.completions],
+    }
+
+
+def error_response(err: HTTPError, openai: bool) -> JSONResponse:
+    if openai:
+        kind = "invalid_request_error" if err.status < 500 else "server_error"
+        body: dict[str, Any] = {"error": {"message": err.message, "type": kind, "param": None, "code": err.status}}
+    else:
+        body = {"detail": err.message}
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
+def create_app(core: GatewayCore) -> FastAPI:
+    from asyncrl.generator.openai_api import register_openai_routes
+
+    app = FastAPI(title="asyncrl generator", docs_url=None, redoc_url=None)
+    max_bytes = core.gen_cfg.max_body_bytes
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(request: Request, err: HTTPError) -> JSONResponse:
+        return error_response(err, request.url.path.startswith("/v1/"))
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        t0 = time.monotonic()
+        core.metrics.in_flight.inc()
+        status, tokens, streaming = 500, 0, False
+        try:
+            body = parse_model(GenerateBody, await read_json(request, max_bytes))
+            if (body.prompt is None) == (body.prompt_ids is None):
+                raise HTTPError(422, "give exactly one of `prompt` (text) or `prompt_ids` (token ids)")
+            ids = body.prompt_ids if body.prompt_ids is not None else core.encode(body.prompt)
+            req = GenerationRequest(prompt_ids=ids, sampling=sampling_from_body(body), **({"request_id": body.request_id} if body.request_id else {}))
+            if body.stream:
+                first, rest = await core.stream(req)
+                streaming = True  # the stream's own finally records it
+                return _ndjson_stream(core, first, rest, t0)
+            result = await core.generate(req)
+            tokens = sum(len(c.token_ids) for c in result.completions)
+            status = 200
+            return JSONResponse(result_to_json(result), headers={VERSION_HEADER: version_header(result.versions)})
+        except HTTPError as err:
+            status = err.status
+            raise
+        finally:
+            if not streaming:
+                core.metrics.in_flight.dec()
+                core.metrics.observe("/generate", status, time.monotonic() - t0, tokens)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = await core.replica_stats()
+        body = core.metrics.render(stats) + render_training(await core.training_metrics())
+        return Response(body, media_type="text/plain; version=0.0.4")
+
+    @app.get("/train/status")
+    async def train_status() -> Any:
+        return await core.train_status()
+
+    _register_admin(app, core, max_bytes)
+    register_openai_routes(app, core)
+    return app
+
+
+def _ndjson_stream(core: GatewayCore, first: list[CompletionDelta], rest: AsyncIterator, t0: float) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        versions: set[int] = set()
+        tokens, status = 0, 200
+        try:
+            chunk = first
+            while True:
+                for d in chunk:
+                    versions.update(d.versions)
+                    tokens += len(d.token_ids)
+                    yield msgspec.json.encode(d) + b"\n"
+                try:
+                    chunk = await rest.__anext__()
+                except StopAsyncIteration:
+                    break
+            yield json.dumps({"done": True, "versions": sorted(versions)}).encode() + b"\n"
+        except Exception as err:
+            status = engine_error_to_http(err).status
+            yield json.dumps({"error": str(err), "status": status}).encode() + b"\n"
+        finally:
+            core.metrics.in_flight.dec()
+            core.metrics.observe("/generate", status, time.monotonic() - t0, tokens)
+
+    first_versions = {v for d in first for v in d.versions}
+    return StreamingResponse(body(), media_type="application/x-ndjson", headers={VERSION_HEADER: version_header(first_versions)})
+
+
+def _register_admin(app: FastAPI, core: GatewayCore, max_bytes: int) -> None:
+    async def _body(request: Request) -> dict[str, Any]:
+        if request.headers.get("content-length") in (None, "0"):
+            return {}
+        data = await read_json(request, max_bytes)
+        if not isinstance(data, dict):
+            raise HTTPError(422, "admin request body must be a JSON object")
+        return data
+
+    async def _broadcast(method: str, *args: Any) -> JSONResponse:
+        try:
+            results = await core.control.call(method, *args)
+        except ReplicaControlError as err:
+            return JSONResponse({"detail": str(err), "failures": err.failures, "results": err.results}, status_code=502)
+        versions = [r["version"] for r in results.values() if isinstance(r, dict) and "version" in r]
+        return JSONResponse({"replicas": results}, headers={VERSION_HEADER: version_header(versions)} if versions else None)
+
+    @app.post("/admin/pause")
+    async def pause(request: Request) -> JSONResponse:
+        core.require_admin(request)
+        mode = (await _body(request)).get("mode", "keep")
+        if mode not in ("abort", "wait", "keep"):
+            raise HTTPError(422, f"mode must be abort|wait|keep, got {mode!r}")
+        return await _broadcast("pause", mode)
+
+    @app.post("/admin/resume")
+    async def resume(request: Request) -> JSONResponse:
+        core.require_admin(request)
+        return await _broadcast("resume")
+
+    @app.post("/admin/sleep")
+    async def sleep(request: Request) -> JSONResponse:
+        core.require_admin(request)
+        level = (await _body(request)).get("level", 1)
+        if level not in (1, 2):
+            raise HTTPError(422, f"level must be 1 or 2, got {level!r}")
+        return await _broadcast("sleep", level)
+
+    @app.post("/admin/wake")
+    async def wake(request: Request) -> JSONResponse:
+        core.require_admin(request)
+        return await _broadcast("wake_up")
+
+    @app.post("/admin/sync_weights")
+    async def sync_weights(request: Request) -> JSONResponse:
+        """Every replica pulls the WeightStore's latest version if it is newer than its own."""
+        core.require_admin(request)
+        return await _broadcast("sync_from_source")
+
+    @app.post("/admin/abort_update")
+    async def abort_update(request: Request) -> JSONResponse:
+        core.require_admin(request)
+        return await _broadcast("abort_update")
+
+    @app.get("/admin/stats")
+    async def stats(request: Request) -> JSONResponse:
+        core.require_admin(request)
+        resp = await _broadcast("stats")
+        return resp
+
+
+@serve.deployment(name=GATEWAY_DEPLOYMENT)
+@serve.ingress()
+class GeneratorGateway:
+    """Thin Serve wrapper: builds `GatewayCore` and hands Serve the FastAPI app."""
+
+    def __init__(
+        self,
+        engine: Any,
+        model: dict[str, Any],
+        generator: dict[str, Any],
+        status_actor: str | None = None,
+        status_namespace: str | None = None,
+        status_source: Any = None,
+    ) -> None:
+        self.core = GatewayCore(
+            engine,
+            ModelConfig.model_validate(model),
+            GeneratorConfig.model_validate(generator),
+            status_actor=status_actor,
+            status_namespace=status_namespace,
+            status_source=status_source,
+        )
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_app(self.core)

@@ -1,0 +1,269 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+Owns: translating vLLM's OpenAI protocol models (request parsing and response shapes are vLLM's
+own pydantic classes, so the official `openai` client works unmodified) to and from our
+token-level `GenerationRequest`/`GenerationResult`. Every choice carries two extra fields,
+`token_ids` and `versions` (weight version per token). Streams are SSE (`data: {...}` lines,
+ending with `data: [DONE]`).
+
+Must never: accept an option it would silently ignore when ignoring changes the output
+(echo, suffix, beam search, tools, top-k log-probs beyond the sampled token): those get 400.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from asyncrl.generator.gateway import (
+    VERSION_HEADER,
+    GatewayCore,
+    HTTPError,
+    engine_error_to_http,
+    parse_model,
+    read_json,
+    version_header,
+)
+from asyncrl.types import Completion, CompletionDelta, GenerationRequest, SamplingParams
+
+
+def _protocol():
+    from vllm.entrypoints.generate.base.protocol import DeltaMessage
+    from vllm.entrypoints.openai.chat_completion import protocol as chat
+    from vllm.entrypoints.openai.completion import protocol as cmpl
+    from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList, UsageInfo
+
+    return chat, cmpl, DeltaMessage, ModelCard, ModelList, UsageInfo
+
+
+def _sampling(req: Any, max_tokens: int | None, want_logprobs: bool) -> SamplingParams:
+    if req.use_beam_search:
+        raise HTTPError(400, "use_beam_search is not supported")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        n=1 if req.n is None else req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        max_tokens=16 if max_tokens is None else max_tokens,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        seed=req.seed,
+        logprobs=want_logprobs,
+        ignore_eos=bool(req.ignore_eos),
+    )
+
+
+class _Tracked:
+    """Metrics bookkeeping for one request; a stream hands it over to its body generator."""
+
+    def __init__(self, core: GatewayCore, route: str) -> None:
+        self.core, self.route, self.t0 = core, route, time.monotonic()
+        self.status, self.tokens, self.done = 500, 0, False
+        core.metrics.in_flight.inc()
+
+    def finish(self) -> None:
+        if not self.done:
+            self.done = True
+            self.core.metrics.in_flight.dec()
+            self.core.metrics.observe(self.route, self.status, time.monotonic() - self.t0, self.tokens)
+
+
+def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
+    chat, cmpl, DeltaMessage, ModelCard, ModelList, UsageInfo = _protocol()
+    served = core.model_cfg.served_name
+    max_bytes = core.gen_cfg.max_body_bytes
+
+    def check_model(name: str | None) -> None:
+        if name not in (None, "", served, core.model_cfg.path):
+            raise HTTPError(404, f"model {name!r} not found; this server serves {served!r}")
+
+    def token_str(t: int) -> str:
+        return core.tokenizer.decode([t])
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        card = ModelCard(id=served, root=core.model_cfg.path, owned_by="asyncrl", max_model_len=core.model_cfg.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    # ---- completions -----------------------------------------------------------------------
+
+    def completion_logprobs(c: Completion | CompletionDelta, offset: int) -> Any:
+        tokens = [token_str(t) for t in c.token_ids]
+        offsets, pos = [], offset
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        return cmpl.CompletionLogProbs(
+            tokens=tokens, token_logprobs=list(c.logprobs), text_offset=offsets,
+            top_logprobs=[{s: lp} for s, lp in zip(tokens, c.logprobs)],
+        )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        track = _Tracked(core, "/v1/completions")
+        try:
+            req = parse_model(cmpl.CompletionRequest, await read_json(request, max_bytes), status=400)
+            check_model(req.model)
+            if req.echo or req.suffix:
+                raise HTTPError(400, "echo and suffix are not supported")
+            if req.logprobs is not None and not 0 <= req.logprobs <= 1:
+                raise HTTPError(400, f"logprobs={req.logprobs}: only the sampled token's log-prob is available (0 or 1)")
+            prompt = req.prompt
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                ids = core.encode(prompt)
+            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                ids = list(prompt)
+            else:
+                raise HTTPError(400, "prompt must be one string or one list of token ids (batches are not supported)")
+            want_lp = req.logprobs is not None
+            greq = GenerationRequest(prompt_ids=ids, sampling=_sampling(req, req.max_tokens, want_lp))
+            if req.stream:
+                first, rest = await core.stream(greq)
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+                def event(d: CompletionDelta, offsets: dict[int, int]) -> Any:
+                    lp = completion_logprobs(d, offsets.get(d.index, 0)) if want_lp else None
+                    offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
+                    choice = cmpl.CompletionResponseStreamChoice(index=d.index, text=d.text, logprobs=lp, finish_reason=d.finish_reason, token_ids=d.token_ids)
+                    return {"choices": [{**choice.model_dump(), "versions": d.versions}]}
+
+                return _sse(track, first, rest, event, lambda: cmpl.CompletionStreamResponse(model=served, choices=[]).model_dump(), len(ids), include_usage, UsageInfo)
+            result = await core.generate(greq)
+            choices = []
+            for c in result.completions:
+                lp = completion_logprobs(c, 0) if want_lp else None
+                choice = cmpl.CompletionResponseChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason, token_ids=c.token_ids)
+                choices.append({**choice.model_dump(), "versions": c.versions})
+            n_out = sum(len(c.token_ids) for c in result.completions)
+            track.status, track.tokens = 200, n_out
+            body = cmpl.CompletionResponse(model=served, choices=[], usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)).model_dump()
+            body["choices"] = choices
+            return JSONResponse(body, headers={VERSION_HEADER: version_header(result.versions)})
+        except HTTPError as err:
+            track.status = err.status
+            raise
+        finally:
+            if not getattr(track, "streaming", False):
+                track.finish()
+
+    # ---- chat ------------------------------------------------------------------------------
+
+    def chat_logprobs(c: Completion | CompletionDelta, top: int) -> Any:
+        content = []
+        for t, lp in zip(c.token_ids, c.logprobs):
+            s = token_str(t)
+            tops = [chat.ChatCompletionLogProb(token=s, logprob=lp, bytes=list(s.encode()))] if top else []
+            content.append(chat.ChatCompletionLogProbsContent(token=s, logprob=lp, bytes=list(s.encode()), top_logprobs=tops))
+        return chat.ChatCompletionLogProbs(content=content)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        track = _Tracked(core, "/v1/chat/completions")
+        try:
+            req = parse_model(chat.ChatCompletionRequest, await read_json(request, max_bytes), status=400)
+            check_model(req.model)
+            if req.tools:
+                raise HTTPError(400, "tools are not supported")
+            top = req.top_logprobs or 0
+            if top > 1:
+                raise HTTPError(400, f"top_logprobs={top}: only the sampled token's log-prob is available (0 or 1)")
+            messages = [_plain_message(m) for m in req.messages]
+            ids = core.chat_prompt_ids(messages)
+            want_lp = bool(req.logprobs)
+            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            if max_tokens is None:  # OpenAI chat default: as long as the context allows
+                max_tokens = max(1, core.model_cfg.max_model_len - len(ids))
+            greq = GenerationRequest(prompt_ids=ids, sampling=_sampling(req, max_tokens, want_lp))
+            if req.stream:
+                first, rest = await core.stream(greq)
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                started: set[int] = set()
+
+                def event(d: CompletionDelta, _offsets: dict[int, int]) -> Any:
+                    delta = DeltaMessage(content=d.text)
+                    if d.index not in started:
+                        started.add(d.index)
+                        delta = DeltaMessage(role="assistant", content=d.text)
+                    lp = chat_logprobs(d, top) if want_lp else None
+                    choice = chat.ChatCompletionResponseStreamChoice(index=d.index, delta=delta, logprobs=lp, finish_reason=d.finish_reason, token_ids=d.token_ids)
+                    return {"choices": [{**choice.model_dump(), "versions": d.versions}]}
+
+                return _sse(track, first, rest, event, lambda: chat.ChatCompletionStreamResponse(model=served, choices=[]).model_dump(), len(ids), include_usage, UsageInfo)
+            result = await core.generate(greq)
+            choices = []
+            for c in result.completions:
+                lp = chat_logprobs(c, top) if want_lp else None
+                choice = chat.ChatCompletionResponseChoice(
+                    index=c.index, message=chat.ChatMessage(role="assistant", content=c.text), logprobs=lp,
+                    finish_reason=c.finish_reason, token_ids=c.token_ids,
+                )
+                choices.append({**choice.model_dump(), "versions": c.versions})
+            n_out = sum(len(c.token_ids) for c in result.completions)
+            track.status, track.tokens = 200, n_out
+            body = chat.ChatCompletionResponse(model=served, choices=[], usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)).model_dump()
+            body["choices"] = choices
+            return JSONResponse(body, headers={VERSION_HEADER: version_header(result.versions)})
+        except HTTPError as err:
+            track.status = err.status
+            raise
+        finally:
+            if not getattr(track, "streaming", False):
+                track.finish()
+
+
+def _plain_message(m: Any) -> dict[str, Any]:
+    """vLLM's message params are TypedDicts (sometimes pydantic); the chat template wants role + text content."""
+    d = dict(m) if not hasattr(m, "model_dump") else m.model_dump()
+    content = d.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            part = dict(part) if not hasattr(part, "model_dump") else part.model_dump()
+            if part.get("type") != "text":
+                raise HTTPError(400, f"message content part of type {part.get('type')!r} is not supported (text only)")
+            texts.append(part.get("text", ""))
+        content = "".join(texts)
+    if content is not None and not isinstance(content, str):
+        raise HTTPError(400, "message content must be a string or a list of text parts")
+    return {"role": d.get("role"), "content": content or ""}
+
+
+def _sse(track: _Tracked, first: list[CompletionDelta], rest: AsyncIterator, event, envelope, prompt_tokens: int, include_usage: bool, UsageInfo) -> StreamingResponse:
+    track.streaming = True  # the body generator finishes the bookkeeping
+    base = envelope()  # same id/created for every chunk of this stream
+
+    async def body() -> AsyncIterator[bytes]:
+        offsets: dict[int, int] = {}
+        try:
+            chunk = first
+            while True:
+                for d in chunk:
+                    track.tokens += len(d.token_ids)
+                    yield b"data: " + json.dumps({**base, **event(d, offsets)}).encode() + b"\n\n"
+                try:
+                    chunk = await rest.__anext__()
+                except StopAsyncIteration:
+                    break
+            if include_usage:
+                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=track.tokens, total_tokens=prompt_tokens + track.tokens)
+                yield b"data: " + json.dumps({**base, "choices": [], "usage": usage.model_dump()}).encode() + b"\n\n"
+            track.status = 200
+            yield b"data: [DONE]\n\n"
+        except Exception as err:
+            http = engine_error_to_http(err)
+            track.status = http.status
+            error = {"error": {"message": http.message, "type": "server_error", "code": http.status}}
+            yield b"data: " + json.dumps(error).encode() + b"\n\n"
+        finally:
+            track.finish()
+
+    versions = {v for d in first for v in d.versions}
+    return StreamingResponse(body(), media_type="text/event-stream", headers={VERSION_HEADER: version_header(versions)})

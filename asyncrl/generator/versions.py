@@ -1,0 +1,125 @@
+"""Per-token weight-version bookkeeping for one request (pure logic, no engine).
+
+How versions are exact: the vLLM engine core stamps every output batch with the weight-version
+label it holds when the batch is *produced* (`EngineCoreOutputs.weight_version`), and the replica
+changes that label only while generation is paused, right after the new weights are loaded.
+Tokens still in the pipe (ZMQ socket, output handler, the request's queue) when a commit
+happens therefore keep the old label. The frontend's output processor turns those labels into
+spans `(label, first output-token index)` per sequence; a finished sequence reports them as
+`CompletionOutput.weight_versions`. This module turns spans into one version per token and
+accumulates DELTA outputs into completions.
+
+Must never: guess a version from the replica's current state when the engine gave one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from asyncrl.types import Completion, CompletionDelta
+
+
+class VersionLabelError(ValueError):
+    """A span label that is not one of ours (we only ever set decimal integers)."""
+
+
+def parse_label(label: str | int) -> int:
+    if isinstance(label, int):
+        return label
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        raise VersionLabelError(f"weight version label {label!r} is not an integer") from None
+
+
+def versions_from_starts(starts: Sequence[tuple[str | int, int]], begin: int, end: int) -> list[int]:
+    """Versions of output tokens [begin, end) given span starts [(label, first index), ...].
+
+    Starts are ascending by index and the first one starts at or before `begin`
+    (a span opens when the first token under a new label arrives).
+    """
+    if end < begin:
+        raise ValueError(f"end={end} < begin={begin}")
+    if end == begin:
+        return []
+    if not starts or starts[0][1] > begin:
+        raise ValueError(f"no version span covers token {begin} (starts={list(starts)})")
+    out: list[int] = []
+    k = 0
+    for pos in range(begin, end):
+        while k + 1 < len(starts) and starts[k + 1][1] <= pos:
+            k += 1
+        out.append(parse_label(starts[k][0]))
+    return out
+
+
+def versions_from_spans(spans: Sequence[tuple[str | int, int, int]], num_tokens: int) -> list[int]:
+    """Versions of all `num_tokens` tokens from finished spans [(label, start, end), ...]."""
+    out: list[int] = []
+    for label, start, end in spans:
+        if start != len(out) or end < start:
+            raise ValueError(f"spans are not contiguous: {list(spans)}")
+        out.extend([parse_label(label)] * (end - start))
+    if len(out) != num_tokens:
+        raise ValueError(f"spans cover {len(out)} tokens, the completion has {num_tokens}")
+    return out
+
+
+@dataclass
+class CompletionAccumulator:
+    """One completion built from successive deltas; every token gets exactly one version."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+    def add(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float] | None,
+        versions: Sequence[int],
+        text: str,
+        finish_reason: str | None,
+    ) -> CompletionDelta:
+        if self.finish_reason is not None:
+            raise RuntimeError(f"completion {self.index} of {request_id} got tokens after it finished")
+        if len(versions) != len(token_ids):
+            raise ValueError(f"{len(versions)} versions for {len(token_ids)} tokens")
+        if logprobs is not None and len(logprobs) != len(token_ids):
+            raise ValueError(f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
+        self.token_ids.extend(token_ids)
+        self.versions.extend(versions)
+        if logprobs is not None:
+            self.logprobs.extend(logprobs)
+        self.text += text
+        self.finish_reason = finish_reason
+        return CompletionDelta(
+            request_id=request_id,
+            index=self.index,
+            token_ids=list(token_ids),
+            logprobs=list(logprobs or []),
+            versions=list(versions),
+            text=text,
+            finish_reason=finish_reason,
+        )
+
+    def reconcile(self, final_versions: Sequence[int]) -> None:
+        """Check the running tags against the engine's final spans; the spans win on disagreement."""
+        if len(final_versions) != len(self.token_ids):
+            raise ValueError(f"final spans cover {len(final_versions)} tokens, accumulated {len(self.token_ids)}")
+        self.versions = list(final_versions)
+
+    def to_completion(self) -> Completion:
+        return Completion(
+            index=self.index,
+            token_ids=list(self.token_ids),
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+            finish_reason=self.finish_reason,
+            text=self.text,
+        )

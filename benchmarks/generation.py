@@ -1,0 +1,143 @@
+"""Generation throughput: the HTTP API (Ray Serve gateway -> engine replica) vs a direct vLLM AsyncLLM.
+
+Same model, prompts and sampling (greedy, ignore_eos, so every request makes exactly
+--max-tokens tokens), same client concurrency. Each side is warmed up first, then timed over
+--num-prompts requests. The direct engine is shut down before Serve starts so the two never
+compete for cores. Prints one JSON line.
+
+    python benchmarks/generation.py --model artifacts/demo-model --num-prompts 256 --concurrency 32 --max-tokens 32
+
+On a GPU, give the engine its device and a real dtype (both sides get the same engine options):
+
+    python benchmarks/generation.py --model /tmp/qwen2-0.5b-random --dtype bfloat16 --num-gpus 1 \
+        --max-model-len 1024 --num-prompts 1024 --concurrency 128 --max-tokens 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def prompts(model: str, count: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from asyncrl.data import ArithmeticTask, render_chat_prompt
+
+    tok = AutoTokenizer.from_pretrained(model)
+    items = ArithmeticTask().train_split()
+    return [tok.encode(render_chat_prompt(tok, items[i % len(items)].prompt), add_special_tokens=False) for i in range(count)]
+
+
+async def bounded(concurrency: int, jobs) -> list[int]:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(job):
+        async with sem:
+            return await job()
+
+    return await asyncio.gather(*(one(j) for j in jobs))
+
+
+def engine_sections(args: argparse.Namespace) -> dict:
+    """The `model` and `generator` config sections both sides are built from."""
+    model = {"path": os.path.abspath(args.model), "dtype": args.dtype, "max_model_len": args.max_model_len}
+    gen = {"engine_kwargs": json.loads(args.engine_kwargs), "num_gpus": args.num_gpus}
+    return {"model": model, "generator": gen}
+
+
+async def direct(sections: dict, ids: list[list[int]], concurrency: int, max_tokens: int, warmup: int) -> dict:
+    from vllm import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from asyncrl.config import GeneratorConfig, ModelConfig
+    from asyncrl.generator.engine import build_engine_args
+
+    llm = AsyncLLM.from_engine_args(build_engine_args(ModelConfig(**sections["model"]), GeneratorConfig(**sections["generator"])))
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    counter = iter(range(10**9))
+
+    async def gen(p: list[int]) -> int:
+        n = 0
+        async for out in llm.generate({"prompt_token_ids": p}, sp, f"b{next(counter)}"):
+            n = len(out.outputs[0].token_ids)
+        return n
+
+    try:
+        await bounded(concurrency, [lambda p=p: gen(p) for p in ids[:warmup]])
+        t0 = time.perf_counter()
+        tokens = sum(await bounded(concurrency, [lambda p=p: gen(p) for p in ids]))
+        return {"tokens": tokens, "seconds": time.perf_counter() - t0}
+    finally:
+        llm.shutdown()
+
+
+async def http(sections: dict, ids: list[list[int]], concurrency: int, max_tokens: int, warmup: int, port: int) -> dict:
+    import httpx
+    import ray
+
+    from asyncrl.config import load_config
+    from asyncrl.generator.app import run_generator
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"], "TOKENIZERS_PARALLELISM": "false"}})
+    gen = {**sections["generator"], "http_port": port, "max_ongoing_requests": max(64, concurrency), "max_queued_requests": -1}
+    cfg = load_config({"model": sections["model"], "generator": gen})
+    run_generator(cfg, name="bench", weight_source=None)
+    url = f"http://127.0.0.1:{port}/generate"
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def gen(p: list[int]) -> int:
+            r = await client.post(url, json={"prompt_ids": p, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True})
+            r.raise_for_status()
+            return len(r.json()["completions"][0]["token_ids"])
+
+        try:
+            await bounded(concurrency, [lambda p=p: gen(p) for p in ids[:warmup]])
+            t0 = time.perf_counter()
+            tokens = sum(await bounded(concurrency, [lambda p=p: gen(p) for p in ids]))
+            return {"tokens": tokens, "seconds": time.perf_counter() - t0}
+        finally:
+            from ray import serve
+
+            serve.shutdown()
+            ray.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="artifacts/demo-model")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=32, help="requests sent (and not timed) before measuring")
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--max-model-len", type=int, default=256)
+    ap.add_argument("--num-gpus", type=float, default=0.0, help="Ray GPUs for the Serve engine replica (1 on a GPU machine)")
+    ap.add_argument("--engine-kwargs", default="{}", help="JSON object passed to vLLM's AsyncEngineArgs on both sides")
+    args = ap.parse_args()
+    sections = engine_sections(args)
+    ids = prompts(sections["model"]["path"], args.num_prompts)
+    d = asyncio.run(direct(sections, ids, args.concurrency, args.max_tokens, args.warmup))
+    print(json.dumps({"benchmark": "generation_direct", "tokens": d["tokens"], "seconds": round(d["seconds"], 2),
+                      "direct_tokens_per_s": round(d["tokens"] / d["seconds"], 1)}), flush=True)
+    h = asyncio.run(http(sections, ids, args.concurrency, args.max_tokens, args.warmup, args.port))
+    direct_tps, http_tps = d["tokens"] / d["seconds"], h["tokens"] / h["seconds"]
+    print(json.dumps({
+        "benchmark": "generation", "model": args.model, "num_prompts": args.num_prompts, "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens, "dtype": args.dtype, "prompt_tokens_mean": round(sum(map(len, ids)) / len(ids), 1),
+        "direct_tokens_per_s": round(direct_tps, 1), "http_tokens_per_s": round(http_tps, 1),
+        "http_over_direct": round(http_tps / direct_tps, 3), "direct_seconds": round(d["seconds"], 2), "http_seconds": round(h["seconds"], 2),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Pure-logic tests of the generator: version tagging, request validation, fingerprints, buckets,
+admin auth and metrics rendering. No engine, no Ray."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncrl.generator.control import split_buckets
+from asyncrl.generator.gateway import GatewayCore, HTTPError, engine_error_to_http, version_header
+from asyncrl.generator.metrics import GatewayMetrics
+from asyncrl.generator.routing import rank_replicas
+from asyncrl.generator.sampling import Limits, RequestError, to_vllm, validate_request
+from asyncrl.generator.versions import (
+    CompletionAccumulator,
+    VersionLabelError,
+    versions_from_spans,
+    versions_from_starts,
+)
+from asyncrl.generator.weights import WeightStore, pack_tensors, tensor_fingerprint, unpack_tensors
+from asyncrl.types import GenerationRequest, SamplingParams
+
+LIMITS = Limits(max_n=4, max_model_len=32, vocab_size=100)
+
+
+# ---- per-token version bookkeeping ---------------------------------------------------------
+
+
+def test_versions_from_starts_switches_at_the_span_start():
+    starts = [("3", 0), ("4", 5)]
+    assert versions_from_starts(starts, 0, 5) == [3] * 5
+    assert versions_from_starts(starts, 3, 8) == [3, 3, 4, 4, 4]
+    assert versions_from_starts(starts, 7, 7) == []
+
+
+def test_versions_from_starts_rejects_uncovered_tokens():
+    with pytest.raises(ValueError):
+        versions_from_starts([("1", 2)], 0, 3)
+    with pytest.raises(VersionLabelError):
+        versions_from_starts([("default", 0)], 0, 1)
+
+
+def test_versions_from_spans_must_cover_every_token():
+    assert versions_from_spans([("0", 0, 2), ("1", 2, 5)], 5) == [0, 0, 1, 1, 1]
+    with pytest.raises(ValueError):
+        versions_from_spans([("0", 0, 2), ("1", 3, 5)], 5)  # gap
+    with pytest.raises(ValueError):
+        versions_from_spans([("0", 0, 2)], 3)  # short
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    switches=st.lists(st.integers(min_value=1, max_value=40), max_size=4, unique=True),
+    cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=6, unique=True),
+)
+def test_deltas_tagged_from_live_starts_equal_the_final_spans(switches, cuts):
+    """However the output is cut into deltas, running tags equal the spans the engine reports at the end."""
+    n = 40
+    starts = [("0", 0)] + [(str(i + 1), s) for i, s in enumerate(sorted(switches))]
+    ends = [s for _, s in starts[1:]] + [n]
+    spans = [(label, s, e) for (label, s), e in zip(starts, ends)]
+    truth = versions_from_spans(spans, n)
+    acc = CompletionAccumulator(0)
+    bounds = [0] + sorted(c for c in cuts if 0 < c < n) + [n]
+    for a, b in zip(bounds, bounds[1:]):
+        finish = "length" if b == n else None
+        versions = versions_from_starts(starts, a, b)
+        acc.add("r", list(range(a, b)), [-0.5] * (b - a), versions, "", finish)
+    assert acc.versions == truth
+    acc.reconcile(truth)
+    c = acc.to_completion()
+    assert len(c.versions) == len(c.token_ids) == len(c.logprobs) == n
+    assert c.versions == sorted(c.versions)  # versions never go backwards within a completion
+
+
+def test_accumulator_refuses_tokens_after_finish_and_mismatched_lengths():
+    acc = CompletionAccumulator(1)
+    d = acc.add("r", [5, 6], [-1.0, -2.0], [2, 2], "ab", None)
+    assert (d.index, d.token_ids, d.versions, d.text) == (1, [5, 6], [2, 2], "ab")
+    with pytest.raises(ValueError):
+        acc.add("r", [7], [-1.0], [2, 3], "c", None)
+    acc.add("r", [7], None, [3], "c", "stop")
+    with pytest.raises(RuntimeError):
+        acc.add("r", [8], None, [3], "d", "stop")
+
+
+# ---- validation ------------------------------------------------------------------------------
+
+
+def _req(ids=(1, 2, 3), **sp) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=list(ids), sampling=SamplingParams(**sp))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"n": 5}, "n"),  # over max_n
+        ({"n": 2, "temperature": 0.0}, "n"),  # greedy n>1 is meaningless
+        ({"seed": -1}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [100]}, "stop_token_ids"),
+        ({"max_tokens": 30}, "max_tokens"),  # 3 + 30 > 32
+    ],
+)
+def test_invalid_sampling_is_rejected_naming_the_field(kwargs, field):
+    with pytest.raises(RequestError) as err:
+        validate_request(_req(**kwargs), LIMITS)
+    assert err.value.field == field and err.value.status == 400
+
+
+@pytest.mark.parametrize("ids", [[], [100], [-1], [True], [1.5]])
+def test_prompt_ids_outside_vocab_or_malformed_are_rejected(ids):
+    with pytest.raises(RequestError) as err:
+        validate_request(GenerationRequest(prompt_ids=ids), LIMITS)
+    assert err.value.field == "prompt_ids"
+
+
+def test_valid_request_maps_to_vllm_params():
+    req = _req(n=2, temperature=0.7, top_p=0.9, top_k=5, max_tokens=8, stop=["x"], seed=3, logprobs=True, ignore_eos=True)
+    validate_request(req, LIMITS)
+    p = to_vllm(req.sampling)
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.seed, p.logprobs, p.ignore_eos) == (2, 0.7, 0.9, 5, 8, 3, 0, True)
+    assert p.stop == ["x"]
+    assert to_vllm(SamplingParams(logprobs=False)).logprobs is None
+    assert to_vllm(SamplingParams(top_k=-1)).top_k == 0
+
+
+# ---- fingerprints, packing, buckets, store ---------------------------------------------------
+
+
+def test_fingerprint_covers_name_dtype_shape_and_bytes_in_name_order():
+    a = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16)}
+    fp = tensor_fingerprint(a)
+    assert fp == tensor_fingerprint(list(reversed(list(a.items()))))  # order of arrival irrelevant
+    assert fp == tensor_fingerprint({k: v.float().numpy() if v.dtype == torch.float32 else v for k, v in a.items()})
+    assert fp != tensor_fingerprint({**a, "w": a["w"].reshape(3, 2)})  # shape
+    assert fp != tensor_fingerprint({**a, "w": a["w"].double()})  # dtype
+    assert fp != tensor_fingerprint({"w2": a["w"], "b": a["b"]})  # name
+    changed = a["w"].clone()
+    changed[1, 2] += 1e-6
+    assert fp != tensor_fingerprint({**a, "w": changed})  # bytes
+    with pytest.raises(ValueError):
+        tensor_fingerprint([("w", a["w"]), ("w", a["w"])])
+
+
+def test_pack_unpack_roundtrip_keeps_the_fingerprint():
+    a = {"x": torch.randn(3, 4), "y": torch.randn(5).to(torch.bfloat16), "z": torch.tensor(2.0)}
+    back = dict(unpack_tensors(pack_tensors(a)))
+    assert tensor_fingerprint(back) == tensor_fingerprint(a)
+    name, dtype, shape, raw = pack_tensors({"x": a["x"]})[0]
+    with pytest.raises(ValueError):
+        unpack_tensors([(name, dtype, shape, raw[:-4])])
+
+
+def test_split_buckets_respects_the_byte_budget_and_keeps_every_tensor():
+    tensors = {f"t{i}": torch.zeros(10 * (i + 1)) for i in range(5)}  # 40..200 bytes
+    buckets = split_buckets(tensors, 250)
+    assert sorted(n for b in buckets for n in b) == sorted(tensors)
+    for b in buckets:
+        assert len(b) == 1 or sum(t.numel() * 4 for t in b.values()) <= 250
+
+
+def test_weight_store_keeps_latest_verified_version():
+    store = WeightStore()
+    assert store.latest() == (0, None, "")
+    w = {"a": np.ones(3, dtype=np.float32)}
+    with pytest.raises(ValueError):
+        store.publish(1, w, "bad")
+    store.publish(1, w, tensor_fingerprint(w))
+    with pytest.raises(ValueError):
+        store.publish(1, w, tensor_fingerprint(w))  # not newer
+    version, tensors, fp = store.latest()
+    assert version == 1 and fp == tensor_fingerprint(tensors)
+
+
+# ---- gateway helpers ------------------------------------------------------------------------
+
+
+def test_admin_routes_closed_without_token_and_need_exact_bearer():
+    req = lambda h: SimpleNamespace(headers=h)  # noqa: E731
+    closed = SimpleNamespace(admin_token=None)
+    with pytest.raises(HTTPError) as err:
+        GatewayCore.require_admin(closed, req({"authorization": "Bearer anything"}))
+    assert err.value.status == 403
+    core = SimpleNamespace(admin_token="s3cret")
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic s3cret"}, {"authorization": "s3cret"}):
+        with pytest.raises(HTTPError) as err:
+            GatewayCore.require_admin(core, req(headers))
+        assert err.value.status == 401
+    GatewayCore.require_admin(core, req({"authorization": "Bearer s3cret"}))
+
+
+def test_engine_errors_map_to_http_statuses():
+    from ray.serve.exceptions import BackPressureError
+
+    overload = engine_error_to_http(BackPressureError(num_queued_requests=3, max_queued_requests=3))
+    assert overload.status == 503 and overload.headers["Retry-After"]
+    wrapped = RuntimeError("remote")
+    wrapped.__cause__ = RequestError("n", "too big")
+    assert engine_error_to_http(wrapped).status == 400
+    assert engine_error_to_http(ValueError("boom")).status == 500
+    assert version_header({3, 2, 3}) == "2,3"
+
+
+def test_metrics_render_prometheus_text_with_replica_versions():
+    m = GatewayMetrics()
+    m.observe("/generate", 200, 0.2, 10)
+    m.observe("/generate", 400, 0.01, 0)
+    text = m.render({"r1": {"version": 3, "generator/ongoing": 2}}).decode()
+    assert 'asyncrl_generator_requests_total{route="/generate",status="200"} 1.0' in text
+    assert "asyncrl_generator_tokens_generated_total 10.0" in text
+    assert 'asyncrl_generator_weight_version{replica="r1"} 3.0' in text
+    assert "asyncrl_generator_request_latency_seconds_bucket" in text
+    snap = m.snapshot()
+    assert snap["generator/requests"] == 2 and snap["generator/requests_failed"] == 1 and snap["generator/tokens_per_s"] > 0
+
+
+def test_prefix_affinity_ranking_is_stable_and_moves_little_when_replicas_change():
+    prompts = [[i, i + 1, 7] for i in range(200)]
+    two = {tuple(p): rank_replicas(["a", "b"], p, 64)[0] for p in prompts}
+    assert all(rank_replicas(["b", "a"], list(p), 64)[0] == r for p, r in two.items())  # order-free
+    assert 60 < sum(r == "a" for r in two.values()) < 140  # spreads
+    three = {tuple(p): rank_replicas(["a", "b", "c"], p, 64)[0] for p in prompts}
+    moved = [p for p in prompts if three[tuple(p)] != two[tuple(p)]]
+    assert all(three[tuple(p)] == "c" for p in moved)  # only prefixes the new replica takes move
+    assert rank_replicas(["a", "b"], [1, 2, 3, 4], 2) == rank_replicas(["a", "b"], [1, 2, 9, 9], 2)  # prefix only
+
+
+def test_training_metrics_render_as_prometheus_gauges():
+    from asyncrl.generator.metrics import render_training
+
+    text = render_training({"weightsync/push_seconds": 0.5, "buffer/trained": 64, "eval/accuracy": 0.4,
+                            "weightsync/replica/engines/load_gbps": 1.5, "other/x": 1.0, "train/note": "text"}).decode()
+    assert "asyncrl_weightsync_push_seconds 0.5\n" in text and "asyncrl_buffer_trained 64.0\n" in text
+    assert "asyncrl_weightsync_replica_engines_load_gbps 1.5" in text and "# TYPE asyncrl_eval_accuracy gauge" in text
+    assert "other" not in text and "note" not in text
+    assert render_training(None) == b"" and render_training({}) == b""

