@@ -47,6 +47,8 @@ class AutoscalingConfig(_Section):
     target_ongoing_requests: float = Field(8.0, gt=0)
     upscale_delay_s: float = Field(5.0, ge=0)
     downscale_delay_s: float = Field(30.0, ge=0)
+    metrics_interval_s: float = Field(10.0, gt=0, description="How often handles/replicas push load metrics (Serve's default 10).")
+    look_back_period_s: float = Field(30.0, gt=0, description="Window the autoscaler averages load over (Serve's default 30).")
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingConfig":
@@ -209,6 +211,15 @@ class HybridConfig(_Section):
 
     enabled: bool = False
     engine_sleep_level: Literal[1, 2] = 1
+
+    @model_validator(mode="after")
+    def _built(self) -> "HybridConfig":
+        if self.enabled:
+            raise ValueError(
+                "co-located placement is not built yet (engine sleep/wake around each learner step and "
+                "CUDA IPC weight transfer); use separated placement (deploy/rlhf-gpu.yaml)"
+            )
+        return self
 
 
 class CheckpointConfig(_Section):

@@ -1,0 +1,7 @@
+"""Learner -> engine weight pushes: bucketing, transports, the version registry, atomic commit.
+
+Modules: `bucket` (pack/unpack), `transport` (object store; selection by placement), `replicas`
+(the generator's update interface as the publisher sees it), `registry` (versions, their state
+machine and timeline; `WeightsyncService` actor), `push` (`Publisher.publish`, `WeightsyncError`,
+`preserve_rng_state`), `metrics` (`weightsync/...` dicts).
+"""

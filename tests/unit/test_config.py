@@ -94,3 +94,10 @@ def test_admin_token_falls_back_to_environment(monkeypatch):
     monkeypatch.setenv("ASYNCRL_ADMIN_TOKEN", "s3cret")
     assert GeneratorConfig().resolved_admin_token() == "s3cret"
     assert GeneratorConfig(admin_token="explicit").resolved_admin_token() == "explicit"
+
+
+def test_gpu_deploy_config_loads_and_hybrid_is_refused_by_name():
+    cfg = load_config_file(REPO / "deploy" / "rlhf-gpu.yaml")
+    assert cfg.learner.num_gpus_per_rank == 1 and cfg.generator.num_gpus == 1
+    with pytest.raises(ConfigError, match=r"hybrid.*co-located placement is not built"):
+        load_config_file(REPO / "deploy" / "rlhf-hybrid.yaml")

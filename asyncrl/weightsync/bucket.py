@@ -1,0 +1,174 @@
+"""Bucketing: a stream of (name, tensor) packed into flat byte buckets, and unpacked back to views.
+
+Owns: the wire shape of one bucket (`Bucket`: one contiguous uint8 buffer + a small metadata
+list), the lazy packer (`iter_buckets`) and the zero-copy unpacker (`unpack_bucket`).
+A bucket is one object to move: one `ray.put`, one NCCL broadcast, one IPC handle.
+
+Must never: hold more than the bucket being filled plus the one being emitted (the packer pulls
+tensors from the iterator lazily, so peak extra memory is one or two buckets, not the model),
+talk to a transport, or know about versions.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+# Every tensor starts on a 64-byte boundary: `view(dtype)` needs the byte offset to be a
+# multiple of the element size, and 64 also keeps each tensor on its own cache line.
+ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Where one tensor lives inside a bucket buffer."""
+
+    name: str  # engine-layout (HF) parameter name
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    offset: int  # byte offset into Bucket.buffer (a multiple of ALIGN)
+    nbytes: int  # numel * element size (0 for empty tensors)
+
+
+@dataclass(slots=True, eq=False)  # equality of numpy buffers is ambiguous: identity
+class Bucket:
+    """A group of tensors flattened into one byte buffer.
+
+    `buffer` is a numpy uint8 array so that Ray's pickle-5 path moves it out of band: a replica
+    that receives a bucket through the object store maps it read-only, without a copy.
+    """
+
+    buffer: np.ndarray
+    metas: list[TensorMeta] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.nbytes)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Tensor bytes, without alignment padding."""
+        return sum(m.nbytes for m in self.metas)
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.metas]
+
+    def __len__(self) -> int:
+        return len(self.metas)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) views, so a bucket can be handed to anything taking NamedTensors."""
+        return iter(unpack_bucket(self))
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r}")
+    return dtype
+
+
+def _as_cpu(value: Any) -> torch.Tensor:
+    if isinstance(value, np.ndarray):
+        value = torch.from_numpy(np.ascontiguousarray(value))
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
+    return value.detach().to("cpu").contiguous()
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    # Through uint8 so dtypes numpy lacks (bfloat16, float8) copy bit-exactly.
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def pack_bucket(named: list[tuple[str, torch.Tensor]]) -> Bucket:
+    """Flatten already-CPU, contiguous tensors into one buffer (one copy per tensor)."""
+    metas: list[TensorMeta] = []
+    offset = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
+        offset = _align(offset + nbytes)
+    buffer = np.empty(offset, dtype=np.uint8)
+    flat = torch.from_numpy(buffer)
+    for meta, (_, t) in zip(metas, named):
+        if meta.nbytes:
+            flat[meta.offset : meta.offset + meta.nbytes].copy_(_byte_view(t))
+    return Bucket(buffer=buffer, metas=metas)
+
+
+def iter_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float) -> Iterator[Bucket]:
+    """Pack a (name, tensor) stream into buckets of at most `bucket_mb` MiB of tensor bytes.
+
+    Tensors keep their stream order. A tensor larger than a bucket goes alone in its own bucket.
+    Duplicate names raise (the fingerprint would otherwise depend on which copy wins).
+    """
+    if bucket_mb <= 0:
+        raise ValueError(f"bucket_mb={bucket_mb!r} must be positive")
+    cap = int(bucket_mb * (1 << 20))
+    seen: set[str] = set()
+    pending: list[tuple[str, torch.Tensor]] = []
+    pending_bytes = 0
+    for name, value in named_tensors:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
+        if name in seen:
+            raise ValueError(f"tensor {name!r} appears twice in the stream")
+        seen.add(name)
+        t = _as_cpu(value)
+        size = _align(t.numel() * t.element_size())
+        if pending and pending_bytes + size > cap:
+            yield pack_bucket(pending)
+            pending, pending_bytes = [], 0
+        pending.append((name, t))
+        pending_bytes += size
+    if pending:
+        yield pack_bucket(pending)
+
+
+def _flat_tensor(buffer: Any) -> torch.Tensor:
+    if isinstance(buffer, torch.Tensor):
+        return buffer.view(torch.uint8).reshape(-1)
+    array = np.asarray(buffer)
+    if array.dtype != np.uint8:
+        array = array.view(np.uint8)
+    with warnings.catch_warnings():
+        # Buckets read from the object store are read-only mappings; the views are only read
+        # (hashed or copied into the engine), never written.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array.reshape(-1))
+
+
+def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) views into the bucket buffer: no copy. Read-only if the buffer is."""
+    flat = _flat_tensor(bucket.buffer)
+    out = []
+    for m in bucket.metas:
+        dtype = dtype_from_name(m.dtype)
+        numel = int(np.prod(m.shape, dtype=np.int64))
+        if numel * dtype.itemsize != m.nbytes or m.offset + m.nbytes > flat.numel():
+            raise ValueError(f"tensor {m.name!r}: metadata {m} does not fit a {flat.numel()}-byte bucket")
+        if numel == 0:
+            out.append((m.name, torch.empty(m.shape, dtype=dtype)))
+            continue
+        out.append((m.name, flat[m.offset : m.offset + m.nbytes].view(dtype).reshape(m.shape)))
+    return out
+
+
+def iter_unpacked(buckets: Iterable[Bucket]) -> Iterator[tuple[str, torch.Tensor]]:
+    for bucket in buckets:
+        yield from unpack_bucket(bucket)

@@ -1,0 +1,96 @@
+"""Metrics of one weight push, returned as a flat `weightsync/...` dict (never logged from here).
+
+Owns: the timers and counters a push fills in, and their names:
+  weightsync/version, bytes, num_tensors, num_buckets, num_replicas, attempts, retries, failed
+  weightsync/push_seconds          begin of registration -> replicas resumed (or failure)
+  weightsync/stage_seconds         first bucket sent -> last bucket loaded on every replica
+  weightsync/commit_seconds        commit call -> every replica answered
+  weightsync/fingerprint_seconds   digest over the staged tensors (engine layout)
+  weightsync/gbps                  bytes / push_seconds (what one replica effectively received)
+  weightsync/aggregate_gbps        bytes * replicas / stage_seconds (what the transport moved)
+  weightsync/transport/<name>/{bytes,put_seconds,put_gbps}
+  weightsync/replica/<name>/{load_seconds,load_gbps,commit_seconds}
+  weightsync/timeline/<state>_s    seconds from registration to entering each state
+Cumulative counters (pushes_total, pushes_failed_total, retries_total, ...) are added by the
+publisher.
+
+Must never: import Ray, a transport or the registry.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+_GB = 1e9
+
+
+def _rate(num_bytes: float, seconds: float) -> float:
+    return num_bytes / seconds / _GB if seconds > 0 else 0.0
+
+
+@dataclass
+class PushMetrics:
+    version: int
+    transport: str
+    num_replicas: int
+    started: float = field(default_factory=time.perf_counter)
+    bytes: int = 0
+    num_tensors: int = 0
+    num_buckets: int = 0
+    attempts: int = 0
+    retries: int = 0
+    failed: bool = False
+    push_seconds: float = 0.0
+    stage_seconds: float = 0.0
+    commit_seconds: float = 0.0
+    fingerprint_seconds: float = 0.0
+    put_seconds: float = 0.0
+    rollbacks: int = 0
+    out_of_service: int = 0
+    store_failed: bool = False
+    replica_seconds: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+
+    def replica_time(self, replica: str, step: str, seconds: float) -> None:
+        self.replica_seconds[replica][step] += seconds
+
+    def finish(self) -> None:
+        self.push_seconds = time.perf_counter() - self.started
+
+    def as_dict(self, timeline: list[tuple[str, float]] | None = None) -> dict[str, float]:
+        p = "weightsync/"
+        out: dict[str, float] = {
+            p + "version": self.version,
+            p + "bytes": self.bytes,
+            p + "num_tensors": self.num_tensors,
+            p + "num_buckets": self.num_buckets,
+            p + "num_replicas": self.num_replicas,
+            p + "attempts": self.attempts,
+            p + "retries": self.retries,
+            p + "failed": float(self.failed),
+            p + "rollbacks": self.rollbacks,
+            p + "out_of_service": self.out_of_service,
+            p + "store_failed": float(self.store_failed),
+            p + "push_seconds": self.push_seconds,
+            p + "stage_seconds": self.stage_seconds,
+            p + "commit_seconds": self.commit_seconds,
+            p + "fingerprint_seconds": self.fingerprint_seconds,
+            p + "gbps": _rate(self.bytes, self.push_seconds),
+            p + "aggregate_gbps": _rate(self.bytes * self.num_replicas, self.stage_seconds),
+        }
+        t = f"{p}transport/{self.transport}/"
+        out[t + "bytes"] = self.bytes
+        out[t + "put_seconds"] = self.put_seconds
+        out[t + "put_gbps"] = _rate(self.bytes, self.put_seconds)
+        for name, steps in sorted(self.replica_seconds.items()):
+            r = f"{p}replica/{name}/"
+            load = steps.get("load_bucket", 0.0)
+            out[r + "load_seconds"] = load
+            out[r + "load_gbps"] = _rate(self.bytes, load)
+            out[r + "commit_seconds"] = steps.get("commit_update", 0.0)
+        if timeline:
+            t0 = timeline[0][1]
+            for state, ts in timeline:
+                out[f"{p}timeline/{state}_s"] = ts - t0  # a retry's later entry overwrites: last wins
+        return out

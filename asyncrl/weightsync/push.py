@@ -1,0 +1,435 @@
+"""Push orchestration: publish one weight version to every engine replica, atomically.
+
+Owns: the order of a push (for every replica, concurrently: pause("keep") -> begin_update ->
+load_bucket* -> commit_update(fingerprint) -> resume), its atomicity, timeouts and retries, the
+publisher's host copy of the last live version (its bucket handles), and per-push metrics.
+
+Atomicity, as designed with the generator's interface (replicas.py lists the contract):
+- Staging never touches live weights, so any failure before commit (a bucket fails to load, a
+  step times out, a replica dies) is undone by `abort_update` on every replica: they keep
+  serving the last committed version. The version goes FAILED and is never live.
+- The fingerprint (sha256 over the HF-named full tensors, `tensor_fingerprint`) is checked by
+  each replica before it applies anything, so a corrupted bucket fails the commit cleanly.
+- A commit that fails for any other reason may have applied part of the tensors; replicas that
+  did commit the new version while a peer failed are ahead of it. Both kinds are restored
+  while still paused: the last live version's buckets (kept in the object store by this
+  publisher) are pushed again through begin/load/commit. A replica that cannot be restored (no
+  host copy, or the restore itself fails) is reported out of service: it is dropped from the registry, the
+  `on_out_of_service` hook runs (the controller restarts it; on start it loads the
+  generator's WeightStore) and the error lists it.
+- Every call is bounded by `timeout_s`; a failed attempt is retried `retries` times (restaged
+  from scratch, buckets replayed from their handles, the tensor stream is read once);
+  a dead replica or a failing tensor stream is not retried. Paused replicas are always resumed.
+
+`WeightsyncConfig.verify` is not consulted: the generator's commit always verifies the full
+fingerprint. `preserve_rng_state` wraps every publish because the tensor stream (the learner's
+export) is consumed lazily inside it.
+
+Must never: pack or unpack tensors itself (bucket.py), know the transport's medium
+(transport.py), or let a version go live that some live replica did not commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncrl.config import WeightsyncConfig
+from asyncrl.generator.weights import tensor_fingerprint
+from asyncrl.types import WeightUpdateState
+from asyncrl.weightsync.bucket import iter_buckets, iter_unpacked
+from asyncrl.weightsync.metrics import PushMetrics
+from asyncrl.weightsync.registry import VersionRegistry
+from asyncrl.weightsync.replicas import ReplicaClient, is_replica_dead, is_verify_failure
+from asyncrl.weightsync.transport import Transport
+
+S = WeightUpdateState
+NamedTensorIter = Iterable[tuple[str, Any]]
+OnLive = Callable[[int, str, Iterator[tuple[str, torch.Tensor]]], Any]
+OnOutOfService = Callable[[str, str], Any]
+
+
+class Step(str, enum.Enum):
+    EXPORT = "export"  # reading the tensor stream / packing
+    PAUSE = "pause"
+    BEGIN = "begin_update"
+    LOAD = "load_bucket"
+    FINGERPRINT = "fingerprint"
+    COMMIT = "commit_update"
+    ABORT = "abort_update"
+    RESUME = "resume"
+    RESTORE = "restore"
+
+
+class WeightsyncError(RuntimeError):
+    """A push failed. Names the step and the replica(s); the version is FAILED, not live."""
+
+    def __init__(self, message: str, *, version: int, step: Step, replicas: Sequence[str] = (),
+                 out_of_service: Sequence[str] = (), metrics: dict[str, float] | None = None) -> None:
+        super().__init__(message)
+        self.version, self.step = version, step
+        self.replicas, self.out_of_service = list(replicas), list(out_of_service)
+        self.metrics = metrics or {}
+
+    @property
+    def replica(self) -> str | None:
+        return self.replicas[0] if self.replicas else None
+
+
+class StepTimeout(TimeoutError):
+    pass
+
+
+@dataclass
+class _StepFailed(Exception):
+    step: Step
+    failures: dict[str, BaseException]
+    retryable: bool = True
+    restore: list[str] = field(default_factory=list)  # replicas to put back on the last live version
+    out_of_service: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PushResult:
+    version: int
+    fingerprint: str
+    replicas: list[str]
+    metrics: dict[str, float]
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _HostCopy:
+    """The last live version's buckets, held by their transport handles (not in this heap)."""
+
+    version: int
+    fingerprint: str
+    handles: list[Any]
+
+
+@contextlib.contextmanager
+def preserve_rng_state() -> Iterator[None]:
+    """Save torch's CPU (and, if initialised, CUDA) RNG state and restore it afterwards, so that
+    exporting and moving weights never shifts the learner's random stream."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+class _BucketSource:
+    """Packs the tensor stream lazily and puts each bucket once; a retry replays the handles."""
+
+    def __init__(self, named: NamedTensorIter, bucket_mb: float, transport: Transport, m: PushMetrics) -> None:
+        self._buckets = iter_buckets(named, bucket_mb)
+        self._transport, self._m = transport, m
+        self.handles: list[Any] = []
+        self.exhausted = False
+        self._fingerprint: str | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from list(self.handles)
+        while not self.exhausted:
+            try:
+                bucket = next(self._buckets)
+            except StopIteration:
+                self.exhausted = True
+                return
+            except Exception as exc:  # the learner's export (or a bad tensor) failed: not retryable
+                raise _StepFailed(Step.EXPORT, {"publisher": exc}, retryable=False) from exc
+            t = time.perf_counter()
+            handle = self._transport.put(bucket)
+            self._m.put_seconds += time.perf_counter() - t
+            self._m.bytes += bucket.payload_bytes
+            self._m.num_tensors += len(bucket)
+            self._m.num_buckets += 1
+            self.handles.append(handle)
+            del bucket  # the transport holds it now; keep at most one packed bucket in this heap
+            yield handle
+
+    @classmethod
+    def from_handles(cls, handles: Sequence[Any], transport: Transport, m: PushMetrics) -> "_BucketSource":
+        """Buckets someone else already put (the learner ranks export straight into the
+        transport): nothing to pack, the handles are replayed as they are."""
+        source = cls((), 1.0, transport, m)
+        source.handles, source.exhausted = list(handles), True
+        for h in source.handles:
+            bucket = transport.fetch(h)
+            m.bytes += bucket.payload_bytes
+            m.num_tensors += len(bucket)
+            m.num_buckets += 1
+        return source
+
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            buckets = (self._transport.fetch(h) for h in self.handles)
+            self._fingerprint = tensor_fingerprint(iter_unpacked(buckets))
+        return self._fingerprint
+
+
+class Publisher:
+    """Pushes versions to replicas. One push at a time (the registry refuses a second)."""
+
+    def __init__(self, config: WeightsyncConfig, *, transport: Transport, registry: VersionRegistry | None = None,
+                 mirror: Callable[..., Any] | None = None, on_live: OnLive | None = None,
+                 on_out_of_service: OnOutOfService | None = None, preserve_rng: bool = True) -> None:
+        self._cfg, self._transport = config, transport
+        self.registry = registry if registry is not None else VersionRegistry()
+        self._mirror, self._on_live, self._on_oos = mirror, on_live, on_out_of_service
+        self._preserve_rng = preserve_rng
+        self._host: _HostCopy | None = None
+        self.last_metrics: dict[str, float] = {}
+        self.totals = {k: 0 for k in ("pushes_total", "pushes_failed_total", "retries_total", "rollbacks_total", "out_of_service_total")}
+
+    # ---- registry (local, mirrored to the service actor for readers) ---------------------
+    def _reg(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        out = getattr(self.registry, op)(*args, **kwargs)
+        if self._mirror is not None:
+            with contextlib.suppress(Exception):  # readers' view is best effort; the push is not
+                self._mirror(op, *args, **kwargs)
+        return out
+
+    @property
+    def host_version(self) -> int | None:
+        return self._host.version if self._host else None
+
+    def seed(self, version: int, named_tensors: NamedTensorIter) -> str:
+        """Keep a host copy of weights the replicas already serve (e.g. loaded from disk at
+        start), so a failed first push can still restore them. Returns their fingerprint."""
+        if version != self.registry.live_version:
+            raise ValueError(f"seed version {version} is not the registry's live version {self.registry.live_version}")
+        source = _BucketSource(named_tensors, self._cfg.bucket_mb, self._transport, PushMetrics(version, self._transport.name, 0))
+        try:
+            for _ in source:
+                pass
+        except _StepFailed as f:
+            raise f.failures["publisher"] from None
+        self._host = _HostCopy(version, source.fingerprint(), source.handles)
+        return self._host.fingerprint
+
+    # ---- one push ------------------------------------------------------------------------
+    async def publish(self, version: int, named_tensors: NamedTensorIter, replicas: Sequence[ReplicaClient]) -> PushResult:
+        rng = preserve_rng_state() if self._preserve_rng else contextlib.nullcontext()
+        with rng:
+            return await self._publish(version, named_tensors, list(replicas))
+
+    async def publish_handles(self, version: int, handles: Sequence[Any], replicas: Sequence[ReplicaClient]) -> PushResult:
+        """`publish` for buckets already in the transport (e.g. `LearnerGroup.export_hf_tensors_packed`)."""
+        rng = preserve_rng_state() if self._preserve_rng else contextlib.nullcontext()
+        with rng:
+            return await self._publish(version, None, list(replicas), handles=list(handles))
+
+    async def _publish(self, version: int, named: NamedTensorIter | None, replicas: list[ReplicaClient],
+                       handles: list[Any] | None = None) -> PushResult:
+        names = [r.name for r in replicas]
+        if len(set(names)) != len(names):
+            raise ValueError(f"replica names must be unique, got {names}")
+        m = PushMetrics(version, self._transport.name, len(replicas))
+        if handles is not None:  # read before registering: a bad handle leaves nothing in flight
+            source = _BucketSource.from_handles(handles, self._transport, m)
+        else:
+            source = _BucketSource(named, self._cfg.bucket_mb, self._transport, m)
+        self._reg("begin", version)
+        self.totals["pushes_total"] += 1
+        try:
+            for attempt in range(self._cfg.retries + 1):
+                m.attempts = attempt + 1
+                self._reg("transition", version, S.STAGING)
+                try:
+                    fingerprint = await self._attempt(version, source, replicas, m)
+                    break
+                except _StepFailed as f:
+                    if not f.retryable or attempt == self._cfg.retries or f.out_of_service:
+                        raise self._fail(version, f, m) from next(iter(f.failures.values()), None)
+                    m.retries += 1
+                    self.totals["retries_total"] += 1
+        except BaseException as exc:
+            if self.registry.in_flight == version:  # cancelled, or a bug: never leave it in flight
+                self._reg("transition", version, S.FAILED, error=f"{type(exc).__name__}: {exc}")
+                m.failed = True
+                self._finish(m, version)
+            raise
+        warnings = await self._went_live(version, fingerprint, source, m)
+        return PushResult(version, fingerprint, names, self._finish(m, version), warnings)
+
+    async def _attempt(self, version: int, source: _BucketSource, replicas: list[ReplicaClient], m: PushMetrics) -> str:
+        pause_sent = begin_sent = False
+        try:
+            pause_sent = True
+            await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
+            begin_sent = True
+            await self._step(Step.BEGIN, replicas, lambda r: r.begin_update(version), m)
+            t = time.perf_counter()
+            await self._stream(version, source, replicas, m)
+            m.stage_seconds += time.perf_counter() - t
+            t = time.perf_counter()
+            try:
+                fingerprint = source.fingerprint()
+            except Exception as exc:
+                raise _StepFailed(Step.FINGERPRINT, {"publisher": exc}) from exc
+            m.fingerprint_seconds = time.perf_counter() - t
+            self._reg("set_payload", version, fingerprint=fingerprint, num_bytes=m.bytes, num_tensors=m.num_tensors)
+            self._reg("transition", version, S.COMMITTING)
+            t = time.perf_counter()
+            ok, bad = await self._run(Step.COMMIT, replicas, lambda r: r.commit_update(version, fingerprint), m)
+            m.commit_seconds += time.perf_counter() - t
+            for name in ok:
+                self._reg("replica_committed", version, name)
+            if bad:
+                # Committed peers are ahead of the failed ones, and a non-verify commit failure
+                # may be half applied: all of them go back to the last live version.
+                restore = ok + [n for n, e in bad.items() if not is_verify_failure(e)]
+                raise _StepFailed(Step.COMMIT, bad, retryable=not any(map(is_replica_dead, bad.values())), restore=restore)
+            self._reg("go_live", version, [r.name for r in replicas])
+            return fingerprint
+        except _StepFailed as f:
+            if begin_sent:
+                await self._run(Step.ABORT, replicas, lambda r: r.abort_update(), m)
+            if f.restore:
+                f.out_of_service = await self._restore([r for r in replicas if r.name in f.restore], m)
+            raise
+        finally:
+            if pause_sent:
+                await self._run(Step.RESUME, replicas, lambda r: r.resume(), m)
+
+    async def _stream(self, version: int, source: _BucketSource, replicas: list[ReplicaClient], m: PushMetrics) -> None:
+        # Pack/put bucket k+1 while bucket k loads; at most one load per replica in flight.
+        pending: asyncio.Future | None = None
+        try:
+            for handle in source:
+                if pending is not None:
+                    await pending
+                payload = self._transport.payload(handle)
+                pending = asyncio.ensure_future(self._step(Step.LOAD, replicas, lambda r, p=payload: r.load_bucket(p, version), m))
+            if pending is not None:
+                await pending
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+
+    async def _run(self, step: Step, replicas: Sequence[ReplicaClient], call: Callable[[ReplicaClient], Awaitable[Any]],
+                   m: PushMetrics | None = None) -> tuple[list[str], dict[str, BaseException]]:
+        """Call `step` on every replica concurrently, each bounded by timeout_s. Never raises."""
+        timeout = self._cfg.timeout_s
+
+        async def one(r: ReplicaClient) -> tuple[str, BaseException | None]:
+            t = time.perf_counter()
+            try:
+                await asyncio.wait_for(call(r), timeout)
+                return r.name, None
+            except (asyncio.TimeoutError, TimeoutError):
+                return r.name, StepTimeout(f"{step.value} on replica {r.name} timed out after {timeout}s")
+            except Exception as exc:
+                return r.name, exc
+            finally:
+                if m is not None:
+                    m.replica_time(r.name, step.value, time.perf_counter() - t)
+
+        results = await asyncio.gather(*(one(r) for r in replicas))
+        return [n for n, e in results if e is None], {n: e for n, e in results if e is not None}
+
+    async def _step(self, step: Step, replicas: Sequence[ReplicaClient], call: Callable[[ReplicaClient], Awaitable[Any]],
+                    m: PushMetrics) -> None:
+        _, bad = await self._run(step, replicas, call, m)
+        if bad:
+            raise _StepFailed(step, bad, retryable=not any(map(is_replica_dead, bad.values())))
+
+    # ---- restore / late load ---------------------------------------------------------------
+    async def load_live(self, replicas: Sequence[ReplicaClient]) -> list[str]:
+        """Push the host copy of the live version to `replicas` (restore or late join).
+        Returns the replicas that could not be loaded (left out of service)."""
+        m = PushMetrics(self.registry.live_version, self._transport.name, len(replicas))
+        return await self._restore(list(replicas), m)
+
+    async def _restore(self, replicas: list[ReplicaClient], m: PushMetrics) -> list[str]:
+        host, failed = self._host, [r.name for r in replicas]
+        if host is not None and replicas:
+            async def reload(r: ReplicaClient) -> None:
+                await r.begin_update(host.version)
+                for h in host.handles:
+                    await r.load_bucket(self._transport.payload(h), host.version)
+                await r.commit_update(host.version, host.fingerprint)
+
+            ok, bad = await self._run(Step.RESTORE, replicas, reload, m)
+            for name in ok:
+                self._reg("replica_loaded", name, host.version)
+            failed = list(bad)
+            m.rollbacks += len(ok)
+            self.totals["rollbacks_total"] += len(ok)
+        for name in failed:
+            self._reg("replica_removed", name)
+            m.out_of_service += 1
+            self.totals["out_of_service_total"] += 1
+            if self._on_oos is not None:
+                with contextlib.suppress(Exception):
+                    await _maybe_await(self._on_oos(name, "could not be restored to the last live version"))
+        return failed
+
+    # ---- outcome -----------------------------------------------------------------------------
+    def _fail(self, version: int, f: _StepFailed, m: PushMetrics) -> WeightsyncError:
+        detail = "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in f.failures.items())
+        message = f"weight push of version {version} failed at step {f.step.value} on replica(s) {sorted(f.failures)} after {m.attempts} attempt(s): {detail}"
+        if f.out_of_service:
+            message += f"; out of service (need restart): {f.out_of_service}"
+        self._reg("transition", version, S.FAILED, error=message)
+        m.failed = True
+        self.totals["pushes_failed_total"] += 1
+        return WeightsyncError(message, version=version, step=f.step, replicas=sorted(f.failures),
+                               out_of_service=f.out_of_service, metrics=self._finish(m, version))
+
+    async def _went_live(self, version: int, fingerprint: str, source: _BucketSource, m: PushMetrics) -> list[str]:
+        old, self._host = self._host, _HostCopy(version, fingerprint, source.handles)
+        if old is not None:
+            for h in old.handles:
+                self._transport.release(h)
+        if self._on_live is None:
+            return []
+        try:
+            tensors = iter_unpacked(self._transport.fetch(h) for h in source.handles)
+            await asyncio.wait_for(_maybe_await(self._on_live(version, fingerprint, tensors)), self._cfg.timeout_s)
+            return []
+        except Exception as exc:  # the version is live on every replica; only late joiners lag
+            m.store_failed = True
+            return [f"on_live hook failed for version {version}: {type(exc).__name__}: {exc}"]
+
+    def _finish(self, m: PushMetrics, version: int) -> dict[str, float]:
+        m.finish()
+        out = m.as_dict(self.registry.timeline(version))
+        out.update({f"weightsync/{k}": float(v) for k, v in self.totals.items()})
+        self.last_metrics = out
+        return out
+
+
+def weight_store_hook(store: Any) -> OnLive:
+    """`on_live` hook publishing a live version to the generator's `WeightStore` actor.
+
+    The store's copy only serves replicas that start later, so the training loop does not wait
+    for it: the call is sent (Ray runs one caller's calls to an actor in order) and its outcome
+    is collected at the next push, where a failure surfaces as that push's warning. At most one
+    store update is in flight."""
+    pending: list[Any] = []
+
+    async def publish(version: int, fingerprint: str, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        if pending:
+            await pending.pop()
+        pending.append(store.publish.remote(version, list(tensors), fingerprint))
+
+    return publish

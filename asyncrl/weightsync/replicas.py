@@ -1,0 +1,98 @@
+"""The publisher's view of one engine replica: the update steps it calls, nothing else.
+
+Owns: the `ReplicaClient` protocol (the generator's documented update interface, made async)
+and `ActorReplica`, the adapter for a Ray actor handle or a Serve replica handle whose methods
+carry the generator's names.
+
+The contract weightsync relies on (generator side):
+  pause(mode)                     stop scheduling; "keep" keeps in-flight requests' KV
+  begin_update(version)           drop any staged copy; start staging `version`
+  load_bucket(bucket, version)    stage one `Bucket` (the transport payload: for the object store
+                                  an ObjectRef that Ray resolves to the bucket; a `Bucket`
+                                  iterates as (name, tensor) views, so it is a NamedTensors);
+                                  never touches live weights
+  commit_update(version, fp)      verify the staged tensors hash to `fp` FIRST, then apply them
+                                  in place and relabel the version; a fingerprint mismatch must
+                                  raise before anything is applied (its message contains
+                                  "fingerprint mismatch"), any later error may leave the
+                                  weights partially applied
+  abort_update()                  drop staged tensors; idempotent; the live version is untouched
+  resume()                        resume scheduling
+Restoring a replica whose commit failed part-way (or that committed while a peer failed) from
+the publisher's host copy: `begin_update` accepts the last live version again (a version <=
+the replica's current one is a restore; the replica's label goes back with its weights). A
+replica that still cannot be restored is reported out of service (push.py), to be restarted;
+on start it loads the generator's WeightStore.
+
+Must never: retry, time out or order calls (push.py does all three).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class ReplicaClient(Protocol):
+    name: str
+
+    async def pause(self, mode: str) -> Any: ...
+
+    async def begin_update(self, version: int) -> Any: ...
+
+    async def load_bucket(self, payload: Any, version: int) -> Any: ...
+
+    async def commit_update(self, version: int, fingerprint: str) -> Any: ...
+
+    async def abort_update(self) -> Any: ...
+
+    async def resume(self) -> Any: ...
+
+
+class ActorReplica:
+    """Adapter for a handle whose `handle.<method>.remote(...)` returns something awaitable
+    (a Ray ObjectRef for an actor, a DeploymentResponse for a Serve replica handle)."""
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self.handle = handle
+        self.name = name
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        return await getattr(self.handle, method).remote(*args)
+
+    async def pause(self, mode: str) -> Any:
+        return await self._call("pause", mode)
+
+    async def begin_update(self, version: int) -> Any:
+        return await self._call("begin_update", version)
+
+    async def load_bucket(self, payload: Any, version: int) -> Any:
+        # The payload goes as a top-level argument so Ray resolves an ObjectRef before the call.
+        return await self._call("load_bucket", payload, version)
+
+    async def commit_update(self, version: int, fingerprint: str) -> Any:
+        return await self._call("commit_update", version, fingerprint)
+
+    async def abort_update(self) -> Any:
+        return await self._call("abort_update")
+
+    async def resume(self) -> Any:
+        return await self._call("resume")
+
+    def __repr__(self) -> str:
+        return f"ActorReplica({self.name!r})"
+
+
+def is_verify_failure(exc: BaseException) -> bool:
+    """A commit that failed its fingerprint check applied nothing (generator contract above)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return "FingerprintMismatch" in text or "fingerprint mismatch" in text
+
+
+def is_replica_dead(exc: BaseException) -> bool:
+    """The replica process is gone: retrying the same replica cannot help."""
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return isinstance(exc, RayActorError) and type(exc).__name__ != "ActorUnavailableError"

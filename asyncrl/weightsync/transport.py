@@ -1,0 +1,119 @@
+"""Transports: how one packed bucket gets from the publisher to every replica.
+
+Owns: the `Transport` protocol (put a bucket once, hand every replica the same payload, read it
+back on the owner side, release it) and its implementations, plus `select_transport`, which maps
+`WeightsyncConfig.transport` and the placement to one of them.
+
+Implemented: `ObjectStoreTransport` (CPU / any placement: one `ray.put` per bucket, every replica
+receives the same ObjectRef as a top-level argument, so Ray hands it a read-only zero-copy
+numpy view) and `LocalTransport` (in-process replicas; tests and single-process tools).
+
+Not implemented, on purpose (no stubs): NCCL and CUDA IPC. vLLM 0.32's
+`vllm.distributed.weight_transfer` (NCCL/IPC engines) applies weights as they arrive in
+`receive_weights`, so it cannot stage-then-commit atomically with a fingerprint check, and it
+cannot be exercised on this CPU-only machine; the GPU image pins vLLM 0.24 whose API differs.
+Asking for them raises `TransportUnavailable` naming the value.
+
+Must never: decide ordering or retries (push.py does), or look inside a bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from asyncrl.config import WeightsyncConfig
+from asyncrl.weightsync.bucket import Bucket
+
+
+class TransportUnavailable(ValueError):
+    """The configured transport is not available for this placement / build."""
+
+
+@runtime_checkable
+class Transport(Protocol):
+    name: str
+
+    def put(self, bucket: Bucket) -> Any:
+        """Make `bucket` available to every replica; called once per bucket. Returns a handle."""
+        ...
+
+    def payload(self, handle: Any) -> Any:
+        """What a replica's `load_bucket` receives for this bucket (the same for every replica)."""
+        ...
+
+    def fetch(self, handle: Any) -> Bucket:
+        """Read the bucket back on the publisher's side (fingerprint, rollback)."""
+        ...
+
+    def release(self, handle: Any) -> None:
+        """The bucket is no longer needed by anyone."""
+        ...
+
+
+class LocalTransport:
+    """In-process: the handle is the bucket itself."""
+
+    name = "local"
+
+    def put(self, bucket: Bucket) -> Bucket:
+        return bucket
+
+    def payload(self, handle: Bucket) -> Bucket:
+        return handle
+
+    def fetch(self, handle: Bucket) -> Bucket:
+        return handle
+
+    def release(self, handle: Bucket) -> None:
+        return None
+
+
+class ObjectStoreTransport:
+    """Ray object store: one `ray.put` per bucket, the same ObjectRef fans out to all replicas.
+
+    The publisher's process owns the objects, so they live as long as it holds the handles
+    (the last live version's buckets are kept for rollbacks; see push.py).
+    """
+
+    name = "object_store"
+
+    def __init__(self, get_timeout_s: float = 120.0) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            raise TransportUnavailable("transport=object_store needs a running Ray runtime (ray.init first)")
+        self._ray = ray
+        self._get_timeout_s = get_timeout_s
+
+    def put(self, bucket: Bucket) -> Any:
+        return self._ray.put(bucket)
+
+    def payload(self, handle: Any) -> Any:
+        # Passed as a top-level actor-call argument, Ray resolves it before the call and the
+        # numpy buffer inside is mapped from shared memory, not copied.
+        return handle
+
+    def fetch(self, handle: Any) -> Bucket:
+        return self._ray.get(handle, timeout=self._get_timeout_s)
+
+    def release(self, handle: Any) -> None:
+        # Dropping the last reference frees the object; nothing to do beyond letting go.
+        return None
+
+
+def select_transport(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: bool = False) -> Transport:  # noqa: ARG001
+    """`auto` -> object_store (CPU, and separated GPU placement until the NCCL transport is
+    built: buckets are staged through host memory), ipc when hybrid.
+
+    Only object_store is built; an explicit shm/nccl/ipc, or hybrid placement, raises
+    `TransportUnavailable` naming the value rather than silently taking another path.
+    """
+    kind = config.transport
+    if kind == "auto":
+        kind = "ipc" if hybrid else "object_store"
+    if kind == "object_store":
+        return ObjectStoreTransport(get_timeout_s=config.timeout_s)
+    raise TransportUnavailable(
+        f"weightsync.transport={config.transport!r} resolves to {kind!r} (on_gpu={on_gpu}, hybrid={hybrid}), "
+        "which is not implemented in this build; use transport='object_store'"
+    )

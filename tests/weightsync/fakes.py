@@ -1,0 +1,105 @@
+"""Small in-process replicas and transports for the push-logic tests (no engine, no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncrl.generator.weights import tensor_fingerprint
+from asyncrl.weightsync.bucket import Bucket, unpack_bucket
+from asyncrl.weightsync.transport import LocalTransport
+
+
+class Fault(Exception):
+    pass
+
+
+@dataclass
+class FakeReplica:
+    """Stages by name, verifies the fingerprint at commit before applying, like the generator's
+    replica. `faults` maps (step, attempt) -> "raise" | "hang" | "partial"."""
+
+    name: str
+    log: list[tuple[str, str]]
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    version: int = 0
+    faults: dict[tuple[str, int], str] = field(default_factory=dict)
+    allow_reload: bool = True
+    paused: bool = False
+    attempt: int = 0  # counts begin_update calls
+    staged: dict[str, torch.Tensor] | None = None
+    loads: int = 0
+
+    async def _maybe_fault(self, step: str) -> None:
+        kind = self.faults.get((step, self.attempt)) or self.faults.get((step, -1))
+        if kind == "raise":
+            raise Fault(f"injected {step} failure on {self.name}")
+        if kind == "hang":
+            await asyncio.Event().wait()
+
+    async def pause(self, mode: str) -> None:
+        self.log.append((self.name, f"pause:{mode}"))
+        self.paused = True
+
+    async def begin_update(self, version: int) -> None:
+        self.log.append((self.name, f"begin:{version}"))
+        self.attempt += 1
+        if version <= self.version and not self.allow_reload:
+            raise Fault(f"version {version} must be > current {self.version}")
+        await self._maybe_fault("begin")
+        self.staged = {}
+
+    async def load_bucket(self, bucket: Bucket, version: int) -> None:
+        self.log.append((self.name, "load"))
+        self.loads += 1
+        await self._maybe_fault("load")
+        assert self.staged is not None, "load before begin"
+        for name, t in unpack_bucket(bucket):
+            self.staged[name] = t.clone()
+
+    async def commit_update(self, version: int, fingerprint: str) -> None:
+        self.log.append((self.name, f"commit:{version}"))
+        staged, self.staged = self.staged, None
+        actual = tensor_fingerprint(staged or {})
+        if actual != fingerprint:
+            raise Fault(f"fingerprint mismatch for version {version}")
+        if self.faults.get(("commit", self.attempt)) == "partial":
+            first = sorted(staged)[0]
+            self.weights[first] = staged[first]  # half applied, then the engine blew up
+            raise Fault("reload_weights crashed")
+        await self._maybe_fault("commit")
+        self.weights, self.version = dict(staged), version
+
+    async def abort_update(self) -> None:
+        self.log.append((self.name, "abort"))
+        self.staged = None
+
+    async def resume(self) -> None:
+        self.log.append((self.name, "resume"))
+        self.paused = False
+
+
+class CorruptingTransport(LocalTransport):
+    """Flips one byte of bucket `index` in what replicas receive (the publisher's copy is intact)."""
+
+    def __init__(self, index: int = 0) -> None:
+        self.index, self._puts = index, []
+
+    def put(self, bucket: Bucket) -> Bucket:
+        self._puts.append(bucket)
+        return bucket
+
+    def payload(self, handle: Bucket) -> Any:
+        if not any(b is handle for b in self._puts[self.index : self.index + 1]):
+            return handle
+        buf = handle.buffer.copy()
+        buf[0] ^= 0xFF
+        return Bucket(buffer=buf, metas=list(handle.metas))
+
+
+def model(seed: int, n: int = 5) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.weight": torch.randn(64, 16, generator=g) for i in range(n)}

