@@ -36,7 +36,10 @@ def _layout() -> dict[str, int]:
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module") and not hasattr(chunk, "sharded_state_dict"):
+    """The bare model under any wrappers (Megatron DDP, Float16Module, ...): Megatron's DDP
+    also has `sharded_state_dict`, but its keys gain a "module." prefix that a plain
+    model's `load_state_dict` does not accept."""
+    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
         chunk = chunk.module
     return chunk
 

@@ -362,11 +362,14 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import param_is_not_shared
 
+    from asyncrl.learner.parallel import collective_device
+
     initialized = torch.distributed.is_initialized() and ps.model_parallel_is_initialized()
     tp_rank = ps.get_tensor_model_parallel_rank() if initialized else 0
     grads: list[torch.Tensor] = []
-    dense_sq = torch.zeros(1, dtype=torch.float32)
-    expert_sq = torch.zeros(1, dtype=torch.float32)
+    device = collective_device()  # NCCL reduces only device tensors; the grads live there too
+    dense_sq = torch.zeros(1, dtype=torch.float32, device=device)
+    expert_sq = torch.zeros(1, dtype=torch.float32, device=device)
     for p in parameters:
         grad = getattr(p, "main_grad", None)
         if grad is None:
@@ -378,7 +381,7 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
         not_tp_duplicate = getattr(p, "tensor_model_parallel", False) or tp_rank == 0
         if param_is_not_shared(p) and not_tp_duplicate:
             target = expert_sq if getattr(p, "allreduce", True) is False else dense_sq
-            target += grad.detach().float().pow(2).sum()
+            target += grad.detach().float().pow(2).sum().to(device)
     if initialized:
         torch.distributed.all_reduce(dense_sq, group=ps.get_model_parallel_group())
         torch.distributed.all_reduce(expert_sq, group=ps.get_expert_tensor_model_pipeline_parallel_group())

@@ -256,6 +256,10 @@ def build_gpt_model(
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
         vp_stage=vp_stage,
     )
+    if torch.cuda.is_available():
+        # Megatron builds some modules on the host whatever `use_cpu_initialization` says (the local
+        # spec's torch RMSNorm); its own training loop moves the model with `.cuda()`, as we do.
+        return model.to(device=torch.cuda.current_device(), dtype=_as_dtype(dtype))
     return model.to(_as_dtype(dtype))
 
 

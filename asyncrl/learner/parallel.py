@@ -196,6 +196,14 @@ def init_model_parallel(learner_cfg: LearnerConfig, hf_config: Any = None) -> Pa
     return layout
 
 
+def collective_device() -> torch.device:
+    """Where small tensors handed to `torch.distributed` must live: the current GPU under NCCL
+    (it takes no host tensors), the host otherwise (gloo, or no process group)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def destroy_model_parallel() -> None:
     """Tear down Megatron groups and the default process group (for tests and clean exits)."""
     from megatron.core import parallel_state as ps

@@ -1,0 +1,212 @@
+"""A learner group: `world_size` rank actors of one role, and the dispatch/collect between them.
+
+Owns: the placement group (one bundle per rank: its CPU share and GPU), starting the ranks
+(rank 0 hosts the rendezvous), and the "Megatron compute" protocol: a batch is split over DP
+(GRPO groups kept whole when possible), each DP shard is put in the object store once and sent to
+every TP/PP/CP rank of that DP group, results come back from TP rank 0 / CP rank 0 of the last
+PP stage, and are re-assembled in the batch's sample order. Init-style calls (checkpoints,
+state, export) go to every rank. A failure on any rank surfaces as one `LearnerRankError` naming
+the rank and the call; a call that does not finish in `call_timeout_s` raises instead of hanging,
+and the group refuses further calls (peers may be stuck in a collective).
+
+Must never: compute anything itself, or hand per-token results back in any other layout than
+one python list per sample (response tokens only, in the batch's order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, ProfilerConfig
+from asyncrl.learner.batching import split_by_groups
+from asyncrl.learner.parallel import ParallelLayout, megatron_compute_plan
+from asyncrl.types import Sample, TrainBatch
+
+PerToken = list[list[float]]
+
+
+class LearnerRankError(RuntimeError):
+    """A rank failed (or timed out) during a group call."""
+
+    def __init__(self, rank: int | None, method: str, message: str) -> None:
+        who = f"rank {rank}" if rank is not None else "learner group"
+        super().__init__(f"learner {who} failed in {method}: {message}")
+        self.rank, self.method = rank, method
+
+
+@dataclass
+class PackedExport:
+    """HF tensors of one policy version as weightsync buckets in the object store.
+
+    `buckets[i]` is an ObjectRef to a `weightsync.bucket.Bucket`; `metas[i]` lists its tensors
+    (name, dtype, shape, offset, nbytes). Buckets of PP stage 0 come first, then stage 1, ...
+    """
+
+    buckets: list[Any] = field(default_factory=list)
+    metas: list[list[Any]] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for ms in self.metas for m in ms]
+
+
+def _samples(batch: TrainBatch | Sequence[Sample]) -> list[Sample]:
+    return list(batch.samples) if isinstance(batch, TrainBatch) else list(batch)
+
+
+class LearnerGroup:
+    def __init__(
+        self, role: str, model_cfg: ModelConfig, learner_cfg: LearnerConfig, algorithm_cfg: AlgorithmConfig,
+        profiler_cfg: ProfilerConfig | None = None, *, role_classes: dict[str, type] | None = None,
+        call_timeout_s: float = 600.0,
+    ) -> None:
+        self.role, self.model_cfg, self.learner_cfg = role, model_cfg, learner_cfg
+        self.algorithm_cfg, self.profiler_cfg, self.role_classes = algorithm_cfg, profiler_cfg, role_classes
+        self.layout = ParallelLayout.from_learner_config(learner_cfg)
+        self.plan = megatron_compute_plan(self.layout)
+        self.call_timeout_s = call_timeout_s
+        self.ranks: list[Any] = []
+        self._pg: Any = None
+        self._broken: str | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> list[dict[str, Any]]:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from asyncrl.learner.rank import LearnerRank
+
+        cfg = self.learner_cfg
+        bundle: dict[str, float] = {"CPU": cfg.num_cpus_per_rank or 0.01}
+        if cfg.num_gpus_per_rank:
+            bundle["GPU"] = cfg.num_gpus_per_rank
+        self._pg = placement_group([dict(bundle) for _ in range(cfg.world_size)], strategy="PACK")
+        await self._pg.ready()
+        actor_cls = ray.remote(LearnerRank)
+        for r in range(cfg.world_size):
+            self.ranks.append(actor_cls.options(
+                num_cpus=bundle["CPU"], num_gpus=cfg.num_gpus_per_rank,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
+            ).remote(r, cfg.world_size, self.role, self.model_cfg, cfg, self.algorithm_cfg,
+                     self.profiler_cfg, self.role_classes))
+        ((addr, port),) = await self._gather("master_address", [self.ranks[0].master_address.remote()], [0])
+        outs = await self._gather("setup", [a.setup.remote(addr, port, self.call_timeout_s) for a in self.ranks])
+        return outs
+
+    async def shutdown(self) -> None:
+        import ray
+
+        for a in self.ranks:
+            ray.kill(a, no_restart=True)
+        self.ranks = []
+        if self._pg is not None:
+            ray.util.remove_placement_group(self._pg)
+            self._pg = None
+
+    # ------------------------------------------------------------------ transport
+
+    async def _gather(self, method: str, refs: list[Any], ranks: list[int] | None = None) -> list[Any]:
+        """Await every ref; the first failure (or the timeout) raises, naming the rank."""
+        if self._broken:
+            raise LearnerRankError(None, method, f"group unusable after an earlier failure: {self._broken}")
+        ranks = ranks if ranks is not None else list(range(len(refs)))
+
+        async def one(ref: Any) -> Any:
+            return await ref
+
+        futs = [asyncio.ensure_future(one(r)) for r in refs]
+        done, pending = await asyncio.wait(futs, timeout=self.call_timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+        for fut, rank in zip(futs, ranks):
+            if fut in done and fut.exception() is not None:
+                for p in pending:
+                    p.cancel()
+                self._broken = f"rank {rank} failed in {method}"
+                raise LearnerRankError(rank, method, _short(fut.exception())) from fut.exception()
+        if pending:
+            for p in pending:
+                p.cancel()
+            late = [r for f, r in zip(futs, ranks) if f in pending]
+            self._broken = f"ranks {late} timed out in {method}"
+            raise LearnerRankError(late[0], method, f"ranks {late} gave no answer within {self.call_timeout_s}s")
+        return [f.result() for f in futs]
+
+    async def _compute(self, method: str, samples: list[Sample], *per_sample: Any) -> tuple[list[Any], list[list[int]]]:
+        """Megatron compute dispatch; returns (result of each DP shard, sample indices of each shard)."""
+        import ray
+
+        shards = split_by_groups([s.group_id for s in samples], self.layout.dp)
+        payloads = []
+        for idx in shards:
+            args = [[samples[i] for i in idx]]
+            args += [None if rows is None else [rows[i] for i in idx] for rows in per_sample]
+            payloads.append([ray.put(a) for a in args])
+        refs = [a.call.remote(method, *payloads[self.plan.shard_of_rank[r]]) for r, a in enumerate(self.ranks)]
+        outs = await self._gather(method, refs)
+        return [outs[r] for r in self.plan.collect_from], shards
+
+    async def _per_token(self, method: str, key: str, batch: Any, *per_sample: Any) -> PerToken:
+        samples = _samples(batch)
+        results, shards = await self._compute(method, samples, *per_sample)
+        out: list[Any] = [None] * len(samples)
+        for res, idx in zip(results, shards):
+            for i, row in zip(idx, res[key]):
+                out[i] = row
+        return out
+
+    async def _all(self, method: str, *args: Any) -> list[Any]:
+        return await self._gather(method, [getattr(a, method).remote(*args) for a in self.ranks])
+
+    # ------------------------------------------------------------------ API used by the trainer
+
+    async def compute_log_prob(self, batch: TrainBatch | Sequence[Sample]) -> PerToken:
+        return await self._per_token("compute_log_prob", "logprobs", batch)
+
+    async def compute_entropy(self, batch: TrainBatch | Sequence[Sample]) -> PerToken:
+        return await self._per_token("compute_log_prob", "entropy", batch)
+
+    async def compute_ref_log_prob(self, batch: TrainBatch | Sequence[Sample]) -> PerToken:
+        return await self._per_token("compute_ref_log_prob", "logprobs", batch)
+
+    async def compute_values(self, batch: TrainBatch | Sequence[Sample]) -> PerToken:
+        return await self._per_token("compute_values", "values", batch)
+
+    async def compute_rm_score(self, batch: TrainBatch | Sequence[Sample]) -> list[float]:
+        return await self._per_token("compute_rm_score", "scores", batch)
+
+    async def update_actor(
+        self, batch: TrainBatch | Sequence[Sample], advantages: PerToken, old_logprobs: PerToken,
+        ref_logprobs: PerToken | None = None,
+    ) -> dict[str, float]:
+        results, _ = await self._compute("update_actor", _samples(batch), advantages, old_logprobs, ref_logprobs)
+        return results[0]  # metrics are already reduced over DP inside the ranks
+
+    async def update_critic(self, batch: TrainBatch | Sequence[Sample], returns: PerToken, old_values: PerToken) -> dict[str, float]:
+        results, _ = await self._compute("update_critic", _samples(batch), returns, old_values)
+        return results[0]
+
+    async def export_hf_tensors_packed(self, bucket_mb: float) -> PackedExport:
+        outs = [o for o in await self._all("export_hf_tensors_packed", bucket_mb) if o is not None]
+        packed = PackedExport()
+        for o in sorted(outs, key=lambda o: o["pp_rank"]):
+            packed.buckets += o["buckets"]
+            packed.metas += o["metas"]
+        return packed
+
+    async def save_checkpoint(self, path: str) -> str:
+        return (await self._all("save_checkpoint", str(path)))[0]
+
+    async def load_checkpoint(self, path: str) -> dict[str, Any]:
+        return (await self._all("load_checkpoint", str(path)))[0]
+
+    async def state(self) -> list[dict[str, Any]]:
+        return await self._all("state")
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) < 4000 else text[:2000] + "\n...\n" + text[-2000:]

@@ -1,0 +1,135 @@
+"""Moving a role's params, grads and optimizer state off the accelerator and back (hybrid mode).
+
+Owns: the three moves, driven by a role's `RoleOffload` flags (`param_offload`, `grad_offload`,
+`optimizer_offload`), and the device-memory numbers around them. Between calls a role keeps what
+its flags say on the host; `onloaded()` brings it back for the duration of a compute call.
+
+Grads of Megatron DDP live in its contiguous grad buffers (`param.main_grad` are views into
+them), so those buffers' storage is freed (`resize_(0)`) and re-allocated zeroed on the way back,
+the way verl and slime do it; grads are always zeroed before the next step, so nothing is lost.
+
+On a CPU-only machine the host *is* the device: every move is a no-op and memory reads 0
+(`offload/noop` = 1). Must never: run while a forward/backward is in flight, or change numerics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from asyncrl.config import RoleOffload
+
+
+def device_memory_bytes() -> int:
+    """Bytes allocated on the current accelerator (0 on CPU-only machines)."""
+    return int(torch.cuda.memory_allocated()) if torch.cuda.is_available() else 0
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def move_params(chunks: list[torch.nn.Module], device: torch.device) -> None:
+    for c in chunks:
+        for p in c.parameters():
+            if p.device != device:
+                p.data = p.data.to(device, non_blocking=True)
+
+
+def _grad_buffers(chunks: list[torch.nn.Module]) -> list[Any]:
+    bufs = []
+    for c in chunks:
+        for attr in ("buffers", "expert_parallel_buffers"):
+            value = getattr(c, attr, None)
+            if isinstance(value, (list, tuple)):  # Megatron DDP's grad buffers; nn.Module.buffers is a method
+                bufs += list(value)
+    return bufs
+
+
+def free_grads(chunks: list[torch.nn.Module]) -> None:
+    for buf in _grad_buffers(chunks):
+        if buf.grad_data.device.type != "cpu" and buf.grad_data.untyped_storage().size() > 0:
+            buf._asyncrl_grad_bytes = buf.grad_data.untyped_storage().size()
+            buf.grad_data.untyped_storage().resize_(0)
+
+
+def restore_grads(chunks: list[torch.nn.Module]) -> None:
+    for buf in _grad_buffers(chunks):
+        size = getattr(buf, "_asyncrl_grad_bytes", 0)
+        if size and buf.grad_data.untyped_storage().size() == 0:
+            buf.grad_data.untyped_storage().resize_(size)
+            buf.grad_data.zero_()
+
+
+def move_optimizer_state(optimizer: Any, device: torch.device) -> None:
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    for o in opts:
+        inner = getattr(o, "optimizer", None)
+        if inner is None:
+            continue
+        for state in inner.state.values():
+            for k, v in state.items():
+                if torch.is_tensor(v) and v.device != device:
+                    state[k] = v.to(device, non_blocking=True)
+
+
+class Offloader:
+    """Applies one role's offload flags; a no-op when every flag is off or there is no accelerator."""
+
+    def __init__(self, chunks: list[torch.nn.Module], optimizer: Any, flags: RoleOffload) -> None:
+        self.chunks, self.optimizer, self.flags = chunks, optimizer, flags
+        self.enabled = flags.param_offload or flags.grad_offload or flags.optimizer_offload
+        self.offloaded = False
+        self.last_report: dict[str, float] = {}
+
+    def offload(self) -> dict[str, float]:
+        before = device_memory_bytes()
+        cpu = torch.device("cpu")
+        if self.flags.param_offload:
+            move_params(self.chunks, cpu)
+        if self.flags.grad_offload:
+            free_grads(self.chunks)
+        if self.flags.optimizer_offload and self.optimizer is not None:
+            move_optimizer_state(self.optimizer, cpu)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        self.offloaded = True
+        return self._report("offload", before)
+
+    def reload(self) -> dict[str, float]:
+        before = device_memory_bytes()
+        dev = _device()
+        if self.flags.param_offload:
+            move_params(self.chunks, dev)
+        if self.flags.grad_offload:
+            restore_grads(self.chunks)
+        if self.flags.optimizer_offload and self.optimizer is not None:
+            move_optimizer_state(self.optimizer, dev)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.offloaded = False
+        return self._report("reload", before)
+
+    def _report(self, what: str, before: int) -> dict[str, float]:
+        self.last_report = {
+            f"learner/{what}_mem_before_bytes": float(before),
+            f"learner/{what}_mem_after_bytes": float(device_memory_bytes()),
+            "learner/offload_noop": 0.0 if torch.cuda.is_available() else 1.0,
+        }
+        return self.last_report
+
+    @contextlib.contextmanager
+    def onloaded(self) -> Iterator[None]:
+        """Bring offloaded state back for a compute call, and put it away again after."""
+        if not self.enabled:
+            yield
+            return
+        self.reload()
+        try:
+            yield
+        finally:
+            self.offload()

@@ -1,0 +1,173 @@
+"""One learner rank as a Ray actor: process setup around exactly one role object.
+
+Owns: the process-level lifecycle of a rank (CPU compat on CPU-only hosts, `init_distributed`
+with rank 0's address, `init_model_parallel`, building the one role named at construction from a
+role-name -> class map), forwarding the role's public methods, packing exported HF tensors into
+weightsync buckets, distributed checkpoints (model + optimizer + LR schedule + RNG) and the
+profiler around training steps.
+
+Must never: hold role logic (the role classes do), decide data placement (the group does), or
+build more than one role per process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, ProfilerConfig
+
+# Role methods the group may call; anything else is refused with a clear error.
+ROLE_METHODS = frozenset({
+    "compute_log_prob", "compute_ref_log_prob", "compute_values", "compute_rm_score",
+    "update_actor", "update_critic", "state",
+})
+_TRAINING_METHODS = frozenset({"update_actor", "update_critic"})
+
+
+class LearnerRank:
+    """Wrapped with `ray.remote` by `LearnerGroup`; plain class so it is testable without Ray."""
+
+    def __init__(
+        self, rank: int, world_size: int, role: str, model_cfg: ModelConfig, learner_cfg: LearnerConfig,
+        algorithm_cfg: AlgorithmConfig, profiler_cfg: ProfilerConfig | None = None,
+        role_classes: dict[str, type] | None = None,
+    ) -> None:
+        if role_classes is None:
+            from asyncrl.learner.roles import ROLE_CLASSES
+
+            role_classes = ROLE_CLASSES
+        if role not in role_classes:
+            raise ValueError(f"unknown learner role {role!r}; known: {sorted(role_classes)}")
+        self.rank, self.world_size, self.role_name = rank, world_size, role
+        self.role_cls = role_classes[role]
+        self.model_cfg, self.learner_cfg, self.algorithm_cfg = model_cfg, learner_cfg, algorithm_cfg
+        self.profiler_cfg = profiler_cfg
+        self.role: Any = None
+        self.layout: Any = None
+        self.coords: Any = None
+
+    # ------------------------------------------------------------------ setup
+
+    def master_address(self) -> tuple[str, int]:
+        """An address and a free port on this rank's node, for rank 0 to host the rendezvous."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int, timeout_s: float = 600.0) -> dict[str, Any]:
+        import torch
+        from transformers import AutoConfig
+
+        from asyncrl.learner.compat import install_cpu_compat
+        from asyncrl.learner.parallel import init_distributed, init_model_parallel, rank_coords
+        from asyncrl.learner.profiler import StepProfiler
+        from asyncrl.learner.roles.base import RoleContext
+
+        threads = max(1, int(self.learner_cfg.num_cpus_per_rank))
+        torch.set_num_threads(threads)  # ranks share cores: don't let each grab them all
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        self._compat = install_cpu_compat()
+        torch.manual_seed(self.learner_cfg.seed)
+        with self._thread():
+            init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=timeout_s)
+            hf = AutoConfig.from_pretrained(self.model_cfg.path, trust_remote_code=self.model_cfg.trust_remote_code)
+            self.layout = init_model_parallel(self.learner_cfg, hf)
+            self.coords = rank_coords(self.rank, self.layout)
+            ctx = RoleContext(self.model_cfg, self.learner_cfg, self.algorithm_cfg, hf, self.layout, self.rank)
+            self.role = self.role_cls(ctx)
+        self.profiler = StepProfiler(self.profiler_cfg, self.rank)
+        return {"rank": self.rank, "coords": self.coords.__dict__, "cpu_compat": self._compat.active}
+
+    def _thread(self):
+        # Torch function modes are per thread; Ray may run calls on another thread than setup's.
+        from asyncrl.learner.compat import cpu_compat_thread
+
+        return cpu_compat_thread()
+
+    def _ready(self) -> None:
+        if self.role is None:
+            raise RuntimeError(f"rank {self.rank}: setup() has not run")
+
+    # ------------------------------------------------------------------ role calls
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run `role.method(*args)`; the answer of non-collecting ranks is None (nothing shipped)."""
+        self._ready()
+        if method not in ROLE_METHODS or not hasattr(self.role, method):
+            raise AttributeError(f"role {self.role_name!r} has no method {method!r}")
+        with self._thread():
+            if method in _TRAINING_METHODS:
+                with self.profiler.step():
+                    return getattr(self.role, method)(*args, **kwargs)
+            return getattr(self.role, method)(*args, **kwargs)
+
+    def export_hf_tensors_packed(self, bucket_mb: float) -> dict[str, Any] | None:
+        """Pack this PP stage's HF tensors into buckets and `ray.put` them (sending ranks only).
+
+        Every rank drives the export iterator to its end (its TP/EP gathers are collective);
+        only TP rank 0 / CP rank 0 / DP rank 0 of each stage packs and puts.
+        """
+        import ray
+
+        from asyncrl.weightsync.bucket import iter_buckets
+
+        self._ready()
+        c = self.coords
+        with self._thread():
+            tensors = self.role.export_hf_tensors()
+            if not (c.tp == 0 and c.cp == 0 and c.dp == 0):
+                for _ in tensors:
+                    pass
+                return None
+            refs, metas = [], []
+            for bucket in iter_buckets(tensors, bucket_mb):
+                metas.append(list(bucket.metas))
+                refs.append(ray.put(bucket))
+                del bucket  # one packed bucket alive at a time in this heap
+        return {"pp_rank": c.pp, "buckets": refs, "metas": metas}
+
+    # ------------------------------------------------------------------ checkpoints / state
+
+    def _checkpoint_parts(self) -> tuple[list[Any], Any, Any]:
+        # checkpoint.py unwraps Megatron DDP to the bare models (same parameter objects).
+        return self.role.checkpoint_parts()
+
+    def save_checkpoint(self, path: str) -> str:
+        from asyncrl.learner.checkpoint import save_checkpoint
+
+        self._ready()
+        chunks, optimizer, schedule = self._checkpoint_parts()
+        with self._thread():
+            out = save_checkpoint(path, chunks, optimizer, extra={"role": self.role_name}, scheduler=schedule)
+        return str(out)
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        from asyncrl.learner.checkpoint import load_checkpoint
+
+        self._ready()
+        chunks, optimizer, schedule = self._checkpoint_parts()
+        with self._thread():
+            return load_checkpoint(path, chunks, optimizer, scheduler=schedule)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "role": self.role_name,
+            "ready": self.role is not None,
+            "coords": self.coords.__dict__ if self.coords else None,
+            "metrics": self.role.state() if self.role is not None else {},
+            "trace": str(self.profiler.trace_path) if getattr(self, "profiler", None) and self.profiler.trace_path else None,
+        }
+
+    def teardown(self) -> None:
+        from asyncrl.learner.parallel import destroy_model_parallel
+
+        if self.role is not None:
+            self.role = None
+            with self._thread():
+                destroy_model_parallel()

@@ -1,0 +1,75 @@
+"""Gradient accumulation that equals the full-batch loss, whatever the micro-batching and DP split.
+
+Owns: the denominator each aggregation mode divides by, and the factor that turns one
+micro-batch's `aggregate(...)` into its exact share of the loss over the whole (all-DP) batch.
+
+Why: `aggregate` normalises by its own micro-batch (token count, sequence count, or B * L).
+Summing those would weight micro-batches equally, not tokens/sequences. With D_mb the
+micro-batch's denominator and D the batch's (summed over DP ranks),
+    share = aggregate_mb * D_mb / D,   and  sum over micro-batches and DP ranks of share = loss.
+Megatron then divides each micro-batch loss by the number of micro-batches and DDP averages
+grads over DP, so the value handed back to Megatron is `share * num_microbatches * dp_size`.
+
+Must never: compute a loss itself (asyncrl.algorithms does) or hold state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncrl.algorithms.losses import AggMode
+from asyncrl.algorithms.utils import LOG_RATIO_CLAMP
+
+
+def denominator(mask: torch.Tensor, mode: AggMode) -> float:
+    """What `aggregate(values, mask, mode)` divides by, before its clamp to >= 1."""
+    m = mask != 0
+    if mode == "token-mean":
+        return float(m.sum())
+    if mode == "seq-mean-token-sum-norm":
+        return float(m.numel())
+    return float((m.sum(-1) > 0).sum())
+
+
+def dp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size()
+
+
+def dp_sum(values: list[float]) -> list[float]:
+    """Sum floats over the data-parallel group of this rank (identity without DP)."""
+    from megatron.core import parallel_state as ps
+
+    from asyncrl.learner.parallel import collective_device
+
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    if ps.get_data_parallel_world_size() > 1:
+        torch.distributed.all_reduce(t, group=ps.get_data_parallel_group())
+    return t.tolist()
+
+
+def dp_mean(metrics: dict[str, float]) -> dict[str, float]:
+    """Average a metric dict over the DP group (same keys on every rank)."""
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_world_size()
+    if dp == 1 or not metrics:
+        return metrics
+    keys = sorted(metrics)
+    return dict(zip(keys, (v / dp for v in dp_sum([metrics[k] for k in keys]))))
+
+
+def behavior_loss_mask(
+    mask: torch.Tensor, old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor | None, cap: float | None
+) -> torch.Tensor:
+    """The policy loss's token mask: valid and not capped by the decoupled-PPO weight cap.
+
+    Mirrors `asyncrl.algorithms.losses._behavior_correction`, so denominators can be computed for
+    the whole batch before any micro-batch runs.
+    """
+    m = mask != 0
+    if behavior_logprobs is None or cap is None:
+        return m
+    w = torch.exp(torch.clamp(old_logprobs - behavior_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    return m & ~(w > cap)

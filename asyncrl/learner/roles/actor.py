@@ -1,0 +1,185 @@
+"""The actor role: the policy's log-probs and its PPO / GRPO / GSPO updates, inside one rank.
+
+Owns: `compute_log_prob` (proximal log-probs + entropy of response tokens) and `update_actor`
+(`ppo_epochs` passes, each one guarded optimizer step over gradient-accumulated micro-batches,
+with the policy loss from `asyncrl.algorithms`, the decoupled correction against the engine's
+behaviour log-probs, and the KL loss term when `kl_mode == "loss"` and `kl_coef > 0`).
+
+Must never: know about Ray or other ranks' data (the rank actor and group do), or compute
+advantages (the trainer does). Per-token inputs and outputs use the response layout of
+`asyncrl.learner.batching` (one python list per sample, one float per response token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from asyncrl.algorithms import gspo_policy_loss, kl_loss_term, ppo_policy_loss
+from asyncrl.learner.batching import MicroBatch, response_tensor, unpad_response
+from asyncrl.learner.offload import Offloader
+from asyncrl.learner.roles.accumulate import behavior_loss_mask, denominator, dp_mean, dp_size, dp_sum
+from asyncrl.learner.roles.base import ModelRunner, RoleContext
+from asyncrl.learner.roles.optim import GuardedOptimizer
+from asyncrl.types import Sample
+
+PerToken = list[list[float]]
+
+
+def _width(samples: Sequence[Sample]) -> int:
+    return max(1, max((len(s.response_ids) for s in samples), default=1))
+
+
+def compute_token_logprobs(
+    runner: ModelRunner, samples: Sequence[Sample], with_entropy: bool = True
+) -> dict[str, PerToken] | None:
+    """Log-probs (and entropy) of every response token; None on ranks that hold no logits."""
+    width = _width(samples)
+    mbs = runner.micro_batches(samples, width)
+
+    def loss_fn(mb: MicroBatch, logits: torch.Tensor):
+        lp, ent = runner.token_logprobs(logits, mb, with_entropy=with_entropy)
+        return lp.sum() * 0.0, {"mb": mb, "logprobs": lp, "entropy": ent}
+
+    with torch.no_grad():
+        outs = runner.run(mbs, loss_fn, forward_only=True)
+    if not outs or runner.tp_rank != 0:
+        return None
+    lengths = [len(s.response_ids) for s in samples]
+    result: dict[str, PerToken] = {"logprobs": [[] for _ in samples]}
+    if with_entropy:
+        result["entropy"] = [[] for _ in samples]
+    for o in outs:
+        idx = o["mb"].sample_index
+        for key in result:
+            rows = unpad_response(o[key], [lengths[i] for i in idx])
+            for i, row in zip(idx, rows):
+                result[key][i] = row
+    return result
+
+
+class ActorRole:
+    """Policy model + optimizer of one rank."""
+
+    offload_key = "actor"
+
+    def __init__(self, ctx: RoleContext) -> None:
+        self.ctx = ctx
+        self.runner = ModelRunner(ctx, head="lm", trainable=True)
+        self.optim = GuardedOptimizer(self.runner.chunks, ctx.learner_cfg, ctx.model_cfg.dtype)
+        self.offloader = Offloader(self.runner.chunks, self.optim.optimizer, ctx.learner_cfg.actor)
+
+    # ------------------------------------------------------------------ inference
+
+    def compute_log_prob(self, samples: Sequence[Sample]) -> dict[str, PerToken] | None:
+        with self.offloader.onloaded():
+            return compute_token_logprobs(self.runner, samples)
+
+    # ------------------------------------------------------------------ update
+
+    def update_actor(
+        self, samples: Sequence[Sample], advantages: PerToken, old_logprobs: PerToken,
+        ref_logprobs: PerToken | None = None,
+    ) -> dict[str, float]:
+        algo, cfg = self.ctx.algorithm_cfg, self.ctx.learner_cfg
+        use_kl = ref_logprobs is not None and algo.kl_mode == "loss" and algo.kl_coef > 0
+        width = _width(samples)
+        mbs = self.runner.micro_batches(samples, width)
+        # Without engine log-probs (e.g. a synchronous recompute) there is nothing to correct.
+        has_behavior = all(len(s.behavior_logprobs) == len(s.response_ids) for s in samples)
+        behavior = [s.behavior_logprobs for s in samples] if has_behavior else None
+        inputs = [self._mb_inputs(mb, width, advantages, old_logprobs, behavior, ref_logprobs if use_kl else None) for mb in mbs]
+        # Batch-wide denominators (all micro-batches, all DP ranks): see accumulate.py.
+        pg_d = dp_sum([sum(x["pg_denom"] for x in inputs)])[0]
+        kl_d = dp_sum([sum(denominator(mb.response_mask, algo.loss_agg) for mb in mbs)])[0]
+        scale_back = len(mbs) * dp_size()
+        by_mb = {id(mb): x for mb, x in zip(mbs, inputs)}
+
+        def loss_fn(mb: MicroBatch, logits: torch.Tensor):
+            x = by_mb[id(mb)]
+            lp, ent = self.runner.token_logprobs(logits, mb, with_entropy=True)
+            kw = dict(behavior_logprobs=x["behavior"], behavior_weight_cap=algo.behavior_weight_cap, agg=algo.loss_agg)
+            if algo.policy_loss == "gspo":
+                pg, metrics = gspo_policy_loss(lp, x["old"], x["adv"], mb.response_mask, clip_low=algo.clip_low, clip_high=algo.clip_high, **kw)
+            else:
+                pg, metrics = ppo_policy_loss(lp, x["old"], x["adv"], mb.response_mask, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, **kw)
+            share = pg * (x["pg_denom"] / max(pg_d, 1.0))
+            metrics["actor/pg_loss"] = share.item()
+            loss = share
+            if x["ref"] is not None:
+                kl, kl_metrics = kl_loss_term(lp, x["ref"], mb.response_mask, coef=algo.kl_coef, kind=algo.kl_kind, agg=algo.loss_agg)
+                kl_share = kl * (denominator(mb.response_mask, algo.loss_agg) / max(kl_d, 1.0))
+                metrics["actor/kl_loss_share"] = kl_share.item()
+                loss = loss + kl_share
+            metrics["actor/entropy"] = ent[mb.response_mask].mean().item() if mb.response_mask.any() else 0.0
+            metrics["actor/loss"] = loss.item()
+            return loss * scale_back, metrics
+
+        out: dict[str, float] = {}
+        with self.offloader.onloaded():
+            for epoch in range(cfg.ppo_epochs):
+                step = self._one_step(mbs, loss_fn)
+                out = step if epoch == 0 else {k: out.get(k, 0.0) + v for k, v in step.items()}
+        if cfg.ppo_epochs > 1:
+            out = {k: v / cfg.ppo_epochs for k, v in out.items()}
+        out["actor/skipped_steps"] = float(self.optim.skipped_steps)
+        out["actor/applied_steps"] = float(self.optim.applied_steps)
+        return out
+
+    def _one_step(self, mbs: list[MicroBatch], loss_fn) -> dict[str, float]:
+        self.optim.zero_grad()
+        outs = self.runner.run(mbs, loss_fn, forward_only=False)
+        metrics = _reduce_micro_metrics(outs)
+        if outs:
+            metrics = dp_mean(metrics)
+            # Losses are shares of the whole batch: the DP mean times DP is their sum.
+            for k in ("actor/pg_loss", "actor/kl_loss_share", "actor/loss"):
+                if k in metrics:
+                    metrics[k] *= dp_size()
+        loss = metrics.get("actor/loss", 0.0)
+        step = self.optim.step(loss_finite=bool(torch.isfinite(torch.tensor(loss))))
+        metrics.update({"actor/grad_norm": step["grad_norm"], "actor/lr": step["lr"], "actor/step_skipped": step["skipped"]})
+        return metrics
+
+    def _mb_inputs(self, mb, width, advantages, old_logprobs, behavior, ref_logprobs) -> dict[str, Any]:
+        algo, idx = self.ctx.algorithm_cfg, mb.sample_index
+        old = response_tensor(old_logprobs, idx, width)
+        beh = response_tensor(behavior, idx, width) if behavior is not None else None
+        loss_mask = behavior_loss_mask(mb.response_mask, old, beh, algo.behavior_weight_cap)
+        return {
+            "adv": response_tensor(advantages, idx, width),
+            "old": old,
+            "behavior": beh,
+            "ref": response_tensor(ref_logprobs, idx, width) if ref_logprobs is not None else None,
+            "pg_denom": denominator(loss_mask, algo.loss_agg),
+        }
+
+    # ------------------------------------------------------------------ export / checkpoint
+
+    def export_hf_tensors(self):
+        return self.runner.export_hf_tensors()
+
+    def checkpoint_parts(self) -> tuple[list[torch.nn.Module], Any, Any]:
+        return self.runner.chunks, self.optim.optimizer, self.optim.schedule
+
+    def state(self) -> dict[str, float]:
+        return {
+            "actor/applied_steps": float(self.optim.applied_steps),
+            "actor/skipped_steps": float(self.optim.skipped_steps),
+            "actor/lr": self.optim.schedule.lr,
+        }
+
+
+def _reduce_micro_metrics(outs: list[dict[str, Any]]) -> dict[str, float]:
+    """Loss shares are summed over micro-batches; every other metric is averaged."""
+    if not outs:
+        return {}
+    summed = ("actor/pg_loss", "actor/kl_loss_share", "actor/loss", "critic/vf_loss", "critic/loss")
+    keys = sorted({k for o in outs for k in o})
+    res = {}
+    for k in keys:
+        vals = [float(o[k]) for o in outs if k in o]
+        res[k] = sum(vals) if k in summed else sum(vals) / len(vals)
+    return res

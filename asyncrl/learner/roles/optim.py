@@ -1,0 +1,120 @@
+"""The optimizer half of a trainable role: Megatron optimizer, LR schedule, clipping, NaN guard.
+
+Owns: building `get_megatron_optimizer` (Adam) for DDP-wrapped chunks with `clip_grad=0` (Megatron's
+clip asserts CUDA tensors; `compat.clip_grad_norm_` clips over TP/PP instead), the LR schedule
+(constant / linear / cosine after linear warmup), and one guarded step: a step whose loss or
+grad norm is not finite on ANY rank is skipped everywhere (no parameter or optimizer-state
+change) and counted.
+
+Must never: run forward/backward (roles do), or advance the schedule on a skipped step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from asyncrl.config import LearnerConfig
+
+
+def lr_at(step: int, cfg: LearnerConfig) -> float:
+    """LR for optimizer step `step` (0-based count of applied steps).
+
+    warmup (step < W): lr * (step + 1) / W; then, with d = min(step - W, D) / D (D = lr_decay_steps):
+    constant: lr;  linear: lr - (lr - min_lr) * d;  cosine: min_lr + (lr - min_lr) * (1 + cos(pi d)) / 2.
+    """
+    if step < cfg.lr_warmup_steps:
+        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
+    if cfg.lr_decay_style == "constant":
+        return cfg.lr
+    d = min(step - cfg.lr_warmup_steps, cfg.lr_decay_steps) / cfg.lr_decay_steps
+    if cfg.lr_decay_style == "linear":
+        return cfg.lr - (cfg.lr - cfg.min_lr) * d
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * d))
+
+
+class LRSchedule:
+    """Sets the optimizer's LR from `lr_at`; its state (the step count) goes into checkpoints."""
+
+    def __init__(self, optimizer: Any, cfg: LearnerConfig) -> None:
+        self.optimizer, self.cfg, self.num_steps = optimizer, cfg, 0
+        self._apply()
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.num_steps, self.cfg)
+
+    @property
+    def lr(self) -> float:
+        return lr_at(self.num_steps, self.cfg)
+
+    def step(self) -> None:
+        self.num_steps += 1
+        self._apply()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.num_steps = int(state["num_steps"])
+        self._apply()
+
+
+class GuardedOptimizer:
+    """Megatron optimizer + schedule + global-norm clip + skip on non-finite loss or grads."""
+
+    def __init__(self, chunks: list[torch.nn.Module], cfg: LearnerConfig, dtype: str) -> None:
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.utils import get_model_config
+
+        self.chunks, self.cfg = chunks, cfg
+        opt_cfg = OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=0.0,
+            bf16=dtype == "bfloat16", fp16=dtype == "float16", params_dtype=torch.float32,
+            use_distributed_optimizer=False,
+        )
+        self.optimizer = get_megatron_optimizer(opt_cfg, chunks)
+        self.schedule = LRSchedule(self.optimizer, cfg)
+        model_cfg = get_model_config(chunks[0])
+        # DP grad all-reduce (and tied-embedding sync over PP) after the last micro-batch.
+        model_cfg.finalize_model_grads_func = finalize_model_grads
+        model_cfg.grad_scale_func = self.optimizer.scale_loss
+        self.skipped_steps = 0
+        self.applied_steps = 0
+
+    def zero_grad(self) -> None:
+        for c in self.chunks:
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def _main_params(self) -> list[torch.nn.Parameter]:
+        opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [p for o in opts for p in o.get_parameters()]
+
+    def step(self, loss_finite: bool) -> dict[str, float]:
+        """Clip and apply the accumulated grads unless the loss or the grad norm is not finite anywhere."""
+        from asyncrl.learner.compat import clip_grad_norm_
+        from asyncrl.learner.parallel import collective_device
+
+        lr = self.schedule.lr
+        found_inf = self.optimizer.prepare_grads()
+        norm = clip_grad_norm_(self._main_params(), 0.0)  # measure first: clipping nan grads is moot
+        bad = torch.tensor([0.0 if (loss_finite and not found_inf and math.isfinite(norm)) else 1.0],
+                           device=collective_device())
+        if torch.distributed.is_initialized():
+            # A nan on one DP shard must skip the step on every rank, or replicas diverge.
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        if bad.item() > 0:
+            self.skipped_steps += 1
+            self.zero_grad()
+            return {"skipped": 1.0, "grad_norm": norm, "lr": lr}
+        if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
+            clip_grad_norm_(self._main_params(), self.cfg.grad_clip)
+        self.optimizer.step_with_ready_grads()
+        self.schedule.step()
+        self.applied_steps += 1
+        return {"skipped": 0.0, "grad_norm": norm, "lr": lr}

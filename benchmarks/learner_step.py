@@ -1,0 +1,433 @@
+"""Learner on one device: HF parity, HF<->Megatron round trip, and the actor's training-step time.
+
+Sections (each one runs even when an earlier one failed; the error is recorded in the output):
+
+  parity  float32, TF32 off: Megatron `GPTModel` built from the HF config and loaded through
+          `asyncrl.learner.convert` against `transformers` (eager attention) on the same ids:
+          max |logit diff| and max |log-prob diff|; then every exported HF tensor against the
+          checkpoint, bit for bit.
+  bare    the baseline: the same `GPTModel` (in --dtype), a plain loop of `model(...)` + token
+          cross-entropy + `loss.backward()` over the batch's micro-batches; no optimizer.
+  role    our `ActorRole` in this process (Megatron DDP + optimizer + GRPO loss): `compute_log_prob`
+          and `update_actor` (one optimizer step) on the same batch, plus the optimizer step alone.
+  group   the same through `LearnerGroup` (one Ray rank actor, world_size 1), as the trainer calls it.
+
+The batch is fixed: --batch sequences of --seq-len tokens (--prompt-len prompt + the rest response),
+random ids, GRPO groups of --group-size with +-1 advantages. Prints one JSON object and writes it
+to --out after every section.
+
+MFU = 6 * parameters * tokens / seconds / peak, with peak 989e12 (H100 SXM dense bf16; pass
+--peak-flops for another device). Parameters count the tied embedding once; attention's
+sequence-quadratic FLOPs are not counted.
+
+    python benchmarks/learner_step.py --model /tmp/qwen2-0.5b-random --out /tmp/learner.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS: dict[str, Any] = {"benchmark": "learner_step"}
+
+
+def _save(path: str | None) -> None:
+    if path:
+        Path(path).write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib() -> float:
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else 0.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def section(name: str, out: str | None):
+    """Decorator: run, time and record one section; a failure is recorded, not raised."""
+
+    def wrap(fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            print(f"[learner_step] {name} ...", flush=True)
+            try:
+                RESULTS[name] = fn(*args, **kwargs)
+                RESULTS[name]["section_seconds"] = round(time.perf_counter() - t0, 1)
+            except BaseException as e:  # noqa: BLE001 - record and go on to the next section
+                RESULTS[name] = {"error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()[-6000:]}
+                print(traceback.format_exc(), file=sys.stderr, flush=True)
+            print(f"[learner_step] {name}: {json.dumps(RESULTS[name], default=str)[:3000]}", flush=True)
+            _save(out)
+            _free()
+
+        return run
+
+    return wrap
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def make_samples(batch: int, seq_len: int, prompt_len: int, group_size: int, vocab: int, seed: int = 0):
+    from asyncrl.types import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    resp = seq_len - prompt_len
+    return [
+        Sample(
+            prompt_ids=torch.randint(3, vocab, (prompt_len,), generator=g).tolist(),
+            response_ids=torch.randint(3, vocab, (resp,), generator=g).tolist(),
+            behavior_logprobs=[], versions=[0] * resp, reward=float(i % 2), group_id=i // group_size,
+        )
+        for i in range(batch)
+    ]
+
+
+def advantages(samples) -> list[list[float]]:
+    return [[1.0 if s.reward > 0 else -1.0] * len(s.response_ids) for s in samples]
+
+
+def stats(times: list[float], tokens: int, params: int, peak_flops: float) -> dict[str, float]:
+    mean = sum(times) / len(times)
+    return {
+        "seconds_per_step": round(mean, 4), "seconds_min": round(min(times), 4), "steps_timed": len(times),
+        "tokens_per_step": tokens, "tokens_per_s": round(tokens / mean, 1),
+        "mfu": round(6 * params * tokens / mean / peak_flops, 4),
+    }
+
+
+# ----------------------------------------------------------------------------- process setup
+
+
+def init_single_rank() -> Any:
+    """torch.distributed (nccl on GPU, gloo + CPU compat otherwise) and Megatron's groups, world 1."""
+    from transformers import AutoConfig
+
+    from asyncrl.config import LearnerConfig
+    from asyncrl.learner.compat import install_cpu_compat
+    from asyncrl.learner.parallel import init_distributed, init_model_parallel
+
+    handle = install_cpu_compat()
+    RESULTS.setdefault("env", {})["cpu_compat_active"] = handle.active
+    RESULTS["env"]["cpu_compat_reason"] = handle.reason
+    backend = init_distributed(0, 1, "127.0.0.1", _free_port())
+    RESULTS["env"]["backend"] = backend
+    hf = AutoConfig.from_pretrained(ARGS.model)
+    init_model_parallel(LearnerConfig(world_size=1), hf)
+    return hf
+
+
+def build(hf: Any, dtype: str) -> list:
+    from asyncrl.learner.convert import load_hf_weights
+    from asyncrl.learner.model import build_model_chunks
+
+    chunks = build_model_chunks(hf, {}, dtype)
+    load_hf_weights(chunks, ARGS.model, hf)
+    return chunks
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def parity(hf: Any) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.learner.convert import SafetensorsDir, export_hf_tensors, hf_tensor_names
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    dev = device()
+    chunks = build(hf, "float32")
+    (model,) = chunks
+    model.eval()
+    ref = AutoModelForCausalLM.from_pretrained(ARGS.model, dtype=torch.float32, attn_implementation="eager").to(dev).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, hf.vocab_size, (ARGS.parity_batch, ARGS.parity_tokens), generator=g).to(dev)
+    pos = torch.arange(ids.shape[1], device=dev).expand_as(ids)
+    with torch.no_grad():
+        ours = model(ids, pos, None)[..., : hf.vocab_size].float()
+        theirs = ref(ids).logits.float()
+    diff = (ours - theirs).abs()
+    lp_diff = (ours.log_softmax(-1) - theirs.log_softmax(-1)).abs()
+    out: dict[str, Any] = {
+        "dtype": "float32", "tf32": False, "hf_attn_implementation": "eager",
+        "ids_shape": list(ids.shape), "logits_max_abs_diff": float(diff.max()),
+        "logits_mean_abs_diff": float(diff.mean()), "logits_max_abs": float(theirs.abs().max()),
+        "logprobs_max_abs_diff": float(lp_diff.max()),
+        "argmax_agreement": float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()),
+    }
+    del ref, ours, theirs, diff, lp_diff
+    _free()
+    reader = SafetensorsDir(ARGS.model)
+    exported, mismatched, dtypes = [], [], set()
+    for name, t in export_hf_tensors(chunks, hf):
+        exported.append(name)
+        want = reader.get(name)
+        dtypes.add(str(want.dtype))
+        back = t.detach().to("cpu", want.dtype)  # Megatron float32 -> checkpoint dtype: exact when lossless
+        if back.shape != want.shape or not torch.equal(_bits(back), _bits(want)):
+            mismatched.append(name)
+    expected = hf_tensor_names(hf)
+    out.update({
+        "roundtrip_tensors": len(exported), "roundtrip_expected": len(expected),
+        "roundtrip_same_names": sorted(exported) == sorted(expected),
+        "roundtrip_bit_exact": not mismatched and sorted(exported) == sorted(expected),
+        "roundtrip_mismatched": mismatched[:10], "checkpoint_dtypes": sorted(dtypes),
+        "params": sum(p.numel() for p in model.parameters()), "peak_gib": _peak_gib(),
+    })
+    del chunks, model
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def bare(hf: Any) -> dict[str, Any]:
+    """Plain Megatron forward + backward on the batch's micro-batches: the floor the learner adds to."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    dev = device()
+    (model,) = build(hf, ARGS.dtype)
+    model.train()
+    params = sum(p.numel() for p in model.parameters())
+    samples = make_samples(ARGS.batch, ARGS.seq_len, ARGS.prompt_len, ARGS.group_size, hf.vocab_size)
+    ids = torch.tensor([s.prompt_ids + s.response_ids for s in samples], device=dev)
+    pos = torch.arange(ids.shape[1], device=dev).expand_as(ids)
+    labels = torch.roll(ids, -1, dims=1)
+
+    def step() -> None:
+        for a in range(0, ids.shape[0], ARGS.micro_batch_size):
+            sl = slice(a, a + ARGS.micro_batch_size)
+            logits = model(ids[sl], pos[sl], None)  # [b, s, V]
+            loss = vocab_parallel_cross_entropy(logits.float(), labels[sl]).mean()  # every token, full vocab
+            loss.backward()
+        model.zero_grad(set_to_none=False)
+
+    times = timed(step)
+    out = {"dtype": ARGS.dtype, "micro_batch_size": ARGS.micro_batch_size, "params": params,
+           **stats(times, ids.numel(), params, ARGS.peak_flops), "peak_gib": _peak_gib()}
+    del model
+    return out
+
+
+def timed(fn) -> list[float]:
+    for _ in range(ARGS.warmup):
+        fn()
+    _sync()
+    times = []
+    for _ in range(ARGS.steps):
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _configs():
+    from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig
+
+    model = ModelConfig(path=ARGS.model, dtype=ARGS.dtype, max_model_len=ARGS.seq_len)
+    learner = LearnerConfig(world_size=1, micro_batch_size=ARGS.micro_batch_size, lr=1e-6,
+                            num_cpus_per_rank=ARGS.num_cpus_per_rank,
+                            num_gpus_per_rank=1.0 if torch.cuda.is_available() else 0.0)
+    algo = AlgorithmConfig(group_size=ARGS.group_size)
+    return model, learner, algo
+
+
+def role(hf: Any) -> dict[str, Any]:
+    from asyncrl.learner.parallel import ParallelLayout
+    from asyncrl.learner.roles import ActorRole, RoleContext
+
+    model_cfg, learner_cfg, algo = _configs()
+    actor = ActorRole(RoleContext(model_cfg, learner_cfg, algo, hf, ParallelLayout(world_size=1), 0))
+    params = sum(p.numel() for p in actor.runner.parameters())
+    samples = make_samples(ARGS.batch, ARGS.seq_len, ARGS.prompt_len, ARGS.group_size, hf.vocab_size)
+    tokens = ARGS.batch * ARGS.seq_len
+    lp = actor.compute_log_prob(samples)
+    batch = [_with_behavior(s, row) for s, row in zip(samples, lp["logprobs"])]
+    adv = advantages(samples)
+    metrics: dict[str, float] = {}
+
+    def update() -> None:
+        metrics.update(actor.update_actor(batch, adv, lp["logprobs"]))
+
+    logprob_times = timed(lambda: actor.compute_log_prob(samples))
+    update_times = timed(update)
+    actor.optim.zero_grad()
+    optim_times = timed(lambda: actor.optim.step(loss_finite=True))
+    return {
+        "dtype": ARGS.dtype, "micro_batch_size": ARGS.micro_batch_size, "params": params,
+        "update_actor": stats(update_times, tokens, params, ARGS.peak_flops),
+        "compute_log_prob": stats(logprob_times, tokens, params, ARGS.peak_flops),
+        "optimizer_step_seconds": round(sum(optim_times) / len(optim_times), 4),
+        "last_metrics": {k: metrics[k] for k in sorted(metrics) if k.startswith("actor/")},
+        "peak_gib": _peak_gib(),
+    }
+
+
+def _with_behavior(sample, row):
+    import msgspec
+
+    return msgspec.structs.replace(sample, behavior_logprobs=list(row))
+
+
+def group() -> dict[str, Any]:
+    import ray
+
+    from asyncrl.learner.group import LearnerGroup
+
+    model_cfg, learner_cfg, algo = _configs()
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(ARGS.model).vocab_size
+    samples = make_samples(ARGS.batch, ARGS.seq_len, ARGS.prompt_len, ARGS.group_size, vocab)
+    tokens = ARGS.batch * ARGS.seq_len
+    # Integer counts: a float num_cpus reaches the raylet's command line and it never starts.
+    ray.init(num_cpus=int(ARGS.num_cpus_per_rank + 2), num_gpus=1 if torch.cuda.is_available() else 0,
+             include_dashboard=False, log_to_driver=True)
+
+    async def go() -> dict[str, Any]:
+        g = LearnerGroup("actor", model_cfg, learner_cfg, algo)
+        t0 = time.perf_counter()
+        setup = await g.start()
+        start_s = time.perf_counter() - t0
+        try:
+            lp = await g.compute_log_prob(samples)
+            batch = [_with_behavior(s, row) for s, row in zip(samples, lp)]
+            adv = advantages(samples)
+
+            async def timed_async(fn) -> list[float]:
+                for _ in range(ARGS.warmup):
+                    await fn()
+                times = []
+                for _ in range(ARGS.steps):
+                    t = time.perf_counter()
+                    await fn()
+                    times.append(time.perf_counter() - t)
+                return times
+
+            metrics: dict[str, float] = {}
+
+            async def update() -> None:
+                metrics.update(await g.update_actor(batch, adv, lp))
+
+            logprob_times = await timed_async(lambda: g.compute_log_prob(samples))
+            update_times = await timed_async(update)
+            params = RESULTS.get("role", {}).get("params") or RESULTS.get("bare", {}).get("params") or 0
+            return {
+                "setup": setup, "start_seconds": round(start_s, 1), "params": params,
+                "update_actor": stats(update_times, tokens, params or 1, ARGS.peak_flops),
+                "compute_log_prob": stats(logprob_times, tokens, params or 1, ARGS.peak_flops),
+                "last_metrics": {k: metrics[k] for k in sorted(metrics) if k.startswith("actor/")},
+            }
+        finally:
+            await g.shutdown()
+
+    try:
+        return asyncio.run(go())
+    finally:
+        ray.shutdown()
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def env() -> dict[str, Any]:
+    import importlib.metadata as md
+
+    out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    for pkg in ("megatron-core", "transformers", "ray"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    if torch.cuda.is_available():
+        out["device_name"] = torch.cuda.get_device_name()
+    try:
+        import transformer_engine  # noqa: F401
+
+        out["transformer_engine"] = True
+    except ImportError:
+        out["transformer_engine"] = False
+    return out
+
+
+def main() -> None:
+    global ARGS
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="HF checkpoint dir (e.g. from make_random_qwen2.py)")
+    ap.add_argument("--sections", default="parity,bare,role,group")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="training dtype (parity is always float32)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--parity-batch", type=int, default=2)
+    ap.add_argument("--parity-tokens", type=int, default=256)
+    ap.add_argument("--num-cpus-per-rank", type=float, default=4.0)
+    ap.add_argument("--peak-flops", type=float, default=989e12)
+    ap.add_argument("--out", default=None, help="also write the JSON here (rewritten after each section)")
+    ARGS = ap.parse_args()
+    ARGS.model = os.path.abspath(ARGS.model)
+    wanted = ARGS.sections.split(",")
+    RESULTS["env"] = env()
+    RESULTS["args"] = vars(ARGS)
+    _save(ARGS.out)
+    in_process = [s for s in ("parity", "bare", "role") if s in wanted]
+    if in_process:
+        hf = init_single_rank()
+        for name, fn in (("parity", parity), ("bare", bare), ("role", role)):
+            if name in wanted:
+                section(name, ARGS.out)(fn)(hf)
+        from asyncrl.learner.parallel import destroy_model_parallel
+
+        destroy_model_parallel()
+    if "group" in wanted:
+        section("group", ARGS.out)(group)()
+    for name in ("bare", "role", "group"):
+        if "seconds_per_step" in RESULTS.get("bare", {}) and "update_actor" in RESULTS.get(name, {}):
+            RESULTS[name]["update_over_bare_fwd_bwd"] = round(
+                RESULTS[name]["update_actor"]["seconds_per_step"] / RESULTS["bare"]["seconds_per_step"], 3)
+    _save(ARGS.out)
+    print(json.dumps(RESULTS, default=str))
+
+
+ARGS: argparse.Namespace
+
+if __name__ == "__main__":
+    main()

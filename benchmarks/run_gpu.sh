@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/BENCHMARKS.md, on one GPU with no package index and no internet.
+#
+#   bash benchmarks/run_gpu.sh gen       # generation: direct vLLM vs HTTP API
+#   bash benchmarks/run_gpu.sh learner   # learner: parity, round trip, step time; then the gpu tests
+#
+# Expects the GPU wheels unpacked in /tmp/wheelhouse (vllm 0.24.0, megatron-core 0.19.2, ray 2.60.0
+# and their needs, for the image's python 3.12 + torch 2.11.0+cu130) and the demo model in
+# artifacts/demo-model (its tokenizer is reused). Installs once into /tmp/site, builds the random
+# Qwen2-0.5B-shaped model once into /tmp/qwen2-0.5b-random, writes logs and JSON under $OUT.
+set -uo pipefail
+stage=${1:?usage: run_gpu.sh gen|learner}
+OUT=${OUT:-/tmp/bench-out}
+MODEL=${MODEL:-/tmp/qwen2-0.5b-random}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 \
+    PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+if [ ! -d /tmp/site/vllm ]; then
+    t0=$SECONDS
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/wheelhouse/*.whl || exit 1
+    echo "install: $((SECONDS - t0)) s"
+fi
+# Extra wheels in .whl/ (carried) override the wheelhouse / image: grpcio >= 1.85.1 is what the
+# wheelhouse's grpcio-reflection (imported by ray.serve) checks for; the image has 1.84.0.
+if ls .whl/*.whl > /dev/null 2>&1 && [ ! -f /tmp/site/.extra-done ]; then
+    extra=$(ls .whl/*.whl | grep -v protobuf)
+    if ! python3 -c 'import sys, google.protobuf as p; sys.exit(tuple(map(int, p.__version__.split(".")[:3])) < (7, 35, 1))'; then
+        extra="$extra $(ls .whl/protobuf-*.whl)"  # grpcio-reflection's generated code needs protobuf >= 7.35.1
+    fi
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site $extra && touch /tmp/site/.extra-done
+    echo "extra wheels: $extra"
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import sys, torch, importlib.metadata as m; print(sys.version.split()[0], torch.__version__, [(p, m.version(p)) for p in ("vllm", "megatron-core", "transformers", "ray", "tokenizers", "grpcio", "protobuf")])'
+  python3 -c 'import ray.serve; print("ray.serve imports")' 2>&1 | tail -1
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+if [ ! -f "$MODEL/config.json" ]; then
+    python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out "$MODEL" 2>&1 | tail -2 | tee "$OUT/make_model.log"
+fi
+
+case $stage in
+gen)
+    timeout "${GEN_TIMEOUT:-450}" python3 benchmarks/generation.py --model "$MODEL" --dtype bfloat16 --num-gpus 1 \
+        --max-model-len 1024 --num-prompts 1024 --concurrency 128 --max-tokens 256 --warmup 64 \
+        > "$OUT/generation.log" 2>&1
+    echo "generation rc=$?"
+    grep '"benchmark": "generation' "$OUT/generation.log" | tee "$OUT/generation.json"
+    ;;
+learner)
+    timeout "${LEARNER_TIMEOUT:-360}" python3 benchmarks/learner_step.py --model "$MODEL" --out "$OUT/learner.json" \
+        > "$OUT/learner.log" 2>&1
+    echo "learner_step rc=$?"
+    grep '^\[learner_step\]' "$OUT/learner.log" | cut -c1-1500
+    if [ "${RUN_TESTS:-1}" = 1 ]; then
+        timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/learner/test_gpu_learner.py \
+            > "$OUT/pytest_gpu.log" 2>&1
+        echo "pytest rc=$?"
+        tail -5 "$OUT/pytest_gpu.log"
+    fi
+    ;;
+esac
+# Ray's own logs, when a Ray process failed to start.
+if [ -d /tmp/ray/session_latest/logs ]; then
+    for f in /tmp/ray/session_latest/logs/*.err /tmp/ray/session_latest/logs/raylet.out /tmp/ray/session_latest/logs/dashboard_agent.log; do
+        [ -s "$f" ] && { echo "== $f"; tail -n 25 "$f"; }
+    done > "$OUT/ray_logs_$stage.txt" 2>&1
+fi

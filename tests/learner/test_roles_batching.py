@@ -1,0 +1,176 @@
+"""Pure logic of the learner roles: token alignment, micro-batch plans, packing, DP split,
+exact gradient-accumulation shares, LR schedule, profiler trace. No process, no Megatron."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from asyncrl.algorithms import aggregate
+from asyncrl.config import LearnerConfig, ProfilerConfig
+from asyncrl.learner.batching import (
+    build_micro_batch,
+    make_micro_batches,
+    plan_micro_batches,
+    response_tensor,
+    split_by_groups,
+    unpad_response,
+)
+from asyncrl.learner.profiler import StepProfiler
+from asyncrl.learner.roles.accumulate import behavior_loss_mask, denominator
+from asyncrl.learner.roles.optim import lr_at
+from asyncrl.types import Sample
+
+
+def _sample(prompt, response, group=0, behavior=None):
+    return Sample(
+        prompt_ids=list(prompt), response_ids=list(response),
+        behavior_logprobs=list(behavior if behavior is not None else [-1.0] * len(response)),
+        versions=[0] * len(response), reward=0.0, group_id=group,
+    )
+
+
+def test_alignment_hand_example():
+    # prompt [10, 11], response [20, 21, 22]: input = 10 11 20 21 22; output at column 1 predicts
+    # 20, column 2 predicts 21, column 3 predicts 22. Second sample shorter, right padded.
+    s0, s1 = _sample([10, 11], [20, 21, 22]), _sample([12], [30])
+    mb = build_micro_batch([s0, s1], [0, 1], response_width=3)
+    assert mb.input_ids.tolist() == [[10, 11, 20, 21, 22], [12, 30, 0, 0, 0]]
+    assert mb.attention_mask is None
+    t = mb.input_ids.shape[1]
+    assert mb.gather_index[0].tolist() == [1, 2, 3]
+    assert mb.gather_index[1, :1].tolist() == [t + 0]
+    assert mb.response_mask.tolist() == [[True, True, True], [True, False, False]]
+    assert mb.labels.tolist() == [[20, 21, 22], [30, 0, 0]]
+    # The label of each gathered position is the next input token.
+    flat_ids = mb.input_ids.reshape(-1)
+    sel = mb.gather_index[mb.response_mask]
+    assert flat_ids[sel + 1].tolist() == mb.labels[mb.response_mask].tolist()
+    assert mb.last_token_index.tolist() == [4, t + 1]
+
+
+def test_behaviour_logprobs_share_the_response_layout():
+    samples = [_sample([1], [2, 3], behavior=[-0.5, -0.25]), _sample([1, 2], [4], behavior=[-2.0])]
+    rows = response_tensor([s.behavior_logprobs for s in samples], [1, 0], width=2)
+    assert rows.tolist() == [[-2.0, 0.0], [-0.5, -0.25]]
+    assert unpad_response(rows, [1, 2]) == [[-2.0], [-0.5, -0.25]]
+
+
+def test_packing_resets_positions_and_blocks_attention():
+    s0, s1 = _sample([5, 6], [7]), _sample([8], [9, 10])
+    mb = build_micro_batch([s0, s1], [0, 1], response_width=2, pack=True)
+    assert mb.input_ids.tolist() == [[5, 6, 7, 8, 9, 10]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 0, 1, 2]]
+    allowed = ~mb.attention_mask[0, 0]
+    assert allowed[3, :3].sum() == 0  # second sequence never sees the first
+    assert allowed[5, 3:].tolist() == [True, True, True]
+    assert allowed[1].tolist() == [True, True, False, False, False, False]
+    assert mb.gather_index.tolist() == [[1, 0], [3, 4]]
+    flat = mb.input_ids.reshape(-1)
+    assert flat[mb.gather_index[mb.response_mask] + 1].tolist() == [7, 9, 10]
+
+
+def test_micro_batches_by_count_and_token_budget():
+    assert plan_micro_batches([5] * 5, 2) == [[0, 1], [2, 3], [4]]
+    # Budget 10: 4+5 fit, 3 opens a new group, 12 exceeds the budget and goes alone.
+    assert plan_micro_batches([4, 5, 3, 6, 12, 1], 99, max_tokens=10) == [[0, 1], [2, 3], [4], [5]]
+    samples = [_sample([1] * p, [2] * r) for p, r in [(2, 2), (3, 3), (1, 1), (4, 4)]]
+    mbs = make_micro_batches(samples, micro_batch_size=8, max_tokens=8)
+    assert [mb.sample_index for mb in mbs] == [[0], [1, 2], [3]]
+    assert all(mb.num_tokens <= 8 for mb in mbs)
+    assert {mb.response_mask.shape[1] for mb in mbs} == {4}  # batch-wide response width
+
+
+def test_dp_split_keeps_order_and_groups():
+    groups = [0, 0, 0, 1, 1, 2, 2, 2, 2, 3]
+    shards = split_by_groups(groups, 2)
+    assert [i for s in shards for i in s] == list(range(len(groups)))
+    for s in shards:
+        assert s
+    owner = {i: d for d, s in enumerate(shards) for i in s}
+    for g in set(groups):
+        assert len({owner[i] for i, gg in enumerate(groups) if gg == g}) == 1
+    # Fewer groups than DP ranks: groups cannot stay whole, every rank still gets samples.
+    assert split_by_groups([7, 7, 7, 7], 2) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError):
+        split_by_groups([0], 2)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_micro_batch_shares_sum_to_full_batch_loss(mode):
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(7, 5, generator=g)
+    mask = torch.rand(7, 5, generator=g) > 0.3
+    mask[3] = False  # a row without valid tokens
+    full = aggregate(values, mask, mode)
+    total_d = denominator(mask, mode)
+    shares = sum(
+        aggregate(values[a:b], mask[a:b], mode) * denominator(mask[a:b], mode) / total_d
+        for a, b in [(0, 2), (2, 3), (3, 7)]
+    )
+    assert torch.allclose(shares, full, atol=1e-6)
+
+
+def test_behavior_loss_mask_drops_capped_tokens():
+    mask = torch.tensor([[True, True, False]])
+    old = torch.tensor([[0.0, 0.0, 0.0]])
+    beh = torch.tensor([[-0.1, -3.0, -9.0]])  # weights e^0.1, e^3 (> cap 5), masked
+    assert behavior_loss_mask(mask, old, beh, 5.0).tolist() == [[True, False, False]]
+    assert behavior_loss_mask(mask, old, None, 5.0).tolist() == [[True, True, False]]
+
+
+def test_lr_schedule():
+    cfg = LearnerConfig(lr=1.0, min_lr=0.1, lr_warmup_steps=2, lr_decay_style="cosine", lr_decay_steps=4)
+    assert [lr_at(s, cfg) for s in (0, 1)] == [0.5, 1.0]
+    assert lr_at(2, cfg) == pytest.approx(1.0)
+    assert lr_at(4, cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)))
+    assert lr_at(100, cfg) == pytest.approx(0.1)
+    lin = LearnerConfig(lr=1.0, min_lr=0.0, lr_decay_style="linear", lr_decay_steps=10)
+    assert lr_at(5, lin) == pytest.approx(0.5)
+    assert lr_at(3, LearnerConfig(lr=0.3)) == 0.3
+
+
+def test_profiler_writes_one_trace_for_the_chosen_rank_and_range(tmp_path):
+    cfg = ProfilerConfig(use_profile=True, profile_ranks=[1], step_start=2, step_end=3, save_path=str(tmp_path))
+    chosen, other = StepProfiler(cfg, rank=1), StepProfiler(cfg, rank=0)
+    for _ in range(4):
+        for prof in (chosen, other):
+            with prof.step():
+                torch.ones(8, 8) @ torch.ones(8, 8)
+    assert other.trace_path is None
+    assert chosen.trace_path == tmp_path / "rank1_steps2-3.json"
+    events = json.loads(chosen.trace_path.read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"asyncrl/step_2", "asyncrl/step_3"} <= names
+    assert "asyncrl/step_1" not in names and "asyncrl/step_4" not in names
+
+
+def test_offload_round_trip_keeps_state_and_reports_memory():
+    from asyncrl.config import RoleOffload
+    from asyncrl.learner.offload import Offloader
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+
+    class _Wrapped:  # what move_optimizer_state expects of a Megatron optimizer
+        optimizer = opt
+
+    off = Offloader([model], _Wrapped(), RoleOffload(param_offload=True, grad_offload=True, optimizer_offload=True))
+    with off.onloaded():
+        assert not off.offloaded
+        assert all(p.device == before[0].device for p in model.parameters())
+    assert off.offloaded
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(t.device.type == "cpu" for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    report = off.last_report
+    if not torch.cuda.is_available():  # host == device: nothing moves, memory reads 0
+        assert report["learner/offload_noop"] == 1.0
+        assert report["learner/offload_mem_before_bytes"] == report["learner/offload_mem_after_bytes"] == 0.0
+    assert not Offloader([model], None, RoleOffload()).enabled

@@ -1,0 +1,143 @@
+"""Actor, reference and critic roles in real Ray rank actors (world_size=1, Megatron over gloo).
+
+One group per role for the whole module; tests run in file order and build on each other's
+state (the actor's weights move forward), each asserting what it changed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import ray
+import torch
+
+from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig
+from asyncrl.learner.group import LearnerGroup, LearnerRankError
+from tests.learner._data import advantages, hf_logprobs, make_samples, max_diff, run, with_behavior
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def groups(ray_session, demo_model_path):
+    model = ModelConfig(path=str(demo_model_path))
+    learner = LearnerConfig(world_size=1, lr=1e-4, micro_batch_size=3, num_cpus_per_rank=0.5)
+    algo = AlgorithmConfig(group_size=2)
+    # The reference packs sequences under a token budget: its log-probs must still match.
+    ref_learner = learner.model_copy(update={"sequence_packing": True, "max_tokens_per_micro_batch": 40})
+    critic_learner = learner.model_copy(update={"lr": 1e-3})
+    g = {
+        "actor": LearnerGroup("actor", model, learner, algo),
+        "reference": LearnerGroup("reference", model, ref_learner, algo),
+        "critic": LearnerGroup("critic", model, critic_learner, AlgorithmConfig(name="ppo", group_size=2)),
+    }
+
+    async def start():
+        import asyncio
+
+        await asyncio.gather(*(x.start() for x in g.values()))
+
+    run(start())
+    yield g
+    for x in g.values():
+        run(x.shutdown())
+
+
+@pytest.fixture(scope="module")
+def hf_model(demo_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(demo_model_path), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def state():
+    return {}
+
+
+def test_logprobs_match_transformers(groups, hf_model, state):
+    samples = make_samples()
+    want = hf_logprobs(hf_model, samples)
+    actor = run(groups["actor"].compute_log_prob(samples))
+    ref = run(groups["reference"].compute_ref_log_prob(samples))
+    assert [len(r) for r in actor] == [len(s.response_ids) for s in samples]
+    assert max_diff(actor, want) < 1e-4
+    assert max_diff(ref, want) < 1e-4  # packed + token-budget micro-batches
+    entropy = run(groups["actor"].compute_entropy(samples))
+    assert all(0 < e <= math.log(284) + 1e-4 for row in entropy for e in row)
+    state["initial"] = actor
+
+
+def test_actor_update_lowers_loss_and_reference_stays(groups, state):
+    samples = with_behavior(make_samples(), state["initial"])
+    ref_before = run(groups["reference"].compute_ref_log_prob(samples))
+    losses = []
+    for _ in range(4):
+        m = run(groups["actor"].update_actor(samples, advantages(samples), state["initial"], ref_before))
+        losses.append(m["actor/pg_loss"])
+        assert m["actor/step_skipped"] == 0.0 and math.isfinite(m["actor/grad_norm"])
+    assert losses[-1] < losses[0] - 1e-3, losses
+    after = run(groups["actor"].compute_log_prob(samples))
+    assert max_diff(after, state["initial"]) > 1e-3
+    assert run(groups["reference"].compute_ref_log_prob(samples)) == ref_before
+
+
+def test_nan_step_is_skipped_and_leaves_params(groups):
+    samples = make_samples()
+    before = run(groups["actor"].compute_log_prob(samples))
+    adv = advantages(samples)
+    adv[2][1] = float("nan")
+    m = run(groups["actor"].update_actor(with_behavior(samples, before), adv, before))
+    assert m["actor/step_skipped"] == 1.0
+    assert m["actor/skipped_steps"] == 1.0
+    assert run(groups["actor"].compute_log_prob(samples)) == before
+
+
+def test_export_reloads_into_transformers(groups, hf_model, state):
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.weightsync.bucket import iter_unpacked
+
+    packed = run(groups["actor"].export_hf_tensors_packed(bucket_mb=0.5))
+    assert len(packed.buckets) > 1  # 0.5 MiB buckets: the 3.3 MB model needs several
+    tensors = {n: t.clone() for n, t in iter_unpacked(ray.get(packed.buckets))}
+    initial = hf_model.state_dict()
+    assert set(tensors) <= set(initial) and "model.embed_tokens.weight" in tensors
+    assert any(not torch.equal(t, initial[n]) for n, t in tensors.items())
+    updated = AutoModelForCausalLM.from_pretrained(hf_model.config._name_or_path, dtype=torch.float32).eval()
+    missing, unexpected = updated.load_state_dict(tensors, strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing)
+    updated.tie_weights()
+    samples = make_samples()
+    assert max_diff(hf_logprobs(updated, samples), run(groups["actor"].compute_log_prob(samples))) < 1e-4
+
+
+def test_checkpoint_roundtrip(groups, tmp_path):
+    samples = make_samples()
+    saved = run(groups["actor"].compute_log_prob(samples))
+    steps_before = run(groups["actor"].state())[0]["metrics"]["actor/applied_steps"]
+    run(groups["actor"].save_checkpoint(str(tmp_path / "ckpt")))
+    run(groups["actor"].update_actor(with_behavior(samples, saved), advantages(samples), saved))
+    assert max_diff(run(groups["actor"].compute_log_prob(samples)), saved) > 1e-4
+    run(groups["actor"].load_checkpoint(str(tmp_path / "ckpt")))
+    assert max_diff(run(groups["actor"].compute_log_prob(samples)), saved) < 1e-6
+    assert run(groups["actor"].state())[0]["metrics"]["actor/lr"] == pytest.approx(1e-4)
+    assert steps_before >= 4
+
+
+def test_critic_fits_fixed_returns(groups):
+    samples = make_samples()
+    returns = [[0.5 if s.reward > 0 else -0.5] * len(s.response_ids) for s in samples]
+    losses = []
+    for _ in range(12):
+        values = run(groups["critic"].compute_values(samples))
+        m = run(groups["critic"].update_critic(samples, returns, values))
+        losses.append(m["critic/vf_loss"])
+    print("critic losses", losses)
+    assert losses[-1] < 0.3 * losses[0], losses
+
+
+def test_rank_error_names_the_rank(groups):
+    with pytest.raises(LearnerRankError, match="rank 0.*compute_values"):
+        run(groups["reference"].compute_values(make_samples()))
