@@ -99,6 +99,13 @@ class RolloutWorkers:
         self._attempts = attempts
         self._prompt_cache: dict[str, list[int]] = {}
         self.counters = RolloutCounters()
+        # Checkpoints quiesce rollouts: the gate stops new acquisitions, `_active` counts the
+        # workers between "about to acquire" and "group pushed", so zero means nothing in flight.
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         ids = self._prompt_cache.get(prompt.prompt)
@@ -167,16 +174,35 @@ class RolloutWorkers:
         await self._buffer.put_group.remote(samples)
         self.counters.finished += 1
 
+    async def quiesce(self) -> None:
+        """Stop starting rollouts and wait until none is in flight (every acquired group pushed).
+        Checkpoints call this so the saved prompt position and buffer agree exactly."""
+        self._gate.clear()
+        await self._idle.wait()
+
+    def unquiesce(self) -> None:
+        self._gate.set()
+
     async def _worker(self, stop: asyncio.Event) -> None:
         n = self._algo.group_size
         while not stop.is_set():
-            if not await self._buffer.acquire.remote(n, timeout_s=1.0):
+            if not self._gate.is_set():
+                await asyncio.sleep(0.05)
                 continue
-            if stop.is_set():
-                await self._buffer.release.remote(n)
-                return
-            index, prompt = self._stream.next()
-            await self.rollout_once(index, prompt)
+            self._active += 1
+            self._idle.clear()
+            try:
+                if not await self._buffer.acquire.remote(n, timeout_s=1.0):
+                    continue
+                if stop.is_set():
+                    await self._buffer.release.remote(n)
+                    return
+                index, prompt = self._stream.next()
+                await self.rollout_once(index, prompt)
+            finally:
+                self._active -= 1
+                if self._active == 0:
+                    self._idle.set()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set; in-flight rollouts finish (their groups are pushed)."""

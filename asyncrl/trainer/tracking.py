@@ -7,6 +7,7 @@ Must never: block the loop for long (writes are small and local), or drop a reco
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -47,6 +48,16 @@ class MetricsTracker:
                 self._history[key].append((step, float(metrics[key])))
         if self._plot_interval and step % self._plot_interval == 0:
             self.plot()
+
+    def log_batch(self, step: int, samples: list[Any]) -> None:
+        """One line per trained batch in `batches.jsonl`: which prompts, and a digest of the
+        exact tokens, so two runs (or a run and its resume) can be compared batch by batch."""
+        h = hashlib.sha256()
+        for s in samples:
+            h.update(repr((s.prompt_index, list(s.prompt_ids), list(s.response_ids))).encode())
+        record = {"step": step, "prompt_indices": [s.prompt_index for s in samples], "tokens_sha256": h.hexdigest()}
+        with (self.run_dir / "batches.jsonl").open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
 
     def plot(self, path: str | Path | None = None) -> Path:
         """Reward, held-out accuracy and staleness against learner step, as one PNG."""

@@ -1,0 +1,93 @@
+"""`serve run deploy/rlhf.yaml`: the whole system as one Ray Serve application.
+
+Owns: the application graph — engine deployment (autoscaled vLLM replicas), the trainer
+deployment (the training loop, one replica), and the HTTP gateway in front of both — and the
+trainer deployment's thin Serve surface (status, health).
+Must never: contain training logic (controller.py) or engine logic (asyncrl/generator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+
+from asyncrl.config import RootConfig, load_config
+from asyncrl.generator.deployment import GeneratorEngine, engine_deployment_options
+from asyncrl.generator.gateway import GeneratorGateway
+
+log = logging.getLogger(__name__)
+
+TRAINER_DEPLOYMENT = "Trainer"
+
+
+@serve.deployment(name=TRAINER_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)
+class TrainerDeployment:
+    """Runs the training loop as a background task; answers status while it runs."""
+
+    def __init__(self, cfg: dict[str, Any], engine: Any) -> None:
+        from asyncrl.trainer.logging_setup import configure_logging
+
+        self.cfg = load_config(cfg, source="trainer deployment")
+        configure_logging(self.cfg.logging)
+        self._engine = engine
+        self._trainer: Any = None
+        self._phase = "starting"
+        self._error: str | None = None
+        self._task = asyncio.get_running_loop().create_task(self._main(), name="training-loop")
+
+    async def _main(self) -> None:
+        from asyncrl.controller import Trainer
+        from asyncrl.trainer.parts import TrainerParts
+
+        parts = None
+        try:
+            parts = await TrainerParts.create(self.cfg, self._engine)
+            self._trainer = Trainer(self.cfg, parts)
+            self._phase = "training"
+            await self._trainer.run()
+            self._phase = "finished"
+        except Exception as err:  # the loop's failure is reported by status(), never lost
+            self._phase, self._error = "failed", f"{type(err).__name__}: {err}"
+            log.exception("training loop failed")
+        finally:
+            if parts is not None:
+                parts.tracker.plot()
+
+    async def status(self) -> dict[str, Any]:
+        if self._trainer is not None:
+            snapshot = self._trainer.status()
+            if self._phase == "failed":
+                snapshot.update(state="failed", error=self._error)
+            return snapshot
+        return {"state": self._phase, "error": self._error, "step": 0, "policy_version": 0}
+
+    async def check_health(self) -> None:
+        # A failed loop stays visible in /train/status instead of being restarted in a loop;
+        # only an unexpected cancellation of the task is unhealthy.
+        if self._task.cancelled():
+            raise RuntimeError("training loop task was cancelled")
+
+
+def build_app(cfg: RootConfig) -> serve.Application:
+    """Engines <- trainer, engines <- gateway; the gateway is the HTTP ingress."""
+    model = cfg.model.model_copy(update={"path": str(Path(cfg.model.path).resolve())})
+    cfg = cfg.model_copy(update={"model": model})
+    model_d, gen_d = model.model_dump(), cfg.generator.model_dump()
+    from asyncrl.generator.app import WEIGHT_STORE_NAME, WEIGHT_STORE_NAMESPACE
+
+    engine = GeneratorEngine.options(**engine_deployment_options(cfg.generator)).bind(model_d, gen_d, WEIGHT_STORE_NAME, WEIGHT_STORE_NAMESPACE)
+    trainer = TrainerDeployment.bind(cfg.model_dump(mode="json"), engine)
+    gen = cfg.generator
+    return GeneratorGateway.options(
+        ray_actor_options={"num_cpus": 0.1},
+        max_ongoing_requests=max(1000, 2 * gen.autoscaling.max_replicas * gen.max_ongoing_requests + max(gen.max_queued_requests, 0)),
+    ).bind(engine, model_d, gen_d, status_source=trainer)
+
+
+def app_builder(args: dict[str, Any] | None = None) -> serve.Application:
+    """Serve YAML entry point: `args` is the RootConfig mapping."""
+    return build_app(load_config(dict(args or {}), source="serve args"))

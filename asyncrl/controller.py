@@ -1,0 +1,139 @@
+"""The training loop: rollout workers -> buffer -> learner -> weightsync -> next version.
+
+Owns: the order of one learner step (batch, proximal/reference log-probs, values, advantages,
+update, publish, admit), evaluation, checkpoints and the status snapshot served at
+`/train/status`. Components are built from their own config sections by `TrainerParts`
+(asyncrl/trainer/parts.py); this module only sequences them.
+Must never: hold engine, Megatron or buffer logic (those live in their components), or block
+the event loop (every remote call is awaited).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from asyncrl.config import RootConfig
+from asyncrl.trainer.logging_setup import progress_line
+from asyncrl.trainer.parts import TrainerParts
+from asyncrl.trainer.step import compute_advantages, needs_reference
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    """Asynchronous PPO/GRPO with bounded staleness over already-started parts."""
+
+    def __init__(self, cfg: RootConfig, parts: TrainerParts) -> None:
+        self.cfg = cfg
+        self.p = parts
+        self.version = parts.start_version
+        self.state = "starting"
+        self.error: str | None = None
+        self.last_metrics: dict[str, Any] = {}
+        self.eval_history: list[tuple[int, float]] = []
+        self._started = time.time()
+
+    async def run(self) -> None:
+        # Dataflow (what each loop consumes / produces / waits for):
+        #   rollout workers, `trainer.rollout_concurrency` at once:
+        #     buffer.acquire(n) [waits: accepted + running < (eta + v + 1) * B]
+        #     -> engines.generate(prompt, n) -> reward pool -> buffer.put_group(n samples)
+        #   learner loop, below:
+        #     buffer.get_batch(B) [waits: B samples, none older than v - eta]
+        #     -> actor proximal log-probs, reference log-probs, critic values (PPO)
+        #     -> advantages -> actor (+critic) update: policy version v + 1
+        #     -> weightsync.publish(v + 1) [every replica pauses(keep), loads, verifies, commits]
+        #     -> buffer.set_version(v + 1) [admits the next rollouts]
+        cfg, p = self.cfg, self.p
+        stop = asyncio.Event()
+        rollouts = asyncio.create_task(p.rollouts.run(stop), name="rollouts")
+        self.state = "training"
+        try:
+            await self._evaluate()
+            while self.version < cfg.trainer.total_steps:
+                batch = await self._next_batch(rollouts)
+                t0 = time.monotonic()
+                metrics = await self._learn(batch)
+                t1 = time.monotonic()
+                metrics |= await p.publish(self.version + 1)
+                self.version += 1
+                metrics |= {"time/train_s": t1 - t0, "time/sync_s": time.monotonic() - t1}
+                if cfg.checkpoint.interval_steps and self.version % cfg.checkpoint.interval_steps == 0:
+                    # Before set_version admits new rollouts: with eta = 0 nothing is running,
+                    # so the saved prompt position is exactly where the resumed run continues.
+                    await p.save_checkpoint(self.version)
+                await p.buffer.set_version.remote(self.version)
+                if cfg.trainer.eval_interval_steps and self.version % cfg.trainer.eval_interval_steps == 0:
+                    metrics |= await self._evaluate()
+                metrics |= await p.buffer.metrics.remote()
+                self._record(metrics, batch)
+            self.state = "finished"
+        except Exception as err:
+            self.state, self.error = "failed", repr(err)
+            log.exception("training failed")
+            raise
+        finally:
+            stop.set()
+            await asyncio.gather(rollouts, return_exceptions=True)
+
+    async def _next_batch(self, rollouts: asyncio.Task) -> Any:
+        while True:
+            batch = await self.p.buffer.get_batch.remote(timeout_s=5.0)
+            if batch is not None:
+                # Sample order inside a batch follows completion timing; sort it so a step is a
+                # function of the batch's content (exact resume and reproducible updates).
+                batch.samples.sort(key=lambda s: (s.prompt_index, s.group_id))
+                return batch
+            if rollouts.done():
+                rollouts.result()  # re-raise the rollout failure instead of waiting forever
+                raise RuntimeError("rollout workers stopped before the batch was complete")
+
+    async def _learn(self, batch: Any) -> dict[str, float]:
+        p, algo = self.p, self.cfg.algorithm
+        old_logprobs = await p.actor.compute_log_prob(batch)
+        ref_logprobs = await p.reference.compute_ref_log_prob(batch) if p.reference else None
+        values = await p.critic.compute_values(batch) if p.critic else None
+        advantages, returns, adv_metrics = compute_advantages(batch, algo, old_logprobs, ref_logprobs, values)
+        metrics = await p.actor.update_actor(batch, advantages, old_logprobs, ref_logprobs)
+        if p.critic:
+            metrics |= await p.critic.update_critic(batch, returns, values)
+        return {**metrics, **adv_metrics}
+
+    async def _evaluate(self) -> dict[str, float]:
+        accuracy = await self.p.evaluate()
+        self.eval_history.append((self.version, accuracy))
+        return {"eval/accuracy": accuracy}
+
+    def _record(self, metrics: dict[str, Any], batch: Any) -> None:
+        rewards = [s.reward for s in batch.samples]
+        metrics["train/reward_mean"] = sum(rewards) / len(rewards)
+        metrics["train/step"] = self.version
+        metrics["time/elapsed_s"] = time.time() - self._started
+        metrics |= self.p.rollouts.counters.metrics()
+        metrics["rollout/tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["time/elapsed_s"], 1e-9)
+        self.last_metrics = metrics
+        self.p.log(self.version, metrics)
+        self.p.tracker.log_batch(self.version, batch.samples)
+        shown = metrics | ({"eval/accuracy": self.eval_history[-1][1]} if self.eval_history else {})
+        log.info("%s train %.1fs sync %.2fs", progress_line(self.version, self.cfg.trainer.total_steps, shown),
+                 metrics["time/train_s"], metrics["time/sync_s"])
+
+    def status(self) -> dict[str, Any]:
+        """The snapshot behind GET /train/status."""
+        return {
+            "state": self.state,
+            "error": self.error,
+            "step": self.version,
+            "total_steps": self.cfg.trainer.total_steps,
+            "policy_version": self.version,
+            "reward_mean": self.last_metrics.get("train/reward_mean"),
+            "eval_accuracy": self.eval_history[-1][1] if self.eval_history else None,
+            "eval_history": self.eval_history,
+            "buffer": {k: v for k, v in self.last_metrics.items() if k.startswith("buffer/")},
+            "elapsed_s": time.time() - self._started,
+            "metrics": {k: v for k, v in self.last_metrics.items() if isinstance(v, (int, float))},
+        }
+

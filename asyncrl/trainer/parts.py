@@ -1,0 +1,191 @@
+"""Builds and owns the running parts of one training run, each from its own config section.
+
+Owns: construction order (buffer actor, reward pool, learner groups, weightsync publisher,
+tracker, prompt data), the engine-facing adapters (generate through the Serve handle, greedy
+evaluation, weight publication), checkpoint save/restore of the whole run, and shutdown.
+Must never: decide the order of a training step (controller.py does), or hand a component
+another component's config section.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.config import DataConfig, RootConfig
+from asyncrl.data import ArithmeticTask, Prompt, load_jsonl_prompts, render_chat_prompt
+from asyncrl.trainer.data_stream import PromptStream
+from asyncrl.trainer.rollout import RolloutWorkers
+from asyncrl.trainer.step import needs_reference
+from asyncrl.trainer.tracking import MetricsTracker
+from asyncrl.types import GenerationRequest, GenerationResult, SamplingParams
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_STATE = "trainer_state.json"
+
+
+def load_prompts(data: DataConfig) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, held-out eval) prompts for the configured source."""
+    if data.kind == "arithmetic":
+        task = ArithmeticTask(digits=data.digits, operators=tuple(data.operators), seed=data.seed, train_size=data.train_size, eval_size=data.eval_size)
+        return task.train_split(), task.eval_split()
+    train = load_jsonl_prompts(data.path)
+    held_out = load_jsonl_prompts(data.eval_path) if data.eval_path else []
+    return train, held_out
+
+
+@dataclass
+class TrainerParts:
+    """The started components of a run. `TrainerParts.create` starts them; `close` stops them."""
+
+    cfg: RootConfig
+    engine: Any  # DeploymentHandle of the engine deployment
+    tokenizer: Any
+    buffer: Any  # BufferActor handle
+    rewards: Any  # RewardPool
+    actor: Any  # LearnerGroup("actor")
+    reference: Any | None
+    critic: Any | None
+    weights: Any  # WeightPublisher (asyncrl.weightsync.service)
+    tracker: MetricsTracker
+    stream: PromptStream
+    eval_prompts: list[Prompt]
+    rollouts: RolloutWorkers = field(init=False)
+    start_version: int = 0
+
+    def __post_init__(self) -> None:
+        self.rollouts = RolloutWorkers(
+            stream=self.stream,
+            tokenizer=self.tokenizer,
+            generate=self.generate,
+            rewards=self.rewards,
+            buffer=self.buffer,
+            algorithm=self.cfg.algorithm,
+            concurrency=self.cfg.trainer.rollout_concurrency,
+            seed=self.cfg.trainer.seed,
+        )
+
+    @classmethod
+    async def create(cls, cfg: RootConfig, engine: Any) -> "TrainerParts":
+        from transformers import AutoTokenizer
+
+        from asyncrl.buffer.actor import BufferActor
+        from asyncrl.learner.group import LearnerGroup
+        from asyncrl.rewards import RewardPool
+        from asyncrl.weightsync.service import WeightPublisher
+
+        random.seed(cfg.trainer.seed)
+        torch.manual_seed(cfg.trainer.seed)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        train, held_out = load_prompts(cfg.data)
+        buffer = BufferActor.remote(cfg.buffer)
+        rewards = RewardPool(cfg.reward)
+        actor = LearnerGroup("actor", cfg.model, cfg.learner, cfg.algorithm, cfg.profiler)
+        reference = LearnerGroup("reference", cfg.model, cfg.learner, cfg.algorithm) if needs_reference(cfg.algorithm) else None
+        critic = LearnerGroup("critic", cfg.model, cfg.learner, cfg.algorithm) if cfg.algorithm.name == "ppo" else None
+        await asyncio.gather(*(g.start() for g in (actor, reference, critic) if g is not None))
+        weights = WeightPublisher(cfg.weightsync, engine=engine, learner=actor, hybrid=cfg.hybrid.enabled)
+        await weights.start(initial_version=0)
+        tracker = MetricsTracker(cfg.logging.dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl, plot_interval_steps=cfg.logging.plot_interval_steps)
+        parts = cls(cfg, engine, tokenizer, buffer, rewards, actor, reference, critic, weights, tracker, PromptStream(train, cfg.trainer.seed), held_out)
+        if cfg.checkpoint.resume and cfg.checkpoint.interval_steps:
+            await parts.restore_latest()
+        return parts
+
+    # ---- engine-facing adapters ----------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        return await self.engine.generate.remote(request)
+
+    async def evaluate(self) -> float:
+        """Greedy accuracy on the held-out prompts, through the live engines."""
+        if not self.eval_prompts:
+            return float("nan")
+        sem = asyncio.Semaphore(32)
+
+        async def one(p: Prompt) -> float:
+            ids = self.tokenizer(render_chat_prompt(self.tokenizer, p.prompt), add_special_tokens=False)["input_ids"]
+            req = GenerationRequest(prompt_ids=ids, sampling=SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.algorithm.max_new_tokens, logprobs=False))
+            async with sem:
+                result = await self.generate(req)
+            outcome = (await self.rewards.score([result.completions[0].text], [p.answer], [p.metadata]))[0]
+            return outcome.reward or 0.0
+
+        scores = await asyncio.gather(*(one(p) for p in self.eval_prompts))
+        return sum(scores) / len(scores)
+
+    async def publish(self, version: int) -> dict[str, float]:
+        return await self.weights.publish(version)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.tracker.log(step, metrics)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def _ckpt_dir(self, version: int) -> Path:
+        return Path(self.cfg.checkpoint.dir) / f"step_{version:06d}"
+
+    async def save_checkpoint(self, version: int) -> Path:
+        """Learner (model, optimizer, scheduler, RNG) + buffer + data position, written atomically."""
+        final = self._ckpt_dir(version)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        await self.actor.save_checkpoint(str(tmp / "actor"))
+        if self.critic:
+            await self.critic.save_checkpoint(str(tmp / "critic"))
+        # No rollout in flight while buffer and prompt position are read: every prompt taken
+        # from the stream is either in the saved buffer (or trained) or not taken yet.
+        await self.rollouts.quiesce()
+        try:
+            buffer_state = await self.buffer.state_dict.remote()
+            state = {"version": version, "stream": self.stream.state_dict()}
+        finally:
+            self.rollouts.unquiesce()
+        torch.save(buffer_state, tmp / "buffer.pt")
+        (tmp / CHECKPOINT_STATE).write_text(json.dumps(state))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        root = Path(self.cfg.checkpoint.dir)
+        done = sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp"))
+        for old in done[: -self.cfg.checkpoint.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    async def restore_latest(self) -> int | None:
+        root = Path(self.cfg.checkpoint.dir)
+        done = sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / CHECKPOINT_STATE).exists())
+        if not done:
+            return None
+        path = done[-1]
+        state = json.loads((path / CHECKPOINT_STATE).read_text())
+        await self.actor.load_checkpoint(str(path / "actor"))
+        if self.critic:
+            await self.critic.load_checkpoint(str(path / "critic"))
+        await self.buffer.load_state_dict.remote(torch.load(path / "buffer.pt", weights_only=False), drop_running=True)
+        self.stream.load_state_dict(state["stream"])
+        self.start_version = state["version"]
+        await self.buffer.set_version.remote(self.start_version)
+        await self.weights.publish(self.start_version)
+        log.info("resumed from %s at version %d", path, self.start_version)
+        return self.start_version
+
+    async def close(self) -> None:
+        await self.buffer.close.remote()
+        self.rewards.close()
+        for g in (self.actor, self.reference, self.critic):
+            if g is not None:
+                await g.shutdown()
+        self.tracker.close()
