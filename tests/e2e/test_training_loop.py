@@ -41,8 +41,9 @@ def _config(run_dir: Path, port: int) -> dict:
     }
 
 
-def _run(ray_session, demo_model_path: Path, run_dir: Path) -> dict:
-    """Deploy the app, poll the HTTP API until training ends, return what was observed."""
+def _run(ray_session, demo_model_path: Path, run_dir: Path, **sections: dict) -> dict:
+    """Deploy the app, poll the HTTP API until training ends, return what was observed.
+    `sections` update the config's sections (e.g. algorithm={...})."""
     from ray import serve
 
     from asyncrl.app import build_app
@@ -50,6 +51,8 @@ def _run(ray_session, demo_model_path: Path, run_dir: Path) -> dict:
     port = _free_port()
     raw = _config(run_dir, port)
     raw["model"]["path"] = str(demo_model_path)
+    for name, values in sections.items():
+        raw[name].update(values)
     cfg = load_config(raw, source="e2e test")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
@@ -135,3 +138,17 @@ def test_resume_continues_the_same_sample_stream(run_a, ray_session, demo_model_
     uninterrupted = _lines(run_dir / "batches.jsonl")
     assert [r["step"] for r in resumed] == [3]
     assert resumed[0] == uninterrupted[2]
+
+
+def test_ppo_with_critic_and_reference_kl(ray_session, demo_model_path, tmp_path):
+    """PPO: critic values and GAE, a reference group for the KL loss, eta = 1, checkpoints of both
+    trainable roles."""
+    seen = _run(ray_session, demo_model_path, tmp_path,
+                algorithm={"name": "ppo", "kl_coef": 0.05}, buffer={"max_staleness": 1},
+                trainer={"total_steps": 2, "eval_interval_steps": 0})
+    assert seen["statuses"][-1]["state"] == "finished", seen["statuses"][-1]
+    metrics = _lines(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(math.isfinite(m["critic/vf_loss"]) and m["critic/skipped_steps"] == 0 for m in metrics)
+    assert metrics[1]["actor/kl_loss_share"] > 0  # the policy moved away from the reference
+    assert (tmp_path / "ckpt" / "step_000002" / "critic").is_dir()

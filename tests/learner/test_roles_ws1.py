@@ -138,6 +138,17 @@ def test_critic_fits_fixed_returns(groups):
     assert losses[-1] < 0.3 * losses[0], losses
 
 
+def test_critic_checkpoint_roundtrip_keeps_the_value_head(groups, tmp_path):
+    samples = make_samples()
+    saved = run(groups["critic"].compute_values(samples))
+    run(groups["critic"].save_checkpoint(str(tmp_path / "critic")))
+    returns = [[1.0] * len(s.response_ids) for s in samples]
+    run(groups["critic"].update_critic(samples, returns, saved))
+    assert max_diff(run(groups["critic"].compute_values(samples)), saved) > 1e-4
+    run(groups["critic"].load_checkpoint(str(tmp_path / "critic")))
+    assert max_diff(run(groups["critic"].compute_values(samples)), saved) < 1e-6
+
+
 def test_rank_error_names_the_rank(groups):
     with pytest.raises(LearnerRankError, match="rank 0.*compute_values"):
         run(groups["reference"].compute_values(make_samples()))

@@ -55,14 +55,14 @@ class ScalarHead(torch.nn.Module):
     def __init__(self, hidden: int, dtype: torch.dtype, std: float, seed: int) -> None:
         super().__init__()
         self.sequence_parallel = False  # GPTModel reads it on its output layer
-        self.linear = torch.nn.Linear(hidden, 1, dtype=dtype)
         gen = torch.Generator().manual_seed(seed)  # same init on every rank, no RNG side effects
-        with torch.no_grad():
-            self.linear.weight.copy_(torch.randn(self.linear.weight.shape, generator=gen) * std)
-            self.linear.bias.zero_()
+        # `weight` / `bias` directly on the module: GPTModel's sharded_state_dict (checkpoints)
+        # looks its output layer up as `output_layer.weight`.
+        self.weight = torch.nn.Parameter((torch.randn((1, hidden), generator=gen) * std).to(dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
 
     def forward(self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):
-        return self.linear(hidden_states), None
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
 def _dtype(name: str) -> torch.dtype:
