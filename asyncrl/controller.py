@@ -52,7 +52,7 @@ class Trainer:
         rollouts = asyncio.create_task(p.rollouts.run(stop), name="rollouts")
         self.state = "training"
         try:
-            await self._evaluate()
+            p.log(self.version, await self._evaluate())  # the starting point of the curves
             while self.version < cfg.trainer.total_steps:
                 batch = await self._next_batch(rollouts)
                 t0 = time.monotonic()

@@ -71,7 +71,7 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float) 
     finally:
         serve.delete(f"speedup-eta{eta}")
         serve.shutdown()
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()) if "train/step" in r]
     timed = rows[1:]  # step 1 is warm-up
     wall = timed[-1]["time/elapsed_s"] - rows[0]["time/elapsed_s"]
     train = sum(r["time/train_s"] for r in timed)

@@ -10,14 +10,22 @@ Sections (each one runs even when an earlier one failed; the error is recorded i
           cross-entropy + `loss.backward()` over the batch's micro-batches; no optimizer.
   role    our `ActorRole` in this process (Megatron DDP + optimizer + GRPO loss): `compute_log_prob`
           and `update_actor` (one optimizer step) on the same batch, plus the optimizer step alone.
-  group   the same through `LearnerGroup` (one Ray rank actor, world_size 1), as the trainer calls it.
+  group   the same through `LearnerGroup` (one Ray rank actor per TP rank), as the trainer calls it.
+
+With --tp N > 1 (tensor parallel over N GPUs, NCCL): parity, bare and role run in N processes
+started here with `torch.multiprocessing` (rank r on GPU r, one process group of N ranks, Megatron
+TP = N, no sequence parallelism unless --sequence-parallel); rank 0 gathers the vocab-parallel
+logits for parity, compares the exported tensors and records the figures. group starts a
+`LearnerGroup` of world_size N with strategy_config {tensor_model_parallel_size: N}. "params" is
+then the HF checkpoint's parameter count (tied embedding once, no vocab padding), and MFU's peak
+is N x --peak-flops.
 
 The batch is fixed: --batch sequences of --seq-len tokens (--prompt-len prompt + the rest response),
 random ids, GRPO groups of --group-size with +-1 advantages. Prints one JSON object and writes it
 to --out after every section.
 
-MFU = 6 * parameters * tokens / seconds / peak, with peak 989e12 (H100 SXM dense bf16; pass
---peak-flops for another device). Parameters count the tied embedding once; attention's
+MFU = 6 * parameters * tokens / seconds / (tp * peak), with peak 989e12 per GPU (H100/H200 SXM dense
+bf16; pass --peak-flops for another device). Parameters count the tied embedding once; attention's
 sequence-quadratic FLOPs are not counted.
 
     python benchmarks/learner_step.py --model /tmp/qwen2-0.5b-random --out /tmp/learner.json
@@ -40,6 +48,7 @@ from typing import Any
 import torch
 
 RESULTS: dict[str, Any] = {"benchmark": "learner_step"}
+RANK = 0  # this process's rank in the TP process group (0 without --tp)
 
 
 def _save(path: str | None) -> None:
@@ -75,15 +84,17 @@ def section(name: str, out: str | None):
     def wrap(fn):
         def run(*args, **kwargs):
             t0 = time.perf_counter()
-            print(f"[learner_step] {name} ...", flush=True)
+            if RANK == 0:
+                print(f"[learner_step] {name} ...", flush=True)
             try:
                 RESULTS[name] = fn(*args, **kwargs)
                 RESULTS[name]["section_seconds"] = round(time.perf_counter() - t0, 1)
             except BaseException as e:  # noqa: BLE001 - record and go on to the next section
                 RESULTS[name] = {"error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()[-6000:]}
-                print(traceback.format_exc(), file=sys.stderr, flush=True)
-            print(f"[learner_step] {name}: {json.dumps(RESULTS[name], default=str)[:3000]}", flush=True)
-            _save(out)
+                print(f"[rank {RANK}] " + traceback.format_exc(), file=sys.stderr, flush=True)
+            if RANK == 0:
+                print(f"[learner_step] {name}: {json.dumps(RESULTS[name], default=str)[:3000]}", flush=True)
+                _save(out)
             _free()
 
         return run
@@ -125,8 +136,15 @@ def stats(times: list[float], tokens: int, params: int, peak_flops: float) -> di
 # ----------------------------------------------------------------------------- process setup
 
 
-def init_single_rank() -> Any:
-    """torch.distributed (nccl on GPU, gloo + CPU compat otherwise) and Megatron's groups, world 1."""
+def strategy() -> dict[str, Any]:
+    """The learner's strategy_config: empty on one GPU (as before), TP (+ SP if asked) with --tp."""
+    if ARGS.tp == 1:
+        return {}
+    return {"tensor_model_parallel_size": ARGS.tp, "sequence_parallel": ARGS.sequence_parallel}
+
+
+def init_rank(rank: int = 0, world_size: int = 1, port: int | None = None) -> Any:
+    """torch.distributed (nccl on GPU, gloo + CPU compat otherwise) and Megatron's groups."""
     from transformers import AutoConfig
 
     from asyncrl.config import LearnerConfig
@@ -136,18 +154,36 @@ def init_single_rank() -> Any:
     handle = install_cpu_compat()
     RESULTS.setdefault("env", {})["cpu_compat_active"] = handle.active
     RESULTS["env"]["cpu_compat_reason"] = handle.reason
-    backend = init_distributed(0, 1, "127.0.0.1", _free_port())
+    backend = init_distributed(rank, world_size, "127.0.0.1", port or _free_port(),
+                               timeout_s=ARGS.collective_timeout_s)
     RESULTS["env"]["backend"] = backend
     hf = AutoConfig.from_pretrained(ARGS.model)
-    init_model_parallel(LearnerConfig(world_size=1), hf)
+    init_model_parallel(LearnerConfig(world_size=world_size, strategy_config=strategy()), hf)
     return hf
+
+
+def init_single_rank() -> Any:
+    return init_rank(0, 1)
+
+
+def hf_params(hf: Any) -> int:
+    """Parameters of the HF checkpoint (tied embedding once, no vocab padding): the MFU count at TP > 1."""
+    import math
+
+    from asyncrl.learner.convert import expected_hf_shapes
+
+    return sum(math.prod(s) for s in expected_hf_shapes(hf).values())
+
+
+def peak() -> float:
+    return ARGS.peak_flops * ARGS.tp
 
 
 def build(hf: Any, dtype: str) -> list:
     from asyncrl.learner.convert import load_hf_weights
     from asyncrl.learner.model import build_model_chunks
 
-    chunks = build_model_chunks(hf, {}, dtype)
+    chunks = build_model_chunks(hf, strategy(), dtype)
     load_hf_weights(chunks, ARGS.model, hf)
     return chunks
 
@@ -171,17 +207,29 @@ def parity(hf: Any) -> dict[str, Any]:
     chunks = build(hf, "float32")
     (model,) = chunks
     model.eval()
-    ref = AutoModelForCausalLM.from_pretrained(ARGS.model, dtype=torch.float32, attn_implementation="eager").to(dev).eval()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, hf.vocab_size, (ARGS.parity_batch, ARGS.parity_tokens), generator=g).to(dev)
     pos = torch.arange(ids.shape[1], device=dev).expand_as(ids)
     with torch.no_grad():
-        ours = model(ids, pos, None)[..., : hf.vocab_size].float()
+        ours = model(ids, pos, None)
+        if ARGS.tp > 1:  # vocab-parallel logits: every TP rank holds V/TP columns
+            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+            ours = gather_from_tensor_model_parallel_region(ours)
+        ours = ours[..., : hf.vocab_size].float()
+    local_params = sum(p.numel() for p in model.parameters())
+    if RANK != 0:  # the export below is collective: drive it to the end, compare nothing
+        del ours
+        for _ in export_hf_tensors(chunks, hf):
+            pass
+        return {"rank": RANK}
+    ref = AutoModelForCausalLM.from_pretrained(ARGS.model, dtype=torch.float32, attn_implementation="eager").to(dev).eval()
+    with torch.no_grad():
         theirs = ref(ids).logits.float()
     diff = (ours - theirs).abs()
     lp_diff = (ours.log_softmax(-1) - theirs.log_softmax(-1)).abs()
     out: dict[str, Any] = {
-        "dtype": "float32", "tf32": False, "hf_attn_implementation": "eager",
+        "dtype": "float32", "tf32": False, "hf_attn_implementation": "eager", "tp": ARGS.tp,
         "ids_shape": list(ids.shape), "logits_max_abs_diff": float(diff.max()),
         "logits_mean_abs_diff": float(diff.mean()), "logits_max_abs": float(theirs.abs().max()),
         "logprobs_max_abs_diff": float(lp_diff.max()),
@@ -204,7 +252,8 @@ def parity(hf: Any) -> dict[str, Any]:
         "roundtrip_same_names": sorted(exported) == sorted(expected),
         "roundtrip_bit_exact": not mismatched and sorted(exported) == sorted(expected),
         "roundtrip_mismatched": mismatched[:10], "checkpoint_dtypes": sorted(dtypes),
-        "params": sum(p.numel() for p in model.parameters()), "peak_gib": _peak_gib(),
+        "params": local_params if ARGS.tp == 1 else hf_params(hf), "rank0_local_params": local_params,
+        "peak_gib": _peak_gib(),
     })
     del chunks, model
     return out
@@ -221,7 +270,7 @@ def bare(hf: Any) -> dict[str, Any]:
     dev = device()
     (model,) = build(hf, ARGS.dtype)
     model.train()
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters()) if ARGS.tp == 1 else hf_params(hf)
     samples = make_samples(ARGS.batch, ARGS.seq_len, ARGS.prompt_len, ARGS.group_size, hf.vocab_size)
     ids = torch.tensor([s.prompt_ids + s.response_ids for s in samples], device=dev)
     pos = torch.arange(ids.shape[1], device=dev).expand_as(ids)
@@ -236,8 +285,8 @@ def bare(hf: Any) -> dict[str, Any]:
         model.zero_grad(set_to_none=False)
 
     times = timed(step)
-    out = {"dtype": ARGS.dtype, "micro_batch_size": ARGS.micro_batch_size, "params": params,
-           **stats(times, ids.numel(), params, ARGS.peak_flops), "peak_gib": _peak_gib()}
+    out = {"dtype": ARGS.dtype, "micro_batch_size": ARGS.micro_batch_size, "params": params, "tp": ARGS.tp,
+           **stats(times, ids.numel(), params, peak()), "peak_gib": _peak_gib()}
     del model
     return out
 
@@ -259,7 +308,7 @@ def _configs():
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig
 
     model = ModelConfig(path=ARGS.model, dtype=ARGS.dtype, max_model_len=ARGS.seq_len)
-    learner = LearnerConfig(world_size=1, micro_batch_size=ARGS.micro_batch_size, lr=1e-6,
+    learner = LearnerConfig(world_size=ARGS.tp, strategy_config=strategy(), micro_batch_size=ARGS.micro_batch_size, lr=1e-6,
                             num_cpus_per_rank=ARGS.num_cpus_per_rank,
                             num_gpus_per_rank=1.0 if torch.cuda.is_available() else 0.0)
     algo = AlgorithmConfig(group_size=ARGS.group_size)
@@ -271,11 +320,16 @@ def role(hf: Any) -> dict[str, Any]:
     from asyncrl.learner.roles import ActorRole, RoleContext
 
     model_cfg, learner_cfg, algo = _configs()
-    actor = ActorRole(RoleContext(model_cfg, learner_cfg, algo, hf, ParallelLayout(world_size=1), 0))
-    params = sum(p.numel() for p in actor.runner.parameters())
+    layout = ParallelLayout.from_learner_config(learner_cfg)
+    actor = ActorRole(RoleContext(model_cfg, learner_cfg, algo, hf, layout, RANK))
+    params = sum(p.numel() for p in actor.runner.parameters()) if ARGS.tp == 1 else hf_params(hf)
     samples = make_samples(ARGS.batch, ARGS.seq_len, ARGS.prompt_len, ARGS.group_size, hf.vocab_size)
     tokens = ARGS.batch * ARGS.seq_len
     lp = actor.compute_log_prob(samples)
+    if ARGS.tp > 1:  # only TP rank 0 answers (None elsewhere); the group hands its result to every rank
+        box = [lp]
+        torch.distributed.broadcast_object_list(box, src=0)
+        lp = box[0]
     batch = [_with_behavior(s, row) for s, row in zip(samples, lp["logprobs"])]
     adv = advantages(samples)
     metrics: dict[str, float] = {}
@@ -289,8 +343,8 @@ def role(hf: Any) -> dict[str, Any]:
     optim_times = timed(lambda: actor.optim.step(loss_finite=True))
     return {
         "dtype": ARGS.dtype, "micro_batch_size": ARGS.micro_batch_size, "params": params,
-        "update_actor": stats(update_times, tokens, params, ARGS.peak_flops),
-        "compute_log_prob": stats(logprob_times, tokens, params, ARGS.peak_flops),
+        "update_actor": stats(update_times, tokens, params, peak()),
+        "compute_log_prob": stats(logprob_times, tokens, params, peak()),
         "optimizer_step_seconds": round(sum(optim_times) / len(optim_times), 4),
         "last_metrics": {k: metrics[k] for k in sorted(metrics) if k.startswith("actor/")},
         "peak_gib": _peak_gib(),
@@ -315,7 +369,7 @@ def group() -> dict[str, Any]:
     samples = make_samples(ARGS.batch, ARGS.seq_len, ARGS.prompt_len, ARGS.group_size, vocab)
     tokens = ARGS.batch * ARGS.seq_len
     # Integer counts: a float num_cpus reaches the raylet's command line and it never starts.
-    ray.init(num_cpus=int(ARGS.num_cpus_per_rank + 2), num_gpus=1 if torch.cuda.is_available() else 0,
+    ray.init(num_cpus=int(ARGS.num_cpus_per_rank * ARGS.tp + 2), num_gpus=ARGS.tp if torch.cuda.is_available() else 0,
              include_dashboard=False, log_to_driver=True)
 
     async def go() -> dict[str, Any]:
@@ -348,8 +402,9 @@ def group() -> dict[str, Any]:
             params = RESULTS.get("role", {}).get("params") or RESULTS.get("bare", {}).get("params") or 0
             return {
                 "setup": setup, "start_seconds": round(start_s, 1), "params": params,
-                "update_actor": stats(update_times, tokens, params or 1, ARGS.peak_flops),
-                "compute_log_prob": stats(logprob_times, tokens, params or 1, ARGS.peak_flops),
+                "tp": ARGS.tp, "strategy_config": learner_cfg.strategy_config,
+                "update_actor": stats(update_times, tokens, params or 1, peak()),
+                "compute_log_prob": stats(logprob_times, tokens, params or 1, peak()),
                 "last_metrics": {k: metrics[k] for k in sorted(metrics) if k.startswith("actor/")},
             }
         finally:
@@ -400,7 +455,10 @@ def main() -> None:
     ap.add_argument("--parity-batch", type=int, default=2)
     ap.add_argument("--parity-tokens", type=int, default=256)
     ap.add_argument("--num-cpus-per-rank", type=float, default=4.0)
-    ap.add_argument("--peak-flops", type=float, default=989e12)
+    ap.add_argument("--peak-flops", type=float, default=989e12, help="per GPU")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (GPUs); > 1 runs the in-process sections in tp processes")
+    ap.add_argument("--sequence-parallel", action="store_true", help="with --tp > 1 (needs Transformer Engine norms)")
+    ap.add_argument("--collective-timeout-s", type=float, default=600.0, help="torch.distributed timeout of the in-process sections")
     ap.add_argument("--out", default=None, help="also write the JSON here (rewritten after each section)")
     ARGS = ap.parse_args()
     ARGS.model = os.path.abspath(ARGS.model)
@@ -409,14 +467,11 @@ def main() -> None:
     RESULTS["args"] = vars(ARGS)
     _save(ARGS.out)
     in_process = [s for s in ("parity", "bare", "role") if s in wanted]
-    if in_process:
+    if in_process and ARGS.tp == 1:
         hf = init_single_rank()
-        for name, fn in (("parity", parity), ("bare", bare), ("role", role)):
-            if name in wanted:
-                section(name, ARGS.out)(fn)(hf)
-        from asyncrl.learner.parallel import destroy_model_parallel
-
-        destroy_model_parallel()
+        run_in_process(hf, wanted)
+    elif in_process:
+        run_tp_processes()
     if "group" in wanted:
         section("group", ARGS.out)(group)()
     for name in ("bare", "role", "group"):
@@ -425,6 +480,47 @@ def main() -> None:
                 RESULTS[name]["update_actor"]["seconds_per_step"] / RESULTS["bare"]["seconds_per_step"], 3)
     _save(ARGS.out)
     print(json.dumps(RESULTS, default=str))
+
+
+def run_in_process(hf: Any, wanted: list[str]) -> None:
+    for name, fn in (("parity", parity), ("bare", bare), ("role", role)):
+        if name in wanted:
+            section(name, ARGS.out)(fn)(hf)
+            if ARGS.tp > 1 and "error" in RESULTS[name]:
+                # A rank that failed would leave its peers waiting in a collective: stop them all.
+                raise SystemExit(f"rank {RANK}: section {name} failed")
+    from asyncrl.learner.parallel import destroy_model_parallel
+
+    destroy_model_parallel()
+
+
+def _tp_worker(rank: int, args: argparse.Namespace, results: dict[str, Any], port: int) -> None:
+    global ARGS, RESULTS, RANK
+    ARGS, RESULTS, RANK = args, results, rank
+    hf = init_rank(rank, args.tp, port)
+    run_in_process(hf, args.sections.split(","))
+
+
+def run_tp_processes() -> None:
+    """parity / bare / role in --tp processes (rank r on GPU r); rank 0 writes the results file."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    global RESULTS
+    if not ARGS.out:
+        ARGS.out = tempfile.mkstemp(suffix=".json", prefix="learner_step_")[1]
+    _save(ARGS.out)
+    try:
+        mp.spawn(_tp_worker, args=(ARGS, RESULTS, _free_port()), nprocs=ARGS.tp, join=True)
+    except BaseException as e:  # noqa: BLE001 - a failed rank; keep what rank 0 wrote
+        print(f"[learner_step] tp processes: {type(e).__name__}: {e}"[:2000], file=sys.stderr, flush=True)
+        failed = f"{type(e).__name__}: {e}"[:2000]
+    else:
+        failed = None
+    RESULTS = json.loads(Path(ARGS.out).read_text())
+    if failed:
+        RESULTS["tp_processes_error"] = failed
 
 
 ARGS: argparse.Namespace

@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/run_gpu.sh gen       # generation: direct vLLM vs HTTP API
 #   bash benchmarks/run_gpu.sh learner   # learner: parity, round trip, step time; then the gpu tests
+#   TP=2 bash benchmarks/run_gpu.sh learner   # the same at tensor parallel 2 over two GPUs (no tests)
 #
 # Expects the GPU wheels unpacked in /tmp/wheelhouse (vllm 0.24.0, megatron-core 0.19.2, ray 2.60.0
 # and their needs, for the image's python 3.12 + torch 2.11.0+cu130) and the demo model in
@@ -16,9 +17,11 @@ mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 \
     PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
-if [ ! -d /tmp/site/vllm ]; then
+# (A wheelhouse without vllm, enough for the learner stage, works too.)
+if [ ! -f /tmp/site/.wheelhouse-done ]; then
     t0=$SECONDS
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/wheelhouse/*.whl || exit 1
+    touch /tmp/site/.wheelhouse-done
     echo "install: $((SECONDS - t0)) s"
 fi
 # Extra wheels in .whl/ (carried) override the wheelhouse / image: grpcio >= 1.85.1 is what the
@@ -32,7 +35,15 @@ if ls .whl/*.whl > /dev/null 2>&1 && [ ! -f /tmp/site/.extra-done ]; then
     echo "extra wheels: $extra"
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c 'import sys, torch, importlib.metadata as m; print(sys.version.split()[0], torch.__version__, [(p, m.version(p)) for p in ("vllm", "megatron-core", "transformers", "ray", "tokenizers", "grpcio", "protobuf")])'
+  python3 -c '
+import sys, torch, importlib.metadata as m
+def v(p):
+    try:
+        return m.version(p)
+    except m.PackageNotFoundError:
+        return None
+print(sys.version.split()[0], torch.__version__, [(p, v(p)) for p in ("vllm", "megatron-core", "transformers", "ray", "tokenizers", "grpcio", "protobuf")])'
+  env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=' | tr '\n' ' '; echo
   python3 -c 'import ray.serve; print("ray.serve imports")' 2>&1 | tail -1
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
@@ -49,11 +60,14 @@ gen)
     grep '"benchmark": "generation' "$OUT/generation.log" | tee "$OUT/generation.json"
     ;;
 learner)
-    timeout "${LEARNER_TIMEOUT:-360}" python3 benchmarks/learner_step.py --model "$MODEL" --out "$OUT/learner.json" \
-        > "$OUT/learner.log" 2>&1
+    TP=${TP:-1}
+    sfx=$([ "$TP" -gt 1 ] && echo "_tp$TP")
+    timeout "${LEARNER_TIMEOUT:-360}" python3 benchmarks/learner_step.py --model "$MODEL" --out "$OUT/learner$sfx.json" \
+        --tp "$TP" --sections "${LEARNER_SECTIONS:-parity,bare,role,group}" --collective-timeout-s 180 \
+        > "$OUT/learner$sfx.log" 2>&1
     echo "learner_step rc=$?"
-    grep '^\[learner_step\]' "$OUT/learner.log" | cut -c1-1500
-    if [ "${RUN_TESTS:-1}" = 1 ]; then
+    grep '^\[learner_step\]' "$OUT/learner$sfx.log" | cut -c1-1500
+    if [ "${RUN_TESTS:-1}" = 1 ] && [ "$TP" = 1 ]; then
         timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/learner/test_gpu_learner.py \
             > "$OUT/pytest_gpu.log" 2>&1
         echo "pytest rc=$?"

@@ -27,6 +27,7 @@ from asyncrl.config import WeightsyncConfig
 from asyncrl.generator.control import EngineControl
 from asyncrl.weightsync.push import Publisher, weight_store_hook
 from asyncrl.weightsync.registry import VersionRegistry
+from asyncrl.weightsync.replicas import ActorReplica
 from asyncrl.weightsync.transport import select_transport
 
 log = logging.getLogger(__name__)
@@ -34,34 +35,18 @@ log = logging.getLogger(__name__)
 REGISTRY_ACTOR = "asyncrl_weightsync"
 
 
-class DeploymentReplicas:
-    """`ReplicaClient` for every running replica of the engine deployment, one broadcast per step."""
+class DeploymentReplicas(ActorReplica):
+    """`ReplicaClient` for every running replica of the engine deployment, one broadcast per step
+    (the update steps are ActorReplica's; only how a call reaches the replicas differs)."""
 
     def __init__(self, control: EngineControl, timeout_s: float, name: str = "engines") -> None:
-        self.control, self.timeout_s, self.name = control, timeout_s, name
+        super().__init__(control.handle, name)
+        self.control, self.timeout_s = control, timeout_s
         self.last_results: dict[str, Any] = {}
 
     async def _call(self, method: str, *args: Any) -> dict[str, Any]:
         self.last_results = await self.control.call(method, *args, timeout_s=self.timeout_s)
         return self.last_results
-
-    async def pause(self, mode: str) -> Any:
-        return await self._call("pause", mode)
-
-    async def begin_update(self, version: int) -> Any:
-        return await self._call("begin_update", version)
-
-    async def load_bucket(self, payload: Any, version: int) -> Any:
-        return await self._call("load_bucket", payload, version)
-
-    async def commit_update(self, version: int, fingerprint: str) -> Any:
-        return await self._call("commit_update", version, fingerprint)
-
-    async def abort_update(self) -> Any:
-        return await self._call("abort_update")
-
-    async def resume(self) -> Any:
-        return await self._call("resume")
 
 
 class WeightPublisher:
