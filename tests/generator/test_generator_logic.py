@@ -19,6 +19,7 @@ from asyncrl.generator.sampling import Limits, RequestError, to_vllm, validate_r
 from asyncrl.generator.versions import (
     CompletionAccumulator,
     VersionLabelError,
+    VersionLedger,
     versions_from_spans,
     versions_from_starts,
 )
@@ -76,6 +77,46 @@ def test_deltas_tagged_from_live_starts_equal_the_final_spans(switches, cuts):
     c = acc.to_completion()
     assert len(c.versions) == len(c.token_ids) == len(c.logprobs) == n
     assert c.versions == sorted(c.versions)  # versions never go backwards within a completion
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    commits=st.lists(st.integers(min_value=0, max_value=40), max_size=4),
+    cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=6, unique=True),
+)
+def test_ledger_boundaries_tag_every_delta_like_the_engine_spans_would(commits, cuts):
+    """Commits at sampled-token counts c1 <= c2 ... give the same tags as engine spans at those starts."""
+    n, bounds_at = 40, sorted(commits)
+    ledger = VersionLedger()
+    ledger.open("r", 1, 3)
+    starts = [(3, 0)]
+    for k, at in enumerate(bounds_at):
+        ledger.mark("r", 0, 4 + k, at)
+        starts = [s for s in starts if s[1] < at] + [(4 + k, at)]
+    truth = versions_from_starts(starts, 0, n)
+    got: list[int] = []
+    bounds = [0] + sorted(c for c in cuts if 0 < c < n) + [n]
+    for a, b in zip(bounds, bounds[1:]):
+        got += ledger.versions("r", 0, a, b - a)
+    assert got == truth and got == sorted(got)
+    assert got[0] == (4 + bounds_at.count(0) - 1 if 0 in bounds_at else 3)  # a boundary at 0 relabels
+
+
+def test_ledger_refuses_boundaries_that_go_back_and_duplicate_requests():
+    ledger = VersionLedger()
+    ledger.open("r", 2, 0)
+    ledger.mark("r", 1, 1, 5)
+    with pytest.raises(ValueError, match="before the last"):
+        ledger.mark("r", 1, 2, 4)
+    with pytest.raises(ValueError, match="already open"):
+        ledger.open("r", 1, 0)
+    assert ledger.versions("r", 0, 0, 3) == [0, 0, 0]
+    assert ledger.versions("r", 1, 3, 4) == [0, 0, 1, 1]
+    assert ledger.open_requests() == [("r", 2, False)]
+    ledger.received("r")
+    assert ledger.open_requests() == [("r", 2, True)]
+    ledger.close("r")
+    assert ledger.open_requests() == []
 
 
 def test_accumulator_refuses_tokens_after_finish_and_mismatched_lengths():
