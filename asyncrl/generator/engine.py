@@ -223,10 +223,9 @@ class EngineReplica:
                     new = list(c.token_ids)
                     begin = len(acc.token_ids)
                     final = None
-                    engine_spans = getattr(c, "weight_versions", None)
                     if ledger is not None:
                         versions = ledger.versions(engine_id, c.index, begin, len(new))
-                    elif engine_spans is not None:
+                    elif (engine_spans := getattr(c, "weight_versions", None)) is not None:
                         spans = [(s.version, s.start, s.end) for s in engine_spans]
                         final = versions_from_spans(spans, begin + len(new))
                         versions = final[begin:]
@@ -380,10 +379,19 @@ class EngineReplica:
             for index in range(n):
                 iid = by_index.get(index)
                 if iid is not None:
-                    self._ledger.mark(engine_id, index, version, sampled.get(iid, 0))  # unscheduled: 0
+                    at = sampled.get(iid, 0)  # in the frontend, not in a worker: never scheduled
                 elif not handed_over:
-                    self._ledger.mark(engine_id, index, version, 0)  # the engine has not seen it yet
-                # else: this sequence finished before the pause; every token it has is older
+                    at = 0  # the engine has not seen it yet
+                else:
+                    continue  # finished before the pause: every token it has is older
+                try:
+                    self._ledger.mark(engine_id, index, version, at)
+                except ValueError as err:
+                    # A count that went backwards (engine internals changed shape). The weights
+                    # are already loaded, so the commit stands; this sequence keeps its older label,
+                    # which overstates staleness rather than hiding it.
+                    self.counters["version_fallbacks"] += 1
+                    logger.warning("replica %s: %s; keeping the older label", self.replica_id, err)
 
     async def abort_update(self) -> dict[str, Any]:
         async with self._control_lock:

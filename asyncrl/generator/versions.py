@@ -7,7 +7,8 @@ Tokens still in the pipe (ZMQ socket, output handler, the request's queue) when 
 happens therefore keep the old label. The frontend's output processor turns those labels into
 spans `(label, first output-token index)` per sequence; a finished sequence reports them as
 `CompletionOutput.weight_versions`. This module turns spans into one version per token and
-accumulates DELTA outputs into completions.
+accumulates DELTA outputs into completions. Engines without stamps (vLLM 0.24) get the same spans
+from `VersionLedger`, which the replica fills at each commit from the workers' sampled counts.
 
 Must never: guess a version from the replica's current state when the engine gave one.
 """
