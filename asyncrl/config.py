@@ -76,6 +76,13 @@ class GeneratorConfig(_Section):
     http_host: str = "127.0.0.1"
     http_port: int = Field(8000, gt=0, lt=65536)
 
+    @model_validator(mode="after")
+    def _engine_built(self) -> "GeneratorConfig":
+        if self.engine != "vllm":
+            # Named in the schema so the choice is visible; refused rather than silently run on vLLM.
+            raise ValueError(f"engine={self.engine!r}: the SGLang engine is not built yet; use 'vllm'")
+        return self
+
     def resolved_admin_token(self) -> str | None:
         return self.admin_token or os.environ.get("ASYNCRL_ADMIN_TOKEN") or None
 

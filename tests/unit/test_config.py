@@ -96,6 +96,11 @@ def test_admin_token_falls_back_to_environment(monkeypatch):
     assert GeneratorConfig(admin_token="explicit").resolved_admin_token() == "explicit"
 
 
+def test_sglang_engine_is_refused_by_name_not_run_on_vllm():
+    with pytest.raises(ConfigError, match=r"generator.*engine='sglang'.*not built"):
+        load_config({"generator": {"engine": "sglang"}})
+
+
 def test_gpu_deploy_config_loads_and_hybrid_is_refused_by_name():
     cfg = load_config_file(REPO / "deploy" / "rlhf-gpu.yaml")
     assert cfg.learner.num_gpus_per_rank == 1 and cfg.generator.num_gpus == 1
