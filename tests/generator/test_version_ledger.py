@@ -66,6 +66,21 @@ class _Gate:
             await asyncio.sleep(0.005)
 
 
+async def _push(replica, version: int, weights, gate: _Gate | None = None, while_paused=None) -> None:
+    """pause(keep) -> begin/load/commit -> resume on the replica; `while_paused` runs right after the pause."""
+    await replica.pause("keep")
+    try:
+        if while_paused is not None:
+            await while_paused()
+        await replica.begin_update(version)
+        await replica.load_bucket(weights, version)
+        await replica.commit_update(version, tensor_fingerprint(weights))
+    finally:
+        await replica.resume()
+        if gate is not None:
+            gate.open.set()
+
+
 async def _scenario(model_path) -> tuple[dict, dict, dict]:
     from asyncrl.generator.engine import EngineReplica
 
@@ -82,17 +97,15 @@ async def _scenario(model_path) -> tuple[dict, dict, dict]:
                 await asyncio.sleep(0.02)
             weights = perturbed_weights(model_path, seed=seed)
             await gate.hold()
-            await replica.pause("keep")
-            try:
-                late = asyncio.create_task(replica.generate(during_pause)) if during_pause else None
-                await asyncio.sleep(0.2)  # the late request reaches the engine, which is paused
-                await replica.begin_update(version)
-                await replica.load_bucket(weights, version)
-                await replica.commit_update(version, tensor_fingerprint(weights))
-            finally:
-                await replica.resume()
-                gate.open.set()
-            return late
+            late = []
+
+            async def submit_late():
+                if during_pause is not None:
+                    late.append(asyncio.create_task(replica.generate(during_pause)))
+                    await asyncio.sleep(0.2)  # the late request reaches the engine, which is paused
+
+            await _push(replica, version, weights, gate, while_paused=submit_late)
+            return late[0] if late else None
 
         late = await commit(1, seed=1, during_pause=_request("late", 1, 20, 9))
         await commit(2, seed=2)
@@ -146,26 +159,13 @@ async def _greedy_across_a_commit(model_path, tracking: str) -> tuple[list[int],
             await asyncio.sleep(0.005)
         weights = perturbed_weights(model_path, seed=5, scale=0.2)
         await gate.hold()
-        await replica.pause("keep")
-        try:
-            await replica.begin_update(1)
-            await replica.load_bucket(weights, 1)
-            await replica.commit_update(1, tensor_fingerprint(weights))
-        finally:
-            await replica.resume()
-            gate.open.set()
+        await _push(replica, 1, weights, gate)
         across = (await task).completions[0]
         k = across.versions.index(1)
         # The new weights' greedy continuation of what the old weights had produced by then.
         continued = (await replica.generate(_greedy("ref-new", prompt + across.token_ids[:k], total - k))).completions[0]
         # And the token the old weights would have made at the boundary, for the off-by-one check.
-        await replica.pause("keep")
-        try:
-            await replica.begin_update(2)
-            await replica.load_bucket(old_weights, 2)
-            await replica.commit_update(2, tensor_fingerprint(old_weights))
-        finally:
-            await replica.resume()
+        await _push(replica, 2, old_weights)
         old_at_k = (await replica.generate(_greedy("ref-old-k", prompt + across.token_ids[:k], 1))).completions[0]
         return across.token_ids, across.versions, reference_old, continued.token_ids + old_at_k.token_ids, mode
     finally:
