@@ -18,7 +18,7 @@ for i in $(seq 1 90); do
   fi
 done
 curl -s localhost:8000/generate -d '{"prompt": "What is 12 + 34?", "max_tokens": 8, "temperature": 0}' > $OUT/generate.json
-curl -si localhost:8000/v1/completions -H 'content-type: application/json' -d '{"model": "artifacts/demo-model", "prompt": "1+1=", "max_tokens": 4}' > $OUT/completions.txt
+curl -si localhost:8000/v1/completions -H 'content-type: application/json' -d '{"model": "asyncrl-policy", "prompt": "1+1=", "max_tokens": 4}' > $OUT/completions.txt
 curl -s localhost:8000/metrics > $OUT/metrics.txt
 nvidia-smi > $OUT/nvidia-smi.txt
 cp runs/gpu1/*.jsonl $OUT/ 2>/dev/null; ls runs/gpu1

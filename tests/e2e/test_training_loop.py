@@ -95,9 +95,9 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _steps(path: Path) -> list[dict]:
+def _steps(records: list[dict]) -> list[dict]:
     """metrics.jsonl records of learner steps (the first record is the starting evaluation)."""
-    return [m for m in _lines(path) if "train/step" in m]
+    return [m for m in records if "train/step" in m]
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_grpo_trains_and_publishes_while_the_api_answers(run_a):
     assert "asyncrl_weightsync_push_seconds" in seen["prometheus"] and "asyncrl_buffer_trained" in seen["prometheus"]
     records = _lines(run_dir / "metrics.jsonl")
     assert records[0]["step"] == 0 and records[0]["eval/accuracy"] is not None  # the warm start
-    metrics = _steps(run_dir / "metrics.jsonl")
+    metrics = _steps(records)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert [m["weightsync/version"] for m in metrics] == [1, 2, 3]
     assert all(m["weightsync/failed"] == 0 and m["weightsync/bytes"] > 0 for m in metrics)
@@ -154,7 +154,7 @@ def test_ppo_with_critic_and_reference_kl(ray_session, demo_model_path, tmp_path
                 algorithm={"name": "ppo", "kl_coef": 0.05}, buffer={"max_staleness": 1},
                 trainer={"total_steps": 2, "eval_interval_steps": 0})
     assert seen["statuses"][-1]["state"] == "finished", seen["statuses"][-1]
-    metrics = _steps(tmp_path / "metrics.jsonl")
+    metrics = _steps(_lines(tmp_path / "metrics.jsonl"))
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(math.isfinite(m["critic/vf_loss"]) and m["critic/skipped_steps"] == 0 for m in metrics)
     assert metrics[1]["actor/kl_loss_share"] > 0  # the policy moved away from the reference
