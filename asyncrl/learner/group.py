@@ -189,8 +189,8 @@ class LearnerGroup:
         results, _ = await self._compute("update_critic", _samples(batch), returns, old_values)
         return results[0]
 
-    async def export_hf_tensors_packed(self, bucket_mb: float) -> PackedExport:
-        outs = [o for o in await self._all("export_hf_tensors_packed", bucket_mb) if o is not None]
+    async def export_hf_tensors_packed(self, bucket_mb: float, transport: str = "object_store") -> PackedExport:
+        outs = [o for o in await self._all("export_hf_tensors_packed", bucket_mb, transport) if o is not None]
         packed = PackedExport()
         for o in sorted(outs, key=lambda o: o["pp_rank"]):
             packed.buckets += o["buckets"]

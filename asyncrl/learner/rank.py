@@ -106,16 +106,19 @@ class LearnerRank:
                     return getattr(self.role, method)(*args, **kwargs)
             return getattr(self.role, method)(*args, **kwargs)
 
-    def export_hf_tensors_packed(self, bucket_mb: float) -> dict[str, Any] | None:
-        """Pack this PP stage's HF tensors into buckets and `ray.put` them (sending ranks only).
+    def export_hf_tensors_packed(self, bucket_mb: float, transport: str = "object_store") -> dict[str, Any] | None:
+        """Pack this PP stage's HF tensors into buckets and hand them to the weightsync transport
+        (sending ranks only): `ray.put` for object_store, a shared file for shm (same host).
 
         Every rank drives the export iterator to its end (its TP/EP gathers are collective);
         only TP rank 0 / CP rank 0 / DP rank 0 of each stage packs and puts.
         """
         import ray
 
-        from asyncrl.weightsync.bucket import iter_buckets
+        from asyncrl.weightsync.bucket import iter_buckets, write_shared
 
+        if transport not in ("object_store", "shm"):
+            raise ValueError(f"transport={transport!r}: learner ranks can put buckets into object_store or shm only")
         self._ready()
         c = self.coords
         with self._thread():
@@ -124,12 +127,18 @@ class LearnerRank:
                 for _ in tensors:
                     pass
                 return None
-            refs, metas = [], []
-            for bucket in iter_buckets(tensors, bucket_mb):
-                metas.append(list(bucket.metas))
-                refs.append(ray.put(bucket))
-                del bucket  # one packed bucket alive at a time in this heap
-        return {"pp_rank": c.pp, "buckets": refs, "metas": metas}
+            handles, metas = [], []
+            try:
+                for bucket in iter_buckets(tensors, bucket_mb):
+                    metas.append(list(bucket.metas))
+                    handles.append(write_shared(bucket) if transport == "shm" else ray.put(bucket))
+                    del bucket  # one packed bucket alive at a time in this heap
+            except BaseException:
+                for h in handles:
+                    if transport == "shm":
+                        h.unlink()
+                raise
+        return {"pp_rank": c.pp, "buckets": handles, "metas": metas}
 
     # ------------------------------------------------------------------ checkpoints / state
 

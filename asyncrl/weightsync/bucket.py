@@ -1,8 +1,13 @@
 """Bucketing: a stream of (name, tensor) packed into flat byte buckets, and unpacked back to views.
 
 Owns: the wire shape of one bucket (`Bucket`: one contiguous uint8 buffer + a small metadata
-list), the lazy packer (`iter_buckets`) and the zero-copy unpacker (`unpack_bucket`).
-A bucket is one object to move: one `ray.put`, one NCCL broadcast, one IPC handle.
+list), the lazy packer (`iter_buckets`), the zero-copy unpacker (`unpack_bucket`), and the same
+bucket as a shared-memory file (`SharedBucket`: written once, mapped copy-on-write by any process
+on the host). A bucket is one object to move: one `ray.put`, one file, one NCCL broadcast.
+
+Shared files are how a replica hands a bucket to its vLLM workers (vLLM's `collective_rpc`
+msgpack channel copied every bucket several times) and what the shm transport puts: a mapping
+outlives the file's unlinking for as long as a view of it is held.
 
 Must never: hold more than the bucket being filled plus the one being emitted (the packer pulls
 tensors from the iterator lazily, so peak extra memory is one or two buckets, not the model),
@@ -11,6 +16,9 @@ talk to a transport, or know about versions.
 
 from __future__ import annotations
 
+import mmap
+import os
+import tempfile
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -172,3 +180,80 @@ def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
 def iter_unpacked(buckets: Iterable[Bucket]) -> Iterator[tuple[str, torch.Tensor]]:
     for bucket in buckets:
         yield from unpack_bucket(bucket)
+
+
+# ---- the same bucket as a shared-memory file ---------------------------------------------------
+
+SHM_DIR = "/dev/shm"
+FILE_PREFIX = "asyncrl-bucket-"
+# One tensor-table row as plain msgpack-able values (vLLM's utility channel decodes arguments
+# without type hints): name, dtype, shape, offset, nbytes.
+WireMeta = tuple[str, str, list[int], int, int]
+
+
+def shared_dir(nbytes: int) -> str:
+    """Where a shared file of `nbytes` goes: /dev/shm while it has room for it twice over
+    (containers often mount a 64 MiB one), else the temp dir (page cache, still no disk wait)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+        if st.f_bavail * st.f_frsize >= 2 * nbytes:
+            return SHM_DIR
+    except OSError:
+        pass
+    return tempfile.gettempdir()
+
+
+@dataclass(frozen=True, slots=True)
+class SharedBucket:
+    """A `Bucket` whose buffer lives in a file; `path` is None when it has no bytes."""
+
+    path: str | None
+    metas: list[TensorMeta]
+    nbytes: int
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(m.nbytes for m in self.metas)
+
+    def wire(self) -> tuple[str | None, list[WireMeta]]:
+        return self.path, [(m.name, m.dtype, list(m.shape), m.offset, m.nbytes) for m in self.metas]
+
+    @classmethod
+    def from_wire(cls, path: str | None, metas: Iterable[WireMeta]) -> "SharedBucket":
+        table = [TensorMeta(n, d, tuple(s), int(o), int(b)) for n, d, s, o, b in metas]
+        return cls(path, table, os.stat(path).st_size if path is not None else 0)
+
+    def open(self) -> Bucket:
+        """Map the file copy-on-write: views read the shared pages, a write copies only its page."""
+        if self.path is None:
+            return Bucket(buffer=np.empty(0, dtype=np.uint8), metas=list(self.metas))
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < self.nbytes:
+                raise ValueError(f"shared bucket {self.path} has {size} bytes, expected {self.nbytes}")
+            mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return Bucket(buffer=np.frombuffer(mapped, dtype=np.uint8), metas=list(self.metas))
+
+    def unlink(self) -> None:
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def write_shared(bucket: Bucket) -> SharedBucket:
+    """Copy a bucket's buffer into a new shared file (the caller unlinks it)."""
+    if bucket.nbytes == 0:
+        return SharedBucket(None, list(bucket.metas), 0)
+    fd, path = tempfile.mkstemp(prefix=FILE_PREFIX, dir=shared_dir(bucket.nbytes))
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            view = memoryview(np.ascontiguousarray(bucket.buffer).reshape(-1).view(np.uint8))
+            written = 0
+            while written < len(view):
+                written += f.write(view[written:])
+    except BaseException:
+        os.unlink(path)
+        raise
+    return SharedBucket(path, list(bucket.metas), bucket.nbytes)

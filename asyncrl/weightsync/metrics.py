@@ -5,7 +5,7 @@ Owns: the timers and counters a push fills in, and their names:
   weightsync/push_seconds          begin of registration -> replicas resumed (or failure)
   weightsync/stage_seconds         first bucket sent -> last bucket loaded on every replica
   weightsync/commit_seconds        commit call -> every replica answered
-  weightsync/fingerprint_seconds   digest over the staged tensors (engine layout)
+  weightsync/fingerprint_seconds   the publisher hashing buckets (overlapped with the replicas staging)
   weightsync/gbps                  bytes / push_seconds (what one replica effectively received)
   weightsync/aggregate_gbps        bytes * replicas / stage_seconds (what the transport moved)
   weightsync/transport/<name>/{bytes,put_seconds,put_gbps}

@@ -8,8 +8,11 @@ Atomicity, as designed with the generator's interface (replicas.py lists the con
 - Staging never touches live weights, so any failure before commit (a bucket fails to load, a
   step times out, a replica dies) is undone by `abort_update` on every replica: they keep
   serving the last committed version. The version goes FAILED and is never live.
-- The fingerprint (sha256 over the HF-named full tensors, `tensor_fingerprint`) is checked by
-  each replica before it applies anything, so a corrupted bucket fails the commit cleanly.
+- The fingerprint (`tensor_fingerprint` over the HF-named full tensors, in the configured
+  `verify` mode: full | sampled | off) is checked by each replica before it applies anything, so
+  a corrupted bucket fails the commit cleanly. Both sides hash per tensor as buckets pass (the
+  publisher right after a bucket's load is sent, the replica as it stages it), so verifying
+  costs no pass of its own at commit.
 - A commit that fails for any other reason may have applied part of the tensors; replicas that
   did commit the new version while a peer failed are ahead of it. Both kinds are restored
   while still paused: the last live version's buckets (kept in the object store by this
@@ -21,9 +24,8 @@ Atomicity, as designed with the generator's interface (replicas.py lists the con
   from scratch, buckets replayed from their handles, the tensor stream is read once);
   a dead replica or a failing tensor stream is not retried. Paused replicas are always resumed.
 
-`WeightsyncConfig.verify` is not consulted: the generator's commit always verifies the full
-fingerprint. `preserve_rng_state` wraps every publish because the tensor stream (the learner's
-export) is consumed lazily inside it.
+`preserve_rng_state` wraps every publish because the tensor stream (the learner's export) is
+consumed lazily inside it.
 
 Must never: pack or unpack tensors itself (bucket.py), know the transport's medium
 (transport.py), or let a version go live that some live replica did not commit.
@@ -43,9 +45,9 @@ from typing import Any
 import torch
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.generator.weights import tensor_fingerprint
+from asyncrl.generator.weights import VerifyMode, check_verify_mode, combine_digests, fingerprint_mode, tensor_digest
 from asyncrl.types import WeightUpdateState
-from asyncrl.weightsync.bucket import iter_buckets, iter_unpacked
+from asyncrl.weightsync.bucket import Bucket, iter_buckets, iter_unpacked, unpack_bucket
 from asyncrl.weightsync.metrics import PushMetrics
 from asyncrl.weightsync.registry import VersionRegistry
 from asyncrl.weightsync.replicas import ReplicaClient, is_replica_dead, is_verify_failure
@@ -134,17 +136,33 @@ async def _maybe_await(value: Any) -> Any:
 
 
 class _BucketSource:
-    """Packs the tensor stream lazily and puts each bucket once; a retry replays the handles."""
+    """Packs the tensor stream lazily and puts each bucket once; a retry replays the handles.
 
-    def __init__(self, named: NamedTensorIter, bucket_mb: float, transport: Transport, m: PushMetrics) -> None:
+    Each bucket is hashed (per tensor, in `verify` mode) when the consumer comes back for the
+    next one, i.e. after it sent this bucket's load: the hashing overlaps the replicas' staging."""
+
+    def __init__(self, named: NamedTensorIter, bucket_mb: float, transport: Transport, m: PushMetrics,
+                 verify: VerifyMode = "full") -> None:
         self._buckets = iter_buckets(named, bucket_mb)
         self._transport, self._m = transport, m
+        self.verify = check_verify_mode(verify)
         self.handles: list[Any] = []
         self.exhausted = False
-        self._fingerprint: str | None = None
+        self._digests: dict[str, bytes] = {}
+        self._hashed = 0  # buckets hashed so far, in handle order
+
+    def _hash(self, bucket: Bucket) -> None:
+        t = time.perf_counter()
+        for name, tensor in unpack_bucket(bucket):
+            self._digests[name] = tensor_digest(name, tensor, self.verify)
+        self._hashed += 1
+        self._m.fingerprint_seconds += time.perf_counter() - t
 
     def __iter__(self) -> Iterator[Any]:
-        yield from list(self.handles)
+        for i, handle in enumerate(list(self.handles)):
+            yield handle
+            if i == self._hashed:  # an earlier attempt stopped before hashing it
+                self._hash(self._transport.fetch(handle))
         while not self.exhausted:
             try:
                 bucket = next(self._buckets)
@@ -160,27 +178,32 @@ class _BucketSource:
             self._m.num_tensors += len(bucket)
             self._m.num_buckets += 1
             self.handles.append(handle)
-            del bucket  # the transport holds it now; keep at most one packed bucket in this heap
             yield handle
+            self._hash(bucket)
+            del bucket  # the transport holds it now; keep at most one packed bucket in this heap
 
     @classmethod
-    def from_handles(cls, handles: Sequence[Any], transport: Transport, m: PushMetrics) -> "_BucketSource":
+    def from_handles(cls, handles: Sequence[Any], transport: Transport, m: PushMetrics,
+                     verify: VerifyMode = "full") -> "_BucketSource":
         """Buckets someone else already put (the learner ranks export straight into the
         transport): nothing to pack, the handles are replayed as they are."""
-        source = cls((), 1.0, transport, m)
+        source = cls((), 1.0, transport, m, verify)
         source.handles, source.exhausted = list(handles), True
         for h in source.handles:
             bucket = transport.fetch(h)
+            names = bucket.names
+            if any(n in source._digests for n in names) or len(set(names)) != len(names):
+                raise ValueError(f"a tensor name appears twice across the {len(handles)} bucket handles")
+            source._hash(bucket)
             m.bytes += bucket.payload_bytes
             m.num_tensors += len(bucket)
             m.num_buckets += 1
         return source
 
     def fingerprint(self) -> str:
-        if self._fingerprint is None:
-            buckets = (self._transport.fetch(h) for h in self.handles)
-            self._fingerprint = tensor_fingerprint(iter_unpacked(buckets))
-        return self._fingerprint
+        if not self.exhausted or self._hashed != len(self.handles):
+            raise RuntimeError("fingerprint before the tensor stream was read to its end")
+        return combine_digests(self._digests, self.verify)
 
 
 class Publisher:
@@ -214,7 +237,8 @@ class Publisher:
         start), so a failed first push can still restore them. Returns their fingerprint."""
         if version != self.registry.live_version:
             raise ValueError(f"seed version {version} is not the registry's live version {self.registry.live_version}")
-        source = _BucketSource(named_tensors, self._cfg.bucket_mb, self._transport, PushMetrics(version, self._transport.name, 0))
+        source = _BucketSource(named_tensors, self._cfg.bucket_mb, self._transport,
+                               PushMetrics(version, self._transport.name, 0), self._cfg.verify)
         try:
             for _ in source:
                 pass
@@ -242,9 +266,9 @@ class Publisher:
             raise ValueError(f"replica names must be unique, got {names}")
         m = PushMetrics(version, self._transport.name, len(replicas))
         if handles is not None:  # read before registering: a bad handle leaves nothing in flight
-            source = _BucketSource.from_handles(handles, self._transport, m)
+            source = _BucketSource.from_handles(handles, self._transport, m, self._cfg.verify)
         else:
-            source = _BucketSource(named, self._cfg.bucket_mb, self._transport, m)
+            source = _BucketSource(named, self._cfg.bucket_mb, self._transport, m, self._cfg.verify)
         self._reg("begin", version)
         self.totals["pushes_total"] += 1
         try:
@@ -260,6 +284,9 @@ class Publisher:
                     m.retries += 1
                     self.totals["retries_total"] += 1
         except BaseException as exc:
+            for h in source.handles:  # the failed version's buckets: nobody will read them again
+                with contextlib.suppress(Exception):
+                    self._transport.release(h)
             if self.registry.in_flight == version:  # cancelled, or a bug: never leave it in flight
                 self._reg("transition", version, S.FAILED, error=f"{type(exc).__name__}: {exc}")
                 m.failed = True
@@ -274,16 +301,14 @@ class Publisher:
             pause_sent = True
             await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
             begin_sent = True
-            await self._step(Step.BEGIN, replicas, lambda r: r.begin_update(version), m)
+            await self._step(Step.BEGIN, replicas, lambda r: r.begin_update(version, source.verify), m)
             t = time.perf_counter()
             await self._stream(version, source, replicas, m)
             m.stage_seconds += time.perf_counter() - t
-            t = time.perf_counter()
             try:
                 fingerprint = source.fingerprint()
             except Exception as exc:
                 raise _StepFailed(Step.FINGERPRINT, {"publisher": exc}) from exc
-            m.fingerprint_seconds = time.perf_counter() - t
             self._reg("set_payload", version, fingerprint=fingerprint, num_bytes=m.bytes, num_tensors=m.num_tensors)
             self._reg("transition", version, S.COMMITTING)
             t = time.perf_counter()
@@ -317,6 +342,7 @@ class Publisher:
                     await pending
                 payload = self._transport.payload(handle)
                 pending = asyncio.ensure_future(self._step(Step.LOAD, replicas, lambda r, p=payload: r.load_bucket(p, version), m))
+                await asyncio.sleep(0)  # let the task send its loads before this loop packs the next bucket
             if pending is not None:
                 await pending
         finally:
@@ -363,7 +389,7 @@ class Publisher:
         host, failed = self._host, [r.name for r in replicas]
         if host is not None and replicas:
             async def reload(r: ReplicaClient) -> None:
-                await r.begin_update(host.version)
+                await r.begin_update(host.version, fingerprint_mode(host.fingerprint))
                 for h in host.handles:
                     await r.load_bucket(self._transport.payload(h), host.version)
                 await r.commit_update(host.version, host.fingerprint)

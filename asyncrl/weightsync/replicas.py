@@ -6,12 +6,13 @@ carry the generator's names.
 
 The contract weightsync relies on (generator side):
   pause(mode)                     stop scheduling; "keep" keeps in-flight requests' KV
-  begin_update(version)           drop any staged copy; start staging `version`
+  begin_update(version, verify)   drop any staged copy; start staging `version`, hashing each
+                                  bucket as it arrives in `verify` mode (full | sampled | off)
   load_bucket(bucket, version)    stage one `Bucket` (the transport payload: for the object store
                                   an ObjectRef that Ray resolves to the bucket; a `Bucket`
                                   iterates as (name, tensor) views, so it is a NamedTensors);
                                   never touches live weights
-  commit_update(version, fp)      verify the staged tensors hash to `fp` FIRST, then apply them
+  commit_update(version, fp)      verify the staged tensors hash to `fp` ("<mode>:<hex>") FIRST, then apply them
                                   in place and relabel the version; a fingerprint mismatch must
                                   raise before anything is applied (its message contains
                                   "fingerprint mismatch"), any later error may leave the
@@ -38,7 +39,7 @@ class ReplicaClient(Protocol):
 
     async def pause(self, mode: str) -> Any: ...
 
-    async def begin_update(self, version: int) -> Any: ...
+    async def begin_update(self, version: int, verify: str = "full") -> Any: ...
 
     async def load_bucket(self, payload: Any, version: int) -> Any: ...
 
@@ -63,8 +64,8 @@ class ActorReplica:
     async def pause(self, mode: str) -> Any:
         return await self._call("pause", mode)
 
-    async def begin_update(self, version: int) -> Any:
-        return await self._call("begin_update", version)
+    async def begin_update(self, version: int, verify: str = "full") -> Any:
+        return await self._call("begin_update", version, verify)
 
     async def load_bucket(self, payload: Any, version: int) -> Any:
         # The payload goes as a top-level argument so Ray resolves an ObjectRef before the call.

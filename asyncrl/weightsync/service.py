@@ -61,6 +61,7 @@ class WeightPublisher:
         self.store_name = store_name or WEIGHT_STORE_NAME
         self.namespace = namespace or WEIGHT_STORE_NAMESPACE
         self.publisher: Publisher | None = None
+        self.transport: Any = None
         self.store: Any = None
         self.service: Any = None
 
@@ -86,17 +87,22 @@ class WeightPublisher:
             mirror=lambda op, *a, **k: self.service.apply.remote(op, *a, **k),
             on_live=weight_store_hook(self.store),
         )
-        export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb)
+        self.transport = transport
+        export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, transport.name)
         from asyncrl.weightsync.bucket import iter_unpacked
 
-        self.publisher.seed(initial_version, iter_unpacked(transport.fetch(h) for h in export.buckets))
+        try:
+            self.publisher.seed(initial_version, iter_unpacked(transport.fetch(h) for h in export.buckets))
+        finally:  # seed re-packs into its own buckets
+            for h in export.buckets:
+                transport.release(h)
 
     async def publish(self, version: int) -> dict[str, float]:
         """Push the learner's current weights as `version`; returns the push metrics.
         Raises `WeightsyncError` (nothing published, engines on the previous version) on failure."""
         if self.publisher is None:
             raise RuntimeError("WeightPublisher.start() was not called")
-        export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb)
+        export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, self.transport.name)
         result = await self.publisher.publish_handles(version, export.buckets, [self.replicas])
         metrics = dict(result.metrics)
         metrics["weightsync/engine_replicas"] = float(len(self.replicas.last_results))

@@ -4,9 +4,12 @@ Owns: the `Transport` protocol (put a bucket once, hand every replica the same p
 back on the owner side, release it) and its implementations, plus `select_transport`, which maps
 `WeightsyncConfig.transport` and the placement to one of them.
 
-Implemented: `ObjectStoreTransport` (CPU / any placement: one `ray.put` per bucket, every replica
+Implemented: `ObjectStoreTransport` (any placement: one `ray.put` per bucket, every replica
 receives the same ObjectRef as a top-level argument, so Ray hands it a read-only zero-copy
-numpy view) and `LocalTransport` (in-process replicas; tests and single-process tools).
+numpy view; the replica then writes it once into a shared file for its workers),
+`SharedMemoryTransport` (publisher and replicas on one host: each bucket is written once into a
+file under /dev/shm and every replica's workers map that same file, so a replica copies
+nothing) and `LocalTransport` (in-process replicas; tests and single-process tools).
 
 Not implemented, on purpose (no stubs): NCCL and CUDA IPC. vLLM 0.32's
 `vllm.distributed.weight_transfer` (NCCL/IPC engines) applies weights as they arrive in
@@ -19,10 +22,11 @@ Must never: decide ordering or retries (push.py does), or look inside a bucket.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.weightsync.bucket import Bucket
+from asyncrl.weightsync.bucket import Bucket, SharedBucket, write_shared
 
 
 class TransportUnavailable(ValueError):
@@ -101,19 +105,73 @@ class ObjectStoreTransport:
         return None
 
 
-def select_transport(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: bool = False) -> Transport:  # noqa: ARG001
-    """`auto` -> object_store (CPU, and separated GPU placement until the NCCL transport is
-    built: buckets are staged through host memory), ipc when hybrid.
+class SharedMemoryTransport:
+    """Same host only: one shared file per bucket (bucket.py's `SharedBucket`), mapped by every
+    replica's workers. Buckets the learner ranks wrote themselves are adopted when first read.
 
-    Only object_store is built; an explicit shm/nccl/ipc, or hybrid placement, raises
+    This transport owns the files: `release` unlinks one; `close` (or the transport being
+    collected, or the process exiting) unlinks every one it still holds.
+    """
+
+    name = "shm"
+
+    def __init__(self) -> None:
+        self._files: set[str] = set()
+        self._finalizer = weakref.finalize(self, _unlink_all, self._files)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def put(self, bucket: Bucket) -> SharedBucket:
+        shared = write_shared(bucket)
+        if shared.path is not None:
+            self._files.add(shared.path)
+        return shared
+
+    def payload(self, handle: SharedBucket) -> SharedBucket:
+        return handle
+
+    def fetch(self, handle: SharedBucket) -> Bucket:
+        if not isinstance(handle, SharedBucket):
+            raise TypeError(f"transport=shm got a {type(handle).__name__} handle, not a SharedBucket")
+        if handle.path is not None:
+            self._files.add(handle.path)
+        return handle.open()
+
+    def release(self, handle: SharedBucket) -> None:
+        handle.unlink()
+        self._files.discard(handle.path)
+
+
+def _unlink_all(paths: set[str]) -> None:
+    for path in list(paths):
+        SharedBucket(path, [], 0).unlink()
+    paths.clear()
+
+
+def single_host() -> bool:
+    """Whether the running Ray cluster has one live node (so every process shares /dev/shm)."""
+    import ray
+
+    return ray.is_initialized() and sum(1 for n in ray.nodes() if n.get("Alive")) == 1
+
+
+def select_transport(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: bool = False) -> Transport:  # noqa: ARG001
+    """`auto` -> shm on a one-node Ray cluster, object_store on several (CPU, and separated GPU
+    placement until the NCCL transport is built: buckets are staged through host memory); ipc
+    when hybrid.
+
+    nccl and ipc are not built: asking for them, or hybrid placement, raises
     `TransportUnavailable` naming the value rather than silently taking another path.
     """
     kind = config.transport
     if kind == "auto":
-        kind = "ipc" if hybrid else "object_store"
+        kind = "ipc" if hybrid else ("shm" if single_host() else "object_store")
     if kind == "object_store":
         return ObjectStoreTransport(get_timeout_s=config.timeout_s)
+    if kind == "shm":
+        return SharedMemoryTransport()
     raise TransportUnavailable(
         f"weightsync.transport={config.transport!r} resolves to {kind!r} (on_gpu={on_gpu}, hybrid={hybrid}), "
-        "which is not implemented in this build; use transport='object_store'"
+        "which is not implemented in this build; use transport='shm' (one host) or 'object_store'"
     )

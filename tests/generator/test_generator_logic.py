@@ -3,6 +3,7 @@ admin auth and metrics rendering. No engine, no Ray."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,7 +24,15 @@ from asyncrl.generator.versions import (
     versions_from_spans,
     versions_from_starts,
 )
-from asyncrl.generator.weights import WeightStore, pack_tensors, tensor_fingerprint, unpack_tensors
+from asyncrl.generator.weights import (
+    SAMPLE_WINDOW,
+    SAMPLE_WINDOWS,
+    WeightStore,
+    combine_digests,
+    fingerprint_mode,
+    tensor_digest,
+    tensor_fingerprint,
+)
 from asyncrl.types import GenerationRequest, SamplingParams
 
 LIMITS = Limits(max_n=4, max_model_len=32, vocab_size=100)
@@ -196,13 +205,56 @@ def test_fingerprint_covers_name_dtype_shape_and_bytes_in_name_order():
         tensor_fingerprint([("w", a["w"]), ("w", a["w"])])
 
 
-def test_pack_unpack_roundtrip_keeps_the_fingerprint():
-    a = {"x": torch.randn(3, 4), "y": torch.randn(5).to(torch.bfloat16), "z": torch.tensor(2.0)}
-    back = dict(unpack_tensors(pack_tensors(a)))
-    assert tensor_fingerprint(back) == tensor_fingerprint(a)
-    name, dtype, shape, raw = pack_tensors({"x": a["x"]})[0]
+def test_fingerprint_modes_are_named_in_the_digest_and_differ_in_what_they_cover():
+    big = torch.arange(SAMPLE_WINDOW * SAMPLE_WINDOWS, dtype=torch.float32)  # 4x the sampled budget
+    a = {"big": big, "small": torch.ones(7)}
+    full, sampled, off = (tensor_fingerprint(a, m) for m in ("full", "sampled", "off"))
+    assert [fingerprint_mode(f) for f in (full, sampled, off)] == ["full", "sampled", "off"]
+    assert len({full.split(":")[1], sampled.split(":")[1], off.split(":")[1]}) == 3
+
+    between = big.clone()  # a byte between two sampled windows: only `full` sees it
+    between.view(torch.uint8)[SAMPLE_WINDOW + 10] ^= 1
+    in_window = big.clone()  # a byte inside the first window: `sampled` sees it too
+    in_window.view(torch.uint8)[10] ^= 1
+    for m, sees_between in (("full", True), ("sampled", False), ("off", False)):
+        fp = tensor_fingerprint(a, m)
+        assert (tensor_fingerprint({**a, "big": between}, m) != fp) is sees_between, m
+        assert (tensor_fingerprint({**a, "big": in_window}, m) != fp) is (m != "off"), m
+        assert tensor_fingerprint({**a, "big": big.reshape(2, -1)}, m) != fp  # shape: every mode
+        assert tensor_fingerprint({"big": big}, m) != fp  # a missing tensor: every mode
+    # per-tensor digests combine to the same fingerprint in any arrival order
+    digests = {n: tensor_digest(n, t, "sampled") for n, t in reversed(list(a.items()))}
+    assert combine_digests(digests, "sampled") == sampled
+    for bad in ("abc", "fast:00", "full:"):
+        with pytest.raises(ValueError):
+            fingerprint_mode(bad)
     with pytest.raises(ValueError):
-        unpack_tensors([(name, dtype, shape, raw[:-4])])
+        tensor_fingerprint(a, "crc")
+
+
+def test_shared_bucket_file_is_bit_exact_and_survives_unlinking():
+    from asyncrl.weightsync.bucket import SharedBucket, iter_buckets, unpack_bucket, write_shared
+
+    a = {"x": torch.randn(3, 4), "y": torch.randn(5).to(torch.bfloat16), "z": torch.tensor(2.0), "e": torch.empty(0, 3)}
+    (bucket,) = list(iter_buckets(a.items(), 1.0))
+    shared = write_shared(bucket)
+    path, metas = shared.wire()  # what crosses vLLM's collective_rpc: plain values
+    try:
+        views = unpack_bucket(SharedBucket.from_wire(path, metas).open())
+    finally:
+        shared.unlink()  # as the replica does once the workers hold their mappings
+    assert not os.path.exists(path)
+    back = dict(views)
+    assert tensor_fingerprint(back) == tensor_fingerprint(a)
+    assert back["y"].dtype == torch.bfloat16 and back["e"].shape == (0, 3)
+    back["x"].add_(1.0)  # a copy-on-write mapping: the worker may write in place
+    empty = write_shared(next(iter_buckets([("e", torch.empty(0))], 1.0)))
+    assert empty.path is None and dict(unpack_bucket(empty.open()))["e"].numel() == 0
+    truncated = write_shared(bucket)
+    os.truncate(truncated.path, 8)
+    with pytest.raises(ValueError, match="expected"):
+        SharedBucket(truncated.path, truncated.metas, truncated.nbytes).open()
+    truncated.unlink()
 
 
 def test_split_buckets_respects_the_byte_budget_and_keeps_every_tensor():

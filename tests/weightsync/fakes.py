@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from asyncrl.generator.weights import tensor_fingerprint
-from asyncrl.weightsync.bucket import Bucket, unpack_bucket
+from asyncrl.weightsync.bucket import Bucket, SharedBucket, unpack_bucket
 from asyncrl.weightsync.transport import LocalTransport
 
 
@@ -30,6 +30,7 @@ class FakeReplica:
     allow_reload: bool = True
     paused: bool = False
     attempt: int = 0  # counts begin_update calls
+    verify: str = "full"
     staged: dict[str, torch.Tensor] | None = None
     loads: int = 0
 
@@ -44,8 +45,9 @@ class FakeReplica:
         self.log.append((self.name, f"pause:{mode}"))
         self.paused = True
 
-    async def begin_update(self, version: int) -> None:
+    async def begin_update(self, version: int, verify: str = "full") -> None:
         self.log.append((self.name, f"begin:{version}"))
+        self.verify = verify
         self.attempt += 1
         if version <= self.version and not self.allow_reload:
             raise Fault(f"version {version} must be > current {self.version}")
@@ -57,13 +59,15 @@ class FakeReplica:
         self.loads += 1
         await self._maybe_fault("load")
         assert self.staged is not None, "load before begin"
+        if isinstance(bucket, SharedBucket):  # the shm transport's payload: map the file
+            bucket = bucket.open()
         for name, t in unpack_bucket(bucket):
             self.staged[name] = t.clone()
 
     async def commit_update(self, version: int, fingerprint: str) -> None:
         self.log.append((self.name, f"commit:{version}"))
         staged, self.staged = self.staged, None
-        actual = tensor_fingerprint(staged or {})
+        actual = tensor_fingerprint(staged or {}, self.verify)
         if actual != fingerprint:
             raise Fault(f"fingerprint mismatch for version {version}")
         if self.faults.get(("commit", self.attempt)) == "partial":

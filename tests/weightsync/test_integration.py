@@ -44,8 +44,8 @@ class _EngineActor:
     async def resume(self):
         return await self.replica.resume()
 
-    async def begin_update(self, version):
-        return await self.replica.begin_update(version)
+    async def begin_update(self, version, verify="full"):
+        return await self.replica.begin_update(version, verify)
 
     async def load_bucket(self, bucket, version):
         return await self.replica.load_bucket(bucket, version)
@@ -279,9 +279,12 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
 
 
 async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_export(engines, demo_model_path):
-    """The real path: a Megatron actor (TP=2 over gloo) updates once, exports HF tensors into the
-    object store, and the publisher pushes those buckets; both engines then decode exactly what
-    transformers decodes with the learner's exported weights, tagged with the new version."""
+    """The real path: a Megatron actor (TP=2 over gloo) updates once, exports HF tensors into
+    shared-memory bucket files, and the publisher pushes those files (shm transport, sampled
+    verification); both engines then decode exactly what transformers decodes with the learner's
+    exported weights, tagged with the new version. Releasing the host copy removes the files."""
+    import os
+
     import ray
 
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, WeightsyncConfig
@@ -290,7 +293,7 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
     from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.replicas import ActorReplica
-    from asyncrl.weightsync.transport import ObjectStoreTransport
+    from asyncrl.weightsync.transport import SharedMemoryTransport
     from tests.learner._data import advantages, make_samples
     from transformers import AutoTokenizer
 
@@ -305,13 +308,17 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
         old = await group.compute_log_prob(samples)
         metrics = await group.update_actor(samples, advantages(samples), old)
         assert metrics["actor/applied_steps"] == 1
-        export = await group.export_hf_tensors_packed(0.25)
-        exported = {n: t.clone() for n, t in iter_unpacked(ray.get(h) for h in export.buckets)}
+        export = await group.export_hf_tensors_packed(0.25, "shm")
+        files = [h.path for h in export.buckets]
+        assert len(files) > 1 and all(os.path.exists(f) for f in files)
+        transport = SharedMemoryTransport()
+        exported = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in export.buckets)}
         base = load_hf_tensors(str(demo_model_path))
         assert exported.keys() <= base.keys() and any(not torch.equal(exported[n], base[n]) for n in exported)
-        pub = Publisher(WeightsyncConfig(bucket_mb=0.25, timeout_s=120), transport=ObjectStoreTransport())
+        pub = Publisher(WeightsyncConfig(bucket_mb=0.25, timeout_s=120, verify="sampled"), transport=transport)
         version = start + 1
-        await pub.publish_handles(version, export.buckets, [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)])
+        result = await pub.publish_handles(version, export.buckets, [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)])
+        assert result.fingerprint.startswith("sampled:") and result.metrics["weightsync/transport/shm/bytes"] > 0
     finally:
         await group.shutdown()
     tok = AutoTokenizer.from_pretrained(str(demo_model_path))
@@ -321,4 +328,7 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
         got = await h.greedy.remote(prompt_ids)
         assert _is_hf_greedy(hf, prompt_ids, [t for t, _ in got])
         assert all(v == [version] * MAX_TOKENS for _, v in got)
+    for h in pub._host.handles:  # the live version's host copy is the learner's files
+        transport.release(h)
+    assert not any(os.path.exists(f) for f in files)
 

@@ -189,7 +189,7 @@ def test_preserve_rng_state_restores_the_stream():
 
 
 @pytest.mark.parametrize("kind, on_gpu, hybrid, resolved", [
-    ("auto", True, True, "ipc"), ("nccl", True, False, "nccl"), ("nccl", False, False, "nccl"), ("shm", False, False, "shm"),
+    ("auto", True, True, "ipc"), ("nccl", True, False, "nccl"), ("nccl", False, False, "nccl"), ("ipc", True, True, "ipc"),
 ])
 def test_unbuilt_transports_are_refused_by_name(kind, on_gpu, hybrid, resolved):
     from asyncrl.weightsync.transport import TransportUnavailable, select_transport
@@ -225,3 +225,47 @@ async def test_publish_handles_with_an_unreadable_handle_registers_nothing():
         await pub.publish_handles(1, ["gone"], replicas)
     assert pub.registry.in_flight is None and pub.registry.live_version == 0 and log == []
     assert (await pub.publish(1, iter(model(1).items()), replicas)).version == 1
+
+
+@pytest.mark.parametrize("verify, caught", [("full", True), ("sampled", True), ("off", False)])
+async def test_verify_mode_decides_what_a_commit_checks(verify, caught):
+    # One flipped byte at the start of a tensor: inside the first sampled window.
+    pub, replicas, log, old = _setup(transport=CorruptingTransport(index=1))
+    pub._cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, retries=0, timeout_s=30.0, verify=verify)
+    new = model(1)
+    if caught:
+        with pytest.raises(WeightsyncError, match="fingerprint mismatch"):
+            await pub.publish(1, iter(new.items()), replicas)
+        assert pub.registry.live_version == 0 and all(_same(r.weights, old) for r in replicas)
+    else:  # `off` checks names, dtypes and shapes only: the flipped byte goes live (documented)
+        result = await pub.publish(1, iter(new.items()), replicas)
+        assert result.fingerprint.startswith("off:") and not _same(replicas[0].weights, new)
+    assert all(r.verify == verify for r in replicas)  # the mode travels with begin_update
+
+
+async def test_shm_transport_owns_its_files_from_push_to_release():
+    import os
+
+    from asyncrl.weightsync.transport import SharedMemoryTransport
+
+    transport = SharedMemoryTransport()
+    pub, replicas, log, old = _setup(transport=transport)
+    r1 = await pub.publish(1, iter(model(1).items()), replicas)
+    files1 = [h.path for h in pub._host.handles]
+    assert len(files1) == 3 and all(os.path.exists(f) for f in files1)  # the host copy, for rollback
+    assert all(_same(r.weights, model(1)) for r in replicas) and r1.fingerprint == tensor_fingerprint(model(1))
+
+    await pub.publish(2, iter(model(2).items()), replicas)
+    files2 = [h.path for h in pub._host.handles]
+    assert not any(os.path.exists(f) for f in files1) and all(os.path.exists(f) for f in files2)
+
+    replicas[0].faults[("load", -1)] = "raise"  # a failed push removes its own files, keeps the live ones
+    written, put = [], transport.put
+    transport.put = lambda bucket: written.append(put(bucket)) or written[-1]
+    with pytest.raises(WeightsyncError):
+        await pub.publish(3, iter(model(3).items()), replicas)
+    assert written and not any(os.path.exists(h.path) for h in written)
+    assert all(os.path.exists(f) for f in files2)
+
+    transport.close()  # also run when the transport is collected or the process exits
+    assert not any(os.path.exists(f) for f in files2)
