@@ -55,7 +55,10 @@ class WeightUpdateExtension:
             raise RuntimeError(f"commit of version {version} but staging version {state['version']}")
         tensors = state["tensors"]
         try:
-            mode = fingerprint_mode(fingerprint)
+            try:
+                mode = fingerprint_mode(fingerprint)
+            except ValueError as err:  # nothing applied: reported as the mismatch it is
+                raise ValueError(f"fingerprint mismatch for version {version}: {err}") from None
             # The publisher's mode normally equals the one staged with; if not, hash again in its mode.
             digests = state["digests"] if mode == state["verify"] else {n: tensor_digest(n, t, mode) for n, t in tensors.items()}
             actual = combine_digests(digests, mode)

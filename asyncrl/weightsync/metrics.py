@@ -9,7 +9,9 @@ Owns: the timers and counters a push fills in, and their names:
   weightsync/gbps                  bytes / push_seconds (what one replica effectively received)
   weightsync/aggregate_gbps        bytes * replicas / stage_seconds (what the transport moved)
   weightsync/transport/<name>/{bytes,put_seconds,put_gbps}
+  weightsync/on_live_seconds       the `on_live` hook (the WeightStore copy for late joiners)
   weightsync/replica/<name>/{load_seconds,load_gbps,commit_seconds}
+  weightsync/replica/<name>/<step>_seconds   every other step too (pause, begin_update, resume, ...)
   weightsync/timeline/<state>_s    seconds from registration to entering each state
 Cumulative counters (pushes_total, pushes_failed_total, retries_total, ...) are added by the
 publisher.
@@ -50,6 +52,7 @@ class PushMetrics:
     rollbacks: int = 0
     out_of_service: int = 0
     store_failed: bool = False
+    on_live_seconds: float = 0.0
     replica_seconds: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
 
     def replica_time(self, replica: str, step: str, seconds: float) -> None:
@@ -73,6 +76,7 @@ class PushMetrics:
             p + "out_of_service": self.out_of_service,
             p + "store_failed": float(self.store_failed),
             p + "push_seconds": self.push_seconds,
+            p + "on_live_seconds": self.on_live_seconds,
             p + "stage_seconds": self.stage_seconds,
             p + "commit_seconds": self.commit_seconds,
             p + "fingerprint_seconds": self.fingerprint_seconds,
@@ -89,6 +93,9 @@ class PushMetrics:
             out[r + "load_seconds"] = load
             out[r + "load_gbps"] = _rate(self.bytes, load)
             out[r + "commit_seconds"] = steps.get("commit_update", 0.0)
+            for step, seconds in steps.items():
+                if step not in ("load_bucket", "commit_update"):
+                    out[f"{r}{step}_seconds"] = seconds
         if timeline:
             t0 = timeline[0][1]
             for state, ts in timeline:

@@ -428,6 +428,7 @@ class Publisher:
                 self._transport.release(h)
         if self._on_live is None:
             return []
+        t = time.perf_counter()
         try:
             tensors = iter_unpacked(self._transport.fetch(h) for h in source.handles)
             await asyncio.wait_for(_maybe_await(self._on_live(version, fingerprint, tensors)), self._cfg.timeout_s)
@@ -435,6 +436,8 @@ class Publisher:
         except Exception as exc:  # the version is live on every replica; only late joiners lag
             m.store_failed = True
             return [f"on_live hook failed for version {version}: {type(exc).__name__}: {exc}"]
+        finally:
+            m.on_live_seconds = time.perf_counter() - t
 
     def _finish(self, m: PushMetrics, version: int) -> dict[str, float]:
         m.finish()

@@ -48,7 +48,9 @@ async def test_every_replica_sees_pause_begin_loads_commit_resume_in_order():
     assert m["weightsync/bytes"] == 5 * 64 * 16 * 4 and m["weightsync/num_buckets"] == 3
     assert m["weightsync/failed"] == 0 and m["weightsync/attempts"] == 1
     assert {"weightsync/replica/r0/load_seconds", "weightsync/transport/local/put_gbps",
-            "weightsync/timeline/live_s", "weightsync/gbps", "weightsync/pushes_total"} <= m.keys()
+            "weightsync/timeline/live_s", "weightsync/gbps", "weightsync/pushes_total", "weightsync/on_live_seconds",
+            "weightsync/replica/r0/pause_seconds", "weightsync/replica/r0/begin_update_seconds",
+            "weightsync/replica/r0/resume_seconds"} <= m.keys()
     assert m["weightsync/timeline/staging_s"] <= m["weightsync/timeline/committing_s"] <= m["weightsync/timeline/live_s"]
 
 
