@@ -182,14 +182,13 @@ class EngineReplica:
             store = ray.get_actor(self.weight_source, namespace=self.weight_source_namespace)
         except ValueError:
             return {"replica_id": self.replica_id, "version": self.version, "loaded": False}
-        version, tensors, fingerprint = await store.latest.remote()
-        if isinstance(tensors, ray.ObjectRef):
-            tensors = await tensors
-        if version <= self.version or tensors is None:
+        version, buckets, fingerprint = await store.latest.remote()
+        if version <= self.version or buckets is None:
             return {"replica_id": self.replica_id, "version": self.version, "loaded": False}
         logger.info("replica %s catching up to weight version %d", self.replica_id, version)
         await self.begin_update(version, fingerprint_mode(fingerprint))
-        await self.load_bucket(tensors)
+        for bucket in buckets:
+            await self.load_bucket(bucket)
         await self.commit_update(version, fingerprint)
         return {"replica_id": self.replica_id, "version": self.version, "loaded": True}
 

@@ -47,7 +47,7 @@ import torch
 from asyncrl.config import WeightsyncConfig
 from asyncrl.generator.weights import VerifyMode, check_verify_mode, combine_digests, fingerprint_mode, tensor_digest
 from asyncrl.types import WeightUpdateState
-from asyncrl.weightsync.bucket import Bucket, iter_buckets, iter_unpacked, unpack_bucket
+from asyncrl.weightsync.bucket import Bucket, iter_buckets, unpack_bucket
 from asyncrl.weightsync.metrics import PushMetrics
 from asyncrl.weightsync.registry import VersionRegistry
 from asyncrl.weightsync.replicas import ReplicaClient, is_replica_dead, is_verify_failure
@@ -55,7 +55,7 @@ from asyncrl.weightsync.transport import Transport
 
 S = WeightUpdateState
 NamedTensorIter = Iterable[tuple[str, Any]]
-OnLive = Callable[[int, str, Iterator[tuple[str, torch.Tensor]]], Any]
+OnLive = Callable[[int, str, list[Bucket]], Any]
 OnOutOfService = Callable[[str, str], Any]
 
 
@@ -430,8 +430,8 @@ class Publisher:
             return []
         t = time.perf_counter()
         try:
-            tensors = iter_unpacked(self._transport.fetch(h) for h in source.handles)
-            await asyncio.wait_for(_maybe_await(self._on_live(version, fingerprint, tensors)), self._cfg.timeout_s)
+            buckets = [self._transport.fetch(h) for h in source.handles]
+            await asyncio.wait_for(_maybe_await(self._on_live(version, fingerprint, buckets)), self._cfg.timeout_s)
             return []
         except Exception as exc:  # the version is live on every replica; only late joiners lag
             m.store_failed = True
@@ -456,9 +456,9 @@ def weight_store_hook(store: Any) -> OnLive:
     store update is in flight."""
     pending: list[Any] = []
 
-    async def publish(version: int, fingerprint: str, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    async def publish(version: int, fingerprint: str, buckets: list[Bucket]) -> None:
         if pending:
             await pending.pop()
-        pending.append(store.publish.remote(version, list(tensors), fingerprint))
+        pending.append(store.publish.remote(version, buckets, fingerprint))  # numpy buffers: out of band
 
     return publish

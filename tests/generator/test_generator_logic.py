@@ -274,8 +274,16 @@ def test_weight_store_keeps_latest_verified_version():
     store.publish(1, w, tensor_fingerprint(w))
     with pytest.raises(ValueError):
         store.publish(1, w, tensor_fingerprint(w))  # not newer
-    version, tensors, fp = store.latest()
-    assert version == 1 and fp == tensor_fingerprint(tensors)
+    version, buckets, fp = store.latest()
+    from asyncrl.weightsync.bucket import iter_buckets, iter_unpacked
+
+    assert version == 1 and fp == tensor_fingerprint(iter_unpacked(buckets))
+    w2 = {"a": torch.zeros(3), "b": torch.ones(2, dtype=torch.bfloat16)}
+    packed = list(iter_buckets(w2.items(), 1.0))  # what weightsync's on_live hook hands over
+    with pytest.raises(ValueError, match="fingerprint mismatch"):
+        store.publish(2, packed, tensor_fingerprint(w))
+    store.publish(2, packed, tensor_fingerprint(w2, "sampled"))
+    assert store.latest()[1] is not None and store.latest()[2].startswith("sampled:") and store.version() == 2
 
 
 # ---- gateway helpers ------------------------------------------------------------------------

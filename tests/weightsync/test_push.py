@@ -168,11 +168,14 @@ async def test_registry_events_are_mirrored_to_the_service():
     assert snap["versions"][0]["fingerprint"] == pub.registry.get(1).fingerprint
 
 
-async def test_on_live_hook_gets_the_committed_tensors():
+async def test_on_live_hook_gets_the_committed_buckets():
+    from asyncrl.weightsync.bucket import Bucket, iter_unpacked
+
     stored = {}
 
-    def on_live(version, fingerprint, tensors):
-        stored.update(version=version, fp=fingerprint, tensors={n: t.clone() for n, t in tensors})
+    def on_live(version, fingerprint, buckets):
+        assert all(isinstance(b, Bucket) for b in buckets)  # cheap to hand to an actor: numpy, out of band
+        stored.update(version=version, fp=fingerprint, tensors={n: t.clone() for n, t in iter_unpacked(buckets)})
 
     pub, replicas, _, _ = _setup(on_live=on_live)
     new = model(1)
