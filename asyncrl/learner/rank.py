@@ -134,8 +134,8 @@ class LearnerRank:
                     handles.append(write_shared(bucket) if transport == "shm" else ray.put(bucket))
                     del bucket  # one packed bucket alive at a time in this heap
             except BaseException:
-                for h in handles:
-                    if transport == "shm":
+                if transport == "shm":  # object-store refs free themselves when dropped
+                    for h in handles:
                         h.unlink()
                 raise
         return {"pp_rank": c.pp, "buckets": handles, "metas": metas}

@@ -139,7 +139,8 @@ class _BucketSource:
     """Packs the tensor stream lazily and puts each bucket once; a retry replays the handles.
 
     Each bucket is hashed (per tensor, in `verify` mode) when the consumer comes back for the
-    next one, i.e. after it sent this bucket's load: the hashing overlaps the replicas' staging."""
+    next one, i.e. after it sent this bucket's load: the hashing overlaps the replicas' staging.
+    That holds for buckets packed here and for handles put by someone else (`from_handles`)."""
 
     def __init__(self, named: NamedTensorIter, bucket_mb: float, transport: Transport, m: PushMetrics,
                  verify: VerifyMode = "full") -> None:
@@ -161,8 +162,12 @@ class _BucketSource:
     def __iter__(self) -> Iterator[Any]:
         for i, handle in enumerate(list(self.handles)):
             yield handle
-            if i == self._hashed:  # an earlier attempt stopped before hashing it
-                self._hash(self._transport.fetch(handle))
+            if i == self._hashed:  # not hashed yet: handed in, or an earlier attempt stopped first
+                try:
+                    bucket = self._transport.fetch(handle)
+                except Exception as exc:
+                    raise _StepFailed(Step.EXPORT, {"publisher": exc}, retryable=False) from exc
+                self._hash(bucket)
         while not self.exhausted:
             try:
                 bucket = next(self._buckets)
@@ -186,15 +191,17 @@ class _BucketSource:
     def from_handles(cls, handles: Sequence[Any], transport: Transport, m: PushMetrics,
                      verify: VerifyMode = "full") -> "_BucketSource":
         """Buckets someone else already put (the learner ranks export straight into the
-        transport): nothing to pack, the handles are replayed as they are."""
+        transport): nothing to pack, the handles are replayed as they are. Each is read here for
+        its size and names only; it is hashed as it streams."""
         source = cls((), 1.0, transport, m, verify)
         source.handles, source.exhausted = list(handles), True
+        seen: set[str] = set()
         for h in source.handles:
             bucket = transport.fetch(h)
             names = bucket.names
-            if any(n in source._digests for n in names) or len(set(names)) != len(names):
+            if seen.intersection(names) or len(set(names)) != len(names):
                 raise ValueError(f"a tensor name appears twice across the {len(handles)} bucket handles")
-            source._hash(bucket)
+            seen.update(names)
             m.bytes += bucket.payload_bytes
             m.num_tensors += len(bucket)
             m.num_buckets += 1

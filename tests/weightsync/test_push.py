@@ -274,3 +274,14 @@ async def test_shm_transport_owns_its_files_from_push_to_release():
 
     transport.close()  # also run when the transport is collected or the process exits
     assert not any(os.path.exists(f) for f in files2)
+
+
+async def test_publish_handles_refuses_a_tensor_in_two_buckets_and_registers_nothing():
+    from asyncrl.weightsync.bucket import iter_buckets
+
+    pub, replicas, log, _ = _setup()
+    new = model(1)
+    handles = list(iter_buckets(iter(new.items()), BUCKET_MB)) + list(iter_buckets([("layer0.weight", new["layer0.weight"])], BUCKET_MB))
+    with pytest.raises(ValueError, match="appears twice"):
+        await pub.publish_handles(1, handles, replicas)
+    assert pub.registry.in_flight is None and pub.registry.live_version == 0 and log == []
