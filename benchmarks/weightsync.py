@@ -165,6 +165,9 @@ def main() -> None:
     ap.add_argument("--transports", default="object_store,shm", help="comma list of: object_store, shm")
     ap.add_argument("--verify", default="full", choices=["full", "sampled", "off"])
     args = ap.parse_args()
+    unknown = set(args.transports.split(",")) - {"object_store", "shm"}
+    if unknown:
+        ap.error(f"--transports: unknown {sorted(unknown)}; choose from object_store, shm")
 
     import ray
 
