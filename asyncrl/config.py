@@ -206,8 +206,9 @@ class LearnerConfig(_Section):
 class WeightsyncConfig(_Section):
     """Learner -> engine weight pushes."""
 
-    transport: Literal["auto", "object_store", "shm", "nccl", "ipc"] = Field(
-        "auto", description="auto: shm on a one-node Ray cluster, object_store on several; nccl and ipc are not built yet.")
+    transport: Literal["auto", "object_store", "shm", "nccl", "gloo", "ipc"] = Field(
+        "auto", description="auto: shm on a one-node Ray cluster; on several, nccl with a GPU learner, else object_store. "
+        "nccl / gloo broadcast from the learner's sending ranks straight into the engine workers; ipc is not built yet.")
     bucket_mb: float = Field(64.0, gt=0)
     verify: Literal["full", "sampled", "off"] = Field(
         "full", description="What the commit-time fingerprint covers: full = every byte (sha256), sampled = 32 windows "

@@ -6,10 +6,18 @@
   raw:  `ray.put` of the same packed buckets + every one of N sink actors receiving each bucket
         (the floor any host-memory push pays: one copy of the bytes, mapped by the receivers)
 
+Collective transports (gloo on CPU, nccl on GPUs): a sender actor (the learner rank's part:
+weights on its device, one GPU of its own) broadcasts into the engines' workers through
+`Publisher.publish_streamed` and a `CollectiveLink`, exactly as the training loop does; raw is
+the same buckets, already packed on the sender's device, broadcast over a group of the same
+shape to sink actors (engine and sink share a GPU: --gpus-per-engine 0.5).
+
 Prints one JSON object per model and transport (sizes, seconds, GB/s, push/raw, breakdown).
 
   python benchmarks/weightsync.py                       # demo model + a random ~50M Qwen2
   python benchmarks/weightsync.py --models demo --replicas 2 --repeats 3 --transports shm --verify sampled
+  python benchmarks/weightsync.py --models random50m --transports gloo,shm       # CPU, collective vs shm
+  python benchmarks/weightsync.py --models random500m --replicas 1 --transports nccl,shm --gpus 1   # 2 GPUs
 """
 
 from __future__ import annotations
@@ -28,9 +36,18 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "artifacts" / "demo-model"
 
 
+TRANSPORTS = ("object_store", "shm", "gloo", "nccl")
+
+
 class EngineActor:
     def __init__(self, model_path: str, name: str) -> None:
         self.model_path, self.name, self.replica = model_path, name, None
+
+    async def collective_info(self):
+        return await self.replica.collective_info()
+
+    async def join_collective(self, specs, timeout_s=600.0):
+        return await self.replica.join_collective(specs, timeout_s)
 
     async def start(self) -> None:
         from asyncrl.config import GeneratorConfig, ModelConfig
@@ -65,9 +82,101 @@ class Sink:
     def take(self, bucket) -> int:
         return int(bucket.buffer.nbytes)  # resolved zero-copy from the object store, like a replica
 
+    # raw collective floor: receive buckets of these sizes over a group of the push's shape
+    def join(self, spec: dict, rank: int) -> None:
+        from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
 
-def build_random_qwen2(out: Path, hidden: int, layers: int, intermediate: int) -> Path:
-    """A random-weight Qwen2 with the demo tokenizer (no downloads)."""
+        self.group = CollectiveGroup.join(GroupSpec(**spec), rank)
+
+    def receive(self, sizes: list[int]) -> int:
+        import torch
+
+        deadline = time.monotonic() + 600
+        for n in sizes:
+            self.group.broadcast(torch.empty(n, dtype=torch.uint8, device=self.group.device), deadline)
+        return len(sizes)
+
+
+class Sender:
+    """The learner rank's part of a collective push: the weights on this actor's device."""
+
+    def __init__(self, model_path: str) -> None:
+        import torch
+
+        from asyncrl.generator.weights import load_hf_tensors
+
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.base = {n: t.to(self.device) for n, t in load_hf_tensors(model_path).items()}
+        self.group = self.raw_group = None
+
+    def address(self) -> dict:
+        import ray
+
+        from asyncrl.weightsync.collective import free_port
+
+        return {"sender": 0, "host": ray.util.get_node_ip_address(), "port": free_port()}
+
+    def join(self, specs: list[dict]) -> str:
+        from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
+
+        if self.group is not None:
+            self.group.close()
+        self.group = CollectiveGroup.join(GroupSpec(**specs[0]), 0, self.device)
+        return self.group.spec.group_id
+
+    def perturb(self, seed: int) -> None:
+        import torch
+
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        self.weights = {n: t + 1e-3 * torch.randn(t.shape, generator=g, device=self.device, dtype=t.dtype)
+                        for n, t in self.base.items()}
+
+    def send(self, bucket_mb: float, verify: str, timeout_s: float) -> dict:
+        import ray
+
+        from asyncrl.weightsync.collective import send_stream
+
+        sent = send_stream(self.group, iter(self.weights.items()), bucket_mb, verify=verify, timeout_s=timeout_s,
+                           on_host_bucket=ray.put)
+        return {"buckets": sent.host_buckets, "digests": sent.digests, "bytes": sent.bytes,
+                "num_tensors": sent.num_tensors, "seconds": sent.seconds}
+
+    def raw_join(self, spec: dict, bucket_mb: float) -> list[int]:
+        from asyncrl.weightsync.bucket import iter_buckets
+        from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
+
+        self.raw_group = CollectiveGroup.join(GroupSpec(**spec), 0, self.device)
+        self.packed = [b.buffer for b in iter_buckets(iter(self.weights.items()), bucket_mb, device=self.device)]
+        return [int(b.numel()) for b in self.packed]
+
+    def raw_send(self) -> float:
+        t = time.perf_counter()
+        deadline = time.monotonic() + 600
+        for buf in self.packed:
+            self.raw_group.broadcast(buf, deadline)
+        return time.perf_counter() - t
+
+
+class SenderAsLearner:
+    """The learner-group calls a `CollectiveLink` makes, answered by one `Sender` actor."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    async def collective_addresses(self):
+        return [await self.actor.address.remote()]
+
+    async def join_collective(self, wire):
+        return [await self.actor.join.remote(wire)]
+
+    async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s):
+        from asyncrl.learner.group import CollectiveExport
+
+        return CollectiveExport(**await self.actor.send.remote(bucket_mb, verify, timeout_s))
+
+
+def build_random_qwen2(out: Path, hidden: int, layers: int, intermediate: int, dtype: str = "float32") -> Path:
+    """A random-weight Qwen2 with the demo tokenizer (no downloads), saved in `dtype`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -76,7 +185,7 @@ def build_random_qwen2(out: Path, hidden: int, layers: int, intermediate: int) -
     cfg.num_attention_heads, cfg.num_key_value_heads = hidden // 64, 2
     cfg.layer_types = ["full_attention"] * layers
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
+    AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype)).save_pretrained(out)
     for f in DEMO.iterdir():
         if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "generation_config.json"):
             shutil.copy(f, out / f.name)
@@ -91,34 +200,54 @@ def perturbed(base, seed):
 
 
 async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket_mb: float,
-                      transports: list[str], verify: str) -> list[dict]:
+                      transports: list[str], verify: str, gpus: float) -> list[dict]:
+    from dataclasses import asdict
+
     import ray
 
     from asyncrl.config import WeightsyncConfig
     from asyncrl.generator.weights import load_hf_tensors
     from asyncrl.weightsync.bucket import iter_buckets
+    from asyncrl.weightsync.collective import form_specs, free_port
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.registry import VersionRegistry
     from asyncrl.weightsync.replicas import ActorReplica
-    from asyncrl.weightsync.transport import ObjectStoreTransport, SharedMemoryTransport
+    from asyncrl.weightsync.service import CollectiveLink
+    from asyncrl.weightsync.transport import select_transport
 
     base = load_hf_tensors(str(path))
     params = sum(t.numel() for t in base.values())
-    actors = [ray.remote(num_cpus=0.5)(EngineActor).remote(str(path), f"engine-{i}") for i in range(replicas)]
+    engine = ray.remote(num_cpus=0.5, num_gpus=gpus)(EngineActor)
+    actors = [engine.remote(str(path), f"engine-{i}") for i in range(replicas)]
     await asyncio.gather(*(a.start.remote() for a in actors))
     clients = [ActorReplica(a, f"engine-{i}") for i, a in enumerate(actors)]
-    make = {"object_store": lambda: ObjectStoreTransport(600), "shm": SharedMemoryTransport}
+    collective = [k for k in transports if k in ("gloo", "nccl")]
+    sender = ray.remote(num_cpus=0.5, num_gpus=1 if gpus else 0)(Sender).remote(str(path)) if collective else None
     runs, version = {}, 0
     for kind in transports:
-        transport = make[kind]()
-        pub = Publisher(WeightsyncConfig(bucket_mb=bucket_mb, timeout_s=600, verify=verify), transport=transport,
-                        registry=VersionRegistry(version))  # the engines already serve `version`
+        cfg = WeightsyncConfig(transport=kind, bucket_mb=bucket_mb, timeout_s=600, verify=verify)
+        transport = select_transport(cfg)
+        pub = Publisher(cfg, transport=transport, registry=VersionRegistry(version))  # the engines already serve `version`
+        link = None
+        if kind in collective:
+            async def members():
+                return {i["replica_id"]: i for i in await asyncio.gather(*(a.collective_info.remote() for a in actors))}
+
+            async def join(wire):
+                return await asyncio.gather(*(a.join_collective.remote(wire) for a in actors))
+
+            link = CollectiveLink(kind, SenderAsLearner(sender), members=members, join=join, bucket_mb=bucket_mb, timeout_s=600)
         push, metrics = [], []
-        for i in range(repeats + 1):  # the first push of each transport is a warm-up, not timed
+        for i in range(repeats + 1):  # the first push of each transport is a warm-up (and forms groups), not timed
             version += 1
-            weights = perturbed(base, version)
-            t = time.perf_counter()
-            result = await pub.publish(version, iter(weights.items()), clients)
+            if link is not None:
+                await sender.perturb.remote(version)
+                t = time.perf_counter()
+                result = await pub.publish_streamed(version, link.send, link.payload, clients, prepare=link.ensure)
+            else:
+                weights = perturbed(base, version)
+                t = time.perf_counter()
+                result = await pub.publish(version, iter(weights.items()), clients)
             if i:
                 push.append(time.perf_counter() - t)
                 metrics.append(result.metrics)
@@ -126,53 +255,80 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
         if hasattr(transport, "close"):
             transport.close()
 
-    sinks = [ray.remote(num_cpus=0.1)(Sink).remote() for _ in range(replicas)]
-    raw = []
-    for v in range(repeats + 1):  # round 0 warms the sinks up, not timed
-        weights = perturbed(base, 100 + v)
-        t = time.perf_counter()
-        for bucket in iter_buckets(iter(weights.items()), bucket_mb):  # same packing as the push
-            ref = ray.put(bucket)
-            del bucket
-            await asyncio.gather(*(s.take.remote(ref) for s in sinks))
-        if v:
-            raw.append(time.perf_counter() - t)
+    sinks = [ray.remote(num_cpus=0.1, num_gpus=gpus)(Sink).remote() for _ in range(replicas)]
+    raw = {}
+    host_kinds = [k for k in transports if k not in collective]
+    if host_kinds:
+        raw["host"] = []
+        for v in range(repeats + 1):  # round 0 warms the sinks up, not timed
+            weights = perturbed(base, 100 + v)
+            t = time.perf_counter()
+            for bucket in iter_buckets(iter(weights.items()), bucket_mb):  # same packing as the push
+                ref = ray.put(bucket)
+                del bucket
+                await asyncio.gather(*(s.take.remote(ref) for s in sinks))
+            if v:
+                raw["host"].append(time.perf_counter() - t)
+    for kind in collective:
+        (spec,) = form_specs(kind, [(ray.util.get_node_ip_address(), free_port())], {f"sink{i}": 1 for i in range(replicas)},
+                             timeout_s=600, group_prefix=f"raw-{kind}")
+        wire = asdict(spec)
+        await sender.perturb.remote(100)
+        sizes, *_ = await asyncio.gather(sender.raw_join.remote(wire, bucket_mb),
+                                         *(s.join.remote(wire, spec.receiver_rank(f"sink{i}", 0)) for i, s in enumerate(sinks)))
+        raw[kind] = []
+        for v in range(repeats + 1):
+            t = time.perf_counter()
+            await asyncio.gather(sender.raw_send.remote(), *(s.receive.remote(sizes) for s in sinks))
+            if v:
+                raw[kind].append(time.perf_counter() - t)
 
     ray.get([a.shutdown.remote() for a in actors])
-    for a in actors + sinks:
+    for a in actors + sinks + ([sender] if sender is not None else []):
         ray.kill(a)
     med = lambda xs: statistics.median(xs)  # noqa: E731
     out = []
     for kind, (push, metrics) in runs.items():
         nbytes = int(metrics[0]["weightsync/bytes"])
-        key = lambda k: med([m[k] for m in metrics])  # noqa: E731, B023
+        floor = raw[kind if kind in collective else "host"]
+        key = lambda k: med([m.get(k, 0.0) for m in metrics])  # noqa: E731, B023
+        breakdown = {k: key(f"weightsync/{k}_seconds") for k in ("stage", "fingerprint", "commit")}
+        if kind in collective:
+            breakdown.update({f"sender_{k}": key(f"weightsync/sender/{k}_seconds") for k in ("pack", "broadcast", "host_copy", "hash")})
         out.append({
             "model": name, "transport": kind, "verify": verify, "params": params, "bytes": nbytes,
-            "replicas": replicas, "bucket_mb": bucket_mb, "num_buckets": int(metrics[0]["weightsync/num_buckets"]),
-            "repeats": repeats, "push_seconds": med(push), "push_gbps": nbytes / med(push) / 1e9,
-            "raw_seconds": med(raw), "raw_gbps": nbytes / med(raw) / 1e9, "push_over_raw": med(push) / med(raw),
-            "breakdown_seconds": {k: key(f"weightsync/{k}_seconds") for k in ("stage", "fingerprint", "commit")},
+            "replicas": replicas, "gpus_per_engine": gpus, "bucket_mb": bucket_mb,
+            "num_buckets": int(metrics[0]["weightsync/num_buckets"]), "repeats": repeats,
+            "push_seconds": med(push), "push_gbps": nbytes / med(push) / 1e9,
+            "raw": "nccl/gloo broadcast of the packed buckets" if kind in collective else "ray.put + sinks",
+            "raw_seconds": med(floor), "raw_gbps": nbytes / med(floor) / 1e9, "push_over_raw": med(push) / med(floor),
+            "breakdown_seconds": breakdown,
         })
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="demo,random50m", help="comma list of: demo, random50m")
+    ap.add_argument("--models", default="demo,random50m", help="comma list of: demo, random50m, random500m")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=64.0)
-    ap.add_argument("--transports", default="object_store,shm", help="comma list of: object_store, shm")
+    ap.add_argument("--transports", default="object_store,shm", help=f"comma list of: {', '.join(TRANSPORTS)}")
     ap.add_argument("--verify", default="full", choices=["full", "sampled", "off"])
+    ap.add_argument("--gpus", type=float, default=0.0,
+                    help="GPUs per engine replica (and per raw sink); 0 = CPU. The collective sender takes one GPU of its own")
+    ap.add_argument("--dtype", default="float32", help="dtype the random models are saved in (bfloat16 on GPUs)")
     args = ap.parse_args()
-    unknown = set(args.transports.split(",")) - {"object_store", "shm"}
+    unknown = set(args.transports.split(",")) - set(TRANSPORTS)
     if unknown:
-        ap.error(f"--transports: unknown {sorted(unknown)}; choose from object_store, shm")
+        ap.error(f"--transports: unknown {sorted(unknown)}; choose from {', '.join(TRANSPORTS)}")
+    if "nccl" in args.transports.split(",") and args.gpus <= 0:
+        ap.error("--transports nccl needs --gpus > 0 (engines on GPUs; the sender takes a GPU of its own)")
 
     import ray
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=max(4, os.cpu_count() or 4), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}})
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -180,11 +336,13 @@ def main() -> None:
                 if name == "demo":
                     path = DEMO
                 elif name == "random50m":
-                    path = build_random_qwen2(Path(tmp) / "random50m", hidden=768, layers=8, intermediate=2048)
+                    path = build_random_qwen2(Path(tmp) / "random50m", hidden=768, layers=8, intermediate=2048, dtype=args.dtype)
+                elif name == "random500m":
+                    path = build_random_qwen2(Path(tmp) / "random500m", hidden=1536, layers=16, intermediate=6144, dtype=args.dtype)
                 else:
                     raise SystemExit(f"unknown model {name!r}")
                 rows = asyncio.run(bench_model(name, path, args.replicas, args.repeats, args.bucket_mb,
-                                               args.transports.split(","), args.verify))
+                                               args.transports.split(","), args.verify, args.gpus))
                 for row in rows:
                     print(json.dumps(row), flush=True)
     finally:

@@ -105,6 +105,18 @@ class GeneratorEngine:
         return await self.replica.abort_update()
 
     @_control
+    async def collective_info(self) -> dict[str, Any]:
+        return await self.replica.collective_info()
+
+    @_control
+    async def join_collective(self, specs: list[dict[str, Any]], timeout_s: float = 120.0) -> dict[str, Any]:
+        return await self.replica.join_collective(specs, timeout_s)
+
+    @_control
+    async def leave_collective(self) -> dict[str, Any]:
+        return await self.replica.leave_collective()
+
+    @_control
     async def sync_from_source(self) -> dict[str, Any]:
         return await self.replica.sync_from_source()
 

@@ -27,6 +27,7 @@ from asyncrl.generator.sampling import Limits, to_vllm, validate_request
 from asyncrl.generator.versions import CompletionAccumulator, VersionLedger, versions_from_spans, versions_from_starts
 from asyncrl.generator.weights import NamedTensors, check_verify_mode, fingerprint_mode
 from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
+from asyncrl.weightsync.collective import CollectiveReceive
 
 logger = logging.getLogger(__name__)
 
@@ -331,6 +332,9 @@ class EngineReplica:
                 named_tensors = await named_tensors
             try:
                 staged = 0
+                if isinstance(named_tensors, CollectiveReceive):
+                    staged = await self._receive_collective(named_tensors)
+                    named_tensors = ()
                 async for shared, owned in _as_shared(named_tensors):
                     try:
                         path, metas = shared.wire()
@@ -343,6 +347,34 @@ class EngineReplica:
                 raise WeightUpdateError(f"replica {self.replica_id}: staging failed: {err}") from err
             self._staged_tensors = staged
             return {"replica_id": self.replica_id, "staged_tensors": staged}
+
+    async def _receive_collective(self, receive: CollectiveReceive) -> int:
+        if receive.version != self._staging_version:
+            raise WeightUpdateError(f"collective push of version {receive.version}, staging {self._staging_version}")
+        counts = await self.llm.collective_rpc(
+            "asyncrl_receive_collective", timeout=receive.timeout_s + 30.0,
+            args=(receive.version, list(receive.group_ids), receive.timeout_s))
+        return int(counts[0])
+
+    # ---- collective transport groups (weightsync/collective.py) --------------------------------
+
+    async def collective_info(self) -> dict[str, Any]:
+        """How many engine workers this replica has (each is one receiver rank) and which groups
+        every one of them still holds."""
+        per_worker = await self.llm.collective_rpc("asyncrl_collective_groups")
+        common = set(per_worker[0]).intersection(*map(set, per_worker[1:])) if per_worker else set()
+        return {"replica_id": self.replica_id, "workers": len(per_worker), "groups": sorted(common)}
+
+    async def join_collective(self, specs: list[dict[str, Any]], timeout_s: float = 120.0) -> dict[str, Any]:
+        """Join the groups `specs` (every worker, concurrently with the senders)."""
+        async with self._control_lock:
+            joined = await self.llm.collective_rpc("asyncrl_join_collective", timeout=timeout_s + 30.0,
+                                                   args=(self.replica_id, list(specs)))
+            return {"replica_id": self.replica_id, "groups": joined[0]}
+
+    async def leave_collective(self) -> dict[str, Any]:
+        await self.llm.collective_rpc("asyncrl_leave_collective")
+        return {"replica_id": self.replica_id}
 
     async def commit_update(self, version: int, fingerprint: str) -> dict[str, Any]:
         async with self._control_lock:

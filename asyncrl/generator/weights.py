@@ -54,13 +54,6 @@ def _items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _byte_array(t: torch.Tensor) -> np.ndarray:
-    # Through uint8 so that dtypes numpy lacks (bfloat16) hash the same way; a view, not a copy.
-    if t.numel() == 0:
-        return np.empty(0, dtype=np.uint8)
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
 def check_verify_mode(mode: str) -> VerifyMode:
     if mode not in VERIFY_MODES:
         raise ValueError(f"verify mode {mode!r} is not one of {list(VERIFY_MODES)}")
@@ -76,23 +69,30 @@ def fingerprint_mode(fingerprint: str) -> VerifyMode:
 
 
 def tensor_digest(name: str, tensor: Any, mode: VerifyMode = "full") -> bytes:
-    """sha256 of one tensor's name, dtype, shape and (by `mode`) bytes."""
-    t = as_cpu_tensor(tensor)
+    """sha256 of one tensor's name, dtype, shape and (by `mode`) bytes.
+
+    A tensor on an accelerator is copied to host only as far as `mode` reads it: nothing for
+    `off`, its sampled windows for `sampled` (cut on the device), all of it for `full`."""
+    check_verify_mode(mode)
+    if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
+        t = tensor.detach()
+    else:
+        t = as_cpu_tensor(tensor)
     h = hashlib.sha256()
     h.update(name.encode() + b"\0" + str(t.dtype).encode() + b"\0" + repr(tuple(t.shape)).encode() + b"\0")
     if mode == "off":
         return h.digest()
-    data = _byte_array(t)
-    if mode == "full" or data.size <= SAMPLE_WINDOW * SAMPLE_WINDOWS:
-        h.update(data)
-    elif mode == "sampled":
-        h.update(int(data.size).to_bytes(8, "little"))
-        span = data.size - SAMPLE_WINDOW
-        for i in range(SAMPLE_WINDOWS):
-            start = span * i // (SAMPLE_WINDOWS - 1)
-            h.update(data[start : start + SAMPLE_WINDOW])
-    else:
-        check_verify_mode(mode)
+    flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    size = int(flat.numel())
+    if mode == "full" or size <= SAMPLE_WINDOW * SAMPLE_WINDOWS:
+        h.update(flat.cpu().numpy())
+        return h.digest()
+    h.update(size.to_bytes(8, "little"))
+    span = size - SAMPLE_WINDOW
+    starts = [span * i // (SAMPLE_WINDOWS - 1) for i in range(SAMPLE_WINDOWS)]
+    windows = torch.stack([flat[s : s + SAMPLE_WINDOW] for s in starts]).cpu().numpy()
+    for row in windows:
+        h.update(row)
     return h.digest()
 
 

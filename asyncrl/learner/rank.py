@@ -47,6 +47,7 @@ class LearnerRank:
         self.role: Any = None
         self.layout: Any = None
         self.coords: Any = None
+        self._collective: Any = None  # this rank's weight broadcast group (sending ranks only)
 
     # ------------------------------------------------------------------ setup
 
@@ -140,6 +141,68 @@ class LearnerRank:
                 raise
         return {"pp_rank": c.pp, "buckets": handles, "metas": metas}
 
+    # ------------------------------------------------------------------ collective weight broadcast
+
+    def _is_sender(self) -> bool:
+        c = self.coords
+        return c.tp == 0 and c.cp == 0 and c.dp == 0
+
+    def collective_address(self) -> dict[str, Any] | None:
+        """Sending ranks (TP/CP/DP rank 0 of each PP stage): where the weight broadcast group this
+        rank will host can rendezvous. Others: None."""
+        self._ready()
+        if not self._is_sender():
+            return None
+        host, port = self.master_address()
+        return {"sender": self.coords.pp, "host": host, "port": port}
+
+    def join_collective(self, specs: list[dict[str, Any]]) -> str | None:
+        """Sending ranks: leave any earlier group, join (as group rank 0) the spec for this PP stage."""
+        from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
+
+        self._ready()
+        self.leave_collective()
+        if not self._is_sender():
+            return None
+        mine = [s for s in specs if s["sender"] == self.coords.pp]
+        if len(mine) != 1:
+            raise ValueError(f"rank {self.rank} (pp stage {self.coords.pp}): expected one group spec, got {len(mine)}")
+        spec = GroupSpec(**mine[0])
+        with self._thread():
+            self._collective = CollectiveGroup.join(spec, 0)
+        return spec.group_id
+
+    def leave_collective(self) -> None:
+        group, self._collective = self._collective, None
+        if group is not None:
+            group.close()
+
+    def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float) -> dict[str, Any] | None:
+        """One collective push from this rank: every rank drives the export iterator (its TP/EP
+        gathers are collective); the sending rank buckets the tensors on its device, broadcasts
+        each bucket to the engine workers, and keeps a host copy of it in the object store (for
+        rollbacks, retries and late joiners). Returns the sender's `SendResult` fields, with the
+        host copies as ObjectRefs."""
+        import ray
+
+        from asyncrl.weightsync.collective import CollectiveError, send_stream
+
+        self._ready()
+        with self._thread():
+            tensors = self.role.export_hf_tensors()
+            if not self._is_sender():
+                for _ in tensors:
+                    pass
+                return None
+            group = self._collective
+            if group is None or group.broken:
+                for _ in tensors:  # keep the TP peers' gathers going before failing
+                    pass
+                raise CollectiveError(f"rank {self.rank}: no usable weight broadcast group (join_collective first)")
+            sent = send_stream(group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s, on_host_bucket=ray.put)
+        return {"pp_rank": self.coords.pp, "buckets": sent.host_buckets, "digests": sent.digests, "bytes": sent.bytes,
+                "num_tensors": sent.num_tensors, "seconds": sent.seconds}
+
     # ------------------------------------------------------------------ checkpoints / state
 
     def _checkpoint_parts(self) -> tuple[list[Any], Any, Any]:
@@ -176,6 +239,7 @@ class LearnerRank:
     def teardown(self) -> None:
         from asyncrl.learner.parallel import destroy_model_parallel
 
+        self.leave_collective()
         if self.role is not None:
             self.role = None
             with self._thread():

@@ -52,7 +52,9 @@ class Bucket:
     """A group of tensors flattened into one byte buffer.
 
     `buffer` is a numpy uint8 array so that Ray's pickle-5 path moves it out of band: a replica
-    that receives a bucket through the object store maps it read-only, without a copy.
+    that receives a bucket through the object store maps it read-only, without a copy. Inside a
+    collective push (collective.py) it is a uint8 torch tensor on the sender's or receiver's
+    device; such a bucket never leaves its process (`to_host` first).
     """
 
     buffer: np.ndarray
@@ -78,6 +80,15 @@ class Bucket:
         """(name, tensor) views, so a bucket can be handed to anything taking NamedTensors."""
         return iter(unpack_bucket(self))
 
+    def to_host(self) -> "Bucket":
+        """This bucket with its buffer in host memory as numpy (itself if it already is): a
+        device bucket (packed with `iter_buckets(..., device=...)`) is copied once."""
+        if isinstance(self.buffer, np.ndarray):
+            return self
+        host = np.empty(int(self.buffer.numel()), dtype=np.uint8)
+        torch.from_numpy(host).copy_(self.buffer.view(torch.uint8).reshape(-1))
+        return Bucket(buffer=host, metas=list(self.metas))
+
 
 def dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
@@ -86,45 +97,55 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def _as_cpu(value: Any) -> torch.Tensor:
+def _as_cpu(value: Any, device: torch.device | None = None) -> torch.Tensor:
+    """`value` as a contiguous tensor on `device` (CPU when None)."""
     if isinstance(value, np.ndarray):
         value = torch.from_numpy(np.ascontiguousarray(value))
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
-    return value.detach().to("cpu").contiguous()
+    return value.detach().to(device or "cpu").contiguous()
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
     # Through uint8 so dtypes numpy lacks (bfloat16, float8) copy bit-exactly.
     if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
     if t.dim() == 0:
         t = t.reshape(1)
     return t.reshape(-1).view(torch.uint8)
 
 
-def pack_bucket(named: list[tuple[str, torch.Tensor]]) -> Bucket:
-    """Flatten already-CPU, contiguous tensors into one buffer (one copy per tensor)."""
+def pack_bucket(named: list[tuple[str, torch.Tensor]], device: torch.device | None = None) -> Bucket:
+    """Flatten contiguous tensors into one buffer (one copy per tensor): a numpy buffer when
+    `device` is None (the tensors are on CPU), else a uint8 tensor on `device` (theirs)."""
     metas: list[TensorMeta] = []
     offset = 0
     for name, t in named:
         nbytes = t.numel() * t.element_size()
         metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
         offset = _align(offset + nbytes)
-    buffer = np.empty(offset, dtype=np.uint8)
-    flat = torch.from_numpy(buffer)
+    if device is not None:
+        buffer: Any = torch.empty(offset, dtype=torch.uint8, device=device)
+        flat = buffer
+    else:
+        buffer = np.empty(offset, dtype=np.uint8)
+        flat = torch.from_numpy(buffer)
     for meta, (_, t) in zip(metas, named):
         if meta.nbytes:
             flat[meta.offset : meta.offset + meta.nbytes].copy_(_byte_view(t))
     return Bucket(buffer=buffer, metas=metas)
 
 
-def iter_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float) -> Iterator[Bucket]:
+def iter_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float,
+                 device: torch.device | str | None = None) -> Iterator[Bucket]:
     """Pack a (name, tensor) stream into buckets of at most `bucket_mb` MiB of tensor bytes.
 
     Tensors keep their stream order. A tensor larger than a bucket goes alone in its own bucket.
     Duplicate names raise (the fingerprint would otherwise depend on which copy wins).
+    With `device`, buckets are uint8 tensors on that device (a collective transport broadcasts
+    them from there; `Bucket.to_host` copies one out); else numpy buffers in host memory.
     """
+    device = torch.device(device) if device is not None else None
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb={bucket_mb!r} must be positive")
     cap = int(bucket_mb * (1 << 20))
@@ -137,15 +158,15 @@ def iter_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float) -> 
         if name in seen:
             raise ValueError(f"tensor {name!r} appears twice in the stream")
         seen.add(name)
-        t = _as_cpu(value)
+        t = _as_cpu(value, device)
         size = _align(t.numel() * t.element_size())
         if pending and pending_bytes + size > cap:
-            yield pack_bucket(pending)
+            yield pack_bucket(pending, device)
             pending, pending_bytes = [], 0
         pending.append((name, t))
         pending_bytes += size
     if pending:
-        yield pack_bucket(pending)
+        yield pack_bucket(pending, device)
 
 
 def _flat_tensor(buffer: Any) -> torch.Tensor:
@@ -171,7 +192,7 @@ def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
         if numel * dtype.itemsize != m.nbytes or m.offset + m.nbytes > flat.numel():
             raise ValueError(f"tensor {m.name!r}: metadata {m} does not fit a {flat.numel()}-byte bucket")
         if numel == 0:
-            out.append((m.name, torch.empty(m.shape, dtype=dtype)))
+            out.append((m.name, torch.empty(m.shape, dtype=dtype, device=flat.device)))
             continue
         out.append((m.name, flat[m.offset : m.offset + m.nbytes].view(dtype).reshape(m.shape)))
     return out

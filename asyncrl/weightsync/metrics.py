@@ -9,6 +9,8 @@ Owns: the timers and counters a push fills in, and their names:
   weightsync/gbps                  bytes / push_seconds (what one replica effectively received)
   weightsync/aggregate_gbps        bytes * replicas / stage_seconds (what the transport moved)
   weightsync/transport/<name>/{bytes,put_seconds,put_gbps}
+  weightsync/sender/<phase>_seconds  collective transports: the sending ranks' pack, broadcast,
+                                   host_copy and hash seconds (put_seconds = broadcast)
   weightsync/on_live_seconds       the `on_live` hook (the WeightStore copy for late joiners)
   weightsync/replica/<name>/{load_seconds,load_gbps,commit_seconds}
   weightsync/replica/<name>/<step>_seconds   every other step too (pause, begin_update, resume, ...)
@@ -53,6 +55,7 @@ class PushMetrics:
     out_of_service: int = 0
     store_failed: bool = False
     on_live_seconds: float = 0.0
+    sender_seconds: dict[str, float] = field(default_factory=dict)  # collective transports: the sender's phases
     replica_seconds: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
 
     def replica_time(self, replica: str, step: str, seconds: float) -> None:
@@ -87,6 +90,8 @@ class PushMetrics:
         out[t + "bytes"] = self.bytes
         out[t + "put_seconds"] = self.put_seconds
         out[t + "put_gbps"] = _rate(self.bytes, self.put_seconds)
+        for phase, seconds in sorted(self.sender_seconds.items()):
+            out[f"{p}sender/{phase}_seconds"] = seconds
         for name, steps in sorted(self.replica_seconds.items()):
             r = f"{p}replica/{name}/"
             load = steps.get("load_bucket", 0.0)

@@ -1,7 +1,8 @@
 """Push orchestration: publish one weight version to every engine replica, atomically.
 
 Owns: the order of a push (for every replica, concurrently: pause("keep") -> begin_update ->
-load_bucket* -> commit_update(fingerprint) -> resume), its atomicity, timeouts and retries, the
+load_bucket* -> commit_update(fingerprint) -> resume; with a collective transport the buckets
+go by one `load_bucket` per replica that receives the sender's broadcast, `publish_streamed`), its atomicity, timeouts and retries, the
 publisher's host copy of the last live version (its bucket handles), and per-push metrics.
 
 Atomicity, as designed with the generator's interface (replicas.py lists the contract):
@@ -213,6 +214,66 @@ class _BucketSource:
         return combine_digests(self._digests, self.verify)
 
 
+@dataclass
+class StreamedSend:
+    """What a collective sender reports for one version (weightsync/collective.py): the host
+    copies it put into the transport (handles), per-tensor digests, sizes and its phase seconds."""
+
+    handles: list[Any]
+    digests: dict[str, bytes]
+    bytes: int
+    num_tensors: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+Send = Callable[[int, VerifyMode], Awaitable[StreamedSend]]
+
+
+class _StreamedSource:
+    """A collective push: the sender broadcasts every bucket while each replica's single
+    `load_bucket(payload)` receives them; no bucket passes through the publisher. The sender's
+    host copies become the handles (restores, late joiners) and its digests the fingerprint.
+    Each attempt runs `prepare` (form or check the broadcast group) and sends afresh."""
+
+    def __init__(self, send: Send, payload: Callable[[int], Any], prepare: Callable[[], Awaitable[Any]] | None,
+                 verify: VerifyMode = "full") -> None:
+        self._send, self._payload, self._prepare = send, payload, prepare
+        self.verify = check_verify_mode(verify)
+        self.handles: list[Any] = []
+        self._digests: dict[str, bytes] | None = None
+
+    async def stream(self, publisher: "Publisher", version: int, replicas: list[ReplicaClient], m: PushMetrics) -> None:
+        self.handles, self._digests = [], None
+        if self._prepare is not None:
+            try:
+                await asyncio.wait_for(self._prepare(), publisher._cfg.timeout_s)
+            except Exception as exc:
+                raise _StepFailed(Step.LOAD, {"broadcast group": exc}) from exc
+        payload = self._payload(version)
+        receiving = asyncio.ensure_future(publisher._step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version), m))
+        try:
+            sent = await asyncio.wait_for(self._send(version, self.verify), publisher._cfg.timeout_s)
+        except Exception as exc:
+            # The sender told the receivers (abort header), or they give up at their deadline.
+            with contextlib.suppress(BaseException):
+                await receiving
+            raise _StepFailed(Step.EXPORT, {"publisher": exc}) from exc
+        except BaseException:
+            receiving.cancel()
+            raise
+        await receiving
+        self.handles, self._digests = list(sent.handles), dict(sent.digests)
+        m.bytes, m.num_tensors, m.num_buckets = sent.bytes, sent.num_tensors, len(sent.handles)
+        m.put_seconds = sent.seconds.get("broadcast", 0.0)
+        m.fingerprint_seconds = sent.seconds.get("hash", 0.0)
+        m.sender_seconds = dict(sent.seconds)
+
+    def fingerprint(self) -> str:
+        if self._digests is None:
+            raise RuntimeError("fingerprint before the sender finished")
+        return combine_digests(self._digests, self.verify)
+
+
 class Publisher:
     """Pushes versions to replicas. One push at a time (the registry refuses a second)."""
 
@@ -266,15 +327,25 @@ class Publisher:
         with rng:
             return await self._publish(version, None, list(replicas), handles=list(handles))
 
+    async def publish_streamed(self, version: int, send: Send, payload: Callable[[int], Any],
+                               replicas: Sequence[ReplicaClient], prepare: Callable[[], Awaitable[Any]] | None = None) -> PushResult:
+        """`publish` through a collective transport: `send(version, verify)` broadcasts the
+        weights (and returns a `StreamedSend`) while every replica's `load_bucket(payload(version))`
+        receives them; `prepare()` runs before each attempt (e.g. forms the broadcast group)."""
+        rng = preserve_rng_state() if self._preserve_rng else contextlib.nullcontext()
+        with rng:
+            source = _StreamedSource(send, payload, prepare, self._cfg.verify)
+            return await self._publish(version, None, list(replicas), source=source)
+
     async def _publish(self, version: int, named: NamedTensorIter | None, replicas: list[ReplicaClient],
-                       handles: list[Any] | None = None) -> PushResult:
+                       handles: list[Any] | None = None, source: "_BucketSource | _StreamedSource | None" = None) -> PushResult:
         names = [r.name for r in replicas]
         if len(set(names)) != len(names):
             raise ValueError(f"replica names must be unique, got {names}")
         m = PushMetrics(version, self._transport.name, len(replicas))
         if handles is not None:  # read before registering: a bad handle leaves nothing in flight
             source = _BucketSource.from_handles(handles, self._transport, m, self._cfg.verify)
-        else:
+        elif source is None:
             source = _BucketSource(named, self._cfg.bucket_mb, self._transport, m, self._cfg.verify)
         self._reg("begin", version)
         self.totals["pushes_total"] += 1
@@ -302,7 +373,7 @@ class Publisher:
         warnings = await self._went_live(version, fingerprint, source, m)
         return PushResult(version, fingerprint, names, self._finish(m, version), warnings)
 
-    async def _attempt(self, version: int, source: _BucketSource, replicas: list[ReplicaClient], m: PushMetrics) -> str:
+    async def _attempt(self, version: int, source: "_BucketSource | _StreamedSource", replicas: list[ReplicaClient], m: PushMetrics) -> str:
         pause_sent = begin_sent = False
         try:
             pause_sent = True
@@ -310,7 +381,10 @@ class Publisher:
             begin_sent = True
             await self._step(Step.BEGIN, replicas, lambda r: r.begin_update(version, source.verify), m)
             t = time.perf_counter()
-            await self._stream(version, source, replicas, m)
+            if isinstance(source, _StreamedSource):
+                await source.stream(self, version, replicas, m)
+            else:
+                await self._stream(version, source, replicas, m)
             m.stage_seconds += time.perf_counter() - t
             try:
                 fingerprint = source.fingerprint()
@@ -428,7 +502,7 @@ class Publisher:
         return WeightsyncError(message, version=version, step=f.step, replicas=sorted(f.failures),
                                out_of_service=f.out_of_service, metrics=self._finish(m, version))
 
-    async def _went_live(self, version: int, fingerprint: str, source: _BucketSource, m: PushMetrics) -> list[str]:
+    async def _went_live(self, version: int, fingerprint: str, source: "_BucketSource | _StreamedSource", m: PushMetrics) -> list[str]:
         old, self._host = self._host, _HostCopy(version, fingerprint, source.handles)
         if old is not None:
             for h in old.handles:

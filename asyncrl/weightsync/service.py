@@ -6,6 +6,10 @@ the engine deployment as a `ReplicaClient` (Serve's `broadcast` reaches every ru
 the registry mirror actor (`WeightsyncService`, read by other processes) and the generator's
 `WeightStore` (late joiners load the live version from it before they take traffic).
 
+With a collective transport (nccl / gloo) the learner's sending ranks broadcast each bucket
+straight into the engine workers; the groups are formed before the first push and again whenever
+the set of running replicas changes (a scale-up, a restart).
+
 One client for the whole deployment: each step is one broadcast, and it fails if any replica
 fails (the error names them), so a version is live only when every running replica committed
 it. A replica that starts during a push loads the store's live version in its constructor and
@@ -18,7 +22,10 @@ replica did not commit (push.py enforces it).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -64,6 +71,7 @@ class WeightPublisher:
         self.transport: Any = None
         self.store: Any = None
         self.service: Any = None
+        self.link: CollectiveLink | None = None  # collective transports only
 
     async def start(self, initial_version: int = 0) -> None:
         """Create (or attach to) the store and registry actors, and keep a host copy of the
@@ -88,7 +96,15 @@ class WeightPublisher:
             on_live=weight_store_hook(self.store),
         )
         self.transport = transport
-        export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, transport.name)
+        if getattr(transport, "streamed", False):
+            control = self.replicas.control
+            self.link = CollectiveLink(
+                transport.backend, self.learner, bucket_mb=self.cfg.bucket_mb, timeout_s=self.cfg.timeout_s,
+                members=lambda: control.call("collective_info", timeout_s=self.cfg.timeout_s),
+                join=lambda wire: control.call("join_collective", wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
+            )
+        # The seed (and, for collective transports, every host copy) lives in the object store.
+        export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, _put_kind(transport))
         from asyncrl.weightsync.bucket import iter_unpacked
 
         try:
@@ -102,8 +118,12 @@ class WeightPublisher:
         Raises `WeightsyncError` (nothing published, engines on the previous version) on failure."""
         if self.publisher is None:
             raise RuntimeError("WeightPublisher.start() was not called")
-        export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, self.transport.name)
-        result = await self.publisher.publish_handles(version, export.buckets, [self.replicas])
+        if self.link is not None:
+            result = await self.publisher.publish_streamed(
+                version, self.link.send, self.link.payload, [self.replicas], prepare=self.link.ensure)
+        else:
+            export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, self.transport.name)
+            result = await self.publisher.publish_handles(version, export.buckets, [self.replicas])
         metrics = dict(result.metrics)
         metrics["weightsync/engine_replicas"] = float(len(self.replicas.last_results))
         for warning in result.warnings:
@@ -112,3 +132,63 @@ class WeightPublisher:
 
     def snapshot(self) -> dict[str, Any]:
         return self.publisher.registry.snapshot() if self.publisher else {}
+
+
+class CollectiveLink:
+    """The broadcast groups between a learner group's sending ranks (one group each, PP stage
+    order) and every engine worker of a set of replicas, for collective transports.
+
+    `members()` returns {replica_id: {"workers": n, "groups": [ids every worker holds]}} and
+    `join(specs)` makes every replica join (both as the generator's replicas answer
+    `collective_info` / `join_collective`). `ensure()` forms the groups unless the current ones
+    still hold exactly the running replicas; `send` and `payload` are `publish_streamed`'s."""
+
+    def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
+                 join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float) -> None:
+        self.backend, self.learner = backend, learner
+        self._members_call, self._join_call = members, join
+        self.bucket_mb, self.timeout_s = bucket_mb, timeout_s
+        self.specs: list[Any] = []
+        self.members: dict[str, int] = {}  # replica id -> engine workers, as the groups were formed
+        self.formed = 0  # how many times groups were formed
+
+    @property
+    def group_ids(self) -> list[str]:
+        return [s.group_id for s in self.specs]
+
+    async def ensure(self) -> None:
+        from dataclasses import asdict
+
+        from asyncrl.weightsync.collective import form_specs
+
+        info = await self._members_call()
+        members = {rid: int(i["workers"]) for rid, i in info.items()}
+        if self.specs and members == self.members and all(set(self.group_ids) <= set(i["groups"]) for i in info.values()):
+            return
+        addresses = await self.learner.collective_addresses()
+        specs = form_specs(self.backend, [(a["host"], a["port"]) for a in addresses], members, timeout_s=self.timeout_s,
+                           group_prefix=f"asyncrl-ws{os.getpid()}-{self.formed + 1}")
+        wire = [asdict(s) for s in specs]
+        self.specs, self.members = [], {}
+        # Every member rendezvouses at once: the replicas' workers and the sending ranks.
+        await asyncio.gather(self._join_call(wire), self.learner.join_collective(wire))
+        self.specs, self.members = specs, members
+        self.formed += 1
+        log.info("weightsync: %s broadcast group(s) %s formed with %d replica(s), %d ranks each",
+                 self.backend, self.group_ids, len(members), specs[0].world_size)
+
+    def payload(self, version: int) -> Any:
+        from asyncrl.weightsync.collective import CollectiveReceive
+
+        return CollectiveReceive(tuple(self.group_ids), version, self.timeout_s)
+
+    async def send(self, version: int, verify: str) -> Any:  # noqa: ARG002 - the label travels with the payload
+        from asyncrl.weightsync.push import StreamedSend
+
+        sent = await self.learner.broadcast_hf_tensors(self.bucket_mb, verify, self.timeout_s)
+        return StreamedSend(sent.buckets, sent.digests, sent.bytes, sent.num_tensors, sent.seconds)
+
+
+def _put_kind(transport: Any) -> str:
+    """How the learner ranks put host buckets for `transport`: itself, or (collective) the object store."""
+    return "object_store" if getattr(transport, "streamed", False) else transport.name

@@ -11,11 +11,16 @@ numpy view; the replica then writes it once into a shared file for its workers),
 file under /dev/shm and every replica's workers map that same file, so a replica copies
 nothing) and `LocalTransport` (in-process replicas; tests and single-process tools).
 
-Not implemented, on purpose (no stubs): NCCL and CUDA IPC. vLLM 0.32's
-`vllm.distributed.weight_transfer` (NCCL/IPC engines) applies weights as they arrive in
-`receive_weights`, so it cannot stage-then-commit atomically with a fingerprint check, and it
-cannot be exercised on this CPU-only machine; the GPU image pins vLLM 0.24 whose API differs.
-Asking for them raises `TransportUnavailable` naming the value.
+`CollectiveTransport` (nccl on GPUs, gloo on CPU hosts): the sending learner ranks broadcast
+each bucket straight into the engine workers' memory (collective.py; `Publisher.publish_streamed`
+drives it). Its handles are the senders' host copies in the object store, so restores, retries
+and late joiners go the object-store way.
+
+Not implemented, on purpose (no stubs): CUDA IPC (co-located placement is not built). vLLM's
+own `vllm.distributed.weight_transfer` engines apply weights as they arrive in
+`receive_weights`, so they cannot stage-then-commit atomically with a fingerprint check; the
+collective transport uses vLLM's PyNccl communicator underneath instead. Asking for ipc raises
+`TransportUnavailable`.
 
 Must never: decide ordering or retries (push.py does), or look inside a bucket.
 """
@@ -143,6 +148,29 @@ class SharedMemoryTransport:
         self._files.discard(handle.path)
 
 
+class CollectiveTransport(ObjectStoreTransport):
+    """Broadcast groups between the sending learner ranks and every engine worker (collective.py).
+
+    The broadcast itself is not a `put`: the sender streams while the replicas receive
+    (`Publisher.publish_streamed`). What this transport puts, fetches and releases are the host
+    copies the senders keep in the object store, exactly as `ObjectStoreTransport` does."""
+
+    streamed = True
+
+    def __init__(self, backend: str, get_timeout_s: float = 120.0) -> None:
+        from asyncrl.weightsync.collective import BACKENDS
+
+        if backend not in BACKENDS:
+            raise TransportUnavailable(f"collective backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "nccl":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise TransportUnavailable("weightsync.transport='nccl' needs CUDA (use 'gloo' on CPU hosts)")
+        super().__init__(get_timeout_s)
+        self.name = self.backend = backend
+
+
 def _unlink_all(paths: set[str]) -> None:
     for path in list(paths):
         SharedBucket(path, [], 0).unlink()
@@ -156,22 +184,23 @@ def single_host() -> bool:
     return ray.is_initialized() and sum(1 for n in ray.nodes() if n.get("Alive")) == 1
 
 
-def select_transport(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: bool = False) -> Transport:  # noqa: ARG001
-    """`auto` -> shm on a one-node Ray cluster, object_store on several (CPU, and separated GPU
-    placement until the NCCL transport is built: buckets are staged through host memory); ipc
-    when hybrid.
+def select_transport(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: bool = False) -> Transport:
+    """`auto` -> shm on a one-node Ray cluster; on several, nccl when the learner is on GPUs and
+    object_store on CPU hosts; ipc when hybrid.
 
-    nccl and ipc are not built: asking for them, or hybrid placement, raises
-    `TransportUnavailable` naming the value rather than silently taking another path.
+    ipc is not built: asking for it, or hybrid placement, raises `TransportUnavailable` naming
+    the value rather than silently taking another path.
     """
     kind = config.transport
     if kind == "auto":
-        kind = "ipc" if hybrid else ("shm" if single_host() else "object_store")
+        kind = "ipc" if hybrid else ("shm" if single_host() else ("nccl" if on_gpu else "object_store"))
     if kind == "object_store":
         return ObjectStoreTransport(get_timeout_s=config.timeout_s)
     if kind == "shm":
         return SharedMemoryTransport()
+    if kind in ("nccl", "gloo"):
+        return CollectiveTransport(kind, get_timeout_s=config.timeout_s)
     raise TransportUnavailable(
         f"weightsync.transport={config.transport!r} resolves to {kind!r} (on_gpu={on_gpu}, hybrid={hybrid}), "
-        "which is not implemented in this build; use transport='shm' (one host) or 'object_store'"
+        "which is not implemented in this build; use transport='nccl' (GPUs), 'gloo', 'shm' (one host) or 'object_store'"
     )

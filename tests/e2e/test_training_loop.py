@@ -33,7 +33,7 @@ def _config(run_dir: Path, port: int) -> dict:
         "buffer": {"batch_size": 16, "max_staleness": 0, "capacity": 64},
         "algorithm": {"name": "grpo", "group_size": 4, "max_new_tokens": 8},
         "learner": {"world_size": 1, "lr": 2e-4, "micro_batch_size": 16, "num_cpus_per_rank": 0.5},
-        "weightsync": {"bucket_mb": 1},
+        "weightsync": {"bucket_mb": 1, "transport": "gloo"},  # the collective path through Serve (PPO below: auto = shm)
         "data": {"kind": "arithmetic", "eval_size": 16},
         "trainer": {"total_steps": STEPS, "rollout_concurrency": 4, "eval_interval_steps": 2},
         "checkpoint": {"dir": str(run_dir / "ckpt"), "interval_steps": 1, "keep": 3},
@@ -130,6 +130,7 @@ def test_grpo_trains_and_publishes_while_the_api_answers(run_a):
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert [m["weightsync/version"] for m in metrics] == [1, 2, 3]
     assert all(m["weightsync/failed"] == 0 and m["weightsync/bytes"] > 0 for m in metrics)
+    assert all(m["weightsync/transport/gloo/bytes"] == m["weightsync/bytes"] for m in metrics)  # broadcast, not staged on host
     assert all(math.isfinite(m["actor/loss"]) for m in metrics)
     assert metrics[1]["eval/accuracy"] is not None  # eval every 2 steps on the held-out split
     assert (run_dir / "curves.png").stat().st_size > 1000

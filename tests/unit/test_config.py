@@ -107,5 +107,7 @@ def test_gpu_deploy_config_loads_and_hybrid_is_refused_by_name():
     one = load_config_file(REPO / "deploy" / "rlhf-gpu1.yaml")  # engine and learner share one GPU
     assert one.learner.num_gpus_per_rank + one.generator.num_gpus <= 1
     assert one.generator.autoscaling.max_replicas == 1 and one.generator.engine_kwargs["gpu_memory_utilization"] <= 0.5
+    two = load_config_file(REPO / "deploy" / "rlhf-gpu2.yaml")  # one GPU each, weights over NCCL
+    assert two.learner.num_gpus_per_rank == 1 and two.generator.num_gpus == 1 and two.weightsync.transport == "nccl"
     with pytest.raises(ConfigError, match=r"hybrid.*co-located placement is not built"):
         load_config_file(REPO / "deploy" / "rlhf-hybrid.yaml")

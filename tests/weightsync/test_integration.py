@@ -5,10 +5,14 @@ Checks: after a push every replica's greedy output equals transformers' greedy o
 pushed weights and carries the new version; a bucket corrupted in transit fails the fingerprint
 check, both replicas keep serving the previous version and nothing is published; the next push
 succeeds. A replica killed mid-push fails the push without touching the survivor's weights, and a
-replica started after three pushes loads version 3 (the WeightStore) before it serves.
+replica started after three pushes loads version 3 (the WeightStore) before it serves. A TP=2
+Megatron learner's export reaches both engines through shared-memory files, and through the
+collective transport (gloo here, NCCL on GPUs: the sending rank broadcasts into the workers).
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
@@ -55,6 +59,12 @@ class _EngineActor:
 
     async def abort_update(self):
         return await self.replica.abort_update()
+
+    async def collective_info(self):
+        return await self.replica.collective_info()
+
+    async def join_collective(self, specs, timeout_s=120.0):
+        return await self.replica.join_collective(specs, timeout_s)
 
     async def greedy(self, prompts: list[list[int]]) -> list[tuple[list[int], list[int]]]:
         from asyncrl.types import GenerationRequest, SamplingParams
@@ -332,3 +342,60 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
         transport.release(h)
     assert not any(os.path.exists(f) for f in files)
 
+
+
+async def test_tp2_learner_broadcasts_into_both_engines_over_gloo(engines, demo_model_path):
+    """The collective transport end to end: the TP=2 learner's sending rank joins one gloo group
+    with both engines' workers and broadcasts each bucket into them; both engines then decode
+    what transformers decodes with the pushed weights (the sender's host copies), tagged with the
+    new version. A second push after another update reuses the group."""
+    from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, WeightsyncConfig
+    from asyncrl.learner.group import LearnerGroup
+    from asyncrl.weightsync.bucket import iter_unpacked
+    from asyncrl.weightsync.push import Publisher
+    from asyncrl.weightsync.replicas import ActorReplica
+    from asyncrl.weightsync.service import CollectiveLink
+    from asyncrl.weightsync.transport import select_transport
+    from tests.learner._data import advantages, make_samples
+    from transformers import AutoTokenizer
+
+    start = (await engines[0].greedy.remote([[1, 2, 3]]))[0][1][0]
+    cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, timeout_s=120)
+    transport = select_transport(cfg)
+    group = LearnerGroup("actor", ModelConfig(path=str(demo_model_path)),
+                         LearnerConfig(world_size=2, strategy_config={"tensor_model_parallel_size": 2}, lr=1e-3,
+                                       micro_batch_size=4, num_cpus_per_rank=0.5),
+                         AlgorithmConfig(name="grpo", group_size=2))
+    await group.start()
+
+    async def members():
+        infos = await asyncio.gather(*(h.collective_info.remote() for h in engines))
+        return {i["replica_id"]: i for i in infos}
+
+    async def join(wire):
+        return await asyncio.gather(*(h.join_collective.remote(wire, cfg.timeout_s) for h in engines))
+
+    link = CollectiveLink("gloo", group, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
+    pub = Publisher(cfg, transport=transport)
+    replicas = [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)]
+    try:
+        for step in (1, 2):
+            samples = make_samples(8, group_size=2)
+            old = await group.compute_log_prob(samples)
+            await group.update_actor(samples, advantages(samples), old)
+            result = await pub.publish_streamed(start + step, link.send, link.payload, replicas, prepare=link.ensure)
+            m = result.metrics
+            assert m["weightsync/transport/gloo/bytes"] > 0 and m["weightsync/num_buckets"] > 1
+            assert m["weightsync/sender/broadcast_seconds"] > 0
+            assert link.formed == 1 and link.members == {"engine-0": 1, "engine-1": 1}
+            pushed = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in pub._host.handles)}
+            tok = AutoTokenizer.from_pretrained(str(demo_model_path))
+            prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+            hf = _load_hf(str(demo_model_path), pushed)
+            for h in engines:
+                got = await h.greedy.remote(prompt_ids)
+                assert _is_hf_greedy(hf, prompt_ids, [t for t, _ in got])
+                assert all(v == [start + step] * MAX_TOKENS for _, v in got)
+        assert (await engines[0].collective_info.remote())["groups"] == link.group_ids
+    finally:
+        await group.shutdown()

@@ -193,14 +193,20 @@ def test_preserve_rng_state_restores_the_stream():
     assert torch.equal(torch.rand(3), expected)
 
 
-@pytest.mark.parametrize("kind, on_gpu, hybrid, resolved", [
-    ("auto", True, True, "ipc"), ("nccl", True, False, "nccl"), ("nccl", False, False, "nccl"), ("ipc", True, True, "ipc"),
-])
+@pytest.mark.parametrize("kind, on_gpu, hybrid, resolved", [("auto", True, True, "ipc"), ("ipc", True, True, "ipc")])
 def test_unbuilt_transports_are_refused_by_name(kind, on_gpu, hybrid, resolved):
     from asyncrl.weightsync.transport import TransportUnavailable, select_transport
 
     with pytest.raises(TransportUnavailable, match=f"resolves to '{resolved}'"):
         select_transport(WeightsyncConfig(transport=kind), on_gpu=on_gpu, hybrid=hybrid)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
+def test_nccl_without_cuda_is_refused_with_the_way_out():
+    from asyncrl.weightsync.transport import TransportUnavailable, select_transport
+
+    with pytest.raises(TransportUnavailable, match="needs CUDA.*'gloo'"):
+        select_transport(WeightsyncConfig(transport="nccl"))
 
 
 async def test_publish_handles_pushes_buckets_the_learner_already_packed():

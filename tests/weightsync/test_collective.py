@@ -1,0 +1,224 @@
+"""The collective transport's wire protocol and its push path, over real gloo groups (one rank per
+thread; the NCCL backend runs the same code on GPUs: tests/learner/test_gpu_learner.py and
+benchmarks/weightsync.py --transports nccl)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from asyncrl.config import WeightsyncConfig
+from asyncrl.generator.weights import tensor_fingerprint
+from asyncrl.types import WeightUpdateState as S
+from asyncrl.weightsync.bucket import unpack_bucket
+from asyncrl.weightsync.collective import (
+    CollectiveError, CollectiveGroup, CollectiveReceive, GroupSpec, SenderAborted, form_specs, free_port, receive_stream,
+    send_stream,
+)
+from asyncrl.weightsync.push import Publisher, StreamedSend, Step, WeightsyncError
+from asyncrl.weightsync.transport import LocalTransport
+
+from .fakes import FakeReplica, model
+
+BUCKET_MB = 8192 / (1 << 20)  # two 4 KiB tensors per bucket -> 3 buckets for 5 tensors
+
+
+def _spec(receivers=2, timeout_s=20.0, gid="g") -> GroupSpec:
+    (spec,) = form_specs("gloo", [("127.0.0.1", free_port("127.0.0.1"))], {"rep": receivers},
+                         timeout_s=timeout_s, group_prefix=gid)
+    return spec
+
+
+def _join_all(spec: GroupSpec) -> list[CollectiveGroup]:
+    with ThreadPoolExecutor(spec.world_size) as pool:
+        return list(pool.map(lambda r: CollectiveGroup.join(spec, r), range(spec.world_size)))
+
+
+def test_form_specs_gives_each_replica_a_rank_block_in_id_order():
+    specs = form_specs("nccl", [("h0", 1), ("h1", 2)], {"b": 2, "a": 1}, timeout_s=5, group_prefix="x")
+    assert [s.group_id for s in specs] == ["x-s0", "x-s1"] and [s.sender for s in specs] == [0, 1]
+    assert all(s.world_size == 4 and s.receivers == {"a": 1, "b": 2} for s in specs)
+    assert specs[1].host == "h1" and specs[1].port == 2
+    assert specs[0].receiver_rank("b", 1) == 3
+    with pytest.raises(CollectiveError, match="without replica 'c'"):
+        specs[0].receiver_rank("c", 0)
+    with pytest.raises(CollectiveError, match="outside"):
+        specs[0].receiver_rank("b", 2)
+    with pytest.raises(CollectiveError, match="no engine replica"):
+        form_specs("gloo", [("h", 1)], {}, timeout_s=5, group_prefix="x")
+    with pytest.raises(ValueError, match="backend"):
+        GroupSpec("g", "mpi", "h", 1, 2, {"a": 1})
+
+
+def test_every_receiver_gets_every_bucket_bit_exact_and_the_sender_keeps_host_copies():
+    spec = _spec(receivers=2)
+    sender, *receivers = _join_all(spec)
+    weights = model(3)
+    weights["bf16"] = torch.randn(7, 5).to(torch.bfloat16)
+    weights["empty"] = torch.empty(0, 3)
+    got: dict[int, dict[str, torch.Tensor]] = {}
+
+    def receive(group: CollectiveGroup) -> None:
+        out = {}
+        for bucket in receive_stream(group, time.monotonic() + 20):
+            out.update({n: t.clone() for n, t in unpack_bucket(bucket)})
+        got[group.rank] = out
+
+    threads = [threading.Thread(target=receive, args=(g,)) for g in receivers]
+    for t in threads:
+        t.start()
+    sent = send_stream(sender, iter(weights.items()), BUCKET_MB, verify="full", timeout_s=20)
+    for t in threads:
+        t.join(30)
+    assert sorted(got) == [1, 2]
+    for out in got.values():
+        assert out.keys() == weights.keys() and all(torch.equal(out[k], weights[k]) for k in weights)
+    host = {n: t for b in sent.host_buckets for n, t in unpack_bucket(b)}
+    assert all(torch.equal(host[k], weights[k]) for k in weights)
+    assert sent.num_tensors == len(weights) and sent.bytes == sum(t.numel() * t.element_size() for t in weights.values())
+    assert len(sent.host_buckets) >= 3 and set(sent.seconds) == {"pack", "broadcast", "host_copy", "hash"}
+    from asyncrl.generator.weights import combine_digests
+
+    assert combine_digests(sent.digests, "full") == tensor_fingerprint(weights, "full")
+    for g in (sender, *receivers):
+        g.close()
+
+
+def test_a_failing_export_aborts_the_receivers_at_once():
+    spec = _spec(receivers=1, timeout_s=60.0)
+    sender, receiver = _join_all(spec)
+
+    def failing():
+        yield "a", torch.ones(2048)
+        yield "b", torch.ones(2048)
+        yield "c", torch.ones(2048)
+        raise RuntimeError("export blew up")
+
+    errors: list[BaseException] = []
+
+    def receive():
+        try:
+            for _ in receive_stream(receiver, time.monotonic() + 60):
+                pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    t0 = time.monotonic()
+    th = threading.Thread(target=receive)
+    th.start()
+    with pytest.raises(RuntimeError, match="export blew up"):
+        send_stream(sender, failing(), BUCKET_MB, verify="off", timeout_s=60)
+    th.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], SenderAborted)
+    assert time.monotonic() - t0 < 30  # told, not left to its 60 s deadline
+
+
+def test_a_receiver_whose_sender_never_sends_times_out_and_the_group_is_broken():
+    spec = _spec(receivers=1, timeout_s=10.0)
+    sender, receiver = _join_all(spec)
+    with pytest.raises(CollectiveError, match="broadcast"):
+        next(receive_stream(receiver, time.monotonic() + 0.5))
+    assert receiver.broken
+    with pytest.raises(CollectiveError, match="broken"):
+        next(receive_stream(receiver, time.monotonic() + 5))
+    sender.close()
+
+
+# ---- the publisher's streamed path, with replicas that receive over a real gloo group -------------
+
+
+class GlooReplica(FakeReplica):
+    """A fake replica whose `load_bucket(CollectiveReceive)` receives over its real gloo group."""
+
+    group: CollectiveGroup | None = None
+
+    async def load_bucket(self, payload, version):
+        assert isinstance(payload, CollectiveReceive) and payload.version == version
+        self.log.append((self.name, "load"))
+        await self._maybe_fault("load")
+        deadline = time.monotonic() + payload.timeout_s
+
+        def receive():
+            for bucket in receive_stream(self.group, deadline):
+                for name, t in unpack_bucket(bucket):
+                    self.staged[name] = t.clone()
+
+        await asyncio.to_thread(receive)
+
+
+def _streamed_setup(n=2, retries=0, timeout_s=20.0):
+    log: list[tuple[str, str]] = []
+    old = model(0)
+    replicas = [GlooReplica(f"r{i}", log, weights=dict(old)) for i in range(n)]
+    state = {"sender": None, "prepares": 0, "spec": None}
+
+    async def prepare():
+        state["prepares"] += 1
+        spec = _spec(receivers=n, timeout_s=timeout_s, gid=f"p{state['prepares']}")
+        groups = await asyncio.gather(*(asyncio.to_thread(CollectiveGroup.join, spec, r) for r in range(n + 1)))
+        state["sender"], state["spec"] = groups[0], spec
+        for r, g in zip(replicas, groups[1:]):
+            r.group = g
+
+    cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, retries=retries, timeout_s=timeout_s)
+    pub = Publisher(cfg, transport=LocalTransport())
+    return pub, replicas, log, old, state, prepare
+
+
+async def test_publish_streamed_goes_live_with_the_senders_fingerprint_and_host_copies():
+    pub, replicas, log, _, state, prepare = _streamed_setup()
+    new = model(1)
+
+    async def send(version, verify):
+        sent = await asyncio.to_thread(send_stream, state["sender"], iter(new.items()), BUCKET_MB, verify=verify, timeout_s=20)
+        return StreamedSend(sent.host_buckets, sent.digests, sent.bytes, sent.num_tensors, sent.seconds)
+
+    result = await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
+    for r in replicas:
+        assert [e for n, e in log if n == r.name] == ["pause:keep", "begin:1", "load", "commit:1", "resume"]
+        assert r.version == 1 and all(torch.equal(r.weights[k], new[k]) for k in new)
+    assert result.fingerprint == tensor_fingerprint(new) and pub.registry.live_version == 1
+    assert pub.host_version == 1 and len(pub._host.handles) == 3  # host copies kept for restores
+    m = result.metrics
+    assert m["weightsync/num_buckets"] == 3 and m["weightsync/bytes"] == 5 * 64 * 16 * 4
+    assert {"weightsync/sender/broadcast_seconds", "weightsync/sender/host_copy_seconds"} <= m.keys()
+
+
+async def test_a_sender_failure_publishes_nothing_and_a_retry_forms_a_new_group():
+    pub, replicas, log, old, state, prepare = _streamed_setup(retries=1)
+    new = model(1)
+    calls = {"n": 0}
+
+    async def send(version, verify):
+        calls["n"] += 1
+        stream = iter(new.items())
+        if calls["n"] == 1:
+            def broken():
+                yield next(stream)
+                yield next(stream)
+                yield next(stream)
+                raise RuntimeError("export failed mid-stream")
+            stream = broken()
+        sent = await asyncio.to_thread(send_stream, state["sender"], stream, BUCKET_MB, verify=verify, timeout_s=20)
+        return StreamedSend(sent.host_buckets, sent.digests, sent.bytes, sent.num_tensors, sent.seconds)
+
+    result = await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
+    assert state["prepares"] == 2 and calls["n"] == 2 and result.metrics["weightsync/retries"] == 1
+    for r in replicas:
+        assert [e for n, e in log if n == r.name] == ["pause:keep", "begin:1", "load", "abort", "resume",
+                                                      "pause:keep", "begin:1", "load", "commit:1", "resume"]
+        assert r.version == 1 and all(torch.equal(r.weights[k], new[k]) for k in new)
+
+    # Without retries the version fails and every replica keeps serving the old weights.
+    pub, replicas, log, old, state, prepare = _streamed_setup(retries=0)
+    calls["n"] = 0
+    with pytest.raises(WeightsyncError) as info:
+        await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
+    assert info.value.step is Step.EXPORT and pub.registry.get(1).state is S.FAILED and pub.registry.live_version == 0
+    for r in replicas:
+        assert r.version == 0 and all(torch.equal(r.weights[k], old[k]) for k in old) and not r.paused
