@@ -124,6 +124,9 @@ class Sender:
         self.group = CollectiveGroup.join(GroupSpec(**specs[0]), 0, self.device)
         return self.group.spec.group_id
 
+    def groups(self) -> list[str]:
+        return [self.group.spec.group_id] if self.group is not None and not self.group.broken else []
+
     def perturb(self, seed: int) -> None:
         import torch
 
@@ -168,6 +171,9 @@ class SenderAsLearner:
 
     async def join_collective(self, wire):
         return [await self.actor.join.remote(wire)]
+
+    async def collective_groups(self):
+        return await self.actor.groups.remote()
 
     async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s):
         from asyncrl.learner.group import CollectiveExport
@@ -226,7 +232,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
     runs, version = {}, 0
     for kind in transports:
         cfg = WeightsyncConfig(transport=kind, bucket_mb=bucket_mb, timeout_s=600, verify=verify)
-        transport = select_transport(cfg)
+        transport = select_transport(cfg, on_gpu=gpus > 0)
         pub = Publisher(cfg, transport=transport, registry=VersionRegistry(version))  # the engines already serve `version`
         link = None
         if kind in collective:
@@ -255,10 +261,10 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
         if hasattr(transport, "close"):
             transport.close()
 
-    sinks = [ray.remote(num_cpus=0.1, num_gpus=gpus)(Sink).remote() for _ in range(replicas)]
-    raw = {}
-    host_kinds = [k for k in transports if k not in collective]
-    if host_kinds:
+    raw: dict[str, list[float]] = {}
+    sinks = []
+    if [k for k in transports if k not in collective]:  # host floor: the sinks only map buckets, no GPU
+        sinks = [ray.remote(num_cpus=0.1)(Sink).remote() for _ in range(replicas)]
         raw["host"] = []
         for v in range(repeats + 1):  # round 0 warms the sinks up, not timed
             weights = perturbed(base, 100 + v)
@@ -269,22 +275,23 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
                 await asyncio.gather(*(s.take.remote(ref) for s in sinks))
             if v:
                 raw["host"].append(time.perf_counter() - t)
+    gpu_sinks = [ray.remote(num_cpus=0.1, num_gpus=gpus)(Sink).remote() for _ in range(replicas)] if collective else []
     for kind in collective:
         (spec,) = form_specs(kind, [(ray.util.get_node_ip_address(), free_port())], {f"sink{i}": 1 for i in range(replicas)},
                              timeout_s=600, group_prefix=f"raw-{kind}")
         wire = asdict(spec)
         await sender.perturb.remote(100)
         sizes, *_ = await asyncio.gather(sender.raw_join.remote(wire, bucket_mb),
-                                         *(s.join.remote(wire, spec.receiver_rank(f"sink{i}", 0)) for i, s in enumerate(sinks)))
+                                         *(s.join.remote(wire, spec.receiver_rank(f"sink{i}", 0)) for i, s in enumerate(gpu_sinks)))
         raw[kind] = []
         for v in range(repeats + 1):
             t = time.perf_counter()
-            await asyncio.gather(sender.raw_send.remote(), *(s.receive.remote(sizes) for s in sinks))
+            await asyncio.gather(sender.raw_send.remote(), *(s.receive.remote(sizes) for s in gpu_sinks))
             if v:
                 raw[kind].append(time.perf_counter() - t)
 
     ray.get([a.shutdown.remote() for a in actors])
-    for a in actors + sinks + ([sender] if sender is not None else []):
+    for a in actors + sinks + gpu_sinks + ([sender] if sender is not None else []):
         ray.kill(a)
     med = lambda xs: statistics.median(xs)  # noqa: E731
     out = []

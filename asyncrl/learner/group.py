@@ -217,6 +217,10 @@ class LearnerGroup:
     async def join_collective(self, specs: list[dict[str, Any]]) -> list[str]:
         return [g for g in await self._all("join_collective", specs) if g is not None]
 
+    async def collective_groups(self) -> list[str]:
+        """Ids of the sending ranks' broadcast groups that can still carry a push."""
+        return [g for g in await self._all("collective_group") if g is not None]
+
     async def leave_collective(self) -> None:
         await self._all("leave_collective")
 

@@ -172,6 +172,11 @@ class LearnerRank:
             self._collective = CollectiveGroup.join(spec, 0)
         return spec.group_id
 
+    def collective_group(self) -> str | None:
+        """The id of this rank's broadcast group if it can still carry a push, else None."""
+        group = self._collective
+        return group.spec.group_id if group is not None and not group.broken else None
+
     def leave_collective(self) -> None:
         group, self._collective = self._collective, None
         if group is not None:

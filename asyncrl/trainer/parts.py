@@ -94,7 +94,8 @@ class TrainerParts:
         reference = LearnerGroup("reference", cfg.model, cfg.learner, cfg.algorithm) if needs_reference(cfg.algorithm) else None
         critic = LearnerGroup("critic", cfg.model, cfg.learner, cfg.algorithm) if cfg.algorithm.name == "ppo" else None
         await asyncio.gather(*(g.start() for g in (actor, reference, critic) if g is not None))
-        weights = WeightPublisher(cfg.weightsync, engine=engine, learner=actor, hybrid=cfg.hybrid.enabled)
+        weights = WeightPublisher(cfg.weightsync, engine=engine, learner=actor, hybrid=cfg.hybrid.enabled,
+                                  on_gpu=cfg.learner.num_gpus_per_rank > 0)
         await weights.start(initial_version=0)
         tracker = MetricsTracker(cfg.logging.dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl, plot_interval_steps=cfg.logging.plot_interval_steps)
         parts = cls(cfg, engine, tokenizer, buffer, rewards, actor, reference, critic, weights, tracker, PromptStream(train, cfg.trainer.seed), held_out)

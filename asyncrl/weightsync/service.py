@@ -28,8 +28,6 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import torch
-
 from asyncrl.config import WeightsyncConfig
 from asyncrl.generator.control import EngineControl
 from asyncrl.weightsync.push import Publisher, weight_store_hook
@@ -59,11 +57,12 @@ class DeploymentReplicas(ActorReplica):
 class WeightPublisher:
     """`start()` once, then `publish(version)` after each learner update."""
 
-    def __init__(self, cfg: WeightsyncConfig, *, engine: Any, learner: Any, hybrid: bool = False,
+    def __init__(self, cfg: WeightsyncConfig, *, engine: Any, learner: Any, hybrid: bool = False, on_gpu: bool = False,
                  store_name: str | None = None, namespace: str | None = None) -> None:
         from asyncrl.generator.app import WEIGHT_STORE_NAME, WEIGHT_STORE_NAMESPACE
 
-        self.cfg, self.learner, self.hybrid = cfg, learner, hybrid
+        # on_gpu: the learner ranks hold GPUs (this process may not: it is the controller's).
+        self.cfg, self.learner, self.hybrid, self.on_gpu = cfg, learner, hybrid, on_gpu
         self.replicas = DeploymentReplicas(EngineControl(engine), cfg.timeout_s)
         self.store_name = store_name or WEIGHT_STORE_NAME
         self.namespace = namespace or WEIGHT_STORE_NAMESPACE
@@ -89,7 +88,7 @@ class WeightPublisher:
         self.service = ray.remote(WeightsyncService).options(
             name=REGISTRY_ACTOR, namespace=self.namespace, get_if_exists=True, num_cpus=0
         ).remote(initial_version)
-        transport = select_transport(self.cfg, on_gpu=torch.cuda.is_available(), hybrid=self.hybrid)
+        transport = select_transport(self.cfg, on_gpu=self.on_gpu, hybrid=self.hybrid)
         self.publisher = Publisher(
             self.cfg, transport=transport, registry=VersionRegistry(initial_version),
             mirror=lambda op, *a, **k: self.service.apply.remote(op, *a, **k),
@@ -141,7 +140,8 @@ class CollectiveLink:
     `members()` returns {replica_id: {"workers": n, "groups": [ids every worker holds]}} and
     `join(specs)` makes every replica join (both as the generator's replicas answer
     `collective_info` / `join_collective`). `ensure()` forms the groups unless the current ones
-    still hold exactly the running replicas; `send` and `payload` are `publish_streamed`'s."""
+    still hold exactly the running replicas and no member's group broke (a timed-out or failed
+    broadcast breaks it on that member); `send` and `payload` are `publish_streamed`'s."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float) -> None:
@@ -161,9 +161,10 @@ class CollectiveLink:
 
         from asyncrl.weightsync.collective import form_specs
 
-        info = await self._members_call()
+        info, senders = await asyncio.gather(self._members_call(), self.learner.collective_groups())
         members = {rid: int(i["workers"]) for rid, i in info.items()}
-        if self.specs and members == self.members and all(set(self.group_ids) <= set(i["groups"]) for i in info.values()):
+        healthy = set(senders) == set(self.group_ids) and all(set(self.group_ids) <= set(i["groups"]) for i in info.values())
+        if self.specs and members == self.members and healthy:
             return
         addresses = await self.learner.collective_addresses()
         specs = form_specs(self.backend, [(a["host"], a["port"]) for a in addresses], members, timeout_s=self.timeout_s,

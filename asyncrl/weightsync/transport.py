@@ -162,11 +162,6 @@ class CollectiveTransport(ObjectStoreTransport):
 
         if backend not in BACKENDS:
             raise TransportUnavailable(f"collective backend must be one of {BACKENDS}, got {backend!r}")
-        if backend == "nccl":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise TransportUnavailable("weightsync.transport='nccl' needs CUDA (use 'gloo' on CPU hosts)")
         super().__init__(get_timeout_s)
         self.name = self.backend = backend
 
@@ -185,8 +180,9 @@ def single_host() -> bool:
 
 
 def select_transport(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: bool = False) -> Transport:
-    """`auto` -> shm on a one-node Ray cluster; on several, nccl when the learner is on GPUs and
-    object_store on CPU hosts; ipc when hybrid.
+    """`auto` -> shm on a one-node Ray cluster; on several, nccl when the learner is on GPUs
+    (`on_gpu`: its ranks hold GPUs, whatever this process sees) and object_store on CPU hosts;
+    ipc when hybrid.
 
     ipc is not built: asking for it, or hybrid placement, raises `TransportUnavailable` naming
     the value rather than silently taking another path.
@@ -198,6 +194,9 @@ def select_transport(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: 
         return ObjectStoreTransport(get_timeout_s=config.timeout_s)
     if kind == "shm":
         return SharedMemoryTransport()
+    if kind == "nccl" and not on_gpu:
+        raise TransportUnavailable("weightsync.transport='nccl' needs the learner on GPUs (learner.num_gpus_per_rank > 0); "
+                                   "use 'gloo' for the same broadcast path on CPU hosts")
     if kind in ("nccl", "gloo"):
         return CollectiveTransport(kind, get_timeout_s=config.timeout_s)
     raise TransportUnavailable(

@@ -8,12 +8,14 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 
 import pytest
 import torch
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.generator.weights import tensor_fingerprint
+from asyncrl.generator.weights import combine_digests, tensor_fingerprint
+from asyncrl.generator.worker_ext import WeightUpdateExtension
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.bucket import unpack_bucket
 from asyncrl.weightsync.collective import (
@@ -82,8 +84,6 @@ def test_every_receiver_gets_every_bucket_bit_exact_and_the_sender_keeps_host_co
     assert all(torch.equal(host[k], weights[k]) for k in weights)
     assert sent.num_tensors == len(weights) and sent.bytes == sum(t.numel() * t.element_size() for t in weights.values())
     assert len(sent.host_buckets) >= 3 and set(sent.seconds) == {"pack", "broadcast", "host_copy", "hash"}
-    from asyncrl.generator.weights import combine_digests
-
     assert combine_digests(sent.digests, "full") == tensor_fingerprint(weights, "full")
     for g in (sender, *receivers):
         g.close()
@@ -222,3 +222,97 @@ async def test_a_sender_failure_publishes_nothing_and_a_retry_forms_a_new_group(
     assert info.value.step is Step.EXPORT and pub.registry.get(1).state is S.FAILED and pub.registry.live_version == 0
     for r in replicas:
         assert r.version == 0 and all(torch.equal(r.weights[k], old[k]) for k in old) and not r.paused
+
+
+# ---- the engine worker's half, and group (re)formation ---------------------------------------------
+
+
+class _Worker(WeightUpdateExtension):
+    """The worker extension as vLLM mixes it in, minus vLLM: an engine rank and a device."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.device = rank, torch.device("cpu")
+
+
+def test_engine_workers_receive_from_two_sending_ranks_in_stage_order():
+    """PP = 2 on the learner: one group per sending rank; each worker of the replica drains
+    group 0 (stage 0's tensors) then group 1, staging and hashing as the file path does."""
+    specs = form_specs("gloo", [("127.0.0.1", free_port("127.0.0.1")), ("127.0.0.1", free_port("127.0.0.1"))],
+                       {"rep": 2}, timeout_s=30, group_prefix="pp")
+    wire = [asdict(s) for s in specs]
+    workers = [_Worker(0), _Worker(1)]
+    weights = model(4)
+    names = sorted(weights)
+    stages = [{n: weights[n] for n in names[:2]}, {n: weights[n] for n in names[2:]}]
+    with ThreadPoolExecutor(4) as pool:
+        joined = [pool.submit(w.asyncrl_join_collective, "rep", wire) for w in workers]
+        senders = [f.result(60) for f in [pool.submit(CollectiveGroup.join, s, 0) for s in specs]]
+        assert all(f.result(60) == ["pp-s0", "pp-s1"] for f in joined)
+    for w in workers:
+        w.asyncrl_begin_update(5, "full")
+    with ThreadPoolExecutor(4) as pool:
+        received = [pool.submit(w.asyncrl_receive_collective, 5, ["pp-s0", "pp-s1"], 30) for w in workers]
+        sent = [pool.submit(send_stream, g, iter(st.items()), BUCKET_MB, verify="full", timeout_s=30)
+                for g, st in zip(senders, stages)]
+        sent = [f.result(60) for f in sent]
+        assert [f.result(60) for f in received] == [len(weights)] * 2
+    expected = combine_digests({**sent[0].digests, **sent[1].digests}, "full")
+    assert expected == tensor_fingerprint(weights)
+    for w in workers:
+        state = w._asyncrl_state()
+        assert combine_digests(state["digests"], "full") == expected
+        assert all(torch.equal(state["tensors"][n], weights[n]) for n in names)
+        assert w.asyncrl_collective_groups() == ["pp-s0", "pp-s1"]
+        w.asyncrl_leave_collective()
+        assert w.asyncrl_collective_groups() == []
+    # A worker that holds no group for the push fails it by name.
+    with pytest.raises(CollectiveError, match="no usable group 'pp-s0'"):
+        workers[0].asyncrl_receive_collective(5, ["pp-s0"], 1)
+    for g in senders:
+        g.close()
+
+
+class _FakeLearner:
+    def __init__(self) -> None:
+        self.joined: list[list[dict]] = []
+        self.held: list[str] = []
+
+    async def collective_addresses(self):
+        return [{"sender": 0, "host": "127.0.0.1", "port": 1}]
+
+    async def join_collective(self, wire):
+        self.joined.append(wire)
+        self.held = [s["group_id"] for s in wire]
+        return self.held
+
+    async def collective_groups(self):
+        return self.held
+
+
+async def test_groups_are_formed_again_only_when_replicas_change_or_a_member_broke():
+    from asyncrl.weightsync.service import CollectiveLink
+
+    learner = _FakeLearner()
+    replicas = {"a": {"workers": 1, "groups": []}}
+
+    async def members():
+        return {rid: dict(i) for rid, i in replicas.items()}
+
+    async def join(wire):
+        for i in replicas.values():
+            i["groups"] = [s["group_id"] for s in wire]
+
+    link = CollectiveLink("gloo", learner, members=members, join=join, bucket_mb=1, timeout_s=5)
+    await link.ensure()
+    assert link.formed == 1 and link.members == {"a": 1} and link.payload(3) == CollectiveReceive(tuple(link.group_ids), 3, 5)
+    await link.ensure()
+    assert link.formed == 1  # nothing changed: the groups are reused
+    learner.held = []  # the sender's broadcast timed out: its group is broken
+    await link.ensure()
+    assert link.formed == 2 and learner.held == link.group_ids
+    replicas["a"]["groups"] = []  # a replica's worker broke its group
+    await link.ensure()
+    assert link.formed == 3
+    replicas["b"] = {"workers": 2, "groups": []}  # scale-up: a new member needs ranks
+    await link.ensure()
+    assert link.formed == 4 and link.members == {"a": 1, "b": 2} and link.specs[0].world_size == 4

@@ -201,12 +201,11 @@ def test_unbuilt_transports_are_refused_by_name(kind, on_gpu, hybrid, resolved):
         select_transport(WeightsyncConfig(transport=kind), on_gpu=on_gpu, hybrid=hybrid)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
-def test_nccl_without_cuda_is_refused_with_the_way_out():
+def test_nccl_with_a_cpu_learner_is_refused_with_the_way_out():
     from asyncrl.weightsync.transport import TransportUnavailable, select_transport
 
-    with pytest.raises(TransportUnavailable, match="needs CUDA.*'gloo'"):
-        select_transport(WeightsyncConfig(transport="nccl"))
+    with pytest.raises(TransportUnavailable, match="needs the learner on GPUs.*'gloo'"):
+        select_transport(WeightsyncConfig(transport="nccl"), on_gpu=False)
 
 
 async def test_publish_handles_pushes_buckets_the_learner_already_packed():
