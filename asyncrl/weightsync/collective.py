@@ -9,6 +9,12 @@ tensor table as JSON bytes, the bucket buffer; then an end or abort header), `se
 sender's loop: pack on the tensors' device, broadcast, keep a host copy, hash in the verify mode)
 and `receive_stream` (the receiver's loop: allocate on its device, receive, hand each bucket on).
 
+Memory: the sender holds one packed bucket on its device at a time (plus its host copy while it
+is put). Each engine worker stages the complete new version (full HF tensors, not its TP shard)
+in its device memory until commit, because the commit is atomic: a worker needs headroom for one
+unsharded copy of the model beside its live shard. Where that does not fit, use shm (one node:
+staged in shared host pages, one copy per node) or object_store.
+
 Neither side ever blocks without a deadline: a gloo wait takes a timeout, a NCCL broadcast runs
 on a side stream whose completion event is polled until the deadline. A timed-out group is
 broken (its collective state is unknown): it is closed and the next push forms a new one.
