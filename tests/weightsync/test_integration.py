@@ -288,6 +288,19 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
 
 
 
+async def _engines_serve(engines, demo_model_path, tensors, version: int) -> None:
+    """Every engine decodes transformers' greedy tokens with `tensors`, tagged `version`."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(demo_model_path))
+    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    hf = _load_hf(str(demo_model_path), tensors)
+    for h in engines:
+        got = await h.greedy.remote(prompt_ids)
+        assert _is_hf_greedy(hf, prompt_ids, [t for t, _ in got])
+        assert all(v == [version] * MAX_TOKENS for _, v in got)
+
+
 async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_export(engines, demo_model_path):
     """The real path: a Megatron actor (TP=2 over gloo) updates once, exports HF tensors into
     shared-memory bucket files, and the publisher pushes those files (shm transport, sampled
@@ -305,7 +318,6 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
     from asyncrl.weightsync.replicas import ActorReplica
     from asyncrl.weightsync.transport import SharedMemoryTransport
     from tests.learner._data import advantages, make_samples
-    from transformers import AutoTokenizer
 
     start = (await engines[0].greedy.remote([[1, 2, 3]]))[0][1][0]  # 3 after the test above, 0 alone
     group = LearnerGroup("actor", ModelConfig(path=str(demo_model_path)),
@@ -331,13 +343,7 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
         assert result.fingerprint.startswith("sampled:") and result.metrics["weightsync/transport/shm/bytes"] > 0
     finally:
         await group.shutdown()
-    tok = AutoTokenizer.from_pretrained(str(demo_model_path))
-    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
-    hf = _load_hf(str(demo_model_path), exported)
-    for h in engines:
-        got = await h.greedy.remote(prompt_ids)
-        assert _is_hf_greedy(hf, prompt_ids, [t for t, _ in got])
-        assert all(v == [version] * MAX_TOKENS for _, v in got)
+    await _engines_serve(engines, demo_model_path, exported, version)
     for h in pub._host.handles:  # the live version's host copy is the learner's files
         transport.release(h)
     assert not any(os.path.exists(f) for f in files)
@@ -357,7 +363,6 @@ async def test_tp2_learner_broadcasts_into_both_engines_over_gloo(engines, demo_
     from asyncrl.weightsync.service import CollectiveLink
     from asyncrl.weightsync.transport import select_transport
     from tests.learner._data import advantages, make_samples
-    from transformers import AutoTokenizer
 
     start = (await engines[0].greedy.remote([[1, 2, 3]]))[0][1][0]
     cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, timeout_s=120)
@@ -389,13 +394,7 @@ async def test_tp2_learner_broadcasts_into_both_engines_over_gloo(engines, demo_
             assert m["weightsync/sender/broadcast_seconds"] > 0
             assert link.formed == 1 and link.members == {"engine-0": 1, "engine-1": 1}
             pushed = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in pub._host.handles)}
-            tok = AutoTokenizer.from_pretrained(str(demo_model_path))
-            prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
-            hf = _load_hf(str(demo_model_path), pushed)
-            for h in engines:
-                got = await h.greedy.remote(prompt_ids)
-                assert _is_hf_greedy(hf, prompt_ids, [t for t, _ in got])
-                assert all(v == [start + step] * MAX_TOKENS for _, v in got)
+            await _engines_serve(engines, demo_model_path, pushed, start + step)
         assert (await engines[0].collective_info.remote())["groups"] == link.group_ids
     finally:
         await group.shutdown()
