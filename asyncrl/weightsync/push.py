@@ -1,9 +1,10 @@
 """Push orchestration: publish one weight version to every engine replica, atomically.
 
 Owns: the order of a push (for every replica, concurrently: pause("keep") -> begin_update ->
-load_bucket* -> commit_update(fingerprint) -> resume; with a collective transport the buckets
-go by one `load_bucket` per replica that receives the sender's broadcast, `publish_streamed`), its atomicity, timeouts and retries, the
-publisher's host copy of the last live version (its bucket handles), and per-push metrics.
+load_bucket* -> commit_update(fingerprint) -> resume; through a collective transport one
+`load_bucket` per replica receives the sender's broadcast: `publish_streamed`), its atomicity,
+timeouts and retries, the publisher's host copy of the last live version (its bucket handles),
+and per-push metrics.
 
 Atomicity, as designed with the generator's interface (replicas.py lists the contract):
 - Staging never touches live weights, so any failure before commit (a bucket fails to load, a
