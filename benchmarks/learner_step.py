@@ -10,6 +10,9 @@ Sections (each one runs even when an earlier one failed; the error is recorded i
           cross-entropy + `loss.backward()` over the batch's micro-batches; no optimizer.
   role    our `ActorRole` in this process (Megatron DDP + optimizer + GRPO loss): `compute_log_prob`
           and `update_actor` (one optimizer step) on the same batch, plus the optimizer step alone.
+  offload the actor with params, grads and optimizer state resident vs offloaded between calls
+          (`learner.actor` offload flags): idle device memory, each move's before/after, update
+          time, and the log-prob difference after the same two updates (numerics unchanged).
   group   the same through `LearnerGroup` (one Ray rank actor per TP rank), as the trainer calls it.
 
 With --tp N > 1 (tensor parallel over N GPUs, NCCL): parity, bare and role run in N processes
@@ -351,6 +354,55 @@ def role(hf: Any) -> dict[str, Any]:
     }
 
 
+def offload(hf: Any) -> dict[str, Any]:
+    """The actor with params, grads and optimizer state resident vs offloaded between calls (all
+    three `learner.actor` flags): device memory while idle, each move's before/after, update
+    time, and whether offloading changes numerics (log-probs after the same two updates)."""
+    from asyncrl.config import RoleOffload
+    from asyncrl.learner.offload import device_memory_bytes
+    from asyncrl.learner.parallel import ParallelLayout
+    from asyncrl.learner.roles import ActorRole, RoleContext
+
+    if ARGS.tp > 1:
+        return {"skipped": "offload runs with --tp 1"}
+    model_cfg, learner_cfg, algo = _configs()
+    layout = ParallelLayout.from_learner_config(learner_cfg)
+    samples = make_samples(ARGS.batch, ARGS.seq_len, ARGS.prompt_len, ARGS.group_size, hf.vocab_size)
+    gib = 2**30
+    out: dict[str, Any] = {}
+    after: dict[str, list[list[float]]] = {}
+    for mode in ("resident", "offloaded"):
+        _free()
+        on = mode == "offloaded"
+        cfg = learner_cfg.model_copy(update={"actor": RoleOffload(param_offload=on, grad_offload=on, optimizer_offload=on)})
+        actor = ActorRole(RoleContext(model_cfg, cfg, algo, hf, layout, RANK))
+        if on:
+            actor.offloader.offload()  # the role starts resident; a hybrid run puts it away first
+        lp = actor.compute_log_prob(samples)
+        batch = [_with_behavior(s, row) for s, row in zip(samples, lp["logprobs"])]
+        adv = advantages(samples)
+        times = []
+        for _ in range(2):
+            _sync()
+            t0 = time.perf_counter()
+            actor.update_actor(batch, adv, lp["logprobs"])
+            _sync()
+            times.append(time.perf_counter() - t0)
+        idle = device_memory_bytes()
+        after[mode] = actor.compute_log_prob(samples)["logprobs"]
+        out[mode] = {
+            "idle_device_gib": round(idle / gib, 3), "peak_gib": _peak_gib(),
+            "update_seconds": [round(t, 4) for t in times],
+            **{k.removeprefix("learner/").replace("_bytes", "_gib"): round(v / gib, 3) if k.endswith("_bytes") else v
+               for k, v in actor.offloader.last_report.items()},
+        }
+        del actor, lp, batch
+    diffs = [abs(a - b) for ra, rb in zip(after["resident"], after["offloaded"]) for a, b in zip(ra, rb)]
+    out["logprob_max_abs_diff_after_2_updates"] = max(diffs) if diffs else None
+    out["idle_gib_saved"] = round(out["resident"]["idle_device_gib"] - out["offloaded"]["idle_device_gib"], 3)
+    return out
+
+
 def _with_behavior(sample, row):
     import msgspec
 
@@ -443,7 +495,7 @@ def main() -> None:
     global ARGS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="HF checkpoint dir (e.g. from make_random_qwen2.py)")
-    ap.add_argument("--sections", default="parity,bare,role,group")
+    ap.add_argument("--sections", default="parity,bare,role,group", help="comma list of: parity, bare, role, offload, group")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="training dtype (parity is always float32)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
@@ -466,7 +518,7 @@ def main() -> None:
     RESULTS["env"] = env()
     RESULTS["args"] = vars(ARGS)
     _save(ARGS.out)
-    in_process = [s for s in ("parity", "bare", "role") if s in wanted]
+    in_process = [s for s in ("parity", "bare", "role", "offload") if s in wanted]
     if in_process and ARGS.tp == 1:
         hf = init_single_rank()
         run_in_process(hf, wanted)
@@ -483,7 +535,7 @@ def main() -> None:
 
 
 def run_in_process(hf: Any, wanted: list[str]) -> None:
-    for name, fn in (("parity", parity), ("bare", bare), ("role", role)):
+    for name, fn in (("parity", parity), ("bare", bare), ("role", role), ("offload", offload)):
         if name in wanted:
             section(name, ARGS.out)(fn)(hf)
             if ARGS.tp > 1 and "error" in RESULTS[name]:
