@@ -64,7 +64,11 @@ def restore_grads(chunks: list[torch.nn.Module]) -> None:
             buf.grad_data.zero_()
 
 
-def move_optimizer_state(optimizer: Any, device: torch.device) -> None:
+def move_optimizer_state(optimizer: Any, device: torch.device, model_params: set[int] | None = None) -> None:
+    """Move the optimizer's state (Adam moments) and the parameters it steps when they are its own
+    fp32 master copies (mixed precision); the model's own parameters (ids in `model_params`) stay
+    where they are: moving those is `param_offload`'s job."""
+    keep = model_params or set()
     opts = getattr(optimizer, "chained_optimizers", [optimizer])
     for o in opts:
         inner = getattr(o, "optimizer", None)
@@ -74,6 +78,10 @@ def move_optimizer_state(optimizer: Any, device: torch.device) -> None:
             for k, v in state.items():
                 if torch.is_tensor(v) and v.device != device:
                     state[k] = v.to(device, non_blocking=True)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if id(p) not in keep and p.device != device:
+                    p.data = p.data.to(device, non_blocking=True)
 
 
 class Offloader:
@@ -81,6 +89,7 @@ class Offloader:
 
     def __init__(self, chunks: list[torch.nn.Module], optimizer: Any, flags: RoleOffload) -> None:
         self.chunks, self.optimizer, self.flags = chunks, optimizer, flags
+        self._model_params = {id(p) for c in chunks for p in c.parameters()}
         self.enabled = flags.param_offload or flags.grad_offload or flags.optimizer_offload
         self.offloaded = False
         self.last_report: dict[str, float] = {}
@@ -93,7 +102,7 @@ class Offloader:
         if self.flags.grad_offload:
             free_grads(self.chunks)
         if self.flags.optimizer_offload and self.optimizer is not None:
-            move_optimizer_state(self.optimizer, cpu)
+            move_optimizer_state(self.optimizer, cpu, self._model_params)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -108,7 +117,7 @@ class Offloader:
         if self.flags.grad_offload:
             restore_grads(self.chunks)
         if self.flags.optimizer_offload and self.optimizer is not None:
-            move_optimizer_state(self.optimizer, dev)
+            move_optimizer_state(self.optimizer, dev, self._model_params)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.offloaded = False
