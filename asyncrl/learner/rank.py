@@ -204,7 +204,12 @@ class LearnerRank:
                 for _ in tensors:  # keep the TP peers' gathers going before failing
                     pass
                 raise CollectiveError(f"rank {self.rank}: no usable weight broadcast group (join_collective first)")
-            sent = send_stream(group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s, on_host_bucket=ray.put)
+            try:
+                sent = send_stream(group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s, on_host_bucket=ray.put)
+            except BaseException:
+                for _ in tensors:  # a failed broadcast: still finish the export the TP peers are gathering
+                    pass
+                raise
         return {"pp_rank": self.coords.pp, "buckets": sent.host_buckets, "digests": sent.digests, "bytes": sent.bytes,
                 "num_tensors": sent.num_tensors, "seconds": sent.seconds}
 
