@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from asyncrl.generator.deployment import ENGINE_DEPLOYMENT, ReplicaCallError
-from asyncrl.generator.weights import NamedTensors, as_cpu_tensor, tensor_fingerprint
+from asyncrl.generator.weights import NamedTensors, contiguous_tensor, tensor_fingerprint
 
 
 class ReplicaControlError(RuntimeError):
@@ -45,7 +45,7 @@ def _replica_error(err: BaseException) -> ReplicaCallError | None:
 def split_buckets(named_tensors: NamedTensors, bucket_bytes: int) -> list[dict[str, Any]]:
     """Group tensors (name order) into buckets of at most `bucket_bytes` (a bigger tensor goes alone)."""
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    tensors = sorted(((n, as_cpu_tensor(t)) for n, t in items), key=lambda kv: kv[0])
+    tensors = sorted(((n, contiguous_tensor(t)) for n, t in items), key=lambda kv: kv[0])
     buckets: list[dict[str, Any]] = []
     current: dict[str, Any] = {}
     size = 0

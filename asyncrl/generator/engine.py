@@ -331,22 +331,26 @@ class EngineReplica:
             if _is_object_ref(named_tensors):  # a bucket handle that travelled nested, unresolved
                 named_tensors = await named_tensors
             try:
-                staged = 0
                 if isinstance(named_tensors, CollectiveReceive):
                     staged = await self._receive_collective(named_tensors)
-                    named_tensors = ()
-                async for shared, owned in _as_shared(named_tensors):
-                    try:
-                        path, metas = shared.wire()
-                        (staged, *_) = await self.llm.collective_rpc("asyncrl_stage_file", args=(self._staging_version, path, metas))
-                    finally:
-                        if owned:  # written here; the workers hold their own mappings now
-                            shared.unlink()
+                else:
+                    staged = await self._stage_files(named_tensors)
             except Exception as err:
                 await self._drop_staged()
                 raise WeightUpdateError(f"replica {self.replica_id}: staging failed: {err}") from err
             self._staged_tensors = staged
             return {"replica_id": self.replica_id, "staged_tensors": staged}
+
+    async def _stage_files(self, named_tensors: Any) -> int:
+        staged = 0
+        async for shared, owned in _as_shared(named_tensors):
+            try:
+                path, metas = shared.wire()
+                (staged, *_) = await self.llm.collective_rpc("asyncrl_stage_file", args=(self._staging_version, path, metas))
+            finally:
+                if owned:  # written here; the workers hold their own mappings now
+                    shared.unlink()
+        return staged
 
     async def _receive_collective(self, receive: CollectiveReceive) -> int:
         if receive.version != self._staging_version:

@@ -35,13 +35,13 @@ SAMPLE_WINDOW = 4096
 SAMPLE_WINDOWS = 32
 
 
-def as_cpu_tensor(value: Any) -> torch.Tensor:
-    """A contiguous CPU torch tensor from a torch tensor or numpy array."""
+def contiguous_tensor(value: Any, device: torch.device | str | None = None) -> torch.Tensor:
+    """A contiguous torch tensor from a torch tensor or numpy array, on CPU (or `device`)."""
     if isinstance(value, np.ndarray):
         value = torch.from_numpy(np.ascontiguousarray(value))
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
-    return value.detach().to("cpu").contiguous()
+    return value.detach().to(device or "cpu").contiguous()
 
 
 def _items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
@@ -50,7 +50,7 @@ def _items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     for name, value in pairs:
         if not isinstance(name, str) or not name:
             raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
-        out.append((name, as_cpu_tensor(value)))
+        out.append((name, contiguous_tensor(value)))
     return out
 
 
@@ -77,7 +77,7 @@ def tensor_digest(name: str, tensor: Any, mode: VerifyMode = "full") -> bytes:
     if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
         t = tensor.detach()
     else:
-        t = as_cpu_tensor(tensor)
+        t = contiguous_tensor(tensor)
     h = hashlib.sha256()
     h.update(name.encode() + b"\0" + str(t.dtype).encode() + b"\0" + repr(tuple(t.shape)).encode() + b"\0")
     if mode == "off":

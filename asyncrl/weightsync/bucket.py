@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from asyncrl.generator.weights import contiguous_tensor
+
 # Every tensor starts on a 64-byte boundary: `view(dtype)` needs the byte offset to be a
 # multiple of the element size, and 64 also keeps each tensor on its own cache line.
 ALIGN = 64
@@ -97,15 +99,6 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def _as_cpu(value: Any, device: torch.device | None = None) -> torch.Tensor:
-    """`value` as a contiguous tensor on `device` (CPU when None)."""
-    if isinstance(value, np.ndarray):
-        value = torch.from_numpy(np.ascontiguousarray(value))
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
-    return value.detach().to(device or "cpu").contiguous()
-
-
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
     # Through uint8 so dtypes numpy lacks (bfloat16, float8) copy bit-exactly.
     if t.numel() == 0:
@@ -158,7 +151,7 @@ def iter_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float,
         if name in seen:
             raise ValueError(f"tensor {name!r} appears twice in the stream")
         seen.add(name)
-        t = _as_cpu(value, device)
+        t = contiguous_tensor(value, device)
         size = _align(t.numel() * t.element_size())
         if pending and pending_bytes + size > cap:
             yield pack_bucket(pending, device)
