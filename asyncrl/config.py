@@ -320,6 +320,11 @@ class RootConfig(_Section):
                 f"buffer.batch_size={self.buffer.batch_size} must be a multiple of "
                 f"algorithm.group_size={self.algorithm.group_size} (GRPO groups stay whole)"
             )
+        if self.weightsync.transport == "nccl" and self.learner.num_gpus_per_rank <= 0:
+            raise ValueError(
+                "weightsync.transport='nccl' needs the learner on GPUs (learner.num_gpus_per_rank > 0); "
+                "use 'gloo' for the same broadcast path on CPU hosts"
+            )
         return self
 
 

@@ -53,6 +53,8 @@ def test_cross_section_rules():
         load_config({"learner": {"world_size": 2, "strategy_config": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}}})
     with pytest.raises(ConfigError, match="needs a critic"):
         load_config({"algorithm": {"name": "grpo", "advantage": "gae"}})
+    with pytest.raises(ConfigError, match=r"weightsync.transport='nccl' needs the learner on GPUs.*'gloo'"):
+        load_config({"weightsync": {"transport": "nccl"}})
 
 
 def test_algorithm_advantage_defaults_follow_algorithm():
