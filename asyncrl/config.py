@@ -208,13 +208,17 @@ class WeightsyncConfig(_Section):
 
     transport: Literal["auto", "object_store", "shm", "nccl", "gloo", "ipc"] = Field(
         "auto", description="auto: shm on a one-node Ray cluster; on several, nccl with a GPU learner, else object_store. "
-        "nccl / gloo broadcast from the learner's sending ranks straight into the engine workers; ipc is not built yet.")
+        "nccl / gloo broadcast from the learner's sending ranks straight into the engine workers; ipc hands them "
+        "handles to the sender's buffers instead (CUDA IPC on a GPU the learner and engines share, shared-memory files on CPU).")
     bucket_mb: float = Field(64.0, gt=0)
     verify: Literal["full", "sampled", "off"] = Field(
         "full", description="What the commit-time fingerprint covers: full = every byte (sha256), sampled = 32 windows "
         "of 4 KiB per tensor, off = names, dtypes and shapes only (asyncrl/generator/weights.py).")
     timeout_s: float = Field(120.0, gt=0)
     retries: int = Field(1, ge=0)
+    recovery_s: float = Field(
+        600.0, ge=0, description="A push that failed on the engine side (a replica died, is restarting) is tried again, "
+        "once the running replicas answer a health check, for up to this long before training stops with the error; 0 = stop at once.")
 
 
 class HybridConfig(_Section):

@@ -12,12 +12,17 @@ weights on its device, one GPU of its own) broadcasts into the engines' workers 
 the same buckets, already packed on the sender's device, broadcast over a group of the same
 shape to sink actors (engine and sink share a GPU: --gpus-per-engine 0.5).
 
+ipc (co-located: sender and engines on the same device, --gpus 0.5 puts both on one GPU): the
+sender publishes a CUDA IPC handle per bucket and every engine worker copies it device to
+device; raw is the same packed buckets opened by handle and copied once by each sink.
+
 Prints one JSON object per model and transport (sizes, seconds, GB/s, push/raw, breakdown).
 
   python benchmarks/weightsync.py                       # demo model + a random ~50M Qwen2
   python benchmarks/weightsync.py --models demo --replicas 2 --repeats 3 --transports shm --verify sampled
   python benchmarks/weightsync.py --models random50m --transports gloo,shm       # CPU, collective vs shm
   python benchmarks/weightsync.py --models random500m --replicas 1 --transports nccl,shm --gpus 1   # 2 GPUs
+  python benchmarks/weightsync.py --models random500m --replicas 1 --transports ipc,shm --gpus 0.5 --dtype bfloat16  # 1 GPU
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "artifacts" / "demo-model"
 
 
-TRANSPORTS = ("object_store", "shm", "gloo", "nccl")
+TRANSPORTS = ("object_store", "shm", "gloo", "nccl", "ipc")
+COLLECTIVE = ("gloo", "nccl", "ipc")
 
 
 class EngineActor:
@@ -96,6 +102,15 @@ class Sink:
             self.group.broadcast(torch.empty(n, dtype=torch.uint8, device=self.group.device), deadline)
         return len(sizes)
 
+    def receive_ipc(self, handles: list[tuple[dict, int]]) -> int:
+        """The ipc floor: open each bucket by its handle and copy it once into this process's memory."""
+        from asyncrl.weightsync.collective import _ipc_open
+
+        device = self.group.device
+        for handle, nbytes in handles:
+            _ipc_open(handle, [], nbytes, device)
+        return len(handles)
+
 
 class Sender:
     """The learner rank's part of a collective push: the weights on this actor's device."""
@@ -151,6 +166,14 @@ class Sender:
         self.raw_group = CollectiveGroup.join(GroupSpec(**spec), 0, self.device)
         self.packed = [b.buffer for b in iter_buckets(iter(self.weights.items()), bucket_mb, device=self.device)]
         return [int(b.numel()) for b in self.packed]
+
+    def raw_handles(self) -> list[tuple[dict, int]]:
+        """ipc floor: a handle per packed bucket (kept alive here until the next call)."""
+        from asyncrl.weightsync.bucket import Bucket
+        from asyncrl.weightsync.collective import _ipc_export
+
+        self.kept = [_ipc_export(Bucket(buffer=buf, metas=[])) for buf in self.packed]
+        return [(handle, int(buf.numel())) for (handle, _), buf in zip(self.kept, self.packed)]
 
     def raw_send(self) -> float:
         t = time.perf_counter()
@@ -227,8 +250,10 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
     actors = [engine.remote(str(path), f"engine-{i}") for i in range(replicas)]
     await asyncio.gather(*(a.start.remote() for a in actors))
     clients = [ActorReplica(a, f"engine-{i}") for i, a in enumerate(actors)]
-    collective = [k for k in transports if k in ("gloo", "nccl")]
-    sender = ray.remote(num_cpus=0.5, num_gpus=1 if gpus else 0)(Sender).remote(str(path)) if collective else None
+    collective = [k for k in transports if k in COLLECTIVE]
+    # nccl/gloo: the sender has a device of its own; ipc: it shares the engines' (fractional GPUs pack onto one).
+    sender_gpus = (gpus if "ipc" in collective else 1) if gpus else 0
+    sender = ray.remote(num_cpus=0.5, num_gpus=sender_gpus)(Sender).remote(str(path)) if collective else None
     runs, version = {}, 0
     for kind in transports:
         cfg = WeightsyncConfig(transport=kind, bucket_mb=bucket_mb, timeout_s=600, verify=verify)
@@ -286,7 +311,11 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
         raw[kind] = []
         for v in range(repeats + 1):
             t = time.perf_counter()
-            await asyncio.gather(sender.raw_send.remote(), *(s.receive.remote(sizes) for s in gpu_sinks))
+            if kind == "ipc":
+                handles = await sender.raw_handles.remote()
+                await asyncio.gather(*(s.receive_ipc.remote(handles) for s in gpu_sinks))
+            else:
+                await asyncio.gather(sender.raw_send.remote(), *(s.receive.remote(sizes) for s in gpu_sinks))
             if v:
                 raw[kind].append(time.perf_counter() - t)
 
@@ -307,7 +336,8 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
             "replicas": replicas, "gpus_per_engine": gpus, "bucket_mb": bucket_mb,
             "num_buckets": int(metrics[0]["weightsync/num_buckets"]), "repeats": repeats,
             "push_seconds": med(push), "push_gbps": nbytes / med(push) / 1e9,
-            "raw": "nccl/gloo broadcast of the packed buckets" if kind in collective else "ray.put + sinks",
+            "raw": {"ipc": "open each packed bucket by handle + one copy per sink"}.get(
+                kind, "nccl/gloo broadcast of the packed buckets") if kind in collective else "ray.put + sinks",
             "raw_seconds": med(floor), "raw_gbps": nbytes / med(floor) / 1e9, "push_over_raw": med(push) / med(floor),
             "breakdown_seconds": breakdown,
         })
@@ -331,6 +361,8 @@ def main() -> None:
         ap.error(f"--transports: unknown {sorted(unknown)}; choose from {', '.join(TRANSPORTS)}")
     if "nccl" in args.transports.split(",") and args.gpus <= 0:
         ap.error("--transports nccl needs --gpus > 0 (engines on GPUs; the sender takes a GPU of its own)")
+    if {"ipc", "nccl"} <= set(args.transports.split(",")):
+        ap.error("--transports: ipc (sender on the engines' GPU) and nccl (a GPU of its own) need separate runs")
 
     import ray
 

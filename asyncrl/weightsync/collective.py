@@ -1,6 +1,16 @@
-"""Collective transports: buckets broadcast from the sending learner ranks straight into the engine
+"""Collective transports: buckets go from the sending learner ranks straight into the engine
 workers' memory, over NCCL on GPUs (vLLM's `PyNcclCommunicator` on a `StatelessProcessGroup`) or
-gloo on CPU hosts (torch's `ProcessGroupGloo` on its own TCPStore), the same code either way.
+gloo on CPU hosts (torch's `ProcessGroupGloo` on its own TCPStore), the same code either way; or,
+with `ipc`, as handles to the sender's own buffer when sender and receivers share a device.
+
+`ipc` (co-located placement): no bytes travel over a wire. The sender packs a bucket on its
+device and publishes a handle to it in the group's TCPStore: a CUDA IPC handle (torch's
+`reduce_tensor`, keyed by the GPU's UUID so a receiver with another CUDA_VISIBLE_DEVICES order
+opens the same physical GPU) for a GPU bucket, a shared-memory file for a CPU bucket. Each
+receiver opens it, copies the bucket into its own memory (device to device), and acknowledges
+it in the store; the sender frees a bucket once every receiver acknowledged it and keeps at most
+`IPC_WINDOW` buckets published, so its extra memory stays about two buckets. A receiver that
+fails records why in the store and the sender stops at once instead of waiting out its deadline.
 
 Owns: the group description (`GroupSpec`: one group per sending rank, that rank is group rank 0
 and every engine worker of every replica a receiver), `CollectiveGroup` (join, broadcast with a
@@ -38,7 +48,8 @@ import torch
 
 from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets
 
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo", "nccl", "ipc")
+IPC_WINDOW = 2  # buckets an ipc sender keeps published (and alive) before waiting for acknowledgements
 # Header kinds (first int64 of a header): a bucket follows, the sender is done, the sender failed.
 _BUCKET, _END, _ABORT = 1, 2, 3
 
@@ -128,6 +139,8 @@ class CollectiveGroup:
     _stream: Any = None
     broken: bool = False
     _store: Any = field(default=None, repr=False)
+    _pushes: int = 0  # ipc: pushes started on this group (both ends count alike; keys carry it)
+    _leftover: list[str] = field(default_factory=list)  # ipc sender: the last push's keys, dropped at the next
 
     @classmethod
     def join(cls, spec: GroupSpec, rank: int, device: torch.device | str | None = None) -> "CollectiveGroup":
@@ -139,6 +152,8 @@ class CollectiveGroup:
                                   wait_for_workers=False)
             pg = dist.ProcessGroupGloo(dist.PrefixStore(spec.group_id + "/", store), rank, spec.world_size, timeout)
             return cls(spec, rank, torch.device("cpu"), _pg=pg, _store=store)
+        if spec.backend == "ipc":
+            return cls._join_ipc(spec, rank, device, timeout)
         if not torch.cuda.is_available():
             raise CollectiveError(f"group {spec.group_id}: backend nccl needs CUDA on every member (this one has none)")
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
@@ -156,6 +171,32 @@ class CollectiveGroup:
             stream = torch.cuda.Stream(device=dev)
         return cls(spec, rank, dev, _comm=comm, _stream=stream, _store=pg)
 
+    @classmethod
+    def _join_ipc(cls, spec: GroupSpec, rank: int, device: torch.device | str | None,
+                  timeout: datetime.timedelta) -> "CollectiveGroup":
+        """ipc: only the store (handles and acknowledgements travel through it); every member
+        checks in and waits for the others, so a missing member fails the join, not the push."""
+        import torch.distributed as dist
+
+        if device is not None:
+            dev = torch.device(device)
+        else:
+            dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        store = dist.TCPStore(spec.host, spec.port, spec.world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+        group = cls(spec, rank, dev, _store=store)
+        key = f"{spec.group_id}/joined"
+        store.add(key, 1)
+        deadline = time.monotonic() + spec.timeout_s
+        while store.add(key, 0) < spec.world_size:
+            if time.monotonic() > deadline:
+                group.close()
+                raise CollectiveError(f"group {spec.group_id}: only {store.add(key, 0)} of {spec.world_size} members "
+                                      f"joined within {spec.timeout_s}s")
+            time.sleep(0.002)
+        return group
+
     # ---- one broadcast from group rank 0 -------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, deadline: float) -> None:
         """Broadcast `tensor` from the sender into every member's `tensor` (same shape, dtype,
@@ -163,6 +204,8 @@ class CollectiveGroup:
         (and the group is broken) if that does not happen by `deadline` (time.monotonic())."""
         if self.broken:
             raise CollectiveError(f"group {self.spec.group_id} is broken (an earlier step failed); form a new one")
+        if self.spec.backend == "ipc":
+            raise CollectiveError(f"group {self.spec.group_id}: an ipc group passes handles (send_stream), it does not broadcast")
         try:
             if self._pg is not None:
                 import torch.distributed as dist
@@ -234,9 +277,9 @@ def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
     """The sender's loop for one push: bucket the stream on the tensors' device, broadcast each
     bucket, copy it to host (`on_host_bucket` may put it somewhere) and hash that copy. If the
     stream fails, the receivers are told (abort header) before the error propagates."""
-    from asyncrl.generator.weights import tensor_digest
-    from asyncrl.weightsync.bucket import unpack_bucket
-
+    if group.spec.backend == "ipc":
+        return _ipc_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s,
+                                on_host_bucket=on_host_bucket)
     deadline = time.monotonic() + timeout_s
     out = SendResult()
     buckets = iter_buckets(named_tensors, bucket_mb, device=group.device)
@@ -261,17 +304,8 @@ def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
         if bucket.nbytes:
             group.broadcast(bucket.buffer, deadline)
         out.seconds["broadcast"] += time.perf_counter() - t
-        t = time.perf_counter()
-        host = bucket.to_host()
+        _hash_host_copy(bucket, verify, out, on_host_bucket)
         del bucket
-        out.seconds["host_copy"] += time.perf_counter() - t
-        t = time.perf_counter()
-        for name, tensor in unpack_bucket(host):
-            out.digests[name] = tensor_digest(name, tensor, verify)
-        out.seconds["hash"] += time.perf_counter() - t
-        out.bytes += host.payload_bytes
-        out.num_tensors += len(host)
-        out.host_buckets.append(on_host_bucket(host) if on_host_bucket is not None else host)
     group.broadcast(_header(group, _END), deadline)
     return out
 
@@ -279,6 +313,9 @@ def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
 def receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[Bucket]:
     """The receiver's loop for one push on one group: yields each bucket (its buffer on this
     member's device) until the sender's end header. Raises SenderAborted on an abort header."""
+    if group.spec.backend == "ipc":
+        yield from _ipc_receive_stream(group, deadline)
+        return
     while True:
         header = torch.empty(3, dtype=torch.int64, device=group.device)
         group.broadcast(header, deadline)
@@ -298,3 +335,222 @@ def receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[Bucket]:
         if nbytes:
             group.broadcast(buffer, deadline)
         yield Bucket(buffer=buffer, metas=metas)
+
+
+# ---- ipc: handles to the sender's buffers, through the group's store -----------------------------
+
+
+def _hash_host_copy(bucket: Bucket, verify: str, out: SendResult, on_host_bucket: Callable[[Bucket], Any] | None) -> None:
+    from asyncrl.generator.weights import tensor_digest
+    from asyncrl.weightsync.bucket import unpack_bucket
+
+    t = time.perf_counter()
+    host = bucket.to_host()
+    out.seconds["host_copy"] += time.perf_counter() - t
+    t = time.perf_counter()
+    for name, tensor in unpack_bucket(host):
+        out.digests[name] = tensor_digest(name, tensor, verify)
+    out.seconds["hash"] += time.perf_counter() - t
+    out.bytes += host.payload_bytes
+    out.num_tensors += len(host)
+    out.host_buckets.append(on_host_bucket(host) if on_host_bucket is not None else host)
+
+
+def _gpu_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _ipc_export(bucket: Bucket) -> tuple[dict[str, Any], Any]:
+    """(what a receiver needs to open `bucket`, what the sender must keep until it is acknowledged)."""
+    from asyncrl.weightsync.bucket import write_shared
+
+    if isinstance(bucket.buffer, torch.Tensor) and bucket.buffer.is_cuda:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        _, args = reduce_tensor(bucket.buffer)
+        return {"kind": "cuda", "uuid": _gpu_uuid(bucket.buffer.device), "args": args}, bucket
+    shared = write_shared(bucket)
+    return {"kind": "file", "path": shared.path}, shared
+
+
+def _ipc_free(kept: Any) -> None:
+    from asyncrl.weightsync.bucket import SharedBucket
+
+    if isinstance(kept, SharedBucket):
+        kept.unlink()
+
+
+def _ipc_open(handle: dict[str, Any], metas: list[TensorMeta], nbytes: int, device: torch.device) -> Bucket:
+    """Open a published bucket and copy it into this member's memory on `device`."""
+    from asyncrl.weightsync.bucket import SharedBucket
+
+    if handle["kind"] == "file":
+        # Mapped copy-on-write: the mapping outlives the sender's unlink, so no copy is needed on a CPU member.
+        bucket = SharedBucket(handle["path"], metas, nbytes).open()
+        if device.type != "cpu":
+            return Bucket(buffer=torch.from_numpy(bucket.buffer).to(device), metas=metas)
+        return bucket
+    if handle["kind"] != "cuda":
+        raise CollectiveError(f"unknown ipc handle kind {handle['kind']!r}")
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    if not torch.cuda.is_available():
+        raise CollectiveError("an ipc sender published a CUDA bucket but this member has no CUDA device")
+    local = [i for i in range(torch.cuda.device_count()) if _gpu_uuid(torch.device("cuda", i)) == handle["uuid"]]
+    if not local:
+        raise CollectiveError(f"the ipc sender's GPU {handle['uuid']} is not visible here "
+                              "(ipc needs the learner's sending rank and the engine workers on the same GPU)")
+    args = list(handle["args"])
+    args[6] = local[0]  # reduce_tensor's device index, in the sender's CUDA_VISIBLE_DEVICES numbering
+    target = device if device.type == "cuda" else torch.device("cuda", local[0])
+    with torch.cuda.device(local[0]):
+        shared = rebuild_cuda_tensor(*args)  # waits on the sender's event if it recorded one
+        own = torch.empty(nbytes, dtype=torch.uint8, device=target)
+        own.copy_(shared.view(torch.uint8).reshape(-1)[:nbytes])
+        torch.cuda.synchronize(local[0])  # the copy is complete before the sender may free its buffer
+        del shared
+    return Bucket(buffer=own, metas=metas)
+
+
+def _ipc_key(group: CollectiveGroup, what: str) -> str:
+    return f"{group.spec.group_id}/{group._pushes}/{what}"
+
+
+def _ipc_failed(group: CollectiveGroup, error: BaseException, report: str | None = None) -> CollectiveError:
+    """Break and close the group; a receiver first records `report` in the store for the sender."""
+    if report is not None and group._store is not None:
+        try:
+            group._store.set(_ipc_key(group, "failed"), f"rank {group.rank}: {report}"[:2000])
+        except Exception:  # the store (the sender's process) may be gone
+            pass
+    group.broken = True
+    group.close()
+    if isinstance(error, CollectiveError):
+        return error
+    return CollectiveError(f"group {group.spec.group_id} rank {group.rank}: ipc step failed: {type(error).__name__}: {error}")
+
+
+def _ipc_wait_acks(group: CollectiveGroup, k: int, deadline: float) -> None:
+    store, want = group._store, group.spec.world_size - 1
+    ack, failed = _ipc_key(group, f"a{k}"), _ipc_key(group, "failed")
+    while store.add(ack, 0) < want:
+        if store.check([failed]):
+            raise CollectiveError(f"group {group.spec.group_id}: a receiver failed: {store.get(failed).decode(errors='replace')}")
+        if time.monotonic() > deadline:
+            raise CollectiveError(f"group {group.spec.group_id}: bucket {k} acknowledged by {store.add(ack, 0)} of "
+                                  f"{want} receivers by the deadline")
+        time.sleep(0.0005)
+
+
+def _ipc_retire(group: CollectiveGroup, k: int, kept: Any) -> None:
+    """Bucket `k` is acknowledged by every receiver: free it and drop its keys (the store stays small)."""
+    _ipc_free(kept)
+    for what in (f"b{k}", f"a{k}"):
+        group._store.delete_key(_ipc_key(group, what))
+
+
+def _ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
+                     verify: str, timeout_s: float, on_host_bucket: Callable[[Bucket], Any] | None) -> SendResult:
+    import pickle
+    from collections import deque
+
+    if group.broken or group._store is None:
+        raise CollectiveError(f"group {group.spec.group_id} is broken (an earlier step failed); form a new one")
+    store, deadline, out = group._store, time.monotonic() + timeout_s, SendResult()
+    for key in group._leftover:  # the last push's end marker: every receiver has read it by now
+        store.delete_key(key)
+    group._pushes += 1
+    group._leftover = [_ipc_key(group, w) for w in ("aborted", "failed")]
+    published: deque[tuple[int, Any]] = deque()
+    k, export_failed = 0, False
+    try:
+        buckets = iter_buckets(named_tensors, bucket_mb, device=group.device)
+        while True:
+            t = time.perf_counter()
+            try:
+                bucket = next(buckets)
+            except StopIteration:
+                break
+            except BaseException:
+                export_failed = True
+                raise
+            out.seconds["pack"] += time.perf_counter() - t
+            t = time.perf_counter()
+            while len(published) >= IPC_WINDOW:
+                done, kept = published.popleft()
+                _ipc_wait_acks(group, done, deadline)
+                _ipc_retire(group, done, kept)
+            handle, kept = _ipc_export(bucket)
+            store.set(_ipc_key(group, f"b{k}"), pickle.dumps({"kind": _BUCKET, "handle": handle, "nbytes": bucket.nbytes,
+                                                                "metas": _encode_metas(bucket.metas)}))
+            published.append((k, kept))
+            out.seconds["broadcast"] += time.perf_counter() - t
+            _hash_host_copy(bucket, verify, out, on_host_bucket)  # overlaps the receivers' copies
+            del bucket
+            k += 1
+        store.set(_ipc_key(group, f"b{k}"), pickle.dumps({"kind": _END}))
+        group._leftover.append(_ipc_key(group, f"b{k}"))
+        t = time.perf_counter()
+        while published:
+            done, kept = published.popleft()
+            _ipc_wait_acks(group, done, deadline)
+            _ipc_retire(group, done, kept)
+        out.seconds["broadcast"] += time.perf_counter() - t
+    except BaseException as err:
+        try:  # receivers stop at once instead of at their deadline (before any handle they may hold is freed)
+            store.set(_ipc_key(group, "aborted"), b"1")
+            store.set(_ipc_key(group, f"b{k}"), pickle.dumps({"kind": _ABORT}))
+        except Exception:
+            pass
+        for _, kept in published:
+            _ipc_free(kept)
+        group._leftover += [_ipc_key(group, f"{w}{j}") for j in range(k + 1) for w in "ba"]
+        if export_failed or not isinstance(err, Exception):
+            raise  # the protocol stayed in step (receivers read the abort): the group carries the next push
+        # The channel failed (a receiver failed or missed the deadline): broken, but the store this
+        # rank hosts stays up until the group is left, so the other receivers can still read the abort.
+        group.broken = True
+        if isinstance(err, CollectiveError):
+            raise
+        raise CollectiveError(f"group {group.spec.group_id} rank 0: ipc send failed: {type(err).__name__}: {err}") from err
+    finally:
+        if group.device.type == "cuda":
+            torch.cuda.ipc_collect()
+    return out
+
+
+def _ipc_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[Bucket]:
+    import pickle
+
+    if group.broken or group._store is None:
+        raise CollectiveError(f"group {group.spec.group_id} is broken (an earlier step failed); form a new one")
+    store = group._store
+    group._pushes += 1
+    k, failure = 0, None
+    try:
+        while True:
+            key = _ipc_key(group, f"b{k}")
+            store.wait([key], datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            record = pickle.loads(store.get(key))
+            if record["kind"] == _END:
+                return
+            if record["kind"] == _ABORT:  # the sender knows; this group stays usable for the next push
+                raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
+            try:
+                bucket = _ipc_open(record["handle"], _decode_metas(record["metas"]), int(record["nbytes"]), group.device)
+            except Exception:
+                if store.check([_ipc_key(group, "aborted")]):  # freed by the sender's abort, not broken
+                    raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push") from None
+                raise
+            store.add(_ipc_key(group, f"a{k}"), 1)
+            yield bucket
+            k += 1
+    except SenderAborted:
+        raise
+    except Exception as err:
+        failure = f"{type(err).__name__}: {err}"
+        raise _ipc_failed(group, err, report=failure) from err
+    except BaseException:  # the consumer stopped reading mid-push (its staging failed) or was interrupted
+        failure = f"stopped reading at bucket {k}"
+        _ipc_failed(group, CollectiveError(failure), report=failure)
+        raise

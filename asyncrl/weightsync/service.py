@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -71,6 +72,7 @@ class WeightPublisher:
         self.store: Any = None
         self.service: Any = None
         self.link: CollectiveLink | None = None  # collective transports only
+        self.recoveries_total = 0
 
     async def start(self, initial_version: int = 0) -> None:
         """Create (or attach to) the store and registry actors, and keep a host copy of the
@@ -114,9 +116,48 @@ class WeightPublisher:
 
     async def publish(self, version: int) -> dict[str, float]:
         """Push the learner's current weights as `version`; returns the push metrics.
-        Raises `WeightsyncError` (nothing published, engines on the previous version) on failure."""
+
+        A push that failed on the engine side (a replica's engine died; Serve replaces it) is
+        pushed again once every running replica passes a health check, until
+        `weightsync.recovery_s` runs out; the learner's weights have not changed, so it is the
+        same version. Raises `WeightsyncError` (nothing published, engines on the previous
+        version) when the export itself failed or recovery ran out."""
         if self.publisher is None:
             raise RuntimeError("WeightPublisher.start() was not called")
+        from asyncrl.weightsync.push import Step, WeightsyncError
+
+        deadline = time.monotonic() + self.cfg.recovery_s
+        recoveries = 0
+        while True:
+            try:
+                metrics = await self._publish_once(version)
+                metrics["weightsync/recoveries"] = float(recoveries)
+                self.recoveries_total += recoveries
+                metrics["weightsync/recoveries_total"] = float(self.recoveries_total)
+                return metrics
+            except WeightsyncError as err:
+                if err.step is Step.EXPORT or time.monotonic() >= deadline:
+                    raise
+                recoveries += 1
+                log.warning("weightsync: push of version %d failed (%s); pushing again once the engine replicas "
+                            "are healthy (%.0f s of recovery left)", version, err, deadline - time.monotonic())
+                await self._wait_healthy(deadline)
+
+    async def _wait_healthy(self, deadline: float) -> None:
+        """Until every running replica passes its health check (Serve has replaced a dead one), or the deadline."""
+        delay = 1.0
+        while True:
+            try:
+                await self.replicas.control.call("check_health", timeout_s=max(1.0, min(self.cfg.timeout_s, deadline - time.monotonic())))
+                return
+            except Exception as err:  # a dead or starting replica: wait for Serve to settle
+                if time.monotonic() + delay >= deadline:
+                    return  # the next attempt fails (or succeeds) and reports it
+                log.info("weightsync: engine replicas not healthy yet (%s)", err)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 10.0)
+
+    async def _publish_once(self, version: int) -> dict[str, float]:
         if self.link is not None:
             result = await self.publisher.publish_streamed(
                 version, self.link.send, self.link.payload, [self.replicas], prepare=self.link.ensure)

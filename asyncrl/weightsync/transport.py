@@ -11,16 +11,17 @@ numpy view; the replica then writes it once into a shared file for its workers),
 file under /dev/shm and every replica's workers map that same file, so a replica copies
 nothing) and `LocalTransport` (in-process replicas; tests and single-process tools).
 
-`CollectiveTransport` (nccl on GPUs, gloo on CPU hosts): the sending learner ranks broadcast
-each bucket straight into the engine workers' memory (collective.py; `Publisher.publish_streamed`
-drives it). Its handles are the senders' host copies in the object store, so restores, retries
-and late joiners go the object-store way.
+`CollectiveTransport` (nccl on GPUs, gloo on CPU hosts, ipc on a shared device): the sending
+learner ranks move each bucket straight into the engine workers' memory (collective.py;
+`Publisher.publish_streamed` drives it): by broadcast, or with ipc as a handle to the sender's
+own buffer (CUDA IPC, or a shared-memory file for a CPU bucket) that each worker copies. Its
+handles are the senders' host copies in the object store, so restores, retries and late joiners
+go the object-store way.
 
-Not implemented, on purpose (no stubs): CUDA IPC (co-located placement is not built). vLLM's
-own `vllm.distributed.weight_transfer` engines apply weights as they arrive in
+vLLM's own `vllm.distributed.weight_transfer` engines apply weights as they arrive in
 `receive_weights`, so they cannot stage-then-commit atomically with a fingerprint check; the
-collective transport uses vLLM's PyNccl communicator underneath instead. Asking for ipc raises
-`TransportUnavailable`.
+collective transport uses the same mechanisms underneath instead (vLLM's PyNccl communicator;
+torch's CUDA IPC handles keyed by GPU UUID, as vLLM's IPC engine does).
 
 Must never: decide ordering or retries (push.py does), or look inside a bucket.
 """
@@ -182,10 +183,7 @@ def single_host() -> bool:
 def select_transport(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: bool = False) -> Transport:
     """`auto` -> shm on a one-node Ray cluster; on several, nccl when the learner is on GPUs
     (`on_gpu`: its ranks hold GPUs, whatever this process sees) and object_store on CPU hosts;
-    ipc when hybrid.
-
-    ipc is not built: asking for it, or hybrid placement, raises `TransportUnavailable` naming
-    the value rather than silently taking another path.
+    ipc when hybrid (learner and engines share devices).
     """
     kind = config.transport
     if kind == "auto":
@@ -197,9 +195,9 @@ def select_transport(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: 
     if kind == "nccl" and not on_gpu:
         raise TransportUnavailable("weightsync.transport='nccl' needs the learner on GPUs (learner.num_gpus_per_rank > 0); "
                                    "use 'gloo' for the same broadcast path on CPU hosts")
-    if kind in ("nccl", "gloo"):
+    if kind in ("nccl", "gloo", "ipc"):
         return CollectiveTransport(kind, get_timeout_s=config.timeout_s)
     raise TransportUnavailable(
         f"weightsync.transport={config.transport!r} resolves to {kind!r} (on_gpu={on_gpu}, hybrid={hybrid}), "
-        "which is not implemented in this build; use transport='nccl' (GPUs), 'gloo', 'shm' (one host) or 'object_store'"
+        "which is not implemented in this build; use transport='nccl' (GPUs), 'ipc' (shared devices), 'gloo', 'shm' (one host) or 'object_store'"
     )

@@ -1,6 +1,7 @@
-"""The collective transport's wire protocol and its push path, over real gloo groups (one rank per
-thread; the NCCL backend runs the same code on GPUs: tests/learner/test_gpu_learner.py and
-benchmarks/weightsync.py --transports nccl)."""
+"""The collective transport's wire protocol and its push path, over real gloo groups and real ipc
+groups (TCPStore + shared-memory handles; one rank per thread). The NCCL backend and ipc's CUDA
+handles run the same code on GPUs: tests/weightsync/test_collective_gpu.py and
+benchmarks/weightsync.py --transports nccl,ipc."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from asyncrl.config import WeightsyncConfig
 from asyncrl.generator.weights import combine_digests, tensor_fingerprint
 from asyncrl.generator.worker_ext import WeightUpdateExtension
 from asyncrl.types import WeightUpdateState as S
-from asyncrl.weightsync.bucket import unpack_bucket
+from asyncrl.weightsync.bucket import FILE_PREFIX, shared_dir, unpack_bucket
 from asyncrl.weightsync.collective import (
-    CollectiveError, CollectiveGroup, CollectiveReceive, GroupSpec, SenderAborted, form_specs, free_port, receive_stream,
-    send_stream,
+    IPC_WINDOW, CollectiveError, CollectiveGroup, CollectiveReceive, GroupSpec, SenderAborted, form_specs, free_port,
+    receive_stream, send_stream,
 )
 from asyncrl.weightsync.push import Publisher, StreamedSend, Step, WeightsyncError
 from asyncrl.weightsync.transport import LocalTransport
@@ -30,8 +31,11 @@ from .fakes import FakeReplica, model
 BUCKET_MB = 8192 / (1 << 20)  # two 4 KiB tensors per bucket -> 3 buckets for 5 tensors
 
 
-def _spec(receivers=2, timeout_s=20.0, gid="g") -> GroupSpec:
-    (spec,) = form_specs("gloo", [("127.0.0.1", free_port("127.0.0.1"))], {"rep": receivers},
+BACKENDS = pytest.mark.parametrize("backend", ["gloo", "ipc"])
+
+
+def _spec(receivers=2, timeout_s=20.0, gid="g", backend="gloo") -> GroupSpec:
+    (spec,) = form_specs(backend, [("127.0.0.1", free_port("127.0.0.1"))], {"rep": receivers},
                          timeout_s=timeout_s, group_prefix=gid)
     return spec
 
@@ -57,8 +61,9 @@ def test_form_specs_gives_each_replica_a_rank_block_in_id_order():
         GroupSpec("g", "mpi", "h", 1, 2, {"a": 1})
 
 
-def test_every_receiver_gets_every_bucket_bit_exact_and_the_sender_keeps_host_copies():
-    spec = _spec(receivers=2)
+@BACKENDS
+def test_every_receiver_gets_every_bucket_bit_exact_and_the_sender_keeps_host_copies(backend):
+    spec = _spec(receivers=2, backend=backend)
     sender, *receivers = _join_all(spec)
     weights = model(3)
     weights["bf16"] = torch.randn(7, 5).to(torch.bfloat16)
@@ -89,8 +94,9 @@ def test_every_receiver_gets_every_bucket_bit_exact_and_the_sender_keeps_host_co
         g.close()
 
 
-def test_a_failing_export_aborts_the_receivers_at_once():
-    spec = _spec(receivers=1, timeout_s=60.0)
+@BACKENDS
+def test_a_failing_export_aborts_the_receivers_at_once(backend):
+    spec = _spec(receivers=1, timeout_s=60.0, backend=backend)
     sender, receiver = _join_all(spec)
 
     def failing():
@@ -118,15 +124,89 @@ def test_a_failing_export_aborts_the_receivers_at_once():
     assert time.monotonic() - t0 < 30  # told, not left to its 60 s deadline
 
 
-def test_a_receiver_whose_sender_never_sends_times_out_and_the_group_is_broken():
-    spec = _spec(receivers=1, timeout_s=10.0)
+@BACKENDS
+def test_a_receiver_whose_sender_never_sends_times_out_and_the_group_is_broken(backend):
+    spec = _spec(receivers=1, timeout_s=10.0, backend=backend)
     sender, receiver = _join_all(spec)
-    with pytest.raises(CollectiveError, match="broadcast"):
+    with pytest.raises(CollectiveError, match="broadcast" if backend == "gloo" else "ipc step failed"):
         next(receive_stream(receiver, time.monotonic() + 0.5))
     assert receiver.broken
     with pytest.raises(CollectiveError, match="broken"):
         next(receive_stream(receiver, time.monotonic() + 5))
     sender.close()
+
+
+def _bucket_files() -> set[str]:
+    import os
+
+    d = shared_dir(0)
+    return {f for f in os.listdir(d) if f.startswith(FILE_PREFIX)}
+
+
+def test_an_ipc_sender_keeps_at_most_its_window_published_and_frees_every_bucket():
+    """Extra memory stays about IPC_WINDOW buckets: the sender waits for acknowledgements before
+    publishing more, and nothing it published outlives the push."""
+    spec = _spec(receivers=1, backend="ipc")
+    sender, receiver = _join_all(spec)
+    before = _bucket_files()
+    weights = {f"t{i}": torch.full((1024,), float(i)) for i in range(8)}  # 4 KiB each -> 4 buckets of 8 KiB
+    seen: list[int] = []
+    got: dict[str, torch.Tensor] = {}
+
+    def receive():
+        for bucket in receive_stream(receiver, time.monotonic() + 20):
+            time.sleep(0.2)  # a slow receiver: the sender must wait, not run ahead
+            seen.append(len(_bucket_files() - before))
+            got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
+
+    keys = []
+    for _ in range(2):  # two pushes on the same group
+        seen.clear()
+        th = threading.Thread(target=receive)
+        th.start()
+        sent = send_stream(sender, iter(weights.items()), BUCKET_MB, verify="full", timeout_s=20)
+        th.join(30)
+        assert len(sent.host_buckets) == 4 and len(seen) == 4
+        assert max(seen) <= IPC_WINDOW  # never more than the window alive at once
+        assert _bucket_files() - before == set()  # every published bucket freed
+        assert all(torch.equal(got[k], weights[k]) for k in weights)
+        keys.append(sender._store.num_keys())
+    assert keys[0] == keys[1] <= 4  # the store does not grow with pushes (buckets' keys are dropped)
+    for g in (sender, receiver):
+        g.close()
+
+
+def test_an_ipc_receiver_that_stops_mid_push_fails_the_sender_at_once():
+    spec = _spec(receivers=2, timeout_s=60.0, backend="ipc")
+    sender, good, bad = _join_all(spec)
+    weights = {f"t{i}": torch.ones(1024) for i in range(16)}  # 8 buckets: the window stops the sender at the 4th
+
+    def drain(group, fail):
+        try:
+            for i, _ in enumerate(receive_stream(group, time.monotonic() + 60)):
+                if fail and i == 1:
+                    raise ValueError("staging failed")
+        except Exception as exc:
+            return exc
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(drain, good, False), pool.submit(drain, bad, True)]
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveError, match="a receiver failed: rank 2: stopped reading at bucket 1"):
+            send_stream(sender, iter(weights.items()), BUCKET_MB, verify="off", timeout_s=60)
+        assert time.monotonic() - t0 < 30  # told through the store, not left to its 60 s deadline
+        good_error, bad_error = (f.result(30) for f in futures)
+    assert isinstance(bad_error, ValueError) and isinstance(good_error, SenderAborted)
+    assert sender.broken and bad.broken
+
+
+def test_an_ipc_join_without_every_member_fails_by_count():
+    spec = _spec(receivers=2, timeout_s=1.0, backend="ipc")
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(CollectiveGroup.join, spec, r) for r in (0, 1)]
+        for f in futures:
+            with pytest.raises(CollectiveError, match="of 3 members joined"):
+                f.result(30)
 
 
 # ---- the publisher's streamed path, with replicas that receive over a real gloo group -------------

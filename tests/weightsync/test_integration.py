@@ -350,11 +350,14 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
 
 
 
-async def test_tp2_learner_broadcasts_into_both_engines_over_gloo(engines, demo_model_path):
-    """The collective transport end to end: the TP=2 learner's sending rank joins one gloo group
-    with both engines' workers and broadcasts each bucket into them; both engines then decode
-    what transformers decodes with the pushed weights (the sender's host copies), tagged with the
-    new version. A second push after another update reuses the group."""
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, demo_model_path, backend):
+    """The collective transports end to end: the TP=2 learner's sending rank joins one group with
+    both engines' workers and broadcasts each bucket into them (gloo), or publishes a handle to
+    each bucket that every worker process opens and copies (ipc: shared-memory files on CPU, the
+    same protocol as CUDA IPC on a GPU). Both engines then decode what transformers decodes with
+    the pushed weights (the sender's host copies), tagged with the new version. A second push
+    after another update reuses the group."""
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, WeightsyncConfig
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.weightsync.bucket import iter_unpacked
@@ -365,7 +368,7 @@ async def test_tp2_learner_broadcasts_into_both_engines_over_gloo(engines, demo_
     from tests.learner._data import advantages, make_samples
 
     start = (await engines[0].greedy.remote([[1, 2, 3]]))[0][1][0]
-    cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, timeout_s=120)
+    cfg = WeightsyncConfig(transport=backend, bucket_mb=0.25, timeout_s=120)
     transport = select_transport(cfg)
     group = LearnerGroup("actor", ModelConfig(path=str(demo_model_path)),
                          LearnerConfig(world_size=2, strategy_config={"tensor_model_parallel_size": 2}, lr=1e-3,
@@ -380,7 +383,7 @@ async def test_tp2_learner_broadcasts_into_both_engines_over_gloo(engines, demo_
     async def join(wire):
         return await asyncio.gather(*(h.join_collective.remote(wire, cfg.timeout_s) for h in engines))
 
-    link = CollectiveLink("gloo", group, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
+    link = CollectiveLink(backend, group, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
     pub = Publisher(cfg, transport=transport)
     replicas = [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)]
     try:
@@ -390,7 +393,7 @@ async def test_tp2_learner_broadcasts_into_both_engines_over_gloo(engines, demo_
             await group.update_actor(samples, advantages(samples), old)
             result = await pub.publish_streamed(start + step, link.send, link.payload, replicas, prepare=link.ensure)
             m = result.metrics
-            assert m["weightsync/transport/gloo/bytes"] > 0 and m["weightsync/num_buckets"] > 1
+            assert m[f"weightsync/transport/{backend}/bytes"] > 0 and m["weightsync/num_buckets"] > 1
             assert m["weightsync/sender/broadcast_seconds"] > 0
             assert link.formed == 1 and link.members == {"engine-0": 1, "engine-1": 1}
             pushed = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in pub._host.handles)}

@@ -193,12 +193,12 @@ def test_preserve_rng_state_restores_the_stream():
     assert torch.equal(torch.rand(3), expected)
 
 
-@pytest.mark.parametrize("kind, on_gpu, hybrid, resolved", [("auto", True, True, "ipc"), ("ipc", True, True, "ipc")])
-def test_unbuilt_transports_are_refused_by_name(kind, on_gpu, hybrid, resolved):
-    from asyncrl.weightsync.transport import TransportUnavailable, select_transport
+@pytest.mark.parametrize("kind, hybrid", [("auto", True), ("ipc", False)])
+def test_ipc_is_chosen_for_shared_devices_and_streams_like_the_collectives(kind, hybrid, ray_session):
+    from asyncrl.weightsync.transport import CollectiveTransport, select_transport
 
-    with pytest.raises(TransportUnavailable, match=f"resolves to '{resolved}'"):
-        select_transport(WeightsyncConfig(transport=kind), on_gpu=on_gpu, hybrid=hybrid)
+    transport = select_transport(WeightsyncConfig(transport=kind), on_gpu=True, hybrid=hybrid)
+    assert isinstance(transport, CollectiveTransport) and transport.name == "ipc" and transport.streamed
 
 
 def test_nccl_with_a_cpu_learner_is_refused_with_the_way_out():
@@ -290,3 +290,54 @@ async def test_publish_handles_refuses_a_tensor_in_two_buckets_and_registers_not
     with pytest.raises(ValueError, match="appears twice"):
         await pub.publish_handles(1, handles, replicas)
     assert pub.registry.in_flight is None and pub.registry.live_version == 0 and log == []
+
+
+class _FlakyControl:
+    """EngineControl's `call`, failing the health check `unhealthy` times (a replica being replaced)."""
+
+    def __init__(self, unhealthy: int) -> None:
+        self.unhealthy, self.calls = unhealthy, []
+
+    async def call(self, method, *args, timeout_s=None):
+        self.calls.append(method)
+        if method == "check_health" and self.unhealthy:
+            self.unhealthy -= 1
+            raise RuntimeError("replica abc: engine is dead")
+        return {"r0": None}
+
+
+def _recovering_publisher(failures, recovery_s=30.0, unhealthy=1):
+    """A WeightPublisher whose pushes fail with `failures` (one per attempt) before one succeeds."""
+    from asyncrl.weightsync.service import WeightPublisher
+
+    wp = WeightPublisher.__new__(WeightPublisher)
+    wp.cfg = WeightsyncConfig(recovery_s=recovery_s, timeout_s=5)
+    wp.publisher, wp.recoveries_total = object(), 0
+    wp.replicas = type("R", (), {"control": _FlakyControl(unhealthy)})()
+    attempts = []
+
+    async def once(version):
+        attempts.append(version)
+        if len(attempts) <= len(failures):
+            step = failures[len(attempts) - 1]
+            raise WeightsyncError(f"push {version} failed at {step.value}", version=version, step=step, replicas=["engines"])
+        return {"weightsync/push_seconds": 0.1}
+
+    wp._publish_once = once
+    return wp, attempts
+
+
+async def test_a_push_that_failed_on_a_replica_is_pushed_again_once_the_replicas_are_healthy():
+    wp, attempts = _recovering_publisher([Step.PAUSE, Step.LOAD], unhealthy=1)
+    metrics = await wp.publish(7)
+    assert attempts == [7, 7, 7] and metrics["weightsync/recoveries"] == 2 and metrics["weightsync/recoveries_total"] == 2
+    # The first wait found a replica still dead and waited for it; the second found all healthy.
+    assert wp.replicas.control.calls == ["check_health", "check_health", "check_health"]
+
+
+@pytest.mark.parametrize("failures, recovery_s", [([Step.EXPORT], 30.0), ([Step.LOAD], 0.0)])
+async def test_an_export_failure_or_no_recovery_time_stops_at_the_first_failed_push(failures, recovery_s):
+    wp, attempts = _recovering_publisher(failures, recovery_s=recovery_s)
+    with pytest.raises(WeightsyncError, match=f"failed at {failures[0].value}"):
+        await wp.publish(3)
+    assert attempts == [3] and wp.replicas.control.calls == []
