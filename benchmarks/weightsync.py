@@ -46,8 +46,10 @@ COLLECTIVE = ("gloo", "nccl", "ipc")
 
 
 class EngineActor:
-    def __init__(self, model_path: str, name: str) -> None:
+    def __init__(self, model_path: str, name: str, gpus: float = 0.0) -> None:
         self.model_path, self.name, self.replica = model_path, name, None
+        # On a GPU the engine keeps to its share, so a co-located sender (ipc) and sinks fit beside it.
+        self.engine_kwargs = {"gpu_memory_utilization": round(0.8 * gpus, 2)} if 0 < gpus < 1 else {}
 
     async def collective_info(self):
         return await self.replica.collective_info()
@@ -59,7 +61,8 @@ class EngineActor:
         from asyncrl.config import GeneratorConfig, ModelConfig
         from asyncrl.generator.engine import EngineReplica
 
-        self.replica = EngineReplica(ModelConfig(path=self.model_path), GeneratorConfig(), replica_id=self.name)
+        self.replica = EngineReplica(ModelConfig(path=self.model_path), GeneratorConfig(engine_kwargs=self.engine_kwargs),
+                                     replica_id=self.name)
         await self.replica.start()
 
     async def pause(self, mode):
@@ -225,7 +228,8 @@ def perturbed(base, seed):
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return {n: t + 1e-3 * torch.randn(t.shape, generator=g) for n, t in base.items()}
+    # In the model's dtype: a float32 noise tensor would promote bf16 weights and double the bytes.
+    return {n: t + 1e-3 * torch.randn(t.shape, generator=g, dtype=t.dtype) for n, t in base.items()}
 
 
 async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket_mb: float,
@@ -247,12 +251,14 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
     base = load_hf_tensors(str(path))
     params = sum(t.numel() for t in base.values())
     engine = ray.remote(num_cpus=0.5, num_gpus=gpus)(EngineActor)
-    actors = [engine.remote(str(path), f"engine-{i}") for i in range(replicas)]
+    actors = [engine.remote(str(path), f"engine-{i}", gpus) for i in range(replicas)]
     await asyncio.gather(*(a.start.remote() for a in actors))
     clients = [ActorReplica(a, f"engine-{i}") for i, a in enumerate(actors)]
     collective = [k for k in transports if k in COLLECTIVE]
-    # nccl/gloo: the sender has a device of its own; ipc: it shares the engines' (fractional GPUs pack onto one).
-    sender_gpus = (gpus if "ipc" in collective else 1) if gpus else 0
+    # nccl/gloo: the sender has a device of its own; ipc: it and the raw sinks share the engines' GPU
+    # (fractional GPUs pack onto one: --gpus 0.5 leaves 0.25 each for the sender and one sink).
+    shared = max(0.01, (1.0 - gpus) / 2) if gpus else 0
+    sender_gpus = (shared if "ipc" in collective else 1) if gpus else 0
     sender = ray.remote(num_cpus=0.5, num_gpus=sender_gpus)(Sender).remote(str(path)) if collective else None
     runs, version = {}, 0
     for kind in transports:
@@ -300,7 +306,8 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
                 await asyncio.gather(*(s.take.remote(ref) for s in sinks))
             if v:
                 raw["host"].append(time.perf_counter() - t)
-    gpu_sinks = [ray.remote(num_cpus=0.1, num_gpus=gpus)(Sink).remote() for _ in range(replicas)] if collective else []
+    sink_gpus = shared if "ipc" in collective else gpus
+    gpu_sinks = [ray.remote(num_cpus=0.1, num_gpus=sink_gpus)(Sink).remote() for _ in range(replicas)] if collective else []
     for kind in collective:
         (spec,) = form_specs(kind, [(ray.util.get_node_ip_address(), free_port())], {f"sink{i}": 1 for i in range(replicas)},
                              timeout_s=600, group_prefix=f"raw-{kind}")

@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
 def _member(rank: int, spec: dict, weights: dict, out: mp.Queue) -> None:
+    from asyncrl.generator.weights import tensor_fingerprint
     from asyncrl.weightsync.bucket import unpack_bucket
     from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec, receive_stream, send_stream
 
@@ -28,7 +29,9 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue) -> None:
             for bucket in receive_stream(group, time.monotonic() + 60):
                 assert bucket.buffer.is_cuda
                 got.update({n: t.cpu().clone() for n, t in unpack_bucket(bucket)})
-            out.put(("got", got))
+            # A fingerprint, not the tensors: torch shares CPU tensors put on a queue by file
+            # descriptor, which fails once this process has exited.
+            out.put(("got", sorted(got), tensor_fingerprint(got, "full")))
         group.close()
     except BaseException as exc:  # report, do not hang the parent
         out.put(("error", rank, f"{type(exc).__name__}: {exc}"))
@@ -54,14 +57,17 @@ def test_nccl_broadcast_moves_every_bucket_bit_exact_between_two_gpus():
         p.join(60)
     errors = [r for r in results if r[0] == "error"]
     assert not errors, errors
-    got = next(r[1] for r in results if r[0] == "got")
+    from asyncrl.generator.weights import tensor_fingerprint
+
+    _, names, fingerprint = next(r for r in results if r[0] == "got")
     sent = next(r for r in results if r[0] == "sent")
-    assert got.keys() == weights.keys() and all(torch.equal(got[n], weights[n]) for n in weights)
+    assert names == sorted(weights) and fingerprint == tensor_fingerprint(weights, "full")  # bit-exact
     assert sent[1] == sorted(weights) and sent[2] == sum(t.numel() * t.element_size() for t in weights.values())
     assert len(sent[3]) > 1  # several buckets went over the wire
 
 
 def _ipc_member(rank: int, spec: dict, weights: dict, out: mp.Queue) -> None:
+    from asyncrl.generator.weights import tensor_fingerprint
     from asyncrl.weightsync.bucket import unpack_bucket
     from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec, receive_stream, send_stream
 
@@ -76,7 +82,7 @@ def _ipc_member(rank: int, spec: dict, weights: dict, out: mp.Queue) -> None:
             for bucket in receive_stream(group, time.monotonic() + 60):
                 assert bucket.buffer.is_cuda
                 got.update({n: t.cpu().clone() for n, t in unpack_bucket(bucket)})
-            out.put(("got", rank, got))
+            out.put(("got", rank, sorted(got), tensor_fingerprint(got, "full")))
         group.close()
     except BaseException as exc:  # report, do not hang the parent
         out.put(("error", rank, f"{type(exc).__name__}: {exc}"))
@@ -103,10 +109,12 @@ def test_ipc_hands_every_bucket_bit_exact_to_processes_sharing_the_gpu():
         p.join(60)
     errors = [r for r in results if r[0] == "error"]
     assert not errors, errors
+    from asyncrl.generator.weights import tensor_fingerprint
+
     received = [r for r in results if r[0] == "got"]
     assert sorted(r[1] for r in received) == [1, 2]
-    for _, _, got in received:
-        assert got.keys() == weights.keys() and all(torch.equal(got[n], weights[n]) for n in weights)
+    for _, _, names, fingerprint in received:
+        assert names == sorted(weights) and fingerprint == tensor_fingerprint(weights, "full")  # bit-exact
     sent = next(r for r in results if r[0] == "sent")
     assert sent[1] == sorted(weights) and sent[2] == sum(t.numel() * t.element_size() for t in weights.values())
     assert len(sent[3]) > 2  # more buckets than the window: the sender waited for acknowledgements
