@@ -115,6 +115,9 @@ class AlgorithmConfig(_Section):
     clip_high: float = Field(0.2, ge=0)
     dual_clip: float | None = Field(None, gt=1)
     behavior_weight_cap: float | None = Field(5.0, gt=0, description="Decoupled PPO: tokens whose pi_prox/pi_behave exceeds it are masked.")
+    negative_advantage_weight: float = Field(
+        1.0, ge=0, le=1, description="Scale on negative advantages (1 = the estimator as is; 0 = only better-than-baseline "
+        "samples are reinforced). See asyncrl.algorithms.advantages.weight_negative_advantages.")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
     policy_loss: Literal["ppo", "gspo"] = "ppo"
     kl_coef: float = Field(0.0, ge=0)

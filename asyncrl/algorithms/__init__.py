@@ -13,6 +13,7 @@ from asyncrl.algorithms.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
     token_rewards_from_sequence,
+    weight_negative_advantages,
 )
 from asyncrl.algorithms.losses import (
     AggMode,
@@ -45,4 +46,5 @@ __all__ = [
     "rloo_advantages",
     "token_rewards_from_sequence",
     "value_loss",
+    "weight_negative_advantages",
 ]

@@ -22,6 +22,7 @@ __all__ = [
     "reinforce_pp_advantages",
     "rloo_advantages",
     "token_rewards_from_sequence",
+    "weight_negative_advantages",
 ]
 
 
@@ -72,6 +73,21 @@ def grpo_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-6, sc
 
 
 @torch.no_grad()
+def weight_negative_advantages(advantages: Tensor, weight: float) -> Tensor:
+    """Scale the negative advantages by `weight` in [0, 1]; positive and zero ones are unchanged.
+
+    1 is the estimator as it is. Below 1 the update pushes less on samples worse than their
+    baseline: 0 keeps only the better-than-baseline ones (positive-advantage / filtered
+    behaviour cloning), in between damps the "push down" half of the gradient, which can
+    destabilise a small policy (the demo: docs/BENCHMARKS.md)."""
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"negative advantage weight={weight} must lie in [0, 1]")
+    with torch.no_grad():
+        if weight == 1.0:
+            return advantages.detach().clone()
+        return torch.where(advantages < 0, advantages * weight, advantages).detach()
+
+
 def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """Leave-one-out advantage: A_i = r_i - (sum_{j in g, j != i} r_j) / (n_g - 1).
 

@@ -21,6 +21,7 @@ from asyncrl.algorithms import (
     reinforce_pp_advantages,
     rloo_advantages,
     token_rewards_from_sequence,
+    weight_negative_advantages,
 )
 from asyncrl.config import AlgorithmConfig
 from asyncrl.types import TrainBatch
@@ -97,6 +98,8 @@ def compute_advantages(
             vals = pad_per_token(values, lp.shape[1])[0]
             adv, ret = gae_advantages(token_rewards, vals, mask, gamma=algo.gamma, lam=algo.lam)
             returns = unpad_per_token(ret, lengths)
+    if algo.negative_advantage_weight != 1.0:
+        adv = weight_negative_advantages(adv, algo.negative_advantage_weight)
     metrics["train/advantage_abs_mean"] = float(adv[mask].abs().mean()) if mask.any() else 0.0
     metrics["train/response_length"] = sum(lengths) / max(len(lengths), 1)
     return unpad_per_token(adv, lengths), returns, metrics

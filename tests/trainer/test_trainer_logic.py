@@ -25,6 +25,17 @@ def _batch(rewards, groups, lengths):
     return TrainBatch(samples=samples, step=0, policy_version=0)
 
 
+@pytest.mark.parametrize("weight", [0.0, 0.25])
+def test_negative_advantages_are_scaled_by_the_configured_weight(weight):
+    batch = _batch([1.0, 0.0, 0.0, 1.0], [0, 0, 1, 1], [2, 1, 1, 3])
+    lp = [[-1.0] * n for n in (2, 1, 1, 3)]
+    plain, _, _ = compute_advantages(batch, AlgorithmConfig(group_size=2), lp, None, None)
+    weighted, _, _ = compute_advantages(batch, AlgorithmConfig(group_size=2, negative_advantage_weight=weight), lp, None, None)
+    assert plain[1][0] < 0 < plain[0][0]  # one better and one worse sample in each group
+    for p_row, w_row in zip(plain, weighted):
+        assert w_row == pytest.approx([a * weight if a < 0 else a for a in p_row])
+
+
 def test_grpo_advantages_are_broadcast_over_each_response():
     batch = _batch([1.0, 0.0, 1.0, 1.0], [0, 0, 1, 1], [2, 3, 1, 2])
     lp = [[-1.0] * n for n in (2, 3, 1, 2)]

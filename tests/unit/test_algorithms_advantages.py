@@ -15,6 +15,7 @@ from asyncrl.algorithms import (
     reinforce_pp_advantages,
     rloo_advantages,
     token_rewards_from_sequence,
+    weight_negative_advantages,
 )
 
 DTYPES = [torch.float32, torch.float64]
@@ -209,3 +210,14 @@ def test_masked_mean_and_whiten_helpers():
     # [1, 2, 3]: mean 2, unbiased var 1 -> [-1, 0, 1] (eps 1e-8 is below tolerance)
     close(masked_whiten(v, m), [[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
     assert torch.equal(masked_whiten(v, torch.zeros_like(m)), torch.zeros_like(v))
+
+
+def test_weight_negative_advantages_scales_only_the_negative_ones():
+    adv = torch.tensor([[1.5, -2.0, 0.0], [-0.5, 0.25, -1.0]])
+    close(weight_negative_advantages(adv, 0.5), [[1.5, -1.0, 0.0], [-0.25, 0.25, -0.5]])
+    close(weight_negative_advantages(adv, 0.0), [[1.5, 0.0, 0.0], [0.0, 0.25, 0.0]])
+    same = weight_negative_advantages(adv, 1.0)
+    close(same, adv)
+    assert same is not adv and not same.requires_grad
+    with pytest.raises(ValueError, match="must lie in"):
+        weight_negative_advantages(adv, 1.5)
