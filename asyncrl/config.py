@@ -234,8 +234,9 @@ class HybridConfig(_Section):
     def _built(self) -> "HybridConfig":
         if self.enabled:
             raise ValueError(
-                "co-located placement is not built yet (engine sleep/wake around each learner step and "
-                "CUDA IPC weight transfer); use separated placement (deploy/rlhf-gpu.yaml)"
+                "co-located placement is not built yet (engine sleep/wake around each learner step); its weight "
+                "transport is: weightsync.transport='ipc' with the learner and engines on one GPU. Use separated "
+                "placement (deploy/rlhf-gpu.yaml)"
             )
         return self
 

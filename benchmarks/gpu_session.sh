@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The two-H200 figures of docs/BENCHMARKS.md ("GPU (two H200): NCCL and CUDA-IPC ..."), one stage per device
+# call: bash benchmarks/gpu_session.sh nccl|ipc|async|offload (output under $OUT). Expects the GPU wheelhouse parts
+# in /tmp/parts (see the device README: 8 carried parts) and carries .whl (grpcio 1.85.1, protobuf 7.36.2) and
+# artifacts/demo-model. Installs once into /tmp/site; grpcio/protobuf are unpacked over it, because
+# `pip --target --upgrade` would replace the whole google/ namespace and drop google.rpc.
+set -uo pipefail
+if [ ! -d /tmp/site/vllm ]; then
+  cat /tmp/parts/part* | tar xf - -C /tmp
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/wheelhouse/*.whl 2>&1 | grep -v WARNING | tail -3
+fi
+# grpcio / protobuf for Ray's gRPC: unpacked over /tmp/site (pip --target --upgrade would replace
+# the whole google/ namespace directory and drop google.rpc).
+for w in /tmp/wheelhouse/googleapis_common_protos*.whl .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1
+MODEL=/tmp/qwen2-0.5b-random
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
+case $1 in
+nccl)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/weightsync/test_collective_gpu.py > $OUT/collective_gpu_test.log 2>&1
+  echo "pytest rc=$?"; tail -15 $OUT/collective_gpu_test.log | cut -c1-600
+  timeout 380 python3 benchmarks/weightsync.py --models random500m --replicas 1 --repeats 3 --transports nccl,shm \
+      --gpus 0.5 --dtype bfloat16 --verify sampled > $OUT/ws_nccl.log 2>&1
+  echo "weightsync rc=$?"; grep '^{' $OUT/ws_nccl.log | tee $OUT/ws_nccl.json; grep -v '^{' $OUT/ws_nccl.log | tail -6 | cut -c1-400
+  ;;
+ipc)
+  CUDA_VISIBLE_DEVICES=0 timeout 400 python3 benchmarks/weightsync.py --models random500m --replicas 1 --repeats 3 \
+      --transports ipc,shm --gpus 0.5 --dtype bfloat16 --verify sampled > $OUT/ws_ipc.log 2>&1
+  echo "weightsync rc=$?"; grep '^{' $OUT/ws_ipc.log | tee $OUT/ws_ipc.json; grep -v '^{' $OUT/ws_ipc.log | tail -6 | cut -c1-400
+  ;;
+async)
+  # leftover Ray processes of an earlier stage made ray.init time out twice; clear them first
+  pkill -9 -f "[r]ay::"; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*; sleep 1
+  timeout 420 python3 benchmarks/async_speedup.py --config deploy/rlhf-gpu2.yaml --steps 30 --num-cpus 32 \
+      --out $OUT/async_speedup.json > $OUT/async_speedup.log 2>&1
+  echo "async rc=$?"; tail -12 $OUT/async_speedup.log | cut -c1-400
+  ;;
+offload)
+  [ -f $MODEL/config.json ] || python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $MODEL > $OUT/make_model.log 2>&1
+  timeout 400 python3 benchmarks/learner_step.py --model $MODEL --sections offload --offload-each-flag \
+      --out $OUT/offload.json > $OUT/offload.log 2>&1
+  echo "offload rc=$?"; grep '^\[learner_step\]' $OUT/offload.log | cut -c1-3000
+  ;;
+esac
+pkill -9 -f "VLLM::" 2>/dev/null; ray stop --force > /dev/null 2>&1; true
