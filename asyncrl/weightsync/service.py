@@ -144,18 +144,23 @@ class WeightPublisher:
                 await self._wait_healthy(deadline)
 
     async def _wait_healthy(self, deadline: float) -> None:
-        """Until every running replica passes its health check (Serve has replaced a dead one), or the deadline."""
+        """Until at least one replica runs and every running one passes its health check (Serve has
+        replaced a dead one), or the deadline; never less than a second, so retries cannot spin."""
         delay = 1.0
+        await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         while True:
             try:
-                await self.replicas.control.call("check_health", timeout_s=max(1.0, min(self.cfg.timeout_s, deadline - time.monotonic())))
-                return
+                timeout = max(1.0, min(self.cfg.timeout_s, deadline - time.monotonic()))
+                if await self.replicas.control.call("check_health", timeout_s=timeout):
+                    return
+                problem: object = "no running replica"
             except Exception as err:  # a dead or starting replica: wait for Serve to settle
-                if time.monotonic() + delay >= deadline:
-                    return  # the next attempt fails (or succeeds) and reports it
-                log.info("weightsync: engine replicas not healthy yet (%s)", err)
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 10.0)
+                problem = err
+            if time.monotonic() + delay >= deadline:
+                return  # the next attempt fails (or succeeds) and reports it
+            log.info("weightsync: engine replicas not healthy yet (%s)", problem)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 10.0)
 
     async def _publish_once(self, version: int) -> dict[str, float]:
         if self.link is not None:

@@ -295,25 +295,28 @@ async def test_publish_handles_refuses_a_tensor_in_two_buckets_and_registers_not
 class _FlakyControl:
     """EngineControl's `call`, failing the health check `unhealthy` times (a replica being replaced)."""
 
-    def __init__(self, unhealthy: int) -> None:
-        self.unhealthy, self.calls = unhealthy, []
+    def __init__(self, unhealthy: int, empty: int = 0) -> None:
+        self.unhealthy, self.empty, self.calls = unhealthy, empty, []
 
     async def call(self, method, *args, timeout_s=None):
         self.calls.append(method)
         if method == "check_health" and self.unhealthy:
             self.unhealthy -= 1
             raise RuntimeError("replica abc: engine is dead")
-        return {"r0": None}
+        if self.empty:  # the dead replica is gone and its replacement not running yet
+            self.empty -= 1
+            return {}
+        return {"unknown-0": None}
 
 
-def _recovering_publisher(failures, recovery_s=30.0, unhealthy=1):
+def _recovering_publisher(failures, recovery_s=30.0, unhealthy=1, empty=0):
     """A WeightPublisher whose pushes fail with `failures` (one per attempt) before one succeeds."""
     from asyncrl.weightsync.service import WeightPublisher
 
     wp = WeightPublisher.__new__(WeightPublisher)
     wp.cfg = WeightsyncConfig(recovery_s=recovery_s, timeout_s=5)
     wp.publisher, wp.recoveries_total = object(), 0
-    wp.replicas = type("R", (), {"control": _FlakyControl(unhealthy)})()
+    wp.replicas = type("R", (), {"control": _FlakyControl(unhealthy, empty)})()
     attempts = []
 
     async def once(version):
@@ -328,11 +331,11 @@ def _recovering_publisher(failures, recovery_s=30.0, unhealthy=1):
 
 
 async def test_a_push_that_failed_on_a_replica_is_pushed_again_once_the_replicas_are_healthy():
-    wp, attempts = _recovering_publisher([Step.PAUSE, Step.LOAD], unhealthy=1)
+    wp, attempts = _recovering_publisher([Step.PAUSE, Step.LOAD], unhealthy=1, empty=1)
     metrics = await wp.publish(7)
     assert attempts == [7, 7, 7] and metrics["weightsync/recoveries"] == 2 and metrics["weightsync/recoveries_total"] == 2
-    # The first wait found a replica still dead and waited for it; the second found all healthy.
-    assert wp.replicas.control.calls == ["check_health", "check_health", "check_health"]
+    # The first wait found a replica still dead, then none running, then one healthy; the second found it healthy.
+    assert wp.replicas.control.calls == ["check_health"] * 4
 
 
 @pytest.mark.parametrize("failures, recovery_s", [([Step.EXPORT], 30.0), ([Step.LOAD], 0.0)])
