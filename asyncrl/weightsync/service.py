@@ -120,7 +120,8 @@ class WeightPublisher:
         A push that failed on the engine side (a replica's engine died; Serve replaces it) is
         pushed again once every running replica passes a health check, until
         `weightsync.recovery_s` runs out; the learner's weights have not changed, so it is the
-        same version. Raises `WeightsyncError` (nothing published, engines on the previous
+        same version. A collective send that failed counts as engine-side unless every replica
+        is healthy. Raises `WeightsyncError` (nothing published, engines on the previous
         version) when the export itself failed or recovery ran out."""
         if self.publisher is None:
             raise RuntimeError("WeightPublisher.start() was not called")
@@ -136,12 +137,23 @@ class WeightPublisher:
                 metrics["weightsync/recoveries_total"] = float(self.recoveries_total)
                 return metrics
             except WeightsyncError as err:
-                if err.step is Step.EXPORT or time.monotonic() >= deadline:
+                if time.monotonic() >= deadline or (err.step is Step.EXPORT and not await self._receivers_may_be_at_fault()):
                     raise
                 recoveries += 1
                 log.warning("weightsync: push of version %d failed (%s); pushing again once the engine replicas "
                             "are healthy (%.0f s of recovery left)", version, err, deadline - time.monotonic())
                 await self._wait_healthy(deadline)
+
+    async def _receivers_may_be_at_fault(self) -> bool:
+        """After an EXPORT failure: a collective send also fails when a receiving replica died
+        mid-broadcast, so it is worth recovering unless every running replica is healthy (then
+        the learner's export itself failed). A file/object-store export involves no replica."""
+        if self.link is None:
+            return False
+        try:
+            return not await self.replicas.control.call("check_health", timeout_s=min(30.0, self.cfg.timeout_s))
+        except Exception:
+            return True
 
     async def _wait_healthy(self, deadline: float) -> None:
         """Until at least one replica runs and every running one passes its health check (Serve has

@@ -315,7 +315,7 @@ def _recovering_publisher(failures, recovery_s=30.0, unhealthy=1, empty=0):
 
     wp = WeightPublisher.__new__(WeightPublisher)
     wp.cfg = WeightsyncConfig(recovery_s=recovery_s, timeout_s=5)
-    wp.publisher, wp.recoveries_total = object(), 0
+    wp.publisher, wp.recoveries_total, wp.link = object(), 0, None
     wp.replicas = type("R", (), {"control": _FlakyControl(unhealthy, empty)})()
     attempts = []
 
@@ -344,3 +344,17 @@ async def test_an_export_failure_or_no_recovery_time_stops_at_the_first_failed_p
     with pytest.raises(WeightsyncError, match=f"failed at {failures[0].value}"):
         await wp.publish(3)
     assert attempts == [3] and wp.replicas.control.calls == []
+
+
+async def test_a_failed_collective_send_is_recovered_only_when_a_receiver_is_unhealthy():
+    # The broadcast failed and a replica is dead: the receivers' side, so it is pushed again.
+    wp, attempts = _recovering_publisher([Step.EXPORT], unhealthy=1)
+    wp.link = object()  # a collective transport: the sender streams into the replicas
+    metrics = await wp.publish(4)
+    assert attempts == [4, 4] and metrics["weightsync/recoveries"] == 1
+    # Every replica healthy: the learner's export itself failed, stop at once.
+    wp, attempts = _recovering_publisher([Step.EXPORT], unhealthy=0)
+    wp.link = object()
+    with pytest.raises(WeightsyncError, match="failed at export"):
+        await wp.publish(5)
+    assert attempts == [5] and wp.replicas.control.calls == ["check_health"]
