@@ -25,14 +25,16 @@ if [ ! -f /tmp/site/.wheelhouse-done ]; then
     echo "install: $((SECONDS - t0)) s"
 fi
 # Extra wheels in .whl/ (carried) override the wheelhouse / image: grpcio >= 1.85.1 is what the
-# wheelhouse's grpcio-reflection (imported by ray.serve) checks for; the image has 1.84.0.
-if ls .whl/*.whl > /dev/null 2>&1 && [ ! -f /tmp/site/.extra-done ]; then
-    extra=$(ls .whl/*.whl | grep -v protobuf)
-    if ! python3 -c 'import sys, google.protobuf as p; sys.exit(tuple(map(int, p.__version__.split(".")[:3])) < (7, 35, 1))'; then
-        extra="$extra $(ls .whl/protobuf-*.whl)"  # grpcio-reflection's generated code needs protobuf >= 7.35.1
-    fi
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site $extra && touch /tmp/site/.extra-done
-    echo "extra wheels: $extra"
+# wheelhouse's grpcio-reflection (imported by ray.serve) checks for (the image has 1.84.0), and its
+# generated code needs protobuf >= 7.35.1. They are unpacked over /tmp/site (with
+# googleapis-common-protos), not installed with `pip --target --upgrade`, which replaces the whole
+# google/ namespace directory and drops google.rpc.
+if [ ! -f /tmp/site/.extra-done ]; then
+    for w in /tmp/wheelhouse/googleapis_common_protos*.whl .whl/*.whl; do
+        [ -f "$w" ] && python3 -m zipfile -e "$w" /tmp/site
+    done
+    touch /tmp/site/.extra-done
+    echo "extra wheels unpacked: $(ls .whl/*.whl 2>/dev/null | tr '\n' ' ')"
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c '
