@@ -3,7 +3,7 @@ the demo's RL settings before paying for a real `serve run deploy/rlhf.yaml` (do
 "RL on the demo"). On-policy, one update per batch, no staleness: the real loop adds eta = 2 and
 the decoupled PPO correction, so its curve is checked separately.
 
-  python benchmarks/demo_grpo_sim.py --prompts 64 --n 4 --lr 3e-4 --warmup 50 --neg-weight 0.25 --steps 400
+  python benchmarks/demo_grpo_sim.py --prompts 64 --n 4 --lr 1e-4 --warmup 50 --neg-weight 0.25 --staleness 2 --steps 250  # deploy/rlhf.yaml
   python benchmarks/demo_grpo_sim.py --prompts 64 --n 1 --lr 3e-4 --steps 100 --oracle   # SFT on the answers
 
 Prints the held-out greedy accuracy every --eval-every steps and one RESULT line (JSON).
@@ -67,14 +67,16 @@ def main() -> None:
     history = [(0, evaluate())]
     print(json.dumps(vars(a)), "step 0 accuracy", history[0][1], flush=True)
     t0, pos = time.time(), 0
+
     def token_logprobs(seqs, attn, plen, comp):
         logits = model(input_ids=seqs, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits[:, plen - 1:-1]
         return torch.log_softmax(logits.float(), -1).gather(2, comp.unsqueeze(2)).squeeze(2)
 
     queue = []  # generated batches waiting to be trained on (staleness)
-    for step in range(1, a.steps + 1 + a.staleness):
+    for generated in range(1, a.steps + 1 + a.staleness):
+        step = generated - a.staleness  # the update this batch's generation step feeds, `staleness` later
         for g in opt.param_groups:
-            g["lr"] = a.lr * min(1.0, max(1, step - a.staleness) / max(1, a.warmup))
+            g["lr"] = a.lr * min(1.0, max(1, step) / max(1, a.warmup))
         batch = [train[(pos + i) % len(train)] for i in range(a.prompts)]
         pos += a.prompts
         texts = [render_chat_prompt(tok, p.prompt) for p in batch for _ in range(a.n)]
@@ -104,7 +106,6 @@ def main() -> None:
         if len(queue) <= a.staleness:
             continue
         out, attn, plen, comp, mask, behave, rewards = queue.pop(0)
-        step -= a.staleness
         if a.oracle:
             adv = torch.ones(len(rewards), dtype=torch.float64)
         else:
