@@ -82,12 +82,12 @@ def weight_negative_advantages(advantages: Tensor, weight: float) -> Tensor:
     destabilise a small policy (the demo: docs/BENCHMARKS.md)."""
     if not 0.0 <= weight <= 1.0:
         raise ValueError(f"negative advantage weight={weight} must lie in [0, 1]")
-    with torch.no_grad():
-        if weight == 1.0:
-            return advantages.detach().clone()
-        return torch.where(advantages < 0, advantages * weight, advantages).detach()
+    if weight == 1.0:
+        return advantages.detach().clone()
+    return torch.where(advantages < 0, advantages * weight, advantages)
 
 
+@torch.no_grad()
 def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """Leave-one-out advantage: A_i = r_i - (sum_{j in g, j != i} r_j) / (n_g - 1).
 

@@ -80,6 +80,17 @@ def test_grpo_has_no_grad():
     assert not grpo_advantages(rewards, torch.tensor([0, 0])).requires_grad
 
 
+@pytest.mark.parametrize("estimator", [
+    lambda r: grpo_advantages(r, torch.tensor([0, 0, 1])),
+    lambda r: rloo_advantages(r, torch.tensor([0, 0, 1])),
+    lambda r: weight_negative_advantages(r, 0.5),
+    lambda r: weight_negative_advantages(r, 1.0),
+], ids=["grpo", "rloo", "negative-weight", "negative-weight-1"])
+def test_sequence_level_estimators_return_targets_without_grad(estimator):
+    rewards = torch.tensor([1.0, -2.0, 0.5], requires_grad=True)
+    assert not estimator(rewards).requires_grad
+
+
 # ---------------------------------------------------------------- RLOO
 
 
