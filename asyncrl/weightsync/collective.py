@@ -126,6 +126,15 @@ def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: di
             for i, (host, port) in enumerate(senders)]
 
 
+def _member_device(device: torch.device | str | None) -> torch.device:
+    """`device` with a CUDA index resolved; without one, this process's current CUDA device (CPU
+    when it has none)."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
+
+
 @dataclass
 class CollectiveGroup:
     """One member's end of a `GroupSpec` group. Created with `join`; every member must join at
@@ -159,9 +168,7 @@ class CollectiveGroup:
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
-        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+        dev = _member_device(device)
         with torch.cuda.device(dev):
             pg = StatelessProcessGroup.create(spec.host, spec.port, rank, spec.world_size,
                                               store_timeout=int(spec.timeout_s))
@@ -178,14 +185,8 @@ class CollectiveGroup:
         checks in and waits for the others, so a missing member fails the join, not the push."""
         import torch.distributed as dist
 
-        if device is not None:
-            dev = torch.device(device)
-        else:
-            dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
         store = dist.TCPStore(spec.host, spec.port, spec.world_size, rank == 0, timeout=timeout, wait_for_workers=False)
-        group = cls(spec, rank, dev, _store=store)
+        group = cls(spec, rank, _member_device(device), _store=store)
         key = f"{spec.group_id}/joined"
         store.add(key, 1)
         deadline = time.monotonic() + spec.timeout_s
@@ -282,32 +283,50 @@ def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
                                 on_host_bucket=on_host_bucket)
     deadline = time.monotonic() + timeout_s
     out = SendResult()
-    buckets = iter_buckets(named_tensors, bucket_mb, device=group.device)
-    while True:
-        t = time.perf_counter()
-        try:
-            bucket = next(buckets)
-        except StopIteration:
-            break
-        except BaseException:
-            if not group.broken:  # tell the receivers, so they fail now rather than at their deadline
-                try:
-                    group.broadcast(_header(group, _ABORT), deadline)
-                except CollectiveError:
-                    pass
-            raise
-        out.seconds["pack"] += time.perf_counter() - t
-        t = time.perf_counter()
-        meta_raw = _encode_metas(bucket.metas)
-        group.broadcast(_header(group, _BUCKET, len(meta_raw), bucket.nbytes), deadline)
-        _send_bytes(group, meta_raw, deadline)
-        if bucket.nbytes:
-            group.broadcast(bucket.buffer, deadline)
-        out.seconds["broadcast"] += time.perf_counter() - t
-        _hash_host_copy(bucket, verify, out, on_host_bucket)
-        del bucket
+    export = _Export(named_tensors, bucket_mb, group.device, out)
+    try:
+        for bucket in export:
+            t = time.perf_counter()
+            meta_raw = _encode_metas(bucket.metas)
+            group.broadcast(_header(group, _BUCKET, len(meta_raw), bucket.nbytes), deadline)
+            _send_bytes(group, meta_raw, deadline)
+            if bucket.nbytes:
+                group.broadcast(bucket.buffer, deadline)
+            out.seconds["broadcast"] += time.perf_counter() - t
+            _hash_host_copy(bucket, verify, out, on_host_bucket)
+            del bucket
+    except BaseException:
+        if export.failed and not group.broken:  # tell the receivers, so they fail now rather than at their deadline
+            try:
+                group.broadcast(_header(group, _ABORT), deadline)
+            except CollectiveError:
+                pass
+        raise
     group.broadcast(_header(group, _END), deadline)
     return out
+
+
+class _Export:
+    """The sender's bucket stream (packed on `device`, timed as `pack`); `failed` tells an
+    export error (the tensor stream raised) from a send error, which only the sender sees."""
+
+    def __init__(self, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, device: torch.device,
+                 out: SendResult) -> None:
+        self._buckets = iter_buckets(named_tensors, bucket_mb, device=device)
+        self._out, self.failed = out, False
+
+    def __iter__(self) -> Iterator[Bucket]:
+        while True:
+            t = time.perf_counter()
+            try:
+                bucket = next(self._buckets)
+            except StopIteration:
+                return
+            except BaseException:
+                self.failed = True
+                raise
+            self._out.seconds["pack"] += time.perf_counter() - t
+            yield bucket
 
 
 def receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[Bucket]:
@@ -462,19 +481,10 @@ def _ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, 
     group._pushes += 1
     group._leftover = [_ipc_key(group, w) for w in ("aborted", "failed")]
     published: deque[tuple[int, Any]] = deque()
-    k, export_failed = 0, False
+    export = _Export(named_tensors, bucket_mb, group.device, out)
+    k = 0
     try:
-        buckets = iter_buckets(named_tensors, bucket_mb, device=group.device)
-        while True:
-            t = time.perf_counter()
-            try:
-                bucket = next(buckets)
-            except StopIteration:
-                break
-            except BaseException:
-                export_failed = True
-                raise
-            out.seconds["pack"] += time.perf_counter() - t
+        for bucket in export:
             t = time.perf_counter()
             while len(published) >= IPC_WINDOW:
                 done, kept = published.popleft()
@@ -505,7 +515,7 @@ def _ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, 
         for _, kept in published:
             _ipc_free(kept)
         group._leftover += [_ipc_key(group, f"{w}{j}") for j in range(k + 1) for w in "ba"]
-        if export_failed or not isinstance(err, Exception):
+        if export.failed or not isinstance(err, Exception):
             raise  # the protocol stayed in step (receivers read the abort): the group carries the next push
         # The channel failed (a receiver failed or missed the deadline): broken, but the store this
         # rank hosts stays up until the group is left, so the other receivers can still read the abort.
@@ -526,7 +536,7 @@ def _ipc_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[Buc
         raise CollectiveError(f"group {group.spec.group_id} is broken (an earlier step failed); form a new one")
     store = group._store
     group._pushes += 1
-    k, failure = 0, None
+    k = 0
     try:
         while True:
             key = _ipc_key(group, f"b{k}")
@@ -548,9 +558,7 @@ def _ipc_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[Buc
     except SenderAborted:
         raise
     except Exception as err:
-        failure = f"{type(err).__name__}: {err}"
-        raise _ipc_failed(group, err, report=failure) from err
+        raise _ipc_failed(group, err, report=f"{type(err).__name__}: {err}") from err
     except BaseException:  # the consumer stopped reading mid-push (its staging failed) or was interrupted
-        failure = f"stopped reading at bucket {k}"
-        _ipc_failed(group, CollectiveError(failure), report=failure)
+        _ipc_failed(group, CollectiveError(f"stopped reading at bucket {k}"), report=f"stopped reading at bucket {k}")
         raise
