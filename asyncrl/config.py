@@ -75,6 +75,9 @@ class GeneratorConfig(_Section):
     routing: Literal["power_of_two", "prefix_affinity"] = "power_of_two"
     http_host: str = "127.0.0.1"
     http_port: int = Field(8000, gt=0, lt=65536)
+    direct_http_port: int | None = Field(
+        None, gt=0, lt=65536, description="The gateway replica also serves the same API itself on http_host:this port, "
+        "skipping Serve's HTTP proxy hop (the faster endpoint; needs one gateway replica per host). None = proxy only.")
 
     @model_validator(mode="after")
     def _engine_built(self) -> "GeneratorConfig":

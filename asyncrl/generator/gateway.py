@@ -383,8 +383,12 @@ def _register_admin(app: FastAPI, core: GatewayCore, max_bytes: int) -> None:
 
     @app.post("/admin/wake")
     async def wake(request: Request) -> JSONResponse:
+        """Body `{"tags": ["weights"]}` wakes part of the engine (weights before KV cache); none wakes all."""
         core.require_admin(request)
-        return await _broadcast("wake_up")
+        tags = (await _body(request)).get("tags")
+        if tags is not None and (not isinstance(tags, list) or not tags or not set(tags) <= {"weights", "kv_cache"}):
+            raise HTTPError(422, f"tags must be a non-empty list of 'weights' and 'kv_cache', got {tags!r}")
+        return await _broadcast("wake_up", tags)
 
     @app.post("/admin/sync_weights")
     async def sync_weights(request: Request) -> JSONResponse:
@@ -407,9 +411,10 @@ def _register_admin(app: FastAPI, core: GatewayCore, max_bytes: int) -> None:
 @serve.deployment(name=GATEWAY_DEPLOYMENT)
 @serve.ingress()
 class GeneratorGateway:
-    """Thin Serve wrapper: builds `GatewayCore` and hands Serve the FastAPI app."""
+    """Thin Serve wrapper: builds `GatewayCore` and hands Serve the FastAPI app (and, with
+    generator.direct_http_port, serves the same app itself on that port: ingress.py)."""
 
-    def __init__(
+    async def __init__(
         self,
         engine: Any,
         model: dict[str, Any],
@@ -418,14 +423,26 @@ class GeneratorGateway:
         status_namespace: str | None = None,
         status_source: Any = None,
     ) -> None:
+        gen = GeneratorConfig.model_validate(generator)
         self.core = GatewayCore(
             engine,
             ModelConfig.model_validate(model),
-            GeneratorConfig.model_validate(generator),
+            gen,
             status_actor=status_actor,
             status_namespace=status_namespace,
             status_source=status_source,
         )
+        self.direct = None
+        if gen.direct_http_port is not None:
+            from asyncrl.generator.ingress import DirectIngress
+
+            self.direct = DirectIngress(create_app(self.core), gen.http_host, gen.direct_http_port)
+            await self.direct.start()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self.core)
+
+    def __del__(self) -> None:
+        direct = getattr(self, "direct", None)
+        if direct is not None:
+            direct.stop()

@@ -31,11 +31,11 @@ MAX_MODEL_LEN = 256
 def gen(ray_session, demo_model_path):
     from ray import serve
 
-    port = free_port()
+    port, direct_port = free_port(), free_port()
     cfg = load_config({
         "model": {"path": str(demo_model_path), "max_model_len": MAX_MODEL_LEN},
         "generator": {
-            "admin_token": ADMIN_TOKEN, "http_port": port, "num_cpus": 0.5, "max_n": 8,
+            "admin_token": ADMIN_TOKEN, "http_port": port, "direct_http_port": direct_port, "num_cpus": 0.5, "max_n": 8,
             "max_ongoing_requests": 4, "max_queued_requests": 4, "max_body_bytes": 65536,
             # The smallest step budget allowed, so concurrent prompts exceed one step (see the seeded test).
             "engine_kwargs": {"max_num_batched_tokens": MAX_MODEL_LEN},
@@ -50,7 +50,7 @@ def gen(ray_session, demo_model_path):
     from asyncrl.data import render_chat_prompt
 
     prompt_ids = tok.encode(render_chat_prompt(tok, "What is 12+34?"), add_special_tokens=False)
-    state = {"url": url, "cfg": cfg, "control": EngineControl(app_name=APP), "tok": tok, "prompt_ids": prompt_ids,
+    state = {"url": url, "direct_url": f"http://127.0.0.1:{direct_port}", "cfg": cfg, "control": EngineControl(app_name=APP), "tok": tok, "prompt_ids": prompt_ids,
              "client": openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)}
     yield state
     serve.delete(APP)
@@ -252,6 +252,49 @@ def test_overload_gets_503_with_retry_after_never_a_hang(gen):
     assert codes.count(503) >= 1 and codes.count(200) >= 4, codes
     assert all(r.headers.get("retry-after") for r in responses if r.status_code == 503)
     assert _post(gen, "/generate", {"prompt": "1+1=", "max_tokens": 2}).status_code == 200
+
+
+# ---- the gateway's own port (generator.direct_http_port): the same API without the proxy hop ----
+
+
+def test_gateway_port_serves_the_same_generate_results(gen):
+    body = {"prompt_ids": gen["prompt_ids"], "n": 2, "temperature": 1.0, "seed": 11, "max_tokens": 6}
+    via_proxy = _post(gen, "/generate", body)
+    direct = httpx.post(gen["direct_url"] + "/generate", json=body, timeout=120)
+    assert direct.status_code == 200, direct.text
+    assert direct.headers["x-asyncrl-weight-version"] == via_proxy.headers["x-asyncrl-weight-version"] == "0"
+    a, b = via_proxy.json(), direct.json()
+    for key in ("token_ids", "logprobs", "versions", "finish_reason", "text"):
+        assert [c[key] for c in a["completions"]] == [c[key] for c in b["completions"]], key
+    with httpx.stream("POST", gen["direct_url"] + "/generate", json={**body, "stream": True}, timeout=60) as r:
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert lines[-1] == {"done": True, "versions": [0]}
+    assert httpx.get(gen["direct_url"] + "/health", timeout=10).json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        ({"prompt_ids": [1, 2], "top_p": 0}, 400, "top_p"),
+        ({"prompt_ids": [1] * 250, "max_tokens": 16}, 400, "context length"),
+        ({"prompt_ids": [1], "bogus": 1}, 422, "bogus"),
+    ],
+)
+def test_gateway_port_rejects_bad_input_like_the_proxy(gen, body, status, fragment):
+    r = httpx.post(gen["direct_url"] + "/generate", json=body, timeout=30)
+    assert r.status_code == status and fragment in r.json()["detail"], r.text
+    r = httpx.post(gen["direct_url"] + "/v1/completions", json={"model": "asyncrl-policy", "prompt": "x" * 70000}, timeout=30)
+    assert r.status_code == 413
+
+
+def test_gateway_port_overload_gets_503_with_retry_after(gen):
+    body = {"prompt_ids": gen["prompt_ids"], "max_tokens": 150, "ignore_eos": True, "temperature": 0}
+    with ThreadPoolExecutor(40) as pool:
+        responses = list(pool.map(lambda _: httpx.post(gen["direct_url"] + "/generate", json=body, timeout=120), range(40)))
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 503}, codes
+    assert codes.count(503) >= 1 and codes.count(200) >= 4, codes
+    assert all(r.headers.get("retry-after") for r in responses if r.status_code == 503)
 
 
 # ---- weight updates (change the version: keep these last) ----------------------------------
