@@ -1,7 +1,8 @@
 """Generation throughput: the HTTP API (Ray Serve gateway -> engine replica) vs a direct vLLM AsyncLLM.
 
 Same model, prompts and sampling (greedy, ignore_eos, so every request makes exactly
---max-tokens tokens), same client concurrency. Each side is warmed up first, then timed over
+--max-tokens tokens), same client concurrency. HTTP is measured on both endpoints of one app:
+through Serve's proxy (--port) and on the gateway's own listener (generator.direct_http_port = --port + 1). Each side is warmed up first, then timed over
 --num-prompts requests. The direct engine is shut down before Serve starts so the two never
 compete for cores. Prints one JSON line.
 
@@ -71,14 +72,15 @@ async def direct(sections: dict, ids: list[list[int]], concurrency: int, max_tok
 
     try:
         await bounded(concurrency, [lambda p=p: gen(p) for p in ids[:warmup]])
-        t0 = time.perf_counter()
+        wall0, t0 = time.time(), time.perf_counter()
         tokens = sum(await bounded(concurrency, [lambda p=p: gen(p) for p in ids]))
-        return {"tokens": tokens, "seconds": time.perf_counter() - t0}
+        return {"tokens": tokens, "seconds": time.perf_counter() - t0, "window": [wall0, time.time()]}
     finally:
         llm.shutdown()
 
 
 async def http(sections: dict, ids: list[list[int]], concurrency: int, max_tokens: int, warmup: int, port: int) -> dict:
+    """Both HTTP endpoints of one Serve app: through Serve's proxy (port) and the gateway's own (port + 1)."""
     import httpx
     import ray
 
@@ -87,28 +89,32 @@ async def http(sections: dict, ids: list[list[int]], concurrency: int, max_token
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"], "TOKENIZERS_PARALLELISM": "false"}})
-    gen = {**sections["generator"], "http_port": port, "max_ongoing_requests": max(64, concurrency), "max_queued_requests": -1}
+    gen = {**sections["generator"], "http_port": port, "direct_http_port": port + 1,
+           "max_ongoing_requests": max(64, concurrency), "max_queued_requests": -1}
     cfg = load_config({"model": sections["model"], "generator": gen})
     run_generator(cfg, name="bench", weight_source=None)
-    url = f"http://127.0.0.1:{port}/generate"
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    results = {}
+    try:
+        for name, p in (("proxy", port), ("direct", port + 1)):
+            url = f"http://127.0.0.1:{p}/generate"
+            async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
-        async def gen(p: list[int]) -> int:
-            r = await client.post(url, json={"prompt_ids": p, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True})
-            r.raise_for_status()
-            return len(r.json()["completions"][0]["token_ids"])
+                async def gen_one(prompt: list[int]) -> int:
+                    r = await client.post(url, json={"prompt_ids": prompt, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True})
+                    r.raise_for_status()
+                    return len(r.json()["completions"][0]["token_ids"])
 
-        try:
-            await bounded(concurrency, [lambda p=p: gen(p) for p in ids[:warmup]])
-            t0 = time.perf_counter()
-            tokens = sum(await bounded(concurrency, [lambda p=p: gen(p) for p in ids]))
-            return {"tokens": tokens, "seconds": time.perf_counter() - t0}
-        finally:
-            from ray import serve
+                await bounded(concurrency, [lambda q=q: gen_one(q) for q in ids[:warmup]])
+                wall0, t0 = time.time(), time.perf_counter()
+                tokens = sum(await bounded(concurrency, [lambda q=q: gen_one(q) for q in ids]))
+                results[name] = {"tokens": tokens, "seconds": time.perf_counter() - t0, "window": [wall0, time.time()]}
+        return results
+    finally:
+        from ray import serve
 
-            serve.shutdown()
-            ray.shutdown()
+        serve.shutdown()
+        ray.shutdown()
 
 
 def main() -> None:
@@ -130,12 +136,20 @@ def main() -> None:
     print(json.dumps({"benchmark": "generation_direct", "tokens": d["tokens"], "seconds": round(d["seconds"], 2),
                       "direct_tokens_per_s": round(d["tokens"] / d["seconds"], 1)}), flush=True)
     h = asyncio.run(http(sections, ids, args.concurrency, args.max_tokens, args.warmup, args.port))
-    direct_tps, http_tps = d["tokens"] / d["seconds"], h["tokens"] / h["seconds"]
+    direct_tps = d["tokens"] / d["seconds"]
+    proxy_tps, gw_tps = (h[k]["tokens"] / h[k]["seconds"] for k in ("proxy", "direct"))
     print(json.dumps({
         "benchmark": "generation", "model": args.model, "num_prompts": args.num_prompts, "concurrency": args.concurrency,
         "max_tokens": args.max_tokens, "dtype": args.dtype, "prompt_tokens_mean": round(sum(map(len, ids)) / len(ids), 1),
-        "direct_tokens_per_s": round(direct_tps, 1), "http_tokens_per_s": round(http_tps, 1),
-        "http_over_direct": round(http_tps / direct_tps, 3), "direct_seconds": round(d["seconds"], 2), "http_seconds": round(h["seconds"], 2),
+        "direct_tokens_per_s": round(direct_tps, 1),
+        # through Serve's HTTP proxy (generator.http_port) and the gateway's own port (generator.direct_http_port)
+        "http_tokens_per_s": round(proxy_tps, 1), "http_gateway_port_tokens_per_s": round(gw_tps, 1),
+        "http_over_direct": round(proxy_tps / direct_tps, 3), "http_gateway_port_over_direct": round(gw_tps / direct_tps, 3),
+        "direct_seconds": round(d["seconds"], 2), "http_seconds": round(h["proxy"]["seconds"], 2),
+        "http_gateway_port_seconds": round(h["direct"]["seconds"], 2),
+        # Wall-clock (epoch) bounds of each timed phase, to match per-process CPU samples against.
+        "direct_window": [round(t, 2) for t in d["window"]], "http_window": [round(t, 2) for t in h["proxy"]["window"]],
+        "http_gateway_port_window": [round(t, 2) for t in h["direct"]["window"]],
     }))
 
 
