@@ -237,6 +237,14 @@ class LearnerGroup:
                 sent.seconds[k] = max(sent.seconds.get(k, 0.0), v)  # stages send one after another's end
         return sent
 
+    async def hold_device(self, parts: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """Every rank keeps `parts` (params, grads, optimizer; default all) of its offloaded state on
+        the device until `release_device` (hybrid placement's learner phase); one answer per rank."""
+        return await self._all("hold_device", list(parts) if parts else None)
+
+    async def release_device(self, parts: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        return await self._all("release_device", list(parts) if parts else None)
+
     async def save_checkpoint(self, path: str) -> str:
         return (await self._all("save_checkpoint", str(path)))[0]
 

@@ -2,7 +2,9 @@
 
 Owns: the three moves, driven by a role's `RoleOffload` flags (`param_offload`, `grad_offload`,
 `optimizer_offload`), and the device-memory numbers around them. Between calls a role keeps what
-its flags say on the host; `onloaded()` brings it back for the duration of a compute call.
+its flags say on the host; `onloaded()` brings it back for the duration of a compute call, a
+weight export or a checkpoint, and `hold`/`release` keep it on the device across the hybrid
+loop's learner phase (held parts are counted, so nested holders never move anything twice).
 
 Grads of Megatron DDP live in its contiguous grad buffers (`param.main_grad` are views into
 them), so those buffers' storage is freed (`resize_(0)`) and re-allocated zeroed on the way back,
@@ -26,6 +28,11 @@ from asyncrl.config import RoleOffload
 def device_memory_bytes() -> int:
     """Bytes allocated on the current accelerator (0 on CPU-only machines)."""
     return int(torch.cuda.memory_allocated()) if torch.cuda.is_available() else 0
+
+
+def device_free_bytes() -> int:
+    """Free memory of the current accelerator as the driver sees it (every process on it), 0 on CPU."""
+    return int(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else 0
 
 
 def _device() -> torch.device:
@@ -103,46 +110,83 @@ def move_optimizer_state(optimizer: Any, device: torch.device, model_params: set
                     p.data = p.data.to(device, non_blocking=True)
 
 
+PARTS = ("params", "grads", "optimizer")
+
+
 class Offloader:
-    """Applies one role's offload flags; a no-op when every flag is off or there is no accelerator."""
+    """Applies one role's offload flags; a no-op when every flag is off or there is no accelerator.
+
+    Each part (params, grads, optimizer) is on the device while at least one holder needs it:
+    a compute call holds everything for its duration (`onloaded()`), a weight export holds only
+    the params, and the hybrid loop holds everything across a whole learner phase
+    (`hold` / `release`), so the compute calls inside it move nothing. A flagged part nobody
+    holds is put away on the host."""
 
     def __init__(self, chunks: list[torch.nn.Module], optimizer: Any, flags: RoleOffload) -> None:
         self.chunks, self.optimizer, self.flags = chunks, optimizer, flags
         self._model_params = {id(p) for c in chunks for p in c.parameters()}
         self._params_host: list[tuple[Any, Any]] = []  # param storages freed on the device, with their host copies
-        self.enabled = flags.param_offload or flags.grad_offload or flags.optimizer_offload
-        self.offloaded = False
+        self._flagged = {part for part, on in zip(PARTS, (flags.param_offload, flags.grad_offload, flags.optimizer_offload))
+                         if on and (part != "optimizer" or optimizer is not None)}
+        self.enabled = bool(self._flagged)
+        self._holds = dict.fromkeys(PARTS, 0)
+        self._away: set[str] = set()  # flagged parts on the host now (a role starts resident)
         self.last_report: dict[str, float] = {}
 
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._away)
+
+    def holds(self) -> dict[str, int]:
+        return dict(self._holds)
+
+    def hold(self, parts: tuple[str, ...] = PARTS) -> dict[str, float]:
+        """Bring `parts` to the device (those away) and keep them there until `release`."""
+        parts = _checked(parts)
+        for part in parts:
+            self._holds[part] += 1
+        return self._move(back=self._away.intersection(parts))
+
+    def release(self, parts: tuple[str, ...] = PARTS) -> dict[str, float]:
+        """Drop one hold on `parts`; flagged parts nobody holds any more go to the host."""
+        parts = _checked(parts)
+        for part in parts:
+            if self._holds[part] == 0:
+                raise RuntimeError(f"offload: release of {part!r}, which nobody holds")
+            self._holds[part] -= 1
+        return self._move(away={p for p in parts if self._holds[p] == 0} & self._flagged - self._away)
+
     def offload(self) -> dict[str, float]:
-        before = device_memory_bytes()
-        cpu = torch.device("cpu")
-        if self.flags.param_offload and not self._params_host:
-            self._params_host = offload_params(self.chunks)
-        if self.flags.grad_offload:
-            free_grads(self.chunks)
-        if self.flags.optimizer_offload and self.optimizer is not None:
-            move_optimizer_state(self.optimizer, cpu, self._model_params)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        self.offloaded = True
-        return self._report("offload", before)
+        """Put every flagged part that nobody holds on the host."""
+        return self._move(away={p for p in self._flagged - self._away if self._holds[p] == 0})
 
     def reload(self) -> dict[str, float]:
+        """Bring every part on the host back (until the next `offload`/`release`)."""
+        return self._move(back=set(self._away))
+
+    def _move(self, *, away: set[str] = frozenset(), back: set[str] = frozenset()) -> dict[str, float]:
+        assert not (away and back), "one direction per move"
+        if not away and not back:
+            return {}
         before = device_memory_bytes()
-        dev = _device()
-        if self._params_host:
+        dev = torch.device("cpu") if away else _device()
+        if "params" in away:
+            self._params_host = offload_params(self.chunks)
+        if "params" in back:
             reload_params(self._params_host)
             self._params_host = []
-        if self.flags.grad_offload:
+        if "grads" in away:
+            free_grads(self.chunks)
+        if "grads" in back:
             restore_grads(self.chunks)
-        if self.flags.optimizer_offload and self.optimizer is not None:
+        if "optimizer" in away or "optimizer" in back:
             move_optimizer_state(self.optimizer, dev, self._model_params)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.offloaded = False
-        return self._report("reload", before)
+            if away:
+                torch.cuda.empty_cache()
+        self._away = (self._away | away) - back
+        return self._report("offload" if away else "reload", before)
 
     def _report(self, what: str, before: int) -> dict[str, float]:
         self.last_report = {
@@ -153,13 +197,17 @@ class Offloader:
         return self.last_report
 
     @contextlib.contextmanager
-    def onloaded(self) -> Iterator[None]:
-        """Bring offloaded state back for a compute call, and put it away again after."""
-        if not self.enabled:
-            yield
-            return
-        self.reload()
+    def onloaded(self, parts: tuple[str, ...] = PARTS) -> Iterator[None]:
+        """Hold `parts` on the device for a compute call (a no-op inside an outer hold)."""
+        self.hold(parts)
         try:
             yield
         finally:
-            self.offload()
+            self.release(parts)
+
+
+def _checked(parts: tuple[str, ...]) -> tuple[str, ...]:
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"offload parts must be among {PARTS}, got {sorted(unknown)}")
+    return tuple(parts)

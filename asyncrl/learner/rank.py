@@ -12,6 +12,7 @@ build more than one role per process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from typing import Any
@@ -122,7 +123,7 @@ class LearnerRank:
             raise ValueError(f"transport={transport!r}: learner ranks can put buckets into object_store or shm only")
         self._ready()
         c = self.coords
-        with self._thread():
+        with self._thread(), self._held(("params",)):
             tensors = self.role.export_hf_tensors()
             if not (c.tp == 0 and c.cp == 0 and c.dp == 0):
                 for _ in tensors:
@@ -193,7 +194,7 @@ class LearnerRank:
         from asyncrl.weightsync.collective import CollectiveError, send_stream
 
         self._ready()
-        with self._thread():
+        with self._thread(), self._held(("params",)):
             tensors = self.role.export_hf_tensors()
             if not self._is_sender():
                 for _ in tensors:
@@ -213,6 +214,35 @@ class LearnerRank:
         return {"pp_rank": self.coords.pp, "buckets": sent.host_buckets, "digests": sent.digests, "bytes": sent.bytes,
                 "num_tensors": sent.num_tensors, "seconds": sent.seconds}
 
+    # ------------------------------------------------------------------ device residency (hybrid)
+
+    def _held(self, parts: tuple[str, ...] | None = None):
+        """The role's offloaded state on the device for one call (params only for an export:
+        an offloaded parameter's storage is empty, so an export or checkpoint must bring it back)."""
+        offloader = getattr(self.role, "offloader", None)
+        if offloader is None:
+            return contextlib.nullcontext()
+        return offloader.onloaded(parts) if parts else offloader.onloaded()
+
+    def hold_device(self, parts: list[str] | None = None) -> dict[str, Any]:
+        """Keep `parts` (default all) on the device until `release_device` (the hybrid learner phase)."""
+        return self._residency("hold", parts)
+
+    def release_device(self, parts: list[str] | None = None) -> dict[str, Any]:
+        return self._residency("release", parts)
+
+    def _residency(self, op: str, parts: list[str] | None) -> dict[str, Any]:
+        from asyncrl.learner.offload import PARTS, device_free_bytes
+
+        self._ready()
+        offloader = getattr(self.role, "offloader", None)
+        report: dict[str, float] = {}
+        if offloader is not None:
+            with self._thread():
+                report = getattr(offloader, op)(tuple(parts) if parts else PARTS)
+        return {"rank": self.rank, "report": report, "device_free_bytes": device_free_bytes(),
+                "holds": offloader.holds() if offloader is not None else {}}
+
     # ------------------------------------------------------------------ checkpoints / state
 
     def _checkpoint_parts(self) -> tuple[list[Any], Any, Any]:
@@ -224,7 +254,7 @@ class LearnerRank:
 
         self._ready()
         chunks, optimizer, schedule = self._checkpoint_parts()
-        with self._thread():
+        with self._thread(), self._held():
             out = save_checkpoint(path, chunks, optimizer, extra={"role": self.role_name}, scheduler=schedule)
         return str(out)
 
@@ -233,7 +263,7 @@ class LearnerRank:
 
         self._ready()
         chunks, optimizer, schedule = self._checkpoint_parts()
-        with self._thread():
+        with self._thread(), self._held():
             return load_checkpoint(path, chunks, optimizer, scheduler=schedule)
 
     def state(self) -> dict[str, Any]:

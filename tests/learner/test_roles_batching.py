@@ -176,6 +176,66 @@ def test_offload_round_trip_keeps_state_and_reports_memory():
     assert not Offloader([model], None, RoleOffload()).enabled
 
 
+def test_offload_holds_nest_and_move_each_part_once(monkeypatch):
+    """The hybrid learner phase holds everything; compute calls inside it move nothing; an export
+    holds only the params; a part goes to host when its last holder releases it."""
+    import asyncrl.learner.offload as off_mod
+    from asyncrl.config import RoleOffload
+    from asyncrl.learner.offload import Offloader
+
+    moves: list[tuple[str, str]] = []
+    monkeypatch.setattr(off_mod, "offload_params", lambda chunks: moves.append(("params", "away")) or [("s", "h")])
+    monkeypatch.setattr(off_mod, "reload_params", lambda saved: moves.append(("params", "back")))
+    monkeypatch.setattr(off_mod, "free_grads", lambda chunks: moves.append(("grads", "away")))
+    monkeypatch.setattr(off_mod, "restore_grads", lambda chunks: moves.append(("grads", "back")))
+    monkeypatch.setattr(off_mod, "move_optimizer_state",
+                        lambda opt, dev, keep: moves.append(("optimizer", "away" if dev.type == "cpu" else "back")))
+    monkeypatch.setattr(off_mod, "_device", lambda: torch.device("meta"))  # this host's device is the host
+    model = torch.nn.Linear(2, 2)
+    off = Offloader([model], object(), RoleOffload(param_offload=True, grad_offload=True, optimizer_offload=True))
+
+    off.offload()  # the role starts resident; the hybrid start puts it away
+    assert sorted(moves) == [("grads", "away"), ("optimizer", "away"), ("params", "away")] and off.offloaded
+    moves.clear()
+    off.hold()  # learner phase
+    assert sorted(moves) == [("grads", "back"), ("optimizer", "back"), ("params", "back")] and not off.offloaded
+    moves.clear()
+    with off.onloaded():  # a compute call inside the phase
+        pass
+    assert moves == []
+    off.release(("grads", "optimizer"))  # before the push: the export still needs the params
+    assert sorted(moves) == [("grads", "away"), ("optimizer", "away")]
+    moves.clear()
+    with off.onloaded(("params",)):  # the export
+        pass
+    assert moves == []
+    off.release(("params",))
+    assert moves == [("params", "away")]
+    moves.clear()
+    with off.onloaded(("params",)):  # an export outside any hold brings the params back and away again
+        pass
+    assert moves == [("params", "back"), ("params", "away")]
+    assert off.holds() == {"params": 0, "grads": 0, "optimizer": 0}
+    with pytest.raises(RuntimeError, match="release of 'grads', which nobody holds"):
+        off.release(("grads",))
+    with pytest.raises(ValueError, match="offload parts must be among"):
+        off.hold(("kv_cache",))
+
+
+def test_unflagged_parts_never_move(monkeypatch):
+    import asyncrl.learner.offload as off_mod
+    from asyncrl.config import RoleOffload
+    from asyncrl.learner.offload import Offloader
+
+    moves: list[str] = []
+    monkeypatch.setattr(off_mod, "offload_params", lambda chunks: moves.append("params away") or [])
+    monkeypatch.setattr(off_mod, "free_grads", lambda chunks: moves.append("grads away"))
+    off = Offloader([torch.nn.Linear(2, 2)], None, RoleOffload(param_offload=True, optimizer_offload=True))
+    with off.onloaded():
+        pass
+    assert moves == ["params away"]  # no optimizer (None) to move, grads not flagged
+
+
 def test_optimizer_offload_moves_master_copies_but_never_the_model_params(monkeypatch):
     """Mixed precision: the optimizer steps fp32 master copies of the model's bf16 params; those
     copies are optimizer state too (1.84 GiB of the 1.98 GiB left on an H100 for a 0.5B model
