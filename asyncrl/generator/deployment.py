@@ -125,8 +125,8 @@ class GeneratorEngine:
         return await self.replica.sleep(level)
 
     @_control
-    async def wake_up(self) -> dict[str, Any]:
-        return await self.replica.wake_up()
+    async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return await self.replica.wake_up(tags)
 
     @_control
     async def stats(self) -> dict[str, Any]:

