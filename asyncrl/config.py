@@ -228,20 +228,13 @@ class WeightsyncConfig(_Section):
 
 
 class HybridConfig(_Section):
-    """Co-located placement: learner and engines time-share the same devices."""
+    """Co-located placement: learner and engines time-share the same devices (asyncrl/trainer/placement.py)."""
 
     enabled: bool = False
-    engine_sleep_level: Literal[1, 2] = 1
-
-    @model_validator(mode="after")
-    def _built(self) -> "HybridConfig":
-        if self.enabled:
-            raise ValueError(
-                "co-located placement is not built yet (engine sleep/wake around each learner step); its weight "
-                "transport is: weightsync.transport='ipc' with the learner and engines on one GPU. Use separated "
-                "placement (deploy/rlhf-gpu.yaml)"
-            )
-        return self
+    engine_sleep_level: Literal[1, 2] = Field(
+        1, description="1 = engines offload their weights to host memory and drop the KV cache while the learner "
+        "trains; 2 = they drop both (less host memory; every push then rewrites all weights before serving).")
+    timeout_s: float = Field(300.0, gt=0, description="Deadline of each engine sleep / wake broadcast.")
 
 
 class CheckpointConfig(_Section):
@@ -331,6 +324,17 @@ class RootConfig(_Section):
                 f"buffer.batch_size={self.buffer.batch_size} must be a multiple of "
                 f"algorithm.group_size={self.algorithm.group_size} (GRPO groups stay whole)"
             )
+        if self.hybrid.enabled:
+            missing = [need for need, ok in (
+                ("learner.num_gpus_per_rank > 0", self.learner.num_gpus_per_rank > 0),
+                ("generator.num_gpus > 0", self.generator.num_gpus > 0),
+                ("generator.engine_kwargs.enable_sleep_mode: true", self.generator.engine_kwargs.get("enable_sleep_mode") is True),
+            ) if not ok]
+            if missing:
+                raise ValueError(
+                    f"hybrid.enabled=true (learner and engines time-share GPUs; engines sleep while the learner "
+                    f"trains, which vLLM supports on GPUs only) needs {', '.join(missing)}; on a CPU-only host use "
+                    "separated placement (deploy/rlhf.yaml)")
         if self.weightsync.transport == "nccl" and self.learner.num_gpus_per_rank <= 0:
             raise ValueError(
                 "weightsync.transport='nccl' needs the learner on GPUs (learner.num_gpus_per_rank > 0); "

@@ -43,9 +43,11 @@ class Trainer:
         #     -> engines.generate(prompt, n) -> reward pool -> buffer.put_group(n samples)
         #   learner loop, below:
         #     buffer.get_batch(B) [waits: B samples, none older than v - eta]
+        #     -> placement.to_learner [hybrid: engines sleep, learner state onto its devices]
         #     -> actor proximal log-probs, reference log-probs, critic values (PPO)
         #     -> advantages -> actor (+critic) update: policy version v + 1
-        #     -> weightsync.publish(v + 1) [every replica pauses(keep), loads, verifies, commits]
+        #     -> weightsync.publish(v + 1) [every replica pauses(keep), loads, verifies, commits],
+        #        inside placement.to_engines [hybrid: engine weights wake first, KV cache after]
         #     -> buffer.set_version(v + 1) [admits the next rollouts]
         cfg, p = self.cfg, self.p
         stop = asyncio.Event()
@@ -56,9 +58,10 @@ class Trainer:
             while self.version < cfg.trainer.total_steps:
                 batch = await self._next_batch(rollouts)
                 t0 = time.monotonic()
-                metrics = await self._learn(batch)
+                metrics = await p.placement.to_learner()
+                metrics |= await self._learn(batch)
                 t1 = time.monotonic()
-                metrics |= await p.publish(self.version + 1)
+                metrics |= await p.placement.to_engines(lambda: p.publish(self.version + 1))
                 self.version += 1
                 metrics |= {"time/train_s": t1 - t0, "time/sync_s": time.monotonic() - t1}
                 if cfg.checkpoint.interval_steps and self.version % cfg.checkpoint.interval_steps == 0:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The two-H200 figures of docs/BENCHMARKS.md ("GPU (two H200): NCCL and CUDA-IPC ..."), one stage per device
-# call: bash benchmarks/gpu_session.sh nccl|ipc|async|offload (output under $OUT). Expects the GPU wheelhouse parts
+# call: bash benchmarks/gpu_session.sh nccl|ipc|async|offload (output under $OUT); on one GPU, hybrid
+# placement: bash benchmarks/gpu_session.sh sleep (the sleep/wake GPU test), then hybrid-loop (the demo
+# co-located, deploy/rlhf-hybrid1.yaml, with its logs packed into $OUT/loop.tgz). Expects the GPU wheelhouse parts
 # in /tmp/parts (see the device README: 8 carried parts) and carries .whl (grpcio 1.85.1, protobuf 7.36.2) and
 # artifacts/demo-model. Installs once into /tmp/site; grpcio/protobuf are unpacked over it, because
 # `pip --target --upgrade` would replace the whole google/ namespace and drop google.rpc.
@@ -35,6 +37,15 @@ async)
   timeout 420 python3 benchmarks/async_speedup.py --config deploy/rlhf-gpu2.yaml --steps 30 --num-cpus 32 \
       --out $OUT/async_speedup.json > $OUT/async_speedup.log 2>&1
   echo "async rc=$?"; tail -12 $OUT/async_speedup.log | cut -c1-400
+  ;;
+sleep)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/generator/test_sleep_gpu.py \
+      > $OUT/sleep_gpu_test.log 2>&1
+  echo "pytest rc=$?"; tail -25 $OUT/sleep_gpu_test.log | cut -c1-800
+  ;;
+hybrid-loop)
+  CONFIG=${CONFIG:-deploy/rlhf-hybrid1.yaml} OUT=$OUT/loop bash benchmarks/gpu_loop_smoke.sh
+  tar czf $OUT/loop.tgz -C $OUT loop && rm -rf $OUT/loop
   ;;
 offload)
   [ -f $MODEL/config.json ] || python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $MODEL > $OUT/make_model.log 2>&1

@@ -24,6 +24,7 @@ import torch
 from asyncrl.config import DataConfig, RootConfig
 from asyncrl.data import ArithmeticTask, Prompt, load_jsonl_prompts, render_chat_prompt
 from asyncrl.trainer.data_stream import PromptStream
+from asyncrl.trainer.placement import build_placement
 from asyncrl.trainer.rollout import RolloutWorkers
 from asyncrl.trainer.step import needs_reference
 from asyncrl.trainer.tracking import MetricsTracker
@@ -57,6 +58,7 @@ class TrainerParts:
     reference: Any | None
     critic: Any | None
     weights: Any  # WeightPublisher (asyncrl.weightsync.service)
+    placement: Any  # Separated | Colocation (asyncrl.trainer.placement)
     tracker: MetricsTracker
     stream: PromptStream
     eval_prompts: list[Prompt]
@@ -80,6 +82,7 @@ class TrainerParts:
         from transformers import AutoTokenizer
 
         from asyncrl.buffer.actor import BufferActor
+        from asyncrl.generator.control import EngineControl
         from asyncrl.learner.group import LearnerGroup
         from asyncrl.rewards import RewardPool
         from asyncrl.weightsync.service import WeightPublisher
@@ -94,11 +97,15 @@ class TrainerParts:
         reference = LearnerGroup("reference", cfg.model, cfg.learner, cfg.algorithm) if needs_reference(cfg.algorithm) else None
         critic = LearnerGroup("critic", cfg.model, cfg.learner, cfg.algorithm) if cfg.algorithm.name == "ppo" else None
         await asyncio.gather(*(g.start() for g in (actor, reference, critic) if g is not None))
+        # Hybrid: the learner's state goes to host before the first export (which holds the params itself).
+        placement = build_placement(cfg.hybrid, EngineControl(engine), actor, [reference, critic])
+        await placement.start()
         weights = WeightPublisher(cfg.weightsync, engine=engine, learner=actor, hybrid=cfg.hybrid.enabled,
                                   on_gpu=cfg.learner.num_gpus_per_rank > 0)
         await weights.start(initial_version=0)
         tracker = MetricsTracker(cfg.logging.dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl, plot_interval_steps=cfg.logging.plot_interval_steps)
-        parts = cls(cfg, engine, tokenizer, buffer, rewards, actor, reference, critic, weights, tracker, PromptStream(train, cfg.trainer.seed), held_out)
+        parts = cls(cfg, engine, tokenizer, buffer, rewards, actor, reference, critic, weights, placement, tracker,
+                    PromptStream(train, cfg.trainer.seed), held_out)
         if cfg.checkpoint.resume and cfg.checkpoint.interval_steps:
             await parts.restore_latest()
         return parts

@@ -103,7 +103,7 @@ def test_sglang_engine_is_refused_by_name_not_run_on_vllm():
         load_config({"generator": {"engine": "sglang"}})
 
 
-def test_gpu_deploy_config_loads_and_hybrid_is_refused_by_name():
+def test_gpu_deploy_configs_load():
     cfg = load_config_file(REPO / "deploy" / "rlhf-gpu.yaml")
     assert cfg.learner.num_gpus_per_rank == 1 and cfg.generator.num_gpus == 1
     one = load_config_file(REPO / "deploy" / "rlhf-gpu1.yaml")  # engine and learner share one GPU
@@ -111,5 +111,8 @@ def test_gpu_deploy_config_loads_and_hybrid_is_refused_by_name():
     assert one.generator.autoscaling.max_replicas == 1 and one.generator.engine_kwargs["gpu_memory_utilization"] <= 0.5
     two = load_config_file(REPO / "deploy" / "rlhf-gpu2.yaml")  # one GPU each, weights over NCCL
     assert two.learner.num_gpus_per_rank == 1 and two.generator.num_gpus == 1 and two.weightsync.transport == "nccl"
-    with pytest.raises(ConfigError, match=r"hybrid.*co-located placement is not built"):
-        load_config_file(REPO / "deploy" / "rlhf-hybrid.yaml")
+    hybrid = load_config_file(REPO / "deploy" / "rlhf-hybrid.yaml")
+    assert hybrid.hybrid.enabled and hybrid.weightsync.transport == "ipc"
+    demo = load_config_file(REPO / "deploy" / "rlhf-hybrid1.yaml")  # the demo co-located on one GPU
+    assert demo.hybrid.enabled and demo.learner.num_gpus_per_rank + demo.generator.num_gpus <= 1
+    assert demo.learner.actor.param_offload and demo.learner.actor.grad_offload and demo.learner.actor.optimizer_offload

@@ -1,0 +1,152 @@
+"""Where the learner and the engines run between learner steps: separated, or co-located (hybrid).
+
+Owns: the phase switch around each learner step. `Separated` (own devices each) switches
+nothing. `Colocation` (learner and engines time-share devices) is a small state machine:
+
+    GENERATING --to_learner--> LEARNING --to_engines(publish)--> SYNCING --> GENERATING
+    engines awake,             engines asleep (KV and weights     engine weights awake, KV still
+    learner state on host      released), learner state held      released; the actor's params stay
+                               on its device                      on device for the export; then
+                                                                  params go to host, KV wakes
+
+Wake order is weights first, then KV cache: the push needs engine weights and learner params on
+the device together, never the KV cache as well. Requests that arrive while engines sleep wait in
+the engine (a sleeping replica never runs a step); requests that were running are preempted and
+recompute after the wake, on the new weights, so their per-token versions show the switch.
+
+Must never: decide the order of a training step (controller.py), reach into engine or learner
+internals (it calls the generator's sleep / wake_up and the learner groups' hold / release only),
+or leave engines asleep after a failed push (the wake runs in `finally`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+from asyncrl.config import HybridConfig
+
+Publish = Callable[[], Awaitable[dict[str, float]]]
+GIB = float(2**30)
+
+
+class HybridError(RuntimeError):
+    """Co-located placement cannot work with these engines or was driven out of order."""
+
+
+class Engines(Protocol):
+    """What placement needs of the engine deployment (`asyncrl.generator.control.EngineControl`)."""
+
+    async def call(self, method: str, *args: Any, timeout_s: float | None = 120.0) -> dict[str, Any]: ...
+
+    async def wait_ready(self, timeout_s: float = 600.0) -> dict[str, Any]: ...
+
+
+class Learners(Protocol):
+    """What placement needs of a learner group (`asyncrl.learner.group.LearnerGroup`)."""
+
+    async def hold_device(self, parts: Sequence[str] | None = None) -> list[dict[str, Any]]: ...
+
+    async def release_device(self, parts: Sequence[str] | None = None) -> list[dict[str, Any]]: ...
+
+
+class Separated:
+    """Learner and engines on their own devices: nothing to switch."""
+
+    async def start(self) -> None:
+        return None
+
+    async def to_learner(self) -> dict[str, float]:
+        return {}
+
+    async def to_engines(self, publish: Publish) -> dict[str, float]:
+        return await publish()
+
+
+class Phase(enum.Enum):
+    GENERATING = "generating"
+    LEARNING = "learning"
+    SYNCING = "syncing"
+
+
+class Colocation:
+    """Hybrid placement over the engine deployment and the learner groups; `exporter` is the
+    group whose params the push reads (the actor), `others` (reference, critic) only compute."""
+
+    def __init__(self, cfg: HybridConfig, engines: Engines, exporter: Learners, others: Sequence[Learners] = (),
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.cfg, self.engines, self.exporter, self.others = cfg, engines, exporter, list(others)
+        self.clock = clock
+        self.phase = Phase.GENERATING
+        self.switches = 0
+
+    @property
+    def _groups(self) -> list[Learners]:
+        return [self.exporter, *self.others]
+
+    async def _engines(self, method: str, *args: Any) -> dict[str, Any]:
+        return await self.engines.call(method, *args, timeout_s=self.cfg.timeout_s)
+
+    async def _each(self, op: str, parts: Sequence[str] | None, groups: Sequence[Learners]) -> list[dict[str, Any]]:
+        answers = await asyncio.gather(*(getattr(g, op)(parts) for g in groups))
+        return [a for per_group in answers for a in per_group]
+
+    async def start(self) -> None:
+        """Refuse engines that cannot sleep; put the learner's state away (it starts resident)."""
+        stats = await self.engines.wait_ready(timeout_s=max(600.0, self.cfg.timeout_s))
+        unable = {rid: s.get("sleep_unsupported") for rid, s in stats.items() if s.get("sleep_unsupported")}
+        if unable or not stats:
+            detail = "; ".join(f"{rid}: {why}" for rid, why in sorted(unable.items())) or "no running engine replica"
+            raise HybridError(f"hybrid placement needs engines that can sleep: {detail}")
+        await self._each("hold_device", None, self._groups)  # brings nothing back: nothing is away yet
+        await self._each("release_device", None, self._groups)  # the last hold gone: flagged state to host
+
+    async def to_learner(self) -> dict[str, float]:
+        """Engines sleep (their running requests preempted, kept), then the learner's state comes to its device."""
+        self._expect(Phase.GENERATING, "to_learner")
+        t0 = self.clock()
+        await self._engines("sleep", self.cfg.engine_sleep_level)
+        t1 = self.clock()
+        held = await self._each("hold_device", None, self._groups)
+        self.phase = Phase.LEARNING
+        metrics = {"hybrid/engine_sleep_s": t1 - t0, "hybrid/learner_onload_s": self.clock() - t1}
+        if held:  # what the learner has to itself on its devices while it trains
+            metrics["hybrid/device_free_gib_learning"] = min(a["device_free_bytes"] for a in held) / GIB
+        return metrics
+
+    async def to_engines(self, publish: Publish) -> dict[str, float]:
+        """The learner puts away all but the actor's params, engine weights wake, `publish()` pushes
+        the new version, the params go to host, the KV cache wakes and the engines run again."""
+        self._expect(Phase.LEARNING, "to_engines")
+        t0 = self.clock()
+        metrics: dict[str, float] = {}
+        try:
+            await asyncio.gather(self.exporter.release_device(["grads", "optimizer"]),
+                                 self._each("release_device", None, self.others))
+            await self._engines("wake_up", ["weights"])
+            self.phase = Phase.SYNCING
+            t1 = self.clock()
+            metrics |= await publish()
+            t2 = self.clock()
+        finally:
+            released = await self.exporter.release_device(["params"])
+            await self._engines("wake_up", ["kv_cache"])
+            self.phase = Phase.GENERATING
+            self.switches += 1
+        metrics |= {"hybrid/engine_wake_s": (t1 - t0) + (self.clock() - t2), "hybrid/switches": float(self.switches)}
+        if released:
+            metrics["hybrid/device_free_gib_learner_away"] = min(a["device_free_bytes"] for a in released) / GIB
+        return metrics
+
+    def _expect(self, phase: Phase, step: str) -> None:
+        if self.phase is not phase:
+            raise HybridError(f"hybrid placement: {step} in phase {self.phase.value}, expected {phase.value}")
+
+
+def build_placement(cfg: HybridConfig, engines: Engines, actor: Learners, others: Sequence[Learners | None]) -> Colocation | Separated:
+    if not cfg.enabled:
+        return Separated()
+    return Colocation(cfg, engines, actor, [g for g in others if g is not None])

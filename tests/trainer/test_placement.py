@@ -1,0 +1,141 @@
+"""Hybrid placement's phase switch (logic, with recording fakes of the engine control and the
+learner groups): the order of sleeps, wakes, holds and releases around a step; the engines are
+woken even when the push fails; engines that cannot sleep are refused at start."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncrl.config import ConfigError, HybridConfig, load_config
+from asyncrl.trainer.placement import Colocation, HybridError, Phase, Separated, build_placement
+
+
+class Engines:
+    def __init__(self, log: list, stats: dict | None = None) -> None:
+        self.log, self._stats = log, stats if stats is not None else {"r1": {"sleep_unsupported": None}}
+
+    async def call(self, method, *args, timeout_s=None):
+        self.log.append(("engines", method, *args))
+        return {"r1": {"replica_id": "r1"}}
+
+    async def wait_ready(self, timeout_s=600.0):
+        self.log.append(("engines", "wait_ready"))
+        return self._stats
+
+
+class Group:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    async def hold_device(self, parts=None):
+        self.log.append((self.name, "hold", tuple(parts or ())))
+        return [{"rank": 0, "device_free_bytes": 3 * 2**30}]
+
+    async def release_device(self, parts=None):
+        self.log.append((self.name, "release", tuple(parts or ())))
+        return [{"rank": 0, "device_free_bytes": 5 * 2**30}]
+
+
+def _colocation(log, **engine_kw):
+    return Colocation(HybridConfig(enabled=True, engine_sleep_level=2), Engines(log, **engine_kw),
+                      Group("actor", log), [Group("ref", log)])
+
+
+def test_a_step_sleeps_engines_before_the_learner_and_wakes_weights_before_kv_around_the_push():
+    log: list = []
+    place = _colocation(log)
+
+    async def publish():
+        log.append(("publish",))
+        return {"weightsync/push_s": 0.1}
+
+    async def step():
+        await place.start()
+        del log[:]
+        m1 = await place.to_learner()
+        assert place.phase is Phase.LEARNING
+        m2 = await place.to_engines(publish)
+        return m1, m2
+
+    m1, m2 = asyncio.run(step())
+    assert log == [
+        ("engines", "sleep", 2),
+        ("actor", "hold", ()), ("ref", "hold", ()),
+        ("actor", "release", ("grads", "optimizer")), ("ref", "release", ()),
+        ("engines", "wake_up", ["weights"]),
+        ("publish",),
+        ("actor", "release", ("params",)),
+        ("engines", "wake_up", ["kv_cache"]),
+    ]
+    assert place.phase is Phase.GENERATING
+    assert m1["hybrid/device_free_gib_learning"] == 3.0
+    assert m2["weightsync/push_s"] == 0.1 and m2["hybrid/switches"] == 1.0
+    assert m2["hybrid/device_free_gib_learner_away"] == 5.0
+
+
+def test_start_puts_the_resident_learner_away_and_refuses_engines_that_cannot_sleep():
+    log: list = []
+    asyncio.run(_colocation(log).start())
+    assert log == [("engines", "wait_ready"), ("actor", "hold", ()), ("ref", "hold", ()),
+                   ("actor", "release", ()), ("ref", "release", ())]
+    cpu = {"r1": {"sleep_unsupported": "sleep mode is not available on platform 'cpu'"}}
+    with pytest.raises(HybridError, match="r1: sleep mode is not available on platform 'cpu'"):
+        asyncio.run(_colocation([], stats=cpu).start())
+    with pytest.raises(HybridError, match="no running engine replica"):
+        asyncio.run(_colocation([], stats={}).start())
+
+
+def test_a_failed_push_still_puts_the_params_away_and_wakes_the_engines():
+    log: list = []
+    place = _colocation(log)
+
+    async def publish():
+        raise RuntimeError("push failed")
+
+    async def step():
+        await place.to_learner()
+        await place.to_engines(publish)
+
+    with pytest.raises(RuntimeError, match="push failed"):
+        asyncio.run(step())
+    assert log[-2:] == [("actor", "release", ("params",)), ("engines", "wake_up", ["kv_cache"])]
+    assert place.phase is Phase.GENERATING
+
+
+def test_phases_out_of_order_are_refused():
+    place = _colocation([])
+
+    async def publish():
+        return {}
+
+    with pytest.raises(HybridError, match="to_engines in phase generating"):
+        asyncio.run(place.to_engines(publish))
+
+    async def twice():
+        await place.to_learner()
+        await place.to_learner()
+
+    with pytest.raises(HybridError, match="to_learner in phase learning"):
+        asyncio.run(twice())
+
+
+def test_separated_placement_only_publishes():
+    assert isinstance(build_placement(HybridConfig(), Engines([]), Group("a", []), []), Separated)
+
+    async def publish():
+        return {"x": 1.0}
+
+    place = Separated()
+    assert asyncio.run(place.to_learner()) == {}
+    assert asyncio.run(place.to_engines(publish)) == {"x": 1.0}
+
+
+def test_hybrid_config_names_what_it_needs():
+    with pytest.raises(ConfigError, match=r"learner.num_gpus_per_rank > 0, generator.num_gpus > 0, "
+                                          r"generator.engine_kwargs.enable_sleep_mode: true"):
+        load_config({"hybrid": {"enabled": True}})
+    ok = load_config({"hybrid": {"enabled": True}, "learner": {"num_gpus_per_rank": 0.5},
+                      "generator": {"num_gpus": 0.4, "engine_kwargs": {"enable_sleep_mode": True}}})
+    assert ok.hybrid.enabled and ok.hybrid.engine_sleep_level == 1
