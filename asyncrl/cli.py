@@ -9,7 +9,7 @@ import sys
 def _demo_model(args: argparse.Namespace) -> int:
     from asyncrl.demo_model import DemoSpec, build_demo_model
 
-    spec = DemoSpec(seed=args.seed, digits=args.digits, sft_steps=args.sft_steps)
+    spec = DemoSpec(seed=args.seed, digits=args.digits, sft_steps=args.sft_steps, sft_target_accuracy=args.target_accuracy)
     build_demo_model(args.out, spec)
     return 0
 
@@ -32,6 +32,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -40,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", required=True, help="output Hugging Face model directory")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--digits", type=_positive_int, default=2, help="max digits per operand")
-    demo.add_argument("--sft-steps", type=_positive_int, default=None, help="warm-start steps (default: the spec's)")
+    demo.add_argument("--sft-steps", type=_positive_int, default=None, help="most warm-start steps (default: the spec's)")
+    demo.add_argument("--target-accuracy", type=_fraction, default=None,
+                      help="stop the warm start once greedy accuracy on its dev split reaches this (0 = run every step; default: the spec's)")
     demo.set_defaults(func=_demo_model)
 
     convert = sub.add_parser("convert", help="convert weights between a Hugging Face dir and a Megatron dist checkpoint")
@@ -65,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         from asyncrl.demo_model import DemoSpec
 
         args.sft_steps = DemoSpec().sft_steps
+    if getattr(args, "target_accuracy", 0) is None:
+        from asyncrl.demo_model import DemoSpec
+
+        args.target_accuracy = DemoSpec().sft_target_accuracy
     return args.func(args)
 
 

