@@ -73,14 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "sft_steps", 0) is None:
+    if args.command == "demo-model":  # unset flags take the spec's defaults
         from asyncrl.demo_model import DemoSpec
 
-        args.sft_steps = DemoSpec().sft_steps
-    if getattr(args, "target_accuracy", 0) is None:
-        from asyncrl.demo_model import DemoSpec
-
-        args.target_accuracy = DemoSpec().sft_target_accuracy
+        spec = DemoSpec()
+        args.sft_steps = spec.sft_steps if args.sft_steps is None else args.sft_steps
+        args.target_accuracy = spec.sft_target_accuracy if args.target_accuracy is None else args.target_accuracy
     return args.func(args)
 
 
