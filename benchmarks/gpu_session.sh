@@ -20,13 +20,17 @@ MODEL=/tmp/qwen2-0.5b-random
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 case $1 in
 nccl)
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/weightsync/test_collective_gpu.py > $OUT/collective_gpu_test.log 2>&1
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/weightsync/test_collective_gpu.py \
+      tests/weightsync/test_hostcopy.py > $OUT/collective_gpu_test.log 2>&1
   echo "pytest rc=$?"; tail -15 $OUT/collective_gpu_test.log | cut -c1-600
   timeout 380 python3 benchmarks/weightsync.py --models random500m --replicas 1 --repeats 3 --transports nccl,shm \
       --gpus 0.5 --dtype bfloat16 --verify sampled > $OUT/ws_nccl.log 2>&1
   echo "weightsync rc=$?"; grep '^{' $OUT/ws_nccl.log | tee $OUT/ws_nccl.json; grep -v '^{' $OUT/ws_nccl.log | tail -6 | cut -c1-400
   ;;
 ipc)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/weightsync/test_collective_gpu.py \
+      tests/weightsync/test_hostcopy.py > $OUT/collective_gpu_test.log 2>&1
+  echo "pytest rc=$?"; tail -15 $OUT/collective_gpu_test.log | cut -c1-600
   CUDA_VISIBLE_DEVICES=0 timeout 400 python3 benchmarks/weightsync.py --models random500m --replicas 1 --repeats 3 \
       --transports ipc,shm --gpus 0.5 --dtype bfloat16 --verify sampled > $OUT/ws_ipc.log 2>&1
   echo "weightsync rc=$?"; grep '^{' $OUT/ws_ipc.log | tee $OUT/ws_ipc.json; grep -v '^{' $OUT/ws_ipc.log | tail -6 | cut -c1-400

@@ -158,9 +158,13 @@ class Sender:
         from asyncrl.weightsync.collective import send_stream
 
         sent = send_stream(self.group, iter(self.weights.items()), bucket_mb, verify=verify, timeout_s=timeout_s,
-                           on_host_bucket=ray.put)
-        return {"buckets": sent.host_buckets, "digests": sent.digests, "bytes": sent.bytes,
-                "num_tensors": sent.num_tensors, "seconds": sent.seconds}
+                           keep=ray.put)
+        self.copies = sent.host_copies
+        return {"digests": sent.digests, "bytes": sent.bytes, "num_tensors": sent.num_tensors, "seconds": sent.seconds}
+
+    def take(self, timeout_s: float) -> list:
+        copies, self.copies = self.copies, None
+        return copies.result(time.monotonic() + timeout_s)
 
     def raw_join(self, spec: dict, bucket_mb: float) -> list[int]:
         from asyncrl.weightsync.bucket import iter_buckets
@@ -205,6 +209,9 @@ class SenderAsLearner:
         from asyncrl.learner.group import CollectiveExport
 
         return CollectiveExport(**await self.actor.send.remote(bucket_mb, verify, timeout_s))
+
+    async def take_host_copies(self, timeout_s):
+        return await self.actor.take.remote(timeout_s)
 
 
 def build_random_qwen2(out: Path, hidden: int, layers: int, intermediate: int, dtype: str = "float32") -> Path:
@@ -335,7 +342,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
         nbytes = int(metrics[0]["weightsync/bytes"])
         floor = raw[kind if kind in collective else "host"]
         key = lambda k: med([m.get(k, 0.0) for m in metrics])  # noqa: E731, B023
-        breakdown = {k: key(f"weightsync/{k}_seconds") for k in ("stage", "fingerprint", "commit")}
+        breakdown = {k: key(f"weightsync/{k}_seconds") for k in ("stage", "fingerprint", "commit", "paused", "host_copy_wait")}
         if kind in collective:
             breakdown.update({f"sender_{k}": key(f"weightsync/sender/{k}_seconds") for k in ("pack", "broadcast", "host_copy", "hash")})
         out.append({

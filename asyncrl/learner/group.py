@@ -56,10 +56,9 @@ class PackedExport:
 @dataclass
 class CollectiveExport:
     """What the sending ranks report after broadcasting one version (weightsync/collective.py):
-    host copies of the buckets (ObjectRefs, stage 0 first), per-tensor digests, sizes and the
-    slowest sender's seconds per phase."""
+    per-tensor digests, sizes and the slowest sender's seconds per phase. Their host copies
+    follow (`LearnerGroup.take_host_copies`)."""
 
-    buckets: list[Any] = field(default_factory=list)
     digests: dict[str, bytes] = field(default_factory=dict)
     bytes: int = 0
     num_tensors: int = 0
@@ -228,14 +227,18 @@ class LearnerGroup:
         """One collective push (every rank takes part in the export; senders broadcast)."""
         outs = [o for o in await self._all("broadcast_hf_tensors", bucket_mb, verify, timeout_s) if o is not None]
         sent = CollectiveExport()
-        for o in sorted(outs, key=lambda o: o["pp_rank"]):
-            sent.buckets += o["buckets"]
+        for o in outs:
             sent.digests.update(o["digests"])
             sent.bytes += o["bytes"]
             sent.num_tensors += o["num_tensors"]
             for k, v in o["seconds"].items():
                 sent.seconds[k] = max(sent.seconds.get(k, 0.0), v)  # stages send one after another's end
         return sent
+
+    async def take_host_copies(self, timeout_s: float) -> list[Any]:
+        """The last broadcast's host copies (ObjectRefs, stage 0 first), once every sender kept them."""
+        outs = [o for o in await self._all("take_host_copies", timeout_s) if o is not None]
+        return [ref for o in sorted(outs, key=lambda o: o["pp_rank"]) for ref in o["buckets"]]
 
     async def hold_device(self, parts: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """Every rank keeps `parts` (params, grads, optimizer; default all) of its offloaded state on

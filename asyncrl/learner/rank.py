@@ -49,6 +49,7 @@ class LearnerRank:
         self.layout: Any = None
         self.coords: Any = None
         self._collective: Any = None  # this rank's weight broadcast group (sending ranks only)
+        self._host_copies: Any = None  # its last broadcast's host copies, until taken
 
     # ------------------------------------------------------------------ setup
 
@@ -186,9 +187,9 @@ class LearnerRank:
     def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float) -> dict[str, Any] | None:
         """One collective push from this rank: every rank drives the export iterator (its TP/EP
         gathers are collective); the sending rank buckets the tensors on its device, broadcasts
-        each bucket to the engine workers, and keeps a host copy of it in the object store (for
-        rollbacks, retries and late joiners). Returns the sender's `SendResult` fields, with the
-        host copies as ObjectRefs."""
+        each bucket to the engine workers, and starts a host copy of it into the object store (for
+        rollbacks, retries and late joiners), which `take_host_copies` collects. Returns the
+        sender's digests, sizes and timings."""
         import ray
 
         from asyncrl.weightsync.collective import CollectiveError, send_stream
@@ -206,13 +207,27 @@ class LearnerRank:
                     pass
                 raise CollectiveError(f"rank {self.rank}: no usable weight broadcast group (join_collective first)")
             try:
-                sent = send_stream(group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s, on_host_bucket=ray.put)
+                sent = send_stream(group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=ray.put)
             except BaseException:
                 for _ in tensors:  # a failed broadcast: still finish the export the TP peers are gathering
                     pass
                 raise
-        return {"pp_rank": self.coords.pp, "buckets": sent.host_buckets, "digests": sent.digests, "bytes": sent.bytes,
+        self._host_copies = sent.host_copies
+        return {"pp_rank": self.coords.pp, "digests": sent.digests, "bytes": sent.bytes,
                 "num_tensors": sent.num_tensors, "seconds": sent.seconds}
+
+    def take_host_copies(self, timeout_s: float) -> dict[str, Any] | None:
+        """The host copies (ObjectRefs, in bucket order) of this rank's last broadcast, once all
+        are in the object store (non-sending ranks: None). Each push's copies are taken once."""
+        import time
+
+        if not self._is_sender():
+            return None
+        copies, self._host_copies = self._host_copies, None
+        if copies is None:
+            raise RuntimeError(f"rank {self.rank}: no broadcast whose host copies are untaken")
+        refs = copies.result(time.monotonic() + timeout_s)
+        return {"pp_rank": self.coords.pp, "buckets": refs, "seconds": dict(copies.seconds)}
 
     # ------------------------------------------------------------------ device residency (hybrid)
 

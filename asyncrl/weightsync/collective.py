@@ -16,12 +16,14 @@ Owns: the group description (`GroupSpec`: one group per sending rank, that rank 
 and every engine worker of every replica a receiver), `CollectiveGroup` (join, broadcast with a
 deadline, close), the wire protocol of one push on a group (per bucket: a 3 x int64 header, the
 tensor table as JSON bytes, the bucket buffer; then an end or abort header), `send_stream` (the
-sender's loop: pack on the tensors' device, broadcast, keep a host copy, hash in the verify mode)
+sender's loop: pack on the tensors' device, broadcast, hash in the verify mode, start the host
+copy (hostcopy.py: made off the critical path, collected by the publisher while replicas commit))
 and `receive_stream` (the receiver's loop: allocate on its device, receive, hand each bucket on).
 
-Memory: the sender holds one packed bucket on its device at a time (plus its host copy while it
-is put). Each engine worker stages the complete new version (full HF tensors, not its TP shard)
-in its device memory until commit, because the commit is atomic: a worker needs headroom for one
+Memory: the sender holds one packed bucket on its device at a time, plus up to four sent ones
+whose host copies are still running, and (on a GPU) a pinned host copy of what it sends, reused
+by each push. Each engine worker stages the complete new version (full HF tensors, not its TP
+shard) in its device memory until commit, because the commit is atomic: a worker needs headroom for one
 unsharded copy of the model beside its live shard. Where that does not fit, use shm (one node:
 staged in shared host pages, one copy per node) or object_store.
 
@@ -47,6 +49,7 @@ from typing import Any
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets
+from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
 
 BACKENDS = ("gloo", "nccl", "ipc")
 IPC_WINDOW = 2  # buckets an ipc sender keeps published (and alive) before waiting for acknowledgements
@@ -150,6 +153,8 @@ class CollectiveGroup:
     _store: Any = field(default=None, repr=False)
     _pushes: int = 0  # ipc: pushes started on this group (both ends count alike; keys carry it)
     _leftover: list[str] = field(default_factory=list)  # ipc sender: the last push's keys, dropped at the next
+    _copies: HostCopies | None = field(default=None, repr=False)  # sender: the last push's host copies
+    _pinned: PinnedPool | None = field(default=None, repr=False)  # sender on a GPU: their pinned buffers
 
     @classmethod
     def join(cls, spec: GroupSpec, rank: int, device: torch.device | str | None = None) -> "CollectiveGroup":
@@ -263,10 +268,11 @@ def _send_bytes(group: CollectiveGroup, raw: bytes, deadline: float) -> None:
 
 @dataclass
 class SendResult:
-    """What a sender hands back to the publisher: the host copies (for rollback, retries and late
-    joiners), per-tensor digests in the push's verify mode, and timings."""
+    """What a sender hands back to the publisher: per-tensor digests in the push's verify mode,
+    sizes and timings. Its host copies (for rollbacks, retries and late joiners) are still being
+    made when it returns: `host_copies.result()` waits for them (hostcopy.py)."""
 
-    host_buckets: list[Bucket] = field(default_factory=list)
+    host_copies: HostCopies | None = None
     digests: dict[str, bytes] = field(default_factory=dict)
     bytes: int = 0
     num_tensors: int = 0
@@ -274,15 +280,16 @@ class SendResult:
 
 
 def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
-                verify: str, timeout_s: float, on_host_bucket: Callable[[Bucket], Any] | None = None) -> SendResult:
+                verify: str, timeout_s: float, keep: Callable[[Bucket], Any] | None = None) -> SendResult:
     """The sender's loop for one push: bucket the stream on the tensors' device, broadcast each
-    bucket, copy it to host (`on_host_bucket` may put it somewhere) and hash that copy. If the
-    stream fails, the receivers are told (abort header) before the error propagates."""
+    bucket, hash it, and start its host copy (`keep` is called with each finished copy, off the
+    critical path). If the stream fails, the receivers are told (abort header) before the error
+    propagates."""
     if group.spec.backend == "ipc":
-        return _ipc_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s,
-                                on_host_bucket=on_host_bucket)
+        return _ipc_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=keep)
     deadline = time.monotonic() + timeout_s
     out = SendResult()
+    copies = out.host_copies = _host_copies(group, keep, deadline)
     export = _Export(named_tensors, bucket_mb, group.device, out)
     try:
         for bucket in export:
@@ -293,9 +300,10 @@ def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
             if bucket.nbytes:
                 group.broadcast(bucket.buffer, deadline)
             out.seconds["broadcast"] += time.perf_counter() - t
-            _hash_host_copy(bucket, verify, out, on_host_bucket)
+            _copy_and_hash(copies, bucket, verify, out)
             del bucket
     except BaseException:
+        copies.close()
         if export.failed and not group.broken:  # tell the receivers, so they fail now rather than at their deadline
             try:
                 group.broadcast(_header(group, _ABORT), deadline)
@@ -303,7 +311,37 @@ def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
                 pass
         raise
     group.broadcast(_header(group, _END), deadline)
+    copies.finish()
     return out
+
+
+def _host_copies(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None, deadline: float) -> HostCopies:
+    """This push's host copies; an earlier push's that nobody collected are dropped first (their
+    pinned buffers are this push's)."""
+    if group._copies is not None:
+        group._copies.close()
+    if group.device.type == "cuda" and group._pinned is None:
+        group._pinned = PinnedPool()
+    group._copies = HostCopies(keep, group._pinned, deadline=deadline)
+    return group._copies
+
+
+def _copy_and_hash(copies: HostCopies, bucket: Bucket, verify: str, out: SendResult) -> None:
+    from asyncrl.generator.weights import tensor_digest
+    from asyncrl.weightsync.bucket import unpack_bucket
+
+    t = time.perf_counter()
+    copy = copies.add(bucket)
+    out.seconds["host_copy"] += time.perf_counter() - t
+    t = time.perf_counter()
+    # `sampled` and `off` read a few windows per tensor, on the device; `full` reads every byte,
+    # from the host copy (waiting for it).
+    hashed = copies.host(copy) if verify == "full" else bucket
+    for name, tensor in unpack_bucket(hashed):
+        out.digests[name] = tensor_digest(name, tensor, verify)
+    out.seconds["hash"] += time.perf_counter() - t
+    out.bytes += bucket.payload_bytes
+    out.num_tensors += len(bucket)
 
 
 class _Export:
@@ -357,22 +395,6 @@ def receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[Bucket]:
 
 
 # ---- ipc: handles to the sender's buffers, through the group's store -----------------------------
-
-
-def _hash_host_copy(bucket: Bucket, verify: str, out: SendResult, on_host_bucket: Callable[[Bucket], Any] | None) -> None:
-    from asyncrl.generator.weights import tensor_digest
-    from asyncrl.weightsync.bucket import unpack_bucket
-
-    t = time.perf_counter()
-    host = bucket.to_host()
-    out.seconds["host_copy"] += time.perf_counter() - t
-    t = time.perf_counter()
-    for name, tensor in unpack_bucket(host):
-        out.digests[name] = tensor_digest(name, tensor, verify)
-    out.seconds["hash"] += time.perf_counter() - t
-    out.bytes += host.payload_bytes
-    out.num_tensors += len(host)
-    out.host_buckets.append(on_host_bucket(host) if on_host_bucket is not None else host)
 
 
 def _gpu_uuid(device: torch.device) -> str:
@@ -469,7 +491,7 @@ def _ipc_retire(group: CollectiveGroup, k: int, kept: Any) -> None:
 
 
 def _ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
-                     verify: str, timeout_s: float, on_host_bucket: Callable[[Bucket], Any] | None) -> SendResult:
+                     verify: str, timeout_s: float, keep: Callable[[Bucket], Any] | None) -> SendResult:
     import pickle
     from collections import deque
 
@@ -481,6 +503,7 @@ def _ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, 
     group._pushes += 1
     group._leftover = [_ipc_key(group, w) for w in ("aborted", "failed")]
     published: deque[tuple[int, Any]] = deque()
+    copies = out.host_copies = _host_copies(group, keep, deadline)
     export = _Export(named_tensors, bucket_mb, group.device, out)
     k = 0
     try:
@@ -495,7 +518,7 @@ def _ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, 
                                                                 "metas": _encode_metas(bucket.metas)}))
             published.append((k, kept))
             out.seconds["broadcast"] += time.perf_counter() - t
-            _hash_host_copy(bucket, verify, out, on_host_bucket)  # overlaps the receivers' copies
+            _copy_and_hash(copies, bucket, verify, out)  # overlaps the receivers' copies
             del bucket
             k += 1
         store.set(_ipc_key(group, f"b{k}"), pickle.dumps({"kind": _END}))
@@ -506,7 +529,9 @@ def _ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, 
             _ipc_wait_acks(group, done, deadline)
             _ipc_retire(group, done, kept)
         out.seconds["broadcast"] += time.perf_counter() - t
+        copies.finish()
     except BaseException as err:
+        copies.close()
         try:  # receivers stop at once instead of at their deadline (before any handle they may hold is freed)
             store.set(_ipc_key(group, "aborted"), b"1")
             store.set(_ipc_key(group, f"b{k}"), pickle.dumps({"kind": _ABORT}))

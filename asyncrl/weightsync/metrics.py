@@ -2,7 +2,7 @@
 
 Owns: the timers and counters a push fills in, and their names:
   weightsync/version, bytes, num_tensors, num_buckets, num_replicas, attempts, retries, failed
-  weightsync/push_seconds          begin of registration -> replicas resumed (or failure)
+  weightsync/push_seconds          begin of registration -> live, with its host copy (or failure)
   weightsync/stage_seconds         first bucket sent -> last bucket loaded on every replica
   weightsync/commit_seconds        commit call -> every replica answered
   weightsync/fingerprint_seconds   the publisher hashing buckets (overlapped with the replicas staging)
@@ -12,6 +12,9 @@ Owns: the timers and counters a push fills in, and their names:
   weightsync/sender/<phase>_seconds  collective transports: the sending ranks' pack, broadcast,
                                    host_copy and hash seconds (put_seconds = broadcast)
   weightsync/on_live_seconds       the `on_live` hook (the WeightStore copy for late joiners)
+  weightsync/paused_seconds        pause sent -> every replica resumed (what generation lost)
+  weightsync/host_copy_wait_seconds  collective transports: waiting, after the commit, for the
+                                   sender's host copies (made off the critical path)
   weightsync/replica/<name>/{load_seconds,load_gbps,commit_seconds}
   weightsync/replica/<name>/<step>_seconds   every other step too (pause, begin_update, resume, ...)
   weightsync/timeline/<state>_s    seconds from registration to entering each state
@@ -55,6 +58,8 @@ class PushMetrics:
     out_of_service: int = 0
     store_failed: bool = False
     on_live_seconds: float = 0.0
+    paused_seconds: float = 0.0
+    host_copy_wait_seconds: float = 0.0
     sender_seconds: dict[str, float] = field(default_factory=dict)  # collective transports: the sender's phases
     replica_seconds: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
 
@@ -80,6 +85,8 @@ class PushMetrics:
             p + "store_failed": float(self.store_failed),
             p + "push_seconds": self.push_seconds,
             p + "on_live_seconds": self.on_live_seconds,
+            p + "paused_seconds": self.paused_seconds,
+            p + "host_copy_wait_seconds": self.host_copy_wait_seconds,
             p + "stage_seconds": self.stage_seconds,
             p + "commit_seconds": self.commit_seconds,
             p + "fingerprint_seconds": self.fingerprint_seconds,

@@ -217,14 +217,17 @@ class _BucketSource:
 
 @dataclass
 class StreamedSend:
-    """What a collective sender reports for one version (weightsync/collective.py): the host
-    copies it put into the transport (handles), per-tensor digests, sizes and its phase seconds."""
+    """What a collective sender reports for one version (weightsync/collective.py): per-tensor
+    digests, sizes, its phase seconds and its host copies in the transport (handles). A sender
+    that makes them off the critical path gives `collect` instead, which returns them once made;
+    the publisher awaits it while the replicas commit."""
 
     handles: list[Any]
     digests: dict[str, bytes]
     bytes: int
     num_tensors: int
     seconds: dict[str, float] = field(default_factory=dict)
+    collect: Callable[[], Awaitable[list[Any]]] | None = None
 
 
 Send = Callable[[int, VerifyMode], Awaitable[StreamedSend]]
@@ -242,8 +245,10 @@ class _StreamedSource:
         self.verify = check_verify_mode(verify)
         self.handles: list[Any] = []
         self._digests: dict[str, bytes] | None = None
+        self._collecting: asyncio.Future | None = None
 
     async def stream(self, publisher: "Publisher", version: int, replicas: list[ReplicaClient], m: PushMetrics) -> None:
+        self.discard(publisher._transport)  # an earlier attempt's host copies
         self.handles, self._digests = [], None
         if self._prepare is not None:
             try:
@@ -262,6 +267,8 @@ class _StreamedSource:
         except BaseException:
             receiving.cancel()
             raise
+        if sent.collect is not None:  # the host copies are made while the replicas finish and commit
+            self._collecting = asyncio.ensure_future(sent.collect())
         await receiving
         self.handles, self._digests = list(sent.handles), dict(sent.digests)
         m.bytes, m.num_tensors, m.num_buckets = sent.bytes, sent.num_tensors, len(sent.handles)
@@ -273,6 +280,33 @@ class _StreamedSource:
         if self._digests is None:
             raise RuntimeError("fingerprint before the sender finished")
         return combine_digests(self._digests, self.verify)
+
+    async def settle(self, m: PushMetrics, timeout_s: float) -> None:
+        """Wait for the sender's host copies (they become `handles`)."""
+        collecting, self._collecting = self._collecting, None
+        if collecting is None:
+            return
+        t = time.perf_counter()
+        try:
+            self.handles = list(await asyncio.wait_for(collecting, timeout_s))
+        finally:
+            m.host_copy_wait_seconds = time.perf_counter() - t
+        m.num_buckets = len(self.handles)
+
+    def discard(self, transport: Transport) -> None:
+        """Release host copies still being collected once they arrive (a failed or retried attempt)."""
+        collecting, self._collecting = self._collecting, None
+        if collecting is None:
+            return
+
+        def release(done: asyncio.Future) -> None:
+            if done.cancelled() or done.exception() is not None:
+                return
+            for h in done.result():
+                with contextlib.suppress(Exception):
+                    transport.release(h)
+
+        collecting.add_done_callback(release)
 
 
 class Publisher:
@@ -366,6 +400,8 @@ class Publisher:
             for h in source.handles:  # the failed version's buckets: nobody will read them again
                 with contextlib.suppress(Exception):
                     self._transport.release(h)
+            if isinstance(source, _StreamedSource):
+                source.discard(self._transport)
             if self.registry.in_flight == version:  # cancelled, or a bug: never leave it in flight
                 self._reg("transition", version, S.FAILED, error=f"{type(exc).__name__}: {exc}")
                 m.failed = True
@@ -377,7 +413,7 @@ class Publisher:
     async def _attempt(self, version: int, source: "_BucketSource | _StreamedSource", replicas: list[ReplicaClient], m: PushMetrics) -> str:
         pause_sent = begin_sent = False
         try:
-            pause_sent = True
+            pause_sent, paused = True, time.perf_counter()
             await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
             begin_sent = True
             await self._step(Step.BEGIN, replicas, lambda r: r.begin_update(version, source.verify), m)
@@ -414,6 +450,7 @@ class Publisher:
         finally:
             if pause_sent:
                 await self._run(Step.RESUME, replicas, lambda r: r.resume(), m)
+                m.paused_seconds += time.perf_counter() - paused
 
     async def _stream(self, version: int, source: _BucketSource, replicas: list[ReplicaClient], m: PushMetrics) -> None:
         # Pack/put bucket k+1 while bucket k loads; at most one load per replica in flight.
@@ -504,10 +541,21 @@ class Publisher:
                                out_of_service=f.out_of_service, metrics=self._finish(m, version))
 
     async def _went_live(self, version: int, fingerprint: str, source: "_BucketSource | _StreamedSource", m: PushMetrics) -> list[str]:
-        old, self._host = self._host, _HostCopy(version, fingerprint, source.handles)
+        kept = True
+        if isinstance(source, _StreamedSource):
+            try:
+                await source.settle(m, self._cfg.timeout_s)
+            except Exception as exc:  # live everywhere, but nothing to restore from or hand to late joiners
+                kept = False
+                m.store_failed = True
+                warning = (f"version {version} is live, but the sender's host copies failed ({type(exc).__name__}: {exc}): "
+                           "no host copy is kept until the next push (a failed push cannot roll back; late joiners load the last stored version)")
+        old, self._host = self._host, (_HostCopy(version, fingerprint, source.handles) if kept else None)
         if old is not None:
             for h in old.handles:
                 self._transport.release(h)
+        if not kept:
+            return [warning]
         if self._on_live is None:
             return []
         t = time.perf_counter()

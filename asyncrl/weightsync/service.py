@@ -245,7 +245,8 @@ class CollectiveLink:
         from asyncrl.weightsync.push import StreamedSend
 
         sent = await self.learner.broadcast_hf_tensors(self.bucket_mb, verify, self.timeout_s)
-        return StreamedSend(sent.buckets, sent.digests, sent.bytes, sent.num_tensors, sent.seconds)
+        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds,
+                            collect=lambda: self.learner.take_host_copies(self.timeout_s))
 
 
 def _put_kind(transport: Any) -> str:

@@ -85,10 +85,11 @@ def test_every_receiver_gets_every_bucket_bit_exact_and_the_sender_keeps_host_co
     assert sorted(got) == [1, 2]
     for out in got.values():
         assert out.keys() == weights.keys() and all(torch.equal(out[k], weights[k]) for k in weights)
-    host = {n: t for b in sent.host_buckets for n, t in unpack_bucket(b)}
+    kept = sent.host_copies.result()
+    host = {n: t for b in kept for n, t in unpack_bucket(b)}
     assert all(torch.equal(host[k], weights[k]) for k in weights)
     assert sent.num_tensors == len(weights) and sent.bytes == sum(t.numel() * t.element_size() for t in weights.values())
-    assert len(sent.host_buckets) >= 3 and set(sent.seconds) == {"pack", "broadcast", "host_copy", "hash"}
+    assert len(kept) >= 3 and set(sent.seconds) == {"pack", "broadcast", "host_copy", "hash"}
     assert combine_digests(sent.digests, "full") == tensor_fingerprint(weights, "full")
     for g in (sender, *receivers):
         g.close()
@@ -166,7 +167,7 @@ def test_an_ipc_sender_keeps_at_most_its_window_published_and_frees_every_bucket
         th.start()
         sent = send_stream(sender, iter(weights.items()), BUCKET_MB, verify="full", timeout_s=20)
         th.join(30)
-        assert len(sent.host_buckets) == 4 and len(seen) == 4
+        assert len(sent.host_copies.result()) == 4 and len(seen) == 4
         assert max(seen) <= IPC_WINDOW  # never more than the window alive at once
         assert _bucket_files() - before == set()  # every published bucket freed
         assert all(torch.equal(got[k], weights[k]) for k in weights)
@@ -256,7 +257,8 @@ async def test_publish_streamed_goes_live_with_the_senders_fingerprint_and_host_
 
     async def send(version, verify):
         sent = await asyncio.to_thread(send_stream, state["sender"], iter(new.items()), BUCKET_MB, verify=verify, timeout_s=20)
-        return StreamedSend(sent.host_buckets, sent.digests, sent.bytes, sent.num_tensors, sent.seconds)
+        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds,
+                            collect=lambda: asyncio.to_thread(sent.host_copies.result))
 
     result = await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
     for r in replicas:
@@ -264,9 +266,33 @@ async def test_publish_streamed_goes_live_with_the_senders_fingerprint_and_host_
         assert r.version == 1 and all(torch.equal(r.weights[k], new[k]) for k in new)
     assert result.fingerprint == tensor_fingerprint(new) and pub.registry.live_version == 1
     assert pub.host_version == 1 and len(pub._host.handles) == 3  # host copies kept for restores
+    host = {n: t for b in pub._host.handles for n, t in unpack_bucket(b)}
+    assert host.keys() == new.keys() and all(torch.equal(host[k], new[k]) for k in new)
     m = result.metrics
     assert m["weightsync/num_buckets"] == 3 and m["weightsync/bytes"] == 5 * 64 * 16 * 4
     assert {"weightsync/sender/broadcast_seconds", "weightsync/sender/host_copy_seconds"} <= m.keys()
+    assert 0 < m["weightsync/paused_seconds"] <= m["weightsync/push_seconds"] and m["weightsync/host_copy_wait_seconds"] >= 0
+
+
+async def test_host_copies_that_fail_after_the_commit_leave_the_version_live_without_a_host_copy():
+    """The host copies are collected after the commit: if they fail, the replicas already serve
+    the new version (it is live), the push warns, and no stale host copy stands in for it."""
+    pub, replicas, log, _, state, prepare = _streamed_setup()
+    new = model(1)
+
+    async def send(version, verify):
+        sent = await asyncio.to_thread(send_stream, state["sender"], iter(new.items()), BUCKET_MB, verify=verify, timeout_s=20)
+
+        async def collect():
+            await asyncio.to_thread(sent.host_copies.result)
+            raise RuntimeError("object store full")
+
+        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds, collect=collect)
+
+    result = await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
+    assert pub.registry.live_version == 1 and all(r.version == 1 for r in replicas)
+    assert pub._host is None and result.metrics["weightsync/store_failed"] == 1.0
+    assert len(result.warnings) == 1 and "object store full" in result.warnings[0]
 
 
 async def test_a_sender_failure_publishes_nothing_and_a_retry_forms_a_new_group():
@@ -285,7 +311,8 @@ async def test_a_sender_failure_publishes_nothing_and_a_retry_forms_a_new_group(
                 raise RuntimeError("export failed mid-stream")
             stream = broken()
         sent = await asyncio.to_thread(send_stream, state["sender"], stream, BUCKET_MB, verify=verify, timeout_s=20)
-        return StreamedSend(sent.host_buckets, sent.digests, sent.bytes, sent.num_tensors, sent.seconds)
+        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds,
+                            collect=lambda: asyncio.to_thread(sent.host_copies.result))
 
     result = await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
     assert state["prepares"] == 2 and calls["n"] == 2 and result.metrics["weightsync/retries"] == 1

@@ -25,7 +25,9 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue) -> None:
         group = CollectiveGroup.join(spec_, rank, device)
         if rank == 0:
             sent = send_stream(group, ((n, t.cuda()) for n, t in weights.items()), 0.05, verify="sampled", timeout_s=60)
-            out.put(("sent", sorted(sent.digests), sent.bytes, [b.nbytes for b in sent.host_buckets]))
+            kept = sent.host_copies.result()  # pinned device-to-host copies, made while sending
+            host = {n: t for b in kept for n, t in unpack_bucket(b)}
+            out.put(("sent", sorted(sent.digests), sent.bytes, [b.nbytes for b in kept], tensor_fingerprint(host, "full")))
         else:
             got = {}
             for bucket in receive_stream(group, time.monotonic() + 60):
@@ -70,6 +72,7 @@ def _assert_delivered(weights: dict, sent: tuple, received: list[tuple], receive
     for _, _, names, fingerprint in received:
         assert names == sorted(weights) and fingerprint == tensor_fingerprint(weights, "full")  # bit-exact
     assert sent[1] == sorted(weights) and sent[2] == sum(t.numel() * t.element_size() for t in weights.values())
+    assert sent[4] == tensor_fingerprint(weights, "full")  # the sender's host copies are bit-exact too
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: two GPUs")

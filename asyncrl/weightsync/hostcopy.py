@@ -1,0 +1,188 @@
+"""The sending rank's host copies of a collective push, made off the push's critical path.
+
+A collective push keeps a host copy of every bucket it sends: the publisher restores replicas
+from it after a later push fails, hands it to the WeightStore for late joiners, and releases it
+when the next version is live. Nothing reads it before the commit, so making it must not hold the
+engines paused. Each sent device bucket is copied into pinned host memory on a side stream
+(overlapping the next bucket's pack and send), and a thread hands each finished copy to `keep`
+(the rank's `ray.put`). The sender returns once its last bucket is sent; the publisher collects
+the kept copies (`HostCopies.result`) while the replicas commit.
+
+Memory: at most `max_device` sent buckets wait on the device for their copy. The pinned pool
+(`PinnedPool`) holds one model's worth of host memory, allocated by the first push and reused by
+the later ones: a fresh pinned allocation costs about as much as the copy itself. A bucket already
+in host memory (a CPU sender) is kept as it is.
+
+Must never: drop a device bucket before its copy completed, reuse a pinned buffer before the
+last push's copies were kept (`HostCopies.close` waits), or wait without a deadline.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncrl.weightsync.bucket import Bucket
+
+
+class HostCopyError(RuntimeError):
+    pass
+
+
+class PinnedPool:
+    """Pinned host buffers by bucket index, kept between pushes (a push's k-th bucket reuses the
+    last push's k-th buffer when it is large enough)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = []
+
+    def get(self, index: int, nbytes: int) -> torch.Tensor:
+        while len(self._buffers) <= index:
+            self._buffers.append(None)
+        buf = self._buffers[index]
+        if buf is None or buf.numel() < nbytes:
+            buf = self._buffers[index] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return buf[:nbytes]
+
+    def trim(self, count: int) -> None:
+        """Free the buffers past the first `count` (the model shrank, or the bucket size changed)."""
+        del self._buffers[count:]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(b.numel()) for b in self._buffers if b is not None)
+
+
+@dataclass
+class _Copy:
+    host: Bucket
+    device: Bucket | None = None  # held until `event` completed: the copy still reads it
+    event: Any = None  # torch.cuda.Event on the copy stream
+
+    def wait(self, deadline: float) -> Bucket:
+        if self.event is not None:
+            while not self.event.query():
+                if time.monotonic() > deadline:
+                    raise HostCopyError("device-to-host copy of a bucket not complete by the deadline")
+                time.sleep(0.0002)
+        self.device = None
+        return self.host
+
+
+class HostCopies:
+    """The host copies of one push from one sender; `add` each sent bucket, then `finish`.
+
+    `add` returns at once (unless `max_device` buckets are still being copied); `host(copy)` waits
+    for one copy (full verification hashes it); `result` waits for all and returns what `keep`
+    returned for each, in bucket order. `seconds`: `wait` is time `add` spent blocked (on the
+    critical path), `copy` and `keep` the thread's time waiting for copies and keeping them."""
+
+    def __init__(self, keep: Callable[[Bucket], Any] | None, pool: PinnedPool | None, *, deadline: float,
+                 max_device: int = 4) -> None:
+        self._keep = keep if keep is not None else (lambda bucket: bucket)
+        self._pool, self._deadline = pool, deadline
+        self._slots = threading.Semaphore(max_device)
+        self._queue: queue.Queue[_Copy | None] = queue.Queue()
+        self._kept: list[Any] = []
+        self._error: BaseException | None = None
+        self._streams: dict[torch.device, Any] = {}
+        self._count = 0
+        self._finished = False
+        self.bytes = 0
+        self.seconds = {"wait": 0.0, "copy": 0.0, "keep": 0.0}
+        self._thread = threading.Thread(target=self._run, name="asyncrl-host-copies", daemon=True)
+        self._thread.start()
+
+    # ---- the sender's side -------------------------------------------------------------------
+    def add(self, bucket: Bucket) -> _Copy:
+        t = time.perf_counter()
+        while not self._slots.acquire(timeout=0.05):
+            self._check()
+            if time.monotonic() > self._deadline:
+                raise HostCopyError(f"host copies fell behind: no free device slot by the deadline ({self._count} added)")
+        self.seconds["wait"] += time.perf_counter() - t
+        self._check()
+        buf = bucket.buffer
+        if isinstance(buf, torch.Tensor) and buf.is_cuda:
+            copy = self._start_device_copy(bucket)
+        else:  # already host memory: a fresh buffer per bucket, kept as it is
+            host = buf.numpy() if isinstance(buf, torch.Tensor) else buf
+            copy = _Copy(Bucket(buffer=host, metas=list(bucket.metas)))
+        self._count += 1
+        self.bytes += bucket.payload_bytes
+        self._queue.put(copy)
+        return copy
+
+    def _start_device_copy(self, bucket: Bucket) -> _Copy:
+        buf: torch.Tensor = bucket.buffer
+        nbytes = int(buf.numel())
+        pinned = self._pool.get(self._count, nbytes) if self._pool is not None else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        stream = self._streams.get(buf.device)
+        if stream is None:
+            stream = self._streams[buf.device] = torch.cuda.Stream(buf.device)
+        stream.wait_stream(torch.cuda.current_stream(buf.device))  # the pack that wrote it
+        with torch.cuda.stream(stream):
+            pinned.copy_(buf.view(torch.uint8).reshape(-1), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return _Copy(Bucket(buffer=pinned.numpy(), metas=list(bucket.metas)), device=bucket, event=event)
+
+    def host(self, copy: _Copy) -> Bucket:
+        """`copy`'s host bucket once the copy is complete."""
+        return copy.wait(self._deadline)
+
+    def finish(self) -> None:
+        """No more buckets: the pool keeps as many buffers as this push used."""
+        if self._pool is not None:
+            self._pool.trim(self._count)
+        self._end()
+
+    def _end(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._queue.put(None)
+
+    def result(self, deadline: float | None = None) -> list[Any]:
+        """What `keep` returned for every bucket, in order; raises the first failure."""
+        self._end()
+        self._thread.join(max(0.0, (deadline if deadline is not None else self._deadline) - time.monotonic()))
+        if self._thread.is_alive():
+            raise HostCopyError(f"host copies of {self._count} buckets not kept by the deadline ({len(self._kept)} kept)")
+        self._check()
+        return list(self._kept)
+
+    def close(self) -> None:
+        """Stop and wait for the thread (the pool is free again); what was kept is dropped."""
+        if self._error is None:
+            self._error = HostCopyError("closed")
+        self._end()
+        self._thread.join(max(0.0, self._deadline - time.monotonic()))
+        self._kept.clear()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise HostCopyError(f"host copy failed: {type(self._error).__name__}: {self._error}") from self._error
+
+    # ---- the thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while (copy := self._queue.get()) is not None:
+            try:
+                if self._error is None:
+                    t = time.perf_counter()
+                    host = copy.wait(self._deadline)
+                    self.seconds["copy"] += time.perf_counter() - t
+                    t = time.perf_counter()
+                    self._kept.append(self._keep(host))
+                    self.seconds["keep"] += time.perf_counter() - t
+            except BaseException as err:  # noqa: BLE001 - reported by `result` / the next `add`
+                self._error = err
+            finally:
+                copy.device = None
+                self._slots.release()
+

@@ -1,0 +1,105 @@
+"""The sender's host copies (weightsync/hostcopy.py): kept in order off the caller's thread, failures
+reported, bounded, and (on a GPU) copied into pinned buffers that later pushes reuse."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from asyncrl.weightsync.bucket import iter_buckets, unpack_bucket
+from asyncrl.weightsync.hostcopy import HostCopies, HostCopyError, PinnedPool
+
+from .fakes import model
+
+BUCKET_MB = 8192 / (1 << 20)  # two 4 KiB tensors per bucket -> 3 buckets for 5 tensors
+
+
+def _buckets(seed: int, device: str | None = None):
+    return list(iter_buckets(iter(model(seed).items()), BUCKET_MB, device=device))
+
+
+def _unpacked(kept) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for b in kept for n, t in unpack_bucket(b)}
+
+
+def test_every_bucket_is_kept_in_order_on_another_thread():
+    threads: list[str] = []
+
+    def keep(bucket):
+        threads.append(threading.current_thread().name)
+        return bucket
+
+    copies = HostCopies(keep, None, deadline=time.monotonic() + 20)
+    for bucket in _buckets(1, "cpu"):  # torch buffers on the host, as a CPU sender packs them
+        copies.add(bucket)
+    copies.finish()
+    kept = copies.result()
+    weights = model(1)
+    assert len(kept) == 3 and [m.name for b in kept for m in b.metas] == list(weights)
+    assert all(torch.equal(t, weights[n]) for n, t in _unpacked(kept).items())
+    assert set(threads) == {"asyncrl-host-copies"}
+
+
+def test_a_failing_keep_is_raised_by_result_and_by_the_next_add():
+    calls = []
+
+    def keep(bucket):
+        calls.append(bucket)
+        raise RuntimeError("object store full")
+
+    copies = HostCopies(keep, None, deadline=time.monotonic() + 20)
+    first, *rest = _buckets(2)
+    copies.add(first)
+    time.sleep(0.2)
+    with pytest.raises(HostCopyError, match="object store full"):
+        copies.add(rest[0])
+    with pytest.raises(HostCopyError, match="object store full"):
+        copies.result()
+    assert len(calls) == 1  # nothing is kept after the first failure
+
+
+def test_adds_wait_for_a_free_slot_and_give_up_at_the_deadline():
+    release = threading.Event()
+    copies = HostCopies(lambda b: release.wait(30) and b, None, deadline=time.monotonic() + 1.0, max_device=1)
+    first, second, _ = _buckets(3)
+    copies.add(first)  # the thread holds it in `keep`
+    t0 = time.monotonic()
+    with pytest.raises(HostCopyError, match="fell behind"):
+        copies.add(second)
+    assert 0.5 < time.monotonic() - t0 < 10
+    release.set()
+    copies.close()
+
+
+def test_result_waits_no_longer_than_its_deadline():
+    release = threading.Event()
+    copies = HostCopies(lambda b: release.wait(30) and b, None, deadline=time.monotonic() + 30)
+    copies.add(_buckets(4)[0])
+    t0 = time.monotonic()
+    with pytest.raises(HostCopyError, match="not kept by the deadline"):
+        copies.result(time.monotonic() + 0.3)
+    assert time.monotonic() - t0 < 5
+    release.set()
+    copies.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned buffers and device-to-host copies need CUDA")
+def test_device_buckets_are_copied_into_pinned_buffers_that_the_next_push_reuses():
+    pool = PinnedPool()
+    pointers = []
+    for seed in (5, 6):  # two pushes: the second writes into the first one's buffers
+        copies = HostCopies(None, pool, deadline=time.monotonic() + 60)
+        buckets = _buckets(seed, "cuda")
+        for bucket in buckets:
+            copies.add(bucket)
+        del buckets  # the copies hold the device buckets until copied
+        copies.finish()
+        kept = copies.result()
+        pointers.append([b.buffer.ctypes.data for b in kept])
+        weights = model(seed)
+        assert all(torch.equal(t, weights[n]) for n, t in _unpacked(kept).items())
+    assert pointers[0] == pointers[1] and pool.nbytes >= sum(t.numel() * 4 for t in model(0).values())
