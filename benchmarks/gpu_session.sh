@@ -2,7 +2,8 @@
 # The two-H200 figures of docs/BENCHMARKS.md ("GPU (two H200): NCCL and CUDA-IPC ..."), one stage per device
 # call: bash benchmarks/gpu_session.sh nccl|ipc|async|offload (output under $OUT); on one GPU, hybrid
 # placement: bash benchmarks/gpu_session.sh sleep (the sleep/wake GPU test), then hybrid-loop (the demo
-# co-located, deploy/rlhf-hybrid1.yaml, with its logs packed into $OUT/loop.tgz). Expects the GPU wheelhouse parts
+# co-located, deploy/rlhf-hybrid1.yaml, with its logs packed into $OUT/loop.tgz); on two GPUs, the learner's
+# layout tests over NCCL: bash benchmarks/gpu_session.sh learner2. Expects the GPU wheelhouse parts
 # in /tmp/parts (see the device README: 8 carried parts) and carries .whl (grpcio 1.85.1, protobuf 7.36.2) and
 # artifacts/demo-model. Installs once into /tmp/site; grpcio/protobuf are unpacked over it, because
 # `pip --target --upgrade` would replace the whole google/ namespace and drop google.rpc.
@@ -50,6 +51,17 @@ sleep)
 hybrid-loop)
   CONFIG=${CONFIG:-deploy/rlhf-hybrid1.yaml} OUT=$OUT/loop bash benchmarks/gpu_loop_smoke.sh
   tar czf $OUT/loop.tgz -C $OUT loop && rm -rf $OUT/loop
+  ;;
+learner2)
+  # The CPU (gloo) learner tests unchanged, one rank per GPU over NCCL: PP=2, EP=2 (MoE), DP=2, TP=2 -> TP=1
+  # checkpoint re-layout, LearnerGroup layouts, the critic / reference / reward-model roles. SIGINT first,
+  # so a hang still ends with pytest's traceback and summary.
+  nvidia-smi -L | tee $OUT/gpus.txt
+  timeout -s INT -k 20 480 python3 -m pytest -q -rA -p no:cacheprovider --durations=15 \
+      tests/learner/test_megatron_layouts.py tests/learner/test_group.py tests/learner/test_roles_ws1.py \
+      > $OUT/learner2.log 2>&1
+  echo "pytest rc=$?"; grep -E '^(PASSED|FAILED|ERROR|SKIPPED) | in [0-9.]+s( |$)' $OUT/learner2.log | cut -c1-400
+  tail -8 $OUT/learner2.log | cut -c1-600
   ;;
 offload)
   [ -f $MODEL/config.json ] || python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $MODEL > $OUT/make_model.log 2>&1

@@ -1,8 +1,9 @@
-"""Run a function on N local gloo ranks (real processes) and collect what each returns.
+"""Run a function on N local ranks (real processes) and collect what each returns.
 
-Each rank: installs the CPU compat layer (when there is no CUDA), joins a gloo group on a free
-port, runs `fn(rank, world_size, *args)`, and writes its return value (or its traceback) to a
-file that the parent reads back. A failure on any rank raises in the parent with that traceback.
+Each rank: installs the CPU compat layer (when there is no CUDA), joins a process group on a free
+port (gloo on CPU; NCCL on a GPU host, rank r on GPU r, TF32 off), runs `fn(rank, world_size, *args)`,
+and writes its return value (or its traceback) to a file that the parent reads back. A failure on
+any rank raises in the parent with that traceback. `fn` returns host tensors only.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
+
+from tests.learner._device import require_gpus
 
 
 def free_port() -> int:
@@ -32,8 +36,10 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
     torch.set_num_threads(1)
     from asyncrl.learner.compat import install_cpu_compat
     from asyncrl.learner.parallel import destroy_model_parallel, init_distributed
+    from tests.learner._device import fp32_exact
 
     install_cpu_compat()
+    fp32_exact()
     result: Any
     try:
         init_distributed(rank, world_size, "127.0.0.1", port)
@@ -69,10 +75,14 @@ mp.get_context("forkserver").set_forkserver_preload(
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300) -> list[Any]:
     """Spawn `world_size` ranks running `fn`; return the per-rank results (index = rank)."""
+    require_gpus(world_size)
+    # CUDA is not fork-safe once initialised, and the fork server's imports may initialise it:
+    # on a GPU host every rank is a fresh interpreter.
+    start_method = "spawn" if torch.cuda.is_available() else "forkserver"
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _entry, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size,
-            join=False, start_method="forkserver",
+            join=False, start_method=start_method,
         )
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=0.5):

@@ -1,4 +1,4 @@
-"""Functions that run inside spawned gloo ranks (see _launch.py). Each returns plain data.
+"""Functions that run inside spawned ranks (see _launch.py). Each returns plain data (host tensors).
 
 Several layouts run one after another in the same processes (parallel_state is torn down and
 rebuilt between them) so that all of tests/learner needs only two process launches.
@@ -46,11 +46,12 @@ def forward_logits(chunks: list, ids: torch.Tensor, vocab: int) -> torch.Tensor 
     kept: list[torch.Tensor] = []
 
     def forward_step(data_iter, model):
-        tokens = next(data_iter)
-        out = model(tokens, torch.arange(s).expand(b, s), None)
+        dev = next(model.parameters()).device
+        tokens = next(data_iter).to(dev)
+        out = model(tokens, torch.arange(s, device=dev).expand(b, s), None)
 
         def loss_func(output):
-            kept.append(gather_from_tensor_model_parallel_region(output)[..., :vocab].detach().clone())
+            kept.append(gather_from_tensor_model_parallel_region(output)[..., :vocab].detach().cpu().clone())
             return output.sum() * 0.0, {}
 
         return out, loss_func
@@ -70,7 +71,7 @@ def export(chunks: list, hf) -> dict[str, torch.Tensor] | None:
 
     from asyncrl.learner.convert import export_hf_tensors
 
-    out = dict(export_hf_tensors(chunks, hf))  # every rank drives the collective iterator
+    out = {k: v.cpu() for k, v in export_hf_tensors(chunks, hf)}  # every rank drives the collective iterator
     return out if ps.get_tensor_model_parallel_rank() == 0 else None
 
 
@@ -80,7 +81,7 @@ def perturb(chunks: list) -> None:
         for c in chunks:
             for name, p in c.named_parameters():
                 g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
+                p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.device))
 
 
 def grad_norm_check(chunks: list) -> tuple[float, float]:
@@ -94,6 +95,13 @@ def grad_norm_check(chunks: list) -> tuple[float, float]:
     clip_grad_norm_(params, before / 2)
     after = clip_grad_norm_(params, 0.0)
     return before, after
+
+
+def where() -> dict[str, str]:
+    """The backend and device this rank ran on (a GPU run must not pass on gloo)."""
+    from asyncrl.learner.parallel import collective_device
+
+    return {"backend": torch.distributed.get_backend(), "device": str(collective_device())}
 
 
 def coords_check(world: int, strategy: dict) -> dict[str, Any]:
@@ -120,7 +128,7 @@ def run_tp(rank: int, world: int, demo: str, qwen3: str, ids: torch.Tensor, ckpt
     parity and loading the TP=2 checkpoint."""
     from asyncrl.learner.checkpoint import load_checkpoint, save_checkpoint
 
-    res: dict[str, Any] = {}
+    res: dict[str, Any] = {"where": where()}
     tp2 = {"tensor_model_parallel_size": 2}
     hf, chunks = setup(world, tp2, demo)
     res["coords"] = coords_check(world, tp2)
@@ -148,7 +156,7 @@ def run_tp(rank: int, world: int, demo: str, qwen3: str, ids: torch.Tensor, ckpt
 
 def run_pp_ep(rank: int, world: int, demo: str, moe_dirs: list[str], ids: torch.Tensor) -> dict[str, Any]:
     """PP=2: parity and round trip; then EP=2 (DP=2) for each MoE model: parity and round trip."""
-    res: dict[str, Any] = {}
+    res: dict[str, Any] = {"where": where()}
     pp2 = {"pipeline_model_parallel_size": 2}
     hf, chunks = setup(world, pp2, demo)
     res["coords"] = coords_check(world, pp2)

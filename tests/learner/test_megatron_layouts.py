@@ -1,4 +1,5 @@
-"""Real Megatron-core over gloo in real processes: HF parity, round trips, checkpoints, EP.
+"""Real Megatron-core in real processes (gloo on CPU, NCCL on two GPUs): HF parity, round trips,
+checkpoints, EP.
 
 Two launches of two ranks each (see _workers.py) feed all tests of this module.
 """
@@ -13,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.learner import _workers
+from tests.learner._device import expected_backend
 from tests.learner._launch import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -104,6 +106,14 @@ def _assert_bit_exact(exported: dict[str, torch.Tensor], original: dict[str, tor
 
 
 # ----------------------------------------------------------------------------- TP
+
+
+def test_ranks_ran_on_the_expected_backend(tp_run, pp_ep_run):
+    for run in (tp_run, pp_ep_run):
+        where = [r["where"] for r in run["ranks"]]
+        assert [w["backend"] for w in where] == [expected_backend()] * 2, where
+        devices = [w["device"] for w in where]
+        assert devices == (["cuda:0", "cuda:1"] if torch.cuda.is_available() else ["cpu", "cpu"]), where
 
 
 def test_rank_layout_matches_megatron(tp_run, pp_ep_run):

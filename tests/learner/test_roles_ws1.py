@@ -1,4 +1,5 @@
-"""Actor, reference and critic roles in real Ray rank actors (world_size=1, Megatron over gloo).
+"""Actor, reference, critic and reward-model roles in real Ray rank actors (world_size=1; Megatron
+over gloo on CPU, over NCCL on a share of one GPU on a GPU host).
 
 One group per role for the whole module; tests run in file order and build on each other's
 state (the actor's weights move forward), each asserting what it changed.
@@ -14,7 +15,8 @@ import torch
 
 from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig
 from asyncrl.learner.group import LearnerGroup, LearnerRankError
-from tests.learner._data import advantages, hf_logprobs, make_samples, max_diff, run, with_behavior
+from tests.learner._data import VOCAB, advantages, hf_logprobs, make_samples, max_diff, run, with_behavior
+from tests.learner._device import assert_placement, num_gpus_per_rank, placement
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +24,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def groups(ray_session, demo_model_path):
     model = ModelConfig(path=str(demo_model_path))
-    learner = LearnerConfig(world_size=1, lr=1e-4, micro_batch_size=3, num_cpus_per_rank=0.5)
+    learner = LearnerConfig(world_size=1, lr=1e-4, micro_batch_size=3, num_cpus_per_rank=0.5,
+                            num_gpus_per_rank=num_gpus_per_rank(1))
     algo = AlgorithmConfig(group_size=2)
     # The reference packs sequences under a token budget: its log-probs must still match.
     ref_learner = learner.model_copy(update={"sequence_packing": True, "max_tokens_per_micro_batch": 40})
@@ -31,6 +34,7 @@ def groups(ray_session, demo_model_path):
         "actor": LearnerGroup("actor", model, learner, algo),
         "reference": LearnerGroup("reference", model, ref_learner, algo),
         "critic": LearnerGroup("critic", model, critic_learner, AlgorithmConfig(name="ppo", group_size=2)),
+        "reward_model": LearnerGroup("reward_model", model, learner, algo),
     }
 
     async def start():
@@ -39,6 +43,8 @@ def groups(ray_session, demo_model_path):
         await asyncio.gather(*(x.start() for x in g.values()))
 
     run(start())
+    for x in g.values():
+        placement(x)  # TF32 off in the ranks before any parity check
     yield g
     for x in g.values():
         run(x.shutdown())
@@ -54,6 +60,11 @@ def hf_model(demo_model_path):
 @pytest.fixture(scope="module")
 def state():
     return {}
+
+
+def test_every_rank_ran_on_the_expected_backend(groups):
+    for g in groups.values():
+        assert_placement(placement(g))
 
 
 def test_logprobs_match_transformers(groups, hf_model, state):
@@ -147,6 +158,22 @@ def test_critic_checkpoint_roundtrip_keeps_the_value_head(groups, tmp_path):
     assert max_diff(run(groups["critic"].compute_values(samples)), saved) > 1e-4
     run(groups["critic"].load_checkpoint(str(tmp_path / "critic")))
     assert max_diff(run(groups["critic"].compute_values(samples)), saved) < 1e-6
+
+
+def test_reward_model_scores_each_sequence_at_its_last_token(groups):
+    import msgspec
+
+    samples = make_samples()
+    scores = run(groups["reward_model"].compute_rm_score(samples))
+    assert len(scores) == len(samples) and all(isinstance(x, float) and math.isfinite(x) for x in scores)
+    assert len(set(scores)) > 1  # the (random) head reads each sequence, not a constant
+    assert run(groups["reward_model"].compute_rm_score(samples)) == scores
+    # Only sample 0's last token changes (same lengths, so the same micro-batch padding).
+    last = samples[0].response_ids[-1]
+    changed = [msgspec.structs.replace(samples[0], response_ids=samples[0].response_ids[:-1] + [last % (VOCAB - 1) + 1])]
+    again = run(groups["reward_model"].compute_rm_score(changed + samples[1:]))
+    assert abs(again[0] - scores[0]) > 1e-6
+    assert max(abs(a - b) for a, b in zip(again[1:], scores[1:])) < 1e-6
 
 
 def test_rank_error_names_the_rank(groups):
