@@ -73,27 +73,51 @@ def tensor_digest(name: str, tensor: Any, mode: VerifyMode = "full") -> bytes:
 
     A tensor on an accelerator is copied to host only as far as `mode` reads it: nothing for
     `off`, its sampled windows for `sampled` (cut on the device), all of it for `full`."""
+    return tensor_digests([(name, tensor)], mode)[name]
+
+
+def tensor_digests(pairs: Iterable[tuple[str, Any]], mode: VerifyMode = "full") -> dict[str, bytes]:
+    """`tensor_digest` of every (name, tensor); what `mode` reads of the device tensors among them
+    comes to host in one copy (one synchronisation for a bucket, not one per tensor)."""
     check_verify_mode(mode)
-    if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
-        t = tensor.detach()
-    else:
-        t = contiguous_tensor(tensor)
-    h = hashlib.sha256()
-    h.update(name.encode() + b"\0" + str(t.dtype).encode() + b"\0" + repr(tuple(t.shape)).encode() + b"\0")
-    if mode == "off":
-        return h.digest()
-    flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-    size = int(flat.numel())
-    if mode == "full" or size <= SAMPLE_WINDOW * SAMPLE_WINDOWS:
-        h.update(flat.cpu().numpy())
-        return h.digest()
-    h.update(size.to_bytes(8, "little"))
-    span = size - SAMPLE_WINDOW
-    starts = [span * i // (SAMPLE_WINDOWS - 1) for i in range(SAMPLE_WINDOWS)]
-    windows = torch.stack([flat[s : s + SAMPLE_WINDOW] for s in starts]).cpu().numpy()
-    for row in windows:
-        h.update(row)
-    return h.digest()
+    heads: dict[str, Any] = {}
+    parts: dict[str, list[Any]] = {}
+    for name, tensor in pairs:
+        t = tensor.detach() if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu" else contiguous_tensor(tensor)
+        h = heads[name] = hashlib.sha256()
+        h.update(name.encode() + b"\0" + str(t.dtype).encode() + b"\0" + repr(tuple(t.shape)).encode() + b"\0")
+        if mode == "off":
+            continue
+        flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        size = int(flat.numel())
+        if mode == "full" or size <= SAMPLE_WINDOW * SAMPLE_WINDOWS:
+            parts[name] = [flat]
+            continue
+        h.update(size.to_bytes(8, "little"))
+        span = size - SAMPLE_WINDOW
+        starts = [span * i // (SAMPLE_WINDOWS - 1) for i in range(SAMPLE_WINDOWS)]
+        parts[name] = [flat[s : s + SAMPLE_WINDOW] for s in starts]
+    host = _to_host([p for ps in parts.values() for p in ps])
+    for name, ps in parts.items():
+        for p in ps:
+            heads[name].update(host[id(p)])
+    return {name: h.digest() for name, h in heads.items()}
+
+
+def _to_host(pieces: list[torch.Tensor]) -> dict[int, np.ndarray]:
+    """Each uint8 piece as numpy, by id; the pieces on one device come over in a single copy."""
+    out = {id(p): p.numpy() for p in pieces if p.device.type == "cpu"}
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for p in pieces:
+        if p.device.type != "cpu":
+            by_device.setdefault(p.device, []).append(p)
+    for group in by_device.values():
+        joined = torch.cat(group).cpu().numpy()
+        offset = 0
+        for p in group:
+            out[id(p)] = joined[offset : offset + p.numel()]
+            offset += p.numel()
+    return out
 
 
 def combine_digests(digests: Mapping[str, bytes], mode: VerifyMode = "full") -> str:

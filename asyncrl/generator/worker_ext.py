@@ -23,7 +23,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from asyncrl.generator.weights import check_verify_mode, combine_digests, fingerprint_mode, tensor_digest, tensor_fingerprint
+from asyncrl.generator.weights import (
+    check_verify_mode, combine_digests, fingerprint_mode, tensor_digests, tensor_fingerprint,
+)
 from asyncrl.weightsync.bucket import SharedBucket, WireMeta, unpack_bucket
 
 
@@ -47,11 +49,14 @@ class WeightUpdateExtension:
         state = self._asyncrl_state()
         if state["version"] != version:
             raise RuntimeError(f"bucket for version {version} but staging version {state['version']}")
-        for name, tensor in pairs:
-            if name in state["tensors"]:
+        pairs = list(pairs)
+        seen = set(state["tensors"])
+        for name, _ in pairs:
+            if name in seen:
                 raise ValueError(f"tensor {name!r} staged twice for version {version}")
-            state["tensors"][name] = tensor
-            state["digests"][name] = tensor_digest(name, tensor, state["verify"])
+            seen.add(name)
+        state["digests"].update(tensor_digests(pairs, state["verify"]))  # one device-to-host copy per bucket
+        state["tensors"].update(pairs)
         return len(state["tensors"])
 
     def asyncrl_stage_file(self, version: int, path: str | None, metas: list[WireMeta]) -> int:
@@ -113,7 +118,7 @@ class WeightUpdateExtension:
             except ValueError as err:  # nothing applied: reported as the mismatch it is
                 raise ValueError(f"fingerprint mismatch for version {version}: {err}") from None
             # The publisher's mode normally equals the one staged with; if not, hash again in its mode.
-            digests = state["digests"] if mode == state["verify"] else {n: tensor_digest(n, t, mode) for n, t in tensors.items()}
+            digests = state["digests"] if mode == state["verify"] else tensor_digests(tensors.items(), mode)
             actual = combine_digests(digests, mode)
             if actual != fingerprint:
                 raise ValueError(

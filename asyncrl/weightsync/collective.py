@@ -327,18 +327,17 @@ def _host_copies(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None, d
 
 
 def _copy_and_hash(copies: HostCopies, bucket: Bucket, verify: str, out: SendResult) -> None:
-    from asyncrl.generator.weights import tensor_digest
+    from asyncrl.generator.weights import tensor_digests
     from asyncrl.weightsync.bucket import unpack_bucket
 
     t = time.perf_counter()
     copy = copies.add(bucket)
     out.seconds["host_copy"] += time.perf_counter() - t
     t = time.perf_counter()
-    # `sampled` and `off` read a few windows per tensor, on the device; `full` reads every byte,
-    # from the host copy (waiting for it).
+    # `sampled` and `off` read a few windows per tensor, cut on the device (one copy per bucket);
+    # `full` reads every byte, from the host copy (waiting for it).
     hashed = copies.host(copy) if verify == "full" else bucket
-    for name, tensor in unpack_bucket(hashed):
-        out.digests[name] = tensor_digest(name, tensor, verify)
+    out.digests.update(tensor_digests(unpack_bucket(hashed), verify))
     out.seconds["hash"] += time.perf_counter() - t
     out.bytes += bucket.payload_bytes
     out.num_tensors += len(bucket)

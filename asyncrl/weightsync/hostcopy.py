@@ -22,6 +22,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,10 @@ class _Copy:
     host: Bucket
     device: Bucket | None = None  # held until `event` completed: the copy still reads it
     event: Any = None  # torch.cuda.Event on the copy stream
+    slot: bool = False  # a host bucket: holds one of the unkept slots until kept
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
 
     def wait(self, deadline: float) -> Bucket:
         if self.event is not None:
@@ -78,16 +83,20 @@ class _Copy:
 class HostCopies:
     """The host copies of one push from one sender; `add` each sent bucket, then `finish`.
 
-    `add` returns at once (unless `max_device` buckets are still being copied); `host(copy)` waits
-    for one copy (full verification hashes it); `result` waits for all and returns what `keep`
-    returned for each, in bucket order. `seconds`: `wait` is time `add` spent blocked (on the
-    critical path), `copy` and `keep` the thread's time waiting for copies and keeping them."""
+    `add` returns at once, unless `max_device` device buckets are still being copied (or, for
+    host buckets, that many are not kept yet); `host(copy)` waits for one copy (full verification
+    hashes it); `result` waits for all and returns what `keep` returned for each, in bucket order.
+    `seconds`: `wait` is the time `add` spent blocked (on the critical path), `copy` and `keep` the
+    thread's time waiting for copies and keeping them. `keep` runs behind the copies: only pinned
+    host memory waits for it."""
 
     def __init__(self, keep: Callable[[Bucket], Any] | None, pool: PinnedPool | None, *, deadline: float,
                  max_device: int = 4) -> None:
         self._keep = keep if keep is not None else (lambda bucket: bucket)
         self._pool, self._deadline = pool, deadline
-        self._slots = threading.Semaphore(max_device)
+        self._max_device = max_device
+        self._on_device: deque[_Copy] = deque()  # device buckets whose copies may still run (sender's thread)
+        self._host_slots = threading.Semaphore(max_device)
         self._queue: queue.Queue[_Copy | None] = queue.Queue()
         self._kept: list[Any] = []
         self._error: BaseException | None = None
@@ -101,23 +110,33 @@ class HostCopies:
 
     # ---- the sender's side -------------------------------------------------------------------
     def add(self, bucket: Bucket) -> _Copy:
-        t = time.perf_counter()
-        while not self._slots.acquire(timeout=0.05):
-            self._check()
-            if time.monotonic() > self._deadline:
-                raise HostCopyError(f"host copies fell behind: no free device slot by the deadline ({self._count} added)")
-        self.seconds["wait"] += time.perf_counter() - t
         self._check()
+        t = time.perf_counter()
         buf = bucket.buffer
         if isinstance(buf, torch.Tensor) and buf.is_cuda:
+            self._retire()
+            while len(self._on_device) >= self._max_device:  # bounded by the copies, not by `keep`
+                self._on_device[0].wait(self._deadline)
+                self._retire()
             copy = self._start_device_copy(bucket)
-        else:  # already host memory: a fresh buffer per bucket, kept as it is
-            host = buf.numpy() if isinstance(buf, torch.Tensor) else buf
-            copy = _Copy(Bucket(buffer=host, metas=list(bucket.metas)))
+            self._on_device.append(copy)
+        else:  # already host memory (a fresh buffer per bucket), kept as it is; bounded by `keep`
+            while not self._host_slots.acquire(timeout=0.05):
+                self._check()
+                if time.monotonic() > self._deadline:
+                    raise HostCopyError(f"host copies fell behind: {self._max_device} buckets still unkept at the deadline")
+            copy = _Copy(Bucket(buffer=buf.numpy() if isinstance(buf, torch.Tensor) else buf, metas=list(bucket.metas)),
+                         slot=True)
+        self.seconds["wait"] += time.perf_counter() - t
         self._count += 1
         self.bytes += bucket.payload_bytes
         self._queue.put(copy)
         return copy
+
+    def _retire(self) -> None:
+        """Drop the device buckets whose copies completed (the oldest first)."""
+        while self._on_device and self._on_device[0].done():
+            self._on_device.popleft().device = None
 
     def _start_device_copy(self, bucket: Bucket) -> _Copy:
         buf: torch.Tensor = bucket.buffer
@@ -184,5 +203,6 @@ class HostCopies:
                 self._error = err
             finally:
                 copy.device = None
-                self._slots.release()
+                if copy.slot:
+                    self._host_slots.release()
 

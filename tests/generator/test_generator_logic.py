@@ -31,6 +31,7 @@ from asyncrl.generator.weights import (
     combine_digests,
     fingerprint_mode,
     tensor_digest,
+    tensor_digests,
     tensor_fingerprint,
 )
 from asyncrl.types import GenerationRequest, SamplingParams
@@ -230,6 +231,20 @@ def test_fingerprint_modes_are_named_in_the_digest_and_differ_in_what_they_cover
             fingerprint_mode(bad)
     with pytest.raises(ValueError):
         tensor_fingerprint(a, "crc")
+
+
+def test_batched_digests_equal_per_tensor_digests_and_stay_stable():
+    """`tensor_digests` (one host copy per bucket) must hash exactly what `tensor_digest` hashes:
+    the two sides of a push may use either, and a stored fingerprint must keep its meaning."""
+    g = torch.Generator().manual_seed(0)
+    big = torch.arange(SAMPLE_WINDOW * SAMPLE_WINDOWS, dtype=torch.float32)
+    a = {"big": big, "bf16": torch.randn(300, 70, generator=g).to(torch.bfloat16), "scalar": torch.tensor(2.0),
+         "empty": torch.empty(0, 3), "ints": torch.arange(70000)}
+    for mode in ("full", "sampled", "off"):
+        assert tensor_digests(a.items(), mode) == {n: tensor_digest(n, t, mode) for n, t in a.items()}, mode
+    golden = {"full": "a9b5294fae278af0139575ee36f2adea", "sampled": "6c4ba93be55e2265304ca77b20f71955",
+              "off": "f23cbc01029501d89f8e3e2775ad9628"}  # computed before the batched form existed
+    assert {m: tensor_digest("big", big, m).hex()[:32] for m in golden} == golden
 
 
 def test_shared_bucket_file_is_bit_exact_and_survives_unlinking():

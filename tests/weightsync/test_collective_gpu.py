@@ -13,7 +13,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-def _member(rank: int, spec: dict, weights: dict, out: mp.Queue) -> None:
+def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrier) -> None:
     from asyncrl.generator.weights import tensor_fingerprint
     from asyncrl.weightsync.bucket import unpack_bucket
     from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec, receive_stream, send_stream
@@ -36,9 +36,16 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue) -> None:
             # A fingerprint, not the tensors: torch shares CPU tensors put on a queue by file
             # descriptor, which fails once this process has exited.
             out.put(("got", rank, sorted(got), tensor_fingerprint(got, "full")))
-        group.close()
     except BaseException as exc:  # report, do not hang the parent
         out.put(("error", rank, f"{type(exc).__name__}: {exc}"))
+    # The sender hosts the group's store: it leaves only after every receiver read the end marker
+    # (as a learner rank does, whose group outlives the push).
+    try:
+        done.wait(120)
+    except Exception:  # a member that failed before the barrier: already reported
+        pass
+    if "group" in locals():
+        group.close()
 
 
 def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int) -> tuple[dict, tuple, list[tuple]]:
@@ -54,7 +61,8 @@ def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int) ->
     weights["empty"] = torch.empty(0, 4)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_member, args=(r, asdict(spec), weights, out)) for r in range(receivers + 1)]
+    done = ctx.Barrier(receivers + 1)
+    procs = [ctx.Process(target=_member, args=(r, asdict(spec), weights, out, done)) for r in range(receivers + 1)]
     for p in procs:
         p.start()
     results = [out.get(timeout=300) for _ in procs]

@@ -103,3 +103,16 @@ def test_device_buckets_are_copied_into_pinned_buffers_that_the_next_push_reuses
         weights = model(seed)
         assert all(torch.equal(t, weights[n]) for n, t in _unpacked(kept).items())
     assert pointers[0] == pointers[1] and pool.nbytes >= sum(t.numel() * 4 for t in model(0).values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_digests_of_device_tensors_equal_those_of_their_host_copies():
+    from asyncrl.generator.weights import tensor_digest, tensor_digests
+
+    g = torch.Generator().manual_seed(7)
+    a = {"w": torch.randn(1000, 300, generator=g).to(torch.bfloat16), "b": torch.randn(5, generator=g),
+         "e": torch.empty(0, 2)}
+    on_gpu = [(n, t.cuda()) for n, t in a.items()]
+    for mode in ("full", "sampled", "off"):
+        assert tensor_digests(on_gpu, mode) == {n: tensor_digest(n, t, mode) for n, t in a.items()}, mode
