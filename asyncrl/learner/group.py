@@ -106,7 +106,7 @@ class LearnerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
             ).remote(r, cfg.world_size, self.role, self.model_cfg, cfg, self.algorithm_cfg,
                      self.profiler_cfg, self.role_classes))
-        ((addr, port),) = await self._gather("master_address", [self.ranks[0].master_address.remote()], [0])
+        ((addr, port),) = await self._gather("master_address", [self.ranks[0].master_address.remote(self.call_timeout_s)], [0])
         outs = await self._gather("setup", [a.setup.remote(addr, port, self.call_timeout_s) for a in self.ranks])
         return outs
 

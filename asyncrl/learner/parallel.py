@@ -136,8 +136,14 @@ def init_distributed(
     master_port: int,
     backend: str | None = None,
     timeout_s: float = 600.0,
+    store: Any = None,
 ) -> str:
-    """Join the learner's default process group (gloo on CPU, nccl on GPU); returns the backend."""
+    """Join the learner's default process group (gloo on CPU, nccl on GPU); returns the backend.
+
+    `store`: a rendezvous store instead of `tcp://master_addr:master_port` (a learner group's rank 0
+    binds its store before the others are told the port, so no other process can take it; every
+    rank of the group must then pass a store, hosted or client, since torch prefixes the keys of
+    an `init_method` store but not of a given one)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
     if not 0 < int(master_port) < 65536:
@@ -154,12 +160,9 @@ def init_distributed(
         return torch.distributed.get_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+    where = {"store": store} if store is not None else {"init_method": f"tcp://{master_addr}:{int(master_port)}"}
     torch.distributed.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{master_addr}:{int(master_port)}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
+        backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), **where,
     )
     return backend
 

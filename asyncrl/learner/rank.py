@@ -50,17 +50,42 @@ class LearnerRank:
         self.coords: Any = None
         self._collective: Any = None  # this rank's weight broadcast group (sending ranks only)
         self._host_copies: Any = None  # its last broadcast's host copies, until taken
+        self._store: Any = None  # rank 0: the group's rendezvous store, bound before setup
 
     # ------------------------------------------------------------------ setup
 
-    def master_address(self) -> tuple[str, int]:
-        """An address and a free port on this rank's node, for rank 0 to host the rendezvous."""
-        import ray
+    def master_address(self, timeout_s: float = 600.0) -> tuple[str, int]:
+        """Rank 0: host the group's rendezvous store now, on a port the OS picks and this process
+        keeps bound (a probed free port could be taken by another process before the store binds
+        it); returns where the other ranks join it."""
+        import datetime
 
+        import ray
+        import torch.distributed as dist
+
+        host = ray.util.get_node_ip_address()
+        if self._store is None:
+            self._store = dist.TCPStore(host, 0, self.world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                                        wait_for_workers=False)
+        return host, int(self._store.port)
+
+    def _rendezvous(self, master_addr: str, master_port: int, timeout_s: float) -> Any:
+        """Rank 0's own store, or a client of it: every rank passes the same (unprefixed) store."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if self.rank == 0:
+            if self._store is None:
+                raise RuntimeError("rank 0: master_address() must run before setup() (it binds the rendezvous store)")
+            return self._store
+        return dist.TCPStore(master_addr, int(master_port), self.world_size, False, timeout=datetime.timedelta(seconds=timeout_s))
+
+    @staticmethod
+    def _free_port() -> int:
         with socket.socket() as s:
             s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+            return s.getsockname()[1]
 
     def setup(self, master_addr: str, master_port: int, timeout_s: float = 600.0) -> dict[str, Any]:
         import torch
@@ -77,7 +102,8 @@ class LearnerRank:
         self._compat = install_cpu_compat()
         torch.manual_seed(self.learner_cfg.seed)
         with self._thread():
-            init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=timeout_s)
+            init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=timeout_s,
+                             store=self._rendezvous(master_addr, master_port, timeout_s))
             hf = AutoConfig.from_pretrained(self.model_cfg.path, trust_remote_code=self.model_cfg.trust_remote_code)
             self.layout = init_model_parallel(self.learner_cfg, hf)
             self.coords = rank_coords(self.rank, self.layout)
@@ -155,8 +181,9 @@ class LearnerRank:
         self._ready()
         if not self._is_sender():
             return None
-        host, port = self.master_address()
-        return {"sender": self.coords.pp, "host": host, "port": port}
+        import ray
+
+        return {"sender": self.coords.pp, "host": ray.util.get_node_ip_address(), "port": self._free_port()}
 
     def join_collective(self, specs: list[dict[str, Any]]) -> str | None:
         """Sending ranks: leave any earlier group, join (as group rank 0) the spec for this PP stage."""

@@ -178,3 +178,18 @@ def test_hf_key_check_names_missing_unexpected_and_bad_shapes():
     msg = str(err.value)
     assert "model.layers.1.mlp.up_proj.weight" in msg and "model.layers.9.extra.weight" in msg
     assert "model.norm.weight: (65,) != (64,)" in msg
+
+
+def test_rank0_keeps_its_rendezvous_port_bound_until_the_group_joins():
+    """A probed-then-released port can be taken by another process before the store binds it
+    (seen as EADDRINUSE in a learner group's setup): rank 0 binds the store first and keeps it."""
+    import socket
+
+    from asyncrl.config import AlgorithmConfig, ModelConfig
+    from asyncrl.learner.rank import LearnerRank
+
+    rank = LearnerRank(0, 2, "actor", ModelConfig(path="unused"), LearnerConfig(world_size=2), AlgorithmConfig())
+    host, port = rank.master_address(30.0)
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind((host, port))  # held: nobody else can take it between now and setup
+    assert rank.master_address(30.0) == (host, port)  # asking again gives the same store
