@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole loop on GPUs as a smoke run: serve run $CONFIG (default deploy/rlhf-gpu1.yaml: engine
 # replica and learner rank share ONE device; deploy/rlhf-gpu2.yaml: one GPU each, weights over
-# NCCL), poll /train/status until step 300 (or ~7 minutes), hit the HTTP API, copy the run's
+# NCCL), poll /train/status until step $STEPS (default 300; or ~7 minutes), hit the HTTP API, copy the run's
 # jsonl files, the Serve log and nvidia-smi to $OUT.
 # Needs the GPU wheels installed in /tmp/site (benchmarks/run_gpu.sh does that) and the demo model.
 OUT=${OUT:-/tmp/loop-out}
@@ -17,7 +17,7 @@ for i in $(seq 1 90); do
   if curl -sf localhost:8000/train/status > $OUT/status.json 2>/dev/null; then
     step=$(python3 -c "import json;print(json.load(open('$OUT/status.json')).get('step',0))" 2>/dev/null)
     echo "t=$((SECONDS-t0)) step=$step"
-    [ "${step:-0}" -ge 300 ] && break
+    [ "${step:-0}" -ge ${STEPS:-300} ] && break
   fi
 done
 curl -s localhost:8000/generate -d '{"prompt": "What is 12 + 34?", "max_tokens": 8, "temperature": 0}' > $OUT/generate.json
