@@ -3,7 +3,7 @@
 # call: bash benchmarks/gpu_session.sh nccl|ipc|async|offload (output under $OUT); on one GPU, hybrid
 # placement: bash benchmarks/gpu_session.sh sleep (the sleep/wake GPU test), then hybrid-loop (the demo
 # co-located, deploy/rlhf-hybrid1.yaml, with its logs packed into $OUT/loop.tgz); on two GPUs, the learner's
-# layout tests over NCCL: bash benchmarks/gpu_session.sh learner2. Expects the GPU wheelhouse parts
+# layout tests over NCCL: bash benchmarks/gpu_session.sh learner2; on one GPU, the learner on a random Qwen2-MoE: moe. Expects the GPU wheelhouse parts
 # in /tmp/parts (see the device README: 8 carried parts) and carries .whl (grpcio 1.85.1, protobuf 7.36.2) and
 # artifacts/demo-model. Installs once into /tmp/site; grpcio/protobuf are unpacked over it, because
 # `pip --target --upgrade` would replace the whole google/ namespace and drop google.rpc.
@@ -63,6 +63,17 @@ learner2)
       > $OUT/learner2.log 2>&1
   echo "pytest rc=$?"; grep -E '^(PASSED|FAILED|ERROR|SKIPPED) | in [0-9.]+s( |$)' $OUT/learner2.log | cut -c1-400
   tail -8 $OUT/learner2.log | cut -c1-600
+  ;;
+moe)
+  # A random Qwen2-MoE (16 routed experts, top 4, a gated shared expert) through the learner on one GPU:
+  # parity vs transformers, HF round trip, bare fwd+bwd and ActorRole step time (EP = 1).
+  M=/tmp/qwen2-moe-random
+  [ -f $M/config.json ] || python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M \
+      --layers 12 --hidden 1024 --heads 16 --kv-heads 4 --experts 16 --moe-topk 4 --moe-ffn 1024 --shared-ffn 2048 \
+      > $OUT/make_moe.log 2>&1
+  tail -1 $OUT/make_moe.log | cut -c1-300
+  timeout 480 python3 benchmarks/learner_step.py --model $M --sections parity,bare,role --out $OUT/moe.json > $OUT/moe.log 2>&1
+  echo "moe rc=$?"; grep '^\[learner_step\]' $OUT/moe.log | cut -c1-2500; tail -3 $OUT/moe.log | cut -c1-600
   ;;
 offload)
   [ -f $MODEL/config.json ] || python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $MODEL > $OUT/make_model.log 2>&1

@@ -29,7 +29,8 @@ to --out after every section.
 
 MFU = 6 * parameters * tokens / seconds / (tp * peak), with peak 989e12 per GPU (H100/H200 SXM dense
 bf16; pass --peak-flops for another device). Parameters count the tied embedding once; attention's
-sequence-quadratic FLOPs are not counted.
+sequence-quadratic FLOPs are not counted. For an MoE model "params" of bare/role/group are the
+active parameters (shared weights + num_experts_per_tok of the routed experts).
 
     python benchmarks/learner_step.py --model /tmp/qwen2-0.5b-random --out /tmp/learner.json
 """
@@ -178,6 +179,21 @@ def hf_params(hf: Any) -> int:
     return sum(math.prod(s) for s in expected_hf_shapes(hf).values())
 
 
+def flop_params(hf: Any, params: int) -> int:
+    """The parameter count MFU uses: `params` for a dense model; for MoE, what one token passes
+    through (every shared weight, `num_experts_per_tok` of the routed experts), from the HF shapes."""
+    import math
+
+    from asyncrl.learner.convert import expected_hf_shapes
+
+    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
+    if not experts:
+        return params
+    shapes = expected_hf_shapes(hf)
+    routed = sum(math.prod(s) for n, s in shapes.items() if ".mlp.experts." in n)
+    return sum(math.prod(s) for s in shapes.values()) - routed + routed * int(hf.num_experts_per_tok) // int(experts)
+
+
 def peak() -> float:
     return ARGS.peak_flops * ARGS.tp
 
@@ -273,7 +289,7 @@ def bare(hf: Any) -> dict[str, Any]:
     dev = device()
     (model,) = build(hf, ARGS.dtype)
     model.train()
-    params = sum(p.numel() for p in model.parameters()) if ARGS.tp == 1 else hf_params(hf)
+    params = flop_params(hf, sum(p.numel() for p in model.parameters()) if ARGS.tp == 1 else hf_params(hf))
     samples = make_samples(ARGS.batch, ARGS.seq_len, ARGS.prompt_len, ARGS.group_size, hf.vocab_size)
     ids = torch.tensor([s.prompt_ids + s.response_ids for s in samples], device=dev)
     pos = torch.arange(ids.shape[1], device=dev).expand_as(ids)
@@ -325,7 +341,7 @@ def role(hf: Any) -> dict[str, Any]:
     model_cfg, learner_cfg, algo = _configs()
     layout = ParallelLayout.from_learner_config(learner_cfg)
     actor = ActorRole(RoleContext(model_cfg, learner_cfg, algo, hf, layout, RANK))
-    params = sum(p.numel() for p in actor.runner.parameters()) if ARGS.tp == 1 else hf_params(hf)
+    params = flop_params(hf, sum(p.numel() for p in actor.runner.parameters()) if ARGS.tp == 1 else hf_params(hf))
     samples = make_samples(ARGS.batch, ARGS.seq_len, ARGS.prompt_len, ARGS.group_size, hf.vocab_size)
     tokens = ARGS.batch * ARGS.seq_len
     lp = actor.compute_log_prob(samples)

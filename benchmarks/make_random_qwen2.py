@@ -11,6 +11,9 @@ whatever the random model samples. Fillers have no merges, so they never come ou
 prompts tokenize exactly as with the demo tokenizer.
 
     python benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out /tmp/qwen2-0.5b-random
+
+With --experts N it is a Qwen2-MoE instead (routed experts of --moe-ffn, top --moe-topk, a gated
+shared expert of --shared-ffn), e.g. for the learner's MoE figures on one GPU.
 """
 
 from __future__ import annotations
@@ -33,6 +36,22 @@ def qwen2_config(vocab_size: int, layers: int, hidden: int, heads: int, kv_heads
         num_key_value_heads=kv_heads, intermediate_size=ffn, tie_word_embeddings=True,
         rope_theta=1_000_000.0, max_position_embeddings=max_pos, rms_norm_eps=1e-6,
         use_sliding_window=False, bos_token_id=None, eos_token_id=2, pad_token_id=0,
+    )
+
+
+def qwen2_moe_config(vocab_size: int, layers: int, hidden: int, heads: int, kv_heads: int, max_pos: int,
+                     experts: int, topk: int, moe_ffn: int, shared_ffn: int):
+    """Qwen2-MoE (Qwen1.5-MoE layout): every layer routed experts (softmax top-k, no renormalising)
+    plus a gated shared expert."""
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(
+        vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, intermediate_size=moe_ffn, moe_intermediate_size=moe_ffn,
+        shared_expert_intermediate_size=shared_ffn, num_experts=experts, num_experts_per_tok=topk,
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=True,
+        rope_theta=1_000_000.0, max_position_embeddings=max_pos, rms_norm_eps=1e-6, use_sliding_window=False,
+        bos_token_id=None, eos_token_id=2, pad_token_id=0, output_router_logits=False,
     )
 
 
@@ -64,6 +83,10 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--ffn", type=int, default=4864)
     ap.add_argument("--max-position-embeddings", type=int, default=32768)
+    ap.add_argument("--experts", type=int, default=0, help="> 0: a Qwen2-MoE with this many routed experts per layer")
+    ap.add_argument("--moe-topk", type=int, default=4)
+    ap.add_argument("--moe-ffn", type=int, default=1408, help="each routed expert's SwiGLU size")
+    ap.add_argument("--shared-ffn", type=int, default=5632, help="the shared expert's SwiGLU size")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="dtype the weights are saved in")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -72,8 +95,12 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = qwen2_config(args.vocab_size, args.layers, args.hidden, args.heads, args.kv_heads, args.ffn,
-                       args.max_position_embeddings)
+    if args.experts:
+        cfg = qwen2_moe_config(args.vocab_size, args.layers, args.hidden, args.heads, args.kv_heads,
+                               args.max_position_embeddings, args.experts, args.moe_topk, args.moe_ffn, args.shared_ffn)
+    else:
+        cfg = qwen2_config(args.vocab_size, args.layers, args.hidden, args.heads, args.kv_heads, args.ffn,
+                           args.max_position_embeddings)
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):  # random init of 0.5B params is seconds on a GPU, a minute on 2 cores
