@@ -318,8 +318,8 @@ def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
 def _host_copies(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None, deadline: float) -> HostCopies:
     """This push's host copies; an earlier push's that nobody collected are dropped first (their
     pinned buffers are this push's)."""
-    if group._copies is not None:
-        group._copies.close()
+    if group._copies is not None and not group._copies.close():
+        group._pinned = None  # still read by a stuck keep: this push copies into fresh buffers
     if group.device.type == "cuda" and group._pinned is None:
         group._pinned = PinnedPool()
     group._copies = HostCopies(keep, group._pinned, deadline=deadline)

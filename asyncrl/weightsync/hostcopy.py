@@ -176,13 +176,15 @@ class HostCopies:
         self._check()
         return list(self._kept)
 
-    def close(self) -> None:
-        """Stop and wait for the thread (the pool is free again); what was kept is dropped."""
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Stop the thread and drop what was kept; returns whether it ended, i.e. whether the pool
+        is free again (a `keep` stuck past `timeout_s` may still read its pinned buffer)."""
         if self._error is None:
             self._error = HostCopyError("closed")
         self._end()
-        self._thread.join(max(0.0, self._deadline - time.monotonic()))
+        self._thread.join(timeout_s)
         self._kept.clear()
+        return not self._thread.is_alive()
 
     def _check(self) -> None:
         if self._error is not None:

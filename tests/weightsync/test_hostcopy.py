@@ -86,6 +86,19 @@ def test_result_waits_no_longer_than_its_deadline():
     copies.close()
 
 
+def test_close_reports_a_keep_that_is_still_running():
+    """The next push reuses the pinned pool only if the last push's thread has ended."""
+    release = threading.Event()
+    copies = HostCopies(lambda b: release.wait(30) and b, None, deadline=time.monotonic() + 30)
+    copies.add(_buckets(8)[0])
+    time.sleep(0.1)
+    assert copies.close(timeout_s=0.2) is False  # stuck in keep: the pool must not be reused
+    release.set()
+    assert copies.close(timeout_s=10) is True
+    with pytest.raises(HostCopyError, match="closed"):
+        copies.result()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned buffers and device-to-host copies need CUDA")
 def test_device_buckets_are_copied_into_pinned_buffers_that_the_next_push_reuses():
