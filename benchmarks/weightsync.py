@@ -162,9 +162,9 @@ class Sender:
         self.copies = sent.host_copies
         return {"digests": sent.digests, "bytes": sent.bytes, "num_tensors": sent.num_tensors, "seconds": sent.seconds}
 
-    def take(self, timeout_s: float) -> list:
+    def take(self, timeout_s: float) -> tuple[list, dict]:
         copies, self.copies = self.copies, None
-        return copies.result(time.monotonic() + timeout_s)
+        return copies.result(time.monotonic() + timeout_s), dict(copies.seconds)
 
     def raw_join(self, spec: dict, bucket_mb: float) -> list[int]:
         from asyncrl.weightsync.bucket import iter_buckets
@@ -344,7 +344,8 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
         key = lambda k: med([m.get(k, 0.0) for m in metrics])  # noqa: E731, B023
         breakdown = {k: key(f"weightsync/{k}_seconds") for k in ("stage", "fingerprint", "commit", "paused", "host_copy_wait")}
         if kind in collective:
-            breakdown.update({f"sender_{k}": key(f"weightsync/sender/{k}_seconds") for k in ("pack", "broadcast", "host_copy", "hash")})
+            breakdown.update({f"sender_{k}": key(f"weightsync/sender/{k}_seconds")
+                              for k in ("pack", "broadcast", "host_copy", "hash", "host_copy_thread_copy", "host_copy_thread_keep")})
         out.append({
             "model": name, "transport": kind, "verify": verify, "params": params, "bytes": nbytes,
             "replicas": replicas, "gpus_per_engine": gpus, "bucket_mb": bucket_mb,

@@ -235,10 +235,15 @@ class LearnerGroup:
                 sent.seconds[k] = max(sent.seconds.get(k, 0.0), v)  # stages send one after another's end
         return sent
 
-    async def take_host_copies(self, timeout_s: float) -> list[Any]:
-        """The last broadcast's host copies (ObjectRefs, stage 0 first), once every sender kept them."""
-        outs = [o for o in await self._all("take_host_copies", timeout_s) if o is not None]
-        return [ref for o in sorted(outs, key=lambda o: o["pp_rank"]) for ref in o["buckets"]]
+    async def take_host_copies(self, timeout_s: float) -> tuple[list[Any], dict[str, float]]:
+        """The last broadcast's host copies (ObjectRefs, stage 0 first), once every sender kept
+        them, and the slowest sender's copy-thread seconds."""
+        outs = sorted((o for o in await self._all("take_host_copies", timeout_s) if o is not None), key=lambda o: o["pp_rank"])
+        seconds: dict[str, float] = {}
+        for o in outs:
+            for k, v in o["seconds"].items():
+                seconds[k] = max(seconds.get(k, 0.0), v)
+        return [ref for o in outs for ref in o["buckets"]], seconds
 
     async def hold_device(self, parts: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """Every rank keeps `parts` (params, grads, optimizer; default all) of its offloaded state on

@@ -10,7 +10,10 @@ Owns: the timers and counters a push fills in, and their names:
   weightsync/aggregate_gbps        bytes * replicas / stage_seconds (what the transport moved)
   weightsync/transport/<name>/{bytes,put_seconds,put_gbps}
   weightsync/sender/<phase>_seconds  collective transports: the sending ranks' pack, broadcast,
-                                   host_copy and hash seconds (put_seconds = broadcast)
+                                   host_copy (blocked starting copies) and hash seconds
+                                   (put_seconds = broadcast); host_copy_thread_copy / _keep: the
+                                   copy thread's wait for device-to-host copies and the keeper
+                                   threads' `ray.put` time (summed), off the critical path
   weightsync/on_live_seconds       the `on_live` hook (the WeightStore copy for late joiners)
   weightsync/paused_seconds        pause sent -> every replica resumed (what generation lost)
   weightsync/host_copy_wait_seconds  collective transports: waiting, after the commit, for the

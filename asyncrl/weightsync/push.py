@@ -227,7 +227,16 @@ class StreamedSend:
     bytes: int
     num_tensors: int
     seconds: dict[str, float] = field(default_factory=dict)
-    collect: Callable[[], Awaitable[list[Any]]] | None = None
+    collect: Callable[[], Awaitable["KeptCopies"]] | None = None
+
+
+@dataclass
+class KeptCopies:
+    """A sender's host copies once made (`StreamedSend.collect`): handles in bucket order, and the
+    seconds its copy thread waited for device-to-host copies (`copy`) and spent keeping them (`keep`)."""
+
+    handles: list[Any]
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 Send = Callable[[int, VerifyMode], Awaitable[StreamedSend]]
@@ -288,10 +297,12 @@ class _StreamedSource:
             return
         t = time.perf_counter()
         try:
-            self.handles = list(await asyncio.wait_for(collecting, timeout_s))
+            kept = await asyncio.wait_for(collecting, timeout_s)
         finally:
             m.host_copy_wait_seconds = time.perf_counter() - t
+        self.handles = list(kept.handles)
         m.num_buckets = len(self.handles)
+        m.sender_seconds.update({f"host_copy_thread_{k}": v for k, v in kept.seconds.items()})
 
     def discard(self, transport: Transport) -> None:
         """Release host copies still being collected once they arrive (a failed or retried attempt)."""
@@ -302,7 +313,7 @@ class _StreamedSource:
         def release(done: asyncio.Future) -> None:
             if done.cancelled() or done.exception() is not None:
                 return
-            for h in done.result():
+            for h in done.result().handles:
                 with contextlib.suppress(Exception):
                     transport.release(h)
 

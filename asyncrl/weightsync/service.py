@@ -245,8 +245,13 @@ class CollectiveLink:
         from asyncrl.weightsync.push import StreamedSend
 
         sent = await self.learner.broadcast_hf_tensors(self.bucket_mb, verify, self.timeout_s)
-        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds,
-                            collect=lambda: self.learner.take_host_copies(self.timeout_s))
+        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds, collect=self._collect)
+
+    async def _collect(self) -> Any:
+        from asyncrl.weightsync.push import KeptCopies
+
+        refs, seconds = await self.learner.take_host_copies(self.timeout_s)
+        return KeptCopies(refs, seconds)
 
 
 def _put_kind(transport: Any) -> str:

@@ -23,7 +23,7 @@ from asyncrl.weightsync.collective import (
     IPC_WINDOW, CollectiveError, CollectiveGroup, CollectiveReceive, GroupSpec, SenderAborted, form_specs, free_port,
     receive_stream, send_stream,
 )
-from asyncrl.weightsync.push import Publisher, StreamedSend, Step, WeightsyncError
+from asyncrl.weightsync.push import KeptCopies, Publisher, StreamedSend, Step, WeightsyncError
 from asyncrl.weightsync.transport import LocalTransport
 
 from .fakes import FakeReplica, model
@@ -232,6 +232,10 @@ class GlooReplica(FakeReplica):
         await asyncio.to_thread(receive)
 
 
+async def _kept(copies) -> KeptCopies:
+    return KeptCopies(await asyncio.to_thread(copies.result), dict(copies.seconds))
+
+
 def _streamed_setup(n=2, retries=0, timeout_s=20.0):
     log: list[tuple[str, str]] = []
     old = model(0)
@@ -258,7 +262,7 @@ async def test_publish_streamed_goes_live_with_the_senders_fingerprint_and_host_
     async def send(version, verify):
         sent = await asyncio.to_thread(send_stream, state["sender"], iter(new.items()), BUCKET_MB, verify=verify, timeout_s=20)
         return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds,
-                            collect=lambda: asyncio.to_thread(sent.host_copies.result))
+                            collect=lambda: _kept(sent.host_copies))
 
     result = await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
     for r in replicas:
@@ -270,7 +274,8 @@ async def test_publish_streamed_goes_live_with_the_senders_fingerprint_and_host_
     assert host.keys() == new.keys() and all(torch.equal(host[k], new[k]) for k in new)
     m = result.metrics
     assert m["weightsync/num_buckets"] == 3 and m["weightsync/bytes"] == 5 * 64 * 16 * 4
-    assert {"weightsync/sender/broadcast_seconds", "weightsync/sender/host_copy_seconds"} <= m.keys()
+    assert {"weightsync/sender/broadcast_seconds", "weightsync/sender/host_copy_seconds",
+            "weightsync/sender/host_copy_thread_keep_seconds"} <= m.keys()
     assert 0 < m["weightsync/paused_seconds"] <= m["weightsync/push_seconds"] and m["weightsync/host_copy_wait_seconds"] >= 0
 
 
@@ -284,7 +289,7 @@ async def test_host_copies_that_fail_after_the_commit_leave_the_version_live_wit
         sent = await asyncio.to_thread(send_stream, state["sender"], iter(new.items()), BUCKET_MB, verify=verify, timeout_s=20)
 
         async def collect():
-            await asyncio.to_thread(sent.host_copies.result)
+            await _kept(sent.host_copies)
             raise RuntimeError("object store full")
 
         return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds, collect=collect)
@@ -312,7 +317,7 @@ async def test_a_sender_failure_publishes_nothing_and_a_retry_forms_a_new_group(
             stream = broken()
         sent = await asyncio.to_thread(send_stream, state["sender"], stream, BUCKET_MB, verify=verify, timeout_s=20)
         return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds,
-                            collect=lambda: asyncio.to_thread(sent.host_copies.result))
+                            collect=lambda: _kept(sent.host_copies))
 
     result = await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
     assert state["prepares"] == 2 and calls["n"] == 2 and result.metrics["weightsync/retries"] == 1

@@ -25,7 +25,7 @@ def _unpacked(kept) -> dict[str, torch.Tensor]:
     return {n: t.clone() for b in kept for n, t in unpack_bucket(b)}
 
 
-def test_every_bucket_is_kept_in_order_on_another_thread():
+def test_every_bucket_is_kept_in_order_off_the_callers_thread():
     threads: list[str] = []
 
     def keep(bucket):
@@ -40,7 +40,7 @@ def test_every_bucket_is_kept_in_order_on_another_thread():
     weights = model(1)
     assert len(kept) == 3 and [m.name for b in kept for m in b.metas] == list(weights)
     assert all(torch.equal(t, weights[n]) for n, t in _unpacked(kept).items())
-    assert set(threads) == {"asyncrl-host-copies"}
+    assert threads and all(name.startswith("asyncrl-host-keep") for name in threads)  # not the caller's
 
 
 def test_a_failing_keep_is_raised_by_result_and_by_the_next_add():
