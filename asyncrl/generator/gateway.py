@@ -386,7 +386,8 @@ def _register_admin(app: FastAPI, core: GatewayCore, max_bytes: int) -> None:
         """Body `{"tags": ["weights"]}` wakes part of the engine (weights before KV cache); none wakes all."""
         core.require_admin(request)
         tags = (await _body(request)).get("tags")
-        if tags is not None and (not isinstance(tags, list) or not tags or not set(tags) <= {"weights", "kv_cache"}):
+        if tags is not None and (not isinstance(tags, list) or not tags
+                                 or not all(isinstance(t, str) and t in ("weights", "kv_cache") for t in tags)):
             raise HTTPError(422, f"tags must be a non-empty list of 'weights' and 'kv_cache', got {tags!r}")
         return await _broadcast("wake_up", tags)
 

@@ -241,6 +241,14 @@ def test_admin_routes_require_the_bearer_token(gen):
     (res,) = r.json()["replicas"].values()
     assert res["supported"] is False and "sleep" in res["reason"]  # CPU: unsupported, not a crash
     assert _admin(gen, "POST", "/admin/pause", body={"mode": "sideways"}).status_code == 422
+    assert _admin(gen, "POST", "/admin/wake", body={"tags": ["weights"]}, token="wrong").status_code == 401
+    for tags in ("weights", [], ["bogus"], [["weights"]], ["weights", 3]):
+        r = _admin(gen, "POST", "/admin/wake", body={"tags": tags})
+        assert r.status_code == 422 and "tags must be" in r.text, (tags, r.status_code, r.text)
+    r = _admin(gen, "POST", "/admin/wake", body={"tags": ["weights"]})
+    assert r.status_code == 200
+    (res,) = r.json()["replicas"].values()
+    assert res["supported"] is False  # CPU: nothing asleep, nothing to wake, no crash
 
 
 def test_overload_gets_503_with_retry_after_never_a_hang(gen):
