@@ -123,6 +123,7 @@ def test_rank_coords_cover_the_grid_once(tp, pp, dp):
         (ParallelLayout(world_size=3, pp=3), {}, "num_hidden_layers=4 is not divisible by PP\\*VPP=3\\*1"),
         (ParallelLayout(world_size=2, pp=2, vpp=4), {}, "PP\\*VPP=2\\*4"),
         (ParallelLayout(world_size=2, vpp=2), {}, "needs pipeline_model_parallel_size > 1"),
+        (ParallelLayout(world_size=2, pp=2, vpp=2), {}, "interleaved pipeline schedule is not supported"),
         (ParallelLayout(world_size=2, ep=2), {}, "expert_model_parallel_size=2 but model_type='qwen2' has no experts"),
         (ParallelLayout(world_size=2, sequence_parallel=True), {}, "sequence_parallel=True needs tensor_model_parallel_size > 1"),
         (ParallelLayout(world_size=2, tp=2, sequence_parallel=True), {}, "Transformer Engine norms"),
