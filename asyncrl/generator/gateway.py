@@ -377,7 +377,7 @@ def _register_admin(app: FastAPI, core: GatewayCore, max_bytes: int) -> None:
     async def sleep(request: Request) -> JSONResponse:
         core.require_admin(request)
         level = (await _body(request)).get("level", 1)
-        if level not in (1, 2):
+        if type(level) is not int or level not in (1, 2):  # not True (== 1 in Python) nor 1.0
             raise HTTPError(422, f"level must be 1 or 2, got {level!r}")
         return await _broadcast("sleep", level)
 

@@ -241,6 +241,8 @@ def test_admin_routes_require_the_bearer_token(gen):
     (res,) = r.json()["replicas"].values()
     assert res["supported"] is False and "sleep" in res["reason"]  # CPU: unsupported, not a crash
     assert _admin(gen, "POST", "/admin/pause", body={"mode": "sideways"}).status_code == 422
+    for level in (3, True, 1.0, "1", [1]):
+        assert _admin(gen, "POST", "/admin/sleep", body={"level": level}).status_code == 422, level
     assert _admin(gen, "POST", "/admin/wake", body={"tags": ["weights"]}, token="wrong").status_code == 401
     for tags in ("weights", [], ["bogus"], [["weights"]], ["weights", 3]):
         r = _admin(gen, "POST", "/admin/wake", body={"tags": tags})
