@@ -189,9 +189,8 @@ def flop_params(hf: Any, params: int) -> int:
     experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
     if not experts:
         return params
-    shapes = expected_hf_shapes(hf)
-    routed = sum(math.prod(s) for n, s in shapes.items() if ".mlp.experts." in n)
-    return sum(math.prod(s) for s in shapes.values()) - routed + routed * int(hf.num_experts_per_tok) // int(experts)
+    routed = sum(math.prod(s) for n, s in expected_hf_shapes(hf).items() if ".mlp.experts." in n)
+    return hf_params(hf) - routed + routed * int(hf.num_experts_per_tok) // int(experts)
 
 
 def peak() -> float:

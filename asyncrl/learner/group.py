@@ -16,7 +16,7 @@ one python list per sample (response tokens only, in the batch's order).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,24 +226,18 @@ class LearnerGroup:
     async def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float) -> CollectiveExport:
         """One collective push (every rank takes part in the export; senders broadcast)."""
         outs = [o for o in await self._all("broadcast_hf_tensors", bucket_mb, verify, timeout_s) if o is not None]
-        sent = CollectiveExport()
+        sent = CollectiveExport(seconds=_slowest(o["seconds"] for o in outs))  # stages send one after another's end
         for o in outs:
             sent.digests.update(o["digests"])
             sent.bytes += o["bytes"]
             sent.num_tensors += o["num_tensors"]
-            for k, v in o["seconds"].items():
-                sent.seconds[k] = max(sent.seconds.get(k, 0.0), v)  # stages send one after another's end
         return sent
 
     async def take_host_copies(self, timeout_s: float) -> tuple[list[Any], dict[str, float]]:
         """The last broadcast's host copies (ObjectRefs, stage 0 first), once every sender kept
         them, and the slowest sender's copy-thread seconds."""
         outs = sorted((o for o in await self._all("take_host_copies", timeout_s) if o is not None), key=lambda o: o["pp_rank"])
-        seconds: dict[str, float] = {}
-        for o in outs:
-            for k, v in o["seconds"].items():
-                seconds[k] = max(seconds.get(k, 0.0), v)
-        return [ref for o in outs for ref in o["buckets"]], seconds
+        return [ref for o in outs for ref in o["buckets"]], _slowest(o["seconds"] for o in outs)
 
     async def hold_device(self, parts: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """Every rank keeps `parts` (params, grads, optimizer; default all) of its offloaded state on
@@ -261,6 +255,15 @@ class LearnerGroup:
 
     async def state(self) -> list[dict[str, Any]]:
         return await self._all("state")
+
+
+def _slowest(per_rank: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Each phase's largest seconds over the sending ranks."""
+    out: dict[str, float] = {}
+    for seconds in per_rank:
+        for k, v in seconds.items():
+            out[k] = max(out.get(k, 0.0), v)
+    return out
 
 
 def _short(exc: BaseException) -> str:

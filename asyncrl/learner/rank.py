@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from typing import Any
 
 from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, ProfilerConfig
@@ -80,12 +79,6 @@ class LearnerRank:
                 raise RuntimeError("rank 0: master_address() must run before setup() (it binds the rendezvous store)")
             return self._store
         return dist.TCPStore(master_addr, int(master_port), self.world_size, False, timeout=datetime.timedelta(seconds=timeout_s))
-
-    @staticmethod
-    def _free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
 
     def setup(self, master_addr: str, master_port: int, timeout_s: float = 600.0) -> dict[str, Any]:
         import torch
@@ -183,7 +176,9 @@ class LearnerRank:
             return None
         import ray
 
-        return {"sender": self.coords.pp, "host": ray.util.get_node_ip_address(), "port": self._free_port()}
+        from asyncrl.weightsync.collective import free_port
+
+        return {"sender": self.coords.pp, "host": ray.util.get_node_ip_address(), "port": free_port()}
 
     def join_collective(self, specs: list[dict[str, Any]]) -> str | None:
         """Sending ranks: leave any earlier group, join (as group rank 0) the spec for this PP stage."""

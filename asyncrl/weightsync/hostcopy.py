@@ -5,8 +5,9 @@ from it after a later push fails, hands it to the WeightStore for late joiners, 
 when the next version is live. Nothing reads it before the commit, so making it must not hold the
 engines paused. Each sent device bucket is copied into pinned host memory on a side stream
 (overlapping the next bucket's pack and send), and a thread hands each finished copy to `keep`
-(the rank's `ray.put`), run by `KEEP_THREADS` keeper threads at once, results kept in bucket order. The sender returns once its last bucket is sent; the publisher collects
-the kept copies (`HostCopies.result`) while the replicas commit.
+(the rank's `ray.put`), run by `KEEP_THREADS` keeper threads at once, results in bucket order.
+The sender returns once its last bucket is sent; the publisher collects the kept copies
+(`HostCopies.result`) while the replicas commit.
 
 Memory: at most `max_device` sent buckets wait on the device for their copy. The pinned pool
 (`PinnedPool`) holds one model's worth of host memory, allocated by the first push and reused by
@@ -109,7 +110,6 @@ class HostCopies:
         self._streams: dict[torch.device, Any] = {}
         self._count = 0
         self._finished = False
-        self.bytes = 0
         self.seconds = {"wait": 0.0, "copy": 0.0, "keep": 0.0}  # keep: summed over the keeper threads
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="asyncrl-host-copies", daemon=True)
@@ -136,7 +136,6 @@ class HostCopies:
                          slot=True)
         self.seconds["wait"] += time.perf_counter() - t
         self._count += 1
-        self.bytes += bucket.payload_bytes
         self._queue.put(copy)
         return copy
 
@@ -206,8 +205,7 @@ class HostCopies:
                 if self._error is None:
                     t = time.perf_counter()
                     host = copy.wait(self._deadline)
-                    self.seconds["copy"] += time.perf_counter() - t
-                    copy.device = None
+                    self.seconds["copy"] += time.perf_counter() - t  # `wait` dropped the device bucket
                     self._kept_futures.append(self._keepers.submit(self._keep_one, host, copy.slot))
                     continue
             except BaseException as err:  # noqa: BLE001 - reported by `result` / the next `add`

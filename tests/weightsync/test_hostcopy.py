@@ -3,6 +3,7 @@ reported, bounded, and (on a GPU) copied into pinned buffers that later pushes r
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -61,42 +62,47 @@ def test_a_failing_keep_is_raised_by_result_and_by_the_next_add():
     assert len(calls) == 1  # nothing is kept after the first failure
 
 
-def test_adds_wait_for_a_free_slot_and_give_up_at_the_deadline():
+@contextlib.contextmanager
+def _stuck_keep(deadline_s: float, **kwargs):
+    """HostCopies whose `keep` blocks until `release` is set (set, and the copies closed, at exit)."""
     release = threading.Event()
-    copies = HostCopies(lambda b: release.wait(30) and b, None, deadline=time.monotonic() + 1.0, max_device=1)
-    first, second, _ = _buckets(3)
-    copies.add(first)  # the thread holds it in `keep`
-    t0 = time.monotonic()
-    with pytest.raises(HostCopyError, match="fell behind"):
-        copies.add(second)
-    assert 0.5 < time.monotonic() - t0 < 10
-    release.set()
-    copies.close()
+    copies = HostCopies(lambda b: release.wait(30) and b, None, deadline=time.monotonic() + deadline_s, **kwargs)
+    try:
+        yield copies, release
+    finally:
+        release.set()
+        copies.close()
+
+
+def test_adds_wait_for_a_free_slot_and_give_up_at_the_deadline():
+    with _stuck_keep(1.0, max_device=1) as (copies, _):
+        first, second, _ = _buckets(3)
+        copies.add(first)  # the thread holds it in `keep`
+        t0 = time.monotonic()
+        with pytest.raises(HostCopyError, match="fell behind"):
+            copies.add(second)
+        assert 0.5 < time.monotonic() - t0 < 10
 
 
 def test_result_waits_no_longer_than_its_deadline():
-    release = threading.Event()
-    copies = HostCopies(lambda b: release.wait(30) and b, None, deadline=time.monotonic() + 30)
-    copies.add(_buckets(4)[0])
-    t0 = time.monotonic()
-    with pytest.raises(HostCopyError, match="not kept by the deadline"):
-        copies.result(time.monotonic() + 0.3)
-    assert time.monotonic() - t0 < 5
-    release.set()
-    copies.close()
+    with _stuck_keep(30) as (copies, _):
+        copies.add(_buckets(4)[0])
+        t0 = time.monotonic()
+        with pytest.raises(HostCopyError, match="not kept by the deadline"):
+            copies.result(time.monotonic() + 0.3)
+        assert time.monotonic() - t0 < 5
 
 
 def test_close_reports_a_keep_that_is_still_running():
     """The next push reuses the pinned pool only if the last push's thread has ended."""
-    release = threading.Event()
-    copies = HostCopies(lambda b: release.wait(30) and b, None, deadline=time.monotonic() + 30)
-    copies.add(_buckets(8)[0])
-    time.sleep(0.1)
-    assert copies.close(timeout_s=0.2) is False  # stuck in keep: the pool must not be reused
-    release.set()
-    assert copies.close(timeout_s=10) is True
-    with pytest.raises(HostCopyError, match="closed"):
-        copies.result()
+    with _stuck_keep(30) as (copies, release):
+        copies.add(_buckets(8)[0])
+        time.sleep(0.1)
+        assert copies.close(timeout_s=0.2) is False  # stuck in keep: the pool must not be reused
+        release.set()
+        assert copies.close(timeout_s=10) is True
+        with pytest.raises(HostCopyError, match="closed"):
+            copies.result()
 
 
 @pytest.mark.gpu
