@@ -209,6 +209,12 @@ def transformer_config_from_hf(
         kwargs["expert_tensor_parallel_size"] = kwargs["tensor_model_parallel_size"]
     if (kwargs.get("virtual_pipeline_model_parallel_size") or 1) <= 1:
         kwargs["virtual_pipeline_model_parallel_size"] = None
+    else:
+        # Megatron-LM's own setting for the interleaved schedule. With PP=2 the previous and next
+        # stage are one rank, and batched p2p matches that rank's activation and gradient messages
+        # in issue order, i.e. crosswise (gloo: wrong grads or a shape error in backward).
+        kwargs.setdefault("overlap_p2p_comm", True)
+        kwargs.setdefault("batch_p2p_comm", False)
     return TransformerConfig(**kwargs)
 
 

@@ -56,10 +56,13 @@ def forward_logits(chunks: list, ids: torch.Tensor, vocab: int) -> torch.Tensor 
 
         return out, loss_func
 
+    # The interleaved (VPP) schedule takes one iterator per chunk and at least PP micro-batches.
+    n = ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
+    data = [iter([ids] * n) for _ in chunks] if len(chunks) > 1 else iter([ids])
     with torch.no_grad():
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([ids]), model=chunks,
-            num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True,
+            forward_step_func=forward_step, data_iterator=data, model=chunks,
+            num_microbatches=n, seq_length=s, micro_batch_size=b, forward_only=True,
         )
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
         return kept[0]
@@ -75,11 +78,15 @@ def export(chunks: list, hf) -> dict[str, torch.Tensor] | None:
     return out if ps.get_tensor_model_parallel_rank() == 0 else None
 
 
-def perturb(chunks: list) -> None:
-    """Deterministic, TP-consistent change of every weight (seeded by the parameter name)."""
+def perturb(chunks: list, skip: tuple[str, ...] = ()) -> None:
+    """Deterministic, TP-consistent change of every weight (seeded by the parameter name) whose
+    name contains none of `skip`. Under PP a tied embedding has a copy on the first and the last
+    stage under two names: skip both to keep them one weight."""
     with torch.no_grad():
         for c in chunks:
             for name, p in c.named_parameters():
+                if any(s in name for s in skip):
+                    continue
                 g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
                 p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.device))
 
@@ -154,8 +161,11 @@ def run_tp(rank: int, world: int, demo: str, qwen3: str, ids: torch.Tensor, ckpt
     return res
 
 
-def run_pp_ep(rank: int, world: int, demo: str, moe_dirs: list[str], ids: torch.Tensor) -> dict[str, Any]:
-    """PP=2: parity and round trip; then EP=2 (DP=2) for each MoE model: parity and round trip."""
+def run_pp_ep(rank: int, world: int, demo: str, moe_dirs: list[str], ids: torch.Tensor, ckpt: str) -> dict[str, Any]:
+    """PP=2: parity and round trip; PP=2 x VPP=2: parity, round trip and a checkpoint that TP=1
+    (DP=2) loads; then EP=2 (DP=2) for each MoE model: parity and round trip."""
+    from asyncrl.learner.checkpoint import load_checkpoint, save_checkpoint
+
     res: dict[str, Any] = {"where": where()}
     pp2 = {"pipeline_model_parallel_size": 2}
     hf, chunks = setup(world, pp2, demo)
@@ -163,6 +173,22 @@ def run_pp_ep(rank: int, world: int, demo: str, moe_dirs: list[str], ids: torch.
     res["pp2_logits"] = forward_logits(chunks, ids, hf.vocab_size)
     res["pp2_export"] = export(chunks, hf)
     del chunks
+    reset_parallel()
+
+    vpp2 = {**pp2, "virtual_pipeline_model_parallel_size": 2}
+    hf, chunks = setup(world, vpp2, demo)
+    res["vpp2_chunks"] = len(chunks)
+    res["vpp2_logits"] = forward_logits(chunks, ids, hf.vocab_size)
+    res["vpp2_export"] = export(chunks, hf)
+    perturb(chunks, skip=("word_embeddings", "output_layer"))
+    res["vpp2_perturbed_logits"] = forward_logits(chunks, ids, hf.vocab_size)
+    save_checkpoint(ckpt, chunks, extra={"step": 3})
+    del chunks
+    reset_parallel()
+    _, fresh = setup(world, {}, demo, load=False)
+    res["ckpt_extra"] = load_checkpoint(ckpt, fresh)
+    res["tp1_from_vpp2_ckpt_logits"] = forward_logits(fresh, ids, hf.vocab_size)
+    del fresh
     reset_parallel()
     ep2 = {"expert_model_parallel_size": 2}
     for i, d in enumerate(moe_dirs):

@@ -1,9 +1,12 @@
-"""The group's Megatron-compute dispatch over real layouts: TP=2, DP=2 and PP=2 against TP=1.
+"""The group's Megatron-compute dispatch over real layouts: TP=2, DP=2, PP=2 and PP=2 x VPP=2 against TP=1.
 
-Four actor groups (1 + 2 + 2 + 2 Ray rank actors; Megatron over gloo on CPU, over NCCL with a GPU
-per rank on a GPU host) get the same batch: their log-probs, their first update's loss and grad
+Six actor groups (1 + 2 + 2 + 2 + 2 + 2 Ray rank actors; Megatron over gloo on CPU, over NCCL with a
+GPU per rank on a GPU host) get the same batch: their log-probs, their first update's loss and grad
 norm, and the log-probs after that update must agree. The groups run one after another (two GPUs
 hold one two-rank group at a time); each reports what it computed, then its export, then stops.
+The interleaved (VPP) schedule runs twice: with 3 micro-batches of unequal shapes (a contiguous
+group of 3, since 3 % 2 would leave a group smaller than PP) and with 1 micro-batch (padded to PP
+with an empty one).
 """
 
 from __future__ import annotations
@@ -17,12 +20,17 @@ from tests.learner._device import assert_placement, num_gpus_per_rank, placement
 
 pytestmark = pytest.mark.slow
 
+VPP2 = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}
+# name: (world size, strategy_config, micro_batch_size); 8 samples
 LAYOUTS = {
-    "tp1": (1, {}),
-    "tp2": (2, {"tensor_model_parallel_size": 2}),
-    "dp2": (2, {}),
-    "pp2": (2, {"pipeline_model_parallel_size": 2}),
+    "tp1": (1, {}, 3),
+    "tp2": (2, {"tensor_model_parallel_size": 2}, 3),
+    "dp2": (2, {}, 3),
+    "pp2": (2, {"pipeline_model_parallel_size": 2}, 3),
+    "vpp2": (2, VPP2, 3),
+    "vpp2_one_mb": (2, VPP2, 8),
 }
+OTHERS = [name for name in LAYOUTS if name != "tp1"]
 
 
 def _export(group: LearnerGroup) -> dict:
@@ -44,9 +52,9 @@ def runs(ray_session, demo_model_path) -> dict[str, dict]:
     adv = advantages(samples)
     adv[0] = [0.3 * (j + 1) for j in range(len(adv[0]))]  # not a plain sign pattern
     out: dict[str, dict] = {}
-    for name, (ws, strategy) in LAYOUTS.items():
+    for name, (ws, strategy, mbs) in LAYOUTS.items():
         group = LearnerGroup("actor", model, LearnerConfig(
-            world_size=ws, strategy_config=strategy, lr=1e-4, micro_batch_size=3, num_cpus_per_rank=0.5,
+            world_size=ws, strategy_config=strategy, lr=1e-4, micro_batch_size=mbs, num_cpus_per_rank=0.5,
             num_gpus_per_rank=num_gpus_per_rank(ws),
         ), algo)
         run(group.start())
@@ -69,29 +77,29 @@ def test_every_rank_ran_on_the_expected_backend(runs):
 
 
 def test_logprobs_and_one_update_agree_across_layouts(runs):
+    # dp2: re-assembled in sample order; pp2 / vpp2: collected from the last (virtual) stage.
     lp = {name: r["lp"] for name, r in runs.items()}
-    assert max_diff(lp["tp2"], lp["tp1"]) < 1e-4
-    assert max_diff(lp["dp2"], lp["tp1"]) < 1e-4  # re-assembled in sample order
-    assert max_diff(lp["pp2"], lp["tp1"]) < 1e-4  # collected from the last stage
+    for name in OTHERS:
+        assert max_diff(lp[name], lp["tp1"]) < 1e-4, name
 
     base = runs["tp1"]["metrics"]
-    for name in ("tp2", "dp2", "pp2"):
+    for name in OTHERS:
         m = runs[name]["metrics"]
         assert m["actor/pg_loss"] == pytest.approx(base["actor/pg_loss"], rel=1e-4, abs=1e-7), name
         assert m["actor/grad_norm"] == pytest.approx(base["actor/grad_norm"], rel=1e-3), name
+        assert m["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5), name  # update forward = old forward
         assert m["actor/applied_steps"] == 1.0
     after = {name: r["after"] for name, r in runs.items()}
     assert max_diff(after["tp1"], lp["tp1"]) > 1e-3  # the step did move the policy
-    assert max_diff(after["tp2"], after["tp1"]) < 1e-3
-    assert max_diff(after["dp2"], after["tp1"]) < 1e-3
-    assert max_diff(after["pp2"], after["tp1"]) < 1e-3  # tied embedding grads synced over PP
+    for name in OTHERS:  # pp2 / vpp2: tied embedding grads synced over PP
+        assert max_diff(after[name], after["tp1"]) < 1e-3, name
 
 
 def test_export_gathers_every_stage_and_shard(runs):
     import torch
 
     base = runs["tp1"]["export"]
-    for name in ("tp2", "pp2"):
+    for name in ("tp2", "pp2", "vpp2"):
         got = runs[name]["export"]
         assert set(got) == set(base), name
         # Same update on every layout: weights agree up to Adam's first-step rounding.

@@ -89,9 +89,10 @@ def tp_run(demo_model_path, tiny_dirs, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def pp_ep_run(demo_model_path, tiny_dirs) -> dict:
+def pp_ep_run(demo_model_path, tiny_dirs, tmp_path_factory) -> dict:
     moe = [tiny_dirs["qwen2_moe"], tiny_dirs["qwen3_moe"]]
-    return {"ranks": run_ranks(_workers.run_pp_ep, 2, str(demo_model_path), moe, IDS)}
+    ckpt = tmp_path_factory.mktemp("ckpt_vpp") / "step3"
+    return {"ranks": run_ranks(_workers.run_pp_ep, 2, str(demo_model_path), moe, IDS, str(ckpt)), "ckpt": ckpt}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -177,6 +178,24 @@ def test_pp2_round_trip_each_stage_exports_its_own_layers(pp_ep_run, demo_model_
     assert not set(first) & set(last)
     assert {k for k in first if "layers." in k} == {k for k in first if ".layers.0." in k or ".layers.1." in k}
     _assert_bit_exact({**first, **last}, _hf_tensors(demo_model_path))
+
+
+def test_vpp2_logits_round_trip_and_checkpoint_at_tp1(pp_ep_run, demo_model_path):
+    first, last = pp_ep_run["ranks"]
+    assert first["vpp2_chunks"] == last["vpp2_chunks"] == 2
+    assert first["vpp2_logits"] is None
+    assert _close(last["vpp2_logits"], _hf_logits(demo_model_path)) < 1e-4
+    # Interleaved: PP rank 0 holds layers 0 and 2, PP rank 1 layers 1 and 3.
+    exports = [r["vpp2_export"] for r in pp_ep_run["ranks"]]
+    layers = [{k.split(".")[2] for k in e if ".layers." in k} for e in exports]
+    assert layers == [{"0", "2"}, {"1", "3"}]
+    _assert_bit_exact({**exports[0], **exports[1]}, _hf_tensors(demo_model_path))
+
+    perturbed = last["vpp2_perturbed_logits"]
+    assert _close(perturbed, _hf_logits(demo_model_path)) > 1e-2
+    for r in (first, last):  # DP=2 at TP=1: both ranks hold the whole model
+        assert _close(r["tp1_from_vpp2_ckpt_logits"], perturbed) < 1e-4
+        assert r["ckpt_extra"]["asyncrl_layout"]["vpp"] == 2
 
 
 @pytest.mark.parametrize("index,name", [(0, "qwen2_moe"), (1, "qwen3_moe")])

@@ -123,7 +123,8 @@ def test_rank_coords_cover_the_grid_once(tp, pp, dp):
         (ParallelLayout(world_size=3, pp=3), {}, "num_hidden_layers=4 is not divisible by PP\\*VPP=3\\*1"),
         (ParallelLayout(world_size=2, pp=2, vpp=4), {}, "PP\\*VPP=2\\*4"),
         (ParallelLayout(world_size=2, vpp=2), {}, "needs pipeline_model_parallel_size > 1"),
-        (ParallelLayout(world_size=2, pp=2, vpp=2), {}, "interleaved pipeline schedule is not supported"),
+        (ParallelLayout(world_size=2, pp=2, vpp=2, batch_p2p_comm=True), {}, "batch_p2p_comm=True with virtual_pipeline_model_parallel_size=2"),
+        (ParallelLayout(world_size=2, pp=2, vpp=2, overlap_p2p_comm=False), {}, "overlap_p2p_comm=False with virtual"),
         (ParallelLayout(world_size=2, ep=2), {}, "expert_model_parallel_size=2 but model_type='qwen2' has no experts"),
         (ParallelLayout(world_size=2, sequence_parallel=True), {}, "sequence_parallel=True needs tensor_model_parallel_size > 1"),
         (ParallelLayout(world_size=2, tp=2, sequence_parallel=True), {}, "Transformer Engine norms"),
@@ -141,6 +142,39 @@ def test_experts_not_divisible_by_ep():
     hf = Qwen3MoeConfig(num_hidden_layers=2, num_experts=6, num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(ConfigError, match="num_experts=6 is not divisible by expert_model_parallel_size=4"):
         validate_layout(ParallelLayout(world_size=4, ep=4), hf, cuda=False)
+
+
+def test_vpp_layout_with_default_p2p_is_accepted():
+    cfg = LearnerConfig(world_size=2, strategy_config={
+        "pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2, "overlap_p2p_comm": True,
+    })
+    validate_layout(ParallelLayout.from_learner_config(cfg), _qwen2(), cuda=False)
+
+
+def test_vpp_config_gets_megatron_lms_p2p_settings():
+    from asyncrl.learner.model import transformer_config_from_hf
+
+    cfg = transformer_config_from_hf(_qwen2(), {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2})
+    assert (cfg.overlap_p2p_comm, cfg.batch_p2p_comm) == (True, False)
+
+
+@pytest.mark.parametrize(
+    "m,pp,configured,group",
+    [(4, 2, 2, 2), (3, 2, 2, 3), (5, 2, 2, 3), (7, 4, 4, 7), (8, 4, 4, 4), (9, 4, 4, 5), (6, 4, 4, 6), (12, 4, 5, 6), (3, 2, 8, 3)],
+)
+def test_vp_group_size_satisfies_megatrons_rule(m, pp, configured, group):
+    from asyncrl.learner.roles.base import vp_group_size
+
+    g = vp_group_size(m, pp, configured)
+    assert g == group
+    assert pp <= g <= m and (m % g == 0 or m % g >= pp)  # what the interleaved schedule checks
+
+
+def test_vp_group_size_refuses_fewer_micro_batches_than_pp():
+    from asyncrl.learner.roles.base import vp_group_size
+
+    with pytest.raises(ValueError, match="fewer than PP=4"):
+        vp_group_size(3, 4, 4)
 
 
 def test_learner_config_feeds_the_layout():

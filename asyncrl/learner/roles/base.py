@@ -100,6 +100,9 @@ class ModelRunner:
         self.real_vocab = ctx.hf_config.vocab_size
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.is_last_stage = ps.is_pipeline_last_stage()
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        # The interleaved schedule's contiguous micro-batch group (Megatron defaults it to PP).
+        self.vp_group_min = chunks[0].config.microbatch_group_size_per_vp_stage or self.pp
         self.chunks = [self._wrap_ddp(c) for c in chunks] if trainable else chunks
         for c in self.chunks:
             c.train(trainable)  # dropout is 0 anyway; eval() keeps the reference deterministic
@@ -134,6 +137,21 @@ class ModelRunner:
 
         if not mbs:
             return []
+        real = len(mbs)
+        padding: set[int] = set()
+        if len(self.chunks) > 1:
+            # The interleaved schedule needs at least PP micro-batches: empty ones make up the count
+            # (their loss is 0 and their results are dropped), and real losses are scaled so that
+            # Megatron's division by the padded count is still a division by `real`.
+            pads = [_empty_micro_batch(mbs[0]) for _ in range(self.pp - real)]
+            padding = {id(m) for m in pads}
+            mbs = list(mbs) + pads
+            from megatron.core.utils import get_model_config
+
+            get_model_config(self.chunks[0]).microbatch_group_size_per_vp_stage = vp_group_size(
+                len(mbs), self.pp, self.vp_group_min
+            )
+        scale = len(mbs) / real
 
         def forward_step(data_iter, model):
             mb = next(data_iter)
@@ -142,7 +160,9 @@ class ModelRunner:
             dev = _device_of(model)
             mask = mb.attention_mask.to(dev) if mb.attention_mask is not None else None
             out = model(mb.input_ids.to(dev), mb.position_ids.to(dev), mask)
-            return out, partial(_loss_on_device, loss_fn, mb, dev)
+            if id(mb) in padding:
+                return out, _padding_loss
+            return out, partial(_loss_on_device, loss_fn, mb, dev, scale)
 
         data = iter(mbs) if len(self.chunks) == 1 else [iter(mbs) for _ in self.chunks]
         with torch.set_grad_enabled(not forward_only):
@@ -151,7 +171,7 @@ class ModelRunner:
                 num_microbatches=len(mbs), seq_length=max(m.input_ids.shape[1] for m in mbs),
                 micro_batch_size=max(m.input_ids.shape[0] for m in mbs), forward_only=forward_only,
             )
-        return list(out) if self.is_last_stage else []
+        return [r for r in out if r is not _PADDING] if self.is_last_stage else []
 
     # ------------------------------------------------------------------ token math
 
@@ -217,10 +237,43 @@ def _device_of(module: torch.nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
-def _loss_on_device(loss_fn: LossFn, mb: MicroBatch, device: torch.device, output: torch.Tensor):
+def _loss_on_device(loss_fn: LossFn, mb: MicroBatch, device: torch.device, scale: float, output: torch.Tensor):
     """Megatron scales and backpropagates the loss with device tensors: hand it one there."""
     loss, result = loss_fn(mb, output)
-    return loss.to(device), result
+    return (loss * scale if scale != 1 else loss).to(device), result
+
+
+# What a padding micro-batch reports (dropped from `ModelRunner.run`'s results).
+_PADDING: dict[str, Any] = {}
+
+
+def _padding_loss(output: torch.Tensor):
+    return output.float().sum() * 0.0, _PADDING
+
+
+def _empty_micro_batch(like: MicroBatch) -> MicroBatch:
+    """One pad token and no sequence: a micro-batch that only fills the interleaved schedule."""
+    width = like.response_mask.shape[1]
+    return MicroBatch(
+        sample_index=[], input_ids=torch.zeros(1, 1, dtype=torch.long),
+        position_ids=torch.zeros(1, 1, dtype=torch.long), attention_mask=None, placements=[],
+        gather_index=torch.zeros(0, width, dtype=torch.long), response_mask=torch.zeros(0, width, dtype=torch.bool),
+        labels=torch.zeros(0, width, dtype=torch.long),
+    )
+
+
+def vp_group_size(num_microbatches: int, pp: int, configured: int) -> int:
+    """The interleaved schedule's contiguous micro-batch group for `num_microbatches` (>= pp).
+
+    Megatron requires pp <= group <= M and M % group == 0 or >= pp; the smallest such group
+    from the configured one up (M itself always qualifies) keeps activation memory lowest.
+    """
+    if num_microbatches < pp:
+        raise ValueError(f"{num_microbatches} micro-batches, fewer than PP={pp}")
+    for g in range(max(configured, pp), num_microbatches + 1):
+        if num_microbatches % g == 0 or num_microbatches % g >= pp:
+            return g
+    return num_microbatches
 
 
 @torch.no_grad()
