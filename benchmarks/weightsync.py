@@ -16,6 +16,10 @@ ipc (co-located: sender and engines on the same device, --gpus 0.5 puts both on 
 sender publishes a CUDA IPC handle per bucket and every engine worker copies it device to
 device; raw is the same packed buckets opened by handle and copied once by each sink.
 
+A push ends when the version is live on every replica. Collective transports keep its host copy
+(for restores and late joiners) after that, overlapping what follows the push: it is timed apart
+(`breakdown_seconds.host_copy_after_push`, waited for before the next push).
+
 Prints one JSON object per model and transport (sizes, seconds, GB/s, push/raw, breakdown).
 
   python benchmarks/weightsync.py                       # demo model + a random ~50M Qwen2
@@ -281,7 +285,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
                 return await asyncio.gather(*(a.join_collective.remote(wire) for a in actors))
 
             link = CollectiveLink(kind, SenderAsLearner(sender), members=members, join=join, bucket_mb=bucket_mb, timeout_s=600)
-        push, metrics = [], []
+        push, tails, metrics = [], [], []
         for i in range(repeats + 1):  # the first push of each transport is a warm-up (and forms groups), not timed
             version += 1
             if link is not None:
@@ -292,10 +296,16 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
                 weights = perturbed(base, version)
                 t = time.perf_counter()
                 result = await pub.publish(version, iter(weights.items()), clients)
+            live = time.perf_counter()
+            # Collective transports keep the host copy after the push returned: time it apart.
+            tail, warnings = await pub.drain()
+            if warnings:
+                raise RuntimeError(f"{kind} push {version}: {warnings}")
             if i:
-                push.append(time.perf_counter() - t)
-                metrics.append(result.metrics)
-        runs[kind] = (push, metrics)
+                push.append(live - t)
+                tails.append(time.perf_counter() - live)
+                metrics.append({**result.metrics, **tail})
+        runs[kind] = (push, tails, metrics)
         if hasattr(transport, "close"):
             transport.close()
 
@@ -338,11 +348,12 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
         ray.kill(a)
     med = lambda xs: statistics.median(xs)  # noqa: E731
     out = []
-    for kind, (push, metrics) in runs.items():
+    for kind, (push, tails, metrics) in runs.items():
         nbytes = int(metrics[0]["weightsync/bytes"])
         floor = raw[kind if kind in collective else "host"]
         key = lambda k: med([m.get(k, 0.0) for m in metrics])  # noqa: E731, B023
-        breakdown = {k: key(f"weightsync/{k}_seconds") for k in ("stage", "fingerprint", "commit", "paused", "host_copy_wait")}
+        breakdown = {k: key(f"weightsync/{k}_seconds") for k in ("stage", "fingerprint", "commit", "paused")}
+        breakdown["host_copy_after_push"] = med(tails)
         if kind in collective:
             breakdown.update({f"sender_{k}": key(f"weightsync/sender/{k}_seconds")
                               for k in ("pack", "broadcast", "host_copy", "hash", "host_copy_thread_copy", "host_copy_thread_keep")})

@@ -62,6 +62,7 @@ class CollectiveExport:
     digests: dict[str, bytes] = field(default_factory=dict)
     bytes: int = 0
     num_tensors: int = 0
+    num_buckets: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -231,6 +232,7 @@ class LearnerGroup:
             sent.digests.update(o["digests"])
             sent.bytes += o["bytes"]
             sent.num_tensors += o["num_tensors"]
+            sent.num_buckets += o["num_buckets"]
         return sent
 
     async def take_host_copies(self, timeout_s: float) -> tuple[list[Any], dict[str, float]]:

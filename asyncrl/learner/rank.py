@@ -236,7 +236,7 @@ class LearnerRank:
                 raise
         self._host_copies = sent.host_copies
         return {"pp_rank": self.coords.pp, "digests": sent.digests, "bytes": sent.bytes,
-                "num_tensors": sent.num_tensors, "seconds": sent.seconds}
+                "num_tensors": sent.num_tensors, "num_buckets": sent.num_buckets, "seconds": sent.seconds}
 
     def take_host_copies(self, timeout_s: float) -> dict[str, Any] | None:
         """The host copies (ObjectRefs, in bucket order) of this rank's last broadcast, once all

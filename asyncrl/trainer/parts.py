@@ -10,6 +10,7 @@ another component's config section.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -191,6 +192,8 @@ class TrainerParts:
         return self.start_version
 
     async def close(self) -> None:
+        with contextlib.suppress(Exception):  # the last version's host copy: its keeper reads learner memory
+            await self.weights.drain()
         await self.buffer.close.remote()
         self.rewards.close()
         for g in (self.actor, self.reference, self.critic):

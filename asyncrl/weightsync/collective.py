@@ -276,6 +276,7 @@ class SendResult:
     digests: dict[str, bytes] = field(default_factory=dict)
     bytes: int = 0
     num_tensors: int = 0
+    num_buckets: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: {"pack": 0.0, "broadcast": 0.0, "host_copy": 0.0, "hash": 0.0})
 
 
@@ -332,6 +333,7 @@ def _copy_and_hash(copies: HostCopies, bucket: Bucket, verify: str, out: SendRes
 
     t = time.perf_counter()
     copy = copies.add(bucket)
+    out.num_buckets += 1
     out.seconds["host_copy"] += time.perf_counter() - t
     t = time.perf_counter()
     # `sampled` and `off` read a few windows per tensor, cut on the device (one copy per bucket);

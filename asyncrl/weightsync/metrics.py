@@ -2,7 +2,8 @@
 
 Owns: the timers and counters a push fills in, and their names:
   weightsync/version, bytes, num_tensors, num_buckets, num_replicas, attempts, retries, failed
-  weightsync/push_seconds          begin of registration -> live, with its host copy (or failure)
+  weightsync/push_seconds          begin of registration -> live (or failure); with the host copy,
+                                   except for collective transports (below)
   weightsync/stage_seconds         first bucket sent -> last bucket loaded on every replica
   weightsync/commit_seconds        commit call -> every replica answered
   weightsync/fingerprint_seconds   the publisher hashing buckets (overlapped with the replicas staging)
@@ -16,8 +17,11 @@ Owns: the timers and counters a push fills in, and their names:
                                    threads' `ray.put` time (summed), off the critical path
   weightsync/on_live_seconds       the `on_live` hook (the WeightStore copy for late joiners)
   weightsync/paused_seconds        pause sent -> every replica resumed (what generation lost)
-  weightsync/host_copy_wait_seconds  collective transports: waiting, after the commit, for the
-                                   sender's host copies (made off the critical path)
+Collective transports keep the live version's host copy after the push returned (push.py, "the
+tail"); the next push reports it, i.e. these describe the PREVIOUS version:
+  weightsync/host_copy_seconds     live -> its host copies collected from the sender
+  weightsync/host_copy_wait_seconds  how long this push waited for them before starting
+  weightsync/on_live_seconds, store_failed, sender/host_copy_thread_{copy,keep}_seconds
   weightsync/replica/<name>/{load_seconds,load_gbps,commit_seconds}
   weightsync/replica/<name>/<step>_seconds   every other step too (pause, begin_update, resume, ...)
   weightsync/timeline/<state>_s    seconds from registration to entering each state
@@ -63,6 +67,7 @@ class PushMetrics:
     on_live_seconds: float = 0.0
     paused_seconds: float = 0.0
     host_copy_wait_seconds: float = 0.0
+    host_copy_seconds: float = 0.0
     sender_seconds: dict[str, float] = field(default_factory=dict)  # collective transports: the sender's phases
     replica_seconds: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
 
@@ -90,6 +95,7 @@ class PushMetrics:
             p + "on_live_seconds": self.on_live_seconds,
             p + "paused_seconds": self.paused_seconds,
             p + "host_copy_wait_seconds": self.host_copy_wait_seconds,
+            p + "host_copy_seconds": self.host_copy_seconds,
             p + "stage_seconds": self.stage_seconds,
             p + "commit_seconds": self.commit_seconds,
             p + "fingerprint_seconds": self.fingerprint_seconds,

@@ -26,6 +26,13 @@ Atomicity, as designed with the generator's interface (replicas.py lists the con
   from scratch, buckets replayed from their handles, the tensor stream is read once);
   a dead replica or a failing tensor stream is not retried. Paused replicas are always resumed.
 
+Collective pushes end when the version is live: the sender's host copy of it (what a later
+restore pushes again, and what `on_live` hands to the WeightStore for late joiners) is still
+being made then, and a background task (the "tail") collects it, swaps it in for the previous
+version's and runs `on_live`. Everything that reads the host copy waits for the tail first: the
+next push (before it pauses anyone; its sender reuses the pinned buffers too) and `load_live`.
+The tail's warnings and seconds are reported with the next push.
+
 `preserve_rng_state` wraps every publish because the tensor stream (the learner's export) is
 consumed lazily inside it.
 
@@ -39,6 +46,7 @@ import asyncio
 import contextlib
 import enum
 import inspect
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +63,7 @@ from asyncrl.weightsync.registry import VersionRegistry
 from asyncrl.weightsync.replicas import ReplicaClient, is_replica_dead, is_verify_failure
 from asyncrl.weightsync.transport import Transport
 
+log = logging.getLogger(__name__)
 S = WeightUpdateState
 NamedTensorIter = Iterable[tuple[str, Any]]
 OnLive = Callable[[int, str, list[Bucket]], Any]
@@ -228,6 +237,7 @@ class StreamedSend:
     num_tensors: int
     seconds: dict[str, float] = field(default_factory=dict)
     collect: Callable[[], Awaitable["KeptCopies"]] | None = None
+    num_buckets: int | None = None  # None: len(handles)
 
 
 @dataclass
@@ -280,29 +290,25 @@ class _StreamedSource:
             self._collecting = asyncio.ensure_future(sent.collect())
         await receiving
         self.handles, self._digests = list(sent.handles), dict(sent.digests)
-        m.bytes, m.num_tensors, m.num_buckets = sent.bytes, sent.num_tensors, len(sent.handles)
+        m.bytes, m.num_tensors = sent.bytes, sent.num_tensors
+        m.num_buckets = len(sent.handles) if sent.num_buckets is None else sent.num_buckets
         m.put_seconds = sent.seconds.get("broadcast", 0.0)
         m.fingerprint_seconds = sent.seconds.get("hash", 0.0)
-        m.sender_seconds = dict(sent.seconds)
+        m.sender_seconds.update(sent.seconds)
 
     def fingerprint(self) -> str:
         if self._digests is None:
             raise RuntimeError("fingerprint before the sender finished")
         return combine_digests(self._digests, self.verify)
 
-    async def settle(self, m: PushMetrics, timeout_s: float) -> None:
-        """Wait for the sender's host copies (they become `handles`)."""
+    async def settle(self, timeout_s: float) -> dict[str, float]:
+        """Wait for the sender's host copies (they become `handles`); returns the copy thread's seconds."""
         collecting, self._collecting = self._collecting, None
         if collecting is None:
-            return
-        t = time.perf_counter()
-        try:
-            kept = await asyncio.wait_for(collecting, timeout_s)
-        finally:
-            m.host_copy_wait_seconds = time.perf_counter() - t
+            return {}
+        kept = await asyncio.wait_for(collecting, timeout_s)
         self.handles = list(kept.handles)
-        m.num_buckets = len(self.handles)
-        m.sender_seconds.update({f"host_copy_thread_{k}": v for k, v in kept.seconds.items()})
+        return dict(kept.seconds)
 
     def discard(self, transport: Transport) -> None:
         """Release host copies still being collected once they arrive (a failed or retried attempt)."""
@@ -331,6 +337,7 @@ class Publisher:
         self._mirror, self._on_live, self._on_oos = mirror, on_live, on_out_of_service
         self._preserve_rng = preserve_rng
         self._host: _HostCopy | None = None
+        self._tail: asyncio.Future | None = None  # the last live version's host copy, being kept
         self.last_metrics: dict[str, float] = {}
         self.totals = {k: 0 for k in ("pushes_total", "pushes_failed_total", "retries_total", "rollbacks_total", "out_of_service_total")}
 
@@ -389,6 +396,7 @@ class Publisher:
         if len(set(names)) != len(names):
             raise ValueError(f"replica names must be unique, got {names}")
         m = PushMetrics(version, self._transport.name, len(replicas))
+        tail_warnings = await self._settled(m)
         if handles is not None:  # read before registering: a bad handle leaves nothing in flight
             source = _BucketSource.from_handles(handles, self._transport, m, self._cfg.verify)
         elif source is None:
@@ -419,7 +427,7 @@ class Publisher:
                 self._finish(m, version)
             raise
         warnings = await self._went_live(version, fingerprint, source, m)
-        return PushResult(version, fingerprint, names, self._finish(m, version), warnings)
+        return PushResult(version, fingerprint, names, self._finish(m, version), tail_warnings + warnings)
 
     async def _attempt(self, version: int, source: "_BucketSource | _StreamedSource", replicas: list[ReplicaClient], m: PushMetrics) -> str:
         pause_sent = begin_sent = False
@@ -513,6 +521,7 @@ class Publisher:
         """Push the host copy of the live version to `replicas` (restore or late join).
         Returns the replicas that could not be loaded (left out of service)."""
         m = PushMetrics(self.registry.live_version, self._transport.name, len(replicas))
+        await self._settled(m)
         return await self._restore(list(replicas), m)
 
     async def _restore(self, replicas: list[ReplicaClient], m: PushMetrics) -> list[str]:
@@ -552,33 +561,69 @@ class Publisher:
                                out_of_service=f.out_of_service, metrics=self._finish(m, version))
 
     async def _went_live(self, version: int, fingerprint: str, source: "_BucketSource | _StreamedSource", m: PushMetrics) -> list[str]:
+        if isinstance(source, _StreamedSource):  # its host copy is still being made: keep it in the background
+            self._tail = asyncio.ensure_future(self._keep_live(version, fingerprint, source))
+            return []
+        report, warnings = await self._keep_live(version, fingerprint, source)
+        m.on_live_seconds, m.store_failed = report.get("on_live", 0.0), bool(report.get("store_failed"))
+        return warnings
+
+    async def _keep_live(self, version: int, fingerprint: str, source: "_BucketSource | _StreamedSource") -> tuple[dict[str, float], list[str]]:
+        """Make `version`'s host copy the one restores use, then run `on_live`. Never raises:
+        returns its seconds and its warnings (a live version without a host copy or a store)."""
+        t0 = time.perf_counter()
+        report: dict[str, float] = {}
+        warnings: list[str] = []
         kept = True
         if isinstance(source, _StreamedSource):
             try:
-                await source.settle(m, self._cfg.timeout_s)
+                report.update({f"thread_{k}": v for k, v in (await source.settle(self._cfg.timeout_s)).items()})
             except Exception as exc:  # live everywhere, but nothing to restore from or hand to late joiners
                 kept = False
-                m.store_failed = True
-                warning = (f"version {version} is live, but the sender's host copies failed ({type(exc).__name__}: {exc}): "
-                           "no host copy is kept until the next push (a failed push cannot roll back; late joiners load the last stored version)")
+                report["store_failed"] = 1.0
+                warnings.append(f"version {version} is live, but the sender's host copies failed ({type(exc).__name__}: {exc}): "
+                                "no host copy is kept until the next push (a failed push cannot roll back; late joiners load the last stored version)")
+            report["kept"] = time.perf_counter() - t0
         old, self._host = self._host, (_HostCopy(version, fingerprint, source.handles) if kept else None)
         if old is not None:
             for h in old.handles:
-                self._transport.release(h)
-        if not kept:
-            return [warning]
-        if self._on_live is None:
+                with contextlib.suppress(Exception):
+                    self._transport.release(h)
+        if kept and self._on_live is not None:
+            t = time.perf_counter()
+            try:
+                buckets = [self._transport.fetch(h) for h in source.handles]
+                await asyncio.wait_for(_maybe_await(self._on_live(version, fingerprint, buckets)), self._cfg.timeout_s)
+            except Exception as exc:  # the version is live on every replica; only late joiners lag
+                report["store_failed"] = 1.0
+                warnings.append(f"on_live hook failed for version {version}: {type(exc).__name__}: {exc}")
+            report["on_live"] = time.perf_counter() - t
+        for w in warnings:
+            log.warning("weightsync: %s", w)
+        return report, warnings
+
+    async def _settled(self, m: PushMetrics) -> list[str]:
+        """Wait for the last live version's host copy (the tail) before anything reads it; its
+        seconds go into `m` (as the previous version's) and its warnings are returned."""
+        tail, self._tail = self._tail, None
+        if tail is None:
             return []
         t = time.perf_counter()
-        try:
-            buckets = [self._transport.fetch(h) for h in source.handles]
-            await asyncio.wait_for(_maybe_await(self._on_live(version, fingerprint, buckets)), self._cfg.timeout_s)
-            return []
-        except Exception as exc:  # the version is live on every replica; only late joiners lag
-            m.store_failed = True
-            return [f"on_live hook failed for version {version}: {type(exc).__name__}: {exc}"]
-        finally:
-            m.on_live_seconds = time.perf_counter() - t
+        report, warnings = await tail
+        m.host_copy_wait_seconds = time.perf_counter() - t
+        m.host_copy_seconds = report.get("kept", 0.0)
+        m.on_live_seconds, m.store_failed = report.get("on_live", 0.0), bool(report.get("store_failed"))
+        m.sender_seconds.update({f"host_copy_{k}": v for k, v in report.items() if k.startswith("thread_")})
+        return warnings
+
+    async def drain(self) -> tuple[dict[str, float], list[str]]:
+        """Wait for the last live version's host copy; returns its metrics (the keys a next push
+        would report for it) and its warnings."""
+        m = PushMetrics(self.registry.live_version, self._transport.name, 0)
+        warnings = await self._settled(m)
+        tail = {"host_copy_seconds", "host_copy_wait_seconds", "on_live_seconds", "store_failed"}
+        metrics = {k: v for k, v in m.as_dict().items() if k.removeprefix("weightsync/") in tail or "/host_copy_thread_" in k}
+        return metrics, warnings
 
     def _finish(self, m: PushMetrics, version: int) -> dict[str, float]:
         m.finish()

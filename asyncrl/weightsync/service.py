@@ -187,6 +187,13 @@ class WeightPublisher:
             log.warning("%s", warning)
         return metrics
 
+    async def drain(self) -> None:
+        """Wait for the last live version's host copy (kept after its push returned; push.py)."""
+        if self.publisher is not None:
+            _, warnings = await self.publisher.drain()
+            for warning in warnings:
+                log.warning("%s", warning)
+
     def snapshot(self) -> dict[str, Any]:
         return self.publisher.registry.snapshot() if self.publisher else {}
 
@@ -245,7 +252,8 @@ class CollectiveLink:
         from asyncrl.weightsync.push import StreamedSend
 
         sent = await self.learner.broadcast_hf_tensors(self.bucket_mb, verify, self.timeout_s)
-        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds, collect=self._collect)
+        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds, collect=self._collect,
+                            num_buckets=sent.num_buckets)
 
     async def _collect(self) -> Any:
         from asyncrl.weightsync.push import KeptCopies

@@ -219,7 +219,9 @@ class GlooReplica(FakeReplica):
     group: CollectiveGroup | None = None
 
     async def load_bucket(self, payload, version):
-        assert isinstance(payload, CollectiveReceive) and payload.version == version
+        if not isinstance(payload, CollectiveReceive):  # a restore replays the host copy's buckets
+            return await super().load_bucket(payload, version)
+        assert payload.version == version
         self.log.append((self.name, "load"))
         await self._maybe_fault("load")
         deadline = time.monotonic() + payload.timeout_s
@@ -262,21 +264,61 @@ async def test_publish_streamed_goes_live_with_the_senders_fingerprint_and_host_
     async def send(version, verify):
         sent = await asyncio.to_thread(send_stream, state["sender"], iter(new.items()), BUCKET_MB, verify=verify, timeout_s=20)
         return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds,
-                            collect=lambda: _kept(sent.host_copies))
+                            collect=lambda: _kept(sent.host_copies), num_buckets=sent.num_buckets)
 
     result = await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
     for r in replicas:
         assert [e for n, e in log if n == r.name] == ["pause:keep", "begin:1", "load", "commit:1", "resume"]
         assert r.version == 1 and all(torch.equal(r.weights[k], new[k]) for k in new)
     assert result.fingerprint == tensor_fingerprint(new) and pub.registry.live_version == 1
+    m = result.metrics
+    assert m["weightsync/num_buckets"] == 3 and m["weightsync/bytes"] == 5 * 64 * 16 * 4
+    assert {"weightsync/sender/broadcast_seconds", "weightsync/sender/host_copy_seconds"} <= m.keys()
+    assert 0 < m["weightsync/paused_seconds"] <= m["weightsync/push_seconds"]
+    tail, warnings = await pub.drain()
+    assert warnings == [] and tail["weightsync/host_copy_seconds"] > 0 and "weightsync/sender/host_copy_thread_keep_seconds" in tail
     assert pub.host_version == 1 and len(pub._host.handles) == 3  # host copies kept for restores
     host = {n: t for b in pub._host.handles for n, t in unpack_bucket(b)}
     assert host.keys() == new.keys() and all(torch.equal(host[k], new[k]) for k in new)
-    m = result.metrics
-    assert m["weightsync/num_buckets"] == 3 and m["weightsync/bytes"] == 5 * 64 * 16 * 4
-    assert {"weightsync/sender/broadcast_seconds", "weightsync/sender/host_copy_seconds",
-            "weightsync/sender/host_copy_thread_keep_seconds"} <= m.keys()
-    assert 0 < m["weightsync/paused_seconds"] <= m["weightsync/push_seconds"] and m["weightsync/host_copy_wait_seconds"] >= 0
+
+
+async def test_a_push_returns_before_its_host_copy_and_the_next_push_restores_from_it():
+    """The host copy is kept after the push returned (the tail). The next push waits for it before
+    pausing anyone, reports its seconds, and a failed commit then restores the version it holds."""
+    pub, replicas, log, _, state, prepare = _streamed_setup()
+    v1, v2 = model(1), model(2)
+    gate = asyncio.Event()
+    payload = lambda v: CollectiveReceive(("g",), v, 20.0)  # noqa: E731
+
+    def sender(weights, gated):
+        async def send(version, verify):
+            sent = await asyncio.to_thread(send_stream, state["sender"], iter(weights.items()), BUCKET_MB, verify=verify, timeout_s=20)
+
+            async def collect():
+                if gated:
+                    await gate.wait()
+                return await _kept(sent.host_copies)
+
+            return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds, collect=collect, num_buckets=sent.num_buckets)
+        return send
+
+    await pub.publish_streamed(1, sender(v1, True), payload, replicas, prepare=prepare)
+    assert pub.registry.live_version == 1 and all(r.version == 1 for r in replicas)
+    assert pub.host_version is None  # live, its host copy still being made
+    asyncio.get_running_loop().call_later(0.3, gate.set)
+
+    replicas[1].faults[("commit", 2)] = "partial"  # v2: r1 half applies it; r0 commits it
+    with pytest.raises(WeightsyncError) as info:
+        await pub.publish_streamed(2, sender(v2, False), payload, replicas, prepare=prepare)
+    assert info.value.step is Step.COMMIT and info.value.out_of_service == []
+    for r in replicas:  # both restored from v1's host copy, kept after v1's push had returned
+        assert r.version == 1 and all(torch.equal(r.weights[k], v1[k]) for k in v1), r.name
+        events = [e for n, e in log if n == r.name]
+        assert events[events.index("commit:2"):] == ["commit:2", "abort", "begin:1", "load", "load", "load", "commit:1", "resume"]
+    m = info.value.metrics
+    assert m["weightsync/host_copy_wait_seconds"] >= 0.2 and m["weightsync/host_copy_seconds"] >= 0.2
+    assert "weightsync/sender/host_copy_thread_keep_seconds" in m
+    assert pub.registry.live_version == 1 and pub.host_version == 1
 
 
 async def test_host_copies_that_fail_after_the_commit_leave_the_version_live_without_a_host_copy():
@@ -295,9 +337,11 @@ async def test_host_copies_that_fail_after_the_commit_leave_the_version_live_wit
         return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds, collect=collect)
 
     result = await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
-    assert pub.registry.live_version == 1 and all(r.version == 1 for r in replicas)
-    assert pub._host is None and result.metrics["weightsync/store_failed"] == 1.0
-    assert len(result.warnings) == 1 and "object store full" in result.warnings[0]
+    assert pub.registry.live_version == 1 and all(r.version == 1 for r in replicas) and result.warnings == []
+    tail, warnings = await pub.drain()  # what the next push would report
+    assert tail["weightsync/store_failed"] == 1.0
+    assert pub._host is None
+    assert len(warnings) == 1 and "object store full" in warnings[0]
 
 
 async def test_a_sender_failure_publishes_nothing_and_a_retry_forms_a_new_group():
@@ -317,7 +361,7 @@ async def test_a_sender_failure_publishes_nothing_and_a_retry_forms_a_new_group(
             stream = broken()
         sent = await asyncio.to_thread(send_stream, state["sender"], stream, BUCKET_MB, verify=verify, timeout_s=20)
         return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds,
-                            collect=lambda: _kept(sent.host_copies))
+                            collect=lambda: _kept(sent.host_copies), num_buckets=sent.num_buckets)
 
     result = await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
     assert state["prepares"] == 2 and calls["n"] == 2 and result.metrics["weightsync/retries"] == 1

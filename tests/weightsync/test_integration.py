@@ -396,6 +396,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
             assert m[f"weightsync/transport/{backend}/bytes"] > 0 and m["weightsync/num_buckets"] > 1
             assert m["weightsync/sender/broadcast_seconds"] > 0
             assert link.formed == 1 and link.members == {"engine-0": 1, "engine-1": 1}
+            assert (await pub.drain())[1] == [] and pub.host_version == start + step  # its host copy, kept after the push
             pushed = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in pub._host.handles)}
             await _engines_serve(engines, demo_model_path, pushed, start + step)
         assert (await engines[0].collective_info.remote())["groups"] == link.group_ids
