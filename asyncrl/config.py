@@ -217,9 +217,10 @@ class WeightsyncConfig(_Section):
         "nccl / gloo broadcast from the learner's sending ranks straight into the engine workers; ipc hands them "
         "handles to the sender's buffers instead (CUDA IPC on a GPU the learner and engines share, shared-memory files on CPU).")
     bucket_mb: float = Field(64.0, gt=0)
-    verify: Literal["full", "sampled", "off"] = Field(
+    verify: Literal["full", "sampled", "checksum", "off"] = Field(
         "full", description="What the commit-time fingerprint covers: full = every byte (sha256), sampled = 32 windows "
-        "of 4 KiB per tensor, off = names, dtypes and shapes only (asyncrl/generator/weights.py).")
+        "of 4 KiB per tensor, checksum = every byte as a 64-bit position-weighted sum computed on the tensors' device "
+        "(the cheap full check for GPU transports), off = names, dtypes and shapes only (asyncrl/generator/weights.py).")
     timeout_s: float = Field(120.0, gt=0)
     retries: int = Field(1, ge=0)
     recovery_s: float = Field(

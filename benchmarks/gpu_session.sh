@@ -24,8 +24,8 @@ nccl)
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/weightsync/test_collective_gpu.py \
       tests/weightsync/test_hostcopy.py > $OUT/collective_gpu_test.log 2>&1
   echo "pytest rc=$?"; tail -15 $OUT/collective_gpu_test.log | cut -c1-600
-  timeout 380 python3 benchmarks/weightsync.py --models random500m --replicas 1 --repeats 3 --transports nccl,shm \
-      --gpus 0.5 --dtype bfloat16 --verify sampled > $OUT/ws_nccl.log 2>&1
+  timeout 380 python3 benchmarks/weightsync.py --models random500m --replicas 1 --repeats 3 --transports ${TRANSPORTS:-nccl,shm} \
+      --gpus 0.5 --dtype bfloat16 --verify ${VERIFY:-sampled} > $OUT/ws_nccl.log 2>&1
   echo "weightsync rc=$?"; grep '^{' $OUT/ws_nccl.log | tee $OUT/ws_nccl.json; grep -v '^{' $OUT/ws_nccl.log | tail -6 | cut -c1-400
   ;;
 ws-tests|ipc)
@@ -33,9 +33,12 @@ ws-tests|ipc)
       tests/weightsync/test_hostcopy.py > $OUT/collective_gpu_test.log 2>&1
   echo "pytest rc=$?"; tail -15 $OUT/collective_gpu_test.log | cut -c1-600
   [ "$1" = ipc ] || exit 0
-  CUDA_VISIBLE_DEVICES=0 timeout 400 python3 benchmarks/weightsync.py --models random500m --replicas 1 --repeats 3 \
-      --transports ipc,shm --gpus 0.5 --dtype bfloat16 --verify sampled > $OUT/ws_ipc.log 2>&1
-  echo "weightsync rc=$?"; grep '^{' $OUT/ws_ipc.log | tee $OUT/ws_ipc.json; grep -v '^{' $OUT/ws_ipc.log | tail -6 | cut -c1-400
+  # VERIFY: one or more verify modes (one benchmark run each), e.g. VERIFY="sampled checksum" TRANSPORTS=ipc
+  for v in ${VERIFY:-sampled}; do
+    CUDA_VISIBLE_DEVICES=0 timeout 400 python3 benchmarks/weightsync.py --models random500m --replicas 1 --repeats 3 \
+        --transports ${TRANSPORTS:-ipc,shm} --gpus 0.5 --dtype bfloat16 --verify $v > $OUT/ws_ipc_$v.log 2>&1
+    echo "weightsync verify=$v rc=$?"; grep '^{' $OUT/ws_ipc_$v.log | tee -a $OUT/ws_ipc.json; grep -v '^{' $OUT/ws_ipc_$v.log | tail -6 | cut -c1-400
+  done
   ;;
 async)
   # leftover Ray processes of an earlier stage made ray.init time out twice; clear them first

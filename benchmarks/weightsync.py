@@ -377,7 +377,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--transports", default="object_store,shm", help=f"comma list of: {', '.join(TRANSPORTS)}")
-    ap.add_argument("--verify", default="full", choices=["full", "sampled", "off"])
+    ap.add_argument("--verify", default="full", choices=["full", "sampled", "checksum", "off"])
     ap.add_argument("--gpus", type=float, default=0.0,
                     help="GPUs per engine replica (and per raw sink); 0 = CPU. The collective sender takes one GPU of its own")
     ap.add_argument("--dtype", default="float32", help="dtype the random models are saved in (bfloat16 on GPUs)")

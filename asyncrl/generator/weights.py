@@ -1,7 +1,7 @@
 """Weight payloads as the generator sees them: fingerprints and the `WeightStore`.
 
 Owns: `tensor_fingerprint` (the digest both sides of a weight push agree on; weightsync reuses
-it) in its three verify modes, and `WeightStore`, a tiny named Ray actor that remembers the
+it) in its four verify modes, and `WeightStore`, a tiny named Ray actor that remembers the
 latest committed weights so a replica that starts late (autoscaling, restart) can load them
 before it reports healthy.
 
@@ -13,6 +13,12 @@ verification costs no extra pass at commit. The mode is part of the fingerprint 
   sampled  tensors up to 128 KiB whole, larger ones in 32 evenly spaced 4 KiB windows plus their
            length: catches a wrong, truncated, reordered or shifted tensor at ~1/100 of the cost,
            not a flipped byte between windows
+  checksum every byte, as a 64-bit position-weighted sum computed where the tensor lives (on a GPU
+           at memory bandwidth; only 8 bytes per tensor come to host): sum_i w_i * m_i mod 2^64
+           over the tensor's 32-bit words (16- or 8-bit when its size is not a multiple of 4),
+           m_i odd and pseudo-random per position. Any change to a single word changes it (odd
+           m_i); other corruptions go unseen with probability ~2^-64 unless crafted. For
+           transport errors, not for an adversary
   off      names, dtypes and shapes only (a missing, extra or reshaped tensor still fails)
 
 Must never: talk to an engine, or decide when a version is committed (weightsync owns that;
@@ -29,10 +35,12 @@ import numpy as np
 import torch
 
 NamedTensors = Mapping[str, Any] | Iterable[tuple[str, Any]]
-VerifyMode = Literal["full", "sampled", "off"]
-VERIFY_MODES: tuple[str, ...] = ("full", "sampled", "off")
+VerifyMode = Literal["full", "sampled", "checksum", "off"]
+VERIFY_MODES: tuple[str, ...] = ("full", "sampled", "checksum", "off")
 SAMPLE_WINDOW = 4096
 SAMPLE_WINDOWS = 32
+CHECKSUM_CHUNK = 1 << 20  # words per step: bounds the int64 temporaries (8 MiB each)
+_WORD = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def contiguous_tensor(value: Any, device: torch.device | str | None = None) -> torch.Tensor:
@@ -90,6 +98,10 @@ def tensor_digests(pairs: Iterable[tuple[str, Any]], mode: VerifyMode = "full") 
             continue
         flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
         size = int(flat.numel())
+        if mode == "checksum":
+            h.update(size.to_bytes(8, "little"))
+            parts[name] = [_checksum(flat).view(torch.uint8)]  # 8 bytes, on the tensor's device
+            continue
         if mode == "full" or size <= SAMPLE_WINDOW * SAMPLE_WINDOWS:
             parts[name] = [flat]
             continue
@@ -102,6 +114,37 @@ def tensor_digests(pairs: Iterable[tuple[str, Any]], mode: VerifyMode = "full") 
         for p in ps:
             heads[name].update(host[id(p)])
     return {name: h.digest() for name, h in heads.items()}
+
+
+_MULTIPLIERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _multipliers(device: torch.device) -> torch.Tensor:
+    """The odd per-position multipliers of one chunk (splitmix64-style mix of the position),
+    made once per device; int64 arithmetic wraps the same way on every device."""
+    m = _MULTIPLIERS.get(device)
+    if m is None:
+        x = torch.arange(CHECKSUM_CHUNK, dtype=torch.int64) * -7046029254386353131  # 0x9E3779B97F4A7C15
+        x = x ^ (x >> 31)
+        x = x * -4658895280553007687  # 0xBF58476D1CE4E5B9
+        x = x ^ (x >> 27)
+        m = _MULTIPLIERS[device] = (x | 1).to(device)
+    return m
+
+
+def _checksum(flat: torch.Tensor) -> torch.Tensor:
+    """sum_i w_i * m_i (mod 2^64) over the 32/16/8-bit words of `flat` (uint8), as a 1-element int64
+    tensor on its device; chunk c's sum is scaled by an odd constant of c, so moving whole chunks shows."""
+    size = int(flat.numel())
+    width = 4 if size % 4 == 0 else (2 if size % 2 == 0 else 1)
+    words = flat.view(_WORD[width])
+    m = _multipliers(flat.device)
+    total = torch.zeros(1, dtype=torch.int64, device=flat.device)
+    for c, a in enumerate(range(0, int(words.numel()), CHECKSUM_CHUNK)):
+        w = words[a : a + CHECKSUM_CHUNK]
+        s = (w.to(torch.int64) * m[: w.numel()]).sum()
+        total += s * (2 * c + 1) if c else s
+    return total
 
 
 def _to_host(pieces: list[torch.Tensor]) -> dict[int, np.ndarray]:

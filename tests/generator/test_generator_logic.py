@@ -209,15 +209,15 @@ def test_fingerprint_covers_name_dtype_shape_and_bytes_in_name_order():
 def test_fingerprint_modes_are_named_in_the_digest_and_differ_in_what_they_cover():
     big = torch.arange(SAMPLE_WINDOW * SAMPLE_WINDOWS, dtype=torch.float32)  # 4x the sampled budget
     a = {"big": big, "small": torch.ones(7)}
-    full, sampled, off = (tensor_fingerprint(a, m) for m in ("full", "sampled", "off"))
-    assert [fingerprint_mode(f) for f in (full, sampled, off)] == ["full", "sampled", "off"]
-    assert len({full.split(":")[1], sampled.split(":")[1], off.split(":")[1]}) == 3
+    full, sampled, checksum, off = (tensor_fingerprint(a, m) for m in ("full", "sampled", "checksum", "off"))
+    assert [fingerprint_mode(f) for f in (full, sampled, checksum, off)] == ["full", "sampled", "checksum", "off"]
+    assert len({f.split(":")[1] for f in (full, sampled, checksum, off)}) == 4
 
     between = big.clone()  # a byte between two sampled windows: only `full` sees it
     between.view(torch.uint8)[SAMPLE_WINDOW + 10] ^= 1
     in_window = big.clone()  # a byte inside the first window: `sampled` sees it too
     in_window.view(torch.uint8)[10] ^= 1
-    for m, sees_between in (("full", True), ("sampled", False), ("off", False)):
+    for m, sees_between in (("full", True), ("sampled", False), ("checksum", True), ("off", False)):
         fp = tensor_fingerprint(a, m)
         assert (tensor_fingerprint({**a, "big": between}, m) != fp) is sees_between, m
         assert (tensor_fingerprint({**a, "big": in_window}, m) != fp) is (m != "off"), m
@@ -240,11 +240,35 @@ def test_batched_digests_equal_per_tensor_digests_and_stay_stable():
     big = torch.arange(SAMPLE_WINDOW * SAMPLE_WINDOWS, dtype=torch.float32)
     a = {"big": big, "bf16": torch.randn(300, 70, generator=g).to(torch.bfloat16), "scalar": torch.tensor(2.0),
          "empty": torch.empty(0, 3), "ints": torch.arange(70000)}
-    for mode in ("full", "sampled", "off"):
+    for mode in ("full", "sampled", "checksum", "off"):
         assert tensor_digests(a.items(), mode) == {n: tensor_digest(n, t, mode) for n, t in a.items()}, mode
     golden = {"full": "a9b5294fae278af0139575ee36f2adea", "sampled": "6c4ba93be55e2265304ca77b20f71955",
-              "off": "f23cbc01029501d89f8e3e2775ad9628"}  # computed before the batched form existed
+              "checksum": "721913578c2a3d8d8875b5617e08d1e2",
+              "off": "f23cbc01029501d89f8e3e2775ad9628"}  # computed before the batched form existed (checksum: when added)
     assert {m: tensor_digest("big", big, m).hex()[:32] for m in golden} == golden
+
+
+def test_checksum_sees_every_word_and_where_it_is():
+    """checksum mode: a flipped bit anywhere (in any chunk, in a 16- or 8-bit tail layout), two
+    swapped words, and two swapped chunks all change the digest; equal tensors agree."""
+    from asyncrl.generator.weights import CHECKSUM_CHUNK
+
+    g = torch.Generator().manual_seed(3)
+    for t in (torch.randn(2 * CHECKSUM_CHUNK + 5, generator=g), torch.randn(2 * CHECKSUM_CHUNK + 1, generator=g).to(torch.bfloat16),
+              torch.randint(0, 255, (1001,), dtype=torch.uint8, generator=g)):
+        base = tensor_digest("t", t, "checksum")
+        assert tensor_digest("t", t.clone(), "checksum") == base
+        raw = t.reshape(-1).view(torch.uint8)
+        for i in (0, 1, raw.numel() // 2, raw.numel() - 1):
+            bad = raw.clone()
+            bad[i] ^= 0x10
+            assert tensor_digest("t", bad.view(t.dtype), "checksum") != base, (t.dtype, i)
+        swapped = t.clone()
+        swapped[[3, 4]] = swapped[[4, 3]]
+        assert torch.equal(swapped, t) or tensor_digest("t", swapped, "checksum") != base
+    words = torch.randn(2 * CHECKSUM_CHUNK, generator=g)  # float32 = one word each
+    moved = torch.cat([words[CHECKSUM_CHUNK:], words[:CHECKSUM_CHUNK]])
+    assert tensor_digest("t", moved, "checksum") != tensor_digest("t", words, "checksum")
 
 
 def test_shared_bucket_file_is_bit_exact_and_survives_unlinking():

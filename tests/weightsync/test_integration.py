@@ -368,7 +368,8 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     from tests.learner._data import advantages, make_samples
 
     start = (await engines[0].greedy.remote([[1, 2, 3]]))[0][1][0]
-    cfg = WeightsyncConfig(transport=backend, bucket_mb=0.25, timeout_s=120)
+    # checksum: the fingerprint the GPU transports use, computed by the sender and the real workers alike
+    cfg = WeightsyncConfig(transport=backend, bucket_mb=0.25, timeout_s=120, verify="checksum")
     transport = select_transport(cfg)
     group = LearnerGroup("actor", ModelConfig(path=str(demo_model_path)),
                          LearnerConfig(world_size=2, strategy_config={"tensor_model_parallel_size": 2}, lr=1e-3,
@@ -393,6 +394,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
             await group.update_actor(samples, advantages(samples), old)
             result = await pub.publish_streamed(start + step, link.send, link.payload, replicas, prepare=link.ensure)
             m = result.metrics
+            assert result.fingerprint.startswith("checksum:")
             assert m[f"weightsync/transport/{backend}/bytes"] > 0 and m["weightsync/num_buckets"] > 1
             assert m["weightsync/sender/broadcast_seconds"] > 0
             assert link.formed == 1 and link.members == {"engine-0": 1, "engine-1": 1}

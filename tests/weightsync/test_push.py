@@ -237,7 +237,7 @@ async def test_publish_handles_with_an_unreadable_handle_registers_nothing():
     assert (await pub.publish(1, iter(model(1).items()), replicas)).version == 1
 
 
-@pytest.mark.parametrize("verify, caught", [("full", True), ("sampled", True), ("off", False)])
+@pytest.mark.parametrize("verify, caught", [("full", True), ("sampled", True), ("checksum", True), ("off", False)])
 async def test_verify_mode_decides_what_a_commit_checks(verify, caught):
     # One flipped byte at the start of a tensor: inside the first sampled window.
     pub, replicas, log, old = _setup(transport=CorruptingTransport(index=1))
