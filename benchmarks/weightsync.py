@@ -164,7 +164,8 @@ class Sender:
         sent = send_stream(self.group, iter(self.weights.items()), bucket_mb, verify=verify, timeout_s=timeout_s,
                            keep=ray.put)
         self.copies = sent.host_copies
-        return {"digests": sent.digests, "bytes": sent.bytes, "num_tensors": sent.num_tensors, "seconds": sent.seconds}
+        return {"digests": sent.digests, "bytes": sent.bytes, "num_tensors": sent.num_tensors, "num_buckets": sent.num_buckets,
+                "seconds": sent.seconds}
 
     def take(self, timeout_s: float) -> tuple[list, dict]:
         copies, self.copies = self.copies, None
