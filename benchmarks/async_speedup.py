@@ -52,6 +52,7 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float) 
     raw.setdefault("checkpoint", {}).update(interval_steps=0, dir=str(run_dir / "ckpt"))
     raw.setdefault("logging", {}).update(dir=str(run_dir), tensorboard=False, plot_interval_steps=0)
     raw.setdefault("generator", {})["http_port"] = port
+    raw["generator"]["direct_http_port"] = None  # the loop is measured, not the HTTP path: no fixed port (rlhf.yaml: 8001)
     cfg = load_config(raw, source=f"async_speedup eta={eta}")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
