@@ -87,10 +87,12 @@ class ModelRunner:
         load_hf_weights(chunks, ctx.model_cfg.path, ctx.hf_config)
         if head == "scalar":
             for c in chunks:
+                # Untie on every chunk, not only the last stage's: a tied GPTModel passes the
+                # embedding as the output weight of a layer that no longer has one, and under PP
+                # the first stage would wait forever in the embedding-grad all-reduce for a last
+                # stage that no longer joins it (a PP=2 critic's update hung).
+                c.share_embeddings_and_output_weights = False
                 if c.post_process:
-                    # Untie first: a tied GPTModel would pass (and, under PP, all-reduce) the
-                    # embedding as the output weight of a layer that no longer has one.
-                    c.share_embeddings_and_output_weights = False
                     c.output_layer = ScalarHead(
                         c.config.hidden_size, _dtype(dtype), c.config.init_method_std, ctx.learner_cfg.seed
                     ).to(_device_of(c))
