@@ -137,6 +137,8 @@ def _checksum(flat: torch.Tensor) -> torch.Tensor:
     tensor on its device; chunk c's sum is scaled by an odd constant of c, so moving whole chunks shows."""
     size = int(flat.numel())
     width = 4 if size % 4 == 0 else (2 if size % 2 == 0 else 1)
+    if flat.storage_offset() % width:  # a view at an unaligned byte offset: read its words from a copy
+        flat = flat.clone()
     words = flat.view(_WORD[width])
     m = _multipliers(flat.device)
     total = torch.zeros(1, dtype=torch.int64, device=flat.device)

@@ -266,6 +266,8 @@ def test_checksum_sees_every_word_and_where_it_is():
         swapped = t.clone()
         swapped[[3, 4]] = swapped[[4, 3]]
         assert torch.equal(swapped, t) or tensor_digest("t", swapped, "checksum") != base
+    backing = torch.randint(0, 255, (70,), dtype=torch.uint8, generator=g)  # a view at byte offset 2
+    assert tensor_digest("t", backing[2:66], "checksum") == tensor_digest("t", backing[2:66].clone(), "checksum")
     words = torch.randn(2 * CHECKSUM_CHUNK, generator=g)  # float32 = one word each
     moved = torch.cat([words[CHECKSUM_CHUNK:], words[:CHECKSUM_CHUNK]])
     assert tensor_digest("t", moved, "checksum") != tensor_digest("t", words, "checksum")
