@@ -46,7 +46,6 @@ import asyncio
 import contextlib
 import enum
 import inspect
-import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -63,7 +62,6 @@ from asyncrl.weightsync.registry import VersionRegistry
 from asyncrl.weightsync.replicas import ReplicaClient, is_replica_dead, is_verify_failure
 from asyncrl.weightsync.transport import Transport
 
-log = logging.getLogger(__name__)
 S = WeightUpdateState
 NamedTensorIter = Iterable[tuple[str, Any]]
 OnLive = Callable[[int, str, list[Bucket]], Any]
@@ -565,7 +563,7 @@ class Publisher:
             self._tail = asyncio.ensure_future(self._keep_live(version, fingerprint, source))
             return []
         report, warnings = await self._keep_live(version, fingerprint, source)
-        m.on_live_seconds, m.store_failed = report.get("on_live", 0.0), bool(report.get("store_failed"))
+        _report_keep(m, report)
         return warnings
 
     async def _keep_live(self, version: int, fingerprint: str, source: "_BucketSource | _StreamedSource") -> tuple[dict[str, float], list[str]]:
@@ -598,8 +596,6 @@ class Publisher:
                 report["store_failed"] = 1.0
                 warnings.append(f"on_live hook failed for version {version}: {type(exc).__name__}: {exc}")
             report["on_live"] = time.perf_counter() - t
-        for w in warnings:
-            log.warning("weightsync: %s", w)
         return report, warnings
 
     async def _settled(self, m: PushMetrics) -> list[str]:
@@ -611,9 +607,7 @@ class Publisher:
         t = time.perf_counter()
         report, warnings = await tail
         m.host_copy_wait_seconds = time.perf_counter() - t
-        m.host_copy_seconds = report.get("kept", 0.0)
-        m.on_live_seconds, m.store_failed = report.get("on_live", 0.0), bool(report.get("store_failed"))
-        m.sender_seconds.update({f"host_copy_{k}": v for k, v in report.items() if k.startswith("thread_")})
+        _report_keep(m, report)
         return warnings
 
     async def drain(self) -> tuple[dict[str, float], list[str]]:
@@ -631,6 +625,13 @@ class Publisher:
         out.update({f"weightsync/{k}": float(v) for k, v in self.totals.items()})
         self.last_metrics = out
         return out
+
+
+def _report_keep(m: PushMetrics, report: dict[str, float]) -> None:
+    """`Publisher._keep_live`'s seconds into `m` (a collective push's go into the next push's)."""
+    m.host_copy_seconds = report.get("kept", 0.0)
+    m.on_live_seconds, m.store_failed = report.get("on_live", 0.0), bool(report.get("store_failed"))
+    m.sender_seconds.update({f"host_copy_{k}": v for k, v in report.items() if k.startswith("thread_")})
 
 
 def weight_store_hook(store: Any) -> OnLive:
