@@ -221,12 +221,14 @@ class EngineReplica:
 
     async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[list[CompletionDelta]]:
         """Yield, per engine output, the deltas of the completions that advanced."""
-        async for deltas, _ in self._iterate(request):
+        async for deltas, _ in self._iterate(request, stream=True):
             yield deltas
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """The whole result at once. The engine sends one output per request, when it ends
+        (FINAL_ONLY), rather than one per step that nobody reads before the end."""
         accs: dict[int, CompletionAccumulator] = {}
-        async for _, accs in self._iterate(request):
+        async for _, accs in self._iterate(request, stream=False):
             pass
         return GenerationResult(
             request_id=request.request_id,
@@ -235,11 +237,12 @@ class EngineReplica:
             replica_id=self.replica_id,
         )
 
-    async def _iterate(self, request: GenerationRequest):
+    async def _iterate(self, request: GenerationRequest, *, stream: bool):
         if self.state not in (ReplicaState.READY, ReplicaState.SLEEPING):
             raise ReplicaNotReady(f"replica {self.replica_id} is {self.state.value}")
         assert self.limits is not None
         validate_request(request, self.limits)
+        params = to_vllm(request.sampling, final_only=not stream)
         # Callers may reuse request ids (GRPO groups, retries); vLLM's id must be unique in flight.
         engine_id = f"{request.request_id}-{next(self._seq)}"
         accs = {i: CompletionAccumulator(i) for i in range(request.sampling.n)}
@@ -249,12 +252,9 @@ class EngineReplica:
         self.counters["requests"] += 1
         self.counters["ongoing"] += 1
         try:
-            stream = self.llm.generate({"prompt_token_ids": list(request.prompt_ids)}, to_vllm(request.sampling), engine_id)
-            async for out in stream:
+            async for out in self._engine_outputs(engine_id, list(request.prompt_ids), params):
                 live: dict[int, list[tuple[str, int]]] | None = None
                 deltas = []
-                if ledger is not None:
-                    ledger.received(engine_id)
                 for c in out.outputs:
                     acc = accs[c.index]
                     new = list(c.token_ids)
@@ -283,6 +283,31 @@ class EngineReplica:
             self.counters["ongoing"] -= 1
             if ledger is not None:
                 ledger.close(engine_id)
+
+    async def _engine_outputs(self, engine_id: str, prompt_ids: list[int], params: Any) -> AsyncIterator[Any]:
+        """The request's outputs from the engine: `AsyncLLM.generate`'s loop over the request's
+        output collector, done here so that the ledger learns the moment the engine's frontend
+        holds the request. With FINAL_ONLY outputs nothing else tells a request that has not
+        reached the engine from one that finished with its result still queued."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        collector = None
+        finished = False
+        try:
+            collector = await self.llm.add_request(engine_id, {"prompt_token_ids": prompt_ids}, params)
+            if self._ledger is not None:
+                self._ledger.handed_over(engine_id)
+            while not finished:
+                out = collector.get_nowait() or await collector.get()
+                finished = out.finished
+                yield out
+        except EngineDeadError:
+            raise  # nothing left to abort
+        except BaseException:
+            # Cancelled (client gone), closed early, or failed: the engine must not go on with it.
+            if collector is not None and not finished:
+                await self.llm.abort(collector.request_id, internal=True)
+            raise
 
     def _live_version_starts(self, engine_id: str) -> dict[int, list[tuple[str, int]]]:
         # The output processor already holds, per running sequence, the span starts of the
@@ -462,13 +487,13 @@ class EngineReplica:
     def _mark_ledger(self, version: int, sampled: dict[str, int]) -> None:
         assert self._ledger is not None
         op = self.llm.output_processor
-        for engine_id, n, received in self._ledger.open_requests():
+        for engine_id, n, handed_over in self._ledger.open_requests():
             by_index = {}
             for iid in op.external_req_ids.get(engine_id, ()):
                 state = op.request_states.get(iid)
                 if state is not None:
                     by_index[state.request_index] = iid
-            handed_over = received or bool(by_index)
+            handed_over = handed_over or bool(by_index)
             for index in range(n):
                 iid = by_index.get(index)
                 if iid is not None:
@@ -587,7 +612,17 @@ class EngineReplica:
             "engine_unfinished_requests": self.llm.output_processor.get_num_unfinished_requests() if self.llm else 0,
             "uptime_s": time.time() - self.started_at,
             **{f"generator/{k}": v for k, v in self.counters.items()},
+            "generator/tokens_in_flight": self._tokens_in_flight(),
         }
+
+    def _tokens_in_flight(self) -> int:
+        """Tokens the engine has produced for sequences still running, returned or not. A
+        non-streaming request returns its tokens only when it ends (`tokens_generated` counts
+        them then); this is its progress until then. Read from vLLM's output processor."""
+        if self.llm is None:
+            return 0
+        states = list(self.llm.output_processor.request_states.values())
+        return sum(st.detokenizer.num_output_tokens() for st in states if getattr(st, "detokenizer", None) is not None)
 
     async def check_health(self) -> None:
         if self.state not in (ReplicaState.READY, ReplicaState.SLEEPING):

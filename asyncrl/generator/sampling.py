@@ -91,21 +91,26 @@ def validate_request(request: GenerationRequest, limits: Limits) -> None:
         )
 
 
-def to_vllm(sp: SamplingParams):
-    """The vLLM SamplingParams of a validated request (always DELTA outputs)."""
+def to_vllm(sp: SamplingParams, *, final_only: bool = False):
+    """The vLLM SamplingParams of a validated request.
+
+    Outputs are DELTA (each carries only new tokens: the replica accumulates itself), or with
+    `final_only` one output per request when it ends: a caller that wants only the result spares
+    the engine's frontend and the replica a Python round per step and sequence.
+    """
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     from vllm.exceptions import VLLMValidationError
 
     try:
-        return _build(VllmSamplingParams, RequestOutputKind, sp)
+        return _build(VllmSamplingParams, RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA, sp)
     except (VLLMValidationError, ValueError) as err:
         # Our rules should have caught it; never let vLLM's own check become a 500.
         raise RequestError("sampling", str(err)) from None
 
 
-def _build(VllmSamplingParams, RequestOutputKind, sp: SamplingParams):
+def _build(VllmSamplingParams, output_kind, sp: SamplingParams):
     return VllmSamplingParams(
         n=sp.n,
         temperature=sp.temperature,
@@ -118,6 +123,5 @@ def _build(VllmSamplingParams, RequestOutputKind, sp: SamplingParams):
         # 0 = only the sampled token's log-prob, which is what RL needs as the behaviour log-prob.
         logprobs=0 if sp.logprobs else None,
         ignore_eos=sp.ignore_eos,
-        # DELTA in both cases: the replica accumulates itself, so each output carries only new tokens.
-        output_kind=RequestOutputKind.DELTA,
+        output_kind=output_kind,
     )

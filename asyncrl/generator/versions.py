@@ -129,7 +129,7 @@ class CompletionAccumulator:
 @dataclass
 class _LedgerEntry:
     starts: dict[int, list[tuple[int, int]]]
-    received: bool = False  # some output reached the consumer: the engine has the request
+    handed_over: bool = False  # the engine's frontend has taken the request
 
 
 class VersionLedger:
@@ -153,12 +153,12 @@ class VersionLedger:
     def close(self, request_id: str) -> None:
         self._entries.pop(request_id, None)
 
-    def received(self, request_id: str) -> None:
-        self._entries[request_id].received = True
+    def handed_over(self, request_id: str) -> None:
+        self._entries[request_id].handed_over = True
 
     def open_requests(self) -> list[tuple[str, int, bool]]:
-        """(request id, number of sequences, whether any output reached the consumer)."""
-        return [(rid, len(e.starts), e.received) for rid, e in self._entries.items()]
+        """(request id, number of sequences, whether the engine has taken the request)."""
+        return [(rid, len(e.starts), e.handed_over) for rid, e in self._entries.items()]
 
     def mark(self, request_id: str, index: int, version: int, tokens_before: int) -> None:
         """Tokens from `tokens_before` on (of sequence `index`) were sampled under `version`."""

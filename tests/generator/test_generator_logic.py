@@ -123,7 +123,7 @@ def test_ledger_refuses_boundaries_that_go_back_and_duplicate_requests():
     assert ledger.versions("r", 0, 0, 3) == [0, 0, 0]
     assert ledger.versions("r", 1, 3, 4) == [0, 0, 1, 1]
     assert ledger.open_requests() == [("r", 2, False)]
-    ledger.received("r")
+    ledger.handed_over("r")
     assert ledger.open_requests() == [("r", 2, True)]
     ledger.close("r")
     assert ledger.open_requests() == []
@@ -186,6 +186,10 @@ def test_valid_request_maps_to_vllm_params():
     assert p.stop == ["x"]
     assert to_vllm(SamplingParams(logprobs=False)).logprobs is None
     assert to_vllm(SamplingParams(top_k=-1)).top_k == 0
+    from vllm.sampling_params import RequestOutputKind
+
+    assert p.output_kind == RequestOutputKind.DELTA
+    assert to_vllm(req.sampling, final_only=True).output_kind == RequestOutputKind.FINAL_ONLY
 
 
 # ---- fingerprints, packing, buckets, store ---------------------------------------------------
@@ -360,10 +364,11 @@ def test_metrics_render_prometheus_text_with_replica_versions():
     m = GatewayMetrics()
     m.observe("/generate", 200, 0.2, 10)
     m.observe("/generate", 400, 0.01, 0)
-    text = m.render({"r1": {"version": 3, "generator/ongoing": 2}}).decode()
+    text = m.render({"r1": {"version": 3, "generator/ongoing": 2, "generator/tokens_in_flight": 17}}).decode()
     assert 'asyncrl_generator_requests_total{route="/generate",status="200"} 1.0' in text
     assert "asyncrl_generator_tokens_generated_total 10.0" in text
     assert 'asyncrl_generator_weight_version{replica="r1"} 3.0' in text
+    assert 'asyncrl_generator_replica_tokens_in_flight{replica="r1"} 17.0' in text
     assert "asyncrl_generator_request_latency_seconds_bucket" in text
     snap = m.snapshot()
     assert snap["generator/requests"] == 2 and snap["generator/requests_failed"] == 1 and snap["generator/tokens_per_s"] > 0

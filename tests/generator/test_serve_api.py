@@ -223,6 +223,7 @@ def test_health_metrics_and_train_status(gen):
     assert "asyncrl_generator_tokens_generated_total" in text
     assert 'asyncrl_generator_requests_total{route="/generate",status="200"}' in text
     assert "asyncrl_generator_weight_version{replica=" in text
+    assert "asyncrl_generator_replica_tokens_in_flight{replica=" in text
     assert "asyncrl_generator_request_latency_seconds_bucket" in text
     r = httpx.get(gen["url"] + "/train/status")
     assert r.status_code == 503 and r.json() == {"detail": "no training loop attached"}
@@ -327,11 +328,11 @@ def test_weight_update_changes_greedy_output_to_the_new_weights(gen, demo_model_
 
 def test_request_in_flight_across_an_update_reports_both_versions(gen, demo_model_path):
     control = gen["control"]
-    base = list(asyncio.run(control.stats()).values())[0]["generator/tokens_generated"]
     body = {"prompt_ids": gen["prompt_ids"], "temperature": 0, "max_tokens": 200, "ignore_eos": True}
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(_post, gen, "/generate", body)
-        wait_until(lambda: list(asyncio.run(control.stats()).values())[0]["generator/tokens_generated"] >= base + 5,
+        # The response comes whole at the end; the replica's in-flight count shows its progress.
+        wait_until(lambda: list(asyncio.run(control.stats()).values())[0]["generator/tokens_in_flight"] >= 5,
                    60, interval_s=0.05, what="first tokens")
         w2 = perturbed_weights(demo_model_path, seed=2)
         asyncio.run(control.pause("keep"))

@@ -26,6 +26,11 @@ def _greedy(rid: str, prompt: list[int], max_tokens: int) -> GenerationRequest:
                              sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
 
 
+async def _in_flight(replica) -> int:
+    """Tokens of the running requests so far (non-streaming results arrive only at the end)."""
+    return (await replica.stats())["generator/tokens_in_flight"]
+
+
 async def _scenario(model_path, level: int) -> dict:
     import torch
 
@@ -40,14 +45,14 @@ async def _scenario(model_path, level: int) -> dict:
         reference = (await replica.generate(_greedy("ref", prompt, total))).completions[0].token_ids
         awake_free = torch.cuda.mem_get_info()[0]
         across = asyncio.create_task(replica.generate(_greedy("across", prompt, total)))
-        while replica.counters["tokens_generated"] < total + 20:
+        while await _in_flight(replica) < 20:
             await asyncio.sleep(0.002)
         await replica.sleep(level)
         asleep_free = torch.cuda.mem_get_info()[0]
         late = asyncio.create_task(replica.generate(_greedy("late", prompt, 16)))
-        made = replica.counters["tokens_generated"]
+        made = await _in_flight(replica)
         await asyncio.sleep(1.0)
-        stalled = replica.counters["tokens_generated"] == made and not across.done() and not late.done()
+        stalled = await _in_flight(replica) == made and not across.done() and not late.done()
         await replica.wake_up(["weights"])
         weights = load_hf_tensors(str(model_path))
         await replica.pause("keep")
@@ -56,7 +61,7 @@ async def _scenario(model_path, level: int) -> dict:
         await replica.commit_update(1, tensor_fingerprint(weights))
         resumed = await replica.resume()
         await asyncio.sleep(0.5)
-        still_stalled = replica.counters["tokens_generated"] == made
+        still_stalled = await _in_flight(replica) == made
         await replica.wake_up(["kv_cache"])
         a, b = (await across).completions[0], (await late).completions[0]
         after = (await replica.generate(_greedy("after", prompt, total))).completions[0]

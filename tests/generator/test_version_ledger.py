@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -40,30 +41,77 @@ def _engine_tokens(replica, prefix: str) -> int:
 class _Gate:
     """Holds the replica's consumer of one request while the engine goes on, so that at a commit
     tokens sampled under the old weights sit in the pipe (a slow event loop, a busy gateway):
-    the boundary must come from the engine's count, not from what the replica has seen."""
+    the boundary must come from the engine's count, not from what the replica has seen.
+    It sits between the replica and each request's output collector, and records the engine's
+    own version stamps (where the engine makes them) as the truth."""
 
     def __init__(self, replica, prefix: str, truth: dict | None = None) -> None:
         self.replica, self.prefix, self.truth = replica, prefix, truth
         self.open = asyncio.Event()
         self.open.set()
-        self._generate = replica.llm.generate
-        replica.llm.generate = self._tee
+        self.taken: list[str] = []  # requests the engine's frontend has taken
+        self._add_request = replica.llm.add_request
+        replica.llm.add_request = self._add
 
-    async def _tee(self, prompt, params, request_id, *args, **kwargs):
-        async for out in self._generate(prompt, params, request_id, *args, **kwargs):
-            for c in out.outputs:
-                if self.truth is not None and getattr(c, "weight_versions", None) is not None:
-                    spans = [(s.version, s.start, s.end) for s in c.weight_versions]  # engine-stamped
-                    self.truth[(request_id.rsplit("-", 1)[0], c.index)] = versions_from_spans(spans, spans[-1][2])
-            if request_id.startswith(self.prefix):
-                await self.open.wait()
-            yield out
+    async def _add(self, request_id, *args, **kwargs):
+        collector = await self._add_request(request_id, *args, **kwargs)
+        self.taken.append(request_id)
+        return _HeldCollector(self, collector, request_id)
+
+    def seen(self, request_id: str, out) -> None:
+        for c in out.outputs:
+            if self.truth is not None and getattr(c, "weight_versions", None) is not None:
+                spans = [(s.version, s.start, s.end) for s in c.weight_versions]  # engine-stamped
+                self.truth[(request_id.rsplit("-", 1)[0], c.index)] = versions_from_spans(spans, spans[-1][2])
 
     async def hold(self, backlog: int = 10) -> None:
         self.open.clear()
         held_at = _engine_tokens(self.replica, self.prefix)
         while _engine_tokens(self.replica, self.prefix) < held_at + backlog:
             await asyncio.sleep(0.005)
+
+
+class _HeldCollector:
+    def __init__(self, gate: _Gate, inner, request_id: str) -> None:
+        self.gate, self.inner, self.request_id_ = gate, inner, request_id
+        self.held = request_id.startswith(gate.prefix)
+
+    @property
+    def request_id(self):
+        return self.inner.request_id
+
+    def get_nowait(self):
+        if self.held and not self.gate.open.is_set():
+            return None
+        out = self.inner.get_nowait()
+        if out is not None:
+            self.gate.seen(self.request_id_, out)
+        return out
+
+    async def get(self):
+        out = await self.inner.get()
+        if self.held:
+            await self.gate.open.wait()
+        self.gate.seen(self.request_id_, out)
+        return out
+
+
+async def _streamed(replica, request: GenerationRequest) -> SimpleNamespace:
+    """A streaming request's deltas put together, each token with the version its delta carried."""
+    tokens: dict[int, list[int]] = {}
+    versions: dict[int, list[int]] = {}
+    async for deltas in replica.generate_stream(request):
+        for d in deltas:
+            tokens.setdefault(d.index, []).extend(d.token_ids)
+            versions.setdefault(d.index, []).extend(d.versions)
+    completions = [SimpleNamespace(index=i, token_ids=tokens[i], versions=versions[i]) for i in sorted(tokens)]
+    return SimpleNamespace(request_id=request.request_id, completions=completions)
+
+
+def _finished_in_engine(replica, gate: _Gate, prefix: str) -> bool:
+    """The engine took a request of this prefix and has finished it (its frontend state is gone)."""
+    taken = [rid for rid in gate.taken if rid.startswith(prefix)]
+    return bool(taken) and not any(rid.startswith(prefix) for rid in replica.llm.output_processor.external_req_ids)
 
 
 async def _push(replica, version: int, weights, gate: _Gate | None = None, while_paused=None) -> None:
@@ -87,16 +135,27 @@ async def _scenario(model_path) -> tuple[dict, dict, dict]:
     replica = EngineReplica(ModelConfig(path=str(model_path), max_model_len=256), GeneratorConfig(), version_tracking="ledger")
     await replica.start()
     engine_truth: dict[tuple[str, int], list[int]] = {}
-    gate = _Gate(replica, "long-", engine_truth)
+    gate = _Gate(replica, ("long-", "done-"), engine_truth)
     try:
-        long = asyncio.create_task(replica.generate(_request("long", 2, 240, 7)))
+        # Streamed (one output per step; its consumer is held at each commit) and whole (one
+        # output at the end), both sampled across two commits.
+        long = asyncio.create_task(_streamed(replica, _request("long", 2, 240, 7)))
+        whole = asyncio.create_task(replica.generate(_request("whole", 2, 240, 6)))
         short = await replica.generate(_request("short", 1, 3, 8))
+
+        done = []
 
         async def commit(version: int, seed: int, during_pause=None):
             while replica.counters["tokens_generated"] < 40 * version:
                 await asyncio.sleep(0.02)
             weights = perturbed_weights(model_path, seed=seed)
             await gate.hold()
+            if version == 1:
+                # Finishes in the engine before the commit, its whole result still held on its way
+                # to the replica: every token is older, though the replica has seen none of them.
+                done.append(asyncio.create_task(replica.generate(_request("done", 1, 3, 10))))
+                while not _finished_in_engine(replica, gate, "done-"):
+                    await asyncio.sleep(0.005)
             late = []
 
             async def submit_late():
@@ -109,7 +168,7 @@ async def _scenario(model_path) -> tuple[dict, dict, dict]:
 
         late = await commit(1, seed=1, during_pause=_request("late", 1, 20, 9))
         await commit(2, seed=2)
-        results = {r.request_id: r for r in (await long, short, await late)}
+        results = {r.request_id: r for r in (await long, await whole, short, await late, await done[0])}
         assert replica.counters["version_fallbacks"] == 0
         return results, engine_truth, dict(replica.counters)
     finally:
@@ -130,9 +189,10 @@ def test_ledger_versions_equal_the_engine_stamps_across_commits(demo_model_path)
         for c in res.completions:
             assert c.versions == truth[(rid, c.index)], (rid, c.index)
     assert results["short"].completions[0].versions == [0, 0, 0]
+    assert results["done"].completions[0].versions == [0, 0, 0]
     late = results["late"].completions[0].versions
     assert late[0] == 1 and 0 not in late and late == sorted(late)  # queued during the pause: nothing old
-    for c in results["long"].completions:
+    for c in results["long"].completions + results["whole"].completions:
         assert len(c.versions) == 240 and set(c.versions) == {0, 1, 2} and c.versions == sorted(c.versions)
     assert counters["updates_committed"] == 2
 
@@ -155,7 +215,7 @@ async def _greedy_across_a_commit(model_path, tracking: str) -> tuple[list[int],
         reference_old = (await replica.generate(_greedy("ref-old", prompt, total))).completions[0].token_ids
         gate = _Gate(replica, "across-")
         task = asyncio.create_task(replica.generate(_greedy("across", prompt, total)))
-        while replica.counters["tokens_generated"] < total + 20:
+        while (await replica.stats())["generator/tokens_in_flight"] < 20:  # its result comes whole, at the end
             await asyncio.sleep(0.005)
         weights = perturbed_weights(model_path, seed=5, scale=0.2)
         await gate.hold()
