@@ -87,7 +87,33 @@ async def direct(sections: dict, ids: list[list[int]], concurrency: int, max_tok
         llm.shutdown()
 
 
-async def http(sections: dict, ids: list[list[int]], concurrency: int, max_tokens: int, warmup: int, port: int) -> dict:
+# Where the client's requests are, from the app's /metrics: at the gateway, in the engine replica
+# (Serve's handler running), and held by the vLLM engine. Their means over a timed phase.
+OCCUPANCY = {"gateway": "asyncrl_generator_queue_depth", "replica": "asyncrl_generator_replica_ongoing_requests",
+             "engine": "asyncrl_generator_replica_engine_requests"}
+
+
+async def occupancy(url: str, samples: list[dict[str, float]], every_s: float = 0.5) -> None:
+    """Sample the OCCUPANCY gauges (summed over replicas) until cancelled."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=5) as client:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                text = (await client.get(url)).text
+            except httpx.HTTPError:
+                continue
+            row = dict.fromkeys(OCCUPANCY, 0.0)
+            for line in text.splitlines():
+                for key, metric in OCCUPANCY.items():
+                    if line.startswith(metric + " ") or line.startswith(metric + "{"):
+                        row[key] += float(line.rsplit(" ", 1)[1])
+            samples.append(row)
+
+
+async def http(sections: dict, ids: list[list[int]], concurrency: int, max_tokens: int, warmup: int, port: int,
+               max_ongoing: int = 0) -> dict:
     """Both HTTP endpoints of one Serve app: through Serve's proxy (port) and the gateway's own (port + 1)."""
     import httpx
     import ray
@@ -98,7 +124,7 @@ async def http(sections: dict, ids: list[list[int]], concurrency: int, max_token
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"], "TOKENIZERS_PARALLELISM": "false"}})
     gen = {**sections["generator"], "http_port": port, "direct_http_port": port + 1,
-           "max_ongoing_requests": max(64, concurrency), "max_queued_requests": -1}
+           "max_ongoing_requests": max_ongoing or max(64, concurrency), "max_queued_requests": -1}
     cfg = load_config({"model": sections["model"], "generator": gen})
     run_generator(cfg, name="bench", weight_source=None)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -114,9 +140,13 @@ async def http(sections: dict, ids: list[list[int]], concurrency: int, max_token
                     return len(r.json()["completions"][0]["token_ids"])
 
                 await bounded(concurrency, [lambda q=q: gen_one(q) for q in ids[:warmup]])
+                samples: list[dict[str, float]] = []
+                sampler = asyncio.create_task(occupancy(f"http://127.0.0.1:{port + 1}/metrics", samples))
                 wall0, t0 = time.time(), time.perf_counter()
                 tokens = sum(await bounded(concurrency, [lambda q=q: gen_one(q) for q in ids]))
                 results[name] = {"tokens": tokens, "seconds": time.perf_counter() - t0, "window": [wall0, time.time()]}
+                sampler.cancel()
+                results[name]["occupancy"] = {k: round(sum(s[k] for s in samples) / len(samples), 1) for k in OCCUPANCY} if samples else {}
         return results
     finally:
         from ray import serve
@@ -136,6 +166,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--num-gpus", type=float, default=0.0, help="Ray GPUs for the Serve engine replica (1 on a GPU machine)")
+    ap.add_argument("--max-ongoing", type=int, default=0, help="generator.max_ongoing_requests (default: max(64, --concurrency))")
     ap.add_argument("--engine-kwargs", default="{}", help="JSON object passed to vLLM's AsyncEngineArgs on both sides")
     args = ap.parse_args()
     sections = engine_sections(args)
@@ -144,7 +175,7 @@ def main() -> None:
     direct_tps, per_step_tps = (d[k]["tokens"] / d[k]["seconds"] for k in ("final_only", "per_step"))
     print(json.dumps({"benchmark": "generation_direct", "direct_tokens_per_s": round(direct_tps, 1),
                       "direct_per_step_tokens_per_s": round(per_step_tps, 1)}), flush=True)
-    h = asyncio.run(http(sections, ids, args.concurrency, args.max_tokens, args.warmup, args.port))
+    h = asyncio.run(http(sections, ids, args.concurrency, args.max_tokens, args.warmup, args.port, args.max_ongoing))
     proxy_tps, gw_tps = (h[k]["tokens"] / h[k]["seconds"] for k in ("proxy", "direct"))
     print(json.dumps({
         "benchmark": "generation", "model": args.model, "num_prompts": args.num_prompts, "concurrency": args.concurrency,
@@ -156,6 +187,9 @@ def main() -> None:
         "http_tokens_per_s": round(proxy_tps, 1), "http_gateway_port_tokens_per_s": round(gw_tps, 1),
         "http_over_direct": round(proxy_tps / direct_tps, 3), "http_gateway_port_over_direct": round(gw_tps / direct_tps, 3),
         "http_gateway_port_over_direct_per_step": round(gw_tps / per_step_tps, 3),
+        # mean requests at the gateway / in the engine replica / in the vLLM engine during each HTTP phase
+        # (the client keeps --concurrency in flight; the engine's share is what decodes)
+        "http_occupancy": h["proxy"]["occupancy"], "http_gateway_port_occupancy": h["direct"]["occupancy"],
         "direct_seconds": round(d["final_only"]["seconds"], 2), "direct_per_step_seconds": round(d["per_step"]["seconds"], 2),
         "http_seconds": round(h["proxy"]["seconds"], 2), "http_gateway_port_seconds": round(h["direct"]["seconds"], 2),
         # Wall-clock (epoch) bounds of each timed phase, to match per-process CPU samples against.

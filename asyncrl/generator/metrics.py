@@ -29,6 +29,8 @@ class GatewayMetrics:
         self.rate = Gauge("asyncrl_generator_tokens_per_second", f"Completion tokens/s over the last {rate_window_s:.0f}s", registry=self.registry)
         self.replica_version = Gauge("asyncrl_generator_weight_version", "Weight version per engine replica", ["replica"], registry=self.registry)
         self.replica_ongoing = Gauge("asyncrl_generator_replica_ongoing_requests", "Requests running in each engine replica", ["replica"], registry=self.registry)
+        self.replica_engine_requests = Gauge("asyncrl_generator_replica_engine_requests",
+                                             "Requests the engine holds (queued or running), per engine replica", ["replica"], registry=self.registry)
         self.replica_in_flight = Gauge("asyncrl_generator_replica_tokens_in_flight",
                                        "Tokens produced for sequences still running, per engine replica", ["replica"], registry=self.registry)
         self._window = rate_window_s
@@ -69,10 +71,12 @@ class GatewayMetrics:
         self.replica_version.clear()
         self.replica_ongoing.clear()
         self.replica_in_flight.clear()
+        self.replica_engine_requests.clear()
         for rid, stats in (replica_stats or {}).items():
             self.replica_version.labels(replica=rid).set(stats.get("version", -1))
             self.replica_ongoing.labels(replica=rid).set(stats.get("generator/ongoing", 0))
             self.replica_in_flight.labels(replica=rid).set(stats.get("generator/tokens_in_flight", 0))
+            self.replica_engine_requests.labels(replica=rid).set(stats.get("engine_unfinished_requests", 0))
         return generate_latest(self.registry)
 
 

@@ -364,11 +364,12 @@ def test_metrics_render_prometheus_text_with_replica_versions():
     m = GatewayMetrics()
     m.observe("/generate", 200, 0.2, 10)
     m.observe("/generate", 400, 0.01, 0)
-    text = m.render({"r1": {"version": 3, "generator/ongoing": 2, "generator/tokens_in_flight": 17}}).decode()
+    text = m.render({"r1": {"version": 3, "generator/ongoing": 2, "generator/tokens_in_flight": 17, "engine_unfinished_requests": 2}}).decode()
     assert 'asyncrl_generator_requests_total{route="/generate",status="200"} 1.0' in text
     assert "asyncrl_generator_tokens_generated_total 10.0" in text
     assert 'asyncrl_generator_weight_version{replica="r1"} 3.0' in text
     assert 'asyncrl_generator_replica_tokens_in_flight{replica="r1"} 17.0' in text
+    assert 'asyncrl_generator_replica_engine_requests{replica="r1"} 2.0' in text
     assert "asyncrl_generator_request_latency_seconds_bucket" in text
     snap = m.snapshot()
     assert snap["generator/requests"] == 2 and snap["generator/requests_failed"] == 1 and snap["generator/tokens_per_s"] > 0
