@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import time
+from functools import partial
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -46,6 +47,14 @@ async def bounded(concurrency: int, jobs) -> list[int]:
             return await job()
 
     return await asyncio.gather(*(one(j) for j in jobs))
+
+
+async def timed(concurrency: int, one, ids: list[list[int]]) -> dict:
+    """`one(prompt) -> tokens` over every prompt, `concurrency` at a time: tokens, seconds and the
+    phase's wall-clock (epoch) window."""
+    wall0, t0 = time.time(), time.perf_counter()
+    tokens = sum(await bounded(concurrency, [lambda p=p: one(p) for p in ids]))
+    return {"tokens": tokens, "seconds": time.perf_counter() - t0, "window": [wall0, time.time()]}
 
 
 def engine_sections(args: argparse.Namespace) -> dict:
@@ -78,10 +87,8 @@ async def direct(sections: dict, ids: list[list[int]], concurrency: int, max_tok
     try:
         for name, kind in (("final_only", RequestOutputKind.FINAL_ONLY), ("per_step", RequestOutputKind.CUMULATIVE)):
             sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, output_kind=kind)
-            await bounded(concurrency, [lambda p=p: gen(p, sp) for p in ids[:warmup]])
-            wall0, t0 = time.time(), time.perf_counter()
-            tokens = sum(await bounded(concurrency, [lambda p=p: gen(p, sp) for p in ids]))
-            results[name] = {"tokens": tokens, "seconds": time.perf_counter() - t0, "window": [wall0, time.time()]}
+            await timed(concurrency, partial(gen, sp=sp), ids[:warmup])
+            results[name] = await timed(concurrency, partial(gen, sp=sp), ids)
         return results
     finally:
         llm.shutdown()
@@ -139,12 +146,10 @@ async def http(sections: dict, ids: list[list[int]], concurrency: int, max_token
                     r.raise_for_status()
                     return len(r.json()["completions"][0]["token_ids"])
 
-                await bounded(concurrency, [lambda q=q: gen_one(q) for q in ids[:warmup]])
+                await timed(concurrency, gen_one, ids[:warmup])
                 samples: list[dict[str, float]] = []
                 sampler = asyncio.create_task(occupancy(f"http://127.0.0.1:{port + 1}/metrics", samples))
-                wall0, t0 = time.time(), time.perf_counter()
-                tokens = sum(await bounded(concurrency, [lambda q=q: gen_one(q) for q in ids]))
-                results[name] = {"tokens": tokens, "seconds": time.perf_counter() - t0, "window": [wall0, time.time()]}
+                results[name] = await timed(concurrency, gen_one, ids)
                 sampler.cancel()
                 results[name]["occupancy"] = {k: round(sum(s[k] for s in samples) / len(samples), 1) for k in OCCUPANCY} if samples else {}
         return results

@@ -73,11 +73,11 @@ class _Gate:
 
 class _HeldCollector:
     def __init__(self, gate: _Gate, inner, request_id: str) -> None:
-        self.gate, self.inner, self.request_id_ = gate, inner, request_id
+        self.gate, self.inner, self.external_id = gate, inner, request_id
         self.held = request_id.startswith(gate.prefix)
 
     @property
-    def request_id(self):
+    def request_id(self):  # the engine-internal id, which the replica aborts by
         return self.inner.request_id
 
     def get_nowait(self):
@@ -85,14 +85,14 @@ class _HeldCollector:
             return None
         out = self.inner.get_nowait()
         if out is not None:
-            self.gate.seen(self.request_id_, out)
+            self.gate.seen(self.external_id, out)
         return out
 
     async def get(self):
         out = await self.inner.get()
         if self.held:
             await self.gate.open.wait()
-        self.gate.seen(self.request_id_, out)
+        self.gate.seen(self.external_id, out)
         return out
 
 
