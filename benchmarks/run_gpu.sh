@@ -2,6 +2,7 @@
 # The GPU figures of docs/BENCHMARKS.md, on one GPU with no package index and no internet.
 #
 #   bash benchmarks/run_gpu.sh gen       # generation: direct vLLM vs HTTP API
+#   bash benchmarks/run_gpu.sh gen-profile   # the same, with per-process CPU and py-spy profiles per phase
 #   bash benchmarks/run_gpu.sh learner   # learner: parity, round trip, step time; then the gpu tests
 #   TP=2 bash benchmarks/run_gpu.sh learner   # the same at tensor parallel 2 over two GPUs (no tests)
 #
@@ -53,13 +54,27 @@ if [ ! -f "$MODEL/config.json" ]; then
     python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out "$MODEL" 2>&1 | tail -2 | tee "$OUT/make_model.log"
 fi
 
+GEN_ARGS="--model $MODEL --dtype bfloat16 --num-gpus 1 --max-model-len 1024 --num-prompts 1024 --concurrency 128 --max-tokens 256 --warmup 64"
 case $stage in
 gen)
-    timeout "${GEN_TIMEOUT:-450}" python3 benchmarks/generation.py --model "$MODEL" --dtype bfloat16 --num-gpus 1 \
-        --max-model-len 1024 --num-prompts 1024 --concurrency 128 --max-tokens 256 --warmup 64 \
+    timeout "${GEN_TIMEOUT:-450}" python3 benchmarks/generation.py $GEN_ARGS ${EXTRA_GEN_ARGS:-} \
         > "$OUT/generation.log" 2>&1
     echo "generation rc=$?"
     grep '"benchmark": "generation' "$OUT/generation.log" | tee "$OUT/generation.json"
+    ;;
+gen-profile)
+    # The same run under benchmarks/profile_generation.py: per-process CPU per phase, and py-spy
+    # profiles (GIL-holding samples) when a py-spy binary is carried in .whl/py-spy. TAG names the
+    # output folder; EXTRA_GEN_ARGS (e.g. --sides http) go to generation.py.
+    spy=$([ -x .whl/py-spy ] && echo "--py-spy .whl/py-spy --gil")
+    dir="$OUT/profile${TAG:+-$TAG}"
+    timeout "${GEN_TIMEOUT:-540}" python3 benchmarks/profile_generation.py --out "$dir" $spy -- \
+        $GEN_ARGS ${EXTRA_GEN_ARGS:-} > "$dir.txt" 2>&1
+    echo "profile rc=$?"
+    grep '"benchmark": "generation' "$dir/generation.log"
+    grep -v '^{' "$dir.txt" | head -150 | cut -c1-200
+    # the raw profiles in one file (the device tool brings back a limited number of files)
+    ls "$dir"/spy-*.txt > /dev/null 2>&1 && tar czf "$dir-spy.tgz" -C "$dir" $(cd "$dir" && ls spy-*.txt) && rm "$dir"/spy-*.txt
     ;;
 learner)
     TP=${TP:-1}
