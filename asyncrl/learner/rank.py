@@ -48,6 +48,7 @@ class LearnerRank:
         self.layout: Any = None
         self.coords: Any = None
         self._collective: Any = None  # this rank's weight broadcast group (sending ranks only)
+        self._reserved_port: Any = None  # sending ranks: the listening socket of the next group's store
         self._host_copies: Any = None  # its last broadcast's host copies, until taken
         self._store: Any = None  # rank 0: the group's rendezvous store, bound before setup
 
@@ -176,9 +177,18 @@ class LearnerRank:
             return None
         import ray
 
-        from asyncrl.weightsync.collective import free_port
+        from asyncrl.weightsync.collective import reserve_port
 
-        return {"sender": self.coords.pp, "host": ray.util.get_node_ip_address(), "port": free_port()}
+        # The port stays bound (and listening) until join_collective hands it to the group's store.
+        self._drop_reserved_port()
+        host = ray.util.get_node_ip_address()
+        self._reserved_port = reserve_port(host)
+        return {"sender": self.coords.pp, "host": host, "port": self._reserved_port.getsockname()[1]}
+
+    def _drop_reserved_port(self) -> None:
+        sock, self._reserved_port = self._reserved_port, None
+        if sock is not None:
+            sock.close()
 
     def join_collective(self, specs: list[dict[str, Any]]) -> str | None:
         """Sending ranks: leave any earlier group, join (as group rank 0) the spec for this PP stage."""
@@ -192,8 +202,16 @@ class LearnerRank:
         if len(mine) != 1:
             raise ValueError(f"rank {self.rank} (pp stage {self.coords.pp}): expected one group spec, got {len(mine)}")
         spec = GroupSpec(**mine[0])
-        with self._thread():
-            self._collective = CollectiveGroup.join(spec, 0)
+        sock, self._reserved_port = self._reserved_port, None
+        if sock is not None and sock.getsockname()[1] != spec.port:  # a spec from an older address
+            sock.close()
+            sock = None
+        try:
+            with self._thread():
+                self._collective = CollectiveGroup.join(spec, 0, listen_socket=sock)
+        finally:
+            if sock is not None and sock.fileno() != -1:  # not taken over by the store
+                sock.close()
         return spec.group_id
 
     def collective_group(self) -> str | None:

@@ -107,9 +107,41 @@ class CollectiveReceive:
 
 
 def free_port(host: str = "") -> int:
+    """A port that was free a moment ago (tests only: another process may take it before it is
+    bound again; a sending rank holds its port with `reserve_port`)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def reserve_port(host: str) -> socket.socket:
+    """A listening socket on an OS-chosen port of `host`, held until the group's store takes it
+    over (`CollectiveGroup.join(..., listen_socket=)`), so no other process can take the port
+    between the rendezvous address going out and the group forming."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen()
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _tcp_store(spec: GroupSpec, rank: int, timeout: datetime.timedelta, listen_socket: socket.socket | None) -> Any:
+    """The group's TCPStore: rank 0 serves it (on `listen_socket` when given), the others connect."""
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {"world_size": spec.world_size, "is_master": rank == 0, "timeout": timeout,
+                              "wait_for_workers": False}
+    if listen_socket is None or rank != 0:
+        return dist.TCPStore(spec.host, spec.port, **kwargs)
+    fd = listen_socket.detach()
+    try:  # the libuv server does not take a listening fd
+        return dist.TCPStore(spec.host, spec.port, master_listen_fd=fd, use_libuv=False, **kwargs)
+    except Exception:
+        socket.close(fd)
+        raise
 
 
 def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: dict[str, int], *,
@@ -157,17 +189,22 @@ class CollectiveGroup:
     _pinned: PinnedPool | None = field(default=None, repr=False)  # sender on a GPU: their pinned buffers
 
     @classmethod
-    def join(cls, spec: GroupSpec, rank: int, device: torch.device | str | None = None) -> "CollectiveGroup":
+    def join(cls, spec: GroupSpec, rank: int, device: torch.device | str | None = None, *,
+             listen_socket: socket.socket | None = None) -> "CollectiveGroup":
+        """Join as `rank`. Rank 0 serves the rendezvous store, on `listen_socket` (from
+        `reserve_port`, bound to spec.port; the store takes it over) when given."""
         timeout = datetime.timedelta(seconds=spec.timeout_s)
+        if listen_socket is not None and listen_socket.getsockname()[1] != spec.port:
+            raise CollectiveError(f"group {spec.group_id}: the reserved socket listens on port "
+                                  f"{listen_socket.getsockname()[1]}, the spec names {spec.port}")
         if spec.backend == "gloo":
             import torch.distributed as dist
 
-            store = dist.TCPStore(spec.host, spec.port, spec.world_size, rank == 0, timeout=timeout,
-                                  wait_for_workers=False)
+            store = _tcp_store(spec, rank, timeout, listen_socket)
             pg = dist.ProcessGroupGloo(dist.PrefixStore(spec.group_id + "/", store), rank, spec.world_size, timeout)
             return cls(spec, rank, torch.device("cpu"), _pg=pg, _store=store)
         if spec.backend == "ipc":
-            return cls._join_ipc(spec, rank, device, timeout)
+            return cls._join_ipc(spec, rank, device, timeout, listen_socket)
         if not torch.cuda.is_available():
             raise CollectiveError(f"group {spec.group_id}: backend nccl needs CUDA on every member (this one has none)")
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
@@ -176,7 +213,8 @@ class CollectiveGroup:
         dev = _member_device(device)
         with torch.cuda.device(dev):
             pg = StatelessProcessGroup.create(spec.host, spec.port, rank, spec.world_size,
-                                              store_timeout=int(spec.timeout_s))
+                                              store_timeout=int(spec.timeout_s),
+                                              listen_socket=listen_socket if rank == 0 else None)
             comm = PyNcclCommunicator(pg, device=dev)
             if getattr(comm, "disabled", False):
                 raise CollectiveError(f"group {spec.group_id}: vLLM's PyNccl is disabled here (VLLM_DISABLE_PYNCCL?)")
@@ -185,12 +223,10 @@ class CollectiveGroup:
 
     @classmethod
     def _join_ipc(cls, spec: GroupSpec, rank: int, device: torch.device | str | None,
-                  timeout: datetime.timedelta) -> "CollectiveGroup":
+                  timeout: datetime.timedelta, listen_socket: socket.socket | None) -> "CollectiveGroup":
         """ipc: only the store (handles and acknowledgements travel through it); every member
         checks in and waits for the others, so a missing member fails the join, not the push."""
-        import torch.distributed as dist
-
-        store = dist.TCPStore(spec.host, spec.port, spec.world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+        store = _tcp_store(spec, rank, timeout, listen_socket)
         group = cls(spec, rank, _member_device(device), _store=store)
         key = f"{spec.group_id}/joined"
         store.add(key, 1)

@@ -6,6 +6,7 @@ benchmarks/weightsync.py --transports nccl,ipc."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +22,7 @@ from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.bucket import FILE_PREFIX, shared_dir, unpack_bucket
 from asyncrl.weightsync.collective import (
     IPC_WINDOW, CollectiveError, CollectiveGroup, CollectiveReceive, GroupSpec, SenderAborted, form_specs, free_port,
-    receive_stream, send_stream,
+    receive_stream, reserve_port, send_stream,
 )
 from asyncrl.weightsync.push import KeptCopies, Publisher, StreamedSend, Step, WeightsyncError
 from asyncrl.weightsync.transport import LocalTransport
@@ -59,6 +60,42 @@ def test_form_specs_gives_each_replica_a_rank_block_in_id_order():
         form_specs("gloo", [("h", 1)], {}, timeout_s=5, group_prefix="x")
     with pytest.raises(ValueError, match="backend"):
         GroupSpec("g", "mpi", "h", 1, 2, {"a": 1})
+
+
+@BACKENDS
+def test_the_senders_reserved_port_stays_taken_until_its_store_serves_the_group_on_it(backend):
+    sock = reserve_port("127.0.0.1")
+    port = sock.getsockname()[1]
+    with socket.socket() as other, pytest.raises(OSError):  # no other process can take it meanwhile
+        other.bind(("127.0.0.1", port))
+    (spec,) = form_specs(backend, [("127.0.0.1", port)], {"rep": 1}, timeout_s=20.0, group_prefix="reserved")
+    with ThreadPoolExecutor(2) as pool:
+        sender, receiver = pool.map(lambda r: CollectiveGroup.join(spec, r, listen_socket=sock if r == 0 else None), (0, 1))
+    assert sock.fileno() == -1  # the store owns the socket now
+    weights = model(2)
+    got: dict[str, torch.Tensor] = {}
+
+    def receive() -> None:
+        for bucket in receive_stream(receiver, time.monotonic() + 20):
+            got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    send_stream(sender, iter(weights.items()), BUCKET_MB, verify="full", timeout_s=20)
+    thread.join(30)
+    assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in weights)
+    for g in (sender, receiver):
+        g.close()
+
+
+def test_join_refuses_a_reserved_socket_that_is_not_on_the_specs_port():
+    sock = reserve_port("127.0.0.1")
+    spec = _spec(receivers=1)
+    try:
+        with pytest.raises(CollectiveError, match="reserved socket listens on port"):
+            CollectiveGroup.join(spec, 0, listen_socket=sock)
+    finally:
+        sock.close()
 
 
 @BACKENDS
