@@ -21,6 +21,9 @@ A push ends when the version is live on every replica. Collective transports kee
 (`breakdown_seconds.host_copy_after_push`, waited for before the next push).
 
 Prints one JSON object per model and transport (sizes, seconds, GB/s, push/raw, breakdown).
+`breakdown_seconds.engine_reload` is vLLM's own in-place reload inside the commit (as the
+replicas report it); `push_over_raw_plus_engine_reload` compares the push with raw plus that
+reload, the floor of any push that applies weights through `reload_weights`.
 
   python benchmarks/weightsync.py                       # demo model + a random ~50M Qwen2
   python benchmarks/weightsync.py --models demo --replicas 2 --repeats 3 --transports shm --verify sampled
@@ -355,6 +358,11 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
         key = lambda k: med([m.get(k, 0.0) for m in metrics])  # noqa: E731, B023
         breakdown = {k: key(f"weightsync/{k}_seconds") for k in ("stage", "fingerprint", "commit", "paused")}
         breakdown["host_copy_after_push"] = med(tails)
+        # vLLM's own in-place reload inside each commit (the slowest replica's, per push): a floor
+        # no push through `reload_weights` can go under, whatever the transport.
+        reload_s = med([max((v for k, v in m.items() if k.startswith("weightsync/replica/") and k.endswith("/reload_seconds")),
+                            default=0.0) for m in metrics])
+        breakdown["engine_reload"] = reload_s
         if kind in collective:
             breakdown.update({f"sender_{k}": key(f"weightsync/sender/{k}_seconds")
                               for k in ("pack", "broadcast", "host_copy", "hash", "host_copy_thread_copy", "host_copy_thread_keep")})
@@ -366,6 +374,8 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
             "raw": {"ipc": "open each packed bucket by handle + one copy per sink"}.get(
                 kind, "nccl/gloo broadcast of the packed buckets") if kind in collective else "ray.put + sinks",
             "raw_seconds": med(floor), "raw_gbps": nbytes / med(floor) / 1e9, "push_over_raw": med(push) / med(floor),
+            "engine_reload_over_raw": reload_s / med(floor),
+            "push_over_raw_plus_engine_reload": med(push) / (med(floor) + reload_s),
             "breakdown_seconds": breakdown,
         })
     return out

@@ -446,7 +446,7 @@ class EngineReplica:
                 try:
                     # Paused: no step runs, so these counts hold until resume.
                     sampled = await self._sampled_token_counts() if self._ledger is not None else None
-                    await self.llm.collective_rpc("asyncrl_commit", args=(version, fingerprint))
+                    applied = await self.llm.collective_rpc("asyncrl_commit", args=(version, fingerprint))
                 except Exception as err:
                     self.counters["updates_failed"] += 1
                     raise WeightUpdateError(
@@ -467,7 +467,9 @@ class EngineReplica:
                 # had left it without weights until now.
                 if self.state is ReplicaState.READY and (paused_here or self._may_run()):
                     await self._settle()
-            return {"replica_id": self.replica_id, "version": self.version}
+            # The workers reload at once; the slowest is what the commit waited for.
+            return {"replica_id": self.replica_id, "version": self.version,
+                    "reload_seconds": max(a["reload_seconds"] for a in applied)}
 
     async def _sampled_token_counts(self) -> dict[str, int]:
         """Tokens sampled so far per engine-internal sequence id, as the workers hold them."""

@@ -107,7 +107,10 @@ class WeightUpdateExtension:
                 self._asyncrl_stage(version, unpack_bucket(bucket))
         return len(self._asyncrl_state()["tensors"])
 
-    def asyncrl_commit(self, version: int, fingerprint: str) -> str:
+    def asyncrl_commit(self, version: int, fingerprint: str) -> dict[str, Any]:
+        """Verify the staged tensors against `fingerprint`, then apply them in place. Returns the
+        fingerprint and the seconds vLLM's own in-place reload took (the part of a commit that is
+        the engine's, not the weight service's)."""
         state = self._asyncrl_state()
         if state["version"] != version:
             raise RuntimeError(f"commit of version {version} but staging version {state['version']}")
@@ -124,9 +127,10 @@ class WeightUpdateExtension:
                 raise ValueError(
                     f"fingerprint mismatch for version {version}: expected {fingerprint[:24]}, staged tensors hash to {actual[:24]}"
                 )
+            t = time.perf_counter()
             self.reload_weights(weights_iterator=iter(sorted(tensors.items())))  # type: ignore[attr-defined]
             self._asyncrl_retie_lm_head()
-            return actual
+            return {"fingerprint": actual, "reload_seconds": time.perf_counter() - t}
         finally:
             # Mismatch or success, the staged copy is spent: a retry must restage from scratch.
             self.__dict__["_asyncrl_update"] = self._asyncrl_empty()

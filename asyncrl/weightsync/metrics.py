@@ -23,6 +23,8 @@ tail"); the next push reports it, i.e. these describe the PREVIOUS version:
   weightsync/host_copy_wait_seconds  how long this push waited for them before starting
   weightsync/on_live_seconds, store_failed, sender/host_copy_thread_{copy,keep}_seconds
   weightsync/replica/<name>/{load_seconds,load_gbps,commit_seconds}
+  weightsync/replica/<name>/reload_seconds   the engine's own in-place reload within its commit
+                                   (vLLM's reload_weights on the slowest worker), as the replica reports it
   weightsync/replica/<name>/<step>_seconds   every other step too (pause, begin_update, resume, ...)
   weightsync/timeline/<state>_s    seconds from registration to entering each state
 Cumulative counters (pushes_total, pushes_failed_total, retries_total, ...) are added by the

@@ -447,7 +447,7 @@ class Publisher:
             self._reg("set_payload", version, fingerprint=fingerprint, num_bytes=m.bytes, num_tensors=m.num_tensors)
             self._reg("transition", version, S.COMMITTING)
             t = time.perf_counter()
-            ok, bad = await self._run(Step.COMMIT, replicas, lambda r: r.commit_update(version, fingerprint), m)
+            ok, bad = await self._run(Step.COMMIT, replicas, lambda r: self._commit(r, version, fingerprint, m), m)
             m.commit_seconds += time.perf_counter() - t
             for name in ok:
                 self._reg("replica_committed", version, name)
@@ -486,6 +486,14 @@ class Publisher:
                 pending.cancel()
                 with contextlib.suppress(BaseException):
                     await pending
+
+    @staticmethod
+    async def _commit(r: ReplicaClient, version: int, fingerprint: str, m: PushMetrics) -> None:
+        """One replica's commit; records the engine's own reload time when the replica reports it."""
+        out = await r.commit_update(version, fingerprint)
+        reload_s = out.get("reload_seconds") if isinstance(out, dict) else None
+        if isinstance(reload_s, (int, float)):
+            m.replica_time(r.name, "reload", float(reload_s))
 
     async def _run(self, step: Step, replicas: Sequence[ReplicaClient], call: Callable[[ReplicaClient], Awaitable[Any]],
                    m: PushMetrics | None = None) -> tuple[list[str], dict[str, BaseException]]:

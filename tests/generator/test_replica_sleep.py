@@ -41,6 +41,8 @@ class Engine:
 
     async def collective_rpc(self, method: str, *, args=(), timeout=None):
         self.log.append((method,))
+        if method == "asyncrl_commit":  # what one worker answers (worker_ext.py)
+            return [{"fingerprint": args[1], "reload_seconds": 0.0}]
         return [None]
 
     async def update_weight_version(self, version: str) -> None:

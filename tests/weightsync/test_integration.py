@@ -237,6 +237,8 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
 
     result = await pub.publish(1, iter(v1.items()), replicas)
     assert result.metrics["weightsync/num_buckets"] > 1
+    for r in replicas:  # vLLM's own reload, as each replica reports it: a part of its commit
+        assert 0 < result.metrics[f"weightsync/replica/{r.name}/reload_seconds"] < result.metrics[f"weightsync/replica/{r.name}/commit_seconds"]
     for got in await outputs():
         assert matches(hf1, got)
         assert all(v == [1] * MAX_TOKENS for _, v in got)
