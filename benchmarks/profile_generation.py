@@ -7,8 +7,9 @@ announces, and during each phase
   - with --py-spy, records each of them with py-spy (non-blocking, raw collapsed stacks, per
     thread; with --gil only the samples that hold the GIL) for --spy-s seconds from --spy-delay-s
     after the phase starts.
-Writes DIR/generation.log (its stdout) and .err, DIR/profile.json (per phase: seconds, CPU fraction of each process) and
-DIR/spy-<phase>-<process>.txt, and prints each process's top functions by own samples.
+Writes DIR/generation.log (its stdout) and DIR/generation.err, DIR/profile.json (per phase:
+seconds, CPU fraction of each process) and DIR/spy-<phase>-<process>.txt, and prints each
+process's top functions by own samples. With several replicas, the first process of each kind.
 
     python benchmarks/profile_generation.py --out /tmp/prof --py-spy .whl/py-spy -- \\
         --model /tmp/qwen2-0.5b-random --dtype bfloat16 --num-gpus 1 --max-model-len 1024 \\
@@ -91,7 +92,7 @@ class Phase:
     def spy(self, py_spy: str, out: Path, seconds: float, rate: int, gil: bool) -> None:
         for kind, pid in self.pids.items():
             path = out / f"spy-{self.name}-{kind}.txt"
-            cmd = [py_spy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", str(rate),
+            cmd = [py_spy, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", str(rate),
                    "--format", "raw", "--nonblocking", "--threads", "--output", str(path), *(["--gil"] if gil else [])]
             self.spies.append((kind, path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
 

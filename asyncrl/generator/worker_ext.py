@@ -109,8 +109,8 @@ class WeightUpdateExtension:
 
     def asyncrl_commit(self, version: int, fingerprint: str) -> dict[str, Any]:
         """Verify the staged tensors against `fingerprint`, then apply them in place. Returns the
-        fingerprint and the seconds vLLM's own in-place reload took (the part of a commit that is
-        the engine's, not the weight service's)."""
+        fingerprint and the seconds the in-place apply took: vLLM's `reload_weights` (and, for
+        tied embeddings, re-tying the LM head), the part of a commit that is the engine's."""
         state = self._asyncrl_state()
         if state["version"] != version:
             raise RuntimeError(f"commit of version {version} but staging version {state['version']}")

@@ -12,14 +12,15 @@ it in the store; the sender frees a bucket once every receiver acknowledged it a
 `IPC_WINDOW` buckets published, so its extra memory stays about two buckets. A receiver that
 fails records why in the store and the sender stops at once instead of waiting out its deadline.
 
-Owns: the group description (`GroupSpec`: one group per sending rank, that rank is group rank 0
-and every engine worker of every replica a receiver), the sending rank's rendezvous port
-(`reserve_port`: held as a listening socket until the group's store serves on it), `CollectiveGroup` (join, broadcast with a
-deadline, close), the wire protocol of one push on a group (per bucket: a 3 x int64 header, the
-tensor table as JSON bytes, the bucket buffer; then an end or abort header), `send_stream` (the
-sender's loop: pack on the tensors' device, broadcast, hash in the verify mode, start the host
-copy (hostcopy.py: made off the critical path, collected by the publisher while replicas commit))
-and `receive_stream` (the receiver's loop: allocate on its device, receive, hand each bucket on).
+Owns: the group description (`GroupSpec`: one group per sending rank, that rank is group rank 0 and
+every engine worker of every replica a receiver), the sending rank's rendezvous port
+(`reserve_port`: held as a listening socket until the group's store serves on it), `CollectiveGroup`
+(join, broadcast with a deadline, close), the wire protocol of one push on a group (per bucket: a 3
+x int64 header, the tensor table as JSON bytes, the bucket buffer; then an end or abort header),
+`send_stream` (the sender's loop: pack on the tensors' device, broadcast, hash in the verify mode,
+start the host copy (hostcopy.py: made off the critical path, collected by the publisher while
+replicas commit)) and `receive_stream` (the receiver's loop: allocate on its device, receive, hand
+each bucket on).
 
 Memory: the sender holds one packed bucket on its device at a time, plus up to four sent ones
 whose host copies are still running, and (on a GPU) a pinned host copy of what it sends, reused
