@@ -132,21 +132,30 @@ class Sender:
 
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.base = {n: t.to(self.device) for n, t in load_hf_tensors(model_path).items()}
-        self.group = self.raw_group = None
+        self.group = self.raw_group = self.reserved = None
 
     def address(self) -> dict:
+        """Where the next group rendezvouses: a port held open until a join takes it (as a learner rank does)."""
         import ray
 
-        from asyncrl.weightsync.collective import free_port
+        from asyncrl.weightsync.collective import reserve_port
 
-        return {"sender": 0, "host": ray.util.get_node_ip_address(), "port": free_port()}
+        if self.reserved is not None:
+            self.reserved.close()
+        host = ray.util.get_node_ip_address()
+        self.reserved = reserve_port(host)
+        return {"sender": 0, "host": host, "port": self.reserved.getsockname()[1]}
+
+    def _join(self, spec: dict):
+        from asyncrl.weightsync.collective import GroupSpec, join_as_sender
+
+        reserved, self.reserved = self.reserved, None
+        return join_as_sender(GroupSpec(**spec), reserved, self.device)
 
     def join(self, specs: list[dict]) -> str:
-        from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
-
         if self.group is not None:
             self.group.close()
-        self.group = CollectiveGroup.join(GroupSpec(**specs[0]), 0, self.device)
+        self.group = self._join(specs[0])
         return self.group.spec.group_id
 
     def groups(self) -> list[str]:
@@ -176,9 +185,8 @@ class Sender:
 
     def raw_join(self, spec: dict, bucket_mb: float) -> list[int]:
         from asyncrl.weightsync.bucket import iter_buckets
-        from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
 
-        self.raw_group = CollectiveGroup.join(GroupSpec(**spec), 0, self.device)
+        self.raw_group = self._join(spec)
         self.packed = [b.buffer for b in iter_buckets(iter(self.weights.items()), bucket_mb, device=self.device)]
         return [int(b.numel()) for b in self.packed]
 
@@ -256,7 +264,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
     from asyncrl.config import WeightsyncConfig
     from asyncrl.generator.weights import load_hf_tensors
     from asyncrl.weightsync.bucket import iter_buckets
-    from asyncrl.weightsync.collective import form_specs, free_port
+    from asyncrl.weightsync.collective import form_specs
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.registry import VersionRegistry
     from asyncrl.weightsync.replicas import ActorReplica
@@ -330,7 +338,8 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
     sink_gpus = shared if "ipc" in collective else gpus
     gpu_sinks = [ray.remote(num_cpus=0.1, num_gpus=sink_gpus)(Sink).remote() for _ in range(replicas)] if collective else []
     for kind in collective:
-        (spec,) = form_specs(kind, [(ray.util.get_node_ip_address(), free_port())], {f"sink{i}": 1 for i in range(replicas)},
+        addr = await sender.address.remote()
+        (spec,) = form_specs(kind, [(addr["host"], addr["port"])], {f"sink{i}": 1 for i in range(replicas)},
                              timeout_s=600, group_prefix=f"raw-{kind}")
         wire = asdict(spec)
         await sender.perturb.remote(100)

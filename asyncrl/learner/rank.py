@@ -192,7 +192,7 @@ class LearnerRank:
 
     def join_collective(self, specs: list[dict[str, Any]]) -> str | None:
         """Sending ranks: leave any earlier group, join (as group rank 0) the spec for this PP stage."""
-        from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
+        from asyncrl.weightsync.collective import GroupSpec, join_as_sender
 
         self._ready()
         self.leave_collective()
@@ -203,15 +203,8 @@ class LearnerRank:
             raise ValueError(f"rank {self.rank} (pp stage {self.coords.pp}): expected one group spec, got {len(mine)}")
         spec = GroupSpec(**mine[0])
         sock, self._reserved_port = self._reserved_port, None
-        if sock is not None and sock.getsockname()[1] != spec.port:  # a spec from an older address
-            sock.close()
-            sock = None
-        try:
-            with self._thread():
-                self._collective = CollectiveGroup.join(spec, 0, listen_socket=sock)
-        finally:
-            if sock is not None and sock.fileno() != -1:  # not taken over by the store
-                sock.close()
+        with self._thread():
+            self._collective = join_as_sender(spec, sock)
         return spec.group_id
 
     def collective_group(self) -> str | None:

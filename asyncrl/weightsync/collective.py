@@ -130,6 +130,21 @@ def reserve_port(host: str) -> socket.socket:
     return sock
 
 
+def join_as_sender(spec: GroupSpec, reserved: socket.socket | None,
+                   device: torch.device | str | None = None) -> "CollectiveGroup":
+    """Join `spec` as its sending rank (group rank 0), serving the store on `reserved` (from
+    `reserve_port`) when that listens on the spec's port; one on another port (an older address)
+    is dropped. A socket the store did not take over is closed, whatever happens."""
+    if reserved is not None and reserved.getsockname()[1] != spec.port:
+        reserved.close()
+        reserved = None
+    try:
+        return CollectiveGroup.join(spec, 0, device, listen_socket=reserved)
+    finally:
+        if reserved is not None and reserved.fileno() != -1:
+            reserved.close()
+
+
 def _tcp_store(spec: GroupSpec, rank: int, timeout: datetime.timedelta, listen_socket: socket.socket | None) -> Any:
     """The group's TCPStore: rank 0 serves it (on `listen_socket` when given), the others connect."""
     import torch.distributed as dist

@@ -22,7 +22,7 @@ from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.bucket import FILE_PREFIX, shared_dir, unpack_bucket
 from asyncrl.weightsync.collective import (
     IPC_WINDOW, CollectiveError, CollectiveGroup, CollectiveReceive, GroupSpec, SenderAborted, form_specs, free_port,
-    receive_stream, reserve_port, send_stream,
+    join_as_sender, receive_stream, reserve_port, send_stream,
 )
 from asyncrl.weightsync.push import KeptCopies, Publisher, StreamedSend, Step, WeightsyncError
 from asyncrl.weightsync.transport import LocalTransport
@@ -70,7 +70,7 @@ def test_the_senders_reserved_port_stays_taken_until_its_store_serves_the_group_
         other.bind(("127.0.0.1", port))
     (spec,) = form_specs(backend, [("127.0.0.1", port)], {"rep": 1}, timeout_s=20.0, group_prefix="reserved")
     with ThreadPoolExecutor(2) as pool:
-        sender, receiver = pool.map(lambda r: CollectiveGroup.join(spec, r, listen_socket=sock if r == 0 else None), (0, 1))
+        sender, receiver = pool.map(lambda r: join_as_sender(spec, sock) if r == 0 else CollectiveGroup.join(spec, r), (0, 1))
     assert sock.fileno() == -1  # the store owns the socket now
     weights = model(2)
     got: dict[str, torch.Tensor] = {}
@@ -96,6 +96,13 @@ def test_join_refuses_a_reserved_socket_that_is_not_on_the_specs_port():
             CollectiveGroup.join(spec, 0, listen_socket=sock)
     finally:
         sock.close()
+    # The sending rank's join drops a socket from an older address and serves on the spec's port.
+    older = reserve_port("127.0.0.1")
+    with ThreadPoolExecutor(2) as pool:
+        sender, receiver = pool.map(lambda r: join_as_sender(spec, older) if r == 0 else CollectiveGroup.join(spec, r), (0, 1))
+    assert older.fileno() == -1 and sender.rank == 0 and receiver.rank == 1
+    for g in (sender, receiver):
+        g.close()
 
 
 @BACKENDS
