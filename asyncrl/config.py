@@ -175,7 +175,11 @@ class LearnerConfig(_Section):
     max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="Dynamic batch size: token budget per micro-batch.")
     sequence_packing: bool = Field(False, description="Pack each micro-batch's sequences into one row (block-diagonal causal mask) instead of padding.")
     ppo_epochs: int = Field(1, gt=0)
-    logprob_chunk_size: int = Field(1024, gt=0, description="Tokens per chunk when computing log-probs, to bound memory.")
+    logprob_chunk_size: int = Field(1024, gt=0, description="Tokens per chunk when computing log-probs (the LM head runs inside the chunk), to bound memory.")
+    attention: Literal["auto", "sdpa", "local", "te"] = Field(
+        "auto", description="Learner layer spec: sdpa = fused attention (torch scaled_dot_product_attention) + fused RMSNorm / "
+        "SwiGLU on Megatron's parallel linears, with context and sequence parallelism, on CPU and GPU; local = Megatron's "
+        "unfused local spec (S x S attention scores); te = Transformer Engine; auto = te where it imports on a GPU, else sdpa.")
     num_cpus_per_rank: float = Field(0.5, ge=0)
     num_gpus_per_rank: float = Field(0.0, ge=0)
     seed: int = 1234
@@ -202,6 +206,21 @@ class LearnerConfig(_Section):
         if self.world_size % model_parallel:
             raise ValueError(
                 f"world_size={self.world_size} is not divisible by TP*PP*CP={model_parallel}"
+            )
+        if s.get("sequence_parallel") and s.get("tensor_model_parallel_size", 1) < 2:
+            raise ValueError(
+                "strategy_config.sequence_parallel=True needs tensor_model_parallel_size > 1 "
+                f"(got {s.get('tensor_model_parallel_size', 1)})"
+            )
+        if s.get("context_parallel_size", 1) > 1 and self.attention == "local":
+            raise ValueError(
+                f"strategy_config.context_parallel_size={s['context_parallel_size']} needs learner.attention "
+                "'sdpa' (or 'te'); Megatron's local attention has no context parallelism"
+            )
+        if s.get("sequence_parallel") and self.attention == "local":
+            raise ValueError(
+                "strategy_config.sequence_parallel=True needs learner.attention 'sdpa' (or 'te'); "
+                "Megatron's local spec has no sequence-parallel norm"
             )
         return self
 

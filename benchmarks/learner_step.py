@@ -14,6 +14,10 @@ Sections (each one runs even when an earlier one failed; the error is recorded i
           (`learner.actor` offload flags): idle device memory, each move's before/after, update
           time, and the log-prob difference after the same two updates (numerics unchanged).
   group   the same through `LearnerGroup` (one Ray rank actor per TP rank), as the trainer calls it.
+  hf      the baseline a user would write: `transformers` (sdpa attention) in --dtype, forward with
+          `labels=` (its own full-vocab cross-entropy) + backward over the same micro-batches, then
+          fused AdamW on float32 master copies of the weights (grads copied up, weights copied back
+          down): seconds per step, tokens/s, MFU and peak memory on the same batch as `role`.
 
 With --tp N > 1 (tensor parallel over N GPUs, NCCL): parity, bare and role run in N processes
 started here with `torch.multiprocessing` (rank r on GPU r, one process group of N ranks, Megatron
@@ -201,7 +205,7 @@ def build(hf: Any, dtype: str) -> list:
     from asyncrl.learner.convert import load_hf_weights
     from asyncrl.learner.model import build_model_chunks
 
-    chunks = build_model_chunks(hf, strategy(), dtype)
+    chunks = build_model_chunks(hf, strategy(), dtype, attention=ARGS.attention)
     load_hf_weights(chunks, ARGS.model, hf)
     return chunks
 
@@ -322,11 +326,48 @@ def timed(fn) -> list[float]:
     return times
 
 
+def hf_baseline(hf_cfg: Any) -> dict[str, Any]:
+    """Plain transformers + fused AdamW on fp32 master weights: what our learner is compared with."""
+    from transformers import AutoModelForCausalLM
+
+    dev = device()
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[ARGS.dtype]
+    model = AutoModelForCausalLM.from_pretrained(ARGS.model, dtype=dtype, attn_implementation="sdpa").to(dev)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    master = [p.detach().float().clone().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(master, lr=1e-6, fused=dev.type == "cuda")
+    samples = make_samples(ARGS.batch, ARGS.seq_len, ARGS.prompt_len, ARGS.group_size, hf_cfg.vocab_size)
+    ids = torch.tensor([s.prompt_ids + s.response_ids for s in samples], device=dev)
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+    def step() -> None:
+        for a in range(0, ids.shape[0], ARGS.micro_batch_size):
+            mb = ids[a : a + ARGS.micro_batch_size]
+            loss = model(input_ids=mb, labels=mb).loss / -(-ids.shape[0] // ARGS.micro_batch_size)
+            loss.backward()
+        for m, p in zip(master, params):
+            m.grad = p.grad.float()
+            p.grad = None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            torch._foreach_copy_(params, master)
+
+    times = timed(step)
+    out = {"dtype": ARGS.dtype, "micro_batch_size": ARGS.micro_batch_size, "params": n_params,
+           "attn_implementation": "sdpa", "optimizer": "torch.optim.AdamW(fused) on fp32 master copies",
+           **stats(times, ids.numel(), flop_params(hf_cfg, n_params), peak()), "peak_gib": _peak_gib()}
+    del model, master, opt
+    return out
+
+
 def _configs():
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig
 
     model = ModelConfig(path=ARGS.model, dtype=ARGS.dtype, max_model_len=ARGS.seq_len)
     learner = LearnerConfig(world_size=ARGS.tp, strategy_config=strategy(), micro_batch_size=ARGS.micro_batch_size, lr=1e-6,
+                            attention=ARGS.attention,
                             num_cpus_per_rank=ARGS.num_cpus_per_rank,
                             num_gpus_per_rank=1.0 if torch.cuda.is_available() else 0.0)
     algo = AlgorithmConfig(group_size=ARGS.group_size)
@@ -516,7 +557,8 @@ def main() -> None:
     global ARGS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="HF checkpoint dir (e.g. from make_random_qwen2.py)")
-    ap.add_argument("--sections", default="parity,bare,role,group", help="comma list of: parity, bare, role, offload, group")
+    ap.add_argument("--sections", default="parity,bare,role,group", help="comma list of: parity, hf, bare, role, offload, group")
+    ap.add_argument("--attention", default="auto", choices=["auto", "sdpa", "local", "te"], help="learner.attention of bare / role / group")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="training dtype (parity is always float32)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
@@ -541,6 +583,8 @@ def main() -> None:
     RESULTS["args"] = vars(ARGS)
     _save(ARGS.out)
     in_process = [s for s in ("parity", "bare", "role", "offload") if s in wanted]
+    if "hf" in wanted and ARGS.tp == 1:
+        section("hf", ARGS.out)(hf_baseline)(__import__("transformers").AutoConfig.from_pretrained(ARGS.model))
     if in_process and ARGS.tp == 1:
         hf = init_single_rank()
         run_in_process(hf, wanted)
@@ -552,6 +596,10 @@ def main() -> None:
         if "seconds_per_step" in RESULTS.get("bare", {}) and "update_actor" in RESULTS.get(name, {}):
             RESULTS[name]["update_over_bare_fwd_bwd"] = round(
                 RESULTS[name]["update_actor"]["seconds_per_step"] / RESULTS["bare"]["seconds_per_step"], 3)
+        if "tokens_per_s" in RESULTS.get("hf", {}) and "update_actor" in RESULTS.get(name, {}):
+            RESULTS[name]["update_tokens_per_s_over_hf"] = round(
+                RESULTS[name]["update_actor"]["tokens_per_s"] / RESULTS["hf"]["tokens_per_s"], 3)
+            RESULTS[name]["peak_gib_over_hf"] = round(RESULTS[name]["peak_gib"] / max(RESULTS["hf"]["peak_gib"], 1e-9), 3)
     _save(ARGS.out)
     print(json.dumps(RESULTS, default=str))
 

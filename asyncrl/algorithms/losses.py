@@ -14,7 +14,7 @@ Metrics are python floats computed under `torch.no_grad()`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -115,22 +115,30 @@ def _policy_metrics(
 ) -> dict[str, float]:
     n_valid = mask.sum().clamp(min=1)
     return {
-        "actor/clip_frac": masked_mean(clip_active.to(ratio.dtype), loss_mask).item(),
+        "actor/clip_frac": masked_mean(clip_active.to(ratio.dtype), loss_mask),
         # k2 of the (clamped) proximal log-ratio: symmetric, so no choice of sampling direction.
-        "actor/approx_kl": masked_mean(0.5 * log_ratio.square(), loss_mask).item(),
-        "actor/ratio_mean": masked_mean(ratio, loss_mask).item(),
-        "actor/behavior_cap_frac": (capped.sum() / n_valid).item(),
-        "actor/behavior_capped_tokens": float(capped.sum().item()),
-        "actor/behavior_weight_mean": masked_mean(weights, mask).item(),
+        "actor/approx_kl": masked_mean(0.5 * log_ratio.square(), loss_mask),
+        "actor/ratio_mean": masked_mean(ratio, loss_mask),
+        "actor/behavior_cap_frac": capped.sum() / n_valid,
+        "actor/behavior_capped_tokens": capped.sum().to(ratio.dtype),
+        "actor/behavior_weight_mean": masked_mean(weights, mask),
     }
+
+
+def _finish(metrics: dict[str, Tensor], lazy: bool) -> dict[str, Any]:
+    """0-d tensors as they are (`lazy_metrics`: read once per step by the caller, no device
+    synchronisation per call), else Python floats."""
+    if lazy:
+        return {k: v.detach() if isinstance(v, Tensor) else v for k, v in metrics.items()}
+    return {k: float(v.item()) if isinstance(v, Tensor) else float(v) for k, v in metrics.items()}
 
 
 def ppo_policy_loss(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
     clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
     behavior_logprobs: Tensor | None = None, behavior_weight_cap: float | None = None,
-    agg: AggMode = "token-mean",
-) -> tuple[Tensor, dict[str, float]]:
+    agg: AggMode = "token-mean", lazy_metrics: bool = False,
+) -> tuple[Tensor, dict[str, Any]]:
     """Clipped PPO surrogate, optionally dual-clipped and decoupled (all inputs [B, T]).
 
     r_t = exp(clamp(logprobs_t - old_t, -20, 20))
@@ -165,16 +173,16 @@ def ppo_policy_loss(
             mask=mask, loss_mask=loss_mask, capped=capped, weights=weights, ratio=ratio,
             log_ratio=log_ratio, clip_active=clip_active,
         )
-        metrics["actor/dual_clip_frac"] = masked_mean(dual_active.to(ratio.dtype), loss_mask).item()
-    return loss, metrics
+        metrics["actor/dual_clip_frac"] = masked_mean(dual_active.to(ratio.dtype), loss_mask)
+    return loss, _finish(metrics, lazy_metrics)
 
 
 def gspo_policy_loss(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
     clip_low: float, clip_high: float,
     behavior_logprobs: Tensor | None = None, behavior_weight_cap: float | None = None,
-    agg: AggMode = "seq-mean-token-mean",
-) -> tuple[Tensor, dict[str, float]]:
+    agg: AggMode = "seq-mean-token-mean", lazy_metrics: bool = False,
+) -> tuple[Tensor, dict[str, Any]]:
     """GSPO: PPO clipping on the sequence-level ratio, in its per-token (GSPO-token) form.
 
     log s_i  = clamp(sum_t m (logprobs - old) / sum_t m, -20, 20)  (s_i = geometric mean of ratios)
@@ -202,13 +210,13 @@ def gspo_policy_loss(
             mask=mask, loss_mask=loss_mask, capped=capped, weights=weights, ratio=ratio,
             log_ratio=token_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), clip_active=clip_active,
         )
-    return loss, metrics
+    return loss, _finish(metrics, lazy_metrics)
 
 
 def value_loss(
     values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
-    clip: float = 0.2, agg: AggMode = "token-mean",
-) -> tuple[Tensor, dict[str, float]]:
+    clip: float = 0.2, agg: AggMode = "token-mean", lazy_metrics: bool = False,
+) -> tuple[Tensor, dict[str, Any]]:
     """Clipped value loss: l_t = 0.5 * max((v_t - R_t)^2, (clamp(v_t, old_t - clip, old_t + clip) - R_t)^2).
 
     loss = aggregate(l, mask, agg). Metrics: critic/vf_clip_frac (valid tokens where the clipped
@@ -223,10 +231,10 @@ def value_loss(
     loss = aggregate(0.5 * torch.maximum(unclipped, clipped), m, agg)
     with torch.no_grad():
         metrics = {
-            "critic/vf_clip_frac": masked_mean((clipped > unclipped).to(v.dtype), m).item(),
-            "critic/value_mean": masked_mean(v, m).item(),
+            "critic/vf_clip_frac": masked_mean((clipped > unclipped).to(v.dtype), m),
+            "critic/value_mean": masked_mean(v, m),
         }
-    return loss, metrics
+    return loss, _finish(metrics, lazy_metrics)
 
 
 @torch.no_grad()
@@ -245,8 +253,8 @@ def kl_penalty_rewards(
 
 def kl_loss_term(
     logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, *,
-    coef: float, kind: KLKind = "k3", agg: AggMode = "token-mean",
-) -> tuple[Tensor, dict[str, float]]:
+    coef: float, kind: KLKind = "k3", agg: AggMode = "token-mean", lazy_metrics: bool = False,
+) -> tuple[Tensor, dict[str, Any]]:
     """KL as a loss term: coef * aggregate(kl_divergence(logprobs, sg(ref_logprobs), kind), mask, agg).
 
     Metrics: actor/kl_loss, the aggregated KL *before* multiplying by coef (so it stays
@@ -255,4 +263,4 @@ def kl_loss_term(
     m = as_bool_mask(mask)
     kl = kl_divergence(torch.where(m, logprobs, 0), torch.where(m, ref_logprobs.detach(), 0), kind)
     kl_agg = aggregate(kl, m, agg)
-    return coef * kl_agg, {"actor/kl_loss": kl_agg.item(), "actor/kl_coef": float(coef)}
+    return coef * kl_agg, _finish({"actor/kl_loss": kl_agg.detach(), "actor/kl_coef": float(coef)}, lazy_metrics)

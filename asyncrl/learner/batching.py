@@ -17,11 +17,17 @@ layout `asyncrl.trainer.step` uses. L is the longest response of the whole batch
 micro-batch), so "seq-mean-token-sum-norm" sees one constant width. A sample needs P >= 1.
 
 Packing: with `pack=True` a micro-batch is one row holding its sequences back to back, with
-position ids restarting at 0 per sequence and a block-diagonal causal attention mask
-([1, 1, T, T], True = masked, Megatron's convention). This works with Megatron's local
-(non-TE) attention on CPU. RoPE in Megatron's GPTModel is computed from the column, not from
-`position_ids`; since RoPE scores depend only on q/k distance and the mask never crosses a
+position ids restarting at 0 per sequence. The fused attention (`asyncrl.learner.attention`)
+reads the document boundaries from the placements and attends within each document, with no
+mask tensor; Megatron's unfused local attention (`learner.attention: local`) needs a
+block-diagonal causal mask instead ([1, 1, T, T], True = masked, Megatron's convention), built
+only when `dense_mask=True`. RoPE in Megatron's GPTModel is computed from the column, not from
+`position_ids`; since RoPE scores depend only on q/k distance and attention never crosses a
 sequence boundary, packed results equal unpacked ones up to float rounding.
+
+Width: `width_multiple` pads every row on the right to a multiple (context parallelism splits a
+row into 2 x CP equal chunks, sequence parallelism into TP equal parts). Pad columns come after
+every real token of their row, so causal attention never lets a real token see them.
 
 Must never: touch a model, a process group or Ray; reorder samples inside a DP shard (results
 are scattered back by index, but order is kept so runs are reproducible).
@@ -68,6 +74,11 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         return sum(p.length for p in self.placements)
+
+    @property
+    def packed(self) -> bool:
+        """One row holding several sequences (its attention must stay inside each of them)."""
+        return self.input_ids.shape[0] == 1 and len(self.placements) > 1
 
     @property
     def last_token_index(self) -> torch.Tensor:
@@ -120,7 +131,7 @@ def _block_causal_mask(placements: Sequence[Placement], rows: int, width: int) -
 
 def build_micro_batch(
     samples: Sequence[Sample], indices: Sequence[int], *, response_width: int, pack: bool = False,
-    pad_id: int = 0,
+    pad_id: int = 0, width_multiple: int = 1, dense_mask: bool = True,
 ) -> MicroBatch:
     """Lay out `samples[indices]` (one row each, or one packed row) with their gather maps."""
     chosen = [samples[i] for i in indices]
@@ -134,6 +145,9 @@ def build_micro_batch(
     else:
         placements = [Placement(r, 0, len(s.prompt_ids), len(s.response_ids)) for r, s in enumerate(chosen)]
         rows, width = len(chosen), max(p.length for p in placements)
+    if width_multiple < 1:
+        raise ValueError(f"width_multiple={width_multiple} must be >= 1")
+    width = -(-width // width_multiple) * width_multiple
     input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((rows, width), dtype=torch.long)
     n = len(chosen)
@@ -152,7 +166,7 @@ def build_micro_batch(
         gather[i, : p.response_len] = torch.arange(first, first + p.response_len)
         mask[i, : p.response_len] = True
         labels[i, : p.response_len] = ids[p.prompt_len :]
-    attention = _block_causal_mask(placements, rows, width) if pack and n > 1 else None
+    attention = _block_causal_mask(placements, rows, width) if pack and n > 1 and dense_mask else None
     return MicroBatch(
         sample_index=list(indices), input_ids=input_ids, position_ids=position_ids,
         attention_mask=attention, placements=placements, gather_index=gather,
@@ -162,7 +176,8 @@ def build_micro_batch(
 
 def make_micro_batches(
     samples: Sequence[Sample], *, micro_batch_size: int, max_tokens: int | None = None,
-    pack: bool = False, response_width: int | None = None, pad_id: int = 0,
+    pack: bool = False, response_width: int | None = None, pad_id: int = 0, width_multiple: int = 1,
+    dense_mask: bool = True,
 ) -> list[MicroBatch]:
     """Cut a shard into micro-batches (see `plan_micro_batches`), each laid out by `build_micro_batch`."""
     if not samples:
@@ -170,7 +185,11 @@ def make_micro_batches(
     width = response_width if response_width is not None else max(len(s.response_ids) for s in samples)
     width = max(width, 1)
     plan = plan_micro_batches(sequence_lengths(samples), micro_batch_size, max_tokens)
-    return [build_micro_batch(samples, g, response_width=width, pack=pack, pad_id=pad_id) for g in plan]
+    return [
+        build_micro_batch(samples, g, response_width=width, pack=pack, pad_id=pad_id,
+                          width_multiple=width_multiple, dense_mask=dense_mask)
+        for g in plan
+    ]
 
 
 def response_tensor(

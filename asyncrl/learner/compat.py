@@ -39,9 +39,11 @@ CPU RNG note: the "CUDA" generator *is* the CPU default generator here, so Megat
 forks switch the CPU generator's state for the region and restore it after, which is the
 same contract Megatron relies on for the CUDA generator.
 
-Known limits (checked by `asyncrl.learner.parallel`): sequence parallel needs Transformer Engine
-norms, so it is refused on CPU; Megatron's grad clipping asserts CUDA tensors, so build the
-optimizer with `clip_grad=0` and call `clip_grad_norm_` below.
+Known limits: Megatron's grad clipping asserts CUDA tensors, so build the optimizer with
+`clip_grad=0` and call `clip_grad_norm_` below. Sequence and context parallelism run on CPU with
+the learner's own spec (`asyncrl.learner.layer_spec`, `learner.attention: sdpa`), not with
+Megatron's local spec. torch.compile (inductor) does not run under this layer, so fusions that
+Megatron compiles stay off on CPU.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Megatron `GPTModel` from a Hugging Face config (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE).
 
 Owns: the mapping HF config -> `TransformerConfig` (attention layout, norms, RoPE, SwiGLU,
-MoE routing), the layer spec choice (Megatron-local modules on CPU, Transformer Engine on GPU
-when it imports), vocab padding, and building the model chunk(s) of this rank.
+MoE routing), the layer spec choice (`learner.attention`: `sdpa`, the fused spec of
+`layer_spec.py`, on CPU and GPU; `local`, Megatron's unfused local spec; `te`, Transformer
+Engine; `auto` = TE where it imports on GPU, else `sdpa`), vocab padding, and building the model
+chunk(s) of this rank.
 
 Must never: read weights (see `convert.py`), touch torch.distributed beyond what Megatron's
 constructors do, or silently accept an architecture feature it does not reproduce (those raise
@@ -145,7 +147,8 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def transformer_config_from_hf(
-    hf_config: Any, strategy_config: dict[str, Any], dtype: torch.dtype | str = torch.float32
+    hf_config: Any, strategy_config: dict[str, Any], dtype: torch.dtype | str = torch.float32,
+    attention: str = "local", trainable: bool = False,
 ):
     """The `TransformerConfig` reproducing `hf_config`; Megatron keys in `strategy_config` override."""
     from megatron.core.transformer import TransformerConfig
@@ -183,6 +186,16 @@ def transformer_config_from_hf(
         gradient_accumulation_fusion=False,
         use_cpu_initialization=on_cpu,
     )
+    if attention == "sdpa" and not on_cpu:
+        # Megatron's SwiGLU autograd function (no bias): one compiled kernel, and it keeps only its
+        # input for backward, not the gate's activation. Megatron compiles it with torch.compile,
+        # whose CPU backend the CPU compat layer cannot host, so CPU keeps the plain ops.
+        kwargs["bias_activation_fusion"] = True
+        if trainable and dtype != torch.float32:
+            from asyncrl.learner.gpu_fusions import install_wgrad_fusion
+
+            # Weight grads accumulate straight into DDP's float32 main_grad (see gpu_fusions.py).
+            kwargs["gradient_accumulation_fusion"] = install_wgrad_fusion()
     if arch.num_experts:
         kwargs.update(
             num_moe_experts=arch.num_experts,
@@ -229,6 +242,15 @@ def use_transformer_engine(strategy_config: dict[str, Any]) -> bool:
     return True
 
 
+def resolve_attention(attention: str, strategy_config: dict[str, Any]) -> str:
+    """`auto` -> `te` where Transformer Engine imports on GPU, else `sdpa`; others as given."""
+    if attention == "auto":
+        return "te" if use_transformer_engine(strategy_config) else "sdpa"
+    if attention == "te" and not use_transformer_engine({}):
+        raise UnsupportedModelError("learner.attention='te' needs a GPU with transformer_engine importable")
+    return attention
+
+
 def build_gpt_model(
     hf_config: Any,
     strategy_config: dict[str, Any],
@@ -237,19 +259,19 @@ def build_gpt_model(
     post_process: bool,
     vp_stage: int | None = None,
     dtype: torch.dtype | str = torch.float32,
+    attention: str = "auto",
+    trainable: bool = False,
 ):
-    """Build this rank's `GPTModel` chunk (parallel_state must be initialised)."""
+    """Build this rank's `GPTModel` chunk (parallel_state must be initialised). `trainable`: it will
+    be wrapped in Megatron DDP (whose float32 main_grad buffers the fused wgrad writes into)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from asyncrl.learner.layer_spec import decoder_block_spec
 
     arch = model_arch(hf_config)
-    config = transformer_config_from_hf(hf_config, strategy_config, dtype)
-    te = use_transformer_engine(strategy_config)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage)
-    if not te:
-        # The local final norm must be RMSNorm (the spec module may pick apex FusedLayerNorm).
-        spec.layer_norm = WrappedTorchNorm
+    attention = resolve_attention(attention, strategy_config)
+    config = transformer_config_from_hf(hf_config, strategy_config, dtype, attention, trainable)
+    spec = decoder_block_spec(config, attention, vp_stage)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -270,7 +292,8 @@ def build_gpt_model(
 
 
 def build_model_chunks(
-    hf_config: Any, strategy_config: dict[str, Any], dtype: torch.dtype | str = torch.float32
+    hf_config: Any, strategy_config: dict[str, Any], dtype: torch.dtype | str = torch.float32,
+    attention: str = "auto", trainable: bool = False,
 ) -> list:
     """All model chunks of this rank: one per virtual pipeline stage (one without VPP)."""
     from megatron.core import parallel_state as ps
@@ -287,6 +310,8 @@ def build_model_chunks(
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                 vp_stage=vp_stage,
                 dtype=dtype,
+                attention=attention,
+                trainable=trainable,
             )
         )
     return chunks

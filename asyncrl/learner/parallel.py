@@ -92,15 +92,8 @@ def validate_layout(layout: ParallelLayout, hf_config: Any = None, *, cuda: bool
                 f"virtual_pipeline_model_parallel_size={layout.vpp} needs pipeline_model_parallel_size > 1, "
                 f"got {layout.pp}"
             )
-    if layout.sequence_parallel:
-        if layout.tp < 2:
-            raise ConfigError(f"sequence_parallel=True needs tensor_model_parallel_size > 1, got {layout.tp}")
-        if not cuda:
-            raise ConfigError("sequence_parallel=True needs Transformer Engine norms (GPU); set it False on CPU")
-    if layout.cp > 1 and not cuda:
-        raise ConfigError(
-            f"context_parallel_size={layout.cp} needs Transformer Engine attention (GPU); use 1 on CPU"
-        )
+    if layout.sequence_parallel and layout.tp < 2:
+        raise ConfigError(f"sequence_parallel=True needs tensor_model_parallel_size > 1, got {layout.tp}")
     if (layout.vpp or 1) > 1:
         # Measured on CPU (PP=2 x VPP=2 over gloo): batched p2p crosses the activation and gradient
         # messages of the one neighbour rank (wrong grads, or a shape error in backward), and

@@ -1,8 +1,9 @@
-"""The group's Megatron-compute dispatch over real layouts: TP=2, DP=2, PP=2 and PP=2 x VPP=2 against TP=1.
+"""The group's Megatron-compute dispatch over real layouts against TP=1: TP=2, DP=2, PP=2, PP=2 x VPP=2,
+TP=2 with sequence parallelism, CP=2, TP=2 x CP=2, and packed sequences (TP=1 and CP=2).
 
-Six actor groups (1 + 2 + 2 + 2 + 2 + 2 Ray rank actors; Megatron over gloo on CPU, over NCCL with a
-GPU per rank on a GPU host) get the same batch: their log-probs, their first update's loss and grad
-norm, and the log-probs after that update must agree. The groups run one after another (two GPUs
+Eleven actor groups (Ray rank actors; Megatron over gloo on CPU, over NCCL with a GPU per rank on a GPU
+host) get the same batch: their log-probs (which must also match `transformers`), their first
+update's loss and grad norm, and the log-probs after that update must agree. The groups run one after another (two GPUs
 hold one two-rank group at a time); each reports what it computed, then its export, then stops.
 The interleaved (VPP) schedule runs twice: with 3 micro-batches of unequal shapes (a contiguous
 group of 3, since 3 % 2 would leave a group smaller than PP) and with 1 micro-batch (padded to PP
@@ -21,7 +22,9 @@ from tests.learner._device import assert_placement, num_gpus_per_rank, placement
 pytestmark = pytest.mark.slow
 
 VPP2 = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}
-# name: (world size, strategy_config, micro_batch_size); 8 samples
+TP2_SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+CP2 = {"context_parallel_size": 2}
+# name: (world size, strategy_config, micro_batch_size[, other LearnerConfig fields]); 8 samples
 LAYOUTS = {
     "tp1": (1, {}, 3),
     "tp2": (2, {"tensor_model_parallel_size": 2}, 3),
@@ -29,6 +32,12 @@ LAYOUTS = {
     "pp2": (2, {"pipeline_model_parallel_size": 2}, 3),
     "vpp2": (2, VPP2, 3),
     "vpp2_one_mb": (2, VPP2, 8),
+    "tp2_sp": (2, TP2_SP, 3),
+    "cp2": (2, CP2, 3),
+    "tp2_cp2": (4, {"tensor_model_parallel_size": 2, "context_parallel_size": 2}, 3),
+    # packed rows: 3 sequences of one micro-batch back to back; attention must stay in each one
+    "tp1_packed": (1, {}, 3, {"sequence_packing": True}),
+    "cp2_packed": (2, CP2, 3, {"sequence_packing": True}),
 }
 OTHERS = [name for name in LAYOUTS if name != "tp1"]
 
@@ -52,10 +61,10 @@ def runs(ray_session, demo_model_path) -> dict[str, dict]:
     adv = advantages(samples)
     adv[0] = [0.3 * (j + 1) for j in range(len(adv[0]))]  # not a plain sign pattern
     out: dict[str, dict] = {}
-    for name, (ws, strategy, mbs) in LAYOUTS.items():
+    for name, (ws, strategy, mbs, *extra) in LAYOUTS.items():
         group = LearnerGroup("actor", model, LearnerConfig(
             world_size=ws, strategy_config=strategy, lr=1e-4, micro_batch_size=mbs, num_cpus_per_rank=0.5,
-            num_gpus_per_rank=num_gpus_per_rank(ws),
+            num_gpus_per_rank=num_gpus_per_rank(ws), **(extra[0] if extra else {}),
         ), algo)
         run(group.start())
         try:
@@ -74,6 +83,20 @@ def test_every_rank_ran_on_the_expected_backend(runs):
     for name, r in runs.items():
         assert len(r["placement"]) == LAYOUTS[name][0], name
         assert_placement(r["placement"])
+
+
+def test_every_layout_matches_transformers(runs, demo_model_path):
+    """fp32: the fused attention (sdpa spec), SP's sequence-sharded norms, CP's zig-zag chunks with
+    gathered K/V, and packed rows all give transformers' log-probs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.learner._data import hf_logprobs
+
+    hf = AutoModelForCausalLM.from_pretrained(str(demo_model_path), dtype=torch.float32).eval()
+    ref = hf_logprobs(hf, make_samples())
+    for name, r in runs.items():
+        assert max_diff(r["lp"], ref) < 1e-4, name
 
 
 def test_logprobs_and_one_update_agree_across_layouts(runs):
@@ -114,7 +137,7 @@ def critic_runs(ray_session, demo_model_path) -> dict[str, dict]:
     samples = make_samples()
     returns = [[0.5 if s.reward > 0 else -0.5] * len(s.response_ids) for s in samples]
     out: dict[str, dict] = {}
-    for name in ("tp1", "pp2", "vpp2"):
+    for name in ("tp1", "pp2", "vpp2", "tp2_sp", "cp2"):
         ws, strategy, mbs = LAYOUTS[name]
         group = LearnerGroup("critic", model, LearnerConfig(
             world_size=ws, strategy_config=strategy, lr=1e-3, micro_batch_size=mbs, num_cpus_per_rank=0.5,
@@ -135,7 +158,7 @@ def test_a_pipelined_critic_computes_and_updates_like_tp1(critic_runs):
     stage: a first stage still tied waited forever in the embedding-grad all-reduce (the update hung)."""
     base = critic_runs["tp1"]
     assert max_diff(base["after"], base["values"]) > 1e-3
-    for name in ("pp2", "vpp2"):
+    for name in ("pp2", "vpp2", "tp2_sp", "cp2"):
         r = critic_runs[name]
         assert max_diff(r["values"], base["values"]) < 1e-4, name
         assert r["metrics"]["critic/vf_loss"] == pytest.approx(base["metrics"]["critic/vf_loss"], rel=1e-4), name

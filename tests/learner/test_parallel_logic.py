@@ -127,8 +127,6 @@ def test_rank_coords_cover_the_grid_once(tp, pp, dp):
         (ParallelLayout(world_size=2, pp=2, vpp=2, overlap_p2p_comm=False), {}, "overlap_p2p_comm=False with virtual"),
         (ParallelLayout(world_size=2, ep=2), {}, "expert_model_parallel_size=2 but model_type='qwen2' has no experts"),
         (ParallelLayout(world_size=2, sequence_parallel=True), {}, "sequence_parallel=True needs tensor_model_parallel_size > 1"),
-        (ParallelLayout(world_size=2, tp=2, sequence_parallel=True), {}, "Transformer Engine norms"),
-        (ParallelLayout(world_size=2, cp=2), {}, "context_parallel_size=2 needs Transformer Engine"),
     ],
 )
 def test_bad_layouts_name_the_value(layout, hf_kw, match):

@@ -21,7 +21,7 @@ from asyncrl.algorithms import gspo_policy_loss, kl_loss_term, ppo_policy_loss
 from asyncrl.learner.batching import MicroBatch, response_tensor, unpad_response
 from asyncrl.learner.offload import Offloader
 from asyncrl.learner.roles.accumulate import behavior_loss_mask, denominator, dp_mean, dp_size, dp_sum
-from asyncrl.learner.roles.base import ModelRunner, RoleContext
+from asyncrl.learner.roles.base import ModelRunner, RoleContext, _to_device
 from asyncrl.learner.roles.optim import GuardedOptimizer
 from asyncrl.types import Sample
 
@@ -39,8 +39,8 @@ def compute_token_logprobs(
     width = _width(samples)
     mbs = runner.micro_batches(samples, width)
 
-    def loss_fn(mb: MicroBatch, logits: torch.Tensor):
-        lp, ent = runner.token_logprobs(logits, mb, with_entropy=with_entropy)
+    def loss_fn(mb: MicroBatch, hidden: torch.Tensor):
+        lp, ent = runner.token_logprobs(hidden, mb, with_entropy=with_entropy)
         return lp.sum() * 0.0, {"mb": mb, "logprobs": lp, "entropy": ent}
 
     with torch.no_grad():
@@ -96,25 +96,29 @@ class ActorRole:
         kl_d = dp_sum([sum(denominator(mb.response_mask, algo.loss_agg) for mb in mbs)])[0]
         scale_back = len(mbs) * dp_size()
         by_mb = {id(mb): x for mb, x in zip(mbs, inputs)}
+        dev = self.runner.device()
 
-        def loss_fn(mb: MicroBatch, logits: torch.Tensor):
-            x = by_mb[id(mb)]
-            lp, ent = self.runner.token_logprobs(logits, mb, with_entropy=True)
-            kw = dict(behavior_logprobs=x["behavior"], behavior_weight_cap=algo.behavior_weight_cap, agg=algo.loss_agg)
+        def loss_fn(mb: MicroBatch, hidden: torch.Tensor):
+            # Everything here stays on the device: metrics are 0-d tensors, read once per step.
+            x = _on_device(by_mb[id(mb)], dev)
+            mask = x["mask"]
+            lp, ent = self.runner.token_logprobs(hidden, mb, with_entropy=True)
+            kw = dict(behavior_logprobs=x["behavior"], behavior_weight_cap=algo.behavior_weight_cap, agg=algo.loss_agg, lazy_metrics=True)
             if algo.policy_loss == "gspo":
-                pg, metrics = gspo_policy_loss(lp, x["old"], x["adv"], mb.response_mask, clip_low=algo.clip_low, clip_high=algo.clip_high, **kw)
+                pg, metrics = gspo_policy_loss(lp, x["old"], x["adv"], mask, clip_low=algo.clip_low, clip_high=algo.clip_high, **kw)
             else:
-                pg, metrics = ppo_policy_loss(lp, x["old"], x["adv"], mb.response_mask, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, **kw)
+                pg, metrics = ppo_policy_loss(lp, x["old"], x["adv"], mask, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, **kw)
             share = pg * (x["pg_denom"] / max(pg_d, 1.0))
-            metrics["actor/pg_loss"] = share.item()
+            metrics["actor/pg_loss"] = share.detach()
             loss = share
             if x["ref"] is not None:
-                kl, kl_metrics = kl_loss_term(lp, x["ref"], mb.response_mask, coef=algo.kl_coef, kind=algo.kl_kind, agg=algo.loss_agg)
+                kl, kl_metrics = kl_loss_term(lp, x["ref"], mask, coef=algo.kl_coef, kind=algo.kl_kind, agg=algo.loss_agg, lazy_metrics=True)
                 kl_share = kl * (denominator(mb.response_mask, algo.loss_agg) / max(kl_d, 1.0))
-                metrics["actor/kl_loss_share"] = kl_share.item()
+                metrics.update(kl_metrics)
+                metrics["actor/kl_loss_share"] = kl_share.detach()
                 loss = loss + kl_share
-            metrics["actor/entropy"] = ent[mb.response_mask].mean().item() if mb.response_mask.any() else 0.0
-            metrics["actor/loss"] = loss.item()
+            metrics["actor/entropy"] = (ent * mask).sum() / mask.sum().clamp(min=1)
+            metrics["actor/loss"] = loss.detach()
             return loss * scale_back, metrics
 
         out: dict[str, float] = {}
@@ -149,6 +153,7 @@ class ActorRole:
         beh = response_tensor(behavior, idx, width) if behavior is not None else None
         loss_mask = behavior_loss_mask(mb.response_mask, old, beh, algo.behavior_weight_cap)
         return {
+            "mask": mb.response_mask,
             "adv": response_tensor(advantages, idx, width),
             "old": old,
             "behavior": beh,
@@ -172,14 +177,31 @@ class ActorRole:
         }
 
 
+def _on_device(x: dict[str, Any], dev: torch.device) -> dict[str, Any]:
+    """A micro-batch's per-token inputs on the model's device (moved once, reused by every epoch)."""
+    if x.get("_device") != dev:
+        for k, v in list(x.items()):
+            if isinstance(v, torch.Tensor):
+                x[k] = _to_device(v, dev)
+        x["_device"] = dev
+    return x
+
+
 def _reduce_micro_metrics(outs: list[dict[str, Any]]) -> dict[str, float]:
-    """Loss shares are summed over micro-batches; every other metric is averaged."""
+    """Loss shares are summed over micro-batches; every other metric is averaged.
+
+    Metrics may be 0-d device tensors: they are stacked and read with one transfer."""
     if not outs:
         return {}
     summed = ("actor/pg_loss", "actor/kl_loss_share", "actor/loss", "critic/vf_loss", "critic/loss")
-    keys = sorted({k for o in outs for k in o})
+    keys = sorted({k for o in outs for k in o if k != "mb"})
+    pairs = [(k, o[k]) for k in keys for o in outs if k in o]
+    tensors = [v for _, v in pairs if isinstance(v, torch.Tensor)]
+    if tensors:
+        read = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist())
+        pairs = [(k, next(read) if isinstance(v, torch.Tensor) else float(v)) for k, v in pairs]
     res = {}
     for k in keys:
-        vals = [float(o[k]) for o in outs if k in o]
+        vals = [float(v) for kk, v in pairs if kk == k]
         res[k] = sum(vals) if k in summed else sum(vals) / len(vals)
     return res

@@ -3,9 +3,12 @@
 Owns: `RoleContext` (what a role is handed inside an initialised rank), `ModelRunner` (model
 chunks, the optional scalar head that turns the LM into a critic / reward model, Megatron DDP
 wrapping for trainable roles, and one forward(-backward) pass over micro-batches through
-`get_forward_backward_func`, so pipeline parallelism works unchanged) and the token math on
-vocab-parallel logits (log-probs via `vocab_parallel_cross_entropy`, entropy with TP
-all-reduces: the full-vocab logits are never gathered).
+`get_forward_backward_func`, so pipeline parallelism works unchanged), each rank's share of a
+row under context parallelism (zig-zag chunks; packed rows carry their document bounds to the
+attention), and the token math: log-probs and entropy from the final hidden states with the
+vocab-parallel LM head applied per token chunk (`lm_head.py`: no [tokens, V] logits are built),
+scalar-head values, and the sum over CP ranks of the tokens each one holds. Results stay on the
+device; nothing in a pass reads device values on the host.
 
 Must never: start processes or touch Ray, pick an algorithm (roles do), or hold optimizer state
 (see `optim.py`). Runs only after `init_distributed` + `init_model_parallel` on this rank.
@@ -21,13 +24,11 @@ from typing import Any
 import torch
 
 from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig
+from asyncrl.learner.attention import DocLayout, combine_over_cp, local_positions, split_for_cp
 from asyncrl.learner.batching import MicroBatch, make_micro_batches
+from asyncrl.learner.lm_head import defer_lm_head, head_input, linear_logprobs, lm_head_weight
 from asyncrl.learner.parallel import ParallelLayout
 from asyncrl.types import Sample
-
-# Padded-vocab logits are pushed this far down so they carry no probability; a finite value
-# (not -inf) keeps p * log p at 0 in the entropy instead of nan.
-_MASKED_LOGIT = -1e30
 
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
@@ -47,21 +48,23 @@ class RoleContext:
 class ScalarHead(torch.nn.Module):
     """Linear(hidden, 1) on the final hidden states, standing in for GPTModel's `output_layer`.
 
-    Replicated over TP (its input is already TP-reduced), so its grads agree on every TP rank.
-    Accepts and ignores `weight` / `runtime_gather_output`, which GPTModel passes to the output
-    layer it replaces.
+    Replicated over TP (its input is made the same full-sequence tensor on every TP rank first,
+    as the LM head's is), so its grads agree on every TP rank. Accepts and ignores `weight` /
+    `runtime_gather_output`, which GPTModel passes to the output layer it replaces.
     """
 
-    def __init__(self, hidden: int, dtype: torch.dtype, std: float, seed: int) -> None:
+    def __init__(self, hidden: int, dtype: torch.dtype, std: float, seed: int, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.sequence_parallel = False  # GPTModel reads it on its output layer
+        self._gather_sequence = sequence_parallel
         gen = torch.Generator().manual_seed(seed)  # same init on every rank, no RNG side effects
         # `weight` / `bias` directly on the module: GPTModel's sharded_state_dict (checkpoints)
         # looks its output layer up as `output_layer.weight`.
         self.weight = torch.nn.Parameter((torch.randn((1, hidden), generator=gen) * std).to(dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
 
-    def forward(self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):
+    def forward(self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None, **_: Any):
+        hidden_states = head_input(hidden_states, self._gather_sequence)
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
@@ -76,15 +79,28 @@ class ModelRunner:
         from megatron.core import parallel_state as ps
 
         from asyncrl.learner.convert import load_hf_weights
-        from asyncrl.learner.model import build_model_chunks
+        from asyncrl.learner.model import build_model_chunks, resolve_attention
 
         if head not in ("lm", "scalar"):
             raise ValueError(f"head={head!r} must be 'lm' or 'scalar'")
         self.ctx, self.head = ctx, head
         strategy = ctx.learner_cfg.strategy_config
         dtype = ctx.model_cfg.dtype
-        chunks = build_model_chunks(ctx.hf_config, strategy, dtype)
+        self.attention = resolve_attention(ctx.learner_cfg.attention, strategy)
+        chunks = build_model_chunks(ctx.hf_config, strategy, dtype, attention=self.attention, trainable=trainable)
         load_hf_weights(chunks, ctx.model_cfg.path, ctx.hf_config)
+        sp = bool(chunks[0].config.sequence_parallel)
+        for c in chunks:
+            if not c.post_process:
+                continue
+            if head == "scalar":
+                c.output_layer = ScalarHead(
+                    c.config.hidden_size, _dtype(dtype), c.config.init_method_std, ctx.learner_cfg.seed, sp
+                ).to(_device_of(c))
+            else:
+                # Log-probs come from the hidden states, the LM head applied per token chunk
+                # (lm_head.py): GPTModel never builds [tokens, V/TP] logits.
+                defer_lm_head(c.output_layer)
         if head == "scalar":
             for c in chunks:
                 # Untie on every chunk, not only the last stage's: a tied GPTModel passes the
@@ -92,15 +108,17 @@ class ModelRunner:
                 # the first stage would wait forever in the embedding-grad all-reduce for a last
                 # stage that no longer joins it (a PP=2 critic's update hung).
                 c.share_embeddings_and_output_weights = False
-                if c.post_process:
-                    c.output_layer = ScalarHead(
-                        c.config.hidden_size, _dtype(dtype), c.config.init_method_std, ctx.learner_cfg.seed
-                    ).to(_device_of(c))
         for c in chunks:
             # Micro-batch shapes vary (dynamic batch size, packing): let PP p2p send shapes first.
             c.config.variable_seq_lengths = True
         self.real_vocab = ctx.hf_config.vocab_size
         self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.cp_size = ps.get_context_parallel_world_size()
+        self.cp_rank = ps.get_context_parallel_rank()
+        self.cp_group = ps.get_context_parallel_group() if self.cp_size > 1 else None
+        tp = ps.get_tensor_model_parallel_world_size()
+        # Rows are padded so CP can cut them into 2 x CP chunks and SP each chunk into TP parts.
+        self.width_multiple = (2 * self.cp_size if self.cp_size > 1 else 1) * (tp if sp else 1)
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         # The interleaved schedule's contiguous micro-batch group (Megatron defaults it to PP).
@@ -125,15 +143,20 @@ class ModelRunner:
         cfg = self.ctx.learner_cfg
         return make_micro_batches(
             samples, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch,
-            pack=cfg.sequence_packing, response_width=response_width,
+            pack=cfg.sequence_packing, response_width=response_width, width_multiple=self.width_multiple,
+            dense_mask=self.attention != "sdpa",
         )
+
+    def device(self) -> torch.device:
+        return _device_of(self.chunks[0])
 
     def run(self, mbs: list[MicroBatch], loss_fn: LossFn, *, forward_only: bool) -> list[dict[str, Any]]:
         """One pass over `mbs`; returns `loss_fn`'s dicts (last PP stage only, [] elsewhere).
 
-        `loss_fn(mb, output)` gets the model output ([rows, T, V/TP] logits, or [rows, T, 1]
-        for a scalar head) and returns (scalar loss, result dict). Megatron divides each loss by
-        the number of micro-batches; callers that want another normalisation undo that.
+        `loss_fn(mb, output)` gets the model output on this rank's positions: [rows, T/CP, H]
+        final hidden states for the LM head (see `token_logprobs`), or [rows, T/CP, 1] for a
+        scalar head, and returns (scalar loss, result dict). Megatron divides each loss by the
+        number of micro-batches; callers that want another normalisation undo that.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -145,7 +168,7 @@ class ModelRunner:
             # The interleaved schedule needs at least PP micro-batches: empty ones make up the count
             # (their loss is 0 and their results are dropped), and real losses are scaled so that
             # Megatron's division by the padded count is still a division by `real`.
-            pads = [_empty_micro_batch(mbs[0]) for _ in range(self.pp - real)]
+            pads = [_empty_micro_batch(mbs[0], self.width_multiple) for _ in range(self.pp - real)]
             padding = {id(m) for m in pads}
             mbs = list(mbs) + pads
             from megatron.core.utils import get_model_config
@@ -157,11 +180,17 @@ class ModelRunner:
 
         def forward_step(data_iter, model):
             mb = next(data_iter)
-            # Batches are laid out on the host; only the model's inputs go to its device. Per-token
-            # results come back to the host (token_logprobs), where the roles' losses run.
+            # Batches are laid out on the host; only the model's inputs go to its device, and
+            # per-token results stay there (no host synchronisation inside the pass).
             dev = _device_of(model)
-            mask = mb.attention_mask.to(dev) if mb.attention_mask is not None else None
-            out = model(mb.input_ids.to(dev), mb.position_ids.to(dev), mask)
+            ids = _to_device(split_for_cp(mb.input_ids, self.cp_size, self.cp_rank), dev)
+            pos = _to_device(split_for_cp(mb.position_ids, self.cp_size, self.cp_rank), dev)
+            mask, packed = None, None
+            if mb.packed and self.attention == "sdpa":
+                packed = DocLayout.for_row([p.length for p in mb.placements], mb.input_ids.shape[1], self.cp_group)
+            elif mb.attention_mask is not None:
+                mask = mb.attention_mask.to(dev)
+            out = model(ids, pos, mask, packed_seq_params=packed)
             if id(mb) in padding:
                 return out, _padding_loss
             return out, partial(_loss_on_device, loss_fn, mb, dev, scale)
@@ -177,51 +206,67 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ token math
 
+    def held_tokens(self, mb: MicroBatch, flat_global: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For flattened global positions (`row * T + column`): (the flattened local position in
+        this rank's output of each one this CP rank holds, that entry's index in `flat_global`),
+        both on the model's device. Without CP every entry is held."""
+        width = mb.input_ids.shape[1]
+        if self.cp_size == 1:
+            return _to_device(flat_global, self.device()), _to_device(torch.arange(flat_global.numel()), self.device())
+        local = torch.full((width,), -1, dtype=torch.long)
+        held_cols = torch.tensor(local_positions(width, self.cp_size, self.cp_rank), dtype=torch.long)
+        local[held_cols] = torch.arange(held_cols.numel())
+        rows, cols = flat_global // width, flat_global % width
+        where = local[cols]
+        keep = (where >= 0).nonzero(as_tuple=True)[0]
+        src = rows[keep] * (width // self.cp_size) + where[keep]
+        return _to_device(src, self.device()), _to_device(keep, self.device())
+
     def token_logprobs(
-        self, logits: torch.Tensor, mb: MicroBatch, *, with_entropy: bool = False
+        self, hidden: torch.Tensor, mb: MicroBatch, *, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """([n, L] log-probs of the response tokens, [n, L] entropy or None) in the response layout.
+        """([n, L] log-probs of the response tokens, [n, L] entropy or None) in the response
+        layout, float32, on the model's device, the same on every TP and CP rank.
 
-        Only the rows that predict a response token are read from the logits, in chunks of
-        `logprob_chunk_size` tokens, so the float32 temporaries of the cross-entropy stay bounded
-        (with grad, each chunk's softmax is kept for backward as usual). Logits are divided by
-        the sampling temperature, the convention that makes them match the engine's sampler.
+        Only the hidden states that predict a response token are read; the LM head is applied
+        to them in chunks of `logprob_chunk_size` tokens inside `linear_logprobs` (no [tokens, V]
+        logits, in the forward or the backward). Logits are divided by the sampling temperature,
+        the convention that makes them match the engine's sampler.
         """
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-        vocab_local = logits.shape[-1]
-        flat = logits.reshape(-1, vocab_local)
-        dev = logits.device  # the vocab-wide math stays there; only [n, L] results go to the host
-        idx = mb.gather_index[mb.response_mask].to(dev)
-        labels = mb.labels[mb.response_mask].to(dev)
-        start = self.tp_rank * vocab_local
-        padded = (torch.arange(start, start + vocab_local, device=dev) >= self.real_vocab)
-        temperature = self.ctx.algorithm_cfg.temperature
-        chunk = self.ctx.learner_cfg.logprob_chunk_size
-        lps, ents = [], []
-        for a in range(0, idx.numel(), chunk):
-            x = flat.index_select(0, idx[a : a + chunk]).float() / temperature
-            x = x.masked_fill(padded, _MASKED_LOGIT)
-            if with_entropy:  # before the cross-entropy: it works in place on its input
-                ents.append(_vocab_parallel_entropy(x.detach()))
-            lps.append(-vocab_parallel_cross_entropy(x, labels[a : a + chunk]))
         n, width = mb.response_mask.shape
-        lp = torch.zeros(n, width, dtype=torch.float32)
-        if lps:
-            lp = lp.index_put((mb.response_mask.nonzero(as_tuple=True)), torch.cat(lps).to(lp.device))
+        flat_dest = mb.response_mask.reshape(-1).nonzero(as_tuple=True)[0]
+        src, which = self.held_tokens(mb, mb.gather_index[mb.response_mask])
+        dev = hidden.device
+        labels = _to_device(mb.labels[mb.response_mask], dev).index_select(0, which)
+        dest = _to_device(flat_dest, dev).index_select(0, which)
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, src)
+        lp_held, ent_held = linear_logprobs(
+            rows, lm_head_weight(self.chunks[-1]), labels, temperature=self.ctx.algorithm_cfg.temperature,
+            real_vocab=self.real_vocab, chunk=self.ctx.learner_cfg.logprob_chunk_size, with_entropy=with_entropy,
+        )
+        lp = torch.zeros(n * width, dtype=torch.float32, device=dev).index_put((dest,), lp_held)
+        lp = combine_over_cp(lp, self.cp_group).view(n, width)
         ent = None
         if with_entropy:
-            ent = torch.zeros(n, width, dtype=torch.float32)
-            if ents:
-                ent[mb.response_mask] = torch.cat(ents).to(ent.device)
+            ent = torch.zeros(n * width, dtype=torch.float32, device=dev).index_put((dest,), ent_held)
+            ent = combine_over_cp(ent, self.cp_group).view(n, width)
         return lp, ent
 
-    @staticmethod
-    def token_scalars(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    def token_scalars(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """[n, L] head outputs at the columns that predict each response token (the value layout)."""
+        n, width = mb.response_mask.shape
+        return self._pick(output, mb, mb.gather_index.reshape(-1)).view(n, width) * _to_device(mb.response_mask, output.device)
+
+    def last_token_scalars(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """[n] head output at each sequence's last token (a reward model's score)."""
+        return self._pick(output, mb, mb.last_token_index)
+
+    def _pick(self, output: torch.Tensor, mb: MicroBatch, flat_global: torch.Tensor) -> torch.Tensor:
+        src, which = self.held_tokens(mb, flat_global)
         flat = output.reshape(-1).float()
-        picked = flat[mb.gather_index.to(flat.device)].to(mb.response_mask.device)
-        return torch.where(mb.response_mask, picked, 0.0)
+        picked = torch.zeros(flat_global.numel(), dtype=torch.float32, device=flat.device)
+        picked = picked.index_put((which,), flat.index_select(0, src))
+        return combine_over_cp(picked, self.cp_group)
 
     @torch.no_grad()
     def export_hf_tensors(self):
@@ -239,6 +284,13 @@ def _device_of(module: torch.nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without waiting for the device (pinned staging on CUDA)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _loss_on_device(loss_fn: LossFn, mb: MicroBatch, device: torch.device, scale: float, output: torch.Tensor):
     """Megatron scales and backpropagates the loss with device tensors: hand it one there."""
     loss, result = loss_fn(mb, output)
@@ -253,12 +305,12 @@ def _padding_loss(output: torch.Tensor):
     return output.float().sum() * 0.0, _PADDING
 
 
-def _empty_micro_batch(like: MicroBatch) -> MicroBatch:
-    """One pad token and no sequence: a micro-batch that only fills the interleaved schedule."""
+def _empty_micro_batch(like: MicroBatch, width_multiple: int = 1) -> MicroBatch:
+    """Pad tokens and no sequence: a micro-batch that only fills the interleaved schedule."""
     width = like.response_mask.shape[1]
     return MicroBatch(
-        sample_index=[], input_ids=torch.zeros(1, 1, dtype=torch.long),
-        position_ids=torch.zeros(1, 1, dtype=torch.long), attention_mask=None, placements=[],
+        sample_index=[], input_ids=torch.zeros(1, width_multiple, dtype=torch.long),
+        position_ids=torch.zeros(1, width_multiple, dtype=torch.long), attention_mask=None, placements=[],
         gather_index=torch.zeros(0, width, dtype=torch.long), response_mask=torch.zeros(0, width, dtype=torch.bool),
         labels=torch.zeros(0, width, dtype=torch.long),
     )
@@ -276,22 +328,3 @@ def vp_group_size(num_microbatches: int, pp: int, configured: int) -> int:
         if num_microbatches % g == 0 or num_microbatches % g >= pp:
             return g
     return num_microbatches
-
-
-@torch.no_grad()
-def _vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """H = log Z - sum_v p_v l_v over the full vocabulary, from this TP rank's vocab slice."""
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_tensor_model_parallel_group()
-    tp = ps.get_tensor_model_parallel_world_size()
-    m = logits.max(dim=-1).values
-    if tp > 1:
-        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
-    shifted = logits - m[:, None]
-    e = shifted.exp()
-    stats = torch.stack([e.sum(-1), (e * shifted).sum(-1)])
-    if tp > 1:
-        torch.distributed.all_reduce(stats, group=group)
-    z, ez = stats
-    return torch.log(z) - ez / z

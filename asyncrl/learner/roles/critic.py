@@ -18,7 +18,7 @@ from asyncrl.algorithms import value_loss
 from asyncrl.learner.batching import MicroBatch, response_tensor, unpad_response
 from asyncrl.learner.offload import Offloader
 from asyncrl.learner.roles.accumulate import denominator, dp_mean, dp_size, dp_sum
-from asyncrl.learner.roles.actor import PerToken, _reduce_micro_metrics, _width
+from asyncrl.learner.roles.actor import PerToken, _on_device, _reduce_micro_metrics, _width
 from asyncrl.learner.roles.base import ModelRunner, RoleContext
 from asyncrl.learner.roles.optim import GuardedOptimizer
 from asyncrl.types import Sample
@@ -46,7 +46,7 @@ class CriticRole:
 
     def compute_values(self, samples: Sequence[Sample]) -> dict[str, PerToken] | None:
         with self.offloader.onloaded():
-            outs = scalar_outputs(self.runner, samples, ModelRunner.token_scalars)
+            outs = scalar_outputs(self.runner, samples, self.runner.token_scalars)
         if not outs or self.runner.tp_rank != 0:
             return None
         lengths = [len(s.response_ids) for s in samples]
@@ -63,16 +63,21 @@ class CriticRole:
         mbs = self.runner.micro_batches(samples, width)
         d_all = dp_sum([sum(denominator(mb.response_mask, algo.loss_agg) for mb in mbs)])[0]
         scale_back = len(mbs) * dp_size()
+        dev = self.runner.device()
+        inputs = {
+            id(mb): {"old": response_tensor(old_values, mb.sample_index, width),
+                     "returns": response_tensor(returns, mb.sample_index, width), "mask": mb.response_mask}
+            for mb in mbs
+        }
 
         def loss_fn(mb: MicroBatch, output: torch.Tensor):
-            idx = mb.sample_index
-            v = ModelRunner.token_scalars(output, mb)
+            x = _on_device(inputs[id(mb)], dev)
+            v = self.runner.token_scalars(output, mb)
             loss, metrics = value_loss(
-                v, response_tensor(old_values, idx, width), response_tensor(returns, idx, width),
-                mb.response_mask, clip=algo.value_clip, agg=algo.loss_agg,
+                v, x["old"], x["returns"], x["mask"], clip=algo.value_clip, agg=algo.loss_agg, lazy_metrics=True,
             )
             share = loss * (denominator(mb.response_mask, algo.loss_agg) / max(d_all, 1.0))
-            metrics["critic/vf_loss"] = share.item()
+            metrics["critic/vf_loss"] = share.detach()
             return share * scale_back, metrics
 
         out: dict[str, float] = {}

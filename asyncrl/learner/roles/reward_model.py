@@ -18,11 +18,6 @@ from asyncrl.learner.roles.critic import scalar_outputs
 from asyncrl.types import Sample
 
 
-def _last_token(output: torch.Tensor, mb) -> torch.Tensor:
-    flat = output.reshape(-1).float()
-    return flat[mb.last_token_index.to(flat.device)].cpu()
-
-
 class RewardModelRole:
     def __init__(self, ctx: RoleContext) -> None:
         self.ctx = ctx
@@ -31,7 +26,7 @@ class RewardModelRole:
             p.requires_grad_(False)
 
     def compute_rm_score(self, samples: Sequence[Sample]) -> dict[str, list[float]] | None:
-        outs = scalar_outputs(self.runner, samples, _last_token)
+        outs = scalar_outputs(self.runner, samples, self.runner.last_token_scalars)
         if not outs or self.runner.tp_rank != 0:
             return None
         scores = [0.0] * len(samples)
