@@ -367,7 +367,7 @@ def _configs():
 
     model = ModelConfig(path=ARGS.model, dtype=ARGS.dtype, max_model_len=ARGS.seq_len)
     learner = LearnerConfig(world_size=ARGS.tp, strategy_config=strategy(), micro_batch_size=ARGS.micro_batch_size, lr=1e-6,
-                            attention=ARGS.attention,
+                            attention=ARGS.attention, sequence_packing=ARGS.pack, max_tokens_per_micro_batch=ARGS.max_tokens,
                             num_cpus_per_rank=ARGS.num_cpus_per_rank,
                             num_gpus_per_rank=1.0 if torch.cuda.is_available() else 0.0)
     algo = AlgorithmConfig(group_size=ARGS.group_size)
@@ -398,6 +398,8 @@ def role(hf: Any) -> dict[str, Any]:
 
     logprob_times = timed(lambda: actor.compute_log_prob(samples))
     update_times = timed(update)
+    if ARGS.profile:
+        _profile(update, ARGS.profile)
     actor.optim.zero_grad()
     optim_times = timed(lambda: actor.optim.step(loss_finite=True))
     return {
@@ -408,6 +410,25 @@ def role(hf: Any) -> dict[str, Any]:
         "last_metrics": {k: metrics[k] for k in sorted(metrics) if k.startswith("actor/")},
         "peak_gib": _peak_gib(),
     }
+
+
+def _profile(fn, path: str) -> None:
+    """One more call of `fn` under torch.profiler: the top device kernels, and how much of the wall
+    time the device was busy (host gaps), into `path` (text)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    _sync()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        fn()
+        _sync()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    table = events.table(sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total", row_limit=45, max_name_column_width=90)
+    Path(path).write_text(f"wall {wall:.4f} s, device busy {busy:.4f} s ({busy / wall:.1%})\n{table}\n")
+    print(f"[learner_step] profile: wall {wall:.4f} s, device busy {busy:.4f} s", flush=True)
 
 
 def offload(hf: Any) -> dict[str, Any]:
@@ -576,6 +597,9 @@ def main() -> None:
     ap.add_argument("--collective-timeout-s", type=float, default=600.0, help="torch.distributed timeout of the in-process sections")
     ap.add_argument("--offload-each-flag", action="store_true", help="offload section: also each offload flag alone")
     ap.add_argument("--out", default=None, help="also write the JSON here (rewritten after each section)")
+    ap.add_argument("--pack", action="store_true", help="learner.sequence_packing for role / group (one row per micro-batch)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="learner.max_tokens_per_micro_batch for role / group")
+    ap.add_argument("--profile", default=None, help="role section: profile one more update into this text file")
     ARGS = ap.parse_args()
     ARGS.model = os.path.abspath(ARGS.model)
     wanted = ARGS.sections.split(",")
