@@ -69,9 +69,8 @@ class ParallelLayout:
         )
 
 
-def validate_layout(layout: ParallelLayout, hf_config: Any = None, *, cuda: bool | None = None) -> None:
+def validate_layout(layout: ParallelLayout, hf_config: Any = None) -> None:
     """Raise ConfigError naming the bad value for any layout Megatron would reject or hang on."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
     mp = layout.tp * layout.pp * layout.cp
     if layout.world_size % mp:
         raise ConfigError(

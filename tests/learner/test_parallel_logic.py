@@ -131,7 +131,7 @@ def test_rank_coords_cover_the_grid_once(tp, pp, dp):
 )
 def test_bad_layouts_name_the_value(layout, hf_kw, match):
     with pytest.raises(ConfigError, match=match):
-        validate_layout(layout, _qwen2(**hf_kw), cuda=False)
+        validate_layout(layout, _qwen2(**hf_kw))
 
 
 def test_experts_not_divisible_by_ep():
@@ -139,14 +139,14 @@ def test_experts_not_divisible_by_ep():
 
     hf = Qwen3MoeConfig(num_hidden_layers=2, num_experts=6, num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(ConfigError, match="num_experts=6 is not divisible by expert_model_parallel_size=4"):
-        validate_layout(ParallelLayout(world_size=4, ep=4), hf, cuda=False)
+        validate_layout(ParallelLayout(world_size=4, ep=4), hf)
 
 
 def test_vpp_layout_with_default_p2p_is_accepted():
     cfg = LearnerConfig(world_size=2, strategy_config={
         "pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2, "overlap_p2p_comm": True,
     })
-    validate_layout(ParallelLayout.from_learner_config(cfg), _qwen2(), cuda=False)
+    validate_layout(ParallelLayout.from_learner_config(cfg), _qwen2())
 
 
 def test_vpp_config_gets_megatron_lms_p2p_settings():
