@@ -244,12 +244,8 @@ class ModelRunner:
             rows, lm_head_weight(self.chunks[-1]), labels, temperature=self.ctx.algorithm_cfg.temperature,
             real_vocab=self.real_vocab, chunk=self.ctx.learner_cfg.logprob_chunk_size, with_entropy=with_entropy,
         )
-        lp = torch.zeros(n * width, dtype=torch.float32, device=dev).index_put((dest,), lp_held)
-        lp = combine_over_cp(lp, self.cp_group).view(n, width)
-        ent = None
-        if with_entropy:
-            ent = torch.zeros(n * width, dtype=torch.float32, device=dev).index_put((dest,), ent_held)
-            ent = combine_over_cp(ent, self.cp_group).view(n, width)
+        lp = self._spread(lp_held, dest, n * width).view(n, width)
+        ent = self._spread(ent_held, dest, n * width).view(n, width) if with_entropy else None
         return lp, ent
 
     def token_scalars(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -263,10 +259,13 @@ class ModelRunner:
 
     def _pick(self, output: torch.Tensor, mb: MicroBatch, flat_global: torch.Tensor) -> torch.Tensor:
         src, which = self.held_tokens(mb, flat_global)
-        flat = output.reshape(-1).float()
-        picked = torch.zeros(flat_global.numel(), dtype=torch.float32, device=flat.device)
-        picked = picked.index_put((which,), flat.index_select(0, src))
-        return combine_over_cp(picked, self.cp_group)
+        return self._spread(output.reshape(-1).float().index_select(0, src), which, flat_global.numel())
+
+    def _spread(self, held: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+        """[size] float32 with this CP rank's `held` values at `index`, summed over the CP group
+        (every entry is held by exactly one CP rank, so the sum is the whole result)."""
+        out = torch.zeros(size, dtype=torch.float32, device=held.device).index_put((index,), held)
+        return combine_over_cp(out, self.cp_group)
 
     @torch.no_grad()
     def export_hf_tensors(self):
