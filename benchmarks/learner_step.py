@@ -400,6 +400,9 @@ def role(hf: Any) -> dict[str, Any]:
     update_times = timed(update)
     if ARGS.profile:
         _profile(update, ARGS.profile)
+    if ARGS.sync_debug and torch.cuda.is_available():
+        _host_syncs(update, "update_actor")
+        _host_syncs(lambda: actor.compute_log_prob(samples), "compute_log_prob")
     actor.optim.zero_grad()
     optim_times = timed(lambda: actor.optim.step(loss_finite=True))
     return {
@@ -425,10 +428,70 @@ def _profile(fn, path: str) -> None:
         _sync()
     wall = time.perf_counter() - t0
     events = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in events) / 1e6
-    table = events.table(sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total", row_limit=45, max_name_column_width=90)
-    Path(path).write_text(f"wall {wall:.4f} s, device busy {busy:.4f} s ({busy / wall:.1%})\n{table}\n")
+    # device-side events only (kernels, copies): a host op's device time repeats its kernels'
+    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6
+    table = events.table(sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total", row_limit=70, max_name_column_width=110)
+    groups: dict[str, float] = {}
+    for e in kernels:
+        if e.self_device_time_total > 0:
+            groups[_kernel_group(e.key)] = groups.get(_kernel_group(e.key), 0.0) + e.self_device_time_total / 1e6
+    summary = "\n".join(f"  {k:<12} {v:8.4f} s" for k, v in sorted(groups.items(), key=lambda kv: -kv[1]))
+    Path(path).write_text(f"wall {wall:.4f} s, device busy {busy:.4f} s ({busy / wall:.1%})\n{summary}\n{table}\n")
+    print(f"[learner_step] device time by kind:\n{summary}", flush=True)
     print(f"[learner_step] profile: wall {wall:.4f} s, device busy {busy:.4f} s", flush=True)
+
+
+def _host_syncs(fn, name: str) -> None:
+    """One more call of `fn` with CUDA's sync debug mode on: every operation that made the host
+    wait for the device (`.item()`, pageable copies, ...), printed with the Python frames of
+    asyncrl / megatron / benchmarks that led to it, most frequent first."""
+    import traceback
+    import warnings
+    from collections import Counter
+
+    seen: Counter[str] = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+        frames = [f for f in traceback.extract_stack()[:-1] if any(k in f.filename for k in ("asyncrl", "megatron", "benchmarks"))]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(frames[-6:]))
+        seen[f"{str(message)[:80]} @ {where}"] += 1
+
+    _sync()
+    old = warnings.showwarning
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = old
+    print(f"[learner_step] host syncs in one {name}: {sum(seen.values())}", flush=True)
+    for k, n in seen.most_common(12):
+        print(f"  {n:5d} x {k}", flush=True)
+
+
+def _kernel_group(name: str) -> str:
+    """A device kernel's kind, from its name (cuBLAS / CUTLASS / cuDNN naming)."""
+    n = name.lower()
+    if any(k in n for k in ("fmha", "flash", "cudnn", "attention")):
+        return "attention"
+    if any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass", "matmul", "splitk")):
+        return "gemm"
+    if "adam" in n or "multi_tensor" in n or "foreach" in n:
+        return "optimizer"
+    if "memcpy" in n or "memset" in n:
+        return "copy/memset"
+    if "triton" in n:
+        return "triton"
+    if any(k in n for k in ("nccl", "allreduce", "all_reduce")):
+        return "comm"
+    return "elementwise"
 
 
 def offload(hf: Any) -> dict[str, Any]:
@@ -600,6 +663,7 @@ def main() -> None:
     ap.add_argument("--pack", action="store_true", help="learner.sequence_packing for role / group (one row per micro-batch)")
     ap.add_argument("--max-tokens", type=int, default=None, help="learner.max_tokens_per_micro_batch for role / group")
     ap.add_argument("--profile", default=None, help="role section: profile one more update into this text file")
+    ap.add_argument("--sync-debug", action="store_true", help="role section: list what made the host wait for the device in one more update")
     ARGS = ap.parse_args()
     ARGS.model = os.path.abspath(ARGS.model)
     wanted = ARGS.sections.split(",")

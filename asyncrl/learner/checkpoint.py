@@ -158,6 +158,9 @@ def load_checkpoint(
             _unwrap(c).load_state_dict(loaded[f"model{i}"], strict=strict)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
+        from asyncrl.learner.gpu_fusions import use_fused_adam
+
+        use_fused_adam(optimizer)  # the loaded param groups replaced the `fused` flag (CUDA only)
     if scheduler is not None and "scheduler" in common and hasattr(scheduler, "load_state_dict"):
         scheduler.load_state_dict(common["scheduler"])
     if rng:

@@ -349,7 +349,7 @@ def _names(originals: dict[tuple[Any, str], Any]) -> list[str]:
 # ----------------------------------------------------------------------------- grad clipping
 
 
-def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm: float | None = None) -> float:
     """Clip gradients by their global L2 norm over every model-parallel rank; returns the norm before clipping.
 
     Works on gloo (Megatron's `clip_grad_norm_fp32` asserts CUDA tensors). Each gradient is counted
@@ -357,7 +357,9 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
     pipeline copy of a tied embedding (`shared=True`) not at all. Dense grads are summed over
     the model-parallel group (TP x PP), expert grads (`allreduce=False`) over the expert
     TP x EP x PP group. DP replicas hold equal (all-reduced) grads, so DP is not reduced.
-    Uses `main_grad` when Megatron DDP put the gradient there.
+    Uses `main_grad` when Megatron DDP put the gradient there. `norm`: the global norm if the
+    caller already measured it (then only the scaling runs). The per-tensor norms are one
+    multi-tensor pass (`_foreach_norm`, float32 accumulation), no float32 copy of any gradient.
     """
     if max_norm < 0:
         raise ValueError(f"max_norm={max_norm} must be >= 0 (0 disables clipping)")
@@ -369,9 +371,7 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
     initialized = torch.distributed.is_initialized() and ps.model_parallel_is_initialized()
     tp_rank = ps.get_tensor_model_parallel_rank() if initialized else 0
     grads: list[torch.Tensor] = []
-    device = collective_device()  # NCCL reduces only device tensors; the grads live there too
-    dense_sq = torch.zeros(1, dtype=torch.float32, device=device)
-    expert_sq = torch.zeros(1, dtype=torch.float32, device=device)
+    counted: dict[bool, list[torch.Tensor]] = {False: [], True: []}  # expert? -> grads in the norm
     for p in parameters:
         grad = getattr(p, "main_grad", None)
         if grad is None:
@@ -382,14 +382,28 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
         # Megatron's rule: a TP-replicated parameter counts on TP rank 0 only.
         not_tp_duplicate = getattr(p, "tensor_model_parallel", False) or tp_rank == 0
         if param_is_not_shared(p) and not_tp_duplicate:
-            target = expert_sq if getattr(p, "allreduce", True) is False else dense_sq
-            target += grad.detach().float().pow(2).sum().to(device)
-    if initialized:
-        torch.distributed.all_reduce(dense_sq, group=ps.get_model_parallel_group())
-        torch.distributed.all_reduce(expert_sq, group=ps.get_expert_tensor_model_pipeline_parallel_group())
-    norm = math.sqrt(dense_sq.item() + expert_sq.item())
+            counted[getattr(p, "allreduce", True) is False].append(grad.detach())
+    if norm is None:
+        device = collective_device()  # NCCL reduces only device tensors; the grads live there too
+        sq = torch.zeros(2, dtype=torch.float32, device=device)  # [dense, expert] sums of squares
+        for i, expert in enumerate((False, True)):
+            for dev_grads in _by_device(counted[expert]).values():
+                norms = torch._foreach_norm(dev_grads, 2, dtype=torch.float32)
+                sq[i] += torch.stack(norms).square().sum().to(device)
+        if initialized:
+            torch.distributed.all_reduce(sq[0:1], group=ps.get_model_parallel_group())
+            torch.distributed.all_reduce(sq[1:2], group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        dense, expert = sq.tolist()
+        norm = math.sqrt(dense + expert)
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for g in grads:
-            g.mul_(scale)
+        for dev_grads in _by_device(grads).values():
+            torch._foreach_mul_(dev_grads, scale)
     return norm
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    out: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault((t.device, t.dtype), []).append(t)
+    return out

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from asyncrl.learner import lm_head_kernels as kernels
+
 # Padded-vocab columns are pushed this far down so they carry no probability; finite (not -inf)
 # so that p * log p stays 0 in the entropy instead of nan.
 MASKED_LOGIT = -1e30
@@ -33,8 +35,9 @@ def _tp() -> tuple[Any, int, int]:
 
 
 # The vocab-wide elementwise math of one chunk, each a single pass over the chunk's logits (as
-# they come out of the matmul, float32 inside): compiled into one kernel each on GPU, plain torch
-# ops on CPU. `limit`: columns at or past it are vocab padding (no probability).
+# they come out of the matmul, float32 inside): plain torch ops on CPU, compiled where CUDA has no
+# Triton (with Triton, `lm_head_kernels` does the forward in one pass and the backward in place).
+# `limit`: columns at or past it are vocab padding (no probability).
 
 
 def _scaled(x: torch.Tensor, inv_t: float, limit: int) -> torch.Tensor:
@@ -96,14 +99,23 @@ class _LinearLogProb(torch.autograd.Function):
         local_label = labels - start
         in_range = (local_label >= 0) & (local_label < vocab_local)
         safe_label = torch.where(in_range, local_label, 0)
+        here = torch.where(in_range, local_label, -1)  # the label's local column, -1: another rank's
         row_max, row_stats = _kernel("max"), _kernel("stats")
         for a in range(0, n, chunk):
             sl = slice(a, min(a + chunk, n))
             x = hidden[sl] @ weight.t()
-            m = row_max(x, inv_t, limit)
-            if tp > 1:
-                torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
-            stats = row_stats(x, m, safe_label[sl], in_range[sl], inv_t, limit)
+            if kernels.available(x):  # one Triton pass: online softmax statistics + the label's logit
+                m, s0, s1, xl = kernels.row_stats(x, here[sl], inv_t, limit)
+                if tp > 1:
+                    local_m = m.clone()
+                    torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+                    s0, s1 = kernels.combine(local_m, s0, s1, m)
+                stats = torch.stack([s0, s1, torch.where(in_range[sl], xl - m, 0.0)])
+            else:
+                m = row_max(x, inv_t, limit)
+                if tp > 1:
+                    torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+                stats = row_stats(x, m, safe_label[sl], in_range[sl], inv_t, limit)
             if tp > 1:
                 torch.distributed.all_reduce(stats, group=group)
             log_z = stats[0].log()
@@ -112,40 +124,66 @@ class _LinearLogProb(torch.autograd.Function):
             if with_entropy:
                 ent[sl] = log_z - stats[1] / stats[0]
             del x
-        ctx.save_for_backward(hidden, weight, safe_label, in_range, lse)
+        ctx.save_for_backward(hidden, weight, safe_label, in_range, here, lse)
         ctx.cfg = (inv_t, limit, chunk)
+        ctx.param = weight  # for its DDP `main_grad` in backward
         if ent is not None:
             ctx.mark_non_differentiable(ent)
         return lp, ent
 
     @staticmethod
     def backward(ctx, grad_lp, grad_ent):  # type: ignore[override]
-        hidden, weight, safe_label, in_range, lse = ctx.saved_tensors
+        hidden, weight, safe_label, in_range, here, lse = ctx.saved_tensors
         inv_t, limit, chunk = ctx.cfg
         n = hidden.shape[0]
         grad_logits = _kernel("grad")
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        # float32 accumulation over chunks: each chunk's bf16 product is rounded once, as a single
-        # matmul over all tokens would be
+        # float32 accumulation over chunks: each chunk's product is rounded once, as a single
+        # matmul over all tokens would be. On GPU with Megatron DDP the GEMM writes float32 straight
+        # into the weight's `main_grad` (and no `.grad` is returned: a tied embedding's lookup
+        # gradient still arrives through `.grad`); elsewhere into a float32 buffer.
         chunks = len(range(0, n, chunk))
+        main = _main_grad_sink(ctx.param) if ctx.needs_input_grad[1] else None
         grad_w = None
-        if ctx.needs_input_grad[1] and chunks > 1:
+        if ctx.needs_input_grad[1] and main is None and chunks > 1:
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_lp = grad_lp.float().contiguous()
         for a in range(0, n, chunk):
             sl = slice(a, min(a + chunk, n))
             x = hidden[sl] @ weight.t()  # recomputed: nothing vocab-wide was kept from the forward
-            g = grad_logits(x, lse[sl], grad_lp[sl], safe_label[sl], in_range[sl], inv_t, limit)
+            if kernels.available(x):  # in place: the logits become their gradient
+                g = kernels.grad_logits_(x, lse[sl], grad_lp[sl], here[sl], inv_t, limit)
+            else:
+                g = grad_logits(x, lse[sl], grad_lp[sl], safe_label[sl], in_range[sl], inv_t, limit)
             del x
             if grad_h is not None:
                 grad_h[sl] = g @ weight
-            if ctx.needs_input_grad[1]:
+            if main is not None:
+                main(hidden[sl], g)
+            elif ctx.needs_input_grad[1]:
                 if chunks == 1:
                     grad_w = g.t() @ hidden[sl]
+                elif g.dtype == torch.float32:
+                    grad_w.addmm_(g.t(), hidden[sl])
                 else:
                     grad_w += (g.t() @ hidden[sl]).float()
             del g
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def _main_grad_sink(param: torch.Tensor):
+    """`f(input, grad_output)` adding grad_output^T @ input into `param.main_grad` in float32 with
+    one GEMM, when Megatron DDP gave `param` a float32 `main_grad` and the fused accumulation is
+    installed (CUDA, low-precision weights); None otherwise."""
+    main = getattr(param, "main_grad", None)
+    if main is None or main.dtype != torch.float32 or param.dtype == torch.float32 or not main.is_cuda:
+        return None
+    from asyncrl.learner.gpu_fusions import fused_wgrad_accumulation
+
+    accum = fused_wgrad_accumulation()
+    return None if accum is None else (lambda inp, grad_out: accum(inp, grad_out, main))
 
 
 def linear_logprobs(

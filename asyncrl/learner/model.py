@@ -191,6 +191,10 @@ def transformer_config_from_hf(
         # input for backward, not the gate's activation. Megatron compiles it with torch.compile,
         # whose CPU backend the CPU compat layer cannot host, so CPU keeps the plain ops.
         kwargs["bias_activation_fusion"] = True
+        from asyncrl.learner.gpu_fusions import install_rope_fusion
+
+        # RoPE on q and k as one compiled kernel each way (Megatron's TE slot; see gpu_fusions.py).
+        kwargs["apply_rope_fusion"] = install_rope_fusion()
         if trainable and dtype != torch.float32:
             from asyncrl.learner.gpu_fusions import install_wgrad_fusion
 

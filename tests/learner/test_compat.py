@@ -117,3 +117,18 @@ def test_clip_grad_norm_single_process():
         assert compat.clip_grad_norm_(params, 0.0) == pytest.approx(1.0, rel=1e-5)
         with pytest.raises(ValueError, match="max_norm=-1"):
             compat.clip_grad_norm_(params, -1)
+
+
+def test_clip_grad_norm_mixed_dtypes_main_grad_and_known_norm():
+    """float32 main_grads and a bf16 .grad in one norm (float32 accumulation); a given norm only scales."""
+    with compat.cpu_compat():
+        a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+        a.main_grad = torch.tensor([6.0, 0.0])
+        a.grad = torch.tensor([100.0, 100.0])  # ignored: main_grad is where DDP accumulates
+        b.grad = torch.tensor([0.0, 8.0], dtype=torch.bfloat16)
+        assert compat.clip_grad_norm_([a, b], 0.0) == pytest.approx(10.0)
+        assert torch.equal(a.main_grad, torch.tensor([6.0, 0.0]))  # max_norm 0: measured, not clipped
+        # the caller's norm is trusted: scale = 5 / 20, whatever the grads' own norm is
+        assert compat.clip_grad_norm_([a, b], 5.0, norm=20.0) == 20.0
+        assert a.main_grad.tolist() == pytest.approx([1.5, 0.0], rel=1e-5)
+        assert b.grad.float().tolist() == pytest.approx([0.0, 2.0], rel=1e-2)

@@ -1,7 +1,8 @@
 """The optimizer half of a trainable role: Megatron optimizer, LR schedule, clipping, NaN guard.
 
-Owns: building `get_megatron_optimizer` (Adam) for DDP-wrapped chunks with `clip_grad=0` (Megatron's
-clip asserts CUDA tensors; `compat.clip_grad_norm_` clips over TP/PP instead), the LR schedule
+Owns: building `get_megatron_optimizer` (Adam; torch's fused CUDA kernel on GPU) for DDP-wrapped
+chunks with `clip_grad=0` (Megatron's clip asserts CUDA tensors; `compat.clip_grad_norm_` clips
+over TP/PP instead), the LR schedule
 (constant / linear / cosine after linear warmup), and one guarded step: a step whose loss or
 grad norm is not finite on ANY rank is skipped everywhere (no parameter or optimizer-state
 change) and counted.
@@ -70,6 +71,8 @@ class GuardedOptimizer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.utils import get_model_config
 
+        from asyncrl.learner.gpu_fusions import use_fused_adam
+
         self.chunks, self.cfg = chunks, cfg
         opt_cfg = OptimizerConfig(
             optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
@@ -78,6 +81,7 @@ class GuardedOptimizer:
             use_distributed_optimizer=False,
         )
         self.optimizer = get_megatron_optimizer(opt_cfg, chunks)
+        self.fused = use_fused_adam(self.optimizer)  # torch's fused CUDA Adam; False on CPU
         self.schedule = LRSchedule(self.optimizer, cfg)
         model_cfg = get_model_config(chunks[0])
         # DP grad all-reduce (and tied-embedding sync over PP) after the last micro-batch.
@@ -113,7 +117,7 @@ class GuardedOptimizer:
             self.zero_grad()
             return {"skipped": 1.0, "grad_norm": norm, "lr": lr}
         if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
-            clip_grad_norm_(self._main_params(), self.cfg.grad_clip)
+            clip_grad_norm_(self._main_params(), self.cfg.grad_clip, norm=norm)
         self.optimizer.step_with_ready_grads()
         self.schedule.step()
         self.applied_steps += 1
