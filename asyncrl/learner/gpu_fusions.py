@@ -8,16 +8,16 @@ Without it every micro-batch writes a bf16 `.grad` per weight that DDP's hook th
 `main_grad`: a full extra read and write of all gradients per micro-batch.
 
 Also: `install_rope_fusion` (rotary embedding as one compiled kernel each way, where Megatron
-would run seven unfused ops on q and k in every layer) and `use_fused_adam` (torch's fused Adam
-under Megatron's optimizer).
+would run about a dozen unfused ops on q and k in every layer) and `use_fused_adam` (torch's
+fused Adam under Megatron's optimizer).
 
 This is the one adapter that reads Megatron's private module state (STYLE 14): the module-level
 `fused_weight_gradient_mlp_cuda` and `_grad_accum_fusion_available` of
 `megatron.core.tensor_parallel.layers`, and `fused_apply_rotary_pos_emb` of
 `megatron.core.models.common.embeddings.rope_utils` (TE's slot; 0.16.1 and 0.19.2 have all three).
 
-Must never: install itself where the GEMM it relies on fails its self-check (then Megatron's
-unfused path stays), or run on CPU.
+Must never: install anything whose self-check fails (then Megatron's unfused path stays), or
+install anything on CPU (the eager RoPE functions run there only in tests).
 """
 
 from __future__ import annotations

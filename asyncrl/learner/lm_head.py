@@ -176,7 +176,8 @@ class _LinearLogProb(torch.autograd.Function):
 def _main_grad_sink(param: torch.Tensor):
     """`f(input, grad_output)` adding grad_output^T @ input into `param.main_grad` in float32 with
     one GEMM, when Megatron DDP gave `param` a float32 `main_grad` and the fused accumulation is
-    installed (CUDA, low-precision weights); None otherwise."""
+    installed (CUDA, low-precision weights); None otherwise. The weight then gets no `.grad` from
+    the LM head; the roles' DDP runs with `overlap_grad_reduce=False`, whose hook needs none."""
     main = getattr(param, "main_grad", None)
     if main is None or main.dtype != torch.float32 or param.dtype == torch.float32 or not main.is_cuda:
         return None
