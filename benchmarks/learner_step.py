@@ -458,19 +458,14 @@ def _host_syncs(fn, name: str) -> None:
         seen[f"{str(message)[:80]} @ {where}"] += 1
 
     _sync()
-    old = warnings.showwarning
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                fn()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = old
+    with warnings.catch_warnings():  # restores the filters and showwarning on the way out
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     print(f"[learner_step] host syncs in one {name}: {sum(seen.values())}", flush=True)
     for k, n in seen.most_common(12):
         print(f"  {n:5d} x {k}", flush=True)

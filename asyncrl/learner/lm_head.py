@@ -35,8 +35,8 @@ def _tp() -> tuple[Any, int, int]:
 
 
 # The vocab-wide elementwise math of one chunk, each a single pass over the chunk's logits (as
-# they come out of the matmul, float32 inside): plain torch ops on CPU, compiled where CUDA has no
-# Triton (with Triton, `lm_head_kernels` does the forward in one pass and the backward in place).
+# they come out of the matmul, float32 inside): plain torch ops, for CPU (on CUDA,
+# `lm_head_kernels` does the forward in one Triton pass and the backward in place).
 # `limit`: columns at or past it are vocab padding (no probability).
 
 
@@ -69,19 +69,6 @@ def _grad_logits(x: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, label: 
     return ((onehot.float() - p) * (grad * inv_t)[:, None]).to(x.dtype)
 
 
-_KERNELS: dict[str, Any] = {}
-
-
-def _kernel(name: str):
-    """The compiled version on CUDA (once per process), the eager function elsewhere."""
-    fn = {"max": _row_max, "stats": _row_stats, "grad": _grad_logits}[name]
-    if not torch.cuda.is_available():
-        return fn
-    if name not in _KERNELS:
-        _KERNELS[name] = torch.compile(fn, dynamic=True)
-    return _KERNELS[name]
-
-
 class _LinearLogProb(torch.autograd.Function):
     """(hidden [n, H], weight [V/TP, H], labels [n]) -> (log p(label) [n], entropy [n]) in float32."""
 
@@ -97,10 +84,9 @@ class _LinearLogProb(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
         local_label = labels - start
-        in_range = (local_label >= 0) & (local_label < vocab_local)
-        safe_label = torch.where(in_range, local_label, 0)
-        here = torch.where(in_range, local_label, -1)  # the label's local column, -1: another rank's
-        row_max, row_stats = _kernel("max"), _kernel("stats")
+        # the label's local column, -1 where it lies on another TP rank
+        here = torch.where((local_label >= 0) & (local_label < vocab_local), local_label, -1)
+        in_range, safe_label = here >= 0, here.clamp(min=0)
         for a in range(0, n, chunk):
             sl = slice(a, min(a + chunk, n))
             x = hidden[sl] @ weight.t()
@@ -112,10 +98,10 @@ class _LinearLogProb(torch.autograd.Function):
                     s0, s1 = kernels.combine(local_m, s0, s1, m)
                 stats = torch.stack([s0, s1, torch.where(in_range[sl], xl - m, 0.0)])
             else:
-                m = row_max(x, inv_t, limit)
+                m = _row_max(x, inv_t, limit)
                 if tp > 1:
                     torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
-                stats = row_stats(x, m, safe_label[sl], in_range[sl], inv_t, limit)
+                stats = _row_stats(x, m, safe_label[sl], in_range[sl], inv_t, limit)
             if tp > 1:
                 torch.distributed.all_reduce(stats, group=group)
             log_z = stats[0].log()
@@ -124,7 +110,7 @@ class _LinearLogProb(torch.autograd.Function):
             if with_entropy:
                 ent[sl] = log_z - stats[1] / stats[0]
             del x
-        ctx.save_for_backward(hidden, weight, safe_label, in_range, here, lse)
+        ctx.save_for_backward(hidden, weight, here, lse)
         ctx.cfg = (inv_t, limit, chunk)
         ctx.param = weight  # for its DDP `main_grad` in backward
         if ent is not None:
@@ -133,10 +119,9 @@ class _LinearLogProb(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_lp, grad_ent):  # type: ignore[override]
-        hidden, weight, safe_label, in_range, here, lse = ctx.saved_tensors
+        hidden, weight, here, lse = ctx.saved_tensors
         inv_t, limit, chunk = ctx.cfg
         n = hidden.shape[0]
-        grad_logits = _kernel("grad")
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         # float32 accumulation over chunks: each chunk's product is rounded once, as a single
         # matmul over all tokens would be. On GPU with Megatron DDP the GEMM writes float32 straight
@@ -154,7 +139,7 @@ class _LinearLogProb(torch.autograd.Function):
             if kernels.available(x):  # in place: the logits become their gradient
                 g = kernels.grad_logits_(x, lse[sl], grad_lp[sl], here[sl], inv_t, limit)
             else:
-                g = grad_logits(x, lse[sl], grad_lp[sl], safe_label[sl], in_range[sl], inv_t, limit)
+                g = _grad_logits(x, lse[sl], grad_lp[sl], here[sl].clamp(min=0), here[sl] >= 0, inv_t, limit)
             del x
             if grad_h is not None:
                 grad_h[sl] = g @ weight

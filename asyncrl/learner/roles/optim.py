@@ -81,7 +81,7 @@ class GuardedOptimizer:
             use_distributed_optimizer=False,
         )
         self.optimizer = get_megatron_optimizer(opt_cfg, chunks)
-        self.fused = use_fused_adam(self.optimizer)  # torch's fused CUDA Adam; False on CPU
+        use_fused_adam(self.optimizer)  # torch's fused CUDA Adam (no-op on CPU)
         self.schedule = LRSchedule(self.optimizer, cfg)
         model_cfg = get_model_config(chunks[0])
         # DP grad all-reduce (and tied-embedding sync over PP) after the last micro-batch.
