@@ -65,11 +65,18 @@ class GeneratorConfig(_Section):
     engine: Literal["vllm", "sglang"] = "vllm"
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed straight to the engine (vLLM AsyncEngineArgs).")
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
-    max_ongoing_requests: int = Field(64, gt=0, description="Per replica; beyond it requests queue.")
+    max_ongoing_requests: int = Field(
+        256, gt=0, description="Per replica; beyond it requests queue in Serve's router. The engine decodes only what it "
+        "holds, so this bounds its batch: at or below the callers' concurrency it leaves the engine short "
+        "(docs/BENCHMARKS.md, generation).")
     max_queued_requests: int = Field(256, ge=-1, description="Per caller; beyond it HTTP 503. -1 = unbounded.")
     num_cpus: float = Field(0.5, ge=0, description="Ray CPUs reserved per engine replica.")
-    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per engine replica (TP engines use placement-group bundles).")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per engine replica (TP engines use placement-group bundles). "
+                            "Below 1, replicas share a GPU and each engine's gpu_memory_utilization defaults to 0.9 x this.")
     max_n: int = Field(64, gt=0, description="Largest `n` one request may ask for.")
+    array_logprobs: bool = Field(
+        True, description="Non-streaming requests get their behaviour log-probs from the engine core as one array per "
+        "completion (exactly vLLM's values, without its per-token objects: generator/array_logprobs.py). False = vLLM's own path.")
     max_body_bytes: int = Field(1 << 20, gt=0, description="Larger HTTP bodies get 413.")
     admin_token: str | None = Field(None, description="Bearer token for admin routes; falls back to $ASYNCRL_ADMIN_TOKEN. Unset = admin routes closed.")
     routing: Literal["power_of_two", "prefix_affinity"] = "power_of_two"

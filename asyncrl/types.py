@@ -48,7 +48,7 @@ class Completion(msgspec.Struct, kw_only=True):
 
     index: int  # position among the request's n completions
     token_ids: list[int]  # generated tokens (no prompt)
-    logprobs: list[float]  # behaviour log-prob of each generated token (empty if not asked)
+    logprobs: list[float]  # behaviour log-prob of each generated token (empty if not asked, or if the engine aborted it)
     versions: list[int]  # weight version that produced each token; same length as token_ids
     finish_reason: str | None  # "stop" | "length" | "abort" | None while streaming
     text: str = ""  # detokenized token_ids

@@ -1,30 +1,44 @@
-"""Generation throughput: the HTTP API (Ray Serve gateway -> engine replica) vs a direct vLLM AsyncLLM.
+"""Generation throughput and latency: `vllm serve` against asyncrl's API, same client, prompts and load.
 
-Same model, prompts and sampling (greedy, ignore_eos, so every request makes exactly
---max-tokens tokens), same client concurrency. The direct engine is timed with the output kind the
-replica asks vLLM for on a non-streaming request (FINAL_ONLY), the baseline of the ratios, and with
-vLLM's default one output per step. HTTP is measured on both endpoints of one app: through Serve's
-proxy (--port) and on the gateway's own listener (generator.direct_http_port = --port + 1). Each
-phase is warmed up first, then timed over --num-prompts requests. The direct engine is shut down
-before Serve starts so the two never compete for cores. Prints one JSON line per side.
+One run starts each server in turn on the same engine options (model, dtype, context length,
+GPU), never two at once, and drives each with the same aiohttp client: `--num-prompts` token-id
+prompts, `--concurrency` requests in flight, greedy with `ignore_eos` so every request makes
+exactly `--max-tokens` tokens. Each phase is warmed up (`--warmup` requests), then timed; a phase
+reports tokens/s, requests/s and the p50/p99 request latency.
+
+Sides (`--sides`, in order; a side may repeat, e.g. `vllm,asyncrl,vllm` brackets ours):
+  vllm     `vllm serve MODEL` (vLLM's own OpenAI server, its own defaults) on /v1/completions:
+           phases `plain` (no log-probs) and `logprobs` (`logprobs: 1`).
+  asyncrl  our Serve app (engine replica + gateway), the same two phases on the gateway's own port
+           (generator.direct_http_port; `--endpoints gateway,proxy` adds Serve's proxy), then the
+           rollout paths, both with behaviour log-probs and per-token versions:
+           `rollout` (POST /generate, what an external RL client sends) and `handle` (the trainer's
+           own requests: a Serve handle call of the engine deployment's `generate`).
+  direct   vLLM's `AsyncLLM` in this process with the replica's engine arguments (diagnosis only).
+
+Prints one JSON line per side and phase, then a summary row with asyncrl / vllm ratios (against
+the best `vllm serve` run of each phase, so a repeat on a noisy machine cannot flatter us).
 
     python benchmarks/generation.py --model artifacts/demo-model --num-prompts 256 --concurrency 32 --max-tokens 32
-
-On a GPU, give the engine its device and a real dtype (both sides get the same engine options):
-
     python benchmarks/generation.py --model /tmp/qwen2-0.5b-random --dtype bfloat16 --num-gpus 1 \
-        --max-model-len 1024 --num-prompts 1024 --concurrency 128 --max-tokens 256
+        --max-model-len 1024 --num-prompts 1024 --concurrency 128 --max-tokens 256 --sides vllm,asyncrl,vllm
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import re
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from functools import partial
+from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -79,12 +93,11 @@ async def direct(sections: dict, ids: list[list[int]], concurrency: int, max_tok
     (FINAL_ONLY: one output per request) and vLLM's default (CUMULATIVE: one output per step)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.async_llm import AsyncLLM
 
     from asyncrl.config import GeneratorConfig, ModelConfig
-    from asyncrl.generator.engine import build_engine_args
+    from asyncrl.generator.engine import start_engine
 
-    llm = AsyncLLM.from_engine_args(build_engine_args(ModelConfig(**sections["model"]), GeneratorConfig(**sections["generator"])))
+    llm, _ = start_engine(ModelConfig(**sections["model"]), GeneratorConfig(**sections["generator"]))
     counter = iter(range(10**9))
 
     async def gen(p: list[int], sp) -> int:
@@ -104,8 +117,9 @@ async def direct(sections: dict, ids: list[list[int]], concurrency: int, max_tok
         llm.shutdown()
 
 
-# Where the client's requests are, from the app's /metrics: at the gateway, in the engine replica
-# (Serve's handler running), and held by the vLLM engine. Their means over a timed phase.
+
+# Where the client's requests are, from the app's /metrics: at the gateway, in the engine replicas
+# (Serve's handler running) and held by the vLLM engines. Their means over a timed phase.
 OCCUPANCY = {"gateway": "asyncrl_generator_queue_depth", "replica": "asyncrl_generator_replica_ongoing_requests",
              "engine": "asyncrl_generator_replica_engine_requests"}
 
@@ -130,52 +144,263 @@ async def occupancy(url: str, samples: list[dict[str, float]], every_s: float = 
             samples.append(row)
 
 
-async def http(sections: dict, ids: list[list[int]], concurrency: int, max_tokens: int, warmup: int, port: int,
-               max_ongoing: int = 0) -> dict:
-    """Both HTTP endpoints of one Serve app: through Serve's proxy (port) and the gateway's own (port + 1).
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
-    The client is aiohttp, one pooled connection per concurrent request. It was httpx until
-    2026-11-24: at 128 connections on the H100 machine httpx's pool bookkeeping took 0.45-0.70 of
-    a core and the gateway held only 64-86 of the client's 128 requests on average (117-125 with
-    aiohttp), so the client, not the API, set part of the pace (docs/BENCHMARKS.md)."""
+
+def summarize(side: str, phase: str, r: dict, n: int) -> dict:
+    lat = r["latencies"]
+    return {"benchmark": "generation_phase", "side": side, "phase": phase, "requests": n, "tokens": r["tokens"],
+            "seconds": round(r["seconds"], 2), "tokens_per_s": round(r["tokens"] / r["seconds"], 1),
+            "requests_per_s": round(n / r["seconds"], 2), "p50_s": round(percentile(lat, 0.5), 3),
+            "p99_s": round(percentile(lat, 0.99), 3), "window": [round(t, 2) for t in r["window"]]}
+
+
+async def timed_latency(concurrency: int, one, ids: list[list[int]], phase: str) -> dict:
+    """`timed` that also keeps each request's latency."""
+    latencies: list[float] = []
+
+    async def wrapped(p):
+        t0 = time.perf_counter()
+        n = await one(p)
+        latencies.append(time.perf_counter() - t0)
+        return n
+
+    r = await timed(concurrency, wrapped, ids, phase)
+    r["latencies"] = latencies
+    return r
+
+
+def completions_client(client, url: str, model: str, max_tokens: int, logprobs: bool):
+    """One `/v1/completions` request per prompt; returns the completion tokens it made."""
+
+    async def one(prompt: list[int]) -> int:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        if logprobs:
+            body["logprobs"] = 1
+        async with client.post(url, json=body) as r:
+            if r.status != 200:
+                raise RuntimeError(f"POST {url}: HTTP {r.status}: {(await r.text())[:300]}")
+            data = await r.json()
+        choice = data["choices"][0]
+        if logprobs and len(choice["logprobs"]["token_logprobs"]) != data["usage"]["completion_tokens"]:
+            raise RuntimeError(f"{url}: {len(choice['logprobs']['token_logprobs'])} log-probs for "
+                               f"{data['usage']['completion_tokens']} tokens")
+        return data["usage"]["completion_tokens"]
+
+    return one
+
+
+def generate_client(client, url: str, max_tokens: int):
+    """One `/generate` request per prompt with behaviour log-probs; checks one version per token."""
+
+    async def one(prompt: list[int]) -> int:
+        body = {"prompt_ids": prompt, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, "logprobs": True}
+        async with client.post(url, json=body) as r:
+            if r.status != 200:
+                raise RuntimeError(f"POST {url}: HTTP {r.status}: {(await r.text())[:300]}")
+            c = (await r.json())["completions"][0]
+        if not len(c["token_ids"]) == len(c["logprobs"]) == len(c["versions"]):
+            raise RuntimeError(f"{url}: {len(c['token_ids'])} tokens, {len(c['logprobs'])} log-probs, {len(c['versions'])} versions")
+        return len(c["token_ids"])
+
+    return one
+
+
+async def run_phases(label: str, base: str, model: str, phases: list[tuple[str, str]], ids, args, handle=None,
+                     metrics_url: str | None = None) -> list[dict]:
+    """Each (phase, kind) over HTTP at `base` (kind: plain | logprobs | rollout) or, for kind
+    `handle`, through the engine deployment's Serve handle. With `metrics_url` (our app), each
+    phase also reports where the requests were on average (OCCUPANCY)."""
     import aiohttp
+
+    rows = []
+    connector = aiohttp.TCPConnector(limit=args.concurrency, limit_per_host=args.concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=900)) as client:
+        for phase, kind in phases:
+            if kind == "handle":
+                one = handle_client(handle, args.max_tokens)
+            elif kind == "rollout":
+                one = generate_client(client, f"{base}/generate", args.max_tokens)
+            else:
+                one = completions_client(client, f"{base}/v1/completions", model, args.max_tokens, kind == "logprobs")
+            await timed(args.concurrency, one, ids[: args.warmup])
+            samples: list[dict[str, float]] = []
+            sampler = asyncio.create_task(occupancy(metrics_url, samples)) if metrics_url else None
+            row = summarize(label, phase, await timed_latency(args.concurrency, one, ids, f"{label}_{phase}"), len(ids))
+            if sampler is not None:
+                sampler.cancel()
+                row["occupancy"] = {k: round(sum(x[k] for x in samples) / len(samples), 1) for k in OCCUPANCY} if samples else {}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def handle_client(handle, max_tokens: int):
+    from asyncrl.types import GenerationRequest, SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=True)
+
+    async def one(prompt: list[int]) -> int:
+        result = await handle.generate.remote(GenerationRequest(prompt_ids=prompt, sampling=sp))
+        c = result.completions[0]
+        if not len(c.token_ids) == len(c.logprobs) == len(c.versions):
+            raise RuntimeError(f"handle: {len(c.token_ids)} tokens, {len(c.logprobs)} log-probs, {len(c.versions)} versions")
+        return len(c.token_ids)
+
+    return one
+
+
+# `vllm serve` through vLLM's own CLI entry point. vllm-cpu installs as the distribution
+# "vllm-cpu" and the CLI asks for the version of "vllm" (platform detection already knows to
+# ask for "vllm-cpu"): the CLI's own lookup falls back the same way.
+VLLM_CLI = """
+import importlib.metadata as md, sys, types, vllm.entrypoints.cli.main as cli
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return md.version("vllm-cpu")
+cli.importlib = types.SimpleNamespace(metadata=types.SimpleNamespace(version=version))  # this module's name only
+sys.argv[0] = "vllm"
+cli.main()
+"""
+
+
+def vllm_serve_command(args: argparse.Namespace, port: int) -> list[str]:
+    """`vllm serve` with the engine options both servers share: model, dtype, context length,
+    `--engine-kwargs`, and on CPU the host-memory options the replica sets there too."""
+    from asyncrl.config import GeneratorConfig, ModelConfig
+    from asyncrl.generator.engine import build_engine_args
+
+    cmd = [sys.executable, "-c", VLLM_CLI, "serve", os.path.abspath(args.model), "--port", str(port), "--served-model-name", "bench",
+           "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--disable-uvicorn-access-log"]
+    shared = json.loads(args.engine_kwargs)
+    if not args.num_gpus:
+        ours = vars(build_engine_args(ModelConfig(path=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
+                                      GeneratorConfig(engine_kwargs=shared)))
+        shared = {k: ours[k] for k in ("gpu_memory_utilization", "enable_chunked_prefill", "max_num_batched_tokens")} | shared
+    for key, value in shared.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            cmd.append(flag if value else "--no-" + key.replace("_", "-"))
+        else:
+            cmd += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return cmd
+
+
+async def wait_ready(url: str, proc, timeout_s: float) -> None:
+    import aiohttp
+
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode} before it was ready")
+            try:
+                async with client.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(1)
+    raise RuntimeError(f"vllm serve not ready after {timeout_s} s")
+
+
+def side_vllm(args: argparse.Namespace, ids, label: str, log_dir: Path) -> list[dict]:
+    port = args.port + 10
+    cmd = vllm_serve_command(args, port)
+    print(f"[generation] {label}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    log = open(log_dir / f"{label}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]})
+    try:
+        t0 = time.perf_counter()
+        asyncio.run(wait_ready(f"http://127.0.0.1:{port}/v1/models", proc, args.start_timeout_s))
+        print(f"[generation] {label} ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        phases = [(p, p) for p in args.phases if p in ("plain", "logprobs")]
+        return asyncio.run(run_phases(label, f"http://127.0.0.1:{port}", "bench", phases, ids, args))
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def side_asyncrl(args: argparse.Namespace, sections: dict, ids, label: str, replicas: int = 1) -> list[dict]:
     import ray
+    from ray import serve
 
     from asyncrl.config import load_config
     from asyncrl.generator.app import run_generator
+    from asyncrl.generator.deployment import ENGINE_DEPLOYMENT
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=max(4, os.cpu_count() or 4), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"], "TOKENIZERS_PARALLELISM": "false"}})
+    port = args.port
     gen = {**sections["generator"], "http_port": port, "direct_http_port": port + 1,
-           "max_ongoing_requests": max_ongoing or max(64, concurrency), "max_queued_requests": -1}
+           "max_ongoing_requests": args.max_ongoing or 4 * args.concurrency, "max_queued_requests": -1}
+    if replicas > 1:  # that many engine replicas share the GPUs (each engine takes its share of the memory)
+        gen.update(num_gpus=args.num_gpus / replicas, autoscaling={"min_replicas": replicas, "max_replicas": replicas})
     cfg = load_config({"model": sections["model"], "generator": gen})
+    t0 = time.perf_counter()
     run_generator(cfg, name="bench", weight_source=None)
-    results = {}
+    print(f"[generation] {label} ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     try:
-        for name, p in (("proxy", port), ("direct", port + 1)):
-            url = f"http://127.0.0.1:{p}/generate"
-            connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency)
-            async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as client:
-
-                async def gen_one(prompt: list[int]) -> int:
-                    body = {"prompt_ids": prompt, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
-                    async with client.post(url, json=body) as r:
-                        if r.status != 200:
-                            raise RuntimeError(f"POST {url}: HTTP {r.status}: {(await r.text())[:300]}")
-                        return len((await r.json())["completions"][0]["token_ids"])
-
-                await timed(concurrency, gen_one, ids[:warmup])
-                samples: list[dict[str, float]] = []
-                sampler = asyncio.create_task(occupancy(f"http://127.0.0.1:{port + 1}/metrics", samples))
-                results[name] = await timed(concurrency, gen_one, ids, f"http_{name}")
-                sampler.cancel()
-                results[name]["occupancy"] = {k: round(sum(s[k] for s in samples) / len(samples), 1) for k in OCCUPANCY} if samples else {}
-        return results
+        rows = []
+        http = [(p, p) for p in args.phases if p in ("plain", "logprobs")]
+        for endpoint in args.endpoints:
+            base = f"http://127.0.0.1:{port + 1 if endpoint == 'gateway' else port}"
+            named = [(p if endpoint == "gateway" else f"{p}_proxy", k) for p, k in http]
+            if endpoint == args.endpoints[0] and "rollout" in args.phases:
+                named.append(("rollout", "rollout"))
+            rows += asyncio.run(run_phases(label, base, cfg.model.served_name, named, ids, args,
+                                           metrics_url=f"http://127.0.0.1:{port + 1}/metrics"))
+        if "handle" in args.phases:
+            handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name="bench")
+            rows += asyncio.run(run_phases(label, "", "", [("handle", "handle")], ids, args, handle=handle,
+                                           metrics_url=f"http://127.0.0.1:{port + 1}/metrics"))
+        return rows
     finally:
-        from ray import serve
-
         serve.shutdown()
         ray.shutdown()
+
+
+def side_direct(sections: dict, ids, args: argparse.Namespace) -> list[dict]:
+    d = asyncio.run(direct(sections, ids, args.concurrency, args.max_tokens, args.warmup))
+    rows = []
+    for phase in ("final_only", "per_step"):
+        r = d[phase]
+        row = {"benchmark": "generation_phase", "side": "direct", "phase": phase, "requests": len(ids), "tokens": r["tokens"],
+               "seconds": round(r["seconds"], 2), "tokens_per_s": round(r["tokens"] / r["seconds"], 1)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def ratios(rows: list[dict]) -> dict:
+    """asyncrl / best vllm serve run, per phase; rollout paths against vllm serve's `logprobs`."""
+    best: dict[str, dict] = {}
+    for r in rows:
+        if r["side"].startswith("vllm") and r["tokens_per_s"] > best.get(r["phase"], {}).get("tokens_per_s", 0):
+            best[r["phase"]] = r
+    out: dict = {}
+    for r in rows:
+        if not r["side"].startswith("asyncrl"):
+            continue
+        base = best.get({"rollout": "logprobs", "handle": "logprobs"}.get(r["phase"], r["phase"].removesuffix("_proxy")))
+        if base:
+            key = r["phase"] if r["side"] == "asyncrl" else f"{r['side']}_{r['phase']}"
+            out[f"{key}_over_vllm"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+            out[f"{key}_p99_over_vllm"] = round(r["p99_s"] / base["p99_s"], 3)
+    return out
 
 
 def main() -> None:
@@ -184,57 +409,44 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--warmup", type=int, default=32, help="requests sent (and not timed) before measuring")
+    ap.add_argument("--warmup", type=int, default=32, help="requests sent (and not timed) before each phase")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--num-gpus", type=float, default=0.0, help="Ray GPUs for the Serve engine replica (1 on a GPU machine)")
-    ap.add_argument("--max-ongoing", type=int, default=0, help="generator.max_ongoing_requests (default: max(64, --concurrency))")
-    ap.add_argument("--engine-kwargs", default="{}", help="JSON object passed to vLLM's AsyncEngineArgs on both sides")
-    ap.add_argument("--sides", default="direct,http",
-                    help="what to time: direct,http (the ratios need both); one side alone is for diagnosis")
+    ap.add_argument("--max-ongoing", type=int, default=0, help="generator.max_ongoing_requests (default: 4 x --concurrency)")
+    ap.add_argument("--engine-kwargs", default="{}", help="JSON object of vLLM engine options given to every server")
+    ap.add_argument("--sides", default="vllm,asyncrl,vllm", help="comma list of vllm, asyncrl, direct (in order; may "
+                    "repeat); asyncrlxN runs N engine replicas on the same GPUs (each 1/N of --num-gpus and of the memory)")
+    ap.add_argument("--phases", default="plain,logprobs,rollout,handle")
+    ap.add_argument("--endpoints", default="gateway", help="asyncrl HTTP endpoints: gateway (its own port), proxy (Serve's)")
+    ap.add_argument("--start-timeout-s", type=float, default=600)
+    ap.add_argument("--log-dir", default=None, help="where vllm serve's logs go (default: a temporary folder)")
     args = ap.parse_args()
-    sides = set(args.sides.split(","))
-    if not sides or sides - {"direct", "http"}:
-        ap.error(f"--sides: a comma list of direct and http, got {args.sides!r}")
+    sides = args.sides.split(",")
+    args.phases, args.endpoints = args.phases.split(","), args.endpoints.split(",")
+    kinds = [re.sub(r"x\d+$", "", s) if s.startswith("asyncrl") else s for s in sides]
+    if set(kinds) - {"vllm", "asyncrl", "direct"} or set(args.phases) - {"plain", "logprobs", "rollout", "handle"} \
+            or set(args.endpoints) - {"gateway", "proxy"}:
+        ap.error("--sides: vllm|asyncrl|direct; --phases: plain|logprobs|rollout|handle; --endpoints: gateway|proxy")
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="generation-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
     sections = engine_sections(args)
     ids = prompts(sections["model"]["path"], args.num_prompts)
-    row: dict = {"benchmark": "generation", "model": args.model, "num_prompts": args.num_prompts,
-                 "concurrency": args.concurrency, "max_tokens": args.max_tokens, "dtype": args.dtype,
-                 "prompt_tokens_mean": round(sum(map(len, ids)) / len(ids), 1)}
-    if "direct" in sides:
-        d = asyncio.run(direct(sections, ids, args.concurrency, args.max_tokens, args.warmup))
-        direct_tps, per_step_tps = (d[k]["tokens"] / d[k]["seconds"] for k in ("final_only", "per_step"))
-        print(json.dumps({"benchmark": "generation_direct", "direct_tokens_per_s": round(direct_tps, 1),
-                          "direct_per_step_tokens_per_s": round(per_step_tps, 1)}), flush=True)
-        row.update({
-            # direct AsyncLLM with the output kind the replica uses for a non-streaming request (one
-            # output per request); the ratios below are against it. per_step: vLLM's default kind.
-            "direct_tokens_per_s": round(direct_tps, 1), "direct_per_step_tokens_per_s": round(per_step_tps, 1),
-            "direct_seconds": round(d["final_only"]["seconds"], 2), "direct_per_step_seconds": round(d["per_step"]["seconds"], 2),
-            # Wall-clock (epoch) bounds of each timed phase, to match per-process CPU samples against.
-            "direct_window": [round(t, 2) for t in d["final_only"]["window"]],
-            "direct_per_step_window": [round(t, 2) for t in d["per_step"]["window"]],
-        })
-    if "http" in sides:
-        h = asyncio.run(http(sections, ids, args.concurrency, args.max_tokens, args.warmup, args.port, args.max_ongoing))
-        proxy_tps, gw_tps = (h[k]["tokens"] / h[k]["seconds"] for k in ("proxy", "direct"))
-        row.update({
-            # through Serve's HTTP proxy (generator.http_port) and the gateway's own port (generator.direct_http_port)
-            "http_tokens_per_s": round(proxy_tps, 1), "http_gateway_port_tokens_per_s": round(gw_tps, 1),
-            # mean requests at the gateway / in the engine replica / in the vLLM engine during each HTTP phase
-            # (the client keeps --concurrency in flight; the engine's share is what decodes)
-            "http_occupancy": h["proxy"]["occupancy"], "http_gateway_port_occupancy": h["direct"]["occupancy"],
-            "http_seconds": round(h["proxy"]["seconds"], 2), "http_gateway_port_seconds": round(h["direct"]["seconds"], 2),
-            "http_window": [round(t, 2) for t in h["proxy"]["window"]],
-            "http_gateway_port_window": [round(t, 2) for t in h["direct"]["window"]],
-        })
-    if sides == {"direct", "http"}:
-        row.update({
-            "http_over_direct": round(proxy_tps / direct_tps, 3), "http_gateway_port_over_direct": round(gw_tps / direct_tps, 3),
-            "http_gateway_port_over_direct_per_step": round(gw_tps / per_step_tps, 3),
-        })
-    print(json.dumps(row))
+    rows: list[dict] = []
+    for i, side in enumerate(sides):
+        label = f"{side}{sum(s == side for s in sides[:i]) + 1}" if sides.count(side) > 1 else side
+        if side == "vllm":
+            rows += side_vllm(args, ids, label, log_dir)
+        elif side.startswith("asyncrl"):
+            rows += side_asyncrl(args, sections, ids, label, int(side.removeprefix("asyncrl").removeprefix("x") or 1))
+        else:
+            rows += side_direct(sections, ids, args)
+    print(json.dumps({"benchmark": "generation", "model": args.model, "num_prompts": args.num_prompts,
+                      "concurrency": args.concurrency, "max_tokens": args.max_tokens, "dtype": args.dtype,
+                      "prompt_tokens_mean": round(sum(map(len, ids)) / len(ids), 1), "sides": sides,
+                      **ratios(rows), "phases": {f"{r['side']}/{r['phase']}": r["tokens_per_s"] for r in rows}}), flush=True)
+
 
 if __name__ == "__main__":
     main()

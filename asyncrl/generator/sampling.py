@@ -91,26 +91,41 @@ def validate_request(request: GenerationRequest, limits: Limits) -> None:
         )
 
 
-def to_vllm(sp: SamplingParams, *, final_only: bool = False):
+def to_vllm(sp: SamplingParams, *, final_only: bool = False, detokenize: bool = True, array_logprobs: bool = False):
     """The vLLM SamplingParams of a validated request.
 
     Outputs are DELTA (each carries only new tokens: the replica accumulates itself), or with
     `final_only` one output per request when it ends: a caller that wants only the result spares
-    the engine's frontend and the replica a Python round per step and sequence.
+    the engine's frontend and the replica a Python round per step and sequence. `detokenize=False`
+    leaves the text to the caller (no stop strings then). `array_logprobs` marks the request for
+    the engine core's array log-prob path (array_logprobs.py: final-only requests); otherwise
+    log-probs come in vLLM's flat containers where it has them, not as a dict per token.
     """
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     from vllm.exceptions import VLLMValidationError
 
+    if sp.stop and not detokenize:
+        raise ValueError("stop strings need the engine to detokenize")
+    if array_logprobs and not final_only:
+        raise ValueError("array log-probs come with the final output only")
     try:
-        return _build(VllmSamplingParams, RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA, sp)
+        return _build(VllmSamplingParams, RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA, sp,
+                      detokenize=detokenize, array_logprobs=array_logprobs)
     except (VLLMValidationError, ValueError) as err:
         # Our rules should have caught it; never let vLLM's own check become a 500.
         raise RequestError("sampling", str(err)) from None
 
 
-def _build(VllmSamplingParams, output_kind, sp: SamplingParams):
+def _build(VllmSamplingParams, output_kind, sp: SamplingParams, *, detokenize: bool = True, array_logprobs: bool = False):
+    extra, flat = None, {}
+    if sp.logprobs and array_logprobs:
+        from asyncrl.generator.array_logprobs import mark
+
+        extra = mark(None)
+    elif sp.logprobs and hasattr(VllmSamplingParams, "flat_logprobs"):
+        flat = {"flat_logprobs": True}  # flat lists, not a dict of Logprob objects per token
     return VllmSamplingParams(
         n=sp.n,
         temperature=sp.temperature,
@@ -124,4 +139,7 @@ def _build(VllmSamplingParams, output_kind, sp: SamplingParams):
         logprobs=0 if sp.logprobs else None,
         ignore_eos=sp.ignore_eos,
         output_kind=output_kind,
+        detokenize=detokenize,
+        extra_args=extra,
+        **flat,
     )

@@ -411,3 +411,22 @@ def test_cpu_engine_args_refuse_chunked_prefill_by_name(engine_kwargs, fragment)
     assert build_engine_args(model, GeneratorConfig(engine_kwargs={"max_num_batched_tokens": 512})).max_num_batched_tokens == 512
     with pytest.raises(ConfigError, match=fragment):
         build_engine_args(model, GeneratorConfig(engine_kwargs=engine_kwargs))
+
+
+def test_gpu_engine_args_take_their_replicas_share_of_the_memory(monkeypatch):
+    """A replica on a fraction of a GPU (several per device) gets that share of vLLM's 0.9, unless
+    engine_kwargs say otherwise; a whole GPU keeps vLLM's default."""
+    from vllm.platforms import current_platform
+
+    from asyncrl.config import GeneratorConfig, ModelConfig
+    from asyncrl.generator.engine import build_engine_args
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    model = ModelConfig(path="artifacts/demo-model", max_model_len=256)
+    assert build_engine_args(model, GeneratorConfig(num_gpus=0.5)).gpu_memory_utilization == 0.45
+    assert build_engine_args(model, GeneratorConfig(num_gpus=0.25)).gpu_memory_utilization == 0.225
+    explicit = GeneratorConfig(num_gpus=0.5, engine_kwargs={"gpu_memory_utilization": 0.3})
+    assert build_engine_args(model, explicit).gpu_memory_utilization == 0.3
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    assert build_engine_args(model, GeneratorConfig(num_gpus=1)).gpu_memory_utilization == AsyncEngineArgs.gpu_memory_utilization
