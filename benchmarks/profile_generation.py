@@ -36,7 +36,7 @@ KINDS = {
     "gateway_replica": re.compile(r"ServeReplica:[^:]+:GeneratorGateway"),
     "serve_proxy": re.compile(r"ProxyActor"),
     "engine_core": re.compile(r"EngineCore"),
-    "vllm_serve": re.compile(r"\bvllm serve\b|APIServer"),  # vLLM's own OpenAI server (the comparison)
+    "vllm_serve": re.compile(r"entrypoints\.cli\.main|\bvllm serve\b|APIServer"),  # vLLM's own OpenAI server (the comparison)
 }
 MARK = re.compile(r"^\[generation\] phase (\S+) (start|end) ([0-9.]+)")
 
