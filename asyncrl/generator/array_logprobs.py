@@ -14,12 +14,16 @@ completion ends.
 
 How: the replica asks for `logprobs=0` as before (the workers compute exactly what vLLM's own
 path returns, in the engine's `logprobs_mode`) and marks the request with `extra_args[FLAG]`.
-`ArrayLogprobsMixin`, mixed into the engine core's scheduler, takes the sampled column out of
-each step's `new_logprobs` of a marked request (so nothing per token crosses to the frontend)
-and, on the step that finishes the sequence, attaches the whole array to that output's
+`ArrayLogprobsMixin`, mixed into the engine core's scheduler, keeps each marked request's values
+and takes them out of what goes to the frontend: when every request of a step that wants
+log-probs is marked (a rollout batch), it reads the sampled column of the whole batch once and
+vLLM's scheduler slices nothing; in a mixed batch it takes the column of each marked request's
+slice. On the step that finishes the sequence it attaches the whole array to that output's
 `routed_experts` field: the one per-sequence array field the frontend passes through untouched,
 concatenating it into `CompletionOutput.routed_experts`. The replica refuses the path when the
-engine itself returns routed experts (a MoE replay option), so the field is never shared.
+engine itself returns routed experts (a MoE replay option), so the field is never shared. An
+output the engine core builds outside its scheduler (an abort on pause or shutdown) carries no
+array: such a completion comes back without log-probs.
 
 Must never: change a token, a log-prob or the order of either (the values are the workers'
 own), or keep state for a request the scheduler no longer holds.
