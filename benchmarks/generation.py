@@ -111,7 +111,7 @@ async def direct(sections: dict, ids: list[list[int]], concurrency: int, max_tok
         for name, kind in (("final_only", RequestOutputKind.FINAL_ONLY), ("per_step", RequestOutputKind.CUMULATIVE)):
             sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, output_kind=kind)
             await timed(concurrency, partial(gen, sp=sp), ids[:warmup])
-            results[name] = await timed(concurrency, partial(gen, sp=sp), ids, f"direct_{name}")
+            results[name] = await timed_latency(concurrency, partial(gen, sp=sp), ids, f"direct_{name}")
         return results
     finally:
         llm.shutdown()
@@ -375,13 +375,9 @@ def side_asyncrl(args: argparse.Namespace, sections: dict, ids, label: str, repl
 
 def side_direct(sections: dict, ids, args: argparse.Namespace) -> list[dict]:
     d = asyncio.run(direct(sections, ids, args.concurrency, args.max_tokens, args.warmup))
-    rows = []
-    for phase in ("final_only", "per_step"):
-        r = d[phase]
-        row = {"benchmark": "generation_phase", "side": "direct", "phase": phase, "requests": len(ids), "tokens": r["tokens"],
-               "seconds": round(r["seconds"], 2), "tokens_per_s": round(r["tokens"] / r["seconds"], 1)}
+    rows = [summarize("direct", phase, d[phase], len(ids)) for phase in ("final_only", "per_step")]
+    for row in rows:
         print(json.dumps(row), flush=True)
-        rows.append(row)
     return rows
 
 

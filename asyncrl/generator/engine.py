@@ -203,7 +203,7 @@ class EngineReplica:
         self._seq = itertools.count()
         self.llm: Any = None
         self.limits: Limits | None = None
-        self._array_logprobs = False  # the engine core sends final-only log-probs as one array
+        self._read_array: Any = None  # reads a final-only completion's log-prob array, when the engine core sends one
         self._tokenizer: Any = None  # set when final-only texts are decoded here, not per step in the engine
         self.counters = {"requests": 0, "requests_failed": 0, "tokens_generated": 0, "ongoing": 0,
                          "updates_committed": 0, "updates_failed": 0, "version_fallbacks": 0,
@@ -213,7 +213,11 @@ class EngineReplica:
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.llm, self._array_logprobs = start_engine(self.model_cfg, self.gen_cfg)
+        self.llm, array = start_engine(self.model_cfg, self.gen_cfg)
+        if array:
+            from asyncrl.generator.array_logprobs import completion_logprobs
+
+            self._read_array = completion_logprobs
         tokenizer = self.llm.tokenizer
         # A fast tokenizer decodes a whole completion exactly as vLLM's incremental detokenizer
         # builds it (tests/generator/test_array_logprobs.py), in one call instead of one per step.
@@ -287,9 +291,7 @@ class EngineReplica:
         # A final-only request leaves its text to decode_text (unless stop strings need the
         # engine's incremental text) and, with the adapter, gets its log-probs as one array.
         decode_here = not stream and not sp.stop and self._tokenizer is not None
-        array = not stream and self._array_logprobs and sp.logprobs
-        if array:
-            from asyncrl.generator import array_logprobs
+        array = not stream and sp.logprobs and self._read_array is not None
         params = to_vllm(sp, final_only=not stream, detokenize=not decode_here, array_logprobs=array)
         # Callers may reuse request ids (GRPO groups, retries); vLLM's id must be unique in flight.
         engine_id = f"{request.request_id}-{next(self._seq)}"
@@ -318,7 +320,7 @@ class EngineReplica:
                         if live is None:
                             live = self._live_version_starts(engine_id)
                         versions = self._versions_for(live.get(c.index), begin, len(new))
-                    lps = array_logprobs.completion_logprobs(c, len(new)) if array else _sampled_logprobs(c)
+                    lps = self._read_array(c, len(new)) if array else _sampled_logprobs(c)
                     text = self.decode_text(new, c.finish_reason, c.stop_reason) if decode_here else c.text
                     deltas.append(acc.add(request.request_id, new, lps, versions, text, c.finish_reason))
                     if final is not None:

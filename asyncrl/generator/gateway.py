@@ -30,6 +30,7 @@ from ray import serve
 
 from asyncrl.config import GeneratorConfig, ModelConfig
 from asyncrl.generator.control import EngineControl, ReplicaControlError
+from asyncrl.generator.deployment import freeze_heap
 from asyncrl.generator.metrics import GatewayMetrics, render_training
 from asyncrl.generator.sampling import Limits, RequestError, validate_request
 from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult, SamplingParams
@@ -439,8 +440,6 @@ class GeneratorGateway:
 
             self.direct = DirectIngress(create_app(self.core), gen.http_host, gen.direct_http_port)
             await self.direct.start()
-        from asyncrl.generator.deployment import freeze_heap
-
         freeze_heap()
 
     def __serve_build_asgi_app__(self) -> FastAPI:

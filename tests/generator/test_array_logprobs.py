@@ -71,7 +71,7 @@ async def _scenario(model_path) -> dict:
             return got
 
         own = await asyncio.gather(*(vllm_own(r) for r in reqs))
-        return {"array": replica._array_logprobs, "decoded_here": replica._tokenizer is not None,
+        return {"array": replica._read_array is not None, "decoded_here": replica._tokenizer is not None,
                 "final": final, "mixed": mixed, "stream": stream, "own": own}
     finally:
         replica.shutdown()
