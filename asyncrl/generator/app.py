@@ -23,9 +23,9 @@ from ray import serve
 from asyncrl.config import RootConfig, load_config
 from asyncrl.generator.deployment import GeneratorEngine, engine_deployment_options
 from asyncrl.generator.gateway import GeneratorGateway
+from asyncrl.weightsync.store import STORE_NAME as WEIGHT_STORE_NAME
+from asyncrl.weightsync.store import STORE_NAMESPACE as WEIGHT_STORE_NAMESPACE
 
-WEIGHT_STORE_NAME = "asyncrl_weight_store"
-WEIGHT_STORE_NAMESPACE = "asyncrl"
 _EXTRA_KEYS = ("weight_source", "weight_source_namespace", "status_actor", "status_namespace")
 
 

@@ -2,8 +2,8 @@
 
 Owns: fanning one call out to all RUNNING replicas of the engine deployment through Ray Serve's
 `DeploymentHandle.broadcast` (public, alpha in Serve 2.60), collecting one result per replica keyed
-by replica id, and raising `ReplicaControlError` naming every replica that failed. Also the
-convenience sequence `push_weights` (pause(keep) -> begin -> buckets -> commit -> resume).
+by replica id, and raising `ReplicaControlError` naming every replica that failed. Weight pushes
+are weightsync's (its publisher calls the update steps through `call`).
 
 Must never: route a control call through load balancing (it would reach one replica), or report
 success when any replica failed.
@@ -15,11 +15,9 @@ constructor instead (publish to the store *before* the push so no version is mis
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 from asyncrl.generator.deployment import ENGINE_DEPLOYMENT, ReplicaCallError
-from asyncrl.generator.weights import NamedTensors, contiguous_tensor, tensor_fingerprint
 
 
 class ReplicaControlError(RuntimeError):
@@ -40,25 +38,6 @@ def _replica_error(err: BaseException) -> ReplicaCallError | None:
         err = getattr(err, "cause", None) or err.__cause__
         seen += 1
     return None
-
-
-def split_buckets(named_tensors: NamedTensors, bucket_bytes: int) -> list[dict[str, Any]]:
-    """Group tensors (name order) into buckets of at most `bucket_bytes` (a bigger tensor goes alone)."""
-    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    tensors = sorted(((n, contiguous_tensor(t)) for n, t in items), key=lambda kv: kv[0])
-    buckets: list[dict[str, Any]] = []
-    current: dict[str, Any] = {}
-    size = 0
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > bucket_bytes:
-            buckets.append(current)
-            current, size = {}, 0
-        current[name] = t
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 class EngineControl:
@@ -118,33 +97,3 @@ class EngineControl:
 
     async def versions(self) -> dict[str, int]:
         return {rid: s["version"] for rid, s in (await self.stats()).items()}
-
-    async def push_weights(
-        self,
-        version: int,
-        named_tensors: NamedTensors | Iterable[tuple[str, Any]],
-        *,
-        fingerprint: str | None = None,
-        bucket_bytes: int = 64 << 20,
-        pause_mode: str = "keep",
-    ) -> dict[str, Any]:
-        """Full update on every replica; on any failure the staged weights are dropped everywhere
-        and generation resumes (replicas that already committed keep the new version: the caller
-        decides whether to retry, the error lists who failed)."""
-        buckets = split_buckets(named_tensors, bucket_bytes)
-        if fingerprint is None:
-            fingerprint = tensor_fingerprint([kv for b in buckets for kv in b.items()])
-        await self.pause(pause_mode)
-        try:
-            await self.call("begin_update", version)
-            for bucket in buckets:
-                await self.call("load_bucket", bucket, version)
-            return await self.call("commit_update", version, fingerprint)
-        except BaseException:
-            try:
-                await self.call("abort_update")
-            except ReplicaControlError:
-                pass
-            raise
-        finally:
-            await self.resume()

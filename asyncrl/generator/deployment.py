@@ -100,8 +100,9 @@ class GeneratorEngine:
         return await self.replica.resume()
 
     @_control
-    async def begin_update(self, version: int, verify: str = "full") -> dict[str, Any]:
-        return await self.replica.begin_update(version, verify)
+    async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
+                           plan_id: str | None = None) -> dict[str, Any]:
+        return await self.replica.begin_update(version, verify, staging, layout, plan_id)
 
     @_control
     async def load_bucket(self, named_tensors: Any, version: int | None = None) -> dict[str, Any]:
@@ -114,6 +115,14 @@ class GeneratorEngine:
     @_control
     async def abort_update(self) -> dict[str, Any]:
         return await self.replica.abort_update()
+
+    @_control
+    async def engine_layout(self, manifest: bytes) -> dict[str, Any]:
+        return await self.replica.engine_layout(manifest)
+
+    @_control
+    async def set_push_plan(self, plan: bytes | None) -> dict[str, Any]:
+        return await self.replica.set_push_plan(plan)
 
     @_control
     async def collective_info(self) -> dict[str, Any]:

@@ -26,9 +26,9 @@ from typing import Any, Literal
 from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
 from asyncrl.generator.sampling import Limits, to_vllm, validate_request
 from asyncrl.generator.versions import CompletionAccumulator, VersionLedger, versions_from_spans, versions_from_starts
-from asyncrl.generator.weights import NamedTensors, check_verify_mode, fingerprint_mode
 from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
-from asyncrl.weightsync.collective import CollectiveReceive
+from asyncrl.weightsync.fingerprint import NamedTensors, check_verify_mode, fingerprint_mode
+from asyncrl.weightsync.replica_side import FingerprintMismatch, ReplicaStaging
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,15 @@ def start_engine(model: ModelConfig, gen: GeneratorConfig) -> tuple[Any, bool]:
 
     args = build_engine_args(model, gen)
     config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        import os
+
+        from asyncrl.weightsync.vllm_worker import CPU_UNPACKED_ENV
+
+        # Read by the worker extension (in the engine's own processes) before the model loads.
+        os.environ[CPU_UNPACKED_ENV] = "1" if gen.cpu_unpacked_weights else "0"
     array = False
     if gen.array_logprobs:
         from asyncrl.generator import array_logprobs
@@ -137,24 +146,6 @@ def _is_object_ref(value: Any) -> bool:
     import ray
 
     return isinstance(value, ray.ObjectRef)
-
-
-async def _as_shared(named_tensors: Any) -> AsyncIterator[tuple[Any, bool]]:
-    """The payload as shared bucket files for the workers, with whether this replica wrote (and
-    so must unlink) each: a `SharedBucket` from the shm transport as it is, a `Bucket` (object
-    store) written once, any other NamedTensors packed into 256 MiB buckets first."""
-    from asyncrl.weightsync.bucket import Bucket, SharedBucket, iter_buckets, write_shared
-
-    if isinstance(named_tensors, SharedBucket):
-        yield named_tensors, False
-        return
-    if isinstance(named_tensors, Bucket):
-        buckets: Any = [named_tensors]
-    else:  # iter_buckets checks the names and brings each tensor to contiguous CPU memory
-        pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        buckets = iter_buckets(pairs, 256.0)
-    for bucket in buckets:
-        yield await asyncio.to_thread(write_shared, bucket), True
 
 
 def _sampled_logprobs(completion: Any) -> list[float] | None:
@@ -196,6 +187,7 @@ class EngineReplica:
         self.version = 0
         self._staging_version: int | None = None
         self._staged_tensors = 0
+        self._staging = ReplicaStaging(self._rpc, replica_id)  # the receiving half of weight pushes
         self._paused_mode: str | None = None  # a pause some caller holds (resume clears it)
         self._asleep: set[str] = set()  # SLEEP_TAGS released now; the engine never runs while any is
         self._weights_discarded = False  # a level-2 sleep dropped the weights; cleared by the next commit
@@ -233,6 +225,13 @@ class EngineReplica:
             logger.info("replica %s: per-token versions from the replica's ledger", self.replica_id)
         if stamps:
             await self.llm.update_weight_version(str(self.version))
+        checks = await self._staging.check_layout()
+        problems = sorted({c["problem"] for c in checks if c.get("problem")})
+        if problems:
+            logger.info("replica %s: weight pushes will reload through vLLM (%s)", self.replica_id, "; ".join(problems))
+        else:
+            logger.info("replica %s: weight pushes can copy into the live parameters (layout checked in %.2f s)",
+                        self.replica_id, max(c["seconds"] for c in checks))
         self.state = ReplicaState.CATCHING_UP
         await self.sync_from_source()
         self.state = ReplicaState.READY
@@ -251,11 +250,28 @@ class EngineReplica:
         if version <= self.version or buckets is None:
             return {"replica_id": self.replica_id, "version": self.version, "loaded": False}
         logger.info("replica %s catching up to weight version %d", self.replica_id, version)
-        await self.begin_update(version, fingerprint_mode(fingerprint))
-        for bucket in buckets:
-            await self.load_bucket(bucket)
+        mode = fingerprint_mode(fingerprint)
+        layout, plan_id, payloads = "hf", None, list(buckets)
+        plan = await store.plan.remote()
+        if plan is not None:  # buckets in an engine layout: ours, or rebuild the HF tensors from them
+            import pickle
+
+            try:
+                plan_id = await self._staging.set_plan(pickle.dumps(plan))
+                layout = "engine"
+            except Exception as err:
+                from asyncrl.weightsync.fingerprint import tensor_fingerprint
+                from asyncrl.weightsync.plan import hf_from_engine
+
+                logger.info("replica %s: the stored version's layout is not this engine's (%s); loading it as HF tensors",
+                            self.replica_id, err)
+                tensors = hf_from_engine(plan, payloads)
+                payloads, fingerprint = [tensors], tensor_fingerprint(tensors, mode)
+        await self.begin_update(version, mode, layout=layout, plan_id=plan_id)
+        for payload in payloads:
+            await self.load_bucket(payload)
         await self.commit_update(version, fingerprint)
-        return {"replica_id": self.replica_id, "version": self.version, "loaded": True}
+        return {"replica_id": self.replica_id, "version": self.version, "loaded": True, "layout": layout}
 
     def shutdown(self) -> None:
         if self.llm is not None:
@@ -411,25 +427,45 @@ class EngineReplica:
         return {"replica_id": self.replica_id, "paused": False, "running": running, "version": self.version}
 
     # ---- weight update ---------------------------------------------------------------------
+    # The receiving half lives in weightsync (replica_side.py at this level, vllm_worker.py in the
+    # workers); here: the replica's update state machine, the pause around the apply and the label.
 
-    async def begin_update(self, version: int, verify: str = "full") -> dict[str, Any]:
-        """Start staging `version`; buckets are hashed as they arrive in `verify` mode (weights.py)."""
+    async def _rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        return await self.llm.collective_rpc(method, timeout=timeout, args=args)
+
+    async def engine_layout(self, manifest: bytes) -> dict[str, Any]:
+        """Every worker's parameter layout for the learner's export `manifest` (pickled
+        `EngineLayout`s, weightsync/plan.py), and what the start-time check found."""
+        return {"replica_id": self.replica_id, "layouts": await self._staging.layouts(manifest),
+                "check": self._staging.layout_report}
+
+    async def set_push_plan(self, plan: bytes | None) -> dict[str, Any]:
+        """Engine-layout buckets of this push plan (pickled, weightsync/plan.py) may be applied by a
+        copy from now on; every worker checks its own layout is the plan's. None: reload only."""
+        async with self._control_lock:
+            plan_id = await self._staging.set_plan(plan)
+            return {"replica_id": self.replica_id, "plan_id": plan_id}
+
+    async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
+                           plan_id: str | None = None) -> dict[str, Any]:
+        """Start staging `version`; buckets are hashed as they arrive in `verify` mode (weightsync/fingerprint.py).
+        `layout`: "engine" (packed for a copy into the parameters) or "hf"; `staging`: "full" or "bucketed"."""
         async with self._control_lock:
             if isinstance(version, bool) or not isinstance(version, int) or version < 0:
                 raise WeightUpdateError(f"replica {self.replica_id}: version {version!r} must be an int >= 0")
             try:
                 check_verify_mode(verify)
+                await self._staging.begin(version, verify, staging, layout, plan_id)
             except ValueError as err:
-                raise WeightUpdateError(f"replica {self.replica_id}: {err}") from None
+                raise WeightUpdateError(f"replica {self.replica_id}: {type(err).__name__}: {err}") from None
             if version <= self.version:
                 # weightsync restoring the last live version after a torn push (its host copy):
                 # the label goes back with the weights, so tokens stay truthfully tagged.
                 logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
-            await self.llm.collective_rpc("asyncrl_begin_update", args=(version, verify))
             self.update_state, self._staging_version, self._staged_tensors = UpdateState.STAGING, version, 0
             return {"replica_id": self.replica_id, "staging": version}
 
-    async def load_bucket(self, named_tensors: NamedTensors, version: int | None = None) -> dict[str, Any]:
+    async def load_bucket(self, named_tensors: Any, version: int | None = None) -> dict[str, Any]:
         async with self._control_lock:
             if self.update_state is not UpdateState.STAGING:
                 raise WeightUpdateError(f"replica {self.replica_id}: load_bucket without begin_update")
@@ -438,56 +474,37 @@ class EngineReplica:
             if _is_object_ref(named_tensors):  # a bucket handle that travelled nested, unresolved
                 named_tensors = await named_tensors
             try:
-                if isinstance(named_tensors, CollectiveReceive):
-                    staged = await self._receive_collective(named_tensors)
-                else:
-                    staged = await self._stage_files(named_tensors)
+                staged = await self._staging.load(named_tensors, self._staging_version)
             except Exception as err:
                 await self._drop_staged()
                 raise WeightUpdateError(f"replica {self.replica_id}: staging failed: {err}") from err
             self._staged_tensors = staged
             return {"replica_id": self.replica_id, "staged_tensors": staged}
 
-    async def _stage_files(self, named_tensors: Any) -> int:
-        staged = 0
-        async for shared, owned in _as_shared(named_tensors):
-            try:
-                path, metas = shared.wire()
-                (staged, *_) = await self.llm.collective_rpc("asyncrl_stage_file", args=(self._staging_version, path, metas))
-            finally:
-                if owned:  # written here; the workers hold their own mappings now
-                    shared.unlink()
-        return staged
-
-    async def _receive_collective(self, receive: CollectiveReceive) -> int:
-        if receive.version != self._staging_version:
-            raise WeightUpdateError(f"collective push of version {receive.version}, staging {self._staging_version}")
-        counts = await self.llm.collective_rpc(
-            "asyncrl_receive_collective", timeout=receive.timeout_s + 30.0,
-            args=(receive.version, list(receive.group_ids), receive.timeout_s))
-        return int(counts[0])
-
     # ---- collective transport groups (weightsync/collective.py) --------------------------------
 
     async def collective_info(self) -> dict[str, Any]:
         """How many engine workers this replica has (each is one receiver rank) and which groups
         every one of them still holds."""
-        per_worker = await self.llm.collective_rpc("asyncrl_collective_groups")
+        per_worker = await self._rpc("asyncrl_collective_groups")
         common = set(per_worker[0]).intersection(*map(set, per_worker[1:])) if per_worker else set()
         return {"replica_id": self.replica_id, "workers": len(per_worker), "groups": sorted(common)}
 
     async def join_collective(self, specs: list[dict[str, Any]], timeout_s: float = 120.0) -> dict[str, Any]:
         """Join the groups `specs` (every worker, concurrently with the senders)."""
         async with self._control_lock:
-            joined = await self.llm.collective_rpc("asyncrl_join_collective", timeout=timeout_s + 30.0,
-                                                   args=(self.replica_id, list(specs)))
+            joined = await self._rpc("asyncrl_join_collective", self.replica_id, list(specs), timeout=timeout_s + 30.0)
             return {"replica_id": self.replica_id, "groups": joined[0]}
 
     async def leave_collective(self) -> dict[str, Any]:
-        await self.llm.collective_rpc("asyncrl_leave_collective")
+        await self._rpc("asyncrl_leave_collective")
         return {"replica_id": self.replica_id}
 
     async def commit_update(self, version: int, fingerprint: str) -> dict[str, Any]:
+        """Check the staged version against `fingerprint` (nothing applied if it differs), then,
+        paused, apply it and relabel. A caller that did not pause gets the pause here, and the
+        resume after a successful apply; a failed apply leaves the replica paused (weightsync
+        restores the last live version, then resumes it)."""
         async with self._control_lock:
             if self.update_state is not UpdateState.STAGING or self._staging_version != version:
                 raise WeightUpdateError(
@@ -496,43 +513,54 @@ class EngineReplica:
             if "weights" in self._asleep:
                 raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} while its weights are "
                                         "asleep (wake_up(['weights']) first); nothing applied")
+            try:
+                self._staging.check(version, fingerprint)
+            except FingerprintMismatch as err:
+                self.counters["updates_failed"] += 1
+                await self._drop_staged()
+                raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} rejected, "
+                                        f"staying on {self.version}: {err}") from None
             self.update_state = UpdateState.COMMITTING
             # The version label may only change while no step runs; pause here if the caller did not.
             paused_here = self.state is ReplicaState.READY and self._may_run()
+            t_pause = time.perf_counter()
             if paused_here:
                 await self.llm.pause_generation(mode="keep", clear_cache=True)
+                self._paused_mode = "keep"  # held until the apply succeeded
             try:
-                try:
-                    # Paused: no step runs, so these counts hold until resume.
-                    sampled = await self._sampled_token_counts() if self._ledger is not None else None
-                    applied = await self.llm.collective_rpc("asyncrl_commit", args=(version, fingerprint))
-                except Exception as err:
-                    self.counters["updates_failed"] += 1
-                    raise WeightUpdateError(
-                        f"replica {self.replica_id}: commit of version {version} rejected, staying on {self.version}: {err}"
-                    ) from err
-                finally:
-                    self.update_state, self._staging_version, self._staged_tensors = UpdateState.IDLE, None, 0
-                if hasattr(self.llm, "update_weight_version"):
-                    await self.llm.update_weight_version(str(version))
-                await self.llm.reset_prefix_cache()
-                if sampled is not None:
-                    self._mark_ledger(version, sampled)  # no await between this and the label change
-                self.version = version
-                self._weights_discarded = False
-                self.counters["updates_committed"] += 1
+                # Paused: no step runs, so these counts hold until resume.
+                sampled = await self._sampled_token_counts() if self._ledger is not None else None
+                applied = await self._staging.apply(version)
+            except Exception as err:
+                self.counters["updates_failed"] += 1
+                raise WeightUpdateError(
+                    f"replica {self.replica_id}: commit of version {version} failed while applying (possibly part "
+                    f"applied; the replica stays paused until restored): {err}"
+                ) from err
             finally:
-                # Resume what this commit paused, or start an awake engine whose level-2 sleep
-                # had left it without weights until now.
-                if self.state is ReplicaState.READY and (paused_here or self._may_run()):
-                    await self._settle()
-            # The workers reload at once; the slowest is what the commit waited for.
-            return {"replica_id": self.replica_id, "version": self.version,
-                    "reload_seconds": max(a["reload_seconds"] for a in applied)}
+                self.update_state, self._staging_version, self._staged_tensors = UpdateState.IDLE, None, 0
+            if hasattr(self.llm, "update_weight_version"):
+                await self.llm.update_weight_version(str(version))
+            await self.llm.reset_prefix_cache()
+            if sampled is not None:
+                self._mark_ledger(version, sampled)  # no await between this and the label change
+            self.version = version
+            self._weights_discarded = False
+            self.counters["updates_committed"] += 1
+            # Resume what this commit paused, or start an awake engine whose level-2 sleep had left
+            # it without weights until now.
+            if paused_here:
+                self._paused_mode = None
+            if self.state is ReplicaState.READY and (paused_here or self._may_run()):
+                await self._settle()
+            return {"replica_id": self.replica_id, "version": self.version, "path": applied["path"],
+                    "apply_seconds": applied["apply_seconds"],
+                    "reload_seconds": applied["apply_seconds"] if applied["path"] == "reload" else 0.0,
+                    "paused_seconds": time.perf_counter() - t_pause if paused_here else 0.0}
 
     async def _sampled_token_counts(self) -> dict[str, int]:
         """Tokens sampled so far per engine-internal sequence id, as the workers hold them."""
-        per_worker = await self.llm.collective_rpc("asyncrl_sampled_token_counts")
+        per_worker = await self._rpc("asyncrl_sampled_token_counts")
         if any(counts is None for counts in per_worker):
             # A model runner without per-request state: use what the frontend has processed, which
             # can trail the workers by the outputs still in the pipe.
@@ -578,13 +606,13 @@ class EngineReplica:
             return {"replica_id": self.replica_id, "version": self.version}
 
     async def _drop_staged(self) -> None:
-        await self.llm.collective_rpc("asyncrl_abort_update")
+        await self._staging.abort()
         self.update_state, self._staging_version, self._staged_tensors = UpdateState.IDLE, None, 0
 
     async def live_fingerprint(self) -> str:
         if "weights" in self._asleep:
             raise WeightUpdateError(f"replica {self.replica_id}: weights are asleep, nothing to fingerprint")
-        (fp, *_) = await self.llm.collective_rpc("asyncrl_fingerprint_params")
+        (fp, *_) = await self._rpc("asyncrl_fingerprint_params")
         return fp
 
     # ---- sleep / wake ----------------------------------------------------------------------

@@ -47,6 +47,9 @@ class PackedExport:
 
     buckets: list[Any] = field(default_factory=list)
     metas: list[list[Any]] = field(default_factory=list)
+    senders: list[int] = field(default_factory=list)  # the PP stage that packed each bucket
+    digests: list[dict[str, bytes]] = field(default_factory=list)  # each bucket's, as its packer hashed it
+    seconds: dict[str, float] = field(default_factory=dict)  # the slowest sender's pack / hash / put
 
     @property
     def names(self) -> list[str]:
@@ -202,13 +205,21 @@ class LearnerGroup:
         results, _ = await self._compute("update_critic", _samples(batch), returns, old_values)
         return results[0]
 
-    async def export_hf_tensors_packed(self, bucket_mb: float, transport: str = "object_store") -> PackedExport:
-        outs = [o for o in await self._all("export_hf_tensors_packed", bucket_mb, transport) if o is not None]
-        packed = PackedExport()
+    async def export_hf_tensors_packed(self, bucket_mb: float, transport: str = "object_store", verify: str = "full",
+                                       layout: str = "hf") -> PackedExport:
+        """The export packed into host buckets by the sending ranks (engine layout: the push plan's)."""
+        outs = [o for o in await self._all("export_hf_tensors_packed", bucket_mb, transport, verify, layout) if o is not None]
+        packed = PackedExport(seconds=_slowest(o["seconds"] for o in outs))
         for o in sorted(outs, key=lambda o: o["pp_rank"]):
             packed.buckets += o["buckets"]
             packed.metas += o["metas"]
+            packed.senders += [o["pp_rank"]] * len(o["buckets"])
+            packed.digests += o["digests"]
         return packed
+
+    async def set_push_plan(self, plan: bytes | None) -> None:
+        """The sending ranks pack later pushes for this push plan (weightsync/plan.py; None: HF tensors)."""
+        await self._all("set_push_plan", plan)
 
     async def collective_addresses(self) -> list[dict[str, Any]]:
         """Rendezvous addresses of the sending ranks (one per PP stage), in stage order."""

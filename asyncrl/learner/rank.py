@@ -47,9 +47,7 @@ class LearnerRank:
         self.role: Any = None
         self.layout: Any = None
         self.coords: Any = None
-        self._collective: Any = None  # this rank's weight broadcast group (sending ranks only)
-        self._reserved_port: Any = None  # sending ranks: the listening socket of the next group's store
-        self._host_copies: Any = None  # its last broadcast's host copies, until taken
+        self._sender: Any = None  # sending ranks: their end of weight pushes (weightsync/sender.py)
         self._store: Any = None  # rank 0: the group's rendezvous store, bound before setup
 
     # ------------------------------------------------------------------ setup
@@ -129,45 +127,48 @@ class LearnerRank:
                     return getattr(self.role, method)(*args, **kwargs)
             return getattr(self.role, method)(*args, **kwargs)
 
-    def export_hf_tensors_packed(self, bucket_mb: float, transport: str = "object_store") -> dict[str, Any] | None:
-        """Pack this PP stage's HF tensors into buckets and hand them to the weightsync transport
-        (sending ranks only): `ray.put` for object_store, a shared file for shm (same host).
-
-        Every rank drives the export iterator to its end (its TP/EP gathers are collective);
-        only TP rank 0 / CP rank 0 / DP rank 0 of each stage packs and puts.
-        """
-        import ray
-
-        from asyncrl.weightsync.bucket import iter_buckets, write_shared
-
-        if transport not in ("object_store", "shm"):
-            raise ValueError(f"transport={transport!r}: learner ranks can put buckets into object_store or shm only")
-        self._ready()
-        c = self.coords
-        with self._thread(), self._held(("params",)):
-            tensors = self.role.export_hf_tensors()
-            if not (c.tp == 0 and c.cp == 0 and c.dp == 0):
-                for _ in tensors:
-                    pass
-                return None
-            handles, metas = [], []
-            try:
-                for bucket in iter_buckets(tensors, bucket_mb):
-                    metas.append(list(bucket.metas))
-                    handles.append(write_shared(bucket) if transport == "shm" else ray.put(bucket))
-                    del bucket  # one packed bucket alive at a time in this heap
-            except BaseException:
-                if transport == "shm":  # object-store refs free themselves when dropped
-                    for h in handles:
-                        h.unlink()
-                raise
-        return {"pp_rank": c.pp, "buckets": handles, "metas": metas}
-
-    # ------------------------------------------------------------------ collective weight broadcast
+    # ------------------------------------------------------------------ weight pushes (weightsync/sender.py)
 
     def _is_sender(self) -> bool:
         c = self.coords
         return c.tp == 0 and c.cp == 0 and c.dp == 0
+
+    def _endpoint(self) -> Any:
+        if self._sender is None:
+            from asyncrl.weightsync.sender import SenderEndpoint
+
+            self._sender = SenderEndpoint()
+        return self._sender
+
+    def _drain(self, tensors: Any) -> None:
+        for _ in tensors:  # every rank drives the export to its end: its TP/EP gathers are collective
+            pass
+
+    def set_push_plan(self, plan: bytes | None) -> str | None:
+        """Sending ranks pack later pushes in the engines' layout of this push plan (None: HF tensors)."""
+        self._ready()
+        return self._endpoint().set_plan(plan) if self._is_sender() else None
+
+    def export_hf_tensors_packed(self, bucket_mb: float, transport: str = "object_store", verify: str = "full",
+                                 layout: str = "hf") -> dict[str, Any] | None:
+        """Pack this PP stage's export into host buckets of the weightsync transport (sending ranks
+        only): a shared file each for shm, an object-store object each otherwise; in the engines'
+        layout when `layout` is "engine" (the push plan set with `set_push_plan`). Each bucket is
+        hashed in `verify` mode as it is packed."""
+        from asyncrl.weightsync.sender import pack_into_transport
+
+        self._ready()
+        with self._thread(), self._held(("params",)):
+            tensors = self.role.export_hf_tensors()
+            if not self._is_sender():
+                self._drain(tensors)
+                return None
+            plan = self._endpoint().plan if layout == "engine" else None
+            if layout == "engine" and plan is None:
+                self._drain(tensors)
+                raise RuntimeError(f"rank {self.rank}: an engine-layout export without a push plan (set_push_plan first)")
+            out = pack_into_transport(tensors, bucket_mb, transport, verify, plan, self.coords.pp)
+        return {"pp_rank": self.coords.pp, **out}
 
     def collective_address(self) -> dict[str, Any] | None:
         """Sending ranks (TP/CP/DP rank 0 of each PP stage): where the weight broadcast group this
@@ -177,90 +178,46 @@ class LearnerRank:
             return None
         import ray
 
-        from asyncrl.weightsync.collective import reserve_port
-
-        # The port stays bound (and listening) until join_collective hands it to the group's store.
-        self._drop_reserved_port()
-        host = ray.util.get_node_ip_address()
-        self._reserved_port = reserve_port(host)
-        return {"sender": self.coords.pp, "host": host, "port": self._reserved_port.getsockname()[1]}
-
-    def _drop_reserved_port(self) -> None:
-        sock, self._reserved_port = self._reserved_port, None
-        if sock is not None:
-            sock.close()
+        return self._endpoint().address(ray.util.get_node_ip_address(), self.coords.pp)
 
     def join_collective(self, specs: list[dict[str, Any]]) -> str | None:
         """Sending ranks: leave any earlier group, join (as group rank 0) the spec for this PP stage."""
-        from asyncrl.weightsync.collective import GroupSpec, join_as_sender
-
         self._ready()
         self.leave_collective()
         if not self._is_sender():
             return None
-        mine = [s for s in specs if s["sender"] == self.coords.pp]
-        if len(mine) != 1:
-            raise ValueError(f"rank {self.rank} (pp stage {self.coords.pp}): expected one group spec, got {len(mine)}")
-        spec = GroupSpec(**mine[0])
-        sock, self._reserved_port = self._reserved_port, None
         with self._thread():
-            self._collective = join_as_sender(spec, sock)
-        return spec.group_id
+            return self._endpoint().join(specs, self.coords.pp, self.rank)
 
     def collective_group(self) -> str | None:
         """The id of this rank's broadcast group if it can still carry a push, else None."""
-        group = self._collective
-        return group.spec.group_id if group is not None and not group.broken else None
+        return self._sender.group_id() if self._sender is not None else None
 
     def leave_collective(self) -> None:
-        group, self._collective = self._collective, None
-        if group is not None:
-            group.close()
+        if self._sender is not None:
+            self._sender.leave()
 
     def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float) -> dict[str, Any] | None:
         """One collective push from this rank: every rank drives the export iterator (its TP/EP
-        gathers are collective); the sending rank buckets the tensors on its device, broadcasts
-        each bucket to the engine workers, and starts a host copy of it into the object store (for
-        rollbacks, retries and late joiners), which `take_host_copies` collects. Returns the
-        sender's digests, sizes and timings."""
-        import ray
-
-        from asyncrl.weightsync.collective import CollectiveError, send_stream
-
+        gathers are collective); the sending rank packs the tensors on its device (in the push
+        plan's engine layout when one is set), broadcasts each bucket to the engine workers, and
+        starts a host copy of it into the object store (for rollbacks, retries and late joiners),
+        which `take_host_copies` collects. Returns the sender's digests, sizes and timings."""
         self._ready()
         with self._thread(), self._held(("params",)):
             tensors = self.role.export_hf_tensors()
             if not self._is_sender():
-                for _ in tensors:
-                    pass
+                self._drain(tensors)
                 return None
-            group = self._collective
-            if group is None or group.broken:
-                for _ in tensors:  # keep the TP peers' gathers going before failing
-                    pass
-                raise CollectiveError(f"rank {self.rank}: no usable weight broadcast group (join_collective first)")
-            try:
-                sent = send_stream(group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=ray.put)
-            except BaseException:
-                for _ in tensors:  # a failed broadcast: still finish the export the TP peers are gathering
-                    pass
-                raise
-        self._host_copies = sent.host_copies
-        return {"pp_rank": self.coords.pp, "digests": sent.digests, "bytes": sent.bytes,
-                "num_tensors": sent.num_tensors, "num_buckets": sent.num_buckets, "seconds": sent.seconds}
+            out = self._endpoint().broadcast(tensors, bucket_mb, verify, timeout_s, self.coords.pp)
+        return {"pp_rank": self.coords.pp, **out}
 
     def take_host_copies(self, timeout_s: float) -> dict[str, Any] | None:
         """The host copies (ObjectRefs, in bucket order) of this rank's last broadcast, once all
         are in the object store (non-sending ranks: None). Each push's copies are taken once."""
-        import time
-
         if not self._is_sender():
             return None
-        copies, self._host_copies = self._host_copies, None
-        if copies is None:
-            raise RuntimeError(f"rank {self.rank}: no broadcast whose host copies are untaken")
-        refs = copies.result(time.monotonic() + timeout_s)
-        return {"pp_rank": self.coords.pp, "buckets": refs, "seconds": dict(copies.seconds)}
+        return {"pp_rank": self.coords.pp, **self._endpoint().take_host_copies(timeout_s)}
 
     # ------------------------------------------------------------------ device residency (hybrid)
 
@@ -328,6 +285,8 @@ class LearnerRank:
         from asyncrl.learner.parallel import destroy_model_parallel
 
         self.leave_collective()
+        if self._sender is not None:
+            self._sender.drop_reserved()
         if self.role is not None:
             self.role = None
             with self._thread():

@@ -101,7 +101,7 @@ class TrainerParts:
         # Hybrid: the learner's state goes to host before the first export (which holds the params itself).
         placement = build_placement(cfg.hybrid, EngineControl(engine), actor, [reference, critic])
         await placement.start()
-        weights = WeightPublisher(cfg.weightsync, engine=engine, learner=actor, hybrid=cfg.hybrid.enabled,
+        weights = WeightPublisher(cfg.weightsync, engine=EngineControl(engine), learner=actor, hybrid=cfg.hybrid.enabled,
                                   on_gpu=cfg.learner.num_gpus_per_rank > 0)
         await weights.start(initial_version=0)
         tracker = MetricsTracker(cfg.logging.dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl, plot_interval_steps=cfg.logging.plot_interval_steps)

@@ -16,18 +16,19 @@ talk to a transport, or know about versions.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import tempfile
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from asyncrl.generator.weights import contiguous_tensor
+from asyncrl.weightsync.fingerprint import contiguous_tensor
 
 # Every tensor starts on a 64-byte boundary: `view(dtype)` needs the byte offset to be a
 # multiple of the element size, and 64 also keeps each tensor on its own cache line.
@@ -61,6 +62,7 @@ class Bucket:
 
     buffer: np.ndarray
     metas: list[TensorMeta] = field(default_factory=list)
+    rank: int | None = None  # engine rank of an engine-layout bucket (plan.py); None: Hugging Face tensors
 
     @property
     def nbytes(self) -> int:
@@ -89,7 +91,7 @@ class Bucket:
             return self
         host = np.empty(int(self.buffer.numel()), dtype=np.uint8)
         torch.from_numpy(host).copy_(self.buffer.view(torch.uint8).reshape(-1))
-        return Bucket(buffer=host, metas=list(self.metas))
+        return Bucket(buffer=host, metas=list(self.metas), rank=self.rank)
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -108,9 +110,17 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def pack_bucket(named: list[tuple[str, torch.Tensor]], device: torch.device | None = None) -> Bucket:
+def digest_key_prefix(bucket: "Bucket | SharedBucket") -> str:
+    """What a bucket's tensor names are prefixed with in a fingerprint: the engine rank for an
+    engine-layout bucket (the same parameter name exists on every rank), nothing for HF tensors."""
+    return "" if bucket.rank is None else f"{bucket.rank}/"
+
+
+def pack_bucket(named: list[tuple[str, torch.Tensor]], device: torch.device | None = None,
+                alloc: Callable[[int], torch.Tensor] | None = None) -> Bucket:
     """Flatten contiguous tensors into one buffer (one copy per tensor): a numpy buffer when
-    `device` is None (the tensors are on CPU), else a uint8 tensor on `device` (theirs)."""
+    `device` is None (the tensors are on CPU), else a uint8 tensor on `device` (theirs), from
+    `alloc(nbytes)` when given (a reused buffer)."""
     metas: list[TensorMeta] = []
     offset = 0
     for name, t in named:
@@ -118,7 +128,7 @@ def pack_bucket(named: list[tuple[str, torch.Tensor]], device: torch.device | No
         metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
         offset = _align(offset + nbytes)
     if device is not None:
-        buffer: Any = torch.empty(offset, dtype=torch.uint8, device=device)
+        buffer: Any = alloc(offset) if alloc is not None else torch.empty(offset, dtype=torch.uint8, device=device)
         flat = buffer
     else:
         buffer = np.empty(offset, dtype=np.uint8)
@@ -130,7 +140,7 @@ def pack_bucket(named: list[tuple[str, torch.Tensor]], device: torch.device | No
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float,
-                 device: torch.device | str | None = None) -> Iterator[Bucket]:
+                 device: torch.device | str | None = None, alloc: Callable[[int], torch.Tensor] | None = None) -> Iterator[Bucket]:
     """Pack a (name, tensor) stream into buckets of at most `bucket_mb` MiB of tensor bytes.
 
     Tensors keep their stream order. A tensor larger than a bucket goes alone in its own bucket.
@@ -154,12 +164,12 @@ def iter_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float,
         t = contiguous_tensor(value, device)
         size = _align(t.numel() * t.element_size())
         if pending and pending_bytes + size > cap:
-            yield pack_bucket(pending, device)
+            yield pack_bucket(pending, device, alloc)
             pending, pending_bytes = [], 0
         pending.append((name, t))
         pending_bytes += size
     if pending:
-        yield pack_bucket(pending, device)
+        yield pack_bucket(pending, device, alloc)
 
 
 def _flat_tensor(buffer: Any) -> torch.Tensor:
@@ -203,6 +213,7 @@ FILE_PREFIX = "asyncrl-bucket-"
 # One tensor-table row as plain msgpack-able values (vLLM's utility channel decodes arguments
 # without type hints): name, dtype, shape, offset, nbytes.
 WireMeta = tuple[str, str, list[int], int, int]
+Wire = tuple[str | None, list[WireMeta], int | None]  # a SharedBucket: path, tensor table, engine rank
 
 
 def shared_dir(nbytes: int) -> str:
@@ -224,29 +235,30 @@ class SharedBucket:
     path: str | None
     metas: list[TensorMeta]
     nbytes: int
+    rank: int | None = None
 
     @property
     def payload_bytes(self) -> int:
         return sum(m.nbytes for m in self.metas)
 
-    def wire(self) -> tuple[str | None, list[WireMeta]]:
-        return self.path, [(m.name, m.dtype, list(m.shape), m.offset, m.nbytes) for m in self.metas]
+    def wire(self) -> Wire:
+        return self.path, [(m.name, m.dtype, list(m.shape), m.offset, m.nbytes) for m in self.metas], self.rank
 
     @classmethod
-    def from_wire(cls, path: str | None, metas: Iterable[WireMeta]) -> "SharedBucket":
+    def from_wire(cls, path: str | None, metas: Iterable[WireMeta], rank: int | None = None) -> "SharedBucket":
         table = [TensorMeta(n, d, tuple(s), int(o), int(b)) for n, d, s, o, b in metas]
-        return cls(path, table, os.stat(path).st_size if path is not None else 0)
+        return cls(path, table, os.stat(path).st_size if path is not None else 0, rank)
 
     def open(self) -> Bucket:
         """Map the file copy-on-write: views read the shared pages, a write copies only its page."""
         if self.path is None:
-            return Bucket(buffer=np.empty(0, dtype=np.uint8), metas=list(self.metas))
+            return Bucket(buffer=np.empty(0, dtype=np.uint8), metas=list(self.metas), rank=self.rank)
         with open(self.path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < self.nbytes:
                 raise ValueError(f"shared bucket {self.path} has {size} bytes, expected {self.nbytes}")
             mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        return Bucket(buffer=np.frombuffer(mapped, dtype=np.uint8), metas=list(self.metas))
+        return Bucket(buffer=np.frombuffer(mapped, dtype=np.uint8), metas=list(self.metas), rank=self.rank)
 
     def unlink(self) -> None:
         if self.path is not None:
@@ -256,10 +268,102 @@ class SharedBucket:
                 pass
 
 
-def write_shared(bucket: Bucket) -> SharedBucket:
-    """Copy a bucket's buffer into a new shared file (the caller unlinks it)."""
+class SharedAllocator:
+    """Buffers that are shared files from the start: a packer writes a bucket straight into its
+    file, and `write_shared` of that bucket copies nothing (it adopts the file). A released file
+    (`release`: its version is no longer needed) is handed out again with its mapping, so a push
+    after the first writes into pages that are already there (a fresh tmpfs page costs a fault)."""
+
+    def __init__(self) -> None:
+        self._owned: dict[str, tuple[mmap.mmap, np.ndarray]] = {}  # path -> its mapping, for the allocator's life
+        self._by_address: dict[int, str] = {}  # buffer handed out, not adopted yet
+        self._free: list[str] = []
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        fits = [p for p in self._free if self._owned[p][1].size >= nbytes]
+        if fits:
+            path = min(fits, key=lambda p: self._owned[p][1].size)
+            self._free.remove(path)
+        else:
+            fd, path = tempfile.mkstemp(prefix=FILE_PREFIX, dir=shared_dir(nbytes))
+            try:
+                os.ftruncate(fd, max(nbytes, 1))
+                mapped = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except BaseException:
+                os.close(fd)
+                os.unlink(path)
+                raise
+            os.close(fd)
+            self._owned[path] = (mapped, np.frombuffer(mapped, dtype=np.uint8))
+        array = self._owned[path][1][:nbytes]
+        self._by_address[array.ctypes.data] = path
+        return torch.from_numpy(array)
+
+    def adopt(self, bucket: Bucket) -> SharedBucket | None:
+        """The shared file `bucket` was packed into, or None if it was not packed into one."""
+        buffer = bucket.buffer
+        address = buffer.data_ptr() if isinstance(buffer, torch.Tensor) else np.asarray(buffer).ctypes.data
+        path = self._by_address.pop(address, None)
+        if path is None:
+            return None
+        return SharedBucket(path, list(bucket.metas), bucket.nbytes, bucket.rank)
+
+    def owns(self, path: str | None) -> bool:
+        return path in self._owned
+
+    def release(self, path: str) -> None:
+        """`path` is no longer read by anyone: hand it out again."""
+        if path in self._owned and path not in self._free:
+            self._free.append(path)
+
+    def discard(self) -> None:
+        """Unlink every file (the allocator's owner is done with all of them)."""
+        for path in list(self._owned):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self._owned.clear()
+        self._by_address.clear()
+        self._free.clear()
+
+
+class SharedMaps:
+    """A receiver's read-only mappings of shared bucket files, kept while the sender reuses the
+    files (SharedAllocator): mapping a file again costs a page fault per page. An entry unused for
+    two pushes is dropped (its file may be gone; the mapping would keep its pages alive)."""
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[str, int], tuple[np.ndarray, int]] = {}
+
+    def open(self, shared: SharedBucket, push: int) -> Bucket:
+        if shared.path is None:
+            return shared.open()
+        st = os.stat(shared.path)
+        key = (shared.path, st.st_ino)
+        entry = self._maps.get(key)
+        if entry is None or entry[0].size < st.st_size:
+            with open(shared.path, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            entry = (np.frombuffer(mapped, dtype=np.uint8), push)
+        if entry[0].size < shared.nbytes:
+            raise ValueError(f"shared bucket {shared.path} has {entry[0].size} bytes, expected {shared.nbytes}")
+        self._maps[key] = (entry[0], push)
+        for k in [k for k, (_, used) in self._maps.items() if used < push - 1]:
+            del self._maps[k]
+        return Bucket(buffer=entry[0], metas=list(shared.metas), rank=shared.rank)
+
+    def clear(self) -> None:
+        self._maps.clear()
+
+
+def write_shared(bucket: Bucket, allocator: SharedAllocator | None = None) -> SharedBucket:
+    """A shared file holding `bucket` (the caller unlinks it): the file it was packed into when
+    `allocator` handed out its buffer, else a new file with a copy of its bytes."""
+    if allocator is not None:
+        adopted = allocator.adopt(bucket)
+        if adopted is not None:
+            return adopted
     if bucket.nbytes == 0:
-        return SharedBucket(None, list(bucket.metas), 0)
+        return SharedBucket(None, list(bucket.metas), 0, bucket.rank)
     fd, path = tempfile.mkstemp(prefix=FILE_PREFIX, dir=shared_dir(bucket.nbytes))
     try:
         with os.fdopen(fd, "wb", buffering=0) as f:
@@ -270,4 +374,4 @@ def write_shared(bucket: Bucket) -> SharedBucket:
     except BaseException:
         os.unlink(path)
         raise
-    return SharedBucket(path, list(bucket.metas), bucket.nbytes)
+    return SharedBucket(path, list(bucket.metas), bucket.nbytes, bucket.rank)

@@ -54,9 +54,8 @@ from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets
 from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
 
 BACKENDS = ("gloo", "nccl", "ipc")
-IPC_WINDOW = 2  # buckets an ipc sender keeps published (and alive) before waiting for acknowledgements
 # Header kinds (first int64 of a header): a bucket follows, the sender is done, the sender failed.
-_BUCKET, _END, _ABORT = 1, 2, 3
+BUCKET, END, ABORT = _BUCKET, _END, _ABORT = 1, 2, 3
 
 
 class CollectiveError(RuntimeError):
@@ -204,6 +203,8 @@ class CollectiveGroup:
     _leftover: list[str] = field(default_factory=list)  # ipc sender: the last push's keys, dropped at the next
     _copies: HostCopies | None = field(default=None, repr=False)  # sender: the last push's host copies
     _pinned: PinnedPool | None = field(default=None, repr=False)  # sender on a GPU: their pinned buffers
+    _ring: Any = field(default=None, repr=False)  # ipc sender: the buffers it packs into, reused by every push
+    _opened: dict = field(default_factory=dict, repr=False)  # ipc receiver: the sender's buffers, opened once
 
     @classmethod
     def join(cls, spec: GroupSpec, rank: int, device: torch.device | str | None = None, *,
@@ -292,6 +293,8 @@ class CollectiveGroup:
     def close(self) -> None:
         comm, self._comm, self._pg, self._store = self._comm, None, None, None
         self.broken = True
+        self._opened.clear()
+        self._ring = None
         if comm is not None:
             try:
                 comm.destroy()
@@ -302,12 +305,16 @@ class CollectiveGroup:
 # ---- the wire protocol of one push on one group ----------------------------------------------------
 
 
-def _encode_metas(metas: list[TensorMeta]) -> bytes:
-    return json.dumps([[m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in metas]).encode()
+def encode_table(bucket: Bucket, digests: dict[str, bytes]) -> bytes:
+    """A bucket's tensor table, engine rank and the sender's digests (in band), as JSON bytes."""
+    return json.dumps({"m": [[m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in bucket.metas],
+                       "r": bucket.rank, "d": {k: v.hex() for k, v in digests.items()}}).encode()
 
 
-def _decode_metas(raw: bytes) -> list[TensorMeta]:
-    return [TensorMeta(n, d, tuple(s), int(o), int(b)) for n, d, s, o, b in json.loads(raw.decode())]
+def decode_table(raw: bytes) -> tuple[list[TensorMeta], int | None, dict[str, bytes]]:
+    table = json.loads(raw.decode())
+    metas = [TensorMeta(n, d, tuple(s), int(o), int(b)) for n, d, s, o, b in table["m"]]
+    return metas, table["r"], {k: bytes.fromhex(v) for k, v in table["d"].items()}
 
 
 def _header(group: CollectiveGroup, kind: int, a: int = 0, b: int = 0) -> torch.Tensor:
@@ -333,28 +340,45 @@ class SendResult:
     seconds: dict[str, float] = field(default_factory=lambda: {"pack": 0.0, "broadcast": 0.0, "host_copy": 0.0, "hash": 0.0})
 
 
+def pack_stream(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, device: torch.device, *,
+                plan: Any = None, sender: int = 0, alloc: Callable[[int], torch.Tensor] | None = None) -> Iterator[Bucket]:
+    """The sender's buckets on `device`: Hugging Face tensors as they come (`iter_buckets`), or,
+    with a push `plan` (plan.py), this sender's buckets in the engines' layout. `alloc(nbytes)`
+    supplies reused buffers (ipc)."""
+    if plan is None:
+        return iter_buckets(named_tensors, bucket_mb, device=device, alloc=alloc)
+    from asyncrl.weightsync.plan import PlannedPacker
+
+    buffer = None if alloc is None else (lambda b: alloc(b.nbytes))
+    return PlannedPacker(plan, sender, device, buffer, host_numpy=False).pack(named_tensors)
+
+
 def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
-                verify: str, timeout_s: float, keep: Callable[[Bucket], Any] | None = None) -> SendResult:
-    """The sender's loop for one push: bucket the stream on the tensors' device, broadcast each
-    bucket, hash it, and start its host copy (`keep` is called with each finished copy, off the
-    critical path). If the stream fails, the receivers are told (abort header) before the error
-    propagates."""
+                verify: str, timeout_s: float, keep: Callable[[Bucket], Any] | None = None,
+                plan: Any = None, sender: int = 0) -> SendResult:
+    """The sender's loop for one push: bucket the stream on the tensors' device (in the engines'
+    layout with a `plan`), hash each bucket (its digests go in band, before its bytes), send it,
+    and start its host copy (`keep` is called with each finished copy, off the critical path).
+    If the stream fails, the receivers are told (abort header) before the error propagates."""
     if group.spec.backend == "ipc":
-        return _ipc_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=keep)
+        from asyncrl.weightsync.ipc import ipc_send_stream
+
+        return ipc_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=keep,
+                               plan=plan, sender=sender)
     deadline = time.monotonic() + timeout_s
     out = SendResult()
-    copies = out.host_copies = _host_copies(group, keep, deadline)
-    export = _Export(named_tensors, bucket_mb, group.device, out)
+    copies = out.host_copies = host_copies_for(group, keep, deadline)
+    export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender), out)
     try:
         for bucket in export:
+            digests, _ = hash_and_copy(copies, bucket, verify, out)
             t = time.perf_counter()
-            meta_raw = _encode_metas(bucket.metas)
-            group.broadcast(_header(group, _BUCKET, len(meta_raw), bucket.nbytes), deadline)
-            _send_bytes(group, meta_raw, deadline)
+            table = encode_table(bucket, digests)
+            group.broadcast(_header(group, _BUCKET, len(table), bucket.nbytes), deadline)
+            _send_bytes(group, table, deadline)
             if bucket.nbytes:
                 group.broadcast(bucket.buffer, deadline)
             out.seconds["broadcast"] += time.perf_counter() - t
-            _copy_and_hash(copies, bucket, verify, out)
             del bucket
     except BaseException:
         copies.close()
@@ -369,7 +393,7 @@ def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
     return out
 
 
-def _host_copies(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None, deadline: float) -> HostCopies:
+def host_copies_for(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None, deadline: float) -> HostCopies:
     """This push's host copies; an earlier push's that nobody collected are dropped first (their
     pinned buffers are this push's)."""
     if group._copies is not None and not group._copies.close():
@@ -380,31 +404,33 @@ def _host_copies(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None, d
     return group._copies
 
 
-def _copy_and_hash(copies: HostCopies, bucket: Bucket, verify: str, out: SendResult) -> None:
-    from asyncrl.generator.weights import tensor_digests
-    from asyncrl.weightsync.bucket import unpack_bucket
+def hash_and_copy(copies: HostCopies, bucket: Bucket, verify: str, out: SendResult) -> tuple[dict[str, bytes], Any]:
+    """Start `bucket`'s host copy and hash it in `verify` mode (where it lies: `full` reads every
+    byte, from the host copy); returns its digests (they travel in band, before its bytes) and
+    the copy (done once its device buffer may be reused)."""
+    from asyncrl.weightsync.bucket import digest_key_prefix
+    from asyncrl.weightsync.fingerprint import bucket_digests
 
     t = time.perf_counter()
     copy = copies.add(bucket)
     out.num_buckets += 1
     out.seconds["host_copy"] += time.perf_counter() - t
     t = time.perf_counter()
-    # `sampled` and `off` read a few windows per tensor, cut on the device (one copy per bucket);
-    # `full` reads every byte, from the host copy (waiting for it).
     hashed = copies.host(copy) if verify == "full" else bucket
-    out.digests.update(tensor_digests(unpack_bucket(hashed), verify))
+    digests = bucket_digests(hashed, verify, digest_key_prefix(bucket))  # type: ignore[arg-type]
+    out.digests.update(digests)
     out.seconds["hash"] += time.perf_counter() - t
     out.bytes += bucket.payload_bytes
     out.num_tensors += len(bucket)
+    return digests, copy
 
 
-class _Export:
-    """The sender's bucket stream (packed on `device`, timed as `pack`); `failed` tells an
-    export error (the tensor stream raised) from a send error, which only the sender sees."""
+class Export:
+    """The sender's bucket stream (timed as `pack`); `failed` tells an export error (the tensor
+    stream raised) from a send error, which only the sender sees."""
 
-    def __init__(self, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, device: torch.device,
-                 out: SendResult) -> None:
-        self._buckets = iter_buckets(named_tensors, bucket_mb, device=device)
+    def __init__(self, buckets: Iterable[Bucket], out: SendResult) -> None:
+        self._buckets = iter(buckets)
         self._out, self.failed = out, False
 
     def __iter__(self) -> Iterator[Bucket]:
@@ -421,223 +447,31 @@ class _Export:
             yield bucket
 
 
-def receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[Bucket]:
+def receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
     """The receiver's loop for one push on one group: yields each bucket (its buffer on this
-    member's device) until the sender's end header. Raises SenderAborted on an abort header."""
+    member's device) with the sender's digests of it, until the sender's end header. Raises
+    SenderAborted on an abort header."""
     if group.spec.backend == "ipc":
-        yield from _ipc_receive_stream(group, deadline)
+        from asyncrl.weightsync.ipc import ipc_receive_stream
+
+        yield from ipc_receive_stream(group, deadline)
         return
     while True:
         header = torch.empty(3, dtype=torch.int64, device=group.device)
         group.broadcast(header, deadline)
-        kind, meta_len, nbytes = (int(v) for v in header.tolist())
+        kind, table_len, nbytes = (int(v) for v in header.tolist())
         if kind == _END:
             return
         if kind == _ABORT:
             raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
-        if kind != _BUCKET or meta_len <= 0 or nbytes < 0:
+        if kind != _BUCKET or table_len <= 0 or nbytes < 0:
             group.broken = True
             group.close()
-            raise CollectiveError(f"group {group.spec.group_id}: malformed header {[kind, meta_len, nbytes]}")
-        raw = torch.empty(meta_len, dtype=torch.uint8, device=group.device)
+            raise CollectiveError(f"group {group.spec.group_id}: malformed header {[kind, table_len, nbytes]}")
+        raw = torch.empty(table_len, dtype=torch.uint8, device=group.device)
         group.broadcast(raw, deadline)
-        metas = _decode_metas(raw.cpu().numpy().tobytes())
+        metas, rank, digests = decode_table(raw.cpu().numpy().tobytes())
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
         if nbytes:
             group.broadcast(buffer, deadline)
-        yield Bucket(buffer=buffer, metas=metas)
-
-
-# ---- ipc: handles to the sender's buffers, through the group's store -----------------------------
-
-
-def _gpu_uuid(device: torch.device) -> str:
-    return str(torch.cuda.get_device_properties(device).uuid)
-
-
-def _ipc_export(bucket: Bucket) -> tuple[dict[str, Any], Any]:
-    """(what a receiver needs to open `bucket`, what the sender must keep until it is acknowledged)."""
-    from asyncrl.weightsync.bucket import write_shared
-
-    if isinstance(bucket.buffer, torch.Tensor) and bucket.buffer.is_cuda:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        _, args = reduce_tensor(bucket.buffer)
-        return {"kind": "cuda", "uuid": _gpu_uuid(bucket.buffer.device), "args": args}, bucket
-    shared = write_shared(bucket)
-    return {"kind": "file", "path": shared.path}, shared
-
-
-def _ipc_free(kept: Any) -> None:
-    from asyncrl.weightsync.bucket import SharedBucket
-
-    if isinstance(kept, SharedBucket):
-        kept.unlink()
-
-
-def _ipc_open(handle: dict[str, Any], metas: list[TensorMeta], nbytes: int, device: torch.device) -> Bucket:
-    """Open a published bucket and copy it into this member's memory on `device`."""
-    from asyncrl.weightsync.bucket import SharedBucket
-
-    if handle["kind"] == "file":
-        # Mapped copy-on-write: the mapping outlives the sender's unlink, so no copy is needed on a CPU member.
-        bucket = SharedBucket(handle["path"], metas, nbytes).open()
-        if device.type != "cpu":
-            return Bucket(buffer=torch.from_numpy(bucket.buffer).to(device), metas=metas)
-        return bucket
-    if handle["kind"] != "cuda":
-        raise CollectiveError(f"unknown ipc handle kind {handle['kind']!r}")
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    if not torch.cuda.is_available():
-        raise CollectiveError("an ipc sender published a CUDA bucket but this member has no CUDA device")
-    local = [i for i in range(torch.cuda.device_count()) if _gpu_uuid(torch.device("cuda", i)) == handle["uuid"]]
-    if not local:
-        raise CollectiveError(f"the ipc sender's GPU {handle['uuid']} is not visible here "
-                              "(ipc needs the learner's sending rank and the engine workers on the same GPU)")
-    args = list(handle["args"])
-    args[6] = local[0]  # reduce_tensor's device index, in the sender's CUDA_VISIBLE_DEVICES numbering
-    target = device if device.type == "cuda" else torch.device("cuda", local[0])
-    with torch.cuda.device(local[0]):
-        shared = rebuild_cuda_tensor(*args)  # waits on the sender's event if it recorded one
-        own = torch.empty(nbytes, dtype=torch.uint8, device=target)
-        own.copy_(shared.view(torch.uint8).reshape(-1)[:nbytes])
-        torch.cuda.synchronize(local[0])  # the copy is complete before the sender may free its buffer
-        del shared
-    return Bucket(buffer=own, metas=metas)
-
-
-def _ipc_key(group: CollectiveGroup, what: str) -> str:
-    return f"{group.spec.group_id}/{group._pushes}/{what}"
-
-
-def _ipc_failed(group: CollectiveGroup, error: BaseException, report: str | None = None) -> CollectiveError:
-    """Break and close the group; a receiver first records `report` in the store for the sender."""
-    if report is not None and group._store is not None:
-        try:
-            group._store.set(_ipc_key(group, "failed"), f"rank {group.rank}: {report}"[:2000])
-        except Exception:  # the store (the sender's process) may be gone
-            pass
-    group.broken = True
-    group.close()
-    if isinstance(error, CollectiveError):
-        return error
-    return CollectiveError(f"group {group.spec.group_id} rank {group.rank}: ipc step failed: {type(error).__name__}: {error}")
-
-
-def _ipc_wait_acks(group: CollectiveGroup, k: int, deadline: float) -> None:
-    store, want = group._store, group.spec.world_size - 1
-    ack, failed = _ipc_key(group, f"a{k}"), _ipc_key(group, "failed")
-    while store.add(ack, 0) < want:
-        if store.check([failed]):
-            raise CollectiveError(f"group {group.spec.group_id}: a receiver failed: {store.get(failed).decode(errors='replace')}")
-        if time.monotonic() > deadline:
-            raise CollectiveError(f"group {group.spec.group_id}: bucket {k} acknowledged by {store.add(ack, 0)} of "
-                                  f"{want} receivers by the deadline")
-        time.sleep(0.0005)
-
-
-def _ipc_retire(group: CollectiveGroup, k: int, kept: Any) -> None:
-    """Bucket `k` is acknowledged by every receiver: free it and drop its keys (the store stays small)."""
-    _ipc_free(kept)
-    for what in (f"b{k}", f"a{k}"):
-        group._store.delete_key(_ipc_key(group, what))
-
-
-def _ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
-                     verify: str, timeout_s: float, keep: Callable[[Bucket], Any] | None) -> SendResult:
-    import pickle
-    from collections import deque
-
-    if group.broken or group._store is None:
-        raise CollectiveError(f"group {group.spec.group_id} is broken (an earlier step failed); form a new one")
-    store, deadline, out = group._store, time.monotonic() + timeout_s, SendResult()
-    for key in group._leftover:  # the last push's end marker: every receiver has read it by now
-        store.delete_key(key)
-    group._pushes += 1
-    group._leftover = [_ipc_key(group, w) for w in ("aborted", "failed")]
-    published: deque[tuple[int, Any]] = deque()
-    copies = out.host_copies = _host_copies(group, keep, deadline)
-    export = _Export(named_tensors, bucket_mb, group.device, out)
-    k = 0
-    try:
-        for bucket in export:
-            t = time.perf_counter()
-            while len(published) >= IPC_WINDOW:
-                done, kept = published.popleft()
-                _ipc_wait_acks(group, done, deadline)
-                _ipc_retire(group, done, kept)
-            handle, kept = _ipc_export(bucket)
-            store.set(_ipc_key(group, f"b{k}"), pickle.dumps({"kind": _BUCKET, "handle": handle, "nbytes": bucket.nbytes,
-                                                                "metas": _encode_metas(bucket.metas)}))
-            published.append((k, kept))
-            out.seconds["broadcast"] += time.perf_counter() - t
-            _copy_and_hash(copies, bucket, verify, out)  # overlaps the receivers' copies
-            del bucket
-            k += 1
-        store.set(_ipc_key(group, f"b{k}"), pickle.dumps({"kind": _END}))
-        group._leftover.append(_ipc_key(group, f"b{k}"))
-        t = time.perf_counter()
-        while published:
-            done, kept = published.popleft()
-            _ipc_wait_acks(group, done, deadline)
-            _ipc_retire(group, done, kept)
-        out.seconds["broadcast"] += time.perf_counter() - t
-        copies.finish()
-    except BaseException as err:
-        copies.close()
-        try:  # receivers stop at once instead of at their deadline (before any handle they may hold is freed)
-            store.set(_ipc_key(group, "aborted"), b"1")
-            store.set(_ipc_key(group, f"b{k}"), pickle.dumps({"kind": _ABORT}))
-        except Exception:
-            pass
-        for _, kept in published:
-            _ipc_free(kept)
-        group._leftover += [_ipc_key(group, f"{w}{j}") for j in range(k + 1) for w in "ba"]
-        if export.failed or not isinstance(err, Exception):
-            raise  # the protocol stayed in step (receivers read the abort): the group carries the next push
-        # The channel failed (a receiver failed or missed the deadline): broken, but the store this
-        # rank hosts stays up until the group is left, so the other receivers can still read the abort.
-        group.broken = True
-        if isinstance(err, CollectiveError):
-            raise
-        raise CollectiveError(f"group {group.spec.group_id} rank 0: ipc send failed: {type(err).__name__}: {err}") from err
-    finally:
-        if group.device.type == "cuda":
-            torch.cuda.ipc_collect()
-    return out
-
-
-def _ipc_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[Bucket]:
-    import pickle
-
-    if group.broken or group._store is None:
-        raise CollectiveError(f"group {group.spec.group_id} is broken (an earlier step failed); form a new one")
-    store = group._store
-    group._pushes += 1
-    k = 0
-    try:
-        while True:
-            key = _ipc_key(group, f"b{k}")
-            store.wait([key], datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
-            record = pickle.loads(store.get(key))
-            if record["kind"] == _END:
-                return
-            if record["kind"] == _ABORT:  # the sender knows; this group stays usable for the next push
-                raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
-            try:
-                bucket = _ipc_open(record["handle"], _decode_metas(record["metas"]), int(record["nbytes"]), group.device)
-            except Exception:
-                if store.check([_ipc_key(group, "aborted")]):  # freed by the sender's abort, not broken
-                    raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push") from None
-                raise
-            store.add(_ipc_key(group, f"a{k}"), 1)
-            yield bucket
-            k += 1
-    except SenderAborted:
-        raise
-    except Exception as err:
-        raise _ipc_failed(group, err, report=f"{type(err).__name__}: {err}") from err
-    except BaseException:  # the consumer stopped reading mid-push (its staging failed) or was interrupted
-        _ipc_failed(group, CollectiveError(f"stopped reading at bucket {k}"), report=f"stopped reading at bucket {k}")
-        raise
+        yield Bucket(buffer=buffer, metas=metas, rank=rank), digests

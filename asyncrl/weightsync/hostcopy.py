@@ -132,7 +132,7 @@ class HostCopies:
                 self._check()
                 if time.monotonic() > self._deadline:
                     raise HostCopyError(f"host copies fell behind: {self._max_device} buckets still unkept at the deadline")
-            copy = _Copy(Bucket(buffer=buf.numpy() if isinstance(buf, torch.Tensor) else buf, metas=list(bucket.metas)),
+            copy = _Copy(Bucket(buffer=buf.numpy() if isinstance(buf, torch.Tensor) else buf, metas=list(bucket.metas), rank=bucket.rank),
                          slot=True)
         self.seconds["wait"] += time.perf_counter() - t
         self._count += 1
@@ -156,7 +156,7 @@ class HostCopies:
             pinned.copy_(buf.view(torch.uint8).reshape(-1), non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        return _Copy(Bucket(buffer=pinned.numpy(), metas=list(bucket.metas)), device=bucket, event=event)
+        return _Copy(Bucket(buffer=pinned.numpy(), metas=list(bucket.metas), rank=bucket.rank), device=bucket, event=event)
 
     def host(self, copy: _Copy) -> Bucket:
         """`copy`'s host bucket once the copy is complete."""

@@ -16,7 +16,15 @@ Owns: the timers and counters a push fills in, and their names:
                                    copy thread's wait for device-to-host copies and the keeper
                                    threads' `ray.put` time (summed), off the critical path
   weightsync/on_live_seconds       the `on_live` hook (the WeightStore copy for late joiners)
-  weightsync/paused_seconds        pause sent -> every replica resumed (what generation lost)
+  weightsync/paused_seconds        pause sent -> every replica resumed (what generation lost); with one
+                                   engine replica and full staging, the commit's own pause, as it reports it
+  weightsync/pack_seconds          the publisher packing buckets (a collective sender's: sender/pack_seconds)
+  weightsync/apply_seconds         the slowest replica's apply inside its commit (the copy into its
+                                   parameters, or vLLM's reload_weights)
+  weightsync/{pack,stage,verify,apply}_gbps  bytes / that phase's seconds (verify: fingerprint_seconds)
+  weightsync/apply_direct          1 when every replica copied engine-layout buckets into its
+                                   parameters, 0 when they reloaded Hugging Face tensors
+  weightsync/layout_engine, staging_bucketed   1 for an engine-layout push / bucketed staging
 Collective transports keep the live version's host copy after the push returned (push.py, "the
 tail"); the next push reports it, i.e. these describe the PREVIOUS version:
   weightsync/host_copy_seconds     live -> its host copies collected from the sender
@@ -68,6 +76,12 @@ class PushMetrics:
     store_failed: bool = False
     on_live_seconds: float = 0.0
     paused_seconds: float = 0.0
+    pack_seconds: float = 0.0
+    layout: str = "hf"
+    staging: str = "full"
+    paths: set[str] = field(default_factory=set)  # apply paths the replicas reported ("direct", "reload")
+    own_paused: float = 0.0  # the longest pause a replica's commit took itself
+    failed_commit: bool = False
     host_copy_wait_seconds: float = 0.0
     host_copy_seconds: float = 0.0
     sender_seconds: dict[str, float] = field(default_factory=dict)  # collective transports: the sender's phases
@@ -78,6 +92,7 @@ class PushMetrics:
 
     def finish(self) -> None:
         self.push_seconds = time.perf_counter() - self.started
+        self.paused_seconds = max(self.paused_seconds, self.own_paused)
 
     def as_dict(self, timeline: list[tuple[str, float]] | None = None) -> dict[str, float]:
         p = "weightsync/"
@@ -102,6 +117,12 @@ class PushMetrics:
             p + "commit_seconds": self.commit_seconds,
             p + "fingerprint_seconds": self.fingerprint_seconds,
             p + "gbps": _rate(self.bytes, self.push_seconds),
+            p + "pack_seconds": self.pack_seconds,
+            p + "pack_gbps": _rate(self.bytes, self.pack_seconds),
+            p + "stage_gbps": _rate(self.bytes, self.stage_seconds),
+            p + "verify_gbps": _rate(self.bytes, self.fingerprint_seconds),
+            p + "layout_engine": float(self.layout == "engine"),
+            p + "staging_bucketed": float(self.staging == "bucketed"),
             p + "aggregate_gbps": _rate(self.bytes * self.num_replicas, self.stage_seconds),
         }
         t = f"{p}transport/{self.transport}/"
@@ -110,6 +131,11 @@ class PushMetrics:
         out[t + "put_gbps"] = _rate(self.bytes, self.put_seconds)
         for phase, seconds in sorted(self.sender_seconds.items()):
             out[f"{p}sender/{phase}_seconds"] = seconds
+        apply_s = max((steps.get("apply", 0.0) for steps in self.replica_seconds.values()), default=0.0)
+        out[p + "apply_seconds"] = apply_s
+        out[p + "apply_gbps"] = _rate(self.bytes, apply_s)
+        if self.paths:
+            out[p + "apply_direct"] = float(self.paths == {"direct"})
         for name, steps in sorted(self.replica_seconds.items()):
             r = f"{p}replica/{name}/"
             load = steps.get("load_bucket", 0.0)

@@ -1,27 +1,33 @@
 """Push orchestration: publish one weight version to every engine replica, atomically.
 
-Owns: the order of a push (for every replica, concurrently: pause("keep") -> begin_update ->
-load_bucket* -> commit_update(fingerprint) -> resume; through a collective transport one
-`load_bucket` per replica receives the sender's broadcast: `publish_streamed`), its atomicity,
-timeouts and retries, the publisher's host copy of the last live version (its bucket handles),
-and per-push metrics.
+Owns: the order of a push, its atomicity, timeouts and retries, the publisher's host copy of the
+last live version (its bucket handles), and per-push metrics. The order depends on
+`weightsync.staging`:
+- full (default): begin_update -> load_bucket* (every replica receives and verifies the whole
+  version beside its live weights while it keeps generating) -> pause("keep") ->
+  commit_update(fingerprint) -> resume. The engines are paused only for the apply. With a single
+  engine replica the pause and resume are the commit's own (one call fewer): its commit pauses,
+  applies, relabels and resumes, and a failed apply leaves it paused for the restore.
+- bucketed: pause -> begin_update -> load_bucket* (each bucket applied as soon as it verified
+  against the sender's digests) -> commit_update(fingerprint) -> resume; any failure once a
+  bucket may have been applied restores every replica from the last live version's host copy.
+Through a collective transport one `load_bucket` per replica receives the sender's broadcast
+(`publish_streamed`). Buckets are in the engines' own layout when a push plan is set (plan.py;
+the engines copy them into their parameters), else Hugging Face tensors (engines reload).
 
 Atomicity, as designed with the generator's interface (replicas.py lists the contract):
-- Staging never touches live weights, so any failure before commit (a bucket fails to load, a
-  step times out, a replica dies) is undone by `abort_update` on every replica: they keep
-  serving the last committed version. The version goes FAILED and is never live.
-- The fingerprint (`tensor_fingerprint` over the HF-named full tensors, in the configured
-  `verify` mode: full | sampled | off) is checked by each replica before it applies anything, so
-  a corrupted bucket fails the commit cleanly. Both sides hash per tensor as buckets pass (the
-  publisher right after a bucket's load is sent, the replica as it stages it), so verifying
-  costs no pass of its own at commit.
+- Staging never touches live weights (full staging), so any failure before the commit (a bucket
+  fails to load, a step times out, a replica dies) is undone by `abort_update` on every replica:
+  they keep serving the last committed version. The version goes FAILED and is never live.
+- The fingerprint (per-tensor digests in the configured `verify` mode, fingerprint.py) is checked
+  by each replica before it applies anything, so a corrupted bucket fails the commit cleanly.
 - A commit that fails for any other reason may have applied part of the tensors; replicas that
   did commit the new version while a peer failed are ahead of it. Both kinds are restored
-  while still paused: the last live version's buckets (kept in the object store by this
+  while still paused: the last live version's buckets (kept in the transport by this
   publisher) are pushed again through begin/load/commit. A replica that cannot be restored (no
   host copy, or the restore itself fails) is reported out of service: it is dropped from the registry, the
   `on_out_of_service` hook runs (the controller restarts it; on start it loads the
-  generator's WeightStore) and the error lists it.
+  WeightStore) and the error lists it.
 - Every call is bounded by `timeout_s`; a failed attempt is retried `retries` times (restaged
   from scratch, buckets replayed from their handles, the tensor stream is read once);
   a dead replica or a failing tensor stream is not retried. Paused replicas are always resumed.
@@ -36,7 +42,7 @@ The tail's warnings and seconds are reported with the next push.
 `preserve_rng_state` wraps every publish because the tensor stream (the learner's export) is
 consumed lazily inside it.
 
-Must never: pack or unpack tensors itself (bucket.py), know the transport's medium
+Must never: pack or unpack tensors itself (bucket.py, plan.py), know the transport's medium
 (transport.py), or let a version go live that some live replica did not commit.
 """
 
@@ -44,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -54,30 +59,22 @@ from typing import Any
 import torch
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.generator.weights import VerifyMode, check_verify_mode, combine_digests, fingerprint_mode, tensor_digest
 from asyncrl.types import WeightUpdateState
-from asyncrl.weightsync.bucket import Bucket, iter_buckets, unpack_bucket
+from asyncrl.weightsync.bucket import Bucket
+from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.metrics import PushMetrics
 from asyncrl.weightsync.registry import VersionRegistry
+from asyncrl.weightsync.replica_side import WithDigests
 from asyncrl.weightsync.replicas import ReplicaClient, is_replica_dead, is_verify_failure
+from asyncrl.weightsync.sources import (  # noqa: F401 - re-exported: the publisher's vocabulary
+    BucketSource, KeptCopies, Send, Step, StepFailed, StreamedSend, StreamedSource,
+)
 from asyncrl.weightsync.transport import Transport
 
 S = WeightUpdateState
 NamedTensorIter = Iterable[tuple[str, Any]]
 OnLive = Callable[[int, str, list[Bucket]], Any]
 OnOutOfService = Callable[[str, str], Any]
-
-
-class Step(str, enum.Enum):
-    EXPORT = "export"  # reading the tensor stream / packing
-    PAUSE = "pause"
-    BEGIN = "begin_update"
-    LOAD = "load_bucket"
-    FINGERPRINT = "fingerprint"
-    COMMIT = "commit_update"
-    ABORT = "abort_update"
-    RESUME = "resume"
-    RESTORE = "restore"
 
 
 class WeightsyncError(RuntimeError):
@@ -100,15 +97,6 @@ class StepTimeout(TimeoutError):
 
 
 @dataclass
-class _StepFailed(Exception):
-    step: Step
-    failures: dict[str, BaseException]
-    retryable: bool = True
-    restore: list[str] = field(default_factory=list)  # replicas to put back on the last live version
-    out_of_service: list[str] = field(default_factory=list)
-
-
-@dataclass
 class PushResult:
     version: int
     fingerprint: str
@@ -124,6 +112,8 @@ class _HostCopy:
     version: int
     fingerprint: str
     handles: list[Any]
+    layout: str = "hf"  # "engine": packed for `plan_id`
+    plan_id: str | None = None
 
 
 @contextlib.contextmanager
@@ -144,186 +134,6 @@ async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-class _BucketSource:
-    """Packs the tensor stream lazily and puts each bucket once; a retry replays the handles.
-
-    Each bucket is hashed (per tensor, in `verify` mode) when the consumer comes back for the
-    next one, i.e. after it sent this bucket's load: the hashing overlaps the replicas' staging.
-    That holds for buckets packed here and for handles put by someone else (`from_handles`)."""
-
-    def __init__(self, named: NamedTensorIter, bucket_mb: float, transport: Transport, m: PushMetrics,
-                 verify: VerifyMode = "full") -> None:
-        self._buckets = iter_buckets(named, bucket_mb)
-        self._transport, self._m = transport, m
-        self.verify = check_verify_mode(verify)
-        self.handles: list[Any] = []
-        self.exhausted = False
-        self._digests: dict[str, bytes] = {}
-        self._hashed = 0  # buckets hashed so far, in handle order
-
-    def _hash(self, bucket: Bucket) -> None:
-        t = time.perf_counter()
-        for name, tensor in unpack_bucket(bucket):
-            self._digests[name] = tensor_digest(name, tensor, self.verify)
-        self._hashed += 1
-        self._m.fingerprint_seconds += time.perf_counter() - t
-
-    def __iter__(self) -> Iterator[Any]:
-        for i, handle in enumerate(list(self.handles)):
-            yield handle
-            if i == self._hashed:  # not hashed yet: handed in, or an earlier attempt stopped first
-                try:
-                    bucket = self._transport.fetch(handle)
-                except Exception as exc:
-                    raise _StepFailed(Step.EXPORT, {"publisher": exc}, retryable=False) from exc
-                self._hash(bucket)
-        while not self.exhausted:
-            try:
-                bucket = next(self._buckets)
-            except StopIteration:
-                self.exhausted = True
-                return
-            except Exception as exc:  # the learner's export (or a bad tensor) failed: not retryable
-                raise _StepFailed(Step.EXPORT, {"publisher": exc}, retryable=False) from exc
-            t = time.perf_counter()
-            handle = self._transport.put(bucket)
-            self._m.put_seconds += time.perf_counter() - t
-            self._m.bytes += bucket.payload_bytes
-            self._m.num_tensors += len(bucket)
-            self._m.num_buckets += 1
-            self.handles.append(handle)
-            yield handle
-            self._hash(bucket)
-            del bucket  # the transport holds it now; keep at most one packed bucket in this heap
-
-    @classmethod
-    def from_handles(cls, handles: Sequence[Any], transport: Transport, m: PushMetrics,
-                     verify: VerifyMode = "full") -> "_BucketSource":
-        """Buckets someone else already put (the learner ranks export straight into the
-        transport): nothing to pack, the handles are replayed as they are. Each is read here for
-        its size and names only; it is hashed as it streams."""
-        source = cls((), 1.0, transport, m, verify)
-        source.handles, source.exhausted = list(handles), True
-        seen: set[str] = set()
-        for h in source.handles:
-            bucket = transport.fetch(h)
-            names = bucket.names
-            if seen.intersection(names) or len(set(names)) != len(names):
-                raise ValueError(f"a tensor name appears twice across the {len(handles)} bucket handles")
-            seen.update(names)
-            m.bytes += bucket.payload_bytes
-            m.num_tensors += len(bucket)
-            m.num_buckets += 1
-        return source
-
-    def fingerprint(self) -> str:
-        if not self.exhausted or self._hashed != len(self.handles):
-            raise RuntimeError("fingerprint before the tensor stream was read to its end")
-        return combine_digests(self._digests, self.verify)
-
-
-@dataclass
-class StreamedSend:
-    """What a collective sender reports for one version (weightsync/collective.py): per-tensor
-    digests, sizes, its phase seconds and its host copies in the transport (handles). A sender
-    that makes them off the critical path gives `collect` instead, which returns them once made;
-    the publisher awaits it while the replicas commit."""
-
-    handles: list[Any]
-    digests: dict[str, bytes]
-    bytes: int
-    num_tensors: int
-    seconds: dict[str, float] = field(default_factory=dict)
-    collect: Callable[[], Awaitable["KeptCopies"]] | None = None
-    num_buckets: int | None = None  # None: len(handles)
-
-
-@dataclass
-class KeptCopies:
-    """A sender's host copies once made (`StreamedSend.collect`): handles in bucket order, and the
-    seconds its copy thread waited for device-to-host copies (`copy`) and spent keeping them (`keep`)."""
-
-    handles: list[Any]
-    seconds: dict[str, float] = field(default_factory=dict)
-
-
-Send = Callable[[int, VerifyMode], Awaitable[StreamedSend]]
-
-
-class _StreamedSource:
-    """A collective push: the sender broadcasts every bucket while each replica's single
-    `load_bucket(payload)` receives them; no bucket passes through the publisher. The sender's
-    host copies become the handles (restores, late joiners) and its digests the fingerprint.
-    Each attempt runs `prepare` (form or check the broadcast group) and sends afresh."""
-
-    def __init__(self, send: Send, payload: Callable[[int], Any], prepare: Callable[[], Awaitable[Any]] | None,
-                 verify: VerifyMode = "full") -> None:
-        self._send, self._payload, self._prepare = send, payload, prepare
-        self.verify = check_verify_mode(verify)
-        self.handles: list[Any] = []
-        self._digests: dict[str, bytes] | None = None
-        self._collecting: asyncio.Future | None = None
-
-    async def stream(self, publisher: "Publisher", version: int, replicas: list[ReplicaClient], m: PushMetrics) -> None:
-        self.discard(publisher._transport)  # an earlier attempt's host copies
-        self.handles, self._digests = [], None
-        if self._prepare is not None:
-            try:
-                await asyncio.wait_for(self._prepare(), publisher._cfg.timeout_s)
-            except Exception as exc:
-                raise _StepFailed(Step.LOAD, {"broadcast group": exc}) from exc
-        payload = self._payload(version)
-        receiving = asyncio.ensure_future(publisher._step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version), m))
-        try:
-            sent = await asyncio.wait_for(self._send(version, self.verify), publisher._cfg.timeout_s)
-        except Exception as exc:
-            # The sender told the receivers (abort header), or they give up at their deadline.
-            with contextlib.suppress(BaseException):
-                await receiving
-            raise _StepFailed(Step.EXPORT, {"publisher": exc}) from exc
-        except BaseException:
-            receiving.cancel()
-            raise
-        if sent.collect is not None:  # the host copies are made while the replicas finish and commit
-            self._collecting = asyncio.ensure_future(sent.collect())
-        await receiving
-        self.handles, self._digests = list(sent.handles), dict(sent.digests)
-        m.bytes, m.num_tensors = sent.bytes, sent.num_tensors
-        m.num_buckets = len(sent.handles) if sent.num_buckets is None else sent.num_buckets
-        m.put_seconds = sent.seconds.get("broadcast", 0.0)
-        m.fingerprint_seconds = sent.seconds.get("hash", 0.0)
-        m.sender_seconds.update(sent.seconds)
-
-    def fingerprint(self) -> str:
-        if self._digests is None:
-            raise RuntimeError("fingerprint before the sender finished")
-        return combine_digests(self._digests, self.verify)
-
-    async def settle(self, timeout_s: float) -> dict[str, float]:
-        """Wait for the sender's host copies (they become `handles`); returns the copy thread's seconds."""
-        collecting, self._collecting = self._collecting, None
-        if collecting is None:
-            return {}
-        kept = await asyncio.wait_for(collecting, timeout_s)
-        self.handles = list(kept.handles)
-        return dict(kept.seconds)
-
-    def discard(self, transport: Transport) -> None:
-        """Release host copies still being collected once they arrive (a failed or retried attempt)."""
-        collecting, self._collecting = self._collecting, None
-        if collecting is None:
-            return
-
-        def release(done: asyncio.Future) -> None:
-            if done.cancelled() or done.exception() is not None:
-                return
-            for h in done.result().handles:
-                with contextlib.suppress(Exception):
-                    transport.release(h)
-
-        collecting.add_done_callback(release)
-
-
 class Publisher:
     """Pushes versions to replicas. One push at a time (the registry refuses a second)."""
 
@@ -335,6 +145,7 @@ class Publisher:
         self._mirror, self._on_live, self._on_oos = mirror, on_live, on_out_of_service
         self._preserve_rng = preserve_rng
         self._host: _HostCopy | None = None
+        self.plan: Any = None  # push plan `publish` packs for (set_plan)
         self._tail: asyncio.Future | None = None  # the last live version's host copy, being kept
         self.last_metrics: dict[str, float] = {}
         self.totals = {k: 0 for k in ("pushes_total", "pushes_failed_total", "retries_total", "rollbacks_total", "out_of_service_total")}
@@ -351,54 +162,67 @@ class Publisher:
     def host_version(self) -> int | None:
         return self._host.version if self._host else None
 
+    def set_plan(self, plan: Any) -> None:
+        """Pack `publish`'s tensor stream into the engines' layout of this push plan (None: HF tensors)."""
+        self.plan = plan
+
     def seed(self, version: int, named_tensors: NamedTensorIter) -> str:
         """Keep a host copy of weights the replicas already serve (e.g. loaded from disk at
-        start), so a failed first push can still restore them. Returns their fingerprint."""
+        start), so a failed first push can still restore them. Returns their fingerprint.
+        Kept as Hugging Face tensors: a restore reloads them, whatever the engines' layout."""
         if version != self.registry.live_version:
             raise ValueError(f"seed version {version} is not the registry's live version {self.registry.live_version}")
-        source = _BucketSource(named_tensors, self._cfg.bucket_mb, self._transport,
-                               PushMetrics(version, self._transport.name, 0), self._cfg.verify)
+        source = BucketSource(named_tensors, self._cfg.bucket_mb, self._transport,
+                              PushMetrics(version, self._transport.name, 0), self._cfg.verify)
         try:
             for _ in source:
                 pass
-        except _StepFailed as f:
+        except StepFailed as f:
             raise f.failures["publisher"] from None
         self._host = _HostCopy(version, source.fingerprint(), source.handles)
         return self._host.fingerprint
 
     # ---- one push ------------------------------------------------------------------------
     async def publish(self, version: int, named_tensors: NamedTensorIter, replicas: Sequence[ReplicaClient]) -> PushResult:
+        """Pack `named_tensors` (HF names; into the engines' layout when a plan is set) and push them."""
         rng = preserve_rng_state() if self._preserve_rng else contextlib.nullcontext()
         with rng:
             return await self._publish(version, named_tensors, list(replicas))
 
-    async def publish_handles(self, version: int, handles: Sequence[Any], replicas: Sequence[ReplicaClient]) -> PushResult:
-        """`publish` for buckets already in the transport (e.g. `LearnerGroup.export_hf_tensors_packed`)."""
+    async def publish_handles(self, version: int, handles: Sequence[Any], replicas: Sequence[ReplicaClient],
+                              digests: Sequence[dict[str, bytes]] | None = None, plan_id: str | None = None) -> PushResult:
+        """`publish` for buckets already in the transport (e.g. `LearnerGroup.export_hf_tensors_packed`),
+        with the digests their packer computed (else hashed here) and, for engine-layout buckets,
+        the plan they were packed for."""
         rng = preserve_rng_state() if self._preserve_rng else contextlib.nullcontext()
         with rng:
-            return await self._publish(version, None, list(replicas), handles=list(handles))
+            return await self._publish(version, None, list(replicas), handles=list(handles), digests=digests, plan_id=plan_id)
 
     async def publish_streamed(self, version: int, send: Send, payload: Callable[[int], Any],
-                               replicas: Sequence[ReplicaClient], prepare: Callable[[], Awaitable[Any]] | None = None) -> PushResult:
+                               replicas: Sequence[ReplicaClient], prepare: Callable[[], Awaitable[Any]] | None = None,
+                               plan_id: str | None = None) -> PushResult:
         """`publish` through a collective transport: `send(version, verify)` broadcasts the
         weights (and returns a `StreamedSend`) while every replica's `load_bucket(payload(version))`
-        receives them; `prepare()` runs before each attempt (e.g. forms the broadcast group)."""
+        receives them; `prepare()` runs before each attempt (e.g. forms the broadcast group).
+        `plan_id`: the sender packs the engines' layout of this plan."""
         rng = preserve_rng_state() if self._preserve_rng else contextlib.nullcontext()
         with rng:
-            source = _StreamedSource(send, payload, prepare, self._cfg.verify)
+            source = StreamedSource(send, payload, prepare, self._cfg.verify, plan_id)
             return await self._publish(version, None, list(replicas), source=source)
 
     async def _publish(self, version: int, named: NamedTensorIter | None, replicas: list[ReplicaClient],
-                       handles: list[Any] | None = None, source: "_BucketSource | _StreamedSource | None" = None) -> PushResult:
+                       handles: list[Any] | None = None, source: "BucketSource | StreamedSource | None" = None,
+                       digests: Sequence[dict[str, bytes]] | None = None, plan_id: str | None = None) -> PushResult:
         names = [r.name for r in replicas]
         if len(set(names)) != len(names):
             raise ValueError(f"replica names must be unique, got {names}")
         m = PushMetrics(version, self._transport.name, len(replicas))
         tail_warnings = await self._settled(m)
         if handles is not None:  # read before registering: a bad handle leaves nothing in flight
-            source = _BucketSource.from_handles(handles, self._transport, m, self._cfg.verify)
+            source = BucketSource.from_handles(handles, self._transport, m, self._cfg.verify, digests, plan_id)
         elif source is None:
-            source = _BucketSource(named, self._cfg.bucket_mb, self._transport, m, self._cfg.verify)
+            source = BucketSource(named, self._cfg.bucket_mb, self._transport, m, self._cfg.verify, self.plan)
+        m.layout, m.staging = source.layout, self._cfg.staging
         self._reg("begin", version)
         self.totals["pushes_total"] += 1
         try:
@@ -408,7 +232,7 @@ class Publisher:
                 try:
                     fingerprint = await self._attempt(version, source, replicas, m)
                     break
-                except _StepFailed as f:
+                except StepFailed as f:
                     if not f.retryable or attempt == self._cfg.retries or f.out_of_service:
                         raise self._fail(version, f, m) from next(iter(f.failures.values()), None)
                     m.retries += 1
@@ -417,7 +241,7 @@ class Publisher:
             for h in source.handles:  # the failed version's buckets: nobody will read them again
                 with contextlib.suppress(Exception):
                     self._transport.release(h)
-            if isinstance(source, _StreamedSource):
+            if isinstance(source, StreamedSource):
                 source.discard(self._transport)
             if self.registry.in_flight == version:  # cancelled, or a bug: never leave it in flight
                 self._reg("transition", version, S.FAILED, error=f"{type(exc).__name__}: {exc}")
@@ -427,56 +251,76 @@ class Publisher:
         warnings = await self._went_live(version, fingerprint, source, m)
         return PushResult(version, fingerprint, names, self._finish(m, version), tail_warnings + warnings)
 
-    async def _attempt(self, version: int, source: "_BucketSource | _StreamedSource", replicas: list[ReplicaClient], m: PushMetrics) -> str:
-        pause_sent = begin_sent = False
+    async def _attempt(self, version: int, source: "BucketSource | StreamedSource", replicas: list[ReplicaClient], m: PushMetrics) -> str:
+        bucketed = self._cfg.staging == "bucketed"
+        # One engine replica behind all clients: its commit pauses, applies and resumes by itself.
+        own_pause = not bucketed and sum(int(getattr(r, "fanout", 1)) for r in replicas) == 1
+        pause_sent = begin_sent = commit_sent = False
+        paused = 0.0
         try:
-            pause_sent, paused = True, time.perf_counter()
-            await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
+            if bucketed:
+                pause_sent, paused = True, time.perf_counter()
+                await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
             begin_sent = True
-            await self._step(Step.BEGIN, replicas, lambda r: r.begin_update(version, source.verify), m)
+            await self._step(Step.BEGIN, replicas, lambda r: r.begin_update(
+                version, source.verify, staging=self._cfg.staging, layout=source.layout, plan_id=source.plan_id), m)
             t = time.perf_counter()
-            if isinstance(source, _StreamedSource):
-                await source.stream(self, version, replicas, m)
-            else:
-                await self._stream(version, source, replicas, m)
+            try:
+                if isinstance(source, StreamedSource):
+                    await source.stream(self, version, replicas, m)
+                else:
+                    await self._stream(version, source, replicas, m, with_digests=bucketed)
+            except StepFailed as f:
+                if bucketed:  # buckets may have been applied: restore everyone
+                    f.restore = [r.name for r in replicas]
+                raise
             m.stage_seconds += time.perf_counter() - t
             try:
                 fingerprint = source.fingerprint()
             except Exception as exc:
-                raise _StepFailed(Step.FINGERPRINT, {"publisher": exc}) from exc
+                raise StepFailed(Step.FINGERPRINT, {"publisher": exc}) from exc
             self._reg("set_payload", version, fingerprint=fingerprint, num_bytes=m.bytes, num_tensors=m.num_tensors)
             self._reg("transition", version, S.COMMITTING)
+            if not pause_sent and not own_pause:
+                pause_sent, paused = True, time.perf_counter()
+                await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
             t = time.perf_counter()
+            commit_sent = True
             ok, bad = await self._run(Step.COMMIT, replicas, lambda r: self._commit(r, version, fingerprint, m), m)
             m.commit_seconds += time.perf_counter() - t
             for name in ok:
                 self._reg("replica_committed", version, name)
             if bad:
                 # Committed peers are ahead of the failed ones, and a non-verify commit failure
-                # may be half applied: all of them go back to the last live version.
-                restore = ok + [n for n, e in bad.items() if not is_verify_failure(e)]
-                raise _StepFailed(Step.COMMIT, bad, retryable=not any(map(is_replica_dead, bad.values())), restore=restore)
+                # may be half applied (so may any bucketed one): all of them go back to the last live version.
+                restore = ok + [n for n, e in bad.items() if bucketed or not is_verify_failure(e)]
+                raise StepFailed(Step.COMMIT, bad, retryable=not any(map(is_replica_dead, bad.values())), restore=restore)
             self._reg("go_live", version, [r.name for r in replicas])
             return fingerprint
-        except _StepFailed as f:
+        except StepFailed as f:
             if begin_sent:
                 await self._run(Step.ABORT, replicas, lambda r: r.abort_update(), m)
             if f.restore:
                 f.out_of_service = await self._restore([r for r in replicas if r.name in f.restore], m)
             raise
         finally:
-            if pause_sent:
+            if pause_sent or (commit_sent and own_pause and m.failed_commit):
+                # A failed apply under the commit's own pause leaves the replica paused too.
                 await self._run(Step.RESUME, replicas, lambda r: r.resume(), m)
+            if pause_sent:
                 m.paused_seconds += time.perf_counter() - paused
 
-    async def _stream(self, version: int, source: _BucketSource, replicas: list[ReplicaClient], m: PushMetrics) -> None:
+    async def _stream(self, version: int, source: BucketSource, replicas: list[ReplicaClient], m: PushMetrics,
+                      with_digests: bool = False) -> None:
         # Pack/put bucket k+1 while bucket k loads; at most one load per replica in flight.
         pending: asyncio.Future | None = None
         try:
-            for handle in source:
+            for handle, digests in source:
                 if pending is not None:
                     await pending
                 payload = self._transport.payload(handle)
+                if with_digests:
+                    payload = WithDigests(payload, digests)
                 pending = asyncio.ensure_future(self._step(Step.LOAD, replicas, lambda r, p=payload: r.load_bucket(p, version), m))
                 await asyncio.sleep(0)  # let the task send its loads before this loop packs the next bucket
             if pending is not None:
@@ -489,11 +333,23 @@ class Publisher:
 
     @staticmethod
     async def _commit(r: ReplicaClient, version: int, fingerprint: str, m: PushMetrics) -> None:
-        """One replica's commit; records the engine's own reload time when the replica reports it."""
-        out = await r.commit_update(version, fingerprint)
-        reload_s = out.get("reload_seconds") if isinstance(out, dict) else None
-        if isinstance(reload_s, (int, float)):
-            m.replica_time(r.name, "reload", float(reload_s))
+        """One replica's commit; records the engine's apply path and seconds as the replica reports them."""
+        try:
+            out = await r.commit_update(version, fingerprint)
+        except BaseException:
+            m.failed_commit = True
+            raise
+        for row in (out.values() if isinstance(out, dict) and "replica_id" not in out and "version" not in out else [out]):
+            if not isinstance(row, dict):
+                continue
+            name = str(row.get("replica_id", r.name))
+            for key in ("apply_seconds", "reload_seconds", "paused_seconds"):
+                if isinstance(row.get(key), (int, float)):
+                    m.replica_time(name, key.removesuffix("_seconds"), float(row[key]))
+            if isinstance(row.get("path"), str):
+                m.paths.add(row["path"])
+            if isinstance(row.get("paused_seconds"), (int, float)):
+                m.own_paused = max(m.own_paused, float(row["paused_seconds"]))
 
     async def _run(self, step: Step, replicas: Sequence[ReplicaClient], call: Callable[[ReplicaClient], Awaitable[Any]],
                    m: PushMetrics | None = None) -> tuple[list[str], dict[str, BaseException]]:
@@ -520,7 +376,7 @@ class Publisher:
                     m: PushMetrics) -> None:
         _, bad = await self._run(step, replicas, call, m)
         if bad:
-            raise _StepFailed(step, bad, retryable=not any(map(is_replica_dead, bad.values())))
+            raise StepFailed(step, bad, retryable=not any(map(is_replica_dead, bad.values())))
 
     # ---- restore / late load ---------------------------------------------------------------
     async def load_live(self, replicas: Sequence[ReplicaClient]) -> list[str]:
@@ -534,7 +390,7 @@ class Publisher:
         host, failed = self._host, [r.name for r in replicas]
         if host is not None and replicas:
             async def reload(r: ReplicaClient) -> None:
-                await r.begin_update(host.version, fingerprint_mode(host.fingerprint))
+                await r.begin_update(host.version, fingerprint_mode(host.fingerprint), layout=host.layout, plan_id=host.plan_id)
                 for h in host.handles:
                     await r.load_bucket(self._transport.payload(h), host.version)
                 await r.commit_update(host.version, host.fingerprint)
@@ -555,7 +411,7 @@ class Publisher:
         return failed
 
     # ---- outcome -----------------------------------------------------------------------------
-    def _fail(self, version: int, f: _StepFailed, m: PushMetrics) -> WeightsyncError:
+    def _fail(self, version: int, f: StepFailed, m: PushMetrics) -> WeightsyncError:
         detail = "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in f.failures.items())
         message = f"weight push of version {version} failed at step {f.step.value} on replica(s) {sorted(f.failures)} after {m.attempts} attempt(s): {detail}"
         if f.out_of_service:
@@ -566,22 +422,22 @@ class Publisher:
         return WeightsyncError(message, version=version, step=f.step, replicas=sorted(f.failures),
                                out_of_service=f.out_of_service, metrics=self._finish(m, version))
 
-    async def _went_live(self, version: int, fingerprint: str, source: "_BucketSource | _StreamedSource", m: PushMetrics) -> list[str]:
-        if isinstance(source, _StreamedSource):  # its host copy is still being made: keep it in the background
+    async def _went_live(self, version: int, fingerprint: str, source: "BucketSource | StreamedSource", m: PushMetrics) -> list[str]:
+        if isinstance(source, StreamedSource):  # its host copy is still being made: keep it in the background
             self._tail = asyncio.ensure_future(self._keep_live(version, fingerprint, source))
             return []
         report, warnings = await self._keep_live(version, fingerprint, source)
         _report_keep(m, report)
         return warnings
 
-    async def _keep_live(self, version: int, fingerprint: str, source: "_BucketSource | _StreamedSource") -> tuple[dict[str, float], list[str]]:
+    async def _keep_live(self, version: int, fingerprint: str, source: "BucketSource | StreamedSource") -> tuple[dict[str, float], list[str]]:
         """Make `version`'s host copy the one restores use, then run `on_live`. Never raises:
         returns its seconds and its warnings (a live version without a host copy or a store)."""
         t0 = time.perf_counter()
         report: dict[str, float] = {}
         warnings: list[str] = []
         kept = True
-        if isinstance(source, _StreamedSource):
+        if isinstance(source, StreamedSource):
             try:
                 report.update({f"thread_{k}": v for k, v in (await source.settle(self._cfg.timeout_s)).items()})
             except Exception as exc:  # live everywhere, but nothing to restore from or hand to late joiners
@@ -590,7 +446,8 @@ class Publisher:
                 warnings.append(f"version {version} is live, but the sender's host copies failed ({type(exc).__name__}: {exc}): "
                                 "no host copy is kept until the next push (a failed push cannot roll back; late joiners load the last stored version)")
             report["kept"] = time.perf_counter() - t0
-        old, self._host = self._host, (_HostCopy(version, fingerprint, source.handles) if kept else None)
+        old, self._host = self._host, (_HostCopy(version, fingerprint, source.handles, source.layout, source.plan_id)
+                                       if kept else None)
         if old is not None:
             for h in old.handles:
                 with contextlib.suppress(Exception):
@@ -642,18 +499,25 @@ def _report_keep(m: PushMetrics, report: dict[str, float]) -> None:
     m.sender_seconds.update({f"host_copy_{k}": v for k, v in report.items() if k.startswith("thread_")})
 
 
-def weight_store_hook(store: Any) -> OnLive:
-    """`on_live` hook publishing a live version to the generator's `WeightStore` actor.
+def weight_store_hook(store: Any, plan_of: Callable[[str], Any] | None = None) -> OnLive:
+    """`on_live` hook publishing a live version to the `WeightStore` actor (store.py); engine-layout
+    buckets go with their push plan (`plan_of(version)`).
 
     The store's copy only serves replicas that start later, so the training loop does not wait
-    for it: the call is sent (Ray runs one caller's calls to an actor in order) and its outcome
-    is collected at the next push, where a failure surfaces as that push's warning. At most one
-    store update is in flight."""
+    for it: the call is sent from a thread (sending copies the buckets into the object store) and
+    its outcome is collected at the next push, where a failure surfaces as that push's warning. At
+    most one store update is in flight."""
     pending: list[Any] = []
 
     async def publish(version: int, fingerprint: str, buckets: list[Bucket]) -> None:
         if pending:
-            await pending.pop()
-        pending.append(store.publish.remote(version, buckets, fingerprint))  # numpy buffers: out of band
+            await await_ref(await pending.pop())
+        ranks = {b.rank for b in buckets}
+        plan = plan_of(version) if plan_of is not None and ranks != {None} else None  # engine layout: with its plan
+        loop = asyncio.get_running_loop()
+        pending.append(loop.run_in_executor(None, lambda: store.publish.remote(version, buckets, fingerprint, plan)))
+
+    async def await_ref(ref: Any) -> Any:
+        return await ref
 
     return publish

@@ -6,8 +6,13 @@ carry the generator's names.
 
 The contract weightsync relies on (generator side):
   pause(mode)                     stop scheduling; "keep" keeps in-flight requests' KV
-  begin_update(version, verify)   drop any staged copy; start staging `version`, hashing each
-                                  bucket as it arrives in `verify` mode (full | sampled | off)
+  begin_update(version, verify, staging, layout, plan_id)
+                                  drop any staged copy; start staging `version`, hashing each
+                                  bucket as it arrives in `verify` mode (full | sampled | checksum | off);
+                                  layout "engine" (buckets of push plan `plan_id`, copied into the
+                                  parameters; a replica without that plan refuses: PlanMissing) or
+                                  "hf" (reloaded); staging "full" or "bucketed" (apply each bucket
+                                  once it matches the sender's digests that come with it)
   load_bucket(bucket, version)    stage one `Bucket` (the transport payload: for the object store
                                   an ObjectRef that Ray resolves to the bucket; a `Bucket`
                                   iterates as (name, tensor) views, so it is a NamedTensors);
@@ -16,7 +21,9 @@ The contract weightsync relies on (generator side):
                                   in place and relabel the version; a fingerprint mismatch must
                                   raise before anything is applied (its message contains
                                   "fingerprint mismatch"), any later error may leave the
-                                  weights partially applied
+                                  weights partially applied. A replica not paused by the caller
+                                  pauses for the apply itself and resumes after it (a failed
+                                  apply leaves it paused until `resume`)
   abort_update()                  drop staged tensors; idempotent; the live version is untouched
   resume()                        resume scheduling
 Restoring a replica whose commit failed part-way (or that committed while a peer failed) from
@@ -39,7 +46,8 @@ class ReplicaClient(Protocol):
 
     async def pause(self, mode: str) -> Any: ...
 
-    async def begin_update(self, version: int, verify: str = "full") -> Any: ...
+    async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
+                           plan_id: str | None = None) -> Any: ...
 
     async def load_bucket(self, payload: Any, version: int) -> Any: ...
 
@@ -54,6 +62,8 @@ class ActorReplica:
     """Adapter for a handle whose `handle.<method>.remote(...)` returns something awaitable
     (a Ray ObjectRef for an actor, a DeploymentResponse for a Serve replica handle)."""
 
+    fanout = 1  # engine replicas one call reaches
+
     def __init__(self, handle: Any, name: str) -> None:
         self.handle = handle
         self.name = name
@@ -64,8 +74,9 @@ class ActorReplica:
     async def pause(self, mode: str) -> Any:
         return await self._call("pause", mode)
 
-    async def begin_update(self, version: int, verify: str = "full") -> Any:
-        return await self._call("begin_update", version, verify)
+    async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
+                           plan_id: str | None = None) -> Any:
+        return await self._call("begin_update", version, verify, staging, layout, plan_id)
 
     async def load_bucket(self, payload: Any, version: int) -> Any:
         # The payload goes as a top-level argument so Ray resolves an ObjectRef before the call.
@@ -88,6 +99,11 @@ def is_verify_failure(exc: BaseException) -> bool:
     """A commit that failed its fingerprint check applied nothing (generator contract above)."""
     text = f"{type(exc).__name__}: {exc}"
     return "FingerprintMismatch" in text or "fingerprint mismatch" in text
+
+
+def is_plan_missing(exc: BaseException) -> bool:
+    """A replica refused an engine-layout push for a plan it does not hold (it started later)."""
+    return "PlanMissing" in f"{type(exc).__name__}: {exc}"
 
 
 def is_replica_dead(exc: BaseException) -> bool:

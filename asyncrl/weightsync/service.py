@@ -1,10 +1,18 @@
 """The training loop's weightsync entry point: learner export -> atomic push -> every engine replica.
 
 Owns: wiring one run's pieces together — the learner group's packed export (buckets the ranks
-put into the object store themselves), the `Publisher` (order, atomicity, retries, metrics),
-the engine deployment as a `ReplicaClient` (Serve's `broadcast` reaches every running replica),
-the registry mirror actor (`WeightsyncService`, read by other processes) and the generator's
-`WeightStore` (late joiners load the live version from it before they take traffic).
+put into the object store themselves), the push plan (formed with the engines at start and again
+when a replica refuses it: plan.py), the `Publisher` (order, atomicity, retries, metrics), the
+engine deployment as a `ReplicaClient` (Serve's `broadcast` reaches every running replica), the
+registry mirror actor (`WeightsyncService`, read by other processes) and the `WeightStore` (late
+joiners load the live version from it before they take traffic).
+
+The push plan: the learner's export manifest (names, dtypes, shapes, PP stage) goes to every
+engine replica, each worker answers with its parameter layout as its own weight loaders define
+it (and whether it proved at start that a plain copy is a correct apply); if every replica
+agrees, the plan assigns every engine parameter a bucket and an offset, the sending learner
+ranks pack for it and the engines copy straight into their parameters. Otherwise (`apply: auto`)
+pushes carry HF tensors and engines reload; `apply: direct` makes that an error.
 
 With a collective transport (nccl / gloo) the learner's sending ranks broadcast each bucket
 straight into the engine workers; the groups are formed before the first push and again whenever
@@ -30,7 +38,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.generator.control import EngineControl
 from asyncrl.weightsync.push import Publisher, weight_store_hook
 from asyncrl.weightsync.registry import VersionRegistry
 from asyncrl.weightsync.replicas import ActorReplica
@@ -43,12 +50,19 @@ REGISTRY_ACTOR = "asyncrl_weightsync"
 
 class DeploymentReplicas(ActorReplica):
     """`ReplicaClient` for every running replica of the engine deployment, one broadcast per step
-    (the update steps are ActorReplica's; only how a call reaches the replicas differs)."""
+    (the update steps are ActorReplica's; only how a call reaches the replicas differs).
+    `control` fans a call out (`await control.call(method, *args, timeout_s=...)` -> {replica id:
+    result}: the generator's EngineControl)."""
 
-    def __init__(self, control: EngineControl, timeout_s: float, name: str = "engines") -> None:
-        super().__init__(control.handle, name)
+    def __init__(self, control: Any, timeout_s: float, name: str = "engines") -> None:
+        super().__init__(getattr(control, "handle", None), name)
         self.control, self.timeout_s = control, timeout_s
         self.last_results: dict[str, Any] = {}
+
+    @property
+    def fanout(self) -> int:  # type: ignore[override]
+        """Engine replicas the last call reached (2 before any: not known to be one)."""
+        return len(self.last_results) if self.last_results else 2
 
     async def _call(self, method: str, *args: Any) -> dict[str, Any]:
         self.last_results = await self.control.call(method, *args, timeout_s=self.timeout_s)
@@ -60,13 +74,17 @@ class WeightPublisher:
 
     def __init__(self, cfg: WeightsyncConfig, *, engine: Any, learner: Any, hybrid: bool = False, on_gpu: bool = False,
                  store_name: str | None = None, namespace: str | None = None) -> None:
-        from asyncrl.generator.app import WEIGHT_STORE_NAME, WEIGHT_STORE_NAMESPACE
+        from asyncrl.weightsync.store import STORE_NAME, STORE_NAMESPACE
 
+        # engine: fans a call out to every engine replica (the generator's EngineControl).
         # on_gpu: the learner ranks hold GPUs (this process may not: it is the controller's).
         self.cfg, self.learner, self.hybrid, self.on_gpu = cfg, learner, hybrid, on_gpu
-        self.replicas = DeploymentReplicas(EngineControl(engine), cfg.timeout_s)
-        self.store_name = store_name or WEIGHT_STORE_NAME
-        self.namespace = namespace or WEIGHT_STORE_NAMESPACE
+        self.replicas = DeploymentReplicas(engine, cfg.timeout_s)
+        self.store_name = store_name or STORE_NAME
+        self.namespace = namespace or STORE_NAMESPACE
+        self.plan: Any = None  # the push plan the engines and the learner's senders hold (None: HF tensors)
+        self.plan_problem = "no plan formed yet"
+        self.manifest: list[Any] = []
         self.publisher: Publisher | None = None
         self.transport: Any = None
         self.store: Any = None
@@ -79,7 +97,7 @@ class WeightPublisher:
         weights the engines already serve (`initial_version`) so a torn first push can roll back."""
         import ray
 
-        from asyncrl.generator.weights import WeightStore
+        from asyncrl.weightsync.store import WeightStore
 
         await self.replicas.control.wait_ready(timeout_s=max(600.0, self.cfg.timeout_s))
         from asyncrl.weightsync.registry import WeightsyncService
@@ -94,7 +112,7 @@ class WeightPublisher:
         self.publisher = Publisher(
             self.cfg, transport=transport, registry=VersionRegistry(initial_version),
             mirror=lambda op, *a, **k: self.service.apply.remote(op, *a, **k),
-            on_live=weight_store_hook(self.store),
+            on_live=weight_store_hook(self.store, lambda version: self.plan),
         )
         self.transport = transport
         if getattr(transport, "streamed", False):
@@ -105,14 +123,58 @@ class WeightPublisher:
                 join=lambda wire: control.call("join_collective", wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
             )
         # The seed (and, for collective transports, every host copy) lives in the object store.
-        export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, _put_kind(transport))
+        export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, _put_kind(transport), self.cfg.verify)
         from asyncrl.weightsync.bucket import iter_unpacked
+        from asyncrl.weightsync.plan import ManifestEntry
 
+        self.manifest = [ManifestEntry(m.name, m.dtype, tuple(m.shape), sender)
+                         for metas, sender in zip(export.metas, export.senders) for m in metas]
         try:
             self.publisher.seed(initial_version, iter_unpacked(transport.fetch(h) for h in export.buckets))
         finally:  # seed re-packs into its own buckets
             for h in export.buckets:
                 transport.release(h)
+        await self.form_plan()
+
+    async def form_plan(self) -> None:
+        """Ask every engine replica for its layout of the learner's export and, if they agree and
+        each proved a copy correct, hand the plan to them and to the sending learner ranks."""
+        import pickle
+
+        from asyncrl.weightsync.plan import EngineLayout, PlanError, build_plan
+        from asyncrl.weightsync.replica_side import dump_manifest
+
+        plan, problem = None, ""
+        if self.cfg.apply == "reload":
+            problem = "weightsync.apply is 'reload'"
+        else:
+            answers = await self.replicas.control.call("engine_layout", dump_manifest(self.manifest),
+                                                        timeout_s=max(600.0, self.cfg.timeout_s))
+            per_replica: dict[str, list[EngineLayout]] = {
+                rid: [pickle.loads(b) for b in a["layouts"]] for rid, a in answers.items()}
+            problems = sorted({f"{rid}: {lay.problem}" for rid, lays in per_replica.items() for lay in lays if lay.problem})
+            digests = {tuple(lay.digest for lay in lays) for lays in per_replica.values()}
+            if problems:
+                problem = problems[0]
+            elif len(digests) != 1:
+                problem = f"the engine replicas' parameter layouts differ ({len(digests)} kinds)"
+            else:
+                try:
+                    plan = build_plan(self.manifest, next(iter(per_replica.values())), self.cfg.bucket_mb)
+                except PlanError as err:
+                    problem = str(err)
+        if plan is None and self.cfg.apply == "direct":
+            raise PlanError(f"weightsync.apply is 'direct' but no push plan can be made: {problem}")
+        blob = pickle.dumps(plan) if plan is not None else None
+        await asyncio.gather(self.replicas.control.call("set_push_plan", blob, timeout_s=max(600.0, self.cfg.timeout_s)),
+                             self.learner.set_push_plan(blob))
+        self.plan, self.plan_problem = plan, problem
+        self.publisher.set_plan(plan)
+        if plan is not None:
+            log.info("weightsync: push plan %s: %d engine rank(s), %d buckets, %.1f MB; engines copy into their parameters",
+                     plan.plan_id, plan.ranks, len(plan.buckets), plan.nbytes / 1e6)
+        else:
+            log.info("weightsync: pushes carry HF tensors and engines reload them (%s)", problem)
 
     async def publish(self, version: int) -> dict[str, float]:
         """Push the learner's current weights as `version`; returns the push metrics.
@@ -139,6 +201,8 @@ class WeightPublisher:
             except WeightsyncError as err:
                 if time.monotonic() >= deadline or (err.step is Step.EXPORT and not await self._receivers_may_be_at_fault()):
                     raise
+                if "PlanMissing" in str(err):  # a replica that started later: form the plan with it
+                    await self.form_plan()
                 recoveries += 1
                 log.warning("weightsync: push of version %d failed (%s); pushing again once the engine replicas "
                             "are healthy (%.0f s of recovery left)", version, err, deadline - time.monotonic())
@@ -175,12 +239,15 @@ class WeightPublisher:
             delay = min(2 * delay, 10.0)
 
     async def _publish_once(self, version: int) -> dict[str, float]:
+        plan_id = None if self.plan is None else self.plan.plan_id
         if self.link is not None:
             result = await self.publisher.publish_streamed(
-                version, self.link.send, self.link.payload, [self.replicas], prepare=self.link.ensure)
+                version, self.link.send, self.link.payload, [self.replicas], prepare=self.link.ensure, plan_id=plan_id)
         else:
-            export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, self.transport.name)
-            result = await self.publisher.publish_handles(version, export.buckets, [self.replicas])
+            export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, self.transport.name, self.cfg.verify,
+                                                                 "hf" if plan_id is None else "engine")
+            result = await self.publisher.publish_handles(version, export.buckets, [self.replicas], export.digests, plan_id)
+            result.metrics.update({f"weightsync/sender/{k}_seconds": v for k, v in export.seconds.items()})
         metrics = dict(result.metrics)
         metrics["weightsync/engine_replicas"] = float(len(self.replicas.last_results))
         for warning in result.warnings:

@@ -32,7 +32,7 @@ import weakref
 from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.weightsync.bucket import Bucket, SharedBucket, write_shared
+from asyncrl.weightsync.bucket import Bucket, SharedAllocator, SharedBucket, write_shared
 
 
 class TransportUnavailable(ValueError):
@@ -124,12 +124,18 @@ class SharedMemoryTransport:
     def __init__(self) -> None:
         self._files: set[str] = set()
         self._finalizer = weakref.finalize(self, _unlink_all, self._files)
+        self._allocator = SharedAllocator()
 
     def close(self) -> None:
+        self._allocator.discard()
         self._finalizer()
 
+    def alloc(self, nbytes: int) -> Any:
+        """A buffer that is already a shared file: a bucket packed into it is put without a copy."""
+        return self._allocator(nbytes)
+
     def put(self, bucket: Bucket) -> SharedBucket:
-        shared = write_shared(bucket)
+        shared = write_shared(bucket, self._allocator)
         if shared.path is not None:
             self._files.add(shared.path)
         return shared
@@ -145,6 +151,9 @@ class SharedMemoryTransport:
         return handle.open()
 
     def release(self, handle: SharedBucket) -> None:
+        if self._allocator.owns(handle.path):  # packed into by this process: reused by a later push
+            self._allocator.release(handle.path)  # type: ignore[arg-type]
+            return
         handle.unlink()
         self._files.discard(handle.path)
 

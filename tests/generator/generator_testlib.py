@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.generator.weights import load_hf_tensors
+from asyncrl.weightsync.store import load_hf_tensors
 
 ADMIN_TOKEN = "test-admin-token"
 
@@ -51,3 +51,53 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.5, what: str =
             return value
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def form_push_plan(control, tensors: dict[str, torch.Tensor], bucket_mb: float = 64.0):
+    """A push plan for `tensors` with every engine replica behind `control` (as weightsync's
+    service forms it): their layouts of the export, the plan, handed back to them."""
+    import asyncio
+    import pickle
+
+    from asyncrl.weightsync.plan import ManifestEntry, build_plan
+    from asyncrl.weightsync.replica_side import dump_manifest
+
+    manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
+    answers = asyncio.run(control.call("engine_layout", dump_manifest(manifest)))
+    layouts = [pickle.loads(b) for b in next(iter(answers.values()))["layouts"]]
+    assert not any(lay.problem for lay in layouts), [lay.problem for lay in layouts]
+    plan = build_plan(manifest, layouts, bucket_mb)
+    asyncio.run(control.call("set_push_plan", pickle.dumps(plan)))
+    return plan
+
+
+def push_weights(control, version: int, tensors: dict[str, torch.Tensor], *, plan=None, bucket_mb: float = 64.0,
+                 verify: str = "full", staging: str = "full"):
+    """Push `tensors` as `version` to every engine replica behind `control` through weightsync's
+    publisher (engine layout with `plan`, else HF tensors); returns the PushResult."""
+    import asyncio
+
+    from asyncrl.config import WeightsyncConfig
+    from asyncrl.weightsync.push import Publisher
+    from asyncrl.weightsync.registry import VersionRegistry
+    from asyncrl.weightsync.service import DeploymentReplicas
+    from asyncrl.weightsync.transport import LocalTransport
+
+    cfg = WeightsyncConfig(bucket_mb=bucket_mb, verify=verify, staging=staging, timeout_s=120.0)
+    pub = Publisher(cfg, transport=LocalTransport(), registry=VersionRegistry(version - 1), preserve_rng=False)
+    pub.set_plan(plan)
+    return asyncio.run(pub.publish(version, iter(tensors.items()), [DeploymentReplicas(control, cfg.timeout_s)]))
+
+
+def push_by_steps(control, version: int, tensors: dict[str, torch.Tensor], fingerprint: str) -> dict:
+    """The replica's update steps by hand (begin, load, commit with the given fingerprint), as a
+    faulty publisher would call them; aborts on failure and re-raises the ReplicaControlError."""
+    import asyncio
+
+    try:
+        asyncio.run(control.call("begin_update", version))
+        asyncio.run(control.call("load_bucket", tensors, version))
+        return asyncio.run(control.call("commit_update", version, fingerprint))
+    except BaseException:
+        asyncio.run(control.call("abort_update"))
+        raise

@@ -37,7 +37,11 @@ async def _scenario(model_path) -> dict:
 
     from asyncrl.generator.engine import EngineReplica
 
-    replica = EngineReplica(ModelConfig(path=str(model_path), max_model_len=256, dtype="float32"), GeneratorConfig())
+    # vLLM's prepacked oneDNN kernels compute a row the same whatever else is in the batch, so values
+    # from different batches (a request alone, the same request beside others) compare exactly;
+    # the unpacked F.linear weights weight pushes copy into (the default) round by batch shape.
+    replica = EngineReplica(ModelConfig(path=str(model_path), max_model_len=256, dtype="float32"),
+                            GeneratorConfig(cpu_unpacked_weights=False))
     await replica.start()
     try:
         reqs = _requests()

@@ -16,8 +16,9 @@ import ray
 from asyncrl.config import load_config
 from asyncrl.generator.app import run_generator
 from asyncrl.generator.control import EngineControl
-from asyncrl.generator.weights import WeightStore, tensor_fingerprint
-from generator_testlib import free_port, perturbed_weights, wait_until
+from asyncrl.weightsync.fingerprint import tensor_fingerprint
+from asyncrl.weightsync.store import WeightStore
+from generator_testlib import free_port, perturbed_weights, push_weights, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +55,7 @@ def test_scale_up_with_late_joiner_on_current_version_and_back_down(ray_session,
         # Version 1 goes to the store first (late joiners read it), then to the live replica.
         w1 = perturbed_weights(demo_model_path, seed=11)
         ray.get(store.publish.remote(1, w1, tensor_fingerprint(w1)))
-        asyncio.run(control.push_weights(1, w1))
+        push_weights(control, 1, w1)
         assert asyncio.run(control.versions()) == {first_replica: 1}
 
         counter = itertools.count()

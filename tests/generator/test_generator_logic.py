@@ -12,7 +12,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.generator.control import split_buckets
 from asyncrl.generator.gateway import GatewayCore, HTTPError, engine_error_to_http, version_header
 from asyncrl.generator.metrics import GatewayMetrics
 from asyncrl.generator.routing import rank_replicas
@@ -24,10 +23,10 @@ from asyncrl.generator.versions import (
     versions_from_spans,
     versions_from_starts,
 )
-from asyncrl.generator.weights import (
+from asyncrl.weightsync.store import WeightStore
+from asyncrl.weightsync.fingerprint import (
     SAMPLE_WINDOW,
     SAMPLE_WINDOWS,
-    WeightStore,
     combine_digests,
     fingerprint_mode,
     tensor_digest,
@@ -247,18 +246,18 @@ def test_batched_digests_equal_per_tensor_digests_and_stay_stable():
     for mode in ("full", "sampled", "checksum", "off"):
         assert tensor_digests(a.items(), mode) == {n: tensor_digest(n, t, mode) for n, t in a.items()}, mode
     golden = {"full": "a9b5294fae278af0139575ee36f2adea", "sampled": "6c4ba93be55e2265304ca77b20f71955",
-              "checksum": "721913578c2a3d8d8875b5617e08d1e2",
-              "off": "f23cbc01029501d89f8e3e2775ad9628"}  # computed before the batched form existed (checksum: when added)
+              "checksum": "cdce6f0738c5505ff263bea4fec3a7f5",
+              "off": "f23cbc01029501d89f8e3e2775ad9628"}  # computed before the batched form existed (checksum: 64-bit words, 2026-11-25)
     assert {m: tensor_digest("big", big, m).hex()[:32] for m in golden} == golden
 
 
 def test_checksum_sees_every_word_and_where_it_is():
-    """checksum mode: a flipped bit anywhere (in any chunk, in a 16- or 8-bit tail layout), two
+    """checksum mode: a flipped bit anywhere (in any chunk, in a tail shorter than a word), two
     swapped words, and two swapped chunks all change the digest; equal tensors agree."""
-    from asyncrl.generator.weights import CHECKSUM_CHUNK
+    from asyncrl.weightsync.checksum import CH
 
     g = torch.Generator().manual_seed(3)
-    for t in (torch.randn(2 * CHECKSUM_CHUNK + 5, generator=g), torch.randn(2 * CHECKSUM_CHUNK + 1, generator=g).to(torch.bfloat16),
+    for t in (torch.randn(2 * CH * 2 + 5, generator=g), torch.randn(2 * CH + 1, generator=g).to(torch.bfloat16),
               torch.randint(0, 255, (1001,), dtype=torch.uint8, generator=g)):
         base = tensor_digest("t", t, "checksum")
         assert tensor_digest("t", t.clone(), "checksum") == base
@@ -272,9 +271,25 @@ def test_checksum_sees_every_word_and_where_it_is():
         assert torch.equal(swapped, t) or tensor_digest("t", swapped, "checksum") != base
     backing = torch.randint(0, 255, (70,), dtype=torch.uint8, generator=g)  # a view at byte offset 2
     assert tensor_digest("t", backing[2:66], "checksum") == tensor_digest("t", backing[2:66].clone(), "checksum")
-    words = torch.randn(2 * CHECKSUM_CHUNK, generator=g)  # float32 = one word each
-    moved = torch.cat([words[CHECKSUM_CHUNK:], words[:CHECKSUM_CHUNK]])
+    words = torch.randn(4 * CH, generator=g)  # float64 words: two chunks of CH words
+    moved = torch.cat([words[2 * CH:], words[:2 * CH]])
     assert tensor_digest("t", moved, "checksum") != tensor_digest("t", words, "checksum")
+
+
+def test_checksums_are_equal_on_host_and_through_the_device_path_and_per_segment():
+    """The host (numpy) and device (torch, here on CPU; Triton on CUDA) implementations agree bit
+    for bit, and a tensor's checksum inside a bucket equals its checksum alone."""
+    import numpy as np
+
+    from asyncrl.weightsync.checksum import _torch_segment, segment_checksums
+
+    g = torch.Generator().manual_seed(5)
+    buf = torch.randint(0, 255, ((1 << 19) * 3 + 13,), dtype=torch.uint8, generator=g)
+    segments = [(0, 1000), (1024, 70001), (1 << 19, (1 << 19) * 2 + 13)]
+    host = segment_checksums(buf.numpy(), segments)
+    device_path = [(int(v) + extra) & ((1 << 64) - 1) for v, extra in (_torch_segment(buf[o:o + n]) for o, n in segments)]
+    assert host == device_path
+    assert host[1] == segment_checksums(np.ascontiguousarray(buf.numpy()[1024:1024 + 70001]), [(0, 70001)])[0]
 
 
 def test_shared_bucket_file_is_bit_exact_and_survives_unlinking():
@@ -283,9 +298,10 @@ def test_shared_bucket_file_is_bit_exact_and_survives_unlinking():
     a = {"x": torch.randn(3, 4), "y": torch.randn(5).to(torch.bfloat16), "z": torch.tensor(2.0), "e": torch.empty(0, 3)}
     (bucket,) = list(iter_buckets(a.items(), 1.0))
     shared = write_shared(bucket)
-    path, metas = shared.wire()  # what crosses vLLM's collective_rpc: plain values
+    path, metas, rank = shared.wire()  # what crosses vLLM's collective_rpc: plain values
+    assert rank is None  # Hugging Face tensors, not an engine-layout bucket
     try:
-        views = unpack_bucket(SharedBucket.from_wire(path, metas).open())
+        views = unpack_bucket(SharedBucket.from_wire(path, metas, rank).open())
     finally:
         shared.unlink()  # as the replica does once the workers hold their mappings
     assert not os.path.exists(path)
@@ -300,14 +316,6 @@ def test_shared_bucket_file_is_bit_exact_and_survives_unlinking():
     with pytest.raises(ValueError, match="expected"):
         SharedBucket(truncated.path, truncated.metas, truncated.nbytes).open()
     truncated.unlink()
-
-
-def test_split_buckets_respects_the_byte_budget_and_keeps_every_tensor():
-    tensors = {f"t{i}": torch.zeros(10 * (i + 1)) for i in range(5)}  # 40..200 bytes
-    buckets = split_buckets(tensors, 250)
-    assert sorted(n for b in buckets for n in b) == sorted(tensors)
-    for b in buckets:
-        assert len(b) == 1 or sum(t.numel() * 4 for t in b.values()) <= 250
 
 
 def test_weight_store_keeps_latest_verified_version():

@@ -13,6 +13,9 @@ import pytest
 
 from asyncrl.config import GeneratorConfig, ModelConfig
 from asyncrl.generator.engine import EngineReplica, ReplicaState, WeightUpdateError
+from asyncrl.weightsync.fingerprint import combine_digests
+
+NOTHING = combine_digests({}, "off")  # the fingerprint of an update that staged no tensors
 
 
 class Engine:
@@ -41,8 +44,8 @@ class Engine:
 
     async def collective_rpc(self, method: str, *, args=(), timeout=None):
         self.log.append((method,))
-        if method == "asyncrl_commit":  # what one worker answers (worker_ext.py)
-            return [{"fingerprint": args[1], "reload_seconds": 0.0}]
+        if method == "asyncrl_apply":  # what one worker answers (weightsync/vllm_worker.py)
+            return [{"path": "reload", "apply_seconds": 0.0}]
         return [None]
 
     async def update_weight_version(self, version: str) -> None:
@@ -76,11 +79,11 @@ def test_hybrid_sequence_sleeps_stays_stopped_through_a_push_and_runs_at_the_las
         await r.pause("keep")
         await r.begin_update(1, "off")
         with pytest.raises(WeightUpdateError, match="weights are asleep"):
-            await r.commit_update(1, "off:x")
-        assert ("asyncrl_commit",) not in log and r.version == 0
+            await r.commit_update(1, NOTHING)
+        assert ("asyncrl_apply",) not in log and r.version == 0
         await r.wake_up(["weights"])
         await r.begin_update(1, "off")
-        await r.commit_update(1, "off:x")
+        await r.commit_update(1, NOTHING)
         assert (await r.resume())["running"] is False
         assert r.version == 1 and r.state is ReplicaState.SLEEPING
         assert not any(c[0] in ("resume", "pause") for c in log)
@@ -102,7 +105,7 @@ def test_level_two_sleep_keeps_the_engine_stopped_until_new_weights_are_committe
         assert out["running"] is False and log[-1] == ("pause", "keep", False)
         del log[:]
         await r.begin_update(3, "off")
-        await r.commit_update(3, "off:x")  # no pause held by a caller: the commit starts the engine
+        await r.commit_update(3, NOTHING)  # no pause held by a caller: the commit starts the engine
         assert log[-1] == ("resume",) and r.version == 3
 
     run(scenario())

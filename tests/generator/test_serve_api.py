@@ -18,8 +18,10 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.generator.app import run_generator
 from asyncrl.generator.control import EngineControl, ReplicaControlError
-from asyncrl.generator.weights import tensor_fingerprint
-from generator_testlib import ADMIN_TOKEN, free_port, hf_greedy, perturbed_weights, wait_until
+from asyncrl.weightsync.fingerprint import tensor_fingerprint
+from generator_testlib import (
+    ADMIN_TOKEN, form_push_plan, free_port, hf_greedy, perturbed_weights, push_by_steps, push_weights, wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -317,8 +319,10 @@ def test_weight_update_changes_greedy_output_to_the_new_weights(gen, demo_model_
     before = _post(gen, "/generate", body).json()["completions"][0]["token_ids"]
     assert before == hf_greedy(demo_model_path, None, ids, 8)
     w1 = perturbed_weights(demo_model_path, seed=1)
-    results = asyncio.run(gen["control"].push_weights(1, w1, bucket_bytes=256 << 10))
-    assert [r["version"] for r in results.values()] == [1]
+    plan = form_push_plan(gen["control"], w1, bucket_mb=0.25)  # several buckets: the demo model is 3.3 MB
+    result = push_weights(gen["control"], 1, w1, plan=plan, bucket_mb=0.25)
+    assert result.metrics["weightsync/apply_direct"] == 1.0 and result.metrics["weightsync/num_buckets"] > 1
+    assert list(asyncio.run(gen["control"].versions()).values()) == [1]
     r = _post(gen, "/generate", body)
     after = r.json()["completions"][0]
     assert r.headers["x-asyncrl-weight-version"] == "1" and set(after["versions"]) == {1}
@@ -363,12 +367,12 @@ def test_corrupted_bucket_or_wrong_fingerprint_keeps_the_old_version(gen, demo_m
     corrupted[name].view(-1)[0] += 1.0  # one flipped value in transit
     for tensors, fp in ((corrupted, good_fp), (w3, "0" * 64)):
         with pytest.raises(ReplicaControlError) as err:
-            asyncio.run(control.push_weights(3, tensors, fingerprint=fp))
+            push_by_steps(control, 3, tensors, fp)
         (rid, msg), = err.value.failures.items()
         assert "fingerprint mismatch" in msg and not rid.startswith("unknown")
         assert list(asyncio.run(control.versions()).values()) == [2]
         r = _post(gen, "/generate", body)  # resumed, and still on version 2's weights
         assert r.headers["x-asyncrl-weight-version"] == "2"
         assert r.json()["completions"][0]["token_ids"] == before
-    asyncio.run(control.push_weights(3, w3))  # a clean retry of the same version succeeds
+    push_weights(control, 3, w3)  # a clean retry of the same version succeeds (HF tensors: reloaded)
     assert list(asyncio.run(control.versions()).values()) == [3]

@@ -19,8 +19,8 @@ import pytest
 
 from asyncrl.config import GeneratorConfig, ModelConfig
 from asyncrl.generator.versions import versions_from_spans
-from asyncrl.generator.weights import load_hf_tensors
-from asyncrl.generator.weights import tensor_fingerprint
+from asyncrl.weightsync.store import load_hf_tensors
+from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from asyncrl.types import GenerationRequest, SamplingParams
 from generator_testlib import perturbed_weights
 

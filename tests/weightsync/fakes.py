@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from asyncrl.generator.weights import tensor_fingerprint
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, unpack_bucket
+from asyncrl.weightsync.fingerprint import bucket_digests, tensor_fingerprint
+from asyncrl.weightsync.replica_side import WithDigests
 from asyncrl.weightsync.transport import LocalTransport
 
 
@@ -31,6 +32,7 @@ class FakeReplica:
     paused: bool = False
     attempt: int = 0  # counts begin_update calls
     verify: str = "full"
+    staging: str = "full"
     staged: dict[str, torch.Tensor] | None = None
     loads: int = 0
 
@@ -45,9 +47,10 @@ class FakeReplica:
         self.log.append((self.name, f"pause:{mode}"))
         self.paused = True
 
-    async def begin_update(self, version: int, verify: str = "full") -> None:
+    async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
+                           plan_id: str | None = None) -> None:
         self.log.append((self.name, f"begin:{version}"))
-        self.verify = verify
+        self.verify, self.staging = verify, staging
         self.attempt += 1
         if version <= self.version and not self.allow_reload:
             raise Fault(f"version {version} must be > current {self.version}")
@@ -59,8 +62,19 @@ class FakeReplica:
         self.loads += 1
         await self._maybe_fault("load")
         assert self.staged is not None, "load before begin"
+        expected = None
+        if isinstance(bucket, WithDigests):
+            bucket, expected = bucket.payload, bucket.digests
         if isinstance(bucket, SharedBucket):  # the shm transport's payload: map the file
             bucket = bucket.open()
+        if self.staging == "bucketed":  # like the engine: check the bucket, then apply it at once
+            assert self.paused, "bucketed staging while serving"
+            if expected != bucket_digests(bucket, self.verify):
+                raise Fault(f"fingerprint mismatch in a bucket for version {version}")
+            for name, t in unpack_bucket(bucket):
+                self.weights[name] = t.clone()
+                if self.faults.get(("apply", self.attempt)) == "raise":
+                    raise Fault("copy into the parameters crashed")
         for name, t in unpack_bucket(bucket):
             self.staged[name] = t.clone()
 
@@ -70,6 +84,8 @@ class FakeReplica:
         actual = tensor_fingerprint(staged or {}, self.verify)
         if actual != fingerprint:
             raise Fault(f"fingerprint mismatch for version {version}")
+        if self.staging == "full" and not self.paused:
+            self.log.append((self.name, "own-pause"))
         if self.faults.get(("commit", self.attempt)) == "partial":
             first = sorted(staged)[0]
             self.weights[first] = staged[first]  # half applied, then the engine blew up

@@ -16,14 +16,16 @@ import pytest
 import torch
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.generator.weights import combine_digests, tensor_fingerprint
+from asyncrl.weightsync.fingerprint import combine_digests, tensor_fingerprint
 from asyncrl.generator.worker_ext import WeightUpdateExtension
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.bucket import FILE_PREFIX, shared_dir, unpack_bucket
 from asyncrl.weightsync.collective import (
-    IPC_WINDOW, CollectiveError, CollectiveGroup, CollectiveReceive, GroupSpec, SenderAborted, form_specs, free_port,
+    CollectiveError, CollectiveGroup, CollectiveReceive, GroupSpec, SenderAborted, form_specs, free_port,
     join_as_sender, receive_stream, reserve_port, send_stream,
 )
+from asyncrl.weightsync.fingerprint import bucket_digests
+from asyncrl.weightsync.ipc import IPC_WINDOW
 from asyncrl.weightsync.push import KeptCopies, Publisher, StreamedSend, Step, WeightsyncError
 from asyncrl.weightsync.transport import LocalTransport
 
@@ -76,7 +78,7 @@ def test_the_senders_reserved_port_stays_taken_until_its_store_serves_the_group_
     got: dict[str, torch.Tensor] = {}
 
     def receive() -> None:
-        for bucket in receive_stream(receiver, time.monotonic() + 20):
+        for bucket, _ in receive_stream(receiver, time.monotonic() + 20):
             got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
 
     thread = threading.Thread(target=receive)
@@ -116,7 +118,8 @@ def test_every_receiver_gets_every_bucket_bit_exact_and_the_sender_keeps_host_co
 
     def receive(group: CollectiveGroup) -> None:
         out = {}
-        for bucket in receive_stream(group, time.monotonic() + 20):
+        for bucket, digests in receive_stream(group, time.monotonic() + 20):
+            assert digests == bucket_digests(bucket, "full")  # the sender's, in band, before the bytes
             out.update({n: t.clone() for n, t in unpack_bucket(bucket)})
         got[group.rank] = out
 
@@ -199,7 +202,7 @@ def test_an_ipc_sender_keeps_at_most_its_window_published_and_frees_every_bucket
     got: dict[str, torch.Tensor] = {}
 
     def receive():
-        for bucket in receive_stream(receiver, time.monotonic() + 20):
+        for bucket, _ in receive_stream(receiver, time.monotonic() + 20):
             time.sleep(0.2)  # a slow receiver: the sender must wait, not run ahead
             seen.append(len(_bucket_files() - before))
             got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
@@ -271,7 +274,7 @@ class GlooReplica(FakeReplica):
         deadline = time.monotonic() + payload.timeout_s
 
         def receive():
-            for bucket in receive_stream(self.group, deadline):
+            for bucket, _ in receive_stream(self.group, deadline):
                 for name, t in unpack_bucket(bucket):
                     self.staged[name] = t.clone()
 
@@ -312,7 +315,7 @@ async def test_publish_streamed_goes_live_with_the_senders_fingerprint_and_host_
 
     result = await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
     for r in replicas:
-        assert [e for n, e in log if n == r.name] == ["pause:keep", "begin:1", "load", "commit:1", "resume"]
+        assert [e for n, e in log if n == r.name] == ["begin:1", "load", "pause:keep", "commit:1", "resume"]
         assert r.version == 1 and all(torch.equal(r.weights[k], new[k]) for k in new)
     assert result.fingerprint == tensor_fingerprint(new) and pub.registry.live_version == 1
     m = result.metrics
@@ -410,8 +413,8 @@ async def test_a_sender_failure_publishes_nothing_and_a_retry_forms_a_new_group(
     result = await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
     assert state["prepares"] == 2 and calls["n"] == 2 and result.metrics["weightsync/retries"] == 1
     for r in replicas:
-        assert [e for n, e in log if n == r.name] == ["pause:keep", "begin:1", "load", "abort", "resume",
-                                                      "pause:keep", "begin:1", "load", "commit:1", "resume"]
+        assert [e for n, e in log if n == r.name] == ["begin:1", "load", "abort",
+                                                      "begin:1", "load", "pause:keep", "commit:1", "resume"]
         assert r.version == 1 and all(torch.equal(r.weights[k], new[k]) for k in new)
 
     # Without retries the version fails and every replica keeps serving the old weights.
@@ -432,6 +435,9 @@ class _Worker(WeightUpdateExtension):
 
     def __init__(self, rank: int) -> None:
         self.rank, self.device = rank, torch.device("cpu")
+
+    def staged(self, version: int) -> dict:
+        return self._asyncrl_rx()._state(version)
 
 
 def test_engine_workers_receive_from_two_sending_ranks_in_stage_order():
@@ -455,13 +461,13 @@ def test_engine_workers_receive_from_two_sending_ranks_in_stage_order():
         sent = [pool.submit(send_stream, g, iter(st.items()), BUCKET_MB, verify="full", timeout_s=30)
                 for g, st in zip(senders, stages)]
         sent = [f.result(60) for f in sent]
-        assert [f.result(60) for f in received] == [len(weights)] * 2
+        received = [f.result(60) for f in received]
     expected = combine_digests({**sent[0].digests, **sent[1].digests}, "full")
     assert expected == tensor_fingerprint(weights)
-    for w in workers:
-        state = w._asyncrl_state()
-        assert combine_digests(state["digests"], "full") == expected
-        assert all(torch.equal(state["tensors"][n], weights[n]) for n in names)
+    for w, digests in zip(workers, received):
+        assert combine_digests(digests, "full") == expected  # what the replica checks at commit
+        state = w.staged(5)
+        assert all(torch.equal(state.hf[n], weights[n]) for n in names)
         assert w.asyncrl_collective_groups() == ["pp-s0", "pp-s1"]
         w.asyncrl_leave_collective()
         assert w.asyncrl_collective_groups() == []

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
 def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrier) -> None:
-    from asyncrl.generator.weights import tensor_fingerprint
+    from asyncrl.weightsync.fingerprint import tensor_fingerprint
     from asyncrl.weightsync.bucket import unpack_bucket
     from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec, receive_stream, send_stream
 
@@ -30,7 +30,7 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
             out.put(("sent", sorted(sent.digests), sent.bytes, [b.nbytes for b in kept], tensor_fingerprint(host, "full")))
         else:
             got = {}
-            for bucket in receive_stream(group, time.monotonic() + 60):
+            for bucket, _ in receive_stream(group, time.monotonic() + 60):
                 assert bucket.buffer.is_cuda and bucket.buffer.device == device
                 got.update({n: t.cpu().clone() for n, t in unpack_bucket(bucket)})
             # A fingerprint, not the tensors: torch shares CPU tensors put on a queue by file
@@ -74,7 +74,7 @@ def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int) ->
 
 
 def _assert_delivered(weights: dict, sent: tuple, received: list[tuple], receivers: int) -> None:
-    from asyncrl.generator.weights import tensor_fingerprint
+    from asyncrl.weightsync.fingerprint import tensor_fingerprint
 
     assert sorted(r[1] for r in received) == list(range(1, receivers + 1))
     for _, _, names, fingerprint in received:

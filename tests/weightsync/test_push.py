@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.generator.weights import tensor_fingerprint
+from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.push import Publisher, Step, WeightsyncError, preserve_rng_state
 from asyncrl.weightsync.registry import WeightsyncService
@@ -17,11 +17,11 @@ from .fakes import CorruptingTransport, FakeReplica, model
 BUCKET_MB = 8192 / (1 << 20)  # two 4 KiB tensors per bucket -> 3 buckets for 5 tensors
 
 
-def _setup(n=2, retries=0, timeout_s=30.0, transport=None, **kw):
+def _setup(n=2, retries=0, timeout_s=30.0, transport=None, staging="full", **kw):
     log: list[tuple[str, str]] = []
     old = model(0)
     replicas = [FakeReplica(f"r{i}", log, weights=dict(old)) for i in range(n)]
-    cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, retries=retries, timeout_s=timeout_s)
+    cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, retries=retries, timeout_s=timeout_s, staging=staging)
     pub = Publisher(cfg, transport=transport or LocalTransport(), **kw)
     return pub, replicas, log, old
 
@@ -34,12 +34,12 @@ def _same(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-async def test_every_replica_sees_pause_begin_loads_commit_resume_in_order():
+async def test_replicas_stage_while_serving_and_are_paused_only_for_the_commit():
     pub, replicas, log, _ = _setup(n=3)
     new = model(1)
     result = await pub.publish(1, iter(new.items()), replicas)
     for r in replicas:
-        assert _events(log, r.name) == ["pause:keep", "begin:1", "load", "load", "load", "commit:1", "resume"]
+        assert _events(log, r.name) == ["begin:1", "load", "load", "load", "pause:keep", "commit:1", "resume"]
         assert r.version == 1 and _same(r.weights, new) and not r.paused
     assert result.fingerprint == tensor_fingerprint(new)
     assert pub.registry.live_version == 1 and pub.registry.get(1).state is S.LIVE
@@ -54,6 +54,54 @@ async def test_every_replica_sees_pause_begin_loads_commit_resume_in_order():
     assert m["weightsync/timeline/staging_s"] <= m["weightsync/timeline/committing_s"] <= m["weightsync/timeline/live_s"]
 
 
+async def test_a_single_engine_replica_is_paused_by_its_own_commit():
+    pub, replicas, log, _ = _setup(n=1)
+    new = model(1)
+    await pub.publish(1, iter(new.items()), replicas)
+    # One call fewer: the replica's commit pauses, applies, relabels and resumes by itself.
+    assert _events(log, "r0") == ["begin:1", "load", "load", "load", "commit:1", "own-pause"]
+    assert replicas[0].version == 1 and _same(replicas[0].weights, new)
+
+
+async def test_a_failed_apply_under_the_commits_own_pause_is_restored_then_resumed():
+    pub, replicas, log, old = _setup(n=1)
+    pub.seed(0, iter(old.items()))
+    replicas[0].faults[("commit", 1)] = "partial"
+    with pytest.raises(WeightsyncError):
+        await pub.publish(1, iter(model(1).items()), replicas)
+    ev = _events(log, "r0")
+    assert ev.index("begin:0") > ev.index("commit:1") and ev[-1] == "resume"
+    assert replicas[0].version == 0 and _same(replicas[0].weights, old)
+
+
+async def test_bucketed_staging_pauses_first_and_applies_each_bucket_as_it_verifies():
+    pub, replicas, log, _ = _setup(n=2, staging="bucketed")
+    new = model(1)
+    result = await pub.publish(1, iter(new.items()), replicas)
+    for r in replicas:
+        assert _events(log, r.name) == ["pause:keep", "begin:1", "load", "load", "load", "commit:1", "resume"]
+        assert r.version == 1 and _same(r.weights, new) and not r.paused
+    assert result.metrics["weightsync/staging_bucketed"] == 1.0
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "apply"])
+async def test_a_bucketed_push_that_fails_mid_way_restores_every_replica_before_resuming(fault):
+    transport = CorruptingTransport(index=1) if fault == "corrupt" else None
+    pub, replicas, log, old = _setup(n=2, staging="bucketed", transport=transport)
+    pub.seed(0, iter(old.items()))
+    if transport is not None:
+        transport._puts.clear()  # count the push's buckets, not the seed's
+    if fault == "apply":
+        replicas[1].faults[("apply", 1)] = "raise"
+    with pytest.raises(WeightsyncError, match="fingerprint mismatch" if fault == "corrupt" else "crashed"):
+        await pub.publish(1, iter(model(1).items()), replicas)
+    for r in replicas:  # bucket 0 was applied before the failure: every replica is back on v0, bit for bit
+        ev = _events(log, r.name)
+        assert "commit:1" not in ev and ev.index("begin:0") > ev.index("begin:1") and ev[-1] == "resume"
+        assert r.version == 0 and _same(r.weights, old) and not r.paused
+    assert pub.registry.live_version == 0
+
+
 async def test_load_failure_aborts_everywhere_and_publishes_nothing():
     pub, replicas, log, old = _setup()
     replicas[1].faults[("load", 1)] = "raise"
@@ -63,8 +111,8 @@ async def test_load_failure_aborts_everywhere_and_publishes_nothing():
     assert err.step is Step.LOAD and err.replicas == ["r1"] and "r1" in str(err) and "load_bucket" in str(err)
     for r in replicas:
         ev = _events(log, r.name)
-        assert "abort" in ev and ev[-1] == "resume" and not any(e.startswith("commit") for e in ev)
-        assert r.version == 0 and _same(r.weights, old) and r.staged is None
+        assert ev[-1] == "abort" and not any(e.startswith(("commit", "pause")) for e in ev)  # never stopped serving
+        assert r.version == 0 and _same(r.weights, old) and r.staged is None and not r.paused
     assert pub.registry.live_version == 0 and pub.registry.get(1).state is S.FAILED
     assert err.metrics["weightsync/failed"] == 1 and pub.totals["pushes_failed_total"] == 1
 
@@ -95,8 +143,8 @@ async def test_retry_succeeds_the_second_time_and_reads_the_stream_once():
     assert pulled == list(new)  # the retry replayed the buckets, not the learner's export
     assert result.metrics["weightsync/retries"] == 1 and result.metrics["weightsync/attempts"] == 2
     ev = _events(log, "r0")
-    assert ev[:3] == ["pause:keep", "begin:1", "load"] and "abort" in ev
-    assert ev[ev.index("abort"):] == ["abort", "resume", "pause:keep", "begin:1", "load", "load", "load", "commit:1", "resume"]
+    assert ev[:2] == ["begin:1", "load"] and "abort" in ev
+    assert ev[ev.index("abort"):] == ["abort", "begin:1", "load", "load", "load", "pause:keep", "commit:1", "resume"]
     assert all(r.version == 1 and _same(r.weights, new) for r in replicas)
     assert [s for s, _ in pub.registry.timeline(1)] == ["idle", "staging", "staging", "committing", "live"]
 
@@ -216,7 +264,7 @@ async def test_publish_handles_pushes_buckets_the_learner_already_packed():
     handles = list(iter_buckets(iter(new.items()), BUCKET_MB))  # LocalTransport: a handle is the bucket
     result = await pub.publish_handles(1, handles, replicas)
     for r in replicas:
-        assert _events(log, r.name) == ["pause:keep", "begin:1", "load", "load", "load", "commit:1", "resume"]
+        assert _events(log, r.name) == ["begin:1", "load", "load", "load", "pause:keep", "commit:1", "resume"]
         assert r.version == 1 and _same(r.weights, new)
     assert result.fingerprint == tensor_fingerprint(new)
     assert result.metrics["weightsync/bytes"] == 5 * 64 * 16 * 4 and result.metrics["weightsync/num_buckets"] == 3

@@ -1,0 +1,523 @@
+"""The push plan: where every byte of an engine's parameters comes from, read from the engine itself.
+
+Owns:
+- `probe_layout(model, manifest)`: runs the engine model's own `load_weights` once, on meta
+  tensors (no memory, no data), with a torch dispatch mode that records every copy its weight
+  loaders make (a strided window of an HF tensor into a strided window of a parameter) and every
+  fill (vocab padding). The result (`EngineLayout`) is this engine rank's layout: fused QKV and
+  gate/up, row/column-parallel shards, padded vocab, tied embeddings once, fused MoE experts — as
+  the engine's own loaders define them, whatever the architecture. A loader that does anything
+  else to the data (a dtype cast before the copy, an index_put, arithmetic) makes the layout
+  unusable for a direct copy, and the reason says which op.
+- `verify_layout`: the layout reproduces, bit for bit, the parameters the engine loaded from its
+  checkpoint (this catches post-load processing that changes values or layout: quantization,
+  CPU weight packing, reordered MoE weights): only then may a push copy into them.
+- `build_plan(manifest, layouts, bucket_mb)` -> `PushPlan`: each engine parameter (per engine
+  rank) assigned to the learner rank that exports its sources, given a bucket and a byte offset.
+- `PlannedPacker`: the sending learner rank writes each exported HF tensor straight into its
+  place in the buckets (the loaders' copies, replayed into the bucket instead of the engine).
+- `hf_from_engine`: the inverse (HF tensors back from engine-layout buckets), for a replica whose
+  layout differs from the one the buckets were packed for.
+
+Must never: touch an engine's live parameter data (the probe swaps in meta twins and puts the
+originals back), or import vLLM (the engine adapter hands in the model).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from asyncrl.weightsync.bucket import ALIGN, Bucket, TensorMeta, dtype_from_name
+
+aten = torch.ops.aten
+
+
+class PlanError(ValueError):
+    """No plan can be made (or used) for this learner export and these engines."""
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """A strided window into a contiguous tensor, in elements."""
+
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def of(self, base: torch.Tensor) -> torch.Tensor:
+        """This window of `base` (a contiguous tensor or view)."""
+        return base.as_strided(self.shape, self.stride, base.storage_offset() + self.offset)
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One loader step: copy `src`'s window `src_view` into the parameter's window `dst`, or fill
+    `dst` with `value` (src None)."""
+
+    dst: View
+    src: str | None = None
+    src_view: View | None = None
+    value: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ParamLayout:
+    name: str
+    dtype: str  # torch dtype name without "torch."
+    shape: tuple[int, ...]
+    ops: tuple[Op, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = dtype_from_name(self.dtype).itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(op.src for op in self.ops if op.src is not None))
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    sender: int = 0  # which sending learner rank (PP stage) exports it
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """One engine rank's parameters and how the loaders fill them. `problem` is set (and `params`
+    may be partial) when a direct copy would not be correct; it says why."""
+
+    rank: int
+    params: tuple[ParamLayout, ...]
+    problem: str = ""
+
+    @property
+    def digest(self) -> str:
+        """Identifies the layout (names, dtypes, shapes, ops); equal across replicas that agree."""
+        h = hashlib.sha256(repr((self.rank, self.params, self.problem)).encode())
+        return h.hexdigest()[:24]
+
+
+# ---- reading the layout from the engine's own loaders ----------------------------------------------
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the copies and fills that land in a parameter twin; executes view ops (on meta)."""
+
+    def __init__(self, params: dict[int, str], sources: dict[int, str]) -> None:
+        super().__init__()
+        self.params, self.sources = params, sources
+        self.ops: dict[str, list[Op]] = {}
+        self.unsupported: list[str] = []
+
+    @staticmethod
+    def _key(t: Any) -> int | None:
+        if not isinstance(t, torch.Tensor) or t.device.type != "meta":
+            return None
+        return t.untyped_storage()._cdata
+
+    @staticmethod
+    def _view(t: torch.Tensor) -> View:
+        return View(int(t.storage_offset()), tuple(int(s) for s in t.shape), tuple(int(s) for s in t.stride()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            param, source = self.params.get(self._key(dst)), self.sources.get(self._key(src))
+            if param is None or source is None:
+                if self._key(dst) is not None or self._key(src) is not None:
+                    self.unsupported.append(f"a copy the plan cannot follow (into {param or 'an untracked tensor'} "
+                                            f"from {source or 'a derived tensor'})")
+                    return dst
+                return func(*args, **kwargs)
+            if dst.dtype != src.dtype and src.dtype.is_floating_point != dst.dtype.is_floating_point:
+                self.unsupported.append(f"{param}: copies {src.dtype} into {dst.dtype}")
+            self.ops.setdefault(param, []).append(Op(self._view(dst), source, self._view(src)))
+            return dst
+        if func in (aten.fill_.Scalar, aten.zero_.default):
+            dst = args[0]
+            param = self.params.get(self._key(dst))
+            if param is None:
+                if self._key(dst) is not None:
+                    self.unsupported.append(f"{func} on an untracked tensor")
+                    return dst
+                return func(*args, **kwargs)
+            self.ops.setdefault(param, []).append(Op(self._view(dst), value=float(args[1]) if len(args) > 1 else 0.0))
+            return dst
+        if getattr(func, "is_view", False) or func in (aten.detach.default, aten.alias.default):
+            return func(*args, **kwargs)
+        touched = [a for a in list(args) + list(kwargs.values()) if self._key(a) is not None]
+        if touched:
+            self.unsupported.append(str(func))
+            if func._schema.is_mutable:
+                return args[0]
+        return func(*args, **kwargs)
+
+
+def _meta_twin(p: torch.nn.Parameter) -> torch.nn.Parameter:
+    data = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
+    twin = torch.nn.Parameter._make_subclass(type(p), data, False)
+    twin.__dict__.update(p.__dict__)  # weight_loader, output_dim, input_dim, packed_dim, ...
+    return twin
+
+
+def probe_layout(model: torch.nn.Module, manifest: Sequence[ManifestEntry], rank: int = 0,
+                 load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] | None = None) -> EngineLayout:
+    """The layout `model.load_weights` (or `load`) gives the tensors of `manifest` on this rank.
+
+    Every parameter is swapped for a meta twin (same class and attributes) for the duration, so the
+    loaders run for real but move no data; the live parameters are put back untouched."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    live = dict(model.named_parameters())
+    twins: dict[int, torch.nn.Parameter] = {}
+    saved: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    for module in model.modules():
+        for key, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            twin = twins.get(id(p))
+            if twin is None:
+                twin = twins[id(p)] = _meta_twin(p)
+            saved.append((module, key, p))
+            module._parameters[key] = twin
+    param_keys = {twins[i].untyped_storage()._cdata: n for i, n in names.items()}
+    source_keys: dict[int, str] = {}
+    keep: list[torch.Tensor] = []  # source storages must stay alive: their ids key the table
+
+    def sources() -> Iterator[tuple[str, torch.Tensor]]:
+        for entry in manifest:
+            t = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype), device="meta")
+            keep.append(t)
+            source_keys[t.untyped_storage()._cdata] = entry.name
+            yield entry.name, t
+
+    recorder = _Recorder(param_keys, source_keys)
+    problem = ""
+    try:
+        with recorder:
+            (load or model.load_weights)(sources())  # type: ignore[operator]
+    except Exception as err:  # a loader that needs real data
+        problem = f"the engine's weight loaders could not run on the plan's probe ({type(err).__name__}: {err})"
+    finally:
+        for module, key, p in saved:
+            module._parameters[key] = p
+    if recorder.unsupported and not problem:
+        problem = "the engine's weight loaders do more than copy: " + "; ".join(sorted(set(recorder.unsupported))[:5])
+    params = []
+    untouched = []
+    for name, p in live.items():
+        # Canonical order: by where each step writes (a stable sort keeps a loader's own order for
+        # writes at one offset, e.g. a fill before the copy over it), so the layout does not depend
+        # on the order the export lists its tensors in.
+        ops = tuple(sorted(recorder.ops.get(name, ()), key=lambda op: op.dst.offset))
+        if not ops:
+            untouched.append(name)
+            continue
+        layout = ParamLayout(name, str(p.dtype).removeprefix("torch."), tuple(int(s) for s in p.shape), ops)
+        covered = sum(op.dst.numel for op in ops)
+        if covered != p.numel() and not problem:
+            problem = f"{name}: the loaders write {covered} of its {p.numel()} elements"
+        params.append(layout)
+    if untouched and not problem:
+        problem = f"{len(untouched)} engine parameters get nothing from the export, e.g. {untouched[:3]}"
+    return EngineLayout(rank, tuple(params), problem)
+
+
+def same_ops(a: EngineLayout, b: EngineLayout) -> bool:
+    """Two layouts copy the same windows into the same parameters (source dtypes aside)."""
+    return a.rank == b.rank and [(p.name, p.dtype, p.shape, p.ops) for p in a.params] == \
+        [(p.name, p.dtype, p.shape, p.ops) for p in b.params]
+
+
+def fill_param(layout: ParamLayout, out: torch.Tensor, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """Write `layout`'s parameter into `out` (a contiguous tensor of its shape and dtype) from the
+    HF tensors `get(name)` returns, replaying the loaders' steps in order."""
+    for op in layout.ops:
+        if op.src is None:
+            op.dst.of(out).fill_(op.value)
+        else:
+            src = get(op.src)
+            if not src.is_contiguous():
+                src = src.contiguous()
+            op.dst.of(out).copy_(op.src_view.of(src))  # type: ignore[union-attr]
+    return out
+
+
+def verify_layout(layout: EngineLayout, live: dict[str, torch.Tensor], read: Callable[[str], torch.Tensor]) -> str:
+    """'' when the layout rebuilds every live parameter exactly from the checkpoint tensors
+    `read(name)` returns (on host), else which parameter differs and how."""
+    if layout.problem:
+        return layout.problem
+    cache: dict[str, torch.Tensor] = {}
+    for p in layout.params:
+        target = live.get(p.name)
+        if target is None:
+            return f"{p.name}: not an engine parameter any more"
+        if tuple(target.shape) != p.shape or str(target.dtype).removeprefix("torch.") != p.dtype:
+            return f"{p.name}: the engine holds {tuple(target.shape)} {target.dtype}, the loaders wrote {p.shape} {p.dtype}"
+
+        def get(name: str) -> torch.Tensor:
+            t = cache.get(name)
+            if t is None:
+                t = cache[name] = read(name).to(target.device)
+            return t
+
+        rebuilt = fill_param(p, torch.empty(p.shape, dtype=target.dtype, device=target.device), get)
+        if not torch.equal(rebuilt, target.detach()):
+            return (f"{p.name}: the engine's loaded values differ from its loaders' copies of the checkpoint "
+                    "(post-load processing changed them)")
+        for name in p.sources:  # keep at most the sources the next parameters share
+            if len(cache) > 8:
+                cache.pop(name, None)
+    return ""
+
+
+# ---- the plan --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlannedBucket:
+    sender: int
+    rank: int
+    index: int  # position in the sender's stream (all ranks interleaved)
+    nbytes: int
+    params: tuple[tuple[ParamLayout, int], ...]  # (layout, byte offset)
+
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta(p.name, p.dtype, p.shape, off, p.nbytes) for p, off in self.params]
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    """Per engine rank, every parameter in a bucket of one sending learner rank."""
+
+    plan_id: str
+    ranks: int
+    senders: int
+    buckets: tuple[PlannedBucket, ...]
+    manifest: tuple[ManifestEntry, ...]
+    layouts: tuple[EngineLayout, ...] = field(repr=False)
+
+    def for_sender(self, sender: int) -> list[PlannedBucket]:
+        return [b for b in self.buckets if b.sender == sender]
+
+    def for_rank(self, rank: int) -> list[PlannedBucket]:
+        return [b for b in self.buckets if b.rank == rank]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    def max_bucket_bytes(self, sender: int | None = None) -> int:
+        return max((b.nbytes for b in self.buckets if sender is None or b.sender == sender), default=0)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def build_plan(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout], bucket_mb: float) -> PushPlan:
+    """Assign every engine parameter of every rank to its sender's buckets, in the order its first
+    source appears in the export (so the packer emits buckets as the export goes)."""
+    if not layouts:
+        raise PlanError("no engine layout to plan for")
+    ranks = sorted(layout.rank for layout in layouts)
+    if ranks != list(range(len(ranks))):
+        raise PlanError(f"engine ranks {ranks} are not 0..{len(ranks) - 1}")
+    for layout in layouts:
+        if layout.problem:
+            raise PlanError(f"engine rank {layout.rank}: {layout.problem}")
+    order = {e.name: i for i, e in enumerate(manifest)}
+    sender_of = {e.name: e.sender for e in manifest}
+    cap = int(bucket_mb * (1 << 20))
+    if cap <= 0:
+        raise PlanError(f"bucket_mb={bucket_mb!r} must be positive")
+    per_stream: dict[tuple[int, int], list[ParamLayout]] = {}
+    for layout in sorted(layouts, key=lambda x: x.rank):
+        for p in layout.params:
+            missing = [s for s in p.sources if s not in order]
+            if missing:
+                raise PlanError(f"engine parameter {p.name} needs {missing}, which the learner does not export")
+            senders = {sender_of[s] for s in p.sources}
+            if len(senders) != 1:
+                raise PlanError(f"engine parameter {p.name} draws from several learner stages {sorted(senders)}")
+            per_stream.setdefault((senders.pop(), layout.rank), []).append(p)
+    buckets: list[PlannedBucket] = []
+    senders_used = sorted({s for s, _ in per_stream})
+    for sender in senders_used:
+        chunks: dict[int, list[list[tuple[ParamLayout, int]]]] = {}
+        sizes: dict[int, list[int]] = {}
+        for rank in ranks:
+            params = sorted(per_stream.get((sender, rank), []), key=lambda p: min(order[s] for s in p.sources))
+            chunks[rank], sizes[rank] = [], []
+            current: list[tuple[ParamLayout, int]] = []
+            offset = 0
+            for p in params:
+                size = _align(p.nbytes)
+                if current and offset + size > cap:
+                    chunks[rank].append(current)
+                    sizes[rank].append(offset)
+                    current, offset = [], 0
+                current.append((p, offset))
+                offset += size
+            if current:
+                chunks[rank].append(current)
+                sizes[rank].append(offset)
+        index = 0
+        for k in range(max(len(c) for c in chunks.values())):
+            for rank in ranks:  # ranks interleaved: bucket k of every rank holds the same sources
+                if k < len(chunks[rank]):
+                    buckets.append(PlannedBucket(sender, rank, index, sizes[rank][k], tuple(chunks[rank][k])))
+                    index += 1
+    blob = json.dumps([[b.sender, b.rank, b.nbytes, [[p.name, p.dtype, list(p.shape), off] for p, off in b.params]]
+                       for b in buckets] + [[e.name, e.dtype, list(e.shape), e.sender] for e in manifest]
+                      + [lay.digest for lay in layouts])
+    plan_id = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return PushPlan(plan_id, len(ranks), len(senders_used), tuple(buckets), tuple(manifest), tuple(layouts))
+
+
+# ---- the sender's packer ---------------------------------------------------------------------------
+
+
+class PlannedPacker:
+    """Packs one sender's export into its planned buckets, each HF tensor written straight into
+    its place as it arrives; yields complete buckets in plan order.
+
+    `buffer(bucket)` returns the uint8 buffer to pack a bucket into (a reused one, e.g. a persistent
+    IPC buffer); by default a fresh one on `device`. Host buckets come out as numpy buffers unless
+    `host_numpy` is False. The stream must carry every source the plan names; extra tensors are
+    counted in `unused` and ignored."""
+
+    def __init__(self, plan: PushPlan, sender: int, device: torch.device | str,
+                 buffer: Callable[[PlannedBucket], torch.Tensor] | None = None, host_numpy: bool = True) -> None:
+        self.plan, self.sender, self.host_numpy = plan, sender, host_numpy
+        self.device = torch.device(device)
+        self.buckets = plan.for_sender(sender)
+        self._buffer = buffer or (lambda b: torch.empty(b.nbytes, dtype=torch.uint8, device=self.device))
+        self.unused: list[str] = []
+        self.ops = 0
+        # source name -> [(bucket position, layout, offset, op)]
+        self._uses: dict[str, list[tuple[int, ParamLayout, int, Op]]] = {}
+        self._remaining: list[int] = []
+        for pos, b in enumerate(self.buckets):
+            count = 0
+            for p, off in b.params:
+                for op in p.ops:
+                    if op.src is not None:
+                        self._uses.setdefault(op.src, []).append((pos, p, off, op))
+                        count += 1
+            self._remaining.append(count)
+
+    def _view(self, buf: torch.Tensor, p: ParamLayout, off: int) -> torch.Tensor:
+        return buf[off : off + p.nbytes].view(dtype_from_name(p.dtype)).view(p.shape)
+
+    def pack(self, named_tensors: Iterable[tuple[str, Any]]) -> Iterator[Bucket]:
+        buffers: dict[int, torch.Tensor] = {}
+        emitted = 0
+
+        def open_bucket(pos: int) -> torch.Tensor:
+            buf = buffers.get(pos)
+            if buf is None:
+                b = self.buckets[pos]
+                buf = buffers[pos] = self._buffer(b)
+                for p, off in b.params:
+                    for op in p.ops:
+                        if op.src is None:
+                            op.dst.of(self._view(buf, p, off)).fill_(op.value)
+            return buf
+
+        for pos, count in enumerate(self._remaining):
+            if count == 0:  # only fills (or nothing) to write: complete from the start
+                open_bucket(pos)
+        for name, tensor in named_tensors:
+            uses = self._uses.get(name)
+            if uses is None:
+                self.unused.append(name)
+                continue
+            src = tensor if isinstance(tensor, torch.Tensor) else torch.as_tensor(tensor)
+            if src.device != self.device:
+                src = src.to(self.device, non_blocking=True)
+            if not src.is_contiguous():
+                src = src.contiguous()
+            for pos, p, off, op in uses:
+                buf = open_bucket(pos)
+                op.dst.of(self._view(buf, p, off)).copy_(op.src_view.of(src))  # type: ignore[union-attr]
+                self.ops += 1
+                self._remaining[pos] -= 1
+            while emitted < len(self.buckets) and self._remaining[emitted] == 0:
+                yield self._emit(emitted, buffers.pop(emitted))
+                emitted += 1
+        while emitted < len(self.buckets) and self._remaining[emitted] == 0:
+            yield self._emit(emitted, buffers.pop(emitted))
+            emitted += 1
+        if emitted < len(self.buckets):
+            missing = sorted({n for n, uses in self._uses.items() for pos, *_ in uses if self._remaining[pos] > 0})
+            raise PlanError(f"the export ended without {len(missing)} tensors the plan needs, e.g. {missing[:3]}")
+
+    def max_open(self) -> int:
+        """The most buckets open at once when the export arrives in manifest order (how many
+        buffers a reused pool needs besides the ones in flight)."""
+        remaining = list(self._remaining)
+        opened = {pos for pos, c in enumerate(remaining) if c == 0}
+        emitted, most = 0, len(opened)
+        for entry in self.plan.manifest:
+            for pos, *_ in self._uses.get(entry.name, ()):
+                opened.add(pos)
+                remaining[pos] -= 1
+            most = max(most, len(opened))
+            while emitted < len(remaining) and remaining[emitted] == 0:
+                opened.discard(emitted)
+                emitted += 1
+        return max(1, most)
+
+    def _emit(self, pos: int, buf: torch.Tensor) -> Bucket:
+        b = self.buckets[pos]
+        # Host buckets are numpy, as bucket.py's are (Ray moves them out of band), unless a
+        # collective sends them (torch tensors, as on a device).
+        numpy = self.host_numpy and buf.device.type == "cpu"
+        return Bucket(buffer=buf.numpy() if numpy else buf, metas=b.metas(), rank=b.rank)
+
+
+def hf_from_engine(plan: PushPlan, buckets: Iterable[Bucket]) -> dict[str, torch.Tensor]:
+    """The HF tensors rebuilt from engine-layout buckets of `plan` (each source element from any
+    copy of it); host tensors in the manifest's dtypes. Raises PlanError if some source was never
+    copied anywhere (a layout that drops data cannot be inverted)."""
+    out = {e.name: torch.empty(e.shape, dtype=dtype_from_name(e.dtype)) for e in plan.manifest}
+    seen: set[str] = set()
+    by_key = {(b.rank, tuple(m.name for m in b.metas())): b for b in plan.buckets}
+    for bucket in buckets:
+        b = by_key.get((bucket.rank, tuple(bucket.names)))
+        if b is None:
+            raise PlanError(f"a bucket of rank {bucket.rank} starting with {bucket.names[:1]} is not in plan {plan.plan_id}")
+        host = bucket.to_host()
+        flat = torch.from_numpy(host.buffer) if not isinstance(host.buffer, torch.Tensor) else host.buffer
+        for p, off in b.params:
+            view = flat[off : off + p.nbytes].view(dtype_from_name(p.dtype)).view(p.shape)
+            for op in p.ops:
+                if op.src is not None:
+                    op.src_view.of(out[op.src]).copy_(op.dst.of(view))  # type: ignore[union-attr]
+                    seen.add(op.src)
+    missing = [e.name for e in plan.manifest if e.name not in seen]
+    if missing:
+        raise PlanError(f"{len(missing)} exported tensors are not in any engine parameter, e.g. {missing[:3]}")
+    return out

@@ -1,0 +1,254 @@
+"""The receiving half of a push, inside one engine worker: stage, verify, apply.
+
+Owns: one worker's staged update (`WorkerReceiver`): the buckets of one version as they arrive
+(their tensors' digests computed as each is staged, in the push's verify mode), and the apply.
+Two layouts arrive:
+- engine layout (a bucket with an engine `rank`, packed by plan.py for this worker's parameters):
+  the apply is a copy of each staged parameter into the live parameter storage (one fused
+  `_foreach_copy_` for all of them: no Python per tensor), keeping every address (captured CUDA
+  graphs stay valid). Only used where `check_layout` proved at start that the engine's loaders
+  are pure copies and its loaded parameters equal them (no post-load processing);
+- Hugging Face tensors: the apply is the engine's own `reload` (vLLM's `reload_weights`, which
+  re-runs every post-load hook), the fallback for everything else.
+Two staging modes: `full` keeps every bucket until the commit applies them all in one pass;
+`bucketed` applies each bucket as soon as it verified against the digests the sender put in
+band (`expected`), so a worker holds about one bucket; a later failure leaves the weights part
+new, part old, and weightsync restores the last live version before anyone is resumed.
+
+The engine is reached through `EngineHooks` (engine.py's vLLM adapter implements it).
+
+Must never: change what the engine serves before the commit (full staging) or outside a pause
+(bucketed staging: the caller pauses first), or apply a staged tensor whose digest differs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from asyncrl.weightsync.bucket import Bucket, digest_key_prefix, dtype_from_name, unpack_bucket
+from asyncrl.weightsync.fingerprint import bucket_digests, check_verify_mode
+from asyncrl.weightsync.plan import (
+    EngineLayout, ManifestEntry, PlanError, PushPlan, probe_layout, same_ops, verify_layout,
+)
+
+STAGING_MODES = ("full", "bucketed")
+
+
+class EngineHooks(Protocol):
+    """What the receiver needs from the engine worker it runs in."""
+
+    rank: int
+    device: torch.device
+
+    def model(self) -> torch.nn.Module: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+        """The model's own `load_weights` (probed on meta tensors by plan.py)."""
+
+    def reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """The engine's own in-place reload of HF tensors (post-load hooks included)."""
+
+    def direct_problem(self, model: torch.nn.Module) -> str:
+        """'' if a plain copy into the parameters is a correct apply for this engine, else why not."""
+
+    def checkpoint(self) -> tuple[list[ManifestEntry], Callable[[str], torch.Tensor]] | None:
+        """The checkpoint the engine loaded at start (its manifest and a reader), or None."""
+
+
+@dataclass
+class _Staged:
+    version: int
+    verify: str
+    staging: str
+    layout: str  # "engine" or "hf"
+    digests: dict[str, bytes] = field(default_factory=dict)
+    hf: dict[str, torch.Tensor] = field(default_factory=dict)
+    engine: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    keep: list[Any] = field(default_factory=list)  # buffers the staged views point into
+    applied: int = 0  # bucketed: parameters already copied into the live weights
+
+
+class VerificationError(ValueError):
+    """A staged bucket's digests differ from what the sender computed (nothing of it applied)."""
+
+
+class WorkerReceiver:
+    """One engine worker's receiving state; `hooks` is the engine."""
+
+    def __init__(self, hooks: EngineHooks) -> None:
+        self.hooks = hooks
+        self.verified: EngineLayout | None = None  # the start-time layout, checked against the checkpoint
+        self.direct_problem = "layout not checked yet"
+        self.plan_id: str | None = None
+        self._live: dict[str, torch.Tensor] | None = None
+        self._staged: _Staged | None = None
+
+    # ---- layout ---------------------------------------------------------------------------------
+
+    def check_layout(self) -> dict[str, Any]:
+        """At engine start, before any push: read this worker's layout from the engine's loaders
+        and check that it rebuilds the loaded parameters from the checkpoint bit for bit."""
+        t = time.perf_counter()
+        model = self.hooks.model()
+        problem = self.hooks.direct_problem(model)
+        checkpoint = None if problem else self.hooks.checkpoint()
+        if not problem and checkpoint is None:
+            problem = "the engine's checkpoint cannot be read back to check the layout (dummy weights?)"
+        layout = None
+        if not problem:
+            manifest, read = checkpoint  # type: ignore[misc]
+            layout = probe_layout(model, manifest, self.hooks.rank, self.hooks.load_weights)
+            problem = verify_layout(layout, dict(model.named_parameters()), read)
+        self.verified = layout if not problem else None
+        self.direct_problem = problem
+        return {"rank": self.hooks.rank, "direct": not problem, "problem": problem, "seconds": time.perf_counter() - t,
+                "params": len(layout.params) if layout else 0}
+
+    def layout_for(self, manifest: list[ManifestEntry]) -> EngineLayout:
+        """This worker's layout for the learner's export `manifest`; its `problem` says why a
+        direct copy is not possible (then the push goes in HF layout through `reload`)."""
+        model = self.hooks.model()
+        layout = probe_layout(model, manifest, self.hooks.rank, self.hooks.load_weights)
+        if layout.problem:
+            return layout
+        if self.direct_problem:
+            return EngineLayout(layout.rank, layout.params, self.direct_problem)
+        if self.verified is None or not same_ops(layout, self.verified):
+            return EngineLayout(layout.rank, layout.params, "the learner's export fills the engine parameters differently "
+                                "from the checkpoint the engine was checked against")
+        return layout
+
+    def set_plan(self, plan: PushPlan | None) -> None:
+        """Engine-layout buckets of `plan` may be applied directly from now on (None: HF only).
+        Refused (PlanError) unless this worker's own layout for the plan's manifest is the plan's."""
+        if plan is None:
+            self.plan_id, self._live = None, None
+            return
+        mine = self.layout_for(list(plan.manifest))
+        if mine.problem:
+            raise PlanError(f"engine rank {self.hooks.rank}: {mine.problem}")
+        theirs = [lay for lay in plan.layouts if lay.rank == self.hooks.rank]
+        if len(theirs) != 1 or not same_ops(mine, theirs[0]):
+            raise PlanError(f"engine rank {self.hooks.rank}: its parameter layout differs from push plan {plan.plan_id}'s")
+        self.plan_id = plan.plan_id
+        self._live = dict(self.hooks.model().named_parameters())
+
+    # ---- staging ---------------------------------------------------------------------------------
+
+    def begin(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf") -> None:
+        if staging not in STAGING_MODES:
+            raise ValueError(f"staging mode {staging!r} is not one of {list(STAGING_MODES)}")
+        if layout not in ("hf", "engine"):
+            raise ValueError(f"layout {layout!r} is not 'hf' or 'engine'")
+        if layout == "engine" and self.plan_id is None:
+            raise ValueError("engine-layout buckets but this worker has no push plan (set_plan first)")
+        self._staged = _Staged(version, check_verify_mode(verify), staging, layout)
+
+    def _state(self, version: int) -> _Staged:
+        staged = self._staged
+        if staged is None or staged.version != version:
+            raise RuntimeError(f"bucket for version {version} but staging {None if staged is None else staged.version}")
+        return staged
+
+    def stage(self, version: int, bucket: Bucket, expected: dict[str, bytes] | None = None) -> dict[str, bytes]:
+        """Stage one bucket (views into `bucket.buffer`, which must stay valid until the commit);
+        returns its digests. Engine-layout buckets of other ranks are skipped. Bucketed staging
+        applies it at once, after checking it against `expected` (the sender's digests)."""
+        staged = self._state(version)
+        if (bucket.rank is None) != (staged.layout == "hf"):
+            raise ValueError(f"a {'HF' if bucket.rank is None else 'engine'}-layout bucket in a {staged.layout}-layout update")
+        if bucket.rank is not None and bucket.rank != self.hooks.rank:
+            return {}
+        digests = bucket_digests(bucket, staged.verify, digest_key_prefix(bucket))  # type: ignore[arg-type]
+        dup = set(digests) & set(staged.digests)
+        if dup:
+            raise ValueError(f"tensor {sorted(dup)[0]!r} staged twice for version {version}")
+        if staged.staging == "bucketed":
+            if expected is None:
+                raise ValueError("bucketed staging needs the sender's digests with every bucket")
+            wrong = sorted(k for k, d in digests.items() if expected.get(k) != d)
+            if wrong or set(expected) != set(digests):
+                raise VerificationError(f"fingerprint mismatch for version {version}: bucket tensors {wrong[:3]} differ "
+                                        "from the sender's digests; nothing of this bucket applied")
+        staged.digests.update(digests)
+        views = unpack_bucket(bucket)
+        if staged.layout == "hf":
+            staged.hf.update(views)
+        else:
+            staged.engine.extend(views)
+        staged.keep.append(bucket.buffer)
+        if staged.staging == "bucketed" and staged.layout == "engine":
+            self._copy_into_live(views)
+            staged.applied += len(views)
+            staged.engine.clear()
+            staged.keep.clear()
+        return digests
+
+    def digests(self, version: int) -> dict[str, bytes]:
+        return dict(self._state(version).digests)
+
+    # ---- apply -----------------------------------------------------------------------------------
+
+    def _copy_into_live(self, views: Iterable[tuple[str, torch.Tensor]]) -> None:
+        live = self._live
+        if live is None:
+            raise RuntimeError("no push plan: engine-layout tensors cannot be applied")
+        dst, src = [], []
+        for name, view in views:
+            target = live.get(name)
+            if target is None:
+                raise KeyError(f"engine parameter {name!r} of the plan is not in the engine")
+            if target.shape != view.shape or target.dtype != view.dtype:
+                raise ValueError(f"{name}: staged {tuple(view.shape)} {view.dtype}, live {tuple(target.shape)} {target.dtype}")
+            dst.append(target.data)
+            src.append(view if view.device == target.device else view.to(target.device, non_blocking=True))
+        if dst:
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)
+
+    def apply(self, version: int) -> dict[str, Any]:
+        """Apply what is staged for `version` (the caller verified the fingerprint and paused the
+        engine). Returns the apply path and its seconds. The staged copy is spent either way."""
+        staged = self._state(version)
+        t = time.perf_counter()
+        try:
+            if staged.layout == "engine":
+                if staged.staging == "full":
+                    self._copy_into_live(staged.engine)
+                if self.hooks.device.type == "cuda":
+                    torch.cuda.synchronize(self.hooks.device)
+                path = "direct"
+            else:
+                self.hooks.reload(iter(sorted(staged.hf.items())))
+                path = "reload"
+            return {"path": path, "apply_seconds": time.perf_counter() - t,
+                    "tensors": len(staged.digests)}
+        finally:
+            self._staged = None
+
+    def abort(self) -> None:
+        self._staged = None
+
+    @property
+    def staging_version(self) -> int | None:
+        return None if self._staged is None else self._staged.version
+
+
+def copy_to(bucket: Bucket, device: torch.device) -> Bucket:
+    """`bucket` with its buffer in this worker's own memory on `device` (one copy), so that the
+    staged views outlive the transport's buffer."""
+    buffer = bucket.buffer
+    if isinstance(buffer, torch.Tensor):
+        own = torch.empty(buffer.numel(), dtype=torch.uint8, device=device)
+        own.copy_(buffer.reshape(-1).view(torch.uint8), non_blocking=True)
+    else:
+        own = torch.from_numpy(buffer).to(device) if device.type != "cpu" else buffer
+    return Bucket(buffer=own, metas=list(bucket.metas), rank=bucket.rank)
+
+
+__all__ = ["EngineHooks", "STAGING_MODES", "VerificationError", "WorkerReceiver", "copy_to", "dtype_from_name"]

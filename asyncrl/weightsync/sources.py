@@ -1,0 +1,259 @@
+"""Where a push's buckets come from, as the publisher sees them (push.py drives them).
+
+Owns: the steps of a push and their failure record (`Step`, `StepFailed`), and the three
+sources: `BucketSource` packs a tensor stream itself (Hugging Face tensors, or with a push plan
+the engines' layout) and puts each bucket into the transport once, a retry replaying the handles;
+`BucketSource.from_handles` replays buckets the learner ranks packed and put themselves, with
+their digests; `StreamedSource` is a collective push, where the sending learner ranks broadcast
+every bucket while each replica's single `load_bucket` receives them (`StreamedSend`: what the
+sender reports; `KeptCopies`: its host copies, made after the push returned).
+
+Every bucket is hashed before it is handed out (its digests can go with it: bucketed staging
+checks each bucket before applying it).
+
+Must never: order replica calls or decide what is live (push.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.weightsync.bucket import Bucket, digest_key_prefix, iter_buckets
+from asyncrl.weightsync.fingerprint import VerifyMode, bucket_digests, check_verify_mode, combine_digests
+from asyncrl.weightsync.metrics import PushMetrics
+from asyncrl.weightsync.transport import Transport
+
+if TYPE_CHECKING:
+    from asyncrl.weightsync.plan import PushPlan
+    from asyncrl.weightsync.push import Publisher
+    from asyncrl.weightsync.replicas import ReplicaClient
+
+NamedTensorIter = Iterable[tuple[str, Any]]
+
+
+class Step(str, enum.Enum):
+    EXPORT = "export"  # reading the tensor stream / packing
+    PAUSE = "pause"
+    BEGIN = "begin_update"
+    LOAD = "load_bucket"
+    FINGERPRINT = "fingerprint"
+    COMMIT = "commit_update"
+    ABORT = "abort_update"
+    RESUME = "resume"
+    RESTORE = "restore"
+
+
+@dataclass
+class StepFailed(Exception):
+    step: Step
+    failures: dict[str, BaseException]
+    retryable: bool = True
+    restore: list[str] = field(default_factory=list)  # replicas to put back on the last live version
+    out_of_service: list[str] = field(default_factory=list)
+
+
+def _layout_of(buckets: Iterable[Any]) -> str:
+    ranks = {getattr(b, "rank", None) for b in buckets}
+    if len(ranks) > 1 and None in ranks:
+        raise ValueError("a push mixes engine-layout and Hugging Face buckets")
+    return "hf" if ranks in ({None}, set()) else "engine"
+
+
+class BucketSource:
+    """Packs the tensor stream lazily (with `plan`: into the engines' layout) and puts each
+    bucket once; a retry replays the handles."""
+
+    def __init__(self, named: NamedTensorIter, bucket_mb: float, transport: Transport, m: PushMetrics,
+                 verify: VerifyMode = "full", plan: PushPlan | None = None) -> None:
+        if plan is None:
+            self._buckets: Iterator[Bucket] = iter_buckets(named, bucket_mb)
+        else:
+            from asyncrl.weightsync.plan import PlannedPacker
+
+            alloc = getattr(transport, "alloc", None)  # shm: pack straight into the shared file
+            buffer = None if alloc is None else (lambda b: alloc(b.nbytes))
+            self._buckets = iter(PlannedPacker(plan, 0, "cpu", buffer).pack(named))
+        self.layout = "hf" if plan is None else "engine"
+        self.plan_id = None if plan is None else plan.plan_id
+        self._transport, self._m = transport, m
+        self.verify = check_verify_mode(verify)
+        self.handles: list[Any] = []
+        self.digests: list[dict[str, bytes]] = []  # per handle
+        self.exhausted = False
+
+    def _hash(self, bucket: Bucket) -> dict[str, bytes]:
+        t = time.perf_counter()
+        digests = bucket_digests(bucket, self.verify, digest_key_prefix(bucket))
+        self._m.fingerprint_seconds += time.perf_counter() - t
+        return digests
+
+    def __iter__(self) -> Iterator[tuple[Any, dict[str, bytes]]]:
+        yield from zip(list(self.handles), list(self.digests))
+        while not self.exhausted:
+            t = time.perf_counter()
+            try:
+                bucket = next(self._buckets)
+            except StopIteration:
+                self.exhausted = True
+                return
+            except Exception as exc:  # the learner's export (or a bad tensor) failed: not retryable
+                raise StepFailed(Step.EXPORT, {"publisher": exc}, retryable=False) from exc
+            self._m.pack_seconds += time.perf_counter() - t
+            digests = self._hash(bucket)
+            t = time.perf_counter()
+            handle = self._transport.put(bucket)
+            self._m.put_seconds += time.perf_counter() - t
+            self._m.bytes += bucket.payload_bytes
+            self._m.num_tensors += len(bucket)
+            self._m.num_buckets += 1
+            self.handles.append(handle)
+            self.digests.append(digests)
+            del bucket  # the transport holds it now; keep at most one packed bucket in this heap
+            yield handle, digests
+
+    @classmethod
+    def from_handles(cls, handles: Sequence[Any], transport: Transport, m: PushMetrics, verify: VerifyMode = "full",
+                     digests: Sequence[dict[str, bytes]] | None = None, plan_id: str | None = None) -> "BucketSource":
+        """Buckets someone else already put (the learner ranks export straight into the
+        transport), with the digests they computed as they packed (else hashed here)."""
+        source = cls((), 1.0, transport, m, verify)
+        source.handles, source.exhausted = list(handles), True
+        seen: set[str] = set()
+        buckets = []
+        for i, h in enumerate(source.handles):
+            bucket = transport.fetch(h)
+            buckets.append(bucket)
+            names = [digest_key_prefix(bucket) + n for n in bucket.names]
+            if seen.intersection(names) or len(set(names)) != len(names):
+                raise ValueError(f"a tensor name appears twice across the {len(handles)} bucket handles")
+            seen.update(names)
+            m.bytes += bucket.payload_bytes
+            m.num_tensors += len(bucket)
+            m.num_buckets += 1
+            if digests is not None and len(digests) == len(source.handles) and set(digests[i]) == set(names):
+                source.digests.append(dict(digests[i]))
+            else:
+                source.digests.append(source._hash(bucket))
+        source.layout = _layout_of(buckets)
+        if source.layout == "engine" and plan_id is None:
+            raise ValueError("engine-layout buckets without the push plan they were packed for")
+        source.plan_id = plan_id if source.layout == "engine" else None
+        return source
+
+    def fingerprint(self) -> str:
+        if not self.exhausted:
+            raise RuntimeError("fingerprint before the tensor stream was read to its end")
+        merged: dict[str, bytes] = {}
+        for d in self.digests:
+            merged.update(d)
+        return combine_digests(merged, self.verify)
+
+
+@dataclass
+class StreamedSend:
+    """What a collective sender reports for one version (weightsync/collective.py): per-tensor
+    digests, sizes, its phase seconds and its host copies in the transport (handles). A sender
+    that makes them off the critical path gives `collect` instead, which returns them once made;
+    the publisher awaits it while the replicas commit."""
+
+    handles: list[Any]
+    digests: dict[str, bytes]
+    bytes: int
+    num_tensors: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    collect: Callable[[], Awaitable["KeptCopies"]] | None = None
+    num_buckets: int | None = None  # None: len(handles)
+
+
+@dataclass
+class KeptCopies:
+    """A sender's host copies once made (`StreamedSend.collect`): handles in bucket order, and the
+    seconds its copy thread waited for device-to-host copies (`copy`) and spent keeping them (`keep`)."""
+
+    handles: list[Any]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+Send = Callable[[int, VerifyMode], Awaitable[StreamedSend]]
+
+
+class StreamedSource:
+    """A collective push: the sender broadcasts every bucket while each replica's single
+    `load_bucket(payload)` receives them; no bucket passes through the publisher. The sender's
+    host copies become the handles (restores, late joiners) and its digests the fingerprint.
+    Each attempt runs `prepare` (form or check the broadcast group) and sends afresh."""
+
+    def __init__(self, send: Send, payload: Callable[[int], Any], prepare: Callable[[], Awaitable[Any]] | None,
+                 verify: VerifyMode = "full", plan_id: str | None = None) -> None:
+        self._send, self._payload, self._prepare = send, payload, prepare
+        self.verify = check_verify_mode(verify)
+        self.layout = "hf" if plan_id is None else "engine"
+        self.plan_id = plan_id
+        self.handles: list[Any] = []
+        self._digests: dict[str, bytes] | None = None
+        self._collecting: asyncio.Future | None = None
+
+    async def stream(self, publisher: Publisher, version: int, replicas: list[ReplicaClient], m: PushMetrics) -> None:
+        self.discard(publisher._transport)  # an earlier attempt's host copies
+        self.handles, self._digests = [], None
+        if self._prepare is not None:
+            try:
+                await asyncio.wait_for(self._prepare(), publisher._cfg.timeout_s)
+            except Exception as exc:
+                raise StepFailed(Step.LOAD, {"broadcast group": exc}) from exc
+        payload = self._payload(version)
+        receiving = asyncio.ensure_future(publisher._step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version), m))
+        try:
+            sent = await asyncio.wait_for(self._send(version, self.verify), publisher._cfg.timeout_s)
+        except Exception as exc:
+            # The sender told the receivers (abort header), or they give up at their deadline.
+            with contextlib.suppress(BaseException):
+                await receiving
+            raise StepFailed(Step.EXPORT, {"publisher": exc}) from exc
+        except BaseException:
+            receiving.cancel()
+            raise
+        if sent.collect is not None:  # the host copies are made while the replicas finish and commit
+            self._collecting = asyncio.ensure_future(sent.collect())
+        await receiving
+        self.handles, self._digests = list(sent.handles), dict(sent.digests)
+        m.bytes, m.num_tensors = sent.bytes, sent.num_tensors
+        m.num_buckets = len(sent.handles) if sent.num_buckets is None else sent.num_buckets
+        m.put_seconds = sent.seconds.get("broadcast", 0.0)
+        m.fingerprint_seconds = sent.seconds.get("hash", 0.0)
+        m.sender_seconds.update(sent.seconds)
+
+    def fingerprint(self) -> str:
+        if self._digests is None:
+            raise RuntimeError("fingerprint before the sender finished")
+        return combine_digests(self._digests, self.verify)
+
+    async def settle(self, timeout_s: float) -> dict[str, float]:
+        """Wait for the sender's host copies (they become `handles`); returns the copy thread's seconds."""
+        collecting, self._collecting = self._collecting, None
+        if collecting is None:
+            return {}
+        kept = await asyncio.wait_for(collecting, timeout_s)
+        self.handles = list(kept.handles)
+        return dict(kept.seconds)
+
+    def discard(self, transport: Transport) -> None:
+        """Release host copies still being collected once they arrive (a failed or retried attempt)."""
+        collecting, self._collecting = self._collecting, None
+        if collecting is None:
+            return
+
+        def release(done: asyncio.Future) -> None:
+            if done.cancelled() or done.exception() is not None:
+                return
+            for h in done.result().handles:
+                with contextlib.suppress(Exception):
+                    transport.release(h)
+
+        collecting.add_done_callback(release)
