@@ -20,6 +20,29 @@ export PYTHONUNBUFFERED=1
 MODEL=/tmp/qwen2-0.5b-random
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 case $1 in
+push)
+  # The weight push in the engines' own layout on one GPU (issue 22), step by step in $STEPS (each
+  # writes its log under $OUT as it goes: a call cut short still brings back what ran):
+  #   bench:MODEL  push vs raw over ipc (benchmarks/weightsync.py; random500m, random1500m = 3.1 GB)
+  #   direct       a vLLM engine decodes transformers' tokens after a push; Triton checksums = numpy's
+  #   collective   the ipc transport between processes (buffers reused, handles opened once)
+  for step in ${STEPS:-bench:random500m direct bench:random1500m collective}; do
+    case $step in
+    bench:*)
+      m=${step#bench:}
+      timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports ipc \
+          --gpus 0.5 --dtype bfloat16 --verify ${VERIFY:-checksum} --staging ${STAGING:-full} > $OUT/ws_push_$m.log 2>&1
+      echo "weightsync $m rc=$?"; grep '^{' $OUT/ws_push_$m.log | tee -a $OUT/ws_push.json
+      grep -v '^{' $OUT/ws_push_$m.log | grep -iE "error|Traceback|layout" | tail -8 | cut -c1-400
+      ;;
+    direct|collective)
+      f=$([ $step = direct ] && echo test_direct_gpu.py || echo test_collective_gpu.py)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/weightsync/$f > $OUT/${step}_gpu_test.log 2>&1
+      echo "$step pytest rc=$?"; grep -E "passed|failed|Error|assert" $OUT/${step}_gpu_test.log | head -12 | cut -c1-600
+      ;;
+    esac
+  done
+  ;;
 nccl)
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/weightsync/test_collective_gpu.py \
       tests/weightsync/test_hostcopy.py > $OUT/collective_gpu_test.log 2>&1

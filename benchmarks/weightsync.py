@@ -53,8 +53,8 @@ COLLECTIVE = ("gloo", "nccl", "ipc")
 
 
 class EngineActor:
-    def __init__(self, model_path: str, name: str, gpus: float = 0.0) -> None:
-        self.model_path, self.name, self.replica = model_path, name, None
+    def __init__(self, model_path: str, name: str, gpus: float = 0.0, dtype: str = "float32") -> None:
+        self.model_path, self.name, self.replica, self.dtype = model_path, name, None, dtype
         # On a GPU the engine keeps to its share, so a co-located sender (ipc) and sinks fit beside it.
         self.engine_kwargs = {"gpu_memory_utilization": round(0.8 * gpus, 2)} if 0 < gpus < 1 else {}
 
@@ -68,8 +68,9 @@ class EngineActor:
         from asyncrl.config import GeneratorConfig, ModelConfig
         from asyncrl.generator.engine import EngineReplica
 
-        self.replica = EngineReplica(ModelConfig(path=self.model_path), GeneratorConfig(engine_kwargs=self.engine_kwargs),
-                                     replica_id=self.name)
+        # The engine holds the weights in the checkpoint's dtype (what the learner exports).
+        self.replica = EngineReplica(ModelConfig(path=self.model_path, dtype=self.dtype),
+                                     GeneratorConfig(engine_kwargs=self.engine_kwargs), replica_id=self.name)
         await self.replica.start()
 
     async def pause(self, mode):
@@ -244,13 +245,17 @@ class SenderAsLearner:
         return await self.actor.take.remote(timeout_s)
 
 
-def build_random_qwen2(out: Path, hidden: int, layers: int, intermediate: int, dtype: str = "float32") -> Path:
-    """A random-weight Qwen2 with the demo tokenizer (no downloads), saved in `dtype`."""
+def build_random_qwen2(out: Path, hidden: int, layers: int, intermediate: int, dtype: str = "float32",
+                       vocab: int | None = None) -> Path:
+    """A random-weight Qwen2 with the demo tokenizer (no downloads), saved in `dtype` (`vocab`: a
+    larger embedding than the tokenizer's, as a real model's; pushes do not generate)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(DEMO)
     cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size = hidden, layers, intermediate
+    if vocab is not None:
+        cfg.vocab_size = vocab
     cfg.num_attention_heads, cfg.num_key_value_heads = hidden // 64, 2
     cfg.layer_types = ["full_attention"] * layers
     torch.manual_seed(0)
@@ -303,7 +308,7 @@ def _engine_dtypes(plan, base):
 
 async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket_mb: float,
                       transports: list[str], verify: str, gpus: float, apply: str = "auto",
-                      staging: str = "full") -> list[dict]:
+                      staging: str = "full", dtype: str = "float32") -> list[dict]:
     import pickle
     from dataclasses import asdict
 
@@ -322,7 +327,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
     base = load_hf_tensors(str(path))
     params = sum(t.numel() for t in base.values())
     engine = ray.remote(num_cpus=0.5, num_gpus=gpus)(EngineActor)
-    actors = [engine.remote(str(path), f"engine-{i}", gpus) for i in range(replicas)]
+    actors = [engine.remote(str(path), f"engine-{i}", gpus, dtype if name != "demo" else "float32") for i in range(replicas)]
     await asyncio.gather(*(a.start.remote() for a in actors))
     clients = [ActorReplica(a, f"engine-{i}") for i, a in enumerate(actors)]
     plan, why_not = await _form_plan(actors, base, bucket_mb, apply)
@@ -457,7 +462,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="demo,random50m", help="comma list of: demo, random50m, random500m")
+    ap.add_argument("--models", default="demo,random50m", help="comma list of: demo, random50m, random500m, random1500m")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=64.0)
@@ -492,10 +497,14 @@ def main() -> None:
                     path = build_random_qwen2(Path(tmp) / "random50m", hidden=768, layers=8, intermediate=2048, dtype=args.dtype)
                 elif name == "random500m":
                     path = build_random_qwen2(Path(tmp) / "random500m", hidden=1536, layers=16, intermediate=6144, dtype=args.dtype)
+                elif name == "random1500m":  # Qwen2-1.5B's shape and vocabulary: 1.54B parameters, 3.1 GB in bf16
+                    path = build_random_qwen2(Path(tmp) / "random1500m", hidden=1536, layers=28, intermediate=8960,
+                                              dtype=args.dtype, vocab=151936)
                 else:
                     raise SystemExit(f"unknown model {name!r}")
                 rows = asyncio.run(bench_model(name, path, args.replicas, args.repeats, args.bucket_mb,
-                                               args.transports.split(","), args.verify, args.gpus, args.apply, args.staging))
+                                               args.transports.split(","), args.verify, args.gpus, args.apply, args.staging,
+                                               args.dtype))
                 for row in rows:
                     print(json.dumps(row), flush=True)
     finally:

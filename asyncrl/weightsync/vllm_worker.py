@@ -279,6 +279,10 @@ class WeightsyncWorkerExtension:
         """Ids of the groups this worker holds that can still carry a push."""
         return [gid for gid, g in self.__dict__.get("_asyncrl_groups", {}).items() if not g.broken]
 
+    def asyncrl_param_addresses(self) -> list[int]:
+        """Where each live parameter's storage is (a direct apply keeps them); tests only."""
+        return [p.data_ptr() for p in self.model_runner.get_model().parameters()]  # type: ignore[attr-defined]
+
     def asyncrl_fingerprint_params(self, names: list[str] | None = None) -> str:
         """Fingerprint of the model's live parameters (vLLM's layout); tests only."""
         from asyncrl.weightsync.fingerprint import tensor_fingerprint

@@ -13,8 +13,8 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrier) -> None:
-    from asyncrl.weightsync.fingerprint import tensor_fingerprint
+def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrier, pushes: int) -> None:
+    from asyncrl.weightsync.fingerprint import bucket_digests, tensor_fingerprint
     from asyncrl.weightsync.bucket import unpack_bucket
     from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec, receive_stream, send_stream
 
@@ -23,19 +23,24 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
         device = torch.device("cuda", rank if spec_.backend == "nccl" else 0)  # ipc: everyone on GPU 0
         torch.cuda.set_device(device)
         group = CollectiveGroup.join(spec_, rank, device)
-        if rank == 0:
-            sent = send_stream(group, ((n, t.cuda()) for n, t in weights.items()), 0.05, verify="sampled", timeout_s=60)
-            kept = sent.host_copies.result()  # pinned device-to-host copies, made while sending
-            host = {n: t for b in kept for n, t in unpack_bucket(b)}
-            out.put(("sent", sorted(sent.digests), sent.bytes, [b.nbytes for b in kept], tensor_fingerprint(host, "full")))
-        else:
-            got = {}
-            for bucket, _ in receive_stream(group, time.monotonic() + 60):
-                assert bucket.buffer.is_cuda and bucket.buffer.device == device
-                got.update({n: t.cpu().clone() for n, t in unpack_bucket(bucket)})
-            # A fingerprint, not the tensors: torch shares CPU tensors put on a queue by file
-            # descriptor, which fails once this process has exited.
-            out.put(("got", rank, sorted(got), tensor_fingerprint(got, "full")))
+        for push in range(pushes):  # the same group carries every push (ipc: the same buffers)
+            version = {n: t * (push + 1) for n, t in weights.items()}
+            if rank == 0:
+                sent = send_stream(group, ((n, t.cuda()) for n, t in version.items()), 0.05, verify="checksum", timeout_s=60)
+                kept = sent.host_copies.result()  # pinned device-to-host copies, made while sending
+                host = {n: t for b in kept for n, t in unpack_bucket(b)}
+                ring = group._ring.nbytes if group._ring is not None else 0
+                out.put(("sent", push, sorted(sent.digests), sent.bytes, [b.nbytes for b in kept],
+                         tensor_fingerprint(host, "full"), ring))
+            else:
+                got = {}
+                for bucket, digests in receive_stream(group, time.monotonic() + 60):
+                    assert bucket.buffer.is_cuda and bucket.buffer.device == device
+                    assert digests == bucket_digests(bucket, "checksum")  # the sender's, computed on its copy
+                    got.update({n: t.cpu().clone() for n, t in unpack_bucket(bucket)})
+                # A fingerprint, not the tensors: torch shares CPU tensors put on a queue by file
+                # descriptor, which fails once this process has exited.
+                out.put(("got", push, rank, sorted(got), tensor_fingerprint(got, "full"), len(group._opened)))
     except BaseException as exc:  # report, do not hang the parent
         out.put(("error", rank, f"{type(exc).__name__}: {exc}"))
     # The sender hosts the group's store: it leaves only after every receiver read the end marker
@@ -48,8 +53,9 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
         group.close()
 
 
-def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int) -> tuple[dict, tuple, list[tuple]]:
-    """One push from a sender process to `receivers` processes; (weights, sent report, receiver reports)."""
+def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int, pushes: int = 1) -> tuple[dict, list, list]:
+    """`pushes` pushes from a sender process to `receivers` processes (push k sends the weights
+    times k + 1); (weights, sent reports, receiver reports)."""
     from dataclasses import asdict
 
     from asyncrl.weightsync.collective import form_specs, free_port
@@ -62,37 +68,48 @@ def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int) ->
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     done = ctx.Barrier(receivers + 1)
-    procs = [ctx.Process(target=_member, args=(r, asdict(spec), weights, out, done)) for r in range(receivers + 1)]
+    procs = [ctx.Process(target=_member, args=(r, asdict(spec), weights, out, done, pushes)) for r in range(receivers + 1)]
     for p in procs:
         p.start()
-    results = [out.get(timeout=300) for _ in procs]
+    results = []
+    while len([r for r in results if r[0] != "error"]) < len(procs) * pushes and not any(r[0] == "error" for r in results):
+        results.append(out.get(timeout=300))
     for p in procs:
         p.join(60)
     errors = [r for r in results if r[0] == "error"]
     assert not errors, errors
-    return weights, next(r for r in results if r[0] == "sent"), [r for r in results if r[0] == "got"]
+    return weights, sorted(r for r in results if r[0] == "sent"), sorted(r for r in results if r[0] == "got")
 
 
-def _assert_delivered(weights: dict, sent: tuple, received: list[tuple], receivers: int) -> None:
+def _assert_delivered(weights: dict, sent: list, received: list, receivers: int, pushes: int = 1) -> None:
     from asyncrl.weightsync.fingerprint import tensor_fingerprint
 
-    assert sorted(r[1] for r in received) == list(range(1, receivers + 1))
-    for _, _, names, fingerprint in received:
-        assert names == sorted(weights) and fingerprint == tensor_fingerprint(weights, "full")  # bit-exact
-    assert sent[1] == sorted(weights) and sent[2] == sum(t.numel() * t.element_size() for t in weights.values())
-    assert sent[4] == tensor_fingerprint(weights, "full")  # the sender's host copies are bit-exact too
+    for push in range(pushes):
+        version = {n: t * (push + 1) for n, t in weights.items()}
+        got = [r for r in received if r[1] == push]
+        assert sorted(r[2] for r in got) == list(range(1, receivers + 1))
+        for _, _, _, names, fingerprint, _ in got:
+            assert names == sorted(version) and fingerprint == tensor_fingerprint(version, "full")  # bit-exact
+        (s,) = [r for r in sent if r[1] == push]
+        assert s[2] == sorted(version) and s[3] == sum(t.numel() * t.element_size() for t in version.values())
+        assert s[5] == tensor_fingerprint(version, "full")  # the sender's host copies are bit-exact too
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: two GPUs")
 def test_nccl_broadcast_moves_every_bucket_bit_exact_between_two_gpus():
     weights, sent, received = _push_in_processes("nccl", receivers=1, seed=0, tensors=6)
     _assert_delivered(weights, sent, received, receivers=1)
-    assert len(sent[3]) > 1  # several buckets went over the wire
+    assert len(sent[0][4]) > 1  # several buckets went over the wire
 
 
 def test_ipc_hands_every_bucket_bit_exact_to_processes_sharing_the_gpu():
     """A sender and two receivers on GPU 0, in three processes: each bucket travels as a CUDA IPC
-    handle (keyed by the GPU's UUID) and each receiver copies it into its own device memory."""
-    weights, sent, received = _push_in_processes("ipc", receivers=2, seed=1, tensors=8)
-    _assert_delivered(weights, sent, received, receivers=2)
-    assert len(sent[3]) > 2  # more buckets than the window: the sender waited for acknowledgements
+    handle (keyed by the GPU's UUID) and each receiver copies it into its own device memory. The
+    second push packs into the same sender buffers, which the receivers opened once."""
+    weights, sent, received = _push_in_processes("ipc", receivers=2, seed=1, tensors=8, pushes=2)
+    _assert_delivered(weights, sent, received, receivers=2, pushes=2)
+    assert len(sent[0][4]) > 2  # more buckets than the window: the sender waited for acknowledgements
+    assert sent[0][6] == sent[1][6] > 0  # the second push allocated no new sender buffer
+    for rank in (1, 2):
+        opened = [r[5] for r in received if r[2] == rank]
+        assert opened[0] == opened[1] > 0  # ... so the receivers opened no new handle
