@@ -36,7 +36,7 @@ $(DEMO_MODEL)/config.json: | $(STAMP)
 demo-model: $(DEMO_MODEL)/config.json
 
 serve: setup demo-model
-	$(VENV)/bin/serve run deploy/rlhf.yaml
+	$(VENV)/bin/asyncrl serve deploy/rlhf.yaml
 
 test: setup demo-model
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -24,9 +24,18 @@ log = logging.getLogger(__name__)
 TRAINER_DEPLOYMENT = "Trainer"
 
 
-@serve.deployment(name=TRAINER_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)
+# How long a stopping trainer may take: the step in progress finishes (its push too) within
+# DRAIN_S or is cancelled, then the learner ranks, reward workers and buffer are closed. Serve
+# waits for it up to its graceful-shutdown timeout (SIGINT / SIGTERM of `serve run`, a redeploy).
+DRAIN_S = 30.0
+CLOSE_S = 15.0
+
+
+@serve.deployment(name=TRAINER_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64,
+                  graceful_shutdown_timeout_s=DRAIN_S + CLOSE_S + 5)
 class TrainerDeployment:
-    """Runs the training loop as a background task; answers status while it runs."""
+    """Runs the training loop as a background task; answers status while it runs; drains when
+    Serve stops it."""
 
     def __init__(self, cfg: dict[str, Any], engine: Any) -> None:
         from asyncrl.trainer.logging_setup import configure_logging
@@ -35,6 +44,7 @@ class TrainerDeployment:
         configure_logging(self.cfg.logging)
         self._engine = engine
         self._trainer: Any = None
+        self._parts: Any = None
         self._phase = "starting"
         self._error: str | None = None
         self._task = asyncio.get_running_loop().create_task(self._main(), name="training-loop")
@@ -45,11 +55,11 @@ class TrainerDeployment:
 
         parts = None
         try:
-            parts = await TrainerParts.create(self.cfg, self._engine)
+            parts = self._parts = await TrainerParts.create(self.cfg, self._engine)
             self._trainer = Trainer(self.cfg, parts)
             self._phase = "training"
             await self._trainer.run()
-            self._phase = "finished"
+            self._phase = self._trainer.state
         except Exception as err:  # the loop's failure is reported by status(), never lost
             self._phase, self._error = "failed", f"{type(err).__name__}: {err}"
             log.exception("training loop failed")
@@ -65,11 +75,42 @@ class TrainerDeployment:
             return snapshot
         return {"state": self._phase, "error": self._error, "step": 0, "policy_version": 0}
 
+    async def __del__(self) -> None:
+        """Serve is stopping this replica: end the loop at a step boundary, log the accounting,
+        close the parts (learner ranks, reward workers, buffer)."""
+        if self._trainer is not None and not self._task.done():
+            self._trainer.request_stop()
+            log.info("stopping: the step in progress finishes (at most %.0f s), rollouts stop", DRAIN_S)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), DRAIN_S)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            log.warning("the training loop did not stop within %.0f s; cancelled (a push in progress is abandoned: "
+                        "engines keep the last live version)", DRAIN_S)
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        parts = self._parts
+        if parts is None:
+            return
+        try:
+            counts = await asyncio.wait_for(parts.buffer.metrics.remote(), CLOSE_S)
+            rollouts = parts.rollouts.counters.metrics()
+            log.info("stopped at policy version %s; buffer %s; rollouts %s",
+                     getattr(self._trainer, "version", None),
+                     " ".join(f"{k.removeprefix('buffer/')}={v:g}" for k, v in counts.items() if k in _ACCOUNTING),
+                     " ".join(f"{k.removeprefix('rollout/')}={v:g}" for k, v in rollouts.items()))
+            await asyncio.wait_for(parts.close(), CLOSE_S)
+        except Exception as err:  # noqa: BLE001 - shutting down: report, never raise out of Serve's destructor
+            log.warning("closing the trainer's parts: %r", err)
+
     async def check_health(self) -> None:
         # A failed loop stays visible in /train/status instead of being restarted in a loop;
         # only an unexpected cancellation of the task is unhealthy.
         if self._task.cancelled():
             raise RuntimeError("training loop task was cancelled")
+
+
+_ACCOUNTING = ("buffer/generated", "buffer/trained", "buffer/dropped_stale", "buffer/dropped_invalid",
+               "buffer/dropped_filtered", "buffer/dropped_failed", "buffer/waiting", "buffer/running")
 
 
 def build_app(cfg: RootConfig) -> serve.Application:

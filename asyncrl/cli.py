@@ -42,6 +42,61 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """`serve run CONFIG` in this process, where SIGINT and SIGTERM drain the app first.
+
+    Ray's `serve run` reacts to Ctrl-C with `serve.shutdown()`, which does not wait for the
+    replicas' graceful shutdown, and to SIGTERM (`kill`, `timeout`, a job scheduler, a container
+    stop) not at all: `ray.init` maps it to `sys.exit`, and the driver's C++ failure-signal handler
+    aborts the process 3 s later. Here Ray is started first, then either signal is taken over: it
+    deletes every Serve application and waits for it (each replica's drain: the trainer ends its
+    step, logs the accounting, closes learner ranks and reward workers; engines stop vLLM), then
+    takes Ray's Ctrl-C path, stops Ray and leaves without the interpreter's teardown (where Ray's
+    threads have aborted it). A second signal ends the process at once."""
+    import contextlib
+    import os
+    import signal
+
+    import click
+    import ray
+    from ray.serve._private.constants import SERVE_NAMESPACE
+    from ray.serve.scripts import cli
+
+    def drain(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        print(f"asyncrl serve: signal {signum}: draining the applications (a second signal ends at once)", flush=True)
+        try:
+            from ray import serve
+
+            for name in list(serve.status().applications):
+                serve.delete(name)  # blocks until its replicas have stopped
+        except Exception as err:  # noqa: BLE001 - not started yet, or already gone: Ray's shutdown follows
+            print(f"asyncrl serve: drain: {err!r}", flush=True)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    ray.init(address=args.address, namespace=SERVE_NAMESPACE)  # as `serve run` would; it then reuses it
+    signal.signal(signal.SIGTERM, drain)  # after ray.init, which installs its own
+    signal.signal(signal.SIGINT, drain)
+    rc = 0
+    try:
+        cli.main(["run", args.config], prog_name="asyncrl serve", standalone_mode=False)
+    except SystemExit as done:  # serve run's exit after its shutdown
+        rc = done.code if isinstance(done.code, int) else 0
+    except (KeyboardInterrupt, click.exceptions.Abort):  # before serve run's own handler was in place
+        from ray import serve
+
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        rc = 130
+    finally:
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -54,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--target-accuracy", type=_fraction, default=None,
                       help="stop the warm start once greedy accuracy on its dev split reaches this (0 = run every step; default: the spec's)")
     demo.set_defaults(func=_demo_model)
+
+    run = sub.add_parser("serve", help="`serve run CONFIG` where SIGTERM drains the app as Ctrl-C does (make serve)")
+    run.add_argument("config", help="Serve config, e.g. deploy/rlhf.yaml")
+    run.add_argument("--address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS, else a local one); "
+                     "for other `serve run` options use `serve run` itself")
+    run.set_defaults(func=_serve)
 
     convert = sub.add_parser("convert", help="convert weights between a Hugging Face dir and a Megatron dist checkpoint")
     csub = convert.add_subparsers(dest="direction", required=True)

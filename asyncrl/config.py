@@ -339,6 +339,15 @@ class RewardConfig(_Section):
 class TrainerConfig(_Section):
     total_steps: int = Field(100, gt=0)
     rollout_concurrency: int = Field(8, gt=0, description="Prompts in flight at once.")
+    rollout_timeout_s: float = Field(
+        600.0, gt=0, description="Longest one generation attempt of a prompt group may take; it is then aborted in the "
+        "engine and counts as a failed attempt.")
+    rollout_attempts: int = Field(
+        3, gt=0, description="Attempts per prompt group (failures and timeouts); a group that fails every one is given up "
+        "on and counted (buffer/dropped_failed), never retried again.")
+    batch_timeout_s: float = Field(
+        1800.0, gt=0, description="Longest the learner waits for one batch; past it training stops with an error that "
+        "says what the buffer and the rollouts hold (a batch that cannot fill never hangs the run).")
     eval_interval_steps: int = Field(10, ge=0)
     seed: int = 0
 

@@ -23,6 +23,10 @@ from asyncrl.trainer.step import compute_advantages, needs_reference
 log = logging.getLogger(__name__)
 
 
+class BatchTimeout(RuntimeError):
+    """The learner waited `trainer.batch_timeout_s` for a batch that did not fill."""
+
+
 class Trainer:
     """Asynchronous PPO/GRPO with bounded staleness over already-started parts."""
 
@@ -34,6 +38,7 @@ class Trainer:
         self.error: str | None = None
         self.last_metrics: dict[str, Any] = {}
         self.eval_history: list[tuple[int, float]] = []
+        self._stop = asyncio.Event()  # a drain asked the loop to end after the step in progress
         self._started = time.time()
 
     async def run(self) -> None:
@@ -55,8 +60,10 @@ class Trainer:
         self.state = "training"
         try:
             p.log(self.version, await self._evaluate())  # the starting point of the curves
-            while self.version < cfg.trainer.total_steps:
+            while self.version < cfg.trainer.total_steps and not self._stop.is_set():
                 batch = await self._next_batch(rollouts)
+                if batch is None:  # stopped while waiting for it
+                    break
                 t0 = time.monotonic()
                 metrics = await p.placement.to_learner()
                 metrics |= await self._learn(batch)
@@ -73,8 +80,13 @@ class Trainer:
                     metrics |= await self._evaluate()
                 metrics |= await p.buffer.metrics.remote()
                 self._record(metrics, batch)
-            self.state = "finished"
+            self.state = "stopped" if self.version < cfg.trainer.total_steps else "finished"
         except Exception as err:
+            if self._stop.is_set():  # the step in progress failed because the app is stopping
+                self.state = "stopped"
+                log.warning("stopping: the step after version %d was abandoned (%s); engines keep version %d",
+                            self.version, err, self.version)
+                return
             self.state, self.error = "failed", repr(err)
             log.exception("training failed")
             raise
@@ -82,9 +94,21 @@ class Trainer:
             stop.set()
             await asyncio.gather(rollouts, return_exceptions=True)
 
+    def request_stop(self) -> None:
+        """End the loop at the next step boundary: a step in progress (its update and push) finishes,
+        no new one starts, rollouts stop (those in flight push their groups), `state` = stopped.
+        A push that fails meanwhile (the engines may be stopping too) is not retried."""
+        self._stop.set()
+        weights = getattr(self.p, "weights", None)
+        if weights is not None:
+            weights.stop_recovering()
+
     async def _next_batch(self, rollouts: asyncio.Task) -> Any:
-        while True:
-            batch = await self.p.buffer.get_batch.remote(timeout_s=5.0)
+        """The next batch, or None once a stop was requested."""
+        limit = self.cfg.trainer.batch_timeout_s
+        deadline = time.monotonic() + limit
+        while not self._stop.is_set():
+            batch = await self.p.buffer.get_batch.remote(timeout_s=min(1.0, max(0.0, deadline - time.monotonic())))
             if batch is not None:
                 # Sample order inside a batch follows completion timing; sort it so a step is a
                 # function of the batch's content (exact resume and reproducible updates).
@@ -93,6 +117,21 @@ class Trainer:
             if rollouts.done():
                 rollouts.result()  # re-raise the rollout failure instead of waiting forever
                 raise RuntimeError("rollout workers stopped before the batch was complete")
+            if time.monotonic() >= deadline:
+                raise BatchTimeout(await self._batch_timeout_message(limit))
+        return None
+
+    async def _batch_timeout_message(self, limit: float) -> str:
+        buf = await self.p.buffer.metrics.remote()
+        shown = ", ".join(f"{k.removeprefix('buffer/')}={v:g}" for k, v in buf.items()
+                          if k in ("buffer/waiting", "buffer/running", "buffer/admitted", "buffer/admission_left",
+                                   "buffer/generated", "buffer/dropped_stale", "buffer/dropped_invalid",
+                                   "buffer/dropped_filtered", "buffer/dropped_failed"))
+        c = self.p.rollouts.counters
+        errors = "; ".join(c.errors[-3:]) or "none"
+        return (f"no batch of {self.cfg.buffer.batch_size} samples for policy version {self.version} within "
+                f"trainer.batch_timeout_s={limit:g} s (buffer: {shown}; rollouts: started={c.started} "
+                f"finished={c.finished} failed={c.failed} timeouts={c.timeouts}; last rollout errors: {errors})")
 
     async def _learn(self, batch: Any) -> dict[str, float]:
         p, algo = self.p, self.cfg.algorithm

@@ -71,6 +71,12 @@ class BufferService:
             self._core.release(n)
             self._changed.notify_all()
 
+    async def abandon(self, n: int) -> None:
+        """A reserved rollout of n samples was given up on: released and counted (dropped_failed)."""
+        async with self._changed:
+            self._core.abandon(n)
+            self._changed.notify_all()
+
     async def put_group(self, samples: Sequence[Sample]) -> PutResult:
         """Push a whole group, waiting while the buffer is full (back-pressure)."""
         async with self._changed:

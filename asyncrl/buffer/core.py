@@ -6,7 +6,9 @@ drops credit their slots back, and one checkpoint holds both halves.
 Must never: wait, block, or know about Ray or asyncio. The actor (actor.py) adds the waiting.
 
 Protocol of one rollout (the controller's side):
-    try_acquire(n)  ->  generate n completions  ->  put_group(all n samples)   (or release(n))
+    try_acquire(n)  ->  generate n completions  ->  put_group(all n samples)
+                                                    (or release(n): cancelled, never counted;
+                                                     or abandon(n): given up on, counted dropped_failed)
 A group is pushed with every sample it reserved; a completion that failed is pushed with status
 ABORTED (the group is then dropped as invalid and all n slots released). Pushing fewer samples
 than reserved is not possible: put_group consumes exactly len(samples) running slots, and the
@@ -44,6 +46,12 @@ class BufferCore:
     def release(self, n: int) -> None:
         """A reserved rollout of n samples ended without pushing them (failed, aborted, cancelled)."""
         self.staleness.on_rejected(n)
+
+    def abandon(self, n: int) -> None:
+        """A reserved rollout of n samples was given up on (its generation failed or timed out on
+        every attempt): its slots are released and its samples counted as dropped_failed."""
+        self.staleness.on_rejected(n)  # validates n against the reserved slots first
+        self.replay.abandon(n)
 
     def check_put(self, samples: Sequence[Sample]) -> None:
         """Raise for malformed input or a push without a reservation; changes nothing."""

@@ -4,7 +4,7 @@ Owns: the FIFO of whole groups, the invalid / group-filter / stale drops, batch 
 counters of the accounting identity, and the buffer part of a checkpoint.
 Must never: wait, know about Ray or admission control, or let a sample vanish uncounted:
 
-    generated = trained + dropped_stale + dropped_invalid + dropped_filtered + waiting
+    generated = trained + dropped_stale + dropped_invalid + dropped_filtered + dropped_failed + waiting
 
 Decisions:
 * Groups stay whole. A group holding any invalid sample (status != VALID, non-finite reward, or
@@ -15,6 +15,10 @@ Decisions:
   `buffer/invalid_samples` counts the samples that were themselves invalid.
 * Staleness is judged per group by its oldest token (min over members), so a group is trained or
   dropped whole; a dropped group counts all its samples as dropped_stale.
+* A rollout given up on (its generation failed or timed out on every attempt: a poisoned prompt,
+  a straggler) never reaches the buffer as samples, but its reserved samples are counted as
+  generated and dropped_failed (`abandon`), so a prompt group that cannot finish is visible in
+  the identity and never retried forever.
 * Batches are whole groups in FIFO order. When group sizes divide B (the controller's fixed n)
   every batch is exactly B. With mixed sizes the batch is the longest FIFO prefix of at most B
   samples, handed out only once it is exactly B or the next group does not fit (waiting longer
@@ -51,6 +55,7 @@ class BufferCounts:
     dropped_stale: int = 0
     dropped_invalid: int = 0
     dropped_filtered: int = 0
+    dropped_failed: int = 0  # reserved samples of rollouts given up on (generation failed / timed out)
     invalid_samples: int = 0  # samples that were themselves invalid (subset of dropped_invalid)
     batches: int = 0
 
@@ -146,6 +151,13 @@ class ReplayBuffer:
         self._waiting += n
         return PutResult(kept=n, dropped_invalid=0, dropped_filtered=0)
 
+    def abandon(self, n: int) -> None:
+        """Count the n reserved samples of a rollout that was given up on (never pushed)."""
+        if not isinstance(n, int) or n <= 0:
+            raise ValueError(f"abandon(n={n!r}): n must be a positive int")
+        self.counts.generated += n
+        self.counts.dropped_failed += n
+
     # -- get ------------------------------------------------------------------------------------
     def drop_stale(self, current_version: int, max_staleness: int) -> int:
         """Drop every waiting group whose oldest token version is < v - eta; return samples dropped."""
@@ -201,6 +213,7 @@ class ReplayBuffer:
             "buffer/dropped_stale": float(c.dropped_stale),
             "buffer/dropped_invalid": float(c.dropped_invalid),
             "buffer/dropped_filtered": float(c.dropped_filtered),
+            "buffer/dropped_failed": float(c.dropped_failed),
             "buffer/waiting": float(self._waiting),
             "buffer/waiting_groups": float(len(self._groups)),
             "buffer/invalid_samples": float(c.invalid_samples),

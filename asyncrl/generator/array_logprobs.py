@@ -47,6 +47,13 @@ class ArrayLogprobsMixin:
     Mixed in before vLLM's scheduler class (`Scheduler` or `AsyncScheduler`); it only wraps
     `add_request` and `update_from_output`, both part of vLLM's scheduler interface."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Built in the engine core process: it ends with the replica that started it.
+        from asyncrl.generator.owner_watch import watch_owner
+
+        watch_owner()
+        super().__init__(*args, **kwargs)
+
     def _asyncrl_state(self) -> tuple[dict[str, list[float]], set[str]]:
         """(marked request id -> its log-probs so far, ids of unmarked requests that want log-probs)."""
         state = self.__dict__.get("_asyncrl_lp")

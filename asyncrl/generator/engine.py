@@ -118,6 +118,9 @@ def start_engine(model: ModelConfig, gen: GeneratorConfig) -> tuple[Any, bool]:
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from asyncrl.generator.owner_watch import mark_owner
+
+    mark_owner()  # the engine's processes inherit it and end with this one (owner_watch.py)
     args = build_engine_args(model, gen)
     config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
     from vllm.platforms import current_platform

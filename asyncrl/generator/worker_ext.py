@@ -1,6 +1,7 @@
 """Code that runs inside each vLLM worker process (mixed into the worker via `worker_extension_cls`).
 
-Owns: the generator's own worker-side call: while generation is paused, how many tokens each
+Owns: the generator's own worker-side call (and, on import, the worker's watch on the replica
+that owns it, owner_watch.py): while generation is paused, how many tokens each
 sequence has sampled (the replica's version ledger on engines that do not stamp versions
 themselves). The weight-update half of the worker (staging, verification, the direct copy or
 `reload_weights`, collective groups) is weightsync's `WeightsyncWorkerExtension`, inherited here.
@@ -11,7 +12,11 @@ load, while generation is paused).
 
 from __future__ import annotations
 
+from asyncrl.generator.owner_watch import watch_owner
 from asyncrl.weightsync.vllm_worker import WeightsyncWorkerExtension
+
+# Imported in each vLLM worker process as it starts: it ends with the replica that started it.
+watch_owner()
 
 
 class WeightUpdateExtension(WeightsyncWorkerExtension):

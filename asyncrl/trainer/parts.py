@@ -76,6 +76,8 @@ class TrainerParts:
             algorithm=self.cfg.algorithm,
             concurrency=self.cfg.trainer.rollout_concurrency,
             seed=self.cfg.trainer.seed,
+            attempts=self.cfg.trainer.rollout_attempts,
+            timeout_s=self.cfg.trainer.rollout_timeout_s,
         )
 
     @classmethod

@@ -4,8 +4,9 @@ Owns: the per-prompt rollout protocol (acquire n slots, generate a GRPO group th
 handle with retries across replicas, score every completion in the reward pool, push the whole
 group) and the bounded concurrency of those rollouts.
 Must never: drop a sample without the buffer counting it (a failed completion is pushed as
-ABORTED, a bad reward as INVALID_REWARD; a rollout that produced nothing releases its slots and
-is counted here), or consume a prompt before its slots are granted (that keeps the prompt stream
+ABORTED, a bad reward as INVALID_REWARD; a rollout whose generation failed or timed out on every
+attempt is given up on: `buffer.abandon(n)` counts its samples as dropped_failed, and the prompt
+is not retried again), wait forever on one generation (each attempt has a deadline), or consume a prompt before its slots are granted (that keeps the prompt stream
 aligned with admission, which exact resume relies on).
 """
 
@@ -37,8 +38,9 @@ def request_seed(run_seed: int, prompt_index: int) -> int:
 class RolloutCounters:
     started: int = 0
     finished: int = 0
-    failed: int = 0  # generation failed after all retries; slots released, no samples
+    failed: int = 0  # generation failed after all attempts: given up on (buffer/dropped_failed)
     retries: int = 0
+    timeouts: int = 0  # attempts that ran past the rollout deadline (aborted in the engine)
     tokens: int = 0
     staleness_sum: float = 0.0  # version spread inside completions (first token vs last token)
     version_switches: int = 0  # completions whose tokens span more than one weight version
@@ -50,17 +52,29 @@ class RolloutCounters:
             "rollout/finished": self.finished,
             "rollout/failed": self.failed,
             "rollout/retries": self.retries,
+            "rollout/timeouts": self.timeouts,
             "rollout/tokens": self.tokens,
             "rollout/multi_version_completions": self.version_switches,
         }
 
 
-async def generate_with_retry(generate: GenerateFn, request: GenerationRequest, *, attempts: int, counters: RolloutCounters, backoff_s: float = 0.5) -> GenerationResult:
-    """Call the engine deployment; a replica that died mid-request is retried (Serve routes the
+class RolloutTimeout(TimeoutError):
+    """One generation attempt ran past `trainer.rollout_timeout_s` (it was cancelled in the engine)."""
+
+
+async def generate_with_retry(generate: GenerateFn, request: GenerationRequest, *, attempts: int, counters: RolloutCounters,
+                              backoff_s: float = 0.5, timeout_s: float | None = None) -> GenerationResult:
+    """Call the engine deployment; a replica that died mid-request, or an attempt that ran past
+    `timeout_s` (cancelled, which aborts the request in the engine), is retried (Serve routes the
     retry to a live replica). Re-raises the last error after `attempts` tries."""
     for attempt in range(attempts):
         try:
-            return await generate(request)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    return await generate(request)
+            except TimeoutError as err:
+                counters.timeouts += 1
+                raise RolloutTimeout(f"generation attempt {attempt + 1} ran past {timeout_s} s") from err
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001 - any replica failure is retryable here
@@ -87,6 +101,8 @@ class RolloutWorkers:
         concurrency: int,
         seed: int,
         attempts: int = 3,
+        timeout_s: float | None = None,
+        backoff_s: float = 0.5,
     ) -> None:
         self._stream = stream
         self._tokenizer = tokenizer
@@ -97,6 +113,8 @@ class RolloutWorkers:
         self._concurrency = concurrency
         self._seed = seed
         self._attempts = attempts
+        self._timeout_s = timeout_s
+        self._backoff_s = backoff_s
         self._prompt_cache: dict[str, list[int]] = {}
         self.counters = RolloutCounters()
         # Checkpoints quiesce rollouts: the gate stops new acquisitions, `_active` counts the
@@ -133,14 +151,17 @@ class RolloutWorkers:
         n = self._algo.group_size
         self.counters.started += 1
         try:
-            result = await generate_with_retry(self._generate, self._request(index, prompt), attempts=self._attempts, counters=self.counters)
+            result = await generate_with_retry(self._generate, self._request(index, prompt), attempts=self._attempts,
+                                               counters=self.counters, backoff_s=self._backoff_s, timeout_s=self._timeout_s)
         except asyncio.CancelledError:
             await self._buffer.release.remote(n)
             raise
         except Exception as err:  # noqa: BLE001
             self.counters.failed += 1
             self.counters.errors = (self.counters.errors + [f"prompt {index}: {err!r}"])[-20:]
-            await self._buffer.release.remote(n)
+            log.warning("prompt %d given up on after %d attempts (%r): %d samples counted as dropped_failed",
+                        index, self._attempts, err, n)
+            await self._buffer.abandon.remote(n)
             return
         completions = sorted(result.completions, key=lambda c: c.index)
         outcomes = await self._rewards.score([c.text for c in completions], [prompt.answer] * len(completions), [prompt.metadata] * len(completions))

@@ -31,6 +31,7 @@ replica did not commit (push.py enforces it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -91,6 +92,7 @@ class WeightPublisher:
         self.service: Any = None
         self.link: CollectiveLink | None = None  # collective transports only
         self.recoveries_total = 0
+        self._stopping = asyncio.Event()  # the run is stopping: a failed push is not pushed again
 
     async def start(self, initial_version: int = 0) -> None:
         """Create (or attach to) the store and registry actors, and keep a host copy of the
@@ -199,7 +201,8 @@ class WeightPublisher:
                 metrics["weightsync/recoveries_total"] = float(self.recoveries_total)
                 return metrics
             except WeightsyncError as err:
-                if time.monotonic() >= deadline or (err.step is Step.EXPORT and not await self._receivers_may_be_at_fault()):
+                if self._stopping.is_set() or time.monotonic() >= deadline or (
+                        err.step is Step.EXPORT and not await self._receivers_may_be_at_fault()):
                     raise
                 if "PlanMissing" in str(err):  # a replica that started later: form the plan with it
                     await self.form_plan()
@@ -207,6 +210,11 @@ class WeightPublisher:
                 log.warning("weightsync: push of version %d failed (%s); pushing again once the engine replicas "
                             "are healthy (%.0f s of recovery left)", version, err, deadline - time.monotonic())
                 await self._wait_healthy(deadline)
+
+    def stop_recovering(self) -> None:
+        """The run is stopping (its engines may be going away): a push in progress that fails, or
+        one waiting for the engines to recover, gives up at once instead of after `recovery_s`."""
+        self._stopping.set()
 
     async def _receivers_may_be_at_fault(self) -> bool:
         """After an EXPORT failure: a collective send also fails when a receiving replica died
@@ -232,10 +240,11 @@ class WeightPublisher:
                 problem: object = "no running replica"
             except Exception as err:  # a dead or starting replica: wait for Serve to settle
                 problem = err
-            if time.monotonic() + delay >= deadline:
+            if time.monotonic() + delay >= deadline or self._stopping.is_set():
                 return  # the next attempt fails (or succeeds) and reports it
             log.info("weightsync: engine replicas not healthy yet (%s)", problem)
-            await asyncio.sleep(delay)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay)
             delay = min(2 * delay, 10.0)
 
     async def _publish_once(self, version: int) -> dict[str, float]:

@@ -5,7 +5,7 @@ engines may lag behind the learner, groups may be invalid or filtered, the learn
 batch per version then advances) and checks at every step:
   * no trained sample is older than v - eta,
   * admitted + running <= (eta + v + 1) * B  (admitted = accepted and not dropped stale),
-  * generated = trained + dropped_stale + dropped_invalid + dropped_filtered + waiting,
+  * generated = trained + dropped_stale + dropped_invalid + dropped_filtered + dropped_failed + waiting,
   * liveness: with nothing in flight, admission refused implies a batch can be drawn.
 It is run twice, with and without state_dict round trips (through JSON) mid-sequence; the traces
 must be identical.
@@ -33,7 +33,7 @@ PUSH = st.tuples(
     st.sampled_from(["valid"] * 6 + ["aborted", "nan"]),
 )
 # Weighted so that runs get long: most ops move rollouts or the learner forward.
-KINDS = ["acquire"] * 3 + ["push"] * 4 + ["flush"] * 2 + ["release"] + ["get"] * 3 + ["advance"] * 3 + ["roundtrip"]
+KINDS = ["acquire"] * 3 + ["push"] * 4 + ["flush"] * 2 + ["release", "abandon"] + ["get"] * 3 + ["advance"] * 3 + ["roundtrip"]
 OPS = st.sampled_from(KINDS).flatmap(
     lambda kind: PUSH.map(lambda op: (kind, *op[1:]))
     if kind in ("push", "flush")
@@ -59,7 +59,7 @@ def check_invariants(core: BufferCore, n_running: int) -> None:
     s, m = core.staleness, core.metrics()
     assert s.admitted + s.running <= (s.max_staleness + s.version + 1) * s.batch_size
     assert m["buffer/generated"] == sum(
-        m[f"buffer/{k}"] for k in ("trained", "dropped_stale", "dropped_invalid", "dropped_filtered", "waiting")
+        m[f"buffer/{k}"] for k in ("trained", "dropped_stale", "dropped_invalid", "dropped_filtered", "dropped_failed", "waiting")
     )
     assert s.running == n_running  # every reservation is accounted for
     assert s.admitted == m["buffer/trained"] + m["buffer/waiting"]
@@ -104,6 +104,10 @@ def run(config: BufferConfig, n: int, ops: list, roundtrips: bool) -> list:
             gid, started = in_flight.pop(op[1] % len(in_flight))
             core.release(n)
             trace.append(("release", gid))
+        elif op[0] == "abandon" and in_flight:  # a rollout given up on (failed / timed out every attempt)
+            gid, started = in_flight.pop(op[1] % len(in_flight))
+            core.abandon(n)
+            trace.append(("abandon", gid))
         elif op[0] == "get" and drawn == v:
             batch = core.get_batch()
             if batch is not None:

@@ -13,7 +13,7 @@ from asyncrl.types import SampleStatus
 
 from tests.buffer._helpers import make_group
 
-IDENTITY = ("trained", "dropped_stale", "dropped_invalid", "dropped_filtered", "waiting")
+IDENTITY = ("trained", "dropped_stale", "dropped_invalid", "dropped_filtered", "dropped_failed", "waiting")
 
 
 def identity_holds(m: dict[str, float]) -> bool:
@@ -195,3 +195,24 @@ def test_core_credits_stale_drops_so_admission_stays_live():
     assert m["buffer/dropped_stale"] == 2 and m["buffer/accepted"] == 4 and m["buffer/admitted"] == 2
     # Without the credit, admitted + running would sit at the limit (4) with an empty buffer for ever.
     assert core.try_acquire(2)
+
+
+def test_an_abandoned_rollout_is_counted_released_and_survives_a_checkpoint():
+    core = BufferCore(BufferConfig(batch_size=4, max_staleness=0, capacity=8))
+    assert core.try_acquire(2) and core.try_acquire(2) and not core.try_acquire(2)
+    core.abandon(2)  # its generation failed on every attempt: never pushed, never retried
+    m = core.metrics()
+    assert (m["buffer/dropped_failed"], m["buffer/generated"], m["buffer/waiting"]) == (2, 2, 0) and identity_holds(m)
+    assert core.staleness.running == 2 and core.try_acquire(2)  # its slots are free again
+    with pytest.raises(ValueError):
+        core.abandon(6)  # more than is reserved: refused, nothing counted
+    with pytest.raises(ValueError):
+        core.abandon(0)
+    assert core.metrics()["buffer/dropped_failed"] == 2
+    fresh = BufferCore(core.config)
+    fresh.load_state_dict(core.state_dict())
+    assert fresh.metrics()["buffer/dropped_failed"] == 2
+    old = core.state_dict()
+    del old["replay"]["counts"]["dropped_failed"]  # a checkpoint from before the counter existed
+    fresh.load_state_dict(old)
+    assert fresh.metrics()["buffer/dropped_failed"] == 0

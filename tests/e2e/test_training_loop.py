@@ -54,6 +54,7 @@ def _run(ray_session, demo_model_path: Path, run_dir: Path, **sections: dict) ->
     for name, values in sections.items():
         raw[name].update(values)
     cfg = load_config(raw, source="e2e test")
+    started = time.time()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     seen: dict = {"versions": [], "statuses": []}
@@ -81,8 +82,35 @@ def _run(ray_session, demo_model_path: Path, run_dir: Path, **sections: dict) ->
         seen["openai_header"] = completion.headers.get("x-asyncrl-weight-version")
         return seen
     finally:
-        serve.delete(APP)
+        t = time.monotonic()
+        serve.delete(APP)  # the trainer drains: closes its learner ranks, reward workers, buffer
         serve.shutdown()
+        seen["shutdown_s"] = time.monotonic() - t
+        seen["left_after_shutdown"] = _ours_left(started, within_s=30.0)
+
+
+OURS = ("VLLM::EngineCore", "VLLM::Worker", "ray::LearnerRank", "ray::ServeReplica")
+
+
+def _ours_left(since: float, within_s: float) -> list[str]:
+    """Engine, learner and replica processes started since `since` that are still alive after
+    `within_s` (zombies, already dead, do not count)."""
+    import psutil
+
+    deadline = time.monotonic() + within_s
+    while True:
+        left = []
+        for p in psutil.process_iter(["name", "cmdline", "create_time", "status"]):
+            try:
+                text = " ".join(p.info["cmdline"] or [p.info["name"] or ""])
+                if (p.info["create_time"] >= since and p.info["status"] != psutil.STATUS_ZOMBIE
+                        and any(k in text for k in OURS)):
+                    left.append(f"{p.pid} {text[:80]}")
+            except psutil.Error:
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(1.0)
 
 
 def _free_port() -> int:
@@ -111,10 +139,14 @@ def test_grpo_trains_and_publishes_while_the_api_answers(run_a):
     final = seen["statuses"][-1]
     assert final["state"] == "finished", final
     assert final["step"] == final["policy_version"] == STEPS
+    # Stopping the app leaves none of its processes behind (engine cores and workers, learner
+    # ranks, replicas) and takes well under a minute.
+    assert seen["left_after_shutdown"] == [], seen["left_after_shutdown"]
+    assert seen["shutdown_s"] < 60, seen["shutdown_s"]
     # Every trained batch is accounted for: generated = trained + dropped + waiting.
     b = final["buffer"]
     assert b["buffer/trained"] == STEPS * 16
-    assert b["buffer/generated"] == b["buffer/trained"] + b["buffer/dropped_stale"] + b["buffer/dropped_invalid"] + b["buffer/dropped_filtered"] + b["buffer/waiting"]
+    assert b["buffer/generated"] == b["buffer/trained"] + b["buffer/dropped_stale"] + b["buffer/dropped_invalid"] + b["buffer/dropped_filtered"] + b["buffer/dropped_failed"] + b["buffer/waiting"]
     # The API answered throughout with non-decreasing weight versions, ending on the last one;
     # every token of a response is tagged with a version no newer than the header's.
     header_versions = [v for v, _ in seen["versions"]]

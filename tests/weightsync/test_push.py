@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -364,6 +366,7 @@ def _recovering_publisher(failures, recovery_s=30.0, unhealthy=1, empty=0):
     wp = WeightPublisher.__new__(WeightPublisher)
     wp.cfg = WeightsyncConfig(recovery_s=recovery_s, timeout_s=5)
     wp.publisher, wp.recoveries_total, wp.link = object(), 0, None
+    wp._stopping = asyncio.Event()
     wp.replicas = type("R", (), {"control": _FlakyControl(unhealthy, empty)})()
     attempts = []
 
@@ -392,6 +395,24 @@ async def test_an_export_failure_or_no_recovery_time_stops_at_the_first_failed_p
     with pytest.raises(WeightsyncError, match=f"failed at {failures[0].value}"):
         await wp.publish(3)
     assert attempts == [3] and wp.replicas.control.calls == []
+
+
+async def test_a_stopping_run_does_not_push_a_failed_version_again():
+    # The app is stopping (its engines too): the first failure ends the push, no health waits.
+    wp, attempts = _recovering_publisher([Step.LOAD], unhealthy=1)
+    wp.stop_recovering()
+    with pytest.raises(WeightsyncError, match="failed at load"):
+        await asyncio.wait_for(wp.publish(8), 5)
+    assert attempts == [8] and wp.replicas.control.calls == []
+    # A stop that arrives while the push waits for the engines to recover ends the wait at once.
+    wp, attempts = _recovering_publisher([Step.LOAD, Step.LOAD], unhealthy=100)
+    push = asyncio.create_task(wp.publish(9))
+    while not wp.replicas.control.calls:
+        await asyncio.sleep(0.01)
+    wp.stop_recovering()
+    with pytest.raises(WeightsyncError, match="failed at load"):
+        await asyncio.wait_for(push, 5)
+    assert attempts == [9, 9]
 
 
 async def test_a_failed_collective_send_is_recovered_only_when_a_receiver_is_unhealthy():

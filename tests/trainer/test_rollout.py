@@ -1,0 +1,174 @@
+"""Rollouts that cannot finish: stragglers, poisoned prompts, a learner batch that cannot fill.
+
+Pure logic over the real buffer service (in-process, its Ray methods called directly) and a
+scripted engine: a hung generation attempt is cancelled at `trainer.rollout_timeout_s` (which is
+how the engine is told to abort it) and retried; a prompt group that fails or times out on every
+attempt is given up on once, counted as buffer/dropped_failed with its slots released, and its
+prompt is never generated again; the learner waiting on a batch that cannot fill stops with an
+error that says what the buffer and the rollouts hold."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from asyncrl.buffer.actor import BufferService
+from asyncrl.config import AlgorithmConfig, BufferConfig, RootConfig
+from asyncrl.controller import BatchTimeout, Trainer
+from asyncrl.data.prompts import Prompt
+from asyncrl.rewards import RewardOutcome
+from asyncrl.trainer.rollout import RolloutWorkers
+from asyncrl.types import Completion, GenerationResult, SampleStatus
+
+N = 2
+
+
+class Remote:
+    """`actor.method.remote(...)` over an in-process object (pure logic tests only)."""
+
+    def __init__(self, obj) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name):
+        return types.SimpleNamespace(remote=getattr(self._obj, name))
+
+
+class Tokenizer:
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return messages[0]["content"]
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 50 for c in text]}
+
+
+class Rewards:
+    async def score(self, texts, answers, metadata):
+        return [RewardOutcome(1.0 if t == a else 0.0, SampleStatus.VALID, None) for t, a in zip(texts, answers)]
+
+
+class Stream:
+    def __init__(self, prompts) -> None:
+        self.prompts, self.position = prompts, 0
+
+    def next(self):
+        index, self.position = self.position, self.position + 1
+        return index, self.prompts[index % len(self.prompts)]
+
+
+class Engine:
+    """Answers each request by its prompt: `hang` never returns (until cancelled), `poison`
+    raises, `slow-once` hangs on its first attempt only; others answer at once."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.cancelled = 0
+
+    async def generate(self, request):
+        key = next((k for k in ("hang", "poison", "slow-once") if k in _PROMPTS[tuple(request.prompt_ids)]), "ok")
+        self.calls[key] = self.calls.get(key, 0) + 1
+        if key == "poison":
+            raise ValueError("the engine rejects this prompt")
+        if key == "hang" or (key == "slow-once" and self.calls[key] == 1):
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        completions = [Completion(index=i, token_ids=[1, 2], logprobs=[-0.1, -0.2], versions=[0, 0], finish_reason="stop",
+                                  text=str(i)) for i in range(request.sampling.n)]
+        return GenerationResult(request_id="r", prompt_ids=list(request.prompt_ids), completions=completions)
+
+
+_PROMPTS: dict[tuple[int, ...], str] = {}
+
+
+def _prompt(question: str) -> Prompt:
+    _PROMPTS[tuple(Tokenizer()(question)["input_ids"])] = question
+    return Prompt(prompt=question, answer="1")
+
+
+def workers(engine: Engine, buffer: BufferService, prompts, **kw) -> RolloutWorkers:
+    return RolloutWorkers(stream=Stream(prompts), tokenizer=Tokenizer(), generate=engine.generate, rewards=Rewards(),
+                          buffer=Remote(buffer), algorithm=AlgorithmConfig(group_size=N), concurrency=1, seed=0,
+                          backoff_s=0.0, **kw)
+
+
+async def test_a_hung_generation_is_aborted_at_the_deadline_retried_then_given_up_on():
+    buffer, engine = BufferService(BufferConfig(batch_size=2, max_staleness=0)), Engine()
+    w = workers(engine, buffer, [_prompt("hang forever")], attempts=3, timeout_s=0.1)
+    assert await buffer.acquire(N)
+    await asyncio.wait_for(w.rollout_once(0, _prompt("hang forever")), 10)
+    assert engine.calls["hang"] == 3 and engine.cancelled == 3  # every attempt was cancelled (= aborted in vLLM)
+    c, m = w.counters, await buffer.metrics()
+    assert (c.timeouts, c.retries, c.failed, c.finished) == (3, 2, 1, 0)
+    assert (m["buffer/dropped_failed"], m["buffer/generated"], m["buffer/running"]) == (N, N, 0)
+    assert "ran past 0.1 s" in c.errors[-1]
+
+
+async def test_a_straggler_that_answers_on_its_retry_is_trained_on():
+    buffer, engine = BufferService(BufferConfig(batch_size=2, max_staleness=0)), Engine()
+    w = workers(engine, buffer, [], attempts=2, timeout_s=0.1)
+    assert await buffer.acquire(N)
+    await w.rollout_once(0, _prompt("slow-once"))
+    c, m = w.counters, await buffer.metrics()
+    assert (c.timeouts, c.failed, c.finished) == (1, 0, 1)
+    assert (m["buffer/waiting"], m["buffer/dropped_failed"]) == (N, 0)
+
+
+async def test_a_poisoned_prompt_is_tried_k_times_then_dropped_and_the_run_moves_on():
+    buffer, engine = BufferService(BufferConfig(batch_size=4, max_staleness=0)), Engine()
+    prompts = [_prompt("poison pill"), _prompt("one"), _prompt("two"), _prompt("three")]
+    w = workers(engine, buffer, prompts, attempts=3, timeout_s=5.0)
+    stop = asyncio.Event()
+    run = asyncio.create_task(w.run(stop))
+    batch = await asyncio.wait_for(buffer.get_batch(timeout_s=None), 10)  # two good groups make a batch
+    stop.set()
+    await asyncio.wait_for(run, 10)
+    assert engine.calls["poison"] == 3  # K attempts, then never again
+    assert {s.prompt_index for s in batch.samples} == {1, 2}
+    m = await buffer.metrics()
+    assert m["buffer/dropped_failed"] == N and w.counters.failed == 1
+    assert m["buffer/generated"] == sum(m[f"buffer/{k}"] for k in (
+        "trained", "dropped_stale", "dropped_invalid", "dropped_filtered", "dropped_failed", "waiting"))
+
+
+async def test_the_learner_stops_with_a_clear_error_when_no_batch_can_fill():
+    cfg = RootConfig.model_validate({"buffer": {"batch_size": 4, "max_staleness": 0}, "algorithm": {"group_size": 2},
+                                     "trainer": {"batch_timeout_s": 0.3}})
+    buffer, engine = BufferService(cfg.buffer), Engine()
+    w = workers(engine, buffer, [_prompt("hang forever")], attempts=1, timeout_s=60.0)
+    parts = types.SimpleNamespace(start_version=0, buffer=Remote(buffer), rollouts=w)
+    trainer = Trainer(cfg, parts)
+    stop = asyncio.Event()
+    rollouts = asyncio.create_task(w.run(stop))
+    try:
+        with pytest.raises(BatchTimeout) as err:
+            await asyncio.wait_for(trainer._next_batch(rollouts), 10)
+    finally:
+        stop.set()
+        rollouts.cancel()
+        await asyncio.gather(rollouts, return_exceptions=True)
+    text = str(err.value)
+    assert "trainer.batch_timeout_s=0.3" in text and "no batch of 4 samples" in text
+    assert "running=2" in text and "started=1" in text, text  # what the run is waiting on
+
+
+def test_rollout_limits_are_validated():
+    for bad in ({"rollout_timeout_s": 0}, {"rollout_attempts": 0}, {"batch_timeout_s": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            RootConfig.model_validate({"trainer": bad})
+
+
+async def test_a_stop_request_ends_the_wait_for_a_batch():
+    cfg = RootConfig.model_validate({"buffer": {"batch_size": 4, "max_staleness": 0}, "algorithm": {"group_size": 2}})
+    buffer = BufferService(cfg.buffer)
+    trainer = Trainer(cfg, types.SimpleNamespace(start_version=0, buffer=Remote(buffer), rollouts=None))
+    never = asyncio.create_task(asyncio.sleep(3600))  # rollouts that produce nothing
+    waiting = asyncio.create_task(trainer._next_batch(never))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    trainer.request_stop()  # what the Serve replica's drain does
+    assert await asyncio.wait_for(waiting, 5) is None
+    never.cancel()
