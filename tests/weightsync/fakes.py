@@ -123,3 +123,30 @@ class CorruptingTransport(LocalTransport):
 def model(seed: int, n: int = 5) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {f"layer{i}.weight": torch.randn(64, 16, generator=g) for i in range(n)}
+
+
+class LocalClient:
+    """A ReplicaClient over an in-process EngineReplica (the real engine, no Serve, no Ray)."""
+
+    fanout = 1
+
+    def __init__(self, replica) -> None:
+        self.r, self.name = replica, replica.replica_id
+
+    async def pause(self, mode):
+        return await self.r.pause(mode)
+
+    async def resume(self):
+        return await self.r.resume()
+
+    async def begin_update(self, version, verify="full", staging="full", layout="hf", plan_id=None):
+        return await self.r.begin_update(version, verify, staging, layout, plan_id)
+
+    async def load_bucket(self, payload, version):
+        return await self.r.load_bucket(payload, version)
+
+    async def commit_update(self, version, fingerprint):
+        return await self.r.commit_update(version, fingerprint)
+
+    async def abort_update(self):
+        return await self.r.abort_update()

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from .fakes import LocalClient
+
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
@@ -33,31 +35,6 @@ def test_device_checksums_equal_host_checksums_segment_for_segment():
     (bucket,) = list(iter_buckets(weights.items(), 16.0, device="cuda"))
     assert bucket_digests(bucket, "checksum") == bucket_digests(bucket.to_host(), "checksum")
     assert np.array_equal(bucket.to_host().buffer, bucket.buffer.cpu().numpy())
-
-
-class _Local:
-    fanout = 1
-
-    def __init__(self, replica) -> None:
-        self.r, self.name = replica, replica.replica_id
-
-    async def pause(self, mode):
-        return await self.r.pause(mode)
-
-    async def resume(self):
-        return await self.r.resume()
-
-    async def begin_update(self, version, verify="full", staging="full", layout="hf", plan_id=None):
-        return await self.r.begin_update(version, verify, staging, layout, plan_id)
-
-    async def load_bucket(self, payload, version):
-        return await self.r.load_bucket(payload, version)
-
-    async def commit_update(self, version, fingerprint):
-        return await self.r.commit_update(version, fingerprint)
-
-    async def abort_update(self):
-        return await self.r.abort_update()
 
 
 async def _scenario(model_path: str) -> dict:
@@ -90,7 +67,7 @@ async def _scenario(model_path: str) -> dict:
         pub = Publisher(WeightsyncConfig(bucket_mb=0.5, verify="checksum", staging="bucketed", timeout_s=120),
                         transport=LocalTransport(), registry=VersionRegistry(0))
         pub.set_plan(plan)
-        result = await pub.publish(1, iter(new.items()), [_Local(replica)])
+        result = await pub.publish(1, iter(new.items()), [LocalClient(replica)])
         prompts = [[5, 17, 9, 33, 2], [12, 4, 4, 7]]
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=False)
         outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in prompts]

@@ -19,37 +19,12 @@ import shutil
 import pytest
 import torch
 
+from .fakes import LocalClient
+
 pytestmark = pytest.mark.slow
 
 PROMPT = [5, 17, 9, 33, 2]
 MAX_TOKENS = 6
-
-
-class Local:
-    """A ReplicaClient over an in-process EngineReplica."""
-
-    fanout = 1
-
-    def __init__(self, replica) -> None:
-        self.r, self.name = replica, replica.replica_id
-
-    async def pause(self, mode):
-        return await self.r.pause(mode)
-
-    async def resume(self):
-        return await self.r.resume()
-
-    async def begin_update(self, version, verify="full", staging="full", layout="hf", plan_id=None):
-        return await self.r.begin_update(version, verify, staging, layout, plan_id)
-
-    async def load_bucket(self, payload, version):
-        return await self.r.load_bucket(payload, version)
-
-    async def commit_update(self, version, fingerprint):
-        return await self.r.commit_update(version, fingerprint)
-
-    async def abort_update(self):
-        return await self.r.abort_update()
 
 
 def _build(kind: str, out: str, demo: str) -> None:
@@ -94,7 +69,7 @@ async def _scenario(path: str) -> dict:
         pub = Publisher(WeightsyncConfig(bucket_mb=0.25, verify="checksum", timeout_s=120), transport=transport,
                         registry=VersionRegistry(0))
         pub.set_plan(plan)
-        result = await pub.publish(1, iter(new.items()), [Local(replica)])
+        result = await pub.publish(1, iter(new.items()), [LocalClient(replica)])
         transport.close()
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=False)
         out = await replica.generate(GenerationRequest(prompt_ids=PROMPT, sampling=sp))
