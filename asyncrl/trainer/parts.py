@@ -46,6 +46,18 @@ def load_prompts(data: DataConfig) -> tuple[list[Prompt], list[Prompt]]:
     return train, held_out
 
 
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The loadable checkpoints under `root`, oldest first. `step_N.tmp` is one being written
+    (never loaded); `step_N.old` is a complete one that was being replaced by a new `step_N`: it
+    counts only while that new one is not in place."""
+    found = {}
+    for p in root.glob("step_*"):
+        base, _, suffix = p.name.partition(".")
+        if suffix in ("", "old") and (p / CHECKPOINT_STATE).exists() and (suffix == "" or base not in found):
+            found[base] = p
+    return [found[k] for k in sorted(found)]
+
+
 @dataclass
 class TrainerParts:
     """The started components of a run. `TrainerParts.create` starts them; `close` stops them."""
@@ -162,22 +174,27 @@ class TrainerParts:
         finally:
             self.rollouts.unquiesce()
         torch.save(buffer_state, tmp / "buffer.pt")
-        (tmp / CHECKPOINT_STATE).write_text(json.dumps(state))
+        (tmp / CHECKPOINT_STATE).write_text(json.dumps(state))  # written last: marks the directory complete
+        # A checkpoint of the same version is moved aside, not deleted, until the new one is in
+        # place: a kill at any point leaves the previous complete checkpoints loadable.
+        aside = final.with_name(final.name + ".old")
         if final.exists():
-            shutil.rmtree(final)
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
         os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
         self._prune()
         return final
 
     def _prune(self) -> None:
         root = Path(self.cfg.checkpoint.dir)
-        done = sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp"))
+        done = sorted(p for p in root.glob("step_*") if "." not in p.name)
         for old in done[: -self.cfg.checkpoint.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
     async def restore_latest(self) -> int | None:
         root = Path(self.cfg.checkpoint.dir)
-        done = sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / CHECKPOINT_STATE).exists())
+        done = complete_checkpoints(root)
         if not done:
             return None
         path = done[-1]
