@@ -45,14 +45,13 @@ def _fraction(text: str) -> float:
 def _serve(args: argparse.Namespace) -> int:
     """`serve run CONFIG` in this process, where SIGINT and SIGTERM drain the app first.
 
-    Ray's `serve run` reacts to Ctrl-C with `serve.shutdown()`, which does not wait for the
-    replicas' graceful shutdown, and to SIGTERM (`kill`, `timeout`, a job scheduler, a container
-    stop) not at all: `ray.init` maps it to `sys.exit`, and the driver's C++ failure-signal handler
-    aborts the process 3 s later. Here Ray is started first, then either signal is taken over: it
-    deletes every Serve application and waits for it (each replica's drain: the trainer ends its
-    step, logs the accounting, closes learner ranks and reward workers; engines stop vLLM), then
-    takes Ray's Ctrl-C path, stops Ray and leaves without the interpreter's teardown (where Ray's
-    threads have aborted it). A second signal ends the process at once."""
+    Ray's `serve run` reacts to Ctrl-C with `serve.shutdown()`, and to SIGTERM (`kill`, `timeout`,
+    a job scheduler, a container stop) with `ray.init`'s `sys.exit`: no drain, and when the exit
+    takes longer than 3 s the driver's C++ failure-signal handler aborts it (seen: exit -6). Here
+    Ray is started first and then either signal is taken over: it deletes every Serve application
+    and waits for it (each replica's drain: the trainer ends its step, logs the accounting, closes
+    learner ranks and reward workers; engines stop vLLM), then takes Ray's Ctrl-C path, stops Ray
+    and exits with `serve run`'s code (1 if it raised). A second signal ends the process at once."""
     import contextlib
     import os
     import signal
@@ -89,6 +88,11 @@ def _serve(args: argparse.Namespace) -> int:
         with contextlib.suppress(Exception):
             serve.shutdown()
         rc = 130
+    except Exception:  # noqa: BLE001 - reported, and the exit code says it
+        import traceback
+
+        traceback.print_exc()
+        rc = 1
     finally:
         with contextlib.suppress(Exception):
             ray.shutdown()
