@@ -6,7 +6,8 @@ group) and the bounded concurrency of those rollouts.
 Must never: drop a sample without the buffer counting it (a failed completion is pushed as
 ABORTED, a bad reward as INVALID_REWARD; a rollout whose generation failed or timed out on every
 attempt is given up on: `buffer.abandon(n)` counts its samples as dropped_failed, and the prompt
-is not retried again), wait forever on one generation (each attempt has a deadline), or consume a prompt before its slots are granted (that keeps the prompt stream
+is not retried again), wait forever on one generation (each attempt has a deadline), or consume
+a prompt before its slots are granted (that keeps the prompt stream
 aligned with admission, which exact resume relies on).
 """
 
@@ -69,10 +70,13 @@ async def generate_with_retry(generate: GenerateFn, request: GenerationRequest, 
     retry to a live replica). Re-raises the last error after `attempts` tries."""
     for attempt in range(attempts):
         try:
+            deadline = asyncio.timeout(timeout_s)
             try:
-                async with asyncio.timeout(timeout_s):
+                async with deadline:
                     return await generate(request)
             except TimeoutError as err:
+                if not deadline.expired():  # the engine's own timeout, not this deadline
+                    raise
                 counters.timeouts += 1
                 raise RolloutTimeout(f"generation attempt {attempt + 1} ran past {timeout_s} s") from err
         except asyncio.CancelledError:

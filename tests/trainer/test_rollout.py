@@ -172,3 +172,15 @@ async def test_a_stop_request_ends_the_wait_for_a_batch():
     trainer.request_stop()  # what the Serve replica's drain does
     assert await asyncio.wait_for(waiting, 5) is None
     never.cancel()
+
+
+async def test_an_engine_side_timeout_error_is_a_failed_attempt_not_a_deadline():
+    from asyncrl.trainer.rollout import RolloutCounters, generate_with_retry
+
+    async def engine_times_out(request):
+        raise TimeoutError("the engine's own timeout")
+
+    counters = RolloutCounters()
+    with pytest.raises(TimeoutError, match="engine's own"):
+        await generate_with_retry(engine_times_out, None, attempts=2, counters=counters, backoff_s=0.0, timeout_s=30.0)
+    assert (counters.timeouts, counters.retries) == (0, 1)
