@@ -91,12 +91,14 @@ class TrainerDeployment:
         parts = self._parts
         if parts is None:
             return
+        from asyncrl.controller import accounting_line
+
         try:
             counts = await asyncio.wait_for(parts.buffer.metrics.remote(), CLOSE_S)
             rollouts = parts.rollouts.counters.metrics()
             log.info("stopped at policy version %s; buffer %s; rollouts %s",
                      getattr(self._trainer, "version", None),
-                     " ".join(f"{k.removeprefix('buffer/')}={v:g}" for k, v in counts.items() if k in _ACCOUNTING),
+                     accounting_line(counts),
                      " ".join(f"{k.removeprefix('rollout/')}={v:g}" for k, v in rollouts.items()))
             await asyncio.wait_for(parts.close(), CLOSE_S)
         except Exception as err:  # noqa: BLE001 - shutting down: report, never raise out of Serve's destructor
@@ -107,10 +109,6 @@ class TrainerDeployment:
         # only an unexpected cancellation of the task is unhealthy.
         if self._task.cancelled():
             raise RuntimeError("training loop task was cancelled")
-
-
-_ACCOUNTING = ("buffer/generated", "buffer/trained", "buffer/dropped_stale", "buffer/dropped_invalid",
-               "buffer/dropped_filtered", "buffer/dropped_failed", "buffer/waiting", "buffer/running")
 
 
 def build_app(cfg: RootConfig) -> serve.Application:

@@ -23,6 +23,15 @@ from asyncrl.trainer.step import compute_advantages, needs_reference
 log = logging.getLogger(__name__)
 
 
+ACCOUNTING = ("buffer/generated", "buffer/trained", "buffer/dropped_stale", "buffer/dropped_invalid",
+              "buffer/dropped_filtered", "buffer/dropped_failed", "buffer/waiting", "buffer/running")
+
+
+def accounting_line(buffer_metrics: dict[str, float], keys: tuple[str, ...] = ACCOUNTING, sep: str = " ") -> str:
+    """`generated=... trained=... ...`: the buffer's accounting from its metrics, for log lines and errors."""
+    return sep.join(f"{k.removeprefix('buffer/')}={buffer_metrics[k]:g}" for k in keys if k in buffer_metrics)
+
+
 class BatchTimeout(RuntimeError):
     """The learner waited `trainer.batch_timeout_s` for a batch that did not fill."""
 
@@ -123,10 +132,7 @@ class Trainer:
 
     async def _batch_timeout_message(self, limit: float) -> str:
         buf = await self.p.buffer.metrics.remote()
-        shown = ", ".join(f"{k.removeprefix('buffer/')}={v:g}" for k, v in buf.items()
-                          if k in ("buffer/waiting", "buffer/running", "buffer/admitted", "buffer/admission_left",
-                                   "buffer/generated", "buffer/dropped_stale", "buffer/dropped_invalid",
-                                   "buffer/dropped_filtered", "buffer/dropped_failed"))
+        shown = accounting_line(buf, ACCOUNTING + ("buffer/admitted", "buffer/admission_left"), sep=", ")
         c = self.p.rollouts.counters
         errors = "; ".join(c.errors[-3:]) or "none"
         return (f"no batch of {self.cfg.buffer.batch_size} samples for policy version {self.version} within "

@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import types
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,8 @@ from asyncrl.config import RootConfig
 from asyncrl.data.prompts import Prompt
 from asyncrl.trainer.data_stream import PromptStream
 from asyncrl.trainer.parts import TrainerParts, complete_checkpoints
+
+from tests.trainer._helpers import Remote
 
 CHILD = textwrap.dedent("""
     import asyncio, json, os, signal, sys, types
@@ -62,14 +63,6 @@ CHILD = textwrap.dedent("""
 """)
 
 KILL_POINTS = ["actor-partial", "buffer-before", "buffer-after", "state-before", "rename-old", "rename-final"]
-
-
-class Remote:
-    def __init__(self, obj) -> None:
-        self._obj = obj
-
-    def __getattr__(self, name):
-        return types.SimpleNamespace(remote=getattr(self._obj, name))
 
 
 class Learner:

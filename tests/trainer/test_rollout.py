@@ -22,17 +22,9 @@ from asyncrl.rewards import RewardOutcome
 from asyncrl.trainer.rollout import RolloutWorkers
 from asyncrl.types import Completion, GenerationResult, SampleStatus
 
+from tests.trainer._helpers import Remote
+
 N = 2
-
-
-class Remote:
-    """`actor.method.remote(...)` over an in-process object (pure logic tests only)."""
-
-    def __init__(self, obj) -> None:
-        self._obj = obj
-
-    def __getattr__(self, name):
-        return types.SimpleNamespace(remote=getattr(self._obj, name))
 
 
 class Tokenizer:
