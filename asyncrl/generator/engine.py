@@ -191,6 +191,9 @@ class EngineReplica:
         self._staging_version: int | None = None
         self._staged_tensors = 0
         self._staging = ReplicaStaging(self._rpc, replica_id)  # the receiving half of weight pushes
+        # What the workers answered at the last join (None: ask them). A group breaks only inside
+        # a receive, which fails this replica's load_bucket: that drops the cache.
+        self._groups_joined: dict[str, Any] | None = None
         self._paused_mode: str | None = None  # a pause some caller holds (resume clears it)
         self._asleep: set[str] = set()  # SLEEP_TAGS released now; the engine never runs while any is
         self._weights_discarded = False  # a level-2 sleep dropped the weights; cleared by the next commit
@@ -417,9 +420,20 @@ class EngineReplica:
         if not self._asleep:  # asleep, the engine is paused already and its KV memory released
             # clear_cache: running requests are preempted and recompute their KV on resume, and no
             # prefix computed with old weights survives into the new version.
-            await self.llm.pause_generation(mode=mode, clear_cache=True)
+            await self._pause_engine(mode)
         self._paused_mode = mode
         return {"replica_id": self.replica_id, "paused": True, "mode": mode, "version": self.version}
+
+    async def _pause_engine(self, mode: PauseMode) -> None:
+        """Pause the engine's scheduler, clearing its caches. "keep" goes straight to the engine
+        core: vLLM's `pause_generation` adds a fixed 20 ms sleep after it, only so that outputs
+        already computed reach their callers first (nothing here depends on that: the version
+        ledger reads the workers' own counts, and its fallback waits for the outputs itself)."""
+        core = getattr(self.llm, "engine_core", None)
+        if mode == "keep" and hasattr(core, "pause_scheduler_async"):
+            await core.pause_scheduler_async(mode="keep", clear_cache=True)
+        else:
+            await self.llm.pause_generation(mode=mode, clear_cache=True)
 
     async def resume(self) -> dict[str, Any]:
         self._paused_mode = None
@@ -479,6 +493,7 @@ class EngineReplica:
             try:
                 staged = await self._staging.load(named_tensors, self._staging_version)
             except Exception as err:
+                self._groups_joined = None  # a failed receive may have broken a worker's group
                 await self._drop_staged()
                 raise WeightUpdateError(f"replica {self.replica_id}: staging failed: {err}") from err
             self._staged_tensors = staged
@@ -489,6 +504,8 @@ class EngineReplica:
     async def collective_info(self) -> dict[str, Any]:
         """How many engine workers this replica has (each is one receiver rank) and which groups
         every one of them still holds."""
+        if self._groups_joined is not None:  # asked before every collective push: no round trip to the workers
+            return {"replica_id": self.replica_id, **self._groups_joined}
         per_worker = await self._rpc("asyncrl_collective_groups")
         common = set(per_worker[0]).intersection(*map(set, per_worker[1:])) if per_worker else set()
         return {"replica_id": self.replica_id, "workers": len(per_worker), "groups": sorted(common)}
@@ -496,10 +513,14 @@ class EngineReplica:
     async def join_collective(self, specs: list[dict[str, Any]], timeout_s: float = 120.0) -> dict[str, Any]:
         """Join the groups `specs` (every worker, concurrently with the senders)."""
         async with self._control_lock:
+            self._groups_joined = None
             joined = await self._rpc("asyncrl_join_collective", self.replica_id, list(specs), timeout=timeout_s + 30.0)
+            if joined and all(j == joined[0] for j in joined):
+                self._groups_joined = {"workers": len(joined), "groups": sorted(joined[0])}
             return {"replica_id": self.replica_id, "groups": joined[0]}
 
     async def leave_collective(self) -> dict[str, Any]:
+        self._groups_joined = None
         await self._rpc("asyncrl_leave_collective")
         return {"replica_id": self.replica_id}
 
@@ -528,12 +549,15 @@ class EngineReplica:
             paused_here = self.state is ReplicaState.READY and self._may_run()
             t_pause = time.perf_counter()
             if paused_here:
-                await self.llm.pause_generation(mode="keep", clear_cache=True)
+                await self._pause_engine("keep")
                 self._paused_mode = "keep"  # held until the apply succeeded
+            t_paused = time.perf_counter()
             try:
-                # Paused: no step runs, so these counts hold until resume.
-                sampled = await self._sampled_token_counts() if self._ledger is not None else None
-                applied = await self._staging.apply(version)
+                # Paused: no step runs, so the counts the workers read (in the same call as the
+                # apply, one round trip) hold until resume.
+                applied = await self._staging.apply(
+                    version, before="asyncrl_sampled_token_counts" if self._ledger is not None else None)
+                sampled = await self._merge_counts(applied["before"]) if self._ledger is not None else None
             except Exception as err:
                 self.counters["updates_failed"] += 1
                 raise WeightUpdateError(
@@ -542,9 +566,11 @@ class EngineReplica:
                 ) from err
             finally:
                 self.update_state, self._staging_version, self._staged_tensors = UpdateState.IDLE, None, 0
+            t_applied = time.perf_counter()
             if hasattr(self.llm, "update_weight_version"):
                 await self.llm.update_weight_version(str(version))
-            await self.llm.reset_prefix_cache()
+            if not paused_here:  # our own pause above cleared the caches, and nothing ran since
+                await self.llm.reset_prefix_cache()
             if sampled is not None:
                 self._mark_ledger(version, sampled)  # no await between this and the label change
             self.version = version
@@ -554,20 +580,27 @@ class EngineReplica:
             # it without weights until now.
             if paused_here:
                 self._paused_mode = None
+            t_relabelled = time.perf_counter()
             if self.state is ReplicaState.READY and (paused_here or self._may_run()):
                 await self._settle()
+            end = time.perf_counter()
             return {"replica_id": self.replica_id, "version": self.version, "path": applied["path"],
                     "apply_seconds": applied["apply_seconds"],
                     "reload_seconds": applied["apply_seconds"] if applied["path"] == "reload" else 0.0,
-                    "paused_seconds": time.perf_counter() - t_pause if paused_here else 0.0}
+                    "paused_seconds": end - t_pause if paused_here else 0.0,
+                    # where the paused window goes: the engine's pause, the workers' round trip
+                    # (the apply inside it), the relabel, the resume
+                    "pause_call_seconds": t_paused - t_pause, "apply_rpc_seconds": t_applied - t_paused,
+                    "relabel_seconds": t_relabelled - t_applied, "resume_call_seconds": end - t_relabelled}
 
-    async def _sampled_token_counts(self) -> dict[str, int]:
-        """Tokens sampled so far per engine-internal sequence id, as the workers hold them."""
-        per_worker = await self._rpc("asyncrl_sampled_token_counts")
+    async def _merge_counts(self, per_worker: list[dict[str, int] | None]) -> dict[str, int]:
+        """Tokens sampled so far per engine-internal sequence id, as the workers hold them
+        (`asyncrl_sampled_token_counts` of each worker, read while paused)."""
         if any(counts is None for counts in per_worker):
             # A model runner without per-request state: use what the frontend has processed, which
-            # can trail the workers by the outputs still in the pipe.
+            # can trail the workers by the outputs still in the pipe (give those 20 ms to arrive).
             self.counters["version_fallbacks"] += 1
+            await asyncio.sleep(0.02)
             op = self.llm.output_processor
             return {iid: st.detokenizer.num_output_tokens() for iid, st in op.request_states.items()}
         merged: dict[str, int] = {}

@@ -343,7 +343,8 @@ class Publisher:
             if not isinstance(row, dict):
                 continue
             name = str(row.get("replica_id", r.name))
-            for key in ("apply_seconds", "reload_seconds", "paused_seconds"):
+            for key in ("apply_seconds", "reload_seconds", "paused_seconds", "pause_call_seconds", "apply_rpc_seconds",
+                        "relabel_seconds", "resume_call_seconds"):
                 if isinstance(row.get(key), (int, float)):
                     m.replica_time(name, key.removesuffix("_seconds"), float(row[key]))
             if isinstance(row.get("path"), str):

@@ -152,15 +152,22 @@ class ReplicaStaging:
                                           f"staged tensors hash to {actual[:24]}")
         return fingerprint
 
-    async def apply(self, version: int) -> dict[str, Any]:
+    async def apply(self, version: int, before: str | None = None) -> dict[str, Any]:
+        """Apply the staged version on every worker. `before`: a worker method (no arguments)
+        each worker calls first, in the same round trip (the engine reads its paused state so);
+        its results, one per worker, come back as "before"."""
         t = time.perf_counter()
         try:
-            results = await self.rpc("asyncrl_apply", version, timeout=600.0)
+            if before is None:
+                results, first = await self.rpc("asyncrl_apply", version, timeout=600.0), []
+            else:
+                pairs = await self.rpc("asyncrl_apply_after", version, before, timeout=600.0)
+                first, results = [p[0] for p in pairs], [p[1] for p in pairs]
         finally:
             self.version, self._per_worker = None, []
         return {"path": results[0]["path"] if results else "none",
                 "apply_seconds": max((r["apply_seconds"] for r in results), default=0.0),
-                "rpc_seconds": time.perf_counter() - t}
+                "rpc_seconds": time.perf_counter() - t, "before": first}
 
     async def abort(self) -> None:
         await self.rpc("asyncrl_abort_update")
