@@ -89,6 +89,7 @@ def _host_segment(flat: np.ndarray) -> int:
 
 _KERNEL: Any = None
 _BLOCK = 4096  # words per program
+assert CH % _BLOCK == 0  # a program's block never straddles two chunks (the kernel relies on it)
 
 
 def _triton_kernel() -> Any:
@@ -102,6 +103,9 @@ def _triton_kernel() -> Any:
             # One program = one block of one segment: `starts` (its first word in the buffer),
             # `firsts` (that word's index within the segment), `counts` (valid words), `masks`
             # (bytes of the segment's last word that are its own, as a word mask).
+            # A block starts at a multiple of BLOCK within its segment and BLOCK divides CHUNK, so
+            # the whole block lies in one chunk: its table entries are one contiguous slice and its
+            # chunk factor (2 * chunk + 1) multiplies the block's sum once (mod 2^64 alike).
             pid = tl.program_id(0)
             start = tl.load(starts + pid)
             first = tl.load(firsts + pid)
@@ -111,9 +115,8 @@ def _triton_kernel() -> Any:
             valid = lane < count
             w = tl.load(words + start + lane, mask=valid, other=0)
             w = tl.where(lane == count - 1, w & last_mask, w)
-            i = first + lane
-            m = tl.load(table + i % CHUNK, mask=valid, other=0)
-            tl.store(partials + pid, tl.sum(w * m * (2 * (i // CHUNK) + 1), axis=0))
+            m = tl.load(table + first % CHUNK + lane, mask=valid, other=0)
+            tl.store(partials + pid, tl.sum(w * m, axis=0) * (2 * (first // CHUNK) + 1))
 
         _KERNEL = segment_kernel
     return _KERNEL

@@ -9,8 +9,11 @@ device and publishes a handle to it in the group's TCPStore: a CUDA IPC handle (
 opens the same physical GPU) for a GPU bucket, a shared-memory file for a CPU bucket. Each
 receiver opens it, copies the bucket into its own memory (device to device), and acknowledges
 it in the store; the sender frees a bucket once every receiver acknowledged it and keeps at most
-`IPC_WINDOW` buckets published, so its extra memory stays about two buckets. A receiver that
-fails records why in the store and the sender stops at once instead of waiting out its deadline.
+`ipc_window` buckets published, so its extra memory stays about that many buckets. With
+`ipc_window` 0 (weightsync.staging full) the sender packs the whole version into buffers it keeps
+until its next push and publishes it at once; the receivers stage views of those buffers (no copy
+of their own) and the commit copies from them into the live parameters. A receiver that fails
+records why in the store and the sender stops at once instead of waiting out its deadline.
 
 Owns: the group description (`GroupSpec`: one group per sending rank, that rank is group rank 0 and
 every engine worker of every replica a receiver), the sending rank's rendezvous port
@@ -54,8 +57,10 @@ from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets
 from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
 
 BACKENDS = ("gloo", "nccl", "ipc")
+IPC_WINDOW = 2  # ipc: buckets a sender keeps published (and unacknowledged) before waiting; 0: the whole version
 # Header kinds (first int64 of a header): a bucket follows, the sender is done, the sender failed.
 BUCKET, END, ABORT = _BUCKET, _END, _ABORT = 1, 2, 3
+WHOLE = 4  # ipc with ipc_window 0: one record holds every bucket of the push
 
 
 class CollectiveError(RuntimeError):
@@ -80,10 +85,13 @@ class GroupSpec:
     receivers: dict[str, int]
     sender: int = 0  # which sending rank (PP stage order) this group belongs to
     timeout_s: float = 120.0
+    ipc_window: int = IPC_WINDOW  # ipc only: see the module docstring
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"collective backend must be one of {BACKENDS}, got {self.backend!r}")
+        if isinstance(self.ipc_window, bool) or not isinstance(self.ipc_window, int) or self.ipc_window < 0:
+            raise ValueError(f"group {self.group_id}: ipc_window must be an int >= 0, got {self.ipc_window!r}")
         if self.world_size < 2:
             raise ValueError(f"group {self.group_id}: world_size {self.world_size} leaves nobody to send to")
 
@@ -160,8 +168,14 @@ def _tcp_store(spec: GroupSpec, rank: int, timeout: datetime.timedelta, listen_s
         raise
 
 
+def ipc_window_for(staging: str) -> int:
+    """The ipc window for a staging mode: full staging keeps the whole version in the sender's
+    buffers (the receivers' staging area), bucketed staging `IPC_WINDOW` buckets."""
+    return 0 if staging == "full" else IPC_WINDOW
+
+
 def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: dict[str, int], *,
-               timeout_s: float, group_prefix: str) -> list[GroupSpec]:
+               timeout_s: float, group_prefix: str, ipc_window: int = IPC_WINDOW) -> list[GroupSpec]:
     """One spec per sending rank (its rendezvous `(host, port)`, in PP stage order); replicas get
     rank blocks in id order, so every member computes the same layout."""
     if not senders:
@@ -173,7 +187,7 @@ def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: di
         if replica_workers[rid] < 1:
             raise CollectiveError(f"replica {rid!r} reports {replica_workers[rid]} workers")
         receivers[rid], nxt = nxt, nxt + replica_workers[rid]
-    return [GroupSpec(f"{group_prefix}-s{i}", backend, host, port, nxt, dict(receivers), i, timeout_s)
+    return [GroupSpec(f"{group_prefix}-s{i}", backend, host, port, nxt, dict(receivers), i, timeout_s, ipc_window)
             for i, (host, port) in enumerate(senders)]
 
 
@@ -204,6 +218,7 @@ class CollectiveGroup:
     _copies: HostCopies | None = field(default=None, repr=False)  # sender: the last push's host copies
     _pinned: PinnedPool | None = field(default=None, repr=False)  # sender on a GPU: their pinned buffers
     _ring: Any = field(default=None, repr=False)  # ipc sender: the buffers it packs into, reused by every push
+    _ring_copies: list = field(default_factory=list, repr=False)  # ipc_window 0: the host copies still reading them
     _opened: dict = field(default_factory=dict, repr=False)  # ipc receiver: the sender's buffers, opened once
 
     @classmethod
@@ -393,14 +408,16 @@ def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
     return out
 
 
-def host_copies_for(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None, deadline: float) -> HostCopies:
+def host_copies_for(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None, deadline: float,
+                    max_device: int = 4, defer_keep: bool = False) -> HostCopies:
     """This push's host copies; an earlier push's that nobody collected are dropped first (their
-    pinned buffers are this push's)."""
+    pinned buffers are this push's). `max_device`: sent device buckets whose copies may run at
+    once (the sender frees a bucket only after its copy); `defer_keep`: see HostCopies."""
     if group._copies is not None and not group._copies.close():
         group._pinned = None  # still read by a stuck keep: this push copies into fresh buffers
     if group.device.type == "cuda" and group._pinned is None:
         group._pinned = PinnedPool()
-    group._copies = HostCopies(keep, group._pinned, deadline=deadline)
+    group._copies = HostCopies(keep, group._pinned, deadline=deadline, max_device=max_device, defer_keep=defer_keep)
     return group._copies
 
 
@@ -408,21 +425,42 @@ def hash_and_copy(copies: HostCopies, bucket: Bucket, verify: str, out: SendResu
     """Start `bucket`'s host copy and hash it in `verify` mode (where it lies: `full` reads every
     byte, from the host copy); returns its digests (they travel in band, before its bytes) and
     the copy (done once its device buffer may be reused)."""
+    finish, copy = hash_and_copy_lazy(copies, bucket, verify, out)
+    return finish(), copy
+
+
+def hash_and_copy_lazy(copies: HostCopies | None, bucket: Bucket, verify: str,
+                       out: SendResult) -> tuple[Callable[[], dict[str, bytes]], Any]:
+    """`hash_and_copy` with the device reads only enqueued: the returned call waits for them and
+    records the digests in `out` (a sender that publishes a whole version waits once, at its end).
+    `copies` None: the caller starts the host copy itself (not with `full` verification)."""
     from asyncrl.weightsync.bucket import digest_key_prefix
-    from asyncrl.weightsync.fingerprint import bucket_digests
+    from asyncrl.weightsync.fingerprint import bucket_digests, bucket_digests_lazy
 
     t = time.perf_counter()
-    copy = copies.add(bucket)
+    if copies is None and verify == "full":
+        raise ValueError("full verification hashes the host copy: start it here")
+    copy = copies.add(bucket) if copies is not None else None
     out.num_buckets += 1
     out.seconds["host_copy"] += time.perf_counter() - t
     t = time.perf_counter()
-    hashed = copies.host(copy) if verify == "full" else bucket
-    digests = bucket_digests(hashed, verify, digest_key_prefix(bucket))  # type: ignore[arg-type]
-    out.digests.update(digests)
+    prefix = digest_key_prefix(bucket)
+    if verify == "full":
+        pending = lambda: bucket_digests(copies.host(copy), "full", prefix)  # type: ignore[union-attr]  # noqa: E731
+    else:
+        pending = bucket_digests_lazy(bucket, verify, prefix)  # type: ignore[arg-type]
     out.seconds["hash"] += time.perf_counter() - t
     out.bytes += bucket.payload_bytes
     out.num_tensors += len(bucket)
-    return digests, copy
+
+    def finish() -> dict[str, bytes]:
+        t = time.perf_counter()
+        digests = pending()
+        out.digests.update(digests)
+        out.seconds["hash"] += time.perf_counter() - t
+        return digests
+
+    return finish, copy
 
 
 class Export:

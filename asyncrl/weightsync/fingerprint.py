@@ -25,7 +25,7 @@ Must never: talk to an engine or a transport, or decide when a version is commit
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -81,14 +81,25 @@ def _digests(flat: Any, entries: list[tuple[str, str, tuple[int, ...], int, int]
     """Digests of tensors laid out in one flat uint8 buffer (numpy or torch, any device):
     entries are (key, dtype name, shape, byte offset, byte length). What a mode reads of a device
     buffer comes to host in one copy (checksum: 8 bytes per tensor)."""
+    return _digests_lazy(flat, entries, mode)()
+
+
+def _digests_lazy(flat: Any, entries: list[tuple[str, str, tuple[int, ...], int, int]],
+                  mode: VerifyMode) -> Callable[[], dict[str, bytes]]:
+    """`_digests`, with a device buffer's reads only enqueued: the returned call waits for them
+    (so a sender can enqueue every bucket's and wait once)."""
     heads = {key: _head(key, dtype, shape) for key, dtype, shape, _, _ in entries}
     if mode == "off":
-        return {k: h.digest() for k, h in heads.items()}
+        return lambda: {k: h.digest() for k, h in heads.items()}
     if mode == "checksum":
-        values = resolve(segment_checksums_lazy(flat, [(o, n) for _, _, _, o, n in entries]))
-        for (key, _, _, _, n), value in zip(entries, values):
-            heads[key].update(int(n).to_bytes(8, "little") + int(value).to_bytes(8, "little"))
-        return {k: h.digest() for k, h in heads.items()}
+        pending = segment_checksums_lazy(flat, [(o, n) for _, _, _, o, n in entries])
+
+        def checksums() -> dict[str, bytes]:
+            for (key, _, _, _, n), value in zip(entries, resolve(pending)):
+                heads[key].update(int(n).to_bytes(8, "little") + int(value).to_bytes(8, "little"))
+            return {k: h.digest() for k, h in heads.items()}
+
+        return checksums
     pieces: list[tuple[str, int, int]] = []
     for key, _, _, offset, nbytes in entries:
         windows = _windows(nbytes) if mode == "sampled" else None
@@ -99,16 +110,22 @@ def _digests(flat: Any, entries: list[tuple[str, str, tuple[int, ...], int, int]
             pieces.extend((key, offset + s, n) for s, n in windows)
     if isinstance(flat, torch.Tensor) and flat.device.type != "cpu":
         parts = [flat[o : o + n] for _, o, n in pieces]
-        host = torch.cat(parts).cpu().numpy() if parts else np.empty(0, dtype=np.uint8)
-        at = 0
-        for key, _, n in pieces:
-            heads[key].update(memoryview(host[at : at + n]))
-            at += n
-    else:
-        array = flat.numpy() if isinstance(flat, torch.Tensor) else flat
-        for key, o, n in pieces:
-            heads[key].update(memoryview(array[o : o + n]))
-    return {k: h.digest() for k, h in heads.items()}
+        gathered = torch.cat(parts) if parts else None  # enqueued; read to host when finished
+
+        def sampled() -> dict[str, bytes]:
+            host = gathered.cpu().numpy() if gathered is not None else np.empty(0, dtype=np.uint8)
+            at = 0
+            for key, _, n in pieces:
+                heads[key].update(memoryview(host[at : at + n]))
+                at += n
+            return {k: h.digest() for k, h in heads.items()}
+
+        return sampled
+    array = flat.numpy() if isinstance(flat, torch.Tensor) else flat
+    for key, o, n in pieces:
+        heads[key].update(memoryview(array[o : o + n]))
+    digests = {k: h.digest() for k, h in heads.items()}
+    return lambda: digests
 
 
 def _as_flat(t: torch.Tensor) -> Any:
@@ -137,6 +154,11 @@ def tensor_digest(name: str, tensor: Any, mode: VerifyMode = "full") -> bytes:
 def bucket_digests(bucket: Any, mode: VerifyMode = "full", prefix: str = "") -> dict[str, bytes]:
     """Digests of every tensor packed in `bucket` (bucket.py), read where its buffer is, one pass
     (equal to `tensor_digests` of its unpacked tensors, with `prefix` before each name)."""
+    return bucket_digests_lazy(bucket, mode, prefix)()
+
+
+def bucket_digests_lazy(bucket: Any, mode: VerifyMode = "full", prefix: str = "") -> Callable[[], dict[str, bytes]]:
+    """`bucket_digests` whose device reads are enqueued now and waited for by the returned call."""
     check_verify_mode(mode)
     buffer = bucket.buffer
     if isinstance(buffer, torch.Tensor):
@@ -145,7 +167,7 @@ def bucket_digests(bucket: Any, mode: VerifyMode = "full", prefix: str = "") -> 
     else:
         flat = np.asarray(buffer).reshape(-1).view(np.uint8)
     entries = [(prefix + m.name, "torch." + m.dtype, tuple(m.shape), m.offset, m.nbytes) for m in bucket.metas]
-    return _digests(flat, entries, mode)
+    return _digests_lazy(flat, entries, mode)
 
 
 def combine_digests(digests: Mapping[str, bytes], mode: VerifyMode = "full") -> str:

@@ -96,7 +96,7 @@ class HostCopies:
     host memory waits for it."""
 
     def __init__(self, keep: Callable[[Bucket], Any] | None, pool: PinnedPool | None, *, deadline: float,
-                 max_device: int = 4, keep_threads: int = KEEP_THREADS) -> None:
+                 max_device: int = 4, keep_threads: int = KEEP_THREADS, defer_keep: bool = False) -> None:
         self._keep = keep if keep is not None else (lambda bucket: bucket)
         self._keepers = ThreadPoolExecutor(keep_threads, thread_name_prefix="asyncrl-host-keep")
         self._kept_futures: list[Future] = []
@@ -110,6 +110,11 @@ class HostCopies:
         self._streams: dict[torch.device, Any] = {}
         self._count = 0
         self._finished = False
+        # defer_keep: `keep` starts only at `finish` (its serialisation competes for this process's
+        # GIL with a sender still waiting on its receivers); the device-to-host copies run at once.
+        self._release = threading.Event()
+        if not defer_keep:
+            self._release.set()
         self.seconds = {"wait": 0.0, "copy": 0.0, "keep": 0.0}  # keep: summed over the keeper threads
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="asyncrl-host-copies", daemon=True)
@@ -169,6 +174,7 @@ class HostCopies:
         self._end()
 
     def _end(self) -> None:
+        self._release.set()
         if not self._finished:
             self._finished = True
             self._queue.put(None)
@@ -206,6 +212,7 @@ class HostCopies:
                     t = time.perf_counter()
                     host = copy.wait(self._deadline)
                     self.seconds["copy"] += time.perf_counter() - t  # `wait` dropped the device bucket
+                    self._release.wait(max(0.0, self._deadline - time.monotonic()))
                     self._kept_futures.append(self._keepers.submit(self._keep_one, host, copy.slot))
                     continue
             except BaseException as err:  # noqa: BLE001 - reported by `result` / the next `add`

@@ -7,9 +7,16 @@ once per bucket per push: opening a handle costs more than copying a 64 MiB buck
 publishes the handle and the bucket's tensor table with the sender's digests in the group's
 TCPStore, and each receiver copies the bucket into its own memory (device to device) and
 acknowledges it. A buffer is reused once every receiver acknowledged its bucket and its host
-copy is made; at most `IPC_WINDOW` buckets are published unacknowledged. A CPU bucket goes as a
+copy is made; at most `ipc_window` buckets are published unacknowledged. A CPU bucket goes as a
 shared-memory file instead. A receiver that fails records why in the store and the sender stops
 at once instead of waiting out its deadline; an export that fails tells the receivers (abort).
+
+With `ipc_window` 0 (weightsync.staging full) the ring is the staging area: the sender packs the
+whole version into it, enqueues every bucket's digests, waits for the device once and publishes
+one record with every bucket; each receiver stages views of the ring (no copy of its own, no
+second copy of the model on the device) and acknowledges once; the commit copies from the ring
+into the live parameters. The ring is rewritten only by the sender's next push, which starts
+after this one was committed or aborted, and only once this push's host copies have read it.
 
 Handles are keyed by GPU UUID, so a receiver with another CUDA_VISIBLE_DEVICES order opens the
 same physical GPU.
@@ -33,6 +40,8 @@ from asyncrl.weightsync.collective import (
     ABORT,
     BUCKET,
     END,
+    IPC_WINDOW,
+    WHOLE,
     CollectiveError,
     CollectiveGroup,
     Export,
@@ -41,11 +50,11 @@ from asyncrl.weightsync.collective import (
     decode_table,
     encode_table,
     hash_and_copy,
+    hash_and_copy_lazy,
     host_copies_for,
     pack_stream,
 )
 
-IPC_WINDOW = 2  # buckets an ipc sender keeps published (and unacknowledged) before waiting
 
 
 class IpcRing:
@@ -56,19 +65,35 @@ class IpcRing:
         self.device = device
         self.buffers: list[torch.Tensor] = []
         self.busy: list[bool] = []
+        # Buffers are at least this large (the push's largest bucket): any free one then fits any
+        # bucket, so a buffer (and the handle receivers opened for it) is never replaced.
+        self.min_bytes = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
         free = [i for i, b in enumerate(self.busy) if not b]
         fits = [i for i in free if self.buffers[i].numel() >= nbytes]
+        size = max(nbytes, self.min_bytes)
         if fits:
             i = min(fits, key=lambda j: self.buffers[j].numel())
         elif free:  # grow a free one (a larger bucket than before): a new handle for it
             i = free[0]
-            self.buffers[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self.buffers[i] = torch.empty(size, dtype=torch.uint8, device=self.device)
         else:
-            self.buffers.append(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+            self.buffers.append(torch.empty(size, dtype=torch.uint8, device=self.device))
             self.busy.append(False)
             i = len(self.buffers) - 1
+        self.busy[i] = True
+        return self.buffers[i][:nbytes]
+
+    def take_in_order(self, nbytes: int) -> torch.Tensor:
+        """A whole-version push: its k-th bucket gets buffer k (a plan packs the same sizes in the
+        same order every push, so every buffer, and every handle a receiver opened, is reused)."""
+        i = sum(self.busy)
+        if i == len(self.buffers):
+            self.buffers.append(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+            self.busy.append(False)
+        elif self.busy[i] or self.buffers[i].numel() < nbytes:
+            self.buffers[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.busy[i] = True
         return self.buffers[i][:nbytes]
 
@@ -107,9 +132,11 @@ def _ipc_free(kept: Any) -> None:
 
 
 def ipc_open(handle: dict[str, Any], metas: list[TensorMeta], nbytes: int, device: torch.device,
-             opened: dict | None = None, rank: int | None = None) -> Bucket:
+             opened: dict | None = None, rank: int | None = None, copy: bool = True) -> Bucket:
     """Open a published bucket and copy it into this member's memory on `device`. `opened`
-    caches the sender's buffers by handle (kept open: the sender reuses them)."""
+    caches the sender's buffers by handle (kept open: the sender reuses them). `copy=False`
+    (whole-version pushes): a view of the sender's buffer itself, valid until its next push; the
+    sender finished writing it before it published the handle."""
     if handle["kind"] == "file":
         # Mapped copy-on-write: the mapping outlives the sender's unlink, so no copy is needed on a CPU member.
         bucket = SharedBucket(handle["path"], metas, nbytes, rank).open()
@@ -130,12 +157,16 @@ def ipc_open(handle: dict[str, Any], metas: list[TensorMeta], nbytes: int, devic
     args[6] = local[0]  # reduce_tensor's device index, in the sender's CUDA_VISIBLE_DEVICES numbering
     target = device if device.type == "cuda" else torch.device("cuda", local[0])
     with torch.cuda.device(local[0]):
-        shared = rebuild_cuda_tensor(*args)  # an already opened storage is reused; waits on the sender's event
+        # An already opened storage is reused (the sender's event is waited on only at the first
+        # open: the sender synchronised before publishing).
+        shared = rebuild_cuda_tensor(*args)
+        if opened is not None:  # keep the storage alive, so the next push's handle to it needs no new open
+            opened[(args[7], args[9])] = shared
+        if not copy:
+            return Bucket(buffer=shared.view(torch.uint8).reshape(-1)[:nbytes], metas=metas, rank=rank)
         own = torch.empty(nbytes, dtype=torch.uint8, device=target)
         own.copy_(shared.view(torch.uint8).reshape(-1)[:nbytes])
         torch.cuda.synchronize(local[0])  # the copy is complete before the sender may reuse its buffer
-    if opened is not None:  # keep the storage alive, so the next push's handle to it needs no new open
-        opened[(args[7], args[9])] = shared
     return Bucket(buffer=own, metas=metas, rank=rank)
 
 
@@ -195,8 +226,15 @@ def ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, A
     if group.device.type == "cuda":
         if group._ring is None:
             group._ring = IpcRing(group.device)
+        for copy in group._ring_copies:  # a whole-version push's host copies read its buffers to the end
+            copy.wait(deadline)
+        group._ring_copies = []
         group._ring.release_all()  # the last push retired all of its buckets (or failed: receivers dropped them)
+        group._ring.min_bytes = plan.max_bucket_bytes(sender) if plan is not None else int(bucket_mb * (1 << 20))
         alloc = group._ring.take
+    if group.spec.ipc_window == 0:
+        return _send_whole(group, named_tensors, bucket_mb, verify=verify, deadline=deadline, keep=keep, plan=plan,
+                           sender=sender, alloc=None if alloc is None else group._ring.take_in_order, out=out)
     published: deque[tuple[int, Any, Any]] = deque()
     copies = out.host_copies = host_copies_for(group, keep, deadline)
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender, alloc=alloc), out)
@@ -205,7 +243,7 @@ def ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, A
         for bucket in export:
             digests, copy = hash_and_copy(copies, bucket, verify, out)  # in band, before the receivers read it
             t = time.perf_counter()
-            while len(published) >= IPC_WINDOW:
+            while len(published) >= group.spec.ipc_window:
                 done, kept, done_copy = published.popleft()
                 _wait_acks(group, done, deadline)
                 _retire(group, done, kept, done_copy, deadline)
@@ -246,6 +284,73 @@ def ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, A
     return out
 
 
+def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *, verify: str,
+                deadline: float, keep: Callable[[Bucket], Any] | None, plan: Any, sender: int,
+                alloc: Callable[[int], torch.Tensor] | None, out: SendResult) -> SendResult:
+    """ipc_window 0: pack every bucket (into the ring, kept until the next push: the receivers
+    stage views of it), enqueue every digest, wait for the device once, publish one record with
+    every bucket, then wait for every receiver to have staged all of it."""
+    store = group._store
+    # The ring keeps every bucket (no limit on copies in flight); keeping starts once the receivers staged.
+    copies = out.host_copies = host_copies_for(group, keep, deadline, max_device=1 << 30, defer_keep=True)
+    export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender, alloc=alloc), out)
+    packed: list[tuple[Bucket, Callable[[], dict[str, bytes]], Any]] = []
+    kept: list[Any] = []
+    try:
+        # The host copies start after the record is out (off the critical path: the receivers
+        # stage meanwhile), except that `full` verification hashes them.
+        early = verify == "full"
+        for bucket in export:
+            if early:
+                finish, copy = hash_and_copy_lazy(copies, bucket, verify, out)
+                group._ring_copies.append(copy)  # the next push repacks this buffer only after its copy read it
+            else:
+                finish, copy = hash_and_copy_lazy(None, bucket, verify, out)
+            packed.append((bucket, finish, copy))
+        t = time.perf_counter()
+        records = []
+        for bucket, finish, _ in packed:
+            digests = finish()  # the first waits for the device: every bucket is packed after it
+            handle, keep_it = ipc_export(bucket)
+            kept.append(keep_it)
+            records.append({"handle": handle, "nbytes": bucket.nbytes, "table": encode_table(bucket, digests)})
+        if group.device.type == "cuda":  # (verify off reads nothing back) the bytes are complete before anyone reads them
+            torch.cuda.current_stream(group.device).synchronize()
+        store.set(_key(group, "b0"), pickle.dumps({"kind": WHOLE, "buckets": records}))
+        out.seconds["broadcast"] += time.perf_counter() - t
+        if not early:
+            for bucket, _, _ in packed:
+                t = time.perf_counter()
+                copy = copies.add(bucket)
+                out.seconds["host_copy"] += time.perf_counter() - t
+                group._ring_copies.append(copy)
+        packed.clear()
+        t = time.perf_counter()
+        _wait_acks(group, 0, deadline)
+        out.seconds["broadcast"] += time.perf_counter() - t
+        copies.finish()
+    except BaseException as err:
+        copies.close()
+        try:  # receivers stop at once instead of at their deadline
+            store.set(_key(group, "aborted"), b"1")
+            if not store.check([_key(group, "b0")]):
+                store.set(_key(group, "b0"), pickle.dumps({"kind": ABORT}))
+        except Exception:
+            pass
+        group._leftover += [_key(group, w) for w in ("b0", "a0")]
+        if export.failed or not isinstance(err, Exception):
+            raise
+        group.broken = True
+        if isinstance(err, CollectiveError):
+            raise
+        raise CollectiveError(f"group {group.spec.group_id} rank 0: ipc send failed: {type(err).__name__}: {err}") from err
+    finally:
+        for keep_it in kept:  # shared files: the receivers' mappings outlive the unlink
+            _ipc_free(keep_it)
+    group._leftover += [_key(group, w) for w in ("b0", "a0")]
+    return out
+
+
 def ipc_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
     if group.broken or group._store is None:
         raise CollectiveError(f"group {group.spec.group_id} is broken (an earlier step failed); form a new one")
@@ -258,6 +363,13 @@ def ipc_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tupl
             store.wait([key], datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
             record = pickle.loads(store.get(key))
             if record["kind"] == END:
+                return
+            if record["kind"] == WHOLE:  # every bucket at once, staged as views of the sender's buffers
+                for k, part in enumerate(record["buckets"]):
+                    metas, rank, digests = decode_table(part["table"])
+                    yield ipc_open(part["handle"], metas, int(part["nbytes"]), group.device, group._opened, rank,
+                                   copy=False), digests
+                store.add(_key(group, "a0"), 1)  # the consumer staged the last one
                 return
             if record["kind"] == ABORT:  # the sender knows; this group stays usable for the next push
                 raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")

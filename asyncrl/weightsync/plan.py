@@ -433,6 +433,7 @@ class PlannedPacker:
 
     def pack(self, named_tensors: Iterable[tuple[str, Any]]) -> Iterator[Bucket]:
         buffers: dict[int, torch.Tensor] = {}
+        typed_views: dict[tuple[int, str], torch.Tensor] = {}
         emitted = 0
 
         def open_bucket(pos: int) -> torch.Tensor:
@@ -460,11 +461,21 @@ class PlannedPacker:
             if not src.is_contiguous():
                 src = src.contiguous()
             for pos, p, off, op in uses:
-                buf = open_bucket(pos)
-                op.dst.of(self._view(buf, p, off)).copy_(op.src_view.of(src))  # type: ignore[union-attr]
+                # The destination window straight from the bucket's buffer viewed in the
+                # parameter's dtype (one strided view per op: the pack runs per tensor in Python).
+                typed = typed_views.get((pos, p.dtype))
+                if typed is None:
+                    raw, dt = open_bucket(pos), dtype_from_name(p.dtype)
+                    typed = typed_views[(pos, p.dtype)] = raw[: raw.numel() - raw.numel() % dt.itemsize].view(dt)
+                dst = typed.as_strided(op.dst.shape, op.dst.stride, off // typed.element_size() + op.dst.offset)
+                sv = op.src_view
+                whole = sv.offset == 0 and sv.shape == tuple(src.shape) and sv.stride == tuple(src.stride())  # type: ignore[union-attr]
+                dst.copy_(src if whole else sv.of(src))  # type: ignore[union-attr]
                 self.ops += 1
                 self._remaining[pos] -= 1
             while emitted < len(self.buckets) and self._remaining[emitted] == 0:
+                for dtype in {p.dtype for p, _ in self.buckets[emitted].params}:
+                    typed_views.pop((emitted, dtype), None)
                 yield self._emit(emitted, buffers.pop(emitted))
                 emitted += 1
         while emitted < len(self.buckets) and self._remaining[emitted] == 0:

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, digest_key_prefix, dtype_from_name, unpack_bucket
-from asyncrl.weightsync.fingerprint import bucket_digests, check_verify_mode
+from asyncrl.weightsync.fingerprint import bucket_digests, bucket_digests_lazy, check_verify_mode
 from asyncrl.weightsync.plan import (
     EngineLayout, ManifestEntry, PlanError, PushPlan, probe_layout, same_ops, verify_layout,
 )
@@ -71,6 +71,7 @@ class _Staged:
     engine: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     keep: list[Any] = field(default_factory=list)  # buffers the staged views point into
     applied: int = 0  # bucketed: parameters already copied into the live weights
+    pending: list[Any] = field(default_factory=list)  # lazy digests still on the device (`digests` waits once)
 
 
 class VerificationError(ValueError):
@@ -155,19 +156,33 @@ class WorkerReceiver:
             raise RuntimeError(f"bucket for version {version} but staging {None if staged is None else staged.version}")
         return staged
 
-    def stage(self, version: int, bucket: Bucket, expected: dict[str, bytes] | None = None) -> dict[str, bytes]:
+    def stage(self, version: int, bucket: Bucket, expected: dict[str, bytes] | None = None,
+              lazy: bool = False) -> dict[str, bytes]:
         """Stage one bucket (views into `bucket.buffer`, which must stay valid until the commit);
         returns its digests. Engine-layout buckets of other ranks are skipped. Bucketed staging
-        applies it at once, after checking it against `expected` (the sender's digests)."""
+        applies it at once, after checking it against `expected` (the sender's digests). `lazy`
+        (full staging): its digests are only enqueued on the device; `digests` waits for all of
+        them at once, and this returns {}."""
         staged = self._state(version)
         if (bucket.rank is None) != (staged.layout == "hf"):
             raise ValueError(f"a {'HF' if bucket.rank is None else 'engine'}-layout bucket in a {staged.layout}-layout update")
         if bucket.rank is not None and bucket.rank != self.hooks.rank:
             return {}
-        digests = bucket_digests(bucket, staged.verify, digest_key_prefix(bucket))  # type: ignore[arg-type]
-        dup = set(digests) & set(staged.digests)
-        if dup:
-            raise ValueError(f"tensor {sorted(dup)[0]!r} staged twice for version {version}")
+        prefix = digest_key_prefix(bucket)
+        keys = {prefix + m.name for m in bucket.metas}
+        dup = keys & set(staged.digests)
+        if len(keys) != len(bucket.metas) or dup:
+            raise ValueError(f"tensor {sorted(dup)[0] if dup else '?'!r} staged twice for version {version}")
+        if lazy and staged.staging == "full":
+            staged.pending.append(bucket_digests_lazy(bucket, staged.verify, prefix))  # type: ignore[arg-type]
+            staged.digests.update(dict.fromkeys(keys, b""))  # resolved by `digests`
+            if staged.layout == "hf":
+                staged.hf.update(unpack_bucket(bucket))
+            else:
+                staged.engine.extend(unpack_bucket(bucket))
+            staged.keep.append(bucket.buffer)
+            return {}
+        digests = bucket_digests(bucket, staged.verify, prefix)  # type: ignore[arg-type]
         if staged.staging == "bucketed":
             if expected is None:
                 raise ValueError("bucketed staging needs the sender's digests with every bucket")
@@ -190,7 +205,11 @@ class WorkerReceiver:
         return digests
 
     def digests(self, version: int) -> dict[str, bytes]:
-        return dict(self._state(version).digests)
+        staged = self._state(version)
+        for finish in staged.pending:  # the first waits for the device, the rest are there by then
+            staged.digests.update(finish())
+        staged.pending.clear()
+        return dict(staged.digests)
 
     # ---- apply -----------------------------------------------------------------------------------
 
@@ -217,6 +236,8 @@ class WorkerReceiver:
         staged = self._state(version)
         t = time.perf_counter()
         try:
+            if staged.pending:
+                raise RuntimeError(f"apply of version {version} before its staged digests were read (and checked)")
             if staged.layout == "engine":
                 if staged.staging == "full":
                     self._copy_into_live(staged.engine)

@@ -118,9 +118,12 @@ class WeightPublisher:
         )
         self.transport = transport
         if getattr(transport, "streamed", False):
+            from asyncrl.weightsync.collective import ipc_window_for
+
             control = self.replicas.control
             self.link = CollectiveLink(
                 transport.backend, self.learner, bucket_mb=self.cfg.bucket_mb, timeout_s=self.cfg.timeout_s,
+                ipc_window=ipc_window_for(self.cfg.staging),
                 members=lambda: control.call("collective_info", timeout_s=self.cfg.timeout_s),
                 join=lambda wire: control.call("join_collective", wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
             )
@@ -285,10 +288,14 @@ class CollectiveLink:
     broadcast breaks it on that member); `send` and `payload` are `publish_streamed`'s."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
-                 join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float) -> None:
+                 join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
+                 ipc_window: int | None = None) -> None:
+        from asyncrl.weightsync.collective import IPC_WINDOW
+
         self.backend, self.learner = backend, learner
         self._members_call, self._join_call = members, join
         self.bucket_mb, self.timeout_s = bucket_mb, timeout_s
+        self.ipc_window = IPC_WINDOW if ipc_window is None else ipc_window
         self.specs: list[Any] = []
         self.members: dict[str, int] = {}  # replica id -> engine workers, as the groups were formed
         self.formed = 0  # how many times groups were formed
@@ -309,7 +316,7 @@ class CollectiveLink:
             return
         addresses = await self.learner.collective_addresses()
         specs = form_specs(self.backend, [(a["host"], a["port"]) for a in addresses], members, timeout_s=self.timeout_s,
-                           group_prefix=f"asyncrl-ws{os.getpid()}-{self.formed + 1}")
+                           group_prefix=f"asyncrl-ws{os.getpid()}-{self.formed + 1}", ipc_window=self.ipc_window)
         wire = [asdict(s) for s in specs]
         self.specs, self.members = [], {}
         # Every member rendezvouses at once: the replicas' workers and the sending ranks.

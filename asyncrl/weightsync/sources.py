@@ -202,11 +202,13 @@ class StreamedSource:
     async def stream(self, publisher: Publisher, version: int, replicas: list[ReplicaClient], m: PushMetrics) -> None:
         self.discard(publisher._transport)  # an earlier attempt's host copies
         self.handles, self._digests = [], None
+        t = time.perf_counter()
         if self._prepare is not None:
             try:
                 await asyncio.wait_for(self._prepare(), publisher._cfg.timeout_s)
             except Exception as exc:
                 raise StepFailed(Step.LOAD, {"broadcast group": exc}) from exc
+        prepared = time.perf_counter()
         payload = self._payload(version)
         receiving = asyncio.ensure_future(publisher._step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version), m))
         try:
@@ -221,13 +223,18 @@ class StreamedSource:
             raise
         if sent.collect is not None:  # the host copies are made while the replicas finish and commit
             self._collecting = asyncio.ensure_future(sent.collect())
+        sent_at = time.perf_counter()
         await receiving
+        # where the stage's time goes, as the publisher sees it: forming / checking the groups,
+        # the sender's call (its own seconds are in sent.seconds), the receivers after it returned
+        m.sender_seconds.update({"prepare": prepared - t, "call": sent_at - prepared,
+                                 "receivers_after": time.perf_counter() - sent_at})
         self.handles, self._digests = list(sent.handles), dict(sent.digests)
         m.bytes, m.num_tensors = sent.bytes, sent.num_tensors
         m.num_buckets = len(sent.handles) if sent.num_buckets is None else sent.num_buckets
         m.put_seconds = sent.seconds.get("broadcast", 0.0)
         m.fingerprint_seconds = sent.seconds.get("hash", 0.0)
-        m.sender_seconds.update(sent.seconds)
+        m.sender_seconds.update({k: v for k, v in sent.seconds.items() if k not in ("prepare", "call", "receivers_after")})
 
     def fingerprint(self) -> str:
         if self._digests is None:

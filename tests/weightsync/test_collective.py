@@ -25,7 +25,7 @@ from asyncrl.weightsync.collective import (
     join_as_sender, receive_stream, reserve_port, send_stream,
 )
 from asyncrl.weightsync.fingerprint import bucket_digests
-from asyncrl.weightsync.ipc import IPC_WINDOW
+from asyncrl.weightsync.collective import IPC_WINDOW, ipc_window_for
 from asyncrl.weightsync.push import KeptCopies, Publisher, StreamedSend, Step, WeightsyncError
 from asyncrl.weightsync.transport import LocalTransport
 
@@ -34,12 +34,18 @@ from .fakes import FakeReplica, model
 BUCKET_MB = 8192 / (1 << 20)  # two 4 KiB tensors per bucket -> 3 buckets for 5 tensors
 
 
-BACKENDS = pytest.mark.parametrize("backend", ["gloo", "ipc"])
+# "ipc-whole": ipc with window 0 (full staging: the whole version published at once, staged as views)
+BACKENDS = pytest.mark.parametrize("backend", ["gloo", "ipc", "ipc-whole"])
+
+
+def _kind(backend: str) -> tuple[str, int]:
+    return ("ipc", 0) if backend == "ipc-whole" else (backend, IPC_WINDOW)
 
 
 def _spec(receivers=2, timeout_s=20.0, gid="g", backend="gloo") -> GroupSpec:
-    (spec,) = form_specs(backend, [("127.0.0.1", free_port("127.0.0.1"))], {"rep": receivers},
-                         timeout_s=timeout_s, group_prefix=gid)
+    kind, window = _kind(backend)
+    (spec,) = form_specs(kind, [("127.0.0.1", free_port("127.0.0.1"))], {"rep": receivers},
+                         timeout_s=timeout_s, group_prefix=gid, ipc_window=window)
     return spec
 
 
@@ -62,6 +68,9 @@ def test_form_specs_gives_each_replica_a_rank_block_in_id_order():
         form_specs("gloo", [("h", 1)], {}, timeout_s=5, group_prefix="x")
     with pytest.raises(ValueError, match="backend"):
         GroupSpec("g", "mpi", "h", 1, 2, {"a": 1})
+    with pytest.raises(ValueError, match="ipc_window must be an int >= 0"):
+        GroupSpec("g", "ipc", "h", 1, 2, {"a": 1}, ipc_window=-1)
+    assert ipc_window_for("full") == 0 and ipc_window_for("bucketed") == IPC_WINDOW
 
 
 @BACKENDS
@@ -70,7 +79,8 @@ def test_the_senders_reserved_port_stays_taken_until_its_store_serves_the_group_
     port = sock.getsockname()[1]
     with socket.socket() as other, pytest.raises(OSError):  # no other process can take it meanwhile
         other.bind(("127.0.0.1", port))
-    (spec,) = form_specs(backend, [("127.0.0.1", port)], {"rep": 1}, timeout_s=20.0, group_prefix="reserved")
+    kind, window = _kind(backend)
+    (spec,) = form_specs(kind, [("127.0.0.1", port)], {"rep": 1}, timeout_s=20.0, group_prefix="reserved", ipc_window=window)
     with ThreadPoolExecutor(2) as pool:
         sender, receiver = pool.map(lambda r: join_as_sender(spec, sock) if r == 0 else CollectiveGroup.join(spec, r), (0, 1))
     assert sock.fileno() == -1  # the store owns the socket now
@@ -224,8 +234,48 @@ def test_an_ipc_sender_keeps_at_most_its_window_published_and_frees_every_bucket
         g.close()
 
 
-def test_an_ipc_receiver_that_stops_mid_push_fails_the_sender_at_once():
-    spec = _spec(receivers=2, timeout_s=60.0, backend="ipc")
+def test_a_whole_version_ipc_push_publishes_every_bucket_at_once_and_frees_them_after_the_last_stage():
+    """Window 0 (full staging): one record with every bucket, one acknowledgement per receiver
+    after it staged the last one; the receivers' buckets are views of what the sender published
+    (CPU: file mappings, which outlive the unlink), and nothing published outlives the push."""
+    spec = _spec(receivers=2, backend="ipc-whole")
+    sender, *receivers = _join_all(spec)
+    before = _bucket_files()
+    weights = {f"t{i}": torch.full((1024,), float(i)) for i in range(8)}  # 4 buckets
+    seen: dict[int, list[int]] = {}
+    got: dict[int, dict[str, torch.Tensor]] = {}
+
+    def receive(group):
+        seen[group.rank], got[group.rank] = [], {}
+        staged = []
+        for bucket, digests in receive_stream(group, time.monotonic() + 20):
+            assert digests == bucket_digests(bucket, "checksum")
+            seen[group.rank].append(len(_bucket_files() - before))
+            staged.append(bucket)  # kept as a staging worker keeps them, read after the push
+        got[group.rank] = {n: t.clone() for b in staged for n, t in unpack_bucket(b)}
+
+    keys = []
+    for _ in range(2):  # two pushes on the same group
+        threads = [threading.Thread(target=receive, args=(g,)) for g in receivers]
+        for th in threads:
+            th.start()
+        sent = send_stream(sender, iter(weights.items()), BUCKET_MB, verify="checksum", timeout_s=20)
+        for th in threads:
+            th.join(30)
+        assert sent.num_buckets == 4 and len(sent.host_copies.result()) == 4
+        assert all(s == [4, 4, 4, 4] for s in seen.values())  # the whole version was out before any was staged
+        assert _bucket_files() - before == set()  # freed once both receivers staged all of it
+        assert all(torch.equal(got[r][k], weights[k]) for r in got for k in weights)
+        assert combine_digests(sent.digests, "checksum") == tensor_fingerprint(weights, "checksum")
+        keys.append(sender._store.num_keys())
+    assert keys[0] == keys[1]  # the store does not grow with pushes
+    for g in (sender, *receivers):
+        g.close()
+
+
+@pytest.mark.parametrize("backend", ["ipc", "ipc-whole"])
+def test_an_ipc_receiver_that_stops_mid_push_fails_the_sender_at_once(backend):
+    spec = _spec(receivers=2, timeout_s=60.0, backend=backend)
     sender, good, bad = _join_all(spec)
     weights = {f"t{i}": torch.ones(1024) for i in range(16)}  # 8 buckets: the window stops the sender at the 4th
 
@@ -244,7 +294,8 @@ def test_an_ipc_receiver_that_stops_mid_push_fails_the_sender_at_once():
             send_stream(sender, iter(weights.items()), BUCKET_MB, verify="off", timeout_s=60)
         assert time.monotonic() - t0 < 30  # told through the store, not left to its 60 s deadline
         good_error, bad_error = (f.result(30) for f in futures)
-    assert isinstance(bad_error, ValueError) and isinstance(good_error, SenderAborted)
+    # window 2: the good receiver is told (abort); window 0: it had the whole version already
+    assert isinstance(bad_error, ValueError) and isinstance(good_error, SenderAborted if backend == "ipc" else type(None))
     assert sender.broken and bad.broken
 
 

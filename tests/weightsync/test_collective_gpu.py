@@ -13,7 +13,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrier, pushes: int) -> None:
+def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrier, pushes: int, step: mp.Barrier) -> None:
     from asyncrl.weightsync.fingerprint import bucket_digests, tensor_fingerprint
     from asyncrl.weightsync.bucket import unpack_bucket
     from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec, receive_stream, send_stream
@@ -26,21 +26,25 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
         for push in range(pushes):  # the same group carries every push (ipc: the same buffers)
             version = {n: t * (push + 1) for n, t in weights.items()}
             if rank == 0:
-                sent = send_stream(group, ((n, t.cuda()) for n, t in version.items()), 0.05, verify="checksum", timeout_s=60)
+                sent = send_stream(group, ((n, t.cuda()) for n, t in version.items()), 0.15, verify="checksum", timeout_s=60)
                 kept = sent.host_copies.result()  # pinned device-to-host copies, made while sending
                 host = {n: t for b in kept for n, t in unpack_bucket(b)}
                 ring = group._ring.nbytes if group._ring is not None else 0
                 out.put(("sent", push, sorted(sent.digests), sent.bytes, [b.nbytes for b in kept],
                          tensor_fingerprint(host, "full"), ring))
             else:
-                got = {}
+                got, staged = {}, []
                 for bucket, digests in receive_stream(group, time.monotonic() + 60):
                     assert bucket.buffer.is_cuda and bucket.buffer.device == device
                     assert digests == bucket_digests(bucket, "checksum")  # the sender's, computed on its copy
-                    got.update({n: t.cpu().clone() for n, t in unpack_bucket(bucket)})
+                    staged.append(bucket)
+                # read after the push, as a staging worker reads them at its commit (window 0:
+                # views of the sender's buffers, still intact)
+                got.update({n: t.cpu().clone() for b in staged for n, t in unpack_bucket(b)})
                 # A fingerprint, not the tensors: torch shares CPU tensors put on a queue by file
                 # descriptor, which fails once this process has exited.
                 out.put(("got", push, rank, sorted(got), tensor_fingerprint(got, "full"), len(group._opened)))
+            step.wait(120)  # the next push starts once this one was read (a commit, in the engines)
     except BaseException as exc:  # report, do not hang the parent
         out.put(("error", rank, f"{type(exc).__name__}: {exc}"))
     # The sender hosts the group's store: it leaves only after every receiver read the end marker
@@ -53,7 +57,8 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
         group.close()
 
 
-def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int, pushes: int = 1) -> tuple[dict, list, list]:
+def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int, pushes: int = 1,
+                       ipc_window: int = 2) -> tuple[dict, list, list]:
     """`pushes` pushes from a sender process to `receivers` processes (push k sends the weights
     times k + 1); (weights, sent reports, receiver reports)."""
     from dataclasses import asdict
@@ -61,14 +66,15 @@ def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int, pu
     from asyncrl.weightsync.collective import form_specs, free_port
 
     (spec,) = form_specs(backend, [("127.0.0.1", free_port("127.0.0.1"))], {"engine": receivers}, timeout_s=120,
-                         group_prefix=backend)
+                         group_prefix=backend, ipc_window=ipc_window)
     g = torch.Generator().manual_seed(seed)
     weights = {f"w{i}": torch.randn(256, 128 + i, generator=g).to(torch.bfloat16) for i in range(tensors)}
     weights["empty"] = torch.empty(0, 4)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    done = ctx.Barrier(receivers + 1)
-    procs = [ctx.Process(target=_member, args=(r, asdict(spec), weights, out, done, pushes)) for r in range(receivers + 1)]
+    done, step = ctx.Barrier(receivers + 1), ctx.Barrier(receivers + 1)
+    procs = [ctx.Process(target=_member, args=(r, asdict(spec), weights, out, done, pushes, step))
+             for r in range(receivers + 1)]
     for p in procs:
         p.start()
     results = []
@@ -102,14 +108,18 @@ def test_nccl_broadcast_moves_every_bucket_bit_exact_between_two_gpus():
     assert len(sent[0][4]) > 1  # several buckets went over the wire
 
 
-def test_ipc_hands_every_bucket_bit_exact_to_processes_sharing_the_gpu():
+@pytest.mark.parametrize("ipc_window", [2, 0])
+def test_ipc_hands_every_bucket_bit_exact_to_processes_sharing_the_gpu(ipc_window):
     """A sender and two receivers on GPU 0, in three processes: each bucket travels as a CUDA IPC
-    handle (keyed by the GPU's UUID) and each receiver copies it into its own device memory. The
-    second push packs into the same sender buffers, which the receivers opened once."""
-    weights, sent, received = _push_in_processes("ipc", receivers=2, seed=1, tensors=8, pushes=2)
+    handle (keyed by the GPU's UUID) and each receiver copies it into its own device memory
+    (window 2), or stages views of the sender's buffers, which hold the whole version (window 0).
+    The second push packs into the same sender buffers, which the receivers opened once."""
+    weights, sent, received = _push_in_processes("ipc", receivers=2, seed=1, tensors=8, pushes=2, ipc_window=ipc_window)
     _assert_delivered(weights, sent, received, receivers=2, pushes=2)
     assert len(sent[0][4]) > 2  # more buckets than the window: the sender waited for acknowledgements
     assert sent[0][6] == sent[1][6] > 0  # the second push allocated no new sender buffer
+    if ipc_window == 0:  # the whole version stays in the sender's buffers (the receivers' staging)
+        assert sent[0][6] >= sum(sent[0][4])
     for rank in (1, 2):
         opened = [r[5] for r in received if r[2] == rank]
         assert opened[0] == opened[1] > 0  # ... so the receivers opened no new handle

@@ -44,6 +44,30 @@ def test_every_bucket_is_kept_in_order_off_the_callers_thread():
     assert threads and all(name.startswith("asyncrl-host-keep") for name in threads)  # not the caller's
 
 
+def test_a_deferred_keep_starts_only_at_finish_and_still_keeps_everything_in_order():
+    """defer_keep (a whole-version ipc push): nothing is kept while the sender still waits on its
+    receivers; finish releases it."""
+    kept_at: list[float] = []
+
+    def keep(bucket):
+        kept_at.append(time.monotonic())
+        return bucket
+
+    copies = HostCopies(keep, None, deadline=time.monotonic() + 20, defer_keep=True)
+    for bucket in _buckets(5, "cpu"):
+        copies.add(bucket)
+    time.sleep(0.3)
+    assert kept_at == []  # held back
+    released = time.monotonic()
+    copies.finish()
+    kept = copies.result()
+    assert len(kept) == 3 and len(kept_at) == 3 and min(kept_at) >= released
+    assert all(torch.equal(t, model(5)[n]) for n, t in _unpacked(kept).items())
+    closed = HostCopies(keep, None, deadline=time.monotonic() + 20, defer_keep=True)
+    closed.add(_buckets(6, "cpu")[0])
+    assert closed.close(5.0)  # closing a deferred push never hangs
+
+
 def test_a_failing_keep_is_raised_by_result_and_by_the_next_add():
     calls = []
 

@@ -438,6 +438,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, WeightsyncConfig
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.weightsync.bucket import iter_unpacked
+    from asyncrl.weightsync.collective import ipc_window_for
     from asyncrl.weightsync.plan import ManifestEntry, hf_from_engine
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.replicas import ActorReplica
@@ -462,7 +463,9 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     async def join(wire):
         return await asyncio.gather(*(h.join_collective.remote(wire, cfg.timeout_s) for h in engines))
 
-    link = CollectiveLink(backend, group, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
+    # As the service forms it: full staging -> ipc stages views of the sender's buffers (window 0)
+    link = CollectiveLink(backend, group, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
+                          ipc_window=ipc_window_for(cfg.staging))
     pub = Publisher(cfg, transport=transport)
     replicas = [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)]
 
