@@ -102,8 +102,48 @@ class EngineActor:
     async def abort_update(self):
         return await self.replica.abort_update()
 
+    async def ping(self) -> None:
+        return None
+
+    async def profile(self, on: bool) -> str:
+        """cProfile of this actor's event loop (the replica's side of a push), on then off: its top entries."""
+        return _profile(self, on)
+
+    async def round_trips(self, n: int = 20) -> dict:
+        """Medians of this engine's own round trips (what a push's steps are made of): a worker
+        call (vLLM's collective_rpc) and a scheduler pause + resume."""
+        rpc, pause = [], []
+        for _ in range(n):
+            t = time.perf_counter()
+            await self.replica._rpc("asyncrl_collective_groups")
+            rpc.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await self.replica._pause_engine("keep")
+            await self.replica.llm.resume_generation()
+            pause.append(time.perf_counter() - t)
+        return {"engine_worker_rpc": statistics.median(rpc), "engine_pause_resume": statistics.median(pause)}
+
     def shutdown(self) -> None:
         self.replica.shutdown()
+
+
+def _profile(owner, on: bool) -> str:
+    """Start (on) or stop a cProfile of the calling thread, kept on `owner`; stopping returns the
+    top entries by own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    if on:
+        owner._prof = cProfile.Profile()
+        owner._prof.enable()
+        return ""
+    owner._prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(owner._prof, stream=out)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(40)
+    return out.getvalue()
 
 
 class Sink:
@@ -181,17 +221,32 @@ class Sender:
         g = torch.Generator(device=self.device).manual_seed(seed)
         self.weights = {n: t + 1e-3 * torch.randn(t.shape, generator=g, device=self.device, dtype=t.dtype)
                         for n, t in self.base.items()}
+        if self.device.type == "cuda":  # a finished training step: its kernels are not the push's
+            torch.cuda.synchronize(self.device)
 
     def set_plan(self, plan) -> None:
         import pickle
 
         self.plan = pickle.loads(plan) if plan is not None else None
 
+    def profile_next_send(self) -> None:
+        self.profiling = True
+
+    def profiled(self) -> str:
+        return getattr(self, "profile_text", "")
+
     def send(self, bucket_mb: float, verify: str, timeout_s: float) -> dict:
         import ray
 
         from asyncrl.weightsync.collective import send_stream
 
+        if getattr(self, "profiling", False):
+            self.profiling = False
+            _profile(self, True)
+            try:
+                return self.send(bucket_mb, verify, timeout_s)
+            finally:
+                self.profile_text = _profile(self, False)
         sent = send_stream(self.group, iter(self.weights.items()), bucket_mb, verify=verify, timeout_s=timeout_s,
                            keep=ray.put, plan=getattr(self, "plan", None))
         self.copies = sent.host_copies
@@ -201,6 +256,32 @@ class Sender:
     def take(self, timeout_s: float) -> tuple[list, dict]:
         copies, self.copies = self.copies, None
         return copies.result(time.monotonic() + timeout_s), dict(copies.seconds)
+
+    def device_floors(self, nbytes: int, repeats: int = 5) -> dict:
+        """Medians on this device for `nbytes` in 64 MiB buckets: one copy of them, and their
+        checksums (the Triton kernel `verify: checksum` runs on both sides of a push)."""
+        import torch
+
+        from asyncrl.weightsync.checksum import segment_checksums
+
+        if self.device.type != "cuda":
+            return {}
+        chunk = 64 << 20
+        bufs = [torch.empty(min(chunk, nbytes - o), dtype=torch.uint8, device=self.device) for o in range(0, nbytes, chunk)]
+        outs = [torch.empty_like(b) for b in bufs]
+        copy, check = [], []
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize(self.device)
+            t = time.perf_counter()
+            for src, dst in zip(bufs, outs):
+                dst.copy_(src)
+            torch.cuda.synchronize(self.device)
+            copy.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            for b in bufs:
+                segment_checksums(b, [(0, int(b.numel()))])
+            check.append(time.perf_counter() - t)
+        return {"device_copy": statistics.median(copy[1:]), "device_checksum": statistics.median(check[1:])}
 
     def raw_join(self, spec: dict, sizes: list[int]) -> list[int]:
         """Join the raw group and hold buffers of the push's bucket sizes (the same bytes)."""
@@ -321,7 +402,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
 
     from asyncrl.config import WeightsyncConfig
     from asyncrl.weightsync.bucket import iter_buckets
-    from asyncrl.weightsync.collective import form_specs
+    from asyncrl.weightsync.collective import form_specs, ipc_window_for
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.registry import VersionRegistry
     from asyncrl.weightsync.replicas import ActorReplica
@@ -358,7 +439,8 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
             async def join(wire):
                 return await asyncio.gather(*(a.join_collective.remote(wire) for a in actors))
 
-            link = CollectiveLink(kind, SenderAsLearner(sender), members=members, join=join, bucket_mb=bucket_mb, timeout_s=600)
+            link = CollectiveLink(kind, SenderAsLearner(sender), members=members, join=join, bucket_mb=bucket_mb, timeout_s=600,
+                                  ipc_window=ipc_window_for(cfg.staging))
         push, tails, metrics = [], [], []
         for i in range(repeats + 1):  # the first push of each transport is a warm-up (and forms groups), not timed
             version += 1
@@ -380,6 +462,28 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
                 push.append(live - t)
                 tails.append(time.perf_counter() - live)
                 metrics.append({**result.metrics, **tail})
+        profile_dir = os.environ.get("ASYNCRL_PROFILE_DIR")
+        if profile_dir and link is not None:  # one more push, profiled (sender, replica, this driver), not timed
+            import cProfile
+            import io
+            import pstats
+
+            version += 1
+            await sender.perturb.remote(version)
+            await sender.profile_next_send.remote()
+            await actors[0].profile.remote(True)
+            prof = cProfile.Profile()
+            prof.enable()
+            await pub.publish_streamed(version, link.send, link.payload, clients, prepare=link.ensure,
+                                       plan_id=None if plan is None else plan.plan_id)
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+            await pub.drain()
+            Path(profile_dir).mkdir(parents=True, exist_ok=True)
+            Path(profile_dir, f"profile_{name}_{kind}.txt").write_text(
+                "== sender\n" + await sender.profiled.remote() + "\n== replica actor\n"
+                + await actors[0].profile.remote(False) + "\n== driver (publisher)\n" + text.getvalue())
         runs[kind] = (push, tails, metrics)
         if hasattr(transport, "close"):
             transport.close()
@@ -424,6 +528,15 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
                 if v:
                     raw[variant].append(time.perf_counter() - t)
 
+    floors = await actors[0].round_trips.remote()
+    pings = []
+    for _ in range(20):
+        t = time.perf_counter()
+        await actors[0].ping.remote()
+        pings.append(time.perf_counter() - t)
+    floors["ray_actor_call"] = statistics.median(pings)
+    if sender is not None:
+        floors.update(await sender.device_floors.remote(int(sum(t.numel() * t.element_size() for t in same.values()))))
     ray.get([a.shutdown.remote() for a in actors])
     for a in actors + sinks + gpu_sinks + ([sender] if sender is not None else []):
         ray.kill(a)
@@ -438,9 +551,16 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
         reload_s = med([max((v for k, v in m.items() if k.startswith("weightsync/replica/") and k.endswith("/reload_seconds")),
                             default=0.0) for m in metrics])
         breakdown["engine_reload"] = reload_s
+        for part in ("pause_call", "apply_rpc", "relabel", "resume_call"):  # inside the engine's commit
+            breakdown[f"engine_{part}"] = med([max((v for k, v in m.items() if k.startswith("weightsync/replica/")
+                                                    and k.endswith(f"/{part}_seconds")), default=0.0) for m in metrics])
         if kind in collective:
             breakdown.update({f"sender_{k}": key(f"weightsync/sender/{k}_seconds")
-                              for k in ("pack", "broadcast", "host_copy", "hash", "host_copy_thread_copy", "host_copy_thread_keep")})
+                              for k in ("pack", "broadcast", "host_copy", "hash", "host_copy_thread_copy", "host_copy_thread_keep",
+                                        "prepare", "call", "receivers_after")})
+        for step in ("begin_update", "load_bucket", "commit_update"):  # as the publisher timed each replica's call
+            breakdown[f"replica_{step}"] = med([max((v for k, v in m.items() if k.startswith("weightsync/replica/")
+                                                     and k.endswith(f"/{step}_seconds")), default=0.0) for m in metrics])
         row = {
             "model": name, "transport": kind, "verify": verify, "staging": staging,
             "apply_path": "direct" if key("weightsync/apply_direct") == 1.0 else "reload",
@@ -454,6 +574,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
             "raw_seconds": med(floor), "raw_gbps": nbytes / med(floor) / 1e9, "push_over_raw": med(push) / med(floor),
             "paused_over_raw": breakdown["paused"] / med(floor),
             "breakdown_seconds": breakdown,
+            "round_trip_seconds": floors,  # medians of the calls a push is made of
         }
         if kind == "ipc":
             cached = med(raw["ipc_cached"])
