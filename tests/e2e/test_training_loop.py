@@ -41,9 +41,10 @@ def _config(run_dir: Path, port: int) -> dict:
     }
 
 
-def _run(ray_session, demo_model_path: Path, run_dir: Path, **sections: dict) -> dict:
+def _run(ray_session, demo_model_path: Path, run_dir: Path, during=None, **sections: dict) -> dict:
     """Deploy the app, poll the HTTP API until training ends, return what was observed.
-    `sections` update the config's sections (e.g. algorithm={...})."""
+    `sections` update the config's sections (e.g. algorithm={...}); `during(seen)` runs after
+    every poll (a fault to inject)."""
     from ray import serve
 
     from asyncrl.app import build_app
@@ -70,9 +71,12 @@ def _run(ray_session, demo_model_path: Path, run_dir: Path, **sections: dict) ->
                 continue
             if status.status_code == 200:
                 seen["statuses"].append(status.json())
+            seen.setdefault("answers", []).append((time.monotonic(), gen.status_code))
             if gen.status_code == 200:
                 body = gen.json()["completions"][0]
                 seen["versions"].append((int(gen.headers["x-asyncrl-weight-version"].split(",")[-1]), body["versions"]))
+            if during is not None:
+                during(seen)
             if seen["statuses"] and seen["statuses"][-1]["state"] in ("finished", "failed"):
                 break
             time.sleep(1)
@@ -90,6 +94,20 @@ def _run(ray_session, demo_model_path: Path, run_dir: Path, **sections: dict) ->
 
 
 OURS = ("VLLM::EngineCore", "VLLM::Worker", "ray::LearnerRank", "ray::ServeReplica")
+
+
+def _engine_cores(since: float) -> list[int]:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline", "create_time", "status"]):
+        try:
+            if (p.info["create_time"] >= since and p.info["status"] != psutil.STATUS_ZOMBIE
+                    and "VLLM::EngineCore" in " ".join(p.info["cmdline"] or [])):
+                out.append(p.pid)
+        except psutil.Error:
+            continue
+    return out
 
 
 def _ours_left(since: float, within_s: float) -> list[str]:
@@ -192,3 +210,41 @@ def test_ppo_with_critic_and_reference_kl(ray_session, demo_model_path, tmp_path
     assert all(math.isfinite(m["critic/vf_loss"]) and m["critic/skipped_steps"] == 0 for m in metrics)
     assert metrics[1]["actor/kl_loss_share"] > 0  # the policy moved away from the reference
     assert (tmp_path / "ckpt" / "step_000002" / "critic").is_dir()
+
+
+def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_session, demo_model_path, tmp_path):
+    """kill -9 of the vLLM engine core while the demo trains (one engine replica): Serve replaces
+    the replica, the new one loads the live version before it serves, the rollouts that were in
+    flight are retried or counted as failed, and training runs to its end, >= 10 steps after the
+    kill, with every generated sample accounted for; the API answers again after the fault."""
+    import os
+    import signal
+
+    started = time.time()
+    total = 13
+    fault: dict = {}
+
+    def kill_the_engine(seen: dict) -> None:
+        if fault or not seen["statuses"] or seen["statuses"][-1]["step"] < 2:
+            return
+        (pid,) = _engine_cores(started)  # one replica, one engine core
+        os.kill(pid, signal.SIGKILL)
+        fault.update(pid=pid, at=time.monotonic(), step=seen["statuses"][-1]["step"])
+
+    seen = _run(ray_session, demo_model_path, tmp_path, during=kill_the_engine,
+                trainer={"total_steps": total, "eval_interval_steps": 0, "rollout_timeout_s": 120},
+                checkpoint={"interval_steps": 0}, weightsync={"recovery_s": 600})
+    final = seen["statuses"][-1]
+    assert fault, "the run ended before the fault could be injected"
+    assert final["state"] == "finished", final
+    assert final["step"] == final["policy_version"] == total and total - fault["step"] >= 10
+    b = final["buffer"]
+    assert b["buffer/trained"] == total * 16
+    assert b["buffer/generated"] == b["buffer/trained"] + b["buffer/dropped_stale"] + b["buffer/dropped_invalid"] + b["buffer/dropped_filtered"] + b["buffer/dropped_failed"] + b["buffer/waiting"]
+    # The API answered after the fault (a new engine, on the live weights), and ended on the last version.
+    assert any(code == 200 and t > fault["at"] for t, code in seen["answers"])
+    assert seen["openai_status"] == 200 and seen["openai_header"] == str(total)
+    metrics = _steps(_lines(tmp_path / "metrics.jsonl"))
+    assert [m["step"] for m in metrics] == list(range(1, total + 1))
+    assert [m["weightsync/version"] for m in metrics] == list(range(1, total + 1))  # every version published once, in order
+    assert seen["left_after_shutdown"] == [], seen["left_after_shutdown"]
