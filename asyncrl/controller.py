@@ -32,6 +32,20 @@ def accounting_line(buffer_metrics: dict[str, float], keys: tuple[str, ...] = AC
     return sep.join(f"{k.removeprefix('buffer/')}={buffer_metrics[k]:g}" for k in keys if k in buffer_metrics)
 
 
+def learner_failure(err: BaseException) -> BaseException | None:
+    """The `LearnerRankError` behind `err` (its cause / context chain), if a learner rank failed."""
+    from asyncrl.learner.group import LearnerRankError
+
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        if isinstance(e, LearnerRankError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 class BatchTimeout(RuntimeError):
     """The learner waited `trainer.batch_timeout_s` for a batch that did not fill."""
 
@@ -49,6 +63,7 @@ class Trainer:
         self.eval_history: list[tuple[int, float]] = []
         self._stop = asyncio.Event()  # a drain asked the loop to end after the step in progress
         self._started = time.time()
+        self.restarts = 0  # learner restarts so far (trainer.max_restarts)
 
     async def run(self) -> None:
         # Dataflow (what each loop consumes / produces / waits for):
@@ -74,16 +89,13 @@ class Trainer:
                 if batch is None:  # stopped while waiting for it
                     break
                 t0 = time.monotonic()
-                metrics = await p.placement.to_learner()
-                metrics |= await self._learn(batch)
-                t1 = time.monotonic()
-                metrics |= await p.placement.to_engines(lambda: p.publish(self.version + 1))
+                metrics, t1 = await self._train_and_publish(batch)
                 self.version += 1
                 metrics |= {"time/train_s": t1 - t0, "time/sync_s": time.monotonic() - t1}
                 if cfg.checkpoint.interval_steps and self.version % cfg.checkpoint.interval_steps == 0:
                     # Before set_version admits new rollouts: with eta = 0 nothing is running,
                     # so the saved prompt position is exactly where the resumed run continues.
-                    await p.save_checkpoint(self.version)
+                    await self._save_checkpoint()
                 await p.buffer.set_version.remote(self.version)
                 if cfg.trainer.eval_interval_steps and self.version % cfg.trainer.eval_interval_steps == 0:
                     metrics |= await self._evaluate()
@@ -102,6 +114,45 @@ class Trainer:
         finally:
             stop.set()
             await asyncio.gather(rollouts, return_exceptions=True)
+
+    async def _train_and_publish(self, batch: Any) -> tuple[dict[str, Any], float]:
+        """One update on `batch` and its push as version + 1; returns its metrics and when the
+        update ended. A learner rank that fails meanwhile (`LearnerRankError`, also from inside a
+        push) restarts the learner groups from the last complete checkpoint and redoes the step on
+        the same batch, up to `trainer.max_restarts` times per run; nothing was published for it."""
+        p = self.p
+        while True:
+            try:
+                metrics = await p.placement.to_learner()
+                metrics |= await self._learn(batch)
+                t1 = time.monotonic()
+                metrics |= await p.placement.to_engines(lambda: p.publish(self.version + 1))
+                metrics["trainer/learner_restarts"] = float(self.restarts)
+                return metrics, t1
+            except Exception as err:
+                await self._restart_learner_or_raise(err, f"redoing the step after version {self.version}")
+
+    async def _save_checkpoint(self) -> None:
+        """The checkpoint of this version; a learner rank that fails while writing it restarts the
+        learner (as in a step) and this checkpoint is skipped: the restarted learner holds an
+        older checkpoint's state, not this version's (the next one is saved as usual)."""
+        try:
+            await self.p.save_checkpoint(self.version)
+        except Exception as err:
+            await self._restart_learner_or_raise(err, f"skipping the checkpoint of version {self.version}")
+
+    async def _restart_learner_or_raise(self, err: Exception, then: str) -> None:
+        """Re-raise `err` unless a learner rank failed and `trainer.max_restarts` allows another
+        restart; else start the learner groups again from the last complete checkpoint."""
+        failed = learner_failure(err)
+        if failed is None or self._stop.is_set() or self.restarts >= self.cfg.trainer.max_restarts:
+            raise err
+        self.restarts += 1
+        log.warning("%s; restarting the learner (%d of trainer.max_restarts=%d), %s; the engines keep serving "
+                    "version %d", failed, self.restarts, self.cfg.trainer.max_restarts, then, self.version)
+        restored = await self.p.restart_learners(self.version)
+        log.info("learner restarted from %s", f"the checkpoint of version {restored}" if restored is not None
+                 else "the model's initial weights")
 
     def request_stop(self) -> None:
         """End the loop at the next step boundary: a step in progress (its update and push) finishes,
@@ -182,6 +233,7 @@ class Trainer:
             "eval_history": self.eval_history,
             "buffer": {k: v for k, v in self.last_metrics.items() if k.startswith("buffer/")},
             "elapsed_s": time.time() - self._started,
+            "learner_restarts": self.restarts,
             "metrics": {k: v for k, v in self.last_metrics.items() if isinstance(v, (int, float))},
         }
 

@@ -210,6 +210,43 @@ class TrainerParts:
         log.info("resumed from %s at version %d", path, self.start_version)
         return self.start_version
 
+    async def restart_learners(self, version: int) -> int | None:
+        """Start the learner groups again after a rank failed, with the learner state of the last
+        complete checkpoint; the buffer, the prompt stream and the engines (serving `version`)
+        keep theirs. Returns that checkpoint's version, or None before the first publication (the
+        engines serve the initial weights, which the new groups load)."""
+        from asyncrl.generator.control import EngineControl
+        from asyncrl.learner.group import LearnerGroup
+
+        cfg = self.cfg
+        if cfg.hybrid.enabled:
+            raise RuntimeError("trainer.max_restarts: restarting the learner is not supported with hybrid placement "
+                               "(the engines and the learner share its devices)")
+        done = complete_checkpoints(Path(cfg.checkpoint.dir)) if cfg.checkpoint.interval_steps else []
+        if not done and version > 0:
+            raise RuntimeError(f"trainer.max_restarts: no complete checkpoint under {cfg.checkpoint.dir} to restart the "
+                               f"learner from (the engines serve version {version}); set checkpoint.interval_steps")
+        for g in (self.actor, self.reference, self.critic):
+            if g is not None:
+                with contextlib.suppress(Exception):  # its ranks may be dead already
+                    await g.shutdown()
+        actor = LearnerGroup("actor", cfg.model, cfg.learner, cfg.algorithm, cfg.profiler)
+        reference = LearnerGroup("reference", cfg.model, cfg.learner, cfg.algorithm) if self.reference is not None else None
+        critic = LearnerGroup("critic", cfg.model, cfg.learner, cfg.algorithm) if self.critic is not None else None
+        await asyncio.gather(*(g.start() for g in (actor, reference, critic) if g is not None))
+        self.actor, self.reference, self.critic = actor, reference, critic
+        self.placement = build_placement(cfg.hybrid, EngineControl(self.engine), actor, [reference, critic])
+        await self.placement.start()
+        restored = None
+        if done:
+            path = done[-1]
+            await actor.load_checkpoint(str(path / "actor"))
+            if critic is not None:
+                await critic.load_checkpoint(str(path / "critic"))
+            restored = int(json.loads((path / CHECKPOINT_STATE).read_text())["version"])
+        await self.weights.rebind_learner(actor)
+        return restored
+
     async def close(self) -> None:
         with contextlib.suppress(Exception):  # the last version's host copy: its keeper reads learner memory
             await self.weights.drain()

@@ -181,6 +181,18 @@ class WeightPublisher:
         else:
             log.info("weightsync: pushes carry HF tensors and engines reload them (%s)", problem)
 
+    async def rebind_learner(self, learner: Any) -> None:
+        """A restarted learner group takes the old one's place: it packs for the same push plan
+        (same model, same manifest), and the broadcast groups are formed again with its ranks at
+        the next push. The live version's host copy stays as it is."""
+        import pickle
+
+        self.learner = learner
+        if self.link is not None:
+            self.link.learner = learner
+            self.link.specs, self.link.members = [], {}
+        await learner.set_push_plan(pickle.dumps(self.plan) if self.plan is not None else None)
+
     async def publish(self, version: int) -> dict[str, float]:
         """Push the learner's current weights as `version`; returns the push metrics.
 
