@@ -96,14 +96,15 @@ def _run(ray_session, demo_model_path: Path, run_dir: Path, during=None, **secti
 OURS = ("VLLM::EngineCore", "VLLM::Worker", "ray::LearnerRank", "ray::ServeReplica")
 
 
-def _engine_cores(since: float) -> list[int]:
+def _pids(since: float, marker: str) -> list[int]:
+    """Live processes started since `since` whose command line holds `marker`."""
     import psutil
 
     out = []
     for p in psutil.process_iter(["cmdline", "create_time", "status"]):
         try:
             if (p.info["create_time"] >= since and p.info["status"] != psutil.STATUS_ZOMBIE
-                    and "VLLM::EngineCore" in " ".join(p.info["cmdline"] or [])):
+                    and marker in " ".join(p.info["cmdline"] or [])):
                 out.append(p.pid)
         except psutil.Error:
             continue
@@ -227,7 +228,7 @@ def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_sess
     def kill_the_engine(seen: dict) -> None:
         if fault or not seen["statuses"] or seen["statuses"][-1]["step"] < 2:
             return
-        (pid,) = _engine_cores(started)  # one replica, one engine core
+        (pid,) = _pids(started, "VLLM::EngineCore")  # one replica, one engine core
         os.kill(pid, signal.SIGKILL)
         fault.update(pid=pid, at=time.monotonic(), step=seen["statuses"][-1]["step"])
 
@@ -250,20 +251,6 @@ def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_sess
     assert seen["left_after_shutdown"] == [], seen["left_after_shutdown"]
 
 
-def _learner_ranks(since: float) -> list[int]:
-    import psutil
-
-    out = []
-    for p in psutil.process_iter(["cmdline", "create_time", "status"]):
-        try:
-            if (p.info["create_time"] >= since and p.info["status"] != psutil.STATUS_ZOMBIE
-                    and "ray::LearnerRank" in " ".join(p.info["cmdline"] or [])):
-                out.append(p.pid)
-        except psutil.Error:
-            continue
-    return out
-
-
 def _kill_a_learner_rank_after(step: int, started: float, fault: dict):
     import os
     import signal
@@ -271,7 +258,7 @@ def _kill_a_learner_rank_after(step: int, started: float, fault: dict):
     def kill(seen: dict) -> None:
         if fault or not seen["statuses"] or seen["statuses"][-1]["step"] < step:
             return
-        ranks = _learner_ranks(started)
+        ranks = _pids(started, "ray::LearnerRank")
         if ranks:
             os.kill(ranks[0], signal.SIGKILL)
             fault.update(pid=ranks[0], at=time.monotonic(), step=seen["statuses"][-1]["step"])

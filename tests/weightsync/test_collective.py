@@ -49,6 +49,17 @@ def _spec(receivers=2, timeout_s=20.0, gid="g", backend="gloo") -> GroupSpec:
     return spec
 
 
+def _push_while_receiving(sender: CollectiveGroup, receivers: list[CollectiveGroup], receive, weights: dict, verify: str):
+    """One push of `weights` from `sender` while each receiver runs `receive(group)` in a thread."""
+    threads = [threading.Thread(target=receive, args=(g,)) for g in receivers]
+    for t in threads:
+        t.start()
+    sent = send_stream(sender, iter(weights.items()), BUCKET_MB, verify=verify, timeout_s=20)
+    for t in threads:
+        t.join(30)
+    return sent
+
+
 def _join_all(spec: GroupSpec) -> list[CollectiveGroup]:
     with ThreadPoolExecutor(spec.world_size) as pool:
         return list(pool.map(lambda r: CollectiveGroup.join(spec, r), range(spec.world_size)))
@@ -133,12 +144,7 @@ def test_every_receiver_gets_every_bucket_bit_exact_and_the_sender_keeps_host_co
             out.update({n: t.clone() for n, t in unpack_bucket(bucket)})
         got[group.rank] = out
 
-    threads = [threading.Thread(target=receive, args=(g,)) for g in receivers]
-    for t in threads:
-        t.start()
-    sent = send_stream(sender, iter(weights.items()), BUCKET_MB, verify="full", timeout_s=20)
-    for t in threads:
-        t.join(30)
+    sent = _push_while_receiving(sender, receivers, receive, weights, "full")
     assert sorted(got) == [1, 2]
     for out in got.values():
         assert out.keys() == weights.keys() and all(torch.equal(out[k], weights[k]) for k in weights)
@@ -256,12 +262,7 @@ def test_a_whole_version_ipc_push_publishes_every_bucket_at_once_and_frees_them_
 
     keys = []
     for _ in range(2):  # two pushes on the same group
-        threads = [threading.Thread(target=receive, args=(g,)) for g in receivers]
-        for th in threads:
-            th.start()
-        sent = send_stream(sender, iter(weights.items()), BUCKET_MB, verify="checksum", timeout_s=20)
-        for th in threads:
-            th.join(30)
+        sent = _push_while_receiving(sender, receivers, receive, weights, "checksum")
         assert sent.num_buckets == 4 and len(sent.host_copies.result()) == 4
         assert all(s == [4, 4, 4, 4] for s in seen.values())  # the whole version was out before any was staged
         assert _bucket_files() - before == set()  # freed once both receivers staged all of it
