@@ -158,7 +158,7 @@ def ipc_open(handle: dict[str, Any], metas: list[TensorMeta], nbytes: int, devic
     target = device if device.type == "cuda" else torch.device("cuda", local[0])
     with torch.cuda.device(local[0]):
         # An already opened storage is reused (the sender's event is waited on only at the first
-        # open: the sender synchronised before publishing).
+        # open: the sender waits for its pack to complete before it publishes a handle).
         shared = rebuild_cuda_tensor(*args)
         if opened is not None:  # keep the storage alive, so the next push's handle to it needs no new open
             opened[(args[7], args[9])] = shared
@@ -247,6 +247,10 @@ def ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, A
                 done, kept, done_copy = published.popleft()
                 _wait_acks(group, done, deadline)
                 _retire(group, done, kept, done_copy, deadline)
+            if verify == "off" and group.device.type == "cuda":
+                # (any other mode read the digests back, which waited for the pack) a receiver that
+                # opened this buffer at an earlier push waits on no event: the bytes must be complete
+                torch.cuda.current_stream(group.device).synchronize()
             handle, kept = ipc_export(bucket)
             store.set(_key(group, f"b{k}"), pickle.dumps({"kind": BUCKET, "handle": handle, "nbytes": bucket.nbytes,
                                                           "table": encode_table(bucket, digests)}))
