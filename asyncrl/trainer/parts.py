@@ -58,6 +58,21 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [found[k] for k in sorted(found)]
 
 
+async def _start_learners(cfg: RootConfig, engine: Any) -> tuple[Any, Any, Any, Any]:
+    """The run's learner groups (actor; reference and critic where the algorithm needs them),
+    started, and their placement beside the engines."""
+    from asyncrl.generator.control import EngineControl
+    from asyncrl.learner.group import LearnerGroup
+
+    actor = LearnerGroup("actor", cfg.model, cfg.learner, cfg.algorithm, cfg.profiler)
+    reference = LearnerGroup("reference", cfg.model, cfg.learner, cfg.algorithm) if needs_reference(cfg.algorithm) else None
+    critic = LearnerGroup("critic", cfg.model, cfg.learner, cfg.algorithm) if cfg.algorithm.name == "ppo" else None
+    await asyncio.gather(*(g.start() for g in (actor, reference, critic) if g is not None))
+    placement = build_placement(cfg.hybrid, EngineControl(engine), actor, [reference, critic])
+    await placement.start()
+    return actor, reference, critic, placement
+
+
 @dataclass
 class TrainerParts:
     """The started components of a run. `TrainerParts.create` starts them; `close` stops them."""
@@ -98,7 +113,6 @@ class TrainerParts:
 
         from asyncrl.buffer.actor import BufferActor
         from asyncrl.generator.control import EngineControl
-        from asyncrl.learner.group import LearnerGroup
         from asyncrl.rewards import RewardPool
         from asyncrl.weightsync.service import WeightPublisher
 
@@ -108,13 +122,8 @@ class TrainerParts:
         train, held_out = load_prompts(cfg.data)
         buffer = BufferActor.remote(cfg.buffer)
         rewards = RewardPool(cfg.reward)
-        actor = LearnerGroup("actor", cfg.model, cfg.learner, cfg.algorithm, cfg.profiler)
-        reference = LearnerGroup("reference", cfg.model, cfg.learner, cfg.algorithm) if needs_reference(cfg.algorithm) else None
-        critic = LearnerGroup("critic", cfg.model, cfg.learner, cfg.algorithm) if cfg.algorithm.name == "ppo" else None
-        await asyncio.gather(*(g.start() for g in (actor, reference, critic) if g is not None))
         # Hybrid: the learner's state goes to host before the first export (which holds the params itself).
-        placement = build_placement(cfg.hybrid, EngineControl(engine), actor, [reference, critic])
-        await placement.start()
+        actor, reference, critic, placement = await _start_learners(cfg, engine)
         weights = WeightPublisher(cfg.weightsync, engine=EngineControl(engine), learner=actor, hybrid=cfg.hybrid.enabled,
                                   on_gpu=cfg.learner.num_gpus_per_rank > 0)
         await weights.start(initial_version=0)
@@ -198,10 +207,7 @@ class TrainerParts:
         if not done:
             return None
         path = done[-1]
-        state = json.loads((path / CHECKPOINT_STATE).read_text())
-        await self.actor.load_checkpoint(str(path / "actor"))
-        if self.critic:
-            await self.critic.load_checkpoint(str(path / "critic"))
+        state = await self._load_learner_state(path)
         await self.buffer.load_state_dict.remote(torch.load(path / "buffer.pt", weights_only=False), drop_running=True)
         self.stream.load_state_dict(state["stream"])
         self.start_version = state["version"]
@@ -215,9 +221,6 @@ class TrainerParts:
         complete checkpoint; the buffer, the prompt stream and the engines (serving `version`)
         keep theirs. Returns that checkpoint's version, or None before the first publication (the
         engines serve the initial weights, which the new groups load)."""
-        from asyncrl.generator.control import EngineControl
-        from asyncrl.learner.group import LearnerGroup
-
         cfg = self.cfg
         if cfg.hybrid.enabled:
             raise RuntimeError("trainer.max_restarts: restarting the learner is not supported with hybrid placement "
@@ -230,22 +233,17 @@ class TrainerParts:
             if g is not None:
                 with contextlib.suppress(Exception):  # its ranks may be dead already
                     await g.shutdown()
-        actor = LearnerGroup("actor", cfg.model, cfg.learner, cfg.algorithm, cfg.profiler)
-        reference = LearnerGroup("reference", cfg.model, cfg.learner, cfg.algorithm) if self.reference is not None else None
-        critic = LearnerGroup("critic", cfg.model, cfg.learner, cfg.algorithm) if self.critic is not None else None
-        await asyncio.gather(*(g.start() for g in (actor, reference, critic) if g is not None))
-        self.actor, self.reference, self.critic = actor, reference, critic
-        self.placement = build_placement(cfg.hybrid, EngineControl(self.engine), actor, [reference, critic])
-        await self.placement.start()
-        restored = None
-        if done:
-            path = done[-1]
-            await actor.load_checkpoint(str(path / "actor"))
-            if critic is not None:
-                await critic.load_checkpoint(str(path / "critic"))
-            restored = int(json.loads((path / CHECKPOINT_STATE).read_text())["version"])
-        await self.weights.rebind_learner(actor)
+        self.actor, self.reference, self.critic, self.placement = await _start_learners(cfg, self.engine)
+        restored = int((await self._load_learner_state(done[-1]))["version"]) if done else None
+        await self.weights.rebind_learner(self.actor)
         return restored
+
+    async def _load_learner_state(self, path: Path) -> dict[str, Any]:
+        """Load checkpoint `path`'s trainable roles into the learner groups; returns its trainer state."""
+        await self.actor.load_checkpoint(str(path / "actor"))
+        if self.critic:
+            await self.critic.load_checkpoint(str(path / "critic"))
+        return json.loads((path / CHECKPOINT_STATE).read_text())
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):  # the last version's host copy: its keeper reads learner memory
