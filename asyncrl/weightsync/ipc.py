@@ -31,7 +31,7 @@ import pickle
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -268,24 +268,38 @@ def ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, A
         out.seconds["broadcast"] += time.perf_counter() - t
         copies.finish()
     except BaseException as err:
-        copies.close()
-        try:  # receivers stop at once instead of at their deadline (before any handle they may hold is freed)
-            store.set(_key(group, "aborted"), b"1")
-            store.set(_key(group, f"b{k}"), pickle.dumps({"kind": ABORT}))
-        except Exception:
-            pass
+        # (before any handle the receivers may hold is freed)
+        _abort_send(group, copies, f"b{k}", [_key(group, f"{w}{j}") for j in range(k + 1) for w in "ba"])
         for _, kept, _ in published:
             _ipc_free(kept)
-        group._leftover += [_key(group, f"{w}{j}") for j in range(k + 1) for w in "ba"]
-        if export.failed or not isinstance(err, Exception):
-            raise  # the protocol stayed in step (receivers read the abort): the group carries the next push
-        # The channel failed (a receiver failed or missed the deadline): broken, but the store this
-        # rank hosts stays up until the group is left, so the other receivers can still read the abort.
-        group.broken = True
-        if isinstance(err, CollectiveError):
-            raise
-        raise CollectiveError(f"group {group.spec.group_id} rank 0: ipc send failed: {type(err).__name__}: {err}") from err
+        _raise_send_failure(group, err, export)
     return out
+
+
+def _abort_send(group: CollectiveGroup, copies: Any, at: str, leftover: list[str], keep_published: bool = False) -> None:
+    """A push failed on the sender: drop its host copies and tell the receivers at once (an abort
+    record at key `at`, unless `keep_published` and a record is there already) instead of at their
+    deadline; the push's keys go when the next push starts."""
+    copies.close()
+    store = group._store
+    try:
+        store.set(_key(group, "aborted"), b"1")
+        if not (keep_published and store.check([_key(group, at)])):
+            store.set(_key(group, at), pickle.dumps({"kind": ABORT}))
+    except Exception:  # the store is gone too
+        pass
+    group._leftover += leftover
+
+
+def _raise_send_failure(group: CollectiveGroup, err: BaseException, export: Export) -> NoReturn:
+    if export.failed or not isinstance(err, Exception):
+        raise err  # the protocol stayed in step (receivers read the abort): the group carries the next push
+    # The channel failed (a receiver failed or missed the deadline): broken, but the store this
+    # rank hosts stays up until the group is left, so the other receivers can still read the abort.
+    group.broken = True
+    if isinstance(err, CollectiveError):
+        raise err
+    raise CollectiveError(f"group {group.spec.group_id} rank 0: ipc send failed: {type(err).__name__}: {err}") from err
 
 
 def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *, verify: str,
@@ -334,20 +348,8 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
         out.seconds["broadcast"] += time.perf_counter() - t
         copies.finish()
     except BaseException as err:
-        copies.close()
-        try:  # receivers stop at once instead of at their deadline
-            store.set(_key(group, "aborted"), b"1")
-            if not store.check([_key(group, "b0")]):
-                store.set(_key(group, "b0"), pickle.dumps({"kind": ABORT}))
-        except Exception:
-            pass
-        group._leftover += [_key(group, w) for w in ("b0", "a0")]
-        if export.failed or not isinstance(err, Exception):
-            raise
-        group.broken = True
-        if isinstance(err, CollectiveError):
-            raise
-        raise CollectiveError(f"group {group.spec.group_id} rank 0: ipc send failed: {type(err).__name__}: {err}") from err
+        _abort_send(group, copies, "b0", [_key(group, w) for w in ("b0", "a0")], keep_published=True)
+        _raise_send_failure(group, err, export)
     finally:
         for keep_it in kept:  # shared files: the receivers' mappings outlive the unlink
             _ipc_free(keep_it)

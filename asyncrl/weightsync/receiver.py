@@ -176,21 +176,17 @@ class WorkerReceiver:
         if lazy and staged.staging == "full":
             staged.pending.append(bucket_digests_lazy(bucket, staged.verify, prefix))  # type: ignore[arg-type]
             staged.digests.update(dict.fromkeys(keys, b""))  # resolved by `digests`
-            if staged.layout == "hf":
-                staged.hf.update(unpack_bucket(bucket))
-            else:
-                staged.engine.extend(unpack_bucket(bucket))
-            staged.keep.append(bucket.buffer)
-            return {}
-        digests = bucket_digests(bucket, staged.verify, prefix)  # type: ignore[arg-type]
-        if staged.staging == "bucketed":
-            if expected is None:
-                raise ValueError("bucketed staging needs the sender's digests with every bucket")
-            wrong = sorted(k for k, d in digests.items() if expected.get(k) != d)
-            if wrong or set(expected) != set(digests):
-                raise VerificationError(f"fingerprint mismatch for version {version}: bucket tensors {wrong[:3]} differ "
-                                        "from the sender's digests; nothing of this bucket applied")
-        staged.digests.update(digests)
+            digests: dict[str, bytes] = {}
+        else:
+            digests = bucket_digests(bucket, staged.verify, prefix)  # type: ignore[arg-type]
+            if staged.staging == "bucketed":
+                if expected is None:
+                    raise ValueError("bucketed staging needs the sender's digests with every bucket")
+                wrong = sorted(k for k, d in digests.items() if expected.get(k) != d)
+                if wrong or set(expected) != set(digests):
+                    raise VerificationError(f"fingerprint mismatch for version {version}: bucket tensors {wrong[:3]} "
+                                            "differ from the sender's digests; nothing of this bucket applied")
+            staged.digests.update(digests)
         views = unpack_bucket(bucket)
         if staged.layout == "hf":
             staged.hf.update(views)
