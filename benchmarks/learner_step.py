@@ -25,13 +25,14 @@ TP = N, no sequence parallelism unless --sequence-parallel); rank 0 gathers the 
 logits for parity, compares the exported tensors and records the figures. group starts a
 `LearnerGroup` of world_size N with strategy_config {tensor_model_parallel_size: N}. "params" is
 then the HF checkpoint's parameter count (tied embedding once, no vocab padding), and MFU's peak
-is N x --peak-flops.
+is N x --peak-flops. --cp M (context parallel) multiplies the ranks by M (N x M processes and GPUs,
+strategy_config {context_parallel_size: M}); role and group run with it, parity and bare at --cp 1.
 
 The batch is fixed: --batch sequences of --seq-len tokens (--prompt-len prompt + the rest response),
 random ids, GRPO groups of --group-size with +-1 advantages. Prints one JSON object and writes it
 to --out after every section.
 
-MFU = 6 * parameters * tokens / seconds / (tp * peak), with peak 989e12 per GPU (H100/H200 SXM dense
+MFU = 6 * parameters * tokens / seconds / (tp * cp * peak), with peak 989e12 per GPU (H100/H200 SXM dense
 bf16; pass --peak-flops for another device). Parameters count the tied embedding once; attention's
 sequence-quadratic FLOPs are not counted. For an MoE model "params" of bare/role/group are the
 active parameters (shared weights + num_experts_per_tok of the routed experts).
@@ -144,11 +145,20 @@ def stats(times: list[float], tokens: int, params: int, peak_flops: float) -> di
 # ----------------------------------------------------------------------------- process setup
 
 
+def world() -> int:
+    """Ranks (GPUs) of the in-process sections and of the group: --tp x --cp."""
+    return ARGS.tp * ARGS.cp
+
+
 def strategy() -> dict[str, Any]:
-    """The learner's strategy_config: empty on one GPU (as before), TP (+ SP if asked) with --tp."""
-    if ARGS.tp == 1:
-        return {}
-    return {"tensor_model_parallel_size": ARGS.tp, "sequence_parallel": ARGS.sequence_parallel}
+    """The learner's strategy_config: empty on one GPU (as before); TP (+ SP if asked) with --tp,
+    context parallel with --cp."""
+    out: dict[str, Any] = {}
+    if ARGS.tp > 1:
+        out.update(tensor_model_parallel_size=ARGS.tp, sequence_parallel=ARGS.sequence_parallel)
+    if ARGS.cp > 1:
+        out["context_parallel_size"] = ARGS.cp
+    return out
 
 
 def init_rank(rank: int = 0, world_size: int = 1, port: int | None = None) -> Any:
@@ -198,7 +208,7 @@ def flop_params(hf: Any, params: int) -> int:
 
 
 def peak() -> float:
-    return ARGS.peak_flops * ARGS.tp
+    return ARGS.peak_flops * world()
 
 
 def build(hf: Any, dtype: str) -> list:
@@ -222,6 +232,8 @@ def parity(hf: Any) -> dict[str, Any]:
 
     from asyncrl.learner.convert import SafetensorsDir, export_hf_tensors, hf_tensor_names
 
+    if ARGS.cp > 1:
+        return {"skipped": "parity runs at --cp 1 (CP's is tests/learner/test_group.py's, over NCCL: gpu_session.sh learner2)"}
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
@@ -289,10 +301,12 @@ def bare(hf: Any) -> dict[str, Any]:
     """Plain Megatron forward + backward on the batch's micro-batches: the floor the learner adds to."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    if ARGS.cp > 1:
+        return {"skipped": "bare runs at --cp 1 (its inputs are not split over CP ranks)"}
     dev = device()
     (model,) = build(hf, ARGS.dtype)
     model.train()
-    params = flop_params(hf, sum(p.numel() for p in model.parameters()) if ARGS.tp == 1 else hf_params(hf))
+    params = flop_params(hf, sum(p.numel() for p in model.parameters()) if world() == 1 else hf_params(hf))
     samples = make_samples(ARGS.batch, ARGS.seq_len, ARGS.prompt_len, ARGS.group_size, hf.vocab_size)
     ids = torch.tensor([s.prompt_ids + s.response_ids for s in samples], device=dev)
     pos = torch.arange(ids.shape[1], device=dev).expand_as(ids)
@@ -366,7 +380,7 @@ def _configs():
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig
 
     model = ModelConfig(path=ARGS.model, dtype=ARGS.dtype, max_model_len=ARGS.seq_len)
-    learner = LearnerConfig(world_size=ARGS.tp, strategy_config=strategy(), micro_batch_size=ARGS.micro_batch_size, lr=1e-6,
+    learner = LearnerConfig(world_size=world(), strategy_config=strategy(), micro_batch_size=ARGS.micro_batch_size, lr=1e-6,
                             attention=ARGS.attention, sequence_packing=ARGS.pack, max_tokens_per_micro_batch=ARGS.max_tokens,
                             num_cpus_per_rank=ARGS.num_cpus_per_rank,
                             num_gpus_per_rank=1.0 if torch.cuda.is_available() else 0.0)
@@ -381,11 +395,11 @@ def role(hf: Any) -> dict[str, Any]:
     model_cfg, learner_cfg, algo = _configs()
     layout = ParallelLayout.from_learner_config(learner_cfg)
     actor = ActorRole(RoleContext(model_cfg, learner_cfg, algo, hf, layout, RANK))
-    params = flop_params(hf, sum(p.numel() for p in actor.runner.parameters()) if ARGS.tp == 1 else hf_params(hf))
+    params = flop_params(hf, sum(p.numel() for p in actor.runner.parameters()) if world() == 1 else hf_params(hf))
     samples = make_samples(ARGS.batch, ARGS.seq_len, ARGS.prompt_len, ARGS.group_size, hf.vocab_size)
     tokens = ARGS.batch * ARGS.seq_len
     lp = actor.compute_log_prob(samples)
-    if ARGS.tp > 1:  # only TP rank 0 answers (None elsewhere); the group hands its result to every rank
+    if world() > 1:  # only rank 0 answers (None elsewhere); the group hands its result to every rank
         box = [lp]
         torch.distributed.broadcast_object_list(box, src=0)
         lp = box[0]
@@ -498,7 +512,7 @@ def offload(hf: Any) -> dict[str, Any]:
     from asyncrl.learner.parallel import ParallelLayout
     from asyncrl.learner.roles import ActorRole, RoleContext
 
-    if ARGS.tp > 1:
+    if world() > 1:
         return {"skipped": "offload runs with --tp 1"}
     model_cfg, learner_cfg, algo = _configs()
     layout = ParallelLayout.from_learner_config(learner_cfg)
@@ -562,7 +576,7 @@ def group() -> dict[str, Any]:
     samples = make_samples(ARGS.batch, ARGS.seq_len, ARGS.prompt_len, ARGS.group_size, vocab)
     tokens = ARGS.batch * ARGS.seq_len
     # Integer counts: a float num_cpus reaches the raylet's command line and it never starts.
-    ray.init(num_cpus=int(ARGS.num_cpus_per_rank * ARGS.tp + 2), num_gpus=ARGS.tp if torch.cuda.is_available() else 0,
+    ray.init(num_cpus=int(ARGS.num_cpus_per_rank * world() + 2), num_gpus=world() if torch.cuda.is_available() else 0,
              include_dashboard=False, log_to_driver=True)
 
     async def go() -> dict[str, Any]:
@@ -595,7 +609,7 @@ def group() -> dict[str, Any]:
             params = RESULTS.get("role", {}).get("params") or RESULTS.get("bare", {}).get("params") or 0
             return {
                 "setup": setup, "start_seconds": round(start_s, 1), "params": params,
-                "tp": ARGS.tp, "strategy_config": learner_cfg.strategy_config,
+                "tp": ARGS.tp, "cp": ARGS.cp, "strategy_config": learner_cfg.strategy_config,
                 "update_actor": stats(update_times, tokens, params or 1, peak()),
                 "compute_log_prob": stats(logprob_times, tokens, params or 1, peak()),
                 "last_metrics": {k: metrics[k] for k in sorted(metrics) if k.startswith("actor/")},
@@ -651,7 +665,8 @@ def main() -> None:
     ap.add_argument("--num-cpus-per-rank", type=float, default=4.0)
     ap.add_argument("--peak-flops", type=float, default=989e12, help="per GPU")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (GPUs); > 1 runs the in-process sections in tp processes")
-    ap.add_argument("--sequence-parallel", action="store_true", help="with --tp > 1 (needs Transformer Engine norms)")
+    ap.add_argument("--sequence-parallel", action="store_true", help="with --tp > 1: Megatron sequence parallelism")
+    ap.add_argument("--cp", type=int, default=1, help="context parallel size; the sections run on --tp x --cp GPUs (parity, bare: --cp 1)")
     ap.add_argument("--collective-timeout-s", type=float, default=600.0, help="torch.distributed timeout of the in-process sections")
     ap.add_argument("--offload-each-flag", action="store_true", help="offload section: also each offload flag alone")
     ap.add_argument("--out", default=None, help="also write the JSON here (rewritten after each section)")
@@ -666,9 +681,9 @@ def main() -> None:
     RESULTS["args"] = vars(ARGS)
     _save(ARGS.out)
     in_process = [s for s in ("parity", "bare", "role", "offload") if s in wanted]
-    if "hf" in wanted and ARGS.tp == 1:
+    if "hf" in wanted and world() == 1:
         section("hf", ARGS.out)(hf_baseline)(__import__("transformers").AutoConfig.from_pretrained(ARGS.model))
-    if in_process and ARGS.tp == 1:
+    if in_process and world() == 1:
         hf = init_single_rank()
         run_in_process(hf, wanted)
     elif in_process:
@@ -691,7 +706,7 @@ def run_in_process(hf: Any, wanted: list[str]) -> None:
     for name, fn in (("parity", parity), ("bare", bare), ("role", role), ("offload", offload)):
         if name in wanted:
             section(name, ARGS.out)(fn)(hf)
-            if ARGS.tp > 1 and "error" in RESULTS[name]:
+            if world() > 1 and "error" in RESULTS[name]:
                 # A rank that failed would leave its peers waiting in a collective: stop them all.
                 raise SystemExit(f"rank {RANK}: section {name} failed")
     from asyncrl.learner.parallel import destroy_model_parallel
@@ -702,12 +717,12 @@ def run_in_process(hf: Any, wanted: list[str]) -> None:
 def _tp_worker(rank: int, args: argparse.Namespace, results: dict[str, Any], port: int) -> None:
     global ARGS, RESULTS, RANK
     ARGS, RESULTS, RANK = args, results, rank
-    hf = init_rank(rank, args.tp, port)
+    hf = init_rank(rank, args.tp * args.cp, port)
     run_in_process(hf, args.sections.split(","))
 
 
 def run_tp_processes() -> None:
-    """parity / bare / role in --tp processes (rank r on GPU r); rank 0 writes the results file."""
+    """parity / bare / role in --tp x --cp processes (rank r on GPU r); rank 0 writes the results file."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -717,7 +732,7 @@ def run_tp_processes() -> None:
         ARGS.out = tempfile.mkstemp(suffix=".json", prefix="learner_step_")[1]
     _save(ARGS.out)
     try:
-        mp.spawn(_tp_worker, args=(ARGS, RESULTS, _free_port()), nprocs=ARGS.tp, join=True)
+        mp.spawn(_tp_worker, args=(ARGS, RESULTS, _free_port()), nprocs=world(), join=True)
     except BaseException as e:  # noqa: BLE001 - a failed rank; keep what rank 0 wrote
         print(f"[learner_step] tp processes: {type(e).__name__}: {e}"[:2000], file=sys.stderr, flush=True)
         failed = f"{type(e).__name__}: {e}"[:2000]

@@ -19,8 +19,14 @@ def expected_backend() -> str:
 
 def require_gpus(world_size: int) -> None:
     """Skip on a GPU host with fewer GPUs than ranks: NCCL refuses two ranks of a group on one device."""
-    if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
+    if not fits(world_size):
         pytest.skip(f"{world_size} NCCL ranks need {world_size} GPUs, found {torch.cuda.device_count()}")
+
+
+def fits(world_size: int) -> bool:
+    """Whether this host can run a group of `world_size` ranks: always on CPU (gloo), on a GPU host
+    one GPU per rank."""
+    return not torch.cuda.is_available() or torch.cuda.device_count() >= world_size
 
 
 def num_gpus_per_rank(world_size: int) -> float:

@@ -17,7 +17,7 @@ import pytest
 from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig
 from asyncrl.learner.group import LearnerGroup
 from tests.learner._data import advantages, make_samples, max_diff, run, with_behavior
-from tests.learner._device import assert_placement, num_gpus_per_rank, placement
+from tests.learner._device import assert_placement, fits, num_gpus_per_rank, placement
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,6 @@ LAYOUTS = {
     "tp1_packed": (1, {}, 3, {"sequence_packing": True}),
     "cp2_packed": (2, CP2, 3, {"sequence_packing": True}),
 }
-OTHERS = [name for name in LAYOUTS if name != "tp1"]
 
 
 def _export(group: LearnerGroup) -> dict:
@@ -62,6 +61,8 @@ def runs(ray_session, demo_model_path) -> dict[str, dict]:
     adv[0] = [0.3 * (j + 1) for j in range(len(adv[0]))]  # not a plain sign pattern
     out: dict[str, dict] = {}
     for name, (ws, strategy, mbs, *extra) in LAYOUTS.items():
+        if not fits(ws):  # e.g. tp2_cp2's four NCCL ranks on a two-GPU host: the other layouts still run
+            continue
         group = LearnerGroup("actor", model, LearnerConfig(
             world_size=ws, strategy_config=strategy, lr=1e-4, micro_batch_size=mbs, num_cpus_per_rank=0.5,
             num_gpus_per_rank=num_gpus_per_rank(ws), **(extra[0] if extra else {}),
@@ -102,11 +103,12 @@ def test_every_layout_matches_transformers(runs, demo_model_path):
 def test_logprobs_and_one_update_agree_across_layouts(runs):
     # dp2: re-assembled in sample order; pp2 / vpp2: collected from the last (virtual) stage.
     lp = {name: r["lp"] for name, r in runs.items()}
-    for name in OTHERS:
+    others = [name for name in runs if name != "tp1"]  # the layouts this host's devices can hold
+    for name in others:
         assert max_diff(lp[name], lp["tp1"]) < 1e-4, name
 
     base = runs["tp1"]["metrics"]
-    for name in OTHERS:
+    for name in others:
         m = runs[name]["metrics"]
         assert m["actor/pg_loss"] == pytest.approx(base["actor/pg_loss"], rel=1e-4, abs=1e-7), name
         assert m["actor/grad_norm"] == pytest.approx(base["actor/grad_norm"], rel=1e-3), name
@@ -114,7 +116,7 @@ def test_logprobs_and_one_update_agree_across_layouts(runs):
         assert m["actor/applied_steps"] == 1.0
     after = {name: r["after"] for name, r in runs.items()}
     assert max_diff(after["tp1"], lp["tp1"]) > 1e-3  # the step did move the policy
-    for name in OTHERS:  # pp2 / vpp2: tied embedding grads synced over PP
+    for name in others:  # pp2 / vpp2: tied embedding grads synced over PP
         assert max_diff(after[name], after["tp1"]) < 1e-3, name
 
 
