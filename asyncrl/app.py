@@ -15,6 +15,7 @@ from typing import Any
 
 from ray import serve
 
+from asyncrl.cluster import GATEWAY_NUM_CPUS, TRAINER_NUM_CPUS, check_live_cluster
 from asyncrl.config import RootConfig, load_config
 from asyncrl.generator.deployment import GeneratorEngine, engine_deployment_options
 from asyncrl.generator.gateway import GeneratorGateway
@@ -31,7 +32,7 @@ DRAIN_S = 30.0
 CLOSE_S = 15.0
 
 
-@serve.deployment(name=TRAINER_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64,
+@serve.deployment(name=TRAINER_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": TRAINER_NUM_CPUS}, max_ongoing_requests=64,
                   graceful_shutdown_timeout_s=DRAIN_S + CLOSE_S + 5)
 class TrainerDeployment:
     """Runs the training loop as a background task; answers status while it runs; drains when
@@ -118,11 +119,14 @@ def build_app(cfg: RootConfig) -> serve.Application:
     model_d, gen_d = model.model_dump(), cfg.generator.model_dump()
     from asyncrl.generator.app import WEIGHT_STORE_NAME, WEIGHT_STORE_NAMESPACE
 
+    check_live_cluster(cfg)  # a pool no node offers fails here, not as a replica pending for ever
     engine = GeneratorEngine.options(**engine_deployment_options(cfg.generator)).bind(model_d, gen_d, WEIGHT_STORE_NAME, WEIGHT_STORE_NAMESPACE)
-    trainer = TrainerDeployment.bind(cfg.model_dump(mode="json"), engine)
+    trainer = TrainerDeployment.options(
+        ray_actor_options={"num_cpus": TRAINER_NUM_CPUS, **cfg.trainer.pool.actor_options()},
+    ).bind(cfg.model_dump(mode="json"), engine)
     gen = cfg.generator
     return GeneratorGateway.options(
-        ray_actor_options={"num_cpus": 0.1},
+        ray_actor_options={"num_cpus": GATEWAY_NUM_CPUS, **gen.gateway_pool.actor_options()},
         max_ongoing_requests=max(1000, 2 * gen.autoscaling.max_replicas * gen.max_ongoing_requests + max(gen.max_queued_requests, 0)),
     ).bind(engine, model_d, gen_d, status_source=trainer)
 

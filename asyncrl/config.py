@@ -12,6 +12,7 @@ Must never: import a component, start a process, or read the environment beyond 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +27,60 @@ class ConfigError(ValueError):
 class _Section(BaseModel):
     # Unknown keys are typos until proven otherwise: reject them, naming the key.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+# Ray's own resource names are set by the components' num_cpus / num_gpus fields, not by a pool.
+_RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+_LABEL_VALUE = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_LABEL_SELECTOR = re.compile(rf"^!?(in\({_LABEL_VALUE}(, ?{_LABEL_VALUE})*\)|{_LABEL_VALUE})$")
+
+
+class ResourcePool(_Section):
+    """Which Ray nodes may host one component (its replicas, ranks or workers). Empty = any node.
+
+    A node qualifies when it offers every custom resource (quantities are asked per replica / rank /
+    worker and consumed while it runs) and carries every label. Checked against the live cluster
+    when the app is built (asyncrl/cluster.py): a pool no live node offers fails there, naming the field.
+    """
+
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray custom resources asked per replica / rank / worker, e.g. "
+        "{inference_node: 0.1}; nodes offer them with `ray start --resources='{\"inference_node\": 1}'`.")
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="Ray node-label selector, e.g. {pool: inference}; nodes get labels with "
+        "`ray start --labels=pool=inference`. A value may be `v`, `!v`, `in(a,b)` or `!in(a,b)` (Ray's label selectors).")
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in _RAY_BUILTIN_RESOURCES:
+                raise ValueError(f"{name!r} is set by the component's num_cpus / num_gpus field, not by a pool")
+            if not isinstance(amount, (int, float)) or isinstance(amount, bool) or not amount > 0:
+                raise ValueError(f"{name}={amount!r} must be a positive number")
+            if amount > 1 and amount != int(amount):
+                raise ValueError(f"{name}={amount!r}: Ray accepts a fraction only below 1 (or a whole number)")
+        return value
+
+    @field_validator("labels")
+    @classmethod
+    def _selectors(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, selector in value.items():
+            if not isinstance(selector, str) or not _LABEL_SELECTOR.match(selector):
+                raise ValueError(f"{key}={selector!r} is not a label selector (`v`, `!v`, `in(a,b)`, `!in(a,b)`)")
+        return value
+
+    def is_set(self) -> bool:
+        return bool(self.resources or self.labels)
+
+    def actor_options(self) -> dict[str, Any]:
+        """The Ray actor options (Serve `ray_actor_options` too) that place on this pool."""
+        out: dict[str, Any] = {}
+        if self.resources:
+            out["resources"] = dict(self.resources)
+        if self.labels:
+            out["label_selector"] = dict(self.labels)
+        return out
 
 
 class ModelConfig(_Section):
@@ -90,6 +145,8 @@ class GeneratorConfig(_Section):
     direct_http_port: int | None = Field(
         None, gt=0, lt=65536, description="The gateway replica also serves the same API itself on http_host:this port, "
         "skipping Serve's HTTP proxy hop (the faster endpoint; needs one gateway replica per host). None = proxy only.")
+    engine_pool: ResourcePool = Field(default_factory=ResourcePool, description="Nodes that may run engine replicas (Serve ray_actor_options).")
+    gateway_pool: ResourcePool = Field(default_factory=ResourcePool, description="Nodes that may run the HTTP gateway replica.")
 
     @model_validator(mode="after")
     def _engine_built(self) -> "GeneratorConfig":
@@ -194,6 +251,10 @@ class LearnerConfig(_Section):
         "unfused local spec (S x S attention scores); te = Transformer Engine; auto = te where it imports on a GPU, else sdpa.")
     num_cpus_per_rank: float = Field(0.5, ge=0)
     num_gpus_per_rank: float = Field(0.0, ge=0)
+    pool: ResourcePool = Field(default_factory=ResourcePool, description="Nodes that may run learner ranks: every rank's placement-group bundle asks for it.")
+    placement_strategy: Literal["pack", "spread", "strict_pack", "strict_spread"] = Field(
+        "pack", description="Ray placement-group strategy of the ranks: pack = as few nodes as possible, spread = as many, "
+        "strict_pack = one node (fails if none holds every rank), strict_spread = one rank per node.")
     seed: int = 1234
     actor: RoleOffload = Field(default_factory=RoleOffload)
     critic: RoleOffload = Field(default_factory=RoleOffload)
@@ -334,6 +395,10 @@ class RewardConfig(_Section):
     function: str = Field("asyncrl.rewards.math:exact_integer_reward", description="Import path 'module:function' of the rule reward.")
     timeout_s: float = Field(5.0, gt=0)
     num_workers: int = Field(1, gt=0)
+    pool: ResourcePool = Field(
+        default_factory=ResourcePool, description="Nodes that may run the reward workers. Set: the worker processes run "
+        "under one Ray actor on such a node; empty: beside the trainer, in its replica's process tree.")
+    num_cpus: float = Field(0.1, ge=0, description="Ray CPUs of that reward actor (reward.pool set).")
 
 
 class TrainerConfig(_Section):
@@ -354,6 +419,8 @@ class TrainerConfig(_Section):
         "times per run the learner groups are started again from the last complete checkpoint and the step is redone "
         "on the same batch (the engines keep serving the live version meanwhile). 0: the run fails, naming the rank.")
     seed: int = 0
+    pool: ResourcePool = Field(default_factory=ResourcePool, description="Nodes that may run the trainer replica (the training loop; "
+                               "the buffer runs on its node too, and, without reward.pool, the reward workers).")
 
 
 class RootConfig(_Section):

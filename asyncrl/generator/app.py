@@ -46,7 +46,7 @@ def build_generator_app(
     )
     gen = cfg.generator
     gateway = GeneratorGateway.options(
-        ray_actor_options={"num_cpus": gateway_num_cpus},
+        ray_actor_options={"num_cpus": gateway_num_cpus, **gen.gateway_pool.actor_options()},
         # The gateway only awaits; its own limit must not be the bottleneck in front of the engines,
         # whose max_ongoing/max_queued decide overload (503).
         max_ongoing_requests=max(1000, 2 * gen.autoscaling.max_replicas * gen.max_ongoing_requests + max(gen.max_queued_requests, 0)),

@@ -101,18 +101,41 @@ class LearnerGroup:
         bundle: dict[str, float] = {"CPU": cfg.num_cpus_per_rank or 0.01}
         if cfg.num_gpus_per_rank:
             bundle["GPU"] = cfg.num_gpus_per_rank
-        self._pg = placement_group([dict(bundle) for _ in range(cfg.world_size)], strategy="PACK")
-        await self._pg.ready()
+        # The pool's custom resources go into every bundle (the rank asks for them from it); its
+        # labels select the nodes each bundle may be reserved on.
+        bundle.update(cfg.pool.resources)
+        labels = {"bundle_label_selector": [dict(cfg.pool.labels)] * cfg.world_size} if cfg.pool.labels else {}
+        self._pg = placement_group([dict(bundle) for _ in range(cfg.world_size)],
+                                   strategy=cfg.placement_strategy.upper(), **labels)
+        await self._wait_placed(bundle)
         actor_cls = ray.remote(LearnerRank)
         for r in range(cfg.world_size):
             self.ranks.append(actor_cls.options(
-                num_cpus=bundle["CPU"], num_gpus=cfg.num_gpus_per_rank,
+                num_cpus=bundle["CPU"], num_gpus=cfg.num_gpus_per_rank, resources=dict(cfg.pool.resources) or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
             ).remote(r, cfg.world_size, self.role, self.model_cfg, cfg, self.algorithm_cfg,
                      self.profiler_cfg, self.role_classes))
         ((addr, port),) = await self._gather("master_address", [self.ranks[0].master_address.remote(self.call_timeout_s)], [0])
         outs = await self._gather("setup", [a.setup.remote(addr, port, self.call_timeout_s) for a in self.ranks])
         return outs
+
+    async def _wait_placed(self, bundle: dict[str, float]) -> None:
+        """Wait for the placement group; past `call_timeout_s` raise, saying whether any set of live
+        nodes could hold it at all (a lost node) or the cluster is only busy."""
+        from asyncrl.cluster import Demand, live_nodes, unmet
+
+        try:
+            await asyncio.wait_for(self._pg.ready(), self.call_timeout_s)
+        except asyncio.TimeoutError:
+            import ray
+
+            ray.util.remove_placement_group(self._pg)
+            self._pg = None
+            cfg = self.learner_cfg
+            why = unmet(Demand("learner.pool", bundle, dict(cfg.pool.labels), cfg.world_size, cfg.placement_strategy), live_nodes())
+            raise LearnerRankError(None, "placement", (
+                f"the placement group of {cfg.world_size} x {bundle} ({cfg.placement_strategy}) was not ready after "
+                f"{self.call_timeout_s:.0f} s: " + (f"learner.pool: {why}" if why else "the nodes that qualify are busy"))) from None
 
     async def shutdown(self) -> None:
         import ray

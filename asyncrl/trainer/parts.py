@@ -73,6 +73,19 @@ async def _start_learners(cfg: RootConfig, engine: Any) -> tuple[Any, Any, Any, 
     return actor, reference, critic, placement
 
 
+def _beside_this_process(cfg: RootConfig) -> dict[str, Any]:
+    """With trainer.pool set, the buffer (no resources of its own) goes on the trainer's node too,
+    rather than on whichever node Ray picks (maybe an engine or learner node that can be lost).
+    Hard affinity: Ray's soft affinity placed a zero-resource actor elsewhere about half the time;
+    the node is the trainer's own, alive as long as the trainer is."""
+    if not cfg.trainer.pool.is_set():
+        return {}
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}
+
+
 @dataclass
 class TrainerParts:
     """The started components of a run. `TrainerParts.create` starts them; `close` stops them."""
@@ -81,7 +94,7 @@ class TrainerParts:
     engine: Any  # DeploymentHandle of the engine deployment
     tokenizer: Any
     buffer: Any  # BufferActor handle
-    rewards: Any  # RewardPool
+    rewards: Any  # RewardPool, or RemoteRewardPool on reward.pool's nodes
     actor: Any  # LearnerGroup("actor")
     reference: Any | None
     critic: Any | None
@@ -113,15 +126,15 @@ class TrainerParts:
 
         from asyncrl.buffer.actor import BufferActor
         from asyncrl.generator.control import EngineControl
-        from asyncrl.rewards import RewardPool
+        from asyncrl.rewards.remote import reward_pool
         from asyncrl.weightsync.service import WeightPublisher
 
         random.seed(cfg.trainer.seed)
         torch.manual_seed(cfg.trainer.seed)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         train, held_out = load_prompts(cfg.data)
-        buffer = BufferActor.remote(cfg.buffer)
-        rewards = RewardPool(cfg.reward)
+        buffer = BufferActor.options(**_beside_this_process(cfg)).remote(cfg.buffer)
+        rewards = reward_pool(cfg.reward)
         # Hybrid: the learner's state goes to host before the first export (which holds the params itself).
         actor, reference, critic, placement = await _start_learners(cfg, engine)
         weights = WeightPublisher(cfg.weightsync, engine=EngineControl(engine), learner=actor, hybrid=cfg.hybrid.enabled,
