@@ -49,18 +49,24 @@ def demo_model_path() -> Path:
     return DEMO_MODEL
 
 
+# Every Ray driver of the tests passes these to the workers it starts.
+RAY_RUNTIME_ENV = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}}
+
+
+def init_local_ray() -> None:
+    """The session's one-node Ray runtime (also started again by tests that ran their own cluster)."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=RAY_RUNTIME_ENV)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray runtime for the whole test session (4 logical CPUs over 2 real cores)."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(
-            num_cpus=4,
-            include_dashboard=False,
-            log_to_driver=False,
-            runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}},
-        )
+        init_local_ray()
     yield ray
     try:
         from ray import serve

@@ -53,10 +53,11 @@ def _run(ray_session, demo_model_path: Path, run_dir: Path, during=None, **secti
     raw = _config(run_dir, port)
     raw["model"]["path"] = str(demo_model_path)
     for name, values in sections.items():
-        raw[name].update(values)
+        raw.setdefault(name, {}).update(values)
     cfg = load_config(raw, source="e2e test")
     started = time.time()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # One HTTP proxy, on the head node: on a test's multi-node cluster every node is this host.
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     seen: dict = {"versions": [], "statuses": []}
     try:

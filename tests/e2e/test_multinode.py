@@ -1,0 +1,256 @@
+"""Several Ray nodes on one machine: resource pools place each component on its nodes, weights cross
+nodes with the transport `auto` picks there, and a lost node is survived.
+
+The module starts its own Ray cluster (`ray.cluster_utils.Cluster`: a head and worker nodes,
+each its own raylet and object store, with distinct labels and custom resources) in place of the
+session's one-node runtime, which it starts again afterwards. Nodes:
+  control   (head, label pool=control): Serve's controller and proxy, the trainer, the gateway, reward workers
+  inference (label pool=inference): the engine replicas
+  training  (label pool=training, resource trainer_node: 1): the learner's two ranks (TP=2, strict_pack)
+The node-loss tests add a spare node of the lost node's pool first, then kill the raylet (and
+every process) of the node hosting the engine replica or the learner ranks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from asyncrl.config import load_config
+from tests.conftest import RAY_RUNTIME_ENV, init_local_ray
+from tests.e2e.test_training_loop import _lines, _run, _steps
+
+pytestmark = pytest.mark.slow
+
+NODE_MEMORY = 256 << 20  # each node's object store (all on this host's /dev/shm)
+TRAINER_NODE = "trainer_node"
+
+
+def _pools(total: int, **overrides: dict) -> dict:
+    """Config sections placing every component on its node (see the module docstring)."""
+    sections = {
+        "generator": {"engine_pool": {"labels": {"pool": "inference"}}, "gateway_pool": {"labels": {"pool": "control"}}},
+        "learner": {"world_size": 2, "strategy_config": {"tensor_model_parallel_size": 2}, "num_cpus_per_rank": 0.5,
+                    "pool": {"resources": {TRAINER_NODE: 0.5}}, "placement_strategy": "strict_pack"},
+        "reward": {"pool": {"labels": {"pool": "control"}}},
+        "trainer": {"pool": {"labels": {"pool": "control"}}, "total_steps": total, "eval_interval_steps": 0},
+        "weightsync": {"transport": "auto"},
+        "checkpoint": {"interval_steps": 0},
+    }
+    for name, values in overrides.items():
+        sections.setdefault(name, {}).update(values)
+    return sections
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    had_session = ray.is_initialized()
+    if had_session:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "labels": {"pool": "control"}, "object_store_memory": NODE_MEMORY, "include_dashboard": False})
+    nodes = {"control": c.head_node}
+    nodes["inference"] = c.add_node(num_cpus=2, labels={"pool": "inference"}, object_store_memory=NODE_MEMORY)
+    nodes["training"] = c.add_node(num_cpus=2, resources={TRAINER_NODE: 1}, labels={"pool": "training"}, object_store_memory=NODE_MEMORY)
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False, runtime_env=RAY_RUNTIME_ENV)
+    try:
+        yield c, nodes
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        if had_session:
+            init_local_ray()
+
+
+def _node_of(nodes: dict) -> dict[str, str]:
+    return {n.node_id: name for name, n in nodes.items()}
+
+
+def _placed(names: dict[str, str]) -> dict[str, list[str]]:
+    """The node name of every live actor of ours, by class: {'LearnerRank': ['training', ...], ...}."""
+    from ray._private.state import actors
+
+    out: dict[str, list[str]] = {}
+    for a in actors().values():
+        if a["State"] != "ALIVE":
+            continue
+        cls = a["ActorClassName"]
+        for key in ("GeneratorEngine", "GeneratorGateway", "Trainer", "LearnerRank", "RewardWorkersService", "BufferService",
+                    "WeightStore", "WeightsyncService"):
+            if cls == key or cls.endswith(f":{key}"):
+                out.setdefault(key, []).append(names.get(a["Address"]["NodeID"], a["Address"]["NodeID"][:8]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _accounted(b: dict) -> bool:
+    return b["buffer/generated"] == (b["buffer/trained"] + b["buffer/dropped_stale"] + b["buffer/dropped_invalid"]
+                                     + b["buffer/dropped_filtered"] + b["buffer/dropped_failed"] + b["buffer/waiting"])
+
+
+def test_the_live_cluster_is_read_and_a_pool_it_lacks_fails_fast(cluster, demo_model_path):
+    from asyncrl.app import build_app
+    from asyncrl.cluster import PoolUnavailable, live_nodes
+
+    _, nodes = cluster
+    offers = {o.node_id: o for o in live_nodes()}
+    assert set(offers) == {n.node_id for n in nodes.values()}
+    assert offers[nodes["training"].node_id].resources[TRAINER_NODE] == 1.0
+    assert offers[nodes["inference"].node_id].labels["pool"] == "inference"
+    raw = _pools(2, generator={"engine_pool": {"labels": {"pool": "gpu-inference"}}},
+                 learner={"pool": {"resources": {TRAINER_NODE: 0.75}}, "placement_strategy": "strict_pack"})
+    raw["model"] = {"path": str(demo_model_path)}
+    t = time.monotonic()
+    with pytest.raises(PoolUnavailable) as err:
+        build_app(load_config(raw, source="test"))
+    assert time.monotonic() - t < 5
+    text = str(err.value)
+    assert "generator.engine_pool: no live node offers {CPU: 0.5} on labels {pool=gpu-inference}" in text
+    assert "learner.pool: placement_strategy 'strict_pack' needs one node holding all 2" in text
+    assert "labels {pool=inference}" in text and f"{TRAINER_NODE}: 1" in text  # the cluster's offer
+
+
+def test_reward_workers_run_on_their_pool(cluster):
+    from asyncrl.config import RewardConfig
+    from asyncrl.rewards.remote import RemoteRewardPool
+    from asyncrl.types import SampleStatus
+
+    _, nodes = cluster
+    import asyncio
+
+    async def go():
+        pool = RemoteRewardPool(RewardConfig(pool={"labels": {"pool": "training"}}))
+        try:
+            node = await pool.node_id()
+            outcomes = await pool.score(["46", "45", "x"], ["46", "46", "46"], [{}, {}, {}])
+        finally:
+            pool.close()
+        return node, outcomes
+
+    node, outcomes = asyncio.run(go())
+    assert node == nodes["training"].node_id
+    assert [o.reward for o in outcomes[:2]] == [1.0, 0.0]
+    assert outcomes[2].status in (SampleStatus.VALID, SampleStatus.INVALID_REWARD)
+
+
+def test_three_nodes_train_with_each_component_on_its_pool(cluster, demo_model_path, tmp_path):
+    """`serve run`'s start of the app on three nodes: engines on `inference`, the learner (TP=2) on
+    `training`, reward workers, trainer and gateway on `control`; weights cross nodes through the
+    object store (`auto` on several CPU nodes), versions rise over HTTP, every sample accounted for."""
+    _, nodes = cluster
+    names, total, placed = _node_of(nodes), 4, {}
+
+    def look(seen: dict) -> None:
+        if not placed and seen["statuses"] and seen["statuses"][-1]["step"] >= 1:
+            placed.update(_placed(names))
+
+    seen = _run(cluster, demo_model_path, tmp_path, during=look, **_pools(total))
+    final = seen["statuses"][-1]
+    assert final["state"] == "finished", final
+    assert final["step"] == final["policy_version"] == total
+    # weightsync's store and registry (asyncrl/weightsync/service.py, num_cpus=0) go where Ray puts
+    # them, any node: not yet in a pool (README failure table); listed in the message only.
+    ours = {k: v for k, v in placed.items() if not k.startswith("Weight")}
+    assert ours == {"GeneratorEngine": ["inference"], "GeneratorGateway": ["control"], "Trainer": ["control"],
+                    "LearnerRank": ["training", "training"], "RewardWorkersService": ["control"],
+                    "BufferService": ["control"]}, placed
+    assert _accounted(final["buffer"]) and final["buffer"]["buffer/trained"] == total * 16
+    header_versions = [v for v, _ in seen["versions"]]
+    assert header_versions == sorted(header_versions) and header_versions[-1] == total
+    assert seen["openai_status"] == 200 and seen["openai_header"] == str(total)
+    metrics = _steps(_lines(tmp_path / "metrics.jsonl"))
+    assert [m["weightsync/version"] for m in metrics] == list(range(1, total + 1))
+    assert all(m["weightsync/failed"] == 0 for m in metrics)
+    assert all(m["weightsync/transport/object_store/bytes"] == m["weightsync/bytes"] > 0 for m in metrics)
+    assert seen["left_after_shutdown"] == [], seen["left_after_shutdown"]
+
+
+def _add_spare(c, nodes: dict, pool: str, **node_args) -> dict:
+    """A second node of `pool`; returns the node map with it as `<pool>-spare`."""
+    spare = c.add_node(num_cpus=2, labels={"pool": pool}, object_store_memory=NODE_MEMORY, **node_args)
+    c.wait_for_nodes()
+    return {**nodes, f"{pool}-spare": spare}
+
+
+def _kill_the_node_of(actor_class: str, after_step: int, c, nodes: dict, fault: dict):
+    """A `during` hook: once training passed `after_step`, kill the raylet and every process of the
+    node hosting `actor_class`; then note where that actor runs again."""
+    names = _node_of(nodes)
+
+    def hook(seen: dict) -> None:
+        placed = _placed(names)
+        if fault:
+            # The lost node's actors stay ALIVE in the GCS until it notices the node is gone.
+            elsewhere = [n for n in placed.get(actor_class, []) if n != fault["node"]]
+            if "again" not in fault and elsewhere:
+                fault.update(again=elsewhere, again_step=seen["statuses"][-1]["step"] if seen["statuses"] else None)
+            return
+        if not seen["statuses"] or seen["statuses"][-1]["step"] < after_step or actor_class not in placed:
+            return
+        victim = placed[actor_class][0]
+        fault.update(node=victim, placed=placed, at=time.monotonic(), step=seen["statuses"][-1]["step"])
+        c.remove_node(nodes[victim], allow_graceful=False)
+
+    return hook
+
+
+def test_losing_the_engines_node_moves_the_replica_within_its_pool(cluster, demo_model_path, tmp_path):
+    """The node hosting the engine replica dies mid-training (raylet and every process killed):
+    Serve starts the replica again on the pool's other node, it loads the live version, the
+    rollouts in flight are retried or counted, training goes on to its end with every version
+    published once, in order, and every sample accounted for."""
+    c, nodes = cluster
+    nodes.update(_add_spare(c, nodes, "inference"))
+    total, fault = 10, {}
+    seen = _run(cluster, demo_model_path, tmp_path, during=_kill_the_node_of("GeneratorEngine", 2, c, nodes, fault),
+                **_pools(total, trainer={"rollout_timeout_s": 120}, weightsync={"recovery_s": 600}))
+    final = seen["statuses"][-1]
+    assert fault, "the run ended before the fault could be injected"
+    lost = fault["node"]
+    nodes.pop(lost)  # later tests: the surviving inference node
+    if lost == "inference":
+        nodes["inference"] = nodes.pop("inference-spare")
+    assert lost.startswith("inference"), fault
+    assert final["state"] == "finished", (final, fault)
+    assert final["step"] == final["policy_version"] == total and total - fault["step"] >= 5
+    assert fault.get("again") and fault["again"][0] != lost and fault["again"][0].startswith("inference"), fault
+    assert _accounted(final["buffer"]) and final["buffer"]["buffer/trained"] == total * 16
+    assert any(code == 200 and t > fault["at"] for t, code in seen["answers"])
+    assert seen["openai_status"] == 200 and seen["openai_header"] == str(total)
+    metrics = _steps(_lines(tmp_path / "metrics.jsonl"))
+    assert [m["weightsync/version"] for m in metrics] == list(range(1, total + 1))
+    assert seen["left_after_shutdown"] == [], seen["left_after_shutdown"]
+
+
+def test_losing_the_learners_node_restarts_the_learner_on_another(cluster, demo_model_path, tmp_path):
+    """The node hosting both learner ranks dies mid-training with trainer.max_restarts 1: the step
+    fails, the learner group starts again on the pool's other node from the last checkpoint, the
+    step is redone, and every version is published once, in order, while the engines kept serving."""
+    c, nodes = cluster
+    nodes.update(_add_spare(c, nodes, "training", resources={TRAINER_NODE: 1}))
+    total, fault = 8, {}
+    seen = _run(cluster, demo_model_path, tmp_path, during=_kill_the_node_of("LearnerRank", 3, c, nodes, fault),
+                **_pools(total, trainer={"max_restarts": 1}, checkpoint={"interval_steps": 2},
+                         weightsync={"timeout_s": 30}))
+    final = seen["statuses"][-1]
+    assert fault, "the run ended before the fault could be injected"
+    lost = fault["node"]
+    assert lost.startswith("training") and fault["placed"]["LearnerRank"] == [lost, lost], fault
+    assert final["state"] == "finished", (final, fault)
+    assert final["step"] == total and final["learner_restarts"] == 1
+    other = "training-spare" if lost == "training" else "training"
+    assert fault.get("again") == [other, other], fault
+    metrics = _steps(_lines(tmp_path / "metrics.jsonl"))
+    assert [m["weightsync/version"] for m in metrics] == list(range(1, total + 1))
+    assert metrics[-1]["trainer/learner_restarts"] == 1.0
+    assert _accounted(final["buffer"])
+    assert any(code == 200 and t > fault["at"] for t, code in seen["answers"])
+    assert seen["openai_header"] == str(total)
+    assert seen["left_after_shutdown"] == [], seen["left_after_shutdown"]
