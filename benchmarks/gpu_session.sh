@@ -3,7 +3,8 @@
 # call: bash benchmarks/gpu_session.sh nccl|ipc|async|offload (output under $OUT); on one GPU, hybrid
 # placement: bash benchmarks/gpu_session.sh sleep (the sleep/wake GPU test), then hybrid-loop (the demo
 # co-located, deploy/rlhf-hybrid1.yaml, with its logs packed into $OUT/loop.tgz); on two GPUs, the learner's
-# layout tests over NCCL: bash benchmarks/gpu_session.sh learner2; on one GPU, the learner on a random Qwen2-MoE: moe. Expects the GPU wheelhouse parts
+# layout tests over NCCL: bash benchmarks/gpu_session.sh learner2, and the learner's speed at TP=2 + SP and CP=2:
+# learner2-speed; on one GPU, the learner on a random Qwen2-MoE: moe. Expects the GPU wheelhouse parts
 # in /tmp/parts (see the device README: 8 carried parts) and carries .whl (grpcio 1.85.1, protobuf 7.36.2) and
 # artifacts/demo-model. Installs once into /tmp/site; grpcio/protobuf are unpacked over it, because
 # `pip --target --upgrade` would replace the whole google/ namespace and drop google.rpc.
@@ -21,7 +22,8 @@ MODEL=/tmp/qwen2-0.5b-random
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 case $1 in
 push)
-  # The weight push in the engines' own layout on one GPU (issue 22), step by step in $STEPS (each
+  # The weight push in the engines' own layout (issue 22; TRANSPORT=nccl on two GPUs: learner on
+  # GPU 1, engine on GPU 0, issue 28), step by step in $STEPS (each
   # writes its log under $OUT as it goes: a call cut short still brings back what ran):
   #   bench:MODEL  push vs raw over ipc (benchmarks/weightsync.py; random500m, random1500m = 3.1 GB)
   #   direct       a vLLM engine decodes transformers' tokens after a push; Triton checksums = numpy's
@@ -30,10 +32,11 @@ push)
     case $step in
     bench:*)
       m=${step#bench:}
-      timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports ipc \
-          --gpus 0.5 --dtype bfloat16 --verify ${VERIFY:-checksum} --staging ${STAGING:-full} > $OUT/ws_push_$m.log 2>&1
-      echo "weightsync $m rc=$?"; grep '^{' $OUT/ws_push_$m.log | tee -a $OUT/ws_push.json
-      grep -v '^{' $OUT/ws_push_$m.log | grep -iE "error|Traceback|layout" | tail -8 | cut -c1-400
+      t=${TRANSPORT:-ipc}; log=$OUT/ws_push_${t}_$m.log
+      timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports $t \
+          --gpus 0.5 --dtype bfloat16 --verify ${VERIFY:-checksum} --staging ${STAGING:-full} > $log 2>&1
+      echo "weightsync $t $m rc=$?"; grep '^{' $log | tee -a $OUT/ws_push.json
+      grep -v '^{' $log | grep -iE "error|Traceback|layout" | tail -8 | cut -c1-400
       ;;
     direct|collective)
       f=$([ $step = direct ] && echo test_direct_gpu.py || echo test_collective_gpu.py)
@@ -81,14 +84,26 @@ hybrid-loop)
   ;;
 learner2)
   # The CPU (gloo) learner tests unchanged, one rank per GPU over NCCL: PP=2, EP=2 (MoE), DP=2, TP=2 -> TP=1
-  # checkpoint re-layout, LearnerGroup layouts, the critic / reference / reward-model roles. SIGINT first,
-  # so a hang still ends with pytest's traceback and summary.
+  # checkpoint re-layout, the LearnerGroup layouts (TP=2 + SP, CP=2, PP=2, VPP=2, packed rows) against
+  # TP=1 and transformers, the critic at those layouts; then a TP=2 vLLM engine over both GPUs fed by
+  # a TP=2 learner's push. TESTS overrides the list. SIGINT first, so a hang still ends with pytest's
+  # traceback and summary.
   nvidia-smi -L | tee $OUT/gpus.txt
-  timeout -s INT -k 20 480 python3 -m pytest -q -rA -p no:cacheprovider --durations=15 \
-      tests/learner/test_megatron_layouts.py tests/learner/test_group.py tests/learner/test_roles_ws1.py \
+  timeout -s INT -k 20 ${TEST_TIMEOUT:-480} python3 -m pytest -q -rA -p no:cacheprovider --durations=15 \
+      ${TESTS:-tests/learner/test_megatron_layouts.py tests/learner/test_group.py tests/weightsync/test_engine_tp2.py} \
       > $OUT/learner2.log 2>&1
   echo "pytest rc=$?"; grep -E '^(PASSED|FAILED|ERROR|SKIPPED) | in [0-9.]+s( |$)' $OUT/learner2.log | cut -c1-400
   tail -8 $OUT/learner2.log | cut -c1-600
+  ;;
+learner2-speed)
+  # The learner at 1.5B, 8 x 8192 tokens, micro-batch 1 (issue 29): one GPU, then TP=2 + SP and CP=2 over
+  # both GPUs, in one call (the same random model and batch). learner_speed.sh finds the wheels installed.
+  touch /tmp/site/.learner-wheels
+  for lay in ${LAYOUTS:-1gpu tp2sp cp2}; do
+    case $lay in 1gpu) par="" ;; tp2sp) par="--tp 2 --sequence-parallel" ;; cp2) par="--cp 2" ;; tp2) par="--tp 2" ;; esac
+    OUT=$OUT SECTIONS=${SECTIONS:-role} TAG=$lay PARALLEL="$par" STEP_TIMEOUT=${STEP_TIMEOUT:-200} \
+        bash benchmarks/learner_speed.sh ${SHAPES:-1.5b:8x8192:1}
+  done
   ;;
 moe)
   # A random Qwen2-MoE (16 routed experts, top 4, a gated shared expert) through the learner on one GPU:

@@ -10,7 +10,8 @@
 # GPU image's torch + transformers; PACK_TOKENS=N packs each role micro-batch into one row of up to N
 # tokens (learner.sequence_packing + max_tokens_per_micro_batch); PROFILE=1 profiles one more
 # update of the role section into $OUT/<tag>.profile.txt, SYNC_DEBUG=1 lists its host syncs; the random models are built once into /tmp. JSON rows and
-# logs go to $OUT.
+# logs go to $OUT. PARALLEL passes learner_step.py's layout flags (several GPUs, one process each), e.g.
+# PARALLEL="--tp 2 --sequence-parallel" or PARALLEL="--cp 2" with SECTIONS=role and TAG=tp2sp.
 set -uo pipefail
 OUT=${OUT:-/tmp/bench-out}
 mkdir -p "$OUT"
@@ -43,7 +44,7 @@ for shape in $shapes; do
     tag="learner_${m}_${batch}x${seq}_mb${mbs}${TAG:+_$TAG}"
     sections=${SECTIONS:-hf,bare,role}
     timeout "${STEP_TIMEOUT:-300}" python3 benchmarks/learner_step.py --model "$(model_dir "$m")" --out "$OUT/$tag.json" \
-        --sections "$sections" --attention "${ATTENTION:-auto}" ${PACK_TOKENS:+--pack --max-tokens $PACK_TOKENS} ${PROFILE:+--profile $OUT/$tag.profile.txt} ${SYNC_DEBUG:+--sync-debug} --batch "$batch" --seq-len "$seq" \
+        --sections "$sections" --attention "${ATTENTION:-auto}" ${PARALLEL:-} ${PACK_TOKENS:+--pack --max-tokens $PACK_TOKENS} ${PROFILE:+--profile $OUT/$tag.profile.txt} ${SYNC_DEBUG:+--sync-debug} --batch "$batch" --seq-len "$seq" \
         --prompt-len $((seq / 4)) --micro-batch-size "$mbs" --warmup 2 --steps 5 > "$OUT/$tag.log" 2>&1
     echo "$tag rc=$?"
     python3 - "$OUT/$tag.json" <<'EOF'

@@ -344,8 +344,10 @@ def export_hf_tensors(model_chunks: list[torch.nn.Module], hf_config: Any) -> It
             # Routed expert: every EP rank holds a different expert at this local index.
             ep_size = ps.get_expert_model_parallel_world_size()
             ep_group = ps.get_expert_model_parallel_group()
+            # On the parameter's device: NCCL has no CPU backend ("No backend type associated
+            # with device type cpu", seen at EP=2 on two GPUs).
             expert_ids = _all_gather(
-                torch.tensor([_unwrap_expert_id(chunk, name)], dtype=torch.long), ep_size, ep_group
+                torch.tensor([_unwrap_expert_id(chunk, name)], dtype=torch.long, device=param.device), ep_size, ep_group
             )
             per_rank = [_all_gather(t, ep_size, ep_group) for t in full]
             for r, eid in enumerate(expert_ids):
