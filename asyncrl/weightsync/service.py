@@ -104,11 +104,17 @@ class WeightPublisher:
         await self.replicas.control.wait_ready(timeout_s=max(600.0, self.cfg.timeout_s))
         from asyncrl.weightsync.registry import WeightsyncService
 
+        # On this (the trainer's) node, hard: they hold the live version's host copy and its
+        # registry, so they must not die with an engine or learner node. Ray's default placement
+        # put them on any node; soft affinity still did about half the time (zero-resource actors).
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.store = ray.remote(WeightStore).options(
-            name=self.store_name, namespace=self.namespace, get_if_exists=True, num_cpus=0
+            name=self.store_name, namespace=self.namespace, get_if_exists=True, num_cpus=0, scheduling_strategy=here
         ).remote()
         self.service = ray.remote(WeightsyncService).options(
-            name=REGISTRY_ACTOR, namespace=self.namespace, get_if_exists=True, num_cpus=0
+            name=REGISTRY_ACTOR, namespace=self.namespace, get_if_exists=True, num_cpus=0, scheduling_strategy=here
         ).remote(initial_version)
         transport = select_transport(self.cfg, on_gpu=self.on_gpu, hybrid=self.hybrid)
         self.publisher = Publisher(

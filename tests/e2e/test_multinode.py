@@ -155,12 +155,11 @@ def test_three_nodes_train_with_each_component_on_its_pool(cluster, demo_model_p
     final = seen["statuses"][-1]
     assert final["state"] == "finished", final
     assert final["step"] == final["policy_version"] == total
-    # weightsync's store and registry (asyncrl/weightsync/service.py, num_cpus=0) go where Ray puts
-    # them, any node: not yet in a pool (README failure table); listed in the message only.
-    ours = {k: v for k, v in placed.items() if not k.startswith("Weight")}
-    assert ours == {"GeneratorEngine": ["inference"], "GeneratorGateway": ["control"], "Trainer": ["control"],
-                    "LearnerRank": ["training", "training"], "RewardWorkersService": ["control"],
-                    "BufferService": ["control"]}, placed
+    # weightsync's store and registry hold the live version: pinned to the trainer's node, so that
+    # losing an engine or learner node cannot take them along.
+    assert placed == {"GeneratorEngine": ["inference"], "GeneratorGateway": ["control"], "Trainer": ["control"],
+                      "LearnerRank": ["training", "training"], "RewardWorkersService": ["control"],
+                      "BufferService": ["control"], "WeightStore": ["control"], "WeightsyncService": ["control"]}, placed
     assert _accounted(final["buffer"]) and final["buffer"]["buffer/trained"] == total * 16
     header_versions = [v for v, _ in seen["versions"]]
     assert header_versions == sorted(header_versions) and header_versions[-1] == total
