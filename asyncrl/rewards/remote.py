@@ -2,7 +2,7 @@
 
 Owns: the actor (`RewardWorkers`, async, placed by `reward.pool`) that runs a `RewardPool` and its
 worker processes on its node, and `RemoteRewardPool`, the client with RewardPool's interface
-(`score`, `metrics`, `close`) that the trainer holds instead of an in-process pool.
+(`score`, `close`) that the trainer holds instead of an in-process pool.
 Must never: score anything itself, or change what an outcome means: every failure inside the
 actor is the pool's INVALID_REWARD as before; only the actor's own death (its node lost) raises.
 """
@@ -58,6 +58,7 @@ class RemoteRewardPool:
         worker processes also exit when the actor's end of their pipes closes)."""
         self.actor.close.remote()
         self.actor.__ray_terminate__.remote()
+
 
 def reward_pool(config: RewardConfig) -> RewardPool | RemoteRewardPool:
     """The trainer's reward scorer: in-process workers, or an actor on `reward.pool`'s nodes."""

@@ -73,13 +73,11 @@ async def _start_learners(cfg: RootConfig, engine: Any) -> tuple[Any, Any, Any, 
     return actor, reference, critic, placement
 
 
-def _beside_this_process(cfg: RootConfig) -> dict[str, Any]:
-    """With trainer.pool set, the buffer (no resources of its own) goes on the trainer's node too,
-    rather than on whichever node Ray picks (maybe an engine or learner node that can be lost).
-    Hard affinity: Ray's soft affinity placed a zero-resource actor elsewhere about half the time;
-    the node is the trainer's own, alive as long as the trainer is."""
-    if not cfg.trainer.pool.is_set():
-        return {}
+def _beside_this_process() -> dict[str, Any]:
+    """The buffer (no resources of its own) goes on the trainer's node, as weightsync's store and
+    registry do, rather than on whichever node Ray picks (maybe an engine or learner node that can
+    be lost). Hard affinity: Ray's soft affinity placed a zero-resource actor elsewhere about half
+    the time; the node is the trainer's own, alive as long as the trainer is."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -133,7 +131,7 @@ class TrainerParts:
         torch.manual_seed(cfg.trainer.seed)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         train, held_out = load_prompts(cfg.data)
-        buffer = BufferActor.options(**_beside_this_process(cfg)).remote(cfg.buffer)
+        buffer = BufferActor.options(**_beside_this_process()).remote(cfg.buffer)
         rewards = reward_pool(cfg.reward)
         # Hybrid: the learner's state goes to host before the first export (which holds the params itself).
         actor, reference, critic, placement = await _start_learners(cfg, engine)
