@@ -19,14 +19,21 @@ Owns: the group description (`GroupSpec`: one group per sending rank, that rank 
 every engine worker of every replica a receiver), the sending rank's rendezvous port
 (`reserve_port`: held as a listening socket until the group's store serves on it), `CollectiveGroup`
 (join, broadcast with a deadline, close), the wire protocol of one push on a group (per bucket: a 3
-x int64 header, the tensor table as JSON bytes, the bucket buffer; then an end or abort header),
+x int64 header, the tensor table as JSON bytes, the bucket buffer; then an end or abort header; with
+`ipc_window` 0, one header and one table for the whole version, then every bucket back to back),
 `send_stream` (the sender's loop: pack on the tensors' device, broadcast, hash in the verify mode,
 start the host copy (hostcopy.py: made off the critical path, collected by the publisher while
 replicas commit)) and `receive_stream` (the receiver's loop: allocate on its device, receive, hand
 each bucket on).
 
-Memory: the sender holds one packed bucket on its device at a time, plus up to four sent ones
-whose host copies are still running, and (on a GPU) a pinned host copy of what it sends, reused
+gloo / NCCL with `ipc_window` 0 (weightsync.staging full, the receivers stage the whole version
+anyway): the sender packs every bucket, enqueues every digest and waits for the device once, sends
+one table of every bucket (with its digests), then broadcasts the buckets back to back without a
+wait between them, and waits once at the end; each receiver receives them into one allocation.
+Per bucket that saves the header and table round trips, the hash's wait and the broadcast's.
+
+Memory: the sender holds one packed bucket on its device at a time (`ipc_window` 0: every bucket
+of its version until the broadcast ends), plus up to four sent ones whose host copies are still running, and (on a GPU) a pinned host copy of what it sends, reused
 by each push. Each engine worker stages the complete new version (full HF tensors, not its TP
 shard) in its device memory until commit, because the commit is atomic: a worker needs headroom for one
 unsharded copy of the model beside its live shard. Where that does not fit, use shm (one node:
@@ -60,7 +67,7 @@ BACKENDS = ("gloo", "nccl", "ipc")
 IPC_WINDOW = 2  # ipc: buckets a sender keeps published (and unacknowledged) before waiting; 0: the whole version
 # Header kinds (first int64 of a header): a bucket follows, the sender is done, the sender failed.
 BUCKET, END, ABORT = _BUCKET, _END, _ABORT = 1, 2, 3
-WHOLE = 4  # ipc with ipc_window 0: one record holds every bucket of the push
+WHOLE = 4  # ipc_window 0: one record (ipc) or one table (gloo / nccl) holds every bucket of the push
 
 
 class CollectiveError(RuntimeError):
@@ -85,7 +92,7 @@ class GroupSpec:
     receivers: dict[str, int]
     sender: int = 0  # which sending rank (PP stage order) this group belongs to
     timeout_s: float = 120.0
-    ipc_window: int = IPC_WINDOW  # ipc only: see the module docstring
+    ipc_window: int = IPC_WINDOW  # ipc: buckets published at once; 0 (any backend): the whole version at once
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -169,8 +176,9 @@ def _tcp_store(spec: GroupSpec, rank: int, timeout: datetime.timedelta, listen_s
 
 
 def ipc_window_for(staging: str) -> int:
-    """The ipc window for a staging mode: full staging keeps the whole version in the sender's
-    buffers (the receivers' staging area), bucketed staging `IPC_WINDOW` buckets."""
+    """The window for a staging mode: full staging sends the whole version at once (ipc: kept in
+    the sender's buffers, the receivers' staging area; gloo / NCCL: one table, then every bucket
+    back to back), bucketed staging `IPC_WINDOW` buckets at a time (gloo / NCCL: one)."""
     return 0 if staging == "full" else IPC_WINDOW
 
 
@@ -305,6 +313,45 @@ class CollectiveGroup:
             raise CollectiveError(f"group {self.spec.group_id} rank {self.rank}: broadcast of {tensor.numel()} "
                                   f"{str(tensor.dtype).removeprefix('torch.')} failed: {type(err).__name__}: {err}") from err
 
+    def broadcast_all(self, tensors: list[torch.Tensor], deadline: float) -> None:
+        """`broadcast` of every tensor in order, enqueued back to back (no wait between them), then
+        one wait for all: the whole version's buckets at wire speed. Same failure rules."""
+        if len(tensors) <= 1:
+            for t in tensors:
+                self.broadcast(t, deadline)
+            return
+        if self.broken:
+            raise CollectiveError(f"group {self.spec.group_id} is broken (an earlier step failed); form a new one")
+        if self.spec.backend == "ipc":
+            raise CollectiveError(f"group {self.spec.group_id}: an ipc group passes handles (send_stream), it does not broadcast")
+        try:
+            if self._pg is not None:
+                import torch.distributed as dist
+
+                works = []
+                for t in tensors:
+                    opts = dist.BroadcastOptions()
+                    opts.rootRank, opts.rootTensor = 0, 0
+                    works.append(self._pg.broadcast([t], opts))
+                for work in works:
+                    work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                return
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            for t in tensors:
+                self._comm.broadcast(t, src=0, stream=self._stream)
+                t.record_stream(self._stream)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+            while not done.query():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("NCCL broadcasts not complete by the deadline")
+                time.sleep(0.0002)
+        except Exception as err:
+            self.broken = True
+            self.close()
+            raise CollectiveError(f"group {self.spec.group_id} rank {self.rank}: broadcast of {len(tensors)} buckets "
+                                  f"({sum(t.numel() for t in tensors)} elements) failed: {type(err).__name__}: {err}") from err
+
     def close(self) -> None:
         comm, self._comm, self._pg, self._store = self._comm, None, None, None
         self.broken = True
@@ -382,6 +429,9 @@ def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
                                plan=plan, sender=sender)
     deadline = time.monotonic() + timeout_s
     out = SendResult()
+    if group.spec.ipc_window == 0:
+        return _send_whole(group, named_tensors, bucket_mb, verify=verify, deadline=deadline, keep=keep, plan=plan,
+                           sender=sender, out=out)
     copies = out.host_copies = host_copies_for(group, keep, deadline)
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender), out)
     try:
@@ -398,6 +448,47 @@ def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
     except BaseException:
         copies.close()
         if export.failed and not group.broken:  # tell the receivers, so they fail now rather than at their deadline
+            try:
+                group.broadcast(_header(group, _ABORT), deadline)
+            except CollectiveError:
+                pass
+        raise
+    group.broadcast(_header(group, _END), deadline)
+    copies.finish()
+    return out
+
+
+def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *, verify: str,
+                deadline: float, keep: Callable[[Bucket], Any] | None, plan: Any, sender: int, out: SendResult) -> SendResult:
+    """ipc_window 0 on gloo / NCCL: pack every bucket, enqueue every digest, wait for the device
+    once, send one table of every bucket, broadcast the buckets back to back, wait once. The host
+    copies start after the broadcasts are enqueued (`full` verification hashes them, so there they
+    start first)."""
+    copies = out.host_copies = host_copies_for(group, keep, deadline, max_device=1 << 30)
+    export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender), out)
+    early = verify == "full"
+    packed: list[tuple[Bucket, Callable[[], dict[str, bytes]]]] = []
+    try:
+        for bucket in export:
+            finish, _ = hash_and_copy_lazy(copies if early else None, bucket, verify, out)
+            packed.append((bucket, finish))
+        t = time.perf_counter()
+        tables = [[encode_table(bucket, finish()).decode(), bucket.nbytes] for bucket, finish in packed]  # one device wait
+        raw = json.dumps(tables).encode()
+        group.broadcast(_header(group, WHOLE, len(raw), sum(b.nbytes for b, _ in packed)), deadline)
+        _send_bytes(group, raw, deadline)
+        buffers = [b.buffer for b, _ in packed if b.nbytes]
+        if not early:
+            for bucket, _ in packed:  # enqueued behind the packing, beside the broadcasts
+                t_copy = time.perf_counter()
+                copies.add(bucket)
+                out.seconds["host_copy"] += time.perf_counter() - t_copy
+        group.broadcast_all(buffers, deadline)
+        out.seconds["broadcast"] += time.perf_counter() - t
+        packed.clear()
+    except BaseException:
+        copies.close()
+        if export.failed and not group.broken:
             try:
                 group.broadcast(_header(group, _ABORT), deadline)
             except CollectiveError:
@@ -502,6 +593,9 @@ def receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bu
             return
         if kind == _ABORT:
             raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
+        if kind == WHOLE and table_len > 0 and nbytes >= 0:
+            yield from _receive_whole(group, table_len, nbytes, deadline)
+            continue
         if kind != _BUCKET or table_len <= 0 or nbytes < 0:
             group.broken = True
             group.close()
@@ -513,3 +607,26 @@ def receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bu
         if nbytes:
             group.broadcast(buffer, deadline)
         yield Bucket(buffer=buffer, metas=metas, rank=rank), digests
+
+
+def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int,
+                   deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
+    """A whole version: one table, then every bucket back to back into one allocation of
+    `nbytes`, received before the first is handed on."""
+    raw = torch.empty(table_len, dtype=torch.uint8, device=group.device)
+    group.broadcast(raw, deadline)
+    tables = json.loads(raw.cpu().numpy().tobytes().decode())
+    sizes = [int(n) for _, n in tables]
+    if sum(sizes) != nbytes or any(n < 0 for n in sizes):
+        group.broken = True
+        group.close()
+        raise CollectiveError(f"group {group.spec.group_id}: a whole-version table of {sizes} bytes for a header of {nbytes}")
+    block = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+    views, at = [], 0
+    for n in sizes:
+        views.append(block.narrow(0, at, n))
+        at += n
+    group.broadcast_all([v for v in views if v.numel()], deadline)
+    for (table, _), view in zip(tables, views):
+        metas, rank, digests = decode_table(table.encode())
+        yield Bucket(buffer=view, metas=metas, rank=rank), digests

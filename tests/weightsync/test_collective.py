@@ -35,11 +35,12 @@ BUCKET_MB = 8192 / (1 << 20)  # two 4 KiB tensors per bucket -> 3 buckets for 5 
 
 
 # "ipc-whole": ipc with window 0 (full staging: the whole version published at once, staged as views)
-BACKENDS = pytest.mark.parametrize("backend", ["gloo", "ipc", "ipc-whole"])
+BACKENDS = pytest.mark.parametrize("backend", ["gloo", "gloo-whole", "ipc", "ipc-whole"])
 
 
 def _kind(backend: str) -> tuple[str, int]:
-    return ("ipc", 0) if backend == "ipc-whole" else (backend, IPC_WINDOW)
+    """"-whole": ipc_window 0, the whole version at once (weightsync.staging full)."""
+    return (backend.removesuffix("-whole"), 0) if backend.endswith("-whole") else (backend, IPC_WINDOW)
 
 
 def _spec(receivers=2, timeout_s=20.0, gid="g", backend="gloo") -> GroupSpec:
@@ -158,6 +159,32 @@ def test_every_receiver_gets_every_bucket_bit_exact_and_the_sender_keeps_host_co
         g.close()
 
 
+@pytest.mark.parametrize("backend", ["gloo", "gloo-whole"])
+def test_a_whole_version_broadcast_receives_every_bucket_into_one_allocation(backend):
+    """ipc_window 0 on a broadcast backend: one table, then every bucket back to back into one
+    receive buffer (views of it, in order); bucket by bucket, each bucket is its own buffer. Both
+    deliver the same tensors with the sender's checksums."""
+    spec = _spec(receivers=1, backend=backend)
+    sender, receiver = _join_all(spec)
+    weights = model(3)
+    seen: dict[str, list] = {"storages": [], "tensors": {}}
+
+    def receive(group: CollectiveGroup) -> None:
+        for bucket, digests in receive_stream(group, time.monotonic() + 20):
+            assert digests == bucket_digests(bucket, "checksum")
+            seen["storages"].append(bucket.buffer.untyped_storage().data_ptr())
+            seen["tensors"].update({n: t.clone() for n, t in unpack_bucket(bucket)})
+
+    sent = _push_while_receiving(sender, [receiver], receive, weights, "checksum")
+    assert sent.num_buckets >= 3 and len(seen["storages"]) == sent.num_buckets
+    assert len(set(seen["storages"])) == (1 if backend == "gloo-whole" else sent.num_buckets)
+    assert all(torch.equal(seen["tensors"][k], weights[k]) for k in weights)
+    assert combine_digests(sent.digests, "checksum") == tensor_fingerprint(weights, "checksum")
+    sent.host_copies.result()
+    for g in (sender, receiver):
+        g.close()
+
+
 @BACKENDS
 def test_a_failing_export_aborts_the_receivers_at_once(backend):
     spec = _spec(receivers=1, timeout_s=60.0, backend=backend)
@@ -192,7 +219,7 @@ def test_a_failing_export_aborts_the_receivers_at_once(backend):
 def test_a_receiver_whose_sender_never_sends_times_out_and_the_group_is_broken(backend):
     spec = _spec(receivers=1, timeout_s=10.0, backend=backend)
     sender, receiver = _join_all(spec)
-    with pytest.raises(CollectiveError, match="broadcast" if backend == "gloo" else "ipc step failed"):
+    with pytest.raises(CollectiveError, match="broadcast" if backend.startswith("gloo") else "ipc step failed"):
         next(receive_stream(receiver, time.monotonic() + 0.5))
     assert receiver.broken
     with pytest.raises(CollectiveError, match="broken"):
