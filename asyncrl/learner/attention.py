@@ -179,12 +179,18 @@ class _GatherSequence(torch.autograd.Function):
         return grad.chunk(size)[rank].contiguous(), None
 
 
+@lru_cache(maxsize=64)
+def _global_order_on(width: int, cp_size: int, device: torch.device) -> torch.Tensor:
+    """`_global_order` as an index tensor on `device`, made once: building it per call copied
+    `width` ints from host to device in every attention layer, a host wait each time on a GPU."""
+    return torch.tensor(_global_order(width, cp_size), device=device)
+
+
 def gather_sequence(x: torch.Tensor, width: int, group: Any) -> torch.Tensor:
     """[S/CP, ...] zig-zag share on every rank -> [S, ...] in global order, differentiable."""
     size = torch.distributed.get_world_size(group)
     full = _GatherSequence.apply(x, group)
-    order = torch.tensor(_global_order(width, size), device=x.device)
-    return full.index_select(0, order)
+    return full.index_select(0, _global_order_on(width, size, x.device))
 
 
 class _SumOverGroup(torch.autograd.Function):
