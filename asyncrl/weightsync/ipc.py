@@ -36,16 +36,9 @@ from typing import Any, NoReturn
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, TensorMeta, write_shared
-from asyncrl.weightsync.collective import (
-    ABORT,
-    BUCKET,
-    END,
-    IPC_WINDOW,
-    WHOLE,
-    CollectiveError,
-    CollectiveGroup,
+from asyncrl.weightsync.collective import ABORT, BUCKET, END, WHOLE, CollectiveError, CollectiveGroup, SenderAborted
+from asyncrl.weightsync.stream import (
     Export,
-    SenderAborted,
     SendResult,
     decode_table,
     encode_table,

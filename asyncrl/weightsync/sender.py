@@ -129,7 +129,8 @@ class SenderEndpoint:
         copies `take_host_copies` collects. The stream is always read to its end."""
         import ray
 
-        from asyncrl.weightsync.collective import CollectiveError, send_stream
+        from asyncrl.weightsync.collective import CollectiveError
+        from asyncrl.weightsync.stream import send_stream
 
         tensors = iter(tensors)
         group = self.group

@@ -282,7 +282,8 @@ class WeightsyncWorkerExtension:
     def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float) -> dict[str, bytes]:
         """Stage every bucket of `version` from the groups `group_ids` (in order), each straight
         into this worker's memory; returns the digests staged."""
-        from asyncrl.weightsync.collective import CollectiveError, receive_stream
+        from asyncrl.weightsync.collective import CollectiveError
+        from asyncrl.weightsync.stream import receive_stream
 
         groups = self.__dict__.get("_asyncrl_groups", {})
         deadline = time.monotonic() + timeout_s

@@ -21,11 +21,11 @@ from asyncrl.generator.worker_ext import WeightUpdateExtension
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.bucket import FILE_PREFIX, shared_dir, unpack_bucket
 from asyncrl.weightsync.collective import (
-    CollectiveError, CollectiveGroup, CollectiveReceive, GroupSpec, SenderAborted, form_specs, free_port,
-    join_as_sender, receive_stream, reserve_port, send_stream,
+    IPC_WINDOW, CollectiveError, CollectiveGroup, CollectiveReceive, GroupSpec, SenderAborted, form_specs, free_port,
+    ipc_window_for, join_as_sender, reserve_port,
 )
 from asyncrl.weightsync.fingerprint import bucket_digests
-from asyncrl.weightsync.collective import IPC_WINDOW, ipc_window_for
+from asyncrl.weightsync.stream import receive_stream, send_stream
 from asyncrl.weightsync.push import KeptCopies, Publisher, StreamedSend, Step, WeightsyncError
 from asyncrl.weightsync.transport import LocalTransport
 

@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrier, pushes: int, step: mp.Barrier) -> None:
     from asyncrl.weightsync.fingerprint import bucket_digests, tensor_fingerprint
     from asyncrl.weightsync.bucket import unpack_bucket
-    from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec, receive_stream, send_stream
+    from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
+    from asyncrl.weightsync.stream import receive_stream, send_stream
 
     try:
         spec_ = GroupSpec(**spec)

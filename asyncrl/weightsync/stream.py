@@ -1,0 +1,299 @@
+"""One push on a gloo / NCCL group (collective.py's `CollectiveGroup`): the sender's loop and the
+receiver's, and the helpers the ipc transport (ipc.py) shares with them.
+
+Owns: the wire protocol of one push (per bucket: a 3 x int64 header, the tensor table as JSON
+bytes with the sender's digests, the bucket buffer; then an end or abort header), `send_stream`
+(the sender's loop: pack on the tensors' device, in the engines' layout with a plan; hash in the
+verify mode; broadcast; start the host copy (hostcopy.py: made off the critical path, collected
+by the publisher while replicas commit)) and `receive_stream` (the receiver's loop: allocate on
+its device, receive, hand each bucket on with the sender's digests).
+
+With `ipc_window` 0 (weightsync.staging full: the receivers stage the whole version anyway) the
+sender packs every bucket, enqueues every digest and waits for the device once, sends one table
+of every bucket, then broadcasts the buckets back to back without a wait between them and waits
+once at the end; each receiver receives them into one allocation. Per bucket that saves the
+header and table round trips, the hash's wait and the broadcast's. The sender then holds its whole
+packed version on its device until the broadcast ends (bucketed staging: one bucket at a time).
+
+Must never: wait without a deadline, or leave the receivers waiting on a sender that failed
+(an export error sends the abort header first).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets
+from asyncrl.weightsync.collective import ABORT, BUCKET, END, WHOLE, CollectiveError, CollectiveGroup, SenderAborted
+from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
+
+
+def encode_table(bucket: Bucket, digests: dict[str, bytes]) -> bytes:
+    """A bucket's tensor table, engine rank and the sender's digests (in band), as JSON bytes."""
+    return json.dumps({"m": [[m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in bucket.metas],
+                       "r": bucket.rank, "d": {k: v.hex() for k, v in digests.items()}}).encode()
+
+
+def decode_table(raw: bytes) -> tuple[list[TensorMeta], int | None, dict[str, bytes]]:
+    table = json.loads(raw.decode())
+    metas = [TensorMeta(n, d, tuple(s), int(o), int(b)) for n, d, s, o, b in table["m"]]
+    return metas, table["r"], {k: bytes.fromhex(v) for k, v in table["d"].items()}
+
+
+def _header(group: CollectiveGroup, kind: int, a: int = 0, b: int = 0) -> torch.Tensor:
+    return torch.tensor([kind, a, b], dtype=torch.int64, device=group.device)
+
+
+def _send_bytes(group: CollectiveGroup, raw: bytes, deadline: float) -> None:
+    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device)
+    group.broadcast(t, deadline)
+
+
+@dataclass
+class SendResult:
+    """What a sender hands back to the publisher: per-tensor digests in the push's verify mode,
+    sizes and timings. Its host copies (for rollbacks, retries and late joiners) are still being
+    made when it returns: `host_copies.result()` waits for them (hostcopy.py)."""
+
+    host_copies: HostCopies | None = None
+    digests: dict[str, bytes] = field(default_factory=dict)
+    bytes: int = 0
+    num_tensors: int = 0
+    num_buckets: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: {"pack": 0.0, "broadcast": 0.0, "host_copy": 0.0, "hash": 0.0})
+
+
+def pack_stream(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, device: torch.device, *,
+                plan: Any = None, sender: int = 0, alloc: Callable[[int], torch.Tensor] | None = None) -> Iterator[Bucket]:
+    """The sender's buckets on `device`: Hugging Face tensors as they come (`iter_buckets`), or,
+    with a push `plan` (plan.py), this sender's buckets in the engines' layout. `alloc(nbytes)`
+    supplies reused buffers (ipc)."""
+    if plan is None:
+        return iter_buckets(named_tensors, bucket_mb, device=device, alloc=alloc)
+    from asyncrl.weightsync.plan import PlannedPacker
+
+    buffer = None if alloc is None else (lambda b: alloc(b.nbytes))
+    return PlannedPacker(plan, sender, device, buffer, host_numpy=False).pack(named_tensors)
+
+
+def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
+                verify: str, timeout_s: float, keep: Callable[[Bucket], Any] | None = None,
+                plan: Any = None, sender: int = 0) -> SendResult:
+    """The sender's loop for one push: bucket the stream on the tensors' device (in the engines'
+    layout with a `plan`), hash each bucket (its digests go in band, before its bytes), send it,
+    and start its host copy (`keep` is called with each finished copy, off the critical path).
+    If the stream fails, the receivers are told (abort header) before the error propagates."""
+    if group.spec.backend == "ipc":
+        from asyncrl.weightsync.ipc import ipc_send_stream
+
+        return ipc_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=keep,
+                               plan=plan, sender=sender)
+    deadline = time.monotonic() + timeout_s
+    out = SendResult()
+    if group.spec.ipc_window == 0:
+        return _send_whole(group, named_tensors, bucket_mb, verify=verify, deadline=deadline, keep=keep, plan=plan,
+                           sender=sender, out=out)
+    copies = out.host_copies = host_copies_for(group, keep, deadline)
+    export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender), out)
+    try:
+        for bucket in export:
+            digests, _ = hash_and_copy(copies, bucket, verify, out)
+            t = time.perf_counter()
+            table = encode_table(bucket, digests)
+            group.broadcast(_header(group, BUCKET, len(table), bucket.nbytes), deadline)
+            _send_bytes(group, table, deadline)
+            if bucket.nbytes:
+                group.broadcast(bucket.buffer, deadline)
+            out.seconds["broadcast"] += time.perf_counter() - t
+            del bucket
+    except BaseException:
+        copies.close()
+        if export.failed and not group.broken:  # tell the receivers, so they fail now rather than at their deadline
+            try:
+                group.broadcast(_header(group, ABORT), deadline)
+            except CollectiveError:
+                pass
+        raise
+    group.broadcast(_header(group, END), deadline)
+    copies.finish()
+    return out
+
+
+def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *, verify: str,
+                deadline: float, keep: Callable[[Bucket], Any] | None, plan: Any, sender: int, out: SendResult) -> SendResult:
+    """ipc_window 0 on gloo / NCCL: pack every bucket, enqueue every digest, wait for the device
+    once, send one table of every bucket, broadcast the buckets back to back, wait once. The host
+    copies start after the broadcasts are enqueued (`full` verification hashes them, so there they
+    start first)."""
+    copies = out.host_copies = host_copies_for(group, keep, deadline, max_device=1 << 30)
+    export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender), out)
+    early = verify == "full"
+    packed: list[tuple[Bucket, Callable[[], dict[str, bytes]]]] = []
+    try:
+        for bucket in export:
+            finish, _ = hash_and_copy_lazy(copies if early else None, bucket, verify, out)
+            packed.append((bucket, finish))
+        t = time.perf_counter()
+        tables = [[encode_table(bucket, finish()).decode(), bucket.nbytes] for bucket, finish in packed]  # one device wait
+        raw = json.dumps(tables).encode()
+        group.broadcast(_header(group, WHOLE, len(raw), sum(b.nbytes for b, _ in packed)), deadline)
+        _send_bytes(group, raw, deadline)
+        buffers = [b.buffer for b, _ in packed if b.nbytes]
+        if not early:
+            for bucket, _ in packed:  # enqueued behind the packing, beside the broadcasts
+                t_copy = time.perf_counter()
+                copies.add(bucket)
+                out.seconds["host_copy"] += time.perf_counter() - t_copy
+        group.broadcast_all(buffers, deadline)
+        out.seconds["broadcast"] += time.perf_counter() - t
+        packed.clear()
+    except BaseException:
+        copies.close()
+        if export.failed and not group.broken:
+            try:
+                group.broadcast(_header(group, ABORT), deadline)
+            except CollectiveError:
+                pass
+        raise
+    group.broadcast(_header(group, END), deadline)
+    copies.finish()
+    return out
+
+
+def host_copies_for(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None, deadline: float,
+                    max_device: int = 4, defer_keep: bool = False) -> HostCopies:
+    """This push's host copies; an earlier push's that nobody collected are dropped first (their
+    pinned buffers are this push's). `max_device`: sent device buckets whose copies may run at
+    once (the sender frees a bucket only after its copy); `defer_keep`: see HostCopies."""
+    if group._copies is not None and not group._copies.close():
+        group._pinned = None  # still read by a stuck keep: this push copies into fresh buffers
+    if group.device.type == "cuda" and group._pinned is None:
+        group._pinned = PinnedPool()
+    group._copies = HostCopies(keep, group._pinned, deadline=deadline, max_device=max_device, defer_keep=defer_keep)
+    return group._copies
+
+
+def hash_and_copy(copies: HostCopies, bucket: Bucket, verify: str, out: SendResult) -> tuple[dict[str, bytes], Any]:
+    """Start `bucket`'s host copy and hash it in `verify` mode (where it lies: `full` reads every
+    byte, from the host copy); returns its digests (they travel in band, before its bytes) and
+    the copy (done once its device buffer may be reused)."""
+    finish, copy = hash_and_copy_lazy(copies, bucket, verify, out)
+    return finish(), copy
+
+
+def hash_and_copy_lazy(copies: HostCopies | None, bucket: Bucket, verify: str,
+                       out: SendResult) -> tuple[Callable[[], dict[str, bytes]], Any]:
+    """`hash_and_copy` with the device reads only enqueued: the returned call waits for them and
+    records the digests in `out` (a sender that publishes a whole version waits once, at its end).
+    `copies` None: the caller starts the host copy itself (not with `full` verification)."""
+    from asyncrl.weightsync.bucket import digest_key_prefix
+    from asyncrl.weightsync.fingerprint import bucket_digests, bucket_digests_lazy
+
+    t = time.perf_counter()
+    if copies is None and verify == "full":
+        raise ValueError("full verification hashes the host copy: start it here")
+    copy = copies.add(bucket) if copies is not None else None
+    out.num_buckets += 1
+    out.seconds["host_copy"] += time.perf_counter() - t
+    t = time.perf_counter()
+    prefix = digest_key_prefix(bucket)
+    if verify == "full":
+        pending = lambda: bucket_digests(copies.host(copy), "full", prefix)  # type: ignore[union-attr]  # noqa: E731
+    else:
+        pending = bucket_digests_lazy(bucket, verify, prefix)  # type: ignore[arg-type]
+    out.seconds["hash"] += time.perf_counter() - t
+    out.bytes += bucket.payload_bytes
+    out.num_tensors += len(bucket)
+
+    def finish() -> dict[str, bytes]:
+        t = time.perf_counter()
+        digests = pending()
+        out.digests.update(digests)
+        out.seconds["hash"] += time.perf_counter() - t
+        return digests
+
+    return finish, copy
+
+
+class Export:
+    """The sender's bucket stream (timed as `pack`); `failed` tells an export error (the tensor
+    stream raised) from a send error, which only the sender sees."""
+
+    def __init__(self, buckets: Iterable[Bucket], out: SendResult) -> None:
+        self._buckets = iter(buckets)
+        self._out, self.failed = out, False
+
+    def __iter__(self) -> Iterator[Bucket]:
+        while True:
+            t = time.perf_counter()
+            try:
+                bucket = next(self._buckets)
+            except StopIteration:
+                return
+            except BaseException:
+                self.failed = True
+                raise
+            self._out.seconds["pack"] += time.perf_counter() - t
+            yield bucket
+
+
+def receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
+    """The receiver's loop for one push on one group: yields each bucket (its buffer on this
+    member's device) with the sender's digests of it, until the sender's end header. Raises
+    SenderAborted on an abort header."""
+    if group.spec.backend == "ipc":
+        from asyncrl.weightsync.ipc import ipc_receive_stream
+
+        yield from ipc_receive_stream(group, deadline)
+        return
+    while True:
+        header = torch.empty(3, dtype=torch.int64, device=group.device)
+        group.broadcast(header, deadline)
+        kind, table_len, nbytes = (int(v) for v in header.tolist())
+        if kind == END:
+            return
+        if kind == ABORT:
+            raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
+        if kind == WHOLE and table_len > 0 and nbytes >= 0:
+            yield from _receive_whole(group, table_len, nbytes, deadline)
+            continue
+        if kind != BUCKET or table_len <= 0 or nbytes < 0:
+            group.broken = True
+            group.close()
+            raise CollectiveError(f"group {group.spec.group_id}: malformed header {[kind, table_len, nbytes]}")
+        raw = torch.empty(table_len, dtype=torch.uint8, device=group.device)
+        group.broadcast(raw, deadline)
+        metas, rank, digests = decode_table(raw.cpu().numpy().tobytes())
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+        if nbytes:
+            group.broadcast(buffer, deadline)
+        yield Bucket(buffer=buffer, metas=metas, rank=rank), digests
+
+
+def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int,
+                   deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
+    """A whole version: one table, then every bucket back to back into one allocation of
+    `nbytes`, received before the first is handed on."""
+    raw = torch.empty(table_len, dtype=torch.uint8, device=group.device)
+    group.broadcast(raw, deadline)
+    tables = json.loads(raw.cpu().numpy().tobytes().decode())
+    sizes = [int(n) for _, n in tables]
+    if sum(sizes) != nbytes or any(n < 0 for n in sizes):
+        group.broken = True
+        group.close()
+        raise CollectiveError(f"group {group.spec.group_id}: a whole-version table of {sizes} bytes for a header of {nbytes}")
+    block = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+    views, at = [], 0
+    for n in sizes:
+        views.append(block.narrow(0, at, n))
+        at += n
+    group.broadcast_all([v for v in views if v.numel()], deadline)
+    for (table, _), view in zip(tables, views):
+        metas, rank, digests = decode_table(table.encode())
+        yield Bucket(buffer=view, metas=metas, rank=rank), digests
