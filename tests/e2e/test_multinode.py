@@ -180,11 +180,10 @@ def _add_spare(c, nodes: dict, pool: str, **node_args) -> dict:
 
 def _kill_the_node_of(actor_class: str, after_step: int, c, nodes: dict, fault: dict):
     """A `during` hook: once training passed `after_step`, kill the raylet and every process of the
-    node hosting `actor_class`; then note where that actor runs again."""
-    names = _node_of(nodes)
+    node hosting `actor_class`; then note where that actor runs again (`nodes` may grow meanwhile)."""
 
     def hook(seen: dict) -> None:
-        placed = _placed(names)
+        placed = _placed(_node_of(nodes))
         if fault:
             # The lost node's actors stay ALIVE in the GCS until it notices the node is gone.
             elsewhere = [n for n in placed.get(actor_class, []) if n != fault["node"]]
@@ -200,15 +199,25 @@ def _kill_the_node_of(actor_class: str, after_step: int, c, nodes: dict, fault: 
     return hook
 
 
-def test_losing_the_engines_node_moves_the_replica_within_its_pool(cluster, demo_model_path, tmp_path):
-    """The node hosting the engine replica dies mid-training (raylet and every process killed):
-    Serve starts the replica again on the pool's other node, it loads the live version, the
-    rollouts in flight are retried or counted, training goes on to its end with every version
-    published once, in order, and every sample accounted for."""
+def test_losing_the_engines_node_waits_with_a_clear_status_then_the_replica_moves_to_a_new_node(cluster, demo_model_path,
+                                                                                             tmp_path):
+    """The only node of the engine pool dies mid-training (raylet and every process killed): the
+    trainer's status says it waits for a batch and that no live node offers the engine pool; a new
+    node of the pool joins, Serve starts the replica there, it loads the live version, the rollouts
+    in flight are retried or counted, training goes on to its end with every version published
+    once, in order, and every sample accounted for."""
     c, nodes = cluster
-    nodes.update(_add_spare(c, nodes, "inference"))
     total, fault = 10, {}
-    seen = _run(cluster, demo_model_path, tmp_path, during=_kill_the_node_of("GeneratorEngine", 2, c, nodes, fault),
+    kill = _kill_the_node_of("GeneratorEngine", 2, c, nodes, fault)
+
+    def during(seen: dict) -> None:
+        kill(seen)
+        waiting = (seen["statuses"][-1].get("waiting") or "") if fault and seen["statuses"] else ""
+        if "spare" not in fault and "generator.engine_pool: no live node offers" in waiting:
+            fault.update(waiting=waiting, spare=time.monotonic())
+            nodes.update(_add_spare(c, nodes, "inference"))
+
+    seen = _run(cluster, demo_model_path, tmp_path, during=during,
                 **_pools(total, trainer={"rollout_timeout_s": 120}, weightsync={"recovery_s": 600}))
     final = seen["statuses"][-1]
     assert fault, "the run ended before the fault could be injected"
@@ -216,10 +225,11 @@ def test_losing_the_engines_node_moves_the_replica_within_its_pool(cluster, demo
     nodes.pop(lost)  # later tests: the surviving inference node
     if lost == "inference":
         nodes["inference"] = nodes.pop("inference-spare")
-    assert lost.startswith("inference"), fault
+    assert lost == "inference" and "spare" in fault, fault  # the status told, before any node of the pool was back
+    assert "a batch of 16 samples for policy version" in fault["waiting"], fault
     assert final["state"] == "finished", (final, fault)
     assert final["step"] == final["policy_version"] == total and total - fault["step"] >= 5
-    assert fault.get("again") and fault["again"][0] != lost and fault["again"][0].startswith("inference"), fault
+    assert fault.get("again") == ["inference-spare"], fault
     assert _accounted(final["buffer"]) and final["buffer"]["buffer/trained"] == total * 16
     assert any(code == 200 and t > fault["at"] for t, code in seen["answers"])
     assert seen["openai_status"] == 200 and seen["openai_header"] == str(total)
