@@ -7,8 +7,9 @@ session's one-node runtime, which it starts again afterwards. Nodes:
   control   (head, label pool=control): Serve's controller and proxy, the trainer, the gateway, reward workers
   inference (label pool=inference): the engine replicas
   training  (label pool=training, resource trainer_node: 1): the learner's two ranks (TP=2, strict_pack)
-The node-loss tests add a spare node of the lost node's pool first, then kill the raylet (and
-every process) of the node hosting the engine replica or the learner ranks.
+One run checks the placement, the transport and the HTTP API, then kills the inference node (the
+engine pool's only node) and adds a new one once the status says it waits for it; another adds a
+spare training node, then kills the node hosting the learner ranks.
 """
 
 from __future__ import annotations
@@ -140,37 +141,6 @@ def test_reward_workers_run_on_their_pool(cluster):
     assert outcomes[2].status in (SampleStatus.VALID, SampleStatus.INVALID_REWARD)
 
 
-def test_three_nodes_train_with_each_component_on_its_pool(cluster, demo_model_path, tmp_path):
-    """`serve run`'s start of the app on three nodes: engines on `inference`, the learner (TP=2) on
-    `training`, reward workers, trainer and gateway on `control`; weights cross nodes through the
-    object store (`auto` on several CPU nodes), versions rise over HTTP, every sample accounted for."""
-    _, nodes = cluster
-    names, total, placed = _node_of(nodes), 4, {}
-
-    def look(seen: dict) -> None:
-        if not placed and seen["statuses"] and seen["statuses"][-1]["step"] >= 1:
-            placed.update(_placed(names))
-
-    seen = _run(cluster, demo_model_path, tmp_path, during=look, **_pools(total))
-    final = seen["statuses"][-1]
-    assert final["state"] == "finished", final
-    assert final["step"] == final["policy_version"] == total
-    # weightsync's store and registry hold the live version: pinned to the trainer's node, so that
-    # losing an engine or learner node cannot take them along.
-    assert placed == {"GeneratorEngine": ["inference"], "GeneratorGateway": ["control"], "Trainer": ["control"],
-                      "LearnerRank": ["training", "training"], "RewardWorkersService": ["control"],
-                      "BufferService": ["control"], "WeightStore": ["control"], "WeightsyncService": ["control"]}, placed
-    assert _accounted(final["buffer"]) and final["buffer"]["buffer/trained"] == total * 16
-    header_versions = [v for v, _ in seen["versions"]]
-    assert header_versions == sorted(header_versions) and header_versions[-1] == total
-    assert seen["openai_status"] == 200 and seen["openai_header"] == str(total)
-    metrics = _steps(_lines(tmp_path / "metrics.jsonl"))
-    assert [m["weightsync/version"] for m in metrics] == list(range(1, total + 1))
-    assert all(m["weightsync/failed"] == 0 for m in metrics)
-    assert all(m["weightsync/transport/object_store/bytes"] == m["weightsync/bytes"] > 0 for m in metrics)
-    assert seen["left_after_shutdown"] == [], seen["left_after_shutdown"]
-
-
 def _add_spare(c, nodes: dict, pool: str, **node_args) -> dict:
     """A second node of `pool`; returns the node map with it as `<pool>-spare`."""
     spare = c.add_node(num_cpus=2, labels={"pool": pool}, object_store_memory=NODE_MEMORY, **node_args)
@@ -199,18 +169,23 @@ def _kill_the_node_of(actor_class: str, after_step: int, c, nodes: dict, fault: 
     return hook
 
 
-def test_losing_the_engines_node_waits_with_a_clear_status_then_the_replica_moves_to_a_new_node(cluster, demo_model_path,
-                                                                                             tmp_path):
-    """The only node of the engine pool dies mid-training (raylet and every process killed): the
-    trainer's status says it waits for a batch and that no live node offers the engine pool; a new
-    node of the pool joins, Serve starts the replica there, it loads the live version, the rollouts
-    in flight are retried or counted, training goes on to its end with every version published
-    once, in order, and every sample accounted for."""
+def test_three_nodes_train_each_component_on_its_pool_and_survive_losing_the_engines_node(cluster, demo_model_path,
+                                                                                           tmp_path):
+    """`serve run`'s start of the app on three nodes: engines on `inference`, the learner (TP=2) on
+    `training`, reward workers, trainer, gateway, buffer and weightsync's store and registry on
+    `control`; weights cross nodes through the object store (`auto` on several CPU nodes), versions
+    rise over HTTP. Then the engine pool's only node dies mid-training (raylet and every process
+    killed): the trainer's status says it waits for a batch and that no live node offers the engine
+    pool; a new node of the pool joins, Serve starts the replica there, it loads the live version,
+    the rollouts in flight are retried or counted, training goes on to its end with every version
+    published once, in order, and every sample accounted for."""
     c, nodes = cluster
-    total, fault = 10, {}
+    total, fault, placed = 10, {}, {}
     kill = _kill_the_node_of("GeneratorEngine", 2, c, nodes, fault)
 
     def during(seen: dict) -> None:
+        if not placed and seen["statuses"] and seen["statuses"][-1]["step"] >= 1:
+            placed.update(_placed(_node_of(nodes)))
         kill(seen)
         waiting = (seen["statuses"][-1].get("waiting") or "") if fault and seen["statuses"] else ""
         if "spare" not in fault and "generator.engine_pool: no live node offers" in waiting:
@@ -225,6 +200,11 @@ def test_losing_the_engines_node_waits_with_a_clear_status_then_the_replica_move
     nodes.pop(lost)  # later tests: the surviving inference node
     if lost == "inference":
         nodes["inference"] = nodes.pop("inference-spare")
+    # weightsync's store and registry hold the live version: pinned to the trainer's node, so that
+    # losing an engine or learner node cannot take them along.
+    assert placed == {"GeneratorEngine": ["inference"], "GeneratorGateway": ["control"], "Trainer": ["control"],
+                      "LearnerRank": ["training", "training"], "RewardWorkersService": ["control"],
+                      "BufferService": ["control"], "WeightStore": ["control"], "WeightsyncService": ["control"]}, placed
     assert lost == "inference" and "spare" in fault, fault  # the status told, before any node of the pool was back
     assert "a batch of 16 samples for policy version" in fault["waiting"], fault
     assert final["state"] == "finished", (final, fault)
@@ -233,8 +213,11 @@ def test_losing_the_engines_node_waits_with_a_clear_status_then_the_replica_move
     assert _accounted(final["buffer"]) and final["buffer"]["buffer/trained"] == total * 16
     assert any(code == 200 and t > fault["at"] for t, code in seen["answers"])
     assert seen["openai_status"] == 200 and seen["openai_header"] == str(total)
+    header_versions = [v for v, _ in seen["versions"]]
+    assert header_versions == sorted(header_versions) and header_versions[-1] == total
     metrics = _steps(_lines(tmp_path / "metrics.jsonl"))
     assert [m["weightsync/version"] for m in metrics] == list(range(1, total + 1))
+    assert all(m["weightsync/transport/object_store/bytes"] == m["weightsync/bytes"] > 0 for m in metrics)
     assert seen["left_after_shutdown"] == [], seen["left_after_shutdown"]
 
 

@@ -428,7 +428,10 @@ def test_cpu_tp_engine_workers_get_an_equal_share_of_the_cpus_unless_the_user_bo
     from asyncrl.generator.engine import build_engine_args
 
     model = ModelConfig(path="artifacts/demo-model", max_model_len=256)
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    # setenv first, so that teardown restores the variable's absence: build_engine_args sets it
+    # itself, and a binding left behind would pin a later vllm-cpu engine to CPUs 2 and 3.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "unset by this test")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 1, 2, 7})
     build_engine_args(model, GeneratorConfig())
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # one worker: vLLM's own binding
