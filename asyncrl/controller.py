@@ -131,7 +131,8 @@ class Trainer:
                 metrics = await p.placement.to_learner()
                 metrics |= await self._learn(batch)
                 t1 = time.monotonic()
-                metrics |= await p.placement.to_engines(lambda: p.publish(self.version + 1))
+                metrics |= await p.placement.to_engines(lambda: self._reporting(
+                    f"the push of version {self.version + 1} to the engines", p.publish(self.version + 1)))
                 metrics["trainer/learner_restarts"] = float(self.restarts)
                 return metrics, t1
             except Exception as err:
@@ -196,12 +197,28 @@ class Trainer:
                 raise BatchTimeout(await self._batch_timeout_message(limit))
         return None
 
+    async def _reporting(self, what: str, work: Any) -> Any:
+        """Await `work`; past WAIT_REPORT_S the status says the loop waits for `what` (e.g. a push
+        retried until a lost engine replica is back) and whether a node can host an engine."""
+        task = asyncio.ensure_future(work)
+        start = time.monotonic()
+        try:
+            while not (await asyncio.wait({task}, timeout=WAIT_REPORT_S))[0]:
+                self.waiting = await self._engine_pool_line(f"{what}, {time.monotonic() - start:.0f} s")
+            return task.result()
+        finally:
+            self.waiting = None
+            task.cancel()  # only if this call was cancelled first: a finished task ignores it
+
     async def _waiting_for(self, waited: float) -> str:
         """The status line of a long batch wait: the batch, the rollouts' counts, and the engine
         pool's state when no live node can host an engine replica (its node was lost)."""
         c = self.p.rollouts.counters
-        line = (f"a batch of {self.cfg.buffer.batch_size} samples for policy version {self.version}, {waited:.0f} s "
-                f"(rollouts: started={c.started} finished={c.finished} failed={c.failed} timeouts={c.timeouts})")
+        return await self._engine_pool_line(
+            f"a batch of {self.cfg.buffer.batch_size} samples for policy version {self.version}, {waited:.0f} s "
+            f"(rollouts: started={c.started} finished={c.finished} failed={c.failed} timeouts={c.timeouts})")
+
+    async def _engine_pool_line(self, line: str) -> str:
         why = await asyncio.to_thread(engine_pool_unmet, self.cfg)
         return line + (f"; generator.engine_pool: {why}: Serve starts the replica when such a node joins" if why else "")
 
