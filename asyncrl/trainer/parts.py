@@ -46,6 +46,18 @@ def load_prompts(data: DataConfig) -> tuple[list[Prompt], list[Prompt]]:
     return train, held_out
 
 
+def _write_run_record(cfg: RootConfig) -> None:
+    """`run.json` in the run's logging directory: its config and where its checkpoints and model
+    are, as absolute paths, so `asyncrl export RUN_DIR` finds them from the directory alone."""
+    run_dir = Path(cfg.logging.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"checkpoint_dir": str(Path(cfg.checkpoint.dir).absolute()), "model_path": str(Path(cfg.model.path).absolute()),
+              "config": cfg.model_dump(mode="json")}
+    tmp = run_dir / "run.json.tmp"
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, run_dir / "run.json")
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """The loadable checkpoints under `root`, oldest first. `step_N.tmp` is one being written
     (never loaded); `step_N.old` is a complete one that was being replaced by a new `step_N`: it
@@ -138,6 +150,7 @@ class TrainerParts:
         weights = WeightPublisher(cfg.weightsync, engine=EngineControl(engine), learner=actor, hybrid=cfg.hybrid.enabled,
                                   on_gpu=cfg.learner.num_gpus_per_rank > 0)
         await weights.start(initial_version=0)
+        _write_run_record(cfg)
         tracker = MetricsTracker(cfg.logging.dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl, plot_interval_steps=cfg.logging.plot_interval_steps)
         parts = cls(cfg, engine, tokenizer, buffer, rewards, actor, reference, critic, weights, placement, tracker,
                     PromptStream(train, cfg.trainer.seed), held_out)
@@ -190,7 +203,8 @@ class TrainerParts:
         await self.rollouts.quiesce()
         try:
             buffer_state = await self.buffer.state_dict.remote()
-            state = {"version": version, "stream": self.stream.state_dict()}
+            # model_path: the config and tokenizer files `asyncrl export` writes beside the weights.
+            state = {"version": version, "stream": self.stream.state_dict(), "model_path": str(Path(self.cfg.model.path).absolute())}
         finally:
             self.rollouts.unquiesce()
         torch.save(buffer_state, tmp / "buffer.pt")
