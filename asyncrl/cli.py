@@ -25,10 +25,51 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from asyncrl.trainer.export import ExportError, export_run
+
+    try:
+        ckpt, out = export_run(args.run_dir, args.out, step=args.step, hf_config=args.hf_config, tp=args.tp, pp=args.pp, ep=args.ep)
+    except ExportError as err:
+        print(f"asyncrl export: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {ckpt} (actor) to {out}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from asyncrl.trainer.status_view import StatusUnavailable, fetch_status, format_status
+
+    while True:
+        try:
+            status = fetch_status(args.url, timeout_s=args.timeout)
+        except StatusUnavailable as err:
+            print(f"asyncrl status: {err}", file=sys.stderr)
+            return 2
+        print(json.dumps(status, indent=2) if args.json else format_status(status), flush=True)
+        if not args.watch or status.get("state") in ("finished", "failed", "stopped"):
+            return 1 if status.get("state") == "failed" else 0
+        time.sleep(args.watch)
+        print()
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
 
@@ -119,6 +160,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS, else a local one); "
                      "for other `serve run` options use `serve run` itself")
     run.set_defaults(func=_serve)
+
+    export = sub.add_parser("export", help="a run's newest (or --step N) actor checkpoint -> Hugging Face directory with the tokenizer")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (logging.dir), its checkpoint.dir, or one step_N checkpoint")
+    export.add_argument("--out", required=True, help="output Hugging Face model directory (transformers and vLLM load it)")
+    export.add_argument("--step", type=int, default=None, help="export the checkpoint of this step (default: the newest complete one)")
+    export.add_argument("--hf-config", default=None, help="model directory for config and tokenizer files (default: the one the run trained)")
+    export.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel ranks for the conversion")
+    export.add_argument("--pp", type=_positive_int, default=1, help="pipeline parallel ranks for the conversion")
+    export.add_argument("--ep", type=_positive_int, default=1, help="expert parallel ranks for the conversion")
+    export.set_defaults(func=_export)
+
+    status = sub.add_parser("status", help="the trainer's status (step, version, reward, accuracy, buffer accounting)")
+    status.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="the app's HTTP address (default %(default)s)")
+    status.add_argument("--json", action="store_true", help="print the raw /train/status JSON")
+    status.add_argument("--watch", type=_positive_float, default=None, metavar="SECONDS", help="print again every SECONDS until training ends")
+    status.add_argument("--timeout", type=_positive_float, default=10.0, help="HTTP timeout in seconds")
+    status.set_defaults(func=_status)
 
     convert = sub.add_parser("convert", help="convert weights between a Hugging Face dir and a Megatron dist checkpoint")
     csub = convert.add_subparsers(dest="direction", required=True)

@@ -35,6 +35,14 @@ _LABEL_VALUE = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 _LABEL_SELECTOR = re.compile(rf"^!?(in\({_LABEL_VALUE}(, ?{_LABEL_VALUE})*\)|{_LABEL_VALUE})$")
 
 
+def _need_package(module: str, extra: str) -> None:
+    """Fail at load, naming the field, when an optional extra the config asks for is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"needs the `{module}` package, which is not installed: pip install 'asyncrl[{extra}]'")
+
+
 class ResourcePool(_Section):
     """Which Ray nodes may host one component (its replicas, ranks or workers). Empty = any node.
 
@@ -362,20 +370,76 @@ class ProfilerConfig(_Section):
         return self
 
 
+class WandbConfig(_Section):
+    """Weights & Biases: the same metrics (eval curves included) and config as TensorBoard, one W&B run
+    per app start. Needs `pip install 'asyncrl[wandb]'`."""
+
+    project: str = Field("asyncrl", min_length=1)
+    name: str | None = Field(None, description="The run's display name (default: W&B's).")
+    tags: list[str] = Field(default_factory=list)
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="offline = write the run under logging.dir/wandb with no network (upload later with "
+        "`wandb sync DIR`); online needs a login (WANDB_API_KEY).")
+    init_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed straight to wandb.init (entity, group, "
+                                        "notes, id + resume, ...).")
+
+    @field_validator("init_kwargs")
+    @classmethod
+    def _not_ours(cls, value: dict[str, Any]) -> dict[str, Any]:
+        ours = sorted(set(value) & {"project", "name", "tags", "mode", "dir", "config"})
+        if ours:
+            raise ValueError(f"{ours} are set by logging.wandb's own fields (dir is logging.dir, config the run's config)")
+        return value
+
+
 class LoggingConfig(_Section):
     dir: str = "runs/demo"
     jsonl: bool = True
     tensorboard: bool = True
+    wandb: WandbConfig | None = Field(None, description="Weights & Biases tracking; unset = off.")
     plot_interval_steps: int = Field(5, ge=0)
     progress_bar: bool = True
 
+    @field_validator("wandb")
+    @classmethod
+    def _installed(cls, value: WandbConfig | None) -> WandbConfig | None:
+        if value is not None and value.mode != "disabled":
+            _need_package("wandb", "wandb")
+        return value
+
+
+class DataColumns(_Section):
+    """Which fields of a row hold the prompt, the answer and the metadata (kinds jsonl, parquet, hf_dataset).
+    A name may be a dotted path into nested objects, e.g. verl's `reward_model.ground_truth`."""
+
+    prompt: str = Field("prompt", min_length=1, description="A non-empty string, or a list of chat messages "
+                        "({role, content}, as verl and TRL datasets keep them), rendered with the chat template.")
+    answer: str = Field("answer", min_length=1, description="The reference answer the reward compares against (string or number).")
+    metadata: str | list[str] | None = Field(
+        None, description="A field holding an object, or a list of fields copied by name; None = the `metadata` "
+        "field where there is one. Handed to the reward function as strings.")
+
+    @field_validator("metadata")
+    @classmethod
+    def _names(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if value is not None and (value == "" or (isinstance(value, list) and (not value or not all(value)))):
+            raise ValueError(f"{value!r}: give a field name, a non-empty list of names, or leave it unset")
+        return value
+
 
 class DataConfig(_Section):
-    """Where prompts come from: the embedded arithmetic task or a user's JSONL file."""
+    """Where prompts come from: the embedded arithmetic task, or a user's JSONL file, parquet file
+    or local Hugging Face dataset."""
 
-    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
-    path: str | None = Field(None, description="JSONL prompts file (kind='jsonl').")
-    eval_path: str | None = None
+    kind: Literal["arithmetic", "jsonl", "parquet", "hf_dataset"] = Field(
+        "arithmetic", description="jsonl: one JSON object per line; parquet: a .parquet file or a folder of them (needs "
+        "pyarrow); hf_dataset: a local `datasets` dataset (save_to_disk folder, folder of data files, or one "
+        ".parquet/.json/.jsonl/.csv/.arrow file; needs datasets). parquet and hf_dataset: `pip install 'asyncrl[data]'`.")
+    path: str | None = Field(None, description="The training prompts (kinds jsonl, parquet, hf_dataset).")
+    eval_path: str | None = Field(None, description="Held-out prompts of the same kind (default: none, or data.eval_split).")
+    split: str = Field("train", min_length=1, description="hf_dataset: the split to train on.")
+    eval_split: str | None = Field(None, min_length=1, description="hf_dataset: a split of `path` to evaluate on (instead of eval_path).")
+    columns: DataColumns = Field(default_factory=DataColumns)
     seed: int = 0
     digits: int = Field(2, ge=1, le=6)
     operators: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
@@ -384,8 +448,19 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _paths(self) -> "DataConfig":
-        if self.kind == "jsonl" and not self.path:
-            raise ValueError("kind='jsonl' needs `path`")
+        if self.kind != "arithmetic" and not self.path:
+            raise ValueError(f"kind={self.kind!r} needs `path`")
+        if self.eval_split is not None and self.kind != "hf_dataset":
+            raise ValueError(f"eval_split={self.eval_split!r} is for kind='hf_dataset'; kind={self.kind!r} takes eval_path")
+        if self.eval_split is not None and self.eval_path is not None:
+            raise ValueError("give eval_path or eval_split, not both")
+        if self.split != "train" and self.kind != "hf_dataset":
+            raise ValueError(f"split={self.split!r} is for kind='hf_dataset'")
+        if self.kind in ("parquet", "hf_dataset"):
+            try:
+                _need_package("pyarrow" if self.kind == "parquet" else "datasets", "data")
+            except ValueError as err:
+                raise ValueError(f"kind={self.kind!r} {err}") from None
         if not self.operators:
             raise ValueError("operators must not be empty")
         return self

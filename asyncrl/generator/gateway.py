@@ -104,12 +104,17 @@ def parse_model(model: type[BaseModel], data: Any, status: int = 422) -> Any:
 
 
 class GenerateBody(BaseModel):
-    """`POST /generate`: exactly one of prompt_ids / prompt, plus sampling options."""
+    """`POST /generate`: exactly one of prompt_ids / prompt / messages, plus sampling options.
+
+    `prompt` is raw text, tokenized as is (no chat template); `messages` is a chat (`[{"role":
+    "user", "content": "..."}]`, as /v1/chat/completions takes it) rendered with the model's chat
+    template, ready for the assistant's turn."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt_ids: list[int] | None = None
     prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -157,6 +162,10 @@ class GatewayCore:
         return list(self.tokenizer.encode(text))
 
     def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of `messages` (already `plain_message`s) under the chat template, ending
+        where the assistant's answer starts."""
+        if not messages:
+            raise HTTPError(400, "messages must be a non-empty list of {role, content} objects")
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as err:  # template errors are the caller's messages being malformed
@@ -233,6 +242,48 @@ class GatewayCore:
         return await actor.status.remote()
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def plain_message(m: Any, index: int = 0) -> dict[str, Any]:
+    """One chat message as the chat template wants it: `{"role", "content"}` with text content.
+
+    Takes a dict or a pydantic / TypedDict message (vLLM's OpenAI params); content may be a string
+    or a list of `{"type": "text", "text": ...}` parts (joined). Anything else is the caller's
+    error (400), naming the message's index."""
+    d = m.model_dump() if hasattr(m, "model_dump") else dict(m) if isinstance(m, dict) else None
+    if d is None:
+        raise HTTPError(400, f"messages[{index}] must be an object with role and content, got {type(m).__name__}")
+    role = d.get("role")
+    if role not in CHAT_ROLES:
+        raise HTTPError(400, f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+    content = d.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            part = part.model_dump() if hasattr(part, "model_dump") else dict(part) if isinstance(part, dict) else {}
+            if part.get("type") != "text" or not isinstance(part.get("text", ""), str):
+                raise HTTPError(400, f"messages[{index}]: content part of type {part.get('type')!r} is not supported (text only)")
+            texts.append(part.get("text", ""))
+        content = "".join(texts)
+    if content is not None and not isinstance(content, str):
+        raise HTTPError(400, f"messages[{index}].content must be a string or a list of text parts, got {type(content).__name__}")
+    return {"role": role, "content": content or ""}
+
+
+def prompt_ids_of(core: "GatewayCore", body: GenerateBody) -> list[int]:
+    """The prompt of a `/generate` body as token ids, from whichever of the three forms it gave."""
+    given = [name for name in ("prompt_ids", "prompt", "messages") if getattr(body, name) is not None]
+    if len(given) != 1:
+        raise HTTPError(422, "give exactly one of `prompt` (raw text, no chat template), `prompt_ids` (token ids) "
+                             f"or `messages` (a chat, rendered with the chat template); got {', '.join(given) or 'none'}")
+    if body.prompt_ids is not None:
+        return body.prompt_ids
+    if body.prompt is not None:
+        return core.encode(body.prompt)
+    return core.chat_prompt_ids([plain_message(m, i) for i, m in enumerate(body.messages)])
+
+
 def sampling_from_body(body: GenerateBody) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(
@@ -278,9 +329,7 @@ def create_app(core: GatewayCore) -> FastAPI:
         status, tokens, streaming = 500, 0, False
         try:
             body = parse_model(GenerateBody, await read_json(request, max_bytes))
-            if (body.prompt is None) == (body.prompt_ids is None):
-                raise HTTPError(422, "give exactly one of `prompt` (text) or `prompt_ids` (token ids)")
-            ids = body.prompt_ids if body.prompt_ids is not None else core.encode(body.prompt)
+            ids = prompt_ids_of(core, body)
             req = GenerationRequest(prompt_ids=ids, sampling=sampling_from_body(body), **({"request_id": body.request_id} if body.request_id else {}))
             if body.stream:
                 first, rest = await core.stream(req)

@@ -26,6 +26,7 @@ from asyncrl.generator.gateway import (
     HTTPError,
     engine_error_to_http,
     parse_model,
+    plain_message,
     read_json,
     version_header,
 )
@@ -179,7 +180,7 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
             top = req.top_logprobs or 0
             if top > 1:
                 raise HTTPError(400, f"top_logprobs={top}: only the sampled token's log-prob is available (0 or 1)")
-            messages = [_plain_message(m) for m in req.messages]
+            messages = [plain_message(m, i) for i, m in enumerate(req.messages)]
             ids = core.chat_prompt_ids(messages)
             want_lp = bool(req.logprobs)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -221,23 +222,6 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
         finally:
             if not getattr(track, "streaming", False):
                 track.finish()
-
-
-def _plain_message(m: Any) -> dict[str, Any]:
-    """vLLM's message params are TypedDicts (sometimes pydantic); the chat template wants role + text content."""
-    d = dict(m) if not hasattr(m, "model_dump") else m.model_dump()
-    content = d.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            part = dict(part) if not hasattr(part, "model_dump") else part.model_dump()
-            if part.get("type") != "text":
-                raise HTTPError(400, f"message content part of type {part.get('type')!r} is not supported (text only)")
-            texts.append(part.get("text", ""))
-        content = "".join(texts)
-    if content is not None and not isinstance(content, str):
-        raise HTTPError(400, "message content must be a string or a list of text parts")
-    return {"role": d.get("role"), "content": content or ""}
 
 
 def _sse(track: _Tracked, first: list[CompletionDelta], rest: AsyncIterator, event, envelope, prompt_tokens: int, include_usage: bool, UsageInfo) -> StreamingResponse:

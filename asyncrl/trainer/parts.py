@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import DataConfig, RootConfig
-from asyncrl.data import ArithmeticTask, Prompt, load_jsonl_prompts, render_chat_prompt
+from asyncrl.data import ArithmeticTask, Prompt, load_jsonl_prompts, render_prompt
 from asyncrl.trainer.data_stream import PromptStream
 from asyncrl.trainer.placement import build_placement
 from asyncrl.trainer.rollout import RolloutWorkers
@@ -41,9 +41,30 @@ def load_prompts(data: DataConfig) -> tuple[list[Prompt], list[Prompt]]:
     if data.kind == "arithmetic":
         task = ArithmeticTask(digits=data.digits, operators=tuple(data.operators), seed=data.seed, train_size=data.train_size, eval_size=data.eval_size)
         return task.train_split(), task.eval_split()
-    train = load_jsonl_prompts(data.path)
-    held_out = load_jsonl_prompts(data.eval_path) if data.eval_path else []
-    return train, held_out
+    from asyncrl.data.prompts import ColumnMap
+    from asyncrl.data.tables import load_hf_dataset_prompts, load_parquet_prompts
+
+    c = data.columns
+    columns = ColumnMap(c.prompt, c.answer, tuple(c.metadata) if isinstance(c.metadata, list) else c.metadata)
+    if data.kind == "hf_dataset":
+        train = load_hf_dataset_prompts(data.path, data.split, columns)
+        if data.eval_split:
+            return train, load_hf_dataset_prompts(data.path, data.eval_split, columns)
+        return train, load_hf_dataset_prompts(data.eval_path, "train", columns) if data.eval_path else []
+    load = load_parquet_prompts if data.kind == "parquet" else load_jsonl_prompts
+    return load(data.path, columns), load(data.eval_path, columns) if data.eval_path else []
+
+
+def _write_run_record(cfg: RootConfig) -> None:
+    """`run.json` in the run's logging directory: its config and where its checkpoints and model
+    are, as absolute paths, so `asyncrl export RUN_DIR` finds them from the directory alone."""
+    run_dir = Path(cfg.logging.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"checkpoint_dir": str(Path(cfg.checkpoint.dir).absolute()), "model_path": str(Path(cfg.model.path).absolute()),
+              "config": cfg.model_dump(mode="json")}
+    tmp = run_dir / "run.json.tmp"
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, run_dir / "run.json")
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -138,7 +159,10 @@ class TrainerParts:
         weights = WeightPublisher(cfg.weightsync, engine=EngineControl(engine), learner=actor, hybrid=cfg.hybrid.enabled,
                                   on_gpu=cfg.learner.num_gpus_per_rank > 0)
         await weights.start(initial_version=0)
-        tracker = MetricsTracker(cfg.logging.dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl, plot_interval_steps=cfg.logging.plot_interval_steps)
+        _write_run_record(cfg)
+        tracker = MetricsTracker(cfg.logging.dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
+                                 plot_interval_steps=cfg.logging.plot_interval_steps, wandb=cfg.logging.wandb,
+                                 config=cfg.model_dump(mode="json"))
         parts = cls(cfg, engine, tokenizer, buffer, rewards, actor, reference, critic, weights, placement, tracker,
                     PromptStream(train, cfg.trainer.seed), held_out)
         if cfg.checkpoint.resume and cfg.checkpoint.interval_steps:
@@ -156,7 +180,7 @@ class TrainerParts:
         sem = asyncio.Semaphore(32)
 
         async def one(p: Prompt) -> float:
-            ids = self.tokenizer(render_chat_prompt(self.tokenizer, p.prompt), add_special_tokens=False)["input_ids"]
+            ids = self.tokenizer(render_prompt(self.tokenizer, p), add_special_tokens=False)["input_ids"]
             req = GenerationRequest(prompt_ids=ids, sampling=SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.algorithm.max_new_tokens, logprobs=False))
             async with sem:
                 result = await self.generate(req)
@@ -190,7 +214,8 @@ class TrainerParts:
         await self.rollouts.quiesce()
         try:
             buffer_state = await self.buffer.state_dict.remote()
-            state = {"version": version, "stream": self.stream.state_dict()}
+            # model_path: the config and tokenizer files `asyncrl export` writes beside the weights.
+            state = {"version": version, "stream": self.stream.state_dict(), "model_path": str(Path(self.cfg.model.path).absolute())}
         finally:
             self.rollouts.unquiesce()
         torch.save(buffer_state, tmp / "buffer.pt")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from asyncrl.config import AlgorithmConfig
-from asyncrl.data.prompts import Prompt, render_chat_prompt
+from asyncrl.data.prompts import Prompt, render_prompt
 from asyncrl.trainer.data_stream import PromptStream
 from asyncrl.types import GenerationRequest, GenerationResult, Sample, SampleStatus, SamplingParams
 
@@ -119,7 +119,7 @@ class RolloutWorkers:
         self._attempts = attempts
         self._timeout_s = timeout_s
         self._backoff_s = backoff_s
-        self._prompt_cache: dict[str, list[int]] = {}
+        self._prompt_cache: dict[tuple[str, tuple[tuple[str, str], ...]], list[int]] = {}
         self.counters = RolloutCounters()
         # Checkpoints quiesce rollouts: the gate stops new acquisitions, `_active` counts the
         # workers between "about to acquire" and "group pushed", so zero means nothing in flight.
@@ -130,11 +130,12 @@ class RolloutWorkers:
         self._idle.set()
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        ids = self._prompt_cache.get(prompt.prompt)
+        key = (prompt.prompt, prompt.messages)
+        ids = self._prompt_cache.get(key)
         if ids is None:
-            text = render_chat_prompt(self._tokenizer, prompt.prompt)
+            text = render_prompt(self._tokenizer, prompt)
             ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
-            self._prompt_cache[prompt.prompt] = ids
+            self._prompt_cache[key] = ids
         return ids
 
     def _request(self, index: int, prompt: Prompt) -> GenerationRequest:

@@ -1,8 +1,9 @@
-"""Where training metrics go: JSONL, TensorBoard, a periodic PNG plot, and the latest snapshot.
+"""Where training metrics go: JSONL, TensorBoard, Weights & Biases, a periodic PNG plot, and the latest snapshot.
 
-Owns: the on-disk metric records of a run. Components return metrics as data
-(`component/metric` names); only this module writes them.
-Must never: block the loop for long (writes are small and local), or drop a record silently.
+Owns: the metric records of a run, on disk and in W&B (the same scalars everywhere, and the run's
+config). Components return metrics as data (`component/metric` names); only this module writes them.
+Must never: block the loop for long (writes are small and local; W&B uploads from its own
+process), drop a record silently, or import wandb unless logging.wandb is set.
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config import WandbConfig
+
 PLOTTED = ("train/reward_mean", "eval/accuracy", "buffer/staleness_mean")
 
 
 class MetricsTracker:
     """Append-only metrics of one run: `metrics.jsonl`, TensorBoard events, `curves.png`."""
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, jsonl: bool = True, plot_interval_steps: int = 5) -> None:
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, jsonl: bool = True, plot_interval_steps: int = 5,
+                 wandb: WandbConfig | None = None, config: dict[str, Any] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8") if jsonl else None
@@ -29,6 +33,11 @@ class MetricsTracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            if config is not None:  # TensorBoard's text tab: the run's whole config, as YAML
+                import yaml
+
+                self._tb.add_text("config", "```\n" + yaml.safe_dump(config, sort_keys=False) + "```", 0)
+        self._wandb = _open_wandb(wandb, self.run_dir, config) if wandb is not None else None
         self._plot_interval = plot_interval_steps
         self._history: dict[str, list[tuple[int, float]]] = {k: [] for k in PLOTTED}
         self.latest: dict[str, Any] = {}
@@ -39,10 +48,12 @@ class MetricsTracker:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
         for key in PLOTTED:
             if key in metrics and math.isfinite(metrics[key]):
                 self._history[key].append((step, float(metrics[key])))
@@ -87,6 +98,25 @@ class MetricsTracker:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.finish()
+            # wandb 0.31's finish() can return before its core process has written the run's
+            # records (seen: an offline run file holding only its header); teardown waits for it.
+            wandb.teardown()
+            self._wandb = None
+
+
+def _open_wandb(cfg: WandbConfig, run_dir: Path, config: dict[str, Any] | None) -> Any:
+    """A W&B run for this app start, its files under `run_dir`/wandb."""
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError("logging.wandb is set but the `wandb` package is missing: pip install 'asyncrl[wandb]' "
+                          "(or unset logging.wandb)") from None
+    return wandb.init(project=cfg.project, name=cfg.name, tags=list(cfg.tags) or None, mode=cfg.mode, dir=str(run_dir),
+                      config=config, **cfg.init_kwargs)
 
 
 def _finite(value: Any) -> Any:

@@ -12,6 +12,8 @@ import json
 import math
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -82,6 +84,13 @@ def _run(ray_session, demo_model_path: Path, run_dir: Path, during=None, **secti
                 break
             time.sleep(1)
         completion = httpx.post(f"{url}/v1/completions", json={"model": str(demo_model_path), "prompt": "1+1=", "max_tokens": 3}, timeout=60)
+        # What the live engine answers greedily at the last version (the exported checkpoint's),
+        # and `asyncrl status` against the running app, as a user runs it.
+        greedy = httpx.post(f"{url}/generate", json={"messages": [{"role": "user", "content": "What is 23 + 45?"}],
+                            "max_tokens": 8, "temperature": 0}, timeout=60)
+        seen["greedy"] = (greedy.headers.get("x-asyncrl-weight-version"), greedy.json())
+        cli = subprocess.run([sys.executable, "-m", "asyncrl.cli", "status", url], capture_output=True, text=True, timeout=60)
+        seen["status_cli"] = (cli.returncode, cli.stdout, cli.stderr)
         seen["prometheus"] = httpx.get(f"{url}/metrics", timeout=30).text
         seen["openai_status"] = completion.status_code
         seen["openai_header"] = completion.headers.get("x-asyncrl-weight-version")
@@ -187,6 +196,43 @@ def test_grpo_trains_and_publishes_while_the_api_answers(run_a):
     assert metrics[1]["eval/accuracy"] is not None  # eval every 2 steps on the held-out split
     assert (run_dir / "curves.png").stat().st_size > 1000
     assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == ["step_000001", "step_000002", "step_000003"]
+    # `asyncrl status URL` printed the finished run: its step, version and the buffer's accounting.
+    rc, out, err = seen["status_cli"]
+    assert rc == 0, err
+    assert out.startswith(f"state        finished   step {STEPS}/{STEPS}   policy version {STEPS}"), out
+    assert f"generated {b['buffer/generated']:g} = trained {STEPS * 16}" in out and "does not add up" not in out
+
+
+def test_export_of_the_newest_checkpoint_decodes_like_the_live_engine(run_a, tmp_path):
+    """`asyncrl export RUN_DIR --out DIR` writes the newest actor checkpoint (step 3, the version the
+    engine served last) as a Hugging Face directory: transformers loads it with its tokenizer and
+    its greedy tokens are the live engine's at that version."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncrl.cli import main
+
+    run_dir, seen = run_a
+    version, body = seen["greedy"]
+    assert version == str(STEPS)
+    out = tmp_path / "hf"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0  # the run directory: run.json names ckpt/
+    assert json.loads((out / "asyncrl_export.json").read_text())["policy_version"] == STEPS
+    tok = AutoTokenizer.from_pretrained(str(out))
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 23 + 45?"}], add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert ids == body["prompt_ids"]
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        generated = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    engine_tokens = body["completions"][0]["token_ids"]  # up to and with the end-of-turn token, as generate's
+    assert len(engine_tokens) > 1 and generated[0, len(ids):].tolist() == engine_tokens
+    # The trained weights, not the warm start: the export differs from the model the run began with.
+    from safetensors.torch import load_file
+
+    trained = load_file(str(out / "model.safetensors"))
+    original = load_file(str(Path(json.loads((run_dir / "run.json").read_text())["model_path"]) / "model.safetensors"))
+    assert set(trained) == set(original) and any(not torch.equal(trained[k], original[k]) for k in original)
 
 
 def test_resume_continues_the_same_sample_stream(run_a, ray_session, demo_model_path, tmp_path):
@@ -200,18 +246,48 @@ def test_resume_continues_the_same_sample_stream(run_a, ray_session, demo_model_
     assert resumed[0] == uninterrupted[2]
 
 
+def _verl_parquet(path: Path, prompts) -> Path:
+    """Prompts as a verl dataset holds them: a chat prompt, the answer in reward_model.ground_truth."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": "arithmetic", "prompt": [{"role": "user", "content": p.prompt}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": p.answer}, "extra_info": {"index": i}}
+            for i, p in enumerate(prompts)]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
 def test_ppo_with_critic_and_reference_kl(ray_session, demo_model_path, tmp_path):
     """PPO: critic values and GAE, a reference group for the KL loss, eta = 1, checkpoints of both
-    trainable roles."""
+    trainable roles. Its prompts come from parquet files in verl's layout (chat prompts, nested
+    answer) and its metrics also go to Weights & Biases, offline: the run's W&B files hold the
+    same metric keys as metrics.jsonl."""
+    from asyncrl.data import ArithmeticTask
+
+    task = ArithmeticTask(eval_size=16, train_size=512)
+    data = {"kind": "parquet", "path": str(_verl_parquet(tmp_path / "train.parquet", task.train_split())),
+            "eval_path": str(_verl_parquet(tmp_path / "test.parquet", task.eval_split())),
+            "columns": {"answer": "reward_model.ground_truth", "metadata": "extra_info"}}
     seen = _run(ray_session, demo_model_path, tmp_path,
                 algorithm={"name": "ppo", "kl_coef": 0.05}, buffer={"max_staleness": 1},
-                trainer={"total_steps": 2, "eval_interval_steps": 0})
+                trainer={"total_steps": 2, "eval_interval_steps": 0}, data=data,
+                logging={"wandb": {"project": "asyncrl-e2e", "name": "ppo", "tags": ["e2e"], "mode": "offline"}})
     assert seen["statuses"][-1]["state"] == "finished", seen["statuses"][-1]
-    metrics = _steps(_lines(tmp_path / "metrics.jsonl"))
+    records = _lines(tmp_path / "metrics.jsonl")
+    metrics = _steps(records)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(math.isfinite(m["critic/vf_loss"]) and m["critic/skipped_steps"] == 0 for m in metrics)
     assert metrics[1]["actor/kl_loss_share"] > 0  # the policy moved away from the reference
     assert (tmp_path / "ckpt" / "step_000002" / "critic").is_dir()
+    assert records[0]["eval/accuracy"] > 0  # the parquet's held-out chat prompts, scored against the nested answers
+    from tests.unit.test_wandb_tracking import read_offline_run
+
+    run = read_offline_run(tmp_path / "wandb")
+    assert run["config"]["data"]["kind"] == "parquet" and run["tags"] == ["e2e"] and run["name"] == "ppo"
+    for record in records:
+        logged = {k for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+        assert logged <= set(run["history"][record["step"]]), logged - set(run["history"][record["step"]])
 
 
 def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_session, demo_model_path, tmp_path):

@@ -12,7 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.generator.gateway import GatewayCore, HTTPError, engine_error_to_http, version_header
+from asyncrl.generator.gateway import (
+    GatewayCore, GenerateBody, HTTPError, engine_error_to_http, parse_model, plain_message, prompt_ids_of, version_header,
+)
 from asyncrl.generator.metrics import GatewayMetrics
 from asyncrl.generator.routing import rank_replicas
 from asyncrl.generator.sampling import Limits, RequestError, to_vllm, validate_request
@@ -354,6 +356,67 @@ def test_admin_routes_closed_without_token_and_need_exact_bearer():
             GatewayCore.require_admin(core, req(headers))
         assert err.value.status == 401
     GatewayCore.require_admin(core, req({"authorization": "Bearer s3cret"}))
+
+
+def _prompt_core(demo_model_path):
+    """The tokenizer side of GatewayCore (encode, chat template) without an engine behind it."""
+    from transformers import AutoTokenizer
+
+    core = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(demo_model_path)))
+    core.encode = lambda text: GatewayCore.encode(core, text)
+    core.chat_prompt_ids = lambda messages: GatewayCore.chat_prompt_ids(core, messages)
+    return core
+
+
+def test_generate_messages_render_the_chat_template_like_the_trainer(demo_model_path):
+    from asyncrl.data import render_chat_prompt
+
+    core = _prompt_core(demo_model_path)
+    tok = core.tokenizer
+    chat = [{"role": "user", "content": "What is 23 + 45?"}]
+    expected = tok.encode(render_chat_prompt(tok, "What is 23 + 45?"), add_special_tokens=False)
+    ids = prompt_ids_of(core, parse_model(GenerateBody, {"messages": chat}))
+    assert ids == expected  # what the trainer's rollouts and evaluation send for the same question
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n")
+    # text parts are joined, as /v1/chat/completions takes them
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is 23 "}, {"type": "text", "text": "+ 45?"}]}]
+    assert prompt_ids_of(core, parse_model(GenerateBody, {"messages": parts})) == expected
+    # the rendered text sent as a raw prompt is the same prompt, token for token
+    raw = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert prompt_ids_of(core, parse_model(GenerateBody, {"prompt": raw})) == expected
+    assert prompt_ids_of(core, parse_model(GenerateBody, {"prompt_ids": [5, 6]})) == [5, 6]
+
+
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        ({"messages": []}, 400, "non-empty"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": 3}]}, 400, "messages[1].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "text only"),
+        ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, 422, "got prompt, messages"),
+        ({"messages": "What is 1 + 1?"}, 422, "messages"),
+        ({"messages": ["hi"]}, 422, "messages"),
+        ({}, 422, "got none"),
+    ],
+)
+def test_bad_generate_messages_get_4xx_naming_the_problem(demo_model_path, body, status, fragment):
+    core = _prompt_core(demo_model_path)
+    with pytest.raises(HTTPError) as err:
+        prompt_ids_of(core, parse_model(GenerateBody, body))
+    assert err.value.status == status and fragment in err.value.message, err.value.message
+
+
+def test_plain_message_takes_dicts_and_pydantic_messages():
+    from pydantic import BaseModel
+
+    class Msg(BaseModel):
+        role: str
+        content: str | None
+
+    assert plain_message(Msg(role="assistant", content=None), 2) == {"role": "assistant", "content": ""}
+    with pytest.raises(HTTPError, match=r"messages\[4\] must be an object"):
+        plain_message("user: hi", 4)
 
 
 def test_engine_errors_map_to_http_statuses():

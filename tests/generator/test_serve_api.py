@@ -177,6 +177,25 @@ def test_generate_text_prompt_and_ndjson_stream(gen):
     assert all(len(d["versions"]) == len(d["token_ids"]) for d in deltas)
 
 
+def test_generate_messages_apply_the_chat_template_and_answer(gen):
+    """`messages` is rendered with the chat template server-side: the same tokens and answer as
+    the README's raw-text example (the rendered text sent as `prompt`) and as /v1/chat/completions.
+    The demo model answers 23 + 45 right at its warm start (version 0 here)."""
+    chat = [{"role": "user", "content": "What is 23 + 45?"}]
+    by_messages = _post(gen, "/generate", {"messages": chat, "max_tokens": 8, "temperature": 0})
+    assert by_messages.status_code == 200, by_messages.text
+    body = by_messages.json()
+    readme_raw = "<|im_start|>user\nWhat is 23 + 45?<|im_end|>\n<|im_start|>assistant\n"
+    by_text = _post(gen, "/generate", {"prompt": readme_raw, "max_tokens": 8, "temperature": 0}).json()
+    assert body["prompt_ids"] == by_text["prompt_ids"]
+    assert body["completions"][0]["token_ids"] == by_text["completions"][0]["token_ids"]
+    assert body["completions"][0]["text"].strip() == "68"
+    openai_chat = _post(gen, "/v1/chat/completions", {"model": "asyncrl-policy", "messages": chat, "max_tokens": 8, "temperature": 0}).json()
+    assert openai_chat["choices"][0]["token_ids"] == body["completions"][0]["token_ids"]
+    bad = _post(gen, "/generate", {"messages": [{"role": "user", "content": 7}]})
+    assert bad.status_code == 400 and "messages[0].content" in bad.json()["detail"]
+
+
 @pytest.mark.parametrize(
     "body, status, fragment",
     [

@@ -176,3 +176,20 @@ async def test_an_engine_side_timeout_error_is_a_failed_attempt_not_a_deadline()
     with pytest.raises(TimeoutError, match="engine's own"):
         await generate_with_retry(engine_times_out, None, attempts=2, counters=counters, backoff_s=0.0, timeout_s=30.0)
     assert (counters.timeouts, counters.retries) == (0, 1)
+
+
+def test_chat_prompts_are_sent_as_their_whole_chat(demo_model_path):
+    """A dataset's chat prompt (system turn and all) reaches the engine rendered by the chat
+    template; the same question without the chat is another prompt (the cache keys on both)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(demo_model_path))
+    w = RolloutWorkers(stream=Stream([]), tokenizer=tok, generate=Engine().generate, rewards=Rewards(),
+                       buffer=Remote(BufferService(BufferConfig(batch_size=2, max_staleness=0))),
+                       algorithm=AlgorithmConfig(group_size=N), concurrency=1, seed=0)
+    chat = Prompt(prompt="What is 1 + 2?", answer="3", messages=(("system", "Be brief."), ("user", "What is 1 + 2?")))
+    plain = Prompt(prompt="What is 1 + 2?", answer="3")
+    chat_ids, plain_ids = w._request(0, chat).prompt_ids, w._request(1, plain).prompt_ids
+    assert tok.decode(chat_ids) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n"
+                                    "<|im_start|>assistant\n")
+    assert tok.decode(plain_ids) == "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"

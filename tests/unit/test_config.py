@@ -116,3 +116,28 @@ def test_gpu_deploy_configs_load():
     demo = load_config_file(REPO / "deploy" / "rlhf-hybrid1.yaml")  # the demo co-located on one GPU
     assert demo.hybrid.enabled and demo.learner.num_gpus_per_rank + demo.generator.num_gpus <= 1
     assert demo.learner.actor.param_offload and demo.learner.actor.grad_offload and demo.learner.actor.optimizer_offload
+
+
+def test_optional_extras_fail_at_load_naming_the_field_when_missing(monkeypatch):
+    """logging.wandb and data.kind parquet / hf_dataset need optional packages: a config that asks
+    for one that is not installed fails when it loads, naming the field and the extra to install."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "pyarrow", "datasets") else real(name, *a))
+    with pytest.raises(ConfigError, match=r"logging.wandb = \{...\}: Value error, needs the `wandb` package.*asyncrl\[wandb\]"):
+        load_config({"logging": {"wandb": {"mode": "offline"}}})
+    load_config({"logging": {"wandb": {"mode": "disabled"}}})  # W&B's own off switch needs no package
+    for kind, package in (("parquet", "pyarrow"), ("hf_dataset", "datasets")):
+        with pytest.raises(ConfigError, match=rf"kind='{kind}' needs the `{package}` package.*asyncrl\[data\]"):
+            load_config({"data": {"kind": kind, "path": "x"}})
+    assert load_config({}).logging.wandb is None  # the default run needs neither
+
+
+def test_wandb_section_fields():
+    with pytest.raises(ConfigError, match=r"logging.wandb.init_kwargs = \{...\}: .*\['dir', 'project'\] are set by logging.wandb's own fields"):
+        load_config({"logging": {"wandb": {"mode": "disabled", "init_kwargs": {"project": "p", "dir": "/tmp"}}}})
+    with pytest.raises(ConfigError, match=r"logging.wandb.mode = 'cloud'"):
+        load_config({"logging": {"wandb": {"mode": "cloud"}}})
+    cfg = load_config({"logging": {"wandb": {"mode": "disabled", "tags": ["a"], "init_kwargs": {"entity": "team"}}}})
+    assert cfg.logging.wandb.project == "asyncrl" and cfg.logging.wandb.init_kwargs == {"entity": "team"}

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from asyncrl.data import ArithmeticTask, PromptDataError, load_jsonl_prompts
+from asyncrl.data import ArithmeticTask, ColumnMap, PromptDataError, load_jsonl_prompts
 from asyncrl.rewards.math import exact_integer_reward, extract_final_integer
 
 
@@ -84,3 +84,32 @@ def test_exact_integer_reward(completion, answer, reward):
 def test_extract_final_integer():
     assert extract_final_integer("a 1 b 22") == 22
     assert extract_final_integer("none") is None
+
+
+def test_jsonl_chat_prompts_and_a_column_mapping(tmp_path):
+    f = tmp_path / "chat.jsonl"
+    f.write_text(json.dumps({"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+                             "answer": 4}) + "\n")
+    (p,) = load_jsonl_prompts(f)
+    assert p.messages == (("system", "Be brief."), ("user", "2+2?")) and p.prompt == "2+2?"
+    mapped = tmp_path / "mapped.jsonl"
+    mapped.write_text(json.dumps({"q": "3+3?", "sol": {"value": 6}, "source": "x", "ignored": 1}) + "\n"
+                      + json.dumps({"q": "4+4?", "sol": {}, "source": "y"}) + "\n")
+    with pytest.raises(PromptDataError, match=r"mapped.jsonl:2: missing required key 'sol.value'"):
+        load_jsonl_prompts(mapped, ColumnMap("q", "sol.value", ("source",)))
+    mapped.write_text(mapped.read_text().splitlines()[0] + "\n")
+    (p,) = load_jsonl_prompts(mapped, ColumnMap("q", "sol.value", ("source",)))  # other keys are ignored with a mapping
+    assert (p.prompt, p.answer, p.metadata) == ("3+3?", "6", {"source": "x"})
+
+
+def test_render_prompt_uses_the_chat_as_given(demo_model_path):
+    from transformers import AutoTokenizer
+
+    from asyncrl.data import Prompt, render_chat_prompt, render_prompt
+
+    tok = AutoTokenizer.from_pretrained(str(demo_model_path))
+    plain = Prompt(prompt="What is 1 + 2?", answer="3")
+    assert render_prompt(tok, plain) == render_chat_prompt(tok, "What is 1 + 2?")
+    chat = Prompt(prompt="What is 1 + 2?", answer="3", messages=(("system", "Be brief."), ("user", "What is 1 + 2?")))
+    assert render_prompt(tok, chat) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n"
+                                        "<|im_start|>assistant\n")
