@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from asyncrl.config import ConfigError, ResourcePool, RootConfig
 
@@ -139,14 +140,3 @@ def check_live_cluster(cfg: RootConfig) -> None:
     pools = (cfg.generator.engine_pool, cfg.generator.gateway_pool, cfg.trainer.pool, cfg.learner.pool, cfg.reward.pool)
     if ray.is_initialized() and (any(p.is_set() for p in pools) or cfg.learner.placement_strategy != "pack"):
         check_pools(cfg, live_nodes())
-
-
-def engine_pool_unmet(cfg: RootConfig) -> str | None:
-    """Why no live node of the connected cluster could host one more engine replica (None: some
-    can, or Ray is not running here)."""
-    import ray
-
-    if not ray.is_initialized():
-        return None
-    (engines,) = [d for d in demands(cfg) if d.field == "generator.engine_pool"]
-    return unmet(Demand(engines.field, engines.resources, engines.labels), live_nodes())

@@ -15,7 +15,6 @@ import logging
 import time
 from typing import Any
 
-from asyncrl.cluster import engine_pool_unmet
 from asyncrl.config import RootConfig
 from asyncrl.trainer.logging_setup import progress_line
 from asyncrl.trainer.parts import TrainerParts
@@ -24,9 +23,6 @@ from asyncrl.trainer.step import compute_advantages, needs_reference
 log = logging.getLogger(__name__)
 
 
-# A batch wait longer than this is reported in the status ("waiting"): every step normally fills
-# its batch well within it once the engines are up.
-WAIT_REPORT_S = 10.0
 ACCOUNTING = ("buffer/generated", "buffer/trained", "buffer/dropped_stale", "buffer/dropped_invalid",
               "buffer/dropped_filtered", "buffer/dropped_failed", "buffer/waiting", "buffer/running")
 
@@ -68,7 +64,6 @@ class Trainer:
         self._stop = asyncio.Event()  # a drain asked the loop to end after the step in progress
         self._started = time.time()
         self.restarts = 0  # learner restarts so far (trainer.max_restarts)
-        self.waiting: str | None = None  # what the learner loop has waited for, past WAIT_REPORT_S
 
     async def run(self) -> None:
         # Dataflow (what each loop consumes / produces / waits for):
@@ -131,8 +126,7 @@ class Trainer:
                 metrics = await p.placement.to_learner()
                 metrics |= await self._learn(batch)
                 t1 = time.monotonic()
-                metrics |= await p.placement.to_engines(lambda: self._reporting(
-                    f"the push of version {self.version + 1} to the engines", p.publish(self.version + 1)))
+                metrics |= await p.placement.to_engines(lambda: p.publish(self.version + 1))
                 metrics["trainer/learner_restarts"] = float(self.restarts)
                 return metrics, t1
             except Exception as err:
@@ -170,20 +164,10 @@ class Trainer:
             weights.stop_recovering()
 
     async def _next_batch(self, rollouts: asyncio.Task) -> Any:
-        """The next batch, or None once a stop was requested. Past WAIT_REPORT_S the status says
-        what it waits for (and whether any live node can still host an engine replica)."""
+        """The next batch, or None once a stop was requested."""
         limit = self.cfg.trainer.batch_timeout_s
-        start = time.monotonic()
-        deadline = start + limit
-        try:
-            return await self._wait_batch(rollouts, limit, start, deadline)
-        finally:
-            self.waiting = None
-
-    async def _wait_batch(self, rollouts: asyncio.Task, limit: float, start: float, deadline: float) -> Any:
+        deadline = time.monotonic() + limit
         while not self._stop.is_set():
-            if time.monotonic() - start >= WAIT_REPORT_S:
-                self.waiting = await self._waiting_for(time.monotonic() - start)
             batch = await self.p.buffer.get_batch.remote(timeout_s=min(1.0, max(0.0, deadline - time.monotonic())))
             if batch is not None:
                 # Sample order inside a batch follows completion timing; sort it so a step is a
@@ -196,31 +180,6 @@ class Trainer:
             if time.monotonic() >= deadline:
                 raise BatchTimeout(await self._batch_timeout_message(limit))
         return None
-
-    async def _reporting(self, what: str, work: Any) -> Any:
-        """Await `work`; past WAIT_REPORT_S the status says the loop waits for `what` (e.g. a push
-        retried until a lost engine replica is back) and whether a node can host an engine."""
-        task = asyncio.ensure_future(work)
-        start = time.monotonic()
-        try:
-            while not (await asyncio.wait({task}, timeout=WAIT_REPORT_S))[0]:
-                self.waiting = await self._engine_pool_line(f"{what}, {time.monotonic() - start:.0f} s")
-            return task.result()
-        finally:
-            self.waiting = None
-            task.cancel()  # only if this call was cancelled first: a finished task ignores it
-
-    async def _waiting_for(self, waited: float) -> str:
-        """The status line of a long batch wait: the batch, the rollouts' counts, and the engine
-        pool's state when no live node can host an engine replica (its node was lost)."""
-        c = self.p.rollouts.counters
-        return await self._engine_pool_line(
-            f"a batch of {self.cfg.buffer.batch_size} samples for policy version {self.version}, {waited:.0f} s "
-            f"(rollouts: started={c.started} finished={c.finished} failed={c.failed} timeouts={c.timeouts})")
-
-    async def _engine_pool_line(self, line: str) -> str:
-        why = await asyncio.to_thread(engine_pool_unmet, self.cfg)
-        return line + (f"; generator.engine_pool: {why}: Serve starts the replica when such a node joins" if why else "")
 
     async def _batch_timeout_message(self, limit: float) -> str:
         buf = await self.p.buffer.metrics.remote()
@@ -275,7 +234,6 @@ class Trainer:
             "buffer": {k: v for k, v in self.last_metrics.items() if k.startswith("buffer/")},
             "elapsed_s": time.time() - self._started,
             "learner_restarts": self.restarts,
-            "waiting": self.waiting,
             "metrics": {k: v for k, v in self.last_metrics.items() if isinstance(v, (int, float))},
         }
 

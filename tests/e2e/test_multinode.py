@@ -7,9 +7,9 @@ session's one-node runtime, which it starts again afterwards. Nodes:
   control   (head, label pool=control): Serve's controller and proxy, the trainer, the gateway, reward workers
   inference (label pool=inference): the engine replicas
   training  (label pool=training, resource trainer_node: 1): the learner's two ranks (TP=2, strict_pack)
-One run checks the placement, the transport and the HTTP API, then kills the inference node (the
-engine pool's only node) and adds a new one once the status says it waits for it; another adds a
-spare training node, then kills the node hosting the learner ranks.
+One run checks the placement, the transport and the HTTP API, then (with a spare inference node
+added first) kills the node hosting the engine replica; another adds a spare training node, then
+kills the node hosting the learner ranks.
 """
 
 from __future__ import annotations
@@ -174,11 +174,10 @@ def test_three_nodes_train_each_component_on_its_pool_and_survive_losing_the_eng
     """`serve run`'s start of the app on three nodes: engines on `inference`, the learner (TP=2) on
     `training`, reward workers, trainer, gateway, buffer and weightsync's store and registry on
     `control`; weights cross nodes through the object store (`auto` on several CPU nodes), versions
-    rise over HTTP. Then the engine pool's only node dies mid-training (raylet and every process
-    killed): the trainer's status says it waits for a batch and that no live node offers the engine
-    pool; a new node of the pool joins, Serve starts the replica there, it loads the live version,
-    the rollouts in flight are retried or counted, training goes on to its end with every version
-    published once, in order, and every sample accounted for."""
+    rise over HTTP. Then the node hosting the engine replica dies mid-training (raylet and every
+    process killed): Serve starts the replica again on the pool's other node, it loads the live
+    version, the rollouts in flight are retried or counted, training goes on to its end with every
+    version published once, in order, and every sample accounted for."""
     c, nodes = cluster
     total, fault, placed = 10, {}, {}
     kill = _kill_the_node_of("GeneratorEngine", 2, c, nodes, fault)
@@ -186,11 +185,8 @@ def test_three_nodes_train_each_component_on_its_pool_and_survive_losing_the_eng
     def during(seen: dict) -> None:
         if not placed and seen["statuses"] and seen["statuses"][-1]["step"] >= 1:
             placed.update(_placed(_node_of(nodes)))
+            nodes.update(_add_spare(c, nodes, "inference"))  # after the placement: the engine sits on `inference`
         kill(seen)
-        waiting = (seen["statuses"][-1].get("waiting") or "") if fault and seen["statuses"] else ""
-        if "spare" not in fault and "generator.engine_pool: no live node offers" in waiting:
-            fault.update(waiting=waiting, spare=time.monotonic())
-            nodes.update(_add_spare(c, nodes, "inference"))
 
     seen = _run(cluster, demo_model_path, tmp_path, during=during,
                 **_pools(total, trainer={"rollout_timeout_s": 120}, weightsync={"recovery_s": 600}))
@@ -205,9 +201,7 @@ def test_three_nodes_train_each_component_on_its_pool_and_survive_losing_the_eng
     assert placed == {"GeneratorEngine": ["inference"], "GeneratorGateway": ["control"], "Trainer": ["control"],
                       "LearnerRank": ["training", "training"], "RewardWorkersService": ["control"],
                       "BufferService": ["control"], "WeightStore": ["control"], "WeightsyncService": ["control"]}, placed
-    assert lost == "inference" and "spare" in fault, fault  # the status told, before any node of the pool was back
-    # what it waited for: the push in flight when the node died (retried until a replica is back), or the next batch
-    assert "the push of version" in fault["waiting"] or "a batch of 16 samples" in fault["waiting"], fault
+    assert lost == "inference", fault
     assert final["state"] == "finished", (final, fault)
     assert final["step"] == final["policy_version"] == total and total - fault["step"] >= 5
     assert fault.get("again") == ["inference-spare"], fault
