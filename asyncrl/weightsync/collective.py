@@ -272,41 +272,11 @@ class CollectiveGroup:
         """Broadcast `tensor` from the sender into every member's `tensor` (same shape, dtype,
         and this member's device), returning once it is complete here. Raises CollectiveError
         (and the group is broken) if that does not happen by `deadline` (time.monotonic())."""
-        if self.broken:
-            raise CollectiveError(f"group {self.spec.group_id} is broken (an earlier step failed); form a new one")
-        if self.spec.backend == "ipc":
-            raise CollectiveError(f"group {self.spec.group_id}: an ipc group passes handles (send_stream), it does not broadcast")
-        try:
-            if self._pg is not None:
-                import torch.distributed as dist
-
-                opts = dist.BroadcastOptions()
-                opts.rootRank, opts.rootTensor = 0, 0
-                work = self._pg.broadcast([tensor], opts)
-                work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
-                return
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            self._comm.broadcast(tensor, src=0, stream=self._stream)
-            tensor.record_stream(self._stream)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-            while not done.query():
-                if time.monotonic() > deadline:
-                    raise TimeoutError("NCCL broadcast not complete by the deadline")
-                time.sleep(0.0002)
-        except Exception as err:
-            self.broken = True
-            self.close()
-            raise CollectiveError(f"group {self.spec.group_id} rank {self.rank}: broadcast of {tensor.numel()} "
-                                  f"{str(tensor.dtype).removeprefix('torch.')} failed: {type(err).__name__}: {err}") from err
+        self.broadcast_all([tensor], deadline)
 
     def broadcast_all(self, tensors: list[torch.Tensor], deadline: float) -> None:
         """`broadcast` of every tensor in order, enqueued back to back (no wait between them), then
         one wait for all: the whole version's buckets at wire speed. Same failure rules."""
-        if len(tensors) <= 1:
-            for t in tensors:
-                self.broadcast(t, deadline)
-            return
         if self.broken:
             raise CollectiveError(f"group {self.spec.group_id} is broken (an earlier step failed); form a new one")
         if self.spec.backend == "ipc":
@@ -331,13 +301,15 @@ class CollectiveGroup:
             done.record(self._stream)
             while not done.query():
                 if time.monotonic() > deadline:
-                    raise TimeoutError("NCCL broadcasts not complete by the deadline")
+                    raise TimeoutError("NCCL broadcast not complete by the deadline")
                 time.sleep(0.0002)
         except Exception as err:
             self.broken = True
             self.close()
-            raise CollectiveError(f"group {self.spec.group_id} rank {self.rank}: broadcast of {len(tensors)} buckets "
-                                  f"({sum(t.numel() for t in tensors)} elements) failed: {type(err).__name__}: {err}") from err
+            what = (f"{tensors[0].numel()} {str(tensors[0].dtype).removeprefix('torch.')}" if len(tensors) == 1
+                    else f"{len(tensors)} buckets ({sum(t.numel() for t in tensors)} elements)")
+            raise CollectiveError(f"group {self.spec.group_id} rank {self.rank}: broadcast of {what} failed: "
+                                  f"{type(err).__name__}: {err}") from err
 
     def close(self) -> None:
         comm, self._comm, self._pg, self._store = self._comm, None, None, None

@@ -113,12 +113,7 @@ def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
             out.seconds["broadcast"] += time.perf_counter() - t
             del bucket
     except BaseException:
-        copies.close()
-        if export.failed and not group.broken:  # tell the receivers, so they fail now rather than at their deadline
-            try:
-                group.broadcast(_header(group, ABORT), deadline)
-            except CollectiveError:
-                pass
+        _abort(group, copies, export, deadline)
         raise
     group.broadcast(_header(group, END), deadline)
     copies.finish()
@@ -154,16 +149,22 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
         out.seconds["broadcast"] += time.perf_counter() - t
         packed.clear()
     except BaseException:
-        copies.close()
-        if export.failed and not group.broken:
-            try:
-                group.broadcast(_header(group, ABORT), deadline)
-            except CollectiveError:
-                pass
+        _abort(group, copies, export, deadline)
         raise
     group.broadcast(_header(group, END), deadline)
     copies.finish()
     return out
+
+
+def _abort(group: CollectiveGroup, copies: HostCopies, export: "Export", deadline: float) -> None:
+    """A failed send: drop its host copies; if the export failed (not the wire), tell the receivers,
+    so they fail now rather than at their deadline."""
+    copies.close()
+    if export.failed and not group.broken:
+        try:
+            group.broadcast(_header(group, ABORT), deadline)
+        except CollectiveError:
+            pass
 
 
 def host_copies_for(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None, deadline: float,
