@@ -96,75 +96,63 @@ def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
                                plan=plan, sender=sender)
     deadline = time.monotonic() + timeout_s
     out = SendResult()
-    if group.spec.ipc_window == 0:
-        return _send_whole(group, named_tensors, bucket_mb, verify=verify, deadline=deadline, keep=keep, plan=plan,
-                           sender=sender, out=out)
-    copies = out.host_copies = host_copies_for(group, keep, deadline)
+    whole = group.spec.ipc_window == 0  # every bucket kept until the broadcasts end: no limit on copies in flight
+    copies = out.host_copies = host_copies_for(group, keep, deadline, **({"max_device": 1 << 30} if whole else {}))
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender), out)
     try:
-        for bucket in export:
-            digests, _ = hash_and_copy(copies, bucket, verify, out)
-            t = time.perf_counter()
-            table = encode_table(bucket, digests)
-            group.broadcast(_header(group, BUCKET, len(table), bucket.nbytes), deadline)
-            _send_bytes(group, table, deadline)
-            if bucket.nbytes:
-                group.broadcast(bucket.buffer, deadline)
-            out.seconds["broadcast"] += time.perf_counter() - t
-            del bucket
+        (_send_whole if whole else _send_each)(group, export, copies, verify, deadline, out)
     except BaseException:
-        _abort(group, copies, export, deadline)
+        copies.close()
+        if export.failed and not group.broken:  # tell the receivers, so they fail now rather than at their deadline
+            try:
+                group.broadcast(_header(group, ABORT), deadline)
+            except CollectiveError:
+                pass
         raise
     group.broadcast(_header(group, END), deadline)
     copies.finish()
     return out
 
 
-def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *, verify: str,
-                deadline: float, keep: Callable[[Bucket], Any] | None, plan: Any, sender: int, out: SendResult) -> SendResult:
+def _send_each(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
+               out: SendResult) -> None:
+    """Bucket by bucket: hash it, send its header and table, then its bytes."""
+    for bucket in export:
+        digests, _ = hash_and_copy(copies, bucket, verify, out)
+        t = time.perf_counter()
+        table = encode_table(bucket, digests)
+        group.broadcast(_header(group, BUCKET, len(table), bucket.nbytes), deadline)
+        _send_bytes(group, table, deadline)
+        if bucket.nbytes:
+            group.broadcast(bucket.buffer, deadline)
+        out.seconds["broadcast"] += time.perf_counter() - t
+        del bucket
+
+
+def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
+                out: SendResult) -> None:
     """ipc_window 0 on gloo / NCCL: pack every bucket, enqueue every digest, wait for the device
     once, send one table of every bucket, broadcast the buckets back to back, wait once. The host
     copies start after the broadcasts are enqueued (`full` verification hashes them, so there they
     start first)."""
-    copies = out.host_copies = host_copies_for(group, keep, deadline, max_device=1 << 30)
-    export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender), out)
     early = verify == "full"
     packed: list[tuple[Bucket, Callable[[], dict[str, bytes]]]] = []
-    try:
-        for bucket in export:
-            finish, _ = hash_and_copy_lazy(copies if early else None, bucket, verify, out)
-            packed.append((bucket, finish))
-        t = time.perf_counter()
-        tables = [[encode_table(bucket, finish()).decode(), bucket.nbytes] for bucket, finish in packed]  # one device wait
-        raw = json.dumps(tables).encode()
-        group.broadcast(_header(group, WHOLE, len(raw), sum(b.nbytes for b, _ in packed)), deadline)
-        _send_bytes(group, raw, deadline)
-        buffers = [b.buffer for b, _ in packed if b.nbytes]
-        if not early:
-            for bucket, _ in packed:  # enqueued behind the packing, beside the broadcasts
-                t_copy = time.perf_counter()
-                copies.add(bucket)
-                out.seconds["host_copy"] += time.perf_counter() - t_copy
-        group.broadcast_all(buffers, deadline)
-        out.seconds["broadcast"] += time.perf_counter() - t
-        packed.clear()
-    except BaseException:
-        _abort(group, copies, export, deadline)
-        raise
-    group.broadcast(_header(group, END), deadline)
-    copies.finish()
-    return out
-
-
-def _abort(group: CollectiveGroup, copies: HostCopies, export: "Export", deadline: float) -> None:
-    """A failed send: drop its host copies; if the export failed (not the wire), tell the receivers,
-    so they fail now rather than at their deadline."""
-    copies.close()
-    if export.failed and not group.broken:
-        try:
-            group.broadcast(_header(group, ABORT), deadline)
-        except CollectiveError:
-            pass
+    for bucket in export:
+        finish, _ = hash_and_copy_lazy(copies if early else None, bucket, verify, out)
+        packed.append((bucket, finish))
+    t = time.perf_counter()
+    tables = [[encode_table(bucket, finish()).decode(), bucket.nbytes] for bucket, finish in packed]  # one device wait
+    raw = json.dumps(tables).encode()
+    group.broadcast(_header(group, WHOLE, len(raw), sum(b.nbytes for b, _ in packed)), deadline)
+    _send_bytes(group, raw, deadline)
+    buffers = [b.buffer for b, _ in packed if b.nbytes]
+    if not early:
+        for bucket, _ in packed:  # enqueued behind the packing, beside the broadcasts
+            t_copy = time.perf_counter()
+            copies.add(bucket)
+            out.seconds["host_copy"] += time.perf_counter() - t_copy
+    group.broadcast_all(buffers, deadline)
+    out.seconds["broadcast"] += time.perf_counter() - t
 
 
 def host_copies_for(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None, deadline: float,
