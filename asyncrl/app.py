@@ -114,6 +114,7 @@ class TrainerDeployment:
 
 def build_app(cfg: RootConfig) -> serve.Application:
     """Engines <- trainer, engines <- gateway; the gateway is the HTTP ingress."""
+    cfg.check_trainable()
     model = cfg.model.model_copy(update={"path": str(Path(cfg.model.path).resolve())})
     cfg = cfg.model_copy(update={"model": model})
     model_d, gen_d = model.model_dump(), cfg.generator.model_dump()

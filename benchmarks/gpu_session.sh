@@ -105,6 +105,46 @@ learner2-speed)
         bash benchmarks/learner_speed.sh ${SHAPES:-1.5b:8x8192:1}
   done
   ;;
+gpu4)
+  # Four GPUs (issue 30): a random Qwen2-7B-shaped model (15.2 GB in bf16) trained by GRPO in the separated
+  # placement of deploy/rlhf-gpu4.yaml (engine TP = 2 on two GPUs, learner TP = 2 + SP on two), eta in ETAS,
+  # NSTEPS learner steps each (the first is warm-up); SETS adds --set overrides. The model is built once per
+  # warm machine.
+  M=/tmp/qwen2-7b-random
+  if [ ! -f $M/config.json ]; then
+    timeout 400 python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M --layers 28 \
+        --hidden 3584 --heads 28 --kv-heads 4 --ffn 18944 --untied > $OUT/make_7b.log 2>&1
+    echo "make 7b rc=$?"; tail -1 $OUT/make_7b.log | cut -c1-300
+  fi
+  pkill -9 -f "[r]ay::"; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*; sleep 1
+  sets=(--set model.path=$M); for kv in ${SETS:-}; do sets+=(--set "$kv"); done
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -s INT -k 30 ${RUN_TIMEOUT:-520} python3 benchmarks/async_speedup.py \
+      --config deploy/rlhf-gpu4.yaml --steps ${NSTEPS:-6} --etas ${ETAS:-0} --num-cpus 48 "${sets[@]}" \
+      --out $OUT/gpu4_eta${ETAS// /_}.json > $OUT/gpu4.log 2>&1
+  echo "gpu4 rc=$?"; grep -v '^{' $OUT/gpu4.log | grep -E '^\||machine' | cut -c1-400
+  grep -iE "error|Traceback|out of memory|OOM" $OUT/gpu4.log | head -12 | cut -c1-400
+  ls /tmp/ray/session_latest/logs > /dev/null 2>&1 && tar czf $OUT/ray_logs.tgz -C /tmp/ray/session_latest logs 2>/dev/null
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
+  ;;
+pair)
+  # Two GPU pairs at once on a 4-GPU host: GPUs 0,1 run the NCCL push benchmark (issue 28; MODELS), GPUs
+  # 2,3 the LearnerGroup layout tests over NCCL (issue 29), each with a Ray of its own.
+  ( export CUDA_VISIBLE_DEVICES=0,1 RAY_ADDRESS=local RAY_TMPDIR=/tmp/ray_a
+    for m in ${MODELS:-random500m random1500m}; do
+      timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports nccl \
+          --gpus 0.5 --dtype bfloat16 --verify ${VERIFY:-checksum} --staging ${STAGING:-full} > $OUT/ws_push_nccl_$m.log 2>&1
+      echo "weightsync nccl $m rc=$?" >> $OUT/pair_a.txt; grep '^{' $OUT/ws_push_nccl_$m.log >> $OUT/ws_push.json
+    done ) &
+  ( export CUDA_VISIBLE_DEVICES=2,3 RAY_ADDRESS=local RAY_TMPDIR=/tmp/ray_b
+    timeout -s INT -k 20 ${TEST_TIMEOUT:-520} python3 -m pytest -q -rA -p no:cacheprovider --durations=20 -x \
+        ${TESTS:-tests/learner/test_group.py} > $OUT/learner2.log 2>&1
+    echo "pytest rc=$?" >> $OUT/pair_b.txt ) &
+  wait
+  cat $OUT/pair_a.txt; cut -c1-1500 $OUT/ws_push.json 2>/dev/null
+  grep -hv '^{' $OUT/ws_push_nccl_*.log | grep -iE "error|Traceback" | tail -6 | cut -c1-300
+  cat $OUT/pair_b.txt; grep -E '^(PASSED|FAILED|ERROR|SKIPPED) | in [0-9.]+s( |$)' $OUT/learner2.log | cut -c1-300
+  tail -4 $OUT/learner2.log | cut -c1-400
+  ;;
 moe)
   # A random Qwen2-MoE (16 routed experts, top 4, a gated shared expert) through the learner on one GPU:
   # parity vs transformers, HF round trip, bare fwd+bwd and ActorRole step time (EP = 1).

@@ -148,6 +148,7 @@ class RolloutWorkers:
                 max_tokens=self._algo.max_new_tokens,
                 seed=request_seed(self._seed, index),
                 logprobs=True,
+                ignore_eos=self._algo.ignore_eos,
             ),
         )
 

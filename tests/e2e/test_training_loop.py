@@ -193,6 +193,9 @@ def test_grpo_trains_and_publishes_while_the_api_answers(run_a):
     assert all(m["weightsync/failed"] == 0 and m["weightsync/bytes"] > 0 for m in metrics)
     assert all(m["weightsync/transport/gloo/bytes"] == m["weightsync/bytes"] for m in metrics)  # broadcast, not staged on host
     assert all(math.isfinite(m["actor/loss"]) for m in metrics)
+    # The learner's tokens per step (behind MFU): every batch's responses, plus their prompts.
+    assert all(0 < m["train/response_tokens"] < m["train/tokens"] for m in metrics)
+    assert metrics[-1]["rollout/tokens"] >= sum(m["train/response_tokens"] for m in metrics)
     assert metrics[1]["eval/accuracy"] is not None  # eval every 2 steps on the held-out split
     assert (run_dir / "curves.png").stat().st_size > 1000
     assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == ["step_000001", "step_000002", "step_000003"]

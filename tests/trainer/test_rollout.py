@@ -193,3 +193,16 @@ def test_chat_prompts_are_sent_as_their_whole_chat(demo_model_path):
     assert tok.decode(chat_ids) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n"
                                     "<|im_start|>assistant\n")
     assert tok.decode(plain_ids) == "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_algorithm_ignore_eos_reaches_every_rollout_request(demo_model_path, ignore_eos):
+    """algorithm.ignore_eos (fixed-length responses for benchmarks) is what the engine is asked for."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(demo_model_path))
+    w = RolloutWorkers(stream=Stream([]), tokenizer=tok, generate=Engine().generate, rewards=Rewards(),
+                       buffer=Remote(BufferService(BufferConfig(batch_size=2, max_staleness=0))),
+                       algorithm=AlgorithmConfig(group_size=N, ignore_eos=ignore_eos, max_new_tokens=7), concurrency=1, seed=0)
+    sampling = w._request(0, Prompt(prompt="What is 1 + 2?", answer="3")).sampling
+    assert (sampling.ignore_eos, sampling.max_tokens, sampling.n) == (ignore_eos, 7, N)

