@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import socket
 import sys
@@ -155,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     base = apply_overrides(_args_from(a.config), a.overrides)
-    ray.init(num_cpus=a.num_cpus, include_dashboard=False, log_to_driver=False)
+    if os.environ.get("RAY_ADDRESS", "local") != "local":  # a running cluster (`ray start --head`): its own CPUs
+        ray.init(log_to_driver=False)
+    else:
+        ray.init(num_cpus=a.num_cpus, include_dashboard=False, log_to_driver=False)
     results = []
     with tempfile.TemporaryDirectory(prefix="asyncrl-speedup-") as tmp:
         for eta in a.etas:

@@ -118,7 +118,12 @@ gpu4)
   fi
   pkill -9 -f "[r]ay::"; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*; sleep 1
   sets=(--set model.path=$M); for kv in ${SETS:-}; do sets+=(--set "$kv"); done
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -s INT -k 30 ${RUN_TIMEOUT:-520} python3 benchmarks/async_speedup.py \
+  # ray.init's own start gave up after 30 s once on a fresh 4-GPU host ("node timed out during startup",
+  # no raylet log): start the node apart, where its errors are printed, and connect to it.
+  # no expandable_segments here: vLLM TP = 2 custom all-reduce fails on it (custom_all_reduce.cuh: invalid argument)
+  timeout 180 ray start --head --num-cpus 48 --include-dashboard=false --disable-usage-stats > $OUT/ray_start.log 2>&1
+  echo "ray start rc=$?"; grep -iE "error|fail|started" $OUT/ray_start.log | head -5 | cut -c1-300
+  RAY_ADDRESS=auto timeout -s INT -k 30 ${RUN_TIMEOUT:-520} python3 benchmarks/async_speedup.py \
       --config deploy/rlhf-gpu4.yaml --steps ${NSTEPS:-6} --etas ${ETAS:-0} --num-cpus 48 "${sets[@]}" \
       --out $OUT/gpu4_eta${ETAS// /_}.json > $OUT/gpu4.log 2>&1
   echo "gpu4 rc=$?"; grep -v '^{' $OUT/gpu4.log | grep -E '^\||machine' | cut -c1-400
@@ -132,8 +137,8 @@ pair)
   ( export CUDA_VISIBLE_DEVICES=0,1 RAY_ADDRESS=local RAY_TMPDIR=/tmp/ray_a
     for m in ${MODELS:-random500m random1500m}; do
       timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports nccl \
-          --gpus 0.5 --dtype bfloat16 --verify ${VERIFY:-checksum} --staging ${STAGING:-full} > $OUT/ws_push_nccl_$m.log 2>&1
-      echo "weightsync nccl $m rc=$?" >> $OUT/pair_a.txt; grep '^{' $OUT/ws_push_nccl_$m.log >> $OUT/ws_push.json
+          --gpus 0.5 --dtype bfloat16 --verify ${VERIFY:-checksum} --staging ${STAGING:-full} > $OUT/ws_push_nccl_${m##*/}.log 2>&1
+      echo "weightsync nccl $m rc=$?" >> $OUT/pair_a.txt; grep '^{' $OUT/ws_push_nccl_${m##*/}.log >> $OUT/ws_push.json
     done ) &
   ( export CUDA_VISIBLE_DEVICES=2,3 RAY_ADDRESS=local RAY_TMPDIR=/tmp/ray_b
     timeout -s INT -k 20 ${TEST_TIMEOUT:-520} python3 -m pytest -q -rA -p no:cacheprovider --durations=20 -x \

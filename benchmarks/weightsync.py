@@ -588,7 +588,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="demo,random50m", help="comma list of: demo, random50m, random500m, random1500m")
+    ap.add_argument("--models", default="demo,random50m", help="comma list of: demo, random50m, random500m, random1500m, or HF model directories")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=64.0)
@@ -626,8 +626,10 @@ def main() -> None:
                 elif name == "random1500m":  # Qwen2-1.5B's shape and vocabulary: 1.54B parameters, 3.1 GB in bf16
                     path = build_random_qwen2(Path(tmp) / "random1500m", hidden=1536, layers=28, intermediate=8960,
                                               dtype=args.dtype, vocab=151936)
+                elif (Path(name) / "config.json").is_file():  # a Hugging Face directory (e.g. a random 7B)
+                    path = Path(name)
                 else:
-                    raise SystemExit(f"unknown model {name!r}")
+                    raise SystemExit(f"unknown model {name!r}: demo, random50m, random500m, random1500m or an HF directory")
                 rows = asyncio.run(bench_model(name, path, args.replicas, args.repeats, args.bucket_mb,
                                                args.transports.split(","), args.verify, args.gpus, args.apply, args.staging,
                                                args.dtype))
