@@ -148,6 +148,12 @@ class GeneratorConfig(_Section):
         True, description="Non-streaming requests get their behaviour log-probs from the engine core as one array per "
         "completion (exactly vLLM's values, without its per-token objects: generator/array_logprobs.py). False = vLLM's own path.")
     max_body_bytes: int = Field(1 << 20, gt=0, description="Larger HTTP bodies get 413.")
+    episode_max_turns: int = Field(32, gt=0, description="Chat completions one episode (POST /v1/episodes) may hold; one more gets 413.")
+    episode_max_tokens: int = Field(
+        32768, gt=0, description="Tokens of one episode's samples (first prompt, every later prompt token and every sampled "
+        "token, counting a turn's max_tokens before it runs); a turn that could exceed it gets 413.")
+    episode_idle_timeout_s: float = Field(
+        600.0, gt=0, description="An episode with no turn for this long is dropped and counted as abandoned (410 after).")
     admin_token: str | None = Field(None, description="Bearer token for admin routes; falls back to $ASYNCRL_ADMIN_TOKEN. Unset = admin routes closed.")
     routing: Literal["power_of_two", "prefix_affinity"] = "power_of_two"
     http_host: str = "127.0.0.1"

@@ -31,6 +31,7 @@ from ray import serve
 from asyncrl.config import GeneratorConfig, ModelConfig
 from asyncrl.generator.control import EngineControl, ReplicaControlError
 from asyncrl.generator.deployment import freeze_heap
+from asyncrl.generator.episodes import EpisodeLedger
 from asyncrl.generator.metrics import GatewayMetrics, render_training
 from asyncrl.generator.sampling import Limits, RequestError, validate_request
 from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult, SamplingParams
@@ -155,6 +156,8 @@ class GatewayCore:
         self.admin_token = gen.resolved_admin_token()
         self.status_actor, self.status_namespace = status_actor, status_namespace
         self.status_source = status_source  # a Serve handle (the trainer deployment) with status()
+        self.episodes = EpisodeLedger(max_turns=gen.episode_max_turns, max_tokens=gen.episode_max_tokens,
+                                      idle_timeout_s=gen.episode_idle_timeout_s)
 
     # ---- prompts ---------------------------------------------------------------------------
 

@@ -1,10 +1,15 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, and the episode
+routes around them (/v1/episodes: open, describe, finish; episodes.py keeps the ledger).
 
 Owns: translating vLLM's OpenAI protocol models (request parsing and response shapes are vLLM's
 own pydantic classes, so the official `openai` client works unmodified) to and from our
 token-level `GenerationRequest`/`GenerationResult`. Every choice carries two extra fields,
 `token_ids` and `versions` (weight version per token). Streams are SSE (`data: {...}` lines,
 ending with `data: [DONE]`).
+
+A chat completion sent with `x-asyncrl-episode: ID` is one turn of that episode: n must be 1 and
+it is not streamed; the prompt ids after the chat template, the sampled ids, their log-probs and
+weight versions are recorded whether or not the client asked for log-probs.
 
 Must never: accept an option it would silently ignore when ignoring changes the output
 (echo, suffix, beam search, tools, top-k log-probs beyond the sampled token): those get 400.
@@ -13,6 +18,7 @@ Must never: accept an option it would silently ignore when ignoring changes the 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,6 +26,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from asyncrl.generator.episodes import EPISODE_HEADER, EpisodeError, Turn
 from asyncrl.generator.gateway import (
     VERSION_HEADER,
     GatewayCore,
@@ -186,6 +193,9 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             if max_tokens is None:  # OpenAI chat default: as long as the context allows
                 max_tokens = max(1, core.model_cfg.max_model_len - len(ids))
+            episode = request.headers.get(EPISODE_HEADER)
+            if episode is not None:
+                return await episode_turn(track, episode, req, ids, max_tokens, top)
             greq = GenerationRequest(prompt_ids=ids, sampling=_sampling(req, max_tokens, want_lp))
             if req.stream:
                 first, rest = await core.stream(greq)
@@ -203,25 +213,83 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
 
                 return _sse(track, first, rest, event, lambda: chat.ChatCompletionStreamResponse(model=served, choices=[]).model_dump(), len(ids), include_usage, UsageInfo)
             result = await core.generate(greq)
-            choices = []
-            for c in result.completions:
-                lp = chat_logprobs(c, top) if want_lp else None
-                choice = chat.ChatCompletionResponseChoice(
-                    index=c.index, message=chat.ChatMessage(role="assistant", content=c.text), logprobs=lp,
-                    finish_reason=c.finish_reason, token_ids=c.token_ids,
-                )
-                choices.append({**choice.model_dump(), "versions": c.versions})
-            n_out = sum(len(c.token_ids) for c in result.completions)
-            track.status, track.tokens = 200, n_out
-            body = chat.ChatCompletionResponse(model=served, choices=[], usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)).model_dump()
-            body["choices"] = choices
-            return JSONResponse(body, headers={VERSION_HEADER: version_header(result.versions)})
+            return chat_response(track, result, ids, want_lp, top)
         except HTTPError as err:
             track.status = err.status
             raise
         finally:
             if not getattr(track, "streaming", False):
                 track.finish()
+
+    def chat_response(track: _Tracked, result: Any, ids: list[int], want_lp: bool, top: int,
+                      headers: dict[str, str] | None = None) -> JSONResponse:
+        choices = []
+        for c in result.completions:
+            lp = chat_logprobs(c, top) if want_lp else None
+            choice = chat.ChatCompletionResponseChoice(
+                index=c.index, message=chat.ChatMessage(role="assistant", content=c.text), logprobs=lp,
+                finish_reason=c.finish_reason, token_ids=c.token_ids,
+            )
+            choices.append({**choice.model_dump(), "versions": c.versions})
+        n_out = sum(len(c.token_ids) for c in result.completions)
+        track.status, track.tokens = 200, n_out
+        body = chat.ChatCompletionResponse(model=served, choices=[], usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)).model_dump()
+        body["choices"] = choices
+        return JSONResponse(body, headers={VERSION_HEADER: version_header(result.versions), **(headers or {})})
+
+    # ---- episodes --------------------------------------------------------------------------
+
+    def ledger_call(fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except EpisodeError as err:
+            raise HTTPError(err.status, err.message) from None
+
+    async def episode_turn(track: _Tracked, episode: str, req: Any, ids: list[int], max_tokens: int, top: int) -> Response:
+        """One turn of `episode`: the log-probs are always asked for (the trajectory needs them) and
+        returned to the client only if it asked."""
+        if req.stream:
+            raise HTTPError(400, f"{EPISODE_HEADER}: streamed turns are not supported; send stream=false")
+        if req.n not in (None, 1):
+            raise HTTPError(400, f"{EPISODE_HEADER}: n={req.n}; one episode is one trajectory (open one episode per sample)")
+        greq = GenerationRequest(prompt_ids=ids, sampling=_sampling(req, max_tokens, True))
+        core.check(greq)  # a bad request is refused before it takes the episode's turn
+        ledger_call(core.episodes.begin_turn, episode, ids, max_tokens)
+        turn = None
+        try:
+            result = await core.generate(greq)
+            c = result.completions[0]
+            turn = Turn(tuple(ids), tuple(c.token_ids), tuple(c.logprobs), tuple(c.versions))
+        finally:
+            core.episodes.end_turn(episode, turn)
+        return chat_response(track, result, ids, bool(req.logprobs), top, {EPISODE_HEADER: episode})
+
+    @app.post("/v1/episodes", status_code=201)
+    async def open_episode(request: Request) -> Any:
+        raw = await request.body()
+        body = await read_json(request, max_bytes) if raw.strip() else {}
+        if not isinstance(body, dict) or not isinstance(body.get("metadata", {}), dict):
+            raise HTTPError(400, 'the body is optional: {"metadata": {...}} (a JSON object kept with the episode)')
+        return JSONResponse(core.episodes.open(body.get("metadata")), status_code=201)
+
+    @app.get("/v1/episodes")
+    async def episode_stats() -> Any:
+        core.episodes.reap()
+        return core.episodes.stats()
+
+    @app.get("/v1/episodes/{episode}")
+    async def describe_episode(episode: str) -> Any:
+        return ledger_call(core.episodes.describe, episode)
+
+    @app.post("/v1/episodes/{episode}/finish")
+    async def finish_episode(episode: str, request: Request) -> Any:
+        body = await read_json(request, max_bytes)
+        reward = body.get("reward") if isinstance(body, dict) else None
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise HTTPError(400, 'finish needs {"reward": <a finite number>}')
+        samples, mismatches, metadata = ledger_call(core.episodes.finish, episode)
+        return {"id": episode, "reward": float(reward), "metadata": metadata, "mismatches": mismatches,
+                "samples": [s.as_json() for s in samples]}
 
 
 def _sse(track: _Tracked, first: list[CompletionDelta], rest: AsyncIterator, event, envelope, prompt_tokens: int, include_usage: bool, UsageInfo) -> StreamingResponse:

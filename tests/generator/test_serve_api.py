@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 APP = "gen_api"
 MAX_MODEL_LEN = 256
+EPISODE_IDLE_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +43,8 @@ def gen(ray_session, demo_model_path):
             "max_ongoing_requests": 4, "max_queued_requests": 4, "max_body_bytes": 65536,
             # The smallest step budget allowed, so concurrent prompts exceed one step (see the seeded test).
             "engine_kwargs": {"max_num_batched_tokens": MAX_MODEL_LEN},
+            # Episodes: small limits so that each refusal is reachable in a few turns.
+            "episode_max_turns": 3, "episode_max_tokens": 200, "episode_idle_timeout_s": EPISODE_IDLE_S,
         },
     })
     run_generator(cfg, name=APP, weight_source=None)
@@ -126,6 +130,124 @@ def test_openai_client_rejects_bad_params(gen):
         client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], n=50, temperature=1)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other-model", prompt="1+1=")
+
+
+# ---- episodes: multi-turn trajectories through the OpenAI API ------------------------------
+
+
+def _open_episode(gen, metadata=None):
+    r = _post(gen, "/v1/episodes", {"metadata": metadata or {}})
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def _episode_turn(gen, eid, messages, **kw):
+    """One chat turn of episode `eid` through the openai client; (the response JSON, its version header)."""
+    client, name = gen["client"], gen["cfg"].model.served_name
+    raw = client.chat.completions.with_raw_response.create(
+        model=name, messages=messages, extra_headers={"x-asyncrl-episode": eid}, **{"max_tokens": 6, "temperature": 0, **kw})
+    assert raw.headers["x-asyncrl-episode"] == eid
+    return raw.http_response.json(), raw.headers["x-asyncrl-weight-version"]
+
+
+def _template_ids(gen, messages):
+    tok = gen["tok"]
+    return tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+
+
+def _run_episode(gen, eid, follow_ups, before_turn=None):
+    """Turns of `eid`: the first question, then each follow-up after the model's answer; returns what
+    the engine saw and sampled per turn (prompt ids rendered here, independently of the gateway)."""
+    messages = [{"role": "user", "content": "What is 12+34?"}]
+    seen = []
+    for k, follow_up in enumerate(list(follow_ups) + [None]):
+        if before_turn:
+            before_turn(k)
+        body, _ = _episode_turn(gen, eid, messages)
+        choice = body["choices"][0]
+        seen.append({"prompt": _template_ids(gen, messages), "sampled": choice["token_ids"], "versions": choice["versions"]})
+        messages = messages + [{"role": "assistant", "content": choice["message"]["content"]}]
+        if follow_up:
+            messages.append({"role": "user", "content": follow_up})
+    return seen, messages
+
+
+def test_a_three_turn_episode_through_the_openai_client_is_one_token_exact_sample(gen):
+    """Three chat turns in one episode, then a finish with the reward: one sample whose tokens are exactly
+    the last prompt the engine saw plus what it sampled, masked on exactly the sampled tokens of every
+    turn, with a log-prob and a version per token. A fourth turn is over episode_max_turns (413)."""
+    eid = _open_episode(gen, {"task": "follow-ups"})
+    seen, messages = _run_episode(gen, eid, ["Add 1 to that.", "And 2 more?"])
+    assert all(len(t["sampled"]) == len(t["versions"]) > 0 for t in seen)
+    # every later prompt extends the previous prompt + sampled tokens (the demo template re-tokenises the answer exactly)
+    for prev, cur in zip(seen, seen[1:]):
+        assert cur["prompt"][: len(prev["prompt"]) + len(prev["sampled"])] == prev["prompt"] + prev["sampled"]
+    assert _post(gen, f"/v1/episodes/{eid}", None).status_code == 405  # GET describes it; POST is finish's
+    described = httpx.get(f"{gen['url']}/v1/episodes/{eid}", timeout=30).json()
+    assert (described["turns"], described["state"], described["metadata"]) == (3, "open", {"task": "follow-ups"})
+    with pytest.raises(openai.APIStatusError) as err:
+        _episode_turn(gen, eid, messages + [{"role": "user", "content": "And 3 more?"}])
+    assert err.value.status_code == 413 and "episode_max_turns=3" in err.value.message
+    r = _post(gen, f"/v1/episodes/{eid}/finish", {"reward": 1.0})
+    assert r.status_code == 200, r.text
+    done = r.json()
+    assert (done["reward"], done["mismatches"], done["metadata"]) == (1.0, 0, {"task": "follow-ups"})
+    (sample,) = done["samples"]
+    last = seen[-1]
+    assert sample["prompt_ids"] == seen[0]["prompt"]
+    assert sample["prompt_ids"] + sample["response_ids"] == last["prompt"] + last["sampled"]
+    mask = sample["loss_mask"]
+    assert len(mask) == len(sample["response_ids"]) == len(sample["logprobs"]) == len(sample["versions"])
+    assert [t for t, m in zip(sample["response_ids"], mask) if m] == [t for turn in seen for t in turn["sampled"]]
+    assert [v for v, m in zip(sample["versions"], mask) if m] == [v for turn in seen for v in turn["versions"]]
+    assert all(lp == 0.0 for lp, m in zip(sample["logprobs"], mask) if not m)
+    assert all(lp <= 0.0 for lp in sample["logprobs"]) and any(lp < 0.0 for lp, m in zip(sample["logprobs"], mask) if m)
+    assert sample["turns"] == 3 and 0 in mask  # the follow-up questions are in the sample, masked
+
+
+def test_episode_requests_the_ledger_refuses_get_clear_4xx(gen):
+    client, name = gen["client"], gen["cfg"].model.served_name
+    msgs = [{"role": "user", "content": "What is 1+2?"}]
+    with pytest.raises(openai.NotFoundError, match="not found"):  # a bad episode id
+        _episode_turn(gen, "ep-not-an-episode", msgs)
+    assert _post(gen, "/v1/episodes/ep-not-an-episode/finish", {"reward": 0}).status_code == 404
+    eid = _open_episode(gen)
+    r = _post(gen, f"/v1/episodes/{eid}/finish", {"reward": 0})  # a finish without turns
+    assert r.status_code == 409 and "no turns" in r.json()["error"]["message"]
+    for kw, fragment in (({"n": 2, "temperature": 1.0}, "n=2"), ({"stream": True}, "stream")):
+        with pytest.raises(openai.BadRequestError, match=fragment):
+            client.chat.completions.create(model=name, messages=msgs, max_tokens=4, extra_headers={"x-asyncrl-episode": eid}, **kw)
+    _episode_turn(gen, eid, msgs)
+    for bad in ({}, {"reward": "high"}, {"reward": float("inf")}, {"reward": True}):
+        r = httpx.post(f"{gen['url']}/v1/episodes/{eid}/finish", content=json.dumps(bad, allow_nan=True), timeout=30)
+        assert r.status_code == 400 and "reward" in r.json()["error"]["message"], bad
+    assert _post(gen, f"/v1/episodes/{eid}/finish", {"reward": 0.5}).status_code == 200
+    with pytest.raises(openai.ConflictError, match="is finished"):  # a turn after finish
+        _episode_turn(gen, eid, msgs)
+    assert _post(gen, f"/v1/episodes/{eid}/finish", {"reward": 0.5}).status_code == 409
+    # an oversize episode: 150 sampled tokens, then a turn whose prompt + max_tokens fits the context
+    # (256) but would take the episode past episode_max_tokens=200
+    big = _open_episode(gen)
+    body, _ = _episode_turn(gen, big, msgs, max_tokens=150, extra_body={"ignore_eos": True})
+    assert len(body["choices"][0]["token_ids"]) == 150
+    more = msgs + [{"role": "assistant", "content": body["choices"][0]["message"]["content"]}, {"role": "user", "content": "Again?"}]
+    assert len(_template_ids(gen, more)) + 40 <= MAX_MODEL_LEN
+    with pytest.raises(openai.APIStatusError) as err:
+        _episode_turn(gen, big, more, max_tokens=40)
+    assert err.value.status_code == 413 and "episode_max_tokens=200" in err.value.message
+    assert httpx.get(f"{gen['url']}/v1/episodes/{big}", timeout=30).json()["turns"] == 1  # the refused turn left no trace
+
+
+def test_an_abandoned_episode_is_dropped_and_counted(gen):
+    before = httpx.get(f"{gen['url']}/v1/episodes", timeout=30).json()
+    eid = _open_episode(gen)
+    _episode_turn(gen, eid, [{"role": "user", "content": "What is 5+5?"}])
+    time.sleep(EPISODE_IDLE_S + 1.0)
+    r = httpx.get(f"{gen['url']}/v1/episodes/{eid}", timeout=30)
+    assert r.status_code == 410 and "abandoned" in r.json()["error"]["message"]
+    after = httpx.get(f"{gen['url']}/v1/episodes", timeout=30).json()
+    assert after["abandoned"] >= before["abandoned"] + 1 and after["opened"] == before["opened"] + 1
+    assert after["turns"] == before["turns"] + 1
 
 
 # ---- token-level API ------------------------------------------------------------------------
@@ -400,3 +522,25 @@ def test_corrupted_bucket_or_wrong_fingerprint_keeps_the_old_version(gen, demo_m
         assert r.json()["completions"][0]["token_ids"] == before
     push_weights(control, 3, w3)  # a clean retry of the same version succeeds (HF tensors: reloaded)
     assert list(asyncio.run(control.versions()).values()) == [3]
+
+
+def test_a_weight_push_in_the_middle_of_an_episode_shows_in_its_versions(gen, demo_model_path):
+    """Turn 1 runs on the live version v, then v + 1 is committed, then turns 2 and 3 run on it: the
+    episode's sample carries v on turn 1's tokens and v + 1 on the later sampled tokens."""
+    control = gen["control"]
+    (v,) = set(asyncio.run(control.versions()).values())
+    w = perturbed_weights(demo_model_path, seed=10 + v)
+
+    def push_after_the_first_turn(k):
+        if k == 1:
+            push_weights(control, v + 1, w)
+            assert list(asyncio.run(control.versions()).values()) == [v + 1]
+
+    eid = _open_episode(gen)
+    seen, _ = _run_episode(gen, eid, ["Add 1 to that.", "And 2 more?"], before_turn=push_after_the_first_turn)
+    assert set(seen[0]["versions"]) == {v} and set(seen[1]["versions"]) == set(seen[2]["versions"]) == {v + 1}
+    (sample,) = _post(gen, f"/v1/episodes/{eid}/finish", {"reward": 0.0}).json()["samples"]
+    mask, versions = sample["loss_mask"], sample["versions"]
+    sampled_versions = [x for x, m in zip(versions, mask) if m]
+    n1 = len(seen[0]["sampled"])
+    assert sampled_versions[:n1] == [v] * n1 and set(sampled_versions[n1:]) == {v + 1}
