@@ -495,6 +495,30 @@ class RewardConfig(_Section):
     num_cpus: float = Field(0.1, ge=0, description="Ray CPUs of that reward actor (reward.pool set).")
 
 
+class RolloutConfig(_Section):
+    """How a prompt becomes samples: one engine call per group (single_turn, the GRPO default), or an agent
+    function that talks to the live OpenAI API over episodes (asyncrl/trainer/agent.py)."""
+
+    kind: Literal["single_turn", "agent"] = "single_turn"
+    function: str | None = Field(
+        None, description="kind agent: 'module:function', an async function (prompt: Prompt, client: openai.AsyncOpenAI) "
+        "-> reward; the client is bound to a fresh episode, and its chat calls must use algorithm.temperature.")
+    base_url: str | None = Field(
+        None, description="Where the agent's client reaches the gateway; None = http://127.0.0.1:<generator.http_port> "
+        "(the trainer on the node of Serve's proxy).")
+    episode_timeout_s: float = Field(300.0, gt=0, description="Longest one agent episode may run; past it the episode "
+                                     "counts as failed (its group is dropped).")
+
+    @model_validator(mode="after")
+    def _function_set(self) -> "RolloutConfig":
+        if self.kind == "agent" and not self.function:
+            raise ValueError("kind='agent' needs function: 'module:function' (an async function of a prompt and an "
+                             "openai.AsyncOpenAI client that returns the reward)")
+        if self.function is not None and (self.function.count(":") != 1 or not all(self.function.split(":"))):
+            raise ValueError(f"function={self.function!r} must look like 'package.module:function'")
+        return self
+
+
 class TrainerConfig(_Section):
     total_steps: int = Field(100, gt=0)
     rollout_concurrency: int = Field(8, gt=0, description="Prompts in flight at once.")
@@ -533,6 +557,7 @@ class RootConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
 
     @model_validator(mode="after")
     def _cross_section(self) -> "RootConfig":
@@ -562,6 +587,13 @@ class RootConfig(_Section):
     def check_trainable(self) -> None:
         """What holds only where this config trains (the full app; a generator-only app may serve a 16-bit
         model on CPU): raises ConfigError."""
+        if self.rollout.kind == "agent":
+            from asyncrl.trainer.agent import AgentFunctionError, load_agent_function
+
+            try:
+                load_agent_function(self.rollout.function or "")
+            except AgentFunctionError as err:
+                raise ConfigError(str(err)) from None
         if self.model.dtype != "float32" and self.learner.num_gpus_per_rank <= 0:
             raise ConfigError(
                 f"model.dtype={self.model.dtype!r} with the learner on CPU (learner.num_gpus_per_rank=0): Megatron's "

@@ -212,6 +212,7 @@ class Trainer:
         # What the learner processed this step (MFU = 6-8 x params x train/tokens / time/train_s).
         metrics["train/response_tokens"] = float(sum(len(s.response_ids) for s in batch.samples))
         metrics["train/tokens"] = metrics["train/response_tokens"] + float(sum(len(s.prompt_ids) for s in batch.samples))
+        metrics["train/loss_tokens"] = float(sum(sum(s.response_mask) for s in batch.samples))  # < response: episodes' inner prompts
         metrics["train/step"] = self.version
         metrics["time/elapsed_s"] = time.time() - self._started
         metrics |= self.p.rollouts.counters.metrics()

@@ -89,7 +89,8 @@ class SampleStatus(enum.IntEnum):
 
     VALID = 0
     INVALID_REWARD = 1  # reward fn timed out, raised, or returned None/NaN
-    ABORTED = 2  # generation aborted (replica died, request cancelled)
+    ABORTED = 2  # generation aborted (replica died, request cancelled), or an agent episode that failed
+    SPLIT = 3  # an agent episode whose turns did not extend each other: never glued, never trained
 
 
 class Sample(msgspec.Struct, kw_only=True):
@@ -106,6 +107,9 @@ class Sample(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     answer: str | None = None  # reference answer, for logging
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    # 1 where the loss applies (None: every response token). A multi-turn episode's response holds
+    # the later turns' prompt tokens (user, tool) at 0 between the sampled ones at 1.
+    loss_mask: list[int] | None = None
 
     @property
     def oldest_version(self) -> int:
@@ -114,7 +118,7 @@ class Sample(msgspec.Struct, kw_only=True):
 
     @property
     def response_mask(self) -> list[int]:
-        return [1] * len(self.response_ids)
+        return [1] * len(self.response_ids) if self.loss_mask is None else self.loss_mask
 
 
 class TrainBatch(msgspec.Struct, kw_only=True):

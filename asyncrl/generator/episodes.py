@@ -100,6 +100,7 @@ class _Episode:
     metadata: dict[str, Any]
     turns: list[Turn] = field(default_factory=list)
     busy: bool = False  # a turn is being generated
+    temperature: float | None = None  # every turn must sample at it (the learner recomputes log-probs at it)
 
 
 class EpisodeLedger:
@@ -118,16 +119,22 @@ class EpisodeLedger:
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
-    def open(self, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+    def open(self, metadata: dict[str, Any] | None = None, temperature: float | None = None) -> dict[str, Any]:
+        """A new episode; with `temperature`, every turn must sample at it (a trainer's episodes: the
+        learner recomputes the log-probs at algorithm.temperature)."""
         self.reap()
         eid = f"ep-{next(self._seq)}-{uuid.uuid4().hex[:12]}"
-        self._open[eid] = _Episode(id=eid, touched=self._clock(), metadata=dict(metadata or {}))
+        self._open[eid] = _Episode(id=eid, touched=self._clock(), metadata=dict(metadata or {}), temperature=temperature)
         self.counters["opened"] += 1
-        return {"id": eid, "max_turns": self.max_turns, "max_tokens": self.max_tokens, "idle_timeout_s": self.idle_timeout_s}
+        return {"id": eid, "max_turns": self.max_turns, "max_tokens": self.max_tokens, "idle_timeout_s": self.idle_timeout_s,
+                "temperature": temperature}
 
-    def begin_turn(self, eid: str, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+    def begin_turn(self, eid: str, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 1.0) -> None:
         """Before a turn is generated: the episode exists, is open, idle, and the turn fits its limits."""
         ep = self._get(eid)
+        if ep.temperature is not None and temperature != ep.temperature:
+            self._refuse(400, f"episode {eid} samples at temperature {ep.temperature:g} (the learner's "
+                              f"algorithm.temperature); this turn asked for {temperature:g}")
         if ep.busy:
             self._refuse(409, f"episode {eid} already has a turn in flight; send its turns one after another")
         if len(ep.turns) >= self.max_turns:
@@ -177,6 +184,11 @@ class EpisodeLedger:
             self._close(eid, "abandoned")
         self.counters["abandoned"] += len(gone)
         return gone
+
+    def temperature(self, eid: str) -> float | None:
+        """The temperature `eid`'s turns sample at when the request names none (None: unpinned or unknown)."""
+        ep = self._open.get(eid)
+        return ep.temperature if ep is not None else None
 
     def describe(self, eid: str) -> dict[str, Any]:
         ep = self._get(eid)

@@ -253,8 +253,11 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
         if req.n not in (None, 1):
             raise HTTPError(400, f"{EPISODE_HEADER}: n={req.n}; one episode is one trajectory (open one episode per sample)")
         greq = GenerationRequest(prompt_ids=ids, sampling=_sampling(req, max_tokens, True))
+        pinned = core.episodes.temperature(episode)
+        if req.temperature is None and pinned is not None:  # a trainer's episode: the learner's temperature
+            greq.sampling.temperature = pinned
         core.check(greq)  # a bad request is refused before it takes the episode's turn
-        ledger_call(core.episodes.begin_turn, episode, ids, max_tokens)
+        ledger_call(core.episodes.begin_turn, episode, ids, max_tokens, greq.sampling.temperature)
         turn = None
         try:
             result = await core.generate(greq)
@@ -268,9 +271,14 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
     async def open_episode(request: Request) -> Any:
         raw = await request.body()
         body = await read_json(request, max_bytes) if raw.strip() else {}
-        if not isinstance(body, dict) or not isinstance(body.get("metadata", {}), dict):
-            raise HTTPError(400, 'the body is optional: {"metadata": {...}} (a JSON object kept with the episode)')
-        return JSONResponse(core.episodes.open(body.get("metadata")), status_code=201)
+        temperature = body.get("temperature") if isinstance(body, dict) else None
+        if (not isinstance(body, dict) or not isinstance(body.get("metadata", {}), dict) or set(body) - {"metadata", "temperature"}
+                or (temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                                                 or not 0 <= temperature <= 100))):
+            raise HTTPError(400, 'the body is optional: {"metadata": {...}, "temperature": t} (metadata kept with the '
+                                 'episode; temperature: every turn must sample at it)')
+        return JSONResponse(core.episodes.open(body.get("metadata"), None if temperature is None else float(temperature)),
+                            status_code=201)
 
     @app.get("/v1/episodes")
     async def episode_stats() -> Any:

@@ -10,7 +10,8 @@ P prompt and R response tokens, placed in row `r` of `input_ids` at column offse
 its log-prob, entropy and the critic's value "before emitting it" are read at column
     o + P + j - 1        (j = 0 .. R-1)
 `MicroBatch.gather_index[i, j]` is that column flattened (`row * T + column`) for the i-th
-sequence of the micro-batch; `response_mask[i, j]` is True for j < R. Every per-token input
+sequence of the micro-batch; `response_mask[i, j]` is True for j < R where the sample's loss mask is
+1 (a multi-turn episode's user and tool tokens inside the response are 0). Every per-token input
 (behaviour/old/ref log-probs, advantages, returns, old values) and output therefore lives in the
 "response layout" [num_seqs, L]: one row per sample, response tokens left-aligned, the same
 layout `asyncrl.trainer.step` uses. L is the longest response of the whole batch (not of the
@@ -164,7 +165,12 @@ def build_micro_batch(
         position_ids[p.row, p.offset : p.offset + p.length] = torch.arange(p.length)
         first = p.row * width + p.offset + p.prompt_len - 1  # predicts response token 0
         gather[i, : p.response_len] = torch.arange(first, first + p.response_len)
-        mask[i, : p.response_len] = True
+        if s.loss_mask is None:
+            mask[i, : p.response_len] = True
+        else:
+            if len(s.loss_mask) != p.response_len:
+                raise ValueError(f"sample {indices[i]} has a loss_mask of {len(s.loss_mask)} for {p.response_len} response tokens")
+            mask[i, : p.response_len] = torch.tensor(s.loss_mask, dtype=torch.bool)
         labels[i, : p.response_len] = ids[p.prompt_len :]
     attention = _block_causal_mask(placements, rows, width) if pack and n > 1 and dense_mask else None
     return MicroBatch(

@@ -126,7 +126,7 @@ class TrainerParts:
     start_version: int = 0
 
     def __post_init__(self) -> None:
-        self.rollouts = RolloutWorkers(
+        common = dict(
             stream=self.stream,
             tokenizer=self.tokenizer,
             generate=self.generate,
@@ -138,6 +138,14 @@ class TrainerParts:
             attempts=self.cfg.trainer.rollout_attempts,
             timeout_s=self.cfg.trainer.rollout_timeout_s,
         )
+        rollout = self.cfg.rollout
+        if rollout.kind == "agent":
+            from asyncrl.trainer.agent import AgentRollouts
+
+            base_url = rollout.base_url or f"http://127.0.0.1:{self.cfg.generator.http_port}"
+            self.rollouts = AgentRollouts(rollout=rollout, base_url=base_url, **common)
+        else:
+            self.rollouts = RolloutWorkers(**common)
 
     @classmethod
     async def create(cls, cfg: RootConfig, engine: Any) -> "TrainerParts":

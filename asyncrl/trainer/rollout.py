@@ -46,9 +46,10 @@ class RolloutCounters:
     staleness_sum: float = 0.0  # version spread inside completions (first token vs last token)
     version_switches: int = 0  # completions whose tokens span more than one weight version
     errors: list[str] = field(default_factory=list)
+    extra: dict[str, int] = field(default_factory=dict)  # a rollout kind's own counters (agent.py: episodes_*)
 
     def metrics(self) -> dict[str, float]:
-        return {
+        return {**{f"rollout/{k}": float(v) for k, v in self.extra.items()},
             "rollout/started": self.started,
             "rollout/finished": self.finished,
             "rollout/failed": self.failed,

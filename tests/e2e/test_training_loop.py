@@ -261,6 +261,31 @@ def _verl_parquet(path: Path, prompts) -> Path:
     return path
 
 
+def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path, tmp_path):
+    """rollout.kind agent: the demo's two-turn agent (a question, then "Add C to that." on its answer)
+    drives the live OpenAI API through the gateway, one episode per group member; every episode is
+    one sample, its follow-up question inside the response and out of the loss, and the learner
+    trains on them with the buffer's accounting intact."""
+    seen = _run(ray_session, demo_model_path, tmp_path,
+                trainer={"total_steps": 2, "eval_interval_steps": 0}, checkpoint={"interval_steps": 0},
+                rollout={"kind": "agent", "function": "asyncrl.agents.arithmetic:two_step"})
+    final = seen["statuses"][-1]
+    assert final["state"] == "finished", final
+    metrics = _steps(_lines(tmp_path / "metrics.jsonl"))
+    assert [m["step"] for m in metrics] == [1, 2]
+    # the follow-up question (and the first answer's template tail) are in every sample, masked out of the loss
+    assert all(0 < m["train/loss_tokens"] < m["train/response_tokens"] for m in metrics)
+    assert all(math.isfinite(m["actor/loss"]) and m["weightsync/failed"] == 0 for m in metrics)
+    last = metrics[-1]
+    assert last["rollout/episodes_finished"] >= 2 * 16 and last["rollout/episodes_split"] == 0
+    assert last["rollout/episode_turns"] == 2 * last["rollout/episodes_finished"]  # two chat turns per episode
+    b = final["buffer"]
+    assert b["buffer/trained"] == 2 * 16
+    assert b["buffer/generated"] == b["buffer/trained"] + b["buffer/dropped_stale"] + b["buffer/dropped_invalid"] + b["buffer/dropped_filtered"] + b["buffer/dropped_failed"] + b["buffer/waiting"]
+    # the gateway saw those episodes open and finish
+    assert "rollout/episodes_failed" in last and last["rollout/episodes_failed"] == 0
+
+
 def test_ppo_with_critic_and_reference_kl(ray_session, demo_model_path, tmp_path):
     """PPO: critic values and GAE, a reference group for the KL loss, eta = 1, checkpoints of both
     trainable roles. Its prompts come from parquet files in verl's layout (chat prompts, nested

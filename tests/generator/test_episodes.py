@@ -108,3 +108,16 @@ def test_an_idle_episode_is_abandoned_counted_and_answers_410():
     ledger.end_turn(busy, _turn([1], [2]))
     clock.now += 29
     assert ledger.reap() == [] and ledger.describe(busy)["turns"] == 1
+
+
+def test_an_episode_opened_with_a_temperature_refuses_turns_at_another():
+    """A trainer's episodes pin the temperature its learner recomputes log-probs at."""
+    ledger = EpisodeLedger(max_turns=4, max_tokens=100, idle_timeout_s=60, clock=Clock())
+    pinned = ledger.open(temperature=0.7)
+    assert pinned["temperature"] == 0.7
+    with pytest.raises(EpisodeError) as err:
+        ledger.begin_turn(pinned["id"], [1], 1, temperature=1.0)
+    assert err.value.status == 400 and "temperature 0.7" in err.value.message
+    ledger.begin_turn(pinned["id"], [1], 1, temperature=0.7)
+    free = ledger.open()["id"]
+    ledger.begin_turn(free, [1], 1, temperature=0.0)

@@ -52,6 +52,23 @@ def test_alignment_hand_example():
     assert mb.last_token_index.tolist() == [4, t + 1]
 
 
+def test_a_multi_turn_loss_mask_keeps_the_inner_prompt_tokens_out_of_the_loss():
+    """An episode's response holds a follow-up question (mask 0) between sampled turns (mask 1): the
+    tokens stay in the input (the model reads them), the loss and the token count skip them."""
+    episode = _sample([10, 11], [20, 21, 30, 31, 22])
+    episode.loss_mask = [1, 1, 0, 0, 1]
+    plain = _sample([12], [40, 41])
+    for pack in (False, True):
+        mb = build_micro_batch([episode, plain], [0, 1], response_width=5, pack=pack)
+        assert mb.input_ids.reshape(-1)[:7].tolist() == [10, 11, 20, 21, 30, 31, 22]
+        assert mb.response_mask.tolist() == [[True, True, False, False, True], [True, True, False, False, False]]
+        assert mb.labels[mb.response_mask].tolist() == [20, 21, 22, 40, 41]
+        assert denominator(mb.response_mask, "token-mean") == 5
+    episode.loss_mask = [1, 0]
+    with pytest.raises(ValueError, match="loss_mask of 2 for 5 response tokens"):
+        build_micro_batch([episode], [0], response_width=5)
+
+
 def test_behaviour_logprobs_share_the_response_layout():
     samples = [_sample([1], [2, 3], behavior=[-0.5, -0.25]), _sample([1, 2], [4], behavior=[-2.0])]
     rows = response_tensor([s.behavior_logprobs for s in samples], [1, 0], width=2)

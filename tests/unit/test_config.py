@@ -165,3 +165,18 @@ def test_16_bit_training_on_a_cpu_learner_is_refused_before_anything_starts():
         build_app(cfg)
     load_config({"model": {"dtype": "bfloat16"}, "learner": {"num_gpus_per_rank": 1}}).check_trainable()
 
+
+
+def test_agent_rollouts_need_an_async_function_that_loads():
+    """rollout.kind agent: a missing function is a load error; one that does not import, or is not an
+    async function, fails the build before anything starts; the demo agent passes."""
+    from asyncrl.app import build_app
+
+    with pytest.raises(ConfigError, match="kind='agent' needs function"):
+        load_config({"rollout": {"kind": "agent"}})
+    with pytest.raises(ConfigError, match="must look like 'package.module:function'"):
+        load_config({"rollout": {"kind": "agent", "function": "no_colon"}})
+    for function, fragment in (("asyncrl.agents.nope:f", "cannot load it"), ("asyncrl.agents.arithmetic:last_integer", "not an async function")):
+        with pytest.raises(ConfigError, match=fragment):
+            build_app(load_config({"rollout": {"kind": "agent", "function": function}}))
+    load_config({"rollout": {"kind": "agent", "function": "asyncrl.agents.arithmetic:two_step"}}).check_trainable()

@@ -1,0 +1,1 @@
+"""Agent functions for `rollout.kind: agent` (async def f(prompt, client) -> reward)."""

@@ -1,0 +1,128 @@
+"""Agent rollouts (`rollout.kind: agent`): a user's async function drives the live OpenAI API over
+episodes, and each finished episode becomes one token-exact training sample.
+
+Owns: running `rollout.function` for every member of a prompt's group (group_size episodes at once,
+under the staleness slots the worker acquired, exactly as single-turn groups), the episode calls to
+the gateway (open with the learner's temperature, finish with the function's reward), and turning
+the gateway's samples into `Sample`s (loss mask on the sampled tokens, a version per token).
+
+An episode that fails (the function raised, returned no finite reward, ran past
+`rollout.episode_timeout_s`, or took no turn) is ABORTED; one whose turns did not extend each other
+(the gateway split it) is SPLIT: either drops its whole group as invalid (a GRPO baseline needs every
+member), and both are counted. The gateway drops a failed episode that was never finished as
+abandoned after its idle timeout.
+
+Must never: re-tokenise what the engine saw, glue a split episode, or leave a slot unaccounted
+(every acquired member is pushed, valid or not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from asyncrl.config import RolloutConfig
+from asyncrl.data.prompts import Prompt
+from asyncrl.generator.episodes import EPISODE_HEADER
+from asyncrl.trainer.rollout import RolloutWorkers
+from asyncrl.types import Sample, SampleStatus
+
+log = logging.getLogger(__name__)
+
+AgentFn = Callable[[Prompt, Any], Awaitable[float]]
+
+
+class AgentFunctionError(ValueError):
+    """rollout.function cannot be loaded, or is not an async function of (prompt, client)."""
+
+
+def load_agent_function(path: str) -> AgentFn:
+    module_name, _, attr_path = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for attr in attr_path.split("."):
+            obj = getattr(obj, attr)
+    except Exception as err:  # ImportError, AttributeError or anything the module raises at import
+        raise AgentFunctionError(f"rollout.function={path!r}: cannot load it: {type(err).__name__}: {err}") from None
+    if not inspect.iscoroutinefunction(obj):
+        raise AgentFunctionError(f"rollout.function={path!r} is not an async function (async def f(prompt, client) -> reward)")
+    return obj
+
+
+class AgentRollouts(RolloutWorkers):
+    """RolloutWorkers whose groups come from `rollout.function` over episodes instead of one engine call."""
+
+    def __init__(self, *, rollout: RolloutConfig, base_url: str, **kw: Any) -> None:
+        super().__init__(**kw)
+        assert rollout.function is not None
+        self._fn = load_agent_function(rollout.function)
+        self._base_url = base_url.rstrip("/")
+        self._episode_timeout_s = rollout.episode_timeout_s
+        self.counters.extra.update({"episodes_finished": 0, "episodes_failed": 0, "episodes_split": 0, "episode_turns": 0})
+
+    async def rollout_once(self, index: int, prompt: Prompt) -> None:
+        n = self._algo.group_size
+        self.counters.started += 1
+        try:
+            async with httpx.AsyncClient(base_url=self._base_url, timeout=60.0) as http:
+                samples = await asyncio.gather(*(self._episode(http, index, prompt, k) for k in range(n)))
+        except asyncio.CancelledError:
+            await self._buffer.release.remote(n)
+            raise
+        for s in samples:
+            self.counters.tokens += sum(s.response_mask)  # sampled tokens only
+        await self._buffer.put_group.remote(list(samples))
+        self.counters.finished += 1
+
+    async def _episode(self, http: httpx.AsyncClient, index: int, prompt: Prompt, member: int) -> Sample:
+        import openai
+
+        def failed(status: SampleStatus, why: str) -> Sample:
+            key = "episodes_split" if status == SampleStatus.SPLIT else "episodes_failed"
+            self.counters.extra[key] += 1
+            self.counters.errors = (self.counters.errors + [f"prompt {index} episode {member}: {why}"])[-20:]
+            return Sample(prompt_ids=[], response_ids=[], behavior_logprobs=[], versions=[], reward=math.nan,
+                          group_id=index, prompt_index=index, status=status, answer=prompt.answer, metadata={"error": why[:200]})
+
+        r = await http.post("/v1/episodes", json={"metadata": {"prompt_index": index, "member": member},
+                                                  "temperature": self._algo.temperature})
+        if r.status_code != 201:
+            return failed(SampleStatus.ABORTED, f"opening the episode: HTTP {r.status_code} {r.text[:200]}")
+        eid = r.json()["id"]
+        client = openai.AsyncOpenAI(base_url=f"{self._base_url}/v1", api_key="asyncrl", max_retries=0,
+                                    default_headers={EPISODE_HEADER: eid})
+        try:
+            async with asyncio.timeout(self._episode_timeout_s):
+                reward = await self._fn(prompt, client)
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            return failed(SampleStatus.ABORTED, f"ran past rollout.episode_timeout_s={self._episode_timeout_s:g}")
+        except Exception as err:  # noqa: BLE001 - the user's agent code failed
+            return failed(SampleStatus.ABORTED, f"rollout.function raised {type(err).__name__}: {err}")
+        finally:
+            await client.close()
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            return failed(SampleStatus.ABORTED, f"rollout.function returned {reward!r}, not a finite number")
+        r = await http.post(f"/v1/episodes/{eid}/finish", json={"reward": float(reward)})
+        if r.status_code != 200:
+            return failed(SampleStatus.ABORTED, f"finishing the episode: HTTP {r.status_code} {r.text[:200]}")
+        done = r.json()
+        if len(done["samples"]) != 1:
+            return failed(SampleStatus.SPLIT, f"{done['mismatches']} turn(s) did not extend the tokens before them")
+        s = done["samples"][0]
+        self.counters.extra["episodes_finished"] += 1
+        self.counters.extra["episode_turns"] += s["turns"]
+        if len(set(s["versions"])) > 1:
+            self.counters.version_switches += 1
+        return Sample(prompt_ids=s["prompt_ids"], response_ids=s["response_ids"], behavior_logprobs=s["logprobs"],
+                      versions=s["versions"], loss_mask=s["loss_mask"], reward=float(reward), group_id=index,
+                      prompt_index=index, answer=prompt.answer, finish_reason="episode",
+                      metadata={"episode": eid, "turns": str(s["turns"])})
