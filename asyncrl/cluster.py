@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from asyncrl.config import ConfigError, ResourcePool, RootConfig
 

