@@ -485,7 +485,38 @@ class DataConfig(_Section):
         return self
 
 
+class JudgeConfig(_Section):
+    """reward.kind http: an OpenAI-compatible chat endpoint scores each completion (asyncrl/rewards/judge.py)."""
+
+    url: str = Field("", description="Base URL of the judge's OpenAI API, e.g. http://host:8000/v1 (POST {url}/chat/completions).")
+    model: str | None = Field(None, description="The judge's model name; None = the first of GET {url}/models.")
+    prompt_template: str = Field(
+        "Question answer: {answer}\nCandidate answer: {completion}\nScore the candidate from 0 to 10. Score:",
+        description="The user message sent to the judge; {completion} and {answer} are filled in (and {metadata[KEY]}).")
+    score_pattern: str = Field(r"-?\d+(?:\.\d+)?", description="Regular expression; the last match in the judge's reply "
+                               "(its first group if it has one) is the score.")
+    scale: float = Field(1.0, gt=0, description="reward = score / scale (e.g. 10 for a 0-10 judge).")
+    max_tokens: int = Field(16, gt=0)
+    temperature: float = Field(0.0, ge=0)
+    timeout_s: float = Field(30.0, gt=0, description="Per judge call; past it the call counts as a timeout (and is retried).")
+    retries: int = Field(2, ge=0, description="Extra attempts after a timeout, a connection error or a 5xx / 429.")
+    concurrency: int = Field(16, gt=0, description="Judge calls in flight at once.")
+    api_key: str | None = Field(None, description="Bearer token for the judge; None = $ASYNCRL_JUDGE_API_KEY if set.")
+
+    @field_validator("score_pattern")
+    @classmethod
+    def _pattern_compiles(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as err:
+            raise ValueError(f"score_pattern={value!r} is not a regular expression: {err}") from None
+        return value
+
+
 class RewardConfig(_Section):
+    kind: Literal["rule", "http"] = Field("rule", description="rule = `function` in worker processes; http = `judge`, an "
+                                          "OpenAI-compatible model that scores each completion.")
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
     function: str = Field("asyncrl.rewards.math:exact_integer_reward", description="Import path 'module:function' of the rule reward.")
     timeout_s: float = Field(5.0, gt=0)
     num_workers: int = Field(1, gt=0)
@@ -493,6 +524,15 @@ class RewardConfig(_Section):
         default_factory=ResourcePool, description="Nodes that may run the reward workers. Set: the worker processes run "
         "under one Ray actor on such a node; empty: beside the trainer, in its replica's process tree.")
     num_cpus: float = Field(0.1, ge=0, description="Ray CPUs of that reward actor (reward.pool set).")
+
+    @model_validator(mode="after")
+    def _judge_named(self) -> "RewardConfig":
+        if self.kind == "http":
+            if not self.judge.url.startswith(("http://", "https://")):
+                raise ValueError(f"kind='http' needs judge.url, the judge's OpenAI base URL (http://host:port/v1); got {self.judge.url!r}")
+            if self.pool.is_set():
+                raise ValueError("kind='http' calls the judge from the trainer; reward.pool places rule workers only")
+        return self
 
 
 class RolloutConfig(_Section):

@@ -60,6 +60,11 @@ class RemoteRewardPool:
         self.actor.__ray_terminate__.remote()
 
 
-def reward_pool(config: RewardConfig) -> RewardPool | RemoteRewardPool:
-    """The trainer's reward scorer: in-process workers, or an actor on `reward.pool`'s nodes."""
+def reward_pool(config: RewardConfig) -> Any:
+    """The trainer's reward scorer: a judge model over HTTP (reward.kind http), or the rule function in
+    in-process workers, or in an actor on `reward.pool`'s nodes."""
+    if config.kind == "http":
+        from asyncrl.rewards.judge import HttpJudge
+
+        return HttpJudge(config)
     return RemoteRewardPool(config) if config.pool.is_set() else RewardPool(config)

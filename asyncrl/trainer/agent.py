@@ -81,6 +81,42 @@ class AgentRollouts(RolloutWorkers):
         await self._buffer.put_group.remote(list(samples))
         self.counters.finished += 1
 
+    async def evaluate(self, prompts: list[Prompt], concurrency: int = 32) -> float:
+        """Mean reward of the agent on `prompts` with greedy turns (episodes pinned at temperature 0,
+        finished and not trained on); an episode that fails scores 0."""
+        if not prompts:
+            return float("nan")
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(i: int, p: Prompt) -> float:
+            async with sem:
+                eid = None
+                try:
+                    r = await http.post("/v1/episodes", json={"metadata": {"eval": True, "prompt": i}, "temperature": 0.0})
+                    r.raise_for_status()
+                    eid = r.json()["id"]
+                    client = openai.AsyncOpenAI(base_url=f"{self._base_url}/v1", api_key="asyncrl", max_retries=0,
+                                                default_headers={EPISODE_HEADER: eid})
+                    try:
+                        async with asyncio.timeout(self._episode_timeout_s):
+                            reward = await self._fn(p, client)
+                    finally:
+                        await client.close()
+                    reward = float(reward) if isinstance(reward, (int, float)) and math.isfinite(reward) else 0.0
+                    await http.post(f"/v1/episodes/{eid}/finish", json={"reward": reward})  # closes it; not trained on
+                    return reward
+                except asyncio.CancelledError:
+                    raise
+                except Exception as err:  # noqa: BLE001 - an eval episode that fails scores 0
+                    log.warning("eval episode %s (prompt %d) failed: %r", eid, i, err)
+                    return 0.0
+
+        import openai
+
+        async with httpx.AsyncClient(base_url=self._base_url, timeout=60.0) as http:
+            scores = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        return sum(scores) / len(scores)
+
     async def _episode(self, http: httpx.AsyncClient, index: int, prompt: Prompt, member: int) -> Sample:
         import openai
 

@@ -182,9 +182,14 @@ class TrainerParts:
         return await self.engine.generate.remote(request)
 
     async def evaluate(self) -> float:
-        """Greedy accuracy on the held-out prompts, through the live engines."""
+        """Greedy accuracy on the held-out prompts, through the live engines (agent rollouts: the
+        agent's mean reward over greedy episodes)."""
         if not self.eval_prompts:
             return float("nan")
+        from asyncrl.trainer.agent import AgentRollouts
+
+        if isinstance(self.rollouts, AgentRollouts):
+            return await self.rollouts.evaluate(self.eval_prompts)
         sem = asyncio.Semaphore(32)
 
         async def one(p: Prompt) -> float:

