@@ -95,13 +95,7 @@ class AgentRollouts(RolloutWorkers):
                     r = await http.post("/v1/episodes", json={"metadata": {"eval": True, "prompt": i}, "temperature": 0.0})
                     r.raise_for_status()
                     eid = r.json()["id"]
-                    client = openai.AsyncOpenAI(base_url=f"{self._base_url}/v1", api_key="asyncrl", max_retries=0,
-                                                default_headers={EPISODE_HEADER: eid})
-                    try:
-                        async with asyncio.timeout(self._episode_timeout_s):
-                            reward = await self._fn(p, client)
-                    finally:
-                        await client.close()
+                    reward = await self._run_agent(p, eid)
                     reward = float(reward) if isinstance(reward, (int, float)) and math.isfinite(reward) else 0.0
                     await http.post(f"/v1/episodes/{eid}/finish", json={"reward": reward})  # closes it; not trained on
                     return reward
@@ -111,15 +105,23 @@ class AgentRollouts(RolloutWorkers):
                     log.warning("eval episode %s (prompt %d) failed: %r", eid, i, err)
                     return 0.0
 
-        import openai
-
         async with httpx.AsyncClient(base_url=self._base_url, timeout=60.0) as http:
             scores = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         return sum(scores) / len(scores)
 
-    async def _episode(self, http: httpx.AsyncClient, index: int, prompt: Prompt, member: int) -> Sample:
+    async def _run_agent(self, prompt: Prompt, eid: str) -> Any:
+        """`rollout.function` on `prompt` with a client bound to episode `eid`, under rollout.episode_timeout_s."""
         import openai
 
+        client = openai.AsyncOpenAI(base_url=f"{self._base_url}/v1", api_key="asyncrl", max_retries=0,
+                                    default_headers={EPISODE_HEADER: eid})
+        try:
+            async with asyncio.timeout(self._episode_timeout_s):
+                return await self._fn(prompt, client)
+        finally:
+            await client.close()
+
+    async def _episode(self, http: httpx.AsyncClient, index: int, prompt: Prompt, member: int) -> Sample:
         def failed(status: SampleStatus, why: str) -> Sample:
             key = "episodes_split" if status == SampleStatus.SPLIT else "episodes_failed"
             self.counters.extra[key] += 1
@@ -132,19 +134,14 @@ class AgentRollouts(RolloutWorkers):
         if r.status_code != 201:
             return failed(SampleStatus.ABORTED, f"opening the episode: HTTP {r.status_code} {r.text[:200]}")
         eid = r.json()["id"]
-        client = openai.AsyncOpenAI(base_url=f"{self._base_url}/v1", api_key="asyncrl", max_retries=0,
-                                    default_headers={EPISODE_HEADER: eid})
         try:
-            async with asyncio.timeout(self._episode_timeout_s):
-                reward = await self._fn(prompt, client)
+            reward = await self._run_agent(prompt, eid)
         except asyncio.CancelledError:
             raise
         except TimeoutError:
             return failed(SampleStatus.ABORTED, f"ran past rollout.episode_timeout_s={self._episode_timeout_s:g}")
         except Exception as err:  # noqa: BLE001 - the user's agent code failed
             return failed(SampleStatus.ABORTED, f"rollout.function raised {type(err).__name__}: {err}")
-        finally:
-            await client.close()
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             return failed(SampleStatus.ABORTED, f"rollout.function returned {reward!r}, not a finite number")
         r = await http.post(f"/v1/episodes/{eid}/finish", json={"reward": float(reward)})

