@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from asyncrl.config import RootConfig
+from asyncrl.learner.group import learner_failure
 from asyncrl.trainer.logging_setup import progress_line
 from asyncrl.trainer.parts import TrainerParts
 from asyncrl.trainer.step import compute_advantages
@@ -30,20 +31,6 @@ ACCOUNTING = ("buffer/generated", "buffer/trained", "buffer/dropped_stale", "buf
 def accounting_line(buffer_metrics: dict[str, float], keys: tuple[str, ...] = ACCOUNTING, sep: str = " ") -> str:
     """`generated=... trained=... ...`: the buffer's accounting from its metrics, for log lines and errors."""
     return sep.join(f"{k.removeprefix('buffer/')}={buffer_metrics[k]:g}" for k in keys if k in buffer_metrics)
-
-
-def learner_failure(err: BaseException) -> BaseException | None:
-    """The `LearnerRankError` behind `err` (its cause / context chain), if a learner rank failed."""
-    from asyncrl.learner.group import LearnerRankError
-
-    seen: set[int] = set()
-    e: BaseException | None = err
-    while e is not None and id(e) not in seen:
-        if isinstance(e, LearnerRankError):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
 
 
 class BatchTimeout(RuntimeError):

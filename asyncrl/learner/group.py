@@ -37,6 +37,18 @@ class LearnerRankError(RuntimeError):
         self.rank, self.method = rank, method
 
 
+def learner_failure(err: BaseException) -> BaseException | None:
+    """The `LearnerRankError` behind `err` (its cause / context chain), if a learner rank failed."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        if isinstance(e, LearnerRankError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 @dataclass
 class PackedExport:
     """HF tensors of one policy version as weightsync buckets in the object store.

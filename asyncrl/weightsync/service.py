@@ -210,6 +210,7 @@ class WeightPublisher:
         version) when the export itself failed or recovery ran out."""
         if self.publisher is None:
             raise RuntimeError("WeightPublisher.start() was not called")
+        from asyncrl.learner.group import learner_failure
         from asyncrl.weightsync.push import Step, WeightsyncError
 
         deadline = time.monotonic() + self.cfg.recovery_s
@@ -222,8 +223,11 @@ class WeightPublisher:
                 metrics["weightsync/recoveries_total"] = float(self.recoveries_total)
                 return metrics
             except WeightsyncError as err:
-                if self._stopping.is_set() or time.monotonic() >= deadline or (
+                if self._stopping.is_set() or time.monotonic() >= deadline or learner_failure(err) is not None or (
                         err.step is Step.EXPORT and not await self._receivers_may_be_at_fault()):
+                    # A learner rank that failed (its group is unusable until the trainer restarts it
+                    # from a checkpoint) is not the engines' to recover: retrying would spin until
+                    # recovery_s, so it goes up at once.
                     raise
                 if "PlanMissing" in str(err):  # a replica that started later: form the plan with it
                     await self.form_plan()

@@ -10,7 +10,8 @@ import types
 import pytest
 
 from asyncrl.config import RootConfig
-from asyncrl.controller import Trainer, learner_failure
+from asyncrl.controller import Trainer
+from asyncrl.learner.group import learner_failure
 from asyncrl.learner.group import LearnerRankError
 from asyncrl.weightsync.push import Step, WeightsyncError
 

@@ -415,6 +415,29 @@ async def test_a_stopping_run_does_not_push_a_failed_version_again():
     assert attempts == [9, 9]
 
 
+async def test_a_push_that_failed_because_a_learner_rank_died_is_not_retried():
+    """The sending learner rank was killed mid-broadcast (seen in the learner-kill e2e test): the receivers
+    fail at load_bucket with the rank's LearnerRankError behind it. The learner group is unusable until the
+    trainer restarts it, so the push goes up at once instead of being retried for recovery_s."""
+    from asyncrl.learner.group import LearnerRankError, learner_failure
+
+    wp, attempts = _recovering_publisher([], recovery_s=30.0, unhealthy=0)
+    wp.link = object()
+
+    async def once(version):
+        attempts.append(version)
+        try:
+            raise LearnerRankError(None, "collective_group", "group unusable after an earlier failure: rank 0 died")
+        except LearnerRankError as died:
+            raise WeightsyncError(f"push {version} failed at load_bucket", version=version, step=Step.LOAD,
+                                  replicas=["broadcast group"]) from died
+
+    wp._publish_once = once
+    with pytest.raises(WeightsyncError, match="failed at load_bucket") as err:
+        await asyncio.wait_for(wp.publish(4), 5)
+    assert attempts == [4] and wp.replicas.control.calls == [] and learner_failure(err.value) is not None
+
+
 async def test_a_failed_collective_send_is_recovered_only_when_a_receiver_is_unhealthy():
     # The broadcast failed and a replica is dead: the receivers' side, so it is pushed again.
     wp, attempts = _recovering_publisher([Step.EXPORT], unhealthy=1)
