@@ -542,7 +542,8 @@ class RolloutConfig(_Section):
     kind: Literal["single_turn", "agent"] = "single_turn"
     function: str | None = Field(
         None, description="kind agent: 'module:function', an async function (prompt: Prompt, client: openai.AsyncOpenAI) "
-        "-> reward; the client is bound to a fresh episode, and its chat calls must use algorithm.temperature.")
+        "-> reward; the client is bound to a fresh episode whose turns sample at algorithm.temperature (the default of a "
+        "chat call that names none; another temperature gets 400).")
     base_url: str | None = Field(
         None, description="Where the agent's client reaches the gateway; None = http://127.0.0.1:<generator.http_port> "
         "(the trainer on the node of Serve's proxy).")
