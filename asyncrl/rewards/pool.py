@@ -45,21 +45,22 @@ class RewardOutcome(NamedTuple):
     error: str | None  # why the reward is invalid
 
 
-def resolve_reward_function(path: str) -> Callable[..., Any]:
-    """Import 'module:function' (the function part may be dotted); raise RewardFunctionError."""
+def resolve_reward_function(path: str, what: str = "reward function") -> Callable[..., Any]:
+    """Import 'module:function' (the function part may be dotted); raise RewardFunctionError naming
+    `what` (also rollout.function's loader, asyncrl/trainer/agent.py)."""
     if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
-        raise RewardFunctionError(f"reward function {path!r} must look like 'package.module:function'")
+        raise RewardFunctionError(f"{what} {path!r} must look like 'package.module:function'")
     module_name, attr_path = path.split(":")
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as err:  # ImportError, or anything the module raises at import
-        raise RewardFunctionError(f"reward function {path!r}: cannot import {module_name!r}: {type(err).__name__}: {err}") from None
+        raise RewardFunctionError(f"{what} {path!r}: cannot import {module_name!r}: {type(err).__name__}: {err}") from None
     for attr in attr_path.split("."):
         if not hasattr(obj, attr):
-            raise RewardFunctionError(f"reward function {path!r}: {module_name!r} has no attribute {attr_path!r}")
+            raise RewardFunctionError(f"{what} {path!r}: {module_name!r} has no attribute {attr_path!r}")
         obj = getattr(obj, attr)
     if not callable(obj):
-        raise RewardFunctionError(f"reward function {path!r} is a {type(obj).__name__}, not callable")
+        raise RewardFunctionError(f"{what} {path!r} is a {type(obj).__name__}, not callable")
     return obj
 
 

@@ -19,7 +19,6 @@ Must never: re-tokenise what the engine saw, glue a split episode, or leave a sl
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import logging
 import math
@@ -31,6 +30,7 @@ import httpx
 from asyncrl.config import RolloutConfig
 from asyncrl.data.prompts import Prompt
 from asyncrl.generator.episodes import EPISODE_HEADER
+from asyncrl.rewards.pool import RewardFunctionError, resolve_reward_function
 from asyncrl.trainer.rollout import RolloutWorkers
 from asyncrl.types import Sample, SampleStatus
 
@@ -44,13 +44,10 @@ class AgentFunctionError(ValueError):
 
 
 def load_agent_function(path: str) -> AgentFn:
-    module_name, _, attr_path = path.partition(":")
     try:
-        obj: Any = importlib.import_module(module_name)
-        for attr in attr_path.split("."):
-            obj = getattr(obj, attr)
-    except Exception as err:  # ImportError, AttributeError or anything the module raises at import
-        raise AgentFunctionError(f"rollout.function={path!r}: cannot load it: {type(err).__name__}: {err}") from None
+        obj = resolve_reward_function(path, what="rollout.function")  # the same 'module:function' import
+    except RewardFunctionError as err:
+        raise AgentFunctionError(f"cannot load it: {err}") from None
     if not inspect.iscoroutinefunction(obj):
         raise AgentFunctionError(f"rollout.function={path!r} is not an async function (async def f(prompt, client) -> reward)")
     return obj
