@@ -156,8 +156,10 @@ def _kill_the_node_of(actor_class: str, after_step: int, c, nodes: dict, fault: 
         placed = _placed(_node_of(nodes))
         if fault:
             # The lost node's actors stay ALIVE in the GCS until it notices the node is gone.
+            # Only once all of them run again: a group's actors start one by one, and a poll
+            # between two starts saw one learner rank of two.
             elsewhere = [n for n in placed.get(actor_class, []) if n != fault["node"]]
-            if "again" not in fault and elsewhere:
+            if "again" not in fault and len(elsewhere) >= len(fault["placed"][actor_class]):
                 fault.update(again=elsewhere, again_step=seen["statuses"][-1]["step"] if seen["statuses"] else None)
             return
         if not seen["statuses"] or seen["statuses"][-1]["step"] < after_step or actor_class not in placed:
