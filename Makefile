@@ -7,6 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.asyncrl-setup
 DEMO_MODEL := artifacts/demo-model
+DEMO_RM := artifacts/demo-rm
 # CPU unless an NVIDIA GPU is visible.
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 EXTRA := $(if $(HAS_GPU),gpu,cpu)
@@ -22,7 +23,7 @@ TORCH_SOURCE ?= $(if $(TORCH_LOCAL),--find-links $(TORCH_WHEELS),--extra-index-u
 FIND_LINKS := $(if $(TORCH_LOCAL),--find-links $(TORCH_WHEELS),)
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test demo-model clean torch-source
+.PHONY: setup serve test demo-model demo-reward-model clean torch-source
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +44,12 @@ $(DEMO_MODEL)/config.json: | $(STAMP)
 	$(VENV)/bin/asyncrl demo-model --out $(DEMO_MODEL)
 
 demo-model: $(DEMO_MODEL)/config.json
+
+# The reward model of deploy/rlhf-rm.yaml (reward.kind: model), trained from the demo policy.
+$(DEMO_RM)/config.json: $(DEMO_MODEL)/config.json | $(STAMP)
+	$(VENV)/bin/asyncrl demo-reward-model --policy $(DEMO_MODEL) --out $(DEMO_RM)
+
+demo-reward-model: $(DEMO_RM)/config.json
 
 serve: setup demo-model
 	$(VENV)/bin/asyncrl serve deploy/rlhf.yaml

@@ -14,6 +14,16 @@ def _demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_reward_model(args: argparse.Namespace) -> int:
+    from asyncrl.demo_reward_model import RewardSpec, build_demo_reward_model
+
+    spec = RewardSpec()
+    spec = RewardSpec(seed=args.seed, steps=args.steps or spec.steps,
+                      target_accuracy=spec.target_accuracy if args.target_accuracy is None else args.target_accuracy)
+    build_demo_reward_model(args.policy, args.out, spec)
+    return 0
+
+
 def _convert(args: argparse.Namespace) -> int:
     from asyncrl.learner import convert_cli
 
@@ -154,6 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--target-accuracy", type=_fraction, default=None,
                       help="stop the warm start once greedy accuracy on its dev split reaches this (0 = run every step; default: the spec's)")
     demo.set_defaults(func=_demo_model)
+
+    rm = sub.add_parser("demo-reward-model", help="train the demo reward model (the demo policy's backbone + a score head) "
+                        "for reward.kind: model")
+    rm.add_argument("--policy", default="artifacts/demo-model", help="the demo policy's directory (default: %(default)s)")
+    rm.add_argument("--out", required=True, help="output Hugging Face directory (a Qwen2ForSequenceClassification)")
+    rm.add_argument("--seed", type=int, default=0)
+    rm.add_argument("--steps", type=_positive_int, default=None, help="most training steps (default: the spec's)")
+    rm.add_argument("--target-accuracy", type=_fraction, default=None,
+                    help="stop once held-out accuracy on the policy's completions reaches this (0 = every step)")
+    rm.set_defaults(func=_demo_reward_model)
 
     run = sub.add_parser("serve", help="`serve run CONFIG` where SIGTERM drains the app as Ctrl-C does (make serve)")
     run.add_argument("config", help="Serve config, e.g. deploy/rlhf.yaml")

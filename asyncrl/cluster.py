@@ -94,6 +94,11 @@ def demands(cfg: RootConfig) -> list[Demand]:
     ]
     if cfg.reward.pool.is_set():
         out.append(_demand("reward.pool", cfg.reward.pool, cfg.reward.num_cpus, 0.0))
+    if cfg.reward.kind == "model":
+        rm = cfg.reward.model
+        gpus = lrn.num_gpus_per_rank if rm.num_gpus_per_rank is None else rm.num_gpus_per_rank
+        out.append(_demand("reward.model.pool", rm.pool, rm.num_cpus_per_rank or 0.01, gpus, count=rm.world_size,
+                           strategy=lrn.placement_strategy))
     return out
 
 
@@ -136,6 +141,7 @@ def check_live_cluster(cfg: RootConfig) -> None:
     """`check_pools` against the connected Ray cluster; nothing to check when no pool is set."""
     import ray
 
-    pools = (cfg.generator.engine_pool, cfg.generator.gateway_pool, cfg.trainer.pool, cfg.learner.pool, cfg.reward.pool)
+    pools = (cfg.generator.engine_pool, cfg.generator.gateway_pool, cfg.trainer.pool, cfg.learner.pool, cfg.reward.pool,
+             cfg.reward.model.pool)
     if ray.is_initialized() and (any(p.is_set() for p in pools) or cfg.learner.placement_strategy != "pack"):
         check_pools(cfg, live_nodes())

@@ -513,11 +513,38 @@ class JudgeConfig(_Section):
         return value
 
 
+class RewardModelConfig(_Section):
+    """reward.kind model: a reward model (an HF *ForSequenceClassification with one label, e.g. from `asyncrl
+    demo-reward-model`) scores each sequence at its last token, in its own Megatron learner group of the
+    reward_model role (asyncrl/rewards/model.py). It reads the policy's token ids as they are, so it must share the
+    policy's tokenizer (checked when the app is built)."""
+
+    path: str = Field("", description="HF directory of the reward model (config.json, safetensors with score.weight).")
+    world_size: int = Field(1, gt=0, description="Reward-model ranks (one Ray actor each).")
+    strategy_config: dict[str, Any] = Field(default_factory=dict, description="Megatron options of its group "
+                                            "(tensor_model_parallel_size, ...), as learner.strategy_config.")
+    num_cpus_per_rank: float = Field(0.5, ge=0)
+    num_gpus_per_rank: float | None = Field(None, ge=0, description="None = learner.num_gpus_per_rank.")
+    pool: ResourcePool = Field(default_factory=ResourcePool, description="Nodes that may run its ranks.")
+    batch_size: int = Field(64, gt=0, description="Most samples in one scoring pass: completions of concurrent "
+                            "rollouts that wait together are scored together.")
+    max_wait_s: float = Field(0.05, ge=0, description="How long a waiting completion may wait for others to fill a pass.")
+    timeout_s: float = Field(300.0, gt=0, description="Per scoring pass; past it the group counts as failed.")
+    max_restarts: int = Field(2, ge=0, description="Restarts of the group after its ranks fail (a pass's completions are "
+                              "INVALID_REWARD and their groups dropped); past it every score is invalid, with the reason.")
+    sigmoid: bool = Field(False, description="reward = sigmoid(score) instead of the raw score (logit).")
+
+
 class RewardConfig(_Section):
-    kind: Literal["rule", "http"] = Field("rule", description="rule = `function` in worker processes; http = `judge`, an "
-                                          "OpenAI-compatible model that scores each completion.")
+    kind: Literal["rule", "http", "model"] = Field(
+        "rule", description="rule = `function` in worker processes; http = `judge`, an OpenAI-compatible model that "
+        "scores each completion; model = `model`, a reward model on a Megatron group of its own.")
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     function: str = Field("asyncrl.rewards.math:exact_integer_reward", description="Import path 'module:function' of the rule reward.")
+    eval_function: str | None = Field(
+        None, description="'module:function' of a rule reward that scores the held-out evaluation instead of the training "
+        "reward (e.g. exact answers while a reward model or a judge trains); None = the training reward.")
     timeout_s: float = Field(5.0, gt=0)
     num_workers: int = Field(1, gt=0)
     pool: ResourcePool = Field(
@@ -532,6 +559,11 @@ class RewardConfig(_Section):
                 raise ValueError(f"kind='http' needs judge.url, the judge's OpenAI base URL (http://host:port/v1); got {self.judge.url!r}")
             if self.pool.is_set():
                 raise ValueError("kind='http' calls the judge from the trainer; reward.pool places rule workers only")
+        if self.kind == "model":
+            if not self.model.path:
+                raise ValueError("kind='model' needs model.path, the reward model's HF directory")
+            if self.pool.is_set():
+                raise ValueError("kind='model' places the reward model by model.pool; reward.pool places rule workers only")
         return self
 
 
@@ -634,6 +666,23 @@ class RootConfig(_Section):
             try:
                 load_agent_function(self.rollout.function or "")
             except AgentFunctionError as err:
+                raise ConfigError(str(err)) from None
+        if self.rollout.kind == "agent" and self.reward.kind != "rule":
+            raise ConfigError(f"reward.kind={self.reward.kind!r} with rollout.kind='agent': the agent function "
+                              "(rollout.function) returns each episode's reward; leave reward.kind at 'rule'")
+        if self.reward.kind == "model":
+            from asyncrl.rewards.model import RewardModelError, check_reward_model
+
+            try:
+                check_reward_model(self.reward.model.path, self.model.path)
+            except RewardModelError as err:
+                raise ConfigError(f"reward.model.path: {err}") from None
+        if self.reward.eval_function:
+            from asyncrl.rewards.pool import RewardFunctionError, resolve_reward_function
+
+            try:
+                resolve_reward_function(self.reward.eval_function, what="reward.eval_function")
+            except RewardFunctionError as err:
                 raise ConfigError(str(err)) from None
         if self.model.dtype != "float32" and self.learner.num_gpus_per_rank <= 0:
             raise ConfigError(

@@ -203,6 +203,7 @@ class Trainer:
         metrics["train/step"] = self.version
         metrics["time/elapsed_s"] = time.time() - self._started
         metrics |= self.p.rollouts.counters.metrics()
+        metrics |= self.p.reward_metrics()
         metrics["rollout/tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["time/elapsed_s"], 1e-9)
         self.last_metrics = metrics
         self.p.log(self.version, metrics)

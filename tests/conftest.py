@@ -49,6 +49,18 @@ def demo_model_path() -> Path:
     return DEMO_MODEL
 
 
+@pytest.fixture(scope="session")
+def tiny_reward_model(demo_model_path, tmp_path_factory) -> Path:
+    """A reward model from the demo policy after a few training steps (`asyncrl demo-reward-model`'s
+    recipe, cut short): a real score head, trained, in the policy's tokenizer; ~20 s on 2 cores."""
+    from asyncrl.demo_reward_model import RewardSpec, build_demo_reward_model
+
+    out = tmp_path_factory.mktemp("rm") / "demo-rm"
+    build_demo_reward_model(demo_model_path, out, RewardSpec(steps=60, eval_every=60, policy_samples=400, eval_samples=200),
+                            log=lambda *_: None)
+    return out
+
+
 # Every Ray driver of the tests passes these to the workers it starts.
 RAY_RUNTIME_ENV = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}}
 

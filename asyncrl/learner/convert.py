@@ -81,11 +81,20 @@ def hf_tensor_names(hf_config: Any) -> list[str]:
     return list(expected_hf_shapes(hf_config))
 
 
-def check_hf_tensors(shapes: dict[str, tuple[int, ...]], hf_config: Any, *, allow_missing: bool = False) -> None:
-    """Compare a checkpoint's {name: shape} against the config; raise naming every difference."""
+SCORE_HEAD = ("score.weight", "score.bias")  # an HF *ForSequenceClassification's head (num_labels 1)
+
+
+def check_hf_tensors(shapes: dict[str, tuple[int, ...]], hf_config: Any, *, allow_missing: bool = False,
+                     scalar_head: bool = False) -> None:
+    """Compare a checkpoint's {name: shape} against the config; raise naming every difference.
+    `scalar_head`: the model's output layer is a score head, so the checkpoint may lack `lm_head`
+    (a sequence-classification checkpoint) and may hold `score.*`."""
     want = expected_hf_shapes(hf_config)
     arch = model_arch(hf_config)
     ignorable = {"lm_head.weight"} if arch.tied_embeddings else set()
+    if scalar_head:
+        want.pop("lm_head.weight", None)
+        ignorable |= {"lm_head.weight", *SCORE_HEAD}
     unexpected = sorted(k for k in shapes if k not in want and k not in ignorable and "rotary_emb" not in k)
     missing = [] if allow_missing else [k for k in want if k not in shapes]
     wrong = [f"{k}: {tuple(shapes[k])} != {want[k]}" for k in want if k in shapes and tuple(shapes[k]) != want[k]]
@@ -282,19 +291,23 @@ def _padded_vocab(chunk: torch.nn.Module, arch: ModelArch) -> int:
 
 
 @torch.no_grad()
-def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | Path, hf_config: Any) -> int:
+def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | Path, hf_config: Any, *,
+                    scalar_head: bool = False) -> int:
     """Copy the HF checkpoint in `hf_dir` into this rank's shards; returns parameters filled.
 
     Checks the checkpoint's key set and shapes against `hf_config` first (WeightMismatchError
-    naming missing/unexpected keys), and every Megatron parameter's shard shape.
+    naming missing/unexpected keys), and every Megatron parameter's shard shape. `scalar_head`:
+    the output layer is left alone (the caller replaces it by a score head; `load_score_head`).
     """
     arch = model_arch(hf_config)
     reader = SafetensorsDir(hf_dir)
-    check_hf_tensors(reader.shapes(), hf_config)
+    check_hf_tensors(reader.shapes(), hf_config, scalar_head=scalar_head)
     filled = 0
     for chunk in model_chunks:
         chunk = _unwrap(chunk)
         for name, param in chunk.named_parameters():
+            if scalar_head and name == "output_layer.weight":
+                continue
             pm = param_map(chunk, name, arch)
             rank, size, _ = _tp(pm.group)
             hf = [reader.get(n).to(param.dtype) for n in pm.hf_names]
@@ -307,6 +320,24 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | Path, hf_
             param.data.copy_(shard)
             filled += 1
     return filled
+
+
+def load_score_head(head: torch.nn.Module, hf_dir: str | Path) -> bool:
+    """Copy the checkpoint's `score.weight` (and `score.bias`, zero when absent) into a scalar head
+    (`weight` [1, hidden], `bias` [1]); False when the checkpoint has no score head."""
+    reader = SafetensorsDir(hf_dir)
+    if "score.weight" not in reader.file_of:
+        return False
+    weight = reader.get("score.weight")
+    if tuple(weight.shape) != tuple(head.weight.shape):
+        raise WeightMismatchError(
+            f"score.weight in {hf_dir} has shape {tuple(weight.shape)}; a reward model's score head is "
+            f"{tuple(head.weight.shape)} (a sequence-classification checkpoint with num_labels=1)")
+    with torch.no_grad():
+        head.weight.copy_(weight.to(head.weight.dtype))
+        bias = reader.get("score.bias").reshape(-1) if "score.bias" in reader.file_of else torch.zeros(1)
+        head.bias.copy_(bias.to(head.bias.dtype))
+    return True
 
 
 def _all_gather(t: torch.Tensor, size: int, group: Any) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from asyncrl.config import RewardConfig
-from asyncrl.rewards.pool import RewardOutcome
+from asyncrl.rewards.pool import RewardOutcome, TokenIds
 from asyncrl.types import SampleStatus
 
 _RETRY_STATUS = {429, 500, 502, 503, 504}
@@ -50,7 +50,8 @@ class HttpJudge:
         self._model = j.model
         self._counts = {"calls": 0, "valid": 0, "invalid": 0, "retries": 0, "timeouts": 0, "http_errors": 0, "unparsable": 0}
 
-    async def score(self, completions: list[str], answers: list[str], metadata: list[dict[str, Any]] | None = None) -> list[RewardOutcome]:
+    async def score(self, completions: list[str], answers: list[str], metadata: list[dict[str, Any]] | None = None,
+                    token_ids: TokenIds | None = None) -> list[RewardOutcome]:
         metadata = metadata or [{} for _ in completions]
         return list(await asyncio.gather(*(self._score_one(c, a, m) for c, a, m in zip(completions, answers, metadata))))
 

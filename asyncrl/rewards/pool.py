@@ -31,6 +31,9 @@ _START_TIMEOUT_S = 60.0  # a spawned worker imports the reward module; slow on a
 _MAX_ERROR_CHARS = 500
 
 
+TokenIds = list[tuple[list[int], list[int]]]  # (prompt ids, response ids) per completion
+
+
 class RewardFunctionError(ValueError):
     """The configured reward function path does not resolve to a callable."""
 
@@ -133,8 +136,11 @@ class RewardPool:
         self._counts = dict.fromkeys(("calls", "timeouts", "errors", "invalid", "worker_starts"), 0)
 
     async def score(
-        self, completions: list[str], answers: list[str], metadata: list[dict[str, Any]] | None = None
+        self, completions: list[str], answers: list[str], metadata: list[dict[str, Any]] | None = None,
+        token_ids: TokenIds | None = None,
     ) -> list[RewardOutcome]:
+        """One outcome per completion. `token_ids` ((prompt ids, response ids) per completion) is for
+        scorers that read tokens (reward.kind model); a rule function reads the text."""
         if metadata is None:
             metadata = [{} for _ in completions]
         if not all(isinstance(x, list) for x in (completions, answers, metadata)):

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from asyncrl.config import RewardConfig
-from asyncrl.rewards.pool import RewardOutcome, RewardPool, resolve_reward_function
+from asyncrl.rewards.pool import RewardOutcome, RewardPool, TokenIds, resolve_reward_function
 
 
 class RewardWorkersService:
@@ -23,7 +23,8 @@ class RewardWorkersService:
     def __init__(self, config: RewardConfig) -> None:
         self._pool = RewardPool(config)
 
-    async def score(self, completions: list[str], answers: list[str], metadata: list[dict[str, Any]] | None = None) -> list[RewardOutcome]:
+    async def score(self, completions: list[str], answers: list[str], metadata: list[dict[str, Any]] | None = None,
+                    token_ids: TokenIds | None = None) -> list[RewardOutcome]:
         return await self._pool.score(completions, answers, metadata)
 
     def metrics(self) -> dict[str, float]:
@@ -47,7 +48,8 @@ class RemoteRewardPool:
         self.config = config
         self.actor = RewardWorkers.options(num_cpus=config.num_cpus, **config.pool.actor_options()).remote(config)
 
-    async def score(self, completions: list[str], answers: list[str], metadata: list[dict[str, Any]] | None = None) -> list[RewardOutcome]:
+    async def score(self, completions: list[str], answers: list[str], metadata: list[dict[str, Any]] | None = None,
+                    token_ids: TokenIds | None = None) -> list[RewardOutcome]:
         return await self.actor.score.remote(completions, answers, metadata)
 
     async def node_id(self) -> str:

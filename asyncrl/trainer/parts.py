@@ -123,9 +123,17 @@ class TrainerParts:
     stream: PromptStream
     eval_prompts: list[Prompt]
     rollouts: RolloutWorkers = field(init=False)
+    eval_scorer: Any = field(init=False)
     start_version: int = 0
 
     def __post_init__(self) -> None:
+        # Held-out evaluation: reward.eval_function (a rule, e.g. exact answers while a reward
+        # model trains) in a pool of its own, else the training reward.
+        self.eval_scorer = self.rewards
+        if self.cfg.reward.eval_function:
+            from asyncrl.rewards.pool import RewardPool
+
+            self.eval_scorer = RewardPool(self.cfg.reward.model_copy(update={"kind": "rule", "function": self.cfg.reward.eval_function}))
         common = dict(
             stream=self.stream,
             tokenizer=self.tokenizer,
@@ -161,9 +169,15 @@ class TrainerParts:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         train, held_out = load_prompts(cfg.data)
         buffer = BufferActor.options(**_beside_this_process()).remote(cfg.buffer)
-        rewards = reward_pool(cfg.reward)
         # Hybrid: the learner's state goes to host before the first export (which holds the params itself).
-        actor, reference, critic, placement = await _start_learners(cfg, engine)
+        if cfg.reward.kind == "model":
+            from asyncrl.rewards.model import ModelRewards
+
+            rewards = ModelRewards(cfg.reward, cfg.model, cfg.learner, cfg.algorithm)
+            (actor, reference, critic, placement), _ = await asyncio.gather(_start_learners(cfg, engine), rewards.start())
+        else:
+            rewards = reward_pool(cfg.reward)
+            actor, reference, critic, placement = await _start_learners(cfg, engine)
         weights = WeightPublisher(cfg.weightsync, engine=EngineControl(engine), learner=actor, hybrid=cfg.hybrid.enabled,
                                   on_gpu=cfg.learner.num_gpus_per_rank > 0)
         await weights.start(initial_version=0)
@@ -197,7 +211,9 @@ class TrainerParts:
             req = GenerationRequest(prompt_ids=ids, sampling=SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.algorithm.max_new_tokens, logprobs=False))
             async with sem:
                 result = await self.generate(req)
-            outcome = (await self.rewards.score([result.completions[0].text], [p.answer], [p.metadata]))[0]
+            c = result.completions[0]
+            outcome = (await self.eval_scorer.score([c.text], [p.answer], [p.metadata],
+                                                    token_ids=[(result.prompt_ids, list(c.token_ids))]))[0]
             return outcome.reward or 0.0
 
         scores = await asyncio.gather(*(one(p) for p in self.eval_prompts))
@@ -205,6 +221,12 @@ class TrainerParts:
 
     async def publish(self, version: int) -> dict[str, float]:
         return await self.weights.publish(version)
+
+    def reward_metrics(self) -> dict[str, float]:
+        """The scorer's `reward/*` counters (a judge's, a reward model's, the rule pool's); none from
+        rule workers on another node (their counters stay in their actor)."""
+        metrics = getattr(self.rewards, "metrics", None)
+        return dict(metrics()) if callable(metrics) else {}
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.tracker.log(step, metrics)
@@ -298,7 +320,13 @@ class TrainerParts:
         with contextlib.suppress(Exception):  # the last version's host copy: its keeper reads learner memory
             await self.weights.drain()
         await self.buffer.close.remote()
-        self.rewards.close()
+        aclose = getattr(self.rewards, "aclose", None)
+        if aclose is not None:
+            await aclose()  # a reward model's group: its ranks go before the trainer does
+        else:
+            self.rewards.close()
+        if self.eval_scorer is not self.rewards:
+            self.eval_scorer.close()
         for g in (self.actor, self.reference, self.critic):
             if g is not None:
                 await g.shutdown()

@@ -171,7 +171,9 @@ class RolloutWorkers:
             await self._buffer.abandon.remote(n)
             return
         completions = sorted(result.completions, key=lambda c: c.index)
-        outcomes = await self._rewards.score([c.text for c in completions], [prompt.answer] * len(completions), [prompt.metadata] * len(completions))
+        outcomes = await self._rewards.score([c.text for c in completions], [prompt.answer] * len(completions),
+                                             [prompt.metadata] * len(completions),
+                                             token_ids=[(result.prompt_ids, list(c.token_ids)) for c in completions])
         samples = []
         for c, outcome in zip(completions, outcomes):
             aborted = c.finish_reason == "abort" or not c.token_ids

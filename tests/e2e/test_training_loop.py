@@ -288,11 +288,12 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
     assert last["rollout/episodes_failed"] == 0
 
 
-def test_ppo_with_critic_and_reference_kl(ray_session, demo_model_path, tmp_path):
+def test_ppo_with_critic_and_reference_kl(ray_session, demo_model_path, tiny_reward_model, tmp_path):
     """PPO: critic values and GAE, a reference group for the KL loss, eta = 1, checkpoints of both
-    trainable roles. Its prompts come from parquet files in verl's layout (chat prompts, nested
-    answer) and its metrics also go to Weights & Biases, offline: the run's W&B files hold the
-    same metric keys as metrics.jsonl."""
+    trainable roles; rewards from a reward model (reward.kind model) on a Megatron group of its own,
+    the held-out evaluation by the exact-answer rule (reward.eval_function). Its prompts come from
+    parquet files in verl's layout (chat prompts, nested answer) and its metrics also go to Weights &
+    Biases, offline: the run's W&B files hold the same metric keys as metrics.jsonl."""
     from asyncrl.data import ArithmeticTask
 
     task = ArithmeticTask(eval_size=16, train_size=512)
@@ -302,6 +303,8 @@ def test_ppo_with_critic_and_reference_kl(ray_session, demo_model_path, tmp_path
     seen = _run(ray_session, demo_model_path, tmp_path,
                 algorithm={"name": "ppo", "kl_coef": 0.05}, buffer={"max_staleness": 1},
                 trainer={"total_steps": 2, "eval_interval_steps": 0}, data=data,
+                reward={"kind": "model", "model": {"path": str(tiny_reward_model), "batch_size": 8, "num_cpus_per_rank": 0.25},
+                        "eval_function": "asyncrl.rewards.math:exact_integer_reward"},
                 logging={"wandb": {"project": "asyncrl-e2e", "name": "ppo", "tags": ["e2e"], "mode": "offline"}})
     assert seen["statuses"][-1]["state"] == "finished", seen["statuses"][-1]
     records = _lines(tmp_path / "metrics.jsonl")
@@ -311,6 +314,12 @@ def test_ppo_with_critic_and_reference_kl(ray_session, demo_model_path, tmp_path
     assert metrics[1]["actor/kl_loss_share"] > 0  # the policy moved away from the reference
     assert (tmp_path / "ckpt" / "step_000002" / "critic").is_dir()
     assert records[0]["eval/accuracy"] > 0  # the parquet's held-out chat prompts, scored against the nested answers
+    assert (records[0]["eval/accuracy"] * 16) % 1 == 0  # the rule's 0/1 per prompt, not the reward model's scores
+    # Every trained sample was scored by the reward model: real-valued rewards, gathered into passes.
+    b = seen["statuses"][-1]["buffer"]
+    assert metrics[-1]["reward/model_valid"] >= b["buffer/trained"] == 2 * 16 and metrics[-1]["reward/model_down"] == 0
+    assert metrics[-1]["reward/model_invalid"] == 0 and metrics[-1]["reward/model_mean_pass_size"] > 1
+    assert any(m["train/reward_std"] > 0 and m["train/reward_mean"] not in (0.0, 1.0) for m in metrics)
     from tests.unit.test_wandb_tracking import read_offline_run
 
     run = read_offline_run(tmp_path / "wandb")

@@ -125,3 +125,10 @@ def test_the_cluster_example_fits_the_cluster_it_describes():
     check_pools(cfg, [head, *infer, train])
     with pytest.raises(PoolUnavailable, match=r"learner.pool: no live node offers \{CPU: 8, GPU: 1, training_node: 0.125\}"):
         check_pools(cfg, [head, *infer])
+
+
+def test_a_reward_model_group_counts_against_its_own_pool():
+    cfg = _cfg(reward={"kind": "model", "model": {"path": "x", "world_size": 2, "pool": {"labels": {"pool": "rm"}}}})
+    with pytest.raises(PoolUnavailable, match=r"reward.model.pool: no live node offers \{CPU: 0.5\} on labels \{pool=rm\}"):
+        check_pools(cfg, _nodes())
+    check_pools(_cfg(reward={"kind": "model", "model": {"path": "x", "pool": {"labels": {"pool": "training"}}}}), _nodes())

@@ -78,7 +78,7 @@ class ModelRunner:
     def __init__(self, ctx: RoleContext, *, head: str = "lm", trainable: bool = False) -> None:
         from megatron.core import parallel_state as ps
 
-        from asyncrl.learner.convert import load_hf_weights
+        from asyncrl.learner.convert import load_hf_weights, load_score_head
         from asyncrl.learner.model import build_model_chunks, resolve_attention
 
         if head not in ("lm", "scalar"):
@@ -88,15 +88,18 @@ class ModelRunner:
         dtype = ctx.model_cfg.dtype
         self.attention = resolve_attention(ctx.learner_cfg.attention, strategy)
         chunks = build_model_chunks(ctx.hf_config, strategy, dtype, attention=self.attention, trainable=trainable)
-        load_hf_weights(chunks, ctx.model_cfg.path, ctx.hf_config)
+        load_hf_weights(chunks, ctx.model_cfg.path, ctx.hf_config, scalar_head=head == "scalar")
         sp = bool(chunks[0].config.sequence_parallel)
+        # A scalar head starts from the checkpoint's `score.*` when it has one (a trained reward
+        # model, or a critic started from one), else from a seeded random init.
+        self.score_head_loaded = False
         for c in chunks:
             if not c.post_process:
                 continue
             if head == "scalar":
-                c.output_layer = ScalarHead(
-                    c.config.hidden_size, _dtype(dtype), c.config.init_method_std, ctx.learner_cfg.seed, sp
-                ).to(_device_of(c))
+                scalar = ScalarHead(c.config.hidden_size, _dtype(dtype), c.config.init_method_std, ctx.learner_cfg.seed, sp)
+                self.score_head_loaded = load_score_head(scalar, ctx.model_cfg.path)
+                c.output_layer = scalar.to(_device_of(c))
             else:
                 # Log-probs come from the hidden states, the LM head applied per token chunk
                 # (lm_head.py): GPTModel never builds [tokens, V/TP] logits.

@@ -1,8 +1,9 @@
 """The reward-model role: one score per sequence, the scalar head's output at its last token.
 
-Owns: `compute_rm_score`. The backbone is loaded from `model.path`; the score head starts from a
-seeded random init because the HF checkpoints handled by `convert.py` carry no score head (a
-trained reward model's `score.weight` would be loaded here once convert.py maps it).
+Owns: `compute_rm_score`. The backbone is loaded from `model.path`; the score head from the
+checkpoint's `score.weight` / `score.bias` (an HF *ForSequenceClassification with num_labels 1, as
+`asyncrl demo-reward-model` builds), else from a seeded random init (`reward.kind: model` refuses
+such a checkpoint before it starts: see RewardModelConfig).
 
 Must never: train (scores are targets) or export weights.
 """
