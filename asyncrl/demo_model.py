@@ -189,6 +189,23 @@ def _dev_split(train: list[Prompt], spec: DemoSpec) -> list[Prompt]:
     return random.Random(spec.seed + 1).sample(distinct, min(spec.dev_size, len(distinct) // 10))
 
 
+def save_model_dir(out: Path, model, tokenizer, meta: dict) -> None:
+    """Model, tokenizer and `meta` (as METADATA_FILE) into `out`, atomically: written into a
+    temporary sibling that replaces `out` once complete (also the demo reward model's writer)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def build_demo_model(out: str | os.PathLike[str], spec: DemoSpec | None = None, *, log=print) -> dict:
     """Build tokenizer + model + warm start into `out` (atomically). Returns the metadata written."""
     spec = spec or DemoSpec()
@@ -220,17 +237,6 @@ def build_demo_model(out: str | os.PathLike[str], spec: DemoSpec | None = None, 
         "build_seconds": round(time.time() - started, 1),
         "torch": torch.__version__,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    save_model_dir(out, model, tokenizer, meta)
     log(f"wrote {out} in {meta['build_seconds']} s")
     return meta

@@ -18,8 +18,6 @@ import json
 import math
 import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +26,7 @@ import torch
 
 from asyncrl.data.arithmetic import ArithmeticTask
 from asyncrl.data.prompts import Prompt, render_prompt
-from asyncrl.demo_model import METADATA_FILE
+from asyncrl.demo_model import METADATA_FILE, save_model_dir
 from asyncrl.rewards.math import exact_integer_reward
 
 
@@ -139,16 +137,9 @@ def _dense_loss(model, batch: list[Example], pad: int) -> torch.Tensor:
     return torch.nn.functional.binary_cross_entropy_with_logits(torch.cat(logits), torch.tensor(labels))
 
 
-def _scores(model, batch: list[Example], pad: int) -> torch.Tensor:
+def last_token_scores(model, batch: list[Example], pad: int) -> torch.Tensor:
     """[B] score at each sequence's last token (the reward_model role's position)."""
-    seqs = [e[0] + e[1] for e in batch]
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    attention = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        attention[i, : len(s)] = 1
-    hidden = model.model(input_ids=ids, attention_mask=attention).last_hidden_state
+    hidden, seqs = _hidden(model, batch, pad)
     last = torch.tensor([len(s) - 1 for s in seqs])
     return model.score(hidden[torch.arange(len(seqs)), last]).squeeze(-1)
 
@@ -157,7 +148,7 @@ def _scores(model, batch: list[Example], pad: int) -> torch.Tensor:
 def evaluate(model, examples: list[Example], pad: int) -> dict[str, float]:
     """Accuracy of (score > 0) against the label, and the AUC of the scores."""
     model.eval()
-    scores = torch.cat([_scores(model, examples[i : i + 200], pad) for i in range(0, len(examples), 200)]).tolist()
+    scores = torch.cat([last_token_scores(model, examples[i : i + 200], pad) for i in range(0, len(examples), 200)]).tolist()
     model.train()
     labels = [e[2] for e in examples]
     accuracy = sum((s > 0) == (y > 0.5) for s, y in zip(scores, labels)) / len(labels)
@@ -226,17 +217,6 @@ def build_demo_reward_model(policy_dir: str | os.PathLike[str], out: str | os.Pa
         "train_policy_samples": len(sampled), "train_policy_right": sum(e[2] for e in sampled) / len(sampled),
         "build_seconds": round(time.time() - started, 1), "torch": torch.__version__,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    save_model_dir(out, model, tokenizer, meta)
     log(f"wrote {out} in {meta['build_seconds']} s: held-out accuracy {final['accuracy']:.3f}, auc {final['auc']:.3f}")
     return meta

@@ -22,6 +22,7 @@ from typing import Any, Awaitable, Callable
 
 from asyncrl.config import AlgorithmConfig
 from asyncrl.data.prompts import Prompt, render_prompt
+from asyncrl.rewards.pool import RewardOutcome
 from asyncrl.trainer.data_stream import PromptStream
 from asyncrl.types import GenerationRequest, GenerationResult, Sample, SampleStatus, SamplingParams
 
@@ -171,9 +172,14 @@ class RolloutWorkers:
             await self._buffer.abandon.remote(n)
             return
         completions = sorted(result.completions, key=lambda c: c.index)
-        outcomes = await self._rewards.score([c.text for c in completions], [prompt.answer] * len(completions),
-                                             [prompt.metadata] * len(completions),
-                                             token_ids=[(result.prompt_ids, list(c.token_ids)) for c in completions])
+        try:
+            outcomes = await self._rewards.score([c.text for c in completions], [prompt.answer] * len(completions),
+                                                 [prompt.metadata] * len(completions),
+                                                 token_ids=[(result.prompt_ids, list(c.token_ids)) for c in completions])
+        except Exception as err:  # noqa: BLE001 - a scorer that raises must not leak the group's slots
+            why = f"the reward scorer raised {type(err).__name__}: {err}"[:300]
+            log.warning("prompt %d: %s; its %d samples are INVALID_REWARD", index, why, len(completions))
+            outcomes = [RewardOutcome(None, SampleStatus.INVALID_REWARD, why)] * len(completions)
         samples = []
         for c, outcome in zip(completions, outcomes):
             aborted = c.finish_reason == "abort" or not c.token_ids

@@ -38,13 +38,13 @@ def _pairs(tokenizer) -> list[tuple[list[int], list[int]]]:
 def test_the_role_scores_token_ids_as_transformers_does_and_comes_back_after_a_rank_dies(ray_session, reward_model_dir, demo_model_path):
     from transformers import AutoTokenizer, Qwen2ForSequenceClassification
 
-    from asyncrl.demo_reward_model import _scores
+    from asyncrl.demo_reward_model import last_token_scores
 
     tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
     pairs = _pairs(tokenizer)
     hf = Qwen2ForSequenceClassification.from_pretrained(reward_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        want = _scores(hf, [(p, r, 0.0, []) for p, r in pairs], tokenizer.pad_token_id).tolist()
+        want = last_token_scores(hf, [(p, r, 0.0, []) for p, r in pairs], tokenizer.pad_token_id).tolist()
 
     cfg = RewardConfig(kind="model", model={"path": str(reward_model_dir), "max_wait_s": 0.0, "max_restarts": 1})
     learner = LearnerConfig(world_size=1, micro_batch_size=4, num_cpus_per_rank=0.5)

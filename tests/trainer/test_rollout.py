@@ -36,7 +36,7 @@ class Tokenizer:
 
 
 class Rewards:
-    async def score(self, texts, answers, metadata):
+    async def score(self, texts, answers, metadata, token_ids=None):
         return [RewardOutcome(1.0 if t == a else 0.0, SampleStatus.VALID, None) for t, a in zip(texts, answers)]
 
 
@@ -107,6 +107,21 @@ async def test_a_straggler_that_answers_on_its_retry_is_trained_on():
     c, m = w.counters, await buffer.metrics()
     assert (c.timeouts, c.failed, c.finished) == (1, 0, 1)
     assert (m["buffer/waiting"], m["buffer/dropped_failed"]) == (N, 0)
+
+
+async def test_a_reward_scorer_that_raises_leaves_the_group_invalid_with_its_slots_given_back():
+    class Raising:
+        async def score(self, texts, answers, metadata, token_ids=None):
+            raise RuntimeError("scorer broke")
+
+    buffer, engine = BufferService(BufferConfig(batch_size=2, max_staleness=0)), Engine()
+    w = workers(engine, buffer, [], attempts=1, timeout_s=5.0)
+    w._rewards = Raising()
+    assert await buffer.acquire(N)
+    await asyncio.wait_for(w.rollout_once(0, _prompt("one")), 10)
+    m = await buffer.metrics()
+    assert (m["buffer/dropped_invalid"], m["buffer/running"], m["buffer/waiting"]) == (N, 0, 0)
+    assert w.counters.finished == 1
 
 
 async def test_a_poisoned_prompt_is_tried_k_times_then_dropped_and_the_run_moves_on():
