@@ -96,8 +96,7 @@ def demands(cfg: RootConfig) -> list[Demand]:
         out.append(_demand("reward.pool", cfg.reward.pool, cfg.reward.num_cpus, 0.0))
     if cfg.reward.kind == "model":
         rm = cfg.reward.model
-        gpus = lrn.num_gpus_per_rank if rm.num_gpus_per_rank is None else rm.num_gpus_per_rank
-        out.append(_demand("reward.model.pool", rm.pool, rm.num_cpus_per_rank or 0.01, gpus, count=rm.world_size,
+        out.append(_demand("reward.model.pool", rm.pool, rm.num_cpus_per_rank or 0.01, rm.gpus_per_rank(lrn), count=rm.world_size,
                            strategy=lrn.placement_strategy))
     return out
 

@@ -534,6 +534,9 @@ class RewardModelConfig(_Section):
                               "INVALID_REWARD and their groups dropped); past it every score is invalid, with the reason.")
     sigmoid: bool = Field(False, description="reward = sigmoid(score) instead of the raw score (logit).")
 
+    def gpus_per_rank(self, learner: "LearnerConfig") -> float:
+        return learner.num_gpus_per_rank if self.num_gpus_per_rank is None else self.num_gpus_per_rank
+
 
 class RewardConfig(_Section):
     kind: Literal["rule", "http", "model"] = Field(

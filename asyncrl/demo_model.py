@@ -122,6 +122,16 @@ def _encode_examples(tokenizer, prompts: list[Prompt]) -> list[tuple[list[int], 
     return out
 
 
+def optimizer_step(model, opt, sched, loss: torch.Tensor) -> None:
+    """Backward, clip the grad norm at 1, step the optimizer and its schedule (the demo policy's
+    warm start and the demo reward model's training)."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+
+
 def _sft(model, tokenizer, spec: DemoSpec, prompts: list[Prompt], dev: list[Prompt], log) -> tuple[list[float], list[tuple[int, float]]]:
     """Warm start; returns (loss per step, (step, dev accuracy) at each check)."""
     examples = _encode_examples(tokenizer, prompts)
@@ -146,11 +156,7 @@ def _sft(model, tokenizer, spec: DemoSpec, prompts: list[Prompt], dev: list[Prom
             labels[i, plen : len(ids)] = torch.tensor(ids[plen:])
             attention[i, : len(ids)] = 1
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        optimizer_step(model, opt, sched, loss)
         losses.append(loss.item())
         if spec.sft_target_accuracy > 0 and (step + 1) % spec.sft_eval_every == 0:
             checks.append((step + 1, greedy_accuracy(model.eval(), tokenizer, dev)))

@@ -26,7 +26,7 @@ import torch
 
 from asyncrl.data.arithmetic import ArithmeticTask
 from asyncrl.data.prompts import Prompt, render_prompt
-from asyncrl.demo_model import METADATA_FILE, save_model_dir
+from asyncrl.demo_model import METADATA_FILE, optimizer_step, save_model_dir
 from asyncrl.rewards.math import exact_integer_reward
 
 
@@ -197,11 +197,7 @@ def build_demo_reward_model(policy_dir: str | os.PathLike[str], out: str | os.Pa
         half = spec.batch_size // 2
         batch = [sampled[rng.randrange(len(sampled))] for _ in range(half)] + written_answers(tokenizer, train, spec.batch_size - half, rng)
         loss = _dense_loss(model, batch, pad)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        optimizer_step(model, opt, sched, loss)
         losses.append(loss.item())
         if step % spec.eval_every == 0 or step == spec.steps:
             m = evaluate(model, held, pad)

@@ -2,7 +2,7 @@
 
 Owns: `check_reward_model` (the directory is a one-label sequence-classification checkpoint with a
 score head, on a supported architecture, sharing the policy's tokenizer) and `ModelRewards`, the
-trainer's scorer (RewardPool's interface: score, metrics, close) over a `LearnerGroup` of the
+trainer's scorer (RewardPool's score and metrics; `aclose`, which the trainer awaits) over a `LearnerGroup` of the
 `reward_model` role: it gathers the completions of concurrent rollouts into passes of at most
 `reward.model.batch_size` (waiting at most `max_wait_s` for company), bounds each pass by
 `timeout_s`, restarts the group after its ranks fail (at most `max_restarts` times), and keeps the
@@ -93,7 +93,7 @@ class ModelRewards:
         fields = learner_cfg.model_dump()
         fields.update(world_size=rm.world_size, strategy_config=dict(rm.strategy_config),
                       num_cpus_per_rank=rm.num_cpus_per_rank, pool=rm.pool.model_dump(),
-                      num_gpus_per_rank=learner_cfg.num_gpus_per_rank if rm.num_gpus_per_rank is None else rm.num_gpus_per_rank)
+                      num_gpus_per_rank=rm.gpus_per_rank(learner_cfg))
         self._learner_cfg = LearnerConfig.model_validate(fields)
         self._algorithm_cfg = algorithm_cfg
         self._group_factory = group_factory or self._new_group
@@ -240,10 +240,3 @@ class ModelRewards:
         if self._group is not None:
             with contextlib.suppress(Exception):
                 await self._group.shutdown()
-
-    def close(self) -> None:
-        """RewardPool's close: from a running loop, scheduled; else at once."""
-        try:
-            asyncio.get_running_loop().create_task(self.aclose())
-        except RuntimeError:
-            asyncio.run(self.aclose())

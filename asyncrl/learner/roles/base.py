@@ -92,13 +92,12 @@ class ModelRunner:
         sp = bool(chunks[0].config.sequence_parallel)
         # A scalar head starts from the checkpoint's `score.*` when it has one (a trained reward
         # model, or a critic started from one), else from a seeded random init.
-        self.score_head_loaded = False
         for c in chunks:
             if not c.post_process:
                 continue
             if head == "scalar":
                 scalar = ScalarHead(c.config.hidden_size, _dtype(dtype), c.config.init_method_std, ctx.learner_cfg.seed, sp)
-                self.score_head_loaded = load_score_head(scalar, ctx.model_cfg.path)
+                load_score_head(scalar, ctx.model_cfg.path)
                 c.output_layer = scalar.to(_device_of(c))
             else:
                 # Log-probs come from the hidden states, the LM head applied per token chunk
