@@ -15,8 +15,14 @@ def _demo_model(args: argparse.Namespace) -> int:
 
 
 def _demo_reward_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from asyncrl.demo_reward_model import RewardSpec, build_demo_reward_model
 
+    if not (Path(args.policy) / "config.json").is_file():
+        print(f"asyncrl demo-reward-model: --policy {args.policy!r} is not a model directory (no config.json); "
+              "build the demo policy first: asyncrl demo-model --out DIR (make demo-model)", file=sys.stderr)
+        return 2
     spec = RewardSpec()
     spec = RewardSpec(seed=args.seed, steps=args.steps or spec.steps,
                       target_accuracy=spec.target_accuracy if args.target_accuracy is None else args.target_accuracy)

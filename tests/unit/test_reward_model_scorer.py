@@ -140,3 +140,14 @@ def test_config_names_what_is_missing_or_wrong(demo_model_path, tmp_path):
 def test_check_reward_model_wants_an_hf_directory(tmp_path, demo_model_path):
     with pytest.raises(RewardModelError, match="no config.json"):
         check_reward_model(str(tmp_path), str(demo_model_path))
+
+
+def test_demo_reward_model_cli_names_a_missing_policy_and_a_bad_step_count(tmp_path, capsys):
+    from asyncrl.cli import build_parser, main
+
+    assert main(["demo-reward-model", "--policy", str(tmp_path / "none"), "--out", str(tmp_path / "rm")]) == 2
+    assert "is not a model directory (no config.json)" in capsys.readouterr().err
+    assert not (tmp_path / "rm").exists()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo-reward-model", "--out", "x", "--steps", "0"])
+    assert "--steps" in capsys.readouterr().err
