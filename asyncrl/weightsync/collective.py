@@ -102,11 +102,14 @@ class GroupSpec:
 @dataclass(frozen=True)
 class CollectiveReceive:
     """The `load_bucket` payload of a collective push: receive every bucket of `version` from
-    the groups `group_ids` (in sender order) until each sender says it is done."""
+    the groups `group_ids` (in sender order) until each sender says it is done. `begin`
+    (verify, staging, layout, plan_id): the push's `begin_update`, folded into this call (one
+    round trip fewer; only for replicas whose client says `begin_in_load`)."""
 
     group_ids: tuple[str, ...]
     version: int
     timeout_s: float = 120.0
+    begin: tuple[str, str, str, str | None] | None = None
 
 
 def free_port(host: str = "") -> int:
@@ -277,6 +280,15 @@ class CollectiveGroup:
     def broadcast_all(self, tensors: list[torch.Tensor], deadline: float) -> None:
         """`broadcast` of every tensor in order, enqueued back to back (no wait between them), then
         one wait for all: the whole version's buckets at wire speed. Same failure rules."""
+        self.enqueue_broadcasts(tensors, deadline).wait()
+
+    def enqueue_broadcasts(self, tensors: list[torch.Tensor], deadline: float, *, events: bool = False) -> "Broadcasts":
+        """`broadcast_all` without its wait: the broadcasts are enqueued (NCCL: behind what this
+        member's current stream has enqueued so far, not what it enqueues after) and `wait()` on
+        the result waits for them, by `deadline`. Work enqueued in between overlaps the wire (the
+        sender's checksums, the receivers' per bucket). `events` (NCCL): one CUDA event per
+        tensor, for `ready(i)`. No stream is made to wait on those events (a sender that dies
+        mid-broadcast would stall the engine's stream for good): the host polls them."""
         if self.broken:
             raise CollectiveError(f"group {self.spec.group_id} is broken (an earlier step failed); form a new one")
         if self.spec.backend == "ipc":
@@ -290,26 +302,28 @@ class CollectiveGroup:
                     opts = dist.BroadcastOptions()
                     opts.rootRank, opts.rootTensor = 0, 0
                     works.append(self._pg.broadcast([t], opts))
-                for work in works:
-                    work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
-                return
+                return Broadcasts(self, tensors, deadline, works=works)
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            marks = []
             for t in tensors:
                 self._comm.broadcast(t, src=0, stream=self._stream)
                 t.record_stream(self._stream)
+                if events:
+                    marks.append(torch.cuda.Event())
+                    marks[-1].record(self._stream)
             done = torch.cuda.Event()
             done.record(self._stream)
-            while not done.query():
-                if time.monotonic() > deadline:
-                    raise TimeoutError("NCCL broadcast not complete by the deadline")
-                time.sleep(0.0002)
+            return Broadcasts(self, tensors, deadline, done=done, events=marks)
         except Exception as err:
-            self.broken = True
-            self.close()
-            what = (f"{tensors[0].numel()} {str(tensors[0].dtype).removeprefix('torch.')}" if len(tensors) == 1
-                    else f"{len(tensors)} buckets ({sum(t.numel() for t in tensors)} elements)")
-            raise CollectiveError(f"group {self.spec.group_id} rank {self.rank}: broadcast of {what} failed: "
-                                  f"{type(err).__name__}: {err}") from err
+            raise self._failed(tensors, err) from err
+
+    def _failed(self, tensors: list[torch.Tensor], err: BaseException) -> "CollectiveError":
+        self.broken = True
+        self.close()
+        what = (f"{tensors[0].numel()} {str(tensors[0].dtype).removeprefix('torch.')}" if len(tensors) == 1
+                else f"{len(tensors)} buckets ({sum(t.numel() for t in tensors)} elements)")
+        return CollectiveError(f"group {self.spec.group_id} rank {self.rank}: broadcast of {what} failed: "
+                               f"{type(err).__name__}: {err}")
 
     def close(self) -> None:
         comm, self._comm, self._pg, self._store = self._comm, None, None, None
@@ -321,3 +335,44 @@ class CollectiveGroup:
                 comm.destroy()
             except Exception:  # best effort: the process may be tearing down
                 pass
+
+
+@dataclass
+class Broadcasts:
+    """Broadcasts enqueued on a group (`CollectiveGroup.enqueue_broadcasts`); `wait()` returns
+    once they are complete here, or breaks the group and raises CollectiveError at the deadline."""
+
+    group: CollectiveGroup
+    tensors: list[torch.Tensor]
+    deadline: float
+    works: list[Any] = field(default_factory=list)  # gloo
+    done: Any = None  # nccl: the event after the last broadcast
+    events: list[Any] = field(default_factory=list)  # nccl, on request: one per tensor
+
+    def ready(self, i: int) -> None:
+        """Wait (by the deadline) until tensor `i` is complete here: gloo waits for its broadcast,
+        NCCL polls its event (`events=True`). Work the caller enqueues after this overlaps the
+        broadcasts still running; no stream is ever made to wait on the wire."""
+        try:
+            if self.works:
+                self.works[i].wait(datetime.timedelta(seconds=max(0.001, self.deadline - time.monotonic())))
+                return
+            event = self.events[i]
+            while not event.query():
+                if time.monotonic() > self.deadline:
+                    raise TimeoutError(f"NCCL broadcast of tensor {i} not complete by the deadline")
+                time.sleep(0.0001)
+        except Exception as err:
+            raise self.group._failed(self.tensors, err) from err
+
+    def wait(self) -> None:
+        try:
+            for work in self.works:
+                work.wait(datetime.timedelta(seconds=max(0.001, self.deadline - time.monotonic())))
+            if self.done is not None:
+                while not self.done.query():
+                    if time.monotonic() > self.deadline:
+                        raise TimeoutError("NCCL broadcast not complete by the deadline")
+                    time.sleep(0.0002)
+        except Exception as err:
+            raise self.group._failed(self.tensors, err) from err

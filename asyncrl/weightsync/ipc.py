@@ -299,8 +299,10 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
                 deadline: float, keep: Callable[[Bucket], Any] | None, plan: Any, sender: int,
                 alloc: Callable[[int], torch.Tensor] | None, out: SendResult) -> SendResult:
     """ipc_window 0: pack every bucket (into the ring, kept until the next push: the receivers
-    stage views of it), enqueue every digest, wait for the device once, publish one record with
-    every bucket, then wait for every receiver to have staged all of it."""
+    stage views of it), wait for the device once, publish one record with every bucket, then
+    enqueue the checksums and host copies (beside the receivers' staging) and wait for every
+    receiver to have staged all of it, then for the digests. `full` verification hashes the host
+    copies, so there they start first."""
     store = group._store
     # The ring keeps every bucket (no limit on copies in flight); keeping starts once the receivers staged.
     copies = out.host_copies = host_copies_for(group, keep, deadline, max_device=1 << 30, defer_keep=True)
@@ -311,34 +313,35 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
         # The host copies start after the record is out (off the critical path: the receivers
         # stage meanwhile), except that `full` verification hashes them.
         early = verify == "full"
+        buckets: list[Bucket] = []
         for bucket in export:
             if early:
                 finish, copy = hash_and_copy_lazy(copies, bucket, verify, out)
                 group._ring_copies.append(copy)  # the next push repacks this buffer only after its copy read it
-            else:
-                finish, copy = hash_and_copy_lazy(None, bucket, verify, out)
-            packed.append((bucket, finish, copy))
+                packed.append((bucket, finish, copy))
+            buckets.append(bucket)
         t = time.perf_counter()
         records = []
-        for bucket, finish, _ in packed:
-            digests = finish()  # the first waits for the device: every bucket is packed after it
+        for bucket in buckets:  # no digests in the record: full staging compares one fingerprint at the commit
             handle, keep_it = ipc_export(bucket)
             kept.append(keep_it)
-            records.append({"handle": handle, "nbytes": bucket.nbytes, "table": encode_table(bucket, digests)})
-        if group.device.type == "cuda":  # (verify off reads nothing back) the bytes are complete before anyone reads them
+            records.append({"handle": handle, "nbytes": bucket.nbytes, "table": encode_table(bucket, {})})
+        if group.device.type == "cuda":  # the bytes are complete before anyone reads them (the checksums need not be)
             torch.cuda.current_stream(group.device).synchronize()
         store.set(_key(group, "b0"), pickle.dumps({"kind": WHOLE, "buckets": records}))
         out.seconds["broadcast"] += time.perf_counter() - t
-        if not early:
-            for bucket, _, _ in packed:
-                t = time.perf_counter()
-                copy = copies.add(bucket)
-                out.seconds["host_copy"] += time.perf_counter() - t
+        if not early:  # the checksums and host copies run while the receivers stage
+            for bucket in buckets:
+                finish, copy = hash_and_copy_lazy(copies, bucket, verify, out)
                 group._ring_copies.append(copy)
-        packed.clear()
+                packed.append((bucket, finish, copy))
+        buckets.clear()
         t = time.perf_counter()
         _wait_acks(group, 0, deadline)
         out.seconds["broadcast"] += time.perf_counter() - t
+        for _, finish, _ in packed:  # the first waits for the device's checksums
+            finish()
+        packed.clear()
         copies.finish()
     except BaseException as err:
         _abort_send(group, copies, "b0", [_key(group, w) for w in ("b0", "a0")], keep_published=True)

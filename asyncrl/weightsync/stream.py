@@ -9,11 +9,12 @@ by the publisher while replicas commit)) and `receive_stream` (the receiver's lo
 its device, receive, hand each bucket on with the sender's digests).
 
 With `ipc_window` 0 (weightsync.staging full: the receivers stage the whole version anyway) the
-sender packs every bucket, enqueues every digest and waits for the device once, sends one table
-of every bucket, then broadcasts the buckets back to back without a wait between them and waits
-once at the end; each receiver receives them into one allocation. Per bucket that saves the
-header and table round trips, the hash's wait and the broadcast's. The sender then holds its whole
-packed version on its device until the broadcast ends (bucketed staging: one bucket at a time).
+sender packs every bucket, sends one table of every bucket (without digests: full staging
+compares one fingerprint at the commit), then enqueues the buckets' broadcasts back to back and
+its checksums behind them, so that hashing runs beside the wire, and waits once at the end; each
+receiver receives them into one allocation and hashes each bucket as it lands. Per bucket that
+saves the header and table round trips and the waits. The sender then holds its whole packed
+version on its device until the broadcast ends (bucketed staging: one bucket at a time).
 
 Must never: wait without a deadline, or leave the receivers waiting on a sender that failed
 (an export error sends the abort header first).
@@ -131,28 +132,30 @@ def _send_each(group: CollectiveGroup, export: "Export", copies: HostCopies, ver
 
 def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
                 out: SendResult) -> None:
-    """ipc_window 0 on gloo / NCCL: pack every bucket, enqueue every digest, wait for the device
-    once, send one table of every bucket, broadcast the buckets back to back, wait once. The host
-    copies start after the broadcasts are enqueued (`full` verification hashes them, so there they
-    start first)."""
+    """ipc_window 0 on gloo / NCCL: pack every bucket, send one table of every bucket, enqueue
+    the buckets' broadcasts back to back, then the checksums and host copies (on the device they
+    run beside the wire, not before it), wait once for the broadcasts and once for the digests.
+    The table carries no digests: with full staging the receivers' digests are compared with the
+    sender's as one fingerprint at the commit (push.py), not per bucket. `full` verification
+    hashes the host copies, so there they start first."""
     early = verify == "full"
-    packed: list[tuple[Bucket, Callable[[], dict[str, bytes]]]] = []
+    packed: list[tuple[Bucket, Callable[[], dict[str, bytes]] | None]] = []
     for bucket in export:
-        finish, _ = hash_and_copy_lazy(copies if early else None, bucket, verify, out)
+        finish = hash_and_copy_lazy(copies, bucket, verify, out)[0] if early else None
         packed.append((bucket, finish))
     t = time.perf_counter()
-    tables = [[encode_table(bucket, finish()).decode(), bucket.nbytes] for bucket, finish in packed]  # one device wait
-    raw = json.dumps(tables).encode()
+    raw = json.dumps([[encode_table(bucket, {}).decode(), bucket.nbytes] for bucket, _ in packed]).encode()
     group.broadcast(_header(group, WHOLE, len(raw), sum(b.nbytes for b, _ in packed)), deadline)
     _send_bytes(group, raw, deadline)
-    buffers = [b.buffer for b, _ in packed if b.nbytes]
-    if not early:
-        for bucket, _ in packed:  # enqueued behind the packing, beside the broadcasts
-            t_copy = time.perf_counter()
-            copies.add(bucket)
-            out.seconds["host_copy"] += time.perf_counter() - t_copy
-    group.broadcast_all(buffers, deadline)
+    sending = group.enqueue_broadcasts([b.buffer for b, _ in packed if b.nbytes], deadline)
     out.seconds["broadcast"] += time.perf_counter() - t
+    if not early:  # behind the broadcasts' start on the device, beside them
+        packed = [(bucket, hash_and_copy_lazy(copies, bucket, verify, out)[0]) for bucket, _ in packed]
+    t = time.perf_counter()
+    sending.wait()
+    out.seconds["broadcast"] += time.perf_counter() - t
+    for _, finish in packed:  # the first waits for the device's checksums, the rest are there by then
+        finish()  # type: ignore[misc]
 
 
 def host_copies_for(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None, deadline: float,
@@ -268,7 +271,9 @@ def receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bu
 def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int,
                    deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
     """A whole version: one table, then every bucket back to back into one allocation of
-    `nbytes`, received before the first is handed on."""
+    `nbytes`. Each bucket is handed on as soon as it is complete here (`Broadcasts.ready`: by the
+    deadline), while the later ones are still arriving, so the consumer's checksums of it run
+    beside the wire. The generator ends once every byte is here."""
     raw = torch.empty(table_len, dtype=torch.uint8, device=group.device)
     group.broadcast(raw, deadline)
     tables = json.loads(raw.cpu().numpy().tobytes().decode())
@@ -282,7 +287,17 @@ def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int,
     for n in sizes:
         views.append(block.narrow(0, at, n))
         at += n
-    group.broadcast_all([v for v in views if v.numel()], deadline)
-    for (table, _), view in zip(tables, views):
-        metas, rank, digests = decode_table(table.encode())
-        yield Bucket(buffer=view, metas=metas, rank=rank), digests
+    receiving = group.enqueue_broadcasts([v for v in views if v.numel()], deadline, events=group.device.type == "cuda")
+    k = 0
+    try:
+        for (table, _), view in zip(tables, views):
+            metas, rank, digests = decode_table(table.encode())
+            if view.numel():
+                receiving.ready(k)
+                k += 1
+            yield Bucket(buffer=view, metas=metas, rank=rank), digests
+    except GeneratorExit:  # the consumer failed mid-version: the rest of the push is unread
+        group.broken = True
+        group.close()
+        raise
+    receiving.wait()

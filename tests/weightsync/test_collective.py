@@ -138,15 +138,23 @@ def test_every_receiver_gets_every_bucket_bit_exact_and_the_sender_keeps_host_co
     weights["empty"] = torch.empty(0, 3)
     got: dict[int, dict[str, torch.Tensor]] = {}
 
+    mine: dict[str, bytes] = {}
+
     def receive(group: CollectiveGroup) -> None:
         out = {}
         for bucket, digests in receive_stream(group, time.monotonic() + 20):
-            assert digests == bucket_digests(bucket, "full")  # the sender's, in band, before the bytes
+            if backend.endswith("-whole"):  # full staging: one fingerprint at the commit, nothing in band
+                assert digests == {}
+                mine.update(bucket_digests(bucket, "full"))
+            else:
+                assert digests == bucket_digests(bucket, "full")  # the sender's, in band, before the bytes
             out.update({n: t.clone() for n, t in unpack_bucket(bucket)})
         got[group.rank] = out
 
     sent = _push_while_receiving(sender, receivers, receive, weights, "full")
     assert sorted(got) == [1, 2]
+    if backend.endswith("-whole"):  # what the receivers hashed is what the sender hashed, after the bytes
+        assert mine == sent.digests
     for out in got.values():
         assert out.keys() == weights.keys() and all(torch.equal(out[k], weights[k]) for k in weights)
     kept = sent.host_copies.result()
@@ -162,8 +170,9 @@ def test_every_receiver_gets_every_bucket_bit_exact_and_the_sender_keeps_host_co
 @pytest.mark.parametrize("backend", ["gloo", "gloo-whole"])
 def test_a_whole_version_broadcast_receives_every_bucket_into_one_allocation(backend):
     """ipc_window 0 on a broadcast backend: one table, then every bucket back to back into one
-    receive buffer (views of it, in order); bucket by bucket, each bucket is its own buffer. Both
-    deliver the same tensors with the sender's checksums."""
+    receive buffer (views of it, in order), without digests in band (the sender's go back to the
+    publisher only); bucket by bucket, each bucket is its own buffer with the sender's checksums
+    in band. Both deliver the same tensors."""
     spec = _spec(receivers=1, backend=backend)
     sender, receiver = _join_all(spec)
     weights = model(3)
@@ -171,7 +180,7 @@ def test_a_whole_version_broadcast_receives_every_bucket_into_one_allocation(bac
 
     def receive(group: CollectiveGroup) -> None:
         for bucket, digests in receive_stream(group, time.monotonic() + 20):
-            assert digests == bucket_digests(bucket, "checksum")
+            assert digests == ({} if backend == "gloo-whole" else bucket_digests(bucket, "checksum"))
             seen["storages"].append(bucket.buffer.untyped_storage().data_ptr())
             seen["tensors"].update({n: t.clone() for n, t in unpack_bucket(bucket)})
 
@@ -282,7 +291,7 @@ def test_a_whole_version_ipc_push_publishes_every_bucket_at_once_and_frees_them_
         seen[group.rank], got[group.rank] = [], {}
         staged = []
         for bucket, digests in receive_stream(group, time.monotonic() + 20):
-            assert digests == bucket_digests(bucket, "checksum")
+            assert digests == {}  # the sender's go back to the publisher: one fingerprint at the commit
             seen[group.rank].append(len(_bucket_files() - before))
             staged.append(bucket)  # kept as a staging worker keeps them, read after the push
         got[group.rank] = {n: t.clone() for b in staged for n, t in unpack_bucket(b)}
@@ -348,6 +357,10 @@ class GlooReplica(FakeReplica):
         if not isinstance(payload, CollectiveReceive):  # a restore replays the host copy's buckets
             return await super().load_bucket(payload, version)
         assert payload.version == version
+        if payload.begin is not None:  # the publisher folded its begin_update into this call
+            assert self.begin_in_load
+            self.log.append((self.name, "folded"))
+            await self.begin_update(version, *payload.begin)
         self.log.append((self.name, "load"))
         await self._maybe_fault("load")
         deadline = time.monotonic() + payload.timeout_s
@@ -406,6 +419,31 @@ async def test_publish_streamed_goes_live_with_the_senders_fingerprint_and_host_
     assert pub.host_version == 1 and len(pub._host.handles) == 3  # host copies kept for restores
     host = {n: t for b in pub._host.handles for n, t in unpack_bucket(b)}
     assert host.keys() == new.keys() and all(torch.equal(host[k], new[k]) for k in new)
+
+
+async def test_replicas_that_begin_in_their_load_call_get_no_begin_call_of_their_own():
+    """A client that says `begin_in_load` gets the begin inside the collective load (one round
+    trip fewer); the push goes live the same way, and a client without it keeps its begin call."""
+    pub, replicas, log, _, state, prepare = _streamed_setup()
+    replicas[0].begin_in_load = True
+    new = model(1)
+
+    async def send(version, verify):
+        sent = await asyncio.to_thread(send_stream, state["sender"], iter(new.items()), BUCKET_MB, verify=verify, timeout_s=20)
+        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds,
+                            collect=lambda: _kept(sent.host_copies), num_buckets=sent.num_buckets)
+
+    payload = lambda v: CollectiveReceive(("g",), v, 20.0)  # noqa: E731
+    await pub.publish_streamed(1, send, payload, replicas, prepare=prepare)  # one client without it: no folding
+    assert [e for n, e in log if n == "r0"] == ["begin:1", "load", "pause:keep", "commit:1", "resume"]
+    replicas[1].begin_in_load = True
+    log.clear()
+    result = await pub.publish_streamed(2, send, payload, replicas, prepare=prepare)
+    for r in replicas:
+        assert [e for n, e in log if n == r.name] == ["folded", "begin:2", "load", "pause:keep", "commit:2", "resume"]
+        assert r.version == 2 and all(torch.equal(r.weights[k], new[k]) for k in new)
+    assert result.fingerprint == tensor_fingerprint(new) and pub.registry.live_version == 2
+    await pub.drain()
 
 
 async def test_a_push_returns_before_its_host_copy_and_the_next_push_restores_from_it():

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
 def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrier, pushes: int, step: mp.Barrier) -> None:
-    from asyncrl.weightsync.fingerprint import bucket_digests, tensor_fingerprint
+    from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_fingerprint
     from asyncrl.weightsync.bucket import unpack_bucket
     from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
     from asyncrl.weightsync.stream import receive_stream, send_stream
@@ -32,19 +32,24 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
                 host = {n: t for b in kept for n, t in unpack_bucket(b)}
                 ring = group._ring.nbytes if group._ring is not None else 0
                 out.put(("sent", push, sorted(sent.digests), sent.bytes, [b.nbytes for b in kept],
-                         tensor_fingerprint(host, "full"), ring))
+                         tensor_fingerprint(host, "full"), ring, combine_digests(sent.digests, "checksum")))
             else:
-                got, staged = {}, []
+                got, staged, mine = {}, [], {}
                 for bucket, digests in receive_stream(group, time.monotonic() + 60):
                     assert bucket.buffer.is_cuda and bucket.buffer.device == device
-                    assert digests == bucket_digests(bucket, "checksum")  # the sender's, computed on its copy
+                    mine.update(bucket_digests(bucket, "checksum"))  # as a worker hashes each bucket when it has it
+                    if spec_.ipc_window == 0:  # full staging: the digests meet as one fingerprint at the commit
+                        assert digests == {}
+                    else:
+                        assert digests == bucket_digests(bucket, "checksum")  # the sender's, computed on its copy
                     staged.append(bucket)
                 # read after the push, as a staging worker reads them at its commit (window 0:
                 # views of the sender's buffers, still intact)
                 got.update({n: t.cpu().clone() for b in staged for n, t in unpack_bucket(b)})
                 # A fingerprint, not the tensors: torch shares CPU tensors put on a queue by file
                 # descriptor, which fails once this process has exited.
-                out.put(("got", push, rank, sorted(got), tensor_fingerprint(got, "full"), len(group._opened)))
+                out.put(("got", push, rank, sorted(got), tensor_fingerprint(got, "full"), len(group._opened),
+                         combine_digests(mine, "checksum")))
             step.wait(120)  # the next push starts once this one was read (a commit, in the engines)
     except BaseException as exc:  # report, do not hang the parent
         out.put(("error", rank, f"{type(exc).__name__}: {exc}"))
@@ -95,17 +100,21 @@ def _assert_delivered(weights: dict, sent: list, received: list, receivers: int,
         version = {n: t * (push + 1) for n, t in weights.items()}
         got = [r for r in received if r[1] == push]
         assert sorted(r[2] for r in got) == list(range(1, receivers + 1))
-        for _, _, _, names, fingerprint, _ in got:
-            assert names == sorted(version) and fingerprint == tensor_fingerprint(version, "full")  # bit-exact
         (s,) = [r for r in sent if r[1] == push]
+        for _, _, _, names, fingerprint, _, hashed in got:
+            assert names == sorted(version) and fingerprint == tensor_fingerprint(version, "full")  # bit-exact
+            assert hashed == s[7]  # what the receiver hashed as buckets landed is what the sender hashed
         assert s[2] == sorted(version) and s[3] == sum(t.numel() * t.element_size() for t in version.values())
         assert s[5] == tensor_fingerprint(version, "full")  # the sender's host copies are bit-exact too
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: two GPUs")
-def test_nccl_broadcast_moves_every_bucket_bit_exact_between_two_gpus():
-    weights, sent, received = _push_in_processes("nccl", receivers=1, seed=0, tensors=6)
-    _assert_delivered(weights, sent, received, receivers=1)
+@pytest.mark.parametrize("ipc_window", [2, 0])
+def test_nccl_broadcast_moves_every_bucket_bit_exact_between_two_gpus(ipc_window):
+    """Bucket by bucket (window 2: digests in band), or the whole version back to back (window 0:
+    the sender hashes beside the wire, each receiver hashes each bucket as it lands)."""
+    weights, sent, received = _push_in_processes("nccl", receivers=1, seed=0, tensors=6, pushes=2, ipc_window=ipc_window)
+    _assert_delivered(weights, sent, received, receivers=1, pushes=2)
     assert len(sent[0][4]) > 1  # several buckets went over the wire
 
 
