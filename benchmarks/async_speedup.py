@@ -79,7 +79,10 @@ def _mean(rows: list[dict], key: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, peak_flops: float = 989e12) -> dict:
+def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, peak_flops: float = 989e12,
+             eval_interval_steps: int = 0) -> dict:
+    """One Serve app at staleness `eta` for `steps` learner steps; its figures, every step's row (`per_step`) and
+    the held-out evaluations (`eval`: step, unix time, accuracy; none unless `eval_interval_steps`)."""
     from ray import serve
 
     from asyncrl.app import build_app
@@ -88,7 +91,7 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, 
     port = _free_port()
     raw = json.loads(json.dumps(base))
     raw.setdefault("buffer", {})["max_staleness"] = eta
-    raw.setdefault("trainer", {}).update(total_steps=steps, eval_interval_steps=0)
+    raw.setdefault("trainer", {}).update(total_steps=steps, eval_interval_steps=eval_interval_steps)
     raw.setdefault("checkpoint", {}).update(interval_steps=0, dir=str(run_dir / "ckpt"))
     raw.setdefault("logging", {}).update(dir=str(run_dir), tensorboard=False, plot_interval_steps=0)
     raw.setdefault("generator", {})["http_port"] = port
@@ -112,7 +115,8 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, 
     finally:
         serve.delete(f"speedup-eta{eta}")
         serve.shutdown()
-    rows = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()) if "train/step" in r]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in records if "train/step" in r]
     timed = rows[1:]  # step 1 is warm-up
     wall = timed[-1]["time/elapsed_s"] - rows[0]["time/elapsed_s"]
     train = sum(r["time/train_s"] for r in timed)
@@ -134,8 +138,11 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, 
         "push_paused_s": _mean(timed, "weightsync/paused_seconds"), "push_gb": (_mean(timed, "weightsync/bytes") or 0) / 1e9,
         "push_failed": sum(r.get("weightsync/failed", 0.0) for r in rows),
         "per_step": [{k: r.get(k) for k in ("train/step", "time/train_s", "time/sync_s", "time/elapsed_s", "train/tokens",
+                                             "train/response_tokens", "train/reward_mean", "eval/accuracy",
                                              "weightsync/push_seconds", "weightsync/paused_seconds", "buffer/staleness_mean")}
                      for r in rows],
+        "eval": [{"step": r.get("step"), "time": r.get("time"), "accuracy": r["eval/accuracy"]}
+                 for r in records if isinstance(r.get("eval/accuracy"), (int, float))],
     }
 
 

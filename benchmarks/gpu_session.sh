@@ -167,5 +167,60 @@ offload)
       --out $OUT/offload.json > $OUT/offload.log 2>&1
   echo "offload rc=$?"; grep '^\[learner_step\]' $OUT/offload.log | cut -c1-3000
   ;;
+peers)
+  # Issue 32, side by side with TRL on one GPU (docs/BENCHMARKS.md "Side by side with TRL"): TRL's GRPOTrainer with
+  # vLLM colocated (benchmarks/peers/trl_grpo.py), then asyncrl hybrid (deploy/rlhf-hybrid1.yaml) at HYBRID_ETAS
+  # (default 0), then asyncrl separated on the one GPU (deploy/rlhf-gpu1.yaml) at GPU1_ETAS (default "0 2"), all on
+  # the same model (PEERS_MODEL, default the random Qwen2-0.5B), PEERS_PROMPTS x PEERS_GROUP samples per step
+  # (8 x 8), completions of exactly PEERS_TOKENS tokens (256), lr PEERS_LR (1e-6), bf16; PEERS_WARMUP steps (3)
+  # left out, PEERS_STEPS (8) timed. Rows go to $OUT/peers.json (each run appends when it ends), the table to
+  # $OUT/peers.md, the bars to $OUT/peers.png. PEERS_ARGS adds knobs to both sides (e.g. "--micro-batch-size 16",
+  # or "--no-fixed-length --eval-every 25" for the demo model). PEERS_RUNS picks runs from "trl hybrid gpu1 serve" (default the
+  # first three; PEERS_SERVE=1 adds serve: `vllm serve` vs our API, benchmarks/generation.py). A run gets at most
+  # its cap (TRL_TIMEOUT 240, HYBRID_TIMEOUT 200, GPU1_TIMEOUT 320, SERVE_TIMEOUT 400 s) and never more than is
+  # left of PEERS_BUDGET (560 s since this script began). Expects TRL's parts (benchmarks/peers/wheels.sh) in
+  # /tmp/peer-parts; installs them once into /tmp/site-peers, which only the TRL run puts on its path.
+  if [ ! -f /tmp/site-peers/.peers-done ]; then
+    rm -rf /tmp/peer-wheels
+    cat /tmp/peer-parts/part* | tar xf - -C /tmp || { echo "peers: no TRL parts in /tmp/peer-parts"; exit 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-peers /tmp/peer-wheels/*.whl 2>&1 | grep -v WARNING | tail -3
+    touch /tmp/site-peers/.peers-done
+  fi
+  M=${PEERS_MODEL:-$MODEL}
+  if [ ! -f $M/config.json ]; then
+    python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M > $OUT/make_model.log 2>&1
+    echo "make model rc=$? t=$SECONDS s"; tail -1 $OUT/make_model.log | cut -c1-300
+  fi
+  knobs=(--model $M --prompts-per-step ${PEERS_PROMPTS:-8} --group-size ${PEERS_GROUP:-8} --max-new-tokens ${PEERS_TOKENS:-256}
+         --lr ${PEERS_LR:-1e-6} --warmup-steps ${PEERS_WARMUP:-3} --steps ${PEERS_STEPS:-8} --out $OUT/peers.json ${PEERS_ARGS:-})
+  runs=${PEERS_RUNS:-trl hybrid gpu1}; [ "${PEERS_SERVE:-0}" = 1 ] && runs="$runs serve"
+  for run in $runs; do
+    case $run in trl) cap=${TRL_TIMEOUT:-240} ;; hybrid) cap=${HYBRID_TIMEOUT:-200} ;; gpu1) cap=${GPU1_TIMEOUT:-320} ;;
+                 serve) cap=${SERVE_TIMEOUT:-400} ;; *) echo "peers: unknown run '$run' (trl hybrid gpu1 serve)"; continue ;; esac
+    left=$(( ${PEERS_BUDGET:-560} - SECONDS )); [ $cap -lt $left ] && left=$cap
+    if [ $left -lt 60 ]; then echo "peers $run: skipped, $left s left of PEERS_BUDGET"; continue; fi
+    ray stop --force > /dev/null 2>&1
+    echo "peers $run: starts at t=$SECONDS s, at most $left s"
+    log=$OUT/peers_$run.log
+    case $run in
+    trl)
+      PYTHONPATH=/tmp/site-peers:$PYTHONPATH timeout -k 15 $left python3 benchmarks/peers/trl_grpo.py "${knobs[@]}" > $log 2>&1 ;;
+    hybrid)
+      timeout -s INT -k 30 $left python3 benchmarks/peers/asyncrl_side.py --placement hybrid --etas ${HYBRID_ETAS:-0} \
+          --num-cpus 16 "${knobs[@]}" > $log 2>&1 ;;
+    gpu1)
+      timeout -s INT -k 30 $left python3 benchmarks/peers/asyncrl_side.py --placement separated --etas ${GPU1_ETAS:-0 2} \
+          --num-cpus 16 "${knobs[@]}" > $log 2>&1 ;;
+    serve)
+      timeout -s INT -k 30 $left python3 benchmarks/generation.py --model $M --dtype bfloat16 --num-gpus 1 --max-model-len 1024 \
+          --num-prompts 512 --concurrency 64 --max-tokens ${PEERS_TOKENS:-256} --warmup 64 --sides vllm,asyncrl,vllm > $log 2>&1 ;;
+    esac
+    echo "peers $run rc=$? t=$SECONDS s"
+    grep -E '^\[(trl|asyncrl)\]|^\| ' $log | cut -c1-300
+    grep -iE "Traceback|Error|out of memory" $log | grep -v Warning | tail -8 | cut -c1-400
+  done
+  [ -s $OUT/peers.json ] && python3 benchmarks/peers/compare.py $OUT/peers.json --md $OUT/peers.md --png $OUT/peers.png
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+  ;;
 esac
 pkill -9 -f "VLLM::" 2>/dev/null; ray stop --force > /dev/null 2>&1; true
