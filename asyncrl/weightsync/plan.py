@@ -434,7 +434,17 @@ class PlannedPacker:
     def pack(self, named_tensors: Iterable[tuple[str, Any]]) -> Iterator[Bucket]:
         buffers: dict[int, torch.Tensor] = {}
         typed_views: dict[tuple[int, str], torch.Tensor] = {}
+        # a bucket's copies, launched together once it is complete (one fused call, not one per op)
+        copies: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         emitted = 0
+
+        def emit(pos: int) -> Bucket:
+            dst, src = copies.pop(pos, ([], []))
+            if dst:
+                torch._foreach_copy_(dst, src)
+            for dtype in {p.dtype for p, _ in self.buckets[pos].params}:
+                typed_views.pop((pos, dtype), None)
+            return self._emit(pos, buffers.pop(pos))
 
         def open_bucket(pos: int) -> torch.Tensor:
             buf = buffers.get(pos)
@@ -470,16 +480,16 @@ class PlannedPacker:
                 dst = typed.as_strided(op.dst.shape, op.dst.stride, off // typed.element_size() + op.dst.offset)
                 sv = op.src_view
                 whole = sv.offset == 0 and sv.shape == tuple(src.shape) and sv.stride == tuple(src.stride())  # type: ignore[union-attr]
-                dst.copy_(src if whole else sv.of(src))  # type: ignore[union-attr]
+                pending = copies.setdefault(pos, ([], []))
+                pending[0].append(dst)
+                pending[1].append(src if whole else sv.of(src))  # type: ignore[union-attr]
                 self.ops += 1
                 self._remaining[pos] -= 1
             while emitted < len(self.buckets) and self._remaining[emitted] == 0:
-                for dtype in {p.dtype for p, _ in self.buckets[emitted].params}:
-                    typed_views.pop((emitted, dtype), None)
-                yield self._emit(emitted, buffers.pop(emitted))
+                yield emit(emitted)
                 emitted += 1
         while emitted < len(self.buckets) and self._remaining[emitted] == 0:
-            yield self._emit(emitted, buffers.pop(emitted))
+            yield emit(emitted)
             emitted += 1
         if emitted < len(self.buckets):
             missing = sorted({n for n, uses in self._uses.items() for pos, *_ in uses if self._remaining[pos] > 0})
