@@ -199,7 +199,14 @@ peers)
                  serve) cap=${SERVE_TIMEOUT:-400} ;; *) echo "peers: unknown run '$run' (trl hybrid gpu1 serve)"; continue ;; esac
     left=$(( ${PEERS_BUDGET:-560} - SECONDS )); [ $cap -lt $left ] && left=$cap
     if [ $left -lt 60 ]; then echo "peers $run: skipped, $left s left of PEERS_BUDGET"; continue; fi
-    ray stop --force > /dev/null 2>&1
+    # ray.init's own start timed out here after TRL's run ("node timed out during startup"): clear what is
+    # left, start the node apart (its errors printed) and connect to it, as the gpu4 stage does.
+    ray stop --force > /dev/null 2>&1; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*
+    unset RAY_ADDRESS
+    if [ $run = hybrid ] || [ $run = gpu1 ]; then
+      timeout 90 ray start --head --num-cpus 16 --include-dashboard=false --disable-usage-stats > $OUT/ray_start.log 2>&1 \
+          && export RAY_ADDRESS=auto || { echo "ray start failed:"; tail -3 $OUT/ray_start.log | cut -c1-300; }
+    fi
     echo "peers $run: starts at t=$SECONDS s, at most $left s"
     log=$OUT/peers_$run.log
     case $run in
