@@ -6,7 +6,7 @@ not rows are skipped, so whole logs can be given) and writes:
   median s/step / this one's: the goal is >= 2.00x with the same samples), the mean split of a step into
   generation, training, weight sync and idle, completion tokens/s, the GPU;
   with --png: one PNG of stacked bars, one bar per row (the mean step split into those four parts), and, when
-  rows carry held-out evaluations, a second panel of accuracy against seconds of the run.
+  rows carry held-out evaluations past the first (a curve), a second panel of accuracy against seconds of the run.
 A setting is (model, samples per step, completion tokens, fixed length, GPU): rows compare only within one.
 
     python benchmarks/peers/compare.py /tmp/out/peers.json --md /tmp/out/peers.md --png docs/peers.png
@@ -62,11 +62,17 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def curve(row: dict[str, Any]) -> bool:
+    """Whether a row evaluated during training, not only at its start (a run without --eval-every
+    still records its step-0 evaluation)."""
+    return len(row.get("eval") or []) > 1
+
+
 def eval_table(rows: list[dict[str, Any]]) -> str:
     """Held-out accuracy against seconds since training began, for rows that evaluated."""
     lines = []
     for r in rows:
-        if r.get("eval"):
+        if curve(r):
             points = ", ".join(f"{e['accuracy']:.3f} @ step {e['step']} / {e['wall_s']:.0f} s" for e in r["eval"])
             lines.append(f"- {label(r)}: {points}")
     return ("\nHeld-out greedy accuracy (step / seconds of the run):\n" + "\n".join(lines) + "\n") if lines else ""
@@ -79,7 +85,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     many = len({setting(r) for r in rows}) > 1
-    with_eval = any(r.get("eval") for r in rows)
+    with_eval = any(curve(r) for r in rows)
     fig, axes = plt.subplots(1, 2 if with_eval else 1, figsize=(13 if with_eval else 8, 0.6 * len(rows) + 2.2),
                              squeeze=False)
     ax = axes[0][0]
@@ -99,7 +105,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     if with_eval:
         ax2 = axes[0][1]
         for r in rows:
-            if r.get("eval"):
+            if curve(r):
                 ax2.plot([e["wall_s"] for e in r["eval"]], [e["accuracy"] for e in r["eval"]], marker="o", label=label(r, many))
         ax2.set_xlabel("seconds since training began")
         ax2.set_ylabel("held-out greedy accuracy")
@@ -107,7 +113,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax2.set_title("Held-out accuracy against wall-clock", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

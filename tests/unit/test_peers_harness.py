@@ -82,7 +82,8 @@ def _row(system: str, placement: str, eta: int, median: float, split: dict[str, 
 def test_compare_renders_the_table_and_the_png(tmp_path):
     trl = _row("trl", "colocate", 0, 6.0, {"generation": 3.0, "training": 2.5, "weight_sync": 0.4, "idle": 0.2},
                eval=[{"step": 0, "wall_s": 0.0, "accuracy": 0.4}, {"step": 4, "wall_s": 30.0, "accuracy": 0.5}])
-    ours = _row("asyncrl", "hybrid", 0, 2.5, {"generation": 1.0, "training": 1.3, "weight_sync": 0.3, "idle": 0.0})
+    ours = _row("asyncrl", "hybrid", 0, 2.5, {"generation": 1.0, "training": 1.3, "weight_sync": 0.3, "idle": 0.0},
+                eval=[{"step": 0, "wall_s": 0.0, "accuracy": 0.0}])  # evaluated at its start only: no curve
     rows = tmp_path / "peers.json"
     rows.write_text("[trl] step 1/11 (warm-up): 9.1 s\n" + json.dumps(trl) + "\n" + json.dumps(ours) + "\n"
                     + json.dumps({"side": "vllm", "phase": "plain"}) + "\n")
@@ -96,6 +97,7 @@ def test_compare_renders_the_table_and_the_png(tmp_path):
     assert lines[3].startswith("| asyncrl hybrid eta=0 | qwen2-0.5b-random (494M) | 64 x 256 fixed | 8 | 2.500 | 2.600 | 2.40x | ")
     assert len([ln for ln in lines if ln.startswith("|")]) == 4  # header, rule, two rows: the generation row is skipped
     assert "TRL colocate: 0.400 @ step 0 / 0 s, 0.500 @ step 4 / 30 s" in md.read_text()
+    assert "asyncrl hybrid eta=0:" not in md.read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
