@@ -415,7 +415,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
     engine = ray.remote(num_cpus=0.5, num_gpus=gpus)(EngineActor)
     actors = [engine.remote(str(path), f"engine-{i}", gpus, dtype if name != "demo" else "float32") for i in range(replicas)]
     await asyncio.gather(*(a.start.remote() for a in actors))
-    clients = [ActorReplica(a, f"engine-{i}", begin_in_load=True) for i, a in enumerate(actors)]
+    clients = [ActorReplica(a, f"engine-{i}") for i, a in enumerate(actors)]
     plan, why_not = await _form_plan(actors, base, bucket_mb, apply)
     collective = [k for k in transports if k in COLLECTIVE]
     # nccl/gloo: the sender has a device of its own; ipc: it and the raw sinks share the engines' GPU

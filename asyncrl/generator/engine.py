@@ -27,7 +27,6 @@ from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
 from asyncrl.generator.sampling import Limits, to_vllm, validate_request
 from asyncrl.generator.versions import CompletionAccumulator, VersionLedger, versions_from_spans, versions_from_starts
 from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
-from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import check_verify_mode, fingerprint_mode
 from asyncrl.weightsync.replica_side import FingerprintMismatch, ReplicaStaging
 
@@ -511,33 +510,22 @@ class EngineReplica:
         """Start staging `version`; buckets are hashed as they arrive in `verify` mode (weightsync/fingerprint.py).
         `layout`: "engine" (packed for a copy into the parameters) or "hf"; `staging`: "full" or "bucketed"."""
         async with self._control_lock:
-            return await self._begin(version, verify, staging, layout, plan_id, on_workers=True)
-
-    async def _begin(self, version: int, verify: str, staging: str, layout: str, plan_id: str | None, *,
-                     on_workers: bool) -> dict[str, Any]:
-        """begin_update's body (the caller holds the control lock); `on_workers` False: the workers
-        begin in the receive call that follows (a collective push's folded begin)."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise WeightUpdateError(f"replica {self.replica_id}: version {version!r} must be an int >= 0")
-        try:
-            check_verify_mode(verify)
-            await self._staging.begin(version, verify, staging, layout, plan_id, on_workers=on_workers)
-        except ValueError as err:
-            raise WeightUpdateError(f"replica {self.replica_id}: {type(err).__name__}: {err}") from None
-        if version <= self.version:
-            # weightsync restoring the last live version after a torn push (its host copy):
-            # the label goes back with the weights, so tokens stay truthfully tagged.
-            logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
-        self.update_state, self._staging_version, self._staged_tensors = UpdateState.STAGING, version, 0
-        return {"replica_id": self.replica_id, "staging": version}
+            if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+                raise WeightUpdateError(f"replica {self.replica_id}: version {version!r} must be an int >= 0")
+            try:
+                check_verify_mode(verify)
+                await self._staging.begin(version, verify, staging, layout, plan_id)
+            except ValueError as err:
+                raise WeightUpdateError(f"replica {self.replica_id}: {type(err).__name__}: {err}") from None
+            if version <= self.version:
+                # weightsync restoring the last live version after a torn push (its host copy):
+                # the label goes back with the weights, so tokens stay truthfully tagged.
+                logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
+            self.update_state, self._staging_version, self._staged_tensors = UpdateState.STAGING, version, 0
+            return {"replica_id": self.replica_id, "staging": version}
 
     async def load_bucket(self, named_tensors: Any, version: int | None = None) -> dict[str, Any]:
-        """Stage one payload. A collective push's `CollectiveReceive` with `begin` set begins the
-        update first (begin_update's checks and errors), in this same call."""
         async with self._control_lock:
-            begin = getattr(named_tensors, "begin", None) if isinstance(named_tensors, CollectiveReceive) else None
-            if begin is not None:
-                await self._begin(named_tensors.version, *begin, on_workers=False)
             if self.update_state is not UpdateState.STAGING:
                 raise WeightUpdateError(f"replica {self.replica_id}: load_bucket without begin_update")
             if version is not None and version != self._staging_version:

@@ -102,14 +102,11 @@ class GroupSpec:
 @dataclass(frozen=True)
 class CollectiveReceive:
     """The `load_bucket` payload of a collective push: receive every bucket of `version` from
-    the groups `group_ids` (in sender order) until each sender says it is done. `begin`
-    (verify, staging, layout, plan_id): the push's `begin_update`, folded into this call (one
-    round trip fewer; only for replicas whose client says `begin_in_load`)."""
+    the groups `group_ids` (in sender order) until each sender says it is done."""
 
     group_ids: tuple[str, ...]
     version: int
     timeout_s: float = 120.0
-    begin: tuple[str, str, str, str | None] | None = None
 
 
 def free_port(host: str = "") -> int:

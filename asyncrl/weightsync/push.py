@@ -262,17 +262,12 @@ class Publisher:
                 pause_sent, paused = True, time.perf_counter()
                 await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
             begin_sent = True
-            begin = (source.verify, self._cfg.staging, source.layout, source.plan_id)
-            # A collective push into replicas that begin in their load call: one round trip fewer.
-            fold = (isinstance(source, StreamedSource) and not bucketed
-                    and all(getattr(r, "begin_in_load", False) for r in replicas))
-            if not fold:
-                await self._step(Step.BEGIN, replicas, lambda r: r.begin_update(
-                    version, begin[0], staging=begin[1], layout=begin[2], plan_id=begin[3]), m)
+            await self._step(Step.BEGIN, replicas, lambda r: r.begin_update(
+                version, source.verify, staging=self._cfg.staging, layout=source.layout, plan_id=source.plan_id), m)
             t = time.perf_counter()
             try:
                 if isinstance(source, StreamedSource):
-                    await source.stream(self, version, replicas, m, begin=begin if fold else None)
+                    await source.stream(self, version, replicas, m)
                 else:
                     await self._stream(version, source, replicas, m, with_digests=bucketed)
             except StepFailed as f:

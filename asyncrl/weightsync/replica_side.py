@@ -93,13 +93,10 @@ class ReplicaStaging:
 
     # ---- one update ------------------------------------------------------------------------------
     async def begin(self, version: int, verify: str, staging: str = "full", layout: str = "hf",
-                    plan_id: str | None = None, *, on_workers: bool = True) -> None:
-        """`on_workers` False: the workers begin in the collective receive that follows (its
-        payload carries the begin), not in a call of their own."""
+                    plan_id: str | None = None) -> None:
         if layout == "engine" and (self.plan_id is None or (plan_id is not None and plan_id != self.plan_id)):
             raise PlanMissing(f"an engine-layout push for plan {plan_id} but this replica holds plan {self.plan_id}")
-        if on_workers:
-            await self.rpc("asyncrl_begin_update", version, verify, staging, layout)
+        await self.rpc("asyncrl_begin_update", version, verify, staging, layout)
         self.version, self.layout, self.staging = version, layout, staging
         self._per_worker = []
 
@@ -121,9 +118,8 @@ class ReplicaStaging:
         if isinstance(payload, CollectiveReceive):
             if payload.version != version:
                 raise ValueError(f"collective push of version {payload.version}, staging {version}")
-            begin = list(payload.begin[:3]) if payload.begin is not None else None
             results = await self.rpc("asyncrl_receive_collective", version, list(payload.group_ids), payload.timeout_s,
-                                     begin, timeout=payload.timeout_s + 30.0)
+                                     timeout=payload.timeout_s + 30.0)
             self._per_worker = [dict(r) for r in results]
         else:
             async for shared, owned in _as_shared(payload):

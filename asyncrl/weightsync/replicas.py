@@ -16,9 +16,7 @@ The contract weightsync relies on (generator side):
   load_bucket(bucket, version)    stage one `Bucket` (the transport payload: for the object store
                                   an ObjectRef that Ray resolves to the bucket; a `Bucket`
                                   iterates as (name, tensor) views, so it is a NamedTensors);
-                                  never touches live weights. A client with `begin_in_load` True
-                                  also takes a collective push's `CollectiveReceive` with `begin`
-                                  set: that one call is begin_update(version, *begin), then the load
+                                  never touches live weights
   commit_update(version, fp)      verify the staged tensors hash to `fp` ("<mode>:<hex>") FIRST, then apply them
                                   in place and relabel the version; a fingerprint mismatch must
                                   raise before anything is applied (its message contains
@@ -66,10 +64,9 @@ class ActorReplica:
 
     fanout = 1  # engine replicas one call reaches
 
-    def __init__(self, handle: Any, name: str, *, begin_in_load: bool = False) -> None:
+    def __init__(self, handle: Any, name: str) -> None:
         self.handle = handle
         self.name = name
-        self.begin_in_load = begin_in_load  # the handle's load_bucket begins a collective push itself (engine.py)
 
     async def _call(self, method: str, *args: Any) -> Any:
         return await getattr(self.handle, method).remote(*args)

@@ -56,7 +56,7 @@ class DeploymentReplicas(ActorReplica):
     result}: the generator's EngineControl)."""
 
     def __init__(self, control: Any, timeout_s: float, name: str = "engines") -> None:
-        super().__init__(getattr(control, "handle", None), name, begin_in_load=True)
+        super().__init__(getattr(control, "handle", None), name)
         self.control, self.timeout_s = control, timeout_s
         self.last_results: dict[str, Any] = {}
 

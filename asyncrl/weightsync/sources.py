@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import enum
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -200,10 +199,7 @@ class StreamedSource:
         self._digests: dict[str, bytes] | None = None
         self._collecting: asyncio.Future | None = None
 
-    async def stream(self, publisher: Publisher, version: int, replicas: list[ReplicaClient], m: PushMetrics,
-                     begin: tuple[str, str, str, str | None] | None = None) -> None:
-        """`begin` (verify, staging, layout, plan_id): the replicas begin the update in their
-        load call (`CollectiveReceive.begin`) instead of a `begin_update` before it."""
+    async def stream(self, publisher: Publisher, version: int, replicas: list[ReplicaClient], m: PushMetrics) -> None:
         self.discard(publisher._transport)  # an earlier attempt's host copies
         self.handles, self._digests = [], None
         t = time.perf_counter()
@@ -214,8 +210,6 @@ class StreamedSource:
                 raise StepFailed(Step.LOAD, {"broadcast group": exc}) from exc
         prepared = time.perf_counter()
         payload = self._payload(version)
-        if begin is not None:
-            payload = dataclasses.replace(payload, begin=begin)
         receiving = asyncio.ensure_future(publisher._step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version), m))
         try:
             sent = await asyncio.wait_for(self._send(version, self.verify), publisher._cfg.timeout_s)

@@ -279,19 +279,15 @@ class WeightsyncWorkerExtension:
                 bucket = copy_to(bucket, rx.hooks.device)  # staged where the parameters live
         return rx.stage(version, bucket, expected)
 
-    def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float,
-                                   begin: list[str] | None = None) -> dict[str, bytes]:
+    def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float) -> dict[str, bytes]:
         """Stage every bucket of `version` from the groups `group_ids` (in order), each straight
-        into this worker's memory; returns the digests staged. `begin` (verify, staging, layout):
-        begin the update first (the push's begin folded into this call)."""
+        into this worker's memory; returns the digests staged."""
         from asyncrl.weightsync.collective import CollectiveError
         from asyncrl.weightsync.stream import receive_stream
 
         groups = self.__dict__.get("_asyncrl_groups", {})
         deadline = time.monotonic() + timeout_s
         rx = self._asyncrl_rx()
-        if begin is not None:
-            rx.begin(version, *begin)
         for gid in group_ids:
             group = groups.get(gid)
             if group is None or group.broken:

@@ -35,7 +35,6 @@ class FakeReplica:
     staging: str = "full"
     staged: dict[str, torch.Tensor] | None = None
     loads: int = 0
-    begin_in_load: bool = False  # a collective load may carry the begin (test_collective.py's GlooReplica)
 
     async def _maybe_fault(self, step: str) -> None:
         kind = self.faults.get((step, self.attempt)) or self.faults.get((step, -1))

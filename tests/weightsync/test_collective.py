@@ -357,10 +357,6 @@ class GlooReplica(FakeReplica):
         if not isinstance(payload, CollectiveReceive):  # a restore replays the host copy's buckets
             return await super().load_bucket(payload, version)
         assert payload.version == version
-        if payload.begin is not None:  # the publisher folded its begin_update into this call
-            assert self.begin_in_load
-            self.log.append((self.name, "folded"))
-            await self.begin_update(version, *payload.begin)
         self.log.append((self.name, "load"))
         await self._maybe_fault("load")
         deadline = time.monotonic() + payload.timeout_s
@@ -419,31 +415,6 @@ async def test_publish_streamed_goes_live_with_the_senders_fingerprint_and_host_
     assert pub.host_version == 1 and len(pub._host.handles) == 3  # host copies kept for restores
     host = {n: t for b in pub._host.handles for n, t in unpack_bucket(b)}
     assert host.keys() == new.keys() and all(torch.equal(host[k], new[k]) for k in new)
-
-
-async def test_replicas_that_begin_in_their_load_call_get_no_begin_call_of_their_own():
-    """A client that says `begin_in_load` gets the begin inside the collective load (one round
-    trip fewer); the push goes live the same way, and a client without it keeps its begin call."""
-    pub, replicas, log, _, state, prepare = _streamed_setup()
-    replicas[0].begin_in_load = True
-    new = model(1)
-
-    async def send(version, verify):
-        sent = await asyncio.to_thread(send_stream, state["sender"], iter(new.items()), BUCKET_MB, verify=verify, timeout_s=20)
-        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds,
-                            collect=lambda: _kept(sent.host_copies), num_buckets=sent.num_buckets)
-
-    payload = lambda v: CollectiveReceive(("g",), v, 20.0)  # noqa: E731
-    await pub.publish_streamed(1, send, payload, replicas, prepare=prepare)  # one client without it: no folding
-    assert [e for n, e in log if n == "r0"] == ["begin:1", "load", "pause:keep", "commit:1", "resume"]
-    replicas[1].begin_in_load = True
-    log.clear()
-    result = await pub.publish_streamed(2, send, payload, replicas, prepare=prepare)
-    for r in replicas:
-        assert [e for n, e in log if n == r.name] == ["folded", "begin:2", "load", "pause:keep", "commit:2", "resume"]
-        assert r.version == 2 and all(torch.equal(r.weights[k], new[k]) for k in new)
-    assert result.fingerprint == tensor_fingerprint(new) and pub.registry.live_version == 2
-    await pub.drain()
 
 
 async def test_a_push_returns_before_its_host_copy_and_the_next_push_restores_from_it():

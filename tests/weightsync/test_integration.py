@@ -432,8 +432,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     process opens and copies (ipc: shared-memory files on CPU, the same protocol as CUDA IPC on a
     GPU); the workers copy them into their parameters. Both engines then decode what transformers
     decodes with the learner's HF export of the same weights, tagged with the new version; the
-    sender's host copies rebuild exactly those HF tensors. A second push reuses the group, with
-    the engines beginning the update inside their receive call."""
+    sender's host copies rebuild exactly those HF tensors. A second push reuses the group."""
     import pickle
 
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, WeightsyncConfig
@@ -483,8 +482,6 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
             samples = make_samples(8, group_size=2)
             old = await group.compute_log_prob(samples)
             await group.update_actor(samples, advantages(samples), old)
-            for r in replicas:  # the second push: each engine begins in its receive call (as the service's clients do)
-                r.begin_in_load = step == 2
             result = await pub.publish_streamed(start + step, link.send, link.payload, replicas, prepare=link.ensure,
                                                 plan_id=plan.plan_id)
             m = result.metrics
