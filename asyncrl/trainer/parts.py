@@ -179,7 +179,8 @@ class TrainerParts:
             rewards = reward_pool(cfg.reward)
             actor, reference, critic, placement = await _start_learners(cfg, engine)
         weights = WeightPublisher(cfg.weightsync, engine=EngineControl(engine), learner=actor, hybrid=cfg.hybrid.enabled,
-                                  on_gpu=cfg.learner.num_gpus_per_rank > 0)
+                                  on_gpu=cfg.learner.num_gpus_per_rank > 0,
+                                  own_gpus=cfg.learner.num_gpus_per_rank >= 1 and cfg.generator.num_gpus >= 1)
         await weights.start(initial_version=0)
         _write_run_record(cfg)
         tracker = MetricsTracker(cfg.logging.dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,

@@ -74,12 +74,13 @@ class WeightPublisher:
     """`start()` once, then `publish(version)` after each learner update."""
 
     def __init__(self, cfg: WeightsyncConfig, *, engine: Any, learner: Any, hybrid: bool = False, on_gpu: bool = False,
-                 store_name: str | None = None, namespace: str | None = None) -> None:
+                 own_gpus: bool = False, store_name: str | None = None, namespace: str | None = None) -> None:
         from asyncrl.weightsync.store import STORE_NAME, STORE_NAMESPACE
 
         # engine: fans a call out to every engine replica (the generator's EngineControl).
         # on_gpu: the learner ranks hold GPUs (this process may not: it is the controller's).
-        self.cfg, self.learner, self.hybrid, self.on_gpu = cfg, learner, hybrid, on_gpu
+        # own_gpus: every learner rank and engine replica holds whole GPUs (transport auto: nccl on one host).
+        self.cfg, self.learner, self.hybrid, self.on_gpu, self.own_gpus = cfg, learner, hybrid, on_gpu, own_gpus
         self.replicas = DeploymentReplicas(engine, cfg.timeout_s)
         self.store_name = store_name or STORE_NAME
         self.namespace = namespace or STORE_NAMESPACE
@@ -116,7 +117,7 @@ class WeightPublisher:
         self.service = ray.remote(WeightsyncService).options(
             name=REGISTRY_ACTOR, namespace=self.namespace, get_if_exists=True, num_cpus=0, scheduling_strategy=here
         ).remote(initial_version)
-        transport = select_transport(self.cfg, on_gpu=self.on_gpu, hybrid=self.hybrid)
+        transport = select_transport(self.cfg, on_gpu=self.on_gpu, hybrid=self.hybrid, own_gpus=self.own_gpus)
         self.publisher = Publisher(
             self.cfg, transport=transport, registry=VersionRegistry(initial_version),
             mirror=lambda op, *a, **k: self.service.apply.remote(op, *a, **k),

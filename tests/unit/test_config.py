@@ -113,7 +113,7 @@ def test_gpu_deploy_configs_load():
     one = load_config_file(REPO / "deploy" / "rlhf-gpu1.yaml")  # engine and learner share one GPU
     assert one.learner.num_gpus_per_rank + one.generator.num_gpus <= 1
     assert one.generator.autoscaling.max_replicas == 1 and one.generator.engine_kwargs["gpu_memory_utilization"] <= 0.5
-    assert one.weightsync.transport == "ipc"  # one GPU shared: handles, not host pages (auto picks shm)
+    assert one.weightsync.transport == "auto"  # on its one-GPU host: ipc (test_push.py: the auto rule)
     two = load_config_file(REPO / "deploy" / "rlhf-gpu2.yaml")  # one GPU each, weights over NCCL
     assert two.learner.num_gpus_per_rank == 1 and two.generator.num_gpus == 1 and two.weightsync.transport == "nccl"
     hybrid = load_config_file(REPO / "deploy" / "rlhf-hybrid.yaml")
