@@ -11,7 +11,8 @@ Owns: the timers and counters a push fills in, and their names:
   weightsync/aggregate_gbps        bytes * replicas / stage_seconds (what the transport moved)
   weightsync/transport/<name>/{bytes,put_seconds,put_gbps}
   weightsync/sender/<phase>_seconds  collective transports: the sending ranks' pack, broadcast,
-                                   host_copy (blocked starting copies) and hash seconds
+                                   host_copy (blocked starting copies) and hash seconds (hash_wait:
+                                   the part of hash spent waiting for the device's checksums)
                                    (put_seconds = broadcast); host_copy_thread_copy / _keep: the
                                    copy thread's wait for device-to-host copies and the keeper
                                    threads' `ray.put` time (summed), off the critical path
