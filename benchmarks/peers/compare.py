@@ -100,7 +100,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("seconds per optimizer step (mean of the timed steps; speed vs TRL from the medians)")
     ax.set_xlim(0, max(left) * 1.3 if max(left) > 0 else 1)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper right", fontsize=8)
     ax.set_title("One GRPO step, same samples: where the time goes", fontsize=10)
     if with_eval:
         ax2 = axes[0][1]
