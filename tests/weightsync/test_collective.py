@@ -176,11 +176,12 @@ def test_a_whole_version_broadcast_receives_every_bucket_into_one_allocation(bac
     spec = _spec(receivers=1, backend=backend)
     sender, receiver = _join_all(spec)
     weights = model(3)
-    seen: dict[str, list] = {"storages": [], "tensors": {}}
+    seen: dict[str, list] = {"storages": [], "tensors": {}, "buffers": []}
 
     def receive(group: CollectiveGroup) -> None:
         for bucket, digests in receive_stream(group, time.monotonic() + 20):
             assert digests == ({} if backend == "gloo-whole" else bucket_digests(bucket, "checksum"))
+            seen["buffers"].append(bucket.buffer)  # held, so a freed bucket's memory cannot come back as the next one's
             seen["storages"].append(bucket.buffer.untyped_storage().data_ptr())
             seen["tensors"].update({n: t.clone() for n, t in unpack_bucket(bucket)})
 
