@@ -1,9 +1,10 @@
 """`serve run deploy/rlhf.yaml`: the whole system as one Ray Serve application.
 
-Owns: the application graph — engine deployment (autoscaled vLLM replicas), the trainer
-deployment (the training loop, one replica), and the HTTP gateway in front of both — and the
-trainer deployment's thin Serve surface (status, health).
-Must never: contain training logic (controller.py) or engine logic (asyncrl/generator).
+Owns: the application graph, built in one place (`build_app`) for the full app and for the
+generator alone (`deploy/generator.yaml`, `run_generator`): engine deployment (autoscaled vLLM
+replicas), the trainer deployment (the training loop, one replica; full app only), and the HTTP
+gateway in front of both; and the trainer deployment's thin Serve surface (status, health).
+Must never: contain training logic (trainer/loop.py) or engine logic (asyncrl/generator).
 """
 
 from __future__ import annotations
@@ -19,10 +20,16 @@ from asyncrl.cluster import GATEWAY_NUM_CPUS, TRAINER_NUM_CPUS, check_live_clust
 from asyncrl.config import RootConfig, load_config
 from asyncrl.generator.deployment import GeneratorEngine, engine_deployment_options
 from asyncrl.generator.gateway import GeneratorGateway
+from asyncrl.weightsync.store import STORE_NAME as WEIGHT_STORE_NAME
+from asyncrl.weightsync.store import STORE_NAMESPACE as WEIGHT_STORE_NAMESPACE
 
 log = logging.getLogger(__name__)
 
 TRAINER_DEPLOYMENT = "Trainer"
+# Top-level keys the generator-only app takes beside the config sections: the WeightStore actor late
+# replicas load from (default `asyncrl_weight_store` in namespace `asyncrl`) and the training
+# loop's status actor behind `GET /train/status`.
+GENERATOR_EXTRA_KEYS = ("weight_source", "weight_source_namespace", "status_actor", "status_namespace")
 
 
 # How long a stopping trainer may take: the step in progress finishes (its push too) within
@@ -51,7 +58,7 @@ class TrainerDeployment:
         self._task = asyncio.get_running_loop().create_task(self._main(), name="training-loop")
 
     async def _main(self) -> None:
-        from asyncrl.controller import Trainer
+        from asyncrl.trainer.loop import Trainer
         from asyncrl.trainer.parts import TrainerParts
 
         parts = None
@@ -92,7 +99,7 @@ class TrainerDeployment:
         parts = self._parts
         if parts is None:
             return
-        from asyncrl.controller import accounting_line
+        from asyncrl.trainer.loop import accounting_line
 
         try:
             counts = await asyncio.wait_for(parts.buffer.metrics.remote(), CLOSE_S)
@@ -112,26 +119,61 @@ class TrainerDeployment:
             raise RuntimeError("training loop task was cancelled")
 
 
-def build_app(cfg: RootConfig) -> serve.Application:
-    """Engines <- trainer, engines <- gateway; the gateway is the HTTP ingress."""
-    cfg.check_trainable()
+def build_app(
+    cfg: RootConfig,
+    *,
+    train: bool = True,
+    weight_source: str | None = WEIGHT_STORE_NAME,
+    weight_source_namespace: str | None = WEIGHT_STORE_NAMESPACE,
+    status_actor: str | None = None,
+    status_namespace: str | None = None,
+) -> serve.Application:
+    """The one application graph, with or without training.
+
+    `train` (the full app, `deploy/rlhf*.yaml`): engines <- trainer, engines <- gateway; the
+    gateway is the HTTP ingress and answers `/train/status` from the trainer. Without (the
+    generator alone, `deploy/generator.yaml`): engines <- gateway; `/train/status` comes from
+    `status_actor` when one is named. Late engine replicas load from `weight_source`."""
+    if train:
+        from asyncrl.trainer.checks import check_trainable
+
+        check_trainable(cfg)
+        check_live_cluster(cfg)  # a pool no node offers fails here, not as a replica pending for ever
+    # Replicas may run with another working directory: pin the model path now.
     model = cfg.model.model_copy(update={"path": str(Path(cfg.model.path).resolve())})
     cfg = cfg.model_copy(update={"model": model})
     model_d, gen_d = model.model_dump(), cfg.generator.model_dump()
-    from asyncrl.generator.app import WEIGHT_STORE_NAME, WEIGHT_STORE_NAMESPACE
-
-    check_live_cluster(cfg)  # a pool no node offers fails here, not as a replica pending for ever
-    engine = GeneratorEngine.options(**engine_deployment_options(cfg.generator)).bind(model_d, gen_d, WEIGHT_STORE_NAME, WEIGHT_STORE_NAMESPACE)
-    trainer = TrainerDeployment.options(
-        ray_actor_options={"num_cpus": TRAINER_NUM_CPUS, **cfg.trainer.pool.actor_options()},
-    ).bind(cfg.model_dump(mode="json"), engine)
+    engine = GeneratorEngine.options(**engine_deployment_options(cfg.generator)).bind(
+        model_d, gen_d, weight_source, weight_source_namespace)
+    trainer = None
+    if train:
+        trainer = TrainerDeployment.options(
+            ray_actor_options={"num_cpus": TRAINER_NUM_CPUS, **cfg.trainer.pool.actor_options()},
+        ).bind(cfg.model_dump(mode="json"), engine)
     gen = cfg.generator
     return GeneratorGateway.options(
         ray_actor_options={"num_cpus": GATEWAY_NUM_CPUS, **gen.gateway_pool.actor_options()},
+        # The gateway only awaits; its own limit must not be the bottleneck in front of the engines,
+        # whose max_ongoing/max_queued decide overload (503).
         max_ongoing_requests=max(1000, 2 * gen.autoscaling.max_replicas * gen.max_ongoing_requests + max(gen.max_queued_requests, 0)),
-    ).bind(engine, model_d, gen_d, status_source=trainer)
+    ).bind(engine, model_d, gen_d, status_actor, status_namespace, status_source=trainer)
 
 
 def app_builder(args: dict[str, Any] | None = None) -> serve.Application:
-    """Serve YAML entry point: `args` is the RootConfig mapping."""
+    """Serve YAML entry point of the full app: `args` is the RootConfig mapping."""
     return build_app(load_config(dict(args or {}), source="serve args"))
+
+
+def generator_app_builder(args: dict[str, Any] | None = None) -> serve.Application:
+    """Serve YAML entry point of the generator alone: `args` is the RootConfig mapping, optionally
+    with the top-level keys of `GENERATOR_EXTRA_KEYS`, which are not config sections."""
+    args = dict(args or {})
+    extras = {k: args.pop(k) for k in GENERATOR_EXTRA_KEYS if k in args}
+    return build_app(load_config(args, source="serve args"), train=False, **extras)
+
+
+def run_generator(cfg: RootConfig, *, name: str = "generator", route_prefix: str = "/", **kwargs: Any) -> Any:
+    """Start Serve's HTTP proxy on generator.http_host/port and deploy the generator alone (for
+    scripts and tests); returns the gateway handle. `kwargs` as `build_app`'s."""
+    serve.start(http_options={"host": cfg.generator.http_host, "port": cfg.generator.http_port})
+    return serve.run(build_app(cfg, train=False, **kwargs), name=name, route_prefix=route_prefix)

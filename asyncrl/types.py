@@ -163,3 +163,49 @@ class WeightVersion(msgspec.Struct, kw_only=True):
     committed_at: float | None = None
     replicas: list[str] = msgspec.field(default_factory=list)  # replicas that committed it
     error: str | None = None
+
+
+# Errors that cross a boundary: raised by a learner group, caught by the loop and by weightsync.
+
+
+class LearnerRankError(RuntimeError):
+    """A rank failed (or timed out) during a group call."""
+
+    def __init__(self, rank: int | None, method: str, message: str) -> None:
+        who = f"rank {rank}" if rank is not None else "learner group"
+        super().__init__(f"learner {who} failed in {method}: {message}")
+        self.rank, self.method = rank, method
+
+
+def learner_failure(err: BaseException) -> BaseException | None:
+    """The `LearnerRankError` behind `err` (its cause / context chain), if a learner rank failed."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        if isinstance(e, LearnerRankError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class Refusal(enum.Enum):
+    """Why an engine replica refused a weight-update step without touching its live weights. Errors
+    carry it as `.refusal` across Ray and Serve, so a caller matches the kind, never the message."""
+
+    VERIFY_FAILED = "verify_failed"  # the staged tensors do not hash to the fingerprint: nothing applied
+    PLAN_MISSING = "plan_missing"  # an engine-layout push for a push plan this replica does not hold
+
+
+def refusal_of(err: BaseException) -> Refusal | None:
+    """The `Refusal` behind `err`: its own `.refusal`, else its cause chain's (Ray's `.cause`, then
+    `__cause__` / `__context__`)."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        refusal = getattr(e, "refusal", None)
+        if isinstance(refusal, Refusal):
+            return refusal
+        seen.add(id(e))
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    return None

@@ -2,7 +2,7 @@
 the loaded weight, which lets a weight push copy straight into the live parameters) against vLLM's own
 prepacked oneDNN weights (false: pushes go through `reload_weights`).
 
-Each engine is our replica's own (`asyncrl.generator.engine.start_engine`, the same engine arguments)
+Each engine is our replica's own (`asyncrl.generator.vllm_engine.start_engine`, the same engine arguments)
 and runs in a fresh child process; the two settings alternate (packed, unpacked, packed, ...) so a
 noisy machine shifts both alike. A round sends the same greedy requests at a fixed concurrency and
 reports generated tokens per second. Prints one JSON object per round and a summary
@@ -34,7 +34,7 @@ async def _generate(model_path: str, unpacked: bool, num_prompts: int, concurren
 
     from asyncrl.config import GeneratorConfig, ModelConfig
     from asyncrl.data.arithmetic import ArithmeticTask
-    from asyncrl.generator.engine import start_engine
+    from asyncrl.generator.vllm_engine import start_engine
 
     llm, _ = start_engine(ModelConfig(path=model_path), GeneratorConfig(cpu_unpacked_weights=unpacked))
     prompts = [p.prompt for p in ArithmeticTask(eval_size=200).eval_split()]

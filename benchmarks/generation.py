@@ -95,7 +95,7 @@ async def direct(sections: dict, ids: list[list[int]], concurrency: int, max_tok
     from vllm.sampling_params import RequestOutputKind
 
     from asyncrl.config import GeneratorConfig, ModelConfig
-    from asyncrl.generator.engine import start_engine
+    from asyncrl.generator.vllm_engine import start_engine
 
     llm, _ = start_engine(ModelConfig(**sections["model"]), GeneratorConfig(**sections["generator"]))
     counter = iter(range(10**9))
@@ -274,7 +274,7 @@ def vllm_serve_command(args: argparse.Namespace, port: int) -> list[str]:
     """`vllm serve` with the engine options both servers share: model, dtype, context length,
     `--engine-kwargs`, and on CPU the host-memory options the replica sets there too."""
     from asyncrl.config import GeneratorConfig, ModelConfig
-    from asyncrl.generator.engine import build_engine_args
+    from asyncrl.generator.vllm_engine import build_engine_args
 
     cmd = [sys.executable, "-c", VLLM_CLI, "serve", os.path.abspath(args.model), "--port", str(port), "--served-model-name", "bench",
            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--disable-uvicorn-access-log"]
@@ -339,7 +339,7 @@ def side_asyncrl(args: argparse.Namespace, sections: dict, ids, label: str, repl
     from ray import serve
 
     from asyncrl.config import load_config
-    from asyncrl.generator.app import run_generator
+    from asyncrl.app import run_generator
     from asyncrl.generator.deployment import ENGINE_DEPLOYMENT
 
     ray.init(num_cpus=max(4, os.cpu_count() or 4), include_dashboard=False, log_to_driver=False,

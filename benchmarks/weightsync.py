@@ -238,7 +238,7 @@ class Sender:
     def send(self, bucket_mb: float, verify: str, timeout_s: float) -> dict:
         import ray
 
-        from asyncrl.weightsync.stream import send_stream
+        from asyncrl.weightsync.wire import send_stream
 
         if getattr(self, "profiling", False):
             self.profiling = False

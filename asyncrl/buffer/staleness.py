@@ -1,6 +1,6 @@
 """Staleness admission control: may another rollout start now?
 
-Owns: the counts of rollout slots by lifecycle state and the admission rule of ARCHITECTURE.md.
+Owns: the counts of rollout slots by lifecycle state and the admission rule of docs/ARCHITECTURE.md.
 Must never: hold samples, wait, or know about Ray; it is a pure counter, checked on every call.
 
 The rule, in units of samples (a GRPO rollout of one prompt with group size n reserves n slots):
@@ -9,7 +9,7 @@ The rule, in units of samples (a GRPO rollout of one prompt with group size n re
 
 where v is the learner version, B the batch size, eta the max staleness, `running` the slots
 reserved by rollouts still generating and `admitted` the samples accepted into the buffer that
-still count against the bound (trained or waiting). ARCHITECTURE.md writes the check as
+still count against the bound (trained or waiting). The team's notes write the check as
 `accepted + running < (eta + v + 1) * B` before one more sample; for n samples reserved at once
 the equivalent is `+ n <=`: the strict form with n > 1 could overshoot the bound by n - 1.
 

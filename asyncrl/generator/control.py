@@ -10,23 +10,36 @@ success when any replica failed.
 
 Scope: broadcast reaches the replicas the router knows as running when the call is made. A
 replica still starting is not reached; it loads the latest weights from the `WeightStore` in its
-constructor instead (publish to the store *before* the push so no version is missed).
+constructor instead (weightsync writes each version to the store once it is live: push.py's
+`weight_store_hook`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from asyncrl.generator.deployment import ENGINE_DEPLOYMENT, ReplicaCallError
+from asyncrl.interfaces import ENGINE_BROADCAST_VERBS, EngineAPI, verb_name
+from asyncrl.types import Refusal
 
 
 class ReplicaControlError(RuntimeError):
-    """At least one replica failed a control call; `failures` maps replica id -> message."""
+    """At least one replica failed a control call; `failures` maps replica id -> message, `refusals`
+    replica id -> `Refusal` for those that refused a weight-update step."""
 
-    def __init__(self, method: str, failures: dict[str, str], results: dict[str, Any]) -> None:
+    def __init__(self, method: str, failures: dict[str, str], results: dict[str, Any],
+                 refusals: dict[str, Refusal] | None = None) -> None:
         detail = "; ".join(f"{rid}: {msg}" for rid, msg in sorted(failures.items()))
         super().__init__(f"{method} failed on {len(failures)} replica(s): {detail}")
         self.method, self.failures, self.results = method, failures, results
+        self.refusals = dict(refusals or {})
+
+    @property
+    def refusal(self) -> Refusal | None:
+        """The refusal every failed replica gave, if they all gave the same one (else None)."""
+        kinds = {self.refusals.get(rid) for rid in self.failures}
+        return kinds.pop() if len(kinds) == 1 else None
 
 
 def _replica_error(err: BaseException) -> ReplicaCallError | None:
@@ -50,23 +63,30 @@ class EngineControl:
             handle = serve.get_deployment_handle(deployment_name, app_name=app_name)
         self.handle = handle
 
-    async def call(self, method: str, *args: Any, timeout_s: float | None = 120.0, **kwargs: Any) -> dict[str, Any]:
-        """Call `method` on every running replica; {replica_id: result}. Raises ReplicaControlError."""
+    async def call(self, verb: Callable[..., Any], *args: Any, timeout_s: float | None = 120.0,
+                   **kwargs: Any) -> dict[str, Any]:
+        """Call the control verb `verb` (by reference: `EngineAPI.pause`) on every running replica;
+        {replica_id: result}. Raises ReplicaControlError; TypeError for a verb that is not one of
+        `EngineAPI`'s ENGINE_BROADCAST_VERBS."""
+        method = verb_name(EngineAPI, verb, ENGINE_BROADCAST_VERBS)
         response = self.handle.broadcast(method, *args, **kwargs)
         outcomes = await response.results_async(timeout_s=timeout_s, return_exceptions=True)
         results: dict[str, Any] = {}
         failures: dict[str, str] = {}
+        refusals: dict[str, Refusal] = {}
         for i, outcome in enumerate(outcomes):
             if isinstance(outcome, BaseException):
                 tagged = _replica_error(outcome)
                 rid = tagged.replica_id if tagged else f"unknown-{i}"
                 failures[rid] = tagged.message if tagged else f"{type(outcome).__name__}: {outcome}"
+                if tagged is not None and tagged.refusal is not None:
+                    refusals[rid] = tagged.refusal
             elif isinstance(outcome, dict) and "replica_id" in outcome:
                 results[outcome["replica_id"]] = outcome
             else:
                 results[f"unknown-{i}"] = outcome
         if failures:
-            raise ReplicaControlError(method, failures, results)
+            raise ReplicaControlError(method, failures, results, refusals)
         return results
 
     async def wait_ready(self, timeout_s: float = 600.0, interval_s: float = 1.0) -> dict[str, Any]:
@@ -78,7 +98,7 @@ class EngineControl:
         deadline, last = time.monotonic() + timeout_s, "no running replica"
         while time.monotonic() < deadline:
             try:
-                results = await self.call("stats", timeout_s=min(60.0, timeout_s))
+                results = await self.call(EngineAPI.stats, timeout_s=min(60.0, timeout_s))
                 if results:
                     return results
             except Exception as err:  # not deployed yet, or replicas still starting
@@ -87,13 +107,13 @@ class EngineControl:
         raise TimeoutError(f"engine deployment not ready after {timeout_s}s: {last}")
 
     async def pause(self, mode: str = "keep") -> dict[str, Any]:
-        return await self.call("pause", mode)
+        return await self.call(EngineAPI.pause, mode)
 
     async def resume(self) -> dict[str, Any]:
-        return await self.call("resume")
+        return await self.call(EngineAPI.resume)
 
     async def stats(self) -> dict[str, Any]:
-        return await self.call("stats")
+        return await self.call(EngineAPI.stats)
 
     async def versions(self) -> dict[str, int]:
         return {rid: s["version"] for rid, s in (await self.stats()).items()}

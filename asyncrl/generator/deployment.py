@@ -1,7 +1,8 @@
 """The Ray Serve deployment around `EngineReplica` (transport only; the logic lives in engine.py).
 
-Owns: the replica's Serve surface (generate, generate_stream, control methods, check_health)
-and how GeneratorConfig maps onto Serve deployment options.
+Owns: the replica's Serve surface (generate, generate_stream, check_health, and the control verbs
+of `asyncrl.interfaces.EngineAPI`, each forwarded to the replica) and how GeneratorConfig maps onto
+Serve deployment options.
 
 Must never: hold logic that `EngineReplica` could hold, or swallow an error without the replica id.
 """
@@ -9,14 +10,15 @@ Must never: hold logic that `EngineReplica` could hold, or swallow an error with
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ray import serve
 
 from asyncrl.config import GeneratorConfig, ModelConfig
-from asyncrl.generator.engine import EngineReplica, PauseMode
-from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
+from asyncrl.generator.engine import EngineReplica
+from asyncrl.interfaces import ENGINE_CONTROL_VERBS, EngineAPI, verb_name
+from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult, Refusal, refusal_of
 
 ENGINE_DEPLOYMENT = "GeneratorEngine"
 
@@ -30,34 +32,38 @@ def freeze_heap() -> None:
 
 
 class ReplicaCallError(RuntimeError):
-    """A control call failed on one replica; carries the replica id across the Serve boundary."""
+    """A control call failed on one replica; carries the replica id (and the `Refusal`, when the
+    replica refused a weight-update step) across the Serve boundary."""
 
-    def __init__(self, replica_id: str, method: str, message: str) -> None:
+    def __init__(self, replica_id: str, method: str, message: str, refusal: Refusal | None = None) -> None:
         super().__init__(f"replica {replica_id}: {method} failed: {message}")
-        self.replica_id, self.method, self.message = replica_id, method, message
+        self.replica_id, self.method, self.message, self.refusal = replica_id, method, message, refusal
 
     def __reduce__(self):
-        return (ReplicaCallError, (self.replica_id, self.method, self.message))
+        return (ReplicaCallError, (self.replica_id, self.method, self.message, self.refusal))
 
 
-def _control(fn):
-    """Tag any failure of a control method with the replica id (generation errors pass as they are)."""
+def _forward(verb: Callable[..., Any]) -> Callable[..., Any]:
+    """The deployment's method for the control verb `verb` of `EngineAPI`: the replica's own, with
+    any failure tagged with the replica id (generation errors pass as they are)."""
+    name = verb_name(EngineAPI, verb, ENGINE_CONTROL_VERBS)
 
-    @functools.wraps(fn)
-    async def wrapper(self, *args, **kwargs):
+    @functools.wraps(verb)
+    async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return await fn(self, *args, **kwargs)
+            return await getattr(self.replica, name)(*args, **kwargs)
         except ReplicaCallError:
             raise
         except Exception as err:
-            raise ReplicaCallError(self.replica.replica_id, fn.__name__, f"{type(err).__name__}: {err}") from None
+            raise ReplicaCallError(self.replica.replica_id, name, f"{type(err).__name__}: {err}", refusal_of(err)) from None
 
-    return wrapper
+    return method
 
 
-@serve.deployment(name=ENGINE_DEPLOYMENT)
-class GeneratorEngine:
-    """One vLLM engine per replica. Constructor args are plain dicts so Serve YAML can carry them."""
+class _GeneratorEngine:
+    """One vLLM engine per replica. Constructor args are plain dicts so Serve YAML can carry them.
+    Its control verbs are `EngineAPI`'s, forwarded to `EngineReplica` (added below, one per verb
+    of ENGINE_CONTROL_VERBS): a new verb is written in the interface and in the replica only."""
 
     async def __init__(
         self,
@@ -91,71 +97,6 @@ class GeneratorEngine:
         async for deltas in self.replica.generate_stream(request):
             yield deltas
 
-    @_control
-    async def pause(self, mode: PauseMode = "keep") -> dict[str, Any]:
-        return await self.replica.pause(mode)
-
-    @_control
-    async def resume(self) -> dict[str, Any]:
-        return await self.replica.resume()
-
-    @_control
-    async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
-                           plan_id: str | None = None) -> dict[str, Any]:
-        return await self.replica.begin_update(version, verify, staging, layout, plan_id)
-
-    @_control
-    async def load_bucket(self, named_tensors: Any, version: int | None = None) -> dict[str, Any]:
-        return await self.replica.load_bucket(named_tensors, version)
-
-    @_control
-    async def commit_update(self, version: int, fingerprint: str) -> dict[str, Any]:
-        return await self.replica.commit_update(version, fingerprint)
-
-    @_control
-    async def abort_update(self) -> dict[str, Any]:
-        return await self.replica.abort_update()
-
-    @_control
-    async def engine_layout(self, manifest: bytes) -> dict[str, Any]:
-        return await self.replica.engine_layout(manifest)
-
-    @_control
-    async def set_push_plan(self, plan: bytes | None) -> dict[str, Any]:
-        return await self.replica.set_push_plan(plan)
-
-    @_control
-    async def collective_info(self) -> dict[str, Any]:
-        return await self.replica.collective_info()
-
-    @_control
-    async def join_collective(self, specs: list[dict[str, Any]], timeout_s: float = 120.0) -> dict[str, Any]:
-        return await self.replica.join_collective(specs, timeout_s)
-
-    @_control
-    async def leave_collective(self) -> dict[str, Any]:
-        return await self.replica.leave_collective()
-
-    @_control
-    async def sync_from_source(self) -> dict[str, Any]:
-        return await self.replica.sync_from_source()
-
-    @_control
-    async def sleep(self, level: int = 1) -> dict[str, Any]:
-        return await self.replica.sleep(level)
-
-    @_control
-    async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
-        return await self.replica.wake_up(tags)
-
-    @_control
-    async def stats(self) -> dict[str, Any]:
-        return await self.replica.stats()
-
-    @_control
-    async def live_fingerprint(self) -> dict[str, Any]:
-        return {"replica_id": self.replica.replica_id, "fingerprint": await self.replica.live_fingerprint()}
-
     async def check_health(self) -> None:
         await self.replica.check_health()
 
@@ -163,6 +104,11 @@ class GeneratorEngine:
         replica = getattr(self, "replica", None)
         if replica is not None:
             replica.shutdown()
+
+
+for _verb in ENGINE_CONTROL_VERBS:
+    setattr(_GeneratorEngine, _verb.__name__, _forward(_verb))
+GeneratorEngine = serve.deployment(name=ENGINE_DEPLOYMENT)(_GeneratorEngine)
 
 
 def engine_deployment_options(gen: GeneratorConfig) -> dict[str, Any]:

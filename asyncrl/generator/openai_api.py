@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from asyncrl.generator.episodes import EPISODE_HEADER, EpisodeError, Turn
-from asyncrl.generator.gateway import (
+from asyncrl.generator.gateway_core import (
     VERSION_HEADER,
     GatewayCore,
     HTTPError,

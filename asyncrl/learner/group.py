@@ -16,37 +16,17 @@ one python list per sample (response tokens only, in the batch's order).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, ProfilerConfig
+from asyncrl.interfaces import ROLE_VERBS, LearnerRankAPI, RoleAPI, verb_name
 from asyncrl.learner.batching import split_by_groups
 from asyncrl.learner.parallel import ParallelLayout, megatron_compute_plan
-from asyncrl.types import Sample, TrainBatch
+from asyncrl.types import LearnerRankError, Sample, TrainBatch
 
 PerToken = list[list[float]]
-
-
-class LearnerRankError(RuntimeError):
-    """A rank failed (or timed out) during a group call."""
-
-    def __init__(self, rank: int | None, method: str, message: str) -> None:
-        who = f"rank {rank}" if rank is not None else "learner group"
-        super().__init__(f"learner {who} failed in {method}: {message}")
-        self.rank, self.method = rank, method
-
-
-def learner_failure(err: BaseException) -> BaseException | None:
-    """The `LearnerRankError` behind `err` (its cause / context chain), if a learner rank failed."""
-    seen: set[int] = set()
-    e: BaseException | None = err
-    while e is not None and id(e) not in seen:
-        if isinstance(e, LearnerRankError):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
 
 
 @dataclass
@@ -186,7 +166,7 @@ class LearnerGroup:
             raise LearnerRankError(late[0], method, f"ranks {late} gave no answer within {self.call_timeout_s}s")
         return [f.result() for f in futs]
 
-    async def _compute(self, method: str, samples: list[Sample], *per_sample: Any) -> tuple[list[Any], list[list[int]]]:
+    async def _compute(self, verb: Callable[..., Any], samples: list[Sample], *per_sample: Any) -> tuple[list[Any], list[list[int]]]:
         """Megatron compute dispatch; returns (result of each DP shard, sample indices of each shard)."""
         import ray
 
@@ -196,54 +176,57 @@ class LearnerGroup:
             args = [[samples[i] for i in idx]]
             args += [None if rows is None else [rows[i] for i in idx] for rows in per_sample]
             payloads.append([ray.put(a) for a in args])
-        refs = [a.call.remote(method, *payloads[self.plan.shard_of_rank[r]]) for r, a in enumerate(self.ranks)]
+        method = verb_name(RoleAPI, verb, ROLE_VERBS)
+        refs = [a.call.remote(verb, *payloads[self.plan.shard_of_rank[r]]) for r, a in enumerate(self.ranks)]
         outs = await self._gather(method, refs)
         return [outs[r] for r in self.plan.collect_from], shards
 
-    async def _per_token(self, method: str, key: str, batch: Any, *per_sample: Any) -> PerToken:
+    async def _per_token(self, verb: Callable[..., Any], key: str, batch: Any, *per_sample: Any) -> PerToken:
         samples = _samples(batch)
-        results, shards = await self._compute(method, samples, *per_sample)
+        results, shards = await self._compute(verb, samples, *per_sample)
         out: list[Any] = [None] * len(samples)
         for res, idx in zip(results, shards):
             for i, row in zip(idx, res[key]):
                 out[i] = row
         return out
 
-    async def _all(self, method: str, *args: Any) -> list[Any]:
+    async def _all(self, verb: Callable[..., Any], *args: Any) -> list[Any]:
+        """Call the rank verb `verb` (by reference: `LearnerRankAPI.state`) on every rank."""
+        method = verb_name(LearnerRankAPI, verb)
         return await self._gather(method, [getattr(a, method).remote(*args) for a in self.ranks])
 
     # ------------------------------------------------------------------ API used by the trainer
 
     async def compute_log_prob(self, batch: TrainBatch | Sequence[Sample]) -> PerToken:
-        return await self._per_token("compute_log_prob", "logprobs", batch)
+        return await self._per_token(RoleAPI.compute_log_prob, "logprobs", batch)
 
     async def compute_entropy(self, batch: TrainBatch | Sequence[Sample]) -> PerToken:
-        return await self._per_token("compute_log_prob", "entropy", batch)
+        return await self._per_token(RoleAPI.compute_log_prob, "entropy", batch)
 
     async def compute_ref_log_prob(self, batch: TrainBatch | Sequence[Sample]) -> PerToken:
-        return await self._per_token("compute_ref_log_prob", "logprobs", batch)
+        return await self._per_token(RoleAPI.compute_ref_log_prob, "logprobs", batch)
 
     async def compute_values(self, batch: TrainBatch | Sequence[Sample]) -> PerToken:
-        return await self._per_token("compute_values", "values", batch)
+        return await self._per_token(RoleAPI.compute_values, "values", batch)
 
     async def compute_rm_score(self, batch: TrainBatch | Sequence[Sample]) -> list[float]:
-        return await self._per_token("compute_rm_score", "scores", batch)
+        return await self._per_token(RoleAPI.compute_rm_score, "scores", batch)
 
     async def update_actor(
         self, batch: TrainBatch | Sequence[Sample], advantages: PerToken, old_logprobs: PerToken,
         ref_logprobs: PerToken | None = None,
     ) -> dict[str, float]:
-        results, _ = await self._compute("update_actor", _samples(batch), advantages, old_logprobs, ref_logprobs)
+        results, _ = await self._compute(RoleAPI.update_actor, _samples(batch), advantages, old_logprobs, ref_logprobs)
         return results[0]  # metrics are already reduced over DP inside the ranks
 
     async def update_critic(self, batch: TrainBatch | Sequence[Sample], returns: PerToken, old_values: PerToken) -> dict[str, float]:
-        results, _ = await self._compute("update_critic", _samples(batch), returns, old_values)
+        results, _ = await self._compute(RoleAPI.update_critic, _samples(batch), returns, old_values)
         return results[0]
 
     async def export_hf_tensors_packed(self, bucket_mb: float, transport: str = "object_store", verify: str = "full",
                                        layout: str = "hf") -> PackedExport:
         """The export packed into host buckets by the sending ranks (engine layout: the push plan's)."""
-        outs = [o for o in await self._all("export_hf_tensors_packed", bucket_mb, transport, verify, layout) if o is not None]
+        outs = [o for o in await self._all(LearnerRankAPI.export_hf_tensors_packed, bucket_mb, transport, verify, layout) if o is not None]
         packed = PackedExport(seconds=_slowest(o["seconds"] for o in outs))
         for o in sorted(outs, key=lambda o: o["pp_rank"]):
             packed.buckets += o["buckets"]
@@ -254,25 +237,25 @@ class LearnerGroup:
 
     async def set_push_plan(self, plan: bytes | None) -> None:
         """The sending ranks pack later pushes for this push plan (weightsync/plan.py; None: HF tensors)."""
-        await self._all("set_push_plan", plan)
+        await self._all(LearnerRankAPI.set_push_plan, plan)
 
     async def collective_addresses(self) -> list[dict[str, Any]]:
         """Rendezvous addresses of the sending ranks (one per PP stage), in stage order."""
-        return sorted((a for a in await self._all("collective_address") if a is not None), key=lambda a: a["sender"])
+        return sorted((a for a in await self._all(LearnerRankAPI.collective_address) if a is not None), key=lambda a: a["sender"])
 
     async def join_collective(self, specs: list[dict[str, Any]]) -> list[str]:
-        return [g for g in await self._all("join_collective", specs) if g is not None]
+        return [g for g in await self._all(LearnerRankAPI.join_collective, specs) if g is not None]
 
     async def collective_groups(self) -> list[str]:
         """Ids of the sending ranks' broadcast groups that can still carry a push."""
-        return [g for g in await self._all("collective_group") if g is not None]
+        return [g for g in await self._all(LearnerRankAPI.collective_group) if g is not None]
 
     async def leave_collective(self) -> None:
-        await self._all("leave_collective")
+        await self._all(LearnerRankAPI.leave_collective)
 
     async def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float) -> CollectiveExport:
         """One collective push (every rank takes part in the export; senders broadcast)."""
-        outs = [o for o in await self._all("broadcast_hf_tensors", bucket_mb, verify, timeout_s) if o is not None]
+        outs = [o for o in await self._all(LearnerRankAPI.broadcast_hf_tensors, bucket_mb, verify, timeout_s) if o is not None]
         sent = CollectiveExport(seconds=_slowest(o["seconds"] for o in outs))  # stages send one after another's end
         for o in outs:
             sent.digests.update(o["digests"])
@@ -284,25 +267,25 @@ class LearnerGroup:
     async def take_host_copies(self, timeout_s: float) -> tuple[list[Any], dict[str, float]]:
         """The last broadcast's host copies (ObjectRefs, stage 0 first), once every sender kept
         them, and the slowest sender's copy-thread seconds."""
-        outs = sorted((o for o in await self._all("take_host_copies", timeout_s) if o is not None), key=lambda o: o["pp_rank"])
+        outs = sorted((o for o in await self._all(LearnerRankAPI.take_host_copies, timeout_s) if o is not None), key=lambda o: o["pp_rank"])
         return [ref for o in outs for ref in o["buckets"]], _slowest(o["seconds"] for o in outs)
 
     async def hold_device(self, parts: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """Every rank keeps `parts` (params, grads, optimizer; default all) of its offloaded state on
         the device until `release_device` (hybrid placement's learner phase); one answer per rank."""
-        return await self._all("hold_device", list(parts) if parts else None)
+        return await self._all(LearnerRankAPI.hold_device, list(parts) if parts else None)
 
     async def release_device(self, parts: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        return await self._all("release_device", list(parts) if parts else None)
+        return await self._all(LearnerRankAPI.release_device, list(parts) if parts else None)
 
     async def save_checkpoint(self, path: str) -> str:
-        return (await self._all("save_checkpoint", str(path)))[0]
+        return (await self._all(LearnerRankAPI.save_checkpoint, str(path)))[0]
 
     async def load_checkpoint(self, path: str) -> dict[str, Any]:
-        return (await self._all("load_checkpoint", str(path)))[0]
+        return (await self._all(LearnerRankAPI.load_checkpoint, str(path)))[0]
 
     async def state(self) -> list[dict[str, Any]]:
-        return await self._all("state")
+        return await self._all(LearnerRankAPI.state)
 
 
 def _slowest(per_rank: Iterable[dict[str, float]]) -> dict[str, float]:

@@ -14,16 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, ProfilerConfig
+from asyncrl.interfaces import ROLE_TRAINING_VERBS, ROLE_VERBS, RoleAPI, verb_name
 
-# Role methods the group may call; anything else is refused with a clear error.
-ROLE_METHODS = frozenset({
-    "compute_log_prob", "compute_ref_log_prob", "compute_values", "compute_rm_score",
-    "update_actor", "update_critic", "state",
-})
-_TRAINING_METHODS = frozenset({"update_actor", "update_critic"})
 
 
 class LearnerRank:
@@ -116,13 +112,16 @@ class LearnerRank:
 
     # ------------------------------------------------------------------ role calls
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run `role.method(*args)`; the answer of non-collecting ranks is None (nothing shipped)."""
+    def call(self, verb: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run the role verb `verb` (by reference: `RoleAPI.update_actor`; one of ROLE_VERBS) on this
+        rank's role; the answer of non-collecting ranks is None (nothing shipped). A verb the role
+        does not implement is refused with a clear error."""
         self._ready()
-        if method not in ROLE_METHODS or not hasattr(self.role, method):
-            raise AttributeError(f"role {self.role_name!r} has no method {method!r}")
+        method = verb_name(RoleAPI, verb, ROLE_VERBS)
+        if not hasattr(self.role, method):
+            raise AttributeError(f"role {self.role_name!r} has no verb {method!r}")
         with self._thread():
-            if method in _TRAINING_METHODS:
+            if verb in ROLE_TRAINING_VERBS:
                 with self.profiler.step():
                     return getattr(self.role, method)(*args, **kwargs)
             return getattr(self.role, method)(*args, **kwargs)

@@ -1,4 +1,4 @@
 """The training loop's parts: prompt stream, rollout workers, metrics tracking, evaluation.
 
-The loop itself is `asyncrl/controller.py`; it runs inside one Serve deployment.
+The loop itself is `loop.py` (`Trainer`); it runs inside one Serve deployment (asyncrl/app.py).
 """

@@ -3,7 +3,7 @@
 Owns: construction order (buffer actor, reward pool, learner groups, weightsync publisher,
 tracker, prompt data), the engine-facing adapters (generate through the Serve handle, greedy
 evaluation, weight publication), checkpoint save/restore of the whole run, and shutdown.
-Must never: decide the order of a training step (controller.py does), or hand a component
+Must never: decide the order of a training step (trainer/loop.py does), or hand a component
 another component's config section.
 """
 

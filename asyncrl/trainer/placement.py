@@ -14,7 +14,7 @@ the device together, never the KV cache as well. Requests that arrive while engi
 the engine (a sleeping replica never runs a step); requests that were running are preempted and
 recompute after the wake, on the new weights, so their per-token versions show the switch.
 
-Must never: decide the order of a training step (controller.py), reach into engine or learner
+Must never: decide the order of a training step (trainer/loop.py), reach into engine or learner
 internals (it calls the generator's sleep / wake_up and the learner groups' hold / release only),
 or leave engines asleep after a failed push (the wake runs in `finally`).
 """
@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from asyncrl.config import HybridConfig
+from asyncrl.interfaces import EngineAPI
 
 Publish = Callable[[], Awaitable[dict[str, float]]]
 GIB = float(2**30)
@@ -40,7 +41,7 @@ class HybridError(RuntimeError):
 class Engines(Protocol):
     """What placement needs of the engine deployment (`asyncrl.generator.control.EngineControl`)."""
 
-    async def call(self, method: str, *args: Any, timeout_s: float | None = 120.0) -> dict[str, Any]: ...
+    async def call(self, verb: Callable[..., Any], *args: Any, timeout_s: float | None = 120.0) -> dict[str, Any]: ...
 
     async def wait_ready(self, timeout_s: float = 600.0) -> dict[str, Any]: ...
 
@@ -87,11 +88,12 @@ class Colocation:
     def _groups(self) -> list[Learners]:
         return [self.exporter, *self.others]
 
-    async def _engines(self, method: str, *args: Any) -> dict[str, Any]:
-        return await self.engines.call(method, *args, timeout_s=self.cfg.timeout_s)
+    async def _engines(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
+        return await self.engines.call(verb, *args, timeout_s=self.cfg.timeout_s)
 
-    async def _each(self, op: str, parts: Sequence[str] | None, groups: Sequence[Learners]) -> list[dict[str, Any]]:
-        answers = await asyncio.gather(*(getattr(g, op)(parts) for g in groups))
+    @staticmethod
+    async def _each(op: Callable[[Learners], Awaitable[list[dict[str, Any]]]], groups: Sequence[Learners]) -> list[dict[str, Any]]:
+        answers = await asyncio.gather(*(op(g) for g in groups))
         return [a for per_group in answers for a in per_group]
 
     async def start(self) -> None:
@@ -101,16 +103,16 @@ class Colocation:
         if unable or not stats:
             detail = "; ".join(f"{rid}: {why}" for rid, why in sorted(unable.items())) or "no running engine replica"
             raise HybridError(f"hybrid placement needs engines that can sleep: {detail}")
-        await self._each("hold_device", None, self._groups)  # brings nothing back: nothing is away yet
-        await self._each("release_device", None, self._groups)  # the last hold gone: flagged state to host
+        await self._each(lambda g: g.hold_device(), self._groups)  # brings nothing back: nothing is away yet
+        await self._each(lambda g: g.release_device(), self._groups)  # the last hold gone: flagged state to host
 
     async def to_learner(self) -> dict[str, float]:
         """Engines sleep (their running requests preempted, kept), then the learner's state comes to its device."""
         self._expect(Phase.GENERATING, "to_learner")
         t0 = self.clock()
-        await self._engines("sleep", self.cfg.engine_sleep_level)
+        await self._engines(EngineAPI.sleep, self.cfg.engine_sleep_level)
         t1 = self.clock()
-        held = await self._each("hold_device", None, self._groups)
+        held = await self._each(lambda g: g.hold_device(), self._groups)
         self.phase = Phase.LEARNING
         metrics = {"hybrid/engine_sleep_s": t1 - t0, "hybrid/learner_onload_s": self.clock() - t1}
         if held:  # what the learner has to itself on its devices while it trains
@@ -125,15 +127,15 @@ class Colocation:
         metrics: dict[str, float] = {}
         try:
             await asyncio.gather(self.exporter.release_device(["grads", "optimizer"]),
-                                 self._each("release_device", None, self.others))
-            await self._engines("wake_up", ["weights"])
+                                 self._each(lambda g: g.release_device(), self.others))
+            await self._engines(EngineAPI.wake_up, ["weights"])
             self.phase = Phase.SYNCING
             t1 = self.clock()
             metrics |= await publish()
             t2 = self.clock()
         finally:
             released = await self.exporter.release_device(["params"])
-            await self._engines("wake_up", ["kv_cache"])
+            await self._engines(EngineAPI.wake_up, ["kv_cache"])
             self.phase = Phase.GENERATING
             self.switches += 1
         metrics |= {"hybrid/engine_wake_s": (t1 - t0) + (self.clock() - t2), "hybrid/switches": float(self.switches)}

@@ -1,6 +1,6 @@
 """`asyncrl status [URL]`: the trainer's `/train/status` snapshot as a few terminal lines.
 
-Owns: the text form of a status snapshot (`Trainer.status()` in asyncrl/controller.py) and
+Owns: the text form of a status snapshot (`Trainer.status()` in trainer/loop.py) and
 fetching it over HTTP. Must never: change the snapshot's meaning (every number shown is one the
 snapshot holds) or need more than the standard library (it runs on any machine that can reach the API).
 """

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.types import WeightUpdateState
+from asyncrl.types import Refusal, WeightUpdateState, refusal_of
 from asyncrl.weightsync.bucket import Bucket
 from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.metrics import PushMetrics
@@ -81,11 +81,13 @@ class WeightsyncError(RuntimeError):
     """A push failed. Names the step and the replica(s); the version is FAILED, not live."""
 
     def __init__(self, message: str, *, version: int, step: Step, replicas: Sequence[str] = (),
-                 out_of_service: Sequence[str] = (), metrics: dict[str, float] | None = None) -> None:
+                 out_of_service: Sequence[str] = (), metrics: dict[str, float] | None = None,
+                 refusals: dict[str, Refusal] | None = None) -> None:
         super().__init__(message)
         self.version, self.step = version, step
         self.replicas, self.out_of_service = list(replicas), list(out_of_service)
         self.metrics = metrics or {}
+        self.refusals = dict(refusals or {})  # replica client -> why it refused, where it did
 
     @property
     def replica(self) -> str | None:
@@ -420,8 +422,9 @@ class Publisher:
         self._reg("transition", version, S.FAILED, error=message)
         m.failed = True
         self.totals["pushes_failed_total"] += 1
+        refusals = {name: r for name, e in f.failures.items() if (r := refusal_of(e)) is not None}
         return WeightsyncError(message, version=version, step=f.step, replicas=sorted(f.failures),
-                               out_of_service=f.out_of_service, metrics=self._finish(m, version))
+                               out_of_service=f.out_of_service, metrics=self._finish(m, version), refusals=refusals)
 
     async def _went_live(self, version: int, fingerprint: str, source: "BucketSource | StreamedSource", m: PushMetrics) -> list[str]:
         if isinstance(source, StreamedSource):  # its host copy is still being made: keep it in the background

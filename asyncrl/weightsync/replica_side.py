@@ -8,8 +8,9 @@ once into a shared file), a `CollectiveReceive` (the workers receive from the se
 ranks themselves), loose named tensors (tests, tools: packed into shared files here), each
 optionally wrapped in `WithDigests` (the sender's digests, for bucketed staging).
 
-The workers are reached through `rpc(method, *args, timeout=None)` -> one result per worker
-(vLLM's `collective_rpc`; the methods are vllm_worker.py's `asyncrl_*`).
+The workers are reached through `rpc(verb, *args, timeout=None)` -> one result per worker, the
+verb one of `asyncrl.interfaces.WorkerAPI` by reference (vllm_worker.py implements them; the
+replica's `_rpc` calls vLLM's `collective_rpc`).
 
 Must never: apply a staged version whose fingerprint differs, or touch the version label.
 """
@@ -23,6 +24,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.interfaces import WorkerAPI, verb_name
+from asyncrl.types import Refusal
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
 
@@ -33,9 +36,13 @@ class PlanMissing(ValueError):
     """An engine-layout push for a plan this replica does not hold (it started later): the
     publisher forms the plan again."""
 
+    refusal = Refusal.PLAN_MISSING
+
 
 class FingerprintMismatch(ValueError):
     """The staged tensors do not hash to the committed fingerprint; nothing was applied."""
+
+    refusal = Refusal.VERIFY_FAILED
 
 
 @dataclass(frozen=True)
@@ -76,16 +83,16 @@ class ReplicaStaging:
 
     # ---- layout and plan ---------------------------------------------------------------------
     async def check_layout(self) -> list[dict[str, Any]]:
-        self.layout_report = list(await self.rpc("asyncrl_check_layout", timeout=600.0))
+        self.layout_report = list(await self.rpc(WorkerAPI.asyncrl_check_layout, timeout=600.0))
         return self.layout_report
 
     async def layouts(self, manifest: bytes) -> list[bytes]:
-        return list(await self.rpc("asyncrl_layout", manifest, timeout=600.0))
+        return list(await self.rpc(WorkerAPI.asyncrl_layout, manifest, timeout=600.0))
 
     async def set_plan(self, plan: bytes | None) -> str | None:
         """Hand the workers a push plan (pickled); each checks its own layout is the plan's."""
         self.plan_id = None
-        ids = set(await self.rpc("asyncrl_set_plan", plan, timeout=600.0))
+        ids = set(await self.rpc(WorkerAPI.asyncrl_set_plan, plan, timeout=600.0))
         if len(ids) != 1:
             raise ValueError(f"workers disagree on the push plan: {sorted(map(str, ids))}")
         self.plan_id = ids.pop()
@@ -96,7 +103,7 @@ class ReplicaStaging:
                     plan_id: str | None = None) -> None:
         if layout == "engine" and (self.plan_id is None or (plan_id is not None and plan_id != self.plan_id)):
             raise PlanMissing(f"an engine-layout push for plan {plan_id} but this replica holds plan {self.plan_id}")
-        await self.rpc("asyncrl_begin_update", version, verify, staging, layout)
+        await self.rpc(WorkerAPI.asyncrl_begin_update, version, verify, staging, layout)
         self.version, self.layout, self.staging = version, layout, staging
         self._per_worker = []
 
@@ -118,13 +125,13 @@ class ReplicaStaging:
         if isinstance(payload, CollectiveReceive):
             if payload.version != version:
                 raise ValueError(f"collective push of version {payload.version}, staging {version}")
-            results = await self.rpc("asyncrl_receive_collective", version, list(payload.group_ids), payload.timeout_s,
+            results = await self.rpc(WorkerAPI.asyncrl_receive_collective, version, list(payload.group_ids), payload.timeout_s,
                                      timeout=payload.timeout_s + 30.0)
             self._per_worker = [dict(r) for r in results]
         else:
             async for shared, owned in _as_shared(payload):
                 try:
-                    self._merge(await self.rpc("asyncrl_stage_file", version, shared.wire(), expected))
+                    self._merge(await self.rpc(WorkerAPI.asyncrl_stage_file, version, shared.wire(), expected))
                 finally:
                     if owned:  # written here; the workers hold their own mappings now
                         shared.unlink()
@@ -152,16 +159,16 @@ class ReplicaStaging:
                                           f"staged tensors hash to {actual[:24]}")
         return fingerprint
 
-    async def apply(self, version: int, before: str | None = None) -> dict[str, Any]:
-        """Apply the staged version on every worker. `before`: a worker method (no arguments)
+    async def apply(self, version: int, before: Callable[..., Any] | None = None) -> dict[str, Any]:
+        """Apply the staged version on every worker. `before`: a `WorkerAPI` verb (no arguments)
         each worker calls first, in the same round trip (the engine reads its paused state so);
         its results, one per worker, come back as "before"."""
         t = time.perf_counter()
         try:
             if before is None:
-                results, first = await self.rpc("asyncrl_apply", version, timeout=600.0), []
+                results, first = await self.rpc(WorkerAPI.asyncrl_apply, version, timeout=600.0), []
             else:
-                pairs = await self.rpc("asyncrl_apply_after", version, before, timeout=600.0)
+                pairs = await self.rpc(WorkerAPI.asyncrl_apply_after, version, verb_name(WorkerAPI, before), timeout=600.0)
                 first, results = [p[0] for p in pairs], [p[1] for p in pairs]
         finally:
             self.version, self._per_worker = None, []
@@ -170,7 +177,7 @@ class ReplicaStaging:
                 "rpc_seconds": time.perf_counter() - t, "before": first}
 
     async def abort(self) -> None:
-        await self.rpc("asyncrl_abort_update")
+        await self.rpc(WorkerAPI.asyncrl_abort_update)
         self.version, self._per_worker = None, []
 
 

@@ -1,8 +1,8 @@
 """The publisher's view of one engine replica: the update steps it calls, nothing else.
 
-Owns: the `ReplicaClient` protocol (the generator's documented update interface, made async)
-and `ActorReplica`, the adapter for a Ray actor handle or a Serve replica handle whose methods
-carry the generator's names.
+Owns: the `ReplicaClient` protocol (the update verbs of `asyncrl.interfaces.EngineAPI`, the
+part of the engine's interface a push needs) and `ActorReplica`, the adapter for a Ray actor
+handle or a Serve replica handle that implements `EngineAPI`.
 
 The contract weightsync relies on (generator side):
   pause(mode)                     stop scheduling; "keep" keeps in-flight requests' KV
@@ -10,7 +10,7 @@ The contract weightsync relies on (generator side):
                                   drop any staged copy; start staging `version`, hashing each
                                   bucket as it arrives in `verify` mode (full | sampled | checksum | off);
                                   layout "engine" (buckets of push plan `plan_id`, copied into the
-                                  parameters; a replica without that plan refuses: PlanMissing) or
+                                  parameters; a replica without that plan refuses: Refusal.PLAN_MISSING) or
                                   "hf" (reloaded); staging "full" or "bucketed" (apply each bucket
                                   once it matches the sender's digests that come with it)
   load_bucket(bucket, version)    stage one `Bucket` (the transport payload: for the object store
@@ -19,8 +19,8 @@ The contract weightsync relies on (generator side):
                                   never touches live weights
   commit_update(version, fp)      verify the staged tensors hash to `fp` ("<mode>:<hex>") FIRST, then apply them
                                   in place and relabel the version; a fingerprint mismatch must
-                                  raise before anything is applied (its message contains
-                                  "fingerprint mismatch"), any later error may leave the
+                                  raise before anything is applied (an error whose `.refusal`,
+                                  or its cause's, is Refusal.VERIFY_FAILED), any later error may leave the
                                   weights partially applied. A replica not paused by the caller
                                   pauses for the apply itself and resumes after it (a failed
                                   apply leaves it paused until `resume`)
@@ -37,7 +37,11 @@ Must never: retry, time out or order calls (push.py does all three).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
+
+from asyncrl.interfaces import EngineAPI, verb_name
+from asyncrl.types import Refusal, refusal_of
 
 
 @runtime_checkable
@@ -68,42 +72,37 @@ class ActorReplica:
         self.handle = handle
         self.name = name
 
-    async def _call(self, method: str, *args: Any) -> Any:
-        return await getattr(self.handle, method).remote(*args)
+    async def _call(self, verb: Callable[..., Any], *args: Any) -> Any:
+        return await getattr(self.handle, verb_name(EngineAPI, verb)).remote(*args)
 
     async def pause(self, mode: str) -> Any:
-        return await self._call("pause", mode)
+        return await self._call(EngineAPI.pause, mode)
 
     async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
                            plan_id: str | None = None) -> Any:
-        return await self._call("begin_update", version, verify, staging, layout, plan_id)
+        return await self._call(EngineAPI.begin_update, version, verify, staging, layout, plan_id)
 
     async def load_bucket(self, payload: Any, version: int) -> Any:
         # The payload goes as a top-level argument so Ray resolves an ObjectRef before the call.
-        return await self._call("load_bucket", payload, version)
+        return await self._call(EngineAPI.load_bucket, payload, version)
 
     async def commit_update(self, version: int, fingerprint: str) -> Any:
-        return await self._call("commit_update", version, fingerprint)
+        return await self._call(EngineAPI.commit_update, version, fingerprint)
 
     async def abort_update(self) -> Any:
-        return await self._call("abort_update")
+        return await self._call(EngineAPI.abort_update)
 
     async def resume(self) -> Any:
-        return await self._call("resume")
+        return await self._call(EngineAPI.resume)
 
     def __repr__(self) -> str:
         return f"ActorReplica({self.name!r})"
 
 
 def is_verify_failure(exc: BaseException) -> bool:
-    """A commit that failed its fingerprint check applied nothing (generator contract above)."""
-    text = f"{type(exc).__name__}: {exc}"
-    return "FingerprintMismatch" in text or "fingerprint mismatch" in text
-
-
-def is_plan_missing(exc: BaseException) -> bool:
-    """A replica refused an engine-layout push for a plan it does not hold (it started later)."""
-    return "PlanMissing" in f"{type(exc).__name__}: {exc}"
+    """A commit that failed its fingerprint check applied nothing (generator contract above): the
+    replica refused it with `Refusal.VERIFY_FAILED`."""
+    return refusal_of(exc) is Refusal.VERIFY_FAILED
 
 
 def is_replica_dead(exc: BaseException) -> bool:

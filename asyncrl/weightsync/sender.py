@@ -130,7 +130,7 @@ class SenderEndpoint:
         import ray
 
         from asyncrl.weightsync.collective import CollectiveError
-        from asyncrl.weightsync.stream import send_stream
+        from asyncrl.weightsync.wire import send_stream
 
         tensors = iter(tensors)
         group = self.group

@@ -24,7 +24,7 @@ it. A replica that starts during a push loads the store's live version in its co
 the next push brings it forward; its tokens carry that version, so the buffer's staleness rule
 sees it.
 
-Must never: sequence a training step (controller.py), or let a version go live that a running
+Must never: sequence a training step (trainer/loop.py), or let a version go live that a running
 replica did not commit (push.py enforces it).
 """
 
@@ -39,6 +39,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from asyncrl.config import WeightsyncConfig
+from asyncrl.interfaces import EngineAPI
+from asyncrl.types import Refusal, learner_failure
 from asyncrl.weightsync.push import Publisher, weight_store_hook
 from asyncrl.weightsync.registry import VersionRegistry
 from asyncrl.weightsync.replicas import ActorReplica
@@ -52,8 +54,8 @@ REGISTRY_ACTOR = "asyncrl_weightsync"
 class DeploymentReplicas(ActorReplica):
     """`ReplicaClient` for every running replica of the engine deployment, one broadcast per step
     (the update steps are ActorReplica's; only how a call reaches the replicas differs).
-    `control` fans a call out (`await control.call(method, *args, timeout_s=...)` -> {replica id:
-    result}: the generator's EngineControl)."""
+    `control` fans a verb out (`await control.call(EngineAPI.pause, *args, timeout_s=...)` ->
+    {replica id: result}: the generator's EngineControl)."""
 
     def __init__(self, control: Any, timeout_s: float, name: str = "engines") -> None:
         super().__init__(getattr(control, "handle", None), name)
@@ -65,8 +67,8 @@ class DeploymentReplicas(ActorReplica):
         """Engine replicas the last call reached (2 before any: not known to be one)."""
         return len(self.last_results) if self.last_results else 2
 
-    async def _call(self, method: str, *args: Any) -> dict[str, Any]:
-        self.last_results = await self.control.call(method, *args, timeout_s=self.timeout_s)
+    async def _call(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
+        self.last_results = await self.control.call(verb, *args, timeout_s=self.timeout_s)
         return self.last_results
 
 
@@ -131,8 +133,8 @@ class WeightPublisher:
             self.link = CollectiveLink(
                 transport.backend, self.learner, bucket_mb=self.cfg.bucket_mb, timeout_s=self.cfg.timeout_s,
                 ipc_window=ipc_window_for(self.cfg.staging),
-                members=lambda: control.call("collective_info", timeout_s=self.cfg.timeout_s),
-                join=lambda wire: control.call("join_collective", wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
+                members=lambda: control.call(EngineAPI.collective_info, timeout_s=self.cfg.timeout_s),
+                join=lambda wire: control.call(EngineAPI.join_collective, wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
             )
         # The seed (and, for collective transports, every host copy) lives in the object store.
         export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, _put_kind(transport), self.cfg.verify)
@@ -160,7 +162,7 @@ class WeightPublisher:
         if self.cfg.apply == "reload":
             problem = "weightsync.apply is 'reload'"
         else:
-            answers = await self.replicas.control.call("engine_layout", dump_manifest(self.manifest),
+            answers = await self.replicas.control.call(EngineAPI.engine_layout, dump_manifest(self.manifest),
                                                         timeout_s=max(600.0, self.cfg.timeout_s))
             per_replica: dict[str, list[EngineLayout]] = {
                 rid: [pickle.loads(b) for b in a["layouts"]] for rid, a in answers.items()}
@@ -178,7 +180,7 @@ class WeightPublisher:
         if plan is None and self.cfg.apply == "direct":
             raise PlanError(f"weightsync.apply is 'direct' but no push plan can be made: {problem}")
         blob = pickle.dumps(plan) if plan is not None else None
-        await asyncio.gather(self.replicas.control.call("set_push_plan", blob, timeout_s=max(600.0, self.cfg.timeout_s)),
+        await asyncio.gather(self.replicas.control.call(EngineAPI.set_push_plan, blob, timeout_s=max(600.0, self.cfg.timeout_s)),
                              self.learner.set_push_plan(blob))
         self.plan, self.plan_problem = plan, problem
         self.publisher.set_plan(plan)
@@ -211,7 +213,6 @@ class WeightPublisher:
         version) when the export itself failed or recovery ran out."""
         if self.publisher is None:
             raise RuntimeError("WeightPublisher.start() was not called")
-        from asyncrl.learner.group import learner_failure
         from asyncrl.weightsync.push import Step, WeightsyncError
 
         deadline = time.monotonic() + self.cfg.recovery_s
@@ -230,7 +231,7 @@ class WeightPublisher:
                     # from a checkpoint) is not the engines' to recover: retrying would spin until
                     # recovery_s, so it goes up at once.
                     raise
-                if "PlanMissing" in str(err):  # a replica that started later: form the plan with it
+                if Refusal.PLAN_MISSING in err.refusals.values():  # a replica that started later: form the plan with it
                     await self.form_plan()
                 recoveries += 1
                 log.warning("weightsync: push of version %d failed (%s); pushing again once the engine replicas "
@@ -249,7 +250,7 @@ class WeightPublisher:
         if self.link is None:
             return False
         try:
-            return not await self.replicas.control.call("check_health", timeout_s=min(30.0, self.cfg.timeout_s))
+            return not await self.replicas.control.call(EngineAPI.check_health, timeout_s=min(30.0, self.cfg.timeout_s))
         except Exception:
             return True
 
@@ -261,7 +262,7 @@ class WeightPublisher:
         while True:
             try:
                 timeout = max(1.0, min(self.cfg.timeout_s, deadline - time.monotonic()))
-                if await self.replicas.control.call("check_health", timeout_s=timeout):
+                if await self.replicas.control.call(EngineAPI.check_health, timeout_s=timeout):
                     return
                 problem: object = "no running replica"
             except Exception as err:  # a dead or starting replica: wait for Serve to settle

@@ -1,11 +1,12 @@
 """One push on a gloo / NCCL group (collective.py's `CollectiveGroup`): the sender's loop and the
-receiver's, and the helpers the ipc transport (ipc.py) shares with them.
+receiver's, and the helpers the ipc transport (ipc.py) shares with them. wire.py picks this or ipc.py
+by the group's backend.
 
 Owns: the wire protocol of one push (per bucket: a 3 x int64 header, the tensor table as JSON
-bytes with the sender's digests, the bucket buffer; then an end or abort header), `send_stream`
+bytes with the sender's digests, the bucket buffer; then an end or abort header), `broadcast_send_stream`
 (the sender's loop: pack on the tensors' device, in the engines' layout with a plan; hash in the
 verify mode; broadcast; start the host copy (hostcopy.py: made off the critical path, collected
-by the publisher while replicas commit)) and `receive_stream` (the receiver's loop: allocate on
+by the publisher while replicas commit)) and `broadcast_receive_stream` (the receiver's loop: allocate on
 its device, receive, hand each bucket on with the sender's digests).
 
 With `ipc_window` 0 (weightsync.staging full: the receivers stage the whole version anyway) the
@@ -85,18 +86,13 @@ def pack_stream(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, devi
     return PlannedPacker(plan, sender, device, buffer, host_numpy=False).pack(named_tensors)
 
 
-def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
-                verify: str, timeout_s: float, keep: Callable[[Bucket], Any] | None = None,
-                plan: Any = None, sender: int = 0) -> SendResult:
+def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
+                          verify: str, timeout_s: float, keep: Callable[[Bucket], Any] | None = None,
+                          plan: Any = None, sender: int = 0) -> SendResult:
     """The sender's loop for one push: bucket the stream on the tensors' device (in the engines'
     layout with a `plan`), hash each bucket (its digests go in band, before its bytes), send it,
     and start its host copy (`keep` is called with each finished copy, off the critical path).
     If the stream fails, the receivers are told (abort header) before the error propagates."""
-    if group.spec.backend == "ipc":
-        from asyncrl.weightsync.ipc import ipc_send_stream
-
-        return ipc_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=keep,
-                               plan=plan, sender=sender)
     deadline = time.monotonic() + timeout_s
     out = SendResult()
     whole = group.spec.ipc_window == 0  # every bucket kept until the broadcasts end: no limit on copies in flight
@@ -239,15 +235,10 @@ class Export:
             yield bucket
 
 
-def receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
+def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
     """The receiver's loop for one push on one group: yields each bucket (its buffer on this
     member's device) with the sender's digests of it, until the sender's end header. Raises
     SenderAborted on an abort header."""
-    if group.spec.backend == "ipc":
-        from asyncrl.weightsync.ipc import ipc_receive_stream
-
-        yield from ipc_receive_stream(group, deadline)
-        return
     while True:
         header = torch.empty(3, dtype=torch.int64, device=group.device)
         group.broadcast(header, deadline)

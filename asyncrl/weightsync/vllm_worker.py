@@ -283,7 +283,7 @@ class WeightsyncWorkerExtension:
         """Stage every bucket of `version` from the groups `group_ids` (in order), each straight
         into this worker's memory; returns the digests staged."""
         from asyncrl.weightsync.collective import CollectiveError
-        from asyncrl.weightsync.stream import receive_stream
+        from asyncrl.weightsync.wire import receive_stream
 
         groups = self.__dict__.get("_asyncrl_groups", {})
         deadline = time.monotonic() + timeout_s

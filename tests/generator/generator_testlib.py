@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.interfaces import EngineAPI
 from asyncrl.weightsync.store import load_hf_tensors
 
 ADMIN_TOKEN = "test-admin-token"
@@ -63,11 +64,11 @@ def form_push_plan(control, tensors: dict[str, torch.Tensor], bucket_mb: float =
     from asyncrl.weightsync.replica_side import dump_manifest
 
     manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
-    answers = asyncio.run(control.call("engine_layout", dump_manifest(manifest)))
+    answers = asyncio.run(control.call(EngineAPI.engine_layout, dump_manifest(manifest)))
     layouts = [pickle.loads(b) for b in next(iter(answers.values()))["layouts"]]
     assert not any(lay.problem for lay in layouts), [lay.problem for lay in layouts]
     plan = build_plan(manifest, layouts, bucket_mb)
-    asyncio.run(control.call("set_push_plan", pickle.dumps(plan)))
+    asyncio.run(control.call(EngineAPI.set_push_plan, pickle.dumps(plan)))
     return plan
 
 
@@ -95,9 +96,9 @@ def push_by_steps(control, version: int, tensors: dict[str, torch.Tensor], finge
     import asyncio
 
     try:
-        asyncio.run(control.call("begin_update", version))
-        asyncio.run(control.call("load_bucket", tensors, version))
-        return asyncio.run(control.call("commit_update", version, fingerprint))
+        asyncio.run(control.call(EngineAPI.begin_update, version))
+        asyncio.run(control.call(EngineAPI.load_bucket, tensors, version))
+        return asyncio.run(control.call(EngineAPI.commit_update, version, fingerprint))
     except BaseException:
-        asyncio.run(control.call("abort_update"))
+        asyncio.run(control.call(EngineAPI.abort_update))
         raise

@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from asyncrl.config import load_config
-from asyncrl.generator.app import run_generator
+from asyncrl.app import run_generator
 from asyncrl.generator.control import EngineControl
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from asyncrl.weightsync.store import WeightStore

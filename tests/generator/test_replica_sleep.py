@@ -13,6 +13,7 @@ import pytest
 
 from asyncrl.config import GeneratorConfig, ModelConfig
 from asyncrl.generator.engine import EngineReplica, ReplicaState, WeightUpdateError
+from asyncrl.generator.version_source import EngineStamps
 from asyncrl.weightsync.fingerprint import combine_digests
 
 NOTHING = combine_digests({}, "off")  # the fingerprint of an update that staged no tensors
@@ -58,6 +59,7 @@ class Engine:
 def replica(log: list, **kw) -> EngineReplica:
     r = EngineReplica(ModelConfig(path="unused"), GeneratorConfig(), replica_id="r1")
     r.llm, r.state = Engine(log, **kw), ReplicaState.READY
+    r._versions = EngineStamps(r.llm, r.counters, lambda: r.version)  # what start() picks: the stand-in stamps
     r._sleep_unsupported = lambda: None  # the stand-in "supports" sleep
     return r
 

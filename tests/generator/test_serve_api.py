@@ -16,9 +16,10 @@ import httpx
 import openai
 import pytest
 
+from asyncrl.app import run_generator
 from asyncrl.config import load_config
-from asyncrl.generator.app import run_generator
 from asyncrl.generator.control import EngineControl, ReplicaControlError
+from asyncrl.interfaces import EngineAPI
 from asyncrl.types import SampleStatus
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from generator_testlib import (
@@ -550,9 +551,9 @@ def test_request_in_flight_across_an_update_reports_both_versions(gen, demo_mode
         w2 = perturbed_weights(demo_model_path, seed=2)
         asyncio.run(control.pause("keep"))
         try:
-            asyncio.run(control.call("begin_update", 2))
-            asyncio.run(control.call("load_bucket", w2, 2))
-            asyncio.run(control.call("commit_update", 2, tensor_fingerprint(w2)))
+            asyncio.run(control.call(EngineAPI.begin_update, 2))
+            asyncio.run(control.call(EngineAPI.load_bucket, w2, 2))
+            asyncio.run(control.call(EngineAPI.commit_update, 2, tensor_fingerprint(w2)))
         finally:
             asyncio.run(control.resume())
         r = fut.result(timeout=120)

@@ -208,7 +208,7 @@ async def _greedy_across_a_commit(model_path, tracking: str) -> tuple[list[int],
     model = ModelConfig(path=str(model_path), max_model_len=256, dtype="float32")
     replica = EngineReplica(model, GeneratorConfig(), version_tracking=tracking)
     await replica.start()
-    mode = "ledger" if replica._ledger is not None else "engine"
+    mode = replica._versions.name
     prompt, total = [1, 2, 3, 4, 5], 200
     try:
         old_weights = load_hf_tensors(str(model_path))

@@ -14,7 +14,8 @@ import ray
 import torch
 
 from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig
-from asyncrl.learner.group import LearnerGroup, LearnerRankError
+from asyncrl.learner.group import LearnerGroup
+from asyncrl.types import LearnerRankError
 from tests.learner._data import VOCAB, advantages, hf_logprobs, make_samples, max_diff, run, with_behavior
 from tests.learner._device import assert_placement, num_gpus_per_rank, placement
 

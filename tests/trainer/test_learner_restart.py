@@ -10,9 +10,8 @@ import types
 import pytest
 
 from asyncrl.config import RootConfig
-from asyncrl.controller import Trainer
-from asyncrl.learner.group import learner_failure
-from asyncrl.learner.group import LearnerRankError
+from asyncrl.trainer.loop import Trainer
+from asyncrl.types import LearnerRankError, learner_failure
 from asyncrl.weightsync.push import Step, WeightsyncError
 
 

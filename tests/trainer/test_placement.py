@@ -16,8 +16,8 @@ class Engines:
     def __init__(self, log: list, stats: dict | None = None) -> None:
         self.log, self._stats = log, stats if stats is not None else {"r1": {"sleep_unsupported": None}}
 
-    async def call(self, method, *args, timeout_s=None):
-        self.log.append(("engines", method, *args))
+    async def call(self, verb, *args, timeout_s=None):
+        self.log.append(("engines", verb.__name__, *args))
         return {"r1": {"replica_id": "r1"}}
 
     async def wait_ready(self, timeout_s=600.0):

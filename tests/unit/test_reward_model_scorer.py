@@ -12,6 +12,7 @@ import pytest
 from asyncrl.config import AlgorithmConfig, ConfigError, LearnerConfig, ModelConfig, RewardConfig, load_config
 from asyncrl.rewards.model import ModelRewards, RewardModelError, check_reward_model
 from asyncrl.types import SampleStatus
+from asyncrl.trainer.checks import check_trainable
 
 
 class ScriptedGroup:
@@ -128,13 +129,13 @@ def test_config_names_what_is_missing_or_wrong(demo_model_path, tmp_path):
     agent = load_config({"reward": {"kind": "model", "model": {"path": str(demo_model_path)}},
                          "rollout": {"kind": "agent", "function": "asyncrl.agents.arithmetic:two_step"}})
     with pytest.raises(ConfigError, match="returns each episode's reward"):
-        agent.check_trainable()
+        check_trainable(agent)
     # The policy's own directory: a causal LM, no score head.
     cfg = load_config({"reward": {"kind": "model", "model": {"path": str(demo_model_path)}}})
     with pytest.raises(ConfigError, match="reward.model.path: .*has no score.weight"):
-        cfg.check_trainable()
+        check_trainable(cfg)
     with pytest.raises(ConfigError, match="reward.eval_function 'nope:f'"):
-        load_config({"reward": {"eval_function": "nope:f"}}).check_trainable()
+        check_trainable(load_config({"reward": {"eval_function": "nope:f"}}))
 
 
 def test_check_reward_model_wants_an_hf_directory(tmp_path, demo_model_path):

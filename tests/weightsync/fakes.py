@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.types import Refusal
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, unpack_bucket
 from asyncrl.weightsync.fingerprint import bucket_digests, tensor_fingerprint
 from asyncrl.weightsync.replica_side import WithDigests
@@ -15,7 +16,9 @@ from asyncrl.weightsync.transport import LocalTransport
 
 
 class Fault(Exception):
-    pass
+    def __init__(self, message: str, refusal: Refusal | None = None) -> None:
+        super().__init__(message)
+        self.refusal = refusal
 
 
 @dataclass
@@ -83,7 +86,7 @@ class FakeReplica:
         staged, self.staged = self.staged, None
         actual = tensor_fingerprint(staged or {}, self.verify)
         if actual != fingerprint:
-            raise Fault(f"fingerprint mismatch for version {version}")
+            raise Fault(f"fingerprint mismatch for version {version}", Refusal.VERIFY_FAILED)
         if self.staging == "full" and not self.paused:
             self.log.append((self.name, "own-pause"))
         if self.faults.get(("commit", self.attempt)) == "partial":

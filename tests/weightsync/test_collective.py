@@ -25,7 +25,7 @@ from asyncrl.weightsync.collective import (
     ipc_window_for, join_as_sender, reserve_port,
 )
 from asyncrl.weightsync.fingerprint import bucket_digests
-from asyncrl.weightsync.stream import receive_stream, send_stream
+from asyncrl.weightsync.wire import receive_stream, send_stream
 from asyncrl.weightsync.push import KeptCopies, Publisher, StreamedSend, Step, WeightsyncError
 from asyncrl.weightsync.transport import LocalTransport
 

@@ -17,7 +17,7 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
     from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_fingerprint
     from asyncrl.weightsync.bucket import unpack_bucket
     from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
-    from asyncrl.weightsync.stream import receive_stream, send_stream
+    from asyncrl.weightsync.wire import receive_stream, send_stream
 
     try:
         spec_ = GroupSpec(**spec)

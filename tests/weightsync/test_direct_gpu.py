@@ -40,6 +40,7 @@ def test_device_checksums_equal_host_checksums_segment_for_segment():
 async def _scenario(model_path: str) -> dict:
     from asyncrl.config import GeneratorConfig, ModelConfig, WeightsyncConfig
     from asyncrl.generator.engine import EngineReplica
+    from asyncrl.interfaces import WorkerAPI
     from asyncrl.types import GenerationRequest, SamplingParams
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
     from asyncrl.weightsync.push import Publisher
@@ -59,7 +60,7 @@ async def _scenario(model_path: str) -> dict:
         await replica.set_push_plan(pickle.dumps(plan))
 
         async def param_addresses() -> list[int]:
-            return (await replica.llm.collective_rpc("asyncrl_param_addresses"))[0]
+            return (await replica._rpc(WorkerAPI.asyncrl_param_addresses))[0]
 
         before = await param_addresses()
         g = torch.Generator().manual_seed(3)

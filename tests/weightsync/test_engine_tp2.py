@@ -32,6 +32,7 @@ PROMPTS = [[5, 17, 9, 33, 2], [12, 4, 4, 7], [100, 3, 250, 8, 8, 61]]
 async def _scenario(model_path: str) -> dict:
     from asyncrl.config import AlgorithmConfig, GeneratorConfig, LearnerConfig, ModelConfig, WeightsyncConfig
     from asyncrl.generator.engine import EngineReplica
+    from asyncrl.interfaces import WorkerAPI
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.types import GenerationRequest, SamplingParams
     from asyncrl.weightsync.bucket import iter_unpacked
@@ -68,7 +69,7 @@ async def _scenario(model_path: str) -> dict:
         await group.set_push_plan(pickle.dumps(plan))
 
         async def addresses() -> list[list[int]]:
-            return await replica.llm.collective_rpc("asyncrl_param_addresses")
+            return await replica._rpc(WorkerAPI.asyncrl_param_addresses)
 
         before = await addresses()
         export = await group.export_hf_tensors_packed(0.25, "shm", "checksum", "engine")

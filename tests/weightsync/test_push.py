@@ -363,9 +363,9 @@ class _FlakyControl:
     def __init__(self, unhealthy: int, empty: int = 0) -> None:
         self.unhealthy, self.empty, self.calls = unhealthy, empty, []
 
-    async def call(self, method, *args, timeout_s=None):
-        self.calls.append(method)
-        if method == "check_health" and self.unhealthy:
+    async def call(self, verb, *args, timeout_s=None):
+        self.calls.append(verb.__name__)
+        if verb.__name__ == "check_health" and self.unhealthy:
             self.unhealthy -= 1
             raise RuntimeError("replica abc: engine is dead")
         if self.empty:  # the dead replica is gone and its replacement not running yet
@@ -434,7 +434,7 @@ async def test_a_push_that_failed_because_a_learner_rank_died_is_not_retried():
     """The sending learner rank was killed mid-broadcast (seen in the learner-kill e2e test): the receivers
     fail at load_bucket with the rank's LearnerRankError behind it. The learner group is unusable until the
     trainer restarts it, so the push goes up at once instead of being retried for recovery_s."""
-    from asyncrl.learner.group import LearnerRankError, learner_failure
+    from asyncrl.types import LearnerRankError, learner_failure
 
     wp, attempts = _recovering_publisher([], recovery_s=30.0, unhealthy=0)
     wp.link = object()

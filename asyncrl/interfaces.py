@@ -1,0 +1,207 @@
+"""The typed interfaces of asyncrl's remote components, and the one way to name their verbs.
+
+Owns: `EngineAPI` (every verb of an engine replica: `EngineReplica` implements it in-process, the
+Serve deployment `GeneratorEngine` forwards its control verbs, `EngineControl` fans one verb out
+to every replica, weightsync's `ActorReplica` calls one replica), `WorkerAPI` (the verbs of one
+vLLM worker process), `LearnerRankAPI` (every verb of a learner rank actor) and `RoleAPI` (the
+role verbs a rank runs for its group), and `verb_name`,
+which turns a verb given by method reference (`EngineAPI.pause`) into the name a Ray or Serve
+handle needs.
+
+A caller names a remote verb by reference, never by a string: a verb the interface lacks fails
+where it is written (`verb_name` raises TypeError), an IDE follows it to its definition and its
+signature, and renaming it renames every caller. The only names written as strings are those a
+library requires as strings, in the adapter to that library (vLLM's `collective_rpc`, in
+`generator/engine_update.py`'s `WeightUpdates._rpc`).
+
+Must never: import a component (this module is imported by all of them), or hold behaviour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
+
+
+class EngineAPI(Protocol):
+    """One engine replica. Every control verb answers a dict with the replica's `replica_id`."""
+
+    # ---- generation (routed to one replica by Serve)
+    async def generate(self, request: GenerationRequest) -> GenerationResult: ...
+
+    def generate_stream(self, request: GenerationRequest) -> AsyncIterator[list[CompletionDelta]]: ...
+
+    async def check_health(self) -> None: ...
+
+    # ---- control (fanned out to every replica by EngineControl)
+    async def pause(self, mode: str = "keep") -> dict[str, Any]:
+        """Stop scheduling: "abort" drops running requests, "wait" lets them finish, "keep" keeps
+        them (their KV recomputed on resume); caches are cleared."""
+
+    async def resume(self) -> dict[str, Any]: ...
+
+    async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
+                           plan_id: str | None = None) -> dict[str, Any]:
+        """Start staging `version` (see weightsync/replicas.py for the update contract)."""
+
+    async def load_bucket(self, named_tensors: Any, version: int | None = None) -> dict[str, Any]: ...
+
+    async def commit_update(self, version: int, fingerprint: str) -> dict[str, Any]: ...
+
+    async def abort_update(self) -> dict[str, Any]: ...
+
+    async def engine_layout(self, manifest: bytes) -> dict[str, Any]: ...
+
+    async def set_push_plan(self, plan: bytes | None) -> dict[str, Any]: ...
+
+    async def collective_info(self) -> dict[str, Any]: ...
+
+    async def join_collective(self, specs: list[dict[str, Any]], timeout_s: float = 120.0) -> dict[str, Any]: ...
+
+    async def leave_collective(self) -> dict[str, Any]: ...
+
+    async def sync_from_source(self) -> dict[str, Any]: ...
+
+    async def sleep(self, level: int = 1) -> dict[str, Any]: ...
+
+    async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]: ...
+
+    async def stats(self) -> dict[str, Any]: ...
+
+    async def live_fingerprint(self) -> dict[str, Any]: ...
+
+
+# The verbs EngineControl may fan out; the Serve deployment forwards exactly these (plus generation
+# and Serve's own check_health), tagging a failure with the replica id.
+ENGINE_CONTROL_VERBS = (
+    EngineAPI.pause, EngineAPI.resume, EngineAPI.begin_update, EngineAPI.load_bucket, EngineAPI.commit_update,
+    EngineAPI.abort_update, EngineAPI.engine_layout, EngineAPI.set_push_plan, EngineAPI.collective_info,
+    EngineAPI.join_collective, EngineAPI.leave_collective, EngineAPI.sync_from_source, EngineAPI.sleep,
+    EngineAPI.wake_up, EngineAPI.stats, EngineAPI.live_fingerprint,
+)
+# What EngineControl may fan out: the control verbs and Serve's health check.
+ENGINE_BROADCAST_VERBS = (*ENGINE_CONTROL_VERBS, EngineAPI.check_health)
+
+
+class WorkerAPI(Protocol):
+    """The asyncrl verbs of one vLLM worker process (weightsync's `WeightsyncWorkerExtension` and the
+    generator's `WeightUpdateExtension`, mixed into the worker). The replica reaches every worker
+    at once through vLLM's `collective_rpc`, which wants a method name: `WeightUpdates._rpc`
+    (generator/engine_update.py) is the one place that turns a verb into it."""
+
+    def asyncrl_check_layout(self) -> dict[str, Any]: ...
+
+    def asyncrl_layout(self, manifest: bytes) -> bytes: ...
+
+    def asyncrl_set_plan(self, plan: bytes | None) -> str | None: ...
+
+    def asyncrl_begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf") -> None: ...
+
+    def asyncrl_stage_file(self, version: int, wire: tuple, expected: dict[str, bytes] | None = None) -> dict[str, bytes]: ...
+
+    def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float) -> dict[str, bytes]: ...
+
+    def asyncrl_apply(self, version: int) -> dict[str, Any]: ...
+
+    def asyncrl_apply_after(self, version: int, before: str) -> tuple[Any, dict[str, Any]]:
+        """The worker query `before` (the name of a verb of this interface without arguments), then
+        the apply: one round trip."""
+
+    def asyncrl_abort_update(self) -> None: ...
+
+    def asyncrl_join_collective(self, replica_id: str, specs: list[dict[str, Any]]) -> list[str]: ...
+
+    def asyncrl_leave_collective(self) -> None: ...
+
+    def asyncrl_collective_groups(self) -> list[str]: ...
+
+    def asyncrl_param_addresses(self) -> list[int]: ...
+
+    def asyncrl_fingerprint_params(self, names: list[str] | None = None) -> str: ...
+
+    def asyncrl_sampled_token_counts(self) -> dict[str, int] | None:
+        """Tokens sampled so far per sequence this worker holds (read while paused)."""
+
+
+class RoleAPI(Protocol):
+    """What a learner rank runs on its role for the group's compute dispatch. A role implements the
+    verbs of its kind (actor: log-probs and its update; critic: values and its update; reference:
+    reference log-probs; reward model: scores); the others are refused by the rank."""
+
+    def compute_log_prob(self, samples: list[Any]) -> dict[str, Any] | None: ...
+
+    def compute_ref_log_prob(self, samples: list[Any]) -> dict[str, Any] | None: ...
+
+    def compute_values(self, samples: list[Any]) -> dict[str, Any] | None: ...
+
+    def compute_rm_score(self, samples: list[Any]) -> dict[str, Any] | None: ...
+
+    def update_actor(self, samples: list[Any], advantages: Any, old_logprobs: Any, ref_logprobs: Any) -> dict[str, Any] | None: ...
+
+    def update_critic(self, samples: list[Any], returns: Any, old_values: Any) -> dict[str, Any] | None: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+
+ROLE_VERBS = (RoleAPI.compute_log_prob, RoleAPI.compute_ref_log_prob, RoleAPI.compute_values, RoleAPI.compute_rm_score,
+              RoleAPI.update_actor, RoleAPI.update_critic, RoleAPI.state)
+ROLE_TRAINING_VERBS = (RoleAPI.update_actor, RoleAPI.update_critic)  # run inside the profiler's step
+
+
+class LearnerRankAPI(Protocol):
+    """One learner rank actor (`learner/rank.py`'s `LearnerRank`), as its group calls it."""
+
+    def master_address(self, timeout_s: float = 600.0) -> tuple[str, int]: ...
+
+    def setup(self, master_addr: str, master_port: int, timeout_s: float = 600.0) -> dict[str, Any]: ...
+
+    def call(self, verb: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run the role verb `verb` (a member of ROLE_VERBS) on this rank's role."""
+
+    def set_push_plan(self, plan: bytes | None) -> str | None: ...
+
+    def export_hf_tensors_packed(self, bucket_mb: float, transport: str = "object_store", verify: str = "full",
+                                 layout: str = "hf") -> dict[str, Any] | None: ...
+
+    def collective_address(self) -> dict[str, Any] | None: ...
+
+    def join_collective(self, specs: list[dict[str, Any]]) -> str | None: ...
+
+    def collective_group(self) -> str | None: ...
+
+    def leave_collective(self) -> None: ...
+
+    def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float) -> dict[str, Any] | None: ...
+
+    def take_host_copies(self, timeout_s: float) -> dict[str, Any] | None: ...
+
+    def hold_device(self, parts: list[str] | None = None) -> dict[str, Any]: ...
+
+    def release_device(self, parts: list[str] | None = None) -> dict[str, Any]: ...
+
+    def save_checkpoint(self, path: str) -> str: ...
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+
+def verb_name(api: type, verb: Callable[..., Any], among: tuple[Callable[..., Any], ...] | None = None) -> str:
+    """The name under which `verb`, a method of the interface `api` given by reference (e.g.
+    `EngineAPI.pause`), is called on a remote handle. Raises TypeError for a string, for a function
+    that is not `api`'s own, or for one outside `among` when given."""
+    name = getattr(verb, "__name__", None)
+    if not callable(verb) or not isinstance(name, str) or getattr(api, name, None) is not verb:
+        raise TypeError(f"{verb!r} is not a verb of {api.__name__}: name a remote verb by reference, "
+                        f"e.g. {api.__name__}.{next(iter(api_verbs(api)), 'verb')}")
+    if among is not None and verb not in among:
+        raise TypeError(f"{api.__name__}.{name} may not be called here; allowed: "
+                        f"{sorted(v.__name__ for v in among)}")
+    return name
+
+
+def api_verbs(api: type) -> list[str]:
+    """Every verb `api` declares, in declaration order."""
+    return [n for n, v in vars(api).items() if callable(v) and not n.startswith("_")]

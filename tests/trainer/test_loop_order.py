@@ -1,0 +1,170 @@
+"""The training loop (`asyncrl/trainer/loop.py`, `Trainer.run`) over scripted parts: the order of one
+step, the checkpoint taken while no rollout of the next version can start, a resumed run going on
+from its checkpoint's version, and a stop that lets the step in progress finish. (The real parts:
+tests/e2e/test_training_loop.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+from asyncrl.config import RootConfig
+from asyncrl.trainer.loop import Trainer
+from asyncrl.trainer.rollout import RolloutCounters
+from asyncrl.types import Sample, TrainBatch
+
+
+def _sample(prompt_index: int, group_id: int, reward: float) -> Sample:
+    return Sample(prompt_ids=[1, 2], response_ids=[3, 4], behavior_logprobs=[-0.5, -0.5], versions=[0, 0],
+                  reward=reward, group_id=group_id, prompt_index=prompt_index)
+
+
+class _Remote:
+    """A Ray actor method: `.remote(...)` returns something to await."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args, **kwargs):
+        async def call():
+            return self.fn(*args, **kwargs)
+
+        return call()
+
+
+class _Group:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    async def compute_log_prob(self, batch):
+        self.log.append((f"{self.name}.compute_log_prob", [(s.prompt_index, s.group_id) for s in batch.samples]))
+        return [[-0.5, -0.5] for _ in batch.samples]
+
+    async def compute_ref_log_prob(self, batch):
+        self.log.append((f"{self.name}.compute_ref_log_prob",))
+        return [[-0.4, -0.4] for _ in batch.samples]
+
+    async def update_actor(self, batch, advantages, old_logprobs, ref_logprobs):
+        self.log.append((f"{self.name}.update_actor", ref_logprobs is not None))
+        return {"actor/loss": 0.1}
+
+
+def _parts(log: list, *, start_version: int = 0, kl: bool = False, on_step=None):
+    batches = [0]
+
+    def get_batch(timeout_s):
+        batches[0] += 1
+        log.append(("buffer.get_batch",))
+        # arrival order, not prompt order: the loop sorts before learning
+        return TrainBatch(samples=[_sample(7, 71, 1.0), _sample(7, 71, 0.0), _sample(3, 30, 1.0), _sample(3, 30, 0.0)],
+                          step=0, policy_version=0)
+
+    class Placement:
+        async def to_learner(self):
+            log.append(("placement.to_learner",))
+            return {}
+
+        async def to_engines(self, publish):
+            log.append(("placement.to_engines",))
+            return await publish()
+
+    async def publish(version):
+        log.append(("publish", version))
+        if on_step is not None:
+            on_step(version)
+        return {"weightsync/version": float(version)}
+
+    async def save_checkpoint(version):
+        log.append(("save_checkpoint", version))
+
+    async def evaluate():
+        log.append(("evaluate",))
+        return 0.5
+
+    async def run_rollouts(stop):
+        log.append(("rollouts.run",))
+        await stop.wait()
+        log.append(("rollouts.stopped",))
+
+    return types.SimpleNamespace(
+        start_version=start_version,
+        rollouts=types.SimpleNamespace(run=run_rollouts, counters=RolloutCounters()),
+        buffer=types.SimpleNamespace(
+            get_batch=_Remote(get_batch),
+            set_version=_Remote(lambda v: log.append(("buffer.set_version", v))),
+            metrics=_Remote(lambda: {"buffer/generated": 4.0}),
+        ),
+        placement=Placement(),
+        actor=_Group("actor", log),
+        reference=_Group("reference", log) if kl else None,
+        critic=None,
+        publish=publish,
+        save_checkpoint=save_checkpoint,
+        evaluate=evaluate,
+        log=lambda version, metrics: log.append(("log", version)),
+        tracker=types.SimpleNamespace(log_batch=lambda version, samples: None),
+        reward_metrics=lambda: {},
+        weights=None,
+    )
+
+
+def _cfg(total_steps: int, **trainer) -> RootConfig:
+    return RootConfig.model_validate({
+        "trainer": {"total_steps": total_steps, **trainer},
+        "checkpoint": {"interval_steps": 1},
+        "algorithm": {"group_size": 2, "kl_coef": 0.1},
+        "buffer": {"batch_size": 4, "max_staleness": 0},
+    })
+
+
+def _step(log: list, k: int) -> list:
+    """The calls of the k-th step (1-based), from its batch to the line it logs."""
+    i = [i for i, e in enumerate(log) if e[0] == "buffer.get_batch"][k - 1]
+    end = next(j for j in range(i, len(log)) if log[j][0] == "log")
+    return [e[0] for e in log[i:end]]
+
+
+async def test_one_step_runs_in_order_and_checkpoints_before_admitting_the_next_version():
+    log: list = []
+    trainer = Trainer(_cfg(2, eval_interval_steps=2), _parts(log, kl=True))
+    await trainer.run()
+    assert trainer.state == "finished" and trainer.version == 2
+    assert log[:2] == [("evaluate",), ("log", 0)]  # the curves' starting point first
+    assert ("rollouts.run",) in log
+    assert _step(log, 1) == ["buffer.get_batch", "placement.to_learner", "actor.compute_log_prob",
+                             "reference.compute_ref_log_prob", "actor.update_actor", "placement.to_engines",
+                             "publish", "save_checkpoint", "buffer.set_version"]
+    # the step that reaches eval_interval_steps evaluates after admitting the next version
+    assert _step(log, 2)[-2:] == ["buffer.set_version", "evaluate"]
+    assert [e for e in log if e[0] in ("publish", "save_checkpoint", "buffer.set_version")] == [
+        ("publish", 1), ("save_checkpoint", 1), ("buffer.set_version", 1),
+        ("publish", 2), ("save_checkpoint", 2), ("buffer.set_version", 2)]
+    # the batch reached the learner sorted by (prompt_index, group_id), whatever order it came in
+    assert next(e for e in log if e[0] == "actor.compute_log_prob")[1] == [(3, 30), (3, 30), (7, 71), (7, 71)]
+    assert log[-1] == ("rollouts.stopped",)  # the rollout workers are stopped when the loop ends
+    assert trainer.status()["eval_history"] == [(0, 0.5), (2, 0.5)]
+
+
+async def test_a_resumed_run_goes_on_from_its_checkpoints_version():
+    log: list = []
+    trainer = Trainer(_cfg(5), _parts(log, start_version=3))
+    await trainer.run()
+    assert trainer.version == 5 and trainer.state == "finished"
+    assert [e for e in log if e[0] == "publish"] == [("publish", 4), ("publish", 5)]
+    assert log[:2] == [("evaluate",), ("log", 3)]
+
+
+async def test_a_stop_lets_the_step_in_progress_finish_and_starts_no_other():
+    log: list = []
+    trainer: Trainer | None = None
+
+    def stop_during_push(version):
+        trainer.request_stop()
+
+    trainer = Trainer(_cfg(10), _parts(log, on_step=stop_during_push))
+    await asyncio.wait_for(trainer.run(), 30)
+    assert trainer.state == "stopped" and trainer.version == 1
+    # the step whose push the stop arrived in still checkpoints and admits its version
+    assert [e for e in log if e[0] in ("publish", "save_checkpoint", "buffer.set_version")] == [
+        ("publish", 1), ("save_checkpoint", 1), ("buffer.set_version", 1)]
+    assert sum(e[0] == "buffer.get_batch" for e in log) == 1

@@ -1,0 +1,176 @@
+"""The typed remote interfaces (asyncrl/interfaces.py): every implementation has every verb with the
+interface's parameters, verbs are named by reference only, and the Serve deployment's control
+surface is derived from the interface."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from asyncrl.interfaces import (
+    ENGINE_BROADCAST_VERBS,
+    ENGINE_CONTROL_VERBS,
+    ROLE_VERBS,
+    EngineAPI,
+    LearnerRankAPI,
+    RoleAPI,
+    WorkerAPI,
+    api_verbs,
+    verb_name,
+)
+
+ROOT = Path(__file__).resolve().parents[2] / "asyncrl"
+
+
+def _params(fn) -> list[tuple[str, object]]:
+    """Parameter names and defaults, without `self`."""
+    sig = inspect.signature(inspect.unwrap(fn))
+    return [(p.name, p.default) for p in sig.parameters.values() if p.name != "self"]
+
+
+def _missing_or_different(api: type, impl: type, verbs: list[str]) -> dict[str, str]:
+    bad = {}
+    for name in verbs:
+        ours = getattr(impl, name, None)
+        if ours is None:
+            bad[name] = "missing"
+        elif _params(ours) != _params(getattr(api, name)):
+            bad[name] = f"{_params(ours)} != {_params(getattr(api, name))}"
+    return bad
+
+
+def test_verb_name_takes_a_verb_by_reference_only():
+    assert verb_name(EngineAPI, EngineAPI.pause) == "pause"
+    with pytest.raises(TypeError, match="by reference"):
+        verb_name(EngineAPI, "pause")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not a verb of EngineAPI"):
+        verb_name(EngineAPI, RoleAPI.state)  # same name on another interface: still refused
+    with pytest.raises(TypeError, match="may not be called here"):
+        verb_name(EngineAPI, EngineAPI.generate, ENGINE_CONTROL_VERBS)
+    with pytest.raises(TypeError, match="not a verb of EngineAPI"):
+        verb_name(EngineAPI, lambda: None)
+
+
+def test_the_engine_replica_implements_every_engine_verb():
+    from asyncrl.generator.engine import EngineReplica
+
+    assert _missing_or_different(EngineAPI, EngineReplica, api_verbs(EngineAPI)) == {}
+
+
+def test_the_serve_deployment_forwards_every_control_verb_and_nothing_else_by_hand():
+    from asyncrl.generator.deployment import GeneratorEngine
+
+    cls = GeneratorEngine.func_or_class
+    assert _missing_or_different(EngineAPI, cls, api_verbs(EngineAPI)) == {}
+    # Written by hand: generation, Serve's health check, the constructor; every control verb is derived.
+    written = {n for n, v in vars(cls).items() if inspect.isfunction(v) and not n.startswith("__")
+               and inspect.unwrap(v).__qualname__.startswith("_GeneratorEngine.")}
+    assert written == {"generate", "generate_stream", "check_health"}
+    assert {v.__name__ for v in ENGINE_CONTROL_VERBS} | written == set(api_verbs(EngineAPI))
+
+
+async def test_engine_control_refuses_a_verb_by_string_before_calling_anything():
+    from asyncrl.generator.control import EngineControl
+
+    class Handle:
+        calls: list = []
+
+        def broadcast(self, *args, **kwargs):
+            self.calls.append(args)
+            raise AssertionError("reached the replicas")
+
+    control = EngineControl(Handle())
+    with pytest.raises(TypeError, match="by reference"):
+        await control.call("pause")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="may not be called here"):
+        await control.call(EngineAPI.generate, None)
+    assert Handle.calls == [] and EngineAPI.check_health in ENGINE_BROADCAST_VERBS
+
+
+def test_the_worker_extension_implements_every_worker_verb():
+    from asyncrl.generator.worker_ext import WeightUpdateExtension
+
+    assert _missing_or_different(WorkerAPI, WeightUpdateExtension, api_verbs(WorkerAPI)) == {}
+
+
+def test_the_learner_rank_and_roles_implement_their_verbs():
+    from asyncrl.learner.rank import LearnerRank
+    from asyncrl.learner.roles import ROLE_CLASSES
+
+    assert _missing_or_different(LearnerRankAPI, LearnerRank, api_verbs(LearnerRankAPI)) == {}
+    assert {v.__name__ for v in ROLE_VERBS} == set(api_verbs(RoleAPI))
+    implemented: set[str] = set()
+    for cls in ROLE_CLASSES.values():
+        mine = [n for n in api_verbs(RoleAPI) if hasattr(cls, n)]
+        implemented |= set(mine)
+        assert {n: p for n, p in ((n, _params(getattr(cls, n))) for n in mine)
+                if [x for x, _ in p] != [x for x, _ in _params(getattr(RoleAPI, n))]} == {}, cls
+    assert implemented == set(api_verbs(RoleAPI))  # every verb has a role that runs it
+
+
+# Methods that reach another process (a Ray or Serve handle, vLLM's collective_rpc, the fan-outs
+# and dispatchers built on them): none may be handed a verb as a string literal.
+_REMOTE_CALLERS = {"call", "_call", "_rpc", "rpc", "collective_rpc", "broadcast", "_broadcast", "_all", "_compute",
+                   "_per_token", "_engines", "_each"}
+
+
+def _string_named_calls() -> list[str]:
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            first = node.args[0] if node.args else None
+            literal = isinstance(first, ast.Constant) and isinstance(first.value, str)
+            if name in _REMOTE_CALLERS and literal and not (name == "broadcast" and path.name == "collective.py"):
+                found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {name}({first.value!r})")
+            # getattr(handle, "verb").remote(...)
+            if (isinstance(func, ast.Attribute) and func.attr == "remote" and isinstance(func.value, ast.Call)
+                    and isinstance(func.value.func, ast.Name) and func.value.func.id == "getattr"
+                    and isinstance(func.value.args[1], ast.Constant)):
+                found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} getattr(..., {func.value.args[1].value!r}).remote")
+    return found
+
+
+def test_no_remote_call_is_named_by_a_string():
+    assert _string_named_calls() == []
+
+
+def test_a_refusal_is_a_type_that_survives_the_boundaries():
+    """An engine's refusal (nothing applied) reaches the publisher as `Refusal`, not as message text:
+    through pickling (Ray and Serve), the deployment's tag, the fan-out's error and a cause chain."""
+    import pickle
+
+    from asyncrl.generator.control import ReplicaControlError
+    from asyncrl.generator.deployment import ReplicaCallError
+    from asyncrl.generator.replica_types import WeightUpdateError
+    from asyncrl.types import Refusal, refusal_of
+    from asyncrl.weightsync.replica_side import FingerprintMismatch, PlanMissing
+    from asyncrl.weightsync.replicas import is_verify_failure
+
+    err = pickle.loads(pickle.dumps(WeightUpdateError("replica r: rejected", Refusal.VERIFY_FAILED)))
+    assert err.refusal is Refusal.VERIFY_FAILED and str(err) == "replica r: rejected"
+    tagged = pickle.loads(pickle.dumps(ReplicaCallError("r", "commit_update", "boom", refusal_of(err))))
+    assert tagged.refusal is Refusal.VERIFY_FAILED and tagged.replica_id == "r"
+    assert refusal_of(PlanMissing("plan p")) is Refusal.PLAN_MISSING
+    assert refusal_of(FingerprintMismatch("x")) is Refusal.VERIFY_FAILED
+    try:  # a cause chain, as Ray's RayTaskError(cause) or `raise ... from` build it
+        try:
+            raise PlanMissing("plan p")
+        except PlanMissing as inner:
+            raise RuntimeError("wrapped") from inner
+    except RuntimeError as outer:
+        assert refusal_of(outer) is Refusal.PLAN_MISSING
+    # The text alone no longer counts: a message that says it is not a refusal.
+    assert not is_verify_failure(RuntimeError("fingerprint mismatch for version 3"))
+    assert is_verify_failure(err)
+    # A fan-out's error has one refusal only when every failed replica gave the same one.
+    both = ReplicaControlError("commit_update", {"a": "x", "b": "y"}, {}, {"a": Refusal.VERIFY_FAILED, "b": Refusal.VERIFY_FAILED})
+    mixed = ReplicaControlError("commit_update", {"a": "x", "b": "y"}, {}, {"a": Refusal.VERIFY_FAILED})
+    assert both.refusal is Refusal.VERIFY_FAILED and is_verify_failure(both)
+    assert mixed.refusal is None and not is_verify_failure(mixed)

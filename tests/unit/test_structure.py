@@ -1,0 +1,174 @@
+"""The code's shape, as issue 26 and STYLE.md ask: no import circle between asyncrl's files or
+packages (function-local imports count; `if TYPE_CHECKING:` blocks do not, they never run), and
+no file over 600 lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2] / "asyncrl"
+MAX_LINES = 600
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Import nodes outside `if TYPE_CHECKING:` blocks."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the asyncrl modules it imports (`from pkg import name` counts `pkg.name` when that is
+    a module, else `pkg`)."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        deps: set[str] = set()
+        for node in _runtime_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = name if is_pkg else name.rpartition(".")[0]
+                if node.level:
+                    base = ".".join(base.split(".")[: len(base.split(".")) - (node.level - 1)])
+                    module = f"{base}.{node.module}" if node.module else base
+                else:
+                    module = node.module or ""
+                targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in mods else module for a in node.names]
+            deps |= {t for t in targets if t in mods and t != name}
+        graph[name] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    comp.append(top)
+                    if top == node:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_between_files():
+    assert _cycles(import_graph()) == []
+
+
+def test_no_import_circle_between_packages():
+    graph = import_graph()
+    packages: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        packages.setdefault(_package(module), set()).update(
+            _package(d) for d in deps if _package(d) != _package(module))
+    assert _cycles(packages) == []
+
+
+def test_weightsync_imports_neither_the_learner_nor_the_generator():
+    graph = import_graph()
+    bad = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith("asyncrl.weightsync")
+                 for d in deps if d.startswith(("asyncrl.learner", "asyncrl.generator")))
+    assert bad == []
+
+
+def test_no_file_over_600_lines():
+    long = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_the_design_document_names_files_that_exist_and_follows_a_sample_in_15():
+    """docs/ARCHITECTURE.md: every `asyncrl/...` path it names exists, and "Follow one sample" takes a
+    reader from prompt to push in at most 15 files."""
+    import re
+
+    doc = (ROOT.parent / "docs" / "ARCHITECTURE.md").read_text()
+    paths = set(re.findall(r"`(asyncrl/[\w/]+(?:\.py)?)`", doc))
+    assert paths and sorted(p for p in paths if not (ROOT.parent / p).exists()) == []
+    follow = doc.split("## Follow one sample", 1)[1].split("\n## ", 1)[0]
+    steps = re.findall(r"^\d+\. `(asyncrl/[\w/]+\.py)`", follow, flags=re.M)
+    assert len(steps) >= 10 and len(set(steps)) <= 15
+    for step in ("rollout", "engine", "rewards", "buffer", "learner", "weightsync"):
+        assert any(step in s for s in steps), step
+
+
+def test_every_serve_yaml_names_a_builder_that_builds_its_app():
+    """`import_path` of every deploy/*.yaml resolves, and the builder turns the file's `args` into a
+    Serve application without a cluster: one builder (`asyncrl.app.build_app`) for the full app and
+    the generator alone."""
+    import importlib
+
+    import yaml
+    from ray.serve import Application
+
+    import asyncrl.app as app_module
+
+    seen = set()
+    for path in sorted((ROOT.parent / "deploy").glob("*.yaml")):
+        for app in yaml.safe_load(path.read_text()).get("applications", []):
+            module, _, attr = app["import_path"].partition(":")
+            builder = getattr(importlib.import_module(module), attr)
+            seen.add(app["import_path"])
+            if builder is app_module.generator_app_builder:
+                built = builder(dict(app.get("args") or {}))
+                assert isinstance(built, Application), path
+    assert seen == {"asyncrl.app:app_builder", "asyncrl.app:generator_app_builder"}
