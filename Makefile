@@ -1,6 +1,7 @@
 # The README's two commands. Set-up is idempotent: with everything in place it takes seconds.
 #   make serve   set up, build the demo model if absent, then `serve run deploy/rlhf.yaml`
 #   make test    set up, build the demo model if absent, then the test suite
+#   (make test-fast: the same set-up, then the logic tests only, in about a minute)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -23,7 +24,7 @@ TORCH_SOURCE ?= $(if $(TORCH_LOCAL),--find-links $(TORCH_WHEELS),--extra-index-u
 FIND_LINKS := $(if $(TORCH_LOCAL),--find-links $(TORCH_WHEELS),)
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test demo-model demo-reward-model clean torch-source
+.PHONY: setup serve test test-fast demo-model demo-reward-model clean torch-source
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +57,12 @@ serve: setup demo-model
 
 test: setup demo-model
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The logic tests alone: no test marked `slow` (those start vLLM engines, Ray, Megatron groups or
+# HTTP servers) or `gpu`. About a minute on 2 cores, for checking a change while you work; CI and
+# `make test` run everything.
+test-fast: setup demo-model
+	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
 
 torch-source:  # where `make setup` takes torch's CPU build from (no install)
 	@echo "$(TORCH_SOURCE)"

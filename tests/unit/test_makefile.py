@@ -43,3 +43,13 @@ def test_pytorch_cpu_index_without_the_local_wheel_and_overrides(tmp_path):
     assert mirror and "--extra-index-url https://mirror.test/whl/cpu" in mirror[0]
     pinned = [c for c in _setup_commands(tmp_path, "TORCH_SOURCE=--find-links /srv/w", "TORCH_VERSION=2.13.1+cpu") if "torch==" in c]
     assert pinned and "--find-links /srv/w" in pinned[0] and '"torch==2.13.1+cpu"' in pinned[0]
+
+
+def test_the_fast_tier_runs_the_tests_not_marked_slow_or_gpu_after_the_same_set_up(tmp_path):
+    out = subprocess.run(["make", "-n", "-B", "test-fast", "HAS_GPU=", f"VENV={tmp_path / 'venv'}"],
+                         cwd=REPO, capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
+    pytest_lines = [line for line in out if "-m pytest" in line]
+    assert pytest_lines == [f"{tmp_path / 'venv'}/bin/python -m pytest -q -m \"not slow and not gpu\" "]
+    assert any("pip install" in line for line in out) and any("demo-model" in line for line in out)
+    # the marker exists: pytest refuses unknown ones only with --strict-markers, so check it is declared
+    assert '"slow:' in (REPO / "pyproject.toml").read_text()
