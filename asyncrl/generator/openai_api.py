@@ -37,20 +37,8 @@ from asyncrl.generator.gateway_core import (
     read_json,
     version_header,
 )
+from asyncrl.generator.vllm_engine import openai_protocol
 from asyncrl.types import Completion, CompletionDelta, GenerationRequest, SamplingParams
-
-
-def _protocol():
-    from vllm.entrypoints.openai.chat_completion import protocol as chat
-    from vllm.entrypoints.openai.completion import protocol as cmpl
-
-    try:  # vLLM >= 0.32
-        from vllm.entrypoints.generate.base.protocol import DeltaMessage
-        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList, UsageInfo
-    except ImportError:  # vLLM 0.24 (the GPU pin) keeps them in one module
-        from vllm.entrypoints.openai.engine.protocol import DeltaMessage, ModelCard, ModelList, UsageInfo
-
-    return chat, cmpl, DeltaMessage, ModelCard, ModelList, UsageInfo
 
 
 def _sampling(req: Any, max_tokens: int | None, want_logprobs: bool) -> SamplingParams:
@@ -87,7 +75,7 @@ class _Tracked:
 
 
 def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
-    chat, cmpl, DeltaMessage, ModelCard, ModelList, UsageInfo = _protocol()
+    chat, cmpl, DeltaMessage, ModelCard, ModelList, UsageInfo = openai_protocol()
     served = core.model_cfg.served_name
     max_bytes = core.gen_cfg.max_body_bytes
 

