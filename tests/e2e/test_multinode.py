@@ -181,7 +181,9 @@ def test_three_nodes_train_each_component_on_its_pool_and_survive_losing_the_eng
     version, the rollouts in flight are retried or counted, training goes on to its end with every
     version published once, in order, and every sample accounted for."""
     c, nodes = cluster
-    total, fault, placed = 10, {}, {}
+    # 14 steps: the spare node started at step 1 takes seconds while training goes on (0.6 s a step on
+    # 2 cores), so the kill lands a few steps after step 2; at least 5 must follow it.
+    total, fault, placed = 14, {}, {}
     kill = _kill_the_node_of("GeneratorEngine", 2, c, nodes, fault)
 
     def during(seen: dict) -> None:

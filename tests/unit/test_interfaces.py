@@ -26,9 +26,10 @@ ROOT = Path(__file__).resolve().parents[2] / "asyncrl"
 
 
 def _params(fn) -> list[tuple[str, object]]:
-    """Parameter names and defaults, without `self`."""
+    """Parameter names and defaults, without `self`, nor the `_ray_trace_ctx` that `ray.remote(cls)`
+    adds to a class's methods in place once an actor of it was started in this process."""
     sig = inspect.signature(inspect.unwrap(fn))
-    return [(p.name, p.default) for p in sig.parameters.values() if p.name != "self"]
+    return [(p.name, p.default) for p in sig.parameters.values() if p.name not in ("self", "_ray_trace_ctx")]
 
 
 def _missing_or_different(api: type, impl: type, verbs: list[str]) -> dict[str, str]:

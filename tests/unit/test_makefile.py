@@ -46,7 +46,8 @@ def test_pytorch_cpu_index_without_the_local_wheel_and_overrides(tmp_path):
 
 
 def test_the_fast_tier_runs_the_tests_not_marked_slow_or_gpu_after_the_same_set_up(tmp_path):
-    out = subprocess.run(["make", "-n", "-B", "test-fast", "HAS_GPU=", f"VENV={tmp_path / 'venv'}"],
+    # PYTEST_ARGS= : a `make test PYTEST_ARGS=...` around this test passes its own down (MAKEFLAGS)
+    out = subprocess.run(["make", "-n", "-B", "test-fast", "HAS_GPU=", f"VENV={tmp_path / 'venv'}", "PYTEST_ARGS="],
                          cwd=REPO, capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
     pytest_lines = [line for line in out if "-m pytest" in line]
     assert pytest_lines == [f"{tmp_path / 'venv'}/bin/python -m pytest -q -m \"not slow and not gpu\" "]
