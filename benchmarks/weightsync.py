@@ -112,10 +112,12 @@ class EngineActor:
     async def round_trips(self, n: int = 20) -> dict:
         """Medians of this engine's own round trips (what a push's steps are made of): a worker
         call (vLLM's collective_rpc) and a scheduler pause + resume."""
+        from asyncrl.interfaces import WorkerAPI
+
         rpc, pause = [], []
         for _ in range(n):
             t = time.perf_counter()
-            await self.replica._rpc("asyncrl_collective_groups")
+            await self.replica._rpc(WorkerAPI.asyncrl_collective_groups)
             rpc.append(time.perf_counter() - t)
             t = time.perf_counter()
             await self.replica._pause_engine("keep")
