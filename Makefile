@@ -1,7 +1,7 @@
 # The README's two commands. Set-up is idempotent: with everything in place it takes seconds.
 #   make serve   set up, build the demo model if absent, then `serve run deploy/rlhf.yaml`
 #   make test    set up, build the demo model if absent, then the test suite
-#   (make test-fast: the same set-up, then the logic tests only, in about a minute)
+#   (make test-fast: the same set-up, then the logic tests only, in about 80 s)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -59,7 +59,7 @@ test: setup demo-model
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The logic tests alone: no test marked `slow` (those start vLLM engines, Ray, Megatron groups or
-# HTTP servers) or `gpu`. About a minute on 2 cores, for checking a change while you work; CI and
+# HTTP servers) or `gpu`. About 80 s on 2 cores, for checking a change while you work; CI and
 # `make test` run everything.
 test-fast: setup demo-model
 	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)

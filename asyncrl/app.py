@@ -67,7 +67,7 @@ class TrainerDeployment:
             self._trainer = Trainer(self.cfg, parts)
             self._phase = "training"
             await self._trainer.run()
-            self._phase = self._trainer.state
+            self._phase = self._trainer.state.value
         except Exception as err:  # the loop's failure is reported by status(), never lost
             self._phase, self._error = "failed", f"{type(err).__name__}: {err}"
             log.exception("training loop failed")

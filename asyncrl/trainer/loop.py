@@ -11,6 +11,7 @@ the event loop (every remote call is awaited).
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from typing import Any
@@ -33,6 +34,23 @@ def accounting_line(buffer_metrics: dict[str, float], keys: tuple[str, ...] = AC
     return sep.join(f"{k.removeprefix('buffer/')}={buffer_metrics[k]:g}" for k in keys if k in buffer_metrics)
 
 
+class LoopState(enum.StrEnum):
+    """The loop's lifecycle, as `/train/status` shows it (a StrEnum: it reads and serialises as its value)."""
+
+    STARTING = "starting"
+    TRAINING = "training"
+    FINISHED = "finished"  # total_steps reached
+    STOPPED = "stopped"  # a drain ended it at a step boundary
+    FAILED = "failed"  # an error ended it; `error` says which
+
+
+# Every legal move; FINISHED, STOPPED and FAILED are final.
+_LOOP_MOVES = {
+    LoopState.STARTING: {LoopState.TRAINING},
+    LoopState.TRAINING: {LoopState.FINISHED, LoopState.STOPPED, LoopState.FAILED},
+}
+
+
 class BatchTimeout(RuntimeError):
     """The learner waited `trainer.batch_timeout_s` for a batch that did not fill."""
 
@@ -44,7 +62,7 @@ class Trainer:
         self.cfg = cfg
         self.p = parts
         self.version = parts.start_version
-        self.state = "starting"
+        self.state = LoopState.STARTING
         self.error: str | None = None
         self.last_metrics: dict[str, Any] = {}
         self.eval_history: list[tuple[int, float]] = []
@@ -66,9 +84,9 @@ class Trainer:
         #        inside placement.to_engines [hybrid: engine weights wake first, KV cache after]
         #     -> buffer.set_version(v + 1) [admits the next rollouts]
         cfg, p = self.cfg, self.p
+        self._move(LoopState.TRAINING)
         stop = asyncio.Event()
         rollouts = asyncio.create_task(p.rollouts.run(stop), name="rollouts")
-        self.state = "training"
         try:
             p.log(self.version, await self._evaluate())  # the starting point of the curves
             while self.version < cfg.trainer.total_steps and not self._stop.is_set():
@@ -88,19 +106,25 @@ class Trainer:
                     metrics |= await self._evaluate()
                 metrics |= await p.buffer.metrics.remote()
                 self._record(metrics, batch)
-            self.state = "stopped" if self.version < cfg.trainer.total_steps else "finished"
+            self._move(LoopState.STOPPED if self.version < cfg.trainer.total_steps else LoopState.FINISHED)
         except Exception as err:
             if self._stop.is_set():  # the step in progress failed because the app is stopping
-                self.state = "stopped"
+                self._move(LoopState.STOPPED)
                 log.warning("stopping: the step after version %d was abandoned (%s); engines keep version %d",
                             self.version, err, self.version)
                 return
-            self.state, self.error = "failed", repr(err)
+            self._move(LoopState.FAILED)
+            self.error = repr(err)
             log.exception("training failed")
             raise
         finally:
             stop.set()
             await asyncio.gather(rollouts, return_exceptions=True)
+
+    def _move(self, new: LoopState) -> None:
+        if new not in _LOOP_MOVES.get(self.state, set()):
+            raise RuntimeError(f"training loop: {self.state} -> {new} is not a legal move")
+        self.state = new
 
     async def _train_and_publish(self, batch: Any) -> tuple[dict[str, Any], float]:
         """One update on `batch` and its push as version + 1; returns its metrics and when the
@@ -215,7 +239,7 @@ class Trainer:
     def status(self) -> dict[str, Any]:
         """The snapshot behind GET /train/status."""
         return {
-            "state": self.state,
+            "state": self.state.value,  # a plain str: the gateway's process need not import the loop
             "error": self.error,
             "step": self.version,
             "total_steps": self.cfg.trainer.total_steps,

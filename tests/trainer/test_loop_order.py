@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import types
 
+import pytest
+
 from asyncrl.config import RootConfig
-from asyncrl.trainer.loop import Trainer
+from asyncrl.trainer.loop import LoopState, Trainer
 from asyncrl.trainer.rollout import RolloutCounters
 from asyncrl.types import Sample, TrainBatch
 
@@ -143,6 +145,22 @@ async def test_one_step_runs_in_order_and_checkpoints_before_admitting_the_next_
     assert next(e for e in log if e[0] == "actor.compute_log_prob")[1] == [(3, 30), (3, 30), (7, 71), (7, 71)]
     assert log[-1] == ("rollouts.stopped",)  # the rollout workers are stopped when the loop ends
     assert trainer.status()["eval_history"] == [(0, 0.5), (2, 0.5)]
+    assert type(trainer.status()["state"]) is str and trainer.status()["state"] == "finished"
+
+
+async def test_the_loop_runs_once_and_a_failure_is_final():
+    log: list = []
+    trainer = Trainer(_cfg(2), _parts(log))
+    trainer.p.publish = _failing_publish
+    with pytest.raises(RuntimeError, match="engines on fire"):
+        await trainer.run()
+    assert trainer.state == LoopState.FAILED and "engines on fire" in trainer.error
+    with pytest.raises(RuntimeError, match="failed -> training is not a legal move"):
+        await trainer.run()  # a failed loop is not started again (the app builds a new one)
+
+
+async def _failing_publish(version):
+    raise RuntimeError("engines on fire")
 
 
 async def test_a_resumed_run_goes_on_from_its_checkpoints_version():
