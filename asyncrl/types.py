@@ -198,14 +198,15 @@ class Refusal(enum.Enum):
 
 
 def refusal_of(err: BaseException) -> Refusal | None:
-    """The `Refusal` behind `err`: its own `.refusal`, else its cause chain's (Ray's `.cause`, then
-    `__cause__` / `__context__`)."""
+    """The `Refusal` behind `err`: that of the first error in its chain (itself, then Ray's `.cause`,
+    `__cause__` / `__context__`) that has a `.refusal` at all. That error decides, None included: a
+    replica error saying "failed while applying" is not a refusal, whatever it was raised from."""
     seen: set[int] = set()
     e: BaseException | None = err
     while e is not None and id(e) not in seen:
-        refusal = getattr(e, "refusal", None)
-        if isinstance(refusal, Refusal):
-            return refusal
+        if hasattr(e, "refusal"):
+            refusal = e.refusal
+            return refusal if isinstance(refusal, Refusal) else None
         seen.add(id(e))
         e = getattr(e, "cause", None) or e.__cause__ or e.__context__
     return None

@@ -167,6 +167,15 @@ def test_a_refusal_is_a_type_that_survives_the_boundaries():
             raise RuntimeError("wrapped") from inner
     except RuntimeError as outer:
         assert refusal_of(outer) is Refusal.PLAN_MISSING
+    # The first typed error decides: an apply that failed (refusal None) is not a refusal, even if
+    # it was raised while handling one.
+    try:
+        try:
+            raise FingerprintMismatch("x")
+        except FingerprintMismatch:
+            raise WeightUpdateError("replica r: commit failed while applying")
+    except WeightUpdateError as applied:
+        assert refusal_of(applied) is None and not is_verify_failure(applied)
     # The text alone no longer counts: a message that says it is not a refusal.
     assert not is_verify_failure(RuntimeError("fingerprint mismatch for version 3"))
     assert is_verify_failure(err)
