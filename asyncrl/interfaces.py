@@ -25,6 +25,11 @@ from typing import Any, Protocol
 from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
 
 
+def api_verbs(api: type) -> list[str]:
+    """Every verb `api` declares, in declaration order."""
+    return [n for n, v in vars(api).items() if callable(v) and not n.startswith("_")]
+
+
 class EngineAPI(Protocol):
     """One engine replica. Every control verb answers a dict with the replica's `replica_id`."""
 
@@ -73,14 +78,12 @@ class EngineAPI(Protocol):
     async def live_fingerprint(self) -> dict[str, Any]: ...
 
 
-# The verbs EngineControl may fan out; the Serve deployment forwards exactly these (plus generation
-# and Serve's own check_health), tagging a failure with the replica id.
-ENGINE_CONTROL_VERBS = (
-    EngineAPI.pause, EngineAPI.resume, EngineAPI.begin_update, EngineAPI.load_bucket, EngineAPI.commit_update,
-    EngineAPI.abort_update, EngineAPI.engine_layout, EngineAPI.set_push_plan, EngineAPI.collective_info,
-    EngineAPI.join_collective, EngineAPI.leave_collective, EngineAPI.sync_from_source, EngineAPI.sleep,
-    EngineAPI.wake_up, EngineAPI.stats, EngineAPI.live_fingerprint,
-)
+# Written by hand in the Serve deployment: generation (Serve routes it to one replica) and Serve's
+# own health check.
+_ENGINE_SERVING_VERBS = ("generate", "generate_stream", "check_health")
+# Every other verb is a control verb: EngineControl may fan it out, and the Serve deployment forwards
+# it, tagging a failure with the replica id. A verb added to EngineAPI is one of them at once.
+ENGINE_CONTROL_VERBS = tuple(getattr(EngineAPI, n) for n in api_verbs(EngineAPI) if n not in _ENGINE_SERVING_VERBS)
 # What EngineControl may fan out: the control verbs and Serve's health check.
 ENGINE_BROADCAST_VERBS = (*ENGINE_CONTROL_VERBS, EngineAPI.check_health)
 
@@ -145,8 +148,7 @@ class RoleAPI(Protocol):
     def state(self) -> dict[str, Any]: ...
 
 
-ROLE_VERBS = (RoleAPI.compute_log_prob, RoleAPI.compute_ref_log_prob, RoleAPI.compute_values, RoleAPI.compute_rm_score,
-              RoleAPI.update_actor, RoleAPI.update_critic, RoleAPI.state)
+ROLE_VERBS = tuple(getattr(RoleAPI, n) for n in api_verbs(RoleAPI))
 ROLE_TRAINING_VERBS = (RoleAPI.update_actor, RoleAPI.update_critic)  # run inside the profiler's step
 
 
@@ -201,7 +203,3 @@ def verb_name(api: type, verb: Callable[..., Any], among: tuple[Callable[..., An
                         f"{sorted(v.__name__ for v in among)}")
     return name
 
-
-def api_verbs(api: type) -> list[str]:
-    """Every verb `api` declares, in declaration order."""
-    return [n for n, v in vars(api).items() if callable(v) and not n.startswith("_")]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import time
 import uuid
+from collections.abc import Iterator
 
 import msgspec
 
@@ -177,16 +178,20 @@ class LearnerRankError(RuntimeError):
         self.rank, self.method = rank, method
 
 
-def learner_failure(err: BaseException) -> BaseException | None:
-    """The `LearnerRankError` behind `err` (its cause / context chain), if a learner rank failed."""
+def error_chain(err: BaseException) -> Iterator[BaseException]:
+    """`err`, then what it was raised from: Ray's `.cause` (a remote error's original), else
+    `__cause__`, else `__context__`; each error once."""
     seen: set[int] = set()
     e: BaseException | None = err
     while e is not None and id(e) not in seen:
-        if isinstance(e, LearnerRankError):
-            return e
+        yield e
         seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+
+
+def learner_failure(err: BaseException) -> BaseException | None:
+    """The `LearnerRankError` behind `err` (its cause / context chain), if a learner rank failed."""
+    return next((e for e in error_chain(err) if isinstance(e, LearnerRankError)), None)
 
 
 class Refusal(enum.Enum):
@@ -201,12 +206,7 @@ def refusal_of(err: BaseException) -> Refusal | None:
     """The `Refusal` behind `err`: that of the first error in its chain (itself, then Ray's `.cause`,
     `__cause__` / `__context__`) that has a `.refusal` at all. That error decides, None included: a
     replica error saying "failed while applying" is not a refusal, whatever it was raised from."""
-    seen: set[int] = set()
-    e: BaseException | None = err
-    while e is not None and id(e) not in seen:
+    for e in error_chain(err):
         if hasattr(e, "refusal"):
-            refusal = e.refusal
-            return refusal if isinstance(refusal, Refusal) else None
-        seen.add(id(e))
-        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+            return e.refusal if isinstance(e.refusal, Refusal) else None
     return None
