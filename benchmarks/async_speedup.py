@@ -22,6 +22,7 @@ sequence-quadratic FLOPs are not counted; params from the model's config.json, t
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -102,11 +104,16 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, 
         serve.run(build_app(cfg), name=f"speedup-eta{eta}", route_prefix="/", blocking=False)
         deadline = time.monotonic() + timeout_s
         status: dict = {}
+        replicas: list[dict] = []  # every poll: the engine replicas and the version each serves
+        control = None
         while time.monotonic() < deadline:
             try:
                 status = httpx.get(f"http://127.0.0.1:{port}/train/status", timeout=30).json()
             except (httpx.TransportError, ValueError):
                 status = {}
+            control, seen = _replica_versions(control, f"speedup-eta{eta}")
+            if seen is not None:
+                replicas.append({"t": time.time(), "policy_version": status.get("policy_version"), "replicas": seen})
             if status.get("state") in ("finished", "failed"):
                 break
             time.sleep(2)
@@ -139,11 +146,45 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, 
         "push_failed": sum(r.get("weightsync/failed", 0.0) for r in rows),
         "per_step": [{k: r.get(k) for k in ("train/step", "time/train_s", "time/sync_s", "time/elapsed_s", "train/tokens",
                                              "train/response_tokens", "train/reward_mean", "eval/accuracy",
-                                             "weightsync/push_seconds", "weightsync/paused_seconds", "buffer/staleness_mean")}
+                                             "weightsync/push_seconds", "weightsync/paused_seconds", "weightsync/engine_replicas",
+                                             "weightsync/failed", "buffer/staleness_mean")}
                      for r in rows],
         "eval": [{"step": r.get("step"), "time": r.get("time"), "accuracy": r["eval/accuracy"]}
                  for r in records if isinstance(r.get("eval/accuracy"), (int, float))],
+        "replicas_max": max((len(p["replicas"]) for p in replicas), default=None),
+        "joins": replica_joins(replicas),
+        "replica_timeline": replicas,
     }
+
+
+def _replica_versions(control: Any, app: str) -> tuple[Any, dict[str, int] | None]:
+    """({replica: version}, or None while the engines do not answer) and the control handle to reuse."""
+    from asyncrl.generator.control import EngineControl
+
+    try:
+        control = control or EngineControl(app_name=app)
+        return control, asyncio.run(asyncio.wait_for(control.versions(), 20))
+    except Exception:  # the app is starting or going away; an autoscaled replica may be mid-start
+        return None, None
+
+
+def replica_joins(timeline: list[dict]) -> list[dict]:
+    """Each engine replica that appeared after the first poll that saw any: when, the version it
+    first served, and the policy version then (equal, or one behind while a push is in flight,
+    when it joined at the live version)."""
+    joins: list[dict] = []
+    known: set[str] | None = None
+    for poll in timeline:
+        names = set(poll["replicas"])
+        if known is None:
+            known = names
+            continue
+        for name in sorted(names - known):
+            joins.append({"replica": name, "t": poll["t"], "first_version": poll["replicas"][name],
+                          "policy_version": poll["policy_version"],
+                          "others": {k: v for k, v in poll["replicas"].items() if k != name}})
+        known |= names
+    return joins
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['eta']} | {r['wall_s']:.1f} | {r['train_s']:.1f} | {r['sync_s']:.1f} | {r['wait_s']:.1f} | "
               f"{r['samples_per_s']:.1f} | {r['staleness_mean']:.2f} | {f(r['push_s'], '.3f')} | {f(r['push_gbps'], '.1f')} | "
               f"{f(r['push_paused_s'], '.3f')} | {f(r['learner_mfu'], '.1%')} | {ref['wall_s'] / r['wall_s']:.2f}x |")
+    for r in results:
+        for j in r["joins"]:
+            print(f"eta={r['eta']}: engine replica {j['replica']} joined serving version {j['first_version']} "
+                  f"(policy version {j['policy_version']}; the others at {sorted(set(j['others'].values()))})")
+        if r["push_failed"]:
+            print(f"eta={r['eta']}: {r['push_failed']:.0f} failed pushes")
     return 0
 
 

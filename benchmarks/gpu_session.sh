@@ -8,6 +8,8 @@
 # in /tmp/parts (see the device README: 8 carried parts) and carries .whl (grpcio 1.85.1, protobuf 7.36.2) and
 # artifacts/demo-model. Installs once into /tmp/site; grpcio/protobuf are unpacked over it, because
 # `pip --target --upgrade` would replace the whole google/ namespace and drop google.rpc.
+# Stages run side by side on a 4-GPU host (quad, duo) call this script once per job with NO_CLEANUP=1:
+# such a job leaves other jobs' Ray and vLLM processes alone and runs on a Ray of its own (RAY_ADDRESS=local).
 set -uo pipefail
 if [ ! -d /tmp/site/vllm ]; then
   cat /tmp/parts/part* | tar xf - -C /tmp
@@ -15,7 +17,11 @@ if [ ! -d /tmp/site/vllm ]; then
 fi
 # grpcio / protobuf for Ray's gRPC: unpacked over /tmp/site (pip --target --upgrade would replace
 # the whole google/ namespace directory and drop google.rpc).
-for w in /tmp/wheelhouse/googleapis_common_protos*.whl .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+if [ ! -f /tmp/site/.extra-done ]; then
+  for w in /tmp/wheelhouse/googleapis_common_protos*.whl .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+  touch /tmp/site/.extra-done
+fi
+mkdir -p $OUT
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
 MODEL=/tmp/qwen2-0.5b-random
@@ -30,12 +36,13 @@ push)
   #   collective   the ipc transport between processes (buffers reused, handles opened once)
   for step in ${STEPS:-bench:random500m direct bench:random1500m collective}; do
     case $step in
-    bench:*)
-      m=${step#bench:}
-      t=${TRANSPORT:-ipc}; log=$OUT/ws_push_${t}_$m.log
+    bench:*)  # bench:MODEL or bench:MODEL:VERIFY (a verify mode for this step alone)
+      m=${step#bench:}; v=${VERIFY:-checksum}
+      case $m in *:*) v=${m#*:}; m=${m%%:*} ;; esac
+      t=${TRANSPORT:-ipc}; log=$OUT/ws_push_${t}_${m}_$v.log
       timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports $t \
-          --gpus 0.5 --dtype bfloat16 --verify ${VERIFY:-checksum} --staging ${STAGING:-full} > $log 2>&1
-      echo "weightsync $t $m rc=$?"; grep '^{' $log | tee -a $OUT/ws_push.json
+          --gpus 0.5 --dtype bfloat16 --verify $v --staging ${STAGING:-full} > $log 2>&1
+      echo "weightsync $t $m verify=$v rc=$?"; grep '^{' $log | tee -a $OUT/ws_push.json
       grep -v '^{' $log | grep -iE "error|Traceback|layout" | tail -8 | cut -c1-400
       ;;
     direct|collective)
@@ -187,8 +194,8 @@ peers)
     touch /tmp/site-peers/.peers-done
   fi
   M=${PEERS_MODEL:-$MODEL}
-  if [ ! -f $M/config.json ]; then
-    python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M > $OUT/make_model.log 2>&1
+  if [ ! -f $M/config.json ]; then  # PEERS_SHAPE: make_random_qwen2.py's shape flags (default Qwen2-0.5B's)
+    python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M ${PEERS_SHAPE:-} > $OUT/make_model.log 2>&1
     echo "make model rc=$? t=$SECONDS s"; tail -1 $OUT/make_model.log | cut -c1-300
   fi
   knobs=(--model $M --prompts-per-step ${PEERS_PROMPTS:-8} --group-size ${PEERS_GROUP:-8} --max-new-tokens ${PEERS_TOKENS:-256}
@@ -201,11 +208,15 @@ peers)
     if [ $left -lt 60 ]; then echo "peers $run: skipped, $left s left of PEERS_BUDGET"; continue; fi
     # ray.init's own start timed out here after TRL's run ("node timed out during startup"): clear what is
     # left, start the node apart (its errors printed) and connect to it, as the gpu4 stage does.
-    ray stop --force > /dev/null 2>&1; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*
-    unset RAY_ADDRESS
-    if [ $run = hybrid ] || [ $run = gpu1 ]; then
-      timeout 90 ray start --head --num-cpus 16 --include-dashboard=false --disable-usage-stats > $OUT/ray_start.log 2>&1 \
-          && export RAY_ADDRESS=auto || { echo "ray start failed:"; tail -3 $OUT/ray_start.log | cut -c1-300; }
+    if [ -n "${NO_CLEANUP:-}" ]; then
+      export RAY_ADDRESS=local  # beside other jobs: a Ray of its own, theirs left alone
+    else
+      ray stop --force > /dev/null 2>&1; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*
+      unset RAY_ADDRESS
+      if [ $run = hybrid ] || [ $run = gpu1 ]; then
+        timeout 90 ray start --head --num-cpus 16 --include-dashboard=false --disable-usage-stats > $OUT/ray_start.log 2>&1 \
+            && export RAY_ADDRESS=auto || { echo "ray start failed:"; tail -3 $OUT/ray_start.log | cut -c1-300; }
+      fi
     fi
     echo "peers $run: starts at t=$SECONDS s, at most $left s"
     log=$OUT/peers_$run.log
@@ -229,5 +240,106 @@ peers)
   [ -s $OUT/peers.json ] && python3 benchmarks/peers/compare.py $OUT/peers.json --md $OUT/peers.md --png $OUT/peers.png
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
   ;;
+balanced)
+  # Issue 28, two GPUs (CUDA_VISIBLE_DEVICES): eta = 0, 2, 1 with the same samples, where one step's generation and
+  # training take about the same time (deploy/rlhf-gpu2-long.yaml: a random Qwen2-0.5B, responses of exactly 1,024
+  # tokens). A short eta = 0 run at BATCH0 (256) samples measures both per step; the batch is then scaled so that
+  # generation is about 1.1x training (training grows with the batch, generation about as its 0.4th power), and
+  # that batch runs at every eta (NSTEPS steps each, the first one warm-up).
+  export RAY_ADDRESS=local
+  M=/tmp/qwen2-0.5b-long  # its own copy: the peers job beside it builds $MODEL at the same time
+  [ -f $M/config.json ] || python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M > $OUT/make_model.log 2>&1
+  B0=${BATCH0:-256}
+  sets=(--set model.path=$M)
+  if [ -z "${BATCH:-}" ]; then
+    timeout -s INT -k 20 ${CALIB_TIMEOUT:-150} python3 benchmarks/async_speedup.py --config deploy/rlhf-gpu2-long.yaml --steps 3 \
+        --etas 0 --num-cpus 16 "${sets[@]}" --set buffer.batch_size=$B0 --set trainer.rollout_concurrency=$((B0 / 8)) \
+        --out $OUT/calib.json > $OUT/calib.log 2>&1
+    echo "calibration rc=$?"
+    BATCH=$(python3 - $OUT/calib.json $B0 <<'PY'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))["results"][0]
+    n, b0 = r["steps_timed"], int(sys.argv[2])
+    train, gen = r["train_s"] / n, r["wait_s"] / n
+    k = (gen / train / 1.1) ** (1 / 0.6)
+    b = int(max(64, min(1024, round(b0 * k / 64) * 64)))
+    print(b, file=sys.stdout)
+    print(f"calibration at {b0}: train {train:.2f} s, generation {gen:.2f} s per step -> batch {b}", file=sys.stderr)
+except Exception as e:
+    print(sys.argv[2]); print(f"calibration failed ({e!r}): batch {sys.argv[2]}", file=sys.stderr)
+PY
+)
+  fi
+  echo "batch $BATCH"
+  timeout -s INT -k 20 ${RUN_TIMEOUT:-400} python3 benchmarks/async_speedup.py --config deploy/rlhf-gpu2-long.yaml \
+      --steps ${NSTEPS:-6} --etas ${ETAS:-0 2 1} --num-cpus 16 "${sets[@]}" --set buffer.batch_size=$BATCH \
+      --set trainer.rollout_concurrency=$((BATCH / 8)) --out $OUT/balanced.json > $OUT/balanced.log 2>&1
+  echo "balanced rc=$?"; grep -v '^{' $OUT/balanced.log | grep -E '^\||machine|failed' | cut -c1-400
+  grep -iE "Traceback|Error|out of memory" $OUT/balanced.log | grep -v Warning | tail -6 | cut -c1-300
+  ;;
+scale)
+  # Issue 30 on four GPUs: the random Qwen2-7B trained with deploy/rlhf-gpu4-scale.yaml (learner TP = 2, engine
+  # replicas of TP = 1), Serve's autoscaler adding the second engine replica mid-run; ETAS (2), NSTEPS (10). On
+  # GPUs under 100 GB: bucketed staging and micro-batches of 2,048 tokens (the learner's 64 GiB need room).
+  M=/tmp/qwen2-7b-random
+  if [ ! -f $M/config.json ]; then
+    timeout 400 python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M --layers 28 \
+        --hidden 3584 --heads 28 --kv-heads 4 --ffn 18944 --untied > $OUT/make_7b.log 2>&1
+    echo "make 7b rc=$? t=$SECONDS s"; tail -1 $OUT/make_7b.log | cut -c1-300
+  fi
+  sets=(--set model.path=$M)
+  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  if [ "${mem:-0}" -lt 100000 ]; then sets+=(--set weightsync.staging=bucketed --set learner.max_tokens_per_micro_batch=2048); fi
+  for kv in ${SETS:-}; do sets+=(--set "$kv"); done
+  echo "sets: ${sets[*]}"
+  pkill -9 -f "[r]ay::"; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*; sleep 1
+  timeout 180 ray start --head --num-cpus 48 --include-dashboard=false --disable-usage-stats > $OUT/ray_start.log 2>&1
+  echo "ray start rc=$?"
+  RAY_ADDRESS=auto timeout -s INT -k 30 ${RUN_TIMEOUT:-470} python3 benchmarks/async_speedup.py \
+      --config deploy/rlhf-gpu4-scale.yaml --steps ${NSTEPS:-10} --etas ${ETAS:-2} --num-cpus 48 "${sets[@]}" \
+      --out $OUT/scale.json > $OUT/scale.log 2>&1
+  echo "scale rc=$? t=$SECONDS s"; grep -v '^{' $OUT/scale.log | grep -E '^\||machine|joined|failed' | cut -c1-400
+  grep -iE "Traceback|Error|out of memory" $OUT/scale.log | grep -v Warning | tail -10 | cut -c1-400
+  ls /tmp/ray/session_latest/logs > /dev/null 2>&1 && tar czf $OUT/ray_logs.tgz -C /tmp/ray/session_latest logs 2>/dev/null
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
+  ;;
+demo-nccl)
+  # Issue 28: the demo as deploy/rlhf-gpu2.yaml runs it (weights over NCCL every step), STEPS_DEMO (300) steps, eta 2;
+  # the row counts failed pushes (push_failed) and keeps every step's push.
+  export RAY_ADDRESS=local
+  timeout -s INT -k 20 ${RUN_TIMEOUT:-330} python3 benchmarks/async_speedup.py --config deploy/rlhf-gpu2.yaml \
+      --steps ${STEPS_DEMO:-300} --etas 2 --num-cpus 16 --out $OUT/demo_nccl.json > $OUT/demo_nccl.log 2>&1
+  echo "demo over NCCL rc=$?"; grep -v '^{' $OUT/demo_nccl.log | grep -E '^\||failed' | cut -c1-400
+  grep -iE "Traceback|Error" $OUT/demo_nccl.log | grep -v Warning | tail -6 | cut -c1-300
+  ;;
+quad|duo)
+  # Jobs side by side on a 4-GPU host, each on its own GPUs and Ray, started 20 s apart (several Ray nodes
+  # starting at once have timed out here), their files tarred into $OUT/$1.tgz (the device brings back 8 files):
+  #   quad: GPUs 0,1 balanced (issue 28) | GPU 2 peers (issue 32) | GPU 3 the ipc push (issue 22)
+  #   duo:  GPUs 0,1 the NCCL push (issues 22, 28) | GPUs 2,3 the demo over NCCL (issue 28)
+  mode=$1
+  if [ $mode = quad ]; then jobs_=("0,1 balanced" "2 peers" "3 push"); else jobs_=("0,1 push" "2,3 demo-nccl"); fi
+  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  if [ "${mem:-0}" -gt 100000 ] && [ -z "${PEERS_MODEL:-}" ]; then  # H200: TRL's 0.5B row exists (docs); the 1.5B shape is new
+    export PEERS_MODEL=/tmp/qwen2-1.5b-random PEERS_SHAPE="--layers 28 --hidden 1536 --heads 12 --kv-heads 2 --ffn 8960"
+  fi
+  for j in "${jobs_[@]}"; do
+    set -- $j
+    ( export CUDA_VISIBLE_DEVICES=$1 NO_CLEANUP=1 RAY_ADDRESS=local RAY_TMPDIR=/tmp/ray_$2 OUT=$OUT/$2
+      if [ $mode = quad ]; then export TRANSPORT=ipc STEPS="${PUSH_STEPS:-bench:random500m bench:random1500m bench:random500m:off}"
+      else export TRANSPORT=nccl STEPS="${PUSH_STEPS:-bench:random500m bench:random1500m}"; fi
+      # each job ends by its own timeouts inside the call's 600 s: balanced ~20 + 140 + 360, peers 480 from t = 20,
+      # push 3 x 160 from t = 40
+      export BENCH_TIMEOUT=${BENCH_TIMEOUT:-160} CALIB_TIMEOUT=${CALIB_TIMEOUT:-140} RUN_TIMEOUT=${RUN_TIMEOUT:-360}
+      export PEERS_RUNS="${PEERS_RUNS:-trl gpu1}" GPU1_ETAS="${GPU1_ETAS:-0 1 2}" PEERS_BUDGET=${PEERS_BUDGET:-480} TRL_TIMEOUT=${TRL_TIMEOUT:-190}
+      mkdir -p $OUT; bash benchmarks/gpu_session.sh $2 > $OUT/stdout.txt 2>&1 ) &
+    sleep 20
+  done
+  wait
+  for d in $OUT/*/; do echo "== $(basename $d)"; cut -c1-400 $d/stdout.txt; done
+  ( cd $OUT && tar czf jobs.tgz */ && rm -rf */ )
+  ;;
 esac
+[ -n "${NO_CLEANUP:-}" ] && exit 0
 pkill -9 -f "VLLM::" 2>/dev/null; ray stop --force > /dev/null 2>&1; true

@@ -1,0 +1,60 @@
+"""benchmarks/async_speedup.py's bookkeeping on CPU: which engine replicas joined mid-run and at which
+version (issue 30's autoscaler run reads this), and the configs its GPU stages use load. The runs
+themselves are `bash benchmarks/gpu_session.sh balanced|scale` on GPUs."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    saved = list(sys.path)
+    try:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        return importlib.import_module("async_speedup")
+    finally:
+        sys.path[:] = saved
+
+
+def test_a_replica_that_appears_later_is_a_join_with_its_first_version(bench):
+    timeline = [
+        {"t": 1.0, "policy_version": 1, "replicas": {"a": 1}},
+        {"t": 3.0, "policy_version": 2, "replicas": {"a": 2}},
+        {"t": 5.0, "policy_version": 3, "replicas": {"a": 3, "b": 3}},
+        {"t": 7.0, "policy_version": 4, "replicas": {"a": 4, "b": 4}},
+    ]
+    assert bench.replica_joins(timeline) == [
+        {"replica": "b", "t": 5.0, "first_version": 3, "policy_version": 3, "others": {"a": 3}}]
+
+
+def test_replicas_of_the_first_poll_are_not_joins_and_a_replica_counts_once(bench):
+    timeline = [
+        {"t": 1.0, "policy_version": 0, "replicas": {"a": 0, "b": 0}},
+        {"t": 2.0, "policy_version": 5, "replicas": {"a": 5}},  # b did not answer this poll
+        {"t": 3.0, "policy_version": 6, "replicas": {"a": 6, "b": 6, "c": 5}},
+    ]
+    joins = bench.replica_joins(timeline)
+    assert [(j["replica"], j["first_version"], j["policy_version"]) for j in joins] == [("c", 5, 6)]
+    assert bench.replica_joins([]) == []
+
+
+@pytest.mark.parametrize("name", ["rlhf-gpu2-long.yaml", "rlhf-gpu4-scale.yaml"])
+def test_the_gpu_stage_configs_load_with_the_stage_overrides(bench, name, demo_model_path):
+    from asyncrl.config import load_config
+
+    sets = [f"model.path={demo_model_path}", "weightsync.staging=bucketed"]
+    if name == "rlhf-gpu2-long.yaml":  # what the balanced stage sets after its calibration
+        sets += ["buffer.batch_size=512", "trainer.rollout_concurrency=64"]
+    cfg = load_config(bench.apply_overrides(bench._args_from(REPO / "deploy" / name), sets), source=name)
+    assert cfg.weightsync.staging == "bucketed"
+    assert cfg.algorithm.ignore_eos  # fixed-length responses from a random model
+    if name == "rlhf-gpu4-scale.yaml":
+        assert cfg.generator.autoscaling.max_replicas == 2 and cfg.generator.autoscaling.initial_replicas == 1
+        assert cfg.trainer.rollout_concurrency > cfg.generator.autoscaling.target_ongoing_requests
