@@ -240,6 +240,17 @@ peers)
   [ -s $OUT/peers.json ] && python3 benchmarks/peers/compare.py $OUT/peers.json --md $OUT/peers.md --png $OUT/peers.png
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
   ;;
+install)
+  # The last wheel part's call: the install above, TRL's parts (.peer-parts/p0, carried) unpacked for the peers
+  # stage, and the random 7B built in the background (setsid: it outlives this call, for the scale stage; on the CPUs, the GPUs being busy with quad).
+  mkdir -p /tmp/peer-parts && cp .peer-parts/p0/* /tmp/peer-parts/ 2>/dev/null
+  M=/tmp/qwen2-7b-random
+  if [ ! -f $M/config.json ] && [ ! -d $M.tmp ]; then
+    CUDA_VISIBLE_DEVICES= setsid bash -c "python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M.tmp --layers 28 \
+        --hidden 3584 --heads 28 --kv-heads 4 --ffn 18944 --untied > /tmp/make_7b.log 2>&1 && mv $M.tmp $M" < /dev/null > /dev/null 2>&1 &
+  fi
+  python3 -c "import vllm, megatron.core, ray; print('vllm', vllm.__version__, 'mcore', megatron.core.__version__, 'ray', ray.__version__)"
+  ;;
 balanced)
   # Issue 28, two GPUs (CUDA_VISIBLE_DEVICES): eta = 0, 2, 1 with the same samples, where one step's generation and
   # training take about the same time (deploy/rlhf-gpu2-long.yaml: a random Qwen2-0.5B, responses of exactly 1,024
@@ -283,11 +294,13 @@ scale)
   # replicas of TP = 1), Serve's autoscaler adding the second engine replica mid-run; ETAS (2), NSTEPS (10). On
   # GPUs under 100 GB: bucketed staging and micro-batches of 2,048 tokens (the learner's 64 GiB need room).
   M=/tmp/qwen2-7b-random
+  for i in $(seq 1 60); do pgrep -f "[m]ake_random_qwen2.py.*$M.tmp" > /dev/null || break; sleep 5; done  # the install call's build
   if [ ! -f $M/config.json ]; then
     timeout 400 python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M --layers 28 \
         --hidden 3584 --heads 28 --kv-heads 4 --ffn 18944 --untied > $OUT/make_7b.log 2>&1
     echo "make 7b rc=$? t=$SECONDS s"; tail -1 $OUT/make_7b.log | cut -c1-300
   fi
+  echo "7b model ready at t=$SECONDS s"
   sets=(--set model.path=$M)
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   if [ "${mem:-0}" -lt 100000 ]; then sets+=(--set weightsync.staging=bucketed --set learner.max_tokens_per_micro_batch=2048); fi
