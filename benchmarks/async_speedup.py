@@ -99,6 +99,9 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, 
     raw.setdefault("generator", {})["http_port"] = port
     raw["generator"]["direct_http_port"] = None  # the loop is measured, not the HTTP path: no fixed port (rlhf.yaml: 8001)
     cfg = load_config(raw, source=f"async_speedup eta={eta}")
+    # A Serve instance left in the cluster by an earlier run that was killed keeps its HTTP options (Serve
+    # ignores ours), and this benchmark would then poll a port nobody serves until its timeout: stop it first.
+    serve.shutdown()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         serve.run(build_app(cfg), name=f"speedup-eta{eta}", route_prefix="/", blocking=False)

@@ -8,9 +8,25 @@
 # in /tmp/parts (see the device README: 8 carried parts) and carries .whl (grpcio 1.85.1, protobuf 7.36.2) and
 # artifacts/demo-model. Installs once into /tmp/site; grpcio/protobuf are unpacked over it, because
 # `pip --target --upgrade` would replace the whole google/ namespace and drop google.rpc.
-# Stages run side by side on a 4-GPU host (quad, duo) call this script once per job with NO_CLEANUP=1:
-# such a job leaves other jobs' Ray and vLLM processes alone and runs on a Ray of its own (RAY_ADDRESS=local).
+# Stages run side by side on a 4-GPU host (quad, duo) call this script once per job with NO_CLEANUP=1 and a
+# RAY_PORT_BASE: such a job starts a Ray head of its own on ports from that base (own_ray) and leaves other jobs'
+# Ray and vLLM processes alone.
 set -uo pipefail
+# Ray 2.60 turns token authentication on for a new local cluster and writes the token to ~/.ray/auth_token;
+# clusters started at once on one host race on that file (seen on the 4-GPU host: `ray.init()` giving up after
+# 30 s, "The current node timed out during startup", while `ray start --head` alone always came up). These
+# machines reach nothing outside: no tokens.
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+own_ray() {  # own_ray BASE: a head node on ports BASE.. (its own temp dir), and RAY_ADDRESS pointing at it
+  local b=$1
+  timeout 120 ray start --head --port=$b --ray-client-server-port=$((b+1)) --node-manager-port=$((b+2)) \
+      --object-manager-port=$((b+3)) --dashboard-agent-grpc-port=$((b+4)) --dashboard-agent-listen-port=$((b+5)) \
+      --metrics-export-port=$((b+6)) --runtime-env-agent-port=$((b+7)) --dashboard-port=$((b+8)) \
+      --min-worker-port=$((b+100)) --max-worker-port=$((b+999)) --temp-dir=/tmp/ray_$b --include-dashboard=false \
+      --disable-usage-stats --num-cpus ${RAY_CPUS:-16} > $OUT/ray_start_$b.log 2>&1
+  echo "ray head on port $b rc=$?"
+  export RAY_ADDRESS=127.0.0.1:$b
+}
 if [ ! -d /tmp/site/vllm ]; then
   cat /tmp/parts/part* | tar xf - -C /tmp
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/wheelhouse/*.whl 2>&1 | grep -v WARNING | tail -3
@@ -24,6 +40,7 @@ fi
 mkdir -p $OUT
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
+if [ -n "${NO_CLEANUP:-}" ] && [ -n "${RAY_PORT_BASE:-}" ] && [ "$1" != quad ] && [ "$1" != duo ]; then own_ray $RAY_PORT_BASE; fi
 MODEL=/tmp/qwen2-0.5b-random
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 case $1 in
@@ -209,7 +226,7 @@ peers)
     # ray.init's own start timed out here after TRL's run ("node timed out during startup"): clear what is
     # left, start the node apart (its errors printed) and connect to it, as the gpu4 stage does.
     if [ -n "${NO_CLEANUP:-}" ]; then
-      export RAY_ADDRESS=local  # beside other jobs: a Ray of its own, theirs left alone
+      export RAY_ADDRESS=${RAY_ADDRESS:-local}  # beside other jobs: a Ray of its own (own_ray), theirs left alone
     else
       ray stop --force > /dev/null 2>&1; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*
       unset RAY_ADDRESS
@@ -257,13 +274,13 @@ balanced)
   # tokens). A short eta = 0 run at BATCH0 (256) samples measures both per step; the batch is then scaled so that
   # generation is about 1.1x training (training grows with the batch, generation about as its 0.4th power), and
   # that batch runs at every eta (NSTEPS steps each, the first one warm-up).
-  export RAY_ADDRESS=local
+  export RAY_ADDRESS=${RAY_ADDRESS:-local}  # or a node started apart (RAY_ADDRESS=auto)
   M=/tmp/qwen2-0.5b-long  # its own copy: the peers job beside it builds $MODEL at the same time
   [ -f $M/config.json ] || python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M > $OUT/make_model.log 2>&1
   B0=${BATCH0:-256}
   sets=(--set model.path=$M)
   if [ -z "${BATCH:-}" ]; then
-    timeout -s INT -k 20 ${CALIB_TIMEOUT:-150} python3 benchmarks/async_speedup.py --config deploy/rlhf-gpu2-long.yaml --steps 3 \
+    timeout -s INT -k 20 ${CALIB_TIMEOUT:-200} python3 benchmarks/async_speedup.py --config deploy/rlhf-gpu2-long.yaml --steps 3 \
         --etas 0 --num-cpus 16 "${sets[@]}" --set buffer.batch_size=$B0 --set trainer.rollout_concurrency=$((B0 / 8)) \
         --out $OUT/calib.json > $OUT/calib.log 2>&1
     echo "calibration rc=$?"
@@ -320,15 +337,15 @@ scale)
 demo-nccl)
   # Issue 28: the demo as deploy/rlhf-gpu2.yaml runs it (weights over NCCL every step), STEPS_DEMO (300) steps, eta 2;
   # the row counts failed pushes (push_failed) and keeps every step's push.
-  export RAY_ADDRESS=local
+  export RAY_ADDRESS=${RAY_ADDRESS:-local}
   timeout -s INT -k 20 ${RUN_TIMEOUT:-330} python3 benchmarks/async_speedup.py --config deploy/rlhf-gpu2.yaml \
       --steps ${STEPS_DEMO:-300} --etas 2 --num-cpus 16 --out $OUT/demo_nccl.json > $OUT/demo_nccl.log 2>&1
   echo "demo over NCCL rc=$?"; grep -v '^{' $OUT/demo_nccl.log | grep -E '^\||failed' | cut -c1-400
   grep -iE "Traceback|Error" $OUT/demo_nccl.log | grep -v Warning | tail -6 | cut -c1-300
   ;;
 quad|duo)
-  # Jobs side by side on a 4-GPU host, each on its own GPUs and Ray, started 20 s apart (several Ray nodes
-  # starting at once have timed out here), their files tarred into $OUT/$1.tgz (the device brings back 8 files):
+  # Jobs side by side on a 4-GPU host, each on its own GPUs and its own Ray head (own_ray), started 20 s apart,
+  # their files tarred into $OUT/$1.tgz (the device brings back 8 files):
   #   quad: GPUs 0,1 balanced (issue 28) | GPU 2 peers (issue 32) | GPU 3 the ipc push (issue 22)
   #   duo:  GPUs 0,1 the NCCL push (issues 22, 28) | GPUs 2,3 the demo over NCCL (issue 28)
   mode=$1
@@ -337,14 +354,16 @@ quad|duo)
   if [ "${mem:-0}" -gt 100000 ] && [ -z "${PEERS_MODEL:-}" ]; then  # H200: TRL's 0.5B row exists (docs); the 1.5B shape is new
     export PEERS_MODEL=/tmp/qwen2-1.5b-random PEERS_SHAPE="--layers 28 --hidden 1536 --heads 12 --kv-heads 2 --ffn 8960"
   fi
+  base=20000
   for j in "${jobs_[@]}"; do
     set -- $j
-    ( export CUDA_VISIBLE_DEVICES=$1 NO_CLEANUP=1 RAY_ADDRESS=local RAY_TMPDIR=/tmp/ray_$2 OUT=$OUT/$2
+    base=$((base + 2000))
+    ( export CUDA_VISIBLE_DEVICES=$1 NO_CLEANUP=1 RAY_PORT_BASE=$base OUT=$OUT/$2
       if [ $mode = quad ]; then export TRANSPORT=ipc STEPS="${PUSH_STEPS:-bench:random500m bench:random1500m bench:random500m:off}"
       else export TRANSPORT=nccl STEPS="${PUSH_STEPS:-bench:random500m bench:random1500m}"; fi
-      # each job ends by its own timeouts inside the call's 600 s: balanced ~20 + 140 + 360, peers 480 from t = 20,
-      # push 3 x 160 from t = 40
-      export BENCH_TIMEOUT=${BENCH_TIMEOUT:-160} CALIB_TIMEOUT=${CALIB_TIMEOUT:-140} RUN_TIMEOUT=${RUN_TIMEOUT:-360}
+      # each job ends by its own timeouts inside the call's 600 s: balanced ~20 + 200 + 340 (an app's start took
+      # 64-80 s on the H200 host: vLLM compiles and captures its graphs), peers 480 from t = 20, push 3 x 160 from t = 40
+      export BENCH_TIMEOUT=${BENCH_TIMEOUT:-160} CALIB_TIMEOUT=${CALIB_TIMEOUT:-200} RUN_TIMEOUT=${RUN_TIMEOUT:-340}
       export PEERS_RUNS="${PEERS_RUNS:-trl gpu1}" GPU1_ETAS="${GPU1_ETAS:-0 1 2}" PEERS_BUDGET=${PEERS_BUDGET:-480} TRL_TIMEOUT=${TRL_TIMEOUT:-190}
       mkdir -p $OUT; bash benchmarks/gpu_session.sh $2 > $OUT/stdout.txt 2>&1 ) &
     sleep 20

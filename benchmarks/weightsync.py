@@ -614,8 +614,11 @@ def main() -> None:
     import ray
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    ray.init(num_cpus=max(4, os.cpu_count() or 4), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    runtime_env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}}
+    if os.environ.get("RAY_ADDRESS", "local") != "local":  # a node started apart (`ray start --head`): its own CPUs
+        ray.init(log_to_driver=False, runtime_env=runtime_env)
+    else:
+        ray.init(num_cpus=max(4, os.cpu_count() or 4), include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for name in args.models.split(","):
