@@ -139,6 +139,10 @@ def build_app(
 
         check_trainable(cfg)
         check_live_cluster(cfg)  # a pool no node offers fails here, not as a replica pending for ever
+    if cfg.generator.tool_parser is not None:  # a name vLLM does not know is a config error here, not a 400 later
+        from asyncrl.generator.vllm_engine import tool_parser_class
+
+        tool_parser_class(cfg.generator.tool_parser)
     # Replicas may run with another working directory: pin the model path now.
     model = cfg.model.model_copy(update={"path": str(Path(cfg.model.path).resolve())})
     cfg = cfg.model_copy(update={"model": model})

@@ -29,8 +29,25 @@ from asyncrl.rewards.math import exact_integer_reward
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
+# ChatML. With `tools`, a system turn lists them and says how to call one (the Hermes / Qwen2.5 format that
+# vLLM's `hermes` tool parser reads: generator.tool_parser); an assistant turn's tool calls render as
+# <tool_call> blocks and a tool result as a <tool_response> in a user turn. Without tools or tool turns it
+# renders exactly as before they existed (tests/unit/test_tool_calls.py pins that). A newline right after a
+# block tag is written {{ '\\n' }}: chat templates render with trim_blocks, which drops it.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n"
+    "Call one with <tool_call>\n{\"name\": <name>, \"arguments\": <JSON object>}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}<|im_start|>assistant\n"
+    "{% if message['content'] %}{{ message['content'] }}\n{% endif %}"
+    "{% for call in message['tool_calls'] %}{% if not loop.first %}{{ '\\n' }}{% endif %}<tool_call>\n"
+    "{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": {{ call['function']['arguments'] | tojson }}}\n"
+    "</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 METADATA_FILE = "asyncrl_demo.json"

@@ -73,6 +73,11 @@ class GeneratorConfig(_Section):
         True, description="Non-streaming requests get their behaviour log-probs from the engine core as one array per "
         "completion (exactly vLLM's values, without its per-token objects: generator/array_logprobs.py). False = vLLM's own path.")
     max_body_bytes: int = Field(1 << 20, gt=0, description="Larger HTTP bodies get 413.")
+    tool_parser: str | None = Field(
+        None, min_length=1, description="vLLM's tool-call parser for chat completions sent with `tools`, named as in "
+        "`vllm serve --tool-call-parser` (hermes for Qwen2.5 / Qwen3 and the demo model, llama3_json, mistral, ...). The "
+        "chat template renders the tools; the parser turns the sampled text into `tool_calls`. Unset: a request with "
+        "tools gets 400. Checked against vLLM's parsers when the app is built.")
     episode_max_turns: int = Field(32, gt=0, description="Chat completions one episode (POST /v1/episodes) may hold; one more gets 413.")
     episode_max_tokens: int = Field(
         32768, gt=0, description="Tokens of one episode's samples (first prompt, every later prompt token and every sampled "

@@ -151,19 +151,24 @@ class GatewayCore:
         self.status_source = status_source  # a Serve handle (the trainer deployment) with status()
         self.episodes = EpisodeLedger(max_turns=gen.episode_max_turns, max_tokens=gen.episode_max_tokens,
                                       idle_timeout_s=gen.episode_idle_timeout_s)
+        self.tool_parser: Any = None  # vLLM's ToolParser class for chat completions with tools
+        if gen.tool_parser is not None:
+            from asyncrl.generator.vllm_engine import tool_parser_class
+
+            self.tool_parser = tool_parser_class(gen.tool_parser)
 
     # ---- prompts ---------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
-    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of `messages` (already `plain_message`s) under the chat template, ending
-        where the assistant's answer starts."""
+        where the assistant's answer starts; `tools` (OpenAI function tools) go to the template."""
         if not messages:
             raise HTTPError(400, "messages must be a non-empty list of {role, content} objects")
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as err:  # template errors are the caller's messages being malformed
             raise HTTPError(400, f"messages could not be rendered with the chat template: {err}") from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -242,7 +247,9 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def plain_message(m: Any, index: int = 0) -> dict[str, Any]:
-    """One chat message as the chat template wants it: `{"role", "content"}` with text content.
+    """One chat message as the chat template wants it: `{"role", "content"}` with text content, plus
+    an assistant's `tool_calls` (their JSON `arguments` parsed into objects, as chat templates
+    render them) and a tool result's `tool_call_id`.
 
     Takes a dict or a pydantic / TypedDict message (vLLM's OpenAI params); content may be a string
     or a list of `{"type": "text", "text": ...}` parts (joined). Anything else is the caller's
@@ -264,7 +271,34 @@ def plain_message(m: Any, index: int = 0) -> dict[str, Any]:
         content = "".join(texts)
     if content is not None and not isinstance(content, str):
         raise HTTPError(400, f"messages[{index}].content must be a string or a list of text parts, got {type(content).__name__}")
-    return {"role": role, "content": content or ""}
+    out: dict[str, Any] = {"role": role, "content": content or ""}
+    calls = d.get("tool_calls")
+    if calls:
+        if role != "assistant" or not isinstance(calls, list):
+            raise HTTPError(400, f"messages[{index}].tool_calls: only an assistant message has tool_calls, as a list")
+        out["tool_calls"] = [_tool_call(c, index, k) for k, c in enumerate(calls)]
+    if role == "tool" and d.get("tool_call_id") is not None:
+        out["tool_call_id"] = str(d["tool_call_id"])
+    return out
+
+
+def _tool_call(call: Any, index: int, k: int) -> dict[str, Any]:
+    """One OpenAI tool call of an assistant message, its `arguments` (a JSON string) as an object."""
+    c = call.model_dump() if hasattr(call, "model_dump") else dict(call) if isinstance(call, dict) else {}
+    fn = c.get("function")
+    fn = fn.model_dump() if hasattr(fn, "model_dump") else fn
+    where = f"messages[{index}].tool_calls[{k}]"
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise HTTPError(400, f"{where} must be {{id, type: function, function: {{name, arguments}}}}")
+    args = fn.get("arguments")
+    if args is None or (isinstance(args, str) and not args.strip()):
+        args = {}
+    elif isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as err:
+            raise HTTPError(400, f"{where}.function.arguments is not JSON: {err}") from None
+    return {"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
 def prompt_ids_of(core: "GatewayCore", body: GenerateBody) -> list[int]:

@@ -11,8 +11,13 @@ A chat completion sent with `x-asyncrl-episode: ID` is one turn of that episode:
 it is not streamed; the prompt ids after the chat template, the sampled ids, their log-probs and
 weight versions are recorded whether or not the client asked for log-probs.
 
+Chat completions take OpenAI function `tools` when `generator.tool_parser` names vLLM's parser for the
+model's chat template: the template renders the tools and earlier tool calls and results, the parser
+turns the sampled text into `tool_calls` (tool_choice auto or none; not streamed).
+
 Must never: accept an option it would silently ignore when ignoring changes the output
-(echo, suffix, beam search, tools, top-k log-probs beyond the sampled token): those get 400.
+(echo, suffix, beam search, forced tool choice, streamed tool calls, top-k log-probs beyond the sampled
+token): those get 400.
 """
 
 from __future__ import annotations
@@ -39,6 +44,31 @@ from asyncrl.generator.gateway_core import (
 )
 from asyncrl.generator.vllm_engine import openai_protocol
 from asyncrl.types import Completion, CompletionDelta, GenerationRequest, SamplingParams
+
+
+def parse_tool_calls(parser: Any, tokenizer: Any, text: str, req: Any) -> tuple[str | None, list[Any]]:
+    """(content, tool calls) of a sampled `text` by vLLM's tool parser class `parser` for chat request
+    `req` (its tools); text without a well-formed call: (text, [])."""
+    info = parser(tokenizer, req.tools).extract_tool_calls(text, req)
+    return (info.content, list(info.tool_calls)) if info.tools_called and info.tool_calls else (text, [])
+
+
+def chat_tools(req: Any, parser: Any) -> list[dict[str, Any]] | None:
+    """A chat request's tools as the chat template takes them (None without), or a 400 for what the
+    gateway cannot honour: tools without a parser (`parser` None), a forced tool choice, streaming."""
+    if not req.tools:
+        return None
+    if parser is None:
+        raise HTTPError(400, "tools need generator.tool_parser: vLLM's tool-call parser for this model's chat template "
+                             "(e.g. hermes), as `vllm serve --tool-call-parser`")
+    choice = req.tool_choice
+    if choice not in (None, "auto", "none"):
+        named = choice if isinstance(choice, str) else "a named function"
+        raise HTTPError(400, f"tool_choice={named}: only auto and none (forcing a call needs structured outputs, which "
+                             "this API does not run)")
+    if req.stream:
+        raise HTTPError(400, "tools with stream=true are not supported: send stream=false")
+    return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
 def _sampling(req: Any, max_tokens: int | None, want_logprobs: bool) -> SamplingParams:
@@ -170,20 +200,20 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
         try:
             req = parse_model(chat.ChatCompletionRequest, await read_json(request, max_bytes), status=400)
             check_model(req.model)
-            if req.tools:
-                raise HTTPError(400, "tools are not supported")
+            tools = chat_tools(req, core.tool_parser)
+            tools_req = req if tools is not None and req.tool_choice != "none" else None  # parse its tool calls
             top = req.top_logprobs or 0
             if top > 1:
                 raise HTTPError(400, f"top_logprobs={top}: only the sampled token's log-prob is available (0 or 1)")
             messages = [plain_message(m, i) for i, m in enumerate(req.messages)]
-            ids = core.chat_prompt_ids(messages)
+            ids = core.chat_prompt_ids(messages, tools)
             want_lp = bool(req.logprobs)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             if max_tokens is None:  # OpenAI chat default: as long as the context allows
                 max_tokens = max(1, core.model_cfg.max_model_len - len(ids))
             episode = request.headers.get(EPISODE_HEADER)
             if episode is not None:
-                return await episode_turn(track, episode, req, ids, max_tokens, top)
+                return await episode_turn(track, episode, req, ids, max_tokens, top, tools_req)
             greq = GenerationRequest(prompt_ids=ids, sampling=_sampling(req, max_tokens, want_lp))
             if req.stream:
                 first, rest = await core.stream(greq)
@@ -201,7 +231,7 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
 
                 return _sse(track, first, rest, event, lambda: chat.ChatCompletionStreamResponse(model=served, choices=[]).model_dump(), len(ids), include_usage, UsageInfo)
             result = await core.generate(greq)
-            return chat_response(track, result, ids, want_lp, top)
+            return chat_response(track, result, ids, want_lp, top, tools_req=tools_req)
         except HTTPError as err:
             track.status = err.status
             raise
@@ -209,14 +239,23 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
             if not getattr(track, "streaming", False):
                 track.finish()
 
+    def chat_message(c: Completion | CompletionDelta, tools_req: Any) -> tuple[Any, str | None]:
+        """The assistant message of a choice and its finish reason: with `tools_req`, the tool calls
+        vLLM's parser finds in the text (then finish_reason tool_calls, as vLLM's server says)."""
+        if tools_req is not None:
+            content, calls = parse_tool_calls(core.tool_parser, core.tokenizer, c.text, tools_req)
+            if calls:
+                return chat.ChatMessage(role="assistant", content=content, tool_calls=calls), "tool_calls"
+        return chat.ChatMessage(role="assistant", content=c.text), c.finish_reason
+
     def chat_response(track: _Tracked, result: Any, ids: list[int], want_lp: bool, top: int,
-                      headers: dict[str, str] | None = None) -> JSONResponse:
+                      headers: dict[str, str] | None = None, tools_req: Any = None) -> JSONResponse:
         choices = []
         for c in result.completions:
             lp = chat_logprobs(c, top) if want_lp else None
+            message, finish = chat_message(c, tools_req)
             choice = chat.ChatCompletionResponseChoice(
-                index=c.index, message=chat.ChatMessage(role="assistant", content=c.text), logprobs=lp,
-                finish_reason=c.finish_reason, token_ids=c.token_ids,
+                index=c.index, message=message, logprobs=lp, finish_reason=finish, token_ids=c.token_ids,
             )
             choices.append({**choice.model_dump(), "versions": c.versions})
         n_out = sum(len(c.token_ids) for c in result.completions)
@@ -233,9 +272,11 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
         except EpisodeError as err:
             raise HTTPError(err.status, err.message) from None
 
-    async def episode_turn(track: _Tracked, episode: str, req: Any, ids: list[int], max_tokens: int, top: int) -> Response:
+    async def episode_turn(track: _Tracked, episode: str, req: Any, ids: list[int], max_tokens: int, top: int,
+                           tools_req: Any = None) -> Response:
         """One turn of `episode`: the log-probs are always asked for (the trajectory needs them) and
-        returned to the client only if it asked."""
+        returned to the client only if it asked. Tool calls in it are parsed as outside an episode;
+        the trajectory keeps the sampled tokens as they are."""
         if req.stream:
             raise HTTPError(400, f"{EPISODE_HEADER}: streamed turns are not supported; send stream=false")
         if req.n not in (None, 1):
@@ -253,7 +294,7 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
             turn = Turn(tuple(ids), tuple(c.token_ids), tuple(c.logprobs), tuple(c.versions))
         finally:
             core.episodes.end_turn(episode, turn)
-        return chat_response(track, result, ids, bool(req.logprobs), top, {EPISODE_HEADER: episode})
+        return chat_response(track, result, ids, bool(req.logprobs), top, {EPISODE_HEADER: episode}, tools_req=tools_req)
 
     @app.post("/v1/episodes", status_code=201)
     async def open_episode(request: Request) -> Any:

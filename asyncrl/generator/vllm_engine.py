@@ -237,6 +237,20 @@ def openai_protocol() -> tuple[Any, Any, Any, Any, Any, Any]:
     return chat, cmpl, DeltaMessage, ModelCard, ModelList, UsageInfo
 
 
+def tool_parser_class(name: str) -> Any:
+    """vLLM's tool-call parser registered as `name` (`vllm serve --tool-call-parser`); the registry and the
+    constructor `(tokenizer, tools)` are the same in vLLM 0.24 and 0.32. Raises ConfigError naming
+    generator.tool_parser, with the names vLLM knows, for any other name."""
+    from vllm.tool_parsers import ToolParserManager
+
+    from asyncrl.config import ConfigError
+
+    known = sorted(set(ToolParserManager.tool_parsers) | set(ToolParserManager.lazy_parsers))
+    if name not in known:
+        raise ConfigError(f"generator.tool_parser: {name!r} is not one of vLLM's tool parsers ({', '.join(known)})")
+    return ToolParserManager.get_tool_parser(name)
+
+
 # ---- reads inside a vLLM worker process ------------------------------------------------------------
 
 

@@ -47,6 +47,7 @@ def gen(ray_session, demo_model_path):
             "engine_kwargs": {"max_num_batched_tokens": MAX_MODEL_LEN},
             # Episodes: small limits so that each refusal is reachable in a few turns.
             "episode_max_turns": 3, "episode_max_tokens": 200, "episode_idle_timeout_s": EPISODE_IDLE_S,
+            "tool_parser": "hermes",  # the demo template's tool-call format
         },
     })
     run_generator(cfg, name=APP, weight_source=None)
@@ -132,6 +133,42 @@ def test_openai_client_rejects_bad_params(gen):
         client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], n=50, temperature=1)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other-model", prompt="1+1=")
+
+
+def test_chat_with_tools_renders_them_and_tool_call_history_passes_through(gen):
+    """Tools reach the chat template (the prompt is the template's rendering with them); an assistant's tool
+    calls and a tool result in the history render as the template writes them; what the gateway cannot honour
+    (a forced tool choice, streamed tool calls, arguments that are not JSON) gets a 400 naming it. The demo
+    model never writes a well-formed call: turning sampled text into tool_calls is tests/unit/test_tool_calls.py."""
+    client, name, tok = gen["client"], gen["cfg"].model.served_name, gen["tok"]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    question = [{"role": "user", "content": "What is 12+34?"}]
+    r = client.chat.completions.create(model=name, messages=question, tools=tools, max_tokens=4, temperature=0)
+    with_tools = tok.encode(tok.apply_chat_template(question, tools=tools, tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False)
+    assert r.usage.prompt_tokens == len(with_tools) > len(_template_ids(gen, question)) + 50
+    assert r.choices[0].message.role == "assistant" and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason in ("stop", "length")
+    history = question + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call-1", "type": "function", "function": {"name": "add", "arguments": '{"a": 12, "b": 34}'}}]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "46"},
+    ]
+    raw = client.chat.completions.with_raw_response.create(model=name, messages=history, max_tokens=4, temperature=0)
+    body = raw.http_response.json()
+    rendered = tok.apply_chat_template([{**history[0]}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": "add", "arguments": {"a": 12, "b": 34}}}]},
+        history[2]], tokenize=False, add_generation_prompt=True)
+    assert '{"name": "add", "arguments": {"a": 12, "b": 34}}' in rendered and "<tool_response>\n46\n" in rendered
+    assert body["usage"]["prompt_tokens"] == len(tok.encode(rendered, add_special_tokens=False))
+    for kw, fragment in [({"tools": tools, "tool_choice": "required"}, "tool_choice=required"),
+                         ({"tools": tools, "stream": True}, "stream=true")]:
+        with pytest.raises(openai.BadRequestError, match=fragment):
+            client.chat.completions.create(model=name, messages=question, max_tokens=4, **kw)
+    bad = [*question, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{a: 1"}}]}]
+    with pytest.raises(openai.BadRequestError, match=r"messages\[1\].tool_calls\[0\].function.arguments is not JSON"):
+        client.chat.completions.create(model=name, messages=bad, max_tokens=4)
 
 
 # ---- episodes: multi-turn trajectories through the OpenAI API ------------------------------
