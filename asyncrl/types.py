@@ -111,6 +111,11 @@ class Sample(msgspec.Struct, kw_only=True):
     # 1 where the loss applies (None: every response token). A multi-turn episode's response holds
     # the later turns' prompt tokens (user, tool) at 0 between the sampled ones at 1.
     loss_mask: list[int] | None = None
+    # An episode's per-turn rewards (None: none given) and, per turn, the index in response_ids of its
+    # last sampled token. The return is reward + sum(turn_rewards): sequence-level advantages take the
+    # sum, token-level ones put each turn's reward on its last token (trainer/step.py).
+    turn_rewards: list[float] | None = None
+    turn_ends: list[int] | None = None
 
     @property
     def oldest_version(self) -> int:

@@ -4,7 +4,7 @@ Owns: the episode ledger a gateway keeps (open -> turns -> finish, or abandoned 
 timeout), the limits of one episode (turns, tokens), and the assembly of a finished episode into
 token-exact training samples (`assemble`). A client opens an episode (`POST /v1/episodes`), sends
 `x-asyncrl-episode: ID` with every `/v1/chat/completions` call of it, then finishes it with a reward
-(`POST /v1/episodes/ID/finish`). Each turn is recorded as the prompt ids the engine got (after the
+(`POST /v1/episodes/ID/finish`), optionally with one reward per turn. Each turn is recorded as the prompt ids the engine got (after the
 chat template), the sampled ids, their log-probs and weight versions.
 
 Assembly: a turn whose prompt starts with everything before it (the previous prompt + its sampled
@@ -58,10 +58,11 @@ class EpisodeSample:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     turns: int = 0
+    turn_ends: list[int] = field(default_factory=list)  # per turn: the index in response_ids of its last sampled token
 
     def as_json(self) -> dict[str, Any]:
         return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids, "loss_mask": self.loss_mask,
-                "logprobs": self.logprobs, "versions": self.versions, "turns": self.turns}
+                "logprobs": self.logprobs, "versions": self.versions, "turns": self.turns, "turn_ends": self.turn_ends}
 
 
 def assemble(turns: Sequence[Turn]) -> tuple[list[EpisodeSample], int]:
@@ -89,6 +90,7 @@ def assemble(turns: Sequence[Turn]) -> tuple[list[EpisodeSample], int]:
         cur.logprobs += turn.logprobs
         cur.versions += turn.versions
         cur.turns += 1
+        cur.turn_ends.append(len(cur.response_ids) - 1)
         context = prompt + list(turn.token_ids)
     return samples, mismatches
 

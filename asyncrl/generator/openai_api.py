@@ -71,6 +71,26 @@ def chat_tools(req: Any, parser: Any) -> list[dict[str, Any]] | None:
     return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
+def _finite(x: Any) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def finish_body(body: Any, turns: int) -> tuple[float, list[float] | None]:
+    """(reward, per-turn rewards or None) of an episode's finish body, `{"reward": r}` or
+    `{"reward": r, "turn_rewards": [one per turn]}`, for an episode of `turns` turns; else a 400."""
+    usage = '{"reward": <a finite number>, "turn_rewards": [<one finite number per turn>] (optional)}'
+    if not isinstance(body, dict) or set(body) - {"reward", "turn_rewards"} or not _finite(body.get("reward")):
+        raise HTTPError(400, f"finish needs {usage}")
+    per_turn = body.get("turn_rewards")
+    if per_turn is None:
+        return float(body["reward"]), None
+    if not isinstance(per_turn, list) or not all(_finite(r) for r in per_turn):
+        raise HTTPError(400, f"turn_rewards must be a list of finite numbers: {usage}")
+    if len(per_turn) != turns:
+        raise HTTPError(400, f"turn_rewards has {len(per_turn)} values for an episode of {turns} turns (one per turn)")
+    return float(body["reward"]), [float(r) for r in per_turn]
+
+
 def _sampling(req: Any, max_tokens: int | None, want_logprobs: bool) -> SamplingParams:
     if req.use_beam_search:
         raise HTTPError(400, "use_beam_search is not supported")
@@ -321,12 +341,18 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
     @app.post("/v1/episodes/{episode}/finish")
     async def finish_episode(episode: str, request: Request) -> Any:
         body = await read_json(request, max_bytes)
-        reward = body.get("reward") if isinstance(body, dict) else None
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            raise HTTPError(400, 'finish needs {"reward": <a finite number>}')
+        turns = ledger_call(core.episodes.describe, episode)["turns"]  # no await until finish: it cannot change
+        reward, turn_rewards = finish_body(body, turns)
         samples, mismatches, metadata = ledger_call(core.episodes.finish, episode)
-        return {"id": episode, "reward": float(reward), "metadata": metadata, "mismatches": mismatches,
-                "samples": [s.as_json() for s in samples]}
+        out, at = [], 0
+        for sample in samples:  # a split episode's per-turn rewards go with the sample that holds their turns
+            js = sample.as_json()
+            if turn_rewards is not None:
+                js["turn_rewards"] = turn_rewards[at: at + sample.turns]
+            at += sample.turns
+            out.append(js)
+        return {"id": episode, "reward": reward, "turn_rewards": turn_rewards, "metadata": metadata,
+                "mismatches": mismatches, "samples": out}
 
 
 def _sse(track: _Tracked, first: list[CompletionDelta], rest: AsyncIterator, event, envelope, prompt_tokens: int, include_usage: bool, UsageInfo) -> StreamingResponse:

@@ -3,8 +3,9 @@ episodes, and each finished episode becomes one token-exact training sample.
 
 Owns: running `rollout.function` for every member of a prompt's group (group_size episodes at once,
 under the staleness slots the worker acquired, exactly as single-turn groups), the episode calls to
-the gateway (open with the learner's temperature, finish with the function's reward), and turning
-the gateway's samples into `Sample`s (loss mask on the sampled tokens, a version per token).
+the gateway (open with the learner's temperature, finish with the function's reward, and its
+per-turn rewards when it returns `{"reward": r, "turn_rewards": [...]}`), and turning the gateway's
+samples into `Sample`s (loss mask on the sampled tokens, a version per token, where each turn ends).
 
 An episode that fails (the function raised, returned no finite reward, ran past
 `rollout.episode_timeout_s`, or took no turn) is ABORTED; one whose turns did not extend each other
@@ -43,6 +44,25 @@ class AgentFunctionError(ValueError):
     """rollout.function cannot be loaded, or is not an async function of (prompt, client)."""
 
 
+def agent_result(value: Any) -> tuple[float, list[float] | None]:
+    """(reward, per-turn rewards or None) of what `rollout.function` returned: a finite number, or a
+    mapping `{"reward": r, "turn_rewards": [one per turn of the episode]}`. Raises ValueError saying
+    what came back otherwise (the episode is then ABORTED)."""
+    def finite(x: Any) -> bool:
+        return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+
+    if finite(value):
+        return float(value), None
+    if isinstance(value, dict) and set(value) <= {"reward", "turn_rewards"} and finite(value.get("reward")):
+        per_turn = value.get("turn_rewards")
+        if per_turn is None:
+            return float(value["reward"]), None
+        if isinstance(per_turn, (list, tuple)) and all(finite(r) for r in per_turn):
+            return float(value["reward"]), [float(r) for r in per_turn]
+    raise ValueError(f"rollout.function returned {value!r}: not a finite number or "
+                     '{"reward": <finite>, "turn_rewards": [<finite per turn>]}')
+
+
 def load_agent_function(path: str) -> AgentFn:
     try:
         obj = resolve_reward_function(path, what="rollout.function")  # the same 'module:function' import
@@ -79,8 +99,8 @@ class AgentRollouts(RolloutWorkers):
         self.counters.finished += 1
 
     async def evaluate(self, prompts: list[Prompt], concurrency: int = 32) -> float:
-        """Mean reward of the agent on `prompts` with greedy turns (episodes pinned at temperature 0,
-        finished and not trained on); an episode that fails scores 0."""
+        """Mean return of the agent on `prompts` (reward plus per-turn rewards) with greedy turns
+        (episodes pinned at temperature 0, finished and not trained on); an episode that fails scores 0."""
         if not prompts:
             return float("nan")
         sem = asyncio.Semaphore(concurrency)
@@ -92,10 +112,12 @@ class AgentRollouts(RolloutWorkers):
                     r = await http.post("/v1/episodes", json={"metadata": {"eval": True, "prompt": i}, "temperature": 0.0})
                     r.raise_for_status()
                     eid = r.json()["id"]
-                    reward = await self._run_agent(p, eid)
-                    reward = float(reward) if isinstance(reward, (int, float)) and math.isfinite(reward) else 0.0
+                    try:  # the episode's return: its reward plus its per-turn rewards
+                        reward, per_turn = agent_result(await self._run_agent(p, eid))
+                    except ValueError:
+                        reward, per_turn = 0.0, None
                     await http.post(f"/v1/episodes/{eid}/finish", json={"reward": reward})  # closes it; not trained on
-                    return reward
+                    return reward + sum(per_turn or ())
                 except asyncio.CancelledError:
                     raise
                 except Exception as err:  # noqa: BLE001 - an eval episode that fails scores 0
@@ -139,9 +161,12 @@ class AgentRollouts(RolloutWorkers):
             return failed(SampleStatus.ABORTED, f"ran past rollout.episode_timeout_s={self._episode_timeout_s:g}")
         except Exception as err:  # noqa: BLE001 - the user's agent code failed
             return failed(SampleStatus.ABORTED, f"rollout.function raised {type(err).__name__}: {err}")
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            return failed(SampleStatus.ABORTED, f"rollout.function returned {reward!r}, not a finite number")
-        r = await http.post(f"/v1/episodes/{eid}/finish", json={"reward": float(reward)})
+        try:
+            reward, turn_rewards = agent_result(reward)
+        except ValueError as err:
+            return failed(SampleStatus.ABORTED, str(err))
+        body: dict[str, Any] = {"reward": reward} if turn_rewards is None else {"reward": reward, "turn_rewards": turn_rewards}
+        r = await http.post(f"/v1/episodes/{eid}/finish", json=body)
         if r.status_code != 200:
             return failed(SampleStatus.ABORTED, f"finishing the episode: HTTP {r.status_code} {r.text[:200]}")
         done = r.json()
@@ -153,6 +178,7 @@ class AgentRollouts(RolloutWorkers):
         if len(set(s["versions"])) > 1:
             self.counters.version_switches += 1
         return Sample(prompt_ids=s["prompt_ids"], response_ids=s["response_ids"], behavior_logprobs=s["logprobs"],
-                      versions=s["versions"], loss_mask=s["loss_mask"], reward=float(reward), group_id=index,
+                      versions=s["versions"], loss_mask=s["loss_mask"], reward=reward, group_id=index,
                       prompt_index=index, answer=prompt.answer, finish_reason="episode",
-                      metadata={"episode": eid, "turns": str(s["turns"])})
+                      metadata={"episode": eid, "turns": str(s["turns"])},
+                      turn_rewards=s.get("turn_rewards"), turn_ends=s["turn_ends"] if s.get("turn_rewards") is not None else None)

@@ -24,7 +24,7 @@ from asyncrl.algorithms import (
     weight_negative_advantages,
 )
 from asyncrl.config import AlgorithmConfig
-from asyncrl.types import TrainBatch
+from asyncrl.types import Sample, TrainBatch
 
 PerToken = list[list[float]]
 
@@ -47,6 +47,24 @@ def pad_per_token(rows: Sequence[Sequence[float]], width: int | None = None) -> 
 
 def unpad_per_token(values: torch.Tensor, lengths: Sequence[int]) -> PerToken:
     return [values[i, :n].tolist() for i, n in enumerate(lengths)]
+
+
+def turn_reward_rows(samples: Sequence[Sample], width: int) -> torch.Tensor | None:
+    """[B, width] float64: each episode's per-turn rewards on its turns' last sampled tokens (None when
+    no sample has any)."""
+    if all(s.turn_rewards is None for s in samples):
+        return None
+    out = torch.zeros(len(samples), max(width, 1), dtype=torch.float64)
+    for i, s in enumerate(samples):
+        if s.turn_rewards is None:
+            continue
+        ends = s.turn_ends or []
+        if len(ends) != len(s.turn_rewards) or any(not 0 <= e < len(s.response_ids) for e in ends):
+            raise ValueError(f"sample {i}: turn_ends {ends} do not match its {len(s.turn_rewards)} turn_rewards "
+                             f"and {len(s.response_ids)} response tokens")
+        for e, r in zip(ends, s.turn_rewards):
+            out[i, e] += r
+    return out
 
 
 def compute_advantages(
@@ -76,8 +94,13 @@ def compute_advantages(
         metrics["train/kl_ref"] = float(kl[mask].mean()) if mask.any() else 0.0
 
     returns = None
+    # An episode's per-turn rewards add to its return: summed for sequence-level estimators, each on its
+    # turn's last sampled token for token-level ones (types.Sample).
+    per_turn = turn_reward_rows(batch.samples, lp.shape[1])
+    if per_turn is not None:
+        metrics["train/turn_reward_sum_mean"] = float(per_turn.sum(-1).mean())
     if algo.advantage in ("grpo", "rloo"):
-        seq_rewards = rewards
+        seq_rewards = rewards if per_turn is None else rewards + per_turn.sum(-1)
         if kl_in_reward:
             # Sequence-level estimators see the KL penalty as a sum over the response.
             seq_rewards = rewards - algo.kl_coef * torch.where(mask, kl_divergence(lp, ref, algo.kl_kind), 0).sum(-1)
@@ -88,6 +111,8 @@ def compute_advantages(
         adv = seq_adv[:, None].expand_as(lp) * mask
     else:
         token_rewards = token_rewards_from_sequence(rewards, mask)
+        if per_turn is not None:
+            token_rewards = token_rewards + torch.where(mask, per_turn, 0)
         if kl_in_reward:
             token_rewards = kl_penalty_rewards(token_rewards, lp, ref, mask, coef=algo.kl_coef, kind=algo.kl_kind)
         if algo.advantage == "reinforce_pp":

@@ -121,3 +121,21 @@ def test_an_episode_opened_with_a_temperature_refuses_turns_at_another():
     ledger.begin_turn(pinned["id"], [1], 1, temperature=0.7)
     free = ledger.open()["id"]
     ledger.begin_turn(free, [1], 1, temperature=0.0)
+
+
+def test_each_sample_says_where_its_turns_end_and_finish_bodies_take_one_reward_per_turn():
+    from asyncrl.generator.gateway_core import HTTPError
+    from asyncrl.generator.openai_api import finish_body
+
+    samples, _ = assemble([_turn([1, 2], [3, 4]), _turn([1, 2, 3, 4, 5], [6]), _turn([9], [7, 8])])
+    assert [s.turn_ends for s in samples] == [[1, 3], [1]]  # turn 2's prompt token 5 sits between them; turn 3 split off
+    assert samples[0].as_json()["turn_ends"] == [1, 3]
+    assert finish_body({"reward": 1}, 3) == (1.0, None)
+    assert finish_body({"reward": 1, "turn_rewards": [0, 0.5, -1]}, 3) == (1.0, [0.0, 0.5, -1.0])
+    for body, fragment in [({"reward": 1, "turn_rewards": [0.5]}, "1 values for an episode of 3 turns"),
+                           ({"reward": 1, "turn_rewards": [0, float("nan"), 1]}, "list of finite numbers"),
+                           ({"reward": 1, "turn_rewards": "0,1,2"}, "list of finite numbers"),
+                           ({"reward": 1, "extra": 2}, "finish needs"), ({"reward": True}, "finish needs"), ([], "finish needs")]:
+        with pytest.raises(HTTPError) as err:
+            finish_body(body, 3)
+        assert err.value.status == 400 and fragment in err.value.message, body

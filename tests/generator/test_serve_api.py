@@ -212,9 +212,10 @@ def _run_episode(gen, eid, follow_ups, before_turn=None):
 
 
 def test_a_three_turn_episode_through_the_openai_client_is_one_token_exact_sample(gen):
-    """Three chat turns in one episode, then a finish with the reward: one sample whose tokens are exactly
-    the last prompt the engine saw plus what it sampled, masked on exactly the sampled tokens of every
-    turn, with a log-prob and a version per token. A fourth turn is over episode_max_turns (413)."""
+    """Three chat turns in one episode, then a finish with the reward and one reward per turn: one sample
+    whose tokens are exactly the last prompt the engine saw plus what it sampled, masked on exactly the
+    sampled tokens of every turn, with a log-prob and a version per token, and where each turn ends. A
+    fourth turn is over episode_max_turns (413); per-turn rewards that do not match the turns are 400."""
     eid = _open_episode(gen, {"task": "follow-ups"})
     seen, messages = _run_episode(gen, eid, ["Add 1 to that.", "And 2 more?"])
     assert all(len(t["sampled"]) == len(t["versions"]) > 0 for t in seen)
@@ -227,11 +228,19 @@ def test_a_three_turn_episode_through_the_openai_client_is_one_token_exact_sampl
     with pytest.raises(openai.APIStatusError) as err:
         _episode_turn(gen, eid, messages + [{"role": "user", "content": "And 3 more?"}])
     assert err.value.status_code == 413 and "episode_max_turns=3" in err.value.message
-    r = _post(gen, f"/v1/episodes/{eid}/finish", {"reward": 1.0})
+    r = _post(gen, f"/v1/episodes/{eid}/finish", {"reward": 1.0, "turn_rewards": [0.5]})  # one per turn, or none
+    assert r.status_code == 400 and "1 values for an episode of 3 turns" in r.text
+    assert httpx.get(f"{gen['url']}/v1/episodes/{eid}", timeout=30).json()["state"] == "open"  # refused: still open
+    r = _post(gen, f"/v1/episodes/{eid}/finish", {"reward": 1.0, "turn_rewards": [0.5, 0.0, -0.25]})
     assert r.status_code == 200, r.text
     done = r.json()
     assert (done["reward"], done["mismatches"], done["metadata"]) == (1.0, 0, {"task": "follow-ups"})
     (sample,) = done["samples"]
+    assert done["turn_rewards"] == sample["turn_rewards"] == [0.5, 0.0, -0.25]
+    # each turn ends on its last sampled token: the mask falls to 0 (the next question) or the response ends after it
+    ends, mask = sample["turn_ends"], sample["loss_mask"]
+    assert len(ends) == 3 and ends[-1] == len(mask) - 1 and all(mask[e] == 1 for e in ends)
+    assert all(mask[e + 1] == 0 for e in ends[:-1])
     last = seen[-1]
     assert sample["prompt_ids"] == seen[0]["prompt"]
     assert sample["prompt_ids"] + sample["response_ids"] == last["prompt"] + last["sampled"]

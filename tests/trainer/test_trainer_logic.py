@@ -75,6 +75,26 @@ def test_gae_returns_for_ppo():
         compute_advantages(batch, algo, lp, None, None)
 
 
+def test_per_turn_rewards_add_to_the_return_summed_or_on_each_turns_last_token():
+    """An episode's per-turn rewards: GRPO sees reward + their sum; GAE (gamma = lam = 1, zero values) sees
+    each on its turn's last sampled token, so the tokens before a turn's end carry that turn's reward and the
+    later ones only the rest. Turn ends that do not fit the response are refused."""
+    batch = _batch([1.0, 1.0], [0, 0], [4, 4])
+    batch.samples[0].turn_rewards, batch.samples[0].turn_ends = [0.5, -2.0], [1, 3]
+    lp = [[-1.0] * 4, [-1.0] * 4]
+    adv, _, metrics = compute_advantages(batch, AlgorithmConfig(group_size=2), lp, None, None)
+    expected = grpo_advantages(torch.tensor([1.0 + 0.5 - 2.0, 1.0], dtype=torch.float64), torch.tensor([0, 0]))
+    assert adv[0] == pytest.approx([float(expected[0])] * 4) and adv[0][0] < 0 < adv[1][0]
+    assert metrics["train/turn_reward_sum_mean"] == pytest.approx((-1.5 + 0.0) / 2)
+    algo = AlgorithmConfig(name="ppo", group_size=1, gamma=1.0, lam=1.0)
+    _, returns, _ = compute_advantages(batch, algo, lp, None, [[0.0] * 4, [0.0] * 4])
+    assert returns[0] == pytest.approx([-0.5, -0.5, -1.0, -1.0])  # 1 + 0.5 - 2 up to token 1, then 1 - 2
+    assert returns[1] == pytest.approx([1.0] * 4)
+    batch.samples[0].turn_ends = [1, 4]  # past the response
+    with pytest.raises(ValueError, match="turn_ends"):
+        compute_advantages(batch, AlgorithmConfig(group_size=2), lp, None, None)
+
+
 def test_mismatched_lengths_are_rejected():
     batch = _batch([1.0, 0.0], [0, 0], [2, 2])
     with pytest.raises(ValueError, match="logprobs rows"):

@@ -182,3 +182,16 @@ def test_agent_rollouts_need_an_async_function_that_loads():
         with pytest.raises(ConfigError, match=fragment):
             build_app(load_config({"rollout": {"kind": "agent", "function": function}}))
     check_trainable(load_config({"rollout": {"kind": "agent", "function": "asyncrl.agents.arithmetic:two_step"}}))
+
+
+def test_an_agent_returns_a_reward_or_a_reward_with_one_per_turn():
+    from asyncrl.trainer.agent import agent_result
+
+    assert agent_result(1) == (1.0, None) and agent_result(0.5) == (0.5, None)
+    assert agent_result({"reward": 1.0}) == (1.0, None)
+    assert agent_result({"reward": 1, "turn_rewards": [0, -0.5]}) == (1.0, [0.0, -0.5])
+    assert agent_result({"reward": 1, "turn_rewards": (0.25,)}) == (1.0, [0.25])
+    for bad in (True, None, float("nan"), "1", {"reward": float("inf")}, {"reward": 1, "turn_rewards": [float("nan")]},
+                {"reward": 1, "turn_rewards": "0"}, {"reward": 1, "other": 2}, {"turn_rewards": [1]}):
+        with pytest.raises(ValueError, match="rollout.function returned"):
+            agent_result(bad)
