@@ -31,7 +31,7 @@ import httpx
 from asyncrl.config import RolloutConfig
 from asyncrl.data.prompts import Prompt
 from asyncrl.generator.episodes import EPISODE_HEADER
-from asyncrl.rewards.pool import RewardFunctionError, resolve_reward_function
+from asyncrl.rewards.pool import RewardFunctionError, RewardOutcome, resolve_reward_function
 from asyncrl.trainer.rollout import RolloutWorkers
 from asyncrl.types import Sample, SampleStatus
 
@@ -44,13 +44,22 @@ class AgentFunctionError(ValueError):
     """rollout.function cannot be loaded, or is not an async function of (prompt, client)."""
 
 
-def agent_result(value: Any) -> tuple[float, list[float] | None]:
+def agent_result(value: Any, scored: bool = False) -> tuple[float | None, list[float] | None]:
     """(reward, per-turn rewards or None) of what `rollout.function` returned: a finite number, or a
-    mapping `{"reward": r, "turn_rewards": [one per turn of the episode]}`. Raises ValueError saying
-    what came back otherwise (the episode is then ABORTED)."""
+    mapping `{"reward": r, "turn_rewards": [one per turn of the episode]}`. `scored` (reward.kind model
+    or http decides the episode's reward): None, or `{"turn_rewards": [...]}`, and the reward is None.
+    Raises ValueError saying what came back otherwise (the episode is then ABORTED)."""
     def finite(x: Any) -> bool:
         return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
 
+    if scored:
+        if value is None:
+            return None, None
+        per_turn = value.get("turn_rewards") if isinstance(value, dict) and set(value) == {"turn_rewards"} else None
+        if isinstance(per_turn, (list, tuple)) and all(finite(r) for r in per_turn):
+            return None, [float(r) for r in per_turn]
+        raise ValueError(f"rollout.function returned {value!r}, but the reward scorer (reward.kind) decides each "
+                         'episode\'s reward: return None, or {"turn_rewards": [<finite per turn>]}')
     if finite(value):
         return float(value), None
     if isinstance(value, dict) and set(value) <= {"reward", "turn_rewards"} and finite(value.get("reward")):
@@ -76,10 +85,13 @@ def load_agent_function(path: str) -> AgentFn:
 class AgentRollouts(RolloutWorkers):
     """RolloutWorkers whose groups come from `rollout.function` over episodes instead of one engine call."""
 
-    def __init__(self, *, rollout: RolloutConfig, base_url: str, **kw: Any) -> None:
+    def __init__(self, *, rollout: RolloutConfig, base_url: str, scored: bool = False, **kw: Any) -> None:
+        """`scored`: the reward scorer (`rewards`: reward.kind model or http) scores each finished
+        episode; else the agent function's return is the reward."""
         super().__init__(**kw)
         assert rollout.function is not None
         self._fn = load_agent_function(rollout.function)
+        self._scored = scored
         self._base_url = base_url.rstrip("/")
         self._episode_timeout_s = rollout.episode_timeout_s
         self.counters.extra.update({"episodes_finished": 0, "episodes_failed": 0, "episodes_split": 0, "episode_turns": 0})
@@ -98,7 +110,7 @@ class AgentRollouts(RolloutWorkers):
         await self._buffer.put_group.remote(list(samples))
         self.counters.finished += 1
 
-    async def evaluate(self, prompts: list[Prompt], concurrency: int = 32) -> float:
+    async def evaluate(self, prompts: list[Prompt], concurrency: int = 32, scorer: Any = None) -> float:
         """Mean return of the agent on `prompts` (reward plus per-turn rewards) with greedy turns
         (episodes pinned at temperature 0, finished and not trained on); an episode that fails scores 0."""
         if not prompts:
@@ -113,10 +125,14 @@ class AgentRollouts(RolloutWorkers):
                     r.raise_for_status()
                     eid = r.json()["id"]
                     try:  # the episode's return: its reward plus its per-turn rewards
-                        reward, per_turn = agent_result(await self._run_agent(p, eid))
+                        reward, per_turn = agent_result(await self._run_agent(p, eid), self._scored)
                     except ValueError:
                         reward, per_turn = 0.0, None
-                    await http.post(f"/v1/episodes/{eid}/finish", json={"reward": reward})  # closes it; not trained on
+                    done = await http.post(f"/v1/episodes/{eid}/finish", json={"reward": reward or 0.0})  # not trained on
+                    if reward is None:  # scored: the eval scorer's outcome on the episode's only sample
+                        samples = done.json()["samples"] if done.status_code == 200 else []
+                        outcome = await self._score_episode(p, samples[0], scorer) if len(samples) == 1 else None
+                        reward = outcome.reward if outcome is not None and outcome.reward is not None else 0.0
                     return reward + sum(per_turn or ())
                 except asyncio.CancelledError:
                     raise
@@ -162,10 +178,13 @@ class AgentRollouts(RolloutWorkers):
         except Exception as err:  # noqa: BLE001 - the user's agent code failed
             return failed(SampleStatus.ABORTED, f"rollout.function raised {type(err).__name__}: {err}")
         try:
-            reward, turn_rewards = agent_result(reward)
+            reward, turn_rewards = agent_result(reward, self._scored)
         except ValueError as err:
             return failed(SampleStatus.ABORTED, str(err))
-        body: dict[str, Any] = {"reward": reward} if turn_rewards is None else {"reward": reward, "turn_rewards": turn_rewards}
+        # scored: the gateway only echoes the finish's reward; the scorer's comes below
+        body: dict[str, Any] = {"reward": 0.0 if reward is None else reward}
+        if turn_rewards is not None:
+            body["turn_rewards"] = turn_rewards
         r = await http.post(f"/v1/episodes/{eid}/finish", json=body)
         if r.status_code != 200:
             return failed(SampleStatus.ABORTED, f"finishing the episode: HTTP {r.status_code} {r.text[:200]}")
@@ -177,8 +196,29 @@ class AgentRollouts(RolloutWorkers):
         self.counters.extra["episode_turns"] += s["turns"]
         if len(set(s["versions"])) > 1:
             self.counters.version_switches += 1
+        status, error = SampleStatus.VALID, None
+        if reward is None:
+            outcome = await self._score_episode(prompt, s)
+            status, error = outcome.status, outcome.error
+            reward = outcome.reward if outcome.reward is not None and status == SampleStatus.VALID else math.nan
         return Sample(prompt_ids=s["prompt_ids"], response_ids=s["response_ids"], behavior_logprobs=s["logprobs"],
                       versions=s["versions"], loss_mask=s["loss_mask"], reward=reward, group_id=index,
-                      prompt_index=index, answer=prompt.answer, finish_reason="episode",
-                      metadata={"episode": eid, "turns": str(s["turns"])},
+                      prompt_index=index, answer=prompt.answer, finish_reason="episode", status=status,
+                      metadata={"episode": eid, "turns": str(s["turns"]), **({"error": error[:200]} if error else {})},
                       turn_rewards=s.get("turn_rewards"), turn_ends=s["turn_ends"] if s.get("turn_rewards") is not None else None)
+
+    async def _score_episode(self, prompt: Prompt, sample: dict[str, Any], scorer: Any = None) -> RewardOutcome:
+        """The reward scorer's outcome for a finished episode's sample: a reward model reads its tokens
+        (the first prompt and everything after it), a judge or a rule the text of its last turn (the
+        final answer). A scorer that raises makes the sample INVALID_REWARD with the reason."""
+        mask, ids = sample["loss_mask"], sample["response_ids"]
+        start = len(ids)
+        while start > 0 and mask[start - 1]:
+            start -= 1
+        text = self._tokenizer.decode(ids[start:], skip_special_tokens=True)
+        try:
+            (outcome,) = await (scorer or self._rewards).score([text], [prompt.answer], [dict(prompt.metadata)],
+                                                               token_ids=[(sample["prompt_ids"], ids)])
+            return outcome
+        except Exception as err:  # noqa: BLE001 - a scorer that raises must not leak the group's slots
+            return RewardOutcome(None, SampleStatus.INVALID_REWARD, f"the reward scorer raised {type(err).__name__}: {err}"[:300])

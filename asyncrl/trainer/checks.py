@@ -24,9 +24,10 @@ def check_trainable(cfg: RootConfig) -> None:
             load_agent_function(cfg.rollout.function or "")
         except AgentFunctionError as err:
             raise ConfigError(str(err)) from None
-    if cfg.rollout.kind == "agent" and cfg.reward.kind != "rule":
-        raise ConfigError(f"reward.kind={cfg.reward.kind!r} with rollout.kind='agent': the agent function "
-                          "(rollout.function) returns each episode's reward; leave reward.kind at 'rule'")
+    if cfg.rollout.kind == "agent" and cfg.reward.kind == "rule" and cfg.reward.function != type(cfg.reward).model_fields["function"].default:
+        raise ConfigError(f"reward.function={cfg.reward.function!r} with rollout.kind='agent': the agent function "
+                          "(rollout.function) returns each episode's reward; a rule does not score episodes "
+                          "(reward.kind model or http does, with the agent returning None)")
     if cfg.reward.kind == "model":
         try:
             check_reward_model(cfg.reward.model.path, cfg.model.path)

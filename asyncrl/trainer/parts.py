@@ -151,7 +151,7 @@ class TrainerParts:
             from asyncrl.trainer.agent import AgentRollouts
 
             base_url = rollout.base_url or f"http://127.0.0.1:{self.cfg.generator.http_port}"
-            self.rollouts = AgentRollouts(rollout=rollout, base_url=base_url, **common)
+            self.rollouts = AgentRollouts(rollout=rollout, base_url=base_url, scored=self.cfg.reward.kind != "rule", **common)
         else:
             self.rollouts = RolloutWorkers(**common)
 
@@ -204,7 +204,7 @@ class TrainerParts:
         from asyncrl.trainer.agent import AgentRollouts
 
         if isinstance(self.rollouts, AgentRollouts):
-            return await self.rollouts.evaluate(self.eval_prompts)
+            return await self.rollouts.evaluate(self.eval_prompts, scorer=self.eval_scorer)
         sem = asyncio.Semaphore(32)
 
         async def one(p: Prompt) -> float:

@@ -7,6 +7,7 @@ Tests that change the weight version run last, in file order.
 from __future__ import annotations
 
 import asyncio
+import math
 import json
 import re
 import time
@@ -339,6 +340,64 @@ def test_agent_episodes_that_fail_drop_their_group_and_are_counted(gen):
     assert "RuntimeError: the agent's tool crashed" in errors and "returned 'great'" in errors and "no turns" in errors
     assert b["buffer/dropped_invalid"] == 4 and b["buffer/generated"] == 4  # the group, whole
     assert workers.counters.tokens > 0  # the good episode's sampled tokens
+
+
+def test_a_reward_scorer_scores_agent_episodes_by_their_tokens_and_final_answer(gen):
+    """reward.kind model or http with rollout.kind agent: the agent returns None (or per-turn rewards) and the
+    scorer scores each finished episode: the reward model its tokens, a judge or rule its last turn's text. A
+    number from the agent is refused (the scorer decides); a scorer that raises makes the sample INVALID_REWARD.
+    The scorer here is scripted: the real ones are tests/trainer/test_reward_model.py and the judge test below."""
+    from asyncrl.config import AlgorithmConfig, RolloutConfig
+    from asyncrl.data.prompts import Prompt
+    from asyncrl.rewards.pool import RewardOutcome
+    from asyncrl.trainer.agent import AgentRollouts
+    from asyncrl.types import SampleStatus
+
+    class Scripted:
+        def __init__(self):
+            self.calls, self.fail = [], False
+
+        async def score(self, completions, answers, metadata, token_ids=None):
+            self.calls.append((completions, answers, token_ids))
+            if self.fail:
+                raise RuntimeError("reward model down")
+            return [RewardOutcome(0.75, SampleStatus.VALID, None)]
+
+    scorer = Scripted()
+    workers = AgentRollouts(rollout=RolloutConfig(kind="agent", function="asyncrl.agents.arithmetic:two_step", episode_timeout_s=30),
+                            base_url=gen["url"], scored=True, stream=None, tokenizer=gen["tok"], generate=None, rewards=scorer,
+                            buffer=None, algorithm=AlgorithmConfig(group_size=2), concurrency=1, seed=0)
+    real = workers._fn
+    prompt = Prompt(prompt="What is 12 + 34?", answer="46")
+
+    def returning(value):
+        async def agent(p, client):
+            await real(p, client)  # two turns through the gateway; its own reward is dropped
+            return value
+        return agent
+
+    async def episode(fn):
+        workers._fn = fn
+        async with httpx.AsyncClient(base_url=gen["url"], timeout=60.0) as http:
+            return await workers._episode(http, 0, prompt, 0)
+
+    plain = asyncio.run(episode(returning(None)))
+    assert (plain.status, plain.reward, plain.turn_rewards) == (SampleStatus.VALID, 0.75, None)
+    (texts, truths, ids), = scorer.calls
+    assert truths == ["46"] and ids == [(plain.prompt_ids, plain.response_ids)]  # the whole episode's tokens
+    tail = len(plain.response_ids) - plain.response_mask[::-1].index(0)  # the last turn's sampled tokens
+    assert texts == [gen["tok"].decode(plain.response_ids[tail:], skip_special_tokens=True)]
+    shaped = asyncio.run(episode(returning({"turn_rewards": [0.1, 0.2]})))
+    assert (shaped.status, shaped.reward, shaped.turn_rewards, len(shaped.turn_ends)) == (SampleStatus.VALID, 0.75, [0.1, 0.2], 2)
+    own = asyncio.run(episode(returning(1.0)))
+    assert own.status == SampleStatus.ABORTED and "decides each episode's reward" in own.metadata["error"]
+    scorer.fail = True
+    down = asyncio.run(episode(returning(None)))
+    assert down.status == SampleStatus.INVALID_REWARD and "reward model down" in down.metadata["error"] and math.isnan(down.reward)
+    # evaluation: the eval scorer's score of each greedy episode
+    scorer.fail = False
+    workers._fn = returning(None)
+    assert asyncio.run(workers.evaluate([prompt, prompt], scorer=scorer)) == 0.75
 
 
 def test_a_judge_reward_scores_through_this_gateways_openai_api(gen):

@@ -126,10 +126,12 @@ def test_config_names_what_is_missing_or_wrong(demo_model_path, tmp_path):
         load_config({"reward": {"kind": "model"}})
     with pytest.raises(ConfigError, match="reward.pool places rule workers only"):
         load_config({"reward": {"kind": "model", "model": {"path": "x"}, "pool": {"resources": {"rw": 1}}}})
-    agent = load_config({"reward": {"kind": "model", "model": {"path": str(demo_model_path)}},
+    # An agent returns its own reward, unless a reward model or judge scores its episodes: a rule it would skip is refused.
+    agent = load_config({"reward": {"kind": "rule", "function": "tests.somewhere:my_rule"},
                          "rollout": {"kind": "agent", "function": "asyncrl.agents.arithmetic:two_step"}})
-    with pytest.raises(ConfigError, match="returns each episode's reward"):
+    with pytest.raises(ConfigError, match="returns each episode's reward; a rule does not score episodes"):
         check_trainable(agent)
+    check_trainable(load_config({"rollout": {"kind": "agent", "function": "asyncrl.agents.arithmetic:two_step"}}))
     # The policy's own directory: a causal LM, no score head.
     cfg = load_config({"reward": {"kind": "model", "model": {"path": str(demo_model_path)}}})
     with pytest.raises(ConfigError, match="reward.model.path: .*has no score.weight"):
