@@ -24,7 +24,7 @@ from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, Profiler
 from asyncrl.interfaces import ROLE_VERBS, LearnerRankAPI, RoleAPI, verb_name
 from asyncrl.learner.batching import split_by_groups
 from asyncrl.learner.parallel import ParallelLayout, megatron_compute_plan
-from asyncrl.types import LearnerRankError, Sample, TrainBatch
+from asyncrl.types import LearnerRankError, Sample, TrainBatch, error_chain
 
 PerToken = list[list[float]]
 
@@ -141,8 +141,12 @@ class LearnerGroup:
 
     # ------------------------------------------------------------------ transport
 
-    async def _gather(self, method: str, refs: list[Any], ranks: list[int] | None = None) -> list[Any]:
-        """Await every ref; the first failure (or the timeout) raises, naming the rank."""
+    async def _gather(self, method: str, refs: list[Any], ranks: list[int] | None = None,
+                      survivable: tuple[type[BaseException], ...] = ()) -> list[Any]:
+        """Await every ref; the first failure (or the timeout) raises, naming the rank, and leaves the
+        group unusable. `survivable`: errors that leave the ranks in step (every rank answered and each
+        failure has one of these in its chain: a weight broadcast whose receiver died); then that
+        error is raised for the rank and the group stays usable."""
         if self._broken:
             raise LearnerRankError(None, method, f"group unusable after an earlier failure: {self._broken}")
         ranks = ranks if ranks is not None else list(range(len(refs)))
@@ -151,13 +155,19 @@ class LearnerGroup:
             return await ref
 
         futs = [asyncio.ensure_future(one(r)) for r in refs]
-        done, pending = await asyncio.wait(futs, timeout=self.call_timeout_s, return_when=asyncio.FIRST_EXCEPTION)
-        for fut, rank in zip(futs, ranks):
-            if fut in done and fut.exception() is not None:
-                for p in pending:
-                    p.cancel()
-                self._broken = f"rank {rank} failed in {method}"
-                raise LearnerRankError(rank, method, _short(fut.exception())) from fut.exception()
+        done, pending = await asyncio.wait(futs, timeout=self.call_timeout_s,
+                                           return_when=asyncio.ALL_COMPLETED if survivable else asyncio.FIRST_EXCEPTION)
+        failed = [(rank, fut.exception()) for fut, rank in zip(futs, ranks) if fut in done and fut.exception() is not None]
+        if failed:
+            for p in pending:
+                p.cancel()
+            # the deepest match: Ray's remote error is also an instance of its cause's class
+            causes = [([e for e in error_chain(exc) if isinstance(e, survivable)] or [None])[-1] for _, exc in failed]
+            rank, exc = failed[0]
+            if survivable and not pending and all(c is not None for c in causes):
+                raise type(causes[0])(f"rank {rank} in {method}: {causes[0]}") from exc
+            self._broken = f"rank {rank} failed in {method}"
+            raise LearnerRankError(rank, method, _short(exc)) from exc
         if pending:
             for p in pending:
                 p.cancel()
@@ -254,8 +264,15 @@ class LearnerGroup:
         await self._all(LearnerRankAPI.leave_collective)
 
     async def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float) -> CollectiveExport:
-        """One collective push (every rank takes part in the export; senders broadcast)."""
-        outs = [o for o in await self._all(LearnerRankAPI.broadcast_hf_tensors, bucket_mb, verify, timeout_s) if o is not None]
+        """One collective push (every rank takes part in the export; senders broadcast). A broadcast that
+        failed on the wire (a receiver died; every rank finished its part of the export) raises the
+        sender's `CollectiveError` and leaves the group usable: its broadcast group is closed and the next
+        push forms a new one. Anything else is a `LearnerRankError`."""
+        from asyncrl.weightsync.collective import CollectiveError
+
+        method = verb_name(LearnerRankAPI, LearnerRankAPI.broadcast_hf_tensors)
+        refs = [getattr(a, method).remote(bucket_mb, verify, timeout_s) for a in self.ranks]
+        outs = [o for o in await self._gather(method, refs, survivable=(CollectiveError,)) if o is not None]
         sent = CollectiveExport(seconds=_slowest(o["seconds"] for o in outs))  # stages send one after another's end
         for o in outs:
             sent.digests.update(o["digests"])

@@ -100,13 +100,18 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender), out)
     try:
         (_send_whole if whole else _send_each)(group, export, copies, verify, deadline, out)
-    except BaseException:
+    except BaseException as err:
         copies.close()
         if export.failed and not group.broken:  # tell the receivers, so they fail now rather than at their deadline
             try:
                 group.broadcast(_header(group, ABORT), deadline)
             except CollectiveError:
                 pass
+        elif isinstance(err, CollectiveError):
+            # The wire failed (a receiver died), not the export: finish it unsent, so that the ranks
+            # exporting beside this one (TP / PP gathers) are not left waiting for it, and the learner
+            # group stays usable (LearnerGroup.broadcast_hf_tensors).
+            export.drain()
         raise
     group.broadcast(_header(group, END), deadline)
     copies.finish()
@@ -233,6 +238,14 @@ class Export:
                 raise
             self._out.seconds["pack"] += time.perf_counter() - t
             yield bucket
+
+    def drain(self) -> None:
+        """Run the rest of the export, dropping its buckets (a failure in it is left to the caller's error)."""
+        try:
+            for _ in self:
+                pass
+        except Exception:  # noqa: BLE001 - the send already failed; that error is the one reported
+            pass
 
 
 def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
