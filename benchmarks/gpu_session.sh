@@ -4,7 +4,9 @@
 # placement: bash benchmarks/gpu_session.sh sleep (the sleep/wake GPU test), then hybrid-loop (the demo
 # co-located, deploy/rlhf-hybrid1.yaml, with its logs packed into $OUT/loop.tgz); on two GPUs, the learner's
 # layout tests over NCCL: bash benchmarks/gpu_session.sh learner2, and the learner's speed at TP=2 + SP and CP=2:
-# learner2-speed; on one GPU, the learner on a random Qwen2-MoE: moe. Expects the GPU wheelhouse parts
+# learner2-speed; on one GPU, the learner on a random Qwen2-MoE: moe. On a 4-GPU host (docs/BENCHMARKS.md, "GPU (four
+# H200), third lease"): install (in the last wheel part's call), then quad (balanced | peers | push side by side),
+# scale (the 7B with the autoscaler) and duo (the NCCL push | demo-nccl); balanced, demo-nccl also alone. Expects the GPU wheelhouse parts
 # in /tmp/parts (see the device README: 8 carried parts) and carries .whl (grpcio 1.85.1, protobuf 7.36.2) and
 # artifacts/demo-model. Installs once into /tmp/site; grpcio/protobuf are unpacked over it, because
 # `pip --target --upgrade` would replace the whole google/ namespace and drop google.rpc.
