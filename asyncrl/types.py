@@ -10,9 +10,11 @@ default at import time (mutable and time-based defaults use factories).
 from __future__ import annotations
 
 import enum
+import math
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 
@@ -181,6 +183,11 @@ class LearnerRankError(RuntimeError):
         who = f"rank {rank}" if rank is not None else "learner group"
         super().__init__(f"learner {who} failed in {method}: {message}")
         self.rank, self.method = rank, method
+
+
+def finite_number(x: Any) -> bool:
+    """A real, finite int or float (not a bool): what a reward, a turn reward or a sampling knob must be."""
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def error_chain(err: BaseException) -> Iterator[BaseException]:

@@ -23,7 +23,6 @@ token): those get 400.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -43,7 +42,7 @@ from asyncrl.generator.gateway_core import (
     version_header,
 )
 from asyncrl.generator.vllm_engine import openai_protocol
-from asyncrl.types import Completion, CompletionDelta, GenerationRequest, SamplingParams
+from asyncrl.types import Completion, CompletionDelta, GenerationRequest, SamplingParams, finite_number
 
 
 def parse_tool_calls(parser: Any, tokenizer: Any, text: str, req: Any) -> tuple[str | None, list[Any]]:
@@ -71,20 +70,16 @@ def chat_tools(req: Any, parser: Any) -> list[dict[str, Any]] | None:
     return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
-def _finite(x: Any) -> bool:
-    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
-
-
 def finish_body(body: Any, turns: int) -> tuple[float, list[float] | None]:
     """(reward, per-turn rewards or None) of an episode's finish body, `{"reward": r}` or
     `{"reward": r, "turn_rewards": [one per turn]}`, for an episode of `turns` turns; else a 400."""
     usage = '{"reward": <a finite number>, "turn_rewards": [<one finite number per turn>] (optional)}'
-    if not isinstance(body, dict) or set(body) - {"reward", "turn_rewards"} or not _finite(body.get("reward")):
+    if not isinstance(body, dict) or set(body) - {"reward", "turn_rewards"} or not finite_number(body.get("reward")):
         raise HTTPError(400, f"finish needs {usage}")
     per_turn = body.get("turn_rewards")
     if per_turn is None:
         return float(body["reward"]), None
-    if not isinstance(per_turn, list) or not all(_finite(r) for r in per_turn):
+    if not isinstance(per_turn, list) or not all(finite_number(r) for r in per_turn):
         raise HTTPError(400, f"turn_rewards must be a list of finite numbers: {usage}")
     if len(per_turn) != turns:
         raise HTTPError(400, f"turn_rewards has {len(per_turn)} values for an episode of {turns} turns (one per turn)")

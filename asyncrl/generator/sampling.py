@@ -10,10 +10,9 @@ bad request through to the engine (the engine must never see input it could cras
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from asyncrl.types import GenerationRequest, SamplingParams
+from asyncrl.types import GenerationRequest, SamplingParams, finite_number
 
 
 class RequestError(ValueError):
@@ -36,7 +35,7 @@ class Limits:
 
 def validate_sampling(sp: SamplingParams, limits: Limits) -> None:
     def finite(name: str, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not finite_number(value):
             raise RequestError(name, f"must be a finite number, got {value!r}")
 
     def integer(name: str, value: int) -> None:

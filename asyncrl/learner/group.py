@@ -200,10 +200,10 @@ class LearnerGroup:
                 out[i] = row
         return out
 
-    async def _all(self, verb: Callable[..., Any], *args: Any) -> list[Any]:
-        """Call the rank verb `verb` (by reference: `LearnerRankAPI.state`) on every rank."""
+    async def _all(self, verb: Callable[..., Any], *args: Any, survivable: tuple[type[BaseException], ...] = ()) -> list[Any]:
+        """Call the rank verb `verb` (by reference: `LearnerRankAPI.state`) on every rank (`survivable`: `_gather`'s)."""
         method = verb_name(LearnerRankAPI, verb)
-        return await self._gather(method, [getattr(a, method).remote(*args) for a in self.ranks])
+        return await self._gather(method, [getattr(a, method).remote(*args) for a in self.ranks], survivable=survivable)
 
     # ------------------------------------------------------------------ API used by the trainer
 
@@ -270,9 +270,8 @@ class LearnerGroup:
         push forms a new one. Anything else is a `LearnerRankError`."""
         from asyncrl.weightsync.collective import CollectiveError
 
-        method = verb_name(LearnerRankAPI, LearnerRankAPI.broadcast_hf_tensors)
-        refs = [getattr(a, method).remote(bucket_mb, verify, timeout_s) for a in self.ranks]
-        outs = [o for o in await self._gather(method, refs, survivable=(CollectiveError,)) if o is not None]
+        outs = [o for o in await self._all(LearnerRankAPI.broadcast_hf_tensors, bucket_mb, verify, timeout_s,
+                                           survivable=(CollectiveError,)) if o is not None]
         sent = CollectiveExport(seconds=_slowest(o["seconds"] for o in outs))  # stages send one after another's end
         for o in outs:
             sent.digests.update(o["digests"])

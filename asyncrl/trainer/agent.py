@@ -33,7 +33,7 @@ from asyncrl.data.prompts import Prompt
 from asyncrl.generator.episodes import EPISODE_HEADER
 from asyncrl.rewards.pool import RewardFunctionError, RewardOutcome, resolve_reward_function
 from asyncrl.trainer.rollout import RolloutWorkers
-from asyncrl.types import Sample, SampleStatus
+from asyncrl.types import Sample, SampleStatus, finite_number
 
 log = logging.getLogger(__name__)
 
@@ -49,25 +49,21 @@ def agent_result(value: Any, scored: bool = False) -> tuple[float | None, list[f
     mapping `{"reward": r, "turn_rewards": [one per turn of the episode]}`. `scored` (reward.kind model
     or http decides the episode's reward): None, or `{"turn_rewards": [...]}`, and the reward is None.
     Raises ValueError saying what came back otherwise (the episode is then ABORTED)."""
-    def finite(x: Any) -> bool:
-        return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
-
+    if scored and value is None:
+        return None, None
+    if not scored and finite_number(value):
+        return float(value), None
+    keys = {"turn_rewards"} if scored else {"reward", "turn_rewards"}
+    if isinstance(value, dict) and set(value) <= keys and (scored or finite_number(value.get("reward"))):
+        reward = None if scored else float(value["reward"])
+        per_turn = value.get("turn_rewards")
+        if per_turn is None and not scored:
+            return reward, None
+        if isinstance(per_turn, (list, tuple)) and all(finite_number(r) for r in per_turn):
+            return reward, [float(r) for r in per_turn]
     if scored:
-        if value is None:
-            return None, None
-        per_turn = value.get("turn_rewards") if isinstance(value, dict) and set(value) == {"turn_rewards"} else None
-        if isinstance(per_turn, (list, tuple)) and all(finite(r) for r in per_turn):
-            return None, [float(r) for r in per_turn]
         raise ValueError(f"rollout.function returned {value!r}, but the reward scorer (reward.kind) decides each "
                          'episode\'s reward: return None, or {"turn_rewards": [<finite per turn>]}')
-    if finite(value):
-        return float(value), None
-    if isinstance(value, dict) and set(value) <= {"reward", "turn_rewards"} and finite(value.get("reward")):
-        per_turn = value.get("turn_rewards")
-        if per_turn is None:
-            return float(value["reward"]), None
-        if isinstance(per_turn, (list, tuple)) and all(finite(r) for r in per_turn):
-            return float(value["reward"]), [float(r) for r in per_turn]
     raise ValueError(f"rollout.function returned {value!r}: not a finite number or "
                      '{"reward": <finite>, "turn_rewards": [<finite per turn>]}')
 
