@@ -29,11 +29,17 @@ class ReplicaControlError(RuntimeError):
     replica id -> `Refusal` for those that refused a weight-update step."""
 
     def __init__(self, method: str, failures: dict[str, str], results: dict[str, Any],
-                 refusals: dict[str, Refusal] | None = None) -> None:
+                 refusals: dict[str, Refusal] | None = None, applying: set[str] | None = None) -> None:
         detail = "; ".join(f"{rid}: {msg}" for rid, msg in sorted(failures.items()))
         super().__init__(f"{method} failed on {len(failures)} replica(s): {detail}")
         self.method, self.failures, self.results = method, failures, results
         self.refusals = dict(refusals or {})
+        self.failed_applying = set(applying or ())  # replica ids that failed while applying (part applied, paused)
+
+    @property
+    def applying(self) -> bool:
+        """Some replica failed while applying weights."""
+        return bool(self.failed_applying)
 
     @property
     def refusal(self) -> Refusal | None:
@@ -74,6 +80,7 @@ class EngineControl:
         results: dict[str, Any] = {}
         failures: dict[str, str] = {}
         refusals: dict[str, Refusal] = {}
+        applying: set[str] = set()
         for i, outcome in enumerate(outcomes):
             if isinstance(outcome, BaseException):
                 tagged = _replica_error(outcome)
@@ -81,12 +88,14 @@ class EngineControl:
                 failures[rid] = tagged.message if tagged else f"{type(outcome).__name__}: {outcome}"
                 if tagged is not None and tagged.refusal is not None:
                     refusals[rid] = tagged.refusal
+                if tagged is not None and tagged.applying:
+                    applying.add(rid)
             elif isinstance(outcome, dict) and "replica_id" in outcome:
                 results[outcome["replica_id"]] = outcome
             else:
                 results[f"unknown-{i}"] = outcome
         if failures:
-            raise ReplicaControlError(method, failures, results, refusals)
+            raise ReplicaControlError(method, failures, results, refusals, applying)
         return results
 
     async def wait_ready(self, timeout_s: float = 600.0, interval_s: float = 1.0) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from ray import serve
 from asyncrl.config import GeneratorConfig, ModelConfig
 from asyncrl.generator.engine import EngineReplica
 from asyncrl.interfaces import ENGINE_CONTROL_VERBS, EngineAPI, verb_name
-from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult, Refusal, refusal_of
+from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult, Refusal, error_chain, refusal_of
 
 ENGINE_DEPLOYMENT = "GeneratorEngine"
 
@@ -35,12 +35,14 @@ class ReplicaCallError(RuntimeError):
     """A control call failed on one replica; carries the replica id (and the `Refusal`, when the
     replica refused a weight-update step) across the Serve boundary."""
 
-    def __init__(self, replica_id: str, method: str, message: str, refusal: Refusal | None = None) -> None:
+    def __init__(self, replica_id: str, method: str, message: str, refusal: Refusal | None = None,
+                 applying: bool = False) -> None:
         super().__init__(f"replica {replica_id}: {method} failed: {message}")
         self.replica_id, self.method, self.message, self.refusal = replica_id, method, message, refusal
+        self.applying = applying  # it failed while applying weights: possibly part applied, left paused
 
     def __reduce__(self):
-        return (ReplicaCallError, (self.replica_id, self.method, self.message, self.refusal))
+        return (ReplicaCallError, (self.replica_id, self.method, self.message, self.refusal, self.applying))
 
 
 def _forward(verb: Callable[..., Any]) -> Callable[..., Any]:
@@ -55,7 +57,8 @@ def _forward(verb: Callable[..., Any]) -> Callable[..., Any]:
         except ReplicaCallError:
             raise
         except Exception as err:
-            raise ReplicaCallError(self.replica.replica_id, name, f"{type(err).__name__}: {err}", refusal_of(err)) from None
+            raise ReplicaCallError(self.replica.replica_id, name, f"{type(err).__name__}: {err}", refusal_of(err),
+                                   any(getattr(e, "applying", False) is True for e in error_chain(err))) from None
 
     return method
 

@@ -24,6 +24,7 @@ from typing import Any
 from asyncrl.generator.replica_types import ReplicaState, UpdateState, WeightUpdateError
 from asyncrl.interfaces import WorkerAPI, verb_name
 from asyncrl.types import Refusal, refusal_of
+from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import check_verify_mode
 from asyncrl.weightsync.replica_side import FingerprintMismatch
 
@@ -63,22 +64,40 @@ class WeightUpdates:
         """Start staging `version`; buckets are hashed as they arrive in `verify` mode (weightsync/fingerprint.py).
         `layout`: "engine" (packed for a copy into the parameters) or "hf"; `staging`: "full" or "bucketed"."""
         async with self._control_lock:
+            return await self._begin(version, verify, staging, layout, plan_id)
+
+    async def _begin(self, version: int, verify: str, staging: str, layout: str, plan_id: str | None,
+                     with_receive: Any = None) -> dict[str, Any]:
+        """`begin_update` under the control lock. `with_receive` (a `CollectiveReceive`): the
+        workers begin in its receive; a refusal here tells its senders at once."""
+        try:
             if isinstance(version, bool) or not isinstance(version, int) or version < 0:
                 raise WeightUpdateError(f"replica {self.replica_id}: version {version!r} must be an int >= 0")
             try:
                 check_verify_mode(verify)
-                await self._staging.begin(version, verify, staging, layout, plan_id)
+                await self._staging.begin(version, verify, staging, layout, plan_id, with_receive=with_receive is not None)
             except ValueError as err:
                 raise WeightUpdateError(f"replica {self.replica_id}: {type(err).__name__}: {err}", refusal_of(err)) from None
-            if version <= self.version:
-                # weightsync restoring the last live version after a torn push (its host copy):
-                # the label goes back with the weights, so tokens stay truthfully tagged.
-                logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
-            self.update_state, self._staging_version, self._staged_tensors = UpdateState.STAGING, version, 0
-            return {"replica_id": self.replica_id, "staging": version}
+        except WeightUpdateError as err:
+            if with_receive is not None:
+                self._groups_joined = None  # refusing breaks the workers' groups
+                await self._staging.refuse(with_receive, str(err))
+            raise
+        if version <= self.version:
+            # weightsync restoring the last live version after a torn push (its host copy):
+            # the label goes back with the weights, so tokens stay truthfully tagged.
+            logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
+        self.update_state, self._staging_version, self._staged_tensors = UpdateState.STAGING, version, 0
+        return {"replica_id": self.replica_id, "staging": version}
 
     async def load_bucket(self, named_tensors: Any, version: int | None = None) -> dict[str, Any]:
+        """Stage a payload. A `CollectiveReceive` with `begin` begins the update in the same call
+        (and its workers in their receive); with `commit` too, the replica then checks the
+        senders' own fingerprint and commits, as `commit_update` would (one call for the push)."""
         async with self._control_lock:
+            folded = isinstance(named_tensors, CollectiveReceive) and named_tensors.begin is not None
+            if folded:
+                await self._begin(named_tensors.version, *named_tensors.begin, with_receive=named_tensors)
             if self.update_state is not UpdateState.STAGING:
                 raise WeightUpdateError(f"replica {self.replica_id}: load_bucket without begin_update")
             if version is not None and version != self._staging_version:
@@ -92,6 +111,15 @@ class WeightUpdates:
                 await self._drop_staged()
                 raise WeightUpdateError(f"replica {self.replica_id}: staging failed: {err}") from err
             self._staged_tensors = staged
+            if folded and named_tensors.commit:
+                try:
+                    fingerprint = self._staging.sender_fingerprint()
+                except FingerprintMismatch as err:
+                    self.counters["updates_failed"] += 1
+                    await self._drop_staged()
+                    raise WeightUpdateError(f"replica {self.replica_id}: {err}", Refusal.VERIFY_FAILED) from None
+                return {**await self._commit(self._staging_version, fingerprint), "fingerprint": fingerprint,
+                        "staged_tensors": staged}
             return {"replica_id": self.replica_id, "staged_tensors": staged}
 
     # ---- collective transport groups (weightsync/collective.py) --------------------------------
@@ -125,66 +153,70 @@ class WeightUpdates:
         resume after a successful apply; a failed apply leaves the replica paused (weightsync
         restores the last live version, then resumes it)."""
         async with self._control_lock:
-            if self.update_state is not UpdateState.STAGING or self._staging_version != version:
-                raise WeightUpdateError(
-                    f"replica {self.replica_id}: commit of version {version} but staging {self._staging_version}"
-                )
-            if "weights" in self._asleep:
-                raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} while its weights are "
-                                        "asleep (wake_up(['weights']) first); nothing applied")
-            try:
-                self._staging.check(version, fingerprint)
-            except FingerprintMismatch as err:
-                self.counters["updates_failed"] += 1
-                await self._drop_staged()
-                raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} rejected, "
-                                        f"staying on {self.version}: {err}", Refusal.VERIFY_FAILED) from None
-            self.update_state = UpdateState.COMMITTING
-            # The version label may only change while no step runs; pause here if the caller did not.
-            paused_here = self.state is ReplicaState.READY and self._may_run()
-            t_pause = time.perf_counter()
-            if paused_here:
-                await self._pause_engine("keep")
-                self._paused_mode = "keep"  # held until the apply succeeded
-            t_paused = time.perf_counter()
-            try:
-                # Paused: no step runs, so the counts the workers read (in the same call as the
-                # apply, one round trip) hold until resume.
-                applied = await self._staging.apply(version, before=self._versions.counts_query)
-                sampled = await self._versions.counts(applied["before"])
-            except Exception as err:
-                self.counters["updates_failed"] += 1
-                raise WeightUpdateError(
-                    f"replica {self.replica_id}: commit of version {version} failed while applying (possibly part "
-                    f"applied; the replica stays paused until restored): {err}"
-                ) from err
-            finally:
-                self.update_state, self._staging_version, self._staged_tensors = UpdateState.IDLE, None, 0
-            t_applied = time.perf_counter()
-            if hasattr(self.llm, "update_weight_version"):
-                await self.llm.update_weight_version(str(version))
-            if not paused_here:  # our own pause above cleared the caches, and nothing ran since
-                await self.llm.reset_prefix_cache()
-            self._versions.mark(version, sampled)  # no await between this and the label change
-            self.version = version
-            self._weights_discarded = False
-            self.counters["updates_committed"] += 1
-            # Resume what this commit paused, or start an awake engine whose level-2 sleep had left
-            # it without weights until now.
-            if paused_here:
-                self._paused_mode = None
-            t_relabelled = time.perf_counter()
-            if self.state is ReplicaState.READY and (paused_here or self._may_run()):
-                await self._settle()
-            end = time.perf_counter()
-            return {"replica_id": self.replica_id, "version": self.version, "path": applied["path"],
-                    "apply_seconds": applied["apply_seconds"],
-                    "reload_seconds": applied["apply_seconds"] if applied["path"] == "reload" else 0.0,
-                    "paused_seconds": end - t_pause if paused_here else 0.0,
-                    # where the paused window goes: the engine's pause, the workers' round trip
-                    # (the apply inside it), the relabel, the resume
-                    "pause_call_seconds": t_paused - t_pause, "apply_rpc_seconds": t_applied - t_paused,
-                    "relabel_seconds": t_relabelled - t_applied, "resume_call_seconds": end - t_relabelled}
+            return await self._commit(version, fingerprint)
+
+    async def _commit(self, version: int, fingerprint: str) -> dict[str, Any]:
+        """`commit_update` under the control lock."""
+        if self.update_state is not UpdateState.STAGING or self._staging_version != version:
+            raise WeightUpdateError(
+                f"replica {self.replica_id}: commit of version {version} but staging {self._staging_version}"
+            )
+        if "weights" in self._asleep:
+            raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} while its weights are "
+                                    "asleep (wake_up(['weights']) first); nothing applied")
+        try:
+            self._staging.check(version, fingerprint)
+        except FingerprintMismatch as err:
+            self.counters["updates_failed"] += 1
+            await self._drop_staged()
+            raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} rejected, "
+                                    f"staying on {self.version}: {err}", Refusal.VERIFY_FAILED) from None
+        self.update_state = UpdateState.COMMITTING
+        # The version label may only change while no step runs; pause here if the caller did not.
+        paused_here = self.state is ReplicaState.READY and self._may_run()
+        t_pause = time.perf_counter()
+        if paused_here:
+            await self._pause_engine("keep")
+            self._paused_mode = "keep"  # held until the apply succeeded
+        t_paused = time.perf_counter()
+        try:
+            # Paused: no step runs, so the counts the workers read (in the same call as the
+            # apply, one round trip) hold until resume.
+            applied = await self._staging.apply(version, before=self._versions.counts_query)
+            sampled = await self._versions.counts(applied["before"])
+        except Exception as err:
+            self.counters["updates_failed"] += 1
+            raise WeightUpdateError(
+                f"replica {self.replica_id}: commit of version {version} failed while applying (possibly part "
+                f"applied; the replica stays paused until restored): {err}", applying=True
+            ) from err
+        finally:
+            self.update_state, self._staging_version, self._staged_tensors = UpdateState.IDLE, None, 0
+        t_applied = time.perf_counter()
+        if hasattr(self.llm, "update_weight_version"):
+            await self.llm.update_weight_version(str(version))
+        if not paused_here:  # our own pause above cleared the caches, and nothing ran since
+            await self.llm.reset_prefix_cache()
+        self._versions.mark(version, sampled)  # no await between this and the label change
+        self.version = version
+        self._weights_discarded = False
+        self.counters["updates_committed"] += 1
+        # Resume what this commit paused, or start an awake engine whose level-2 sleep had left
+        # it without weights until now.
+        if paused_here:
+            self._paused_mode = None
+        t_relabelled = time.perf_counter()
+        if self.state is ReplicaState.READY and (paused_here or self._may_run()):
+            await self._settle()
+        end = time.perf_counter()
+        return {"replica_id": self.replica_id, "version": self.version, "path": applied["path"],
+                "apply_seconds": applied["apply_seconds"],
+                "reload_seconds": applied["apply_seconds"] if applied["path"] == "reload" else 0.0,
+                "paused_seconds": end - t_pause if paused_here else 0.0,
+                # where the paused window goes: the engine's pause, the workers' round trip
+                # (the apply inside it), the relabel, the resume
+                "pause_call_seconds": t_paused - t_pause, "apply_rpc_seconds": t_applied - t_paused,
+                "relabel_seconds": t_relabelled - t_applied, "resume_call_seconds": end - t_relabelled}
 
     async def abort_update(self) -> dict[str, Any]:
         async with self._control_lock:

@@ -37,12 +37,13 @@ class WeightUpdateError(RuntimeError):
     """A weight update step failed; the replica stays on its previous version. `refusal` says why
     when the step refused before touching the live weights (a typed reason that survives pickling)."""
 
-    def __init__(self, message: str, refusal: Refusal | None = None) -> None:
+    def __init__(self, message: str, refusal: Refusal | None = None, applying: bool = False) -> None:
         super().__init__(message)
         self.refusal = refusal
+        self.applying = applying  # failed while applying: possibly part applied, and left paused
 
     def __reduce__(self):
-        return (WeightUpdateError, (str(self), self.refusal))
+        return (WeightUpdateError, (str(self), self.refusal, self.applying))
 
 
 class ReplicaNotReady(RuntimeError):

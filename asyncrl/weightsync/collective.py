@@ -107,6 +107,11 @@ class CollectiveReceive:
     group_ids: tuple[str, ...]
     version: int
     timeout_s: float = 120.0
+    # ipc only (no collective there can hang on a member that refused): the replica begins the
+    # update in the same call, with these (verify, staging, layout, plan_id) ...
+    begin: tuple[Any, ...] | None = None
+    # ... and then checks the sender's fingerprint and commits by itself (one engine replica)
+    commit: bool = False
 
 
 def free_port(host: str = "") -> int:

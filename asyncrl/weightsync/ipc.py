@@ -18,6 +18,10 @@ second copy of the model on the device) and acknowledges once; the commit copies
 into the live parameters. The ring is rewritten only by the sender's next push, which starts
 after this one was committed or aborted, and only once this push's host copies have read it.
 
+Either way the sender ends by publishing every digest of the push in one record (`d`), so that a
+receiver which commits by itself (a single engine replica: its load checks the fingerprint and
+applies in the same call, without the publisher's commit round trip) compares against them.
+
 Handles are keyed by GPU UUID, so a receiver with another CUDA_VISIBLE_DEVICES order opens the
 same physical GPU.
 
@@ -61,6 +65,14 @@ class IpcRing:
         # Buffers are at least this large (the push's largest bucket): any free one then fits any
         # bucket, so a buffer (and the handle receivers opened for it) is never replaced.
         self.min_bytes = 0
+        # The handle published for each view of a buffer, made once (`ipc_export`): sharing a CUDA
+        # storage again costs an event and a reference-count slot each time, and the receivers
+        # reopen nothing. Dropped whenever a buffer is allocated (an address may come back).
+        self.exports: dict[tuple[int, int, int], dict[str, Any]] = {}
+
+    def _new(self, nbytes: int) -> torch.Tensor:
+        self.exports.clear()
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def take(self, nbytes: int) -> torch.Tensor:
         free = [i for i, b in enumerate(self.busy) if not b]
@@ -70,9 +82,9 @@ class IpcRing:
             i = min(fits, key=lambda j: self.buffers[j].numel())
         elif free:  # grow a free one (a larger bucket than before): a new handle for it
             i = free[0]
-            self.buffers[i] = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self.buffers[i] = self._new(size)
         else:
-            self.buffers.append(torch.empty(size, dtype=torch.uint8, device=self.device))
+            self.buffers.append(self._new(size))
             self.busy.append(False)
             i = len(self.buffers) - 1
         self.busy[i] = True
@@ -83,10 +95,10 @@ class IpcRing:
         same order every push, so every buffer, and every handle a receiver opened, is reused)."""
         i = sum(self.busy)
         if i == len(self.buffers):
-            self.buffers.append(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+            self.buffers.append(self._new(nbytes))
             self.busy.append(False)
         elif self.busy[i] or self.buffers[i].numel() < nbytes:
-            self.buffers[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self.buffers[i] = self._new(nbytes)
         self.busy[i] = True
         return self.buffers[i][:nbytes]
 
@@ -108,13 +120,21 @@ def _gpu_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def ipc_export(bucket: Bucket) -> tuple[dict[str, Any], Any]:
-    """(what a receiver needs to open `bucket`, what the sender must keep until it is acknowledged)."""
-    if isinstance(bucket.buffer, torch.Tensor) and bucket.buffer.is_cuda:
+def ipc_export(bucket: Bucket, cache: dict | None = None) -> tuple[dict[str, Any], Any]:
+    """(what a receiver needs to open `bucket`, what the sender must keep until it is acknowledged).
+    `cache`: a ring's handles by view (`IpcRing.exports`), reused for the same view of the same buffer."""
+    buf = bucket.buffer
+    if isinstance(buf, torch.Tensor) and buf.is_cuda:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        _, args = reduce_tensor(bucket.buffer)
-        return {"kind": "cuda", "uuid": _gpu_uuid(bucket.buffer.device), "args": args}, bucket
+        key = (buf.untyped_storage().data_ptr(), buf.storage_offset(), buf.numel())
+        handle = cache.get(key) if cache is not None else None
+        if handle is None:
+            _, args = reduce_tensor(buf)
+            handle = {"kind": "cuda", "uuid": _gpu_uuid(buf.device), "args": args}
+            if cache is not None:
+                cache[key] = handle
+        return handle, bucket
     shared = write_shared(bucket)
     return {"kind": "file", "path": shared.path}, shared
 
@@ -244,15 +264,17 @@ def ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, A
                 # (any other mode read the digests back, which waited for the pack) a receiver that
                 # opened this buffer at an earlier push waits on no event: the bytes must be complete
                 torch.cuda.current_stream(group.device).synchronize()
-            handle, kept = ipc_export(bucket)
+            handle, kept = ipc_export(bucket, None if group._ring is None else group._ring.exports)
             store.set(_key(group, f"b{k}"), pickle.dumps({"kind": BUCKET, "handle": handle, "nbytes": bucket.nbytes,
                                                           "table": encode_table(bucket, digests)}))
             published.append((k, kept, copy))
             out.seconds["broadcast"] += time.perf_counter() - t
             del bucket
             k += 1
+        # every digest of the push, for a receiver that checks the fingerprint itself (`ipc_sender_digests`)
+        store.set(_key(group, "d"), pickle.dumps(out.digests))
         store.set(_key(group, f"b{k}"), pickle.dumps({"kind": END}))
-        group._leftover.append(_key(group, f"b{k}"))
+        group._leftover += [_key(group, f"b{k}"), _key(group, "d")]
         t = time.perf_counter()
         while published:
             done, kept, done_copy = published.popleft()
@@ -262,7 +284,7 @@ def ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, A
         copies.finish()
     except BaseException as err:
         # (before any handle the receivers may hold is freed)
-        _abort_send(group, copies, f"b{k}", [_key(group, f"{w}{j}") for j in range(k + 1) for w in "ba"])
+        _abort_send(group, copies, f"b{k}", [_key(group, f"{w}{j}") for j in range(k + 1) for w in "ba"] + [_key(group, "d")])
         for _, kept, _ in published:
             _ipc_free(kept)
         _raise_send_failure(group, err, export)
@@ -323,33 +345,41 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
         t = time.perf_counter()
         records = []
         for bucket in buckets:  # no digests in the record: full staging compares one fingerprint at the commit
-            handle, keep_it = ipc_export(bucket)
+            handle, keep_it = ipc_export(bucket, None if group._ring is None else group._ring.exports)
             kept.append(keep_it)
             records.append({"handle": handle, "nbytes": bucket.nbytes, "table": encode_table(bucket, {})})
         if group.device.type == "cuda":  # the bytes are complete before anyone reads them (the checksums need not be)
             torch.cuda.current_stream(group.device).synchronize()
         store.set(_key(group, "b0"), pickle.dumps({"kind": WHOLE, "buckets": records}))
         out.seconds["broadcast"] += time.perf_counter() - t
-        if not early:  # the checksums and host copies run while the receivers stage
+        if not early:  # the checksums run while the receivers stage; the host copies start once the digests are out
             for bucket in buckets:
-                finish, copy = hash_and_copy_lazy(copies, bucket, verify, out)
-                group._ring_copies.append(copy)
-                packed.append((bucket, finish, copy))
+                finish, _ = hash_and_copy_lazy(None, bucket, verify, out)
+                packed.append((bucket, finish, None))
+        for _, finish, _ in packed:  # the first waits for the device's checksums
+            finish()
+        t = time.perf_counter()
+        # every digest of the push, for a receiver that checks the fingerprint itself (`ipc_sender_digests`)
+        store.set(_key(group, "d"), pickle.dumps(out.digests))
+        out.seconds["broadcast"] += time.perf_counter() - t
+        if not early:
+            t = time.perf_counter()
+            for bucket, _, _ in packed:
+                group._ring_copies.append(copies.add(bucket))
+            out.seconds["host_copy"] += time.perf_counter() - t
         buckets.clear()
+        packed.clear()
         t = time.perf_counter()
         _wait_acks(group, 0, deadline)
         out.seconds["broadcast"] += time.perf_counter() - t
-        for _, finish, _ in packed:  # the first waits for the device's checksums
-            finish()
-        packed.clear()
         copies.finish()
     except BaseException as err:
-        _abort_send(group, copies, "b0", [_key(group, w) for w in ("b0", "a0")], keep_published=True)
+        _abort_send(group, copies, "b0", [_key(group, w) for w in ("b0", "a0", "d")], keep_published=True)
         _raise_send_failure(group, err, export)
     finally:
         for keep_it in kept:  # shared files: the receivers' mappings outlive the unlink
             _ipc_free(keep_it)
-    group._leftover += [_key(group, w) for w in ("b0", "a0")]
+    group._leftover += [_key(group, w) for w in ("b0", "a0", "d")]
     return out
 
 
@@ -392,3 +422,35 @@ def ipc_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tupl
     except BaseException:  # the consumer stopped reading mid-push (its staging failed) or was interrupted
         _failed(group, CollectiveError(f"stopped reading at bucket {k}"), report=f"stopped reading at bucket {k}")
         raise
+
+
+def ipc_sender_digests(group: CollectiveGroup, deadline: float) -> dict[str, bytes]:
+    """Every digest the sender computed for the push just received (published once its checksums
+    are in; a receiver that checks the fingerprint itself, and commits without the publisher's
+    round trip, reads them). Raises `SenderAborted` if the sender aborted instead."""
+    store = group._store
+    if group.broken or store is None:
+        raise CollectiveError(f"group {group.spec.group_id} is broken (an earlier step failed); form a new one")
+    key, aborted = _key(group, "d"), _key(group, "aborted")
+    try:
+        while not store.check([key]):
+            if store.check([aborted]):
+                raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
+            if time.monotonic() > deadline:
+                raise CollectiveError(f"group {group.spec.group_id}: the sender's digests did not arrive by the deadline")
+            time.sleep(0.0002)
+        return pickle.loads(store.get(key))
+    except SenderAborted:
+        raise
+    except Exception as err:
+        raise _failed(group, err, report=f"{type(err).__name__}: {err}") from err
+
+
+def ipc_refuse(group: CollectiveGroup, why: str) -> None:
+    """This receiver will not take the coming push (its begin was refused): tell the sender now,
+    as a receiver that failed, instead of letting it wait for acknowledgements to its deadline.
+    The group is broken on both sides; the next push forms a new one."""
+    if group.broken or group._store is None:
+        return
+    group._pushes += 1  # the key of the push the sender is (or will be) publishing
+    _failed(group, CollectiveError(why), report=f"refused: {why}")

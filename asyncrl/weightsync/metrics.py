@@ -5,7 +5,10 @@ Owns: the timers and counters a push fills in, and their names:
   weightsync/push_seconds          begin of registration -> live (or failure); with the host copy,
                                    except for collective transports (below)
   weightsync/stage_seconds         first bucket sent -> last bucket loaded on every replica
-  weightsync/commit_seconds        commit call -> every replica answered
+  weightsync/commit_seconds        commit call -> every replica answered (0 with commit_in_load)
+  weightsync/begin_in_load         1 when the replicas began the update in their load call (ipc)
+  weightsync/commit_in_load        1 when the one engine replica also checked the sender's fingerprint
+                                   and committed in it (ipc, full staging): one call per side per push
   weightsync/fingerprint_seconds   the publisher hashing buckets (overlapped with the replicas staging)
   weightsync/gbps                  bytes / push_seconds (what one replica effectively received)
   weightsync/aggregate_gbps        bytes * replicas / stage_seconds (what the transport moved)
@@ -70,6 +73,8 @@ class PushMetrics:
     push_seconds: float = 0.0
     stage_seconds: float = 0.0
     commit_seconds: float = 0.0
+    begin_in_load: bool = False
+    commit_in_load: bool = False
     fingerprint_seconds: float = 0.0
     put_seconds: float = 0.0
     rollbacks: int = 0
@@ -124,6 +129,8 @@ class PushMetrics:
             p + "verify_gbps": _rate(self.bytes, self.fingerprint_seconds),
             p + "layout_engine": float(self.layout == "engine"),
             p + "staging_bucketed": float(self.staging == "bucketed"),
+            p + "begin_in_load": float(self.begin_in_load),
+            p + "commit_in_load": float(self.commit_in_load),
             p + "aggregate_gbps": _rate(self.bytes * self.num_replicas, self.stage_seconds),
         }
         t = f"{p}transport/{self.transport}/"

@@ -65,7 +65,7 @@ from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.metrics import PushMetrics
 from asyncrl.weightsync.registry import VersionRegistry
 from asyncrl.weightsync.replica_side import WithDigests
-from asyncrl.weightsync.replicas import ReplicaClient, is_replica_dead, is_verify_failure
+from asyncrl.weightsync.replicas import ReplicaClient, is_apply_failure, is_replica_dead, is_verify_failure, partly_done
 from asyncrl.weightsync.sources import (  # noqa: F401 - re-exported: the publisher's vocabulary
     BucketSource, KeptCopies, Send, Step, StepFailed, StreamedSend, StreamedSource,
 )
@@ -96,6 +96,10 @@ class WeightsyncError(RuntimeError):
 
 class StepTimeout(TimeoutError):
     pass
+
+
+class FingerprintDiffers(ValueError):
+    """A replica that committed in its load reports another fingerprint than the sender's."""
 
 
 @dataclass
@@ -202,14 +206,16 @@ class Publisher:
 
     async def publish_streamed(self, version: int, send: Send, payload: Callable[[int], Any],
                                replicas: Sequence[ReplicaClient], prepare: Callable[[], Awaitable[Any]] | None = None,
-                               plan_id: str | None = None) -> PushResult:
+                               plan_id: str | None = None, fold_begin: bool = False) -> PushResult:
         """`publish` through a collective transport: `send(version, verify)` broadcasts the
         weights (and returns a `StreamedSend`) while every replica's `load_bucket(payload(version))`
         receives them; `prepare()` runs before each attempt (e.g. forms the broadcast group).
-        `plan_id`: the sender packs the engines' layout of this plan."""
+        `plan_id`: the sender packs the engines' layout of this plan. `fold_begin` (ipc, where a
+        replica that refuses tells the sender): the replicas begin in their load call, and a
+        single engine replica with full staging commits in it too (one call per side per push)."""
         rng = preserve_rng_state() if self._preserve_rng else contextlib.nullcontext()
         with rng:
-            source = StreamedSource(send, payload, prepare, self._cfg.verify, plan_id)
+            source = StreamedSource(send, payload, prepare, self._cfg.verify, plan_id, fold_begin=fold_begin)
             return await self._publish(version, None, list(replicas), source=source)
 
     async def _publish(self, version: int, named: NamedTensorIter | None, replicas: list[ReplicaClient],
@@ -257,32 +263,59 @@ class Publisher:
         bucketed = self._cfg.staging == "bucketed"
         # One engine replica behind all clients: its commit pauses, applies and resumes by itself.
         own_pause = not bucketed and sum(int(getattr(r, "fanout", 1)) for r in replicas) == 1
+        # ipc: each replica begins in its receive's call (no collective there can hang on a replica
+        # that refuses: it tells the sender), and one replica alone also commits in it.
+        fold = isinstance(source, StreamedSource) and source.fold_begin
         pause_sent = begin_sent = commit_sent = False
         paused = 0.0
+        committed: dict[str, Any] | None = None
         try:
             if bucketed:
                 pause_sent, paused = True, time.perf_counter()
                 await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
             begin_sent = True
-            await self._step(Step.BEGIN, replicas, lambda r: r.begin_update(
-                version, source.verify, staging=self._cfg.staging, layout=source.layout, plan_id=source.plan_id), m)
+            if not fold:
+                await self._step(Step.BEGIN, replicas, lambda r: r.begin_update(
+                    version, source.verify, staging=self._cfg.staging, layout=source.layout, plan_id=source.plan_id), m)
             t = time.perf_counter()
             try:
                 if isinstance(source, StreamedSource):
-                    await source.stream(self, version, replicas, m)
+                    begin = (source.verify, self._cfg.staging, source.layout, source.plan_id) if fold else None
+                    m.begin_in_load = fold
+                    committed = await source.stream(self, version, replicas, m, begin=begin, commit=fold and not bucketed)
+                    commit_sent = m.commit_in_load = committed is not None
                 else:
                     await self._stream(version, source, replicas, m, with_digests=bucketed)
             except StepFailed as f:
                 if bucketed:  # buckets may have been applied: restore everyone
                     f.restore = [r.name for r in replicas]
+                elif getattr(source, "committing", False):  # a load that commits: restore whoever applied (part of) it
+                    # (a client that fans out may have failed on one replica and committed on another)
+                    applying = [n for n, e in f.failures.items() if is_apply_failure(e) or partly_done(e)]
+                    f.restore = list(dict.fromkeys(f.restore + applying))
+                    commit_sent, m.failed_commit = True, m.failed_commit or bool(applying)
                 raise
             m.stage_seconds += time.perf_counter() - t
             try:
                 fingerprint = source.fingerprint()
             except Exception as exc:
-                raise StepFailed(Step.FINGERPRINT, {"publisher": exc}) from exc
+                raise StepFailed(Step.FINGERPRINT, {"publisher": exc},
+                                 restore=list(committed or ())) from exc
             self._reg("set_payload", version, fingerprint=fingerprint, num_bytes=m.bytes, num_tensors=m.num_tensors)
             self._reg("transition", version, S.COMMITTING)
+            if committed is not None:  # each replica checked the senders' fingerprint and committed in its load
+                wrong = {}
+                for r in replicas:
+                    for name, row in self._record_commit(r.name, committed[r.name], m):
+                        if row.get("fingerprint") != fingerprint:
+                            wrong[name] = FingerprintDiffers(f"replica {name} committed {str(row.get('fingerprint'))[:24]}, "
+                                                             f"the sender reported {fingerprint[:24]}")
+                if wrong:
+                    raise StepFailed(Step.COMMIT, wrong, restore=[r.name for r in replicas])
+                for r in replicas:
+                    self._reg("replica_committed", version, r.name)
+                self._reg("go_live", version, [r.name for r in replicas])
+                return fingerprint
             if not pause_sent and not own_pause:
                 pause_sent, paused = True, time.perf_counter()
                 await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
@@ -306,7 +339,7 @@ class Publisher:
                 f.out_of_service = await self._restore([r for r in replicas if r.name in f.restore], m)
             raise
         finally:
-            if pause_sent or (commit_sent and own_pause and m.failed_commit):
+            if pause_sent or (commit_sent and m.failed_commit and (own_pause or getattr(source, "committing", False))):
                 # A failed apply under the commit's own pause leaves the replica paused too.
                 await self._run(Step.RESUME, replicas, lambda r: r.resume(), m)
             if pause_sent:
@@ -333,18 +366,26 @@ class Publisher:
                 with contextlib.suppress(BaseException):
                     await pending
 
-    @staticmethod
-    async def _commit(r: ReplicaClient, version: int, fingerprint: str, m: PushMetrics) -> None:
+    @classmethod
+    async def _commit(cls, r: ReplicaClient, version: int, fingerprint: str, m: PushMetrics) -> None:
         """One replica's commit; records the engine's apply path and seconds as the replica reports them."""
         try:
             out = await r.commit_update(version, fingerprint)
         except BaseException:
             m.failed_commit = True
             raise
+        cls._record_commit(r.name, out, m)
+
+    @staticmethod
+    def _record_commit(client: str, out: Any, m: PushMetrics) -> list[tuple[str, dict[str, Any]]]:
+        """A commit's report (one replica's, or {replica id: report} from a client that fans out)
+        into `m`; returns (replica name, report) per engine replica."""
+        rows = []
         for row in (out.values() if isinstance(out, dict) and "replica_id" not in out and "version" not in out else [out]):
             if not isinstance(row, dict):
                 continue
-            name = str(row.get("replica_id", r.name))
+            name = str(row.get("replica_id", client))
+            rows.append((name, row))
             for key in ("apply_seconds", "reload_seconds", "paused_seconds", "pause_call_seconds", "apply_rpc_seconds",
                         "relabel_seconds", "resume_call_seconds"):
                 if isinstance(row.get(key), (int, float)):
@@ -353,16 +394,20 @@ class Publisher:
                 m.paths.add(row["path"])
             if isinstance(row.get("paused_seconds"), (int, float)):
                 m.own_paused = max(m.own_paused, float(row["paused_seconds"]))
+        return rows
 
     async def _run(self, step: Step, replicas: Sequence[ReplicaClient], call: Callable[[ReplicaClient], Awaitable[Any]],
-                   m: PushMetrics | None = None) -> tuple[list[str], dict[str, BaseException]]:
-        """Call `step` on every replica concurrently, each bounded by timeout_s. Never raises."""
+                   m: PushMetrics | None = None, results: dict[str, Any] | None = None) -> tuple[list[str], dict[str, BaseException]]:
+        """Call `step` on every replica concurrently, each bounded by timeout_s. Never raises.
+        `results`: gets {replica name: what its call returned} for those that succeeded."""
         timeout = self._cfg.timeout_s
 
         async def one(r: ReplicaClient) -> tuple[str, BaseException | None]:
             t = time.perf_counter()
             try:
-                await asyncio.wait_for(call(r), timeout)
+                out = await asyncio.wait_for(call(r), timeout)
+                if results is not None:
+                    results[r.name] = out
                 return r.name, None
             except (asyncio.TimeoutError, TimeoutError):
                 return r.name, StepTimeout(f"{step.value} on replica {r.name} timed out after {timeout}s")
@@ -376,8 +421,8 @@ class Publisher:
         return [n for n, e in results if e is None], {n: e for n, e in results if e is not None}
 
     async def _step(self, step: Step, replicas: Sequence[ReplicaClient], call: Callable[[ReplicaClient], Awaitable[Any]],
-                    m: PushMetrics) -> None:
-        _, bad = await self._run(step, replicas, call, m)
+                    m: PushMetrics, results: dict[str, Any] | None = None) -> None:
+        _, bad = await self._run(step, replicas, call, m, results)
         if bad:
             raise StepFailed(step, bad, retryable=not any(map(is_replica_dead, bad.values())))
 

@@ -27,7 +27,7 @@ from typing import Any
 from asyncrl.interfaces import WorkerAPI, verb_name
 from asyncrl.types import Refusal
 from asyncrl.weightsync.collective import CollectiveReceive
-from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
+from asyncrl.weightsync.fingerprint import check_verify_mode, combine_digests, fingerprint_mode
 
 Rpc = Callable[..., Awaitable[list[Any]]]
 
@@ -80,6 +80,9 @@ class ReplicaStaging:
         self.layout = "hf"
         self.staging = "full"
         self._per_worker: list[dict[str, bytes]] = []
+        self._begin_with_receive: tuple[Any, ...] | None = None  # the workers begin in the receive's call
+        self.verify = "full"
+        self.sender_digests: dict[str, bytes] | None = None  # what the senders computed (a load that commits)
 
     # ---- layout and plan ---------------------------------------------------------------------
     async def check_layout(self) -> list[dict[str, Any]]:
@@ -100,12 +103,24 @@ class ReplicaStaging:
 
     # ---- one update ------------------------------------------------------------------------------
     async def begin(self, version: int, verify: str, staging: str = "full", layout: str = "hf",
-                    plan_id: str | None = None) -> None:
+                    plan_id: str | None = None, with_receive: bool = False) -> None:
+        """Start staging `version`. `with_receive`: the workers begin in the collective receive's
+        own call (`load`), not in a round trip of their own."""
         if layout == "engine" and (self.plan_id is None or (plan_id is not None and plan_id != self.plan_id)):
             raise PlanMissing(f"an engine-layout push for plan {plan_id} but this replica holds plan {self.plan_id}")
-        await self.rpc(WorkerAPI.asyncrl_begin_update, version, verify, staging, layout)
-        self.version, self.layout, self.staging = version, layout, staging
-        self._per_worker = []
+        if with_receive:
+            self._begin_with_receive = (verify, staging, layout)
+        else:
+            self._begin_with_receive = None
+            await self.rpc(WorkerAPI.asyncrl_begin_update, version, verify, staging, layout)
+        self.version, self.layout, self.staging, self.verify = version, layout, staging, verify
+        self._per_worker, self.sender_digests = [], None
+
+    async def refuse(self, payload: Any, why: str) -> None:
+        """A collective push this replica will not take (its begin was refused before the workers
+        heard of it): the workers tell the sender, which stops at once instead of at its deadline."""
+        if isinstance(payload, CollectiveReceive):
+            await self.rpc(WorkerAPI.asyncrl_refuse_collective, list(payload.group_ids), why)
 
     def _merge(self, results: list[dict[str, bytes]]) -> None:
         if not self._per_worker:
@@ -125,8 +140,12 @@ class ReplicaStaging:
         if isinstance(payload, CollectiveReceive):
             if payload.version != version:
                 raise ValueError(f"collective push of version {payload.version}, staging {version}")
+            begin, self._begin_with_receive = self._begin_with_receive, None
             results = await self.rpc(WorkerAPI.asyncrl_receive_collective, version, list(payload.group_ids), payload.timeout_s,
-                                     timeout=payload.timeout_s + 30.0)
+                                     begin, payload.commit, timeout=payload.timeout_s + 30.0)
+            if payload.commit:  # each worker read the senders' digests too: every worker saw the same
+                self.sender_digests = dict(results[0]["sender"]) if results else {}
+                results = [r["digests"] for r in results]
             self._per_worker = [dict(r) for r in results]
         else:
             async for shared, owned in _as_shared(payload):
@@ -136,6 +155,12 @@ class ReplicaStaging:
                     if owned:  # written here; the workers hold their own mappings now
                         shared.unlink()
         return sum(len(d) for d in self._per_worker)
+
+    def sender_fingerprint(self) -> str:
+        """The fingerprint of what the senders sent, from their own digests (a load that commits)."""
+        if self.sender_digests is None:
+            raise FingerprintMismatch("no sender digests were received with this push")
+        return combine_digests(self.sender_digests, check_verify_mode(self.verify))
 
     def check(self, version: int, fingerprint: str) -> str:
         """Raise FingerprintMismatch unless what the workers staged hashes to `fingerprint`."""
@@ -178,7 +203,7 @@ class ReplicaStaging:
 
     async def abort(self) -> None:
         await self.rpc(WorkerAPI.asyncrl_abort_update)
-        self.version, self._per_worker = None, []
+        self.version, self._per_worker, self._begin_with_receive, self.sender_digests = None, [], None, None
 
 
 def _is_object_ref(value: Any) -> bool:

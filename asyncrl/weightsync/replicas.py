@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.interfaces import EngineAPI, verb_name
-from asyncrl.types import Refusal, refusal_of
+from asyncrl.types import Refusal, error_chain, refusal_of
 
 
 @runtime_checkable
@@ -103,6 +103,18 @@ def is_verify_failure(exc: BaseException) -> bool:
     """A commit that failed its fingerprint check applied nothing (generator contract above): the
     replica refused it with `Refusal.VERIFY_FAILED`."""
     return refusal_of(exc) is Refusal.VERIFY_FAILED
+
+
+def is_apply_failure(exc: BaseException) -> bool:
+    """A replica failed while applying (its error, or one it was raised from, says `applying`): it
+    may be part applied and stays paused until it is restored."""
+    return any(getattr(e, "applying", False) is True for e in error_chain(exc))
+
+
+def partly_done(exc: BaseException) -> bool:
+    """A call that fanned out failed on some replicas but returned on others (the error, or one it
+    was raised from, carries their non-empty `results`, as the generator's EngineControl does)."""
+    return any(isinstance(getattr(e, "results", None), dict) and bool(e.results) for e in error_chain(exc))
 
 
 def is_replica_dead(exc: BaseException) -> bool:

@@ -278,7 +278,8 @@ class WeightPublisher:
         plan_id = None if self.plan is None else self.plan.plan_id
         if self.link is not None:
             result = await self.publisher.publish_streamed(
-                version, self.link.send, self.link.payload, [self.replicas], prepare=self.link.ensure, plan_id=plan_id)
+                version, self.link.send, self.link.payload, [self.replicas], prepare=self.link.ensure, plan_id=plan_id,
+                fold_begin=self.link.fold_begin)
         else:
             export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, self.transport.name, self.cfg.verify,
                                                                  "hf" if plan_id is None else "engine")
@@ -327,6 +328,12 @@ class CollectiveLink:
     @property
     def group_ids(self) -> list[str]:
         return [s.group_id for s in self.specs]
+
+    @property
+    def fold_begin(self) -> bool:
+        """Replicas may begin a push in their receive (`publish_streamed(fold_begin=...)`): on ipc a
+        replica that refuses tells the sender; a broadcast would wait for it to its deadline."""
+        return self.backend == "ipc"
 
     async def ensure(self) -> None:
         from dataclasses import asdict

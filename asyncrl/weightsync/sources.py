@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.weightsync.bucket import Bucket, digest_key_prefix, iter_buckets
+from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import VerifyMode, bucket_digests, check_verify_mode, combine_digests
 from asyncrl.weightsync.metrics import PushMetrics
 from asyncrl.weightsync.transport import Transport
@@ -190,16 +192,23 @@ class StreamedSource:
     Each attempt runs `prepare` (form or check the broadcast group) and sends afresh."""
 
     def __init__(self, send: Send, payload: Callable[[int], Any], prepare: Callable[[], Awaitable[Any]] | None,
-                 verify: VerifyMode = "full", plan_id: str | None = None) -> None:
+                 verify: VerifyMode = "full", plan_id: str | None = None, fold_begin: bool = False) -> None:
         self._send, self._payload, self._prepare = send, payload, prepare
         self.verify = check_verify_mode(verify)
         self.layout = "hf" if plan_id is None else "engine"
         self.plan_id = plan_id
+        self.fold_begin = fold_begin  # the replicas begin in their load (the payload carries the begin)
+        self.committing = False  # this attempt's loads commit too (one engine replica)
         self.handles: list[Any] = []
         self._digests: dict[str, bytes] | None = None
         self._collecting: asyncio.Future | None = None
 
-    async def stream(self, publisher: Publisher, version: int, replicas: list[ReplicaClient], m: PushMetrics) -> None:
+    async def stream(self, publisher: Publisher, version: int, replicas: list[ReplicaClient], m: PushMetrics,
+                     begin: tuple[Any, ...] | None = None, commit: bool = False) -> dict[str, Any] | None:
+        """One attempt. `begin` (verify, staging, layout, plan_id): the replicas begin in their load.
+        `commit`: where, once the groups are formed, one engine replica is behind `replicas`, its
+        load also checks the senders' fingerprint and commits; then returns {client name: its
+        load's report} (else None)."""
         self.discard(publisher._transport)  # an earlier attempt's host copies
         self.handles, self._digests = [], None
         t = time.perf_counter()
@@ -210,21 +219,46 @@ class StreamedSource:
                 raise StepFailed(Step.LOAD, {"broadcast group": exc}) from exc
         prepared = time.perf_counter()
         payload = self._payload(version)
-        receiving = asyncio.ensure_future(publisher._step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version), m))
+        # (the fan-out is read after `prepare`, which asked every replica: the count is current)
+        self.committing = bool(begin is not None and commit and sum(int(getattr(r, "fanout", 1)) for r in replicas) == 1)
+        if begin is not None:
+            if not isinstance(payload, CollectiveReceive):
+                raise TypeError(f"a push whose replicas begin in their load needs a CollectiveReceive payload, not {payload!r}")
+            payload = dataclasses.replace(payload, begin=tuple(begin), commit=self.committing)
+        reports: dict[str, Any] = {}
+        receiving = asyncio.ensure_future(publisher._step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version), m,
+                                                          results=reports))
         try:
             sent = await asyncio.wait_for(self._send(version, self.verify), publisher._cfg.timeout_s)
         except Exception as exc:
             # The sender told the receivers (abort header), or they give up at their deadline.
-            with contextlib.suppress(BaseException):
+            receivers: StepFailed | None = None
+            try:
                 await receiving
-            raise StepFailed(Step.EXPORT, {"publisher": exc}) from exc
+            except StepFailed as f:
+                receivers = f
+            except BaseException:
+                pass
+            # (a replica whose load committed before the sender failed is ahead: put it back)
+            restore = list(reports) if self.committing else []
+            if receivers is not None and begin is not None:
+                # A replica that refused (or failed) in its load stopped the sender: its failure,
+                # and why it refused (a plan it lacks), is what the caller acts on.
+                raise StepFailed(Step.LOAD, {**receivers.failures, "publisher": exc}, receivers.retryable,
+                                 restore=list(dict.fromkeys(receivers.restore + restore))) from exc
+            raise StepFailed(Step.EXPORT, {"publisher": exc}, restore=restore) from exc
         except BaseException:
             receiving.cancel()
             raise
         if sent.collect is not None:  # the host copies are made while the replicas finish and commit
             self._collecting = asyncio.ensure_future(sent.collect())
         sent_at = time.perf_counter()
-        await receiving
+        try:
+            await receiving
+        except StepFailed as f:
+            if self.committing:  # replicas whose load committed while a peer failed are ahead
+                f.restore = list(dict.fromkeys(f.restore + list(reports)))
+            raise
         # where the stage's time goes, as the publisher sees it: forming / checking the groups,
         # the sender's call (its own seconds are in sent.seconds), the receivers after it returned
         m.sender_seconds.update({"prepare": prepared - t, "call": sent_at - prepared,
@@ -235,6 +269,7 @@ class StreamedSource:
         m.put_seconds = sent.seconds.get("broadcast", 0.0)
         m.fingerprint_seconds = sent.seconds.get("hash", 0.0)
         m.sender_seconds.update({k: v for k, v in sent.seconds.items() if k not in ("prepare", "call", "receivers_after")})
+        return reports if self.committing else None
 
     def fingerprint(self) -> str:
         if self._digests is None:

@@ -279,22 +279,44 @@ class WeightsyncWorkerExtension:
                 bucket = copy_to(bucket, rx.hooks.device)  # staged where the parameters live
         return rx.stage(version, bucket, expected)
 
-    def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float) -> dict[str, bytes]:
+    def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float,
+                                   begin: tuple | None = None, with_sender: bool = False) -> Any:
         """Stage every bucket of `version` from the groups `group_ids` (in order), each straight
-        into this worker's memory; returns the digests staged."""
+        into this worker's memory; returns the digests staged. `begin` (verify, staging, layout):
+        begin the update first, in this call. `with_sender` (ipc): also read every digest the
+        senders computed, and return {"digests": staged, "sender": theirs}."""
         from asyncrl.weightsync.collective import CollectiveError
-        from asyncrl.weightsync.wire import receive_stream
+        from asyncrl.weightsync.wire import receive_stream, sender_digests
 
         groups = self.__dict__.get("_asyncrl_groups", {})
         deadline = time.monotonic() + timeout_s
         rx = self._asyncrl_rx()
+        if begin is not None:
+            try:
+                rx.begin(version, *begin)
+            except Exception as err:
+                self.asyncrl_refuse_collective(group_ids, f"{type(err).__name__}: {err}")
+                raise
+        theirs: dict[str, bytes] = {}
         for gid in group_ids:
             group = groups.get(gid)
             if group is None or group.broken:
                 raise CollectiveError(f"worker holds no usable group {gid!r} (has {sorted(groups)})")
             for bucket, expected in receive_stream(group, deadline):
                 rx.stage(version, bucket, expected, lazy=True)  # full staging: one wait for every digest, below
-        return rx.digests(version)
+            if with_sender:
+                theirs.update(sender_digests(group, deadline))
+        digests = rx.digests(version)
+        return {"digests": digests, "sender": theirs} if with_sender else digests
+
+    def asyncrl_refuse_collective(self, group_ids: list[str], why: str) -> None:
+        """Refuse the coming push on the groups `group_ids` (its begin failed): the sender stops at once."""
+        from asyncrl.weightsync.wire import refuse_push
+
+        for gid in group_ids:
+            group = self.__dict__.get("_asyncrl_groups", {}).get(gid)
+            if group is not None:
+                refuse_push(group, why)
 
     def asyncrl_apply(self, version: int) -> dict[str, Any]:
         return self._asyncrl_rx().apply(version)

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from asyncrl.weightsync.bucket import Bucket
-from asyncrl.weightsync.collective import CollectiveGroup
-from asyncrl.weightsync.ipc import ipc_receive_stream, ipc_send_stream
+from asyncrl.weightsync.collective import CollectiveError, CollectiveGroup
+from asyncrl.weightsync.ipc import ipc_receive_stream, ipc_refuse, ipc_send_stream, ipc_sender_digests
 from asyncrl.weightsync.stream import SendResult, broadcast_receive_stream, broadcast_send_stream
 
 
@@ -34,3 +34,19 @@ def receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bu
     the sender's end; raises `SenderAborted` when the sender aborted."""
     loop = ipc_receive_stream if group.spec.backend == "ipc" else broadcast_receive_stream
     return loop(group, deadline)
+
+
+def sender_digests(group: CollectiveGroup, deadline: float) -> dict[str, bytes]:
+    """After `receive_stream` ended: every digest the sender computed for that push (ipc only: its
+    store carries them; a broadcast group sends them in band, bucket by bucket)."""
+    if group.spec.backend != "ipc":
+        raise CollectiveError(f"group {group.spec.group_id}: the sender's digests of a whole push are published on ipc "
+                              f"groups only, not {group.spec.backend}")
+    return ipc_sender_digests(group, deadline)
+
+
+def refuse_push(group: CollectiveGroup, why: str) -> None:
+    """This receiver refuses the coming push before reading any of it (ipc: the sender stops at
+    once; a broadcast group has no way to say so, so its pushes begin in a call of their own)."""
+    if group.spec.backend == "ipc":
+        ipc_refuse(group, why)

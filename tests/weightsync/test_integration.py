@@ -483,12 +483,16 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
             old = await group.compute_log_prob(samples)
             await group.update_actor(samples, advantages(samples), old)
             result = await pub.publish_streamed(start + step, link.send, link.payload, replicas, prepare=link.ensure,
-                                                plan_id=plan.plan_id)
+                                                plan_id=plan.plan_id, fold_begin=link.fold_begin)
             m = result.metrics
             assert result.fingerprint.startswith("checksum:") and m["weightsync/apply_direct"] == 1.0
             assert m[f"weightsync/transport/{backend}/bytes"] > 0 and m["weightsync/num_buckets"] > 1
             assert m["weightsync/sender/broadcast_seconds"] > 0
             assert link.formed == 1 and link.members == {"engine-0": 1, "engine-1": 1}
+            # ipc: each replica began in its load (two replicas: each still commits on the publisher's call)
+            begins = [k for k in m if k.startswith("weightsync/replica/") and k.endswith("/begin_update_seconds")]
+            assert (begins == []) == (backend == "ipc") and m["weightsync/commit_seconds"] > 0
+            assert m["weightsync/begin_in_load"] == float(backend == "ipc") and m["weightsync/commit_in_load"] == 0
             assert (await pub.drain())[1] == [] and pub.host_version == start + step  # its host copy, kept after the push
             exported, _ = await hf_export()
             kept = hf_from_engine(plan, [transport.fetch(h) for h in pub._host.handles])
@@ -497,3 +501,141 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
         assert (await engines[0].collective_info.remote())["groups"] == link.group_ids
     finally:
         await group.shutdown()
+
+
+class _LocalSender:
+    """The learner-group calls a `CollectiveLink` makes, answered in this process by a learner rank's
+    own `SenderEndpoint` over `weights` (so a test can reach into the sender's wire)."""
+
+    def __init__(self, weights) -> None:
+        from asyncrl.weightsync.sender import SenderEndpoint
+
+        self.endpoint, self.weights = SenderEndpoint(), weights
+
+    async def collective_addresses(self):
+        import ray
+
+        return [self.endpoint.address(ray.util.get_node_ip_address(), 0)]
+
+    async def join_collective(self, wire):
+        return [await asyncio.to_thread(self.endpoint.join, wire, 0, 0)]
+
+    async def collective_groups(self):
+        return [g for g in [self.endpoint.group_id()] if g is not None]
+
+    async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s):
+        from asyncrl.learner.group import CollectiveExport
+
+        return CollectiveExport(**await asyncio.to_thread(self.endpoint.broadcast, iter(self.weights.items()), bucket_mb,
+                                                          verify, timeout_s, 0))
+
+    async def take_host_copies(self, timeout_s):
+        out = await asyncio.to_thread(self.endpoint.take_host_copies, timeout_s)
+        return out["buckets"], out["seconds"]
+
+
+class _Calls:
+    """An `ActorReplica` that records which update verbs a push called."""
+
+    def __init__(self, inner) -> None:
+        self._inner, self.name, self.fanout, self.calls = inner, inner.name, 1, []
+
+    def __getattr__(self, verb):
+        async def call(*args):
+            self.calls.append(verb)
+            return await getattr(self._inner, verb)(*args)
+        return call
+
+
+async def test_one_engine_over_ipc_takes_a_push_in_one_call_and_refuses_a_corrupt_or_unplanned_one(engines, demo_model_path, monkeypatch):
+    """ipc with one engine replica (full staging): the replica begins, receives, checks the
+    sender's fingerprint (published in the group's store) and commits in ONE call, and serves
+    transformers' greedy tokens for the pushed weights. A bucket corrupted in transit (the file
+    the receiver maps differs from what the sender hashed) is refused by that check: nothing is
+    applied, it keeps serving the previous version's exact tokens, and the group carries the next
+    push. A replica that refuses the begin (it lacks the push plan) tells the sender through the
+    group, so the push fails at once rather than at its deadline, and names the refusal."""
+    import pickle
+    import time
+
+    from asyncrl.config import WeightsyncConfig
+    from asyncrl.types import Refusal
+    from asyncrl.weightsync import ipc
+    from asyncrl.weightsync.bucket import Bucket
+    from asyncrl.weightsync.push import Publisher, WeightsyncError
+    from asyncrl.weightsync.registry import VersionRegistry
+    from asyncrl.weightsync.replicas import ActorReplica
+    from asyncrl.weightsync.service import CollectiveLink
+    from asyncrl.weightsync.store import load_hf_tensors
+    from asyncrl.weightsync.transport import select_transport
+    from transformers import AutoTokenizer
+
+    engine = engines[0]
+    start = (await engine.greedy.remote([[1, 2, 3]]))[0][1][0]
+    base = load_hf_tensors(str(demo_model_path))
+    sender = _LocalSender(_perturbed(base, 11))
+    plan = await _form_plan([engine], sender.weights, 0.25)
+    sender.endpoint.set_plan(pickle.dumps(plan))
+    cfg = WeightsyncConfig(transport="ipc", bucket_mb=0.25, timeout_s=60, verify="checksum", retries=0, staging="full")
+
+    async def members():
+        info = await engine.collective_info.remote()
+        return {info["replica_id"]: info}
+
+    async def join(wire):
+        return [await engine.join_collective.remote(wire, cfg.timeout_s)]
+
+    link = CollectiveLink("ipc", sender, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
+                          ipc_window=0)
+    pub = Publisher(cfg, transport=select_transport(cfg), registry=VersionRegistry(start))
+    replica = _Calls(ActorReplica(engine, "engine-0"))
+
+    async def push(version, plan_id=plan.plan_id):
+        return await pub.publish_streamed(version, link.send, link.payload, [replica], prepare=link.ensure,
+                                          plan_id=plan_id, fold_begin=link.fold_begin)
+
+    result = await push(start + 1)
+    assert replica.calls == ["load_bucket"]  # begin, receive, verify, pause, apply, resume: one call
+    m = result.metrics
+    assert result.fingerprint.startswith("checksum:") and m["weightsync/apply_direct"] == 1.0
+    assert m["weightsync/paused_seconds"] > 0 and pub.registry.live_version == start + 1
+    assert m["weightsync/begin_in_load"] == m["weightsync/commit_in_load"] == 1.0 and m["weightsync/commit_seconds"] == 0
+    await _engines_serve([engine], demo_model_path, sender.weights, start + 1)
+    tok = AutoTokenizer.from_pretrained(str(demo_model_path))
+    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    before = await engine.greedy.remote(prompt_ids)
+
+    # A byte of the first bucket flipped in the file the receiver maps, after the sender hashed it.
+    export, hit = ipc.ipc_export, []
+
+    def corrupting(bucket, cache=None):
+        if not hit:
+            hit.append(True)
+            buf = bucket.buffer.clone()
+            buf[bucket.metas[0].offset] ^= 0x40
+            bucket = Bucket(buffer=buf, metas=list(bucket.metas), rank=bucket.rank)
+        return export(bucket, cache)
+
+    monkeypatch.setattr(ipc, "ipc_export", corrupting)
+    sender.weights = _perturbed(base, 12)
+    replica.calls.clear()
+    with pytest.raises(WeightsyncError, match="fingerprint") as info:
+        await push(start + 2)
+    assert hit and info.value.refusals == {"engine-0": Refusal.VERIFY_FAILED}
+    assert pub.registry.get(start + 2).state is S.FAILED and pub.registry.live_version == start + 1
+    assert await engine.greedy.remote(prompt_ids) == before  # the previous version's exact tokens and tags
+    monkeypatch.setattr(ipc, "ipc_export", export)
+
+    await push(start + 3)  # the same group carries the next push
+    assert link.formed == 1
+    await _engines_serve([engine], demo_model_path, sender.weights, start + 3)
+
+    # The replica refuses an engine-layout push for a plan it does not hold: the sender stops at once.
+    t = time.monotonic()
+    with pytest.raises(WeightsyncError) as info:
+        await push(start + 4, plan_id="a-plan-nobody-holds")
+    assert time.monotonic() - t < cfg.timeout_s / 2
+    assert info.value.refusals.get("engine-0") is Refusal.PLAN_MISSING
+    await _engines_serve([engine], demo_model_path, sender.weights, start + 3)
+    await push(start + 5)  # a new group (the refusal broke the old one on both sides)
+    assert link.formed == 2 and pub.registry.live_version == start + 5
