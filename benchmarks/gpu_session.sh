@@ -53,16 +53,21 @@ push)
   #   bench:MODEL  push vs raw over ipc (benchmarks/weightsync.py; random500m, random1500m = 3.1 GB)
   #   direct       a vLLM engine decodes transformers' tokens after a push; Triton checksums = numpy's
   #   collective   the ipc transport between processes (buffers reused, handles opened once)
+  #   ckspeed      the device checksum's speed (benchmarks/checksum_speed.py)
+  # PROFILE_DIR: each bench step also profiles one push (sender, replica, publisher) into it
   for step in ${STEPS:-bench:random500m direct bench:random1500m collective}; do
     case $step in
     bench:*)  # bench:MODEL or bench:MODEL:VERIFY (a verify mode for this step alone)
       m=${step#bench:}; v=${VERIFY:-checksum}
       case $m in *:*) v=${m#*:}; m=${m%%:*} ;; esac
       t=${TRANSPORT:-ipc}; log=$OUT/ws_push_${t}_${m}_$v.log
-      timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports $t \
+      ASYNCRL_PROFILE_DIR=${PROFILE_DIR:-} timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports $t \
           --gpus 0.5 --dtype bfloat16 --verify $v --staging ${STAGING:-full} > $log 2>&1
       echo "weightsync $t $m verify=$v rc=$?"; grep '^{' $log | tee -a $OUT/ws_push.json
       grep -v '^{' $log | grep -iE "error|Traceback|layout" | tail -8 | cut -c1-400
+      ;;
+    ckspeed)  # the device checksum against a plain read and a copy of the same bytes
+      timeout 120 python3 benchmarks/checksum_speed.py --gb 1.07 --segments 290 2>&1 | tee -a $OUT/checksum_speed.json | cut -c1-600
       ;;
     direct|collective)
       f=$([ $step = direct ] && echo test_direct_gpu.py || echo test_collective_gpu.py)
