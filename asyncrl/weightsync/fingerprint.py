@@ -25,7 +25,7 @@ Must never: talk to an engine or a transport, or decide when a version is commit
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -167,6 +167,26 @@ def bucket_digests_lazy(bucket: Any, mode: VerifyMode = "full", prefix: str = ""
     else:
         flat = np.asarray(buffer).reshape(-1).view(np.uint8)
     entries = [(prefix + m.name, "torch." + m.dtype, tuple(m.shape), m.offset, m.nbytes) for m in bucket.metas]
+    return _digests_lazy(flat, entries, mode)
+
+
+def buckets_digests_lazy(buckets: Sequence[tuple[Any, str]], mode: VerifyMode = "full") -> Callable[[], dict[str, bytes]]:
+    """`bucket_digests_lazy` of several (bucket, prefix) pairs, merged. Where every bucket is a
+    contiguous torch view of one storage (an ipc sender's arena, and a receiver's mapping of it)
+    they are read in one pass over it: on a device, one kernel launch and one copy to host."""
+    check_verify_mode(mode)
+    bufs = [b.buffer for b, _ in buckets]
+    shared = bool(bufs) and all(isinstance(x, torch.Tensor) and x.is_contiguous() and x.dtype == torch.uint8 for x in bufs) \
+        and len({(x.device, x.untyped_storage().data_ptr()) for x in bufs}) == 1
+    if not shared:
+        finishes = [bucket_digests_lazy(b, mode, prefix) for b, prefix in buckets]
+        return lambda: {k: v for f in finishes for k, v in f().items()}
+    storage = bufs[0].untyped_storage()
+    flat: Any = torch.empty(0, dtype=torch.uint8, device=bufs[0].device).set_(storage, 0, (storage.nbytes(),))
+    if flat.device.type == "cpu":
+        flat = flat.numpy()
+    entries = [(prefix + m.name, "torch." + m.dtype, tuple(m.shape), b.buffer.storage_offset() + m.offset, m.nbytes)
+               for b, prefix in buckets for m in b.metas]
     return _digests_lazy(flat, entries, mode)
 
 

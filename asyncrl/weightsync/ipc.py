@@ -48,6 +48,7 @@ from asyncrl.weightsync.stream import (
     encode_table,
     hash_and_copy,
     hash_and_copy_lazy,
+    hash_whole_lazy,
     host_copies_for,
     pack_stream,
 )
@@ -69,6 +70,10 @@ class IpcRing:
         # storage again costs an event and a reference-count slot each time, and the receivers
         # reopen nothing. Dropped whenever a buffer is allocated (an address may come back).
         self.exports: dict[tuple[int, int, int], dict[str, Any]] = {}
+        # A whole-version push with a plan: one buffer for every bucket (`plan_whole`).
+        self.arena: torch.Tensor | None = None
+        self.slots: list[tuple[int, int]] = []  # (offset, nbytes) of each planned bucket in the arena
+        self.next_slot = 0
 
     def _new(self, nbytes: int) -> torch.Tensor:
         self.exports.clear()
@@ -90,9 +95,29 @@ class IpcRing:
         self.busy[i] = True
         return self.buffers[i][:nbytes]
 
+    def plan_whole(self, sizes: list[int]) -> None:
+        """The next whole-version pushes pack buckets of `sizes`, in this order: each gets a view of
+        one buffer (256-byte aligned), so each side hashes the whole version in one kernel launch
+        and a receiver maps one allocation. The buffer is kept while it fits."""
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total += -(-int(n) // 256) * 256
+        if self.arena is None or self.arena.numel() < total:
+            self.buffers, self.busy = [], []  # per-bucket buffers of an earlier layout go
+            self.arena = self._new(max(total, 256))
+        self.slots, self.next_slot = list(zip(offsets, map(int, sizes))), 0
+
     def take_in_order(self, nbytes: int) -> torch.Tensor:
-        """A whole-version push: its k-th bucket gets buffer k (a plan packs the same sizes in the
-        same order every push, so every buffer, and every handle a receiver opened, is reused)."""
+        """A whole-version push: its k-th bucket gets slot k of the arena (`plan_whole`), else buffer
+        k (a plan packs the same sizes in the same order every push, so every buffer, and every
+        handle a receiver opened, is reused)."""
+        if self.next_slot < len(self.slots):
+            offset, size = self.slots[self.next_slot]
+            if size == nbytes:
+                self.next_slot += 1
+                return self.arena[offset : offset + nbytes]  # type: ignore[index]
+            self.slots = []  # the push left its plan: the rest get buffers of their own
         i = sum(self.busy)
         if i == len(self.buffers):
             self.buffers.append(self._new(nbytes))
@@ -110,10 +135,11 @@ class IpcRing:
 
     def release_all(self) -> None:
         self.busy = [False] * len(self.buffers)
+        self.next_slot = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(int(b.numel()) for b in self.buffers)
+        return sum(int(b.numel()) for b in self.buffers) + (0 if self.arena is None else int(self.arena.numel()))
 
 
 def _gpu_uuid(device: torch.device) -> str:
@@ -244,6 +270,8 @@ def ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, A
         group._ring_copies = []
         group._ring.release_all()  # the last push retired all of its buckets (or failed: receivers dropped them)
         group._ring.min_bytes = plan.max_bucket_bytes(sender) if plan is not None else int(bucket_mb * (1 << 20))
+        if group.spec.ipc_window == 0 and plan is not None:
+            group._ring.plan_whole([b.nbytes for b in plan.for_sender(sender)])
         alloc = group._ring.take
     if group.spec.ipc_window == 0:
         return _send_whole(group, named_tensors, bucket_mb, verify=verify, deadline=deadline, keep=keep, plan=plan,
@@ -329,7 +357,7 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
     # The ring keeps every bucket (no limit on copies in flight); keeping starts once the receivers staged.
     copies = out.host_copies = host_copies_for(group, keep, deadline, max_device=1 << 30, defer_keep=True)
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender, alloc=alloc), out)
-    packed: list[tuple[Bucket, Callable[[], dict[str, bytes]], Any]] = []
+    packed: list[tuple[Bucket, Callable[[], dict[str, bytes]] | None, Any]] = []
     kept: list[Any] = []
     try:
         # The host copies start after the record is out (off the critical path: the receivers
@@ -352,12 +380,13 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
             torch.cuda.current_stream(group.device).synchronize()
         store.set(_key(group, "b0"), pickle.dumps({"kind": WHOLE, "buckets": records}))
         out.seconds["broadcast"] += time.perf_counter() - t
-        if not early:  # the checksums run while the receivers stage; the host copies start once the digests are out
-            for bucket in buckets:
-                finish, _ = hash_and_copy_lazy(None, bucket, verify, out)
-                packed.append((bucket, finish, None))
-        for _, finish, _ in packed:  # the first waits for the device's checksums
-            finish()
+        if not early:  # the checksums run while the receivers stage (one pass where the buckets share
+            # the ring's arena); the host copies start once the digests are out
+            hash_whole_lazy(buckets, verify, out)()
+            packed.extend((bucket, None, None) for bucket in buckets)
+        for _, finish, _ in packed:  # (full: each waits for its host copy)
+            if finish is not None:
+                finish()
         t = time.perf_counter()
         # every digest of the push, for a receiver that checks the fingerprint itself (`ipc_sender_digests`)
         store.set(_key(group, "d"), pickle.dumps(out.digests))

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, digest_key_prefix, dtype_from_name, unpack_bucket
-from asyncrl.weightsync.fingerprint import bucket_digests, bucket_digests_lazy, check_verify_mode
+from asyncrl.weightsync.fingerprint import bucket_digests, bucket_digests_lazy, buckets_digests_lazy, check_verify_mode
 from asyncrl.weightsync.plan import (
     EngineLayout, ManifestEntry, PlanError, PushPlan, probe_layout, same_ops, verify_layout,
 )
@@ -72,6 +72,7 @@ class _Staged:
     keep: list[Any] = field(default_factory=list)  # buffers the staged views point into
     applied: int = 0  # bucketed: parameters already copied into the live weights
     pending: list[Any] = field(default_factory=list)  # lazy digests still on the device (`digests` waits once)
+    batch: list[tuple[Bucket, str]] = field(default_factory=list)  # buckets hashed together at `digests`
 
 
 class VerificationError(ValueError):
@@ -157,12 +158,14 @@ class WorkerReceiver:
         return staged
 
     def stage(self, version: int, bucket: Bucket, expected: dict[str, bytes] | None = None,
-              lazy: bool = False) -> dict[str, bytes]:
+              lazy: bool = False, batch: bool = False) -> dict[str, bytes]:
         """Stage one bucket (views into `bucket.buffer`, which must stay valid until the commit);
         returns its digests. Engine-layout buckets of other ranks are skipped. Bucketed staging
         applies it at once, after checking it against `expected` (the sender's digests). `lazy`
         (full staging): its digests are only enqueued on the device; `digests` waits for all of
-        them at once, and this returns {}."""
+        them at once, and this returns {}. `batch` (with `lazy`; buckets that arrive together, as
+        views of one mapping on ipc): not even enqueued until `digests`, which reads them all in
+        one pass."""
         staged = self._state(version)
         if (bucket.rank is None) != (staged.layout == "hf"):
             raise ValueError(f"a {'HF' if bucket.rank is None else 'engine'}-layout bucket in a {staged.layout}-layout update")
@@ -174,7 +177,10 @@ class WorkerReceiver:
         if len(keys) != len(bucket.metas) or dup:
             raise ValueError(f"tensor {sorted(dup)[0] if dup else '?'!r} staged twice for version {version}")
         if lazy and staged.staging == "full":
-            staged.pending.append(bucket_digests_lazy(bucket, staged.verify, prefix))  # type: ignore[arg-type]
+            if batch:
+                staged.batch.append((bucket, prefix))
+            else:
+                staged.pending.append(bucket_digests_lazy(bucket, staged.verify, prefix))  # type: ignore[arg-type]
             staged.digests.update(dict.fromkeys(keys, b""))  # resolved by `digests`
             digests: dict[str, bytes] = {}
         else:
@@ -202,6 +208,9 @@ class WorkerReceiver:
 
     def digests(self, version: int) -> dict[str, bytes]:
         staged = self._state(version)
+        if staged.batch:
+            staged.pending.append(buckets_digests_lazy(staged.batch, staged.verify))  # type: ignore[arg-type]
+            staged.batch = []
         for finish in staged.pending:  # the first waits for the device, the rest are there by then
             staged.digests.update(finish())
         staged.pending.clear()
@@ -232,7 +241,7 @@ class WorkerReceiver:
         staged = self._state(version)
         t = time.perf_counter()
         try:
-            if staged.pending:
+            if staged.pending or staged.batch:
                 raise RuntimeError(f"apply of version {version} before its staged digests were read (and checked)")
             if staged.layout == "engine":
                 if staged.staging == "full":

@@ -182,6 +182,36 @@ def hash_and_copy(copies: HostCopies, bucket: Bucket, verify: str, out: SendResu
     return finish(), copy
 
 
+def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> Callable[[], dict[str, bytes]]:
+    """Every bucket of a whole-version push hashed in `verify` mode (not `full`: that hashes the
+    host copies), in one pass where the buckets share one buffer (`buckets_digests_lazy`); the
+    returned call waits for the device and records the digests in `out`. Host copies are the
+    caller's."""
+    from asyncrl.weightsync.bucket import digest_key_prefix
+    from asyncrl.weightsync.fingerprint import buckets_digests_lazy
+
+    if verify == "full":
+        raise ValueError("full verification hashes the host copies: hash each with hash_and_copy_lazy")
+    t = time.perf_counter()
+    pending = buckets_digests_lazy([(b, digest_key_prefix(b)) for b in buckets], verify)  # type: ignore[arg-type]
+    out.seconds["hash"] += time.perf_counter() - t
+    for b in buckets:
+        out.num_buckets += 1
+        out.bytes += b.payload_bytes
+        out.num_tensors += len(b)
+
+    def finish() -> dict[str, bytes]:
+        t = time.perf_counter()
+        digests = pending()
+        out.digests.update(digests)
+        waited = time.perf_counter() - t
+        out.seconds["hash"] += waited
+        out.seconds["hash_wait"] += waited
+        return digests
+
+    return finish
+
+
 def hash_and_copy_lazy(copies: HostCopies | None, bucket: Bucket, verify: str,
                        out: SendResult) -> tuple[Callable[[], dict[str, bytes]], Any]:
     """`hash_and_copy` with the device reads only enqueued: the returned call waits for them and

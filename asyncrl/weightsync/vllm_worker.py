@@ -302,8 +302,9 @@ class WeightsyncWorkerExtension:
             group = groups.get(gid)
             if group is None or group.broken:
                 raise CollectiveError(f"worker holds no usable group {gid!r} (has {sorted(groups)})")
+            ipc = group.spec.backend == "ipc"  # buckets that arrive at once, mapped: hashed in one pass at the end
             for bucket, expected in receive_stream(group, deadline):
-                rx.stage(version, bucket, expected, lazy=True)  # full staging: one wait for every digest, below
+                rx.stage(version, bucket, expected, lazy=True, batch=ipc)  # full staging: one wait for every digest, below
             if with_sender:
                 theirs.update(sender_digests(group, deadline))
         digests = rx.digests(version)

@@ -111,3 +111,34 @@ def test_corrupt_metadata_is_detected():
     bad = Bucket(buffer=bucket.buffer, metas=[bucket.metas[0].__class__("a", "float32", (400,), 0, 1600)])
     with pytest.raises(ValueError, match="does not fit"):
         unpack_bucket(bad)
+
+
+@pytest.mark.parametrize("mode", ["full", "sampled", "checksum", "off"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_buckets_sharing_one_buffer_hash_in_one_pass_to_the_same_digests(mode, device):
+    """An ipc arena: every bucket a view of one buffer. `buckets_digests_lazy` reads them in one
+    pass over that buffer and must give each tensor the digest `bucket_digests` gives it alone,
+    with each bucket's key prefix; buckets in separate buffers take the per-bucket path, same digests."""
+    from asyncrl.weightsync.fingerprint import bucket_digests, buckets_digests_lazy
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator().manual_seed(3)
+    tensors = [(f"t{i}", torch.randn(n, generator=g).to(dt)) for i, (n, dt) in
+               enumerate([(5000, torch.float32), (77, torch.bfloat16), (40000, torch.float32), (3, torch.float16)])]
+    loose = list(iter_buckets(iter(tensors), 0.05))  # several buckets, each its own buffer
+    assert len(loose) > 1
+    arena = torch.zeros(sum(-(-b.nbytes // 256) * 256 for b in loose) + 512, dtype=torch.uint8, device=device)
+    shared, at = [], 256  # the first bucket not at the buffer's start
+    for b in loose:
+        view = arena[at : at + b.nbytes]
+        view.copy_(torch.as_tensor(np.asarray(b.buffer)).view(torch.uint8).reshape(-1))
+        shared.append((Bucket(buffer=view, metas=list(b.metas), rank=None), f"p{at}/"))
+        at += -(-b.nbytes // 256) * 256
+    want = {}
+    for b, prefix in shared:
+        want.update(bucket_digests(b, mode, prefix))
+    assert buckets_digests_lazy(shared, mode)() == want
+    apart = [(Bucket(buffer=b.buffer.clone(), metas=list(b.metas), rank=None), prefix) for b, prefix in shared]
+    assert buckets_digests_lazy(apart, mode)() == want
+    assert len(want) == len(tensors)
