@@ -142,3 +142,7 @@ def test_buckets_sharing_one_buffer_hash_in_one_pass_to_the_same_digests(mode, d
     apart = [(Bucket(buffer=b.buffer.clone(), metas=list(b.metas), rank=None), prefix) for b, prefix in shared]
     assert buckets_digests_lazy(apart, mode)() == want
     assert len(want) == len(tensors)
+    on_host = {}  # the same digests where the bytes are host memory (a restore from the host copy)
+    for b, prefix in shared:
+        on_host.update(bucket_digests(Bucket(buffer=b.buffer.cpu().numpy(), metas=list(b.metas), rank=None), mode, prefix))
+    assert on_host == want
