@@ -71,11 +71,17 @@ class _Copy:
     device: Bucket | None = None  # held until `event` completed: the copy still reads it
     event: Any = None  # torch.cuda.Event on the copy stream
     slot: bool = False  # a host bucket: holds one of the unkept slots until kept
+    pending: bool = False  # a deferred copy not started yet (HostCopies.start_copies)
+    pinned: Any = None  # a deferred copy's pinned destination (`host` is its numpy view)
 
     def done(self) -> bool:
-        return self.event is None or self.event.query()
+        return not self.pending and (self.event is None or self.event.query())
 
     def wait(self, deadline: float) -> Bucket:
+        while self.pending:  # started by another thread (start_copies), or dropped by close
+            if time.monotonic() > deadline:
+                raise HostCopyError("device-to-host copy of a bucket not started by the deadline")
+            time.sleep(0.0002)
         if self.event is not None:
             while not self.event.query():
                 if time.monotonic() > deadline:
@@ -96,7 +102,8 @@ class HostCopies:
     host memory waits for it."""
 
     def __init__(self, keep: Callable[[Bucket], Any] | None, pool: PinnedPool | None, *, deadline: float,
-                 max_device: int = 4, keep_threads: int = KEEP_THREADS, defer_keep: bool = False) -> None:
+                 max_device: int = 4, keep_threads: int = KEEP_THREADS, defer_keep: bool = False,
+                 defer_copy: bool = False) -> None:
         self._keep = keep if keep is not None else (lambda bucket: bucket)
         self._keepers = ThreadPoolExecutor(keep_threads, thread_name_prefix="asyncrl-host-keep")
         self._kept_futures: list[Future] = []
@@ -115,6 +122,13 @@ class HostCopies:
         self._release = threading.Event()
         if not defer_keep:
             self._release.set()
+        # defer_copy: the device-to-host copies start only at `start_copies` (or `result`), i.e. once
+        # the push is live: on a GPU the receivers share (ipc), copies running in this process
+        # would take turns on the device with the engine's apply, inside its paused window.
+        self._deferred: list[_Copy] = []
+        self._copy_gate = threading.Event()
+        if not defer_copy:
+            self._copy_gate.set()
         self.seconds = {"wait": 0.0, "copy": 0.0, "keep": 0.0}  # keep: summed over the keeper threads
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="asyncrl-host-copies", daemon=True)
@@ -130,7 +144,13 @@ class HostCopies:
             while len(self._on_device) >= self._max_device:  # bounded by the copies, not by `keep`
                 self._on_device[0].wait(self._deadline)
                 self._retire()
-            copy = self._start_device_copy(bucket)
+            if self._copy_gate.is_set():
+                copy = self._start_device_copy(bucket)
+            else:
+                pinned = self._pinned(bucket)
+                copy = _Copy(Bucket(buffer=pinned.numpy(), metas=list(bucket.metas), rank=bucket.rank),
+                             device=bucket, pending=True, pinned=pinned)
+                self._deferred.append(copy)
             self._on_device.append(copy)
         else:  # already host memory (a fresh buffer per bucket), kept as it is; bounded by `keep`
             while not self._host_slots.acquire(timeout=0.05):
@@ -149,10 +169,12 @@ class HostCopies:
         while self._on_device and self._on_device[0].done():
             self._on_device.popleft().device = None
 
-    def _start_device_copy(self, bucket: Bucket) -> _Copy:
+    def _pinned(self, bucket: Bucket) -> torch.Tensor:
+        nbytes = int(bucket.buffer.numel())
+        return self._pool.get(self._count, nbytes) if self._pool is not None else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def _enqueue_copy(self, bucket: Bucket, pinned: torch.Tensor) -> Any:
         buf: torch.Tensor = bucket.buffer
-        nbytes = int(buf.numel())
-        pinned = self._pool.get(self._count, nbytes) if self._pool is not None else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         stream = self._streams.get(buf.device)
         if stream is None:
             stream = self._streams[buf.device] = torch.cuda.Stream(buf.device)
@@ -161,7 +183,24 @@ class HostCopies:
             pinned.copy_(buf.view(torch.uint8).reshape(-1), non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        return _Copy(Bucket(buffer=pinned.numpy(), metas=list(bucket.metas), rank=bucket.rank), device=bucket, event=event)
+        return event
+
+    def _start_device_copy(self, bucket: Bucket) -> _Copy:
+        pinned = self._pinned(bucket)
+        return _Copy(Bucket(buffer=pinned.numpy(), metas=list(bucket.metas), rank=bucket.rank), device=bucket,
+                     event=self._enqueue_copy(bucket, pinned))
+
+    def start_copies(self) -> None:
+        """Start the deferred device-to-host copies (`defer_copy`); idempotent. Not after `close`."""
+        if self._copy_gate.is_set():
+            return
+        with self._lock:
+            if self._error is None:
+                for copy in self._deferred:
+                    copy.event = self._enqueue_copy(copy.device, copy.pinned)  # type: ignore[arg-type]
+                    copy.pending, copy.pinned = False, None
+            self._deferred = []
+            self._copy_gate.set()
 
     def host(self, copy: _Copy) -> Bucket:
         """`copy`'s host bucket once the copy is complete."""
@@ -181,6 +220,7 @@ class HostCopies:
 
     def result(self, deadline: float | None = None) -> list[Any]:
         """What `keep` returned for every bucket, in order; raises the first failure."""
+        self.start_copies()
         self._end()
         self._thread.join(max(0.0, (deadline if deadline is not None else self._deadline) - time.monotonic()))
         if self._thread.is_alive():
@@ -194,6 +234,11 @@ class HostCopies:
         is free again (a `keep` stuck past `timeout_s` may still read its pinned buffer)."""
         if self._error is None:
             self._error = HostCopyError("closed")
+        with self._lock:  # copies never started read nothing: drop them
+            for copy in self._deferred:
+                copy.device, copy.pending = None, False
+            self._deferred = []
+            self._copy_gate.set()
         self._end()
         self._thread.join(timeout_s)
         self._kept.clear()
@@ -208,6 +253,7 @@ class HostCopies:
         """Wait for each copy in order, hand it to a keeper thread; at the end, collect in order."""
         while (copy := self._queue.get()) is not None:
             try:
+                self._copy_gate.wait(max(0.0, self._deadline - time.monotonic()))
                 if self._error is None:
                     t = time.perf_counter()
                     host = copy.wait(self._deadline)

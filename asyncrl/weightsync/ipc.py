@@ -265,6 +265,8 @@ def ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, A
     if group.device.type == "cuda":
         if group._ring is None:
             group._ring = IpcRing(group.device)
+        if group._copies is not None:  # the last push's deferred host copies (if nobody collected them) start now
+            group._copies.start_copies()
         for copy in group._ring_copies:  # a whole-version push's host copies read its buffers to the end
             copy.wait(deadline)
         group._ring_copies = []
@@ -354,8 +356,11 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
     receiver to have staged all of it, then for the digests. `full` verification hashes the host
     copies, so there they start first."""
     store = group._store
-    # The ring keeps every bucket (no limit on copies in flight); keeping starts once the receivers staged.
-    copies = out.host_copies = host_copies_for(group, keep, deadline, max_device=1 << 30, defer_keep=True)
+    # The ring keeps every bucket (no limit on copies in flight); keeping starts once the receivers
+    # staged. On a device the copies themselves start only when collected (after the commit: the
+    # publisher collects once the version is live), except that `full` verification hashes them.
+    copies = out.host_copies = host_copies_for(group, keep, deadline, max_device=1 << 30, defer_keep=True,
+                                               defer_copy=verify != "full")
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender, alloc=alloc), out)
     packed: list[tuple[Bucket, Callable[[], dict[str, bytes]] | None, Any]] = []
     kept: list[Any] = []

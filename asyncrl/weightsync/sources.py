@@ -250,8 +250,6 @@ class StreamedSource:
         except BaseException:
             receiving.cancel()
             raise
-        if sent.collect is not None:  # the host copies are made while the replicas finish and commit
-            self._collecting = asyncio.ensure_future(sent.collect())
         sent_at = time.perf_counter()
         try:
             await receiving
@@ -259,6 +257,11 @@ class StreamedSource:
             if self.committing:  # replicas whose load committed while a peer failed are ahead
                 f.restore = list(dict.fromkeys(f.restore + list(reports)))
             raise
+        finally:
+            # The host copies are collected (an ipc sender only starts them then) once the replicas
+            # are done: on a shared GPU they would otherwise take turns with the engines' apply.
+            if sent.collect is not None:
+                self._collecting = asyncio.ensure_future(sent.collect())
         # where the stage's time goes, as the publisher sees it: forming / checking the groups,
         # the sender's call (its own seconds are in sent.seconds), the receivers after it returned
         m.sender_seconds.update({"prepare": prepared - t, "call": sent_at - prepared,

@@ -162,15 +162,16 @@ def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, ve
 
 
 def host_copies_for(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None, deadline: float,
-                    max_device: int = 4, defer_keep: bool = False) -> HostCopies:
+                    max_device: int = 4, defer_keep: bool = False, defer_copy: bool = False) -> HostCopies:
     """This push's host copies; an earlier push's that nobody collected are dropped first (their
     pinned buffers are this push's). `max_device`: sent device buckets whose copies may run at
-    once (the sender frees a bucket only after its copy); `defer_keep`: see HostCopies."""
+    once (the sender frees a bucket only after its copy); `defer_keep`, `defer_copy`: see HostCopies."""
     if group._copies is not None and not group._copies.close():
         group._pinned = None  # still read by a stuck keep: this push copies into fresh buffers
     if group.device.type == "cuda" and group._pinned is None:
         group._pinned = PinnedPool()
-    group._copies = HostCopies(keep, group._pinned, deadline=deadline, max_device=max_device, defer_keep=defer_keep)
+    group._copies = HostCopies(keep, group._pinned, deadline=deadline, max_device=max_device, defer_keep=defer_keep,
+                               defer_copy=defer_copy)
     return group._copies
 
 

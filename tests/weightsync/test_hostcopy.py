@@ -149,6 +149,27 @@ def test_device_buckets_are_copied_into_pinned_buffers_that_the_next_push_reuses
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned buffers and device-to-host copies need CUDA")
+def test_deferred_device_copies_start_only_when_collected_and_read_the_bytes_then():
+    """defer_copy (an ipc sender's whole-version push): nothing is copied while the receivers
+    apply; `result` starts the copies and keeps what the device buffers hold at that moment, and
+    `close` drops copies that never started."""
+    copies = HostCopies(None, PinnedPool(), deadline=time.monotonic() + 60, max_device=1 << 30, defer_copy=True)
+    buckets = _buckets(7, "cuda")
+    added = [copies.add(b) for b in buckets]
+    copies.finish()
+    time.sleep(0.2)
+    assert all(c.pending and not c.done() for c in added)  # not started: the thread waits for the start
+    kept = copies.result()
+    assert not any(c.pending for c in added)
+    weights = model(7)
+    assert all(torch.equal(t, weights[n]) for n, t in _unpacked(kept).items())
+    dropped = HostCopies(None, PinnedPool(), deadline=time.monotonic() + 60, max_device=1 << 30, defer_copy=True)
+    copies_left = [dropped.add(b) for b in _buckets(8, "cuda")]
+    assert dropped.close() and all(not c.pending and c.device is None for c in copies_left)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_digests_of_device_tensors_equal_those_of_their_host_copies():
     from asyncrl.weightsync.fingerprint import tensor_digest, tensor_digests
