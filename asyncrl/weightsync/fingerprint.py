@@ -114,8 +114,16 @@ def _digests_lazy(flat: Any, entries: list[tuple[str, str, tuple[int, ...], int,
         sums = segment_checksums_lazy(flat, [(o, n) for _, o, n in pieces])
 
         def sampled() -> dict[str, bytes]:
-            for (key, _, n), value in zip(pieces, resolve(sums)):
-                heads[key].update(int(n).to_bytes(8, "little") + int(value).to_bytes(8, "little"))
+            # (length, checksum) of every piece as little-endian u64 pairs, one update per tensor
+            words = np.empty((len(pieces), 2), dtype="<u8")
+            words[:, 0] = [n for _, _, n in pieces]
+            words[:, 1] = np.array(resolve(sums), dtype=np.uint64) if pieces else []
+            raw = words.tobytes()
+            start = 0
+            for i in range(1, len(pieces) + 1):
+                if i == len(pieces) or pieces[i][0] != pieces[start][0]:
+                    heads[pieces[start][0]].update(raw[16 * start : 16 * i])
+                    start = i
             return {k: h.digest() for k, h in heads.items()}
 
         return sampled
