@@ -71,6 +71,10 @@ class DeploymentReplicas(ActorReplica):
         self.last_results = await self.control.call(verb, *args, timeout_s=self.timeout_s)
         return self.last_results
 
+    async def broadcast(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
+        """`verb` on every running replica, {replica id: result}; `fanout` counts them from now on."""
+        return await self._call(verb, *args)
+
 
 class WeightPublisher:
     """`start()` once, then `publish(version)` after each learner update."""
@@ -133,7 +137,8 @@ class WeightPublisher:
             self.link = CollectiveLink(
                 transport.backend, self.learner, bucket_mb=self.cfg.bucket_mb, timeout_s=self.cfg.timeout_s,
                 ipc_window=ipc_window_for(self.cfg.staging),
-                members=lambda: control.call(EngineAPI.collective_info, timeout_s=self.cfg.timeout_s),
+                # through the replicas' client: the fan-out a push reads is then the one just counted
+                members=lambda: self.replicas.broadcast(EngineAPI.collective_info),
                 join=lambda wire: control.call(EngineAPI.join_collective, wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
             )
         # The seed (and, for collective transports, every host copy) lives in the object store.

@@ -201,6 +201,12 @@ def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> Call
         out.bytes += b.payload_bytes
         out.num_tensors += len(b)
 
+    return _recording(pending, out)
+
+
+def _recording(pending: Callable[[], dict[str, bytes]], out: SendResult) -> Callable[[], dict[str, bytes]]:
+    """`pending` (waits for the device's reads), recording its digests and its wait in `out`."""
+
     def finish() -> dict[str, bytes]:
         t = time.perf_counter()
         digests = pending()
@@ -237,16 +243,7 @@ def hash_and_copy_lazy(copies: HostCopies | None, bucket: Bucket, verify: str,
     out.bytes += bucket.payload_bytes
     out.num_tensors += len(bucket)
 
-    def finish() -> dict[str, bytes]:
-        t = time.perf_counter()
-        digests = pending()
-        out.digests.update(digests)
-        waited = time.perf_counter() - t
-        out.seconds["hash"] += waited
-        out.seconds["hash_wait"] += waited
-        return digests
-
-    return finish, copy
+    return _recording(pending, out), copy
 
 
 class Export:

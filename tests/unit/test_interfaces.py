@@ -184,3 +184,33 @@ def test_a_refusal_is_a_type_that_survives_the_boundaries():
     mixed = ReplicaControlError("commit_update", {"a": "x", "b": "y"}, {}, {"a": Refusal.VERIFY_FAILED})
     assert both.refusal is Refusal.VERIFY_FAILED and is_verify_failure(both)
     assert mixed.refusal is None and not is_verify_failure(mixed)
+
+
+def test_a_failure_while_applying_and_a_partial_fan_out_survive_the_boundaries():
+    """A load that commits (one-call ipc push) may fail before anything was applied or while
+    applying; and a fan-out may fail on one replica after another committed. The publisher tells
+    them apart (to restore and resume only where weights may have changed) from typed fields that
+    survive pickling, the deployment's tag and the fan-out's error, never from the message."""
+    import pickle
+
+    from asyncrl.generator.control import ReplicaControlError
+    from asyncrl.generator.deployment import ReplicaCallError
+    from asyncrl.generator.replica_types import WeightUpdateError
+    from asyncrl.types import Refusal
+    from asyncrl.weightsync.replicas import is_apply_failure, partly_done
+
+    applying = pickle.loads(pickle.dumps(WeightUpdateError("replica r: failed while applying", applying=True)))
+    refused = pickle.loads(pickle.dumps(WeightUpdateError("replica r: rejected", Refusal.VERIFY_FAILED)))
+    assert is_apply_failure(applying) and not is_apply_failure(refused)
+    assert not is_apply_failure(RuntimeError("failed while applying"))  # the text alone does not count
+    tagged = pickle.loads(pickle.dumps(ReplicaCallError("r", "load_bucket", "boom", None, True)))
+    assert tagged.applying and is_apply_failure(tagged)
+    try:  # as Ray delivers it: the tagged error as the cause of another
+        raise RuntimeError("remote") from tagged
+    except RuntimeError as outer:
+        assert is_apply_failure(outer)
+    fan_out = ReplicaControlError("load_bucket", {"b": "staging failed"}, {"a": {"replica_id": "a", "version": 4}}, {}, {"b"})
+    assert fan_out.applying and is_apply_failure(fan_out) and partly_done(fan_out)
+    clean = ReplicaControlError("load_bucket", {"b": "staging failed"}, {}, {})
+    assert not clean.applying and not is_apply_failure(clean) and not partly_done(clean)
+    assert not partly_done(refused)
