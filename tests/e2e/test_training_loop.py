@@ -265,10 +265,13 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
     """rollout.kind agent: the demo's two-turn agent (a question, then "Add C to that." on its answer),
     rewarded per turn, drives the live OpenAI API through the gateway, one episode per group member;
     every episode is one sample, its follow-up question inside the response and out of the loss, and
-    the learner trains on them with the buffer's accounting intact."""
+    the learner trains on them with the buffer's accounting intact. Weights go over ipc (the CPU form:
+    shared files), so the one engine replica takes each push in one call through Serve: it begins,
+    receives, checks the sender's fingerprint and commits in its load."""
     seen = _run(ray_session, demo_model_path, tmp_path,
                 trainer={"total_steps": 2, "eval_interval_steps": 0}, checkpoint={"interval_steps": 0},
-                rollout={"kind": "agent", "function": "asyncrl.agents.arithmetic:two_step_per_turn"})
+                rollout={"kind": "agent", "function": "asyncrl.agents.arithmetic:two_step_per_turn"},
+                weightsync={"transport": "ipc"})
     final = seen["statuses"][-1]
     assert final["state"] == "finished", final
     records = _lines(tmp_path / "metrics.jsonl")
@@ -279,6 +282,8 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
     # the follow-up question (and the first answer's template tail) are in every sample, masked out of the loss
     assert all(0 < m["train/loss_tokens"] < m["train/response_tokens"] for m in metrics)
     assert all(math.isfinite(m["actor/loss"]) and m["weightsync/failed"] == 0 for m in metrics)
+    assert all(m["weightsync/transport/ipc/bytes"] == m["weightsync/bytes"] > 0 and m["weightsync/begin_in_load"] == 1.0
+               and m["weightsync/commit_in_load"] == 1.0 and m["weightsync/apply_direct"] == 1.0 for m in metrics)
     # the agent returns one reward per turn (the same return as two_step): they reach the advantages
     assert all(0.0 <= m["train/turn_reward_sum_mean"] <= 1.0 for m in metrics)
     last = metrics[-1]
