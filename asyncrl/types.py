@@ -201,6 +201,12 @@ def error_chain(err: BaseException) -> Iterator[BaseException]:
         e = getattr(e, "cause", None) or e.__cause__ or e.__context__
 
 
+def failed_applying(err: BaseException) -> bool:
+    """Whether `err`, or an error it was raised from, says `applying`: a replica failed while
+    applying weights (possibly part applied, left paused). A typed field, never the message."""
+    return any(getattr(e, "applying", False) is True for e in error_chain(err))
+
+
 def learner_failure(err: BaseException) -> BaseException | None:
     """The `LearnerRankError` behind `err` (its cause / context chain), if a learner rank failed."""
     return next((e for e in error_chain(err) if isinstance(e, LearnerRankError)), None)

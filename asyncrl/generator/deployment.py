@@ -18,7 +18,7 @@ from ray import serve
 from asyncrl.config import GeneratorConfig, ModelConfig
 from asyncrl.generator.engine import EngineReplica
 from asyncrl.interfaces import ENGINE_CONTROL_VERBS, EngineAPI, verb_name
-from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult, Refusal, error_chain, refusal_of
+from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult, Refusal, failed_applying, refusal_of
 
 ENGINE_DEPLOYMENT = "GeneratorEngine"
 
@@ -58,7 +58,7 @@ def _forward(verb: Callable[..., Any]) -> Callable[..., Any]:
             raise
         except Exception as err:
             raise ReplicaCallError(self.replica.replica_id, name, f"{type(err).__name__}: {err}", refusal_of(err),
-                                   any(getattr(e, "applying", False) is True for e in error_chain(err))) from None
+                                   failed_applying(err)) from None
 
     return method
 

@@ -362,7 +362,7 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
     copies = out.host_copies = host_copies_for(group, keep, deadline, max_device=1 << 30, defer_keep=True,
                                                defer_copy=verify != "full")
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender, alloc=alloc), out)
-    packed: list[tuple[Bucket, Callable[[], dict[str, bytes]] | None, Any]] = []
+    packed: list[tuple[Bucket, Callable[[], dict[str, bytes]], Any]] = []
     kept: list[Any] = []
     try:
         # The host copies start after the record is out (off the critical path: the receivers
@@ -388,17 +388,15 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
         if not early:  # the checksums run while the receivers stage (one pass where the buckets share
             # the ring's arena); the host copies start once the digests are out
             hash_whole_lazy(buckets, verify, out)()
-            packed.extend((bucket, None, None) for bucket in buckets)
-        for _, finish, _ in packed:  # (full: each waits for its host copy)
-            if finish is not None:
-                finish()
+        for _, finish, _ in packed:  # full: each waits for its host copy
+            finish()
         t = time.perf_counter()
         # every digest of the push, for a receiver that checks the fingerprint itself (`ipc_sender_digests`)
         store.set(_key(group, "d"), pickle.dumps(out.digests))
         out.seconds["broadcast"] += time.perf_counter() - t
         if not early:
             t = time.perf_counter()
-            for bucket, _, _ in packed:
+            for bucket in buckets:
                 group._ring_copies.append(copies.add(bucket))
             out.seconds["host_copy"] += time.perf_counter() - t
         buckets.clear()

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.interfaces import EngineAPI, verb_name
-from asyncrl.types import Refusal, error_chain, refusal_of
+from asyncrl.types import Refusal, error_chain, failed_applying, refusal_of
 
 
 @runtime_checkable
@@ -108,7 +108,7 @@ def is_verify_failure(exc: BaseException) -> bool:
 def is_apply_failure(exc: BaseException) -> bool:
     """A replica failed while applying (its error, or one it was raised from, says `applying`): it
     may be part applied and stays paused until it is restored."""
-    return any(getattr(e, "applying", False) is True for e in error_chain(exc))
+    return failed_applying(exc)
 
 
 def partly_done(exc: BaseException) -> bool:
