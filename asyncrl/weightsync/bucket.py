@@ -17,6 +17,7 @@ talk to a transport, or know about versions.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import tempfile
@@ -191,7 +192,7 @@ def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
     out = []
     for m in bucket.metas:
         dtype = dtype_from_name(m.dtype)
-        numel = int(np.prod(m.shape, dtype=np.int64))
+        numel = math.prod(m.shape)
         if numel * dtype.itemsize != m.nbytes or m.offset + m.nbytes > flat.numel():
             raise ValueError(f"tensor {m.name!r}: metadata {m} does not fit a {flat.numel()}-byte bucket")
         if numel == 0:

@@ -25,6 +25,7 @@ Must never: talk to an engine or a transport, or decide when a version is commit
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -65,8 +66,15 @@ def fingerprint_mode(fingerprint: str) -> VerifyMode:
 
 
 def _head(name: str, dtype: Any, shape: Any) -> Any:
+    """A fresh sha256 fed the tensor's name, dtype and shape (what every mode hashes first)."""
+    return _head_state(name, str(dtype), tuple(shape)).copy()
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _head_state(name: str, dtype: str, shape: tuple[int, ...]) -> Any:
+    # A push hashes the same few hundred (name, dtype, shape) heads every time: kept, and copied.
     h = hashlib.sha256()
-    h.update(name.encode() + b"\0" + str(dtype).encode() + b"\0" + repr(tuple(shape)).encode() + b"\0")
+    h.update(name.encode() + b"\0" + dtype.encode() + b"\0" + repr(shape).encode() + b"\0")
     return h
 
 

@@ -73,6 +73,7 @@ class _Staged:
     applied: int = 0  # bucketed: parameters already copied into the live weights
     pending: list[Any] = field(default_factory=list)  # lazy digests still on the device (`digests` waits once)
     batch: list[tuple[Bucket, str]] = field(default_factory=list)  # buckets hashed together at `digests`
+    seen: dict[int, tuple[Bucket, list[tuple[str, torch.Tensor]]]] = field(default_factory=dict)  # batch: views by bucket
 
 
 class VerificationError(ValueError):
@@ -89,6 +90,11 @@ class WorkerReceiver:
         self.plan_id: str | None = None
         self._live: dict[str, torch.Tensor] | None = None
         self._staged: _Staged | None = None
+        # A whole-version ipc push stages views of the sender's ring, which are the same bucket
+        # objects while the ring is (ipc.py's record cache): their unpacked views, and the apply's
+        # parameter lists built from them, are kept from one push to the next.
+        self._views: dict[int, tuple[Bucket, list[tuple[str, torch.Tensor]]]] = {}
+        self._apply_lists: tuple[tuple[int, ...], int, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     # ---- layout ---------------------------------------------------------------------------------
 
@@ -128,6 +134,7 @@ class WorkerReceiver:
     def set_plan(self, plan: PushPlan | None) -> None:
         """Engine-layout buckets of `plan` may be applied directly from now on (None: HF only).
         Refused (PlanError) unless this worker's own layout for the plan's manifest is the plan's."""
+        self._views, self._apply_lists = {}, None
         if plan is None:
             self.plan_id, self._live = None, None
             return
@@ -193,7 +200,12 @@ class WorkerReceiver:
                     raise VerificationError(f"fingerprint mismatch for version {version}: bucket tensors {wrong[:3]} "
                                             "differ from the sender's digests; nothing of this bucket applied")
             staged.digests.update(digests)
-        views = unpack_bucket(bucket)
+        if batch:
+            kept = self._views.get(id(bucket))
+            views = kept[1] if kept is not None and kept[0] is bucket else unpack_bucket(bucket)
+            staged.seen[id(bucket)] = (bucket, views)
+        else:
+            views = unpack_bucket(bucket)
         if staged.layout == "hf":
             staged.hf.update(views)
         else:
@@ -218,11 +230,19 @@ class WorkerReceiver:
 
     # ---- apply -----------------------------------------------------------------------------------
 
-    def _copy_into_live(self, views: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _copy_into_live(self, views: Iterable[tuple[str, torch.Tensor]], key: tuple[int, ...] | None = None) -> None:
+        """Copy staged `views` into the live parameters, one fused copy. `key` (the staged
+        buckets, when every one is the last push's): the checked lists are kept under it."""
         live = self._live
         if live is None:
             raise RuntimeError("no push plan: engine-layout tensors cannot be applied")
+        lists = self._apply_lists
+        if key is not None and lists is not None and lists[0] == key and lists[1] == id(live):
+            with torch.no_grad():
+                torch._foreach_copy_(lists[2], lists[3])
+            return
         dst, src = [], []
+        same_device = True
         for name, view in views:
             target = live.get(name)
             if target is None:
@@ -230,10 +250,14 @@ class WorkerReceiver:
             if target.shape != view.shape or target.dtype != view.dtype:
                 raise ValueError(f"{name}: staged {tuple(view.shape)} {view.dtype}, live {tuple(target.shape)} {target.dtype}")
             dst.append(target.data)
+            same_device = same_device and view.device == target.device
             src.append(view if view.device == target.device else view.to(target.device, non_blocking=True))
         if dst:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)
+        # kept as the parameters themselves (a later `param.data = ...` is followed), never a temporary copy
+        self._apply_lists = (key, id(live), [live[name] for name, _ in views], src) \
+            if key is not None and same_device and dst else None
 
     def apply(self, version: int) -> dict[str, Any]:
         """Apply what is staged for `version` (the caller verified the fingerprint and paused the
@@ -245,20 +269,28 @@ class WorkerReceiver:
                 raise RuntimeError(f"apply of version {version} before its staged digests were read (and checked)")
             if staged.layout == "engine":
                 if staged.staging == "full":
-                    self._copy_into_live(staged.engine)
+                    # (ids of buckets alive until this push ends: equal keys are the same buckets)
+                    whole = staged.seen and sum(len(v) for _, v in staged.seen.values()) == len(staged.engine)
+                    key = tuple(staged.seen) if whole else None
+                    self._copy_into_live(staged.engine, key)
                 if self.hooks.device.type == "cuda":
                     torch.cuda.synchronize(self.hooks.device)
                 path = "direct"
             else:
                 self.hooks.reload(iter(sorted(staged.hf.items())))
                 path = "reload"
+            self._views = staged.seen  # the next push's record is most likely this one
             return {"path": path, "apply_seconds": time.perf_counter() - t,
                     "tensors": len(staged.digests)}
+        except BaseException:
+            self._views, self._apply_lists = {}, None
+            raise
         finally:
             self._staged = None
 
     def abort(self) -> None:
         self._staged = None
+        self._views, self._apply_lists = {}, None
 
     @property
     def staging_version(self) -> int | None:

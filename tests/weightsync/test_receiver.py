@@ -1,0 +1,80 @@
+"""The engine worker's receiver (receiver.py) without an engine: a whole-version ipc push stages
+views of the same sender buffers push after push, and the receiver keeps their views and the
+apply's parameter lists; these pin that what is applied is always the bytes staged now."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncrl.weightsync.bucket import Bucket, TensorMeta
+from asyncrl.weightsync.receiver import WorkerReceiver
+
+
+class _Hooks:
+    rank = 0
+    device = torch.device("cpu")
+
+
+def _buckets(names: list[str], per: int = 2) -> list[Bucket]:
+    """Engine-layout buckets of float32 (2, 3) tensors, `per` to a bucket."""
+    out = []
+    for i in range(0, len(names), per):
+        metas = [TensorMeta(n, "float32", (2, 3), 64 * j, 24) for j, n in enumerate(names[i:i + per])]
+        out.append(Bucket(buffer=torch.zeros(64 * len(metas), dtype=torch.uint8), metas=metas, rank=0))
+    return out
+
+
+def _fill(buckets: list[Bucket], value: float) -> dict[str, torch.Tensor]:
+    """Write `value + k` into the k-th tensor of the buffers (as a sender repacking its ring does)."""
+    want, k = {}, 0
+    for b in buckets:
+        for m in b.metas:
+            t = torch.full((2, 3), value + k)
+            b.buffer[m.offset:m.offset + m.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+            want[m.name], k = t, k + 1
+    return want
+
+
+def _push(rx: WorkerReceiver, version: int, buckets: list[Bucket]) -> dict:
+    rx.begin(version, "checksum", "full", "engine")
+    for b in buckets:
+        rx.stage(version, b, lazy=True, batch=True)
+    rx.digests(version)
+    return rx.apply(version)
+
+
+def test_a_receiver_keeps_the_views_of_a_reused_record_and_applies_the_bytes_staged_now():
+    names = [f"p{i}" for i in range(5)]
+    live = {n: torch.nn.Parameter(torch.zeros(2, 3), requires_grad=False) for n in names}
+    rx = WorkerReceiver(_Hooks())
+    rx.plan_id, rx._live = "plan", live  # (set_plan checks a real engine's layout)
+    ring = _buckets(names)
+
+    for version, value in enumerate((1.0, 10.0, 100.0), start=1):
+        want = _fill(ring, value)
+        views_before = {k: v[1] for k, v in rx._views.items()}
+        assert _push(rx, version, ring)["path"] == "direct"
+        assert all(torch.equal(live[n], want[n]) for n in names), version
+        if version > 1:  # the same bucket objects: their views were not unpacked again
+            assert {k: v[1] for k, v in rx._views.items()} == views_before
+    assert rx._apply_lists is not None  # the checked parameter lists are kept
+
+    # A parameter whose storage the engine replaced (`param.data = ...`) is followed.
+    fresh = torch.zeros(2, 3)
+    live["p3"].data = fresh
+    want = _fill(ring, 7.0)
+    _push(rx, 4, ring)
+    assert torch.equal(fresh, want["p3"]) and all(torch.equal(live[n], want[n]) for n in names)
+
+    # Another record (new buffers): views built again, its bytes applied.
+    other = _buckets(names, per=3)
+    want = _fill(other, -5.0)
+    _push(rx, 5, other)
+    assert all(torch.equal(live[n], want[n]) for n in names)
+    assert set(rx._views) == {id(b) for b in other}  # the old record's views are let go
+
+    # An aborted update keeps nothing.
+    rx.begin(6, "checksum", "full", "engine")
+    rx.stage(6, other[0], lazy=True, batch=True)
+    rx.abort()
+    assert rx._views == {} and rx._apply_lists is None
