@@ -450,7 +450,9 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
                 await sender.perturb.remote(version)
                 t = time.perf_counter()
                 result = await pub.publish_streamed(version, link.send, link.payload, clients, prepare=link.ensure,
-                                                    plan_id=None if plan is None else plan.plan_id, fold_begin=link.fold_begin)
+                                                    plan_id=None if plan is None else plan.plan_id, fold_begin=link.fold_begin,
+                                                    cancel=link.cancel)
+                link.pushed({c.name: None for c in clients})  # as the service does: the next push skips the check (ipc)
             else:
                 weights = perturbed(base, version)
                 t = time.perf_counter()
@@ -477,7 +479,9 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
             prof = cProfile.Profile()
             prof.enable()
             await pub.publish_streamed(version, link.send, link.payload, clients, prepare=link.ensure,
-                                       plan_id=None if plan is None else plan.plan_id, fold_begin=link.fold_begin)
+                                       plan_id=None if plan is None else plan.plan_id, fold_begin=link.fold_begin,
+                                       cancel=link.cancel)
+            link.pushed({c.name: None for c in clients})
             prof.disable()
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)

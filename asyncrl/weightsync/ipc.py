@@ -213,6 +213,12 @@ def _key(group: CollectiveGroup, what: str) -> str:
     return f"{group.spec.group_id}/{group._pushes}/{what}"
 
 
+def cancel_key(group_id: str) -> str:
+    """Where a publisher that saw every receiver of a push return stops a sender still waiting for
+    an acknowledgement (a member died or never heard of the push: nobody else would tell it)."""
+    return f"{group_id}/cancel"
+
+
 def _failed(group: CollectiveGroup, error: BaseException, report: str | None = None) -> CollectiveError:
     """Break and close the group; a receiver first records `report` in the store for the sender."""
     if report is not None and group._store is not None:
@@ -229,10 +235,15 @@ def _failed(group: CollectiveGroup, error: BaseException, report: str | None = N
 
 def _wait_acks(group: CollectiveGroup, k: int, deadline: float) -> None:
     store, want = group._store, group.spec.world_size - 1
-    ack, failed = _key(group, f"a{k}"), _key(group, "failed")
+    ack, failed, cancel = _key(group, f"a{k}"), _key(group, "failed"), cancel_key(group.spec.group_id)
+    polls = 0
     while store.add(ack, 0) < want:
         if store.check([failed]):
             raise CollectiveError(f"group {group.spec.group_id}: a receiver failed: {store.get(failed).decode(errors='replace')}")
+        polls += 1
+        if polls % 64 == 0 and store.check([cancel]):  # (every ~15 ms: only a member that is gone leaves it there)
+            raise CollectiveError(f"group {group.spec.group_id}: bucket {k} acknowledged by {store.add(ack, 0)} of {want} "
+                                  f"receivers, and the publisher stopped the push: {store.get(cancel).decode(errors='replace')}")
         if time.monotonic() > deadline:
             raise CollectiveError(f"group {group.spec.group_id}: bucket {k} acknowledged by {store.add(ack, 0)} of "
                                   f"{want} receivers by the deadline")
@@ -260,7 +271,8 @@ def ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, A
     for key in group._leftover:  # the last push's end marker: every receiver has read it by now
         store.delete_key(key)
     group._pushes += 1
-    group._leftover = [_key(group, w) for w in ("aborted", "failed")]
+    # (a publisher's cancel of the last push, if it came after that push ended, goes too)
+    group._leftover = [_key(group, w) for w in ("aborted", "failed")] + [cancel_key(group.spec.group_id)]
     alloc = None
     if group.device.type == "cuda":
         if group._ring is None:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,8 @@ from asyncrl.weightsync.sources import (  # noqa: F401 - re-exported: the publis
     BucketSource, KeptCopies, Send, Step, StepFailed, StreamedSend, StreamedSource,
 )
 from asyncrl.weightsync.transport import Transport
+
+log = logging.getLogger(__name__)
 
 S = WeightUpdateState
 NamedTensorIter = Iterable[tuple[str, Any]]
@@ -206,16 +209,19 @@ class Publisher:
 
     async def publish_streamed(self, version: int, send: Send, payload: Callable[[int], Any],
                                replicas: Sequence[ReplicaClient], prepare: Callable[[], Awaitable[Any]] | None = None,
-                               plan_id: str | None = None, fold_begin: bool = False) -> PushResult:
+                               plan_id: str | None = None, fold_begin: bool = False,
+                               cancel: Callable[[str], Awaitable[Any]] | None = None) -> PushResult:
         """`publish` through a collective transport: `send(version, verify)` broadcasts the
         weights (and returns a `StreamedSend`) while every replica's `load_bucket(payload(version))`
         receives them; `prepare()` runs before each attempt (e.g. forms the broadcast group).
         `plan_id`: the sender packs the engines' layout of this plan. `fold_begin` (ipc, where a
         replica that refuses tells the sender): the replicas begin in their load call, and a
-        single engine replica with full staging commits in it too (one call per side per push)."""
+        single engine replica with full staging commits in it too (one call per side per push).
+        `cancel(why)` stops a sender still waiting once every replica's load returned (ipc: a
+        member the loads did not reach would otherwise keep it waiting to its deadline)."""
         rng = preserve_rng_state() if self._preserve_rng else contextlib.nullcontext()
         with rng:
-            source = StreamedSource(send, payload, prepare, self._cfg.verify, plan_id, fold_begin=fold_begin)
+            source = StreamedSource(send, payload, prepare, self._cfg.verify, plan_id, fold_begin=fold_begin, cancel=cancel)
             return await self._publish(version, None, list(replicas), source=source)
 
     async def _publish(self, version: int, named: NamedTensorIter | None, replicas: list[ReplicaClient],
@@ -243,6 +249,9 @@ class Publisher:
                 except StepFailed as f:
                     if not f.retryable or attempt == self._cfg.retries or f.out_of_service:
                         raise self._fail(version, f, m) from next(iter(f.failures.values()), None)
+                    log.warning("weightsync: push of version %d, attempt %d failed at %s (%s); trying again", version,
+                                attempt + 1, f.step.value,
+                                "; ".join(f"{n}: {type(e).__name__}: {str(e)[:300]}" for n, e in f.failures.items()))
                     m.retries += 1
                     self.totals["retries_total"] += 1
         except BaseException as exc:

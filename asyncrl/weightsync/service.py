@@ -204,7 +204,7 @@ class WeightPublisher:
         self.learner = learner
         if self.link is not None:
             self.link.learner = learner
-            self.link.specs, self.link.members = [], {}
+            self.link.forget()
         await learner.set_push_plan(pickle.dumps(self.plan) if self.plan is not None else None)
 
     async def publish(self, version: int) -> dict[str, float]:
@@ -284,7 +284,8 @@ class WeightPublisher:
         if self.link is not None:
             result = await self.publisher.publish_streamed(
                 version, self.link.send, self.link.payload, [self.replicas], prepare=self.link.ensure, plan_id=plan_id,
-                fold_begin=self.link.fold_begin)
+                fold_begin=self.link.fold_begin, cancel=self.link.cancel)
+            self.link.pushed(self.replicas.last_results)
         else:
             export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, self.transport.name, self.cfg.verify,
                                                                  "hf" if plan_id is None else "engine")
@@ -292,6 +293,8 @@ class WeightPublisher:
             result.metrics.update({f"weightsync/sender/{k}_seconds": v for k, v in export.seconds.items()})
         metrics = dict(result.metrics)
         metrics["weightsync/engine_replicas"] = float(len(self.replicas.last_results))
+        if self.link is not None:  # pushes that went without asking the replicas and senders first (ipc)
+            metrics["weightsync/group_checks_skipped"] = float(self.link.checks_skipped)
         for warning in result.warnings:
             log.warning("%s", warning)
         return metrics
@@ -315,7 +318,13 @@ class CollectiveLink:
     `join(specs)` makes every replica join (both as the generator's replicas answer
     `collective_info` / `join_collective`). `ensure()` forms the groups unless the current ones
     still hold exactly the running replicas and no member's group broke (a timed-out or failed
-    broadcast breaks it on that member); `send` and `payload` are `publish_streamed`'s."""
+    broadcast breaks it on that member); `send`, `payload` and `cancel` are `publish_streamed`'s.
+
+    On ipc, `ensure()` asks nobody right after a push that every member of the groups took and
+    no other replica was sent (`pushed`): a replica that has gone since fails that push without
+    waiting (its receive fails at once, or it is missing, and `cancel` stops the sender), and
+    the retry forms the groups again. That saves two round trips per push; a broadcast group
+    could not be stopped so, so NCCL and gloo ask every time."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
@@ -329,6 +338,42 @@ class CollectiveLink:
         self.specs: list[Any] = []
         self.members: dict[str, int] = {}  # replica id -> engine workers, as the groups were formed
         self.formed = 0  # how many times groups were formed
+        self.checks_skipped = 0  # ensure() calls that asked nobody (ipc, right after a clean push)
+        self._clean = False  # the last push reached exactly the groups' members, and every one took it
+        self._stores: dict[str, Any] = {}  # group id -> a client of its store (cancel)
+
+    def forget(self) -> None:
+        """The groups are gone (a new learner group): the next `ensure` forms them."""
+        self.specs, self.members, self._clean, self._stores = [], {}, False, {}
+
+    def pushed(self, reached: dict[str, Any]) -> None:
+        """A push over the current groups succeeded, and reached (and was taken by) the replicas `reached`."""
+        self._clean = self.backend == "ipc" and bool(self.specs) and set(reached) == set(self.members)
+
+    async def cancel(self, why: str) -> None:
+        """Stop a sender still waiting for acknowledgements of the push in flight (ipc: every
+        receiver's call has returned, so one of the members is gone). Best effort; never raises."""
+        if self.backend != "ipc":
+            return
+        from asyncrl.weightsync.ipc import cancel_key
+
+        def put() -> None:
+            import datetime
+
+            import torch.distributed as dist
+
+            for spec in self.specs:
+                try:
+                    store = self._stores.get(spec.group_id)
+                    if store is None:
+                        store = self._stores[spec.group_id] = dist.TCPStore(
+                            spec.host, spec.port, is_master=False, timeout=datetime.timedelta(seconds=10),
+                            wait_for_workers=False)
+                    store.set(cancel_key(spec.group_id), why[:2000])
+                except Exception as err:  # the sender's process (the store) is gone: it is not waiting either
+                    log.warning("weightsync: could not stop the sender of group %s: %s", spec.group_id, err)
+
+        await asyncio.to_thread(put)
 
     @property
     def group_ids(self) -> list[str]:
@@ -345,6 +390,11 @@ class CollectiveLink:
 
         from asyncrl.weightsync.collective import form_specs
 
+        if self._clean and self.specs:
+            self._clean = False  # once: a failed push's retry asks
+            self.checks_skipped += 1
+            return
+        self._clean = False
         info, senders = await asyncio.gather(self._members_call(), self.learner.collective_groups())
         members = {rid: int(i["workers"]) for rid, i in info.items()}
         healthy = set(senders) == set(self.group_ids) and all(set(self.group_ids) <= set(i["groups"]) for i in info.values())
@@ -354,7 +404,7 @@ class CollectiveLink:
         specs = form_specs(self.backend, [(a["host"], a["port"]) for a in addresses], members, timeout_s=self.timeout_s,
                            group_prefix=f"asyncrl-ws{os.getpid()}-{self.formed + 1}", ipc_window=self.ipc_window)
         wire = [asdict(s) for s in specs]
-        self.specs, self.members = [], {}
+        self.specs, self.members, self._stores = [], {}, {}
         # Every member rendezvouses at once: the replicas' workers and the sending ranks.
         await asyncio.gather(self._join_call(wire), self.learner.join_collective(wire))
         self.specs, self.members = specs, members

@@ -184,6 +184,11 @@ class KeptCopies:
 
 Send = Callable[[int, VerifyMode], Awaitable[StreamedSend]]
 
+# After every receiver's load returned, how long a sender may still take before it is stopped
+# (`StreamedSource`): a receiver acknowledges before its load returns, and a sender polls its
+# acknowledgements every fraction of a millisecond.
+CANCEL_GRACE_S = 1.0
+
 
 class StreamedSource:
     """A collective push: the sender broadcasts every bucket while each replica's single
@@ -192,8 +197,9 @@ class StreamedSource:
     Each attempt runs `prepare` (form or check the broadcast group) and sends afresh."""
 
     def __init__(self, send: Send, payload: Callable[[int], Any], prepare: Callable[[], Awaitable[Any]] | None,
-                 verify: VerifyMode = "full", plan_id: str | None = None, fold_begin: bool = False) -> None:
-        self._send, self._payload, self._prepare = send, payload, prepare
+                 verify: VerifyMode = "full", plan_id: str | None = None, fold_begin: bool = False,
+                 cancel: Callable[[str], Awaitable[Any]] | None = None) -> None:
+        self._send, self._payload, self._prepare, self._cancel = send, payload, prepare, cancel
         self.verify = check_verify_mode(verify)
         self.layout = "hf" if plan_id is None else "engine"
         self.plan_id = plan_id
@@ -229,7 +235,7 @@ class StreamedSource:
         receiving = asyncio.ensure_future(publisher._step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version), m,
                                                           results=reports))
         try:
-            sent = await asyncio.wait_for(self._send(version, self.verify), publisher._cfg.timeout_s)
+            sent = await self._sent(version, receiving, publisher._cfg.timeout_s)
         except Exception as exc:
             # The sender told the receivers (abort header), or they give up at their deadline.
             receivers: StepFailed | None = None
@@ -273,6 +279,27 @@ class StreamedSource:
         m.fingerprint_seconds = sent.seconds.get("hash", 0.0)
         m.sender_seconds.update({k: v for k, v in sent.seconds.items() if k not in ("prepare", "call", "receivers_after")})
         return reports if self.committing else None
+
+    async def _sent(self, version: int, receiving: asyncio.Future, timeout_s: float) -> StreamedSend:
+        """The sender's call, bounded by `timeout_s`. Once every replica's load has returned, a
+        sender still running after `CANCEL_GRACE_S` waits for a member that will not answer (one
+        the loads did not reach, or whose load failed before it could tell the sender): it is
+        stopped through `cancel` instead of at its deadline."""
+        sending = asyncio.ensure_future(asyncio.wait_for(self._send(version, self.verify), timeout_s))
+        try:
+            if self._cancel is not None:
+                await asyncio.wait({sending, receiving}, return_when=asyncio.FIRST_COMPLETED)
+                if not sending.done():
+                    done, _ = await asyncio.wait({sending}, timeout=CANCEL_GRACE_S)
+                    if not done:
+                        failed = receiving.exception() if not receiving.cancelled() else None
+                        await self._cancel(f"every replica's load of version {version} returned "
+                                           f"({'failed: ' + str(failed)[:500] if failed else 'ok'}) "
+                                           f"and the sender still waited {CANCEL_GRACE_S:.0f} s later")
+            return await sending
+        except BaseException:
+            sending.cancel()
+            raise
 
     def fingerprint(self) -> str:
         if self._digests is None:

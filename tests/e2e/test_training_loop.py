@@ -284,6 +284,8 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
     assert all(math.isfinite(m["actor/loss"]) and m["weightsync/failed"] == 0 for m in metrics)
     assert all(m["weightsync/transport/ipc/bytes"] == m["weightsync/bytes"] > 0 and m["weightsync/begin_in_load"] == 1.0
                and m["weightsync/commit_in_load"] == 1.0 and m["weightsync/apply_direct"] == 1.0 for m in metrics)
+    # the first push formed the groups; the second, after a clean push, went without asking first
+    assert [m["weightsync/group_checks_skipped"] for m in metrics] == [0.0, 1.0]
     # the agent returns one reward per turn (the same return as two_step): they reach the advantages
     assert all(0.0 <= m["train/turn_reward_sum_mean"] <= 1.0 for m in metrics)
     last = metrics[-1]
@@ -336,11 +338,15 @@ def test_ppo_with_critic_and_reference_kl(ray_session, demo_model_path, tiny_rew
         assert logged <= set(run["history"][record["step"]]), logged - set(run["history"][record["step"]])
 
 
-def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_session, demo_model_path, tmp_path):
+@pytest.mark.parametrize("transport", ["auto", "ipc"])
+def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_session, demo_model_path, tmp_path, transport):
     """kill -9 of the vLLM engine core while the demo trains (one engine replica): Serve replaces
     the replica, the new one loads the live version before it serves, the rollouts that were in
     flight are retried or counted as failed, and training runs to its end, >= 10 steps after the
-    kill, with every generated sample accounted for; the API answers again after the fault."""
+    kill, with every generated sample accounted for; the API answers again after the fault.
+    Over ipc the pushes after a clean one go without a check of the groups first: the push that
+    meets the dead engine fails without waiting out its deadline (the sender is stopped once the
+    replica's load failed), and its retry forms the groups with the new replica."""
     import os
     import signal
 
@@ -359,7 +365,7 @@ def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_sess
 
     seen = _run(ray_session, demo_model_path, tmp_path, during=kill_the_engine,
                 trainer={"total_steps": total, "eval_interval_steps": 0, "rollout_timeout_s": 120},
-                checkpoint={"interval_steps": 0}, weightsync={"recovery_s": 600})
+                checkpoint={"interval_steps": 0}, weightsync={"recovery_s": 600, "transport": transport, "timeout_s": 600})
     final = seen["statuses"][-1]
     assert fault, "the run ended before the fault could be injected"
     assert final["state"] == "finished", final
@@ -373,6 +379,11 @@ def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_sess
     metrics = _steps(_lines(tmp_path / "metrics.jsonl"))
     assert [m["step"] for m in metrics] == list(range(1, total + 1))
     assert [m["weightsync/version"] for m in metrics] == list(range(1, total + 1))  # every version published once, in order
+    # The step that met the dead engine waited for the new replica to start (tens of seconds on
+    # 2 cores), never for a push's 600 s deadline (a sender left waiting for the dead worker).
+    assert max(m["time/sync_s"] for m in metrics) < 300, [round(m["time/sync_s"], 1) for m in metrics]
+    if transport == "ipc":
+        assert metrics[-1]["weightsync/group_checks_skipped"] >= total - 3  # (the pushes around the fault ask)
     assert seen["left_after_shutdown"] == [], seen["left_after_shutdown"]
 
 

@@ -611,3 +611,78 @@ async def test_groups_are_formed_again_only_when_replicas_change_or_a_member_bro
     replicas["b"] = {"workers": 2, "groups": []}  # scale-up: a new member needs ranks
     await link.ensure()
     assert link.formed == 4 and link.members == {"a": 1, "b": 2} and link.specs[0].world_size == 4
+
+
+async def test_an_ipc_link_checks_its_groups_again_unless_the_last_push_reached_exactly_their_members():
+    from asyncrl.weightsync.service import CollectiveLink
+
+    learner = _FakeLearner()
+    replicas = {"a": {"workers": 1, "groups": []}}
+    asked = {"n": 0}
+
+    async def members():
+        asked["n"] += 1
+        return {rid: dict(i) for rid, i in replicas.items()}
+
+    async def join(wire):
+        for i in replicas.values():
+            i["groups"] = [s["group_id"] for s in wire]
+
+    link = CollectiveLink("ipc", learner, members=members, join=join, bucket_mb=1, timeout_s=5)
+    await link.ensure()
+    assert link.formed == 1 and asked["n"] == 1
+    link.pushed({"a": {}})  # the push reached exactly the groups' members
+    await link.ensure()
+    assert asked["n"] == 1 and link.checks_skipped == 1  # nobody asked
+    await link.ensure()  # once: a retry (the push after it failed) asks
+    assert asked["n"] == 2
+    link.pushed({"a": {}, "b": {}})  # a replica outside the groups answered the push: ask next time
+    await link.ensure()
+    assert asked["n"] == 3 and link.checks_skipped == 1
+    link.pushed({"a": {}})
+    link.forget()  # a new learner group: the groups are gone
+    await link.ensure()
+    assert asked["n"] == 4 and link.formed == 2
+
+    gloo = CollectiveLink("gloo", learner, members=members, join=join, bucket_mb=1, timeout_s=5)
+    await gloo.ensure()
+    gloo.pushed({"a": {}})  # a broadcast cannot be stopped when a member is gone: always asked
+    await gloo.ensure()
+    assert gloo.checks_skipped == 0 and asked["n"] == 6
+
+
+async def test_a_push_whose_loads_all_returned_stops_an_ipc_sender_waiting_for_a_member_that_is_gone(monkeypatch):
+    """A member of the groups the loads did not reach (it died since the last push, or its call never
+    came) would keep the sender waiting for its acknowledgement to the deadline; the publisher stops it."""
+    from asyncrl.weightsync import sources
+    from asyncrl.weightsync.service import CollectiveLink
+
+    monkeypatch.setattr(sources, "CANCEL_GRACE_S", 0.2)
+    spec = _spec(receivers=3, timeout_s=60.0, gid="gone", backend="ipc-whole")
+    sender, *members = _join_all(spec)
+    log: list[tuple[str, str]] = []
+    old, new = model(0), model(1)
+    replicas = [GlooReplica(f"r{i}", log, weights=dict(old)) for i in range(2)]
+    for r, g in zip(replicas, members):  # members[2] joined the group but is never sent the push
+        r.group = g
+    link = CollectiveLink("ipc", None, members=None, join=None, bucket_mb=BUCKET_MB, timeout_s=60)
+    link.specs = [spec]
+
+    async def send(version, verify):
+        sent = await asyncio.to_thread(send_stream, sender, iter(new.items()), BUCKET_MB, verify=verify, timeout_s=60)
+        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds, num_buckets=sent.num_buckets)
+
+    pub = Publisher(WeightsyncConfig(bucket_mb=BUCKET_MB, retries=0, timeout_s=60), transport=LocalTransport())
+    t0 = time.monotonic()
+    with pytest.raises(WeightsyncError) as info:
+        await pub.publish_streamed(1, send, lambda v: CollectiveReceive((spec.group_id,), v, 60.0), replicas,
+                                   cancel=link.cancel)
+    assert time.monotonic() - t0 < 20  # not the 60 s deadline
+    cause = info.value.__cause__
+    assert isinstance(cause, CollectiveError) and "acknowledged by 2 of 3" in str(cause) \
+        and "the publisher stopped the push" in str(cause) and "every replica's load of version 1 returned" in str(cause)
+    assert sender.broken and pub.registry.live_version == 0
+    for r in replicas:  # nothing committed: each keeps the old weights
+        assert r.version == 0 and all(torch.equal(r.weights[k], old[k]) for k in old)
+    for g in (sender, *members):
+        g.close()

@@ -591,16 +591,20 @@ async def test_one_engine_over_ipc_takes_a_push_in_one_call_and_refuses_a_corrup
     replica = _Calls(ActorReplica(engine, "engine-0"))
 
     async def push(version, plan_id=plan.plan_id):
-        return await pub.publish_streamed(version, link.send, link.payload, [replica], prepare=link.ensure,
-                                          plan_id=plan_id, fold_begin=link.fold_begin)
+        result = await pub.publish_streamed(version, link.send, link.payload, [replica], prepare=link.ensure,
+                                            plan_id=plan_id, fold_begin=link.fold_begin, cancel=link.cancel)
+        link.pushed({"engine-0": result})  # as the service does: the next push asks nobody first
+        return result
 
     result = await push(start + 1)
     assert replica.calls == ["load_bucket"]  # begin, receive, verify, pause, apply, resume: one call
+    await push(start + 2)  # after a clean push the link asks nobody first
+    assert link.checks_skipped == 1 and link.formed == 1
     m = result.metrics
     assert result.fingerprint.startswith("checksum:") and m["weightsync/apply_direct"] == 1.0
-    assert m["weightsync/paused_seconds"] > 0 and pub.registry.live_version == start + 1
+    assert m["weightsync/paused_seconds"] > 0 and pub.registry.live_version == start + 2
     assert m["weightsync/begin_in_load"] == m["weightsync/commit_in_load"] == 1.0 and m["weightsync/commit_seconds"] == 0
-    await _engines_serve([engine], demo_model_path, sender.weights, start + 1)
+    await _engines_serve([engine], demo_model_path, sender.weights, start + 2)
     tok = AutoTokenizer.from_pretrained(str(demo_model_path))
     prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     before = await engine.greedy.remote(prompt_ids)
@@ -620,22 +624,22 @@ async def test_one_engine_over_ipc_takes_a_push_in_one_call_and_refuses_a_corrup
     sender.weights = _perturbed(base, 12)
     replica.calls.clear()
     with pytest.raises(WeightsyncError, match="fingerprint") as info:
-        await push(start + 2)
+        await push(start + 3)
     assert hit and info.value.refusals == {"engine-0": Refusal.VERIFY_FAILED}
-    assert pub.registry.get(start + 2).state is S.FAILED and pub.registry.live_version == start + 1
+    assert pub.registry.get(start + 3).state is S.FAILED and pub.registry.live_version == start + 2
     assert await engine.greedy.remote(prompt_ids) == before  # the previous version's exact tokens and tags
     monkeypatch.setattr(ipc, "ipc_export", export)
 
-    await push(start + 3)  # the same group carries the next push
+    await push(start + 4)  # the same group carries the next push
     assert link.formed == 1
-    await _engines_serve([engine], demo_model_path, sender.weights, start + 3)
+    await _engines_serve([engine], demo_model_path, sender.weights, start + 4)
 
     # The replica refuses an engine-layout push for a plan it does not hold: the sender stops at once.
     t = time.monotonic()
     with pytest.raises(WeightsyncError) as info:
-        await push(start + 4, plan_id="a-plan-nobody-holds")
+        await push(start + 5, plan_id="a-plan-nobody-holds")
     assert time.monotonic() - t < cfg.timeout_s / 2
     assert info.value.refusals.get("engine-0") is Refusal.PLAN_MISSING
-    await _engines_serve([engine], demo_model_path, sender.weights, start + 3)
-    await push(start + 5)  # a new group (the refusal broke the old one on both sides)
-    assert link.formed == 2 and pub.registry.live_version == start + 5
+    await _engines_serve([engine], demo_model_path, sender.weights, start + 4)
+    await push(start + 6)  # a new group (the refusal broke the old one on both sides)
+    assert link.formed == 2 and pub.registry.live_version == start + 6
