@@ -16,6 +16,7 @@ fingerprint differs from the one the caller committed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -104,23 +105,70 @@ class WeightUpdates:
                 raise WeightUpdateError(f"replica {self.replica_id}: bucket for version {version}, staging {self._staging_version}")
             if is_object_ref(named_tensors):  # a bucket handle that travelled nested, unresolved
                 named_tensors = await named_tensors
+            commit = folded and named_tensors.commit
+            if not commit:
+                return {"replica_id": self.replica_id, "staged_tensors": await self._load(named_tensors)}
+            # A load that commits pauses the engine while it receives: the pause's round trip runs
+            # beside the receive's instead of after it, and either order is correct (nothing is
+            # applied before both are done). The engine runs no step during the receive anyway: the
+            # workers receive inside vLLM's utility call, between steps.
+            pausing, paused_at = None, None
+            if self.state is ReplicaState.READY and self._may_run():
+                receiving = asyncio.ensure_future(self._load(named_tensors))
+                await asyncio.sleep(0)  # (its call goes out first)
+                paused_at = time.perf_counter()
+                pausing = asyncio.ensure_future(self._pause_engine("keep"))
+                loads: Any = receiving
+            else:
+                loads = self._load(named_tensors)
             try:
-                staged = await self._staging.load(named_tensors, self._staging_version)
-            except Exception as err:
-                self._groups_joined = None  # a failed receive may have broken a worker's group
-                await self._drop_staged()
-                raise WeightUpdateError(f"replica {self.replica_id}: staging failed: {err}") from err
-            self._staged_tensors = staged
-            if folded and named_tensors.commit:
+                try:
+                    staged = await loads
+                finally:
+                    if pausing is not None:  # paused (or failed to) before anything else happens
+                        await asyncio.wait([pausing])
+                if pausing is not None:
+                    if pausing.cancelled() or pausing.exception() is not None:  # it takes no apply
+                        await self._drop_staged()
+                        raise WeightUpdateError(f"replica {self.replica_id}: the engine did not pause for the commit: "
+                                                f"{pausing.exception() if not pausing.cancelled() else 'cancelled'}")
+                    self._paused_mode = "keep"  # held until the apply succeeded
                 try:
                     fingerprint = self._staging.sender_fingerprint()
                 except FingerprintMismatch as err:
                     self.counters["updates_failed"] += 1
                     await self._drop_staged()
                     raise WeightUpdateError(f"replica {self.replica_id}: {err}", Refusal.VERIFY_FAILED) from None
-                return {**await self._commit(self._staging_version, fingerprint), "fingerprint": fingerprint,
-                        "staged_tensors": staged}
-            return {"replica_id": self.replica_id, "staged_tensors": staged}
+                return {**await self._commit(self._staging_version, fingerprint, paused_at=paused_at),
+                        "fingerprint": fingerprint, "staged_tensors": staged}
+            except BaseException as err:
+                if pausing is not None and not getattr(err, "applying", False):  # nothing applied: run again
+                    await self._undo_pause(pausing)
+                raise
+
+    async def _load(self, payload: Any) -> int:
+        """Stage `payload` for the version being staged; returns the tensors staged so far."""
+        try:
+            staged = await self._staging.load(payload, self._staging_version)
+        except Exception as err:
+            self._groups_joined = None  # a failed receive may have broken a worker's group
+            await self._drop_staged()
+            raise WeightUpdateError(f"replica {self.replica_id}: staging failed: {err}") from err
+        self._staged_tensors = staged
+        return staged
+
+    async def _undo_pause(self, pausing: asyncio.Future) -> None:
+        """A load that paused for its commit failed before applying anything: the engine runs again."""
+        if not pausing.done():
+            await asyncio.wait([pausing])
+        if pausing.cancelled() or pausing.exception() is not None:
+            return  # it never paused
+        self._paused_mode = None
+        if self.state is ReplicaState.READY and self._may_run():
+            try:
+                await self._settle()
+            except Exception as err:  # the load's own failure is the one reported
+                logger.warning("replica %s: resume after a failed load: %s", self.replica_id, err)
 
     # ---- collective transport groups (weightsync/collective.py) --------------------------------
 
@@ -155,8 +203,9 @@ class WeightUpdates:
         async with self._control_lock:
             return await self._commit(version, fingerprint)
 
-    async def _commit(self, version: int, fingerprint: str) -> dict[str, Any]:
-        """`commit_update` under the control lock."""
+    async def _commit(self, version: int, fingerprint: str, paused_at: float | None = None) -> dict[str, Any]:
+        """`commit_update` under the control lock. `paused_at`: the caller paused the engine for
+        this commit (then), and this resumes it after the apply, as for its own pause."""
         if self.update_state is not UpdateState.STAGING or self._staging_version != version:
             raise WeightUpdateError(
                 f"replica {self.replica_id}: commit of version {version} but staging {self._staging_version}"
@@ -173,9 +222,9 @@ class WeightUpdates:
                                     f"staying on {self.version}: {err}", Refusal.VERIFY_FAILED) from None
         self.update_state = UpdateState.COMMITTING
         # The version label may only change while no step runs; pause here if the caller did not.
-        paused_here = self.state is ReplicaState.READY and self._may_run()
-        t_pause = time.perf_counter()
-        if paused_here:
+        paused_here = paused_at is not None or (self.state is ReplicaState.READY and self._may_run())
+        t_pause = time.perf_counter() if paused_at is None else paused_at
+        if paused_here and paused_at is None:
             await self._pause_engine("keep")
             self._paused_mode = "keep"  # held until the apply succeeded
         t_paused = time.perf_counter()
@@ -206,7 +255,9 @@ class WeightUpdates:
         if paused_here:
             self._paused_mode = None
         t_relabelled = time.perf_counter()
-        if self.state is ReplicaState.READY and (paused_here or self._may_run()):
+        if self.state is ReplicaState.READY and paused_here and self._may_run():
+            await self._resume_sent()
+        elif self.state is ReplicaState.READY and (paused_here or self._may_run()):
             await self._settle()
         end = time.perf_counter()
         return {"replica_id": self.replica_id, "version": self.version, "path": applied["path"],
@@ -217,6 +268,21 @@ class WeightUpdates:
                 # (the apply inside it), the relabel, the resume
                 "pause_call_seconds": t_paused - t_pause, "apply_rpc_seconds": t_applied - t_paused,
                 "relabel_seconds": t_relabelled - t_applied, "resume_call_seconds": end - t_relabelled}
+
+    async def _resume_sent(self) -> None:
+        """Resume the engine this commit paused, without waiting for the engine's answer: the call
+        is on the wire when this returns, so any later call to the engine (a pause, a request)
+        reaches it after the resume. A failure is logged (the engine is gone; its health check
+        and the next push say so)."""
+        task = asyncio.ensure_future(self._settle())
+
+        def report(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is not None:
+                logger.warning("replica %s: resume after a commit failed: %s", self.replica_id, done.exception())
+
+        task.add_done_callback(report)
+        self._resuming = task  # (kept referenced until it is done)
+        await asyncio.sleep(0)
 
     async def abort_update(self) -> dict[str, Any]:
         async with self._control_lock:
