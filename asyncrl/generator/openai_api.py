@@ -7,9 +7,10 @@ token-level `GenerationRequest`/`GenerationResult`. Every choice carries two ext
 `token_ids` and `versions` (weight version per token). Streams are SSE (`data: {...}` lines,
 ending with `data: [DONE]`).
 
-A chat completion sent with `x-asyncrl-episode: ID` is one turn of that episode: n must be 1 and
-it is not streamed; the prompt ids after the chat template, the sampled ids, their log-probs and
-weight versions are recorded whether or not the client asked for log-probs.
+A chat completion sent with `x-asyncrl-episode: ID` is one turn of that episode: n must be 1; the
+prompt ids after the chat template, the sampled ids, their log-probs and weight versions are
+recorded whether or not the client asked for log-probs. A streamed turn is recorded when its stream
+ends with the completion's last token (a stream cut short records nothing, as a failed turn).
 
 Chat completions take OpenAI function `tools` when `generator.tool_parser` names vLLM's parser for the
 model's chat template: the template renders the tools and earlier tool calls and results, the parser
@@ -22,6 +23,7 @@ token): those get 400.
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from collections.abc import AsyncIterator
@@ -232,19 +234,7 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
             greq = GenerationRequest(prompt_ids=ids, sampling=_sampling(req, max_tokens, want_lp))
             if req.stream:
                 first, rest = await core.stream(greq)
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                started: set[int] = set()
-
-                def event(d: CompletionDelta, _offsets: dict[int, int]) -> Any:
-                    delta = DeltaMessage(content=d.text)
-                    if d.index not in started:
-                        started.add(d.index)
-                        delta = DeltaMessage(role="assistant", content=d.text)
-                    lp = chat_logprobs(d, top) if want_lp else None
-                    choice = chat.ChatCompletionResponseStreamChoice(index=d.index, delta=delta, logprobs=lp, finish_reason=d.finish_reason, token_ids=d.token_ids)
-                    return {"choices": [{**choice.model_dump(), "versions": d.versions}]}
-
-                return _sse(track, first, rest, event, lambda: chat.ChatCompletionStreamResponse(model=served, choices=[]).model_dump(), len(ids), include_usage, UsageInfo)
+                return chat_sse(track, req, first, rest, len(ids), top)
             result = await core.generate(greq)
             return chat_response(track, result, ids, want_lp, top, tools_req=tools_req)
         except HTTPError as err:
@@ -253,6 +243,25 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
         finally:
             if not getattr(track, "streaming", False):
                 track.finish()
+
+    def chat_sse(track: _Tracked, req: Any, first: list[CompletionDelta], rest: AsyncIterator, prompt_tokens: int,
+                 top: int, headers: dict[str, str] | None = None) -> StreamingResponse:
+        """A streamed chat completion: one event per delta (its text, and its log-probs where asked)."""
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        want_lp = bool(req.logprobs)
+        started: set[int] = set()
+
+        def event(d: CompletionDelta, _offsets: dict[int, int]) -> Any:
+            delta = DeltaMessage(content=d.text)
+            if d.index not in started:
+                started.add(d.index)
+                delta = DeltaMessage(role="assistant", content=d.text)
+            lp = chat_logprobs(d, top) if want_lp else None
+            choice = chat.ChatCompletionResponseStreamChoice(index=d.index, delta=delta, logprobs=lp, finish_reason=d.finish_reason, token_ids=d.token_ids)
+            return {"choices": [{**choice.model_dump(), "versions": d.versions}]}
+
+        return _sse(track, first, rest, event, lambda: chat.ChatCompletionStreamResponse(model=served, choices=[]).model_dump(),
+                    prompt_tokens, include_usage, UsageInfo, headers)
 
     def chat_message(c: Completion | CompletionDelta, tools_req: Any) -> tuple[Any, str | None]:
         """The assistant message of a choice and its finish reason: with `tools_req`, the tool calls
@@ -291,9 +300,9 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
                            tools_req: Any = None) -> Response:
         """One turn of `episode`: the log-probs are always asked for (the trajectory needs them) and
         returned to the client only if it asked. Tool calls in it are parsed as outside an episode;
-        the trajectory keeps the sampled tokens as they are."""
-        if req.stream:
-            raise HTTPError(400, f"{EPISODE_HEADER}: streamed turns are not supported; send stream=false")
+        the trajectory keeps the sampled tokens as they are. A streamed turn is recorded once its
+        stream ended with the completion's last token; one cut short (the client went away, the
+        engine failed) records nothing, as a failed turn."""
         if req.n not in (None, 1):
             raise HTTPError(400, f"{EPISODE_HEADER}: n={req.n}; one episode is one trajectory (open one episode per sample)")
         greq = GenerationRequest(prompt_ids=ids, sampling=_sampling(req, max_tokens, True))
@@ -302,6 +311,14 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
             greq.sampling.temperature = pinned
         core.check(greq)  # a bad request is refused before it takes the episode's turn
         ledger_call(core.episodes.begin_turn, episode, ids, max_tokens, greq.sampling.temperature)
+        if req.stream:
+            try:
+                first, rest = await core.stream(greq)
+            except BaseException:
+                core.episodes.end_turn(episode, None)
+                raise
+            return chat_sse(track, req, first, _recording_turn(episode, ids, first, rest), len(ids), top,
+                            {EPISODE_HEADER: episode})
         turn = None
         try:
             result = await core.generate(greq)
@@ -310,6 +327,37 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
         finally:
             core.episodes.end_turn(episode, turn)
         return chat_response(track, result, ids, bool(req.logprobs), top, {EPISODE_HEADER: episode}, tools_req=tools_req)
+
+    def _recording_turn(episode: str, ids: list[int], first: list[CompletionDelta], rest: AsyncIterator) -> AsyncIterator:
+        """`rest`, passed through, recording the turn's tokens, log-probs and versions (`first`'s too);
+        the turn is ended when the stream is (recorded only if its last delta came)."""
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        done = [False]
+
+        def take(chunk: list[CompletionDelta]) -> None:
+            for d in chunk:
+                tokens.extend(d.token_ids)
+                logprobs.extend(d.logprobs)
+                versions.extend(d.versions)
+                done[0] = done[0] or d.finish_reason is not None
+
+        async def passed() -> AsyncIterator:
+            try:
+                while True:
+                    try:
+                        chunk = await rest.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    take(chunk)
+                    yield chunk
+            finally:
+                core.episodes.end_turn(episode, Turn(tuple(ids), tuple(tokens), tuple(logprobs), tuple(versions))
+                                       if done[0] else None)
+
+        take(first)
+        return passed()
 
     @app.post("/v1/episodes", status_code=201)
     async def open_episode(request: Request) -> Any:
@@ -350,7 +398,8 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
                 "mismatches": mismatches, "samples": out}
 
 
-def _sse(track: _Tracked, first: list[CompletionDelta], rest: AsyncIterator, event, envelope, prompt_tokens: int, include_usage: bool, UsageInfo) -> StreamingResponse:
+def _sse(track: _Tracked, first: list[CompletionDelta], rest: AsyncIterator, event, envelope, prompt_tokens: int, include_usage: bool, UsageInfo,
+         headers: dict[str, str] | None = None) -> StreamingResponse:
     track.streaming = True  # the body generator finishes the bookkeeping
     base = envelope()  # same id/created for every chunk of this stream
 
@@ -378,6 +427,9 @@ def _sse(track: _Tracked, first: list[CompletionDelta], rest: AsyncIterator, eve
             yield b"data: " + json.dumps(error).encode() + b"\n\n"
         finally:
             track.finish()
+            if inspect.isasyncgen(rest):  # ours (an episode's turn, recorded as it ends): end it now, not at its GC
+                await rest.aclose()
 
     versions = {v for d in first for v in d.versions}
-    return StreamingResponse(body(), media_type="text/event-stream", headers={VERSION_HEADER: version_header(versions)})
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={VERSION_HEADER: version_header(versions), **(headers or {})})

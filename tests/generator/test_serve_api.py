@@ -254,6 +254,60 @@ def test_a_three_turn_episode_through_the_openai_client_is_one_token_exact_sampl
     assert sample["turns"] == 3 and 0 in mask  # the follow-up questions are in the sample, masked
 
 
+def test_a_streamed_turn_is_recorded_token_exactly_and_one_cut_short_records_nothing(gen):
+    """A turn streamed through the openai client (stream=True with the episode header) is recorded as
+    a non-streamed one is: the sample holds exactly the tokens, log-probs and versions the stream
+    carried. A streamed turn whose client goes away mid-stream leaves no turn, and the episode takes
+    the next one."""
+    client, name = gen["client"], gen["cfg"].model.served_name
+    eid = _open_episode(gen)
+    messages = [{"role": "user", "content": "What is 12+34?"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=name, messages=messages, max_tokens=6, temperature=0, stream=True, logprobs=True,
+        extra_headers={"x-asyncrl-episode": eid})
+    assert raw.headers["x-asyncrl-episode"] == eid
+    tokens, logprobs, versions, text = [], [], [], ""
+    for chunk in raw.parse():
+        if not chunk.choices:
+            continue
+        extra = chunk.choices[0].model_extra or {}
+        tokens += extra.get("token_ids") or []
+        versions += extra.get("versions") or []
+        text += chunk.choices[0].delta.content or ""
+        if chunk.choices[0].logprobs is not None:
+            logprobs += [c.logprob for c in chunk.choices[0].logprobs.content or []]
+    assert tokens and len(tokens) == len(versions) == len(logprobs)
+    assert httpx.get(f"{gen['url']}/v1/episodes/{eid}", timeout=30).json()["turns"] == 1
+    follow = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "Add 1 to that."}]
+    body, _ = _episode_turn(gen, eid, follow)  # the next turn, not streamed
+    r = _post(gen, f"/v1/episodes/{eid}/finish", {"reward": 1.0})
+    assert r.status_code == 200, r.text
+    (sample,) = r.json()["samples"]
+    mask = sample["loss_mask"]
+    sampled = [t for t, m in zip(sample["response_ids"], mask) if m]
+    assert sampled == tokens + body["choices"][0]["token_ids"]
+    assert [v for v, m in zip(sample["versions"], mask) if m][: len(tokens)] == versions
+    assert [lp for lp, m in zip(sample["logprobs"], mask) if m][: len(tokens)] == pytest.approx(logprobs, abs=1e-6)
+    assert sample["prompt_ids"] == _template_ids(gen, messages)
+
+    # A client that stops reading after the first event: nothing of that turn is recorded.
+    eid = _open_episode(gen)
+    with httpx.stream("POST", f"{gen['url']}/v1/chat/completions", timeout=30, headers={"x-asyncrl-episode": eid},
+                      json={"model": name, "messages": messages, "max_tokens": 64, "temperature": 0, "stream": True,
+                            "ignore_eos": True}) as resp:
+        assert resp.status_code == 200
+        next(resp.iter_lines())
+    deadline = time.monotonic() + 30
+    while True:  # the gateway ends the turn once it notices the client went away
+        info = httpx.get(f"{gen['url']}/v1/episodes/{eid}", timeout=30).json()
+        if info["state"] != "generating" or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert info["turns"] == 0, info
+    _episode_turn(gen, eid, messages)  # the episode is idle again: the next turn is taken and recorded
+    assert httpx.get(f"{gen['url']}/v1/episodes/{eid}", timeout=30).json()["turns"] == 1
+
+
 def test_episode_requests_the_ledger_refuses_get_clear_4xx(gen):
     client, name = gen["client"], gen["cfg"].model.served_name
     msgs = [{"role": "user", "content": "What is 1+2?"}]
@@ -263,7 +317,7 @@ def test_episode_requests_the_ledger_refuses_get_clear_4xx(gen):
     eid = _open_episode(gen)
     r = _post(gen, f"/v1/episodes/{eid}/finish", {"reward": 0})  # a finish without turns
     assert r.status_code == 409 and "no turns" in r.json()["error"]["message"]
-    for kw, fragment in (({"n": 2, "temperature": 1.0}, "n=2"), ({"stream": True}, "stream")):
+    for kw, fragment in (({"n": 2, "temperature": 1.0}, "n=2"),):
         with pytest.raises(openai.BadRequestError, match=fragment):
             client.chat.completions.create(model=name, messages=msgs, max_tokens=4, extra_headers={"x-asyncrl-episode": eid}, **kw)
     _episode_turn(gen, eid, msgs)
