@@ -87,6 +87,11 @@ class JudgeConfig(_Section):
     score_pattern: str = Field(r"-?\d+(?:\.\d+)?", description="Regular expression; the last match in the judge's reply "
                                "(its first group if it has one) is the score.")
     scale: float = Field(1.0, gt=0, description="reward = score / scale (e.g. 10 for a 0-10 judge).")
+    mode: Literal["score", "agree"] = Field(
+        "score", description="score: the reward is the judge's score (above) / scale. agree: the judge answers the problem "
+        "itself (prompt_template asks it, e.g. with {metadata[question]}) and the reward is 1 where the last match of "
+        "score_pattern in its reply equals the last match in the completion (as numbers where both are), else 0; a "
+        "completion without a match scores 0. Reference-free: a stronger model's answer stands in for the label.")
     max_tokens: int = Field(16, gt=0)
     temperature: float = Field(0.0, ge=0)
     timeout_s: float = Field(30.0, gt=0, description="Per judge call; past it the call counts as a timeout (and is retried).")

@@ -48,7 +48,9 @@ class ArithmeticTask:
         return f"What is {a} {op} {b}?"
 
     def _prompt(self, a: int, op: str, b: int) -> Prompt:
-        return Prompt(prompt=self.question(a, op, b), answer=str(_OPS[op](a, b)), metadata={"task": "arithmetic"})
+        # (the question in the metadata too: a judge's prompt template can ask it, {metadata[question]})
+        question = self.question(a, op, b)
+        return Prompt(prompt=question, answer=str(_OPS[op](a, b)), metadata={"task": "arithmetic", "question": question})
 
     def eval_split(self) -> list[Prompt]:
         return [self._prompt(*p) for p in self._problems]

@@ -3,8 +3,9 @@
 Owns: rendering the judge prompt (`reward.judge.prompt_template` with {completion}, {answer},
 {metadata[KEY]}), the calls (at most `judge.concurrency` at once, each under `judge.timeout_s`,
 retried `judge.retries` times after a timeout, a connection error, a 5xx or a 429), parsing the
-score (the last match of `judge.score_pattern`, divided by `judge.scale`) and the `reward/*`
-counters. The judge may be any server with `/v1/chat/completions`: vLLM, asyncrl's own gateway (a
+score (the last match of `judge.score_pattern`, divided by `judge.scale`; with `judge.mode: agree`
+the judge's own answer, and the reward is whether the completion's answer equals it) and the
+`reward/*` counters. The judge may be any server with `/v1/chat/completions`: vLLM, asyncrl's own gateway (a
 second deployment of a model), a hosted API.
 
 Must never: score a failed or unparsable call as 0 (it is INVALID_REWARD with the reason, and its
@@ -29,6 +30,15 @@ _RETRY_STATUS = {429, 500, 502, 503, 504}
 _MAX_ERROR_CHARS = 300
 
 
+def _same(a: str, b: str) -> bool:
+    """Two parsed answers are the same: as numbers where both are finite numbers, else as text."""
+    try:
+        x, y = float(a), float(b)
+    except ValueError:
+        return a.strip() == b.strip()
+    return x == y if math.isfinite(x) and math.isfinite(y) else a.strip() == b.strip()
+
+
 class _Metadata(dict):
     """{metadata[KEY]} in the template: a missing key renders empty instead of failing the call."""
 
@@ -48,7 +58,8 @@ class HttpJudge:
         self._http = httpx.AsyncClient(base_url=j.url.rstrip("/") + "/", headers=headers, timeout=j.timeout_s)
         self._slots = asyncio.Semaphore(j.concurrency)
         self._model = j.model
-        self._counts = {"calls": 0, "valid": 0, "invalid": 0, "retries": 0, "timeouts": 0, "http_errors": 0, "unparsable": 0}
+        self._counts = {"calls": 0, "valid": 0, "invalid": 0, "retries": 0, "timeouts": 0, "http_errors": 0, "unparsable": 0,
+                        "agreed": 0}
 
     async def score(self, completions: list[str], answers: list[str], metadata: list[dict[str, Any]] | None = None,
                     token_ids: TokenIds | None = None) -> list[RewardOutcome]:
@@ -68,7 +79,13 @@ class HttpJudge:
         if not found:
             self._counts["unparsable"] += 1
             return self._invalid(f"no score in the judge's reply {reply[:_MAX_ERROR_CHARS]!r} (judge.score_pattern={self._pattern.pattern!r})")
-        raw = found[-1].group(1) if self._pattern.groups else found[-1].group(0)
+        raw = self._last(found)
+        if self.config.judge.mode == "agree":  # the judge's own answer: does the completion's equal it?
+            mine = list(self._pattern.finditer(completion))
+            agreed = bool(mine) and _same(self._last(mine), raw)
+            self._counts["valid"] += 1
+            self._counts["agreed"] += int(agreed)
+            return RewardOutcome(1.0 if agreed else 0.0, SampleStatus.VALID, None)
         try:
             value = float(raw) / self.config.judge.scale
         except ValueError:
@@ -78,6 +95,9 @@ class HttpJudge:
             return self._invalid(f"the judge's score {raw!r} is not a finite number")
         self._counts["valid"] += 1
         return RewardOutcome(value, SampleStatus.VALID, None)
+
+    def _last(self, found: list[re.Match[str]]) -> str:
+        return found[-1].group(1) if self._pattern.groups else found[-1].group(0)
 
     async def _call(self, text: str) -> tuple[str | None, str | None]:
         """(the judge's reply, None), or (None, why) after the last attempt."""

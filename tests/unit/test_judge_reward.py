@@ -52,7 +52,7 @@ def judge_server():
         if kind == "bad":
             return JSONResponse({"error": {"message": "no such model"}}, status_code=404)
         reply = {"good": "I would say 7 out of 10, so 7", "words": "excellent answer", "flaky": "Score: 9",
-                 "slow": "5"}.get(kind, text)
+                 "slow": "5", "solve": "12 + 34 is 46"}.get(kind, text)
         return {"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]}
 
     port = _free_port()
@@ -104,6 +104,25 @@ async def test_failures_are_invalid_with_the_reason_after_bounded_retries(judge_
     assert out.status == SampleStatus.INVALID_REWARD and "unreachable" in out.error
     judge.close()
     unreachable.close()
+
+
+async def test_agree_mode_rewards_a_completion_whose_answer_is_the_judges_own(judge_server):
+    """judge.mode agree: the judge answers the problem (here: the question from the metadata) and a
+    completion scores 1 where its last number equals the judge's, as numbers; a completion without a
+    number scores 0 (a valid reward: it did not answer); a judge reply without one is invalid."""
+    url, seen = judge_server
+    judge = _judge(url, mode="agree", prompt_template="{metadata[question]}")
+    meta = {"question": "solve 12 + 34"}
+    out = await judge.score(["It is 46", "45", "46.0", "I do not know", "so 12 + 34 = 46"], [""] * 5, [meta] * 5)
+    assert [o.reward for o in out] == [1.0, 0.0, 1.0, 0.0, 1.0] and all(o.status == SampleStatus.VALID for o in out)
+    assert ("judge-1", "solve 12 + 34", 16, 0.0) in seen["prompts"]  # the judge is asked the question, not the completion
+    (bad,) = await judge.score(["46"], [""], [{"question": "words only"}])
+    assert bad.status == SampleStatus.INVALID_REWARD and "no score" in bad.error  # the judge gave no answer: not a 0
+    m = judge.metrics()
+    assert (m["reward/judge_valid"], m["reward/judge_agreed"], m["reward/judge_invalid"]) == (5.0, 3.0, 1.0)
+    judge.close()
+    with pytest.raises(ConfigError, match="mode"):
+        load_config({"reward": {"kind": "http", "judge": {"url": "http://h/v1", "mode": "vote"}}})
 
 
 def test_judge_config_errors_name_the_field():
