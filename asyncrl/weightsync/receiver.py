@@ -290,6 +290,11 @@ class WorkerReceiver:
 
     def abort(self) -> None:
         self._staged = None
+        self.release_views()
+
+    def release_views(self) -> None:
+        """Drop the views kept from the last push (its groups are gone: on ipc they map the old
+        sender's buffers, which they would otherwise keep allocated until the next push)."""
         self._views, self._apply_lists = {}, None
 
     @property

@@ -355,6 +355,7 @@ class WeightsyncWorkerExtension:
     def asyncrl_leave_collective(self) -> None:
         for group in self.__dict__.pop("_asyncrl_groups", {}).values():
             group.close()
+        self._asyncrl_rx().release_views()  # (views of the groups' buffers, kept for their next push)
 
     def asyncrl_collective_groups(self) -> list[str]:
         """Ids of the groups this worker holds that can still carry a push."""

@@ -383,7 +383,7 @@ def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_sess
     # 2 cores), never for a push's 600 s deadline (a sender left waiting for the dead worker).
     assert max(m["time/sync_s"] for m in metrics) < 300, [round(m["time/sync_s"], 1) for m in metrics]
     if transport == "ipc":
-        assert metrics[-1]["weightsync/group_checks_skipped"] >= total - 3  # (the pushes around the fault ask)
+        assert metrics[-1]["weightsync/group_checks_skipped"] >= total // 2  # (the pushes around the fault ask)
     assert seen["left_after_shutdown"] == [], seen["left_after_shutdown"]
 
 

@@ -73,8 +73,14 @@ def test_a_receiver_keeps_the_views_of_a_reused_record_and_applies_the_bytes_sta
     assert all(torch.equal(live[n], want[n]) for n in names)
     assert set(rx._views) == {id(b) for b in other}  # the old record's views are let go
 
+    # Leaving the groups lets go of the views of their buffers.
+    rx.release_views()
+    assert rx._views == {} and rx._apply_lists is None
+    _push(rx, 6, other)
+    assert all(torch.equal(live[n], want[n]) for n in names)
+
     # An aborted update keeps nothing.
-    rx.begin(6, "checksum", "full", "engine")
-    rx.stage(6, other[0], lazy=True, batch=True)
+    rx.begin(7, "checksum", "full", "engine")
+    rx.stage(7, other[0], lazy=True, batch=True)
     rx.abort()
     assert rx._views == {} and rx._apply_lists is None
