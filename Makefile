@@ -9,6 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.asyncrl-setup
 DEMO_MODEL := artifacts/demo-model
 DEMO_RM := artifacts/demo-rm
+DEMO_JUDGE := artifacts/demo-judge
 # CPU unless an NVIDIA GPU is visible.
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 EXTRA := $(if $(HAS_GPU),gpu,cpu)
@@ -24,7 +25,7 @@ TORCH_SOURCE ?= $(if $(TORCH_LOCAL),--find-links $(TORCH_WHEELS),--extra-index-u
 FIND_LINKS := $(if $(TORCH_LOCAL),--find-links $(TORCH_WHEELS),)
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast demo-model demo-reward-model clean torch-source
+.PHONY: setup serve test test-fast demo-model demo-reward-model demo-judge-model clean torch-source
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +52,14 @@ $(DEMO_RM)/config.json: $(DEMO_MODEL)/config.json | $(STAMP)
 	$(VENV)/bin/asyncrl demo-reward-model --policy $(DEMO_MODEL) --out $(DEMO_RM)
 
 demo-reward-model: $(DEMO_RM)/config.json
+
+# The judge of deploy/rlhf-judge.yaml (reward.kind: http): the demo after 200 steps of RL on the
+# exact-answer rule (deploy/rlhf-judge-teacher.yaml, about 5 minutes on 2 cores), exported.
+$(DEMO_JUDGE)/config.json: $(DEMO_MODEL)/config.json | $(STAMP)
+	rm -rf runs/judge-teacher
+	$(VENV)/bin/asyncrl demo-judge-model --config deploy/rlhf-judge-teacher.yaml --out $(DEMO_JUDGE)
+
+demo-judge-model: $(DEMO_JUDGE)/config.json
 
 serve: setup demo-model
 	$(VENV)/bin/asyncrl serve deploy/rlhf.yaml

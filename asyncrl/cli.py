@@ -41,6 +41,62 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_judge_model(args: argparse.Namespace) -> int:
+    """The judge of deploy/rlhf-judge.yaml: `asyncrl serve CONFIG` (the demo trained by RL on the
+    exact-answer rule) until its trainer finishes, then its last checkpoint exported to --out."""
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    import yaml
+
+    from asyncrl.trainer.export import ExportError, export_run
+    from asyncrl.trainer.status_view import StatusUnavailable, fetch_status
+
+    serve_cfg = yaml.safe_load(Path(args.config).read_text())
+    apps = [a for a in serve_cfg.get("applications", []) if str(a.get("import_path", "")).endswith(":app_builder")]
+    if len(apps) != 1:
+        print(f"asyncrl demo-judge-model: {args.config} must hold one training application (asyncrl.app:app_builder)",
+              file=sys.stderr)
+        return 2
+    train = apps[0]["args"]
+    run_dir, steps = Path(train["logging"]["dir"]), int(train["trainer"]["total_steps"])
+    if run_dir.exists():
+        print(f"asyncrl demo-judge-model: {run_dir} exists (an earlier run); remove it first", file=sys.stderr)
+        return 2
+    http = serve_cfg.get("http_options", {})
+    url = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
+    serving = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "serve", args.config])
+    deadline, state = time.monotonic() + args.timeout_s, None
+    try:
+        while time.monotonic() < deadline and serving.poll() is None:
+            try:
+                status = fetch_status(url, timeout_s=10.0)
+            except StatusUnavailable:  # not up yet
+                time.sleep(5.0)
+                continue
+            state = status.get("state")
+            if state in ("finished", "failed", "stopped"):
+                break
+            time.sleep(10.0)
+    finally:
+        if serving.poll() is None:
+            serving.send_signal(signal.SIGTERM)  # drains the app, then stops Ray
+            serving.wait(300)
+    if state != "finished":
+        print(f"asyncrl demo-judge-model: training ended {state or 'without a status'} (see {run_dir}); nothing exported",
+              file=sys.stderr)
+        return 1
+    try:
+        ckpt, out = export_run(str(run_dir), args.out, step=steps)
+    except ExportError as err:
+        print(f"asyncrl demo-judge-model: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {ckpt} (the judge) to {out}")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from asyncrl.trainer.export import ExportError, export_run
 
@@ -180,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("--target-accuracy", type=_fraction, default=None,
                     help="stop once held-out accuracy on the policy's completions reaches this (0 = every step)")
     rm.set_defaults(func=_demo_reward_model)
+
+    judge = sub.add_parser("demo-judge-model", help="the demo judge for reward.kind: http (deploy/rlhf-judge.yaml): "
+                           "the demo trained by RL on the exact-answer rule, its last checkpoint exported")
+    judge.add_argument("--config", default="deploy/rlhf-judge-teacher.yaml", help="its training run (default: %(default)s)")
+    judge.add_argument("--out", required=True, help="output Hugging Face model directory")
+    judge.add_argument("--timeout-s", type=_positive_float, default=3600.0, help="give up on the training after this long")
+    judge.set_defaults(func=_demo_judge_model)
 
     run = sub.add_parser("serve", help="`serve run CONFIG` where SIGTERM drains the app as Ctrl-C does (make serve)")
     run.add_argument("config", help="Serve config, e.g. deploy/rlhf.yaml")

@@ -165,3 +165,22 @@ def test_export_refuses_what_it_cannot_export_before_starting_ranks(tmp_path, de
     assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--step", "9"]) == 2
     assert "no complete checkpoint of step 9" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_demo_judge_model_refuses_a_config_without_one_training_app_or_an_existing_run(tmp_path, capsys, monkeypatch):
+    """`asyncrl demo-judge-model` checks its training config before it starts anything: exactly one
+    training application, and no earlier run in its logging directory (exit 2, nothing started)."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    gen_only = {"applications": [{"name": "g", "import_path": "asyncrl.app:generator_app_builder", "args": {}}]}
+    (tmp_path / "gen.yaml").write_text(yaml.safe_dump(gen_only))
+    assert main(["demo-judge-model", "--config", "gen.yaml", "--out", "judge"]) == 2
+    assert "must hold one training application" in capsys.readouterr().err
+    teacher = Path(__file__).resolve().parents[2] / "deploy" / "rlhf-judge-teacher.yaml"
+    cfg = yaml.safe_load(teacher.read_text())
+    (tmp_path / "runs" / "judge-teacher").mkdir(parents=True)  # the teacher's logging.dir, from an earlier run
+    (tmp_path / "teacher.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["demo-judge-model", "--config", "teacher.yaml", "--out", "judge"]) == 2
+    assert "runs/judge-teacher exists (an earlier run); remove it first" in capsys.readouterr().err
+    assert not (tmp_path / "judge").exists()

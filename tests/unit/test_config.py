@@ -195,3 +195,22 @@ def test_an_agent_returns_a_reward_or_a_reward_with_one_per_turn():
                 {"reward": 1, "turn_rewards": "0"}, {"reward": 1, "other": 2}, {"turn_rewards": [1]}):
         with pytest.raises(ValueError, match="rollout.function returned"):
             agent_result(bad)
+
+
+def test_the_judge_demo_config_scores_by_a_second_frozen_deployment_in_the_same_app():
+    """deploy/rlhf-judge.yaml: the training app first (tools read the first app's args), reward.kind
+    http in agree mode against the judge application's own API port; the judge app is a generator of
+    the exported judge model that never loads the policy's live weights."""
+    import yaml
+
+    raw = yaml.safe_load((REPO / "deploy" / "rlhf-judge.yaml").read_text())
+    cfg = load_config_file(REPO / "deploy" / "rlhf-judge.yaml")
+    assert cfg.reward.kind == "http" and cfg.reward.judge.mode == "agree" and cfg.reward.eval_function
+    assert "{metadata[question]}" in cfg.reward.judge.prompt_template
+    (judge,) = [a for a in raw["applications"] if a["name"] == "judge"]
+    assert judge["import_path"] == "asyncrl.app:generator_app_builder" and judge["args"]["weight_source"] is None
+    jcfg = load_config({k: v for k, v in judge["args"].items() if k != "weight_source"})
+    assert cfg.reward.judge.url == f"http://127.0.0.1:{jcfg.generator.direct_http_port}/v1"
+    assert jcfg.model.path == "artifacts/demo-judge" and jcfg.generator.direct_http_port != cfg.generator.direct_http_port
+    teacher = load_config_file(REPO / "deploy" / "rlhf-judge-teacher.yaml")  # what makes the judge (make demo-judge-model)
+    assert teacher.reward.kind == "rule" and teacher.checkpoint.interval_steps and teacher.trainer.total_steps % teacher.checkpoint.interval_steps == 0
