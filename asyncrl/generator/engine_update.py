@@ -142,6 +142,8 @@ class WeightUpdates:
                 return {**await self._commit(self._staging_version, fingerprint, paused_at=paused_at),
                         "fingerprint": fingerprint, "staged_tensors": staged}
             except BaseException as err:
+                if isinstance(loads, asyncio.Future) and not loads.done():  # this call was cancelled
+                    loads.cancel()
                 if pausing is not None and not getattr(err, "applying", False):  # nothing applied: run again
                     await self._undo_pause(pausing)
                 raise
