@@ -584,19 +584,28 @@ class _FakeLearner:
         return self.held
 
 
-async def test_groups_are_formed_again_only_when_replicas_change_or_a_member_broke():
-    from asyncrl.weightsync.service import CollectiveLink
-
-    learner = _FakeLearner()
+def _fake_replicas():
+    """One replica "a" with one worker, as `CollectiveLink` sees replicas: (their info, how often the
+    link asked, `members`, `join`)."""
     replicas = {"a": {"workers": 1, "groups": []}}
+    asked = {"n": 0}
 
     async def members():
+        asked["n"] += 1
         return {rid: dict(i) for rid, i in replicas.items()}
 
     async def join(wire):
         for i in replicas.values():
             i["groups"] = [s["group_id"] for s in wire]
 
+    return replicas, asked, members, join
+
+
+async def test_groups_are_formed_again_only_when_replicas_change_or_a_member_broke():
+    from asyncrl.weightsync.service import CollectiveLink
+
+    learner = _FakeLearner()
+    replicas, _, members, join = _fake_replicas()
     link = CollectiveLink("gloo", learner, members=members, join=join, bucket_mb=1, timeout_s=5)
     await link.ensure()
     assert link.formed == 1 and link.members == {"a": 1} and link.payload(3) == CollectiveReceive(tuple(link.group_ids), 3, 5)
@@ -617,17 +626,7 @@ async def test_an_ipc_link_checks_its_groups_again_unless_the_last_push_reached_
     from asyncrl.weightsync.service import CollectiveLink
 
     learner = _FakeLearner()
-    replicas = {"a": {"workers": 1, "groups": []}}
-    asked = {"n": 0}
-
-    async def members():
-        asked["n"] += 1
-        return {rid: dict(i) for rid, i in replicas.items()}
-
-    async def join(wire):
-        for i in replicas.values():
-            i["groups"] = [s["group_id"] for s in wire]
-
+    _, asked, members, join = _fake_replicas()
     link = CollectiveLink("ipc", learner, members=members, join=join, bucket_mb=1, timeout_s=5)
     await link.ensure()
     assert link.formed == 1 and asked["n"] == 1
