@@ -94,7 +94,8 @@ class WorkerReceiver:
         # objects while the ring is (ipc.py's record cache): their unpacked views, and the apply's
         # parameter lists built from them, are kept from one push to the next.
         self._views: dict[int, tuple[Bucket, list[tuple[str, torch.Tensor]]]] = {}
-        self._apply_lists: tuple[tuple[int, ...], int, list[torch.Tensor], list[torch.Tensor]] | None = None
+        # (key, live parameters, sources); set_plan, the one place the live parameters change, drops it
+        self._apply_lists: tuple[tuple[int, ...], list[torch.Tensor], list[torch.Tensor]] | None = None
 
     # ---- layout ---------------------------------------------------------------------------------
 
@@ -237,9 +238,9 @@ class WorkerReceiver:
         if live is None:
             raise RuntimeError("no push plan: engine-layout tensors cannot be applied")
         lists = self._apply_lists
-        if key is not None and lists is not None and lists[0] == key and lists[1] == id(live):
+        if key is not None and lists is not None and lists[0] == key:
             with torch.no_grad():
-                torch._foreach_copy_(lists[2], lists[3])
+                torch._foreach_copy_(lists[1], lists[2])
             return
         dst, src = [], []
         same_device = True
@@ -256,7 +257,7 @@ class WorkerReceiver:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)
         # kept as the parameters themselves (a later `param.data = ...` is followed), never a temporary copy
-        self._apply_lists = (key, id(live), [live[name] for name, _ in views], src) \
+        self._apply_lists = (key, [live[name] for name, _ in views], src) \
             if key is not None and same_device and dst else None
 
     def apply(self, version: int) -> dict[str, Any]:

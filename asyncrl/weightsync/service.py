@@ -390,11 +390,10 @@ class CollectiveLink:
 
         from asyncrl.weightsync.collective import form_specs
 
-        if self._clean and self.specs:
-            self._clean = False  # once: a failed push's retry asks
+        clean, self._clean = self._clean, False  # once: a failed push's retry asks
+        if clean and self.specs:
             self.checks_skipped += 1
             return
-        self._clean = False
         info, senders = await asyncio.gather(self._members_call(), self.learner.collective_groups())
         members = {rid: int(i["workers"]) for rid, i in info.items()}
         healthy = set(senders) == set(self.group_ids) and all(set(self.group_ids) <= set(i["groups"]) for i in info.values())
