@@ -54,14 +54,25 @@ def _demo_judge_model(args: argparse.Namespace) -> int:
     from asyncrl.trainer.export import ExportError, export_run
     from asyncrl.trainer.status_view import StatusUnavailable, fetch_status
 
-    serve_cfg = yaml.safe_load(Path(args.config).read_text())
-    apps = [a for a in serve_cfg.get("applications", []) if str(a.get("import_path", "")).endswith(":app_builder")]
+    from asyncrl.config import ConfigError, load_config
+
+    try:
+        serve_cfg = yaml.safe_load(Path(args.config).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        print(f"asyncrl demo-judge-model: --config {args.config}: {err}", file=sys.stderr)
+        return 2
+    apps = [a for a in (serve_cfg or {}).get("applications", []) if str(a.get("import_path", "")).endswith(":app_builder")] \
+        if isinstance(serve_cfg, dict) else []
     if len(apps) != 1:
         print(f"asyncrl demo-judge-model: {args.config} must hold one training application (asyncrl.app:app_builder)",
               file=sys.stderr)
         return 2
-    train = apps[0]["args"]
-    run_dir, steps = Path(train["logging"]["dir"]), int(train["trainer"]["total_steps"])
+    try:
+        train = load_config(apps[0].get("args") or {}, source=args.config)
+    except ConfigError as err:
+        print(f"asyncrl demo-judge-model: {err}", file=sys.stderr)
+        return 2
+    run_dir, steps = Path(train.logging.dir), train.trainer.total_steps
     if run_dir.exists():
         print(f"asyncrl demo-judge-model: {run_dir} exists (an earlier run); remove it first", file=sys.stderr)
         return 2

@@ -177,6 +177,15 @@ def test_demo_judge_model_refuses_a_config_without_one_training_app_or_an_existi
     (tmp_path / "gen.yaml").write_text(yaml.safe_dump(gen_only))
     assert main(["demo-judge-model", "--config", "gen.yaml", "--out", "judge"]) == 2
     assert "must hold one training application" in capsys.readouterr().err
+    assert main(["demo-judge-model", "--config", "missing.yaml", "--out", "judge"]) == 2
+    assert "--config missing.yaml" in capsys.readouterr().err
+    (tmp_path / "bad.yaml").write_text("applications: [\n")
+    assert main(["demo-judge-model", "--config", "bad.yaml", "--out", "judge"]) == 2
+    assert "--config bad.yaml" in capsys.readouterr().err
+    wrong = {"applications": [{"name": "t", "import_path": "asyncrl.app:app_builder", "args": {"trainer": {"total_steps": 0}}}]}
+    (tmp_path / "wrong.yaml").write_text(yaml.safe_dump(wrong))
+    assert main(["demo-judge-model", "--config", "wrong.yaml", "--out", "judge"]) == 2
+    assert "trainer.total_steps" in capsys.readouterr().err  # a config error names its field
     teacher = Path(__file__).resolve().parents[2] / "deploy" / "rlhf-judge-teacher.yaml"
     cfg = yaml.safe_load(teacher.read_text())
     (tmp_path / "runs" / "judge-teacher").mkdir(parents=True)  # the teacher's logging.dir, from an earlier run
