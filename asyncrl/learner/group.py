@@ -79,6 +79,7 @@ class LearnerGroup:
         self.ranks: list[Any] = []
         self._pg: Any = None
         self._broken: str | None = None
+        self._broken_rank: int | None = None  # the rank whose failure broke the group (named by every later call)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -148,7 +149,7 @@ class LearnerGroup:
         failure has one of these in its chain: a weight broadcast whose receiver died); then that
         error is raised for the rank and the group stays usable."""
         if self._broken:
-            raise LearnerRankError(None, method, f"group unusable after an earlier failure: {self._broken}")
+            raise LearnerRankError(self._broken_rank, method, f"group unusable after an earlier failure: {self._broken}")
         ranks = ranks if ranks is not None else list(range(len(refs)))
 
         async def one(ref: Any) -> Any:
@@ -166,13 +167,13 @@ class LearnerGroup:
             rank, exc = failed[0]
             if survivable and not pending and all(c is not None for c in causes):
                 raise type(causes[0])(f"rank {rank} in {method}: {causes[0]}") from exc
-            self._broken = f"rank {rank} failed in {method}"
+            self._broken, self._broken_rank = f"rank {rank} failed in {method}", rank
             raise LearnerRankError(rank, method, _short(exc)) from exc
         if pending:
             for p in pending:
                 p.cancel()
             late = [r for f, r in zip(futs, ranks) if f in pending]
-            self._broken = f"ranks {late} timed out in {method}"
+            self._broken, self._broken_rank = f"ranks {late} timed out in {method}", late[0]
             raise LearnerRankError(late[0], method, f"ranks {late} gave no answer within {self.call_timeout_s}s")
         return [f.result() for f in futs]
 

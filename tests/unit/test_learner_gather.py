@@ -16,7 +16,7 @@ from asyncrl.weightsync.collective import CollectiveError
 
 def _group(timeout_s: float = 0.5) -> LearnerGroup:
     group = LearnerGroup.__new__(LearnerGroup)  # no ranks started: _gather only awaits what it is given
-    group.call_timeout_s, group._broken = timeout_s, None
+    group.call_timeout_s, group._broken, group._broken_rank = timeout_s, None, None
     return group
 
 
@@ -58,8 +58,9 @@ def test_anything_else_beside_it_leaves_the_group_unusable(second):
     with pytest.raises(LearnerRankError):
         _run(group, [_raise(_wrapped(CollectiveError("connection closed"))), other], survivable=(CollectiveError,))
     assert group._broken is not None
-    with pytest.raises(LearnerRankError, match="unusable after an earlier failure"):
-        _run(group, [])  # refused before it awaits anything
+    # refused before it awaits anything, naming the rank that broke it (a run that fails says which)
+    with pytest.raises(LearnerRankError, match="learner rank 0 failed in broadcast_hf_tensors: group unusable after an earlier failure"):
+        _run(group, [])
 
 
 def test_a_call_that_names_nothing_survivable_breaks_on_a_wire_failure_too():
