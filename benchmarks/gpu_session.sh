@@ -60,7 +60,7 @@ push)
     bench:*)  # bench:MODEL or bench:MODEL:VERIFY (a verify mode for this step alone)
       m=${step#bench:}; v=${VERIFY:-checksum}
       case $m in *:*) v=${m#*:}; m=${m%%:*} ;; esac
-      t=${TRANSPORT:-ipc}; log=$OUT/ws_push_${t}_${m}_$v.log
+      t=${TRANSPORT:-ipc}; log=$OUT/ws_push_${t}_${m##*/}_$v.log
       ASYNCRL_PROFILE_DIR=${PROFILE_DIR:-} timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports $t \
           --gpus 0.5 --dtype bfloat16 --verify $v --staging ${STAGING:-full} > $log 2>&1
       echo "weightsync $t $m verify=$v rc=$?"; grep '^{' $log | tee -a $OUT/ws_push.json
@@ -356,7 +356,9 @@ quad|duo)
   #   quad: GPUs 0,1 balanced (issue 28) | GPU 2 peers (issue 32) | GPU 3 the ipc push (issue 22)
   #   duo:  GPUs 0,1 the NCCL push (issues 22, 28) | GPUs 2,3 the demo over NCCL (issue 28)
   mode=$1
-  if [ $mode = quad ]; then jobs_=("0,1 balanced" "2 peers" "3 push"); else jobs_=("0,1 push" "2,3 demo-nccl"); fi
+  # JOBS overrides the set: "GPUS:STAGE ..." (e.g. JOBS="0,1:balanced 2,3:demo-nccl")
+  if [ -n "${JOBS:-}" ]; then jobs_=(); for j in $JOBS; do jobs_+=("${j%%:*} ${j#*:}"); done
+  elif [ $mode = quad ]; then jobs_=("0,1 balanced" "2 peers" "3 push"); else jobs_=("0,1 push" "2,3 demo-nccl"); fi
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   if [ "${mem:-0}" -gt 100000 ] && [ -z "${PEERS_MODEL:-}" ]; then  # H200: TRL's 0.5B row exists (docs); the 1.5B shape is new
     export PEERS_MODEL=/tmp/qwen2-1.5b-random PEERS_SHAPE="--layers 28 --hidden 1536 --heads 12 --kv-heads 2 --ffn 8960"
@@ -366,7 +368,8 @@ quad|duo)
     set -- $j
     base=$((base + 2000))
     ( export CUDA_VISIBLE_DEVICES=$1 NO_CLEANUP=1 RAY_PORT_BASE=$base OUT=$OUT/$2
-      if [ $mode = quad ]; then export TRANSPORT=ipc STEPS="${PUSH_STEPS:-bench:random500m bench:random1500m bench:random500m:off}"
+      if [ -n "${PUSH_TRANSPORT:-}" ]; then export TRANSPORT=$PUSH_TRANSPORT STEPS="${PUSH_STEPS:-bench:random500m}"
+      elif [ $mode = quad ]; then export TRANSPORT=ipc STEPS="${PUSH_STEPS:-bench:random500m bench:random1500m bench:random500m:off}"
       else export TRANSPORT=nccl STEPS="${PUSH_STEPS:-bench:random500m bench:random1500m}"; fi
       # each job ends by its own timeouts inside the call's 600 s: balanced ~20 + 200 + 340 (an app's start took
       # 64-80 s on the H200 host: vLLM compiles and captures its graphs), peers 480 from t = 20, push 3 x 160 from t = 40
