@@ -7,7 +7,11 @@ other in one Ray session. Time is split per run into
   sync   weight publication to every engine replica                    sum of time/sync_s
   wait   the learner waiting for a full batch (generation not hidden)   wall - train - sync
 Eval and checkpoints are off so that only the loop is timed. The first step is excluded
-(warm-up: engine and learner caches, first batch of the run). Per run also: the push (seconds,
+(warm-up: engine and learner caches, first batch of the run). At eta > 0 the engine runs ahead during
+that step, so a short run trains batches generated before its timed window and can beat the engine's
+pace (even the 2x overlap bound): each run also reports the share trained from before the window and
+the steady-state s/step, max(the window's, response tokens per step / the engine's tokens/s), and the
+speedup by it (`steady_state`). Per run also: the push (seconds,
 GB/s, how long engines were paused), rollout tokens/s, and the learner's MFU:
   8 x params x train/tokens / time/train_s / (learner GPUs x --peak-flops)
 (8 = the update's forward and backward (6) plus the proximal log-prob forward (2); attention's
@@ -137,7 +141,7 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, 
     mfu = (8 * model_params(cfg.model.path) * tokens / train / (learner_gpus * peak_flops)
            if learner_gpus >= 1 and train > 0 else None)
     gen_tokens = rows[-1]["rollout/tokens"] - rows[0]["rollout/tokens"]
-    return {
+    return {**steady_state(wall, len(timed), sum(r.get("train/response_tokens", 0.0) for r in timed), gen_tokens),
         "eta": eta, "steps_timed": len(timed), "samples": samples, "wall_s": wall, "train_s": train, "sync_s": sync,
         "wait_s": max(wall - train - sync, 0.0), "samples_per_s": samples / wall,
         "staleness_mean": sum(r.get("buffer/staleness_mean", 0.0) for r in timed) / len(timed),
@@ -158,6 +162,23 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, 
         "joins": replica_joins(replicas),
         "replica_timeline": replicas,
     }
+
+
+def steady_state(wall_s: float, steps: int, trained_response_tokens: float, generated_tokens: float) -> dict[str, float | None]:
+    """What a short run's wall time hides at eta > 0: batches generated before the timed window (the
+    engine runs ahead by up to eta versions during the warm-up step) are drawn from the buffer, so the
+    window can train more than the engine generated in it, and its s/step can beat the engine's pace.
+    In a long run the learner cannot outpace the engine: steady s/step = max(the window's s/step,
+    response tokens per step / the engine's tokens/s in the window). `drawn_from_buffer`: the share of
+    the window's trained response tokens generated before it (0 when the engine kept up)."""
+    if steps <= 0 or wall_s <= 0:
+        return {"drawn_from_buffer": None, "engine_s_per_step": None, "steady_s_per_step": None}
+    per_step = trained_response_tokens / steps
+    rate = generated_tokens / wall_s
+    engine = per_step / rate if rate > 0 else None
+    drawn = max(0.0, 1.0 - generated_tokens / trained_response_tokens) if trained_response_tokens > 0 else 0.0
+    return {"drawn_from_buffer": drawn, "engine_s_per_step": engine,
+            "steady_s_per_step": max(wall_s / steps, engine) if engine is not None else wall_s / steps}
 
 
 def _replica_versions(control: Any, app: str) -> tuple[Any, dict[str, int] | None]:
@@ -224,13 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     ref = results[0]
     print(f"\nmachine: {platform.node()} {platform.machine()}, config {a.config}, {a.steps} steps per run")
     print("| eta | wall s | train s | sync s | wait s | samples/s | staleness | push s | push GB/s | paused s | learner MFU "
-          "| speedup vs eta=%d |" % ref["eta"])
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| speedup vs eta=%d | trained from before the window | steady s/step | steady speedup |" % ref["eta"])
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in results:
         print(f"| {r['eta']} | {r['wall_s']:.1f} | {r['train_s']:.1f} | {r['sync_s']:.1f} | {r['wait_s']:.1f} | "
               f"{r['samples_per_s']:.1f} | {r['staleness_mean']:.2f} | {f(r['push_s'], '.3f')} | {f(r['push_gbps'], '.1f')} | "
-              f"{f(r['push_paused_s'], '.3f')} | {f(r['learner_mfu'], '.1%')} | {ref['wall_s'] / r['wall_s']:.2f}x |")
+              f"{f(r['push_paused_s'], '.3f')} | {f(r['learner_mfu'], '.1%')} | {ref['wall_s'] / r['wall_s']:.2f}x | "
+              f"{f(r['drawn_from_buffer'], '.0%')} | {f(r['steady_s_per_step'], '.2f')} | "
+              f"{ref['steady_s_per_step'] / r['steady_s_per_step']:.2f}x |")
     for r in results:
         for j in r["joins"]:
             print(f"eta={r['eta']}: engine replica {j['replica']} joined serving version {j['first_version']} "

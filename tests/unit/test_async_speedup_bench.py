@@ -58,3 +58,23 @@ def test_the_gpu_stage_configs_load_with_the_stage_overrides(bench, name, demo_m
     if name == "rlhf-gpu4-scale.yaml":
         assert cfg.generator.autoscaling.max_replicas == 2 and cfg.generator.autoscaling.initial_replicas == 1
         assert cfg.trainer.rollout_concurrency > cfg.generator.autoscaling.target_ongoing_requests
+
+
+def test_a_window_that_trains_batches_generated_before_it_is_held_to_the_engines_pace(bench):
+    # Issue 28's balanced run (two H200s, eta = 2, 4 timed steps): 4 x 384 x 1,024 response tokens trained
+    # in 43.3 s while the engine generated 851k tokens (19.6k tokens/s) in that window: more than half of
+    # what was trained came from before it, and the engine's pace is 20.0 s per step, not 10.8.
+    trained = 4 * 384 * 1024
+    out = bench.steady_state(43.3, 4, trained, 851_000)
+    assert out["drawn_from_buffer"] == pytest.approx(1 - 851_000 / trained)
+    assert out["engine_s_per_step"] == pytest.approx(384 * 1024 / (851_000 / 43.3))
+    assert out["steady_s_per_step"] == out["engine_s_per_step"] > 43.3 / 4
+
+
+def test_a_window_whose_engine_kept_up_keeps_its_own_pace(bench):
+    # eta = 0: every trained token was generated inside the window (and more, for the batch in flight)
+    out = bench.steady_state(118.8, 4, 4 * 384 * 1024, 4 * 384 * 1024 + 50_000)
+    assert out["drawn_from_buffer"] == 0.0
+    assert out["steady_s_per_step"] == pytest.approx(118.8 / 4)
+    assert bench.steady_state(0.0, 0, 0, 0) == {"drawn_from_buffer": None, "engine_s_per_step": None,
+                                                 "steady_s_per_step": None}
