@@ -12,7 +12,8 @@ its device, receive, hand each bucket on with the sender's digests).
 With `ipc_window` 0 (weightsync.staging full: the receivers stage the whole version anyway) the
 sender packs every bucket, sends one table of every bucket (without digests: full staging
 compares one fingerprint at the commit), then enqueues the buckets' broadcasts back to back and
-its checksums behind them, so that hashing runs beside the wire, and waits once at the end; each
+its checksums behind them, so that hashing runs beside the wire, and waits once at the end (the
+host copies start after that, unless `full` verification hashes them); each
 receiver receives them into one allocation and hashes each bucket as it lands. Per bucket that
 saves the header and table round trips and the waits. The sender then holds its whole packed
 version on its device until the broadcast ends (bucketed staging: one bucket at a time).
@@ -96,7 +97,11 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     deadline = time.monotonic() + timeout_s
     out = SendResult()
     whole = group.spec.ipc_window == 0  # every bucket kept until the broadcasts end: no limit on copies in flight
-    copies = out.host_copies = host_copies_for(group, keep, deadline, **({"max_device": 1 << 30} if whole else {}))
+    # whole: the device-to-host copies start once the sender has its digests (`_send_whole`). Started beside
+    # the broadcasts, they held the digests' small reads back: on two H100s at 1.5B the sender waited 33 ms
+    # for checksums that take 5 ms, about as long as its 3 GB of copies took (not measured since).
+    copies = out.host_copies = host_copies_for(group, keep, deadline, **(
+        {"max_device": 1 << 30, "defer_copy": verify != "full"} if whole else {}))
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender), out)
     try:
         (_send_whole if whole else _send_each)(group, export, copies, verify, deadline, out)
@@ -159,6 +164,7 @@ def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, ve
     out.seconds["broadcast"] += time.perf_counter() - t
     for _, finish in packed:  # the first waits for the device's checksums, the rest are there by then
         finish()  # type: ignore[misc]
+    copies.start_copies()  # deferred (not `full`) until the digests were read; they run while the replicas commit
 
 
 def host_copies_for(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None, deadline: float,
