@@ -441,8 +441,9 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
             async def join(wire):
                 return await asyncio.gather(*(a.join_collective.remote(wire) for a in actors))
 
+            # answered: a push's begin goes to every client (one engine replica each) and fails unless all answer
             link = CollectiveLink(kind, SenderAsLearner(sender), members=members, join=join, bucket_mb=bucket_mb, timeout_s=600,
-                                  ipc_window=ipc_window_for(cfg.staging))
+                                  ipc_window=ipc_window_for(cfg.staging), answered=lambda: [c.name for c in clients])
         push, tails, metrics = [], [], []
         for i in range(repeats + 1):  # the first push of each transport is a warm-up (and forms groups), not timed
             version += 1
@@ -452,7 +453,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
                 result = await pub.publish_streamed(version, link.send, link.payload, clients, prepare=link.ensure,
                                                     plan_id=None if plan is None else plan.plan_id, fold_begin=link.fold_begin,
                                                     cancel=link.cancel)
-                link.pushed({c.name: None for c in clients})  # as the service does: the next push skips the check (ipc)
+                link.pushed({c.name: None for c in clients})  # as the service does: the next push skips the check
             else:
                 weights = perturbed(base, version)
                 t = time.perf_counter()

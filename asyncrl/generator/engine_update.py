@@ -93,8 +93,8 @@ class WeightUpdates:
 
     async def load_bucket(self, named_tensors: Any, version: int | None = None) -> dict[str, Any]:
         """Stage a payload. A `CollectiveReceive` with `begin` begins the update in the same call
-        (and its workers in their receive); with `commit` too, the replica then checks the
-        senders' own fingerprint and commits, as `commit_update` would (one call for the push)."""
+        (and its workers in their receive); one with `commit` then checks the senders' own
+        fingerprint and commits, as `commit_update` would (with `begin`: one call for the push)."""
         async with self._control_lock:
             folded = isinstance(named_tensors, CollectiveReceive) and named_tensors.begin is not None
             if folded:
@@ -105,7 +105,7 @@ class WeightUpdates:
                 raise WeightUpdateError(f"replica {self.replica_id}: bucket for version {version}, staging {self._staging_version}")
             if is_object_ref(named_tensors):  # a bucket handle that travelled nested, unresolved
                 named_tensors = await named_tensors
-            commit = folded and named_tensors.commit
+            commit = isinstance(named_tensors, CollectiveReceive) and named_tensors.commit
             if not commit:
                 return {"replica_id": self.replica_id, "staged_tensors": await self._load(named_tensors)}
             # A load that commits pauses the engine while it receives: the pause's round trip runs

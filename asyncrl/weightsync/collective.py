@@ -55,6 +55,7 @@ IPC_WINDOW = 2  # ipc: buckets a sender keeps published (and unacknowledged) bef
 # Header kinds (first int64 of a header): a bucket follows, the sender is done, the sender failed.
 BUCKET, END, ABORT = 1, 2, 3
 WHOLE = 4  # ipc_window 0: one record (ipc) or one table (gloo / nccl) holds every bucket of the push
+DIGESTS = 5  # gloo / nccl, ipc_window 0: the sender's digests of every bucket, after the last one (before END)
 
 
 class CollectiveError(RuntimeError):
@@ -108,9 +109,10 @@ class CollectiveReceive:
     version: int
     timeout_s: float = 120.0
     # ipc only (no collective there can hang on a member that refused): the replica begins the
-    # update in the same call, with these (verify, staging, layout, plan_id) ...
+    # update in the same call, with these (verify, staging, layout, plan_id)
     begin: tuple[Any, ...] | None = None
-    # ... and then checks the sender's fingerprint and commits by itself (one engine replica)
+    # any backend, full staging, one engine replica: the replica then checks the senders' own
+    # fingerprint (their digests come with the push) and commits by itself, in the same call
     commit: bool = False
 
 
@@ -220,6 +222,7 @@ class CollectiveGroup:
     _ring: Any = field(default=None, repr=False)  # ipc sender: the buffers it packs into, reused by every push
     _ring_copies: list = field(default_factory=list, repr=False)  # ipc_window 0: the host copies still reading them
     _opened: dict = field(default_factory=dict, repr=False)  # ipc receiver: the sender's buffers, opened once
+    _sender_digests: dict | None = field(default=None, repr=False)  # gloo / nccl receiver: the last push's, as sent
 
     @classmethod
     def join(cls, spec: GroupSpec, rank: int, device: torch.device | str | None = None, *,

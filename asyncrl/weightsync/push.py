@@ -273,7 +273,8 @@ class Publisher:
         # One engine replica behind all clients: its commit pauses, applies and resumes by itself.
         own_pause = not bucketed and sum(int(getattr(r, "fanout", 1)) for r in replicas) == 1
         # ipc: each replica begins in its receive's call (no collective there can hang on a replica
-        # that refuses: it tells the sender), and one replica alone also commits in it.
+        # that refuses: it tells the sender); gloo / NCCL begin in a call of their own first. Any
+        # collective push to one engine replica, fully staged, commits in that receive's call.
         fold = isinstance(source, StreamedSource) and source.fold_begin
         pause_sent = begin_sent = commit_sent = False
         paused = 0.0
@@ -291,7 +292,7 @@ class Publisher:
                 if isinstance(source, StreamedSource):
                     begin = (source.verify, self._cfg.staging, source.layout, source.plan_id) if fold else None
                     m.begin_in_load = fold
-                    committed = await source.stream(self, version, replicas, m, begin=begin, commit=fold and not bucketed)
+                    committed = await source.stream(self, version, replicas, m, begin=begin, commit=not bucketed)
                     commit_sent = m.commit_in_load = committed is not None
                 else:
                     await self._stream(version, source, replicas, m, with_digests=bucketed)

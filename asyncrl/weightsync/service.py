@@ -35,7 +35,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from asyncrl.config import WeightsyncConfig
@@ -139,6 +139,8 @@ class WeightPublisher:
                 ipc_window=ipc_window_for(self.cfg.staging),
                 # through the replicas' client: the fan-out a push reads is then the one just counted
                 members=lambda: self.replicas.broadcast(EngineAPI.collective_info),
+                # gloo / NCCL: a push's begin (through the same client) runs just before `ensure`
+                answered=lambda: self.replicas.last_results,
                 join=lambda wire: control.call(EngineAPI.join_collective, wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
             )
         # The seed (and, for collective transports, every host copy) lives in the object store.
@@ -293,7 +295,7 @@ class WeightPublisher:
             result.metrics.update({f"weightsync/sender/{k}_seconds": v for k, v in export.seconds.items()})
         metrics = dict(result.metrics)
         metrics["weightsync/engine_replicas"] = float(len(self.replicas.last_results))
-        if self.link is not None:  # pushes that went without asking the replicas and senders first (ipc)
+        if self.link is not None:  # pushes that went without asking the replicas and senders first
             metrics["weightsync/group_checks_skipped"] = float(self.link.checks_skipped)
         for warning in result.warnings:
             log.warning("%s", warning)
@@ -320,15 +322,16 @@ class CollectiveLink:
     still hold exactly the running replicas and no member's group broke (a timed-out or failed
     broadcast breaks it on that member); `send`, `payload` and `cancel` are `publish_streamed`'s.
 
-    On ipc, `ensure()` asks nobody right after a push that every member of the groups took and
-    no other replica was sent (`pushed`): a replica that has gone since fails that push without
-    waiting (its receive fails at once, or it is missing, and `cancel` stops the sender), and
-    the retry forms the groups again. That saves two round trips per push; a broadcast group
-    could not be stopped so, so NCCL and gloo ask every time."""
+    `ensure()` asks nobody right after a push that every member of the groups took and no other
+    replica was sent (`pushed`), which saves two round trips per push. On ipc a replica that has
+    gone since fails that push without waiting (its receive fails at once, or it is missing, and
+    `cancel` stops the sender), and the retry forms the groups again. A broadcast (gloo, NCCL)
+    could not be stopped so: there the push's own begin call, made to every running replica just
+    before, must have been answered by exactly the groups' members (`answered`), else it asks."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
-                 ipc_window: int | None = None) -> None:
+                 ipc_window: int | None = None, answered: Callable[[], Iterable[str]] | None = None) -> None:
         from asyncrl.weightsync.collective import IPC_WINDOW
 
         self.backend, self.learner = backend, learner
@@ -338,7 +341,9 @@ class CollectiveLink:
         self.specs: list[Any] = []
         self.members: dict[str, int] = {}  # replica id -> engine workers, as the groups were formed
         self.formed = 0  # how many times groups were formed
-        self.checks_skipped = 0  # ensure() calls that asked nobody (ipc, right after a clean push)
+        # gloo / NCCL: the replicas that answered this push's begin call (it runs before `ensure`)
+        self._answered = answered
+        self.checks_skipped = 0  # ensure() calls that asked nobody (right after a clean push)
         self._clean = False  # the last push reached exactly the groups' members, and every one took it
         self._stores: dict[str, Any] = {}  # group id -> a client of its store (cancel)
 
@@ -348,7 +353,7 @@ class CollectiveLink:
 
     def pushed(self, reached: dict[str, Any]) -> None:
         """A push over the current groups succeeded, and reached (and was taken by) the replicas `reached`."""
-        self._clean = self.backend == "ipc" and bool(self.specs) and set(reached) == set(self.members)
+        self._clean = bool(self.specs) and set(reached) == set(self.members)
 
     async def cancel(self, why: str) -> None:
         """Stop a sender still waiting for acknowledgements of the push in flight (ipc: every
@@ -391,7 +396,8 @@ class CollectiveLink:
         from asyncrl.weightsync.collective import form_specs
 
         clean, self._clean = self._clean, False  # once: a failed push's retry asks
-        if clean and self.specs:
+        if clean and self.specs and (self.fold_begin or (
+                self._answered is not None and set(self._answered()) == set(self.members))):
             self.checks_skipped += 1
             return
         info, senders = await asyncio.gather(self._members_call(), self.learner.collective_groups())

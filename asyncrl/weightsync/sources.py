@@ -211,10 +211,10 @@ class StreamedSource:
 
     async def stream(self, publisher: Publisher, version: int, replicas: list[ReplicaClient], m: PushMetrics,
                      begin: tuple[Any, ...] | None = None, commit: bool = False) -> dict[str, Any] | None:
-        """One attempt. `begin` (verify, staging, layout, plan_id): the replicas begin in their load.
-        `commit`: where, once the groups are formed, one engine replica is behind `replicas`, its
-        load also checks the senders' fingerprint and commits; then returns {client name: its
-        load's report} (else None)."""
+        """One attempt. `begin` (verify, staging, layout, plan_id): the replicas begin in their load
+        (else they began in a call of their own). `commit`: where, once the groups are formed, one
+        engine replica is behind `replicas`, its load also checks the senders' fingerprint and
+        commits; then returns {client name: its load's report} (else None)."""
         self.discard(publisher._transport)  # an earlier attempt's host copies
         self.handles, self._digests = [], None
         t = time.perf_counter()
@@ -226,11 +226,12 @@ class StreamedSource:
         prepared = time.perf_counter()
         payload = self._payload(version)
         # (the fan-out is read after `prepare`, which asked every replica: the count is current)
-        self.committing = bool(begin is not None and commit and sum(int(getattr(r, "fanout", 1)) for r in replicas) == 1)
-        if begin is not None:
+        self.committing = bool(commit and sum(int(getattr(r, "fanout", 1)) for r in replicas) == 1)
+        if begin is not None or self.committing:
             if not isinstance(payload, CollectiveReceive):
-                raise TypeError(f"a push whose replicas begin in their load needs a CollectiveReceive payload, not {payload!r}")
-            payload = dataclasses.replace(payload, begin=tuple(begin), commit=self.committing)
+                raise TypeError(f"a push whose replicas begin or commit in their load needs a CollectiveReceive payload, "
+                                f"not {payload!r}")
+            payload = dataclasses.replace(payload, begin=None if begin is None else tuple(begin), commit=self.committing)
         reports: dict[str, Any] = {}
         receiving = asyncio.ensure_future(publisher._step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version), m,
                                                           results=reports))

@@ -3,7 +3,8 @@ receiver's, and the helpers the ipc transport (ipc.py) shares with them. wire.py
 by the group's backend.
 
 Owns: the wire protocol of one push (per bucket: a 3 x int64 header, the tensor table as JSON
-bytes with the sender's digests, the bucket buffer; then an end or abort header), `broadcast_send_stream`
+bytes with the sender's digests, the bucket buffer; whole version: one header and table, every
+bucket, then a header and the sender's digests as JSON; then an end or abort header), `broadcast_send_stream`
 (the sender's loop: pack on the tensors' device, in the engines' layout with a plan; hash in the
 verify mode; broadcast; start the host copy (hostcopy.py: made off the critical path, collected
 by the publisher while replicas commit)) and `broadcast_receive_stream` (the receiver's loop: allocate on
@@ -33,7 +34,8 @@ from typing import Any
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets
-from asyncrl.weightsync.collective import ABORT, BUCKET, END, WHOLE, CollectiveError, CollectiveGroup, SenderAborted
+from asyncrl.weightsync.collective import (ABORT, BUCKET, DIGESTS, END, WHOLE, CollectiveError, CollectiveGroup,
+                                           SenderAborted)
 from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
 
 
@@ -118,6 +120,10 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
             # group stays usable (LearnerGroup.broadcast_hf_tensors).
             export.drain()
         raise
+    if whole:  # the digests the table left out, for a receiver that commits by itself (sender_digests)
+        raw = json.dumps({k: v.hex() for k, v in out.digests.items()}).encode()
+        group.broadcast(_header(group, DIGESTS, len(raw)), deadline)
+        _send_bytes(group, raw, deadline)
     group.broadcast(_header(group, END), deadline)
     copies.finish()
     return out
@@ -285,17 +291,26 @@ class Export:
 def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
     """The receiver's loop for one push on one group: yields each bucket (its buffer on this
     member's device) with the sender's digests of it, until the sender's end header. Raises
-    SenderAborted on an abort header."""
+    SenderAborted on an abort header. Every digest the sender sent (in band, or after a whole
+    version) is then `sender_digests(group)`."""
+    group._sender_digests = None
+    theirs: dict[str, bytes] = {}
     while True:
         header = torch.empty(3, dtype=torch.int64, device=group.device)
         group.broadcast(header, deadline)
         kind, table_len, nbytes = (int(v) for v in header.tolist())
         if kind == END:
+            group._sender_digests = theirs
             return
         if kind == ABORT:
             raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
         if kind == WHOLE and table_len > 0 and nbytes >= 0:
             yield from _receive_whole(group, table_len, nbytes, deadline)
+            continue
+        if kind == DIGESTS and table_len > 0:
+            raw = torch.empty(table_len, dtype=torch.uint8, device=group.device)
+            group.broadcast(raw, deadline)
+            theirs.update({k: bytes.fromhex(v) for k, v in json.loads(raw.cpu().numpy().tobytes().decode()).items()})
             continue
         if kind != BUCKET or table_len <= 0 or nbytes < 0:
             group.broken = True
@@ -304,10 +319,18 @@ def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterato
         raw = torch.empty(table_len, dtype=torch.uint8, device=group.device)
         group.broadcast(raw, deadline)
         metas, rank, digests = decode_table(raw.cpu().numpy().tobytes())
+        theirs.update(digests)
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
         if nbytes:
             group.broadcast(buffer, deadline)
         yield Bucket(buffer=buffer, metas=metas, rank=rank), digests
+
+
+def broadcast_sender_digests(group: CollectiveGroup) -> dict[str, bytes]:
+    """Every digest the sender sent with the last push this member received to its end."""
+    if group._sender_digests is None:
+        raise CollectiveError(f"group {group.spec.group_id}: no push was received to its end, so no sender digests")
+    return dict(group._sender_digests)
 
 
 def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int,

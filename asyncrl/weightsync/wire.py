@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from asyncrl.weightsync.bucket import Bucket
-from asyncrl.weightsync.collective import CollectiveError, CollectiveGroup
+from asyncrl.weightsync.collective import CollectiveGroup
 from asyncrl.weightsync.ipc import ipc_receive_stream, ipc_refuse, ipc_send_stream, ipc_sender_digests
-from asyncrl.weightsync.stream import SendResult, broadcast_receive_stream, broadcast_send_stream
+from asyncrl.weightsync.stream import SendResult, broadcast_receive_stream, broadcast_send_stream, broadcast_sender_digests
 
 
 def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
@@ -37,11 +37,10 @@ def receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bu
 
 
 def sender_digests(group: CollectiveGroup, deadline: float) -> dict[str, bytes]:
-    """After `receive_stream` ended: every digest the sender computed for that push (ipc only: its
-    store carries them; a broadcast group sends them in band, bucket by bucket)."""
+    """After `receive_stream` ended: every digest the sender computed for that push (ipc: its store
+    carries them; a broadcast group sent them with the push, in band or after the last bucket)."""
     if group.spec.backend != "ipc":
-        raise CollectiveError(f"group {group.spec.group_id}: the sender's digests of a whole push are published on ipc "
-                              f"groups only, not {group.spec.backend}")
+        return broadcast_sender_digests(group)
     return ipc_sender_digests(group, deadline)
 
 

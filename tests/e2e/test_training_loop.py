@@ -192,6 +192,10 @@ def test_grpo_trains_and_publishes_while_the_api_answers(run_a):
     assert [m["weightsync/version"] for m in metrics] == [1, 2, 3]
     assert all(m["weightsync/failed"] == 0 and m["weightsync/bytes"] > 0 for m in metrics)
     assert all(m["weightsync/transport/gloo/bytes"] == m["weightsync/bytes"] for m in metrics)  # broadcast, not staged on host
+    # One engine replica: its begin is a call of its own, then one call receives, checks the sender's
+    # fingerprint and commits; after a clean push whose begin it answered, nobody is asked about the groups.
+    assert all(m["weightsync/begin_in_load"] == 0 and m["weightsync/commit_in_load"] == 1 for m in metrics)
+    assert metrics[-1]["weightsync/group_checks_skipped"] >= 1
     assert all(math.isfinite(m["actor/loss"]) for m in metrics)
     # The learner's tokens per step (behind MFU): every batch's responses, plus their prompts.
     assert all(0 < m["train/response_tokens"] < m["train/tokens"] for m in metrics)
@@ -338,7 +342,7 @@ def test_ppo_with_critic_and_reference_kl(ray_session, demo_model_path, tiny_rew
         assert logged <= set(run["history"][record["step"]]), logged - set(run["history"][record["step"]])
 
 
-@pytest.mark.parametrize("transport", ["auto", "ipc"])
+@pytest.mark.parametrize("transport", ["auto", "ipc", "gloo"])
 def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_session, demo_model_path, tmp_path, transport):
     """kill -9 of the vLLM engine core while the demo trains (one engine replica): Serve replaces
     the replica, the new one loads the live version before it serves, the rollouts that were in
@@ -346,7 +350,10 @@ def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_sess
     kill, with every generated sample accounted for; the API answers again after the fault.
     Over ipc the pushes after a clean one go without a check of the groups first: the push that
     meets the dead engine fails without waiting out its deadline (the sender is stopped once the
-    replica's load failed), and its retry forms the groups with the new replica."""
+    replica's load failed), and its retry forms the groups with the new replica. Over gloo (NCCL's
+    twin) the check is skipped only where the push's own begin was answered by exactly the groups'
+    members: the new replica answers instead of the dead one, so the groups are formed again
+    before any byte is broadcast."""
     import os
     import signal
 
@@ -382,7 +389,7 @@ def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_sess
     # The step that met the dead engine waited for the new replica to start (tens of seconds on
     # 2 cores), never for a push's 600 s deadline (a sender left waiting for the dead worker).
     assert max(m["time/sync_s"] for m in metrics) < 300, [round(m["time/sync_s"], 1) for m in metrics]
-    if transport == "ipc":
+    if transport in ("ipc", "gloo"):
         assert metrics[-1]["weightsync/group_checks_skipped"] >= total // 2  # (the pushes around the fault ask)
     assert seen["left_after_shutdown"] == [], seen["left_after_shutdown"]
 

@@ -25,7 +25,7 @@ from asyncrl.weightsync.collective import (
     ipc_window_for, join_as_sender, reserve_port,
 )
 from asyncrl.weightsync.fingerprint import bucket_digests
-from asyncrl.weightsync.wire import receive_stream, send_stream
+from asyncrl.weightsync.wire import receive_stream, send_stream, sender_digests
 from asyncrl.weightsync.push import KeptCopies, Publisher, StreamedSend, Step, WeightsyncError
 from asyncrl.weightsync.transport import LocalTransport
 
@@ -150,9 +150,13 @@ def test_every_receiver_gets_every_bucket_bit_exact_and_the_sender_keeps_host_co
                 assert digests == bucket_digests(bucket, "full")  # the sender's, in band, before the bytes
             out.update({n: t.clone() for n, t in unpack_bucket(bucket)})
         got[group.rank] = out
+        # every digest the sender sent (in band, or after a whole version), for a receiver that commits by itself
+        theirs[group.rank] = sender_digests(group, time.monotonic() + 20)
 
+    theirs: dict[int, dict[str, bytes]] = {}
     sent = _push_while_receiving(sender, receivers, receive, weights, "full")
     assert sorted(got) == [1, 2]
+    assert theirs == {1: sent.digests, 2: sent.digests} and len(sent.digests) == len(weights)
     if backend.endswith("-whole"):  # what the receivers hashed is what the sender hashed, after the bytes
         assert mine == sent.digests
     for out in got.values():
@@ -645,9 +649,38 @@ async def test_an_ipc_link_checks_its_groups_again_unless_the_last_push_reached_
 
     gloo = CollectiveLink("gloo", learner, members=members, join=join, bucket_mb=1, timeout_s=5)
     await gloo.ensure()
-    gloo.pushed({"a": {}})  # a broadcast cannot be stopped when a member is gone: always asked
+    gloo.pushed({"a": {}})  # a broadcast cannot be stopped when a member is gone: without the begin's answers, asked
     await gloo.ensure()
     assert gloo.checks_skipped == 0 and asked["n"] == 6
+
+
+async def test_a_broadcast_link_skips_its_check_only_when_this_pushs_begin_was_answered_by_exactly_its_members():
+    """gloo / NCCL: the begin call, made to every running replica just before `ensure`, stands in for
+    the check; a member that did not answer it (gone since) or a replica outside the groups makes it ask."""
+    from asyncrl.weightsync.service import CollectiveLink
+
+    learner = _FakeLearner()
+    replicas, asked, members, join = _fake_replicas()
+    answered: list[str] = []
+    link = CollectiveLink("nccl", learner, members=members, join=join, bucket_mb=1, timeout_s=5,
+                          answered=lambda: answered)
+    await link.ensure()
+    assert asked["n"] == 1 and link.members == {"a": 1}
+    link.pushed({"a": {}})
+    answered[:] = ["a"]  # this push's begin reached exactly the groups' members
+    await link.ensure()
+    assert asked["n"] == 1 and link.checks_skipped == 1
+    link.pushed({"a": {}})
+    answered[:] = []  # the member did not answer this begin (gone since; the running set is empty)
+    await link.ensure()
+    assert asked["n"] == 2 and link.checks_skipped == 1
+    link.pushed({"a": {}})
+    replicas["b"] = {"workers": 1, "groups": []}
+    answered[:] = ["a", "b"]  # a replica outside the groups answered: they are formed again with it
+    await link.ensure()
+    assert asked["n"] == 3 and link.checks_skipped == 1 and link.members == {"a": 1, "b": 1} and link.formed == 2
+    await link.ensure()  # no push since: asked
+    assert asked["n"] == 4
 
 
 async def test_a_push_whose_loads_all_returned_stops_an_ipc_sender_waiting_for_a_member_that_is_gone(monkeypatch):

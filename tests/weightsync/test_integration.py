@@ -541,9 +541,9 @@ class _Calls:
         self._inner, self.name, self.fanout, self.calls = inner, inner.name, 1, []
 
     def __getattr__(self, verb):
-        async def call(*args):
+        async def call(*args, **kwargs):
             self.calls.append(verb)
-            return await getattr(self._inner, verb)(*args)
+            return await getattr(self._inner, verb)(*args, **kwargs)
         return call
 
 
@@ -643,3 +643,89 @@ async def test_one_engine_over_ipc_takes_a_push_in_one_call_and_refuses_a_corrup
     await _engines_serve([engine], demo_model_path, sender.weights, start + 4)
     await push(start + 6)  # a new group (the refusal broke the old one on both sides)
     assert link.formed == 2 and pub.registry.live_version == start + 6
+
+
+async def test_one_engine_over_gloo_commits_in_its_receive_and_refuses_a_bucket_corrupted_on_the_wire(engines, demo_model_path, monkeypatch):
+    """A broadcast push (gloo, the NCCL path's twin) to one engine replica with full staging: the
+    replica begins in a call of its own (a broadcast cannot be stopped by a receiver that refuses),
+    then receives, checks the sender's fingerprint (its digests follow the buckets on the wire),
+    pauses, applies and resumes in its receive's call, and serves transformers' greedy tokens for
+    the pushed weights. After a clean push whose begin every member answered, the link asks
+    nobody. A byte flipped on the wire, after the sender hashed it, is refused by that check:
+    nothing is applied, the previous version's exact tokens are served, and a retry carries it."""
+    import pickle
+
+    from asyncrl.config import WeightsyncConfig
+    from asyncrl.types import Refusal
+    from asyncrl.weightsync.collective import CollectiveGroup
+    from asyncrl.weightsync.push import Publisher, WeightsyncError
+    from asyncrl.weightsync.registry import VersionRegistry
+    from asyncrl.weightsync.replicas import ActorReplica
+    from asyncrl.weightsync.service import CollectiveLink
+    from asyncrl.weightsync.store import load_hf_tensors
+    from asyncrl.weightsync.transport import select_transport
+    from transformers import AutoTokenizer
+
+    engine = engines[0]
+    start = (await engine.greedy.remote([[1, 2, 3]]))[0][1][0]
+    base = load_hf_tensors(str(demo_model_path))
+    sender = _LocalSender(_perturbed(base, 21))
+    plan = await _form_plan([engine], sender.weights, 0.25)
+    sender.endpoint.set_plan(pickle.dumps(plan))
+    cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, timeout_s=60, verify="checksum", retries=1, staging="full")
+
+    async def members():
+        info = await engine.collective_info.remote()
+        return {info["replica_id"]: info}
+
+    async def join(wire):
+        return [await engine.join_collective.remote(wire, cfg.timeout_s)]
+
+    # the push's begin reaches its one client or fails: its answer is that client's replica
+    link = CollectiveLink("gloo", sender, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
+                          ipc_window=0, answered=lambda: ["engine-0"])
+    pub = Publisher(cfg, transport=select_transport(cfg), registry=VersionRegistry(start))
+    replica = _Calls(ActorReplica(engine, "engine-0"))
+
+    async def push(version):
+        result = await pub.publish_streamed(version, link.send, link.payload, [replica], prepare=link.ensure,
+                                            plan_id=plan.plan_id, fold_begin=link.fold_begin, cancel=link.cancel)
+        link.pushed({"engine-0": result})
+        return result
+
+    result = await push(start + 1)
+    assert replica.calls == ["begin_update", "load_bucket"]  # then receive, verify, pause, apply, resume: one call
+    m = result.metrics
+    assert m["weightsync/begin_in_load"] == 0.0 and m["weightsync/commit_in_load"] == 1.0 and m["weightsync/commit_seconds"] == 0
+    assert m["weightsync/paused_seconds"] > 0 and m["weightsync/apply_direct"] == 1.0 and m["weightsync/num_buckets"] > 1
+    await push(start + 2)
+    assert link.checks_skipped == 1 and link.formed == 1 and pub.registry.live_version == start + 2
+    await _engines_serve([engine], demo_model_path, sender.weights, start + 2)
+    tok = AutoTokenizer.from_pretrained(str(demo_model_path))
+    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    before = await engine.greedy.remote(prompt_ids)
+
+    # The sender's first broadcast of bucket bytes goes out with a byte flipped; it hashed the original.
+    enqueue, hit = CollectiveGroup.enqueue_broadcasts, []
+
+    def corrupting(self, tensors, deadline, **kw):
+        if self.rank == 0 and not hit and len(tensors) > 1:  # the buckets, not a header or table
+            hit.append(True)
+            bad = tensors[0].clone()
+            bad[0] ^= 0x40
+            tensors = [bad, *tensors[1:]]
+        return enqueue(self, tensors, deadline, **kw)
+
+    monkeypatch.setattr(CollectiveGroup, "enqueue_broadcasts", corrupting)
+    monkeypatch.setattr(pub._cfg, "retries", 0)
+    sender.weights = _perturbed(base, 22)
+    with pytest.raises(WeightsyncError, match="fingerprint") as info:
+        await push(start + 3)
+    assert hit and info.value.refusals == {"engine-0": Refusal.VERIFY_FAILED}
+    assert pub.registry.get(start + 3).state is S.FAILED and pub.registry.live_version == start + 2
+    assert await engine.greedy.remote(prompt_ids) == before  # the previous version's exact tokens and tags
+    monkeypatch.setattr(CollectiveGroup, "enqueue_broadcasts", enqueue)
+    skipped = link.checks_skipped  # (the failed push's check was skipped: the one before it was clean)
+    await push(start + 4)  # checked again after the failure, then carried
+    assert link.checks_skipped == skipped == 2 and pub.registry.live_version == start + 4
+    await _engines_serve([engine], demo_model_path, sender.weights, start + 4)
