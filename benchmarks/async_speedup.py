@@ -86,9 +86,12 @@ def _mean(rows: list[dict], key: str) -> float | None:
 
 
 def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, peak_flops: float = 989e12,
-             eval_interval_steps: int = 0) -> dict:
-    """One Serve app at staleness `eta` for `steps` learner steps; its figures, every step's row (`per_step`) and
-    the held-out evaluations (`eval`: step, unix time, accuracy; none unless `eval_interval_steps`)."""
+             eval_interval_steps: int = 0, warmup: int = 1) -> dict:
+    """One Serve app at staleness `eta` for `steps` learner steps; its figures over the steps after the first
+    `warmup`, every step's row (`per_step`) and the held-out evaluations (`eval`: step, unix time, accuracy;
+    none unless `eval_interval_steps`)."""
+    if not 1 <= warmup < steps:
+        raise ValueError(f"warmup={warmup}: between 1 and steps - 1 = {steps - 1} (a step at least is timed)")
     from ray import serve
 
     from asyncrl.app import build_app
@@ -131,8 +134,8 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, 
         serve.shutdown()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in records if "train/step" in r]
-    timed = rows[1:]  # step 1 is warm-up
-    wall = timed[-1]["time/elapsed_s"] - rows[0]["time/elapsed_s"]
+    timed = rows[warmup:]  # the first `warmup` steps are left out
+    wall = timed[-1]["time/elapsed_s"] - rows[warmup - 1]["time/elapsed_s"]
     train = sum(r["time/train_s"] for r in timed)
     sync = sum(r["time/sync_s"] for r in timed)
     samples = sum(1 for _ in timed) * cfg.buffer.batch_size
@@ -140,7 +143,7 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, 
     tokens = sum(r.get("train/tokens", 0.0) for r in timed)
     mfu = (8 * model_params(cfg.model.path) * tokens / train / (learner_gpus * peak_flops)
            if learner_gpus >= 1 and train > 0 else None)
-    gen_tokens = rows[-1]["rollout/tokens"] - rows[0]["rollout/tokens"]
+    gen_tokens = rows[-1]["rollout/tokens"] - rows[warmup - 1]["rollout/tokens"]
     return {**steady_state(wall, len(timed), sum(r.get("train/response_tokens", 0.0) for r in timed), gen_tokens),
         "eta": eta, "steps_timed": len(timed), "samples": samples, "wall_s": wall, "train_s": train, "sync_s": sync,
         "wait_s": max(wall - train - sync, 0.0), "samples_per_s": samples / wall,
@@ -214,7 +217,10 @@ def replica_joins(timeline: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=Path("deploy/rlhf.yaml"), help="Serve YAML (or a bare RootConfig YAML)")
-    ap.add_argument("--steps", type=int, default=40, help="learner steps per run (the first is warm-up)")
+    ap.add_argument("--steps", type=int, default=40, help="learner steps per run (the first --warmup-steps are left out)")
+    ap.add_argument("--warmup-steps", type=int, default=1,
+                    help="steps left out of each run's figures (>= 1; more lets the batches an eta > 0 engine made "
+                         "during the first step drain, so the window shows the steady state)")
     ap.add_argument("--etas", type=int, nargs="+", default=[0, 2])
     ap.add_argument("--num-cpus", type=float, default=4, help="logical CPUs for the local Ray runtime")
     ap.add_argument("--timeout-s", type=float, default=1800)
@@ -223,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="override a config field (dotted path, YAML value); repeatable")
     ap.add_argument("--peak-flops", type=float, default=989e12, help="per learner GPU, for MFU (H100/H200 dense bf16)")
     a = ap.parse_args(argv)
-    if a.steps < 3:
-        ap.error(f"--steps={a.steps}: need at least 3 (one warm-up step is excluded)")
+    if a.warmup_steps < 1 or a.steps < a.warmup_steps + 2:
+        ap.error(f"--steps={a.steps} --warmup-steps={a.warmup_steps}: need warm-up >= 1 and at least 2 timed steps after it")
     import ray
 
     base = apply_overrides(_args_from(a.config), a.overrides)
@@ -235,15 +241,17 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="asyncrl-speedup-") as tmp:
         for eta in a.etas:
-            res = run_once(base, eta, a.steps, Path(tmp) / f"eta{eta}", a.timeout_s, a.peak_flops)
+            res = run_once(base, eta, a.steps, Path(tmp) / f"eta{eta}", a.timeout_s, a.peak_flops, warmup=a.warmup_steps)
             results.append(res)
             print(json.dumps(res), flush=True)
             if a.out:  # after every run: a call cut short keeps what finished
                 a.out.write_text(json.dumps({"config": str(a.config), "overrides": a.overrides, "steps": a.steps,
+                                             "warmup_steps": a.warmup_steps,
                                              "results": results}, indent=1))
     ray.shutdown()
     ref = results[0]
-    print(f"\nmachine: {platform.node()} {platform.machine()}, config {a.config}, {a.steps} steps per run")
+    print(f"\nmachine: {platform.node()} {platform.machine()}, config {a.config}, {a.steps} steps per run, "
+          f"the first {a.warmup_steps} left out")
     print("| eta | wall s | train s | sync s | wait s | samples/s | staleness | push s | push GB/s | paused s | learner MFU "
           "| speedup vs eta=%d | trained from before the window | steady s/step | steady speedup |" % ref["eta"])
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

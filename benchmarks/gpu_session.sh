@@ -311,8 +311,10 @@ PY
 )
   fi
   echo "batch $BATCH"
+  # WARMUP (3) steps left out of each run: an eta > 0 engine runs ahead during the first, and those batches
+  # should be drained before the timed window (the steady column says what remains)
   timeout -s INT -k 20 ${RUN_TIMEOUT:-400} python3 benchmarks/async_speedup.py --config deploy/rlhf-gpu2-long.yaml \
-      --steps ${NSTEPS:-6} --etas ${ETAS:-0 2 1} --num-cpus 16 "${sets[@]}" --set buffer.batch_size=$BATCH \
+      --steps ${NSTEPS:-9} --warmup-steps ${WARMUP:-3} --etas ${ETAS:-0 2 1} --num-cpus 16 "${sets[@]}" --set buffer.batch_size=$BATCH \
       --set trainer.rollout_concurrency=$((BATCH / 8)) --out $OUT/balanced.json > $OUT/balanced.log 2>&1
   echo "balanced rc=$?"; grep -v '^{' $OUT/balanced.log | grep -E '^\||machine|failed' | cut -c1-400
   grep -iE "Traceback|Error|out of memory" $OUT/balanced.log | grep -v Warning | tail -6 | cut -c1-300

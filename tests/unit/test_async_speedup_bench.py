@@ -78,3 +78,10 @@ def test_a_window_whose_engine_kept_up_keeps_its_own_pace(bench):
     assert out["steady_s_per_step"] == pytest.approx(118.8 / 4)
     assert bench.steady_state(0.0, 0, 0, 0) == {"drawn_from_buffer": None, "engine_s_per_step": None,
                                                  "steady_s_per_step": None}
+
+
+def test_the_warm_up_must_leave_steps_to_time(bench):
+    with pytest.raises(ValueError, match="warmup=3"):
+        bench.run_once({}, 2, 3, Path("/nonexistent"), 1.0, warmup=3)
+    with pytest.raises(SystemExit):
+        bench.main(["--steps", "4", "--warmup-steps", "3"])
