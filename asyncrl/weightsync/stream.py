@@ -15,7 +15,9 @@ sender packs every bucket, sends one table of every bucket (without digests: ful
 compares one fingerprint at the commit), then enqueues the buckets' broadcasts back to back and
 its checksums behind them, so that hashing runs beside the wire, and waits once at the end (the
 host copies start after that, unless `full` verification hashes them); each
-receiver receives them into one allocation and hashes each bucket as it lands. Per bucket that
+receiver receives them into one allocation and hashes each bucket as it lands. With a push plan
+the table is the plan's, so it goes first and each bucket is broadcast as soon as it is packed
+(`_send_whole_planned`: packing overlaps the wire). Per bucket that
 saves the header and table round trips and the waits. The sender then holds its whole packed
 version on its device until the broadcast ends (bucketed staging: one bucket at a time).
 
@@ -106,7 +108,10 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
         {"max_device": 1 << 30, "defer_copy": verify != "full"} if whole else {}))
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender), out)
     try:
-        (_send_whole if whole else _send_each)(group, export, copies, verify, deadline, out)
+        if whole and plan is not None:  # the table is the plan's: sent first, each bucket on the wire as it is packed
+            _send_whole_planned(group, export, copies, verify, deadline, out, plan.for_sender(sender))
+        else:
+            (_send_whole if whole else _send_each)(group, export, copies, verify, deadline, out)
     except BaseException as err:
         copies.close()
         if export.failed and not group.broken:  # tell the receivers, so they fail now rather than at their deadline
@@ -171,6 +176,73 @@ def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, ve
     for _, finish in packed:  # the first waits for the device's checksums, the rest are there by then
         finish()  # type: ignore[misc]
     copies.start_copies()  # deferred (not `full`) until the digests were read; they run while the replicas commit
+
+
+def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
+                        out: SendResult, planned: list[Any]) -> None:
+    """`_send_whole` with a push plan: the table (every bucket's tensors and size, known from the plan)
+    goes first, and each bucket's broadcast is enqueued as soon as it is packed, so packing bucket k + 1
+    overlaps bucket k on the wire (on a device: the broadcast waits for that bucket's copies only).
+    The checksums and host copies follow as in `_send_whole`. Once the table is out the receivers wait
+    for every bucket of it: an export that fails midway sends zeros for the buckets it did not pack,
+    then the caller's abort header, so the receivers fail at once rather than at their deadline."""
+    early = verify == "full"
+    t = time.perf_counter()
+    raw = json.dumps([[_table(b.metas(), b.rank), b.nbytes] for b in planned]).encode()
+    group.broadcast(_header(group, WHOLE, len(raw), sum(b.nbytes for b in planned)), deadline)
+    _send_bytes(group, raw, deadline)
+    out.seconds["broadcast"] += time.perf_counter() - t
+    packed: list[tuple[Bucket, Callable[[], dict[str, bytes]] | None]] = []
+    sending = []
+    try:
+        for bucket in export:
+            k = len(packed)
+            want = planned[k] if k < len(planned) else None
+            if want is None or (bucket.rank, bucket.nbytes, bucket.names) != (want.rank, want.nbytes, [m.name for m in want.metas()]):
+                export.failed = True  # the table the receivers hold does not describe it: nothing more goes out as data
+                raise CollectiveError(f"group {group.spec.group_id}: packed bucket {k} ({bucket.nbytes} bytes, rank "
+                                      f"{bucket.rank}) is not the plan's bucket {k} the table announced")
+            finish = hash_and_copy_lazy(copies, bucket, verify, out)[0] if early else None
+            t = time.perf_counter()
+            if bucket.nbytes:
+                sending.append(group.enqueue_broadcasts([bucket.buffer], deadline))
+            out.seconds["broadcast"] += time.perf_counter() - t
+            packed.append((bucket, finish))
+        if len(packed) != len(planned):
+            export.failed = True
+            raise CollectiveError(f"group {group.spec.group_id}: the export gave {len(packed)} buckets, the plan's table "
+                                  f"{len(planned)}")
+    except BaseException as err:
+        if not isinstance(err, CollectiveError):  # not the wire: the receivers are told (abort header)
+            export.failed = True
+        if export.failed and not group.broken:
+            _fill(group, planned[len(packed):], deadline)
+        raise
+    if not early:  # behind the broadcasts' start on the device, beside them
+        packed = [(bucket, hash_and_copy_lazy(copies, bucket, verify, out)[0]) for bucket, _ in packed]
+    t = time.perf_counter()
+    for s in sending:
+        s.wait()
+    out.seconds["broadcast"] += time.perf_counter() - t
+    for _, finish in packed:  # the first waits for the device's checksums, the rest are there by then
+        finish()  # type: ignore[misc]
+    copies.start_copies()  # deferred (not `full`) until the digests were read
+
+
+def _table(metas: list[TensorMeta], rank: int | None) -> str:
+    return encode_table(Bucket(buffer=None, metas=metas, rank=rank), {}).decode()  # type: ignore[arg-type]
+
+
+def _fill(group: CollectiveGroup, rest: list[Any], deadline: float) -> None:
+    """Zeros for the announced buckets an export that failed did not send (the receivers wait for them)."""
+    sizes = [b.nbytes for b in rest if b.nbytes]
+    if not sizes:
+        return
+    try:
+        zeros = torch.zeros(max(sizes), dtype=torch.uint8, device=group.device)
+        group.broadcast_all([zeros[:n] for n in sizes], deadline)
+    except CollectiveError:  # the wire failed too: the group is broken, the receivers fail at their deadline
+        pass
 
 
 def host_copies_for(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None, deadline: float,

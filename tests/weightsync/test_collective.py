@@ -199,6 +199,107 @@ def test_a_whole_version_broadcast_receives_every_bucket_into_one_allocation(bac
         g.close()
 
 
+def _identity_plan(weights: dict[str, torch.Tensor], bucket_mb: float):
+    """A push plan for a module whose parameters are `weights` as named (an engine that loads each
+    tensor as it is): probed like an engine's, so the buckets are the engine layout's."""
+    from asyncrl.weightsync.plan import ManifestEntry, build_plan, probe_layout
+
+    module = torch.nn.Module()
+    for n, t in weights.items():
+        module.register_parameter(n, torch.nn.Parameter(torch.zeros_like(t)))
+    manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in weights.items()]
+
+    def load(items):
+        live = dict(module.named_parameters())
+        for n, t in items:
+            live[n].data.copy_(t)
+
+    return build_plan(manifest, [probe_layout(module, manifest, load=load)], bucket_mb)
+
+
+def test_a_planned_whole_push_puts_each_bucket_on_the_wire_as_soon_as_it_is_packed():
+    """With a push plan the sender announces the whole version's table before packing (the plan
+    knows it) and broadcasts each bucket once packed: a receiver holds bucket 0 while the export
+    is still producing the last tensor. The bytes, the sender's digests after the last bucket and
+    the host copies are as without a plan."""
+    spec = _spec(receivers=1, backend="gloo-whole")
+    sender, receiver = _join_all(spec)
+    weights = {f"t{i}": torch.full((2048,), float(i)) for i in range(6)}  # 3 planned buckets of 2 tensors
+    plan = _identity_plan(weights, 2 * BUCKET_MB)
+    assert len(plan.buckets) == 3
+    produced: list[float] = []
+    received: list[float] = []
+    got: dict[str, torch.Tensor] = {}
+    theirs: dict[str, bytes] = {}
+
+    def slow_export():
+        for n, t in weights.items():
+            time.sleep(0.3)
+            produced.append(time.monotonic())
+            yield n, t
+
+    def receive(group):
+        for bucket, _ in receive_stream(group, time.monotonic() + 20):
+            received.append(time.monotonic())
+            got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
+        theirs.update(sender_digests(group, time.monotonic() + 5))
+
+    th = threading.Thread(target=receive, args=(receiver,))
+    th.start()
+    sent = send_stream(sender, slow_export(), BUCKET_MB, verify="checksum", timeout_s=20, plan=plan)
+    th.join(30)
+    assert len(received) == 3 and received[0] < produced[-1]  # bucket 0 arrived before the export ended
+    assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in weights)
+    assert theirs == sent.digests and len(sent.digests) == len(weights)
+    assert len(sent.host_copies.result()) == 3
+    for g in (sender, receiver):
+        g.close()
+
+
+def test_a_planned_whole_push_whose_export_fails_midway_aborts_the_receivers_and_the_group_carries_the_next():
+    spec = _spec(receivers=1, timeout_s=60.0, backend="gloo-whole")
+    sender, receiver = _join_all(spec)
+    weights = {f"t{i}": torch.full((2048,), float(i)) for i in range(6)}
+    plan = _identity_plan(weights, 2 * BUCKET_MB)
+
+    def failing():
+        for i, (n, t) in enumerate(weights.items()):
+            if i == 3:  # bucket 0 is on the wire, bucket 1 half packed
+                raise RuntimeError("export blew up")
+            yield n, t
+
+    errors: list[BaseException] = []
+
+    def receive():
+        try:
+            for _ in receive_stream(receiver, time.monotonic() + 60):
+                pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    t0 = time.monotonic()
+    th = threading.Thread(target=receive)
+    th.start()
+    with pytest.raises(RuntimeError, match="export blew up"):
+        send_stream(sender, failing(), BUCKET_MB, verify="checksum", timeout_s=60, plan=plan)
+    th.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], SenderAborted)
+    assert time.monotonic() - t0 < 30  # told, not left to its 60 s deadline
+    got: dict[str, torch.Tensor] = {}
+
+    def receive_all():
+        for bucket, _ in receive_stream(receiver, time.monotonic() + 20):
+            got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
+
+    th = threading.Thread(target=receive_all)
+    th.start()
+    send_stream(sender, iter(weights.items()), BUCKET_MB, verify="checksum", timeout_s=20, plan=plan)
+    th.join(30)
+    assert all(torch.equal(got[k], weights[k]) for k in weights)
+    for g in (sender, receiver):
+        g.close()
+
+
 @BACKENDS
 def test_a_failing_export_aborts_the_receivers_at_once(backend):
     spec = _spec(receivers=1, timeout_s=60.0, backend=backend)

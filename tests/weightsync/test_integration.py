@@ -706,14 +706,17 @@ async def test_one_engine_over_gloo_commits_in_its_receive_and_refuses_a_bucket_
     before = await engine.greedy.remote(prompt_ids)
 
     # The sender's first broadcast of bucket bytes goes out with a byte flipped; it hashed the original.
-    enqueue, hit = CollectiveGroup.enqueue_broadcasts, []
+    # (A whole-version push enqueues the header, then the table, then the buckets.)
+    enqueue, hit, calls = CollectiveGroup.enqueue_broadcasts, [], []
 
     def corrupting(self, tensors, deadline, **kw):
-        if self.rank == 0 and not hit and len(tensors) > 1:  # the buckets, not a header or table
-            hit.append(True)
-            bad = tensors[0].clone()
-            bad[0] ^= 0x40
-            tensors = [bad, *tensors[1:]]
+        if self.rank == 0:
+            calls.append(len(tensors))
+            if len(calls) == 3:
+                hit.append(True)
+                bad = tensors[0].clone()
+                bad[0] ^= 0x40
+                tensors = [bad, *tensors[1:]]
         return enqueue(self, tensors, deadline, **kw)
 
     monkeypatch.setattr(CollectiveGroup, "enqueue_broadcasts", corrupting)
