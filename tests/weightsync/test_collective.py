@@ -256,18 +256,9 @@ def test_a_planned_whole_push_puts_each_bucket_on_the_wire_as_soon_as_it_is_pack
         g.close()
 
 
-def test_a_planned_whole_push_whose_export_fails_midway_aborts_the_receivers_and_the_group_carries_the_next():
-    spec = _spec(receivers=1, timeout_s=60.0, backend="gloo-whole")
-    sender, receiver = _join_all(spec)
-    weights = {f"t{i}": torch.full((2048,), float(i)) for i in range(6)}
-    plan = _identity_plan(weights, 2 * BUCKET_MB)
-
-    def failing():
-        for i, (n, t) in enumerate(weights.items()):
-            if i == 3:  # bucket 0 is on the wire, bucket 1 half packed
-                raise RuntimeError("export blew up")
-            yield n, t
-
+def _assert_a_failing_export_aborts_the_receiver_at_once(sender, receiver, failing, **send_kw) -> None:
+    """`failing` (an export that raises "export blew up") sent over the group: the receiver is told
+    (SenderAborted) within 30 s, long before its 60 s deadline."""
     errors: list[BaseException] = []
 
     def receive():
@@ -281,10 +272,25 @@ def test_a_planned_whole_push_whose_export_fails_midway_aborts_the_receivers_and
     th = threading.Thread(target=receive)
     th.start()
     with pytest.raises(RuntimeError, match="export blew up"):
-        send_stream(sender, failing(), BUCKET_MB, verify="checksum", timeout_s=60, plan=plan)
+        send_stream(sender, failing, BUCKET_MB, timeout_s=60, **send_kw)
     th.join(30)
     assert len(errors) == 1 and isinstance(errors[0], SenderAborted)
     assert time.monotonic() - t0 < 30  # told, not left to its 60 s deadline
+
+
+def test_a_planned_whole_push_whose_export_fails_midway_aborts_the_receivers_and_the_group_carries_the_next():
+    spec = _spec(receivers=1, timeout_s=60.0, backend="gloo-whole")
+    sender, receiver = _join_all(spec)
+    weights = {f"t{i}": torch.full((2048,), float(i)) for i in range(6)}
+    plan = _identity_plan(weights, 2 * BUCKET_MB)
+
+    def failing():
+        for i, (n, t) in enumerate(weights.items()):
+            if i == 3:  # bucket 0 is on the wire, bucket 1 half packed
+                raise RuntimeError("export blew up")
+            yield n, t
+
+    _assert_a_failing_export_aborts_the_receiver_at_once(sender, receiver, failing(), verify="checksum", plan=plan)
     got: dict[str, torch.Tensor] = {}
 
     def receive_all():
@@ -311,23 +317,7 @@ def test_a_failing_export_aborts_the_receivers_at_once(backend):
         yield "c", torch.ones(2048)
         raise RuntimeError("export blew up")
 
-    errors: list[BaseException] = []
-
-    def receive():
-        try:
-            for _ in receive_stream(receiver, time.monotonic() + 60):
-                pass
-        except BaseException as exc:
-            errors.append(exc)
-
-    t0 = time.monotonic()
-    th = threading.Thread(target=receive)
-    th.start()
-    with pytest.raises(RuntimeError, match="export blew up"):
-        send_stream(sender, failing(), BUCKET_MB, verify="off", timeout_s=60)
-    th.join(30)
-    assert len(errors) == 1 and isinstance(errors[0], SenderAborted)
-    assert time.monotonic() - t0 < 30  # told, not left to its 60 s deadline
+    _assert_a_failing_export_aborts_the_receiver_at_once(sender, receiver, failing(), verify="off")
 
 
 @BACKENDS

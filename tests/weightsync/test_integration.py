@@ -547,6 +547,56 @@ class _Calls:
         return call
 
 
+class _OneEngine:
+    """One engine replica pushed to over `cfg.transport` by a `_LocalSender` in this process, as the
+    service links them (full staging: window 0): `push(version)` publishes and tells the link, as
+    the service does after a push; `replica.calls` records the update verbs each push made."""
+
+    @classmethod
+    async def create(cls, engine, demo_model_path, seed: int, cfg, **link_kw) -> "_OneEngine":
+        """A sender of the demo model's weights perturbed by `seed`, with the engine's push plan."""
+        import pickle
+
+        from asyncrl.weightsync.store import load_hf_tensors
+
+        start = (await engine.greedy.remote([[1, 2, 3]]))[0][1][0]
+        base = load_hf_tensors(str(demo_model_path))
+        sender = _LocalSender(_perturbed(base, seed))
+        plan = await _form_plan([engine], sender.weights, 0.25)
+        sender.endpoint.set_plan(pickle.dumps(plan))
+        one = cls(engine, sender, cfg, start, plan, **link_kw)
+        one.base = base
+        return one
+
+    def __init__(self, engine, sender, cfg, start: int, plan, **link_kw) -> None:
+        from asyncrl.weightsync.push import Publisher
+        from asyncrl.weightsync.registry import VersionRegistry
+        from asyncrl.weightsync.replicas import ActorReplica
+        from asyncrl.weightsync.service import CollectiveLink
+        from asyncrl.weightsync.transport import select_transport
+
+        async def members():
+            info = await engine.collective_info.remote()
+            return {info["replica_id"]: info}
+
+        async def join(wire):
+            return [await engine.join_collective.remote(wire, cfg.timeout_s)]
+
+        self.plan, self.sender, self.start, self.base = plan, sender, start, None
+        self.link = CollectiveLink(cfg.transport, sender, members=members, join=join, bucket_mb=cfg.bucket_mb,
+                                   timeout_s=cfg.timeout_s, ipc_window=0, **link_kw)
+        self.pub = Publisher(cfg, transport=select_transport(cfg), registry=VersionRegistry(start))
+        self.replica = _Calls(ActorReplica(engine, "engine-0"))
+
+    async def push(self, version, plan_id=None):
+        link = self.link
+        result = await self.pub.publish_streamed(version, link.send, link.payload, [self.replica], prepare=link.ensure,
+                                                 plan_id=plan_id or self.plan.plan_id, fold_begin=link.fold_begin,
+                                                 cancel=link.cancel)
+        link.pushed({"engine-0": result})  # as the service does: the next push may ask nobody first
+        return result
+
+
 async def test_one_engine_over_ipc_takes_a_push_in_one_call_and_refuses_a_corrupt_or_unplanned_one(engines, demo_model_path, monkeypatch):
     """ipc with one engine replica (full staging): the replica begins, receives, checks the
     sender's fingerprint (published in the group's store) and commits in ONE call, and serves
@@ -555,46 +605,19 @@ async def test_one_engine_over_ipc_takes_a_push_in_one_call_and_refuses_a_corrup
     applied, it keeps serving the previous version's exact tokens, and the group carries the next
     push. A replica that refuses the begin (it lacks the push plan) tells the sender through the
     group, so the push fails at once rather than at its deadline, and names the refusal."""
-    import pickle
     import time
 
     from asyncrl.config import WeightsyncConfig
     from asyncrl.types import Refusal
     from asyncrl.weightsync import ipc
     from asyncrl.weightsync.bucket import Bucket
-    from asyncrl.weightsync.push import Publisher, WeightsyncError
-    from asyncrl.weightsync.registry import VersionRegistry
-    from asyncrl.weightsync.replicas import ActorReplica
-    from asyncrl.weightsync.service import CollectiveLink
-    from asyncrl.weightsync.store import load_hf_tensors
-    from asyncrl.weightsync.transport import select_transport
+    from asyncrl.weightsync.push import WeightsyncError
     from transformers import AutoTokenizer
 
     engine = engines[0]
-    start = (await engine.greedy.remote([[1, 2, 3]]))[0][1][0]
-    base = load_hf_tensors(str(demo_model_path))
-    sender = _LocalSender(_perturbed(base, 11))
-    plan = await _form_plan([engine], sender.weights, 0.25)
-    sender.endpoint.set_plan(pickle.dumps(plan))
     cfg = WeightsyncConfig(transport="ipc", bucket_mb=0.25, timeout_s=60, verify="checksum", retries=0, staging="full")
-
-    async def members():
-        info = await engine.collective_info.remote()
-        return {info["replica_id"]: info}
-
-    async def join(wire):
-        return [await engine.join_collective.remote(wire, cfg.timeout_s)]
-
-    link = CollectiveLink("ipc", sender, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
-                          ipc_window=0)
-    pub = Publisher(cfg, transport=select_transport(cfg), registry=VersionRegistry(start))
-    replica = _Calls(ActorReplica(engine, "engine-0"))
-
-    async def push(version, plan_id=plan.plan_id):
-        result = await pub.publish_streamed(version, link.send, link.payload, [replica], prepare=link.ensure,
-                                            plan_id=plan_id, fold_begin=link.fold_begin, cancel=link.cancel)
-        link.pushed({"engine-0": result})  # as the service does: the next push asks nobody first
-        return result
+    one = await _OneEngine.create(engine, demo_model_path, 11, cfg)
+    link, pub, replica, push, sender, start, base = one.link, one.pub, one.replica, one.push, one.sender, one.start, one.base
 
     result = await push(start + 1)
     assert replica.calls == ["load_bucket"]  # begin, receive, verify, pause, apply, resume: one call
@@ -653,45 +676,18 @@ async def test_one_engine_over_gloo_commits_in_its_receive_and_refuses_a_bucket_
     the pushed weights. After a clean push whose begin every member answered, the link asks
     nobody. A byte flipped on the wire, after the sender hashed it, is refused by that check:
     nothing is applied, the previous version's exact tokens are served, and a retry carries it."""
-    import pickle
 
     from asyncrl.config import WeightsyncConfig
     from asyncrl.types import Refusal
     from asyncrl.weightsync.collective import CollectiveGroup
-    from asyncrl.weightsync.push import Publisher, WeightsyncError
-    from asyncrl.weightsync.registry import VersionRegistry
-    from asyncrl.weightsync.replicas import ActorReplica
-    from asyncrl.weightsync.service import CollectiveLink
-    from asyncrl.weightsync.store import load_hf_tensors
-    from asyncrl.weightsync.transport import select_transport
+    from asyncrl.weightsync.push import WeightsyncError
     from transformers import AutoTokenizer
 
     engine = engines[0]
-    start = (await engine.greedy.remote([[1, 2, 3]]))[0][1][0]
-    base = load_hf_tensors(str(demo_model_path))
-    sender = _LocalSender(_perturbed(base, 21))
-    plan = await _form_plan([engine], sender.weights, 0.25)
-    sender.endpoint.set_plan(pickle.dumps(plan))
     cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, timeout_s=60, verify="checksum", retries=1, staging="full")
-
-    async def members():
-        info = await engine.collective_info.remote()
-        return {info["replica_id"]: info}
-
-    async def join(wire):
-        return [await engine.join_collective.remote(wire, cfg.timeout_s)]
-
     # the push's begin reaches its one client or fails: its answer is that client's replica
-    link = CollectiveLink("gloo", sender, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
-                          ipc_window=0, answered=lambda: ["engine-0"])
-    pub = Publisher(cfg, transport=select_transport(cfg), registry=VersionRegistry(start))
-    replica = _Calls(ActorReplica(engine, "engine-0"))
-
-    async def push(version):
-        result = await pub.publish_streamed(version, link.send, link.payload, [replica], prepare=link.ensure,
-                                            plan_id=plan.plan_id, fold_begin=link.fold_begin, cancel=link.cancel)
-        link.pushed({"engine-0": result})
-        return result
+    one = await _OneEngine.create(engine, demo_model_path, 21, cfg, answered=lambda: ["engine-0"])
+    link, pub, replica, push, sender, start, base = one.link, one.pub, one.replica, one.push, one.sender, one.start, one.base
 
     result = await push(start + 1)
     assert replica.calls == ["begin_update", "load_bucket"]  # then receive, verify, pause, apply, resume: one call
