@@ -384,7 +384,11 @@ quad|duo)
       mkdir -p $OUT; bash benchmarks/gpu_session.sh $2 > $OUT/stdout.txt 2>&1 ) &
     sleep 20
   done
-  wait
+  # Wait until JOBS_CAP (560) s into this stage at most, then pack what the jobs wrote so far: a call's own
+  # timeout firing first would lose every job's files (the device brings back 8 files, so they are tarred).
+  cap=${JOBS_CAP:-560}
+  while [ -n "$(jobs -r)" ] && [ $SECONDS -lt $cap ]; do sleep 2; done
+  [ -n "$(jobs -r)" ] && echo "jobs still running at $SECONDS s (JOBS_CAP $cap): their files are taken as they are"
   for d in $OUT/*/; do echo "== $(basename $d)"; cut -c1-400 $d/stdout.txt; done
   ( cd $OUT && tar czf jobs.tgz */ && rm -rf */ )
   ;;
