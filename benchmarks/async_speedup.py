@@ -7,7 +7,7 @@ other in one Ray session. Time is split per run into
   sync   weight publication to every engine replica                    sum of time/sync_s
   wait   the learner waiting for a full batch (generation not hidden)   wall - train - sync
 Eval and checkpoints are off so that only the loop is timed. The first step is excluded
-(warm-up: engine and learner caches, first batch of the run). At eta > 0 the engine runs ahead during
+(warm-up: engine and learner caches, first batch of the run; --warmup-steps excludes more). At eta > 0 the engine runs ahead during
 that step, so a short run trains batches generated before its timed window and can beat the engine's
 pace (even the 2x overlap bound): each run also reports the share trained from before the window and
 the steady-state s/step, max(the window's, response tokens per step / the engine's tokens/s), and the
