@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets
-from asyncrl.weightsync.collective import (ABORT, BUCKET, DIGESTS, END, WHOLE, CollectiveError, CollectiveGroup,
-                                           SenderAborted)
+from asyncrl.weightsync.collective import (ABORT, BUCKET, DIGESTS, END, WHOLE, Broadcasts, CollectiveError,
+                                           CollectiveGroup, SenderAborted)
 from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
 
 
@@ -163,19 +163,36 @@ def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, ve
         finish = hash_and_copy_lazy(copies, bucket, verify, out)[0] if early else None
         packed.append((bucket, finish))
     t = time.perf_counter()
-    raw = json.dumps([[encode_table(bucket, {}).decode(), bucket.nbytes] for bucket, _ in packed]).encode()
-    group.broadcast(_header(group, WHOLE, len(raw), sum(b.nbytes for b, _ in packed)), deadline)
-    _send_bytes(group, raw, deadline)
+    _announce_whole(group, [(b.metas, b.rank, b.nbytes) for b, _ in packed], deadline)
     sending = group.enqueue_broadcasts([b.buffer for b, _ in packed if b.nbytes], deadline)
     out.seconds["broadcast"] += time.perf_counter() - t
-    if not early:  # behind the broadcasts' start on the device, beside them
+    _hash_and_wait(packed, [sending], copies, verify, out)
+
+
+def _announce_whole(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], int | None, int]],
+                    deadline: float) -> None:
+    """The whole version's header and table: every bucket's (tensors, engine rank, size), without digests."""
+    tables = [encode_table(Bucket(buffer=None, metas=metas, rank=rank), {}).decode()  # type: ignore[arg-type]
+              for metas, rank, _ in buckets]
+    raw = json.dumps([[t, n] for t, (*_, n) in zip(tables, buckets)]).encode()
+    group.broadcast(_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)), deadline)
+    _send_bytes(group, raw, deadline)
+
+
+def _hash_and_wait(packed: list[tuple[Bucket, Callable[[], dict[str, bytes]] | None]], sending: list[Broadcasts],
+                   copies: HostCopies, verify: str, out: SendResult) -> None:
+    """A whole version's end on the sender: its checksums enqueued behind the broadcasts' start (beside
+    them on a device; `full` hashed the host copies as it packed), one wait for the broadcasts, one for
+    the digests, then the host copies (deferred, unless `full`), which run while the replicas commit."""
+    if verify != "full":
         packed = [(bucket, hash_and_copy_lazy(copies, bucket, verify, out)[0]) for bucket, _ in packed]
     t = time.perf_counter()
-    sending.wait()
+    for s in sending:
+        s.wait()
     out.seconds["broadcast"] += time.perf_counter() - t
     for _, finish in packed:  # the first waits for the device's checksums, the rest are there by then
         finish()  # type: ignore[misc]
-    copies.start_copies()  # deferred (not `full`) until the digests were read; they run while the replicas commit
+    copies.start_copies()
 
 
 def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
@@ -188,9 +205,7 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
     then the caller's abort header, so the receivers fail at once rather than at their deadline."""
     early = verify == "full"
     t = time.perf_counter()
-    raw = json.dumps([[_table(b.metas(), b.rank), b.nbytes] for b in planned]).encode()
-    group.broadcast(_header(group, WHOLE, len(raw), sum(b.nbytes for b in planned)), deadline)
-    _send_bytes(group, raw, deadline)
+    _announce_whole(group, [(b.metas(), b.rank, b.nbytes) for b in planned], deadline)
     out.seconds["broadcast"] += time.perf_counter() - t
     packed: list[tuple[Bucket, Callable[[], dict[str, bytes]] | None]] = []
     sending = []
@@ -218,19 +233,7 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
         if export.failed and not group.broken:
             _fill(group, planned[len(packed):], deadline)
         raise
-    if not early:  # behind the broadcasts' start on the device, beside them
-        packed = [(bucket, hash_and_copy_lazy(copies, bucket, verify, out)[0]) for bucket, _ in packed]
-    t = time.perf_counter()
-    for s in sending:
-        s.wait()
-    out.seconds["broadcast"] += time.perf_counter() - t
-    for _, finish in packed:  # the first waits for the device's checksums, the rest are there by then
-        finish()  # type: ignore[misc]
-    copies.start_copies()  # deferred (not `full`) until the digests were read
-
-
-def _table(metas: list[TensorMeta], rank: int | None) -> str:
-    return encode_table(Bucket(buffer=None, metas=metas, rank=rank), {}).decode()  # type: ignore[arg-type]
+    _hash_and_wait(packed, sending, copies, verify, out)
 
 
 def _fill(group: CollectiveGroup, rest: list[Any], deadline: float) -> None:
