@@ -596,6 +596,19 @@ class _OneEngine:
         link.pushed({"engine-0": result})  # as the service does: the next push may ask nobody first
         return result
 
+    async def push_is_refused_by_its_fingerprint(self, engine, version, prompt_ids, before) -> None:
+        """`version`'s push (its bytes corrupted after the sender hashed them) fails on the replica's
+        check: nothing applied, the previous version live and its exact tokens and tags served."""
+        from asyncrl.types import Refusal
+        from asyncrl.weightsync.push import WeightsyncError
+
+        live = self.pub.registry.live_version
+        with pytest.raises(WeightsyncError, match="fingerprint") as info:
+            await self.push(version)
+        assert info.value.refusals == {"engine-0": Refusal.VERIFY_FAILED}
+        assert self.pub.registry.get(version).state is S.FAILED and self.pub.registry.live_version == live
+        assert await engine.greedy.remote(prompt_ids) == before
+
 
 async def test_one_engine_over_ipc_takes_a_push_in_one_call_and_refuses_a_corrupt_or_unplanned_one(engines, demo_model_path, monkeypatch):
     """ipc with one engine replica (full staging): the replica begins, receives, checks the
@@ -646,11 +659,8 @@ async def test_one_engine_over_ipc_takes_a_push_in_one_call_and_refuses_a_corrup
     monkeypatch.setattr(ipc, "ipc_export", corrupting)
     sender.weights = _perturbed(base, 12)
     replica.calls.clear()
-    with pytest.raises(WeightsyncError, match="fingerprint") as info:
-        await push(start + 3)
-    assert hit and info.value.refusals == {"engine-0": Refusal.VERIFY_FAILED}
-    assert pub.registry.get(start + 3).state is S.FAILED and pub.registry.live_version == start + 2
-    assert await engine.greedy.remote(prompt_ids) == before  # the previous version's exact tokens and tags
+    await one.push_is_refused_by_its_fingerprint(engine, start + 3, prompt_ids, before)
+    assert hit and pub.registry.live_version == start + 2
     monkeypatch.setattr(ipc, "ipc_export", export)
 
     await push(start + 4)  # the same group carries the next push
@@ -678,9 +688,7 @@ async def test_one_engine_over_gloo_commits_in_its_receive_and_refuses_a_bucket_
     nothing is applied, the previous version's exact tokens are served, and a retry carries it."""
 
     from asyncrl.config import WeightsyncConfig
-    from asyncrl.types import Refusal
     from asyncrl.weightsync.collective import CollectiveGroup
-    from asyncrl.weightsync.push import WeightsyncError
     from transformers import AutoTokenizer
 
     engine = engines[0]
@@ -718,11 +726,8 @@ async def test_one_engine_over_gloo_commits_in_its_receive_and_refuses_a_bucket_
     monkeypatch.setattr(CollectiveGroup, "enqueue_broadcasts", corrupting)
     monkeypatch.setattr(pub._cfg, "retries", 0)
     sender.weights = _perturbed(base, 22)
-    with pytest.raises(WeightsyncError, match="fingerprint") as info:
-        await push(start + 3)
-    assert hit and info.value.refusals == {"engine-0": Refusal.VERIFY_FAILED}
-    assert pub.registry.get(start + 3).state is S.FAILED and pub.registry.live_version == start + 2
-    assert await engine.greedy.remote(prompt_ids) == before  # the previous version's exact tokens and tags
+    await one.push_is_refused_by_its_fingerprint(engine, start + 3, prompt_ids, before)
+    assert hit and pub.registry.live_version == start + 2
     monkeypatch.setattr(CollectiveGroup, "enqueue_broadcasts", enqueue)
     skipped = link.checks_skipped  # (the failed push's check was skipped: the one before it was clean)
     await push(start + 4)  # checked again after the failure, then carried
