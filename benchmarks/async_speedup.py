@@ -184,6 +184,38 @@ def steady_state(wall_s: float, steps: int, trained_response_tokens: float, gene
             "steady_s_per_step": max(wall_s / steps, engine) if engine is not None else wall_s / steps}
 
 
+def balanced_batch(train_s: float, gen_s: float, batch0: int, *, target: float = 0.95, gen_exp: float = 0.75,
+                   train_exp: float = 1.1, lo: int = 32, hi: int = 1024, multiple: int = 32) -> int:
+    """The batch at which one step's generation should take `target` x its training, from one eta = 0 run at
+    `batch0` samples (its per-step training and generation seconds), if generation grows as the batch's
+    `gen_exp` power and training as its `train_exp` power. Defaults from the runs of 2026-11-26/27 (two H200s,
+    four H100s, docs/BENCHMARKS.md): the decode is bound by the engine's per-step host work, which grows with
+    the sequences in flight (~0.75th power), while training grows about linearly. Rounded to `multiple` and
+    held to [lo, hi]."""
+    if train_s <= 0 or gen_s <= 0 or batch0 <= 0 or gen_exp == train_exp:
+        raise ValueError(f"balanced_batch: train_s={train_s}, gen_s={gen_s}, batch0={batch0}, exponents "
+                         f"{gen_exp}/{train_exp}: need positive times and batch, and different exponents")
+    b = batch0 * (target / (gen_s / train_s)) ** (1.0 / (gen_exp - train_exp))
+    return int(max(lo, min(hi, round(b / multiple) * multiple)))
+
+
+def _balanced_batch_cli(calib: Path, batch0: int) -> int:
+    """`--balanced-batch CALIB_JSON BATCH0`: print the balanced batch from a calibration run's JSON
+    (`--out` of an eta = 0 run at BATCH0 samples); BATCH0 itself, with the reason on stderr, when the
+    file is missing or holds no finished run."""
+    try:
+        r = json.loads(calib.read_text())["results"][0]
+        n = r["steps_timed"]
+        train, gen = r["train_s"] / n, r["wait_s"] / n
+        b = balanced_batch(train, gen, batch0)
+        print(f"calibration at {batch0}: train {train:.2f} s, generation {gen:.2f} s per step -> batch {b}", file=sys.stderr)
+    except (OSError, ValueError, KeyError, IndexError, ZeroDivisionError) as e:
+        b = batch0
+        print(f"calibration failed ({e!r}): batch {batch0}", file=sys.stderr)
+    print(b)
+    return 0
+
+
 def _replica_versions(control: Any, app: str) -> tuple[Any, dict[str, int] | None]:
     """({replica: version}, or None while the engines do not answer) and the control handle to reuse."""
     from asyncrl.generator.control import EngineControl
@@ -228,7 +260,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field (dotted path, YAML value); repeatable")
     ap.add_argument("--peak-flops", type=float, default=989e12, help="per learner GPU, for MFU (H100/H200 dense bf16)")
+    ap.add_argument("--balanced-batch", nargs=2, metavar=("CALIB_JSON", "BATCH0"), default=None,
+                    help="only print the batch at which generation ~ 0.95 x training, from an eta = 0 run's --out "
+                         "at BATCH0 samples (balanced_batch), and exit")
     a = ap.parse_args(argv)
+    if a.balanced_batch is not None:
+        try:
+            b0 = int(a.balanced_batch[1])
+        except ValueError:
+            ap.error(f"--balanced-batch: BATCH0 must be an integer, not {a.balanced_batch[1]!r}")
+        return _balanced_batch_cli(Path(a.balanced_batch[0]), b0)
     if a.warmup_steps < 1 or a.steps < a.warmup_steps + 2:
         ap.error(f"--steps={a.steps} --warmup-steps={a.warmup_steps}: need warm-up >= 1 and at least 2 timed steps after it")
     import ray

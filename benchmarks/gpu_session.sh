@@ -222,8 +222,14 @@ peers)
     python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M ${PEERS_SHAPE:-} > $OUT/make_model.log 2>&1
     echo "make model rc=$? t=$SECONDS s"; tail -1 $OUT/make_model.log | cut -c1-300
   fi
+  pargs=${PEERS_ARGS:-}
+  # 1.5B and up on one H100 (2026-11-27): a whole batch of 64 as one micro-batch ran both TRL and asyncrl out of
+  # memory beside their engines; both sides then take micro-batches of 16 (PEERS_ARGS naming one wins)
+  if [[ "$pargs" != *--micro-batch-size* ]] && [ "$(python3 -c "import json; print(int(json.load(open('$M/config.json'))['hidden_size'] >= 1536))" 2>/dev/null)" = 1 ]; then
+    pargs="$pargs --micro-batch-size 16"; echo "peers: micro-batches of 16 for $M"
+  fi
   knobs=(--model $M --prompts-per-step ${PEERS_PROMPTS:-8} --group-size ${PEERS_GROUP:-8} --max-new-tokens ${PEERS_TOKENS:-256}
-         --lr ${PEERS_LR:-1e-6} --warmup-steps ${PEERS_WARMUP:-3} --steps ${PEERS_STEPS:-8} --out $OUT/peers.json ${PEERS_ARGS:-})
+         --lr ${PEERS_LR:-1e-6} --warmup-steps ${PEERS_WARMUP:-3} --steps ${PEERS_STEPS:-8} --out $OUT/peers.json $pargs)
   runs=${PEERS_RUNS:-trl hybrid gpu1}; [ "${PEERS_SERVE:-0}" = 1 ] && runs="$runs serve"
   for run in $runs; do
     case $run in trl) cap=${TRL_TIMEOUT:-240} ;; hybrid) cap=${HYBRID_TIMEOUT:-200} ;; gpu1) cap=${GPU1_TIMEOUT:-320} ;;
@@ -277,38 +283,32 @@ install)
   ;;
 balanced)
   # Issue 28, two GPUs (CUDA_VISIBLE_DEVICES): eta = 0, 2, 1 with the same samples, where one step's generation and
-  # training take about the same time (deploy/rlhf-gpu2-long.yaml: a random Qwen2-0.5B, responses of exactly 1,024
-  # tokens). A short eta = 0 run at BATCH0 (256) samples measures both per step; the batch is then scaled so that
-  # generation is about 0.95x training, and that batch runs at every eta (NSTEPS steps each, the first one
-  # warm-up). Measured on two H200s (2026-11-26, 256 -> 384 samples): generation per step grew as the batch's
-  # 0.75th power, training as its 0.45th (its fixed per-step costs), so their ratio grows as the 0.3th power;
-  # and at eta = 2 the engine generated a batch ~11 % slower than at eta = 0 (the learner beside it), hence
-  # 0.95 rather than 1. Read the steady speedup column: a short run's wall time at eta > 0 includes batches
-  # generated during its warm-up step (async_speedup.py: steady_state).
+  # training take about the same time (deploy/rlhf-gpu2-long.yaml, responses of exactly BALANCED_TOKENS tokens).
+  # Default: a random Qwen2-1.5B, 512-token responses, BATCH 384 samples, chosen from these measurements
+  # (docs/BENCHMARKS.md, issue 28's sections of 2026-11-26 and -27). The decode is bound by the engine's per-step
+  # host work, which grows with the sequences in flight and hardly with the model: 4.6-4.9 ms a token for 64
+  # sequences at 0.5B and 1.5B alike, ~13 ms for 256 and ~18 ms for 384 (0.5B). So generation per step grows as the
+  # batch's ~0.75th power whatever the model, while training grows about linearly (1.1th power) and with the
+  # model. The 0.5B never balances (generation / training 2.19 at 64, 1.38 at 256, 1.57 at 384); the 1.5B at 64 x
+  # 1,024 tokens was 5.0 s of generation against 2.9 s of training, so about 384 samples of 512 tokens should
+  # balance (estimated, not yet measured). BATCH=auto: a short eta = 0 run at BATCH0 (256) samples measures both,
+  # and the batch is scaled by those exponents toward generation = 0.95 x training (at eta = 2 the engine
+  # generated ~11 % slower, the learner beside it). Read the steady speedup column: a short run's wall time at
+  # eta > 0 includes batches generated during its warm-up steps (async_speedup.py: steady_state).
+  # BALANCED_MODEL / BALANCED_SHAPE (make_random_qwen2.py's flags) for another random model.
   export RAY_ADDRESS=${RAY_ADDRESS:-local}  # or a node started apart (RAY_ADDRESS=auto)
-  M=/tmp/qwen2-0.5b-long  # its own copy: the peers job beside it builds $MODEL at the same time
-  [ -f $M/config.json ] || python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M > $OUT/make_model.log 2>&1
+  M=${BALANCED_MODEL:-/tmp/qwen2-1.5b-long}  # its own copy: the peers job beside it builds $MODEL at the same time
+  shape=${BALANCED_SHAPE-"--layers 28 --hidden 1536 --heads 12 --kv-heads 2 --ffn 8960"}
+  [ -f $M/config.json ] || python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M $shape > $OUT/make_model.log 2>&1
   B0=${BATCH0:-256}
-  sets=(--set model.path=$M)
-  if [ -z "${BATCH:-}" ]; then
-    timeout -s INT -k 20 ${CALIB_TIMEOUT:-200} python3 benchmarks/async_speedup.py --config deploy/rlhf-gpu2-long.yaml --steps 3 \
+  sets=(--set model.path=$M --set algorithm.max_new_tokens=${BALANCED_TOKENS:-512})
+  BATCH=${BATCH:-384}
+  if [ "$BATCH" = auto ]; then
+    timeout -s INT -k 20 ${CALIB_TIMEOUT:-240} python3 benchmarks/async_speedup.py --config deploy/rlhf-gpu2-long.yaml --steps 3 \
         --etas 0 --num-cpus 16 "${sets[@]}" --set buffer.batch_size=$B0 --set trainer.rollout_concurrency=$((B0 / 8)) \
         --out $OUT/calib.json > $OUT/calib.log 2>&1
     echo "calibration rc=$?"
-    BATCH=$(python3 - $OUT/calib.json $B0 <<'PY'
-import json, sys
-try:
-    r = json.load(open(sys.argv[1]))["results"][0]
-    n, b0 = r["steps_timed"], int(sys.argv[2])
-    train, gen = r["train_s"] / n, r["wait_s"] / n
-    k = (0.95 / (gen / train)) ** (1 / 0.3)
-    b = int(max(32, min(1024, round(b0 * k / 32) * 32)))
-    print(b, file=sys.stdout)
-    print(f"calibration at {b0}: train {train:.2f} s, generation {gen:.2f} s per step -> batch {b}", file=sys.stderr)
-except Exception as e:
-    print(sys.argv[2]); print(f"calibration failed ({e!r}): batch {sys.argv[2]}", file=sys.stderr)
-PY
-)
+    BATCH=$(python3 benchmarks/async_speedup.py --balanced-batch $OUT/calib.json $B0)
   fi
   echo "batch $BATCH"
   # WARMUP (3) steps left out of each run: an eta > 0 engine runs ahead during the first, and those batches

@@ -85,3 +85,27 @@ def test_the_warm_up_must_leave_steps_to_time(bench):
         bench.run_once({}, 2, 3, Path("/nonexistent"), 1.0, warmup=3)
     with pytest.raises(SystemExit):
         bench.main(["--steps", "4", "--warmup-steps", "3"])
+
+
+def test_the_balanced_batch_grows_where_generation_outweighs_training_and_is_held_to_its_bounds(bench):
+    # generation / training 1.73 at 64 (the 1.5B on two H100s): the ratio falls as batch^-0.35
+    b = bench.balanced_batch(2.9, 5.0, 64)
+    assert b == 352
+    ratio = 5.0 / 2.9 * (b / 64) ** (0.75 - 1.1)
+    assert abs(ratio - 0.95) < 0.05
+    assert bench.balanced_batch(10.0, 5.0, 256) < 256  # training outweighs generation: a smaller batch
+    assert bench.balanced_batch(1.0, 50.0, 64) == 1024 and bench.balanced_batch(50.0, 1.0, 64) == 32
+    with pytest.raises(ValueError, match="positive"):
+        bench.balanced_batch(0.0, 5.0, 64)
+
+
+def test_the_balanced_batch_cli_reads_a_calibration_run_and_falls_back_to_its_batch(bench, tmp_path, capsys):
+    calib = tmp_path / "calib.json"
+    calib.write_text('{"results": [{"steps_timed": 2, "train_s": 5.8, "wait_s": 10.0}]}')
+    assert bench.main(["--balanced-batch", str(calib), "64"]) == 0
+    assert capsys.readouterr().out.strip() == "352"
+    assert bench.main(["--balanced-batch", str(tmp_path / "missing.json"), "64"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == "64" and "calibration failed" in out.err
+    with pytest.raises(SystemExit):
+        bench.main(["--balanced-batch", str(calib), "many"])
