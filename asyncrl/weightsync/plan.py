@@ -477,7 +477,9 @@ class PlannedPacker:
                 if typed is None:
                     raw, dt = open_bucket(pos), dtype_from_name(p.dtype)
                     typed = typed_views[(pos, p.dtype)] = raw[: raw.numel() - raw.numel() % dt.itemsize].view(dt)
-                dst = typed.as_strided(op.dst.shape, op.dst.stride, off // typed.element_size() + op.dst.offset)
+                # (as_strided's offset is the storage's: a buffer may be a window of a larger one, whole_arena)
+                dst = typed.as_strided(op.dst.shape, op.dst.stride,
+                                       typed.storage_offset() + off // typed.element_size() + op.dst.offset)
                 sv = op.src_view
                 whole = sv.offset == 0 and sv.shape == tuple(src.shape) and sv.stride == tuple(src.stride())  # type: ignore[union-attr]
                 pending = copies.setdefault(pos, ([], []))

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets
+from asyncrl.weightsync.bucket import ALIGN, Bucket, TensorMeta, iter_buckets
 from asyncrl.weightsync.collective import (ABORT, BUCKET, DIGESTS, END, WHOLE, Broadcasts, CollectiveError,
                                            CollectiveGroup, SenderAborted)
 from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
@@ -79,16 +79,37 @@ class SendResult:
 
 
 def pack_stream(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, device: torch.device, *,
-                plan: Any = None, sender: int = 0, alloc: Callable[[int], torch.Tensor] | None = None) -> Iterator[Bucket]:
+                plan: Any = None, sender: int = 0, alloc: Callable[[int], torch.Tensor] | None = None,
+                planned_buffer: Callable[[Any], torch.Tensor] | None = None) -> Iterator[Bucket]:
     """The sender's buckets on `device`: Hugging Face tensors as they come (`iter_buckets`), or,
     with a push `plan` (plan.py), this sender's buckets in the engines' layout. `alloc(nbytes)`
-    supplies reused buffers (ipc)."""
+    supplies reused buffers (ipc); `planned_buffer(planned bucket)` a planned bucket's buffer
+    (`whole_arena`)."""
     if plan is None:
         return iter_buckets(named_tensors, bucket_mb, device=device, alloc=alloc)
     from asyncrl.weightsync.plan import PlannedPacker
 
-    buffer = None if alloc is None else (lambda b: alloc(b.nbytes))
+    buffer = planned_buffer or (None if alloc is None else (lambda b: alloc(b.nbytes)))
     return PlannedPacker(plan, sender, device, buffer, host_numpy=False).pack(named_tensors)
+
+
+def whole_arena(planned: list[Any], device: torch.device) -> Callable[[Any], torch.Tensor]:
+    """One allocation for a sender's whole planned version, each bucket a 64-byte-aligned window of
+    it by its plan index: the buckets are then hashed in one pass (one kernel launch on a device,
+    `hash_whole_lazy`) instead of one launch per bucket. Whole-version pushes keep every bucket until
+    the broadcasts end anyway, so this holds no more memory than separate buffers."""
+    offsets, at = {}, 0
+    for b in planned:
+        offsets[b.index] = at
+        at += -(-b.nbytes // ALIGN) * ALIGN
+    arena = torch.empty(at, dtype=torch.uint8, device=device)
+    return lambda b: arena.narrow(0, offsets[b.index], b.nbytes)
+
+
+def _one_storage(buckets: list[Bucket]) -> bool:
+    bufs = [b.buffer for b in buckets]
+    return bool(bufs) and all(isinstance(x, torch.Tensor) for x in bufs) \
+        and len({(x.device, x.untyped_storage().data_ptr()) for x in bufs}) == 1
 
 
 def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
@@ -106,7 +127,10 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     # for checksums that take 5 ms, about as long as its 3 GB of copies took (not measured since).
     copies = out.host_copies = host_copies_for(group, keep, deadline, **(
         {"max_device": 1 << 30, "defer_copy": verify != "full"} if whole else {}))
-    export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender), out)
+    # whole with a plan: the version packed into one arena (hashed in one pass)
+    arena = whole_arena(plan.for_sender(sender), group.device) if whole and plan is not None else None
+    export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender,
+                                planned_buffer=arena), out)
     try:
         if whole and plan is not None:  # the table is the plan's: sent first, each bucket on the wire as it is packed
             _send_whole_planned(group, export, copies, verify, deadline, out, plan.for_sender(sender))
@@ -184,7 +208,14 @@ def _hash_and_wait(packed: list[tuple[Bucket, Callable[[], dict[str, bytes]] | N
     """A whole version's end on the sender: its checksums enqueued behind the broadcasts' start (beside
     them on a device; `full` hashed the host copies as it packed), one wait for the broadcasts, one for
     the digests, then the host copies (deferred, unless `full`), which run while the replicas commit."""
-    if verify != "full":
+    if verify != "full" and _one_storage([b for b, _ in packed]):  # one arena (whole_arena): one pass for all
+        t = time.perf_counter()
+        for bucket, _ in packed:
+            copies.add(bucket)
+        out.seconds["host_copy"] += time.perf_counter() - t
+        whole = hash_whole_lazy([b for b, _ in packed], verify, out)
+        packed = [(bucket, whole if k == 0 else (lambda: {})) for k, (bucket, _) in enumerate(packed)]
+    elif verify != "full":
         packed = [(bucket, hash_and_copy_lazy(copies, bucket, verify, out)[0]) for bucket, _ in packed]
     t = time.perf_counter()
     for s in sending:

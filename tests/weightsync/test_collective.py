@@ -217,11 +217,16 @@ def _identity_plan(weights: dict[str, torch.Tensor], bucket_mb: float):
     return build_plan(manifest, [probe_layout(module, manifest, load=load)], bucket_mb)
 
 
-def test_a_planned_whole_push_puts_each_bucket_on_the_wire_as_soon_as_it_is_packed():
+def test_a_planned_whole_push_puts_each_bucket_on_the_wire_as_soon_as_it_is_packed(monkeypatch):
     """With a push plan the sender announces the whole version's table before packing (the plan
     knows it) and broadcasts each bucket once packed: a receiver holds bucket 0 while the export
     is still producing the last tensor. The bytes, the sender's digests after the last bucket and
-    the host copies are as without a plan."""
+    the host copies are as without a plan; the buckets share one arena and are hashed in one pass."""
+    import asyncrl.weightsync.stream as stream
+
+    passes: list[int] = []
+    one_pass = stream.hash_whole_lazy
+    monkeypatch.setattr(stream, "hash_whole_lazy", lambda buckets, *a, **k: passes.append(len(buckets)) or one_pass(buckets, *a, **k))
     spec = _spec(receivers=1, backend="gloo-whole")
     sender, receiver = _join_all(spec)
     weights = {f"t{i}": torch.full((2048,), float(i)) for i in range(6)}  # 3 planned buckets of 2 tensors
@@ -251,10 +256,50 @@ def test_a_planned_whole_push_puts_each_bucket_on_the_wire_as_soon_as_it_is_pack
     assert len(received) == 3 and received[0] < produced[-1]  # bucket 0 arrived before the export ended
     assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in weights)
     assert theirs == sent.digests and len(sent.digests) == len(weights)
+    assert passes == [3]  # every bucket's checksums in one pass over the arena
     assert len(sent.host_copies.result()) == 3
     for g in (sender, receiver):
         g.close()
 
+
+def test_a_whole_arena_gives_each_planned_bucket_an_aligned_window_of_one_allocation():
+    from asyncrl.weightsync.bucket import ALIGN
+    from asyncrl.weightsync.stream import whole_arena
+
+    weights = {f"t{i}": torch.full((1000 + 37 * i,), float(i)) for i in range(6)}  # sizes off the alignment
+    planned = _identity_plan(weights, 0.004).for_sender(0)
+    assert len(planned) > 2
+    buffer = whole_arena(planned, torch.device("cpu"))
+    views = [buffer(b) for b in reversed(planned)]  # opened in any order: placed by plan index
+    views.reverse()
+    assert {v.untyped_storage().data_ptr() for v in views} == {views[0].untyped_storage().data_ptr()}
+    spans = sorted((v.storage_offset(), v.storage_offset() + v.numel()) for v in views)
+    assert all(start % ALIGN == 0 for start, _ in spans)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))  # disjoint
+    assert [v.numel() for v in views] == [b.nbytes for b in planned]
+
+
+
+def test_a_planned_packer_writes_each_bucket_into_its_window_of_a_larger_buffer():
+    """The ipc ring (take_in_order) and whole_arena hand the packer windows of one allocation: every
+    tensor must land in its own bucket's window (an offset taken from the window's start rather than
+    the storage's wrote every bucket over the first; both sides' digests of those bytes still agreed)."""
+    from asyncrl.weightsync.plan import PlannedPacker
+
+    weights = {f"t{i}": torch.full((1000,), float(i + 1)) for i in range(6)}
+    planned = _identity_plan(weights, 0.004)
+    assert len(planned.for_sender(0)) > 2
+    arena = torch.zeros(1 << 20, dtype=torch.uint8)
+    slots, at = {}, 4096  # no window starts at the storage's first byte
+    for b in planned.for_sender(0):
+        slots[b.index] = at
+        at += -(-b.nbytes // 256) * 256
+    got: dict[str, torch.Tensor] = {}
+    packer = PlannedPacker(planned, 0, "cpu", lambda b: arena[slots[b.index] : slots[b.index] + b.nbytes], host_numpy=False)
+    for bucket in packer.pack(weights.items()):
+        got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
+    assert got.keys() == weights.keys() and all(torch.equal(got[n], w) for n, w in weights.items())
+    assert not arena[:4096].any()  # nothing written before the first window
 
 def _assert_a_failing_export_aborts_the_receiver_at_once(sender, receiver, failing, **send_kw) -> None:
     """`failing` (an export that raises "export blew up") sent over the group: the receiver is told
