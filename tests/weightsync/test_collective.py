@@ -301,6 +301,28 @@ def test_a_planned_packer_writes_each_bucket_into_its_window_of_a_larger_buffer(
     assert got.keys() == weights.keys() and all(torch.equal(got[n], w) for n, w in weights.items())
     assert not arena[:4096].any()  # nothing written before the first window
 
+
+def test_the_ipc_rings_whole_version_arena_packs_a_planned_version_bit_exact_push_after_push():
+    """The ipc sender's whole-version path on a device (ipc.py: plan_whole, take_in_order into
+    pack_stream), here on host memory: every planned bucket is a window of the ring's one arena and
+    every tensor arrives whole, in the second push too (the same windows, reused)."""
+    from asyncrl.weightsync.ipc import IpcRing
+    from asyncrl.weightsync.stream import pack_stream
+
+    weights = {f"t{i}": torch.arange(900 + 50 * i, dtype=torch.float32) + 1000 * i for i in range(6)}
+    plan = _identity_plan(weights, 0.004)
+    sizes = [b.nbytes for b in plan.for_sender(0)]
+    assert len(sizes) > 2
+    ring = IpcRing(torch.device("cpu"))
+    for push in (1, 2):
+        ring.release_all()
+        ring.plan_whole(sizes)
+        version = {n: t * push for n, t in weights.items()}
+        buckets = list(pack_stream(version.items(), 0.004, torch.device("cpu"), plan=plan, alloc=ring.take_in_order))
+        assert {b.buffer.untyped_storage().data_ptr() for b in buckets} == {ring.arena.untyped_storage().data_ptr()}
+        got = {n: t.clone() for b in buckets for n, t in unpack_bucket(b)}
+        assert got.keys() == version.keys() and all(torch.equal(got[n], version[n]) for n in version), push
+
 def _assert_a_failing_export_aborts_the_receiver_at_once(sender, receiver, failing, **send_kw) -> None:
     """`failing` (an export that raises "export blew up") sent over the group: the receiver is told
     (SenderAborted) within 30 s, long before its 60 s deadline."""
