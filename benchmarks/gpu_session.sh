@@ -347,6 +347,29 @@ scale)
   ls /tmp/ray/session_latest/logs > /dev/null 2>&1 && tar czf $OUT/ray_logs.tgz -C /tmp/ray/session_latest logs 2>/dev/null
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
   ;;
+gpu8)
+  # Issue 30's full layout on an 8-GPU host (deploy/rlhf-gpu8.yaml): the random Qwen2-7B, learner TP = 2 x PP = 2 on
+  # four GPUs, engine replicas of TP = 2 autoscaled from 1 to 2 on the other four, the second one after the first
+  # push; ETAS (2; run "0" in a call of its own for the speedup), NSTEPS (12). The model is built as the scale stage
+  # builds it (or by the install stage in the background).
+  M=/tmp/qwen2-7b-random
+  for i in $(seq 1 60); do pgrep -f "[m]ake_random_qwen2.py.*$M.tmp" > /dev/null || break; sleep 5; done
+  if [ ! -f $M/config.json ]; then
+    timeout 400 python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M --layers 28 \
+        --hidden 3584 --heads 28 --kv-heads 4 --ffn 18944 --untied > $OUT/make_7b.log 2>&1
+    echo "make 7b rc=$? t=$SECONDS s"
+  fi
+  sets=(--set model.path=$M); for kv in ${SETS:-}; do sets+=(--set "$kv"); done
+  pkill -9 -f "[r]ay::"; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*; sleep 1
+  timeout 180 ray start --head --num-cpus 64 --include-dashboard=false --disable-usage-stats > $OUT/ray_start.log 2>&1
+  echo "ray start rc=$?"
+  RAY_ADDRESS=auto timeout -s INT -k 30 ${RUN_TIMEOUT:-480} python3 benchmarks/async_speedup.py \
+      --config deploy/rlhf-gpu8.yaml --steps ${NSTEPS:-12} --etas ${ETAS:-2} --num-cpus 64 "${sets[@]}" \
+      --out $OUT/gpu8.json > $OUT/gpu8.log 2>&1
+  echo "gpu8 rc=$? t=$SECONDS s"; grep -v '^{' $OUT/gpu8.log | grep -E '^\||machine|joined|failed' | cut -c1-400
+  grep -iE "Traceback|Error|out of memory" $OUT/gpu8.log | grep -v Warning | tail -10 | cut -c1-400
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
+  ;;
 demo-nccl)
   # Issue 28: the demo as deploy/rlhf-gpu2.yaml runs it (weights over NCCL every step), STEPS_DEMO (300) steps, eta 2;
   # the row counts failed pushes (push_failed) and keeps every step's push.

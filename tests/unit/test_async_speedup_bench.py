@@ -45,19 +45,24 @@ def test_replicas_of_the_first_poll_are_not_joins_and_a_replica_counts_once(benc
     assert bench.replica_joins([]) == []
 
 
-@pytest.mark.parametrize("name", ["rlhf-gpu2-long.yaml", "rlhf-gpu4-scale.yaml"])
+@pytest.mark.parametrize("name", ["rlhf-gpu2-long.yaml", "rlhf-gpu4-scale.yaml", "rlhf-gpu8.yaml"])
 def test_the_gpu_stage_configs_load_with_the_stage_overrides(bench, name, demo_model_path):
     from asyncrl.config import load_config
 
     sets = [f"model.path={demo_model_path}", "weightsync.staging=bucketed"]
     if name == "rlhf-gpu2-long.yaml":  # what the balanced stage sets after its calibration
-        sets += ["buffer.batch_size=512", "trainer.rollout_concurrency=64"]
+        sets += ["buffer.batch_size=384", "trainer.rollout_concurrency=48", "algorithm.max_new_tokens=512"]
     cfg = load_config(bench.apply_overrides(bench._args_from(REPO / "deploy" / name), sets), source=name)
     assert cfg.weightsync.staging == "bucketed"
     assert cfg.algorithm.ignore_eos  # fixed-length responses from a random model
-    if name == "rlhf-gpu4-scale.yaml":
+    if name in ("rlhf-gpu4-scale.yaml", "rlhf-gpu8.yaml"):
         assert cfg.generator.autoscaling.max_replicas == 2 and cfg.generator.autoscaling.initial_replicas == 1
         assert cfg.trainer.rollout_concurrency > cfg.generator.autoscaling.target_ongoing_requests
+    if name == "rlhf-gpu8.yaml":  # 8 GPUs: two engine replicas of TP = 2 beside a TP = 2 x PP = 2 learner
+        sc = cfg.learner.strategy_config
+        assert (sc["tensor_model_parallel_size"], sc["pipeline_model_parallel_size"]) == (2, 2)
+        assert cfg.learner.world_size * cfg.learner.num_gpus_per_rank == 4
+        assert cfg.generator.engine_kwargs["tensor_parallel_size"] == cfg.generator.num_gpus == 2
 
 
 def test_a_window_that_trains_batches_generated_before_it_is_held_to_the_engines_pace(bench):
