@@ -6,7 +6,9 @@
 # layout tests over NCCL: bash benchmarks/gpu_session.sh learner2, and the learner's speed at TP=2 + SP and CP=2:
 # learner2-speed; on one GPU, the learner on a random Qwen2-MoE: moe. On a 4-GPU host (docs/BENCHMARKS.md, "GPU (four
 # H200), third lease"): install (in the last wheel part's call), then quad (balanced | peers | push side by side),
-# scale (the 7B with the autoscaler) and duo (the NCCL push | demo-nccl); balanced, demo-nccl also alone. Expects the GPU wheelhouse parts
+# scale (the 7B with the autoscaler) and duo (the NCCL push | demo-nccl); balanced, demo-nccl also alone; sglang-install
+# (issue 23: SGLang's parts from benchmarks/sglang/wheels.sh in /tmp/sgl-parts, installed apart and started once);
+# gpu8 (issue 30's full layout, deploy/rlhf-gpu8.yaml, on an 8-GPU host). Expects the GPU wheelhouse parts
 # in /tmp/parts (see the device README: 8 carried parts) and carries .whl (grpcio 1.85.1, protobuf 7.36.2) and
 # artifacts/demo-model. Installs once into /tmp/site; grpcio/protobuf are unpacked over it, because
 # `pip --target --upgrade` would replace the whole google/ namespace and drop google.rpc.
@@ -269,6 +271,39 @@ peers)
   done
   [ -s $OUT/peers.json ] && python3 benchmarks/peers/compare.py $OUT/peers.json --md $OUT/peers.md --png $OUT/peers.png
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
+  ;;
+sglang-install)
+  # Issue 23: SGLang's wheels (benchmarks/sglang/wheels.sh; the parts in /tmp/sgl-parts) installed into
+  # /tmp/site-sglang: pip's resolver, run against the image and /tmp/site (PYTHONPATH), picks from the carried
+  # wheels only what is missing or pinned otherwise (a dry run's report), then those are installed without
+  # deps. Then SGLang's own engine starts once on the random Qwen2-0.5B and decodes 16 greedy tokens: the
+  # install's check. SGLang's processes run with PYTHONPATH=/tmp/site-sglang:/tmp/site:$PWD.
+  if [ ! -f /tmp/site-sglang/.done ]; then
+    rm -rf /tmp/sgl-wheels; cat /tmp/sgl-parts/part* | tar xf - -C /tmp || { echo "sglang: no parts in /tmp/sgl-parts"; exit 1; }
+    timeout 300 python3 -m pip install --dry-run -q --no-index --find-links /tmp/sgl-wheels --report /tmp/sgl-report.json \
+        sglang==0.5.15 > $OUT/sgl_resolve.log 2>&1
+    echo "sglang resolve rc=$?"; grep -v WARNING $OUT/sgl_resolve.log | tail -5 | cut -c1-400
+    python3 -c "import json; print('\n'.join(i['download_info']['url'].removeprefix('file://') for i in json.load(open('/tmp/sgl-report.json'))['install']))" > /tmp/sgl-install.txt
+    timeout 300 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-sglang $(cat /tmp/sgl-install.txt) 2>&1 | grep -v WARNING | tail -3
+    echo "sglang: $(wc -l < /tmp/sgl-install.txt) wheels into /tmp/site-sglang:"; xargs -n1 basename < /tmp/sgl-install.txt | tr '\n' ' '; echo
+    touch /tmp/site-sglang/.done
+  fi
+  [ -f $MODEL/config.json ] || python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $MODEL > $OUT/make_model.log 2>&1
+  PYTHONPATH=/tmp/site-sglang:/tmp/site:$PWD timeout ${SGL_TIMEOUT:-300} python3 - $MODEL > $OUT/sgl_smoke.log 2>&1 <<'PY'
+import sys
+import time
+
+import sglang
+
+print("sglang", sglang.__version__, flush=True)
+t = time.time()
+engine = sglang.Engine(model_path=sys.argv[1], mem_fraction_static=0.3, log_level="error")
+print(f"engine up in {time.time() - t:.1f} s", flush=True)
+out = engine.generate(input_ids=[[5, 17, 9, 33, 2]], sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})
+print("generated", out, flush=True)
+engine.shutdown()
+PY
+  echo "sglang smoke rc=$?"; tail -12 $OUT/sgl_smoke.log | cut -c1-400
   ;;
 install)
   # The last wheel part's call: the install above, TRL's parts (.peer-parts/p0, carried) unpacked for the peers
