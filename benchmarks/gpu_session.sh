@@ -282,11 +282,19 @@ sglang-install)
     rm -rf /tmp/sgl-wheels; cat /tmp/sgl-parts/part* | tar xf - -C /tmp || { echo "sglang: no parts in /tmp/sgl-parts"; exit 1; }
     timeout 300 python3 -m pip install --dry-run -q --no-index --find-links /tmp/sgl-wheels --report /tmp/sgl-report.json \
         sglang==0.5.15 > $OUT/sgl_resolve.log 2>&1
-    echo "sglang resolve rc=$?"; grep -v WARNING $OUT/sgl_resolve.log | tail -5 | cut -c1-400
-    python3 -c "import json; print('\n'.join(i['download_info']['url'].removeprefix('file://') for i in json.load(open('/tmp/sgl-report.json'))['install']))" > /tmp/sgl-install.txt
-    timeout 300 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-sglang $(cat /tmp/sgl-install.txt) 2>&1 | grep -v WARNING | tail -3
-    echo "sglang: $(wc -l < /tmp/sgl-install.txt) wheels into /tmp/site-sglang:"; xargs -n1 basename < /tmp/sgl-install.txt | tr '\n' ' '; echo
-    touch /tmp/site-sglang/.done
+    if [ $? -eq 0 ]; then
+      python3 -c "import json; print('\n'.join(i['download_info']['url'].removeprefix('file://') for i in json.load(open('/tmp/sgl-report.json'))['install']))" > /tmp/sgl-install.txt
+    else  # e.g. a dependency of a wheelhouse package (flashinfer's cuda-tile, cudnn-frontend) that vLLM never needed:
+      # every carried wheel then goes in (requirements-gpu.txt holds only what the image and /tmp/site lack or pin
+      # otherwise), and the engine's start below says whether SGLang runs
+      echo "sglang: pip could not resolve sglang==0.5.15 against the image; installing every carried wheel:"
+      grep -v WARNING $OUT/sgl_resolve.log | tail -6 | cut -c1-400
+      ls /tmp/sgl-wheels/*.whl > /tmp/sgl-install.txt
+    fi
+    echo "sglang: $(wc -l < /tmp/sgl-install.txt) wheels to install:"; xargs -n1 basename < /tmp/sgl-install.txt | tr '\n' ' '; echo
+    timeout 300 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-sglang $(cat /tmp/sgl-install.txt) \
+        > $OUT/sgl_install.log 2>&1 && touch /tmp/site-sglang/.done \
+        || { echo "sglang: install failed:"; grep -v WARNING $OUT/sgl_install.log | tail -5 | cut -c1-400; exit 1; }
   fi
   [ -f $MODEL/config.json ] || python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $MODEL > $OUT/make_model.log 2>&1
   PYTHONPATH=/tmp/site-sglang:/tmp/site:$PWD timeout ${SGL_TIMEOUT:-300} python3 - $MODEL > $OUT/sgl_smoke.log 2>&1 <<'PY'
