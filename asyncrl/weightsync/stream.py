@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.weightsync.bucket import ALIGN, Bucket, TensorMeta, iter_buckets
+from asyncrl.weightsync.bucket import Bucket, TensorMeta, _align, iter_buckets
 from asyncrl.weightsync.collective import (ABORT, BUCKET, DIGESTS, END, WHOLE, Broadcasts, CollectiveError,
                                            CollectiveGroup, SenderAborted)
 from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
@@ -101,15 +101,9 @@ def whole_arena(planned: list[Any], device: torch.device) -> Callable[[Any], tor
     offsets, at = {}, 0
     for b in planned:
         offsets[b.index] = at
-        at += -(-b.nbytes // ALIGN) * ALIGN
+        at += _align(b.nbytes)
     arena = torch.empty(at, dtype=torch.uint8, device=device)
     return lambda b: arena.narrow(0, offsets[b.index], b.nbytes)
-
-
-def _one_storage(buckets: list[Bucket]) -> bool:
-    bufs = [b.buffer for b in buckets]
-    return bool(bufs) and all(isinstance(x, torch.Tensor) for x in bufs) \
-        and len({(x.device, x.untyped_storage().data_ptr()) for x in bufs}) == 1
 
 
 def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
@@ -208,20 +202,19 @@ def _hash_and_wait(packed: list[tuple[Bucket, Callable[[], dict[str, bytes]] | N
     """A whole version's end on the sender: its checksums enqueued behind the broadcasts' start (beside
     them on a device; `full` hashed the host copies as it packed), one wait for the broadcasts, one for
     the digests, then the host copies (deferred, unless `full`), which run while the replicas commit."""
-    if verify != "full" and _one_storage([b for b, _ in packed]):  # one arena (whole_arena): one pass for all
+    if verify == "full":
+        finishes = [finish for _, finish in packed]
+    else:  # buckets in one arena (whole_arena) are hashed in one pass, others each in their own
         t = time.perf_counter()
         for bucket, _ in packed:
             copies.add(bucket)
         out.seconds["host_copy"] += time.perf_counter() - t
-        whole = hash_whole_lazy([b for b, _ in packed], verify, out)
-        packed = [(bucket, whole if k == 0 else (lambda: {})) for k, (bucket, _) in enumerate(packed)]
-    elif verify != "full":
-        packed = [(bucket, hash_and_copy_lazy(copies, bucket, verify, out)[0]) for bucket, _ in packed]
+        finishes = [hash_whole_lazy([b for b, _ in packed], verify, out)]
     t = time.perf_counter()
     for s in sending:
         s.wait()
     out.seconds["broadcast"] += time.perf_counter() - t
-    for _, finish in packed:  # the first waits for the device's checksums, the rest are there by then
+    for finish in finishes:  # the first waits for the device's checksums, the rest are there by then
         finish()  # type: ignore[misc]
     copies.start_copies()
 
