@@ -112,5 +112,7 @@ def test_the_balanced_batch_cli_reads_a_calibration_run_and_falls_back_to_its_ba
     assert bench.main(["--balanced-batch", str(tmp_path / "missing.json"), "64"]) == 0
     out = capsys.readouterr()
     assert out.out.strip() == "64" and "calibration failed" in out.err
-    with pytest.raises(SystemExit):
-        bench.main(["--balanced-batch", str(calib), "many"])
+    for bad in ("many", "0", "-64"):
+        with pytest.raises(SystemExit):
+            bench.main(["--balanced-batch", str(calib), bad])
+    assert "positive integer" in capsys.readouterr().err
