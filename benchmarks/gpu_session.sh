@@ -208,12 +208,14 @@ peers)
   # (8 x 8), completions of exactly PEERS_TOKENS tokens (256), lr PEERS_LR (1e-6), bf16; PEERS_WARMUP steps (3)
   # left out, PEERS_STEPS (8) timed. Rows go to $OUT/peers.json (each run appends when it ends), the table to
   # $OUT/peers.md, the bars to $OUT/peers.png. PEERS_ARGS adds knobs to both sides (e.g. "--micro-batch-size 16",
-  # or "--no-fixed-length --eval-every 25" for the demo model). PEERS_RUNS picks runs from "trl hybrid gpu1 serve" (default the
+  # or "--no-fixed-length --eval-every 25" for the demo model). PEERS_RUNS picks runs from "trl hybrid hybrid-resident gpu1 serve" (hybrid-resident: the hybrid placement with the
+  # learner's state kept on the GPU; default the
   # first three; PEERS_SERVE=1 adds serve: `vllm serve` vs our API, benchmarks/generation.py). A run gets at most
   # its cap (TRL_TIMEOUT 240, HYBRID_TIMEOUT 200, GPU1_TIMEOUT 320, SERVE_TIMEOUT 400 s) and never more than is
   # left of PEERS_BUDGET (560 s since this script began). Expects TRL's parts (benchmarks/peers/wheels.sh) in
   # /tmp/peer-parts; installs them once into /tmp/site-peers, which only the TRL run puts on its path.
-  if [ ! -f /tmp/site-peers/.peers-done ]; then
+  runs=${PEERS_RUNS:-trl hybrid gpu1}; [ "${PEERS_SERVE:-0}" = 1 ] && runs="$runs serve"
+  if [[ " $runs " == *" trl "* ]] && [ ! -f /tmp/site-peers/.peers-done ]; then  # only TRL's run needs them
     rm -rf /tmp/peer-wheels
     cat /tmp/peer-parts/part* | tar xf - -C /tmp || { echo "peers: no TRL parts in /tmp/peer-parts"; exit 1; }
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-peers /tmp/peer-wheels/*.whl 2>&1 | grep -v WARNING | tail -3
@@ -232,10 +234,9 @@ peers)
   fi
   knobs=(--model $M --prompts-per-step ${PEERS_PROMPTS:-8} --group-size ${PEERS_GROUP:-8} --max-new-tokens ${PEERS_TOKENS:-256}
          --lr ${PEERS_LR:-1e-6} --warmup-steps ${PEERS_WARMUP:-3} --steps ${PEERS_STEPS:-8} --out $OUT/peers.json $pargs)
-  runs=${PEERS_RUNS:-trl hybrid gpu1}; [ "${PEERS_SERVE:-0}" = 1 ] && runs="$runs serve"
   for run in $runs; do
-    case $run in trl) cap=${TRL_TIMEOUT:-240} ;; hybrid) cap=${HYBRID_TIMEOUT:-200} ;; gpu1) cap=${GPU1_TIMEOUT:-320} ;;
-                 serve) cap=${SERVE_TIMEOUT:-400} ;; *) echo "peers: unknown run '$run' (trl hybrid gpu1 serve)"; continue ;; esac
+    case $run in trl) cap=${TRL_TIMEOUT:-240} ;; hybrid|hybrid-resident) cap=${HYBRID_TIMEOUT:-200} ;; gpu1) cap=${GPU1_TIMEOUT:-320} ;;
+                 serve) cap=${SERVE_TIMEOUT:-400} ;; *) echo "peers: unknown run '$run' (trl hybrid hybrid-resident gpu1 serve)"; continue ;; esac
     left=$(( ${PEERS_BUDGET:-560} - SECONDS )); [ $cap -lt $left ] && left=$cap
     if [ $left -lt 60 ]; then echo "peers $run: skipped, $left s left of PEERS_BUDGET"; continue; fi
     # ray.init's own start timed out here after TRL's run ("node timed out during startup"): clear what is
@@ -245,7 +246,7 @@ peers)
     else
       ray stop --force > /dev/null 2>&1; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*
       unset RAY_ADDRESS
-      if [ $run = hybrid ] || [ $run = gpu1 ]; then
+      if [ $run != trl ] && [ $run != serve ]; then
         timeout 90 ray start --head --num-cpus 16 --include-dashboard=false --disable-usage-stats > $OUT/ray_start.log 2>&1 \
             && export RAY_ADDRESS=auto || { echo "ray start failed:"; tail -3 $OUT/ray_start.log | cut -c1-300; }
       fi
@@ -258,6 +259,10 @@ peers)
     hybrid)
       timeout -s INT -k 30 $left python3 benchmarks/peers/asyncrl_side.py --placement hybrid --etas ${HYBRID_ETAS:-0} \
           --num-cpus 16 "${knobs[@]}" > $log 2>&1 ;;
+    hybrid-resident)  # the hybrid placement with the learner's params, grads and optimizer state kept on the GPU
+      timeout -s INT -k 30 $left python3 benchmarks/peers/asyncrl_side.py --placement hybrid --etas ${HYBRID_ETAS:-0} \
+          --num-cpus 16 --tag "(learner state resident)" --set learner.actor.param_offload=false \
+          --set learner.actor.grad_offload=false --set learner.actor.optimizer_offload=false "${knobs[@]}" > $log 2>&1 ;;
     gpu1)
       timeout -s INT -k 30 $left python3 benchmarks/peers/asyncrl_side.py --placement separated --etas ${GPU1_ETAS:-0 2} \
           --num-cpus 16 "${knobs[@]}" > $log 2>&1 ;;

@@ -60,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout-s", type=float, default=900, help="per run, from app start to its last step")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a further config override (dotted path, YAML value), applied after the knobs; repeatable")
+    ap.add_argument("--tag", default="", help="words added to the row's placement (what the --set overrides change)")
     a = ap.parse_args(argv)
     check_knobs(ap, a)
     if any(e < 0 for e in a.etas):
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = a.config or CONFIGS[a.placement]
     placement = a.placement if a.config is None else f"{a.placement} ({config})"
+    placement = f"{placement} {a.tag}".strip()
     if os.environ.get("RAY_ADDRESS", "local") != "local":
         ray.init(log_to_driver=False)
     else:

@@ -10,10 +10,13 @@ import time
 import pytest
 import torch
 
+from .test_collective import _identity_plan
+
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrier, pushes: int, step: mp.Barrier) -> None:
+def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrier, pushes: int, step: mp.Barrier,
+            planned: bool = False) -> None:
     from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_fingerprint
     from asyncrl.weightsync.bucket import unpack_bucket
     from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
@@ -24,10 +27,14 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
         device = torch.device("cuda", rank if spec_.backend == "nccl" else 0)  # ipc: everyone on GPU 0
         torch.cuda.set_device(device)
         group = CollectiveGroup.join(spec_, rank, device)
+        # planned: the buckets are an engine layout's (PlannedPacker), on ipc at window 0 packed into windows of
+        # the sender ring's one arena (take_in_order), where each tensor must land in its own bucket's window
+        plan = _identity_plan(weights, 0.15) if planned and rank == 0 else None
         for push in range(pushes):  # the same group carries every push (ipc: the same buffers)
             version = {n: t * (push + 1) for n, t in weights.items()}
             if rank == 0:
-                sent = send_stream(group, ((n, t.cuda()) for n, t in version.items()), 0.15, verify="checksum", timeout_s=60)
+                sent = send_stream(group, ((n, t.cuda()) for n, t in version.items()), 0.15, verify="checksum", timeout_s=60,
+                                   plan=plan)
                 kept = sent.host_copies.result()  # pinned device-to-host copies, made while sending
                 host = {n: t for b in kept for n, t in unpack_bucket(b)}
                 ring = group._ring.nbytes if group._ring is not None else 0
@@ -64,7 +71,7 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
 
 
 def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int, pushes: int = 1,
-                       ipc_window: int = 2) -> tuple[dict, list, list]:
+                       ipc_window: int = 2, planned: bool = False) -> tuple[dict, list, list]:
     """`pushes` pushes from a sender process to `receivers` processes (push k sends the weights
     times k + 1); (weights, sent reports, receiver reports)."""
     from dataclasses import asdict
@@ -75,11 +82,12 @@ def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int, pu
                          group_prefix=backend, ipc_window=ipc_window)
     g = torch.Generator().manual_seed(seed)
     weights = {f"w{i}": torch.randn(256, 128 + i, generator=g).to(torch.bfloat16) for i in range(tensors)}
-    weights["empty"] = torch.empty(0, 4)
+    if not planned:  # an engine layout has no empty parameter
+        weights["empty"] = torch.empty(0, 4)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     done, step = ctx.Barrier(receivers + 1), ctx.Barrier(receivers + 1)
-    procs = [ctx.Process(target=_member, args=(r, asdict(spec), weights, out, done, pushes, step))
+    procs = [ctx.Process(target=_member, args=(r, asdict(spec), weights, out, done, pushes, step, planned))
              for r in range(receivers + 1)]
     for p in procs:
         p.start()
@@ -133,3 +141,15 @@ def test_ipc_hands_every_bucket_bit_exact_to_processes_sharing_the_gpu(ipc_windo
     for rank in (1, 2):
         opened = [r[5] for r in received if r[2] == rank]
         assert opened[0] == opened[1] > 0  # ... so the receivers opened no new handle
+
+
+def test_ipc_hands_a_planned_whole_version_bit_exact_from_the_senders_arena():
+    """The whole version in an engine layout (a push plan) over ipc at window 0: the sender packs every
+    planned bucket into its window of the ring's one arena (take_in_order) and the receivers stage views
+    of those windows. Each tensor must arrive in its own window: an offset counted from the window rather
+    than the storage once wrote every bucket over the first, and both sides' checksums still agreed."""
+    weights, sent, received = _push_in_processes("ipc", receivers=2, seed=2, tensors=8, pushes=2, ipc_window=0,
+                                                 planned=True)
+    _assert_delivered(weights, sent, received, receivers=2, pushes=2)
+    assert len(sent[0][4]) > 2  # several planned buckets, so several windows of the arena
+    assert sent[0][6] >= sum(sent[0][4])  # ... which holds the whole version
