@@ -46,7 +46,7 @@ from asyncrl.generator.vllm_engine import (
 from asyncrl.generator.versions import CompletionAccumulator
 from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
 from asyncrl.weightsync.fingerprint import fingerprint_mode
-from asyncrl.weightsync.replica_side import ReplicaStaging
+from asyncrl.weightsync.replica_side import ReplicaStaging, adopt_push_plan
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,8 @@ class EngineReplica(WeightUpdates):
         self.state = ReplicaState.READY
 
     async def sync_from_source(self) -> dict[str, Any]:
-        """Load the weight source's latest version if it is newer than ours (late joiners)."""
+        """Load the weight source's latest version if it is newer than ours (late joiners), then
+        take the push plan the pushes use now."""
         if not self.weight_source:
             return {"replica_id": self.replica_id, "version": self.version, "loaded": False}
         import ray
@@ -141,6 +142,11 @@ class EngineReplica(WeightUpdates):
             store = ray.get_actor(self.weight_source, namespace=self.weight_source_namespace)
         except ValueError:
             return {"replica_id": self.replica_id, "version": self.version, "loaded": False}
+        out = await self._load_latest(store)
+        out["push_plan"] = await adopt_push_plan(await store.push_plan.remote(), self._staging, self.replica_id)
+        return out
+
+    async def _load_latest(self, store: Any) -> dict[str, Any]:
         version, buckets, fingerprint = await store.latest.remote()
         if version <= self.version or buckets is None:
             return {"replica_id": self.replica_id, "version": self.version, "loaded": False}
@@ -369,6 +375,7 @@ class EngineReplica(WeightUpdates):
             "state": self.state.value,
             "update_state": self.update_state.value,
             "version": self.version,
+            "push_plan": self._staging.plan_id,  # the push plan whose engine-layout buckets it copies in (None: reloads)
             "paused": self._paused_mode is not None,
             "pause_mode": self._paused_mode,
             "asleep": sorted(self._asleep),

@@ -18,6 +18,7 @@ Must never: apply a staged version whose fingerprint differs, or touch the versi
 from __future__ import annotations
 
 import asyncio
+import logging
 import pickle
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -27,6 +28,8 @@ from typing import Any
 from asyncrl.interfaces import WorkerAPI, verb_name
 from asyncrl.types import Refusal
 from asyncrl.weightsync.collective import CollectiveReceive
+
+log = logging.getLogger(__name__)
 from asyncrl.weightsync.fingerprint import check_verify_mode, combine_digests, fingerprint_mode
 
 Rpc = Callable[..., Awaitable[list[Any]]]
@@ -216,3 +219,20 @@ def _is_object_ref(value: Any) -> bool:
 
 def dump_manifest(manifest: Any) -> bytes:
     return pickle.dumps(list(manifest), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+async def adopt_push_plan(plan: Any, staging: ReplicaStaging, replica_id: str) -> str | None:
+    """A replica that starts after the push plan was formed takes it (from the WeightStore), so the
+    next push finds it holding that plan. Without it that push was refused (PLAN_MISSING): a failed
+    attempt, then a plan formed again with every replica (seen on four H100s: an autoscaled replica
+    that came up between the plan and the first push). A plan this replica's workers refuse (their
+    layout is not the plan's) is left alone: the next push is refused and the service forms a plan
+    with this replica. Returns the plan id held after."""
+    if plan is None or plan.plan_id == staging.plan_id:
+        return staging.plan_id
+    try:
+        return await staging.set_plan(pickle.dumps(plan))
+    except Exception as err:  # its layout differs: the service's PLAN_MISSING path handles it
+        log.info("replica %s: the push plan %s does not fit this engine (%s); the next push forms one with it",
+                 replica_id, plan.plan_id, err)
+        return None

@@ -187,6 +187,8 @@ class WeightPublisher:
         if plan is None and self.cfg.apply == "direct":
             raise PlanError(f"weightsync.apply is 'direct' but no push plan can be made: {problem}")
         blob = pickle.dumps(plan) if plan is not None else None
+        if self.store is not None:  # first: a replica starting from here on takes it there (engine.sync_from_source)
+            await self.store.set_push_plan.remote(plan)
         await asyncio.gather(self.replicas.control.call(EngineAPI.set_push_plan, blob, timeout_s=max(600.0, self.cfg.timeout_s)),
                              self.learner.set_push_plan(blob))
         self.plan, self.plan_problem = plan, problem

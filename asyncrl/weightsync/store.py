@@ -60,6 +60,9 @@ class WeightStore:
       publish(version, buckets | named_tensors, fingerprint, plan=None) -> None   # version must increase; fingerprint checked
       latest() -> (version, buckets | None, fingerprint)   # (0, None, "") before any publish
       plan() -> the push plan of the latest buckets (None: Hugging Face layout)
+      set_push_plan(plan) / push_plan() -> the plan pushes use now (formed with the replicas running
+          then): a replica that starts before the first push has no stored version to load, but
+          takes this plan, so that push does not find it without one
       version() -> int
     """
 
@@ -70,6 +73,7 @@ class WeightStore:
         self._buckets: list[Any] | None = None
         self._fingerprint = ""
         self._plan: Any = None
+        self._push_plan: Any = None
 
     def publish(self, version: int, weights: Any, fingerprint: str, plan: Any = None) -> None:
         from asyncrl.weightsync.bucket import Bucket, iter_buckets
@@ -91,6 +95,12 @@ class WeightStore:
 
     def plan(self) -> Any:
         return self._plan
+
+    def set_push_plan(self, plan: Any) -> None:
+        self._push_plan = plan
+
+    def push_plan(self) -> Any:
+        return self._push_plan
 
     def version(self) -> int:
         return self._version

@@ -1,12 +1,14 @@
 """Autoscaling 1 -> 2 -> 1 under HTTP load, where the second replica is a late joiner: it starts
 after a weight update and must serve the current version (loaded from the WeightStore) from its
-first token. The app uses `routing: prefix_affinity`, so this also checks that router in a real
+first token, and it takes the push plan the pushes use now from the store (so the next
+engine-layout push does not find it without one). The app uses `routing: prefix_affinity`, so this also checks that router in a real
 two-replica deployment: same prompt -> same replica, different prompts spread."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import pickle
 import threading
 
 import httpx
@@ -16,6 +18,7 @@ import ray
 from asyncrl.config import load_config
 from asyncrl.app import run_generator
 from asyncrl.generator.control import EngineControl
+from asyncrl.interfaces import EngineAPI
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from asyncrl.weightsync.store import WeightStore
 from generator_testlib import free_port, perturbed_weights, push_weights, wait_until
@@ -29,6 +32,16 @@ STORE, STORE_NS = "gen_test_store", "asyncrl_test"
 def _replicas(control: EngineControl, count: int) -> dict[str, int] | None:
     versions = asyncio.run(control.versions())
     return versions if len(versions) == count else None
+
+
+def _plan_for(control: EngineControl, replica_id: str, weights: dict):
+    """A push plan for these tensors in the layout of `replica_id`'s engine, as the service forms one."""
+    from asyncrl.weightsync.plan import ManifestEntry, build_plan
+    from asyncrl.weightsync.replica_side import dump_manifest
+
+    manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in weights.items()]
+    answers = asyncio.run(control.call(EngineAPI.engine_layout, dump_manifest(manifest)))
+    return build_plan(manifest, [pickle.loads(b) for b in answers[replica_id]["layouts"]], 0.25)
 
 
 def test_scale_up_with_late_joiner_on_current_version_and_back_down(ray_session, demo_model_path):
@@ -57,6 +70,10 @@ def test_scale_up_with_late_joiner_on_current_version_and_back_down(ray_session,
         ray.get(store.publish.remote(1, w1, tensor_fingerprint(w1)))
         push_weights(control, 1, w1)
         assert asyncio.run(control.versions()) == {first_replica: 1}
+        # The push plan formed after the first replica started (the service puts it in the store
+        # before handing it to the running replicas): a replica starting later takes it there.
+        plan = _plan_for(control, first_replica, w1)
+        ray.get(store.set_push_plan.remote(plan))
 
         counter = itertools.count()
 
@@ -77,6 +94,8 @@ def test_scale_up_with_late_joiner_on_current_version_and_back_down(ray_session,
         wait_until(lambda: any(r["replica_id"] == new_replica for r in seen), 60, what="a response from the new replica")
         from_new = [r for r in seen if r["replica_id"] == new_replica]
         assert all(r["versions"] == [1] for r in from_new)
+        held = {rid: s["push_plan"] for rid, s in asyncio.run(control.call(EngineAPI.stats)).items()}
+        assert held == {first_replica: None, new_replica: plan.plan_id}, held  # only the late joiner read the store
         # prefix affinity: one prompt keeps landing on one replica while both are up
         sticky = {httpx.post(f"{url}/generate", json={"prompt": "99+1=", "max_tokens": 2}, timeout=60).json()["replica_id"] for _ in range(5)}
         assert len(sticky) == 1, sticky

@@ -3,6 +3,7 @@ admin auth and metrics rendering. No engine, no Ray."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from types import SimpleNamespace
 
@@ -341,6 +342,52 @@ def test_weight_store_keeps_latest_verified_version():
         store.publish(2, packed, tensor_fingerprint(w))
     store.publish(2, packed, tensor_fingerprint(w2, "sampled"))
     assert store.latest()[1] is not None and store.latest()[2].startswith("sampled:") and store.version() == 2
+
+
+def test_weight_store_keeps_the_current_push_plan_apart_from_the_stored_versions_plan():
+    """The plan pushes use now is there before any version (a replica starting before the first push
+    takes it), and a version published with the plan of its buckets does not replace it."""
+    store = WeightStore()
+    assert store.push_plan() is None and store.plan() is None
+    store.set_push_plan("plan-now")
+    w = {"a": np.ones(3, dtype=np.float32)}
+    store.publish(1, w, tensor_fingerprint(w), plan="plan-of-v1")
+    assert store.push_plan() == "plan-now" and store.plan() == "plan-of-v1"
+
+
+class _Plan:
+    def __init__(self, plan_id: str) -> None:
+        self.plan_id = plan_id
+
+
+class _Staging:
+    """The replica staging's plan handling: set_plan hands the workers a plan, which they refuse
+    where their layout is not the plan's (as ReplicaStaging.set_plan raises)."""
+
+    def __init__(self, plan_id: str | None = None, refuses: bool = False) -> None:
+        self.plan_id, self.refuses, self.sets = plan_id, refuses, []
+
+    async def set_plan(self, blob: bytes) -> str:
+        import pickle
+
+        self.plan_id = None
+        plan = pickle.loads(blob)
+        self.sets.append(plan.plan_id)
+        if self.refuses:
+            raise ValueError("workers disagree on the push plan")
+        self.plan_id = plan.plan_id
+        return plan.plan_id
+
+
+def test_a_starting_replica_adopts_the_stores_push_plan_once_and_survives_one_that_does_not_fit():
+    from asyncrl.weightsync.replica_side import adopt_push_plan
+
+    fresh = _Staging()
+    assert asyncio.run(adopt_push_plan(_Plan("p1"), fresh, "r")) == "p1" and fresh.sets == ["p1"]
+    assert asyncio.run(adopt_push_plan(_Plan("p1"), fresh, "r")) == "p1" and fresh.sets == ["p1"]  # held: no call
+    assert asyncio.run(adopt_push_plan(None, fresh, "r")) == "p1"  # no plan formed yet: what it holds stays
+    other = _Staging(refuses=True)  # its layout differs: left without a plan, no error at start
+    assert asyncio.run(adopt_push_plan(_Plan("p2"), other, "r")) is None and other.plan_id is None
 
 
 # ---- gateway helpers ------------------------------------------------------------------------
