@@ -369,8 +369,12 @@ balanced)
   ;;
 scale)
   # Issue 30 on four GPUs: the random Qwen2-7B trained with deploy/rlhf-gpu4-scale.yaml (learner TP = 2, engine
-  # replicas of TP = 1), Serve's autoscaler adding the second engine replica mid-run; ETAS (2), NSTEPS (14). On
-  # GPUs under 100 GB: bucketed staging and micro-batches of 2,048 tokens (the learner's 64 GiB need room).
+  # replicas of TP = 1), Serve's autoscaler adding the second engine replica mid-run; ETAS (2), NSTEPS (10). On
+  # GPUs under 100 GB: bucketed staging and micro-batches of 2,048 tokens (the learner's 64 GiB need room). On four
+  # H100s (2026-11-27) the app took 100 s to start, the first push came 184 s after it (the first step's
+  # generation and training), then ~18.5 s a step: 14 steps did not fit a call; 10 do. The yaml's upscale delay
+  # (150 s) puts the second replica after the first push; SETS="generator.autoscaling.upscale_delay_s=60" put it
+  # before (it then takes the push plan from the WeightStore, engine.sync_from_source).
   M=/tmp/qwen2-7b-random
   for i in $(seq 1 60); do pgrep -f "[m]ake_random_qwen2.py.*$M.tmp" > /dev/null || break; sleep 5; done  # the install call's build
   if [ ! -f $M/config.json ]; then
@@ -388,7 +392,7 @@ scale)
   timeout 180 ray start --head --num-cpus 48 --include-dashboard=false --disable-usage-stats > $OUT/ray_start.log 2>&1
   echo "ray start rc=$?"
   RAY_ADDRESS=auto timeout -s INT -k 30 ${RUN_TIMEOUT:-470} python3 benchmarks/async_speedup.py \
-      --config deploy/rlhf-gpu4-scale.yaml --steps ${NSTEPS:-14} --etas ${ETAS:-2} --num-cpus 48 "${sets[@]}" \
+      --config deploy/rlhf-gpu4-scale.yaml --steps ${NSTEPS:-10} --etas ${ETAS:-2} --num-cpus 48 "${sets[@]}" \
       --out $OUT/scale.json > $OUT/scale.log 2>&1
   echo "scale rc=$? t=$SECONDS s"; grep -v '^{' $OUT/scale.log | grep -E '^\||machine|joined|failed' | cut -c1-400
   grep -iE "Traceback|Error|out of memory" $OUT/scale.log | grep -v Warning | tail -10 | cut -c1-400

@@ -108,7 +108,8 @@ def test_compare_refuses_a_file_without_rows(tmp_path):
     assert done.returncode == 2 and "no rows" in done.stderr
 
 
-@pytest.mark.parametrize("script", ["benchmarks/peers/wheels.sh", "benchmarks/gpu_session.sh", "benchmarks/sglang/wheels.sh"])
+@pytest.mark.parametrize("script", ["benchmarks/peers/wheels.sh", "benchmarks/gpu_session.sh", "benchmarks/sglang/wheels.sh",
+                                    "benchmarks/gpu_jobs.sh"])
 def test_shell_scripts_parse(script):
     done = subprocess.run(["bash", "-n", str(REPO / script)], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr

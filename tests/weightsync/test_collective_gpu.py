@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrier, pushes: int, step: mp.Barrier,
             planned: bool = False) -> None:
     from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_fingerprint
-    from asyncrl.weightsync.bucket import unpack_bucket
+    from asyncrl.weightsync.bucket import digest_key_prefix, unpack_bucket
     from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
     from asyncrl.weightsync.wire import receive_stream, send_stream
 
@@ -44,11 +44,12 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
                 got, staged, mine = {}, [], {}
                 for bucket, digests in receive_stream(group, time.monotonic() + 60):
                     assert bucket.buffer.is_cuda and bucket.buffer.device == device
-                    mine.update(bucket_digests(bucket, "checksum"))  # as a worker hashes each bucket when it has it
+                    # as a worker hashes each bucket when it has it (keys prefixed by the engine rank where planned)
+                    mine.update(bucket_digests(bucket, "checksum", digest_key_prefix(bucket)))
                     if spec_.ipc_window == 0:  # full staging: the digests meet as one fingerprint at the commit
                         assert digests == {}
                     else:
-                        assert digests == bucket_digests(bucket, "checksum")  # the sender's, computed on its copy
+                        assert digests == bucket_digests(bucket, "checksum", digest_key_prefix(bucket))  # the sender's, on its copy
                     staged.append(bucket)
                 # read after the push, as a staging worker reads them at its commit (window 0:
                 # views of the sender's buffers, still intact)
