@@ -292,8 +292,11 @@ class LearnerGroup:
         the device until `release_device` (hybrid placement's learner phase); one answer per rank."""
         return await self._all(LearnerRankAPI.hold_device, list(parts) if parts else None)
 
-    async def release_device(self, parts: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        return await self._all(LearnerRankAPI.release_device, list(parts) if parts else None)
+    async def release_device(self, parts: Sequence[str] | None = None,
+                             wake_need: tuple[float, int] | None = None) -> list[dict[str, Any]]:
+        """Every rank drops its hold on `parts`; with `wake_need` (fraction of device memory, bytes) each
+        first decides whether its flagged state may stay on its device (`LearnerRank.release_device`)."""
+        return await self._all(LearnerRankAPI.release_device, list(parts) if parts else None, wake_need)
 
     async def save_checkpoint(self, path: str) -> str:
         return (await self._all(LearnerRankAPI.save_checkpoint, str(path)))[0]

@@ -35,6 +35,11 @@ def device_free_bytes() -> int:
     return int(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else 0
 
 
+def device_total_bytes() -> int:
+    """Memory of the current accelerator in all (0 on CPU-only machines)."""
+    return int(torch.cuda.mem_get_info()[1]) if torch.cuda.is_available() else 0
+
+
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -120,7 +125,8 @@ class Offloader:
     a compute call holds everything for its duration (`onloaded()`), a weight export holds only
     the params, and the hybrid loop holds everything across a whole learner phase
     (`hold` / `release`), so the compute calls inside it move nothing. A flagged part nobody
-    holds is put away on the host."""
+    holds is put away on the host, unless the last `decide_residency` found room to keep it
+    (hybrid `learner_offload: when_short`): then it stays until a later decision finds none."""
 
     def __init__(self, chunks: list[torch.nn.Module], optimizer: Any, flags: RoleOffload) -> None:
         self.chunks, self.optimizer, self.flags = chunks, optimizer, flags
@@ -131,7 +137,34 @@ class Offloader:
         self.enabled = bool(self._flagged)
         self._holds = dict.fromkeys(PARTS, 0)
         self._away: set[str] = set()  # flagged parts on the host now (a role starts resident)
+        self._keep = False  # the last decide_residency found room: flagged parts stay on the device
         self.last_report: dict[str, float] = {}
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of the model's parameters (each storage once): the size of one pushed version, which an
+        ipc sender stages whole beside the learner's state."""
+        seen: dict[int, int] = {}
+        for c in self.chunks:
+            for p in c.parameters():
+                seen.setdefault(p.data.untyped_storage().data_ptr(), p.numel() * p.element_size())
+        return sum(seen.values())
+
+    def decide_residency(self, need_bytes: int) -> bool:
+        """Whether flagged parts may stay on the device from now on: the device (every process on it)
+        has at least `need_bytes` free with them there, after this process's allocator returns its
+        cached blocks (the learner phase's activations). The hybrid placement asks this once per
+        switch to the engines, with what their wake needs; `release` then keeps or moves by it."""
+        if not self._flagged:  # nothing of it ever leaves the device
+            self._keep, self.last_report = False, {}
+            return True
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        free = device_free_bytes()
+        self._keep = free >= need_bytes
+        self.last_report = {"learner/residency_free_bytes": float(free), "learner/residency_need_bytes": float(need_bytes),
+                            "learner/state_kept": 1.0 if self._keep else 0.0}
+        return self._keep
 
     @property
     def offloaded(self) -> bool:
@@ -154,6 +187,8 @@ class Offloader:
             if self._holds[part] == 0:
                 raise RuntimeError(f"offload: release of {part!r}, which nobody holds")
             self._holds[part] -= 1
+        if self._keep:  # room was found for them: nothing goes to the host
+            return {}
         return self._move(away={p for p in parts if self._holds[p] == 0} & self._flagged - self._away)
 
     def offload(self) -> dict[str, float]:

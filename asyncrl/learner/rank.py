@@ -232,18 +232,27 @@ class LearnerRank:
         """Keep `parts` (default all) on the device until `release_device` (the hybrid learner phase)."""
         return self._residency("hold", parts)
 
-    def release_device(self, parts: list[str] | None = None) -> dict[str, Any]:
-        return self._residency("release", parts)
+    def release_device(self, parts: list[str] | None = None, wake_need: tuple[float, int] | None = None) -> dict[str, Any]:
+        """Drop the hold on `parts`. `wake_need` (fraction of the device's memory, bytes): first decide
+        whether this rank's flagged state may stay on the device, i.e. whether that much stays free
+        beside it for the engines' wake (hybrid `learner_offload: when_short`), plus one version's
+        bytes for the push's staging (the ipc sender packs the whole version into one arena)."""
+        return self._residency("release", parts, wake_need)
 
-    def _residency(self, op: str, parts: list[str] | None) -> dict[str, Any]:
-        from asyncrl.learner.offload import PARTS, device_free_bytes
+    def _residency(self, op: str, parts: list[str] | None, wake_need: tuple[float, int] | None = None) -> dict[str, Any]:
+        from asyncrl.learner.offload import PARTS, device_free_bytes, device_total_bytes
 
         self._ready()
         offloader = getattr(self.role, "offloader", None)
         report: dict[str, float] = {}
         if offloader is not None:
             with self._thread():
-                report = getattr(offloader, op)(tuple(parts) if parts else PARTS)
+                decided = {}
+                if wake_need is not None:
+                    fraction, extra = wake_need
+                    offloader.decide_residency(int(fraction * device_total_bytes()) + int(extra) + offloader.param_bytes)
+                    decided = dict(offloader.last_report)
+                report = {**decided, **getattr(offloader, op)(tuple(parts) if parts else PARTS)}
         return {"rank": self.rank, "report": report, "device_free_bytes": device_free_bytes(),
                 "holds": offloader.holds() if offloader is not None else {}}
 

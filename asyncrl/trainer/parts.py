@@ -89,7 +89,8 @@ async def _start_learners(cfg: RootConfig, engine: Any) -> tuple[Any, Any, Any, 
     reference = LearnerGroup("reference", cfg.model, cfg.learner, cfg.algorithm) if needs_reference(cfg.algorithm) else None
     critic = LearnerGroup("critic", cfg.model, cfg.learner, cfg.algorithm) if cfg.algorithm.name == "ppo" else None
     await asyncio.gather(*(g.start() for g in (actor, reference, critic) if g is not None))
-    placement = build_placement(cfg.hybrid, EngineControl(engine), actor, [reference, critic])
+    placement = build_placement(cfg.hybrid, EngineControl(engine), actor, [reference, critic],
+                                engine_memory_fraction=float(cfg.generator.engine_kwargs.get("gpu_memory_utilization", 0.9)))
     await placement.start()
     return actor, reference, critic, placement
 

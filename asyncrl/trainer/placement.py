@@ -9,6 +9,11 @@ nothing. `Colocation` (learner and engines time-share devices) is a small state 
                                on its device                      on device for the export; then
                                                                   params go to host, KV wakes
 
+With `hybrid.learner_offload: when_short` the learner's state stays on its device instead, where the
+engines' wake fits beside it: each rank decides at the switch to the engines, with the engines
+asleep and its state still there (free memory >= the engines' gpu_memory_utilization of the device
++ `wake_headroom_gib`), and the params follow the grads' and optimizer's decision.
+
 Wake order is weights first, then KV cache: the push needs engine weights and learner params on
 the device together, never the KV cache as well. Requests that arrive while engines sleep wait in
 the engine (a sleeping replica never runs a step); requests that were running are preempted and
@@ -51,7 +56,8 @@ class Learners(Protocol):
 
     async def hold_device(self, parts: Sequence[str] | None = None) -> list[dict[str, Any]]: ...
 
-    async def release_device(self, parts: Sequence[str] | None = None) -> list[dict[str, Any]]: ...
+    async def release_device(self, parts: Sequence[str] | None = None,
+                             wake_need: tuple[float, int] | None = None) -> list[dict[str, Any]]: ...
 
 
 class Separated:
@@ -78,8 +84,11 @@ class Colocation:
     group whose params the push reads (the actor), `others` (reference, critic) only compute."""
 
     def __init__(self, cfg: HybridConfig, engines: Engines, exporter: Learners, others: Sequence[Learners] = (),
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, engine_memory_fraction: float = 0.9) -> None:
         self.cfg, self.engines, self.exporter, self.others = cfg, engines, exporter, list(others)
+        # when_short: what must stay free beside the learner's state for the engines' wake
+        self.wake_need = ((engine_memory_fraction, int(cfg.wake_headroom_gib * GIB))
+                          if cfg.learner_offload == "when_short" else None)
         self.clock = clock
         self.phase = Phase.GENERATING
         self.switches = 0
@@ -126,8 +135,12 @@ class Colocation:
         t0 = self.clock()
         metrics: dict[str, float] = {}
         try:
-            await asyncio.gather(self.exporter.release_device(["grads", "optimizer"]),
-                                 self._each(lambda g: g.release_device(), self.others))
+            need = {} if self.wake_need is None else {"wake_need": self.wake_need}
+            mine, theirs = await asyncio.gather(self.exporter.release_device(["grads", "optimizer"], **need),
+                                                self._each(lambda g: g.release_device(**need), self.others))
+            kept = [r["learner/state_kept"] for a in (*mine, *theirs) if "learner/state_kept" in (r := a.get("report") or {})]
+            if kept:  # 1: every rank's flagged state stayed on its device (when_short found room)
+                metrics["hybrid/learner_state_kept"] = min(kept)
             await self._engines(EngineAPI.wake_up, ["weights"])
             self.phase = Phase.SYNCING
             t1 = self.clock()
@@ -148,7 +161,10 @@ class Colocation:
             raise HybridError(f"hybrid placement: {step} in phase {self.phase.value}, expected {phase.value}")
 
 
-def build_placement(cfg: HybridConfig, engines: Engines, actor: Learners, others: Sequence[Learners | None]) -> Colocation | Separated:
+def build_placement(cfg: HybridConfig, engines: Engines, actor: Learners, others: Sequence[Learners | None],
+                    engine_memory_fraction: float = 0.9) -> Colocation | Separated:
+    """`engine_memory_fraction`: the engines' gpu_memory_utilization (vLLM's default 0.9), their share of a
+    device awake, which `learner_offload: when_short` keeps free beside the learner's state."""
     if not cfg.enabled:
         return Separated()
-    return Colocation(cfg, engines, actor, [g for g in others if g is not None])
+    return Colocation(cfg, engines, actor, [g for g in others if g is not None], engine_memory_fraction=engine_memory_fraction)

@@ -239,6 +239,54 @@ def test_offload_holds_nest_and_move_each_part_once(monkeypatch):
         off.hold(("kv_cache",))
 
 
+def test_when_short_keeps_flagged_state_while_the_engines_wake_fits_and_moves_it_when_it_does_not(monkeypatch):
+    """hybrid `learner_offload: when_short`: one decision per switch (free device memory against what the
+    engines' wake needs) governs every release until the next; the params follow the grads' decision."""
+    import asyncrl.learner.offload as off_mod
+    from asyncrl.config import RoleOffload
+    from asyncrl.learner.offload import Offloader
+
+    moves: list[tuple[str, str]] = []
+    free = {"bytes": 30 << 30}
+    monkeypatch.setattr(off_mod, "offload_params", lambda chunks: moves.append(("params", "away")) or [("s", "h")])
+    monkeypatch.setattr(off_mod, "reload_params", lambda saved: moves.append(("params", "back")))
+    monkeypatch.setattr(off_mod, "free_grads", lambda chunks: moves.append(("grads", "away")))
+    monkeypatch.setattr(off_mod, "restore_grads", lambda chunks: moves.append(("grads", "back")))
+    monkeypatch.setattr(off_mod, "move_optimizer_state",
+                        lambda opt, dev, keep: moves.append(("optimizer", "away" if dev.type == "cpu" else "back")))
+    monkeypatch.setattr(off_mod, "_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(off_mod, "device_free_bytes", lambda: free["bytes"])
+    off = Offloader([torch.nn.Linear(2, 2)], object(), RoleOffload(param_offload=True, grad_offload=True, optimizer_offload=True))
+    off.hold()
+    off.release()  # the hybrid start: no decision yet, so everything goes to the host
+    assert off.offloaded
+    moves.clear()
+
+    off.hold()  # a learner phase: back on the device
+    assert off.decide_residency(26 << 30)  # 30 GiB free >= 26 GiB for the engines' wake
+    assert off.last_report["learner/state_kept"] == 1.0 and off.last_report["learner/residency_need_bytes"] == 26 << 30
+    off.release(("grads", "optimizer"))
+    off.release(("params",))  # after the push: follows the decision
+    with off.onloaded():  # a compute call outside the phase finds it all there
+        pass
+    assert not off.offloaded and sorted(moves) == [("grads", "back"), ("optimizer", "back"), ("params", "back")]
+    moves.clear()
+
+    off.hold()  # the next phase moves nothing: it stayed
+    assert moves == []
+    free["bytes"] = 20 << 30  # the learner grew (or the engines need more): short now
+    assert not off.decide_residency(26 << 30) and off.last_report["learner/state_kept"] == 0.0
+    off.release(("grads", "optimizer"))
+    off.release(("params",))
+    assert sorted(moves) == [("grads", "away"), ("optimizer", "away"), ("params", "away")] and off.offloaded
+    assert Offloader([torch.nn.Linear(2, 2)], None, RoleOffload()).decide_residency(1 << 40)  # nothing flagged: stays
+    tied = torch.nn.Module()
+    tied.a = torch.nn.Linear(3, 5, bias=False)
+    tied.b = torch.nn.Linear(3, 5, bias=False)
+    tied.b.weight = tied.a.weight  # one storage, counted once
+    assert Offloader([tied], None, RoleOffload()).param_bytes == 5 * 3 * 4
+
+
 def test_unflagged_parts_never_move(monkeypatch):
     import asyncrl.learner.offload as off_mod
     from asyncrl.config import RoleOffload

@@ -106,6 +106,15 @@ def test_nan_step_is_skipped_and_leaves_params(groups):
     assert run(groups["actor"].compute_log_prob(samples)) == before
 
 
+def test_a_release_with_the_engines_wake_need_reaches_the_rank(groups):
+    """hybrid `learner_offload: when_short`: the wake need travels group -> rank with the release; a role
+    with nothing flagged to offload decides nothing (its state never leaves the device)."""
+    held = run(groups["actor"].hold_device())
+    assert [a["holds"] for a in held] == [{"params": 1, "grads": 1, "optimizer": 1}]
+    out = run(groups["actor"].release_device(None, (0.3, 1 << 30)))
+    assert [(a["rank"], a["report"], a["holds"]) for a in out] == [(0, {}, {"params": 0, "grads": 0, "optimizer": 0})]
+
+
 def test_export_reloads_into_transformers(groups, hf_model, state):
     from transformers import AutoModelForCausalLM
 

@@ -33,9 +33,12 @@ class Group:
         self.log.append((self.name, "hold", tuple(parts or ())))
         return [{"rank": 0, "device_free_bytes": 3 * 2**30}]
 
-    async def release_device(self, parts=None):
-        self.log.append((self.name, "release", tuple(parts or ())))
-        return [{"rank": 0, "device_free_bytes": 5 * 2**30}]
+    async def release_device(self, parts=None, wake_need=None):
+        self.log.append((self.name, "release", tuple(parts or ())) + ((wake_need,) if wake_need is not None else ()))
+        report = {"learner/state_kept": self.kept} if wake_need is not None else {}
+        return [{"rank": 0, "device_free_bytes": 5 * 2**30, "report": report}]
+
+    kept = 1.0
 
 
 def _colocation(log, **engine_kw):
@@ -73,6 +76,39 @@ def test_a_step_sleeps_engines_before_the_learner_and_wakes_weights_before_kv_ar
     assert m1["hybrid/device_free_gib_learning"] == 3.0
     assert m2["weightsync/push_s"] == 0.1 and m2["hybrid/switches"] == 1.0
     assert m2["hybrid/device_free_gib_learner_away"] == 5.0
+
+
+def test_when_short_asks_each_group_to_decide_with_the_engines_share_and_reports_what_stayed():
+    """`learner_offload: when_short`: the first release of the switch (engines asleep, the learner's
+    state still on its devices) carries the engines' wake need (their gpu_memory_utilization share
+    of a device + the headroom); the params' release after the push follows that decision."""
+    log: list = []
+    cfg = HybridConfig(enabled=True, learner_offload="when_short", wake_headroom_gib=1.5)
+    actor, ref = Group("actor", log), Group("ref", log)
+    place = build_placement(cfg, Engines(log), actor, [ref, None], engine_memory_fraction=0.3)
+
+    async def publish():
+        return {}
+
+    async def step():
+        await place.start()
+        await place.to_learner()
+        del log[:]
+        return await place.to_engines(publish)
+
+    need = (0.3, int(1.5 * 2**30))
+    metrics = asyncio.run(step())
+    assert log == [("actor", "release", ("grads", "optimizer"), need), ("ref", "release", (), need),
+                   ("engines", "wake_up", ["weights"]), ("actor", "release", ("params",)),
+                   ("engines", "wake_up", ["kv_cache"])]
+    assert metrics["hybrid/learner_state_kept"] == 1.0
+    ref.kept = 0.0  # one group's device was short: not all of the learner's state stayed
+    asyncio.run(place.to_learner())
+    assert asyncio.run(place.to_engines(publish))["hybrid/learner_state_kept"] == 0.0
+    always = _colocation([])  # the default: no decision asked, nothing reported
+    asyncio.run(always.start())
+    asyncio.run(always.to_learner())
+    assert "hybrid/learner_state_kept" not in asyncio.run(always.to_engines(publish))
 
 
 def test_start_puts_the_resident_learner_away_and_refuses_engines_that_cannot_sleep():
