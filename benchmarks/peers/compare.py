@@ -86,7 +86,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     many = len({setting(r) for r in rows}) > 1
     with_eval = any(curve(r) for r in rows)
-    fig, axes = plt.subplots(1, 2 if with_eval else 1, figsize=(13 if with_eval else 8, 0.6 * len(rows) + 2.2),
+    fig, axes = plt.subplots(1, 2 if with_eval else 1, figsize=(13 if with_eval else 8, 0.6 * len(rows) + 2.6),
                              squeeze=False)
     ax = axes[0][0]
     names = [label(r, many) for r in rows]
@@ -100,7 +100,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("seconds per optimizer step (mean of the timed steps; speed vs TRL from the medians)")
     ax.set_xlim(0, max(left) * 1.3 if max(left) > 0 else 1)
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=len(SPLIT), fontsize=8)  # below: never over a bar
     ax.set_title("One GRPO step, same samples: where the time goes", fontsize=10)
     if with_eval:
         ax2 = axes[0][1]
