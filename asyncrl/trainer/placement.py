@@ -12,7 +12,8 @@ nothing. `Colocation` (learner and engines time-share devices) is a small state 
 With `hybrid.learner_offload: when_short` the learner's state stays on its device instead, where the
 engines' wake fits beside it: each rank decides at the switch to the engines, with the engines
 asleep and its state still there (free memory >= the engines' gpu_memory_utilization of the device
-+ `wake_headroom_gib`), and the params follow the grads' and optimizer's decision.
++ one version's bytes for the push's staging + `wake_headroom_gib`), and the params follow the
+grads' and optimizer's decision.
 
 Wake order is weights first, then KV cache: the push needs engine weights and learner params on
 the device together, never the KV cache as well. Requests that arrive while engines sleep wait in

@@ -28,9 +28,9 @@ from typing import Any
 from asyncrl.interfaces import WorkerAPI, verb_name
 from asyncrl.types import Refusal
 from asyncrl.weightsync.collective import CollectiveReceive
+from asyncrl.weightsync.fingerprint import check_verify_mode, combine_digests, fingerprint_mode
 
 log = logging.getLogger(__name__)
-from asyncrl.weightsync.fingerprint import check_verify_mode, combine_digests, fingerprint_mode
 
 Rpc = Callable[..., Awaitable[list[Any]]]
 

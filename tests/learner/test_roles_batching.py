@@ -193,12 +193,9 @@ def test_offload_round_trip_keeps_state_and_reports_memory():
     assert not Offloader([model], None, RoleOffload()).enabled
 
 
-def test_offload_holds_nest_and_move_each_part_once(monkeypatch):
-    """The hybrid learner phase holds everything; compute calls inside it move nothing; an export
-    holds only the params; a part goes to host when its last holder releases it."""
+def _recorded_moves(monkeypatch) -> list[tuple[str, str]]:
+    """The offloader's moves recorded as (part, "away" | "back") instead of made; this host's device is the host."""
     import asyncrl.learner.offload as off_mod
-    from asyncrl.config import RoleOffload
-    from asyncrl.learner.offload import Offloader
 
     moves: list[tuple[str, str]] = []
     monkeypatch.setattr(off_mod, "offload_params", lambda chunks: moves.append(("params", "away")) or [("s", "h")])
@@ -207,7 +204,17 @@ def test_offload_holds_nest_and_move_each_part_once(monkeypatch):
     monkeypatch.setattr(off_mod, "restore_grads", lambda chunks: moves.append(("grads", "back")))
     monkeypatch.setattr(off_mod, "move_optimizer_state",
                         lambda opt, dev, keep: moves.append(("optimizer", "away" if dev.type == "cpu" else "back")))
-    monkeypatch.setattr(off_mod, "_device", lambda: torch.device("meta"))  # this host's device is the host
+    monkeypatch.setattr(off_mod, "_device", lambda: torch.device("meta"))
+    return moves
+
+
+def test_offload_holds_nest_and_move_each_part_once(monkeypatch):
+    """The hybrid learner phase holds everything; compute calls inside it move nothing; an export
+    holds only the params; a part goes to host when its last holder releases it."""
+    from asyncrl.config import RoleOffload
+    from asyncrl.learner.offload import Offloader
+
+    moves = _recorded_moves(monkeypatch)
     model = torch.nn.Linear(2, 2)
     off = Offloader([model], object(), RoleOffload(param_offload=True, grad_offload=True, optimizer_offload=True))
 
@@ -246,15 +253,8 @@ def test_when_short_keeps_flagged_state_while_the_engines_wake_fits_and_moves_it
     from asyncrl.config import RoleOffload
     from asyncrl.learner.offload import Offloader
 
-    moves: list[tuple[str, str]] = []
+    moves = _recorded_moves(monkeypatch)
     free = {"bytes": 30 << 30}
-    monkeypatch.setattr(off_mod, "offload_params", lambda chunks: moves.append(("params", "away")) or [("s", "h")])
-    monkeypatch.setattr(off_mod, "reload_params", lambda saved: moves.append(("params", "back")))
-    monkeypatch.setattr(off_mod, "free_grads", lambda chunks: moves.append(("grads", "away")))
-    monkeypatch.setattr(off_mod, "restore_grads", lambda chunks: moves.append(("grads", "back")))
-    monkeypatch.setattr(off_mod, "move_optimizer_state",
-                        lambda opt, dev, keep: moves.append(("optimizer", "away" if dev.type == "cpu" else "back")))
-    monkeypatch.setattr(off_mod, "_device", lambda: torch.device("meta"))
     monkeypatch.setattr(off_mod, "device_free_bytes", lambda: free["bytes"])
     off = Offloader([torch.nn.Linear(2, 2)], object(), RoleOffload(param_offload=True, grad_offload=True, optimizer_offload=True))
     off.hold()
