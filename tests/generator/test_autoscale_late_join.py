@@ -1,8 +1,9 @@
 """Autoscaling 1 -> 2 -> 1 under HTTP load, where the second replica is a late joiner: it starts
 after a weight update and must serve the current version (loaded from the WeightStore) from its
 first token, and it takes the push plan the pushes use now from the store (so the next
-engine-layout push does not find it without one). The app uses `routing: prefix_affinity`, so this also checks that router in a real
-two-replica deployment: same prompt -> same replica, different prompts spread."""
+engine-layout push does not find it without one). The app uses `routing: prefix_affinity`, so
+this also checks that router in a real two-replica deployment: same prompt -> same replica,
+different prompts spread."""
 
 from __future__ import annotations
 
