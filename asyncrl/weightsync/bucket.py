@@ -40,6 +40,16 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def windows(sizes: Iterable[int], align: int = ALIGN) -> tuple[list[int], int]:
+    """Where buffers of `sizes` start, in order, as `align`-aligned windows of one allocation, and that
+    allocation's bytes (the ipc ring's arena, a whole planned version's arena)."""
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += (int(n) + align - 1) // align * align
+    return offsets, total
+
+
 @dataclass(frozen=True, slots=True)
 class TensorMeta:
     """Where one tensor lives inside a bucket buffer."""

@@ -39,7 +39,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from asyncrl.weightsync.bucket import Bucket, SharedBucket, TensorMeta, write_shared
+from asyncrl.weightsync.bucket import Bucket, SharedBucket, TensorMeta, windows, write_shared
 from asyncrl.weightsync.collective import ABORT, BUCKET, END, WHOLE, CollectiveError, CollectiveGroup, SenderAborted
 from asyncrl.weightsync.stream import (
     Export,
@@ -99,10 +99,7 @@ class IpcRing:
         """The next whole-version pushes pack buckets of `sizes`, in this order: each gets a view of
         one buffer (256-byte aligned), so each side hashes the whole version in one kernel launch
         and a receiver maps one allocation. The buffer is kept while it fits."""
-        offsets, total = [], 0
-        for n in sizes:
-            offsets.append(total)
-            total += -(-int(n) // 256) * 256
+        offsets, total = windows(sizes, 256)
         if self.arena is None or self.arena.numel() < total:
             self.buffers, self.busy = [], []  # per-bucket buffers of an earlier layout go
             self.arena = self._new(max(total, 256))

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.weightsync.bucket import Bucket, TensorMeta, _align, iter_buckets
+from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets, windows
 from asyncrl.weightsync.collective import (ABORT, BUCKET, DIGESTS, END, WHOLE, Broadcasts, CollectiveError,
                                            CollectiveGroup, SenderAborted)
 from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
@@ -98,11 +98,9 @@ def whole_arena(planned: list[Any], device: torch.device) -> Callable[[Any], tor
     it by its plan index: the buckets are then hashed in one pass (one kernel launch on a device,
     `hash_whole_lazy`) instead of one launch per bucket. Whole-version pushes keep every bucket until
     the broadcasts end anyway, so this holds no more memory than separate buffers."""
-    offsets, at = {}, 0
-    for b in planned:
-        offsets[b.index] = at
-        at += _align(b.nbytes)
-    arena = torch.empty(at, dtype=torch.uint8, device=device)
+    starts, total = windows(b.nbytes for b in planned)
+    offsets = {b.index: at for b, at in zip(planned, starts)}
+    arena = torch.empty(total, dtype=torch.uint8, device=device)
     return lambda b: arena.narrow(0, offsets[b.index], b.nbytes)
 
 
