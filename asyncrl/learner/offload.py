@@ -138,17 +138,12 @@ class Offloader:
         self._holds = dict.fromkeys(PARTS, 0)
         self._away: set[str] = set()  # flagged parts on the host now (a role starts resident)
         self._keep = False  # the last decide_residency found room: flagged parts stay on the device
+        # Bytes of the model's parameter storages, each once (tied weights, or Megatron's one buffer that all
+        # params view): one pushed version, which an ipc sender stages whole beside the learner's state. Taken
+        # here, where a role starts resident: an offloaded storage has no address and no bytes.
+        self.param_bytes = sum({p.data.untyped_storage().data_ptr(): p.data.untyped_storage().nbytes()
+                                for c in chunks for p in c.parameters()}.values())
         self.last_report: dict[str, float] = {}
-
-    @property
-    def param_bytes(self) -> int:
-        """Bytes of the model's parameters (each storage once): the size of one pushed version, which an
-        ipc sender stages whole beside the learner's state."""
-        seen: dict[int, int] = {}
-        for c in self.chunks:
-            for p in c.parameters():
-                seen.setdefault(p.data.untyped_storage().data_ptr(), p.numel() * p.element_size())
-        return sum(seen.values())
 
     def decide_residency(self, need_bytes: int) -> bool:
         """Whether flagged parts may stay on the device from now on: the device (every process on it)

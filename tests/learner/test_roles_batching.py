@@ -285,6 +285,10 @@ def test_when_short_keeps_flagged_state_while_the_engines_wake_fits_and_moves_it
     tied.b = torch.nn.Linear(3, 5, bias=False)
     tied.b.weight = tied.a.weight  # one storage, counted once
     assert Offloader([tied], None, RoleOffload()).param_bytes == 5 * 3 * 4
+    flat = torch.nn.Module()  # params that are views of one buffer (Megatron DDP's): the whole buffer, once
+    buf = torch.zeros(40)
+    flat.a, flat.b = torch.nn.Parameter(buf[:10].view(2, 5)), torch.nn.Parameter(buf[10:].view(6, 5))
+    assert Offloader([flat], None, RoleOffload()).param_bytes == 40 * 4
 
 
 def test_unflagged_parts_never_move(monkeypatch):
