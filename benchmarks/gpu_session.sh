@@ -256,16 +256,17 @@ peers)
     case $run in
     trl)
       PYTHONPATH=/tmp/site-peers:$PYTHONPATH timeout -k 15 $left python3 benchmarks/peers/trl_grpo.py "${knobs[@]}" > $log 2>&1 ;;
-    hybrid)
+    hybrid|hybrid-short|hybrid-resident)
+      case $run in
+      hybrid) extra=() ;;
+      # state kept where the engines' wake fits beside it
+      hybrid-short) extra=(--tag "(learner_offload when_short)" --set hybrid.learner_offload=when_short) ;;
+      # the learner's params, grads and optimizer state kept on the GPU
+      hybrid-resident) extra=(--tag "(learner state resident)" --set learner.actor.param_offload=false
+                              --set learner.actor.grad_offload=false --set learner.actor.optimizer_offload=false) ;;
+      esac
       timeout -s INT -k 30 $left python3 benchmarks/peers/asyncrl_side.py --placement hybrid --etas ${HYBRID_ETAS:-0} \
-          --num-cpus 16 "${knobs[@]}" > $log 2>&1 ;;
-    hybrid-short)  # the hybrid placement with hybrid.learner_offload=when_short (state kept where the engines' wake fits)
-      timeout -s INT -k 30 $left python3 benchmarks/peers/asyncrl_side.py --placement hybrid --etas ${HYBRID_ETAS:-0} \
-          --num-cpus 16 --tag "(learner_offload when_short)" --set hybrid.learner_offload=when_short "${knobs[@]}" > $log 2>&1 ;;
-    hybrid-resident)  # the hybrid placement with the learner's params, grads and optimizer state kept on the GPU
-      timeout -s INT -k 30 $left python3 benchmarks/peers/asyncrl_side.py --placement hybrid --etas ${HYBRID_ETAS:-0} \
-          --num-cpus 16 --tag "(learner state resident)" --set learner.actor.param_offload=false \
-          --set learner.actor.grad_offload=false --set learner.actor.optimizer_offload=false "${knobs[@]}" > $log 2>&1 ;;
+          --num-cpus 16 "${extra[@]}" "${knobs[@]}" > $log 2>&1 ;;
     gpu1)
       timeout -s INT -k 30 $left python3 benchmarks/peers/asyncrl_side.py --placement separated --etas ${GPU1_ETAS:-0 2} \
           --num-cpus 16 "${knobs[@]}" > $log 2>&1 ;;
