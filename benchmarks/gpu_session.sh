@@ -208,8 +208,8 @@ peers)
   # (8 x 8), completions of exactly PEERS_TOKENS tokens (256), lr PEERS_LR (1e-6), bf16; PEERS_WARMUP steps (3)
   # left out, PEERS_STEPS (8) timed. Rows go to $OUT/peers.json (each run appends when it ends), the table to
   # $OUT/peers.md, the bars to $OUT/peers.png. PEERS_ARGS adds knobs to both sides (e.g. "--micro-batch-size 16",
-  # or "--no-fixed-length --eval-every 25" for the demo model). PEERS_RUNS picks runs from "trl hybrid hybrid-resident hybrid-short gpu1 serve" (hybrid-resident: the hybrid
-  # placement with the learner's state kept on the GPU; hybrid-short: with hybrid.learner_offload=when_short; default the
+  # or "--no-fixed-length --eval-every 25" for the demo model). PEERS_RUNS picks runs from "trl hybrid hybrid-resident hybrid-always gpu1 serve" (hybrid: the default
+  # learner_offload when_short; hybrid-resident: the learner's state never offloaded; hybrid-always: offloaded at every switch; default the
   # first three; PEERS_SERVE=1 adds serve: `vllm serve` vs our API, benchmarks/generation.py). A run gets at most
   # its cap (TRL_TIMEOUT 240, HYBRID_TIMEOUT 200, GPU1_TIMEOUT 320, SERVE_TIMEOUT 400 s) and never more than is
   # left of PEERS_BUDGET (560 s since this script began). Expects TRL's parts (benchmarks/peers/wheels.sh) in
@@ -235,8 +235,8 @@ peers)
   knobs=(--model $M --prompts-per-step ${PEERS_PROMPTS:-8} --group-size ${PEERS_GROUP:-8} --max-new-tokens ${PEERS_TOKENS:-256}
          --lr ${PEERS_LR:-1e-6} --warmup-steps ${PEERS_WARMUP:-3} --steps ${PEERS_STEPS:-8} --out $OUT/peers.json $pargs)
   for run in $runs; do
-    case $run in trl) cap=${TRL_TIMEOUT:-240} ;; hybrid|hybrid-resident|hybrid-short) cap=${HYBRID_TIMEOUT:-200} ;; gpu1) cap=${GPU1_TIMEOUT:-320} ;;
-                 serve) cap=${SERVE_TIMEOUT:-400} ;; *) echo "peers: unknown run '$run' (trl hybrid hybrid-resident hybrid-short gpu1 serve)"; continue ;; esac
+    case $run in trl) cap=${TRL_TIMEOUT:-240} ;; hybrid|hybrid-resident|hybrid-always) cap=${HYBRID_TIMEOUT:-200} ;; gpu1) cap=${GPU1_TIMEOUT:-320} ;;
+                 serve) cap=${SERVE_TIMEOUT:-400} ;; *) echo "peers: unknown run '$run' (trl hybrid hybrid-resident hybrid-always gpu1 serve)"; continue ;; esac
     left=$(( ${PEERS_BUDGET:-560} - SECONDS )); [ $cap -lt $left ] && left=$cap
     if [ $left -lt 60 ]; then echo "peers $run: skipped, $left s left of PEERS_BUDGET"; continue; fi
     # ray.init's own start timed out here after TRL's run ("node timed out during startup"): clear what is
@@ -256,11 +256,11 @@ peers)
     case $run in
     trl)
       PYTHONPATH=/tmp/site-peers:$PYTHONPATH timeout -k 15 $left python3 benchmarks/peers/trl_grpo.py "${knobs[@]}" > $log 2>&1 ;;
-    hybrid|hybrid-short|hybrid-resident)
+    hybrid|hybrid-always|hybrid-resident)
       case $run in
-      hybrid) extra=() ;;
-      # state kept where the engines' wake fits beside it
-      hybrid-short) extra=(--tag "(learner_offload when_short)" --set hybrid.learner_offload=when_short) ;;
+      hybrid) extra=() ;;  # the default learner_offload when_short: state kept where the engines' wake fits beside it
+      # the learner's flagged state to host at every switch (the default before 2026-11-27)
+      hybrid-always) extra=(--tag "(learner_offload always)" --set hybrid.learner_offload=always) ;;
       # the learner's params, grads and optimizer state kept on the GPU
       hybrid-resident) extra=(--tag "(learner state resident)" --set learner.actor.param_offload=false
                               --set learner.actor.grad_offload=false --set learner.actor.optimizer_offload=false) ;;

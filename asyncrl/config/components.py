@@ -299,10 +299,11 @@ class HybridConfig(_Section):
         "trains; 2 = they drop both (less host memory; every push then rewrites all weights before serving).")
     timeout_s: float = Field(300.0, gt=0, description="Deadline of each engine sleep / wake broadcast.")
     learner_offload: Literal["always", "when_short"] = Field(
-        "always", description="always = the learner's flagged state (learner.<role>.*_offload) goes to host memory at "
-        "every switch to the engines; when_short = it stays on the device while the engines' wake fits beside it "
-        "(the engines' gpu_memory_utilization of the device, one version's bytes for the push's staging and "
-        "wake_headroom_gib free, measured by each rank at each switch), and goes to host only when it does not.")
+        "when_short", description="when_short = the learner's flagged state (learner.<role>.*_offload) stays on the "
+        "device while the engines' wake fits beside it (the engines' gpu_memory_utilization of the device, one "
+        "version's bytes for the push's staging and wake_headroom_gib free, measured by each rank at each switch), "
+        "and goes to host only when it does not; always = it goes to host memory at every switch to the engines "
+        "(the least device memory, the slowest switch).")
     wake_headroom_gib: float = Field(2.0, ge=0, description="when_short: device memory kept free beyond the engines' "
                                      "share, for their wake's own allocations and fragmentation.")
 

@@ -114,6 +114,9 @@ def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str)
     evals = res.get("eval", [])
     origin = evals[0]["time"] if evals and evals[0]["step"] == 0 else None
     rewards = [r["train/reward_mean"] for r in res["per_step"] if r.get("train/reward_mean") is not None]
+    # hybrid: the share of switches at which every learner rank kept its state on the device (learner_offload
+    # when_short found room for the engines' wake beside it); None where no switch reported it
+    kept = [r["hybrid/learner_state_kept"] for r in res["per_step"] if r.get("hybrid/learner_state_kept") is not None]
     return {
         "system": "asyncrl", "placement": placement, "eta": eta, "version": _versions(),
         "model": a.model, "params": model_params(a.model), **knobs(a, "bf16"), "warmup_steps": a.warmup_steps,
@@ -121,7 +124,8 @@ def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str)
         "eval": [{"step": e["step"], "wall_s": e["time"] - origin, "accuracy": e["accuracy"]} for e in evals] if origin else [],
         "settings": {"config": str(a.config or CONFIGS[a.placement]), "overrides": knob_overrides(a, eta) + a.overrides,
                      "staleness_mean": res.get("staleness_mean"), "push_s": res.get("push_s"),
-                     "push_failed": res.get("push_failed"), "learner_mfu": res.get("learner_mfu")},
+                     "push_failed": res.get("push_failed"), "learner_mfu": res.get("learner_mfu"),
+                     "learner_state_kept": statistics.fmean(kept) if kept else None},
     }
 
 

@@ -41,8 +41,8 @@ class Group:
     kept = 1.0
 
 
-def _colocation(log, **engine_kw):
-    return Colocation(HybridConfig(enabled=True, engine_sleep_level=2), Engines(log, **engine_kw),
+def _colocation(log, **engine_kw):  # learner_offload always: every switch moves the flagged state, no decision
+    return Colocation(HybridConfig(enabled=True, engine_sleep_level=2, learner_offload="always"), Engines(log, **engine_kw),
                       Group("actor", log), [Group("ref", log)])
 
 
@@ -105,7 +105,8 @@ def test_when_short_asks_each_group_to_decide_with_the_engines_share_and_reports
     ref.kept = 0.0  # one group's device was short: not all of the learner's state stayed
     asyncio.run(place.to_learner())
     assert asyncio.run(place.to_engines(publish))["hybrid/learner_state_kept"] == 0.0
-    always = _colocation([])  # the default: no decision asked, nothing reported
+    assert HybridConfig().learner_offload == "when_short"  # the default
+    always = _colocation([])  # always: no decision asked, nothing reported
     asyncio.run(always.start())
     asyncio.run(always.to_learner())
     assert "hybrid/learner_state_kept" not in asyncio.run(always.to_engines(publish))

@@ -102,7 +102,10 @@ def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int, pu
     return weights, sorted(r for r in results if r[0] == "sent"), sorted(r for r in results if r[0] == "got")
 
 
-def _assert_delivered(weights: dict, sent: list, received: list, receivers: int, pushes: int = 1) -> None:
+def _assert_delivered(weights: dict, sent: list, received: list, receivers: int, pushes: int = 1,
+                      key_prefix: str = "") -> None:
+    """`key_prefix`: what the sender's digest keys carry (the engine rank, "0/", for a planned push: the
+    same parameter name exists on every engine rank; bucket.digest_key_prefix)."""
     from asyncrl.weightsync.fingerprint import tensor_fingerprint
 
     for push in range(pushes):
@@ -113,7 +116,7 @@ def _assert_delivered(weights: dict, sent: list, received: list, receivers: int,
         for _, _, _, names, fingerprint, _, hashed in got:
             assert names == sorted(version) and fingerprint == tensor_fingerprint(version, "full")  # bit-exact
             assert hashed == s[7]  # what the receiver hashed as buckets landed is what the sender hashed
-        assert s[2] == sorted(version) and s[3] == sum(t.numel() * t.element_size() for t in version.values())
+        assert s[2] == sorted(key_prefix + n for n in version) and s[3] == sum(t.numel() * t.element_size() for t in version.values())
         assert s[5] == tensor_fingerprint(version, "full")  # the sender's host copies are bit-exact too
 
 
@@ -134,7 +137,7 @@ def test_ipc_hands_every_bucket_bit_exact_to_processes_sharing_the_gpu(ipc_windo
     (window 2), or stages views of the sender's buffers, which hold the whole version (window 0).
     The second push packs into the same sender buffers, which the receivers opened once."""
     weights, sent, received = _push_in_processes("ipc", receivers=2, seed=1, tensors=8, pushes=2, ipc_window=ipc_window)
-    _assert_delivered(weights, sent, received, receivers=2, pushes=2)
+    _assert_delivered(weights, sent, received, receivers=2, pushes=2, key_prefix="0/")
     assert len(sent[0][4]) > 2  # more buckets than the window: the sender waited for acknowledgements
     assert sent[0][6] == sent[1][6] > 0  # the second push allocated no new sender buffer
     if ipc_window == 0:  # the whole version stays in the sender's buffers (the receivers' staging)
@@ -151,6 +154,6 @@ def test_ipc_hands_a_planned_whole_version_bit_exact_from_the_senders_arena():
     than the storage once wrote every bucket over the first, and both sides' checksums still agreed."""
     weights, sent, received = _push_in_processes("ipc", receivers=2, seed=2, tensors=8, pushes=2, ipc_window=0,
                                                  planned=True)
-    _assert_delivered(weights, sent, received, receivers=2, pushes=2)
+    _assert_delivered(weights, sent, received, receivers=2, pushes=2, key_prefix="0/")
     assert len(sent[0][4]) > 2  # several planned buckets, so several windows of the arena
     assert sent[0][6] >= sum(sent[0][4])  # ... which holds the whole version
