@@ -374,7 +374,7 @@ balanced)
 scale)
   # Issue 30 on four GPUs: the random Qwen2-7B trained with deploy/rlhf-gpu4-scale.yaml (learner TP = 2, engine
   # replicas of TP = 1), Serve's autoscaler adding the second engine replica mid-run; ETAS (2), NSTEPS (10). On
-  # GPUs under 100 GB: bucketed staging and micro-batches of 2,048 tokens (the learner's 64 GiB need room). On four
+  # GPUs under 100 GB: micro-batches of 2,048 tokens and SCALE_STAGING (below; the learner's 64 GiB need room). On four
   # H100s (2026-11-27) the app took 100 s to start, the first push came 184 s after it (the first step's
   # generation and training), then ~18.5 s a step: 14 steps did not fit a call; 10 do. The yaml's upscale delay
   # (150 s) puts the second replica after the first push; SETS="generator.autoscaling.upscale_delay_s=60" put it
@@ -389,7 +389,15 @@ scale)
   echo "7b model ready at t=$SECONDS s"
   sets=(--set model.path=$M)
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  if [ "${mem:-0}" -lt 100000 ]; then sets+=(--set weightsync.staging=bucketed --set learner.max_tokens_per_micro_batch=2048); fi
+  # Under 100 GB a learner rank cannot also hold the whole packed version (7.1 GiB): SCALE_STAGING=full (default) keeps
+  # full staging, the rank's sender packing through a ring of slots (stream.SenderRing, chosen when the whole arena
+  # does not fit), and gives each engine's staged version (15.2 GB) room beside vLLM (gpu_memory_utilization 0.7);
+  # SCALE_STAGING=bucketed is the layout measured on 2026-11-27 (0.6 s pushes, the engine paused throughout).
+  if [ "${mem:-0}" -lt 100000 ]; then
+    sets+=(--set learner.max_tokens_per_micro_batch=2048)
+    if [ "${SCALE_STAGING:-full}" = bucketed ]; then sets+=(--set weightsync.staging=bucketed)
+    else sets+=(--set generator.engine_kwargs.gpu_memory_utilization=0.7); fi
+  fi
   for kv in ${SETS:-}; do sets+=(--set "$kv"); done
   echo "sets: ${sets[*]}"
   pkill -9 -f "[r]ay::"; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*; sleep 1

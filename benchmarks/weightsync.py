@@ -231,6 +231,10 @@ class Sender:
 
         self.plan = pickle.loads(plan) if plan is not None else None
 
+    def set_arena(self, arena: str) -> None:
+        """Where a whole planned version is packed (stream.broadcast_send_stream): auto, whole or ring."""
+        self.arena = arena
+
     def profile_next_send(self) -> None:
         self.profiling = True
 
@@ -250,7 +254,8 @@ class Sender:
             finally:
                 self.profile_text = _profile(self, False)
         sent = send_stream(self.group, iter(self.weights.items()), bucket_mb, verify=verify, timeout_s=timeout_s,
-                           keep=ray.put, plan=getattr(self, "plan", None))
+                           keep=ray.put, plan=getattr(self, "plan", None),
+                           **({"arena": getattr(self, "arena", "auto")} if self.group.spec.backend != "ipc" else {}))
         self.copies = sent.host_copies
         return {"digests": sent.digests, "bytes": sent.bytes, "num_tensors": sent.num_tensors, "num_buckets": sent.num_buckets,
                 "seconds": sent.seconds}
@@ -396,7 +401,7 @@ def _engine_dtypes(plan, base):
 
 async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket_mb: float,
                       transports: list[str], verify: str, gpus: float, apply: str = "auto",
-                      staging: str = "full", dtype: str = "float32") -> list[dict]:
+                      staging: str = "full", dtype: str = "float32", sender_arena: str = "auto") -> list[dict]:
     import pickle
     from dataclasses import asdict
 
@@ -427,6 +432,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
     sender = ray.remote(num_cpus=0.5, num_gpus=sender_gpus)(Sender).remote(str(path)) if collective else None
     if sender is not None:
         await sender.set_plan.remote(pickle.dumps(plan) if plan is not None else None)
+        await sender.set_arena.remote(sender_arena)
     runs, version = {}, 0
     for kind in transports:
         cfg = WeightsyncConfig(transport=kind, bucket_mb=bucket_mb, timeout_s=600, verify=verify, staging=staging)
@@ -563,13 +569,13 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
                                                     and k.endswith(f"/{part}_seconds")), default=0.0) for m in metrics])
         if kind in collective:
             breakdown.update({f"sender_{k}": key(f"weightsync/sender/{k}_seconds")
-                              for k in ("pack", "broadcast", "host_copy", "hash", "hash_wait", "host_copy_thread_copy", "host_copy_thread_keep",
+                              for k in ("pack", "broadcast", "host_copy", "hash", "hash_wait", "ring_wait", "host_copy_thread_copy", "host_copy_thread_keep",
                                         "prepare", "call", "receivers_after")})
         for step in ("begin_update", "load_bucket", "commit_update"):  # as the publisher timed each replica's call
             breakdown[f"replica_{step}"] = med([max((v for k, v in m.items() if k.startswith("weightsync/replica/")
                                                      and k.endswith(f"/{step}_seconds")), default=0.0) for m in metrics])
         row = {
-            "model": name, "transport": kind, "verify": verify, "staging": staging,
+            "model": name, "transport": kind, "verify": verify, "staging": staging, "sender_arena": sender_arena,
             "apply_path": "direct" if key("weightsync/apply_direct") == 1.0 else "reload",
             "why_not_direct": why_not, "params": params, "bytes": nbytes,
             "replicas": replicas, "gpus_per_engine": gpus, "bucket_mb": bucket_mb,
@@ -607,6 +613,9 @@ def main() -> None:
     ap.add_argument("--apply", default="auto", choices=["auto", "direct", "reload"],
                     help="direct: engine-layout buckets copied into the parameters; reload: HF tensors through reload_weights")
     ap.add_argument("--staging", default="full", choices=["full", "bucketed"])
+    ap.add_argument("--sender-arena", default="auto", choices=["auto", "whole", "ring"],
+                    help="gloo / nccl, full staging with a plan: the sender packs the whole version in one arena, or "
+                         "through a ring of reused bucket slots (a learner short of device memory), auto = whole where it fits")
     args = ap.parse_args()
     unknown = set(args.transports.split(",")) - set(TRANSPORTS)
     if unknown:
@@ -642,7 +651,7 @@ def main() -> None:
                     raise SystemExit(f"unknown model {name!r}: demo, random50m, random500m, random1500m or an HF directory")
                 rows = asyncio.run(bench_model(name, path, args.replicas, args.repeats, args.bucket_mb,
                                                args.transports.split(","), args.verify, args.gpus, args.apply, args.staging,
-                                               args.dtype))
+                                               args.dtype, args.sender_arena))
                 for row in rows:
                     print(json.dumps(row), flush=True)
     finally:

@@ -220,6 +220,7 @@ class CollectiveGroup:
     _copies: HostCopies | None = field(default=None, repr=False)  # sender: the last push's host copies
     _pinned: PinnedPool | None = field(default=None, repr=False)  # sender on a GPU: their pinned buffers
     _ring: Any = field(default=None, repr=False)  # ipc sender: the buffers it packs into, reused by every push
+    _ring_sender: bool = False  # gloo / nccl sender: its device could not hold a whole version (stream.SenderRing)
     _ring_copies: list = field(default_factory=list, repr=False)  # ipc_window 0: the host copies still reading them
     _opened: dict = field(default_factory=dict, repr=False)  # ipc receiver: the sender's buffers, opened once
     _sender_digests: dict | None = field(default=None, repr=False)  # gloo / nccl receiver: the last push's, as sent

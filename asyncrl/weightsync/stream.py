@@ -19,7 +19,10 @@ receiver receives them into one allocation and hashes each bucket as it lands. W
 the table is the plan's, so it goes first and each bucket is broadcast as soon as it is packed
 (`_send_whole_planned`: packing overlaps the wire). Per bucket that
 saves the header and table round trips and the waits. The sender then holds its whole packed
-version on its device until the broadcast ends (bucketed staging: one bucket at a time).
+version on its device until the broadcast ends (bucketed staging: one bucket at a time), unless its
+device cannot hold it beside the learner's state: then it packs through a `SenderRing` of a few
+reused slots, each packed again once its broadcast and host copy are done (the receivers see no
+difference).
 
 Must never: wait without a deadline, or leave the receivers waiting on a sender that failed
 (an export error sends the abort header first).
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,35 +101,112 @@ def whole_arena(planned: list[Any], device: torch.device) -> Callable[[Any], tor
     """One allocation for a sender's whole planned version, each bucket a 64-byte-aligned window of
     it by its plan index: the buckets are then hashed in one pass (one kernel launch on a device,
     `hash_whole_lazy`) instead of one launch per bucket. Whole-version pushes keep every bucket until
-    the broadcasts end anyway, so this holds no more memory than separate buffers."""
+    the broadcasts end anyway, so this holds no more memory than separate buffers. Raises
+    torch.OutOfMemoryError where the device cannot hold it (`SenderRing` then)."""
     starts, total = windows(b.nbytes for b in planned)
     offsets = {b.index: at for b, at in zip(planned, starts)}
     arena = torch.empty(total, dtype=torch.uint8, device=device)
     return lambda b: arena.narrow(0, offsets[b.index], b.nbytes)
 
 
+RING_SLOTS = 4  # a ring's least slots: buckets on the wire or being copied to the host while the next is packed
+
+
+class SenderRing:
+    """A whole planned version sent through a few reused slots, for a sender whose device cannot
+    hold the whole version beside its own state (a 7B learner rank at TP = 2 on an 80 GB GPU: 64 GiB of
+    weights, gradients and Adam state, and 7.1 GiB of packed version). The receivers are unchanged:
+    they get the same table and the same buckets, in the same order, into their whole staging.
+
+    `buffer(planned bucket)` (the packer's `planned_buffer`) hands out a free slot; when none is free it
+    waits, on the host and by the deadline, for the oldest sent bucket's broadcast and host copy, then
+    reuses its slot. Its checksums need no wait: they run on the stream that packs the next bucket,
+    before it. `sent(plan index, broadcasts, host copy)` hands a packed bucket's slot to the wire.
+    Slots: `max(slots, the packer's most open buckets + 2)`, so a bucket still being packed never
+    waits for one behind it; an export that opens more at once (another order than the plan's manifest)
+    gets one more slot rather than a wait that could not end. Costs against the whole arena: a hash
+    launch per bucket, not one pass."""
+
+    def __init__(self, planned: list[Any], device: torch.device, deadline: float, *, slots: int = RING_SLOTS,
+                 open_at_once: int = 1) -> None:
+        size = max((b.nbytes for b in planned), default=0)
+        count = max(2, slots, open_at_once + 2)
+        starts, total = windows([size] * count)
+        arena = torch.empty(total, dtype=torch.uint8, device=device)
+        self._slots = [arena.narrow(0, at, size) for at in starts]
+        self._size, self._device, self.deadline = size, device, deadline
+        self.nbytes = total  # device memory the ring holds (more where it grew)
+        self.grown = 0  # slots added because the export opened more buckets at once than the plan's order does
+        self._free = list(range(count - 1, -1, -1))
+        self._open: dict[int, int] = {}  # plan index -> slot, being packed
+        self._flight: deque[tuple[int, Any, Any]] = deque()  # (slot, Broadcasts, host copy), sent
+        self.waited = 0.0  # seconds the packer waited for a slot (the wire or the host copies behind)
+
+    def buffer(self, b: Any) -> torch.Tensor:
+        if not self._free and not self._flight:  # every slot holds a bucket still being packed: one more slot
+            self._slots.append(torch.empty(self._size, dtype=torch.uint8, device=self._device))
+            self._free.append(len(self._slots) - 1)
+            self.grown += 1
+            self.nbytes += self._size
+        if not self._free:
+            t = time.perf_counter()
+            slot, sending, copy = self._flight.popleft()
+            if sending is not None:
+                sending.wait()
+            if copy is not None:
+                copy.wait(self.deadline)
+            self.waited += time.perf_counter() - t
+            self._free.append(slot)
+        slot = self._free.pop()
+        self._open[b.index] = slot
+        return self._slots[slot].narrow(0, 0, b.nbytes)
+
+    def sent(self, index: int, sending: Any, copy: Any) -> None:
+        self._flight.append((self._open.pop(index), sending, copy))
+
+
 def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
                           verify: str, timeout_s: float, keep: Callable[[Bucket], Any] | None = None,
-                          plan: Any = None, sender: int = 0) -> SendResult:
+                          plan: Any = None, sender: int = 0, arena: str = "auto") -> SendResult:
     """The sender's loop for one push: bucket the stream on the tensors' device (in the engines'
     layout with a `plan`), hash each bucket (its digests go in band, before its bytes), send it,
     and start its host copy (`keep` is called with each finished copy, off the critical path).
-    If the stream fails, the receivers are told (abort header) before the error propagates."""
+    If the stream fails, the receivers are told (abort header) before the error propagates.
+    `arena`, for a whole planned version: "whole" packs it into one allocation, "ring" through a
+    `SenderRing` of reused slots, "auto" the whole one unless the device cannot hold it (then the
+    ring, for this group's later pushes too)."""
+    if arena not in ("auto", "whole", "ring"):
+        raise ValueError(f"arena must be auto, whole or ring, not {arena!r}")
     deadline = time.monotonic() + timeout_s
     out = SendResult()
     whole = group.spec.ipc_window == 0  # every bucket kept until the broadcasts end: no limit on copies in flight
+    planned = plan.for_sender(sender) if whole and plan is not None else None
+    # whole with a plan: the version packed into one arena (hashed in one pass), or a ring of slots
+    buffers, ring = None, None
+    if planned is not None:
+        if arena == "whole" or (arena == "auto" and not group._ring_sender):
+            try:
+                buffers = whole_arena(planned, group.device)
+            except torch.OutOfMemoryError:
+                if arena == "whole":
+                    raise
+                group._ring_sender = True  # this rank's device is short of a whole version: a ring from now on
+        if buffers is None:
+            from asyncrl.weightsync.plan import PlannedPacker
+
+            ring = SenderRing(planned, group.device, deadline, open_at_once=PlannedPacker(plan, sender, "cpu").max_open())
+            buffers = ring.buffer
     # whole: the device-to-host copies start once the sender has its digests (`_send_whole`). Started beside
     # the broadcasts, they held the digests' small reads back: on two H100s at 1.5B the sender waited 33 ms
-    # for checksums that take 5 ms, about as long as its 3 GB of copies took (not measured since).
+    # for checksums that take 5 ms, about as long as its 3 GB of copies took (not measured since). A ring
+    # copies each bucket as it is sent: its slot is reused once the copy is done.
     copies = out.host_copies = host_copies_for(group, keep, deadline, **(
-        {"max_device": 1 << 30, "defer_copy": verify != "full"} if whole else {}))
-    # whole with a plan: the version packed into one arena (hashed in one pass)
-    arena = whole_arena(plan.for_sender(sender), group.device) if whole and plan is not None else None
+        {"max_device": 1 << 30, "defer_copy": verify != "full" and ring is None} if whole else {}))
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender,
-                                planned_buffer=arena), out)
+                                planned_buffer=buffers), out)
     try:
-        if whole and plan is not None:  # the table is the plan's: sent first, each bucket on the wire as it is packed
-            _send_whole_planned(group, export, copies, verify, deadline, out, plan.for_sender(sender))
+        if planned is not None:  # the table is the plan's: sent first, each bucket on the wire as it is packed
+            _send_whole_planned(group, export, copies, verify, deadline, out, planned, ring)
         else:
             (_send_whole if whole else _send_each)(group, export, copies, verify, deadline, out)
     except BaseException as err:
@@ -196,11 +277,12 @@ def _announce_whole(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta]
 
 
 def _hash_and_wait(packed: list[tuple[Bucket, Callable[[], dict[str, bytes]] | None]], sending: list[Broadcasts],
-                   copies: HostCopies, verify: str, out: SendResult) -> None:
+                   copies: HostCopies, verify: str, out: SendResult, each: bool = False) -> None:
     """A whole version's end on the sender: its checksums enqueued behind the broadcasts' start (beside
     them on a device; `full` hashed the host copies as it packed), one wait for the broadcasts, one for
-    the digests, then the host copies (deferred, unless `full`), which run while the replicas commit."""
-    if verify == "full":
+    the digests, then the host copies (deferred, unless `full`), which run while the replicas commit.
+    `each`: every bucket was already hashed and its copy started as it was packed (a `SenderRing`)."""
+    if verify == "full" or each:
         finishes = [finish for _, finish in packed]
     else:  # buckets in one arena (whole_arena) are hashed in one pass, others each in their own
         t = time.perf_counter()
@@ -218,14 +300,16 @@ def _hash_and_wait(packed: list[tuple[Bucket, Callable[[], dict[str, bytes]] | N
 
 
 def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
-                        out: SendResult, planned: list[Any]) -> None:
+                        out: SendResult, planned: list[Any], ring: SenderRing | None = None) -> None:
     """`_send_whole` with a push plan: the table (every bucket's tensors and size, known from the plan)
     goes first, and each bucket's broadcast is enqueued as soon as it is packed, so packing bucket k + 1
     overlaps bucket k on the wire (on a device: the broadcast waits for that bucket's copies only).
     The checksums and host copies follow as in `_send_whole`. Once the table is out the receivers wait
     for every bucket of it: an export that fails midway sends zeros for the buckets it did not pack,
-    then the caller's abort header, so the receivers fail at once rather than at their deadline."""
-    early = verify == "full"
+    then the caller's abort header, so the receivers fail at once rather than at their deadline.
+    With a `ring` each bucket is hashed and its host copy started as it is packed (its slot is reused
+    once both are done), where the whole arena hashes every bucket in one pass at the end."""
+    early = verify == "full" or ring is not None
     t = time.perf_counter()
     _announce_whole(group, [(b.metas(), b.rank, b.nbytes) for b in planned], deadline)
     out.seconds["broadcast"] += time.perf_counter() - t
@@ -239,11 +323,21 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
                 export.failed = True  # the table the receivers hold does not describe it: nothing more goes out as data
                 raise CollectiveError(f"group {group.spec.group_id}: packed bucket {k} ({bucket.nbytes} bytes, rank "
                                       f"{bucket.rank}) is not the plan's bucket {k} the table announced")
-            finish = hash_and_copy_lazy(copies, bucket, verify, out)[0] if early else None
+            copy = None
+            if early:
+                # a ring's slot on the host is no copy: it is overwritten by a later bucket (CPU senders, tests)
+                kept = bucket if ring is None or bucket.buffer.is_cuda else Bucket(
+                    buffer=bucket.buffer.clone(), metas=bucket.metas, rank=bucket.rank)
+                finish, copy = hash_and_copy_lazy(copies, kept, verify, out)
+            else:
+                finish = None
             t = time.perf_counter()
-            if bucket.nbytes:
-                sending.append(group.enqueue_broadcasts([bucket.buffer], deadline))
+            bc = group.enqueue_broadcasts([bucket.buffer], deadline) if bucket.nbytes else None
+            if bc is not None:
+                sending.append(bc)
             out.seconds["broadcast"] += time.perf_counter() - t
+            if ring is not None:
+                ring.sent(want.index, bc, copy)
             packed.append((bucket, finish))
         if len(packed) != len(planned):
             export.failed = True
@@ -255,7 +349,10 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
         if export.failed and not group.broken:
             _fill(group, planned[len(packed):], deadline)
         raise
-    _hash_and_wait(packed, sending, copies, verify, out)
+    finally:
+        if ring is not None:
+            out.seconds["ring_wait"] = ring.waited
+    _hash_and_wait(packed, sending, copies, verify, out, each=ring is not None)
 
 
 def _fill(group: CollectiveGroup, rest: list[Any], deadline: float) -> None:

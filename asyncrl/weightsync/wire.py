@@ -21,12 +21,16 @@ from asyncrl.weightsync.stream import SendResult, broadcast_receive_stream, broa
 
 def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
                 verify: str, timeout_s: float, keep: Callable[[Bucket], Any] | None = None,
-                plan: Any = None, sender: int = 0) -> SendResult:
+                plan: Any = None, sender: int = 0, arena: str = "auto") -> SendResult:
     """Send one version over `group`: bucket (in the engines' layout with a `plan`), hash in the
-    `verify` mode, send, and hand each bucket's host copy to `keep` off the critical path."""
-    loop = ipc_send_stream if group.spec.backend == "ipc" else broadcast_send_stream
-    return loop(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=keep, plan=plan,
-                sender=sender)
+    `verify` mode, send, and hand each bucket's host copy to `keep` off the critical path. `arena`
+    (gloo / NCCL, a whole planned version): where the sender packs it (stream.broadcast_send_stream);
+    an ipc sender packs into its own ring."""
+    if group.spec.backend == "ipc":
+        return ipc_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=keep, plan=plan,
+                               sender=sender)
+    return broadcast_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=keep,
+                                 plan=plan, sender=sender, arena=arena)
 
 
 def receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:

@@ -262,6 +262,88 @@ def test_a_planned_whole_push_puts_each_bucket_on_the_wire_as_soon_as_it_is_pack
         g.close()
 
 
+def _planned_push(sender, receiver, weights, plan, **send_kw):
+    """One planned whole-version push over gloo; (sent, what the receiver staged, the sender's digests it read)."""
+    got: dict[str, torch.Tensor] = {}
+    theirs: dict[str, bytes] = {}
+
+    def receive(group):
+        for bucket, _ in receive_stream(group, time.monotonic() + 20):
+            got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
+        theirs.update(sender_digests(group, time.monotonic() + 5))
+
+    th = threading.Thread(target=receive, args=(receiver,))
+    th.start()
+    sent = send_stream(sender, iter(weights.items()), BUCKET_MB, verify="checksum", timeout_s=20, plan=plan, **send_kw)
+    th.join(30)
+    return sent, got, theirs
+
+
+def test_a_sender_ring_sends_a_planned_version_through_reused_slots_bit_exact(monkeypatch):
+    """A sender whose device cannot hold the whole packed version (`arena="ring"`, or `auto` after the
+    whole arena's allocation ran out of memory) packs it through a few reused slots. The receiver gets
+    the same table and bytes, the digests are the whole arena's, and the host copies (what a restore
+    and the late joiners read) are every bucket's own bytes though their slots were overwritten."""
+    import asyncrl.weightsync.stream as stream
+
+    spec = _spec(receivers=1, backend="gloo-whole")
+    sender, receiver = _join_all(spec)
+    weights = {f"t{i}": torch.full((2048,), float(i)) for i in range(12)}  # 6 planned buckets of 2 tensors
+    plan = _identity_plan(weights, 2 * BUCKET_MB)
+    assert len(plan.buckets) == 6
+    rings: list = []
+    real_ring = stream.SenderRing
+    monkeypatch.setattr(stream, "SenderRing", lambda *a, **k: rings.append(real_ring(*a, **k)) or rings[-1])
+
+    whole, got_whole, _ = _planned_push(sender, receiver, weights, plan, arena="whole")
+    ring, got, theirs = _planned_push(sender, receiver, weights, plan, arena="ring")
+    assert len(rings) == 1 and len(rings[0]._slots) == stream.RING_SLOTS < len(plan.buckets)  # slots were reused
+    assert rings[0].nbytes < sum(b.nbytes for b in plan.buckets)
+    assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in weights)
+    assert ring.digests == whole.digests == theirs and ring.num_buckets == whole.num_buckets == 6
+    kept = [unpack_bucket(b) for b in ring.host_copies.result()]
+    assert {n: t.clone() for b in kept for n, t in b}.keys() == weights.keys()
+    assert all(torch.equal(t, weights[n]) for b in kept for n, t in b)  # each copy its own bucket's bytes
+
+    # auto: the whole arena while it fits; once its allocation fails, a ring for this group's later pushes
+    assert not sender._ring_sender
+    monkeypatch.setattr(stream, "whole_arena", lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("no room")))
+    auto, got, _ = _planned_push(sender, receiver, weights, plan)
+    assert sender._ring_sender and len(rings) == 2 and auto.digests == whole.digests
+    assert all(torch.equal(got[k], weights[k]) for k in weights)
+    assert len(auto.host_copies.result()) == 6
+    with pytest.raises(torch.OutOfMemoryError):  # "whole" asked for explicitly does not fall back
+        send_stream(sender, iter(weights.items()), BUCKET_MB, verify="checksum", timeout_s=5, plan=plan, arena="whole")
+    for g in (sender, receiver):
+        g.close()
+
+
+def test_a_sender_ring_waits_for_the_oldest_sent_bucket_and_grows_rather_than_wait_on_one_being_packed():
+    """The ring reuses the oldest sent slot only once its broadcast and host copy are done; an export
+    that keeps more buckets open than the ring has free slots gets another slot (no wait could end)."""
+    from asyncrl.weightsync.stream import RING_SLOTS, SenderRing
+
+    weights = {f"t{i}": torch.full((2048,), float(i)) for i in range(12)}
+    planned = _identity_plan(weights, 2 * BUCKET_MB).for_sender(0)
+    ring = SenderRing(planned, torch.device("cpu"), time.monotonic() + 5)
+    waits: list[str] = []
+
+    class Done:
+        def __init__(self, what):
+            self.what = what
+
+        def wait(self, *a):
+            waits.append(self.what)
+
+    views = [ring.buffer(b) for b in planned[:RING_SLOTS]]  # every slot open at once
+    assert len({v.data_ptr() for v in views}) == RING_SLOTS and ring.grown == 0
+    extra = ring.buffer(planned[RING_SLOTS])  # none sent yet: a new slot, no wait
+    assert ring.grown == 1 and extra.data_ptr() not in {v.data_ptr() for v in views}
+    ring.sent(planned[0].index, Done("broadcast 0"), Done("copy 0"))
+    reused = ring.buffer(planned[RING_SLOTS + 1])
+    assert waits == ["broadcast 0", "copy 0"] and reused.data_ptr() == views[0].data_ptr()
+
+
 def test_a_whole_arena_gives_each_planned_bucket_an_aligned_window_of_one_allocation():
     from asyncrl.weightsync.bucket import ALIGN
     from asyncrl.weightsync.stream import whole_arena

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
 def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrier, pushes: int, step: mp.Barrier,
-            planned: bool = False) -> None:
+            planned: bool = False, arena: str = "auto") -> None:
     from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_fingerprint
     from asyncrl.weightsync.bucket import digest_key_prefix, unpack_bucket
     from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
@@ -34,7 +34,7 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
             version = {n: t * (push + 1) for n, t in weights.items()}
             if rank == 0:
                 sent = send_stream(group, ((n, t.cuda()) for n, t in version.items()), 0.15, verify="checksum", timeout_s=60,
-                                   plan=plan)
+                                   plan=plan, arena=arena)
                 kept = sent.host_copies.result()  # pinned device-to-host copies, made while sending
                 host = {n: t for b in kept for n, t in unpack_bucket(b)}
                 ring = group._ring.nbytes if group._ring is not None else 0
@@ -72,7 +72,7 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
 
 
 def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int, pushes: int = 1,
-                       ipc_window: int = 2, planned: bool = False) -> tuple[dict, list, list]:
+                       ipc_window: int = 2, planned: bool = False, arena: str = "auto") -> tuple[dict, list, list]:
     """`pushes` pushes from a sender process to `receivers` processes (push k sends the weights
     times k + 1); (weights, sent reports, receiver reports)."""
     from dataclasses import asdict
@@ -88,7 +88,7 @@ def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int, pu
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     done, step = ctx.Barrier(receivers + 1), ctx.Barrier(receivers + 1)
-    procs = [ctx.Process(target=_member, args=(r, asdict(spec), weights, out, done, pushes, step, planned))
+    procs = [ctx.Process(target=_member, args=(r, asdict(spec), weights, out, done, pushes, step, planned, arena))
              for r in range(receivers + 1)]
     for p in procs:
         p.start()
@@ -157,3 +157,14 @@ def test_ipc_hands_a_planned_whole_version_bit_exact_from_the_senders_arena():
     _assert_delivered(weights, sent, received, receivers=2, pushes=2, key_prefix="0/")
     assert len(sent[0][4]) > 2  # several planned buckets, so several windows of the arena
     assert sent[0][6] >= sum(sent[0][4])  # ... which holds the whole version
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: two GPUs")
+def test_nccl_sends_a_planned_whole_version_through_a_sender_ring_bit_exact():
+    """A sender short of device memory for the whole packed version (a 7B learner rank on an 80 GB GPU)
+    packs it through a ring of reused slots (stream.SenderRing): each slot is packed again only once its
+    broadcast and its host copy are done, so every receiver and the host copies get each bucket's own bytes."""
+    weights, sent, received = _push_in_processes("nccl", receivers=1, seed=3, tensors=16, pushes=2, ipc_window=0,
+                                                 planned=True, arena="ring")
+    _assert_delivered(weights, sent, received, receivers=1, pushes=2, key_prefix="0/")
+    assert len(sent[0][4]) > 4  # more planned buckets than the ring's slots: slots were reused
