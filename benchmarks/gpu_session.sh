@@ -376,9 +376,9 @@ scale)
   # replicas of TP = 1), Serve's autoscaler adding the second engine replica mid-run; ETAS (2), NSTEPS (10). On
   # GPUs under 100 GB: micro-batches of 2,048 tokens and SCALE_STAGING (below; the learner's 64 GiB need room). On four
   # H100s (2026-11-27) the app took 100 s to start, the first push came 184 s after it (the first step's
-  # generation and training), then ~18.5 s a step: 14 steps did not fit a call; 10 do. The yaml's upscale delay
-  # (150 s) puts the second replica after the first push; SETS="generator.autoscaling.upscale_delay_s=60" put it
-  # before (it then takes the push plan from the WeightStore, engine.sync_from_source).
+  # generation and training), then ~18.5 s a step: 14 steps did not fit a call; 10 do. Upscale delays measured
+  # there: 60 s asked for the second replica at 96 s (before the first push: it then takes the push plan from the
+  # WeightStore, engine.sync_from_source), 150 s at 353 s (too late for 10 steps); the yaml's 100 s aims between.
   M=/tmp/qwen2-7b-random
   for i in $(seq 1 60); do pgrep -f "[m]ake_random_qwen2.py.*$M.tmp" > /dev/null || break; sleep 5; done  # the install call's build
   if [ ! -f $M/config.json ]; then
