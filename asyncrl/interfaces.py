@@ -105,8 +105,11 @@ class WorkerAPI(Protocol):
     def asyncrl_stage_file(self, version: int, wire: tuple, expected: dict[str, bytes] | None = None) -> dict[str, bytes]: ...
 
     def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float,
-                                   begin: tuple | None = None, with_sender: bool = False) -> Any:
-        """The staged digests; with `with_sender` {"digests": staged, "sender": the senders' own}."""
+                                   begin: tuple | None = None, with_sender: bool = False,
+                                   early: str | None = None) -> Any:
+        """The staged digests; with `with_sender` {"digests": staged, "sender": the senders' own,
+        "applied": the apply's report where `early` (a query verb, "" none) had each bucket applied as
+        it landed, "before": that query's answer}."""
 
     def asyncrl_refuse_collective(self, group_ids: list[str], why: str) -> None: ...
 

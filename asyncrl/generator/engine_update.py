@@ -111,14 +111,31 @@ class WeightUpdates:
             # A load that commits pauses the engine while it receives: the pause's round trip runs
             # beside the receive's instead of after it, and either order is correct (nothing is
             # applied before both are done). The engine runs no step during the receive anyway: the
-            # workers receive inside vLLM's utility call, between steps.
+            # workers receive inside vLLM's utility call, between steps. Buckets that land one after
+            # another (a broadcast) in the engine layout are applied as they land instead, the copy
+            # beside the wire: then the pause comes first (no step may run on them before the check),
+            # the ledger's counts are read in the receive before any weight changes, and a check
+            # that fails at the end is a failed apply (restored from the last live version, paused).
             pausing, paused_at = None, None
-            if self.state is ReplicaState.READY and self._may_run():
+            early = (named_tensors.stream and self._staging.layout == "engine" and self._staging.staging == "full"
+                     and "weights" not in self._asleep)
+            if early and self.state is ReplicaState.READY and self._may_run():
+                paused_at = time.perf_counter()
+                pausing = asyncio.ensure_future(self._pause_engine("keep"))
+                await asyncio.wait([pausing])
+                if pausing.cancelled() or pausing.exception() is not None:
+                    await self._drop_staged()
+                    raise WeightUpdateError(f"replica {self.replica_id}: the engine did not pause for the commit: "
+                                            f"{pausing.exception() if not pausing.cancelled() else 'cancelled'}")
+                loads: Any = self._load(named_tensors, early=self._versions.counts_query, applying=True)
+            elif early:  # not running (asleep but for its weights, or paused by a caller): no step can run
+                loads = self._load(named_tensors, early=self._versions.counts_query, applying=True)
+            elif self.state is ReplicaState.READY and self._may_run():
                 receiving = asyncio.ensure_future(self._load(named_tensors))
                 await asyncio.sleep(0)  # (its call goes out first)
                 paused_at = time.perf_counter()
                 pausing = asyncio.ensure_future(self._pause_engine("keep"))
-                loads: Any = receiving
+                loads = receiving
             else:
                 loads = self._load(named_tensors)
             try:
@@ -137,8 +154,10 @@ class WeightUpdates:
                     fingerprint = self._staging.sender_fingerprint()
                 except FingerprintMismatch as err:
                     self.counters["updates_failed"] += 1
+                    applied = self._staging.applied_early is not None
                     await self._drop_staged()
-                    raise WeightUpdateError(f"replica {self.replica_id}: {err}", Refusal.VERIFY_FAILED) from None
+                    raise WeightUpdateError(f"replica {self.replica_id}: {err}", Refusal.VERIFY_FAILED,
+                                            applying=applied) from None
                 return {**await self._commit(self._staging_version, fingerprint, paused_at=paused_at),
                         "fingerprint": fingerprint, "staged_tensors": staged}
             except BaseException as err:
@@ -148,13 +167,20 @@ class WeightUpdates:
                     await self._undo_pause(pausing)
                 raise
 
-    async def _load(self, payload: Any) -> int:
-        """Stage `payload` for the version being staged; returns the tensors staged so far."""
+    async def _load(self, payload: Any, early: Any = False, applying: bool = False) -> int:
+        """Stage `payload` for the version being staged; returns the tensors staged so far.
+        `early`: `ReplicaStaging.load`'s (the workers may apply as they receive); `applying`: a
+        failure may then have left part of it applied (the replica stays paused for a restore)."""
         try:
-            staged = await self._staging.load(payload, self._staging_version)
+            staged = await self._staging.load(payload, self._staging_version, early=early)
         except Exception as err:
             self._groups_joined = None  # a failed receive may have broken a worker's group
             await self._drop_staged()
+            if applying:
+                self.counters["updates_failed"] += 1
+                raise WeightUpdateError(f"replica {self.replica_id}: staging failed while applying as received "
+                                        f"(possibly part applied; the replica stays paused until restored): {err}",
+                                        applying=True) from err
             raise WeightUpdateError(f"replica {self.replica_id}: staging failed: {err}") from err
         self._staged_tensors = staged
         return staged
@@ -219,6 +245,11 @@ class WeightUpdates:
             self._staging.check(version, fingerprint)
         except FingerprintMismatch as err:
             self.counters["updates_failed"] += 1
+            if self._staging.applied_early is not None:  # it is in the live weights: restore, paused
+                await self._drop_staged()
+                raise WeightUpdateError(f"replica {self.replica_id}: version {version} was applied as it landed and "
+                                        f"its check failed; the replica stays paused until restored: {err}",
+                                        Refusal.VERIFY_FAILED, applying=True) from None
             await self._drop_staged()
             raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} rejected, "
                                     f"staying on {self.version}: {err}", Refusal.VERIFY_FAILED) from None
@@ -263,7 +294,7 @@ class WeightUpdates:
             await self._settle()
         end = time.perf_counter()
         return {"replica_id": self.replica_id, "version": self.version, "path": applied["path"],
-                "apply_seconds": applied["apply_seconds"],
+                "apply_seconds": applied["apply_seconds"], "applied_as_received": bool(applied.get("early")),
                 "reload_seconds": applied["apply_seconds"] if applied["path"] == "reload" else 0.0,
                 "paused_seconds": end - t_pause if paused_here else 0.0,
                 # where the paused window goes: the engine's pause, the workers' round trip

@@ -114,6 +114,9 @@ class CollectiveReceive:
     # any backend, full staging, one engine replica: the replica then checks the senders' own
     # fingerprint (their digests come with the push) and commits by itself, in the same call
     commit: bool = False
+    # the buckets land one after another (gloo / NCCL broadcasts, not ipc's handles): a replica that
+    # commits may apply each as it lands, its engine paused (engine_update.load_bucket)
+    stream: bool = False
 
 
 def free_port(host: str = "") -> int:

@@ -9,6 +9,8 @@ Owns: the timers and counters a push fills in, and their names:
   weightsync/begin_in_load         1 when the replicas began the update in their load call (ipc)
   weightsync/commit_in_load        1 when the one engine replica also checked the sender's fingerprint
                                    and committed in it (ipc, full staging): one call per side per push
+  weightsync/applied_as_received   1 when every replica copied each bucket into its live weights as it
+                                   landed (a broadcast committed in its load, the engine paused first)
   weightsync/fingerprint_seconds   the publisher hashing buckets (overlapped with the replicas staging)
   weightsync/gbps                  bytes / push_seconds (what one replica effectively received)
   weightsync/aggregate_gbps        bytes * replicas / stage_seconds (what the transport moved)
@@ -75,6 +77,7 @@ class PushMetrics:
     commit_seconds: float = 0.0
     begin_in_load: bool = False
     commit_in_load: bool = False
+    applied_as_received: bool | None = None  # None until a commit reports it; False once one did not
     fingerprint_seconds: float = 0.0
     put_seconds: float = 0.0
     rollbacks: int = 0
@@ -131,6 +134,7 @@ class PushMetrics:
             p + "staging_bucketed": float(self.staging == "bucketed"),
             p + "begin_in_load": float(self.begin_in_load),
             p + "commit_in_load": float(self.commit_in_load),
+            p + "applied_as_received": float(bool(self.applied_as_received)),
             p + "aggregate_gbps": _rate(self.bytes * self.num_replicas, self.stage_seconds),
         }
         t = f"{p}transport/{self.transport}/"

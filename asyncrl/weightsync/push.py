@@ -402,6 +402,8 @@ class Publisher:
                     m.replica_time(name, key.removesuffix("_seconds"), float(row[key]))
             if isinstance(row.get("path"), str):
                 m.paths.add(row["path"])
+            if "applied_as_received" in row:  # every replica must have: one that applied at its commit clears it
+                m.applied_as_received = bool(row["applied_as_received"]) and m.applied_as_received is not False
             if isinstance(row.get("paused_seconds"), (int, float)):
                 m.own_paused = max(m.own_paused, float(row["paused_seconds"]))
         return rows

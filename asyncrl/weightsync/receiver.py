@@ -13,12 +13,17 @@ Two layouts arrive:
 Two staging modes: `full` keeps every bucket until the commit applies them all in one pass;
 `bucketed` applies each bucket as soon as it verified against the digests the sender put in
 band (`expected`), so a worker holds about one bucket; a later failure leaves the weights part
-new, part old, and weightsync restores the last live version before anyone is resumed.
+new, part old, and weightsync restores the last live version before anyone is resumed. A full
+staging of engine-layout buckets that arrive one after another (a gloo / NCCL broadcast) into an
+engine already paused for the commit may also be applied as it lands (`apply_as_received`): the
+copy into the live weights then runs beside the wire instead of after it, and a fingerprint that
+differs at the commit is undone as a failed apply is (the last live version restored, paused).
 
 The engine is reached through `EngineHooks` (engine.py's vLLM adapter implements it).
 
 Must never: change what the engine serves before the commit (full staging) or outside a pause
-(bucketed staging: the caller pauses first), or apply a staged tensor whose digest differs.
+(bucketed staging and `apply_as_received`: the caller pauses first), or apply a staged tensor
+whose digest differs and then let the engine run (`apply_as_received`: its caller restores).
 """
 
 from __future__ import annotations
@@ -70,7 +75,8 @@ class _Staged:
     hf: dict[str, torch.Tensor] = field(default_factory=dict)
     engine: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     keep: list[Any] = field(default_factory=list)  # buffers the staged views point into
-    applied: int = 0  # bucketed: parameters already copied into the live weights
+    applied: int = 0  # bucketed, early: parameters already copied into the live weights
+    early: bool = False  # full staging applied as each bucket landed (apply_as_received)
     pending: list[Any] = field(default_factory=list)  # lazy digests still on the device (`digests` waits once)
     batch: list[tuple[Bucket, str]] = field(default_factory=list)  # buckets hashed together at `digests`
     seen: dict[int, tuple[Bucket, list[tuple[str, torch.Tensor]]]] = field(default_factory=dict)  # batch: views by bucket
@@ -217,6 +223,10 @@ class WorkerReceiver:
             staged.applied += len(views)
             staged.engine.clear()
             staged.keep.clear()
+        elif staged.early:  # into the live weights now; the buffer stays kept for its (lazy) digests
+            self._copy_into_live(views)
+            staged.applied += len(views)
+            staged.engine.clear()
         return digests
 
     def digests(self, version: int) -> dict[str, bytes]:
@@ -228,6 +238,34 @@ class WorkerReceiver:
             staged.digests.update(finish())
         staged.pending.clear()
         return dict(staged.digests)
+
+    def apply_as_received(self, version: int) -> bool:
+        """From now on, copy each engine-layout bucket of `version` (full staging) into the live
+        weights as it is staged. Only for an engine its caller has paused for this commit (no step
+        runs until it is resumed) and buckets that land one after another; the digests are still
+        compared at the commit, and a difference there is a failed apply (restore, then resume).
+        False (nothing changes) for an HF-layout or bucketed update, or once a bucket was staged."""
+        staged = self._state(version)
+        if staged.layout != "engine" or staged.staging != "full" or staged.digests or self._live is None:
+            return False
+        staged.early = True
+        return True
+
+    def finish_received(self, version: int) -> dict[str, Any]:
+        """The end of an update applied as received, once its digests were read: wait for the
+        copies, drop the staged buffers. The apply's report (`apply`'s), `early` set."""
+        staged = self._state(version)
+        if not staged.early:
+            raise RuntimeError(f"version {version} was not applied as received")
+        if staged.pending or staged.batch:
+            raise RuntimeError(f"version {version} finished before its staged digests were read")
+        t = time.perf_counter()
+        try:
+            if self.hooks.device.type == "cuda":
+                torch.cuda.synchronize(self.hooks.device)
+            return {"path": "direct", "apply_seconds": time.perf_counter() - t, "tensors": staged.applied, "early": True}
+        finally:
+            self._staged = None
 
     # ---- apply -----------------------------------------------------------------------------------
 
@@ -297,6 +335,11 @@ class WorkerReceiver:
         """Drop the views kept from the last push (its groups are gone: on ipc they map the old
         sender's buffers, which they would otherwise keep allocated until the next push)."""
         self._views, self._apply_lists = {}, None
+
+    @property
+    def applying_as_received(self) -> bool:
+        """The update being staged is copied into the live weights as it lands (apply_as_received)."""
+        return self._staged is not None and self._staged.early
 
     @property
     def staging_version(self) -> int | None:

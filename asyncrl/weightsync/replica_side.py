@@ -12,7 +12,11 @@ The workers are reached through `rpc(verb, *args, timeout=None)` -> one result p
 verb one of `asyncrl.interfaces.WorkerAPI` by reference (vllm_worker.py implements them; the
 replica's `_rpc` calls vLLM's `collective_rpc`).
 
-Must never: apply a staged version whose fingerprint differs, or touch the version label.
+A load that commits into an engine paused for it may have the workers apply each bucket as it lands
+(`load(early=...)`, gloo / NCCL in the engine layout); `apply` then only hands back their report.
+
+Must never: apply a staged version whose fingerprint differs (where it was applied as it landed: let
+the caller resume before it is restored), or touch the version label.
 """
 
 from __future__ import annotations
@@ -86,6 +90,9 @@ class ReplicaStaging:
         self._begin_with_receive: tuple[Any, ...] | None = None  # the workers begin in the receive's call
         self.verify = "full"
         self.sender_digests: dict[str, bytes] | None = None  # what the senders computed (a load that commits)
+        # a load that commits into a paused engine: the workers applied each bucket as it landed (their
+        # apply's report, the `before` query's answers), so the commit only checks and relabels
+        self.applied_early: dict[str, Any] | None = None
 
     # ---- layout and plan ---------------------------------------------------------------------
     async def check_layout(self) -> list[dict[str, Any]]:
@@ -117,7 +124,7 @@ class ReplicaStaging:
             self._begin_with_receive = None
             await self.rpc(WorkerAPI.asyncrl_begin_update, version, verify, staging, layout)
         self.version, self.layout, self.staging, self.verify = version, layout, staging, verify
-        self._per_worker, self.sender_digests = [], None
+        self._per_worker, self.sender_digests, self.applied_early = [], None, None
 
     async def refuse(self, payload: Any, why: str) -> None:
         """A collective push this replica will not take (its begin was refused before the workers
@@ -131,8 +138,11 @@ class ReplicaStaging:
         for mine, got in zip(self._per_worker, results):
             mine.update(got)
 
-    async def load(self, payload: Any, version: int) -> int:
-        """Stage one payload on every worker; returns the tensors staged so far (all workers)."""
+    async def load(self, payload: Any, version: int, early: Callable[..., Any] | None | bool = False) -> int:
+        """Stage one payload on every worker; returns the tensors staged so far (all workers).
+        `early` (a `CollectiveReceive` that commits, into an engine paused for it): the workers may
+        apply each bucket as it lands, reading this `WorkerAPI` query first (None: no query);
+        `applied_early` then says they did."""
         if version != self.version:
             raise ValueError(f"bucket for version {version}, staging {self.version}")
         expected = None
@@ -144,10 +154,19 @@ class ReplicaStaging:
             if payload.version != version:
                 raise ValueError(f"collective push of version {payload.version}, staging {version}")
             begin, self._begin_with_receive = self._begin_with_receive, None
+            query = None
+            if early is not False and payload.commit:
+                query = "" if early is None else verb_name(WorkerAPI, early)
             results = await self.rpc(WorkerAPI.asyncrl_receive_collective, version, list(payload.group_ids), payload.timeout_s,
-                                     begin, payload.commit, timeout=payload.timeout_s + 30.0)
+                                     begin, payload.commit, query, timeout=payload.timeout_s + 30.0)
             if payload.commit:  # each worker read the senders' digests too: every worker saw the same
                 self.sender_digests = dict(results[0]["sender"]) if results else {}
+                applied = [r.get("applied") for r in results]
+                if results and all(a is not None for a in applied):
+                    self.applied_early = {"path": "direct", "apply_seconds": max(a["apply_seconds"] for a in applied),
+                                          "rpc_seconds": 0.0, "before": [r.get("before") for r in results], "early": True}
+                elif any(a is not None for a in applied):  # never: the workers of one replica stage alike
+                    raise RuntimeError(f"workers disagree on applying as received: {applied}")
                 results = [r["digests"] for r in results]
             self._per_worker = [dict(r) for r in results]
         else:
@@ -190,7 +209,12 @@ class ReplicaStaging:
     async def apply(self, version: int, before: Callable[..., Any] | None = None) -> dict[str, Any]:
         """Apply the staged version on every worker. `before`: a `WorkerAPI` verb (no arguments)
         each worker calls first, in the same round trip (the engine reads its paused state so);
-        its results, one per worker, come back as "before"."""
+        its results, one per worker, come back as "before". A version the workers applied as it
+        landed (`applied_early`) is not applied again: its report comes back at once."""
+        if self.applied_early is not None and version == self.version:
+            early, self.applied_early = self.applied_early, None
+            self.version, self._per_worker = None, []
+            return early
         t = time.perf_counter()
         try:
             if before is None:
@@ -207,6 +231,7 @@ class ReplicaStaging:
     async def abort(self) -> None:
         await self.rpc(WorkerAPI.asyncrl_abort_update)
         self.version, self._per_worker, self._begin_with_receive, self.sender_digests = None, [], None, None
+        self.applied_early = None
 
 
 def _is_object_ref(value: Any) -> bool:

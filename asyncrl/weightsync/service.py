@@ -422,7 +422,7 @@ class CollectiveLink:
     def payload(self, version: int) -> Any:
         from asyncrl.weightsync.collective import CollectiveReceive
 
-        return CollectiveReceive(tuple(self.group_ids), version, self.timeout_s)
+        return CollectiveReceive(tuple(self.group_ids), version, self.timeout_s, stream=self.backend != "ipc")
 
     async def send(self, version: int, verify: str) -> Any:  # noqa: ARG002 - the label travels with the payload
         from asyncrl.weightsync.push import StreamedSend

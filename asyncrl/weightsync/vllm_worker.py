@@ -280,11 +280,17 @@ class WeightsyncWorkerExtension:
         return rx.stage(version, bucket, expected)
 
     def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float,
-                                   begin: tuple | None = None, with_sender: bool = False) -> Any:
+                                   begin: tuple | None = None, with_sender: bool = False,
+                                   early: str | None = None) -> Any:
         """Stage every bucket of `version` from the groups `group_ids` (in order), each straight
         into this worker's memory; returns the digests staged. `begin` (verify, staging, layout):
-        begin the update first, in this call. `with_sender` (ipc): also read every digest the
-        senders computed, and return {"digests": staged, "sender": theirs}."""
+        begin the update first, in this call. `with_sender`: also read every digest the senders
+        computed, and return {"digests": staged, "sender": theirs, "applied": ..., "before": ...}.
+        `early` (with `with_sender`; the engine is paused for this commit): on broadcast groups with
+        an engine-layout full staging, read `early` (an `asyncrl_` query of this worker, "" none:
+        the ledger's counts, as `asyncrl_apply_after` reads them) first, then copy each bucket into
+        the live weights as it lands (`WorkerReceiver.apply_as_received`); "applied" is then the
+        apply's report and "before" the query's answer, else both None (the commit applies)."""
         from asyncrl.weightsync.collective import CollectiveError
         from asyncrl.weightsync.wire import receive_stream, sender_digests
 
@@ -298,6 +304,14 @@ class WeightsyncWorkerExtension:
                 self.asyncrl_refuse_collective(group_ids, f"{type(err).__name__}: {err}")
                 raise
         theirs: dict[str, bytes] = {}
+        first, applied = None, None
+        streamed = all(gid in groups and groups[gid].spec.backend != "ipc" for gid in group_ids)
+        if early is not None and with_sender and streamed:
+            if early and (not early.startswith("asyncrl_") or early.startswith("asyncrl_apply")):
+                raise ValueError(f"{early!r} is not a worker query to run before an apply")
+            first = getattr(self, early)() if early else None  # read before any live weight changes
+            if not rx.apply_as_received(version):
+                first = None
         for gid in group_ids:
             group = groups.get(gid)
             if group is None or group.broken:
@@ -308,7 +322,9 @@ class WeightsyncWorkerExtension:
             if with_sender:
                 theirs.update(sender_digests(group, deadline))
         digests = rx.digests(version)
-        return {"digests": digests, "sender": theirs} if with_sender else digests
+        if rx.applying_as_received:
+            applied = rx.finish_received(version)
+        return {"digests": digests, "sender": theirs, "applied": applied, "before": first} if with_sender else digests
 
     def asyncrl_refuse_collective(self, group_ids: list[str], why: str) -> None:
         """Refuse the coming push on the groups `group_ids` (its begin failed): the sender stops at once."""

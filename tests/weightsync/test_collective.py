@@ -852,7 +852,7 @@ async def test_groups_are_formed_again_only_when_replicas_change_or_a_member_bro
     replicas, _, members, join = _fake_replicas()
     link = CollectiveLink("gloo", learner, members=members, join=join, bucket_mb=1, timeout_s=5)
     await link.ensure()
-    assert link.formed == 1 and link.members == {"a": 1} and link.payload(3) == CollectiveReceive(tuple(link.group_ids), 3, 5)
+    assert link.formed == 1 and link.members == {"a": 1} and link.payload(3) == CollectiveReceive(tuple(link.group_ids), 3, 5, stream=True)
     await link.ensure()
     assert link.formed == 1  # nothing changed: the groups are reused
     learner.held = []  # the sender's broadcast timed out: its group is broken

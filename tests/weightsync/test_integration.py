@@ -681,11 +681,13 @@ async def test_one_engine_over_ipc_takes_a_push_in_one_call_and_refuses_a_corrup
 async def test_one_engine_over_gloo_commits_in_its_receive_and_refuses_a_bucket_corrupted_on_the_wire(engines, demo_model_path, monkeypatch):
     """A broadcast push (gloo, the NCCL path's twin) to one engine replica with full staging: the
     replica begins in a call of its own (a broadcast cannot be stopped by a receiver that refuses),
-    then receives, checks the sender's fingerprint (its digests follow the buckets on the wire),
-    pauses, applies and resumes in its receive's call, and serves transformers' greedy tokens for
-    the pushed weights. After a clean push whose begin every member answered, the link asks
-    nobody. A byte flipped on the wire, after the sender hashed it, is refused by that check:
-    nothing is applied, the previous version's exact tokens are served, and a retry carries it."""
+    then, in its receive's call, pauses, receives while copying each bucket into its live weights as
+    it lands (the engine paused first), checks the sender's fingerprint (its digests follow the
+    buckets on the wire), relabels and resumes, and serves transformers' greedy tokens for the pushed
+    weights. After a clean push whose begin every member answered, the link asks nobody. A byte
+    flipped on the wire, after the sender hashed it, fails that check: the version was already in the
+    live weights, so the replica stays paused, is restored from the last live version's host copy and
+    resumed, and serves the previous version's exact tokens; a retry carries the next push."""
 
     from asyncrl.config import WeightsyncConfig
     from asyncrl.weightsync.collective import CollectiveGroup
@@ -702,6 +704,7 @@ async def test_one_engine_over_gloo_commits_in_its_receive_and_refuses_a_bucket_
     m = result.metrics
     assert m["weightsync/begin_in_load"] == 0.0 and m["weightsync/commit_in_load"] == 1.0 and m["weightsync/commit_seconds"] == 0
     assert m["weightsync/paused_seconds"] > 0 and m["weightsync/apply_direct"] == 1.0 and m["weightsync/num_buckets"] > 1
+    assert m["weightsync/applied_as_received"] == 1.0  # each bucket copied in as it landed, not at the commit
     await push(start + 2)
     assert link.checks_skipped == 1 and link.formed == 1 and pub.registry.live_version == start + 2
     await _engines_serve([engine], demo_model_path, sender.weights, start + 2)
@@ -726,8 +729,10 @@ async def test_one_engine_over_gloo_commits_in_its_receive_and_refuses_a_bucket_
     monkeypatch.setattr(CollectiveGroup, "enqueue_broadcasts", corrupting)
     monkeypatch.setattr(pub._cfg, "retries", 0)
     sender.weights = _perturbed(base, 22)
+    rollbacks = pub.totals["rollbacks_total"]
     await one.push_is_refused_by_its_fingerprint(engine, start + 3, prompt_ids, before)
     assert hit and pub.registry.live_version == start + 2
+    assert pub.totals["rollbacks_total"] == rollbacks + 1  # applied as it landed, so restored (then resumed)
     monkeypatch.setattr(CollectiveGroup, "enqueue_broadcasts", enqueue)
     skipped = link.checks_skipped  # (the failed push's check was skipped: the one before it was clean)
     await push(start + 4)  # checked again after the failure, then carried
