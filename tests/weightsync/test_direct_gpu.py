@@ -5,7 +5,10 @@ copy (so a push verified on the GPU and a restore verified from host memory agre
 engine on the GPU proves at start that a copy into its parameters is a correct apply, and after a
 push in its layout (bucketed staging: applied bucket by bucket) its greedy tokens are transformers'
 argmax on the pushed weights, tied embeddings included, with its parameters at the same addresses
-(captured CUDA graphs stay valid)."""
+(captured CUDA graphs stay valid). With two GPUs: an NCCL push from a sender on cuda:1, each bucket
+applied as it lands, the same tokens; a corrupted bucket restored before the engine runs again
+(`_nccl_scenario(..., backend="gloo")` runs the same scenario on a CPU, by hand: 2026-11-27, it
+passed there)."""
 
 from __future__ import annotations
 
@@ -95,3 +98,152 @@ def test_a_direct_push_into_a_gpu_engine_decodes_transformers_tokens(demo_model_
             logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
             chosen = logits.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
             assert bool((chosen >= logits.max(dim=1).values - 1e-3).all()), (prompt, tokens)
+
+
+class _SenderOnGpu1:
+    """The learner-group calls a `CollectiveLink` makes, answered in this process by a learner rank's
+    `SenderEndpoint` on cuda:1 (each call in a thread of its own: the CUDA device is per thread;
+    `gpu` None: this process's own device, for a gloo run of the same scenario)."""
+
+    def __init__(self, weights: dict, plan, gpu: int | None = 1) -> None:
+        from asyncrl.weightsync.sender import SenderEndpoint
+
+        self.endpoint, self.weights, self.gpu = SenderEndpoint(), weights, gpu
+        self.endpoint.set_plan(pickle.dumps(plan))
+
+    async def _on_gpu1(self, fn, *args):
+        import contextlib
+
+        def run():
+            with torch.cuda.device(self.gpu) if self.gpu is not None else contextlib.nullcontext():
+                return fn(*args)
+        return await asyncio.to_thread(run)
+
+    async def collective_addresses(self):
+        return [self.endpoint.address("127.0.0.1", 0)]
+
+    async def join_collective(self, wire):
+        return [await self._on_gpu1(self.endpoint.join, wire, 0, 0)]
+
+    async def collective_groups(self):
+        return [g for g in [self.endpoint.group_id()] if g is not None]
+
+    async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s):
+        from asyncrl.learner.group import CollectiveExport
+
+        out = await self._on_gpu1(self.endpoint.broadcast, iter(self.weights.items()), bucket_mb, verify, timeout_s, 0)
+        return CollectiveExport(**out)
+
+    async def take_host_copies(self, timeout_s):
+        out = await asyncio.to_thread(self.endpoint.take_host_copies, timeout_s)
+        return out["buckets"], out["seconds"]
+
+
+async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl") -> dict:
+    from asyncrl.config import GeneratorConfig, ModelConfig, WeightsyncConfig
+    from asyncrl.generator.engine import EngineReplica
+    from asyncrl.types import GenerationRequest, Refusal, SamplingParams
+    from asyncrl.weightsync.collective import CollectiveGroup
+    from asyncrl.weightsync.plan import ManifestEntry, build_plan
+    from asyncrl.weightsync.push import Publisher, WeightsyncError
+    from asyncrl.weightsync.registry import VersionRegistry
+    from asyncrl.weightsync.replica_side import dump_manifest
+    from asyncrl.weightsync.service import CollectiveLink
+    from asyncrl.weightsync.store import load_hf_tensors
+    from asyncrl.weightsync.transport import select_transport
+
+    replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),
+                            GeneratorConfig(engine_kwargs={"gpu_memory_utilization": 0.3} if backend == "nccl" else {}),
+                            replica_id="gpu0")
+    await replica.start()  # the engine core on cuda:0
+    try:
+        base = load_hf_tensors(model_path)
+        manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in base.items()]
+        (layout,) = [pickle.loads(b) for b in (await replica.engine_layout(dump_manifest(manifest)))["layouts"]]
+        plan = build_plan(manifest, [layout], 0.5)
+        await replica.set_push_plan(pickle.dumps(plan))
+        g = torch.Generator().manual_seed(3)
+        new = {n: t + 0.2 * t.float().std().clamp_min(1e-3) * torch.randn(t.shape, generator=g) for n, t in base.items()}
+        sender = _SenderOnGpu1(new, plan, 1 if backend == "nccl" else None)
+
+        async def members():
+            return {"gpu0": await replica.collective_info()}
+
+        async def join(wire):
+            return [await replica.join_collective(wire, 120.0)]
+
+        cfg = WeightsyncConfig(transport=backend, bucket_mb=0.5, verify="checksum", staging="full", timeout_s=120, retries=0)
+        link = CollectiveLink(backend, sender, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
+                              ipc_window=0, answered=lambda: ["gpu0"])
+        pub = Publisher(cfg, transport=select_transport(cfg, on_gpu=backend == "nccl"), registry=VersionRegistry(0))
+        client = LocalClient(replica)
+
+        async def push(version):
+            result = await pub.publish_streamed(version, link.send, link.payload, [client], prepare=link.ensure,
+                                                plan_id=plan.plan_id, fold_begin=link.fold_begin, cancel=link.cancel)
+            link.pushed({"gpu0": result})
+            return result
+
+        prompts = [[5, 17, 9, 33, 2], [12, 4, 4, 7]]
+        sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=False)
+
+        async def greedy():
+            outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in prompts]
+            return [(o.completions[0].token_ids, o.completions[0].versions) for o in outs]
+
+        result = await push(1)
+        served = await greedy()
+        # The sender's first broadcast of bucket bytes goes out with a byte flipped, after it hashed them
+        # (a whole version enqueues its header, then its table, then the buckets).
+        enqueue, calls = CollectiveGroup.enqueue_broadcasts, []
+
+        def corrupting(self, tensors, deadline, **kw):
+            if self.rank == 0:
+                calls.append(len(tensors))
+                if len(calls) == 3:
+                    bad = tensors[0].clone()
+                    bad[0] ^= 0x40
+                    tensors = [bad, *tensors[1:]]
+            return enqueue(self, tensors, deadline, **kw)
+
+        monkeypatch.setattr(CollectiveGroup, "enqueue_broadcasts", corrupting)
+        sender.weights = {n: t * 1.01 for n, t in new.items()}
+        refusals = None
+        try:
+            await push(2)
+        except WeightsyncError as err:
+            refusals = set(err.refusals.values())
+        monkeypatch.setattr(CollectiveGroup, "enqueue_broadcasts", enqueue)
+        return {"metrics": result.metrics, "new": new, "prompts": prompts, "served": served,
+                "refused": refusals == {Refusal.VERIFY_FAILED}, "rollbacks": pub.totals["rollbacks_total"],
+                "live": pub.registry.live_version, "after": await greedy()}
+    finally:
+        replica.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL sender needs a GPU of its own: two GPUs")
+def test_an_nccl_push_into_a_gpu_engine_applies_each_bucket_as_it_lands_and_restores_a_corrupt_one(
+        demo_model_path, ray_session, monkeypatch):
+    """One engine replica (cuda:0) takes a push from a sending rank on cuda:1 over NCCL, full staging in
+    its layout: paused first, it copies each bucket into its live weights as the bucket lands, checks the
+    sender's fingerprint, relabels and resumes, then decodes transformers' argmax tokens for the pushed
+    weights. A byte flipped on the wire after the sender hashed it fails the check: that version was in the
+    live weights already, so the replica is restored from the last live version's host copy before it
+    runs, and serves version 1's exact tokens again."""
+    from transformers import AutoModelForCausalLM
+
+    out = asyncio.run(_nccl_scenario(str(demo_model_path), monkeypatch))
+    m = out["metrics"]
+    assert m["weightsync/applied_as_received"] == 1.0 and m["weightsync/commit_in_load"] == 1.0
+    assert m["weightsync/apply_direct"] == 1.0 and m["weightsync/num_buckets"] > 1
+    model = AutoModelForCausalLM.from_pretrained(str(demo_model_path), dtype=torch.float32).eval()
+    model.load_state_dict(out["new"], strict=False)
+    model.tie_weights()
+    with torch.no_grad():
+        for prompt, (tokens, versions) in zip(out["prompts"], out["served"]):
+            assert versions == [1] * len(tokens)
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+            chosen = logits.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+            assert bool((chosen >= logits.max(dim=1).values - 1e-3).all()), (prompt, tokens)
+    assert out["refused"] and out["rollbacks"] == 1 and out["live"] == 1
+    assert out["after"] == out["served"]  # restored: version 1's exact tokens and tags
