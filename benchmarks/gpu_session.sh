@@ -62,9 +62,12 @@ push)
     bench:*)  # bench:MODEL or bench:MODEL:VERIFY (a verify mode for this step alone)
       m=${step#bench:}; v=${VERIFY:-checksum}
       case $m in *:*) v=${m#*:}; m=${m%%:*} ;; esac
-      t=${TRANSPORT:-ipc}; log=$OUT/ws_push_${t}_${m##*/}_$v.log
+      t=${TRANSPORT:-ipc}; log=$OUT/ws_push_${t}_${m##*/}_$v${SENDER_ARENA:+_$SENDER_ARENA}.log
+      # the install call's random 7B (bench:/tmp/qwen2-7b-random) may still be being written
+      for i in $(seq 1 60); do pgrep -f "[m]ake_random_qwen2.py.*$m.tmp" > /dev/null || break; sleep 5; done
+      # SENDER_ARENA (gloo / nccl): auto, whole or ring (weightsync.py --sender-arena)
       ASYNCRL_PROFILE_DIR=${PROFILE_DIR:-} timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports $t \
-          --gpus 0.5 --dtype bfloat16 --verify $v --staging ${STAGING:-full} > $log 2>&1
+          --gpus 0.5 --dtype bfloat16 --verify $v --staging ${STAGING:-full} --sender-arena ${SENDER_ARENA:-auto} > $log 2>&1
       echo "weightsync $t $m verify=$v rc=$?"; grep '^{' $log | tee -a $OUT/ws_push.json
       grep -v '^{' $log | grep -iE "error|Traceback|layout" | tail -8 | cut -c1-400
       ;;
@@ -73,7 +76,7 @@ push)
       ;;
     direct|collective)
       f=$([ $step = direct ] && echo test_direct_gpu.py || echo test_collective_gpu.py)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/weightsync/$f > $OUT/${step}_gpu_test.log 2>&1
+      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/weightsync/$f > $OUT/${step}_gpu_test.log 2>&1
       echo "$step pytest rc=$?"; grep -E "passed|failed|Error|assert" $OUT/${step}_gpu_test.log | head -12 | cut -c1-600
       ;;
     esac
