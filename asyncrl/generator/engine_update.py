@@ -76,7 +76,7 @@ class WeightUpdates:
                 raise WeightUpdateError(f"replica {self.replica_id}: version {version!r} must be an int >= 0")
             try:
                 check_verify_mode(verify)
-                await self._staging.begin(version, verify, staging, layout, plan_id)
+                await self._staging.begin(version, verify, staging, layout, plan_id, with_receive=with_receive is not None)
             except ValueError as err:
                 raise WeightUpdateError(f"replica {self.replica_id}: {type(err).__name__}: {err}", refusal_of(err)) from None
         except WeightUpdateError as err:

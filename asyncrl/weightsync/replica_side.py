@@ -115,10 +115,11 @@ class ReplicaStaging:
 
     # ---- one update ------------------------------------------------------------------------------
     async def begin(self, version: int, verify: str, staging: str = "full", layout: str = "hf",
-                    plan_id: str | None = None) -> None:
+                    plan_id: str | None = None, with_receive: bool = False) -> None:
         """Start staging `version`: checked here (a plan this replica lacks is refused), begun on the
         workers with the first `load` (in a collective receive's own call: no round trip of its own;
-        else one call just before it)."""
+        else one call just before it). `with_receive`: kept for callers; the begin always waits."""
+        del with_receive
         if layout == "engine" and (self.plan_id is None or (plan_id is not None and plan_id != self.plan_id)):
             raise PlanMissing(f"an engine-layout push for plan {plan_id} but this replica holds plan {self.plan_id}")
         self._pending_begin = (verify, staging, layout)
