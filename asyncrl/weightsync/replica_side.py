@@ -87,9 +87,7 @@ class ReplicaStaging:
         self.layout = "hf"
         self.staging = "full"
         self._per_worker: list[dict[str, bytes]] = []
-        # the workers' begin, not sent yet: it goes with the first load (in a collective receive's own
-        # call), so a push's begin is no round trip to the workers
-        self._pending_begin: tuple[Any, ...] | None = None
+        self._begin_with_receive: tuple[Any, ...] | None = None  # the workers begin in the receive's call
         self.verify = "full"
         self.sender_digests: dict[str, bytes] | None = None  # what the senders computed (a load that commits)
         # a load that commits into a paused engine: the workers applied each bucket as it landed (their
@@ -116,20 +114,17 @@ class ReplicaStaging:
     # ---- one update ------------------------------------------------------------------------------
     async def begin(self, version: int, verify: str, staging: str = "full", layout: str = "hf",
                     plan_id: str | None = None, with_receive: bool = False) -> None:
-        """Start staging `version`: checked here (a plan this replica lacks is refused), begun on the
-        workers with the first `load` (in a collective receive's own call: no round trip of its own;
-        else one call just before it). `with_receive`: kept for callers; the begin always waits."""
-        del with_receive
+        """Start staging `version`. `with_receive`: the workers begin in the collective receive's
+        own call (`load`), not in a round trip of their own."""
         if layout == "engine" and (self.plan_id is None or (plan_id is not None and plan_id != self.plan_id)):
             raise PlanMissing(f"an engine-layout push for plan {plan_id} but this replica holds plan {self.plan_id}")
-        self._pending_begin = (verify, staging, layout)
+        if with_receive:
+            self._begin_with_receive = (verify, staging, layout)
+        else:
+            self._begin_with_receive = None
+            await self.rpc(WorkerAPI.asyncrl_begin_update, version, verify, staging, layout)
         self.version, self.layout, self.staging, self.verify = version, layout, staging, verify
         self._per_worker, self.sender_digests, self.applied_early = [], None, None
-
-    async def _send_begin(self) -> None:
-        begin, self._pending_begin = self._pending_begin, None
-        if begin is not None:
-            await self.rpc(WorkerAPI.asyncrl_begin_update, self.version, *begin)
 
     async def refuse(self, payload: Any, why: str) -> None:
         """A collective push this replica will not take (its begin was refused before the workers
@@ -158,7 +153,7 @@ class ReplicaStaging:
         if isinstance(payload, CollectiveReceive):
             if payload.version != version:
                 raise ValueError(f"collective push of version {payload.version}, staging {version}")
-            begin, self._pending_begin = self._pending_begin, None
+            begin, self._begin_with_receive = self._begin_with_receive, None
             query = None
             if early is not False and payload.commit:
                 query = "" if early is None else verb_name(WorkerAPI, early)
@@ -175,7 +170,6 @@ class ReplicaStaging:
                 results = [r["digests"] for r in results]
             self._per_worker = [dict(r) for r in results]
         else:
-            await self._send_begin()
             async for shared, owned in _as_shared(payload):
                 try:
                     self._merge(await self.rpc(WorkerAPI.asyncrl_stage_file, version, shared.wire(), expected))
@@ -221,7 +215,6 @@ class ReplicaStaging:
             early, self.applied_early = self.applied_early, None
             self.version, self._per_worker = None, []
             return early
-        await self._send_begin()  # (a version no load reached: nothing staged, the workers still apply it)
         t = time.perf_counter()
         try:
             if before is None:
@@ -237,7 +230,7 @@ class ReplicaStaging:
 
     async def abort(self) -> None:
         await self.rpc(WorkerAPI.asyncrl_abort_update)
-        self.version, self._per_worker, self._pending_begin, self.sender_digests = None, [], None, None
+        self.version, self._per_worker, self._begin_with_receive, self.sender_digests = None, [], None, None
         self.applied_early = None
 
 

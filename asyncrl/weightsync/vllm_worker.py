@@ -300,8 +300,8 @@ class WeightsyncWorkerExtension:
         if begin is not None:
             try:
                 rx.begin(version, *begin)
-            except Exception as err:  # the senders are told (ipc), or their broadcast is taken and dropped
-                self.asyncrl_refuse_collective(group_ids, f"{type(err).__name__}: {err}", timeout_s)
+            except Exception as err:
+                self.asyncrl_refuse_collective(group_ids, f"{type(err).__name__}: {err}")
                 raise
         theirs: dict[str, bytes] = {}
         first, applied = None, None
@@ -326,16 +326,14 @@ class WeightsyncWorkerExtension:
             applied = rx.finish_received(version)
         return {"digests": digests, "sender": theirs, "applied": applied, "before": first} if with_sender else digests
 
-    def asyncrl_refuse_collective(self, group_ids: list[str], why: str, timeout_s: float | None = None) -> None:
-        """Refuse the coming push on the groups `group_ids` (its begin failed): an ipc sender stops at
-        once; a broadcast is taken and dropped (by `timeout_s`; without one it is left alone)."""
+    def asyncrl_refuse_collective(self, group_ids: list[str], why: str) -> None:
+        """Refuse the coming push on the groups `group_ids` (its begin failed): the sender stops at once."""
         from asyncrl.weightsync.wire import refuse_push
 
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for gid in group_ids:
             group = self.__dict__.get("_asyncrl_groups", {}).get(gid)
             if group is not None:
-                refuse_push(group, why, deadline)
+                refuse_push(group, why)
 
     def asyncrl_apply(self, version: int) -> dict[str, Any]:
         return self._asyncrl_rx().apply(version)

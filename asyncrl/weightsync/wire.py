@@ -48,18 +48,8 @@ def sender_digests(group: CollectiveGroup, deadline: float) -> dict[str, bytes]:
     return ipc_sender_digests(group, deadline)
 
 
-def refuse_push(group: CollectiveGroup, why: str, deadline: float | None = None) -> None:
-    """This receiver refuses the coming push before reading any of it. ipc: the sender stops at
-    once. A broadcast cannot be refused (the sender and the other members wait for every member):
-    with a `deadline` the push is taken and dropped, so that they finish it and the refusal is all
-    that fails (its bytes land in a buffer that is freed)."""
+def refuse_push(group: CollectiveGroup, why: str) -> None:
+    """This receiver refuses the coming push before reading any of it (ipc: the sender stops at
+    once; a broadcast group has no way to say so, so its pushes begin in a call of their own)."""
     if group.spec.backend == "ipc":
         ipc_refuse(group, why)
-        return
-    if deadline is None or group.broken:
-        return
-    try:
-        for _ in broadcast_receive_stream(group, deadline):
-            pass
-    except Exception:  # noqa: BLE001 - the sender aborted or the wire failed: the refusal is still what is reported
-        pass

@@ -811,42 +811,6 @@ def test_engine_workers_receive_from_two_sending_ranks_in_stage_order():
         g.close()
 
 
-def test_a_worker_whose_begin_fails_in_its_receive_takes_the_broadcast_and_drops_it():
-    """The workers begin a push in their receive's own call (no round trip of its own). On a broadcast
-    group a worker whose begin fails there cannot tell the sender, which waits for every member: it
-    takes the push and drops it, so the sender and the other worker finish at once, and its call
-    fails with its own error; nothing of that push is staged on it, and the group carries the next."""
-    (spec,) = form_specs("gloo", [("127.0.0.1", free_port("127.0.0.1"))], {"rep": 2}, timeout_s=30, group_prefix="rf",
-                         ipc_window=0)
-    wire = [asdict(spec)]
-    workers = [_Worker(0), _Worker(1)]
-    weights = model(4)
-    with ThreadPoolExecutor(3) as pool:
-        joined = [pool.submit(w.asyncrl_join_collective, "rep", wire) for w in workers]
-        sender = pool.submit(CollectiveGroup.join, spec, 0).result(60)
-        assert all(f.result(60) == ["rf-s0"] for f in joined)
-    t = time.monotonic()
-    with ThreadPoolExecutor(3) as pool:
-        good = pool.submit(workers[0].asyncrl_receive_collective, 5, ["rf-s0"], 30, ("full", "full", "hf"), True)
-        bad = pool.submit(workers[1].asyncrl_receive_collective, 5, ["rf-s0"], 30, ("full", "no-such-staging", "hf"), True)
-        sent = pool.submit(send_stream, sender, iter(weights.items()), BUCKET_MB, verify="full", timeout_s=30).result(60)
-        with pytest.raises(ValueError, match="no-such-staging"):
-            bad.result(60)
-        got = good.result(60)
-    assert time.monotonic() - t < 15  # not the 30 s deadline
-    assert combine_digests(got["digests"], "full") == combine_digests(sent.digests, "full") == tensor_fingerprint(weights)
-    assert workers[1]._asyncrl_rx().staging_version is None  # nothing staged on the worker that refused
-    workers[1].asyncrl_begin_update(6, "full")  # the same group carries the next push to both
-    with ThreadPoolExecutor(3) as pool:
-        both = [pool.submit(w.asyncrl_receive_collective, 6, ["rf-s0"], 30, ("full", "full", "hf") if w is workers[0] else None,
-                            True) for w in workers]
-        sent = pool.submit(send_stream, sender, iter(weights.items()), BUCKET_MB, verify="full", timeout_s=30).result(60)
-        assert all(combine_digests(f.result(60)["digests"], "full") == tensor_fingerprint(weights) for f in both)
-    for w in workers:
-        w.asyncrl_leave_collective()
-    sender.close()
-
-
 class _FakeLearner:
     def __init__(self) -> None:
         self.joined: list[list[dict]] = []
