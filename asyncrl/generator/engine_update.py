@@ -119,17 +119,14 @@ class WeightUpdates:
             pausing, paused_at = None, None
             early = (named_tensors.stream and self._staging.layout == "engine" and self._staging.staging == "full"
                      and "weights" not in self._asleep)
-            if early and self.state is ReplicaState.READY and self._may_run():
-                paused_at = time.perf_counter()
-                pausing = asyncio.ensure_future(self._pause_engine("keep"))
-                await asyncio.wait([pausing])
-                if pausing.cancelled() or pausing.exception() is not None:
-                    await self._drop_staged()
-                    raise WeightUpdateError(f"replica {self.replica_id}: the engine did not pause for the commit: "
-                                            f"{pausing.exception() if not pausing.cancelled() else 'cancelled'}")
+            if early:
+                # (not running: asleep but for its weights, or paused by a caller: no step can run anyway)
+                if self.state is ReplicaState.READY and self._may_run():
+                    paused_at = time.perf_counter()
+                    pausing = asyncio.ensure_future(self._pause_engine("keep"))
+                    await asyncio.wait([pausing])
+                    await self._paused_for_commit(pausing)
                 loads: Any = self._load(named_tensors, early=self._versions.counts_query, applying=True)
-            elif early:  # not running (asleep but for its weights, or paused by a caller): no step can run
-                loads = self._load(named_tensors, early=self._versions.counts_query, applying=True)
             elif self.state is ReplicaState.READY and self._may_run():
                 receiving = asyncio.ensure_future(self._load(named_tensors))
                 await asyncio.sleep(0)  # (its call goes out first)
@@ -145,10 +142,7 @@ class WeightUpdates:
                     if pausing is not None:  # paused (or failed to) before anything else happens
                         await asyncio.wait([pausing])
                 if pausing is not None:
-                    if pausing.cancelled() or pausing.exception() is not None:  # it takes no apply
-                        await self._drop_staged()
-                        raise WeightUpdateError(f"replica {self.replica_id}: the engine did not pause for the commit: "
-                                                f"{pausing.exception() if not pausing.cancelled() else 'cancelled'}")
+                    await self._paused_for_commit(pausing)
                     self._paused_mode = "keep"  # held until the apply succeeded
                 try:
                     fingerprint = self._staging.sender_fingerprint()
@@ -166,6 +160,14 @@ class WeightUpdates:
                 if pausing is not None and not getattr(err, "applying", False):  # nothing applied: run again
                     await self._undo_pause(pausing)
                 raise
+
+    async def _paused_for_commit(self, pausing: asyncio.Future) -> None:
+        """Unless the (finished) `pausing` paused the engine, drop the staged version (it takes no
+        apply) and raise."""
+        if pausing.cancelled() or pausing.exception() is not None:
+            await self._drop_staged()
+            raise WeightUpdateError(f"replica {self.replica_id}: the engine did not pause for the commit: "
+                                    f"{pausing.exception() if not pausing.cancelled() else 'cancelled'}")
 
     async def _load(self, payload: Any, early: Any = False, applying: bool = False) -> int:
         """Stage `payload` for the version being staged; returns the tensors staged so far.

@@ -307,9 +307,7 @@ class WeightsyncWorkerExtension:
         first, applied = None, None
         streamed = all(gid in groups and groups[gid].spec.backend != "ipc" for gid in group_ids)
         if early is not None and with_sender and streamed:
-            if early and (not early.startswith("asyncrl_") or early.startswith("asyncrl_apply")):
-                raise ValueError(f"{early!r} is not a worker query to run before an apply")
-            first = getattr(self, early)() if early else None  # read before any live weight changes
+            first = self._asyncrl_query(early)() if early else None  # read before any live weight changes
             if not rx.apply_as_received(version):
                 first = None
         for gid in group_ids:
@@ -338,11 +336,15 @@ class WeightsyncWorkerExtension:
     def asyncrl_apply(self, version: int) -> dict[str, Any]:
         return self._asyncrl_rx().apply(version)
 
+    def _asyncrl_query(self, name: str) -> Any:
+        """This worker's `asyncrl_` query `name`, to run before an apply (never an apply itself)."""
+        if not name.startswith("asyncrl_") or name.startswith("asyncrl_apply"):
+            raise ValueError(f"{name!r} is not a worker query to run before an apply")
+        return getattr(self, name)
+
     def asyncrl_apply_after(self, version: int, before: str) -> tuple[Any, dict[str, Any]]:
         """`before` (an `asyncrl_` method of this worker, no arguments), then the apply: one round trip."""
-        if not before.startswith("asyncrl_") or before.startswith("asyncrl_apply"):
-            raise ValueError(f"{before!r} is not a worker query to run before an apply")
-        first = getattr(self, before)()
+        first = self._asyncrl_query(before)()
         return first, self._asyncrl_rx().apply(version)
 
     def asyncrl_abort_update(self) -> None:

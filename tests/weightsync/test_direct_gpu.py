@@ -40,34 +40,60 @@ def test_device_checksums_equal_host_checksums_segment_for_segment():
     assert np.array_equal(bucket.to_host().buffer, bucket.buffer.cpu().numpy())
 
 
+async def _plan_for(replica, model_path: str) -> tuple[dict, object]:
+    """The checkpoint's tensors, and a push plan in `replica`'s own layout, set on it."""
+    from asyncrl.weightsync.plan import ManifestEntry, build_plan
+    from asyncrl.weightsync.replica_side import dump_manifest
+    from asyncrl.weightsync.store import load_hf_tensors
+
+    base = load_hf_tensors(model_path)
+    manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in base.items()]
+    (layout,) = [pickle.loads(b) for b in (await replica.engine_layout(dump_manifest(manifest)))["layouts"]]
+    plan = build_plan(manifest, [layout], 0.5)
+    await replica.set_push_plan(pickle.dumps(plan))
+    return base, plan
+
+
+def _perturbed(base: dict, seed: int = 3) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {n: t + 0.2 * t.float().std().clamp_min(1e-3) * torch.randn(t.shape, generator=g) for n, t in base.items()}
+
+
+def _assert_transformers_argmax(model_path: str, weights: dict, prompts: list, served: list) -> None:
+    """Each served (tokens, versions) is version 1 and transformers' greedy choice on `weights`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model.load_state_dict(weights, strict=False)
+    model.tie_weights()
+    with torch.no_grad():
+        for prompt, (tokens, versions) in zip(prompts, served):
+            assert versions == [1] * len(tokens)
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+            chosen = logits.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+            assert bool((chosen >= logits.max(dim=1).values - 1e-3).all()), (prompt, tokens)
+
+
 async def _scenario(model_path: str) -> dict:
     from asyncrl.config import GeneratorConfig, ModelConfig, WeightsyncConfig
     from asyncrl.generator.engine import EngineReplica
     from asyncrl.interfaces import WorkerAPI
     from asyncrl.types import GenerationRequest, SamplingParams
-    from asyncrl.weightsync.plan import ManifestEntry, build_plan
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.registry import VersionRegistry
-    from asyncrl.weightsync.replica_side import dump_manifest
-    from asyncrl.weightsync.store import load_hf_tensors
     from asyncrl.weightsync.transport import LocalTransport
 
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),
                             GeneratorConfig(engine_kwargs={"gpu_memory_utilization": 0.3}), replica_id="gpu0")
     await replica.start()
     try:
-        base = load_hf_tensors(model_path)
-        manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in base.items()]
-        (layout,) = [pickle.loads(b) for b in (await replica.engine_layout(dump_manifest(manifest)))["layouts"]]
-        plan = build_plan(manifest, [layout], 0.5)
-        await replica.set_push_plan(pickle.dumps(plan))
+        base, plan = await _plan_for(replica, model_path)
 
         async def param_addresses() -> list[int]:
             return (await replica._rpc(WorkerAPI.asyncrl_param_addresses))[0]
 
         before = await param_addresses()
-        g = torch.Generator().manual_seed(3)
-        new = {n: t + 0.2 * t.float().std().clamp_min(1e-3) * torch.randn(t.shape, generator=g) for n, t in base.items()}
+        new = _perturbed(base)
         pub = Publisher(WeightsyncConfig(bucket_mb=0.5, verify="checksum", staging="bucketed", timeout_s=120),
                         transport=LocalTransport(), registry=VersionRegistry(0))
         pub.set_plan(plan)
@@ -83,21 +109,11 @@ async def _scenario(model_path: str) -> dict:
 
 
 def test_a_direct_push_into_a_gpu_engine_decodes_transformers_tokens(demo_model_path):
-    from transformers import AutoModelForCausalLM
-
     out = asyncio.run(_scenario(str(demo_model_path)))
     assert out["check"]["direct"], out["check"]
     assert out["metrics"]["weightsync/apply_direct"] == 1.0 and out["metrics"]["weightsync/staging_bucketed"] == 1.0
     assert out["same_addresses"]  # copied into the live storage: captured CUDA graphs still point at it
-    model = AutoModelForCausalLM.from_pretrained(str(demo_model_path), dtype=torch.float32).eval()
-    model.load_state_dict(out["new"], strict=False)
-    model.tie_weights()
-    with torch.no_grad():
-        for prompt, tokens, versions in zip(out["prompts"], out["tokens"], out["versions"]):
-            assert versions == [1] * len(tokens)
-            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-            chosen = logits.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
-            assert bool((chosen >= logits.max(dim=1).values - 1e-3).all()), (prompt, tokens)
+    _assert_transformers_argmax(str(demo_model_path), out["new"], out["prompts"], list(zip(out["tokens"], out["versions"])))
 
 
 class _SenderOnGpu1:
@@ -144,12 +160,9 @@ async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl") ->
     from asyncrl.generator.engine import EngineReplica
     from asyncrl.types import GenerationRequest, Refusal, SamplingParams
     from asyncrl.weightsync.collective import CollectiveGroup
-    from asyncrl.weightsync.plan import ManifestEntry, build_plan
     from asyncrl.weightsync.push import Publisher, WeightsyncError
     from asyncrl.weightsync.registry import VersionRegistry
-    from asyncrl.weightsync.replica_side import dump_manifest
     from asyncrl.weightsync.service import CollectiveLink
-    from asyncrl.weightsync.store import load_hf_tensors
     from asyncrl.weightsync.transport import select_transport
 
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),
@@ -157,13 +170,8 @@ async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl") ->
                             replica_id="gpu0")
     await replica.start()  # the engine core on cuda:0
     try:
-        base = load_hf_tensors(model_path)
-        manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in base.items()]
-        (layout,) = [pickle.loads(b) for b in (await replica.engine_layout(dump_manifest(manifest)))["layouts"]]
-        plan = build_plan(manifest, [layout], 0.5)
-        await replica.set_push_plan(pickle.dumps(plan))
-        g = torch.Generator().manual_seed(3)
-        new = {n: t + 0.2 * t.float().std().clamp_min(1e-3) * torch.randn(t.shape, generator=g) for n, t in base.items()}
+        base, plan = await _plan_for(replica, model_path)
+        new = _perturbed(base)
         sender = _SenderOnGpu1(new, plan, 1 if backend == "nccl" else None)
 
         async def members():
@@ -230,20 +238,10 @@ def test_an_nccl_push_into_a_gpu_engine_applies_each_bucket_as_it_lands_and_rest
     weights. A byte flipped on the wire after the sender hashed it fails the check: that version was in the
     live weights already, so the replica is restored from the last live version's host copy before it
     runs, and serves version 1's exact tokens again."""
-    from transformers import AutoModelForCausalLM
-
     out = asyncio.run(_nccl_scenario(str(demo_model_path), monkeypatch))
     m = out["metrics"]
     assert m["weightsync/applied_as_received"] == 1.0 and m["weightsync/commit_in_load"] == 1.0
     assert m["weightsync/apply_direct"] == 1.0 and m["weightsync/num_buckets"] > 1
-    model = AutoModelForCausalLM.from_pretrained(str(demo_model_path), dtype=torch.float32).eval()
-    model.load_state_dict(out["new"], strict=False)
-    model.tie_weights()
-    with torch.no_grad():
-        for prompt, (tokens, versions) in zip(out["prompts"], out["served"]):
-            assert versions == [1] * len(tokens)
-            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-            chosen = logits.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
-            assert bool((chosen >= logits.max(dim=1).values - 1e-3).all()), (prompt, tokens)
+    _assert_transformers_argmax(str(demo_model_path), out["new"], out["prompts"], out["served"])
     assert out["refused"] and out["rollbacks"] == 1 and out["live"] == 1
     assert out["after"] == out["served"]  # restored: version 1's exact tokens and tags
