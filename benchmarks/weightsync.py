@@ -45,6 +45,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,6 +55,12 @@ DEMO = REPO / "artifacts" / "demo-model"
 
 
 TRANSPORTS = ("object_store", "shm", "gloo", "nccl", "ipc")
+_T0 = time.monotonic()
+
+
+def say(msg: str) -> None:
+    """Progress on stderr (stdout carries only the JSON rows): where a run that was stopped had got to."""
+    print(f"[weightsync {time.monotonic() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 COLLECTIVE = ("gloo", "nccl", "ipc")
 
 
@@ -401,7 +408,8 @@ def _engine_dtypes(plan, base):
 
 async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket_mb: float,
                       transports: list[str], verify: str, gpus: float, apply: str = "auto",
-                      staging: str = "full", dtype: str = "float32", sender_arena: str = "auto") -> list[dict]:
+                      staging: str = "full", dtype: str = "float32", sender_arena: str = "auto",
+                      timeout_s: float = 120.0) -> list[dict]:
     import pickle
     from dataclasses import asdict
 
@@ -421,7 +429,9 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
     params = sum(t.numel() for t in base.values())
     engine = ray.remote(num_cpus=0.5, num_gpus=gpus)(EngineActor)
     actors = [engine.remote(str(path), f"engine-{i}", gpus, dtype if name != "demo" else "float32") for i in range(replicas)]
+    say(f"{name}: {params / 1e6:.0f}M parameters loaded; starting {replicas} engine replica(s)")
     await asyncio.gather(*(a.start.remote() for a in actors))
+    say(f"{name}: engine replica(s) up")
     clients = [ActorReplica(a, f"engine-{i}") for i, a in enumerate(actors)]
     plan, why_not = await _form_plan(actors, base, bucket_mb, apply)
     collective = [k for k in transports if k in COLLECTIVE]
@@ -433,9 +443,10 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
     if sender is not None:
         await sender.set_plan.remote(pickle.dumps(plan) if plan is not None else None)
         await sender.set_arena.remote(sender_arena)
+        say(f"{name}: sender up, plan {'none' if plan is None else f'{len(plan.buckets)} buckets'}")
     runs, version = {}, 0
     for kind in transports:
-        cfg = WeightsyncConfig(transport=kind, bucket_mb=bucket_mb, timeout_s=600, verify=verify, staging=staging)
+        cfg = WeightsyncConfig(transport=kind, bucket_mb=bucket_mb, timeout_s=timeout_s, verify=verify, staging=staging)
         transport = select_transport(cfg, on_gpu=gpus > 0)
         pub = Publisher(cfg, transport=transport, registry=VersionRegistry(version))  # the engines already serve `version`
         pub.set_plan(plan)
@@ -448,7 +459,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
                 return await asyncio.gather(*(a.join_collective.remote(wire) for a in actors))
 
             # answered: a push's begin goes to every client (one engine replica each) and fails unless all answer
-            link = CollectiveLink(kind, SenderAsLearner(sender), members=members, join=join, bucket_mb=bucket_mb, timeout_s=600,
+            link = CollectiveLink(kind, SenderAsLearner(sender), members=members, join=join, bucket_mb=bucket_mb, timeout_s=timeout_s,
                                   ipc_window=ipc_window_for(cfg.staging), answered=lambda: [c.name for c in clients])
         push, tails, metrics = [], [], []
         for i in range(repeats + 1):  # the first push of each transport is a warm-up (and forms groups), not timed
@@ -469,6 +480,8 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
             tail, warnings = await pub.drain()
             if warnings:
                 raise RuntimeError(f"{kind} push {version}: {warnings}")
+            say(f"{name} {kind}: push {i} of {repeats} (v{version}{', warm-up' if not i else ''}) {1e3 * (live - t):.1f} ms, "
+                f"host copy after it {1e3 * (time.perf_counter() - live):.0f} ms")
             if i:
                 push.append(live - t)
                 tails.append(time.perf_counter() - live)
@@ -525,10 +538,11 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
             [int(b.nbytes) for b in iter_buckets(iter(same.items()), bucket_mb)]
         addr = await sender.address.remote()
         (spec,) = form_specs(kind, [(addr["host"], addr["port"])], {f"sink{i}": 1 for i in range(replicas)},
-                             timeout_s=600, group_prefix=f"raw-{kind}")
+                             timeout_s=timeout_s, group_prefix=f"raw-{kind}")
         wire = asdict(spec)
         await asyncio.gather(sender.raw_join.remote(wire, sizes),
                              *(s.join.remote(wire, spec.receiver_rank(f"sink{i}", 0)) for i, s in enumerate(gpu_sinks)))
+        say(f"{name} {kind}: raw floor, group joined")
         for variant in (["ipc", "ipc_cached"] if kind == "ipc" else [kind]):
             raw[variant] = []
             for v in range(repeats + 1):
@@ -541,6 +555,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
                 if v:
                     raw[variant].append(time.perf_counter() - t)
 
+    say(f"{name}: raw floors done; round trips")
     floors = await actors[0].round_trips.remote()
     pings = []
     for _ in range(20):
@@ -613,6 +628,8 @@ def main() -> None:
     ap.add_argument("--apply", default="auto", choices=["auto", "direct", "reload"],
                     help="direct: engine-layout buckets copied into the parameters; reload: HF tensors through reload_weights")
     ap.add_argument("--staging", default="full", choices=["full", "bucketed"])
+    ap.add_argument("--timeout-s", type=float, default=120.0,
+                    help="each push's (and group's) deadline: a stuck one fails with its error instead of hanging the run")
     ap.add_argument("--sender-arena", default="auto", choices=["auto", "whole", "ring"],
                     help="gloo / nccl, full staging with a plan: the sender packs the whole version in one arena, or "
                          "through a ring of reused bucket slots (a learner short of device memory), auto = whole where it fits")
@@ -651,7 +668,7 @@ def main() -> None:
                     raise SystemExit(f"unknown model {name!r}: demo, random50m, random500m, random1500m or an HF directory")
                 rows = asyncio.run(bench_model(name, path, args.replicas, args.repeats, args.bucket_mb,
                                                args.transports.split(","), args.verify, args.gpus, args.apply, args.staging,
-                                               args.dtype, args.sender_arena))
+                                               args.dtype, args.sender_arena, args.timeout_s))
                 for row in rows:
                     print(json.dumps(row), flush=True)
     finally:

@@ -66,9 +66,14 @@ RAY_RUNTIME_ENV = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARAL
 
 
 def init_local_ray() -> None:
-    """The session's one-node Ray runtime (also started again by tests that ran their own cluster)."""
+    """The session's one-node Ray runtime (also started again by tests that ran their own cluster).
+    Where RAY_ADDRESS names a running cluster (benchmarks/gpu_jobs.sh gives each job a head of its
+    own), the tests join it: Ray refuses resource counts for a cluster it did not start."""
     import ray
 
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=False, runtime_env=RAY_RUNTIME_ENV)
+        return
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=RAY_RUNTIME_ENV)
 
 
