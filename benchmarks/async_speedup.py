@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import yaml
@@ -86,10 +86,12 @@ def _mean(rows: list[dict], key: str) -> float | None:
 
 
 def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, peak_flops: float = 989e12,
-             eval_interval_steps: int = 0, warmup: int = 1) -> dict:
+             eval_interval_steps: int = 0, warmup: int = 1, emit: Callable[[dict], None] | None = None) -> dict:
     """One Serve app at staleness `eta` for `steps` learner steps; its figures over the steps after the first
     `warmup`, every step's row (`per_step`) and the held-out evaluations (`eval`: step, unix time, accuracy;
-    none unless `eval_interval_steps`)."""
+    none unless `eval_interval_steps`). A run that reaches `timeout_s` with at least 2 steps after the warm-up
+    is reported over the steps it finished (`finished` false). `emit` gets the figures before the app is torn
+    down (a teardown cut short by the caller's own limit keeps them)."""
     if not 1 <= warmup < steps:
         raise ValueError(f"warmup={warmup}: between 1 and steps - 1 = {steps - 1} (a step at least is timed)")
     from ray import serve
@@ -127,13 +129,33 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, 
             if status.get("state") in ("finished", "failed"):
                 break
             time.sleep(2)
-        if status.get("state") != "finished":
-            raise RuntimeError(f"eta={eta}: run did not finish: {status}")
+        metrics = run_dir / "metrics.jsonl"
+        records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+        rows = [r for r in records if "train/step" in r]
+        finished = reportable(eta, status, len(rows), steps, warmup, timeout_s)
+        res = _figures(cfg, eta, records, rows, warmup, peak_flops, replicas)
+        res["finished"] = finished
+        if emit is not None:
+            emit(res)
     finally:
         serve.delete(f"speedup-eta{eta}")
         serve.shutdown()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in records if "train/step" in r]
+    return res
+
+
+def reportable(eta: int, status: dict, done: int, steps: int, warmup: int, timeout_s: float) -> bool:
+    """Whether a run whose app reported `status` after `done` learner steps finished (True), or stopped
+    at its limit with at least 2 steps after the warm-up to report (False); otherwise RuntimeError."""
+    if status.get("state") == "finished":
+        return True
+    if status.get("state") == "failed" or done < warmup + 2:
+        raise RuntimeError(f"eta={eta}: run did not finish ({done} of {steps} steps by its {timeout_s:.0f} s limit): {status}")
+    return False
+
+
+def _figures(cfg: Any, eta: int, records: list[dict], rows: list[dict], warmup: int, peak_flops: float,
+             replicas: list[dict]) -> dict:
+    """`run_once`'s figures from the run's metrics records (`rows`: the learner steps)."""
     timed = rows[warmup:]  # the first `warmup` steps are left out
     wall = timed[-1]["time/elapsed_s"] - rows[warmup - 1]["time/elapsed_s"]
     train = sum(r["time/train_s"] for r in timed)
@@ -283,14 +305,17 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(num_cpus=a.num_cpus, include_dashboard=False, log_to_driver=False)
     results = []
     with tempfile.TemporaryDirectory(prefix="asyncrl-speedup-") as tmp:
-        for eta in a.etas:
-            res = run_once(base, eta, a.steps, Path(tmp) / f"eta{eta}", a.timeout_s, a.peak_flops, warmup=a.warmup_steps)
+        def emit(res: dict) -> None:  # before each app's teardown: a call cut short keeps what finished
             results.append(res)
             print(json.dumps(res), flush=True)
-            if a.out:  # after every run: a call cut short keeps what finished
+            if a.out:
                 a.out.write_text(json.dumps({"config": str(a.config), "overrides": a.overrides, "steps": a.steps,
                                              "warmup_steps": a.warmup_steps,
                                              "results": results}, indent=1))
+
+        for eta in a.etas:
+            run_once(base, eta, a.steps, Path(tmp) / f"eta{eta}", a.timeout_s, a.peak_flops, warmup=a.warmup_steps,
+                     emit=emit)
     ray.shutdown()
     ref = results[0]
     print(f"\nmachine: {platform.node()} {platform.machine()}, config {a.config}, {a.steps} steps per run, "

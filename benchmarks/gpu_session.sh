@@ -67,8 +67,10 @@ push)
       for i in $(seq 1 60); do pgrep -f "[m]ake_random_qwen2.py.*$m.tmp" > /dev/null || break; sleep 5; done
       # SENDER_ARENA (gloo / nccl): auto, whole or ring (weightsync.py --sender-arena)
       ASYNCRL_PROFILE_DIR=${PROFILE_DIR:-} timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports $t \
-          --gpus 0.5 --dtype bfloat16 --verify $v --staging ${STAGING:-full} --sender-arena ${SENDER_ARENA:-auto} > $log 2>&1
+          --gpus 0.5 --dtype bfloat16 --verify $v --staging ${STAGING:-full} --sender-arena ${SENDER_ARENA:-auto} \
+          --timeout-s ${PUSH_TIMEOUT:-90} > $log 2>&1
       echo "weightsync $t $m verify=$v rc=$?"; grep '^{' $log | tee -a $OUT/ws_push.json
+      grep '^\[weightsync' $log | tail -4  # where it got (each push's time)
       grep -v '^{' $log | grep -iE "error|Traceback|layout" | tail -8 | cut -c1-400
       ;;
     ckspeed)  # the device checksum against a plain read and a copy of the same bytes
@@ -406,7 +408,8 @@ scale)
   pkill -9 -f "[r]ay::"; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*; sleep 1
   timeout 180 ray start --head --num-cpus 48 --include-dashboard=false --disable-usage-stats > $OUT/ray_start.log 2>&1
   echo "ray start rc=$?"
-  RAY_ADDRESS=auto timeout -s INT -k 30 ${RUN_TIMEOUT:-470} python3 benchmarks/async_speedup.py \
+  # The app's own limit comes 45 s before the call's, so a run cut short still reports the steps it finished
+  RAY_ADDRESS=auto timeout -s INT -k 30 ${RUN_TIMEOUT:-470} python3 benchmarks/async_speedup.py --timeout-s $((${RUN_TIMEOUT:-470} - 45)) \
       --config deploy/rlhf-gpu4-scale.yaml --steps ${NSTEPS:-10} --etas ${ETAS:-2} --num-cpus 48 "${sets[@]}" \
       --out $OUT/scale.json > $OUT/scale.log 2>&1
   echo "scale rc=$? t=$SECONDS s"; grep -v '^{' $OUT/scale.log | grep -E '^\||machine|joined|failed' | cut -c1-400
@@ -430,7 +433,7 @@ gpu8)
   pkill -9 -f "[r]ay::"; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*; sleep 1
   timeout 180 ray start --head --num-cpus 64 --include-dashboard=false --disable-usage-stats > $OUT/ray_start.log 2>&1
   echo "ray start rc=$?"
-  RAY_ADDRESS=auto timeout -s INT -k 30 ${RUN_TIMEOUT:-480} python3 benchmarks/async_speedup.py \
+  RAY_ADDRESS=auto timeout -s INT -k 30 ${RUN_TIMEOUT:-480} python3 benchmarks/async_speedup.py --timeout-s $((${RUN_TIMEOUT:-480} - 45)) \
       --config deploy/rlhf-gpu8.yaml --steps ${NSTEPS:-12} --etas ${ETAS:-2} --num-cpus 64 "${sets[@]}" \
       --out $OUT/gpu8.json > $OUT/gpu8.log 2>&1
   echo "gpu8 rc=$? t=$SECONDS s"; grep -v '^{' $OUT/gpu8.log | grep -E '^\||machine|joined|failed' | cut -c1-400

@@ -151,6 +151,7 @@ class EngineReplica(WeightUpdates):
         if version <= self.version or buckets is None:
             return {"replica_id": self.replica_id, "version": self.version, "loaded": False}
         logger.info("replica %s catching up to weight version %d", self.replica_id, version)
+        t0 = time.perf_counter()
         mode = fingerprint_mode(fingerprint)
         layout, plan_id, payloads = "hf", None, list(buckets)
         plan = await store.plan.remote()
@@ -172,6 +173,8 @@ class EngineReplica(WeightUpdates):
         for payload in payloads:
             await self.load_bucket(payload)
         await self.commit_update(version, fingerprint)
+        logger.info("replica %s serves weight version %d (caught up in %.1f s, %s layout)", self.replica_id,
+                    self.version, time.perf_counter() - t0, layout)
         return {"replica_id": self.replica_id, "version": self.version, "loaded": True, "layout": layout}
 
     def shutdown(self) -> None:

@@ -14,7 +14,9 @@ from asyncrl.config import LoggingConfig
 _FMT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def configure_logging(cfg: LoggingConfig) -> None:
+def configure_logging(cfg: LoggingConfig | None = None) -> None:
+    """`asyncrl` loggers at INFO on stderr, once per process (the trainer's, and each engine replica's:
+    Serve keeps a replica's stderr in its worker log)."""
     logger = logging.getLogger("asyncrl")
     if not logger.handlers:
         handler = logging.StreamHandler()

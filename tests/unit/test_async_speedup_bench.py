@@ -92,6 +92,15 @@ def test_the_warm_up_must_leave_steps_to_time(bench):
         bench.main(["--steps", "4", "--warmup-steps", "3"])
 
 
+def test_a_run_stopped_at_its_limit_reports_the_steps_it_finished_if_enough_were_timed(bench):
+    assert bench.reportable(2, {"state": "finished"}, 10, 10, 1, 500) is True
+    assert bench.reportable(2, {"state": "training"}, 9, 10, 1, 500) is False  # 8 timed steps: reported, unfinished
+    with pytest.raises(RuntimeError, match=r"2 of 10 steps by its 500 s limit"):
+        bench.reportable(2, {"state": "training"}, 2, 10, 1, 500)  # 1 step after the warm-up: nothing to time
+    with pytest.raises(RuntimeError, match="did not finish"):
+        bench.reportable(0, {"state": "failed"}, 9, 10, 1, 500)
+
+
 def test_the_balanced_batch_grows_where_generation_outweighs_training_and_is_held_to_its_bounds(bench):
     # generation / training 1.73 at 64 (the 1.5B on two H100s): the ratio falls as batch^-0.35
     b = bench.balanced_batch(2.9, 5.0, 64)
