@@ -31,6 +31,7 @@ Must never: wait without a deadline, or leave the receivers waiting on a sender 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -191,6 +192,10 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
                 if arena == "whole":
                     raise
                 group._ring_sender = True  # this rank's device is short of a whole version: a ring from now on
+                logging.getLogger(__name__).warning(
+                    "weightsync: group %s rank %d: no device memory for the whole packed version (%.2f GB); "
+                    "sending through a ring of reused bucket slots from now on", group.spec.group_id, group.rank,
+                    sum(b.nbytes for b in planned) / 1e9)
         if buffers is None:
             from asyncrl.weightsync.plan import PlannedPacker
 

@@ -279,7 +279,7 @@ def _planned_push(sender, receiver, weights, plan, **send_kw):
     return sent, got, theirs
 
 
-def test_a_sender_ring_sends_a_planned_version_through_reused_slots_bit_exact(monkeypatch):
+def test_a_sender_ring_sends_a_planned_version_through_reused_slots_bit_exact(monkeypatch, caplog):
     """A sender whose device cannot hold the whole packed version (`arena="ring"`, or `auto` after the
     whole arena's allocation ran out of memory) packs it through a few reused slots. The receiver gets
     the same table and bytes, the digests are the whole arena's, and the host copies (what a restore
@@ -308,8 +308,10 @@ def test_a_sender_ring_sends_a_planned_version_through_reused_slots_bit_exact(mo
     # auto: the whole arena while it fits; once its allocation fails, a ring for this group's later pushes
     assert not sender._ring_sender
     monkeypatch.setattr(stream, "whole_arena", lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("no room")))
-    auto, got, _ = _planned_push(sender, receiver, weights, plan)
+    with caplog.at_level("WARNING", logger="asyncrl.weightsync.stream"):
+        auto, got, _ = _planned_push(sender, receiver, weights, plan)
     assert sender._ring_sender and len(rings) == 2 and auto.digests == whole.digests
+    assert "through a ring of reused bucket slots" in caplog.text  # the switch is in the learner's log
     assert all(torch.equal(got[k], weights[k]) for k in weights)
     assert len(auto.host_copies.result()) == 6
     with pytest.raises(torch.OutOfMemoryError):  # "whole" asked for explicitly does not fall back
