@@ -176,10 +176,12 @@ def _figures(cfg: Any, eta: int, records: list[dict], rows: list[dict], warmup: 
         "push_s": _mean(timed, "weightsync/push_seconds"), "push_gbps": _mean(timed, "weightsync/gbps"),
         "push_paused_s": _mean(timed, "weightsync/paused_seconds"), "push_gb": (_mean(timed, "weightsync/bytes") or 0) / 1e9,
         "push_failed": sum(r.get("weightsync/failed", 0.0) for r in rows),
-        "per_step": [{k: r.get(k) for k in ("train/step", "time/train_s", "time/sync_s", "time/elapsed_s", "train/tokens",
-                                             "train/response_tokens", "train/reward_mean", "eval/accuracy",
-                                             "weightsync/push_seconds", "weightsync/paused_seconds", "weightsync/engine_replicas",
-                                             "weightsync/failed", "buffer/staleness_mean")}
+        "per_step": [{**{k: r.get(k) for k in ("train/step", "time/train_s", "time/sync_s", "time/elapsed_s", "train/tokens",
+                                                "train/response_tokens", "train/reward_mean", "eval/accuracy",
+                                                "weightsync/push_seconds", "weightsync/paused_seconds", "weightsync/engine_replicas",
+                                                "weightsync/failed", "buffer/staleness_mean", "weightsync/bytes")},
+                      # where each push's time went: the senders' pack / broadcast / hash / ring waits, each replica's calls
+                      **{k: v for k, v in r.items() if k.startswith(("weightsync/sender/", "weightsync/replica/"))}}
                      for r in rows],
         "eval": [{"step": r.get("step"), "time": r.get("time"), "accuracy": r["eval/accuracy"]}
                  for r in records if isinstance(r.get("eval/accuracy"), (int, float))],

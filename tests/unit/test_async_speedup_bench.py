@@ -125,3 +125,19 @@ def test_the_balanced_batch_cli_reads_a_calibration_run_and_falls_back_to_its_ba
         with pytest.raises(SystemExit):
             bench.main(["--balanced-batch", str(calib), bad])
     assert "positive integer" in capsys.readouterr().err
+
+
+def test_the_figures_time_the_steps_after_the_warm_up_and_keep_each_pushs_breakdown(bench):
+    from asyncrl.config import load_config
+
+    cfg = load_config({"buffer": {"batch_size": 8}})
+    rows = [{"train/step": k, "time/elapsed_s": 10.0 * k, "time/train_s": 6.0, "time/sync_s": 0.5, "train/tokens": 100.0,
+             "train/response_tokens": 80.0, "train/reward_mean": 0.1 * k, "rollout/tokens": 80.0 * k,
+             "weightsync/push_seconds": 0.4, "weightsync/bytes": 15e9, "weightsync/sender/broadcast_seconds": 0.3,
+             "weightsync/replica/r1/load_bucket_seconds": 0.33, "weightsync/failed": 0.0} for k in range(1, 5)]
+    out = bench._figures(cfg, 2, rows, rows, 1, 989e12, [])
+    assert out["steps_timed"] == 3 and out["wall_s"] == pytest.approx(30.0) and out["train_s"] == pytest.approx(18.0)
+    assert out["samples"] == 24 and out["push_s"] == pytest.approx(0.4) and out["push_failed"] == 0
+    last = out["per_step"][-1]
+    assert last["weightsync/sender/broadcast_seconds"] == 0.3 and last["weightsync/replica/r1/load_bucket_seconds"] == 0.33
+    assert last["weightsync/bytes"] == 15e9 and "rollout/tokens" not in last
