@@ -26,6 +26,12 @@ for spec in "$@"; do
   sleep "${JOB_GAP:-15}"
 done
 while [ -n "$(jobs -r)" ] && [ $SECONDS -lt "$CAP" ]; do sleep 2; done
+# Each job's own Ray head (gpu_session.sh own_ray: --temp-dir=/tmp/ray_BASE) goes with it: a job stopped at the cap
+# otherwise left its engine on the GPU (35 GB on GPU 0 after the cap of 2026-11-27's first call), in the way of the
+# next call's jobs. Its actors and their engines end with the raylet (owner_watch.py).
+for ((b = 32000; b <= base; b += 2000)); do
+  pkill -9 -f "[r]aylet.*ray_$b/" 2>/dev/null; pkill -9 -f "[g]cs_server.*ray_$b/" 2>/dev/null
+done
 for d in "$OUT"/*/; do echo "== $(basename "$d")"; cut -c1-400 "$d/stdout.txt" | tail -40; done
 nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
 ( cd "$OUT" && tar czf jobs.tgz */ )
