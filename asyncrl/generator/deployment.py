@@ -75,9 +75,9 @@ class _GeneratorEngine:
         weight_source: str | None = None,
         weight_source_namespace: str | None = None,
     ) -> None:
-        from asyncrl.trainer.logging_setup import configure_logging
+        from asyncrl.log_setup import asyncrl_logs_at_info
 
-        configure_logging()  # the replica's own events (a late joiner catching up, its push plan) reach its log
+        asyncrl_logs_at_info()  # the replica's own events (a late joiner catching up, its push plan) reach its log
         try:
             replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # outside Serve (local testing mode)

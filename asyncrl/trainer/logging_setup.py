@@ -5,24 +5,15 @@ Owns: the progress line format. Must never: log inside hot loops (one line per l
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
 from asyncrl.config import LoggingConfig
+from asyncrl.log_setup import asyncrl_logs_at_info
 
-_FMT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
-
-def configure_logging(cfg: LoggingConfig | None = None) -> None:
-    """`asyncrl` loggers at INFO on stderr, once per process (the trainer's, and each engine replica's:
-    Serve keeps a replica's stderr in its worker log)."""
-    logger = logging.getLogger("asyncrl")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(_FMT))
-        logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+def configure_logging(cfg: LoggingConfig) -> None:  # noqa: ARG001 - the section keeps the call site's shape
+    asyncrl_logs_at_info()
 
 
 def _fmt(value: Any, spec: str) -> str:
