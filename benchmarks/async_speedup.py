@@ -176,10 +176,13 @@ def _figures(cfg: Any, eta: int, records: list[dict], rows: list[dict], warmup: 
         "push_s": _mean(timed, "weightsync/push_seconds"), "push_gbps": _mean(timed, "weightsync/gbps"),
         "push_paused_s": _mean(timed, "weightsync/paused_seconds"), "push_gb": (_mean(timed, "weightsync/bytes") or 0) / 1e9,
         "push_failed": sum(r.get("weightsync/failed", 0.0) for r in rows),
+        # weightsync.probe_wire: each push against a raw broadcast of its bytes over the same groups
+        "push_over_raw": _mean(timed, "weightsync/push_over_raw"), "paused_over_raw": _mean(timed, "weightsync/paused_over_raw"),
         "per_step": [{**{k: r.get(k) for k in ("train/step", "time/train_s", "time/sync_s", "time/elapsed_s", "train/tokens",
                                                 "train/response_tokens", "train/reward_mean", "eval/accuracy",
                                                 "weightsync/push_seconds", "weightsync/paused_seconds", "weightsync/engine_replicas",
-                                                "weightsync/failed", "buffer/staleness_mean", "weightsync/bytes")},
+                                                "weightsync/failed", "buffer/staleness_mean", "weightsync/bytes",
+                                                "weightsync/raw_seconds", "weightsync/push_over_raw", "weightsync/paused_over_raw")},
                       # where each push's time went: the senders' pack / broadcast / hash / ring waits, each replica's calls
                       **{k: v for k, v in r.items() if k.startswith(("weightsync/sender/", "weightsync/replica/"))}}
                      for r in rows],
@@ -338,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"(policy version {j['policy_version']}; the others at {sorted(set(j['others'].values()))})")
         if r["push_failed"]:
             print(f"eta={r['eta']}: {r['push_failed']:.0f} failed pushes")
+        if r.get("push_over_raw") is not None:
+            print(f"eta={r['eta']}: push / raw broadcast of its bytes over the same groups (weightsync.probe_wire): "
+                  f"{r['push_over_raw']:.2f}x, paused / raw {f(r.get('paused_over_raw'), '.2f')}x")
     return 0
 
 

@@ -373,7 +373,7 @@ balanced)
   timeout -s INT -k 20 ${RUN_TIMEOUT:-400} python3 benchmarks/async_speedup.py --config deploy/rlhf-gpu2-long.yaml \
       --steps ${NSTEPS:-9} --warmup-steps ${WARMUP:-3} --etas ${ETAS:-0 2 1} --num-cpus 16 "${sets[@]}" --set buffer.batch_size=$BATCH \
       --set trainer.rollout_concurrency=$((BATCH / 8)) --out $OUT/balanced.json > $OUT/balanced.log 2>&1
-  echo "balanced rc=$?"; grep -v '^{' $OUT/balanced.log | grep -E '^\||machine|failed' | cut -c1-400
+  echo "balanced rc=$?"; grep -v '^{' $OUT/balanced.log | grep -E '^\||machine|failed|push / raw' | cut -c1-400
   grep -iE "Traceback|Error|out of memory" $OUT/balanced.log | grep -v Warning | tail -6 | cut -c1-300
   ;;
 scale)
@@ -412,7 +412,7 @@ scale)
   RAY_ADDRESS=auto timeout -s INT -k 30 ${RUN_TIMEOUT:-470} python3 benchmarks/async_speedup.py --timeout-s $((${RUN_TIMEOUT:-470} - 45)) \
       --config deploy/rlhf-gpu4-scale.yaml --steps ${NSTEPS:-10} --etas ${ETAS:-2} --num-cpus 48 "${sets[@]}" \
       --out $OUT/scale.json > $OUT/scale.log 2>&1
-  echo "scale rc=$? t=$SECONDS s"; grep -v '^{' $OUT/scale.log | grep -E '^\||machine|joined|failed' | cut -c1-400
+  echo "scale rc=$? t=$SECONDS s"; grep -v '^{' $OUT/scale.log | grep -E '^\||machine|joined|failed|push / raw' | cut -c1-400
   grep -iE "Traceback|Error|out of memory" $OUT/scale.log | grep -v Warning | tail -10 | cut -c1-400
   ls /tmp/ray/session_latest/logs > /dev/null 2>&1 && tar czf $OUT/ray_logs.tgz -C /tmp/ray/session_latest logs 2>/dev/null
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
@@ -436,7 +436,7 @@ gpu8)
   RAY_ADDRESS=auto timeout -s INT -k 30 ${RUN_TIMEOUT:-480} python3 benchmarks/async_speedup.py --timeout-s $((${RUN_TIMEOUT:-480} - 45)) \
       --config deploy/rlhf-gpu8.yaml --steps ${NSTEPS:-12} --etas ${ETAS:-2} --num-cpus 64 "${sets[@]}" \
       --out $OUT/gpu8.json > $OUT/gpu8.log 2>&1
-  echo "gpu8 rc=$? t=$SECONDS s"; grep -v '^{' $OUT/gpu8.log | grep -E '^\||machine|joined|failed' | cut -c1-400
+  echo "gpu8 rc=$? t=$SECONDS s"; grep -v '^{' $OUT/gpu8.log | grep -E '^\||machine|joined|failed|push / raw' | cut -c1-400
   grep -iE "Traceback|Error|out of memory" $OUT/gpu8.log | grep -v Warning | tail -10 | cut -c1-400
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
   ;;

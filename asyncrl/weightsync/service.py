@@ -142,7 +142,12 @@ class WeightPublisher:
                 # gloo / NCCL: a push's begin (through the same client) runs just before `ensure`
                 answered=lambda: self.replicas.last_results,
                 join=lambda wire: control.call(EngineAPI.join_collective, wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
+                probe=(lambda sizes: control.call(EngineAPI.probe_collective, sizes, self.cfg.timeout_s,
+                                                  timeout_s=self.cfg.timeout_s + 30.0)) if self.cfg.probe_wire else None,
+                probe_sizes=self.probe_sizes,
             )
+        elif self.cfg.probe_wire:
+            log.info("weightsync.probe_wire: the %s transport has no broadcast wire to probe; ignored", transport.name)
         # The seed (and, for collective transports, every host copy) lives in the object store.
         export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, _put_kind(transport), self.cfg.verify)
         from asyncrl.weightsync.bucket import iter_unpacked
@@ -198,6 +203,23 @@ class WeightPublisher:
                      plan.plan_id, plan.ranks, len(plan.buckets), plan.nbytes / 1e6)
         else:
             log.info("weightsync: pushes carry HF tensors and engines reload them (%s)", problem)
+
+    def probe_sizes(self) -> dict[int, list[int]]:
+        """The bytes of a push per sending rank (PP stage), as its buckets: the plan's, or (HF tensors)
+        each rank's tensors in buckets of weightsync.bucket_mb. What a wire probe broadcasts."""
+        if self.plan is not None:
+            senders = sorted({b.sender for b in self.plan.buckets})
+            return {s: [int(b.nbytes) for b in self.plan.for_sender(s)] for s in senders}
+        from asyncrl.weightsync.bucket import dtype_from_name
+
+        per: dict[int, int] = {}
+        for e in self.manifest or []:
+            numel = 1
+            for d in e.shape:
+                numel *= int(d)
+            per[e.sender] = per.get(e.sender, 0) + numel * dtype_from_name(e.dtype).itemsize
+        cap = max(1, int(self.cfg.bucket_mb * 2**20))
+        return {s: [cap] * (n // cap) + ([n % cap] if n % cap else []) for s, n in sorted(per.items()) if n}
 
     async def rebind_learner(self, learner: Any) -> None:
         """A restarted learner group takes the old one's place: it packs for the same push plan
@@ -297,6 +319,13 @@ class WeightPublisher:
             result.metrics.update({f"weightsync/sender/{k}_seconds": v for k, v in export.seconds.items()})
         metrics = dict(result.metrics)
         metrics["weightsync/engine_replicas"] = float(len(self.replicas.last_results))
+        raw = self.link.raw if self.link is not None else None
+        if raw is not None and metrics.get("weightsync/bytes") and not result.metrics.get("weightsync/failed"):
+            floor = raw[0] * float(metrics["weightsync/bytes"]) / raw[1]  # the probe's wire time, scaled to these bytes
+            metrics["weightsync/raw_seconds"] = floor
+            for key in ("push", "paused"):
+                if f"weightsync/{key}_seconds" in metrics:
+                    metrics[f"weightsync/{key}_over_raw"] = metrics[f"weightsync/{key}_seconds"] / floor
         if self.link is not None:  # pushes that went without asking the replicas and senders first
             metrics["weightsync/group_checks_skipped"] = float(self.link.checks_skipped)
         for warning in result.warnings:
@@ -333,11 +362,17 @@ class CollectiveLink:
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
-                 ipc_window: int | None = None, answered: Callable[[], Iterable[str]] | None = None) -> None:
+                 ipc_window: int | None = None, answered: Callable[[], Iterable[str]] | None = None,
+                 probe: Callable[[list[list[int]]], Awaitable[Any]] | None = None,
+                 probe_sizes: Callable[[], dict[int, list[int]]] | None = None) -> None:
         from asyncrl.weightsync.collective import IPC_WINDOW
 
         self.backend, self.learner = backend, learner
         self._members_call, self._join_call = members, join
+        # gloo / NCCL with weightsync.probe_wire: the replicas' side of a wire probe, and the bytes it sends
+        self._probe_call = probe if backend != "ipc" else None
+        self._probe_sizes = probe_sizes
+        self.raw: tuple[float, int] | None = None  # the last probe: (seconds, bytes) over the current groups
         self.bucket_mb, self.timeout_s = bucket_mb, timeout_s
         self.ipc_window = IPC_WINDOW if ipc_window is None else ipc_window
         self.specs: list[Any] = []
@@ -418,6 +453,35 @@ class CollectiveLink:
         self.formed += 1
         log.info("weightsync: %s broadcast group(s) %s formed with %d replica(s), %d ranks each",
                  self.backend, self.group_ids, len(members), specs[0].world_size)
+        self.raw = None
+        if self._probe_call is not None and self._probe_sizes is not None:
+            await self._probe()
+
+    async def _probe(self) -> None:
+        """A raw broadcast of a push's bytes over the groups just formed (weightsync.probe_wire), timed
+        by the senders: `raw`. A probe that fails breaks its groups: they are formed again at once, and
+        no probe runs again (the failure is logged)."""
+        sizes = self._probe_sizes()
+        per_group = [sizes.get(s.sender, []) for s in self.specs]
+        if not sizes or not all(per_group):
+            log.warning("weightsync.probe_wire: no bytes to probe for every group (%s); not probed", sorted(sizes))
+            return
+        t = time.perf_counter()
+        try:
+            _, seconds = await asyncio.gather(self._probe_call(per_group), self.learner.probe_collective(sizes, self.timeout_s))
+        except Exception as err:
+            log.warning("weightsync.probe_wire: the probe over %s failed (%s: %s); forming the groups again, without "
+                        "probes from now on", self.group_ids, type(err).__name__, err)
+            self._probe_call = None
+            self.forget()
+            await self.ensure()
+            return
+        nbytes = sum(sum(v) for v in per_group)
+        # a worker receives from its groups one after another, as a push is received: their times add up
+        self.raw = (float(sum(seconds)), nbytes)
+        log.info("weightsync: raw broadcast of %.1f MB over %s: %.1f ms (%.1f GB/s), in %.2f s with its calls",
+                 nbytes / 1e6, self.group_ids, 1e3 * self.raw[0], nbytes / max(self.raw[0], 1e-9) / 1e9,
+                 time.perf_counter() - t)
 
     def payload(self, version: int) -> Any:
         from asyncrl.weightsync.collective import CollectiveReceive

@@ -375,6 +375,18 @@ class WeightsyncWorkerExtension:
             group.close()
         self._asyncrl_rx().release_views()  # (views of the groups' buffers, kept for their next push)
 
+    def asyncrl_probe_collective(self, sizes: list[list[int]], timeout_s: float) -> None:
+        """Receive a raw broadcast of buckets of `sizes[i]` bytes from the i-th group joined (in the
+        order of the senders, as a push is received): `CollectiveGroup.probe_wire`."""
+        import time
+
+        groups = list(self.__dict__.get("_asyncrl_groups", {}).values())
+        if len(groups) != len(sizes):
+            raise ValueError(f"probe of {len(sizes)} group(s), but this worker holds {len(groups)}")
+        deadline = time.monotonic() + timeout_s
+        for group, sz in zip(groups, sizes):
+            group.probe_wire(list(sz), deadline)
+
     def asyncrl_collective_groups(self) -> list[str]:
         """Ids of the groups this worker holds that can still carry a push."""
         return [gid for gid, g in self.__dict__.get("_asyncrl_groups", {}).items() if not g.broken]
