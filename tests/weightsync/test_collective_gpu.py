@@ -168,3 +168,41 @@ def test_nccl_sends_a_planned_whole_version_through_a_sender_ring_bit_exact():
                                                  planned=True, arena="ring")
     _assert_delivered(weights, sent, received, receivers=1, pushes=2, key_prefix="0/")
     assert len(sent[0][4]) > 4  # more planned buckets than the ring's slots: slots were reused
+
+
+def _probe_member(rank: int, spec: dict, sizes: list[int], out: mp.Queue) -> None:
+    from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
+
+    try:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        group = CollectiveGroup.join(GroupSpec(**spec), rank, device)
+        seconds = group.probe_wire(sizes, time.monotonic() + 60)
+        out.put(("ok", rank, seconds, group.broken))
+        group.close()
+    except BaseException as exc:  # report, do not hang the parent
+        out.put(("error", rank, f"{type(exc).__name__}: {exc}", True))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: two GPUs")
+def test_nccl_wire_probe_times_a_raw_broadcast_of_the_buckets_between_two_gpus():
+    """weightsync.probe_wire over NCCL: both members take part, the sender's seconds give a plausible GPU-to-GPU
+    rate, and the group is left usable."""
+    from dataclasses import asdict
+
+    from asyncrl.weightsync.collective import form_specs, free_port
+
+    (spec,) = form_specs("nccl", [("127.0.0.1", free_port("127.0.0.1"))], {"engine": 1}, timeout_s=120, group_prefix="probe")
+    sizes = [64 << 20] * 16 + [(5 << 20) + 3]  # about 1.1 GB
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_probe_member, args=(r, asdict(spec), sizes, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert [r[0] for r in results] == ["ok", "ok"], results
+    sender_seconds = results[0][2]
+    assert sum(sizes) / sender_seconds > 5e9  # NVLink or PCIe: well above 5 GB/s
+    assert not any(r[3] for r in results)
