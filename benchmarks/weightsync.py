@@ -55,13 +55,13 @@ DEMO = REPO / "artifacts" / "demo-model"
 
 
 TRANSPORTS = ("object_store", "shm", "gloo", "nccl", "ipc")
+COLLECTIVE = ("gloo", "nccl", "ipc")
 _T0 = time.monotonic()
 
 
 def say(msg: str) -> None:
     """Progress on stderr (stdout carries only the JSON rows): where a run that was stopped had got to."""
     print(f"[weightsync {time.monotonic() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
-COLLECTIVE = ("gloo", "nccl", "ipc")
 
 
 class EngineActor:

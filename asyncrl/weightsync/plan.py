@@ -83,14 +83,18 @@ class ParamLayout:
 
     @property
     def nbytes(self) -> int:
-        n = dtype_from_name(self.dtype).itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return _nbytes(self.dtype, self.shape)
 
     @property
     def sources(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(op.src for op in self.ops if op.src is not None))
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    n = dtype_from_name(dtype).itemsize
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,10 @@ class ManifestEntry:
     dtype: str
     shape: tuple[int, ...]
     sender: int = 0  # which sending learner rank (PP stage) exports it
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.dtype, self.shape)
 
 
 @dataclass(frozen=True)

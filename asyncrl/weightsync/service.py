@@ -130,6 +130,10 @@ class WeightPublisher:
             on_live=weight_store_hook(self.store, lambda version: self.plan),
         )
         self.transport = transport
+        # weightsync.probe_wire: only a broadcast (gloo / NCCL) has a wire to probe; ipc passes handles
+        probe_wire = self.cfg.probe_wire and getattr(transport, "streamed", False) and transport.backend != "ipc"
+        if self.cfg.probe_wire and not probe_wire:
+            log.info("weightsync.probe_wire: the %s transport has no broadcast wire to probe; ignored", transport.name)
         if getattr(transport, "streamed", False):
             from asyncrl.weightsync.collective import ipc_window_for
 
@@ -143,11 +147,9 @@ class WeightPublisher:
                 answered=lambda: self.replicas.last_results,
                 join=lambda wire: control.call(EngineAPI.join_collective, wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
                 probe=(lambda sizes: control.call(EngineAPI.probe_collective, sizes, self.cfg.timeout_s,
-                                                  timeout_s=self.cfg.timeout_s + 30.0)) if self.cfg.probe_wire else None,
+                                                  timeout_s=self.cfg.timeout_s + 30.0)) if probe_wire else None,
                 probe_sizes=self.probe_sizes,
             )
-        elif self.cfg.probe_wire:
-            log.info("weightsync.probe_wire: the %s transport has no broadcast wire to probe; ignored", transport.name)
         # The seed (and, for collective transports, every host copy) lives in the object store.
         export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, _put_kind(transport), self.cfg.verify)
         from asyncrl.weightsync.bucket import iter_unpacked
@@ -210,14 +212,9 @@ class WeightPublisher:
         if self.plan is not None:
             senders = sorted({b.sender for b in self.plan.buckets})
             return {s: [int(b.nbytes) for b in self.plan.for_sender(s)] for s in senders}
-        from asyncrl.weightsync.bucket import dtype_from_name
-
         per: dict[int, int] = {}
         for e in self.manifest or []:
-            numel = 1
-            for d in e.shape:
-                numel *= int(d)
-            per[e.sender] = per.get(e.sender, 0) + numel * dtype_from_name(e.dtype).itemsize
+            per[e.sender] = per.get(e.sender, 0) + e.nbytes
         cap = max(1, int(self.cfg.bucket_mb * 2**20))
         return {s: [cap] * (n // cap) + ([n % cap] if n % cap else []) for s, n in sorted(per.items()) if n}
 
@@ -370,7 +367,7 @@ class CollectiveLink:
         self.backend, self.learner = backend, learner
         self._members_call, self._join_call = members, join
         # gloo / NCCL with weightsync.probe_wire: the replicas' side of a wire probe, and the bytes it sends
-        self._probe_call = probe if backend != "ipc" else None
+        self._probe_call = probe
         self._probe_sizes = probe_sizes
         self.raw: tuple[float, int] | None = None  # the last probe: (seconds, bytes) over the current groups
         self.bucket_mb, self.timeout_s = bucket_mb, timeout_s
