@@ -637,6 +637,8 @@ def main() -> None:
     unknown = set(args.transports.split(",")) - set(TRANSPORTS)
     if unknown:
         ap.error(f"--transports: unknown {sorted(unknown)}; choose from {', '.join(TRANSPORTS)}")
+    if args.timeout_s <= 0:
+        ap.error(f"--timeout-s must be > 0 (each push's deadline in seconds), got {args.timeout_s}")
     if "nccl" in args.transports.split(",") and args.gpus <= 0:
         ap.error("--transports nccl needs --gpus > 0 (engines on GPUs; the sender takes a GPU of its own)")
     if {"ipc", "nccl"} <= set(args.transports.split(",")):
