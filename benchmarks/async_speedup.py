@@ -89,9 +89,11 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, 
              eval_interval_steps: int = 0, warmup: int = 1, emit: Callable[[dict], None] | None = None) -> dict:
     """One Serve app at staleness `eta` for `steps` learner steps; its figures over the steps after the first
     `warmup`, every step's row (`per_step`) and the held-out evaluations (`eval`: step, unix time, accuracy;
-    none unless `eval_interval_steps`). A run that reaches `timeout_s` with at least 2 steps after the warm-up
+    none unless `eval_interval_steps`). `timeout_s` counts from this call (the app's start is in it). A run that
+    reaches it, or is interrupted (SIGINT: a caller's `timeout -s INT`), with at least 2 steps after the warm-up
     is reported over the steps it finished (`finished` false). `emit` gets the figures before the app is torn
     down (a teardown cut short by the caller's own limit keeps them)."""
+    deadline = time.monotonic() + timeout_s
     if not 1 <= warmup < steps:
         raise ValueError(f"warmup={warmup}: between 1 and steps - 1 = {steps - 1} (a step at least is timed)")
     from ray import serve
@@ -113,30 +115,40 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, 
     serve.shutdown()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_app(cfg), name=f"speedup-eta{eta}", route_prefix="/", blocking=False)
-        deadline = time.monotonic() + timeout_s
         status: dict = {}
         replicas: list[dict] = []  # every poll: the engine replicas and the version each serves
-        control = None
-        while time.monotonic() < deadline:
-            try:
-                status = httpx.get(f"http://127.0.0.1:{port}/train/status", timeout=30).json()
-            except (httpx.TransportError, ValueError):
-                status = {}
-            control, seen = _replica_versions(control, f"speedup-eta{eta}")
-            if seen is not None:
-                replicas.append({"t": time.time(), "policy_version": status.get("policy_version"), "replicas": seen})
-            if status.get("state") in ("finished", "failed"):
-                break
-            time.sleep(2)
+        interrupted: KeyboardInterrupt | None = None
+        try:
+            serve.run(build_app(cfg), name=f"speedup-eta{eta}", route_prefix="/", blocking=False)
+            control = None
+            while time.monotonic() < deadline:
+                try:
+                    status = httpx.get(f"http://127.0.0.1:{port}/train/status", timeout=30).json()
+                except (httpx.TransportError, ValueError):
+                    status = {}
+                control, seen = _replica_versions(control, f"speedup-eta{eta}")
+                if seen is not None:
+                    replicas.append({"t": time.time(), "policy_version": status.get("policy_version"), "replicas": seen})
+                if status.get("state") in ("finished", "failed"):
+                    break
+                time.sleep(2)
+        except KeyboardInterrupt as stop:  # the caller's limit: report what finished, then stop
+            interrupted = stop
         metrics = run_dir / "metrics.jsonl"
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
         rows = [r for r in records if "train/step" in r]
-        finished = reportable(eta, status, len(rows), steps, warmup, timeout_s)
+        try:
+            finished = reportable(eta, status, len(rows), steps, warmup, timeout_s)
+        except RuntimeError:
+            if interrupted is not None:
+                raise interrupted from None
+            raise
         res = _figures(cfg, eta, records, rows, warmup, peak_flops, replicas)
         res["finished"] = finished
         if emit is not None:
             emit(res)
+        if interrupted is not None:
+            raise interrupted
     finally:
         serve.delete(f"speedup-eta{eta}")
         serve.shutdown()

@@ -66,11 +66,17 @@ push)
       # the install call's random 7B (bench:/tmp/qwen2-7b-random) may still be being written
       for i in $(seq 1 60); do pgrep -f "[m]ake_random_qwen2.py.*$m.tmp" > /dev/null || break; sleep 5; done
       # SENDER_ARENA (gloo / nccl): auto, whole or ring (weightsync.py --sender-arena)
-      ASYNCRL_PROFILE_DIR=${PROFILE_DIR:-} timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports $t \
+      # TRACE=1: every push's marks across its processes (asyncrl/weightsync/trace.py), lined up after the bench
+      tdir=${TRACE:+$OUT/trace_${m##*/}}
+      ASYNCRL_PUSH_TRACE=$tdir ASYNCRL_PROFILE_DIR=${PROFILE_DIR:-} timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports $t \
           --gpus 0.5 --dtype bfloat16 --verify $v --staging ${STAGING:-full} --sender-arena ${SENDER_ARENA:-auto} \
           --timeout-s ${PUSH_TIMEOUT:-90} > $log 2>&1
       echo "weightsync $t $m verify=$v rc=$?"; grep '^{' $log | tee -a $OUT/ws_push.json
       grep '^\[weightsync' $log | tail -4  # where it got (each push's time)
+      if [ -n "$tdir" ] && [ -d "$tdir" ]; then
+        python3 benchmarks/push_timeline.py $tdir --json $OUT/timeline_${m##*/}.json > $OUT/timeline_${m##*/}.txt 2>&1
+        tail -45 $OUT/timeline_${m##*/}.txt; tar czf $OUT/trace_${m##*/}.tgz -C $OUT trace_${m##*/} && rm -rf $tdir
+      fi
       grep -v '^{' $log | grep -iE "error|Traceback|layout" | tail -8 | cut -c1-400
       ;;
     ckspeed)  # the device checksum against a plain read and a copy of the same bytes

@@ -648,6 +648,8 @@ def main() -> None:
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     runtime_env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}}
+    if os.environ.get("ASYNCRL_PUSH_TRACE"):  # the actors' (and their engines') push marks (asyncrl/weightsync/trace.py)
+        runtime_env["env_vars"]["ASYNCRL_PUSH_TRACE"] = os.environ["ASYNCRL_PUSH_TRACE"]
     if os.environ.get("RAY_ADDRESS", "local") != "local":  # a node started apart (`ray start --head`): its own CPUs
         ray.init(log_to_driver=False, runtime_env=runtime_env)
     else:

@@ -25,6 +25,7 @@ from typing import Any
 from asyncrl.generator.replica_types import ReplicaState, UpdateState, WeightUpdateError
 from asyncrl.interfaces import WorkerAPI, verb_name
 from asyncrl.types import Refusal, refusal_of
+from asyncrl.weightsync import trace
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import check_verify_mode
 from asyncrl.weightsync.replica_side import FingerprintMismatch
@@ -64,6 +65,7 @@ class WeightUpdates:
                            plan_id: str | None = None) -> dict[str, Any]:
         """Start staging `version`; buckets are hashed as they arrive in `verify` mode (weightsync/fingerprint.py).
         `layout`: "engine" (packed for a copy into the parameters) or "hf"; `staging`: "full" or "bucketed"."""
+        trace.mark("rep.begin")
         async with self._control_lock:
             return await self._begin(version, verify, staging, layout, plan_id)
 
@@ -95,6 +97,7 @@ class WeightUpdates:
         """Stage a payload. A `CollectiveReceive` with `begin` begins the update in the same call
         (and its workers in their receive); one with `commit` then checks the senders' own
         fingerprint and commits, as `commit_update` would (with `begin`: one call for the push)."""
+        trace.mark("rep.load")
         async with self._control_lock:
             folded = isinstance(named_tensors, CollectiveReceive) and named_tensors.begin is not None
             if folded:
@@ -126,6 +129,7 @@ class WeightUpdates:
                     pausing = asyncio.ensure_future(self._pause_engine("keep"))
                     await asyncio.wait([pausing])
                     await self._paused_for_commit(pausing)
+                    trace.mark("rep.paused")
                 loads: Any = self._load(named_tensors, early=self._versions.counts_query, applying=True)
             elif self.state is ReplicaState.READY and self._may_run():
                 receiving = asyncio.ensure_future(self._load(named_tensors))
@@ -138,6 +142,7 @@ class WeightUpdates:
             try:
                 try:
                     staged = await loads
+                    trace.mark("rep.received")
                 finally:
                     if pausing is not None:  # paused (or failed to) before anything else happens
                         await asyncio.wait([pausing])
@@ -152,8 +157,10 @@ class WeightUpdates:
                     await self._drop_staged()
                     raise WeightUpdateError(f"replica {self.replica_id}: {err}", Refusal.VERIFY_FAILED,
                                             applying=applied) from None
-                return {**await self._commit(self._staging_version, fingerprint, paused_at=paused_at),
-                        "fingerprint": fingerprint, "staged_tensors": staged}
+                trace.mark("rep.checked")
+                committed = await self._commit(self._staging_version, fingerprint, paused_at=paused_at)
+                trace.mark("rep.return")
+                return {**committed, "fingerprint": fingerprint, "staged_tensors": staged}
             except BaseException as err:
                 if isinstance(loads, asyncio.Future) and not loads.done():  # this call was cancelled
                     loads.cancel()
@@ -279,7 +286,9 @@ class WeightUpdates:
             # Paused: no step runs, so the counts the workers read (in the same call as the
             # apply, one round trip) hold until resume.
             applied = await self._staging.apply(version, before=self._versions.counts_query)
+            trace.mark("rep.applied")
             sampled = await self._versions.counts(applied["before"])
+            trace.mark("rep.counted")
         except Exception as err:
             self.counters["updates_failed"] += 1
             raise WeightUpdateError(
@@ -302,6 +311,7 @@ class WeightUpdates:
         if paused_here:
             self._paused_mode = None
         t_relabelled = time.perf_counter()
+        trace.mark("rep.relabelled")
         if self.state is ReplicaState.READY and paused_here and self._may_run():
             await self._resume_sent()
         elif self.state is ReplicaState.READY and (paused_here or self._may_run()):

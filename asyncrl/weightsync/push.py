@@ -66,6 +66,7 @@ from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.metrics import PushMetrics
 from asyncrl.weightsync.registry import VersionRegistry
 from asyncrl.weightsync.replica_side import WithDigests
+from asyncrl.weightsync import trace
 from asyncrl.weightsync.replicas import ReplicaClient, is_apply_failure, is_replica_dead, is_verify_failure, partly_done
 from asyncrl.weightsync.sources import (  # noqa: F401 - re-exported: the publisher's vocabulary
     BucketSource, KeptCopies, Send, Step, StepFailed, StreamedSend, StreamedSource,
@@ -284,9 +285,11 @@ class Publisher:
                 pause_sent, paused = True, time.perf_counter()
                 await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
             begin_sent = True
+            trace.mark("pub.attempt")
             if not fold:
                 await self._step(Step.BEGIN, replicas, lambda r: r.begin_update(
                     version, source.verify, staging=self._cfg.staging, layout=source.layout, plan_id=source.plan_id), m)
+            trace.mark("pub.begun")
             t = time.perf_counter()
             try:
                 if isinstance(source, StreamedSource):
@@ -325,6 +328,7 @@ class Publisher:
                 for r in replicas:
                     self._reg("replica_committed", version, r.name)
                 self._reg("go_live", version, [r.name for r in replicas])
+                trace.mark("pub.live")
                 return fingerprint
             if not pause_sent and not own_pause:
                 pause_sent, paused = True, time.perf_counter()

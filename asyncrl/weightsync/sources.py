@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import Bucket, digest_key_prefix, iter_buckets
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import VerifyMode, bucket_digests, check_verify_mode, combine_digests
@@ -224,6 +225,7 @@ class StreamedSource:
             except Exception as exc:
                 raise StepFailed(Step.LOAD, {"broadcast group": exc}) from exc
         prepared = time.perf_counter()
+        trace.mark("pub.prepared")
         payload = self._payload(version)
         # (the fan-out is read after `prepare`, which asked every replica: the count is current)
         self.committing = bool(commit and sum(int(getattr(r, "fanout", 1)) for r in replicas) == 1)
@@ -258,6 +260,7 @@ class StreamedSource:
             receiving.cancel()
             raise
         sent_at = time.perf_counter()
+        trace.mark("pub.sender_returned")
         try:
             await receiving
         except StepFailed as f:
@@ -271,6 +274,7 @@ class StreamedSource:
                 self._collecting = asyncio.ensure_future(sent.collect())
         # where the stage's time goes, as the publisher sees it: forming / checking the groups,
         # the sender's call (its own seconds are in sent.seconds), the receivers after it returned
+        trace.mark("pub.loads_returned")
         m.sender_seconds.update({"prepare": prepared - t, "call": sent_at - prepared,
                                  "receivers_after": time.perf_counter() - sent_at})
         self.handles, self._digests = list(sent.handles), dict(sent.digests)

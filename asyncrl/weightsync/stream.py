@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets, windows
 from asyncrl.weightsync.collective import (ABORT, BUCKET, DIGESTS, END, WHOLE, Broadcasts, CollectiveError,
                                            CollectiveGroup, SenderAborted)
@@ -178,6 +179,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     ring, for this group's later pushes too)."""
     if arena not in ("auto", "whole", "ring"):
         raise ValueError(f"arena must be auto, whole or ring, not {arena!r}")
+    trace.mark("snd.enter")
     deadline = time.monotonic() + timeout_s
     out = SendResult()
     whole = group.spec.ipc_window == 0  # every bucket kept until the broadcasts end: no limit on copies in flight
@@ -227,11 +229,13 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
             # group stays usable (LearnerGroup.broadcast_hf_tensors).
             export.drain()
         raise
+    trace.mark("snd.digests_ready")
     if whole:  # the digests the table left out, for a receiver that commits by itself (sender_digests)
         raw = json.dumps({k: v.hex() for k, v in out.digests.items()}).encode()
         group.broadcast(_header(group, DIGESTS, len(raw)), deadline)
         _send_bytes(group, raw, deadline)
     group.broadcast(_header(group, END), deadline)
+    trace.mark("snd.end_sent")
     copies.finish()
     return out
 
@@ -295,9 +299,11 @@ def _hash_and_wait(packed: list[tuple[Bucket, Callable[[], dict[str, bytes]] | N
             copies.add(bucket)
         out.seconds["host_copy"] += time.perf_counter() - t
         finishes = [hash_whole_lazy([b for b, _ in packed], verify, out)]
+    trace.mark("snd.all_enqueued")
     t = time.perf_counter()
     for s in sending:
         s.wait()
+    trace.mark("snd.wire_done")
     out.seconds["broadcast"] += time.perf_counter() - t
     for finish in finishes:  # the first waits for the device's checksums, the rest are there by then
         finish()  # type: ignore[misc]
@@ -317,6 +323,7 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
     early = verify == "full" or ring is not None
     t = time.perf_counter()
     _announce_whole(group, [(b.metas(), b.rank, b.nbytes) for b in planned], deadline)
+    trace.mark("snd.announced")
     out.seconds["broadcast"] += time.perf_counter() - t
     packed: list[tuple[Bucket, Callable[[], dict[str, bytes]] | None]] = []
     sending = []

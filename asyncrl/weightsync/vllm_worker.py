@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, WireMeta
 from asyncrl.weightsync.plan import ManifestEntry
 from asyncrl.weightsync.receiver import WorkerReceiver
@@ -260,6 +261,7 @@ class WeightsyncWorkerExtension:
 
     # ---- one update -----------------------------------------------------------------------------
     def asyncrl_begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf") -> None:
+        trace.mark("wrk.begin")
         self._asyncrl_rx().begin(version, verify, staging, layout)
 
     def asyncrl_stage_file(self, version: int, wire: tuple, expected: dict[str, bytes] | None = None) -> dict[str, bytes]:
@@ -294,6 +296,7 @@ class WeightsyncWorkerExtension:
         from asyncrl.weightsync.collective import CollectiveError
         from asyncrl.weightsync.wire import receive_stream, sender_digests
 
+        trace.mark("wrk.receive")
         groups = self.__dict__.get("_asyncrl_groups", {})
         deadline = time.monotonic() + timeout_s
         rx = self._asyncrl_rx()
@@ -315,13 +318,19 @@ class WeightsyncWorkerExtension:
             if group is None or group.broken:
                 raise CollectiveError(f"worker holds no usable group {gid!r} (has {sorted(groups)})")
             ipc = group.spec.backend == "ipc"  # buckets that arrive at once, mapped: hashed in one pass at the end
-            for bucket, expected in receive_stream(group, deadline):
+            trace.mark("wrk.streaming")
+            for k, (bucket, expected) in enumerate(receive_stream(group, deadline)):
+                trace.mark(f"wrk.landed.{k}")
                 rx.stage(version, bucket, expected, lazy=True, batch=ipc)  # full staging: one wait for every digest, below
+                trace.mark(f"wrk.staged.{k}")
+            trace.mark("wrk.end_header")
             if with_sender:
                 theirs.update(sender_digests(group, deadline))
         digests = rx.digests(version)
+        trace.mark("wrk.digests")
         if rx.applying_as_received:
             applied = rx.finish_received(version)
+        trace.mark("wrk.return")
         return {"digests": digests, "sender": theirs, "applied": applied, "before": first} if with_sender else digests
 
     def asyncrl_refuse_collective(self, group_ids: list[str], why: str) -> None:

@@ -141,3 +141,42 @@ def test_the_figures_time_the_steps_after_the_warm_up_and_keep_each_pushs_breakd
     last = out["per_step"][-1]
     assert last["weightsync/sender/broadcast_seconds"] == 0.3 and last["weightsync/replica/r1/load_bucket_seconds"] == 0.33
     assert last["weightsync/bytes"] == 15e9 and "rollout/tokens" not in last
+
+
+def test_an_interrupted_run_reports_the_steps_it_finished_before_it_stops(bench, tmp_path, monkeypatch):
+    """A caller's `timeout -s INT` in the middle of the wait (2026-11-27: a 7B run's tenth step ended 0.3 s after
+    it, and its figures were lost): the figures of the steps done are emitted, then the interrupt goes on."""
+    import json
+
+    import httpx
+    from ray import serve
+
+    import asyncrl.app
+    import asyncrl.config
+
+    calls: list[str] = []
+    for name in ("shutdown", "start", "run", "delete"):
+        monkeypatch.setattr(serve, name, lambda *a, _n=name, **k: calls.append(_n))
+    monkeypatch.setattr(asyncrl.app, "build_app", lambda cfg: "app")
+    monkeypatch.setattr(asyncrl.config, "load_config", lambda raw, source: raw)
+    monkeypatch.setattr(bench, "_replica_versions", lambda control, app: (None, None))
+    monkeypatch.setattr(bench, "_figures", lambda cfg, eta, records, rows, *rest: {"eta": eta, "steps": len(rows)})
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(httpx, "get", interrupted)
+    emitted: list[dict] = []
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"train/step": i}) + "\n" for i in range(1, 5)))
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_once({}, 2, 10, run, 500.0, warmup=1, emit=emitted.append)
+    assert emitted == [{"eta": 2, "steps": 4, "finished": False}]
+    assert calls[-1] == "shutdown" and "delete" in calls  # the app is still torn down
+    # too few steps to time: nothing is emitted, and the interrupt (not a RuntimeError) is what the caller sees
+    (run / "metrics.jsonl").write_text(json.dumps({"train/step": 1}) + "\n")
+    emitted.clear()
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_once({}, 2, 10, run, 500.0, warmup=1, emit=emitted.append)
+    assert emitted == []

@@ -1,0 +1,53 @@
+"""The push timeline marks (asyncrl/weightsync/trace.py) and their reader (benchmarks/push_timeline.py):
+off by default, one line per mark when on, and the reader's per-push offsets and per-bucket summary."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.weightsync import trace
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def timeline():
+    saved = list(sys.path)
+    try:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        return importlib.import_module("push_timeline")
+    finally:
+        sys.path[:] = saved
+
+
+def test_marks_are_written_only_when_a_folder_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(trace, "_DIR", None)
+    monkeypatch.setattr(trace, "_file", None)
+    trace.mark("pub.attempt")
+    assert not trace.enabled() and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(trace, "_DIR", str(tmp_path / "t"))
+    trace.mark("pub.attempt")
+    trace.mark("pub.live")
+    (f,) = (tmp_path / "t").iterdir()
+    lines = [line.split() for line in f.read_text().splitlines()]
+    assert [label for _, label in lines] == ["pub.attempt", "pub.live"]
+    assert float(lines[0][0]) <= float(lines[1][0])
+    trace._file.close()
+
+
+def test_the_timeline_splits_pushes_and_folds_the_buckets(tmp_path, timeline):
+    (tmp_path / "trace_1.txt").write_text("100.000 pub.attempt\n100.030 pub.live\n200.000 pub.attempt\n200.020 pub.live\n")
+    (tmp_path / "trace_2.txt").write_text("100.010 wrk.landed.0\n100.011 wrk.staged.0\n100.012 wrk.landed.1\n"
+                                          "100.015 wrk.staged.1\n200.005 wrk.landed.0\n200.006 wrk.staged.0\n")
+    rows = [timeline.summarize(p) for p in timeline.pushes(timeline.read(tmp_path))]
+    assert len(rows) == 2
+    first = rows[0]
+    assert first["pub.live"] == pytest.approx(30.0)
+    assert first["wrk.landed.first"] == pytest.approx(10.0)
+    assert first["wrk.landed.last(1)"] == pytest.approx(12.0) and first["wrk.staged.last(1)"] == pytest.approx(15.0)
+    assert first["wrk.bucket_host_ms.max"] == pytest.approx(3.0) and first["wrk.bucket_host_ms.sum"] == pytest.approx(4.0)
+    assert rows[1]["pub.live"] == pytest.approx(20.0) and rows[1]["wrk.landed.last(0)"] == pytest.approx(5.0)
