@@ -110,12 +110,12 @@ class WorkerAPI(Protocol):
 
     def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float,
                                    begin: tuple | None = None, with_sender: bool = False,
-                                   early: str | None = None) -> Any:
+                                   early: str | None = None, gate: str = "") -> Any:
         """The staged digests; with `with_sender` {"digests": staged, "sender": the senders' own,
         "applied": the apply's report where `early` (a query verb, "" none) had each bucket applied as
-        it landed, "before": that query's answer}."""
+        it landed, "before": that query's answer}. `gate`: the push's gate token (gloo / NCCL)."""
 
-    def asyncrl_refuse_collective(self, group_ids: list[str], why: str) -> None: ...
+    def asyncrl_refuse_collective(self, group_ids: list[str], why: str, gate: str = "") -> None: ...
 
     def asyncrl_apply(self, version: int) -> dict[str, Any]: ...
 
@@ -191,7 +191,8 @@ class LearnerRankAPI(Protocol):
 
     def probe_collective(self, sizes: dict[int, list[int]], timeout_s: float) -> dict[str, Any] | None: ...
 
-    def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float) -> dict[str, Any] | None: ...
+    def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float,
+                             gate: str = "") -> dict[str, Any] | None: ...
 
     def take_host_copies(self, timeout_s: float) -> dict[str, Any] | None: ...
 

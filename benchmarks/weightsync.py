@@ -248,7 +248,7 @@ class Sender:
     def profiled(self) -> str:
         return getattr(self, "profile_text", "")
 
-    def send(self, bucket_mb: float, verify: str, timeout_s: float) -> dict:
+    def send(self, bucket_mb: float, verify: str, timeout_s: float, gate: str = "") -> dict:
         import ray
 
         from asyncrl.weightsync.wire import send_stream
@@ -257,11 +257,11 @@ class Sender:
             self.profiling = False
             _profile(self, True)
             try:
-                return self.send(bucket_mb, verify, timeout_s)
+                return self.send(bucket_mb, verify, timeout_s, gate)
             finally:
                 self.profile_text = _profile(self, False)
         sent = send_stream(self.group, iter(self.weights.items()), bucket_mb, verify=verify, timeout_s=timeout_s,
-                           keep=ray.put, plan=getattr(self, "plan", None),
+                           keep=ray.put, plan=getattr(self, "plan", None), gate=gate,
                            **({"arena": getattr(self, "arena", "auto")} if self.group.spec.backend != "ipc" else {}))
         self.copies = sent.host_copies
         return {"digests": sent.digests, "bytes": sent.bytes, "num_tensors": sent.num_tensors, "num_buckets": sent.num_buckets,
@@ -336,10 +336,10 @@ class SenderAsLearner:
     async def collective_groups(self):
         return await self.actor.groups.remote()
 
-    async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s):
+    async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s, gate=""):
         from asyncrl.learner.group import CollectiveExport
 
-        return CollectiveExport(**await self.actor.send.remote(bucket_mb, verify, timeout_s))
+        return CollectiveExport(**await self.actor.send.remote(bucket_mb, verify, timeout_s, gate))
 
     async def take_host_copies(self, timeout_s):
         return await self.actor.take.remote(timeout_s)
@@ -458,9 +458,9 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
             async def join(wire):
                 return await asyncio.gather(*(a.join_collective.remote(wire) for a in actors))
 
-            # answered: a push's begin goes to every client (one engine replica each) and fails unless all answer
+            # check: beside each push, as the service does (a change of members closes the push's gate)
             link = CollectiveLink(kind, SenderAsLearner(sender), members=members, join=join, bucket_mb=bucket_mb, timeout_s=timeout_s,
-                                  ipc_window=ipc_window_for(cfg.staging), answered=lambda: [c.name for c in clients])
+                                  ipc_window=ipc_window_for(cfg.staging), check=members)
         push, tails, metrics = [], [], []
         for i in range(repeats + 1):  # the first push of each transport is a warm-up (and forms groups), not timed
             version += 1

@@ -81,6 +81,7 @@ class EngineReplica(WeightUpdates):
         # What the workers answered at the last join (None: ask them). A group breaks only inside
         # a receive, which fails this replica's load_bucket: that drops the cache.
         self._groups_joined: dict[str, Any] | None = None
+        self._receive_reached = False  # this load_bucket's workers received (or refused) a collective push
         self._paused_mode: str | None = None  # a pause some caller holds (resume clears it)
         self._asleep: set[str] = set()  # SLEEP_TAGS released now; the engine never runs while any is
         self._weights_discarded = False  # a level-2 sleep dropped the weights; cleared by the next commit

@@ -8,7 +8,7 @@ level, vllm_worker.py in the workers); this is the state machine around it.
 
 `WeightUpdates` is a part of `EngineReplica` (engine.py), which sets the attributes it reads:
 `llm`, `replica_id`, `version`, `state`, `update_state`, `counters`, `_staging`, `_versions`,
-`_control_lock`, `_asleep` and the pause helpers.
+`_control_lock`, `_asleep`, `_receive_reached` and the pause helpers.
 
 Must never: change the version label while the engine runs a step, or apply staged tensors whose
 fingerprint differs from the one the caller committed.
@@ -26,7 +26,7 @@ from asyncrl.generator.replica_types import ReplicaState, UpdateState, WeightUpd
 from asyncrl.interfaces import WorkerAPI, verb_name
 from asyncrl.types import Refusal, refusal_of
 from asyncrl.weightsync import trace
-from asyncrl.weightsync.collective import CollectiveReceive
+from asyncrl.weightsync.collective import CollectiveReceive, is_gate_closed
 from asyncrl.weightsync.fingerprint import check_verify_mode
 from asyncrl.weightsync.replica_side import FingerprintMismatch
 
@@ -83,8 +83,8 @@ class WeightUpdates:
                 raise WeightUpdateError(f"replica {self.replica_id}: {type(err).__name__}: {err}", refusal_of(err)) from None
         except WeightUpdateError as err:
             if with_receive is not None:
-                self._groups_joined = None  # refusing breaks the workers' groups
-                await self._staging.refuse(with_receive, str(err))
+                self._receive_reached = True  # (refused here)
+                await self._refuse_receive(with_receive, err)
             raise
         if version <= self.version:
             # weightsync restoring the last live version after a torn push (its host copy):
@@ -99,74 +99,95 @@ class WeightUpdates:
         fingerprint and commits, as `commit_update` would (with `begin`: one call for the push)."""
         trace.mark("rep.load")
         async with self._control_lock:
-            folded = isinstance(named_tensors, CollectiveReceive) and named_tensors.begin is not None
-            if folded:
-                await self._begin(named_tensors.version, *named_tensors.begin, with_receive=named_tensors)
-            if self.update_state is not UpdateState.STAGING:
-                raise WeightUpdateError(f"replica {self.replica_id}: load_bucket without begin_update")
-            if version is not None and version != self._staging_version:
-                raise WeightUpdateError(f"replica {self.replica_id}: bucket for version {version}, staging {self._staging_version}")
-            if is_object_ref(named_tensors):  # a bucket handle that travelled nested, unresolved
-                named_tensors = await named_tensors
-            commit = isinstance(named_tensors, CollectiveReceive) and named_tensors.commit
-            if not commit:
-                return {"replica_id": self.replica_id, "staged_tensors": await self._load(named_tensors)}
-            # A load that commits pauses the engine while it receives: the pause's round trip runs
-            # beside the receive's instead of after it, and either order is correct (nothing is
-            # applied before both are done). The engine runs no step during the receive anyway: the
-            # workers receive inside vLLM's utility call, between steps. Buckets that land one after
-            # another (a broadcast) in the engine layout are applied as they land instead, the copy
-            # beside the wire: then the pause comes first (no step may run on them before the check),
-            # the ledger's counts are read in the receive before any weight changes, and a check
-            # that fails at the end is a failed apply (restored from the last live version, paused).
-            pausing, paused_at = None, None
-            early = (named_tensors.stream and self._staging.layout == "engine" and self._staging.staging == "full"
-                     and "weights" not in self._asleep)
-            if early:
-                # (not running: asleep but for its weights, or paused by a caller: no step can run anyway)
-                if self.state is ReplicaState.READY and self._may_run():
-                    paused_at = time.perf_counter()
-                    pausing = asyncio.ensure_future(self._pause_engine("keep"))
-                    await asyncio.wait([pausing])
-                    await self._paused_for_commit(pausing)
-                    trace.mark("rep.paused")
-                loads: Any = self._load(named_tensors, early=self._versions.counts_query, applying=True)
-            elif self.state is ReplicaState.READY and self._may_run():
-                receiving = asyncio.ensure_future(self._load(named_tensors))
-                await asyncio.sleep(0)  # (its call goes out first)
+            self._receive_reached = False
+            try:
+                return await self._load_bucket(named_tensors, version)
+            except Exception as err:
+                # A collective push's other members wait for this replica (ipc's sender, or everyone at a
+                # broadcast's gate) until its workers receive or refuse: a failure before then refuses.
+                if isinstance(named_tensors, CollectiveReceive) and not self._receive_reached:
+                    await self._refuse_receive(named_tensors, err)
+                raise
+
+    async def _refuse_receive(self, payload: CollectiveReceive, err: BaseException) -> None:
+        """Tell a collective push's other members that this replica will not take it (best effort,
+        bounded: a worker stuck elsewhere must not hold the failure back)."""
+        self._groups_joined = None  # refusing may break a worker's group (ipc): ask them next time
+        try:
+            await asyncio.wait_for(self._staging.refuse(payload, f"replica {self.replica_id}: {err}"), 30.0)
+        except Exception as refuse_err:  # noqa: BLE001 - the load's own failure is the one reported
+            logger.warning("replica %s: could not refuse the push: %s", self.replica_id, refuse_err)
+
+    async def _load_bucket(self, named_tensors: Any, version: int | None) -> dict[str, Any]:
+        """`load_bucket` under the control lock."""
+        folded = isinstance(named_tensors, CollectiveReceive) and named_tensors.begin is not None
+        if folded:
+            await self._begin(named_tensors.version, *named_tensors.begin, with_receive=named_tensors)
+        if self.update_state is not UpdateState.STAGING:
+            raise WeightUpdateError(f"replica {self.replica_id}: load_bucket without begin_update")
+        if version is not None and version != self._staging_version:
+            raise WeightUpdateError(f"replica {self.replica_id}: bucket for version {version}, staging {self._staging_version}")
+        if is_object_ref(named_tensors):  # a bucket handle that travelled nested, unresolved
+            named_tensors = await named_tensors
+        commit = isinstance(named_tensors, CollectiveReceive) and named_tensors.commit
+        if not commit:
+            return {"replica_id": self.replica_id, "staged_tensors": await self._load(named_tensors)}
+        # A load that commits pauses the engine while it receives: the pause's round trip runs
+        # beside the receive's instead of after it, and either order is correct (nothing is
+        # applied before both are done). The engine runs no step during the receive anyway: the
+        # workers receive inside vLLM's utility call, between steps. Buckets that land one after
+        # another (a broadcast) in the engine layout are applied as they land instead, the copy
+        # beside the wire: then the pause comes first (no step may run on them before the check),
+        # the ledger's counts are read in the receive before any weight changes, and a check
+        # that fails at the end is a failed apply (restored from the last live version, paused).
+        pausing, paused_at = None, None
+        early = (named_tensors.stream and self._staging.layout == "engine" and self._staging.staging == "full"
+                 and "weights" not in self._asleep)
+        if early:
+            # (not running: asleep but for its weights, or paused by a caller: no step can run anyway)
+            if self.state is ReplicaState.READY and self._may_run():
                 paused_at = time.perf_counter()
                 pausing = asyncio.ensure_future(self._pause_engine("keep"))
-                loads = receiving
-            else:
-                loads = self._load(named_tensors)
+                await asyncio.wait([pausing])
+                await self._paused_for_commit(pausing)
+                trace.mark("rep.paused")
+            loads: Any = self._load(named_tensors, early=self._versions.counts_query, applying=True)
+        elif self.state is ReplicaState.READY and self._may_run():
+            receiving = asyncio.ensure_future(self._load(named_tensors))
+            await asyncio.sleep(0)  # (its call goes out first)
+            paused_at = time.perf_counter()
+            pausing = asyncio.ensure_future(self._pause_engine("keep"))
+            loads = receiving
+        else:
+            loads = self._load(named_tensors)
+        try:
             try:
-                try:
-                    staged = await loads
-                    trace.mark("rep.received")
-                finally:
-                    if pausing is not None:  # paused (or failed to) before anything else happens
-                        await asyncio.wait([pausing])
-                if pausing is not None:
-                    await self._paused_for_commit(pausing)
-                    self._paused_mode = "keep"  # held until the apply succeeded
-                try:
-                    fingerprint = self._staging.sender_fingerprint()
-                except FingerprintMismatch as err:
-                    self.counters["updates_failed"] += 1
-                    applied = self._staging.applied_early is not None
-                    await self._drop_staged()
-                    raise WeightUpdateError(f"replica {self.replica_id}: {err}", Refusal.VERIFY_FAILED,
-                                            applying=applied) from None
-                trace.mark("rep.checked")
-                committed = await self._commit(self._staging_version, fingerprint, paused_at=paused_at)
-                trace.mark("rep.return")
-                return {**committed, "fingerprint": fingerprint, "staged_tensors": staged}
-            except BaseException as err:
-                if isinstance(loads, asyncio.Future) and not loads.done():  # this call was cancelled
-                    loads.cancel()
-                if pausing is not None and not getattr(err, "applying", False):  # nothing applied: run again
-                    await self._undo_pause(pausing)
-                raise
+                staged = await loads
+                trace.mark("rep.received")
+            finally:
+                if pausing is not None:  # paused (or failed to) before anything else happens
+                    await asyncio.wait([pausing])
+            if pausing is not None:
+                await self._paused_for_commit(pausing)
+                self._paused_mode = "keep"  # held until the apply succeeded
+            try:
+                fingerprint = self._staging.sender_fingerprint()
+            except FingerprintMismatch as err:
+                self.counters["updates_failed"] += 1
+                applied = self._staging.applied_early is not None
+                await self._drop_staged()
+                raise WeightUpdateError(f"replica {self.replica_id}: {err}", Refusal.VERIFY_FAILED,
+                                        applying=applied) from None
+            trace.mark("rep.checked")
+            committed = await self._commit(self._staging_version, fingerprint, paused_at=paused_at)
+            trace.mark("rep.return")
+            return {**committed, "fingerprint": fingerprint, "staged_tensors": staged}
+        except BaseException as err:
+            if isinstance(loads, asyncio.Future) and not loads.done():  # this call was cancelled
+                loads.cancel()
+            if pausing is not None and not getattr(err, "applying", False):  # nothing applied: run again
+                await self._undo_pause(pausing)
+            raise
 
     async def _paused_for_commit(self, pausing: asyncio.Future) -> None:
         """Unless the (finished) `pausing` paused the engine, drop the staged version (it takes no
@@ -180,12 +201,13 @@ class WeightUpdates:
         """Stage `payload` for the version being staged; returns the tensors staged so far.
         `early`: `ReplicaStaging.load`'s (the workers may apply as they receive); `applying`: a
         failure may then have left part of it applied (the replica stays paused for a restore)."""
+        self._receive_reached = True  # the workers receive, or refuse, from here on
         try:
             staged = await self._staging.load(payload, self._staging_version, early=early)
         except Exception as err:
             self._groups_joined = None  # a failed receive may have broken a worker's group
             await self._drop_staged()
-            if applying:
+            if applying and not is_gate_closed(err):  # (a push stopped at its gate touched nothing)
                 self.counters["updates_failed"] += 1
                 raise WeightUpdateError(f"replica {self.replica_id}: staging failed while applying as received "
                                         f"(possibly part applied; the replica stays paused until restored): {err}",

@@ -274,14 +274,14 @@ class LearnerGroup:
                                            survivable=(CollectiveError,)) if o is not None]
         return [o["seconds"] for o in sorted(outs, key=lambda o: o["pp_rank"])]
 
-    async def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float) -> CollectiveExport:
+    async def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float, gate: str = "") -> CollectiveExport:
         """One collective push (every rank takes part in the export; senders broadcast). A broadcast that
         failed on the wire (a receiver died; every rank finished its part of the export) raises the
         sender's `CollectiveError` and leaves the group usable: its broadcast group is closed and the next
         push forms a new one. Anything else is a `LearnerRankError`."""
         from asyncrl.weightsync.collective import CollectiveError
 
-        outs = [o for o in await self._all(LearnerRankAPI.broadcast_hf_tensors, bucket_mb, verify, timeout_s,
+        outs = [o for o in await self._all(LearnerRankAPI.broadcast_hf_tensors, bucket_mb, verify, timeout_s, gate,
                                            survivable=(CollectiveError,)) if o is not None]
         sent = CollectiveExport(seconds=_slowest(o["seconds"] for o in outs))  # stages send one after another's end
         for o in outs:

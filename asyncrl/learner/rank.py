@@ -196,19 +196,20 @@ class LearnerRank:
         if self._sender is not None:
             self._sender.leave()
 
-    def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float) -> dict[str, Any] | None:
+    def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float, gate: str = "") -> dict[str, Any] | None:
         """One collective push from this rank: every rank drives the export iterator (its TP/EP
         gathers are collective); the sending rank packs the tensors on its device (in the push
         plan's engine layout when one is set), broadcasts each bucket to the engine workers, and
         starts a host copy of it into the object store (for rollbacks, retries and late joiners),
-        which `take_host_copies` collects. Returns the sender's digests, sizes and timings."""
+        which `take_host_copies` collects. Returns the sender's digests, sizes and timings. `gate`: the
+        push's gate token (gloo / NCCL: nothing goes out until every receiver is ready; collective.py)."""
         self._ready()
         with self._thread(), self._held(("params",)):
             tensors = self.role.export_hf_tensors()
             if not self._is_sender():
                 self._drain(tensors)
                 return None
-            out = self._endpoint().broadcast(tensors, bucket_mb, verify, timeout_s, self.coords.pp)
+            out = self._endpoint().broadcast(tensors, bucket_mb, verify, timeout_s, self.coords.pp, gate=gate)
         return {"pp_rank": self.coords.pp, **out}
 
     def probe_collective(self, sizes: dict[int, list[int]], timeout_s: float) -> dict[str, Any] | None:

@@ -29,6 +29,15 @@ shard) in its device memory until commit, because the commit is atomic: a worker
 unsharded copy of the model beside its live shard. Where that does not fit, use shm (one node:
 staged in shared host pages, one copy per node) or object_store.
 
+The gate (gloo / NCCL): no member touches the wire for a push until every member of the group is
+ready for it. Each push carries a token; every member adds itself to the token's count in the
+group's store, the one that completes it opens the gate, and each member waits for the gate's
+decision before its first broadcast. A member that cannot take the push (its begin failed, it holds
+no usable group), or the publisher (a member is gone, or not in the groups), closes the gate
+instead: everyone leaves without a byte on the wire (`GateClosed`) and the group stays usable. So a
+replica may begin a push in its receive's own call, and a sender may start beside it, on every
+backend: the begin's round trip leaves the push's critical path.
+
 Neither side ever blocks without a deadline: a gloo wait takes a timeout, a NCCL broadcast runs
 on a side stream whose completion event is polled until the deadline. A timed-out group is
 broken (its collective state is unknown): it is closed and the next push forms a new one.
@@ -64,6 +73,47 @@ class CollectiveError(RuntimeError):
 
 class SenderAborted(CollectiveError):
     """The sender told the receivers it could not finish this push (its export failed)."""
+
+
+class GateClosed(SenderAborted):
+    """The push was stopped at its gate, before any byte went out: a member refused it, the publisher
+    stopped it, or a member never came by the deadline. The group stays usable."""
+
+
+GATE_CLOSED = "stopped at its gate"  # in every GateClosed's message: it survives vLLM's RPC, which keeps only text
+
+
+def is_gate_closed(err: BaseException) -> bool:
+    """Whether `err` (or one it was raised from, here or in a worker) is a push stopped at its gate:
+    nothing of that push reached a buffer, let alone the live weights."""
+    from asyncrl.types import error_chain
+
+    return any(isinstance(e, GateClosed) or GATE_CLOSED in str(e) for e in error_chain(err))
+
+
+GATE_OPEN = "open"
+
+
+def gate_keys(group_id: str, token: str) -> tuple[str, str, str]:
+    """The store keys of one push's gate on a group: the members' count, the decision, and the key its
+    waiters wait on (set after every decision: the store's non-libuv server, which a sender's
+    pre-bound port uses, wakes no waiter when `compare_set` writes a key)."""
+    base = f"asyncrl-gate/{group_id}/{token}"
+    return f"{base}/n", f"{base}/go", f"{base}/decided"
+
+
+def _decide(store: Any, group_id: str, token: str, decision: str) -> str:
+    """Write `decision` unless the gate is decided already; wake the waiters; the decision that stands."""
+    _, go, decided = gate_keys(group_id, token)
+    out = store.compare_set(go, "", decision).decode(errors="replace")
+    store.set(decided, "1")
+    return out
+
+
+def close_gate(store: Any, group_id: str, token: str, why: str) -> str:
+    """Close the gate of push `token` on group `group_id` unless it is already decided; returns the
+    decision (GATE_OPEN if every member had arrived first). `store`: a client of the group's store."""
+    return _decide(store, group_id, token, f"closed: {why}"[:2000])
 
 
 @dataclass(frozen=True)
@@ -108,9 +158,11 @@ class CollectiveReceive:
     group_ids: tuple[str, ...]
     version: int
     timeout_s: float = 120.0
-    # ipc only (no collective there can hang on a member that refused): the replica begins the
-    # update in the same call, with these (verify, staging, layout, plan_id)
+    # the replica begins the update in the same call, with these (verify, staging, layout, plan_id); a
+    # refusal tells the other members (ipc: the sender; gloo / NCCL: everyone, at the push's gate)
     begin: tuple[Any, ...] | None = None
+    # gloo / NCCL: the push's gate token (every member waits at it before the wire; collective.py)
+    gate: str = ""
     # any backend, full staging, one engine replica: the replica then checks the senders' own
     # fingerprint (their digests come with the push) and commits by itself, in the same call
     commit: bool = False
@@ -227,6 +279,7 @@ class CollectiveGroup:
     _ring_copies: list = field(default_factory=list, repr=False)  # ipc_window 0: the host copies still reading them
     _opened: dict = field(default_factory=dict, repr=False)  # ipc receiver: the sender's buffers, opened once
     _sender_digests: dict | None = field(default=None, repr=False)  # gloo / nccl receiver: the last push's, as sent
+    _gate_keys: list = field(default_factory=list, repr=False)  # sender: the last push's gate keys, dropped at the next
 
     @classmethod
     def join(cls, spec: GroupSpec, rank: int, device: torch.device | str | None = None, *,
@@ -278,6 +331,60 @@ class CollectiveGroup:
                                       f"joined within {spec.timeout_s}s")
             time.sleep(0.002)
         return group
+
+    # ---- the gate of one push (gloo / NCCL) ----------------------------------------------------
+    def _kv(self) -> Any:
+        """The group's store (NCCL: the TCPStore under vLLM's StatelessProcessGroup)."""
+        if self._store is None:
+            raise CollectiveError(f"group {self.spec.group_id} is closed")
+        return self._store.store if self.spec.backend == "nccl" else self._store
+
+    def arrive(self, token: str) -> None:
+        """This member is ready for push `token`; the member that completes the count opens the gate."""
+        keys = gate_keys(self.spec.group_id, token)
+        kv = self._kv()
+        if self.rank == 0:  # the sender drops the last push's keys (every member was past them)
+            for key in self._gate_keys:
+                try:
+                    kv.delete_key(key)
+                except Exception:  # noqa: BLE001 - housekeeping only
+                    pass
+            self._gate_keys = list(keys)
+        try:
+            if kv.add(keys[0], 1) >= self.spec.world_size:
+                _decide(kv, self.spec.group_id, token, GATE_OPEN)
+        except Exception as err:  # the store's owner (the sending rank) is gone
+            raise self._failed([], err) from err
+
+    def await_gate(self, token: str, deadline: float) -> None:
+        """Return once push `token`'s gate is open (every member arrived); raise `GateClosed` if it was
+        closed, or closes it at `deadline` (a member never came). Nothing touches the wire either way."""
+        _, go, decided = gate_keys(self.spec.group_id, token)
+        kv = self._kv()
+        try:
+            try:
+                kv.wait([decided], datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                decision = kv.get(go).decode(errors="replace")
+            except Exception as err:  # the deadline (DistStoreError), or the store's owner is gone
+                if time.monotonic() < deadline:
+                    raise
+                decision = close_gate(kv, self.spec.group_id, token,
+                                      f"rank {self.rank} waited to the deadline for every member ({type(err).__name__})")
+        except GateClosed:
+            raise
+        except Exception as err:
+            raise self._failed([], err) from err
+        if decision != GATE_OPEN:
+            raise GateClosed(f"group {self.spec.group_id}: push {token} {GATE_CLOSED} before it began ({decision})")
+
+    def pass_gate(self, token: str, deadline: float) -> None:
+        """`arrive` then `await_gate`: a member of one group."""
+        self.arrive(token)
+        self.await_gate(token, deadline)
+
+    def close_gate(self, token: str, why: str) -> str:
+        """Close push `token`'s gate from this member (it will not take the push); the decision."""
+        return close_gate(self._kv(), self.spec.group_id, token, f"rank {self.rank}: {why}")
 
     # ---- one broadcast from group rank 0 -------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, deadline: float) -> None:
@@ -344,6 +451,8 @@ class CollectiveGroup:
     def _failed(self, tensors: list[torch.Tensor], err: BaseException) -> "CollectiveError":
         self.broken = True
         self.close()
+        if not tensors:
+            return CollectiveError(f"group {self.spec.group_id} rank {self.rank}: {type(err).__name__}: {err}")
         what = (f"{tensors[0].numel()} {str(tensors[0].dtype).removeprefix('torch.')}" if len(tensors) == 1
                 else f"{len(tensors)} buckets ({sum(t.numel() for t in tensors)} elements)")
         return CollectiveError(f"group {self.spec.group_id} rank {self.rank}: broadcast of {what} failed: "

@@ -128,9 +128,10 @@ class ReplicaStaging:
 
     async def refuse(self, payload: Any, why: str) -> None:
         """A collective push this replica will not take (its begin was refused before the workers
-        heard of it): the workers tell the sender, which stops at once instead of at its deadline."""
+        heard of it): the workers tell the sender (ipc), or close the push's gate (gloo / NCCL): every
+        member stops at once instead of at its deadline."""
         if isinstance(payload, CollectiveReceive):
-            await self.rpc(WorkerAPI.asyncrl_refuse_collective, list(payload.group_ids), why)
+            await self.rpc(WorkerAPI.asyncrl_refuse_collective, list(payload.group_ids), why, payload.gate)
 
     def _merge(self, results: list[dict[str, bytes]]) -> None:
         if not self._per_worker:
@@ -158,7 +159,7 @@ class ReplicaStaging:
             if early is not False and payload.commit:
                 query = "" if early is None else verb_name(WorkerAPI, early)
             results = await self.rpc(WorkerAPI.asyncrl_receive_collective, version, list(payload.group_ids), payload.timeout_s,
-                                     begin, payload.commit, query, timeout=payload.timeout_s + 30.0)
+                                     begin, payload.commit, query, payload.gate, timeout=payload.timeout_s + 30.0)
             if payload.commit:  # each worker read the senders' digests too: every worker saw the same
                 self.sender_digests = dict(results[0]["sender"]) if results else {}
                 applied = [r.get("applied") for r in results]

@@ -124,9 +124,10 @@ class SenderEndpoint:
             group.close()
 
     def broadcast(self, tensors: Iterable[tuple[str, Any]], bucket_mb: float, verify: str, timeout_s: float,
-                  sender: int) -> dict[str, Any]:
+                  sender: int, gate: str = "") -> dict[str, Any]:
         """One collective push of `tensors` (engine layout when a plan is set); starts the host
-        copies `take_host_copies` collects. The stream is always read to its end."""
+        copies `take_host_copies` collects. The stream is always read to its end. `gate`: the push's
+        gate token (gloo / NCCL)."""
         import ray
 
         from asyncrl.weightsync.collective import CollectiveError
@@ -140,7 +141,7 @@ class SenderEndpoint:
             raise CollectiveError("no usable weight broadcast group (join_collective first)")
         try:
             sent = send_stream(group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=ray.put,
-                               plan=self.plan, sender=sender)
+                               plan=self.plan, sender=sender, gate=gate)
         except BaseException:
             for _ in tensors:  # a failed broadcast: still finish the export the TP peers are gathering
                 pass

@@ -35,7 +35,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from asyncrl.config import WeightsyncConfig
@@ -143,8 +144,8 @@ class WeightPublisher:
                 ipc_window=ipc_window_for(self.cfg.staging),
                 # through the replicas' client: the fan-out a push reads is then the one just counted
                 members=lambda: self.replicas.broadcast(EngineAPI.collective_info),
-                # gloo / NCCL: a push's begin (through the same client) runs just before `ensure`
-                answered=lambda: self.replicas.last_results,
+                # beside each push (its fan-out count untouched): are the groups' members still the replicas?
+                check=lambda: control.call(EngineAPI.collective_info, timeout_s=min(30.0, self.cfg.timeout_s)),
                 join=lambda wire: control.call(EngineAPI.join_collective, wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
                 probe=(lambda sizes: control.call(EngineAPI.probe_collective, sizes, self.cfg.timeout_s,
                                                   timeout_s=self.cfg.timeout_s + 30.0)) if probe_wire else None,
@@ -351,15 +352,17 @@ class CollectiveLink:
     broadcast breaks it on that member); `send`, `payload` and `cancel` are `publish_streamed`'s.
 
     `ensure()` asks nobody right after a push that every member of the groups took and no other
-    replica was sent (`pushed`), which saves two round trips per push. On ipc a replica that has
-    gone since fails that push without waiting (its receive fails at once, or it is missing, and
-    `cancel` stops the sender), and the retry forms the groups again. A broadcast (gloo, NCCL)
-    could not be stopped so: there the push's own begin call, made to every running replica just
-    before, must have been answered by exactly the groups' members (`answered`), else it asks."""
+    replica was sent (`pushed`), which saves two round trips per push. A replica that has gone
+    since, or one outside the groups, fails that push without waiting for its deadline, and the
+    retry forms the groups again: on ipc its receive fails at once, or it is missing and `cancel`
+    stops the sender; on gloo / NCCL every member waits at the push's gate (collective.py) before
+    the wire, and `send` asks the replicas (`check`) beside the push, closing the gate when the
+    running replicas are not the groups' members. So every backend begins in the receive's call
+    (`fold_begin`), and a replica that refuses closes the gate itself."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
-                 ipc_window: int | None = None, answered: Callable[[], Iterable[str]] | None = None,
+                 ipc_window: int | None = None, check: Callable[[], Awaitable[dict[str, Any]]] | None = None,
                  probe: Callable[[list[list[int]]], Awaitable[Any]] | None = None,
                  probe_sizes: Callable[[], dict[int, list[int]]] | None = None) -> None:
         from asyncrl.weightsync.collective import IPC_WINDOW
@@ -375,8 +378,9 @@ class CollectiveLink:
         self.specs: list[Any] = []
         self.members: dict[str, int] = {}  # replica id -> engine workers, as the groups were formed
         self.formed = 0  # how many times groups were formed
-        # gloo / NCCL: the replicas that answered this push's begin call (it runs before `ensure`)
-        self._answered = answered
+        # gloo / NCCL: the replicas' collective_info, asked beside each push (None: not checked)
+        self._check_call = check
+        self._gate = ""  # gloo / NCCL: the gate token of the push in flight (payload -> send, cancel)
         self.checks_skipped = 0  # ensure() calls that asked nobody (right after a clean push)
         self._clean = False  # the last push reached exactly the groups' members, and every one took it
         self._stores: dict[str, Any] = {}  # group id -> a client of its store (cancel)
@@ -390,29 +394,41 @@ class CollectiveLink:
         self._clean = bool(self.specs) and set(reached) == set(self.members)
 
     async def cancel(self, why: str) -> None:
-        """Stop a sender still waiting for acknowledgements of the push in flight (ipc: every
-        receiver's call has returned, so one of the members is gone). Best effort; never raises."""
-        if self.backend != "ipc":
-            return
+        """Stop the push in flight where members still wait for one that is gone (every receiver's
+        call has returned): ipc's sender waiting for acknowledgements, or (gloo / NCCL) everyone
+        still at the push's gate. A broadcast already on the wire cannot be stopped so: it ends at
+        its deadline. Best effort; never raises."""
+        from asyncrl.weightsync.collective import close_gate
         from asyncrl.weightsync.ipc import cancel_key
 
+        gate = self._gate
+        if self.backend != "ipc" and not gate:
+            return
+
         def put() -> None:
-            import datetime
-
-            import torch.distributed as dist
-
             for spec in self.specs:
                 try:
-                    store = self._stores.get(spec.group_id)
-                    if store is None:
-                        store = self._stores[spec.group_id] = dist.TCPStore(
-                            spec.host, spec.port, is_master=False, timeout=datetime.timedelta(seconds=10),
-                            wait_for_workers=False)
-                    store.set(cancel_key(spec.group_id), why[:2000])
+                    store = self._store(spec)
+                    if self.backend == "ipc":
+                        store.set(cancel_key(spec.group_id), why[:2000])
+                    else:
+                        close_gate(store, spec.group_id, gate, f"the publisher: {why}")
                 except Exception as err:  # the sender's process (the store) is gone: it is not waiting either
-                    log.warning("weightsync: could not stop the sender of group %s: %s", spec.group_id, err)
+                    log.warning("weightsync: could not stop the push on group %s: %s", spec.group_id, err)
 
         await asyncio.to_thread(put)
+
+    def _store(self, spec: Any) -> Any:
+        """A client of `spec`'s group store, made once per group."""
+        import datetime
+
+        import torch.distributed as dist
+
+        store = self._stores.get(spec.group_id)
+        if store is None:
+            store = self._stores[spec.group_id] = dist.TCPStore(
+                spec.host, spec.port, is_master=False, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+        return store
 
     @property
     def group_ids(self) -> list[str]:
@@ -420,9 +436,9 @@ class CollectiveLink:
 
     @property
     def fold_begin(self) -> bool:
-        """Replicas may begin a push in their receive (`publish_streamed(fold_begin=...)`): on ipc a
-        replica that refuses tells the sender; a broadcast would wait for it to its deadline."""
-        return self.backend == "ipc"
+        """Replicas begin a push in their receive (`publish_streamed(fold_begin=...)`): one that
+        refuses tells the sender (ipc) or closes the push's gate (gloo / NCCL)."""
+        return True
 
     async def ensure(self) -> None:
         from dataclasses import asdict
@@ -430,8 +446,7 @@ class CollectiveLink:
         from asyncrl.weightsync.collective import form_specs
 
         clean, self._clean = self._clean, False  # once: a failed push's retry asks
-        if clean and self.specs and (self.fold_begin or (
-                self._answered is not None and set(self._answered()) == set(self.members))):
+        if clean and self.specs:
             self.checks_skipped += 1
             return
         info, senders = await asyncio.gather(self._members_call(), self.learner.collective_groups())
@@ -481,16 +496,49 @@ class CollectiveLink:
                  time.perf_counter() - t)
 
     def payload(self, version: int) -> Any:
+        """The replicas' side of one push attempt; on gloo / NCCL it names a new gate, which `send` uses."""
         from asyncrl.weightsync.collective import CollectiveReceive
 
-        return CollectiveReceive(tuple(self.group_ids), version, self.timeout_s, stream=self.backend != "ipc")
+        broadcast = self.backend != "ipc"
+        self._gate = f"v{version}-{uuid.uuid4().hex[:12]}" if broadcast else ""
+        return CollectiveReceive(tuple(self.group_ids), version, self.timeout_s, stream=broadcast, gate=self._gate)
 
     async def send(self, version: int, verify: str) -> Any:  # noqa: ARG002 - the label travels with the payload
+        """The senders' side of the attempt `payload` described. On gloo / NCCL the replicas are asked
+        beside it whether they are still the groups' members; if not, the gate closes (nobody waits
+        for a member that is gone, or sends to a group a new replica is not in), and the retry forms
+        the groups again. A sender that failed closes the gate too (receivers still at it leave)."""
         from asyncrl.weightsync.push import StreamedSend
 
-        sent = await self.learner.broadcast_hf_tensors(self.bucket_mb, verify, self.timeout_s)
+        gate = self._gate
+        checking = asyncio.ensure_future(self._check_members(gate)) if gate and self._check_call is not None else None
+        try:
+            sent = await self.learner.broadcast_hf_tensors(self.bucket_mb, verify, self.timeout_s, gate)
+        except BaseException as err:
+            if gate:
+                await self.cancel(f"a sender failed: {type(err).__name__}: {str(err)[:300]}")
+            raise
+        finally:
+            if checking is not None and not checking.done():  # the senders are past the gate: it is moot
+                checking.cancel()
         return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds, collect=self._collect,
                             num_buckets=sent.num_buckets)
+
+    async def _check_members(self, gate: str) -> None:
+        """Close push `gate`'s gate unless the running replicas are exactly the groups' members, each
+        still holding every group (a gate every member reached is open already: then this changes nothing)."""
+        try:
+            info = await self._check_call()  # type: ignore[misc]
+            members = {rid: int(i["workers"]) for rid, i in info.items()}
+            whole = all(set(self.group_ids) <= set(i["groups"]) for i in info.values())
+            problem = None if members == self.members and whole else (
+                f"the running replicas {sorted(members)} are not the groups' members {sorted(self.members)}"
+                if members != self.members else "a replica no longer holds every group")
+        except Exception as err:  # a replica that cannot answer is not there to receive either
+            problem = f"the replicas did not answer ({type(err).__name__}: {str(err)[:300]})"
+        if problem is not None and gate == self._gate:
+            log.info("weightsync: push %s stopped at its gate: %s", gate, problem)
+            await self.cancel(problem)
 
     async def _collect(self) -> Any:
         from asyncrl.weightsync.push import KeptCopies

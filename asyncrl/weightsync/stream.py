@@ -169,14 +169,16 @@ class SenderRing:
 
 def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
                           verify: str, timeout_s: float, keep: Callable[[Bucket], Any] | None = None,
-                          plan: Any = None, sender: int = 0, arena: str = "auto") -> SendResult:
+                          plan: Any = None, sender: int = 0, arena: str = "auto", gate: str = "") -> SendResult:
     """The sender's loop for one push: bucket the stream on the tensors' device (in the engines'
     layout with a `plan`), hash each bucket (its digests go in band, before its bytes), send it,
     and start its host copy (`keep` is called with each finished copy, off the critical path).
     If the stream fails, the receivers are told (abort header) before the error propagates.
     `arena`, for a whole planned version: "whole" packs it into one allocation, "ring" through a
     `SenderRing` of reused slots, "auto" the whole one unless the device cannot hold it (then the
-    ring, for this group's later pushes too)."""
+    ring, for this group's later pushes too). `gate`: the push's gate token (collective.py): nothing
+    goes on the wire until every member is ready; a closed gate raises `GateClosed` (the stream is
+    still read to its end, and the group stays usable)."""
     if arena not in ("auto", "whole", "ring"):
         raise ValueError(f"arena must be auto, whole or ring, not {arena!r}")
     trace.mark("snd.enter")
@@ -212,6 +214,9 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender,
                                 planned_buffer=buffers), out)
     try:
+        if gate:
+            group.pass_gate(gate, deadline)
+            trace.mark("snd.gate_open")
         if planned is not None:  # the table is the plan's: sent first, each bucket on the wire as it is packed
             _send_whole_planned(group, export, copies, verify, deadline, out, planned, ring)
         else:

@@ -283,7 +283,7 @@ class WeightsyncWorkerExtension:
 
     def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float,
                                    begin: tuple | None = None, with_sender: bool = False,
-                                   early: str | None = None) -> Any:
+                                   early: str | None = None, gate: str = "") -> Any:
         """Stage every bucket of `version` from the groups `group_ids` (in order), each straight
         into this worker's memory; returns the digests staged. `begin` (verify, staging, layout):
         begin the update first, in this call. `with_sender`: also read every digest the senders
@@ -292,7 +292,9 @@ class WeightsyncWorkerExtension:
         an engine-layout full staging, read `early` (an `asyncrl_` query of this worker, "" none:
         the ledger's counts, as `asyncrl_apply_after` reads them) first, then copy each bucket into
         the live weights as it lands (`WorkerReceiver.apply_as_received`); "applied" is then the
-        apply's report and "before" the query's answer, else both None (the commit applies)."""
+        apply's report and "before" the query's answer, else both None (the commit applies).
+        `gate` (broadcast groups): the push's gate token. This worker passes every group's gate once it
+        has begun (collective.py), and closes them instead if it cannot take the push."""
         from asyncrl.weightsync.collective import CollectiveError
         from asyncrl.weightsync.wire import receive_stream, sender_digests
 
@@ -300,23 +302,31 @@ class WeightsyncWorkerExtension:
         groups = self.__dict__.get("_asyncrl_groups", {})
         deadline = time.monotonic() + timeout_s
         rx = self._asyncrl_rx()
-        if begin is not None:
-            try:
+        try:
+            if begin is not None:
                 rx.begin(version, *begin)
-            except Exception as err:
-                self.asyncrl_refuse_collective(group_ids, f"{type(err).__name__}: {err}")
-                raise
+            missing = [gid for gid in group_ids if gid not in groups or groups[gid].broken]
+            if missing:
+                raise CollectiveError(f"worker holds no usable group {missing[0]!r} (has {sorted(groups)})")
+        except Exception as err:
+            self.asyncrl_refuse_collective(group_ids, f"{type(err).__name__}: {err}", gate)
+            raise
         theirs: dict[str, bytes] = {}
         first, applied = None, None
-        streamed = all(gid in groups and groups[gid].spec.backend != "ipc" for gid in group_ids)
+        streamed = all(groups[gid].spec.backend != "ipc" for gid in group_ids)
         if early is not None and with_sender and streamed:
             first = self._asyncrl_query(early)() if early else None  # read before any live weight changes
             if not rx.apply_as_received(version):
                 first = None
+        gated = bool(gate) and streamed
+        if gated:  # ready on every group at once; each group's decision is awaited when its turn comes (a
+            for gid in group_ids:  # later PP stage may only start sending once an earlier one is done)
+                groups[gid].arrive(gate)
         for gid in group_ids:
-            group = groups.get(gid)
-            if group is None or group.broken:
-                raise CollectiveError(f"worker holds no usable group {gid!r} (has {sorted(groups)})")
+            group = groups[gid]
+            if gated:
+                group.await_gate(gate, deadline)
+                trace.mark("wrk.gate_open")
             ipc = group.spec.backend == "ipc"  # buckets that arrive at once, mapped: hashed in one pass at the end
             trace.mark("wrk.streaming")
             for k, (bucket, expected) in enumerate(receive_stream(group, deadline)):
@@ -333,14 +343,18 @@ class WeightsyncWorkerExtension:
         trace.mark("wrk.return")
         return {"digests": digests, "sender": theirs, "applied": applied, "before": first} if with_sender else digests
 
-    def asyncrl_refuse_collective(self, group_ids: list[str], why: str) -> None:
-        """Refuse the coming push on the groups `group_ids` (its begin failed): the sender stops at once."""
+    def asyncrl_refuse_collective(self, group_ids: list[str], why: str, gate: str = "") -> None:
+        """Refuse the coming push on the groups `group_ids` (its begin failed): its sender (ipc), or
+        every member at its gate `gate` (gloo / NCCL), stops at once. Best effort on each group."""
         from asyncrl.weightsync.wire import refuse_push
 
         for gid in group_ids:
             group = self.__dict__.get("_asyncrl_groups", {}).get(gid)
-            if group is not None:
-                refuse_push(group, why)
+            if group is not None and not group.broken:
+                try:
+                    refuse_push(group, why, gate)
+                except Exception:  # noqa: BLE001 - a group whose store is gone has nobody waiting
+                    pass
 
     def asyncrl_apply(self, version: int) -> dict[str, Any]:
         return self._asyncrl_rx().apply(version)

@@ -21,16 +21,17 @@ from asyncrl.weightsync.stream import SendResult, broadcast_receive_stream, broa
 
 def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
                 verify: str, timeout_s: float, keep: Callable[[Bucket], Any] | None = None,
-                plan: Any = None, sender: int = 0, arena: str = "auto") -> SendResult:
+                plan: Any = None, sender: int = 0, arena: str = "auto", gate: str = "") -> SendResult:
     """Send one version over `group`: bucket (in the engines' layout with a `plan`), hash in the
     `verify` mode, send, and hand each bucket's host copy to `keep` off the critical path. `arena`
     (gloo / NCCL, a whole planned version): where the sender packs it (stream.broadcast_send_stream);
-    an ipc sender packs into its own ring."""
+    an ipc sender packs into its own ring. `gate` (gloo / NCCL): the push's gate token; ipc needs none
+    (a receiver that refuses tells its sender through the store)."""
     if group.spec.backend == "ipc":
         return ipc_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=keep, plan=plan,
                                sender=sender)
     return broadcast_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=keep,
-                                 plan=plan, sender=sender, arena=arena)
+                                 plan=plan, sender=sender, arena=arena, gate=gate)
 
 
 def receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
@@ -48,8 +49,10 @@ def sender_digests(group: CollectiveGroup, deadline: float) -> dict[str, bytes]:
     return ipc_sender_digests(group, deadline)
 
 
-def refuse_push(group: CollectiveGroup, why: str) -> None:
-    """This receiver refuses the coming push before reading any of it (ipc: the sender stops at
-    once; a broadcast group has no way to say so, so its pushes begin in a call of their own)."""
+def refuse_push(group: CollectiveGroup, why: str, gate: str = "") -> None:
+    """This receiver refuses the coming push before reading any of it: ipc tells the sender through
+    the store; a broadcast group closes the push's gate (`gate`), so every member leaves before the wire."""
     if group.spec.backend == "ipc":
         ipc_refuse(group, why)
+    elif gate:
+        group.close_gate(gate, why)

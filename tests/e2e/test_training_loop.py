@@ -197,9 +197,9 @@ def test_grpo_trains_and_publishes_while_the_api_answers(run_a):
     assert all(m["weightsync/raw_seconds"] > 0 for m in metrics)
     assert all(m["weightsync/push_over_raw"] == pytest.approx(m["weightsync/push_seconds"] / m["weightsync/raw_seconds"])
                for m in metrics)
-    # One engine replica: its begin is a call of its own, then one call receives, checks the sender's
-    # fingerprint and commits; after a clean push whose begin it answered, nobody is asked about the groups.
-    assert all(m["weightsync/begin_in_load"] == 0 and m["weightsync/commit_in_load"] == 1 for m in metrics)
+    # One engine replica: one call begins, waits at the push's gate with the sender, receives, checks the
+    # sender's fingerprint and commits; after a clean push nobody is asked about the groups first.
+    assert all(m["weightsync/begin_in_load"] == 1 and m["weightsync/commit_in_load"] == 1 for m in metrics)
     # ... and, where it applies engine-layout buckets directly, it copies each in as it lands, paused first
     assert all(m["weightsync/applied_as_received"] == m["weightsync/apply_direct"] for m in metrics)
     assert metrics[-1]["weightsync/group_checks_skipped"] >= 1

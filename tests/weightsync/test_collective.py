@@ -861,6 +861,17 @@ class _FakeLearner:
     def __init__(self) -> None:
         self.joined: list[list[dict]] = []
         self.held: list[str] = []
+        self.gates: list[str] = []
+        self.fail = False
+
+    async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s, gate=""):
+        from asyncrl.learner.group import CollectiveExport
+
+        self.gates.append(gate)
+        await asyncio.sleep(0.05)  # (the link's check runs beside it)
+        if self.fail:
+            raise RuntimeError("export failed")
+        return CollectiveExport()
 
     async def collective_addresses(self):
         return [{"sender": 0, "host": "127.0.0.1", "port": 1}]
@@ -898,7 +909,9 @@ async def test_groups_are_formed_again_only_when_replicas_change_or_a_member_bro
     replicas, _, members, join = _fake_replicas()
     link = CollectiveLink("gloo", learner, members=members, join=join, bucket_mb=1, timeout_s=5)
     await link.ensure()
-    assert link.formed == 1 and link.members == {"a": 1} and link.payload(3) == CollectiveReceive(tuple(link.group_ids), 3, 5, stream=True)
+    payload = link.payload(3)
+    assert link.formed == 1 and link.members == {"a": 1}
+    assert payload == CollectiveReceive(tuple(link.group_ids), 3, 5, stream=True, gate=payload.gate) and payload.gate
     await link.ensure()
     assert link.formed == 1  # nothing changed: the groups are reused
     learner.held = []  # the sender's broadcast timed out: its group is broken
@@ -933,40 +946,58 @@ async def test_an_ipc_link_checks_its_groups_again_unless_the_last_push_reached_
     await link.ensure()
     assert asked["n"] == 4 and link.formed == 2
 
-    gloo = CollectiveLink("gloo", learner, members=members, join=join, bucket_mb=1, timeout_s=5)
-    await gloo.ensure()
-    gloo.pushed({"a": {}})  # a broadcast cannot be stopped when a member is gone: without the begin's answers, asked
-    await gloo.ensure()
-    assert gloo.checks_skipped == 0 and asked["n"] == 6
 
 
-async def test_a_broadcast_link_skips_its_check_only_when_this_pushs_begin_was_answered_by_exactly_its_members():
-    """gloo / NCCL: the begin call, made to every running replica just before `ensure`, stands in for
-    the check; a member that did not answer it (gone since) or a replica outside the groups makes it ask."""
+async def test_a_broadcast_link_checks_its_members_beside_each_push_and_stops_it_at_the_gate_when_they_changed():
+    """gloo / NCCL: after a clean push the link asks nobody first (as on ipc); instead it asks the replicas
+    beside the push, and closes the push's gate (every member still waiting leaves, nothing on the wire)
+    when a replica came or went, one lost a group, or they did not answer; a sender that failed closes it too."""
     from asyncrl.weightsync.service import CollectiveLink
 
     learner = _FakeLearner()
     replicas, asked, members, join = _fake_replicas()
-    answered: list[str] = []
-    link = CollectiveLink("nccl", learner, members=members, join=join, bucket_mb=1, timeout_s=5,
-                          answered=lambda: answered)
+    checked = {"n": 0, "fail": False}
+
+    async def check():
+        checked["n"] += 1
+        if checked["fail"]:
+            raise RuntimeError("replica b is dead")
+        return {rid: {"replica_id": rid, **i} for rid, i in replicas.items()}
+
+    link = CollectiveLink("nccl", learner, members=members, join=join, bucket_mb=1, timeout_s=5, check=check)
+    assert link.fold_begin
     await link.ensure()
-    assert asked["n"] == 1 and link.members == {"a": 1}
     link.pushed({"a": {}})
-    answered[:] = ["a"]  # this push's begin reached exactly the groups' members
     await link.ensure()
     assert asked["n"] == 1 and link.checks_skipped == 1
-    link.pushed({"a": {}})
-    answered[:] = []  # the member did not answer this begin (gone since; the running set is empty)
-    await link.ensure()
-    assert asked["n"] == 2 and link.checks_skipped == 1
-    link.pushed({"a": {}})
-    replicas["b"] = {"workers": 1, "groups": []}
-    answered[:] = ["a", "b"]  # a replica outside the groups answered: they are formed again with it
-    await link.ensure()
-    assert asked["n"] == 3 and link.checks_skipped == 1 and link.members == {"a": 1, "b": 1} and link.formed == 2
-    await link.ensure()  # no push since: asked
-    assert asked["n"] == 4
+    stopped: list[str] = []
+
+    async def cancel(why):
+        stopped.append(why)
+
+    link.cancel = cancel
+    payload = link.payload(3)
+    assert payload.gate and payload.gate.startswith("v3-") and payload.stream
+    await link.send(3, "checksum")
+    assert learner.gates == [payload.gate] and checked["n"] == 1 and stopped == []
+    assert link.payload(3).gate != payload.gate  # each attempt its own gate
+    replicas["b"] = {"workers": 1, "groups": list(link.group_ids)}  # a replica outside the groups
+    await link.send(3, "checksum")
+    assert len(stopped) == 1 and "not the groups' members" in stopped[0]
+    del replicas["b"]
+    replicas["a"]["groups"] = []
+    await link.send(3, "checksum")
+    assert "no longer holds every group" in stopped[1]
+    checked["fail"] = True
+    await link.send(3, "checksum")
+    assert "did not answer" in stopped[2] and "replica b is dead" in stopped[2]
+    checked["fail"], replicas["a"]["groups"] = False, list(link.group_ids)
+    learner.fail = True
+    with pytest.raises(RuntimeError, match="export failed"):
+        await link.send(3, "checksum")
+    assert len(stopped) == 4 and "a sender failed" in stopped[3]
+    ipc = CollectiveLink("ipc", learner, members=members, join=join, bucket_mb=1, timeout_s=5, check=check)
+    assert ipc.payload(3).gate == ""  # a receiver that refuses tells an ipc sender itself
 
 
 async def test_a_push_whose_loads_all_returned_stops_an_ipc_sender_waiting_for_a_member_that_is_gone(monkeypatch):
@@ -1022,3 +1053,97 @@ def test_a_wire_probe_sends_each_senders_bytes_as_its_push_buckets_them():
     buckets = [SimpleNamespace(sender=1, nbytes=7), SimpleNamespace(sender=0, nbytes=5), SimpleNamespace(sender=0, nbytes=9)]
     pub.plan = SimpleNamespace(buckets=buckets, for_sender=lambda s: [b for b in buckets if b.sender == s])
     assert pub.probe_sizes() == {0: [5, 9], 1: [7]}
+
+
+def test_the_gate_opens_once_every_member_arrived_and_a_closed_or_missed_gate_stops_everyone_before_the_wire():
+    """A broadcast push's gate (collective.py): nobody goes on until every member is ready; a member that
+    refuses, or one that never comes by the deadline, sends everyone away with nothing on the wire, and
+    the group stays usable for the next push."""
+    from asyncrl.weightsync.collective import GateClosed
+
+    # as a sending rank forms it: its store serves on a pre-bound port (the store's non-libuv server,
+    # which wakes no waiter on a compare_set: the gate's decisions must wake them themselves)
+    sock = reserve_port("127.0.0.1")
+    (spec,) = form_specs("gloo", [("127.0.0.1", sock.getsockname()[1])], {"rep": 2}, timeout_s=20.0, group_prefix="gate")
+    with ThreadPoolExecutor(3) as pool:
+        groups = list(pool.map(lambda r: CollectiveGroup.join(spec, r, listen_socket=sock if r == 0 else None), range(3)))
+    probe = torch.arange(8, dtype=torch.float32)
+
+    def still_usable():
+        got = [torch.zeros(8) if g.rank else probe.clone() for g in groups]
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda gt: gt[0].broadcast(gt[1], time.monotonic() + 10), zip(groups, got)))
+        assert all(torch.equal(t, probe) for t in got) and not any(g.broken for g in groups)
+
+    def at_gate(token, members, deadline_s=10.0):
+        def one(g):
+            try:
+                g.pass_gate(token, time.monotonic() + deadline_s)
+                return "open"
+            except GateClosed as err:
+                return str(err)
+        with ThreadPoolExecutor(len(members)) as pool:
+            return list(pool.map(one, members))
+
+    assert at_gate("t1", groups) == ["open"] * 3
+    still_usable()
+    # a receiver that cannot take the push closes its gate: the others leave at once
+    assert groups[2].close_gate("t2", "its begin failed: no plan") == "closed: rank 2: its begin failed: no plan"
+    t = time.monotonic()
+    out = at_gate("t2", groups[:2])
+    assert time.monotonic() - t < 5 and all("stopped at its gate" in o and "no plan" in o for o in out)
+    still_usable()
+    # a member that never comes: the others close the gate at their deadline
+    t = time.monotonic()
+    out = at_gate("t3", groups[:2], deadline_s=0.5)
+    assert 0.4 < time.monotonic() - t < 5 and all("waited to the deadline" in o for o in out)
+    assert groups[2].close_gate("t3", "late").startswith("closed: rank")  # (already decided: the late one is told)
+    still_usable()
+    # a gate every member reached is open: a close after that changes nothing
+    assert at_gate("t4", groups) == ["open"] * 3 and groups[1].close_gate("t4", "too late") == "open"
+    for g in groups:
+        g.close()
+    # a worker's GateClosed reaches its replica as text only (vLLM's RPC): still recognised, and nothing else is
+    from asyncrl.weightsync.collective import is_gate_closed
+    try:
+        try:
+            raise RuntimeError(f"Call to asyncrl_receive_collective failed: {out[0]}")
+        except RuntimeError as inner:
+            raise ValueError("staging failed") from inner
+    except ValueError as err:
+        assert is_gate_closed(err) and not is_gate_closed(ValueError("a checksum differs"))
+
+
+def test_a_sender_at_a_closed_gate_reads_its_export_to_the_end_and_its_next_push_goes_through():
+    """send_stream with a gate: a receiver that refuses stops the sender before the wire (GateClosed); the
+    sender still reads its tensors to the end (its TP peers' gathers) and the group carries the next push."""
+    from asyncrl.weightsync.collective import GateClosed
+
+    spec = _spec(receivers=1, timeout_s=20.0, gid="sgate", backend="gloo-whole")
+    sender, receiver = _join_all(spec)
+    weights = model(3)
+    read: list[str] = []
+
+    def tensors():
+        for name, t in weights.items():
+            read.append(name)
+            yield name, t
+
+    receiver.close_gate("p1", "refused")
+    with pytest.raises(GateClosed, match="refused"):
+        send_stream(sender, tensors(), BUCKET_MB, verify="checksum", timeout_s=20, gate="p1")
+    assert read == list(weights) and not sender.broken and not receiver.broken
+    got: dict[str, torch.Tensor] = {}
+
+    def receive(g):
+        g.pass_gate("p2", time.monotonic() + 20)
+        for bucket, _ in receive_stream(g, time.monotonic() + 20):
+            got.update((n, t.clone()) for n, t in unpack_bucket(bucket))
+
+    th = threading.Thread(target=receive, args=(receiver,))
+    th.start()
+    send_stream(sender, iter(weights.items()), BUCKET_MB, verify="checksum", timeout_s=20, gate="p2")
+    th.join(30)
+    assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in weights)
+    sender.close()
+    receiver.close()

@@ -144,10 +144,10 @@ class _SenderOnGpu1:
     async def collective_groups(self):
         return [g for g in [self.endpoint.group_id()] if g is not None]
 
-    async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s):
+    async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s, gate=""):
         from asyncrl.learner.group import CollectiveExport
 
-        out = await self._on_gpu1(self.endpoint.broadcast, iter(self.weights.items()), bucket_mb, verify, timeout_s, 0)
+        out = await self._on_gpu1(self.endpoint.broadcast, iter(self.weights.items()), bucket_mb, verify, timeout_s, 0, gate)
         return CollectiveExport(**out)
 
     async def take_host_copies(self, timeout_s):
@@ -182,7 +182,7 @@ async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl") ->
 
         cfg = WeightsyncConfig(transport=backend, bucket_mb=0.5, verify="checksum", staging="full", timeout_s=120, retries=0)
         link = CollectiveLink(backend, sender, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
-                              ipc_window=0, answered=lambda: ["gpu0"])
+                              ipc_window=0, check=members)
         pub = Publisher(cfg, transport=select_transport(cfg, on_gpu=backend == "nccl"), registry=VersionRegistry(0))
         client = LocalClient(replica)
 

@@ -48,6 +48,9 @@ class _EngineActor:
     async def pause(self, mode):
         return await self.replica.pause(mode)
 
+    async def stats(self):
+        return await self.replica.stats()
+
     async def resume(self):
         return await self.replica.resume()
 
@@ -489,10 +492,10 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
             assert m[f"weightsync/transport/{backend}/bytes"] > 0 and m["weightsync/num_buckets"] > 1
             assert m["weightsync/sender/broadcast_seconds"] > 0
             assert link.formed == 1 and link.members == {"engine-0": 1, "engine-1": 1}
-            # ipc: each replica began in its load (two replicas: each still commits on the publisher's call)
+            # each replica began in its load (two replicas: each still commits on the publisher's call)
             begins = [k for k in m if k.startswith("weightsync/replica/") and k.endswith("/begin_update_seconds")]
-            assert (begins == []) == (backend == "ipc") and m["weightsync/commit_seconds"] > 0
-            assert m["weightsync/begin_in_load"] == float(backend == "ipc") and m["weightsync/commit_in_load"] == 0
+            assert begins == [] and m["weightsync/commit_seconds"] > 0
+            assert m["weightsync/begin_in_load"] == 1.0 and m["weightsync/commit_in_load"] == 0
             assert (await pub.drain())[1] == [] and pub.host_version == start + step  # its host copy, kept after the push
             exported, _ = await hf_export()
             kept = hf_from_engine(plan, [transport.fetch(h) for h in pub._host.handles])
@@ -523,11 +526,11 @@ class _LocalSender:
     async def collective_groups(self):
         return [g for g in [self.endpoint.group_id()] if g is not None]
 
-    async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s):
+    async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s, gate=""):
         from asyncrl.learner.group import CollectiveExport
 
         return CollectiveExport(**await asyncio.to_thread(self.endpoint.broadcast, iter(self.weights.items()), bucket_mb,
-                                                          verify, timeout_s, 0))
+                                                          verify, timeout_s, 0, gate))
 
     async def take_host_copies(self, timeout_s):
         out = await asyncio.to_thread(self.endpoint.take_host_copies, timeout_s)
@@ -584,7 +587,7 @@ class _OneEngine:
 
         self.plan, self.sender, self.start, self.base = plan, sender, start, None
         self.link = CollectiveLink(cfg.transport, sender, members=members, join=join, bucket_mb=cfg.bucket_mb,
-                                   timeout_s=cfg.timeout_s, ipc_window=0, **link_kw)
+                                   timeout_s=cfg.timeout_s, ipc_window=0, check=members, **link_kw)
         self.pub = Publisher(cfg, transport=select_transport(cfg), registry=VersionRegistry(start))
         self.replica = _Calls(ActorReplica(engine, "engine-0"))
 
@@ -679,30 +682,34 @@ async def test_one_engine_over_ipc_takes_a_push_in_one_call_and_refuses_a_corrup
 
 
 async def test_one_engine_over_gloo_commits_in_its_receive_and_refuses_a_bucket_corrupted_on_the_wire(engines, demo_model_path, monkeypatch):
-    """A broadcast push (gloo, the NCCL path's twin) to one engine replica with full staging: the
-    replica begins in a call of its own (a broadcast cannot be stopped by a receiver that refuses),
-    then, in its receive's call, pauses, receives while copying each bucket into its live weights as
-    it lands (the engine paused first), checks the sender's fingerprint (its digests follow the
-    buckets on the wire), relabels and resumes, and serves transformers' greedy tokens for the pushed
-    weights. After a clean push whose begin every member answered, the link asks nobody. A byte
+    """A broadcast push (gloo, the NCCL path's twin) to one engine replica with full staging, in one
+    call: the replica begins, pauses, waits at the push's gate with the sender (collective.py), then
+    receives while copying each bucket into its live weights as it lands, checks the sender's
+    fingerprint (its digests follow the buckets on the wire), relabels and resumes, and serves
+    transformers' greedy tokens for the pushed weights. After a clean push the link asks nobody
+    first. A replica that refuses the begin (it lacks the push plan) closes the gate: the sender
+    stops before the wire, at once, and the groups carry the next push. A byte
     flipped on the wire, after the sender hashed it, fails that check: the version was already in the
     live weights, so the replica stays paused, is restored from the last live version's host copy and
     resumed, and serves the previous version's exact tokens; a retry carries the next push."""
 
+    import time
+
     from asyncrl.config import WeightsyncConfig
+    from asyncrl.types import Refusal
     from asyncrl.weightsync.collective import CollectiveGroup
+    from asyncrl.weightsync.push import WeightsyncError
     from transformers import AutoTokenizer
 
     engine = engines[0]
     cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, timeout_s=60, verify="checksum", retries=1, staging="full")
-    # the push's begin reaches its one client or fails: its answer is that client's replica
-    one = await _OneEngine.create(engine, demo_model_path, 21, cfg, answered=lambda: ["engine-0"])
+    one = await _OneEngine.create(engine, demo_model_path, 21, cfg)
     link, pub, replica, push, sender, start, base = one.link, one.pub, one.replica, one.push, one.sender, one.start, one.base
 
     result = await push(start + 1)
-    assert replica.calls == ["begin_update", "load_bucket"]  # then receive, verify, pause, apply, resume: one call
+    assert replica.calls == ["load_bucket"]  # begin, pause, gate, receive, verify, apply, resume: one call
     m = result.metrics
-    assert m["weightsync/begin_in_load"] == 0.0 and m["weightsync/commit_in_load"] == 1.0 and m["weightsync/commit_seconds"] == 0
+    assert m["weightsync/begin_in_load"] == 1.0 and m["weightsync/commit_in_load"] == 1.0 and m["weightsync/commit_seconds"] == 0
     assert m["weightsync/paused_seconds"] > 0 and m["weightsync/apply_direct"] == 1.0 and m["weightsync/num_buckets"] > 1
     assert m["weightsync/applied_as_received"] == 1.0  # each bucket copied in as it landed, not at the commit
     await push(start + 2)
@@ -738,3 +745,34 @@ async def test_one_engine_over_gloo_commits_in_its_receive_and_refuses_a_bucket_
     await push(start + 4)  # checked again after the failure, then carried
     assert link.checks_skipped == skipped == 2 and pub.registry.live_version == start + 4
     await _engines_serve([engine], demo_model_path, sender.weights, start + 4)
+
+    # The replica refuses a push for a plan it does not hold: it closes the gate, and the sender stops
+    # before the wire, at once (not at its deadline), naming the refusal; the groups carry the next push.
+    formed = link.formed
+    t = time.monotonic()
+    with pytest.raises(WeightsyncError) as info:
+        await push(start + 5, plan_id="a-plan-nobody-holds")
+    assert time.monotonic() - t < cfg.timeout_s / 2
+    assert info.value.refusals.get("engine-0") is Refusal.PLAN_MISSING
+    assert "stopped at its gate" in str(info.value) or "stopped at its gate" in str(info.value.__cause__)
+    await push(start + 6)
+    assert link.formed == formed and pub.registry.live_version == start + 6
+    await _engines_serve([engine], demo_model_path, sender.weights, start + 6)
+
+    # The link's check beside a push finds a replica outside the groups (one that Serve just started): it
+    # closes the gate, and the engine, paused for it, stops before anything reached its weights: not a
+    # failed apply (no restore), the engine runs again, and the retry forms the groups again and carries it.
+    members, rollbacks = link._check_call, pub.totals["rollbacks_total"]
+
+    async def with_a_newcomer():
+        return {**await members(), "engine-new": {"replica_id": "engine-new", "workers": 1, "groups": []}}
+
+    link._check_call = with_a_newcomer
+    with pytest.raises(WeightsyncError, match="stopped at its gate"):
+        await push(start + 7)
+    assert pub.totals["rollbacks_total"] == rollbacks and pub.registry.live_version == start + 6
+    assert not (await engine.stats.remote())["paused"]
+    link._check_call = members
+    await push(start + 8)
+    assert pub.registry.live_version == start + 8
+    await _engines_serve([engine], demo_model_path, sender.weights, start + 8)
