@@ -412,6 +412,9 @@ scale)
   for kv in ${SETS:-}; do sets+=(--set "$kv"); done
   echo "sets: ${sets[*]}"
   pkill -9 -f "[r]ay::"; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*; sleep 1
+  # TRACE=1: every push's marks in the run's own layout (asyncrl/weightsync/trace.py); the Ray head passes the
+  # variable to the trainer, the learner ranks and the engine replicas it starts
+  [ -n "${TRACE:-}" ] && export ASYNCRL_PUSH_TRACE=$OUT/trace_scale
   timeout 180 ray start --head --num-cpus 48 --include-dashboard=false --disable-usage-stats > $OUT/ray_start.log 2>&1
   echo "ray start rc=$?"
   # The app's own limit comes 45 s before the call's, so a run cut short still reports the steps it finished
@@ -419,6 +422,10 @@ scale)
       --config deploy/rlhf-gpu4-scale.yaml --steps ${NSTEPS:-10} --etas ${ETAS:-2} --num-cpus 48 "${sets[@]}" \
       --out $OUT/scale.json > $OUT/scale.log 2>&1
   echo "scale rc=$? t=$SECONDS s"; grep -v '^{' $OUT/scale.log | grep -E '^\||machine|joined|failed|push / raw' | cut -c1-400
+  if [ -d "${ASYNCRL_PUSH_TRACE:-/nonexistent}" ]; then
+    python3 benchmarks/push_timeline.py $ASYNCRL_PUSH_TRACE --json $OUT/timeline_scale.json > $OUT/timeline_scale.txt 2>&1
+    tail -40 $OUT/timeline_scale.txt; tar czf $OUT/trace_scale.tgz -C $OUT trace_scale && rm -rf $ASYNCRL_PUSH_TRACE
+  fi
   grep -iE "Traceback|Error|out of memory" $OUT/scale.log | grep -v Warning | tail -10 | cut -c1-400
   ls /tmp/ray/session_latest/logs > /dev/null 2>&1 && tar czf $OUT/ray_logs.tgz -C /tmp/ray/session_latest logs 2>/dev/null
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
