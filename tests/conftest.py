@@ -6,8 +6,11 @@ many small actors of the system fit on a 2-core machine, and shut down at the en
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -19,6 +22,17 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engines started in the test process must not fork it once CUDA is initialised (GPU runs).
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
+def import_benchmark(name: str, *folders: str) -> ModuleType:
+    """The script `benchmarks/[folder/]name.py` as a module, found as the scripts find each other (`folders`
+    under benchmarks/ first, then benchmarks/ itself), leaving sys.path as it was."""
+    saved = list(sys.path)
+    try:
+        sys.path[:0] = [str(REPO / "benchmarks" / f) for f in folders] + [str(REPO / "benchmarks")]
+        return importlib.import_module(name)
+    finally:
+        sys.path[:] = saved
 
 
 def _has_cuda() -> bool:

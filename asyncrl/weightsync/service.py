@@ -450,9 +450,8 @@ class CollectiveLink:
             self.checks_skipped += 1
             return
         info, senders = await asyncio.gather(self._members_call(), self.learner.collective_groups())
-        members = {rid: int(i["workers"]) for rid, i in info.items()}
-        healthy = set(senders) == set(self.group_ids) and all(set(self.group_ids) <= set(i["groups"]) for i in info.values())
-        if self.specs and members == self.members and healthy:
+        members, problem = self._replicas_fit(info)
+        if self.specs and problem is None and set(senders) == set(self.group_ids):
             return
         addresses = await self.learner.collective_addresses()
         specs = form_specs(self.backend, [(a["host"], a["port"]) for a in addresses], members, timeout_s=self.timeout_s,
@@ -524,16 +523,21 @@ class CollectiveLink:
         return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds, collect=self._collect,
                             num_buckets=sent.num_buckets)
 
+    def _replicas_fit(self, info: dict[str, Any]) -> tuple[dict[str, int], str | None]:
+        """The replicas' `collective_info` answers as {replica id: engine workers}, and what keeps them from
+        the current groups (None: they are exactly the groups' members, each holding every group)."""
+        members = {rid: int(i["workers"]) for rid, i in info.items()}
+        if members != self.members:
+            return members, f"the running replicas {sorted(members)} are not the groups' members {sorted(self.members)}"
+        if not all(set(self.group_ids) <= set(i["groups"]) for i in info.values()):
+            return members, "a replica no longer holds every group"
+        return members, None
+
     async def _check_members(self, gate: str) -> None:
         """Close push `gate`'s gate unless the running replicas are exactly the groups' members, each
         still holding every group (a gate every member reached is open already: then this changes nothing)."""
         try:
-            info = await self._check_call()  # type: ignore[misc]
-            members = {rid: int(i["workers"]) for rid, i in info.items()}
-            whole = all(set(self.group_ids) <= set(i["groups"]) for i in info.values())
-            problem = None if members == self.members and whole else (
-                f"the running replicas {sorted(members)} are not the groups' members {sorted(self.members)}"
-                if members != self.members else "a replica no longer holds every group")
+            _, problem = self._replicas_fit(await self._check_call())  # type: ignore[misc]
         except Exception as err:  # a replica that cannot answer is not there to receive either
             problem = f"the replicas did not answer ({type(err).__name__}: {str(err)[:300]})"
         if problem is not None and gate == self._gate:

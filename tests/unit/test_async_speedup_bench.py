@@ -4,23 +4,18 @@ themselves are `bash benchmarks/gpu_session.sh balanced|scale` on GPUs."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import import_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    saved = list(sys.path)
-    try:
-        sys.path.insert(0, str(REPO / "benchmarks"))
-        return importlib.import_module("async_speedup")
-    finally:
-        sys.path[:] = saved
+    return import_benchmark("async_speedup")
 
 
 def test_a_replica_that_appears_later_is_a_join_with_its_first_version(bench):

@@ -5,7 +5,6 @@ scripts parse. Nothing here runs TRL, vLLM or a GPU: that is `bash benchmarks/gp
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -13,19 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import import_benchmark
+
 REPO = Path(__file__).resolve().parents[2]
 PEERS = REPO / "benchmarks" / "peers"
 SCRIPTS = ("trl_grpo.py", "asyncrl_side.py", "compare.py")
 
 
 def _asyncrl_side():
-    """benchmarks/peers/asyncrl_side.py as a module, leaving sys.path as it was (the script puts its folders first)."""
-    saved = list(sys.path)
-    try:
-        sys.path[:0] = [str(PEERS), str(REPO / "benchmarks")]
-        return importlib.import_module("asyncrl_side")
-    finally:
-        sys.path[:] = saved
+    """benchmarks/peers/asyncrl_side.py as a module (the script puts its folders first)."""
+    return import_benchmark("asyncrl_side", "peers")
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:

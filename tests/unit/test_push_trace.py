@@ -3,25 +3,15 @@ off by default, one line per mark when on, and the reader's per-push offsets and
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
 from asyncrl.weightsync import trace
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import import_benchmark
 
 
 @pytest.fixture
 def timeline():
-    saved = list(sys.path)
-    try:
-        sys.path.insert(0, str(REPO / "benchmarks"))
-        return importlib.import_module("push_timeline")
-    finally:
-        sys.path[:] = saved
+    return import_benchmark("push_timeline")
 
 
 def test_marks_are_written_only_when_a_folder_is_named(tmp_path, monkeypatch):
