@@ -63,8 +63,8 @@ BACKENDS = ("gloo", "nccl", "ipc")
 IPC_WINDOW = 2  # ipc: buckets a sender keeps published (and unacknowledged) before waiting; 0: the whole version
 # Header kinds (first int64 of a header): a bucket follows, the sender is done, the sender failed.
 BUCKET, END, ABORT = 1, 2, 3
-WHOLE = 4  # ipc_window 0: one record (ipc) or one table (gloo / nccl) holds every bucket of the push
-DIGESTS = 5  # gloo / nccl, ipc_window 0: the sender's digests of every bucket, after the last one (before END)
+WHOLE = 4  # ipc_window 0: one record (ipc) or one table (gloo / nccl) holds every bucket of the push (gloo / nccl:
+# then every bucket, the trailer of the sender's digest material and an END / ABORT header, as one receive)
 
 
 class CollectiveError(RuntimeError):
@@ -280,6 +280,9 @@ class CollectiveGroup:
     _opened: dict = field(default_factory=dict, repr=False)  # ipc receiver: the sender's buffers, opened once
     _sender_digests: dict | None = field(default=None, repr=False)  # gloo / nccl receiver: the last push's, as sent
     _gate_keys: list = field(default_factory=list, repr=False)  # sender: the last push's gate keys, dropped at the next
+    _whole_table: Any = field(default=None, repr=False)  # gloo / nccl receiver: the last whole version's table (stream.py)
+    _hash_stream: Any = field(default=None, repr=False)  # nccl sender: the stream it hashes packed buckets on (stream.py)
+    _hash_launched: bool = False  # ... with checksums launched there that the packing stream has not waited for
 
     @classmethod
     def join(cls, spec: GroupSpec, rank: int, device: torch.device | str | None = None, *,

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from asyncrl.weightsync.checksum import resolve, segment_checksums_lazy
+from asyncrl.weightsync.checksum import Pending, resolve, segment_checksums_lazy
 
 NamedTensors = Mapping[str, Any] | Iterable[tuple[str, Any]]
 VerifyMode = Literal["full", "sampled", "checksum", "off"]
@@ -87,72 +87,146 @@ def _windows(size: int) -> list[tuple[int, int]] | None:
     return [(span * i // (SAMPLE_WINDOWS - 1) // 8 * 8, SAMPLE_WINDOW) for i in range(SAMPLE_WINDOWS)]
 
 
-def _digests(flat: Any, entries: list[tuple[str, str, tuple[int, ...], int, int]], mode: VerifyMode) -> dict[str, bytes]:
+def _digests(flat: Any, entries: list["Entry"], mode: VerifyMode) -> dict[str, bytes]:
     """Digests of tensors laid out in one flat uint8 buffer (numpy or torch, any device):
     entries are (key, dtype name, shape, byte offset, byte length). What a mode reads of a device
     buffer comes to host in one copy (checksum: 8 bytes per tensor)."""
     return _digests_lazy(flat, entries, mode)()
 
 
-def _digests_lazy(flat: Any, entries: list[tuple[str, str, tuple[int, ...], int, int]],
-                  mode: VerifyMode) -> Callable[[], dict[str, bytes]]:
-    """`_digests`, with a device buffer's reads only enqueued: the returned call waits for them
-    (so a sender can enqueue every bucket's and wait once)."""
-    heads = {key: _head(key, dtype, shape) for key, dtype, shape, _, _ in entries}
-    if mode == "off":
-        return lambda: {k: h.digest() for k, h in heads.items()}
-    if mode == "checksum":
-        pending = segment_checksums_lazy(flat, [(o, n) for _, _, _, o, n in entries])
+Entry = tuple[str, str, tuple[int, ...], int, int]  # (key, dtype name, shape, byte offset, byte length)
 
-        def checksums() -> dict[str, bytes]:
-            for (key, _, _, _, n), value in zip(entries, resolve(pending)):
-                heads[key].update(int(n).to_bytes(8, "little") + int(value).to_bytes(8, "little"))
-            return {k: h.digest() for k, h in heads.items()}
 
-        return checksums
+def _pieces(entries: Sequence[Entry], mode: VerifyMode) -> list[tuple[str, int, int]]:
+    """(key, byte offset, byte length) of every piece `mode` reads of `entries`, in their order:
+    each tensor whole, or (`sampled`, larger tensors) its windows."""
     pieces: list[tuple[str, int, int]] = []
     for key, _, _, offset, nbytes in entries:
         windows = _windows(nbytes) if mode == "sampled" else None
         if windows is None:
             pieces.append((key, offset, nbytes))
         else:
-            heads[key].update(int(nbytes).to_bytes(8, "little"))
             pieces.extend((key, offset + s, n) for s, n in windows)
-    if mode == "sampled":  # each piece's checksum, read where the bytes are (one pass for all of them)
-        sums = segment_checksums_lazy(flat, [(o, n) for _, o, n in pieces])
+    return pieces
 
-        def sampled() -> dict[str, bytes]:
-            # (length, checksum) of every piece as little-endian u64 pairs, one update per tensor
-            words = np.empty((len(pieces), 2), dtype="<u8")
-            words[:, 0] = [n for _, _, n in pieces]
-            words[:, 1] = np.array(resolve(sums), dtype=np.uint64) if pieces else []
-            raw = words.tobytes()
-            start = 0
-            for i in range(1, len(pieces) + 1):
-                if i == len(pieces) or pieces[i][0] != pieces[start][0]:
-                    heads[pieces[start][0]].update(raw[16 * start : 16 * i])
-                    start = i
-            return {k: h.digest() for k, h in heads.items()}
 
-        return sampled
+def material_words(entries: Sequence[Entry], mode: VerifyMode) -> int:
+    """How many 64-bit words the digest material of `entries` has in `mode` (`PendingDigests.words`):
+    one checksum per piece (`checksum`, `sampled`), or each tensor's 32-byte digest (`full`, `off`)."""
+    return len(_pieces(entries, mode)) if mode in ("checksum", "sampled") else 4 * len(entries)
+
+
+def digests_from_material(entries: Sequence[Entry], mode: VerifyMode, words: Any) -> dict[str, bytes]:
+    """The digests of `entries` from their material (`PendingDigests.words`, any sequence of
+    unsigned 64-bit values): what the other end of a push computes from the words it was sent."""
+    check_verify_mode(mode)
+    words = np.asarray(words).view(np.uint64) if isinstance(words, np.ndarray) else np.array(words, dtype=np.uint64)
+    if words.size != material_words(entries, mode):
+        raise ValueError(f"{words.size} words of digest material for {len(entries)} tensors in mode {mode!r} "
+                         f"(expected {material_words(entries, mode)})")
+    if mode in ("full", "off"):
+        raw = words.astype("<u8", copy=False).tobytes()
+        return {key: raw[32 * i : 32 * i + 32] for i, (key, *_) in enumerate(entries)}
+    heads = {key: _head(key, dtype, shape) for key, dtype, shape, _, _ in entries}
+    if mode == "checksum":
+        for (key, _, _, _, n), value in zip(entries, words.tolist()):
+            heads[key].update(int(n).to_bytes(8, "little") + int(value).to_bytes(8, "little"))
+        return {k: h.digest() for k, h in heads.items()}
+    for key, _, _, _, nbytes in entries:  # sampled: a windowed tensor's length first
+        if _windows(nbytes) is not None:
+            heads[key].update(int(nbytes).to_bytes(8, "little"))
+    pieces = _pieces(entries, mode)
+    # (length, checksum) of every piece as little-endian u64 pairs, one update per tensor
+    pairs = np.empty((len(pieces), 2), dtype="<u8")
+    pairs[:, 0] = [n for _, _, n in pieces]
+    pairs[:, 1] = words
+    raw = pairs.tobytes()
+    start = 0
+    for i in range(1, len(pieces) + 1):
+        if i == len(pieces) or pieces[i][0] != pieces[start][0]:
+            heads[pieces[start][0]].update(raw[16 * start : 16 * i])
+            start = i
+    return {k: h.digest() for k, h in heads.items()}
+
+
+class PendingDigests:
+    """The digests of some tensors in one mode, their device reads enqueued: calling it waits for
+    them and returns the digests. `words()` is the same result as digest material (64-bit words in
+    the tensors' order, `digests_from_material` turns them back into the digests): a sender sends
+    that after a whole version, and `device_words` (when not None) is it still on the device, to
+    send without a host round trip (`checksum` / `sampled` on a GPU)."""
+
+    def __init__(self, entries: Sequence[Entry], mode: VerifyMode, *, words: Callable[[], Any] | None = None,
+                 digests: Callable[[], dict[str, bytes]] | None = None, device_words: torch.Tensor | None = None) -> None:
+        if (words is None) == (digests is None):
+            raise ValueError("PendingDigests takes one source: words (checksum, sampled) or digests (full, off)")
+        self.entries, self.mode, self.device_words = list(entries), mode, device_words
+        self._words_fn, self._digests_fn = words, digests
+        self._words: np.ndarray | None = None
+        self._digests: dict[str, bytes] | None = None
+
+    def words(self) -> np.ndarray:
+        if self._words is None:
+            if self._words_fn is not None:
+                self._words = np.asarray(self._words_fn(), dtype=np.uint64).reshape(-1)
+            else:
+                d = self()
+                raw = b"".join(d[key] for key, *_ in self.entries)
+                self._words = np.frombuffer(raw, dtype="<u8").astype(np.uint64) if raw else np.empty(0, np.uint64)
+        return self._words
+
+    def __call__(self) -> dict[str, bytes]:
+        if self._digests is None:
+            self._digests = self._digests_fn() if self._digests_fn is not None \
+                else digests_from_material(self.entries, self.mode, self.words())
+        return self._digests
+
+    @staticmethod
+    def merge(parts: Sequence["PendingDigests"]) -> "PendingDigests":
+        """One result of several (in order); where every part is still on the device, it is too, and
+        reaches the host in one copy."""
+        if not parts:
+            raise ValueError("nothing to merge")
+        mode = parts[0].mode
+        if any(p.mode != mode for p in parts):
+            raise ValueError("PendingDigests of different modes")
+        entries = [e for p in parts for e in p.entries]
+        device = [p.device_words for p in parts]
+        if all(d is not None for d in device):  # one copy to host for all of them
+            on_device = torch.cat(device)  # type: ignore[arg-type]
+            return PendingDigests(entries, mode, words=lambda: on_device.cpu().numpy().view(np.uint64), device_words=on_device)
+        return PendingDigests(entries, mode, words=lambda: np.concatenate([p.words() for p in parts]))
+
+
+def _digests_lazy(flat: Any, entries: list[Entry], mode: VerifyMode) -> PendingDigests:
+    """`_digests`, with a device buffer's reads only enqueued: the returned call waits for them
+    (so a sender can enqueue every bucket's and wait once)."""
+    if mode == "off":
+        return PendingDigests(entries, mode, digests=lambda: {k: _head(k, d, s).digest() for k, d, s, _, _ in entries})
+    if mode in ("checksum", "sampled"):  # each piece's checksum, read where the bytes are (one pass for all)
+        pending = segment_checksums_lazy(flat, [(o, n) for _, o, n in _pieces(entries, mode)])
+        on_device = pending.values if isinstance(pending, Pending) and not any(pending.extra) else None
+        return PendingDigests(entries, mode, words=lambda: np.array(resolve(pending), dtype=np.uint64),
+                              device_words=on_device)
+    heads = {key: _head(key, dtype, shape) for key, dtype, shape, _, _ in entries}
     if isinstance(flat, torch.Tensor) and flat.device.type != "cpu":
-        parts = [flat[o : o + n] for _, o, n in pieces]
+        parts = [flat[o : o + n] for _, _, _, o, n in entries]
         gathered = torch.cat(parts) if parts else None  # enqueued; read to host when finished
 
         def hashed() -> dict[str, bytes]:
             host = gathered.cpu().numpy() if gathered is not None else np.empty(0, dtype=np.uint8)
             at = 0
-            for key, _, n in pieces:
+            for key, _, _, _, n in entries:
                 heads[key].update(memoryview(host[at : at + n]))
                 at += n
             return {k: h.digest() for k, h in heads.items()}
 
-        return hashed
+        return PendingDigests(entries, mode, digests=hashed)
     array = flat.numpy() if isinstance(flat, torch.Tensor) else flat
-    for key, o, n in pieces:
+    for key, _, _, o, n in entries:
         heads[key].update(memoryview(array[o : o + n]))
     digests = {k: h.digest() for k, h in heads.items()}
-    return lambda: digests
+    return PendingDigests(entries, mode, digests=lambda: digests)
 
 
 def _as_flat(t: torch.Tensor) -> Any:
@@ -184,7 +258,7 @@ def bucket_digests(bucket: Any, mode: VerifyMode = "full", prefix: str = "") -> 
     return bucket_digests_lazy(bucket, mode, prefix)()
 
 
-def bucket_digests_lazy(bucket: Any, mode: VerifyMode = "full", prefix: str = "") -> Callable[[], dict[str, bytes]]:
+def bucket_digests_lazy(bucket: Any, mode: VerifyMode = "full", prefix: str = "") -> PendingDigests:
     """`bucket_digests` whose device reads are enqueued now and waited for by the returned call."""
     check_verify_mode(mode)
     buffer = bucket.buffer
@@ -197,7 +271,7 @@ def bucket_digests_lazy(bucket: Any, mode: VerifyMode = "full", prefix: str = ""
     return _digests_lazy(flat, entries, mode)
 
 
-def buckets_digests_lazy(buckets: Sequence[tuple[Any, str]], mode: VerifyMode = "full") -> Callable[[], dict[str, bytes]]:
+def buckets_digests_lazy(buckets: Sequence[tuple[Any, str]], mode: VerifyMode = "full") -> PendingDigests:
     """`bucket_digests_lazy` of several (bucket, prefix) pairs, merged. Where every bucket is a
     contiguous torch view of one storage (an ipc sender's arena, and a receiver's mapping of it)
     they are read in one pass over it: on a device, one kernel launch and one copy to host."""
@@ -205,9 +279,10 @@ def buckets_digests_lazy(buckets: Sequence[tuple[Any, str]], mode: VerifyMode = 
     bufs = [b.buffer for b, _ in buckets]
     shared = bool(bufs) and all(isinstance(x, torch.Tensor) and x.is_contiguous() and x.dtype == torch.uint8 for x in bufs) \
         and len({(x.device, x.untyped_storage().data_ptr()) for x in bufs}) == 1
+    if not buckets:
+        return PendingDigests([], mode, digests=dict)
     if not shared:
-        finishes = [bucket_digests_lazy(b, mode, prefix) for b, prefix in buckets]
-        return lambda: {k: v for f in finishes for k, v in f().items()}
+        return PendingDigests.merge([bucket_digests_lazy(b, mode, prefix) for b, prefix in buckets])
     storage = bufs[0].untyped_storage()
     flat: Any = torch.empty(0, dtype=torch.uint8, device=bufs[0].device).set_(storage, 0, (storage.nbytes(),))
     if flat.device.type == "cpu":

@@ -36,7 +36,8 @@ from typing import Any, Protocol
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, digest_key_prefix, dtype_from_name, unpack_bucket
-from asyncrl.weightsync.fingerprint import bucket_digests, bucket_digests_lazy, buckets_digests_lazy, check_verify_mode
+from asyncrl.weightsync.fingerprint import (PendingDigests, bucket_digests, bucket_digests_lazy, buckets_digests_lazy,
+                                            check_verify_mode)
 from asyncrl.weightsync.plan import (
     EngineLayout, ManifestEntry, PlanError, PushPlan, probe_layout, same_ops, verify_layout,
 )
@@ -77,7 +78,7 @@ class _Staged:
     keep: list[Any] = field(default_factory=list)  # buffers the staged views point into
     applied: int = 0  # bucketed, early: parameters already copied into the live weights
     early: bool = False  # full staging applied as each bucket landed (apply_as_received)
-    pending: list[Any] = field(default_factory=list)  # lazy digests still on the device (`digests` waits once)
+    pending: list[PendingDigests] = field(default_factory=list)  # lazy digests still on the device (`digests` waits once)
     batch: list[tuple[Bucket, str]] = field(default_factory=list)  # buckets hashed together at `digests`
     seen: dict[int, tuple[Bucket, list[tuple[str, torch.Tensor]]]] = field(default_factory=dict)  # batch: views by bucket
 
@@ -234,6 +235,8 @@ class WorkerReceiver:
         if staged.batch:
             staged.pending.append(buckets_digests_lazy(staged.batch, staged.verify))  # type: ignore[arg-type]
             staged.batch = []
+        if len(staged.pending) > 1 and all(p.device_words is not None for p in staged.pending):
+            staged.pending = [PendingDigests.merge(staged.pending)]  # every bucket's checksums: one copy to host
         for finish in staged.pending:  # the first waits for the device, the rest are there by then
             staged.digests.update(finish())
         staged.pending.clear()

@@ -3,8 +3,10 @@ receiver's, and the helpers the ipc transport (ipc.py) shares with them. wire.py
 by the group's backend.
 
 Owns: the wire protocol of one push (per bucket: a 3 x int64 header, the tensor table as JSON
-bytes with the sender's digests, the bucket buffer; whole version: one header and table, every
-bucket, then a header and the sender's digests as JSON; then an end or abort header), `broadcast_send_stream`
+bytes with the sender's digests, the bucket buffer, and an end or abort header after the last;
+whole version: one header and table (with the verify mode), every bucket, the trailer (the sender's
+digest material, fingerprint.py's `PendingDigests.words`: 8 bytes a tensor for `checksum`, still on
+the device) and the end or abort header, which a receiver takes as one enqueue), `broadcast_send_stream`
 (the sender's loop: pack on the tensors' device, in the engines' layout with a plan; hash in the
 verify mode; broadcast; start the host copy (hostcopy.py: made off the critical path, collected
 by the publisher while replicas commit)) and `broadcast_receive_stream` (the receiver's loop: allocate on
@@ -13,11 +15,13 @@ its device, receive, hand each bucket on with the sender's digests).
 With `ipc_window` 0 (weightsync.staging full: the receivers stage the whole version anyway) the
 sender packs every bucket, sends one table of every bucket (without digests: full staging
 compares one fingerprint at the commit), then enqueues the buckets' broadcasts back to back and
-its checksums behind them, so that hashing runs beside the wire, and waits once at the end (the
+its checksums behind them, so that hashing runs beside the wire, then the trailer and the end header
+right behind the buckets (no wait between), and waits once at the end (the
 host copies start after that, unless `full` verification hashes them); each
 receiver receives them into one allocation and hashes each bucket as it lands. With a push plan
 the table is the plan's, so it goes first and each bucket is broadcast as soon as it is packed
-(`_send_whole_planned`: packing overlaps the wire). Per bucket that
+(`_send_whole_planned`: packing overlaps the wire, and the arena is hashed in a few passes as it is
+packed, on a side stream the wire does not wait for, so only the last pass comes after it). Per bucket that
 saves the header and table round trips and the waits. The sender then holds its whole packed
 version on its device until the broadcast ends (bucketed staging: one bucket at a time), unless its
 device cannot hold it beside the learner's state: then it packs through a `SenderRing` of a few
@@ -38,12 +42,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets, windows
-from asyncrl.weightsync.collective import (ABORT, BUCKET, DIGESTS, END, WHOLE, Broadcasts, CollectiveError,
+from asyncrl.weightsync.collective import (ABORT, BUCKET, END, WHOLE, Broadcasts, CollectiveError,
                                            CollectiveGroup, SenderAborted)
+from asyncrl.weightsync.fingerprint import PendingDigests, digests_from_material, material_words
 from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
 
 
@@ -234,13 +240,9 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
             # group stays usable (LearnerGroup.broadcast_hf_tensors).
             export.drain()
         raise
-    trace.mark("snd.digests_ready")
-    if whole:  # the digests the table left out, for a receiver that commits by itself (sender_digests)
-        raw = json.dumps({k: v.hex() for k, v in out.digests.items()}).encode()
-        group.broadcast(_header(group, DIGESTS, len(raw)), deadline)
-        _send_bytes(group, raw, deadline)
-    group.broadcast(_header(group, END), deadline)
-    trace.mark("snd.end_sent")
+    if not whole:  # (a whole version's trailer and end went out with its buckets: _finish_whole)
+        group.broadcast(_header(group, END), deadline)
+        trace.mark("snd.end_sent")
     copies.finish()
     return out
 
@@ -274,45 +276,118 @@ def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, ve
         finish = hash_and_copy_lazy(copies, bucket, verify, out)[0] if early else None
         packed.append((bucket, finish))
     t = time.perf_counter()
-    _announce_whole(group, [(b.metas, b.rank, b.nbytes) for b, _ in packed], deadline)
+    _announce_whole(group, [(b.metas, b.rank, b.nbytes) for b, _ in packed], verify, deadline)
     sending = group.enqueue_broadcasts([b.buffer for b, _ in packed if b.nbytes], deadline)
     out.seconds["broadcast"] += time.perf_counter() - t
-    _hash_and_wait(packed, [sending], copies, verify, out)
+    _finish_whole(group, packed, [sending], copies, verify, out, deadline)
 
 
-def _announce_whole(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], int | None, int]],
+def _announce_whole(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], int | None, int]], verify: str,
                     deadline: float) -> None:
-    """The whole version's header and table: every bucket's (tensors, engine rank, size), without digests."""
+    """The whole version's header and table: every bucket's (tensors, engine rank, size), without
+    digests, and the verify mode the trailer's digest material is in (`_finish_whole`)."""
     tables = [encode_table(Bucket(buffer=None, metas=metas, rank=rank), {}).decode()  # type: ignore[arg-type]
               for metas, rank, _ in buckets]
-    raw = json.dumps([[t, n] for t, (*_, n) in zip(tables, buckets)]).encode()
+    raw = json.dumps({"v": verify, "b": [[t, n] for t, (*_, n) in zip(tables, buckets)]}).encode()
     group.broadcast(_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)), deadline)
     _send_bytes(group, raw, deadline)
 
 
-def _hash_and_wait(packed: list[tuple[Bucket, Callable[[], dict[str, bytes]] | None]], sending: list[Broadcasts],
-                   copies: HostCopies, verify: str, out: SendResult, each: bool = False) -> None:
-    """A whole version's end on the sender: its checksums enqueued behind the broadcasts' start (beside
-    them on a device; `full` hashed the host copies as it packed), one wait for the broadcasts, one for
-    the digests, then the host copies (deferred, unless `full`), which run while the replicas commit.
-    `each`: every bucket was already hashed and its copy started as it was packed (a `SenderRing`)."""
-    if verify == "full" or each:
+def whole_entries(buckets: Iterable[tuple[list[TensorMeta], int | None]]) -> list[Any]:
+    """The fingerprint entries (fingerprint.py) of a whole version's buckets (tensors, engine rank), in
+    the order its trailer's digest material follows."""
+    return [(("" if rank is None else f"{rank}/") + m.name, "torch." + m.dtype, tuple(m.shape), m.offset, m.nbytes)
+            for metas, rank in buckets for m in metas]
+
+
+def _trailer(group: CollectiveGroup, pending: list[PendingDigests], verify: str, entries: list[Any]) -> torch.Tensor:
+    """A whole version's trailer: the digest material of every bucket, in order (int64 words). Still on
+    the device where the checksums are (nothing waits for them: the wire takes it behind them), else
+    made on the host once the digests are done."""
+    device = [p.device_words for p in pending]
+    if pending and all(d is not None for d in device):
+        words = torch.cat(device) if len(device) > 1 else device[0]  # type: ignore[arg-type]
+    else:
+        host = np.concatenate([p.words() for p in pending]) if pending else np.empty(0, np.uint64)
+        words = torch.from_numpy(host.astype(np.uint64).view(np.int64)).to(group.device)
+    if words.numel() != material_words(entries, verify):  # type: ignore[arg-type]
+        raise CollectiveError(f"group {group.spec.group_id}: {words.numel()} words of digest material for a table that "
+                              f"needs {material_words(entries, verify)}")  # type: ignore[arg-type]
+    return words.to(torch.int64)
+
+
+def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], sending: list[Broadcasts],
+                  copies: HostCopies, verify: str, out: SendResult, deadline: float, *, each: bool = False,
+                  hashed: list[Any] | None = None) -> None:
+    """A whole version's end on the sender: the checksums of what is not hashed yet enqueued behind the
+    buckets (beside the wire on a device; `full` hashed the host copies as it packed), then the trailer
+    (the digest material of every bucket, `_trailer`) and the end header go on the wire right behind
+    the buckets, with no wait in between: a receiver reads the sender's digests the moment its last
+    bucket is in. One wait for all of it; then the digests on the host and the host copies (deferred,
+    unless `full`), which run while the replicas commit. `each`: every bucket was hashed and its copy
+    started as it was packed (a `SenderRing`); `hashed`: the hashes of the buckets before the rest,
+    launched while packing (`_send_whole_planned`)."""
+    done = list(hashed or [])
+    copied = verify == "full" or each
+    if copied:
         finishes = [finish for _, finish in packed]
     else:  # buckets in one arena (whole_arena) are hashed in one pass, others each in their own
+        rest = [b for b, _ in packed[sum(f.buckets for f in done):]]
+        finishes = done + ([hash_whole_lazy(rest, verify, out)] if rest else [])
+    trace.mark("snd.all_enqueued")
+    _join_hash_stream(group)
+    t = time.perf_counter()
+    trailer = _trailer(group, [f.pending for f in finishes], verify, whole_entries((b.metas, b.rank) for b, _ in packed))
+    tail = group.enqueue_broadcasts([x for x in (trailer,) if x.numel()] + [_header(group, END)], deadline)
+    out.seconds["broadcast"] += time.perf_counter() - t
+    if not copied:  # (deferred: they start once the digests are read, below; registered while the wire runs)
         t = time.perf_counter()
         for bucket, _ in packed:
             copies.add(bucket)
         out.seconds["host_copy"] += time.perf_counter() - t
-        finishes = [hash_whole_lazy([b for b, _ in packed], verify, out)]
-    trace.mark("snd.all_enqueued")
     t = time.perf_counter()
     for s in sending:
         s.wait()
     trace.mark("snd.wire_done")
+    tail.wait()
+    trace.mark("snd.end_sent")
     out.seconds["broadcast"] += time.perf_counter() - t
     for finish in finishes:  # the first waits for the device's checksums, the rest are there by then
-        finish()  # type: ignore[misc]
+        finish()
+    trace.mark("snd.digests_ready")
     copies.start_copies()
+
+
+def _hash_stream(group: CollectiveGroup) -> Any:
+    """The side stream a CUDA sender hashes packed buckets on while it packs the next (None on a host):
+    the wire, which waits for the packing stream, does not wait for these checksums."""
+    if group.device.type != "cuda":
+        return None
+    if group._hash_stream is None:
+        group._hash_stream = torch.cuda.Stream(device=group.device)
+    return group._hash_stream
+
+
+def _join_hash_stream(group: CollectiveGroup) -> None:
+    """The packing stream waits for every checksum launched on the hash stream (before it reads them)."""
+    if group._hash_stream is not None and group._hash_launched:
+        torch.cuda.current_stream(group.device).wait_stream(group._hash_stream)
+        group._hash_launched = False
+
+
+def _hash_now(group: CollectiveGroup, buckets: list[Bucket], verify: str, out: SendResult) -> Any:
+    """`hash_whole_lazy` of `buckets` (packed, sent or on their way) on the hash stream, once what packed
+    them is done."""
+    side = _hash_stream(group)
+    if side is None:
+        return hash_whole_lazy(buckets, verify, out)
+    side.wait_stream(torch.cuda.current_stream(group.device))
+    group._hash_launched = True
+    with torch.cuda.stream(side):
+        return hash_whole_lazy(buckets, verify, out)
+
+
+HASH_CHUNKS = 8  # a whole arena is hashed in about this many passes as it is packed: the last one after the wire
 
 
 def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
@@ -327,11 +402,17 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
     once both are done), where the whole arena hashes every bucket in one pass at the end."""
     early = verify == "full" or ring is not None
     t = time.perf_counter()
-    _announce_whole(group, [(b.metas(), b.rank, b.nbytes) for b in planned], deadline)
+    tables = [(b.metas(), b.rank, b.nbytes) for b in planned]
+    _announce_whole(group, tables, verify, deadline)
     trace.mark("snd.announced")
     out.seconds["broadcast"] += time.perf_counter() - t
-    packed: list[tuple[Bucket, Callable[[], dict[str, bytes]] | None]] = []
+    packed: list[tuple[Bucket, Any]] = []
     sending = []
+    # the arena's checksums in a few passes as it is packed (each beside the wire), so the last bytes
+    # sent wait for one pass over the last chunk only
+    chunk = max(1, sum(b.nbytes for b in planned) // HASH_CHUNKS)
+    hashed: list[Any] = []
+    unhashed: list[Bucket] = []
     try:
         for bucket in export:
             k = len(packed)
@@ -356,6 +437,11 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
             if ring is not None:
                 ring.sent(want.index, bc, copy)
             packed.append((bucket, finish))
+            if not early:
+                unhashed.append(bucket)
+                if sum(b.nbytes for b in unhashed) >= chunk and len(packed) < len(planned):
+                    hashed.append(_hash_now(group, unhashed, verify, out))
+                    unhashed = []
         if len(packed) != len(planned):
             export.failed = True
             raise CollectiveError(f"group {group.spec.group_id}: the export gave {len(packed)} buckets, the plan's table "
@@ -364,17 +450,19 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
         if not isinstance(err, CollectiveError):  # not the wire: the receivers are told (abort header)
             export.failed = True
         if export.failed and not group.broken:
-            _fill(group, planned[len(packed):], deadline)
+            _fill(group, planned[len(packed):], deadline, trailer=material_words(
+                whole_entries((m, r) for m, r, _ in tables), verify))  # type: ignore[arg-type]
         raise
     finally:
         if ring is not None:
             out.seconds["ring_wait"] = ring.waited
-    _hash_and_wait(packed, sending, copies, verify, out, each=ring is not None)
+    _finish_whole(group, packed, sending, copies, verify, out, deadline, each=ring is not None, hashed=hashed)
 
 
-def _fill(group: CollectiveGroup, rest: list[Any], deadline: float) -> None:
-    """Zeros for the announced buckets an export that failed did not send (the receivers wait for them)."""
-    sizes = [b.nbytes for b in rest if b.nbytes]
+def _fill(group: CollectiveGroup, rest: list[Any], deadline: float, trailer: int = 0) -> None:
+    """Zeros for the announced buckets an export that failed did not send, and for the trailer's `trailer`
+    words (the receivers wait for them all, then read the abort header behind them)."""
+    sizes = [b.nbytes for b in rest if b.nbytes] + ([8 * trailer] if trailer else [])
     if not sizes:
         return
     try:
@@ -406,7 +494,7 @@ def hash_and_copy(copies: HostCopies, bucket: Bucket, verify: str, out: SendResu
     return finish(), copy
 
 
-def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> Callable[[], dict[str, bytes]]:
+def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> _Recorded:
     """Every bucket of a whole-version push hashed in `verify` mode (not `full`: that hashes the
     host copies), in one pass where the buckets share one buffer (`buckets_digests_lazy`); the
     returned call waits for the device and records the digests in `out`. Host copies are the
@@ -424,26 +512,30 @@ def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> Call
         out.bytes += b.payload_bytes
         out.num_tensors += len(b)
 
-    return _recording(pending, out)
+    return _Recorded(pending, out, len(buckets))
 
 
-def _recording(pending: Callable[[], dict[str, bytes]], out: SendResult) -> Callable[[], dict[str, bytes]]:
-    """`pending` (waits for the device's reads), recording its digests and its wait in `out`."""
+class _Recorded:
+    """`pending` (waits for the device's reads) of `buckets` buckets; calling it records its digests
+    and its wait in `out` (once)."""
 
-    def finish() -> dict[str, bytes]:
+    def __init__(self, pending: PendingDigests, out: SendResult, buckets: int = 1) -> None:
+        self.pending, self.buckets, self._out, self._done = pending, buckets, out, False
+
+    def __call__(self) -> dict[str, bytes]:
         t = time.perf_counter()
-        digests = pending()
-        out.digests.update(digests)
-        waited = time.perf_counter() - t
-        out.seconds["hash"] += waited
-        out.seconds["hash_wait"] += waited
+        digests = self.pending()
+        if not self._done:
+            self._done = True
+            self._out.digests.update(digests)
+            waited = time.perf_counter() - t
+            self._out.seconds["hash"] += waited
+            self._out.seconds["hash_wait"] += waited
         return digests
-
-    return finish
 
 
 def hash_and_copy_lazy(copies: HostCopies | None, bucket: Bucket, verify: str,
-                       out: SendResult) -> tuple[Callable[[], dict[str, bytes]], Any]:
+                       out: SendResult) -> tuple[_Recorded, Any]:
     """`hash_and_copy` with the device reads only enqueued: the returned call waits for them and
     records the digests in `out` (a sender that publishes a whole version waits once, at its end).
     `copies` None: the caller starts the host copy itself (not with `full` verification)."""
@@ -459,14 +551,15 @@ def hash_and_copy_lazy(copies: HostCopies | None, bucket: Bucket, verify: str,
     t = time.perf_counter()
     prefix = digest_key_prefix(bucket)
     if verify == "full":
-        pending = lambda: bucket_digests(copies.host(copy), "full", prefix)  # type: ignore[union-attr]  # noqa: E731
+        entries = whole_entries([(bucket.metas, bucket.rank)])
+        pending = PendingDigests(entries, "full", digests=lambda: bucket_digests(copies.host(copy), "full", prefix))  # type: ignore[union-attr]
     else:
         pending = bucket_digests_lazy(bucket, verify, prefix)  # type: ignore[arg-type]
     out.seconds["hash"] += time.perf_counter() - t
     out.bytes += bucket.payload_bytes
     out.num_tensors += len(bucket)
 
-    return _recording(pending, out), copy
+    return _Recorded(pending, out), copy
 
 
 class Export:
@@ -502,8 +595,8 @@ class Export:
 def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
     """The receiver's loop for one push on one group: yields each bucket (its buffer on this
     member's device) with the sender's digests of it, until the sender's end header. Raises
-    SenderAborted on an abort header. Every digest the sender sent (in band, or after a whole
-    version) is then `sender_digests(group)`."""
+    SenderAborted on an abort header. Every digest the sender sent (in band, or in a whole
+    version's trailer) is then `sender_digests(group)`."""
     group._sender_digests = None
     theirs: dict[str, bytes] = {}
     while True:
@@ -517,12 +610,7 @@ def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterato
             raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
         if kind == WHOLE and table_len > 0 and nbytes >= 0:
             yield from _receive_whole(group, table_len, nbytes, deadline)
-            continue
-        if kind == DIGESTS and table_len > 0:
-            raw = torch.empty(table_len, dtype=torch.uint8, device=group.device)
-            group.broadcast(raw, deadline)
-            theirs.update({k: bytes.fromhex(v) for k, v in json.loads(raw.cpu().numpy().tobytes().decode()).items()})
-            continue
+            return
         if kind != BUCKET or table_len <= 0 or nbytes < 0:
             group.broken = True
             group.close()
@@ -544,36 +632,89 @@ def broadcast_sender_digests(group: CollectiveGroup) -> dict[str, bytes]:
     return dict(group._sender_digests)
 
 
+@dataclass
+class WholeTable:
+    """A whole version's table as a receiver reads it: the verify mode of the sender's digest material,
+    each bucket's (tensors, engine rank, size), and the fingerprint entries the material follows.
+    Kept by the group from one push to the next: a plan's table is the same every push, so the next
+    one skips the decoding (its raw bytes are compared instead)."""
+
+    raw: bytes
+    verify: str
+    buckets: list[tuple[list[TensorMeta], int | None, int]]
+    entries: list[Any]
+    words: int
+
+    @classmethod
+    def decode(cls, raw: bytes, group_id: str, nbytes: int) -> "WholeTable":
+        table = json.loads(raw.decode())
+        buckets = []
+        for text, n in table["b"]:
+            metas, rank, _ = decode_table(text.encode())
+            buckets.append((metas, rank, int(n)))
+        sizes = [n for *_, n in buckets]
+        if sum(sizes) != nbytes or any(n < 0 for n in sizes):
+            raise CollectiveError(f"group {group_id}: a whole-version table of {sizes} bytes for a header of {nbytes}")
+        entries = whole_entries((m, r) for m, r, _ in buckets)
+        verify = str(table["v"])
+        return cls(raw, verify, buckets, entries, material_words(entries, verify))  # type: ignore[arg-type]
+
+
+def _read_table(group: CollectiveGroup, table_len: int, nbytes: int, deadline: float) -> WholeTable:
+    raw_t = torch.empty(table_len, dtype=torch.uint8, device=group.device)
+    group.broadcast(raw_t, deadline)
+    raw = raw_t.cpu().numpy().tobytes()
+    kept = group._whole_table
+    if kept is not None and kept.raw == raw:
+        return kept
+    try:
+        table = WholeTable.decode(raw, group.spec.group_id, nbytes)
+    except Exception as err:
+        group.broken = True
+        group.close()
+        if isinstance(err, CollectiveError):
+            raise
+        raise CollectiveError(f"group {group.spec.group_id}: malformed whole-version table: {type(err).__name__}: {err}") from err
+    group._whole_table = table
+    return table
+
+
 def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int,
                    deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
     """A whole version: one table, then every bucket back to back into one allocation of
-    `nbytes`. Each bucket is handed on as soon as it is complete here (`Broadcasts.ready`: by the
-    deadline), while the later ones are still arriving, so the consumer's checksums of it run
-    beside the wire. The generator ends once every byte is here."""
-    raw = torch.empty(table_len, dtype=torch.uint8, device=group.device)
-    group.broadcast(raw, deadline)
-    tables = json.loads(raw.cpu().numpy().tobytes().decode())
-    sizes = [int(n) for _, n in tables]
-    if sum(sizes) != nbytes or any(n < 0 for n in sizes):
-        group.broken = True
-        group.close()
-        raise CollectiveError(f"group {group.spec.group_id}: a whole-version table of {sizes} bytes for a header of {nbytes}")
+    `nbytes`, then the trailer (the sender's digest material) and the end header, all received as
+    one enqueue. Each bucket is handed on as soon as it is complete here (`Broadcasts.ready`: by
+    the deadline), while the later ones are still arriving, so the consumer's checksums of it run
+    beside the wire. The generator ends with the push (the sender's digests read from the trailer),
+    or raises SenderAborted at an abort header behind the buckets."""
+    table = _read_table(group, table_len, nbytes, deadline)
     block = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
     views, at = [], 0
-    for n in sizes:
+    for *_, n in table.buckets:
         views.append(block.narrow(0, at, n))
         at += n
-    receiving = group.enqueue_broadcasts([v for v in views if v.numel()], deadline, events=group.device.type == "cuda")
+    trailer = torch.empty(table.words, dtype=torch.int64, device=group.device)
+    end = torch.empty(3, dtype=torch.int64, device=group.device)
+    receiving = group.enqueue_broadcasts([v for v in views if v.numel()] + [t for t in (trailer,) if t.numel()] + [end],
+                                         deadline, events=group.device.type == "cuda")
     k = 0
     try:
-        for (table, _), view in zip(tables, views):
-            metas, rank, digests = decode_table(table.encode())
+        for (metas, rank, _), view in zip(table.buckets, views):
             if view.numel():
                 receiving.ready(k)
                 k += 1
-            yield Bucket(buffer=view, metas=metas, rank=rank), digests
+            yield Bucket(buffer=view, metas=metas, rank=rank), {}
     except GeneratorExit:  # the consumer failed mid-version: the rest of the push is unread
         group.broken = True
         group.close()
         raise
     receiving.wait()
+    kind = int(end[0].item())
+    if kind == ABORT:
+        raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
+    if kind != END:
+        group.broken = True
+        group.close()
+        raise CollectiveError(f"group {group.spec.group_id}: malformed end header {end.tolist()} after a whole version")
+    words = trailer.cpu().numpy().view(np.uint64)
+    group._sender_digests = digests_from_material(table.entries, table.verify, words)  # type: ignore[arg-type]

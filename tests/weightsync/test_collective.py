@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.weightsync.fingerprint import combine_digests, tensor_fingerprint
+from asyncrl.weightsync.fingerprint import combine_digests, tensor_digests, tensor_fingerprint
 from asyncrl.generator.worker_ext import WeightUpdateExtension
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.bucket import FILE_PREFIX, shared_dir, unpack_bucket
@@ -221,12 +221,14 @@ def test_a_planned_whole_push_puts_each_bucket_on_the_wire_as_soon_as_it_is_pack
     """With a push plan the sender announces the whole version's table before packing (the plan
     knows it) and broadcasts each bucket once packed: a receiver holds bucket 0 while the export
     is still producing the last tensor. The bytes, the sender's digests after the last bucket and
-    the host copies are as without a plan; the buckets share one arena and are hashed in one pass."""
+    the host copies are as without a plan; the buckets share one arena, hashed in a few passes over
+    it as it is packed (the first before the export ended), each bucket once."""
     import asyncrl.weightsync.stream as stream
 
-    passes: list[int] = []
+    passes: list[tuple[int, float]] = []
     one_pass = stream.hash_whole_lazy
-    monkeypatch.setattr(stream, "hash_whole_lazy", lambda buckets, *a, **k: passes.append(len(buckets)) or one_pass(buckets, *a, **k))
+    monkeypatch.setattr(stream, "hash_whole_lazy",
+                        lambda buckets, *a, **k: passes.append((len(buckets), time.monotonic())) or one_pass(buckets, *a, **k))
     spec = _spec(receivers=1, backend="gloo-whole")
     sender, receiver = _join_all(spec)
     weights = {f"t{i}": torch.full((2048,), float(i)) for i in range(6)}  # 3 planned buckets of 2 tensors
@@ -256,7 +258,8 @@ def test_a_planned_whole_push_puts_each_bucket_on_the_wire_as_soon_as_it_is_pack
     assert len(received) == 3 and received[0] < produced[-1]  # bucket 0 arrived before the export ended
     assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in weights)
     assert theirs == sent.digests and len(sent.digests) == len(weights)
-    assert passes == [3]  # every bucket's checksums in one pass over the arena
+    assert sum(n for n, _ in passes) == 3 and len(passes) <= stream.HASH_CHUNKS  # every bucket hashed once
+    assert passes[0][1] < produced[-1]  # while the export was still producing
     assert len(sent.host_copies.result()) == 3
     for g in (sender, receiver):
         g.close()
@@ -277,6 +280,40 @@ def _planned_push(sender, receiver, weights, plan, **send_kw):
     sent = send_stream(sender, iter(weights.items()), BUCKET_MB, verify="checksum", timeout_s=20, plan=plan, **send_kw)
     th.join(30)
     return sent, got, theirs
+
+
+@pytest.mark.parametrize("verify", ["full", "sampled", "checksum", "off"])
+def test_a_whole_push_ends_with_the_senders_digest_material_and_the_receiver_keeps_its_table(verify):
+    """A whole planned version ends with a trailer of the sender's digest material right behind the
+    buckets (the receiver takes buckets, trailer and end header as one receive): the receiver's
+    `sender_digests` are the sender's own in every verify mode, and a second push of the same plan
+    reuses the table the receiver decoded for the first."""
+    spec = _spec(receivers=1, backend="gloo-whole")
+    sender, receiver = _join_all(spec)
+    g = torch.Generator().manual_seed(5)
+    weights = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate([40000, 300, 70000, 5])}  # > 128 KiB: windows
+    plan = _identity_plan(weights, BUCKET_MB)
+    tables = []
+    for step in range(2):
+        pushed = {k: v + step for k, v in weights.items()}
+        theirs: dict[str, bytes] = {}
+
+        def receive(group):
+            for _ in receive_stream(group, time.monotonic() + 20):
+                pass
+            theirs.update(sender_digests(group, time.monotonic() + 5))
+            tables.append(group._whole_table)
+
+        th = threading.Thread(target=receive, args=(receiver,))
+        th.start()
+        sent = send_stream(sender, iter(pushed.items()), BUCKET_MB, verify=verify, timeout_s=20, plan=plan)
+        th.join(30)
+        assert theirs == sent.digests and len(theirs) == len(weights)
+        assert theirs == tensor_digests([(f"0/{k}", v) for k, v in pushed.items()], verify)  # (engine rank 0's keys)
+        sent.host_copies.result()
+    assert tables[0] is tables[1] and tables[0].verify == verify
+    for grp in (sender, receiver):
+        grp.close()
 
 
 def test_a_sender_ring_sends_a_planned_version_through_reused_slots_bit_exact(monkeypatch, caplog):
