@@ -129,6 +129,9 @@ class WorkerAPI(Protocol):
 
     def asyncrl_leave_collective(self) -> None: ...
 
+    def asyncrl_release_buffers(self) -> None:
+        """Drop the receive buffers kept from one push to the next (before the engine sleeps)."""
+
     def asyncrl_collective_groups(self) -> list[str]: ...
 
     def asyncrl_probe_collective(self, sizes: list[list[int]], timeout_s: float) -> None:

@@ -44,6 +44,7 @@ from asyncrl.generator.vllm_engine import (
     unfinished_requests,
 )
 from asyncrl.generator.versions import CompletionAccumulator
+from asyncrl.interfaces import WorkerAPI
 from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
 from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.replica_side import ReplicaStaging, adopt_push_plan
@@ -330,6 +331,7 @@ class EngineReplica(WeightUpdates):
             if not self._asleep:
                 t0 = time.perf_counter()
                 await self.llm.pause_generation(mode="keep", clear_cache=True)
+                await self._rpc(WorkerAPI.asyncrl_release_buffers)  # (a push's kept receive buffers: released too)
                 # vLLM >= 0.32 pauses inside sleep too, aborting by default: keep our preempted requests.
                 keep = {"mode": "keep"} if "mode" in inspect.signature(self.llm.sleep).parameters else {}
                 await self.llm.sleep(level, **keep)

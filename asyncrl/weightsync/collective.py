@@ -281,6 +281,7 @@ class CollectiveGroup:
     _sender_digests: dict | None = field(default=None, repr=False)  # gloo / nccl receiver: the last push's, as sent
     _gate_keys: list = field(default_factory=list, repr=False)  # sender: the last push's gate keys, dropped at the next
     _whole_table: Any = field(default=None, repr=False)  # gloo / nccl receiver: the last whole version's table (stream.py)
+    _kept: Any = field(default=None, repr=False)  # ... and what it received that version into, kept for the next (stream.py)
     _hash_stream: Any = field(default=None, repr=False)  # nccl sender: the stream it hashes packed buckets on (stream.py)
     _hash_launched: bool = False  # ... with checksums launched there that the packing stream has not waited for
 
@@ -461,11 +462,17 @@ class CollectiveGroup:
         return CollectiveError(f"group {self.spec.group_id} rank {self.rank}: broadcast of {what} failed: "
                                f"{type(err).__name__}: {err}")
 
+    def release_kept(self) -> None:
+        """Drop the receive buffers kept from the last push (a receiver: `stream._receive_whole`); the next
+        push allocates them again. For an engine about to release its memory (sleep)."""
+        self._kept = None
+
     def close(self) -> None:
         comm, self._comm, self._pg, self._store = self._comm, None, None, None
         self.broken = True
         self._opened.clear()
         self._ring = None
+        self._kept = None
         if comm is not None:
             try:
                 comm.destroy()

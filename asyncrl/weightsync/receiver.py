@@ -67,6 +67,18 @@ class EngineHooks(Protocol):
 
 
 @dataclass
+class _Kept:
+    """What a receiver derives from a bucket that its transport hands again at the next push (the same
+    object: an ipc ring's record, a broadcast group's whole-version receive, `Bucket.reused`): its tensor
+    views, its fingerprint keys and, once copied into the live parameters, both lists of that copy."""
+
+    bucket: Bucket
+    views: list[tuple[str, torch.Tensor]]
+    keys: set[str]
+    copy: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+
+@dataclass
 class _Staged:
     version: int
     verify: str
@@ -80,7 +92,7 @@ class _Staged:
     early: bool = False  # full staging applied as each bucket landed (apply_as_received)
     pending: list[PendingDigests] = field(default_factory=list)  # lazy digests still on the device (`digests` waits once)
     batch: list[tuple[Bucket, str]] = field(default_factory=list)  # buckets hashed together at `digests`
-    seen: dict[int, tuple[Bucket, list[tuple[str, torch.Tensor]]]] = field(default_factory=dict)  # batch: views by bucket
+    seen: dict[int, _Kept] = field(default_factory=dict)  # reused buckets (and batch), by id
 
 
 class VerificationError(ValueError):
@@ -100,7 +112,9 @@ class WorkerReceiver:
         # A whole-version ipc push stages views of the sender's ring, which are the same bucket
         # objects while the ring is (ipc.py's record cache): their unpacked views, and the apply's
         # parameter lists built from them, are kept from one push to the next.
-        self._views: dict[int, tuple[Bucket, list[tuple[str, torch.Tensor]]]] = {}
+        # So are a broadcast group's whole-version buckets (stream.py): their views, and the lists of each
+        # one's copy into the live parameters (applied as received), are kept the same way.
+        self._views: dict[int, _Kept] = {}
         # (key, live parameters, sources); set_plan, the one place the live parameters change, drops it
         self._apply_lists: tuple[tuple[int, ...], list[torch.Tensor], list[torch.Tensor]] | None = None
 
@@ -187,10 +201,18 @@ class WorkerReceiver:
         if bucket.rank is not None and bucket.rank != self.hooks.rank:
             return {}
         prefix = digest_key_prefix(bucket)
-        keys = {prefix + m.name for m in bucket.metas}
-        dup = keys & set(staged.digests)
+        kept: _Kept | None = None
+        if batch or bucket.reused:  # the same bucket as at the last push: what it gave then, again
+            kept = self._views.get(id(bucket))
+            if kept is None or kept.bucket is not bucket:
+                kept = _Kept(bucket, unpack_bucket(bucket), {prefix + m.name for m in bucket.metas})
+            staged.seen[id(bucket)] = kept
+        keys = kept.keys if kept is not None else {prefix + m.name for m in bucket.metas}
+        dup = sorted(k for k in keys if k in staged.digests)
         if len(keys) != len(bucket.metas) or dup:
-            raise ValueError(f"tensor {sorted(dup)[0] if dup else '?'!r} staged twice for version {version}")
+            if kept is not None:
+                staged.seen.pop(id(bucket), None)
+            raise ValueError(f"tensor {dup[0] if dup else '?'!r} staged twice for version {version}")
         if lazy and staged.staging == "full":
             if batch:
                 staged.batch.append((bucket, prefix))
@@ -208,24 +230,19 @@ class WorkerReceiver:
                     raise VerificationError(f"fingerprint mismatch for version {version}: bucket tensors {wrong[:3]} "
                                             "differ from the sender's digests; nothing of this bucket applied")
             staged.digests.update(digests)
-        if batch:
-            kept = self._views.get(id(bucket))
-            views = kept[1] if kept is not None and kept[0] is bucket else unpack_bucket(bucket)
-            staged.seen[id(bucket)] = (bucket, views)
-        else:
-            views = unpack_bucket(bucket)
+        views = kept.views if kept is not None else unpack_bucket(bucket)
         if staged.layout == "hf":
             staged.hf.update(views)
         else:
             staged.engine.extend(views)
         staged.keep.append(bucket.buffer)
         if staged.staging == "bucketed" and staged.layout == "engine":
-            self._copy_into_live(views)
+            self._copy_into_live(views, kept=kept)
             staged.applied += len(views)
             staged.engine.clear()
             staged.keep.clear()
         elif staged.early:  # into the live weights now; the buffer stays kept for its (lazy) digests
-            self._copy_into_live(views)
+            self._copy_into_live(views, kept=kept)
             staged.applied += len(views)
             staged.engine.clear()
         return digests
@@ -266,20 +283,27 @@ class WorkerReceiver:
         try:
             if self.hooks.device.type == "cuda":
                 torch.cuda.synchronize(self.hooks.device)
+            self._views = staged.seen  # the next push's buckets are most likely these
             return {"path": "direct", "apply_seconds": time.perf_counter() - t, "tensors": staged.applied, "early": True}
         finally:
             self._staged = None
 
     # ---- apply -----------------------------------------------------------------------------------
 
-    def _copy_into_live(self, views: Iterable[tuple[str, torch.Tensor]], key: tuple[int, ...] | None = None) -> None:
+    def _copy_into_live(self, views: Iterable[tuple[str, torch.Tensor]], key: tuple[int, ...] | None = None,
+                        kept: _Kept | None = None) -> None:
         """Copy staged `views` into the live parameters, one fused copy. `key` (the staged
-        buckets, when every one is the last push's): the checked lists are kept under it."""
+        buckets, when every one is the last push's): the checked lists are kept under it;
+        `kept` (the views are this reused bucket's): they are kept with it."""
         live = self._live
         if live is None:
             raise RuntimeError("no push plan: engine-layout tensors cannot be applied")
+        if kept is not None and kept.copy is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(*kept.copy)
+            return
         lists = self._apply_lists
-        if key is not None and lists is not None and lists[0] == key:
+        if kept is None and key is not None and lists is not None and lists[0] == key:
             with torch.no_grad():
                 torch._foreach_copy_(lists[1], lists[2])
             return
@@ -298,6 +322,9 @@ class WorkerReceiver:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)
         # kept as the parameters themselves (a later `param.data = ...` is followed), never a temporary copy
+        if kept is not None:
+            kept.copy = ([live[name] for name, _ in views], src) if same_device and dst else None
+            return
         self._apply_lists = (key, [live[name] for name, _ in views], src) \
             if key is not None and same_device and dst else None
 
@@ -312,7 +339,7 @@ class WorkerReceiver:
             if staged.layout == "engine":
                 if staged.staging == "full":
                     # (ids of buckets alive until this push ends: equal keys are the same buckets)
-                    whole = staged.seen and sum(len(v) for _, v in staged.seen.values()) == len(staged.engine)
+                    whole = staged.seen and sum(len(k.views) for k in staged.seen.values()) == len(staged.engine)
                     key = tuple(staged.seen) if whole else None
                     self._copy_into_live(staged.engine, key)
                 if self.hooks.device.type == "cuda":

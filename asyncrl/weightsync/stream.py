@@ -686,24 +686,33 @@ def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int,
     one enqueue. Each bucket is handed on as soon as it is complete here (`Broadcasts.ready`: by
     the deadline), while the later ones are still arriving, so the consumer's checksums of it run
     beside the wire. The generator ends with the push (the sender's digests read from the trailer),
-    or raises SenderAborted at an abort header behind the buckets."""
+    or raises SenderAborted at an abort header behind the buckets. The next push of the same table
+    reuses the buckets, and the memory they were received into (`Bucket.reused`; the group keeps them,
+    as the caching allocator would keep that memory anyway, until `release_kept` or its close): a
+    consumer keeps its work per bucket (views, copy lists) instead of redoing it, ~0.4 ms of host time
+    a bucket that had put the receiver behind the wire at 1.5B (56 buckets of 64 MB on H100s)."""
     table = _read_table(group, table_len, nbytes, deadline)
-    block = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
-    views, at = [], 0
-    for *_, n in table.buckets:
-        views.append(block.narrow(0, at, n))
-        at += n
-    trailer = torch.empty(table.words, dtype=torch.int64, device=group.device)
-    end = torch.empty(3, dtype=torch.int64, device=group.device)
-    receiving = group.enqueue_broadcasts([v for v in views if v.numel()] + [t for t in (trailer,) if t.numel()] + [end],
-                                         deadline, events=group.device.type == "cuda")
+    kept = group._kept
+    if kept is None or kept[0] is not table:  # (the same table: the same buckets, into the same memory)
+        block = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+        buckets, at = [], 0
+        for metas, rank, n in table.buckets:
+            buckets.append(Bucket(buffer=block.narrow(0, at, n), metas=metas, rank=rank, reused=True))
+            at += n
+        trailer = torch.empty(table.words, dtype=torch.int64, device=group.device)
+        end = torch.empty(3, dtype=torch.int64, device=group.device)
+        kept = group._kept = (table, buckets, trailer, end)
+    _, buckets, trailer, end = kept
+    end.fill_(0)  # (no end header read from a push that did not send one)
+    receiving = group.enqueue_broadcasts([b.buffer for b in buckets if b.nbytes] + [t for t in (trailer,) if t.numel()]
+                                         + [end], deadline, events=group.device.type == "cuda")
     k = 0
     try:
-        for (metas, rank, _), view in zip(table.buckets, views):
-            if view.numel():
+        for bucket in buckets:
+            if bucket.nbytes:
                 receiving.ready(k)
                 k += 1
-            yield Bucket(buffer=view, metas=metas, rank=rank), {}
+            yield bucket, {}
     except GeneratorExit:  # the consumer failed mid-version: the rest of the push is unread
         group.broken = True
         group.close()

@@ -398,6 +398,14 @@ class WeightsyncWorkerExtension:
             group.close()
         self._asyncrl_rx().release_views()  # (views of the groups' buffers, kept for their next push)
 
+    def asyncrl_release_buffers(self) -> None:
+        """Drop what this worker keeps from one push to the next in device memory: each group's receive
+        buffers and the receiver's views of them (the next push allocates them again). The replica calls it
+        before the engine sleeps, so that sleeping releases that memory too."""
+        for group in self.__dict__.get("_asyncrl_groups", {}).values():
+            group.release_kept()
+        self._asyncrl_rx().release_views()
+
     def asyncrl_probe_collective(self, sizes: list[list[int]], timeout_s: float) -> None:
         """Receive a raw broadcast of buckets of `sizes[i]` bytes from the i-th group joined (in the
         order of the senders, as a push is received): `CollectiveGroup.probe_wire`."""

@@ -286,21 +286,29 @@ def _planned_push(sender, receiver, weights, plan, **send_kw):
 def test_a_whole_push_ends_with_the_senders_digest_material_and_the_receiver_keeps_its_table(verify):
     """A whole planned version ends with a trailer of the sender's digest material right behind the
     buckets (the receiver takes buckets, trailer and end header as one receive): the receiver's
-    `sender_digests` are the sender's own in every verify mode, and a second push of the same plan
-    reuses the table the receiver decoded for the first."""
+    `sender_digests` are the sender's own in every verify mode. A second push of the same plan reuses
+    the table the receiver decoded for the first, and the same buckets (`reused`), holding its own
+    bytes; after `release_kept` the next push receives into new ones."""
     spec = _spec(receivers=1, backend="gloo-whole")
     sender, receiver = _join_all(spec)
     g = torch.Generator().manual_seed(5)
     weights = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate([40000, 300, 70000, 5])}  # > 128 KiB: windows
     plan = _identity_plan(weights, BUCKET_MB)
-    tables = []
-    for step in range(2):
+    tables, handed = [], []
+    for step in range(3):
         pushed = {k: v + step for k, v in weights.items()}
         theirs: dict[str, bytes] = {}
+        if step == 2:
+            receiver.release_kept()
 
         def receive(group):
-            for _ in receive_stream(group, time.monotonic() + 20):
-                pass
+            got = {}
+            handed.append([])
+            for bucket, _ in receive_stream(group, time.monotonic() + 20):
+                assert bucket.reused
+                handed[-1].append(bucket)
+                got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
+            assert got.keys() == pushed.keys() and all(torch.equal(got[k], pushed[k]) for k in got)
             theirs.update(sender_digests(group, time.monotonic() + 5))
             tables.append(group._whole_table)
 
@@ -311,7 +319,9 @@ def test_a_whole_push_ends_with_the_senders_digest_material_and_the_receiver_kee
         assert theirs == sent.digests and len(theirs) == len(weights)
         assert theirs == tensor_digests([(f"0/{k}", v) for k, v in pushed.items()], verify)  # (engine rank 0's keys)
         sent.host_copies.result()
-    assert tables[0] is tables[1] and tables[0].verify == verify
+    assert tables[0] is tables[1] is tables[2] and tables[0].verify == verify and len(handed[0]) == len(plan.buckets)
+    assert all(a is b for a, b in zip(handed[0], handed[1]))  # the same buckets, with the second push's bytes
+    assert not any(a is b for a, b in zip(handed[0], handed[2]))  # released: new ones
     for grp in (sender, receiver):
         grp.close()
 

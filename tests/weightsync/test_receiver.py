@@ -1,6 +1,7 @@
 """The engine worker's receiver (receiver.py) without an engine: a whole-version ipc push stages
 views of the same sender buffers push after push, and the receiver keeps their views and the
-apply's parameter lists; these pin that what is applied is always the bytes staged now."""
+apply's parameter lists; so does one applied as it lands from a broadcast group's reused buckets (per
+bucket); these pin that what is applied is always the bytes staged now."""
 
 from __future__ import annotations
 
@@ -52,11 +53,11 @@ def test_a_receiver_keeps_the_views_of_a_reused_record_and_applies_the_bytes_sta
 
     for version, value in enumerate((1.0, 10.0, 100.0), start=1):
         want = _fill(ring, value)
-        views_before = {k: v[1] for k, v in rx._views.items()}
+        views_before = {k: v.views for k, v in rx._views.items()}
         assert _push(rx, version, ring)["path"] == "direct"
         assert all(torch.equal(live[n], want[n]) for n in names), version
         if version > 1:  # the same bucket objects: their views were not unpacked again
-            assert {k: v[1] for k, v in rx._views.items()} == views_before
+            assert {k: v.views for k, v in rx._views.items()} == views_before
     assert rx._apply_lists is not None  # the checked parameter lists are kept
 
     # A parameter whose storage the engine replaced (`param.data = ...`) is followed.
@@ -84,3 +85,59 @@ def test_a_receiver_keeps_the_views_of_a_reused_record_and_applies_the_bytes_sta
     rx.stage(7, other[0], lazy=True, batch=True)
     rx.abort()
     assert rx._views == {} and rx._apply_lists is None
+
+
+def _received(rx: WorkerReceiver, version: int, buckets: list[Bucket]) -> dict:
+    """A broadcast push applied as it lands (the engine paused): stage each bucket, then finish."""
+    rx.begin(version, "checksum", "full", "engine")
+    assert rx.apply_as_received(version)
+    for b in buckets:
+        rx.stage(version, b, lazy=True)
+    rx.digests(version)
+    return rx.finish_received(version)
+
+
+def test_buckets_applied_as_they_land_keep_their_copy_lists_and_always_apply_the_bytes_received_now():
+    """A broadcast group's whole-version buckets come back as the same objects push after push
+    (`Bucket.reused`): the receiver unpacks each once and keeps the lists of its copy into the live
+    parameters, yet every push applies the bytes that landed in it, follows a parameter whose storage
+    the engine replaced, and keeps nothing of buckets that are not reused."""
+    names = [f"p{i}" for i in range(6)]
+    live = {n: torch.nn.Parameter(torch.zeros(2, 3), requires_grad=False) for n in names}
+    rx = WorkerReceiver(_Hooks())
+    rx.plan_id, rx._live = "plan", live
+    ring = _buckets(names)
+    for b in ring:
+        b.reused = True
+    first = None
+    for version, value in enumerate((1.0, 10.0, 100.0), start=1):
+        want = _fill(ring, value)
+        assert _received(rx, version, ring)["early"]
+        assert all(torch.equal(live[n], want[n]) for n in names), version
+        kept = {k: (v.views, v.copy) for k, v in rx._views.items()}
+        assert set(kept) == {id(b) for b in ring} and all(c is not None for _, c in kept.values())
+        if first is None:
+            first = kept
+        else:  # unpacked once, the copy lists made once
+            assert all(kept[k][0] is first[k][0] and kept[k][1] is first[k][1] for k in kept)
+
+    fresh = torch.zeros(2, 3)  # the engine replaced a parameter's storage: the kept list holds the parameter
+    live["p4"].data = fresh
+    want = _fill(ring, 7.0)
+    _received(rx, 4, ring)
+    assert torch.equal(fresh, want["p4"]) and all(torch.equal(live[n], want[n]) for n in names)
+
+    loose = _buckets(names, per=3)  # a transport's own fresh buckets: applied, nothing kept
+    want = _fill(loose, -2.0)
+    _received(rx, 5, loose)
+    assert all(torch.equal(live[n], want[n]) for n in names) and rx._views == {}
+
+    rx.begin(6, "checksum", "full", "engine")  # a tensor staged twice is refused, a reused bucket too
+    rx.stage(6, ring[0], lazy=True)
+    try:
+        rx.stage(6, ring[0], lazy=True)
+        raise AssertionError("staged twice")
+    except ValueError as err:
+        assert "staged twice" in str(err)
+    rx.abort()
+    assert rx._views == {}
