@@ -282,6 +282,7 @@ class CollectiveGroup:
     _gate_keys: list = field(default_factory=list, repr=False)  # sender: the last push's gate keys, dropped at the next
     _whole_table: Any = field(default=None, repr=False)  # gloo / nccl receiver: the last whole version's table (stream.py)
     _kept: Any = field(default=None, repr=False)  # ... and what it received that version into, kept for the next (stream.py)
+    _announce: Any = field(default=None, repr=False)  # gloo / nccl sender: a plan's whole-version table, kept (stream.py)
     _hash_stream: Any = field(default=None, repr=False)  # nccl sender: the stream it hashes packed buckets on (stream.py)
     _hash_launched: bool = False  # ... with checksums launched there that the packing stream has not waited for
 
@@ -480,6 +481,25 @@ class CollectiveGroup:
                 pass
 
 
+SPIN_S = 0.0005  # a host waiting for a CUDA event polls without sleeping this long first
+
+
+def _poll(event: Any, deadline: float, what: str) -> None:
+    """Return once `event` completed (by `deadline`, time.monotonic()). The first `SPIN_S` poll without
+    sleeping: a push's small broadcasts (headers, its table, the trailer) and a bucket that is about to
+    land complete within it, where a sleep's granularity (~60-250 us each) added up on every one of them,
+    on both ends. Longer waits sleep 100 us between polls."""
+    if event.query():
+        return
+    spin_until = time.perf_counter() + SPIN_S
+    while not event.query():
+        if time.perf_counter() < spin_until:
+            continue
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not complete by the deadline")
+        time.sleep(0.0001)
+
+
 @dataclass
 class Broadcasts:
     """Broadcasts enqueued on a group (`CollectiveGroup.enqueue_broadcasts`); `wait()` returns
@@ -500,11 +520,7 @@ class Broadcasts:
             if self.works:
                 self.works[i].wait(datetime.timedelta(seconds=max(0.001, self.deadline - time.monotonic())))
                 return
-            event = self.events[i]
-            while not event.query():
-                if time.monotonic() > self.deadline:
-                    raise TimeoutError(f"NCCL broadcast of tensor {i} not complete by the deadline")
-                time.sleep(0.0001)
+            _poll(self.events[i], self.deadline, f"NCCL broadcast of tensor {i}")
         except Exception as err:
             raise self.group._failed(self.tensors, err) from err
 
@@ -513,9 +529,6 @@ class Broadcasts:
             for work in self.works:
                 work.wait(datetime.timedelta(seconds=max(0.001, self.deadline - time.monotonic())))
             if self.done is not None:
-                while not self.done.query():
-                    if time.monotonic() > self.deadline:
-                        raise TimeoutError("NCCL broadcast not complete by the deadline")
-                    time.sleep(0.0002)
+                _poll(self.done, self.deadline, "NCCL broadcast")
         except Exception as err:
             raise self.group._failed(self.tensors, err) from err

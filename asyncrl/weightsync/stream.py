@@ -220,11 +220,14 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender,
                                 planned_buffer=buffers), out)
     try:
+        # the plan's table is known before anything is packed: made (and kept with the plan) while the gate is shut
+        announce = whole_table(group, lambda: [(b.metas(), b.rank, b.nbytes) for b in planned], verify, plan, sender) \
+            if planned is not None else None
         if gate:
             group.pass_gate(gate, deadline)
             trace.mark("snd.gate_open")
         if planned is not None:  # the table is the plan's: sent first, each bucket on the wire as it is packed
-            _send_whole_planned(group, export, copies, verify, deadline, out, planned, ring)
+            _send_whole_planned(group, export, copies, verify, deadline, out, planned, ring, announce)
         else:
             (_send_whole if whole else _send_each)(group, export, copies, verify, deadline, out)
     except BaseException as err:
@@ -284,13 +287,28 @@ def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, ve
 
 def _announce_whole(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], int | None, int]], verify: str,
                     deadline: float) -> None:
-    """The whole version's header and table: every bucket's (tensors, engine rank, size), without
-    digests, and the verify mode the trailer's digest material is in (`_finish_whole`)."""
+    """The whole version's header and table (`whole_table`), sent and waited for."""
+    group.broadcast_all(whole_table(group, buckets, verify), deadline)
+
+
+def whole_table(group: CollectiveGroup, buckets: Any, verify: str, plan: Any = None, sender: int = 0) -> list[torch.Tensor]:
+    """The whole version's header and table, on the group's device: every bucket's (tensors, engine
+    rank, size), without digests, and the verify mode the trailer's digest material is in
+    (`_finish_whole`). With the push `plan` the buckets are `sender`'s of, they are kept on the group
+    (with the plan itself, compared by identity) for the plan's next push, whose table is the same.
+    `buckets`: a list of (tensors, engine rank, size), or a call that makes it (not called when kept)."""
+    kept = group._announce
+    if plan is not None and kept is not None and kept[0] is plan and kept[1:3] == (sender, verify):
+        return kept[3]
+    if callable(buckets):
+        buckets = buckets()
     tables = [encode_table(Bucket(buffer=None, metas=metas, rank=rank), {}).decode()  # type: ignore[arg-type]
               for metas, rank, _ in buckets]
     raw = json.dumps({"v": verify, "b": [[t, n] for t, (*_, n) in zip(tables, buckets)]}).encode()
-    group.broadcast(_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)), deadline)
-    _send_bytes(group, raw, deadline)
+    out = [_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)),
+           torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device)]
+    group._announce = (plan, sender, verify, out) if plan is not None else None
+    return out
 
 
 def whole_entries(buckets: Iterable[tuple[list[TensorMeta], int | None]]) -> list[Any]:
@@ -300,19 +318,21 @@ def whole_entries(buckets: Iterable[tuple[list[TensorMeta], int | None]]) -> lis
             for metas, rank in buckets for m in metas]
 
 
-def _trailer(group: CollectiveGroup, pending: list[PendingDigests], verify: str, entries: list[Any]) -> torch.Tensor:
-    """A whole version's trailer: the digest material of every bucket, in order (int64 words). Still on
-    the device where the checksums are (nothing waits for them: the wire takes it behind them), else
-    made on the host once the digests are done."""
+def _trailer(group: CollectiveGroup, pending: list[PendingDigests], verify: str, tensors: int) -> torch.Tensor:
+    """A whole version's trailer: the digest material of every bucket (`tensors` tensors in all), in
+    order (int64 words). Still on the device where the checksums are (nothing waits for them: the wire
+    takes it behind them), else made on the host once the digests are done."""
     device = [p.device_words for p in pending]
     if pending and all(d is not None for d in device):
         words = torch.cat(device) if len(device) > 1 else device[0]  # type: ignore[arg-type]
     else:
         host = np.concatenate([p.words() for p in pending]) if pending else np.empty(0, np.uint64)
         words = torch.from_numpy(host.astype(np.uint64).view(np.int64)).to(group.device)
-    if words.numel() != material_words(entries, verify):  # type: ignore[arg-type]
-        raise CollectiveError(f"group {group.spec.group_id}: {words.numel()} words of digest material for a table that "
-                              f"needs {material_words(entries, verify)}")  # type: ignore[arg-type]
+    # (the receivers size the trailer from the table: a different size would never match on the wire)
+    want = sum(material_words(p.entries, verify) for p in pending)  # type: ignore[arg-type]
+    if words.numel() != want or sum(len(p.entries) for p in pending) != tensors:
+        raise CollectiveError(f"group {group.spec.group_id}: {words.numel()} words of digest material for "
+                              f"{sum(len(p.entries) for p in pending)} tensors, where the table has {tensors} ({want} words)")
     return words.to(torch.int64)
 
 
@@ -337,7 +357,7 @@ def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], send
     trace.mark("snd.all_enqueued")
     _join_hash_stream(group)
     t = time.perf_counter()
-    trailer = _trailer(group, [f.pending for f in finishes], verify, whole_entries((b.metas, b.rank) for b, _ in packed))
+    trailer = _trailer(group, [f.pending for f in finishes], verify, sum(len(b.metas) for b, _ in packed))
     tail = group.enqueue_broadcasts([x for x in (trailer,) if x.numel()] + [_header(group, END)], deadline)
     out.seconds["broadcast"] += time.perf_counter() - t
     if not copied:  # (deferred: they start once the digests are read, below; registered while the wire runs)
@@ -391,7 +411,8 @@ HASH_CHUNKS = 8  # a whole arena is hashed in about this many passes as it is pa
 
 
 def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
-                        out: SendResult, planned: list[Any], ring: SenderRing | None = None) -> None:
+                        out: SendResult, planned: list[Any], ring: SenderRing | None = None,
+                        announce: list[torch.Tensor] | None = None) -> None:
     """`_send_whole` with a push plan: the table (every bucket's tensors and size, known from the plan)
     goes first, and each bucket's broadcast is enqueued as soon as it is packed, so packing bucket k + 1
     overlaps bucket k on the wire (on a device: the broadcast waits for that bucket's copies only).
@@ -402,12 +423,14 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
     once both are done), where the whole arena hashes every bucket in one pass at the end."""
     early = verify == "full" or ring is not None
     t = time.perf_counter()
-    tables = [(b.metas(), b.rank, b.nbytes) for b in planned]
-    _announce_whole(group, tables, verify, deadline)
+    def tables() -> list[tuple[list[TensorMeta], int | None, int]]:
+        return [(b.metas(), b.rank, b.nbytes) for b in planned]
+
+    # (made before the gate opened, kept with the plan): enqueued, not waited for, the first buckets right behind
+    sending = [group.enqueue_broadcasts(announce or whole_table(group, tables, verify), deadline)]
     trace.mark("snd.announced")
     out.seconds["broadcast"] += time.perf_counter() - t
     packed: list[tuple[Bucket, Any]] = []
-    sending = []
     # the arena's checksums in a few passes as it is packed (each beside the wire), so the last bytes
     # sent wait for one pass over the last chunk only
     chunk = max(1, sum(b.nbytes for b in planned) // HASH_CHUNKS)
@@ -451,7 +474,7 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
             export.failed = True
         if export.failed and not group.broken:
             _fill(group, planned[len(packed):], deadline, trailer=material_words(
-                whole_entries((m, r) for m, r, _ in tables), verify))  # type: ignore[arg-type]
+                whole_entries((m, r) for m, r, _ in tables()), verify))  # type: ignore[arg-type]
         raise
     finally:
         if ring is not None:

@@ -287,15 +287,18 @@ def test_a_whole_push_ends_with_the_senders_digest_material_and_the_receiver_kee
     """A whole planned version ends with a trailer of the sender's digest material right behind the
     buckets (the receiver takes buckets, trailer and end header as one receive): the receiver's
     `sender_digests` are the sender's own in every verify mode. A second push of the same plan reuses
-    the table the receiver decoded for the first, and the same buckets (`reused`), holding its own
-    bytes; after `release_kept` the next push receives into new ones."""
+    the table the sender made (kept with the plan) and the one the receiver decoded for the first,
+    and the same buckets (`reused`), holding its own bytes; after `release_kept` the next push receives
+    into new ones, and another plan (other buckets) gets a table and buckets of its own."""
     spec = _spec(receivers=1, backend="gloo-whole")
     sender, receiver = _join_all(spec)
     g = torch.Generator().manual_seed(5)
     weights = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate([40000, 300, 70000, 5])}  # > 128 KiB: windows
-    plan = _identity_plan(weights, BUCKET_MB)
-    tables, handed = [], []
-    for step in range(3):
+    plans = [_identity_plan(weights, BUCKET_MB)] * 3 + [_identity_plan(weights, 64.0)]
+    assert len(plans[3].buckets) < len(plans[0].buckets)
+    plan = plans[0]
+    tables, handed, announced = [], [], []
+    for step, plan in enumerate(plans):
         pushed = {k: v + step for k, v in weights.items()}
         theirs: dict[str, bytes] = {}
         if step == 2:
@@ -319,9 +322,12 @@ def test_a_whole_push_ends_with_the_senders_digest_material_and_the_receiver_kee
         assert theirs == sent.digests and len(theirs) == len(weights)
         assert theirs == tensor_digests([(f"0/{k}", v) for k, v in pushed.items()], verify)  # (engine rank 0's keys)
         sent.host_copies.result()
-    assert tables[0] is tables[1] is tables[2] and tables[0].verify == verify and len(handed[0]) == len(plan.buckets)
+        announced.append(sender._announce[3])
+    assert tables[0] is tables[1] is tables[2] and tables[0].verify == verify and len(handed[0]) == len(plans[0].buckets)
+    assert announced[0] is announced[1] is announced[2]  # the sender's table made once for the plan
     assert all(a is b for a, b in zip(handed[0], handed[1]))  # the same buckets, with the second push's bytes
     assert not any(a is b for a, b in zip(handed[0], handed[2]))  # released: new ones
+    assert announced[3] is not announced[2] and tables[3] is not tables[2] and len(handed[3]) == len(plans[3].buckets)
     for grp in (sender, receiver):
         grp.close()
 
