@@ -49,7 +49,7 @@ from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets, windows
 from asyncrl.weightsync.collective import (ABORT, BUCKET, END, WHOLE, Broadcasts, CollectiveError,
                                            CollectiveGroup, SenderAborted)
-from asyncrl.weightsync.fingerprint import PendingDigests, digests_from_material, material_words
+from asyncrl.weightsync.fingerprint import PendingDigests, check_verify_mode, digests_from_material, material_words
 from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
 
 
@@ -663,6 +663,7 @@ class WholeTable:
     one skips the decoding (its raw bytes are compared instead)."""
 
     raw: bytes
+    nbytes: int
     verify: str
     buckets: list[tuple[list[TensorMeta], int | None, int]]
     entries: list[Any]
@@ -679,8 +680,8 @@ class WholeTable:
         if sum(sizes) != nbytes or any(n < 0 for n in sizes):
             raise CollectiveError(f"group {group_id}: a whole-version table of {sizes} bytes for a header of {nbytes}")
         entries = whole_entries((m, r) for m, r, _ in buckets)
-        verify = str(table["v"])
-        return cls(raw, verify, buckets, entries, material_words(entries, verify))  # type: ignore[arg-type]
+        verify = check_verify_mode(str(table["v"]))
+        return cls(raw, nbytes, verify, buckets, entries, material_words(entries, verify))
 
 
 def _read_table(group: CollectiveGroup, table_len: int, nbytes: int, deadline: float) -> WholeTable:
@@ -688,7 +689,7 @@ def _read_table(group: CollectiveGroup, table_len: int, nbytes: int, deadline: f
     group.broadcast(raw_t, deadline)
     raw = raw_t.cpu().numpy().tobytes()
     kept = group._whole_table
-    if kept is not None and kept.raw == raw:
+    if kept is not None and kept.raw == raw and kept.nbytes == nbytes:
         return kept
     try:
         table = WholeTable.decode(raw, group.spec.group_id, nbytes)
