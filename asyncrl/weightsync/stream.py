@@ -684,6 +684,11 @@ class WholeTable:
         return cls(raw, nbytes, verify, buckets, entries, material_words(entries, verify))
 
 
+# Devices on which a receiver keeps a whole version's buffers from push to push (`_receive_whole`): a GPU's caching
+# allocator holds that memory between pushes anyway, where host memory would go back to the system.
+KEEP_RECEIVE_BUFFERS = {"cuda"}
+
+
 def _read_table(group: CollectiveGroup, table_len: int, nbytes: int, deadline: float) -> WholeTable:
     raw_t = torch.empty(table_len, dtype=torch.uint8, device=group.device)
     group.broadcast(raw_t, deadline)
@@ -711,21 +716,24 @@ def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int,
     the deadline), while the later ones are still arriving, so the consumer's checksums of it run
     beside the wire. The generator ends with the push (the sender's digests read from the trailer),
     or raises SenderAborted at an abort header behind the buckets. The next push of the same table
-    reuses the buckets, and the memory they were received into (`Bucket.reused`; the group keeps them,
-    as the caching allocator would keep that memory anyway, until `release_kept` or its close): a
+    reuses the buckets, and the memory they were received into, on a GPU (`Bucket.reused`,
+    `KEEP_RECEIVE_BUFFERS`; the group keeps them, as the caching allocator would keep that memory
+    anyway, until `release_kept` or its close): a
     consumer keeps its work per bucket (views, copy lists) instead of redoing it, ~0.4 ms of host time
     a bucket that had put the receiver behind the wire at 1.5B (56 buckets of 64 MB on H100s)."""
     table = _read_table(group, table_len, nbytes, deadline)
     kept = group._kept
     if kept is None or kept[0] is not table:  # (the same table: the same buckets, into the same memory)
+        keep = group.device.type in KEEP_RECEIVE_BUFFERS
         block = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
         buckets, at = [], 0
         for metas, rank, n in table.buckets:
-            buckets.append(Bucket(buffer=block.narrow(0, at, n), metas=metas, rank=rank, reused=True))
+            buckets.append(Bucket(buffer=block.narrow(0, at, n), metas=metas, rank=rank, reused=keep))
             at += n
         trailer = torch.empty(table.words, dtype=torch.int64, device=group.device)
         end = torch.empty(3, dtype=torch.int64, device=group.device)
-        kept = group._kept = (table, buckets, trailer, end)
+        kept = (table, buckets, trailer, end)
+        group._kept = kept if keep else None
     _, buckets, trailer, end = kept
     end.fill_(0)  # (no end header read from a push that did not send one)
     receiving = group.enqueue_broadcasts([b.buffer for b in buckets if b.nbytes] + [t for t in (trailer,) if t.numel()]

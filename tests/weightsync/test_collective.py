@@ -185,6 +185,7 @@ def test_a_whole_version_broadcast_receives_every_bucket_into_one_allocation(bac
     def receive(group: CollectiveGroup) -> None:
         for bucket, digests in receive_stream(group, time.monotonic() + 20):
             assert digests == ({} if backend == "gloo-whole" else bucket_digests(bucket, "checksum"))
+            assert not bucket.reused  # (receive buffers are kept from push to push on GPUs only)
             seen["buffers"].append(bucket.buffer)  # held, so a freed bucket's memory cannot come back as the next one's
             seen["storages"].append(bucket.buffer.untyped_storage().data_ptr())
             seen["tensors"].update({n: t.clone() for n, t in unpack_bucket(bucket)})
@@ -194,6 +195,7 @@ def test_a_whole_version_broadcast_receives_every_bucket_into_one_allocation(bac
     assert len(set(seen["storages"])) == (1 if backend == "gloo-whole" else sent.num_buckets)
     assert all(torch.equal(seen["tensors"][k], weights[k]) for k in weights)
     assert combine_digests(sent.digests, "checksum") == tensor_fingerprint(weights, "checksum")
+    assert receiver._kept is None
     sent.host_copies.result()
     for g in (sender, receiver):
         g.close()
@@ -283,13 +285,17 @@ def _planned_push(sender, receiver, weights, plan, **send_kw):
 
 
 @pytest.mark.parametrize("verify", ["full", "sampled", "checksum", "off"])
-def test_a_whole_push_ends_with_the_senders_digest_material_and_the_receiver_keeps_its_table(verify):
+def test_a_whole_push_ends_with_the_senders_digest_material_and_the_receiver_keeps_its_table(verify, monkeypatch):
     """A whole planned version ends with a trailer of the sender's digest material right behind the
     buckets (the receiver takes buckets, trailer and end header as one receive): the receiver's
     `sender_digests` are the sender's own in every verify mode. A second push of the same plan reuses
     the table the sender made (kept with the plan) and the one the receiver decoded for the first,
     and the same buckets (`reused`), holding its own bytes; after `release_kept` the next push receives
-    into new ones, and another plan (other buckets) gets a table and buckets of its own."""
+    into new ones, and another plan (other buckets) gets a table and buckets of its own. (Buffers are
+    kept on GPUs only: here the host's are, as a GPU's would be; without that, nothing is kept.)"""
+    import asyncrl.weightsync.stream as stream
+
+    monkeypatch.setattr(stream, "KEEP_RECEIVE_BUFFERS", {"cuda", "cpu"})
     spec = _spec(receivers=1, backend="gloo-whole")
     sender, receiver = _join_all(spec)
     g = torch.Generator().manual_seed(5)
