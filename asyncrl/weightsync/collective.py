@@ -275,13 +275,13 @@ class CollectiveGroup:
     _copies: HostCopies | None = field(default=None, repr=False)  # sender: the last push's host copies
     _pinned: PinnedPool | None = field(default=None, repr=False)  # sender on a GPU: their pinned buffers
     _ring: Any = field(default=None, repr=False)  # ipc sender: the buffers it packs into, reused by every push
-    _ring_sender: bool = False  # gloo / nccl sender: its device could not hold a whole version (stream.SenderRing)
+    _ring_sender: bool = False  # gloo / nccl sender: its device could not hold a whole version (arena.SenderRing)
     _ring_copies: list = field(default_factory=list, repr=False)  # ipc_window 0: the host copies still reading them
     _opened: dict = field(default_factory=dict, repr=False)  # ipc receiver: the sender's buffers, opened once
     _sender_digests: dict | None = field(default=None, repr=False)  # gloo / nccl receiver: the last push's, as sent
     _gate_keys: list = field(default_factory=list, repr=False)  # sender: the last push's gate keys, dropped at the next
-    _whole_table: Any = field(default=None, repr=False)  # gloo / nccl receiver: the last whole version's table (stream.py)
-    _kept: Any = field(default=None, repr=False)  # ... and what it received that version into, kept for the next (stream.py)
+    _whole_table: Any = field(default=None, repr=False)  # gloo / nccl receiver: the last whole version's table (stream_receive.py)
+    _kept: Any = field(default=None, repr=False)  # ... and what it received that version into, kept for the next
     _announce: Any = field(default=None, repr=False)  # gloo / nccl sender: a plan's whole-version table, kept (stream.py)
     _hash_stream: Any = field(default=None, repr=False)  # nccl sender: the stream it hashes packed buckets on (stream.py)
     _hash_launched: bool = False  # ... with checksums launched there that the packing stream has not waited for
@@ -464,7 +464,7 @@ class CollectiveGroup:
                                f"{type(err).__name__}: {err}")
 
     def release_kept(self) -> None:
-        """Drop the receive buffers kept from the last push (a receiver: `stream._receive_whole`); the next
+        """Drop the receive buffers kept from the last push (a receiver: `stream_receive._receive_whole`); the next
         push allocates them again. For an engine about to release its memory (sleep)."""
         self._kept = None
 

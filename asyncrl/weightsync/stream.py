@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,10 +45,10 @@ import numpy as np
 import torch
 
 from asyncrl.weightsync import trace
-from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets, windows
-from asyncrl.weightsync.collective import (ABORT, BUCKET, END, WHOLE, Broadcasts, CollectiveError,
-                                           CollectiveGroup, SenderAborted)
-from asyncrl.weightsync.fingerprint import PendingDigests, check_verify_mode, digests_from_material, material_words
+from asyncrl.weightsync.arena import SenderRing, whole_arena
+from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets
+from asyncrl.weightsync.collective import ABORT, BUCKET, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup
+from asyncrl.weightsync.fingerprint import PendingDigests, material_words
 from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
 
 
@@ -103,74 +102,6 @@ def pack_stream(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, devi
 
     buffer = planned_buffer or (None if alloc is None else (lambda b: alloc(b.nbytes)))
     return PlannedPacker(plan, sender, device, buffer, host_numpy=False).pack(named_tensors)
-
-
-def whole_arena(planned: list[Any], device: torch.device) -> Callable[[Any], torch.Tensor]:
-    """One allocation for a sender's whole planned version, each bucket a 64-byte-aligned window of
-    it by its plan index: the buckets are then hashed in one pass (one kernel launch on a device,
-    `hash_whole_lazy`) instead of one launch per bucket. Whole-version pushes keep every bucket until
-    the broadcasts end anyway, so this holds no more memory than separate buffers. Raises
-    torch.OutOfMemoryError where the device cannot hold it (`SenderRing` then)."""
-    starts, total = windows(b.nbytes for b in planned)
-    offsets = {b.index: at for b, at in zip(planned, starts)}
-    arena = torch.empty(total, dtype=torch.uint8, device=device)
-    return lambda b: arena.narrow(0, offsets[b.index], b.nbytes)
-
-
-RING_SLOTS = 4  # a ring's least slots: buckets on the wire or being copied to the host while the next is packed
-
-
-class SenderRing:
-    """A whole planned version sent through a few reused slots, for a sender whose device cannot
-    hold the whole version beside its own state (a 7B learner rank at TP = 2 on an 80 GB GPU: 64 GiB of
-    weights, gradients and Adam state, and 7.1 GiB of packed version). The receivers are unchanged:
-    they get the same table and the same buckets, in the same order, into their whole staging.
-
-    `buffer(planned bucket)` (the packer's `planned_buffer`) hands out a free slot; when none is free it
-    waits, on the host and by the deadline, for the oldest sent bucket's broadcast and host copy, then
-    reuses its slot. Its checksums need no wait: they run on the stream that packs the next bucket,
-    before it. `sent(plan index, broadcasts, host copy)` hands a packed bucket's slot to the wire.
-    Slots: `max(slots, the packer's most open buckets + 2)`, so a bucket still being packed never
-    waits for one behind it; an export that opens more at once (another order than the plan's manifest)
-    gets one more slot rather than a wait that could not end. Costs against the whole arena: a hash
-    launch per bucket, not one pass."""
-
-    def __init__(self, planned: list[Any], device: torch.device, deadline: float, *, slots: int = RING_SLOTS,
-                 open_at_once: int = 1) -> None:
-        size = max((b.nbytes for b in planned), default=0)
-        count = max(2, slots, open_at_once + 2)
-        starts, total = windows([size] * count)
-        arena = torch.empty(total, dtype=torch.uint8, device=device)
-        self._slots = [arena.narrow(0, at, size) for at in starts]
-        self._size, self._device, self.deadline = size, device, deadline
-        self.nbytes = total  # device memory the ring holds (more where it grew)
-        self.grown = 0  # slots added because the export opened more buckets at once than the plan's order does
-        self._free = list(range(count - 1, -1, -1))
-        self._open: dict[int, int] = {}  # plan index -> slot, being packed
-        self._flight: deque[tuple[int, Any, Any]] = deque()  # (slot, Broadcasts, host copy), sent
-        self.waited = 0.0  # seconds the packer waited for a slot (the wire or the host copies behind)
-
-    def buffer(self, b: Any) -> torch.Tensor:
-        if not self._free and not self._flight:  # every slot holds a bucket still being packed: one more slot
-            self._slots.append(torch.empty(self._size, dtype=torch.uint8, device=self._device))
-            self._free.append(len(self._slots) - 1)
-            self.grown += 1
-            self.nbytes += self._size
-        if not self._free:
-            t = time.perf_counter()
-            slot, sending, copy = self._flight.popleft()
-            if sending is not None:
-                sending.wait()
-            if copy is not None:
-                copy.wait(self.deadline)
-            self.waited += time.perf_counter() - t
-            self._free.append(slot)
-        slot = self._free.pop()
-        self._open[b.index] = slot
-        return self._slots[slot].narrow(0, 0, b.nbytes)
-
-    def sent(self, index: int, sending: Any, copy: Any) -> None:
-        self._flight.append((self._open.pop(index), sending, copy))
 
 
 def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
@@ -613,149 +544,3 @@ class Export:
                 pass
         except Exception:  # noqa: BLE001 - the send already failed; that error is the one reported
             pass
-
-
-def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
-    """The receiver's loop for one push on one group: yields each bucket (its buffer on this
-    member's device) with the sender's digests of it, until the sender's end header. Raises
-    SenderAborted on an abort header. Every digest the sender sent (in band, or in a whole
-    version's trailer) is then `sender_digests(group)`."""
-    group._sender_digests = None
-    theirs: dict[str, bytes] = {}
-    while True:
-        header = torch.empty(3, dtype=torch.int64, device=group.device)
-        group.broadcast(header, deadline)
-        kind, table_len, nbytes = (int(v) for v in header.tolist())
-        if kind == END:
-            group._sender_digests = theirs
-            return
-        if kind == ABORT:
-            raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
-        if kind == WHOLE and table_len > 0 and nbytes >= 0:
-            yield from _receive_whole(group, table_len, nbytes, deadline)
-            return
-        if kind != BUCKET or table_len <= 0 or nbytes < 0:
-            group.broken = True
-            group.close()
-            raise CollectiveError(f"group {group.spec.group_id}: malformed header {[kind, table_len, nbytes]}")
-        raw = torch.empty(table_len, dtype=torch.uint8, device=group.device)
-        group.broadcast(raw, deadline)
-        metas, rank, digests = decode_table(raw.cpu().numpy().tobytes())
-        theirs.update(digests)
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
-        if nbytes:
-            group.broadcast(buffer, deadline)
-        yield Bucket(buffer=buffer, metas=metas, rank=rank), digests
-
-
-def broadcast_sender_digests(group: CollectiveGroup) -> dict[str, bytes]:
-    """Every digest the sender sent with the last push this member received to its end."""
-    if group._sender_digests is None:
-        raise CollectiveError(f"group {group.spec.group_id}: no push was received to its end, so no sender digests")
-    return dict(group._sender_digests)
-
-
-@dataclass
-class WholeTable:
-    """A whole version's table as a receiver reads it: the verify mode of the sender's digest material,
-    each bucket's (tensors, engine rank, size), and the fingerprint entries the material follows.
-    Kept by the group from one push to the next: a plan's table is the same every push, so the next
-    one skips the decoding (its raw bytes are compared instead)."""
-
-    raw: bytes
-    nbytes: int
-    verify: str
-    buckets: list[tuple[list[TensorMeta], int | None, int]]
-    entries: list[Any]
-    words: int
-
-    @classmethod
-    def decode(cls, raw: bytes, group_id: str, nbytes: int) -> "WholeTable":
-        table = json.loads(raw.decode())
-        buckets = []
-        for text, n in table["b"]:
-            metas, rank, _ = decode_table(text.encode())
-            buckets.append((metas, rank, int(n)))
-        sizes = [n for *_, n in buckets]
-        if sum(sizes) != nbytes or any(n < 0 for n in sizes):
-            raise CollectiveError(f"group {group_id}: a whole-version table of {sizes} bytes for a header of {nbytes}")
-        entries = whole_entries((m, r) for m, r, _ in buckets)
-        verify = check_verify_mode(str(table["v"]))
-        return cls(raw, nbytes, verify, buckets, entries, material_words(entries, verify))
-
-
-# Devices on which a receiver keeps a whole version's buffers from push to push (`_receive_whole`): a GPU's caching
-# allocator holds that memory between pushes anyway, where host memory would go back to the system.
-KEEP_RECEIVE_BUFFERS = {"cuda"}
-
-
-def _read_table(group: CollectiveGroup, table_len: int, nbytes: int, deadline: float) -> WholeTable:
-    raw_t = torch.empty(table_len, dtype=torch.uint8, device=group.device)
-    group.broadcast(raw_t, deadline)
-    raw = raw_t.cpu().numpy().tobytes()
-    kept = group._whole_table
-    if kept is not None and kept.raw == raw and kept.nbytes == nbytes:
-        return kept
-    try:
-        table = WholeTable.decode(raw, group.spec.group_id, nbytes)
-    except Exception as err:
-        group.broken = True
-        group.close()
-        if isinstance(err, CollectiveError):
-            raise
-        raise CollectiveError(f"group {group.spec.group_id}: malformed whole-version table: {type(err).__name__}: {err}") from err
-    group._whole_table = table
-    return table
-
-
-def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int,
-                   deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
-    """A whole version: one table, then every bucket back to back into one allocation of
-    `nbytes`, then the trailer (the sender's digest material) and the end header, all received as
-    one enqueue. Each bucket is handed on as soon as it is complete here (`Broadcasts.ready`: by
-    the deadline), while the later ones are still arriving, so the consumer's checksums of it run
-    beside the wire. The generator ends with the push (the sender's digests read from the trailer),
-    or raises SenderAborted at an abort header behind the buckets. The next push of the same table
-    reuses the buckets, and the memory they were received into, on a GPU (`Bucket.reused`,
-    `KEEP_RECEIVE_BUFFERS`; the group keeps them, as the caching allocator would keep that memory
-    anyway, until `release_kept` or its close): a
-    consumer keeps its work per bucket (views, copy lists) instead of redoing it, ~0.4 ms of host time
-    a bucket that had put the receiver behind the wire at 1.5B (56 buckets of 64 MB on H100s)."""
-    table = _read_table(group, table_len, nbytes, deadline)
-    kept = group._kept
-    if kept is None or kept[0] is not table:  # (the same table: the same buckets, into the same memory)
-        keep = group.device.type in KEEP_RECEIVE_BUFFERS
-        block = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
-        buckets, at = [], 0
-        for metas, rank, n in table.buckets:
-            buckets.append(Bucket(buffer=block.narrow(0, at, n), metas=metas, rank=rank, reused=keep))
-            at += n
-        trailer = torch.empty(table.words, dtype=torch.int64, device=group.device)
-        end = torch.empty(3, dtype=torch.int64, device=group.device)
-        kept = (table, buckets, trailer, end)
-        group._kept = kept if keep else None
-    _, buckets, trailer, end = kept
-    end.fill_(0)  # (no end header read from a push that did not send one)
-    receiving = group.enqueue_broadcasts([b.buffer for b in buckets if b.nbytes] + [t for t in (trailer,) if t.numel()]
-                                         + [end], deadline, events=group.device.type == "cuda")
-    k = 0
-    try:
-        for bucket in buckets:
-            if bucket.nbytes:
-                receiving.ready(k)
-                k += 1
-            yield bucket, {}
-    except GeneratorExit:  # the consumer failed mid-version: the rest of the push is unread
-        group.broken = True
-        group.close()
-        raise
-    receiving.wait()
-    kind = int(end[0].item())
-    if kind == ABORT:
-        raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
-    if kind != END:
-        group.broken = True
-        group.close()
-        raise CollectiveError(f"group {group.spec.group_id}: malformed end header {end.tolist()} after a whole version")
-    words = trailer.cpu().numpy().view(np.uint64)
-    group._sender_digests = digests_from_material(table.entries, table.verify, words)  # type: ignore[arg-type]

@@ -16,7 +16,8 @@ from typing import Any
 from asyncrl.weightsync.bucket import Bucket
 from asyncrl.weightsync.collective import CollectiveGroup
 from asyncrl.weightsync.ipc import ipc_receive_stream, ipc_refuse, ipc_send_stream, ipc_sender_digests
-from asyncrl.weightsync.stream import SendResult, broadcast_receive_stream, broadcast_send_stream, broadcast_sender_digests
+from asyncrl.weightsync.stream import SendResult, broadcast_send_stream
+from asyncrl.weightsync.stream_receive import broadcast_receive_stream, broadcast_sender_digests
 
 
 def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,

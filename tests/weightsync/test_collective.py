@@ -293,9 +293,9 @@ def test_a_whole_push_ends_with_the_senders_digest_material_and_the_receiver_kee
     and the same buckets (`reused`), holding its own bytes; after `release_kept` the next push receives
     into new ones, and another plan (other buckets) gets a table and buckets of its own. (Buffers are
     kept on GPUs only: here the host's are, as a GPU's would be; without that, nothing is kept.)"""
-    import asyncrl.weightsync.stream as stream
+    import asyncrl.weightsync.stream_receive as stream_receive
 
-    monkeypatch.setattr(stream, "KEEP_RECEIVE_BUFFERS", {"cuda", "cpu"})
+    monkeypatch.setattr(stream_receive, "KEEP_RECEIVE_BUFFERS", {"cuda", "cpu"})
     spec = _spec(receivers=1, backend="gloo-whole")
     sender, receiver = _join_all(spec)
     g = torch.Generator().manual_seed(5)
@@ -343,6 +343,7 @@ def test_a_sender_ring_sends_a_planned_version_through_reused_slots_bit_exact(mo
     whole arena's allocation ran out of memory) packs it through a few reused slots. The receiver gets
     the same table and bytes, the digests are the whole arena's, and the host copies (what a restore
     and the late joiners read) are every bucket's own bytes though their slots were overwritten."""
+    import asyncrl.weightsync.arena as arena
     import asyncrl.weightsync.stream as stream
 
     spec = _spec(receivers=1, backend="gloo-whole")
@@ -356,7 +357,7 @@ def test_a_sender_ring_sends_a_planned_version_through_reused_slots_bit_exact(mo
 
     whole, got_whole, _ = _planned_push(sender, receiver, weights, plan, arena="whole")
     ring, got, theirs = _planned_push(sender, receiver, weights, plan, arena="ring")
-    assert len(rings) == 1 and len(rings[0]._slots) == stream.RING_SLOTS < len(plan.buckets)  # slots were reused
+    assert len(rings) == 1 and len(rings[0]._slots) == arena.RING_SLOTS < len(plan.buckets)  # slots were reused
     assert rings[0].nbytes < sum(b.nbytes for b in plan.buckets)
     assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in weights)
     assert ring.digests == whole.digests == theirs and ring.num_buckets == whole.num_buckets == 6
@@ -382,7 +383,7 @@ def test_a_sender_ring_sends_a_planned_version_through_reused_slots_bit_exact(mo
 def test_a_sender_ring_waits_for_the_oldest_sent_bucket_and_grows_rather_than_wait_on_one_being_packed():
     """The ring reuses the oldest sent slot only once its broadcast and host copy are done; an export
     that keeps more buckets open than the ring has free slots gets another slot (no wait could end)."""
-    from asyncrl.weightsync.stream import RING_SLOTS, SenderRing
+    from asyncrl.weightsync.arena import RING_SLOTS, SenderRing
 
     weights = {f"t{i}": torch.full((2048,), float(i)) for i in range(12)}
     planned = _identity_plan(weights, 2 * BUCKET_MB).for_sender(0)
@@ -407,7 +408,7 @@ def test_a_sender_ring_waits_for_the_oldest_sent_bucket_and_grows_rather_than_wa
 
 def test_a_whole_arena_gives_each_planned_bucket_an_aligned_window_of_one_allocation():
     from asyncrl.weightsync.bucket import ALIGN
-    from asyncrl.weightsync.stream import whole_arena
+    from asyncrl.weightsync.arena import whole_arena
 
     weights = {f"t{i}": torch.full((1000 + 37 * i,), float(i)) for i in range(6)}  # sizes off the alignment
     planned = _identity_plan(weights, 0.004).for_sender(0)
