@@ -2,7 +2,9 @@
 
 Owns: the four verify modes, per-tensor digests (`tensor_digests` for loose tensors,
 `bucket_digests` for a packed bucket in one pass over it) and their combination into a version's
-fingerprint (`combine_digests`, `tensor_fingerprint`).
+fingerprint (`combine_digests`, `tensor_fingerprint`); the digests as material (`PendingDigests.words`:
+what a device computed, 8 bytes a tensor for `checksum`, sent as is after a whole version and
+turned back into the digests by `digests_from_material` at the other end).
 
 Fingerprints are two-level: a sha256 digest per tensor (its name, dtype, shape and, by mode, its
 bytes), then a sha256 over the sorted (name, digest) pairs, so arrival order and bucketing do not
