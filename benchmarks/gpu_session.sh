@@ -67,8 +67,9 @@ push)
       for i in $(seq 1 60); do pgrep -f "[m]ake_random_qwen2.py.*$m.tmp" > /dev/null || break; sleep 5; done
       # SENDER_ARENA (gloo / nccl): auto, whole or ring (weightsync.py --sender-arena)
       # TRACE=1: every push's marks across its processes (asyncrl/weightsync/trace.py), lined up after the bench
+      # BENCH_TIMEOUT (360): a fresh host's random 1.5B took 204 s to build and start its engine (2026-11-27, H100s)
       tdir=${TRACE:+$OUT/trace_${m##*/}}
-      ASYNCRL_PUSH_TRACE=$tdir ASYNCRL_PROFILE_DIR=${PROFILE_DIR:-} timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports $t \
+      ASYNCRL_PUSH_TRACE=$tdir ASYNCRL_PROFILE_DIR=${PROFILE_DIR:-} timeout ${BENCH_TIMEOUT:-360} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports $t \
           --gpus 0.5 --dtype bfloat16 --verify $v --staging ${STAGING:-full} --sender-arena ${SENDER_ARENA:-auto} \
           --timeout-s ${PUSH_TIMEOUT:-90} > $log 2>&1
       echo "weightsync $t $m verify=$v rc=$?"; grep '^{' $log | tee -a $OUT/ws_push.json
