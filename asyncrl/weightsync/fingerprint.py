@@ -99,6 +99,12 @@ def _digests(flat: Any, entries: list["Entry"], mode: VerifyMode) -> dict[str, b
 Entry = tuple[str, str, tuple[int, ...], int, int]  # (key, dtype name, shape, byte offset, byte length)
 
 
+def meta_entries(metas: Iterable[Any], prefix: str = "", base: int = 0) -> list[Entry]:
+    """The entries of a bucket's tensor table (`TensorMeta`s, offsets from `base` in the buffer hashed),
+    each name behind `prefix`."""
+    return [(prefix + m.name, "torch." + m.dtype, tuple(m.shape), base + m.offset, m.nbytes) for m in metas]
+
+
 def _pieces(entries: Sequence[Entry], mode: VerifyMode) -> list[tuple[str, int, int]]:
     """(key, byte offset, byte length) of every piece `mode` reads of `entries`, in their order:
     each tensor whole, or (`sampled`, larger tensors) its windows."""
@@ -269,7 +275,7 @@ def bucket_digests_lazy(bucket: Any, mode: VerifyMode = "full", prefix: str = ""
         flat = flat.numpy() if flat.device.type == "cpu" else flat
     else:
         flat = np.asarray(buffer).reshape(-1).view(np.uint8)
-    entries = [(prefix + m.name, "torch." + m.dtype, tuple(m.shape), m.offset, m.nbytes) for m in bucket.metas]
+    entries = meta_entries(bucket.metas, prefix)
     return _digests_lazy(flat, entries, mode)
 
 
@@ -289,8 +295,7 @@ def buckets_digests_lazy(buckets: Sequence[tuple[Any, str]], mode: VerifyMode = 
     flat: Any = torch.empty(0, dtype=torch.uint8, device=bufs[0].device).set_(storage, 0, (storage.nbytes(),))
     if flat.device.type == "cpu":
         flat = flat.numpy()
-    entries = [(prefix + m.name, "torch." + m.dtype, tuple(m.shape), b.buffer.storage_offset() + m.offset, m.nbytes)
-               for b, prefix in buckets for m in b.metas]
+    entries = [e for b, prefix in buckets for e in meta_entries(b.metas, prefix, b.buffer.storage_offset())]
     return _digests_lazy(flat, entries, mode)
 
 

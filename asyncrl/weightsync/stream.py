@@ -46,9 +46,9 @@ import torch
 
 from asyncrl.weightsync import trace
 from asyncrl.weightsync.arena import SenderRing, whole_arena
-from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets
+from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets, rank_key_prefix
 from asyncrl.weightsync.collective import ABORT, BUCKET, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup
-from asyncrl.weightsync.fingerprint import PendingDigests, material_words
+from asyncrl.weightsync.fingerprint import PendingDigests, material_words, meta_entries
 from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
 
 
@@ -68,9 +68,12 @@ def _header(group: CollectiveGroup, kind: int, a: int = 0, b: int = 0) -> torch.
     return torch.tensor([kind, a, b], dtype=torch.int64, device=group.device)
 
 
+def _bytes_tensor(group: CollectiveGroup, raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device)
+
+
 def _send_bytes(group: CollectiveGroup, raw: bytes, deadline: float) -> None:
-    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device)
-    group.broadcast(t, deadline)
+    group.broadcast(_bytes_tensor(group, raw), deadline)
 
 
 @dataclass
@@ -236,8 +239,7 @@ def whole_table(group: CollectiveGroup, buckets: Any, verify: str, plan: Any = N
     tables = [encode_table(Bucket(buffer=None, metas=metas, rank=rank), {}).decode()  # type: ignore[arg-type]
               for metas, rank, _ in buckets]
     raw = json.dumps({"v": verify, "b": [[t, n] for t, (*_, n) in zip(tables, buckets)]}).encode()
-    out = [_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)),
-           torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device)]
+    out = [_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)), _bytes_tensor(group, raw)]
     group._announce = (plan, sender, verify, out) if plan is not None else None
     return out
 
@@ -245,8 +247,7 @@ def whole_table(group: CollectiveGroup, buckets: Any, verify: str, plan: Any = N
 def whole_entries(buckets: Iterable[tuple[list[TensorMeta], int | None]]) -> list[Any]:
     """The fingerprint entries (fingerprint.py) of a whole version's buckets (tensors, engine rank), in
     the order its trailer's digest material follows."""
-    return [(("" if rank is None else f"{rank}/") + m.name, "torch." + m.dtype, tuple(m.shape), m.offset, m.nbytes)
-            for metas, rank in buckets for m in metas]
+    return [e for metas, rank in buckets for e in meta_entries(metas, rank_key_prefix(rank))]
 
 
 def _trailer(group: CollectiveGroup, pending: list[PendingDigests], verify: str, tensors: int) -> torch.Tensor:
@@ -261,9 +262,10 @@ def _trailer(group: CollectiveGroup, pending: list[PendingDigests], verify: str,
         words = torch.from_numpy(host.astype(np.uint64).view(np.int64)).to(group.device)
     # (the receivers size the trailer from the table: a different size would never match on the wire)
     want = sum(material_words(p.entries, verify) for p in pending)  # type: ignore[arg-type]
-    if words.numel() != want or sum(len(p.entries) for p in pending) != tensors:
+    have = sum(len(p.entries) for p in pending)
+    if words.numel() != want or have != tensors:
         raise CollectiveError(f"group {group.spec.group_id}: {words.numel()} words of digest material for "
-                              f"{sum(len(p.entries) for p in pending)} tensors, where the table has {tensors} ({want} words)")
+                              f"{have} tensors, where the table has {tensors} ({want} words)")
     return words.to(torch.int64)
 
 
@@ -367,6 +369,7 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
     chunk = max(1, sum(b.nbytes for b in planned) // HASH_CHUNKS)
     hashed: list[Any] = []
     unhashed: list[Bucket] = []
+    unhashed_bytes = 0
     try:
         for bucket in export:
             k = len(packed)
@@ -393,9 +396,10 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
             packed.append((bucket, finish))
             if not early:
                 unhashed.append(bucket)
-                if sum(b.nbytes for b in unhashed) >= chunk and len(packed) < len(planned):
+                unhashed_bytes += bucket.nbytes
+                if unhashed_bytes >= chunk and len(packed) < len(planned):
                     hashed.append(_hash_now(group, unhashed, verify, out))
-                    unhashed = []
+                    unhashed, unhashed_bytes = [], 0
         if len(packed) != len(planned):
             export.failed = True
             raise CollectiveError(f"group {group.spec.group_id}: the export gave {len(packed)} buckets, the plan's table "
