@@ -762,10 +762,13 @@ async def test_one_engine_over_gloo_commits_in_its_receive_and_refuses_a_bucket_
     # The link's check beside a push finds a replica outside the groups (one that Serve just started): it
     # closes the gate, and the engine, paused for it, stops before anything reached its weights: not a
     # failed apply (no restore), the engine runs again, and the retry forms the groups again and carries it.
+    # The check answers at once (the replicas were asked before): it races the members reaching the gate,
+    # and a round trip to the replica in it could lose that race (then the push is carried, correctly).
     members, rollbacks = link._check_call, pub.totals["rollbacks_total"]
+    running = await members()
 
     async def with_a_newcomer():
-        return {**await members(), "engine-new": {"replica_id": "engine-new", "workers": 1, "groups": []}}
+        return {**running, "engine-new": {"replica_id": "engine-new", "workers": 1, "groups": []}}
 
     link._check_call = with_a_newcomer
     with pytest.raises(WeightsyncError, match="stopped at its gate"):
