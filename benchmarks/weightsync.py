@@ -128,7 +128,7 @@ class EngineActor:
             rpc.append(time.perf_counter() - t)
             t = time.perf_counter()
             await self.replica._pause_engine("keep")
-            await self.replica.llm.resume_generation()
+            await self.replica.engine.run()
             pause.append(time.perf_counter() - t)
         return {"engine_worker_rpc": statistics.median(rpc), "engine_pause_resume": statistics.median(pause)}
 

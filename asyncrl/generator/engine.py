@@ -1,9 +1,9 @@
-"""One engine replica: a vLLM `AsyncLLM` plus its weight version, lifecycle and counters.
+"""One engine replica: an engine (behind its driver) plus its weight version, lifecycle and counters.
 
 Owns: the replica's lifecycle (start, catch up from a `WeightStore` before a late replica serves,
 pause/resume, sleep/wake, shutdown), token-level generation with a weight version on every token,
-stats and health. Its parts: `vllm_engine.py` (the adapter to vLLM: starting it, every read of
-its private state), `engine_update.py` (the update protocol: begin/load/commit or abort),
+stats and health. Its parts: `driver.py` (what it asks of the engine; `vllm_engine.py` is vLLM's
+driver: starting it, every read of its private state), `engine_update.py` (the update protocol: begin/load/commit or abort),
 `version_source.py` (each token's version: the engine's stamps or the replica's ledger) and
 `replica_types.py` (states and errors). `EngineReplica` implements `asyncrl.interfaces.EngineAPI`;
 it is a plain class (usable in-process); `deployment.py` wraps it for Ray Serve.
@@ -16,7 +16,6 @@ the one the caller committed.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import logging
 import time
@@ -34,15 +33,9 @@ from asyncrl.generator.replica_types import (  # noqa: F401 - WeightUpdateError:
     VersionTracking,
     WeightUpdateError,
 )
-from asyncrl.generator.sampling import Limits, to_vllm, validate_request
+from asyncrl.generator.driver import EngineDriver, start_driver
+from asyncrl.generator.sampling import Limits, validate_request
 from asyncrl.generator.version_source import EngineStamps, LedgerVersions, VersionSource
-from asyncrl.generator.vllm_engine import (
-    pause_scheduler,
-    sampled_logprobs,
-    start_engine,
-    tokens_in_flight,
-    unfinished_requests,
-)
 from asyncrl.generator.versions import CompletionAccumulator
 from asyncrl.interfaces import WorkerAPI
 from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
@@ -88,10 +81,8 @@ class EngineReplica(WeightUpdates):
         self._weights_discarded = False  # a level-2 sleep dropped the weights; cleared by the next commit
         self._control_lock = asyncio.Lock()  # one control operation at a time
         self._seq = itertools.count()
-        self.llm: Any = None
+        self.engine: EngineDriver | None = None  # set at start (`generator.engine`'s driver)
         self.limits: Limits | None = None
-        self._read_array: Any = None  # reads a final-only completion's log-prob array, when the engine core sends one
-        self._tokenizer: Any = None  # set when final-only texts are decoded here, not per step in the engine
         self.counters = {"requests": 0, "requests_failed": 0, "tokens_generated": 0, "ongoing": 0,
                          "updates_committed": 0, "updates_failed": 0, "version_fallbacks": 0,
                          "sleeps": 0, "sleep_seconds": 0.0, "wake_seconds": 0.0}
@@ -100,32 +91,22 @@ class EngineReplica(WeightUpdates):
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.llm, array = start_engine(self.model_cfg, self.gen_cfg)
-        if array:
-            from asyncrl.generator.array_logprobs import completion_logprobs
-
-            self._read_array = completion_logprobs
-        tokenizer = self.llm.tokenizer
-        # A fast tokenizer decodes a whole completion exactly as vLLM's incremental detokenizer
-        # builds it (tests/generator/test_array_logprobs.py), in one call instead of one per step.
-        if getattr(tokenizer, "is_fast", False):
-            self._tokenizer = tokenizer
-        vocab = int(self.llm.model_config.get_vocab_size())
-        self.limits = Limits(max_n=self.gen_cfg.max_n, max_model_len=self.model_cfg.max_model_len, vocab_size=vocab)
-        stamps = hasattr(self.llm, "update_weight_version")
-        if self.version_tracking == "engine" and not stamps:
-            raise ConfigError("version_tracking='engine' needs vLLM >= 0.32 (AsyncLLM.update_weight_version)")
-        if self.version_tracking == "ledger" or not stamps:
-            self._versions = LedgerVersions(self.llm, self.counters, self.replica_id)
+        self.engine = engine = start_driver(self.model_cfg, self.gen_cfg)
+        self.limits = Limits(max_n=self.gen_cfg.max_n, max_model_len=self.model_cfg.max_model_len,
+                             vocab_size=engine.vocab_size)
+        if self.version_tracking == "engine" and not engine.stamps_versions:
+            raise ConfigError(f"version_tracking='engine' needs an engine that stamps tokens with versions "
+                              f"(vLLM >= 0.32: AsyncLLM.update_weight_version); this {engine.name} does not")
+        if self.version_tracking == "ledger" or not engine.stamps_versions:
+            self._versions = LedgerVersions(engine, self.counters, self.replica_id)
             logger.info("replica %s: per-token versions from the replica's ledger", self.replica_id)
         else:
-            self._versions = EngineStamps(self.llm, self.counters, lambda: self.version)
-        if stamps:
-            await self.llm.update_weight_version(str(self.version))
+            self._versions = EngineStamps(engine, self.counters, lambda: self.version)
+        await engine.relabel(self.version)
         checks = await self._staging.check_layout()
         problems = sorted({c["problem"] for c in checks if c.get("problem")})
         if problems:
-            logger.info("replica %s: weight pushes will reload through vLLM (%s)", self.replica_id, "; ".join(problems))
+            logger.info("replica %s: weight pushes will reload through the engine's loader (%s)", self.replica_id, "; ".join(problems))
         else:
             logger.info("replica %s: weight pushes can copy into the live parameters (layout checked in %.2f s)",
                         self.replica_id, max(c["seconds"] for c in checks))
@@ -180,8 +161,8 @@ class EngineReplica(WeightUpdates):
         return {"replica_id": self.replica_id, "version": self.version, "loaded": True, "layout": layout}
 
     def shutdown(self) -> None:
-        if self.llm is not None:
-            self.llm.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
         self.state = ReplicaState.STOPPED
 
     # ---- generation ------------------------------------------------------------------------
@@ -207,15 +188,11 @@ class EngineReplica(WeightUpdates):
     async def _iterate(self, request: GenerationRequest, *, stream: bool):
         if self.state not in (ReplicaState.READY, ReplicaState.SLEEPING):
             raise ReplicaNotReady(f"replica {self.replica_id} is {self.state.value}")
-        assert self.limits is not None
+        assert self.limits is not None and self.engine is not None
         validate_request(request, self.limits)
-        sp = request.sampling
-        # A final-only request leaves its text to decode_text (unless stop strings need the
-        # engine's incremental text) and, with the adapter, gets its log-probs as one array.
-        decode_here = not stream and not sp.stop and self._tokenizer is not None
-        array = not stream and sp.logprobs and self._read_array is not None
-        params = to_vllm(sp, final_only=not stream, detokenize=not decode_here, array_logprobs=array)
-        # Callers may reuse request ids (GRPO groups, retries); vLLM's id must be unique in flight.
+        engine = self.engine
+        prepared = engine.prepare(request.sampling, stream=stream)
+        # Callers may reuse request ids (GRPO groups, retries); the engine's id must be unique in flight.
         engine_id = f"{request.request_id}-{next(self._seq)}"
         accs = {i: CompletionAccumulator(i) for i in range(request.sampling.n)}
         source = self._versions
@@ -224,7 +201,8 @@ class EngineReplica(WeightUpdates):
         self.counters["requests"] += 1
         self.counters["ongoing"] += 1
         try:
-            async for out in self._engine_outputs(engine_id, list(request.prompt_ids), params):
+            async for out in engine.outputs(engine_id, list(request.prompt_ids), prepared,
+                                            lambda: source.handed_over(engine_id)):
                 versions_of = source.for_output(engine_id)
                 deltas = []
                 for c in out.outputs:
@@ -232,8 +210,7 @@ class EngineReplica(WeightUpdates):
                     new = list(c.token_ids)
                     begin = len(acc.token_ids)
                     versions, final = versions_of(c, begin, len(new))
-                    lps = self._read_array(c, len(new)) if array else sampled_logprobs(c)
-                    text = self.decode_text(new, c.finish_reason, c.stop_reason) if decode_here else c.text
+                    lps, text = engine.read(c, new, prepared)
                     deltas.append(acc.add(request.request_id, new, lps, versions, text, c.finish_reason))
                     if final is not None:
                         acc.reconcile(final)
@@ -247,57 +224,26 @@ class EngineReplica(WeightUpdates):
             self.counters["ongoing"] -= 1
             source.close(engine_id)
 
-    def decode_text(self, token_ids: list[int], finish_reason: str | None, stop_reason: Any) -> str:
-        """A finished completion's text as vLLM's detokenizer makes it: special tokens skipped,
-        and a token that stopped the sequence (EOS or one of stop_token_ids) left out."""
-        if finish_reason == "stop" and token_ids and not isinstance(stop_reason, str):
-            token_ids = token_ids[:-1]
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-    async def _engine_outputs(self, engine_id: str, prompt_ids: list[int], params: Any) -> AsyncIterator[Any]:
-        """The request's outputs from the engine: `AsyncLLM.generate`'s loop over the request's
-        output collector, done here so that the ledger learns the moment the engine's frontend
-        holds the request. With FINAL_ONLY outputs nothing else tells a request that has not
-        reached the engine from one that finished with its result still queued."""
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        collector = None
-        finished = False
-        try:
-            collector = await self.llm.add_request(engine_id, {"prompt_token_ids": prompt_ids}, params)
-            self._versions.handed_over(engine_id)
-            while not finished:
-                out = collector.get_nowait() or await collector.get()
-                finished = out.finished
-                yield out
-        except EngineDeadError:
-            raise  # nothing left to abort
-        except BaseException:
-            # Cancelled (client gone), closed early, or failed: the engine must not go on with it.
-            if collector is not None and not finished:
-                await self.llm.abort(collector.request_id, internal=True)
-            raise
-
     # ---- pause / resume --------------------------------------------------------------------
 
     async def pause(self, mode: PauseMode = "keep") -> dict[str, Any]:
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause mode must be abort|wait|keep, got {mode!r}")
         if not self._asleep:  # asleep, the engine is paused already and its KV memory released
-            # clear_cache: running requests are preempted and recompute their KV on resume, and no
-            # prefix computed with old weights survives into the new version.
             await self._pause_engine(mode)
         self._paused_mode = mode
         return {"replica_id": self.replica_id, "paused": True, "mode": mode, "version": self.version}
 
     async def _pause_engine(self, mode: PauseMode) -> None:
-        await pause_scheduler(self.llm, mode)
+        # Running requests are preempted and recompute their KV on resume, and no prefix computed
+        # with old weights survives into the new version (the driver clears the prefix cache).
+        await self.engine.pause(mode)
 
     async def resume(self) -> dict[str, Any]:
         self._paused_mode = None
         running = self._may_run()
         if running:
-            await self.llm.resume_generation()
+            await self.engine.run()
         # Asleep (or holding discarded weights): the engine runs at the wake that completes it.
         return {"replica_id": self.replica_id, "paused": False, "running": running, "version": self.version}
 
@@ -310,13 +256,7 @@ class EngineReplica(WeightUpdates):
     # level-2 sleep, which discards the weights) a weight update has been committed.
 
     def _sleep_unsupported(self) -> str | None:
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_sleep_mode_available():
-            return f"sleep mode is not available on platform {current_platform.device_type!r}"
-        if not self.llm.model_config.enable_sleep_mode:
-            return "engine started without enable_sleep_mode (set generator.engine_kwargs.enable_sleep_mode)"
-        return None
+        return self.engine.sleep_unsupported()
 
     def _may_run(self) -> bool:
         return not self._asleep and not self._weights_discarded and self._paused_mode is None
@@ -330,11 +270,9 @@ class EngineReplica(WeightUpdates):
         async with self._control_lock:
             if not self._asleep:
                 t0 = time.perf_counter()
-                await self.llm.pause_generation(mode="keep", clear_cache=True)
+                await self.engine.preempt()
                 await self._rpc(WorkerAPI.asyncrl_release_buffers)  # (a push's kept receive buffers: released too)
-                # vLLM >= 0.32 pauses inside sleep too, aborting by default: keep our preempted requests.
-                keep = {"mode": "keep"} if "mode" in inspect.signature(self.llm.sleep).parameters else {}
-                await self.llm.sleep(level, **keep)
+                await self.engine.sleep(level)  # keeping the preempted requests
                 self._asleep = set(SLEEP_TAGS)
                 self._weights_discarded = level == 2
                 self.state = ReplicaState.SLEEPING
@@ -356,7 +294,7 @@ class EngineReplica(WeightUpdates):
             todo = [t for t in SLEEP_TAGS if t in wanted and t in self._asleep]  # weights before KV
             if todo:
                 t0 = time.perf_counter()
-                await self.llm.wake_up(todo)
+                await self.engine.wake(todo)
                 self._asleep -= set(todo)
                 self.counters["wake_seconds"] += time.perf_counter() - t0
             if not self._asleep:
@@ -369,9 +307,9 @@ class EngineReplica(WeightUpdates):
         """Awake: run if nothing holds the engine, else keep it paused (vLLM >= 0.32 resumes its
         scheduler by itself once fully awake)."""
         if self._may_run():
-            await self.llm.resume_generation()
+            await self.engine.run()
         else:
-            await self.llm.pause_generation(mode="keep", clear_cache=False)
+            await self.engine.hold()
 
     # ---- observability ---------------------------------------------------------------------
 
@@ -385,8 +323,9 @@ class EngineReplica(WeightUpdates):
             "paused": self._paused_mode is not None,
             "pause_mode": self._paused_mode,
             "asleep": sorted(self._asleep),
-            "sleep_unsupported": self._sleep_unsupported() if self.llm else None,
-            "engine_unfinished_requests": unfinished_requests(self.llm) if self.llm else 0,
+            "engine": self.gen_cfg.engine,
+            "sleep_unsupported": self._sleep_unsupported() if self.engine else None,
+            "engine_unfinished_requests": self.engine.unfinished_requests() if self.engine else 0,
             "uptime_s": time.time() - self.started_at,
             **{f"generator/{k}": v for k, v in self.counters.items()},
             "generator/tokens_in_flight": self._tokens_in_flight(),
@@ -395,12 +334,13 @@ class EngineReplica(WeightUpdates):
     def _tokens_in_flight(self) -> int:
         """Tokens the engine has produced for sequences still running, returned or not. A
         non-streaming request returns its tokens only when it ends (`tokens_generated` counts
-        them then); this is its progress until then. Read from vLLM's output processor."""
-        return tokens_in_flight(self.llm) if self.llm is not None else 0
+        them then); this is its progress until then (vLLM: read from its output processor)."""
+        return self.engine.tokens_in_flight() if self.engine is not None else 0
 
     async def check_health(self) -> None:
         if self.state not in (ReplicaState.READY, ReplicaState.SLEEPING):
             raise ReplicaNotReady(f"replica {self.replica_id} is {self.state.value}")
-        if self.llm.errored:
-            raise RuntimeError(f"replica {self.replica_id}: engine is dead: {self.llm.dead_error}")
+        dead = self.engine.dead()
+        if dead:
+            raise RuntimeError(f"replica {self.replica_id}: {dead}")
 

@@ -7,7 +7,7 @@ version_source.py). The receiving half of the wire lives in weightsync (replica_
 level, vllm_worker.py in the workers); this is the state machine around it.
 
 `WeightUpdates` is a part of `EngineReplica` (engine.py), which sets the attributes it reads:
-`llm`, `replica_id`, `version`, `state`, `update_state`, `counters`, `_staging`, `_versions`,
+`engine` (its driver), `replica_id`, `version`, `state`, `update_state`, `counters`, `_staging`, `_versions`,
 `_control_lock`, `_asleep`, `_receive_reached` and the pause helpers.
 
 Must never: change the version label while the engine runs a step, or apply staged tensors whose
@@ -44,9 +44,9 @@ class WeightUpdates:
 
     async def _rpc(self, verb: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
         """Run the worker verb `verb` (by reference: `WorkerAPI.asyncrl_apply`) on every worker of the
-        engine; one answer per worker. vLLM's collective_rpc takes the method's name: this is the
-        one place that turns a worker verb into it."""
-        return await self.llm.collective_rpc(verb_name(WorkerAPI, verb), timeout=timeout, args=args)
+        engine; one answer per worker. The driver takes the method's name (vLLM's collective_rpc):
+        this is the one place that turns a worker verb into it."""
+        return await self.engine.worker_call(verb_name(WorkerAPI, verb), args, timeout)
 
     async def engine_layout(self, manifest: bytes) -> dict[str, Any]:
         """Every worker's parameter layout for the learner's export `manifest` (pickled
@@ -320,10 +320,9 @@ class WeightUpdates:
         finally:
             self.update_state, self._staging_version, self._staged_tensors = UpdateState.IDLE, None, 0
         t_applied = time.perf_counter()
-        if hasattr(self.llm, "update_weight_version"):
-            await self.llm.update_weight_version(str(version))
+        await self.engine.relabel(version)
         if not paused_here:  # our own pause above cleared the caches, and nothing ran since
-            await self.llm.reset_prefix_cache()
+            await self.engine.reset_prefix_cache()
         self._versions.mark(version, sampled)  # no await between this and the label change
         self.version = version
         self._weights_discarded = False

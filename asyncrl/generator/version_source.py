@@ -8,7 +8,7 @@ sequence carries spans, a running one is read from the frontend) and `LedgerVers
 without stamps: the replica's `VersionLedger`, moved at each commit to the token counts the
 workers hold while paused).
 
-Must never: move a label outside a commit, or read vLLM's state other than through vllm_engine.py.
+Must never: move a label outside a commit, or read an engine's state other than through its driver (driver.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from asyncrl.generator.versions import VersionLedger, versions_from_spans, versions_from_starts
-from asyncrl.generator.vllm_engine import frontend_sequences, frontend_token_counts, live_version_starts
 from asyncrl.interfaces import WorkerAPI
 
 logger = logging.getLogger(__name__)
@@ -55,8 +54,8 @@ class EngineStamps:
     name = "engine"
     counts_query = None
 
-    def __init__(self, llm: Any, counters: dict[str, Any], current_version: Callable[[], int]) -> None:
-        self.llm, self.counters, self.current_version = llm, counters, current_version
+    def __init__(self, engine: Any, counters: dict[str, Any], current_version: Callable[[], int]) -> None:
+        self.engine, self.counters, self.current_version = engine, counters, current_version
 
     def open(self, engine_id: str, n: int, version: int) -> None:
         pass
@@ -77,7 +76,7 @@ class EngineStamps:
                 final = versions_from_spans([(s.version, s.start, s.end) for s in spans], begin + count)
                 return final[begin:], final
             if live is None:  # read once per engine output, for all its sequences
-                live = live_version_starts(self.llm, engine_id)
+                live = self.engine.live_version_starts(engine_id)
             starts = live.get(completion.index)
             try:
                 if starts:
@@ -102,8 +101,8 @@ class LedgerVersions:
 
     name = "ledger"
 
-    def __init__(self, llm: Any, counters: dict[str, Any], replica_id: str) -> None:
-        self.llm, self.counters, self.replica_id = llm, counters, replica_id
+    def __init__(self, engine: Any, counters: dict[str, Any], replica_id: str) -> None:
+        self.engine, self.counters, self.replica_id = engine, counters, replica_id
         # an instance attribute: a function in the class body would come back as a bound method
         self.counts_query: Callable[..., Any] | None = WorkerAPI.asyncrl_sampled_token_counts
         self.ledger = VersionLedger()
@@ -132,7 +131,7 @@ class LedgerVersions:
             # can trail the workers by the outputs still in the pipe (give those 20 ms to arrive).
             self.counters["version_fallbacks"] += 1
             await asyncio.sleep(0.02)
-            return frontend_token_counts(self.llm)
+            return self.engine.frontend_token_counts()
         merged: dict[str, int] = {}
         for counts in per_worker:  # pipeline stages before the last may trail it: take the max
             for iid, n in counts.items():
@@ -142,7 +141,7 @@ class LedgerVersions:
     def mark(self, version: int, counts: dict[str, int] | None) -> None:
         sampled = counts or {}
         for engine_id, n, handed_over in self.ledger.open_requests():
-            by_index = frontend_sequences(self.llm, engine_id)
+            by_index = self.engine.frontend_sequences(engine_id)
             handed_over = handed_over or bool(by_index)
             for index in range(n):
                 iid = by_index.get(index)

@@ -1,4 +1,5 @@
-"""The replica's adapter to vLLM: starting it, and every read of its private state.
+"""The replica's adapter to vLLM: `VllmDriver` (driver.py's `EngineDriver` for vLLM), starting it,
+every call into it and every read of its private state.
 
 Owns: the engine arguments built from `ModelConfig` + `GeneratorConfig` (`engine_kwargs` passed
 straight through; ours: the worker extension, the weight-update hooks), the CPU worker binding and
@@ -15,6 +16,8 @@ Must never: hold replica state (engine.py does), or serve a request.
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +252,160 @@ def tool_parser_class(name: str) -> Any:
     if name not in known:
         raise ConfigError(f"generator.tool_parser: {name!r} is not one of vLLM's tool parsers ({', '.join(known)})")
     return ToolParserManager.get_tool_parser(name)
+
+
+class VllmDriver:
+    """The replica's vLLM engine (`asyncrl.generator.driver.EngineDriver`): an `AsyncLLM`, and
+    whether its outputs bring log-prob arrays (array_logprobs.py) or leave their text to a fast
+    tokenizer here."""
+
+    name = "vllm"
+
+    def __init__(self, llm: Any, *, array: bool = False, tokenizer: Any = None, vocab_size: int = 0) -> None:
+        self.llm = llm
+        self._read_array: Any = None  # reads a final-only completion's log-prob array, when the engine core sends one
+        if array:
+            from asyncrl.generator.array_logprobs import completion_logprobs
+
+            self._read_array = completion_logprobs
+        self._tokenizer = tokenizer  # set when final-only texts are decoded here, not per step in the engine
+        self.vocab_size = vocab_size
+        self.stamps_versions = hasattr(llm, "update_weight_version")  # vLLM >= 0.32
+
+    @classmethod
+    def start(cls, model: ModelConfig, gen: GeneratorConfig) -> "VllmDriver":
+        llm, array = start_engine(model, gen)
+        tokenizer = llm.tokenizer
+        # A fast tokenizer decodes a whole completion exactly as vLLM's incremental detokenizer
+        # builds it (tests/generator/test_array_logprobs.py), in one call instead of one per step.
+        fast = tokenizer if getattr(tokenizer, "is_fast", False) else None
+        return cls(llm, array=array, tokenizer=fast, vocab_size=int(llm.model_config.get_vocab_size()))
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def prepare(self, sampling: Any, *, stream: bool) -> "_Prepared":
+        from asyncrl.generator.sampling import to_vllm
+
+        # A final-only request leaves its text to `read` (unless stop strings need the engine's
+        # incremental text) and, with the adapter, gets its log-probs as one array.
+        decode_here = not stream and not sampling.stop and self._tokenizer is not None
+        array = not stream and sampling.logprobs and self._read_array is not None
+        params = to_vllm(sampling, final_only=not stream, detokenize=not decode_here, array_logprobs=array)
+        return _Prepared(params, decode_here, bool(array))
+
+    async def outputs(self, engine_id: str, prompt_ids: list[int], prepared: "_Prepared",
+                      handed_over: Any) -> AsyncIterator[Any]:
+        """`AsyncLLM.generate`'s loop over the request's output collector, done here so that the
+        replica learns the moment the engine's frontend holds the request. With FINAL_ONLY outputs
+        nothing else tells a request that has not reached the engine from one that finished with
+        its result still queued."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        collector = None
+        finished = False
+        try:
+            collector = await self.llm.add_request(engine_id, {"prompt_token_ids": prompt_ids}, prepared.params)
+            handed_over()
+            while not finished:
+                out = collector.get_nowait() or await collector.get()
+                finished = out.finished
+                yield out
+        except EngineDeadError:
+            raise  # nothing left to abort
+        except BaseException:
+            # Cancelled (client gone), closed early, or failed: the engine must not go on with it.
+            if collector is not None and not finished:
+                await self.llm.abort(collector.request_id, internal=True)
+            raise
+
+    def read(self, sequence: Any, new: list[int], prepared: "_Prepared") -> tuple[list[float] | None, str]:
+        lps = self._read_array(sequence, len(new)) if prepared.array else sampled_logprobs(sequence)
+        text = self.decode_text(new, sequence.finish_reason, sequence.stop_reason) if prepared.decode_here else sequence.text
+        return lps, text
+
+    def decode_text(self, token_ids: list[int], finish_reason: str | None, stop_reason: Any) -> str:
+        """A finished completion's text as vLLM's detokenizer makes it: special tokens skipped,
+        and a token that stopped the sequence (EOS or one of stop_token_ids) left out."""
+        if finish_reason == "stop" and token_ids and not isinstance(stop_reason, str):
+            token_ids = token_ids[:-1]
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    # ---- scheduling ------------------------------------------------------------------------
+
+    async def pause(self, mode: str) -> None:
+        # clear_cache: running requests are preempted and recompute their KV on resume, and no
+        # prefix computed with old weights survives into the new version.
+        await pause_scheduler(self.llm, mode)
+
+    async def preempt(self) -> None:
+        await self.llm.pause_generation(mode="keep", clear_cache=True)
+
+    async def hold(self) -> None:
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def run(self) -> None:
+        await self.llm.resume_generation()
+
+    def sleep_unsupported(self) -> str | None:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_sleep_mode_available():
+            return f"sleep mode is not available on platform {current_platform.device_type!r}"
+        if not self.llm.model_config.enable_sleep_mode:
+            return "engine started without enable_sleep_mode (set generator.engine_kwargs.enable_sleep_mode)"
+        return None
+
+    async def sleep(self, level: int) -> None:
+        import inspect
+
+        # vLLM >= 0.32 pauses inside sleep too, aborting by default: keep the preempted requests.
+        keep = {"mode": "keep"} if "mode" in inspect.signature(self.llm.sleep).parameters else {}
+        await self.llm.sleep(level, **keep)
+
+    async def wake(self, tags: list[str]) -> None:
+        await self.llm.wake_up(tags)
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    async def worker_call(self, verb: str, args: tuple, timeout: float | None) -> list[Any]:
+        return await self.llm.collective_rpc(verb, timeout=timeout, args=args)
+
+    async def relabel(self, version: int) -> None:
+        if self.stamps_versions:
+            await self.llm.update_weight_version(str(version))
+
+    async def reset_prefix_cache(self) -> None:
+        await self.llm.reset_prefix_cache()
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    def live_version_starts(self, engine_id: str) -> dict[int, list[tuple[str, int]]]:
+        return live_version_starts(self.llm, engine_id)
+
+    def frontend_sequences(self, engine_id: str) -> dict[int, str]:
+        return frontend_sequences(self.llm, engine_id)
+
+    def frontend_token_counts(self) -> dict[str, int]:
+        return frontend_token_counts(self.llm)
+
+    def unfinished_requests(self) -> int:
+        return unfinished_requests(self.llm)
+
+    def tokens_in_flight(self) -> int:
+        return tokens_in_flight(self.llm)
+
+    def dead(self) -> str | None:
+        return f"engine is dead: {self.llm.dead_error}" if self.llm.errored else None
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    params: Any  # vllm.SamplingParams
+    decode_here: bool  # the text is decoded by `VllmDriver.read`, not per step in the engine
+    array: bool  # the log-probs come as one array with the final output
 
 
 # ---- reads inside a vLLM worker process ------------------------------------------------------------

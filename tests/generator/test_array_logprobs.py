@@ -69,13 +69,13 @@ async def _scenario(model_path) -> dict:
                                         max_tokens=s.max_tokens, seed=s.seed, logprobs=0, ignore_eos=s.ignore_eos,
                                         stop_token_ids=s.stop_token_ids or None)
             got = {}  # cumulative outputs: a sequence's last one holds all of it
-            async for out in replica.llm.generate({"prompt_token_ids": r.prompt_ids}, params, f"own-{r.request_id}"):
+            async for out in replica.engine.llm.generate({"prompt_token_ids": r.prompt_ids}, params, f"own-{r.request_id}"):
                 for c in out.outputs:
                     got[c.index] = (list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)], c.text)
             return got
 
         own = await asyncio.gather(*(vllm_own(r) for r in reqs))
-        return {"array": replica._read_array is not None, "decoded_here": replica._tokenizer is not None,
+        return {"array": replica.engine._read_array is not None, "decoded_here": replica.engine._tokenizer is not None,
                 "final": final, "mixed": mixed, "stream": stream, "own": own}
     finally:
         replica.shutdown()

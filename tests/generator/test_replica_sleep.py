@@ -14,6 +14,7 @@ import pytest
 from asyncrl.config import GeneratorConfig, ModelConfig
 from asyncrl.generator.engine import EngineReplica, ReplicaState, WeightUpdateError
 from asyncrl.generator.version_source import EngineStamps
+from asyncrl.generator.vllm_engine import VllmDriver
 from asyncrl.weightsync.fingerprint import combine_digests
 
 NOTHING = combine_digests({}, "off")  # the fingerprint of an update that staged no tensors
@@ -58,9 +59,9 @@ class Engine:
 
 def replica(log: list, **kw) -> EngineReplica:
     r = EngineReplica(ModelConfig(path="unused"), GeneratorConfig(), replica_id="r1")
-    r.llm, r.state = Engine(log, **kw), ReplicaState.READY
-    r._versions = EngineStamps(r.llm, r.counters, lambda: r.version)  # what start() picks: the stand-in stamps
-    r._sleep_unsupported = lambda: None  # the stand-in "supports" sleep
+    r.engine, r.state = VllmDriver(Engine(log, **kw)), ReplicaState.READY
+    r.engine.sleep_unsupported = lambda: None  # the stand-in "supports" sleep
+    r._versions = EngineStamps(r.engine, r.counters, lambda: r.version)  # what start() picks: the stand-in stamps
     return r
 
 

@@ -34,7 +34,7 @@ def _request(rid: str, n: int, max_tokens: int, seed: int) -> GenerationRequest:
 
 def _engine_tokens(replica, prefix: str) -> int:
     """Fewest tokens the frontend has processed among the open sequences of a request."""
-    states = replica.llm.output_processor.request_states.values()
+    states = replica.engine.llm.output_processor.request_states.values()
     return min((st.detokenizer.num_output_tokens() for st in states if st.external_req_id.startswith(prefix)), default=0)
 
 
@@ -50,8 +50,8 @@ class _Gate:
         self.open = asyncio.Event()
         self.open.set()
         self.taken: list[str] = []  # requests the engine's frontend has taken
-        self._add_request = replica.llm.add_request
-        replica.llm.add_request = self._add
+        self._add_request = replica.engine.llm.add_request
+        replica.engine.llm.add_request = self._add
 
     async def _add(self, request_id, *args, **kwargs):
         collector = await self._add_request(request_id, *args, **kwargs)
@@ -111,7 +111,7 @@ async def _streamed(replica, request: GenerationRequest) -> SimpleNamespace:
 def _finished_in_engine(replica, gate: _Gate, prefix: str) -> bool:
     """The engine took a request of this prefix and has finished it (its frontend state is gone)."""
     taken = [rid for rid in gate.taken if rid.startswith(prefix)]
-    return bool(taken) and not any(rid.startswith(prefix) for rid in replica.llm.output_processor.external_req_ids)
+    return bool(taken) and not any(rid.startswith(prefix) for rid in replica.engine.llm.output_processor.external_req_ids)
 
 
 async def _push(replica, version: int, weights, gate: _Gate | None = None, while_paused=None) -> None:

@@ -172,3 +172,27 @@ def test_every_serve_yaml_names_a_builder_that_builds_its_app():
                 built = builder(dict(app.get("args") or {}))
                 assert isinstance(built, Application), path
     assert seen == {"asyncrl.app:app_builder", "asyncrl.app:generator_app_builder"}
+
+
+def test_the_replica_reaches_its_engine_only_through_the_driver():
+    """The replica's engine-neutral parts (its verbs, update protocol and version sources) import no
+    engine and no engine's driver, not even inside a function: an SGLang replica must run them without
+    vLLM installed. `driver.start_driver` is the one place that imports a driver, by `generator.engine`."""
+    def imports(path: Path) -> list[tuple[str, int]]:
+        found = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found += [(a.name, node.lineno) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.append((node.module, node.lineno))
+        return found
+
+    engine_modules = ("vllm", "sglang", "asyncrl.generator.vllm_engine", "asyncrl.generator.array_logprobs")
+    gen = ROOT / "generator"
+    bad = [f"{name}:{line} imports {mod}" for name in ("engine.py", "engine_update.py", "version_source.py", "driver.py")
+           for mod, line in imports(gen / name) if mod.split(".")[0] in engine_modules or mod in engine_modules]
+    tree = ast.parse((gen / "driver.py").read_text())
+    (start,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "start_driver"]
+    allowed = {f"driver.py:{n.lineno} imports asyncrl.generator.vllm_engine" for n in ast.walk(start)
+               if isinstance(n, ast.ImportFrom)}
+    assert allowed and sorted(set(bad) - allowed) == []
