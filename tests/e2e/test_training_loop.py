@@ -349,12 +349,14 @@ def test_ppo_with_critic_and_reference_kl(ray_session, demo_model_path, tiny_rew
         assert logged <= set(run["history"][record["step"]]), logged - set(run["history"][record["step"]])
 
 
-@pytest.mark.parametrize("transport", ["auto", "ipc", "gloo"])
+@pytest.mark.parametrize("transport", ["ipc", "gloo"])
 def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_session, demo_model_path, tmp_path, transport):
     """kill -9 of the vLLM engine core while the demo trains (one engine replica): Serve replaces
     the replica, the new one loads the live version before it serves, the rollouts that were in
     flight are retried or counted as failed, and training runs to its end, >= 10 steps after the
     kill, with every generated sample accounted for; the API answers again after the fault.
+    (The pushes of host buckets, `auto`'s shm here, recover the same way; test_multinode.py loses
+    the engines' node under `auto`'s object store, so they are not run here a third time.)
     Over ipc the pushes after a clean one go without a check of the groups first: the push that
     meets the dead engine fails without waiting out its deadline (the sender is stopped once the
     replica's load failed), and its retry forms the groups with the new replica. Over gloo (NCCL's
@@ -396,8 +398,7 @@ def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_sess
     # The step that met the dead engine waited for the new replica to start (tens of seconds on
     # 2 cores), never for a push's 600 s deadline (a sender left waiting for the dead worker).
     assert max(m["time/sync_s"] for m in metrics) < 300, [round(m["time/sync_s"], 1) for m in metrics]
-    if transport in ("ipc", "gloo"):
-        assert metrics[-1]["weightsync/group_checks_skipped"] >= total // 2  # (the pushes around the fault ask)
+    assert metrics[-1]["weightsync/group_checks_skipped"] >= total // 2  # (the pushes around the fault ask)
     assert seen["left_after_shutdown"] == [], seen["left_after_shutdown"]
 
 
