@@ -1,0 +1,119 @@
+"""SGLang's request and output shapes, translated to and from the replica's (issue 23).
+
+Owns: the rules by which one replica request becomes SGLang requests and their results become the
+sequence outputs the replica reads (driver.py: `index`, `token_ids`, `finish_reason`, `stop_reason`,
+`text`, log-probs), for SGLang 0.5.15's in-process engine with `skip_tokenizer_init=True` and
+`incremental_streaming_output=True` (docs/design/sglang-0.5.15-api.md, section b):
+- `n > 1` is expanded here into `n` requests with rids of our own (SGLang's parallel sampling gives
+  its copies random rids, so none could be aborted alone, and sends a prefill-only request first);
+- SGLang aborts by rid *prefix*, so no rid of ours is a prefix of another (`sequence_rids`);
+- `sampling_seed`, not `seed`, and only under `enable_deterministic_inference`, where one seed makes
+  the n samples identical: each sequence gets its own (`to_sglang`); without that mode a seeded request
+  is refused rather than sampled unseeded;
+- stop strings need SGLang's tokenizer, which the replica does not start: refused, naming the field;
+- `output_ids` include the matched stop token, as vLLM's do, and `finish_reason` arrives as a dict.
+The SGLang driver that starts the engine and calls it is designed in docs/design/sglang-engine.md and
+not built yet: nothing imports this module but its tests, and it imports no SGLang.
+
+Must never: import SGLang, or let a request through that SGLang would sample differently from what
+it asked (an unhonoured seed, an ignored stop string).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncrl.generator.sampling import RequestError
+from asyncrl.types import SamplingParams
+
+RID_END = "$"  # ends every rid: no rid of ours is then a proper prefix of another
+FINISH_REASONS = {"length": "length", "stop": "stop", "abort": "abort"}  # SGLang's type -> the replica's
+
+
+def sequence_rids(engine_id: str, n: int) -> list[str]:
+    """The rids of a request's `n` sequences. `engine_id` is unique among requests in flight; the
+    index and the end mark keep "r-1" from aborting "r-10" (SGLang matches `rid.startswith`)."""
+    if RID_END in engine_id:
+        raise ValueError(f"an engine id may not hold {RID_END!r}: {engine_id!r}")
+    return [f"{engine_id}#{i}{RID_END}" for i in range(n)]
+
+
+def to_sglang(sp: SamplingParams, *, deterministic: bool, rng: random.Random | None = None) -> list[dict[str, Any]]:
+    """One SGLang `sampling_params` dict per sequence of a validated request. `deterministic`: the
+    engine runs with `enable_deterministic_inference` (the only mode in which SGLang reads a seed)."""
+    if sp.stop:
+        raise RequestError("sampling.stop", "stop strings are not supported by the SGLang engine (it runs without its "
+                           "tokenizer: token ids in and out); use stop_token_ids")
+    if sp.seed is not None and not deterministic:
+        raise RequestError("sampling.seed", "the SGLang engine honours a seed only with generator.engine_kwargs."
+                           "enable_deterministic_inference=true; leave seed unset or turn that on")
+    base: dict[str, Any] = {
+        "max_new_tokens": sp.max_tokens,  # (SGLang's default is 128, not "until the context ends")
+        "temperature": sp.temperature,  # below 1e-6 SGLang decodes greedily, as vLLM does at 0
+        "top_p": sp.top_p,
+        "top_k": sp.top_k if sp.top_k > 0 else -1,
+        "stop_token_ids": list(sp.stop_token_ids),
+        "ignore_eos": sp.ignore_eos,
+    }
+    if not deterministic:
+        return [dict(base) for _ in range(sp.n)]
+    # One seed for all n would make them one sample n times (the sampler keys on seed and position).
+    if sp.seed is None:
+        rng = rng or random.Random()
+        seeds = [rng.randrange(2**31) for _ in range(sp.n)]
+    else:
+        seeds = [(sp.seed + i) % 2**63 for i in range(sp.n)]
+    return [{**base, "sampling_seed": s} for s in seeds]
+
+
+@dataclass
+class SequenceOutput:
+    """One SGLang result chunk as the replica reads a sequence's output (vLLM's field names)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str | None
+    stop_reason: int | str | None  # the stop token id that matched (not EOS), else None
+    weight_version: str | None  # SGLang's label for the chunk (coarser than a token: see the design)
+    text: str = ""
+    meta: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def finish_of(meta: dict[str, Any], stop_token_ids: list[int]) -> tuple[str | None, int | str | None]:
+    """(finish reason, stop reason) from a chunk's `meta_info["finish_reason"]`: None on every chunk
+    but the last. As in vLLM, the stop reason is the matched id of `stop_token_ids` (None for EOS)."""
+    finish = meta.get("finish_reason")
+    if finish is None:
+        return None, None
+    kind = finish.get("type")
+    if kind not in FINISH_REASONS:
+        raise ValueError(f"SGLang finish_reason of an unknown type: {finish!r}")
+    matched = finish.get("matched") if kind == "stop" else None
+    stop_reason = matched if isinstance(matched, int) and matched in stop_token_ids else None
+    return FINISH_REASONS[kind], stop_reason
+
+
+def read_chunk(index: int, chunk: dict[str, Any], *, logprobs: bool, stop_token_ids: list[int]) -> SequenceOutput:
+    """Sequence `index`'s output from one incremental chunk of its stream: the new ids (a copy: SGLang
+    may keep appending to its list), their log-probs (`output_token_logprobs` holds (log-prob, id,
+    text) per output id), and its finish."""
+    meta = chunk.get("meta_info") or {}
+    finish, stop_reason = finish_of(meta, stop_token_ids)
+    version = meta.get("weight_version")
+    version = None if version is None else str(version)
+    if finish == "abort" and "prompt_tokens" not in meta:
+        # Aborted while it waited in the scheduler's queue: it never ran, and a streamed one brings
+        # `[last_id]` (an id it did not generate) or [] as its output.
+        return SequenceOutput(index, [], [] if logprobs else None, finish, None, version, meta=meta)
+    ids = [int(t) for t in chunk.get("output_ids") or ()]
+    lps = None
+    if logprobs:
+        entries = meta.get("output_token_logprobs") or []
+        if len(entries) != len(ids) or any(int(e[1]) != t for e, t in zip(entries, ids)):
+            raise ValueError(f"SGLang chunk of {meta.get('id')!r}: {len(entries)} log-probs for {len(ids)} output ids, "
+                             "or for other ids")
+        lps = [float(e[0]) for e in entries]
+    return SequenceOutput(index, ids, lps, finish, stop_reason, version, meta=meta)
