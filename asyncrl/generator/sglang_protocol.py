@@ -33,11 +33,11 @@ FINISH_REASONS = {"length": "length", "stop": "stop", "abort": "abort"}  # SGLan
 
 
 def sequence_rids(engine_id: str, n: int) -> list[str]:
-    """The rids of a request's `n` sequences. `engine_id` is unique among requests in flight; the
-    index and the end mark keep "r-1" from aborting "r-10" (SGLang matches `rid.startswith`)."""
-    if RID_END in engine_id:
-        raise ValueError(f"an engine id may not hold {RID_END!r}: {engine_id!r}")
-    return [f"{engine_id}#{i}{RID_END}" for i in range(n)]
+    """The rids of a request's `n` sequences. `engine_id` is unique among requests in flight (it holds
+    the caller's request id, any text); the end mark, found nowhere else in a rid (escaped, one-to-one),
+    keeps "r-1" from aborting "r-10": SGLang matches `rid.startswith`."""
+    safe = engine_id.replace("%", "%25").replace(RID_END, "%24")
+    return [f"{safe}#{i}{RID_END}" for i in range(n)]
 
 
 def to_sglang(sp: SamplingParams, *, deterministic: bool, rng: random.Random | None = None) -> list[dict[str, Any]]:
