@@ -255,16 +255,13 @@ class EngineReplica(WeightUpdates):
     # engine runs again only once everything is awake, no caller holds a pause, and (after a
     # level-2 sleep, which discards the weights) a weight update has been committed.
 
-    def _sleep_unsupported(self) -> str | None:
-        return self.engine.sleep_unsupported()
-
     def _may_run(self) -> bool:
         return not self._asleep and not self._weights_discarded and self._paused_mode is None
 
     async def sleep(self, level: int = 1) -> dict[str, Any]:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        reason = self._sleep_unsupported()
+        reason = self.engine.sleep_unsupported()
         if reason:
             return {"replica_id": self.replica_id, "supported": False, "sleeping": False, "reason": reason}
         async with self._control_lock:
@@ -287,7 +284,7 @@ class EngineReplica(WeightUpdates):
         unknown = set(wanted) - set(SLEEP_TAGS)
         if unknown or not wanted:
             raise ValueError(f"wake_up tags must be a non-empty subset of {list(SLEEP_TAGS)}, got {tags!r}")
-        reason = self._sleep_unsupported()
+        reason = self.engine.sleep_unsupported()
         if reason:
             return {"replica_id": self.replica_id, "supported": False, "sleeping": False, "reason": reason}
         async with self._control_lock:
@@ -324,7 +321,7 @@ class EngineReplica(WeightUpdates):
             "pause_mode": self._paused_mode,
             "asleep": sorted(self._asleep),
             "engine": self.gen_cfg.engine,
-            "sleep_unsupported": self._sleep_unsupported() if self.engine else None,
+            "sleep_unsupported": self.engine.sleep_unsupported() if self.engine else None,
             "engine_unfinished_requests": self.engine.unfinished_requests() if self.engine else 0,
             "uptime_s": time.time() - self.started_at,
             **{f"generator/{k}": v for k, v in self.counters.items()},

@@ -180,63 +180,6 @@ def sampled_logprobs(completion: Any) -> list[float] | None:
     return [float(entry[tok].logprob) for tok, entry in zip(completion.token_ids, lps)]
 
 
-# ---- reads of the running engine's frontend (vLLM's output processor and engine core) -------------
-# Private vLLM state, read-only, here and nowhere else in the replica: an upgrade of vLLM that
-# moves it touches this file.
-
-
-def live_version_starts(llm: Any, engine_id: str) -> dict[int, list[tuple[str, int]]]:
-    """Per running sequence (by its index in the request), the span starts of the engine-stamped
-    versions of every token the output processor has processed (a superset of what the caller has
-    received). Finished sequences carry public spans instead, so they are absent here."""
-    op = llm.output_processor
-    out: dict[int, list[tuple[str, int]]] = {}
-    for internal_id in list(op.external_req_ids.get(engine_id, ())):
-        state = op.request_states.get(internal_id)
-        if state is not None:
-            out[state.request_index] = list(state.weight_version_starts)
-    return out
-
-
-def frontend_sequences(llm: Any, engine_id: str) -> dict[int, str]:
-    """The engine-internal id of each sequence of request `engine_id` the frontend still holds, by
-    its index in the request."""
-    op = llm.output_processor
-    by_index = {}
-    for internal_id in op.external_req_ids.get(engine_id, ()):
-        state = op.request_states.get(internal_id)
-        if state is not None:
-            by_index[state.request_index] = internal_id
-    return by_index
-
-
-def frontend_token_counts(llm: Any) -> dict[str, int]:
-    """Output tokens the frontend has processed per engine-internal sequence id."""
-    return {iid: st.detokenizer.num_output_tokens() for iid, st in llm.output_processor.request_states.items()}
-
-
-def tokens_in_flight(llm: Any) -> int:
-    """Tokens the engine has produced for sequences still running, returned to callers or not."""
-    states = list(llm.output_processor.request_states.values())
-    return sum(st.detokenizer.num_output_tokens() for st in states if getattr(st, "detokenizer", None) is not None)
-
-
-def unfinished_requests(llm: Any) -> int:
-    return llm.output_processor.get_num_unfinished_requests()
-
-
-async def pause_scheduler(llm: Any, mode: str) -> None:
-    """Pause the engine's scheduler, clearing its caches. "keep" goes straight to the engine core:
-    vLLM's `pause_generation` adds a fixed 20 ms sleep after it, only so that outputs already
-    computed reach their callers first (nothing in the replica depends on that: the version ledger
-    reads the workers' own counts, and its fallback waits for the outputs itself)."""
-    core = getattr(llm, "engine_core", None)
-    if mode == "keep" and hasattr(core, "pause_scheduler_async"):
-        await core.pause_scheduler_async(mode="keep", clear_cache=True)
-    else:
-        await llm.pause_generation(mode=mode, clear_cache=True)
-
-
 def openai_protocol() -> tuple[Any, Any, Any, Any, Any, Any]:
     """vLLM's OpenAI request/response classes: (chat module, completion module, DeltaMessage,
     ModelCard, ModelList, UsageInfo). Their import paths differ between vLLM 0.24 and 0.32."""
@@ -345,9 +288,17 @@ class VllmDriver:
     # ---- scheduling ------------------------------------------------------------------------
 
     async def pause(self, mode: str) -> None:
-        # clear_cache: running requests are preempted and recompute their KV on resume, and no
-        # prefix computed with old weights survives into the new version.
-        await pause_scheduler(self.llm, mode)
+        """Pause the engine's scheduler, clearing its caches: running requests are preempted and
+        recompute their KV on resume, and no prefix computed with old weights survives into the new
+        version. "keep" goes straight to the engine core: vLLM's `pause_generation` adds a fixed 20 ms
+        sleep after it, only so that outputs already computed reach their callers first (nothing in
+        the replica depends on that: the version ledger reads the workers' own counts, and its
+        fallback waits for the outputs itself)."""
+        core = getattr(self.llm, "engine_core", None)
+        if mode == "keep" and hasattr(core, "pause_scheduler_async"):
+            await core.pause_scheduler_async(mode="keep", clear_cache=True)
+        else:
+            await self.llm.pause_generation(mode=mode, clear_cache=True)
 
     async def preempt(self) -> None:
         await self.llm.pause_generation(mode="keep", clear_cache=True)
@@ -389,22 +340,44 @@ class VllmDriver:
     async def reset_prefix_cache(self) -> None:
         await self.llm.reset_prefix_cache()
 
-    # ---- reads -----------------------------------------------------------------------------
+    # ---- reads of the running engine's frontend (vLLM's output processor) -------------------
+    # Private vLLM state, read-only, here and nowhere else in the replica: an upgrade of vLLM that
+    # moves it touches this class.
 
     def live_version_starts(self, engine_id: str) -> dict[int, list[tuple[str, int]]]:
-        return live_version_starts(self.llm, engine_id)
+        """Per running sequence (by its index in the request), the span starts of the engine-stamped
+        versions of every token the output processor has processed (a superset of what the caller has
+        received). Finished sequences carry public spans instead, so they are absent here."""
+        op = self.llm.output_processor
+        out: dict[int, list[tuple[str, int]]] = {}
+        for internal_id in list(op.external_req_ids.get(engine_id, ())):
+            state = op.request_states.get(internal_id)
+            if state is not None:
+                out[state.request_index] = list(state.weight_version_starts)
+        return out
 
     def frontend_sequences(self, engine_id: str) -> dict[int, str]:
-        return frontend_sequences(self.llm, engine_id)
+        """The engine-internal id of each sequence of request `engine_id` the frontend still holds, by
+        its index in the request."""
+        op = self.llm.output_processor
+        by_index = {}
+        for internal_id in op.external_req_ids.get(engine_id, ()):
+            state = op.request_states.get(internal_id)
+            if state is not None:
+                by_index[state.request_index] = internal_id
+        return by_index
 
     def frontend_token_counts(self) -> dict[str, int]:
-        return frontend_token_counts(self.llm)
+        """Output tokens the frontend has processed per engine-internal sequence id."""
+        return {iid: st.detokenizer.num_output_tokens() for iid, st in self.llm.output_processor.request_states.items()}
 
     def unfinished_requests(self) -> int:
-        return unfinished_requests(self.llm)
+        return self.llm.output_processor.get_num_unfinished_requests()
 
     def tokens_in_flight(self) -> int:
-        return tokens_in_flight(self.llm)
+        """Tokens the engine has produced for sequences still running, returned to callers or not."""
+        states = list(self.llm.output_processor.request_states.values())
+        return sum(st.detokenizer.num_output_tokens() for st in states if getattr(st, "detokenizer", None) is not None)
 
     def dead(self) -> str | None:
         return f"engine is dead: {self.llm.dead_error}" if self.llm.errored else None
