@@ -69,14 +69,16 @@ push)
       # TRACE=1: every push's marks across its processes (asyncrl/weightsync/trace.py), lined up after the bench
       # BENCH_TIMEOUT (360): a fresh host's random 1.5B took 204 s to build and start its engine (2026-11-27, H100s)
       tdir=${TRACE:+$OUT/trace_${m##*/}}
+      # BUCKET_MB (64): a size in MiB, or a comma list measured in turn on the same engines (64,256)
       ASYNCRL_PUSH_TRACE=$tdir ASYNCRL_PROFILE_DIR=${PROFILE_DIR:-} timeout ${BENCH_TIMEOUT:-360} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports $t \
           --gpus 0.5 --dtype bfloat16 --verify $v --staging ${STAGING:-full} --sender-arena ${SENDER_ARENA:-auto} \
-          --timeout-s ${PUSH_TIMEOUT:-90} > $log 2>&1
+          --bucket-mb ${BUCKET_MB:-64} --timeout-s ${PUSH_TIMEOUT:-90} > $log 2>&1
       echo "weightsync $t $m verify=$v rc=$?"; grep '^{' $log | tee -a $OUT/ws_push.json
       grep '^\[weightsync' $log | tail -4  # where it got (each push's time)
       if [ -n "$tdir" ] && [ -d "$tdir" ]; then
-        python3 benchmarks/push_timeline.py $tdir --json $OUT/timeline_${m##*/}.json > $OUT/timeline_${m##*/}.txt 2>&1
-        tail -45 $OUT/timeline_${m##*/}.txt; tar czf $OUT/trace_${m##*/}.tgz -C $OUT trace_${m##*/} && rm -rf $tdir
+        g=4; [ -n "${PROFILE_DIR:-}" ] && g=5  # pushes per bucket size: a warm-up, 3 timed (and one profiled)
+        python3 benchmarks/push_timeline.py $tdir --group $g --json $OUT/timeline_${m##*/}.json > $OUT/timeline_${m##*/}.txt 2>&1
+        grep -A40 "^median of" $OUT/timeline_${m##*/}.txt | grep -E "median|snd.enter|rep.load|rep.paused|gate_open|announced|landed|wire_done|digests|wrk.return|rep.received|rep.return|pub\."; tar czf $OUT/trace_${m##*/}.tgz -C $OUT trace_${m##*/} && rm -rf $tdir
       fi
       grep -v '^{' $log | grep -iE "error|Traceback|layout" | tail -8 | cut -c1-400
       ;;

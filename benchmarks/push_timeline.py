@@ -1,13 +1,14 @@
 """Line up the push marks of `ASYNCRL_PUSH_TRACE=DIR` (asyncrl/weightsync/trace.py), push by push.
 
-    python benchmarks/push_timeline.py DIR [--skip 1] [--json out.json]
+    python benchmarks/push_timeline.py DIR [--skip 1] [--group N] [--json out.json]
 
 Every process that took part wrote DIR/trace_<pid>.txt (`<wall time> <label>` lines). A push starts
 at the publisher's `pub.attempt` mark; each mark after it (until the next push) is shown as
 milliseconds from that start. The per-bucket marks of a worker (`wrk.landed.K`: bucket K complete
 on this worker; `wrk.staged.K`: its checksum and copy enqueued) are summed up as the first and last
 bucket and the longest host time spent on one bucket. The last table is the median over the
-pushes after the first `--skip` (warm-up).
+pushes after the first `--skip` (warm-up); with `--group N`, one such table per N pushes in turn (a
+bench of several bucket sizes: each size's warm-up and timed pushes).
 """
 
 from __future__ import annotations
@@ -58,25 +59,41 @@ def summarize(push: list[tuple[float, int, str]]) -> dict[str, float]:
     return out
 
 
+def medians(rows: list[dict[str, float]], skip: int) -> dict[str, float]:
+    """The median of each label over `rows` after the first `skip` (or over all of them if none is left)."""
+    timed = rows[skip:] or rows
+    labels = {k for row in timed for k in row}
+    return {k: statistics.median(row[k] for row in timed if k in row) for k in labels}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folder", type=Path)
-    ap.add_argument("--skip", type=int, default=1, help="pushes left out of the median (warm-up)")
+    ap.add_argument("--skip", type=int, default=1, help="pushes left out of the median (warm-up), in each group")
+    ap.add_argument("--group", type=int, default=0,
+                    help="pushes per group, one median each (weightsync.py --bucket-mb 64,256 --repeats 3: 4, a "
+                         "warm-up and 3 pushes per size); 0: one group of every push")
     ap.add_argument("--json", type=Path, help="write every push's marks and the medians here")
     args = ap.parse_args()
+    if args.group < 0 or args.skip < 0:
+        ap.error("--group and --skip must be >= 0")
     rows = [summarize(p) for p in pushes(read(args.folder))]
     if not rows:
         raise SystemExit(f"no pushes (no pub.attempt mark) in {args.folder}")
     for i, row in enumerate(rows):
         print(f"push {i}: " + "  ".join(f"{k} {v:.2f}" for k, v in sorted(row.items(), key=lambda kv: kv[1])))
-    timed = rows[args.skip:] or rows
-    labels = {k for row in timed for k in row}
-    median = {k: statistics.median(row[k] for row in timed if k in row) for k in labels}
-    print(f"\nmedian of {len(timed)} pushes, ms from the publisher's attempt:")
-    for k, v in sorted(median.items(), key=lambda kv: kv[1]):
-        print(f"  {v:9.2f}  {k}")
+    size = args.group or len(rows)
+    groups = [rows[a:a + size] for a in range(0, len(rows), size)]
+    out = []
+    for g, group in enumerate(groups):
+        median = medians(group, args.skip)
+        out.append(median)
+        first = g * size
+        print(f"\nmedian of pushes {first + min(args.skip, len(group) - 1)}-{first + len(group) - 1}, ms from the publisher's attempt:")
+        for k, v in sorted(median.items(), key=lambda kv: kv[1]):
+            print(f"  {v:9.2f}  {k}")
     if args.json:
-        args.json.write_text(json.dumps({"pushes": rows, "median": median}, indent=1))
+        args.json.write_text(json.dumps({"pushes": rows, "median": out[0] if len(out) == 1 else out}, indent=1))
 
 
 if __name__ == "__main__":

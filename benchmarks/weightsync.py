@@ -305,6 +305,13 @@ class Sender:
         self.packed = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=self.device) for n in sizes]
         return [int(b.numel()) for b in self.packed]
 
+    def raw_sizes(self, sizes: list[int]) -> list[int]:
+        """Buffers of another bucket size for the raw group joined before (the same bytes, cut anew)."""
+        import torch
+
+        self.packed = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=self.device) for n in sizes]
+        return [int(b.numel()) for b in self.packed]
+
     def raw_handles(self) -> list[tuple[dict, int]]:
         """ipc floor: a handle per packed bucket (kept alive here until the next call)."""
         from asyncrl.weightsync.bucket import Bucket
@@ -406,24 +413,18 @@ def _engine_dtypes(plan, base):
     return {n: t.to(dtype.get(n, t.dtype)) for n, t in base.items()}
 
 
-async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket_mb: float,
+async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket_mbs: list[float],
                       transports: list[str], verify: str, gpus: float, apply: str = "auto",
                       staging: str = "full", dtype: str = "float32", sender_arena: str = "auto",
                       timeout_s: float = 120.0) -> list[dict]:
+    """Rows for every transport at every bucket size in `bucket_mbs`, each size measured in turn on
+    the same engines and sender (its plan formed again; the raw floor in buckets of its sizes)."""
     import pickle
-    from dataclasses import asdict
 
     import ray
 
-    from asyncrl.config import WeightsyncConfig
-    from asyncrl.weightsync.bucket import iter_buckets
-    from asyncrl.weightsync.collective import form_specs, ipc_window_for
-    from asyncrl.weightsync.push import Publisher
-    from asyncrl.weightsync.registry import VersionRegistry
     from asyncrl.weightsync.replicas import ActorReplica
-    from asyncrl.weightsync.service import CollectiveLink
     from asyncrl.weightsync.store import load_hf_tensors
-    from asyncrl.weightsync.transport import select_transport
 
     base = load_hf_tensors(str(path))
     params = sum(t.numel() for t in base.values())
@@ -433,7 +434,6 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
     await asyncio.gather(*(a.start.remote() for a in actors))
     say(f"{name}: engine replica(s) up")
     clients = [ActorReplica(a, f"engine-{i}") for i, a in enumerate(actors)]
-    plan, why_not = await _form_plan(actors, base, bucket_mb, apply)
     collective = [k for k in transports if k in COLLECTIVE]
     # nccl/gloo: the sender has a device of its own; ipc: it and the raw sinks share the engines' GPU
     # (fractional GPUs pack onto one: --gpus 0.5 leaves 0.25 each for the sender and one sink).
@@ -441,17 +441,60 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
     sender_gpus = (shared if "ipc" in collective else 1) if gpus else 0
     sender = ray.remote(num_cpus=0.5, num_gpus=sender_gpus)(Sender).remote(str(path)) if collective else None
     if sender is not None:
-        await sender.set_plan.remote(pickle.dumps(plan) if plan is not None else None)
         await sender.set_arena.remote(sender_arena)
-        say(f"{name}: sender up, plan {'none' if plan is None else f'{len(plan.buckets)} buckets'}")
-    runs, version = {}, 0
+    sink_gpus = shared if "ipc" in collective else gpus
+    gpu_sinks = [ray.remote(num_cpus=0.1, num_gpus=sink_gpus)(Sink).remote() for _ in range(replicas)] if collective else []
+    sinks = [ray.remote(num_cpus=0.1)(Sink).remote() for _ in range(replicas)] if set(transports) - set(collective) else []
+    same = None
+    out, version, joined, links = [], 0, {}, {}
+    for bucket_mb in bucket_mbs:
+        plan, why_not = await _form_plan(actors, base, bucket_mb, apply)
+        same = _engine_dtypes(plan, base)
+        if sender is not None:
+            await sender.set_plan.remote(pickle.dumps(plan) if plan is not None else None)
+            say(f"{name}: {bucket_mb:g} MiB buckets, plan {'none' if plan is None else f'{len(plan.buckets)} buckets'}")
+        runs, version = await _pushes(name, transports, collective, actors, clients, sender, base, plan, bucket_mb,
+                                      repeats, verify, staging, timeout_s, gpus, version, links)
+        raw = await _raw_floors(name, transports, collective, sender, sinks, gpu_sinks, joined, plan, same, bucket_mb,
+                                repeats, timeout_s)
+        out += _rows(name, runs, raw, collective, params, why_not, verify, staging, sender_arena, replicas, gpus,
+                     bucket_mb, repeats)
+    say(f"{name}: raw floors done; round trips")
+    floors = await actors[0].round_trips.remote()
+    pings = []
+    for _ in range(20):
+        t = time.perf_counter()
+        await actors[0].ping.remote()
+        pings.append(time.perf_counter() - t)
+    floors["ray_actor_call"] = statistics.median(pings)
+    if sender is not None and same is not None:
+        floors.update(await sender.device_floors.remote(int(sum(t.numel() * t.element_size() for t in same.values()))))
+    ray.get([a.shutdown.remote() for a in actors])
+    for a in actors + sinks + gpu_sinks + ([sender] if sender is not None else []):
+        ray.kill(a)
+    for row in out:
+        row["round_trip_seconds"] = floors  # medians of the calls a push is made of
+    return out
+
+
+async def _pushes(name, transports, collective, actors, clients, sender, base, plan, bucket_mb, repeats, verify,
+                  staging, timeout_s, gpus, version, links):
+    """Every transport's pushes at one bucket size: {transport: (push seconds, host-copy tails, metrics)}."""
+    from asyncrl.config import WeightsyncConfig
+    from asyncrl.weightsync.collective import ipc_window_for
+    from asyncrl.weightsync.push import Publisher
+    from asyncrl.weightsync.registry import VersionRegistry
+    from asyncrl.weightsync.service import CollectiveLink
+    from asyncrl.weightsync.transport import select_transport
+
+    runs = {}
     for kind in transports:
         cfg = WeightsyncConfig(transport=kind, bucket_mb=bucket_mb, timeout_s=timeout_s, verify=verify, staging=staging)
         transport = select_transport(cfg, on_gpu=gpus > 0)
         pub = Publisher(cfg, transport=transport, registry=VersionRegistry(version))  # the engines already serve `version`
         pub.set_plan(plan)
-        link = None
-        if kind in collective:
+        link = links.get(kind)  # one per transport, kept across bucket sizes (its groups, the receivers' buffers)
+        if kind in collective and link is None:
             async def members():
                 return {i["replica_id"]: i for i in await asyncio.gather(*(a.collective_info.remote() for a in actors))}
 
@@ -459,8 +502,10 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
                 return await asyncio.gather(*(a.join_collective.remote(wire) for a in actors))
 
             # check: beside each push, as the service does (a change of members closes the push's gate)
-            link = CollectiveLink(kind, SenderAsLearner(sender), members=members, join=join, bucket_mb=bucket_mb, timeout_s=timeout_s,
-                                  ipc_window=ipc_window_for(cfg.staging), check=members)
+            link = links[kind] = CollectiveLink(kind, SenderAsLearner(sender), members=members, join=join, bucket_mb=bucket_mb,
+                                                timeout_s=timeout_s, ipc_window=ipc_window_for(cfg.staging), check=members)
+        if link is not None:
+            link.bucket_mb = bucket_mb  # (the plan's buckets where there is one; the sender's own cut where not)
         push, tails, metrics = [], [], []
         for i in range(repeats + 1):  # the first push of each transport is a warm-up (and forms groups), not timed
             version += 1
@@ -507,20 +552,29 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
             pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
             await pub.drain()
             Path(profile_dir).mkdir(parents=True, exist_ok=True)
-            Path(profile_dir, f"profile_{name}_{kind}.txt").write_text(
+            Path(profile_dir, f"profile_{name}_{kind}_{bucket_mb:g}mb.txt").write_text(
                 "== sender\n" + await sender.profiled.remote() + "\n== replica actor\n"
                 + await actors[0].profile.remote(False) + "\n== driver (publisher)\n" + text.getvalue())
         runs[kind] = (push, tails, metrics)
         if hasattr(transport, "close"):
             transport.close()
+    return runs, version
 
-    # Raw floors move the same bytes as the push: the HF tensors in the engines' dtypes (a push in
-    # the engines' layout adds only vocab padding), in buckets of the push's sizes.
+
+async def _raw_floors(name, transports, collective, sender, sinks, gpu_sinks, joined, plan, same, bucket_mb, repeats,
+                      timeout_s) -> dict[str, list[float]]:
+    """Raw floors move the same bytes as the push: the HF tensors in the engines' dtypes (a push in
+    the engines' layout adds only vocab padding), in buckets of the push's sizes. The raw group is
+    formed once (`joined`: transport -> spec) and its buffers sized again for each bucket size."""
+    from dataclasses import asdict
+
+    import ray
+
+    from asyncrl.weightsync.bucket import iter_buckets
+    from asyncrl.weightsync.collective import form_specs
+
     raw: dict[str, list[float]] = {}
-    sinks = []
-    same = _engine_dtypes(plan, base)
     if [k for k in transports if k not in collective]:  # host floor: the sinks only map buckets, no GPU
-        sinks = [ray.remote(num_cpus=0.1)(Sink).remote() for _ in range(replicas)]
         raw["host"] = []
         for v in range(repeats + 1):  # round 0 warms the sinks up, not timed
             weights = {n: t.clone() for n, t in same.items()}
@@ -531,18 +585,20 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
                 await asyncio.gather(*(s.take.remote(ref) for s in sinks))
             if v:
                 raw["host"].append(time.perf_counter() - t)
-    sink_gpus = shared if "ipc" in collective else gpus
-    gpu_sinks = [ray.remote(num_cpus=0.1, num_gpus=sink_gpus)(Sink).remote() for _ in range(replicas)] if collective else []
     for kind in collective:
         sizes = [int(b.nbytes) for b in plan.buckets] if plan is not None else \
             [int(b.nbytes) for b in iter_buckets(iter(same.items()), bucket_mb)]
-        addr = await sender.address.remote()
-        (spec,) = form_specs(kind, [(addr["host"], addr["port"])], {f"sink{i}": 1 for i in range(replicas)},
-                             timeout_s=timeout_s, group_prefix=f"raw-{kind}")
-        wire = asdict(spec)
-        await asyncio.gather(sender.raw_join.remote(wire, sizes),
-                             *(s.join.remote(wire, spec.receiver_rank(f"sink{i}", 0)) for i, s in enumerate(gpu_sinks)))
-        say(f"{name} {kind}: raw floor, group joined")
+        if kind not in joined:
+            addr = await sender.address.remote()
+            (spec,) = form_specs(kind, [(addr["host"], addr["port"])], {f"sink{i}": 1 for i in range(len(gpu_sinks))},
+                                 timeout_s=timeout_s, group_prefix=f"raw-{kind}")
+            wire = asdict(spec)
+            await asyncio.gather(sender.raw_join.remote(wire, sizes),
+                                 *(s.join.remote(wire, spec.receiver_rank(f"sink{i}", 0)) for i, s in enumerate(gpu_sinks)))
+            joined[kind] = spec
+            say(f"{name} {kind}: raw floor, group joined")
+        else:
+            await sender.raw_sizes.remote(sizes)
         for variant in (["ipc", "ipc_cached"] if kind == "ipc" else [kind]):
             raw[variant] = []
             for v in range(repeats + 1):
@@ -554,20 +610,11 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
                     await asyncio.gather(sender.raw_send.remote(), *(s.receive.remote(sizes) for s in gpu_sinks))
                 if v:
                     raw[variant].append(time.perf_counter() - t)
+    return raw
 
-    say(f"{name}: raw floors done; round trips")
-    floors = await actors[0].round_trips.remote()
-    pings = []
-    for _ in range(20):
-        t = time.perf_counter()
-        await actors[0].ping.remote()
-        pings.append(time.perf_counter() - t)
-    floors["ray_actor_call"] = statistics.median(pings)
-    if sender is not None:
-        floors.update(await sender.device_floors.remote(int(sum(t.numel() * t.element_size() for t in same.values()))))
-    ray.get([a.shutdown.remote() for a in actors])
-    for a in actors + sinks + gpu_sinks + ([sender] if sender is not None else []):
-        ray.kill(a)
+
+def _rows(name, runs, raw, collective, params, why_not, verify, staging, sender_arena, replicas, gpus, bucket_mb,
+          repeats) -> list[dict]:
     med = lambda xs: statistics.median(xs)  # noqa: E731
     out = []
     for kind, (push, tails, metrics) in runs.items():
@@ -602,7 +649,6 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
             "raw_seconds": med(floor), "raw_gbps": nbytes / med(floor) / 1e9, "push_over_raw": med(push) / med(floor),
             "paused_over_raw": breakdown["paused"] / med(floor),
             "breakdown_seconds": breakdown,
-            "round_trip_seconds": floors,  # medians of the calls a push is made of
         }
         if kind == "ipc":
             cached = med(raw["ipc_cached"])
@@ -619,7 +665,8 @@ def main() -> None:
     ap.add_argument("--models", default="demo,random50m", help="comma list of: demo, random50m, random500m, random1500m, or HF model directories")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--bucket-mb", default="64",
+                    help="bucket size in MiB, or a comma list measured in turn on the same engines (e.g. 64,256)")
     ap.add_argument("--transports", default="object_store,shm", help=f"comma list of: {', '.join(TRANSPORTS)}")
     ap.add_argument("--verify", default="full", choices=["full", "sampled", "checksum", "off"])
     ap.add_argument("--gpus", type=float, default=0.0,
@@ -637,6 +684,12 @@ def main() -> None:
     unknown = set(args.transports.split(",")) - set(TRANSPORTS)
     if unknown:
         ap.error(f"--transports: unknown {sorted(unknown)}; choose from {', '.join(TRANSPORTS)}")
+    try:
+        sizes = [float(x) for x in args.bucket_mb.split(",")]
+    except ValueError:
+        ap.error(f"--bucket-mb: sizes in MiB separated by commas, got {args.bucket_mb!r}")
+    if not sizes or min(sizes) <= 0:
+        ap.error(f"--bucket-mb: every size must be > 0 MiB, got {args.bucket_mb!r}")
     if args.timeout_s <= 0:
         ap.error(f"--timeout-s must be > 0 (each push's deadline in seconds), got {args.timeout_s}")
     if "nccl" in args.transports.split(",") and args.gpus <= 0:
@@ -670,7 +723,7 @@ def main() -> None:
                     path = Path(name)
                 else:
                     raise SystemExit(f"unknown model {name!r}: demo, random50m, random500m, random1500m or an HF directory")
-                rows = asyncio.run(bench_model(name, path, args.replicas, args.repeats, args.bucket_mb,
+                rows = asyncio.run(bench_model(name, path, args.replicas, args.repeats, sizes,
                                                args.transports.split(","), args.verify, args.gpus, args.apply, args.staging,
                                                args.dtype, args.sender_arena, args.timeout_s))
                 for row in rows:

@@ -41,3 +41,19 @@ def test_the_timeline_splits_pushes_and_folds_the_buckets(tmp_path, timeline):
     assert first["wrk.landed.last(1)"] == pytest.approx(12.0) and first["wrk.staged.last(1)"] == pytest.approx(15.0)
     assert first["wrk.bucket_host_ms.max"] == pytest.approx(3.0) and first["wrk.bucket_host_ms.sum"] == pytest.approx(4.0)
     assert rows[1]["pub.live"] == pytest.approx(20.0) and rows[1]["wrk.landed.last(0)"] == pytest.approx(5.0)
+
+
+def test_grouped_timelines_take_one_median_per_group_after_its_warm_up(tmp_path, timeline, monkeypatch, capsys):
+    # two bucket sizes of a bench, each a warm-up and two timed pushes: live at 90, 10, 12 ms, then 80, 20, 24 ms
+    lives = [90, 10, 12, 80, 20, 24]
+    (tmp_path / "trace_1.txt").write_text("".join(f"{100 * i}.000 pub.attempt\n{100 * i}.{ms:03d} pub.live\n"
+                                                  for i, ms in enumerate(lives, start=1)))
+    out = tmp_path / "t.json"
+    monkeypatch.setattr("sys.argv", ["push_timeline", str(tmp_path), "--group", "3", "--json", str(out)])
+    timeline.main()
+    import json
+
+    medians = json.loads(out.read_text())["median"]
+    assert [m["pub.live"] for m in medians] == [pytest.approx(11.0), pytest.approx(22.0)]
+    assert "median of pushes 1-2" in capsys.readouterr().out
+    assert timeline.medians([{"a": 5.0}], skip=1) == {"a": 5.0}  # nothing after the warm-up: the one push
