@@ -27,6 +27,9 @@ class EngineDriver(Protocol):
     name: str  # "vllm", ...
     vocab_size: int
     stamps_versions: bool  # the engine labels every token with the weight version that made it
+    # `pause`'s request is on the engine's one ordered input channel once its coroutine has run a step: a
+    # call (`worker_call`) started after that reaches the engine after it (engine_update overlaps the two)
+    pause_ordered: bool
 
     # ---- generation ----------------------------------------------------------------------
     def prepare(self, sampling: SamplingParams, *, stream: bool) -> Any:

@@ -137,20 +137,18 @@ class WeightUpdates:
         # applied before both are done). The engine runs no step during the receive anyway: the
         # workers receive inside vLLM's utility call, between steps. Buckets that land one after
         # another (a broadcast) in the engine layout are applied as they land instead, the copy
-        # beside the wire: then the pause comes first (no step may run on them before the check),
-        # the ledger's counts are read in the receive before any weight changes, and a check
+        # beside the wire: then the pause goes out first (no step may run on them before the check;
+        # the receive follows at once when no request is in the engine, else after the pause's reply:
+        # `_pause_before_receive`), the ledger's counts are read in the receive before any weight changes, and a check
         # that fails at the end is a failed apply (restored from the last live version, paused).
-        pausing, paused_at = None, None
+        pausing, paused_at, overlapped = None, None, False
         early = (named_tensors.stream and self._staging.layout == "engine" and self._staging.staging == "full"
                  and "weights" not in self._asleep)
         if early:
             # (not running: asleep but for its weights, or paused by a caller: no step can run anyway)
             if self.state is ReplicaState.READY and self._may_run():
                 paused_at = time.perf_counter()
-                pausing = asyncio.ensure_future(self._pause_engine("keep"))
-                await asyncio.wait([pausing])
-                await self._paused_for_commit(pausing)
-                trace.mark("rep.paused")
+                pausing, overlapped = await self._pause_before_receive()
             loads: Any = self._load(named_tensors, early=self._versions.counts_query, applying=True)
         elif self.state is ReplicaState.READY and self._may_run():
             receiving = asyncio.ensure_future(self._load(named_tensors))
@@ -168,7 +166,7 @@ class WeightUpdates:
                 if pausing is not None:  # paused (or failed to) before anything else happens
                     await asyncio.wait([pausing])
             if pausing is not None:
-                await self._paused_for_commit(pausing)
+                await self._paused_for_commit(pausing, applied=overlapped)
                 self._paused_mode = "keep"  # held until the apply succeeded
             try:
                 fingerprint = self._staging.sender_fingerprint()
@@ -189,13 +187,35 @@ class WeightUpdates:
                 await self._undo_pause(pausing)
             raise
 
-    async def _paused_for_commit(self, pausing: asyncio.Future) -> None:
+    async def _pause_before_receive(self) -> tuple[asyncio.Future, bool]:
+        """Pause the engine ahead of a receive that applies as it lands; returns (the pause, whether
+        the receive may go out before the pause's reply). With no request in the engine, a pause that
+        reached it ahead of the receive (the driver's `pause_ordered` channel) leaves no step between
+        them: the receive goes out at once and the pause's round trip runs beside the wire (it is awaited,
+        and checked, before anything is committed). A request in flight may be in a step the pause waits
+        for, and the ledger's counts must be read after that step: then the receive waits for the pause."""
+        pausing = asyncio.ensure_future(self._pause_engine("keep"))
+        pausing.add_done_callback(lambda _: trace.mark("rep.paused"))
+        await asyncio.sleep(0)  # the pause's first step: its request goes out
+        overlapped = bool(getattr(self.engine, "pause_ordered", False)) and not pausing.done() \
+            and self.engine.unfinished_requests() == 0
+        if not overlapped:
+            await asyncio.wait([pausing])
+            await self._paused_for_commit(pausing)
+        return pausing, overlapped
+
+    async def _paused_for_commit(self, pausing: asyncio.Future, applied: bool = False) -> None:
         """Unless the (finished) `pausing` paused the engine, drop the staged version (it takes no
-        apply) and raise."""
+        apply) and raise; `applied`: the receive beside the pause applied what it received (the error
+        then says so: the replica is restored from the last live version)."""
         if pausing.cancelled() or pausing.exception() is not None:
             await self._drop_staged()
-            raise WeightUpdateError(f"replica {self.replica_id}: the engine did not pause for the commit: "
-                                    f"{pausing.exception() if not pausing.cancelled() else 'cancelled'}")
+            why = pausing.exception() if not pausing.cancelled() else "cancelled"
+            if applied:
+                self.counters["updates_failed"] += 1
+                raise WeightUpdateError(f"replica {self.replica_id}: the engine did not pause for the commit after "
+                                        f"the receive applied it (possibly part applied): {why}", applying=True)
+            raise WeightUpdateError(f"replica {self.replica_id}: the engine did not pause for the commit: {why}")
 
     async def _load(self, payload: Any, early: Any = False, applying: bool = False) -> int:
         """Stage `payload` for the version being staged; returns the tensors staged so far.

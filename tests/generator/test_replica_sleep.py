@@ -139,3 +139,73 @@ def test_bad_sleep_and_wake_arguments_are_refused():
         run(r.wake_up(["gpu"]))
     with pytest.raises(ValueError, match="wake_up tags must be a non-empty subset"):
         run(r.wake_up([]))
+
+
+class CoreEngine(Engine):
+    """The stand-in with an engine core whose pause answers only when `release` is set (vLLM's
+    utility round trip), and a frontend that holds `unfinished` requests."""
+
+    def __init__(self, log: list, unfinished: int = 0, fail: bool = False) -> None:
+        super().__init__(log)
+        self.release = asyncio.Event()
+        outer, self.unfinished = self, unfinished
+
+        class Core:
+            async def pause_scheduler_async(self, *, mode: str, clear_cache: bool) -> None:
+                log.append(("pause_sent", mode, clear_cache))  # on the input socket before the first suspension
+                await outer.release.wait()
+                if fail:
+                    raise RuntimeError("engine core died")
+                log.append(("paused",))
+
+        class Frontend:
+            def get_num_unfinished_requests(self) -> int:
+                return outer.unfinished
+
+        self.engine_core, self.output_processor = Core(), Frontend()
+
+
+@pytest.mark.parametrize("unfinished", [0, 2])
+def test_a_receive_that_applies_as_it_lands_goes_out_beside_the_pause_only_when_no_request_is_in_the_engine(unfinished):
+    log: list = []
+    r = replica(log)
+    r.engine = VllmDriver(CoreEngine(log, unfinished=unfinished))
+
+    async def scenario():
+        deciding = asyncio.ensure_future(r._pause_before_receive())
+        await asyncio.sleep(0.05)
+        if unfinished:  # a request in flight: the receive waits for the pause's reply
+            assert not deciding.done() and log == [("pause_sent", "keep", True)]
+            r.engine.llm.release.set()
+            pausing, overlapped = await deciding
+            assert not overlapped and pausing.done() and log[-1] == ("paused",)
+        else:  # the pause's request went out first; the receive need not wait for its reply
+            assert deciding.done()
+            pausing, overlapped = deciding.result()
+            assert overlapped and not pausing.done() and log == [("pause_sent", "keep", True)]
+            r.engine.llm.release.set()
+            await pausing
+            await r._paused_for_commit(pausing, applied=True)  # a pause that succeeded: nothing to raise
+
+    run(scenario())
+
+
+def test_a_pause_that_fails_after_the_receive_beside_it_applied_is_a_failed_apply():
+    log: list = []
+    r = replica(log)
+    r.engine = VllmDriver(CoreEngine(log, fail=True))
+
+    async def scenario():
+        pausing, overlapped = await r._pause_before_receive()
+        assert overlapped
+        r.engine.llm.release.set()
+        await asyncio.wait([pausing])
+        with pytest.raises(WeightUpdateError) as err:
+            await r._paused_for_commit(pausing, applied=True)
+        assert err.value.applying and "possibly part applied" in str(err.value)  # the publisher restores it
+        with pytest.raises(WeightUpdateError) as err:
+            await r._paused_for_commit(pausing)  # nothing applied yet: a plain refusal
+        assert not err.value.applying
+
+    run(scenario())
+    assert r.counters["updates_failed"] == 1
