@@ -320,6 +320,8 @@ sglang-install)
         || { echo "sglang: install failed:"; grep -v WARNING $OUT/sgl_install.log | tail -5 | cut -c1-400; exit 1; }
   fi
   [ -f $MODEL/config.json ] || python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $MODEL > $OUT/make_model.log 2>&1
+  # SGL_SMOKE=0: no smoke run (benchmarks/sglang/probe.py, run next, starts the engine itself)
+  [ "${SGL_SMOKE:-1}" = 0 ] && exit 0
   PYTHONPATH=/tmp/site-sglang:/tmp/site:$PWD timeout ${SGL_TIMEOUT:-300} python3 - $MODEL > $OUT/sgl_smoke.log 2>&1 <<'PY'
 import sys
 import time
