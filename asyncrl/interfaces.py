@@ -63,6 +63,10 @@ class EngineAPI(Protocol):
 
     async def collective_info(self) -> dict[str, Any]: ...
 
+    async def push_channel(self) -> dict[str, Any]:
+        """Where this replica takes a push's load directly, off Ray and Serve (host, port, token:
+        weightsync/push_channel.py); the channel starts at the first ask."""
+
     async def join_collective(self, specs: list[dict[str, Any]], timeout_s: float = 120.0) -> dict[str, Any]: ...
 
     async def leave_collective(self) -> dict[str, Any]: ...

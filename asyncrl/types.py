@@ -228,3 +228,27 @@ def refusal_of(err: BaseException) -> Refusal | None:
         if hasattr(e, "refusal"):
             return e.refusal if isinstance(e.refusal, Refusal) else None
     return None
+
+
+class ReplicaControlError(RuntimeError):
+    """At least one replica failed a control call; `failures` maps replica id -> message, `refusals`
+    replica id -> `Refusal` for those that refused a weight-update step."""
+
+    def __init__(self, method: str, failures: dict[str, str], results: dict[str, Any],
+                 refusals: dict[str, Refusal] | None = None, applying: set[str] | None = None) -> None:
+        detail = "; ".join(f"{rid}: {msg}" for rid, msg in sorted(failures.items()))
+        super().__init__(f"{method} failed on {len(failures)} replica(s): {detail}")
+        self.method, self.failures, self.results = method, failures, results
+        self.refusals = dict(refusals or {})
+        self.failed_applying = set(applying or ())  # replica ids that failed while applying (part applied, paused)
+
+    @property
+    def applying(self) -> bool:
+        """Some replica failed while applying weights."""
+        return bool(self.failed_applying)
+
+    @property
+    def refusal(self) -> Refusal | None:
+        """The refusal every failed replica gave, if they all gave the same one (else None)."""
+        kinds = {self.refusals.get(rid) for rid in self.failures}
+        return kinds.pop() if len(kinds) == 1 else None

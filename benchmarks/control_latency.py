@@ -20,19 +20,19 @@ import time
 from pathlib import Path
 
 
+class Pinged:
+    """A replica that answers at once."""
+
+    async def ping(self, x=None):
+        return {"replica_id": "r", "x": x}
+
+
 async def run(calls: int, warmup: int) -> dict:
     import ray
     from ray import serve
 
-    @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0.1})
-    class Replica:
-        async def ping(self, x=None):
-            return {"replica_id": "r", "x": x}
-
-    @ray.remote(num_cpus=0.1)
-    class Actor:
-        async def ping(self, x=None):
-            return {"replica_id": "r", "x": x}
+    Replica = serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0.1})(Pinged)
+    Actor = ray.remote(num_cpus=0.1)(Pinged)
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -40,7 +40,7 @@ async def run(calls: int, warmup: int) -> dict:
         handle = serve.run(Replica.bind(), name="control-latency", route_prefix=None)
         actor = Actor.remote()
         kinds = {"actor_call": lambda: actor.ping.remote(1), "serve_call": lambda: handle.ping.remote(1),
-                 "serve_broadcast": lambda: handle.broadcast("ping", 1).results_async(timeout_s=30)}
+                 "serve_broadcast": lambda: handle.broadcast(Pinged.ping.__name__, 1).results_async(timeout_s=30)}
         row: dict = {"machine": platform.node(), "calls": calls, "warmup": warmup}
         for name, call in kinds.items():
             times = []

@@ -109,6 +109,9 @@ class EngineActor:
     async def abort_update(self):
         return await self.replica.abort_update()
 
+    async def push_channel(self):
+        return await self.replica.push_channel()
+
     async def ping(self) -> None:
         return None
 
@@ -416,7 +419,7 @@ def _engine_dtypes(plan, base):
 async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket_mbs: list[float],
                       transports: list[str], verify: str, gpus: float, apply: str = "auto",
                       staging: str = "full", dtype: str = "float32", sender_arena: str = "auto",
-                      timeout_s: float = 120.0) -> list[dict]:
+                      timeout_s: float = 120.0, push_channel: str = "on") -> list[dict]:
     """Rows for every transport at every bucket size in `bucket_mbs`, each size measured in turn on
     the same engines and sender (its plan formed again; the raw floor in buckets of its sizes)."""
     import pickle
@@ -453,12 +456,17 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
         if sender is not None:
             await sender.set_plan.remote(pickle.dumps(plan) if plan is not None else None)
             say(f"{name}: {bucket_mb:g} MiB buckets, plan {'none' if plan is None else f'{len(plan.buckets)} buckets'}")
-        runs, version = await _pushes(name, transports, collective, actors, clients, sender, base, plan, bucket_mb,
-                                      repeats, verify, staging, timeout_s, gpus, version, links)
+        by_mode = {}
+        for channel in ([False, True] if push_channel == "both" else [push_channel == "on"]):
+            by_mode[channel], version = await _pushes(name, transports, collective, actors, clients, sender, base, plan,
+                                                      bucket_mb, repeats, verify, staging, timeout_s, gpus, version,
+                                                      links, channel)
         raw = await _raw_floors(name, transports, collective, sender, sinks, gpu_sinks, joined, plan, same, bucket_mb,
                                 repeats, timeout_s)
-        out += _rows(name, runs, raw, collective, params, why_not, verify, staging, sender_arena, replicas, gpus,
-                     bucket_mb, repeats)
+        for channel, runs in by_mode.items():
+            out += [{**row, "push_channel": channel and row["transport"] in collective}
+                    for row in _rows(name, runs, raw, collective, params, why_not, verify, staging, sender_arena, replicas,
+                                     gpus, bucket_mb, repeats)]
     say(f"{name}: raw floors done; round trips")
     floors = await actors[0].round_trips.remote()
     pings = []
@@ -478,7 +486,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
 
 
 async def _pushes(name, transports, collective, actors, clients, sender, base, plan, bucket_mb, repeats, verify,
-                  staging, timeout_s, gpus, version, links):
+                  staging, timeout_s, gpus, version, links, push_channel=True):
     """Every transport's pushes at one bucket size: {transport: (push seconds, host-copy tails, metrics)}."""
     from asyncrl.config import WeightsyncConfig
     from asyncrl.weightsync.collective import ipc_window_for
@@ -531,6 +539,12 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
                 push.append(live - t)
                 tails.append(time.perf_counter() - live)
                 metrics.append({**result.metrics, **tail})
+            elif link is not None and push_channel and any(c.channel is None for c in clients):
+                # as the service does once the groups are formed: the loads go over each replica's channel
+                await asyncio.gather(*(c.open_channel() for c in clients))
+            elif not push_channel:
+                for c in clients:
+                    c.close_channel()
         profile_dir = os.environ.get("ASYNCRL_PROFILE_DIR")
         if profile_dir and link is not None:  # one more push, profiled (sender, replica, this driver), not timed
             import cProfile
@@ -680,6 +694,10 @@ def main() -> None:
     ap.add_argument("--sender-arena", default="auto", choices=["auto", "whole", "ring"],
                     help="gloo / nccl, full staging with a plan: the sender packs the whole version in one arena, or "
                          "through a ring of reused bucket slots (a learner short of device memory), auto = whole where it fits")
+    ap.add_argument("--push-channel", default="on", choices=["on", "off", "both"],
+                    help="collective transports: each replica's load over its push channel (weightsync.push_channel, "
+                         "opened after the warm-up push, as the service opens it once the groups form), or through Ray; "
+                         "both: each bucket size's pushes through Ray, then over the channel, on the same engines (a row each)")
     args = ap.parse_args()
     unknown = set(args.transports.split(",")) - set(TRANSPORTS)
     if unknown:
@@ -725,7 +743,8 @@ def main() -> None:
                     raise SystemExit(f"unknown model {name!r}: demo, random50m, random500m, random1500m or an HF directory")
                 rows = asyncio.run(bench_model(name, path, args.replicas, args.repeats, sizes,
                                                args.transports.split(","), args.verify, args.gpus, args.apply, args.staging,
-                                               args.dtype, args.sender_arena, args.timeout_s))
+                                               args.dtype, args.sender_arena, args.timeout_s,
+                                               args.push_channel))
                 for row in rows:
                     print(json.dumps(row), flush=True)
     finally:

@@ -289,6 +289,11 @@ class WeightsyncConfig(_Section):
         "(its buckets' sizes, through one reused buffer on every member) over them; every push then reports "
         "weightsync/raw_seconds and its push_over_raw and paused_over_raw against that floor. Costs one such broadcast "
         "per group formation; other transports have no wire and ignore it.")
+    push_channel: bool = Field(
+        True, description="gloo / nccl / ipc: the push's load reaches each engine replica over a socket of its own "
+        "(opened once the groups are formed; asyncrl/weightsync/push_channel.py) instead of through Serve, which costs "
+        "milliseconds a call; false = always through Serve (e.g. where the learner's node may not open TCP "
+        "connections to the engines' nodes).")
     retries: int = Field(1, ge=0)
     recovery_s: float = Field(
         600.0, ge=0, description="A push that failed on the engine side (a replica died, is restarting) is tried again, "

@@ -21,31 +21,7 @@ from typing import Any
 
 from asyncrl.generator.deployment import ENGINE_DEPLOYMENT, ReplicaCallError
 from asyncrl.interfaces import ENGINE_BROADCAST_VERBS, EngineAPI, verb_name
-from asyncrl.types import Refusal
-
-
-class ReplicaControlError(RuntimeError):
-    """At least one replica failed a control call; `failures` maps replica id -> message, `refusals`
-    replica id -> `Refusal` for those that refused a weight-update step."""
-
-    def __init__(self, method: str, failures: dict[str, str], results: dict[str, Any],
-                 refusals: dict[str, Refusal] | None = None, applying: set[str] | None = None) -> None:
-        detail = "; ".join(f"{rid}: {msg}" for rid, msg in sorted(failures.items()))
-        super().__init__(f"{method} failed on {len(failures)} replica(s): {detail}")
-        self.method, self.failures, self.results = method, failures, results
-        self.refusals = dict(refusals or {})
-        self.failed_applying = set(applying or ())  # replica ids that failed while applying (part applied, paused)
-
-    @property
-    def applying(self) -> bool:
-        """Some replica failed while applying weights."""
-        return bool(self.failed_applying)
-
-    @property
-    def refusal(self) -> Refusal | None:
-        """The refusal every failed replica gave, if they all gave the same one (else None)."""
-        kinds = {self.refusals.get(rid) for rid in self.failures}
-        return kinds.pop() if len(kinds) == 1 else None
+from asyncrl.types import Refusal, ReplicaControlError  # noqa: F401 - ReplicaControlError: re-exported, what EngineControl raises
 
 
 def _replica_error(err: BaseException) -> ReplicaCallError | None:

@@ -161,6 +161,7 @@ class EngineReplica(WeightUpdates):
         return {"replica_id": self.replica_id, "version": self.version, "loaded": True, "layout": layout}
 
     def shutdown(self) -> None:
+        self.close_push_channel()
         if self.engine is not None:
             self.engine.shutdown()
         self.state = ReplicaState.STOPPED

@@ -33,6 +33,18 @@ from asyncrl.weightsync.replica_side import FingerprintMismatch
 logger = logging.getLogger(__name__)
 
 
+def _node_host() -> str:
+    """This node's address as Ray knows it (where other nodes reach it), else loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - not in a Ray worker: a local test
+        pass
+    return "127.0.0.1"
+
+
 def is_object_ref(value: Any) -> bool:
     import ray
 
@@ -248,6 +260,22 @@ class WeightUpdates:
                 await self._settle()
             except Exception as err:  # the load's own failure is the one reported
                 logger.warning("replica %s: resume after a failed load: %s", self.replica_id, err)
+
+    # ---- the push's direct channel (weightsync/push_channel.py) -------------------------------
+
+    async def push_channel(self) -> dict[str, Any]:
+        """The address of this replica's push channel: the publisher's load goes there instead of
+        through Ray or Serve (the same verb, run on this loop). Started at the first ask."""
+        from asyncrl.weightsync.push_channel import ChannelServer
+
+        if getattr(self, "_channel", None) is None:
+            self._channel = ChannelServer(self, ["load_bucket"])
+        return {"replica_id": self.replica_id, **await self._channel.address(_node_host())}
+
+    def close_push_channel(self) -> None:
+        channel, self._channel = getattr(self, "_channel", None), None
+        if channel is not None:
+            channel.close()
 
     # ---- collective transport groups (weightsync/collective.py) --------------------------------
 

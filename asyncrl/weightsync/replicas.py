@@ -1,8 +1,10 @@
 """The publisher's view of one engine replica: the update steps it calls, nothing else.
 
 Owns: the `ReplicaClient` protocol (the update verbs of `asyncrl.interfaces.EngineAPI`, the
-part of the engine's interface a push needs) and `ActorReplica`, the adapter for a Ray actor
-handle or a Serve replica handle that implements `EngineAPI`.
+part of the engine's interface a push needs), `ActorReplica`, the adapter for a Ray actor
+handle or a Serve replica handle that implements `EngineAPI`, and `DeploymentReplicas`, every
+running replica of the engine deployment as one client (the training loop's); both send a
+collective push's load over the replicas' push channels once open (push_channel.py).
 
 The contract weightsync relies on (generator side):
   pause(mode)                     stop scheduling; "keep" keeps in-flight requests' KV
@@ -37,11 +39,15 @@ Must never: retry, time out or order calls (push.py does all three).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.interfaces import EngineAPI, verb_name
 from asyncrl.types import Refusal, error_chain, failed_applying, refusal_of
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -71,6 +77,21 @@ class ActorReplica:
     def __init__(self, handle: Any, name: str) -> None:
         self.handle = handle
         self.name = name
+        self.channel: Any = None  # a push channel's client (push_channel.py): the collective load goes there
+
+    async def open_channel(self, timeout_s: float = 10.0) -> None:
+        """Ask the replica for its push channel and connect: a collective push's load then goes
+        over it instead of through Ray."""
+        from asyncrl.weightsync.push_channel import ChannelClient
+
+        address = await self._call(EngineAPI.push_channel)
+        self.close_channel()
+        self.channel = await ChannelClient.connect(address, self.name, timeout_s)
+
+    def close_channel(self) -> None:
+        channel, self.channel = self.channel, None
+        if channel is not None:
+            channel.close()
 
     async def _call(self, verb: Callable[..., Any], *args: Any) -> Any:
         return await getattr(self.handle, verb_name(EngineAPI, verb)).remote(*args)
@@ -83,6 +104,15 @@ class ActorReplica:
         return await self._call(EngineAPI.begin_update, version, verify, staging, layout, plan_id)
 
     async def load_bucket(self, payload: Any, version: int) -> Any:
+        channel = self.channel
+        if channel is not None and not channel.closed and is_collective_receive(payload):
+            from asyncrl.weightsync.push_channel import ChannelClosed
+
+            try:
+                return await channel.call(verb_name(EngineAPI, EngineAPI.load_bucket), payload, version)
+            except ChannelClosed:
+                self.channel = None  # (the next push goes through Ray until a channel is opened again)
+                raise
         # The payload goes as a top-level argument so Ray resolves an ObjectRef before the call.
         return await self._call(EngineAPI.load_bucket, payload, version)
 
@@ -97,6 +127,112 @@ class ActorReplica:
 
     def __repr__(self) -> str:
         return f"ActorReplica({self.name!r})"
+
+
+class DeploymentReplicas(ActorReplica):
+    """`ReplicaClient` for every running replica of the engine deployment, one broadcast per step
+    (the update steps are ActorReplica's; only how a call reaches the replicas differs).
+    `control` fans a verb out (`await control.call(EngineAPI.pause, *args, timeout_s=...)` ->
+    {replica id: result}: the generator's EngineControl)."""
+
+    def __init__(self, control: Any, timeout_s: float, name: str = "engines") -> None:
+        super().__init__(getattr(control, "handle", None), name)
+        self.control, self.timeout_s = control, timeout_s
+        self.last_results: dict[str, Any] = {}
+        self.channels: dict[str, Any] = {}  # replica id -> its push channel's client (push_channel.py)
+        self.channel_members: Callable[[], Any] | None = None  # the groups' members: loads go over channels only to exactly them
+        self.last_load_channel = False  # the last load went over the push channels (not through Serve)
+
+    async def open_channels(self, members: Any) -> None:
+        """Connect to the push channel of every running replica, for the next collective loads. They
+        are used while the replicas with a channel are exactly the groups' `channel_members()`; a
+        replica that does not answer, or a connection that fails, leaves loads going through Serve."""
+        from asyncrl.weightsync.push_channel import ChannelClient
+
+        self.close_channels()
+        answers = await self.control.call(EngineAPI.push_channel, timeout_s=self.timeout_s)
+        if set(answers) != set(members):
+            return  # the replicas changed since the groups formed: the next push forms them again first
+        clients = await asyncio.gather(*(ChannelClient.connect(a, rid, min(10.0, self.timeout_s))
+                                         for rid, a in answers.items()), return_exceptions=True)
+        opened = {rid: c for rid, c in zip(answers, clients) if not isinstance(c, BaseException)}
+        if len(opened) != len(answers):
+            for c in opened.values():
+                c.close()
+            bad = {rid: c for rid, c in zip(answers, clients) if isinstance(c, BaseException)}
+            log.warning("weightsync: no push channel to %s; loads go through Serve", {r: str(e) for r, e in bad.items()})
+            return
+        self.channels = opened
+
+    def close_channels(self) -> None:
+        channels, self.channels = self.channels, {}
+        for c in channels.values():
+            c.close()
+
+    def _channels_for_load(self, payload: Any) -> dict[str, Any] | None:
+        from asyncrl.weightsync.replicas import is_collective_receive
+
+        if not self.channels or not is_collective_receive(payload) or self.channel_members is None:
+            return None
+        if any(c.closed for c in self.channels.values()) or set(self.channels) != set(self.channel_members()):
+            self.close_channels()  # (opened again after the push, for the groups it forms)
+            return None
+        return self.channels
+
+    async def load_bucket(self, payload: Any, version: int) -> Any:
+        """A collective push's load over the replicas' push channels when they are exactly the groups'
+        members (else through Serve): {replica id: its answer}, or `ReplicaControlError` as a Serve
+        call raises it (failures, refusals, the replicas that failed while applying, the others' answers)."""
+        channels = self._channels_for_load(payload)
+        self.last_load_channel = channels is not None
+        if channels is None:
+            return await super().load_bucket(payload, version)
+        from asyncrl.types import ReplicaControlError, failed_applying, refusal_of
+        from asyncrl.weightsync.push_channel import ChannelClosed
+
+        method = verb_name(EngineAPI, EngineAPI.load_bucket)
+        outcomes = await asyncio.gather(*(c.call(method, payload, version) for c in channels.values()),
+                                        return_exceptions=True)
+        results: dict[str, Any] = {}
+        failures: dict[str, str] = {}
+        refusals: dict[str, Any] = {}
+        applying: set[str] = set()
+        for rid, out in zip(channels, outcomes):
+            if isinstance(out, BaseException):
+                if isinstance(out, ChannelClosed):
+                    self.close_channels()
+                failures[rid] = f"{type(out).__name__}: {out}"
+                if refusal_of(out) is not None:
+                    refusals[rid] = refusal_of(out)
+                if failed_applying(out):
+                    applying.add(rid)
+            else:
+                results[rid] = out
+        if failures:
+            raise ReplicaControlError(method, failures, results, refusals, applying)
+        self.last_results = results
+        return results
+
+    @property
+    def fanout(self) -> int:  # type: ignore[override]
+        """Engine replicas the last call reached (2 before any: not known to be one)."""
+        return len(self.last_results) if self.last_results else 2
+
+    async def _call(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
+        self.last_results = await self.control.call(verb, *args, timeout_s=self.timeout_s)
+        return self.last_results
+
+    async def broadcast(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
+        """`verb` on every running replica, {replica id: result}; `fanout` counts them from now on."""
+        return await self._call(verb, *args)
+
+
+def is_collective_receive(payload: Any) -> bool:
+    """A collective push's load (the payload names groups, no tensors or object refs): what a push
+    channel carries."""
+    from asyncrl.weightsync.collective import CollectiveReceive
+
+    return isinstance(payload, CollectiveReceive)
 
 
 def is_verify_failure(exc: BaseException) -> bool:

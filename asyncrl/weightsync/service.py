@@ -44,37 +44,12 @@ from asyncrl.interfaces import EngineAPI
 from asyncrl.types import Refusal, learner_failure
 from asyncrl.weightsync.push import Publisher, weight_store_hook
 from asyncrl.weightsync.registry import VersionRegistry
-from asyncrl.weightsync.replicas import ActorReplica
+from asyncrl.weightsync.replicas import DeploymentReplicas
 from asyncrl.weightsync.transport import select_transport
 
 log = logging.getLogger(__name__)
 
 REGISTRY_ACTOR = "asyncrl_weightsync"
-
-
-class DeploymentReplicas(ActorReplica):
-    """`ReplicaClient` for every running replica of the engine deployment, one broadcast per step
-    (the update steps are ActorReplica's; only how a call reaches the replicas differs).
-    `control` fans a verb out (`await control.call(EngineAPI.pause, *args, timeout_s=...)` ->
-    {replica id: result}: the generator's EngineControl)."""
-
-    def __init__(self, control: Any, timeout_s: float, name: str = "engines") -> None:
-        super().__init__(getattr(control, "handle", None), name)
-        self.control, self.timeout_s = control, timeout_s
-        self.last_results: dict[str, Any] = {}
-
-    @property
-    def fanout(self) -> int:  # type: ignore[override]
-        """Engine replicas the last call reached (2 before any: not known to be one)."""
-        return len(self.last_results) if self.last_results else 2
-
-    async def _call(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
-        self.last_results = await self.control.call(verb, *args, timeout_s=self.timeout_s)
-        return self.last_results
-
-    async def broadcast(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
-        """`verb` on every running replica, {replica id: result}; `fanout` counts them from now on."""
-        return await self._call(verb, *args)
 
 
 class WeightPublisher:
@@ -101,6 +76,7 @@ class WeightPublisher:
         self.link: CollectiveLink | None = None  # collective transports only
         self.recoveries_total = 0
         self._stopping = asyncio.Event()  # the run is stopping: a failed push is not pushed again
+        self._channels_failed_for: frozenset[str] | None = None  # the members push channels last failed to open for
 
     async def start(self, initial_version: int = 0) -> None:
         """Create (or attach to) the store and registry actors, and keep a host copy of the
@@ -151,6 +127,7 @@ class WeightPublisher:
                                                   timeout_s=self.cfg.timeout_s + 30.0)) if probe_wire else None,
                 probe_sizes=self.probe_sizes,
             )
+            self.replicas.channel_members = lambda: self.link.members if self.link is not None else {}
         # The seed (and, for collective transports, every host copy) lives in the object store.
         export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, _put_kind(transport), self.cfg.verify)
         from asyncrl.weightsync.bucket import iter_unpacked
@@ -303,6 +280,20 @@ class WeightPublisher:
                 await asyncio.wait_for(self._stopping.wait(), delay)
             delay = min(2 * delay, 10.0)
 
+    async def _refresh_channels(self) -> None:
+        """After a collective push: push channels to exactly the groups' members, for the next loads
+        (weightsync.push_channel); nothing to do while they already are."""
+        if not self.cfg.push_channel or self.link is None or not self.link.members:
+            return
+        members = frozenset(self.link.members)
+        if (self.replicas.channels and set(self.replicas.channels) == members) or members == self._channels_failed_for:
+            return  # (channels that failed for these members are tried again once the members change)
+        try:
+            await self.replicas.open_channels(list(members))
+        except Exception as err:  # noqa: BLE001 - the loads go through Serve meanwhile
+            log.warning("weightsync: push channels not opened (%s); loads go through Serve", err)
+        self._channels_failed_for = None if self.replicas.channels else members
+
     async def _publish_once(self, version: int) -> dict[str, float]:
         plan_id = None if self.plan is None else self.plan.plan_id
         if self.link is not None:
@@ -310,6 +301,7 @@ class WeightPublisher:
                 version, self.link.send, self.link.payload, [self.replicas], prepare=self.link.ensure, plan_id=plan_id,
                 fold_begin=self.link.fold_begin, cancel=self.link.cancel)
             self.link.pushed(self.replicas.last_results)
+            await self._refresh_channels()
         else:
             export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, self.transport.name, self.cfg.verify,
                                                                  "hf" if plan_id is None else "engine")
@@ -317,6 +309,8 @@ class WeightPublisher:
             result.metrics.update({f"weightsync/sender/{k}_seconds": v for k, v in export.seconds.items()})
         metrics = dict(result.metrics)
         metrics["weightsync/engine_replicas"] = float(len(self.replicas.last_results))
+        if self.link is not None:  # 1: the load reached the replicas over their push channels, 0: through Serve
+            metrics["weightsync/push_channel"] = float(self.replicas.last_load_channel)
         raw = self.link.raw if self.link is not None else None
         if raw is not None and metrics.get("weightsync/bytes") and not result.metrics.get("weightsync/failed"):
             floor = raw[0] * float(metrics["weightsync/bytes"]) / raw[1]  # the probe's wire time, scaled to these bytes

@@ -203,6 +203,8 @@ def test_grpo_trains_and_publishes_while_the_api_answers(run_a):
     # ... and, where it applies engine-layout buckets directly, it copies each in as it lands, paused first
     assert all(m["weightsync/applied_as_received"] == m["weightsync/apply_direct"] for m in metrics)
     assert metrics[-1]["weightsync/group_checks_skipped"] >= 1
+    # the first push formed the groups (its load through Serve); the replica's push channel carried the others
+    assert [m["weightsync/push_channel"] for m in metrics] == [0.0, 1.0, 1.0]
     assert all(math.isfinite(m["actor/loss"]) for m in metrics)
     # The learner's tokens per step (behind MFU): every batch's responses, plus their prompts.
     assert all(0 < m["train/response_tokens"] < m["train/tokens"] for m in metrics)
@@ -277,8 +279,9 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
     rewarded per turn, drives the live OpenAI API through the gateway, one episode per group member;
     every episode is one sample, its follow-up question inside the response and out of the loss, and
     the learner trains on them with the buffer's accounting intact. Weights go over ipc (the CPU form:
-    shared files), so the one engine replica takes each push in one call through Serve: it begins,
-    receives, checks the sender's fingerprint and commits in its load."""
+    shared files), so the one engine replica takes each push in one call: it begins, receives, checks
+    the sender's fingerprint and commits in its load (the first through Serve, the second over the
+    replica's push channel, opened once the groups were formed)."""
     seen = _run(ray_session, demo_model_path, tmp_path,
                 trainer={"total_steps": 2, "eval_interval_steps": 0}, checkpoint={"interval_steps": 0},
                 rollout={"kind": "agent", "function": "asyncrl.agents.arithmetic:two_step_per_turn"},
@@ -297,6 +300,7 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
                and m["weightsync/commit_in_load"] == 1.0 and m["weightsync/apply_direct"] == 1.0 for m in metrics)
     # the first push formed the groups; the second, after a clean push, went without asking first
     assert [m["weightsync/group_checks_skipped"] for m in metrics] == [0.0, 1.0]
+    assert [m["weightsync/push_channel"] for m in metrics] == [0.0, 1.0]
     # the agent returns one reward per turn (the same return as two_step): they reach the advantages
     assert all(0.0 <= m["train/turn_reward_sum_mean"] <= 1.0 for m in metrics)
     last = metrics[-1]
@@ -399,6 +403,8 @@ def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_sess
     # 2 cores), never for a push's 600 s deadline (a sender left waiting for the dead worker).
     assert max(m["time/sync_s"] for m in metrics) < 300, [round(m["time/sync_s"], 1) for m in metrics]
     assert metrics[-1]["weightsync/group_checks_skipped"] >= total // 2  # (the pushes around the fault ask)
+    # the replacement's push channel was opened once the groups were formed with it: the last loads went over it
+    assert metrics[-1]["weightsync/push_channel"] == 1.0
     assert seen["left_after_shutdown"] == [], seen["left_after_shutdown"]
 
 

@@ -1,0 +1,154 @@
+"""The push channel (asyncrl/weightsync/push_channel.py) and its use by the service's replica client:
+a call runs on the replica's loop and its result or exception comes back; a wrong token, an unserved
+verb or a lost connection fail at once; the training loop's loads go over the channels only while the
+replicas with one are exactly the groups' members, and fail as a Serve broadcast would."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncrl.types import ReplicaControlError
+from asyncrl.generator.replica_types import WeightUpdateError
+from asyncrl.types import Refusal
+from asyncrl.weightsync.collective import CollectiveReceive
+from asyncrl.weightsync.push_channel import ChannelClient, ChannelClosed, ChannelServer
+from asyncrl.weightsync.replicas import DeploymentReplicas
+
+
+class Replica:
+    """Stands in for an engine replica's `load_bucket` (its loop is the test's)."""
+
+    def __init__(self, rid: str, refuse: Refusal | None = None, applying: bool = False) -> None:
+        self.rid, self.refuse, self.applying = rid, refuse, applying
+        self.calls: list = []
+        self.release = asyncio.Event()
+        self.release.set()
+
+    async def load_bucket(self, payload, version):
+        self.calls.append((payload, version))
+        await self.release.wait()
+        if self.refuse is not None or self.applying:
+            raise WeightUpdateError(f"replica {self.rid}: no", self.refuse, applying=self.applying)
+        return {"replica_id": self.rid, "version": version}
+
+    async def secret(self):
+        return "must not be served"
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_a_call_runs_on_the_replica_and_its_result_or_exception_comes_back():
+    async def scenario():
+        slow, fast = Replica("slow"), Replica("fast")
+        slow.release.clear()
+        servers = [ChannelServer(slow, ["load_bucket"]), ChannelServer(fast, ["load_bucket"])]
+        a, b = [await ChannelClient.connect(await s.address("127.0.0.1")) for s in servers]
+        pending = asyncio.ensure_future(a.call("load_bucket", "p", 3))
+        second = asyncio.ensure_future(a.call("load_bucket", "q", 4))  # two in flight on one connection
+        assert await b.call("load_bucket", "r", 5) == {"replica_id": "fast", "version": 5}
+        slow.release.set()
+        assert await pending == {"replica_id": "slow", "version": 3}
+        assert await second == {"replica_id": "slow", "version": 4}
+        assert slow.calls == [("p", 3), ("q", 4)]
+        refusing = Replica("x", Refusal.PLAN_MISSING)
+        c = await ChannelClient.connect(await ChannelServer(refusing, ["load_bucket"]).address("127.0.0.1"))
+        with pytest.raises(WeightUpdateError) as err:
+            await c.call("load_bucket", "p", 1)
+        assert err.value.refusal is Refusal.PLAN_MISSING  # typed, as across Ray
+        with pytest.raises(ValueError, match="not served here"):
+            await a.call("secret")
+        assert not a.closed  # a refused verb leaves the connection usable
+        for client in (a, b, c):
+            client.close()
+        for s in servers:
+            s.close()
+
+    run(scenario())
+
+
+def test_a_wrong_token_or_a_lost_connection_fails_every_call_at_once():
+    async def scenario():
+        replica = Replica("r")
+        server = ChannelServer(replica, ["load_bucket"])
+        address = await server.address("127.0.0.1")
+        stranger = await ChannelClient.connect({**address, "token": "0" * 32})
+        with pytest.raises(ChannelClosed):
+            await stranger.call("load_bucket", "p", 1)
+        assert replica.calls == []  # nothing read past the wrong token
+        client = await ChannelClient.connect(address)
+        replica.release.clear()
+        waiting = asyncio.ensure_future(client.call("load_bucket", "p", 2))
+        await asyncio.sleep(0.1)
+        server.close()  # the replica goes away mid-call
+        with pytest.raises(ChannelClosed):
+            await waiting
+        assert client.closed
+        with pytest.raises(ChannelClosed):
+            await client.call("load_bucket", "p", 3)
+        replica.release.set()
+
+    run(scenario())
+
+
+class Control:
+    """The generator's EngineControl: answers `push_channel` with each replica's address and records
+    what goes through Serve."""
+
+    def __init__(self, replicas: dict[str, Replica]) -> None:
+        self.servers = {rid: ChannelServer(r, ["load_bucket"]) for rid, r in replicas.items()}
+        self.replicas = replicas
+        self.calls: list[str] = []
+
+    async def call(self, verb, *args, timeout_s=None):
+        self.calls.append(verb.__name__)
+        if verb.__name__ == "push_channel":
+            return {rid: {"replica_id": rid, **await s.address("127.0.0.1")} for rid, s in self.servers.items()}
+        outcomes = await asyncio.gather(*(getattr(r, verb.__name__)(*args) for r in self.replicas.values()),
+                                        return_exceptions=True)
+        failures = {rid: str(o) for rid, o in zip(self.replicas, outcomes) if isinstance(o, BaseException)}
+        results = {rid: o for rid, o in zip(self.replicas, outcomes) if not isinstance(o, BaseException)}
+        if failures:
+            raise ReplicaControlError(verb.__name__, failures, results)
+        return results
+
+
+def test_the_loops_loads_go_over_the_channels_while_they_reach_exactly_the_groups_members():
+    async def scenario():
+        replicas = {"a": Replica("a"), "b": Replica("b", applying=True)}
+        control = Control(replicas)
+        members = {"a": 1, "b": 1}
+        client = DeploymentReplicas(control, 30.0)
+        client.channel_members = lambda: members
+        payload = CollectiveReceive(("g",), 7, commit=True, stream=True)
+        with pytest.raises(ReplicaControlError):  # no channels yet: through Serve
+            await client.load_bucket(payload, 7)
+        assert control.calls == ["load_bucket"] and not client.last_load_channel
+        await client.open_channels(list(members))
+        assert set(client.channels) == {"a", "b"}
+        with pytest.raises(ReplicaControlError) as err:  # b fails while applying: reported as Serve reports it
+            await client.load_bucket(payload, 7)
+        assert client.last_load_channel and control.calls == ["load_bucket", "push_channel"]
+        assert err.value.results == {"a": {"replica_id": "a", "version": 7}} and err.value.failed_applying == {"b"}
+        replicas["b"].applying = False
+        assert await client.load_bucket(payload, 8) == {"a": {"replica_id": "a", "version": 8},
+                                                          "b": {"replica_id": "b", "version": 8}}
+        assert client.last_results == {"a": {"replica_id": "a", "version": 8}, "b": {"replica_id": "b", "version": 8}}
+        assert control.calls == ["load_bucket", "push_channel"]  # nothing more through Serve
+        assert await client.load_bucket("not a collective payload", 9) and control.calls[-1] == "load_bucket"
+        members["c"] = 1  # the groups were formed again with a new replica: through Serve, channels dropped
+        await client.load_bucket(payload, 10)
+        assert not client.last_load_channel and client.channels == {} and control.calls[-1] == "load_bucket"
+        del members["c"]
+        await client.open_channels(list(members))
+        control.servers["b"].close()  # a replica died: its load fails at once, and the channels are dropped
+        with pytest.raises(ReplicaControlError, match="ChannelClosed"):
+            await client.load_bucket(payload, 11)
+        assert client.channels == {}
+        await client.open_channels(["a"])  # the running replicas are not the groups' members: none opened
+        assert client.channels == {}
+
+    run(scenario())
