@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import hmac
 import itertools
+import logging
 import pickle
 import secrets
 import struct
@@ -58,14 +59,18 @@ class ChannelServer:
         self._token = secrets.token_hex(16)
         self._address: dict[str, Any] | None = None
         self._connections: set[asyncio.StreamWriter] = set()
+        self._starting: asyncio.Lock | None = None
 
     async def address(self, host: str) -> dict[str, Any]:
         """{host, port, token}; the server starts (on the running loop) at the first call."""
-        if self._address is None:
-            self._server = await asyncio.start_server(self._serve, host=host, port=0)
-            port = self._server.sockets[0].getsockname()[1]
-            self._address = {"host": host, "port": int(port), "token": self._token}
-        return dict(self._address)
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:  # (two first asks start one server)
+            if self._address is None:
+                self._server = await asyncio.start_server(self._serve, host=host, port=0)
+                port = self._server.sockets[0].getsockname()[1]
+                self._address = {"host": host, "port": int(port), "token": self._token}
+            return dict(self._address)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._connections.add(writer)
@@ -80,8 +85,10 @@ class ChannelServer:
                 task = asyncio.ensure_future(self._run(call_id, verb, args, writer, write_lock))
                 running.add(task)
                 task.add_done_callback(running.discard)
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+        except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away (its calls already running finish; their replies have nowhere to go)
+        except Exception as err:  # noqa: BLE001 - a malformed frame: that connection ends, the server stays
+            logging.getLogger(__name__).warning("push channel: connection dropped: %s: %s", type(err).__name__, err)
         finally:
             self._connections.discard(writer)
             writer.close()

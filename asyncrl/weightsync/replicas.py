@@ -170,8 +170,6 @@ class DeploymentReplicas(ActorReplica):
             c.close()
 
     def _channels_for_load(self, payload: Any) -> dict[str, Any] | None:
-        from asyncrl.weightsync.replicas import is_collective_receive
-
         if not self.channels or not is_collective_receive(payload) or self.channel_members is None:
             return None
         if any(c.closed for c in self.channels.values()) or set(self.channels) != set(self.channel_members()):
@@ -187,7 +185,7 @@ class DeploymentReplicas(ActorReplica):
         self.last_load_channel = channels is not None
         if channels is None:
             return await super().load_bucket(payload, version)
-        from asyncrl.types import ReplicaControlError, failed_applying, refusal_of
+        from asyncrl.types import ReplicaControlError
         from asyncrl.weightsync.push_channel import ChannelClosed
 
         method = verb_name(EngineAPI, EngineAPI.load_bucket)
@@ -202,8 +200,9 @@ class DeploymentReplicas(ActorReplica):
                 if isinstance(out, ChannelClosed):
                     self.close_channels()
                 failures[rid] = f"{type(out).__name__}: {out}"
-                if refusal_of(out) is not None:
-                    refusals[rid] = refusal_of(out)
+                refusal = refusal_of(out)
+                if refusal is not None:
+                    refusals[rid] = refusal
                 if failed_applying(out):
                     applying.add(rid)
             else:

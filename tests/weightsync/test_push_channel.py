@@ -13,7 +13,7 @@ from asyncrl.types import ReplicaControlError
 from asyncrl.generator.replica_types import WeightUpdateError
 from asyncrl.types import Refusal
 from asyncrl.weightsync.collective import CollectiveReceive
-from asyncrl.weightsync.push_channel import ChannelClient, ChannelClosed, ChannelServer
+from asyncrl.weightsync.push_channel import ChannelClient, ChannelClosed, ChannelServer, _frame
 from asyncrl.weightsync.replicas import DeploymentReplicas
 
 
@@ -79,6 +79,11 @@ def test_a_wrong_token_or_a_lost_connection_fails_every_call_at_once():
         with pytest.raises(ChannelClosed):
             await stranger.call("load_bucket", "p", 1)
         assert replica.calls == []  # nothing read past the wrong token
+        reader, writer = await asyncio.open_connection(address["host"], address["port"])
+        writer.write(_frame(address["token"].encode()) + _frame(b"not a pickle"))
+        assert await reader.read() == b""  # a malformed call ends that connection, not the server
+        assert await (await ChannelClient.connect(address)).call("load_bucket", "p", 0) == {"replica_id": "r", "version": 0}
+        replica.calls.clear()
         client = await ChannelClient.connect(address)
         replica.release.clear()
         waiting = asyncio.ensure_future(client.call("load_bucket", "p", 2))
