@@ -143,16 +143,17 @@ class DeploymentReplicas(ActorReplica):
         self.channel_members: Callable[[], Any] | None = None  # the groups' members: loads go over channels only to exactly them
         self.last_load_channel = False  # the last load went over the push channels (not through Serve)
 
-    async def open_channels(self, members: Any) -> None:
+    async def open_channels(self, members: Any) -> bool | None:
         """Connect to the push channel of every running replica, for the next collective loads. They
         are used while the replicas with a channel are exactly the groups' `channel_members()`; a
-        replica that does not answer, or a connection that fails, leaves loads going through Serve."""
+        replica that does not answer, or a connection that fails, leaves loads going through Serve.
+        True: opened; False: the running replicas are not `members` (none opened); None: a connection failed."""
         from asyncrl.weightsync.push_channel import ChannelClient
 
         self.close_channels()
         answers = await self.control.call(EngineAPI.push_channel, timeout_s=self.timeout_s)
         if set(answers) != set(members):
-            return  # the replicas changed since the groups formed: the next push forms them again first
+            return False  # the replicas changed since the groups formed: the next push forms them again first
         clients = await asyncio.gather(*(ChannelClient.connect(a, rid, min(10.0, self.timeout_s))
                                          for rid, a in answers.items()), return_exceptions=True)
         opened = {rid: c for rid, c in zip(answers, clients) if not isinstance(c, BaseException)}
@@ -161,8 +162,9 @@ class DeploymentReplicas(ActorReplica):
                 c.close()
             bad = {rid: c for rid, c in zip(answers, clients) if isinstance(c, BaseException)}
             log.warning("weightsync: no push channel to %s; loads go through Serve", {r: str(e) for r, e in bad.items()})
-            return
+            return None
         self.channels = opened
+        return True
 
     def close_channels(self) -> None:
         channels, self.channels = self.channels, {}

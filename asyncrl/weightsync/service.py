@@ -50,6 +50,7 @@ from asyncrl.weightsync.transport import select_transport
 log = logging.getLogger(__name__)
 
 REGISTRY_ACTOR = "asyncrl_weightsync"
+CHANNEL_RETRY_PUSHES = 20  # push channels that failed to open are tried again this many pushes later
 
 
 class WeightPublisher:
@@ -76,7 +77,7 @@ class WeightPublisher:
         self.link: CollectiveLink | None = None  # collective transports only
         self.recoveries_total = 0
         self._stopping = asyncio.Event()  # the run is stopping: a failed push is not pushed again
-        self._channels_failed_for: frozenset[str] | None = None  # the members push channels last failed to open for
+        self._channels_failed: tuple[frozenset[str], int] | None = None  # (members, version) push channels last failed for
 
     async def start(self, initial_version: int = 0) -> None:
         """Create (or attach to) the store and registry actors, and keep a host copy of the
@@ -280,19 +281,25 @@ class WeightPublisher:
                 await asyncio.wait_for(self._stopping.wait(), delay)
             delay = min(2 * delay, 10.0)
 
-    async def _refresh_channels(self) -> None:
-        """After a collective push: push channels to exactly the groups' members, for the next loads
-        (weightsync.push_channel); nothing to do while they already are."""
+    async def _refresh_channels(self, version: int) -> None:
+        """After collective push `version`: push channels to exactly the groups' members, for the next
+        loads (weightsync.push_channel); nothing to do while they already are. Channels that could not
+        be opened for these members are tried again once the members change, or CHANNEL_RETRY_PUSHES later."""
         if not self.cfg.push_channel or self.link is None or not self.link.members:
             return
         members = frozenset(self.link.members)
-        if (self.replicas.channels and set(self.replicas.channels) == members) or members == self._channels_failed_for:
-            return  # (channels that failed for these members are tried again once the members change)
+        if self.replicas.channels and set(self.replicas.channels) == members:
+            return
+        failed = self._channels_failed
+        if failed is not None and failed[0] == members and version < failed[1] + CHANNEL_RETRY_PUSHES:
+            return
         try:
-            await self.replicas.open_channels(list(members))
+            opened = await self.replicas.open_channels(list(members))
         except Exception as err:  # noqa: BLE001 - the loads go through Serve meanwhile
             log.warning("weightsync: push channels not opened (%s); loads go through Serve", err)
-        self._channels_failed_for = None if self.replicas.channels else members
+            opened = None
+        # (not running yet as the groups' members, `opened` False: asked again after the next push)
+        self._channels_failed = (members, version) if opened is None else None
 
     async def _publish_once(self, version: int) -> dict[str, float]:
         plan_id = None if self.plan is None else self.plan.plan_id
@@ -301,7 +308,7 @@ class WeightPublisher:
                 version, self.link.send, self.link.payload, [self.replicas], prepare=self.link.ensure, plan_id=plan_id,
                 fold_begin=self.link.fold_begin, cancel=self.link.cancel)
             self.link.pushed(self.replicas.last_results)
-            await self._refresh_channels()
+            await self._refresh_channels(version)
         else:
             export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, self.transport.name, self.cfg.verify,
                                                                  "hf" if plan_id is None else "engine")

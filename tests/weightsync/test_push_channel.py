@@ -157,3 +157,50 @@ def test_the_loops_loads_go_over_the_channels_while_they_reach_exactly_the_group
         assert client.channels == {}
 
     run(scenario())
+
+
+def test_the_publisher_opens_channels_after_a_push_and_tries_failed_ones_again_later():
+    from types import SimpleNamespace
+
+    from asyncrl.config import WeightsyncConfig
+    from asyncrl.weightsync.service import CHANNEL_RETRY_PUSHES, WeightPublisher
+
+    class Replicas:
+        def __init__(self, answers):
+            self.answers, self.asked, self.channels = list(answers), [], {}
+
+        async def open_channels(self, members):
+            self.asked.append(sorted(members))
+            out = self.answers.pop(0)
+            if isinstance(out, Exception):
+                raise out
+            self.channels = {m: object() for m in members} if out else {}
+            return out
+
+    def publisher(answers, on=True):
+        wp = WeightPublisher.__new__(WeightPublisher)
+        wp.cfg = WeightsyncConfig(push_channel=on)
+        wp.link = SimpleNamespace(members={"a": 1, "b": 1})
+        wp.replicas, wp._channels_failed = Replicas(answers), None
+        return wp
+
+    async def scenario():
+        wp = publisher([False, True])  # b not running yet when asked: asked again after the next push
+        await wp._refresh_channels(1)
+        await wp._refresh_channels(2)
+        await wp._refresh_channels(3)  # open for exactly the members: nothing to do
+        assert wp.replicas.asked == [["a", "b"], ["a", "b"]]
+        wp = publisher([None, RuntimeError("down"), True, True])  # a connection failed: not again for a while
+        await wp._refresh_channels(1)
+        await wp._refresh_channels(2)
+        assert len(wp.replicas.asked) == 1
+        await wp._refresh_channels(1 + CHANNEL_RETRY_PUSHES)  # tried again, and fails (raised): logged
+        assert len(wp.replicas.asked) == 2 and wp.replicas.channels == {}
+        wp.link.members = {"a": 1, "c": 1}  # other members: asked at once
+        await wp._refresh_channels(22)
+        assert wp.replicas.asked[-1] == ["a", "c"] and set(wp.replicas.channels) == {"a", "c"}
+        off = publisher([True], on=False)
+        await off._refresh_channels(1)
+        assert off.replicas.asked == []  # weightsync.push_channel false: always through Serve
+
+    run(scenario())
