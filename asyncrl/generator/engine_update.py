@@ -209,8 +209,7 @@ class WeightUpdates:
         pausing = asyncio.ensure_future(self._pause_engine("keep"))
         pausing.add_done_callback(lambda _: trace.mark("rep.paused"))
         await asyncio.sleep(0)  # the pause's first step: its request goes out
-        overlapped = bool(getattr(self.engine, "pause_ordered", False)) and not pausing.done() \
-            and self.engine.unfinished_requests() == 0
+        overlapped = self.engine.pause_ordered and not pausing.done() and self.engine.unfinished_requests() == 0
         if not overlapped:
             await asyncio.wait([pausing])
             await self._paused_for_commit(pausing)
