@@ -324,6 +324,8 @@ sglang-install)
   # SGL_SMOKE=0: no smoke run (benchmarks/sglang/probe.py, run next, starts the engine itself)
   [ "${SGL_SMOKE:-1}" = 0 ] && exit 0
   PYTHONPATH=/tmp/site-sglang:/tmp/site:$PWD timeout ${SGL_TIMEOUT:-300} python3 - $MODEL > $OUT/sgl_smoke.log 2>&1 <<'PY'
+import json
+import os
 import sys
 import time
 
@@ -331,7 +333,9 @@ import sglang
 
 print("sglang", sglang.__version__, flush=True)
 t = time.time()
-engine = sglang.Engine(model_path=sys.argv[1], mem_fraction_static=0.3, log_level="error")
+# the backends a slim wheel set has (benchmarks/sglang/slim_wheels.py); the full set takes '{}'
+kwargs = json.loads(os.environ.get("SGL_ENGINE_KWARGS") or '{"attention_backend": "triton", "sampling_backend": "pytorch"}')
+engine = sglang.Engine(model_path=sys.argv[1], mem_fraction_static=0.3, log_level="error", **kwargs)
 print(f"engine up in {time.time() - t:.1f} s", flush=True)
 out = engine.generate(input_ids=[[5, 17, 9, 33, 2]], sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})
 print("generated", out, flush=True)

@@ -18,6 +18,13 @@ failing step records its error and the probe goes on, so a cut run still says wh
   restore       the original tensors pushed back: greedy tokens equal the first greedy's again
   flush         tm.flush_cache when idle
   abort         a streamed request aborted by rid mid-way: how its stream ends
+  state         get_internal_state's round trip (the replica's health call and its ledger's barrier), and
+                a request with extra_key (the design's cache salt) accepted
+  sleep         a second engine with enable_memory_saver: pause(abort) -> release_memory_occupation ->
+                resume(weights) -> push -> resume(kv_cache, cuda_graph) -> continue, greedy tokens after it
+
+`--engine-kwargs JSON` go to every sglang.Engine; the default picks the backends a slim wheel set has
+(benchmarks/sglang/slim_wheels.py: attention_backend triton, sampling_backend pytorch).
 """
 
 from __future__ import annotations
@@ -75,7 +82,10 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--engine-kwargs", default='{"attention_backend": "triton", "sampling_backend": "pytorch"}')
+    ap.add_argument("--skip-sleep", action="store_true")
     args = ap.parse_args()
+    kwargs = json.loads(args.engine_kwargs)
 
     import sglang
     import torch
@@ -87,7 +97,7 @@ async def main() -> None:
         nonlocal engine
         engine = await asyncio.to_thread(lambda: sglang.Engine(
             model_path=args.model, skip_tokenizer_init=True, incremental_streaming_output=True,
-            mem_fraction_static=0.3, log_level="error"))
+            mem_fraction_static=0.3, log_level="error", **kwargs))
         return {}
 
     await step("start", start(), timeout=240)
@@ -124,9 +134,13 @@ async def main() -> None:
     monkey_patch_torch_reductions()
 
     async def push(named, version: str):
+        t = time.perf_counter()
         payload = MultiprocessingSerializer.serialize(named)
+        serialized = time.perf_counter() - t
         result = await tm.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(
             serialized_named_tensors=[payload], load_format=None, flush_cache=False, weight_version=version), None)
+        record(f"push_{version}_timing", {"serialize_s": round(serialized, 4), "total_s": round(time.perf_counter() - t, 4),
+                                          "tensors": len(named)})
         return result
 
     async def commit():
@@ -176,10 +190,58 @@ async def main() -> None:
         return {"chunks": len(cs), "tokens": sum(c["n"] for c in cs), "finish": cs[-1]["finish"] if cs else None}
 
     await step("abort", abort(), timeout=60)
+
+    async def state():
+        times = []
+        for _ in range(20):
+            t = time.perf_counter()
+            st = await tm.get_internal_state()
+            times.append(time.perf_counter() - t)
+        salted = await engine.async_generate(input_ids=PROMPT, sampling_params=GREEDY, extra_key="w8")
+        return {"round_trip_ms_median": round(1e3 * sorted(times)[len(times) // 2], 3), "state_head": str(st)[:600],
+                "salted_equal_first": list(salted["output_ids"]) == first.get("ids")}
+
+    await step("state", state(), timeout=60)
     try:
         engine.shutdown()
     except BaseException as err:  # noqa: BLE001
         record("shutdown", f"{type(err).__name__}: {err}")
+    if args.skip_sleep:
+        return
+    from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput
+
+    async def sleep():
+        nonlocal engine, tm
+        import torch
+
+        engine = await asyncio.to_thread(lambda: sglang.Engine(
+            model_path=args.model, skip_tokenizer_init=True, incremental_streaming_output=True,
+            mem_fraction_static=0.3, log_level="error", enable_memory_saver=True, **kwargs))
+        tm = engine.tokenizer_manager
+        before = await engine.async_generate(input_ids=PROMPT, sampling_params=GREEDY)
+        free0 = torch.cuda.mem_get_info()[0]
+        await tm.pause_generation(PauseGenerationReqInput(mode="abort"))
+        t = time.perf_counter()
+        await tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=None), None)
+        released = time.perf_counter() - t
+        free1 = torch.cuda.mem_get_info()[0]
+        t = time.perf_counter()
+        await tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=["weights"]), None)
+        await push(original, "9")
+        await tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=["kv_cache", "cuda_graph"]), None)
+        await tm.continue_generation(ContinueGenerationReqInput())
+        woke = time.perf_counter() - t
+        after = await engine.async_generate(input_ids=PROMPT, sampling_params=GREEDY)
+        return {"freed_gb": round((free1 - free0) / 1e9, 2), "release_s": round(released, 3), "wake_and_push_s": round(woke, 3),
+                "greedy_equal_first": list(after["output_ids"]) == first.get("ids"),
+                "before_equal_first": list(before["output_ids"]) == first.get("ids"),
+                "version": after["meta_info"].get("weight_version")}
+
+    await step("sleep", sleep(), timeout=300)
+    try:
+        engine.shutdown()
+    except BaseException as err:  # noqa: BLE001
+        record("shutdown2", f"{type(err).__name__}: {err}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@
 # that list was made), tarred and cut into parts of at most 60 MiB.
 #
 #   bash benchmarks/sglang/wheels.sh OUT_DIR       # -> OUT_DIR/p0/part0 ... (about 1.6 GB: 28 parts)
+#   SGL_SLIM=1 bash benchmarks/sglang/wheels.sh OUT_DIR   # about 0.6 GB: 10 parts, without FlashAttention 3 and
+#       flashinfer's prebuilt kernels (slim_wheels.py); that engine runs with attention_backend=triton,
+#       sampling_backend=pytorch
 #
 # On the GPU host, one device call per part (each carries OUT_DIR/pK: `mkdir -p /tmp/sgl-parts && cp OUT_DIR/pK/*
 # /tmp/sgl-parts/`), then `bash benchmarks/gpu_session.sh sglang-install`, which unpacks them, lets pip's
@@ -33,6 +36,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: \
 want=$(grep -cvE '^\s*(#|$)' "$here/requirements-gpu.txt")
 got=$(ls "$work/sgl-wheels" | wc -l)
 [ "$got" -eq "$want" ] || { echo "wheels.sh: $got wheels for $want requirements" >&2; exit 1; }
+[ "${SGL_SLIM:-0}" = 1 ] && python3 "$here/slim_wheels.py" "$work/sgl-wheels"
 tar cf "$work/sgl.tar" -C "$work" sgl-wheels
 (cd "$work" && split -b 60M -d -a 2 sgl.tar part)
 i=0
