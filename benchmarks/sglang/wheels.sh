@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # SGLang's released wheels for the GPU host, which has no package index (issue 23): sglang 0.5.15 and what its
 # requirements need beyond the GPU image and our vLLM wheelhouse (benchmarks/sglang/requirements-gpu.txt says how
-# that list was made), tarred and cut into parts of at most 60 MiB.
+# that list was made), tarred and cut into parts of at most 50 MiB (a device call carries at most 64 MiB with the working tree: 61 MiB parts never fit).
 #
-#   bash benchmarks/sglang/wheels.sh OUT_DIR       # -> OUT_DIR/p0/part0 ... (about 1.6 GB: 28 parts)
-#   SGL_SLIM=1 bash benchmarks/sglang/wheels.sh OUT_DIR   # about 0.6 GB: 10 parts, without FlashAttention 3 and
+#   bash benchmarks/sglang/wheels.sh OUT_DIR       # -> OUT_DIR/p0/part0 ... (about 1.6 GB: 32 parts)
+#   SGL_SLIM=1 bash benchmarks/sglang/wheels.sh OUT_DIR   # about 0.6 GB: 12 parts, without FlashAttention 3 and
 #       flashinfer's prebuilt kernels (slim_wheels.py); that engine runs with attention_backend=triton,
 #       sampling_backend=pytorch
 #
@@ -38,7 +38,7 @@ got=$(ls "$work/sgl-wheels" | wc -l)
 [ "$got" -eq "$want" ] || { echo "wheels.sh: $got wheels for $want requirements" >&2; exit 1; }
 [ "${SGL_SLIM:-0}" = 1 ] && python3 "$here/slim_wheels.py" "$work/sgl-wheels"
 tar cf "$work/sgl.tar" -C "$work" sgl-wheels
-(cd "$work" && split -b 60M -d -a 2 sgl.tar part)
+(cd "$work" && split -b 50M -d -a 2 sgl.tar part)
 i=0
 for p in "$work"/part*; do mkdir -p "$out/p$i"; mv "$p" "$out/p$i/part$(printf %02d $i)"; i=$((i + 1)); done
 echo "$got wheels, $i parts"; du -sh "$out"
