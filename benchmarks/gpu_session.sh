@@ -7,7 +7,8 @@
 # learner2-speed; on one GPU, the learner on a random Qwen2-MoE: moe. On a 4-GPU host (docs/BENCHMARKS.md, "GPU (four
 # H200), third lease"): install (in the last wheel part's call), then quad (balanced | peers | push side by side),
 # scale (the 7B with the autoscaler) and duo (the NCCL push | demo-nccl); balanced, demo-nccl also alone; sglang-install
-# (issue 23: SGLang's parts from benchmarks/sglang/wheels.sh in /tmp/sgl-parts, installed apart and started once);
+# (issue 23: SGLang's parts from benchmarks/sglang/wheels.sh in /tmp/sgl-parts, installed apart and started once) and
+# sglang-tests (its GPU tests and the demo with it);
 # gpu8 (issue 30's full layout, deploy/rlhf-gpu8.yaml, on an 8-GPU host). Expects the GPU wheelhouse parts
 # in /tmp/parts (see the device README: 8 carried parts) and carries .whl (grpcio 1.85.1, protobuf 7.36.2) and
 # artifacts/demo-model. Installs once into /tmp/site; grpcio/protobuf are unpacked over it, because
@@ -462,6 +463,24 @@ gpu8)
   echo "gpu8 rc=$? t=$SECONDS s"; grep -v '^{' $OUT/gpu8.log | grep -E '^\||machine|joined|failed|push / raw' | cut -c1-400
   grep -iE "Traceback|Error|out of memory" $OUT/gpu8.log | grep -v Warning | tail -10 | cut -c1-400
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
+  ;;
+sglang-tests)
+  # Issue 23, after sglang-install: the SGLang replica's GPU tests (tests/generator/test_sglang_gpu.py: the OpenAI
+  # client, a push's greedy tokens against transformers', a request across a commit, a corrupted bucket, sleep ->
+  # push -> wake), then the demo on one GPU with SGLang (deploy/rlhf-gpu1-sglang.yaml, or DEMO_CONFIG: the hybrid
+  # one), STEPS_DEMO (300) steps, eta 2. The engine replicas get SGLang's packages first (engine_pythonpath).
+  export RAY_ADDRESS=${RAY_ADDRESS:-local} ASYNCRL_SGLANG_PATH=/tmp/site-sglang
+  if [ "${SGL_TESTS:-1}" = 1 ]; then
+    timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -m gpu tests/generator/test_sglang_gpu.py \
+        > $OUT/sglang_gpu_test.log 2>&1
+    echo "sglang pytest rc=$?"; grep -E "passed|failed|Error|assert" $OUT/sglang_gpu_test.log | head -16 | cut -c1-600
+  fi
+  if [ "${SGL_DEMO:-1}" = 1 ]; then
+    timeout -s INT -k 20 ${RUN_TIMEOUT:-400} python3 benchmarks/async_speedup.py --config ${DEMO_CONFIG:-deploy/rlhf-gpu1-sglang.yaml} \
+        --steps ${STEPS_DEMO:-300} --etas 2 --num-cpus 16 --out $OUT/demo_sglang.json > $OUT/demo_sglang.log 2>&1
+    echo "demo with SGLang rc=$?"; grep -v '^{' $OUT/demo_sglang.log | grep -E '^\||failed' | cut -c1-400
+    grep -iE "Traceback|Error" $OUT/demo_sglang.log | grep -v Warning | tail -6 | cut -c1-300
+  fi
   ;;
 demo-nccl)
   # Issue 28: the demo as deploy/rlhf-gpu2.yaml runs it (weights over NCCL every step), STEPS_DEMO (300) steps, eta 2;

@@ -77,15 +77,16 @@ class RootConfig(_Section):
                 f"algorithm.group_size={self.algorithm.group_size} (GRPO groups stay whole)"
             )
         if self.hybrid.enabled:
+            sleep_key = "enable_memory_saver" if self.generator.engine == "sglang" else "enable_sleep_mode"
             missing = [need for need, ok in (
                 ("learner.num_gpus_per_rank > 0", self.learner.num_gpus_per_rank > 0),
                 ("generator.num_gpus > 0", self.generator.num_gpus > 0),
-                ("generator.engine_kwargs.enable_sleep_mode: true", self.generator.engine_kwargs.get("enable_sleep_mode") is True),
+                (f"generator.engine_kwargs.{sleep_key}: true", self.generator.engine_kwargs.get(sleep_key) is True),
             ) if not ok]
             if missing:
                 raise ValueError(
                     f"hybrid.enabled=true (learner and engines time-share GPUs; engines sleep while the learner "
-                    f"trains, which vLLM supports on GPUs only) needs {', '.join(missing)}; on a CPU-only host use "
+                    f"trains, which vLLM and SGLang support on GPUs only) needs {', '.join(missing)}; on a CPU-only host use "
                     "separated placement (deploy/rlhf.yaml)")
         if self.weightsync.transport == "nccl" and self.learner.num_gpus_per_rank <= 0:
             raise ValueError(

@@ -51,7 +51,12 @@ class GeneratorConfig(_Section):
     """Rollout engines (a Ray Serve deployment) and the HTTP gateway in front of them."""
 
     engine: Literal["vllm", "sglang"] = "vllm"
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed straight to the engine (vLLM AsyncEngineArgs).")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed straight to the engine (vLLM's "
+                                          "AsyncEngineArgs, SGLang's ServerArgs).")
+    engine_pythonpath: str | None = Field(
+        None, min_length=1, description="Put before PYTHONPATH in the engine replicas' processes (their Ray runtime_env): "
+        "where an engine's packages live apart because their pins clash with another's (SGLang beside vLLM on the GPU "
+        "host: /tmp/site-sglang:/tmp/site, benchmarks/sglang/wheels.sh).")
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     max_ongoing_requests: int = Field(
         256, gt=0, description="Per replica; beyond it requests queue in Serve's router. The engine decodes only what it "
@@ -96,17 +101,19 @@ class GeneratorConfig(_Section):
 
     @model_validator(mode="after")
     def _engine_built(self) -> "GeneratorConfig":
-        if self.engine != "vllm":
-            # Named in the schema so the choice is visible; refused rather than silently run on vLLM.
-            raise ValueError(f"engine={self.engine!r}: the SGLang engine is not built yet; use 'vllm'")
+        if self.engine == "sglang" and self.num_gpus <= 0:
+            # (checked again where the replica starts: a machine without CUDA is refused there, naming this)
+            raise ValueError("engine='sglang' needs a GPU (SGLang has no CPU backend here): set generator.num_gpus, "
+                             "or use engine: vllm")
         workers = 1
-        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        keys = ("tp_size", "pp_size") if self.engine == "sglang" else ("tensor_parallel_size", "pipeline_parallel_size")
+        for key in keys:
             value = self.engine_kwargs.get(key, 1)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"engine_kwargs.{key}={value!r}: a positive integer")
             workers *= value
         if self.num_gpus > 0 and workers > 1 and self.num_gpus != workers:
-            raise ValueError(f"num_gpus={self.num_gpus:g}: an engine of tensor_parallel_size x pipeline_parallel_size = {workers} "
+            raise ValueError(f"num_gpus={self.num_gpus:g}: an engine of {keys[0]} x {keys[1]} = {workers} "
                              f"workers runs one worker per GPU of its replica, so it takes num_gpus: {workers}")
         return self
 

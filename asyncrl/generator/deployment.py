@@ -143,8 +143,19 @@ def engine_deployment_options(gen: GeneratorConfig) -> dict[str, Any]:
         "autoscaling_config": autoscaling,
         "max_ongoing_requests": gen.max_ongoing_requests,
         "max_queued_requests": gen.max_queued_requests,
-        "ray_actor_options": {"num_cpus": gen.num_cpus, "num_gpus": gen.num_gpus, **gen.engine_pool.actor_options()},
+        "ray_actor_options": {"num_cpus": gen.num_cpus, "num_gpus": gen.num_gpus, **gen.engine_pool.actor_options(),
+                              **_engine_runtime_env(gen)},
         # Engines take ~20 s to boot on CPU; the default 30 s startup budget is too tight under load.
         "health_check_timeout_s": 60,
         "graceful_shutdown_timeout_s": 10,
     }
+
+
+def _engine_runtime_env(gen: GeneratorConfig) -> dict[str, Any]:
+    """`generator.engine_pythonpath` before the replicas' PYTHONPATH (an engine's packages kept apart)."""
+    if not gen.engine_pythonpath:
+        return {}
+    import os
+
+    rest = os.environ.get("PYTHONPATH", "")
+    return {"runtime_env": {"env_vars": {"PYTHONPATH": gen.engine_pythonpath + (f":{rest}" if rest else "")}}}

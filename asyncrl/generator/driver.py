@@ -4,7 +4,7 @@ Owns: `EngineDriver`, every call the replica (engine.py, engine_update.py) and i
 sources (version_source.py) make into the engine it runs, and `start_driver`, which imports the
 driver that `generator.engine` names, lazily. The replica keeps the verbs, the state machine, the
 counters and the version bookkeeping; a driver keeps the engine. `vllm_engine.VllmDriver` is the
-vLLM one; SGLang's is designed in docs/design/sglang-engine.md (issue 23), not built.
+vLLM one, `sglang_engine.SglangDriver` SGLang's (docs/design/sglang-engine.md).
 
 Must never: import an engine at module import time (a vLLM replica never imports SGLang, and the
 reverse: their pins clash), or hold replica state (versions, counters, pause holders).
@@ -99,4 +99,8 @@ def start_driver(model: ModelConfig, gen: GeneratorConfig) -> EngineDriver:
         from asyncrl.generator.vllm_engine import VllmDriver
 
         return VllmDriver.start(model, gen)
+    if gen.engine == "sglang":
+        from asyncrl.generator.sglang_engine import SglangDriver
+
+        return SglangDriver.start(model, gen)
     raise ConfigError(f"generator.engine={gen.engine!r} has no driver in this build")

@@ -12,8 +12,7 @@ sequence outputs the replica reads (driver.py: `index`, `token_ids`, `finish_rea
   is refused rather than sampled unseeded;
 - stop strings need SGLang's tokenizer, which the replica does not start: refused, naming the field;
 - `output_ids` include the matched stop token, as vLLM's do, and `finish_reason` arrives as a dict.
-The SGLang driver that starts the engine and calls it is designed in docs/design/sglang-engine.md and
-not built yet: nothing imports this module but its tests, and it imports no SGLang.
+The SGLang driver that starts the engine and calls it is sglang_engine.py; this module imports no SGLang.
 
 Must never: import SGLang, or let a request through that SGLang would sample differently from what
 it asked (an unhonoured seed, an ignored stop string).

@@ -51,7 +51,9 @@ class EngineHooks(Protocol):
     rank: int
     device: torch.device
 
-    def model(self) -> torch.nn.Module: ...
+    def model(self) -> torch.nn.Module | None:
+        """The engine's model in this process; None where it lives in another (SGLang's scheduler): pushes then
+        arrive in Hugging Face layout and `reload` hands them over, and `direct_problem(None)` says why."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
         """The model's own `load_weights` (probed on meta tensors by plan.py)."""
@@ -126,7 +128,7 @@ class WorkerReceiver:
         t = time.perf_counter()
         model = self.hooks.model()
         problem = self.hooks.direct_problem(model)
-        checkpoint = None if problem else self.hooks.checkpoint()
+        checkpoint = None if problem or model is None else self.hooks.checkpoint()
         if not problem and checkpoint is None:
             problem = "the engine's checkpoint cannot be read back to check the layout (dummy weights?)"
         layout = None
@@ -143,6 +145,8 @@ class WorkerReceiver:
         """This worker's layout for the learner's export `manifest`; its `problem` says why a
         direct copy is not possible (then the push goes in HF layout through `reload`)."""
         model = self.hooks.model()
+        if model is None:
+            return EngineLayout(self.hooks.rank, (), self.hooks.direct_problem(None))
         layout = probe_layout(model, manifest, self.hooks.rank, self.hooks.load_weights)
         if layout.problem:
             return layout

@@ -103,9 +103,26 @@ def test_admin_token_falls_back_to_environment(monkeypatch):
     assert GeneratorConfig(admin_token="explicit").resolved_admin_token() == "explicit"
 
 
-def test_sglang_engine_is_refused_by_name_not_run_on_vllm():
-    with pytest.raises(ConfigError, match=r"generator.*engine='sglang'.*not built"):
+def test_sglang_engine_needs_a_gpu_and_takes_its_own_parallel_keys():
+    with pytest.raises(ConfigError, match=r"generator.*engine='sglang' needs a GPU.*num_gpus"):
         load_config({"generator": {"engine": "sglang"}})
+    with pytest.raises(ConfigError, match=r"generator.*tp_size x pp_size = 2 workers.*num_gpus: 2"):
+        load_config({"generator": {"engine": "sglang", "num_gpus": 1, "engine_kwargs": {"tp_size": 2}}})
+    with pytest.raises(ConfigError, match=r"engine_kwargs.tp_size=0"):
+        load_config({"generator": {"engine": "sglang", "num_gpus": 1, "engine_kwargs": {"tp_size": 0}}})
+    cfg = load_config({"generator": {"engine": "sglang", "num_gpus": 2, "engine_kwargs": {"tp_size": 2},
+                                     "engine_pythonpath": "/tmp/site-sglang"}})
+    assert cfg.generator.engine == "sglang" and cfg.generator.engine_pythonpath == "/tmp/site-sglang"
+
+
+def test_sglang_engine_on_a_machine_without_cuda_is_a_config_error_naming_the_field():
+    from asyncrl.config import GeneratorConfig, ModelConfig
+    from asyncrl.generator.driver import start_driver
+
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match=r"generator.engine=sglang: the SGLang engine needs a GPU"):
+        start_driver(ModelConfig(), GeneratorConfig(engine="sglang", num_gpus=1))
 
 
 def test_gpu_deploy_configs_load():
@@ -120,6 +137,12 @@ def test_gpu_deploy_configs_load():
     hybrid = load_config_file(REPO / "deploy" / "rlhf-hybrid.yaml")
     assert hybrid.hybrid.enabled and hybrid.weightsync.transport == "ipc"
     demo = load_config_file(REPO / "deploy" / "rlhf-hybrid1.yaml")  # the demo co-located on one GPU
+    for name, hybrid_on in (("rlhf-gpu1-sglang.yaml", False), ("rlhf-hybrid1-sglang.yaml", True)):  # SGLang (issue 23)
+        sg = load_config_file(REPO / "deploy" / name)
+        assert sg.generator.engine == "sglang" and sg.generator.engine_pythonpath.startswith("/tmp/site-sglang")
+        assert sg.learner.num_gpus_per_rank + sg.generator.num_gpus <= 1 and sg.hybrid.enabled == hybrid_on
+        assert sg.generator.engine_kwargs["mem_fraction_static"] <= 0.5
+        assert sg.generator.engine_kwargs.get("enable_memory_saver", False) == hybrid_on
     assert demo.hybrid.enabled and demo.learner.num_gpus_per_rank + demo.generator.num_gpus <= 1
     assert demo.learner.actor.param_offload and demo.learner.actor.grad_offload and demo.learner.actor.optimizer_offload
 

@@ -1,0 +1,341 @@
+"""The replica's adapter to SGLang: `SglangDriver` (driver.py's `EngineDriver` for SGLang 0.5.15), starting
+it, every call into it and every read of its state (issue 23; docs/design/sglang-engine.md).
+
+Owns: SGLang's server arguments built from `ModelConfig` + `GeneratorConfig` (`engine_kwargs` passed
+straight through and winning; ours: token ids in and out, incremental streaming, a port of its own per
+replica, the memory share), the engine built in a thread of its own and then driven only through its
+TokenizerManager's coroutines on the replica's event loop, one SGLang request per sequence
+(sglang_protocol.py), text decoded here from the model's tokenizer, the pause modes, sleep / wake through
+SGLang's memory saver, the version salt of the prefix cache, and the weight worker in this process
+(sglang_worker.py).
+
+What differs from vLLM, on purpose (measured on an H100, docs/BENCHMARKS.md, 2026-11-28):
+- the prefix cache: SGLang keeps KV of the old weights across an update with `flush_cache=False`, and
+  cannot flush while retracted requests are parked. Every request is admitted with `extra_key=f"w{version}"`
+  (the version live then), so no request admitted after a commit reuses KV of an older version; a request
+  retracted by the commit's pause re-prefills under its own admission key, so its prefix may come from the
+  old version's KV (vLLM's keep mode recomputes it). Idle, the cache is flushed at each commit.
+- per-token versions come from the replica's ledger (SGLang labels chunks on the TokenizerManager side);
+- sleep aborts the requests in flight (SGLang releases memory only when its scheduler is idle): they come
+  back to their callers finished with "abort".
+
+Must never: import SGLang at module import time, or serve a request (the replica does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
+from asyncrl.generator.sglang_protocol import SequenceOutput, read_chunk, sequence_rids, to_sglang
+
+logger = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT_S = 120.0  # a control call (pause, continue, memory, state) SGLang has not answered by then: dead
+START_TIMEOUT_S = 1800.0
+
+
+def server_kwargs(model: ModelConfig, gen: GeneratorConfig, *, port: int, nccl_port: int) -> dict[str, Any]:
+    """`sglang.Engine`'s keyword arguments (its `ServerArgs`); `engine_kwargs` win over ours."""
+    kwargs: dict[str, Any] = {
+        "model_path": str(Path(model.path).resolve()),
+        "served_model_name": model.served_name,
+        "dtype": model.dtype,
+        "context_length": model.max_model_len,
+        "trust_remote_code": model.trust_remote_code,
+        "skip_tokenizer_init": True,  # token ids in and out; the text is decoded here
+        "incremental_streaming_output": True,  # each chunk holds only its new tokens
+        "port": port,  # replicas that share a host start at once: ports of their own, not SGLang's random picks
+        "nccl_port": nccl_port,
+        "log_level": "error",
+        # Weights and KV: this share of the GPU, leaving room for the replica's own staging of a pushed version.
+        "mem_fraction_static": round(0.8 * gen.num_gpus, 3) if 0 < gen.num_gpus < 1 else 0.8,
+    }
+    kwargs.update(gen.engine_kwargs)
+    return kwargs
+
+
+def start_engine(kwargs: dict[str, Any]) -> Any:
+    """An `sglang.Engine`, built in a thread of its own: SGLang pins its loop to the thread that first uses
+    it and runs `run_until_complete` in its synchronous calls, which must not be the replica's loop."""
+    import sglang
+
+    def build() -> Any:
+        try:
+            return sglang.Engine(**kwargs)
+        except TypeError as err:  # an engine_kwargs key that ServerArgs does not have
+            raise ConfigError(f"generator.engine_kwargs: {err}") from None
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sglang-start") as pool:
+        return pool.submit(build).result(START_TIMEOUT_S)
+
+
+@dataclass
+class _Prepared:
+    per_sequence: list[dict[str, Any]]  # SGLang sampling_params, one per sequence
+    logprobs: bool
+    stream: bool
+    stop_token_ids: list[int]
+    # per sequence: (ids so far, text so far, where the decode window starts), for streamed text
+    text_state: dict[int, list[Any]] = field(default_factory=dict)
+
+
+@dataclass
+class _Output:
+    outputs: list[SequenceOutput]
+
+
+class SglangDriver:
+    """The replica's SGLang engine (`asyncrl.generator.driver.EngineDriver`)."""
+
+    name = "sglang"
+    stamps_versions = False  # the replica keeps a ledger
+    pause_ordered = False  # SGLang's pause is fire-and-forget: a receive never overlaps it
+
+    def __init__(self, engine: Any, *, tokenizer: Any, vocab_size: int, deterministic: bool, memory_saver: bool,
+                 cpu_backup: bool, tp_size: int) -> None:
+        from asyncrl.generator.sglang_worker import SglangHooks, SglangWorker, run_on
+
+        self.engine = engine
+        self.tm = engine.tokenizer_manager
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.deterministic, self.memory_saver, self.cpu_backup = deterministic, memory_saver, cpu_backup
+        self.loop = asyncio.get_running_loop()
+        self.salt_version = 0  # the live version: new requests' cache salt
+        self._dead: str | None = None
+        self._rids: dict[str, list[str]] = {}  # per request in flight, its sequences' rids
+        call = run_on(self.loop)
+        self.worker = SglangWorker(SglangHooks(self.tm, tp_size, call), lambda: call(self._settled_counts(), CONTROL_TIMEOUT_S))
+
+    @classmethod
+    def start(cls, model: ModelConfig, gen: GeneratorConfig) -> "SglangDriver":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("generator.engine=sglang: the SGLang engine needs a GPU (it has no CPU backend here); "
+                              "use engine: vllm")
+        from transformers import AutoTokenizer
+
+        from asyncrl.generator.owner_watch import mark_owner
+        from asyncrl.weightsync.collective import free_port
+
+        mark_owner()  # SGLang's processes inherit it and end with this one (owner_watch.py)
+        kwargs = server_kwargs(model, gen, port=free_port(), nccl_port=free_port())
+        t = time.perf_counter()
+        engine = start_engine(kwargs)
+        logging.getLogger().setLevel(logging.INFO)  # (SGLang reconfigures the root logger)
+        logger.info("SGLang engine up in %.1f s", time.perf_counter() - t)
+        tokenizer = AutoTokenizer.from_pretrained(kwargs["model_path"], trust_remote_code=model.trust_remote_code)
+        vocab = int(getattr(engine.tokenizer_manager.model_config, "vocab_size", 0) or len(tokenizer))
+        return cls(engine, tokenizer=tokenizer, vocab_size=vocab,
+                   deterministic=bool(kwargs.get("enable_deterministic_inference")),
+                   memory_saver=bool(kwargs.get("enable_memory_saver")),
+                   cpu_backup=bool(kwargs.get("enable_weights_cpu_backup")),
+                   tp_size=int(kwargs.get("tp_size", 1)))
+
+    async def _control(self, coro: Any, what: str, timeout: float | None = None) -> Any:
+        """A control call under our deadline: SGLang's have none, and cancelling one jams its kind for good,
+        so one that does not answer marks the engine dead (the replica is then replaced)."""
+        timeout = CONTROL_TIMEOUT_S if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(coro, timeout)
+        except asyncio.TimeoutError:
+            self._dead = f"SGLang did not answer {what} within {timeout:g} s"
+            raise RuntimeError(self._dead) from None
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def prepare(self, sampling: Any, *, stream: bool) -> _Prepared:
+        return _Prepared(to_sglang(sampling, deterministic=self.deterministic), bool(sampling.logprobs), stream,
+                         list(sampling.stop_token_ids))
+
+    async def outputs(self, engine_id: str, prompt_ids: list[int], prepared: _Prepared,
+                      handed_over: Any) -> AsyncIterator[_Output]:
+        """One SGLang request per sequence, streamed; each engine output holds the chunks that arrived
+        together. `handed_over` at the first chunk: before it a sequence is either waiting out a pause in the
+        TokenizerManager (not yet in the engine) or in its `rid_to_state` (the ledger reads it there).
+        Closed early, cancelled or failed, every sequence still running is aborted in SGLang."""
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        rids = self._rids[engine_id] = sequence_rids(engine_id, len(prepared.per_sequence))
+        salt = f"w{self.salt_version}"
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, rid: str, params: dict[str, Any]) -> None:
+            try:
+                request = GenerateReqInput(input_ids=list(prompt_ids), sampling_params=params, rid=rid, stream=True,
+                                           return_logprob=prepared.logprobs, logprob_start_len=-1, extra_key=salt)
+                async for chunk in self.tm.generate_request(request, None):
+                    queue.put_nowait((index, chunk))
+                queue.put_nowait((index, None))
+            except BaseException as err:  # noqa: BLE001 - handed to the consumer, which raises it
+                queue.put_nowait((index, err))
+
+        tasks = [asyncio.ensure_future(pump(i, rid, p)) for i, (rid, p) in enumerate(zip(rids, prepared.per_sequence))]
+        running = set(range(len(rids)))
+        first = True
+        try:
+            while running:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                outs = []
+                for index, item in batch:
+                    if item is None:
+                        running.discard(index)
+                        continue
+                    if isinstance(item, BaseException):
+                        raise item
+                    if first:
+                        handed_over()
+                        first = False
+                    seq = read_chunk(index, item, logprobs=prepared.logprobs, stop_token_ids=prepared.stop_token_ids)
+                    if seq.finish_reason is not None:
+                        running.discard(index)
+                    outs.append(seq)
+                if outs:
+                    yield _Output(outs)
+        finally:
+            self._rids.pop(engine_id, None)
+            for index in running:
+                self.tm.abort_request(rid=rids[index])
+            for task in tasks:
+                task.cancel()
+
+    def read(self, sequence: SequenceOutput, new: list[int], prepared: _Prepared) -> tuple[list[float] | None, str]:
+        """The sampled tokens' log-probs, and the text they add: streamed, decoded incrementally as they come
+        (the text of the ids after a short window, less that of the window; a token that ends mid-character
+        waits for the next); final-only, the whole completion at its end. Either way as vLLM's detokenizer
+        gives it: special tokens skipped, a stop token (EOS or one of stop_token_ids) left out."""
+        state = prepared.text_state.setdefault(sequence.index, [[], 0, 0])  # ids, window start, read up to
+        ids = state[0]
+        ids.extend(new)
+        finished = sequence.finish_reason is not None
+        if not prepared.stream and not finished:
+            return sequence.logprobs, ""
+        upto = len(ids) - 1 if sequence.finish_reason == "stop" and ids else len(ids)
+        decode = lambda part: self.tokenizer.decode(part, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # noqa: E731
+        if not prepared.stream:
+            return sequence.logprobs, decode(ids[:upto])
+        window, done = state[1], min(state[2], upto)
+        before = decode(ids[window:done])
+        text = decode(ids[window:upto])
+        if text.endswith("\ufffd") and not finished:
+            return sequence.logprobs, ""  # a character cut in two: its rest comes with the next token
+        state[1], state[2] = done, upto
+        return sequence.logprobs, text[len(before):] if text.startswith(before) else text
+
+    # ---- scheduling ------------------------------------------------------------------------
+
+    async def pause(self, mode: str) -> None:
+        """keep: SGLang's retract (running requests go back to the queue and re-prefill after the resume);
+        abort: every request in flight aborted; wait: the requests in flight finish first, then a retract.
+        The prefix cache is salted by version (`outputs`), and flushed here when nothing is in flight."""
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        if mode == "wait":
+            while self.unfinished_requests():
+                await asyncio.sleep(0.01)
+        sglang_mode = {"keep": "retract", "wait": "retract", "abort": "abort"}[mode]
+        await self._control(self.tm.pause_generation(PauseGenerationReqInput(mode=sglang_mode)), f"pause({sglang_mode})")
+        await self.reset_prefix_cache()
+
+    async def preempt(self) -> None:
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        await self._control(self.tm.pause_generation(PauseGenerationReqInput(mode="retract")), "pause(retract)")
+
+    async def hold(self) -> None:
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        await self._control(self.tm.pause_generation(PauseGenerationReqInput(mode="in_place")), "pause(in_place)")
+
+    async def run(self) -> None:
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        await self._control(self.tm.continue_generation(ContinueGenerationReqInput()), "continue_generation")
+
+    def sleep_unsupported(self) -> str | None:
+        if not self.memory_saver:
+            return "engine started without enable_memory_saver (set generator.engine_kwargs.enable_memory_saver)"
+        return None
+
+    async def sleep(self, level: int) -> None:
+        """Release weights and KV memory. SGLang releases only an idle scheduler, so the requests in flight
+        are aborted first (not kept, as vLLM keeps them). Level 1 keeps the weights in host memory, which
+        needs SGLang's CPU backup of them."""
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput, ReleaseMemoryOccupationReqInput
+
+        if level == 1 and not self.cpu_backup:
+            raise RuntimeError("sleep level 1 keeps the weights in host memory: start SGLang with "
+                               "generator.engine_kwargs.enable_weights_cpu_backup, or sleep at level 2")
+        await self._control(self.tm.pause_generation(PauseGenerationReqInput(mode="abort")), "pause(abort)")
+        await self._control(self.tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=None), None),
+                            "release_memory_occupation")
+
+    async def wake(self, tags: list[str]) -> None:
+        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
+
+        for tag in tags:  # ("weights", "kv_cache") in that order; SGLang's CUDA graphs come back with the KV
+            theirs = ["weights"] if tag == "weights" else ["kv_cache", "cuda_graph"]
+            await self._control(self.tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=theirs), None),
+                                f"resume_memory_occupation({theirs})")
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    async def worker_call(self, verb: str, args: tuple, timeout: float | None) -> list[Any]:
+        """The verb on this replica's own weight worker, in a thread (it waits on the wire and on SGLang's
+        load, which runs on this loop)."""
+        method = getattr(self.worker, verb)
+        return [await asyncio.wait_for(asyncio.to_thread(method, *args), timeout)]
+
+    async def _settled_counts(self) -> dict[str, int]:
+        """Output tokens per rid as the TokenizerManager holds them, after one control round trip behind
+        the pause (every output the scheduler sent before it has then arrived)."""
+        await self._control(self.tm.get_internal_state(), "get_internal_state")
+        return {rid: len(state.output_ids) for rid, state in list(self.tm.rid_to_state.items())}
+
+    async def relabel(self, version: int) -> None:
+        self.salt_version = version  # requests admitted from now on get this version's cache salt
+
+    async def reset_prefix_cache(self) -> None:
+        """Flush SGLang's radix cache when nothing is in flight (it cannot with requests parked); otherwise the
+        version salt keeps new requests off the old KV, which ages out."""
+        if self.unfinished_requests():
+            return
+        out = await self._control(self.tm.flush_cache(timeout_s=1.0), "flush_cache")
+        if not getattr(out, "success", True):
+            logger.info("SGLang did not flush its prefix cache: %s", getattr(out, "message", out))
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def live_version_starts(self, engine_id: str) -> dict[int, list[tuple[str, int]]]:
+        return {}  # (no engine stamps: the ledger)
+
+    def frontend_sequences(self, engine_id: str) -> dict[int, str]:
+        """The rid of each sequence of `engine_id` the TokenizerManager still holds, by index."""
+        held = self.tm.rid_to_state
+        return {i: rid for i, rid in enumerate(self._rids.get(engine_id, ())) if rid in held}
+
+    def frontend_token_counts(self) -> dict[str, int]:
+        return {rid: len(state.output_ids) for rid, state in list(self.tm.rid_to_state.items())}
+
+    def unfinished_requests(self) -> int:
+        return len(self.tm.rid_to_state)
+
+    def tokens_in_flight(self) -> int:
+        return sum(len(state.output_ids) for state in list(self.tm.rid_to_state.values()))
+
+    def dead(self) -> str | None:
+        return self._dead
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,129 @@
+"""The SGLang replica's weight worker: weightsync's verbs (worker_verbs.py) in the replica's own process,
+which stage and verify a push there, then hand the verified tensors to SGLang (issue 23).
+
+Owns: `SglangHooks` (weightsync's `EngineHooks` where the model lives in SGLang's scheduler processes: no
+model here, so pushes arrive in Hugging Face layout and the apply is SGLang's `update_weights_from_tensor`,
+its CUDA-IPC load into the model's own `load_weights`), and `SglangWorker` (the verbs, run by the driver in
+a thread of the replica's process; the version ledger's count query among them).
+
+SGLang has no hook to verify inside its processes, so this replica receives the whole version into its own
+device staging (a share of the engine's GPU), checks the fingerprint, and only then hands the tensors over:
+one device copy of the version more than vLLM's direct apply (docs/design/sglang-engine.md, "Weights").
+
+Must never: import SGLang at module import time (the driver's start does), or hand SGLang a tensor whose
+digest was not checked (the receiver's apply runs only after the commit's fingerprint check).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from asyncrl.weightsync.plan import ManifestEntry
+from asyncrl.weightsync.worker_verbs import WorkerVerbs
+
+NO_DIRECT = ("SGLang's parameters live in its scheduler processes: a push is staged and verified in the replica's "
+             "process, then handed to SGLang's load_weights (update_weights_from_tensor)")
+
+
+class SglangHooks:
+    """`EngineHooks` for the SGLang replica's own process. `call(coro, timeout)` runs a coroutine on the
+    replica's event loop from the worker's thread and returns its result (the driver's `on_loop`)."""
+
+    rank = 0
+
+    def __init__(self, tm: Any, tp_size: int, call: Callable[..., Any], timeout_s: float = 600.0) -> None:
+        self.tm, self.tp_size, self.call, self.timeout_s = tm, tp_size, call, timeout_s
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.version: int | None = None  # the version being applied (SGLang's own label for it)
+
+    def model(self) -> None:
+        return None  # (in SGLang's scheduler processes)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+        raise RuntimeError(NO_DIRECT)
+
+    def direct_problem(self, model: Any) -> str:
+        return NO_DIRECT
+
+    def checkpoint(self) -> tuple[list[ManifestEntry], Callable[[str], torch.Tensor]] | None:
+        return None
+
+    def reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Hand the verified tensors to SGLang: one CUDA-IPC payload (every TP rank takes the whole HF
+        tensors and shards them in its loader), the prefix cache left alone (SGLang asserts when it is
+        flushed with requests parked; the driver salts the cache by version instead)."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()
+        named = [(name, tensor) for name, tensor in weights]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the staged copies are complete before another process reads them
+        payload = MultiprocessingSerializer.serialize(named)
+        label = None if self.version is None else str(self.version)
+        request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload] * self.tp_size, load_format=None,
+                                                  flush_cache=False, weight_version=label)
+        ok, message = self.call(self.tm.update_weights_from_tensor(request, None), self.timeout_s)
+        if not ok:
+            raise RuntimeError(f"SGLang refused the weights: {message}")
+
+
+class SglangWorker(WorkerVerbs):
+    """weightsync's worker verbs for an SGLang replica (rank 0 of one engine: SGLang's TP ranks each take
+    the whole tensors)."""
+
+    rank = 0
+
+    def __init__(self, hooks: SglangHooks, counts: Callable[[], dict[str, int]]) -> None:
+        self._hooks = hooks
+        self._counts = counts
+        self.device = hooks.device
+
+    def _asyncrl_hooks(self) -> SglangHooks:
+        return self._hooks
+
+    def asyncrl_stage_file(self, version: int, wire: tuple, expected: dict[str, bytes] | None = None) -> dict[str, bytes]:
+        """Stage one bucket from the replica's shared file on this process's GPU: SGLang then takes its tensors
+        over CUDA IPC (host tensors would go through shared memory, a copy more)."""
+        from asyncrl.weightsync.bucket import SharedBucket
+        from asyncrl.weightsync.receiver import copy_to
+
+        path, metas, rank = wire
+        bucket = SharedBucket.from_wire(path, metas, rank).open()
+        if self.device.type == "cuda":
+            bucket = copy_to(bucket, self.device)
+        return self._asyncrl_rx().stage(version, bucket, expected)
+
+    def asyncrl_apply(self, version: int) -> dict[str, Any]:
+        self._hooks.version = version
+        return super().asyncrl_apply(version)
+
+    def asyncrl_apply_after(self, version: int, before: str) -> tuple[Any, dict[str, Any]]:
+        self._hooks.version = version
+        return super().asyncrl_apply_after(version, before)
+
+    def asyncrl_sampled_token_counts(self) -> dict[str, int]:
+        """Output tokens per sequence (SGLang rid) as the replica's TokenizerManager holds them, read while
+        paused and after a control round trip behind the pause (`counts`), so every token the scheduler made
+        before it has arrived (the scheduler answers its calls in order, on the same path as its outputs)."""
+        return self._counts()
+
+    def asyncrl_param_addresses(self) -> list[int]:
+        raise RuntimeError(NO_DIRECT)
+
+    def asyncrl_fingerprint_params(self, names: list[str] | None = None) -> str:
+        raise RuntimeError(NO_DIRECT)
+
+
+def run_on(loop: asyncio.AbstractEventLoop) -> Callable[..., Any]:
+    """`call(coro, timeout)`: run `coro` on `loop` from another thread and wait for its result."""
+
+    def call(coro: Any, timeout: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    return call

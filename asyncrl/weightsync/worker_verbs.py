@@ -1,0 +1,216 @@
+"""The receiving half of a push as the verbs of one worker that holds weights (`WorkerVerbs`), apart from
+any engine: vLLM's workers mix it in (vllm_worker.py: `WeightsyncWorkerExtension`, called through
+`collective_rpc`), and the SGLang replica holds one in its own process (generator/sglang_engine.py), which
+stages and verifies there and hands the tensors to SGLang.
+
+Owns: layout, plan, begin / stage / receive / apply / abort, collective groups, kept buffers, the wire probe.
+
+Must never: import an engine (a vLLM worker never imports SGLang, and the reverse), or change the engine's
+weight version label (the replica does, while paused).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from typing import Any
+
+from asyncrl.weightsync import trace
+from asyncrl.weightsync.bucket import SharedBucket
+from asyncrl.weightsync.receiver import EngineHooks, WorkerReceiver
+
+
+def _dump(value: Any) -> bytes:
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class WorkerVerbs:
+    """The `asyncrl_*` verbs of one worker that holds weights; methods are prefixed `asyncrl_` so they never
+    clash with the worker's own. A subclass says where the engine is (`_asyncrl_hooks`) and has `rank`
+    (its rank in the engine) and, off the CPU, `device`."""
+
+    def _asyncrl_hooks(self) -> EngineHooks:
+        raise NotImplementedError
+
+    def _asyncrl_rx(self) -> WorkerReceiver:
+        rx = self.__dict__.get("_asyncrl_receiver")
+        if rx is None:
+            rx = self.__dict__["_asyncrl_receiver"] = WorkerReceiver(self._asyncrl_hooks())
+        return rx
+
+    # ---- layout and plan ------------------------------------------------------------------------
+    def asyncrl_check_layout(self) -> dict[str, Any]:
+        return self._asyncrl_rx().check_layout()
+
+    def asyncrl_layout(self, manifest: bytes) -> bytes:
+        """This worker's layout (pickled `EngineLayout`) for the learner's export manifest."""
+        return _dump(self._asyncrl_rx().layout_for(pickle.loads(manifest)))
+
+    def asyncrl_set_plan(self, plan: bytes | None) -> str | None:
+        """Accept a push plan (pickled `PushPlan`) if this worker's layout is the plan's; returns its id."""
+        rx = self._asyncrl_rx()
+        rx.set_plan(pickle.loads(plan) if plan is not None else None)
+        return rx.plan_id
+
+    # ---- one update -----------------------------------------------------------------------------
+    def asyncrl_begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf") -> None:
+        trace.mark("wrk.begin")
+        self._asyncrl_rx().begin(version, verify, staging, layout)
+
+    def asyncrl_stage_file(self, version: int, wire: tuple, expected: dict[str, bytes] | None = None) -> dict[str, bytes]:
+        """Stage one bucket from the replica's shared file; returns its digests."""
+        path, metas, rank = wire
+        shared = SharedBucket.from_wire(path, metas, rank)
+        rx = self._asyncrl_rx()
+        if rank is None:  # HF tensors for vLLM's loaders: a private, writable mapping
+            bucket = shared.open()
+        else:  # read-only, and the same mapping as the file's last use (the sender reuses its files)
+            from asyncrl.weightsync.bucket import SharedMaps
+
+            bucket = self.__dict__.setdefault("_asyncrl_maps", SharedMaps()).open(shared, version)
+            if rx.hooks.device.type != "cpu":
+                from asyncrl.weightsync.receiver import copy_to
+
+                bucket = copy_to(bucket, rx.hooks.device)  # staged where the parameters live
+        return rx.stage(version, bucket, expected)
+
+    def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float,
+                                   begin: tuple | None = None, with_sender: bool = False,
+                                   early: str | None = None, gate: str = "") -> Any:
+        """Stage every bucket of `version` from the groups `group_ids` (in order), each straight
+        into this worker's memory; returns the digests staged. `begin` (verify, staging, layout):
+        begin the update first, in this call. `with_sender`: also read every digest the senders
+        computed, and return {"digests": staged, "sender": theirs, "applied": ..., "before": ...}.
+        `early` (with `with_sender`; the engine is paused for this commit): on broadcast groups with
+        an engine-layout full staging, read `early` (an `asyncrl_` query of this worker, "" none:
+        the ledger's counts, as `asyncrl_apply_after` reads them) first, then copy each bucket into
+        the live weights as it lands (`WorkerReceiver.apply_as_received`); "applied" is then the
+        apply's report and "before" the query's answer, else both None (the commit applies).
+        `gate` (broadcast groups): the push's gate token. This worker passes every group's gate once it
+        has begun (collective.py), and closes them instead if it cannot take the push."""
+        from asyncrl.weightsync.collective import CollectiveError
+        from asyncrl.weightsync.wire import receive_stream, sender_digests
+
+        trace.mark("wrk.receive")
+        groups = self.__dict__.get("_asyncrl_groups", {})
+        deadline = time.monotonic() + timeout_s
+        rx = self._asyncrl_rx()
+        try:
+            if begin is not None:
+                rx.begin(version, *begin)
+            missing = [gid for gid in group_ids if gid not in groups or groups[gid].broken]
+            if missing:
+                raise CollectiveError(f"worker holds no usable group {missing[0]!r} (has {sorted(groups)})")
+        except Exception as err:
+            self.asyncrl_refuse_collective(group_ids, f"{type(err).__name__}: {err}", gate)
+            raise
+        theirs: dict[str, bytes] = {}
+        first, applied = None, None
+        streamed = all(groups[gid].spec.backend != "ipc" for gid in group_ids)
+        if early is not None and with_sender and streamed:
+            first = self._asyncrl_query(early)() if early else None  # read before any live weight changes
+            if not rx.apply_as_received(version):
+                first = None
+        gated = bool(gate) and streamed
+        if gated:  # ready on every group at once; each group's decision is awaited when its turn comes (a
+            for gid in group_ids:  # later PP stage may only start sending once an earlier one is done)
+                groups[gid].arrive(gate)
+        for gid in group_ids:
+            group = groups[gid]
+            if gated:
+                group.await_gate(gate, deadline)
+                trace.mark("wrk.gate_open")
+            ipc = group.spec.backend == "ipc"  # buckets that arrive at once, mapped: hashed in one pass at the end
+            trace.mark("wrk.streaming")
+            for k, (bucket, expected) in enumerate(receive_stream(group, deadline)):
+                trace.mark(f"wrk.landed.{k}")
+                rx.stage(version, bucket, expected, lazy=True, batch=ipc)  # full staging: one wait for every digest, below
+                trace.mark(f"wrk.staged.{k}")
+            trace.mark("wrk.end_header")
+            if with_sender:
+                theirs.update(sender_digests(group, deadline))
+        digests = rx.digests(version)
+        trace.mark("wrk.digests")
+        if rx.applying_as_received:
+            applied = rx.finish_received(version)
+        trace.mark("wrk.return")
+        return {"digests": digests, "sender": theirs, "applied": applied, "before": first} if with_sender else digests
+
+    def asyncrl_refuse_collective(self, group_ids: list[str], why: str, gate: str = "") -> None:
+        """Refuse the coming push on the groups `group_ids` (its begin failed): its sender (ipc), or
+        every member at its gate `gate` (gloo / NCCL), stops at once. Best effort on each group."""
+        from asyncrl.weightsync.wire import refuse_push
+
+        for gid in group_ids:
+            group = self.__dict__.get("_asyncrl_groups", {}).get(gid)
+            if group is not None and not group.broken:
+                try:
+                    refuse_push(group, why, gate)
+                except Exception:  # noqa: BLE001 - a group whose store is gone has nobody waiting
+                    pass
+
+    def asyncrl_apply(self, version: int) -> dict[str, Any]:
+        return self._asyncrl_rx().apply(version)
+
+    def _asyncrl_query(self, name: str) -> Any:
+        """This worker's `asyncrl_` query `name`, to run before an apply (never an apply itself)."""
+        if not name.startswith("asyncrl_") or name.startswith("asyncrl_apply"):
+            raise ValueError(f"{name!r} is not a worker query to run before an apply")
+        return getattr(self, name)
+
+    def asyncrl_apply_after(self, version: int, before: str) -> tuple[Any, dict[str, Any]]:
+        """`before` (an `asyncrl_` method of this worker, no arguments), then the apply: one round trip."""
+        first = self._asyncrl_query(before)()
+        return first, self._asyncrl_rx().apply(version)
+
+    def asyncrl_abort_update(self) -> None:
+        self._asyncrl_rx().abort()
+
+    # ---- collective groups (weightsync/collective.py) ---------------------------------------------
+    def asyncrl_join_collective(self, replica_id: str, specs: list[dict[str, Any]]) -> list[str]:
+        """Leave any earlier groups, then join each group in `specs` (one per sending learner
+        rank, in sender order) as this worker's receiver rank. Returns the joined group ids."""
+        from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
+
+        self.asyncrl_leave_collective()
+        groups: dict[str, Any] = {}
+        try:
+            for raw in specs:
+                spec = GroupSpec(**raw)
+                rank = spec.receiver_rank(replica_id, int(self.rank))  # type: ignore[attr-defined]
+                groups[spec.group_id] = CollectiveGroup.join(spec, rank, getattr(self, "device", None))
+        except BaseException:
+            for group in groups.values():
+                group.close()
+            raise
+        self.__dict__["_asyncrl_groups"] = groups
+        return list(groups)
+
+    def asyncrl_leave_collective(self) -> None:
+        for group in self.__dict__.pop("_asyncrl_groups", {}).values():
+            group.close()
+        self._asyncrl_rx().release_views()  # (views of the groups' buffers, kept for their next push)
+
+    def asyncrl_release_buffers(self) -> None:
+        """Drop what this worker keeps from one push to the next in device memory: each group's receive
+        buffers and the receiver's views of them (the next push allocates them again). The replica calls it
+        before the engine sleeps, so that sleeping releases that memory too."""
+        for group in self.__dict__.get("_asyncrl_groups", {}).values():
+            group.release_kept()
+        self._asyncrl_rx().release_views()
+
+    def asyncrl_probe_collective(self, sizes: list[list[int]], timeout_s: float) -> None:
+        """Receive a raw broadcast of buckets of `sizes[i]` bytes from the i-th group joined (in the
+        order of the senders, as a push is received): `CollectiveGroup.probe_wire`."""
+        import time
+
+        groups = list(self.__dict__.get("_asyncrl_groups", {}).values())
+        if len(groups) != len(sizes):
+            raise ValueError(f"probe of {len(sizes)} group(s), but this worker holds {len(groups)}")
+        deadline = time.monotonic() + timeout_s
+        for group, sz in zip(groups, sizes):
+            group.probe_wire(list(sz), deadline)
+
+    def asyncrl_collective_groups(self) -> list[str]:
+        """Ids of the groups this worker holds that can still carry a push."""
+        return [gid for gid, g in self.__dict__.get("_asyncrl_groups", {}).items() if not g.broken]

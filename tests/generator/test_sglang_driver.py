@@ -1,0 +1,335 @@
+"""The SGLang driver's own logic against a small fake TokenizerManager (SGLang needs a GPU: the real engine is
+exercised by tests/generator/test_sglang_gpu.py). What is pinned here: one SGLang request per sequence, their
+chunks merged into engine outputs, the cache salt of the live version, aborts of what is left when a caller
+goes, the ledger's reads, the text decoded as vLLM's detokenizer gives it, the pause modes, sleep's limits,
+and a control call that never answers marking the engine dead."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from asyncrl.generator.sglang_engine import SglangDriver, server_kwargs
+from asyncrl.generator.sglang_protocol import sequence_rids
+from asyncrl.types import SamplingParams
+
+
+class _Req:
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+
+@pytest.fixture(autouse=True)
+def fake_io_struct(monkeypatch):
+    """SGLang's request classes, as plain records (their fields are what the driver sets)."""
+    io = types.ModuleType("sglang.srt.managers.io_struct")
+    for name in ("GenerateReqInput", "PauseGenerationReqInput", "ContinueGenerationReqInput",
+                 "ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput", "UpdateWeightsFromTensorReqInput"):
+        setattr(io, name, type(name, (_Req,), {}))
+    for mod in ("sglang", "sglang.srt", "sglang.srt.managers"):
+        monkeypatch.setitem(sys.modules, mod, types.ModuleType(mod))
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io)
+    utils = types.ModuleType("sglang.srt.utils")
+    utils.MultiprocessingSerializer = types.SimpleNamespace(serialize=lambda named: ("ipc", [(n, t.clone()) for n, t in named]))
+    patch = types.ModuleType("sglang.srt.utils.patch_torch")
+    patch.monkey_patch_torch_reductions = lambda: None
+    monkeypatch.setitem(sys.modules, "sglang.srt.utils", utils)
+    monkeypatch.setitem(sys.modules, "sglang.srt.utils.patch_torch", patch)
+
+
+@dataclass
+class _State:
+    output_ids: list[int] = field(default_factory=list)
+
+
+class FakeTM:
+    """Streams `script[i]` (lists of new ids per chunk) for the i-th sequence of a request; records calls."""
+
+    def __init__(self, script: list[list[list[int]]], finish: str = "length", hang: str = "") -> None:
+        self.script, self.finish, self.hang = script, finish, hang
+        self.rid_to_state: dict[str, _State] = {}
+        self.requests: list[Any] = []
+        self.aborted: list[str] = []
+        self.calls: list[str] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.updates: list[Any] = []
+        self.update_answer = (True, "Success")
+
+    async def generate_request(self, obj, request):
+        self.requests.append(obj)
+        index = int(obj.rid.split("#")[-1].rstrip("$"))
+        state = self.rid_to_state[obj.rid] = _State()
+        chunks = self.script[index]
+        for k, ids in enumerate(chunks):
+            await self.gate.wait()
+            if obj.rid in self.aborted:
+                return
+            state.output_ids += ids
+            last = k == len(chunks) - 1
+            meta = {"finish_reason": {"type": self.finish} if last else None, "prompt_tokens": len(obj.input_ids),
+                    "output_token_logprobs": [(-0.5, t, None) for t in ids]}
+            yield {"output_ids": list(ids), "meta_info": meta}
+            await asyncio.sleep(0)
+        del self.rid_to_state[obj.rid]
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        self.aborted.append(rid)
+
+    async def _call(self, what: str) -> Any:
+        self.calls.append(what)
+        if what == self.hang:
+            await asyncio.Event().wait()
+        return types.SimpleNamespace(success=True)
+
+    async def pause_generation(self, obj):
+        return await self._call(f"pause:{obj.mode}")
+
+    async def continue_generation(self, obj):
+        return await self._call("continue")
+
+    async def release_memory_occupation(self, obj, request):
+        return await self._call(f"release:{obj.tags}")
+
+    async def resume_memory_occupation(self, obj, request):
+        return await self._call(f"resume:{obj.tags}")
+
+    async def flush_cache(self, timeout_s=None):
+        return await self._call("flush")
+
+    async def get_internal_state(self):
+        return await self._call("state")
+
+    async def update_weights_from_tensor(self, obj, request):
+        self.calls.append("update")
+        self.updates.append(obj)
+        return self.update_answer
+
+
+class FakeTokenizer:
+    """Ids are characters' code points; 0 is a special token (skipped); 1-2 a two-part character."""
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        out, i = "", 0
+        while i < len(ids):
+            t = ids[i]
+            if t == 1:  # the first half of "é": alone it is the replacement character
+                out += "é" if i + 1 < len(ids) and ids[i + 1] == 2 else "\ufffd"
+                i += 2 if i + 1 < len(ids) and ids[i + 1] == 2 else 1
+                continue
+            if t != 0:
+                out += chr(t)
+            i += 1
+        return out
+
+
+def make(tm: FakeTM, **kw: Any) -> SglangDriver:
+    engine = types.SimpleNamespace(tokenizer_manager=tm, shutdown=lambda: None)
+    return SglangDriver(engine, tokenizer=FakeTokenizer(), vocab_size=128, **{
+        "deterministic": False, "memory_saver": True, "cpu_backup": False, "tp_size": 1, **kw})
+
+
+async def collect(driver: SglangDriver, sampling: SamplingParams, *, stream: bool, engine_id: str = "req-1"):
+    prepared = driver.prepare(sampling, stream=stream)
+    handed: list[int] = []
+    seen: dict[int, list[int]] = {}
+    texts: dict[int, str] = {}
+    finishes: dict[int, str | None] = {}
+    async for out in driver.outputs(engine_id, [5, 6, 7], prepared, lambda: handed.append(1)):
+        for seq in out.outputs:
+            seen.setdefault(seq.index, []).extend(seq.token_ids)
+            lps, text = driver.read(seq, list(seq.token_ids), prepared)
+            assert lps == [-0.5] * len(seq.token_ids)
+            texts[seq.index] = texts.get(seq.index, "") + text
+            finishes[seq.index] = seq.finish_reason
+    return seen, texts, finishes, handed
+
+
+def test_n_sequences_are_one_sglang_request_each_salted_with_the_live_version():
+    async def main():
+        tm = FakeTM([[[72], [105]], [[79], [75], [33]]])
+        driver = make(tm)
+        await driver.relabel(7)
+        seen, texts, finishes, handed = await collect(driver, SamplingParams(n=2, max_tokens=3, logprobs=True), stream=True)
+        assert seen == {0: [72, 105], 1: [79, 75, 33]}
+        assert texts == {0: "Hi", 1: "OK!"} and finishes == {0: "length", 1: "length"}
+        assert handed == [1]  # once, at the first chunk
+        assert [r.rid for r in tm.requests] == sequence_rids("req-1", 2)
+        assert {r.extra_key for r in tm.requests} == {"w7"}  # the cache salt of the version live at admission
+        assert all(r.stream and r.return_logprob and r.input_ids == [5, 6, 7] for r in tm.requests)
+        assert tm.aborted == []  # every sequence finished: nothing to abort
+        assert driver._rids == {}
+
+    asyncio.run(main())
+
+
+def test_final_only_text_is_decoded_once_at_the_end_without_the_stop_token():
+    async def main():
+        tm = FakeTM([[[72], [1], [2], [10]]], finish="stop")  # "H", then "é" in two tokens, then a stop id
+        driver = make(tm)
+        seen, texts, _, _ = await collect(driver, SamplingParams(max_tokens=8, logprobs=True, stop_token_ids=[10]),
+                                          stream=False)
+        assert seen == {0: [72, 1, 2, 10]} and texts == {0: "Hé"}
+
+    asyncio.run(main())
+
+
+def test_streamed_text_waits_for_the_second_half_of_a_character():
+    async def main():
+        tm = FakeTM([[[72], [1], [2], [33]]])
+        driver = make(tm)
+        prepared = driver.prepare(SamplingParams(max_tokens=4, logprobs=True), stream=True)
+        deltas = []
+        async for out in driver.outputs("s", [1], prepared, lambda: None):
+            for seq in out.outputs:
+                deltas.append(driver.read(seq, list(seq.token_ids), prepared)[1])
+        assert deltas == ["H", "", "é", "!"]
+
+    asyncio.run(main())
+
+
+def test_a_caller_that_goes_aborts_every_sequence_still_running():
+    async def main():
+        tm = FakeTM([[[65], [66], [67]], [[68], [69], [70]]])
+        driver = make(tm)
+        prepared = driver.prepare(SamplingParams(n=2, max_tokens=3, logprobs=True), stream=True)
+        gen = driver.outputs("gone", [1], prepared, lambda: None)
+        await gen.__anext__()
+        await gen.aclose()
+        assert sorted(tm.aborted) == sequence_rids("gone", 2)
+        assert "gone" not in driver._rids
+
+    asyncio.run(main())
+
+
+def test_the_ledger_reads_rids_and_counts_the_tokenizer_manager_holds_after_a_round_trip():
+    async def main():
+        tm = FakeTM([[[65], [66], [67]], [[68]]])
+        driver = make(tm)
+        prepared = driver.prepare(SamplingParams(n=2, max_tokens=3, logprobs=True), stream=True)
+        gen = driver.outputs("led", [1], prepared, lambda: None)
+        await gen.__anext__()
+        tm.gate.clear()  # hold the streams where they are
+        for _ in range(5):
+            await asyncio.sleep(0)
+        rids = sequence_rids("led", 2)
+        held = driver.frontend_sequences("led")
+        assert held == {i: rid for i, rid in enumerate(rids) if rid in tm.rid_to_state} and 0 in held
+        counts = await asyncio.to_thread(driver.worker.asyncrl_sampled_token_counts)
+        assert "state" in tm.calls  # the round trip behind the pause came first
+        assert counts == {rid: len(s.output_ids) for rid, s in tm.rid_to_state.items()}
+        assert driver.unfinished_requests() == len(tm.rid_to_state)
+        assert driver.tokens_in_flight() == sum(counts.values())
+        tm.gate.set()
+        await gen.aclose()
+
+    asyncio.run(main())
+
+
+def test_pause_modes_and_the_flush_only_when_idle():
+    async def main():
+        tm = FakeTM([])
+        driver = make(tm)
+        await driver.pause("keep")
+        await driver.pause("abort")
+        await driver.preempt()
+        await driver.hold()
+        await driver.run()
+        assert tm.calls == ["pause:retract", "flush", "pause:abort", "flush", "pause:retract", "pause:in_place", "continue"]
+        tm.rid_to_state["x"] = _State([1])
+        tm.calls.clear()
+        await driver.reset_prefix_cache()
+        assert tm.calls == []  # requests parked: SGLang cannot flush; the salt covers new requests
+
+    asyncio.run(main())
+
+
+def test_sleep_aborts_then_releases_and_wake_takes_weights_then_kv():
+    async def main():
+        tm = FakeTM([])
+        driver = make(tm)
+        with pytest.raises(RuntimeError, match="level 1 keeps the weights.*enable_weights_cpu_backup"):
+            await driver.sleep(1)
+        await driver.sleep(2)
+        await driver.wake(["weights"])
+        await driver.wake(["kv_cache"])
+        assert tm.calls == ["pause:abort", "release:None", "resume:['weights']", "resume:['kv_cache', 'cuda_graph']"]
+        assert make(FakeTM([]), memory_saver=False).sleep_unsupported() and driver.sleep_unsupported() is None
+
+    asyncio.run(main())
+
+
+def test_a_control_call_that_never_answers_marks_the_engine_dead(monkeypatch):
+    import asyncrl.generator.sglang_engine as mod
+
+    monkeypatch.setattr(mod, "CONTROL_TIMEOUT_S", 0.05)
+
+    async def main():
+        driver = make(FakeTM([], hang="continue"))
+        assert driver.dead() is None
+        with pytest.raises(RuntimeError, match="did not answer continue_generation"):
+            await driver.run()
+        assert "continue_generation" in driver.dead()
+
+    asyncio.run(main())
+
+
+def test_server_kwargs_take_ours_then_engine_kwargs():
+    from asyncrl.config import GeneratorConfig, ModelConfig
+
+    gen = GeneratorConfig(engine="sglang", num_gpus=0.5, engine_kwargs={"attention_backend": "triton", "log_level": "info"})
+    kw = server_kwargs(ModelConfig(), gen, port=1234, nccl_port=1235)
+    assert kw["skip_tokenizer_init"] and kw["incremental_streaming_output"]
+    assert (kw["port"], kw["nccl_port"], kw["mem_fraction_static"]) == (1234, 1235, 0.4)
+    assert kw["attention_backend"] == "triton" and kw["log_level"] == "info"  # engine_kwargs win
+
+
+def test_a_verified_push_is_handed_to_sglang_whole_with_its_version_and_no_cache_flush():
+    """The replica's staging (shared files, staged in this process, the fingerprint check) through the driver's
+    worker: the apply hands every tensor to `update_weights_from_tensor` (one payload per TP rank, flush_cache
+    False, SGLang's label the version), after the ledger's count query; a corrupted tensor fails the check and
+    never reaches SGLang; a refusal by SGLang is a failed apply."""
+    import torch
+
+    from asyncrl.interfaces import WorkerAPI, verb_name
+    from asyncrl.weightsync.fingerprint import tensor_fingerprint
+    from asyncrl.weightsync.replica_side import FingerprintMismatch, ReplicaStaging
+
+    async def main():
+        tm = FakeTM([])
+        driver = make(tm, tp_size=2)
+        weights = {"model.embed_tokens.weight": torch.randn(8, 4), "model.norm.weight": torch.ones(4)}
+        fp = tensor_fingerprint(weights)
+        staging = ReplicaStaging(lambda verb, *args, timeout=None: driver.worker_call(verb_name(WorkerAPI, verb), args,
+                                                                                      timeout), "sg0")
+        assert (await staging.check_layout())[0]["direct"] is False
+
+        async def push(version: int, tensors: dict) -> dict:
+            await staging.begin(version, "full", "full", "hf")
+            await staging.load(dict(tensors), version)
+            staging.check(version, fp)
+            return await staging.apply(version, before=WorkerAPI.asyncrl_sampled_token_counts)
+
+        applied = await push(5, weights)
+        assert applied["path"] == "reload" and applied["before"] == [{}]
+        (update,) = tm.updates
+        kind, named = update.serialized_named_tensors[0]
+        assert len(update.serialized_named_tensors) == 2 and update.flush_cache is False
+        assert update.weight_version == "5" and kind == "ipc"
+        assert tensor_fingerprint(dict(named)) == fp
+        assert tm.calls.index("state") < tm.calls.index("update")  # the ledger's counts are read before the apply
+        bad = dict(weights, **{"model.norm.weight": weights["model.norm.weight"] + 1e-3})
+        with pytest.raises(FingerprintMismatch):
+            await push(6, bad)
+        await staging.abort()
+        assert len(tm.updates) == 1  # the corrupted version never reached SGLang
+        tm.update_answer = (False, "shape mismatch")
+        with pytest.raises(RuntimeError, match="SGLang refused the weights: shape mismatch"):
+            await push(7, weights)
+
+    asyncio.run(main())
