@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
-from asyncrl.generator.sglang_protocol import SequenceOutput, read_chunk, sequence_rids, to_sglang
+from asyncrl.generator.sglang_protocol import SequenceOutput, find_stop, read_chunk, sequence_rids, to_sglang
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,8 @@ class _Prepared:
     logprobs: bool
     stream: bool
     stop_token_ids: list[int]
-    # per sequence: (ids so far, text so far, where the decode window starts), for streamed text
+    stop: list[str]  # stop strings: matched here, on the decoded text (SGLang runs without its tokenizer)
+    # per sequence: [ids so far, decode window start, read up to, text emitted (stop strings)]
     text_state: dict[int, list[Any]] = field(default_factory=dict)
 
 
@@ -130,8 +131,11 @@ class SglangDriver:
         mark_owner()  # SGLang's processes inherit it and end with this one (owner_watch.py)
         kwargs = server_kwargs(model, gen, port=free_port(), nccl_port=free_port())
         t = time.perf_counter()
+        root = logging.getLogger()
+        level, handlers = root.level, list(root.handlers)
         engine = start_engine(kwargs)
-        logging.getLogger().setLevel(logging.INFO)  # (SGLang reconfigures the root logger)
+        root.setLevel(level)  # SGLang configures the root logger as it starts: the replica's logging stays its own
+        root.handlers[:] = handlers
         logger.info("SGLang engine up in %.1f s", time.perf_counter() - t)
         tokenizer = AutoTokenizer.from_pretrained(kwargs["model_path"], trust_remote_code=model.trust_remote_code)
         vocab = int(getattr(engine.tokenizer_manager.model_config, "vocab_size", 0) or len(tokenizer))
@@ -155,7 +159,7 @@ class SglangDriver:
 
     def prepare(self, sampling: Any, *, stream: bool) -> _Prepared:
         return _Prepared(to_sglang(sampling, deterministic=self.deterministic), bool(sampling.logprobs), stream,
-                         list(sampling.stop_token_ids))
+                         list(sampling.stop_token_ids), [s for s in sampling.stop if s])
 
     async def outputs(self, engine_id: str, prompt_ids: list[int], prepared: _Prepared,
                       handed_over: Any) -> AsyncIterator[_Output]:
@@ -181,6 +185,7 @@ class SglangDriver:
 
         tasks = [asyncio.ensure_future(pump(i, rid, p)) for i, (rid, p) in enumerate(zip(rids, prepared.per_sequence))]
         running = set(range(len(rids)))
+        produced: dict[int, list[int]] = {}  # per sequence, its ids so far (stop strings)
         first = True
         try:
             while running:
@@ -189,8 +194,8 @@ class SglangDriver:
                     batch.append(queue.get_nowait())
                 outs = []
                 for index, item in batch:
-                    if item is None:
-                        running.discard(index)
+                    if item is None or (prepared.stop and index not in running and index in produced):
+                        running.discard(index)  # (a sequence cut at a stop string: its later chunks are dropped)
                         continue
                     if isinstance(item, BaseException):
                         raise item
@@ -198,6 +203,12 @@ class SglangDriver:
                         handed_over()
                         first = False
                     seq = read_chunk(index, item, logprobs=prepared.logprobs, stop_token_ids=prepared.stop_token_ids)
+                    if prepared.stop and seq.finish_reason != "abort":
+                        seen = produced.setdefault(index, [])
+                        seen.extend(seq.token_ids)
+                        if self._cut_at_stop(seq, seen, prepared.stop) and index in running:
+                            running.discard(index)
+                            self.tm.abort_request(rid=rids[index])  # (its stream ends; what comes after is dropped)
                     if seq.finish_reason is not None:
                         running.discard(index)
                     outs.append(seq)
@@ -210,19 +221,48 @@ class SglangDriver:
             for task in tasks:
                 task.cancel()
 
+    def _cut_at_stop(self, seq: SequenceOutput, ids: list[int], stops: list[str]) -> bool:
+        """Cut `seq` (the last chunk, its ids the end of `ids`) at the first stop string its tokens complete:
+        the tokens up to the one that completed it kept (vLLM's rule; `read` leaves the string out of the text),
+        finish "stop" with the string as stop reason. Whether it cut."""
+        decode = lambda part: self.tokenizer.decode(part, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # noqa: E731
+        found = find_stop(decode, ids, len(seq.token_ids), stops)
+        if found is None:
+            return False
+        keep, stop, _ = found
+        drop = len(ids) - keep
+        if drop:
+            del seq.token_ids[len(seq.token_ids) - drop:]
+            del ids[keep:]
+            if seq.logprobs is not None:
+                del seq.logprobs[len(seq.logprobs) - drop:]
+        seq.finish_reason, seq.stop_reason = "stop", stop
+        return True
+
     def read(self, sequence: SequenceOutput, new: list[int], prepared: _Prepared) -> tuple[list[float] | None, str]:
         """The sampled tokens' log-probs, and the text they add: streamed, decoded incrementally as they come
         (the text of the ids after a short window, less that of the window; a token that ends mid-character
         waits for the next); final-only, the whole completion at its end. Either way as vLLM's detokenizer
         gives it: special tokens skipped, a stop token (EOS or one of stop_token_ids) left out."""
-        state = prepared.text_state.setdefault(sequence.index, [[], 0, 0])  # ids, window start, read up to
+        state = prepared.text_state.setdefault(sequence.index, [[], 0, 0, 0])
         ids = state[0]
         ids.extend(new)
         finished = sequence.finish_reason is not None
         if not prepared.stream and not finished:
             return sequence.logprobs, ""
-        upto = len(ids) - 1 if sequence.finish_reason == "stop" and ids else len(ids)
+        by_string = isinstance(sequence.stop_reason, str)  # a stop string: its token stays, the string leaves the text
+        upto = len(ids) - 1 if sequence.finish_reason == "stop" and ids and not by_string else len(ids)
         decode = lambda part: self.tokenizer.decode(part, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # noqa: E731
+        if prepared.stop:  # the text held back by the longest stop string less one, until it cannot start one
+            full = decode(ids[:upto])
+            if by_string and sequence.stop_reason in full:
+                full = full[: full.find(sequence.stop_reason)]
+            elif not finished:
+                full = full[: max(len(full) - max(len(x) for x in prepared.stop) + 1, 0)].rstrip("\ufffd")
+            if not prepared.stream:
+                return sequence.logprobs, full
+            delta, state[3] = full[state[3]:], max(state[3], len(full))
+            return sequence.logprobs, delta
         if not prepared.stream:
             return sequence.logprobs, decode(ids[:upto])
         window, done = state[1], min(state[2], upto)

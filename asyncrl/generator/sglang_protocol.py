@@ -10,12 +10,13 @@ sequence outputs the replica reads (driver.py: `index`, `token_ids`, `finish_rea
 - `sampling_seed`, not `seed`, and only under `enable_deterministic_inference`, where one seed makes
   the n samples identical: each sequence gets its own (`to_sglang`); without that mode a seeded request
   is refused rather than sampled unseeded;
-- stop strings need SGLang's tokenizer, which the replica does not start: refused, naming the field;
+- stop strings need SGLang's tokenizer, which the replica does not start: they are not sent to SGLang, and
+  the driver matches them on its own decoded text (`find_stop`; sglang_engine.py aborts the sequence there);
 - `output_ids` include the matched stop token, as vLLM's do, and `finish_reason` arrives as a dict.
 The SGLang driver that starts the engine and calls it is sglang_engine.py; this module imports no SGLang.
 
 Must never: import SGLang, or let a request through that SGLang would sample differently from what
-it asked (an unhonoured seed, an ignored stop string).
+it asked (an unhonoured seed).
 """
 
 from __future__ import annotations
@@ -42,9 +43,6 @@ def sequence_rids(engine_id: str, n: int) -> list[str]:
 def to_sglang(sp: SamplingParams, *, deterministic: bool, rng: random.Random | None = None) -> list[dict[str, Any]]:
     """One SGLang `sampling_params` dict per sequence of a validated request. `deterministic`: the
     engine runs with `enable_deterministic_inference` (the only mode in which SGLang reads a seed)."""
-    if sp.stop:
-        raise RequestError("sampling.stop", "stop strings are not supported by the SGLang engine (it runs without its "
-                           "tokenizer: token ids in and out); use stop_token_ids")
     if sp.seed is not None and not deterministic:
         raise RequestError("sampling.seed", "the SGLang engine honours a seed only with generator.engine_kwargs."
                            "enable_deterministic_inference=true; leave seed unset or turn that on")
@@ -116,3 +114,25 @@ def read_chunk(index: int, chunk: dict[str, Any], *, logprobs: bool, stop_token_
                              "or for other ids")
         lps = [float(e[0]) for e in entries]
     return SequenceOutput(index, ids, lps, finish, stop_reason, version, meta=meta)
+
+
+def find_stop(decode: Any, ids: list[int], new: int, stops: list[str]) -> tuple[int, str, int] | None:
+    """Where the first of `stops` ends in the text of `ids` (decoded by `decode`), if one does in a token among the
+    last `new`: (the tokens to keep: up to the one that completed it, as vLLM keeps them; the stop string; where it
+    starts in the text). None if no stop string is there."""
+    text = decode(ids)
+    found = [(text.find(s), s) for s in stops if s and s in text]
+    if not found:
+        return None
+    at, stop = min(found)
+    end = at + len(stop)
+    lo, hi = max(len(ids) - new, 0) + 1, len(ids)  # the smallest k whose text reaches the stop string's end
+    if len(decode(ids[: lo - 1])) >= end:
+        return None  # (matched before these tokens: the sequence was cut there already)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(decode(ids[:mid])) >= end:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, stop, at

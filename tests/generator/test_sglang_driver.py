@@ -193,6 +193,28 @@ def test_streamed_text_waits_for_the_second_half_of_a_character():
     asyncio.run(main())
 
 
+def test_stop_strings_cut_tokens_and_text_as_vllm_does_and_abort_the_rest():
+    async def main():
+        script = [[[97], [98], [60], [62], [99], [100]]]  # "ab<>cd", stop "<>"
+        tm = FakeTM(script)
+        driver = make(tm)
+        seen, texts, finishes, _ = await collect(driver, SamplingParams(max_tokens=8, logprobs=True, stop=["<>"]),
+                                                 stream=False)
+        assert seen == {0: [97, 98, 60, 62]} and texts == {0: "ab"} and finishes == {0: "stop"}
+        assert tm.aborted == sequence_rids("req-1", 1)  # SGLang does not go on past the stop string
+        tm = FakeTM(script)
+        driver = make(tm)
+        prepared = driver.prepare(SamplingParams(max_tokens=8, logprobs=True, stop=["<>"]), stream=True)
+        deltas, reasons = [], []
+        async for out in driver.outputs("s", [1], prepared, lambda: None):
+            for seq in out.outputs:
+                deltas.append(driver.read(seq, list(seq.token_ids), prepared)[1])
+                reasons.append(seq.stop_reason)
+        assert deltas == ["", "a", "b", ""] and reasons[-1] == "<>"  # "<" held back until it is not a stop string
+
+    asyncio.run(main())
+
+
 def test_a_caller_that_goes_aborts_every_sequence_still_running():
     async def main():
         tm = FakeTM([[[65], [66], [67]], [[68], [69], [70]]])

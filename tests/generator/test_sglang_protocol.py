@@ -9,7 +9,7 @@ import random
 import pytest
 
 from asyncrl.generator.sampling import RequestError
-from asyncrl.generator.sglang_protocol import finish_of, read_chunk, sequence_rids, to_sglang
+from asyncrl.generator.sglang_protocol import find_stop, finish_of, read_chunk, sequence_rids, to_sglang
 from asyncrl.types import SamplingParams
 
 # SGLang 0.5.15's SamplingParams fields (a msgspec.Struct: any other key is a TypeError in the engine)
@@ -50,10 +50,15 @@ def test_a_seed_is_honoured_per_sequence_or_refused_by_name():
     assert info.value.field == "sampling.seed" and info.value.status == 400
 
 
-def test_stop_strings_are_refused_by_name():
-    with pytest.raises(RequestError, match="use stop_token_ids") as info:
-        to_sglang(SamplingParams(stop=["\n"]), deterministic=False)
-    assert info.value.field == "sampling.stop"
+def test_stop_strings_stay_out_of_sglang_and_are_found_in_the_decoded_text():
+    out = to_sglang(SamplingParams(stop=["\n"], stop_token_ids=[7]), deterministic=False)
+    assert "stop" not in out[0] and out[0]["stop_token_ids"] == [7]  # (SGLang runs without its tokenizer)
+    decode = lambda ids: "".join(chr(i) for i in ids)  # noqa: E731
+    ids = [ord(c) for c in "ab<>cd"]
+    assert find_stop(decode, ids[:3], 1, ["<>"]) is None  # half of it: not yet
+    assert find_stop(decode, ids[:4], 1, ["<>"]) == (4, "<>", 2)  # completed by the 4th token, which is kept
+    assert find_stop(decode, ids, 3, ["<>", "d"]) == (4, "<>", 2)  # the first to occur wins
+    assert find_stop(decode, ids, 1, ["<>"]) is None  # before these tokens: cut there already
 
 
 @pytest.mark.parametrize("finish, expected", [
