@@ -15,6 +15,13 @@ Sides (`--sides`, in order; a side may repeat, e.g. `vllm,asyncrl,vllm` brackets
            `rollout` (POST /generate, what an external RL client sends) and `handle` (the trainer's
            own requests: a Serve handle call of the engine deployment's `generate`).
   direct   vLLM's `AsyncLLM` in this process with the replica's engine arguments (diagnosis only).
+  sglang   SGLang's own server (`python -m sglang.launch_server`, its OpenAI /v1/completions), the peer of an
+           asyncrl side with `--engine sglang`: phases `plain` and `logprobs`, as `vllm`.
+
+`--engine sglang` (GPU only): the asyncrl side runs SGLang engine replicas (`--engine-pythonpath`: SGLang's
+packages, e.g. /tmp/site-sglang:/tmp/site:$PWD on the GPU host), `direct` is SGLang's `Engine` in a child process
+with those packages, and the ratios are against the best `sglang` side. `--engine-kwargs` then go to SGLang's
+ServerArgs (the slim wheel set needs {"attention_backend": "triton", "sampling_backend": "pytorch"}).
 
 Prints one JSON line per side and phase, then a summary row with asyncrl / vllm ratios (against
 the best `vllm serve` run of each phase, so a repeat on a noisy machine cannot flatter us).
@@ -85,7 +92,40 @@ def engine_sections(args: argparse.Namespace) -> dict:
     """The `model` and `generator` config sections both sides are built from."""
     model = {"path": os.path.abspath(args.model), "dtype": args.dtype, "max_model_len": args.max_model_len}
     gen = {"engine_kwargs": json.loads(args.engine_kwargs), "num_gpus": args.num_gpus}
+    if args.engine == "sglang":
+        gen.update(engine="sglang", engine_pythonpath=args.engine_pythonpath or None)
     return {"model": model, "generator": gen}
+
+
+async def direct_sglang(sections: dict, ids: list[list[int]], concurrency: int, max_tokens: int, warmup: int) -> dict:
+    """`direct` for SGLang: its `Engine` (built in a thread, as the replica builds it), with the replica's server
+    arguments; two timed phases: one result per request, and streamed (one chunk per step)."""
+    from asyncrl.config import GeneratorConfig, ModelConfig
+    from asyncrl.generator.sglang_engine import server_kwargs, start_engine
+    from asyncrl.weightsync.collective import free_port
+
+    engine = start_engine(server_kwargs(ModelConfig(**sections["model"]), GeneratorConfig(**sections["generator"]),
+                                        port=free_port(), nccl_port=free_port()))
+    params = {"temperature": 0, "max_new_tokens": max_tokens, "ignore_eos": True}
+
+    async def final(p: list[int]) -> int:
+        out = await engine.async_generate(input_ids=p, sampling_params=params, return_logprob=True)
+        return len(out["output_ids"])
+
+    async def streamed(p: list[int]) -> int:
+        n = 0
+        async for chunk in await engine.async_generate(input_ids=p, sampling_params=params, return_logprob=True, stream=True):
+            n += len(chunk["output_ids"])
+        return n
+
+    results = {}
+    try:
+        for name, one in (("final_only", final), ("per_step", streamed)):
+            await timed(concurrency, one, ids[:warmup])
+            results[name] = await timed_latency(concurrency, one, ids, f"direct_{name}")
+        return results
+    finally:
+        engine.shutdown()
 
 
 async def direct(sections: dict, ids: list[list[int]], concurrency: int, max_tokens: int, warmup: int) -> dict:
@@ -334,6 +374,35 @@ def side_vllm(args: argparse.Namespace, ids, label: str, log_dir: Path) -> list[
         log.close()
 
 
+def side_sglang(args: argparse.Namespace, ids, label: str, log_dir: Path) -> list[dict]:
+    """SGLang's own OpenAI server on the same model, dtype, context length and `--engine-kwargs`."""
+    port = args.port + 20
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", os.path.abspath(args.model), "--port", str(port),
+           "--served-model-name", "bench", "--dtype", args.dtype, "--context-length", str(args.max_model_len)]
+    for key, value in json.loads(args.engine_kwargs).items():
+        flag = "--" + key.replace("_", "-")
+        cmd += ([flag] if value is True else [] if value is False else [flag, str(value)])
+    print(f"[generation] {label}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    log = open(log_dir / f"{label}.log", "w")
+    env = {**os.environ, "PYTHONPATH": args.engine_pythonpath or os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    try:
+        t0 = time.perf_counter()
+        asyncio.run(wait_ready(f"http://127.0.0.1:{port}/v1/models", proc, args.start_timeout_s))
+        print(f"[generation] {label} ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        phases = [(p, p) for p in args.phases if p in ("plain", "logprobs")]
+        return asyncio.run(run_phases(label, f"http://127.0.0.1:{port}", "bench", phases, ids, args))
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
 def side_asyncrl(args: argparse.Namespace, sections: dict, ids, label: str, replicas: int = 1) -> list[dict]:
     import ray
     from ray import serve
@@ -374,18 +443,29 @@ def side_asyncrl(args: argparse.Namespace, sections: dict, ids, label: str, repl
 
 
 def side_direct(sections: dict, ids, args: argparse.Namespace) -> list[dict]:
-    d = asyncio.run(direct(sections, ids, args.concurrency, args.max_tokens, args.warmup))
+    if args.engine == "sglang":  # SGLang's packages only in a child process (their pins clash with vLLM's)
+        job = json.dumps({"sections": sections, "ids": ids, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                          "warmup": args.warmup})
+        env = {**os.environ, "PYTHONPATH": args.engine_pythonpath or os.environ.get("PYTHONPATH", "")}
+        out = subprocess.run([sys.executable, __file__, "--sglang-direct-child"], input=job, capture_output=True, text=True,
+                             env=env, timeout=args.start_timeout_s + 1800)
+        if out.returncode:
+            raise RuntimeError(f"SGLang direct side failed ({out.returncode}): {out.stderr[-2000:]}")
+        d = json.loads(out.stdout.strip().splitlines()[-1])
+    else:
+        d = asyncio.run(direct(sections, ids, args.concurrency, args.max_tokens, args.warmup))
     rows = [summarize("direct", phase, d[phase], len(ids)) for phase in ("final_only", "per_step")]
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
 
 
-def ratios(rows: list[dict]) -> dict:
-    """asyncrl / best vllm serve run, per phase; rollout paths against vllm serve's `logprobs`."""
+def ratios(rows: list[dict], peer: str = "vllm") -> dict:
+    """asyncrl / best `peer` server run (vllm serve, or SGLang's server), per phase; rollout paths against the
+    peer's `logprobs`. Keys say `over_vllm` / `over_sglang`."""
     best: dict[str, dict] = {}
     for r in rows:
-        if r["side"].startswith("vllm") and r["tokens_per_s"] > best.get(r["phase"], {}).get("tokens_per_s", 0):
+        if r["side"].startswith(peer) and r["tokens_per_s"] > best.get(r["phase"], {}).get("tokens_per_s", 0):
             best[r["phase"]] = r
     out: dict = {}
     for r in rows:
@@ -394,8 +474,8 @@ def ratios(rows: list[dict]) -> dict:
         base = best.get({"rollout": "logprobs", "handle": "logprobs"}.get(r["phase"], r["phase"].removesuffix("_proxy")))
         if base:
             key = r["phase"] if r["side"] == "asyncrl" else f"{r['side']}_{r['phase']}"
-            out[f"{key}_over_vllm"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
-            out[f"{key}_p99_over_vllm"] = round(r["p99_s"] / base["p99_s"], 3)
+            out[f"{key}_over_{peer}"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+            out[f"{key}_p99_over_{peer}"] = round(r["p99_s"] / base["p99_s"], 3)
     return out
 
 
@@ -418,13 +498,22 @@ def main() -> None:
     ap.add_argument("--endpoints", default="gateway", help="asyncrl HTTP endpoints: gateway (its own port), proxy (Serve's)")
     ap.add_argument("--start-timeout-s", type=float, default=600)
     ap.add_argument("--log-dir", default=None, help="where vllm serve's logs go (default: a temporary folder)")
+    ap.add_argument("--engine", default="vllm", choices=["vllm", "sglang"], help="the engine of the asyncrl and direct sides")
+    ap.add_argument("--engine-pythonpath", default="", help="SGLang's packages first (its server, direct side and replicas)")
+    if sys.argv[1:] == ["--sglang-direct-child"]:  # side_direct's child, with SGLang's packages
+        job = json.loads(sys.stdin.read())
+        print(json.dumps(asyncio.run(direct_sglang(job["sections"], job["ids"], job["concurrency"], job["max_tokens"],
+                                                   job["warmup"]))), flush=True)
+        return
     args = ap.parse_args()
     sides = args.sides.split(",")
     args.phases, args.endpoints = args.phases.split(","), args.endpoints.split(",")
     kinds = [re.sub(r"x\d+$", "", s) if s.startswith("asyncrl") else s for s in sides]
-    if set(kinds) - {"vllm", "asyncrl", "direct"} or set(args.phases) - {"plain", "logprobs", "rollout", "handle"} \
+    if args.engine == "sglang" and not args.num_gpus:
+        ap.error("--engine sglang needs --num-gpus (SGLang has no CPU backend here)")
+    if set(kinds) - {"vllm", "asyncrl", "direct", "sglang"} or set(args.phases) - {"plain", "logprobs", "rollout", "handle"} \
             or set(args.endpoints) - {"gateway", "proxy"}:
-        ap.error("--sides: vllm|asyncrl|direct; --phases: plain|logprobs|rollout|handle; --endpoints: gateway|proxy")
+        ap.error("--sides: vllm|asyncrl|direct|sglang; --phases: plain|logprobs|rollout|handle; --endpoints: gateway|proxy")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="generation-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     sections = engine_sections(args)
@@ -434,6 +523,8 @@ def main() -> None:
         label = f"{side}{sum(s == side for s in sides[:i]) + 1}" if sides.count(side) > 1 else side
         if side == "vllm":
             rows += side_vllm(args, ids, label, log_dir)
+        elif side == "sglang":
+            rows += side_sglang(args, ids, label, log_dir)
         elif side.startswith("asyncrl"):
             rows += side_asyncrl(args, sections, ids, label, int(side.removeprefix("asyncrl").removeprefix("x") or 1))
         else:
@@ -441,7 +532,7 @@ def main() -> None:
     print(json.dumps({"benchmark": "generation", "model": args.model, "num_prompts": args.num_prompts,
                       "concurrency": args.concurrency, "max_tokens": args.max_tokens, "dtype": args.dtype,
                       "prompt_tokens_mean": round(sum(map(len, ids)) / len(ids), 1), "sides": sides,
-                      **ratios(rows), "phases": {f"{r['side']}/{r['phase']}": r["tokens_per_s"] for r in rows}}), flush=True)
+                      "engine": args.engine, **ratios(rows, "sglang" if args.engine == "sglang" else "vllm"), "phases": {f"{r['side']}/{r['phase']}": r["tokens_per_s"] for r in rows}}), flush=True)
 
 
 if __name__ == "__main__":

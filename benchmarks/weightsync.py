@@ -64,11 +64,20 @@ def say(msg: str) -> None:
     print(f"[weightsync {time.monotonic() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
+# SGLang's engine in these benches: the slim wheel set's backends (benchmarks/sglang/slim_wheels.py)
+SGLANG_KWARGS = {"attention_backend": "triton", "sampling_backend": "pytorch"}
+
+
 class EngineActor:
-    def __init__(self, model_path: str, name: str, gpus: float = 0.0, dtype: str = "float32") -> None:
-        self.model_path, self.name, self.replica, self.dtype = model_path, name, None, dtype
+    def __init__(self, model_path: str, name: str, gpus: float = 0.0, dtype: str = "float32", engine: str = "vllm") -> None:
+        self.model_path, self.name, self.replica, self.dtype, self.engine = model_path, name, None, dtype, engine
+        self.gpus = gpus
         # On a GPU the engine keeps to its share, so a co-located sender (ipc) and sinks fit beside it.
-        self.engine_kwargs = {"gpu_memory_utilization": round(0.8 * gpus, 2)} if 0 < gpus < 1 else {}
+        share = round(0.8 * gpus, 2) if 0 < gpus < 1 else None
+        if engine == "sglang":  # (its replica stages a pushed version beside the engine: 0.6 of a whole GPU)
+            self.engine_kwargs = {**SGLANG_KWARGS, "mem_fraction_static": share or 0.6}
+        else:
+            self.engine_kwargs = {"gpu_memory_utilization": share} if share else {}
 
     async def collective_info(self):
         return await self.replica.collective_info()
@@ -82,7 +91,8 @@ class EngineActor:
 
         # The engine holds the weights in the checkpoint's dtype (what the learner exports).
         self.replica = EngineReplica(ModelConfig(path=self.model_path, dtype=self.dtype),
-                                     GeneratorConfig(engine_kwargs=self.engine_kwargs), replica_id=self.name)
+                                     GeneratorConfig(engine=self.engine, num_gpus=self.gpus, engine_kwargs=self.engine_kwargs),
+                                     replica_id=self.name)
         await self.replica.start()
 
     async def pause(self, mode):
@@ -419,7 +429,8 @@ def _engine_dtypes(plan, base):
 async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket_mbs: list[float],
                       transports: list[str], verify: str, gpus: float, apply: str = "auto",
                       staging: str = "full", dtype: str = "float32", sender_arena: str = "auto",
-                      timeout_s: float = 120.0, push_channel: str = "on") -> list[dict]:
+                      timeout_s: float = 120.0, push_channel: str = "on", engine_name: str = "vllm",
+                      engine_pythonpath: str = "") -> list[dict]:
     """Rows for every transport at every bucket size in `bucket_mbs`, each size measured in turn on
     the same engines and sender (its plan formed again; the raw floor in buckets of its sizes)."""
     import pickle
@@ -431,8 +442,10 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
 
     base = load_hf_tensors(str(path))
     params = sum(t.numel() for t in base.values())
-    engine = ray.remote(num_cpus=0.5, num_gpus=gpus)(EngineActor)
-    actors = [engine.remote(str(path), f"engine-{i}", gpus, dtype if name != "demo" else "float32") for i in range(replicas)]
+    env = {"runtime_env": {"env_vars": {"PYTHONPATH": engine_pythonpath}}} if engine_pythonpath else {}
+    engine = ray.remote(num_cpus=0.5, num_gpus=gpus, **env)(EngineActor)
+    actors = [engine.remote(str(path), f"engine-{i}", gpus, dtype if name != "demo" else "float32", engine_name)
+              for i in range(replicas)]
     say(f"{name}: {params / 1e6:.0f}M parameters loaded; starting {replicas} engine replica(s)")
     await asyncio.gather(*(a.start.remote() for a in actors))
     say(f"{name}: engine replica(s) up")
@@ -694,6 +707,10 @@ def main() -> None:
     ap.add_argument("--sender-arena", default="auto", choices=["auto", "whole", "ring"],
                     help="gloo / nccl, full staging with a plan: the sender packs the whole version in one arena, or "
                          "through a ring of reused bucket slots (a learner short of device memory), auto = whole where it fits")
+    ap.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
+                    help="the engine replicas' engine (sglang: GPU only, pushes in HF layout through its update_weights_from_tensor)")
+    ap.add_argument("--engine-pythonpath", default="",
+                    help="put before the engine actors' PYTHONPATH (SGLang's packages on the GPU host: /tmp/site-sglang:/tmp/site:$PWD)")
     ap.add_argument("--push-channel", default="on", choices=["on", "off", "both"],
                     help="collective transports: each replica's load over its push channel (weightsync.push_channel, "
                          "opened after the warm-up push, as the service opens it once the groups form), or through Ray; "
@@ -710,6 +727,8 @@ def main() -> None:
         ap.error(f"--bucket-mb: every size must be > 0 MiB, got {args.bucket_mb!r}")
     if args.timeout_s <= 0:
         ap.error(f"--timeout-s must be > 0 (each push's deadline in seconds), got {args.timeout_s}")
+    if args.engine == "sglang" and args.gpus <= 0:
+        ap.error("--engine sglang needs --gpus > 0 (SGLang has no CPU backend here)")
     if "nccl" in args.transports.split(",") and args.gpus <= 0:
         ap.error("--transports nccl needs --gpus > 0 (engines on GPUs; the sender takes a GPU of its own)")
     if {"ipc", "nccl"} <= set(args.transports.split(",")):
@@ -744,9 +763,9 @@ def main() -> None:
                 rows = asyncio.run(bench_model(name, path, args.replicas, args.repeats, sizes,
                                                args.transports.split(","), args.verify, args.gpus, args.apply, args.staging,
                                                args.dtype, args.sender_arena, args.timeout_s,
-                                               args.push_channel))
+                                               args.push_channel, args.engine, args.engine_pythonpath))
                 for row in rows:
-                    print(json.dumps(row), flush=True)
+                    print(json.dumps({"engine": args.engine, **row}), flush=True)
     finally:
         ray.shutdown()
 

@@ -152,8 +152,10 @@ class WeightUpdates:
         # beside the wire: then the pause goes out first (no step may run on them before the check;
         # the receive follows at once when no request is in the engine, else after the pause's reply:
         # `_pause_before_receive`), the ledger's counts are read in the receive before any weight changes, and a check
-        # that fails at the end is a failed apply (restored from the last live version, paused).
-        pausing, paused_at, overlapped = None, None, False
+        # that fails at the end is a failed apply (restored from the last live version, paused). A driver that
+        # receives apart from its engine (`receives_apart`: SGLang) keeps the engine stepping during the receive
+        # and pauses it after: paused only for the check and the apply.
+        pausing, paused_at, overlapped, late_pause = None, None, False, False
         early = (named_tensors.stream and self._staging.layout == "engine" and self._staging.staging == "full"
                  and "weights" not in self._asleep)
         if early:
@@ -162,6 +164,8 @@ class WeightUpdates:
                 paused_at = time.perf_counter()
                 pausing, overlapped = await self._pause_before_receive()
             loads: Any = self._load(named_tensors, early=self._versions.counts_query, applying=True)
+        elif self.state is ReplicaState.READY and self._may_run() and self.engine.receives_apart:
+            loads, late_pause = self._load(named_tensors), True  # the engine steps on beside the wire
         elif self.state is ReplicaState.READY and self._may_run():
             receiving = asyncio.ensure_future(self._load(named_tensors))
             await asyncio.sleep(0)  # (its call goes out first)
@@ -174,6 +178,9 @@ class WeightUpdates:
             try:
                 staged = await loads
                 trace.mark("rep.received")
+                if late_pause:  # received apart from the engine, which stepped on: paused now, for the commit
+                    paused_at = time.perf_counter()
+                    pausing = asyncio.ensure_future(self._pause_engine("keep"))
             finally:
                 if pausing is not None:  # paused (or failed to) before anything else happens
                     await asyncio.wait([pausing])

@@ -209,3 +209,43 @@ def test_a_pause_that_fails_after_the_receive_beside_it_applied_is_a_failed_appl
 
     run(scenario())
     assert r.counters["updates_failed"] == 1
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_a_committing_load_pauses_beside_the_receive_or_after_it_when_the_engine_receives_apart(apart):
+    """vLLM's workers receive inside its utility call (no step runs then): the pause goes out beside the receive.
+    A driver whose weights are received outside the engine (SGLang's) keeps it stepping on the wire: the pause
+    goes out only once the receive is done, and the commit still runs paused."""
+    from asyncrl.generator.replica_types import UpdateState
+    from asyncrl.weightsync.collective import CollectiveReceive
+
+    log: list = []
+    r = replica(log)
+    r.engine.receives_apart = apart
+    wire = asyncio.Event()
+
+    async def load(payload, early=False, applying=False):
+        log.append(("receive",))
+        await wire.wait()
+        log.append(("received",))
+        return 3
+
+    async def commit(version, fingerprint, paused_at=None):
+        log.append(("commit", r._paused_mode))
+        return {"version": version}
+
+    async def scenario():
+        r._load, r._commit = load, commit
+        r._staging.sender_fingerprint = lambda: NOTHING
+        r.update_state, r._staging_version = UpdateState.STAGING, 1
+        task = asyncio.ensure_future(r._load_bucket(CollectiveReceive(("g",), 1, commit=True), 1))
+        await asyncio.sleep(0.02)
+        wire.set()
+        await task
+
+    run(scenario())
+    pause = ("pause", "keep", True)
+    if apart:
+        assert log == [("receive",), ("received",), pause, ("commit", "keep")]
+    else:
+        assert log == [("receive",), pause, ("received",), ("commit", "keep")]
