@@ -119,6 +119,11 @@ class WorkerAPI(Protocol):
         "applied": the apply's report where `early` (a query verb, "" none) had each bucket applied as
         it landed, "before": that query's answer}. `gate`: the push's gate token (gloo / NCCL)."""
 
+    def asyncrl_receive_start(self, version: int, group_ids: list[str], timeout_s: float, begin: tuple | None,
+                              with_sender: bool, gate: str, reply: dict[str, Any]) -> None:
+        """`asyncrl_receive_collective` in a thread of the worker (the engine steps on); returns at once, and the
+        answer goes to the replica's `receive_done` over its push channel (`reply`: its address and the call id)."""
+
     def asyncrl_refuse_collective(self, group_ids: list[str], why: str, gate: str = "") -> None: ...
 
     def asyncrl_apply(self, version: int) -> dict[str, Any]: ...

@@ -296,6 +296,11 @@ class WeightsyncConfig(_Section):
         "(its buckets' sizes, through one reused buffer on every member) over them; every push then reports "
         "weightsync/raw_seconds and its push_over_raw and paused_over_raw against that floor. Costs one such broadcast "
         "per group formation; other transports have no wire and ignore it.")
+    receive_apart: bool = Field(
+        False, description="gloo / NCCL: each engine worker receives a push in a thread of its own while the engine "
+        "keeps generating, and reports the end to its replica, which pauses the engine only for the check and the apply "
+        "(no apply as each bucket lands). False: the receive runs inside the engine's own call, which the engine waits for "
+        "(vLLM: between steps). SGLang's replicas always receive apart from their engine.")
     push_channel: bool = Field(
         True, description="gloo / nccl / ipc: the push's load reaches each engine replica over a socket of its own "
         "(opened once the groups are formed; asyncrl/weightsync/push_channel.py) instead of through Serve, which costs "

@@ -156,15 +156,16 @@ class WeightUpdates:
         # receives apart from its engine (`receives_apart`: SGLang) keeps the engine stepping during the receive
         # and pauses it after: paused only for the check and the apply.
         pausing, paused_at, overlapped, late_pause = None, None, False, False
+        apart = self.engine.receives_apart or named_tensors.apart
         early = (named_tensors.stream and self._staging.layout == "engine" and self._staging.staging == "full"
-                 and "weights" not in self._asleep)
+                 and "weights" not in self._asleep and not apart)
         if early:
             # (not running: asleep but for its weights, or paused by a caller: no step can run anyway)
             if self.state is ReplicaState.READY and self._may_run():
                 paused_at = time.perf_counter()
                 pausing, overlapped = await self._pause_before_receive()
             loads: Any = self._load(named_tensors, early=self._versions.counts_query, applying=True)
-        elif self.state is ReplicaState.READY and self._may_run() and self.engine.receives_apart:
+        elif self.state is ReplicaState.READY and self._may_run() and apart:
             loads, late_pause = self._load(named_tensors), True  # the engine steps on beside the wire
         elif self.state is ReplicaState.READY and self._may_run():
             receiving = asyncio.ensure_future(self._load(named_tensors))
@@ -181,6 +182,7 @@ class WeightUpdates:
                 if late_pause:  # received apart from the engine, which stepped on: paused now, for the commit
                     paused_at = time.perf_counter()
                     pausing = asyncio.ensure_future(self._pause_engine("keep"))
+                    pausing.add_done_callback(lambda _: trace.mark("rep.paused"))
             finally:
                 if pausing is not None:  # paused (or failed to) before anything else happens
                     await asyncio.wait([pausing])
@@ -272,11 +274,18 @@ class WeightUpdates:
     async def push_channel(self) -> dict[str, Any]:
         """The address of this replica's push channel: the publisher's load goes there instead of
         through Ray or Serve (the same verb, run on this loop). Started at the first ask."""
-        from asyncrl.weightsync.push_channel import ChannelServer
+        from asyncrl.weightsync.push_channel import RECEIVE_DONE, ChannelServer
 
         if getattr(self, "_channel", None) is None:
-            self._channel = ChannelServer(self, ["load_bucket"])
+            self._channel = ChannelServer(self, ["load_bucket", RECEIVE_DONE])
         return {"replica_id": self.replica_id, **await self._channel.address(_node_host())}
+
+    async def receive_done(self, call: str, rank: int, ok: bool, answer: Any) -> None:
+        """A worker's receive apart from the engine ended (`CollectiveReceive.apart`; it reports over this channel)."""
+        self._staging.receive_done(call, rank, ok, answer)
+
+    async def _reply_address(self) -> dict[str, Any]:
+        return await self.push_channel()
 
     def close_push_channel(self) -> None:
         channel, self._channel = getattr(self, "_channel", None), None

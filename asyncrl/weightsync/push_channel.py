@@ -12,6 +12,9 @@ Why: the push's other costs are bytes on the wire, but its calls went through Ra
 round trip: 1.3-1.8 ms on the GPU hosts, docs/BENCHMARKS.md) and, in the training loop, through
 Serve's broadcast (2.3-3.9 ms here), before its first byte and after its last.
 
+`call_once` is the blocking one-call client a thread without an event loop uses: an engine worker's receive
+that runs apart from its engine reports its end to the replica over the replica's channel (worker_verbs.py).
+
 Must never: run a verb it was not given, read a frame before the token was checked, or leave a call
 waiting on a connection that is gone (every call in flight fails with `ChannelClosed` the moment
 the connection drops; the caller falls back to Ray or Serve next time).
@@ -31,6 +34,7 @@ from collections.abc import Iterable
 from typing import Any
 
 _LEN = struct.Struct("!Q")
+RECEIVE_DONE = "receive_done"  # the replica's verb a worker's receive apart from the engine reports its end to
 _TOKEN_MAX = 256  # bytes: the first frame is a token, read before anything is trusted
 _FRAME_MAX = 1 << 30  # a call's arguments travel by value (the load's payload is a small dataclass)
 
@@ -189,3 +193,35 @@ class ChannelClient:
     def close(self) -> None:
         self._fail(ChannelClosed(f"push channel to {self.name}: closed"))
         self._replies.cancel()
+
+
+def call_once(address: dict[str, Any], verb: str, *args: Any, timeout_s: float = 30.0) -> Any:
+    """`verb(*args)` on the server at `address` ({host, port, token}) from a thread without an event loop: one
+    connection, one call, its result (or its exception raised here); `ChannelClosed` if the connection fails."""
+    import socket
+
+    try:
+        with socket.create_connection((address["host"], int(address["port"])), timeout=timeout_s) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(_frame(str(address["token"]).encode()) + _frame(pickle.dumps((0, verb, args))))
+            head = _recv_exactly(sock, _LEN.size)
+            (n,) = _LEN.unpack(head)
+            if n > _FRAME_MAX:
+                raise ChannelClosed(f"push channel: a reply of {n} bytes")
+            _, ok, value = pickle.loads(_recv_exactly(sock, n))
+    except OSError as err:
+        raise ChannelClosed(f"push channel to {address.get('host')}:{address.get('port')}: {type(err).__name__}: {err}") from err
+    if not ok:
+        raise value
+    return value
+
+
+def _recv_exactly(sock: Any, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(n - got)
+        if not chunk:
+            raise ConnectionError("the channel closed mid-frame")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)

@@ -26,7 +26,7 @@ import logging
 import pickle
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.interfaces import WorkerAPI, verb_name
@@ -78,6 +78,20 @@ async def _as_shared(payload: Any) -> AsyncIterator[tuple[Any, bool]]:
         yield await asyncio.to_thread(write_shared, bucket), True
 
 
+@dataclass
+class _ApartCall:
+    """One receive apart from the engine: the workers' answers by rank, complete once every worker started
+    (`workers`, known when the start call returns: an answer may come before that) has answered."""
+
+    future: asyncio.Future
+    answers: dict[int, tuple[bool, Any]] = field(default_factory=dict)
+    workers: int | None = None
+
+    def settle(self) -> None:
+        if self.workers is not None and len(self.answers) >= self.workers and not self.future.done():
+            self.future.set_result(None)
+
+
 class ReplicaStaging:
     def __init__(self, rpc: Rpc, replica_id: str) -> None:
         self.rpc, self.replica_id = rpc, replica_id
@@ -93,6 +107,10 @@ class ReplicaStaging:
         # a load that commits into a paused engine: the workers applied each bucket as it landed (their
         # apply's report, the `before` query's answers), so the commit only checks and relabels
         self.applied_early: dict[str, Any] | None = None
+        # a receive apart from the engine (`CollectiveReceive.apart`): where the workers report its end (the
+        # replica's push channel address, set by the replica), and the receives waiting for them, by call id
+        self.reply_address: Callable[[], Awaitable[dict[str, Any]]] | None = None
+        self._apart: dict[str, _ApartCall] = {}
 
     # ---- layout and plan ---------------------------------------------------------------------
     async def check_layout(self) -> list[dict[str, Any]]:
@@ -158,8 +176,12 @@ class ReplicaStaging:
             query = None
             if early is not False and payload.commit:
                 query = "" if early is None else verb_name(WorkerAPI, early)
-            results = await self.rpc(WorkerAPI.asyncrl_receive_collective, version, list(payload.group_ids), payload.timeout_s,
-                                     begin, payload.commit, query, payload.gate, timeout=payload.timeout_s + 30.0)
+            if payload.apart:
+                results = await self._receive_apart(payload, version, begin)
+            else:
+                results = await self.rpc(WorkerAPI.asyncrl_receive_collective, version, list(payload.group_ids),
+                                         payload.timeout_s, begin, payload.commit, query, payload.gate,
+                                         timeout=payload.timeout_s + 30.0)
             if payload.commit:  # each worker read the senders' digests too: every worker saw the same
                 self.sender_digests = dict(results[0]["sender"]) if results else {}
                 applied = [r.get("applied") for r in results]
@@ -178,6 +200,37 @@ class ReplicaStaging:
                     if owned:  # written here; the workers hold their own mappings now
                         shared.unlink()
         return sum(len(d) for d in self._per_worker)
+
+    async def _receive_apart(self, payload: Any, version: int, begin: Any) -> list[Any]:
+        """The workers receive in threads of their own (`asyncrl_receive_start`: the engine steps on), and report
+        their answers to `receive_done` (the replica's push channel); the answers, in worker order."""
+        import secrets
+
+        if self.reply_address is None:
+            raise RuntimeError("a receive apart from the engine needs the replica's push channel to report to")
+        call = secrets.token_hex(8)
+        waiting = self._apart[call] = _ApartCall(asyncio.get_running_loop().create_future())
+        try:
+            reply = {**await self.reply_address(), "call": call}
+            started = await self.rpc(WorkerAPI.asyncrl_receive_start, version, list(payload.group_ids), payload.timeout_s,
+                                     begin, payload.commit, payload.gate, reply, timeout=60.0)
+            waiting.workers = len(started)
+            waiting.settle()
+            await asyncio.wait_for(asyncio.shield(waiting.future), payload.timeout_s + 30.0)
+        finally:
+            self._apart.pop(call, None)
+        answers = [waiting.answers[rank] for rank in sorted(waiting.answers)]
+        failed = [answer for ok, answer in answers if not ok]
+        if failed:
+            raise RuntimeError(f"a worker's receive failed: {failed[0]}")  # (its text: a gate closed says so)
+        return [answer for _, answer in answers]
+
+    def receive_done(self, call: str, rank: int, ok: bool, answer: Any) -> None:
+        """A worker's receive apart from the engine ended (`answer`: its result, or its error's text)."""
+        waiting = self._apart.get(call)
+        if waiting is not None:  # (else a receive its load gave up on)
+            waiting.answers[int(rank)] = (bool(ok), answer)
+            waiting.settle()
 
     def sender_fingerprint(self) -> str:
         """The fingerprint of what the senders sent, from their own digests (a load that commits)."""

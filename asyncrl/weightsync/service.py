@@ -118,7 +118,7 @@ class WeightPublisher:
             control = self.replicas.control
             self.link = CollectiveLink(
                 transport.backend, self.learner, bucket_mb=self.cfg.bucket_mb, timeout_s=self.cfg.timeout_s,
-                ipc_window=ipc_window_for(self.cfg.staging),
+                ipc_window=ipc_window_for(self.cfg.staging), receive_apart=self.cfg.receive_apart,
                 # through the replicas' client: the fan-out a push reads is then the one just counted
                 members=lambda: self.replicas.broadcast(EngineAPI.collective_info),
                 # beside each push (its fan-out count untouched): are the groups' members still the replicas?
@@ -365,7 +365,7 @@ class CollectiveLink:
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
                  ipc_window: int | None = None, check: Callable[[], Awaitable[dict[str, Any]]] | None = None,
                  probe: Callable[[list[list[int]]], Awaitable[Any]] | None = None,
-                 probe_sizes: Callable[[], dict[int, list[int]]] | None = None) -> None:
+                 probe_sizes: Callable[[], dict[int, list[int]]] | None = None, receive_apart: bool = False) -> None:
         from asyncrl.weightsync.collective import IPC_WINDOW
 
         self.backend, self.learner = backend, learner
@@ -375,6 +375,7 @@ class CollectiveLink:
         self._probe_sizes = probe_sizes
         self.raw: tuple[float, int] | None = None  # the last probe: (seconds, bytes) over the current groups
         self.bucket_mb, self.timeout_s = bucket_mb, timeout_s
+        self.receive_apart = receive_apart  # gloo / NCCL: the replicas' workers receive apart from their engines
         self.ipc_window = IPC_WINDOW if ipc_window is None else ipc_window
         self.specs: list[Any] = []
         self.members: dict[str, int] = {}  # replica id -> engine workers, as the groups were formed
@@ -501,7 +502,8 @@ class CollectiveLink:
 
         broadcast = self.backend != "ipc"
         self._gate = f"v{version}-{uuid.uuid4().hex[:12]}" if broadcast else ""
-        return CollectiveReceive(tuple(self.group_ids), version, self.timeout_s, stream=broadcast, gate=self._gate)
+        return CollectiveReceive(tuple(self.group_ids), version, self.timeout_s, stream=broadcast, gate=self._gate,
+                                 apart=broadcast and self.receive_apart)
 
     async def send(self, version: int, verify: str) -> Any:  # noqa: ARG002 - the label travels with the payload
         """The senders' side of the attempt `payload` described. On gloo / NCCL the replicas are asked

@@ -136,6 +136,40 @@ class WorkerVerbs:
         trace.mark("wrk.return")
         return {"digests": digests, "sender": theirs, "applied": applied, "before": first} if with_sender else digests
 
+    def asyncrl_receive_start(self, version: int, group_ids: list[str], timeout_s: float, begin: tuple | None,
+                              with_sender: bool, gate: str, reply: dict[str, Any]) -> None:
+        """`asyncrl_receive_collective` (never applying as it lands) in a thread of this worker, so that the engine
+        steps on while the push is on the wire; returns at once. Its answer, or its error's text, goes to the
+        replica over `reply` ({host, port, token} of the replica's push channel, and `call`, this receive's id):
+        `receive_done(call, rank, ok, answer)`. One receive at a time: a second before the first ended is refused."""
+        import threading
+
+        running = self.__dict__.get("_asyncrl_receiving")
+        if running is not None and running.is_alive():
+            raise RuntimeError("a receive apart from the engine is still running on this worker")
+        rank = int(getattr(self, "rank", 0))
+
+        def run() -> None:
+            from asyncrl.weightsync.push_channel import RECEIVE_DONE, call_once
+
+            try:
+                answer: Any = (True, self.asyncrl_receive_collective(version, group_ids, timeout_s, begin, with_sender,
+                                                                      None, gate))
+            except BaseException as err:  # noqa: BLE001 - reported to the replica, whose load raises it
+                answer = (False, f"{type(err).__name__}: {err}")
+            address = {k: reply[k] for k in ("host", "port", "token")}
+            try:
+                call_once(address, RECEIVE_DONE, reply["call"], rank, *answer, timeout_s=timeout_s)
+            except Exception as err:  # noqa: BLE001 - the replica's load then ends at its deadline
+                import logging
+
+                logging.getLogger(__name__).warning("worker %d: could not report receive %s to the replica: %s: %s",
+                                                    rank, reply["call"], type(err).__name__, err)
+
+        thread = threading.Thread(target=run, name=f"asyncrl-receive-{version}", daemon=True)
+        self.__dict__["_asyncrl_receiving"] = thread
+        thread.start()
+
     def asyncrl_refuse_collective(self, group_ids: list[str], why: str, gate: str = "") -> None:
         """Refuse the coming push on the groups `group_ids` (its begin failed): its sender (ipc), or
         every member at its gate `gate` (gloo / NCCL), stops at once. Best effort on each group."""

@@ -204,3 +204,78 @@ def test_the_publisher_opens_channels_after_a_push_and_tries_failed_ones_again_l
         assert off.replicas.asked == []  # weightsync.push_channel false: always through Serve
 
     run(scenario())
+
+
+def test_a_thread_without_a_loop_calls_the_replica_once_and_gets_its_answer_or_its_error():
+    """`call_once`: the blocking client a worker's receive thread reports its end with."""
+    import threading
+
+    from asyncrl.weightsync.push_channel import ChannelClosed, ChannelServer, call_once
+
+    class Target:
+        async def receive_done(self, call, rank, ok, answer):
+            if not ok:
+                raise ValueError(f"refused {call}")
+            return {"call": call, "rank": rank, "answer": answer}
+
+    async def main():
+        server = ChannelServer(Target(), ["receive_done"])
+        address = await server.address("127.0.0.1")
+        out: dict = {}
+
+        def worker():
+            out["ok"] = call_once(address, "receive_done", "c1", 3, True, {"digests": {"a": b"\x01"}})
+            try:
+                call_once(address, "receive_done", "c2", 0, False, "boom")
+            except ValueError as err:
+                out["err"] = str(err)
+            try:
+                call_once({**address, "token": "wrong"}, "receive_done", "c3", 0, True, None, timeout_s=2)
+            except ChannelClosed as err:  # the server closes a connection that does not present its token
+                out["closed"] = str(err)
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        while thread.is_alive():
+            await asyncio.sleep(0.01)
+        server.close()
+        return out
+
+    out = asyncio.run(main())
+    assert out["ok"] == {"call": "c1", "rank": 3, "answer": {"digests": {"a": b"\x01"}}}
+    assert out["err"] == "refused c2" and "closed" in out
+
+
+def test_a_receive_apart_waits_for_every_worker_whenever_its_answer_comes_and_raises_a_failed_one():
+    """ReplicaStaging's wait for workers that receive in threads of their own: answers may come before the start
+    call returns (how many workers is known only then), they come back in rank order, a failed worker's text is
+    raised (a gate that closed still reads as one), and a worker that never answers ends at the deadline."""
+    from asyncrl.interfaces import WorkerAPI, verb_name
+    from asyncrl.weightsync.collective import CollectiveReceive
+    from asyncrl.weightsync.replica_side import ReplicaStaging
+
+    async def main(answers, timeout_s=5.0):
+        staging: ReplicaStaging
+
+        async def rpc(verb, *args, timeout=None):
+            assert verb_name(WorkerAPI, verb) == "asyncrl_receive_start"
+            call = args[-1]["call"]
+            for rank, ok, answer in answers:  # (one before the start call returns)
+                staging.receive_done(call, rank, ok, answer)
+                await asyncio.sleep(0)
+            return [None, None]  # two workers started
+
+        async def address():
+            return {"host": "h", "port": 1, "token": "t"}
+
+        staging = ReplicaStaging(rpc, "r")
+        staging.reply_address = address
+        staging.version = 4
+        payload = CollectiveReceive(("g",), 4, timeout_s, apart=True)
+        return await staging._receive_apart(payload, 4, None)
+
+    assert asyncio.run(main([(1, True, "b"), (0, True, "a")])) == ["a", "b"]
+    with pytest.raises(RuntimeError, match="a worker's receive failed: GateClosed: .*stopped at its gate"):
+        asyncio.run(main([(0, True, "a"), (1, False, "GateClosed: group g: push x stopped at its gate")]))
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(main([(0, True, "a")], timeout_s=-29.9))  # (the wait is the receive's deadline + 30 s)
