@@ -150,8 +150,13 @@ class WorkerVerbs:
         rank = int(getattr(self, "rank", 0))
 
         def run() -> None:
+            import torch
+
             from asyncrl.weightsync.push_channel import RECEIVE_DONE, call_once
 
+            device = getattr(self, "device", None)
+            if device is not None and torch.device(device).type == "cuda":
+                torch.cuda.set_device(torch.device(device))  # (a new thread starts on device 0, not the worker's)
             try:
                 answer: Any = (True, self.asyncrl_receive_collective(version, group_ids, timeout_s, begin, with_sender,
                                                                       None, gate))
