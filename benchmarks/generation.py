@@ -339,7 +339,7 @@ async def wait_ready(url: str, proc, timeout_s: float) -> None:
     async with aiohttp.ClientSession() as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode} before it was ready")
+                raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
             try:
                 async with client.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
                     if r.status == 200:
@@ -347,44 +347,15 @@ async def wait_ready(url: str, proc, timeout_s: float) -> None:
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
             await asyncio.sleep(1)
-    raise RuntimeError(f"vllm serve not ready after {timeout_s} s")
+    raise RuntimeError(f"the server was not ready after {timeout_s} s")
 
 
-def side_vllm(args: argparse.Namespace, ids, label: str, log_dir: Path) -> list[dict]:
-    port = args.port + 10
-    cmd = vllm_serve_command(args, port)
+def _server_side(cmd: list[str], env: dict[str, str], port: int, args: argparse.Namespace, ids, label: str,
+                 log_dir: Path) -> list[dict]:
+    """A peer's own OpenAI server (`cmd`, in a session of its own, its log in `log_dir`): started, the
+    `plain` / `logprobs` phases run on its /v1/completions, stopped (its whole process group)."""
     print(f"[generation] {label}: {' '.join(cmd)}", file=sys.stderr, flush=True)
     log = open(log_dir / f"{label}.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]})
-    try:
-        t0 = time.perf_counter()
-        asyncio.run(wait_ready(f"http://127.0.0.1:{port}/v1/models", proc, args.start_timeout_s))
-        print(f"[generation] {label} ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        phases = [(p, p) for p in args.phases if p in ("plain", "logprobs")]
-        return asyncio.run(run_phases(label, f"http://127.0.0.1:{port}", "bench", phases, ids, args))
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-
-
-def side_sglang(args: argparse.Namespace, ids, label: str, log_dir: Path) -> list[dict]:
-    """SGLang's own OpenAI server on the same model, dtype, context length and `--engine-kwargs`."""
-    port = args.port + 20
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", os.path.abspath(args.model), "--port", str(port),
-           "--served-model-name", "bench", "--dtype", args.dtype, "--context-length", str(args.max_model_len)]
-    for key, value in json.loads(args.engine_kwargs).items():
-        flag = "--" + key.replace("_", "-")
-        cmd += ([flag] if value is True else [] if value is False else [flag, str(value)])
-    print(f"[generation] {label}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    log = open(log_dir / f"{label}.log", "w")
-    env = {**os.environ, "PYTHONPATH": args.engine_pythonpath or os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         t0 = time.perf_counter()
@@ -401,6 +372,24 @@ def side_sglang(args: argparse.Namespace, ids, label: str, log_dir: Path) -> lis
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+
+
+def side_vllm(args: argparse.Namespace, ids, label: str, log_dir: Path) -> list[dict]:
+    port = args.port + 10
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]}
+    return _server_side(vllm_serve_command(args, port), env, port, args, ids, label, log_dir)
+
+
+def side_sglang(args: argparse.Namespace, ids, label: str, log_dir: Path) -> list[dict]:
+    """SGLang's own OpenAI server on the same model, dtype, context length and `--engine-kwargs`."""
+    port = args.port + 20
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", os.path.abspath(args.model), "--port", str(port),
+           "--served-model-name", "bench", "--dtype", args.dtype, "--context-length", str(args.max_model_len)]
+    for key, value in json.loads(args.engine_kwargs).items():
+        flag = "--" + key.replace("_", "-")
+        cmd += ([flag] if value is True else [] if value is False else [flag, str(value)])
+    env = {**os.environ, "PYTHONPATH": args.engine_pythonpath or os.environ.get("PYTHONPATH", "")}
+    return _server_side(cmd, env, port, args, ids, label, log_dir)
 
 
 def side_asyncrl(args: argparse.Namespace, sections: dict, ids, label: str, replicas: int = 1) -> list[dict]:
