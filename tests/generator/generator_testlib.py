@@ -102,3 +102,28 @@ def push_by_steps(control, version: int, tensors: dict[str, torch.Tensor], finge
     except BaseException:
         asyncio.run(control.call(EngineAPI.abort_update))
         raise
+
+
+def generate_across_a_commit(post, control, body: dict, tensors: dict[str, torch.Tensor], version: int,
+                             interval_s: float = 0.05):
+    """`post(body)` (a /generate request) in a thread; once the replica has made its first 5 tokens, every
+    replica is paused ("keep"), takes `tensors` as `version` through the update steps (begin, load, commit
+    with their fingerprint) and is resumed. Returns the request's response."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncrl.weightsync.fingerprint import tensor_fingerprint
+
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(post, body)
+        # a non-streaming response comes whole at the end; the replica's in-flight count shows its progress
+        wait_until(lambda: list(asyncio.run(control.stats()).values())[0]["generator/tokens_in_flight"] >= 5,
+                   60, interval_s=interval_s, what="first tokens")
+        asyncio.run(control.pause("keep"))
+        try:
+            asyncio.run(control.call(EngineAPI.begin_update, version))
+            asyncio.run(control.call(EngineAPI.load_bucket, tensors, version))
+            asyncio.run(control.call(EngineAPI.commit_update, version, tensor_fingerprint(tensors)))
+        finally:
+            asyncio.run(control.resume())
+        return fut.result(timeout=120)

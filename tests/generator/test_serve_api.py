@@ -20,11 +20,11 @@ import pytest
 from asyncrl.app import run_generator
 from asyncrl.config import load_config
 from asyncrl.generator.control import EngineControl, ReplicaControlError
-from asyncrl.interfaces import EngineAPI
 from asyncrl.types import SampleStatus
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from generator_testlib import (
-    ADMIN_TOKEN, form_push_plan, free_port, hf_greedy, perturbed_weights, push_by_steps, push_weights, wait_until,
+    ADMIN_TOKEN, form_push_plan, free_port, generate_across_a_commit, hf_greedy, perturbed_weights, push_by_steps,
+    push_weights, wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -700,22 +700,9 @@ def test_weight_update_changes_greedy_output_to_the_new_weights(gen, demo_model_
 
 
 def test_request_in_flight_across_an_update_reports_both_versions(gen, demo_model_path):
-    control = gen["control"]
     body = {"prompt_ids": gen["prompt_ids"], "temperature": 0, "max_tokens": 200, "ignore_eos": True}
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(_post, gen, "/generate", body)
-        # The response comes whole at the end; the replica's in-flight count shows its progress.
-        wait_until(lambda: list(asyncio.run(control.stats()).values())[0]["generator/tokens_in_flight"] >= 5,
-                   60, interval_s=0.05, what="first tokens")
-        w2 = perturbed_weights(demo_model_path, seed=2)
-        asyncio.run(control.pause("keep"))
-        try:
-            asyncio.run(control.call(EngineAPI.begin_update, 2))
-            asyncio.run(control.call(EngineAPI.load_bucket, w2, 2))
-            asyncio.run(control.call(EngineAPI.commit_update, 2, tensor_fingerprint(w2)))
-        finally:
-            asyncio.run(control.resume())
-        r = fut.result(timeout=120)
+    r = generate_across_a_commit(lambda b: _post(gen, "/generate", b), gen["control"], body,
+                                 perturbed_weights(demo_model_path, seed=2), 2)
     assert r.status_code == 200
     c = r.json()["completions"][0]
     assert len(c["token_ids"]) == len(c["versions"]) == 200

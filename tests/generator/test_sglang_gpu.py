@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -23,7 +22,9 @@ import pytest
 from asyncrl.generator.control import ReplicaControlError
 from asyncrl.interfaces import EngineAPI
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
-from generator_testlib import ADMIN_TOKEN, free_port, hf_greedy, perturbed_weights, push_by_steps, push_weights, wait_until
+from generator_testlib import (
+    ADMIN_TOKEN, free_port, generate_across_a_commit, hf_greedy, perturbed_weights, push_by_steps, push_weights, wait_until,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -116,21 +117,9 @@ def test_weight_push_gives_transformers_greedy_tokens_of_the_pushed_weights(gen,
 
 
 def test_request_in_flight_across_a_commit_shows_both_versions_in_order(gen, demo_model_path):
-    control = gen["control"]
     body = {"prompt_ids": gen["prompt_ids"], "temperature": 0, "max_tokens": 200, "ignore_eos": True}
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(_post, gen, "/generate", body)
-        wait_until(lambda: list(asyncio.run(control.stats()).values())[0]["generator/tokens_in_flight"] >= 5,
-                   60, interval_s=0.02, what="first tokens")
-        w2 = perturbed_weights(demo_model_path, seed=2)
-        asyncio.run(control.pause("keep"))
-        try:
-            asyncio.run(control.call(EngineAPI.begin_update, 2))
-            asyncio.run(control.call(EngineAPI.load_bucket, w2, 2))
-            asyncio.run(control.call(EngineAPI.commit_update, 2, tensor_fingerprint(w2)))
-        finally:
-            asyncio.run(control.resume())
-        r = fut.result(timeout=120)
+    r = generate_across_a_commit(lambda b: _post(gen, "/generate", b), gen["control"], body,
+                                 perturbed_weights(demo_model_path, seed=2), 2, interval_s=0.02)
     c = r.json()["completions"][0]
     assert len(c["token_ids"]) == len(c["versions"]) == 200 and r.headers["x-asyncrl-weight-version"] == "1,2"
     first_new = c["versions"].index(2)
