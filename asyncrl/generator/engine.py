@@ -72,7 +72,7 @@ class EngineReplica(WeightUpdates):
         self._staging_version: int | None = None
         self._staged_tensors = 0
         self._staging = ReplicaStaging(self._rpc, replica_id)  # the receiving half of weight pushes
-        self._staging.reply_address = self._reply_address  # (where workers receiving apart report: the push channel)
+        self._staging.reply_address = self.push_channel  # (where workers receiving apart report their end)
         # What the workers answered at the last join (None: ask them). A group breaks only inside
         # a receive, which fails this replica's load_bucket: that drops the cache.
         self._groups_joined: dict[str, Any] | None = None

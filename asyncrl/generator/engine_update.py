@@ -284,9 +284,6 @@ class WeightUpdates:
         """A worker's receive apart from the engine ended (`CollectiveReceive.apart`; it reports over this channel)."""
         self._staging.receive_done(call, rank, ok, answer)
 
-    async def _reply_address(self) -> dict[str, Any]:
-        return await self.push_channel()
-
     def close_push_channel(self) -> None:
         channel, self._channel = getattr(self, "_channel", None), None
         if channel is not None:

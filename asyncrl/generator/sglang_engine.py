@@ -222,12 +222,15 @@ class SglangDriver:
             for task in tasks:
                 task.cancel()
 
+    def _decode(self, ids: list[int]) -> str:
+        """The text of `ids` as vLLM's detokenizer makes it (special tokens skipped)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
     def _cut_at_stop(self, seq: SequenceOutput, ids: list[int], stops: list[str]) -> bool:
         """Cut `seq` (the last chunk, its ids the end of `ids`) at the first stop string its tokens complete:
         the tokens up to the one that completed it kept (vLLM's rule; `read` leaves the string out of the text),
         finish "stop" with the string as stop reason. Whether it cut."""
-        decode = lambda part: self.tokenizer.decode(part, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # noqa: E731
-        found = find_stop(decode, ids, len(seq.token_ids), stops)
+        found = find_stop(self._decode, ids, len(seq.token_ids), stops)
         if found is None:
             return False
         keep, stop, _ = found
@@ -253,9 +256,8 @@ class SglangDriver:
             return sequence.logprobs, ""
         by_string = isinstance(sequence.stop_reason, str)  # a stop string: its token stays, the string leaves the text
         upto = len(ids) - 1 if sequence.finish_reason == "stop" and ids and not by_string else len(ids)
-        decode = lambda part: self.tokenizer.decode(part, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # noqa: E731
         if prepared.stop:  # the text held back by the longest stop string less one, until it cannot start one
-            full = decode(ids[:upto])
+            full = self._decode(ids[:upto])
             if by_string and sequence.stop_reason in full:
                 full = full[: full.find(sequence.stop_reason)]
             elif not finished:
@@ -265,10 +267,10 @@ class SglangDriver:
             delta, state[3] = full[state[3]:], max(state[3], len(full))
             return sequence.logprobs, delta
         if not prepared.stream:
-            return sequence.logprobs, decode(ids[:upto])
+            return sequence.logprobs, self._decode(ids[:upto])
         window, done = state[1], min(state[2], upto)
-        before = decode(ids[window:done])
-        text = decode(ids[window:upto])
+        before = self._decode(ids[window:done])
+        text = self._decode(ids[window:upto])
         if text.endswith("\ufffd") and not finished:
             return sequence.logprobs, ""  # a character cut in two: its rest comes with the next token
         state[1], state[2] = done, upto

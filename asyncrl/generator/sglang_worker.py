@@ -78,6 +78,7 @@ class SglangWorker(WorkerVerbs):
     the whole tensors)."""
 
     rank = 0
+    _asyncrl_hf_on_device = True  # (SGLang takes the staged tensors over CUDA IPC; host ones would be copied again)
 
     def __init__(self, hooks: SglangHooks, counts: Callable[[], dict[str, int]]) -> None:
         self._hooks = hooks
@@ -86,18 +87,6 @@ class SglangWorker(WorkerVerbs):
 
     def _asyncrl_hooks(self) -> SglangHooks:
         return self._hooks
-
-    def asyncrl_stage_file(self, version: int, wire: tuple, expected: dict[str, bytes] | None = None) -> dict[str, bytes]:
-        """Stage one bucket from the replica's shared file on this process's GPU: SGLang then takes its tensors
-        over CUDA IPC (host tensors would go through shared memory, a copy more)."""
-        from asyncrl.weightsync.bucket import SharedBucket
-        from asyncrl.weightsync.receiver import copy_to
-
-        path, metas, rank = wire
-        bucket = SharedBucket.from_wire(path, metas, rank).open()
-        if self.device.type == "cuda":
-            bucket = copy_to(bucket, self.device)
-        return self._asyncrl_rx().stage(version, bucket, expected)
 
     def asyncrl_apply(self, version: int) -> dict[str, Any]:
         self._hooks.version = version

@@ -29,6 +29,10 @@ class WorkerVerbs:
     clash with the worker's own. A subclass says where the engine is (`_asyncrl_hooks`) and has `rank`
     (its rank in the engine) and, off the CPU, `device`."""
 
+    # HF buckets from a shared file staged on the worker's device (SGLang takes them over CUDA IPC); vLLM's
+    # loaders read them from a private host mapping
+    _asyncrl_hf_on_device = False
+
     def _asyncrl_hooks(self) -> EngineHooks:
         raise NotImplementedError
 
@@ -62,15 +66,17 @@ class WorkerVerbs:
         path, metas, rank = wire
         shared = SharedBucket.from_wire(path, metas, rank)
         rx = self._asyncrl_rx()
-        if rank is None:  # HF tensors for vLLM's loaders: a private, writable mapping
+        from asyncrl.weightsync.receiver import copy_to
+
+        if rank is None:  # HF tensors for the engine's loaders: a private, writable mapping
             bucket = shared.open()
+            if self._asyncrl_hf_on_device and rx.hooks.device.type != "cpu":
+                bucket = copy_to(bucket, rx.hooks.device)
         else:  # read-only, and the same mapping as the file's last use (the sender reuses its files)
             from asyncrl.weightsync.bucket import SharedMaps
 
             bucket = self.__dict__.setdefault("_asyncrl_maps", SharedMaps()).open(shared, version)
             if rx.hooks.device.type != "cpu":
-                from asyncrl.weightsync.receiver import copy_to
-
                 bucket = copy_to(bucket, rx.hooks.device)  # staged where the parameters live
         return rx.stage(version, bucket, expected)
 
