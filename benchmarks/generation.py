@@ -400,8 +400,11 @@ def side_asyncrl(args: argparse.Namespace, sections: dict, ids, label: str, repl
     from asyncrl.app import run_generator
     from asyncrl.generator.deployment import ENGINE_DEPLOYMENT
 
-    ray.init(num_cpus=max(4, os.cpu_count() or 4), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"], "TOKENIZERS_PARALLELISM": "false"}})
+    runtime_env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"], "TOKENIZERS_PARALLELISM": "false"}}
+    if os.environ.get("RAY_ADDRESS", "local") != "local":  # a cluster started apart (gpu_jobs.sh: one per job)
+        ray.init(log_to_driver=False, runtime_env=runtime_env)
+    else:
+        ray.init(num_cpus=max(4, os.cpu_count() or 4), include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
     port = args.port
     gen = {**sections["generator"], "http_port": port, "direct_http_port": port + 1,
            "max_ongoing_requests": args.max_ongoing or 4 * args.concurrency, "max_queued_requests": -1}

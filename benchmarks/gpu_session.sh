@@ -352,7 +352,8 @@ install)
   # stage, and the random 7B built in the background (setsid: it outlives this call, for the scale stage; on the CPUs, the GPUs being busy with quad).
   mkdir -p /tmp/peer-parts && cp .peer-parts/p0/* /tmp/peer-parts/ 2>/dev/null
   M=/tmp/qwen2-7b-random
-  if [ ! -f $M/config.json ] && [ ! -d $M.tmp ]; then
+  # NO_7B=1: no 7B (a lease without the scale stage: its build would take the CPUs from the jobs beside it)
+  if [ -z "${NO_7B:-}" ] && [ ! -f $M/config.json ] && [ ! -d $M.tmp ]; then
     CUDA_VISIBLE_DEVICES= setsid bash -c "python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M.tmp --layers 28 \
         --hidden 3584 --heads 28 --kv-heads 4 --ffn 18944 --untied > /tmp/make_7b.log 2>&1 && mv $M.tmp $M" < /dev/null > /dev/null 2>&1 &
   fi
@@ -484,6 +485,25 @@ sglang-tests)
     echo "demo with SGLang rc=$?"; grep -v '^{' $OUT/demo_sglang.log | grep -E '^\||failed' | cut -c1-400
     grep -iE "Traceback|Error" $OUT/demo_sglang.log | grep -v Warning | tail -6 | cut -c1-300
   fi
+  ;;
+gen)
+  # Issue 23: benchmarks/generation.py on one GPU for GEN_ENGINE (vllm | sglang): the engine's own server, our
+  # HTTP API on the same engine, and the engine driven in-process (direct), same model (the random Qwen2-0.5B),
+  # GEN_PROMPTS (512) prompts of GEN_TOKENS (256) tokens each at concurrency 64, plain and with log-probs. Two
+  # such jobs on two GPUs of one host give the two engines' rows side by side.
+  export RAY_ADDRESS=${RAY_ADDRESS:-local}
+  [ -f $MODEL/config.json ] || python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $MODEL > $OUT/make_model.log 2>&1
+  e=${GEN_ENGINE:-vllm}
+  if [ $e = sglang ]; then
+    extra=(--engine sglang --engine-pythonpath /tmp/site-sglang:/tmp/site:$PWD
+           --engine-kwargs "${SGL_ENGINE_KWARGS:-{\"attention_backend\": \"triton\", \"sampling_backend\": \"pytorch\"\}}")
+  else extra=(); fi
+  timeout -s INT -k 30 ${GEN_TIMEOUT:-480} python3 benchmarks/generation.py --model $MODEL --dtype bfloat16 --num-gpus 1 \
+      --max-model-len 1024 --num-prompts ${GEN_PROMPTS:-512} --concurrency 64 --max-tokens ${GEN_TOKENS:-256} --warmup 64 \
+      --port $(( ${RAY_PORT_BASE:-20000} + 1500 )) \
+      --phases plain,logprobs --sides ${GEN_SIDES:-$e,asyncrl,direct} --log-dir $OUT/serve_logs "${extra[@]}" > $OUT/gen_$e.log 2>&1
+  echo "generation $e rc=$?"; grep -E '^\| |^\{' $OUT/gen_$e.log | cut -c1-600
+  grep -iE "Traceback|Error|out of memory" $OUT/gen_$e.log | grep -v Warning | tail -8 | cut -c1-400
   ;;
 demo-nccl)
   # Issue 28: the demo as deploy/rlhf-gpu2.yaml runs it (weights over NCCL every step), STEPS_DEMO (300) steps, eta 2;
