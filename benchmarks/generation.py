@@ -101,11 +101,11 @@ async def direct_sglang(sections: dict, ids: list[list[int]], concurrency: int, 
     """`direct` for SGLang: its `Engine` (built in a thread, as the replica builds it), with the replica's server
     arguments; two timed phases: one result per request, and streamed (one chunk per step)."""
     from asyncrl.config import GeneratorConfig, ModelConfig
-    from asyncrl.generator.sglang_engine import server_kwargs, start_engine
-    from asyncrl.weightsync.collective import free_port
+    from asyncrl.generator.sglang_engine import engine_ports, server_kwargs, start_engine
 
+    port, nccl_port = engine_ports()
     engine = start_engine(server_kwargs(ModelConfig(**sections["model"]), GeneratorConfig(**sections["generator"]),
-                                        port=free_port(), nccl_port=free_port()))
+                                        port=port, nccl_port=nccl_port))
     params = {"temperature": 0, "max_new_tokens": max_tokens, "ignore_eos": True}
 
     async def final(p: list[int]) -> int:

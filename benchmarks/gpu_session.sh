@@ -58,8 +58,10 @@ push)
   #   collective   the ipc transport between processes (buffers reused, handles opened once)
   #   ckspeed      the device checksum's speed (benchmarks/checksum_speed.py)
   # PROFILE_DIR: each bench step also profiles one push (sender, replica, publisher) into it
+  #   engine:NAME  the steps after it push into NAME's replicas (vllm | sglang), as ENGINE does for all of them
   for step in ${STEPS:-bench:random500m direct bench:random1500m collective}; do
     case $step in
+    engine:*) ENGINE=${step#engine:} ;;
     bench:*)  # bench:MODEL or bench:MODEL:VERIFY (a verify mode for this step alone)
       m=${step#bench:}; v=${VERIFY:-checksum}
       case $m in *:*) v=${m#*:}; m=${m%%:*} ;; esac

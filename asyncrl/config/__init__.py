@@ -88,6 +88,14 @@ class RootConfig(_Section):
                     f"hybrid.enabled=true (learner and engines time-share GPUs; engines sleep while the learner "
                     f"trains, which vLLM and SGLang support on GPUs only) needs {', '.join(missing)}; on a CPU-only host use "
                     "separated placement (deploy/rlhf.yaml)")
+        engine_dtype = self.generator.engine_kwargs.get("dtype", self.model.dtype)
+        if self.generator.engine == "sglang" and engine_dtype in ("float32", "float"):
+            # SGLang 0.5.15's CUDA RMSNorm has no float32 kernel: its engine dies capturing its first CUDA graph
+            # ("rmsnorm ... failed to dispatch data type Float", seen on an H200)
+            raise ValueError(
+                f"generator.engine='sglang' runs in half precision only (its RMSNorm kernel has no float32 path), and "
+                f"its dtype here is {engine_dtype!r}: set model.dtype to bfloat16 or float16, or "
+                "generator.engine_kwargs.dtype (e.g. float16) to keep the learner in model.dtype")
         if self.weightsync.transport == "nccl" and self.learner.num_gpus_per_rank <= 0:
             raise ValueError(
                 "weightsync.transport='nccl' needs the learner on GPUs (learner.num_gpus_per_rank > 0); "

@@ -42,6 +42,35 @@ CONTROL_TIMEOUT_S = 120.0  # a control call (pause, continue, memory, state) SGL
 START_TIMEOUT_S = 1800.0
 
 
+GRPC_OFFSET = 10000  # SGLang 0.5.15 derives its gRPC port as --port + this, and refuses one over 65535
+
+
+def engine_ports() -> tuple[int, int]:
+    """(port, nccl_port) for one engine: free now, with `port + GRPC_OFFSET` free too. An OS-chosen port is
+    often above 55535, which SGLang refuses at start ("SGLANG_GRPC_PORT (66149) must be between 1 and 65535",
+    seen on the H200 host); candidates come from below that instead."""
+    import random
+    import socket
+
+    def free(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+                return True
+            except OSError:
+                return False
+
+    rng = random.Random()
+    picked: list[int] = []
+    for _ in range(1000):
+        port = rng.randrange(20000, 65535 - GRPC_OFFSET)
+        if port not in picked and free(port) and (picked or free(port + GRPC_OFFSET)):
+            picked.append(port)
+            if len(picked) == 2:
+                return picked[0], picked[1]
+    raise RuntimeError("no free port pair for an SGLang engine below 55535")
+
+
 def server_kwargs(model: ModelConfig, gen: GeneratorConfig, *, port: int, nccl_port: int) -> dict[str, Any]:
     """`sglang.Engine`'s keyword arguments (its `ServerArgs`); `engine_kwargs` win over ours."""
     kwargs: dict[str, Any] = {
@@ -127,10 +156,9 @@ class SglangDriver:
         from transformers import AutoTokenizer
 
         from asyncrl.generator.owner_watch import mark_owner
-        from asyncrl.weightsync.collective import free_port
-
         mark_owner()  # SGLang's processes inherit it and end with this one (owner_watch.py)
-        kwargs = server_kwargs(model, gen, port=free_port(), nccl_port=free_port())
+        port, nccl_port = engine_ports()
+        kwargs = server_kwargs(model, gen, port=port, nccl_port=nccl_port)
         t = time.perf_counter()
         root = logging.getLogger()
         level, handlers = root.level, list(root.handlers)

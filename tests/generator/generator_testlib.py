@@ -44,6 +44,34 @@ def hf_greedy(model_dir: Path, weights: dict[str, torch.Tensor] | None, prompt_i
     return out[0, len(prompt_ids):].tolist()
 
 
+def hf_logit_gaps(model_dir: Path, weights: dict[str, torch.Tensor] | None, prompt_ids: list[int],
+                  token_ids: list[int]) -> list[float]:
+    """For each of `token_ids` after `prompt_ids`, how far its logit lies below the best one under transformers
+    (float32, teacher-forced): 0 where it is the argmax. The reference for an engine that computes in half
+    precision, whose greedy picks may differ from float32's where two logits are that close."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    if weights is not None:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+        model.tie_weights()
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt_ids) + list(token_ids)])).logits[0, len(prompt_ids) - 1:-1]
+    picked = logits.gather(1, torch.tensor(token_ids).unsqueeze(1)).squeeze(1)
+    return (logits.max(dim=1).values - picked).tolist()
+
+
+def assert_half_precision_greedy(model_dir: Path, weights: dict[str, torch.Tensor] | None, prompt_ids: list[int],
+                                 token_ids: list[int], tol: float = 0.05) -> None:
+    """`token_ids` are greedy picks of these weights up to half-precision rounding: each within `tol` of the best
+    float32 logit, and most of them the float32 argmax itself."""
+    gaps = hf_logit_gaps(model_dir, weights, prompt_ids, token_ids)
+    assert max(gaps) <= tol, [round(g, 4) for g in gaps]
+    assert sum(g == 0 for g in gaps) >= 0.75 * len(gaps), [round(g, 4) for g in gaps]
+
+
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.5, what: str = "condition"):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -110,9 +110,21 @@ def test_sglang_engine_needs_a_gpu_and_takes_its_own_parallel_keys():
         load_config({"generator": {"engine": "sglang", "num_gpus": 1, "engine_kwargs": {"tp_size": 2}}})
     with pytest.raises(ConfigError, match=r"engine_kwargs.tp_size=0"):
         load_config({"generator": {"engine": "sglang", "num_gpus": 1, "engine_kwargs": {"tp_size": 0}}})
-    cfg = load_config({"generator": {"engine": "sglang", "num_gpus": 2, "engine_kwargs": {"tp_size": 2},
-                                     "engine_pythonpath": "/tmp/site-sglang"}})
+    cfg = load_config({"model": {"dtype": "bfloat16"}, "generator": {
+        "engine": "sglang", "num_gpus": 2, "engine_kwargs": {"tp_size": 2}, "engine_pythonpath": "/tmp/site-sglang"}})
     assert cfg.generator.engine == "sglang" and cfg.generator.engine_pythonpath == "/tmp/site-sglang"
+
+
+def test_sglang_engine_in_float32_is_a_config_error_naming_the_fields():
+    # SGLang's RMSNorm kernel has no float32 path: its engine would die at start, inside a Serve replica
+    for sections in ({}, {"engine_kwargs": {"dtype": "float"}}):
+        with pytest.raises(ConfigError, match=r"engine='sglang' runs in half precision.*model.dtype.*engine_kwargs.dtype"):
+            load_config({"generator": {"engine": "sglang", "num_gpus": 1, **sections}})
+    # the engine alone in half precision, the learner in float32 (the one-GPU demo's choice)
+    cfg = load_config({"generator": {"engine": "sglang", "num_gpus": 1, "engine_kwargs": {"dtype": "float16"}}})
+    assert cfg.model.dtype == "float32" and cfg.generator.engine_kwargs["dtype"] == "float16"
+    assert load_config({"model": {"dtype": "float16"}, "generator": {"engine": "sglang", "num_gpus": 1}}).model.dtype == "float16"
+    assert load_config({"generator": {"engine": "vllm"}}).model.dtype == "float32"  # (vLLM has a float32 path)
 
 
 def test_sglang_engine_on_a_machine_without_cuda_is_a_config_error_naming_the_field():
@@ -143,6 +155,7 @@ def test_gpu_deploy_configs_load():
         assert sg.learner.num_gpus_per_rank + sg.generator.num_gpus <= 1 and sg.hybrid.enabled == hybrid_on
         assert sg.generator.engine_kwargs["mem_fraction_static"] <= 0.5
         assert sg.generator.engine_kwargs.get("enable_memory_saver", False) == hybrid_on
+        assert sg.generator.engine_kwargs["dtype"] == "float16" and sg.model.dtype == "float32"  # (SGLang: half only)
     assert demo.hybrid.enabled and demo.learner.num_gpus_per_rank + demo.generator.num_gpus <= 1
     assert demo.learner.actor.param_offload and demo.learner.actor.grad_offload and demo.learner.actor.optimizer_offload
 
