@@ -101,7 +101,7 @@ async def direct_sglang(sections: dict, ids: list[list[int]], concurrency: int, 
     """`direct` for SGLang: its `Engine` (built in a thread, as the replica builds it), with the replica's server
     arguments; two timed phases: one result per request, and streamed (one chunk per step)."""
     from asyncrl.config import GeneratorConfig, ModelConfig
-    from asyncrl.generator.sglang_engine import engine_ports, server_kwargs, start_engine
+    from asyncrl.generator.sglang_engine import engine_ports, server_kwargs, start_engine, stop_engine
 
     port, nccl_port = engine_ports()
     engine = start_engine(server_kwargs(ModelConfig(**sections["model"]), GeneratorConfig(**sections["generator"]),
@@ -125,7 +125,7 @@ async def direct_sglang(sections: dict, ids: list[list[int]], concurrency: int, 
             results[name] = await timed_latency(concurrency, one, ids, f"direct_{name}")
         return results
     finally:
-        engine.shutdown()
+        stop_engine(engine)
 
 
 async def direct(sections: dict, ids: list[list[int]], concurrency: int, max_tokens: int, warmup: int) -> dict:

@@ -10,7 +10,7 @@
 # (issue 23: SGLang's parts from benchmarks/sglang/wheels.sh in /tmp/sgl-parts, installed apart and started once) and
 # sglang-tests (its GPU tests and the demo with it);
 # gpu8 (issue 30's full layout, deploy/rlhf-gpu8.yaml, on an 8-GPU host). Expects the GPU wheelhouse parts
-# in /tmp/parts (see the device README: 8 carried parts) and carries .whl (grpcio 1.85.1, protobuf 7.36.2) and
+# in /tmp/parts (see the device README: 8 carried parts) and carries .whl (benchmarks/gpu_extra_wheels.sh: grpcio, protobuf, truststore) and
 # artifacts/demo-model. Installs once into /tmp/site; grpcio/protobuf are unpacked over it, because
 # `pip --target --upgrade` would replace the whole google/ namespace and drop google.rpc.
 # Stages run side by side on a 4-GPU host (quad, duo) call this script once per job with NO_CLEANUP=1 and a

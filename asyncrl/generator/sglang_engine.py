@@ -2,9 +2,9 @@
 it, every call into it and every read of its state (issue 23; docs/design/sglang-engine.md).
 
 Owns: SGLang's server arguments built from `ModelConfig` + `GeneratorConfig` (`engine_kwargs` passed
-straight through and winning; ours: token ids in and out, incremental streaming, a port of its own per
-replica, the memory share), the engine built in a thread of its own and then driven only through its
-TokenizerManager's coroutines on the replica's event loop, one SGLang request per sequence
+straight through and winning; ours: token ids in and out, incremental streaming, ports of its own per
+replica, the memory share), the engine built in a thread of its own that lives as long as the engine, then
+driven only through its TokenizerManager's coroutines on the replica's event loop, one SGLang request per sequence
 (sglang_protocol.py), text decoded here from the model's tokenizer, the pause modes, sleep / wake through
 SGLang's memory saver, the version salt of the prefix cache, and the weight worker in this process
 (sglang_worker.py).
@@ -27,8 +27,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,19 +92,53 @@ def server_kwargs(model: ModelConfig, gen: GeneratorConfig, *, port: int, nccl_p
     return kwargs
 
 
-def start_engine(kwargs: dict[str, Any]) -> Any:
-    """An `sglang.Engine`, built in a thread of its own: SGLang pins its loop to the thread that first uses
-    it and runs `run_until_complete` in its synchronous calls, which must not be the replica's loop."""
-    import sglang
+def start_engine(kwargs: dict[str, Any], factory: Callable[..., Any] | None = None) -> Any:
+    """An `sglang.Engine` (or `factory(**kwargs)`), built in a thread of its own that then lives as long as the
+    engine: SGLang pins its loop to the thread that first uses it and runs `run_until_complete` in its
+    synchronous calls, which must not be the replica's loop; and its scheduler and detokenizer processes ask
+    the kernel for SIGKILL when their parent dies (PR_SET_PDEATHSIG), where the parent is the thread that
+    started them. A build thread that ended after the build killed them, and SGLang then took the replica
+    down with them (seen on H200s: every replica died right after it came up). `stop_engine` ends both."""
 
     def build() -> Any:
-        try:
-            return sglang.Engine(**kwargs)
-        except TypeError as err:  # an engine_kwargs key that ServerArgs does not have
-            raise ConfigError(f"generator.engine_kwargs: {err}") from None
+        if factory is not None:
+            return factory(**kwargs)
+        import sglang
 
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sglang-start") as pool:
-        return pool.submit(build).result(START_TIMEOUT_S)
+        return sglang.Engine(**kwargs)
+
+    built: concurrent.futures.Future = concurrent.futures.Future()
+    release = threading.Event()
+
+    def run() -> None:
+        try:
+            engine = build()
+        except TypeError as err:  # an engine_kwargs key that ServerArgs does not have
+            built.set_exception(ConfigError(f"generator.engine_kwargs: {err}"))
+            return
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            built.set_exception(err)
+            return
+        built.set_result(engine)
+        release.wait()  # (SGLang's processes die with this thread)
+
+    threading.Thread(target=run, name="sglang-engine", daemon=True).start()
+    engine = built.result(START_TIMEOUT_S)
+    _KEEPERS[id(engine)] = release
+    return engine
+
+
+_KEEPERS: dict[int, threading.Event] = {}  # per engine, the event its starting thread waits on
+
+
+def stop_engine(engine: Any) -> None:
+    """Shut `engine` down, then let the thread that started it end."""
+    try:
+        engine.shutdown()
+    finally:
+        release = _KEEPERS.pop(id(engine), None)
+        if release is not None:
+            release.set()
 
 
 @dataclass
@@ -409,4 +444,4 @@ class SglangDriver:
         return self._dead
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        stop_engine(self.engine)

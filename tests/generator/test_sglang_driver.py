@@ -355,3 +355,67 @@ def test_a_verified_push_is_handed_to_sglang_whole_with_its_version_and_no_cache
             await push(7, weights)
 
     asyncio.run(main())
+
+
+def _child_that_dies_with_its_parent_thread(ready) -> None:
+    """What SGLang's scheduler and detokenizer do first: SIGKILL me when my parent (thread) dies."""
+    import ctypes
+    import signal
+    import time
+
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    ready.set()
+    time.sleep(120)
+
+
+class _EngineWithAChild:
+    """An engine whose constructor starts a child process as SGLang's does (fork here: spawn would re-import
+    this test module in the child)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("fork")
+        ready = ctx.Event()
+        self.proc = ctx.Process(target=_child_that_dies_with_its_parent_thread, args=(ready,), daemon=True)
+        self.proc.start()
+        assert ready.wait(30)
+        self.kwargs = kwargs
+
+    def shutdown(self) -> None:
+        self.proc.terminate()
+        self.proc.join(10)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_engine_s_processes_outlive_its_start_until_it_is_stopped():
+    # SGLang's children get SIGKILL when the thread that started them ends: a build thread that ended after the
+    # build killed every replica's engine right after it came up (H200s, 2026-11-28)
+    import threading
+    import time
+
+    from asyncrl.generator.sglang_engine import start_engine, stop_engine
+
+    before = {t.name for t in threading.enumerate()}
+    engine = start_engine({"model_path": "m"}, factory=_EngineWithAChild)
+    assert engine.kwargs == {"model_path": "m"}
+    time.sleep(0.5)
+    assert engine.proc.is_alive() and engine.proc.exitcode is None
+    assert "sglang-engine" in {t.name for t in threading.enumerate()} - before
+    stop_engine(engine)
+    assert not engine.proc.is_alive()
+    deadline = time.monotonic() + 5
+    while "sglang-engine" in {t.name for t in threading.enumerate()} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "sglang-engine" not in {t.name for t in threading.enumerate()}
+
+
+def test_an_unknown_engine_kwarg_is_a_config_error_from_the_start_thread():
+    from asyncrl.config import ConfigError
+    from asyncrl.generator.sglang_engine import start_engine
+
+    def engine(*, model_path: str) -> None:  # (ServerArgs refuses a key it does not have with a TypeError)
+        raise AssertionError("not reached")
+
+    with pytest.raises(ConfigError, match="generator.engine_kwargs: .*no_such_key"):
+        start_engine({"model_path": "m", "no_such_key": 1}, factory=engine)

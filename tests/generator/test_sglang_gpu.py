@@ -42,7 +42,6 @@ def gen(ray_session, demo_model_path):
 
     if not torch.cuda.is_available() or not (Path(SGLANG_PATH) / "sglang").is_dir():
         pytest.skip(f"needs CUDA and SGLang installed in {SGLANG_PATH}")
-    import openai
     from ray import serve
 
     from asyncrl.app import run_generator
@@ -66,8 +65,7 @@ def gen(ray_session, demo_model_path):
 
     tok = AutoTokenizer.from_pretrained(str(demo_model_path))
     prompt_ids = tok.encode(render_chat_prompt(tok, "What is 12+34?"), add_special_tokens=False)
-    yield {"url": url, "control": EngineControl(app_name=APP), "prompt_ids": prompt_ids,
-           "client": openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)}
+    yield {"url": url, "control": EngineControl(app_name=APP), "prompt_ids": prompt_ids}
     serve.delete(APP)
     serve.shutdown()
 
@@ -81,7 +79,9 @@ def _versions(gen) -> list[int]:
 
 
 def test_openai_client_completions_chat_n_and_streaming(gen):
-    client = gen["client"]
+    import openai  # (here, not in the fixture: on the GPU host its transport needs truststore, carried in .whl)
+
+    client = openai.OpenAI(base_url=f"{gen['url']}/v1", api_key="unused", max_retries=0, timeout=120)
     (model,) = [m.id for m in client.models.list().data]
     out = client.completions.create(model=model, prompt="What is 2+3?", max_tokens=8, temperature=0, logprobs=1)
     choice = out.choices[0]
