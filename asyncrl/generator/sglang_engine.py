@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import random
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -50,9 +52,6 @@ def engine_ports() -> tuple[int, int]:
     """(port, nccl_port) for one engine: free now, with `port + GRPC_OFFSET` free too. An OS-chosen port is
     often above 55535, which SGLang refuses at start ("SGLANG_GRPC_PORT (66149) must be between 1 and 65535",
     seen on the H200 host); candidates come from below that instead."""
-    import random
-    import socket
-
     def free(port: int) -> bool:
         with socket.socket() as s:
             try:
@@ -191,6 +190,7 @@ class SglangDriver:
         from transformers import AutoTokenizer
 
         from asyncrl.generator.owner_watch import mark_owner
+
         mark_owner()  # SGLang's processes inherit it and end with this one (owner_watch.py)
         port, nccl_port = engine_ports()
         kwargs = server_kwargs(model, gen, port=port, nccl_port=nccl_port)

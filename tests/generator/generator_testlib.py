@@ -26,8 +26,8 @@ def perturbed_weights(model_dir: Path, seed: int, scale: float = 0.05) -> dict[s
     return {k: v + scale * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in load_hf_tensors(str(model_dir)).items()}
 
 
-def hf_greedy(model_dir: Path, weights: dict[str, torch.Tensor] | None, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation by transformers on the given weights (the reference for the engine)."""
+def _hf_model(model_dir: Path, weights: dict[str, torch.Tensor] | None):
+    """transformers' model of `model_dir` in float32, with `weights` loaded over its own if given."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -35,7 +35,12 @@ def hf_greedy(model_dir: Path, weights: dict[str, torch.Tensor] | None, prompt_i
         missing, unexpected = model.load_state_dict(weights, strict=False)
         assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
         model.tie_weights()
-    model.eval()
+    return model.eval()
+
+
+def hf_greedy(model_dir: Path, weights: dict[str, torch.Tensor] | None, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by transformers on the given weights (the reference for the engine)."""
+    model = _hf_model(model_dir, weights)
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
@@ -49,14 +54,7 @@ def hf_logit_gaps(model_dir: Path, weights: dict[str, torch.Tensor] | None, prom
     """For each of `token_ids` after `prompt_ids`, how far its logit lies below the best one under transformers
     (float32, teacher-forced): 0 where it is the argmax. The reference for an engine that computes in half
     precision, whose greedy picks may differ from float32's where two logits are that close."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    if weights is not None:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
-        model.tie_weights()
-    model.eval()
+    model = _hf_model(model_dir, weights)
     with torch.no_grad():
         logits = model(torch.tensor([list(prompt_ids) + list(token_ids)])).logits[0, len(prompt_ids) - 1:-1]
     picked = logits.gather(1, torch.tensor(token_ids).unsqueeze(1)).squeeze(1)
