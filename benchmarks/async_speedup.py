@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import platform
 import socket
 import sys
@@ -39,6 +38,8 @@ from typing import Any, Callable
 
 import httpx
 import yaml
+
+from bench_ray import init_ray
 
 
 def _free_port() -> int:
@@ -316,10 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     base = apply_overrides(_args_from(a.config), a.overrides)
-    if os.environ.get("RAY_ADDRESS", "local") != "local":  # a running cluster (`ray start --head`): its own CPUs
-        ray.init(log_to_driver=False)
-    else:
-        ray.init(num_cpus=a.num_cpus, include_dashboard=False, log_to_driver=False)
+    init_ray(a.num_cpus)
     results = []
     with tempfile.TemporaryDirectory(prefix="asyncrl-speedup-") as tmp:
         def emit(res: dict) -> None:  # before each app's teardown: a call cut short keeps what finished

@@ -47,6 +47,8 @@ import time
 from functools import partial
 from pathlib import Path
 
+from bench_ray import init_ray
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -401,10 +403,7 @@ def side_asyncrl(args: argparse.Namespace, sections: dict, ids, label: str, repl
     from asyncrl.generator.deployment import ENGINE_DEPLOYMENT
 
     runtime_env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"], "TOKENIZERS_PARALLELISM": "false"}}
-    if os.environ.get("RAY_ADDRESS", "local") != "local":  # a cluster started apart (gpu_jobs.sh: one per job)
-        ray.init(log_to_driver=False, runtime_env=runtime_env)
-    else:
-        ray.init(num_cpus=max(4, os.cpu_count() or 4), include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+    init_ray(max(4, os.cpu_count() or 4), runtime_env=runtime_env)
     port = args.port
     gen = {**sections["generator"], "http_port": port, "direct_http_port": port + 1,
            "max_ongoing_requests": args.max_ongoing or 4 * args.concurrency, "max_queued_requests": -1}

@@ -50,6 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_ray import init_ray
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "artifacts" / "demo-model"
 
@@ -748,10 +750,7 @@ def main() -> None:
     runtime_env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}}
     if os.environ.get("ASYNCRL_PUSH_TRACE"):  # the actors' (and their engines') push marks (asyncrl/weightsync/trace.py)
         runtime_env["env_vars"]["ASYNCRL_PUSH_TRACE"] = os.environ["ASYNCRL_PUSH_TRACE"]
-    if os.environ.get("RAY_ADDRESS", "local") != "local":  # a node started apart (`ray start --head`): its own CPUs
-        ray.init(log_to_driver=False, runtime_env=runtime_env)
-    else:
-        ray.init(num_cpus=max(4, os.cpu_count() or 4), include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+    init_ray(max(4, os.cpu_count() or 4), runtime_env=runtime_env)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for name in args.models.split(","):

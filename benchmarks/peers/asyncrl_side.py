@@ -31,7 +31,6 @@ Steps with a held-out evaluation (--eval-every) are left out of s/step (the eval
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
 from async_speedup import _args_from, apply_overrides, model_params  # noqa: E402
+from bench_ray import init_ray  # noqa: E402
 from common import (StepTime, add_knob_arguments, check_knobs, emit, gpu_name, knobs, max_model_len,  # noqa: E402
                     package_version, summarize)
 
@@ -138,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     config = a.config or CONFIGS[a.placement]
     placement = a.placement if a.config is None else f"{a.placement} ({config})"
     placement = f"{placement} {a.tag}".strip()
-    if os.environ.get("RAY_ADDRESS", "local") != "local":
-        ray.init(log_to_driver=False)
-    else:
-        ray.init(num_cpus=a.num_cpus, include_dashboard=False, log_to_driver=False)
+    init_ray(a.num_cpus)
     try:
         with tempfile.TemporaryDirectory(prefix="asyncrl-peers-") as tmp:
             for eta in a.etas:
