@@ -61,7 +61,7 @@ class SglangHooks:
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         monkey_patch_torch_reductions()
-        named = [(name, tensor) for name, tensor in weights]
+        named = own_storages([(name, tensor) for name, tensor in weights])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the staged copies are complete before another process reads them
         payload = MultiprocessingSerializer.serialize(named)
@@ -71,6 +71,46 @@ class SglangHooks:
         ok, message = self.call(self.tm.update_weights_from_tensor(request, None), self.timeout_s)
         if not ok:
             raise RuntimeError(f"SGLang refused the weights: {message}")
+
+
+def received_from_another_process(storage: torch.UntypedStorage) -> bool:
+    """True for a CUDA storage this process opened from another process's IPC handle (an ipc push's views
+    of the sender's ring), which torch refuses to share on: the test is torch's own, asking it for a
+    handle (what SGLang's serializer does next for every storage it sends)."""
+    if storage.device.type != "cuda":
+        return False
+    try:
+        storage._share_cuda_()
+    except RuntimeError as err:
+        if "received from another process" in str(err):
+            return True
+        raise
+    return False
+
+
+def own_storages(named: list[tuple[str, torch.Tensor]],
+                 foreign: Callable[[torch.UntypedStorage], bool] = received_from_another_process
+                 ) -> list[tuple[str, torch.Tensor]]:
+    """`named` with every tensor on a `foreign` storage moved onto a copy of that storage in this process's
+    own memory: one device copy per storage (an ipc bucket's views share one), the views rebuilt over it at
+    their offsets, shapes and strides. SGLang takes the tensors over CUDA IPC, and torch does not hand on
+    what it received (2026-11-28, H200: "Attempted to send CUDA tensor received from another process").
+    The copy lives until SGLang has loaded it (the caller's payload holds it)."""
+    copies: dict[tuple[str, int], torch.UntypedStorage | None] = {}
+    out = []
+    for name, t in named:
+        storage = t.untyped_storage()
+        key = (str(storage.device), storage.data_ptr())
+        if key not in copies:
+            copies[key] = None
+            if foreign(storage):
+                whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+                copies[key] = whole.clone().untyped_storage()
+        own = copies[key]
+        if own is not None:
+            t = torch.empty(0, dtype=t.dtype, device=t.device).set_(own, t.storage_offset(), t.size(), t.stride())
+        out.append((name, t))
+    return out
 
 
 class SglangWorker(WorkerVerbs):

@@ -357,6 +357,33 @@ def test_a_verified_push_is_handed_to_sglang_whole_with_its_version_and_no_cache
     asyncio.run(main())
 
 
+def test_tensors_on_a_received_storage_are_handed_on_from_one_copy_of_it_per_storage():
+    """An ipc push's staged views map the sender's ring, which torch will not share again (SGLang's serializer
+    raised "Attempted to send CUDA tensor received from another process" on the H200s): those storages are
+    copied once each, their views rebuilt over the copy with the same values, dtypes, shapes and strides;
+    tensors on this process's own storages go as they are."""
+    import torch
+
+    from asyncrl.generator.sglang_worker import own_storages, received_from_another_process
+
+    ring = torch.arange(4096, dtype=torch.uint8)  # one bucket buffer: views of several dtypes at offsets
+    a = torch.empty(0, dtype=torch.float32).set_(ring.untyped_storage(), 16, (8, 4), (4, 1))
+    b = torch.empty(0, dtype=torch.bfloat16).set_(ring.untyped_storage(), 512, (6, 3), (1, 6))  # strided
+    local = torch.randn(5)
+    foreign = ring.untyped_storage().data_ptr()
+    out = dict(own_storages([("a", a), ("b", b), ("c", local)], lambda st: st.data_ptr() == foreign))
+    assert out["c"] is local and not received_from_another_process(local.untyped_storage())
+    for name, t in (("a", a), ("b", b)):
+        got = out[name]
+        assert got.dtype == t.dtype and got.shape == t.shape and got.stride() == t.stride()
+        assert got.storage_offset() == t.storage_offset() and torch.equal(got, t)
+        assert got.untyped_storage().data_ptr() != foreign
+    assert out["a"].untyped_storage().data_ptr() == out["b"].untyped_storage().data_ptr()  # one copy for both
+    before = out["a"].clone()
+    ring.zero_()  # the sender reuses its ring for the next push: the handed-on copy stays as it was
+    assert torch.equal(out["a"], before)
+
+
 def _child_that_dies_with_its_parent_thread(ready) -> None:
     """What SGLang's scheduler and detokenizer do first: SIGKILL me when my parent (thread) dies."""
     import ctypes
