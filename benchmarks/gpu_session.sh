@@ -71,7 +71,7 @@ push)
       # SENDER_ARENA (gloo / nccl): auto, whole or ring (weightsync.py --sender-arena)
       # TRACE=1: every push's marks across its processes (asyncrl/weightsync/trace.py), lined up after the bench
       # BENCH_TIMEOUT (360): a fresh host's random 1.5B took 204 s to build and start its engine (2026-11-27, H100s)
-      tdir=${TRACE:+$OUT/trace_${m##*/}}
+      tag=${m##*/}${ENGINE:+_$ENGINE}; tdir=${TRACE:+$OUT/trace_$tag}  # (one per engine: both may push one model)
       # RECEIVE_APART (off): on / both, the workers receive in threads while the engine steps (weightsync.receive_apart);
       # ENGINE (vllm): sglang pushes into SGLang replicas (after sglang-install; HF layout, its own staging);
       # BUCKET_MB (64): a size in MiB, or a comma list measured in turn on the same engines (64,256); PUSH_CHANNEL
@@ -84,8 +84,8 @@ push)
       grep '^\[weightsync' $log | tail -4  # where it got (each push's time)
       if [ -n "$tdir" ] && [ -d "$tdir" ]; then
         g=4; [ -n "${PROFILE_DIR:-}" ] && g=5  # pushes per bucket size: a warm-up, 3 timed (and one profiled)
-        python3 benchmarks/push_timeline.py $tdir --group $g --json $OUT/timeline_${m##*/}.json > $OUT/timeline_${m##*/}.txt 2>&1
-        grep -A40 "^median of" $OUT/timeline_${m##*/}.txt | grep -E "median|snd.enter|rep.load|rep.paused|gate_open|announced|landed|wire_done|digests|wrk.return|rep.received|rep.return|pub\."; tar czf $OUT/trace_${m##*/}.tgz -C $OUT trace_${m##*/} && rm -rf $tdir
+        python3 benchmarks/push_timeline.py $tdir --group $g --json $OUT/timeline_$tag.json > $OUT/timeline_$tag.txt 2>&1
+        grep -A40 "^median of" $OUT/timeline_$tag.txt | grep -E "median|snd.enter|rep.load|rep.paus|gate_open|announced|landed|wire_done|digests|wrk.return|rep.received|rep.return|pub\."; tar czf $OUT/trace_$tag.tgz -C $OUT trace_$tag && rm -rf $tdir
       fi
       grep -v '^{' $log | grep -iE "error|Traceback|layout" | tail -8 | cut -c1-400
       ;;

@@ -153,8 +153,10 @@ class WeightUpdates:
         # the receive follows at once when no request is in the engine, else after the pause's reply:
         # `_pause_before_receive`), the ledger's counts are read in the receive before any weight changes, and a check
         # that fails at the end is a failed apply (restored from the last live version, paused). A driver that
-        # receives apart from its engine (`receives_apart`: SGLang) keeps the engine stepping during the receive
-        # and pauses it after: paused only for the check and the apply.
+        # receives apart from its engine (`receives_apart`: SGLang; `weightsync.receive_apart`) keeps the engine
+        # stepping during the receive and pauses it at the wire's end (its workers report their last bucket, over
+        # the push channel, before they read their digests) or, without that report, once the receive is done:
+        # paused only for the digests, the check and the apply.
         pausing, paused_at, overlapped, late_pause = None, None, False, False
         apart = self.engine.receives_apart or named_tensors.apart
         early = (named_tensors.stream and self._staging.layout == "engine" and self._staging.staging == "full"
@@ -167,6 +169,16 @@ class WeightUpdates:
             loads: Any = self._load(named_tensors, early=self._versions.counts_query, applying=True)
         elif self.state is ReplicaState.READY and self._may_run() and apart:
             loads, late_pause = self._load(named_tensors), True  # the engine steps on beside the wire
+
+            def pause_late() -> None:  # at the wire's end (the workers report it), else once the receive is done
+                nonlocal pausing, paused_at
+                if pausing is None:
+                    trace.mark("rep.pausing")
+                    paused_at = time.perf_counter()
+                    pausing = asyncio.ensure_future(self._pause_engine("keep"))
+                    pausing.add_done_callback(lambda _: trace.mark("rep.paused"))
+
+            self._staging.on_wire_end = pause_late
         elif self.state is ReplicaState.READY and self._may_run():
             receiving = asyncio.ensure_future(self._load(named_tensors))
             await asyncio.sleep(0)  # (its call goes out first)
@@ -179,11 +191,10 @@ class WeightUpdates:
             try:
                 staged = await loads
                 trace.mark("rep.received")
-                if late_pause:  # received apart from the engine, which stepped on: paused now, for the commit
-                    paused_at = time.perf_counter()
-                    pausing = asyncio.ensure_future(self._pause_engine("keep"))
-                    pausing.add_done_callback(lambda _: trace.mark("rep.paused"))
+                if late_pause:  # received apart from the engine, which stepped on: paused for the commit (if
+                    pause_late()  # the wire's end did not already), the digests' check and the apply
             finally:
+                self._staging.on_wire_end = None
                 if pausing is not None:  # paused (or failed to) before anything else happens
                     await asyncio.wait([pausing])
             if pausing is not None:
@@ -274,15 +285,19 @@ class WeightUpdates:
     async def push_channel(self) -> dict[str, Any]:
         """The address of this replica's push channel: the publisher's load goes there instead of
         through Ray or Serve (the same verb, run on this loop). Started at the first ask."""
-        from asyncrl.weightsync.push_channel import RECEIVE_DONE, ChannelServer
+        from asyncrl.weightsync.push_channel import RECEIVE_DONE, WIRE_END, ChannelServer
 
         if getattr(self, "_channel", None) is None:
-            self._channel = ChannelServer(self, ["load_bucket", RECEIVE_DONE])
+            self._channel = ChannelServer(self, ["load_bucket", RECEIVE_DONE, WIRE_END])
         return {"replica_id": self.replica_id, **await self._channel.address(_node_host())}
 
     async def receive_done(self, call: str, rank: int, ok: bool, answer: Any) -> None:
         """A worker's receive apart from the engine ended (`CollectiveReceive.apart`; it reports over this channel)."""
         self._staging.receive_done(call, rank, ok, answer)
+
+    async def wire_end(self, call: str, rank: int) -> None:
+        """A worker's receive apart from the engine has its last bucket: the commit's pause may start."""
+        self._staging.wire_end(call, rank)
 
     def close_push_channel(self) -> None:
         channel, self._channel = getattr(self, "_channel", None), None

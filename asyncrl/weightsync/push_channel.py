@@ -35,6 +35,7 @@ from typing import Any
 
 _LEN = struct.Struct("!Q")
 RECEIVE_DONE = "receive_done"  # the replica's verb a worker's receive apart from the engine reports its end to
+WIRE_END = "wire_end"  # ... and the one it reports its last bucket landed to (before its digests are read)
 _TOKEN_MAX = 256  # bytes: the first frame is a token, read before anything is trusted
 _FRAME_MAX = 1 << 30  # a call's arguments travel by value (the load's payload is a small dataclass)
 

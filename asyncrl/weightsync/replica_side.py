@@ -86,9 +86,16 @@ class _ApartCall:
     future: asyncio.Future
     answers: dict[int, tuple[bool, Any]] = field(default_factory=dict)
     workers: int | None = None
+    wired: set[int] = field(default_factory=set)  # the workers whose last bucket landed (`wire_end`)
+    on_wire_end: Callable[[], None] | None = None  # called once, when every worker's last bucket landed
 
     def settle(self) -> None:
-        if self.workers is not None and len(self.answers) >= self.workers and not self.future.done():
+        if self.workers is None:
+            return
+        if self.on_wire_end is not None and len(self.wired | set(self.answers)) >= self.workers:
+            on_wire_end, self.on_wire_end = self.on_wire_end, None
+            on_wire_end()
+        if len(self.answers) >= self.workers and not self.future.done():
             self.future.set_result(None)
 
 
@@ -111,6 +118,9 @@ class ReplicaStaging:
         # replica's push channel address, set by the replica), and the receives waiting for them, by call id
         self.reply_address: Callable[[], Awaitable[dict[str, Any]]] | None = None
         self._apart: dict[str, _ApartCall] = {}
+        # called once when every worker of a receive apart has its last bucket (their digests are still being
+        # read): the replica pauses its engine then, beside that read (set by the replica for one load)
+        self.on_wire_end: Callable[[], None] | None = None
 
     # ---- layout and plan ---------------------------------------------------------------------
     async def check_layout(self) -> list[dict[str, Any]]:
@@ -209,7 +219,7 @@ class ReplicaStaging:
         if self.reply_address is None:
             raise RuntimeError("a receive apart from the engine needs the replica's push channel to report to")
         call = secrets.token_hex(8)
-        waiting = self._apart[call] = _ApartCall(asyncio.get_running_loop().create_future())
+        waiting = self._apart[call] = _ApartCall(asyncio.get_running_loop().create_future(), on_wire_end=self.on_wire_end)
         try:
             reply = {**await self.reply_address(), "call": call}
             started = await self.rpc(WorkerAPI.asyncrl_receive_start, version, list(payload.group_ids), payload.timeout_s,
@@ -230,6 +240,13 @@ class ReplicaStaging:
         waiting = self._apart.get(call)
         if waiting is not None:  # (else a receive its load gave up on)
             waiting.answers[int(rank)] = (bool(ok), answer)
+            waiting.settle()
+
+    def wire_end(self, call: str, rank: int) -> None:
+        """A worker's receive apart from the engine has its last bucket (its digests are being read)."""
+        waiting = self._apart.get(call)
+        if waiting is not None:
+            waiting.wired.add(int(rank))
             waiting.settle()
 
     def sender_fingerprint(self) -> str:

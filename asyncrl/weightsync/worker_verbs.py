@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from collections.abc import Callable
 from typing import Any
 
 from asyncrl.weightsync import trace
@@ -94,6 +95,13 @@ class WorkerVerbs:
         apply's report and "before" the query's answer, else both None (the commit applies).
         `gate` (broadcast groups): the push's gate token. This worker passes every group's gate once it
         has begun (collective.py), and closes them instead if it cannot take the push."""
+        return self._asyncrl_receive(version, group_ids, timeout_s, begin, with_sender, early, gate)
+
+    def _asyncrl_receive(self, version: int, group_ids: list[str], timeout_s: float, begin: tuple | None,
+                         with_sender: bool, early: str | None, gate: str,
+                         on_wire_end: Callable[[], None] | None = None) -> Any:
+        """`asyncrl_receive_collective`; `on_wire_end` (a receive apart from the engine): called once every
+        bucket has landed, before the digests are read."""
         from asyncrl.weightsync.collective import CollectiveError
         from asyncrl.weightsync.wire import receive_stream, sender_digests
 
@@ -135,6 +143,8 @@ class WorkerVerbs:
             trace.mark("wrk.end_header")
             if with_sender:
                 theirs.update(sender_digests(group, deadline))
+        if on_wire_end is not None:
+            on_wire_end()
         digests = rx.digests(version)
         trace.mark("wrk.digests")
         if rx.applying_as_received:
@@ -158,17 +168,27 @@ class WorkerVerbs:
         def run() -> None:
             import torch
 
-            from asyncrl.weightsync.push_channel import RECEIVE_DONE, call_once
+            from asyncrl.weightsync.push_channel import RECEIVE_DONE, WIRE_END, call_once
 
             device = getattr(self, "device", None)
             if device is not None and torch.device(device).type == "cuda":
                 torch.cuda.set_device(torch.device(device))  # (a new thread starts on device 0, not the worker's)
+            address = {k: reply[k] for k in ("host", "port", "token")}
+
+            def report_wire_end() -> None:  # the replica may pause its engine now, beside the digests' read
+                try:
+                    call_once(address, WIRE_END, reply["call"], rank, timeout_s=timeout_s)
+                except Exception:  # noqa: BLE001 - the replica then pauses at the receive's end, as before
+                    pass
+
+            def wire_end() -> None:
+                threading.Thread(target=report_wire_end, name=f"asyncrl-wire-end-{version}", daemon=True).start()
+
             try:
-                answer: Any = (True, self.asyncrl_receive_collective(version, group_ids, timeout_s, begin, with_sender,
-                                                                      None, gate))
+                answer: Any = (True, self._asyncrl_receive(version, group_ids, timeout_s, begin, with_sender, None,
+                                                            gate, wire_end))
             except BaseException as err:  # noqa: BLE001 - reported to the replica, whose load raises it
                 answer = (False, f"{type(err).__name__}: {err}")
-            address = {k: reply[k] for k in ("host", "port", "token")}
             try:
                 call_once(address, RECEIVE_DONE, reply["call"], rank, *answer, timeout_s=timeout_s)
             except Exception as err:  # noqa: BLE001 - the replica's load then ends at its deadline

@@ -254,12 +254,16 @@ def test_a_receive_apart_waits_for_every_worker_whenever_its_answer_comes_and_ra
     from asyncrl.weightsync.collective import CollectiveReceive
     from asyncrl.weightsync.replica_side import ReplicaStaging
 
-    async def main(answers, timeout_s=5.0):
+    async def main(answers, timeout_s=5.0, wired=None):
         staging: ReplicaStaging
+        ends: list = []
 
         async def rpc(verb, *args, timeout=None):
             assert verb_name(WorkerAPI, verb) == "asyncrl_receive_start"
             call = args[-1]["call"]
+            for rank in wired or ():  # the wire's end, reported before the start call returns
+                staging.wire_end(call, rank)
+                staging.wire_end(call, rank)  # (twice: once counts)
             for rank, ok, answer in answers:  # (one before the start call returns)
                 staging.receive_done(call, rank, ok, answer)
                 await asyncio.sleep(0)
@@ -271,10 +275,31 @@ def test_a_receive_apart_waits_for_every_worker_whenever_its_answer_comes_and_ra
         staging = ReplicaStaging(rpc, "r")
         staging.reply_address = address
         staging.version = 4
+        if wired is not None:  # what the replica's pause at the wire's end takes: once, when every worker is there
+            staging.on_wire_end = lambda: ends.append(len(ends))
         payload = CollectiveReceive(("g",), 4, timeout_s, apart=True)
-        return await staging._receive_apart(payload, 4, None)
+        out = await staging._receive_apart(payload, 4, None)
+        if wired is not None:
+            assert ends == [0]
+        return out
 
     assert asyncio.run(main([(1, True, "b"), (0, True, "a")])) == ["a", "b"]
+    assert asyncio.run(main([(1, True, "b"), (0, True, "a")], wired=[])) == ["a", "b"]
+    assert asyncio.run(main([(1, True, "b"), (0, True, "a")], wired=[0, 1])) == ["a", "b"]
+    from asyncrl.weightsync.replica_side import _ApartCall
+
+    async def partial():  # one worker of two at the wire's end: no pause yet; the second's answer completes it
+        ends: list = []
+        waiting = _ApartCall(asyncio.get_running_loop().create_future(), workers=2, on_wire_end=lambda: ends.append(1))
+        waiting.wired.add(0)
+        waiting.settle()
+        first = list(ends)
+        waiting.answers[1] = (True, "b")
+        waiting.settle()
+        waiting.settle()
+        return first, ends, waiting.future.done()
+
+    assert asyncio.run(partial()) == ([], [1], False)
     with pytest.raises(RuntimeError, match="a worker's receive failed: GateClosed: .*stopped at its gate"):
         asyncio.run(main([(0, True, "a"), (1, False, "GateClosed: group g: push x stopped at its gate")]))
     with pytest.raises(asyncio.TimeoutError):
