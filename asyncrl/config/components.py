@@ -120,6 +120,13 @@ class GeneratorConfig(_Section):
     def resolved_admin_token(self) -> str | None:
         return self.admin_token or os.environ.get("ASYNCRL_ADMIN_TOKEN") or None
 
+    @property
+    def honours_seeds(self) -> bool:
+        """Whether the engine samples by a request's seed. SGLang reads a seed only with
+        `enable_deterministic_inference` and refuses a seeded request otherwise (sglang_protocol.to_sglang):
+        without it the trainer's rollouts go unseeded."""
+        return self.engine != "sglang" or bool(self.engine_kwargs.get("enable_deterministic_inference"))
+
 
 class BufferConfig(_Section):
     """Replay buffer and staleness admission control (see docs/ARCHITECTURE.md, "The staleness rule")."""

@@ -21,7 +21,11 @@ class RequestError(ValueError):
     def __init__(self, field: str, message: str, status: int = 400) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
         self.status = status
+
+    def __reduce__(self):  # (pickled across Ray as itself: its args are not the constructor's)
+        return (type(self), (self.field, self.message, self.status))
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,7 @@ class TrainerParts:
             algorithm=self.cfg.algorithm,
             concurrency=self.cfg.trainer.rollout_concurrency,
             seed=self.cfg.trainer.seed,
+            seeded=self.cfg.generator.honours_seeds,
             attempts=self.cfg.trainer.rollout_attempts,
             timeout_s=self.cfg.trainer.rollout_timeout_s,
         )

@@ -22,6 +22,7 @@ from typing import Any, Awaitable, Callable
 
 from asyncrl.config import AlgorithmConfig
 from asyncrl.data.prompts import Prompt, render_prompt
+from asyncrl.generator.sampling import RequestError
 from asyncrl.rewards.pool import RewardOutcome
 from asyncrl.trainer.data_stream import PromptStream
 from asyncrl.types import GenerationRequest, GenerationResult, Sample, SampleStatus, SamplingParams
@@ -69,7 +70,8 @@ async def generate_with_retry(generate: GenerateFn, request: GenerationRequest, 
                               backoff_s: float = 0.5, timeout_s: float | None = None) -> GenerationResult:
     """Call the engine deployment; a replica that died mid-request, or an attempt that ran past
     `timeout_s` (cancelled, which aborts the request in the engine), is retried (Serve routes the
-    retry to a live replica). Re-raises the last error after `attempts` tries."""
+    retry to a live replica). Re-raises the last error after `attempts` tries, and a request the engine refused
+    (`RequestError`: bad sampling parameters, a prompt too long) at once."""
     for attempt in range(attempts):
         try:
             deadline = asyncio.timeout(timeout_s)
@@ -84,7 +86,7 @@ async def generate_with_retry(generate: GenerateFn, request: GenerationRequest, 
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001 - any replica failure is retryable here
-            if attempt == attempts - 1:
+            if attempt == attempts - 1 or isinstance(err, RequestError):  # (a refused request is refused again)
                 raise
             counters.retries += 1
             log.warning("generation attempt %d failed (%s); retrying", attempt + 1, err)
@@ -106,6 +108,7 @@ class RolloutWorkers:
         algorithm: AlgorithmConfig,
         concurrency: int,
         seed: int,
+        seeded: bool = True,
         attempts: int = 3,
         timeout_s: float | None = None,
         backoff_s: float = 0.5,
@@ -118,6 +121,7 @@ class RolloutWorkers:
         self._algo = algorithm
         self._concurrency = concurrency
         self._seed = seed
+        self._seeded = seeded  # (False: the engine samples by no seed, and would refuse one: SGLang's default)
         self._attempts = attempts
         self._timeout_s = timeout_s
         self._backoff_s = backoff_s
@@ -148,7 +152,7 @@ class RolloutWorkers:
                 temperature=self._algo.temperature,
                 top_p=self._algo.top_p,
                 max_tokens=self._algo.max_new_tokens,
-                seed=request_seed(self._seed, index),
+                seed=request_seed(self._seed, index) if self._seeded else None,
                 logprobs=True,
                 ignore_eos=self._algo.ignore_eos,
             ),

@@ -612,3 +612,15 @@ def test_a_gpu_tp_engine_leaves_expandable_segments_out_of_its_workers(monkeypat
     build_engine_args(model, GeneratorConfig(num_gpus=2, engine_kwargs={"tensor_parallel_size": 2}))
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
 
+
+
+def test_a_request_error_crosses_a_process_as_itself():
+    """The engine replica's refusal reaches the trainer through Ray as a RequestError with its field and status
+    (its args are not its constructor's: unpickling it failed on the H200s, "Failed to deserialize exception",
+    so the trainer could not tell a refused request from a dead replica and retried every one)."""
+    import pickle
+
+    from asyncrl.generator.sampling import RequestError
+
+    err = pickle.loads(pickle.dumps(RequestError("sampling.seed", "not honoured", 422)))
+    assert type(err) is RequestError and (err.field, err.status, str(err)) == ("sampling.seed", 422, "sampling.seed: not honoured")

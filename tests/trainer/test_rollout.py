@@ -221,3 +221,38 @@ def test_algorithm_ignore_eos_reaches_every_rollout_request(demo_model_path, ign
                        algorithm=AlgorithmConfig(group_size=N, ignore_eos=ignore_eos, max_new_tokens=7), concurrency=1, seed=0)
     sampling = w._request(0, Prompt(prompt="What is 1 + 2?", answer="3")).sampling
     assert (sampling.ignore_eos, sampling.max_tokens, sampling.n) == (ignore_eos, 7, N)
+
+
+async def test_a_request_the_engine_refuses_is_given_up_on_at_once_not_retried():
+    """A RequestError (bad sampling parameters, a prompt too long: refused again on every replica) fails its
+    rollout at its first attempt; the slots are counted as dropped_failed and the error kept for the run's report."""
+    from asyncrl.generator.sampling import RequestError
+
+    class Refusing(Engine):
+        async def generate(self, request):
+            self.calls["refused"] = self.calls.get("refused", 0) + 1
+            raise RequestError("sampling.seed", "not honoured by this engine")
+
+    buffer, engine = BufferService(BufferConfig(batch_size=2, max_staleness=0)), Refusing()
+    w = workers(engine, buffer, [], attempts=3, timeout_s=5.0)
+    assert await buffer.acquire(N)
+    await asyncio.wait_for(w.rollout_once(0, _prompt("one")), 10)
+    c, m = w.counters, await buffer.metrics()
+    assert engine.calls == {"refused": 1} and (c.retries, c.failed) == (0, 1)
+    assert m["buffer/dropped_failed"] == N and "not honoured" in c.errors[-1]
+
+
+def test_rollouts_are_seeded_only_where_the_engine_samples_by_a_seed():
+    """SGLang reads a seed only with enable_deterministic_inference, and refuses a seeded request otherwise
+    (on the H200s every rollout of the SGLang demo was refused so): the trainer leaves its requests unseeded
+    there, and seeds them (the same seed per prompt position) everywhere else."""
+    from asyncrl.config import GeneratorConfig
+    from asyncrl.trainer.rollout import request_seed
+
+    assert GeneratorConfig().honours_seeds
+    assert not GeneratorConfig(engine="sglang", num_gpus=1).honours_seeds
+    assert GeneratorConfig(engine="sglang", num_gpus=1, engine_kwargs={"enable_deterministic_inference": True}).honours_seeds
+    for seeded in (True, False):
+        w = workers(Engine(), BufferService(BufferConfig(batch_size=2, max_staleness=0)), [], seeded=seeded)
+        seed = w._request(5, _prompt("one")).sampling.seed
+        assert seed == (request_seed(0, 5) if seeded else None)
