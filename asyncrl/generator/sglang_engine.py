@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import logging
 import random
 import socket
@@ -100,11 +101,15 @@ def start_engine(kwargs: dict[str, Any], factory: Callable[..., Any] | None = No
     down with them (seen on H200s: every replica died right after it came up). `stop_engine` ends both."""
 
     def build() -> Any:
-        if factory is not None:
-            return factory(**kwargs)
-        import sglang
+        kept = {key: os.environ.get(key) for key in NCCL_SET_BY_SGLANG}
+        try:
+            if factory is not None:
+                return factory(**kwargs)
+            import sglang
 
-        return sglang.Engine(**kwargs)
+            return sglang.Engine(**kwargs)
+        finally:
+            _restore_env(kept)
 
     built: concurrent.futures.Future = concurrent.futures.Future()
     release = threading.Event()
@@ -128,6 +133,22 @@ def start_engine(kwargs: dict[str, Any], factory: Callable[..., Any] | None = No
 
 
 _KEEPERS: dict[int, threading.Event] = {}  # per engine, the event its starting thread waits on
+
+# SGLang's start sets these for the processes it spawns (NCCL_CUMEM_ENABLE=0, NCCL_NVLS_ENABLE=0: its
+# _set_envs_and_config), in the environment of the process that builds the engine: ours, where weightsync's NCCL
+# group for this replica is formed later. The members of a communicator should agree on them, and the sender (a
+# learner rank) keeps its own process's (NCCL's defaults unless set): the push into SGLang over NCCL failed at
+# ncclCommInitRank with "internal error" while SGLang's values stood here (H200s, 2026-11-28; not yet rerun with
+# them put back). They are put back once SGLang's processes have started, which keep SGLang's.
+NCCL_SET_BY_SGLANG = ("NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE", "NCCL_GRAPH_MIXING_SUPPORT")
+
+
+def _restore_env(kept: dict[str, str | None]) -> None:
+    for key, value in kept.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def stop_engine(engine: Any) -> None:

@@ -384,6 +384,34 @@ def test_tensors_on_a_received_storage_are_handed_on_from_one_copy_of_it_per_sto
     assert torch.equal(out["a"], before)
 
 
+def test_the_nccl_settings_sglang_sets_for_its_processes_are_put_back_in_the_replica_s(monkeypatch):
+    """SGLang's start sets NCCL_CUMEM_ENABLE / NCCL_NVLS_ENABLE in the environment of the process building it (for
+    the processes it spawns); weightsync's NCCL group is formed later in that process, with a sender that keeps its
+    own: the values from before the start come back (unset ones unset), and the engine saw SGLang's."""
+    import os
+
+    from asyncrl.generator.sglang_engine import start_engine, stop_engine
+
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    seen = {}
+
+    class _SetsEnv:
+        def __init__(self, **kwargs):
+            os.environ["NCCL_CUMEM_ENABLE"], os.environ["NCCL_NVLS_ENABLE"] = "0", "0"  # as _set_envs_and_config
+            seen.update(cumem=os.environ["NCCL_CUMEM_ENABLE"], nvls=os.environ["NCCL_NVLS_ENABLE"])
+
+        def shutdown(self):
+            pass
+
+    engine = start_engine({}, factory=_SetsEnv)
+    try:
+        assert seen == {"cumem": "0", "nvls": "0"}
+        assert os.environ["NCCL_CUMEM_ENABLE"] == "1" and "NCCL_NVLS_ENABLE" not in os.environ
+    finally:
+        stop_engine(engine)
+
+
 def _child_that_dies_with_its_parent_thread(ready) -> None:
     """What SGLang's scheduler and detokenizer do first: SIGKILL me when my parent (thread) dies."""
     import ctypes
