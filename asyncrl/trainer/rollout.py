@@ -31,6 +31,15 @@ log = logging.getLogger(__name__)
 
 GenerateFn = Callable[[GenerationRequest], Awaitable[GenerationResult]]
 
+# A request refused for one of these fields is its prompt's (too long, bad tokens): that prompt is dropped and the
+# run goes on. Refused for any other (sampling parameters: the run's settings), every prompt would be: the run stops.
+PROMPT_FIELDS = ("prompt_ids", "max_tokens")
+
+
+class RolloutRefused(RuntimeError):
+    """The engine refuses the run's rollout requests whatever the prompt: the training loop fails at once,
+    saying so (instead of at trainer.batch_timeout_s, with every prompt dropped meanwhile)."""
+
 
 def request_seed(run_seed: int, prompt_index: int) -> int:
     """Per-request sampling seed: the same prompt position samples the same way after a resume."""
@@ -174,6 +183,10 @@ class RolloutWorkers:
             log.warning("prompt %d given up on after %d attempts (%r): %d samples counted as dropped_failed",
                         index, self._attempts, err, n)
             await self._buffer.abandon.remote(n)
+            if isinstance(err, RequestError) and err.field not in PROMPT_FIELDS:
+                raise RolloutRefused(f"the engine refused this run's rollout requests: {err.field}: "
+                                     f"{getattr(err, 'message', err)} (the same for every prompt: a setting of "
+                                     "algorithm, trainer or generator; nothing was trained)") from None
             return
         completions = sorted(result.completions, key=lambda c: c.index)
         try:

@@ -223,23 +223,32 @@ def test_algorithm_ignore_eos_reaches_every_rollout_request(demo_model_path, ign
     assert (sampling.ignore_eos, sampling.max_tokens, sampling.n) == (ignore_eos, 7, N)
 
 
-async def test_a_request_the_engine_refuses_is_given_up_on_at_once_not_retried():
-    """A RequestError (bad sampling parameters, a prompt too long: refused again on every replica) fails its
-    rollout at its first attempt; the slots are counted as dropped_failed and the error kept for the run's report."""
+@pytest.mark.parametrize("field", ["max_tokens", "sampling.seed"])
+async def test_a_request_the_engine_refuses_is_given_up_on_at_once_and_a_refused_setting_stops_the_run(field):
+    """A RequestError (refused again on every replica) fails its rollout at its first attempt; the slots are counted
+    as dropped_failed and the error kept for the run's report. Refused for its prompt (too long: max_tokens) the run
+    goes on; refused for a sampling setting (every prompt would be) the rollouts stop with RolloutRefused, which the
+    training loop raises at its next wait for a batch."""
     from asyncrl.generator.sampling import RequestError
+    from asyncrl.trainer.rollout import RolloutRefused
 
     class Refusing(Engine):
         async def generate(self, request):
             self.calls["refused"] = self.calls.get("refused", 0) + 1
-            raise RequestError("sampling.seed", "not honoured by this engine")
+            raise RequestError(field, "not honoured by this engine")
 
     buffer, engine = BufferService(BufferConfig(batch_size=2, max_staleness=0)), Refusing()
     w = workers(engine, buffer, [], attempts=3, timeout_s=5.0)
     assert await buffer.acquire(N)
-    await asyncio.wait_for(w.rollout_once(0, _prompt("one")), 10)
+    once = w.rollout_once(0, _prompt("one"))
+    if field == "max_tokens":
+        await asyncio.wait_for(once, 10)
+    else:
+        with pytest.raises(RolloutRefused, match="refused this run's rollout requests: sampling.seed: not honoured"):
+            await asyncio.wait_for(once, 10)
     c, m = w.counters, await buffer.metrics()
     assert engine.calls == {"refused": 1} and (c.retries, c.failed) == (0, 1)
-    assert m["buffer/dropped_failed"] == N and "not honoured" in c.errors[-1]
+    assert m["buffer/dropped_failed"] == N and m["buffer/running"] == 0 and "not honoured" in c.errors[-1]
 
 
 def test_rollouts_are_seeded_only_where_the_engine_samples_by_a_seed():
