@@ -12,8 +12,9 @@ Why: the push's other costs are bytes on the wire, but its calls went through Ra
 round trip: 1.3-1.8 ms on the GPU hosts, docs/BENCHMARKS.md) and, in the training loop, through
 Serve's broadcast (2.3-3.9 ms here), before its first byte and after its last.
 
-`call_once` is the blocking one-call client a thread without an event loop uses: an engine worker's receive
-that runs apart from its engine reports its end to the replica over the replica's channel (worker_verbs.py).
+`BlockingChannel` (and `call_once`, one call on one) is the client of a thread without an event loop: an engine
+worker's receive that runs apart from its engine reports the wire's end and then its answer to the replica over
+the replica's channel (worker_verbs.py), on one connection opened beside the wire.
 
 Must never: run a verb it was not given, read a frame before the token was checked, or leave a call
 waiting on a connection that is gone (every call in flight fails with `ChannelClosed` the moment
@@ -196,25 +197,62 @@ class ChannelClient:
         self._replies.cancel()
 
 
+class BlockingChannel:
+    """One connection to a `ChannelServer` from a thread without an event loop. `post` sends a call and returns at
+    once (its reply is read, and dropped, by a later `call`); `call` sends one and waits for its reply, its result
+    returned or its exception raised. `ChannelClosed` if the connection fails."""
+
+    def __init__(self, address: dict[str, Any], timeout_s: float = 30.0) -> None:
+        import socket
+
+        self.name = f"{address.get('host')}:{address.get('port')}"
+        self._ids = itertools.count()
+        try:
+            self._sock = socket.create_connection((address["host"], int(address["port"])), timeout=timeout_s)
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock.sendall(_frame(str(address["token"]).encode()))
+        except OSError as err:
+            raise ChannelClosed(f"push channel to {self.name}: {type(err).__name__}: {err}") from err
+
+    def post(self, verb: str, *args: Any) -> int:
+        call_id = next(self._ids)
+        try:
+            self._sock.sendall(_frame(pickle.dumps((call_id, verb, args))))
+        except OSError as err:
+            raise ChannelClosed(f"push channel to {self.name}: {type(err).__name__}: {err}") from err
+        return call_id
+
+    def call(self, verb: str, *args: Any) -> Any:
+        call_id = self.post(verb, *args)
+        try:
+            while True:
+                (n,) = _LEN.unpack(_recv_exactly(self._sock, _LEN.size))
+                if n > _FRAME_MAX:
+                    raise ChannelClosed(f"push channel to {self.name}: a reply of {n} bytes")
+                got, ok, value = pickle.loads(_recv_exactly(self._sock, n))
+                if got == call_id:
+                    break  # (earlier replies: posted calls', not waited for)
+        except OSError as err:
+            raise ChannelClosed(f"push channel to {self.name}: {type(err).__name__}: {err}") from err
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> "BlockingChannel":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 def call_once(address: dict[str, Any], verb: str, *args: Any, timeout_s: float = 30.0) -> Any:
     """`verb(*args)` on the server at `address` ({host, port, token}) from a thread without an event loop: one
     connection, one call, its result (or its exception raised here); `ChannelClosed` if the connection fails."""
-    import socket
-
-    try:
-        with socket.create_connection((address["host"], int(address["port"])), timeout=timeout_s) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(_frame(str(address["token"]).encode()) + _frame(pickle.dumps((0, verb, args))))
-            head = _recv_exactly(sock, _LEN.size)
-            (n,) = _LEN.unpack(head)
-            if n > _FRAME_MAX:
-                raise ChannelClosed(f"push channel: a reply of {n} bytes")
-            _, ok, value = pickle.loads(_recv_exactly(sock, n))
-    except OSError as err:
-        raise ChannelClosed(f"push channel to {address.get('host')}:{address.get('port')}: {type(err).__name__}: {err}") from err
-    if not ok:
-        raise value
-    return value
+    with BlockingChannel(address, timeout_s) as channel:
+        return channel.call(verb, *args)
 
 
 def _recv_exactly(sock: Any, n: int) -> bytes:

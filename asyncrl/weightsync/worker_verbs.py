@@ -25,6 +25,14 @@ def _dump(value: Any) -> bytes:
     return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+def _settle(future: Any, fn: Callable[..., Any], *args: Any) -> None:
+    """`future` gets `fn(*args)`'s result or its exception."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as err:  # noqa: BLE001 - handed to whoever waits on it
+        future.set_exception(err)
+
+
 class WorkerVerbs:
     """The `asyncrl_*` verbs of one worker that holds weights; methods are prefixed `asyncrl_` so they never
     clash with the worker's own. A subclass says where the engine is (`_asyncrl_hooks`) and has `rank`
@@ -168,21 +176,31 @@ class WorkerVerbs:
         def run() -> None:
             import torch
 
-            from asyncrl.weightsync.push_channel import RECEIVE_DONE, WIRE_END, call_once
+            import concurrent.futures
+
+            from asyncrl.weightsync.push_channel import RECEIVE_DONE, WIRE_END, BlockingChannel
 
             device = getattr(self, "device", None)
             if device is not None and torch.device(device).type == "cuda":
                 torch.cuda.set_device(torch.device(device))  # (a new thread starts on device 0, not the worker's)
             address = {k: reply[k] for k in ("host", "port", "token")}
+            # One connection to the replica for both reports, opened in a thread of its own beside the wire (not
+            # before it: the receive reaches its gate first); a report that cannot use it opens its own.
+            opening: concurrent.futures.Future = concurrent.futures.Future()
+            threading.Thread(target=lambda: _settle(opening, BlockingChannel, address, timeout_s),
+                             name=f"asyncrl-report-{version}", daemon=True).start()
 
-            def report_wire_end() -> None:  # the replica may pause its engine now, beside the digests' read
+            def channel() -> BlockingChannel:
                 try:
-                    call_once(address, WIRE_END, reply["call"], rank, timeout_s=timeout_s)
+                    return opening.result(timeout_s)
+                except Exception:  # noqa: BLE001 - once more, on the reporting thread
+                    return BlockingChannel(address, timeout_s)
+
+            def wire_end() -> None:  # the replica may pause its engine now, beside the digests' read
+                try:
+                    opening.result(timeout_s).post(WIRE_END, reply["call"], rank)
                 except Exception:  # noqa: BLE001 - the replica then pauses at the receive's end, as before
                     pass
-
-            def wire_end() -> None:
-                threading.Thread(target=report_wire_end, name=f"asyncrl-wire-end-{version}", daemon=True).start()
 
             try:
                 answer: Any = (True, self._asyncrl_receive(version, group_ids, timeout_s, begin, with_sender, None,
@@ -190,7 +208,8 @@ class WorkerVerbs:
             except BaseException as err:  # noqa: BLE001 - reported to the replica, whose load raises it
                 answer = (False, f"{type(err).__name__}: {err}")
             try:
-                call_once(address, RECEIVE_DONE, reply["call"], rank, *answer, timeout_s=timeout_s)
+                with channel() as reporting:
+                    reporting.call(RECEIVE_DONE, reply["call"], rank, *answer)
             except Exception as err:  # noqa: BLE001 - the replica's load then ends at its deadline
                 import logging
 

@@ -207,23 +207,33 @@ def test_the_publisher_opens_channels_after_a_push_and_tries_failed_ones_again_l
 
 
 def test_a_thread_without_a_loop_calls_the_replica_once_and_gets_its_answer_or_its_error():
-    """`call_once`: the blocking client a worker's receive thread reports its end with."""
+    """`BlockingChannel` and `call_once`: the blocking client a worker's receive thread reports the wire's end
+    (posted, not waited for) and then its answer with, on one connection."""
     import threading
 
-    from asyncrl.weightsync.push_channel import ChannelClosed, ChannelServer, call_once
+    from asyncrl.weightsync.push_channel import BlockingChannel, ChannelClosed, ChannelServer, call_once
 
     class Target:
+        wired: list = []
+
+        async def wire_end(self, call, rank):
+            self.wired.append((call, rank))
+
         async def receive_done(self, call, rank, ok, answer):
             if not ok:
                 raise ValueError(f"refused {call}")
-            return {"call": call, "rank": rank, "answer": answer}
+            return {"call": call, "rank": rank, "answer": answer, "wired": list(self.wired)}
 
     async def main():
-        server = ChannelServer(Target(), ["receive_done"])
+        server = ChannelServer(Target(), ["receive_done", "wire_end"])
         address = await server.address("127.0.0.1")
         out: dict = {}
 
         def worker():
+            with BlockingChannel(address) as channel:  # posted calls run, their replies skipped by the next call's
+                channel.post("wire_end", "c0", 1)
+                channel.post("wire_end", "c0", 2)
+                out["both"] = channel.call("receive_done", "c0", 1, True, "x")
             out["ok"] = call_once(address, "receive_done", "c1", 3, True, {"digests": {"a": b"\x01"}})
             try:
                 call_once(address, "receive_done", "c2", 0, False, "boom")
@@ -242,7 +252,8 @@ def test_a_thread_without_a_loop_calls_the_replica_once_and_gets_its_answer_or_i
         return out
 
     out = asyncio.run(main())
-    assert out["ok"] == {"call": "c1", "rank": 3, "answer": {"digests": {"a": b"\x01"}}}
+    assert out["both"] == {"call": "c0", "rank": 1, "answer": "x", "wired": [("c0", 1), ("c0", 2)]}
+    assert out["ok"] == {"call": "c1", "rank": 3, "answer": {"digests": {"a": b"\x01"}}, "wired": [("c0", 1), ("c0", 2)]}
     assert out["err"] == "refused c2" and "closed" in out
 
 
