@@ -161,6 +161,28 @@ def stop_engine(engine: Any) -> None:
             release.set()
 
 
+class _WatchedStates(dict):
+    """SGLang's TokenizerManager.rid_to_state, which notes the final token count of each sequence of a request
+    still being read (`live` rids) that it drops, in `finished_unread`, where the driver forgets it once read."""
+
+    def __init__(self, states: dict, live: set[str], finished_unread: dict[str, int]) -> None:
+        super().__init__(states)
+        self.live, self.finished_unread = live, finished_unread
+
+    def _note(self, rid: Any) -> None:
+        state = dict.get(self, rid)
+        if state is not None and rid in self.live:
+            self.finished_unread[rid] = len(getattr(state, "output_ids", ()) or ())
+
+    def __delitem__(self, rid: Any) -> None:
+        self._note(rid)
+        super().__delitem__(rid)
+
+    def pop(self, rid: Any, *default: Any) -> Any:
+        self._note(rid)
+        return super().pop(rid, *default)
+
+
 @dataclass
 class _Prepared:
     per_sequence: list[dict[str, Any]]  # SGLang sampling_params, one per sequence
@@ -198,6 +220,12 @@ class SglangDriver:
         self.salt_version = 0  # the live version: new requests' cache salt
         self._dead: str | None = None
         self._rids: dict[str, list[str]] = {}  # per request in flight, its sequences' rids
+        # Sequences of ours that SGLang finished and dropped from its TokenizerManager before our `outputs` read
+        # their last chunk, with their final token counts: SGLang deletes a finished rid's state before it hands the
+        # output on, and the ledger must still see them at a commit in between (every token of theirs is older).
+        self._finished_unread: dict[str, int] = {}
+        self._live_rids: set[str] = set()  # the rids of the requests `outputs` is reading
+        self.tm.rid_to_state = _WatchedStates(self.tm.rid_to_state, self._live_rids, self._finished_unread)
         call = run_on(self.loop)
         self.worker = SglangWorker(SglangHooks(self.tm, tp_size, call), lambda: call(self._settled_counts(), CONTROL_TIMEOUT_S))
 
@@ -255,6 +283,7 @@ class SglangDriver:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         rids = self._rids[engine_id] = sequence_rids(engine_id, len(prepared.per_sequence))
+        self._live_rids.update(rids)
         salt = f"w{self.salt_version}"
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -296,11 +325,15 @@ class SglangDriver:
                             self.tm.abort_request(rid=rids[index])  # (its stream ends; what comes after is dropped)
                     if seq.finish_reason is not None:
                         running.discard(index)
+                        self._finished_unread.pop(rids[index], None)  # (read: its versions are the ledger's now)
                     outs.append(seq)
                 if outs:
                     yield _Output(outs)
         finally:
             self._rids.pop(engine_id, None)
+            for rid in rids:
+                self._live_rids.discard(rid)
+                self._finished_unread.pop(rid, None)
             for index in running:
                 self.tm.abort_request(rid=rids[index])
             for task in tasks:
@@ -428,7 +461,7 @@ class SglangDriver:
         """Output tokens per rid as the TokenizerManager holds them, after one control round trip behind
         the pause (every output the scheduler sent before it has then arrived)."""
         await self._control(self.tm.get_internal_state(), "get_internal_state")
-        return {rid: len(state.output_ids) for rid, state in list(self.tm.rid_to_state.items())}
+        return self.frontend_token_counts()
 
     async def relabel(self, version: int) -> None:
         self.salt_version = version  # requests admitted from now on get this version's cache salt
@@ -448,12 +481,14 @@ class SglangDriver:
         return {}  # (no engine stamps: the ledger)
 
     def frontend_sequences(self, engine_id: str) -> dict[int, str]:
-        """The rid of each sequence of `engine_id` the TokenizerManager still holds, by index."""
-        held = self.tm.rid_to_state
-        return {i: rid for i, rid in enumerate(self._rids.get(engine_id, ())) if rid in held}
+        """The rid of each sequence of `engine_id` the TokenizerManager still holds, or finished with its output
+        not yet read here, by index."""
+        held, gone = self.tm.rid_to_state, self._finished_unread
+        return {i: rid for i, rid in enumerate(self._rids.get(engine_id, ())) if rid in held or rid in gone}
 
     def frontend_token_counts(self) -> dict[str, int]:
-        return {rid: len(state.output_ids) for rid, state in list(self.tm.rid_to_state.items())}
+        return {**self._finished_unread,
+                **{rid: len(state.output_ids) for rid, state in list(self.tm.rid_to_state.items())}}
 
     def unfinished_requests(self) -> int:
         return len(self.tm.rid_to_state)

@@ -241,14 +241,57 @@ def test_the_ledger_reads_rids_and_counts_the_tokenizer_manager_holds_after_a_ro
             await asyncio.sleep(0)
         rids = sequence_rids("led", 2)
         held = driver.frontend_sequences("led")
-        assert held == {i: rid for i, rid in enumerate(rids) if rid in tm.rid_to_state} and 0 in held
+        # sequence 1 finished (its one chunk) and SGLang dropped it, its chunk not read yet: still the ledger's
+        assert held == {0: rids[0], 1: rids[1]} and rids[1] not in tm.rid_to_state
         counts = await asyncio.to_thread(driver.worker.asyncrl_sampled_token_counts)
         assert "state" in tm.calls  # the round trip behind the pause came first
-        assert counts == {rid: len(s.output_ids) for rid, s in tm.rid_to_state.items()}
+        assert counts == {**{rid: len(s.output_ids) for rid, s in tm.rid_to_state.items()}, rids[1]: 1}
         assert driver.unfinished_requests() == len(tm.rid_to_state)
-        assert driver.tokens_in_flight() == sum(counts.values())
+        assert driver.tokens_in_flight() == len(tm.rid_to_state[rids[0]].output_ids)
         tm.gate.set()
         await gen.aclose()
+        assert driver.frontend_sequences("led") == {} and driver._finished_unread == {} and driver._live_rids == set()
+
+    asyncio.run(main())
+
+
+def test_a_sequence_sglang_finished_and_dropped_before_its_output_was_read_stays_in_the_ledger_until_read():
+    """SGLang deletes a finished rid's state from its TokenizerManager before it hands the output on. A commit in
+    between must still count that sequence (every token of it is older) rather than take it for one the engine
+    never saw; once its last chunk is read it leaves the ledger's view, and a rid of no request being read (one
+    aborted after its request ended) is not kept."""
+
+    class DropsFirst(FakeTM):
+        async def generate_request(self, obj, request):
+            self.requests.append(obj)
+            state = self.rid_to_state[obj.rid] = _State()
+            state.output_ids += [65, 66]
+            del self.rid_to_state[obj.rid]  # as SGLang's _handle_batch_output does at the finish
+            await self.gate.wait()  # the output still on its way to the driver
+            meta = {"finish_reason": {"type": "length"}, "prompt_tokens": len(obj.input_ids),
+                    "output_token_logprobs": [(-0.5, t, None) for t in (65, 66)]}
+            yield {"output_ids": [65, 66], "meta_info": meta}
+
+    async def main():
+        tm = DropsFirst([])
+        driver = make(tm)
+        tm.gate.clear()
+        prepared = driver.prepare(SamplingParams(n=1, max_tokens=2, logprobs=True), stream=False)
+        gen = driver.outputs("fin", [1], prepared, lambda: None)
+        reading = asyncio.ensure_future(gen.__anext__())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        (rid,) = sequence_rids("fin", 1)
+        assert rid not in tm.rid_to_state and driver.frontend_sequences("fin") == {0: rid}
+        assert await driver._settled_counts() == {rid: 2}
+        tm.gate.set()
+        out = await reading
+        assert out.outputs[0].token_ids == [65, 66] and driver.frontend_sequences("fin") == {}
+        with pytest.raises(StopAsyncIteration):
+            await gen.__anext__()
+        tm.rid_to_state["other#0$"] = _State()
+        del tm.rid_to_state["other#0$"]
+        assert driver._finished_unread == {} and driver.frontend_token_counts() == {}
 
     asyncio.run(main())
 
@@ -451,18 +494,16 @@ def test_the_engine_s_processes_outlive_its_start_until_it_is_stopped():
 
     from asyncrl.generator.sglang_engine import start_engine, stop_engine
 
-    before = {t.name for t in threading.enumerate()}
+    before = set(threading.enumerate())  # (threads, not names: an earlier test's may still be ending)
     engine = start_engine({"model_path": "m"}, factory=_EngineWithAChild)
     assert engine.kwargs == {"model_path": "m"}
     time.sleep(0.5)
     assert engine.proc.is_alive() and engine.proc.exitcode is None
-    assert "sglang-engine" in {t.name for t in threading.enumerate()} - before
+    (starter,) = [t for t in threading.enumerate() if t not in before and t.name == "sglang-engine"]
     stop_engine(engine)
     assert not engine.proc.is_alive()
-    deadline = time.monotonic() + 5
-    while "sglang-engine" in {t.name for t in threading.enumerate()} and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert "sglang-engine" not in {t.name for t in threading.enumerate()}
+    starter.join(5)
+    assert not starter.is_alive()
 
 
 def test_an_unknown_engine_kwarg_is_a_config_error_from_the_start_thread():
