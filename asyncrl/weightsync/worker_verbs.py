@@ -178,7 +178,7 @@ class WorkerVerbs:
 
             import concurrent.futures
 
-            from asyncrl.weightsync.push_channel import RECEIVE_DONE, WIRE_END, BlockingChannel
+            from asyncrl.weightsync.push_channel import RECEIVE_DONE, WIRE_END, BlockingChannel, ChannelClosed, call_once
 
             device = getattr(self, "device", None)
             if device is not None and torch.device(device).type == "cuda":
@@ -208,8 +208,11 @@ class WorkerVerbs:
             except BaseException as err:  # noqa: BLE001 - reported to the replica, whose load raises it
                 answer = (False, f"{type(err).__name__}: {err}")
             try:
-                with channel() as reporting:
-                    reporting.call(RECEIVE_DONE, reply["call"], rank, *answer)
+                try:
+                    with channel() as reporting:
+                        reporting.call(RECEIVE_DONE, reply["call"], rank, *answer)
+                except ChannelClosed:  # (that connection broke: the replica takes a second report as the first)
+                    call_once(address, RECEIVE_DONE, reply["call"], rank, *answer, timeout_s=timeout_s)
             except Exception as err:  # noqa: BLE001 - the replica's load then ends at its deadline
                 import logging
 
