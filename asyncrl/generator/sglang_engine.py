@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
 import logging
+import os
 import random
 import socket
 import threading

@@ -185,16 +185,10 @@ class WorkerVerbs:
                 torch.cuda.set_device(torch.device(device))  # (a new thread starts on device 0, not the worker's)
             address = {k: reply[k] for k in ("host", "port", "token")}
             # One connection to the replica for both reports, opened in a thread of its own beside the wire (not
-            # before it: the receive reaches its gate first); a report that cannot use it opens its own.
+            # before it: the receive reaches its gate first); the answer goes on a fresh one if it could not.
             opening: concurrent.futures.Future = concurrent.futures.Future()
             threading.Thread(target=lambda: _settle(opening, BlockingChannel, address, timeout_s),
                              name=f"asyncrl-report-{version}", daemon=True).start()
-
-            def channel() -> BlockingChannel:
-                try:
-                    return opening.result(timeout_s)
-                except Exception:  # noqa: BLE001 - once more, on the reporting thread
-                    return BlockingChannel(address, timeout_s)
 
             def wire_end() -> None:  # the replica may pause its engine now, beside the digests' read
                 try:
@@ -209,9 +203,9 @@ class WorkerVerbs:
                 answer = (False, f"{type(err).__name__}: {err}")
             try:
                 try:
-                    with channel() as reporting:
+                    with opening.result(timeout_s) as reporting:
                         reporting.call(RECEIVE_DONE, reply["call"], rank, *answer)
-                except ChannelClosed:  # (that connection broke: the replica takes a second report as the first)
+                except (ChannelClosed, TimeoutError):  # not opened, or broke (a second report reads as the first)
                     call_once(address, RECEIVE_DONE, reply["call"], rank, *answer, timeout_s=timeout_s)
             except Exception as err:  # noqa: BLE001 - the replica's load then ends at its deadline
                 import logging
