@@ -276,8 +276,12 @@ class SglangDriver:
 
     async def outputs(self, engine_id: str, prompt_ids: list[int], prepared: _Prepared,
                       handed_over: Any) -> AsyncIterator[_Output]:
-        """One SGLang request per sequence, streamed; each engine output holds the chunks that arrived
-        together. `handed_over` at the first chunk: before it a sequence is either waiting out a pause in the
+        """One SGLang request per sequence; each engine output holds the chunks that arrived together. A
+        streamed request, or one with stop strings (matched here, on the text as it comes), gets SGLang's
+        incremental chunks; any other comes whole at its end (SGLang's stream=False: no Python step per token per
+        request in its TokenizerManager or here, 1.6x the tokens/s of per-step chunks in-process, docs/BENCHMARKS.md),
+        while its `rid_to_state` entry still grows token by token, which is what the ledger reads at a commit.
+        `handed_over` at the first chunk: before it a sequence is either waiting out a pause in the
         TokenizerManager (not yet in the engine) or in its `rid_to_state` (the ledger reads it there).
         Closed early, cancelled or failed, every sequence still running is aborted in SGLang."""
         from sglang.srt.managers.io_struct import GenerateReqInput
@@ -285,11 +289,12 @@ class SglangDriver:
         rids = self._rids[engine_id] = sequence_rids(engine_id, len(prepared.per_sequence))
         self._live_rids.update(rids)
         salt = f"w{self.salt_version}"
+        chunked = prepared.stream or bool(prepared.stop)
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, rid: str, params: dict[str, Any]) -> None:
             try:
-                request = GenerateReqInput(input_ids=list(prompt_ids), sampling_params=params, rid=rid, stream=True,
+                request = GenerateReqInput(input_ids=list(prompt_ids), sampling_params=params, rid=rid, stream=chunked,
                                            return_logprob=prepared.logprobs, logprob_start_len=-1, extra_key=salt)
                 async for chunk in self.tm.generate_request(request, None):
                     queue.put_nowait((index, chunk))

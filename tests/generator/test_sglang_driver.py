@@ -48,7 +48,9 @@ class _State:
 
 
 class FakeTM:
-    """Streams `script[i]` (lists of new ids per chunk) for the i-th sequence of a request; records calls."""
+    """Streams `script[i]` (lists of new ids per chunk) for the i-th sequence of a request, or, asked with
+    stream=False, grows its state by them and yields once at the end with every id and log-prob (as SGLang's
+    TokenizerManager does); records calls."""
 
     def __init__(self, script: list[list[list[int]]], finish: str = "length", hang: str = "") -> None:
         self.script, self.finish, self.hang = script, finish, hang
@@ -58,6 +60,7 @@ class FakeTM:
         self.calls: list[str] = []
         self.gate = asyncio.Event()
         self.gate.set()
+        self.hold_after: int | None = None
         self.updates: list[Any] = []
         self.update_answer = (True, "Success")
 
@@ -67,14 +70,18 @@ class FakeTM:
         state = self.rid_to_state[obj.rid] = _State()
         chunks = self.script[index]
         for k, ids in enumerate(chunks):
+            if k == self.hold_after:
+                self.gate.clear()  # (every sequence stops at its chunk `hold_after`)
             await self.gate.wait()
             if obj.rid in self.aborted:
                 return
             state.output_ids += ids
             last = k == len(chunks) - 1
+            out = ids if obj.stream else state.output_ids
             meta = {"finish_reason": {"type": self.finish} if last else None, "prompt_tokens": len(obj.input_ids),
-                    "output_token_logprobs": [(-0.5, t, None) for t in ids]}
-            yield {"output_ids": list(ids), "meta_info": meta}
+                    "output_token_logprobs": [(-0.5, t, None) for t in out]}
+            if obj.stream or last:
+                yield {"output_ids": list(out), "meta_info": meta}
             await asyncio.sleep(0)
         del self.rid_to_state[obj.rid]
 
@@ -175,6 +182,44 @@ def test_final_only_text_is_decoded_once_at_the_end_without_the_stop_token():
         seen, texts, _, _ = await collect(driver, SamplingParams(max_tokens=8, logprobs=True, stop_token_ids=[10]),
                                           stream=False)
         assert seen == {0: [72, 1, 2, 10]} and texts == {0: "Hé"}
+
+    asyncio.run(main())
+
+
+def test_a_request_not_streamed_comes_whole_from_sglang_and_the_ledger_still_counts_its_tokens_as_they_come():
+    async def main():
+        tm = FakeTM([[[72], [105], [33]], [[79], [75]]])
+        tm.hold_after = 1  # one token each in SGLang's state, then held
+        driver = make(tm)
+        prepared = driver.prepare(SamplingParams(n=2, max_tokens=3, logprobs=True), stream=False)
+        handed: list[int] = []
+        gen = driver.outputs("whole", [5], prepared, lambda: handed.append(1))
+        reading = asyncio.ensure_future(gen.__anext__())
+        for _ in range(10):
+            await asyncio.sleep(0)
+        rids = sequence_rids("whole", 2)
+        assert not reading.done() and handed == []
+        assert [r.stream for r in tm.requests] == [False, False]  # SGLang sends nothing until the end
+        assert driver.frontend_sequences("whole") == {0: rids[0], 1: rids[1]}
+        counts = await driver._settled_counts()
+        assert counts == {rids[0]: 1, rids[1]: 1}  # the tokens so far, though none was handed on
+        tm.gate.set()
+        seen: dict[int, list[int]] = {}
+        out = await reading
+        async def rest():
+            return [o async for o in gen]
+        for o in [out, *await rest()]:
+            for seq in o.outputs:
+                assert seq.finish_reason == "length"  # one output per sequence, at its end
+                assert driver.read(seq, list(seq.token_ids), prepared)[0] == [-0.5] * len(seq.token_ids)
+                seen[seq.index] = list(seq.token_ids)
+        assert seen == {0: [72, 105, 33], 1: [79, 75]} and handed == [1]
+        # a request with stop strings is still streamed: the string is matched as the text comes
+        tm = FakeTM([[[97], [60], [62], [98]]])
+        driver = make(tm)
+        seen2, texts, _, _ = await collect(driver, SamplingParams(max_tokens=8, logprobs=True, stop=["<>"]),
+                                           stream=False)
+        assert tm.requests[0].stream and seen2 == {0: [97, 60, 62]} and texts == {0: "a"}
 
     asyncio.run(main())
 
