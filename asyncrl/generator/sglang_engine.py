@@ -2,7 +2,8 @@
 it, every call into it and every read of its state (issue 23; docs/design/sglang-engine.md).
 
 Owns: SGLang's server arguments built from `ModelConfig` + `GeneratorConfig` (`engine_kwargs` passed
-straight through and winning; ours: token ids in and out, incremental streaming, ports of its own per
+straight through and winning; ours: token ids in and out, incremental streaming (asked only of a request that
+is streamed or has stop strings: any other comes whole), ports of its own per
 replica, the memory share), the engine built in a thread of its own that lives as long as the engine, then
 driven only through its TokenizerManager's coroutines on the replica's event loop, one SGLang request per sequence
 (sglang_protocol.py), text decoded here from the model's tokenizer, the pause modes, sleep / wake through
@@ -38,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
-from asyncrl.generator.sglang_protocol import SequenceOutput, find_stop, read_chunk, sequence_rids, to_sglang
+from asyncrl.generator.sglang_protocol import (SequenceOutput, find_stop, read_chunk, refused, sequence_rids,
+                                               to_sglang)
 
 logger = logging.getLogger(__name__)
 
@@ -300,7 +302,10 @@ class SglangDriver:
                     queue.put_nowait((index, chunk))
                 queue.put_nowait((index, None))
             except BaseException as err:  # noqa: BLE001 - handed to the consumer, which raises it
-                queue.put_nowait((index, err))
+                out = refused(err)
+                queue.put_nowait((index, out))
+                if isinstance(out, dict):  # (a server abort, read as a stream's last chunk)
+                    queue.put_nowait((index, None))
 
         tasks = [asyncio.ensure_future(pump(i, rid, p)) for i, (rid, p) in enumerate(zip(rids, prepared.per_sequence))]
         running = set(range(len(rids)))

@@ -93,6 +93,23 @@ def finish_of(meta: dict[str, Any], stop_token_ids: list[int]) -> tuple[str | No
     return FINISH_REASONS[kind], stop_reason
 
 
+def refused(err: BaseException) -> BaseException | dict[str, Any]:
+    """What a sequence's `generate_request` raised, as the driver hands it on. Asked whole (stream=False), SGLang
+    raises where a stream would get a chunk finished "abort": a ValueError for a request it refused (its HTTP 400:
+    checked at admission, nothing generated) and an HTTPException for one its server aborted (503 / 500: a running
+    timeout). A refusal is the caller's: a RequestError naming the prompt with SGLang's message, as our own checks
+    give (the rollout layer drops that prompt rather than asking again); a server abort becomes the chunk a stream
+    ends with, finished "abort" with no tokens (the rollout layer asks again). Anything else as it was."""
+    if isinstance(err, ValueError) and not isinstance(err, RequestError):
+        return RequestError("prompt_ids", f"SGLang refused the request: {err}")
+    status = getattr(err, "status_code", None)
+    if isinstance(status, int) and status >= 500:
+        message = getattr(err, "detail", None) or str(err)
+        return {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": message,
+                                                                  "status_code": status}}}
+    return err
+
+
 def read_chunk(index: int, chunk: dict[str, Any], *, logprobs: bool, stop_token_ids: list[int]) -> SequenceOutput:
     """Sequence `index`'s output from one incremental chunk of its stream: the new ids (a copy: SGLang
     may keep appending to its list), their log-probs (`output_token_logprobs` holds (log-prob, id,

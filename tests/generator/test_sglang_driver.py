@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from asyncrl.generator.sampling import RequestError
 from asyncrl.generator.sglang_engine import SglangDriver, server_kwargs
 from asyncrl.generator.sglang_protocol import sequence_rids
 from asyncrl.types import SamplingParams
@@ -220,6 +221,27 @@ def test_a_request_not_streamed_comes_whole_from_sglang_and_the_ledger_still_cou
         seen2, texts, _, _ = await collect(driver, SamplingParams(max_tokens=8, logprobs=True, stop=["<>"]),
                                            stream=False)
         assert tm.requests[0].stream and seen2 == {0: [97, 60, 62]} and texts == {0: "a"}
+
+    asyncio.run(main())
+
+
+def test_a_request_sglang_refuses_whole_is_a_request_error_and_its_other_sequences_are_aborted():
+    class Refuses(FakeTM):
+        async def generate_request(self, obj, request):
+            if obj.rid.endswith("#1$"):
+                await asyncio.sleep(0)
+                raise ValueError("max_new_tokens is too large")  # SGLang's 400 on a request not streamed
+            async for chunk in super().generate_request(obj, request):
+                yield chunk
+
+    async def main():
+        tm = Refuses([[[65], [66], [67]], []])
+        tm.hold_after = 1
+        driver = make(tm)
+        with pytest.raises(RequestError) as err:
+            await collect(driver, SamplingParams(n=2, max_tokens=3, logprobs=True), stream=False, engine_id="bad")
+        assert err.value.field == "prompt_ids" and "max_new_tokens is too large" in err.value.message
+        assert sequence_rids("bad", 2)[0] in tm.aborted and driver._rids == {}  # (the one still running)
 
     asyncio.run(main())
 

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from asyncrl.generator.sampling import RequestError
-from asyncrl.generator.sglang_protocol import find_stop, finish_of, read_chunk, sequence_rids, to_sglang
+from asyncrl.generator.sglang_protocol import find_stop, finish_of, read_chunk, refused, sequence_rids, to_sglang
 from asyncrl.types import SamplingParams
 
 # SGLang 0.5.15's SamplingParams fields (a msgspec.Struct: any other key is a TypeError in the engine)
@@ -109,3 +109,22 @@ def test_a_request_aborted_while_it_waited_generated_nothing():
                                                 "finish_reason": {"type": "abort", "message": "Abort in waiting queue"}}}
     out = read_chunk(1, chunk, logprobs=True, stop_token_ids=[])
     assert (out.token_ids, out.logprobs, out.finish_reason) == ([], [], "abort")
+
+
+def test_what_sglang_raises_for_a_whole_request_is_a_refusal_of_the_prompt_or_an_aborted_end():
+    """Asked with stream=False, SGLang raises where a stream ends "abort": ValueError for its 400, an HTTPException
+    (status_code, detail) for its 503 / 500."""
+    err = refused(ValueError("input is longer than the context"))
+    assert isinstance(err, RequestError) and err.field == "prompt_ids" and "longer than the context" in err.message
+
+    class HTTPException(Exception):
+        def __init__(self, status_code, detail):
+            super().__init__(detail)
+            self.status_code, self.detail = status_code, detail
+
+    chunk = refused(HTTPException(503, "Request running timeout reached."))
+    seq = read_chunk(0, chunk, logprobs=True, stop_token_ids=[])
+    assert (seq.token_ids, seq.logprobs, seq.finish_reason) == ([], [], "abort")
+    mine = RequestError("seed", "needs deterministic inference")
+    other = RuntimeError("scheduler died")
+    assert refused(mine) is mine and refused(other) is other and isinstance(refused(HTTPException(404, "x")), Exception)
