@@ -44,6 +44,7 @@ from asyncrl.generator.sglang_protocol import (SequenceOutput, find_stop, read_c
 
 logger = logging.getLogger(__name__)
 
+ABORT_DRAIN_S = 10.0  # how long the driver itself waits for aborted requests to leave SGLang (then SGLang's own wait)
 CONTROL_TIMEOUT_S = 120.0  # a control call (pause, continue, memory, state) SGLang has not answered by then: dead
 START_TIMEOUT_S = 1800.0
 
@@ -414,9 +415,27 @@ class SglangDriver:
         if mode == "wait":
             while self.unfinished_requests():
                 await asyncio.sleep(0.01)
+        if mode == "abort":
+            await self._abort_in_flight()
         sglang_mode = {"keep": "retract", "wait": "retract", "abort": "abort"}[mode]
         await self._control(self.tm.pause_generation(PauseGenerationReqInput(mode=sglang_mode)), f"pause({sglang_mode})")
         await self.reset_prefix_cache()
+
+    async def _abort_in_flight(self) -> None:
+        """Abort every request in flight and wait, looking every 2 ms, until SGLang holds none (its
+        `model_update_lock` free: each request holds it as a reader until its output is handed on). SGLang's own
+        pause(abort) does the same but sleeps 1 s between looks: with a request in flight it cost the hybrid
+        placement's every sleep 1,020-1,044 ms on an H200 (docs/BENCHMARKS.md, 2026-11-28). Past ABORT_DRAIN_S, or a
+        request that came in since, SGLang's pause goes on waiting its own way."""
+        lock = getattr(self.tm, "model_update_lock", None)
+        if lock is None or not await lock.is_locked():
+            return
+        end, looks = time.monotonic() + ABORT_DRAIN_S, 0
+        while await lock.is_locked() and time.monotonic() < end:
+            if looks % 25 == 0:  # (again every 50 ms: one that reached SGLang's queue since)
+                self.tm.abort_request(abort_all=True)
+            looks += 1
+            await asyncio.sleep(0.002)
 
     async def preempt(self) -> None:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
@@ -447,6 +466,7 @@ class SglangDriver:
         if level == 1 and not self.cpu_backup:
             raise RuntimeError("sleep level 1 keeps the weights in host memory: start SGLang with "
                                "generator.engine_kwargs.enable_weights_cpu_backup, or sleep at level 2")
+        await self._abort_in_flight()
         await self._control(self.tm.pause_generation(PauseGenerationReqInput(mode="abort")), "pause(abort)")
         await self._control(self.tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=None), None),
                             "release_memory_occupation")

@@ -48,6 +48,16 @@ class _State:
     output_ids: list[int] = field(default_factory=list)
 
 
+class _Readers:
+    """SGLang's model_update_lock as the pause reads it: held while any request is in the TokenizerManager."""
+
+    def __init__(self) -> None:
+        self.readers = 0
+
+    async def is_locked(self) -> bool:
+        return self.readers > 0
+
+
 class FakeTM:
     """Streams `script[i]` (lists of new ids per chunk) for the i-th sequence of a request, or, asked with
     stream=False, grows its state by them and yields once at the end with every id and log-prob (as SGLang's
@@ -61,6 +71,9 @@ class FakeTM:
         self.calls: list[str] = []
         self.gate = asyncio.Event()
         self.gate.set()
+        self.model_update_lock = _Readers()
+        self.all_aborted = False
+        self.chunk_s = 0.0  # a decode step's time, between chunks
         self.hold_after: int | None = None
         self.updates: list[Any] = []
         self.update_answer = (True, "Success")
@@ -70,11 +83,21 @@ class FakeTM:
         index = int(obj.rid.split("#")[-1].rstrip("$"))
         state = self.rid_to_state[obj.rid] = _State()
         chunks = self.script[index]
+        self.model_update_lock.readers += 1
+        try:
+            async for out in self._chunks(obj, state, chunks):
+                yield out
+        finally:
+            self.model_update_lock.readers -= 1
+        self.rid_to_state.pop(obj.rid, None)
+
+    async def _chunks(self, obj, state, chunks):
         for k, ids in enumerate(chunks):
             if k == self.hold_after:
                 self.gate.clear()  # (every sequence stops at its chunk `hold_after`)
             await self.gate.wait()
-            if obj.rid in self.aborted:
+            await asyncio.sleep(self.chunk_s)
+            if obj.rid in self.aborted or self.all_aborted:
                 return
             state.output_ids += ids
             last = k == len(chunks) - 1
@@ -84,10 +107,10 @@ class FakeTM:
             if obj.stream or last:
                 yield {"output_ids": list(out), "meta_info": meta}
             await asyncio.sleep(0)
-        del self.rid_to_state[obj.rid]
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         self.aborted.append(rid)
+        self.all_aborted = self.all_aborted or abort_all
 
     async def _call(self, what: str) -> Any:
         self.calls.append(what)
@@ -96,6 +119,8 @@ class FakeTM:
         return types.SimpleNamespace(success=True)
 
     async def pause_generation(self, obj):
+        if obj.mode == "abort" and await self.model_update_lock.is_locked():
+            self.calls.append("pause:abort found requests")  # (SGLang's: abort all, look again in 1 s)
         return await self._call(f"pause:{obj.mode}")
 
     async def continue_generation(self, obj):
@@ -394,6 +419,30 @@ def test_sleep_aborts_then_releases_and_wake_takes_weights_then_kv():
         assert make(FakeTM([]), memory_saver=False).sleep_unsupported() and driver.sleep_unsupported() is None
 
     asyncio.run(main())
+
+
+def test_sleep_and_an_abort_pause_wait_out_the_aborted_requests_themselves_before_sglang_s_pause():
+    """SGLang's pause(abort) looks for requests in flight once a second; the driver aborts them and waits for
+    them to leave first, so that SGLang's pause finds none (what cost the hybrid placement 1 s a step)."""
+    async def main():
+        for act in ("sleep", "pause"):
+            tm = FakeTM([[[65]] * 1000])
+            tm.chunk_s = 0.001
+            driver = make(tm)
+            prepared = driver.prepare(SamplingParams(max_tokens=1000, logprobs=True), stream=True)
+            gen = driver.outputs("busy", [1], prepared, lambda: None)
+            await gen.__anext__()
+            reading = asyncio.ensure_future(_drain(gen))
+            await (driver.sleep(2) if act == "sleep" else driver.pause("abort"))
+            assert "" in tm.aborted and tm.model_update_lock.readers == 0
+            assert "pause:abort found requests" not in tm.calls and "pause:abort" in tm.calls
+            assert len(await reading) < 999  # the request ended early, aborted
+
+    asyncio.run(main())
+
+
+async def _drain(gen) -> list:
+    return [out async for out in gen]
 
 
 def test_a_control_call_that_never_answers_marks_the_engine_dead(monkeypatch):
