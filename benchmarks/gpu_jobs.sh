@@ -34,4 +34,6 @@ for ((b = 32000; b <= base; b += 2000)); do
 done
 for d in "$OUT"/*/; do echo "== $(basename "$d")"; cut -c1-400 "$d/stdout.txt" | tail -40; done
 nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
-( cd "$OUT" && tar czf jobs.tgz */ )
+# Only the tarball stays: the device brings back a few files per call and leaves the rest (the twenty-sixth
+# session lost a job's rows that way, with two calls of this script in one device call). KEEP_FILES=1 keeps them.
+( cd "$OUT" && tar czf jobs.tgz */ && { [ -n "${KEEP_FILES:-}" ] || rm -rf -- */; } )
