@@ -186,6 +186,35 @@ class _WatchedStates(dict):
         return super().pop(rid, *default)
 
 
+class _TextTail:
+    """A sequence's text as its tokens come, each chunk decoding only a short window of ids (the text of the ids
+    from the window's start, less that of the window; a token that ends mid-character waits for the next), and how
+    far stop strings were looked for in it: a stop-string request costs a decode of its whole text only once, where
+    a stop string is found, not at every chunk (which made it quadratic in the response's length)."""
+
+    __slots__ = ("ids", "window", "done", "text", "latest", "searched", "searched_ids")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.window = self.done = 0
+        self.text = ""  # the text of ids[:done]
+        self.latest = ""  # the text of every id so far, less a character still cut in two at its end
+        self.searched = self.searched_ids = 0  # the text looked at so far, in characters, and its ids
+
+    def advance(self, decode: Callable[[list[int]], str], new: list[int]) -> str:
+        self.ids.extend(new)
+        before = decode(self.ids[self.window:self.done])
+        now = decode(self.ids[self.window:])
+        add = now[len(before):] if now.startswith(before) else now
+        if now.endswith("\ufffd"):  # (the window stays: the next chunk decodes the character whole)
+            self.latest = self.text + add.rstrip("\ufffd")
+        else:
+            self.text += add
+            self.latest = self.text
+            self.window, self.done = self.done, len(self.ids)
+        return self.latest
+
+
 @dataclass
 class _Prepared:
     per_sequence: list[dict[str, Any]]  # SGLang sampling_params, one per sequence
@@ -195,6 +224,7 @@ class _Prepared:
     stop: list[str]  # stop strings: matched here, on the decoded text (SGLang runs without its tokenizer)
     # per sequence: [ids so far, decode window start, read up to, text emitted (stop strings)]
     text_state: dict[int, list[Any]] = field(default_factory=dict)
+    tails: dict[int, _TextTail] = field(default_factory=dict)  # per sequence with stop strings: its text so far
 
 
 @dataclass
@@ -331,7 +361,8 @@ class SglangDriver:
                     if prepared.stop and seq.finish_reason != "abort":
                         seen = produced.setdefault(index, [])
                         seen.extend(seq.token_ids)
-                        if self._cut_at_stop(seq, seen, prepared.stop) and index in running:
+                        tail = prepared.tails.setdefault(index, _TextTail())
+                        if self._cut_at_stop(seq, seen, prepared.stop, tail) and index in running:
                             running.discard(index)
                             self.tm.abort_request(rid=rids[index])  # (its stream ends; what comes after is dropped)
                     if seq.finish_reason is not None:
@@ -354,11 +385,20 @@ class SglangDriver:
         """The text of `ids` as vLLM's detokenizer makes it (special tokens skipped)."""
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def _cut_at_stop(self, seq: SequenceOutput, ids: list[int], stops: list[str]) -> bool:
+    def _cut_at_stop(self, seq: SequenceOutput, ids: list[int], stops: list[str], tail: _TextTail) -> bool:
         """Cut `seq` (the last chunk, its ids the end of `ids`) at the first stop string its tokens complete:
         the tokens up to the one that completed it kept (vLLM's rule; `read` leaves the string out of the text),
-        finish "stop" with the string as stop reason. Whether it cut."""
-        found = find_stop(self._decode, ids, len(seq.token_ids), stops)
+        finish "stop" with the string as stop reason. Whether it cut. The text is looked at only where a stop string
+        could have been completed since the last look (`tail`); where one is, the whole ids are decoded once to cut."""
+        text = tail.advance(self._decode, seq.token_ids)
+        start = max(tail.searched - max(len(x) for x in stops) + 1, 0)
+        new = len(ids) - tail.searched_ids  # (the ids since the last look: a character cut in two delays a look)
+        if len(text) == tail.searched or not any(x in text[start:] for x in stops):
+            if len(text) > tail.searched:
+                tail.searched, tail.searched_ids = len(text), len(ids)
+            return False
+        tail.searched, tail.searched_ids = len(text), len(ids)
+        found = find_stop(self._decode, ids, new, stops)
         if found is None:
             return False
         keep, stop, _ = found
@@ -385,7 +425,11 @@ class SglangDriver:
         by_string = isinstance(sequence.stop_reason, str)  # a stop string: its token stays, the string leaves the text
         upto = len(ids) - 1 if sequence.finish_reason == "stop" and ids and not by_string else len(ids)
         if prepared.stop:  # the text held back by the longest stop string less one, until it cannot start one
-            full = self._decode(ids[:upto])
+            tail = prepared.tails.get(sequence.index)
+            if not finished and tail is not None and len(tail.ids) == len(ids):
+                full = tail.latest  # (the text `outputs` looked for stop strings in, up to this chunk)
+            else:
+                full = self._decode(ids[:upto])  # (at the end, once; or a chunk read after a later one was looked at)
             if by_string and sequence.stop_reason in full:
                 full = full[: full.find(sequence.stop_reason)]
             elif not finished:

@@ -307,6 +307,39 @@ def test_stop_strings_cut_tokens_and_text_as_vllm_does_and_abort_the_rest():
     asyncio.run(main())
 
 
+def test_stop_strings_are_looked_for_in_the_new_text_only_and_found_across_a_character_cut_in_two():
+    class Counting(FakeTokenizer):
+        decoded = 0
+
+        def decode(self, ids, **kw):
+            Counting.decoded += len(ids)
+            return super().decode(ids, **kw)
+
+    async def main():
+        n = 400
+        tm = FakeTM([[[97]] * n])  # "aaaa...": the stop string never comes
+        driver = make(tm)
+        driver.tokenizer = Counting()
+        seen, texts, finishes, _ = await collect(driver, SamplingParams(max_tokens=n, logprobs=True, stop=["<>"]),
+                                                 stream=True)
+        assert texts == {0: "a" * n} and finishes == {0: "length"}
+        assert Counting.decoded < 12 * n  # linear in the length (a whole decode per chunk was n * n = 160,000 ids)
+        # "<>" completed, then half of a character in the same chunk: found in that chunk, cut after ">"
+        tm = FakeTM([[[97], [60, 62, 1], [2], [99]]])
+        driver = make(tm)
+        seen, texts, finishes, _ = await collect(driver, SamplingParams(max_tokens=8, logprobs=True, stop=["<>"]),
+                                                 stream=True)
+        assert seen == {0: [97, 60, 62]} and texts == {0: "a"} and finishes == {0: "stop"}
+        # a stop string split across chunks, and text with a character cut in two before it
+        tm = FakeTM([[[97], [1], [2, 60], [62], [99]]])
+        driver = make(tm)
+        seen, texts, finishes, _ = await collect(driver, SamplingParams(max_tokens=8, logprobs=True, stop=["<>"]),
+                                                 stream=True)
+        assert seen == {0: [97, 1, 2, 60, 62]} and texts == {0: "aé"} and finishes == {0: "stop"}
+
+    asyncio.run(main())
+
+
 def test_a_caller_that_goes_aborts_every_sequence_still_running():
     async def main():
         tm = FakeTM([[[65], [66], [67]], [[68], [69], [70]]])
