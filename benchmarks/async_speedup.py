@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field (dotted path, YAML value); repeatable")
+    ap.add_argument("--eval-every", type=int, default=0, metavar="N",
+                    help="held-out greedy accuracy every N learner steps (the trainer's eval_interval_steps; 0: none "
+                         "but step 0's), in each run's `eval`")
     ap.add_argument("--peak-flops", type=float, default=989e12, help="per learner GPU, for MFU (H100/H200 dense bf16)")
     ap.add_argument("--balanced-batch", nargs=2, metavar=("CALIB_JSON", "BATCH0"), default=None,
                     help="only print the batch at which generation ~ 0.95 x training, from an eta = 0 run's --out "
@@ -330,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
 
         for eta in a.etas:
             run_once(base, eta, a.steps, Path(tmp) / f"eta{eta}", a.timeout_s, a.peak_flops, warmup=a.warmup_steps,
-                     emit=emit)
+                     emit=emit, eval_interval_steps=a.eval_every)
     ray.shutdown()
     ref = results[0]
     print(f"\nmachine: {platform.node()} {platform.machine()}, config {a.config}, {a.steps} steps per run, "
@@ -351,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"(policy version {j['policy_version']}; the others at {sorted(set(j['others'].values()))})")
         if r["push_failed"]:
             print(f"eta={r['eta']}: {r['push_failed']:.0f} failed pushes")
+        if r.get("eval"):
+            print(f"eta={r['eta']}: held-out accuracy " + ", ".join(f"{e['accuracy']:.3f} (step {e['step']})"
+                                                                  for e in r["eval"]))
         if r.get("push_over_raw") is not None:
             print(f"eta={r['eta']}: push / raw broadcast of its bytes over the same groups (weightsync.probe_wire): "
                   f"{r['push_over_raw']:.2f}x, paused / raw {f(r.get('paused_over_raw'), '.2f')}x")

@@ -482,9 +482,10 @@ sglang-tests)
     echo "sglang pytest rc=$?"; grep -E "passed|failed|Error|assert" $OUT/sglang_gpu_test.log | head -16 | cut -c1-600
   fi
   if [ "${SGL_DEMO:-1}" = 1 ]; then
+    # EVAL_EVERY (50): held-out accuracy every that many steps (0: step 0's only, as the twenty-sixth session ran it)
     timeout -s INT -k 20 ${RUN_TIMEOUT:-400} python3 benchmarks/async_speedup.py --config ${DEMO_CONFIG:-deploy/rlhf-gpu1-sglang.yaml} \
-        --steps ${STEPS_DEMO:-300} --etas 2 --num-cpus 16 --out $OUT/demo_sglang.json > $OUT/demo_sglang.log 2>&1
-    echo "demo with SGLang rc=$?"; grep -v '^{' $OUT/demo_sglang.log | grep -E '^\||failed' | cut -c1-400
+        --steps ${STEPS_DEMO:-300} --etas 2 --num-cpus 16 --eval-every ${EVAL_EVERY:-50} --out $OUT/demo_sglang.json > $OUT/demo_sglang.log 2>&1
+    echo "demo with SGLang rc=$?"; grep -v '^{' $OUT/demo_sglang.log | grep -E '^\||failed|held-out' | cut -c1-400
     grep -iE "Traceback|Error" $OUT/demo_sglang.log | grep -v Warning | tail -6 | cut -c1-300
   fi
   ;;
