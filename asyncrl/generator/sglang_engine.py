@@ -186,6 +186,16 @@ class _WatchedStates(dict):
         return super().pop(rid, *default)
 
 
+def _window_text(decode: Callable[[list[int]], str], ids: list[int], window: int, done: int,
+                 upto: int) -> tuple[str, bool]:
+    """The text ids[done:upto] add after ids[window:done], as vLLM's incremental detokenizer makes it (the text of
+    the ids from the window's start, less that of the window), and whether it ends on a whole character (not one
+    cut in two, whose rest comes with the next token)."""
+    before = decode(ids[window:done])
+    now = decode(ids[window:upto])
+    return (now[len(before):] if now.startswith(before) else now), not now.endswith("\ufffd")
+
+
 class _TextTail:
     """A sequence's text as its tokens come, each chunk decoding only a short window of ids (the text of the ids
     from the window's start, less that of the window; a token that ends mid-character waits for the next), and how
@@ -203,10 +213,8 @@ class _TextTail:
 
     def advance(self, decode: Callable[[list[int]], str], new: list[int]) -> str:
         self.ids.extend(new)
-        before = decode(self.ids[self.window:self.done])
-        now = decode(self.ids[self.window:])
-        add = now[len(before):] if now.startswith(before) else now
-        if now.endswith("\ufffd"):  # (the window stays: the next chunk decodes the character whole)
+        add, whole = _window_text(decode, self.ids, self.window, self.done, len(self.ids))
+        if not whole:  # (the window stays: the next chunk decodes the character whole)
             self.latest = self.text + add.rstrip("\ufffd")
         else:
             self.text += add
@@ -340,7 +348,6 @@ class SglangDriver:
 
         tasks = [asyncio.ensure_future(pump(i, rid, p)) for i, (rid, p) in enumerate(zip(rids, prepared.per_sequence))]
         running = set(range(len(rids)))
-        produced: dict[int, list[int]] = {}  # per sequence, its ids so far (stop strings)
         first = True
         try:
             while running:
@@ -349,7 +356,7 @@ class SglangDriver:
                     batch.append(queue.get_nowait())
                 outs = []
                 for index, item in batch:
-                    if item is None or (prepared.stop and index not in running and index in produced):
+                    if item is None or (prepared.stop and index not in running and index in prepared.tails):
                         running.discard(index)  # (a sequence cut at a stop string: its later chunks are dropped)
                         continue
                     if isinstance(item, BaseException):
@@ -359,10 +366,8 @@ class SglangDriver:
                         first = False
                     seq = read_chunk(index, item, logprobs=prepared.logprobs, stop_token_ids=prepared.stop_token_ids)
                     if prepared.stop and seq.finish_reason != "abort":
-                        seen = produced.setdefault(index, [])
-                        seen.extend(seq.token_ids)
                         tail = prepared.tails.setdefault(index, _TextTail())
-                        if self._cut_at_stop(seq, seen, prepared.stop, tail) and index in running:
+                        if self._cut_at_stop(seq, prepared.stop, tail) and index in running:
                             running.discard(index)
                             self.tm.abort_request(rid=rids[index])  # (its stream ends; what comes after is dropped)
                     if seq.finish_reason is not None:
@@ -385,19 +390,21 @@ class SglangDriver:
         """The text of `ids` as vLLM's detokenizer makes it (special tokens skipped)."""
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def _cut_at_stop(self, seq: SequenceOutput, ids: list[int], stops: list[str], tail: _TextTail) -> bool:
-        """Cut `seq` (the last chunk, its ids the end of `ids`) at the first stop string its tokens complete:
-        the tokens up to the one that completed it kept (vLLM's rule; `read` leaves the string out of the text),
-        finish "stop" with the string as stop reason. Whether it cut. The text is looked at only where a stop string
-        could have been completed since the last look (`tail`); where one is, the whole ids are decoded once to cut."""
+    def _cut_at_stop(self, seq: SequenceOutput, stops: list[str], tail: _TextTail) -> bool:
+        """Cut `seq` (the last chunk, added here at the end of `tail.ids`) at the first stop string its tokens
+        complete: the tokens up to the one that completed it kept (vLLM's rule; `read` leaves the string out of
+        the text), finish "stop" with the string as stop reason. Whether it cut. The text is looked at only where a
+        stop string could have been completed since the last look (`tail`); where one is, the whole ids are decoded
+        once to cut."""
         text = tail.advance(self._decode, seq.token_ids)
+        ids = tail.ids
         start = max(tail.searched - max(len(x) for x in stops) + 1, 0)
         new = len(ids) - tail.searched_ids  # (the ids since the last look: a character cut in two delays a look)
-        if len(text) == tail.searched or not any(x in text[start:] for x in stops):
-            if len(text) > tail.searched:
-                tail.searched, tail.searched_ids = len(text), len(ids)
+        hit = len(text) != tail.searched and any(x in text[start:] for x in stops)
+        if hit or len(text) > tail.searched:
+            tail.searched, tail.searched_ids = len(text), len(ids)
+        if not hit:
             return False
-        tail.searched, tail.searched_ids = len(text), len(ids)
         found = find_stop(self._decode, ids, new, stops)
         if found is None:
             return False
@@ -441,12 +448,11 @@ class SglangDriver:
         if not prepared.stream:
             return sequence.logprobs, self._decode(ids[:upto])
         window, done = state[1], min(state[2], upto)
-        before = self._decode(ids[window:done])
-        text = self._decode(ids[window:upto])
-        if text.endswith("\ufffd") and not finished:
+        text, whole = _window_text(self._decode, ids, window, done, upto)
+        if not whole and not finished:
             return sequence.logprobs, ""  # a character cut in two: its rest comes with the next token
         state[1], state[2] = done, upto
-        return sequence.logprobs, text[len(before):] if text.startswith(before) else text
+        return sequence.logprobs, text
 
     # ---- scheduling ------------------------------------------------------------------------
 
@@ -472,7 +478,7 @@ class SglangDriver:
         placement's every sleep 1,020-1,044 ms on an H200 (docs/BENCHMARKS.md, 2026-11-28). Past ABORT_DRAIN_S, or a
         request that came in since, SGLang's pause goes on waiting its own way."""
         lock = getattr(self.tm, "model_update_lock", None)
-        if lock is None or not await lock.is_locked():
+        if lock is None:
             return
         end, looks = time.monotonic() + ABORT_DRAIN_S, 0
         while await lock.is_locked() and time.monotonic() < end:
