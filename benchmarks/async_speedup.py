@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         if b0 < 1:
             ap.error(f"--balanced-batch: BATCH0 must be a positive integer, not {a.balanced_batch[1]!r}")
         return _balanced_batch_cli(Path(a.balanced_batch[0]), b0)
+    if a.eval_every < 0:
+        ap.error(f"--eval-every={a.eval_every}: a number of steps >= 0 (0: no evaluation after step 0)")
     if a.warmup_steps < 1 or a.steps < a.warmup_steps + 2:
         ap.error(f"--steps={a.steps} --warmup-steps={a.warmup_steps}: need warm-up >= 1 and at least 2 timed steps after it")
     import ray

@@ -87,6 +87,12 @@ def test_the_warm_up_must_leave_steps_to_time(bench):
         bench.main(["--steps", "4", "--warmup-steps", "3"])
 
 
+def test_a_negative_evaluation_interval_is_refused_before_anything_starts(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--steps", "4", "--eval-every", "-1"])
+    assert "--eval-every=-1" in capsys.readouterr().err
+
+
 def test_a_run_stopped_at_its_limit_reports_the_steps_it_finished_if_enough_were_timed(bench):
     assert bench.reportable(2, {"state": "finished"}, 10, 10, 1, 500) is True
     assert bench.reportable(2, {"state": "training"}, 9, 10, 1, 500) is False  # 8 timed steps: reported, unfinished
