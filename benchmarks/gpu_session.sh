@@ -165,22 +165,34 @@ gpu4)
   # NSTEPS learner steps each (the first is warm-up); SETS adds --set overrides. The model is built once per
   # warm machine.
   M=/tmp/qwen2-7b-random
+  for i in $(seq 1 60); do pgrep -f "[m]ake_random_qwen2.py.*$M.tmp" > /dev/null || break; sleep 5; done  # the install call's build
   if [ ! -f $M/config.json ]; then
     timeout 400 python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M --layers 28 \
         --hidden 3584 --heads 28 --kv-heads 4 --ffn 18944 --untied > $OUT/make_7b.log 2>&1
     echo "make 7b rc=$?"; tail -1 $OUT/make_7b.log | cut -c1-300
   fi
+  echo "7b model ready at t=$SECONDS s"
   pkill -9 -f "[r]ay::"; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*; sleep 1
   sets=(--set model.path=$M); for kv in ${SETS:-}; do sets+=(--set "$kv"); done
   # ray.init's own start gave up after 30 s once on a fresh 4-GPU host ("node timed out during startup",
   # no raylet log): start the node apart, where its errors are printed, and connect to it.
   # no expandable_segments here: vLLM TP = 2 custom all-reduce fails on it (custom_all_reduce.cuh: invalid argument)
+  # TRACE=1: every push's marks across its processes (the Ray head passes the variable to everything it starts)
+  [ -n "${TRACE:-}" ] && export ASYNCRL_PUSH_TRACE=$OUT/trace_gpu4
   timeout 180 ray start --head --num-cpus 48 --include-dashboard=false --disable-usage-stats > $OUT/ray_start.log 2>&1
   echo "ray start rc=$?"; grep -iE "error|fail|started" $OUT/ray_start.log | head -5 | cut -c1-300
-  RAY_ADDRESS=auto timeout -s INT -k 30 ${RUN_TIMEOUT:-520} python3 benchmarks/async_speedup.py \
+  # the app's own limit 45 s before the call's: a run cut short still reports the steps it finished
+  RAY_ADDRESS=auto timeout -s INT -k 30 ${RUN_TIMEOUT:-520} python3 benchmarks/async_speedup.py --timeout-s $((${RUN_TIMEOUT:-520} - 45)) \
       --config deploy/rlhf-gpu4.yaml --steps ${NSTEPS:-6} --etas ${ETAS:-0} --num-cpus 48 "${sets[@]}" \
       --out $OUT/gpu4_eta${ETAS// /_}.json > $OUT/gpu4.log 2>&1
-  echo "gpu4 rc=$?"; grep -v '^{' $OUT/gpu4.log | grep -E '^\||machine' | cut -c1-400
+  echo "gpu4 rc=$?"; grep -v '^{' $OUT/gpu4.log | grep -E '^\||machine|push / raw' | cut -c1-400
+  # which senders the push plan chose (each TP rank its own shards, or TP rank 0 gathering), and the raw probe
+  grep -hE "sends its own shards|TP shards are gathered|raw broadcast of" $OUT/gpu4.log /tmp/ray/session_latest/logs/*.err \
+      /tmp/ray/session_latest/logs/*.out 2>/dev/null | sort -u | head -6 | cut -c1-300
+  if [ -d "${ASYNCRL_PUSH_TRACE:-/nonexistent}" ]; then
+    python3 benchmarks/push_timeline.py $ASYNCRL_PUSH_TRACE --skip 1 --json $OUT/timeline_gpu4.json > $OUT/timeline_gpu4.txt 2>&1
+    tail -40 $OUT/timeline_gpu4.txt; tar czf $OUT/trace_gpu4.tgz -C $OUT trace_gpu4 && rm -rf $ASYNCRL_PUSH_TRACE
+  fi
   grep -iE "error|Traceback|out of memory|OOM" $OUT/gpu4.log | head -12 | cut -c1-400
   ls /tmp/ray/session_latest/logs > /dev/null 2>&1 && tar czf $OUT/ray_logs.tgz -C /tmp/ray/session_latest logs 2>/dev/null
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader

@@ -385,6 +385,81 @@ def export_hf_tensors(model_chunks: list[torch.nn.Module], hf_config: Any) -> It
                 yield from zip(pm.expert_gather(int(eid.item())), (ts[r] for ts in per_rank))
 
 
+class ShardExportError(ValueError):
+    """This model's parameters cannot be sent as each rank's own shards (the caller gathers them instead)."""
+
+
+def _window(dim: int, lo: int, hi: int, full: tuple[int, ...]) -> tuple[int, int, int] | None:
+    return None if lo == 0 and hi == full[dim] else (dim, lo, hi)
+
+
+def shard_pieces(pm: ParamMap, shard: torch.Tensor, arch: ModelArch, rank: int, size: int
+                 ) -> list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, int, int] | None]]:
+    """This TP rank's own parts of the HF tensors `pm` maps to, from its shard alone (no communication):
+    (HF name, the part, the HF tensor's shape, window (dim, lo, hi) of it, None for all of it). Not for
+    a padded vocabulary (`vocab`: split at Megatron's padded boundaries, gathered by the caller)."""
+    if pm.kind == "replicated":
+        return [(pm.hf_names[0], shard, tuple(shard.shape), None)]
+    tail = tuple(shard.shape[1:])
+    if pm.kind == "column":
+        n = shard.shape[0]
+        full = (n * size, *tail)
+        return [(pm.hf_names[0], shard, full, _window(0, rank * n, (rank + 1) * n, full))]
+    if pm.kind == "row":
+        c = shard.shape[1]
+        full = (shard.shape[0], c * size, *shard.shape[2:])
+        return [(pm.hf_names[0], shard, full, _window(1, rank * c, (rank + 1) * c, full))]
+    if pm.kind == "qkv":
+        ng, hd = arch.num_kv_heads, arch.head_dim
+        qpg = arch.num_heads // ng
+        if ng % size:
+            raise ShardExportError(f"{ng} KV groups do not split over TP {size}")
+        local = ng // size
+        grouped = shard.reshape(local, (qpg + 2) * hd, *tail)
+        out = []
+        for hf, part, rows in zip(pm.hf_names, grouped.split([qpg * hd, hd, hd], dim=1), (qpg * hd, hd, hd)):
+            full = (ng * rows, *tail)
+            out.append((hf, part.reshape(-1, *tail), full, _window(0, rank * local * rows, (rank + 1) * local * rows, full)))
+        return out
+    if pm.kind == "fc1":
+        out = []
+        for hf, half in zip(pm.hf_names, shard.chunk(2, dim=0)):
+            n = half.shape[0]
+            full = (n * size, *tail)
+            out.append((hf, half, full, _window(0, rank * n, (rank + 1) * n, full)))
+        return out
+    raise ShardExportError(f"no shard pieces for a {pm.kind!r} parameter ({pm.hf_names[0]})")
+
+
+@torch.no_grad()
+def export_hf_pieces(model_chunks: list[torch.nn.Module], hf_config: Any, data: bool = True
+                     ) -> Iterator[tuple[str, torch.Tensor | None, tuple[int, ...], tuple[int, int, int] | None, str]]:
+    """Every part of the HF tensors this rank holds, without gathering TP shards (each TP rank sends its
+    own, `shard_pieces`): (HF name, the part (None unless `data`), the HF tensor's shape, its window,
+    dtype name). A vocabulary is gathered over TP as `export_hf_tensors` does (Megatron pads and splits
+    it at boundaries of its own), so every TP rank yields all of it. `data=False` moves nothing and runs
+    no collective. Raises ShardExportError for expert parameters."""
+    arch = model_arch(hf_config)
+    for chunk in model_chunks:
+        chunk = _unwrap(chunk)
+        for name, param in chunk.named_parameters():
+            if name == "output_layer.weight" and arch.tied_embeddings:
+                continue
+            pm = param_map(chunk, name, arch)
+            if pm.expert_gather is not None or pm.group != "tp":
+                raise ShardExportError(f"expert parameter {name}: sent gathered")
+            dtype = str(param.dtype).removeprefix("torch.")
+            rank, size, group = _tp(pm.group)
+            if pm.kind == "vocab":
+                full = (arch.vocab_size, *param.shape[1:])
+                whole = hf_from_gathered(pm, _all_gather(param.detach(), size, group), arch)[0] if data else None
+                yield pm.hf_names[0], whole, full, None, dtype
+                continue
+            shard = param.detach() if data else torch.empty_like(param, device="meta")
+            for hf, part, full, window in shard_pieces(pm, shard, arch, rank, size):
+                yield hf, (part if data else None), full, window, dtype
+
+
 def _unwrap_expert_id(chunk: torch.nn.Module, name: str) -> int:
     local, rest = _LAYER.match(name).groups()
     em = _LOCAL_EXPERT.match(rest)

@@ -39,7 +39,7 @@ class PackedExport:
 
     buckets: list[Any] = field(default_factory=list)
     metas: list[list[Any]] = field(default_factory=list)
-    senders: list[int] = field(default_factory=list)  # the PP stage that packed each bucket
+    senders: list[int] = field(default_factory=list)  # the sending rank that packed each bucket (its PP stage for HF)
     digests: list[dict[str, bytes]] = field(default_factory=list)  # each bucket's, as its packer hashed it
     seconds: dict[str, float] = field(default_factory=dict)  # the slowest sender's pack / hash / put
 
@@ -239,10 +239,10 @@ class LearnerGroup:
         """The export packed into host buckets by the sending ranks (engine layout: the push plan's)."""
         outs = [o for o in await self._all(LearnerRankAPI.export_hf_tensors_packed, bucket_mb, transport, verify, layout) if o is not None]
         packed = PackedExport(seconds=_slowest(o["seconds"] for o in outs))
-        for o in sorted(outs, key=lambda o: o["pp_rank"]):
+        for o in sorted(outs, key=lambda o: o["sender"]):
             packed.buckets += o["buckets"]
             packed.metas += o["metas"]
-            packed.senders += [o["pp_rank"]] * len(o["buckets"])
+            packed.senders += [o["sender"]] * len(o["buckets"])
             packed.digests += o["digests"]
         return packed
 
@@ -250,8 +250,22 @@ class LearnerGroup:
         """The sending ranks pack later pushes for this push plan (weightsync/plan.py; None: HF tensors)."""
         await self._all(LearnerRankAPI.set_push_plan, plan)
 
+    async def piece_manifest(self) -> tuple[list[Any], str]:
+        """What each would-be sending rank holds of the HF tensors without gathering TP shards, as
+        `plan.Piece`s in sender order (each rank's in its export order), and why not ("": it can)."""
+        from asyncrl.weightsync.shards import Piece
+
+        outs = sorted((o for o in await self._all(LearnerRankAPI.piece_manifest) if o is not None),
+                      key=lambda o: o.get("sender", -1))
+        problems = [o["problem"] for o in outs if "problem" in o]
+        if problems:
+            return [], problems[0]
+        pieces = [Piece(hf, o["sender"], o["tp"], dtype, tuple(full), tuple(window) if window else None)
+                  for o in outs for hf, dtype, full, window in o["pieces"]]
+        return pieces, ""
+
     async def collective_addresses(self) -> list[dict[str, Any]]:
-        """Rendezvous addresses of the sending ranks (one per PP stage), in stage order."""
+        """Rendezvous addresses of the sending ranks (one per PP stage; per TP rank of it with a shard plan), in sender order."""
         return sorted((a for a in await self._all(LearnerRankAPI.collective_address) if a is not None), key=lambda a: a["sender"])
 
     async def join_collective(self, specs: list[dict[str, Any]]) -> list[str]:
@@ -272,7 +286,7 @@ class LearnerGroup:
 
         outs = [o for o in await self._all(LearnerRankAPI.probe_collective, sizes, timeout_s,
                                            survivable=(CollectiveError,)) if o is not None]
-        return [o["seconds"] for o in sorted(outs, key=lambda o: o["pp_rank"])]
+        return [o["seconds"] for o in sorted(outs, key=lambda o: o["sender"])]
 
     async def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float, gate: str = "") -> CollectiveExport:
         """One collective push (every rank takes part in the export; senders broadcast). A broadcast that
@@ -294,7 +308,7 @@ class LearnerGroup:
     async def take_host_copies(self, timeout_s: float) -> tuple[list[Any], dict[str, float]]:
         """The last broadcast's host copies (ObjectRefs, stage 0 first), once every sender kept
         them, and the slowest sender's copy-thread seconds."""
-        outs = sorted((o for o in await self._all(LearnerRankAPI.take_host_copies, timeout_s) if o is not None), key=lambda o: o["pp_rank"])
+        outs = sorted((o for o in await self._all(LearnerRankAPI.take_host_copies, timeout_s) if o is not None), key=lambda o: o["sender"])
         return [ref for o in outs for ref in o["buckets"]], _slowest(o["seconds"] for o in outs)
 
     async def hold_device(self, parts: Sequence[str] | None = None) -> list[dict[str, Any]]:

@@ -129,8 +129,29 @@ class LearnerRank:
     # ------------------------------------------------------------------ weight pushes (weightsync/sender.py)
 
     def _is_sender(self) -> bool:
+        """TP/CP/DP rank 0 of each PP stage; with a shard plan every TP rank of them (each sends its own shards)."""
         c = self.coords
-        return c.tp == 0 and c.cp == 0 and c.dp == 0
+        return c.cp == 0 and c.dp == 0 and (c.tp == 0 or self._shard_plan())
+
+    def _shard_plan(self) -> bool:
+        plan = self._sender.plan if self._sender is not None else None
+        return plan is not None and bool(plan.pieces)
+
+    def _sender_id(self) -> int:
+        """This rank's index among the sending ranks: its PP stage, or (shard plan) stage x TP size + TP rank."""
+        c = self.coords
+        return c.pp * self.layout.tp + c.tp if self._shard_plan() else c.pp
+
+    def _export(self, layout: str = "engine") -> Any:
+        """The stream this rank drives for a push: (name, tensor) pairs, every TP shard gathered, or (shard
+        plan, engine layout) this rank's own pieces under their plan names. Every rank of the group drives the
+        same kind (the gathers are collective)."""
+        if layout != "engine" or not self._shard_plan():
+            return self.role.export_hf_tensors()
+        from asyncrl.weightsync.shards import piece_name
+
+        sender = self._sender_id()
+        return ((piece_name(hf, sender), t) for hf, t, _, _, _ in self.role.export_hf_pieces())
 
     def _endpoint(self) -> Any:
         if self._sender is None:
@@ -144,9 +165,26 @@ class LearnerRank:
             pass
 
     def set_push_plan(self, plan: bytes | None) -> str | None:
-        """Sending ranks pack later pushes in the engines' layout of this push plan (None: HF tensors)."""
+        """Every rank keeps the push plan (None: HF tensors): its sending ranks pack later pushes in the engines'
+        layout of it, and a shard plan makes every TP rank a sender of its own pieces."""
         self._ready()
-        return self._endpoint().set_plan(plan) if self._is_sender() else None
+        return self._endpoint().set_plan(plan)
+
+    def piece_manifest(self) -> dict[str, Any] | None:
+        """What this rank would send of its own under a shard plan (TP shards not gathered): {"sender", "tp",
+        "pieces": [(HF name, dtype, HF shape, window)]}, or {"problem"} where the model cannot be sent that
+        way. Ranks that never send (CP / DP rank > 0): None."""
+        self._ready()
+        c = self.coords
+        if c.cp != 0 or c.dp != 0:
+            return None
+        from asyncrl.learner.convert import ShardExportError
+
+        try:
+            pieces = [(hf, dtype, tuple(full), window) for hf, _, full, window, dtype in self.role.export_hf_pieces(data=False)]
+        except ShardExportError as err:
+            return {"problem": str(err)}
+        return {"sender": c.pp * self.layout.tp + c.tp, "tp": c.tp, "pieces": pieces}
 
     def export_hf_tensors_packed(self, bucket_mb: float, transport: str = "object_store", verify: str = "full",
                                  layout: str = "hf") -> dict[str, Any] | None:
@@ -158,16 +196,18 @@ class LearnerRank:
 
         self._ready()
         with self._thread(), self._held(("params",)):
-            tensors = self.role.export_hf_tensors()
-            if not self._is_sender():
+            tensors = self._export(layout)
+            sender = self._sender_id() if layout == "engine" else self.coords.pp
+            if not (self._is_sender() if layout == "engine" else self.coords.tp == 0 and self.coords.cp == 0
+                    and self.coords.dp == 0):
                 self._drain(tensors)
                 return None
             plan = self._endpoint().plan if layout == "engine" else None
             if layout == "engine" and plan is None:
                 self._drain(tensors)
                 raise RuntimeError(f"rank {self.rank}: an engine-layout export without a push plan (set_push_plan first)")
-            out = pack_into_transport(tensors, bucket_mb, transport, verify, plan, self.coords.pp)
-        return {"pp_rank": self.coords.pp, **out}
+            out = pack_into_transport(tensors, bucket_mb, transport, verify, plan, sender)
+        return {"sender": sender, **out}
 
     def collective_address(self) -> dict[str, Any] | None:
         """Sending ranks (TP/CP/DP rank 0 of each PP stage): where the weight broadcast group this
@@ -177,7 +217,7 @@ class LearnerRank:
             return None
         import ray
 
-        return self._endpoint().address(ray.util.get_node_ip_address(), self.coords.pp)
+        return self._endpoint().address(ray.util.get_node_ip_address(), self._sender_id())
 
     def join_collective(self, specs: list[dict[str, Any]]) -> str | None:
         """Sending ranks: leave any earlier group, join (as group rank 0) the spec for this PP stage."""
@@ -186,7 +226,7 @@ class LearnerRank:
         if not self._is_sender():
             return None
         with self._thread():
-            return self._endpoint().join(specs, self.coords.pp, self.rank)
+            return self._endpoint().join(specs, self._sender_id(), self.rank)
 
     def collective_group(self) -> str | None:
         """The id of this rank's broadcast group if it can still carry a push, else None."""
@@ -205,28 +245,30 @@ class LearnerRank:
         push's gate token (gloo / NCCL: nothing goes out until every receiver is ready; collective.py)."""
         self._ready()
         with self._thread(), self._held(("params",)):
-            tensors = self.role.export_hf_tensors()
+            tensors = self._export()
             if not self._is_sender():
                 self._drain(tensors)
                 return None
-            out = self._endpoint().broadcast(tensors, bucket_mb, verify, timeout_s, self.coords.pp, gate=gate)
-        return {"pp_rank": self.coords.pp, **out}
+            sender = self._sender_id()
+            out = self._endpoint().broadcast(tensors, bucket_mb, verify, timeout_s, sender, gate=gate)
+        return {"sender": sender, **out}
 
     def probe_collective(self, sizes: dict[int, list[int]], timeout_s: float) -> dict[str, Any] | None:
         """Sending ranks: a raw broadcast of buckets of `sizes[pp stage]` bytes over this rank's group
-        (the wire floor of its part of a push); {"pp_rank", "seconds"}. Others: None."""
+        (the wire floor of its part of a push); {"sender", "seconds"}. Others: None."""
         self._ready()
         if not self._is_sender():
             return None
         with self._thread():
-            return {"pp_rank": self.coords.pp, "seconds": self._endpoint().probe(sizes[self.coords.pp], timeout_s)}
+            sender = self._sender_id()
+            return {"sender": sender, "seconds": self._endpoint().probe(sizes[sender], timeout_s)}
 
     def take_host_copies(self, timeout_s: float) -> dict[str, Any] | None:
         """The host copies (ObjectRefs, in bucket order) of this rank's last broadcast, once all
         are in the object store (non-sending ranks: None). Each push's copies are taken once."""
         if not self._is_sender():
             return None
-        return {"pp_rank": self.coords.pp, **self._endpoint().take_host_copies(timeout_s)}
+        return {"sender": self._sender_id(), **self._endpoint().take_host_copies(timeout_s)}
 
     # ------------------------------------------------------------------ device residency (hybrid)
 

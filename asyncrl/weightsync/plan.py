@@ -16,8 +16,8 @@ Owns:
   rank) assigned to the learner rank that exports its sources, given a bucket and a byte offset.
 - `PlannedPacker`: the sending learner rank writes each exported HF tensor straight into its
   place in the buckets (the loaders' copies, replayed into the bucket instead of the engine).
-- `hf_from_engine`: the inverse (HF tensors back from engine-layout buckets), for a replica whose
-  layout differs from the one the buckets were packed for.
+- (shards.py: shard plans, in which every learner TP rank sends its own shards, and `hf_from_engine`,
+  the HF tensors back from engine-layout buckets.)
 
 Must never: touch an engine's live parameter data (the probe swaps in meta twins and puts the
 originals back), or import vLLM (the engine adapter hands in the model).
@@ -29,12 +29,15 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from asyncrl.weightsync.bucket import ALIGN, Bucket, TensorMeta, dtype_from_name
+
+if TYPE_CHECKING:
+    from asyncrl.weightsync.shards import Piece
 
 aten = torch.ops.aten
 
@@ -325,6 +328,15 @@ class PushPlan:
     buckets: tuple[PlannedBucket, ...]
     manifest: tuple[ManifestEntry, ...]
     layouts: tuple[EngineLayout, ...] = field(repr=False)
+    # A shard plan (shards.build_shard_plan): `manifest` names every learner rank's own pieces, `layouts`
+    # read from them (shards.localize_layout), `hf_manifest` is the export the engines probed. Empty otherwise.
+    pieces: tuple[Piece, ...] = field(default=(), repr=False)
+    hf_manifest: tuple[ManifestEntry, ...] = field(default=(), repr=False)
+
+    @property
+    def probed_manifest(self) -> list[ManifestEntry]:
+        """The HF export the engines' layouts are read for (`probe_layout`)."""
+        return list(self.hf_manifest or self.manifest)
 
     def for_sender(self, sender: int) -> list[PlannedBucket]:
         return [b for b in self.buckets if b.sender == sender]
@@ -528,27 +540,3 @@ class PlannedPacker:
         numpy = self.host_numpy and buf.device.type == "cpu"
         return Bucket(buffer=buf.numpy() if numpy else buf, metas=b.metas(), rank=b.rank)
 
-
-def hf_from_engine(plan: PushPlan, buckets: Iterable[Bucket]) -> dict[str, torch.Tensor]:
-    """The HF tensors rebuilt from engine-layout buckets of `plan` (each source element from any
-    copy of it); host tensors in the manifest's dtypes. Raises PlanError if some source was never
-    copied anywhere (a layout that drops data cannot be inverted)."""
-    out = {e.name: torch.empty(e.shape, dtype=dtype_from_name(e.dtype)) for e in plan.manifest}
-    seen: set[str] = set()
-    by_key = {(b.rank, tuple(m.name for m in b.metas())): b for b in plan.buckets}
-    for bucket in buckets:
-        b = by_key.get((bucket.rank, tuple(bucket.names)))
-        if b is None:
-            raise PlanError(f"a bucket of rank {bucket.rank} starting with {bucket.names[:1]} is not in plan {plan.plan_id}")
-        host = bucket.to_host()
-        flat = torch.from_numpy(host.buffer) if not isinstance(host.buffer, torch.Tensor) else host.buffer
-        for p, off in b.params:
-            view = flat[off : off + p.nbytes].view(dtype_from_name(p.dtype)).view(p.shape)
-            for op in p.ops:
-                if op.src is not None:
-                    op.src_view.of(out[op.src]).copy_(op.dst.of(view))  # type: ignore[union-attr]
-                    seen.add(op.src)
-    missing = [e.name for e in plan.manifest if e.name not in seen]
-    if missing:
-        raise PlanError(f"{len(missing)} exported tensors are not in any engine parameter, e.g. {missing[:3]}")
-    return out

@@ -41,6 +41,7 @@ from asyncrl.weightsync.fingerprint import (PendingDigests, bucket_digests, buck
 from asyncrl.weightsync.plan import (
     EngineLayout, ManifestEntry, PlanError, PushPlan, probe_layout, same_ops, verify_layout,
 )
+from asyncrl.weightsync.shards import plan_layout
 
 STAGING_MODES = ("full", "bucketed")
 
@@ -164,9 +165,10 @@ class WorkerReceiver:
         if plan is None:
             self.plan_id, self._live = None, None
             return
-        mine = self.layout_for(list(plan.manifest))
+        mine = self.layout_for(plan.probed_manifest)
         if mine.problem:
             raise PlanError(f"engine rank {self.hooks.rank}: {mine.problem}")
+        mine = plan_layout(plan, mine)  # a shard plan's: read from the learner ranks' own pieces
         theirs = [lay for lay in plan.layouts if lay.rank == self.hooks.rank]
         if len(theirs) != 1 or not same_ops(mine, theirs[0]):
             raise PlanError(f"engine rank {self.hooks.rank}: its parameter layout differs from push plan {plan.plan_id}'s")

@@ -166,12 +166,16 @@ class WeightPublisher:
             elif len(digests) != 1:
                 problem = f"the engine replicas' parameter layouts differ ({len(digests)} kinds)"
             else:
+                layouts = next(iter(per_replica.values()))
                 try:
-                    plan = build_plan(self.manifest, next(iter(per_replica.values())), self.cfg.bucket_mb)
+                    plan = build_plan(self.manifest, layouts, self.cfg.bucket_mb)
                 except PlanError as err:
                     problem = str(err)
+                if plan is not None:
+                    plan = await self._shard_plan(layouts) or plan
         if plan is None and self.cfg.apply == "direct":
             raise PlanError(f"weightsync.apply is 'direct' but no push plan can be made: {problem}")
+        senders_before = self.plan.senders if self.plan is not None else None
         blob = pickle.dumps(plan) if plan is not None else None
         if self.store is not None:  # first: a replica starting from here on takes it there (engine.sync_from_source)
             await self.store.set_push_plan.remote(plan)
@@ -179,11 +183,35 @@ class WeightPublisher:
                              self.learner.set_push_plan(blob))
         self.plan, self.plan_problem = plan, problem
         self.publisher.set_plan(plan)
+        if self.link is not None and senders_before != (plan.senders if plan is not None else None):
+            self.link.forget()  # other learner ranks send now: the broadcast groups form again with them
         if plan is not None:
             log.info("weightsync: push plan %s: %d engine rank(s), %d buckets, %.1f MB; engines copy into their parameters",
                      plan.plan_id, plan.ranks, len(plan.buckets), plan.nbytes / 1e6)
         else:
             log.info("weightsync: pushes carry HF tensors and engines reload them (%s)", problem)
+
+    async def _shard_plan(self, layouts: list[Any]) -> Any:
+        """A plan in which every TP rank of the learner sends its own shards (weightsync.shard_senders), or None
+        (the reason logged) where the learner has no TP, the transport is ipc, or some engine parameter spans
+        learner ranks."""
+        from asyncrl.weightsync.plan import PlanError
+        from asyncrl.weightsync.shards import build_shard_plan
+
+        if not self.cfg.shard_senders or getattr(self.transport, "backend", None) == "ipc":
+            return None
+        pieces, problem = await self.learner.piece_manifest()
+        if problem or not pieces or max(p.tp for p in pieces) == 0:
+            if problem:
+                log.info("weightsync: TP shards are gathered before each push (%s)", problem)
+            return None
+        try:
+            plan = build_shard_plan(self.manifest, pieces, layouts, self.cfg.bucket_mb)
+        except PlanError as err:
+            log.info("weightsync: TP shards are gathered before each push: %s", err)
+            return None
+        log.info("weightsync: each of %d learner ranks sends its own shards (no TP gather)", plan.senders)
+        return plan
 
     def probe_sizes(self) -> dict[int, list[int]]:
         """The bytes of a push per sending rank (PP stage), as its buckets: the plan's, or (HF tensors)

@@ -6,8 +6,9 @@ the host's CPUs) reports one layout
 per TP rank, read from its own loaders: each rank holds half of the fused QKV and gate/up rows, half
 of every row-parallel column, one of the two KV heads, half of the padded vocabulary. A TP=2 Megatron
 learner (two Ray rank actors, one GPU each on a GPU host) updates once, then packs its export straight into
-that plan's buckets (its TP shards gathered, then split again for the engine's TP ranks) in
-shared-memory files; the publisher pushes them with checksum verification. The engine's greedy
+that plan's buckets in
+shared-memory files, each TP rank its own shards (the service's shard plan: no gather, engine rank r's
+buckets from learner rank r); the publisher pushes them with checksum verification. The engine's greedy
 tokens then equal `transformers`' argmax on the learner's HF export of the same weights, tagged with
 the new version, and every parameter of both workers is still at its address (captured CUDA graphs
 stay valid). Both engine workers report that a copy into their parameters is a correct apply.
@@ -37,6 +38,7 @@ async def _scenario(model_path: str) -> dict:
     from asyncrl.types import GenerationRequest, SamplingParams
     from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
+    from asyncrl.weightsync.shards import build_shard_plan
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.replica_side import dump_manifest
     from asyncrl.weightsync.transport import SharedMemoryTransport
@@ -64,7 +66,11 @@ async def _scenario(model_path: str) -> dict:
         manifest = [ManifestEntry(m.name, m.dtype, tuple(m.shape), sender)
                     for metas, sender in zip(hf_export.metas, hf_export.senders) for m in metas]
         layouts = [pickle.loads(b) for b in (await replica.engine_layout(dump_manifest(manifest)))["layouts"]]
-        plan = build_plan(manifest, layouts, 0.25)
+        gathered = build_plan(manifest, layouts, 0.25)
+        # what the service forms for this layout (weightsync.shard_senders): each TP rank sends its own shards
+        pieces, problem = await group.piece_manifest()
+        assert not problem, problem
+        plan = build_shard_plan(manifest, pieces, layouts, 0.25)
         await replica.set_push_plan(pickle.dumps(plan))
         await group.set_push_plan(pickle.dumps(plan))
 
@@ -77,13 +83,54 @@ async def _scenario(model_path: str) -> dict:
         result = await pub.publish_handles(1, export.buckets, [LocalClient(replica)], export.digests, plan.plan_id)
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=False)
         outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in PROMPTS]
+        broadcast = {} if torch.cuda.is_available() else await _broadcast_push(group, replica, plan, sp)
         return {"layouts": layouts, "check": replica._staging.layout_report, "metrics": result.metrics,
+                "plan": plan, "gathered": gathered, "senders": sorted(set(export.senders)), "broadcast": broadcast,
                 "update": metrics, "exported": exported, "same_addresses": before == await addresses(),
                 "tokens": [o.completions[0].token_ids for o in outs], "versions": [o.completions[0].versions for o in outs]}
     finally:
         await group.shutdown()
         transport.close()
         replica.shutdown()
+
+
+async def _broadcast_push(group, replica, plan, sp) -> dict:
+    """Version 2 as the service pushes over gloo: each learner TP rank broadcasts its own shards over a group
+    of its own (CollectiveLink, publish_streamed), both engine workers receive both groups."""
+    from asyncrl.config import WeightsyncConfig
+    from asyncrl.types import GenerationRequest
+    from asyncrl.weightsync.bucket import iter_unpacked
+    from asyncrl.weightsync.push import Publisher
+    from asyncrl.weightsync.registry import VersionRegistry
+    from asyncrl.weightsync.service import CollectiveLink
+    from asyncrl.weightsync.shards import hf_from_engine
+    from asyncrl.weightsync.transport import select_transport
+    from tests.learner._data import advantages, make_samples
+
+    cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, verify="checksum", staging="full", timeout_s=120, retries=0)
+    transport = select_transport(cfg)
+
+    async def members():
+        return {"tp2": await replica.collective_info()}
+
+    async def join(wire):
+        return [await replica.join_collective(wire, 120.0)]
+
+    link = CollectiveLink("gloo", group, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
+                          ipc_window=0, check=members)
+    pub = Publisher(cfg, transport=transport, registry=VersionRegistry(1))
+    samples = make_samples(8, group_size=2)
+    old = await group.compute_log_prob(samples)
+    await group.update_actor(samples, advantages(samples), old)
+    result = await pub.publish_streamed(2, link.send, link.payload, [LocalClient(replica)], prepare=link.ensure,
+                                        plan_id=plan.plan_id, fold_begin=link.fold_begin, cancel=link.cancel)
+    await pub.drain()
+    kept = hf_from_engine(plan, [transport.fetch(h) for h in pub._host.handles])  # the host copy, in HF tensors
+    packed = await group.export_hf_tensors_packed(0.25, "object_store")
+    exported = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in packed.buckets)}
+    outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in PROMPTS]
+    return {"metrics": result.metrics, "groups": list(link.group_ids), "kept": kept, "exported": exported,
+            "tokens": [o.completions[0].token_ids for o in outs], "versions": [o.completions[0].versions for o in outs]}
 
 
 def test_a_tp2_engine_decodes_transformers_tokens_after_a_tp2_learners_push(ray_session, demo_model_path):
@@ -95,8 +142,24 @@ def test_a_tp2_engine_decodes_transformers_tokens_after_a_tp2_learners_push(ray_
     assert not first.problem and not second.problem, (first.problem, second.problem)
     assert first.digest != second.digest  # each TP rank holds its own shards
     assert all(r["direct"] for r in out["check"]), out["check"]
+    # both learner ranks packed their own shards (no gather), and each engine rank's buckets came from the
+    # learner rank of its TP index: half the bytes each
+    plan, gathered = out["plan"], out["gathered"]
+    assert out["senders"] == [0, 1] and plan.senders == 2 and gathered.senders == 1
+    assert all(b.sender == b.rank for b in plan.buckets)
+    assert plan.nbytes == gathered.nbytes
     assert out["metrics"]["weightsync/apply_direct"] == 1.0
     assert out["same_addresses"]
     hf = _load_hf(str(demo_model_path), out["exported"])
     assert _is_hf_greedy(hf, PROMPTS, out["tokens"])
     assert all(v == [1] * MAX_TOKENS for v in out["versions"])
+    if torch.cuda.is_available():
+        return  # (the gloo push: CPU only; on GPUs the NCCL push is the gpu4 benchmark's)
+    b = out["broadcast"]
+    # over gloo: one broadcast group per learner TP rank, every bucket applied directly, version 2 live
+    assert len(b["groups"]) == 2 and b["metrics"]["weightsync/apply_direct"] == 1.0
+    assert b["metrics"]["weightsync/transport/gloo/bytes"] == plan.nbytes
+    assert b["kept"].keys() == b["exported"].keys() and all(torch.equal(b["kept"][n], b["exported"][n]) for n in b["kept"])
+    assert not all(torch.equal(b["exported"][n], out["exported"][n]) for n in b["exported"])  # the second update moved them
+    assert _is_hf_greedy(_load_hf(str(demo_model_path), b["exported"]), PROMPTS, b["tokens"])
+    assert all(v == [2] * MAX_TOKENS for v in b["versions"])

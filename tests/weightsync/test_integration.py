@@ -432,7 +432,8 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.collective import ipc_window_for
-    from asyncrl.weightsync.plan import ManifestEntry, hf_from_engine
+    from asyncrl.weightsync.plan import ManifestEntry
+    from asyncrl.weightsync.shards import hf_from_engine
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.replicas import ActorReplica
     from asyncrl.weightsync.service import CollectiveLink
