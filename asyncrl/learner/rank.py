@@ -180,9 +180,12 @@ class LearnerRank:
             return None
         from asyncrl.learner.convert import ShardExportError
 
+        export = getattr(self.role, "export_hf_pieces", None)
+        if export is None:  # (a failing verb would leave the learner group unusable: a reason instead)
+            return {"problem": f"role {self.role_name!r} has no shard export"}
         try:
-            pieces = [(hf, dtype, tuple(full), window) for hf, _, full, window, dtype in self.role.export_hf_pieces(data=False)]
-        except ShardExportError as err:
+            pieces = [(hf, dtype, tuple(full), window) for hf, _, full, window, dtype in export(data=False)]
+        except (ShardExportError, RuntimeError) as err:
             return {"problem": str(err)}
         return {"sender": c.pp * self.layout.tp + c.tp, "tp": c.tp, "pieces": pieces}
 
