@@ -340,17 +340,6 @@ def load_score_head(head: torch.nn.Module, hf_dir: str | Path) -> bool:
     return True
 
 
-def _export_order(chunk: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """The chunk's parameters in the order an export yields them: Megatron's, with the output layer moved up
-    behind the embedding (first on a stage without one). A push's last bytes are then a layer's, not the
-    largest tensor: the bucket both ends hash after the wire stays small (weightsync/plan.py `_runs`)."""
-    params = list(chunk.named_parameters())
-    head = [x for x in params if x[0] == "output_layer.weight"]
-    rest = [x for x in params if x[0] != "output_layer.weight"]
-    at = next((i + 1 for i, (n, _) in enumerate(rest) if n == "embedding.word_embeddings.weight"), 0)
-    return rest[:at] + head + rest[at:]
-
-
 def _all_gather(t: torch.Tensor, size: int, group: Any) -> list[torch.Tensor]:
     if size == 1:
         return [t]
@@ -373,7 +362,7 @@ def export_hf_tensors(model_chunks: list[torch.nn.Module], hf_config: Any) -> It
     arch = model_arch(hf_config)
     for chunk in model_chunks:
         chunk = _unwrap(chunk)
-        for name, param in _export_order(chunk):
+        for name, param in chunk.named_parameters():
             if name == "output_layer.weight" and arch.tied_embeddings:
                 continue
             pm = param_map(chunk, name, arch)
@@ -453,7 +442,7 @@ def export_hf_pieces(model_chunks: list[torch.nn.Module], hf_config: Any, data: 
     arch = model_arch(hf_config)
     for chunk in model_chunks:
         chunk = _unwrap(chunk)
-        for name, param in _export_order(chunk):
+        for name, param in chunk.named_parameters():
             if name == "output_layer.weight" and arch.tied_embeddings:
                 continue
             pm = param_map(chunk, name, arch)

@@ -356,41 +356,6 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-TAIL_BYTES = 16 << 20
-
-
-def _runs(params: list[ParamLayout], cap: int) -> list[list[ParamLayout]]:
-    """`params` (in export order) cut into consecutive runs of at most `cap` bytes each (or one tensor).
-    Buckets larger than TAIL_BYTES shrink toward the stream's end (TAIL_BYTES, twice that, ... up to
-    `cap`): both ends hash the last bucket after the wire (the sender its trailer's checksums, each
-    receiver what just landed), so it is small, and each bucket before it is hashed while the next,
-    smaller one is on the wire. (Measured on two H200s, 512 MiB buckets: the last one's checksums put
-    about 1 ms on each side after the wire, 2026-11-28.)"""
-    if cap <= TAIL_BYTES:  # greedy from the front
-        runs: list[list[ParamLayout]] = []
-        current: list[ParamLayout] = []
-        size = 0
-        for p in params:
-            n = _align(p.nbytes)
-            if current and size + n > cap:
-                runs.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += n
-        return runs + ([current] if current else [])
-    runs, current, size, budget = [], [], 0, TAIL_BYTES
-    for p in reversed(params):  # from the end, each run's budget twice the one after it, up to cap
-        n = _align(p.nbytes)
-        if current and size + n > budget:
-            runs.append(current[::-1])
-            current, size, budget = [], 0, min(cap, 2 * budget)
-        current.append(p)
-        size += n
-    if current:
-        runs.append(current[::-1])
-    return runs[::-1]
-
-
 def build_plan(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout], bucket_mb: float) -> PushPlan:
     """Assign every engine parameter of every rank to its sender's buckets, in the order its first
     source appears in the export (so the packer emits buckets as the export goes)."""
@@ -425,12 +390,18 @@ def build_plan(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout
         for rank in ranks:
             params = sorted(per_stream.get((sender, rank), []), key=lambda p: min(order[s] for s in p.sources))
             chunks[rank], sizes[rank] = [], []
-            for run in _runs(params, cap):
-                offset, chunk = 0, []
-                for p in run:
-                    chunk.append((p, offset))
-                    offset += _align(p.nbytes)
-                chunks[rank].append(chunk)
+            current: list[tuple[ParamLayout, int]] = []
+            offset = 0
+            for p in params:
+                size = _align(p.nbytes)
+                if current and offset + size > cap:
+                    chunks[rank].append(current)
+                    sizes[rank].append(offset)
+                    current, offset = [], 0
+                current.append((p, offset))
+                offset += size
+            if current:
+                chunks[rank].append(current)
                 sizes[rank].append(offset)
         index = 0
         for k in range(max(len(c) for c in chunks.values())):
