@@ -213,3 +213,86 @@ def test_a_window_that_is_no_box_of_the_tensor_is_refused():
     pieces, _ = _learner(hf, 2)
     with pytest.raises(PlanError, match="o reads o.weight in a way"):
         localize_layout(bent, pieces, 2)
+
+
+class _Control:
+    """The engine replicas' fan-out, as `WeightPublisher.form_plan` calls it: one replica of `tp` ranks."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp, self.plans = tp, []
+
+    async def call(self, verb, *args, timeout_s=None):  # noqa: ARG002
+        import pickle
+
+        from asyncrl.interfaces import EngineAPI
+
+        if verb is EngineAPI.engine_layout:
+            manifest = pickle.loads(args[0])  # (replica_side.dump_manifest)
+            return {"r0": {"layouts": [pickle.dumps(probe_layout(_Engine(r, self.tp), manifest, r)) for r in range(self.tp)]}}
+        if verb is EngineAPI.set_push_plan:
+            self.plans.append(pickle.loads(args[0]) if args[0] is not None else None)
+            return {}
+        raise AssertionError(verb)
+
+
+class _Learner:
+    def __init__(self, pieces, problem: str = "") -> None:
+        self.pieces, self.problem, self.plans, self.asked = pieces, problem, [], 0
+
+    async def piece_manifest(self):
+        self.asked += 1
+        return (self.pieces, self.problem)
+
+    async def set_push_plan(self, blob):
+        import pickle
+
+        self.plans.append(pickle.loads(blob) if blob is not None else None)
+
+
+def _publisher(engine_tp: int, learner: _Learner, backend: str = "gloo", **cfg):
+    from types import SimpleNamespace
+
+    from asyncrl.config import WeightsyncConfig
+    from asyncrl.weightsync.service import WeightPublisher
+
+    pub = WeightPublisher(WeightsyncConfig(bucket_mb=1, **cfg), engine=None, learner=learner)
+    control = _Control(engine_tp)
+    pub.replicas = SimpleNamespace(control=control)
+    pub.manifest = _manifest(_hf())
+    pub.transport = SimpleNamespace(backend=backend)
+    pub.publisher = SimpleNamespace(set_plan=lambda plan: None)
+    forgot = []
+    pub.link = SimpleNamespace(forget=lambda: forgot.append(1))
+    return pub, control, forgot
+
+
+@pytest.mark.parametrize("engine_tp,backend,shard_senders,senders", [
+    (2, "gloo", True, 2),   # equal TP: each learner rank sends its own shards
+    (2, "nccl", True, 2),
+    (1, "gloo", True, 1),   # an engine of smaller TP: gathered (its fused QKV spans both learner ranks)
+    (2, "ipc", True, 1),    # ipc: always gathered
+    (2, "gloo", False, 1),  # weightsync.shard_senders: false
+])
+def test_the_service_forms_a_shard_plan_where_it_can_and_the_gathered_one_otherwise(engine_tp, backend, shard_senders,
+                                                                                   senders):
+    import asyncio
+
+    pieces, _ = _learner(_hf(), 2)
+    learner = _Learner(pieces)
+    pub, control, forgot = _publisher(engine_tp, learner, backend, shard_senders=shard_senders)
+    asyncio.run(pub.form_plan())
+    assert pub.plan is not None and pub.plan.senders == senders and bool(pub.plan.pieces) == (senders == 2)
+    # the engines and every learner rank hold the same plan; the groups form again with the new senders
+    assert control.plans[-1].plan_id == learner.plans[-1].plan_id == pub.plan.plan_id
+    assert forgot == [1]
+    asyncio.run(pub.form_plan())  # the same senders again: the groups stay
+    assert forgot == [1]
+
+
+def test_a_learner_that_cannot_send_its_shards_gets_the_gathered_plan():
+    import asyncio
+
+    learner = _Learner([], "expert parameter decoder.layers.0.mlp.experts...: sent gathered")
+    pub, _, _ = _publisher(2, learner)
+    asyncio.run(pub.form_plan())
+    assert learner.asked == 1 and pub.plan.senders == 1 and not pub.plan.pieces
