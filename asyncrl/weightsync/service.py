@@ -214,8 +214,9 @@ class WeightPublisher:
         return plan
 
     def probe_sizes(self) -> dict[int, list[int]]:
-        """The bytes of a push per sending rank (PP stage), as its buckets: the plan's, or (HF tensors)
-        each rank's tensors in buckets of weightsync.bucket_mb. What a wire probe broadcasts."""
+        """The bytes of a push per sending rank (PP stage; each TP rank of it under a shard plan), as its buckets:
+        the plan's, or (HF tensors) each rank's tensors in buckets of weightsync.bucket_mb. What a wire probe
+        broadcasts."""
         if self.plan is not None:
             senders = sorted({b.sender for b in self.plan.buckets})
             return {s: [int(b.nbytes) for b in self.plan.for_sender(s)] for s in senders}
