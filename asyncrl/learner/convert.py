@@ -360,29 +360,35 @@ def export_hf_tensors(model_chunks: list[torch.nn.Module], hf_config: Any) -> It
     from megatron.core import parallel_state as ps
 
     arch = model_arch(hf_config)
+    for chunk, name, param, pm in _exported(model_chunks, arch):
+        _, size, group = _tp(pm.group)
+        shards = _all_gather(param.detach(), size, group) if pm.kind != "replicated" else [param.detach()]
+        full = hf_from_gathered(pm, shards, arch)
+        if pm.expert_gather is None:
+            yield from zip(pm.hf_names, (t.clone() if t.data_ptr() == param.data_ptr() else t for t in full))
+            continue
+        # Routed expert: every EP rank holds a different expert at this local index.
+        ep_size = ps.get_expert_model_parallel_world_size()
+        ep_group = ps.get_expert_model_parallel_group()
+        # On the parameter's device: NCCL has no CPU backend ("No backend type associated
+        # with device type cpu", seen at EP=2 on two GPUs).
+        expert_ids = _all_gather(
+            torch.tensor([_unwrap_expert_id(chunk, name)], dtype=torch.long, device=param.device), ep_size, ep_group
+        )
+        per_rank = [_all_gather(t, ep_size, ep_group) for t in full]
+        for r, eid in enumerate(expert_ids):
+            yield from zip(pm.expert_gather(int(eid.item())), (ts[r] for ts in per_rank))
+
+
+def _exported(model_chunks: list[torch.nn.Module], arch: ModelArch) -> Iterator[tuple[torch.nn.Module, str, Any, ParamMap]]:
+    """(unwrapped chunk, Megatron name, parameter, its HF map) of every parameter an export yields, in order:
+    all of them but the tied output layer (the first stage yields `model.embed_tokens.weight`)."""
     for chunk in model_chunks:
         chunk = _unwrap(chunk)
         for name, param in chunk.named_parameters():
             if name == "output_layer.weight" and arch.tied_embeddings:
                 continue
-            pm = param_map(chunk, name, arch)
-            _, size, group = _tp(pm.group)
-            shards = _all_gather(param.detach(), size, group) if pm.kind != "replicated" else [param.detach()]
-            full = hf_from_gathered(pm, shards, arch)
-            if pm.expert_gather is None:
-                yield from zip(pm.hf_names, (t.clone() if t.data_ptr() == param.data_ptr() else t for t in full))
-                continue
-            # Routed expert: every EP rank holds a different expert at this local index.
-            ep_size = ps.get_expert_model_parallel_world_size()
-            ep_group = ps.get_expert_model_parallel_group()
-            # On the parameter's device: NCCL has no CPU backend ("No backend type associated
-            # with device type cpu", seen at EP=2 on two GPUs).
-            expert_ids = _all_gather(
-                torch.tensor([_unwrap_expert_id(chunk, name)], dtype=torch.long, device=param.device), ep_size, ep_group
-            )
-            per_rank = [_all_gather(t, ep_size, ep_group) for t in full]
-            for r, eid in enumerate(expert_ids):
-                yield from zip(pm.expert_gather(int(eid.item())), (ts[r] for ts in per_rank))
+            yield chunk, name, param, param_map(chunk, name, arch)
 
 
 class ShardExportError(ValueError):
@@ -440,24 +446,19 @@ def export_hf_pieces(model_chunks: list[torch.nn.Module], hf_config: Any, data: 
     it at boundaries of its own), so every TP rank yields all of it. `data=False` moves nothing and runs
     no collective. Raises ShardExportError for expert parameters."""
     arch = model_arch(hf_config)
-    for chunk in model_chunks:
-        chunk = _unwrap(chunk)
-        for name, param in chunk.named_parameters():
-            if name == "output_layer.weight" and arch.tied_embeddings:
-                continue
-            pm = param_map(chunk, name, arch)
-            if pm.expert_gather is not None or pm.group != "tp":
-                raise ShardExportError(f"expert parameter {name}: sent gathered")
-            dtype = str(param.dtype).removeprefix("torch.")
-            rank, size, group = _tp(pm.group)
-            if pm.kind == "vocab":
-                full = (arch.vocab_size, *param.shape[1:])
-                whole = hf_from_gathered(pm, _all_gather(param.detach(), size, group), arch)[0] if data else None
-                yield pm.hf_names[0], whole, full, None, dtype
-                continue
-            shard = param.detach() if data else torch.empty_like(param, device="meta")
-            for hf, part, full, window in shard_pieces(pm, shard, arch, rank, size):
-                yield hf, (part if data else None), full, window, dtype
+    for _, name, param, pm in _exported(model_chunks, arch):
+        if pm.expert_gather is not None or pm.group != "tp":
+            raise ShardExportError(f"expert parameter {name}: sent gathered")
+        dtype = str(param.dtype).removeprefix("torch.")
+        rank, size, group = _tp(pm.group)
+        if pm.kind == "vocab":
+            full = (arch.vocab_size, *param.shape[1:])
+            whole = hf_from_gathered(pm, _all_gather(param.detach(), size, group), arch)[0] if data else None
+            yield pm.hf_names[0], whole, full, None, dtype
+            continue
+        shard = param.detach() if data else torch.empty_like(param, device="meta")
+        for hf, part, full, window in shard_pieces(pm, shard, arch, rank, size):
+            yield hf, (part if data else None), full, window, dtype
 
 
 def _unwrap_expert_id(chunk: torch.nn.Module, name: str) -> int:
