@@ -309,10 +309,11 @@ class WeightsyncConfig(_Section):
         "(no apply as each bucket lands). False: the receive runs inside the engine's own call, which the engine waits for "
         "(vLLM: between steps). SGLang's replicas always receive apart from their engine.")
     shard_senders: bool = Field(
-        True, description="A learner with tensor parallelism sends each TP rank's own shards of the weights (a push "
-        "plan with one sender per TP rank: no gather of the shards, each rank packs and sends its part) wherever every "
-        "engine parameter comes from one learner rank's shard (engines of the learner's TP size, or a multiple of it) "
-        "and the transport is not ipc; otherwise, or false, TP rank 0 gathers the shards and sends them all.")
+        False, description="Experimental. A learner with tensor parallelism sends each TP rank's own shards of the "
+        "weights (a push plan with one sender per TP rank: no gather of the shards, each rank packs and sends its "
+        "part) wherever every engine parameter comes from one learner rank's shard (engines of the learner's TP size, "
+        "or a multiple of it) and the transport is not ipc; otherwise, or false (the default), TP rank 0 gathers the "
+        "shards and sends them all. Its first NCCL push on four H200s (2026-11-28) did not finish (docs/BENCHMARKS.md).")
     push_channel: bool = Field(
         True, description="gloo / nccl / ipc: the push's load reaches each engine replica over a socket of its own "
         "(opened once the groups are formed; asyncrl/weightsync/push_channel.py) instead of through Serve, which costs "

@@ -443,18 +443,24 @@ def export_hf_pieces(model_chunks: list[torch.nn.Module], hf_config: Any, data: 
     """Every part of the HF tensors this rank holds, without gathering TP shards (each TP rank sends its
     own, `shard_pieces`): (HF name, the part (None unless `data`), the HF tensor's shape, its window,
     dtype name). A vocabulary is gathered over TP as `export_hf_tensors` does (Megatron pads and splits
-    it at boundaries of its own), so every TP rank yields all of it. `data=False` moves nothing and runs
-    no collective. Raises ShardExportError for expert parameters."""
+    it at boundaries of its own), so every TP rank yields all of it; every such gather runs before the
+    first tensor is yielded. `data=False` moves nothing and runs no collective. Raises ShardExportError
+    for expert parameters."""
     arch = model_arch(hf_config)
-    for _, name, param, pm in _exported(model_chunks, arch):
+    params = list(_exported(model_chunks, arch))
+    for _, name, _, pm in params:
         if pm.expert_gather is not None or pm.group != "tp":
             raise ShardExportError(f"expert parameter {name}: sent gathered")
+    # Every collective of the export (the vocabularies' gathers) before anything is yielded: a sending rank
+    # broadcasts each bucket as it is packed, and an NCCL gather queued on a learner GPU behind a broadcast that
+    # waits for the engines (busy with another rank's group) can wait for it forever.
+    gathered = {i: hf_from_gathered(pm, _all_gather(param.detach(), *_tp(pm.group)[1:]), arch)[0]
+                for i, (_, _, param, pm) in enumerate(params) if pm.kind == "vocab"} if data else {}
+    for i, (_, _, param, pm) in enumerate(params):
         dtype = str(param.dtype).removeprefix("torch.")
-        rank, size, group = _tp(pm.group)
+        rank, size, _ = _tp(pm.group)
         if pm.kind == "vocab":
-            full = (arch.vocab_size, *param.shape[1:])
-            whole = hf_from_gathered(pm, _all_gather(param.detach(), size, group), arch)[0] if data else None
-            yield pm.hf_names[0], whole, full, None, dtype
+            yield pm.hf_names[0], gathered.pop(i, None), (arch.vocab_size, *param.shape[1:]), None, dtype
             continue
         shard = param.detach() if data else torch.empty_like(param, device="meta")
         for hf, part, full, window in shard_pieces(pm, shard, arch, rank, size):

@@ -293,6 +293,6 @@ def test_a_learner_that_cannot_send_its_shards_gets_the_gathered_plan():
     import asyncio
 
     learner = _Learner([], "expert parameter decoder.layers.0.mlp.experts...: sent gathered")
-    pub, _, _ = _publisher(2, learner)
+    pub, _, _ = _publisher(2, learner, shard_senders=True)
     asyncio.run(pub.form_plan())
     assert learner.asked == 1 and pub.plan.senders == 1 and not pub.plan.pieces
