@@ -395,8 +395,12 @@ class ShardExportError(ValueError):
     """This model's parameters cannot be sent as each rank's own shards (the caller gathers them instead)."""
 
 
-def _window(dim: int, lo: int, hi: int, full: tuple[int, ...]) -> tuple[int, int, int] | None:
-    return None if lo == 0 and hi == full[dim] else (dim, lo, hi)
+def _piece(hf: str, part: torch.Tensor, dim: int, rank: int, size: int
+           ) -> tuple[str, torch.Tensor, tuple[int, ...], tuple[int, int, int] | None]:
+    """TP rank `rank` of `size` holds `part`, the rank-th of `size` equal slices of HF tensor `hf` along `dim`."""
+    n = part.shape[dim]
+    full = (*part.shape[:dim], n * size, *part.shape[dim + 1:])
+    return hf, part, full, (None if size == 1 else (dim, rank * n, (rank + 1) * n))
 
 
 def shard_pieces(pm: ParamMap, shard: torch.Tensor, arch: ModelArch, rank: int, size: int
@@ -406,34 +410,19 @@ def shard_pieces(pm: ParamMap, shard: torch.Tensor, arch: ModelArch, rank: int, 
     a padded vocabulary (`vocab`: split at Megatron's padded boundaries, gathered by the caller)."""
     if pm.kind == "replicated":
         return [(pm.hf_names[0], shard, tuple(shard.shape), None)]
+    if pm.kind in ("column", "row"):
+        return [_piece(pm.hf_names[0], shard, 0 if pm.kind == "column" else 1, rank, size)]
     tail = tuple(shard.shape[1:])
-    if pm.kind == "column":
-        n = shard.shape[0]
-        full = (n * size, *tail)
-        return [(pm.hf_names[0], shard, full, _window(0, rank * n, (rank + 1) * n, full))]
-    if pm.kind == "row":
-        c = shard.shape[1]
-        full = (shard.shape[0], c * size, *shard.shape[2:])
-        return [(pm.hf_names[0], shard, full, _window(1, rank * c, (rank + 1) * c, full))]
-    if pm.kind == "qkv":
+    if pm.kind == "qkv":  # this rank's query groups: rows of q, k and v each
         ng, hd = arch.num_kv_heads, arch.head_dim
         qpg = arch.num_heads // ng
         if ng % size:
             raise ShardExportError(f"{ng} KV groups do not split over TP {size}")
-        local = ng // size
-        grouped = shard.reshape(local, (qpg + 2) * hd, *tail)
-        out = []
-        for hf, part, rows in zip(pm.hf_names, grouped.split([qpg * hd, hd, hd], dim=1), (qpg * hd, hd, hd)):
-            full = (ng * rows, *tail)
-            out.append((hf, part.reshape(-1, *tail), full, _window(0, rank * local * rows, (rank + 1) * local * rows, full)))
-        return out
-    if pm.kind == "fc1":
-        out = []
-        for hf, half in zip(pm.hf_names, shard.chunk(2, dim=0)):
-            n = half.shape[0]
-            full = (n * size, *tail)
-            out.append((hf, half, full, _window(0, rank * n, (rank + 1) * n, full)))
-        return out
+        grouped = shard.reshape(ng // size, (qpg + 2) * hd, *tail)
+        return [_piece(hf, part.reshape(-1, *tail), 0, rank, size)
+                for hf, part in zip(pm.hf_names, grouped.split([qpg * hd, hd, hd], dim=1))]
+    if pm.kind == "fc1":  # [gate; up]: rows of each
+        return [_piece(hf, half, 0, rank, size) for hf, half in zip(pm.hf_names, shard.chunk(2, dim=0))]
     raise ShardExportError(f"no shard pieces for a {pm.kind!r} parameter ({pm.hf_names[0]})")
 
 

@@ -138,9 +138,12 @@ class LearnerRank:
         return plan is not None and bool(plan.pieces)
 
     def _sender_id(self) -> int:
-        """This rank's index among the sending ranks: its PP stage, or (shard plan) stage x TP size + TP rank."""
-        c = self.coords
-        return c.pp * self.layout.tp + c.tp if self._shard_plan() else c.pp
+        """This rank's index among the sending ranks: its PP stage, or (shard plan) `_shard_sender_id`."""
+        return self._shard_sender_id() if self._shard_plan() else self.coords.pp
+
+    def _shard_sender_id(self) -> int:
+        """This rank's index among a shard plan's sending ranks: PP stage x TP size + TP rank."""
+        return self.coords.pp * self.layout.tp + self.coords.tp
 
     def _export(self, layout: str = "engine") -> Any:
         """The stream this rank drives for a push: (name, tensor) pairs, every TP shard gathered, or (shard
@@ -187,7 +190,7 @@ class LearnerRank:
             pieces = [(hf, dtype, tuple(full), window) for hf, _, full, window, dtype in export(data=False)]
         except (ShardExportError, RuntimeError) as err:
             return {"problem": str(err)}
-        return {"sender": c.pp * self.layout.tp + c.tp, "tp": c.tp, "pieces": pieces}
+        return {"sender": self._shard_sender_id(), "tp": c.tp, "pieces": pieces}
 
     def export_hf_tensors_packed(self, bucket_mb: float, transport: str = "object_store", verify: str = "full",
                                  layout: str = "hf") -> dict[str, Any] | None:

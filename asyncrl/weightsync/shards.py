@@ -126,6 +126,7 @@ def localize_layout(layout: EngineLayout, pieces: Sequence[Piece], ranks: int) -
     by_hf: dict[str, list[Piece]] = {}
     for piece in pieces:
         by_hf.setdefault(piece.hf, []).append(piece)
+    tp_of = {piece.sender: piece.tp for piece in pieces}
     params = []
     for p in layout.params:
         boxes = {}
@@ -148,7 +149,6 @@ def localize_layout(layout: EngineLayout, pieces: Sequence[Piece], ranks: int) -
         if not senders:
             raise PlanError(f"engine parameter {p.name} (rank {layout.rank}) draws from more than one learner rank's "
                             "shards")
-        tp_of = {pc.sender: pc.tp for pcs in by_hf.values() for pc in pcs}
         mine = sorted(s for s in senders if tp_of[s] == want)
         sender = mine[0] if mine else min(senders)
         ops = []
