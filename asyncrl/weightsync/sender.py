@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import SharedAllocator, digest_key_prefix, iter_buckets, write_shared
 from asyncrl.weightsync.fingerprint import bucket_digests
 
@@ -112,6 +113,9 @@ class SenderEndpoint:
         spec = GroupSpec(**mine[0])
         sock, self.reserved = self.reserved, None
         self.group = join_as_sender(spec, sock)
+        from asyncrl.weightsync.warmup import warm_push_kernels
+
+        warm_push_kernels(self.group.device)  # before any push queues a broadcast on it (warmup.py says why)
         return spec.group_id
 
     def group_id(self) -> str | None:
@@ -140,8 +144,9 @@ class SenderEndpoint:
                 pass
             raise CollectiveError("no usable weight broadcast group (join_collective first)")
         try:
-            sent = send_stream(group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=ray.put,
-                               plan=self.plan, sender=sender, gate=gate)
+            with trace.watch():  # traced: where a stalled push waits (trace.py)
+                sent = send_stream(group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=ray.put,
+                                   plan=self.plan, sender=sender, gate=gate)
         except BaseException:
             for _ in tensors:  # a failed broadcast: still finish the export the TP peers are gathering
                 pass

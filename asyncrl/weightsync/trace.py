@@ -6,20 +6,31 @@ publisher, the sending learner rank, the engine replica, its workers) appends on
 up, push by push. The processes share a host's clock, which is what makes their marks comparable:
 on several hosts only each host's own marks are. Unset (the default), `mark` returns at once.
 
+`watch()` around a stretch of a push: while traced, a stretch that lasts longer than `STALL_S`
+writes every thread's Python stack to `DIR/stacks_<pid>.txt`, and again every `STALL_S` while it
+lasts (`faulthandler`, whose own thread writes even while a thread holds the interpreter lock in a
+CUDA call): where a push that stalls waits, which the marks alone cannot tell.
+
 Owns: the marks' file and format. Must never: raise (a mark is an observation, never a failure of
 the push), or be left on in a timed run that reports figures (each mark costs a few microseconds).
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import IO
 
 _DIR = os.environ.get("ASYNCRL_PUSH_TRACE") or None
 _lock = threading.Lock()
 _file: IO[str] | None = None
+STALL_S = float(os.environ.get("ASYNCRL_PUSH_TRACE_STALL_S", "20"))
+_stacks: IO[str] | None = None
+_watching = 0  # stretches being watched in this process (faulthandler has one timer per process)
 
 
 def enabled() -> bool:
@@ -40,3 +51,32 @@ def mark(label: str) -> None:
             _file.write(line)
     except OSError:
         pass
+
+
+@contextlib.contextmanager
+def watch() -> Iterator[None]:
+    """While traced: dump every thread's stack if the stretch inside lasts over `STALL_S` (module doc)."""
+    if _DIR is None:
+        yield
+        return
+    global _stacks, _watching
+    armed = False
+    with _lock:
+        try:
+            if _stacks is None:
+                os.makedirs(_DIR, exist_ok=True)
+                _stacks = open(os.path.join(_DIR, f"stacks_{os.getpid()}.txt"), "a", buffering=1)
+            if _watching == 0:
+                faulthandler.dump_traceback_later(STALL_S, repeat=True, file=_stacks)
+            _watching += 1
+            armed = True
+        except OSError:
+            pass
+    try:
+        yield
+    finally:
+        if armed:
+            with _lock:
+                _watching -= 1
+                if _watching == 0:
+                    faulthandler.cancel_dump_traceback_later()

@@ -109,7 +109,14 @@ class WorkerVerbs:
                          with_sender: bool, early: str | None, gate: str,
                          on_wire_end: Callable[[], None] | None = None) -> Any:
         """`asyncrl_receive_collective`; `on_wire_end` (a receive apart from the engine): called once every
-        bucket has landed, before the digests are read."""
+        bucket has landed, before the digests are read. Traced: where a stalled receive waits (trace.py)."""
+        with trace.watch():
+            return self._asyncrl_receive_watched(version, group_ids, timeout_s, begin, with_sender, early, gate,
+                                                 on_wire_end)
+
+    def _asyncrl_receive_watched(self, version: int, group_ids: list[str], timeout_s: float, begin: tuple | None,
+                                 with_sender: bool, early: str | None, gate: str,
+                                 on_wire_end: Callable[[], None] | None) -> Any:
         from asyncrl.weightsync.collective import CollectiveError
         from asyncrl.weightsync.wire import receive_stream, sender_digests
 
@@ -265,6 +272,10 @@ class WorkerVerbs:
                 group.close()
             raise
         self.__dict__["_asyncrl_groups"] = groups
+        from asyncrl.weightsync.warmup import warm_push_kernels
+
+        for group in groups.values():  # before any push queues a broadcast on them (warmup.py says why)
+            warm_push_kernels(group.device)
         return list(groups)
 
     def asyncrl_leave_collective(self) -> None:

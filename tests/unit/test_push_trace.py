@@ -57,3 +57,30 @@ def test_grouped_timelines_take_one_median_per_group_after_its_warm_up(tmp_path,
     assert [m["pub.live"] for m in medians] == [pytest.approx(11.0), pytest.approx(22.0)]
     assert "median of pushes 1-2" in capsys.readouterr().out
     assert timeline.medians([{"a": 5.0}], skip=1) == {"a": 5.0}  # nothing after the warm-up: the one push
+
+
+def test_a_traced_stretch_that_stalls_writes_every_threads_stack(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import time
+        from asyncrl.weightsync import trace
+        def quick():
+            with trace.watch():
+                time.sleep(0.05)
+        def stalled_receive():
+            with trace.watch():
+                with trace.watch():  # nested: one timer, cancelled with the outer stretch
+                    time.sleep(1.0)
+            time.sleep(0.6)  # past the stretch: no more dumps
+        quick()
+        stalled_receive()
+    """)
+    env = {**__import__("os").environ, "ASYNCRL_PUSH_TRACE": str(tmp_path), "ASYNCRL_PUSH_TRACE_STALL_S": "0.4"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    (stacks,) = tmp_path.glob("stacks_*.txt")
+    text = stacks.read_text()
+    assert "stalled_receive" in text and "quick" not in text
+    assert 1 <= text.count("Timeout (") <= 2  # at 0.4 s and 0.8 s of the 1 s stretch, none after it

@@ -1,0 +1,62 @@
+"""The push's kernels loaded when a group forms (asyncrl/weightsync/warmup.py): the warm-up's calls are
+the push's own and run (on the host here), it is a no-op off CUDA and once per device, and on a GPU a
+warmed process launches a push's checksums behind queued work without waiting for it to drain, where a
+cold one waits (the first launch of a kernel loads its module, and that load waits for the device)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from asyncrl.weightsync import warmup
+
+
+def test_the_warm_up_runs_the_push_calls_in_every_mode_and_dtype():
+    ran = warmup._warm(torch.device("cpu"), warmup.DTYPES)
+    assert ran == ["pack", "digests:checksum", "digests:sampled", "digests:full",
+                   "copy:bfloat16", "copy:float16", "copy:float32", "int64"]
+
+
+def test_nothing_is_warmed_off_cuda():
+    assert warmup.warm_push_kernels("cpu") == [] and warmup.warm_push_kernels(None) == []
+    assert warmup.warmed() == []
+
+
+_PROBE = textwrap.dedent("""
+    import sys, time, torch
+    from asyncrl.weightsync.bucket import pack_bucket
+    from asyncrl.weightsync.fingerprint import bucket_digests_lazy
+    from asyncrl.weightsync.warmup import warm_push_kernels
+    dev = torch.device("cuda", 0)
+    if sys.argv[1] == "warm":
+        assert warm_push_kernels(dev) and not warm_push_kernels(dev)  # once per process
+    bucket = pack_bucket([("w", torch.ones(1000, dtype=torch.bfloat16, device=dev))], dev)
+    torch.cuda.synchronize(dev)
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(int(4e9))  # a few seconds of queued work, as a push's broadcasts are
+    t = time.perf_counter()
+    pending = bucket_digests_lazy(bucket, "checksum")  # only enqueues: returns at once unless a module loads
+    print(f"enqueue_s={time.perf_counter() - t:.3f}")
+    pending()
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_a_warmed_process_launches_checksums_behind_queued_work():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    seconds = {}
+    for kind in ("warm", "cold"):  # (the warm one first: the cold one then finds Triton's compiled kernel on disk)
+        out = subprocess.run([sys.executable, "-c", _PROBE, kind], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        seconds[kind] = float(out.stdout.split("enqueue_s=")[1].split()[0])
+    print(seconds)
+    if seconds["cold"] < 1.0:
+        pytest.skip(f"the cold launch did not wait for the device here ({seconds}): modules load eagerly")
+    assert seconds["warm"] < 0.5, seconds
