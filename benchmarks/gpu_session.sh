@@ -190,6 +190,8 @@ gpu4)
   grep -hE "sends its own shards|TP shards are gathered|raw broadcast of" $OUT/gpu4.log /tmp/ray/session_latest/logs/*.err \
       /tmp/ray/session_latest/logs/*.out 2>/dev/null | sort -u | head -6 | cut -c1-300
   if [ -d "${ASYNCRL_PUSH_TRACE:-/nonexistent}" ]; then
+    # a stretch of a push that stalled past ASYNCRL_PUSH_TRACE_STALL_S (20 s): every thread's stack, per process
+    for f in $ASYNCRL_PUSH_TRACE/stacks_*.txt; do [ -s "$f" ] && { echo "== $f"; grep -A14 "^Thread\|^Current thread" "$f" | head -80 | cut -c1-200; }; done
     python3 benchmarks/push_timeline.py $ASYNCRL_PUSH_TRACE --skip 1 --json $OUT/timeline_gpu4.json > $OUT/timeline_gpu4.txt 2>&1
     tail -40 $OUT/timeline_gpu4.txt; tar czf $OUT/trace_gpu4.tgz -C $OUT trace_gpu4 && rm -rf $ASYNCRL_PUSH_TRACE
   fi
