@@ -61,7 +61,6 @@ import torch
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.types import Refusal, WeightUpdateState, refusal_of
-from asyncrl.weightsync.bucket import Bucket
 from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.metrics import PushMetrics
 from asyncrl.weightsync.registry import VersionRegistry
@@ -77,7 +76,9 @@ log = logging.getLogger(__name__)
 
 S = WeightUpdateState
 NamedTensorIter = Iterable[tuple[str, Any]]
-OnLive = Callable[[int, str, list[Bucket]], Any]
+# on_live(version, fingerprint, buckets): the live version's buckets, or their handles where the transport's are
+# ObjectRefs (`by_reference`): a Ray actor takes those as they are, where sending the buckets copies every byte
+OnLive = Callable[[int, str, list[Any]], Any]
 OnOutOfService = Callable[[str, str], Any]
 
 
@@ -520,7 +521,8 @@ class Publisher:
         if kept and self._on_live is not None:
             t = time.perf_counter()
             try:
-                buckets = [self._transport.fetch(h) for h in source.handles]
+                by_ref = getattr(self._transport, "by_reference", False)
+                buckets = list(source.handles) if by_ref else [self._transport.fetch(h) for h in source.handles]
                 await asyncio.wait_for(_maybe_await(self._on_live(version, fingerprint, buckets)), self._cfg.timeout_s)
             except Exception as exc:  # the version is live on every replica; only late joiners lag
                 report["store_failed"] = 1.0
@@ -565,24 +567,38 @@ def _report_keep(m: PushMetrics, report: dict[str, float]) -> None:
 
 
 def weight_store_hook(store: Any, plan_of: Callable[[str], Any] | None = None) -> OnLive:
-    """`on_live` hook publishing a live version to the `WeightStore` actor (store.py); engine-layout
-    buckets go with their push plan (`plan_of(version)`).
+    """`on_live` hook publishing a live version to the `WeightStore` actor (store.py), with the push
+    plan (`plan_of(version)`) for engine-layout buckets (the store tells those sent as ObjectRefs).
 
-    The store's copy only serves replicas that start later, so the training loop does not wait
-    for it: the call is sent from a thread (sending copies the buckets into the object store) and
-    its outcome is collected at the next push, where a failure surfaces as that push's warning. At
-    most one store update is in flight."""
-    pending: list[Any] = []
+    The store's copy only serves replicas that start later, so nothing waits for it: the hook
+    returns at once. One store update is in flight at a time (sent from a thread: sending buckets
+    rather than ObjectRefs copies them into the object store); a version that goes live meanwhile
+    waits for it, and a newer one replaces it there (the store only ever serves the latest, and a
+    late joiner that loads an older one is brought up by the next push). A failed update surfaces
+    as the next call's error, which the publisher reports as a warning."""
+    state: dict[str, Any] = {"task": None, "next": None, "error": None}
 
-    async def publish(version: int, fingerprint: str, buckets: list[Bucket]) -> None:
-        if pending:
-            await await_ref(await pending.pop())
-        ranks = {b.rank for b in buckets}
-        plan = plan_of(version) if plan_of is not None and ranks != {None} else None  # engine layout: with its plan
+    async def send(args: tuple[int, str, list[Any]] | None) -> None:
         loop = asyncio.get_running_loop()
-        pending.append(loop.run_in_executor(None, lambda: store.publish.remote(version, buckets, fingerprint, plan)))
+        while args is not None:
+            version, fingerprint, buckets = args
+            hf = all(getattr(b, "rank", 0) is None for b in buckets)  # (an ObjectRef has no rank: the store tells)
+            plan = plan_of(version) if plan_of is not None and not hf else None
+            try:
+                ref = await loop.run_in_executor(None, lambda: store.publish.remote(version, buckets, fingerprint, plan))
+                await ref
+            except Exception as exc:  # noqa: BLE001 - the next call raises it
+                state["error"] = exc
+            args, state["next"] = state["next"], None
 
-    async def await_ref(ref: Any) -> Any:
-        return await ref
+    async def publish(version: int, fingerprint: str, buckets: list[Any]) -> None:
+        task = state["task"]
+        if task is not None and not task.done():
+            state["next"] = (version, fingerprint, buckets)  # (replacing one that waited)
+        else:
+            state["task"] = asyncio.ensure_future(send((version, fingerprint, buckets)))
+        error, state["error"] = state["error"], None
+        if error is not None:
+            raise error
 
     return publish

@@ -74,6 +74,7 @@ class WeightStore:
         self._fingerprint = ""
         self._plan: Any = None
         self._push_plan: Any = None
+        self._refs: list[Any] = []  # the latest version's ObjectRefs, when it came as such
 
     def publish(self, version: int, weights: Any, fingerprint: str, plan: Any = None) -> None:
         from asyncrl.weightsync.bucket import Bucket, iter_buckets
@@ -81,6 +82,12 @@ class WeightStore:
         if not isinstance(version, int) or version <= self._version:
             raise ValueError(f"version={version!r} must be an int greater than the stored {self._version}")
         weights = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+        refs = [w for w in weights if _is_ref(w)]
+        if refs:  # a version's ObjectRefs (push.py, `weight_store_hook`): read here, where they lie (mapped,
+            import ray  # not copied, on the same node); the refs are kept with them, which keeps the objects
+
+            got = iter(ray.get(refs))
+            weights = [next(got) if _is_ref(w) else w for w in weights]
         if all(isinstance(b, Bucket) for b in weights):
             buckets = weights
         else:
@@ -88,7 +95,10 @@ class WeightStore:
         actual = buckets_fingerprint(buckets, fingerprint_mode(fingerprint))
         if actual != fingerprint:
             raise ValueError(f"fingerprint mismatch for version {version}: given {fingerprint[:24]}, tensors hash to {actual[:24]}")
+        if refs and all(getattr(b, "rank", None) is None for b in buckets):
+            plan = None  # (sent as refs, unseen by the hook) Hugging Face buckets: no engine layout to apply them in
         self._version, self._buckets, self._fingerprint, self._plan = version, buckets, fingerprint, plan
+        self._refs = refs
 
     def latest(self) -> tuple[int, list[Any] | None, str]:
         return self._version, self._buckets, self._fingerprint
@@ -104,3 +114,11 @@ class WeightStore:
 
     def version(self) -> int:
         return self._version
+
+
+def _is_ref(value: Any) -> bool:
+    try:
+        import ray
+    except ImportError:
+        return False
+    return isinstance(value, ray.ObjectRef)

@@ -86,6 +86,9 @@ class ObjectStoreTransport:
     """
 
     name = "object_store"
+    # Its handles are ObjectRefs, which any Ray process reads where they lie: the publisher hands them to the
+    # WeightStore as they are (push.py, `_keep_live`), where fetching and sending them again copied every byte.
+    by_reference = True
 
     def __init__(self, get_timeout_s: float = 120.0) -> None:
         import ray

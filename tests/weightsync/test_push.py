@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -465,3 +467,81 @@ async def test_a_failed_collective_send_is_recovered_only_when_a_receiver_is_unh
     with pytest.raises(WeightsyncError, match="failed at export"):
         await wp.publish(5)
     assert attempts == [5] and wp.replicas.control.calls == ["check_health"]
+
+
+async def test_the_store_hook_never_waits_and_sends_the_newest_version_after_the_one_in_flight():
+    """`weight_store_hook`: one store update in flight; versions that go live meanwhile wait in one slot
+    (the newest replaces the older), the hook returns at once, and a failed update is the next call's error."""
+    from asyncrl.weightsync.bucket import Bucket
+    from asyncrl.weightsync.push import weight_store_hook
+
+    sent: list[tuple[int, Any]] = []
+    gates: list[asyncio.Future] = []
+
+    class _Store:
+        class publish:  # noqa: N801 - Ray's actor-method shape: store.publish.remote(...)
+            @staticmethod
+            def remote(version, buckets, fingerprint, plan):
+                sent.append((version, plan))
+                gates.append(_loop.create_future())
+                return gates[-1]
+
+    _loop = asyncio.get_running_loop()
+    hf = [Bucket(buffer=np.zeros(8, np.uint8), metas=[])]
+    engine = [Bucket(buffer=np.zeros(8, np.uint8), metas=[], rank=0)]
+    hook = weight_store_hook(_Store(), lambda version: f"plan-{version}")
+    await asyncio.wait_for(hook(1, "fp1", engine), 1.0)  # returns while the store has not answered
+    for _ in range(50):
+        if sent:
+            break
+        await asyncio.sleep(0.01)
+    assert sent == [(1, "plan-1")]
+    await hook(2, "fp2", engine)
+    await hook(3, "fp3", hf)  # replaces version 2, which never reaches the store
+    await asyncio.sleep(0.05)
+    assert sent == [(1, "plan-1")]  # one update in flight
+    gates[0].set_exception(RuntimeError("store down"))
+    for _ in range(50):
+        if len(sent) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert sent == [(1, "plan-1"), (3, None)]  # the newest, and Hugging Face buckets go without a plan
+    with pytest.raises(RuntimeError, match="store down"):
+        await hook(4, "fp4", engine)  # version 1's failure, reported once; 4 waits behind 3
+    gates[1].set_result(None)
+    for _ in range(50):
+        if len(sent) == 3:
+            break
+        await asyncio.sleep(0.01)
+    assert sent[-1] == (4, "plan-4")
+    gates[2].set_result(None)
+    await hook(5, "fp5", engine)  # no error left to report
+
+
+def test_the_store_reads_a_versions_object_refs_where_they_lie(ray_session):
+    """A version sent to the WeightStore actor as ObjectRefs (the object-store and collective transports'
+    handles) is read there, not copied through the publisher: a late joiner gets the same buckets, with the
+    plan for engine-layout buckets and without one for Hugging Face buckets."""
+    from asyncrl.weightsync.bucket import iter_buckets, iter_unpacked
+    from asyncrl.weightsync.store import WeightStore
+
+    ray = ray_session
+    store = ray.remote(WeightStore).options(num_cpus=0).remote()
+    w = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
+    buckets = list(iter_buckets(w.items(), 1e-5))  # one tensor a bucket
+    assert len(buckets) == 2
+    ray.get(store.publish.remote(1, [ray.put(b) for b in buckets], tensor_fingerprint(w), "a-plan"))
+    version, got, fp = ray.get(store.latest.remote())
+    assert version == 1 and fp == tensor_fingerprint(w) and ray.get(store.plan.remote()) is None  # HF: no plan
+    assert _same(dict(iter_unpacked(got)), w)
+    w2 = {k: v * 2 for k, v in w.items()}
+    twice = list(iter_buckets(w2.items(), 1e-5))
+    for b in twice:
+        b.rank = 0
+    from asyncrl.weightsync.store import buckets_fingerprint
+
+    fp2 = buckets_fingerprint(twice, "full")
+    with pytest.raises(ray.exceptions.RayTaskError, match="fingerprint mismatch"):
+        ray.get(store.publish.remote(2, [ray.put(b) for b in twice], fp))
+    ray.get(store.publish.remote(2, [ray.put(twice[0]), twice[1]], fp2, "a-plan"))  # refs and buckets alike
+    assert ray.get(store.version.remote()) == 2 and ray.get(store.plan.remote()) == "a-plan"
