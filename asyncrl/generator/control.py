@@ -10,7 +10,7 @@ success when any replica failed.
 
 Scope: broadcast reaches the replicas the router knows as running when the call is made. A
 replica still starting is not reached; it loads the latest weights from the `WeightStore` in its
-constructor instead (weightsync writes each version to the store once it is live: push.py's
+constructor instead (weightsync writes each version to the store once it is live: store.py's
 `weight_store_hook`).
 """
 

@@ -42,7 +42,8 @@ from typing import Any
 from asyncrl.config import WeightsyncConfig
 from asyncrl.interfaces import EngineAPI
 from asyncrl.types import Refusal, learner_failure
-from asyncrl.weightsync.push import Publisher, weight_store_hook
+from asyncrl.weightsync.push import Publisher
+from asyncrl.weightsync.store import weight_store_hook
 from asyncrl.weightsync.registry import VersionRegistry
 from asyncrl.weightsync.replicas import DeploymentReplicas
 from asyncrl.weightsync.transport import select_transport

@@ -2,7 +2,9 @@
 
 Owns: a tiny named Ray actor (`WeightStore`) that remembers the latest committed (version,
 buckets, fingerprint, plan) so that a replica that starts late (autoscaling, a restart) loads the
-live weights before it reports healthy, and `load_hf_tensors` (a checkpoint directory's tensors:
+live weights before it reports healthy; `weight_store_hook`, the publisher's `on_live` hook that sends
+it each live version (as ObjectRefs where the transport's handles are, read by the store where they
+lie) without the training loop waiting; and `load_hf_tensors` (a checkpoint directory's tensors:
 tests, benchmarks, seeding a store).
 
 Buckets are kept as packed `Bucket`s: Ray moves their numpy buffers out of band (a list of torch
@@ -17,7 +19,8 @@ replica committed it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +86,7 @@ class WeightStore:
             raise ValueError(f"version={version!r} must be an int greater than the stored {self._version}")
         weights = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
         refs = [w for w in weights if _is_ref(w)]
-        if refs:  # a version's ObjectRefs (push.py, `weight_store_hook`): read here, where they lie (mapped,
+        if refs:  # a version's ObjectRefs (push.py, `weight_store_hook`, below): read here, where they lie (mapped,
             import ray  # not copied, on the same node); the refs are kept with them, which keeps the objects
 
             got = iter(ray.get(refs))
@@ -122,3 +125,41 @@ def _is_ref(value: Any) -> bool:
     except ImportError:
         return False
     return isinstance(value, ray.ObjectRef)
+
+
+def weight_store_hook(store: Any, plan_of: Callable[[str], Any] | None = None) -> Callable[[int, str, list[Any]], Any]:
+    """`on_live` hook publishing a live version to the `WeightStore` actor (store.py), with the push
+    plan (`plan_of(version)`) for engine-layout buckets (the store tells those sent as ObjectRefs).
+
+    The store's copy only serves replicas that start later, so nothing waits for it: the hook
+    returns at once. One store update is in flight at a time (sent from a thread: sending buckets
+    rather than ObjectRefs copies them into the object store); a version that goes live meanwhile
+    waits for it, and a newer one replaces it there (the store only ever serves the latest, and a
+    late joiner that loads an older one is brought up by the next push). A failed update surfaces
+    as the next call's error, which the publisher reports as a warning."""
+    state: dict[str, Any] = {"task": None, "next": None, "error": None}
+
+    async def send(args: tuple[int, str, list[Any]] | None) -> None:
+        loop = asyncio.get_running_loop()
+        while args is not None:
+            version, fingerprint, buckets = args
+            hf = all(getattr(b, "rank", 0) is None for b in buckets)  # (an ObjectRef has no rank: the store tells)
+            plan = plan_of(version) if plan_of is not None and not hf else None
+            try:
+                ref = await loop.run_in_executor(None, lambda: store.publish.remote(version, buckets, fingerprint, plan))
+                await ref
+            except Exception as exc:  # noqa: BLE001 - the next call raises it
+                state["error"] = exc
+            args, state["next"] = state["next"], None
+
+    async def publish(version: int, fingerprint: str, buckets: list[Any]) -> None:
+        task = state["task"]
+        if task is not None and not task.done():
+            state["next"] = (version, fingerprint, buckets)  # (replacing one that waited)
+        else:
+            state["task"] = asyncio.ensure_future(send((version, fingerprint, buckets)))
+        error, state["error"] = state["error"], None
+        if error is not None:
+            raise error
+
+    return publish

@@ -257,7 +257,8 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
     import ray
 
     from asyncrl.config import WeightsyncConfig
-    from asyncrl.weightsync.push import Publisher, Step, WeightsyncError, weight_store_hook
+    from asyncrl.weightsync.push import Publisher, Step, WeightsyncError
+    from asyncrl.weightsync.store import weight_store_hook
     from asyncrl.weightsync.registry import VersionRegistry
     from asyncrl.weightsync.replicas import ActorReplica
     from asyncrl.weightsync.store import WeightStore, load_hf_tensors

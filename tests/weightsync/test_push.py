@@ -473,7 +473,7 @@ async def test_the_store_hook_never_waits_and_sends_the_newest_version_after_the
     """`weight_store_hook`: one store update in flight; versions that go live meanwhile wait in one slot
     (the newest replaces the older), the hook returns at once, and a failed update is the next call's error."""
     from asyncrl.weightsync.bucket import Bucket
-    from asyncrl.weightsync.push import weight_store_hook
+    from asyncrl.weightsync.store import weight_store_hook
 
     sent: list[tuple[int, Any]] = []
     gates: list[asyncio.Future] = []
