@@ -511,7 +511,7 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
     from asyncrl.weightsync.collective import ipc_window_for
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.registry import VersionRegistry
-    from asyncrl.weightsync.service import CollectiveLink
+    from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.transport import select_transport
 
     runs = {}

@@ -120,7 +120,9 @@ def close_gate(store: Any, group_id: str, token: str, why: str) -> str:
 class GroupSpec:
     """One broadcast group: the sending learner rank (group rank 0, hosts the rendezvous) and
     every engine worker of the replicas named in `receivers` (replica id -> its workers' first
-    group rank; a worker adds its rank inside the engine)."""
+    group rank; a worker adds its rank inside the engine), or, with `ranks`, only the workers of
+    those engine ranks in each replica (a shard plan's sender feeds only them; the i-th of them is
+    the replica's first group rank + i)."""
 
     group_id: str
     backend: str
@@ -131,8 +133,12 @@ class GroupSpec:
     sender: int = 0  # which sending rank (PP stage order) this group belongs to
     timeout_s: float = 120.0
     ipc_window: int = IPC_WINDOW  # ipc: buckets published at once; 0 (any backend): the whole version at once
+    ranks: tuple[int, ...] = ()  # the engine ranks whose workers are members, in every replica; () every worker
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        if len(set(self.ranks)) != len(self.ranks) or any(r < 0 for r in self.ranks):
+            raise ValueError(f"group {self.group_id}: member engine ranks {list(self.ranks)} must be distinct and >= 0")
         if self.backend not in BACKENDS:
             raise ValueError(f"collective backend must be one of {BACKENDS}, got {self.backend!r}")
         if isinstance(self.ipc_window, bool) or not isinstance(self.ipc_window, int) or self.ipc_window < 0:
@@ -140,10 +146,16 @@ class GroupSpec:
         if self.world_size < 2:
             raise ValueError(f"group {self.group_id}: world_size {self.world_size} leaves nobody to send to")
 
+    def takes(self, worker_rank: int) -> bool:
+        """Whether the worker of engine rank `worker_rank` is a member (every worker is, without `ranks`)."""
+        return not self.ranks or worker_rank in self.ranks
+
     def receiver_rank(self, replica_id: str, worker_rank: int) -> int:
         if replica_id not in self.receivers:
             raise CollectiveError(f"group {self.group_id} was formed without replica {replica_id!r}")
-        rank = self.receivers[replica_id] + worker_rank
+        if not self.takes(worker_rank):
+            raise CollectiveError(f"group {self.group_id}: engine rank {worker_rank} is not among its members {list(self.ranks)}")
+        rank = self.receivers[replica_id] + (self.ranks.index(worker_rank) if self.ranks else worker_rank)
         if not 0 < rank < self.world_size:
             raise CollectiveError(f"group {self.group_id}: replica {replica_id!r} worker {worker_rank} -> rank {rank}, "
                                   f"outside 1..{self.world_size - 1}")
@@ -235,20 +247,30 @@ def ipc_window_for(staging: str) -> int:
 
 
 def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: dict[str, int], *,
-               timeout_s: float, group_prefix: str, ipc_window: int = IPC_WINDOW) -> list[GroupSpec]:
-    """One spec per sending rank (its rendezvous `(host, port)`, in PP stage order); replicas get
-    rank blocks in id order, so every member computes the same layout."""
+               timeout_s: float, group_prefix: str, ipc_window: int = IPC_WINDOW,
+               ranks_of: dict[int, tuple[int, ...]] | None = None) -> list[GroupSpec]:
+    """One spec per sending rank (its rendezvous `(host, port)`, in sender order); replicas get
+    rank blocks in id order, so every member computes the same layout. `ranks_of` (a shard plan:
+    sender -> the engine ranks it feeds): sender i's group holds only those ranks' workers of each
+    replica; a sender it does not name, every worker."""
     if not senders:
         raise CollectiveError("no sending learner rank to form a weight broadcast group with")
     if not replica_workers:
         raise CollectiveError("no engine replica to form a weight broadcast group with")
-    receivers, nxt = {}, 1
-    for rid in sorted(replica_workers):
-        if replica_workers[rid] < 1:
-            raise CollectiveError(f"replica {rid!r} reports {replica_workers[rid]} workers")
-        receivers[rid], nxt = nxt, nxt + replica_workers[rid]
-    return [GroupSpec(f"{group_prefix}-s{i}", backend, host, port, nxt, dict(receivers), i, timeout_s, ipc_window)
-            for i, (host, port) in enumerate(senders)]
+    for rid, n in replica_workers.items():
+        if n < 1:
+            raise CollectiveError(f"replica {rid!r} reports {n} workers")
+    specs = []
+    for i, (host, port) in enumerate(senders):
+        ranks = tuple(sorted((ranks_of or {}).get(i, ())))
+        receivers, nxt = {}, 1
+        for rid in sorted(replica_workers):
+            if ranks and ranks[-1] >= replica_workers[rid]:
+                raise CollectiveError(f"sender {i} feeds engine ranks {list(ranks)}, but replica {rid!r} has "
+                                      f"{replica_workers[rid]} workers")
+            receivers[rid], nxt = nxt, nxt + (len(ranks) if ranks else replica_workers[rid])
+        specs.append(GroupSpec(f"{group_prefix}-s{i}", backend, host, port, nxt, receivers, i, timeout_s, ipc_window, ranks))
+    return specs
 
 
 def _member_device(device: torch.device | str | None) -> torch.device:

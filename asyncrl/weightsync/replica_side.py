@@ -192,8 +192,10 @@ class ReplicaStaging:
                 results = await self.rpc(WorkerAPI.asyncrl_receive_collective, version, list(payload.group_ids),
                                          payload.timeout_s, begin, payload.commit, query, payload.gate,
                                          timeout=payload.timeout_s + 30.0)
-            if payload.commit:  # each worker read the senders' digests too: every worker saw the same
-                self.sender_digests = dict(results[0]["sender"]) if results else {}
+            if payload.commit:  # each worker read the digests of the senders whose groups it is in (every sender's,
+                self.sender_digests = {}  # unless a shard plan's groups hold only the ranks each sender feeds)
+                for r in results:
+                    self.sender_digests.update(r["sender"])
                 applied = [r.get("applied") for r in results]
                 if results and all(a is not None for a in applied):
                     self.applied_early = {"path": "direct", "apply_seconds": max(a["apply_seconds"] for a in applied),

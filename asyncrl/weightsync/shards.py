@@ -224,3 +224,15 @@ def hf_from_engine(plan: PushPlan, buckets: Iterable[Bucket]) -> dict[str, torch
     if missing:
         raise PlanError(f"{len(missing)} exported tensors are not in any engine parameter, e.g. {missing[:3]}")
     return out
+
+
+def sender_ranks(plan: PushPlan) -> dict[int, tuple[int, ...]] | None:
+    """sender -> the engine ranks its buckets are for, for each sender of `plan` that feeds only some (a
+    shard plan's); None where every sender feeds every rank. What each sender's broadcast group holds
+    (`collective.form_specs`)."""
+    feeds: dict[int, set[int]] = {}
+    for b in plan.buckets:
+        feeds.setdefault(b.sender, set()).add(b.rank)
+    every = set(range(plan.ranks))
+    some = {s: tuple(sorted(r)) for s, r in sorted(feeds.items()) if r != every}
+    return some or None

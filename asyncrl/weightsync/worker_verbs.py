@@ -122,6 +122,8 @@ class WorkerVerbs:
 
         trace.mark("wrk.receive")
         groups = self.__dict__.get("_asyncrl_groups", {})
+        skipped = self.__dict__.get("_asyncrl_not_member", set())
+        group_ids = [gid for gid in group_ids if gid not in skipped]  # (formed without this worker's rank)
         deadline = time.monotonic() + timeout_s
         rx = self._asyncrl_rx()
         try:
@@ -257,28 +259,36 @@ class WorkerVerbs:
     # ---- collective groups (weightsync/collective.py) ---------------------------------------------
     def asyncrl_join_collective(self, replica_id: str, specs: list[dict[str, Any]]) -> list[str]:
         """Leave any earlier groups, then join each group in `specs` (one per sending learner
-        rank, in sender order) as this worker's receiver rank. Returns the joined group ids."""
+        rank, in sender order) that takes this worker's engine rank (`GroupSpec.takes`: a shard
+        plan's sender feeds only some), as its receiver rank. Returns the ids of every group in
+        `specs` (the same on every worker: those it is not a member of it is done with)."""
         from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
 
         self.asyncrl_leave_collective()
         groups: dict[str, Any] = {}
+        parsed = [GroupSpec(**raw) for raw in specs]
+        mine = int(self.rank)  # type: ignore[attr-defined]
         try:
-            for raw in specs:
-                spec = GroupSpec(**raw)
-                rank = spec.receiver_rank(replica_id, int(self.rank))  # type: ignore[attr-defined]
-                groups[spec.group_id] = CollectiveGroup.join(spec, rank, getattr(self, "device", None))
+            for spec in parsed:
+                if spec.takes(mine):
+                    rank = spec.receiver_rank(replica_id, mine)
+                    groups[spec.group_id] = CollectiveGroup.join(spec, rank, getattr(self, "device", None))
         except BaseException:
             for group in groups.values():
                 group.close()
             raise
         self.__dict__["_asyncrl_groups"] = groups
+        self.__dict__["_asyncrl_not_member"] = {s.group_id for s in parsed if not s.takes(mine)}
+        self.__dict__["_asyncrl_group_order"] = [s.group_id for s in parsed]
         from asyncrl.weightsync.warmup import warm_push_kernels
 
         for group in groups.values():  # before any push queues a broadcast on them (warmup.py says why)
             warm_push_kernels(group.device)
-        return list(groups)
+        return [s.group_id for s in parsed]
 
     def asyncrl_leave_collective(self) -> None:
+        self.__dict__.pop("_asyncrl_not_member", None)
+        self.__dict__.pop("_asyncrl_group_order", None)
         for group in self.__dict__.pop("_asyncrl_groups", {}).values():
             group.close()
         self._asyncrl_rx().release_views()  # (views of the groups' buffers, kept for their next push)
@@ -296,13 +306,17 @@ class WorkerVerbs:
         order of the senders, as a push is received): `CollectiveGroup.probe_wire`."""
         import time
 
-        groups = list(self.__dict__.get("_asyncrl_groups", {}).values())
-        if len(groups) != len(sizes):
-            raise ValueError(f"probe of {len(sizes)} group(s), but this worker holds {len(groups)}")
+        order = self.__dict__.get("_asyncrl_group_order", [])
+        if len(order) != len(sizes):
+            raise ValueError(f"probe of {len(sizes)} group(s), but this worker was formed with {len(order)}")
+        groups = self.__dict__.get("_asyncrl_groups", {})
         deadline = time.monotonic() + timeout_s
-        for group, sz in zip(groups, sizes):
-            group.probe_wire(list(sz), deadline)
+        for gid, sz in zip(order, sizes):
+            if gid in groups:  # (a group this worker is not a member of is probed without it)
+                groups[gid].probe_wire(list(sz), deadline)
 
     def asyncrl_collective_groups(self) -> list[str]:
-        """Ids of the groups this worker holds that can still carry a push."""
-        return [gid for gid, g in self.__dict__.get("_asyncrl_groups", {}).items() if not g.broken]
+        """Ids of the groups this worker is ready for: those it holds that can still carry a push, and
+        those formed without it (`GroupSpec.takes`)."""
+        held = [gid for gid, g in self.__dict__.get("_asyncrl_groups", {}).items() if not g.broken]
+        return held + sorted(self.__dict__.get("_asyncrl_not_member", ()))

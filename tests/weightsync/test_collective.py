@@ -80,6 +80,26 @@ def test_form_specs_gives_each_replica_a_rank_block_in_id_order():
         form_specs("gloo", [("h", 1)], {}, timeout_s=5, group_prefix="x")
     with pytest.raises(ValueError, match="backend"):
         GroupSpec("g", "mpi", "h", 1, 2, {"a": 1})
+
+
+def test_a_shard_plans_groups_hold_only_the_engine_ranks_each_sender_feeds():
+    # two senders feeding engine ranks {0, 1} and {2, 3} of two replicas of 4 workers each; a third feeds all
+    specs = form_specs("nccl", [("h0", 1), ("h1", 2), ("h2", 3)], {"b": 4, "a": 4}, timeout_s=5, group_prefix="x",
+                       ranks_of={0: (1, 0), 1: (2, 3)})
+    assert [s.ranks for s in specs] == [(0, 1), (2, 3), ()]
+    assert specs[0].world_size == specs[1].world_size == 5 and specs[2].world_size == 9
+    assert specs[0].receivers == specs[1].receivers == {"a": 1, "b": 3} and specs[2].receivers == {"a": 1, "b": 5}
+    assert specs[1].takes(3) and not specs[1].takes(1) and all(specs[2].takes(r) for r in range(4))
+    assert [specs[1].receiver_rank("b", r) for r in (2, 3)] == [3, 4] and specs[2].receiver_rank("b", 3) == 8
+    with pytest.raises(CollectiveError, match="not among its members"):
+        specs[1].receiver_rank("a", 0)
+    with pytest.raises(CollectiveError, match="has 2 workers"):
+        form_specs("nccl", [("h0", 1)], {"a": 2}, timeout_s=5, group_prefix="x", ranks_of={0: (2,)})
+    with pytest.raises(ValueError, match="distinct"):
+        GroupSpec("g", "gloo", "h", 1, 3, {"a": 1}, ranks=(1, 1))
+    from dataclasses import asdict
+
+    assert GroupSpec(**asdict(specs[0])) == specs[0]  # as the workers get it
     with pytest.raises(ValueError, match="ipc_window must be an int >= 0"):
         GroupSpec("g", "ipc", "h", 1, 2, {"a": 1}, ipc_window=-1)
     assert ipc_window_for("full") == 0 and ipc_window_for("bucketed") == IPC_WINDOW
@@ -963,7 +983,7 @@ def _fake_replicas():
 
 
 async def test_groups_are_formed_again_only_when_replicas_change_or_a_member_broke():
-    from asyncrl.weightsync.service import CollectiveLink
+    from asyncrl.weightsync.link import CollectiveLink
 
     learner = _FakeLearner()
     replicas, _, members, join = _fake_replicas()
@@ -985,8 +1005,44 @@ async def test_groups_are_formed_again_only_when_replicas_change_or_a_member_bro
     assert link.formed == 4 and link.members == {"a": 1, "b": 2} and link.specs[0].world_size == 4
 
 
+async def test_a_shard_plans_groups_form_again_when_the_ranks_each_sender_feeds_change_and_probe_at_once():
+    """`ranks_of` (the service's `sender_ranks`): the groups hold only the ranks each sender feeds, form again when
+    that changes, and a probe over groups that share no worker takes as long as the slowest one, not the sum."""
+    from asyncrl.weightsync.link import CollectiveLink
+
+    learner = _FakeLearner()
+
+    async def addresses():
+        return [{"sender": i, "host": "127.0.0.1", "port": 1 + i} for i in range(2)]
+
+    learner.collective_addresses = addresses
+    replicas, _, members, join = _fake_replicas()
+    replicas["a"]["workers"] = 2
+    feeds = {"now": {0: (0,), 1: (1,)}}
+    probed = []
+
+    async def probe(per_group):
+        probed.append(per_group)
+
+    async def probe_collective(sizes, timeout_s):
+        return [0.03, 0.05]  # each sender's own time
+
+    learner.probe_collective = probe_collective
+    link = CollectiveLink("nccl", learner, members=members, join=join, bucket_mb=1, timeout_s=5, probe=probe,
+                          probe_sizes=lambda: {0: [10], 1: [20]}, ranks_of=lambda: feeds["now"])
+    await link.ensure()
+    assert [s.ranks for s in link.specs] == [(0,), (1,)] and all(s.world_size == 2 for s in link.specs)
+    assert link.disjoint and link.raw == (0.05, 30) and probed == [[[10], [20]]]
+    await link.ensure()
+    assert link.formed == 1  # the same members and ranks: kept
+    feeds["now"] = None  # a gathered plan now: every worker in every group
+    await link.ensure()
+    assert link.formed == 2 and [s.ranks for s in link.specs] == [(), ()] and not link.disjoint
+    assert link.raw == pytest.approx((0.08, 30))  # each worker takes both groups, one after the other
+
+
 async def test_an_ipc_link_checks_its_groups_again_unless_the_last_push_reached_exactly_their_members():
-    from asyncrl.weightsync.service import CollectiveLink
+    from asyncrl.weightsync.link import CollectiveLink
 
     learner = _FakeLearner()
     _, asked, members, join = _fake_replicas()
@@ -1012,7 +1068,7 @@ async def test_a_broadcast_link_checks_its_members_beside_each_push_and_stops_it
     """gloo / NCCL: after a clean push the link asks nobody first (as on ipc); instead it asks the replicas
     beside the push, and closes the push's gate (every member still waiting leaves, nothing on the wire)
     when a replica came or went, one lost a group, or they did not answer; a sender that failed closes it too."""
-    from asyncrl.weightsync.service import CollectiveLink
+    from asyncrl.weightsync.link import CollectiveLink
 
     learner = _FakeLearner()
     replicas, asked, members, join = _fake_replicas()
@@ -1064,7 +1120,7 @@ async def test_a_push_whose_loads_all_returned_stops_an_ipc_sender_waiting_for_a
     """A member of the groups the loads did not reach (it died since the last push, or its call never
     came) would keep the sender waiting for its acknowledgement to the deadline; the publisher stops it."""
     from asyncrl.weightsync import sources
-    from asyncrl.weightsync.service import CollectiveLink
+    from asyncrl.weightsync.link import CollectiveLink
 
     monkeypatch.setattr(sources, "CANCEL_GRACE_S", 0.2)
     spec = _spec(receivers=3, timeout_s=60.0, gid="gone", backend="ipc-whole")

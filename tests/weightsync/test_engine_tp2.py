@@ -96,14 +96,15 @@ async def _scenario(model_path: str) -> dict:
 
 async def _broadcast_push(group, replica, plan, sp) -> dict:
     """Version 2 as the service pushes over gloo: each learner TP rank broadcasts its own shards over a group
-    of its own (CollectiveLink, publish_streamed), both engine workers receive both groups."""
+    of its own (CollectiveLink, publish_streamed) that holds only the engine worker it feeds."""
     from asyncrl.config import WeightsyncConfig
     from asyncrl.types import GenerationRequest
     from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.registry import VersionRegistry
-    from asyncrl.weightsync.service import CollectiveLink
-    from asyncrl.weightsync.shards import hf_from_engine
+    from asyncrl.weightsync.link import CollectiveLink
+    from asyncrl.interfaces import WorkerAPI
+    from asyncrl.weightsync.shards import hf_from_engine, sender_ranks
     from asyncrl.weightsync.transport import select_transport
     from tests.learner._data import advantages, make_samples
 
@@ -117,7 +118,7 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
         return [await replica.join_collective(wire, 120.0)]
 
     link = CollectiveLink("gloo", group, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
-                          ipc_window=0, check=members)
+                          ipc_window=0, check=members, ranks_of=lambda: sender_ranks(plan))
     pub = Publisher(cfg, transport=transport, registry=VersionRegistry(1))
     samples = make_samples(8, group_size=2)
     old = await group.compute_log_prob(samples)
@@ -130,6 +131,7 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
     exported = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in packed.buckets)}
     outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in PROMPTS]
     return {"metrics": result.metrics, "groups": list(link.group_ids), "kept": kept, "exported": exported,
+            "ranks": [s.ranks for s in link.specs], "held": await replica._rpc(WorkerAPI.asyncrl_collective_groups),
             "tokens": [o.completions[0].token_ids for o in outs], "versions": [o.completions[0].versions for o in outs]}
 
 
@@ -158,6 +160,9 @@ def test_a_tp2_engine_decodes_transformers_tokens_after_a_tp2_learners_push(ray_
     b = out["broadcast"]
     # over gloo: one broadcast group per learner TP rank, every bucket applied directly, version 2 live
     assert len(b["groups"]) == 2 and b["metrics"]["weightsync/apply_direct"] == 1.0
+    # each group holds only the engine worker its sender feeds: sender r's group, engine rank r; every worker
+    # still answers that it is ready for both (holding its own, formed without the other)
+    assert b["ranks"] == [(0,), (1,)] and all(sorted(h) == sorted(b["groups"]) for h in b["held"])
     assert b["metrics"]["weightsync/transport/gloo/bytes"] == plan.nbytes
     assert b["kept"].keys() == b["exported"].keys() and all(torch.equal(b["kept"][n], b["exported"][n]) for n in b["kept"])
     assert not all(torch.equal(b["exported"][n], out["exported"][n]) for n in b["exported"])  # the second update moved them

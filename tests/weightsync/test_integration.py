@@ -437,7 +437,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     from asyncrl.weightsync.shards import hf_from_engine
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.replicas import ActorReplica
-    from asyncrl.weightsync.service import CollectiveLink
+    from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.transport import select_transport
     from tests.learner._data import advantages, make_samples
 
@@ -567,7 +567,7 @@ class _OneEngine:
         from asyncrl.weightsync.push import Publisher
         from asyncrl.weightsync.registry import VersionRegistry
         from asyncrl.weightsync.replicas import ActorReplica
-        from asyncrl.weightsync.service import CollectiveLink
+        from asyncrl.weightsync.link import CollectiveLink
         from asyncrl.weightsync.transport import select_transport
 
         async def members():

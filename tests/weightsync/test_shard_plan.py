@@ -287,6 +287,8 @@ def test_the_service_forms_a_shard_plan_where_it_can_and_the_gathered_one_otherw
     assert forgot == [1]
     asyncio.run(pub.form_plan())  # the same senders again: the groups stay
     assert forgot == [1]
+    # each shard sender's group holds only the engine rank it feeds (engine rank r from learner rank r)
+    assert pub.sender_ranks() == ({0: (0,), 1: (1,)} if senders == 2 else None)
 
 
 def test_a_learner_that_cannot_send_its_shards_gets_the_gathered_plan():
