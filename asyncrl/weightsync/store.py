@@ -128,8 +128,8 @@ def _is_ref(value: Any) -> bool:
 
 
 def weight_store_hook(store: Any, plan_of: Callable[[str], Any] | None = None) -> Callable[[int, str, list[Any]], Any]:
-    """`on_live` hook publishing a live version to the `WeightStore` actor (store.py), with the push
-    plan (`plan_of(version)`) for engine-layout buckets (the store tells those sent as ObjectRefs).
+    """`on_live` hook publishing a live version to the `WeightStore` actor (above), with the push
+    plan (`plan_of(version)`, read as the version goes live) for engine-layout buckets (the store tells those sent as ObjectRefs).
 
     The store's copy only serves replicas that start later, so nothing waits for it: the hook
     returns at once. One store update is in flight at a time (sent from a thread: sending buckets
@@ -139,12 +139,10 @@ def weight_store_hook(store: Any, plan_of: Callable[[str], Any] | None = None) -
     as the next call's error, which the publisher reports as a warning."""
     state: dict[str, Any] = {"task": None, "next": None, "error": None}
 
-    async def send(args: tuple[int, str, list[Any]] | None) -> None:
+    async def send(args: tuple[int, str, list[Any], Any] | None) -> None:
         loop = asyncio.get_running_loop()
         while args is not None:
-            version, fingerprint, buckets = args
-            hf = all(getattr(b, "rank", 0) is None for b in buckets)  # (an ObjectRef has no rank: the store tells)
-            plan = plan_of(version) if plan_of is not None and not hf else None
+            version, fingerprint, buckets, plan = args
             try:
                 ref = await loop.run_in_executor(None, lambda: store.publish.remote(version, buckets, fingerprint, plan))
                 await ref
@@ -153,11 +151,13 @@ def weight_store_hook(store: Any, plan_of: Callable[[str], Any] | None = None) -
             args, state["next"] = state["next"], None
 
     async def publish(version: int, fingerprint: str, buckets: list[Any]) -> None:
+        hf = all(getattr(b, "rank", 0) is None for b in buckets)  # (an ObjectRef has no rank: the store tells)
+        args = (version, fingerprint, buckets, plan_of(version) if plan_of is not None and not hf else None)  # as it went live
         task = state["task"]
         if task is not None and not task.done():
-            state["next"] = (version, fingerprint, buckets)  # (replacing one that waited)
+            state["next"] = args  # (replacing one that waited)
         else:
-            state["task"] = asyncio.ensure_future(send((version, fingerprint, buckets)))
+            state["task"] = asyncio.ensure_future(send(args))
         error, state["error"] = state["error"], None
         if error is not None:
             raise error
