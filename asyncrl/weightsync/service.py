@@ -174,7 +174,7 @@ class WeightPublisher:
                     plan = await self._shard_plan(layouts) or plan
         if plan is None and self.cfg.apply == "direct":
             raise PlanError(f"weightsync.apply is 'direct' but no push plan can be made: {problem}")
-        senders_before = self.plan.senders if self.plan is not None else None
+        senders_before, feeds_before = (self.plan.senders if self.plan is not None else None), self.sender_ranks()
         blob = pickle.dumps(plan) if plan is not None else None
         if self.store is not None:  # first: a replica starting from here on takes it there (engine.sync_from_source)
             await self.store.set_push_plan.remote(plan)
@@ -182,8 +182,9 @@ class WeightPublisher:
                              self.learner.set_push_plan(blob))
         self.plan, self.plan_problem = plan, problem
         self.publisher.set_plan(plan)
-        if self.link is not None and senders_before != (plan.senders if plan is not None else None):
-            self.link.forget()  # other learner ranks send now: the broadcast groups form again with them
+        if self.link is not None and (senders_before != (plan.senders if plan is not None else None)
+                                      or feeds_before != self.sender_ranks()):
+            self.link.forget()  # other learner ranks send now, or to other engine ranks: the groups form again
         if plan is not None:
             log.info("weightsync: push plan %s: %d engine rank(s), %d buckets, %.1f MB; engines copy into their parameters",
                      plan.plan_id, plan.ranks, len(plan.buckets), plan.nbytes / 1e6)
