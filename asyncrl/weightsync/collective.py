@@ -273,6 +273,15 @@ def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: di
     return specs
 
 
+def _warmed(group: "CollectiveGroup") -> "CollectiveGroup":
+    """`group`, its member's device having launched every kernel a push launches (warmup.py: before any
+    broadcast is queued on it, where a kernel's first launch would wait for the queue)."""
+    from asyncrl.weightsync.warmup import warm_push_kernels
+
+    warm_push_kernels(group.device)
+    return group
+
+
 def _member_device(device: torch.device | str | None) -> torch.device:
     """`device` with a CUDA index resolved; without one, this process's current CUDA device (CPU
     when it has none)."""
@@ -327,7 +336,7 @@ class CollectiveGroup:
             pg = dist.ProcessGroupGloo(dist.PrefixStore(spec.group_id + "/", store), rank, spec.world_size, timeout)
             return cls(spec, rank, torch.device("cpu"), _pg=pg, _store=store)
         if spec.backend == "ipc":
-            return cls._join_ipc(spec, rank, device, timeout, listen_socket)
+            return _warmed(cls._join_ipc(spec, rank, device, timeout, listen_socket))
         if not torch.cuda.is_available():
             raise CollectiveError(f"group {spec.group_id}: backend nccl needs CUDA on every member (this one has none)")
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
@@ -342,7 +351,7 @@ class CollectiveGroup:
             if getattr(comm, "disabled", False):
                 raise CollectiveError(f"group {spec.group_id}: vLLM's PyNccl is disabled here (VLLM_DISABLE_PYNCCL?)")
             stream = torch.cuda.Stream(device=dev)
-        return cls(spec, rank, dev, _comm=comm, _stream=stream, _store=pg)
+        return _warmed(cls(spec, rank, dev, _comm=comm, _stream=stream, _store=pg))
 
     @classmethod
     def _join_ipc(cls, spec: GroupSpec, rank: int, device: torch.device | str | None,

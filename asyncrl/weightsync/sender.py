@@ -113,9 +113,6 @@ class SenderEndpoint:
         spec = GroupSpec(**mine[0])
         sock, self.reserved = self.reserved, None
         self.group = join_as_sender(spec, sock)
-        from asyncrl.weightsync.warmup import warm_push_kernels
-
-        warm_push_kernels(self.group.device)  # before any push queues a broadcast on it (warmup.py says why)
         return spec.group_id
 
     def group_id(self) -> str | None:

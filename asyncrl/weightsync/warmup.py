@@ -8,7 +8,7 @@ for the whole wire; and under a shard plan, where each worker takes the senders'
 another, that wait closes a circle: the worker waits for sender 0's last bucket, which waits for
 learner rank 1, whose own broadcasts wait for the worker (the 7B push on four H200s that never
 finished, BENCHMARKS "twenty-seventh session"). Launching each kernel once, on a few bytes, when the
-groups form (no broadcast queued yet) takes that load off the push.
+groups form (`CollectiveGroup.join`, on every member: no broadcast queued yet) takes that load off the push.
 
 What is warmed, on one device, once per process: the checksum kernel at both pointer alignments
 Triton specializes on (16 and 8 bytes), through the same calls a push makes (a bucket's digests in

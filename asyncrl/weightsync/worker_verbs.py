@@ -122,7 +122,7 @@ class WorkerVerbs:
 
         trace.mark("wrk.receive")
         groups = self.__dict__.get("_asyncrl_groups", {})
-        skipped = self.__dict__.get("_asyncrl_not_member", set())
+        skipped = set(self._asyncrl_not_member())
         group_ids = [gid for gid in group_ids if gid not in skipped]  # (formed without this worker's rank)
         deadline = time.monotonic() + timeout_s
         rx = self._asyncrl_rx()
@@ -278,16 +278,15 @@ class WorkerVerbs:
                 group.close()
             raise
         self.__dict__["_asyncrl_groups"] = groups
-        self.__dict__["_asyncrl_not_member"] = {s.group_id for s in parsed if not s.takes(mine)}
-        self.__dict__["_asyncrl_group_order"] = [s.group_id for s in parsed]
-        from asyncrl.weightsync.warmup import warm_push_kernels
-
-        for group in groups.values():  # before any push queues a broadcast on them (warmup.py says why)
-            warm_push_kernels(group.device)
+        self.__dict__["_asyncrl_group_order"] = [s.group_id for s in parsed]  # (those not in `groups`: formed without it)
         return [s.group_id for s in parsed]
 
+    def _asyncrl_not_member(self) -> list[str]:
+        """The groups formed without this worker's engine rank (`GroupSpec.takes`), in sender order."""
+        groups = self.__dict__.get("_asyncrl_groups", {})
+        return [gid for gid in self.__dict__.get("_asyncrl_group_order", []) if gid not in groups]
+
     def asyncrl_leave_collective(self) -> None:
-        self.__dict__.pop("_asyncrl_not_member", None)
         self.__dict__.pop("_asyncrl_group_order", None)
         for group in self.__dict__.pop("_asyncrl_groups", {}).values():
             group.close()
@@ -319,4 +318,4 @@ class WorkerVerbs:
         """Ids of the groups this worker is ready for: those it holds that can still carry a push, and
         those formed without it (`GroupSpec.takes`)."""
         held = [gid for gid, g in self.__dict__.get("_asyncrl_groups", {}).items() if not g.broken]
-        return held + sorted(self.__dict__.get("_asyncrl_not_member", ()))
+        return held + self._asyncrl_not_member()
