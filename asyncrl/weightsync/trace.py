@@ -28,7 +28,20 @@ from typing import IO
 _DIR = os.environ.get("ASYNCRL_PUSH_TRACE") or None
 _lock = threading.Lock()
 _file: IO[str] | None = None
-STALL_S = float(os.environ.get("ASYNCRL_PUSH_TRACE_STALL_S", "20"))
+
+
+def _stall_s(raw: str) -> float:
+    """`ASYNCRL_PUSH_TRACE_STALL_S`: seconds > 0."""
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"ASYNCRL_PUSH_TRACE_STALL_S must be a number of seconds > 0, got {raw!r}")
+    return seconds
+
+
+STALL_S = _stall_s(os.environ.get("ASYNCRL_PUSH_TRACE_STALL_S", "20"))
 _stacks: IO[str] | None = None
 _watching = 0  # stretches being watched in this process (faulthandler has one timer per process)
 

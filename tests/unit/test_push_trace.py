@@ -84,3 +84,10 @@ def test_a_traced_stretch_that_stalls_writes_every_threads_stack(tmp_path):
     text = stacks.read_text()
     assert "stalled_receive" in text and "quick" not in text
     assert 1 <= text.count("Timeout (") <= 2  # at 0.4 s and 0.8 s of the 1 s stretch, none after it
+
+
+def test_a_stall_limit_that_is_not_a_positive_number_is_refused_by_name():
+    assert trace._stall_s("2.5") == 2.5
+    for bad in ("soon", "0", "-3", "nan"):
+        with pytest.raises(ValueError, match="ASYNCRL_PUSH_TRACE_STALL_S must be a number of seconds > 0"):
+            trace._stall_s(bad)
