@@ -124,6 +124,10 @@ class WorkerAPI(Protocol):
         """`asyncrl_receive_collective` in a thread of the worker (the engine steps on); returns at once, and the
         answer goes to the replica's `receive_done` over its push channel (`reply`: its address and the call id)."""
 
+    def asyncrl_start_channel(self, host: str) -> dict[str, Any]:
+        """{host, port, token} of the worker's own channel (push_channel.ThreadServer), where the replica starts
+        `asyncrl_receive_start` without waiting for the engine's step in flight."""
+
     def asyncrl_refuse_collective(self, group_ids: list[str], why: str, gate: str = "") -> None: ...
 
     def asyncrl_apply(self, version: int) -> dict[str, Any]: ...

@@ -16,6 +16,7 @@ the one the caller committed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -73,6 +74,7 @@ class EngineReplica(WeightUpdates):
         self._staged_tensors = 0
         self._staging = ReplicaStaging(self._rpc, replica_id)  # the receiving half of weight pushes
         self._staging.reply_address = self.push_channel  # (where workers receiving apart report their end)
+        self._pause_waits: collections.deque[float] = collections.deque(maxlen=8)  # seconds the last pauses at a wire's end took
         # What the workers answered at the last join (None: ask them). A group breaks only inside
         # a receive, which fails this replica's load_bucket: that drops the cache.
         self._groups_joined: dict[str, Any] | None = None
@@ -104,6 +106,7 @@ class EngineReplica(WeightUpdates):
         else:
             self._versions = EngineStamps(engine, self.counters, lambda: self.version)
         await engine.relabel(self.version)
+        self._staging.direct_start = bool(getattr(engine, "workers_listen", False))
         checks = await self._staging.check_layout()
         problems = sorted({c["problem"] for c in checks if c.get("problem")})
         if problems:

@@ -45,6 +45,19 @@ def _node_host() -> str:
     return "127.0.0.1"
 
 
+PAUSE_LEAD_MAX_S = 0.25  # a receive apart never reports its wire's end earlier than this (a slow prefill's pause)
+
+
+def pause_lead(waits: Any) -> float:
+    """How far ahead of its last bucket a receive apart should report the wire's end: about how long this engine
+    takes to pause (the median of its recent pauses at a wire's end, with half again for spread; at most
+    `PAUSE_LEAD_MAX_S`); 0 before the first (the report comes when the last bucket is in)."""
+    recent = sorted(float(w) for w in waits)
+    if not recent:
+        return 0.0
+    return min(PAUSE_LEAD_MAX_S, 1.5 * recent[len(recent) // 2])
+
+
 def is_object_ref(value: Any) -> bool:
     import ray
 
@@ -168,15 +181,20 @@ class WeightUpdates:
                 pausing, overlapped = await self._pause_before_receive()
             loads: Any = self._load(named_tensors, early=self._versions.counts_query, applying=True)
         elif self.state is ReplicaState.READY and self._may_run() and apart:
-            loads, late_pause = self._load(named_tensors), True  # the engine steps on beside the wire
+            # the engine steps on beside the wire; the workers report its end as far ahead as this engine's pauses
+            # have lately taken (`pause_waits`), so that it is paused about when the last bucket lands
+            self._staging.pause_lead_s = pause_lead(self._pause_waits)
+            loads, late_pause = self._load(named_tensors), True
 
             def pause_late() -> None:  # at the wire's end (the workers report it), else once the receive is done
                 nonlocal pausing, paused_at
                 if pausing is None:
                     trace.mark("rep.pausing")
-                    paused_at = time.perf_counter()
+                    paused_at = asked = time.perf_counter()
                     pausing = asyncio.ensure_future(self._pause_engine("keep"))
                     pausing.add_done_callback(lambda _: trace.mark("rep.paused"))
+                    pausing.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
+                                              or self._pause_waits.append(time.perf_counter() - asked))
 
             self._staging.on_wire_end = pause_late
         elif self.state is ReplicaState.READY and self._may_run():
@@ -300,6 +318,7 @@ class WeightUpdates:
         self._staging.wire_end(call, rank)
 
     def close_push_channel(self) -> None:
+        self._staging.close_worker_channels()
         channel, self._channel = getattr(self, "_channel", None), None
         if channel is not None:
             channel.close()

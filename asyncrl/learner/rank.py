@@ -123,7 +123,9 @@ class LearnerRank:
         with self._thread():
             if verb in ROLE_TRAINING_VERBS:
                 with self.profiler.step():
-                    return getattr(self.role, method)(*args, **kwargs)
+                    out = getattr(self.role, method)(*args, **kwargs)
+                    _finish_device_work()
+                    return out
             return getattr(self.role, method)(*args, **kwargs)
 
     # ------------------------------------------------------------------ weight pushes (weightsync/sender.py)
@@ -357,3 +359,17 @@ class LearnerRank:
             self.role = None
             with self._thread():
                 destroy_model_parallel()
+
+
+def _finish_device_work() -> None:
+    """Wait for the training step's own device work (on CUDA: the current stream, where the optimizer's
+    update and the fp32 -> bf16 parameter copies are queued after the host has moved on) before the step
+    returns: the step's time then holds its optimizer, and a push that follows starts from final weights
+    instead of waiting for them inside its own time (at 7B, TP = 2 on H200s: the first bucket landed
+    ~23 ms after the push's table, behind ~35 ms of queued Adam; docs/BENCHMARKS.md, 2026-11-28). Not the
+    whole device: a previous push's host copies run on side streams beside the next step."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+

@@ -16,6 +16,11 @@ Serve's broadcast (2.3-3.9 ms here), before its first byte and after its last.
 worker's receive that runs apart from its engine reports the wire's end and then its answer to the replica over
 the replica's channel (worker_verbs.py), on one connection opened beside the wire.
 
+`ThreadServer` is the same protocol served by an engine worker (threads, no event loop of ours): the replica
+starts a receive apart from the engine on each worker through it (`ChannelClient`), instead of through vLLM's
+utility call, which waits in the engine's input queue for the step in flight to end (12-19 ms a push at 7B
+under load on H200s, docs/BENCHMARKS.md).
+
 Must never: run a verb it was not given, read a frame before the token was checked, or leave a call
 waiting on a connection that is gone (every call in flight fails with `ChannelClosed` the moment
 the connection drops; the caller falls back to Ray or Serve next time).
@@ -246,6 +251,80 @@ class BlockingChannel:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class ThreadServer:
+    """`ChannelServer`'s protocol served from threads, for a process whose event loop is not ours (an engine
+    worker): a listening thread, and one thread per connection that runs each call (`verbs`: names of plain
+    methods of `target`, which should return at once) in the order its frames came and writes its reply.
+    The connection's first frame must be the token, as with `ChannelServer`. Daemon threads: they end with the
+    process, or at `close`."""
+
+    def __init__(self, target: Any, verbs: Iterable[str], host: str) -> None:
+        import socket
+        import threading
+
+        self._target, self._verbs = target, frozenset(verbs)
+        self._token = secrets.token_hex(16)
+        self._sock = socket.create_server((host, 0))
+        self.address = {"host": host, "port": int(self._sock.getsockname()[1]), "token": self._token}
+        self._closed = False
+        self._connections: set[Any] = set()
+        threading.Thread(target=self._accept, name="asyncrl-worker-channel", daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            with contextlib.suppress(OSError):
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), name="asyncrl-worker-channel-conn", daemon=True).start()
+
+    def _serve(self, conn: Any) -> None:
+        self._connections.add(conn)
+        try:
+            (n,) = _LEN.unpack(_recv_exactly(conn, _LEN.size))
+            if n > _TOKEN_MAX or not hmac.compare_digest(_recv_exactly(conn, n), self._token.encode()):
+                return
+            while not self._closed:
+                (n,) = _LEN.unpack(_recv_exactly(conn, _LEN.size))
+                if n > _FRAME_MAX:
+                    raise ValueError(f"worker channel: a frame of {n} bytes (at most {_FRAME_MAX})")
+                call_id, verb, args = pickle.loads(_recv_exactly(conn, n))
+                try:
+                    if verb not in self._verbs:
+                        raise ValueError(f"worker channel: {verb!r} is not served here (only {sorted(self._verbs)})")
+                    reply = (call_id, True, getattr(self._target, verb)(*args))
+                except Exception as err:  # noqa: BLE001 - the caller gets the exception, as over vLLM's RPC
+                    reply = (call_id, False, err)
+                try:
+                    data = pickle.dumps(reply)
+                except Exception as err:  # noqa: BLE001 - an unpicklable result or exception: say what it was
+                    data = pickle.dumps((call_id, False, RuntimeError(f"worker channel: reply of {verb!r} not "
+                                                                      f"picklable: {type(err).__name__}: {err}")))
+                conn.sendall(_frame(data))
+        except (ConnectionError, OSError):
+            pass  # the client went away
+        except Exception as err:  # noqa: BLE001 - a malformed frame: that connection ends, the server stays
+            logging.getLogger(__name__).warning("worker channel: connection dropped: %s: %s", type(err).__name__, err)
+        finally:
+            self._connections.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        """Stop listening and drop every connection (their calls in flight fail on the client's side)."""
+        import socket
+
+        self._closed = True
+        for sock in [self._sock, *list(self._connections)]:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # (wakes a thread blocked on it; a close alone would not)
+            sock.close()
 
 
 def call_once(address: dict[str, Any], verb: str, *args: Any, timeout_s: float = 30.0) -> Any:

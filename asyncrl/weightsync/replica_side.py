@@ -121,6 +121,12 @@ class ReplicaStaging:
         # called once when every worker of a receive apart has its last bucket (their digests are still being
         # read): the replica pauses its engine then, beside that read (set by the replica for one load)
         self.on_wire_end: Callable[[], None] | None = None
+        # ... or that many seconds before (how long the engine takes to pause; the workers forecast it)
+        self.pause_lead_s = 0.0
+        # a receive apart starts over each worker's own channel (`asyncrl_start_channel`), not through the
+        # engine's input queue (set by the replica for engines whose workers serve one: vLLM's)
+        self.direct_start = False
+        self._worker_clients: list[Any] | None = None
 
     # ---- layout and plan ---------------------------------------------------------------------
     async def check_layout(self) -> list[dict[str, Any]]:
@@ -223,9 +229,9 @@ class ReplicaStaging:
         call = secrets.token_hex(8)
         waiting = self._apart[call] = _ApartCall(asyncio.get_running_loop().create_future(), on_wire_end=self.on_wire_end)
         try:
-            reply = {**await self.reply_address(), "call": call}
-            started = await self.rpc(WorkerAPI.asyncrl_receive_start, version, list(payload.group_ids), payload.timeout_s,
-                                     begin, payload.commit, payload.gate, reply, timeout=60.0)
+            reply = {**await self.reply_address(), "call": call, "lead_s": self.pause_lead_s}
+            started = await self._start_apart(version, list(payload.group_ids), payload.timeout_s, begin,
+                                              payload.commit, payload.gate, reply)
             waiting.workers = len(started)
             waiting.settle()
             await asyncio.wait_for(asyncio.shield(waiting.future), payload.timeout_s + 30.0)
@@ -236,6 +242,50 @@ class ReplicaStaging:
         if failed:
             raise RuntimeError(f"a worker's receive failed: {failed[0]}")  # (its text: a gate closed says so)
         return [answer for _, answer in answers]
+
+    async def _start_apart(self, *args: Any) -> list[Any]:
+        """`asyncrl_receive_start(*args)` on every worker: over the workers' own channels where they serve one
+        (`direct_start`; opened at the first receive), else through the engine (`rpc`), which waits for its step
+        in flight. A channel that fails fails this receive (the worker is gone), and the next opens them again."""
+        from asyncrl.weightsync.push_channel import ChannelClosed
+
+        clients = await self._open_worker_channels()
+        if clients is None:
+            return list(await self.rpc(WorkerAPI.asyncrl_receive_start, *args, timeout=60.0))
+        verb = verb_name(WorkerAPI, WorkerAPI.asyncrl_receive_start)
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*(c.call(verb, *args) for c in clients)), 60.0))
+        except (ChannelClosed, asyncio.TimeoutError) as err:
+            self.close_worker_channels()
+            raise RuntimeError(f"replica {self.replica_id}: a worker's channel failed starting a receive: "
+                               f"{type(err).__name__}: {err}") from err
+
+    async def _open_worker_channels(self) -> list[Any] | None:
+        """The open channels to the workers, in rank order (None: start through the engine)."""
+        from asyncrl.weightsync.push_channel import ChannelClient
+
+        if not self.direct_start or self.reply_address is None:
+            return None
+        if self._worker_clients is not None and not any(c.closed for c in self._worker_clients):
+            return self._worker_clients
+        self.close_worker_channels()
+        try:
+            host = (await self.reply_address())["host"]
+            addresses = await self.rpc(WorkerAPI.asyncrl_start_channel, host, timeout=60.0)
+            self._worker_clients = [await ChannelClient.connect(a, f"{self.replica_id} worker {i}")
+                                    for i, a in enumerate(addresses)]
+        except Exception as err:  # noqa: BLE001 - through the engine from now on: slower, as correct
+            self.close_worker_channels()
+            self.direct_start = False
+            log.warning("replica %s: no channel to its workers (%s: %s); receives apart start through the engine",
+                        self.replica_id, type(err).__name__, err)
+            return None
+        return self._worker_clients
+
+    def close_worker_channels(self) -> None:
+        clients, self._worker_clients = self._worker_clients, None
+        for client in clients or ():
+            client.close()
 
     def receive_done(self, call: str, rank: int, ok: bool, answer: Any) -> None:
         """A worker's receive apart from the engine ended (`answer`: its result, or its error's text)."""

@@ -33,6 +33,55 @@ def _settle(future: Any, fn: Callable[..., Any], *args: Any) -> None:
         future.set_exception(err)
 
 
+def _worker_host(replica_host: str) -> str:
+    """This worker's address for the replica: Ray's for this node where this process is a Ray worker (a
+    multi-node engine), else the replica's (vLLM's own worker processes run on the replica's node)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - not a Ray worker
+        pass
+    return replica_host
+
+
+class WireEndForecast:
+    """When a receive apart from the engine tells its replica the wire is ending (`on_wire_end`, once): as soon
+    as the rest of the version should land within `lead_s` seconds (the replica's engine takes about that long
+    to pause, so it is paused by the time the last bucket is in), judged from the rate the buckets after the
+    first have landed at; else (`fire`) once the last bucket is in. Pausing early costs nothing but the
+    engine's idle time: nothing is applied before the version is checked."""
+
+    def __init__(self, on_wire_end: Callable[[], None], lead_s: float = 0.0) -> None:
+        self._on_wire_end: Callable[[], None] | None = on_wire_end
+        self.lead_s = max(0.0, float(lead_s))
+        self._landed = 0
+        self._first: tuple[float, int] | None = None  # (when the first bucket landed, its bytes)
+
+    def landed(self, nbytes: int, table: Any) -> None:
+        """A bucket of the last group landed; `table` is that group's `WholeTable` (None: sizes unknown)."""
+        now = time.perf_counter()
+        self._landed += int(nbytes)
+        if self._on_wire_end is None or self.lead_s <= 0 or table is None or self._landed > int(table.nbytes):
+            return  # (more than the table says: a version sent bucket by bucket, the table an earlier push's)
+        if self._first is None:
+            self._first = (now, int(nbytes))
+            return
+        elapsed, since = now - self._first[0], self._landed - self._first[1]
+        if elapsed <= 0 or since <= 0:
+            return
+        remaining = max(0, int(table.nbytes) - self._landed)
+        if remaining * elapsed / since <= self.lead_s:
+            trace.mark("wrk.wire_end_forecast")
+            self.fire()
+
+    def fire(self) -> None:
+        on_wire_end, self._on_wire_end = self._on_wire_end, None
+        if on_wire_end is not None:
+            on_wire_end()
+
+
 class WorkerVerbs:
     """The `asyncrl_*` verbs of one worker that holds weights; methods are prefixed `asyncrl_` so they never
     clash with the worker's own. A subclass says where the engine is (`_asyncrl_hooks`) and has `rank`
@@ -107,16 +156,18 @@ class WorkerVerbs:
 
     def _asyncrl_receive(self, version: int, group_ids: list[str], timeout_s: float, begin: tuple | None,
                          with_sender: bool, early: str | None, gate: str,
-                         on_wire_end: Callable[[], None] | None = None) -> Any:
-        """`asyncrl_receive_collective`; `on_wire_end` (a receive apart from the engine): called once every
-        bucket has landed, before the digests are read. Traced: where a stalled receive waits (trace.py)."""
+                         on_wire_end: Callable[[], None] | None = None, lead_s: float = 0.0) -> Any:
+        """`asyncrl_receive_collective`; `on_wire_end` (a receive apart from the engine): called once, when every
+        bucket has landed, before the digests are read, or (`lead_s` > 0) as soon as the rest of the last group's
+        buckets should land within `lead_s` seconds at the rate they have been landing (`WireEndForecast`).
+        Traced: where a stalled receive waits (trace.py)."""
         with trace.watch():
             return self._asyncrl_receive_watched(version, group_ids, timeout_s, begin, with_sender, early, gate,
-                                                 on_wire_end)
+                                                 on_wire_end, lead_s)
 
     def _asyncrl_receive_watched(self, version: int, group_ids: list[str], timeout_s: float, begin: tuple | None,
                                  with_sender: bool, early: str | None, gate: str,
-                                 on_wire_end: Callable[[], None] | None) -> Any:
+                                 on_wire_end: Callable[[], None] | None, lead_s: float = 0.0) -> Any:
         from asyncrl.weightsync.collective import CollectiveError
         from asyncrl.weightsync.wire import receive_stream, sender_digests
 
@@ -143,6 +194,7 @@ class WorkerVerbs:
             if not rx.apply_as_received(version):
                 first = None
         gated = bool(gate) and streamed
+        forecast = WireEndForecast(on_wire_end, lead_s) if on_wire_end is not None else None
         if gated:  # ready on every group at once; each group's decision is awaited when its turn comes (a
             for gid in group_ids:  # later PP stage may only start sending once an earlier one is done)
                 groups[gid].arrive(gate)
@@ -153,15 +205,18 @@ class WorkerVerbs:
                 trace.mark("wrk.gate_open")
             ipc = group.spec.backend == "ipc"  # buckets that arrive at once, mapped: hashed in one pass at the end
             trace.mark("wrk.streaming")
+            last = gid == group_ids[-1]
             for k, (bucket, expected) in enumerate(receive_stream(group, deadline)):
                 trace.mark(f"wrk.landed.{k}")
+                if forecast is not None and last:
+                    forecast.landed(bucket.nbytes, group._whole_table)
                 rx.stage(version, bucket, expected, lazy=True, batch=ipc)  # full staging: one wait for every digest, below
                 trace.mark(f"wrk.staged.{k}")
             trace.mark("wrk.end_header")
             if with_sender:
                 theirs.update(sender_digests(group, deadline))
-        if on_wire_end is not None:
-            on_wire_end()
+        if forecast is not None:
+            forecast.fire()
         digests = rx.digests(version)
         trace.mark("wrk.digests")
         if rx.applying_as_received:
@@ -174,7 +229,10 @@ class WorkerVerbs:
         """`asyncrl_receive_collective` (never applying as it lands) in a thread of this worker, so that the engine
         steps on while the push is on the wire; returns at once. Its answer, or its error's text, goes to the
         replica over `reply` ({host, port, token} of the replica's push channel, and `call`, this receive's id):
-        `receive_done(call, rank, ok, answer)`. One receive at a time: a second before the first ended is refused."""
+        `receive_done(call, rank, ok, answer)`; before it, `wire_end(call, rank)` once its last buckets land, or
+        (`reply["lead_s"]`: how long the replica's engine takes to pause) that long before they should. One receive
+        at a time: a second before the first ended is refused. Reached through vLLM's utility call, or through
+        this worker's own channel (`asyncrl_start_channel`), which does not wait for the engine's step."""
         import threading
 
         running = self.__dict__.get("_asyncrl_receiving")
@@ -207,7 +265,7 @@ class WorkerVerbs:
 
             try:
                 answer: Any = (True, self._asyncrl_receive(version, group_ids, timeout_s, begin, with_sender, None,
-                                                            gate, wire_end))
+                                                            gate, wire_end, float(reply.get("lead_s") or 0.0)))
             except BaseException as err:  # noqa: BLE001 - reported to the replica, whose load raises it
                 answer = (False, f"{type(err).__name__}: {err}")
             try:
@@ -225,6 +283,18 @@ class WorkerVerbs:
         thread = threading.Thread(target=run, name=f"asyncrl-receive-{version}", daemon=True)
         self.__dict__["_asyncrl_receiving"] = thread
         thread.start()
+
+    def asyncrl_start_channel(self, host: str) -> dict[str, Any]:
+        """Where the replica may start this worker's receives apart from the engine (`asyncrl_receive_start`)
+        without going through the engine's input queue, which holds a call until the step in flight ends:
+        {host, port, token} of this worker's `ThreadServer` (push_channel.py), started at the first call.
+        `host`: the replica's node, which is this worker's unless Ray places it elsewhere."""
+        from asyncrl.weightsync.push_channel import ThreadServer
+
+        server = self.__dict__.get("_asyncrl_channel")
+        if server is None:
+            server = self.__dict__["_asyncrl_channel"] = ThreadServer(self, ["asyncrl_receive_start"], _worker_host(host))
+        return dict(server.address)
 
     def asyncrl_refuse_collective(self, group_ids: list[str], why: str, gate: str = "") -> None:
         """Refuse the coming push on the groups `group_ids` (its begin failed): its sender (ipc), or

@@ -51,6 +51,13 @@ class _EngineActor:
     async def stats(self):
         return await self.replica.stats()
 
+    async def receive_starts(self):
+        """How this replica starts a receive apart from its engine: over its workers' own channels (how many are
+        open), and the pauses at the wire's end it took (their seconds: the next receive's lead)."""
+        staging = self.replica._staging
+        return {"direct": staging.direct_start, "channels": len(staging._worker_clients or ()),
+                "pause_waits": len(self.replica._pause_waits), "lead_s": staging.pause_lead_s}
+
     async def resume(self):
         return await self.replica.resume()
 
@@ -694,6 +701,8 @@ async def test_one_engine_over_gloo_receiving_apart_pauses_only_for_the_commit_a
     assert m["weightsync/applied_as_received"] == 0.0 and m["weightsync/apply_direct"] == 1.0
     # paused for the check and the apply only: not for the wire, which the stage time holds
     assert 0 < m["weightsync/paused_seconds"] < m["weightsync/stage_seconds"]
+    # started over the worker's own channel, not through the engine's queue; its first lead was 0 (no pause yet)
+    assert await engine.receive_starts.remote() == {"direct": True, "channels": 1, "pause_waits": 1, "lead_s": 0.0}
     await _engines_serve([engine], demo_model_path, one.sender.weights, one.start + 1)
     tok = AutoTokenizer.from_pretrained(str(demo_model_path))
     prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
@@ -718,6 +727,8 @@ async def test_one_engine_over_gloo_receiving_apart_pauses_only_for_the_commit_a
     assert len(calls) >= 3 and one.pub.totals["rollbacks_total"] == rollbacks  # nothing was applied: no restore
     monkeypatch.setattr(CollectiveGroup, "enqueue_broadcasts", enqueue)
     await one.push(one.start + 3)
+    starts = await engine.receive_starts.remote()  # the later receives told the worker how long a pause takes
+    assert starts["channels"] == 1 and starts["pause_waits"] >= 2 and 0 < starts["lead_s"] <= 0.25
     assert one.pub.registry.live_version == one.start + 3
     await _engines_serve([engine], demo_model_path, one.sender.weights, one.start + 3)
 

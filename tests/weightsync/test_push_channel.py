@@ -315,3 +315,148 @@ def test_a_receive_apart_waits_for_every_worker_whenever_its_answer_comes_and_ra
         asyncio.run(main([(0, True, "a"), (1, False, "GateClosed: group g: push x stopped at its gate")]))
     with pytest.raises(asyncio.TimeoutError):
         asyncio.run(main([(0, True, "a")], timeout_s=-29.9))  # (the wait is the receive's deadline + 30 s)
+
+
+def test_a_workers_own_channel_serves_its_verbs_from_threads_and_refuses_the_rest():
+    """`ThreadServer` (an engine worker's channel, served from threads): a call's result or exception comes back to
+    an async `ChannelClient`; an unserved verb is refused by name; a connection without the token is closed
+    unread; after `close` a new connection is refused."""
+    from asyncrl.weightsync.push_channel import ThreadServer
+
+    class Worker:
+        def __init__(self):
+            self.started: list = []
+
+        def asyncrl_receive_start(self, version, reply):
+            if version < 0:
+                raise ValueError("a receive apart from the engine is still running on this worker")
+            self.started.append((version, reply))
+
+        def asyncrl_apply(self, version):
+            raise AssertionError("must not be served")
+
+    async def main():
+        worker = Worker()
+        server = ThreadServer(worker, ["asyncrl_receive_start"], "127.0.0.1")
+        client = await ChannelClient.connect(server.address, "w0")
+        out = {"first": await client.call("asyncrl_receive_start", 3, {"call": "c"})}
+        with pytest.raises(ValueError, match="still running"):
+            await client.call("asyncrl_receive_start", -1, {})
+        with pytest.raises(ValueError, match="'asyncrl_apply' is not served here"):
+            await client.call("asyncrl_apply", 3)
+        out["both"] = await asyncio.gather(*(client.call("asyncrl_receive_start", v, {}) for v in (4, 5)))
+        wrong = await ChannelClient.connect({**server.address, "token": "nope"}, "w0")
+        with pytest.raises(ChannelClosed):
+            await asyncio.wait_for(wrong.call("asyncrl_receive_start", 9, {}), 5)
+        client.close()
+        server.close()
+        with pytest.raises(OSError):
+            await asyncio.wait_for(asyncio.open_connection("127.0.0.1", server.address["port"]), 5)
+        return out, worker.started
+
+    out, started = run(main())
+    assert out == {"first": None, "both": [None, None]}
+    assert started == [(3, {"call": "c"}), (4, {}), (5, {})]  # 9 never ran: its connection had no token
+
+
+def test_a_receive_apart_starts_over_the_workers_channels_and_reports_over_the_replicas():
+    """`ReplicaStaging.direct_start`: the workers' channels are asked for once (through the engine), the receive
+    starts over them, carrying the engine's pause lead, and each worker's answer comes back over the replica's
+    own channel; a worker's channel that is gone fails that receive at once, and the next opens the channels again.
+    Without `direct_start` the start goes through the engine, as before."""
+    import threading
+
+    from asyncrl.interfaces import WorkerAPI, verb_name
+    from asyncrl.weightsync.push_channel import RECEIVE_DONE, ThreadServer, call_once
+    from asyncrl.weightsync.replica_side import ReplicaStaging
+
+    class Worker:
+        def __init__(self, rank):
+            self.rank, self.starts = rank, []
+
+        def asyncrl_receive_start(self, version, group_ids, timeout_s, begin, with_sender, gate, reply):
+            self.starts.append((version, reply["lead_s"]))
+            address = {k: reply[k] for k in ("host", "port", "token")}
+            threading.Thread(target=call_once, args=(address, RECEIVE_DONE, reply["call"], self.rank, True,
+                                                     f"w{self.rank}")).start()
+
+    async def main(direct):
+        workers = [Worker(0), Worker(1)]
+        servers = [ThreadServer(w, ["asyncrl_receive_start"], "127.0.0.1") for w in workers]
+        engine_calls: list = []
+
+        async def rpc(verb, *args, timeout=None):
+            name = verb_name(WorkerAPI, verb)
+            engine_calls.append(name)
+            if name == "asyncrl_start_channel":
+                assert args == ("127.0.0.1",)
+                return [dict(s.address) for s in servers]
+            assert name == "asyncrl_receive_start"
+            return [w.asyncrl_receive_start(*args) for w in workers]
+
+        staging = ReplicaStaging(rpc, "r")
+
+        class ReplicaSide:  # (the replica's `receive_done`, engine_update.py)
+            async def receive_done(self, *args):
+                staging.receive_done(*args)
+
+        replica = ChannelServer(ReplicaSide(), [RECEIVE_DONE])
+        staging.reply_address = lambda: replica.address("127.0.0.1")
+        staging.direct_start, staging.pause_lead_s, staging.version = direct, 0.004, 7
+        payload = CollectiveReceive(("g",), 7, 10.0, apart=True)
+        out = [await staging._receive_apart(payload, 7, None), await staging._receive_apart(payload, 7, None)]
+        if direct:  # a worker's channel goes away: that receive fails, the next asks for the channels again
+            servers[1].close()
+            with pytest.raises(RuntimeError, match="r: a worker's channel failed starting a receive: ChannelClosed"):
+                await staging._receive_apart(payload, 7, None)
+            assert staging._worker_clients is None
+            servers[1] = ThreadServer(workers[1], ["asyncrl_receive_start"], "127.0.0.1")
+            out.append(await staging._receive_apart(payload, 7, None))
+        staging.close_worker_channels()
+        replica.close()
+        for s in servers:
+            s.close()
+        return out, engine_calls, [w.starts for w in workers]
+
+    out, calls, starts = run(main(True))
+    assert out == [["w0", "w1"]] * 3
+    assert calls == ["asyncrl_start_channel", "asyncrl_start_channel"]  # never the receive itself
+    assert starts == [[(7, 0.004)] * 4, [(7, 0.004)] * 3]  # (worker 0 also took the receive that failed)
+    out, calls, starts = run(main(False))
+    assert out == [["w0", "w1"]] * 2 and calls == ["asyncrl_receive_start"] * 2
+
+
+def test_the_wire_end_is_forecast_a_pause_ahead_of_the_last_bucket_and_reported_once():
+    """`WireEndForecast`: with a lead, the wire's end is reported once the rest should land within it at the rate
+    the buckets after the first landed at (never on the first bucket alone, never twice); without a lead, or
+    without the group's table, only when the last bucket is in (`fire`); a table smaller than what landed (an
+    earlier push's) is not trusted."""
+    import time
+
+    from asyncrl.generator.engine_update import PAUSE_LEAD_MAX_S, pause_lead
+    from asyncrl.weightsync.worker_verbs import WireEndForecast
+
+    class Table:
+        nbytes = 10 * 100
+
+    def landings(lead_s, table=Table(), gap_s=0.01, n=10):
+        fired: list = []
+        forecast = WireEndForecast(lambda: fired.append(k), lead_s)
+        for k in range(n):
+            forecast.landed(100, table)
+            time.sleep(gap_s)
+        k = "end"
+        forecast.fire()
+        forecast.fire()
+        return fired
+
+    assert landings(0.0) == ["end"]
+    assert landings(0.5, table=None) == ["end"]
+    early = landings(0.035)  # ~10 ms a bucket: fired when about 3 buckets are left, once
+    assert len(early) == 1 and 5 <= early[0] <= 7, early
+    assert landings(5.0) == [1]  # a lead longer than the wire: at the second bucket, never the first
+    small = type("T", (), {"nbytes": 250})()
+    assert landings(5.0, table=small) == [1] and landings(0.001, table=small) == ["end"]
+    assert pause_lead([]) == 0.0
+    assert pause_lead([0.004, 0.010, 0.006]) == pytest.approx(0.009)
+    assert pause_lead([2.0, 3.0]) == PAUSE_LEAD_MAX_S
