@@ -128,6 +128,10 @@ class WorkerAPI(Protocol):
         """{host, port, token} of the worker's own channel (push_channel.ThreadServer), where the replica starts
         `asyncrl_receive_start` without waiting for the engine's step in flight."""
 
+    def asyncrl_engine_paused(self, call: str, ok: bool) -> None:
+        """The engine paused (`ok`) for the commit of the receive apart `call`, or could not: a receive started
+        with `apply_paused` applies what landed once told (from the worker's channel)."""
+
     def asyncrl_refuse_collective(self, group_ids: list[str], why: str, gate: str = "") -> None: ...
 
     def asyncrl_apply(self, version: int) -> dict[str, Any]: ...

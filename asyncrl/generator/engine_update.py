@@ -184,6 +184,11 @@ class WeightUpdates:
             # the engine steps on beside the wire; the workers report its end as far ahead as this engine's pauses
             # have lately taken (`pause_waits`), so that it is paused about when the last bucket lands
             self._staging.pause_lead_s = pause_lead(self._pause_waits)
+            # where the workers are reached directly, they apply the version themselves once the engine has paused:
+            # what landed by then at once, the rest as it lands (the ledger's counts read first), not in a copy after
+            if self._staging.layout == "engine" and self._staging.staging == "full":
+                query = self._versions.counts_query
+                self._staging.apply_paused_query = "" if query is None else verb_name(WorkerAPI, query)
             loads, late_pause = self._load(named_tensors), True
 
             def pause_late() -> None:  # at the wire's end (the workers report it), else once the receive is done
@@ -195,6 +200,8 @@ class WeightUpdates:
                     pausing.add_done_callback(lambda _: trace.mark("rep.paused"))
                     pausing.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
                                               or self._pause_waits.append(time.perf_counter() - asked))
+                    pausing.add_done_callback(lambda f: self._staging.engine_paused(
+                        not f.cancelled() and f.exception() is None))
 
             self._staging.on_wire_end = pause_late
         elif self.state is ReplicaState.READY and self._may_run():
@@ -212,7 +219,7 @@ class WeightUpdates:
                 if late_pause:  # received apart from the engine, which stepped on: paused for the commit (if
                     pause_late()  # the wire's end did not already), the digests' check and the apply
             finally:
-                self._staging.on_wire_end = None
+                self._staging.on_wire_end, self._staging.apply_paused_query = None, None
                 if pausing is not None:  # paused (or failed to) before anything else happens
                     await asyncio.wait([pausing])
             if pausing is not None:
@@ -276,7 +283,8 @@ class WeightUpdates:
         except Exception as err:
             self._groups_joined = None  # a failed receive may have broken a worker's group
             await self._drop_staged()
-            if applying and not is_gate_closed(err):  # (a push stopped at its gate touched nothing)
+            # (a push stopped at its gate touched nothing; workers told to apply once paused may have applied part)
+            if (applying or self._staging.told_apply) and not is_gate_closed(err):
                 self.counters["updates_failed"] += 1
                 raise WeightUpdateError(f"replica {self.replica_id}: staging failed while applying as received "
                                         f"(possibly part applied; the replica stays paused until restored): {err}",

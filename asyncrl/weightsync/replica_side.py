@@ -127,6 +127,11 @@ class ReplicaStaging:
         # engine's input queue (set by the replica for engines whose workers serve one: vLLM's)
         self.direct_start = False
         self._worker_clients: list[Any] | None = None
+        # set by the replica for one receive apart that commits: the workers apply it themselves once told the
+        # engine paused (`engine_paused`), reading this query first ("" none); None: the commit applies
+        self.apply_paused_query: str | None = None
+        self._notice_call: str | None = None  # the receive apart whose workers wait for that word
+        self.told_apply = False  # ... and they were told to apply: a failure of that receive may have applied part
 
     # ---- layout and plan ---------------------------------------------------------------------
     async def check_layout(self) -> list[dict[str, Any]]:
@@ -158,7 +163,7 @@ class ReplicaStaging:
             self._begin_with_receive = None
             await self.rpc(WorkerAPI.asyncrl_begin_update, version, verify, staging, layout)
         self.version, self.layout, self.staging, self.verify = version, layout, staging, verify
-        self._per_worker, self.sender_digests, self.applied_early = [], None, None
+        self._per_worker, self.sender_digests, self.applied_early, self.told_apply = [], None, None, False
 
     async def refuse(self, payload: Any, why: str) -> None:
         """A collective push this replica will not take (its begin was refused before the workers
@@ -229,27 +234,46 @@ class ReplicaStaging:
         call = secrets.token_hex(8)
         waiting = self._apart[call] = _ApartCall(asyncio.get_running_loop().create_future(), on_wire_end=self.on_wire_end)
         try:
+            clients = await self._open_worker_channels()
+            self.told_apply = False
             reply = {**await self.reply_address(), "call": call, "lead_s": self.pause_lead_s}
-            started = await self._start_apart(version, list(payload.group_ids), payload.timeout_s, begin,
+            if clients is not None and payload.commit and self.apply_paused_query is not None:
+                reply.update(apply_paused=True, query=self.apply_paused_query)
+                self._notice_call = call
+            started = await self._start_apart(clients, version, list(payload.group_ids), payload.timeout_s, begin,
                                               payload.commit, payload.gate, reply)
             waiting.workers = len(started)
             waiting.settle()
             await asyncio.wait_for(asyncio.shield(waiting.future), payload.timeout_s + 30.0)
         finally:
             self._apart.pop(call, None)
+            if self._notice_call == call:  # (never told: the workers must not wait for a pause that is not coming)
+                self.engine_paused(False)
         answers = [waiting.answers[rank] for rank in sorted(waiting.answers)]
         failed = [answer for ok, answer in answers if not ok]
         if failed:
             raise RuntimeError(f"a worker's receive failed: {failed[0]}")  # (its text: a gate closed says so)
         return [answer for _, answer in answers]
 
-    async def _start_apart(self, *args: Any) -> list[Any]:
-        """`asyncrl_receive_start(*args)` on every worker: over the workers' own channels where they serve one
-        (`direct_start`; opened at the first receive), else through the engine (`rpc`), which waits for its step
-        in flight. A channel that fails fails this receive (the worker is gone), and the next opens them again."""
+    def engine_paused(self, ok: bool) -> None:
+        """Tell the workers of the receive apart that waits for it (`apply_paused_query`) that the engine paused for
+        its commit (`ok`: they apply), or could not (they fail, nothing applied). Once per receive."""
+        call, self._notice_call = self._notice_call, None
+        if call is None:
+            return
+        verb = verb_name(WorkerAPI, WorkerAPI.asyncrl_engine_paused)
+        self.told_apply = bool(ok)
+        for client in self._worker_clients or ():
+            told = asyncio.ensure_future(client.call(verb, call, bool(ok)))
+            # (a worker whose channel is gone fails its receive at its deadline, or is gone itself)
+            told.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _start_apart(self, clients: list[Any] | None, *args: Any) -> list[Any]:
+        """`asyncrl_receive_start(*args)` on every worker: over the workers' own channels (`clients`, where they
+        serve one), else through the engine (`rpc`), which waits for its step in flight. A channel that fails
+        fails this receive (the worker is gone), and the next opens them again."""
         from asyncrl.weightsync.push_channel import ChannelClosed
 
-        clients = await self._open_worker_channels()
         if clients is None:
             return list(await self.rpc(WorkerAPI.asyncrl_receive_start, *args, timeout=60.0))
         verb = verb_name(WorkerAPI, WorkerAPI.asyncrl_receive_start)

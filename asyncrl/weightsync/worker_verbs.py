@@ -12,8 +12,10 @@ weight version label (the replica does, while paused).
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.weightsync import trace
@@ -46,16 +48,49 @@ def _worker_host(replica_host: str) -> str:
     return replica_host
 
 
+class PauseNotice:
+    """The replica's word, for one receive apart from the engine, that the engine paused for its commit (`ok`) or
+    could not."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.ok = False
+
+    def set(self, ok: bool) -> None:
+        self.ok = bool(ok)
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._event.wait(timeout_s)
+
+
+@dataclass
+class ApartReceive:
+    """What a receive apart from the engine does beyond a plain receive: report the wire's end (`on_wire_end`,
+    `lead_s` ahead: `WireEndForecast`), and (`notice`) apply the version itself once its engine paused, reading
+    `query` (a worker verb, "" none) first."""
+
+    on_wire_end: Callable[[], None] | None = None
+    lead_s: float = 0.0
+    notice: PauseNotice | None = None
+    query: str = ""
+
+
 class WireEndForecast:
     """When a receive apart from the engine tells its replica the wire is ending (`on_wire_end`, once): as soon
     as the rest of the version should land within `lead_s` seconds (the replica's engine takes about that long
-    to pause, so it is paused by the time the last bucket is in), judged from the rate the buckets after the
-    first have landed at; else (`fire`) once the last bucket is in. Pausing early costs nothing but the
-    engine's idle time: nothing is applied before the version is checked."""
+    to pause, so it is paused by the time the last bucket is in), plus the time to copy what landed by then into
+    the live weights at `copy_rate` (a worker that applies once paused), judged from the rate the buckets after
+    the first have landed at; else (`fire`) once the last bucket is in. Pausing early costs nothing but the
+    engine's idle time."""
 
-    def __init__(self, on_wire_end: Callable[[], None], lead_s: float = 0.0) -> None:
+    def __init__(self, on_wire_end: Callable[[], None], lead_s: float = 0.0, copy_rate: float = 0.0) -> None:
         self._on_wire_end: Callable[[], None] | None = on_wire_end
         self.lead_s = max(0.0, float(lead_s))
+        self.copy_rate = max(0.0, float(copy_rate))  # bytes/s: what landed is copied live once paused (apply_paused)
         self._landed = 0
         self._first: tuple[float, int] | None = None  # (when the first bucket landed, its bytes)
 
@@ -72,7 +107,9 @@ class WireEndForecast:
         if elapsed <= 0 or since <= 0:
             return
         remaining = max(0, int(table.nbytes) - self._landed)
-        if remaining * elapsed / since <= self.lead_s:
+        # ... and, where the worker applies what landed once paused, ahead by that copy too (last push's rate)
+        lead = self.lead_s + (self._landed / self.copy_rate if self.copy_rate > 0 else 0.0)
+        if remaining * elapsed / since <= lead:
             trace.mark("wrk.wire_end_forecast")
             self.fire()
 
@@ -155,19 +192,31 @@ class WorkerVerbs:
         return self._asyncrl_receive(version, group_ids, timeout_s, begin, with_sender, early, gate)
 
     def _asyncrl_receive(self, version: int, group_ids: list[str], timeout_s: float, begin: tuple | None,
-                         with_sender: bool, early: str | None, gate: str,
-                         on_wire_end: Callable[[], None] | None = None, lead_s: float = 0.0) -> Any:
-        """`asyncrl_receive_collective`; `on_wire_end` (a receive apart from the engine): called once, when every
-        bucket has landed, before the digests are read, or (`lead_s` > 0) as soon as the rest of the last group's
-        buckets should land within `lead_s` seconds at the rate they have been landing (`WireEndForecast`).
-        Traced: where a stalled receive waits (trace.py)."""
+                         with_sender: bool, early: str | None, gate: str, apart: "ApartReceive | None" = None) -> Any:
+        """`asyncrl_receive_collective`; `apart`: a receive apart from the engine (`ApartReceive`). Traced: where a
+        stalled receive waits (trace.py)."""
         with trace.watch():
-            return self._asyncrl_receive_watched(version, group_ids, timeout_s, begin, with_sender, early, gate,
-                                                 on_wire_end, lead_s)
+            return self._asyncrl_receive_watched(version, group_ids, timeout_s, begin, with_sender, early, gate, apart)
+
+    def _asyncrl_apply_paused(self, rx: WorkerReceiver, version: int, query: str) -> Any:
+        """The engine paused for this receive's commit: read `query` first (the ledger's counts, "" none: nothing
+        may change the live weights before), then copy what landed into them, and each later bucket as it lands
+        (`WorkerReceiver.apply_staged_now`). That copy's rate is kept for the next forecast. The query's answer."""
+        before = self._asyncrl_query(query)() if query else None
+        t = time.perf_counter()
+        nbytes = rx.apply_staged_now(version)
+        if nbytes is None:
+            return None
+        if nbytes and rx.hooks.device.type == "cuda":
+            import torch
+
+            torch.cuda.current_stream(rx.hooks.device).synchronize()
+            self.__dict__["_asyncrl_copy_rate"] = nbytes / max(time.perf_counter() - t, 1e-6)
+        trace.mark("wrk.applied_landed")
+        return before
 
     def _asyncrl_receive_watched(self, version: int, group_ids: list[str], timeout_s: float, begin: tuple | None,
-                                 with_sender: bool, early: str | None, gate: str,
-                                 on_wire_end: Callable[[], None] | None, lead_s: float = 0.0) -> Any:
+                                 with_sender: bool, early: str | None, gate: str, apart: "ApartReceive | None") -> Any:
         from asyncrl.weightsync.collective import CollectiveError
         from asyncrl.weightsync.wire import receive_stream, sender_digests
 
@@ -194,7 +243,10 @@ class WorkerVerbs:
             if not rx.apply_as_received(version):
                 first = None
         gated = bool(gate) and streamed
-        forecast = WireEndForecast(on_wire_end, lead_s) if on_wire_end is not None else None
+        forecast = None if apart is None or apart.on_wire_end is None else \
+            WireEndForecast(apart.on_wire_end, apart.lead_s, self.__dict__.get("_asyncrl_copy_rate", 0.0))
+        notice = apart.notice if apart is not None and with_sender and streamed else None
+        switched = False  # (the notice acted on: at most once)
         if gated:  # ready on every group at once; each group's decision is awaited when its turn comes (a
             for gid in group_ids:  # later PP stage may only start sending once an earlier one is done)
                 groups[gid].arrive(gate)
@@ -212,6 +264,9 @@ class WorkerVerbs:
                     forecast.landed(bucket.nbytes, group._whole_table)
                 rx.stage(version, bucket, expected, lazy=True, batch=ipc)  # full staging: one wait for every digest, below
                 trace.mark(f"wrk.staged.{k}")
+                if notice is not None and not switched and notice.is_set() and notice.ok:
+                    switched = True  # the engine paused with buckets still to land: what landed goes live now
+                    first = self._asyncrl_apply_paused(rx, version, apart.query)  # type: ignore[union-attr]
             trace.mark("wrk.end_header")
             if with_sender:
                 theirs.update(sender_digests(group, deadline))
@@ -219,6 +274,11 @@ class WorkerVerbs:
             forecast.fire()
         digests = rx.digests(version)
         trace.mark("wrk.digests")
+        if notice is not None and not switched:  # every bucket is in: the apply waits for the engine's pause
+            if not notice.wait(max(0.0, deadline - time.monotonic())) or not notice.ok:
+                raise RuntimeError(f"version {version}: the engine did not pause for this receive's commit; "
+                                   "nothing was applied")
+            first = self._asyncrl_apply_paused(rx, version, apart.query)  # type: ignore[union-attr]
         if rx.applying_as_received:
             applied = rx.finish_received(version)
         trace.mark("wrk.return")
@@ -230,15 +290,19 @@ class WorkerVerbs:
         steps on while the push is on the wire; returns at once. Its answer, or its error's text, goes to the
         replica over `reply` ({host, port, token} of the replica's push channel, and `call`, this receive's id):
         `receive_done(call, rank, ok, answer)`; before it, `wire_end(call, rank)` once its last buckets land, or
-        (`reply["lead_s"]`: how long the replica's engine takes to pause) that long before they should. One receive
-        at a time: a second before the first ended is refused. Reached through vLLM's utility call, or through
-        this worker's own channel (`asyncrl_start_channel`), which does not wait for the engine's step."""
-        import threading
-
+        (`reply["lead_s"]`: how long the replica's engine takes to pause) that long before they should.
+        `reply["apply_paused"]` (with `with_sender`; the replica reaches this worker's channel): the worker applies
+        the version itself once the replica says its engine paused (`asyncrl_engine_paused`), what landed at once
+        and the rest as it lands, reading `reply["query"]` first; the answer then carries the apply's report, as a
+        receive applied as it landed does. One receive at a time: a second before the first ended is refused.
+        Reached through vLLM's utility call, or through this worker's own channel (`asyncrl_start_channel`), which
+        does not wait for the engine's step."""
         running = self.__dict__.get("_asyncrl_receiving")
         if running is not None and running.is_alive():
             raise RuntimeError("a receive apart from the engine is still running on this worker")
         rank = int(getattr(self, "rank", 0))
+        notice = PauseNotice() if reply.get("apply_paused") and with_sender else None
+        self.__dict__["_asyncrl_pause_notice"] = (reply["call"], notice)
 
         def run() -> None:
             import torch
@@ -264,8 +328,9 @@ class WorkerVerbs:
                     pass
 
             try:
-                answer: Any = (True, self._asyncrl_receive(version, group_ids, timeout_s, begin, with_sender, None,
-                                                            gate, wire_end, float(reply.get("lead_s") or 0.0)))
+                answer: Any = (True, self._asyncrl_receive(version, group_ids, timeout_s, begin, with_sender, None, gate,
+                                                            ApartReceive(wire_end, float(reply.get("lead_s") or 0.0),
+                                                                         notice, str(reply.get("query") or ""))))
             except BaseException as err:  # noqa: BLE001 - reported to the replica, whose load raises it
                 answer = (False, f"{type(err).__name__}: {err}")
             try:
@@ -293,8 +358,16 @@ class WorkerVerbs:
 
         server = self.__dict__.get("_asyncrl_channel")
         if server is None:
-            server = self.__dict__["_asyncrl_channel"] = ThreadServer(self, ["asyncrl_receive_start"], _worker_host(host))
+            server = self.__dict__["_asyncrl_channel"] = ThreadServer(
+                self, ["asyncrl_receive_start", "asyncrl_engine_paused"], _worker_host(host))
         return dict(server.address)
+
+    def asyncrl_engine_paused(self, call: str, ok: bool) -> None:
+        """The replica's engine paused (`ok`) for the commit of receive `call`, or could not (a receive started with
+        `apply_paused` then fails, nothing applied). A word for another receive than the running one is dropped."""
+        held = self.__dict__.get("_asyncrl_pause_notice")
+        if held is not None and held[0] == call and held[1] is not None:
+            held[1].set(ok)
 
     def asyncrl_refuse_collective(self, group_ids: list[str], why: str, gate: str = "") -> None:
         """Refuse the coming push on the groups `group_ids` (its begin failed): its sender (ipc), or

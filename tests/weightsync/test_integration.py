@@ -682,11 +682,13 @@ async def test_one_engine_over_ipc_takes_a_push_in_one_call_and_refuses_a_corrup
 
 async def test_one_engine_over_gloo_receiving_apart_pauses_only_for_the_commit_and_refuses_a_corrupt_bucket(
         engines, demo_model_path, monkeypatch):
-    """weightsync.receive_apart: the engine's worker receives the broadcast in a thread of its own, so the engine
-    is not paused (nor held in a call) for the wire, and reports the end over the replica's push channel; the
-    replica then pauses to check the sender's fingerprint, applies and resumes, in the same one call. The pushed
-    weights serve transformers' tokens. A byte flipped on the wire fails the check before anything was applied:
-    no restore, the previous version's exact tokens; the next push is carried."""
+    """weightsync.receive_apart: the engine's worker receives the broadcast in a thread of its own, started over
+    the worker's own channel (not behind the engine's step), so the engine is not paused (nor held in a call) for
+    the wire; the worker reports the wire's end over the replica's push channel, the replica pauses, and the
+    worker, told so, applies what landed itself; the replica checks the sender's fingerprint and resumes, in the
+    same one call. The pushed weights serve transformers' tokens. A byte flipped on the wire fails the check after
+    the worker applied it: the last live version is restored (one rollback), and its exact tokens served; the next
+    push is carried."""
     from asyncrl.config import WeightsyncConfig
     from asyncrl.weightsync.collective import CollectiveGroup
     from transformers import AutoTokenizer
@@ -698,7 +700,7 @@ async def test_one_engine_over_gloo_receiving_apart_pauses_only_for_the_commit_a
     result = await one.push(one.start + 1)
     m = result.metrics
     assert one.replica.calls == ["load_bucket"] and m["weightsync/commit_in_load"] == 1.0
-    assert m["weightsync/applied_as_received"] == 0.0 and m["weightsync/apply_direct"] == 1.0
+    assert m["weightsync/applied_as_received"] == 1.0 and m["weightsync/apply_direct"] == 1.0  # (by the worker)
     # paused for the check and the apply only: not for the wire, which the stage time holds
     assert 0 < m["weightsync/paused_seconds"] < m["weightsync/stage_seconds"]
     # started over the worker's own channel, not through the engine's queue; its first lead was 0 (no pause yet)
@@ -724,7 +726,7 @@ async def test_one_engine_over_gloo_receiving_apart_pauses_only_for_the_commit_a
     one.sender.weights = _perturbed(one.base, 32)
     rollbacks = one.pub.totals["rollbacks_total"]
     await one.push_is_refused_by_its_fingerprint(engine, one.start + 2, prompt_ids, before)
-    assert len(calls) >= 3 and one.pub.totals["rollbacks_total"] == rollbacks  # nothing was applied: no restore
+    assert len(calls) >= 3 and one.pub.totals["rollbacks_total"] == rollbacks + 1  # applied once paused: restored
     monkeypatch.setattr(CollectiveGroup, "enqueue_broadcasts", enqueue)
     await one.push(one.start + 3)
     starts = await engine.receive_starts.remote()  # the later receives told the worker how long a pause takes

@@ -460,3 +460,77 @@ def test_the_wire_end_is_forecast_a_pause_ahead_of_the_last_bucket_and_reported_
     assert pause_lead([]) == 0.0
     assert pause_lead([0.004, 0.010, 0.006]) == pytest.approx(0.009)
     assert pause_lead([2.0, 3.0]) == PAUSE_LEAD_MAX_S
+
+
+def test_workers_told_the_engine_paused_apply_themselves_and_a_receive_that_ends_untold_frees_them():
+    """`ReplicaStaging.apply_paused_query`: a receive apart that commits asks the workers (over their channels) to
+    apply once the engine paused, reading the query first; `engine_paused(True)` tells every worker once, and marks
+    the receive as one that may have applied part (`told_apply`); a receive that ends before the word (cancelled
+    here) tells them it is not coming (False), so that no worker waits for it to its deadline."""
+    import threading
+
+    from asyncrl.weightsync.push_channel import RECEIVE_DONE, ThreadServer, call_once
+    from asyncrl.weightsync.replica_side import ReplicaStaging
+    from asyncrl.weightsync.worker_verbs import PauseNotice
+
+    class Worker:
+        def __init__(self, rank):
+            self.rank, self.heard, self.notice = rank, [], None
+
+        def asyncrl_receive_start(self, version, group_ids, timeout_s, begin, with_sender, gate, reply):
+            assert reply["apply_paused"] and reply["query"] == "asyncrl_sampled_token_counts"
+            self.notice, call = PauseNotice(), reply["call"]
+            address = {k: reply[k] for k in ("host", "port", "token")}
+
+            def run():
+                told = self.notice.wait(10)
+                self.heard.append(self.notice.ok if told else "deadline")
+                call_once(address, RECEIVE_DONE, call, self.rank, True, {"digests": {}, "sender": {}, "applied": None})
+
+            threading.Thread(target=run).start()
+
+        def asyncrl_engine_paused(self, call, ok):
+            self.notice.set(ok)
+
+    async def main():
+        workers = [Worker(0), Worker(1)]
+        servers = [ThreadServer(w, ["asyncrl_receive_start", "asyncrl_engine_paused"], "127.0.0.1") for w in workers]
+
+        async def rpc(verb, *args, timeout=None):
+            return [dict(s.address) for s in servers]  # (asyncrl_start_channel: nothing else goes through the engine)
+
+        staging = ReplicaStaging(rpc, "r")
+
+        class ReplicaSide:
+            async def receive_done(self, *args):
+                staging.receive_done(*args)
+
+        replica = ChannelServer(ReplicaSide(), [RECEIVE_DONE])
+        staging.reply_address = lambda: replica.address("127.0.0.1")
+        staging.direct_start, staging.version = True, 3
+        staging.apply_paused_query = "asyncrl_sampled_token_counts"
+        payload = CollectiveReceive(("g",), 3, 10.0, apart=True, commit=True)
+        receiving = asyncio.ensure_future(staging._receive_apart(payload, 3, None))
+        while not all(w.notice for w in workers):
+            await asyncio.sleep(0.01)
+        staging.engine_paused(True)
+        staging.engine_paused(True)  # (once)
+        answers = await receiving
+        told = staging.told_apply
+        receiving = asyncio.ensure_future(staging._receive_apart(payload, 3, None))
+        while not all(w.notice and not w.notice.is_set() for w in workers):
+            await asyncio.sleep(0.01)
+        receiving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await receiving
+        while not all(len(w.heard) == 2 for w in workers):
+            await asyncio.sleep(0.01)
+        staging.close_worker_channels()
+        replica.close()
+        for s in servers:
+            s.close()
+        return answers, told, [w.heard for w in workers]
+
+    answers, told, heard = run(main())
+    assert len(answers) == 2 and told is True
+    assert heard == [[True, False], [True, False]]
