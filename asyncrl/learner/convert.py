@@ -431,29 +431,76 @@ def export_hf_pieces(model_chunks: list[torch.nn.Module], hf_config: Any, data: 
                      ) -> Iterator[tuple[str, torch.Tensor | None, tuple[int, ...], tuple[int, int, int] | None, str]]:
     """Every part of the HF tensors this rank holds, without gathering TP shards (each TP rank sends its
     own, `shard_pieces`): (HF name, the part (None unless `data`), the HF tensor's shape, its window,
-    dtype name). A vocabulary is gathered over TP as `export_hf_tensors` does (Megatron pads and splits
-    it at boundaries of its own), so every TP rank yields all of it; every such gather runs before the
-    first tensor is yielded. `data=False` moves nothing and runs no collective. Raises ShardExportError
-    for expert parameters."""
+    dtype name). A vocabulary (which Megatron pads and splits at boundaries of its own, engines at theirs)
+    comes as this rank's rows and `VOCAB_HALO_ROWS` of each neighbour's on either side (`vocab_from_edges`),
+    so that an engine rank of the same index finds its rows in it; the edge rows' one gather per vocabulary
+    runs before the first tensor is yielded. `data=False` moves nothing and runs no collective. Raises
+    ShardExportError for expert parameters."""
     arch = model_arch(hf_config)
     params = list(_exported(model_chunks, arch))
     for _, name, _, pm in params:
         if pm.expert_gather is not None or pm.group != "tp":
             raise ShardExportError(f"expert parameter {name}: sent gathered")
-    # Every collective of the export (the vocabularies' gathers) before anything is yielded: a sending rank
+    # Every collective of the export (the vocabularies' edge rows) before anything is yielded: a sending rank
     # broadcasts each bucket as it is packed, and an NCCL gather queued on a learner GPU behind a broadcast that
     # waits for the engines (busy with another rank's group) can wait for it forever.
-    gathered = {i: hf_from_gathered(pm, _all_gather(param.detach(), *_tp(pm.group)[1:]), arch)[0]
-                for i, (_, _, param, pm) in enumerate(params) if pm.kind == "vocab"} if data else {}
+    vocab = {}
+    for i, (_, _, param, pm) in enumerate(params):
+        if pm.kind == "vocab":
+            rank, size, group = _tp(pm.group)
+            rows = int(param.shape[0])
+            halo = min(VOCAB_HALO_ROWS, rows)
+            if not data:
+                vocab[i] = (None, None if size == 1 else (0, *vocab_window(rank, size, rows, arch.vocab_size, halo)))
+                continue
+            edges = _all_gather(vocab_edges(param.detach(), halo), size, group) if size > 1 else []
+            vocab[i] = vocab_from_edges(param.detach(), edges, rank, size, arch.vocab_size, halo)
     for i, (_, _, param, pm) in enumerate(params):
         dtype = str(param.dtype).removeprefix("torch.")
         rank, size, _ = _tp(pm.group)
         if pm.kind == "vocab":
-            yield pm.hf_names[0], gathered.pop(i, None), (arch.vocab_size, *param.shape[1:]), None, dtype
+            part, window = vocab.pop(i)
+            yield pm.hf_names[0], part, (arch.vocab_size, *param.shape[1:]), window, dtype
             continue
         shard = param.detach() if data else torch.empty_like(param, device="meta")
         for hf, part, full, window in shard_pieces(pm, shard, arch, rank, size):
             yield hf, (part if data else None), full, window, dtype
+
+
+# Rows of each neighbour's vocabulary shard a shard export adds to its own on either side. Engines pad and split a
+# vocabulary otherwise than Megatron (vLLM: 64 rows per rank; Megatron: 128 x TP in all), so an engine rank's rows
+# sit a little off the learner rank's of the same index: at Qwen2-7B's 151,936 rows and TP = 2, 64 rows. Before,
+# every rank gathered the whole vocabulary (2 x 1.09 GB at 7B, ~12 ms of every push before its first bucket).
+VOCAB_HALO_ROWS = 1024
+
+
+def vocab_window(rank: int, size: int, rows: int, vocab: int, halo: int) -> tuple[int, int]:
+    """Rows [lo, hi) of the HF vocabulary (`vocab` rows) TP rank `rank` of `size` yields: its own shard of `rows`
+    rows of Megatron's padded vocabulary, with `halo` rows of each neighbour's on either side (none, lo = hi, for a
+    rank whose shard and halo are all padding: a tiny vocabulary over many ranks)."""
+    hi = min(vocab, (rank + 1) * rows + (halo if rank < size - 1 else 0))
+    return min(hi, max(0, rank * rows - (halo if rank > 0 else 0))), hi
+
+
+def vocab_edges(shard: torch.Tensor, halo: int) -> torch.Tensor:
+    """What one TP rank gives its neighbours of its vocabulary shard: its first `halo` rows, then its last."""
+    return torch.cat([shard[:halo], shard[shard.shape[0] - halo:]]).contiguous()
+
+
+def vocab_from_edges(shard: torch.Tensor, edges: list[torch.Tensor], rank: int, size: int, vocab: int,
+                     halo: int) -> tuple[torch.Tensor, tuple[int, int, int] | None]:
+    """This rank's vocabulary piece, (its rows, window (0, lo, hi)) of the HF tensor (`vocab_window`), from its own
+    padded `shard` and every rank's `vocab_edges` (`edges`, in rank order); the whole vocabulary, window None, at
+    `size` 1."""
+    if size == 1:
+        return shard[:vocab], None
+    rows = int(shard.shape[0])
+    lo, hi = vocab_window(rank, size, rows, vocab, halo)
+    if hi == lo:
+        return shard[:0], (0, lo, hi)
+    parts = ([edges[rank - 1][halo:]] if rank > 0 else []) + [shard] + ([edges[rank + 1][:halo]] if rank < size - 1 else [])
+    start = rank * rows - (halo if rank > 0 else 0)
+    return torch.cat(parts)[lo - start: hi - start], (0, lo, hi)
 
 
 def _unwrap_expert_id(chunk: torch.nn.Module, name: str) -> int:

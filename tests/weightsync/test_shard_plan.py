@@ -13,7 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.learner.convert import ParamMap, ShardExportError, shard_from_hf, shard_pieces
+from asyncrl.learner.convert import (
+    ParamMap, ShardExportError, shard_from_hf, shard_pieces, vocab_edges, vocab_from_edges, vocab_window,
+)
 from asyncrl.learner.model import ModelArch
 from asyncrl.weightsync.plan import ManifestEntry, PlanError, PlannedPacker, build_plan, fill_param, probe_layout
 from asyncrl.weightsync.shards import Piece, build_shard_plan, hf_from_engine, localize_layout, piece_name, plan_layout
@@ -111,15 +113,26 @@ def _manifest(hf: dict[str, torch.Tensor]) -> list[ManifestEntry]:
     return [ManifestEntry(n, "float32", tuple(t.shape)) for n, t in hf.items()]
 
 
-def _learner(hf: dict[str, torch.Tensor], tp: int) -> tuple[list[Piece], dict[int, list[tuple[str, torch.Tensor]]]]:
-    """Each learner TP rank's pieces (the vocabulary whole on every rank, as after its gather) and export."""
+def _vocab_shards(hf: dict[str, torch.Tensor], tp: int) -> list[torch.Tensor]:
+    """The learner's vocabulary shards, padded as Megatron pads (here to a multiple of 3 x TP rows: 18 at TP = 2,
+    9 a rank, where the engine's loaders above take 8)."""
+    padded = -(-VOCAB // (3 * tp)) * 3 * tp
+    return [shard_from_hf(ParamMap(["embed.weight"], "vocab"), [hf["embed.weight"]], ARCH, r, tp, padded) for r in range(tp)]
+
+
+def _learner(hf: dict[str, torch.Tensor], tp: int, halo: int = 2) -> tuple[list[Piece], dict[int, list[tuple[str, torch.Tensor]]]]:
+    """Each learner TP rank's pieces (the vocabulary as its rows and `halo` of each neighbour's, as the shard
+    export gives it) and export."""
     pieces, exports = [], {}
+    shards = _vocab_shards(hf, tp)
+    edges = [vocab_edges(s, halo) for s in shards]
     for rank in range(tp):
         out = []
         for pm in MAPS.values():
             shard = shard_from_hf(pm, [hf[n] for n in pm.hf_names], ARCH, rank, tp, VOCAB)
             out += shard_pieces(pm, shard, ARCH, rank, tp)
-        out.append(("embed.weight", hf["embed.weight"], tuple(hf["embed.weight"].shape), None))
+        part, window = vocab_from_edges(shards[rank], edges, rank, tp, VOCAB, halo)
+        out.append(("embed.weight", part, tuple(hf["embed.weight"].shape), window))
         pieces += [Piece(n, rank, rank, "float32", full, window) for n, _, full, window in out]
         exports[rank] = [(piece_name(n, rank), t) for n, t, _, _ in out]
     return pieces, exports
@@ -159,6 +172,35 @@ def test_a_shard_plan_gives_each_engine_rank_the_bytes_its_loaders_would(learner
     # the inverse (a replica of another layout catching up from these buckets) gives the HF tensors back
     back = hf_from_engine(plan, buckets)
     assert sorted(back) == sorted(hf) and all(torch.equal(back[n], hf[n]) for n in hf)
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+@pytest.mark.parametrize("halo", [1, 2, 5])
+def test_a_ranks_vocabulary_piece_is_its_rows_and_its_neighbours_edges(tp, halo):
+    """`vocab_from_edges`: a TP rank's vocabulary piece is exactly the HF rows of its window (its own shard of the
+    padded vocabulary, `halo` rows of each neighbour's on either side, the padding cut), built from every rank's
+    `vocab_edges` (what one gather of a few rows brings, not the whole vocabulary); the whole of it at TP 1."""
+    hf = _hf(7)
+    shards = _vocab_shards(hf, tp)
+    halo = min(halo, shards[0].shape[0])
+    edges = [vocab_edges(s, halo) for s in shards]
+    rows = shards[0].shape[0]
+    for rank in range(tp):
+        part, window = vocab_from_edges(shards[rank], edges, rank, tp, VOCAB, halo)
+        lo, hi = vocab_window(rank, tp, rows, VOCAB, halo)
+        assert window == (0, lo, hi) and torch.equal(part, hf["embed.weight"][lo:hi]), (rank, window)
+        assert hi == min(VOCAB, (rank + 1) * rows + halo) and lo == min(hi, max(0, rank * rows - halo))
+    whole, window = vocab_from_edges(_vocab_shards(hf, 1)[0], [], 0, 1, VOCAB, halo)
+    assert window is None and torch.equal(whole, hf["embed.weight"])
+
+
+def test_a_vocabulary_window_short_of_the_engine_ranks_rows_makes_no_shard_plan():
+    """Without the neighbours' rows the engine's rank 1 (rows 8-13) is not inside the learner's rank 1 (rows
+    9-13): no shard plan (the service falls back to the gathered one), rather than a wrong row."""
+    hf = _hf(8)
+    pieces, _ = _learner(hf, 2, halo=0)
+    with pytest.raises(PlanError, match="more than one learner rank"):
+        build_shard_plan(_manifest(hf), pieces, _layouts(hf, 2), 1.0)
 
 
 def test_an_engine_of_smaller_tp_than_the_learner_has_no_shard_plan():
