@@ -85,7 +85,7 @@ push)
       if [ -n "$tdir" ] && [ -d "$tdir" ]; then
         g=4; [ -n "${PROFILE_DIR:-}" ] && g=5  # pushes per bucket size: a warm-up, 3 timed (and one profiled)
         python3 benchmarks/push_timeline.py $tdir --group $g --json $OUT/timeline_$tag.json > $OUT/timeline_$tag.txt 2>&1
-        grep -A40 "^median of" $OUT/timeline_$tag.txt | grep -E "median|snd.enter|rep.load|rep.paus|gate_open|announced|landed|wire_done|digests|wrk.return|rep.received|rep.return|pub\."; tar czf $OUT/trace_$tag.tgz -C $OUT trace_$tag && rm -rf $tdir
+        grep -A40 "^median of" $OUT/timeline_$tag.txt | grep -E "median|snd.enter|rep.load|rep.paus|gate_open|announced|first_packed|applied_landed|wire_end_forecast|landed|wire_done|digests|wrk.return|rep.received|rep.return|pub\."; tar czf $OUT/trace_$tag.tgz -C $OUT trace_$tag && rm -rf $tdir
       fi
       grep -v '^{' $log | grep -iE "error|Traceback|layout" | tail -8 | cut -c1-400
       ;;

@@ -373,6 +373,8 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
     try:
         for bucket in export:
             k = len(packed)
+            if k == 0:  # (the export's own collectives and the first bucket's packing are behind it)
+                trace.mark("snd.first_packed")
             want = planned[k] if k < len(planned) else None
             if want is None or (bucket.rank, bucket.nbytes, bucket.names) != (want.rank, want.nbytes, [m.name for m in want.metas()]):
                 export.failed = True  # the table the receivers hold does not describe it: nothing more goes out as data
