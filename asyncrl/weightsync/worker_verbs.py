@@ -198,22 +198,32 @@ class WorkerVerbs:
         with trace.watch():
             return self._asyncrl_receive_watched(version, group_ids, timeout_s, begin, with_sender, early, gate, apart)
 
-    def _asyncrl_apply_paused(self, rx: WorkerReceiver, version: int, query: str) -> Any:
+    def _asyncrl_apply_paused(self, rx: WorkerReceiver, version: int, query: str) -> tuple[Any, Any]:
         """The engine paused for this receive's commit: read `query` first (the ledger's counts, "" none: nothing
         may change the live weights before), then copy what landed into them, and each later bucket as it lands
-        (`WorkerReceiver.apply_staged_now`). That copy's rate is kept for the next forecast. The query's answer."""
+        (`WorkerReceiver.apply_staged_now`). (The query's answer, the copy's timing for `_asyncrl_copy_timed`.)"""
         before = self._asyncrl_query(query)() if query else None
-        t = time.perf_counter()
-        nbytes = rx.apply_staged_now(version)
-        if nbytes is None:
-            return None
-        if nbytes and rx.hooks.device.type == "cuda":
+        timing = None
+        if rx.hooks.device.type == "cuda":  # timed on the device: the receive thread does not wait for the copy
             import torch
 
-            torch.cuda.current_stream(rx.hooks.device).synchronize()
-            self.__dict__["_asyncrl_copy_rate"] = nbytes / max(time.perf_counter() - t, 1e-6)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        nbytes = rx.apply_staged_now(version)
+        if nbytes is None:
+            return None, None
+        if rx.hooks.device.type == "cuda" and nbytes:
+            end.record()
+            timing = (nbytes, start, end)
         trace.mark("wrk.applied_landed")
-        return before
+        return before, timing
+
+    def _asyncrl_copy_timed(self, timing: Any) -> None:
+        """Keep the rate of the copy `_asyncrl_apply_paused` timed (once it is done) for the next forecast."""
+        if timing is not None:
+            nbytes, start, end = timing
+            end.synchronize()
+            self.__dict__["_asyncrl_copy_rate"] = nbytes / max(start.elapsed_time(end) / 1e3, 1e-6)
 
     def _asyncrl_receive_watched(self, version: int, group_ids: list[str], timeout_s: float, begin: tuple | None,
                                  with_sender: bool, early: str | None, gate: str, apart: "ApartReceive | None") -> Any:
@@ -246,7 +256,7 @@ class WorkerVerbs:
         forecast = None if apart is None or apart.on_wire_end is None else \
             WireEndForecast(apart.on_wire_end, apart.lead_s, self.__dict__.get("_asyncrl_copy_rate", 0.0))
         notice = apart.notice if apart is not None and with_sender and streamed else None
-        switched = False  # (the notice acted on: at most once)
+        switched, timing = False, None  # (the notice acted on: at most once; its copy's timing)
         if gated:  # ready on every group at once; each group's decision is awaited when its turn comes (a
             for gid in group_ids:  # later PP stage may only start sending once an earlier one is done)
                 groups[gid].arrive(gate)
@@ -266,7 +276,7 @@ class WorkerVerbs:
                 trace.mark(f"wrk.staged.{k}")
                 if notice is not None and not switched and notice.is_set() and notice.ok:
                     switched = True  # the engine paused with buckets still to land: what landed goes live now
-                    first = self._asyncrl_apply_paused(rx, version, apart.query)  # type: ignore[union-attr]
+                    first, timing = self._asyncrl_apply_paused(rx, version, apart.query)  # type: ignore[union-attr]
             trace.mark("wrk.end_header")
             if with_sender:
                 theirs.update(sender_digests(group, deadline))
@@ -278,9 +288,10 @@ class WorkerVerbs:
             if not notice.wait(max(0.0, deadline - time.monotonic())) or not notice.ok:
                 raise RuntimeError(f"version {version}: the engine did not pause for this receive's commit; "
                                    "nothing was applied")
-            first = self._asyncrl_apply_paused(rx, version, apart.query)  # type: ignore[union-attr]
+            first, timing = self._asyncrl_apply_paused(rx, version, apart.query)  # type: ignore[union-attr]
         if rx.applying_as_received:
             applied = rx.finish_received(version)
+            self._asyncrl_copy_timed(timing)
         trace.mark("wrk.return")
         return {"digests": digests, "sender": theirs, "applied": applied, "before": first} if with_sender else digests
 
