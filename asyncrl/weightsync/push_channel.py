@@ -61,6 +61,20 @@ def _frame(data: bytes) -> bytes:
     return _LEN.pack(len(data)) + data
 
 
+def _check_served(verbs: frozenset[str], verb: str, what: str) -> None:
+    if verb not in verbs:
+        raise ValueError(f"{what}: {verb!r} is not served here (only {sorted(verbs)})")
+
+
+def _reply_data(call_id: int, verb: str, ok: bool, value: Any, what: str) -> bytes:
+    """A reply's frame body: (id, ok, result or exception), or, where that does not pickle, an error saying so."""
+    try:
+        return pickle.dumps((call_id, ok, value))
+    except Exception as err:  # noqa: BLE001 - an unpicklable result or exception: say what it was
+        return pickle.dumps((call_id, False, RuntimeError(f"{what}: reply of {verb!r} not picklable: "
+                                                          f"{type(err).__name__}: {err}; {value!r:.500}")))
+
+
 class ChannelServer:
     """Serves `verbs` (names of coroutine methods of `target`) to clients that present the token."""
 
@@ -107,16 +121,11 @@ class ChannelServer:
     async def _run(self, call_id: int, verb: str, args: tuple, writer: asyncio.StreamWriter,
                    write_lock: asyncio.Lock) -> None:
         try:
-            if verb not in self._verbs:
-                raise ValueError(f"push channel: {verb!r} is not served here (only {sorted(self._verbs)})")
-            reply = (call_id, True, await getattr(self._target, verb)(*args))
+            _check_served(self._verbs, verb, "push channel")
+            outcome = (True, await getattr(self._target, verb)(*args))
         except Exception as err:  # noqa: BLE001 - the caller gets the exception, as a Ray call would
-            reply = (call_id, False, err)
-        try:
-            data = pickle.dumps(reply)
-        except Exception as err:  # noqa: BLE001 - an unpicklable result or exception: say what it was
-            data = pickle.dumps((call_id, False, RuntimeError(f"push channel: reply of {verb!r} not picklable: "
-                                                              f"{type(err).__name__}: {err}; {reply[2]!r:.500}")))
+            outcome = (False, err)
+        data = _reply_data(call_id, verb, *outcome, "push channel")
         with contextlib.suppress(ConnectionError):
             async with write_lock:
                 writer.write(_frame(data))
@@ -297,17 +306,11 @@ class ThreadServer:
                     raise ValueError(f"worker channel: a frame of {n} bytes (at most {_FRAME_MAX})")
                 call_id, verb, args = pickle.loads(_recv_exactly(conn, n))
                 try:
-                    if verb not in self._verbs:
-                        raise ValueError(f"worker channel: {verb!r} is not served here (only {sorted(self._verbs)})")
-                    reply = (call_id, True, getattr(self._target, verb)(*args))
+                    _check_served(self._verbs, verb, "worker channel")
+                    outcome = (True, getattr(self._target, verb)(*args))
                 except Exception as err:  # noqa: BLE001 - the caller gets the exception, as over vLLM's RPC
-                    reply = (call_id, False, err)
-                try:
-                    data = pickle.dumps(reply)
-                except Exception as err:  # noqa: BLE001 - an unpicklable result or exception: say what it was
-                    data = pickle.dumps((call_id, False, RuntimeError(f"worker channel: reply of {verb!r} not "
-                                                                      f"picklable: {type(err).__name__}: {err}")))
-                conn.sendall(_frame(data))
+                    outcome = (False, err)
+                conn.sendall(_frame(_reply_data(call_id, verb, *outcome, "worker channel")))
         except (ConnectionError, OSError):
             pass  # the client went away
         except Exception as err:  # noqa: BLE001 - a malformed frame: that connection ends, the server stays
