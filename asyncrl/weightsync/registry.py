@@ -205,6 +205,18 @@ class WeightsyncService:
             raise RegistryError(f"unknown registry operation {op!r}")
         return getattr(self._registry, op)(*args, **kwargs)
 
+    def apply_many(self, ops: list[tuple[str, tuple, dict]]) -> None:
+        """`apply` each (op, args, kwargs) in order: one push's events in one call. Each is tried; the first
+        error is raised after the rest ran (as separate calls would have left them)."""
+        first: Exception | None = None
+        for op, args, kwargs in ops:
+            try:
+                self.apply(op, *args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - the others still run, as they would one call each
+                first = first or err
+        if first is not None:
+            raise first
+
     def live_version(self) -> int:
         return self._registry.live_version
 

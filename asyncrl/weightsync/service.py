@@ -104,6 +104,7 @@ class WeightPublisher:
         self.publisher = Publisher(
             self.cfg, transport=transport, registry=VersionRegistry(initial_version),
             mirror=lambda op, *a, **k: self.service.apply.remote(op, *a, **k),
+            mirror_many=lambda ops: self.service.apply_many.remote(ops),
             on_live=weight_store_hook(self.store, lambda version: self.plan),
         )
         self.transport = transport

@@ -220,6 +220,35 @@ async def test_registry_events_are_mirrored_to_the_service():
     assert snap["versions"][0]["fingerprint"] == pub.registry.get(1).fingerprint
 
 
+async def test_a_pushs_registry_events_reach_the_service_in_one_call_before_it_returns():
+    """`mirror_many`: a push's registry events go to the service in one call (each was a Ray call on the push's
+    path), in order, before `publish` returns or raises; the service ends as one call per event would leave it."""
+    svc, each = WeightsyncService(), WeightsyncService()
+    calls: list = []
+
+    def many(ops):
+        calls.append([op for op, _, _ in ops])
+        svc.apply_many(ops)
+
+    pub, replicas, _, _ = _setup(mirror=each.apply, mirror_many=many)
+    await pub.publish(1, iter(model(1).items()), replicas)
+    assert len(calls) == 1 and calls[0][0] == "begin" and calls[0][-1] == "go_live"
+    assert svc.snapshot()["live_version"] == 1 and svc.snapshot()["versions"][0]["state"] == "live"
+    assert each.snapshot()["live_version"] == 0  # (the one-by-one mirror was not used)
+
+    def broken():
+        yield "a", torch.zeros(4)
+        raise RuntimeError("gather over TP failed")
+
+    with pytest.raises(WeightsyncError):
+        await pub.publish(2, broken(), replicas)
+    assert len(calls) == 2 and calls[1][0] == "begin"
+    assert svc.snapshot()["versions"][-1]["state"] == "failed" and svc.snapshot()["live_version"] == 1
+    pub2, replicas2, _, _ = _setup(mirror=each.apply)  # without it: one call per event, as before
+    await pub2.publish(1, iter(model(1).items()), replicas2)
+    assert each.snapshot()["live_version"] == 1
+
+
 async def test_on_live_hook_gets_the_committed_buckets():
     from asyncrl.weightsync.bucket import Bucket, iter_unpacked
 

@@ -104,3 +104,13 @@ def test_service_mirrors_registry_operations():
         svc.apply("__init__")
     snap = svc.snapshot()
     assert snap["in_flight"] == 1 and snap["versions"][0]["state"] == "staging"
+
+
+def test_the_service_applies_a_pushs_events_in_order_and_raises_the_first_bad_one_after_the_rest():
+    from asyncrl.weightsync.registry import RegistryError
+
+    svc = WeightsyncService()
+    with pytest.raises(RegistryError, match="unknown registry operation 'nope'"):
+        svc.apply_many([("begin", (1,), {}), ("nope", (), {}), ("transition", (1, S.STAGING), {})])
+    assert svc.get(1).state is S.STAGING  # (the op after the bad one still ran)
+
