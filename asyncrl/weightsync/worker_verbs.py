@@ -84,32 +84,40 @@ class WireEndForecast:
     as the rest of the version should land within `lead_s` seconds (the replica's engine takes about that long
     to pause, so it is paused by the time the last bucket is in), plus the time to copy what landed by then into
     the live weights at `copy_rate` (a worker that applies once paused), judged from the rate the buckets after
-    the first have landed at; else (`fire`) once the last bucket is in. Pausing early costs nothing but the
-    engine's idle time."""
+    the first have landed at (at the first, from `wire_rate`, the last push's); else (`fire`) once the last bucket
+    is in. Pausing early costs nothing but the engine's idle time."""
 
-    def __init__(self, on_wire_end: Callable[[], None], lead_s: float = 0.0, copy_rate: float = 0.0) -> None:
+    def __init__(self, on_wire_end: Callable[[], None], lead_s: float = 0.0, copy_rate: float = 0.0,
+                 wire_rate: float = 0.0) -> None:
         self._on_wire_end: Callable[[], None] | None = on_wire_end
         self.lead_s = max(0.0, float(lead_s))
         self.copy_rate = max(0.0, float(copy_rate))  # bytes/s: what landed is copied live once paused (apply_paused)
+        self.wire_rate = max(0.0, float(wire_rate))  # bytes/s the last push's buckets landed at: judged from the first
         self._landed = 0
         self._first: tuple[float, int] | None = None  # (when the first bucket landed, its bytes)
+        self._last = 0.0  # when the last bucket so far landed
+
+    def rate(self) -> float:
+        """The rate the buckets after the first landed at (bytes/s; 0 before the second)."""
+        if self._first is None or self._last <= self._first[0]:
+            return 0.0
+        return (self._landed - self._first[1]) / (self._last - self._first[0])
 
     def landed(self, nbytes: int, table: Any) -> None:
         """A bucket of the last group landed; `table` is that group's `WholeTable` (None: sizes unknown)."""
-        now = time.perf_counter()
+        now = self._last = time.perf_counter()
         self._landed += int(nbytes)
-        if self._on_wire_end is None or self.lead_s <= 0 or table is None or self._landed > int(table.nbytes):
-            return  # (more than the table says: a version sent bucket by bucket, the table an earlier push's)
         if self._first is None:
             self._first = (now, int(nbytes))
-            return
-        elapsed, since = now - self._first[0], self._landed - self._first[1]
-        if elapsed <= 0 or since <= 0:
+        if self._on_wire_end is None or self.lead_s <= 0 or table is None or self._landed > int(table.nbytes):
+            return  # (more than the table says: a version sent bucket by bucket, the table an earlier push's)
+        rate = self.rate() or self.wire_rate  # (at the first bucket: the last push's)
+        if rate <= 0:
             return
         remaining = max(0, int(table.nbytes) - self._landed)
         # ... and, where the worker applies what landed once paused, ahead by that copy too (last push's rate)
         lead = self.lead_s + (self._landed / self.copy_rate if self.copy_rate > 0 else 0.0)
-        if remaining * elapsed / since <= lead:
+        if remaining / rate <= lead:
             trace.mark("wrk.wire_end_forecast")
             self.fire()
 
@@ -253,8 +261,9 @@ class WorkerVerbs:
             if not rx.apply_as_received(version):
                 first = None
         gated = bool(gate) and streamed
-        forecast = None if apart is None or apart.on_wire_end is None else \
-            WireEndForecast(apart.on_wire_end, apart.lead_s, self.__dict__.get("_asyncrl_copy_rate", 0.0))
+        forecast = None if apart is None or apart.on_wire_end is None else WireEndForecast(
+            apart.on_wire_end, apart.lead_s, self.__dict__.get("_asyncrl_copy_rate", 0.0),
+            self.__dict__.get("_asyncrl_wire_rate", 0.0))
         notice = apart.notice if apart is not None and with_sender and streamed else None
         switched, timing = False, None  # (the notice acted on: at most once; its copy's timing)
         if gated:  # ready on every group at once; each group's decision is awaited when its turn comes (a
@@ -282,6 +291,8 @@ class WorkerVerbs:
                 theirs.update(sender_digests(group, deadline))
         if forecast is not None:
             forecast.fire()
+            if forecast.rate() > 0:  # (kept for the next receive's first bucket)
+                self.__dict__["_asyncrl_wire_rate"] = forecast.rate()
         digests = rx.digests(version)
         trace.mark("wrk.digests")
         if notice is not None and not switched:  # every bucket is in: the apply waits for the engine's pause

@@ -454,7 +454,14 @@ def test_the_wire_end_is_forecast_a_pause_ahead_of_the_last_bucket_and_reported_
     assert landings(0.5, table=None) == ["end"]
     early = landings(0.035)  # ~10 ms a bucket: fired when about 3 buckets are left, once
     assert len(early) == 1 and 5 <= early[0] <= 7, early
-    assert landings(5.0) == [1]  # a lead longer than the wire: at the second bucket, never the first
+    assert landings(5.0) == [1]  # a lead longer than the wire: at the second bucket, never the first ...
+    fired: list = []
+    hinted = WireEndForecast(lambda: fired.append(1), 5.0, wire_rate=1e4)  # ... unless the last push's rate is known
+    hinted.landed(100, Table())
+    assert fired == [1] and hinted.rate() == 0.0
+    time.sleep(0.01)
+    hinted.landed(100, Table())  # a rate of its own from the second bucket on; reported once
+    assert 0 < hinted.rate() <= 100 / 0.01 and fired == [1]
     small = type("T", (), {"nbytes": 250})()
     assert landings(5.0, table=small) == [1] and landings(0.001, table=small) == ["end"]
     assert pause_lead([]) == 0.0
