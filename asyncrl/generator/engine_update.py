@@ -33,18 +33,6 @@ from asyncrl.weightsync.replica_side import FingerprintMismatch
 logger = logging.getLogger(__name__)
 
 
-def _node_host() -> str:
-    """This node's address as Ray knows it (where other nodes reach it), else loopback."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - not in a Ray worker: a local test
-        pass
-    return "127.0.0.1"
-
-
 PAUSE_LEAD_MAX_S = 0.25  # a receive apart never reports its wire's end earlier than this (a slow prefill's pause)
 
 
@@ -197,11 +185,15 @@ class WeightUpdates:
                     trace.mark("rep.pausing")
                     paused_at = asked = time.perf_counter()
                     pausing = asyncio.ensure_future(self._pause_engine("keep"))
-                    pausing.add_done_callback(lambda _: trace.mark("rep.paused"))
-                    pausing.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
-                                              or self._pause_waits.append(time.perf_counter() - asked))
-                    pausing.add_done_callback(lambda f: self._staging.engine_paused(
-                        not f.cancelled() and f.exception() is None))
+
+                    def paused(f: asyncio.Future) -> None:  # (its time is the next receive's lead; the workers hear)
+                        trace.mark("rep.paused")
+                        ok = not f.cancelled() and f.exception() is None
+                        if ok:
+                            self._pause_waits.append(time.perf_counter() - asked)
+                        self._staging.engine_paused(ok)
+
+                    pausing.add_done_callback(paused)
 
             self._staging.on_wire_end = pause_late
         elif self.state is ReplicaState.READY and self._may_run():
@@ -311,11 +303,11 @@ class WeightUpdates:
     async def push_channel(self) -> dict[str, Any]:
         """The address of this replica's push channel: the publisher's load goes there instead of
         through Ray or Serve (the same verb, run on this loop). Started at the first ask."""
-        from asyncrl.weightsync.push_channel import RECEIVE_DONE, WIRE_END, ChannelServer
+        from asyncrl.weightsync.push_channel import RECEIVE_DONE, WIRE_END, ChannelServer, node_host
 
         if getattr(self, "_channel", None) is None:
             self._channel = ChannelServer(self, ["load_bucket", RECEIVE_DONE, WIRE_END])
-        return {"replica_id": self.replica_id, **await self._channel.address(_node_host())}
+        return {"replica_id": self.replica_id, **await self._channel.address(node_host())}
 
     async def receive_done(self, call: str, rank: int, ok: bool, answer: Any) -> None:
         """A worker's receive apart from the engine ended (`CollectiveReceive.apart`; it reports over this channel)."""

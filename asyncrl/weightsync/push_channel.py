@@ -61,6 +61,19 @@ def _frame(data: bytes) -> bytes:
     return _LEN.pack(len(data)) + data
 
 
+def node_host(fallback: str = "127.0.0.1") -> str:
+    """This node's address as Ray knows it (where other nodes reach a channel here), else `fallback` (not in a Ray
+    process: a local test, or a vLLM worker process, which runs on its replica's node)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - not in a Ray process
+        pass
+    return fallback
+
+
 def _check_served(verbs: frozenset[str], verb: str, what: str) -> None:
     if verb not in verbs:
         raise ValueError(f"{what}: {verb!r} is not served here (only {sorted(verbs)})")
@@ -240,13 +253,10 @@ class BlockingChannel:
         call_id = self.post(verb, *args)
         try:
             while True:
-                (n,) = _LEN.unpack(_recv_exactly(self._sock, _LEN.size))
-                if n > _FRAME_MAX:
-                    raise ChannelClosed(f"push channel to {self.name}: a reply of {n} bytes")
-                got, ok, value = pickle.loads(_recv_exactly(self._sock, n))
+                got, ok, value = pickle.loads(_recv_frame(self._sock))
                 if got == call_id:
                     break  # (earlier replies: posted calls', not waited for)
-        except OSError as err:
+        except (OSError, ValueError) as err:  # (a ValueError: a reply over the frame limit)
             raise ChannelClosed(f"push channel to {self.name}: {type(err).__name__}: {err}") from err
         if not ok:
             raise value
@@ -297,14 +307,10 @@ class ThreadServer:
     def _serve(self, conn: Any) -> None:
         self._connections.add(conn)
         try:
-            (n,) = _LEN.unpack(_recv_exactly(conn, _LEN.size))
-            if n > _TOKEN_MAX or not hmac.compare_digest(_recv_exactly(conn, n), self._token.encode()):
+            if not hmac.compare_digest(_recv_frame(conn, _TOKEN_MAX), self._token.encode()):
                 return
             while not self._closed:
-                (n,) = _LEN.unpack(_recv_exactly(conn, _LEN.size))
-                if n > _FRAME_MAX:
-                    raise ValueError(f"worker channel: a frame of {n} bytes (at most {_FRAME_MAX})")
-                call_id, verb, args = pickle.loads(_recv_exactly(conn, n))
+                call_id, verb, args = pickle.loads(_recv_frame(conn))
                 try:
                     _check_served(self._verbs, verb, "worker channel")
                     outcome = (True, getattr(self._target, verb)(*args))
@@ -335,6 +341,14 @@ def call_once(address: dict[str, Any], verb: str, *args: Any, timeout_s: float =
     connection, one call, its result (or its exception raised here); `ChannelClosed` if the connection fails."""
     with BlockingChannel(address, timeout_s) as channel:
         return channel.call(verb, *args)
+
+
+def _recv_frame(sock: Any, limit: int = _FRAME_MAX) -> bytes:
+    """`_read_frame` on a blocking socket."""
+    (n,) = _LEN.unpack(_recv_exactly(sock, _LEN.size))
+    if n > limit:
+        raise ValueError(f"push channel: a frame of {n} bytes (at most {limit})")
+    return _recv_exactly(sock, n)
 
 
 def _recv_exactly(sock: Any, n: int) -> bytes:

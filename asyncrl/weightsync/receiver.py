@@ -272,10 +272,14 @@ class WorkerReceiver:
         compared at the commit, and a difference there is a failed apply (restore, then resume).
         False (nothing changes) for an HF-layout or bucketed update, or once a bucket was staged."""
         staged = self._state(version)
-        if staged.layout != "engine" or staged.staging != "full" or staged.digests or self._live is None:
+        if not self._copies_live(staged) or staged.digests:
             return False
         staged.early = True
         return True
+
+    def _copies_live(self, staged: _Staged) -> bool:
+        """Whether `staged` can be copied into the live weights as it lands: engine layout, full staging, a plan."""
+        return staged.layout == "engine" and staged.staging == "full" and self._live is not None
 
     def apply_staged_now(self, version: int) -> int | None:
         """`apply_as_received` for an update partly staged already (a receive apart from the engine, whose engine
@@ -283,7 +287,7 @@ class WorkerReceiver:
         it is staged; the digests are still compared at the commit, as there. The bytes copied now (enqueued);
         None, and nothing changes, for an HF-layout or bucketed update, or one applied as received already."""
         staged = self._state(version)
-        if staged.layout != "engine" or staged.staging != "full" or self._live is None or staged.early:
+        if not self._copies_live(staged) or staged.early:
             return None
         nbytes = sum(view.numel() * view.element_size() for _, view in staged.engine)
         if staged.engine:

@@ -235,7 +235,6 @@ class ReplicaStaging:
         waiting = self._apart[call] = _ApartCall(asyncio.get_running_loop().create_future(), on_wire_end=self.on_wire_end)
         try:
             clients = await self._open_worker_channels()
-            self.told_apply = False
             reply = {**await self.reply_address(), "call": call, "lead_s": self.pause_lead_s}
             if clients is not None and payload.commit and self.apply_paused_query is not None:
                 reply.update(apply_paused=True, query=self.apply_paused_query)

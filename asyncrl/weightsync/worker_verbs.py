@@ -35,19 +35,6 @@ def _settle(future: Any, fn: Callable[..., Any], *args: Any) -> None:
         future.set_exception(err)
 
 
-def _worker_host(replica_host: str) -> str:
-    """This worker's address for the replica: Ray's for this node where this process is a Ray worker (a
-    multi-node engine), else the replica's (vLLM's own worker processes run on the replica's node)."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - not a Ray worker
-        pass
-    return replica_host
-
-
 class PauseNotice:
     """The replica's word, for one receive apart from the engine, that the engine paused for its commit (`ok`) or
     could not."""
@@ -376,12 +363,12 @@ class WorkerVerbs:
         without going through the engine's input queue, which holds a call until the step in flight ends:
         {host, port, token} of this worker's `ThreadServer` (push_channel.py), started at the first call.
         `host`: the replica's node, which is this worker's unless Ray places it elsewhere."""
-        from asyncrl.weightsync.push_channel import ThreadServer
+        from asyncrl.weightsync.push_channel import ThreadServer, node_host
 
         server = self.__dict__.get("_asyncrl_channel")
-        if server is None:
+        if server is None:  # (Ray's address for this node where this worker is a Ray process: a multi-node engine)
             server = self.__dict__["_asyncrl_channel"] = ThreadServer(
-                self, ["asyncrl_receive_start", "asyncrl_engine_paused"], _worker_host(host))
+                self, ["asyncrl_receive_start", "asyncrl_engine_paused"], node_host(host))
         return dict(server.address)
 
     def asyncrl_engine_paused(self, call: str, ok: bool) -> None:
