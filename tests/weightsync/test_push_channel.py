@@ -482,7 +482,7 @@ def test_workers_told_the_engine_paused_apply_themselves_and_a_receive_that_ends
 
     class Worker:
         def __init__(self, rank):
-            self.rank, self.heard, self.notice = rank, [], None
+            self.rank, self.heard, self.notice, self.threads = rank, [], None, []
 
         def asyncrl_receive_start(self, version, group_ids, timeout_s, begin, with_sender, gate, reply):
             assert reply["apply_paused"] and reply["query"] == "asyncrl_sampled_token_counts"
@@ -494,7 +494,8 @@ def test_workers_told_the_engine_paused_apply_themselves_and_a_receive_that_ends
                 self.heard.append(self.notice.ok if told else "deadline")
                 call_once(address, RECEIVE_DONE, call, self.rank, True, {"digests": {}, "sender": {}, "applied": None})
 
-            threading.Thread(target=run).start()
+            self.threads.append(threading.Thread(target=run))
+            self.threads[-1].start()
 
         def asyncrl_engine_paused(self, call, ok):
             self.notice.set(ok)
@@ -531,6 +532,8 @@ def test_workers_told_the_engine_paused_apply_themselves_and_a_receive_that_ends
         with pytest.raises(asyncio.CancelledError):
             await receiving
         while not all(len(w.heard) == 2 for w in workers):
+            await asyncio.sleep(0.01)
+        while any(t.is_alive() for w in workers for t in w.threads):  # (their reports reach the replica first)
             await asyncio.sleep(0.01)
         staging.close_worker_channels()
         replica.close()
