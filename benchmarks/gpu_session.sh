@@ -46,6 +46,16 @@ mkdir -p $OUT
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
 if [ -n "${NO_CLEANUP:-}" ] && [ -n "${RAY_PORT_BASE:-}" ] && [ "$1" != quad ] && [ "$1" != duo ]; then own_ray $RAY_PORT_BASE; fi
+# The demo and the async runs start Ray from their driver (ray.init) unless RAY_ADDRESS names a head: on a fresh
+# two-H200 host (2026-11-29) that start timed out twice in a row ("The current node timed out during startup"),
+# while `ray start --head` (own_ray) right after came up and the demo ran. Such a stage gets a head of its own.
+# (A head does not outlive its device call: the next call starts one again.)
+case $1 in demo-nccl|async)
+  if [ -z "${RAY_ADDRESS:-}" ]; then
+    pkill -9 -f "[r]ay::"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*
+    own_ray ${RAY_PORT_BASE:-30000}
+  fi ;;
+esac
 MODEL=/tmp/qwen2-0.5b-random
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 case $1 in
@@ -85,7 +95,7 @@ push)
       if [ -n "$tdir" ] && [ -d "$tdir" ]; then
         g=4; [ -n "${PROFILE_DIR:-}" ] && g=5  # pushes per bucket size: a warm-up, 3 timed (and one profiled)
         python3 benchmarks/push_timeline.py $tdir --group $g --json $OUT/timeline_$tag.json > $OUT/timeline_$tag.txt 2>&1
-        grep -A40 "^median of" $OUT/timeline_$tag.txt | grep -E "median|snd.enter|rep.load|rep.paus|gate_open|announced|first_packed|applied_landed|wire_end_forecast|landed|wire_done|digests|wrk.return|rep.received|rep.return|pub\."; tar czf $OUT/trace_$tag.tgz -C $OUT trace_$tag && rm -rf $tdir
+        grep -A40 "^median of" $OUT/timeline_$tag.txt | grep -E "median|snd.enter|rep.load|rep.paus|wrk.begun|arrived|gate_open|announced|first_packed|applied_landed|wire_end_forecast|landed|wire_done|digests|wrk.return|rep.received|rep.return|pub\."; tar czf $OUT/trace_$tag.tgz -C $OUT trace_$tag && rm -rf $tdir
       fi
       grep -v '^{' $log | grep -iE "error|Traceback|layout" | tail -8 | cut -c1-400
       ;;
@@ -121,8 +131,6 @@ ws-tests|ipc)
   done
   ;;
 async)
-  # leftover Ray processes of an earlier stage made ray.init time out twice; clear them first
-  pkill -9 -f "[r]ay::"; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*; sleep 1
   timeout 420 python3 benchmarks/async_speedup.py --config deploy/rlhf-gpu2.yaml --steps 30 --num-cpus 32 \
       --out $OUT/async_speedup.json > $OUT/async_speedup.log 2>&1
   echo "async rc=$?"; tail -12 $OUT/async_speedup.log | cut -c1-400
