@@ -313,7 +313,8 @@ class CollectiveGroup:
     _ring_copies: list = field(default_factory=list, repr=False)  # ipc_window 0: the host copies still reading them
     _opened: dict = field(default_factory=dict, repr=False)  # ipc receiver: the sender's buffers, opened once
     _sender_digests: dict | None = field(default=None, repr=False)  # gloo / nccl receiver: the last push's, as sent
-    _gate_keys: list = field(default_factory=list, repr=False)  # sender: the last push's gate keys, dropped at the next
+    _gate_keys: list = field(default_factory=list, repr=False)  # sender: this push's gate keys (stale at the next)
+    _stale_gate_keys: list = field(default_factory=list, repr=False)  # sender: earlier pushes', to drop (drop_stale_gate_keys)
     _whole_table: Any = field(default=None, repr=False)  # gloo / nccl receiver: the last whole version's table (stream_receive.py)
     _kept: Any = field(default=None, repr=False)  # ... and what it received that version into, kept for the next
     _announce: Any = field(default=None, repr=False)  # gloo / nccl sender: a plan's whole-version table, kept (stream.py)
@@ -382,18 +383,26 @@ class CollectiveGroup:
         """This member is ready for push `token`; the member that completes the count opens the gate."""
         keys = gate_keys(self.spec.group_id, token)
         kv = self._kv()
-        if self.rank == 0:  # the sender drops the last push's keys (every member was past them)
-            for key in self._gate_keys:
-                try:
-                    kv.delete_key(key)
-                except Exception:  # noqa: BLE001 - housekeeping only
-                    pass
-            self._gate_keys = list(keys)
+        if self.rank == 0:  # every member was past the last push's keys: the sender drops them once the wire runs
+            self._stale_gate_keys += self._gate_keys  # (`drop_stale_gate_keys`: three round trips to the store, which
+            self._gate_keys = list(keys)  # had been the last thing before this arrival)
         try:
             if kv.add(keys[0], 1) >= self.spec.world_size:
                 _decide(kv, self.spec.group_id, token, GATE_OPEN)
         except Exception as err:  # the store's owner (the sending rank) is gone
             raise self._failed([], err) from err
+
+    def drop_stale_gate_keys(self) -> None:
+        """The sender drops the gate keys of its earlier pushes from the store (housekeeping: nobody reads them)."""
+        keys, self._stale_gate_keys = self._stale_gate_keys, []
+        if not keys or self._store is None:
+            return
+        kv = self._kv()
+        for key in keys:
+            try:
+                kv.delete_key(key)
+            except Exception:  # noqa: BLE001 - housekeeping only
+                pass
 
     def await_gate(self, token: str, deadline: float) -> None:
         """Return once push `token`'s gate is open (every member arrived); raise `GateClosed` if it was

@@ -158,7 +158,9 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
         announce = whole_table(group, lambda: [(b.metas(), b.rank, b.nbytes) for b in planned], verify, plan, sender) \
             if planned is not None else None
         if gate:
-            group.pass_gate(gate, deadline)
+            group.arrive(gate)
+            trace.mark("snd.arrived")  # (whose arrival opened the gate: the later of this and wrk.arrived)
+            group.await_gate(gate, deadline)
             trace.mark("snd.gate_open")
         if planned is not None:  # the table is the plan's: sent first, each bucket on the wire as it is packed
             _send_whole_planned(group, export, copies, verify, deadline, out, planned, ring, announce)
@@ -180,6 +182,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     if not whole:  # (a whole version's trailer and end went out with its buckets: _finish_whole)
         group.broadcast(_header(group, END), deadline)
         trace.mark("snd.end_sent")
+    group.drop_stale_gate_keys()  # (a whole version's went while its wire ran)
     copies.finish()
     return out
 
@@ -298,6 +301,7 @@ def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], send
         for bucket, _ in packed:
             copies.add(bucket)
         out.seconds["host_copy"] += time.perf_counter() - t
+    group.drop_stale_gate_keys()  # (while the wire runs)
     t = time.perf_counter()
     for s in sending:
         s.wait()

@@ -240,6 +240,7 @@ class WorkerVerbs:
         except Exception as err:
             self.asyncrl_refuse_collective(group_ids, f"{type(err).__name__}: {err}", gate)
             raise
+        trace.mark("wrk.begun")
         theirs: dict[str, bytes] = {}
         first, applied = None, None
         streamed = all(groups[gid].spec.backend != "ipc" for gid in group_ids)
@@ -256,6 +257,7 @@ class WorkerVerbs:
         if gated:  # ready on every group at once; each group's decision is awaited when its turn comes (a
             for gid in group_ids:  # later PP stage may only start sending once an earlier one is done)
                 groups[gid].arrive(gate)
+            trace.mark("wrk.arrived")
         for gid in group_ids:
             group = groups[gid]
             if gated:

@@ -1261,5 +1261,15 @@ def test_a_sender_at_a_closed_gate_reads_its_export_to_the_end_and_its_next_push
     send_stream(sender, iter(weights.items()), BUCKET_MB, verify="checksum", timeout_s=20, gate="p2")
     th.join(30)
     assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in weights)
+    # The sender drops an earlier push's gate keys from the store once its next push's wire runs, not before
+    # its arrival at that push's gate; this push's stay until the next.
+    from asyncrl.weightsync.collective import gate_keys
+
+    kv = sender._kv()
+    assert not any(kv.check([k]) for k in gate_keys(spec.group_id, "p1")) and kv.check(list(gate_keys(spec.group_id, "p2")))
+    sender.arrive("p3")
+    assert kv.check(list(gate_keys(spec.group_id, "p2")))
+    sender.drop_stale_gate_keys()
+    assert not any(kv.check([k]) for k in gate_keys(spec.group_id, "p2")) and kv.check([gate_keys(spec.group_id, "p3")[0]])
     sender.close()
     receiver.close()

@@ -44,6 +44,27 @@ def test_every_bucket_is_kept_in_order_off_the_callers_thread():
     assert threads and all(name.startswith("asyncrl-host-keep") for name in threads)  # not the caller's
 
 
+def test_the_copying_thread_starts_with_the_first_bucket_not_before():
+    """A sender makes its push's host copies before the push's gate: their thread starts with the first bucket
+    (a whole version adds its buckets while the wire runs), or at `result`; one never started closes at once."""
+    copies = HostCopies(None, None, deadline=time.monotonic() + 20)
+    assert not copies._thread.is_alive() and copies._thread not in threading.enumerate()
+    buckets = _buckets(2, "cpu")
+    copies.add(buckets[0])
+    assert copies._thread.is_alive()
+    for bucket in buckets[1:]:
+        copies.add(bucket)
+    copies.finish()
+    assert [m.name for b in copies.result() for m in b.metas] == list(model(2))
+    empty = HostCopies(None, None, deadline=time.monotonic() + 20)
+    empty.finish()
+    assert empty.result() == [] and not empty._thread.is_alive()  # started, ended at once
+    unused = HostCopies(None, None, deadline=time.monotonic() + 20)
+    assert unused.close() and unused._thread.ident is None  # (never started)
+    with pytest.raises(HostCopyError, match="closed"):
+        unused.add(buckets[0])
+
+
 def test_a_deferred_keep_starts_only_at_finish_and_still_keeps_everything_in_order():
     """defer_keep (a whole-version ipc push): nothing is kept while the sender still waits on its
     receivers; finish releases it."""
