@@ -11,7 +11,9 @@ weight version label (the replica does, while paused).
 
 from __future__ import annotations
 
+import concurrent.futures
 import pickle
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +35,49 @@ def _settle(future: Any, fn: Callable[..., Any], *args: Any) -> None:
         future.set_result(fn(*args))
     except BaseException as err:  # noqa: BLE001 - handed to whoever waits on it
         future.set_exception(err)
+
+
+class _Runner:
+    """A daemon thread kept for one kind of job (a receive apart, its report channel's opening), run as handed
+    over: such a job starts without a thread's start, whose handshake waits for the new thread to run (a receive
+    apart took 3.5 ms from its call to its first step, two thread starts, on a busy 2-CPU host; traced
+    2026-11-29). A job handed over while one still runs (a connection still being tried) gets a thread of its own."""
+
+    def __init__(self, name: str) -> None:
+        self._name, self._jobs = name, queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._busy = False
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._busy:
+                threading.Thread(target=_settle, args=(future, fn, *args), name=self._name, daemon=True).start()
+                return future
+            self._busy = True
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            future, fn, args = self._jobs.get()
+            outcome: tuple[bool, Any] = (False, None)
+            if future.set_running_or_notify_cancel():
+                try:
+                    outcome = (True, fn(*args))
+                except BaseException as err:  # noqa: BLE001 - handed to whoever waits on it
+                    outcome = (False, err)
+            with self._lock:  # free before the future is: its waiter may hand over the next job at once
+                self._busy = False
+            if future.running():
+                if outcome[0]:
+                    future.set_result(outcome[1])
+                else:
+                    future.set_exception(outcome[1])
 
 
 class PauseNotice:
@@ -309,7 +354,7 @@ class WorkerVerbs:
         Reached through vLLM's utility call, or through this worker's own channel (`asyncrl_start_channel`), which
         does not wait for the engine's step."""
         running = self.__dict__.get("_asyncrl_receiving")
-        if running is not None and running.is_alive():
+        if running is not None and not running.done():
             raise RuntimeError("a receive apart from the engine is still running on this worker")
         rank = int(getattr(self, "rank", 0))
         notice = PauseNotice() if reply.get("apply_paused") and with_sender else None
@@ -317,8 +362,6 @@ class WorkerVerbs:
 
         def run() -> None:
             import torch
-
-            import concurrent.futures
 
             from asyncrl.weightsync.push_channel import RECEIVE_DONE, WIRE_END, BlockingChannel, ChannelClosed, call_once
 
@@ -328,9 +371,7 @@ class WorkerVerbs:
             address = {k: reply[k] for k in ("host", "port", "token")}
             # One connection to the replica for both reports, opened in a thread of its own beside the wire (not
             # before it: the receive reaches its gate first); the answer goes on a fresh one if it could not.
-            opening: concurrent.futures.Future = concurrent.futures.Future()
-            threading.Thread(target=lambda: _settle(opening, BlockingChannel, address, timeout_s),
-                             name=f"asyncrl-report-{version}", daemon=True).start()
+            opening = self._asyncrl_runner("asyncrl-report").submit(BlockingChannel, address, timeout_s)
 
             def wire_end() -> None:  # the replica may pause its engine now, beside the digests' read
                 try:
@@ -356,9 +397,13 @@ class WorkerVerbs:
                 logging.getLogger(__name__).warning("worker %d: could not report receive %s to the replica: %s: %s",
                                                     rank, reply["call"], type(err).__name__, err)
 
-        thread = threading.Thread(target=run, name=f"asyncrl-receive-{version}", daemon=True)
-        self.__dict__["_asyncrl_receiving"] = thread
-        thread.start()
+        self.__dict__["_asyncrl_receiving"] = self._asyncrl_runner("asyncrl-receive").submit(run)
+
+    def _asyncrl_runner(self, name: str) -> _Runner:
+        runners = self.__dict__.setdefault("_asyncrl_runners", {})
+        if name not in runners:
+            runners[name] = _Runner(name)
+        return runners[name]
 
     def asyncrl_start_channel(self, host: str) -> dict[str, Any]:
         """Where the replica may start this worker's receives apart from the engine (`asyncrl_receive_start`)

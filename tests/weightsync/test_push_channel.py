@@ -469,6 +469,30 @@ def test_the_wire_end_is_forecast_a_pause_ahead_of_the_last_bucket_and_reported_
     assert pause_lead([2.0, 3.0]) == PAUSE_LEAD_MAX_S
 
 
+def test_a_workers_runner_keeps_one_thread_for_its_jobs_and_never_queues_one_behind_a_stuck_job():
+    """`_Runner` (a worker's receives apart, their report channels' openings): jobs handed over one after another
+    run on the same kept thread, each job's result or exception on its future; a job handed over while one still
+    runs (a connection still being tried) runs at once in a thread of its own."""
+    import threading
+
+    from asyncrl.weightsync.worker_verbs import _Runner
+
+    runner = _Runner("asyncrl-test")
+    first = runner.submit(lambda: threading.current_thread())
+    kept = first.result(10)
+    assert kept.daemon and kept.name == "asyncrl-test"
+    assert runner.submit(lambda x: (threading.current_thread(), x + 1), 1).result(10) == (kept, 2)
+    failed = runner.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failed.result(10)
+    release = threading.Event()
+    stuck = runner.submit(lambda: release.wait(10) and threading.current_thread())
+    other = runner.submit(lambda: threading.current_thread())
+    assert other.result(5) is not kept and not stuck.done()  # not behind the stuck one
+    release.set()
+    assert stuck.result(10) is kept and runner.submit(threading.current_thread).result(10) is kept
+
+
 def test_workers_told_the_engine_paused_apply_themselves_and_a_receive_that_ends_untold_frees_them():
     """`ReplicaStaging.apply_paused_query`: a receive apart that commits asks the workers (over their channels) to
     apply once the engine paused, reading the query first; `engine_paused(True)` tells every worker once, and marks
