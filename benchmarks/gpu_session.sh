@@ -51,8 +51,9 @@ if [ -n "${NO_CLEANUP:-}" ] && [ -n "${RAY_PORT_BASE:-}" ] && [ "$1" != quad ] &
 # while `ray start --head` (own_ray) right after came up and the demo ran. Such a stage gets a head of its own.
 # (A head does not outlive its device call: the next call starts one again.)
 case $1 in demo-nccl|async)
-  if [ -z "${RAY_ADDRESS:-}" ]; then
-    pkill -9 -f "[r]ay::"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*
+  if [ -z "${RAY_ADDRESS:-}" ]; then  # (side by side, NO_CLEANUP: other jobs' Ray processes are left alone)
+    [ -n "${NO_CLEANUP:-}" ] || { pkill -9 -f "[r]ay::"; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"
+                                  rm -rf /tmp/ray/session_*; sleep 1; }
     own_ray ${RAY_PORT_BASE:-30000}
   fi ;;
 esac
