@@ -135,7 +135,6 @@ class HostCopies:
         # thread's start waits for the new thread to run, which in a busy process took 2.2 ms of that path (a
         # gloo sender on 2 CPUs, traced 2026-11-29). A whole version adds its buckets while the wire runs.
         self._thread = threading.Thread(target=self._run, name="asyncrl-host-copies", daemon=True)
-        self._started = False
 
     # ---- the sender's side -------------------------------------------------------------------
     def add(self, bucket: Bucket) -> _Copy:
@@ -169,11 +168,10 @@ class HostCopies:
         return copy
 
     def _start_thread(self) -> None:
-        if not self._started:
+        if self._thread.ident is None:  # (set once started)
             with self._lock:
-                if not self._started:
+                if self._thread.ident is None:
                     self._thread.start()
-                    self._started = True
 
     def _retire(self) -> None:
         """Drop the device buckets whose copies completed (the oldest first)."""
@@ -252,7 +250,7 @@ class HostCopies:
             self._deferred = []
             self._copy_gate.set()
         self._end()
-        if self._started:
+        if self._thread.ident is not None:
             self._thread.join(timeout_s)
         self._kept.clear()
         return not self._thread.is_alive()

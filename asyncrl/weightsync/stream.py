@@ -179,10 +179,10 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
             # group stays usable (LearnerGroup.broadcast_hf_tensors).
             export.drain()
         raise
-    if not whole:  # (a whole version's trailer and end went out with its buckets: _finish_whole)
-        group.broadcast(_header(group, END), deadline)
+    if not whole:  # (a whole version's trailer and end went out with its buckets, and its stale gate keys went
+        group.broadcast(_header(group, END), deadline)  # while its wire ran: _finish_whole)
         trace.mark("snd.end_sent")
-    group.drop_stale_gate_keys()  # (a whole version's went while its wire ran)
+        group.drop_stale_gate_keys()
     copies.finish()
     return out
 

@@ -325,8 +325,9 @@ class WorkerVerbs:
                 theirs.update(sender_digests(group, deadline))
         if forecast is not None:
             forecast.fire()
-            if forecast.rate() > 0:  # (kept for the next receive's first bucket)
-                self.__dict__["_asyncrl_wire_rate"] = forecast.rate()
+            rate = forecast.rate()
+            if rate > 0:  # (kept for the next receive's first bucket)
+                self.__dict__["_asyncrl_wire_rate"] = rate
         digests = rx.digests(version)
         trace.mark("wrk.digests")
         if notice is not None and not switched:  # every bucket is in: the apply waits for the engine's pause
