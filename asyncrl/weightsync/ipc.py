@@ -445,12 +445,20 @@ def ipc_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tupl
             if record["kind"] == END:
                 return
             if record["kind"] == WHOLE:  # every bucket at once, staged as views of the sender's buffers
+                # All opened before the first is staged: a sender that aborts (another receiver
+                # failed) frees its buffers, and a mapping taken before that outlives it.
                 opened = []
-                for k, part in enumerate(record["buckets"]):
-                    metas, rank, digests = decode_table(part["table"])
-                    opened.append((ipc_open(part["handle"], metas, int(part["nbytes"]), group.device, group._opened, rank,
-                                            copy=False), digests))
-                    yield opened[-1]
+                try:
+                    for part in record["buckets"]:
+                        metas, rank, digests = decode_table(part["table"])
+                        opened.append((ipc_open(part["handle"], metas, int(part["nbytes"]), group.device, group._opened,
+                                                rank, copy=False), digests))
+                except Exception:
+                    if store.check([_key(group, "aborted")]):  # freed by the sender's abort, not broken
+                        raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push") from None
+                    raise
+                for k, staged in enumerate(opened):
+                    yield staged
                 store.add(_key(group, "a0"), 1)  # the consumer staged the last one
                 if group.device.type == "cuda":  # (views of buffers the sender keeps: valid while they are)
                     group._opened["whole"] = (raw, opened)
