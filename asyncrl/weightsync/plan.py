@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -419,112 +420,169 @@ def build_plan(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout
 # ---- the sender's packer ---------------------------------------------------------------------------
 
 
+class _PackProgram:
+    """What packing one sender's part of a plan does, worked out once per (plan, sender) and kept
+    (`_program`): the pack runs per exported tensor in Python on every push, on the sender's path to
+    the wire. Per bucket: its tensors' table, the copies into it (each a slot in its copy list, in
+    plan order) and its fills; per source: the slots it goes to, and whether each takes the whole
+    tensor (as the manifest shapes it) or a strided window of it."""
+
+    def __init__(self, plan: PushPlan, sender: int) -> None:
+        self.buckets = plan.for_sender(sender)
+        self.metas = [b.metas() for b in self.buckets]
+        self.shapes = {e.name: torch.Size(e.shape) for e in plan.manifest}
+        # source name -> [(bucket position, slot, whole, op)]
+        self.uses: dict[str, list[tuple[int, int, bool, Op]]] = {}
+        # per bucket, each window as (dtype, shape, stride, element offset in the buffer viewed in that dtype):
+        self.copies: list[list[tuple[str, tuple[int, ...], tuple[int, ...], int]]] = []  # by slot
+        self.fills: list[list[tuple[str, tuple[int, ...], tuple[int, ...], int, float]]] = []  # (..., value)
+        self.dtypes: list[set[str]] = []
+        for pos, b in enumerate(self.buckets):
+            slots: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
+            fills: list[tuple[str, tuple[int, ...], tuple[int, ...], int, float]] = []
+            for p, off in b.params:
+                at = off // dtype_from_name(p.dtype).itemsize
+                for op in p.ops:
+                    if op.src is None:
+                        fills.append((p.dtype, op.dst.shape, op.dst.stride, at + op.dst.offset, op.value))
+                        continue
+                    shape, sv = self.shapes.get(op.src), op.src_view
+                    whole = (shape is not None and sv is not None and sv.offset == 0 and sv.shape == tuple(shape)
+                             and sv.stride == _contiguous_stride(shape))
+                    self.uses.setdefault(op.src, []).append((pos, len(slots), whole, op))
+                    slots.append((p.dtype, op.dst.shape, op.dst.stride, at + op.dst.offset))
+            self.copies.append(slots)
+            self.fills.append(fills)
+            self.dtypes.append({p.dtype for p, _ in b.params})
+        self.counts = [len(c) for c in self.copies]
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(int(d), 1)
+    return tuple(reversed(stride))
+
+
+_PROGRAMS: dict[tuple[int, int], tuple[Any, _PackProgram]] = {}
+_PROGRAMS_KEPT = 8
+
+
+def _program(plan: PushPlan, sender: int) -> _PackProgram:
+    """The kept `_PackProgram` of (plan, sender): the plan compared by identity (a weak reference),
+    the few most recent kept."""
+    key = (id(plan), sender)
+    hit = _PROGRAMS.get(key)
+    if hit is not None and hit[0]() is plan:
+        return hit[1]
+    program = _PackProgram(plan, sender)
+    _PROGRAMS.pop(key, None)
+    while len(_PROGRAMS) >= _PROGRAMS_KEPT:
+        _PROGRAMS.pop(next(iter(_PROGRAMS)))
+    _PROGRAMS[key] = (weakref.ref(plan), program)
+    return program
+
+
 class PlannedPacker:
     """Packs one sender's export into its planned buckets, each HF tensor written straight into
     its place as it arrives; yields complete buckets in plan order.
 
     `buffer(bucket)` returns the uint8 buffer to pack a bucket into (a reused one, e.g. a persistent
     IPC buffer); by default a fresh one on `device`. Host buckets come out as numpy buffers unless
-    `host_numpy` is False. The stream must carry every source the plan names; extra tensors are
-    counted in `unused` and ignored."""
+    `host_numpy` is False. The stream must carry every source the plan names, each once; extra
+    tensors are counted in `unused` and ignored."""
 
     def __init__(self, plan: PushPlan, sender: int, device: torch.device | str,
                  buffer: Callable[[PlannedBucket], torch.Tensor] | None = None, host_numpy: bool = True) -> None:
         self.plan, self.sender, self.host_numpy = plan, sender, host_numpy
         self.device = torch.device(device)
-        self.buckets = plan.for_sender(sender)
+        self._prog = _program(plan, sender)
+        self.buckets = self._prog.buckets
         self._buffer = buffer or (lambda b: torch.empty(b.nbytes, dtype=torch.uint8, device=self.device))
         self.unused: list[str] = []
         self.ops = 0
-        # source name -> [(bucket position, layout, offset, op)]
-        self._uses: dict[str, list[tuple[int, ParamLayout, int, Op]]] = {}
-        self._remaining: list[int] = []
-        for pos, b in enumerate(self.buckets):
-            count = 0
-            for p, off in b.params:
-                for op in p.ops:
-                    if op.src is not None:
-                        self._uses.setdefault(op.src, []).append((pos, p, off, op))
-                        count += 1
-            self._remaining.append(count)
 
-    def _view(self, buf: torch.Tensor, p: ParamLayout, off: int) -> torch.Tensor:
-        return buf[off : off + p.nbytes].view(dtype_from_name(p.dtype)).view(p.shape)
+    def _targets(self, pos: int, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Bucket `pos`'s copy destinations in `buf` (by slot), its fills written."""
+        typed: dict[str, tuple[torch.Tensor, int]] = {}  # the buffer viewed in each dtype, and its storage offset
+        for dtype in self._prog.dtypes[pos]:
+            dt = dtype_from_name(dtype)
+            t = buf[: buf.numel() - buf.numel() % dt.itemsize].view(dt)
+            # (as_strided's offset is the storage's: a buffer may be a window of a larger one, whole_arena)
+            typed[dtype] = (t, t.storage_offset())
+        for dtype, shape, stride, at, value in self._prog.fills[pos]:
+            t, base = typed[dtype]
+            t.as_strided(shape, stride, base + at).fill_(value)
+        out = []
+        for dtype, shape, stride, at in self._prog.copies[pos]:
+            t, base = typed[dtype]
+            out.append(t.as_strided(shape, stride, base + at))
+        return out
 
     def pack(self, named_tensors: Iterable[tuple[str, Any]]) -> Iterator[Bucket]:
+        prog, n = self._prog, len(self._prog.buckets)
+        uses_of, shapes, device = prog.uses, prog.shapes, self.device
+        remaining = list(prog.counts)
         buffers: dict[int, torch.Tensor] = {}
-        typed_views: dict[tuple[int, str], torch.Tensor] = {}
-        # a bucket's copies, launched together once it is complete (one fused call, not one per op)
-        copies: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        # a bucket's sources by slot, copied together once it is complete (one fused call, not one per op)
+        sources: list[list[Any]] = [[None] * c for c in prog.counts]
+        seen: set[str] = set()
         emitted = 0
 
         def emit(pos: int) -> Bucket:
-            dst, src = copies.pop(pos, ([], []))
-            if dst:
-                torch._foreach_copy_(dst, src)
-            for dtype in {p.dtype for p, _ in self.buckets[pos].params}:
-                typed_views.pop((pos, dtype), None)
-            return self._emit(pos, buffers.pop(pos))
-
-        def open_bucket(pos: int) -> torch.Tensor:
-            buf = buffers.get(pos)
+            buf = buffers.pop(pos, None)
             if buf is None:
-                b = self.buckets[pos]
-                buf = buffers[pos] = self._buffer(b)
-                for p, off in b.params:
-                    for op in p.ops:
-                        if op.src is None:
-                            op.dst.of(self._view(buf, p, off)).fill_(op.value)
-            return buf
+                buf = self._buffer(self.buckets[pos])
+            dst = self._targets(pos, buf)
+            if dst:
+                torch._foreach_copy_(dst, sources[pos])
+            sources[pos] = []
+            return self._emit(pos, buf)
 
-        for pos, count in enumerate(self._remaining):
-            if count == 0:  # only fills (or nothing) to write: complete from the start
-                open_bucket(pos)
         for name, tensor in named_tensors:
-            uses = self._uses.get(name)
+            uses = uses_of.get(name)
             if uses is None:
                 self.unused.append(name)
                 continue
+            if name in seen:
+                raise PlanError(f"the export yielded {name} twice")
+            seen.add(name)
             src = tensor if isinstance(tensor, torch.Tensor) else torch.as_tensor(tensor)
-            if src.device != self.device:
-                src = src.to(self.device, non_blocking=True)
+            if src.device != device:
+                src = src.to(device, non_blocking=True)
             if not src.is_contiguous():
                 src = src.contiguous()
-            for pos, p, off, op in uses:
-                # The destination window straight from the bucket's buffer viewed in the
-                # parameter's dtype (one strided view per op: the pack runs per tensor in Python).
-                typed = typed_views.get((pos, p.dtype))
-                if typed is None:
-                    raw, dt = open_bucket(pos), dtype_from_name(p.dtype)
-                    typed = typed_views[(pos, p.dtype)] = raw[: raw.numel() - raw.numel() % dt.itemsize].view(dt)
-                # (as_strided's offset is the storage's: a buffer may be a window of a larger one, whole_arena)
-                dst = typed.as_strided(op.dst.shape, op.dst.stride,
-                                       typed.storage_offset() + off // typed.element_size() + op.dst.offset)
-                sv = op.src_view
-                whole = sv.offset == 0 and sv.shape == tuple(src.shape) and sv.stride == tuple(src.stride())  # type: ignore[union-attr]
-                pending = copies.setdefault(pos, ([], []))
-                pending[0].append(dst)
-                pending[1].append(src if whole else sv.of(src))  # type: ignore[union-attr]
-                self.ops += 1
-                self._remaining[pos] -= 1
-            while emitted < len(self.buckets) and self._remaining[emitted] == 0:
+            as_planned = src.shape == shapes[name]
+            for pos, slot, whole, op in uses:
+                if pos not in buffers:  # (the buffer is taken when the bucket's first source arrives)
+                    buffers[pos] = self._buffer(self.buckets[pos])
+                if whole and as_planned:
+                    sources[pos][slot] = src
+                else:
+                    sv = op.src_view
+                    same = sv.offset == 0 and sv.shape == tuple(src.shape) and sv.stride == tuple(src.stride())  # type: ignore[union-attr]
+                    sources[pos][slot] = src if same else sv.of(src)  # type: ignore[union-attr]
+                remaining[pos] -= 1
+            self.ops += len(uses)
+            while emitted < n and remaining[emitted] == 0:
                 yield emit(emitted)
                 emitted += 1
-        while emitted < len(self.buckets) and self._remaining[emitted] == 0:
+        while emitted < n and remaining[emitted] == 0:
             yield emit(emitted)
             emitted += 1
-        if emitted < len(self.buckets):
-            missing = sorted({n for n, uses in self._uses.items() for pos, *_ in uses if self._remaining[pos] > 0})
+        if emitted < n:
+            missing = sorted({name for name, uses in uses_of.items() if name not in seen})
             raise PlanError(f"the export ended without {len(missing)} tensors the plan needs, e.g. {missing[:3]}")
 
     def max_open(self) -> int:
         """The most buckets open at once when the export arrives in manifest order (how many
         buffers a reused pool needs besides the ones in flight)."""
-        remaining = list(self._remaining)
+        remaining = list(self._prog.counts)
         opened = {pos for pos, c in enumerate(remaining) if c == 0}
         emitted, most = 0, len(opened)
         for entry in self.plan.manifest:
-            for pos, *_ in self._uses.get(entry.name, ()):
+            for pos, *_ in self._prog.uses.get(entry.name, ()):
                 opened.add(pos)
                 remaining[pos] -= 1
             most = max(most, len(opened))
@@ -538,5 +596,5 @@ class PlannedPacker:
         # Host buckets are numpy, as bucket.py's are (Ray moves them out of band), unless a
         # collective sends them (torch tensors, as on a device).
         numpy = self.host_numpy and buf.device.type == "cpu"
-        return Bucket(buffer=buf.numpy() if numpy else buf, metas=b.metas(), rank=b.rank)
+        return Bucket(buffer=buf.numpy() if numpy else buf, metas=list(self._prog.metas[pos]), rank=b.rank)
 

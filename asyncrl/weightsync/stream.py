@@ -380,7 +380,7 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
             if k == 0:  # (the export's own collectives and the first bucket's packing are behind it)
                 trace.mark("snd.first_packed")
             want = planned[k] if k < len(planned) else None
-            if want is None or (bucket.rank, bucket.nbytes, bucket.names) != (want.rank, want.nbytes, [m.name for m in want.metas()]):
+            if want is None or (bucket.rank, bucket.nbytes, bucket.names) != (want.rank, want.nbytes, [p.name for p, _ in want.params]):
                 export.failed = True  # the table the receivers hold does not describe it: nothing more goes out as data
                 raise CollectiveError(f"group {group.spec.group_id}: packed bucket {k} ({bucket.nbytes} bytes, rank "
                                       f"{bucket.rank}) is not the plan's bucket {k} the table announced")
