@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -448,7 +449,7 @@ class _PackProgram:
                         continue
                     shape, sv = self.shapes.get(op.src), op.src_view
                     whole = (shape is not None and sv is not None and sv.offset == 0 and sv.shape == tuple(shape)
-                             and sv.stride == _contiguous_stride(shape))
+                             and sv.stride == torch.empty(shape, device="meta").stride())
                     self.uses.setdefault(op.src, []).append((pos, len(slots), whole, op))
                     slots.append((p.dtype, op.dst.shape, op.dst.stride, at + op.dst.offset))
             self.copies.append(slots)
@@ -457,16 +458,9 @@ class _PackProgram:
         self.counts = [len(c) for c in self.copies]
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(int(d), 1)
-    return tuple(reversed(stride))
-
-
 _PROGRAMS: dict[tuple[int, int], tuple[Any, _PackProgram]] = {}
 _PROGRAMS_KEPT = 8
+_PROGRAMS_LOCK = threading.Lock()
 
 
 def _program(plan: PushPlan, sender: int) -> _PackProgram:
@@ -477,10 +471,11 @@ def _program(plan: PushPlan, sender: int) -> _PackProgram:
     if hit is not None and hit[0]() is plan:
         return hit[1]
     program = _PackProgram(plan, sender)
-    _PROGRAMS.pop(key, None)
-    while len(_PROGRAMS) >= _PROGRAMS_KEPT:
-        _PROGRAMS.pop(next(iter(_PROGRAMS)))
-    _PROGRAMS[key] = (weakref.ref(plan), program)
+    with _PROGRAMS_LOCK:  # (senders of one process may pack on threads of their own)
+        _PROGRAMS.pop(key, None)
+        while len(_PROGRAMS) >= _PROGRAMS_KEPT:
+            _PROGRAMS.pop(next(iter(_PROGRAMS)))
+        _PROGRAMS[key] = (weakref.ref(plan), program)
     return program
 
 
