@@ -681,22 +681,25 @@ def test_a_whole_version_ipc_push_publishes_every_bucket_at_once_and_frees_them_
         g.close()
 
 
+def _drain(group, fail: bool) -> Exception | None:
+    """Receive a push to its end (None), or fail staging its second bucket ("staging failed"); the error raised."""
+    try:
+        for i, _ in enumerate(receive_stream(group, time.monotonic() + 60)):
+            if fail and i == 1:
+                raise ValueError("staging failed")
+    except Exception as exc:
+        return exc
+    return None
+
+
 @pytest.mark.parametrize("backend", ["ipc", "ipc-whole"])
 def test_an_ipc_receiver_that_stops_mid_push_fails_the_sender_at_once(backend):
     spec = _spec(receivers=2, timeout_s=60.0, backend=backend)
     sender, good, bad = _join_all(spec)
     weights = {f"t{i}": torch.ones(1024) for i in range(16)}  # 8 buckets: the window stops the sender at the 4th
 
-    def drain(group, fail):
-        try:
-            for i, _ in enumerate(receive_stream(group, time.monotonic() + 60)):
-                if fail and i == 1:
-                    raise ValueError("staging failed")
-        except Exception as exc:
-            return exc
-
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(drain, good, False), pool.submit(drain, bad, True)]
+        futures = [pool.submit(_drain, good, False), pool.submit(_drain, bad, True)]
         t0 = time.monotonic()
         with pytest.raises(CollectiveError, match="a receiver failed: rank 2: stopped reading at bucket 1"):
             send_stream(sender, iter(weights.items()), BUCKET_MB, verify="off", timeout_s=60)
@@ -717,19 +720,11 @@ def test_a_whole_version_receiver_that_reads_after_the_senders_abort_is_told_not
     sender, late, bad = _join_all(spec)
     weights = {f"t{i}": torch.ones(1024) for i in range(16)}
 
-    def drain(group, fail):
-        try:
-            for i, _ in enumerate(receive_stream(group, time.monotonic() + 60)):
-                if fail and i == 1:
-                    raise ValueError("staging failed")
-        except Exception as exc:
-            return exc
-
     with ThreadPoolExecutor(2) as pool:
-        bad_future = pool.submit(drain, bad, True)
+        bad_future = pool.submit(_drain, bad, True)
         with pytest.raises(CollectiveError, match="a receiver failed: rank 2"):
             send_stream(sender, iter(weights.items()), BUCKET_MB, verify="off", timeout_s=60)
-        late_error = pool.submit(drain, late, False).result(30)  # only now does it read the record
+        late_error = pool.submit(_drain, late, False).result(30)  # only now does it read the record
         assert isinstance(bad_future.result(30), ValueError)
     assert isinstance(late_error, SenderAborted), late_error
     assert not late.broken and sender.broken
