@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from asyncrl.weightsync import plan as current
-from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, Op, ParamLayout, View, build_plan
+from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, Op, ParamLayout, View
 
 
 def qwen2_like(layers: int, hidden: int, vocab: int) -> tuple[list[ManifestEntry], EngineLayout]:
@@ -90,8 +90,7 @@ def main() -> None:
     packers = {"current": current}
     if args.against:
         packers[args.against] = plan_module_at(args.against)
-    plans = {k: m.build_plan(manifest, [layout], args.bucket_mb) if m is not current else build_plan(
-        manifest, [layout], args.bucket_mb) for k, m in packers.items()}
+    plans = {k: m.build_plan(manifest, [layout], args.bucket_mb) for k, m in packers.items()}  # each packer's own plan
     packed = {}
     for k, m in packers.items():  # the same tensors' bytes from each (alignment gaps are not written)
         packed[k] = [[b.buffer[t.offset:t.offset + t.nbytes].clone() for t in b.metas]
