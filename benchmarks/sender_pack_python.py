@@ -64,8 +64,10 @@ def qwen2_like(layers: int, hidden: int, vocab: int) -> tuple[list[ManifestEntry
 def plan_module_at(rev: str) -> Any:
     """asyncrl/weightsync/plan.py as it was at `rev`, imported under another name."""
     root = Path(__file__).resolve().parents[1]
-    text = subprocess.run(["git", "show", f"{rev}:asyncrl/weightsync/plan.py"], cwd=root, check=True,
-                          capture_output=True, text=True).stdout
+    shown = subprocess.run(["git", "show", f"{rev}:asyncrl/weightsync/plan.py"], cwd=root, capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise SystemExit(f"--against {rev}: no asyncrl/weightsync/plan.py at that revision ({shown.stderr.strip()})")
+    text = shown.stdout
     path = Path(tempfile.mkdtemp()) / "plan_at_rev.py"
     path.write_text(text)
     spec = importlib.util.spec_from_file_location(f"plan_at_{rev}", path)
@@ -85,6 +87,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--against", default="", help="a git revision whose plan.py is timed beside the current one")
     args = ap.parse_args()
+    for flag in ("layers", "hidden", "vocab", "pushes", "rounds"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} must be at least 1")
+    if args.bucket_mb <= 0:
+        ap.error("--bucket-mb must be positive")
     manifest, layout = qwen2_like(args.layers, args.hidden, args.vocab)
     tensors = [(e.name, torch.randn(e.shape).to(torch.bfloat16)) for e in manifest]
     packers = {"current": current}
