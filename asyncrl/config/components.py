@@ -170,6 +170,10 @@ class AlgorithmConfig(_Section):
     max_new_tokens: int = Field(16, gt=0)
     ignore_eos: bool = Field(False, description="Rollouts run to max_new_tokens past EOS (fixed-length responses: throughput "
                              "benchmarks, and side-by-side runs with a peer set the same way).")
+    proximal_logprobs: Literal["from_update", "separate_pass"] = Field(
+        "from_update", description="Where the proximal policy's log-probs come from. from_update: the update's own first "
+        "forward (before any optimizer step it runs on the proximal weights), with no pass of its own, wherever that is "
+        "exact (see proximal_in_update); separate_pass: always a forward pass of their own before the update.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "AlgorithmConfig":
@@ -180,6 +184,22 @@ class AlgorithmConfig(_Section):
         if self.advantage in ("grpo", "rloo") and self.group_size < 2:
             raise ValueError(f"advantage={self.advantage!r} needs group_size >= 2, got {self.group_size}")
         return self
+
+    def proximal_in_update(self, with_reference: bool) -> bool:
+        """Whether the update's first forward gives the proximal log-probs (no separate pass).
+
+        Two things need them before the update starts: a KL penalty in the reward (the advantages
+        are built from it), and a KL loss term beside a decoupled-PPO cap whose masked tokens change
+        the policy loss's batch-wide denominator (the update rescales the policy gradient by the true
+        denominator after its first pass, which it cannot do to the policy part of a sum with KL).
+        """
+        if self.proximal_logprobs == "separate_pass":
+            return False
+        kl = with_reference and self.kl_coef > 0
+        if kl and self.kl_mode == "reward":
+            return False
+        cap_moves_denominator = self.behavior_weight_cap is not None and self.loss_agg != "seq-mean-token-sum-norm"
+        return not (kl and cap_moves_denominator)
 
 
 _PARALLEL_KEYS = (

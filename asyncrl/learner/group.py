@@ -224,9 +224,10 @@ class LearnerGroup:
         return await self._per_token(RoleAPI.compute_rm_score, "scores", batch)
 
     async def update_actor(
-        self, batch: TrainBatch | Sequence[Sample], advantages: PerToken, old_logprobs: PerToken,
+        self, batch: TrainBatch | Sequence[Sample], advantages: PerToken, old_logprobs: PerToken | None,
         ref_logprobs: PerToken | None = None,
     ) -> dict[str, float]:
+        """One update; `old_logprobs` None: its first forward gives the proximal log-probs (ActorRole)."""
         results, _ = await self._compute(RoleAPI.update_actor, _samples(batch), advantages, old_logprobs, ref_logprobs)
         return results[0]  # metrics are already reduced over DP inside the ranks
 

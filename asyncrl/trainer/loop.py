@@ -78,7 +78,8 @@ class Trainer:
         #   learner loop, below:
         #     buffer.get_batch(B) [waits: B samples, none older than v - eta]
         #     -> placement.to_learner [hybrid: engines sleep, learner state onto its devices]
-        #     -> actor proximal log-probs, reference log-probs, critic values (PPO)
+        #     -> actor proximal log-probs (unless the update's first forward gives them),
+        #        reference log-probs, critic values (PPO)
         #     -> advantages -> actor (+critic) update: policy version v + 1
         #     -> weightsync.publish(v + 1) [every replica pauses(keep), loads, verifies, commits],
         #        inside placement.to_engines [hybrid: engine weights wake first, KV cache after]
@@ -203,7 +204,9 @@ class Trainer:
 
     async def _learn(self, batch: Any) -> dict[str, float]:
         p, algo = self.p, self.cfg.algorithm
-        old_logprobs = await p.actor.compute_log_prob(batch)
+        # None: the update's own first forward gives them (AlgorithmConfig.proximal_in_update).
+        in_update = algo.proximal_in_update(with_reference=p.reference is not None)
+        old_logprobs = None if in_update else await p.actor.compute_log_prob(batch)
         ref_logprobs = await p.reference.compute_ref_log_prob(batch) if p.reference else None
         values = await p.critic.compute_values(batch) if p.critic else None
         advantages, returns, adv_metrics = compute_advantages(batch, algo, old_logprobs, ref_logprobs, values)
@@ -222,6 +225,9 @@ class Trainer:
         metrics["train/reward_mean"] = sum(rewards) / len(rewards)
         # What the learner processed this step (MFU = 6-8 x params x train/tokens / time/train_s).
         metrics["train/response_tokens"] = float(sum(len(s.response_ids) for s in batch.samples))
+        # Each sample's, in batch order: metrics.jsonl keeps the list (the peer benchmark's length
+        # distribution); trackers and /train/status keep scalars only.
+        metrics["train/response_lengths"] = [len(s.response_ids) for s in batch.samples]
         metrics["train/tokens"] = metrics["train/response_tokens"] + float(sum(len(s.prompt_ids) for s in batch.samples))
         metrics["train/loss_tokens"] = float(sum(sum(s.response_mask) for s in batch.samples))  # < response: episodes' inner prompts
         metrics["train/step"] = self.version

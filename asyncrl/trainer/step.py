@@ -70,14 +70,15 @@ def turn_reward_rows(samples: Sequence[Sample], width: int) -> torch.Tensor | No
 def compute_advantages(
     batch: TrainBatch,
     algo: AlgorithmConfig,
-    logprobs: PerToken,
+    logprobs: PerToken | None,
     ref_logprobs: PerToken | None,
     values: PerToken | None,
 ) -> tuple[PerToken, PerToken | None, dict[str, float]]:
     """(per-token advantages, per-token returns or None, metrics) for the batch's samples.
 
     `logprobs` are the proximal policy's (the learner's current weights), used for the KL
-    penalty when `kl_mode == "reward"`.
+    penalty when `kl_mode == "reward"` and for the `train/kl_ref` metric; None where the update
+    computes them itself (`AlgorithmConfig.proximal_in_update`).
     """
     lengths = [len(s.response_ids) for s in batch.samples]
     for name, rows in (("logprobs", logprobs), ("ref_logprobs", ref_logprobs), ("values", values)):
@@ -85,11 +86,13 @@ def compute_advantages(
             raise ValueError(f"{name} rows do not match the batch's response lengths")
     rewards = torch.tensor([s.reward for s in batch.samples], dtype=torch.float64)
     group_ids = torch.tensor([s.group_id for s in batch.samples])
-    lp, mask = pad_per_token(logprobs)
+    lp, mask = pad_per_token(logprobs if logprobs is not None else [[0.0] * n for n in lengths])
     metrics: dict[str, float] = {"train/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0}
     kl_in_reward = ref_logprobs is not None and algo.kl_mode == "reward" and algo.kl_coef > 0
+    if kl_in_reward and logprobs is None:
+        raise ValueError("a KL penalty in the reward (kl_mode='reward') needs the proximal log-probs")
     ref = pad_per_token(ref_logprobs)[0] if ref_logprobs is not None else None
-    if ref is not None:
+    if ref is not None and logprobs is not None:
         kl = kl_divergence(lp, ref, algo.kl_kind)
         metrics["train/kl_ref"] = float(kl[mask].mean()) if mask.any() else 0.0
 

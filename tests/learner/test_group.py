@@ -39,6 +39,9 @@ LAYOUTS = {
     "tp1_packed": (1, {}, 3, {"sequence_packing": True}),
     "cp2_packed": (2, CP2, 3, {"sequence_packing": True}),
 }
+# Layouts whose update is handed no proximal log-probs: its first forward gives them (the policy
+# denominator's capped tokens counted over DP, the rescale sent to every PP stage).
+FROM_UPDATE = {"dp2", "pp2", "vpp2", "tp2_sp", "cp2_packed"}
 
 
 def _export(group: LearnerGroup) -> dict:
@@ -71,7 +74,9 @@ def runs(ray_session, demo_model_path) -> dict[str, dict]:
         try:
             r = {"placement": placement(group), "lp": run(group.compute_log_prob(samples))}
             base = out["tp1"]["lp"] if out else r["lp"]
-            r["metrics"] = run(group.update_actor(with_behavior(samples, base), adv, base))
+            # every third token's behaviour 2 nats below: pi_prox / pi_behave = e^2, masked by the cap (5)
+            behaved = with_behavior(samples, [[x - 2.0 if t % 3 == 0 else x for t, x in enumerate(row)] for row in base])
+            r["metrics"] = run(group.update_actor(behaved, adv, None if name in FROM_UPDATE else base))
             r["after"] = run(group.compute_log_prob(samples))
             r["export"] = _export(group)
         finally:
@@ -114,6 +119,9 @@ def test_logprobs_and_one_update_agree_across_layouts(runs):
         assert m["actor/grad_norm"] == pytest.approx(base["actor/grad_norm"], rel=1e-3), name
         assert m["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5), name  # update forward = old forward
         assert m["actor/applied_steps"] == 1.0
+        assert m["actor/behavior_capped_tokens"] > 0, name  # (a mean over micro-batches: layouts split unlike)
+        assert m["actor/proximal_from_update"] == float(name in FROM_UPDATE), name
+    assert base["actor/behavior_capped_tokens"] > 0
     after = {name: r["after"] for name, r in runs.items()}
     assert max_diff(after["tp1"], lp["tp1"]) > 1e-3  # the step did move the policy
     for name in others:  # pp2 / vpp2: tied embedding grads synced over PP

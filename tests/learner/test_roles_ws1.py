@@ -134,17 +134,30 @@ def test_export_reloads_into_transformers(groups, hf_model, state):
     assert max_diff(hf_logprobs(updated, samples), run(groups["actor"].compute_log_prob(samples))) < 1e-4
 
 
-def test_checkpoint_roundtrip(groups, tmp_path):
+def test_checkpoint_roundtrip_and_the_updates_own_proximal_pass(groups, tmp_path):
+    """A checkpoint restores the actor exactly; from it, an update handed no proximal log-probs (its first
+    forward gives them) lands where the update handed them landed, decoupled-PPO-capped tokens included
+    (their count is only known after that forward: the policy grads are rescaled to the true denominator)."""
     samples = make_samples()
     saved = run(groups["actor"].compute_log_prob(samples))
+    # every third token's behaviour log-prob 2 below the proximal one: pi_prox / pi_behave = e^2 > the cap, 5
+    behaved = with_behavior(samples, [[lp - 2.0 if t % 3 == 0 else lp for t, lp in enumerate(row)] for row in saved])
     steps_before = run(groups["actor"].state())[0]["metrics"]["actor/applied_steps"]
     run(groups["actor"].save_checkpoint(str(tmp_path / "ckpt")))
-    run(groups["actor"].update_actor(with_behavior(samples, saved), advantages(samples), saved))
-    assert max_diff(run(groups["actor"].compute_log_prob(samples)), saved) > 1e-4
+    handed = run(groups["actor"].update_actor(behaved, advantages(samples), saved))
+    after_handed = run(groups["actor"].compute_log_prob(samples))
+    assert max_diff(after_handed, saved) > 1e-4
     run(groups["actor"].load_checkpoint(str(tmp_path / "ckpt")))
     assert max_diff(run(groups["actor"].compute_log_prob(samples)), saved) < 1e-6
     assert run(groups["actor"].state())[0]["metrics"]["actor/lr"] == pytest.approx(1e-4)
     assert steps_before >= 4
+    own = run(groups["actor"].update_actor(behaved, advantages(samples), None))
+    assert handed["actor/proximal_from_update"] == 0.0 and own["actor/proximal_from_update"] == 1.0
+    assert own["actor/behavior_capped_tokens"] == handed["actor/behavior_capped_tokens"] > 0
+    for k in ("actor/pg_loss", "actor/grad_norm", "actor/loss"):
+        assert own[k] == pytest.approx(handed[k], rel=1e-5, abs=1e-7), k
+    # float32 rounding of log-probs near -20 (the grads are scaled after they are summed, not before)
+    assert max_diff(run(groups["actor"].compute_log_prob(samples)), after_handed) < 2e-5
 
 
 def test_critic_fits_fixed_returns(groups):

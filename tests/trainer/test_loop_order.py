@@ -47,7 +47,7 @@ class _Group:
         return [[-0.4, -0.4] for _ in batch.samples]
 
     async def update_actor(self, batch, advantages, old_logprobs, ref_logprobs):
-        self.log.append((f"{self.name}.update_actor", ref_logprobs is not None))
+        self.log.append((f"{self.name}.update_actor", ref_logprobs is not None, old_logprobs is not None))
         return {"actor/loss": 0.1}
 
 
@@ -110,11 +110,11 @@ def _parts(log: list, *, start_version: int = 0, kl: bool = False, on_step=None)
     )
 
 
-def _cfg(total_steps: int, **trainer) -> RootConfig:
+def _cfg(total_steps: int, algorithm: dict | None = None, **trainer) -> RootConfig:
     return RootConfig.model_validate({
         "trainer": {"total_steps": total_steps, **trainer},
         "checkpoint": {"interval_steps": 1},
-        "algorithm": {"group_size": 2, "kl_coef": 0.1},
+        "algorithm": {"group_size": 2, "kl_coef": 0.1, **(algorithm or {})},
         "buffer": {"batch_size": 4, "max_staleness": 0},
     })
 
@@ -146,6 +146,25 @@ async def test_one_step_runs_in_order_and_checkpoints_before_admitting_the_next_
     assert log[-1] == ("rollouts.stopped",)  # the rollout workers are stopped when the loop ends
     assert trainer.status()["eval_history"] == [(0, 0.5), (2, 0.5)]
     assert type(trainer.status()["state"]) is str and trainer.status()["state"] == "finished"
+
+
+@pytest.mark.parametrize("algorithm, separate", [
+    ({}, False),  # no reference: the update's first forward is the proximal pass
+    ({"proximal_logprobs": "separate_pass"}, True),  # asked for
+])
+async def test_the_proximal_pass_runs_only_where_the_update_cannot_give_it(algorithm, separate):
+    log: list = []
+    await Trainer(_cfg(1, algorithm), _parts(log)).run()
+    step = _step(log, 1)
+    assert ("actor.compute_log_prob" in step) is separate
+    assert step[step.index("placement.to_learner") + 1] == ("actor.compute_log_prob" if separate else "actor.update_actor")
+    assert next(e for e in log if e[0] == "actor.update_actor") == ("actor.update_actor", False, separate)
+
+
+async def test_a_kl_penalty_in_the_reward_keeps_the_proximal_pass():
+    log: list = []
+    await Trainer(_cfg(1, {"kl_mode": "reward"}), _parts(log, kl=True)).run()
+    assert _step(log, 1)[2:5] == ["actor.compute_log_prob", "reference.compute_ref_log_prob", "actor.update_actor"]
 
 
 async def test_the_loop_runs_once_and_a_failure_is_final():

@@ -67,6 +67,19 @@ def test_algorithm_advantage_defaults_follow_algorithm():
     assert load_config({}).algorithm.advantage == "grpo"
 
 
+@pytest.mark.parametrize("algorithm, with_reference, in_update", [
+    ({}, False, True),  # GRPO without KL: the update's first forward is the proximal pass
+    ({"kl_coef": 0.1}, False, True),  # no reference group, so no KL term at all
+    ({"kl_coef": 0.1, "kl_mode": "reward"}, True, False),  # the advantages need them first
+    ({"kl_coef": 0.1}, True, False),  # KL loss beside a cap that moves the policy denominator
+    ({"kl_coef": 0.1, "behavior_weight_cap": None}, True, True),
+    ({"kl_coef": 0.1, "loss_agg": "seq-mean-token-sum-norm"}, True, True),  # a constant denominator
+    ({"proximal_logprobs": "separate_pass"}, False, False),
+])
+def test_where_the_update_gives_the_proximal_logprobs(algorithm, with_reference, in_update):
+    assert load_config({"algorithm": algorithm}).algorithm.proximal_in_update(with_reference) is in_update
+
+
 def test_strategy_config_passes_through_untouched():
     sc = {"tensor_model_parallel_size": 2, "recompute_granularity": "full", "moe_token_dispatcher_type": "alltoall"}
     cfg = load_config({"learner": {"world_size": 2, "strategy_config": sc}})

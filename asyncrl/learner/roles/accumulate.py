@@ -23,12 +23,17 @@ from asyncrl.algorithms.utils import LOG_RATIO_CLAMP
 
 def denominator(mask: torch.Tensor, mode: AggMode) -> float:
     """What `aggregate(values, mask, mode)` divides by, before its clamp to >= 1."""
+    return float(denominator_tensor(mask, mode))
+
+
+def denominator_tensor(mask: torch.Tensor, mode: AggMode) -> torch.Tensor:
+    """`denominator` as a 0-d float32 tensor on the mask's device (no host synchronisation)."""
     m = mask != 0
     if mode == "token-mean":
-        return float(m.sum())
+        return m.sum().float()
     if mode == "seq-mean-token-sum-norm":
-        return float(m.numel())
-    return float((m.sum(-1) > 0).sum())
+        return torch.tensor(float(m.numel()), device=m.device)
+    return (m.sum(-1) > 0).sum().float()
 
 
 def dp_size() -> int:
@@ -58,6 +63,21 @@ def dp_mean(metrics: dict[str, float]) -> dict[str, float]:
         return metrics
     keys = sorted(metrics)
     return dict(zip(keys, (v / dp for v in dp_sum([metrics[k] for k in keys]))))
+
+
+def from_last_stage(value: float) -> float:
+    """`value` as the last pipeline stage holds it, on every stage of this rank's pipeline (only
+    the last stage runs loss functions; identity without PP)."""
+    from megatron.core import parallel_state as ps
+
+    from asyncrl.learner.parallel import collective_device
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=collective_device())
+    torch.distributed.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(),
+                                group=ps.get_pipeline_model_parallel_group())
+    return float(t.item())
 
 
 def behavior_loss_mask(

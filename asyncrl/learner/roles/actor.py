@@ -3,7 +3,9 @@
 Owns: `compute_log_prob` (proximal log-probs + entropy of response tokens) and `update_actor`
 (`ppo_epochs` passes, each one guarded optimizer step over gradient-accumulated micro-batches,
 with the policy loss from `asyncrl.algorithms`, the decoupled correction against the engine's
-behaviour log-probs, and the KL loss term when `kl_mode == "loss"` and `kl_coef > 0`).
+behaviour log-probs, and the KL loss term when `kl_mode == "loss"` and `kl_coef > 0`). An update
+handed no proximal log-probs takes them from its first pass's forward: before the first optimizer
+step the weights are the proximal policy's, so that forward is the pass it saves.
 
 Must never: know about Ray or other ranks' data (the rank actor and group do), or compute
 advantages (the trainer does). Per-token inputs and outputs use the response layout of
@@ -12,7 +14,7 @@ advantages (the trainer does). Per-token inputs and outputs use the response lay
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +22,8 @@ import torch
 from asyncrl.algorithms import gspo_policy_loss, kl_loss_term, ppo_policy_loss
 from asyncrl.learner.batching import MicroBatch, response_tensor, unpad_response
 from asyncrl.learner.offload import Offloader
-from asyncrl.learner.roles.accumulate import behavior_loss_mask, denominator, dp_mean, dp_size, dp_sum
+from asyncrl.learner.roles.accumulate import (behavior_loss_mask, denominator, denominator_tensor, dp_mean, dp_size,
+                                              dp_sum, from_last_stage)
 from asyncrl.learner.roles.base import ModelRunner, RoleContext, _to_device
 from asyncrl.learner.roles.optim import GuardedOptimizer
 from asyncrl.types import Sample
@@ -80,19 +83,27 @@ class ActorRole:
     # ------------------------------------------------------------------ update
 
     def update_actor(
-        self, samples: Sequence[Sample], advantages: PerToken, old_logprobs: PerToken,
+        self, samples: Sequence[Sample], advantages: PerToken, old_logprobs: PerToken | None,
         ref_logprobs: PerToken | None = None,
     ) -> dict[str, float]:
+        """`ppo_epochs` optimizer steps on `samples`. `old_logprobs` None: the first pass's own forward,
+        which runs on the proximal weights, gives the proximal log-probs (no pass of their own; only
+        where `AlgorithmConfig.proximal_in_update` says that is exact, else a ValueError)."""
         algo, cfg = self.ctx.algorithm_cfg, self.ctx.learner_cfg
         use_kl = ref_logprobs is not None and algo.kl_mode == "loss" and algo.kl_coef > 0
+        if old_logprobs is None and not algo.proximal_in_update(with_reference=ref_logprobs is not None):
+            raise ValueError("update_actor without proximal log-probs: with this algorithm config they are needed "
+                             "before the update (AlgorithmConfig.proximal_in_update); compute them first")
         width = _width(samples)
         mbs = self.runner.micro_batches(samples, width)
         # Without engine log-probs (e.g. a synchronous recompute) there is nothing to correct.
         has_behavior = all(len(s.behavior_logprobs) == len(s.response_ids) for s in samples)
         behavior = [s.behavior_logprobs for s in samples] if has_behavior else None
         inputs = [self._mb_inputs(mb, width, advantages, old_logprobs, behavior, ref_logprobs if use_kl else None) for mb in mbs]
-        # Batch-wide denominators (all micro-batches, all DP ranks): see accumulate.py.
-        pg_d = dp_sum([sum(x["pg_denom"] for x in inputs)])[0]
+        # Batch-wide denominators (all micro-batches, all DP ranks): see accumulate.py. Without proximal
+        # log-probs the policy loss's is first taken before the decoupled-PPO cap masks any token
+        # (`pg_denom`); the first pass counts the true one (`pg_denom_true`), and its grads are rescaled.
+        denoms = {"pg": dp_sum([sum(x["pg_denom"] for x in inputs)])[0]}
         kl_d = dp_sum([sum(denominator(mb.response_mask, algo.loss_agg) for mb in mbs)])[0]
         scale_back = len(mbs) * dp_size()
         by_mb = {id(mb): x for mb, x in zip(mbs, inputs)}
@@ -103,12 +114,19 @@ class ActorRole:
             x = _on_device(by_mb[id(mb)], dev)
             mask = x["mask"]
             lp, ent = self.runner.token_logprobs(hidden, mb, with_entropy=True)
+            if x["old"] is None:  # before any optimizer step: this forward is the proximal policy
+                x["old"] = lp.detach()
+                true_mask = behavior_loss_mask(mask, x["old"], x["behavior"], algo.behavior_weight_cap)
+                x["pg_denom_true"] = denominator_tensor(true_mask, algo.loss_agg)
+                pg_denom = x["pg_denom_true"]
+            else:
+                pg_denom = x["pg_denom"]
             kw = dict(behavior_logprobs=x["behavior"], behavior_weight_cap=algo.behavior_weight_cap, agg=algo.loss_agg, lazy_metrics=True)
             if algo.policy_loss == "gspo":
                 pg, metrics = gspo_policy_loss(lp, x["old"], x["adv"], mask, clip_low=algo.clip_low, clip_high=algo.clip_high, **kw)
             else:
                 pg, metrics = ppo_policy_loss(lp, x["old"], x["adv"], mask, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, **kw)
-            share = pg * (x["pg_denom"] / max(pg_d, 1.0))
+            share = pg * (pg_denom / max(denoms["pg"], 1.0))
             metrics["actor/pg_loss"] = share.detach()
             loss = share
             if x["ref"] is not None:
@@ -121,37 +139,57 @@ class ActorRole:
             metrics["actor/loss"] = loss.detach()
             return loss * scale_back, metrics
 
+        def true_denominator() -> float:
+            """After the first pass without proximal log-probs: the factor that turns its policy grads'
+            denominator into the true one; later passes divide by the true one directly."""
+            factor = 1.0
+            if self.runner.is_last_stage:
+                counted = torch.stack([x["pg_denom_true"] for x in inputs]).tolist() if inputs else []
+                true = dp_sum([sum(counted)])[0]
+                factor = denoms["pg"] / true if true > 0 else 1.0  # none left: the policy grads are 0 anyway
+                for x, d in zip(inputs, counted):
+                    x["pg_denom"] = d
+                denoms["pg"] = true
+            return from_last_stage(factor)
+
         out: dict[str, float] = {}
         with self.offloader.onloaded():
             for epoch in range(cfg.ppo_epochs):
-                step = self._one_step(mbs, loss_fn)
+                rescale = true_denominator if old_logprobs is None and epoch == 0 else None
+                step = self._one_step(mbs, loss_fn, rescale)
                 out = step if epoch == 0 else {k: out.get(k, 0.0) + v for k, v in step.items()}
         if cfg.ppo_epochs > 1:
             out = {k: v / cfg.ppo_epochs for k, v in out.items()}
         out["actor/skipped_steps"] = float(self.optim.skipped_steps)
         out["actor/applied_steps"] = float(self.optim.applied_steps)
+        out["actor/proximal_from_update"] = float(old_logprobs is None)
         return out
 
-    def _one_step(self, mbs: list[MicroBatch], loss_fn) -> dict[str, float]:
+    def _one_step(self, mbs: list[MicroBatch], loss_fn, rescale: Callable[[], float] | None = None) -> dict[str, float]:
+        """One optimizer step over `mbs`; `rescale()` (after the passes) gives a factor for the policy
+        loss's grads and its metrics (`proximal_in_update` rules out a KL term beside a factor != 1)."""
         self.optim.zero_grad()
         outs = self.runner.run(mbs, loss_fn, forward_only=False)
         metrics = _reduce_micro_metrics(outs)
+        grad_scale = rescale() if rescale is not None else 1.0
         if outs:
             metrics = dp_mean(metrics)
             # Losses are shares of the whole batch: the DP mean times DP is their sum.
             for k in ("actor/pg_loss", "actor/kl_loss_share", "actor/loss"):
                 if k in metrics:
-                    metrics[k] *= dp_size()
+                    metrics[k] *= dp_size() * (grad_scale if k != "actor/kl_loss_share" else 1.0)
         loss = metrics.get("actor/loss", 0.0)
-        step = self.optim.step(loss_finite=bool(torch.isfinite(torch.tensor(loss))))
+        step = self.optim.step(loss_finite=bool(torch.isfinite(torch.tensor(loss))), grad_scale=grad_scale)
         metrics.update({"actor/grad_norm": step["grad_norm"], "actor/lr": step["lr"], "actor/step_skipped": step["skipped"]})
         return metrics
 
     def _mb_inputs(self, mb, width, advantages, old_logprobs, behavior, ref_logprobs) -> dict[str, Any]:
         algo, idx = self.ctx.algorithm_cfg, mb.sample_index
-        old = response_tensor(old_logprobs, idx, width)
+        old = response_tensor(old_logprobs, idx, width) if old_logprobs is not None else None
         beh = response_tensor(behavior, idx, width) if behavior is not None else None
-        loss_mask = behavior_loss_mask(mb.response_mask, old, beh, algo.behavior_weight_cap)
+        # Without proximal log-probs yet, no token is known to be capped: the first pass counts them.
+        loss_mask = behavior_loss_mask(mb.response_mask, old, beh, algo.behavior_weight_cap) if old is not None \
+            else mb.response_mask != 0
         return {
             "mask": mb.response_mask,
             "adv": response_tensor(advantages, idx, width),

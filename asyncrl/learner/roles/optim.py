@@ -99,13 +99,20 @@ class GuardedOptimizer:
         opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         return [p for o in opts for p in o.get_parameters()]
 
-    def step(self, loss_finite: bool) -> dict[str, float]:
-        """Clip and apply the accumulated grads unless the loss or the grad norm is not finite anywhere."""
+    def step(self, loss_finite: bool, grad_scale: float = 1.0) -> dict[str, float]:
+        """Clip and apply the accumulated grads unless the loss or the grad norm is not finite anywhere.
+
+        `grad_scale` multiplies the accumulated grads first (a loss whose batch-wide denominator was
+        only known after the backward passes), so the norm, the clip and the step see the true grads."""
         from asyncrl.learner.compat import clip_grad_norm_
         from asyncrl.learner.parallel import collective_device
 
         lr = self.schedule.lr
         found_inf = self.optimizer.prepare_grads()
+        if grad_scale != 1.0:
+            for p in self._main_params():
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
         norm = clip_grad_norm_(self._main_params(), 0.0)  # measure first: clipping nan grads is moot
         bad = torch.tensor([0.0 if (loss_finite and not found_inf and math.isfinite(norm)) else 1.0],
                            device=collective_device())
