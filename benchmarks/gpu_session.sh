@@ -252,35 +252,60 @@ peers)
   # (8 x 8), completions of exactly PEERS_TOKENS tokens (256), lr PEERS_LR (1e-6), bf16; PEERS_WARMUP steps (3)
   # left out, PEERS_STEPS (8) timed. Rows go to $OUT/peers.json (each run appends when it ends), the table to
   # $OUT/peers.md, the bars to $OUT/peers.png. PEERS_ARGS adds knobs to both sides (e.g. "--micro-batch-size 16",
-  # or "--no-fixed-length --eval-every 25" for the demo model). PEERS_RUNS picks runs from "trl hybrid hybrid-resident hybrid-always gpu1 serve" (hybrid: the default
+  # or "--no-fixed-length --eval-every 25" for the demo model). PEERS_RUNS picks runs from "trl hybrid hybrid-resident hybrid-always gpu1 serve verl" (hybrid: the default
   # learner_offload when_short; hybrid-resident: the learner's state never offloaded; hybrid-always: offloaded at every switch; default the
   # first three; PEERS_SERVE=1 adds serve: `vllm serve` vs our API, benchmarks/generation.py). A run gets at most
   # its cap (TRL_TIMEOUT 240, HYBRID_TIMEOUT 200, GPU1_TIMEOUT 320, SERVE_TIMEOUT 400 s) and never more than is
   # left of PEERS_BUDGET (560 s since this script began). Expects TRL's parts (benchmarks/peers/wheels.sh) in
   # /tmp/peer-parts; installs them once into /tmp/site-peers, which only the TRL run puts on its path.
+  # Run `verl` (not among the defaults): verl 0.9.1's GRPO recipe, FSDP + vLLM co-located (benchmarks/peers/verl_grpo.py,
+  # VERL_MODE sync or colocate_async), cap VERL_TIMEOUT (300 s); its parts (benchmarks/peers/verl_wheels.sh) in
+  # /tmp/verl-parts, installed once into /tmp/site-verl and transformers 5.10.2 into /tmp/site-verl-tf, both first
+  # on the path of that run only.
   runs=${PEERS_RUNS:-trl hybrid gpu1}; [ "${PEERS_SERVE:-0}" = 1 ] && runs="$runs serve"
+  if [[ " $runs " == *" verl "* ]] && [ ! -f /tmp/site-verl/.verl-done ]; then  # only verl's run needs them
+    rm -rf /tmp/verl-wheels
+    cat /tmp/verl-parts/part* | tar xf - -C /tmp || { echo "peers: no verl parts in /tmp/verl-parts"; exit 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-verl /tmp/verl-wheels/*.whl 2>&1 | grep -v WARNING | tail -3
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-verl-tf /tmp/verl-wheels/tf/*.whl 2>&1 | grep -v WARNING | tail -3
+    touch /tmp/site-verl/.verl-done
+  fi
   if [[ " $runs " == *" trl "* ]] && [ ! -f /tmp/site-peers/.peers-done ]; then  # only TRL's run needs them
     rm -rf /tmp/peer-wheels
     cat /tmp/peer-parts/part* | tar xf - -C /tmp || { echo "peers: no TRL parts in /tmp/peer-parts"; exit 1; }
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-peers /tmp/peer-wheels/*.whl 2>&1 | grep -v WARNING | tail -3
     touch /tmp/site-peers/.peers-done
   fi
-  M=${PEERS_MODEL:-$MODEL}
+  M=${PEERS_MODEL:-$MODEL}; tokens=${PEERS_TOKENS:-256}; eos_flags=""; pargs=${PEERS_ARGS:-}
+  # PEERS_WORKLOAD: fixed (default: every completion exactly PEERS_TOKENS) or longtail: the random model ends its
+  # completions itself, EOS raised in its weights (make_random_qwen2.py --eos-mean-tokens PEERS_EOS_MEAN, 1500,
+  # calibrated under the cut PEERS_TOKENS, 8192; built beside the fixed one as $M-longtail<mean>), and every
+  # side samples to EOS (--no-fixed-length)
+  case ${PEERS_WORKLOAD:-fixed} in
+  fixed) ;;
+  longtail) M=$M-longtail${PEERS_EOS_MEAN:-1500}; tokens=${PEERS_TOKENS:-8192}; pargs="$pargs --no-fixed-length"
+            eos_flags="--eos-mean-tokens ${PEERS_EOS_MEAN:-1500} --eos-max-new-tokens $tokens" ;;
+  *) echo "peers: unknown PEERS_WORKLOAD '${PEERS_WORKLOAD}' (fixed longtail)"; exit 1 ;;
+  esac
   if [ ! -f $M/config.json ]; then  # PEERS_SHAPE: make_random_qwen2.py's shape flags (default Qwen2-0.5B's)
-    python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M ${PEERS_SHAPE:-} > $OUT/make_model.log 2>&1
-    echo "make model rc=$? t=$SECONDS s"; tail -1 $OUT/make_model.log | cut -c1-300
+    python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M ${PEERS_SHAPE:-} $eos_flags > $OUT/make_model.log 2>&1
+    echo "make model rc=$? t=$SECONDS s"; tail -1 $OUT/make_model.log | cut -c1-900
   fi
-  pargs=${PEERS_ARGS:-}
   # 1.5B and up on one H100 (2026-11-27): a whole batch of 64 as one micro-batch ran both TRL and asyncrl out of
   # memory beside their engines; both sides then take micro-batches of 16 (PEERS_ARGS naming one wins)
   if [[ "$pargs" != *--micro-batch-size* ]] && [ "$(python3 -c "import json; print(int(json.load(open('$M/config.json'))['hidden_size'] >= 1536))" 2>/dev/null)" = 1 ]; then
     pargs="$pargs --micro-batch-size 16"; echo "peers: micro-batches of 16 for $M"
   fi
-  knobs=(--model $M --prompts-per-step ${PEERS_PROMPTS:-8} --group-size ${PEERS_GROUP:-8} --max-new-tokens ${PEERS_TOKENS:-256}
+  knobs=(--model $M --prompts-per-step ${PEERS_PROMPTS:-8} --group-size ${PEERS_GROUP:-8} --max-new-tokens $tokens
          --lr ${PEERS_LR:-1e-6} --warmup-steps ${PEERS_WARMUP:-3} --steps ${PEERS_STEPS:-8} --out $OUT/peers.json $pargs)
+  # ASYNCRL_SETS: config overrides for every asyncrl run (--set KEY=VALUE words); the long-tail workload's default
+  # packs each micro-batch's sequences into one row under a token budget instead of padding them to the longest
+  asets=(); for kv in ${ASYNCRL_SETS:-$([ "${PEERS_WORKLOAD:-fixed}" = longtail ] && echo "learner.sequence_packing=true learner.max_tokens_per_micro_batch=8192")}; do
+    asets+=(--set "$kv"); done
   for run in $runs; do
-    case $run in trl) cap=${TRL_TIMEOUT:-240} ;; hybrid|hybrid-resident|hybrid-always) cap=${HYBRID_TIMEOUT:-200} ;; gpu1) cap=${GPU1_TIMEOUT:-320} ;;
-                 serve) cap=${SERVE_TIMEOUT:-400} ;; *) echo "peers: unknown run '$run' (trl hybrid hybrid-resident hybrid-always gpu1 serve)"; continue ;; esac
+    case $run in trl) cap=${TRL_TIMEOUT:-240} ;; hybrid|hybrid-resident|hybrid-always) cap=${HYBRID_TIMEOUT:-200} ;;
+                 gpu1|gpu1-separate) cap=${GPU1_TIMEOUT:-320} ;; serve) cap=${SERVE_TIMEOUT:-400} ;; verl) cap=${VERL_TIMEOUT:-300} ;;
+                 *) echo "peers: unknown run '$run' (trl hybrid hybrid-resident hybrid-always gpu1 gpu1-separate serve verl)"; continue ;; esac
     left=$(( ${PEERS_BUDGET:-560} - SECONDS )); [ $cap -lt $left ] && left=$cap
     if [ $left -lt 60 ]; then echo "peers $run: skipped, $left s left of PEERS_BUDGET"; continue; fi
     # ray.init's own start timed out here after TRL's run ("node timed out during startup"): clear what is
@@ -290,7 +315,7 @@ peers)
     else
       ray stop --force > /dev/null 2>&1; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*
       unset RAY_ADDRESS
-      if [ $run != trl ] && [ $run != serve ]; then
+      if [ $run != trl ] && [ $run != serve ] && [ $run != verl ]; then  # verl's main_ppo starts its own (ray.init)
         timeout 90 ray start --head --num-cpus 16 --include-dashboard=false --disable-usage-stats > $OUT/ray_start.log 2>&1 \
             && export RAY_ADDRESS=auto || { echo "ray start failed:"; tail -3 $OUT/ray_start.log | cut -c1-300; }
       fi
@@ -310,16 +335,22 @@ peers)
                               --set learner.actor.grad_offload=false --set learner.actor.optimizer_offload=false) ;;
       esac
       timeout -s INT -k 30 $left python3 benchmarks/peers/asyncrl_side.py --placement hybrid --etas ${HYBRID_ETAS:-0} \
-          --num-cpus 16 "${extra[@]}" "${knobs[@]}" > $log 2>&1 ;;
-    gpu1)
+          --num-cpus 16 "${asets[@]}" "${extra[@]}" "${knobs[@]}" > $log 2>&1 ;;
+    gpu1|gpu1-separate)
+      # gpu1-separate: the proximal log-probs from a pass of their own before each update (the default takes them
+      # from the update's first forward), for the ratio of the two in one call
+      extra=(); [ $run = gpu1-separate ] && extra=(--tag "(separate proximal pass)" --set algorithm.proximal_logprobs=separate_pass)
       timeout -s INT -k 30 $left python3 benchmarks/peers/asyncrl_side.py --placement separated --etas ${GPU1_ETAS:-0 2} \
-          --num-cpus 16 "${knobs[@]}" > $log 2>&1 ;;
+          --num-cpus 16 "${asets[@]}" "${extra[@]}" "${knobs[@]}" > $log 2>&1 ;;
+    verl)
+      PYTHONPATH=/tmp/site-verl-tf:/tmp/site-verl:$PYTHONPATH timeout -s INT -k 30 $left python3 benchmarks/peers/verl_grpo.py \
+          --mode ${VERL_MODE:-sync} "${knobs[@]}" > $log 2>&1 ;;
     serve)
       timeout -s INT -k 30 $left python3 benchmarks/generation.py --model $M --dtype bfloat16 --num-gpus 1 --max-model-len 1024 \
           --num-prompts 512 --concurrency 64 --max-tokens ${PEERS_TOKENS:-256} --warmup 64 --sides vllm,asyncrl,vllm > $log 2>&1 ;;
     esac
     echo "peers $run rc=$? t=$SECONDS s"
-    grep -E '^\[(trl|asyncrl)\]|^\| ' $log | cut -c1-300
+    grep -E '^\[(trl|asyncrl|verl)\]|^\| ' $log | cut -c1-300
     grep -iE "Traceback|Error|out of memory" $log | grep -v Warning | tail -8 | cut -c1-400
   done
   [ -s $OUT/peers.json ] && python3 benchmarks/peers/compare.py $OUT/peers.json --md $OUT/peers.md --png $OUT/peers.png

@@ -21,6 +21,7 @@ The split of a step, from the learner's metrics (time/*): training = time/train_
 update; hybrid: the engine's sleep and the learner's onload too), weight_sync = time/sync_s (the push; hybrid: the
 engine's wake too), generation = the rest of the step, the learner waiting for its batch: generation (and
 rewards) not hidden behind training, so less at eta > 0; idle = 0 (not told apart from that wait).
+Completion lengths: each step's `train/response_lengths` (the learner's batch, in the run's metrics.jsonl).
 Steps with a held-out evaluation (--eval-every) are left out of s/step (the evaluation runs inside the step).
 
     python benchmarks/peers/asyncrl_side.py --placement hybrid --etas 0 --model /tmp/qwen2-0.5b-random \\
@@ -31,6 +32,7 @@ Steps with a held-out evaluation (--eval-every) are left out of s/step (the eval
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -99,8 +101,20 @@ def _versions() -> str:
     return ", ".join([f"asyncrl {_git_head()}"] + [f"{n} {package_version(n)}" for n in VERSIONS])
 
 
-def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str) -> dict[str, Any]:
-    """run_once's result as a common row: per-step walls from time/elapsed_s, the split from time/*."""
+def response_lengths(run_dir: Path) -> dict[int, list[int]]:
+    """Each learner step's completion lengths, from the run's metrics.jsonl (none from an asyncrl that
+    does not record them)."""
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return {int(r["train/step"]): r["train/response_lengths"] for r in records
+            if "train/step" in r and isinstance(r.get("train/response_lengths"), list)}
+
+
+def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str,
+           lengths: dict[int, list[int]] | None = None) -> dict[str, Any]:
+    """run_once's result as a common row: per-step walls from time/elapsed_s, the split from time/*, the
+    completion lengths from `lengths` (learner step -> its batch's, `response_lengths`)."""
+    lengths = lengths or {}
     steps, prev = [], None
     for r in res["per_step"]:
         elapsed = r["time/elapsed_s"]
@@ -110,7 +124,8 @@ def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str)
         n = int(r["train/step"])
         steps.append(StepTime(step=n, wall_s=wall, generation_s=max(wall - train - sync, 0.0), training_s=train,
                               weight_sync_s=sync, completion_tokens=int(r.get("train/response_tokens") or 0),
-                              warmup=n <= a.warmup_steps or r.get("eval/accuracy") is not None))
+                              warmup=n <= a.warmup_steps or r.get("eval/accuracy") is not None,
+                              completion_lengths=lengths.get(n, [])))
     evals = res.get("eval", [])
     origin = evals[0]["time"] if evals and evals[0]["step"] == 0 else None
     rewards = [r["train/reward_mean"] for r in res["per_step"] if r.get("train/reward_mean") is not None]
@@ -120,7 +135,7 @@ def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str)
     return {
         "system": "asyncrl", "placement": placement, "eta": eta, "version": _versions(),
         "model": a.model, "params": model_params(a.model), **knobs(a, "bf16"), "warmup_steps": a.warmup_steps,
-        **summarize(steps), "gpu": gpu_name(), "reward_mean": statistics.fmean(rewards) if rewards else None,
+        **summarize(steps, a.max_new_tokens), "gpu": gpu_name(), "reward_mean": statistics.fmean(rewards) if rewards else None,
         "eval": [{"step": e["step"], "wall_s": e["time"] - origin, "accuracy": e["accuracy"]} for e in evals] if origin else [],
         "settings": {"config": str(a.config or CONFIGS[a.placement]), "overrides": knob_overrides(a, eta) + a.overrides,
                      "staleness_mean": res.get("staleness_mean"), "push_s": res.get("push_s"),
@@ -145,13 +160,14 @@ def main(argv: list[str] | None = None) -> int:
                 base = apply_overrides(_args_from(config), knob_overrides(a, eta) + a.overrides)
                 print(f"[asyncrl] {placement} eta={eta}: {a.warmup_steps} + {a.steps} steps of "
                       f"{a.prompts_per_step} x {a.group_size} x {a.max_new_tokens} tokens", flush=True)
-                res = run_once(base, eta, a.warmup_steps + a.steps, Path(tmp) / f"eta{eta}", a.timeout_s,
-                               eval_interval_steps=a.eval_every)
-                row = row_of(a, eta, res, placement)
+                run_dir = Path(tmp) / f"eta{eta}"
+                res = run_once(base, eta, a.warmup_steps + a.steps, run_dir, a.timeout_s, eval_interval_steps=a.eval_every)
+                row = row_of(a, eta, res, placement, response_lengths(run_dir))
                 for s in row["per_step"]:
                     print(f"[asyncrl] step {s['step']}{' (left out)' if s['warmup'] else ''}: {s['wall_s']:.2f} s = "
                           f"generation wait {s['generation_s']:.2f} + training {s['training_s']:.2f} + weight sync "
-                          f"{s['weight_sync_s']:.2f}", flush=True)
+                          f"{s['weight_sync_s']:.2f}" + ("" if s.get("length_mean") is None else
+                                                        f"; completions of {s['length_mean']:.0f} tokens on average"), flush=True)
                 emit(row, a.out)  # after every run: a call cut short keeps what finished
     finally:
         ray.shutdown()

@@ -16,6 +16,8 @@ A row (one per system and placement; `compare.py` turns rows into the table and 
   split_s                       mean seconds per timed step: generation, training, weight_sync, idle
                                 (they add up to the mean step)
   tokens_per_s                  trained completion tokens / timed wall seconds
+  lengths                       the timed steps' completion lengths (`length_stats`): mean, p50, p90, p99, max, count,
+                                cut (at max_new_tokens), histogram; None where a side did not report them
   gpu                           nvidia-smi's name of GPU 0 (None without one)
   per_step                      every step's wall and split (warm-up included, flagged)
   eval                          held-out greedy accuracy: [{"step", "wall_s", "accuracy"}] (--eval-every)
@@ -26,9 +28,10 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
 import statistics
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,29 +49,65 @@ class StepTime:
     weight_sync_s: float
     completion_tokens: int
     warmup: bool = False
+    completion_lengths: list[int] = field(default_factory=list)  # each trained completion's tokens (EOS included)
 
     @property
     def idle_s(self) -> float:
         return max(self.wall_s - self.generation_s - self.training_s - self.weight_sync_s, 0.0)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"idle_s": self.idle_s}
+        """The step's row: its lengths as their mean only (the row's `lengths` keeps the distribution)."""
+        row = asdict(self)
+        lengths = row.pop("completion_lengths")
+        return row | {"idle_s": self.idle_s, "length_mean": statistics.fmean(lengths) if lengths else None}
 
 
-def summarize(steps: list[StepTime]) -> dict[str, Any]:
-    """s/step (median, mean), the mean split and tokens/s over the steps not marked warm-up."""
+def length_stats(lengths: list[int], max_new_tokens: int) -> dict[str, Any]:
+    """Mean, nearest-rank p50/p90/p99, max, count, how many reached `max_new_tokens` (cut), and a histogram
+    over fixed bins: `le` the inclusive upper edges 1, 2, 4, ... up to max_new_tokens (extended by powers of
+    two should a length exceed it), `count` the lengths in (previous edge, edge]."""
+    if not lengths:
+        raise ValueError("length_stats: no lengths")
+    ordered = sorted(lengths)
+    n = len(ordered)
+    edges = [1]
+    while edges[-1] < max(max_new_tokens, ordered[-1]):
+        edges.append(edges[-1] * 2)
+    if max_new_tokens >= ordered[-1]:
+        edges[-1] = max(max_new_tokens, 1)
+    counts, i = [], 0
+    for edge in edges:
+        start = i
+        while i < n and ordered[i] <= edge:
+            i += 1
+        counts.append(i - start)
+
+    def rank(q: float) -> int:
+        return ordered[max(math.ceil(q * n), 1) - 1]
+
+    return {"mean": statistics.fmean(ordered), "p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99),
+            "max": ordered[-1], "count": n,
+            "cut": sum(1 for x in ordered if x >= max_new_tokens) if max_new_tokens else None,
+            "histogram": {"le": edges, "count": counts}}
+
+
+def summarize(steps: list[StepTime], max_new_tokens: int = 0) -> dict[str, Any]:
+    """s/step (median, mean), the mean split, tokens/s and the completion lengths (None unless every timed step
+    carries them; histogram bins up to `max_new_tokens`) over the steps not marked warm-up."""
     timed = [s for s in steps if not s.warmup]
     if not timed:
         raise ValueError(f"no timed step among {len(steps)} (all warm-up)")
     walls = [s.wall_s for s in timed]
     n = len(timed)
     split = {k: sum(getattr(s, f"{k}_s") for s in timed) / n for k in SPLIT}
+    lengths = [x for s in timed for x in s.completion_lengths] if all(s.completion_lengths for s in timed) else []
     return {
         "steps_timed": n,
         "s_per_step_median": statistics.median(walls),
         "s_per_step_mean": sum(walls) / n,
         "split_s": split,
         "tokens_per_s": sum(s.completion_tokens for s in timed) / sum(walls),
+        "lengths": length_stats(lengths, max_new_tokens) if lengths else None,
         "per_step": [s.as_dict() for s in steps],
     }
 

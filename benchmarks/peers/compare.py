@@ -5,6 +5,8 @@ not rows are skipped, so whole logs can be given) and writes:
   a markdown table: per row s/step (median, mean), its speed against TRL's row of the same setting (TRL's
   median s/step / this one's: the goal is >= 2.00x with the same samples), the mean split of a step into
   generation, training, weight sync and idle, completion tokens/s, the GPU;
+  the completion lengths each row sampled (mean, p50, p90, p99, max), and a warning where two rows of one
+  setting differ in mean length by more than LENGTH_TOLERANCE (they did not sample the same workload);
   with --png: one PNG of stacked bars, one bar per row (the mean step split into those four parts), and, when
   rows carry held-out evaluations past the first (a curve), a second panel of accuracy against seconds of the run.
 A setting is (model, samples per step, completion tokens, fixed length, GPU): rows compare only within one.
@@ -22,6 +24,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SPLIT, read_rows  # noqa: E402
 
+# Rows of one setting whose mean completion lengths differ by more than this share of the larger did not
+# sample the same workload (a long-tail model's mean over 8 x 64 samples varies by a few per cent).
+LENGTH_TOLERANCE = 0.15
 COLORS = {"generation": "#4c72b0", "training": "#dd8452", "weight_sync": "#55a868", "idle": "#c7c7c7"}
 
 
@@ -60,6 +65,28 @@ def table(rows: list[dict[str, Any]]) -> str:
                    + " | ".join(f"{split.get(k, 0.0):.3f}" for k in SPLIT)
                    + f" | {r.get('tokens_per_s', 0.0):,.0f} | {r.get('gpu') or '-'} |")
     return "\n".join(out) + "\n"
+
+
+def length_table(rows: list[dict[str, Any]]) -> str:
+    """Per row that reports them, its completion lengths; then a warning for each pair of rows of one setting
+    whose means differ by more than LENGTH_TOLERANCE."""
+    many = len({setting(r) for r in rows}) > 1
+    measured = [r for r in rows if r.get("lengths")]
+    if not measured:
+        return ""
+    lines = ["\nCompletion lengths over the timed steps (tokens: mean, p50, p90, p99, max; samples, cut at the limit):"]
+    for r in measured:
+        n = r["lengths"]
+        cut = "" if n.get("cut") is None else f", {n['cut']} cut"
+        lines.append(f"- {label(r, many)}: {n['mean']:.0f}, {n['p50']}, {n['p90']}, {n['p99']}, {n['max']} "
+                     f"({n['count']} samples{cut})")
+    for i, r in enumerate(measured):
+        for other in measured[i + 1:]:
+            a, b = r["lengths"]["mean"], other["lengths"]["mean"]
+            if setting(r) == setting(other) and abs(a - b) > LENGTH_TOLERANCE * max(a, b):
+                lines.append(f"WARNING: {label(r, many)} sampled {a:.0f} tokens on average, {label(other, many)} {b:.0f}: "
+                             f"more than {LENGTH_TOLERANCE:.0%} apart, not the same workload")
+    return "\n".join(lines) + "\n"
 
 
 def curve(row: dict[str, Any]) -> bool:
@@ -130,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = read_rows(a.rows)
     if not rows:
         ap.error(f"no rows (JSON lines with 'system' and 's_per_step_median') in {', '.join(map(str, a.rows))}")
-    text = table(rows) + eval_table(rows)
+    text = table(rows) + length_table(rows) + eval_table(rows)
     print(text, end="")
     if a.md:
         a.md.parent.mkdir(parents=True, exist_ok=True)

@@ -93,7 +93,7 @@ class PhaseClock:
         self.sync = sync
         self.totals: dict[str, float] = defaultdict(float)
         self.last_exit: dict[str, float] = {}
-        self.tokens = 0
+        self.lengths: list[int] = []  # every completion's tokens since the last `take` (EOS included)
         self.rewards: list[float] = []  # every completion's reward (the reward function's wrapper appends)
         self._children: list[float] = []  # per open phase: seconds spent in phases nested in it
 
@@ -113,17 +113,18 @@ class PhaseClock:
                 if self._children:
                     self._children[-1] += end - t0
                 self.last_exit[fn.__name__] = end
-            if count_tokens:  # _generate_single_turn returns (completion_ids, logprobs)
-                self.tokens += sum(len(ids) for ids in out[0])
+            if count_tokens:  # _generate_single_turn returns (completion_ids cut after EOS, logprobs)
+                self.lengths += [len(ids) for ids in out[0]]
             return out
 
         return timed
 
-    def take(self) -> tuple[dict[str, float], int]:
-        totals, tokens = dict(self.totals), self.tokens
+    def take(self) -> tuple[dict[str, float], list[int]]:
+        """The phases' seconds and the completions' lengths since the last call."""
+        totals, lengths = dict(self.totals), self.lengths
         self.totals.clear()
-        self.tokens = 0
-        return totals, tokens
+        self.lengths = []
+        return totals, lengths
 
 
 def arithmetic_reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
@@ -255,16 +256,18 @@ def step_timer(clock: PhaseClock, a: argparse.Namespace, evaluate: Callable[[], 
         def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
             clock.sync()
             now = time.perf_counter()
-            phases, tokens = clock.take()
+            phases, lengths = clock.take()
+            tokens = sum(lengths)
             optimizer_s = now - clock.last_exit.get("training_step", now)  # clip, Adam, scheduler, zero_grad
             s = StepTime(step=state.global_step, wall_s=now - self.ready, generation_s=phases.get("generation", 0.0),
                          training_s=phases.get("training", 0.0) + optimizer_s,
                          weight_sync_s=phases.get("weight_sync", 0.0), completion_tokens=tokens,
-                         warmup=state.global_step <= a.warmup_steps)
+                         warmup=state.global_step <= a.warmup_steps, completion_lengths=lengths)
             steps.append(s)
             print(f"[trl] step {s.step}/{total}{' (warm-up)' if s.warmup else ''}: {s.wall_s:.2f} s = generation "
                   f"{s.generation_s:.2f} + training {s.training_s:.2f} + weight sync {s.weight_sync_s:.2f} + idle "
-                  f"{s.idle_s:.2f} (rewards {phases.get('reward', 0.0):.2f}); {tokens} tokens, reward mean "
+                  f"{s.idle_s:.2f} (rewards {phases.get('reward', 0.0):.2f}); {tokens} tokens (longest {max(lengths, default=0)}), "
+                  f"reward mean "
                   f"{statistics.fmean(clock.rewards[-batch:] or [0.0]):.3f}", flush=True)
             if evaluate is not None and state.global_step % a.eval_every == 0:
                 evals.append({"step": state.global_step, "wall_s": time.perf_counter() - self.origin, "accuracy": evaluate()})
@@ -328,7 +331,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "system": "trl", "placement": "transformers-generate" if a.no_vllm else "colocate", "eta": 0,
         "version": ", ".join(f"{n} {package_version(n)}" for n in VERSIONS),
         "model": a.model, "params": params, **knobs(a, "bf16" if a.bf16 else "fp32"), "warmup_steps": a.warmup_steps,
-        **summarize(steps), "gpu": gpu_name(), "reward_mean": statistics.fmean(clock.rewards) if clock.rewards else None,
+        **summarize(steps, a.max_new_tokens), "gpu": gpu_name(), "reward_mean": statistics.fmean(clock.rewards) if clock.rewards else None,
         "eval": evals, "settings": {"vllm_gpu_memory_utilization": None if a.no_vllm else a.gpu_memory_utilization,
                                     "vllm_sleep": a.vllm_sleep, "gradient_checkpointing": a.gradient_checkpointing,
                                     "max_model_len": max_model_len(a), "master_weights": "float32",
