@@ -344,7 +344,7 @@ peers)
           --num-cpus 16 "${asets[@]}" "${extra[@]}" "${knobs[@]}" > $log 2>&1 ;;
     verl)
       PYTHONPATH=/tmp/site-verl-tf:/tmp/site-verl:$PYTHONPATH timeout -s INT -k 30 $left python3 benchmarks/peers/verl_grpo.py \
-          --mode ${VERL_MODE:-sync} "${knobs[@]}" > $log 2>&1 ;;
+          --mode ${VERL_MODE:-sync} ${VERL_ARGS:-} "${knobs[@]}" > $log 2>&1 ;;  # VERL_ARGS: e.g. --work-dir DIR (its metrics.jsonl)
     serve)
       timeout -s INT -k 30 $left python3 benchmarks/generation.py --model $M --dtype bfloat16 --num-gpus 1 --max-model-len 1024 \
           --num-prompts 512 --concurrency 64 --max-tokens ${PEERS_TOKENS:-256} --warmup 64 --sides vllm,asyncrl,vllm > $log 2>&1 ;;

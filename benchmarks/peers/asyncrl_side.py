@@ -161,14 +161,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[asyncrl] {placement} eta={eta}: {a.warmup_steps} + {a.steps} steps of "
                       f"{a.prompts_per_step} x {a.group_size} x {a.max_new_tokens} tokens", flush=True)
                 run_dir = Path(tmp) / f"eta{eta}"
-                res = run_once(base, eta, a.warmup_steps + a.steps, run_dir, a.timeout_s, eval_interval_steps=a.eval_every)
-                row = row_of(a, eta, res, placement, response_lengths(run_dir))
-                for s in row["per_step"]:
-                    print(f"[asyncrl] step {s['step']}{' (left out)' if s['warmup'] else ''}: {s['wall_s']:.2f} s = "
-                          f"generation wait {s['generation_s']:.2f} + training {s['training_s']:.2f} + weight sync "
-                          f"{s['weight_sync_s']:.2f}" + ("" if s.get("length_mean") is None else
-                                                        f"; completions of {s['length_mean']:.0f} tokens on average"), flush=True)
-                emit(row, a.out)  # after every run: a call cut short keeps what finished
+
+                def report(res: dict[str, Any], eta: int = eta, run_dir: Path = run_dir) -> None:
+                    # also from inside run_once when the caller's limit (SIGINT) cuts the run short: the row
+                    # then covers the steps that finished (`finished` false)
+                    row = row_of(a, eta, res, placement, response_lengths(run_dir)) | {"finished": res.get("finished", True)}
+                    for s in row["per_step"]:
+                        print(f"[asyncrl] step {s['step']}{' (left out)' if s['warmup'] else ''}: {s['wall_s']:.2f} s = "
+                              f"generation wait {s['generation_s']:.2f} + training {s['training_s']:.2f} + weight sync "
+                              f"{s['weight_sync_s']:.2f}" + ("" if s.get("length_mean") is None else
+                                                            f"; completions of {s['length_mean']:.0f} tokens on average"), flush=True)
+                    if not row["finished"]:
+                        print(f"[asyncrl] eta={eta}: cut short by its limit; the row covers the steps above", flush=True)
+                    emit(row, a.out)  # after every run: a call cut short keeps what finished
+
+                run_once(base, eta, a.warmup_steps + a.steps, run_dir, a.timeout_s, eval_interval_steps=a.eval_every,
+                         emit=report)
     finally:
         ray.shutdown()
     return 0

@@ -2,8 +2,9 @@
 
 Reads the rows that benchmarks/peers/trl_grpo.py and benchmarks/peers/asyncrl_side.py print (any lines that are
 not rows are skipped, so whole logs can be given) and writes:
-  a markdown table: per row s/step (median, mean), its speed against TRL's row of the same setting (TRL's
-  median s/step / this one's: the goal is >= 2.00x with the same samples), the mean split of a step into
+  a markdown table: per row s/step (median, mean), its speed against TRL's row of the same setting (this row's
+  trained completion tokens per second over its timed steps / TRL's: the mean, not the median, and tokens rather
+  than steps, since long-tail rows sample unlike lengths), the mean split of a step into
   generation, training, weight sync and idle, completion tokens/s, the GPU;
   the completion lengths each row sampled (mean, p50, p90, p99, max), and a warning where two rows of one
   setting differ in mean length by more than LENGTH_TOLERANCE (they did not sample the same workload);
@@ -41,13 +42,12 @@ def label(row: dict[str, Any], many_settings: bool = False) -> str:
 
 
 def speedups(rows: list[dict[str, Any]]) -> list[float | None]:
-    """Per row: TRL's median s/step of the same setting (its vLLM colocate row first) / this row's (None without
-    a TRL row)."""
+    """Per row: its trained tokens/s (over the timed steps' wall: the mean) / TRL's of the same setting (its vLLM
+    colocate row first); None without a TRL row."""
     trl: dict[tuple, float] = {}
     for r in sorted((r for r in rows if r["system"] == "trl"), key=lambda r: r.get("placement") != "colocate"):
-        trl.setdefault(setting(r), r["s_per_step_median"])
-    return [trl[setting(r)] / r["s_per_step_median"] if setting(r) in trl and r["s_per_step_median"] > 0 else None
-            for r in rows]
+        trl.setdefault(setting(r), r["tokens_per_s"])
+    return [r["tokens_per_s"] / trl[setting(r)] if trl.get(setting(r)) else None for r in rows]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -125,7 +125,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for y, (r, up) in enumerate(zip(rows, speedups(rows), strict=True)):
         ax.text(left[y], y, f" {r['s_per_step_mean']:.2f} s" + ("" if up is None else f" ({up:.2f}x)"), va="center", fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds per optimizer step (mean of the timed steps; speed vs TRL from the medians)")
+    ax.set_xlabel("seconds per optimizer step (mean of the timed steps; speed vs TRL in trained tokens/s)")
     ax.set_xlim(0, max(left) * 1.3 if max(left) > 0 else 1)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=len(SPLIT), fontsize=8)  # below: never over a bar
     ax.set_title("One GRPO step, same samples: where the time goes", fontsize=10)

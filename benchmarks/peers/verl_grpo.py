@@ -195,12 +195,19 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     env = os.environ | {"VERL_FILE_LOGGER_PATH": str(metrics), "HYDRA_FULL_ERROR": "1"}
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"hydra.run.dir={work / 'hydra'}", *verl_overrides(a, train, val, work)]
     print("[verl] " + " ".join(cmd), flush=True)
-    done = subprocess.run(cmd, env=env, cwd=work, check=False)
-    if done.returncode != 0 or not metrics.is_file():
-        raise SystemExit(f"[verl] main_ppo exited {done.returncode}; metrics at {metrics}: "
-                         f"{'present' if metrics.is_file() else 'absent'}")
-    records = read_metrics(metrics)
+    finished = True
+    try:
+        done = subprocess.run(cmd, env=env, cwd=work, check=False)
+        returncode = done.returncode
+    except KeyboardInterrupt:  # the caller's limit (timeout -s INT): report the steps verl finished, if any timed
+        finished, returncode = False, "interrupted"
+    records = read_metrics(metrics) if metrics.is_file() else []
     steps = step_times(records, a)
+    if (returncode != 0 and finished) or not any(not s.warmup for s in steps):
+        raise SystemExit(f"[verl] main_ppo {'exited ' + str(returncode) if finished else 'was interrupted'} after "
+                         f"{len(steps)} steps ({sum(not s.warmup for s in steps)} timed); metrics at {metrics}")
+    if not finished:
+        print(f"[verl] cut short by its limit after {len(steps)} steps: the row covers them", flush=True)
     total = a.warmup_steps + a.steps
     for s, r in zip(steps, [r for r in records if "timing_s/step" in r], strict=True):
         print(f"[verl] step {s.step}/{total}{' (warm-up)' if s.warmup else ''}: {s.wall_s:.2f} s = generation "
@@ -213,7 +220,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     placement, eta = MODES[a.mode]
     rewards = [float(r["critic/score/mean"]) for r in records if "critic/score/mean" in r]
     return {
-        "system": "verl", "placement": placement, "eta": eta,
+        "system": "verl", "placement": placement, "eta": eta, "finished": finished,
         "version": ", ".join(f"{n} {package_version(n)}" for n in VERSIONS),
         "model": a.model, "params": model_params(a.model), **knobs(a, "bf16" if a.bf16 else "fp32"),
         "warmup_steps": a.warmup_steps, **summarize(steps), "gpu": gpu_name(),
