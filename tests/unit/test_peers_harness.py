@@ -105,7 +105,7 @@ def test_compare_refuses_a_file_without_rows(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["benchmarks/peers/wheels.sh", "benchmarks/gpu_session.sh", "benchmarks/sglang/wheels.sh",
-                                    "benchmarks/gpu_jobs.sh"])
+                                    "benchmarks/gpu_jobs.sh", "benchmarks/gpu_wheel_parts.sh"])
 def test_shell_scripts_parse(script):
     done = subprocess.run(["bash", "-n", str(REPO / script)], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
