@@ -26,12 +26,14 @@ from asyncrl.algorithms.losses import (
     ppo_policy_loss,
     value_loss,
 )
+from asyncrl.algorithms.mismatch import combine_mismatch_sums, mismatch_metrics, mismatch_sums
 from asyncrl.algorithms.utils import masked_mean, masked_sum, masked_whiten
 
 __all__ = [
     "AggMode",
     "KLKind",
     "aggregate",
+    "combine_mismatch_sums",
     "gae_advantages",
     "grpo_advantages",
     "gspo_policy_loss",
@@ -41,6 +43,8 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "mismatch_metrics",
+    "mismatch_sums",
     "ppo_policy_loss",
     "reinforce_pp_advantages",
     "rloo_advantages",

@@ -225,10 +225,12 @@ class LearnerGroup:
 
     async def update_actor(
         self, batch: TrainBatch | Sequence[Sample], advantages: PerToken, old_logprobs: PerToken | None,
-        ref_logprobs: PerToken | None = None,
+        ref_logprobs: PerToken | None = None, version_gaps: list[list[int]] | None = None,
     ) -> dict[str, float]:
-        """One update; `old_logprobs` None: its first forward gives the proximal log-probs (ActorRole)."""
-        results, _ = await self._compute(RoleAPI.update_actor, _samples(batch), advantages, old_logprobs, ref_logprobs)
+        """One update; `old_logprobs` None: its first forward gives the proximal log-probs; `version_gaps`
+        (per token, versions behind the learner) split its mismatch metrics (ActorRole.update_actor)."""
+        results, _ = await self._compute(RoleAPI.update_actor, _samples(batch), advantages, old_logprobs, ref_logprobs,
+                                         version_gaps)
         return results[0]  # metrics are already reduced over DP inside the ranks
 
     async def update_critic(self, batch: TrainBatch | Sequence[Sample], returns: PerToken, old_values: PerToken) -> dict[str, float]:

@@ -210,7 +210,9 @@ class Trainer:
         ref_logprobs = await p.reference.compute_ref_log_prob(batch) if p.reference else None
         values = await p.critic.compute_values(batch) if p.critic else None
         advantages, returns, adv_metrics = compute_advantages(batch, algo, old_logprobs, ref_logprobs, values)
-        metrics = await p.actor.update_actor(batch, advantages, old_logprobs, ref_logprobs)
+        # per token: how many versions behind the learner's the weights that sampled it were
+        gaps = [[self.version - v for v in s.versions] for s in batch.samples]
+        metrics = await p.actor.update_actor(batch, advantages, old_logprobs, ref_logprobs, gaps)
         if p.critic:
             metrics |= await p.critic.update_critic(batch, returns, values)
         return {**metrics, **adv_metrics}

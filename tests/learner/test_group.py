@@ -121,6 +121,10 @@ def test_logprobs_and_one_update_agree_across_layouts(runs):
         assert m["actor/applied_steps"] == 1.0
         assert m["actor/behavior_capped_tokens"] > 0, name  # (a mean over micro-batches: layouts split unlike)
         assert m["actor/proximal_from_update"] == float(name in FROM_UPDATE), name
+        # mismatch sums over every micro-batch and DP rank, read on the last stage
+        assert m["mismatch/tokens"] == base["mismatch/tokens"], name
+        assert m["mismatch/out_of_band_frac"] == pytest.approx(base["mismatch/out_of_band_frac"]), name
+        assert m["mismatch/abs_diff_max"] == pytest.approx(2.0, abs=1e-3), name
     assert base["actor/behavior_capped_tokens"] > 0
     after = {name: r["after"] for name, r in runs.items()}
     assert max_diff(after["tp1"], lp["tp1"]) > 1e-3  # the step did move the policy

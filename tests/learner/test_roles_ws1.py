@@ -151,8 +151,18 @@ def test_checkpoint_roundtrip_and_the_updates_own_proximal_pass(groups, tmp_path
     assert max_diff(run(groups["actor"].compute_log_prob(samples)), saved) < 1e-6
     assert run(groups["actor"].state())[0]["metrics"]["actor/lr"] == pytest.approx(1e-4)
     assert steps_before >= 4
-    own = run(groups["actor"].update_actor(behaved, advantages(samples), None))
+    gaps = [[i % 3] * len(s.response_ids) for i, s in enumerate(samples)]  # samples 0, 3, 6: gap 0; ...
+    own = run(groups["actor"].update_actor(behaved, advantages(samples), None, None, gaps))
     assert handed["actor/proximal_from_update"] == 0.0 and own["actor/proximal_from_update"] == 1.0
+    # the engine/learner mismatch: d = log pi_prox - log pi_behave is 2 on every third token, 0 elsewhere
+    lengths = [len(s.response_ids) for s in samples]
+    n, n3 = sum(lengths), sum(len(range(0, k, 3)) for k in lengths)
+    for m in (handed, own):
+        assert m["mismatch/tokens"] == n and m["mismatch/out_of_band_frac"] == pytest.approx(n3 / n)
+        assert m["mismatch/abs_diff_max"] == pytest.approx(2.0, abs=1e-4)
+        assert m["mismatch/k1"] == pytest.approx(-2.0 * n3 / n, abs=1e-4)
+    assert "mismatch/gap0/tokens" not in handed  # no version gaps given
+    assert [own[f"mismatch/gap{g}/tokens"] for g in ("0", "1", "2+")] == [sum(lengths[i::3]) for i in range(3)]
     assert own["actor/behavior_capped_tokens"] == handed["actor/behavior_capped_tokens"] > 0
     for k in ("actor/pg_loss", "actor/grad_norm", "actor/loss"):
         assert own[k] == pytest.approx(handed[k], rel=1e-5, abs=1e-7), k

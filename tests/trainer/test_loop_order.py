@@ -16,8 +16,8 @@ from asyncrl.trainer.rollout import RolloutCounters
 from asyncrl.types import Sample, TrainBatch
 
 
-def _sample(prompt_index: int, group_id: int, reward: float) -> Sample:
-    return Sample(prompt_ids=[1, 2], response_ids=[3, 4], behavior_logprobs=[-0.5, -0.5], versions=[0, 0],
+def _sample(prompt_index: int, group_id: int, reward: float, versions: tuple[int, int] = (0, 0)) -> Sample:
+    return Sample(prompt_ids=[1, 2], response_ids=[3, 4], behavior_logprobs=[-0.5, -0.5], versions=list(versions),
                   reward=reward, group_id=group_id, prompt_index=prompt_index)
 
 
@@ -46,8 +46,9 @@ class _Group:
         self.log.append((f"{self.name}.compute_ref_log_prob",))
         return [[-0.4, -0.4] for _ in batch.samples]
 
-    async def update_actor(self, batch, advantages, old_logprobs, ref_logprobs):
+    async def update_actor(self, batch, advantages, old_logprobs, ref_logprobs, version_gaps):
         self.log.append((f"{self.name}.update_actor", ref_logprobs is not None, old_logprobs is not None))
+        self.gaps = version_gaps
         return {"actor/loss": 0.1}
 
 
@@ -58,7 +59,10 @@ def _parts(log: list, *, start_version: int = 0, kl: bool = False, on_step=None)
         batches[0] += 1
         log.append(("buffer.get_batch",))
         # arrival order, not prompt order: the loop sorts before learning
-        return TrainBatch(samples=[_sample(7, 71, 1.0), _sample(7, 71, 0.0), _sample(3, 30, 1.0), _sample(3, 30, 0.0)],
+        # token versions up to the loop's: version_gaps are counted from it
+        v = start_version + batches[0] - 1
+        return TrainBatch(samples=[_sample(7, 71, 1.0, (v, v)), _sample(7, 71, 0.0, (v - 1, v)),
+                                   _sample(3, 30, 1.0, (v - 2, v - 1)), _sample(3, 30, 0.0, (v, v))],
                           step=0, policy_version=0)
 
     class Placement:
@@ -159,6 +163,14 @@ async def test_the_proximal_pass_runs_only_where_the_update_cannot_give_it(algor
     assert ("actor.compute_log_prob" in step) is separate
     assert step[step.index("placement.to_learner") + 1] == ("actor.compute_log_prob" if separate else "actor.update_actor")
     assert next(e for e in log if e[0] == "actor.update_actor") == ("actor.update_actor", False, separate)
+
+
+async def test_the_update_hears_how_many_versions_behind_each_token_was_sampled():
+    log: list = []
+    parts = _parts(log, start_version=5)
+    await Trainer(_cfg(6), parts).run()  # one step, from version 5
+    # the batch as the learner gets it, sorted by (prompt_index, group_id): versions (3, 4), (5, 5), (5, 5), (4, 5)
+    assert parts.actor.gaps == [[2, 1], [0, 0], [0, 0], [1, 0]]
 
 
 async def test_a_kl_penalty_in_the_reward_keeps_the_proximal_pass():

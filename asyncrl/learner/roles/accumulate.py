@@ -54,6 +54,20 @@ def dp_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def dp_all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """`t` summed ("sum") or maxed ("max") over the data-parallel group of this rank (identity without DP)."""
+    from megatron.core import parallel_state as ps
+
+    from asyncrl.learner.parallel import collective_device
+
+    if ps.get_data_parallel_world_size() == 1:
+        return t
+    out = t.to(collective_device())
+    reduce_op = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}[op]
+    torch.distributed.all_reduce(out, op=reduce_op, group=ps.get_data_parallel_group())
+    return out
+
+
 def dp_mean(metrics: dict[str, float]) -> dict[str, float]:
     """Average a metric dict over the DP group (same keys on every rank)."""
     from megatron.core import parallel_state as ps

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 
 from asyncrl.algorithms import gspo_policy_loss, kl_loss_term, ppo_policy_loss
+from asyncrl.algorithms.mismatch import MAX_COLUMN, combine_mismatch_sums, mismatch_metrics, mismatch_sums
 from asyncrl.learner.batching import MicroBatch, response_tensor, unpad_response
 from asyncrl.learner.offload import Offloader
-from asyncrl.learner.roles.accumulate import (behavior_loss_mask, denominator, denominator_tensor, dp_mean, dp_size,
-                                              dp_sum, from_last_stage)
+from asyncrl.learner.roles.accumulate import (behavior_loss_mask, denominator, denominator_tensor, dp_all_reduce,
+                                              dp_mean, dp_size, dp_sum, from_last_stage)
 from asyncrl.learner.roles.base import ModelRunner, RoleContext, _to_device
 from asyncrl.learner.roles.optim import GuardedOptimizer
 from asyncrl.types import Sample
@@ -84,11 +85,13 @@ class ActorRole:
 
     def update_actor(
         self, samples: Sequence[Sample], advantages: PerToken, old_logprobs: PerToken | None,
-        ref_logprobs: PerToken | None = None,
+        ref_logprobs: PerToken | None = None, version_gaps: list[list[int]] | None = None,
     ) -> dict[str, float]:
         """`ppo_epochs` optimizer steps on `samples`. `old_logprobs` None: the first pass's own forward,
         which runs on the proximal weights, gives the proximal log-probs (no pass of their own; only
-        where `AlgorithmConfig.proximal_in_update` says that is exact, else a ValueError)."""
+        where `AlgorithmConfig.proximal_in_update` says that is exact, else a ValueError). With the
+        engine's behaviour log-probs, the metrics also hold their mismatch against the proximal ones
+        (`asyncrl.algorithms.mismatch`), split by `version_gaps` (per token: versions behind the learner)."""
         algo, cfg = self.ctx.algorithm_cfg, self.ctx.learner_cfg
         use_kl = ref_logprobs is not None and algo.kl_mode == "loss" and algo.kl_coef > 0
         if old_logprobs is None and not algo.proximal_in_update(with_reference=ref_logprobs is not None):
@@ -99,7 +102,10 @@ class ActorRole:
         # Without engine log-probs (e.g. a synchronous recompute) there is nothing to correct.
         has_behavior = all(len(s.behavior_logprobs) == len(s.response_ids) for s in samples)
         behavior = [s.behavior_logprobs for s in samples] if has_behavior else None
-        inputs = [self._mb_inputs(mb, width, advantages, old_logprobs, behavior, ref_logprobs if use_kl else None) for mb in mbs]
+        gaps = version_gaps if behavior is not None and version_gaps is not None \
+            and [len(g) for g in version_gaps] == [len(s.response_ids) for s in samples] else None
+        inputs = [self._mb_inputs(mb, width, advantages, old_logprobs, behavior, ref_logprobs if use_kl else None, gaps)
+                  for mb in mbs]
         # Batch-wide denominators (all micro-batches, all DP ranks): see accumulate.py. Without proximal
         # log-probs the policy loss's is first taken before the decoupled-PPO cap masks any token
         # (`pg_denom`); the first pass counts the true one (`pg_denom_true`), and its grads are rescaled.
@@ -121,6 +127,8 @@ class ActorRole:
                 pg_denom = x["pg_denom_true"]
             else:
                 pg_denom = x["pg_denom"]
+            if x["behavior"] is not None and "mismatch" not in x:  # the first pass: engine vs proximal policy
+                x["mismatch"] = mismatch_sums(x["old"], x["behavior"], mask, x["gaps"])
             kw = dict(behavior_logprobs=x["behavior"], behavior_weight_cap=algo.behavior_weight_cap, agg=algo.loss_agg, lazy_metrics=True)
             if algo.policy_loss == "gspo":
                 pg, metrics = gspo_policy_loss(lp, x["old"], x["adv"], mask, clip_low=algo.clip_low, clip_high=algo.clip_high, **kw)
@@ -153,13 +161,17 @@ class ActorRole:
             return from_last_stage(factor)
 
         out: dict[str, float] = {}
+        mismatch: dict[str, float] = {}
         with self.offloader.onloaded():
             for epoch in range(cfg.ppo_epochs):
                 rescale = true_denominator if old_logprobs is None and epoch == 0 else None
                 step = self._one_step(mbs, loss_fn, rescale)
                 out = step if epoch == 0 else {k: out.get(k, 0.0) + v for k, v in step.items()}
+                if epoch == 0 and self.runner.is_last_stage:
+                    mismatch = _batch_mismatch(inputs)
         if cfg.ppo_epochs > 1:
             out = {k: v / cfg.ppo_epochs for k, v in out.items()}
+        out |= mismatch
         out["actor/skipped_steps"] = float(self.optim.skipped_steps)
         out["actor/applied_steps"] = float(self.optim.applied_steps)
         out["actor/proximal_from_update"] = float(old_logprobs is None)
@@ -183,7 +195,7 @@ class ActorRole:
         metrics.update({"actor/grad_norm": step["grad_norm"], "actor/lr": step["lr"], "actor/step_skipped": step["skipped"]})
         return metrics
 
-    def _mb_inputs(self, mb, width, advantages, old_logprobs, behavior, ref_logprobs) -> dict[str, Any]:
+    def _mb_inputs(self, mb, width, advantages, old_logprobs, behavior, ref_logprobs, gaps=None) -> dict[str, Any]:
         algo, idx = self.ctx.algorithm_cfg, mb.sample_index
         old = response_tensor(old_logprobs, idx, width) if old_logprobs is not None else None
         beh = response_tensor(behavior, idx, width) if behavior is not None else None
@@ -196,6 +208,7 @@ class ActorRole:
             "old": old,
             "behavior": beh,
             "ref": response_tensor(ref_logprobs, idx, width) if ref_logprobs is not None else None,
+            "gaps": response_tensor(gaps, idx, width, dtype=torch.long) if gaps is not None else None,
             "pg_denom": denominator(loss_mask, algo.loss_agg),
         }
 
@@ -216,6 +229,16 @@ class ActorRole:
             "actor/skipped_steps": float(self.optim.skipped_steps),
             "actor/lr": self.optim.schedule.lr,
         }
+
+
+def _batch_mismatch(inputs: list[dict[str, Any]]) -> dict[str, float]:
+    """The whole batch's mismatch metrics from each micro-batch's sums, over every DP rank (a collective
+    of the last stage's DP group: every rank calls it, with zeros where it saw no behaviour log-probs)."""
+    total = combine_mismatch_sums([x["mismatch"] for x in inputs if x.get("mismatch") is not None])
+    peak = dp_all_reduce(total[:, MAX_COLUMN].clone(), "max")
+    total = dp_all_reduce(total, "sum")
+    total[:, MAX_COLUMN] = peak.to(total.device)
+    return mismatch_metrics(total.cpu())
 
 
 def _on_device(x: dict[str, Any], dev: torch.device) -> dict[str, Any]:
