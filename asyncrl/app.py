@@ -136,7 +136,9 @@ def build_app(
     `status_actor` when one is named. Late engine replicas load from `weight_source`."""
     if train:
         from asyncrl.trainer.checks import check_trainable
+        from asyncrl.trainer.placement_choice import resolve_placement
 
+        cfg = resolve_placement(cfg)  # hybrid.enabled: auto -> true / false, with its reason logged
         check_trainable(cfg)
         check_live_cluster(cfg)  # a pool no node offers fails here, not as a replica pending for ever
     if cfg.generator.tool_parser is not None:  # a name vLLM does not know is a config error here, not a 400 later

@@ -76,7 +76,7 @@ class RootConfig(_Section):
                 f"buffer.batch_size={self.buffer.batch_size} must be a multiple of "
                 f"algorithm.group_size={self.algorithm.group_size} (GRPO groups stay whole)"
             )
-        if self.hybrid.enabled:
+        if self.hybrid.enabled is True:  # ("auto" is decided, and then checked, when the app starts)
             sleep_key = "enable_memory_saver" if self.generator.engine == "sglang" else "enable_sleep_mode"
             missing = [need for need, ok in (
                 ("learner.num_gpus_per_rank > 0", self.learner.num_gpus_per_rank > 0),

@@ -349,7 +349,10 @@ class WeightsyncConfig(_Section):
 class HybridConfig(_Section):
     """Co-located placement: learner and engines time-share the same devices (asyncrl/trainer/placement.py)."""
 
-    enabled: bool = False
+    enabled: bool | Literal["auto"] = Field(
+        False, description="true: co-located (engines sleep while the learner trains); false: separated; auto: the app "
+        "picks at start and logs which and why (asyncrl/trainer/placement_choice.py): separated where the engine and the "
+        "learner fit on their shared device at once, hybrid where they do not, separated on devices of their own.")
     engine_sleep_level: Literal[1, 2] = Field(
         1, description="1 = engines offload their weights to host memory and drop the KV cache while the learner "
         "trains; 2 = they drop both (less host memory; every push then rewrites all weights before serving).")

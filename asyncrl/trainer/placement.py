@@ -166,6 +166,9 @@ def build_placement(cfg: HybridConfig, engines: Engines, actor: Learners, others
                     engine_memory_fraction: float = 0.9) -> Colocation | Separated:
     """`engine_memory_fraction`: the engines' gpu_memory_utilization (vLLM's default 0.9), their share of a
     device awake, which `learner_offload: when_short` keeps free beside the learner's state."""
+    if cfg.enabled == "auto":
+        raise ValueError("hybrid.enabled='auto' is decided when the app starts (asyncrl.app.build_app -> "
+                         "asyncrl.trainer.placement_choice.resolve_placement); resolve the config first")
     if not cfg.enabled:
         return Separated()
     return Colocation(cfg, engines, actor, [g for g in others if g is not None], engine_memory_fraction=engine_memory_fraction)

@@ -41,6 +41,8 @@ def _config(run_dir: Path, port: int) -> dict:
         "trainer": {"total_steps": STEPS, "rollout_concurrency": 4, "eval_interval_steps": 2},
         "checkpoint": {"dir": str(run_dir / "ckpt"), "interval_steps": 1, "keep": 3},
         "logging": {"dir": str(run_dir), "tensorboard": False, "plot_interval_steps": 1},
+        # decided at start: no GPU in this Ray cluster, so separated (asyncrl/trainer/placement_choice.py)
+        "hybrid": {"enabled": "auto"},
     }
 
 
@@ -206,6 +208,12 @@ def test_grpo_trains_and_publishes_while_the_api_answers(run_a):
     # the first push formed the groups (its load through Serve); the replica's push channel carried the others
     assert [m["weightsync/push_channel"] for m in metrics] == [0.0, 1.0, 1.0]
     assert all(math.isfinite(m["actor/loss"]) for m in metrics)
+    # GRPO without KL: the update's first forward gave the proximal log-probs; eta 0, fp32 on both sides: the
+    # engine's log-probs match them closely, every token sampled by the learner's own version (gap 0)
+    assert all(m["actor/proximal_from_update"] == 1.0 for m in metrics)
+    assert all(m["mismatch/tokens"] == m["mismatch/gap0/tokens"] == m["train/loss_tokens"] for m in metrics)
+    assert all(m["mismatch/abs_diff_max"] < 1e-2 and abs(m["mismatch/k3"]) < 1e-4 for m in metrics), \
+        [(m["mismatch/abs_diff_max"], m["mismatch/k3"]) for m in metrics]
     # The learner's tokens per step (behind MFU): every batch's responses, plus their prompts.
     assert all(0 < m["train/response_tokens"] < m["train/tokens"] for m in metrics)
     assert metrics[-1]["rollout/tokens"] >= sum(m["train/response_tokens"] for m in metrics)

@@ -1,0 +1,141 @@
+"""`hybrid.enabled: auto`: the app picks separated or hybrid placement at start, and says which and why.
+
+Owns: the learner's device-memory estimate for a model, the choice (pure: `choose_placement`), the config
+that carries it out (`apply_choice`: hybrid turns on the engine's sleep mode and the actor's offload flags
+a user left unset), and the probe of a device's memory (a Ray task on a GPU, or this process's CUDA view).
+The rule: when the engine and the learner share one device, separated placement (both awake at once, so
+generation overlaps training for eta > 0) if the learner's state and activations plus the engine's
+`gpu_memory_utilization` share fit on it, else hybrid (they take turns); devices of their own, or none: separated.
+Must never: start an engine or a learner, or touch a config whose `hybrid.enabled` is not `auto`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+GIB = float(2**30)
+# Per parameter on the learner's device: bf16 weights 2 + fp32 main params 4 + Adam's two moments 8 + fp32
+# grads 4 (Megatron's DDP reduces grads in fp32, asyncrl/learner/roles/base.py).
+BYTES_PER_PARAM = 18
+# Per token, hidden unit and layer kept for the backward without recompute, in bf16 (Megatron's own
+# activation estimate for a GPT layer: 34 s b h bytes, attention scores left to flash kernels).
+ACTIVATION_BYTES = 34
+# Of the device, what the two may take together: the CUDA context, allocator fragmentation and the push's
+# staging need the rest.
+FIT_SHARE = 0.9
+VLLM_DEFAULT_UTILIZATION = 0.9
+
+
+@dataclass(frozen=True)
+class PlacementChoice:
+    """The placement an `auto` run takes, and the sentence that says why (logged at start)."""
+
+    hybrid: bool
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return "hybrid" if self.hybrid else "separated"
+
+
+def model_params(hf_config: Any) -> int:
+    """Parameters of a decoder-only HF config (dense or MoE: every expert counted; tied embedding once)."""
+    c = hf_config
+    h, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
+    heads = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or h // heads
+    qkv_bias = getattr(c, "attention_bias", getattr(c, "model_type", "") in ("qwen2", "qwen2_moe"))  # Qwen2's q/k/v
+    attn = (h + bool(qkv_bias)) * head_dim * (heads + 2 * kv) + head_dim * heads * h
+    experts = getattr(c, "num_experts", 0) or 0
+    if experts:
+        mlp = 3 * h * c.moe_intermediate_size * experts + 3 * h * (getattr(c, "shared_expert_intermediate_size", 0) or 0)
+    else:
+        mlp = 3 * h * c.intermediate_size
+    emb = vocab * h * (1 if getattr(c, "tie_word_embeddings", False) else 2)
+    return layers * (attn + mlp + 2 * h) + h + emb
+
+
+def learner_bytes(hf_config: Any, tokens_per_micro_batch: int, logprob_chunk: int) -> float:
+    """What the actor needs on its device while it trains: its state, one micro-batch's activations and the
+    LM head's chunk of logits (float32, forward and backward)."""
+    c = hf_config
+    state = BYTES_PER_PARAM * model_params(c)
+    activations = ACTIVATION_BYTES * tokens_per_micro_batch * c.hidden_size * c.num_hidden_layers
+    logits = 2 * 4 * min(logprob_chunk, tokens_per_micro_batch) * c.vocab_size
+    return float(state + activations + logits)
+
+
+def choose_placement(cfg: Any, hf_config: Any, device_bytes: float | None) -> PlacementChoice:
+    """The placement for `cfg` (a RootConfig) on devices of `device_bytes` each (None: no GPU)."""
+    gen, learner = cfg.generator, cfg.learner
+    if device_bytes is None or gen.num_gpus <= 0 or learner.num_gpus_per_rank <= 0:
+        return PlacementChoice(False, "separated: no GPU for the engine and the learner to time-share (hybrid "
+                                      "placement needs CUDA devices)")
+    if gen.num_gpus >= 1 and learner.num_gpus_per_rank >= 1:
+        return PlacementChoice(False, f"separated: the engines (generator.num_gpus={gen.num_gpus:g}) and the learner "
+                                      f"ranks (learner.num_gpus_per_rank={learner.num_gpus_per_rank:g}) have devices "
+                                      "of their own")
+    tokens = learner.max_tokens_per_micro_batch or learner.micro_batch_size * (
+        cfg.model.max_model_len or cfg.algorithm.max_new_tokens + 512)
+    need = learner_bytes(hf_config, tokens, learner.logprob_chunk_size)
+    share = float(gen.engine_kwargs.get("gpu_memory_utilization", VLLM_DEFAULT_UTILIZATION))
+    engine = share * device_bytes
+    room = FIT_SHARE * device_bytes
+    fits = need + engine <= room
+    sizes = (f"the learner needs ~{need / GIB:.0f} GiB ({model_params(hf_config) / 1e9:.2f}B parameters x "
+             f"{BYTES_PER_PARAM} B, and a micro-batch of {tokens} tokens), the engine "
+             f"{engine / GIB:.0f} GiB (gpu_memory_utilization {share:g} of {device_bytes / GIB:.0f} GiB)")
+    if fits:
+        return PlacementChoice(False, f"separated: {sizes}: both fit at once in {room / GIB:.0f} GiB, so generation "
+                                      "overlaps training")
+    return PlacementChoice(True, f"hybrid: {sizes}: together more than {room / GIB:.0f} GiB, so they take turns on "
+                                 "the device (the engine sleeps while the learner trains)")
+
+
+def apply_choice(cfg: Any, choice: PlacementChoice) -> Any:
+    """`cfg` with `hybrid.enabled` set to the choice; hybrid also turns on the engine's sleep mode and the
+    actor's param / grad / optimizer offload flags that were left unset (`hybrid.learner_offload` still
+    keeps the state on the device where the engine's wake fits beside it)."""
+    update: dict[str, Any] = {"hybrid": cfg.hybrid.model_copy(update={"enabled": choice.hybrid})}
+    if choice.hybrid:
+        sleep_key = "enable_memory_saver" if cfg.generator.engine == "sglang" else "enable_sleep_mode"
+        kwargs = {sleep_key: True, **cfg.generator.engine_kwargs}
+        update["generator"] = cfg.generator.model_copy(update={"engine_kwargs": kwargs})
+        actor = cfg.learner.actor
+        flags = {k: True for k in ("param_offload", "grad_offload", "optimizer_offload") if k not in actor.model_fields_set}
+        update["learner"] = cfg.learner.model_copy(update={"actor": actor.model_copy(update=flags)})
+    return type(cfg).model_validate(cfg.model_copy(update=update).model_dump())
+
+
+def device_memory_bytes() -> float | None:
+    """One GPU's memory: from a Ray task on a GPU when Ray runs (the driver may have none), else from this
+    process; None without a GPU."""
+    import ray
+
+    if ray.is_initialized():
+        if ray.cluster_resources().get("GPU", 0) <= 0:
+            return None
+        return float(ray.get(ray.remote(num_gpus=0.01, num_cpus=0)(_total_memory).remote()))
+    return _total_memory()
+
+
+def _total_memory() -> float | None:
+    import torch
+
+    return float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
+
+
+def resolve_placement(cfg: Any, probe: Any = device_memory_bytes) -> Any:
+    """`cfg` unchanged unless `hybrid.enabled` is `auto`; then with the placement chosen and logged."""
+    if cfg.hybrid.enabled != "auto":
+        return cfg
+    from transformers import AutoConfig
+
+    choice = choose_placement(cfg, AutoConfig.from_pretrained(cfg.model.path), probe())
+    log.warning("placement (hybrid.enabled: auto): %s", choice.reason)
+    return apply_choice(cfg, choice)
