@@ -185,6 +185,19 @@ class LearnerRankError(RuntimeError):
         self.rank, self.method = rank, method
 
 
+class LearnerOutOfMemory(RuntimeError):
+    """A learner verb ran its device out of memory (asyncrl/learner/memory.py): the message names the verb and
+    rank, the largest micro-batch's tokens, the device's peak and what to change. The same batch would run out
+    again, so the loop ends the run with it instead of restarting the learner."""
+
+    def __init__(self, message: str, verb: str = "", rank: int = -1, tokens: int = 0) -> None:
+        super().__init__(message)
+        self.verb, self.rank, self.tokens = verb, rank, tokens
+
+    def __reduce__(self):  # crosses Ray whole (RuntimeError's own pickling passes the message alone)
+        return type(self), (str(self), self.verb, self.rank, self.tokens)
+
+
 def finite_number(x: Any) -> bool:
     """A real, finite int or float (not a bool): what a reward, a turn reward or a sampling knob must be."""
     return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
@@ -208,8 +221,12 @@ def failed_applying(err: BaseException) -> bool:
 
 
 def learner_failure(err: BaseException) -> BaseException | None:
-    """The `LearnerRankError` behind `err` (its cause / context chain), if a learner rank failed."""
-    return next((e for e in error_chain(err) if isinstance(e, LearnerRankError)), None)
+    """The `LearnerRankError` behind `err` (its cause / context chain), if a learner rank failed in a way a
+    restart can get past: not when it ran out of memory (`LearnerOutOfMemory`: the same batch would again)."""
+    chain = list(error_chain(err))
+    if any(isinstance(e, LearnerOutOfMemory) for e in chain):
+        return None
+    return next((e for e in chain if isinstance(e, LearnerRankError)), None)
 
 
 class Refusal(enum.Enum):

@@ -120,13 +120,22 @@ class LearnerRank:
         method = verb_name(RoleAPI, verb, ROLE_VERBS)
         if not hasattr(self.role, method):
             raise AttributeError(f"role {self.role_name!r} has no verb {method!r}")
-        with self._thread():
-            if verb in ROLE_TRAINING_VERBS:
-                with self.profiler.step():
-                    out = getattr(self.role, method)(*args, **kwargs)
-                    _finish_device_work()
-                    return out
-            return getattr(self.role, method)(*args, **kwargs)
+        from asyncrl.learner.memory import device_memory, is_out_of_memory, out_of_memory_error
+
+        try:
+            with self._thread():
+                if verb in ROLE_TRAINING_VERBS:
+                    with self.profiler.step():
+                        out = getattr(self.role, method)(*args, **kwargs)
+                        _finish_device_work()
+                        return out
+                return getattr(self.role, method)(*args, **kwargs)
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            samples = args[0] if args and isinstance(args[0], list) else []
+            lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+            raise out_of_memory_error(method, self.rank, lengths, self.learner_cfg, *device_memory()) from err
 
     # ------------------------------------------------------------------ weight pushes (weightsync/sender.py)
 

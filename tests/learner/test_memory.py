@@ -1,0 +1,89 @@
+"""A learner verb that runs its device out of memory (asyncrl/learner/memory.py): recognised (torch's error, NCCL's
+failed allocation), reported as one typed error that says where and what to change, carried across Ray whole,
+and not taken for a rank failure that a restart gets past. The rank is the plain class, its role a stub."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig
+from asyncrl.interfaces import RoleAPI
+from asyncrl.learner.memory import is_out_of_memory, micro_batch_tokens, out_of_memory_error
+from asyncrl.learner.rank import LearnerRank
+from asyncrl.types import LearnerOutOfMemory, LearnerRankError, Sample, learner_failure
+
+NCCL_OOM = ("NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled cuda error, NCCL version 2.27.7\n"
+            "Last error:\nFailed to CUDA calloc async 608 bytes")
+
+
+def _samples(*lengths: tuple[int, int]) -> list[Sample]:
+    return [Sample(prompt_ids=[1] * p, response_ids=[2] * r, behavior_logprobs=[-1.0] * r, versions=[0] * r,
+                   reward=0.0, group_id=i) for i, (p, r) in enumerate(lengths)]
+
+
+def test_only_the_device_running_out_counts():
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_out_of_memory(torch.distributed.DistBackendError(NCCL_OOM))
+    assert not is_out_of_memory(torch.distributed.DistBackendError("NCCL error: remote process exited"))
+    assert not is_out_of_memory(RuntimeError("out of memory"))  # not torch's, not NCCL's: not ours to rename
+
+
+def test_the_largest_micro_batch_as_the_learner_lays_it_out():
+    lengths = [100, 3000, 200, 50, 8000]
+    assert micro_batch_tokens(lengths[:4], 2, None, packed=False) == 2 * 3000  # [100, 3000] padded, [200, 50]
+    assert micro_batch_tokens(lengths[:4], 2, None, packed=True) == 3100
+    assert micro_batch_tokens(lengths, 2, None, packed=False) == 8000  # [8000] alone
+    assert micro_batch_tokens(lengths, 2, 4000, packed=True) == 8000  # a sequence over the budget goes alone
+    assert micro_batch_tokens(lengths[:4], 2, 4000, packed=True) == 3350
+    assert micro_batch_tokens([], 2, None, packed=False) == 0
+
+
+def test_the_report_names_the_verb_the_tokens_the_peak_and_the_settings_that_fit():
+    cfg = LearnerConfig(micro_batch_size=2)
+    err = out_of_memory_error("update_actor", 3, [2 * 16384, 2 * 16384], cfg, 130.5 * 2**30, 139.8 * 2**30)
+    text = str(err)
+    assert isinstance(err, LearnerOutOfMemory) and (err.verb, err.rank, err.tokens) == ("update_actor", 3, 65536)
+    assert text.startswith("learner rank 3 ran out of device memory in update_actor: 2 sequences (longest 32768 tokens)")
+    assert "peak 130.5 GiB of 139.8 GiB" in text and "recompute_granularity: full" in text
+    assert "learner.max_tokens_per_micro_batch (now None)" in text and "learner.micro_batch_size (now 2)" in text
+    already = LearnerConfig(strategy_config={"recompute_granularity": "full"})
+    assert "recompute_granularity" not in str(out_of_memory_error("compute_log_prob", 0, [10], already, None, None))
+
+
+def test_the_error_crosses_ray_whole_and_ends_the_run_instead_of_a_restart():
+    err = out_of_memory_error("update_actor", 1, [40], LearnerConfig(), None, None)
+    back = pickle.loads(pickle.dumps(err))
+    assert str(back) == str(err) and (back.verb, back.rank, back.tokens) == ("update_actor", 1, err.tokens)
+    try:
+        try:
+            raise back
+        except LearnerOutOfMemory as cause:
+            raise LearnerRankError(1, "update_actor", str(cause)) from cause
+    except LearnerRankError as failed:
+        assert learner_failure(failed) is None  # the same batch would run out again
+    assert learner_failure(LearnerRankError(1, "update_actor", "killed")) is not None
+
+
+class _HungryRole:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def compute_log_prob(self, samples):
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"), torch.distributed.DistBackendError(NCCL_OOM)])
+def test_a_rank_reports_its_verb_running_out(error):
+    rank = LearnerRank(2, 4, "actor", ModelConfig(), LearnerConfig(micro_batch_size=2), AlgorithmConfig(),
+                       role_classes={"actor": _HungryRole})
+    rank.role = _HungryRole(error)
+    with pytest.raises(LearnerOutOfMemory, match=r"rank 2 ran out of device memory in compute_log_prob: 3 sequences "
+                                                  r"\(longest 30 tokens\), the largest micro-batch 60 tokens") as got:
+        rank.call(RoleAPI.compute_log_prob, _samples((4, 6), (10, 20), (5, 5)))
+    assert got.value.__cause__ is error
+    rank.role = _HungryRole(ValueError("not memory"))
+    with pytest.raises(ValueError, match="not memory"):  # anything else passes through untouched
+        rank.call(RoleAPI.compute_log_prob, _samples((4, 6)))
