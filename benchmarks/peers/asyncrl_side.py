@@ -91,7 +91,8 @@ def knob_overrides(a: argparse.Namespace, eta: int) -> list[str]:
 
 def _git_head() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+        # --dirty: a device machine's copy of the tree carries commits (and edits) its .git's HEAD does not know
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=True,
                               cwd=HERE).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "?"
