@@ -70,15 +70,13 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def model_params(path: str) -> int:
-    """Parameters of a dense Llama/Qwen2-style HF config (tied embedding once), for MFU."""
-    c = json.loads((Path(path) / "config.json").read_text())
-    h, layers, v = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
-    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
-    hd = c.get("head_dim") or h // heads
-    attn = h * heads * hd * 2 + h * kv * hd * 2 + (heads + 2 * kv) * hd * (c.get("model_type") == "qwen2")
-    mlp = 3 * h * c["intermediate_size"]
-    emb = v * h * (1 if c.get("tie_word_embeddings", False) else 2)
-    return layers * (attn + mlp + 2 * h) + h + emb
+    """Parameters of a decoder-only HF checkpoint (tied embedding once), for MFU: the count that
+    `hybrid.enabled: auto` sizes the learner by (asyncrl/trainer/placement_choice.py)."""
+    from transformers import AutoConfig
+
+    from asyncrl.trainer.placement_choice import model_params as count
+
+    return count(AutoConfig.from_pretrained(path))
 
 
 def _mean(rows: list[dict], key: str) -> float | None:
