@@ -138,8 +138,8 @@ def build_app(
         from asyncrl.trainer.checks import check_trainable
         from asyncrl.trainer.placement_choice import resolve_placement
 
-        cfg = resolve_placement(cfg)  # hybrid.enabled: auto -> true / false, with its reason logged
         check_trainable(cfg)
+        cfg = resolve_placement(cfg)  # hybrid.enabled: auto -> true / false, with its reason logged
         check_live_cluster(cfg)  # a pool no node offers fails here, not as a replica pending for ever
     if cfg.generator.tool_parser is not None:  # a name vLLM does not know is a config error here, not a 400 later
         from asyncrl.generator.vllm_engine import tool_parser_class

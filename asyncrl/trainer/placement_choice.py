@@ -136,6 +136,13 @@ def resolve_placement(cfg: Any, probe: Any = device_memory_bytes) -> Any:
         return cfg
     from transformers import AutoConfig
 
-    choice = choose_placement(cfg, AutoConfig.from_pretrained(cfg.model.path), probe())
+    from asyncrl.config import ConfigError
+
+    try:
+        hf_config = AutoConfig.from_pretrained(cfg.model.path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"hybrid.enabled='auto' sizes the learner from model.path={cfg.model.path!r}, which holds no "
+                          f"readable Hugging Face config ({type(err).__name__}: {err})") from None
+    choice = choose_placement(cfg, hf_config, probe())
     log.warning("placement (hybrid.enabled: auto): %s", choice.reason)
     return apply_choice(cfg, choice)

@@ -76,6 +76,14 @@ def test_resolving_leaves_a_set_placement_alone_and_decides_auto(demo_model_path
     assert done.hybrid.enabled is False and "placement (hybrid.enabled: auto): separated: no GPU" in caplog.text
 
 
+def test_auto_without_a_readable_model_config_is_a_config_error_naming_the_path(tmp_path):
+    from asyncrl.config import ConfigError
+
+    auto = load_config({"model": {"path": str(tmp_path / "nowhere")}, "hybrid": {"enabled": "auto"}})
+    with pytest.raises(ConfigError, match=r"hybrid.enabled='auto' sizes the learner from model.path=.*nowhere"):
+        resolve_placement(auto, probe=lambda: None)
+
+
 def test_an_unresolved_auto_never_reaches_the_placement_switch():
     with pytest.raises(ValueError, match="decided when the app starts"):
         build_placement(HybridConfig(enabled="auto"), None, None, [])
