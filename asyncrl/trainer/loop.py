@@ -68,6 +68,9 @@ class Trainer:
         self.eval_history: list[tuple[int, float]] = []
         self._stop = asyncio.Event()  # a drain asked the loop to end after the step in progress
         self._started = time.time()
+        # Training's clock (time/elapsed_s): from the rollouts' start, after step 0's evaluation, so
+        # the first step's time is that step's (its batch, update and push), not the evaluation's.
+        self._training_started: float | None = None
         self.restarts = 0  # learner restarts so far (trainer.max_restarts)
 
     async def run(self) -> None:
@@ -87,9 +90,14 @@ class Trainer:
         cfg, p = self.cfg, self.p
         self._move(LoopState.TRAINING)
         stop = asyncio.Event()
-        rollouts = asyncio.create_task(p.rollouts.run(stop), name="rollouts")
+        rollouts: asyncio.Task | None = None
         try:
-            p.log(self.version, await self._evaluate())  # the starting point of the curves
+            # The starting point of the curves, before any rollout: the evaluation has the engines to
+            # itself, and step 1 neither waits behind it nor gets a head start from it.
+            t = time.monotonic()
+            p.log(self.version, await self._evaluate() | {"time/eval_s": time.monotonic() - t})
+            self._training_started = time.time()
+            rollouts = asyncio.create_task(p.rollouts.run(stop), name="rollouts")
             while self.version < cfg.trainer.total_steps and not self._stop.is_set():
                 batch = await self._next_batch(rollouts)
                 if batch is None:  # stopped while waiting for it
@@ -120,7 +128,8 @@ class Trainer:
             raise
         finally:
             stop.set()
-            await asyncio.gather(rollouts, return_exceptions=True)
+            if rollouts is not None:
+                await asyncio.gather(rollouts, return_exceptions=True)
 
     def _move(self, new: LoopState) -> None:
         if new not in _LOOP_MOVES.get(self.state, set()):
@@ -233,7 +242,7 @@ class Trainer:
         metrics["train/tokens"] = metrics["train/response_tokens"] + float(sum(len(s.prompt_ids) for s in batch.samples))
         metrics["train/loss_tokens"] = float(sum(sum(s.response_mask) for s in batch.samples))  # < response: episodes' inner prompts
         metrics["train/step"] = self.version
-        metrics["time/elapsed_s"] = time.time() - self._started
+        metrics["time/elapsed_s"] = time.time() - (self._training_started or self._started)
         metrics |= self.p.rollouts.counters.metrics()
         metrics |= self.p.reward_metrics()
         metrics["rollout/tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["time/elapsed_s"], 1e-9)
