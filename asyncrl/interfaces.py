@@ -180,6 +180,10 @@ class RoleAPI(Protocol):
 
     def update_critic(self, samples: list[Any], returns: Any, old_values: Any) -> dict[str, Any] | None: ...
 
+    def warm_up(self, samples: list[Any]) -> dict[str, Any] | None:
+        """A trainable role, before its first update: one zero-loss pass over `samples`' first micro-batch
+        and its optimizer's state made, changing nothing the update reads."""
+
     def state(self) -> dict[str, Any]: ...
 
 

@@ -235,6 +235,10 @@ class LearnerConfig(_Section):
     max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="Dynamic batch size: token budget per micro-batch.")
     sequence_packing: bool = Field(False, description="Pack each micro-batch's sequences into one row (block-diagonal causal mask) instead of padding.")
     ppo_epochs: int = Field(1, gt=0)
+    warm_up: bool = Field(True, description="Before the first step (separated placement): one zero-loss forward-backward of the "
+                          "largest micro-batch the run admits (prompt + completion = model.max_model_len) and the optimizer's state "
+                          "made, so the first update pays no kernel loading, compilation or allocation; changes no weight or state. "
+                          "An out-of-memory error there is the one the longest batches would meet later.")
     logprob_chunk_size: int = Field(1024, gt=0, description="Tokens per chunk when computing log-probs (the LM head runs inside the chunk), to bound memory.")
     attention: Literal["auto", "sdpa", "local", "te"] = Field(
         "auto", description="Learner layer spec: sdpa = fused attention (torch scaled_dot_product_attention) + fused RMSNorm / "

@@ -237,6 +237,13 @@ class LearnerGroup:
         results, _ = await self._compute(RoleAPI.update_critic, _samples(batch), returns, old_values)
         return results[0]
 
+    async def warm_up(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """A trainable role's warm-up (`RoleAPI.warm_up`) on every rank, `samples` split over DP as a
+        batch is (each DP shard must get at least one micro-batch: its ranks' DP all-reduce of the
+        zero grads pairs with every other shard's); the slowest rank's metrics."""
+        results, _ = await self._compute(RoleAPI.warm_up, list(samples))
+        return _slowest(r for r in results if r)
+
     async def export_hf_tensors_packed(self, bucket_mb: float, transport: str = "object_store", verify: str = "full",
                                        layout: str = "hf") -> PackedExport:
         """The export packed into host buckets by the sending ranks (engine layout: the push plan's)."""

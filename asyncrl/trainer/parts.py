@@ -29,7 +29,7 @@ from asyncrl.trainer.placement import build_placement
 from asyncrl.trainer.rollout import RolloutWorkers
 from asyncrl.trainer.step import needs_reference
 from asyncrl.trainer.tracking import MetricsTracker
-from asyncrl.types import GenerationRequest, GenerationResult, SamplingParams
+from asyncrl.types import GenerationRequest, GenerationResult, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,10 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [found[k] for k in sorted(found)]
 
 
-async def _start_learners(cfg: RootConfig, engine: Any) -> tuple[Any, Any, Any, Any]:
+async def _start_learners(cfg: RootConfig, engine: Any, prompt_tokens: int | None = None) -> tuple[Any, Any, Any, Any]:
     """The run's learner groups (actor; reference and critic where the algorithm needs them),
-    started, and their placement beside the engines."""
+    started and warmed up (`prompt_tokens`: the data's longest prompt), and their placement beside
+    the engines."""
     from asyncrl.generator.control import EngineControl
     from asyncrl.learner.group import LearnerGroup
 
@@ -89,10 +90,40 @@ async def _start_learners(cfg: RootConfig, engine: Any) -> tuple[Any, Any, Any, 
     reference = LearnerGroup("reference", cfg.model, cfg.learner, cfg.algorithm) if needs_reference(cfg.algorithm) else None
     critic = LearnerGroup("critic", cfg.model, cfg.learner, cfg.algorithm) if cfg.algorithm.name == "ppo" else None
     await asyncio.gather(*(g.start() for g in (actor, reference, critic) if g is not None))
+    if cfg.learner.warm_up and not cfg.hybrid.enabled:  # hybrid: the engines hold the device until the first switch
+        await warm_up_learners(cfg, [g for g in (actor, critic) if g is not None], prompt_tokens)
     placement = build_placement(cfg.hybrid, EngineControl(engine), actor, [reference, critic],
                                 engine_memory_fraction=float(cfg.generator.engine_kwargs.get("gpu_memory_utilization", 0.9)))
     await placement.start()
     return actor, reference, critic, placement
+
+
+def longest_prompt(tokenizer: Any, prompts: list[Prompt], sample: int = 256) -> int:
+    """The longest of the first `sample` prompts, rendered and tokenized as rollouts send them."""
+    return max((len(tokenizer(render_prompt(tokenizer, p), add_special_tokens=False)["input_ids"]) for p in prompts[:sample]),
+               default=1)
+
+
+def warm_up_samples(cfg: RootConfig, dp: int, prompt_tokens: int | None = None) -> list[Sample]:
+    """`dp` x `learner.micro_batch_size` samples of the longest sequence the run should meet: a prompt
+    of `prompt_tokens` (the data's longest, `longest_prompt`; at most model.max_model_len -
+    algorithm.max_new_tokens, at least 1) and a completion of max_new_tokens, each its own group so
+    that every DP shard gets a full micro-batch."""
+    response = cfg.algorithm.max_new_tokens
+    room = cfg.model.max_model_len - response
+    prompt = max(1, room if prompt_tokens is None else min(prompt_tokens, room))
+    ids = [1 + (i * 7) % 97 for i in range(prompt + response)]  # any ids below every vocab
+    return [Sample(prompt_ids=ids[:prompt], response_ids=ids[prompt:], behavior_logprobs=[-1.0] * response,
+                   versions=[0] * response, reward=0.0, group_id=g)
+            for g in range(dp * cfg.learner.micro_batch_size)]
+
+
+async def warm_up_learners(cfg: RootConfig, groups: list[Any], prompt_tokens: int | None = None) -> None:
+    """Each trainable group's warm-up (`LearnerGroup.warm_up`; learner.warm_up), before the first step."""
+    for g in groups:
+        m = await g.warm_up(warm_up_samples(cfg, g.layout.dp, prompt_tokens))
+        log.info("learner %s warmed up in %.1f s (%d tokens a micro-batch%s)", g.role, m.get("learner/warm_up_s", 0.0),
+                 int(m.get("learner/warm_up_tokens", 0)), ", optimizer state made" if m.get("learner/warm_up_optimizer") else "")
 
 
 def _beside_this_process() -> dict[str, Any]:
@@ -126,6 +157,7 @@ class TrainerParts:
     rollouts: RolloutWorkers = field(init=False)
     eval_scorer: Any = field(init=False)
     start_version: int = 0
+    prompt_tokens: int | None = None  # the data's longest prompt (of the first ones): the learners' warm-up shape
 
     def __post_init__(self) -> None:
         # Held-out evaluation: reward.eval_function (a rule, e.g. exact answers while a reward
@@ -171,15 +203,16 @@ class TrainerParts:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         train, held_out = load_prompts(cfg.data)
         buffer = BufferActor.options(**_beside_this_process()).remote(cfg.buffer)
+        prompt_tokens = longest_prompt(tokenizer, train) if cfg.learner.warm_up else None
         # Hybrid: the learner's state goes to host before the first export (which holds the params itself).
         if cfg.reward.kind == "model":
             from asyncrl.rewards.model import ModelRewards
 
             rewards = ModelRewards(cfg.reward, cfg.model, cfg.learner, cfg.algorithm)
-            (actor, reference, critic, placement), _ = await asyncio.gather(_start_learners(cfg, engine), rewards.start())
+            (actor, reference, critic, placement), _ = await asyncio.gather(_start_learners(cfg, engine, prompt_tokens), rewards.start())
         else:
             rewards = reward_pool(cfg.reward)
-            actor, reference, critic, placement = await _start_learners(cfg, engine)
+            actor, reference, critic, placement = await _start_learners(cfg, engine, prompt_tokens)
         weights = WeightPublisher(cfg.weightsync, engine=EngineControl(engine), learner=actor, hybrid=cfg.hybrid.enabled,
                                   on_gpu=cfg.learner.num_gpus_per_rank > 0,
                                   own_gpus=cfg.learner.num_gpus_per_rank >= 1 and cfg.generator.num_gpus >= 1)
@@ -189,7 +222,7 @@ class TrainerParts:
                                  plot_interval_steps=cfg.logging.plot_interval_steps, wandb=cfg.logging.wandb,
                                  config=cfg.model_dump(mode="json"))
         parts = cls(cfg, engine, tokenizer, buffer, rewards, actor, reference, critic, weights, placement, tracker,
-                    PromptStream(train, cfg.trainer.seed), held_out)
+                    PromptStream(train, cfg.trainer.seed), held_out, prompt_tokens=prompt_tokens)
         if cfg.checkpoint.resume and cfg.checkpoint.interval_steps:
             await parts.restore_latest()
         return parts
@@ -307,7 +340,7 @@ class TrainerParts:
             if g is not None:
                 with contextlib.suppress(Exception):  # its ranks may be dead already
                     await g.shutdown()
-        self.actor, self.reference, self.critic, self.placement = await _start_learners(cfg, self.engine)
+        self.actor, self.reference, self.critic, self.placement = await _start_learners(cfg, self.engine, self.prompt_tokens)
         restored = int((await self._load_learner_state(done[-1]))["version"]) if done else None
         await self.weights.rebind_learner(self.actor)
         return restored

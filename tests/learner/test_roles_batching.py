@@ -332,3 +332,35 @@ def test_optimizer_offload_moves_master_copies_but_never_the_model_params(monkey
     moved.clear()
     move_optimizer_state(fp32, torch.device("meta"), keep)
     assert moved == []
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_a_warmed_optimizer_steps_exactly_as_a_fresh_one(weight_decay):
+    """warm_torch_optimizer: state made and kernels run at lr 0 on zero grads; the params untouched, and the next
+    real step (grads given to one param, another left without) lands bit for bit where a fresh optimizer's does."""
+    from asyncrl.learner.roles.optim import warm_torch_optimizer
+
+    def model_and_opt():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=weight_decay)
+
+    fresh, fresh_opt = model_and_opt()
+    warm, warm_opt = model_and_opt()
+    before = [p.detach().clone() for p in warm.parameters()]
+    warm_torch_optimizer(warm_opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, warm.parameters()))
+    assert all(p.grad is None for p in warm.parameters()) and warm_opt.param_groups[0]["lr"] == 1e-2
+    assert len(warm_opt.state) == 4 and all(float(s["step"]) == 0 for s in warm_opt.state.values())
+    for _ in range(3):
+        for m, opt in ((fresh, fresh_opt), (warm, warm_opt)):
+            opt.zero_grad(set_to_none=True)
+            m[0](torch.arange(8.0).reshape(2, 4)).square().sum().backward()  # m[1] gets no grad
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), warm.parameters()))
+    for p, q in zip(fresh.parameters(), warm.parameters()):
+        sa, sb = fresh_opt.state.get(p, {}), warm_opt.state[q]
+        assert all(torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])) for k in sa)
+    with pytest.raises(ValueError, match="already has state"):
+        warm_torch_optimizer(warm_opt)
+

@@ -81,6 +81,24 @@ def test_logprobs_match_transformers(groups, hf_model, state):
     state["initial"] = actor
 
 
+def test_the_warm_up_makes_the_optimizer_state_and_changes_nothing_the_update_reads(groups, state):
+    """learner.warm_up before the first update: one zero-loss forward-backward of a micro-batch (3 samples of 5 + 7
+    tokens, padded into one row each) and Adam's state made; the weights and the step count stay, and a second
+    warm-up (the state exists: a resumed run's) leaves the optimizer alone."""
+    from asyncrl.config import load_config
+    from asyncrl.trainer.parts import warm_up_samples
+
+    cfg = load_config({"model": {"max_model_len": 12}, "algorithm": {"max_new_tokens": 7}, "learner": {"micro_batch_size": 3}})
+    samples = warm_up_samples(cfg, dp=1, prompt_tokens=5)
+    assert [(len(s.prompt_ids), len(s.response_ids)) for s in samples] == [(5, 7)] * 3
+    assert {len(s.prompt_ids) for s in warm_up_samples(cfg, dp=2, prompt_tokens=50)} == {5}  # at most the room left
+    m = run(groups["actor"].warm_up(samples))
+    assert m["learner/warm_up_optimizer"] == 1.0 and m["learner/warm_up_tokens"] == 3 * 12 and m["learner/warm_up_s"] > 0
+    assert run(groups["actor"].compute_log_prob(make_samples())) == state["initial"]
+    assert run(groups["actor"].state())[0]["metrics"]["actor/applied_steps"] == 0.0
+    assert run(groups["actor"].warm_up(samples))["learner/warm_up_optimizer"] == 0.0
+
+
 def test_actor_update_lowers_loss_and_reference_stays(groups, state):
     samples = with_behavior(make_samples(), state["initial"])
     ref_before = run(groups["reference"].compute_ref_log_prob(samples))

@@ -26,7 +26,7 @@ from asyncrl.learner.offload import Offloader
 from asyncrl.learner.roles.accumulate import (behavior_loss_mask, denominator, denominator_tensor, dp_all_reduce,
                                               dp_mean, dp_size, dp_sum, from_last_stage)
 from asyncrl.learner.roles.base import ModelRunner, RoleContext, _to_device
-from asyncrl.learner.roles.optim import GuardedOptimizer
+from asyncrl.learner.roles.optim import GuardedOptimizer, warm_up_update
 from asyncrl.types import Sample
 
 PerToken = list[list[float]]
@@ -82,6 +82,14 @@ class ActorRole:
             return compute_token_logprobs(self.runner, samples)
 
     # ------------------------------------------------------------------ update
+
+    def warm_up(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """Before the first update: its kernels, activations and optimizer state (`warm_up_update`)."""
+        def zero_loss(mb: MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
+            lp, ent = self.runner.token_logprobs(hidden, mb, with_entropy=True)
+            return (lp.sum() + ent.sum()) * 0.0
+
+        return warm_up_update(self.runner, self.optim, self.offloader, samples, zero_loss)
 
     def update_actor(
         self, samples: Sequence[Sample], advantages: PerToken, old_logprobs: PerToken | None,

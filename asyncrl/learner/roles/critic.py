@@ -20,7 +20,7 @@ from asyncrl.learner.offload import Offloader
 from asyncrl.learner.roles.accumulate import denominator, dp_mean, dp_size, dp_sum
 from asyncrl.learner.roles.actor import PerToken, _on_device, _reduce_micro_metrics, _width
 from asyncrl.learner.roles.base import ModelRunner, RoleContext
-from asyncrl.learner.roles.optim import GuardedOptimizer
+from asyncrl.learner.roles.optim import GuardedOptimizer, warm_up_update
 from asyncrl.types import Sample
 
 
@@ -56,6 +56,11 @@ class CriticRole:
             for i, row in zip(idx, unpad_response(o["value"], [lengths[i] for i in idx])):
                 values[i] = row
         return {"values": values}
+
+    def warm_up(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """Before the first update: its kernels, activations and optimizer state (`warm_up_update`)."""
+        return warm_up_update(self.runner, self.optim, self.offloader, samples,
+                              lambda mb, output: self.runner.token_scalars(output, mb).sum() * 0.0)
 
     def update_critic(self, samples: Sequence[Sample], returns: PerToken, old_values: PerToken) -> dict[str, float]:
         algo, cfg = self.ctx.algorithm_cfg, self.ctx.learner_cfg

@@ -13,6 +13,8 @@ Must never: run forward/backward (roles do), or advance the schedule on a skippe
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -95,6 +97,21 @@ class GuardedOptimizer:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
 
+    def warm_up(self) -> bool:
+        """Before the first step: the optimizer's state (Adam's moments and step counts) made and its
+        kernels run once, on zero grads at lr 0, leaving the params and the state exactly a fresh
+        optimizer's (`warm_torch_optimizer`). Only an optimizer without state: a resumed one holds its
+        checkpoint's (returns False, nothing done)."""
+        opts = [getattr(o, "optimizer", o) for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+        if any(len(o.state) for o in opts):
+            return False
+        self.zero_grad()
+        self.optimizer.prepare_grads()  # the main params' grads: the zeroed grad buffers
+        for o in opts:
+            warm_torch_optimizer(o)
+        self.zero_grad()
+        return True
+
     def _main_params(self) -> list[torch.nn.Parameter]:
         opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         return [p for o in opts for p in o.get_parameters()]
@@ -129,3 +146,54 @@ class GuardedOptimizer:
         self.schedule.step()
         self.applied_steps += 1
         return {"skipped": 0.0, "grad_norm": norm, "lr": lr}
+
+
+def warm_torch_optimizer(opt: torch.optim.Optimizer) -> None:
+    """One step of `opt` (a torch optimizer without state) at lr 0 on zero grads (a param without a
+    grad gets a zero one for the step), then every step count back to 0. For Adam/AdamW the moments
+    stay 0 (a lerp of 0 and 0), the update is 0 and the decoupled weight decay is 1 - 0 x wd, so the
+    params and the state are bit for bit a fresh optimizer's, its state now allocated and its
+    kernels (fused or foreach) compiled and loaded: the first real step pays neither."""
+    if len(opt.state):
+        raise ValueError("warm_torch_optimizer: the optimizer already has state (it would change it)")
+    lrs = [g["lr"] for g in opt.param_groups]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    given = [p for p in params if p.grad is None]
+    try:
+        for g in opt.param_groups:
+            g["lr"] = 0.0
+        for p in given:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    finally:
+        for g, lr in zip(opt.param_groups, lrs):
+            g["lr"] = lr
+        for p in given:
+            p.grad = None
+    for state in opt.state.values():
+        step = state.get("step")
+        if torch.is_tensor(step):
+            step.zero_()
+        elif step is not None:
+            state["step"] = 0
+
+
+def warm_up_update(runner: Any, optim: GuardedOptimizer, offloader: Any, samples: Sequence[Any],
+                   zero_loss: Callable[[Any, torch.Tensor], torch.Tensor]) -> dict[str, float]:
+    """What a trainable role's first update would pay once, paid before it (`RoleAPI.warm_up`): one
+    forward-backward of the first micro-batch `samples` make (the largest the run admits, when the
+    caller sizes them so) with a loss of 0 (`zero_loss(mb, output)`), so the kernels are loaded and
+    compiled and the allocator holds that pass's activations; the grads zeroed after it; and the
+    optimizer's state made (`GuardedOptimizer.warm_up`). The params, the grads and the optimizer's
+    state are then what they were: a run with the warm-up trains exactly as one without."""
+    t = time.perf_counter()
+    with offloader.onloaded():
+        mbs = runner.micro_batches(samples)[:1]
+        optim.zero_grad()
+        runner.run(mbs, lambda mb, out: (zero_loss(mb, out), {}), forward_only=False)
+        optim.zero_grad()
+        made_state = optim.warm_up()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return {"learner/warm_up_s": time.perf_counter() - t, "learner/warm_up_optimizer": float(made_state),
+            "learner/warm_up_tokens": float(sum(int(m.input_ids.numel()) for m in mbs))}
