@@ -118,6 +118,7 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, 
         replicas: list[dict] = []  # every poll: the engine replicas and the version each serves
         interrupted: KeyboardInterrupt | None = None
         try:
+            launched = time.time()
             serve.run(build_app(cfg), name=f"speedup-eta{eta}", route_prefix="/", blocking=False)
             control = None
             while time.monotonic() < deadline:
@@ -144,6 +145,7 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, 
             raise
         res = _figures(cfg, eta, records, rows, warmup, peak_flops, replicas)
         res["finished"] = finished
+        res |= start_figures(launched, rows)
         if emit is not None:
             emit(res)
         if interrupted is not None:
@@ -152,6 +154,16 @@ def run_once(base: dict, eta: int, steps: int, run_dir: Path, timeout_s: float, 
         serve.delete(f"speedup-eta{eta}")
         serve.shutdown()
     return res
+
+
+def start_figures(launched: float, rows: list[dict]) -> dict[str, float | None]:
+    """`start_s`: from the app's launch (unix time `launched`, before serve.run) to its training's start (the
+    rollouts' start, after step 0's evaluation: step 1's record time less its time/elapsed_s); `first_step_s`:
+    step 1's own seconds. None without a step 1."""
+    first = next((r for r in rows if r.get("train/step") == 1 and r.get("time") is not None), None)
+    if first is None or first.get("time/elapsed_s") is None:
+        return {"start_s": None, "first_step_s": None}
+    return {"start_s": first["time"] - first["time/elapsed_s"] - launched, "first_step_s": first["time/elapsed_s"]}
 
 
 def reportable(eta: int, status: dict, done: int, steps: int, warmup: int, timeout_s: float) -> bool:

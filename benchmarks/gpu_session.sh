@@ -350,6 +350,12 @@ peers)
           --num-prompts 512 --concurrency 64 --max-tokens ${PEERS_TOKENS:-256} --warmup 64 --sides vllm,asyncrl,vllm > $log 2>&1 ;;
     esac
     echo "peers $run rc=$? t=$SECONDS s"
+    # asyncrl's own logs (the trainer's start phases, the learner ranks', the engine's) before the next run clears Ray
+    case $run in hybrid*|gpu1*)
+      L=/tmp/ray/session_latest/logs
+      for f in $(grep -lE "asyncrl|Megatron|vllm" $L/worker-*.err $L/worker-*.out 2>/dev/null | head -30); do
+        echo "== $f"; tail -300 $f | cut -c1-400; done > $L/serve/workers_tail.txt 2>/dev/null
+      tar czf $OUT/serve_$run.tgz -C $L serve 2>/dev/null ;; esac
     grep -E '^\[(trl|asyncrl|verl)\]|^\| ' $log | cut -c1-300
     grep -iE "Traceback|Error|out of memory" $log | grep -v Warning | tail -8 | cut -c1-400
   done

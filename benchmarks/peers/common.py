@@ -21,6 +21,9 @@ A row (one per system and placement; `compare.py` turns rows into the table and 
   gpu                           nvidia-smi's name of GPU 0 (None without one)
   per_step                      every step's wall and split (warm-up included, flagged)
   eval                          held-out greedy accuracy: [{"step", "wall_s", "accuracy"}] (--eval-every)
+  start_s, first_step_s         seconds from the system's launch (asyncrl: serve.run of its app; TRL: GRPOTrainer's
+                                construction; verl: main_ppo's process) to its first step's start (step 0's
+                                evaluation left out), and that first step's own seconds
 """
 
 from __future__ import annotations

@@ -89,6 +89,23 @@ def length_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def start_table(rows: list[dict[str, Any]]) -> str:
+    """Per row that reports them: launch to the first step's start (`start_s`), the first step, and that step
+    against TRL's first step of the same setting."""
+    many = len({setting(r) for r in rows}) > 1
+    trl = {setting(r): r["first_step_s"] for r in rows if r["system"] == "trl" and r.get("first_step_s")}
+    shown = [r for r in rows if r.get("first_step_s") is not None]
+    if not shown:
+        return ""
+    lines = ["\nStart (launch to the first step's start, s) and the first step (s; x TRL's first step):"]
+    for r in shown:
+        ref = trl.get(setting(r))
+        start = "-" if r.get("start_s") is None else f"{r['start_s']:.1f}"
+        lines.append(f"- {label(r, many)}: start {start}, first step {r['first_step_s']:.2f}"
+                     + ("" if not ref else f" ({r['first_step_s'] / ref:.2f}x TRL's)"))
+    return "\n".join(lines) + "\n"
+
+
 def curve(row: dict[str, Any]) -> bool:
     """Whether a row evaluated during training, not only at its start (a run without --eval-every
     still records its step-0 evaluation)."""
@@ -157,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = read_rows(a.rows)
     if not rows:
         ap.error(f"no rows (JSON lines with 'system' and 's_per_step_median') in {', '.join(map(str, a.rows))}")
-    text = table(rows) + length_table(rows) + eval_table(rows)
+    text = table(rows) + length_table(rows) + start_table(rows) + eval_table(rows)
     print(text, end="")
     if a.md:
         a.md.parent.mkdir(parents=True, exist_ok=True)

@@ -251,7 +251,7 @@ def step_timer(clock: PhaseClock, a: argparse.Namespace, evaluate: Callable[[], 
                 evals.append({"step": 0, "wall_s": 0.0, "accuracy": evaluate()})
                 print(f"[trl] eval step 0: accuracy {evals[-1]['accuracy']:.3f}", flush=True)
             clock.take()
-            self.ready = time.perf_counter()
+            self.ready = self.started = time.perf_counter()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
             clock.sync()
@@ -321,7 +321,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     clock = instrument(trainer, a)
     steps: list[StepTime] = []
     evals: list[dict[str, float]] = []
-    trainer.add_callback(step_timer(clock, a, make_evaluator(trainer, a, held_out) if a.eval_every else None, steps, evals))
+    timer = step_timer(clock, a, make_evaluator(trainer, a, held_out) if a.eval_every else None, steps, evals)
+    trainer.add_callback(timer)
     trainer.train()
     if a.output_dir is None:
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -332,6 +333,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "version": ", ".join(f"{n} {package_version(n)}" for n in VERSIONS),
         "model": a.model, "params": params, **knobs(a, "bf16" if a.bf16 else "fp32"), "warmup_steps": a.warmup_steps,
         **summarize(steps, a.max_new_tokens), "gpu": gpu_name(), "reward_mean": statistics.fmean(clock.rewards) if clock.rewards else None,
+        # from GRPOTrainer's construction (its model and engine) to its first step's start (step 0's evaluation out)
+        "start_s": timer.started - t_start, "first_step_s": steps[0].wall_s if steps else None,
         "eval": evals, "settings": {"vllm_gpu_memory_utilization": None if a.no_vllm else a.gpu_memory_utilization,
                                     "vllm_sleep": a.vllm_sleep, "gradient_checkpointing": a.gradient_checkpointing,
                                     "max_model_len": max_model_len(a), "master_weights": "float32",

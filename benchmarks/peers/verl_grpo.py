@@ -37,6 +37,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +151,30 @@ def verl_overrides(a: argparse.Namespace, train: Path, val: Path, work: Path) ->
     ]
 
 
+class FirstStepWatch:
+    """When verl's first training step's metrics line appears in `path` (unix time `at`; None until then),
+    polled every `every` s from a thread: its FileLogger writes no time of its own."""
+
+    def __init__(self, path: Path, every: float = 0.25) -> None:
+        self.path, self.every, self.at = path, every, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set() and self.at is None:
+            try:
+                if "timing_s/step" in self.path.read_text():
+                    self.at = time.time()
+            except OSError:
+                pass
+            self._stop.wait(self.every)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """verl's FileLogger lines ({"step", "data"}), merged per step (validation may log apart), by step."""
     per_step: dict[int, dict[str, Any]] = {}
@@ -196,11 +222,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"hydra.run.dir={work / 'hydra'}", *verl_overrides(a, train, val, work)]
     print("[verl] " + " ".join(cmd), flush=True)
     finished = True
+    first_seen = FirstStepWatch(metrics)
+    launched = time.time()
     try:
         done = subprocess.run(cmd, env=env, cwd=work, check=False)
         returncode = done.returncode
     except KeyboardInterrupt:  # the caller's limit (timeout -s INT): report the steps verl finished, if any timed
         finished, returncode = False, "interrupted"
+    finally:
+        first_seen.stop()
     records = read_metrics(metrics) if metrics.is_file() else []
     steps = step_times(records, a)
     if (returncode != 0 and finished) or not any(not s.warmup for s in steps):
@@ -225,6 +255,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "model": a.model, "params": model_params(a.model), **knobs(a, "bf16" if a.bf16 else "fp32"),
         "warmup_steps": a.warmup_steps, **summarize(steps), "gpu": gpu_name(),
         "reward_mean": statistics.fmean(rewards) if rewards else None, "eval": evaluations(records),
+        # from main_ppo's launch to its first step's start: when step 1's metrics line appeared, less its timing_s/step
+        "start_s": None if first_seen.at is None else first_seen.at - launched - steps[0].wall_s,
+        "first_step_s": steps[0].wall_s,
         "settings": {"trainer_mode": a.mode, "rollout_gpu_memory_utilization": a.gpu_memory_utilization,
                      "gradient_checkpointing": a.gradient_checkpointing, "max_model_len": max_model_len(a),
                      "master_weights": "float32", "loss_agg_mode": "token-mean", "importance_sampling": "off",

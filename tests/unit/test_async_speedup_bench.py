@@ -173,7 +173,7 @@ def test_an_interrupted_run_reports_the_steps_it_finished_before_it_stops(bench,
     (run / "metrics.jsonl").write_text("".join(json.dumps({"train/step": i}) + "\n" for i in range(1, 5)))
     with pytest.raises(KeyboardInterrupt):
         bench.run_once({}, 2, 10, run, 500.0, warmup=1, emit=emitted.append)
-    assert emitted == [{"eta": 2, "steps": 4, "finished": False}]
+    assert emitted == [{"eta": 2, "steps": 4, "finished": False, "start_s": None, "first_step_s": None}]  # no record times
     assert calls[-1] == "shutdown" and "delete" in calls  # the app is still torn down
     # too few steps to time: nothing is emitted, and the interrupt (not a RuntimeError) is what the caller sees
     (run / "metrics.jsonl").write_text(json.dumps({"train/step": 1}) + "\n")
@@ -181,3 +181,11 @@ def test_an_interrupted_run_reports_the_steps_it_finished_before_it_stops(bench,
     with pytest.raises(KeyboardInterrupt):
         bench.run_once({}, 2, 10, run, 500.0, warmup=1, emit=emitted.append)
     assert emitted == []
+
+
+def test_the_start_runs_from_the_launch_to_the_training_clock_and_the_first_step_is_its_own(bench):
+    # step 1 logged at unix 1130 with 18 s on the training clock: training started at 1112, 92 s after the launch
+    rows = [{"train/step": 1, "time": 1130.0, "time/elapsed_s": 18.0}, {"train/step": 2, "time": 1132.0, "time/elapsed_s": 20.0}]
+    assert bench.start_figures(1020.0, rows) == {"start_s": pytest.approx(92.0), "first_step_s": 18.0}
+    assert bench.start_figures(1020.0, rows[1:]) == {"start_s": None, "first_step_s": None}
+

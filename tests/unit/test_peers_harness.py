@@ -77,9 +77,10 @@ def _row(system: str, placement: str, eta: int, median: float, split: dict[str, 
 
 def test_compare_renders_the_table_and_the_png(tmp_path):
     trl = _row("trl", "colocate", 0, 6.0, {"generation": 3.0, "training": 2.5, "weight_sync": 0.4, "idle": 0.2},
-               eval=[{"step": 0, "wall_s": 0.0, "accuracy": 0.4}, {"step": 4, "wall_s": 30.0, "accuracy": 0.5}])
+               eval=[{"step": 0, "wall_s": 0.0, "accuracy": 0.4}, {"step": 4, "wall_s": 30.0, "accuracy": 0.5}],
+               start_s=28.0, first_step_s=6.0)
     ours = _row("asyncrl", "hybrid", 0, 2.5, {"generation": 1.0, "training": 1.3, "weight_sync": 0.3, "idle": 0.0},
-                eval=[{"step": 0, "wall_s": 0.0, "accuracy": 0.0}])  # evaluated at its start only: no curve
+                eval=[{"step": 0, "wall_s": 0.0, "accuracy": 0.0}], start_s=81.0, first_step_s=9.0)  # evaluated at its start only: no curve
     rows = tmp_path / "peers.json"
     rows.write_text("[trl] step 1/11 (warm-up): 9.1 s\n" + json.dumps(trl) + "\n" + json.dumps(ours) + "\n"
                     + json.dumps({"side": "vllm", "phase": "plain"}) + "\n")
@@ -93,7 +94,10 @@ def test_compare_renders_the_table_and_the_png(tmp_path):
     assert lines[3].startswith("| asyncrl hybrid eta=0 | qwen2-0.5b-random (494M) | 64 x 256 fixed | 8 | 2.500 | 2.600 | 2.35x | ")  # tokens/s: the means
     assert len([ln for ln in lines if ln.startswith("|")]) == 4  # header, rule, two rows: the generation row is skipped
     assert "TRL colocate: 0.400 @ step 0 / 0 s, 0.500 @ step 4 / 30 s" in md.read_text()
-    assert "asyncrl hybrid eta=0:" not in md.read_text()
+    assert "asyncrl hybrid eta=0:" not in md.read_text().partition("Held-out")[2]
+    # the first steps: TRL's and ours against it; a row without the figures is left out of that list
+    assert "- TRL colocate: start 28.0, first step 6.00" in md.read_text()
+    assert "- asyncrl hybrid eta=0: start 81.0, first step 9.00 (1.50x TRL's)" in md.read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -124,7 +128,9 @@ def test_asyncrl_row_splits_each_step_and_leaves_out_warmup_and_evaluation_steps
                 for n, t, tr, sy, acc in [(1, 30.0, 2.0, 1.0, None), (2, 34.0, 1.0, 0.5, 0.25), (3, 36.0, 1.2, 0.3, None),
                                           (4, 39.0, 1.5, 0.5, None)]]
     evals = [{"step": 0, "time": 1000.0, "accuracy": 0.2}, {"step": 2, "time": 1034.0, "accuracy": 0.25}]
-    row = asyncrl_side.row_of(a, 2, {"per_step": per_step, "eval": evals, "staleness_mean": 1.5}, "separated")
+    row = asyncrl_side.row_of(a, 2, {"per_step": per_step, "eval": evals, "staleness_mean": 1.5, "start_s": 80.5,
+                                     "first_step_s": 30.0}, "separated")
+    assert (row["start_s"], row["first_step_s"]) == (80.5, 30.0) and row["first_step"] == per_step[0]
     assert (row["system"], row["placement"], row["eta"], row["samples_per_step"]) == ("asyncrl", "separated", 2, 4)
     assert [s["warmup"] for s in row["per_step"]] == [True, True, False, False]
     assert row["steps_timed"] == 2 and row["s_per_step_median"] == pytest.approx(2.5)  # steps 3 (2 s) and 4 (3 s)
