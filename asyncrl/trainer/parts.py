@@ -79,10 +79,9 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [found[k] for k in sorted(found)]
 
 
-async def _start_learners(cfg: RootConfig, engine: Any, prompt_tokens: int | None = None) -> tuple[Any, Any, Any, Any]:
+async def _start_learners(cfg: RootConfig, engine: Any) -> tuple[Any, Any, Any, Any]:
     """The run's learner groups (actor; reference and critic where the algorithm needs them),
-    started and warmed up (`prompt_tokens`: the data's longest prompt), and their placement beside
-    the engines."""
+    started, and their placement beside the engines."""
     from asyncrl.generator.control import EngineControl
     from asyncrl.learner.group import LearnerGroup
 
@@ -90,8 +89,6 @@ async def _start_learners(cfg: RootConfig, engine: Any, prompt_tokens: int | Non
     reference = LearnerGroup("reference", cfg.model, cfg.learner, cfg.algorithm) if needs_reference(cfg.algorithm) else None
     critic = LearnerGroup("critic", cfg.model, cfg.learner, cfg.algorithm) if cfg.algorithm.name == "ppo" else None
     await asyncio.gather(*(g.start() for g in (actor, reference, critic) if g is not None))
-    if cfg.learner.warm_up and not cfg.hybrid.enabled:  # hybrid: the engines hold the device until the first switch
-        await warm_up_learners(cfg, [g for g in (actor, critic) if g is not None], prompt_tokens)
     placement = build_placement(cfg.hybrid, EngineControl(engine), actor, [reference, critic],
                                 engine_memory_fraction=float(cfg.generator.engine_kwargs.get("gpu_memory_utilization", 0.9)))
     await placement.start()
@@ -118,9 +115,14 @@ def warm_up_samples(cfg: RootConfig, dp: int, prompt_tokens: int | None = None) 
             for g in range(dp * cfg.learner.micro_batch_size)]
 
 
-async def warm_up_learners(cfg: RootConfig, groups: list[Any], prompt_tokens: int | None = None) -> None:
-    """Each trainable group's warm-up (`LearnerGroup.warm_up`; learner.warm_up), before the first step."""
-    for g in groups:
+async def warm_up_learners(cfg: RootConfig, groups: list[Any | None], prompt_tokens: int | None = None) -> None:
+    """Each trainable group's warm-up (`LearnerGroup.warm_up`), before the first step, where learner.warm_up asks for
+    it. Only once the engines are up: an engine that shares the learner's GPU sizes its KV cache from the memory free
+    while it starts, and the warm-up's activations would take some of it. Hybrid: none (the engines hold the device
+    until the first switch)."""
+    if not cfg.learner.warm_up or cfg.hybrid.enabled:
+        return
+    for g in (g for g in groups if g is not None):
         m = await g.warm_up(warm_up_samples(cfg, g.layout.dp, prompt_tokens))
         log.info("learner %s warmed up in %.1f s (%d tokens a micro-batch%s)", g.role, m.get("learner/warm_up_s", 0.0),
                  int(m.get("learner/warm_up_tokens", 0)), ", optimizer state made" if m.get("learner/warm_up_optimizer") else "")
@@ -209,14 +211,15 @@ class TrainerParts:
             from asyncrl.rewards.model import ModelRewards
 
             rewards = ModelRewards(cfg.reward, cfg.model, cfg.learner, cfg.algorithm)
-            (actor, reference, critic, placement), _ = await asyncio.gather(_start_learners(cfg, engine, prompt_tokens), rewards.start())
+            (actor, reference, critic, placement), _ = await asyncio.gather(_start_learners(cfg, engine), rewards.start())
         else:
             rewards = reward_pool(cfg.reward)
-            actor, reference, critic, placement = await _start_learners(cfg, engine, prompt_tokens)
+            actor, reference, critic, placement = await _start_learners(cfg, engine)
         weights = WeightPublisher(cfg.weightsync, engine=EngineControl(engine), learner=actor, hybrid=cfg.hybrid.enabled,
                                   on_gpu=cfg.learner.num_gpus_per_rank > 0,
                                   own_gpus=cfg.learner.num_gpus_per_rank >= 1 and cfg.generator.num_gpus >= 1)
-        await weights.start(initial_version=0)
+        await weights.start(initial_version=0)  # once the engine replicas are ready
+        await warm_up_learners(cfg, [actor, critic], prompt_tokens)
         _write_run_record(cfg)
         tracker = MetricsTracker(cfg.logging.dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
                                  plot_interval_steps=cfg.logging.plot_interval_steps, wandb=cfg.logging.wandb,
@@ -340,7 +343,8 @@ class TrainerParts:
             if g is not None:
                 with contextlib.suppress(Exception):  # its ranks may be dead already
                     await g.shutdown()
-        self.actor, self.reference, self.critic, self.placement = await _start_learners(cfg, self.engine, self.prompt_tokens)
+        self.actor, self.reference, self.critic, self.placement = await _start_learners(cfg, self.engine)
+        await warm_up_learners(cfg, [self.actor, self.critic], self.prompt_tokens)
         restored = int((await self._load_learner_state(done[-1]))["version"]) if done else None
         await self.weights.rebind_learner(self.actor)
         return restored

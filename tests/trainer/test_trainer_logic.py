@@ -143,3 +143,34 @@ def test_tracker_writes_jsonl_tensorboard_and_plot(tmp_path):
 def test_progress_line():
     line = progress_line(5, 10, {"train/reward_mean": 0.25, "eval/accuracy": None})
     assert line.startswith("[##########----------] 5/10 reward 0.250 acc -")
+
+
+def test_the_learner_warm_up_runs_once_per_trainable_group_only_where_asked_and_not_hybrid():
+    import asyncio
+    from types import SimpleNamespace
+
+    from asyncrl.config import load_config
+    from asyncrl.trainer.parts import warm_up_learners
+
+    class Group:
+        def __init__(self, role, dp):
+            self.role, self.layout, self.calls = role, SimpleNamespace(dp=dp), []
+
+        async def warm_up(self, samples):
+            self.calls.append([(len(s.prompt_ids), len(s.response_ids), s.group_id) for s in samples])
+            return {"learner/warm_up_s": 0.1, "learner/warm_up_tokens": 30.0}
+
+    def run(cfg, prompt_tokens=None):
+        actor, critic = Group("actor", 2), Group("critic", 1)
+        asyncio.run(warm_up_learners(load_config(cfg), [actor, None, critic], prompt_tokens))
+        return actor.calls, critic.calls
+
+    base = {"model": {"max_model_len": 40}, "algorithm": {"max_new_tokens": 16}, "learner": {"micro_batch_size": 3}}
+    actor, critic = run(base, prompt_tokens=9)
+    # every DP shard gets a full micro-batch of the data's longest prompt + max_new_tokens, one group per sample
+    assert actor == [[(9, 16, g) for g in range(6)]] and critic == [[(9, 16, g) for g in range(3)]]
+    assert run(base)[0] == [[(24, 16, g) for g in range(6)]]  # no prompt length known: the room the context leaves
+    assert run({**base, "learner": {"micro_batch_size": 3, "warm_up": False}}) == ([], [])
+    hybrid = {**base, "hybrid": {"enabled": True}, "learner": {"micro_batch_size": 3, "num_gpus_per_rank": 1},
+              "generator": {"num_gpus": 1, "engine_kwargs": {"enable_sleep_mode": True}}}
+    assert run(hybrid) == ([], [])
