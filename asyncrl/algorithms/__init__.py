@@ -15,6 +15,7 @@ from asyncrl.algorithms.advantages import (
     token_rewards_from_sequence,
     weight_negative_advantages,
 )
+from asyncrl.algorithms.correction import Correction, correction_weights
 from asyncrl.algorithms.losses import (
     AggMode,
     KLKind,
@@ -31,9 +32,11 @@ from asyncrl.algorithms.utils import masked_mean, masked_sum, masked_whiten
 
 __all__ = [
     "AggMode",
+    "Correction",
     "KLKind",
     "aggregate",
     "combine_mismatch_sums",
+    "correction_weights",
     "gae_advantages",
     "grpo_advantages",
     "gspo_policy_loss",

@@ -19,7 +19,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from asyncrl.algorithms.utils import LOG_RATIO_CLAMP, as_bool_mask, masked_mean, safe_exp_diff
+from asyncrl.algorithms.correction import Correction, correction_weights
+from asyncrl.algorithms.utils import LOG_RATIO_CLAMP, as_bool_mask, masked_mean
 
 KLKind = Literal["k1", "k2", "k3"]
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -84,22 +85,20 @@ def aggregate(values: Tensor, mask: Tensor, mode: AggMode) -> Tensor:
 
 
 def _behavior_correction(
-    old_logprobs: Tensor, behavior_logprobs: Tensor | None, mask: Tensor, cap: float | None
+    old_logprobs: Tensor, behavior_logprobs: Tensor | None, mask: Tensor, cap: float | None,
+    correction: Correction | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Return (w, loss_mask, capped) for decoupled PPO.
+    """Return (w, loss_mask, capped) for decoupled PPO: `correction_weights` under `correction`, or
+    (None) today's token-level mask at `cap`:
 
     w = sg(exp(clamp(old - behavior, -20, 20))) on valid tokens (1 without behaviour log-probs or
     on masked-out positions); capped = valid & (w > cap); loss_mask = valid & ~capped.
     """
-    m = as_bool_mask(mask)
-    if cap is not None and not cap > 0:
-        raise ValueError(f"behavior_weight_cap must be > 0, got {cap}")
-    if behavior_logprobs is None:
-        # Without an engine/proximal split there is nothing to correct or cap.
-        return torch.ones_like(old_logprobs), m, torch.zeros_like(m)
-    w = torch.where(m, safe_exp_diff(old_logprobs.detach(), behavior_logprobs.detach()), 1)
-    capped = m & (w > cap) if cap is not None else torch.zeros_like(m)
-    return w, m & ~capped, capped
+    if correction is None:
+        if cap is not None and not cap > 0:
+            raise ValueError(f"behavior_weight_cap must be > 0, got {cap}")
+        correction = Correction(upper=cap)
+    return correction_weights(old_logprobs, behavior_logprobs, mask, correction)
 
 
 def _clipped_surrogate(ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> tuple[Tensor, Tensor]:
@@ -137,7 +136,7 @@ def ppo_policy_loss(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
     clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
     behavior_logprobs: Tensor | None = None, behavior_weight_cap: float | None = None,
-    agg: AggMode = "token-mean", lazy_metrics: bool = False,
+    agg: AggMode = "token-mean", lazy_metrics: bool = False, correction: Correction | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
     """Clipped PPO surrogate, optionally dual-clipped and decoupled (all inputs [B, T]).
 
@@ -147,17 +146,21 @@ def ppo_policy_loss(
     behavior_logprobs:  l_t *= w_t = sg(exp(clamp(old_t - behavior_t, -20, 20)));
                         old_logprobs then play the proximal policy
     behavior_weight_cap = C: tokens with w_t > C leave the loss mask
+    correction:         another rollout correction instead of that one (level token / sequence /
+                        geometric, mask or truncate, a lower bound: asyncrl.algorithms.correction);
+                        behavior_weight_cap is then ignored
     loss = aggregate(l, loss_mask, agg).
 
     Metrics: actor/clip_frac, actor/dual_clip_frac, actor/ratio_mean and actor/approx_kl
     (masked mean of the k2 estimate 0.5 * clamp(logprobs - old, -20, 20)^2) are over the tokens
     left in the loss; actor/behavior_cap_frac (capped / valid), actor/behavior_capped_tokens (count)
-    and actor/behavior_weight_mean are over all valid tokens.
+    and actor/behavior_weight_mean are over all valid tokens (capped: the tokens the correction took
+    out of the loss, or in truncate mode the tokens whose weight it truncated).
     """
     if dual_clip is not None and not dual_clip > 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     mask = as_bool_mask(mask)
-    weights, loss_mask, capped = _behavior_correction(old_logprobs, behavior_logprobs, mask, behavior_weight_cap)
+    weights, loss_mask, capped = _behavior_correction(old_logprobs, behavior_logprobs, mask, behavior_weight_cap, correction)
     log_ratio = torch.where(loss_mask, logprobs - old_logprobs.detach(), 0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     adv = torch.where(loss_mask, advantages.detach(), 0)
@@ -181,7 +184,7 @@ def gspo_policy_loss(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
     clip_low: float, clip_high: float,
     behavior_logprobs: Tensor | None = None, behavior_weight_cap: float | None = None,
-    agg: AggMode = "seq-mean-token-mean", lazy_metrics: bool = False,
+    agg: AggMode = "seq-mean-token-mean", lazy_metrics: bool = False, correction: Correction | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
     """GSPO: PPO clipping on the sequence-level ratio, in its per-token (GSPO-token) form.
 
@@ -191,12 +194,12 @@ def gspo_policy_loss(
                per-token value when advantages are broadcast per sequence)
     l_{i,t}  = max(-A_i s_{i,t}, -A_i clamp(s_{i,t}, 1 - clip_low, 1 + clip_high))
     With seq-mean-token-mean and no behaviour weights this has exactly the GSPO sequence
-    gradient. Decoupled correction and cap as in `ppo_policy_loss`; a capped token is treated as
+    gradient. Decoupled correction and cap (or `correction`) as in `ppo_policy_loss`; a capped token is treated as
     masked out everywhere (it leaves s_i, A_i and the loss). Metrics as ppo's, without
     actor/dual_clip_frac; actor/ratio_mean is the token-weighted mean of s_i.
     """
     mask = as_bool_mask(mask)
-    weights, loss_mask, capped = _behavior_correction(old_logprobs, behavior_logprobs, mask, behavior_weight_cap)
+    weights, loss_mask, capped = _behavior_correction(old_logprobs, behavior_logprobs, mask, behavior_weight_cap, correction)
     token_log_ratio = torch.where(loss_mask, logprobs - old_logprobs.detach(), 0)
     seq_log_ratio = masked_mean(token_log_ratio.detach(), loss_mask, dim=-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     live_logprobs = torch.where(loss_mask, logprobs, 0)

@@ -143,6 +143,23 @@ class BufferConfig(_Section):
         return self
 
 
+class CorrectionConfig(_Section):
+    """Rollout correction beside decoupled PPO (asyncrl.algorithms.correction): how each token's weight
+    pi_prox / pi_behave is taken and bounded. Its upper bound is `algorithm.behavior_weight_cap`. The
+    defaults are decoupled PPO's token-level mask."""
+
+    level: Literal["token", "sequence", "geometric"] = Field(
+        "token", description="The ratio a token's weight comes from: its own (token), its sequence's likelihood ratio "
+        "(sequence), or the geometric mean of its sequence's token ratios (geometric).")
+    mode: Literal["mask", "truncate"] = Field(
+        "mask", description="mask (MIS; IcePop with `lower`): tokens whose weight leaves [lower, behavior_weight_cap] leave "
+        "the loss; truncate (TIS): weights above behavior_weight_cap are set to it and no token leaves the loss.")
+    lower: float | None = Field(None, ge=0, description="mask mode: tokens whose weight is below it leave the loss too "
+                                "(IcePop's two-sided band, e.g. 0.5 with behavior_weight_cap 2).")
+    reject_sequence: bool = Field(False, description="mask mode: a sequence with any token out of the band leaves the "
+                                  "loss whole.")
+
+
 class AlgorithmConfig(_Section):
     """Which RL algorithm and its knobs (functions live in asyncrl.algorithms)."""
 
@@ -155,7 +172,9 @@ class AlgorithmConfig(_Section):
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)
     dual_clip: float | None = Field(None, gt=1)
-    behavior_weight_cap: float | None = Field(5.0, gt=0, description="Decoupled PPO: tokens whose pi_prox/pi_behave exceeds it are masked.")
+    behavior_weight_cap: float | None = Field(5.0, gt=0, description="Decoupled PPO: tokens whose pi_prox/pi_behave exceeds it are masked "
+                                              "(the rollout correction's upper bound: see `correction`).")
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
     negative_advantage_weight: float = Field(
         1.0, ge=0, le=1, description="Scale on negative advantages (1 = the estimator as is; 0 = only better-than-baseline "
         "samples are reinforced). See asyncrl.algorithms.advantages.weight_negative_advantages.")
@@ -183,7 +202,19 @@ class AlgorithmConfig(_Section):
             raise ValueError("advantage='gae' needs a critic: use name='ppo'")
         if self.advantage in ("grpo", "rloo") and self.group_size < 2:
             raise ValueError(f"advantage={self.advantage!r} needs group_size >= 2, got {self.group_size}")
+        try:
+            self.rollout_correction()
+        except ValueError as err:
+            raise ValueError(f"algorithm.correction: {err}") from None
         return self
+
+    def rollout_correction(self) -> Any:
+        """The `asyncrl.algorithms.correction.Correction` this config asks for (upper bound: behavior_weight_cap)."""
+        from asyncrl.algorithms.correction import Correction
+
+        c = self.correction
+        return Correction(level=c.level, mode=c.mode, upper=self.behavior_weight_cap, lower=c.lower,
+                          reject_sequence=c.reject_sequence)
 
     def proximal_in_update(self, with_reference: bool) -> bool:
         """Whether the update's first forward gives the proximal log-probs (no separate pass).
@@ -198,7 +229,7 @@ class AlgorithmConfig(_Section):
         kl = with_reference and self.kl_coef > 0
         if kl and self.kl_mode == "reward":
             return False
-        cap_moves_denominator = self.behavior_weight_cap is not None and self.loss_agg != "seq-mean-token-sum-norm"
+        cap_moves_denominator = self.rollout_correction().masks and self.loss_agg != "seq-mean-token-sum-norm"
         return not (kl and cap_moves_denominator)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from asyncrl.algorithms.losses import AggMode
-from asyncrl.algorithms.utils import LOG_RATIO_CLAMP
+from asyncrl.algorithms.correction import Correction, correction_weights
 
 
 def denominator(mask: torch.Tensor, mode: AggMode) -> float:
@@ -95,15 +95,15 @@ def from_last_stage(value: float) -> float:
 
 
 def behavior_loss_mask(
-    mask: torch.Tensor, old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor | None, cap: float | None
+    mask: torch.Tensor, old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor | None, cap: float | None,
+    correction: Correction | None = None,
 ) -> torch.Tensor:
-    """The policy loss's token mask: valid and not capped by the decoupled-PPO weight cap.
+    """The policy loss's token mask: valid and not taken out by the rollout correction (`correction`,
+    or None: the decoupled-PPO weight cap `cap` on each token).
 
-    Mirrors `asyncrl.algorithms.losses._behavior_correction`, so denominators can be computed for
-    the whole batch before any micro-batch runs.
+    The same function as `asyncrl.algorithms.losses`' (`correction_weights`), so denominators can be
+    computed for the whole batch before any micro-batch runs.
     """
-    m = mask != 0
-    if behavior_logprobs is None or cap is None:
-        return m
-    w = torch.exp(torch.clamp(old_logprobs - behavior_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    return m & ~(w > cap)
+    if behavior_logprobs is None:
+        return mask != 0
+    return correction_weights(old_logprobs, behavior_logprobs, mask, correction or Correction(upper=cap))[1]

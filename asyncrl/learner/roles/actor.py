@@ -107,6 +107,7 @@ class ActorRole:
                              "before the update (AlgorithmConfig.proximal_in_update); compute them first")
         width = _width(samples)
         mbs = self.runner.micro_batches(samples, width)
+        correction = algo.rollout_correction()
         # Without engine log-probs (e.g. a synchronous recompute) there is nothing to correct.
         has_behavior = all(len(s.behavior_logprobs) == len(s.response_ids) for s in samples)
         behavior = [s.behavior_logprobs for s in samples] if has_behavior else None
@@ -130,14 +131,14 @@ class ActorRole:
             lp, ent = self.runner.token_logprobs(hidden, mb, with_entropy=True)
             if x["old"] is None:  # before any optimizer step: this forward is the proximal policy
                 x["old"] = lp.detach()
-                true_mask = behavior_loss_mask(mask, x["old"], x["behavior"], algo.behavior_weight_cap)
+                true_mask = behavior_loss_mask(mask, x["old"], x["behavior"], None, correction)
                 x["pg_denom_true"] = denominator_tensor(true_mask, algo.loss_agg)
                 pg_denom = x["pg_denom_true"]
             else:
                 pg_denom = x["pg_denom"]
             if x["behavior"] is not None and "mismatch" not in x:  # the first pass: engine vs proximal policy
                 x["mismatch"] = mismatch_sums(x["old"], x["behavior"], mask, x["gaps"])
-            kw = dict(behavior_logprobs=x["behavior"], behavior_weight_cap=algo.behavior_weight_cap, agg=algo.loss_agg, lazy_metrics=True)
+            kw = dict(behavior_logprobs=x["behavior"], correction=correction, agg=algo.loss_agg, lazy_metrics=True)
             if algo.policy_loss == "gspo":
                 pg, metrics = gspo_policy_loss(lp, x["old"], x["adv"], mask, clip_low=algo.clip_low, clip_high=algo.clip_high, **kw)
             else:
@@ -208,7 +209,7 @@ class ActorRole:
         old = response_tensor(old_logprobs, idx, width) if old_logprobs is not None else None
         beh = response_tensor(behavior, idx, width) if behavior is not None else None
         # Without proximal log-probs yet, no token is known to be capped: the first pass counts them.
-        loss_mask = behavior_loss_mask(mb.response_mask, old, beh, algo.behavior_weight_cap) if old is not None \
+        loss_mask = behavior_loss_mask(mb.response_mask, old, beh, None, algo.rollout_correction()) if old is not None \
             else mb.response_mask != 0
         return {
             "mask": mb.response_mask,
