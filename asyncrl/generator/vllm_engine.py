@@ -231,6 +231,15 @@ class VllmDriver:
         self._tokenizer = tokenizer  # set when final-only texts are decoded here, not per step in the engine
         self.vocab_size = vocab_size
         self.stamps_versions = hasattr(llm, "update_weight_version")  # vLLM >= 0.32
+        # The live version when a request is admitted salts its prefix-cache key (vLLM's `cache_salt`, in the
+        # hash of its first block and so of every block after it): no request admitted after a commit reuses
+        # KV computed with an older version's weights, even where the pause's cache reset could not drop it
+        # (blocks a request in flight holds; vLLM < 0.32 does not preempt them for the reset). While the engine
+        # is paused (a push may be committing) a request gets a salt of that pause alone: it runs after the
+        # resume, on whichever weights are live then, and shares KV only with others admitted in that pause.
+        self.salt_version = 0
+        self._pauses = 0
+        self._salt = "w0"
 
     @classmethod
     def start(cls, model: ModelConfig, gen: GeneratorConfig) -> "VllmDriver":
@@ -264,7 +273,8 @@ class VllmDriver:
         collector = None
         finished = False
         try:
-            collector = await self.llm.add_request(engine_id, {"prompt_token_ids": prompt_ids}, prepared.params)
+            prompt = {"prompt_token_ids": prompt_ids, "cache_salt": self._salt}
+            collector = await self.llm.add_request(engine_id, prompt, prepared.params)
             handed_over()
             while not finished:
                 out = collector.get_nowait() or await collector.get()
@@ -299,6 +309,7 @@ class VllmDriver:
         sleep after it, only so that outputs already computed reach their callers first (nothing in
         the replica depends on that: the version ledger reads the workers' own counts, and its
         fallback waits for the outputs itself)."""
+        self._paused_salt()
         core = getattr(self.llm, "engine_core", None)
         if mode == "keep" and hasattr(core, "pause_scheduler_async"):
             await core.pause_scheduler_async(mode="keep", clear_cache=True)
@@ -306,13 +317,20 @@ class VllmDriver:
             await self.llm.pause_generation(mode=mode, clear_cache=True)
 
     async def preempt(self) -> None:
+        self._paused_salt()
         await self.llm.pause_generation(mode="keep", clear_cache=True)
 
     async def hold(self) -> None:
+        self._paused_salt()
         await self.llm.pause_generation(mode="keep", clear_cache=False)
 
     async def run(self) -> None:
+        self._salt = f"w{self.salt_version}"  # (after an aborted push: the version that stayed live)
         await self.llm.resume_generation()
+
+    def _paused_salt(self) -> None:
+        self._pauses += 1
+        self._salt = f"w{self.salt_version}~{self._pauses}"
 
     def sleep_unsupported(self) -> str | None:
         from vllm.platforms import current_platform
@@ -339,6 +357,8 @@ class VllmDriver:
         return await self.llm.collective_rpc(verb, timeout=timeout, args=args)
 
     async def relabel(self, version: int) -> None:
+        self.salt_version = version  # requests admitted from now on get this version's cache salt
+        self._salt = f"w{version}"  # (still paused: the weights are this version's already)
         if self.stamps_versions:
             await self.llm.update_weight_version(str(version))
 
