@@ -242,6 +242,32 @@ _PARALLEL_KEYS = (
 )
 
 
+class MemoryConfig(_Section):
+    """What the learner keeps on its devices for the backward pass (every learner role takes it: actor,
+    reference, critic). Written as Megatron's own options into learner.strategy_config, where a user may
+    still set them by their Megatron names; the two must agree."""
+
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none", description="Activation recomputation in the backward: none (keep every activation); selective "
+        "(recompute each layer's core attention: cheap, saves its inputs' activations only); full (recompute whole "
+        "layers from their input: the long-sequence setting, e.g. 2 x 32k tokens of a 3B on one GPU).")
+    recompute_method: Literal["uniform", "block"] = Field(
+        "uniform", description="full: uniform = every group of recompute_layers layers keeps only its input; block = "
+        "the first recompute_layers layers of each pipeline stage are recomputed, the rest keep their activations.")
+    recompute_layers: int = Field(1, gt=0, description="full: layers per recomputed group (uniform) or recomputed "
+                                  "layers per stage (block).")
+
+    def megatron_options(self) -> dict[str, Any]:
+        """These settings as Megatron TransformerConfig options ({} for none: Megatron's defaults, or what
+        strategy_config says)."""
+        if self.recompute == "none":
+            return {}
+        if self.recompute == "selective":
+            return {"recompute_granularity": "selective"}
+        return {"recompute_granularity": "full", "recompute_method": self.recompute_method,
+                "recompute_num_layers": self.recompute_layers}
+
+
 class RoleOffload(_Section):
     param_offload: bool = False
     grad_offload: bool = False
@@ -282,6 +308,7 @@ class LearnerConfig(_Section):
         "pack", description="Ray placement-group strategy of the ranks: pack = as few nodes as possible, spread = as many, "
         "strict_pack = one node (fails if none holds every rank), strict_spread = one rank per node.")
     seed: int = 1234
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
     actor: RoleOffload = Field(default_factory=RoleOffload)
     critic: RoleOffload = Field(default_factory=RoleOffload)
     reference: RoleOffload = Field(default_factory=RoleOffload)
@@ -297,6 +324,11 @@ class LearnerConfig(_Section):
     @model_validator(mode="after")
     def _divisible(self) -> "LearnerConfig":
         s = self.strategy_config
+        for key, value in self.memory.megatron_options().items():  # learner.memory, as Megatron reads it
+            if key in s and s[key] != value:
+                raise ValueError(f"learner.memory asks for {key}={value!r} but learner.strategy_config sets {key}="
+                                 f"{s[key]!r}: set one of them")
+            s[key] = value
         model_parallel = (
             s.get("tensor_model_parallel_size", 1)
             * s.get("pipeline_model_parallel_size", 1)

@@ -49,8 +49,8 @@ def out_of_memory_error(verb: str, rank: int, lengths: Sequence[int], learner_cf
     recompute = cfg.strategy_config.get("recompute_granularity")
     fixes = []
     if recompute != "full":
-        fixes.append("recompute activations in the backward: learner.strategy_config {recompute_granularity: full, "
-                     "recompute_method: uniform, recompute_num_layers: 1}")
+        fixes.append("recompute activations in the backward: learner.memory.recompute: full (Megatron's "
+                     "recompute_granularity: full, recompute_method: uniform, recompute_num_layers: 1)")
     fixes.append(f"fewer tokens per micro-batch: learner.max_tokens_per_micro_batch (now "
                  f"{cfg.max_tokens_per_micro_batch}) with learner.sequence_packing: true, or a smaller "
                  f"learner.micro_batch_size (now {cfg.micro_batch_size})")

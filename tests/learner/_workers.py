@@ -104,6 +104,49 @@ def grad_norm_check(chunks: list) -> tuple[float, float]:
     return before, after
 
 
+def recompute_grads(world: int, strategy: dict, demo: str, ids: torch.Tensor) -> dict[str, Any]:
+    """Per learner.memory.recompute setting (none, selective, full): this rank's loss and every parameter's grad
+    after one forward-backward (training mode, Megatron's schedule) of `ids` under `strategy`, and how often
+    the layers' core attention and MLP ran forward (`<mode>_calls`)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from asyncrl.config import LearnerConfig
+
+    b, s = ids.shape
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for mode in ("none", "selective", "full"):
+        options = LearnerConfig(world_size=world, strategy_config=dict(strategy), memory={"recompute": mode}).strategy_config
+        hf, chunks = setup(world, options, demo)
+        losses: list[torch.Tensor] = []
+
+        def forward_step(data_iter, model):
+            dev = next(model.parameters()).device
+            out_ = model(next(data_iter).to(dev), torch.arange(s, device=dev).expand(b, s), None)
+
+            def loss_func(output):
+                loss = output.float().square().mean()  # this rank's vocab shard: the same on every setting
+                losses.append(loss.detach().cpu())
+                return loss, {}
+            return out_, loss_func
+
+        calls = {"core_attention": 0, "mlp": 0}  # forward calls: a recomputed module runs again in the backward
+        for c in chunks:
+            c.train()
+            for name, module in c.named_modules():
+                kind = name.rsplit(".", 1)[-1]
+                if kind in calls:
+                    module.register_forward_hook(lambda *_, k=kind: calls.__setitem__(k, calls[k] + 1))
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([ids]), model=chunks,
+                                    num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=False)
+        grads = {n: p.grad.detach().cpu().clone() for c in chunks for n, p in c.named_parameters() if p.grad is not None}
+        grads["__loss__"] = losses[0]
+        out[mode] = grads
+        out[f"{mode}_calls"] = dict(calls)
+        del chunks
+        reset_parallel()
+    return out
+
+
 def where() -> dict[str, str]:
     """The backend and device this rank ran on (a GPU run must not pass on gloo)."""
     from asyncrl.learner.parallel import collective_device
@@ -146,6 +189,7 @@ def run_tp(rank: int, world: int, demo: str, qwen3: str, ids: torch.Tensor, ckpt
     res["tp2_perturbed_logits"] = forward_logits(chunks, ids, hf.vocab_size)
     save_checkpoint(ckpt, chunks, extra={"step": 7})
 
+    res["tp2_recompute"] = recompute_grads(world, tp2, demo, ids)
     hf3, chunks3 = setup(world, tp2, qwen3)
     res["qwen3_logits"] = forward_logits(chunks3, ids, hf3.vocab_size)
     res["qwen3_export"] = export(chunks3, hf3)
@@ -158,6 +202,9 @@ def run_tp(rank: int, world: int, demo: str, qwen3: str, ids: torch.Tensor, ckpt
     _, fresh = setup(world, tp1, demo, load=False)
     res["ckpt_extra"] = load_checkpoint(ckpt, fresh)
     res["tp1_from_ckpt_logits"] = forward_logits(fresh, ids, hf.vocab_size)
+    del chunks, fresh
+    reset_parallel()
+    res["tp1_recompute"] = recompute_grads(world, tp1, demo, ids)
     return res
 
 

@@ -144,6 +144,24 @@ def test_global_grad_norm_counts_each_weight_once(tp_run, demo_model_path):
         assert after == pytest.approx(full / 2, rel=1e-4)
 
 
+@pytest.mark.parametrize("layout", ["tp2", "tp1"])
+def test_recompute_selective_and_full_give_no_recompute_grads(tp_run, layout):
+    """learner.memory.recompute at TP=2 and at TP=1 (DP=2): the same loss and, for every parameter, the same grad
+    as keeping every activation (fp32; selective recomputes our sdpa core attention, full whole layers from
+    their input)."""
+    for rank in tp_run["ranks"]:
+        runs = rank[f"{layout}_recompute"]
+        # not a silent fallback: selective runs each core attention again in the backward, full whole layers
+        layers = runs["none_calls"]["core_attention"]
+        assert layers > 0 and runs["none_calls"] == {"core_attention": layers, "mlp": layers}
+        assert runs["selective_calls"] == {"core_attention": 2 * layers, "mlp": layers}
+        assert runs["full_calls"] == {"core_attention": 2 * layers, "mlp": 2 * layers}
+        assert set(runs["none"]) == set(runs["selective"]) == set(runs["full"]) and len(runs["none"]) > 5
+        for mode in ("selective", "full"):
+            for name, grad in runs["none"].items():
+                assert _close(runs[mode][name], grad) <= 1e-6 * max(1.0, grad.abs().max().item()), (mode, name)
+
+
 def test_checkpoint_saved_at_tp2_loads_at_tp1(tp_run, demo_model_path):
     r0, r1 = tp_run["ranks"]
     perturbed = r0["tp2_perturbed_logits"]

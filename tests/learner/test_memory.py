@@ -47,10 +47,31 @@ def test_the_report_names_the_verb_the_tokens_the_peak_and_the_settings_that_fit
     text = str(err)
     assert isinstance(err, LearnerOutOfMemory) and (err.verb, err.rank, err.tokens) == ("update_actor", 3, 65536)
     assert text.startswith("learner rank 3 ran out of device memory in update_actor: 2 sequences (longest 32768 tokens)")
-    assert "peak 130.5 GiB of 139.8 GiB" in text and "recompute_granularity: full" in text
+    assert "peak 130.5 GiB of 139.8 GiB" in text and "learner.memory.recompute: full" in text
     assert "learner.max_tokens_per_micro_batch (now None)" in text and "learner.micro_batch_size (now 2)" in text
     already = LearnerConfig(strategy_config={"recompute_granularity": "full"})
     assert "recompute_granularity" not in str(out_of_memory_error("compute_log_prob", 0, [10], already, None, None))
+    by_memory = LearnerConfig(memory={"recompute": "full"})  # the same setting, by learner.memory
+    assert "recompute" not in str(out_of_memory_error("compute_log_prob", 0, [10], by_memory, None, None))
+
+
+def test_the_memory_section_becomes_megatrons_options_and_must_agree_with_them():
+    import pytest
+
+    from asyncrl.config import load_config
+    from asyncrl.config.base import ConfigError
+
+    full = LearnerConfig(memory={"recompute": "full", "recompute_method": "block", "recompute_layers": 4})
+    assert full.strategy_config == {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 4}
+    selective = LearnerConfig(memory={"recompute": "selective"}, strategy_config={"tensor_model_parallel_size": 1})
+    assert selective.strategy_config == {"tensor_model_parallel_size": 1, "recompute_granularity": "selective"}
+    assert LearnerConfig().strategy_config == {}  # none: Megatron's defaults (or strategy_config's own keys)
+    agreeing = LearnerConfig(memory={"recompute": "selective"}, strategy_config={"recompute_granularity": "selective"})
+    assert agreeing.strategy_config == {"recompute_granularity": "selective"}
+    with pytest.raises(ConfigError, match="learner.memory.recompute"):
+        load_config({"learner": {"memory": {"recompute": "fulll"}}})
+    with pytest.raises(ConfigError, match="strategy_config sets recompute_granularity='selective'"):
+        load_config({"learner": {"memory": {"recompute": "full"}, "strategy_config": {"recompute_granularity": "selective"}}})
 
 
 def test_the_error_crosses_ray_whole_and_ends_the_run_instead_of_a_restart():
