@@ -57,7 +57,7 @@ class Correction:
         if self.mode not in MODES:
             raise ValueError(f"correction mode {self.mode!r}: one of {MODES}")
         if self.upper is not None and not self.upper > 0:
-            raise ValueError(f"correction upper bound must be > 0, got {self.upper}")
+            raise ValueError(f"correction upper bound (behavior_weight_cap) must be > 0, got {self.upper}")
         if self.lower is not None and not 0 <= self.lower < (self.upper if self.upper is not None else float("inf")):
             raise ValueError(f"correction lower bound must be >= 0 and below the upper one ({self.upper}), got {self.lower}")
         if self.mode == "truncate" and (self.lower is not None or self.reject_sequence):

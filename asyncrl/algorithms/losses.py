@@ -94,11 +94,7 @@ def _behavior_correction(
     w = sg(exp(clamp(old - behavior, -20, 20))) on valid tokens (1 without behaviour log-probs or
     on masked-out positions); capped = valid & (w > cap); loss_mask = valid & ~capped.
     """
-    if correction is None:
-        if cap is not None and not cap > 0:
-            raise ValueError(f"behavior_weight_cap must be > 0, got {cap}")
-        correction = Correction(upper=cap)
-    return correction_weights(old_logprobs, behavior_logprobs, mask, correction)
+    return correction_weights(old_logprobs, behavior_logprobs, mask, correction or Correction(upper=cap))
 
 
 def _clipped_surrogate(ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> tuple[Tensor, Tensor]:

@@ -205,7 +205,7 @@ class TrainerParts:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         train, held_out = load_prompts(cfg.data)
         buffer = BufferActor.options(**_beside_this_process()).remote(cfg.buffer)
-        prompt_tokens = longest_prompt(tokenizer, train) if cfg.learner.warm_up else None
+        prompt_tokens = longest_prompt(tokenizer, train) if cfg.learner.warm_up and not cfg.hybrid.enabled else None
         # Hybrid: the learner's state goes to host before the first export (which holds the params itself).
         if cfg.reward.kind == "model":
             from asyncrl.rewards.model import ModelRewards
