@@ -255,7 +255,7 @@ peers)
   # or "--no-fixed-length --eval-every 25" for the demo model). PEERS_RUNS picks runs from "trl hybrid hybrid-resident hybrid-always gpu1 serve verl" (hybrid: the default
   # learner_offload when_short; hybrid-resident: the learner's state never offloaded; hybrid-always: offloaded at every switch; default the
   # first three; PEERS_SERVE=1 adds serve: `vllm serve` vs our API, benchmarks/generation.py). A run gets at most
-  # its cap (TRL_TIMEOUT 240, HYBRID_TIMEOUT 200, GPU1_TIMEOUT 320, SERVE_TIMEOUT 400 s) and never more than is
+  # its cap (TRL_TIMEOUT 240, HYBRID_TIMEOUT 300: a cold machine takes 100-130 s to its app, GPU1_TIMEOUT 320, SERVE_TIMEOUT 400 s) and never more than is
   # left of PEERS_BUDGET (560 s since this script began). Expects TRL's parts (benchmarks/peers/wheels.sh) in
   # /tmp/peer-parts; installs them once into /tmp/site-peers, which only the TRL run puts on its path.
   # Run `verl` (not among the defaults): verl 0.9.1's GRPO recipe, FSDP + vLLM co-located (benchmarks/peers/verl_grpo.py,
@@ -303,7 +303,7 @@ peers)
   asets=(); for kv in ${ASYNCRL_SETS:-$([ "${PEERS_WORKLOAD:-fixed}" = longtail ] && echo "learner.sequence_packing=true learner.max_tokens_per_micro_batch=8192")}; do
     asets+=(--set "$kv"); done
   for run in $runs; do
-    case $run in trl) cap=${TRL_TIMEOUT:-240} ;; hybrid|hybrid-resident|hybrid-always) cap=${HYBRID_TIMEOUT:-200} ;;
+    case $run in trl) cap=${TRL_TIMEOUT:-240} ;; hybrid|hybrid-resident|hybrid-always) cap=${HYBRID_TIMEOUT:-300} ;;
                  gpu1|gpu1-separate) cap=${GPU1_TIMEOUT:-320} ;; serve) cap=${SERVE_TIMEOUT:-400} ;; verl) cap=${VERL_TIMEOUT:-300} ;;
                  *) echo "peers: unknown run '$run' (trl hybrid hybrid-resident hybrid-always gpu1 gpu1-separate serve verl)"; continue ;; esac
     left=$(( ${PEERS_BUDGET:-560} - SECONDS )); [ $cap -lt $left ] && left=$cap
