@@ -7,6 +7,11 @@ non-streaming batch runs once alone (the engine core takes the whole batch's col
 once beside the streaming requests (it takes each marked request's slice). Both run
 on the same engine with the same seeds, so the tokens are the same and every log-prob and every
 text must be equal, and equal to what vLLM's `logprobs=0` returns by itself.
+
+The same engine then shows the driver's prefix-cache salt: a request admitted after a commit (or during a
+pause) never reuses KV cached under another version's salt, while one version's requests still share their
+prefixes. (vLLM < 0.32 cannot drop KV blocks a request in flight holds when a push's pause resets the cache:
+the salt is what keeps a later request off them.)
 """
 
 from __future__ import annotations
@@ -30,6 +35,37 @@ def _requests() -> list[GenerationRequest]:
     ]
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [30, 31, 32, 33], [40, 41]]
     return [GenerationRequest(request_id=f"r{i}", prompt_ids=p, sampling=s) for i, (p, s) in enumerate(zip(prompts, sp))]
+
+
+async def _cached_tokens(driver, rid: str, prompt: list[int]) -> int:
+    """How many of `prompt`'s tokens the engine took from its prefix cache for request `rid`."""
+    prepared = driver.prepare(SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), stream=False)
+    last = None
+    async for out in driver.outputs(rid, prompt, prepared, lambda: None):
+        last = out
+    return int(last.num_cached_tokens or 0)
+
+
+async def _salted(driver) -> dict[str, int]:
+    """Cached prompt tokens of one long prompt: cold, again at version 0, after a commit of version 1 (the
+    driver's relabel; which weights is not what is checked here), again at 1, admitted during a pause, after it."""
+    prompt = [1 + (i * 7) % 283 for i in range(240)]  # a full KV block at least (16 or 128 tokens)
+    seen = {"cold": await _cached_tokens(driver, "a", prompt), "same_version": await _cached_tokens(driver, "b", prompt)}
+    await driver.relabel(1)
+    seen["after_commit"] = await _cached_tokens(driver, "c", prompt)
+    seen["version_1_again"] = await _cached_tokens(driver, "d", prompt)
+    await driver.hold()  # paused as for a push: a request admitted now runs after the resume
+    during = asyncio.create_task(_cached_tokens(driver, "e", prompt))
+    await asyncio.sleep(0.5)
+    await driver.run()
+    seen["admitted_in_pause"] = await during
+    seen["after_resume"] = await _cached_tokens(driver, "f", prompt)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def out(demo_model_path) -> dict:
+    return asyncio.run(_scenario(demo_model_path))
 
 
 async def _scenario(model_path) -> dict:
@@ -76,13 +112,12 @@ async def _scenario(model_path) -> dict:
 
         own = await asyncio.gather(*(vllm_own(r) for r in reqs))
         return {"array": replica.engine._read_array is not None, "decoded_here": replica.engine._tokenizer is not None,
-                "final": final, "mixed": mixed, "stream": stream, "own": own}
+                "final": final, "mixed": mixed, "stream": stream, "own": own, "salt": await _salted(replica.engine)}
     finally:
         replica.shutdown()
 
 
-def test_array_logprobs_and_replica_text_equal_vllms_own(demo_model_path):
-    out = asyncio.run(_scenario(demo_model_path))
+def test_array_logprobs_and_replica_text_equal_vllms_own(out):
     assert out["array"] and out["decoded_here"], "the adapter and the replica's decoding must be on by default"
     stops = 0
     for result, mixed, streamed, own in zip(out["final"], out["mixed"], out["stream"], out["own"]):
@@ -100,3 +135,13 @@ def test_array_logprobs_and_replica_text_equal_vllms_own(demo_model_path):
             stops += c.finish_reason == "stop"
     # The stop-token rule of the replica's text (the stopping token is left out) was exercised.
     assert stops > 0
+
+
+def test_no_request_reuses_kv_cached_under_another_version(out):
+    seen = out["salt"]
+    assert seen["cold"] == 0 and seen["same_version"] > 0, seen  # prefix caching is on: the test can see a hit
+    assert seen["after_commit"] == 0, seen  # the old version's KV is not reused after the commit
+    assert seen["version_1_again"] == seen["same_version"], seen  # ... while one version's requests share
+    assert seen["admitted_in_pause"] == 0, seen  # admitted during a pause: a salt of its own
+    assert seen["after_resume"] == seen["same_version"], seen  # resumed on version 1: its KV again
+
