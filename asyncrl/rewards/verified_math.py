@@ -10,8 +10,8 @@ at `reward_model.ground_truth`) or JSONL with an `answer` column; see the README
 
 Timeouts: math-verify bounds each parse and each comparison (`PARSE_TIMEOUT_S`, `VERIFY_TIMEOUT_S`,
 signal alarms in the reward pool's worker process, whose main thread runs the call): one that runs
-out scores 0, as a wrong answer. The pool's own `reward.timeout_s` (which kills the worker and marks
-the sample invalid) should stay above their sum.
+out scores 0, as a wrong answer. Their sum (4 s) stays under the pool's own default `reward.timeout_s`
+(5 s), which kills the worker and marks the sample invalid.
 
 Needs the `math` extra: pip install 'asyncrl[math]' (math-verify with its LaTeX parser). Without it,
 importing this module fails with that instruction, and so does a reward pool configured with it, at
@@ -31,8 +31,10 @@ except ImportError as err:  # the reward pool reports this at start, naming the 
     raise ImportError("asyncrl.rewards.verified_math needs the math-verify package (with its LaTeX parser): "
                       "pip install 'asyncrl[math]'") from err
 
-PARSE_TIMEOUT_S = 3
-VERIFY_TIMEOUT_S = 3
+# Seconds (math-verify takes whole ones): two parses and one comparison stay under the reward pool's default
+# reward.timeout_s (5 s), so a slow case scores 0 here rather than costing the pool its worker.
+PARSE_TIMEOUT_S = 1
+VERIFY_TIMEOUT_S = 2
 _GSM8K_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.S)
 _WORD = re.compile(r"[A-Za-z]{2,}")
 

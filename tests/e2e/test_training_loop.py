@@ -289,8 +289,8 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
     every episode is one sample, its follow-up question inside the response and out of the loss, and
     the learner trains on them with the buffer's accounting intact. Weights go over ipc (the CPU form:
     shared files), so the one engine replica takes each push in one call: it begins, receives, checks
-    the sender's fingerprint and commits in its load (the first through Serve, the second over the
-    replica's push channel, opened once the groups were formed)."""
+    the sender's fingerprint and commits in its load (both over the replica's push channel, opened with
+    the groups at the start)."""
     seen = _run(ray_session, demo_model_path, tmp_path,
                 trainer={"total_steps": 2, "eval_interval_steps": 0}, checkpoint={"interval_steps": 0},
                 rollout={"kind": "agent", "function": "asyncrl.agents.arithmetic:two_step_per_turn"},

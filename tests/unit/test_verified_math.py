@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from asyncrl.rewards import RewardPool
 from asyncrl.rewards.verified_math import math_reward, parse_reference
 
 FUNCTION = "asyncrl.rewards.verified_math:math_reward"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("completion, answer, expected", [
@@ -60,3 +62,32 @@ def test_without_the_package_a_pool_fails_at_start_naming_the_extra():
             "except RewardFunctionError as err:\n    print(err)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert FUNCTION in done.stdout and "pip install 'asyncrl[math]'" in done.stdout, done.stdout + done.stderr
+
+
+def test_the_gsm8k_config_reads_verls_parquet_and_scores_with_the_verifier(tmp_path):
+    """deploy/rlhf-gsm8k.yaml as a user runs it: its data section reads verl's GSM8K parquet layout (a chat
+    prompt, the answer at reward_model.ground_truth) and its reward function is this verifier."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    from asyncrl.config import load_config
+    from asyncrl.rewards.pool import resolve_reward_function
+    from asyncrl.trainer.parts import load_prompts
+
+    question = "Natalia sold clips to 48 of her friends in April, and half as many in May. How many in all?"
+    instruction = 'Let\'s think step by step and output the final answer after "####".'
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{question} {instruction}"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": "72"},
+             "extra_info": {"split": split, "index": 0}} for split in ("train", "test")]
+    for split, row in zip(("train", "test"), rows):
+        pq.write_table(pa.Table.from_pylist([row]), tmp_path / f"{split}.parquet")
+    raw = yaml.safe_load((REPO / "deploy" / "rlhf-gsm8k.yaml").read_text())["applications"][0]["args"]
+    raw["data"].update(path=str(tmp_path / "train.parquet"), eval_path=str(tmp_path / "test.parquet"))
+    cfg = load_config(raw, source="rlhf-gsm8k.yaml")
+    train, held_out = load_prompts(cfg.data)
+    assert len(train) == len(held_out) == 1 and train[0].answer == "72" and train[0].messages[0][0] == "user"
+    score = resolve_reward_function(cfg.reward.function)
+    assert score is math_reward
+    assert score("48 / 2 = 24 in May, and 48 + 24 = 72 in all. #### 72", train[0].answer, train[0].metadata) == 1.0
+    assert score("... #### 70", train[0].answer, train[0].metadata) == 0.0
