@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncrl.algorithms import aggregate
+from asyncrl.algorithms.correction import Correction
 from asyncrl.config import LearnerConfig, ProfilerConfig
 from asyncrl.learner.batching import (
     build_micro_batch,
@@ -135,8 +136,8 @@ def test_behavior_loss_mask_drops_capped_tokens():
     mask = torch.tensor([[True, True, False]])
     old = torch.tensor([[0.0, 0.0, 0.0]])
     beh = torch.tensor([[-0.1, -3.0, -9.0]])  # weights e^0.1, e^3 (> cap 5), masked
-    assert behavior_loss_mask(mask, old, beh, 5.0).tolist() == [[True, False, False]]
-    assert behavior_loss_mask(mask, old, None, 5.0).tolist() == [[True, True, False]]
+    assert behavior_loss_mask(mask, old, beh, Correction(upper=5.0)).tolist() == [[True, False, False]]
+    assert behavior_loss_mask(mask, old, None, Correction(upper=5.0)).tolist() == [[True, True, False]]
 
 
 def test_lr_schedule():

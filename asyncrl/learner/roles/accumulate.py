@@ -95,15 +95,13 @@ def from_last_stage(value: float) -> float:
 
 
 def behavior_loss_mask(
-    mask: torch.Tensor, old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor | None, cap: float | None,
-    correction: Correction | None = None,
+    mask: torch.Tensor, old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor | None, correction: Correction,
 ) -> torch.Tensor:
-    """The policy loss's token mask: valid and not taken out by the rollout correction (`correction`,
-    or None: the decoupled-PPO weight cap `cap` on each token).
+    """The policy loss's token mask: valid and not taken out by the rollout correction.
 
     The same function as `asyncrl.algorithms.losses`' (`correction_weights`), so denominators can be
     computed for the whole batch before any micro-batch runs.
     """
     if behavior_logprobs is None:
         return mask != 0
-    return correction_weights(old_logprobs, behavior_logprobs, mask, correction or Correction(upper=cap))[1]
+    return correction_weights(old_logprobs, behavior_logprobs, mask, correction)[1]

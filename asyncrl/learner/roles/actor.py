@@ -113,8 +113,8 @@ class ActorRole:
         behavior = [s.behavior_logprobs for s in samples] if has_behavior else None
         gaps = version_gaps if behavior is not None and version_gaps is not None \
             and [len(g) for g in version_gaps] == [len(s.response_ids) for s in samples] else None
-        inputs = [self._mb_inputs(mb, width, advantages, old_logprobs, behavior, ref_logprobs if use_kl else None, gaps)
-                  for mb in mbs]
+        inputs = [self._mb_inputs(mb, width, advantages, old_logprobs, behavior, ref_logprobs if use_kl else None, gaps,
+                                  correction) for mb in mbs]
         # Batch-wide denominators (all micro-batches, all DP ranks): see accumulate.py. Without proximal
         # log-probs the policy loss's is first taken before the decoupled-PPO cap masks any token
         # (`pg_denom`); the first pass counts the true one (`pg_denom_true`), and its grads are rescaled.
@@ -131,7 +131,7 @@ class ActorRole:
             lp, ent = self.runner.token_logprobs(hidden, mb, with_entropy=True)
             if x["old"] is None:  # before any optimizer step: this forward is the proximal policy
                 x["old"] = lp.detach()
-                true_mask = behavior_loss_mask(mask, x["old"], x["behavior"], None, correction)
+                true_mask = behavior_loss_mask(mask, x["old"], x["behavior"], correction)
                 x["pg_denom_true"] = denominator_tensor(true_mask, algo.loss_agg)
                 pg_denom = x["pg_denom_true"]
             else:
@@ -204,12 +204,12 @@ class ActorRole:
         metrics.update({"actor/grad_norm": step["grad_norm"], "actor/lr": step["lr"], "actor/step_skipped": step["skipped"]})
         return metrics
 
-    def _mb_inputs(self, mb, width, advantages, old_logprobs, behavior, ref_logprobs, gaps=None) -> dict[str, Any]:
+    def _mb_inputs(self, mb, width, advantages, old_logprobs, behavior, ref_logprobs, gaps, correction) -> dict[str, Any]:
         algo, idx = self.ctx.algorithm_cfg, mb.sample_index
         old = response_tensor(old_logprobs, idx, width) if old_logprobs is not None else None
         beh = response_tensor(behavior, idx, width) if behavior is not None else None
         # Without proximal log-probs yet, no token is known to be capped: the first pass counts them.
-        loss_mask = behavior_loss_mask(mb.response_mask, old, beh, None, algo.rollout_correction()) if old is not None \
+        loss_mask = behavior_loss_mask(mb.response_mask, old, beh, correction) if old is not None \
             else mb.response_mask != 0
         return {
             "mask": mb.response_mask,
