@@ -322,13 +322,18 @@ class LearnerConfig(_Section):
         return value
 
     @model_validator(mode="after")
-    def _divisible(self) -> "LearnerConfig":
+    def _memory(self) -> "LearnerConfig":
         s = self.strategy_config
         for key, value in self.memory.megatron_options().items():  # learner.memory, as Megatron reads it
             if key in s and s[key] != value:
                 raise ValueError(f"learner.memory asks for {key}={value!r} but learner.strategy_config sets {key}="
                                  f"{s[key]!r}: set one of them")
             s[key] = value
+        return self
+
+    @model_validator(mode="after")
+    def _divisible(self) -> "LearnerConfig":
+        s = self.strategy_config
         model_parallel = (
             s.get("tensor_model_parallel_size", 1)
             * s.get("pipeline_model_parallel_size", 1)
