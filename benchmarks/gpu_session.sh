@@ -324,7 +324,8 @@ peers)
     log=$OUT/peers_$run.log
     case $run in
     trl)
-      PYTHONPATH=/tmp/site-peers:$PYTHONPATH timeout -k 15 $left python3 benchmarks/peers/trl_grpo.py "${knobs[@]}" > $log 2>&1 ;;
+      # TRL_ARGS: trl_grpo.py's own flags (e.g. --gradient-checkpointing, TRL's default, for the long tail)
+      PYTHONPATH=/tmp/site-peers:$PYTHONPATH timeout -k 15 $left python3 benchmarks/peers/trl_grpo.py ${TRL_ARGS:-} "${knobs[@]}" > $log 2>&1 ;;
     hybrid|hybrid-always|hybrid-resident)
       case $run in
       hybrid) extra=() ;;  # the default learner_offload when_short: state kept where the engines' wake fits beside it

@@ -50,41 +50,42 @@ class BufferService:
         finally:
             self._waiters[kind] -= 1
 
-    async def acquire(self, n: int, timeout_s: float | None = None) -> bool:
-        """Reserve n samples for one rollout, waiting until admission allows. False on timeout or close."""
+    async def acquire(self, n: int, timeout_s: float | None = None, key: str | None = None) -> bool:
+        """Reserve n samples for one rollout, waiting until admission allows. False on timeout or close.
+        `key` names the reservation for put_group / release / abandon (BufferCore: overdue rollouts)."""
         self._core.staleness.can_acquire(n)  # bad n raises here, before any wait
         timeout = _timeout(timeout_s)
         async with self._changed:
             try:
                 async with asyncio.timeout(timeout):
                     while not self._closed:
-                        if self._core.try_acquire(n):
+                        if self._core.try_acquire(n, key):
                             return True
                         await self._wait("acquire")
             except TimeoutError:
                 return False
         return False
 
-    async def release(self, n: int) -> None:
+    async def release(self, n: int, key: str | None = None) -> None:
         """A reserved rollout of n samples ended without pushing them."""
         async with self._changed:
-            self._core.release(n)
+            self._core.release(n, key)
             self._changed.notify_all()
 
-    async def abandon(self, n: int) -> None:
+    async def abandon(self, n: int, key: str | None = None) -> None:
         """A reserved rollout of n samples was given up on: released and counted (dropped_failed)."""
         async with self._changed:
-            self._core.abandon(n)
+            self._core.abandon(n, key)
             self._changed.notify_all()
 
-    async def put_group(self, samples: Sequence[Sample]) -> PutResult:
+    async def put_group(self, samples: Sequence[Sample], key: str | None = None) -> PutResult:
         """Push a whole group, waiting while the buffer is full (back-pressure)."""
         async with self._changed:
             while True:
                 if self._closed:
                     raise BufferClosedError("buffer closed while a group was being pushed")
-                if self._core.can_put(samples):  # validates: bad input raises, never waits
-                    result = self._core.put_group(samples)
+                if self._core.can_put(samples, key):  # validates: bad input raises, never waits
+                    result = self._core.put_group(samples, key)
                     self._changed.notify_all()
                     return result
                 await self._wait("put")

@@ -6,9 +6,16 @@ drops credit their slots back, and one checkpoint holds both halves.
 Must never: wait, block, or know about Ray or asyncio. The actor (actor.py) adds the waiting.
 
 Protocol of one rollout (the controller's side):
-    try_acquire(n)  ->  generate n completions  ->  put_group(all n samples)
-                                                    (or release(n): cancelled, never counted;
-                                                     or abandon(n): given up on, counted dropped_failed)
+    try_acquire(n, key)  ->  generate n completions  ->  put_group(all n samples, key)
+                                                    (or release(n, key): cancelled, never counted;
+                                                     or abandon(n, key): given up on, counted dropped_failed)
+The key (a string the caller makes unique) names the reservation, so the buffer knows at which version
+each running rollout was admitted. A rollout admitted at version a <= v - eta is *overdue*: a batch drawn
+at v without its group would leave that group older than v + 1 - eta at the next draw, dropped. With
+`overdue: wait` (the default) get_batch waits for overdue groups and draws oldest-first, so a slow (long)
+group is trained in time instead of dropped; the admission rule makes this fit in one batch: at most B
+samples admitted at versions <= v - eta are not yet trained when groups are drawn oldest-first. A
+reservation without a key is never waited for (it can still be dropped stale).
 A group is pushed with every sample it reserved; a completion that failed is pushed with status
 ABORTED (the group is then dropped as invalid and all n slots released). Pushing fewer samples
 than reserved is not possible: put_group consumes exactly len(samples) running slots, and the
@@ -34,26 +41,51 @@ class BufferCore:
         self.config = config
         self.staleness = StalenessManager(config.batch_size, config.max_staleness)
         self.replay = ReplayBuffer(config)
+        self._tickets: dict[str, tuple[int, int]] = {}  # key -> (version admitted at, samples reserved)
 
     @property
     def version(self) -> int:
         return self.staleness.version
 
     # -- producers ------------------------------------------------------------------------------
-    def try_acquire(self, n: int) -> bool:
-        return self.staleness.try_acquire(n)
+    def try_acquire(self, n: int, key: str | None = None) -> bool:
+        """Reserve n slots if the admission rule allows; `key` names the reservation (see the module doc)."""
+        if key is not None:
+            if not isinstance(key, str) or not key:
+                raise TypeError(f"a reservation key is a non-empty str, got {type(key).__name__} {key!r:.40}")
+            if key in self._tickets:
+                raise ValueError(f"reservation key {key!r} is already held by a running rollout")
+        if not self.staleness.try_acquire(n):
+            return False
+        if key is not None:
+            self._tickets[key] = (self.version, n)
+        return True
 
-    def release(self, n: int) -> None:
+    def _ticket(self, key: str | None, n: int) -> None:
+        """Check that `key` (if any) holds a reservation of n samples; changes nothing."""
+        if key is None:
+            return
+        held = self._tickets.get(key)
+        if held is None:
+            raise ValueError(f"no running reservation has key {key!r}")
+        if held[1] != n:
+            raise ValueError(f"reservation {key!r} holds {held[1]} samples, not {n}")
+
+    def release(self, n: int, key: str | None = None) -> None:
         """A reserved rollout of n samples ended without pushing them (failed, aborted, cancelled)."""
+        self._ticket(key, n)
         self.staleness.on_rejected(n)
+        self._tickets.pop(key, None)
 
-    def abandon(self, n: int) -> None:
+    def abandon(self, n: int, key: str | None = None) -> None:
         """A reserved rollout of n samples was given up on (its generation failed or timed out on
         every attempt): its slots are released and its samples counted as dropped_failed."""
+        self._ticket(key, n)
         self.staleness.on_rejected(n)  # validates n against the reserved slots first
         self.replay.abandon(n)
+        self._tickets.pop(key, None)
 
-    def check_put(self, samples: Sequence[Sample]) -> None:
+    def check_put(self, samples: Sequence[Sample], key: str | None = None) -> None:
         """Raise for malformed input or a push without a reservation; changes nothing."""
         self.replay.validate_group(samples)
         if len(samples) > self.staleness.running:
@@ -61,19 +93,32 @@ class BufferCore:
                 f"put_group of {len(samples)} samples but only {self.staleness.running} slots are "
                 f"reserved: acquire(n) before generating"
             )
+        self._ticket(key, len(samples))
 
-    def can_put(self, samples: Sequence[Sample]) -> bool:
-        """Whether put_group would succeed now (validates first)."""
-        self.check_put(samples)
-        return self.replay.has_room(samples)
+    def _is_overdue(self, key: str | None) -> bool:
+        held = self._tickets.get(key) if key is not None else None
+        return held is not None and held[0] <= self.version - self.config.max_staleness
 
-    def put_group(self, samples: Sequence[Sample]) -> PutResult:
+    def can_put(self, samples: Sequence[Sample], key: str | None = None) -> bool:
+        """Whether put_group would succeed now (validates first). An overdue group always fits: the
+        learner waits for it, so back-pressure on it could never end."""
+        self.check_put(samples, key)
+        return self._is_overdue(key) or self.replay.has_room(samples)
+
+    def put_group(self, samples: Sequence[Sample], key: str | None = None) -> PutResult:
         """Push a whole group; raises BufferFullError (changing nothing) when there is no room."""
-        self.check_put(samples)
-        result = self.replay.put_group(samples)
+        self.check_put(samples, key)
+        result = self.replay.put_group(samples, force=self._is_overdue(key))
         self.staleness.on_accepted(result.kept)
         self.staleness.on_rejected(len(samples) - result.kept)
+        self._tickets.pop(key, None)
         return result
+
+    def overdue(self) -> int:
+        """Samples of running rollouts admitted at versions <= v - eta (keyed ones): what the next batch
+        waits for under `overdue: wait`."""
+        floor = self.version - self.config.max_staleness
+        return sum(n for version, n in self._tickets.values() if version <= floor)
 
     # -- learner --------------------------------------------------------------------------------
     def set_version(self, version: int) -> None:
@@ -82,8 +127,12 @@ class BufferCore:
         self._credit(self.replay.drop_stale(version, self.config.max_staleness))
 
     def get_batch(self) -> TrainBatch | None:
-        """One batch of whole groups for the current version, or None while none is ready."""
+        """One batch of whole groups for the current version, oldest first, or None while none is ready
+        (with `overdue: wait`, also while an overdue rollout is still generating)."""
         before = self.replay.counts.dropped_stale
+        if self.config.overdue == "wait" and self.overdue():
+            self._credit(self.replay.drop_stale(self.version, self.config.max_staleness))
+            return None
         batch = self.replay.get_batch(self.config.batch_size, self.version, self.config.max_staleness)
         self._credit(self.replay.counts.dropped_stale - before)
         return batch
@@ -94,16 +143,18 @@ class BufferCore:
 
     # -- accounting and checkpoints -------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
-        return {**self.replay.metrics(), **self.staleness.metrics()}
+        return {**self.replay.metrics(), **self.staleness.metrics(), "buffer/overdue": float(self.overdue())}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"staleness": self.staleness.state(), "replay": self.replay.state_dict()}
+        return {"staleness": self.staleness.state(), "replay": self.replay.state_dict(),
+                "tickets": [[k, v, n] for k, (v, n) in self._tickets.items()]}
 
     def load_state_dict(self, state: dict[str, Any], *, drop_running: bool = False) -> None:
         """Restore both halves. `drop_running` releases the slots of rollouts that were in flight
         when the state was saved: after a restart nobody will ever push or release them."""
-        if not isinstance(state, dict) or set(state) != {"staleness", "replay"}:
-            raise ValueError("buffer state must be a dict with keys 'staleness' and 'replay'")
+        # "tickets" (the keyed reservations in flight) is absent from checkpoints made before it existed
+        if not isinstance(state, dict) or not {"staleness", "replay"} <= set(state) <= {"staleness", "replay", "tickets"}:
+            raise ValueError("buffer state must be a dict with keys 'staleness', 'replay' (and 'tickets')")
         stale_state = dict(state["staleness"]) if isinstance(state["staleness"], dict) else state["staleness"]
         if drop_running and isinstance(stale_state, dict) and isinstance(stale_state.get("running"), int):
             stale_state["rejected"] = stale_state.get("rejected", 0) + stale_state["running"]
@@ -113,4 +164,15 @@ class BufferCore:
         staleness.load_state(stale_state)
         replay = ReplayBuffer(self.config)
         replay.load_state_dict(state["replay"])
-        self.staleness, self.replay = staleness, replay
+        tickets: dict[str, tuple[int, int]] = {}
+        if not drop_running:
+            try:
+                for key, version, n in state.get("tickets", []):
+                    if not isinstance(key, str) or not all(isinstance(x, int) and x >= 0 for x in (version, n)):
+                        raise ValueError
+                    tickets[key] = (version, n)
+            except (TypeError, ValueError):
+                raise ValueError(f"corrupt buffer state: tickets {str(state.get('tickets'))[:80]}") from None
+            if sum(n for _, n in tickets.values()) > staleness.running:
+                raise ValueError("corrupt buffer state: keyed reservations exceed the running slots")
+        self.staleness, self.replay, self._tickets = staleness, replay, tickets

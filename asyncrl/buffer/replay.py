@@ -1,6 +1,6 @@
 """The replay buffer: accepted GRPO groups waiting to be trained, and the sample accounting.
 
-Owns: the FIFO of whole groups, the invalid / group-filter / stale drops, batch assembly, the
+Owns: the queue of whole groups, the invalid / group-filter / stale drops, batch assembly, the
 counters of the accounting identity, and the buffer part of a checkpoint.
 Must never: wait, know about Ray or admission control, or let a sample vanish uncounted:
 
@@ -19,14 +19,17 @@ Decisions:
   a straggler) never reaches the buffer as samples, but its reserved samples are counted as
   generated and dropped_failed (`abandon`), so a prompt group that cannot finish is visible in
   the identity and never retried forever.
-* Batches are whole groups in FIFO order. When group sizes divide B (the controller's fixed n)
-  every batch is exactly B. With mixed sizes the batch is the longest FIFO prefix of at most B
-  samples, handed out only once it is exactly B or the next group does not fit (waiting longer
-  could not make it larger without reordering).
+* Batches are whole groups, oldest first: ordered by each group's oldest token version, FIFO among
+  equals (so FIFO whenever every group started at one version, eta = 0). A long group that arrives
+  after younger short ones is the nearest to going stale, so it goes first. When group sizes divide
+  B (the controller's fixed n) every batch is exactly B. With mixed sizes the batch is the longest
+  prefix of at most B samples, handed out only once it is exactly B or the next group does not fit
+  (waiting longer could not make it larger without reordering).
 * Capacity: `put_group` raises BufferFullError (changing nothing) rather than grow past
   `capacity`; the actor turns that into back-pressure. One exception keeps the run live: while
   the waiting samples cannot form a batch, a group is let in even over capacity (the overshoot is
-  below B + one group), since otherwise the learner and the producers would wait on each other.
+  below B + one group), since otherwise the learner and the producers would wait on each other;
+  and a group the learner waits for (`force`, BufferCore's overdue one) is always let in.
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ def _sample_is_valid(s: Sample) -> bool:
 
 
 class ReplayBuffer:
-    """FIFO of whole GRPO groups with exact sample accounting. Not thread-safe: one owner."""
+    """Whole GRPO groups, drawn oldest first (FIFO among equals), with exact sample accounting. Not
+    thread-safe: one owner."""
 
     def __init__(self, config: BufferConfig) -> None:
         if not isinstance(config, BufferConfig):
@@ -130,10 +134,11 @@ class ReplayBuffer:
             or not self.batch_ready(self.config.batch_size)
         )
 
-    def put_group(self, samples: Sequence[Sample]) -> PutResult:
-        """Push one whole group; drops invalid / filtered groups (counted). Raises BufferFullError."""
+    def put_group(self, samples: Sequence[Sample], force: bool = False) -> PutResult:
+        """Push one whole group; drops invalid / filtered groups (counted). Raises BufferFullError
+        (unless `force`: a group the learner waits for, BufferCore's overdue one)."""
         kept = self.admits(samples)
-        if not self._room_for(kept):
+        if not force and not self._room_for(kept):
             raise BufferFullError(
                 f"buffer holds {self._waiting} of capacity={self.config.capacity} samples; "
                 f"cannot add a group of {kept}"
@@ -169,6 +174,10 @@ class ReplayBuffer:
         self.counts.dropped_stale += dropped
         return dropped
 
+    @staticmethod
+    def _oldest(group: list[Sample]) -> int:
+        return min(s.oldest_version for s in group)
+
     def _prefix(self, batch_size: int) -> tuple[int, bool]:
         """(groups, ready) of the FIFO prefix of at most batch_size samples."""
         total = 0
@@ -193,6 +202,10 @@ class ReplayBuffer:
                 f"max_staleness={max_staleness}): all must be >= 0 and batch_size > 0"
             )
         self.drop_stale(current_version, max_staleness)
+        # Oldest first (by each group's oldest token; arrival order among equals): a group that took long
+        # to generate is the next to go stale, so it goes before younger groups that arrived earlier.
+        if any(self._oldest(a) > self._oldest(b) for a, b in zip(self._groups, list(self._groups)[1:])):
+            self._groups = collections.deque(sorted(self._groups, key=self._oldest))
         n_groups, ready = self._prefix(batch_size)
         if not ready:
             return None

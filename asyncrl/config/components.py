@@ -135,6 +135,11 @@ class BufferConfig(_Section):
     max_staleness: int = Field(2, ge=0, description="eta: 0 = synchronous, 1 = one-step off-policy, larger = fully async.")
     capacity: int = Field(1024, gt=0, description="Most samples held; rollouts wait beyond it.")
     group_filter: Literal["none", "all_equal"] = Field("none", description="'all_equal' drops GRPO groups whose rewards are all equal (dynamic sampling).")
+    overdue: Literal["wait", "drop"] = Field(
+        "wait", description="A rollout admitted eta or more versions ago and still generating (a long response): "
+        "'wait' holds the learner's next batch until its group arrives and trains it first, so no group is dropped "
+        "for being slow (and long responses are not trained less often than short ones); 'drop' trains what has "
+        "arrived and drops that group once it is older than v - eta.")
 
     @model_validator(mode="after")
     def _capacity(self) -> "BufferConfig":

@@ -92,18 +92,18 @@ class AgentRollouts(RolloutWorkers):
         self._episode_timeout_s = rollout.episode_timeout_s
         self.counters.extra.update({"episodes_finished": 0, "episodes_failed": 0, "episodes_split": 0, "episode_turns": 0})
 
-    async def rollout_once(self, index: int, prompt: Prompt) -> None:
+    async def rollout_once(self, index: int, prompt: Prompt, key: str | None = None) -> None:
         n = self._algo.group_size
         self.counters.started += 1
         try:
             async with httpx.AsyncClient(base_url=self._base_url, timeout=60.0) as http:
                 samples = await asyncio.gather(*(self._episode(http, index, prompt, k) for k in range(n)))
         except asyncio.CancelledError:
-            await self._buffer.release.remote(n)
+            await self._buffer.release.remote(n, key=key)
             raise
         for s in samples:
             self.counters.tokens += sum(s.response_mask)  # sampled tokens only
-        await self._buffer.put_group.remote(list(samples))
+        await self._buffer.put_group.remote(list(samples), key=key)
         self.counters.finished += 1
 
     async def evaluate(self, prompts: list[Prompt], concurrency: int = 32, scorer: Any = None) -> float:

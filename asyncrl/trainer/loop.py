@@ -79,7 +79,8 @@ class Trainer:
         #     buffer.acquire(n) [waits: accepted + running < (eta + v + 1) * B]
         #     -> engines.generate(prompt, n) -> reward pool -> buffer.put_group(n samples)
         #   learner loop, below:
-        #     buffer.get_batch(B) [waits: B samples, none older than v - eta]
+        #     buffer.get_batch(B) [waits: B samples, none older than v - eta, and every rollout admitted
+        #                          at <= v - eta (overdue) arrived; oldest groups first]
         #     -> placement.to_learner [hybrid: engines sleep, learner state onto its devices]
         #     -> actor proximal log-probs (unless the update's first forward gives them),
         #        reference log-probs, critic values (PPO)
@@ -204,7 +205,7 @@ class Trainer:
 
     async def _batch_timeout_message(self, limit: float) -> str:
         buf = await self.p.buffer.metrics.remote()
-        shown = accounting_line(buf, ACCOUNTING + ("buffer/admitted", "buffer/admission_left"), sep=", ")
+        shown = accounting_line(buf, ACCOUNTING + ("buffer/admitted", "buffer/admission_left", "buffer/overdue"), sep=", ")
         c = self.p.rollouts.counters
         errors = "; ".join(c.errors[-3:]) or "none"
         return (f"no batch of {self.cfg.buffer.batch_size} samples for policy version {self.version} within "

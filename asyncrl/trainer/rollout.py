@@ -14,8 +14,10 @@ aligned with admission, which exact resume relies on).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
+import uuid
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -135,6 +137,8 @@ class RolloutWorkers:
         self._timeout_s = timeout_s
         self._backoff_s = backoff_s
         self._prompt_cache: dict[tuple[str, tuple[tuple[str, str], ...]], list[int]] = {}
+        # reservation keys: unique across workers and restarts of the controller (the buffer may outlive it)
+        self._keys, self._key_count = uuid.uuid4().hex[:12], itertools.count()
         self.counters = RolloutCounters()
         # Checkpoints quiesce rollouts: the gate stops new acquisitions, `_active` counts the
         # workers between "about to acquire" and "group pushed", so zero means nothing in flight.
@@ -167,22 +171,22 @@ class RolloutWorkers:
             ),
         )
 
-    async def rollout_once(self, index: int, prompt: Prompt) -> None:
-        """One prompt's group, with its n slots already acquired by the caller."""
+    async def rollout_once(self, index: int, prompt: Prompt, key: str | None = None) -> None:
+        """One prompt's group, with its n slots already acquired by the caller (under `key`)."""
         n = self._algo.group_size
         self.counters.started += 1
         try:
             result = await generate_with_retry(self._generate, self._request(index, prompt), attempts=self._attempts,
                                                counters=self.counters, backoff_s=self._backoff_s, timeout_s=self._timeout_s)
         except asyncio.CancelledError:
-            await self._buffer.release.remote(n)
+            await self._buffer.release.remote(n, key=key)
             raise
         except Exception as err:  # noqa: BLE001
             self.counters.failed += 1
             self.counters.errors = (self.counters.errors + [f"prompt {index}: {err!r}"])[-20:]
             log.warning("prompt %d given up on after %d attempts (%r): %d samples counted as dropped_failed",
                         index, self._attempts, err, n)
-            await self._buffer.abandon.remote(n)
+            await self._buffer.abandon.remote(n, key=key)
             if isinstance(err, RequestError) and err.field not in PROMPT_FIELDS:
                 raise RolloutRefused(f"the engine refused this run's rollout requests: {err.field}: "
                                      f"{getattr(err, 'message', err)} (the same for every prompt: a setting of "
@@ -224,7 +228,7 @@ class RolloutWorkers:
         # buffer counts them rather than leaking reservations.
         for missing in range(len(samples), n):
             samples.append(Sample(prompt_ids=result.prompt_ids, response_ids=[], behavior_logprobs=[], versions=[], reward=math.nan, group_id=index, prompt_index=index, status=SampleStatus.ABORTED))
-        await self._buffer.put_group.remote(samples)
+        await self._buffer.put_group.remote(samples, key=key)
         self.counters.finished += 1
 
     async def quiesce(self) -> None:
@@ -245,13 +249,14 @@ class RolloutWorkers:
             self._active += 1
             self._idle.clear()
             try:
-                if not await self._buffer.acquire.remote(n, timeout_s=1.0):
+                key = f"{self._keys}-{next(self._key_count)}"  # this reservation's name in the buffer
+                if not await self._buffer.acquire.remote(n, timeout_s=1.0, key=key):
                     continue
                 if stop.is_set():
-                    await self._buffer.release.remote(n)
+                    await self._buffer.release.remote(n, key=key)
                     return
                 index, prompt = self._stream.next()
-                await self.rollout_once(index, prompt)
+                await self.rollout_once(index, prompt, key)
             finally:
                 self._active -= 1
                 if self._active == 0:

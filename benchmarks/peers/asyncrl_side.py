@@ -50,6 +50,7 @@ from common import (StepTime, add_knob_arguments, check_knobs, emit, gpu_name, k
 
 CONFIGS = {"hybrid": Path("deploy/rlhf-hybrid1.yaml"), "separated": Path("deploy/rlhf-gpu1.yaml")}
 VERSIONS = ("vllm", "megatron-core", "ray", "torch", "transformers")
+BUFFER_KEYS = ("buffer/generated", "buffer/trained", "buffer/dropped_stale", "buffer/dropped_failed", "buffer/overdue")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -132,6 +133,7 @@ def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str,
     rewards = [r["train/reward_mean"] for r in res["per_step"] if r.get("train/reward_mean") is not None]
     # hybrid: the share of switches at which every learner rank kept its state on the device (learner_offload
     # when_short found room for the engines' wake beside it); None where no switch reported it
+    last = res["per_step"][-1] if res["per_step"] else {}
     kept = [r["hybrid/learner_state_kept"] for r in res["per_step"] if r.get("hybrid/learner_state_kept") is not None]
     return {
         "system": "asyncrl", "placement": placement, "eta": eta, "version": _versions(),
@@ -144,7 +146,10 @@ def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str,
         "settings": {"config": str(a.config or CONFIGS[a.placement]), "overrides": knob_overrides(a, eta) + a.overrides,
                      "staleness_mean": res.get("staleness_mean"), "push_s": res.get("push_s"),
                      "push_failed": res.get("push_failed"), "learner_mfu": res.get("learner_mfu"),
-                     "learner_state_kept": statistics.fmean(kept) if kept else None},
+                     "learner_state_kept": statistics.fmean(kept) if kept else None,
+                     # the buffer's accounting at the last step: a group dropped stale is generation thrown away
+                     # (and, on a long tail, the longest responses trained less often)
+                     "buffer": {k.removeprefix("buffer/"): last[k] for k in BUFFER_KEYS if k in last}},
     }
 
 
@@ -175,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"generation wait {s['generation_s']:.2f} + training {s['training_s']:.2f} + weight sync "
                               f"{s['weight_sync_s']:.2f}" + ("" if s.get("length_mean") is None else
                                                             f"; completions of {s['length_mean']:.0f} tokens on average"), flush=True)
+                    if row["settings"]["buffer"]:
+                        print(f"[asyncrl] eta={eta} buffer: " + " ".join(f"{k}={v:g}" for k, v in row["settings"]["buffer"].items()), flush=True)
                     if not row["finished"]:
                         print(f"[asyncrl] eta={eta}: cut short by its limit; the row covers the steps above", flush=True)
                     emit(row, a.out)  # after every run: a call cut short keeps what finished

@@ -6,7 +6,9 @@ batch per version then advances) and checks at every step:
   * no trained sample is older than v - eta,
   * admitted + running <= (eta + v + 1) * B  (admitted = accepted and not dropped stale),
   * generated = trained + dropped_stale + dropped_invalid + dropped_filtered + dropped_failed + waiting,
-  * liveness: with nothing in flight, admission refused implies a batch can be drawn.
+  * liveness: with nothing in flight, admission refused implies a batch can be drawn,
+  * with keyed reservations and `overdue: wait`: no batch is drawn while an overdue rollout runs, and
+    no group is ever dropped stale unless an engine lagged behind its rollout's admission version.
 It is run twice, with and without state_dict round trips (through JSON) mid-sequence; the traces
 must be identical.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import copy
 
 import msgspec
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from asyncrl.buffer import BufferCore
@@ -51,8 +53,10 @@ def scenarios(draw):
         capacity=draw(st.integers(batch_size, 2 * batch_size)),
         # A one-sample group always has "all equal" rewards: that filter would drop everything.
         group_filter=draw(st.sampled_from(["none", "all_equal"] if n > 1 else ["none"])),
+        overdue=draw(st.sampled_from(["wait", "drop"])),
     )
-    return config, n, draw(st.lists(OPS, min_size=20, max_size=150))
+    # keyed: every reservation named (as the rollout workers do); punctual: no engine lags behind admission
+    return config, n, draw(st.lists(OPS, min_size=20, max_size=150)), draw(st.booleans()), draw(st.booleans())
 
 
 def check_invariants(core: BufferCore, n_running: int) -> None:
@@ -65,17 +69,22 @@ def check_invariants(core: BufferCore, n_running: int) -> None:
     assert s.admitted == m["buffer/trained"] + m["buffer/waiting"]
 
 
-def run(config: BufferConfig, n: int, ops: list, roundtrips: bool) -> list:
+def run(config: BufferConfig, n: int, ops: list, roundtrips: bool, keyed: bool = False, punctual: bool = False) -> list:
     core = BufferCore(config)
     in_flight: list[tuple[int, int]] = []  # (group_id, version when its rollout started)
     drawn = 0  # batches the learner drew; it draws one per version, then advances
     next_gid = 0
+    lagged = False  # an engine sampled a group on a version older than its rollout's admission
     trace: list = []
+
+    def key(gid: int) -> str | None:
+        return f"r{gid}" if keyed else None
+
     for op in ops:
         v = core.version
         if op[0] == "acquire":
             for _ in range(1 + op[1] % 4):  # a few rollout workers try at once
-                ok = core.try_acquire(n)
+                ok = core.try_acquire(n, key(next_gid))
                 if ok:
                     in_flight.append((next_gid, v))
                     next_gid += 1
@@ -87,30 +96,33 @@ def run(config: BufferConfig, n: int, ops: list, roundtrips: bool) -> list:
             _, pick, lag, rewards, kind = op
             chosen = [in_flight[pick % len(in_flight)]] if op[0] == "push" else list(in_flight)
             for gid, started in chosen:  # "flush": every rollout in flight finishes now
-                start = max(0, started - lag)
+                start = started if punctual else max(0, started - lag)
+                lagged |= start < started
                 group = make_group(gid, rewards[:n], versions=[[start, min(start + i, v)] for i in range(n)])
                 if kind == "aborted":
                     group[0].status = SampleStatus.ABORTED
                 elif kind == "nan":
                     group[-1].reward = float("nan")
-                if core.can_put(group):
+                if core.can_put(group, key(gid)):
                     in_flight.remove((gid, started))
-                    result = core.put_group(group)
+                    result = core.put_group(group, key(gid))
                     trace.append(("put", gid, result.kept, result.dropped_invalid, result.dropped_filtered))
                 else:
                     assert core.replay.batch_ready(config.batch_size)  # back-pressure only while the learner can draw
                     trace.append(("full", gid))
         elif op[0] == "release" and in_flight:
             gid, started = in_flight.pop(op[1] % len(in_flight))
-            core.release(n)
+            core.release(n, key(gid))
             trace.append(("release", gid))
         elif op[0] == "abandon" and in_flight:  # a rollout given up on (failed / timed out every attempt)
             gid, started = in_flight.pop(op[1] % len(in_flight))
-            core.abandon(n)
+            core.abandon(n, key(gid))
             trace.append(("abandon", gid))
         elif op[0] == "get" and drawn == v:
+            overdue = core.overdue()
             batch = core.get_batch()
             if batch is not None:
+                assert not (keyed and config.overdue == "wait" and overdue), "drawn while an overdue rollout ran"
                 drawn += 1
                 assert all(s.oldest_version >= v - config.max_staleness for s in batch.samples)
                 gids = [s.group_id for s in batch.samples]
@@ -127,15 +139,27 @@ def run(config: BufferConfig, n: int, ops: list, roundtrips: bool) -> list:
             core = BufferCore(config)
             core.load_state_dict(state)
         check_invariants(core, len(in_flight) * n)
+        if keyed and config.overdue == "wait" and not lagged:
+            assert core.metrics()["buffer/dropped_stale"] == 0, "a punctual group was dropped stale"
         trace.append(core.metrics())
     return trace
 
 
+# A group admitted at v = 0 finishes after two younger batches (eta = 1): dropped under `overdue: drop`,
+# waited for under `wait` (random scenarios seldom hit this order).
+_V = [0.0, 1.0, 0.0]
+SLOW_GROUP = [("acquire", 3), ("push", 1, 0, _V, "valid"), ("push", 1, 0, _V, "valid"), ("get", 0), ("advance", 0),
+              ("acquire", 3), ("push", 1, 0, _V, "valid"), ("push", 1, 0, _V, "valid"), ("get", 0), ("advance", 0),
+              ("flush", 0, 0, _V, "valid"), ("get", 0), ("advance", 0), ("get", 0)]
+
+
 @settings(max_examples=200, deadline=None)
 @given(scenarios())
+@example((BufferConfig(batch_size=2, max_staleness=1, capacity=4, overdue="wait"), 1, SLOW_GROUP, True, True))
 def test_staleness_bounds_accounting_and_checkpoint_round_trips(scenario):
-    config, n, ops = scenario
-    assert run(config, n, ops, roundtrips=True) == run(config, n, ops, roundtrips=False)
+    config, n, ops, keyed, punctual = scenario
+    assert (run(config, n, ops, roundtrips=True, keyed=keyed, punctual=punctual)
+            == run(config, n, ops, roundtrips=False, keyed=keyed, punctual=punctual))
 
 
 @settings(max_examples=50, deadline=None)

@@ -216,3 +216,67 @@ def test_an_abandoned_rollout_is_counted_released_and_survives_a_checkpoint():
     del old["replay"]["counts"]["dropped_failed"]  # a checkpoint from before the counter existed
     fresh.load_state_dict(old)
     assert fresh.metrics()["buffer/dropped_failed"] == 0
+
+
+@pytest.mark.parametrize("overdue", ["wait", "drop"])
+def test_a_slow_group_is_waited_for_and_trained_first_not_dropped(overdue):
+    """eta = 1, B = 4, groups of 2: a long rollout admitted at v = 0 is still generating when younger
+    groups could fill the batch at v = 1. `wait` holds the batch until it arrives and trains it first
+    (it would be stale at v = 2); `drop` trains the younger groups and drops it at the next draw."""
+    core = BufferCore(BufferConfig(batch_size=4, max_staleness=1, capacity=16, overdue=overdue))
+    for k in ("long", "a", "b", "c"):
+        assert core.try_acquire(2, k)
+    core.put_group(make_group(1, [0.0, 1.0], version=0), "a")
+    core.put_group(make_group(2, [0.0, 1.0], version=0), "b")
+    assert ids(core.get_batch()) == [1, 1, 2, 2]
+    core.set_version(1)
+    assert core.metrics()["buffer/overdue"] == 4  # "long" and "c", admitted at v 0 <= 1 - eta
+    for k in ("d", "e"):
+        assert core.try_acquire(2, k)
+    core.put_group(make_group(4, [0.0, 1.0], version=1), "d")
+    core.put_group(make_group(5, [0.0, 1.0], version=1), "e")
+    if overdue == "wait":
+        assert core.get_batch() is None  # a full batch of younger groups waits for the overdue one
+        core.put_group(make_group(3, [1.0, 0.0], versions=[[0, 1], [0, 0]]), "c")
+        assert core.get_batch() is None and core.overdue() == 2  # "long" still generating
+        core.put_group(make_group(0, [1.0, 0.0], versions=[[0, 1], [0, 1]]), "long")
+        assert core.metrics()["buffer/overdue"] == 0
+        assert ids(core.get_batch()) == [3, 3, 0, 0]  # oldest first, though they arrived last
+        core.set_version(2)
+        assert ids(core.get_batch()) == [4, 4, 5, 5]
+        assert core.metrics()["buffer/dropped_stale"] == 0
+    else:
+        assert ids(core.get_batch()) == [4, 4, 5, 5]
+        core.set_version(2)
+        core.put_group(make_group(0, [1.0, 0.0], versions=[[0, 1], [0, 1]]), "long")
+        core.put_group(make_group(3, [1.0, 0.0], version=0), "c")
+        assert core.get_batch() is None
+        assert core.metrics()["buffer/dropped_stale"] == 4
+
+
+def test_reservation_keys_are_checked_and_survive_a_checkpoint():
+    core = BufferCore(BufferConfig(batch_size=4, max_staleness=0, capacity=8))
+    assert core.try_acquire(2, "x")
+    with pytest.raises(ValueError, match="already held"):
+        core.try_acquire(2, "x")
+    with pytest.raises(TypeError):
+        core.try_acquire(2, 7)
+    with pytest.raises(ValueError, match="no running reservation"):
+        core.release(2, "y")
+    with pytest.raises(ValueError, match="holds 2 samples, not 1"):
+        core.put_group(make_group(1, [1.0]), "x")
+    assert core.staleness.running == 2 and core.overdue() == 2  # eta 0: due at once
+    kept = BufferCore(core.config)
+    kept.load_state_dict(msgspec.json.decode(msgspec.json.encode(core.state_dict())), drop_running=False)
+    assert kept.overdue() == 2 and kept.get_batch() is None
+    kept.put_group(make_group(1, [0.0, 1.0]), "x")  # the same key still names it after the restore
+    dropped = BufferCore(core.config)
+    dropped.load_state_dict(core.state_dict(), drop_running=True)  # (the actor's default) in-flight ones are gone
+    assert dropped.overdue() == 0 and dropped.staleness.running == 0
+    old = core.state_dict()
+    del old["tickets"]  # a checkpoint from before the keys existed
+    dropped.load_state_dict(old)
+    assert dropped.overdue() == 0 and dropped.staleness.running == 2  # its rollouts unkeyed: never waited for
+    bad = {**core.state_dict(), "tickets": [["x", 0, 9]]}
+    with pytest.raises(ValueError, match="exceed"):
+        BufferCore(core.config).load_state_dict(bad, drop_running=False)
