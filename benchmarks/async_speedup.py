@@ -209,7 +209,8 @@ def _figures(cfg: Any, eta: int, records: list[dict], rows: list[dict], warmup: 
                                                 "weightsync/failed", "buffer/staleness_mean", "weightsync/bytes",
                                                 "weightsync/raw_seconds", "weightsync/push_over_raw", "weightsync/paused_over_raw",
                                                 "weightsync/host_copy_wait_seconds", "weightsync/host_copy_seconds",
-                                                "weightsync/on_live_seconds")},
+                                                "weightsync/on_live_seconds", "buffer/generated", "buffer/trained",
+                                                "buffer/dropped_stale", "buffer/dropped_failed", "buffer/overdue")},
                       # where each push's time went: the senders' pack / broadcast / hash / ring waits, each replica's calls
                       **{k: v for k, v in r.items() if k.startswith(("weightsync/sender/", "weightsync/replica/"))}}
                      for r in rows],
