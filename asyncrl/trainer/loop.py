@@ -94,9 +94,12 @@ class Trainer:
         rollouts: asyncio.Task | None = None
         try:
             # The starting point of the curves, before any rollout: the evaluation has the engines to
-            # itself, and step 1 neither waits behind it nor gets a head start from it.
-            t = time.monotonic()
-            p.log(self.version, await self._evaluate() | {"time/eval_s": time.monotonic() - t})
+            # itself, and step 1 neither waits behind it nor gets a head start from it. None when no
+            # evaluation is asked for (eval_interval_steps 0): greedy decoding of a long-response run
+            # can take minutes at the cut.
+            if cfg.trainer.eval_interval_steps:
+                t = time.monotonic()
+                p.log(self.version, await self._evaluate() | {"time/eval_s": time.monotonic() - t})
             self._training_started = time.time()
             rollouts = asyncio.create_task(p.rollouts.run(stop), name="rollouts")
             while self.version < cfg.trainer.total_steps and not self._stop.is_set():

@@ -134,6 +134,10 @@ def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str,
     # hybrid: the share of switches at which every learner rank kept its state on the device (learner_offload
     # when_short found room for the engines' wake beside it); None where no switch reported it
     last = res["per_step"][-1] if res["per_step"] else {}
+    # engine vs learner log-probs (asyncrl/algorithms/mismatch.py), each metric's mean over the steps that report it
+    names = sorted({k for r in res["per_step"] for k in r if k.startswith("mismatch/")})
+    mismatch = {k.removeprefix("mismatch/"): statistics.fmean(r[k] for r in res["per_step"] if r.get(k) is not None)
+                for k in names if any(r.get(k) is not None for r in res["per_step"])}
     kept = [r["hybrid/learner_state_kept"] for r in res["per_step"] if r.get("hybrid/learner_state_kept") is not None]
     return {
         "system": "asyncrl", "placement": placement, "eta": eta, "version": _versions(),
@@ -149,7 +153,8 @@ def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str,
                      "learner_state_kept": statistics.fmean(kept) if kept else None,
                      # the buffer's accounting at the last step: a group dropped stale is generation thrown away
                      # (and, on a long tail, the longest responses trained less often)
-                     "buffer": {k.removeprefix("buffer/"): last[k] for k in BUFFER_KEYS if k in last}},
+                     "buffer": {k.removeprefix("buffer/"): last[k] for k in BUFFER_KEYS if k in last},
+                     "mismatch": mismatch},
     }
 
 

@@ -624,3 +624,34 @@ def test_a_request_error_crosses_a_process_as_itself():
 
     err = pickle.loads(pickle.dumps(RequestError("sampling.seed", "not honoured", 422)))
     assert type(err) is RequestError and (err.field, err.status, str(err)) == ("sampling.seed", 422, "sampling.seed: not honoured")
+
+
+def test_a_max_model_len_the_kv_cache_cannot_hold_fails_before_the_engine_starts(monkeypatch):
+    """One sequence of model.max_model_len tokens must fit the KV cache: an explicit budget (kv_cache_memory_bytes)
+    or, on a GPU, gpu_memory_utilization of the device less the weights. Checked before vLLM starts, where the
+    reason would reach us only as 'Engine core initialization failed'."""
+    from vllm.usage.usage_lib import UsageContext
+
+    from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
+    from asyncrl.generator.vllm_engine import build_engine_args, check_kv_budget, checkpoint_numel, kv_cache_bytes_per_token
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    model = ModelConfig(path="artifacts/demo-model", max_model_len=256)
+
+    def config(**kw):
+        return build_engine_args(model, GeneratorConfig(engine_kwargs=kw)).create_engine_config(UsageContext.OPENAI_API_SERVER)
+
+    per_token = kv_cache_bytes_per_token(config())
+    assert per_token == 4 * 2 * 32 * 2 * 4  # layers x KV heads x head size x (K, V) x fp32
+    check_kv_budget(config(kv_cache_memory_bytes=per_token * 256), model, GeneratorConfig())  # exactly one sequence
+    with pytest.raises(ConfigError, match=r"model.max_model_len=256: .* more than the KV cache budget .*"
+                                          r"kv_cache_memory_bytes=100000.*To fit: model.max_model_len <= 48 \("):
+        check_kv_budget(config(kv_cache_memory_bytes=100_000), model, GeneratorConfig())
+    check_kv_budget(config(), model, GeneratorConfig())  # CPU, no budget given: vLLM measures free memory itself
+    # a GPU of `device` bytes at this engine's gpu_memory_utilization (0.1 here): the weights come off it first
+    numel = checkpoint_numel(model.path)
+    assert 800_000 < numel < 900_000  # the demo model's 0.82M parameters, read from the safetensors headers
+    weights = numel * 4
+    check_kv_budget(config(), model, GeneratorConfig(), device_bytes=(weights + per_token * 256) / 0.1 + 1)
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0.1 of the device's .* less this worker's"):
+        check_kv_budget(config(), model, GeneratorConfig(), device_bytes=(weights + per_token * 100) / 0.1)

@@ -152,6 +152,14 @@ async def test_one_step_runs_in_order_and_checkpoints_before_admitting_the_next_
     assert type(trainer.status()["state"]) is str and trainer.status()["state"] == "finished"
 
 
+async def test_no_evaluation_at_all_when_none_is_asked_for():
+    """eval_interval_steps 0: not even step 0's (a long-response run's greedy decoding would run to the cut)."""
+    log: list = []
+    trainer = Trainer(_cfg(2, eval_interval_steps=0), _parts(log))
+    await trainer.run()
+    assert trainer.state == "finished" and ("evaluate",) not in log and trainer.status()["eval_history"] == []
+
+
 @pytest.mark.parametrize("algorithm, separate", [
     ({}, False),  # no reference: the update's first forward is the proximal pass
     ({"proximal_logprobs": "separate_pass"}, True),  # asked for

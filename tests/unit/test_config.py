@@ -171,6 +171,11 @@ def test_gpu_deploy_configs_load():
         assert sg.generator.engine_kwargs["dtype"] == "float16" and sg.model.dtype == "float32"  # (SGLang: half only)
     assert demo.hybrid.enabled and demo.learner.num_gpus_per_rank + demo.generator.num_gpus <= 1
     assert demo.learner.actor.param_offload and demo.learner.actor.grad_offload and demo.learner.actor.optimizer_offload
+    long = load_config_file(REPO / "deploy" / "rlhf-gpu1-long.yaml")  # 16k-token responses on one GPU (issue 62)
+    assert long.algorithm.max_new_tokens == 16384 and long.model.max_model_len >= 16384 + 128 and not long.algorithm.ignore_eos
+    assert long.learner.sequence_packing and long.learner.max_tokens_per_micro_batch >= long.model.max_model_len - 128
+    assert long.learner.strategy_config["recompute_granularity"] == "full" and long.buffer.overdue == "wait"
+    assert long.learner.num_gpus_per_rank + long.generator.num_gpus <= 1
 
 
 def test_optional_extras_fail_at_load_naming_the_field_when_missing(monkeypatch):
