@@ -64,8 +64,9 @@ demo-judge-model: $(DEMO_JUDGE)/config.json
 serve: setup demo-model
 	$(VENV)/bin/asyncrl serve deploy/rlhf.yaml
 
+# --durations: the 25 slowest tests at the end of the log, to keep the suite's time in view (CI's limit)
 test: setup demo-model
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 # The logic tests alone: no test marked `slow` (those start vLLM engines, Ray, Megatron groups or
 # HTTP servers) or `gpu`. About 80 s on 2 cores, for checking a change while you work; CI and

@@ -91,7 +91,7 @@ class RootConfig(_Section):
         engine_dtype = self.generator.engine_kwargs.get("dtype", self.model.dtype)
         if self.generator.engine == "sglang" and engine_dtype in ("float32", "float"):
             # SGLang 0.5.15's CUDA RMSNorm has no float32 kernel: its engine dies capturing its first CUDA graph
-            # ("rmsnorm ... failed to dispatch data type Float", seen on an H200)
+            # ("rmsnorm ... failed to dispatch data type Float")
             raise ValueError(
                 f"generator.engine='sglang' runs in half precision only (its RMSNorm kernel has no float32 path), and "
                 f"its dtype here is {engine_dtype!r}: set model.dtype to bfloat16 or float16, or "

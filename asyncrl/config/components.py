@@ -409,9 +409,8 @@ class WeightsyncConfig(_Section):
         True, description="A learner with tensor parallelism sends each TP rank's own shards of the weights (a push "
         "plan with one sender per TP rank: no gather of the shards, each rank packs and sends its part) wherever every "
         "engine parameter comes from one learner rank's shard (engines of the learner's TP size, or a multiple of it) "
-        "and the transport is not ipc; otherwise, or false, TP rank 0 gathers the shards and sends them all. A 7B "
-        "learner at TP = 2 pushing to a vLLM TP = 2 replica over NCCL on H200s: 101 ms a push against the gathered "
-        "plan's 132 ms (docs/BENCHMARKS.md, 2026-11-28).")
+        "and the transport is not ipc; otherwise, or false, TP rank 0 gathers the shards and sends them all (the "
+        "gather then precedes the wire; docs/BENCHMARKS.md has both measured).")
     push_channel: bool = Field(
         True, description="gloo / nccl / ipc: the push's load reaches each engine replica over a socket of its own "
         "(opened once the groups are formed; asyncrl/weightsync/push_channel.py) instead of through Serve, which costs "

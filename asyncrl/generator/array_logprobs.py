@@ -7,8 +7,8 @@ reading of it.
 Why: with `logprobs=0` vLLM computes the sampled token's log-prob on the device (cheap), then
 slices it per request and step into three small numpy arrays, serialises them to the frontend,
 and there turns each token into a dict of `Logprob` objects and a decoded token string. At small
-models that bookkeeping, not the GPU, sets the pace: on one H100 it halved `vllm serve`'s
-throughput (docs/BENCHMARKS.md). A request that wants only the final result needs none of the
+models that bookkeeping, not the GPU, sets the pace: it can halve `vllm serve`'s throughput
+(docs/BENCHMARKS.md). A request that wants only the final result needs none of the
 per-step objects, so for it the engine core keeps the values and sends them once, when the
 completion ends.
 

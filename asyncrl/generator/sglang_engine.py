@@ -10,7 +10,7 @@ driven only through its TokenizerManager's coroutines on the replica's event loo
 SGLang's memory saver, the version salt of the prefix cache, and the weight worker in this process
 (sglang_worker.py).
 
-What differs from vLLM, on purpose (measured on an H100, docs/BENCHMARKS.md, 2026-11-28):
+What differs from vLLM, on purpose (measured: docs/BENCHMARKS.md):
 - the prefix cache: SGLang keeps KV of the old weights across an update with `flush_cache=False`, and
   cannot flush while retracted requests are parked. Every request is admitted with `extra_key=f"w{version}"`
   (the version live then), so no request admitted after a commit reuses KV of an older version; a request
@@ -54,8 +54,8 @@ GRPC_OFFSET = 10000  # SGLang 0.5.15 derives its gRPC port as --port + this, and
 
 def engine_ports() -> tuple[int, int]:
     """(port, nccl_port) for one engine: free now, with `port + GRPC_OFFSET` free too. An OS-chosen port is
-    often above 55535, which SGLang refuses at start ("SGLANG_GRPC_PORT (66149) must be between 1 and 65535",
-    seen on the H200 host); candidates come from below that instead."""
+    often above 55535, which SGLang refuses at start ("SGLANG_GRPC_PORT (66149) must be between 1 and 65535");
+    candidates come from below that instead."""
     def free(port: int) -> bool:
         with socket.socket() as s:
             try:
@@ -101,7 +101,7 @@ def start_engine(kwargs: dict[str, Any], factory: Callable[..., Any] | None = No
     synchronous calls, which must not be the replica's loop; and its scheduler and detokenizer processes ask
     the kernel for SIGKILL when their parent dies (PR_SET_PDEATHSIG), where the parent is the thread that
     started them. A build thread that ended after the build killed them, and SGLang then took the replica
-    down with them (seen on H200s: every replica died right after it came up). `stop_engine` ends both."""
+    down with them (every replica died right after it came up). `stop_engine` ends both."""
 
     def build() -> Any:
         kept = {key: os.environ.get(key) for key in NCCL_SET_BY_SGLANG}
@@ -141,8 +141,7 @@ _KEEPERS: dict[int, threading.Event] = {}  # per engine, the event its starting 
 # _set_envs_and_config), in the environment of the process that builds the engine: ours, where weightsync's NCCL
 # group for this replica is formed later. The members of a communicator should agree on them, and the sender (a
 # learner rank) keeps its own process's (NCCL's defaults unless set): the push into SGLang over NCCL failed at
-# ncclCommInitRank with "internal error" while SGLang's values stood here (H200s, 2026-11-28; not yet rerun with
-# them put back). They are put back once SGLang's processes have started, which keep SGLang's.
+# ncclCommInitRank with "internal error" while SGLang's values stood here. They are put back once SGLang's processes have started, which keep SGLang's.
 NCCL_SET_BY_SGLANG = ("NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE", "NCCL_GRAPH_MIXING_SUPPORT")
 
 
@@ -475,8 +474,8 @@ class SglangDriver:
     async def _abort_in_flight(self) -> None:
         """Abort every request in flight and wait, looking every 2 ms, until SGLang holds none (its
         `model_update_lock` free: each request holds it as a reader until its output is handed on). SGLang's own
-        pause(abort) does the same but sleeps 1 s between looks: with a request in flight it cost the hybrid
-        placement's every sleep 1,020-1,044 ms on an H200 (docs/BENCHMARKS.md, 2026-11-28). Past ABORT_DRAIN_S, or a
+        pause(abort) does the same but sleeps 1 s between looks: with a request in flight every sleep of the hybrid
+        placement would cost a second. Past ABORT_DRAIN_S, or a
         request that came in since, SGLang's pause goes on waiting its own way."""
         lock = getattr(self.tm, "model_update_lock", None)
         if lock is None:

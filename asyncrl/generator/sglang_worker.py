@@ -94,7 +94,7 @@ def own_storages(named: list[tuple[str, torch.Tensor]],
     """`named` with every tensor on a `foreign` storage moved onto a copy of that storage in this process's
     own memory: one device copy per storage (an ipc bucket's views share one), the views rebuilt over it at
     their offsets, shapes and strides. SGLang takes the tensors over CUDA IPC, and torch does not hand on
-    what it received (2026-11-28, H200: "Attempted to send CUDA tensor received from another process").
+    what it received ("Attempted to send CUDA tensor received from another process").
     The copy lives until SGLang has loaded it (the caller's payload holds it)."""
     copies: dict[tuple[str, int], torch.UntypedStorage | None] = {}
     out = []

@@ -216,7 +216,7 @@ def start_engine(model: ModelConfig, gen: GeneratorConfig) -> tuple[Any, bool]:
     """The replica's `AsyncLLM`, built the way `vllm serve` builds its own, and whether the
     engine core carries the array log-prob path (array_logprobs.py).
 
-    The usage context is `vllm serve`'s: it picks the scheduler's batch defaults (on an H100:
+    The usage context is `vllm serve`'s: it picks the scheduler's batch defaults (on a large GPU
     max_num_seqs 1024 and max_num_batched_tokens 8192, against 128 and 2048 for a bare
     `AsyncLLM.from_engine_args`). `engine_kwargs` still set either explicitly."""
     from vllm.usage.usage_lib import UsageContext

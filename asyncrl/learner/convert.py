@@ -470,7 +470,7 @@ def export_hf_pieces(model_chunks: list[torch.nn.Module], hf_config: Any, data: 
 # Rows of each neighbour's vocabulary shard a shard export adds to its own on either side. Engines pad and split a
 # vocabulary otherwise than Megatron (vLLM: 64 rows per rank; Megatron: 128 x TP in all), so an engine rank's rows
 # sit a little off the learner rank's of the same index: at Qwen2-7B's 151,936 rows and TP = 2, 64 rows. Before,
-# every rank gathered the whole vocabulary (2 x 1.09 GB at 7B, ~12 ms of every push before its first bucket).
+# every rank gathered the whole vocabulary (over a gigabyte at 7B, ahead of every push's first bucket).
 VOCAB_HALO_ROWS = 1024
 
 

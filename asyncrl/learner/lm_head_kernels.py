@@ -6,8 +6,7 @@ logits' gradient written over the logits themselves). `available(x)` says when t
 
 Why: the torch versions (`lm_head._row_max` / `_row_stats` / `_grad_logits`, which CPU runs),
 even compiled, read the chunk twice in the forward (max, then the sums) and ran at a fraction of
-the memory bandwidth with dynamic shapes (H100, 1.5B model: 36 ms of a 0.75 s step for ~12 ms of
-bytes).
+the memory bandwidth with dynamic shapes (about three times the time their bytes take).
 
 Online statistics of one row, x_v = logit_v / temperature (padded-vocab columns at MASKED_LOGIT):
 m = max x, s0 = sum exp(x - m), s1 = sum exp(x - m) (x - m). Moving to a larger max m' multiplies

@@ -50,8 +50,8 @@ def offload_params(chunks: list[torch.nn.Module]) -> list[tuple[Any, Any]]:
 
     In place, not `p.data = p.data.to("cpu")`: a tensor that views a parameter's storage (a
     tied head, a cached slice) keeps seeing the parameter after the round trip; re-pointing
-    `p.data` left such views on the old memory, and an H100 run showed log-probs drifting by
-    0.047 after two updates. Storages shared by several parameters move once."""
+    `p.data` left such views on the old memory, and log-probs drifted after two updates.
+    Storages shared by several parameters move once."""
     saved, seen = [], set()
     for c in chunks:
         for p in c.parameters():

@@ -374,8 +374,8 @@ def _finish_device_work() -> None:
     """Wait for the training step's own device work (on CUDA: the current stream, where the optimizer's
     update and the fp32 -> bf16 parameter copies are queued after the host has moved on) before the step
     returns: the step's time then holds its optimizer, and a push that follows starts from final weights
-    instead of waiting for them inside its own time (at 7B, TP = 2 on H200s: the first bucket landed
-    ~23 ms after the push's table, behind ~35 ms of queued Adam; docs/BENCHMARKS.md, 2026-11-28). Not the
+    instead of waiting for them inside its own time (its first bucket would land behind the queued Adam
+    update). Not the
     whole device: a previous push's host copies run on side streams beside the next step."""
     import torch
 

@@ -34,7 +34,7 @@ import torch
 from asyncrl.weightsync.bucket import Bucket
 
 
-KEEP_THREADS = 2  # buckets kept (put into the object store) at once: 4 measured slower on an H100 (contention)
+KEEP_THREADS = 2  # buckets kept (put into the object store) at once: more contend for the host's copies
 
 
 class HostCopyError(RuntimeError):
@@ -132,8 +132,7 @@ class HostCopies:
         self.seconds = {"wait": 0.0, "copy": 0.0, "keep": 0.0}  # keep: summed over the keeper threads
         self._lock = threading.Lock()
         # Started by the first bucket (or `result`), not here: a sender makes this before its push's gate, and a
-        # thread's start waits for the new thread to run, which in a busy process took 2.2 ms of that path (a
-        # gloo sender on 2 CPUs, traced 2026-11-29). A whole version adds its buckets while the wire runs.
+        # thread's start waits for the new thread to run, milliseconds of that path in a busy process. A whole version adds its buckets while the wire runs.
         self._thread = threading.Thread(target=self._run, name="asyncrl-host-copies", daemon=True)
 
     # ---- the sender's side -------------------------------------------------------------------

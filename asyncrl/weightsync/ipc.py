@@ -3,7 +3,7 @@
 Owns: one push on an ipc group (collective.py's `CollectiveGroup` with backend "ipc"). The
 sender packs each bucket into a buffer of its `IpcRing` (device buffers kept for the group's
 life and reused by every push, so each receiver opens each buffer's CUDA IPC handle once, not
-once per bucket per push: opening a handle costs more than copying a 64 MiB bucket on an H100),
+once per bucket per push: opening a handle can cost more than copying a 64 MiB bucket),
 publishes the handle and the bucket's tensor table with the sender's digests in the group's
 TCPStore, and each receiver copies the bucket into its own memory (device to device) and
 acknowledges it. A buffer is reused once every receiver acknowledged its bucket and its host

@@ -9,8 +9,8 @@ flight matched to their replies by id). Frames are an 8-byte length and a pickle
 token the address came with; a connection that does not present it is closed unread.
 
 Why: the push's other costs are bytes on the wire, but its calls went through Ray (an actor call's
-round trip: 1.3-1.8 ms on the GPU hosts, docs/BENCHMARKS.md) and, in the training loop, through
-Serve's broadcast (2.3-3.9 ms here), before its first byte and after its last.
+round trip) and, in the training loop, through Serve's broadcast, before its first byte and after its
+last: milliseconds each, of the order of the whole wire for a small model (docs/BENCHMARKS.md).
 
 `BlockingChannel` (and `call_once`, one call on one) is the client of a thread without an event loop: an engine
 worker's receive that runs apart from its engine reports the wire's end and then its answer to the replica over
@@ -18,8 +18,8 @@ the replica's channel (worker_verbs.py), on one connection opened beside the wir
 
 `ThreadServer` is the same protocol served by an engine worker (threads, no event loop of ours): the replica
 starts a receive apart from the engine on each worker through it (`ChannelClient`), instead of through vLLM's
-utility call, which waits in the engine's input queue for the step in flight to end (12-19 ms a push at 7B
-under load on H200s, docs/BENCHMARKS.md).
+utility call, which waits in the engine's input queue for the step in flight to end (a decode step of a large
+model under load: docs/BENCHMARKS.md).
 
 Must never: run a verb it was not given, read a frame before the token was checked, or leave a call
 waiting on a connection that is gone (every call in flight fails with `ChannelClosed` the moment

@@ -395,8 +395,8 @@ def dump_manifest(manifest: Any) -> bytes:
 async def adopt_push_plan(plan: Any, staging: ReplicaStaging, replica_id: str) -> str | None:
     """A replica that starts after the push plan was formed takes it (from the WeightStore), so the
     next push finds it holding that plan. Without it that push was refused (PLAN_MISSING): a failed
-    attempt, then a plan formed again with every replica (seen on four H100s: an autoscaled replica
-    that came up between the plan and the first push). A plan this replica's workers refuse (their
+    attempt, then a plan formed again with every replica (an autoscaled replica that came up between
+    the plan and the first push). A plan this replica's workers refuse (their
     layout is not the plan's) is left alone: the next push is refused and the service forms a plan
     with this replica. Returns the plan id held after."""
     if plan is None or plan.plan_id == staging.plan_id:

@@ -8,7 +8,7 @@ lie) without the training loop waiting; and `load_hf_tensors` (a checkpoint dire
 tests, benchmarks, seeding a store).
 
 Buckets are kept as packed `Bucket`s: Ray moves their numpy buffers out of band (a list of torch
-tensors costs ~0.2 s to pickle even for the 3.3 MB demo model, measured), and a late replica
+tensors is slow to pickle even for the small demo model), and a late replica
 stages them as they are. Buckets in an engine's layout (plan.py) come with their push plan, so a
 replica whose engines share that layout applies them directly and any other rebuilds the Hugging
 Face tensors from them.

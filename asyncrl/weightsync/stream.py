@@ -146,9 +146,8 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
             ring = SenderRing(planned, group.device, deadline, open_at_once=PlannedPacker(plan, sender, "cpu").max_open())
             buffers = ring.buffer
     # whole: the device-to-host copies start once the sender has its digests (`_send_whole`). Started beside
-    # the broadcasts, they held the digests' small reads back: on two H100s at 1.5B the sender waited 33 ms
-    # for checksums that take 5 ms, about as long as its 3 GB of copies took (not measured since). A ring
-    # copies each bucket as it is sent: its slot is reused once the copy is done.
+    # the broadcasts, they hold the digests' small reads back behind gigabytes of copies. A ring copies each
+    # bucket as it is sent: its slot is reused once the copy is done.
     copies = out.host_copies = host_copies_for(group, keep, deadline, **(
         {"max_device": 1 << 30, "defer_copy": verify != "full" and ring is None} if whole else {}))
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender,

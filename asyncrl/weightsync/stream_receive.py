@@ -129,8 +129,8 @@ def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int,
     reuses the buckets, and the memory they were received into, on a GPU (`Bucket.reused`,
     `KEEP_RECEIVE_BUFFERS`; the group keeps them, as the caching allocator would keep that memory
     anyway, until `release_kept` or its close): a
-    consumer keeps its work per bucket (views, copy lists) instead of redoing it, ~0.4 ms of host time
-    a bucket that had put the receiver behind the wire at 1.5B (56 buckets of 64 MB on H100s)."""
+    consumer keeps its work per bucket (views, copy lists) instead of redoing it: host time a bucket that can
+    otherwise put the receiver behind the wire."""
     table = _read_table(group, table_len, nbytes, deadline)
     kept = group._kept
     if kept is None or kept[0] is not table:  # (the same table: the same buckets, into the same memory)

@@ -75,7 +75,7 @@ def install_cpu_unpacked() -> bool:
 def install_fast_prefix_reset() -> bool:
     """vLLM's `BlockPool.reset_prefix_cache` (what every weight push's pause runs, to drop KV
     computed with the old weights) clears the hash of every KV block in the pool, one Python call
-    each: about 17 ms on an H100 whose KV pool holds ~150k blocks, all of it inside the engine's
+    each: of the order of ten milliseconds for a pool of ~150k blocks, all of it inside the engine's
     paused window. Only blocks that carry a hash need it, and every one of those is in the pool's
     hash map (vLLM sets a hash only where it inserts the block there, and clears it where it
     removes it), so the same reset runs over just those blocks. Installed where the engine core

@@ -6,8 +6,7 @@ work is the group's NCCL broadcasts, which drain only when every other member ke
 whose first checksum kernel is launched behind a whole version's queued broadcasts therefore waits
 for the whole wire; and under a shard plan, where each worker takes the senders' groups one after
 another, that wait closes a circle: the worker waits for sender 0's last bucket, which waits for
-learner rank 1, whose own broadcasts wait for the worker (the 7B push on four H200s that never
-finished, BENCHMARKS "twenty-seventh session"). Launching each kernel once, on a few bytes, when the
+learner rank 1, whose own broadcasts wait for the worker: a push that never finishes. Launching each kernel once, on a few bytes, when the
 groups form (`CollectiveGroup.join`, on every member: no broadcast queued yet) takes that load off the push.
 
 What is warmed, on one device, once per process: the checksum kernel at both pointer alignments

@@ -136,6 +136,17 @@ def test_no_file_over_600_lines():
     assert long == {}
 
 
+def test_comments_state_reasons_not_lab_results():
+    """Issue 64: the code's comments and docstrings carry invariants and reasons; where and when something was
+    measured lives in docs/BENCHMARKS.md and docs/results/, not in asyncrl/ (no dates, no GPU model names)."""
+    import re
+
+    lab = re.compile(r"\b20\d\d-\d\d-\d\d\b|\b(?:H100|H200|A100|B200|GB200)s?\b")
+    found = [f"{p.relative_to(ROOT.parent)}:{i}: {line.strip()[:80]}" for p in sorted(ROOT.rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if lab.search(line)]
+    assert found == []
+
+
 def test_the_design_document_names_files_that_exist_and_follows_a_sample_in_15():
     """docs/ARCHITECTURE.md: every `asyncrl/...` path it names exists, and "Follow one sample" takes a
     reader from prompt to push in at most 15 files."""
