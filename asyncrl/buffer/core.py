@@ -12,10 +12,10 @@ Protocol of one rollout (the controller's side):
 The key (a string the caller makes unique) names the reservation, so the buffer knows at which version
 each running rollout was admitted. A rollout admitted at version a <= v - eta is *overdue*: a batch drawn
 at v without its group would leave that group older than v + 1 - eta at the next draw, dropped. With
-`overdue: wait` (the default) get_batch waits for overdue groups and draws oldest-first, so a slow (long)
-group is trained in time instead of dropped; the admission rule makes this fit in one batch: at most B
-samples admitted at versions <= v - eta are not yet trained when groups are drawn oldest-first. A
-reservation without a key is never waited for (it can still be dropped stale).
+`overdue: wait` (the default) batches are drawn oldest first, and a draw waits while it would leave more
+samples due within the next k draws than k batches hold, some of them still generating (`_must_wait`;
+k = 0: every overdue group is in this batch): a slow (long) group is trained in time instead of dropped.
+A reservation without a key is never waited for (it can still be dropped stale).
 A group is pushed with every sample it reserved; a completion that failed is pushed with status
 ABORTED (the group is then dropped as invalid and all n slots released). Pushing fewer samples
 than reserved is not possible: put_group consumes exactly len(samples) running slots, and the
@@ -116,7 +116,7 @@ class BufferCore:
 
     def overdue(self) -> int:
         """Samples of running rollouts admitted at versions <= v - eta (keyed ones): what the next batch
-        waits for under `overdue: wait`."""
+        waits for at least, under `overdue: wait`."""
         floor = self.version - self.config.max_staleness
         return sum(n for version, n in self._tickets.values() if version <= floor)
 
@@ -128,14 +128,30 @@ class BufferCore:
 
     def get_batch(self) -> TrainBatch | None:
         """One batch of whole groups for the current version, oldest first, or None while none is ready
-        (with `overdue: wait`, also while an overdue rollout is still generating)."""
+        (with `overdue: wait`, also while the batch would leave a slow group to go stale: `_must_wait`)."""
         before = self.replay.counts.dropped_stale
-        if self.config.overdue == "wait" and self.overdue():
-            self._credit(self.replay.drop_stale(self.version, self.config.max_staleness))
-            return None
-        batch = self.replay.get_batch(self.config.batch_size, self.version, self.config.max_staleness)
+        n_groups = self.replay.plan_batch(self.config.batch_size, self.version, self.config.max_staleness)
         self._credit(self.replay.counts.dropped_stale - before)
-        return batch
+        if n_groups is None or (self.config.overdue == "wait" and self._must_wait(n_groups)):
+            return None
+        return self.replay.take(n_groups, self.version)
+
+    def _must_wait(self, n_groups: int) -> bool:
+        """Whether drawing the planned batch now would leave some group unable to be trained in time, where
+        waiting for keyed rollouts still generating would not. A sample admitted at version a must be trained
+        by the draw at a + eta (its oldest token is >= a). For k = 0 .. eta - 1, the samples due by the draw at
+        v + k (admitted at <= v + k - eta: running ones by their admission, waiting ones by their oldest token)
+        and left after this batch must fit the k batches before it; where they do not and some of them are
+        still running, the batch waits for those, which then go first (oldest first). Drawn this way from a
+        state that admission keeps feasible, no group whose engine sampled it on its admission version or
+        later is ever dropped stale (the property tests check it)."""
+        v, eta, b = self.version, self.config.max_staleness, self.config.batch_size
+        for k in range(eta):
+            floor = v + k - eta
+            running = sum(n for version, n in self._tickets.values() if version <= floor)
+            if running and running + self.replay.waiting_at_most(floor, skip=n_groups) > k * b:
+                return True
+        return False
 
     def _credit(self, dropped: int) -> None:
         if dropped:

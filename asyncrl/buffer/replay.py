@@ -195,20 +195,31 @@ class ReplayBuffer:
         return self._prefix(batch_size)[1]
 
     def get_batch(self, batch_size: int, current_version: int, max_staleness: int) -> TrainBatch | None:
-        """Drop stale groups, then pop whole groups (FIFO) for one batch, or None if none is ready."""
+        """Drop stale groups, then pop whole groups (oldest first) for one batch, or None if none is ready."""
+        n_groups = self.plan_batch(batch_size, current_version, max_staleness)
+        return None if n_groups is None else self.take(n_groups, current_version)
+
+    def plan_batch(self, batch_size: int, current_version: int, max_staleness: int) -> int | None:
+        """Drop stale groups and order the rest oldest first (by each group's oldest token; arrival order among
+        equals: a group that took long to generate is the next to go stale, so it goes before younger groups
+        that arrived earlier); the number of leading groups the next batch takes, or None if none is ready."""
         if batch_size <= 0 or current_version < 0 or max_staleness < 0:
             raise ValueError(
                 f"get_batch(batch_size={batch_size}, current_version={current_version}, "
                 f"max_staleness={max_staleness}): all must be >= 0 and batch_size > 0"
             )
         self.drop_stale(current_version, max_staleness)
-        # Oldest first (by each group's oldest token; arrival order among equals): a group that took long
-        # to generate is the next to go stale, so it goes before younger groups that arrived earlier.
         if any(self._oldest(a) > self._oldest(b) for a, b in zip(self._groups, list(self._groups)[1:])):
             self._groups = collections.deque(sorted(self._groups, key=self._oldest))
         n_groups, ready = self._prefix(batch_size)
-        if not ready:
-            return None
+        return n_groups if ready else None
+
+    def waiting_at_most(self, version: int, skip: int = 0) -> int:
+        """Samples waiting, past the first `skip` groups (in draw order), whose oldest token is <= `version`."""
+        return sum(len(g) for i, g in enumerate(self._groups) if i >= skip and self._oldest(g) <= version)
+
+    def take(self, n_groups: int, current_version: int) -> TrainBatch:
+        """Pop the first `n_groups` groups (after `plan_batch`) as the batch for `current_version`."""
         samples = [s for _ in range(n_groups) for s in self._groups.popleft()]
         self._waiting -= len(samples)
         self.counts.trained += len(samples)

@@ -153,9 +153,17 @@ SLOW_GROUP = [("acquire", 3), ("push", 1, 0, _V, "valid"), ("push", 1, 0, _V, "v
               ("flush", 0, 0, _V, "valid"), ("get", 0), ("advance", 0), ("get", 0)]
 
 
+# eta = 2: four rollouts of v = 0 outlast two younger batches; waiting only for the overdue ones (k = 0) would
+# draw v = 1's batch from the young pair and leave four samples due by v = 2, one batch: two dropped.
+SLOW_FOUR = [("acquire", 3), ("acquire", 1), ("push", 4, 0, _V, "valid"), ("push", 4, 0, _V, "valid"), ("get", 0),
+             ("advance", 0), ("acquire", 1), ("push", 4, 0, _V, "valid"), ("push", 4, 0, _V, "valid"), ("get", 0),
+             ("flush", 0, 0, _V, "valid")] + [("get", 0), ("advance", 0)] * 4
+
+
 @settings(max_examples=200, deadline=None)
 @given(scenarios())
 @example((BufferConfig(batch_size=2, max_staleness=1, capacity=4, overdue="wait"), 1, SLOW_GROUP, True, True))
+@example((BufferConfig(batch_size=2, max_staleness=2, capacity=8, overdue="wait"), 1, SLOW_FOUR, True, True))
 def test_staleness_bounds_accounting_and_checkpoint_round_trips(scenario):
     config, n, ops, keyed, punctual = scenario
     assert (run(config, n, ops, roundtrips=True, keyed=keyed, punctual=punctual)
