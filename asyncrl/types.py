@@ -55,6 +55,7 @@ class Completion(msgspec.Struct, kw_only=True):
     versions: list[int]  # weight version that produced each token; same length as token_ids
     finish_reason: str | None  # "stop" | "length" | "abort" | None while streaming
     text: str = ""  # detokenized token_ids
+    routes: bytes | None = None  # MoE: the experts each token was routed to, when asked (Sample.routes)
 
     @property
     def min_version(self) -> int:
@@ -118,6 +119,9 @@ class Sample(msgspec.Struct, kw_only=True):
     # sum, token-level ones put each turn's reward on its last token (trainer/step.py).
     turn_rewards: list[float] | None = None
     turn_ends: list[int] | None = None
+    # MoE, learner.routing_replay: the experts the engine routed each token to (learner/routing_replay.py's
+    # wire form: int16 bytes of [tokens, MoE layers, top-k], prompt then response), or None
+    routes: bytes | None = None
 
     @property
     def oldest_version(self) -> int:

@@ -96,6 +96,14 @@ class RootConfig(_Section):
                 f"generator.engine='sglang' runs in half precision only (its RMSNorm kernel has no float32 path), and "
                 f"its dtype here is {engine_dtype!r}: set model.dtype to bfloat16 or float16, or "
                 "generator.engine_kwargs.dtype (e.g. float16) to keep the learner in model.dtype")
+        if self.learner.routing_replay:  # the engine must return what the learner replays
+            if self.generator.engine != "vllm":
+                raise ValueError(f"learner.routing_replay needs the engine's routed experts, which asyncrl reads from vLLM "
+                                 f"(enable_return_routed_experts); generator.engine={self.generator.engine!r} does not give them")
+            if self.generator.engine_kwargs.get("enable_return_routed_experts", True) is not True:
+                raise ValueError("learner.routing_replay needs generator.engine_kwargs.enable_return_routed_experts: true "
+                                 "(set false here)")
+            self.generator.engine_kwargs["enable_return_routed_experts"] = True
         if self.weightsync.transport == "nccl" and self.learner.num_gpus_per_rank <= 0:
             raise ValueError(
                 "weightsync.transport='nccl' needs the learner on GPUs (learner.num_gpus_per_rank > 0); "

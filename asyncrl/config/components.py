@@ -136,10 +136,11 @@ class BufferConfig(_Section):
     capacity: int = Field(1024, gt=0, description="Most samples held; rollouts wait beyond it.")
     group_filter: Literal["none", "all_equal"] = Field("none", description="'all_equal' drops GRPO groups whose rewards are all equal (dynamic sampling).")
     overdue: Literal["wait", "drop"] = Field(
-        "wait", description="A rollout admitted eta or more versions ago and still generating (a long response): "
-        "'wait' holds the learner's next batch until its group arrives and trains it first, so no group is dropped "
-        "for being slow (and long responses are not trained less often than short ones); 'drop' trains what has "
-        "arrived and drops that group once it is older than v - eta.")
+        "wait", description="Rollouts still generating long after their admission (long responses): 'wait' draws "
+        "batches oldest first and holds a draw while it would leave more old samples than the next batches can "
+        "train before they go stale, so no group is dropped for being slow (and long responses are not trained "
+        "less often than short ones); 'drop' trains what has arrived and drops a slow group once it is older than "
+        "v - eta.")
 
     @model_validator(mode="after")
     def _capacity(self) -> "BufferConfig":
@@ -314,6 +315,11 @@ class LearnerConfig(_Section):
         "strict_pack = one node (fails if none holds every rank), strict_spread = one rank per node.")
     seed: int = 1234
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    routing_replay: bool = Field(
+        False, description="MoE models (R3): the engine returns the experts it routed each token to, and the learner's "
+        "routers replay them in the log-prob and update passes (asyncrl/learner/routing_replay.py), so both sides "
+        "compute the same experts. vLLM engines; tensor and expert parallelism, not pipeline, context or sequence "
+        "parallelism.")
     actor: RoleOffload = Field(default_factory=RoleOffload)
     critic: RoleOffload = Field(default_factory=RoleOffload)
     reference: RoleOffload = Field(default_factory=RoleOffload)
@@ -334,6 +340,22 @@ class LearnerConfig(_Section):
                 raise ValueError(f"learner.memory asks for {key}={value!r} but learner.strategy_config sets {key}="
                                  f"{s[key]!r}: set one of them")
             s[key] = value
+        return self
+
+    @model_validator(mode="after")
+    def _routing_replay(self) -> "LearnerConfig":
+        s = self.strategy_config
+        if not self.routing_replay:
+            if s.get("moe_enable_routing_replay"):
+                raise ValueError("learner.strategy_config.moe_enable_routing_replay needs the engine's routes: set "
+                                 "learner.routing_replay: true instead")
+            return self
+        why = [f"{k}={s[k]}" for k in ("pipeline_model_parallel_size", "context_parallel_size") if s.get(k, 1) > 1]
+        why += ["sequence_parallel=true"] if s.get("sequence_parallel") else []
+        if why:
+            raise ValueError(f"learner.routing_replay replays whole rows into each router; strategy_config {', '.join(why)} "
+                             "splits them (not supported: leave routing_replay off, or use tensor / expert parallelism)")
+        s["moe_enable_routing_replay"] = True
         return self
 
     @model_validator(mode="after")

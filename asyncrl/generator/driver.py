@@ -51,6 +51,9 @@ class EngineDriver(Protocol):
     def read(self, sequence: Any, new: list[int], prepared: Any) -> tuple[list[float] | None, str]:
         """The sampled tokens' log-probs (None: not asked) and the text of one sequence's output."""
 
+    def routes(self, sequence: Any) -> bytes | None:
+        """A finished MoE sequence's routed experts in Sample.routes' form, where the engine returns them (else None)."""
+
     # ---- scheduling: pause, sleep ---------------------------------------------------------
     async def pause(self, mode: str) -> None:
         """Stop stepping (`mode`: keep / wait / abort the requests in flight), dropping cached

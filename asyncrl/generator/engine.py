@@ -217,6 +217,8 @@ class EngineReplica(WeightUpdates):
                     versions, final = versions_of(c, begin, len(new))
                     lps, text = engine.read(c, new, prepared)
                     deltas.append(acc.add(request.request_id, new, lps, versions, text, c.finish_reason))
+                    if c.finish_reason is not None:
+                        acc.routes = engine.routes(c)
                     if final is not None:
                         acc.reconcile(final)
                     self.counters["tokens_generated"] += len(new)

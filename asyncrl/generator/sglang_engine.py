@@ -418,6 +418,9 @@ class SglangDriver:
         seq.finish_reason, seq.stop_reason = "stop", stop
         return True
 
+    def routes(self, sequence: SequenceOutput) -> bytes | None:
+        return None  # (routing replay reads vLLM's routed experts; the config refuses it with SGLang)
+
     def read(self, sequence: SequenceOutput, new: list[int], prepared: _Prepared) -> tuple[list[float] | None, str]:
         """The sampled tokens' log-probs, and the text they add: streamed, decoded incrementally as they come
         (the text of the ids after a short window, less that of the window; a token that ends mid-character

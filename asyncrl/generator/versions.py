@@ -77,6 +77,7 @@ class CompletionAccumulator:
     versions: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    routes: bytes | None = None  # MoE, when the engine returns them: set once the completion finished
 
     def add(
         self,
@@ -123,6 +124,7 @@ class CompletionAccumulator:
             versions=list(self.versions),
             finish_reason=self.finish_reason,
             text=self.text,
+            routes=self.routes,
         )
 
 

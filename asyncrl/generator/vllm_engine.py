@@ -96,6 +96,19 @@ def build_engine_args(model: ModelConfig, gen: GeneratorConfig):
     from vllm.platforms import current_platform
 
     workers = int(gen.engine_kwargs.get("tensor_parallel_size", 1)) * int(gen.engine_kwargs.get("pipeline_parallel_size", 1))
+    if gen.engine_kwargs.get("enable_return_routed_experts"):  # learner.routing_replay
+        import importlib.util
+        import os
+
+        if importlib.util.find_spec("vllm.config.aux_output") is not None:
+            # vLLM >= 0.32 returns routes through its aux-output connector, which only its V2 model runner has
+            # (vLLM 0.24 captures them in its own model runner)
+            if current_platform.is_cpu():
+                raise ConfigError(
+                    "learner.routing_replay (generator.engine_kwargs.enable_return_routed_experts) needs vLLM's routed "
+                    "experts, which this vLLM returns only from its V2 model runner, and that needs Triton, which CPU "
+                    "builds lack: run routing replay on GPU engines, or leave it off")
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     if current_platform.is_cpu():
         # On CPU this fraction of host RAM must be free at start (a check, not the KV size, which
         # VLLM_CPU_KVCACHE_SPACE sets); vLLM's 0.92 fails beside Ray and other engines.
@@ -319,6 +332,11 @@ class VllmDriver:
         self._tokenizer = tokenizer  # set when final-only texts are decoded here, not per step in the engine
         self.vocab_size = vocab_size
         self.stamps_versions = hasattr(llm, "update_weight_version")  # vLLM >= 0.32
+        # enable_return_routed_experts (learner.routing_replay): vLLM 0.32 keeps it in its aux-output config, 0.24 in
+        # its model config. Only then are a completion's `routed_experts` the routes (else they mean nothing).
+        cfg = getattr(llm, "vllm_config", None)
+        self.returns_routes = any(getattr(getattr(cfg, part, None), "enable_return_routed_experts", False) is True
+                                  for part in ("aux_output_config", "model_config"))
         # The live version when a request is admitted salts its prefix-cache key (vLLM's `cache_salt`, in the
         # hash of its first block and so of every block after it): no request admitted after a commit reuses
         # KV computed with an older version's weights, even where the pause's cache reset could not drop it
@@ -380,6 +398,16 @@ class VllmDriver:
         lps = self._read_array(sequence, len(new)) if prepared.array else sampled_logprobs(sequence)
         text = self.decode_text(new, sequence.finish_reason, sequence.stop_reason) if prepared.decode_here else sequence.text
         return lps, text
+
+    def routes(self, sequence: Any) -> bytes | None:
+        """vLLM's `routed_experts` ([tokens, MoE layers, top-k], with enable_return_routed_experts) of a finished
+        sequence, as Sample.routes (learner/routing_replay.py)."""
+        routed = getattr(sequence, "routed_experts", None) if self.returns_routes else None
+        if routed is None:
+            return None
+        from asyncrl.learner.routing_replay import encode_routes
+
+        return encode_routes(routed)
 
     def decode_text(self, token_ids: list[int], finish_reason: str | None, stop_reason: Any) -> str:
         """A finished completion's text as vLLM's detokenizer makes it: special tokens skipped,

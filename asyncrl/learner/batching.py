@@ -71,6 +71,7 @@ class MicroBatch:
     gather_index: torch.Tensor  # [n, L] long: flattened column whose output predicts response token j
     response_mask: torch.Tensor  # [n, L] bool
     labels: torch.Tensor  # [n, L] long: response token j (0 where masked)
+    routes: torch.Tensor | None = None  # [rows, T, MoE layers, top-k] the engine's experts (routing replay)
 
     @property
     def num_tokens(self) -> int:
@@ -132,9 +133,10 @@ def _block_causal_mask(placements: Sequence[Placement], rows: int, width: int) -
 
 def build_micro_batch(
     samples: Sequence[Sample], indices: Sequence[int], *, response_width: int, pack: bool = False,
-    pad_id: int = 0, width_multiple: int = 1, dense_mask: bool = True,
+    pad_id: int = 0, width_multiple: int = 1, dense_mask: bool = True, routes_shape: tuple[int, int] | None = None,
 ) -> MicroBatch:
-    """Lay out `samples[indices]` (one row each, or one packed row) with their gather maps."""
+    """Lay out `samples[indices]` (one row each, or one packed row) with their gather maps; with `routes_shape`
+    (MoE layers, top-k) also the samples' routes (learner/routing_replay.py)."""
     chosen = [samples[i] for i in indices]
     placements: list[Placement] = []
     if pack:
@@ -173,17 +175,22 @@ def build_micro_batch(
             mask[i, : p.response_len] = torch.tensor(s.loss_mask, dtype=torch.bool)
         labels[i, : p.response_len] = ids[p.prompt_len :]
     attention = _block_causal_mask(placements, rows, width) if pack and n > 1 and dense_mask else None
+    routes = None
+    if routes_shape is not None:
+        from asyncrl.learner.routing_replay import routes_tensor
+
+        routes = routes_tensor(chosen, placements, rows, width, *routes_shape)
     return MicroBatch(
         sample_index=list(indices), input_ids=input_ids, position_ids=position_ids,
         attention_mask=attention, placements=placements, gather_index=gather,
-        response_mask=mask, labels=labels,
+        response_mask=mask, labels=labels, routes=routes,
     )
 
 
 def make_micro_batches(
     samples: Sequence[Sample], *, micro_batch_size: int, max_tokens: int | None = None,
     pack: bool = False, response_width: int | None = None, pad_id: int = 0, width_multiple: int = 1,
-    dense_mask: bool = True,
+    dense_mask: bool = True, routes_shape: tuple[int, int] | None = None,
 ) -> list[MicroBatch]:
     """Cut a shard into micro-batches (see `plan_micro_batches`), each laid out by `build_micro_batch`."""
     if not samples:
@@ -193,7 +200,7 @@ def make_micro_batches(
     plan = plan_micro_batches(sequence_lengths(samples), micro_batch_size, max_tokens)
     return [
         build_micro_batch(samples, g, response_width=width, pack=pack, pad_id=pad_id,
-                          width_multiple=width_multiple, dense_mask=dense_mask)
+                          width_multiple=width_multiple, dense_mask=dense_mask, routes_shape=routes_shape)
         for g in plan
     ]
 

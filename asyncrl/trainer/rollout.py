@@ -219,6 +219,7 @@ class RolloutWorkers:
                     finish_reason=c.finish_reason,
                     answer=prompt.answer,
                     metadata={"completion": c.text[:200]},
+                    routes=c.routes,
                 )
             )
             self.counters.tokens += len(c.token_ids)

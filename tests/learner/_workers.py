@@ -244,4 +244,44 @@ def run_pp_ep(rank: int, world: int, demo: str, moe_dirs: list[str], ids: torch.
         res[f"moe{i}_export"] = export(chunks, hfm)
         del chunks
         reset_parallel()
+    res["replay"] = routing_replay_check(world, ep2, moe_dirs[-1], ids)
+    reset_parallel()
     return res
+
+
+def routing_replay_check(world: int, strategy: dict, hf_dir: str, ids: torch.Tensor) -> dict[str, Any]:
+    """R3 at EP=2: the routes a forward chose, recorded by Megatron's routers and handed back through
+    RouteReplayer in the micro-batch layout ([rows, width, layers, top-k]), give the same logits; routes
+    moved to other experts give other logits; cleared, the routers choose for themselves again."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    from transformers import AutoConfig
+
+    from asyncrl.config import LearnerConfig
+    from asyncrl.learner.convert import load_hf_weights
+    from asyncrl.learner.model import build_model_chunks
+    from asyncrl.learner.parallel import init_model_parallel
+    from asyncrl.learner.routing_replay import RouteReplayer
+
+    hf = AutoConfig.from_pretrained(hf_dir)
+    init_model_parallel(LearnerConfig(world_size=world, strategy_config=dict(strategy)), hf)
+    chunks = build_model_chunks(hf, {**strategy, "moe_enable_routing_replay": True})
+    load_hf_weights(chunks, hf_dir, hf)
+    for c in chunks:
+        c.eval()
+    replayer = RouteReplayer(chunks, hf.num_experts_per_tok)
+    for r in replayer.routers:
+        r.set_router_replay_action(RouterReplayAction.RECORD)
+    own = forward_logits(chunks, ids, hf.vocab_size)
+    b, s = ids.shape
+    # each router saw [s * b, k] (sequence-first): back to the micro-batch's [b, s, layers, k]
+    routes = torch.stack([r.get_recorded_indices().detach().cpu().reshape(s, b, -1).transpose(0, 1)
+                          for r in replayer.routers], dim=2)
+    dev = next(chunks[0].parameters()).device
+    replayer.set(routes, dev)
+    replayed = forward_logits(chunks, ids, hf.vocab_size)
+    replayer.set((routes + 1) % hf.num_experts, dev)
+    moved = forward_logits(chunks, ids, hf.vocab_size)
+    replayer.clear()
+    again = forward_logits(chunks, ids, hf.vocab_size)
+    return {"layers": replayer.layers, "routes_shape": tuple(routes.shape), "own": own, "replayed": replayed,
+            "moved": moved, "cleared": again}

@@ -216,6 +216,18 @@ def test_vpp2_logits_round_trip_and_checkpoint_at_tp1(pp_ep_run, demo_model_path
         assert r["ckpt_extra"]["asyncrl_layout"]["vpp"] == 2
 
 
+def test_routing_replay_gives_the_recorded_routes_logits_and_other_routes_other_logits(pp_ep_run):
+    """R3 (learner/routing_replay.py) at EP=2 on the Qwen3-MoE shape (2 MoE layers, top-2 of 4 experts)."""
+    for r in pp_ep_run["ranks"]:
+        rep = r["replay"]
+        assert rep["layers"] == 2 and rep["routes_shape"] == (IDS.shape[0], IDS.shape[1], 2, 2)
+        if rep["own"] is None:
+            continue  # (logits come back on TP rank 0 of the last stage)
+        assert _close(rep["replayed"], rep["own"]) < 1e-5  # the layout puts each token's experts back in place
+        assert _close(rep["moved"], rep["own"]) > 1e-2  # other experts: other log-probs
+        assert _close(rep["cleared"], rep["own"]) < 1e-5  # cleared: the routers choose again
+
+
 @pytest.mark.parametrize("index,name", [(0, "qwen2_moe"), (1, "qwen3_moe")])
 def test_moe_at_ep2(pp_ep_run, tiny_dirs, index, name):
     ref = _hf_logits(tiny_dirs[name])

@@ -128,6 +128,11 @@ class ModelRunner:
         self.chunks = [self._wrap_ddp(c) for c in chunks] if trainable else chunks
         for c in self.chunks:
             c.train(trainable)  # dropout is 0 anyway; eval() keeps the reference deterministic
+        self.replayer = None  # learner.routing_replay: the engine's MoE routes, replayed in every pass
+        if ctx.learner_cfg.routing_replay:
+            from asyncrl.learner.routing_replay import RouteReplayer
+
+            self.replayer = RouteReplayer(self.chunks, chunks[0].config.moe_router_topk)
 
     def _wrap_ddp(self, chunk: torch.nn.Module) -> torch.nn.Module:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -147,6 +152,7 @@ class ModelRunner:
             samples, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch,
             pack=cfg.sequence_packing, response_width=response_width, width_multiple=self.width_multiple,
             dense_mask=self.attention != "sdpa",
+            routes_shape=(self.replayer.layers, self.replayer.topk) if self.replayer is not None else None,
         )
 
     def device(self) -> torch.device:
@@ -192,6 +198,8 @@ class ModelRunner:
                 packed = DocLayout.for_row([p.length for p in mb.placements], mb.input_ids.shape[1], self.cp_group)
             elif mb.attention_mask is not None:
                 mask = mb.attention_mask.to(dev)
+            if self.replayer is not None:
+                self.replayer.set(mb.routes, dev) if mb.routes is not None else self.replayer.clear()
             out = model(ids, pos, mask, packed_seq_params=packed)
             if id(mb) in padding:
                 return out, _padding_loss

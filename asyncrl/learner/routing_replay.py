@@ -1,0 +1,97 @@
+"""Routing replay (R3) for MoE models: the learner's routers take the experts the engine chose for each token.
+
+Owns: the routes' wire form on a `Sample` (little-endian int16 bytes of [tokens, MoE layers, top-k], the engine's
+order: prompt then response tokens), their layout in a micro-batch's rows, and handing each router of this rank's
+model its tokens' experts before a forward (Megatron's `RouterReplay`, `moe_enable_routing_replay`).
+Must never: replay under a layout whose routers see other tokens than the micro-batch's whole rows (sequence or
+context parallel, pipeline stages: the config refuses those), or replay a batch only part of which has routes.
+
+Why: an MoE model's router picks each token's experts by a top-k over scores that differ in the last bits between
+the engine's kernels and the learner's; a token routed to other experts gets another log-prob, and that gap, not
+the weights' staleness, dominates the engine/learner mismatch of MoE runs. Replaying the engine's routes in the
+log-prob and update passes makes both sides compute the same experts; the gates' weights still come from the
+learner's own scores (gathered at the replayed experts), so they train as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+ROUTE_DTYPE = np.dtype("<i2")  # expert ids up to 32,767
+
+
+def encode_routes(routes: Any) -> bytes:
+    """[tokens, layers, top-k] expert ids (an engine's array) as a Sample's `routes`."""
+    arr = np.asarray(routes)
+    if arr.ndim != 3:
+        raise ValueError(f"routes must be [tokens, layers, top-k], got shape {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(ROUTE_DTYPE).max):
+        raise ValueError(f"expert ids must be in [0, {np.iinfo(ROUTE_DTYPE).max}], got [{arr.min()}, {arr.max()}]")
+    return arr.astype(ROUTE_DTYPE).tobytes()
+
+
+def decode_routes(data: bytes, layers: int, topk: int, tokens: int) -> np.ndarray:
+    """A Sample's routes as [n, layers, top-k] for a sequence of `tokens` tokens: the engine returns every token's
+    route but the last one's (it was sampled, never fed), or all of them."""
+    per_token = layers * topk * ROUTE_DTYPE.itemsize
+    n, rest = divmod(len(data), per_token)
+    if rest or n not in (tokens - 1, tokens):
+        raise ValueError(f"routes of {len(data)} bytes do not fit a sequence of {tokens} tokens at {layers} MoE layers "
+                         f"x top-{topk} ({per_token} bytes a token): the engine's model is not the learner's")
+    return np.frombuffer(data, dtype=ROUTE_DTYPE).reshape(n, layers, topk)
+
+
+def routes_tensor(samples: Sequence[Any], placements: Sequence[Any], rows: int, width: int,
+                  layers: int, topk: int) -> torch.Tensor | None:
+    """[rows, width, layers, top-k] expert ids laid out as the micro-batch's tokens (placements give each sample's
+    row and offset; padding and a sequence's last token route to expert 0, whose outputs no loss reads), or None
+    when no sample carries routes (the routers then choose for themselves)."""
+    have = [s.routes is not None for s in samples]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(f"{have.count(False)} of {len(samples)} samples carry no routes: learner.routing_replay needs "
+                         "the engine's routes for every sample (generator.engine_kwargs.enable_return_routed_experts)")
+    out = torch.zeros((rows, width, layers, topk), dtype=torch.long)
+    for s, p in zip(samples, placements, strict=True):
+        r = decode_routes(s.routes, layers, topk, p.length)
+        out[p.row, p.offset : p.offset + len(r)] = torch.from_numpy(r.astype(np.int64))
+    return out
+
+
+class RouteReplayer:
+    """This rank's MoE routers (model order) and the replay of one micro-batch's routes into them."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], topk: int) -> None:
+        self.routers = [m.router_replay for c in chunks for m in c.modules()
+                        if getattr(m, "router_replay", None) is not None]
+        if not self.routers:
+            raise ValueError("learner.routing_replay: the model has no MoE router to replay into (a dense model)")
+        self.topk = topk
+
+    @property
+    def layers(self) -> int:
+        return len(self.routers)
+
+    def set(self, routes: torch.Tensor, device: torch.device) -> None:
+        """Replay `routes` [rows, width, layers, top-k] in the next forward (and a recompute of it). The router
+        sees a layer's input as [width, rows] flattened (Megatron's sequence-first layout)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if routes.shape[2] != self.layers:
+            raise ValueError(f"routes for {routes.shape[2]} MoE layers, this model has {self.layers}")
+        for layer, router in enumerate(self.routers):
+            idx = routes[:, :, layer, :].transpose(0, 1).reshape(-1, self.topk).to(device, non_blocking=True)
+            router.clear_indices()
+            router.set_target_indices(idx)
+            router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def clear(self) -> None:
+        """The routers choose for themselves again (a micro-batch without routes)."""
+        for router in self.routers:
+            router.clear_indices()
+            router.clear_router_replay_action()
