@@ -95,20 +95,24 @@ class BufferCore:
             )
         self._ticket(key, len(samples))
 
-    def _is_overdue(self, key: str | None) -> bool:
+    def _may_be_waited_for(self, key: str | None) -> bool:
+        """A keyed rollout a draw may wait for (`_must_wait`: admitted at <= v + (eta - 1) - eta, or at v when
+        eta = 0)."""
         held = self._tickets.get(key) if key is not None else None
-        return held is not None and held[0] <= self.version - self.config.max_staleness
+        eta = self.config.max_staleness
+        return held is not None and held[0] <= self.version + max(eta - 1, 0) - eta
 
     def can_put(self, samples: Sequence[Sample], key: str | None = None) -> bool:
-        """Whether put_group would succeed now (validates first). An overdue group always fits: the
-        learner waits for it, so back-pressure on it could never end."""
+        """Whether put_group would succeed now (validates first). A group a draw may be waiting for always
+        fits: back-pressure on it could otherwise never end (a capacity under (eta + 1) * B)."""
         self.check_put(samples, key)
-        return self._is_overdue(key) or self.replay.has_room(samples)
+        return (self.config.overdue == "wait" and self._may_be_waited_for(key)) or self.replay.has_room(samples)
 
     def put_group(self, samples: Sequence[Sample], key: str | None = None) -> PutResult:
         """Push a whole group; raises BufferFullError (changing nothing) when there is no room."""
         self.check_put(samples, key)
-        result = self.replay.put_group(samples, force=self._is_overdue(key))
+        force = self.config.overdue == "wait" and self._may_be_waited_for(key)
+        result = self.replay.put_group(samples, force=force)
         self.staleness.on_accepted(result.kept)
         self.staleness.on_rejected(len(samples) - result.kept)
         self._tickets.pop(key, None)

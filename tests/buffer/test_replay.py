@@ -280,3 +280,28 @@ def test_reservation_keys_are_checked_and_survive_a_checkpoint():
     bad = {**core.state_dict(), "tickets": [["x", 0, 9]]}
     with pytest.raises(ValueError, match="exceed"):
         BufferCore(core.config).load_state_dict(bad, drop_running=False)
+
+
+def test_a_full_buffer_still_takes_the_group_a_draw_waits_for():
+    """capacity = B under eta 2: the draw at v = 1 waits for a rollout of v = 0 (k = 1: its samples would be
+    due with more than one batch left to hold them), so that rollout's group must land though the buffer is full,
+    or the learner and the rollout would wait on each other."""
+    core = BufferCore(BufferConfig(batch_size=2, max_staleness=2, capacity=2, overdue="wait"))
+    for k in "abcdef":
+        assert core.try_acquire(1, k)
+    core.put_group(make_group(4, [1.0], version=0), "e")
+    core.put_group(make_group(5, [1.0], version=0), "f")
+    assert ids(core.get_batch()) == [4, 5]
+    core.set_version(1)
+    for k in "gh":
+        assert core.try_acquire(1, k)
+    core.put_group(make_group(6, [1.0], version=1), "g")
+    core.put_group(make_group(7, [1.0], version=1), "h")  # full now (2 of 2), a batch of two is there
+    assert core.get_batch() is None  # but a..d (v 0, due by v 2) would be stranded: it waits for them
+    assert core.can_put(make_group(0, [1.0], version=0), "a")  # full, yet a group the draw waits for fits
+    for gid, k in enumerate("abcd"):
+        core.put_group(make_group(gid, [1.0], version=0), k)
+    assert ids(core.get_batch()) == [0, 1]
+    core.set_version(2)
+    assert ids(core.get_batch()) == [2, 3]
+    assert core.metrics()["buffer/dropped_stale"] == 0
