@@ -29,7 +29,7 @@ Decisions:
   `capacity`; the actor turns that into back-pressure. One exception keeps the run live: while
   the waiting samples cannot form a batch, a group is let in even over capacity (the overshoot is
   below B + one group), since otherwise the learner and the producers would wait on each other;
-  and a group the learner waits for (`force`, BufferCore's overdue one) is always let in.
+  and a group the learner may wait for (`force`: BufferCore._may_be_waited_for) is always let in.
 """
 
 from __future__ import annotations
