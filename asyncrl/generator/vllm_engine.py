@@ -196,13 +196,14 @@ def check_kv_budget(config: Any, model: ModelConfig, gen: GeneratorConfig, devic
     reason reaches the caller only as "Engine core initialization failed"."""
     per_token = kv_cache_bytes_per_token(config)
     need = per_token * model.max_model_len
-    explicit = config.cache_config.kv_cache_memory_bytes
+    explicit = getattr(config.cache_config, "kv_cache_memory_bytes", None)  # (absent from older vLLMs)
+    quantized = config.model_config.quantization is not None  # weights not model.dtype wide: no estimate of them
     if explicit is not None:
         budget = float(explicit)
         where = (f"the KV cache budget of {_size(budget)} (generator.engine_kwargs.kv_cache_memory_bytes="
                  f"{explicit}, or VLLM_CPU_KVCACHE_SPACE on a CPU)")
         raise_to = "a larger generator.engine_kwargs.kv_cache_memory_bytes"
-    elif device_bytes:
+    elif device_bytes and not quantized:
         util = config.cache_config.gpu_memory_utilization
         numel = checkpoint_numel(model.path)
         shards = config.parallel_config.tensor_parallel_size * config.parallel_config.pipeline_parallel_size

@@ -41,7 +41,7 @@ def decode_routes(data: bytes, layers: int, topk: int, tokens: int) -> np.ndarra
     n, rest = divmod(len(data), per_token)
     if rest or n not in (tokens - 1, tokens):
         raise ValueError(f"routes of {len(data)} bytes do not fit a sequence of {tokens} tokens at {layers} MoE layers "
-                         f"x top-{topk} ({per_token} bytes a token): the engine's model is not the learner's")
+                         f"x top-{topk} ({per_token} bytes a token): the engine routed another model, or counted other layers")
     return np.frombuffer(data, dtype=ROUTE_DTYPE).reshape(n, layers, topk)
 
 

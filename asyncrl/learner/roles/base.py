@@ -198,8 +198,10 @@ class ModelRunner:
                 packed = DocLayout.for_row([p.length for p in mb.placements], mb.input_ids.shape[1], self.cp_group)
             elif mb.attention_mask is not None:
                 mask = mb.attention_mask.to(dev)
-            if self.replayer is not None:
-                self.replayer.set(mb.routes, dev) if mb.routes is not None else self.replayer.clear()
+            if self.replayer is not None and mb.routes is not None:
+                self.replayer.set(mb.routes, dev)
+            elif self.replayer is not None:
+                self.replayer.clear()  # (samples without routes, e.g. the warm-up's: the routers choose)
             out = model(ids, pos, mask, packed_seq_params=packed)
             if id(mb) in padding:
                 return out, _padding_loss
