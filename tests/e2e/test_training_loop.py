@@ -292,7 +292,8 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
     the sender's fingerprint and commits in its load (both over the replica's push channel, opened with
     the groups at the start)."""
     seen = _run(ray_session, demo_model_path, tmp_path,
-                trainer={"total_steps": 2, "eval_interval_steps": 0}, checkpoint={"interval_steps": 0},
+                # the starting evaluation only (eval_interval_steps 0 would skip it too)
+                trainer={"total_steps": 2, "eval_interval_steps": 100}, checkpoint={"interval_steps": 0},
                 rollout={"kind": "agent", "function": "asyncrl.agents.arithmetic:two_step_per_turn"},
                 weightsync={"transport": "ipc"})
     final = seen["statuses"][-1]
@@ -336,7 +337,7 @@ def test_ppo_with_critic_and_reference_kl(ray_session, demo_model_path, tiny_rew
             "columns": {"answer": "reward_model.ground_truth", "metadata": "extra_info"}}
     seen = _run(ray_session, demo_model_path, tmp_path,
                 algorithm={"name": "ppo", "kl_coef": 0.05}, buffer={"max_staleness": 1},
-                trainer={"total_steps": 2, "eval_interval_steps": 0}, data=data,
+                trainer={"total_steps": 2, "eval_interval_steps": 100}, data=data,  # the starting evaluation only
                 reward={"kind": "model", "model": {"path": str(tiny_reward_model), "batch_size": 8, "num_cpus_per_rank": 0.25},
                         "eval_function": "asyncrl.rewards.math:exact_integer_reward"},
                 logging={"wandb": {"project": "asyncrl-e2e", "name": "ppo", "tags": ["e2e"], "mode": "offline"}})
