@@ -136,7 +136,7 @@ class ReplayBuffer:
 
     def put_group(self, samples: Sequence[Sample], force: bool = False) -> PutResult:
         """Push one whole group; drops invalid / filtered groups (counted). Raises BufferFullError
-        (unless `force`: a group the learner waits for, BufferCore's overdue one)."""
+        (unless `force`: a group a draw may wait for, BufferCore._may_be_waited_for)."""
         kept = self.admits(samples)
         if not force and not self._room_for(kept):
             raise BufferFullError(
@@ -209,8 +209,7 @@ class ReplayBuffer:
                 f"max_staleness={max_staleness}): all must be >= 0 and batch_size > 0"
             )
         self.drop_stale(current_version, max_staleness)
-        if any(self._oldest(a) > self._oldest(b) for a, b in zip(self._groups, list(self._groups)[1:])):
-            self._groups = collections.deque(sorted(self._groups, key=self._oldest))
+        self._groups = collections.deque(sorted(self._groups, key=self._oldest))  # (stable: FIFO among equals)
         n_groups, ready = self._prefix(batch_size)
         return n_groups if ready else None
 
