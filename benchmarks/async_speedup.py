@@ -79,6 +79,10 @@ def model_params(path: str) -> int:
     return count(AutoConfig.from_pretrained(path))
 
 
+# The buffer's accounting kept in each per-step row: a group dropped stale is generation thrown away.
+BUFFER_KEYS = ("buffer/generated", "buffer/trained", "buffer/dropped_stale", "buffer/dropped_failed", "buffer/overdue")
+
+
 def _mean(rows: list[dict], key: str) -> float | None:
     vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
     return sum(vals) / len(vals) if vals else None
@@ -209,8 +213,7 @@ def _figures(cfg: Any, eta: int, records: list[dict], rows: list[dict], warmup: 
                                                 "weightsync/failed", "buffer/staleness_mean", "weightsync/bytes",
                                                 "weightsync/raw_seconds", "weightsync/push_over_raw", "weightsync/paused_over_raw",
                                                 "weightsync/host_copy_wait_seconds", "weightsync/host_copy_seconds",
-                                                "weightsync/on_live_seconds", "buffer/generated", "buffer/trained",
-                                                "buffer/dropped_stale", "buffer/dropped_failed", "buffer/overdue")},
+                                                "weightsync/on_live_seconds", *BUFFER_KEYS)},
                       # where each push's time went: the senders' pack / broadcast / hash / ring waits, each replica's calls
                       **{k: v for k, v in r.items() if k.startswith(("weightsync/sender/", "weightsync/replica/", "mismatch/"))}}
                      for r in rows],

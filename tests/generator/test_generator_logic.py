@@ -643,15 +643,15 @@ def test_a_max_model_len_the_kv_cache_cannot_hold_fails_before_the_engine_starts
 
     per_token = kv_cache_bytes_per_token(config())
     assert per_token == 4 * 2 * 32 * 2 * 4  # layers x KV heads x head size x (K, V) x fp32
-    check_kv_budget(config(kv_cache_memory_bytes=per_token * 256), model, GeneratorConfig())  # exactly one sequence
+    check_kv_budget(config(kv_cache_memory_bytes=per_token * 256), model)  # exactly one sequence
     with pytest.raises(ConfigError, match=r"model.max_model_len=256: .* more than the KV cache budget .*"
                                           r"kv_cache_memory_bytes=100000.*To fit: model.max_model_len <= 48 \("):
-        check_kv_budget(config(kv_cache_memory_bytes=100_000), model, GeneratorConfig())
-    check_kv_budget(config(), model, GeneratorConfig())  # CPU, no budget given: vLLM measures free memory itself
+        check_kv_budget(config(kv_cache_memory_bytes=100_000), model)
+    check_kv_budget(config(), model)  # CPU, no budget given: vLLM measures free memory itself
     # a GPU of `device` bytes at this engine's gpu_memory_utilization (0.1 here): the weights come off it first
     numel = checkpoint_numel(model.path)
     assert 800_000 < numel < 900_000  # the demo model's 0.82M parameters, read from the safetensors headers
     weights = numel * 4
-    check_kv_budget(config(), model, GeneratorConfig(), device_bytes=(weights + per_token * 256) / 0.1 + 1)
+    check_kv_budget(config(), model, device_bytes=(weights + per_token * 256) / 0.1 + 1)
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0.1 of the device's .* less this worker's"):
-        check_kv_budget(config(), model, GeneratorConfig(), device_bytes=(weights + per_token * 100) / 0.1)
+        check_kv_budget(config(), model, device_bytes=(weights + per_token * 100) / 0.1)
