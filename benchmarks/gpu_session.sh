@@ -238,6 +238,40 @@ moe)
   timeout 480 python3 benchmarks/learner_step.py --model $M --sections parity,bare,role --out $OUT/moe.json > $OUT/moe.log 2>&1
   echo "moe rc=$?"; grep '^\[learner_step\]' $OUT/moe.log | cut -c1-2500; tail -3 $OUT/moe.log | cut -c1-600
   ;;
+longseq)
+  # Issue 62: the learner alone on long sequences (benchmarks/learner_step.py, role section: compute_log_prob and
+  # update_actor on random tokens, one rank). LONGSEQ: entries split by ';', each "MODEL BATCH SEQ_LEN [learner_step
+  # flags]", MODEL 3b (the random Qwen2.5-3B shape, /tmp/qwen2.5-3b-random, as the peers stage builds it) or 7b
+  # (Qwen2.5-7B's: 28 layers, hidden 3584, 28 heads, 4 KV heads, FFN 18944, untied). Each model's config says
+  # max_position_embeddings 131072 (random weights: RoPE has no learned positions). One JSON per entry under $OUT;
+  # an entry gets LONGSEQ_TIMEOUT (240 s) and none starts with less than 60 s of LONGSEQ_BUDGET (560 s) left.
+  IFS=';' read -ra entries <<< "${LONGSEQ:-3b 2 32768 --recompute full}"
+  i=0
+  for e in "${entries[@]}"; do
+    read -r key batch seq flags <<< "$e"
+    case $key in
+    3b) M=/tmp/qwen2.5-3b-random; shape="--layers 36 --hidden 2048 --heads 16 --kv-heads 2 --ffn 11008" ;;
+    7b) M=/tmp/qwen2.5-7b-random; shape="--layers 28 --hidden 3584 --heads 28 --kv-heads 4 --ffn 18944 --untied" ;;
+    *) echo "longseq: unknown model '$key' (3b 7b)"; continue ;;
+    esac
+    if [ ! -f $M/config.json ]; then
+      timeout 300 python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M $shape \
+          --max-position-embeddings 131072 > $OUT/make_$key.log 2>&1
+      echo "make $key rc=$? t=$SECONDS s"
+    fi
+    python3 -c "import json,sys; p=sys.argv[1]; c=json.load(open(p)); c['max_position_embeddings']=max(c['max_position_embeddings'],131072); json.dump(c,open(p,'w'),indent=1)" $M/config.json
+    left=$(( ${LONGSEQ_BUDGET:-560} - SECONDS )); cap=${LONGSEQ_TIMEOUT:-240}; [ $cap -lt $left ] && left=$cap
+    if [ $left -lt 60 ]; then echo "longseq [$e]: skipped, $left s left"; continue; fi
+    i=$((i + 1)); log=$OUT/longseq_$i.log
+    echo "longseq $i [$e]: starts at t=$SECONDS s, at most $left s"
+    timeout -k 10 $left python3 benchmarks/learner_step.py --model $M --sections role --batch $batch --seq-len $seq \
+        --prompt-len 256 --group-size $batch --micro-batch-size 1 --warmup 1 --steps 2 $flags --out $OUT/longseq_$i.json > $log 2>&1
+    echo "longseq $i rc=$? t=$SECONDS s"
+    grep '^\[learner_step\] role:' $log | cut -c1-1800
+    grep -iE "Traceback|Error|out of memory" $log | grep -v Warning | tail -4 | cut -c1-400
+  done
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+  ;;
 offload)
   [ -f $MODEL/config.json ] || python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $MODEL > $OUT/make_model.log 2>&1
   timeout 400 python3 benchmarks/learner_step.py --model $MODEL --sections offload --offload-each-flag \
@@ -303,9 +337,9 @@ peers)
   asets=(); for kv in ${ASYNCRL_SETS:-$([ "${PEERS_WORKLOAD:-fixed}" = longtail ] && echo "learner.sequence_packing=true learner.max_tokens_per_micro_batch=8192")}; do
     asets+=(--set "$kv"); done
   for run in $runs; do
-    case $run in trl) cap=${TRL_TIMEOUT:-240} ;; hybrid|hybrid-resident|hybrid-always) cap=${HYBRID_TIMEOUT:-300} ;;
+    case $run in trl) cap=${TRL_TIMEOUT:-240} ;; hybrid|hybrid-resident|hybrid-always|hybrid-level2) cap=${HYBRID_TIMEOUT:-300} ;;
                  gpu1|gpu1-separate) cap=${GPU1_TIMEOUT:-320} ;; serve) cap=${SERVE_TIMEOUT:-400} ;; verl) cap=${VERL_TIMEOUT:-300} ;;
-                 *) echo "peers: unknown run '$run' (trl hybrid hybrid-resident hybrid-always gpu1 gpu1-separate serve verl)"; continue ;; esac
+                 *) echo "peers: unknown run '$run' (trl hybrid hybrid-resident hybrid-always hybrid-level2 gpu1 gpu1-separate serve verl)"; continue ;; esac
     left=$(( ${PEERS_BUDGET:-560} - SECONDS )); [ $cap -lt $left ] && left=$cap
     if [ $left -lt 60 ]; then echo "peers $run: skipped, $left s left of PEERS_BUDGET"; continue; fi
     # ray.init's own start timed out here after TRL's run ("node timed out during startup"): clear what is
@@ -326,7 +360,7 @@ peers)
     trl)
       # TRL_ARGS: trl_grpo.py's own flags (e.g. --gradient-checkpointing, TRL's default, for the long tail)
       PYTHONPATH=/tmp/site-peers:$PYTHONPATH timeout -k 15 $left python3 benchmarks/peers/trl_grpo.py ${TRL_ARGS:-} "${knobs[@]}" > $log 2>&1 ;;
-    hybrid|hybrid-always|hybrid-resident)
+    hybrid|hybrid-always|hybrid-resident|hybrid-level2)
       case $run in
       hybrid) extra=() ;;  # the default learner_offload when_short: state kept where the engines' wake fits beside it
       # the learner's flagged state to host at every switch (the default before 2026-11-27)
@@ -334,6 +368,9 @@ peers)
       # the learner's params, grads and optimizer state kept on the GPU
       hybrid-resident) extra=(--tag "(learner state resident)" --set learner.actor.param_offload=false
                               --set learner.actor.grad_offload=false --set learner.actor.optimizer_offload=false) ;;
+      # the engine drops its weights asleep instead of keeping them in host memory: no copy down at the sleep nor
+      # back at the wake, the push writes every weight
+      hybrid-level2) extra=(--tag "(engine sleep level 2)" --set hybrid.engine_sleep_level=2) ;;
       esac
       timeout -s INT -k 30 $left python3 benchmarks/peers/asyncrl_side.py --placement hybrid --etas ${HYBRID_ETAS:-0} \
           --num-cpus 16 "${asets[@]}" "${extra[@]}" "${knobs[@]}" > $log 2>&1 ;;

@@ -32,10 +32,13 @@ The batch is fixed: --batch sequences of --seq-len tokens (--prompt-len prompt +
 random ids, GRPO groups of --group-size with +-1 advantages. Prints one JSON object and writes it
 to --out after every section.
 
-MFU = 6 * parameters * tokens / seconds / (tp * cp * peak), with peak 989e12 per GPU (H100/H200 SXM dense
-bf16; pass --peak-flops for another device). Parameters count the tied embedding once; attention's
-sequence-quadratic FLOPs are not counted. For an MoE model "params" of bare/role/group are the
-active parameters (shared weights + num_experts_per_tok of the routed experts).
+MFU = 6 * parameters * tokens / seconds / (tp * cp * peak) (2 * ... for compute_log_prob, a forward), with peak
+989e12 per GPU (H100/H200 SXM dense bf16; pass --peak-flops for another device). Parameters count the tied
+embedding once. mfu_with_attention adds causal attention's matmuls: 3 x 2 * layers * heads * head_dim * sum(S^2)
+over the batch's sequences (1 x for a forward; `attention_flops_forward`); recomputed passes are not counted. For
+an MoE model "params" of bare/role/group are the active parameters (shared weights + num_experts_per_tok of the
+routed experts). --recompute / --optimizer set learner.memory for role and group (long sequences: e.g.
+--batch 2 --seq-len 32768 --micro-batch-size 1 --recompute full).
 
     python benchmarks/learner_step.py --model /tmp/qwen2-0.5b-random --out /tmp/learner.json
 """
@@ -58,6 +61,7 @@ import torch
 
 RESULTS: dict[str, Any] = {"benchmark": "learner_step"}
 RANK = 0  # this process's rank in the TP process group (0 without --tp)
+HF_CFG: Any = None  # the checkpoint's HF config: attention's FLOPs in `stats`
 
 
 def _save(path: str | None) -> None:
@@ -133,12 +137,28 @@ def advantages(samples) -> list[list[float]]:
     return [[1.0 if s.reward > 0 else -1.0] * len(s.response_ids) for s in samples]
 
 
-def stats(times: list[float], tokens: int, params: int, peak_flops: float) -> dict[str, float]:
+def attention_flops_forward(hf: Any, seq_lens: list[int]) -> float:
+    """Causal self-attention's matmul FLOPs in one forward over sequences of `seq_lens` tokens: per layer and
+    sequence of S tokens, Q K^T and P V each 2 S^2 h_q multiply-adds halved by the causal mask, so 2 S^2 h_q in
+    all (h_q = heads x head_dim); summed over the layers and the sequences (each its own block when packed)."""
+    heads = int(hf.num_attention_heads)
+    h_q = heads * int(getattr(hf, "head_dim", None) or hf.hidden_size // heads)
+    return 2.0 * int(hf.num_hidden_layers) * h_q * float(sum(s * s for s in seq_lens))
+
+
+def stats(times: list[float], tokens: int, params: int, peak_flops: float, forward_only: bool = False) -> dict[str, float]:
+    """mfu = 2 x passes x params x tokens / s / peak (passes: 3 for forward + backward = 6N a token, 1 for a
+    forward); mfu_with_attention adds passes x attention_flops_forward over the batch (--batch x --seq-len).
+    Recomputed forwards are not counted: model FLOPs, not hardware FLOPs."""
     mean = sum(times) / len(times)
+    passes = 1 if forward_only else 3
+    dense = 2.0 * passes * params * tokens
+    attn = passes * attention_flops_forward(HF_CFG, [ARGS.seq_len] * ARGS.batch) if HF_CFG is not None else 0.0
     return {
         "seconds_per_step": round(mean, 4), "seconds_min": round(min(times), 4), "steps_timed": len(times),
         "tokens_per_step": tokens, "tokens_per_s": round(tokens / mean, 1),
-        "mfu": round(6 * params * tokens / mean / peak_flops, 4),
+        "mfu": round(dense / mean / peak_flops, 4), "mfu_with_attention": round((dense + attn) / mean / peak_flops, 4),
+        "tflops_per_s_with_attention": round((dense + attn) / mean / 1e12, 1),
     }
 
 
@@ -378,9 +398,13 @@ def hf_baseline(hf_cfg: Any) -> dict[str, Any]:
 
 def _configs():
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig
+    from asyncrl.config.components import MemoryConfig
 
     model = ModelConfig(path=ARGS.model, dtype=ARGS.dtype, max_model_len=ARGS.seq_len)
+    memory = MemoryConfig(recompute=ARGS.recompute, recompute_method=ARGS.recompute_method,
+                          recompute_layers=ARGS.recompute_layers, optimizer=ARGS.optimizer)
     learner = LearnerConfig(world_size=world(), strategy_config=strategy(), micro_batch_size=ARGS.micro_batch_size, lr=1e-6,
+                            memory=memory,
                             attention=ARGS.attention, sequence_packing=ARGS.pack, max_tokens_per_micro_batch=ARGS.max_tokens,
                             num_cpus_per_rank=ARGS.num_cpus_per_rank,
                             num_gpus_per_rank=1.0 if torch.cuda.is_available() else 0.0)
@@ -417,12 +441,16 @@ def role(hf: Any) -> dict[str, Any]:
     if ARGS.sync_debug and torch.cuda.is_available():
         _host_syncs(update, "update_actor")
         _host_syncs(lambda: actor.compute_log_prob(samples), "compute_log_prob")
+    after = actor.compute_log_prob(samples)  # the updated policy's log-probs: host and device optimizers agree
     actor.optim.zero_grad()
     optim_times = timed(lambda: actor.optim.step(loss_finite=True))
+    inner = getattr(actor.optim.optimizer, "optimizer", actor.optim.optimizer)
     return {
+        "memory": learner_cfg.memory.model_dump(), "optimizer_class": type(inner).__name__,
+        "logprob_sum_after_updates": None if after is None else round(float(sum(sum(r) for r in after["logprobs"])), 4),
         "dtype": ARGS.dtype, "micro_batch_size": ARGS.micro_batch_size, "params": params,
         "update_actor": stats(update_times, tokens, params, peak()),
-        "compute_log_prob": stats(logprob_times, tokens, params, peak()),
+        "compute_log_prob": stats(logprob_times, tokens, params, peak(), forward_only=True),
         "optimizer_step_seconds": round(sum(optim_times) / len(optim_times), 4),
         "last_metrics": {k: metrics[k] for k in sorted(metrics) if k.startswith("actor/")},
         "peak_gib": _peak_gib(),
@@ -611,7 +639,7 @@ def group() -> dict[str, Any]:
                 "setup": setup, "start_seconds": round(start_s, 1), "params": params,
                 "tp": ARGS.tp, "cp": ARGS.cp, "strategy_config": learner_cfg.strategy_config,
                 "update_actor": stats(update_times, tokens, params or 1, peak()),
-                "compute_log_prob": stats(logprob_times, tokens, params or 1, peak()),
+                "compute_log_prob": stats(logprob_times, tokens, params or 1, peak(), forward_only=True),
                 "last_metrics": {k: metrics[k] for k in sorted(metrics) if k.startswith("actor/")},
             }
         finally:
@@ -673,9 +701,15 @@ def main() -> None:
     ap.add_argument("--pack", action="store_true", help="learner.sequence_packing for role / group (one row per micro-batch)")
     ap.add_argument("--max-tokens", type=int, default=None, help="learner.max_tokens_per_micro_batch for role / group")
     ap.add_argument("--profile", default=None, help="role section: profile one more update into this text file")
+    ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"], help="learner.memory.recompute of role / group")
+    ap.add_argument("--recompute-method", default="uniform", choices=["uniform", "block"], help="learner.memory.recompute_method")
+    ap.add_argument("--recompute-layers", type=int, default=1, help="learner.memory.recompute_layers")
+    ap.add_argument("--optimizer", default="device", choices=["device", "host"], help="learner.memory.optimizer of role / group")
     ap.add_argument("--sync-debug", action="store_true", help="role section: list what made the host wait for the device in one more update")
     ARGS = ap.parse_args()
     ARGS.model = os.path.abspath(ARGS.model)
+    global HF_CFG
+    HF_CFG = __import__("transformers").AutoConfig.from_pretrained(ARGS.model)
     wanted = ARGS.sections.split(",")
     RESULTS["env"] = env()
     RESULTS["args"] = vars(ARGS)
@@ -715,8 +749,9 @@ def run_in_process(hf: Any, wanted: list[str]) -> None:
 
 
 def _tp_worker(rank: int, args: argparse.Namespace, results: dict[str, Any], port: int) -> None:
-    global ARGS, RESULTS, RANK
+    global ARGS, RESULTS, RANK, HF_CFG
     ARGS, RESULTS, RANK = args, results, rank
+    HF_CFG = __import__("transformers").AutoConfig.from_pretrained(args.model)
     hf = init_rank(rank, args.tp * args.cp, port)
     run_in_process(hf, args.sections.split(","))
 

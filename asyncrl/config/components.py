@@ -262,6 +262,12 @@ class MemoryConfig(_Section):
         "the first recompute_layers layers of each pipeline stage are recomputed, the rest keep their activations.")
     recompute_layers: int = Field(1, gt=0, description="full: layers per recomputed group (uniform) or recomputed "
                                   "layers per stage (block).")
+    optimizer: Literal["device", "host"] = Field(
+        "device", description="Where the optimizer keeps its fp32 state (Adam's two moments and the master weights) "
+        "and steps: device, or host = Megatron's CPU-offloaded optimizer (its distributed optimizer with every shard "
+        "stepped by torch's fused AdamW on the host; grads go down and params come back each step). Frees 12 bytes a "
+        "parameter of device memory, e.g. a 7B on one GPU, for a step that waits on the host's Adam. A learner without "
+        "an accelerator keeps it on the host either way.")
 
     def megatron_options(self) -> dict[str, Any]:
         """These settings as Megatron TransformerConfig options ({} for none: Megatron's defaults, or what

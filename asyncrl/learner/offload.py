@@ -103,8 +103,8 @@ def move_optimizer_state(optimizer: Any, device: torch.device, model_params: set
     opts = getattr(optimizer, "chained_optimizers", [optimizer])
     for o in opts:
         inner = getattr(o, "optimizer", None)
-        if inner is None:
-            continue
+        if inner is None or type(inner).__name__ == "HybridDeviceOptimizer":
+            continue  # none, or learner.memory.optimizer host: its state lives on the host already
         for state in inner.state.values():
             for k, v in state.items():
                 if torch.is_tensor(v) and v.device != device:

@@ -49,6 +49,9 @@ def test_the_report_names_the_verb_the_tokens_the_peak_and_the_settings_that_fit
     assert text.startswith("learner rank 3 ran out of device memory in update_actor: 2 sequences (longest 32768 tokens)")
     assert "peak 130.5 GiB of 139.8 GiB" in text and "learner.memory.recompute: full" in text
     assert "learner.max_tokens_per_micro_batch (now None)" in text and "learner.micro_batch_size (now 2)" in text
+    assert "learner.memory.optimizer: host" in text
+    on_host = LearnerConfig(memory={"optimizer": "host"})
+    assert "optimizer: host" not in str(out_of_memory_error("update_actor", 0, [10], on_host, 1e9, 2e9))
     already = LearnerConfig(strategy_config={"recompute_granularity": "full"})
     assert "recompute_granularity" not in str(out_of_memory_error("compute_log_prob", 0, [10], already, None, None))
     by_memory = LearnerConfig(memory={"recompute": "full"})  # the same setting, by learner.memory

@@ -38,6 +38,11 @@ def lr_at(step: int, cfg: LearnerConfig) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * d))
 
 
+def optimizer_on_host(cfg: LearnerConfig) -> bool:
+    """learner.memory.optimizer host on a learner with an accelerator (without one, every optimizer is on the host)."""
+    return cfg.memory.optimizer == "host" and torch.cuda.is_available()
+
+
 class LRSchedule:
     """Sets the optimizer's LR from `lr_at`; its state (the step count) goes into checkpoints."""
 
@@ -76,11 +81,14 @@ class GuardedOptimizer:
         from asyncrl.learner.gpu_fusions import use_fused_adam
 
         self.chunks, self.cfg = chunks, cfg
+        self.on_host = optimizer_on_host(cfg)
         opt_cfg = OptimizerConfig(
             optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=0.0,
             bf16=dtype == "bfloat16", fp16=dtype == "float16", params_dtype=torch.float32,
-            use_distributed_optimizer=False,
+            # learner.memory.optimizer host: Megatron's CPU offload, which only its distributed optimizer takes
+            use_distributed_optimizer=self.on_host, optimizer_cpu_offload=self.on_host,
+            optimizer_offload_fraction=1.0 if self.on_host else 0.0,
         )
         self.optimizer = get_megatron_optimizer(opt_cfg, chunks)
         use_fused_adam(self.optimizer)  # torch's fused CUDA Adam (no-op on CPU)
