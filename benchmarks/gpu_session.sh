@@ -337,9 +337,9 @@ peers)
   asets=(); for kv in ${ASYNCRL_SETS:-$([ "${PEERS_WORKLOAD:-fixed}" = longtail ] && echo "learner.sequence_packing=true learner.max_tokens_per_micro_batch=8192")}; do
     asets+=(--set "$kv"); done
   for run in $runs; do
-    case $run in trl) cap=${TRL_TIMEOUT:-240} ;; hybrid|hybrid-resident|hybrid-always|hybrid-level2) cap=${HYBRID_TIMEOUT:-300} ;;
+    case $run in trl) cap=${TRL_TIMEOUT:-240} ;; hybrid|hybrid-resident|hybrid-always|hybrid-level1) cap=${HYBRID_TIMEOUT:-300} ;;
                  gpu1|gpu1-separate) cap=${GPU1_TIMEOUT:-320} ;; serve) cap=${SERVE_TIMEOUT:-400} ;; verl) cap=${VERL_TIMEOUT:-300} ;;
-                 *) echo "peers: unknown run '$run' (trl hybrid hybrid-resident hybrid-always hybrid-level2 gpu1 gpu1-separate serve verl)"; continue ;; esac
+                 *) echo "peers: unknown run '$run' (trl hybrid hybrid-resident hybrid-always hybrid-level1 gpu1 gpu1-separate serve verl)"; continue ;; esac
     left=$(( ${PEERS_BUDGET:-560} - SECONDS )); [ $cap -lt $left ] && left=$cap
     if [ $left -lt 60 ]; then echo "peers $run: skipped, $left s left of PEERS_BUDGET"; continue; fi
     # ray.init's own start timed out here after TRL's run ("node timed out during startup"): clear what is
@@ -360,7 +360,7 @@ peers)
     trl)
       # TRL_ARGS: trl_grpo.py's own flags (e.g. --gradient-checkpointing, TRL's default, for the long tail)
       PYTHONPATH=/tmp/site-peers:$PYTHONPATH timeout -k 15 $left python3 benchmarks/peers/trl_grpo.py ${TRL_ARGS:-} "${knobs[@]}" > $log 2>&1 ;;
-    hybrid|hybrid-always|hybrid-resident|hybrid-level2)
+    hybrid|hybrid-always|hybrid-resident|hybrid-level1)
       case $run in
       hybrid) extra=() ;;  # the default learner_offload when_short: state kept where the engines' wake fits beside it
       # the learner's flagged state to host at every switch (the default before 2026-11-27)
@@ -368,9 +368,8 @@ peers)
       # the learner's params, grads and optimizer state kept on the GPU
       hybrid-resident) extra=(--tag "(learner state resident)" --set learner.actor.param_offload=false
                               --set learner.actor.grad_offload=false --set learner.actor.optimizer_offload=false) ;;
-      # the engine drops its weights asleep instead of keeping them in host memory: no copy down at the sleep nor
-      # back at the wake, the push writes every weight
-      hybrid-level2) extra=(--tag "(engine sleep level 2)" --set hybrid.engine_sleep_level=2) ;;
+      # the engine keeps its weights in host memory asleep (the default before 2026-12-02: level 2 drops them)
+      hybrid-level1) extra=(--tag "(engine sleep level 1)" --set hybrid.engine_sleep_level=1) ;;
       esac
       timeout -s INT -k 30 $left python3 benchmarks/peers/asyncrl_side.py --placement hybrid --etas ${HYBRID_ETAS:-0} \
           --num-cpus 16 "${asets[@]}" "${extra[@]}" "${knobs[@]}" > $log 2>&1 ;;

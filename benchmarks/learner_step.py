@@ -402,7 +402,8 @@ def _configs():
 
     model = ModelConfig(path=ARGS.model, dtype=ARGS.dtype, max_model_len=ARGS.seq_len)
     memory = MemoryConfig(recompute=ARGS.recompute, recompute_method=ARGS.recompute_method,
-                          recompute_layers=ARGS.recompute_layers, optimizer=ARGS.optimizer)
+                          recompute_layers=ARGS.recompute_layers, optimizer=ARGS.optimizer,
+                          optimizer_host_fraction=ARGS.optimizer_host_fraction)
     learner = LearnerConfig(world_size=world(), strategy_config=strategy(), micro_batch_size=ARGS.micro_batch_size, lr=1e-6,
                             memory=memory,
                             attention=ARGS.attention, sequence_packing=ARGS.pack, max_tokens_per_micro_batch=ARGS.max_tokens,
@@ -705,6 +706,7 @@ def main() -> None:
     ap.add_argument("--recompute-method", default="uniform", choices=["uniform", "block"], help="learner.memory.recompute_method")
     ap.add_argument("--recompute-layers", type=int, default=1, help="learner.memory.recompute_layers")
     ap.add_argument("--optimizer", default="device", choices=["device", "host"], help="learner.memory.optimizer of role / group")
+    ap.add_argument("--optimizer-host-fraction", type=float, default=1.0, help="learner.memory.optimizer_host_fraction")
     ap.add_argument("--sync-debug", action="store_true", help="role section: list what made the host wait for the device in one more update")
     ARGS = ap.parse_args()
     ARGS.model = os.path.abspath(ARGS.model)

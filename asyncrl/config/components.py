@@ -268,6 +268,10 @@ class MemoryConfig(_Section):
         "stepped by torch's fused AdamW on the host; grads go down and params come back each step). Frees 12 bytes a "
         "parameter of device memory, e.g. a 7B on one GPU, for a step that waits on the host's Adam. A learner without "
         "an accelerator keeps it on the host either way.")
+    optimizer_host_fraction: float = Field(
+        1.0, gt=0, le=1, description="optimizer host: the share of the parameters (in order) whose optimizer state and "
+        "step live on the host; the rest stay on the device (Megatron's optimizer_offload_fraction). Below 1 where the "
+        "host's memory is short: a 7B's full state on the host takes about 16 bytes a parameter of pinned memory.")
 
     def megatron_options(self) -> dict[str, Any]:
         """These settings as Megatron TransformerConfig options ({} for none: Megatron's defaults, or what
@@ -304,7 +308,7 @@ class LearnerConfig(_Section):
     max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="Dynamic batch size: token budget per micro-batch.")
     sequence_packing: bool = Field(False, description="Pack each micro-batch's sequences into one row (block-diagonal causal mask) instead of padding.")
     ppo_epochs: int = Field(1, gt=0)
-    warm_up: bool = Field(True, description="Before the first step (separated placement): one zero-loss forward-backward of the "
+    warm_up: bool = Field(True, description="Before the first step (hybrid: with the engines asleep, as in a step): one zero-loss forward-backward of the "
                           "largest micro-batch the run admits (prompt + completion = model.max_model_len) and the optimizer's state "
                           "made, so the first update pays no kernel loading, compilation or allocation; changes no weight or state. "
                           "An out-of-memory error there is the one the longest batches would meet later.")
@@ -458,8 +462,10 @@ class HybridConfig(_Section):
         "picks at start and logs which and why (asyncrl/trainer/placement_choice.py): separated where the engine and the "
         "learner fit on their shared device at once, hybrid where they do not, separated on devices of their own.")
     engine_sleep_level: Literal[1, 2] = Field(
-        1, description="1 = engines offload their weights to host memory and drop the KV cache while the learner "
-        "trains; 2 = they drop both (less host memory; every push then rewrites all weights before serving).")
+        2, description="2 = engines drop their weights and the KV cache while the learner trains: every switch's push "
+        "rewrites all weights anyway, so nothing is copied to host memory at the sleep nor back at the wake, and a "
+        "replica serves nothing until that push commits; 1 = they keep their weights in host memory (the last version "
+        "serves again after a failed push, for a copy down and back at every switch).")
     timeout_s: float = Field(300.0, gt=0, description="Deadline of each engine sleep / wake broadcast.")
     learner_offload: Literal["always", "when_short"] = Field(
         "when_short", description="when_short = the learner's flagged state (learner.<role>.*_offload) stays on the "

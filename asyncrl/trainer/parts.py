@@ -115,17 +115,23 @@ def warm_up_samples(cfg: RootConfig, dp: int, prompt_tokens: int | None = None) 
             for g in range(dp * cfg.learner.micro_batch_size)]
 
 
-async def warm_up_learners(cfg: RootConfig, groups: list[Any | None], prompt_tokens: int | None = None) -> None:
+async def warm_up_learners(cfg: RootConfig, groups: list[Any | None], placement: Any,
+                           prompt_tokens: int | None = None) -> None:
     """Each trainable group's warm-up (`LearnerGroup.warm_up`), before the first step, where learner.warm_up asks for
     it. Only once the engines are up: an engine that shares the learner's GPU sizes its KV cache from the memory free
-    while it starts, and the warm-up's activations would take some of it. Hybrid: none (the engines hold the device
-    until the first switch)."""
-    if not cfg.learner.warm_up or cfg.hybrid.enabled:
+    while it starts, and the warm-up's activations would take some of it. Hybrid: inside `placement.warm_up`, the
+    engines asleep and the learner's state on its devices, as in a step."""
+    if not cfg.learner.warm_up:
         return
-    for g in (g for g in groups if g is not None):
-        m = await g.warm_up(warm_up_samples(cfg, g.layout.dp, prompt_tokens))
-        log.info("learner %s warmed up in %.1f s (%d tokens a micro-batch%s)", g.role, m.get("learner/warm_up_s", 0.0),
-                 int(m.get("learner/warm_up_tokens", 0)), ", optimizer state made" if m.get("learner/warm_up_optimizer") else "")
+
+    async def run() -> None:
+        for g in (g for g in groups if g is not None):
+            m = await g.warm_up(warm_up_samples(cfg, g.layout.dp, prompt_tokens))
+            log.info("learner %s warmed up in %.1f s (%d tokens a micro-batch%s)", g.role, m.get("learner/warm_up_s", 0.0),
+                     int(m.get("learner/warm_up_tokens", 0)),
+                     ", optimizer state made" if m.get("learner/warm_up_optimizer") else "")
+
+    await placement.warm_up(run)
 
 
 def _beside_this_process() -> dict[str, Any]:
@@ -205,7 +211,7 @@ class TrainerParts:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         train, held_out = load_prompts(cfg.data)
         buffer = BufferActor.options(**_beside_this_process()).remote(cfg.buffer)
-        prompt_tokens = longest_prompt(tokenizer, train) if cfg.learner.warm_up and not cfg.hybrid.enabled else None
+        prompt_tokens = longest_prompt(tokenizer, train) if cfg.learner.warm_up else None
         # Hybrid: the learner's state goes to host before the first export (which holds the params itself).
         if cfg.reward.kind == "model":
             from asyncrl.rewards.model import ModelRewards
@@ -219,7 +225,7 @@ class TrainerParts:
                                   on_gpu=cfg.learner.num_gpus_per_rank > 0,
                                   own_gpus=cfg.learner.num_gpus_per_rank >= 1 and cfg.generator.num_gpus >= 1)
         await weights.start(initial_version=0)  # once the engine replicas are ready
-        await warm_up_learners(cfg, [actor, critic], prompt_tokens)
+        await warm_up_learners(cfg, [actor, critic], placement, prompt_tokens)
         _write_run_record(cfg)
         tracker = MetricsTracker(cfg.logging.dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
                                  plot_interval_steps=cfg.logging.plot_interval_steps, wandb=cfg.logging.wandb,
@@ -344,7 +350,7 @@ class TrainerParts:
                 with contextlib.suppress(Exception):  # its ranks may be dead already
                     await g.shutdown()
         self.actor, self.reference, self.critic, self.placement = await _start_learners(cfg, self.engine)
-        await warm_up_learners(cfg, [self.actor, self.critic], self.prompt_tokens)
+        await warm_up_learners(cfg, [self.actor, self.critic], self.placement, self.prompt_tokens)
         restored = int((await self._load_learner_state(done[-1]))["version"]) if done else None
         await self.weights.rebind_learner(self.actor)
         return restored

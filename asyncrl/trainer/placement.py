@@ -67,6 +67,9 @@ class Separated:
     async def start(self) -> None:
         return None
 
+    async def warm_up(self, run: Callable[[], Awaitable[Any]]) -> Any:
+        return await run()
+
     async def to_learner(self) -> dict[str, float]:
         return {}
 
@@ -115,6 +118,21 @@ class Colocation:
             raise HybridError(f"hybrid placement needs engines that can sleep: {detail}")
         await self._each(lambda g: g.hold_device(), self._groups)  # brings nothing back: nothing is away yet
         await self._each(lambda g: g.release_device(), self._groups)  # the last hold gone: flagged state to host
+
+    async def warm_up(self, run: Callable[[], Awaitable[Any]]) -> Any:
+        """Before the first step: `run` (the learners' warm-up) with the engines asleep at level 1 (their weights
+        kept in host memory: version 0 needs no push after it) and the learner's state on its devices; then the
+        state put away as `start` leaves it and the engines wholly awake, even when `run` fails."""
+        self._expect(Phase.GENERATING, "warm_up")
+        await self._engines(EngineAPI.sleep, 1)
+        try:
+            await self._each(lambda g: g.hold_device(), self._groups)
+            try:
+                return await run()
+            finally:
+                await self._each(lambda g: g.release_device(), self._groups)
+        finally:
+            await self._engines(EngineAPI.wake_up, ["weights", "kv_cache"])
 
     async def to_learner(self) -> dict[str, float]:
         """Engines sleep (their running requests preempted, kept), then the learner's state comes to its device."""

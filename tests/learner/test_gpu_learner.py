@@ -47,15 +47,15 @@ def test_parity_roundtrip_and_bf16_update_on_gpu(tmp_path, demo_model_path):
 
 def test_optimizer_on_host_trains_as_on_device(tmp_path, demo_model_path):
     """learner.memory.optimizer host (Megatron's CPU-offloaded distributed optimizer): the same updates as the
-    optimizer on the device, in fp32, with Adam's state off the device."""
+    optimizer on the device, in bf16 (Megatron offloads only the fp32 masters of 16-bit params), with Adam's state off the device."""
     model = tmp_path / "qwen2"
     _run(["benchmarks/make_random_qwen2.py", "--tokenizer-from", str(demo_model_path), "--out", str(model),
           "--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--ffn", "512",
-          "--vocab-size", "8192", "--dtype", "float32"])
+          "--vocab-size", "8192", "--dtype", "bfloat16"])
     res = {}
     for where in ("device", "host"):
         out = tmp_path / f"{where}.json"
-        _run(["benchmarks/learner_step.py", "--model", str(model), "--sections", "role", "--dtype", "float32",
+        _run(["benchmarks/learner_step.py", "--model", str(model), "--sections", "role", "--dtype", "bfloat16",
               "--batch", "4", "--seq-len", "64", "--prompt-len", "32", "--group-size", "2", "--micro-batch-size", "2",
               "--warmup", "1", "--steps", "2", "--optimizer", where, "--out", str(out)])
         res[where] = json.loads(out.read_text())["role"]
@@ -63,6 +63,6 @@ def test_optimizer_on_host_trains_as_on_device(tmp_path, demo_model_path):
     dev, host = res["device"], res["host"]
     assert host["optimizer_class"] == "HybridDeviceOptimizer" and dev["optimizer_class"] != "HybridDeviceOptimizer"
     assert host["last_metrics"]["actor/applied_steps"] == dev["last_metrics"]["actor/applied_steps"] >= 3
-    assert abs(host["last_metrics"]["actor/grad_norm"] - dev["last_metrics"]["actor/grad_norm"]) < 1e-4 * dev["last_metrics"]["actor/grad_norm"]
-    assert abs(host["logprob_sum_after_updates"] - dev["logprob_sum_after_updates"]) < 1e-5 * abs(dev["logprob_sum_after_updates"])
+    assert abs(host["last_metrics"]["actor/grad_norm"] - dev["last_metrics"]["actor/grad_norm"]) < 1e-3 * dev["last_metrics"]["actor/grad_norm"]
+    assert abs(host["logprob_sum_after_updates"] - dev["logprob_sum_after_updates"]) < 1e-4 * abs(dev["logprob_sum_after_updates"])
     assert host["peak_gib"] < dev["peak_gib"]  # Adam's two moments (8 bytes a parameter) stayed on the host

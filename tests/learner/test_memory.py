@@ -111,3 +111,16 @@ def test_a_rank_reports_its_verb_running_out(error):
     rank.role = _HungryRole(ValueError("not memory"))
     with pytest.raises(ValueError, match="not memory"):  # anything else passes through untouched
         rank.call(RoleAPI.compute_log_prob, _samples((4, 6)))
+
+
+def test_a_host_optimizer_that_would_not_fit_the_hosts_memory_is_refused_with_the_fraction_that_does():
+    import pytest
+
+    from asyncrl.learner.roles.optim import check_host_memory
+
+    seven_b = 7_615_000_000
+    cfg = LearnerConfig(memory={"optimizer": "host"})
+    with pytest.raises(ValueError, match=r"need about 113.5 GiB .* 100.0 GiB is available .*optimizer_host_fraction to 0.79 or less"):
+        check_host_memory(seven_b, cfg, available=100 * 2**30)
+    check_host_memory(seven_b, LearnerConfig(memory={"optimizer": "host", "optimizer_host_fraction": 0.6}),
+                      available=100 * 2**30)  # 68 GiB: fits

@@ -112,6 +112,33 @@ def test_when_short_asks_each_group_to_decide_with_the_engines_share_and_reports
     assert "hybrid/learner_state_kept" not in asyncio.run(always.to_engines(publish))
 
 
+def test_the_warm_up_runs_with_engines_asleep_at_level_1_and_wakes_them_even_when_it_fails():
+    """Before the first step the learner warms up on its devices with the engines asleep; level 1 keeps their
+    version-0 weights (no push follows), whatever hybrid.engine_sleep_level says for the steps."""
+    log: list = []
+    place = _colocation(log)  # engine_sleep_level 2
+
+    async def ok():
+        log.append(("warm_up",))
+        return "done"
+
+    async def boom():
+        log.append(("warm_up",))
+        raise RuntimeError("out of memory")
+
+    asyncio.run(place.start())
+    del log[:]
+    assert asyncio.run(place.warm_up(ok)) == "done"
+    expected = [("engines", "sleep", 1), ("actor", "hold", ()), ("ref", "hold", ()), ("warm_up",),
+                ("actor", "release", ()), ("ref", "release", ()), ("engines", "wake_up", ["weights", "kv_cache"])]
+    assert log == expected and place.phase is Phase.GENERATING
+    del log[:]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        asyncio.run(place.warm_up(boom))
+    assert log == expected  # the state put away and the engines awake all the same
+    assert asyncio.run(Separated().warm_up(ok)) == "done"
+
+
 def test_start_puts_the_resident_learner_away_and_refuses_engines_that_cannot_sleep():
     log: list = []
     asyncio.run(_colocation(log).start())
@@ -175,4 +202,4 @@ def test_hybrid_config_names_what_it_needs():
         load_config({"hybrid": {"enabled": True}})
     ok = load_config({"hybrid": {"enabled": True}, "learner": {"num_gpus_per_rank": 0.5},
                       "generator": {"num_gpus": 0.4, "engine_kwargs": {"enable_sleep_mode": True}}})
-    assert ok.hybrid.enabled and ok.hybrid.engine_sleep_level == 1
+    assert ok.hybrid.enabled and ok.hybrid.engine_sleep_level == 2

@@ -145,7 +145,7 @@ def test_progress_line():
     assert line.startswith("[##########----------] 5/10 reward 0.250 acc -")
 
 
-def test_the_learner_warm_up_runs_once_per_trainable_group_only_where_asked_and_not_hybrid():
+def test_the_learner_warm_up_runs_once_per_trainable_group_only_where_asked_inside_the_placement():
     import asyncio
     from types import SimpleNamespace
 
@@ -160,9 +160,17 @@ def test_the_learner_warm_up_runs_once_per_trainable_group_only_where_asked_and_
             self.calls.append([(len(s.prompt_ids), len(s.response_ids), s.group_id) for s in samples])
             return {"learner/warm_up_s": 0.1, "learner/warm_up_tokens": 30.0}
 
-    def run(cfg, prompt_tokens=None):
+    class Placement:  # the hybrid's switch around the warm-up (`Colocation.warm_up`), recorded
+        def __init__(self):
+            self.entered = 0
+
+        async def warm_up(self, fn):
+            self.entered += 1
+            return await fn()
+
+    def run(cfg, prompt_tokens=None, placement=None):
         actor, critic = Group("actor", 2), Group("critic", 1)
-        asyncio.run(warm_up_learners(load_config(cfg), [actor, None, critic], prompt_tokens))
+        asyncio.run(warm_up_learners(load_config(cfg), [actor, None, critic], placement or Placement(), prompt_tokens))
         return actor.calls, critic.calls
 
     base = {"model": {"max_model_len": 40}, "algorithm": {"max_new_tokens": 16}, "learner": {"micro_batch_size": 3}}
@@ -173,4 +181,9 @@ def test_the_learner_warm_up_runs_once_per_trainable_group_only_where_asked_and_
     assert run({**base, "learner": {"micro_batch_size": 3, "warm_up": False}}) == ([], [])
     hybrid = {**base, "hybrid": {"enabled": True}, "learner": {"micro_batch_size": 3, "num_gpus_per_rank": 1},
               "generator": {"num_gpus": 1, "engine_kwargs": {"enable_sleep_mode": True}}}
-    assert run(hybrid) == ([], [])
+    placement = Placement()
+    assert run(hybrid, 9, placement) == ([[(9, 16, g) for g in range(6)]], [[(9, 16, g) for g in range(3)]])
+    assert placement.entered == 1  # both groups inside one switch
+    unasked = Placement()
+    run({**base, "learner": {"micro_batch_size": 3, "warm_up": False}}, placement=unasked)
+    assert unasked.entered == 0  # no warm-up: the engines are not put to sleep for nothing

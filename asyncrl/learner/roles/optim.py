@@ -43,6 +43,28 @@ def optimizer_on_host(cfg: LearnerConfig) -> bool:
     return cfg.memory.optimizer == "host" and torch.cuda.is_available()
 
 
+# What Megatron's host optimizer keeps on the host per offloaded parameter: its fp32 copy and grad (pinned), Adam's
+# two fp32 moments.
+HOST_OPTIMIZER_BYTES_PER_PARAM = 16
+
+
+def check_host_memory(params: int, cfg: LearnerConfig, available: int | None = None) -> None:
+    """Refuse, with the setting that fits, a host optimizer whose state would not fit in the host memory available
+    now (the kernel would kill the rank part way through instead)."""
+    import psutil
+
+    share = cfg.memory.optimizer_host_fraction
+    need = int(params * share * HOST_OPTIMIZER_BYTES_PER_PARAM)
+    free = psutil.virtual_memory().available if available is None else available
+    if need > free:
+        fits = max(0.0, free / (params * HOST_OPTIMIZER_BYTES_PER_PARAM)) * 0.9
+        raise ValueError(
+            f"learner.memory.optimizer host: {params:,} parameters x {share:g} on the host need about {need / 2**30:.1f} "
+            f"GiB of host memory ({HOST_OPTIMIZER_BYTES_PER_PARAM} bytes each: an fp32 copy, its grad and Adam's two "
+            f"moments), {free / 2**30:.1f} GiB is available on this rank's node: set learner.memory.optimizer_host_fraction "
+            f"to {fits:.2f} or less (the rest stays on the device), or use more learner ranks")
+
+
 class LRSchedule:
     """Sets the optimizer's LR from `lr_at`; its state (the step count) goes into checkpoints."""
 
@@ -82,14 +104,19 @@ class GuardedOptimizer:
 
         self.chunks, self.cfg = chunks, cfg
         self.on_host = optimizer_on_host(cfg)
+        if self.on_host and dtype not in ("bfloat16", "float16"):
+            raise ValueError(f"learner.memory.optimizer host needs 16-bit weights (model.dtype bfloat16 or float16), got "
+                             f"{dtype}: Megatron offloads the fp32 master copies a 16-bit model's optimizer keeps")
         opt_cfg = OptimizerConfig(
             optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=0.0,
             bf16=dtype == "bfloat16", fp16=dtype == "float16", params_dtype=torch.float32,
             # learner.memory.optimizer host: Megatron's CPU offload, which only its distributed optimizer takes
             use_distributed_optimizer=self.on_host, optimizer_cpu_offload=self.on_host,
-            optimizer_offload_fraction=1.0 if self.on_host else 0.0,
+            optimizer_offload_fraction=cfg.memory.optimizer_host_fraction if self.on_host else 0.0,
         )
+        if self.on_host:
+            check_host_memory(sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad), cfg)
         self.optimizer = get_megatron_optimizer(opt_cfg, chunks)
         use_fused_adam(self.optimizer)  # torch's fused CUDA Adam (no-op on CPU)
         self.schedule = LRSchedule(self.optimizer, cfg)
