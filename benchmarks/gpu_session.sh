@@ -116,7 +116,7 @@ nccl)
       tests/weightsync/test_hostcopy.py > $OUT/collective_gpu_test.log 2>&1
   echo "pytest rc=$?"; tail -15 $OUT/collective_gpu_test.log | cut -c1-600
   timeout 380 python3 benchmarks/weightsync.py --models random500m --replicas 1 --repeats 3 --transports ${TRANSPORTS:-nccl,shm} \
-      --gpus 0.5 --dtype bfloat16 --verify ${VERIFY:-sampled} > $OUT/ws_nccl.log 2>&1
+      --gpus 0.5 --dtype bfloat16 --verify ${VERIFY:-checksum} > $OUT/ws_nccl.log 2>&1
   echo "weightsync rc=$?"; grep '^{' $OUT/ws_nccl.log | tee $OUT/ws_nccl.json; grep -v '^{' $OUT/ws_nccl.log | tail -6 | cut -c1-400
   ;;
 ws-tests|ipc)
@@ -124,8 +124,8 @@ ws-tests|ipc)
       tests/weightsync/test_hostcopy.py > $OUT/collective_gpu_test.log 2>&1
   echo "pytest rc=$?"; tail -15 $OUT/collective_gpu_test.log | cut -c1-600
   [ "$1" = ipc ] || exit 0
-  # VERIFY: one or more verify modes (one benchmark run each), e.g. VERIFY="sampled checksum" TRANSPORTS=ipc
-  for v in ${VERIFY:-sampled}; do
+  # VERIFY: one or more verify modes (one benchmark run each), e.g. VERIFY="full checksum" TRANSPORTS=ipc
+  for v in ${VERIFY:-checksum}; do
     CUDA_VISIBLE_DEVICES=0 timeout 400 python3 benchmarks/weightsync.py --models random500m --replicas 1 --repeats 3 \
         --transports ${TRANSPORTS:-ipc,shm} --gpus 0.5 --dtype bfloat16 --verify $v > $OUT/ws_ipc_$v.log 2>&1
     echo "weightsync verify=$v rc=$?"; grep '^{' $OUT/ws_ipc_$v.log | tee -a $OUT/ws_ipc.json; grep -v '^{' $OUT/ws_ipc_$v.log | tail -6 | cut -c1-400

@@ -31,7 +31,7 @@ where the reload path ran (`push_over_raw_plus_engine_reload` then compares the 
 plus that reload).
 
   python benchmarks/weightsync.py                       # demo model + a random ~50M Qwen2
-  python benchmarks/weightsync.py --models demo --replicas 2 --repeats 3 --transports shm --verify sampled
+  python benchmarks/weightsync.py --models demo --replicas 2 --repeats 3 --transports shm --verify checksum
   python benchmarks/weightsync.py --models random50m --transports gloo,shm       # CPU, collective vs shm
   python benchmarks/weightsync.py --models random500m --replicas 1 --transports nccl,shm --gpus 1   # 2 GPUs
   python benchmarks/weightsync.py --models random500m --replicas 1 --transports ipc,shm --gpus 0.5 --dtype bfloat16  # 1 GPU
@@ -702,7 +702,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", default="64",
                     help="bucket size in MiB, or a comma list measured in turn on the same engines (e.g. 64,256)")
     ap.add_argument("--transports", default="object_store,shm", help=f"comma list of: {', '.join(TRANSPORTS)}")
-    ap.add_argument("--verify", default="full", choices=["full", "sampled", "checksum", "off"])
+    ap.add_argument("--verify", default="full", choices=["full", "checksum", "off"])
     ap.add_argument("--gpus", type=float, default=0.0,
                     help="GPUs per engine replica (and per raw sink); 0 = CPU. The collective sender takes one GPU of its own")
     ap.add_argument("--dtype", default="float32", help="dtype the random models are saved in (bfloat16 on GPUs)")

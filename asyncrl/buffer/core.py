@@ -112,7 +112,8 @@ class BufferCore:
         """Push a whole group; raises BufferFullError (changing nothing) when there is no room."""
         self.check_put(samples, key)
         force = self.config.overdue == "wait" and self._may_be_waited_for(key)
-        result = self.replay.put_group(samples, force=force)
+        held = self._tickets.get(key) if key is not None else None
+        result = self.replay.put_group(samples, force=force, admitted=None if held is None else held[0], version=self.version)
         self.staleness.on_accepted(result.kept)
         self.staleness.on_rejected(len(samples) - result.kept)
         self._tickets.pop(key, None)

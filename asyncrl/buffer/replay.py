@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 from typing import Any, Sequence
 
@@ -45,6 +46,7 @@ from asyncrl.config import BufferConfig
 from asyncrl.types import PutResult, Sample, SampleStatus, TrainBatch
 
 _FORMAT = 1
+log = logging.getLogger(__name__)
 
 
 class BufferFullError(RuntimeError):
@@ -83,6 +85,8 @@ class ReplayBuffer:
         self._waiting = 0
         self.counts = BufferCounts()
         self._last_staleness = (0.0, 0.0)  # (mean, max) of v - oldest_version in the last batch
+        # group_id -> (version its rollout was admitted at, or None; version when it arrived): what a stale drop logs
+        self._origin: dict[Any, tuple[int | None, int]] = {}
 
     @property
     def waiting(self) -> int:
@@ -134,9 +138,11 @@ class ReplayBuffer:
             or not self.batch_ready(self.config.batch_size)
         )
 
-    def put_group(self, samples: Sequence[Sample], force: bool = False) -> PutResult:
+    def put_group(self, samples: Sequence[Sample], force: bool = False, admitted: int | None = None,
+                  version: int = 0) -> PutResult:
         """Push one whole group; drops invalid / filtered groups (counted). Raises BufferFullError
-        (unless `force`: a group a draw may wait for, BufferCore._may_be_waited_for)."""
+        (unless `force`: a group a draw may wait for, BufferCore._may_be_waited_for). `admitted` (the version its
+        rollout was admitted at) and `version` (now) only go into the log line of a stale drop."""
         kept = self.admits(samples)
         if not force and not self._room_for(kept):
             raise BufferFullError(
@@ -154,6 +160,7 @@ class ReplayBuffer:
             return PutResult(kept=0, dropped_invalid=0, dropped_filtered=n)
         self._groups.append(list(samples))
         self._waiting += n
+        self._origin[samples[0].group_id] = (admitted, version)
         return PutResult(kept=n, dropped_invalid=0, dropped_filtered=0)
 
     def abandon(self, n: int) -> None:
@@ -168,6 +175,13 @@ class ReplayBuffer:
         """Drop every waiting group whose oldest token version is < v - eta; return samples dropped."""
         floor = current_version - max_staleness
         keep = collections.deque(g for g in self._groups if min(s.oldest_version for s in g) >= floor)
+        for g in self._groups:
+            if self._oldest(g) < floor:
+                admitted, arrived = self._origin.get(g[0].group_id, (None, -1))
+                log.warning("stale drop at version %d (eta %d): group %s of %d samples, oldest token version %d, "
+                            "admitted at %s, arrived at %d; %d samples waiting", current_version, max_staleness,
+                            g[0].group_id, len(g), self._oldest(g), admitted, arrived, self._waiting)
+                self._origin.pop(g[0].group_id, None)
         dropped = self._waiting - sum(len(g) for g in keep)
         self._groups = keep
         self._waiting -= dropped
@@ -219,7 +233,10 @@ class ReplayBuffer:
 
     def take(self, n_groups: int, current_version: int) -> TrainBatch:
         """Pop the first `n_groups` groups (after `plan_batch`) as the batch for `current_version`."""
-        samples = [s for _ in range(n_groups) for s in self._groups.popleft()]
+        groups = [self._groups.popleft() for _ in range(n_groups)]
+        for g in groups:
+            self._origin.pop(g[0].group_id, None)
+        samples = [s for g in groups for s in g]
         self._waiting -= len(samples)
         self.counts.trained += len(samples)
         self.counts.batches += 1

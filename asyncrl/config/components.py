@@ -411,9 +411,8 @@ class WeightsyncConfig(_Section):
         "nccl / gloo broadcast from the learner's sending ranks straight into the engine workers; ipc hands them "
         "handles to the sender's buffers instead (CUDA IPC on a GPU the learner and engines share, shared-memory files on CPU).")
     bucket_mb: float = Field(64.0, gt=0)
-    verify: Literal["full", "sampled", "checksum", "off"] = Field(
-        "full", description="What the commit-time fingerprint covers: full = every byte (sha256), sampled = 32 windows "
-        "of 4 KiB per tensor, each as its 64-bit checksum where it lies, checksum = every byte as a 64-bit position-weighted sum computed on the tensors' device "
+    verify: Literal["full", "checksum", "off"] = Field(
+        "full", description="What the commit-time fingerprint covers: full = every byte (sha256), checksum = every byte as a 64-bit position-weighted sum computed on the tensors' device "
         "(the cheap full check for GPU transports), off = names, dtypes and shapes only (asyncrl/weightsync/fingerprint.py).")
     apply: Literal["auto", "direct", "reload"] = Field(
         "auto", description="How engines take a version: direct = the learner packs buckets in the engines' own parameter "

@@ -28,7 +28,7 @@ from asyncrl.types import Refusal, refusal_of
 from asyncrl.weightsync import trace
 from asyncrl.weightsync.collective import CollectiveReceive, is_gate_closed
 from asyncrl.weightsync.fingerprint import check_verify_mode
-from asyncrl.weightsync.replica_side import FingerprintMismatch
+from asyncrl.weightsync.replica_side import FingerprintMismatch, is_object_ref
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +44,6 @@ def pause_lead(waits: Any) -> float:
     if not recent:
         return 0.0
     return min(PAUSE_LEAD_MAX_S, 1.5 * recent[len(recent) // 2])
-
-
-def is_object_ref(value: Any) -> bool:
-    import ray
-
-    return isinstance(value, ray.ObjectRef)
 
 
 class WeightUpdates:

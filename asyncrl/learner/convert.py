@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.learner.model import ModelArch, model_arch, padded_vocab_size
+from asyncrl.learner.model import ModelArch, model_arch
 
 
 class WeightMismatchError(ValueError):
@@ -510,7 +510,3 @@ def _unwrap_expert_id(chunk: torch.nn.Module, name: str) -> int:
     return chunk.decoder.layers[int(local)].mlp.local_expert_indices[idx]
 
 
-def model_vocab_sizes(hf_config: Any, strategy_config: dict[str, Any]) -> tuple[int, int]:
-    """(real, padded) vocab sizes: logits past `real` are padding and must be sliced off."""
-    arch = model_arch(hf_config)
-    return arch.vocab_size, padded_vocab_size(arch.vocab_size, strategy_config)

@@ -10,23 +10,18 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 from pathlib import Path
 from typing import Any
 
+from asyncrl.weightsync.collective import free_port
+
 _NON_WEIGHT_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(fn, world_size: int, *args: Any) -> None:
     import torch.multiprocessing as mp
 
-    mp.start_processes(_rank_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size,
+    mp.start_processes(_rank_entry, args=(world_size, free_port("127.0.0.1"), fn, args), nprocs=world_size,
                        join=True, start_method="spawn")
 
 

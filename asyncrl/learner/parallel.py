@@ -46,10 +46,6 @@ class ParallelLayout:
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp * self.cp)
 
-    @property
-    def expert_dp(self) -> int:
-        return self.world_size // (self.etp * self.ep * self.pp)
-
     @classmethod
     def from_learner_config(cls, cfg: LearnerConfig) -> "ParallelLayout":
         s = cfg.strategy_config

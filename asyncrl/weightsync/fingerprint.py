@@ -1,6 +1,6 @@
 """Fingerprints: the digest both sides of a weight push agree on before anything is applied.
 
-Owns: the four verify modes, per-tensor digests (`tensor_digests` for loose tensors,
+Owns: the three verify modes, per-tensor digests (`tensor_digests` for loose tensors,
 `bucket_digests` for a packed bucket in one pass over it) and their combination into a version's
 fingerprint (`combine_digests`, `tensor_fingerprint`); the digests as material (`PendingDigests.words`:
 what a device computed, 8 bytes a tensor for `checksum`, sent as is after a whole version and
@@ -13,10 +13,6 @@ the engine's parameters as packed (names prefixed with the engine rank when ther
 a push in the Hugging Face layout hashes the HF tensors. The mode is part of the fingerprint
 ("full:<hex>"):
   full     every byte of every tensor (sha256)
-  sampled  tensors up to 128 KiB whole, larger ones in 32 evenly spaced 4 KiB windows plus their
-           length, each piece as its checksum (below), computed where the bytes are (one pass for
-           all pieces: no bytes leave a GPU): catches a wrong, truncated, reordered or shifted
-           tensor at ~1/100 of the reads, not a flipped byte between windows
   checksum every byte, as the 64-bit position-weighted sum of checksum.py, computed where the bytes
            are (one kernel per bucket on a GPU, 8 bytes per tensor to host; numpy on host memory):
            any single changed word changes it; for transport errors, not for an adversary
@@ -38,10 +34,8 @@ import torch
 from asyncrl.weightsync.checksum import Pending, resolve, segment_checksums_lazy
 
 NamedTensors = Mapping[str, Any] | Iterable[tuple[str, Any]]
-VerifyMode = Literal["full", "sampled", "checksum", "off"]
-VERIFY_MODES: tuple[str, ...] = ("full", "sampled", "checksum", "off")
-SAMPLE_WINDOW = 4096
-SAMPLE_WINDOWS = 32
+VerifyMode = Literal["full", "checksum", "off"]
+VERIFY_MODES: tuple[str, ...] = ("full", "checksum", "off")
 
 
 def contiguous_tensor(value: Any, device: torch.device | str | None = None) -> torch.Tensor:
@@ -80,15 +74,6 @@ def _head_state(name: str, dtype: str, shape: tuple[int, ...]) -> Any:
     return h
 
 
-def _windows(size: int) -> list[tuple[int, int]] | None:
-    """The (start, length) byte windows `sampled` reads of a tensor of `size` bytes (None: all of it)."""
-    if size <= SAMPLE_WINDOW * SAMPLE_WINDOWS:
-        return None
-    span = size - SAMPLE_WINDOW
-    # starts on 8-byte boundaries: a device reads every window in the checksum kernel's one launch
-    return [(span * i // (SAMPLE_WINDOWS - 1) // 8 * 8, SAMPLE_WINDOW) for i in range(SAMPLE_WINDOWS)]
-
-
 def _digests(flat: Any, entries: list["Entry"], mode: VerifyMode) -> dict[str, bytes]:
     """Digests of tensors laid out in one flat uint8 buffer (numpy or torch, any device):
     entries are (key, dtype name, shape, byte offset, byte length). What a mode reads of a device
@@ -105,23 +90,10 @@ def meta_entries(metas: Iterable[Any], prefix: str = "", base: int = 0) -> list[
     return [(prefix + m.name, "torch." + m.dtype, tuple(m.shape), base + m.offset, m.nbytes) for m in metas]
 
 
-def _pieces(entries: Sequence[Entry], mode: VerifyMode) -> list[tuple[str, int, int]]:
-    """(key, byte offset, byte length) of every piece `mode` reads of `entries`, in their order:
-    each tensor whole, or (`sampled`, larger tensors) its windows."""
-    pieces: list[tuple[str, int, int]] = []
-    for key, _, _, offset, nbytes in entries:
-        windows = _windows(nbytes) if mode == "sampled" else None
-        if windows is None:
-            pieces.append((key, offset, nbytes))
-        else:
-            pieces.extend((key, offset + s, n) for s, n in windows)
-    return pieces
-
-
 def material_words(entries: Sequence[Entry], mode: VerifyMode) -> int:
     """How many 64-bit words the digest material of `entries` has in `mode` (`PendingDigests.words`):
-    one checksum per piece (`checksum`, `sampled`), or each tensor's 32-byte digest (`full`, `off`)."""
-    return len(_pieces(entries, mode)) if mode in ("checksum", "sampled") else 4 * len(entries)
+    one checksum per tensor (`checksum`), or each tensor's 32-byte digest (`full`, `off`)."""
+    return len(entries) if mode == "checksum" else 4 * len(entries)
 
 
 def digests_from_material(entries: Sequence[Entry], mode: VerifyMode, words: Any) -> dict[str, bytes]:
@@ -136,24 +108,8 @@ def digests_from_material(entries: Sequence[Entry], mode: VerifyMode, words: Any
         raw = words.astype("<u8", copy=False).tobytes()
         return {key: raw[32 * i : 32 * i + 32] for i, (key, *_) in enumerate(entries)}
     heads = {key: _head(key, dtype, shape) for key, dtype, shape, _, _ in entries}
-    if mode == "checksum":
-        for (key, _, _, _, n), value in zip(entries, words.tolist()):
-            heads[key].update(int(n).to_bytes(8, "little") + int(value).to_bytes(8, "little"))
-        return {k: h.digest() for k, h in heads.items()}
-    for key, _, _, _, nbytes in entries:  # sampled: a windowed tensor's length first
-        if _windows(nbytes) is not None:
-            heads[key].update(int(nbytes).to_bytes(8, "little"))
-    pieces = _pieces(entries, mode)
-    # (length, checksum) of every piece as little-endian u64 pairs, one update per tensor
-    pairs = np.empty((len(pieces), 2), dtype="<u8")
-    pairs[:, 0] = [n for _, _, n in pieces]
-    pairs[:, 1] = words
-    raw = pairs.tobytes()
-    start = 0
-    for i in range(1, len(pieces) + 1):
-        if i == len(pieces) or pieces[i][0] != pieces[start][0]:
-            heads[pieces[start][0]].update(raw[16 * start : 16 * i])
-            start = i
+    for (key, _, _, _, n), value in zip(entries, words.tolist()):  # checksum: (length, sum) per tensor
+        heads[key].update(int(n).to_bytes(8, "little") + int(value).to_bytes(8, "little"))
     return {k: h.digest() for k, h in heads.items()}
 
 
@@ -162,12 +118,12 @@ class PendingDigests:
     them and returns the digests. `words()` is the same result as digest material (64-bit words in
     the tensors' order, `digests_from_material` turns them back into the digests): a sender sends
     that after a whole version, and `device_words` (when not None) is it still on the device, to
-    send without a host round trip (`checksum` / `sampled` on a GPU)."""
+    send without a host round trip (`checksum` on a GPU)."""
 
     def __init__(self, entries: Sequence[Entry], mode: VerifyMode, *, words: Callable[[], Any] | None = None,
                  digests: Callable[[], dict[str, bytes]] | None = None, device_words: torch.Tensor | None = None) -> None:
         if (words is None) == (digests is None):
-            raise ValueError("PendingDigests takes one source: words (checksum, sampled) or digests (full, off)")
+            raise ValueError("PendingDigests takes one source: words (checksum) or digests (full, off)")
         self.entries, self.mode, self.device_words = list(entries), mode, device_words
         self._words_fn, self._digests_fn = words, digests
         self._words: np.ndarray | None = None
@@ -211,8 +167,8 @@ def _digests_lazy(flat: Any, entries: list[Entry], mode: VerifyMode) -> PendingD
     (so a sender can enqueue every bucket's and wait once)."""
     if mode == "off":
         return PendingDigests(entries, mode, digests=lambda: {k: _head(k, d, s).digest() for k, d, s, _, _ in entries})
-    if mode in ("checksum", "sampled"):  # each piece's checksum, read where the bytes are (one pass for all)
-        pending = segment_checksums_lazy(flat, [(o, n) for _, o, n in _pieces(entries, mode)])
+    if mode == "checksum":  # each tensor's checksum, read where the bytes are (one pass for all)
+        pending = segment_checksums_lazy(flat, [(o, n) for _, _, _, o, n in entries])
         on_device = pending.values if isinstance(pending, Pending) and not any(pending.extra) else None
         return PendingDigests(entries, mode, words=lambda: np.array(resolve(pending), dtype=np.uint64),
                               device_words=on_device)

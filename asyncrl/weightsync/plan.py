@@ -1,26 +1,13 @@
 """The push plan: where every byte of an engine's parameters comes from, read from the engine itself.
 
-Owns:
-- `probe_layout(model, manifest)`: runs the engine model's own `load_weights` once, on meta
-  tensors (no memory, no data), with a torch dispatch mode that records every copy its weight
-  loaders make (a strided window of an HF tensor into a strided window of a parameter) and every
-  fill (vocab padding). The result (`EngineLayout`) is this engine rank's layout: fused QKV and
-  gate/up, row/column-parallel shards, padded vocab, tied embeddings once, fused MoE experts — as
-  the engine's own loaders define them, whatever the architecture. A loader that does anything
-  else to the data (a dtype cast before the copy, an index_put, arithmetic) makes the layout
-  unusable for a direct copy, and the reason says which op.
-- `verify_layout`: the layout reproduces, bit for bit, the parameters the engine loaded from its
-  checkpoint (this catches post-load processing that changes values or layout: quantization,
-  CPU weight packing, reordered MoE weights): only then may a push copy into them.
-- `build_plan(manifest, layouts, bucket_mb)` -> `PushPlan`: each engine parameter (per engine
-  rank) assigned to the learner rank that exports its sources, given a bucket and a byte offset.
-- `PlannedPacker`: the sending learner rank writes each exported HF tensor straight into its
-  place in the buckets (the loaders' copies, replayed into the bucket instead of the engine).
-- (shards.py: shard plans, in which every learner TP rank sends its own shards, and `hf_from_engine`,
-  the HF tensors back from engine-layout buckets.)
-
-Must never: touch an engine's live parameter data (the probe swaps in meta twins and puts the
-originals back), or import vLLM (the engine adapter hands in the model).
+Owns: `probe_layout` (the engine model's own `load_weights` run once on meta tensors under a dispatch mode
+that records each copy its loaders make and each fill: fused QKV / gate-up, TP shards, padded vocab, tied
+embeddings, fused experts; a loader doing anything else is named as unusable), `verify_layout` (the layout
+reproduces the loaded parameters bit for bit), `build_plan` -> `PushPlan` (each engine parameter given a
+sending learner rank, a bucket and an offset), `PlannedPacker` (a sender writes each HF tensor straight
+into its places in the buckets), and the shard-plan vocabulary (`Piece`; the plans are in shards.py).
+Must never: touch an engine's live parameter data (the probe swaps in meta twins and puts the originals
+back), or import vLLM (the engine adapter hands in the model).
 """
 
 from __future__ import annotations
@@ -31,15 +18,12 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from asyncrl.weightsync.bucket import ALIGN, Bucket, TensorMeta, dtype_from_name
-
-if TYPE_CHECKING:
-    from asyncrl.weightsync.shards import Piece
 
 aten = torch.ops.aten
 
@@ -114,6 +98,36 @@ class ManifestEntry:
         return _nbytes(self.dtype, self.shape)
 
 
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One learner rank's part of an HF tensor from its shard export: `window` = (dim, lo, hi) of the `full`
+    shape, None for all of it; `sender` = PP stage x TP size + TP rank, `tp` its TP rank."""
+
+    hf: str
+    sender: int
+    tp: int
+    dtype: str
+    full: tuple[int, ...]
+    window: tuple[int, int, int] | None = None
+
+    @property
+    def name(self) -> str:
+        return piece_name(self.hf, self.sender)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        w = self.window
+        return self.full if w is None else self.full[:w[0]] + (w[2] - w[1],) + self.full[w[0] + 1:]
+
+    def entry(self) -> ManifestEntry:
+        return ManifestEntry(self.name, self.dtype, self.shape, self.sender)
+
+
+def piece_name(hf: str, sender: int) -> str:
+    """The name a shard export gives sending rank `sender`'s piece of HF tensor `hf`."""
+    return f"{hf}@{sender}"
+
+
 @dataclass(frozen=True)
 class EngineLayout:
     """One engine rank's parameters and how the loaders fill them. `problem` is set (and `params`
@@ -144,9 +158,7 @@ class _Recorder(TorchDispatchMode):
 
     @staticmethod
     def _key(t: Any) -> int | None:
-        if not isinstance(t, torch.Tensor) or t.device.type != "meta":
-            return None
-        return t.untyped_storage()._cdata
+        return t.untyped_storage()._cdata if isinstance(t, torch.Tensor) and t.device.type == "meta" else None
 
     @staticmethod
     def _view(t: torch.Tensor) -> View:
@@ -239,9 +251,8 @@ def probe_layout(model: torch.nn.Module, manifest: Sequence[ManifestEntry], rank
     params = []
     untouched = []
     for name, p in live.items():
-        # Canonical order: by where each step writes (a stable sort keeps a loader's own order for
-        # writes at one offset, e.g. a fill before the copy over it), so the layout does not depend
-        # on the order the export lists its tensors in.
+        # Canonical order, by where each step writes (stable: a loader's own order at one offset, e.g. a
+        # fill before the copy over it): the layout does not depend on the order of the export.
         ops = tuple(sorted(recorder.ops.get(name, ()), key=lambda op: op.dst.offset))
         if not ops:
             untouched.append(name)
@@ -343,19 +354,12 @@ class PushPlan:
     def for_sender(self, sender: int) -> list[PlannedBucket]:
         return [b for b in self.buckets if b.sender == sender]
 
-    def for_rank(self, rank: int) -> list[PlannedBucket]:
-        return [b for b in self.buckets if b.rank == rank]
-
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
 
     def max_bucket_bytes(self, sender: int | None = None) -> int:
         return max((b.nbytes for b in self.buckets if sender is None or b.sender == sender), default=0)
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def build_plan(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout], bucket_mb: float) -> PushPlan:
@@ -395,7 +399,7 @@ def build_plan(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout
             current: list[tuple[ParamLayout, int]] = []
             offset = 0
             for p in params:
-                size = _align(p.nbytes)
+                size = (p.nbytes + ALIGN - 1) // ALIGN * ALIGN
                 if current and offset + size > cap:
                     chunks[rank].append(current)
                     sizes[rank].append(offset)
@@ -588,8 +592,7 @@ class PlannedPacker:
 
     def _emit(self, pos: int, buf: torch.Tensor) -> Bucket:
         b = self.buckets[pos]
-        # Host buckets are numpy, as bucket.py's are (Ray moves them out of band), unless a
-        # collective sends them (torch tensors, as on a device).
+        # Host buckets are numpy (Ray moves them out of band) unless a collective sends them (torch).
         numpy = self.host_numpy and buf.device.type == "cpu"
         return Bucket(buffer=buf.numpy() if numpy else buf, metas=list(self._prog.metas[pos]), rank=b.rank)
 

@@ -149,16 +149,11 @@ class Publisher:
     """Pushes versions to replicas. One push at a time (the registry refuses a second)."""
 
     def __init__(self, config: WeightsyncConfig, *, transport: Transport, registry: VersionRegistry | None = None,
-                 mirror: Callable[..., Any] | None = None, on_live: OnLive | None = None,
-                 on_out_of_service: OnOutOfService | None = None, preserve_rng: bool = True,
-                 mirror_many: Callable[[list[tuple[str, tuple, dict]]], Any] | None = None) -> None:
+                 on_live: OnLive | None = None, on_out_of_service: OnOutOfService | None = None,
+                 preserve_rng: bool = True) -> None:
         self._cfg, self._transport = config, transport
         self.registry = registry if registry is not None else VersionRegistry()
-        self._mirror, self._on_live, self._on_oos = mirror, on_live, on_out_of_service
-        # `mirror_many`: a push's events mirrored in one call at its end (each `mirror` call is a Ray call on the
-        # push's path: ~6 a push), instead of one by one; `_mirror_ops` holds them while a push runs
-        self._mirror_many = mirror_many
-        self._mirror_ops: list[tuple[str, tuple, dict]] | None = None
+        self._on_live, self._on_oos = on_live, on_out_of_service
         self._preserve_rng = preserve_rng
         self._host: _HostCopy | None = None
         self.plan: Any = None  # push plan `publish` packs for (set_plan)
@@ -166,23 +161,9 @@ class Publisher:
         self.last_metrics: dict[str, float] = {}
         self.totals = {k: 0 for k in ("pushes_total", "pushes_failed_total", "retries_total", "rollbacks_total", "out_of_service_total")}
 
-    # ---- registry (local, mirrored to the service actor for readers) ---------------------
+    # ---- registry ---------------------------------------------------------------------------
     def _reg(self, op: str, *args: Any, **kwargs: Any) -> Any:
-        out = getattr(self.registry, op)(*args, **kwargs)
-        if self._mirror_ops is not None:
-            self._mirror_ops.append((op, args, kwargs))
-        elif self._mirror is not None:
-            with contextlib.suppress(Exception):  # readers' view is best effort; the push is not
-                self._mirror(op, *args, **kwargs)
-        return out
-
-    def _flush_mirror(self) -> None:
-        """Mirror the events held during a push, in one call (before the push returns: a reader asking after
-        it sees them)."""
-        ops, self._mirror_ops = self._mirror_ops, None
-        if ops and self._mirror_many is not None:
-            with contextlib.suppress(Exception):  # readers' view is best effort; the push is not
-                self._mirror_many(ops)
+        return getattr(self.registry, op)(*args, **kwargs)
 
     @property
     def host_version(self) -> int | None:
@@ -254,12 +235,7 @@ class Publisher:
         elif source is None:
             source = BucketSource(named, self._cfg.bucket_mb, self._transport, m, self._cfg.verify, self.plan)
         m.layout, m.staging = source.layout, self._cfg.staging
-        if self._mirror_many is not None:
-            self._mirror_ops = []
-        try:
-            return await self._publish_held(version, source, replicas, names, m, tail_warnings)
-        finally:
-            self._flush_mirror()
+        return await self._publish_held(version, source, replicas, names, m, tail_warnings)
 
     async def _publish_held(self, version: int, source: "BucketSource | StreamedSource", replicas: list[ReplicaClient],
                             names: list[str], m: PushMetrics, tail_warnings: list[str]) -> PushResult:

@@ -397,10 +397,6 @@ class WorkerReceiver:
         """The update being staged is copied into the live weights as it lands (apply_as_received)."""
         return self._staged is not None and self._staged.early
 
-    @property
-    def staging_version(self) -> int | None:
-        return None if self._staged is None else self._staged.version
-
 
 def copy_to(bucket: Bucket, device: torch.device) -> Bucket:
     """`bucket` with its buffer in this worker's own memory on `device` (one copy), so that the

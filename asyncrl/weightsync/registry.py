@@ -3,8 +3,8 @@
 Owns: one `WeightVersion` record per pushed version and its lifecycle
 (IDLE -> STAGING -> COMMITTING -> LIVE | FAILED, every transition in `_TRANSITIONS`), the
 timeline of each version (a timestamp per state entered), which replica serves which version,
-and the rule that a version becomes LIVE only when every live replica committed it.
-`WeightsyncService` is the thin Ray actor around it that other processes read.
+and the rule that a version becomes LIVE only when every live replica committed it (the publisher's own,
+in the trainer's process: no other process reads it).
 
 Ownership of the late-joiner weights: NOT here. The bytes live in the generator's `WeightStore`
 actor (replicas read it when they start); weightsync publishes to it only after a version went
@@ -185,51 +185,3 @@ class VersionRegistry:
                     for r in (self._records[v] for v in sorted(self._records))
                 ],
             }
-
-
-class WeightsyncService:
-    """Thin Ray actor around a `VersionRegistry` (`ray.remote(WeightsyncService)`).
-
-    The publisher (learner side) mirrors each registry event here so that the controller, the
-    gateway's admin routes and late joiners can read the live version without asking the learner.
-    Method names mirror `VersionRegistry`; records come back as `WeightVersion` structs.
-    """
-
-    def __init__(self, initial_version: int = 0) -> None:
-        self._registry = VersionRegistry(initial_version)
-
-    def apply(self, op: str, *args: Any, **kwargs: Any) -> Any:
-        """Run one mutating registry operation (begin, transition, set_payload, replica_committed,
-        go_live, replica_loaded, replica_removed) so the publisher mirrors events with one method."""
-        if op not in _MIRRORED_OPS:
-            raise RegistryError(f"unknown registry operation {op!r}")
-        return getattr(self._registry, op)(*args, **kwargs)
-
-    def apply_many(self, ops: list[tuple[str, tuple, dict]]) -> None:
-        """`apply` each (op, args, kwargs) in order: one push's events in one call. Each is tried; the first
-        error is raised after the rest ran (as separate calls would have left them)."""
-        first: Exception | None = None
-        for op, args, kwargs in ops:
-            try:
-                self.apply(op, *args, **kwargs)
-            except Exception as err:  # noqa: BLE001 - the others still run, as they would one call each
-                first = first or err
-        if first is not None:
-            raise first
-
-    def live_version(self) -> int:
-        return self._registry.live_version
-
-    def get(self, version: int) -> WeightVersion:
-        return self._registry.get(version)
-
-    def timeline(self, version: int) -> list[tuple[str, float]]:
-        return self._registry.timeline(version)
-
-    def snapshot(self) -> dict[str, Any]:
-        return self._registry.snapshot()
-
-
-_MIRRORED_OPS = frozenset(
-    {"begin", "transition", "set_payload", "replica_committed", "go_live", "replica_loaded", "replica_removed"}
-)

@@ -188,7 +188,7 @@ class ReplicaStaging:
         expected = None
         if isinstance(payload, WithDigests):
             payload, expected = payload.payload, payload.digests
-            if _is_object_ref(payload):  # nested in the wrapper, so Ray did not resolve it
+            if is_object_ref(payload):  # nested in the wrapper, so Ray did not resolve it
                 payload = await payload
         if isinstance(payload, CollectiveReceive):
             if payload.version != version:
@@ -380,11 +380,10 @@ class ReplicaStaging:
         self.applied_early = None
 
 
-def _is_object_ref(value: Any) -> bool:
-    try:
-        import ray
-    except ImportError:  # pragma: no cover - ray is a dependency
-        return False
+def is_object_ref(value: Any) -> bool:
+    """A Ray object handle that travelled nested in another value (Ray resolves only top-level arguments)."""
+    import ray
+
     return isinstance(value, ray.ObjectRef)
 
 

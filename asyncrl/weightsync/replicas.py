@@ -10,7 +10,7 @@ The contract weightsync relies on (generator side):
   pause(mode)                     stop scheduling; "keep" keeps in-flight requests' KV
   begin_update(version, verify, staging, layout, plan_id)
                                   drop any staged copy; start staging `version`, hashing each
-                                  bucket as it arrives in `verify` mode (full | sampled | checksum | off);
+                                  bucket as it arrives in `verify` mode (full | checksum | off);
                                   layout "engine" (buckets of push plan `plan_id`, copied into the
                                   parameters; a replica without that plan refuses: Refusal.PLAN_MISSING) or
                                   "hf" (reloaded); staging "full" or "bucketed" (apply each bucket

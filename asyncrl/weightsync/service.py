@@ -3,9 +3,8 @@
 Owns: wiring one run's pieces together — the learner group's packed export (buckets the ranks
 put into the object store themselves), the push plan (formed with the engines at start and again
 when a replica refuses it: plan.py), the `Publisher` (order, atomicity, retries, metrics), the
-engine deployment as a `ReplicaClient` (Serve's `broadcast` reaches every running replica), the
-registry mirror actor (`WeightsyncService`, read by other processes) and the `WeightStore` (late
-joiners load the live version from it before they take traffic).
+engine deployment as a `ReplicaClient` (Serve's `broadcast` reaches every running replica) and the
+`WeightStore` (late joiners load the live version from it before they take traffic).
 
 The push plan: the learner's export manifest (names, dtypes, shapes, PP stage) goes to every
 engine replica, each worker answers with its parameter layout as its own weight loaders define
@@ -48,7 +47,6 @@ from asyncrl.weightsync.transport import select_transport
 
 log = logging.getLogger(__name__)
 
-REGISTRY_ACTOR = "asyncrl_weightsync"
 CHANNEL_RETRY_PUSHES = 20  # push channels that failed to open are tried again this many pushes later
 
 
@@ -72,7 +70,6 @@ class WeightPublisher:
         self.publisher: Publisher | None = None
         self.transport: Any = None
         self.store: Any = None
-        self.service: Any = None
         self.link: CollectiveLink | None = None  # collective transports only
         self.recoveries_total = 0
         self._stopping = asyncio.Event()  # the run is stopping: a failed push is not pushed again
@@ -86,8 +83,6 @@ class WeightPublisher:
         from asyncrl.weightsync.store import WeightStore
 
         await self.replicas.control.wait_ready(timeout_s=max(600.0, self.cfg.timeout_s))
-        from asyncrl.weightsync.registry import WeightsyncService
-
         # On this (the trainer's) node, hard: they hold the live version's host copy and its
         # registry, so they must not die with an engine or learner node. Ray's default placement
         # put them on any node; soft affinity still did about half the time (zero-resource actors).
@@ -97,14 +92,9 @@ class WeightPublisher:
         self.store = ray.remote(WeightStore).options(
             name=self.store_name, namespace=self.namespace, get_if_exists=True, num_cpus=0, scheduling_strategy=here
         ).remote()
-        self.service = ray.remote(WeightsyncService).options(
-            name=REGISTRY_ACTOR, namespace=self.namespace, get_if_exists=True, num_cpus=0, scheduling_strategy=here
-        ).remote(initial_version)
         transport = select_transport(self.cfg, on_gpu=self.on_gpu, hybrid=self.hybrid, own_gpus=self.own_gpus)
         self.publisher = Publisher(
             self.cfg, transport=transport, registry=VersionRegistry(initial_version),
-            mirror=lambda op, *a, **k: self.service.apply.remote(op, *a, **k),
-            mirror_many=lambda ops: self.service.apply_many.remote(ops),
             on_live=weight_store_hook(self.store, lambda version: self.plan),
         )
         self.transport = transport

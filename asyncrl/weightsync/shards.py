@@ -1,16 +1,9 @@
 """Shard plans: every TP rank of the learner sends its own shards of the weights, with no gather.
 
-Owns:
-- `Piece`: one learner rank's own part of an HF tensor (a window of rows or columns of it, or all of
-  it), as `learner/convert.export_hf_pieces` yields it; `piece_name`, the name it is packed under.
-- `localize_layout`: an engine rank's layout (ops reading windows of HF tensors, plan.probe_layout)
-  rewritten to read the same windows from the pieces of one learner rank, the one whose shards hold
-  that engine rank's; PlanError where a parameter spans learner ranks (an engine of smaller TP than
-  the learner's). `plan_layout`: the same for a plan (what a worker checks a plan against).
-- `build_shard_plan` -> `plan.PushPlan` whose senders are the learner's TP ranks (x PP stages).
-- `hf_from_engine`: the HF tensors back from engine-layout buckets of any plan, for a replica whose
-  layout differs from the one the buckets were packed for.
-
+Owns: `localize_layout` (an engine rank's layout rewritten to read the same windows from the pieces,
+`plan.Piece`, of the one learner rank whose shards hold them; PlanError where a parameter spans learner
+ranks), `plan_layout` (the same for a plan), `build_shard_plan` -> `plan.PushPlan` whose senders are the
+learner's TP ranks (x PP stages), and `hf_from_engine` (the HF tensors back from engine-layout buckets).
 Must never: guess a window (a view that is not a box of its tensor is refused, not approximated), or
 let a parameter draw from two learner ranks (each engine parameter is one sender's bucket entry).
 """
@@ -18,49 +11,14 @@ let a parameter draw from two learner ranks (each engine parameter is one sender
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, dtype_from_name
-from asyncrl.weightsync.plan import (
-    EngineLayout, ManifestEntry, Op, ParamLayout, PlanError, PushPlan, View, build_plan,
+from asyncrl.weightsync.plan import (  # noqa: F401 - Piece, piece_name: the shard vocabulary, defined beside the plan
+    EngineLayout, ManifestEntry, Op, ParamLayout, PlanError, Piece, PushPlan, View, build_plan, piece_name,
 )
 
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """One learner rank's own part of an HF tensor, as its shard export yields it: the tensor's rows
-    (or columns, ...) `window` = (dim, lo, hi) of the whole `full` shape, or all of it (None:
-    replicated parameters, or a vocabulary gathered over TP). `sender` is the sending rank's index
-    (PP stage x TP size + TP rank), `tp` its TP rank."""
-
-    hf: str
-    sender: int
-    tp: int
-    dtype: str
-    full: tuple[int, ...]
-    window: tuple[int, int, int] | None = None
-
-    @property
-    def name(self) -> str:
-        return piece_name(self.hf, self.sender)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        if self.window is None:
-            return self.full
-        dim, lo, hi = self.window
-        return self.full[:dim] + (hi - lo,) + self.full[dim + 1:]
-
-    def entry(self) -> ManifestEntry:
-        return ManifestEntry(self.name, self.dtype, self.shape, self.sender)
-
-
-def piece_name(hf: str, sender: int) -> str:
-    """The name a shard export gives sending rank `sender`'s piece of HF tensor `hf`."""
-    return f"{hf}@{sender}"
 
 
 def _strides(shape: Sequence[int]) -> list[int]:

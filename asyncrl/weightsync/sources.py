@@ -23,7 +23,7 @@ import enum
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import Bucket, digest_key_prefix, iter_buckets
@@ -34,10 +34,20 @@ from asyncrl.weightsync.transport import Transport
 
 if TYPE_CHECKING:
     from asyncrl.weightsync.plan import PushPlan
-    from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.replicas import ReplicaClient
 
 NamedTensorIter = Iterable[tuple[str, Any]]
+
+
+class StreamDriver(Protocol):
+    """What a streamed attempt needs of the publisher driving it (`push.Publisher`): its transport, its
+    timeouts, and one step run on every replica (a failure raised as StepFailed)."""
+
+    _transport: Transport
+    _cfg: Any
+
+    async def _step(self, step: Step, replicas: Sequence[ReplicaClient], call: Callable[[ReplicaClient], Awaitable[Any]],
+                    m: PushMetrics, results: dict[str, Any] | None = None) -> None: ...
 
 
 class Step(str, enum.Enum):
@@ -210,7 +220,7 @@ class StreamedSource:
         self._digests: dict[str, bytes] | None = None
         self._collecting: asyncio.Future | None = None
 
-    async def stream(self, publisher: Publisher, version: int, replicas: list[ReplicaClient], m: PushMetrics,
+    async def stream(self, publisher: StreamDriver, version: int, replicas: list[ReplicaClient], m: PushMetrics,
                      begin: tuple[Any, ...] | None = None, commit: bool = False) -> dict[str, Any] | None:
         """One attempt. `begin` (verify, staging, layout, plan_id): the replicas begin in their load
         (else they began in a call of their own). `commit`: where, once the groups are formed, one

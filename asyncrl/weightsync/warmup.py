@@ -30,7 +30,7 @@ from asyncrl.weightsync.bucket import Bucket, pack_bucket
 from asyncrl.weightsync.fingerprint import bucket_digests_lazy, buckets_digests_lazy
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-VERIFY_MODES = ("checksum", "sampled", "full")
+VERIFY_MODES = ("checksum", "full")
 
 _lock = threading.Lock()
 _warmed: set[tuple[str, tuple[torch.dtype, ...]]] = set()

@@ -182,15 +182,18 @@ def test_core_ties_pushes_to_reservations():
     assert fresh.staleness.running == 0 and fresh.staleness.capacity_left() == 4
 
 
-def test_core_credits_stale_drops_so_admission_stays_live():
+def test_core_credits_stale_drops_so_admission_stays_live(caplog):
     core = BufferCore(BufferConfig(batch_size=2, max_staleness=0, capacity=8))
     assert core.try_acquire(2)
     core.put_group(make_group(1, [0.0, 1.0], version=0))
     assert core.get_batch().size == 2
     core.set_version(1)
-    assert core.try_acquire(2)
-    core.put_group(make_group(2, [0.0, 1.0], version=0))  # an engine still on version 0
-    assert core.get_batch() is None  # stale at v=1, eta=0: dropped, never trained
+    assert core.try_acquire(2, key="late")
+    core.put_group(make_group(2, [0.0, 1.0], version=0), key="late")  # an engine still on version 0
+    with caplog.at_level("WARNING", logger="asyncrl.buffer.replay"):
+        assert core.get_batch() is None  # stale at v=1, eta=0: dropped, never trained
+    # the drop says what a run's log needs to explain it: its tokens older than its admission
+    assert "group 2 of 2 samples, oldest token version 0, admitted at 1, arrived at 1" in caplog.text
     m = core.metrics()
     assert m["buffer/dropped_stale"] == 2 and m["buffer/accepted"] == 4 and m["buffer/admitted"] == 2
     # Without the credit, admitted + running would sit at the limit (4) with an empty buffer for ever.

@@ -85,7 +85,7 @@ def _placed(names: dict[str, str]) -> dict[str, list[str]]:
             continue
         cls = a["ActorClassName"]
         for key in ("GeneratorEngine", "GeneratorGateway", "Trainer", "LearnerRank", "RewardWorkersService", "BufferService",
-                    "WeightStore", "WeightsyncService"):
+                    "WeightStore"):
             if cls == key or cls.endswith(f":{key}"):
                 out.setdefault(key, []).append(names.get(a["Address"]["NodeID"], a["Address"]["NodeID"][:8]))
     return {k: sorted(v) for k, v in out.items()}
@@ -200,11 +200,11 @@ def test_three_nodes_train_each_component_on_its_pool_and_survive_losing_the_eng
     nodes.pop(lost)  # later tests: the surviving inference node
     if lost == "inference":
         nodes["inference"] = nodes.pop("inference-spare")
-    # weightsync's store and registry hold the live version: pinned to the trainer's node, so that
+    # weightsync's store holds the live version: pinned to the trainer's node, so that
     # losing an engine or learner node cannot take them along.
     assert placed == {"GeneratorEngine": ["inference"], "GeneratorGateway": ["control"], "Trainer": ["control"],
                       "LearnerRank": ["training", "training"], "RewardWorkersService": ["control"],
-                      "BufferService": ["control"], "WeightStore": ["control"], "WeightsyncService": ["control"]}, placed
+                      "BufferService": ["control"], "WeightStore": ["control"]}, placed
     assert lost == "inference", fault
     assert final["state"] == "finished", (final, fault)
     assert final["step"] == final["policy_version"] == total and total - fault["step"] >= 5

@@ -21,12 +21,12 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Import nodes outside `if TYPE_CHECKING:` blocks."""
+def _runtime_nodes(tree: ast.AST, type_only: bool = False):
+    """Import nodes outside `if TYPE_CHECKING:` blocks (and inside them with `type_only`)."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if not type_only and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             stack.extend(node.orelse)
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -34,15 +34,15 @@ def _runtime_nodes(tree: ast.AST):
         stack.extend(ast.iter_child_nodes(node))
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_only: bool = False) -> dict[str, set[str]]:
     """module -> the asyncrl modules it imports (`from pkg import name` counts `pkg.name` when that is
-    a module, else `pkg`)."""
+    a module, else `pkg`); `type_only` counts the imports of `if TYPE_CHECKING:` blocks too."""
     mods = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         is_pkg = path.name == "__init__.py"
         deps: set[str] = set()
-        for node in _runtime_nodes(ast.parse(path.read_text())):
+        for node in _runtime_nodes(ast.parse(path.read_text()), type_only):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -111,11 +111,11 @@ def test_the_cycle_finder_finds_a_circle():
 
 
 def test_no_import_circle_between_files():
-    assert _cycles(import_graph()) == []
+    assert _cycles(import_graph(type_only=True)) == []  # type-only imports too: they tie the files as well
 
 
 def test_no_import_circle_between_packages():
-    graph = import_graph()
+    graph = import_graph(type_only=True)
     packages: dict[str, set[str]] = {}
     for module, deps in graph.items():
         packages.setdefault(_package(module), set()).update(
@@ -124,10 +124,22 @@ def test_no_import_circle_between_packages():
 
 
 def test_weightsync_imports_neither_the_learner_nor_the_generator():
-    graph = import_graph()
+    graph = import_graph(type_only=True)
     bad = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith("asyncrl.weightsync")
                  for d in deps if d.startswith(("asyncrl.learner", "asyncrl.generator")))
     assert bad == []
+
+
+# Issue 64's goal is weightsync and the engine-side weight code in <= 4,500 lines and <= 16 files; until it is met,
+# today's size is the ceiling: lower these as the code shrinks, never raise them.
+WEIGHTSYNC_MAX_LINES, WEIGHTSYNC_MAX_FILES = 9_398, 32
+
+
+def test_the_weight_code_does_not_grow():
+    files = sorted((ROOT / "weightsync").glob("*.py")) + [
+        ROOT / "generator" / "engine_update.py", ROOT / "generator" / "worker_ext.py"]
+    lines = sum(len(f.read_text().splitlines()) for f in files)
+    assert len(files) <= WEIGHTSYNC_MAX_FILES and lines <= WEIGHTSYNC_MAX_LINES, (len(files), lines)
 
 
 def test_no_file_over_600_lines():

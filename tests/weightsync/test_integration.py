@@ -370,7 +370,7 @@ async def _engines_serve(engines, demo_model_path, tensors, version: int) -> Non
 async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_export(engines, demo_model_path):
     """The real path: a Megatron actor (TP=2 over gloo) updates once, packs its export in the
     engines' own layout (the push plan formed from its HF export's manifest) straight into
-    shared-memory bucket files, and the publisher pushes those files (shm transport, sampled
+    shared-memory bucket files, and the publisher pushes those files (shm transport, checksum
     verification, digests from the learner's packer); both engines then decode exactly what
     transformers decodes with the learner's exported HF weights, tagged with the new version.
     Releasing the host copy hands its files back for reuse; closing the transport removes them."""
@@ -409,14 +409,14 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
                     for metas, sender in zip(hf_export.metas, hf_export.senders) for m in metas]
         plan = await _form_plan(engines, manifest, 0.25)
         await group.set_push_plan(pickle.dumps(plan))
-        export = await group.export_hf_tensors_packed(0.25, "shm", "sampled", "engine")
+        export = await group.export_hf_tensors_packed(0.25, "shm", "checksum", "engine")
         files = [h.path for h in export.buckets]
         assert len(files) > 1 and all(os.path.exists(f) for f in files) and len(export.digests) == len(files)
-        pub = Publisher(WeightsyncConfig(bucket_mb=0.25, timeout_s=120, verify="sampled"), transport=transport)
+        pub = Publisher(WeightsyncConfig(bucket_mb=0.25, timeout_s=120, verify="checksum"), transport=transport)
         version = start + 1
         result = await pub.publish_handles(version, export.buckets, [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)],
                                            export.digests, plan.plan_id)
-        assert result.fingerprint.startswith("sampled:") and result.metrics["weightsync/transport/shm/bytes"] > 0
+        assert result.fingerprint.startswith("checksum:") and result.metrics["weightsync/transport/shm/bytes"] > 0
         assert result.metrics["weightsync/apply_direct"] == 1.0 and result.metrics["weightsync/fingerprint_seconds"] == 0
     finally:
         await group.shutdown()

@@ -13,7 +13,6 @@ from asyncrl.config import WeightsyncConfig
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.push import Publisher, Step, WeightsyncError, preserve_rng_state
-from asyncrl.weightsync.registry import WeightsyncService
 from asyncrl.weightsync.transport import LocalTransport
 
 from .fakes import CorruptingTransport, FakeReplica, model
@@ -211,30 +210,11 @@ async def test_failing_export_is_not_retried():
     assert all("abort" in _events(log, r.name) and r.version == 0 for r in replicas)
 
 
-async def test_registry_events_are_mirrored_to_the_service():
-    svc = WeightsyncService()
-    pub, replicas, _, _ = _setup(mirror=svc.apply)
+async def test_the_registry_records_each_push_live_or_failed():
+    pub, replicas, _, _ = _setup()
     await pub.publish(1, iter(model(1).items()), replicas)
-    snap = svc.snapshot()
+    snap = pub.registry.snapshot()
     assert snap["live_version"] == 1 and snap["versions"][0]["state"] == "live"
-    assert snap["versions"][0]["fingerprint"] == pub.registry.get(1).fingerprint
-
-
-async def test_a_pushs_registry_events_reach_the_service_in_one_call_before_it_returns():
-    """`mirror_many`: a push's registry events go to the service in one call (each was a Ray call on the push's
-    path), in order, before `publish` returns or raises; the service ends as one call per event would leave it."""
-    svc, each = WeightsyncService(), WeightsyncService()
-    calls: list = []
-
-    def many(ops):
-        calls.append([op for op, _, _ in ops])
-        svc.apply_many(ops)
-
-    pub, replicas, _, _ = _setup(mirror=each.apply, mirror_many=many)
-    await pub.publish(1, iter(model(1).items()), replicas)
-    assert len(calls) == 1 and calls[0][0] == "begin" and calls[0][-1] == "go_live"
-    assert svc.snapshot()["live_version"] == 1 and svc.snapshot()["versions"][0]["state"] == "live"
-    assert each.snapshot()["live_version"] == 0  # (the one-by-one mirror was not used)
 
     def broken():
         yield "a", torch.zeros(4)
@@ -242,11 +222,8 @@ async def test_a_pushs_registry_events_reach_the_service_in_one_call_before_it_r
 
     with pytest.raises(WeightsyncError):
         await pub.publish(2, broken(), replicas)
-    assert len(calls) == 2 and calls[1][0] == "begin"
-    assert svc.snapshot()["versions"][-1]["state"] == "failed" and svc.snapshot()["live_version"] == 1
-    pub2, replicas2, _, _ = _setup(mirror=each.apply)  # without it: one call per event, as before
-    await pub2.publish(1, iter(model(1).items()), replicas2)
-    assert each.snapshot()["live_version"] == 1
+    snap = pub.registry.snapshot()
+    assert snap["versions"][-1]["state"] == "failed" and snap["live_version"] == 1
 
 
 async def test_on_live_hook_gets_the_committed_buckets():
@@ -333,9 +310,9 @@ async def test_publish_handles_with_an_unreadable_handle_registers_nothing():
     assert (await pub.publish(1, iter(model(1).items()), replicas)).version == 1
 
 
-@pytest.mark.parametrize("verify, caught", [("full", True), ("sampled", True), ("checksum", True), ("off", False)])
+@pytest.mark.parametrize("verify, caught", [("full", True), ("checksum", True), ("off", False)])
 async def test_verify_mode_decides_what_a_commit_checks(verify, caught):
-    # One flipped byte at the start of a tensor: inside the first sampled window.
+    # One flipped byte at the start of a tensor.
     pub, replicas, log, old = _setup(transport=CorruptingTransport(index=1))
     pub._cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, retries=0, timeout_s=30.0, verify=verify)
     new = model(1)

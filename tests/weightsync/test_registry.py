@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.types import WeightUpdateState as S
-from asyncrl.weightsync.registry import RegistryError, VersionRegistry, WeightsyncService
+from asyncrl.weightsync.registry import RegistryError, VersionRegistry
 
 
 def _to_committing(reg: VersionRegistry, version: int) -> None:
@@ -92,25 +92,4 @@ def test_retry_from_committing_restages_and_clears_committed_replicas():
     reg.transition(1, S.COMMITTING)
     with pytest.raises(RegistryError):
         reg.go_live(1, ["a"])  # "a" committed an earlier attempt only
-
-
-def test_service_mirrors_registry_operations():
-    svc = WeightsyncService()
-    svc.apply("begin", 1)
-    svc.apply("transition", 1, S.STAGING)
-    with pytest.raises(RegistryError):
-        svc.apply("go_live", 1, [])
-    with pytest.raises(RegistryError, match="unknown"):
-        svc.apply("__init__")
-    snap = svc.snapshot()
-    assert snap["in_flight"] == 1 and snap["versions"][0]["state"] == "staging"
-
-
-def test_the_service_applies_a_pushs_events_in_order_and_raises_the_first_bad_one_after_the_rest():
-    from asyncrl.weightsync.registry import RegistryError
-
-    svc = WeightsyncService()
-    with pytest.raises(RegistryError, match="unknown registry operation 'nope'"):
-        svc.apply_many([("begin", (1,), {}), ("nope", (), {}), ("transition", (1, S.STAGING), {})])
-    assert svc.get(1).state is S.STAGING  # (the op after the bad one still ran)
 
