@@ -203,15 +203,12 @@ def _figures(cfg: Any, eta: int, records: list[dict], rows: list[dict], warmup: 
         "push_s": _mean(timed, "weightsync/push_seconds"), "push_gbps": _mean(timed, "weightsync/gbps"),
         "push_paused_s": _mean(timed, "weightsync/paused_seconds"), "push_gb": (_mean(timed, "weightsync/bytes") or 0) / 1e9,
         "push_failed": sum(r.get("weightsync/failed", 0.0) for r in rows),
-        # weightsync.probe_wire: each push against a raw broadcast of its bytes over the same groups
-        "push_over_raw": _mean(timed, "weightsync/push_over_raw"), "paused_over_raw": _mean(timed, "weightsync/paused_over_raw"),
         # the part of push_s spent waiting for the previous version's tail (its host copies, the store's update)
         "push_tail_wait_s": _mean(timed, "weightsync/host_copy_wait_seconds"),
         "per_step": [{**{k: r.get(k) for k in ("train/step", "time/train_s", "time/sync_s", "time/elapsed_s", "train/tokens",
                                                 "train/response_tokens", "train/reward_mean", "eval/accuracy",
                                                 "weightsync/push_seconds", "weightsync/paused_seconds", "weightsync/engine_replicas",
                                                 "weightsync/failed", "buffer/staleness_mean", "weightsync/bytes",
-                                                "weightsync/raw_seconds", "weightsync/push_over_raw", "weightsync/paused_over_raw",
                                                 "weightsync/host_copy_wait_seconds", "weightsync/host_copy_seconds",
                                                 "weightsync/on_live_seconds", *BUFFER_KEYS)},
                       # where each push's time went: the senders' pack / broadcast / hash / ring waits, each replica's calls
@@ -377,9 +374,6 @@ def main(argv: list[str] | None = None) -> int:
         if r.get("eval"):
             print(f"eta={r['eta']}: held-out accuracy " + ", ".join(f"{e['accuracy']:.3f} (step {e['step']})"
                                                                   for e in r["eval"]))
-        if r.get("push_over_raw") is not None:
-            print(f"eta={r['eta']}: push / raw broadcast of its bytes over the same groups (weightsync.probe_wire): "
-                  f"{r['push_over_raw']:.2f}x, paused / raw {f(r.get('paused_over_raw'), '.2f')}x")
     return 0
 
 

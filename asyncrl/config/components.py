@@ -426,11 +426,6 @@ class WeightsyncConfig(_Section):
         "each bucket as soon as it verified (about one bucket of extra memory: hybrid and memory-bound placements), a "
         "failure restoring the last live version from its host copy.")
     timeout_s: float = Field(120.0, gt=0)
-    probe_wire: bool = Field(
-        False, description="gloo / nccl: each time the broadcast groups form, time a raw broadcast of the push's bytes "
-        "(its buckets' sizes, through one reused buffer on every member) over them; every push then reports "
-        "weightsync/raw_seconds and its push_over_raw and paused_over_raw against that floor. Costs one such broadcast "
-        "per group formation; other transports have no wire and ignore it.")
     receive_apart: bool = Field(
         False, description="gloo / NCCL: each engine worker receives a push in a thread of its own while the engine "
         "keeps generating, and reports the end to its replica, which pauses the engine only for the check and the apply "

@@ -337,18 +337,6 @@ class WeightUpdates:
                 self._groups_joined = {"workers": len(joined), "groups": sorted(joined[0])}
             return {"replica_id": self.replica_id, "groups": joined[0]}
 
-    async def probe_collective(self, sizes: list[list[int]], timeout_s: float = 120.0) -> dict[str, Any]:
-        """Every worker receives a raw broadcast of buckets of `sizes[i]` bytes from the i-th group it
-        joined (the senders time it: the wire floor of a push, `weightsync.probe_wire`)."""
-        async with self._control_lock:
-            try:
-                await self._rpc(WorkerAPI.asyncrl_probe_collective, [list(map(int, s)) for s in sizes], float(timeout_s),
-                                timeout=timeout_s + 30.0)
-            except Exception:
-                self._groups_joined = None  # a failed broadcast breaks a worker's group
-                raise
-            return {"replica_id": self.replica_id}
-
     async def leave_collective(self) -> dict[str, Any]:
         self._groups_joined = None
         await self._rpc(WorkerAPI.asyncrl_leave_collective)

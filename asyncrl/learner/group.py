@@ -288,16 +288,6 @@ class LearnerGroup:
     async def leave_collective(self) -> None:
         await self._all(LearnerRankAPI.leave_collective)
 
-    async def probe_collective(self, sizes: dict[int, list[int]], timeout_s: float) -> list[float]:
-        """Seconds of a raw broadcast of `sizes[stage]` bytes from each sending rank over its group (the
-        engine workers receive it alike: `EngineAPI.probe_collective`), in stage order. A probe that
-        failed on the wire raises the sender's `CollectiveError` and leaves the learner group usable."""
-        from asyncrl.weightsync.collective import CollectiveError
-
-        outs = [o for o in await self._all(LearnerRankAPI.probe_collective, sizes, timeout_s,
-                                           survivable=(CollectiveError,)) if o is not None]
-        return [o["seconds"] for o in sorted(outs, key=lambda o: o["sender"])]
-
     async def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float, gate: str = "") -> CollectiveExport:
         """One collective push (every rank takes part in the export; senders broadcast). A broadcast that
         failed on the wire (a receiver died; every rank finished its part of the export) raises the

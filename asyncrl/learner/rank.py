@@ -270,16 +270,6 @@ class LearnerRank:
             out = self._endpoint().broadcast(tensors, bucket_mb, verify, timeout_s, sender, gate=gate)
         return {"sender": sender, **out}
 
-    def probe_collective(self, sizes: dict[int, list[int]], timeout_s: float) -> dict[str, Any] | None:
-        """Sending ranks: a raw broadcast of buckets of `sizes[pp stage]` bytes over this rank's group
-        (the wire floor of its part of a push); {"sender", "seconds"}. Others: None."""
-        self._ready()
-        if not self._is_sender():
-            return None
-        with self._thread():
-            sender = self._sender_id()
-            return {"sender": sender, "seconds": self._endpoint().probe(sizes[sender], timeout_s)}
-
     def take_host_copies(self, timeout_s: float) -> dict[str, Any] | None:
         """The host copies (ObjectRefs, in bucket order) of this rank's last broadcast, once all
         are in the object store (non-sending ranks: None). Each push's copies are taken once."""

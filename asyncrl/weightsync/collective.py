@@ -481,21 +481,6 @@ class CollectiveGroup:
         except Exception as err:
             raise self._failed(tensors, err) from err
 
-    def probe_wire(self, sizes: list[int], deadline: float) -> float:
-        """A raw broadcast of buckets of `sizes` bytes (gloo / NCCL), enqueued back to back through one
-        reused buffer on each member: the wire floor of a push of those buckets (`weightsync.probe_wire`).
-        Every member calls it with the same sizes. Returns the seconds from the moment every member is
-        in (a one-byte broadcast first) to the last byte here. Same failure rules as `broadcast_all`."""
-        if self.spec.backend == "ipc":
-            raise CollectiveError(f"group {self.spec.group_id}: an ipc group passes handles, it has no wire to probe")
-        if not sizes or min(sizes) <= 0:
-            raise ValueError(f"probe_wire: bucket sizes must be positive, got {sizes[:8]}")
-        buffer = torch.zeros(max(sizes), dtype=torch.uint8, device=self.device)
-        self.broadcast_all([buffer[:1]], deadline)  # every member is in
-        t = time.perf_counter()
-        self.broadcast_all([buffer[:n] for n in sizes], deadline)
-        return time.perf_counter() - t
-
     def _failed(self, tensors: list[torch.Tensor], err: BaseException) -> "CollectiveError":
         self.broken = True
         self.close()

@@ -3,9 +3,8 @@
 Owns: `CollectiveLink`, the groups between a learner group's sending ranks and every engine worker
 of the running replicas: formed before the first push and again whenever the running replicas,
 the senders or (under a shard plan) the engine ranks each sender feeds change; each push's gate
-token, its senders' call, the replicas' check beside it, and the raw-broadcast probe of the wire
-(`weightsync.probe_wire`). service.py builds one per run; the replicas' and the learner's sides
-are the calls it is given.
+token, its senders' call and the replicas' check beside it. service.py builds one per run; the
+replicas' and the learner's sides are the calls it is given.
 
 Must never: decide when a version is live (push.py), or reach a replica except through the calls
 it was given.
@@ -16,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -46,20 +44,15 @@ class CollectiveLink:
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
                  ipc_window: int | None = None, check: Callable[[], Awaitable[dict[str, Any]]] | None = None,
-                 probe: Callable[[list[list[int]]], Awaitable[Any]] | None = None,
-                 probe_sizes: Callable[[], dict[int, list[int]]] | None = None, receive_apart: bool = False,
+                 receive_apart: bool = False,
                  ranks_of: Callable[[], dict[int, tuple[int, ...]] | None] | None = None) -> None:
         from asyncrl.weightsync.collective import IPC_WINDOW
 
         self.backend, self.learner = backend, learner
         self._members_call, self._join_call = members, join
-        # gloo / NCCL with weightsync.probe_wire: the replicas' side of a wire probe, and the bytes it sends
-        self._probe_call = probe
-        self._probe_sizes = probe_sizes
         # sender -> the engine ranks whose workers its group holds (`WeightPublisher.sender_ranks`; None: all)
         self._ranks_of = ranks_of
         self.membership: dict[int, tuple[int, ...]] | None = None  # ... as the groups were formed
-        self.raw: tuple[float, int] | None = None  # the last probe: (seconds, bytes) over the current groups
         self.bucket_mb, self.timeout_s = bucket_mb, timeout_s
         self.receive_apart = receive_apart  # gloo / NCCL: the replicas' workers receive apart from their engines
         self.ipc_window = IPC_WINDOW if ipc_window is None else ipc_window
@@ -165,36 +158,6 @@ class CollectiveLink:
         log.info("weightsync: %s broadcast group(s) %s formed with %d replica(s), %s ranks%s", self.backend,
                  self.group_ids, len(members), "/".join(str(s.world_size) for s in specs),
                  f" (engine ranks per sender: {membership})" if membership else "")
-        self.raw = None
-        if self._probe_call is not None and self._probe_sizes is not None:
-            await self._probe()
-
-    async def _probe(self) -> None:
-        """A raw broadcast of a push's bytes over the groups just formed (weightsync.probe_wire), timed
-        by the senders: `raw`. A probe that fails breaks its groups: they are formed again at once, and
-        no probe runs again (the failure is logged)."""
-        sizes = self._probe_sizes()
-        per_group = [sizes.get(s.sender, []) for s in self.specs]
-        if not sizes or not all(per_group):
-            log.warning("weightsync.probe_wire: no bytes to probe for every group (%s); not probed", sorted(sizes))
-            return
-        t = time.perf_counter()
-        try:
-            _, seconds = await asyncio.gather(self._probe_call(per_group), self.learner.probe_collective(sizes, self.timeout_s))
-        except Exception as err:
-            log.warning("weightsync.probe_wire: the probe over %s failed (%s: %s); forming the groups again, without "
-                        "probes from now on", self.group_ids, type(err).__name__, err)
-            self._probe_call = None
-            self.forget()
-            await self.ensure()
-            return
-        nbytes = sum(sum(v) for v in per_group)
-        # a worker receives from its groups one after another, as a push is received: their times add up, unless
-        # no worker is in two groups (each shard plan sender's group holds only its ranks): then they run at once
-        self.raw = (float(max(seconds) if self.disjoint else sum(seconds)), nbytes)
-        log.info("weightsync: raw broadcast of %.1f MB over %s: %.1f ms (%.1f GB/s), in %.2f s with its calls",
-                 nbytes / 1e6, self.group_ids, 1e3 * self.raw[0], nbytes / max(self.raw[0], 1e-9) / 1e9,
-                 time.perf_counter() - t)
 
     def payload(self, version: int) -> Any:
         """The replicas' side of one push attempt; on gloo / NCCL it names a new gate, which `send` uses."""

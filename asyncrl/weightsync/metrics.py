@@ -41,9 +41,6 @@ tail"); the next push reports it, i.e. these describe the PREVIOUS version:
                                    (vLLM's reload_weights on the slowest worker), as the replica reports it
   weightsync/replica/<name>/<step>_seconds   every other step too (pause, begin_update, resume, ...)
   weightsync/timeline/<state>_s    seconds from registration to entering each state
-  weightsync/raw_seconds, push_over_raw, paused_over_raw  with `weightsync.probe_wire` (gloo / NCCL): a raw
-                                   broadcast of this push's bytes over the same groups, timed when they
-                                   formed (service.py), and push_seconds / paused_seconds over it
 Cumulative counters (pushes_total, pushes_failed_total, retries_total, ...) are added by the
 publisher.
 

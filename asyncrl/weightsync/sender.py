@@ -166,15 +166,6 @@ class SenderEndpoint:
         return {"digests": sent.digests, "bytes": sent.bytes, "num_tensors": sent.num_tensors,
                 "num_buckets": sent.num_buckets, "seconds": sent.seconds}
 
-    def probe(self, sizes: list[int], timeout_s: float) -> float:
-        """`CollectiveGroup.probe_wire` over this rank's group: seconds for a raw broadcast of `sizes`."""
-        from asyncrl.weightsync.collective import CollectiveError
-
-        group = self.group
-        if group is None or group.broken:
-            raise CollectiveError("no usable weight broadcast group (join_collective first)")
-        return group.probe_wire(list(sizes), time.monotonic() + timeout_s)
-
     def take_host_copies(self, timeout_s: float) -> dict[str, Any]:
         """The host copies (ObjectRefs, in bucket order) of the last broadcast, once all are in
         the object store. Each push's copies are taken once."""

@@ -98,10 +98,6 @@ class WeightPublisher:
             on_live=weight_store_hook(self.store, lambda version: self.plan),
         )
         self.transport = transport
-        # weightsync.probe_wire: only a broadcast (gloo / NCCL) has a wire to probe; ipc passes handles
-        probe_wire = self.cfg.probe_wire and getattr(transport, "streamed", False) and transport.backend != "ipc"
-        if self.cfg.probe_wire and not probe_wire:
-            log.info("weightsync.probe_wire: the %s transport has no broadcast wire to probe; ignored", transport.name)
         if getattr(transport, "streamed", False):
             from asyncrl.weightsync.collective import ipc_window_for
 
@@ -114,9 +110,7 @@ class WeightPublisher:
                 # beside each push (its fan-out count untouched): are the groups' members still the replicas?
                 check=lambda: control.call(EngineAPI.collective_info, timeout_s=min(30.0, self.cfg.timeout_s)),
                 join=lambda wire: control.call(EngineAPI.join_collective, wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
-                probe=(lambda sizes: control.call(EngineAPI.probe_collective, sizes, self.cfg.timeout_s,
-                                                  timeout_s=self.cfg.timeout_s + 30.0)) if probe_wire else None,
-                probe_sizes=self.probe_sizes, ranks_of=self.sender_ranks,
+                ranks_of=self.sender_ranks,
             )
             self.replicas.channel_members = lambda: self.link.members if self.link is not None else {}
         # The seed (and, for collective transports, every host copy) lives in the object store.
@@ -221,19 +215,6 @@ class WeightPublisher:
         from asyncrl.weightsync.shards import sender_ranks
 
         return sender_ranks(self.plan) if self.plan is not None else None
-
-    def probe_sizes(self) -> dict[int, list[int]]:
-        """The bytes of a push per sending rank (PP stage; each TP rank of it under a shard plan), as its buckets:
-        the plan's, or (HF tensors) each rank's tensors in buckets of weightsync.bucket_mb. What a wire probe
-        broadcasts."""
-        if self.plan is not None:
-            senders = sorted({b.sender for b in self.plan.buckets})
-            return {s: [int(b.nbytes) for b in self.plan.for_sender(s)] for s in senders}
-        per: dict[int, int] = {}
-        for e in self.manifest or []:
-            per[e.sender] = per.get(e.sender, 0) + e.nbytes
-        cap = max(1, int(self.cfg.bucket_mb * 2**20))
-        return {s: [cap] * (n // cap) + ([n % cap] if n % cap else []) for s, n in sorted(per.items()) if n}
 
     async def rebind_learner(self, learner: Any) -> None:
         """A restarted learner group takes the old one's place: it packs for the same push plan
@@ -356,13 +337,6 @@ class WeightPublisher:
         metrics["weightsync/engine_replicas"] = float(len(self.replicas.last_results))
         if self.link is not None:  # 1: the load reached the replicas over their push channels, 0: through Serve
             metrics["weightsync/push_channel"] = float(self.replicas.last_load_channel)
-        raw = self.link.raw if self.link is not None else None
-        if raw is not None and metrics.get("weightsync/bytes") and not result.metrics.get("weightsync/failed"):
-            floor = raw[0] * float(metrics["weightsync/bytes"]) / raw[1]  # the probe's wire time, scaled to these bytes
-            metrics["weightsync/raw_seconds"] = floor
-            for key in ("push", "paused"):
-                if f"weightsync/{key}_seconds" in metrics:
-                    metrics[f"weightsync/{key}_over_raw"] = metrics[f"weightsync/{key}_seconds"] / floor
         if self.link is not None:  # pushes that went without asking the replicas and senders first
             metrics["weightsync/group_checks_skipped"] = float(self.link.checks_skipped)
         for warning in result.warnings:

@@ -499,20 +499,6 @@ class WorkerVerbs:
             group.release_kept()
         self._asyncrl_rx().release_views()
 
-    def asyncrl_probe_collective(self, sizes: list[list[int]], timeout_s: float) -> None:
-        """Receive a raw broadcast of buckets of `sizes[i]` bytes from the i-th group joined (in the
-        order of the senders, as a push is received): `CollectiveGroup.probe_wire`."""
-        import time
-
-        order = self.__dict__.get("_asyncrl_group_order", [])
-        if len(order) != len(sizes):
-            raise ValueError(f"probe of {len(sizes)} group(s), but this worker was formed with {len(order)}")
-        groups = self.__dict__.get("_asyncrl_groups", {})
-        deadline = time.monotonic() + timeout_s
-        for gid, sz in zip(order, sizes):
-            if gid in groups:  # (a group this worker is not a member of is probed without it)
-                groups[gid].probe_wire(list(sz), deadline)
-
     def asyncrl_collective_groups(self) -> list[str]:
         """Ids of the groups this worker is ready for: those it holds that can still carry a push, and
         those formed without it (`GroupSpec.takes`)."""

@@ -563,50 +563,6 @@ def test_a_receiver_whose_sender_never_sends_times_out_and_the_group_is_broken(b
     sender.close()
 
 
-def test_a_wire_probe_times_a_raw_broadcast_of_the_buckets_and_the_group_then_carries_a_push():
-    """weightsync.probe_wire: every member joins a broadcast of buckets of the push's sizes through one reused
-    buffer; the sender's seconds are its floor. The group is left as it was: a push over it arrives bit-exact."""
-    spec = _spec(receivers=2)
-    sender, *receivers = _join_all(spec)
-    sizes = [3 << 20, 1 << 20, (5 << 19) + 3]
-    probed: dict[int, float] = {}
-    threads = [threading.Thread(target=lambda g=g: probed.__setitem__(g.rank, g.probe_wire(sizes, time.monotonic() + 20)))
-               for g in receivers]
-    for t in threads:
-        t.start()
-    seconds = sender.probe_wire(sizes, time.monotonic() + 20)
-    for t in threads:
-        t.join(30)
-    assert seconds > 0 and sorted(probed) == [1, 2] and not any(g.broken for g in (sender, *receivers))
-    weights = model(2)
-    got: dict[int, dict[str, torch.Tensor]] = {}
-
-    def receive(group: CollectiveGroup) -> None:
-        got[group.rank] = {n: t.clone() for bucket, _ in receive_stream(group, time.monotonic() + 20)
-                           for n, t in unpack_bucket(bucket)}
-
-    _push_while_receiving(sender, receivers, receive, weights, "full")
-    assert sorted(got) == [1, 2] and all(torch.equal(got[r][k], weights[k]) for r in got for k in weights)
-    with pytest.raises(ValueError, match="positive"):
-        sender.probe_wire([], time.monotonic() + 1)
-    for g in (sender, *receivers):
-        g.close()
-
-
-def test_a_wire_probe_whose_receiver_never_joins_fails_by_its_deadline_and_breaks_the_group():
-    sender, receiver = _join_all(_spec(receivers=1, timeout_s=3.0))  # (gloo waits out the group's timeout)
-    t = time.monotonic()
-    with pytest.raises(CollectiveError, match="broadcast"):
-        sender.probe_wire([1 << 20], time.monotonic() + 1.0)
-    assert time.monotonic() - t < 8 and sender.broken
-    receiver.close()
-    ipc_sender, ipc_receiver = _join_all(_spec(receivers=1, backend="ipc"))
-    with pytest.raises(CollectiveError, match="no wire to probe"):
-        ipc_sender.probe_wire([1 << 20], time.monotonic() + 1.0)
-    for g in (ipc_sender, ipc_receiver):
-        g.close()
-
-
 def _bucket_files() -> set[str]:
     import os
 
@@ -1028,9 +984,9 @@ async def test_groups_are_formed_again_only_when_replicas_change_or_a_member_bro
     assert link.formed == 4 and link.members == {"a": 1, "b": 2} and link.specs[0].world_size == 4
 
 
-async def test_a_shard_plans_groups_form_again_when_the_ranks_each_sender_feeds_change_and_probe_at_once():
-    """`ranks_of` (the service's `sender_ranks`): the groups hold only the ranks each sender feeds, form again when
-    that changes, and a probe over groups that share no worker takes as long as the slowest one, not the sum."""
+async def test_a_shard_plans_groups_form_again_when_the_ranks_each_sender_feeds_change():
+    """`ranks_of` (the service's `sender_ranks`): the groups hold only the ranks each sender feeds (disjoint: no
+    worker in two groups, so they run at once), and form again when that changes."""
     from asyncrl.weightsync.link import CollectiveLink
 
     learner = _FakeLearner()
@@ -1042,26 +998,15 @@ async def test_a_shard_plans_groups_form_again_when_the_ranks_each_sender_feeds_
     replicas, _, members, join = _fake_replicas()
     replicas["a"]["workers"] = 2
     feeds = {"now": {0: (0,), 1: (1,)}}
-    probed = []
-
-    async def probe(per_group):
-        probed.append(per_group)
-
-    async def probe_collective(sizes, timeout_s):
-        return [0.03, 0.05]  # each sender's own time
-
-    learner.probe_collective = probe_collective
-    link = CollectiveLink("nccl", learner, members=members, join=join, bucket_mb=1, timeout_s=5, probe=probe,
-                          probe_sizes=lambda: {0: [10], 1: [20]}, ranks_of=lambda: feeds["now"])
+    link = CollectiveLink("nccl", learner, members=members, join=join, bucket_mb=1, timeout_s=5, ranks_of=lambda: feeds["now"])
     await link.ensure()
     assert [s.ranks for s in link.specs] == [(0,), (1,)] and all(s.world_size == 2 for s in link.specs)
-    assert link.disjoint and link.raw == (0.05, 30) and probed == [[[10], [20]]]
+    assert link.disjoint
     await link.ensure()
     assert link.formed == 1  # the same members and ranks: kept
     feeds["now"] = None  # a gathered plan now: every worker in every group
     await link.ensure()
     assert link.formed == 2 and [s.ranks for s in link.specs] == [(), ()] and not link.disjoint
-    assert link.raw == pytest.approx((0.08, 30))  # each worker takes both groups, one after the other
 
 
 async def test_an_ipc_link_checks_its_groups_again_unless_the_last_push_reached_exactly_their_members():
@@ -1174,24 +1119,6 @@ async def test_a_push_whose_loads_all_returned_stops_an_ipc_sender_waiting_for_a
         assert r.version == 0 and all(torch.equal(r.weights[k], old[k]) for k in old)
     for g in (sender, *members):
         g.close()
-
-
-def test_a_wire_probe_sends_each_senders_bytes_as_its_push_buckets_them():
-    """`WeightPublisher.probe_sizes`: the plan's buckets per sending rank, or (HF tensors) each rank's
-    tensors in buckets of weightsync.bucket_mb; what the probe broadcasts is what a push sends."""
-    from types import SimpleNamespace
-
-    from asyncrl.config import WeightsyncConfig
-    from asyncrl.weightsync.plan import ManifestEntry
-    from asyncrl.weightsync.service import WeightPublisher
-
-    pub = WeightPublisher(WeightsyncConfig(bucket_mb=1, probe_wire=True), engine=None, learner=None)
-    pub.manifest = [ManifestEntry("a", "float32", (1024, 640), 0), ManifestEntry("b", "bfloat16", (3, 5), 1),
-                    ManifestEntry("c", "float32", (256, 1024), 0)]
-    assert pub.probe_sizes() == {0: [1 << 20] * 3 + [1 << 19], 1: [30]}  # 3.5 MiB on stage 0, 30 bytes on stage 1
-    buckets = [SimpleNamespace(sender=1, nbytes=7), SimpleNamespace(sender=0, nbytes=5), SimpleNamespace(sender=0, nbytes=9)]
-    pub.plan = SimpleNamespace(buckets=buckets, for_sender=lambda s: [b for b in buckets if b.sender == s])
-    assert pub.probe_sizes() == {0: [5, 9], 1: [7]}
 
 
 def test_the_gate_opens_once_every_member_arrived_and_a_closed_or_missed_gate_stops_everyone_before_the_wire():
