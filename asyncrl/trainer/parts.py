@@ -123,6 +123,11 @@ async def warm_up_learners(cfg: RootConfig, groups: list[Any | None], placement:
     engines asleep and the learner's state on its devices, as in a step."""
     if not cfg.learner.warm_up:
         return
+    if cfg.hybrid.enabled and cfg.generator.engine == "sglang" and not cfg.generator.engine_kwargs.get("enable_weights_cpu_backup"):
+        # the warm-up's switch sleeps the engines keeping their weights (level 1), which SGLang does only with a backup
+        log.info("learner warm-up skipped: hybrid SGLang engines keep no weights asleep without "
+                 "generator.engine_kwargs.enable_weights_cpu_backup; the first step pays it")
+        return
 
     async def run() -> None:
         for g in (g for g in groups if g is not None):

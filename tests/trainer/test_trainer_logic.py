@@ -187,3 +187,12 @@ def test_the_learner_warm_up_runs_once_per_trainable_group_only_where_asked_insi
     unasked = Placement()
     run({**base, "learner": {"micro_batch_size": 3, "warm_up": False}}, placement=unasked)
     assert unasked.entered == 0  # no warm-up: the engines are not put to sleep for nothing
+    sglang = Placement()  # SGLang sleeps keeping its weights only with their host backup
+    hybrid_sglang = {**hybrid, "generator": {"num_gpus": 1, "engine": "sglang", "engine_kwargs": {"enable_memory_saver": True, "dtype": "float16"}}}
+    assert run(hybrid_sglang, 9, sglang) == ([], []) and sglang.entered == 0
+    backed = Placement()
+    with_backup = {**hybrid, "generator": {"num_gpus": 1, "engine": "sglang",
+                                           "engine_kwargs": {"enable_memory_saver": True, "dtype": "float16",
+                                                             "enable_weights_cpu_backup": True}}}
+    run(with_backup, 9, backed)
+    assert backed.entered == 1
