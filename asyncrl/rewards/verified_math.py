@@ -6,7 +6,7 @@ mathematics, not as text: `\\boxed{\\frac{1}{2}}` = `0.5` = `1/2`, `\\dfrac34` =
 `\\{1, 2\\}` = `\\{2, 1\\}`, units and `\\text{...}` dropped, a GSM8K reference's `#### 72` read as `72`.
 The completion's answer is its last `\\boxed{}` when it has one (the priority math-verify gives it),
 else its last LaTeX or plain expression. Data: a verl-style parquet (`data.kind: parquet`, the answer
-at `reward_model.ground_truth`) or JSONL with an `answer` column; see the README's data section.
+at `reward_model.ground_truth`) or JSONL with an `answer` column; see docs/GUIDE.md, "Your data".
 
 Timeouts: math-verify bounds each parse and each comparison (`PARSE_TIMEOUT_S`, `VERIFY_TIMEOUT_S`,
 signal alarms in the reward pool's worker process, whose main thread runs the call): one that runs

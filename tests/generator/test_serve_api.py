@@ -535,7 +535,7 @@ def _transformers_greedy(path: str, chat: list[dict], max_new_tokens: int) -> st
 
 def test_generate_messages_apply_the_chat_template_and_answer(gen):
     """`messages` is rendered with the chat template server-side: the same tokens and answer as
-    the README's raw-text example (the rendered text sent as `prompt`) and as /v1/chat/completions,
+    docs/GUIDE.md's raw-text example (the rendered text sent as `prompt`) and as /v1/chat/completions,
     and the answer transformers' greedy decoding gives (version 0 here: the warm start, whose answer
     to 23 + 45 depends on the machine that built it: 68 on some, 78 on others)."""
     chat = [{"role": "user", "content": "What is 23 + 45?"}]
