@@ -286,8 +286,8 @@ peers)
   # (8 x 8), completions of exactly PEERS_TOKENS tokens (256), lr PEERS_LR (1e-6), bf16; PEERS_WARMUP steps (3)
   # left out, PEERS_STEPS (8) timed. Rows go to $OUT/peers.json (each run appends when it ends), the table to
   # $OUT/peers.md, the bars to $OUT/peers.png. PEERS_ARGS adds knobs to both sides (e.g. "--micro-batch-size 16",
-  # or "--no-fixed-length --eval-every 25" for the demo model). PEERS_RUNS picks runs from "trl hybrid hybrid-resident hybrid-always gpu1 serve verl" (hybrid: the default
-  # learner_offload when_short; hybrid-resident: the learner's state never offloaded; hybrid-always: offloaded at every switch; default the
+  # or "--no-fixed-length --eval-every 25" for the demo model). PEERS_RUNS picks runs from "trl hybrid hybrid-resident hybrid-always hybrid-level1 gpu1 serve verl" (hybrid: the default
+  # learner_offload when_short; hybrid-resident: the learner's state never offloaded; hybrid-always: offloaded at every switch; hybrid-level1: the engine keeps its weights asleep; default the
   # first three; PEERS_SERVE=1 adds serve: `vllm serve` vs our API, benchmarks/generation.py). A run gets at most
   # its cap (TRL_TIMEOUT 240, HYBRID_TIMEOUT 300: a cold machine takes 100-130 s to its app, GPU1_TIMEOUT 320, SERVE_TIMEOUT 400 s) and never more than is
   # left of PEERS_BUDGET (560 s since this script began). Expects TRL's parts (benchmarks/peers/wheels.sh) in
