@@ -28,8 +28,6 @@ from asyncrl.generator.versions import (
 )
 from asyncrl.weightsync.store import WeightStore
 from asyncrl.weightsync.fingerprint import (
-    SAMPLE_WINDOW,
-    SAMPLE_WINDOWS,
     combine_digests,
     fingerprint_mode,
     tensor_digest,
@@ -213,25 +211,24 @@ def test_fingerprint_covers_name_dtype_shape_and_bytes_in_name_order():
 
 
 def test_fingerprint_modes_are_named_in_the_digest_and_differ_in_what_they_cover():
-    big = torch.arange(SAMPLE_WINDOW * SAMPLE_WINDOWS, dtype=torch.float32)  # 4x the sampled budget
+    big = torch.arange(4096 * 32, dtype=torch.float32)
     a = {"big": big, "small": torch.ones(7)}
-    full, sampled, checksum, off = (tensor_fingerprint(a, m) for m in ("full", "sampled", "checksum", "off"))
-    assert [fingerprint_mode(f) for f in (full, sampled, checksum, off)] == ["full", "sampled", "checksum", "off"]
-    assert len({f.split(":")[1] for f in (full, sampled, checksum, off)}) == 4
+    full, checksum, off = (tensor_fingerprint(a, m) for m in ("full", "checksum", "off"))
+    assert [fingerprint_mode(f) for f in (full, checksum, off)] == ["full", "checksum", "off"]
+    assert len({f.split(":")[1] for f in (full, checksum, off)}) == 3
 
-    between = big.clone()  # a byte between two sampled windows: only `full` sees it
-    between.view(torch.uint8)[SAMPLE_WINDOW + 10] ^= 1
-    in_window = big.clone()  # a byte inside the first window: `sampled` sees it too
-    in_window.view(torch.uint8)[10] ^= 1
-    for m, sees_between in (("full", True), ("sampled", False), ("checksum", True), ("off", False)):
+    flipped = big.clone()  # one byte anywhere: every mode that reads bytes sees it
+    flipped.view(torch.uint8)[4096 + 10] ^= 1
+    for m, reads_bytes in (("full", True), ("checksum", True), ("off", False)):
         fp = tensor_fingerprint(a, m)
-        assert (tensor_fingerprint({**a, "big": between}, m) != fp) is sees_between, m
-        assert (tensor_fingerprint({**a, "big": in_window}, m) != fp) is (m != "off"), m
+        assert (tensor_fingerprint({**a, "big": flipped}, m) != fp) is reads_bytes, m
         assert tensor_fingerprint({**a, "big": big.reshape(2, -1)}, m) != fp  # shape: every mode
         assert tensor_fingerprint({"big": big}, m) != fp  # a missing tensor: every mode
     # per-tensor digests combine to the same fingerprint in any arrival order
-    digests = {n: tensor_digest(n, t, "sampled") for n, t in reversed(list(a.items()))}
-    assert combine_digests(digests, "sampled") == sampled
+    digests = {n: tensor_digest(n, t, "checksum") for n, t in reversed(list(a.items()))}
+    assert combine_digests(digests, "checksum") == checksum
+    with pytest.raises(ValueError):
+        tensor_fingerprint(a, "sampled")  # a mode that no longer exists
     for bad in ("abc", "fast:00", "full:"):
         with pytest.raises(ValueError):
             fingerprint_mode(bad)
@@ -243,14 +240,14 @@ def test_batched_digests_equal_per_tensor_digests_and_stay_stable():
     """`tensor_digests` (one host copy per bucket) must hash exactly what `tensor_digest` hashes:
     the two sides of a push may use either, and a stored fingerprint must keep its meaning."""
     g = torch.Generator().manual_seed(0)
-    big = torch.arange(SAMPLE_WINDOW * SAMPLE_WINDOWS, dtype=torch.float32)
+    big = torch.arange(4096 * 32, dtype=torch.float32)
     a = {"big": big, "bf16": torch.randn(300, 70, generator=g).to(torch.bfloat16), "scalar": torch.tensor(2.0),
          "empty": torch.empty(0, 3), "ints": torch.arange(70000)}
-    for mode in ("full", "sampled", "checksum", "off"):
+    for mode in ("full", "checksum", "off"):
         assert tensor_digests(a.items(), mode) == {n: tensor_digest(n, t, mode) for n, t in a.items()}, mode
-    # computed before the batched form existed (checksum: 64-bit words, 2026-11-25; sampled: each window
-    # as its checksum, read where it lies, 2026-11-26; fingerprints live for one run, none is stored on disk)
-    golden = {"full": "a9b5294fae278af0139575ee36f2adea", "sampled": "d214a8db640fb11384d9bd51732cea34",
+    # computed before the batched form existed (checksum: 64-bit words, 2026-11-25; fingerprints live for one
+    # run, none is stored on disk)
+    golden = {"full": "a9b5294fae278af0139575ee36f2adea",
               "checksum": "cdce6f0738c5505ff263bea4fec3a7f5",
               "off": "f23cbc01029501d89f8e3e2775ad9628"}
     assert {m: tensor_digest("big", big, m).hex()[:32] for m in golden} == golden
@@ -340,8 +337,8 @@ def test_weight_store_keeps_latest_verified_version():
     packed = list(iter_buckets(w2.items(), 1.0))  # what weightsync's on_live hook hands over
     with pytest.raises(ValueError, match="fingerprint mismatch"):
         store.publish(2, packed, tensor_fingerprint(w))
-    store.publish(2, packed, tensor_fingerprint(w2, "sampled"))
-    assert store.latest()[1] is not None and store.latest()[2].startswith("sampled:") and store.version() == 2
+    store.publish(2, packed, tensor_fingerprint(w2, "checksum"))
+    assert store.latest()[1] is not None and store.latest()[2].startswith("checksum:") and store.version() == 2
 
 
 def test_weight_store_keeps_the_current_push_plan_apart_from_the_stored_versions_plan():
