@@ -265,7 +265,7 @@ longseq)
     i=$((i + 1)); log=$OUT/longseq_$i.log
     echo "longseq $i [$e]: starts at t=$SECONDS s, at most $left s"
     timeout -k 10 $left python3 benchmarks/learner_step.py --model $M --sections role --batch $batch --seq-len $seq \
-        --prompt-len 256 --group-size $batch --micro-batch-size 1 --warmup 1 --steps 2 $flags --out $OUT/longseq_$i.json > $log 2>&1
+        --prompt-len 256 --group-size $(( batch > 1 ? batch : 2 )) --micro-batch-size 1 --warmup 1 --steps 2 $flags --out $OUT/longseq_$i.json > $log 2>&1
     echo "longseq $i rc=$? t=$SECONDS s"
     grep '^\[learner_step\] role:' $log | cut -c1-1800
     grep -iE "Traceback|Error|out of memory" $log | grep -v Warning | tail -4 | cut -c1-400

@@ -263,10 +263,10 @@ class MemoryConfig(_Section):
     recompute_layers: int = Field(1, gt=0, description="full: layers per recomputed group (uniform) or recomputed "
                                   "layers per stage (block).")
     optimizer: Literal["device", "host"] = Field(
-        "device", description="Where the optimizer keeps its fp32 state (Adam's two moments and the master weights) "
-        "and steps: device, or host = Megatron's CPU-offloaded optimizer (its distributed optimizer with every shard "
-        "stepped by torch's fused AdamW on the host; grads go down and params come back each step). Frees 12 bytes a "
-        "parameter of device memory, e.g. a 7B on one GPU, for a step that waits on the host's Adam. A learner without "
+        "device", description="Where the optimizer keeps Adam's two fp32 moments and steps: device, or host = Megatron's "
+        "CPU-offloaded optimizer (its distributed optimizer, each shard stepped by torch's fused AdamW on the host; grads "
+        "go down and params come back each step; the fp32 master weights stay on the device). Frees 8 bytes a "
+        "parameter of device memory, e.g. a 7B's long sequences on one GPU, for a step that waits on the host's Adam. A learner without "
         "an accelerator keeps it on the host either way.")
     optimizer_host_fraction: float = Field(
         1.0, gt=0, le=1, description="optimizer host: the share of the parameters (in order) whose optimizer state and "

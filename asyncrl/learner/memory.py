@@ -57,8 +57,7 @@ def out_of_memory_error(verb: str, rank: int, lengths: Sequence[int], learner_cf
     fixes.append(f"a smaller learner.logprob_chunk_size (now {cfg.logprob_chunk_size}: tokens whose vocabulary-wide "
                  "logits exist at once)")
     if cfg.memory.optimizer != "host" and total_bytes:
-        fixes.append("the optimizer's fp32 state on the host: learner.memory.optimizer: host (12 bytes a parameter "
-                     "off the device)")
+        fixes.append("Adam's moments on the host: learner.memory.optimizer: host (8 bytes a parameter off the device)")
     fixes.append("more ranks to shard over: tensor_model_parallel_size / context_parallel_size in learner.strategy_config")
     longest = max(lengths, default=0)
     message = (f"learner rank {rank} ran out of device memory in {verb}: {len(lengths)} sequences (longest {longest} "

@@ -161,10 +161,6 @@ class Publisher:
         self.last_metrics: dict[str, float] = {}
         self.totals = {k: 0 for k in ("pushes_total", "pushes_failed_total", "retries_total", "rollbacks_total", "out_of_service_total")}
 
-    # ---- registry ---------------------------------------------------------------------------
-    def _reg(self, op: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.registry, op)(*args, **kwargs)
-
     @property
     def host_version(self) -> int | None:
         return self._host.version if self._host else None
@@ -239,12 +235,12 @@ class Publisher:
 
     async def _publish_held(self, version: int, source: "BucketSource | StreamedSource", replicas: list[ReplicaClient],
                             names: list[str], m: PushMetrics, tail_warnings: list[str]) -> PushResult:
-        self._reg("begin", version)
+        self.registry.begin(version)
         self.totals["pushes_total"] += 1
         try:
             for attempt in range(self._cfg.retries + 1):
                 m.attempts = attempt + 1
-                self._reg("transition", version, S.STAGING)
+                self.registry.transition(version, S.STAGING)
                 try:
                     fingerprint = await self._attempt(version, source, replicas, m)
                     break
@@ -263,7 +259,7 @@ class Publisher:
             if isinstance(source, StreamedSource):
                 source.discard(self._transport)
             if self.registry.in_flight == version:  # cancelled, or a bug: never leave it in flight
-                self._reg("transition", version, S.FAILED, error=f"{type(exc).__name__}: {exc}")
+                self.registry.transition(version, S.FAILED, error=f"{type(exc).__name__}: {exc}")
                 m.failed = True
                 self._finish(m, version)
             raise
@@ -315,8 +311,8 @@ class Publisher:
             except Exception as exc:
                 raise StepFailed(Step.FINGERPRINT, {"publisher": exc},
                                  restore=list(committed or ())) from exc
-            self._reg("set_payload", version, fingerprint=fingerprint, num_bytes=m.bytes, num_tensors=m.num_tensors)
-            self._reg("transition", version, S.COMMITTING)
+            self.registry.set_payload(version, fingerprint=fingerprint, num_bytes=m.bytes, num_tensors=m.num_tensors)
+            self.registry.transition(version, S.COMMITTING)
             if committed is not None:  # each replica checked the senders' fingerprint and committed in its load
                 wrong = {}
                 for r in replicas:
@@ -327,8 +323,8 @@ class Publisher:
                 if wrong:
                     raise StepFailed(Step.COMMIT, wrong, restore=[r.name for r in replicas])
                 for r in replicas:
-                    self._reg("replica_committed", version, r.name)
-                self._reg("go_live", version, [r.name for r in replicas])
+                    self.registry.replica_committed(version, r.name)
+                self.registry.go_live(version, [r.name for r in replicas])
                 trace.mark("pub.live")
                 return fingerprint
             if not pause_sent and not own_pause:
@@ -339,13 +335,13 @@ class Publisher:
             ok, bad = await self._run(Step.COMMIT, replicas, lambda r: self._commit(r, version, fingerprint, m), m)
             m.commit_seconds += time.perf_counter() - t
             for name in ok:
-                self._reg("replica_committed", version, name)
+                self.registry.replica_committed(version, name)
             if bad:
                 # Committed peers are ahead of the failed ones, and a non-verify commit failure
                 # may be half applied (so may any bucketed one): all of them go back to the last live version.
                 restore = ok + [n for n, e in bad.items() if bucketed or not is_verify_failure(e)]
                 raise StepFailed(Step.COMMIT, bad, retryable=not any(map(is_replica_dead, bad.values())), restore=restore)
-            self._reg("go_live", version, [r.name for r in replicas])
+            self.registry.go_live(version, [r.name for r in replicas])
             return fingerprint
         except StepFailed as f:
             if begin_sent:
@@ -462,12 +458,12 @@ class Publisher:
 
             ok, bad = await self._run(Step.RESTORE, replicas, reload, m)
             for name in ok:
-                self._reg("replica_loaded", name, host.version)
+                self.registry.replica_loaded(name, host.version)
             failed = list(bad)
             m.rollbacks += len(ok)
             self.totals["rollbacks_total"] += len(ok)
         for name in failed:
-            self._reg("replica_removed", name)
+            self.registry.replica_removed(name)
             m.out_of_service += 1
             self.totals["out_of_service_total"] += 1
             if self._on_oos is not None:
@@ -481,7 +477,7 @@ class Publisher:
         message = f"weight push of version {version} failed at step {f.step.value} on replica(s) {sorted(f.failures)} after {m.attempts} attempt(s): {detail}"
         if f.out_of_service:
             message += f"; out of service (need restart): {f.out_of_service}"
-        self._reg("transition", version, S.FAILED, error=message)
+        self.registry.transition(version, S.FAILED, error=message)
         m.failed = True
         self.totals["pushes_failed_total"] += 1
         refusals = {name: r for name, e in f.failures.items() if (r := refusal_of(e)) is not None}
