@@ -116,16 +116,6 @@ class CollectiveLink:
         return [s.group_id for s in self.specs]
 
     @property
-    def disjoint(self) -> bool:
-        """No engine worker is a member of two of the groups (so the senders' broadcasts run at once)."""
-        seen: set[int] = set()
-        for spec in self.specs:
-            if not spec.ranks or seen & set(spec.ranks):
-                return len(self.specs) == 1
-            seen |= set(spec.ranks)
-        return True
-
-    @property
     def fold_begin(self) -> bool:
         """Replicas begin a push in their receive (`publish_streamed(fold_begin=...)`): one that
         refuses tells the sender (ipc) or closes the push's gate (gloo / NCCL)."""
