@@ -11,8 +11,8 @@ mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 rm -rf $RUN
 t0=$SECONDS
-timeout 470 serve run $CONFIG > $OUT/serve.log 2>&1 &
-for i in $(seq 1 90); do
+timeout ${SERVE_TIMEOUT:-470} serve run $CONFIG > $OUT/serve.log 2>&1 &
+for i in $(seq 1 $(( (${SERVE_TIMEOUT:-470} - 20) / 5 ))); do
   sleep 5
   if curl -sf localhost:8000/train/status > $OUT/status.json 2>/dev/null; then
     step=$(python3 -c "import json;print(json.load(open('$OUT/status.json')).get('step',0))" 2>/dev/null)

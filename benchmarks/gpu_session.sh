@@ -145,6 +145,31 @@ hybrid-loop)
   CONFIG=${CONFIG:-deploy/rlhf-hybrid1.yaml} OUT=$OUT/loop bash benchmarks/gpu_loop_smoke.sh
   tar czf $OUT/loop.tgz -C $OUT loop && rm -rf $OUT/loop
   ;;
+long-e2e)
+  # Issue 62: deploy/rlhf-gpu1-long.yaml end to end (responses up to 16k tokens, engine and learner on the one GPU)
+  # for LONG_STEPS (20) steps: the random 3B shape with EOS raised (as the peers stage's long tail builds it), then
+  # gpu_loop_smoke.sh until that step or LONG_TIMEOUT (480 s) of `serve run`; the run's jsonl rows come back in $OUT/long.
+  M=/tmp/qwen2.5-3b-random-longtail1500
+  if [ ! -f $M/config.json ]; then
+    timeout 240 python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out $M --layers 36 --hidden 2048 \
+        --heads 16 --kv-heads 2 --ffn 11008 --eos-mean-tokens 1500 --eos-max-new-tokens 8192 > $OUT/make_long.log 2>&1
+    echo "make model rc=$? t=$SECONDS s"; tail -1 $OUT/make_long.log | cut -c1-600
+  fi
+  ray stop --force > /dev/null 2>&1
+  CONFIG=deploy/rlhf-gpu1-long.yaml STEPS=${LONG_STEPS:-20} SERVE_TIMEOUT=${LONG_TIMEOUT:-480} OUT=$OUT/long \
+      bash benchmarks/gpu_loop_smoke.sh
+  echo "long-e2e t=$SECONDS s"; tail -3 $OUT/long/serve.log | cut -c1-400
+  python3 - $OUT/long <<'PY'
+import json, pathlib, sys
+d = pathlib.Path(sys.argv[1])
+rows = [json.loads(l) for f in sorted(d.glob("*.jsonl")) for l in f.read_text().splitlines() if l.startswith("{")]
+print(len(rows), "rows")
+for r in rows[-22:]:
+    print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
+           if k == "step" or k.startswith("time/") or "failed" in k or "len" in k or k in ("buffer/trained", "buffer/dropped_stale")})
+PY
+  tar czf $OUT/long.tgz -C $OUT long 2>/dev/null
+  ;;
 learner2)
   # The CPU (gloo) learner tests unchanged, one rank per GPU over NCCL: PP=2, EP=2 (MoE), DP=2, TP=2 -> TP=1
   # checkpoint re-layout, the LearnerGroup layouts (TP=2 + SP, CP=2, PP=2, VPP=2, packed rows) against
@@ -338,8 +363,8 @@ peers)
     asets+=(--set "$kv"); done
   for run in $runs; do
     case $run in trl) cap=${TRL_TIMEOUT:-240} ;; hybrid|hybrid-resident|hybrid-always|hybrid-level1) cap=${HYBRID_TIMEOUT:-300} ;;
-                 gpu1|gpu1-separate) cap=${GPU1_TIMEOUT:-320} ;; serve) cap=${SERVE_TIMEOUT:-400} ;; verl) cap=${VERL_TIMEOUT:-300} ;;
-                 *) echo "peers: unknown run '$run' (trl hybrid hybrid-resident hybrid-always hybrid-level1 gpu1 gpu1-separate serve verl)"; continue ;; esac
+                 gpu1|gpu1-separate|gpu1-r3) cap=${GPU1_TIMEOUT:-320} ;; serve) cap=${SERVE_TIMEOUT:-400} ;; verl) cap=${VERL_TIMEOUT:-300} ;;
+                 *) echo "peers: unknown run '$run' (trl hybrid hybrid-resident hybrid-always hybrid-level1 gpu1 gpu1-separate gpu1-r3 serve verl)"; continue ;; esac
     left=$(( ${PEERS_BUDGET:-560} - SECONDS )); [ $cap -lt $left ] && left=$cap
     if [ $left -lt 60 ]; then echo "peers $run: skipped, $left s left of PEERS_BUDGET"; continue; fi
     # ray.init's own start timed out here after TRL's run ("node timed out during startup"): clear what is
@@ -373,10 +398,13 @@ peers)
       esac
       timeout -s INT -k 30 $left python3 benchmarks/peers/asyncrl_side.py --placement hybrid --etas ${HYBRID_ETAS:-0} \
           --num-cpus 16 "${asets[@]}" "${extra[@]}" "${knobs[@]}" > $log 2>&1 ;;
-    gpu1|gpu1-separate)
+    gpu1|gpu1-separate|gpu1-r3)
       # gpu1-separate: the proximal log-probs from a pass of their own before each update (the default takes them
-      # from the update's first forward), for the ratio of the two in one call
+      # from the update's first forward), for the ratio of the two in one call; gpu1-r3 (a MoE PEERS_MODEL, e.g.
+      # PEERS_SHAPE="--experts 16 ..."): the learner's routers replay the engine's routes (learner.routing_replay),
+      # the row's mismatch beside gpu1's without it (issue 63)
       extra=(); [ $run = gpu1-separate ] && extra=(--tag "(separate proximal pass)" --set algorithm.proximal_logprobs=separate_pass)
+      [ $run = gpu1-r3 ] && extra=(--tag "(routing replay)" --set learner.routing_replay=true)
       timeout -s INT -k 30 $left python3 benchmarks/peers/asyncrl_side.py --placement separated --etas ${GPU1_ETAS:-0 2} \
           --num-cpus 16 "${asets[@]}" "${extra[@]}" "${knobs[@]}" > $log 2>&1 ;;
     verl)

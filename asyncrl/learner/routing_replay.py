@@ -42,21 +42,26 @@ def decode_routes(data: bytes, layers: int, topk: int, tokens: int) -> np.ndarra
     if rest or n not in (tokens - 1, tokens):
         raise ValueError(f"routes of {len(data)} bytes do not fit a sequence of {tokens} tokens at {layers} MoE layers "
                          f"x top-{topk} ({per_token} bytes a token): the engine routed another model, or counted other layers")
-    return np.frombuffer(data, dtype=ROUTE_DTYPE).reshape(n, layers, topk)
+    routes = np.frombuffer(data, dtype=ROUTE_DTYPE).reshape(n, layers, topk)
+    if topk > 1 and routes.size and (np.diff(np.sort(routes, axis=-1), axis=-1) == 0).any():
+        raise ValueError(f"routes name an expert twice in a token's top-{topk}: Megatron's dispatch counts each "
+                         "expert once per token, so such routes cannot be replayed (the engine routed another way)")
+    return routes
 
 
 def routes_tensor(samples: Sequence[Any], placements: Sequence[Any], rows: int, width: int,
                   layers: int, topk: int) -> torch.Tensor | None:
     """[rows, width, layers, top-k] expert ids laid out as the micro-batch's tokens (placements give each sample's
-    row and offset; padding and a sequence's last token route to expert 0, whose outputs no loss reads), or None
-    when no sample carries routes (the routers then choose for themselves)."""
+    row and offset; padding and a sequence's last token route to experts 0..top-k-1, whose outputs no loss reads:
+    distinct, since Megatron's dispatch counts each expert once per token and a repeated one breaks its token
+    split), or None when no sample carries routes (the routers then choose for themselves)."""
     have = [s.routes is not None for s in samples]
     if not any(have):
         return None
     if not all(have):
         raise ValueError(f"{have.count(False)} of {len(samples)} samples carry no routes: learner.routing_replay needs "
                          "the engine's routes for every sample (generator.engine_kwargs.enable_return_routed_experts)")
-    out = torch.zeros((rows, width, layers, topk), dtype=torch.long)
+    out = torch.arange(topk, dtype=torch.long).expand(rows, width, layers, topk).clone()
     for s, p in zip(samples, placements, strict=True):
         r = decode_routes(s.routes, layers, topk, p.length)
         out[p.row, p.offset : p.offset + len(r)] = torch.from_numpy(r.astype(np.int64))

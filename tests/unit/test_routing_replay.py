@@ -20,7 +20,7 @@ def _sample(prompt: int, response: int, seed: int, routed: int | None = None) ->
     n = prompt + response - 1 if routed is None else routed
     return Sample(prompt_ids=list(range(1, prompt + 1)), response_ids=list(range(50, 50 + response)),
                   behavior_logprobs=[-1.0] * response, versions=[0] * response, reward=0.0, group_id=seed,
-                  routes=encode_routes(rng.integers(0, 8, size=(n, L, K))))
+                  routes=encode_routes(np.argsort(rng.random((n, L, 8)), axis=-1)[..., :K]))  # K distinct of 8
 
 
 def test_routes_round_trip_and_refuse_another_models_shape():
@@ -34,6 +34,10 @@ def test_routes_round_trip_and_refuse_another_models_shape():
         decode_routes(data, L, K, 9)
     with pytest.raises(ValueError, match="expert ids"):
         encode_routes(-np.ones((2, L, K)))
+    twice = arr.copy()
+    twice[3, 1] = 7  # one token's top-2 names expert 7 twice: Megatron's dispatch cannot split such tokens
+    with pytest.raises(ValueError, match="an expert twice"):
+        decode_routes(encode_routes(twice), L, K, 6)
 
 
 @pytest.mark.parametrize("pack", [False, True])
@@ -45,10 +49,13 @@ def test_micro_batches_carry_each_tokens_routes_where_its_token_sits(pack):
     for s, p in zip(samples, mb.placements):
         r = torch.from_numpy(decode_routes(s.routes, L, K, p.length).astype(np.int64))
         assert torch.equal(mb.routes[p.row, p.offset : p.offset + len(r)], r)
-        # the rest of the sequence's columns (its last token, if unrouted) and padding route to expert 0
-        assert (mb.routes[p.row, p.offset + len(r) : p.offset + p.length] == 0).all()
+        # the rest of the sequence's columns (its last token, if unrouted) and padding route to experts 0..K-1
+        assert (mb.routes[p.row, p.offset + len(r) : p.offset + p.length] == torch.arange(K)).all()
     used = sum(p.length for p in mb.placements)
-    assert int((mb.routes != 0).any(-1).any(-1).sum()) <= used
+    assert int((mb.routes != torch.arange(K)).any(-1).any(-1).sum()) <= used
+    # every token's top-K names K distinct experts, padding included (Megatron counts each expert once a token:
+    # padding routed to [0, 0, ...] failed in the GPU dispatch's token split)
+    assert (mb.routes.sort(-1).values.diff(dim=-1) != 0).all()
 
 
 def test_a_batch_with_routes_for_some_samples_only_is_refused_and_none_replays_nothing():
