@@ -116,11 +116,12 @@ def warm_up_samples(cfg: RootConfig, dp: int, prompt_tokens: int | None = None) 
 
 
 async def warm_up_learners(cfg: RootConfig, groups: list[Any | None], placement: Any,
-                           prompt_tokens: int | None = None) -> None:
+                           prompt_tokens: int | None = None, weights: Any = None) -> None:
     """Each trainable group's warm-up (`LearnerGroup.warm_up`), before the first step, where learner.warm_up asks for
     it. Only once the engines are up: an engine that shares the learner's GPU sizes its KV cache from the memory free
     while it starts, and the warm-up's activations would take some of it. Hybrid: inside `placement.warm_up`, the
-    engines asleep and the learner's state on its devices, as in a step."""
+    engines asleep and the learner's state on its devices, as in a step; then `weights` (the WeightPublisher) forms
+    its groups in the switch's memory, so the first push does not (the separated placement's start formed them)."""
     if not cfg.learner.warm_up:
         return
     if cfg.hybrid.enabled and cfg.generator.engine == "sglang" and not cfg.generator.engine_kwargs.get("enable_weights_cpu_backup"):
@@ -136,7 +137,13 @@ async def warm_up_learners(cfg: RootConfig, groups: list[Any | None], placement:
                      int(m.get("learner/warm_up_tokens", 0)),
                      ", optimizer state made" if m.get("learner/warm_up_optimizer") else "")
 
-    await placement.warm_up(run)
+    async def prepare_push() -> None:
+        try:
+            await weights.form_groups()
+        except Exception as err:  # noqa: BLE001 - the first push forms them then
+            log.warning("weightsync: groups not formed at start (%s); the first push forms them", err)
+
+    await placement.warm_up(run, None if weights is None or not cfg.hybrid.enabled else prepare_push)
 
 
 def _beside_this_process() -> dict[str, Any]:
@@ -230,7 +237,7 @@ class TrainerParts:
                                   on_gpu=cfg.learner.num_gpus_per_rank > 0,
                                   own_gpus=cfg.learner.num_gpus_per_rank >= 1 and cfg.generator.num_gpus >= 1)
         await weights.start(initial_version=0)  # once the engine replicas are ready
-        await warm_up_learners(cfg, [actor, critic], placement, prompt_tokens)
+        await warm_up_learners(cfg, [actor, critic], placement, prompt_tokens, weights)
         _write_run_record(cfg)
         tracker = MetricsTracker(cfg.logging.dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
                                  plot_interval_steps=cfg.logging.plot_interval_steps, wandb=cfg.logging.wandb,

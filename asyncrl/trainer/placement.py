@@ -67,8 +67,9 @@ class Separated:
     async def start(self) -> None:
         return None
 
-    async def warm_up(self, run: Callable[[], Awaitable[Any]]) -> Any:
-        return await run()
+    async def warm_up(self, run: Callable[[], Awaitable[Any]],
+                      prepare_push: Callable[[], Awaitable[Any]] | None = None) -> Any:
+        return await run()  # (weightsync formed its groups at its start: nothing shares the devices)
 
     async def to_learner(self) -> dict[str, float]:
         return {}
@@ -119,20 +120,38 @@ class Colocation:
         await self._each(lambda g: g.hold_device(), self._groups)  # brings nothing back: nothing is away yet
         await self._each(lambda g: g.release_device(), self._groups)  # the last hold gone: flagged state to host
 
-    async def warm_up(self, run: Callable[[], Awaitable[Any]]) -> Any:
+    async def warm_up(self, run: Callable[[], Awaitable[Any]],
+                      prepare_push: Callable[[], Awaitable[Any]] | None = None) -> Any:
         """Before the first step: `run` (the learners' warm-up) with the engines asleep at level 1 (their weights
-        kept in host memory: version 0 needs no push after it) and the learner's state on its devices; then the
-        state put away as `start` leaves it and the engines wholly awake, even when `run` fails."""
+        kept in host memory: version 0 needs no push after it) and the learner's state on its devices; then, if
+        given, `prepare_push` (weightsync's groups formed) with the memory as `to_engines` has it when it pushes:
+        the exporter's params alone held, the engines' weights awake. Then the state put away as `start` leaves it
+        and the engines wholly awake, even when `run` or `prepare_push` fails."""
         self._expect(Phase.GENERATING, "warm_up")
         await self._engines(EngineAPI.sleep, 1)
+        awake: list[str] = []
         try:
             await self._each(lambda g: g.hold_device(), self._groups)
             try:
-                return await run()
-            finally:
+                result = await run()
+            except BaseException:
                 await self._each(lambda g: g.release_device(), self._groups)
+                raise
+            if prepare_push is None:
+                await self._each(lambda g: g.release_device(), self._groups)
+                return result
+            need = {} if self.wake_need is None else {"wake_need": self.wake_need}
+            try:
+                await asyncio.gather(self.exporter.release_device(["grads", "optimizer"], **need),
+                                     self._each(lambda g: g.release_device(**need), self.others))
+                await self._engines(EngineAPI.wake_up, ["weights"])
+                awake.append("weights")
+                await prepare_push()
+            finally:
+                await self.exporter.release_device(["params"])
+            return result
         finally:
-            await self._engines(EngineAPI.wake_up, ["weights", "kv_cache"])
+            await self._engines(EngineAPI.wake_up, [t for t in ("weights", "kv_cache") if t not in awake])
 
     async def to_learner(self) -> dict[str, float]:
         """Engines sleep (their running requests preempted, kept), then the learner's state comes to its device."""

@@ -1,27 +1,12 @@
 """The training loop's weightsync entry point: learner export -> atomic push -> every engine replica.
 
-Owns: wiring one run's pieces together — the learner group's packed export (buckets the ranks
-put into the object store themselves), the push plan (formed with the engines at start and again
-when a replica refuses it: plan.py), the `Publisher` (order, atomicity, retries, metrics), the
-engine deployment as a `ReplicaClient` (Serve's `broadcast` reaches every running replica) and the
-`WeightStore` (late joiners load the live version from it before they take traffic).
-
-The push plan: the learner's export manifest (names, dtypes, shapes, PP stage) goes to every
-engine replica, each worker answers with its parameter layout as its own weight loaders define
-it (and whether it proved at start that a plain copy is a correct apply); if every replica
-agrees, the plan assigns every engine parameter a bucket and an offset, the sending learner
-ranks pack for it and the engines copy straight into their parameters. Otherwise (`apply: auto`)
-pushes carry HF tensors and engines reload; `apply: direct` makes that an error.
-
-With a collective transport (nccl / gloo) the learner's sending ranks broadcast each bucket
-straight into the engine workers; the groups are formed before the first push and again whenever
-the set of running replicas changes (a scale-up, a restart).
-
-One client for the whole deployment: each step is one broadcast, and it fails if any replica
-fails (the error names them), so a version is live only when every running replica committed
-it. A replica that starts during a push loads the store's live version in its constructor and
-the next push brings it forward; its tokens carry that version, so the buffer's staleness rule
-sees it.
+Owns: wiring one run's pieces — the learner group's packed export, the push plan (plan.py: formed
+with the engines at start, again when a replica refuses it; without agreement, pushes carry HF
+tensors and engines reload, or `apply: direct` fails), the `Publisher` (order, atomicity, retries,
+metrics), the deployment as a `ReplicaClient` (one Serve broadcast reaches every running replica)
+and the `WeightStore` (late joiners load the live version before they take traffic). Collective
+transports (nccl / gloo / ipc) broadcast buckets from the sending ranks straight into the engine
+workers over groups formed before the first push and again whenever the running replicas change.
 
 Must never: sequence a training step (trainer/loop.py), or let a version go live that a running
 replica did not commit (push.py enforces it).
@@ -126,16 +111,20 @@ class WeightPublisher:
             for h in export.buckets:
                 transport.release(h)
         await self.form_plan()
-        if self.link is not None and not self.hybrid:
-            # What the first push would pay before its first byte, paid here: the broadcast groups
-            # formed (each member's push kernels warmed as it joins, the senders' pinned host-copy
-            # buffers allocated) and the replicas' push channels opened. Hybrid: at the first push
-            # (inside the switch), when the engines' memory is as the push will find it.
-            t = time.monotonic()
-            await self.link.ensure()
-            await self._refresh_channels(initial_version)
-            log.info("weightsync: groups formed%s before the first push in %.1f s",
-                     " and push channels opened" if self.replicas.channels else "", time.monotonic() - t)
+        if not self.hybrid:
+            await self.form_groups()
+
+    async def form_groups(self) -> None:
+        """What the first push would pay first, paid now: the groups formed (push kernels warmed, pinned
+        buffers allocated), the push channels opened. By `start` when separated; hybrid: in the start's
+        warm-up switch, memory as a push finds it (Colocation.warm_up). A push re-forms lost groups."""
+        if self.link is None:
+            return
+        t = time.monotonic()
+        await self.link.ensure()
+        await self._refresh_channels(self.publisher.registry.live_version)
+        log.info("weightsync: groups formed%s before the first push in %.1f s",
+                 " and push channels opened" if self.replicas.channels else "", time.monotonic() - t)
 
     async def form_plan(self) -> None:
         """Ask every engine replica for its layout of the learner's export and, if they agree and

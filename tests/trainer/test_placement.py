@@ -139,6 +139,40 @@ def test_the_warm_up_runs_with_engines_asleep_at_level_1_and_wakes_them_even_whe
     assert asyncio.run(Separated().warm_up(ok)) == "done"
 
 
+def test_the_warm_up_forms_the_push_groups_in_the_memory_a_push_finds_and_wakes_all_when_that_fails():
+    """Hybrid's first push would form weightsync's groups inside its switch (1.8 s of a 3B's first step on one
+    H200): the warm-up's switch forms them instead, with the exporter's params alone held and the engines'
+    weights awake, as `to_engines` has it at its push; a failure there still leaves everything as `start` does."""
+    log: list = []
+    place = _colocation(log)
+
+    async def ok():
+        log.append(("warm_up",))
+        return "done"
+
+    async def form():
+        log.append(("form_groups",))
+
+    async def form_fails():
+        log.append(("form_groups",))
+        raise RuntimeError("group did not form")
+
+    asyncio.run(place.start())
+    del log[:]
+    assert asyncio.run(place.warm_up(ok, form)) == "done"
+    expected = [("engines", "sleep", 1), ("actor", "hold", ()), ("ref", "hold", ()), ("warm_up",),
+                ("actor", "release", ("grads", "optimizer")), ("ref", "release", ()), ("engines", "wake_up", ["weights"]),
+                ("form_groups",), ("actor", "release", ("params",)), ("engines", "wake_up", ["kv_cache"])]
+    assert log == expected and place.phase is Phase.GENERATING
+    del log[:]
+    with pytest.raises(RuntimeError, match="did not form"):
+        asyncio.run(place.warm_up(ok, form_fails))
+    assert log == expected  # params put away, the KV cache awake all the same
+    del log[:]
+    asyncio.run(place.warm_up(ok, None))  # no groups to form: the warm-up's own release, then one wake
+    assert log[-3:] == [("actor", "release", ()), ("ref", "release", ()), ("engines", "wake_up", ["weights", "kv_cache"])]
+
+
 def test_start_puts_the_resident_learner_away_and_refuses_engines_that_cannot_sleep():
     log: list = []
     asyncio.run(_colocation(log).start())

@@ -164,13 +164,24 @@ def test_the_learner_warm_up_runs_once_per_trainable_group_only_where_asked_insi
         def __init__(self):
             self.entered = 0
 
-        async def warm_up(self, fn):
+        async def warm_up(self, fn, prepare_push=None):
             self.entered += 1
+            self.prepared = prepare_push
             return await fn()
 
-    def run(cfg, prompt_tokens=None, placement=None):
+    class Weights:  # WeightPublisher.form_groups, recorded; `fails` as a group that does not form
+        def __init__(self, fails=False):
+            self.formed, self.fails = 0, fails
+
+        async def form_groups(self):
+            self.formed += 1
+            if self.fails:
+                raise RuntimeError("no group")
+
+    def run(cfg, prompt_tokens=None, placement=None, weights=None):
         actor, critic = Group("actor", 2), Group("critic", 1)
-        asyncio.run(warm_up_learners(load_config(cfg), [actor, None, critic], placement or Placement(), prompt_tokens))
+        asyncio.run(warm_up_learners(load_config(cfg), [actor, None, critic], placement or Placement(), prompt_tokens,
+                                     weights))
         return actor.calls, critic.calls
 
     base = {"model": {"max_model_len": 40}, "algorithm": {"max_new_tokens": 16}, "learner": {"micro_batch_size": 3}}
@@ -181,9 +192,19 @@ def test_the_learner_warm_up_runs_once_per_trainable_group_only_where_asked_insi
     assert run({**base, "learner": {"micro_batch_size": 3, "warm_up": False}}) == ([], [])
     hybrid = {**base, "hybrid": {"enabled": True}, "learner": {"micro_batch_size": 3, "num_gpus_per_rank": 1},
               "generator": {"num_gpus": 1, "engine_kwargs": {"enable_sleep_mode": True}}}
-    placement = Placement()
-    assert run(hybrid, 9, placement) == ([[(9, 16, g) for g in range(6)]], [[(9, 16, g) for g in range(3)]])
+    placement, weights = Placement(), Weights()
+    assert run(hybrid, 9, placement, weights) == ([[(9, 16, g) for g in range(6)]], [[(9, 16, g) for g in range(3)]])
     assert placement.entered == 1  # both groups inside one switch
+    # ... which forms weightsync's groups too (the first push need not); a failure there is the first push's to redo
+    asyncio.run(placement.prepared())
+    failing = Weights(fails=True)
+    failing_place = Placement()
+    run(hybrid, 9, failing_place, failing)
+    asyncio.run(failing_place.prepared())
+    assert weights.formed == 1 and failing.formed == 1
+    separated = Placement()
+    run(base, 9, separated, Weights())
+    assert separated.prepared is None  # separated: weightsync's start formed them
     unasked = Placement()
     run({**base, "learner": {"micro_batch_size": 3, "warm_up": False}}, placement=unasked)
     assert unasked.entered == 0  # no warm-up: the engines are not put to sleep for nothing
