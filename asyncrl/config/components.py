@@ -284,6 +284,39 @@ class MemoryConfig(_Section):
                 "recompute_num_layers": self.recompute_layers}
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def resolve_lora_targets(targets: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """PEFT's target names (or "all-linear") as an ordered tuple; unknown names raise naming them."""
+    if isinstance(targets, str):
+        targets = list(LORA_TARGETS) if targets == "all-linear" else [targets]
+    unknown = sorted(set(targets) - set(LORA_TARGETS))
+    if unknown or not targets:
+        raise ValueError(f"learner.lora.target_modules: {unknown or 'none given'} not among {list(LORA_TARGETS)} "
+                         "or 'all-linear'")
+    return tuple(t for t in LORA_TARGETS if t in targets)
+
+
+class LoraConfig(_Section):
+    """LoRA adapters trained in place of the actor's weights (PEFT's formulation: W x + (alpha / r) B A x, A
+    Kaiming-uniform, B zero); every base weight frozen, the optimizer's state for the adapters alone. Exports
+    (the push to the engines, `asyncrl export`) carry the merged weight W + (alpha / r) B A."""
+
+    rank: int = Field(gt=0, description="The adapters' rank r.")
+    alpha: float = Field(16.0, gt=0, description="The scale's numerator: adapters add (alpha / rank) B A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on each adapter's input (training passes only).")
+    target_modules: list[str] | str = Field(
+        "all-linear", description="PEFT's names of the linears that get adapters: q_proj, k_proj, v_proj, o_proj, "
+        "gate_proj, up_proj, down_proj, or all-linear (every one of them). Dense models; no sequence parallelism.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: list[str] | str) -> list[str] | str:
+        resolve_lora_targets(value)  # unknown names raise, naming them
+        return value
+
+
 class RoleOffload(_Section):
     param_offload: bool = False
     grad_offload: bool = False
@@ -330,6 +363,8 @@ class LearnerConfig(_Section):
         "routers replay them in the log-prob and update passes (asyncrl/learner/routing_replay.py), so both sides "
         "compute the same experts. vLLM engines; tensor and expert parallelism, not pipeline, context or sequence "
         "parallelism.")
+    lora: LoraConfig | None = Field(None, description="LoRA adapters for the actor (learner.lora: {rank, alpha, "
+                                    "dropout, target_modules}); None trains every weight.")
     actor: RoleOffload = Field(default_factory=RoleOffload)
     critic: RoleOffload = Field(default_factory=RoleOffload)
     reference: RoleOffload = Field(default_factory=RoleOffload)
@@ -350,6 +385,13 @@ class LearnerConfig(_Section):
                 raise ValueError(f"learner.memory asks for {key}={value!r} but learner.strategy_config sets {key}="
                                  f"{s[key]!r}: set one of them")
             s[key] = value
+        return self
+
+    @model_validator(mode="after")
+    def _lora(self) -> "LearnerConfig":
+        if self.lora is not None and self.strategy_config.get("sequence_parallel"):
+            raise ValueError("learner.lora with strategy_config.sequence_parallel=true is not supported: its linears "
+                             "see sequence shards (leave sequence_parallel off)")
         return self
 
     @model_validator(mode="after")

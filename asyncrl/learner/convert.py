@@ -383,11 +383,15 @@ def export_hf_tensors(model_chunks: list[torch.nn.Module], hf_config: Any) -> It
 def _exported(model_chunks: list[torch.nn.Module], arch: ModelArch) -> Iterator[tuple[torch.nn.Module, str, Any, ParamMap]]:
     """(unwrapped chunk, Megatron name, parameter, its HF map) of every parameter an export yields, in order:
     all of them but the tied output layer (the first stage yields `model.embed_tokens.weight`)."""
+    from asyncrl.learner.lora import is_adapter, merged_weight
+
     for chunk in model_chunks:
         chunk = _unwrap(chunk)
         for name, param in chunk.named_parameters():
-            if name == "output_layer.weight" and arch.tied_embeddings:
+            if (name == "output_layer.weight" and arch.tied_embeddings) or is_adapter(name):
                 continue
+            if name.endswith(".weight"):  # a linear with LoRA adapters exports W + (alpha / r) B A
+                param = merged_weight(chunk.get_submodule(name.removesuffix(".weight")), param)
             yield chunk, name, param, param_map(chunk, name, arch)
 
 

@@ -173,7 +173,8 @@ def coords_check(world: int, strategy: dict) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- runs
 
 
-def run_tp(rank: int, world: int, demo: str, qwen3: str, ids: torch.Tensor, ckpt: str) -> dict[str, Any]:
+def run_tp(rank: int, world: int, demo: str, qwen3: str, ids: torch.Tensor, ckpt: str,
+           lora_weights: torch.Tensor | None = None) -> dict[str, Any]:
     """TP=2: parity, round trip, grad norm, checkpoint save; Qwen3 at TP=2; then TP=1 (DP=2):
     parity and loading the TP=2 checkpoint."""
     from asyncrl.learner.checkpoint import load_checkpoint, save_checkpoint
@@ -205,6 +206,9 @@ def run_tp(rank: int, world: int, demo: str, qwen3: str, ids: torch.Tensor, ckpt
     del chunks, fresh
     reset_parallel()
     res["tp1_recompute"] = recompute_grads(world, tp1, demo, ids)
+    if lora_weights is not None:
+        res["lora_tp1"] = lora_check(world, tp1, demo, ids, lora_weights)
+        res["lora_tp2"] = lora_check(world, tp2, demo, ids, lora_weights)
     return res
 
 
@@ -285,3 +289,86 @@ def routing_replay_check(world: int, strategy: dict, hf_dir: str, ids: torch.Ten
     again = forward_logits(chunks, ids, hf.vocab_size)
     return {"layers": replayer.layers, "routes_shape": tuple(routes.shape), "own": own, "replayed": replayed,
             "moved": moved, "cleared": again}
+
+
+LORA_R, LORA_ALPHA = 4, 8.0
+LORA_HF = {"linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "linear_proj": ("self_attn", ("o_proj",)),
+           "linear_fc1": ("mlp", ("gate_proj", "up_proj")), "linear_fc2": ("mlp", ("down_proj",))}
+
+
+def lora_values(hf_name: str, rows: int, cols: int) -> torch.Tensor:
+    """The test's global value of one adapter matrix (HF module name + 'A' / 'B'), the same for PEFT and us."""
+    g = torch.Generator().manual_seed(zlib.crc32(hf_name.encode()))
+    return 0.05 * torch.randn(rows, cols, generator=g)
+
+
+def lora_check(world: int, strategy: dict, demo: str, ids: torch.Tensor, weights: torch.Tensor) -> dict[str, Any]:
+    """learner.lora's adapters (asyncrl/learner/lora.py) on the demo model under `strategy`: which parameters train,
+    the logits and every adapter's gradient (whole, gathered over TP) of loss = sum(logits * weights) with the test's
+    adapter values (`lora_values`), and the merged export. The parent compares them with PEFT's."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from asyncrl.config.components import LORA_TARGETS
+    from asyncrl.learner.lora import LinearAdapters, _layer_of, add_adapters
+
+    hf, chunks = setup(world, strategy, demo)
+    count = add_adapters(chunks, hf, rank=LORA_R, alpha=LORA_ALPHA, dropout=0.0, targets=LORA_TARGETS, seed=7)
+    trainable = sorted(n for c in chunks for n, p in c.named_parameters() if p.requires_grad)
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    init_b_zero = all(float(m.B[p].abs().max()) == 0 for c in chunks for m in c.modules()
+                      if isinstance(m, LinearAdapters) for p in m.parts)
+    init_a = {}
+    adapters: dict[str, tuple[Any, str]] = {}  # HF module name -> (adapters, part)
+    with torch.no_grad():
+        for c in chunks:
+            for name, m in c.named_modules():
+                if not isinstance(m, LinearAdapters):
+                    continue
+                layer = _layer_of(name, c) - 1
+                block, parts = LORA_HF[m.slot]
+                for p in parts:
+                    hf_name = f"model.layers.{layer}.{block}.{p}"
+                    adapters[hf_name] = (m, p)
+                    init_a[hf_name] = _gather(m.A[p], 1, tp) if m.row else m.A[p].detach().clone()
+                    a, b = m.A[p], m.B[p]
+                    ga = lora_values(hf_name + ".A", LORA_R, a.shape[1] * (tp if m.row else 1))
+                    gb = lora_values(hf_name + ".B", b.shape[0] * (1 if m.row else tp), LORA_R)
+                    a.copy_(ga[:, tp_rank * a.shape[1]:(tp_rank + 1) * a.shape[1]] if m.row else ga)
+                    b.copy_(gb if m.row else gb[tp_rank * b.shape[0]:(tp_rank + 1) * b.shape[0]])
+    b_, s = ids.shape
+    kept: list[torch.Tensor] = []
+
+    def forward_step(data_iter, model):
+        out = model(next(data_iter), torch.arange(s).expand(b_, s), None)
+
+        def loss_func(output):
+            full = gather_from_tensor_model_parallel_region(output)[..., :hf.vocab_size]
+            kept.append(full.detach().clone())
+            return (full.float() * weights).sum(), {}
+        return out, loss_func
+
+    for c in chunks:
+        c.train()
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([ids]), model=chunks,
+                                num_microbatches=1, seq_length=s, micro_batch_size=b_, forward_only=False)
+    grads = {}
+    for hf_name, (m, p) in adapters.items():
+        grads[hf_name + ".A"] = _gather(m.A[p].grad, 1, tp) if m.row else m.A[p].grad.clone()
+        grads[hf_name + ".B"] = m.B[p].grad.clone() if m.row else _gather(m.B[p].grad, 0, tp)
+    res = {"count": count, "trainable": trainable, "init_b_zero": init_b_zero, "init_a": init_a,
+           "logits": kept[0] if tp_rank == 0 else None, "grads": grads, "export": export(chunks, hf)}
+    del chunks
+    reset_parallel()
+    return res
+
+
+def _gather(t: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if tp == 1:
+        return t.detach().clone()
+    parts = [torch.empty_like(t) for _ in range(tp)]
+    torch.distributed.all_gather(parts, t.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=dim)

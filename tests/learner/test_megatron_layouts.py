@@ -84,8 +84,8 @@ def _hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def tp_run(demo_model_path, tiny_dirs, tmp_path_factory) -> dict:
     ckpt = tmp_path_factory.mktemp("ckpt") / "step7"
-    results = run_ranks(_workers.run_tp, 2, str(demo_model_path), tiny_dirs["qwen3"], IDS, str(ckpt))
-    return {"ranks": results, "ckpt": ckpt}
+    results = run_ranks(_workers.run_tp, 2, str(demo_model_path), tiny_dirs["qwen3"], IDS, str(ckpt), _lora_weights(demo_model_path))
+    return {"ranks": results, "ckpt": ckpt, "demo": demo_model_path}
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +234,70 @@ def test_moe_at_ep2(pp_ep_run, tiny_dirs, index, name):
     for r in pp_ep_run["ranks"]:  # DP=2: both ranks are TP rank 0 of the last stage
         assert _close(r[f"moe{index}_logits"], ref) < 1e-4
         _assert_bit_exact(r[f"moe{index}_export"], _hf_tensors(tiny_dirs[name]))
+
+
+def _lora_weights(path) -> torch.Tensor:
+    """The LoRA checks' loss weights: loss = sum(logits * these)."""
+    from transformers import AutoConfig
+
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(*IDS.shape, AutoConfig.from_pretrained(path).vocab_size, generator=g)
+
+
+@pytest.fixture(scope="module")
+def peft_run(demo_model_path) -> dict:
+    """PEFT's LoRA (r 4, alpha 8, every linear) on the demo model in fp32 with the test's adapter values: logits,
+    every adapter's gradient of sum(logits * weights), and the merged weights (merge_and_unload)."""
+    from peft import LoraConfig as PeftLora
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(demo_model_path, torch_dtype=torch.float32)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft = get_peft_model(model, PeftLora(r=_workers.LORA_R, lora_alpha=_workers.LORA_ALPHA, lora_dropout=0.0,
+                                          target_modules=targets))
+    mods = {}
+    with torch.no_grad():
+        for name, m in peft.named_modules():
+            if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A", {}):
+                hf_name = name.removeprefix("base_model.model.")
+                a, b = m.lora_A["default"].weight, m.lora_B["default"].weight
+                a.copy_(_workers.lora_values(hf_name + ".A", *a.shape))
+                b.copy_(_workers.lora_values(hf_name + ".B", *b.shape))
+                mods[hf_name] = m
+    logits = peft(IDS).logits
+    (logits.float() * _lora_weights(demo_model_path)).sum().backward()
+    grads = {}
+    for hf_name, m in mods.items():
+        grads[hf_name + ".A"] = m.lora_A["default"].weight.grad.clone()
+        grads[hf_name + ".B"] = m.lora_B["default"].weight.grad.clone()
+    merged = {k: v.detach().clone() for k, v in peft.merge_and_unload().state_dict().items()}
+    return {"logits": logits.detach(), "grads": grads, "merged": merged}
+
+
+@pytest.mark.parametrize("layout", ["lora_tp1", "lora_tp2"])
+def test_lora_trains_the_adapters_alone_and_equals_peft(tp_run, peft_run, layout):
+    """learner.lora at TP=1 and TP=2: only adapter parameters train; B starts at zero and A is drawn the same at any
+    TP degree; with the same adapter values as PEFT the logits, every adapter's gradient and the merged export
+    equal PEFT's (fp32)."""
+    first, second = (r[layout] for r in tp_run["ranks"])
+    for r in (first, second):
+        assert r["trainable"] and all("_lora." in n for n in r["trainable"])
+        assert r["init_b_zero"]
+    assert first["count"] > 0
+    tp1_a = tp_run["ranks"][0]["lora_tp1"]["init_a"]
+    for name, a in first["init_a"].items():  # the seeded init: TP=2's adapters are TP=1's
+        assert torch.equal(a, tp1_a[name]), name
+    assert _close(first["logits"], peft_run["logits"]) < 1e-4
+    assert set(first["grads"]) == set(peft_run["grads"]) and len(first["grads"]) == 7 * 2 * 4  # 4 layers
+    for name, g in first["grads"].items():
+        ref = peft_run["grads"][name]
+        assert _close(g, ref) <= 1e-4 * max(1.0, ref.abs().max().item()), name
+    merged = peft_run["merged"]
+    exported = first["export"]
+    assert set(exported) <= set(merged)
+    for name, t in exported.items():
+        assert _close(t, merged[name]) < 1e-5, name
+    base = _hf_tensors(str(tp_run["demo"]))
+    assert _close(exported["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"]) > 1e-4
+

@@ -36,6 +36,9 @@ def groups(ray_session, demo_model_path):
         "reference": LearnerGroup("reference", model, ref_learner, algo),
         "critic": LearnerGroup("critic", model, critic_learner, AlgorithmConfig(name="ppo", group_size=2)),
         "reward_model": LearnerGroup("reward_model", model, learner, algo),
+        # learner.lora: adapters on every linear, the base frozen
+        "lora": LearnerGroup("actor", model, LearnerConfig.model_validate(
+            {**learner.model_dump(), "lr": 1e-3, "lora": {"rank": 4, "alpha": 8}}), algo),
     }
 
     async def start():
@@ -230,3 +233,33 @@ def test_reward_model_scores_each_sequence_at_its_last_token(groups):
 def test_rank_error_names_the_rank(groups):
     with pytest.raises(LearnerRankError, match="rank 0.*compute_values"):
         run(groups["reference"].compute_values(make_samples()))
+
+
+def test_lora_actor_trains_its_adapters_exports_merged_weights_and_checkpoints_them(groups, hf_model, state, tmp_path):
+    """learner.lora through the actor role (Megatron DDP, its optimizer over the adapters alone): it starts as the
+    base model (B = 0), updates lower the loss, the export carries W + (alpha / r) B A for the adapted linears only
+    (transformers on the exported weights gives the actor's log-probs), and a checkpoint holds the adapters."""
+    from asyncrl.weightsync.bucket import iter_unpacked
+
+    lora = groups["lora"]
+    samples = with_behavior(make_samples(), state["initial"])
+    assert max_diff(run(lora.compute_log_prob(samples)), state["initial"]) < 1e-5  # B = 0: the base model
+    losses = [run(lora.update_actor(samples, advantages(samples), state["initial"]))["actor/pg_loss"] for _ in range(4)]
+    assert losses[-1] < losses[0] - 1e-3, losses
+    trained = run(lora.compute_log_prob(samples))
+    assert max_diff(trained, state["initial"]) > 1e-3
+    packed = run(lora.export_hf_tensors_packed(bucket_mb=0.5))
+    tensors = {n: t.clone() for n, t in iter_unpacked(ray.get(packed.buckets))}
+    initial = hf_model.state_dict()
+    changed = {n for n, t in tensors.items() if not torch.equal(t, initial[n])}
+    assert changed and all(n.endswith("_proj.weight") for n in changed), sorted(changed)  # norms, embeddings frozen
+    updated = type(hf_model).from_pretrained(hf_model.config._name_or_path, dtype=torch.float32).eval()
+    updated.load_state_dict(tensors, strict=False)
+    updated.tie_weights()
+    assert max_diff(hf_logprobs(updated, samples), trained) < 1e-4
+    run(lora.save_checkpoint(str(tmp_path / "lora")))
+    run(lora.update_actor(samples, advantages(samples), state["initial"]))
+    assert max_diff(run(lora.compute_log_prob(samples)), trained) > 1e-4
+    run(lora.load_checkpoint(str(tmp_path / "lora")))  # the adapters (and their optimizer state) come back
+    assert max_diff(run(lora.compute_log_prob(samples)), trained) < 1e-6
+

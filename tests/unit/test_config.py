@@ -268,3 +268,16 @@ def test_the_judge_demo_config_scores_by_a_second_frozen_deployment_in_the_same_
     assert jcfg.model.path == "artifacts/demo-judge" and jcfg.generator.direct_http_port != cfg.generator.direct_http_port
     teacher = load_config_file(REPO / "deploy" / "rlhf-judge-teacher.yaml")  # what makes the judge (make demo-judge-model)
     assert teacher.reward.kind == "rule" and teacher.checkpoint.interval_steps and teacher.trainer.total_steps % teacher.checkpoint.interval_steps == 0
+
+
+def test_lora_settings_are_checked_naming_the_field():
+    cfg = load_config({"learner": {"lora": {"rank": 8, "target_modules": ["q_proj", "v_proj"]}}})
+    assert cfg.learner.lora.rank == 8 and cfg.learner.lora.alpha == 16.0
+    assert load_config({}).learner.lora is None  # full-parameter training unless asked
+    with pytest.raises(ConfigError, match=r"target_modules: \['qkv'\] not among"):
+        load_config({"learner": {"lora": {"rank": 8, "target_modules": ["q_proj", "qkv"]}}})
+    with pytest.raises(ConfigError, match="rank"):
+        load_config({"learner": {"lora": {"rank": 0}}})
+    with pytest.raises(ConfigError, match="learner.lora with strategy_config.sequence_parallel"):
+        load_config({"learner": {"world_size": 2, "lora": {"rank": 8}, "strategy_config": {
+            "tensor_model_parallel_size": 2, "sequence_parallel": True}}})

@@ -71,7 +71,7 @@ class ActorRole:
 
     def __init__(self, ctx: RoleContext) -> None:
         self.ctx = ctx
-        self.runner = ModelRunner(ctx, head="lm", trainable=True)
+        self.runner = ModelRunner(ctx, head="lm", trainable=True, lora=True)
         self.optim = GuardedOptimizer(self.runner.chunks, ctx.learner_cfg, ctx.model_cfg.dtype)
         self.offloader = Offloader(self.runner.chunks, self.optim.optimizer, ctx.learner_cfg.actor)
 

@@ -75,7 +75,8 @@ def _dtype(name: str) -> torch.dtype:
 class ModelRunner:
     """This rank's model chunks and the passes over them."""
 
-    def __init__(self, ctx: RoleContext, *, head: str = "lm", trainable: bool = False) -> None:
+    def __init__(self, ctx: RoleContext, *, head: str = "lm", trainable: bool = False, lora: bool = False) -> None:
+        """`lora`: the chunks train learner.lora's adapters alone (asyncrl/learner/lora.py), every base weight frozen."""
         from megatron.core import parallel_state as ps
 
         from asyncrl.learner.convert import load_hf_weights, load_score_head
@@ -113,6 +114,14 @@ class ModelRunner:
         for c in chunks:
             # Micro-batch shapes vary (dynamic batch size, packing): let PP p2p send shapes first.
             c.config.variable_seq_lengths = True
+        self.adapter_params = 0
+        if lora and ctx.learner_cfg.lora is not None:
+            from asyncrl.config.components import resolve_lora_targets
+            from asyncrl.learner.lora import add_adapters
+
+            lc = ctx.learner_cfg.lora
+            self.adapter_params = add_adapters(chunks, ctx.hf_config, rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout,
+                                               targets=resolve_lora_targets(lc.target_modules), seed=ctx.learner_cfg.seed)
         self.real_vocab = ctx.hf_config.vocab_size
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.cp_size = ps.get_context_parallel_world_size()

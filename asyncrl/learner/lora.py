@@ -1,0 +1,183 @@
+"""LoRA adapters on the learner's Megatron linears (`learner.lora`).
+
+Owns: low-rank adapters (PEFT's: y = W x + (alpha / r) B A dropout(x), A Kaiming-uniform, B zero) on the dense
+layers' fused linears under PEFT's target names, at any TP degree; freezing every other parameter; and the
+merged weight W + (alpha / r) B A that exports (pushes, HF export: convert.py) read in place of W.
+How: a forward hook adds each targeted linear's adapter output to its own, in the linear's local layout
+(query groups interleaved for QKV, [gate; up] for fc1, input shards for the row-parallel ones). A column
+linear's A is replicated over TP (its gradient summed over TP), a row linear's A split along its input; B the
+other way. Every A is drawn from one seeded generator whole, so any TP degree starts from the same adapters.
+Must never: change a base weight, its name or the layout exports read; leave a non-adapter parameter trainable.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+# Megatron's linear -> the PEFT targets it fuses, in its output order
+SLOTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+         "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+ROW = ("linear_proj", "linear_fc2")  # row-parallel: input split over TP
+SUFFIX = "_lora"  # the adapters sit beside their linear: <parent>.<linear>_lora.{A,B}.<part> (own checkpoint shards)
+REF = "_asyncrl_lora"  # the linear's (unregistered) reference to its adapters
+
+
+class LinearAdapters(torch.nn.Module):
+    """The adapters of one Megatron linear: an (A, B) pair per targeted part of its output."""
+
+    def __init__(self, slot: str, parts: dict[str, int], in_features: int, *, rank: int, alpha: float,
+                 dropout: float, tp_rank: int, tp_size: int, layout: tuple[int, int, int] | None,
+                 generator: torch.Generator, dtype: torch.dtype, device: torch.device) -> None:
+        """`parts`: each targeted part's global output rows; `layout`: (query groups, heads a group, head dim)
+        for QKV. A row linear's `in_features` is global (its A is drawn whole, then this rank's columns kept)."""
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        super().__init__()
+        self.slot, self.row, self.scale, self.layout = slot, slot in ROW, alpha / rank, layout
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.parts = [p for p in SLOTS[slot] if p in parts]
+        self.sizes = {p: n // (1 if self.row else tp_size) for p, n in parts.items()}  # this rank's rows
+        self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
+        self.A, self.B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
+        local_in = in_features // tp_size if self.row else in_features
+        for p in self.parts:
+            a = torch.empty(rank, in_features)
+            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)  # PEFT's init of lora_A
+            if self.row:
+                a = a[:, tp_rank * local_in:(tp_rank + 1) * local_in]
+            self.A[p] = torch.nn.Parameter(a.to(device=device, dtype=dtype).contiguous())
+            self.B[p] = torch.nn.Parameter(torch.zeros(self.sizes[p], rank, device=device, dtype=dtype))
+            # sharded along the input (row A) or the output (column B); the others replicated over TP
+            sharded, dim = (self.A[p], 1) if self.row else (self.B[p], 0)
+            set_tensor_model_parallel_attributes(sharded, True, dim, 1)
+
+    def _assemble(self, outs: dict[str, torch.Tensor], lead: tuple[int, ...]) -> torch.Tensor:
+        """The parts' outputs (or weight rows, lead = ()) in the linear's local output layout; untargeted
+        parts as zeros."""
+        ref = next(iter(outs.values()))
+        tail = ref.shape[len(lead) + 1:]
+
+        def part(name: str, rows: int) -> torch.Tensor:
+            return outs[name] if name in outs else ref.new_zeros(*lead, rows, *tail)
+
+        if self.slot == "linear_qkv":
+            groups, per_group, head_dim = self.layout
+            g = groups // self.tp_size
+            q = part("q_proj", g * per_group * head_dim).unflatten(len(lead), (g, per_group * head_dim))
+            k = part("k_proj", g * head_dim).unflatten(len(lead), (g, head_dim))
+            v = part("v_proj", g * head_dim).unflatten(len(lead), (g, head_dim))
+            return torch.cat([q, k, v], dim=len(lead) + 1).flatten(len(lead), len(lead) + 1)
+        if self.slot == "linear_fc1":
+            half = next(n for n in self.sizes.values())
+            return torch.cat([part("gate_proj", half), part("up_proj", half)], dim=len(lead))
+        return outs[self.parts[0]]
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Megatron's checkpoint form: the TP-split tensors (row A, column B) as shards of their global shape."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        axis = {f"{'A' if self.row else 'B'}.{p}": 1 if self.row else 0 for p in self.parts}
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axis, sharded_offsets)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapters' output for the linear's input `x` ([..., in] on this rank), in its output layout."""
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
+        x = self.dropout(x)
+        outs = {}
+        for p in self.parts:
+            h = x @ self.A[p].t()
+            # column: every TP rank's B reads the same h, so A's gradient is the sum over TP; row: h is partial
+            h = reduce_from_tensor_model_parallel_region(h) if self.row else copy_to_tensor_model_parallel_region(h)
+            outs[p] = (h @ self.B[p].t()) * self.scale
+        if self.row:
+            return outs[self.parts[0]]
+        lead = tuple(x.shape[:-1])
+        flat = {p: o.reshape(-1, o.shape[-1]) for p, o in outs.items()}
+        return self._assemble({p: o.t() for p, o in flat.items()}, ()).t().reshape(*lead, -1)
+
+    @torch.no_grad()
+    def delta(self) -> torch.Tensor:
+        """(alpha / r) B A for this rank's shard of the linear's weight, in its layout (float32)."""
+        rows = {p: self.B[p].float() @ self.A[p].float() for p in self.parts}
+        return self._assemble(rows, ()) * self.scale
+
+
+def _hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    out, bias = output if isinstance(output, tuple) else (output, None)
+    out = out + module.__dict__[REF](args[0]).to(out.dtype)
+    return (out, bias) if isinstance(output, tuple) else out
+
+
+def add_adapters(chunks: list[torch.nn.Module], hf_config: Any, *, rank: int, alpha: float, dropout: float,
+                 targets: tuple[str, ...], seed: int) -> int:
+    """Adapters on every targeted linear of `chunks` (this rank's, after the base weights loaded), every other
+    parameter frozen. Returns the adapters' parameter count on this rank."""
+    from megatron.core import parallel_state as ps
+
+    from asyncrl.learner.model import model_arch
+
+    arch = model_arch(hf_config)
+    if any(arch.is_moe_layer(i) for i in range(arch.num_layers)):
+        raise ValueError("learner.lora: adapters on MoE models are not supported (dense models only)")
+    if getattr(chunks[0].config, "sequence_parallel", False):
+        raise ValueError("learner.lora with sequence_parallel: true is not supported (its linears see sequence "
+                         "shards): leave sequence_parallel off")
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    hd, heads, kv = arch.head_dim, arch.num_heads, arch.num_kv_heads
+    rows = {"q_proj": heads * hd, "k_proj": kv * hd, "v_proj": kv * hd, "o_proj": arch.hidden_size,
+            "gate_proj": arch.ffn_hidden_size, "up_proj": arch.ffn_hidden_size, "down_proj": arch.hidden_size}
+    ins = {"linear_qkv": arch.hidden_size, "linear_proj": heads * hd, "linear_fc1": arch.hidden_size,
+           "linear_fc2": arch.ffn_hidden_size}
+    for c in chunks:
+        for p in c.parameters():
+            p.requires_grad_(False)
+    count = 0
+    for c in chunks:
+        for name, module in list(c.named_modules()):  # (adding adapters adds modules)
+            slot = name.rsplit(".", 1)[-1]
+            if slot not in SLOTS or ".layers." not in f".{name}":
+                continue
+            parts = {p: rows[p] for p in SLOTS[slot] if p in targets}
+            if not parts:
+                continue
+            layer = module.layer_number if hasattr(module, "layer_number") else _layer_of(name, c)
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + layer * 16 + list(SLOTS).index(slot))
+            weight = module.weight
+            adapters = LinearAdapters(slot, parts, ins[slot], rank=rank, alpha=alpha, dropout=dropout, tp_rank=tp_rank,
+                                      tp_size=tp_size, layout=(kv, heads // kv, hd), generator=gen,
+                                      dtype=weight.dtype, device=weight.device)
+            parent = c.get_submodule(name.rsplit(".", 1)[0])
+            parent.add_module(slot + SUFFIX, adapters)
+            module.__dict__[REF] = adapters  # (not a submodule: its parameters are named once, under the parent)
+            module.register_forward_hook(_hook)
+            count += sum(p.numel() for p in adapters.parameters())
+    if not count:
+        raise ValueError(f"learner.lora.target_modules {list(targets)}: no such linear on this rank's layers")
+    return count
+
+
+def _layer_of(name: str, chunk: torch.nn.Module) -> int:
+    """The global layer number of `decoder.layers.<i>...` in `chunk` (its layers know their own)."""
+    local = int(name.split("layers.")[1].split(".")[0])
+    return int(chunk.decoder.layers[local].layer_number)
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter `name` is an adapter's (not a base weight: exports and HF loads skip it)."""
+    return any(f".{slot}{SUFFIX}." in name for slot in SLOTS)
+
+
+def merged_weight(module: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """What an export reads for `weight` of `module`: W + (alpha / r) B A where the module has adapters."""
+    adapters = module.__dict__.get(REF)
+    if adapters is None:
+        return weight
+    return (weight.detach().float() + adapters.delta()).to(weight.dtype)
