@@ -112,7 +112,8 @@ def _export(args: argparse.Namespace) -> int:
     from asyncrl.trainer.export import ExportError, export_run
 
     try:
-        ckpt, out = export_run(args.run_dir, args.out, step=args.step, hf_config=args.hf_config, tp=args.tp, pp=args.pp, ep=args.ep)
+        ckpt, out = export_run(args.run_dir, args.out, step=args.step, hf_config=args.hf_config, tp=args.tp, pp=args.pp,
+                               ep=args.ep, peft_out=args.peft_out)
     except ExportError as err:
         print(f"asyncrl export: {err}", file=sys.stderr)
         return 2
@@ -269,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel ranks for the conversion")
     export.add_argument("--pp", type=_positive_int, default=1, help="pipeline parallel ranks for the conversion")
     export.add_argument("--ep", type=_positive_int, default=1, help="expert parallel ranks for the conversion")
+    export.add_argument("--peft-out", default=None, help="a LoRA run (learner.lora): also write its adapters as a PEFT "
+                        "adapter directory here (--out always holds the merged model)")
     export.set_defaults(func=_export)
 
     status = sub.add_parser("status", help="the trainer's status (step, version, reward, accuracy, buffer accounting)")

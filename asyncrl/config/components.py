@@ -309,6 +309,9 @@ class LoraConfig(_Section):
     target_modules: list[str] | str = Field(
         "all-linear", description="PEFT's names of the linears that get adapters: q_proj, k_proj, v_proj, o_proj, "
         "gate_proj, up_proj, down_proj, or all-linear (every one of them). Dense models; no sequence parallelism.")
+    init_from: str | None = Field(
+        None, description="A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start the "
+        "adapters from instead of PEFT's init; its r, lora_alpha and target_modules must be these.")
 
     @field_validator("target_modules")
     @classmethod

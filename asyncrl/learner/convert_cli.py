@@ -87,7 +87,8 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1) ->
     return Path(out)
 
 
-def _mcore_to_hf_rank(rank: int, world: int, mcore: str, out: str, hf_config_dir: str, strategy: dict[str, int]) -> None:
+def _mcore_to_hf_rank(rank: int, world: int, mcore: str, out: str, hf_config_dir: str, strategy: dict[str, int],
+                      peft_out: str | None = None) -> None:
     import torch
     from megatron.core import parallel_state as ps
     from safetensors.torch import save_file
@@ -95,9 +96,25 @@ def _mcore_to_hf_rank(rank: int, world: int, mcore: str, out: str, hf_config_dir
     from asyncrl.learner.checkpoint import load_checkpoint
     from asyncrl.learner.convert import export_hf_tensors
 
+    from megatron.core import dist_checkpointing
+
     hf, chunks = _setup(world, strategy, hf_config_dir)
+    lora = dist_checkpointing.load_common_state_dict(mcore).get("extra", {}).get("lora")
+    if lora:  # a LoRA run's actor: its adapters loaded beside the base, the export merges them
+        from asyncrl.config.components import resolve_lora_targets
+        from asyncrl.learner.lora import add_adapters
+
+        add_adapters(chunks, hf, rank=lora["rank"], alpha=lora["alpha"], dropout=0.0,
+                     targets=resolve_lora_targets(lora["target_modules"]), seed=0)
     load_checkpoint(mcore, chunks, load_rng=False)
     tensors = dict(export_hf_tensors(chunks, hf))  # collective: every rank iterates
+    if lora and peft_out:
+        from asyncrl.learner.lora import peft_adapter_tensors
+
+        adapter = dict(peft_adapter_tensors(chunks))  # collective: TP shards gathered
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in adapter.items()}, str(Path(peft_out) / "adapter_model.safetensors"),
+                      metadata={"format": "pt"})
     sender = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     fname = "model.safetensors" if pp == 1 else f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"
@@ -112,8 +129,10 @@ def _mcore_to_hf_rank(rank: int, world: int, mcore: str, out: str, hf_config_dir
             json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
 
 
-def mcore_to_hf(mcore: str, out: str, hf_config_dir: str, tp: int = 1, pp: int = 1, ep: int = 1) -> Path:
-    """Export a dist checkpoint (any saved layout) to an HF directory, config files copied over."""
+def mcore_to_hf(mcore: str, out: str, hf_config_dir: str, tp: int = 1, pp: int = 1, ep: int = 1,
+                peft_out: str | None = None) -> Path:
+    """Export a dist checkpoint (any saved layout) to an HF directory, config files copied over. A LoRA run's
+    actor exports its merged weights, and with `peft_out` its adapters as a PEFT adapter directory there too."""
     strategy = _strategy(tp, pp, ep)
     if not (Path(mcore) / "metadata.json").exists():
         raise FileNotFoundError(f"--mcore {mcore} is not a dist checkpoint (no metadata.json)")
@@ -122,6 +141,18 @@ def mcore_to_hf(mcore: str, out: str, hf_config_dir: str, tp: int = 1, pp: int =
     for f in Path(hf_config_dir).iterdir():
         if f.is_file() and f.suffix in _NON_WEIGHT_SUFFIXES and f.name != "model.safetensors.index.json":
             shutil.copy2(f, out_dir / f.name)
+    if peft_out is not None:
+        from megatron.core import dist_checkpointing
+
+        from asyncrl.learner.lora import peft_adapter_config
+
+        lora = dist_checkpointing.load_common_state_dict(mcore).get("extra", {}).get("lora")
+        if not lora:
+            raise ValueError(f"--peft-out: checkpoint {mcore} was not trained with learner.lora (no adapters to write)")
+        Path(peft_out).mkdir(parents=True, exist_ok=True)
+        (Path(peft_out) / "adapter_config.json").write_text(
+            json.dumps(peft_adapter_config(lora, str(Path(hf_config_dir).absolute())), indent=2))
+        peft_out = str(Path(peft_out).absolute())
     _spawn(_mcore_to_hf_rank, tp * pp * ep, str(Path(mcore).absolute()), str(out_dir),
-           str(Path(hf_config_dir).absolute()), strategy)
+           str(Path(hf_config_dir).absolute()), strategy, peft_out)
     return out_dir

@@ -181,3 +181,96 @@ def merged_weight(module: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor
     if adapters is None:
         return weight
     return (weight.detach().float() + adapters.delta()).to(weight.dtype)
+
+
+_HF_BLOCK = {"linear_qkv": "self_attn", "linear_proj": "self_attn", "linear_fc1": "mlp", "linear_fc2": "mlp"}
+
+
+def _named_adapters(chunks: list[torch.nn.Module]):
+    """(PEFT's module name, adapters, part) of every adapter pair on this rank, in model order."""
+    for c in chunks:
+        c = getattr(c, "module", c)
+        for name, m in c.named_modules():
+            if isinstance(m, LinearAdapters):
+                layer = _layer_of(name, c) - 1
+                for p in m.parts:
+                    yield f"base_model.model.model.layers.{layer}.{_HF_BLOCK[m.slot]}.{p}", m, p
+
+
+def _tp_gather(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if size == 1:
+        return t.detach()
+    parts = [torch.empty_like(t) for _ in range(size)]
+    torch.distributed.all_gather(parts, t.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=dim)
+
+
+@torch.no_grad()
+def peft_adapter_tensors(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """Every adapter of the model as PEFT's `adapter_model.safetensors` names it (lora_A: [r, in], lora_B: [out, r]),
+    whole, on global rank 0 (empty elsewhere). Collective over every rank: TP shards gathered, PP stages collected."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    mine = {}
+    for name, m, p in _named_adapters(chunks):
+        a = _tp_gather(m.A[p], 1, tp) if m.row else m.A[p].detach()
+        b = m.B[p].detach() if m.row else _tp_gather(m.B[p], 0, tp)
+        mine[f"{name}.lora_A.weight"], mine[f"{name}.lora_B.weight"] = a.cpu(), b.cpu()
+    keep = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine if keep else {})
+    return {k: v for part in gathered for k, v in part.items()} if torch.distributed.get_rank() == 0 else {}
+
+
+def peft_adapter_config(lora: dict[str, Any], base_model: str) -> dict[str, Any]:
+    """PEFT's adapter_config.json for `learner.lora`'s settings (a model_dump) on `base_model`."""
+    from asyncrl.config.components import resolve_lora_targets
+
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": lora["rank"],
+            "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"], "bias": "none", "fan_in_fan_out": False,
+            "target_modules": list(resolve_lora_targets(lora["target_modules"])), "inference_mode": True}
+
+
+@torch.no_grad()
+def load_peft_adapter(chunks: list[torch.nn.Module], path: str, *, rank: int, alpha: float,
+                      targets: tuple[str, ...]) -> int:
+    """This rank's adapters from a PEFT adapter directory (adapter_config.json, adapter_model.safetensors), each
+    matrix's TP shard taken; its rank, alpha and targets must be learner.lora's. Returns the pairs loaded."""
+    import json
+    from pathlib import Path
+
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import load_file
+
+    from asyncrl.config.components import resolve_lora_targets
+
+    d = Path(path)
+    if not (d / "adapter_config.json").is_file() or not (d / "adapter_model.safetensors").is_file():
+        raise ValueError(f"learner.lora.init_from={path!r} is not a PEFT adapter directory (adapter_config.json and "
+                         "adapter_model.safetensors)")
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    theirs = (cfg.get("r"), float(cfg.get("lora_alpha", 0)), resolve_lora_targets(cfg.get("target_modules") or []))
+    if theirs != (rank, float(alpha), targets):
+        raise ValueError(f"learner.lora.init_from={path!r} holds rank {theirs[0]}, alpha {theirs[1]}, targets "
+                         f"{list(theirs[2])}; learner.lora says rank {rank}, alpha {alpha}, targets {list(targets)}")
+    tensors = load_file(str(d / "adapter_model.safetensors"))
+    tp, tp_rank, n = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), 0
+    for name, m, p in _named_adapters(chunks):
+        keys = [f"{name}.lora_A.weight", f"{name}.lora_B.weight"]
+        if not all(k in tensors for k in keys):
+            raise ValueError(f"learner.lora.init_from={path!r} has no {keys[0]} (another model's adapter?)")
+        a, b = (tensors[k] for k in keys)
+        if m.row:
+            a = a.chunk(tp, dim=1)[tp_rank]
+        else:
+            b = b.chunk(tp, dim=0)[tp_rank]
+        if a.shape != m.A[p].shape or b.shape != m.B[p].shape:
+            raise ValueError(f"learner.lora.init_from={path!r}: {name} is {tuple(tensors[keys[0]].shape)} x "
+                             f"{tuple(tensors[keys[1]].shape)}, not this model's")
+        m.A[p].copy_(a)
+        m.B[p].copy_(b)
+        n += 1
+    return n

@@ -326,14 +326,27 @@ class LearnerRank:
 
         self._ready()
         chunks, optimizer, schedule = self._checkpoint_parts()
+        extra = {"role": self.role_name, **({"lora": lora} if (lora := self._lora()) else {})}
         with self._thread(), self._held():
-            out = save_checkpoint(path, chunks, optimizer, extra={"role": self.role_name}, scheduler=schedule)
+            out = save_checkpoint(path, chunks, optimizer, extra=extra, scheduler=schedule)
         return str(out)
+
+    def _lora(self) -> dict[str, Any] | None:
+        """learner.lora's settings where this rank's role trains adapters (the actor), as its checkpoints record them."""
+        lora = self.learner_cfg.lora
+        return lora.model_dump(mode="json") if lora is not None and self.role_name == "actor" else None
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         from asyncrl.learner.checkpoint import load_checkpoint
 
+        from megatron.core import dist_checkpointing
+
         self._ready()
+        saved = dist_checkpointing.load_common_state_dict(path).get("extra", {}).get("lora")
+        if (saved is None) != (self._lora() is None):  # Megatron would load the base weights alone, or fail on keys
+            raise ValueError(f"checkpoint {path} was written {'with learner.lora ' + str(saved) if saved else 'without LoRA'}"
+                             f", and this learner {'trains LoRA adapters' if saved is None else 'has no learner.lora'}: "
+                             "resume with the run's own learner.lora")
         chunks, optimizer, schedule = self._checkpoint_parts()
         with self._thread(), self._held():
             return load_checkpoint(path, chunks, optimizer, scheduler=schedule)

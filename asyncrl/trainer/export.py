@@ -1,4 +1,4 @@
-"""`asyncrl export RUN_DIR --out HF_DIR`: a training run's actor checkpoint as a Hugging Face directory.
+"""`asyncrl export RUN_DIR --out HF_DIR [--peft-out DIR]`: a run's actor checkpoint as a Hugging Face directory.
 
 Owns: finding the checkpoint to export in what a user points at (a run's logging directory, its
 checkpoint directory, or one `step_N` checkpoint), choosing the newest complete one or a named
@@ -66,7 +66,7 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None, hf_config: str | Path | None = None,
-               tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[Path, Path]:
+               tp: int = 1, pp: int = 1, ep: int = 1, peft_out: str | Path | None = None) -> tuple[Path, Path]:
     """Convert the chosen actor checkpoint of a run into a Hugging Face directory at `out`
     (safetensors, the model's config, generation config and tokenizer files). Returns (the
     checkpoint exported, `out`)."""
@@ -87,7 +87,11 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not (out / "config.json").is_file():
         raise ExportError(f"--out {out} exists and is not empty (nor a model directory to overwrite)")
-    mcore_to_hf(str(actor), str(out), str(model_dir), tp=tp, pp=pp, ep=ep)
+    try:  # (a LoRA run's actor: merged weights in `out`, and its adapters in `peft_out` where asked)
+        mcore_to_hf(str(actor), str(out), str(model_dir), tp=tp, pp=pp, ep=ep,
+                    peft_out=None if peft_out is None else str(peft_out))
+    except ValueError as err:
+        raise ExportError(str(err)) from None
     (out / "asyncrl_export.json").write_text(json.dumps(
         {"checkpoint": str(ckpt.absolute()), "policy_version": state["version"], "model": str(model_dir.absolute())}, indent=2))
     return ckpt, out

@@ -262,4 +262,29 @@ def test_lora_actor_trains_its_adapters_exports_merged_weights_and_checkpoints_t
     assert max_diff(run(lora.compute_log_prob(samples)), trained) > 1e-4
     run(lora.load_checkpoint(str(tmp_path / "lora")))  # the adapters (and their optimizer state) come back
     assert max_diff(run(lora.compute_log_prob(samples)), trained) < 1e-6
+    with pytest.raises(LearnerRankError, match="written with learner.lora"):
+        run(groups["actor"].load_checkpoint(str(tmp_path / "lora")))  # a full-parameter learner refuses it
+
+    # `asyncrl export`'s conversion: the merged model, and the adapters as PEFT's directory, which PEFT loads
+    from peft import PeftModel
+
+    from asyncrl.learner.convert_cli import mcore_to_hf
+
+    model_dir = hf_model.config._name_or_path
+    mcore_to_hf(str(tmp_path / "lora"), str(tmp_path / "merged"), model_dir, peft_out=str(tmp_path / "adapter"))
+    merged = type(hf_model).from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert max_diff(hf_logprobs(merged, samples), trained) < 1e-4
+    base = type(hf_model).from_pretrained(model_dir, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    assert max_diff(hf_logprobs(peft, samples), trained) < 1e-4
+
+    # a run started from that adapter (learner.lora.init_from) starts where this one stands
+    cfg = LearnerConfig.model_validate({**lora.learner_cfg.model_dump(), "lora": {
+        "rank": 4, "alpha": 8, "init_from": str(tmp_path / "adapter")}})
+    resumed = LearnerGroup("actor", lora.model_cfg, cfg, lora.algorithm_cfg)
+    try:
+        run(resumed.start())
+        assert max_diff(run(resumed.compute_log_prob(samples)), trained) < 1e-5
+    finally:
+        run(resumed.shutdown())
 

@@ -120,8 +120,13 @@ class ModelRunner:
             from asyncrl.learner.lora import add_adapters
 
             lc = ctx.learner_cfg.lora
+            targets = resolve_lora_targets(lc.target_modules)
             self.adapter_params = add_adapters(chunks, ctx.hf_config, rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout,
-                                               targets=resolve_lora_targets(lc.target_modules), seed=ctx.learner_cfg.seed)
+                                               targets=targets, seed=ctx.learner_cfg.seed)
+            if lc.init_from:
+                from asyncrl.learner.lora import load_peft_adapter
+
+                load_peft_adapter(chunks, lc.init_from, rank=lc.rank, alpha=lc.alpha, targets=targets)
         self.real_vocab = ctx.hf_config.vocab_size
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.cp_size = ps.get_context_parallel_world_size()
