@@ -60,12 +60,33 @@ def model_params(hf_config: Any) -> int:
     return layers * (attn + mlp + 2 * h) + h + emb
 
 
-def learner_bytes(hf_config: Any, tokens_per_micro_batch: int, logprob_chunk: int) -> float:
-    """What the actor needs on its device while it trains: its state, one micro-batch's activations and the
-    LM head's chunk of logits (float32, forward and backward)."""
+# Of BYTES_PER_PARAM, what Megatron's host optimizer (learner.memory.optimizer: host) takes off the device per
+# offloaded parameter: Adam's two fp32 moments (its fp32 main params stay on the device); and what a LoRA actor
+# keeps per base parameter: its frozen bf16 weight alone (no grad, no optimizer state; the adapters are small).
+HOST_OPTIMIZER_SAVES = 8
+LORA_BYTES_PER_PARAM = 2
+
+
+def bytes_per_param(learner: Any = None) -> float:
+    """The actor's device bytes per model parameter under `learner` (a LearnerConfig; None: the defaults)."""
+    if learner is not None and learner.lora is not None:
+        return LORA_BYTES_PER_PARAM
+    if learner is not None and learner.memory.optimizer == "host":
+        return BYTES_PER_PARAM - HOST_OPTIMIZER_SAVES * learner.memory.optimizer_host_fraction
+    return BYTES_PER_PARAM
+
+
+def learner_bytes(hf_config: Any, tokens_per_micro_batch: int, logprob_chunk: int, learner: Any = None) -> float:
+    """What the actor needs on its device while it trains: its state (`bytes_per_param`: LoRA and a host optimizer
+    keep less), one micro-batch's activations (with full recompute, each layer's input and one layer's whole) and
+    the LM head's chunk of logits (float32, forward and backward)."""
     c = hf_config
-    state = BYTES_PER_PARAM * model_params(c)
-    activations = ACTIVATION_BYTES * tokens_per_micro_batch * c.hidden_size * c.num_hidden_layers
+    state = bytes_per_param(learner) * model_params(c)
+    layer = ACTIVATION_BYTES * tokens_per_micro_batch * c.hidden_size
+    if learner is not None and learner.memory.recompute == "full":
+        activations = 2 * tokens_per_micro_batch * c.hidden_size * c.num_hidden_layers + layer
+    else:
+        activations = layer * c.num_hidden_layers
     logits = 2 * 4 * min(logprob_chunk, tokens_per_micro_batch) * c.vocab_size
     return float(state + activations + logits)
 
@@ -82,13 +103,13 @@ def choose_placement(cfg: Any, hf_config: Any, device_bytes: float | None) -> Pl
                                       "of their own")
     tokens = learner.max_tokens_per_micro_batch or learner.micro_batch_size * (
         cfg.model.max_model_len or cfg.algorithm.max_new_tokens + 512)
-    need = learner_bytes(hf_config, tokens, learner.logprob_chunk_size)
+    need = learner_bytes(hf_config, tokens, learner.logprob_chunk_size, learner)
     share = float(gen.engine_kwargs.get("gpu_memory_utilization", VLLM_DEFAULT_UTILIZATION))
     engine = share * device_bytes
     room = FIT_SHARE * device_bytes
     fits = need + engine <= room
     sizes = (f"the learner needs ~{need / GIB:.0f} GiB ({model_params(hf_config) / 1e9:.2f}B parameters x "
-             f"{BYTES_PER_PARAM} B, and a micro-batch of {tokens} tokens), the engine "
+             f"{bytes_per_param(learner):g} B, and a micro-batch of {tokens} tokens), the engine "
              f"{engine / GIB:.0f} GiB (gpu_memory_utilization {share:g} of {device_bytes / GIB:.0f} GiB)")
     if fits:
         return PlacementChoice(False, f"separated: {sizes}: both fit at once in {room / GIB:.0f} GiB, so generation "

@@ -124,3 +124,7 @@ def test_a_host_optimizer_that_would_not_fit_the_hosts_memory_is_refused_with_th
         check_host_memory(seven_b, cfg, available=100 * 2**30)
     check_host_memory(seven_b, LearnerConfig(memory={"optimizer": "host", "optimizer_host_fraction": 0.6}),
                       available=100 * 2**30)  # 68 GiB: fits
+    # four ranks of DP = 4 on one node: each holds a quarter of the state, together the whole 113.5 GiB
+    with pytest.raises(ValueError, match=r"4 learner ranks x 1,903,750,000 parameters x 1 .* need about 113.5 GiB"):
+        check_host_memory(seven_b, cfg, available=100 * 2**30, dp=4, ranks_on_node=4)
+    check_host_memory(seven_b, cfg, available=100 * 2**30, dp=4, ranks_on_node=2)  # the other two elsewhere: 57 GiB

@@ -57,6 +57,19 @@ def test_a_7b_does_not_fit_beside_its_engine_so_it_runs_hybrid_with_sleep_and_of
     assert cfg.hybrid.enabled == "auto"  # the given config is left as it was
 
 
+@pytest.mark.parametrize("learner, per_param, hybrid", [
+    ({"lora": {"rank": 64}}, "x 2 B", False),  # frozen bf16 weights alone: no grads, no optimizer state
+    ({"memory": {"optimizer": "host"}}, "x 10 B", True),  # Adam's moments on the host: 71 GiB + 21 GiB activations
+    ({"memory": {"optimizer": "host", "recompute": "full"}}, "x 10 B", False),  # ... and each layer's input alone
+])
+def test_lora_a_host_optimizer_and_recompute_count_in_the_choice(learner, per_param, hybrid):
+    """LoRA, a host optimizer and full recompute shrink what the actor keeps on the device: the 7B that takes turns
+    with its engine by default (above) fits beside it with LoRA, or with both of the others, and `auto` says what
+    it counted."""
+    choice = choose_placement(_one_gpu(learner=learner), QWEN_7B, H200)
+    assert choice.hybrid is hybrid and per_param in choice.reason, choice.reason
+
+
 @pytest.mark.parametrize("over, device, words", [
     ({}, None, "no GPU"),
     ({"generator": {"num_gpus": 1}, "learner": {"num_gpus_per_rank": 1}}, H200, "devices of their own"),

@@ -48,21 +48,37 @@ def optimizer_on_host(cfg: LearnerConfig) -> bool:
 HOST_OPTIMIZER_BYTES_PER_PARAM = 16
 
 
-def check_host_memory(params: int, cfg: LearnerConfig, available: int | None = None) -> None:
+def check_host_memory(params: int, cfg: LearnerConfig, available: int | None = None, *, dp: int = 1,
+                      ranks_on_node: int = 1) -> None:
     """Refuse, with the setting that fits, a host optimizer whose state would not fit in the host memory available
-    now (the kernel would kill the rank part way through instead)."""
+    now (the kernel would kill the rank part way through instead). `params`: this rank's model parameters, whose
+    state the distributed optimizer splits over `dp` ranks; `ranks_on_node` learner ranks share this host."""
     import psutil
 
     share = cfg.memory.optimizer_host_fraction
-    need = int(params * share * HOST_OPTIMIZER_BYTES_PER_PARAM)
+    per_fraction = params / dp * ranks_on_node * HOST_OPTIMIZER_BYTES_PER_PARAM  # this node's bytes at fraction 1
+    need = int(per_fraction * share)
     free = psutil.virtual_memory().available if available is None else available
     if need > free:
-        fits = max(0.0, free / (params * HOST_OPTIMIZER_BYTES_PER_PARAM)) * 0.9
+        fits = max(0.0, free / per_fraction) * 0.9
+        ranks = f"{ranks_on_node} learner ranks x " if ranks_on_node > 1 else ""
         raise ValueError(
-            f"learner.memory.optimizer host: {params:,} parameters x {share:g} on the host need about {need / 2**30:.1f} "
-            f"GiB of host memory ({HOST_OPTIMIZER_BYTES_PER_PARAM} bytes each: an fp32 copy, its grad and Adam's two "
-            f"moments), {free / 2**30:.1f} GiB is available on this rank's node: set learner.memory.optimizer_host_fraction "
-            f"to {fits:.2f} or less (the rest stays on the device), or use more learner ranks")
+            f"learner.memory.optimizer host: {ranks}{params / dp:,.0f} parameters x {share:g} on the host need about "
+            f"{need / 2**30:.1f} GiB of host memory ({HOST_OPTIMIZER_BYTES_PER_PARAM} bytes each: an fp32 copy, its grad "
+            f"and Adam's two moments), {free / 2**30:.1f} GiB is available on this node: set "
+            f"learner.memory.optimizer_host_fraction to {fits:.2f} or less (the rest stays on the device), or spread "
+            "the learner over more nodes")
+
+
+def ranks_on_this_node() -> int:
+    """How many ranks of the default process group run on this host (collective: every rank calls it)."""
+    import socket
+
+    if not torch.distributed.is_initialized():
+        return 1
+    hosts: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(hosts, socket.gethostname())
+    return hosts.count(socket.gethostname())
 
 
 class LRSchedule:
@@ -116,7 +132,11 @@ class GuardedOptimizer:
             optimizer_offload_fraction=cfg.memory.optimizer_host_fraction if self.on_host else 0.0,
         )
         if self.on_host:
-            check_host_memory(sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad), cfg)
+            from megatron.core import parallel_state as ps
+
+            check_host_memory(sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad), cfg,
+                              dp=ps.get_data_parallel_world_size(with_context_parallel=True),
+                              ranks_on_node=ranks_on_this_node())
         self.optimizer = get_megatron_optimizer(opt_cfg, chunks)
         use_fused_adam(self.optimizer)  # torch's fused CUDA Adam (no-op on CPU)
         self.schedule = LRSchedule(self.optimizer, cfg)
