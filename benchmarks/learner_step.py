@@ -405,7 +405,7 @@ def _configs():
                           recompute_layers=ARGS.recompute_layers, optimizer=ARGS.optimizer,
                           optimizer_host_fraction=ARGS.optimizer_host_fraction)
     learner = LearnerConfig(world_size=world(), strategy_config=strategy(), micro_batch_size=ARGS.micro_batch_size, lr=1e-6,
-                            memory=memory,
+                            memory=memory, lora={"rank": ARGS.lora_rank, "alpha": ARGS.lora_alpha} if ARGS.lora_rank else None,
                             attention=ARGS.attention, sequence_packing=ARGS.pack, max_tokens_per_micro_batch=ARGS.max_tokens,
                             num_cpus_per_rank=ARGS.num_cpus_per_rank,
                             num_gpus_per_rank=1.0 if torch.cuda.is_available() else 0.0)
@@ -447,7 +447,7 @@ def role(hf: Any) -> dict[str, Any]:
     optim_times = timed(lambda: actor.optim.step(loss_finite=True))
     inner = getattr(actor.optim.optimizer, "optimizer", actor.optim.optimizer)
     return {
-        "memory": learner_cfg.memory.model_dump(), "optimizer_class": type(inner).__name__,
+        "memory": learner_cfg.memory.model_dump(), "lora": learner_cfg.lora and learner_cfg.lora.model_dump(), "optimizer_class": type(inner).__name__,
         "logprob_sum_after_updates": None if after is None else round(float(sum(sum(r) for r in after["logprobs"])), 4),
         "dtype": ARGS.dtype, "micro_batch_size": ARGS.micro_batch_size, "params": params,
         "update_actor": stats(update_times, tokens, params, peak()),
@@ -707,6 +707,9 @@ def main() -> None:
     ap.add_argument("--recompute-layers", type=int, default=1, help="learner.memory.recompute_layers")
     ap.add_argument("--optimizer", default="device", choices=["device", "host"], help="learner.memory.optimizer of role / group")
     ap.add_argument("--optimizer-host-fraction", type=float, default=1.0, help="learner.memory.optimizer_host_fraction")
+    ap.add_argument("--lora-rank", type=int, default=0, help="learner.lora.rank of role / group (0: every weight trains); "
+                    "MFU still counts 6 x params a token (a LoRA step computes no base weight grads: about 4)")
+    ap.add_argument("--lora-alpha", type=float, default=16.0, help="learner.lora.alpha")
     ap.add_argument("--sync-debug", action="store_true", help="role section: list what made the host wait for the device in one more update")
     ARGS = ap.parse_args()
     ARGS.model = os.path.abspath(ARGS.model)
