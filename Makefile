@@ -25,7 +25,7 @@ TORCH_SOURCE ?= $(if $(TORCH_LOCAL),--find-links $(TORCH_WHEELS),--extra-index-u
 FIND_LINKS := $(if $(TORCH_LOCAL),--find-links $(TORCH_WHEELS),)
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast demo-model demo-reward-model demo-judge-model clean torch-source
+.PHONY: setup serve test test-fast lint demo-model demo-reward-model demo-judge-model clean torch-source
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,14 +64,18 @@ demo-judge-model: $(DEMO_JUDGE)/config.json
 serve: setup demo-model
 	$(VENV)/bin/asyncrl serve deploy/rlhf.yaml
 
-# --durations: the 25 slowest tests at the end of the log, to keep the suite's time in view (CI's limit)
-test: setup demo-model
+# ruff first (pyproject.toml's [tool.ruff]: 0 findings, in a second); --durations: the 25 slowest tests at the
+# end of the log, to keep the suite's time in view (CI's limit)
+test: setup demo-model lint
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check asyncrl tests benchmarks
 
 # The logic tests alone: no test marked `slow` (those start vLLM engines, Ray, Megatron groups or
 # HTTP servers) or `gpu`. About 80 s on 2 cores, for checking a change while you work; CI and
 # `make test` run everything.
-test-fast: setup demo-model
+test-fast: setup demo-model lint
 	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
 
 torch-source:  # where `make setup` takes torch's CPU build from (no install)

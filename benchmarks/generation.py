@@ -523,7 +523,8 @@ def main() -> None:
     print(json.dumps({"benchmark": "generation", "model": args.model, "num_prompts": args.num_prompts,
                       "concurrency": args.concurrency, "max_tokens": args.max_tokens, "dtype": args.dtype,
                       "prompt_tokens_mean": round(sum(map(len, ids)) / len(ids), 1), "sides": sides,
-                      "engine": args.engine, **ratios(rows, "sglang" if args.engine == "sglang" else "vllm"), "phases": {f"{r['side']}/{r['phase']}": r["tokens_per_s"] for r in rows}}), flush=True)
+                      "engine": args.engine, **ratios(rows, "sglang" if args.engine == "sglang" else "vllm"),
+                      "phases": {f"{r['side']}/{r['phase']}": r["tokens_per_s"] for r in rows}}), flush=True)
 
 
 if __name__ == "__main__":

@@ -447,7 +447,8 @@ def role(hf: Any) -> dict[str, Any]:
     optim_times = timed(lambda: actor.optim.step(loss_finite=True))
     inner = getattr(actor.optim.optimizer, "optimizer", actor.optim.optimizer)
     return {
-        "memory": learner_cfg.memory.model_dump(), "lora": learner_cfg.lora and learner_cfg.lora.model_dump(), "optimizer_class": type(inner).__name__,
+        "memory": learner_cfg.memory.model_dump(), "lora": learner_cfg.lora and learner_cfg.lora.model_dump(),
+        "optimizer_class": type(inner).__name__,
         "logprob_sum_after_updates": None if after is None else round(float(sum(sum(r) for r in after["logprobs"])), 4),
         "dtype": ARGS.dtype, "micro_batch_size": ARGS.micro_batch_size, "params": params,
         "update_actor": stats(update_times, tokens, params, peak()),
@@ -474,7 +475,8 @@ def _profile(fn, path: str) -> None:
     # device-side events only (kernels, copies): a host op's device time repeats its kernels'
     kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
     busy = sum(e.self_device_time_total for e in kernels) / 1e6
-    table = events.table(sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total", row_limit=70, max_name_column_width=110)
+    table = events.table(sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total",
+                         row_limit=70, max_name_column_width=110)
     groups: dict[str, float] = {}
     for e in kernels:
         if e.self_device_time_total > 0:

@@ -665,7 +665,8 @@ def _rows(name, runs, raw, collective, params, why_not, verify, staging, sender_
                                                     and k.endswith(f"/{part}_seconds")), default=0.0) for m in metrics])
         if kind in collective:
             breakdown.update({f"sender_{k}": key(f"weightsync/sender/{k}_seconds")
-                              for k in ("pack", "broadcast", "host_copy", "hash", "hash_wait", "ring_wait", "host_copy_thread_copy", "host_copy_thread_keep",
+                              for k in ("pack", "broadcast", "host_copy", "hash", "hash_wait", "ring_wait",
+                                        "host_copy_thread_copy", "host_copy_thread_keep",
                                         "prepare", "call", "receivers_after")})
         for step in ("begin_update", "load_bucket", "commit_update"):  # as the publisher timed each replica's call
             breakdown[f"replica_{step}"] = med([max((v for k, v in m.items() if k.startswith("weightsync/replica/")

@@ -89,7 +89,8 @@ class GeneratorConfig(_Section):
         "token, counting a turn's max_tokens before it runs); a turn that could exceed it gets 413.")
     episode_idle_timeout_s: float = Field(
         600.0, gt=0, description="An episode with no turn for this long is dropped and counted as abandoned (410 after).")
-    admin_token: str | None = Field(None, description="Bearer token for admin routes; falls back to $ASYNCRL_ADMIN_TOKEN. Unset = admin routes closed.")
+    admin_token: str | None = Field(
+        None, description="Bearer token for admin routes; falls back to $ASYNCRL_ADMIN_TOKEN. Unset = admin routes closed.")
     routing: Literal["power_of_two", "prefix_affinity"] = "power_of_two"
     http_host: str = "127.0.0.1"
     http_port: int = Field(8000, gt=0, lt=65536)
@@ -134,7 +135,8 @@ class BufferConfig(_Section):
     batch_size: int = Field(32, gt=0, description="B: samples per learner step.")
     max_staleness: int = Field(2, ge=0, description="eta: 0 = synchronous, 1 = one-step off-policy, larger = fully async.")
     capacity: int = Field(1024, gt=0, description="Most samples held; rollouts wait beyond it.")
-    group_filter: Literal["none", "all_equal"] = Field("none", description="'all_equal' drops GRPO groups whose rewards are all equal (dynamic sampling).")
+    group_filter: Literal["none", "all_equal"] = Field(
+        "none", description="'all_equal' drops GRPO groups whose rewards are all equal (dynamic sampling).")
     overdue: Literal["wait", "drop"] = Field(
         "wait", description="Rollouts still generating long after their admission (long responses): 'wait' draws "
         "batches oldest first and holds a draw while it would leave more old samples than the next batches can "
@@ -342,20 +344,24 @@ class LearnerConfig(_Section):
     grad_clip: float = Field(1.0, ge=0, description="Global grad-norm clip; 0 disables.")
     micro_batch_size: int = Field(8, gt=0)
     max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="Dynamic batch size: token budget per micro-batch.")
-    sequence_packing: bool = Field(False, description="Pack each micro-batch's sequences into one row (block-diagonal causal mask) instead of padding.")
+    sequence_packing: bool = Field(
+        False, description="Pack each micro-batch's sequences into one row (block-diagonal causal mask) instead of padding.")
     ppo_epochs: int = Field(1, gt=0)
-    warm_up: bool = Field(True, description="Before the first step (hybrid: with the engines asleep, as in a step): one zero-loss forward-backward of the "
+    warm_up: bool = Field(True, description="Before the first step (hybrid: with the engines asleep, as in a step): "
+                          "one zero-loss forward-backward of the "
                           "largest micro-batch the run admits (prompt + completion = model.max_model_len) and the optimizer's state "
                           "made, so the first update pays no kernel loading, compilation or allocation; changes no weight or state. "
                           "An out-of-memory error there is the one the longest batches would meet later.")
-    logprob_chunk_size: int = Field(1024, gt=0, description="Tokens per chunk when computing log-probs (the LM head runs inside the chunk), to bound memory.")
+    logprob_chunk_size: int = Field(
+        1024, gt=0, description="Tokens per chunk when computing log-probs (the LM head runs inside the chunk), to bound memory.")
     attention: Literal["auto", "sdpa", "local", "te"] = Field(
         "auto", description="Learner layer spec: sdpa = fused attention (torch scaled_dot_product_attention) + fused RMSNorm / "
         "SwiGLU on Megatron's parallel linears, with context and sequence parallelism, on CPU and GPU; local = Megatron's "
         "unfused local spec (S x S attention scores); te = Transformer Engine; auto = te where it imports on a GPU, else sdpa.")
     num_cpus_per_rank: float = Field(0.5, ge=0)
     num_gpus_per_rank: float = Field(0.0, ge=0)
-    pool: ResourcePool = Field(default_factory=ResourcePool, description="Nodes that may run learner ranks: every rank's placement-group bundle asks for it.")
+    pool: ResourcePool = Field(
+        default_factory=ResourcePool, description="Nodes that may run learner ranks: every rank's placement-group bundle asks for it.")
     placement_strategy: Literal["pack", "spread", "strict_pack", "strict_spread"] = Field(
         "pack", description="Ray placement-group strategy of the ranks: pack = as few nodes as possible, spread = as many, "
         "strict_pack = one node (fails if none holds every rank), strict_spread = one rank per node.")
@@ -457,7 +463,8 @@ class WeightsyncConfig(_Section):
         "handles to the sender's buffers instead (CUDA IPC on a GPU the learner and engines share, shared-memory files on CPU).")
     bucket_mb: float = Field(64.0, gt=0)
     verify: Literal["full", "checksum", "off"] = Field(
-        "full", description="What the commit-time fingerprint covers: full = every byte (sha256), checksum = every byte as a 64-bit position-weighted sum computed on the tensors' device "
+        "full", description="What the commit-time fingerprint covers: full = every byte (sha256), checksum = every byte as a 64-bit "
+        "position-weighted sum computed on the tensors' device "
         "(the cheap full check for GPU transports), off = names, dtypes and shapes only (asyncrl/weightsync/fingerprint.py).")
     apply: Literal["auto", "direct", "reload"] = Field(
         "auto", description="How engines take a version: direct = the learner packs buckets in the engines' own parameter "

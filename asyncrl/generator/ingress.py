@@ -2,7 +2,8 @@
 
 Why: behind Serve's HTTP proxy every request crosses one more process (proxy -> gateway replica,
 plus the replica fetching the body back from the proxy). On a small CPU host that hop costs more
-proxy and gateway CPU per request than vLLM's whole frontend (docs/BENCHMARKS.md, generation). Serving the same app on `generator.direct_http_port` from the
+proxy and gateway CPU per request than vLLM's whole frontend (docs/BENCHMARKS.md, generation). Serving the same app on
+`generator.direct_http_port` from the
 gateway replica removes the hop; routes, validation, 503 backpressure and metrics are the app's
 own, so both endpoints behave the same.
 

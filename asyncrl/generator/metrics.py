@@ -25,10 +25,12 @@ class GatewayMetrics:
         self.requests = Counter("asyncrl_generator_requests", "HTTP generation requests", ["route", "status"], registry=self.registry)
         self.tokens = Counter("asyncrl_generator_tokens_generated", "Completion tokens returned", registry=self.registry)
         self.in_flight = Gauge("asyncrl_generator_queue_depth", "Generation requests in flight at this gateway", registry=self.registry)
-        self.latency = Histogram("asyncrl_generator_request_latency_seconds", "End-to-end request latency", ["route"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.latency = Histogram("asyncrl_generator_request_latency_seconds",
+                                 "End-to-end request latency", ["route"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.rate = Gauge("asyncrl_generator_tokens_per_second", f"Completion tokens/s over the last {rate_window_s:.0f}s", registry=self.registry)
         self.replica_version = Gauge("asyncrl_generator_weight_version", "Weight version per engine replica", ["replica"], registry=self.registry)
-        self.replica_ongoing = Gauge("asyncrl_generator_replica_ongoing_requests", "Requests running in each engine replica", ["replica"], registry=self.registry)
+        self.replica_ongoing = Gauge("asyncrl_generator_replica_ongoing_requests",
+                                     "Requests running in each engine replica", ["replica"], registry=self.registry)
         self.replica_engine_requests = Gauge("asyncrl_generator_replica_engine_requests",
                                              "Requests the engine holds (queued or running), per engine replica", ["replica"], registry=self.registry)
         self.replica_in_flight = Gauge("asyncrl_generator_replica_tokens_in_flight",

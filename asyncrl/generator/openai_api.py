@@ -180,10 +180,13 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
                 def event(d: CompletionDelta, offsets: dict[int, int]) -> Any:
                     lp = completion_logprobs(d, offsets.get(d.index, 0)) if want_lp else None
                     offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
-                    choice = cmpl.CompletionResponseStreamChoice(index=d.index, text=d.text, logprobs=lp, finish_reason=d.finish_reason, token_ids=d.token_ids)
+                    choice = cmpl.CompletionResponseStreamChoice(
+                        index=d.index, text=d.text, logprobs=lp, finish_reason=d.finish_reason, token_ids=d.token_ids,
+                    )
                     return {"choices": [{**choice.model_dump(), "versions": d.versions}]}
 
-                return _sse(track, first, rest, event, lambda: cmpl.CompletionStreamResponse(model=served, choices=[]).model_dump(), len(ids), include_usage, UsageInfo)
+                return _sse(track, first, rest, event, lambda: cmpl.CompletionStreamResponse(model=served, choices=[]).model_dump(),
+                            len(ids), include_usage, UsageInfo)
             result = await core.generate(greq)
             choices = []
             for c in result.completions:
@@ -192,7 +195,8 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
                 choices.append({**choice.model_dump(), "versions": c.versions})
             n_out = sum(len(c.token_ids) for c in result.completions)
             track.status, track.tokens = 200, n_out
-            body = cmpl.CompletionResponse(model=served, choices=[], usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)).model_dump()
+            body = cmpl.CompletionResponse(model=served, choices=[], usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out,
+                                                                                     total_tokens=len(ids) + n_out)).model_dump()
             body["choices"] = choices
             return JSONResponse(body, headers={VERSION_HEADER: version_header(result.versions)})
         except HTTPError as err:
@@ -257,7 +261,9 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
                 started.add(d.index)
                 delta = DeltaMessage(role="assistant", content=d.text)
             lp = chat_logprobs(d, top) if want_lp else None
-            choice = chat.ChatCompletionResponseStreamChoice(index=d.index, delta=delta, logprobs=lp, finish_reason=d.finish_reason, token_ids=d.token_ids)
+            choice = chat.ChatCompletionResponseStreamChoice(
+                index=d.index, delta=delta, logprobs=lp, finish_reason=d.finish_reason, token_ids=d.token_ids,
+            )
             return {"choices": [{**choice.model_dump(), "versions": d.versions}]}
 
         return _sse(track, first, rest, event, lambda: chat.ChatCompletionStreamResponse(model=served, choices=[]).model_dump(),
@@ -284,7 +290,8 @@ def register_openai_routes(app: FastAPI, core: GatewayCore) -> None:
             choices.append({**choice.model_dump(), "versions": c.versions})
         n_out = sum(len(c.token_ids) for c in result.completions)
         track.status, track.tokens = 200, n_out
-        body = chat.ChatCompletionResponse(model=served, choices=[], usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)).model_dump()
+        body = chat.ChatCompletionResponse(model=served, choices=[], usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out,
+                                                                                     total_tokens=len(ids) + n_out)).model_dump()
         body["choices"] = choices
         return JSONResponse(body, headers={VERSION_HEADER: version_header(result.versions), **(headers or {})})
 

@@ -141,7 +141,8 @@ _KEEPERS: dict[int, threading.Event] = {}  # per engine, the event its starting 
 # _set_envs_and_config), in the environment of the process that builds the engine: ours, where weightsync's NCCL
 # group for this replica is formed later. The members of a communicator should agree on them, and the sender (a
 # learner rank) keeps its own process's (NCCL's defaults unless set): the push into SGLang over NCCL failed at
-# ncclCommInitRank with "internal error" while SGLang's values stood here. They are put back once SGLang's processes have started, which keep SGLang's.
+# ncclCommInitRank with "internal error" while SGLang's values stood here. They are put back once SGLang's
+# processes have started, which keep SGLang's.
 NCCL_SET_BY_SGLANG = ("NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE", "NCCL_GRAPH_MIXING_SUPPORT")
 
 

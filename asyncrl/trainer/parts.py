@@ -39,7 +39,8 @@ CHECKPOINT_STATE = "trainer_state.json"
 def load_prompts(data: DataConfig) -> tuple[list[Prompt], list[Prompt]]:
     """(train, held-out eval) prompts for the configured source."""
     if data.kind == "arithmetic":
-        task = ArithmeticTask(digits=data.digits, operators=tuple(data.operators), seed=data.seed, train_size=data.train_size, eval_size=data.eval_size)
+        task = ArithmeticTask(digits=data.digits, operators=tuple(data.operators), seed=data.seed, train_size=data.train_size,
+                              eval_size=data.eval_size)
         return task.train_split(), task.eval_split()
     from asyncrl.data.prompts import ColumnMap
     from asyncrl.data.tables import load_hf_dataset_prompts, load_parquet_prompts
@@ -265,7 +266,8 @@ class TrainerParts:
 
         async def one(p: Prompt) -> float:
             ids = self.tokenizer(render_prompt(self.tokenizer, p), add_special_tokens=False)["input_ids"]
-            req = GenerationRequest(prompt_ids=ids, sampling=SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.algorithm.max_new_tokens, logprobs=False))
+            req = GenerationRequest(prompt_ids=ids,
+                                    sampling=SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.algorithm.max_new_tokens, logprobs=False))
             async with sem:
                 result = await self.generate(req)
             c = result.completions[0]

@@ -228,7 +228,8 @@ class RolloutWorkers:
         # Completions missing from the result still hold slots: push them as ABORTED so the
         # buffer counts them rather than leaking reservations.
         for missing in range(len(samples), n):
-            samples.append(Sample(prompt_ids=result.prompt_ids, response_ids=[], behavior_logprobs=[], versions=[], reward=math.nan, group_id=index, prompt_index=index, status=SampleStatus.ABORTED))
+            samples.append(Sample(prompt_ids=result.prompt_ids, response_ids=[], behavior_logprobs=[], versions=[], reward=math.nan,
+                                  group_id=index, prompt_index=index, status=SampleStatus.ABORTED))
         await self._buffer.put_group.remote(samples, key=key)
         self.counters.finished += 1
 

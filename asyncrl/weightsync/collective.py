@@ -1,50 +1,15 @@
-"""Collective transports: buckets go from the sending learner ranks straight into the engine
-workers' memory, over NCCL on GPUs (vLLM's `PyNcclCommunicator` on a `StatelessProcessGroup`) or
-gloo on CPU hosts (torch's `ProcessGroupGloo` on its own TCPStore), the same code either way; or,
-with `ipc`, as handles to the sender's own buffer when sender and receivers share a device.
+"""Collective transports: buckets from the sending learner ranks straight into the engine workers' memory.
 
-`ipc` (co-located placement): no bytes travel over a wire. The sender packs a bucket on its
-device and publishes a handle to it in the group's TCPStore: a CUDA IPC handle (torch's
-`reduce_tensor`, keyed by the GPU's UUID so a receiver with another CUDA_VISIBLE_DEVICES order
-opens the same physical GPU) for a GPU bucket, a shared-memory file for a CPU bucket. Each
-receiver opens it, copies the bucket into its own memory (device to device), and acknowledges
-it in the store; the sender frees a bucket once every receiver acknowledged it and keeps at most
-`ipc_window` buckets published, so its extra memory stays about that many buckets. With
-`ipc_window` 0 (weightsync.staging full) the sender packs the whole version into buffers it keeps
-until its next push and publishes it at once; the receivers stage views of those buffers (no copy
-of their own) and the commit copies from them into the live parameters. A receiver that fails
-records why in the store and the sender stops at once instead of waiting out its deadline.
-
-Owns: the group description (`GroupSpec`: one group per sending rank, that rank is group rank 0 and
-every engine worker of every replica a receiver), the sending rank's rendezvous port
-(`reserve_port`: held as a listening socket until the group's store serves on it), `CollectiveGroup`
-(join, broadcast and broadcast_all with a deadline, close), and the header kinds of the wire
-protocol. One push on a group (the sender's and the receiver's loops) is stream.py's; ipc's is
-ipc.py's.
-
-Memory: the sender holds one packed bucket on its device at a time (`ipc_window` 0: every bucket
-of its version until the broadcast ends), plus up to four sent ones whose host copies are still running, and (on a GPU) a pinned host copy of what it sends, reused
-by each push. Each engine worker stages the complete new version (full HF tensors, not its TP
-shard) in its device memory until commit, because the commit is atomic: a worker needs headroom for one
-unsharded copy of the model beside its live shard. Where that does not fit, use shm (one node:
-staged in shared host pages, one copy per node) or object_store.
-
-The gate (gloo / NCCL): no member touches the wire for a push until every member of the group is
-ready for it. Each push carries a token; every member adds itself to the token's count in the
-group's store, the one that completes it opens the gate, and each member waits for the gate's
-decision before its first broadcast. A member that cannot take the push (its begin failed, it holds
-no usable group), or the publisher (a member is gone, or not in the groups), closes the gate
-instead: everyone leaves without a byte on the wire (`GateClosed`) and the group stays usable. So a
-replica may begin a push in its receive's own call, and a sender may start beside it, on every
-backend: the begin's round trip leaves the push's critical path.
-
-Neither side ever blocks without a deadline: a gloo wait takes a timeout, a NCCL broadcast runs
-on a side stream whose completion event is polled until the deadline. A timed-out group is
-broken (its collective state is unknown): it is closed and the next push forms a new one.
-
-Must never: use the default torch.distributed group (the learner's Megatron groups and the
-engine's own TP group live there), decide when a push happens or what is live (push.py), or
-apply anything to live weights (the worker stages; commit applies).
+Owns: `GroupSpec` (one group per sending rank, group rank 0, every engine worker a receiver), the sending rank's
+rendezvous port (`reserve_port`), `CollectiveGroup` (join, broadcast with a deadline, close) and the wire's header
+kinds, over NCCL on GPUs (vLLM's PyNcclCommunicator), gloo on CPUs, or `ipc` handles to the sender's own buffers
+when sender and receivers share a device. One push's loops are stream.py's (ipc: ipc.py's). The gate: no member
+touches the wire for a push until every member is ready for it; one that cannot take it closes the gate and all
+leave without a byte sent, the group usable (`GateClosed`). Memory, ipc's window and the gate in full:
+docs/design/weightsync.md, "Collective transports".
+Must never: block without a deadline (a timed-out group is broken, closed and formed again by the next push), use
+the default torch.distributed group, decide when a push happens or what is live (push.py), or apply anything to
+live weights (the worker stages; commit applies).
 """
 
 from __future__ import annotations

@@ -132,7 +132,8 @@ class HostCopies:
         self.seconds = {"wait": 0.0, "copy": 0.0, "keep": 0.0}  # keep: summed over the keeper threads
         self._lock = threading.Lock()
         # Started by the first bucket (or `result`), not here: a sender makes this before its push's gate, and a
-        # thread's start waits for the new thread to run, milliseconds of that path in a busy process. A whole version adds its buckets while the wire runs.
+        # thread's start waits for the new thread to run, milliseconds of that path in a busy process. A whole version
+        # adds its buckets while the wire runs.
         self._thread = threading.Thread(target=self._run, name="asyncrl-host-copies", daemon=True)
 
     # ---- the sender's side -------------------------------------------------------------------

@@ -474,7 +474,8 @@ class Publisher:
     # ---- outcome -----------------------------------------------------------------------------
     def _fail(self, version: int, f: StepFailed, m: PushMetrics) -> WeightsyncError:
         detail = "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in f.failures.items())
-        message = f"weight push of version {version} failed at step {f.step.value} on replica(s) {sorted(f.failures)} after {m.attempts} attempt(s): {detail}"
+        message = (f"weight push of version {version} failed at step {f.step.value} on replica(s) {sorted(f.failures)} "
+                   f"after {m.attempts} attempt(s): {detail}")
         if f.out_of_service:
             message += f"; out of service (need restart): {f.out_of_service}"
         self.registry.transition(version, S.FAILED, error=message)
@@ -506,7 +507,8 @@ class Publisher:
                 kept = False
                 report["store_failed"] = 1.0
                 warnings.append(f"version {version} is live, but the sender's host copies failed ({type(exc).__name__}: {exc}): "
-                                "no host copy is kept until the next push (a failed push cannot roll back; late joiners load the last stored version)")
+                                "no host copy is kept until the next push (a failed push cannot roll back; late joiners load the last "
+                                "stored version)")
             report["kept"] = time.perf_counter() - t0
         old, self._host = self._host, (_HostCopy(version, fingerprint, source.handles, source.layout, source.plan_id)
                                        if kept else None)

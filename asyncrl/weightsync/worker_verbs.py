@@ -40,7 +40,8 @@ def _settle(future: Any, fn: Callable[..., Any], *args: Any) -> None:
 class _Runner:
     """A daemon thread kept for one kind of job (a receive apart, its report channel's opening), run as handed
     over: such a job starts without a thread's start, whose handshake waits for the new thread to run (on a busy
-    host, milliseconds before the receive's first step). A job handed over while one still runs (a connection still being tried) gets a thread of its own."""
+    host, milliseconds before the receive's first step). A job handed over while one still runs (a connection still
+    being tried) gets a thread of its own."""
 
     def __init__(self, name: str) -> None:
         self._name, self._jobs = name, queue.SimpleQueue()

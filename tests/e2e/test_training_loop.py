@@ -178,7 +178,8 @@ def test_grpo_trains_and_publishes_while_the_api_answers(run_a):
     # Every trained batch is accounted for: generated = trained + dropped + waiting.
     b = final["buffer"]
     assert b["buffer/trained"] == STEPS * 16
-    assert b["buffer/generated"] == b["buffer/trained"] + b["buffer/dropped_stale"] + b["buffer/dropped_invalid"] + b["buffer/dropped_filtered"] + b["buffer/dropped_failed"] + b["buffer/waiting"]
+    assert b["buffer/generated"] == (b["buffer/trained"] + b["buffer/dropped_stale"] + b["buffer/dropped_invalid"] + b["buffer/dropped_filtered"]
+                                     + b["buffer/dropped_failed"] + b["buffer/waiting"])
     # The API answered throughout with non-decreasing weight versions, ending on the last one;
     # every token of a response is tagged with a version no newer than the header's.
     header_versions = [v for v, _ in seen["versions"]]
@@ -315,7 +316,8 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
     assert last["rollout/episode_turns"] == 2 * last["rollout/episodes_finished"]  # two chat turns per episode
     b = final["buffer"]
     assert b["buffer/trained"] == 2 * 16
-    assert b["buffer/generated"] == b["buffer/trained"] + b["buffer/dropped_stale"] + b["buffer/dropped_invalid"] + b["buffer/dropped_filtered"] + b["buffer/dropped_failed"] + b["buffer/waiting"]
+    assert b["buffer/generated"] == (b["buffer/trained"] + b["buffer/dropped_stale"] + b["buffer/dropped_invalid"] + b["buffer/dropped_filtered"]
+                                     + b["buffer/dropped_failed"] + b["buffer/waiting"])
     assert last["rollout/episodes_failed"] == 0
 
 
@@ -399,7 +401,8 @@ def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_sess
     assert final["step"] == final["policy_version"] == total and total - fault["step"] >= 10
     b = final["buffer"]
     assert b["buffer/trained"] == total * 16
-    assert b["buffer/generated"] == b["buffer/trained"] + b["buffer/dropped_stale"] + b["buffer/dropped_invalid"] + b["buffer/dropped_filtered"] + b["buffer/dropped_failed"] + b["buffer/waiting"]
+    assert b["buffer/generated"] == (b["buffer/trained"] + b["buffer/dropped_stale"] + b["buffer/dropped_invalid"] + b["buffer/dropped_filtered"]
+                                     + b["buffer/dropped_failed"] + b["buffer/waiting"])
     # The API answered after the fault (a new engine, on the live weights), and ended on the last version.
     assert any(code == 200 and t > fault["at"] for t, code in seen["answers"])
     assert seen["openai_status"] == 200 and seen["openai_header"] == str(total)
@@ -446,7 +449,8 @@ def test_a_learner_rank_killed_mid_training_restarts_from_the_last_checkpoint(ra
     assert [m["weightsync/version"] for m in metrics] == list(range(1, total + 1))
     assert metrics[-1]["trainer/learner_restarts"] == 1.0
     b = final["buffer"]
-    assert b["buffer/generated"] == b["buffer/trained"] + b["buffer/dropped_stale"] + b["buffer/dropped_invalid"] + b["buffer/dropped_filtered"] + b["buffer/dropped_failed"] + b["buffer/waiting"]
+    assert b["buffer/generated"] == (b["buffer/trained"] + b["buffer/dropped_stale"] + b["buffer/dropped_invalid"] + b["buffer/dropped_filtered"]
+                                     + b["buffer/dropped_failed"] + b["buffer/waiting"])
     assert any(code == 200 and t > fault["at"] for t, code in seen["answers"])
     assert seen["openai_header"] == str(total)
     assert seen["left_after_shutdown"] == [], seen["left_after_shutdown"]

@@ -60,7 +60,8 @@ def gen(ray_session, demo_model_path):
     from asyncrl.data import render_chat_prompt
 
     prompt_ids = tok.encode(render_chat_prompt(tok, "What is 12+34?"), add_special_tokens=False)
-    state = {"url": url, "direct_url": f"http://127.0.0.1:{direct_port}", "cfg": cfg, "control": EngineControl(app_name=APP), "tok": tok, "prompt_ids": prompt_ids,
+    state = {"url": url, "direct_url": f"http://127.0.0.1:{direct_port}", "cfg": cfg, "control": EngineControl(app_name=APP),
+             "tok": tok, "prompt_ids": prompt_ids,
              "client": openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)}
     yield state
     serve.delete(APP)
@@ -513,7 +514,8 @@ def test_concurrent_seeded_requests_beyond_one_step_budget_leave_the_engine_aliv
 
 def test_generate_text_prompt_and_ndjson_stream(gen):
     plain = _post(gen, "/generate", {"prompt": "12+34=", "temperature": 0, "max_tokens": 8}).json()
-    with httpx.stream("POST", gen["url"] + "/generate", json={"prompt": "12+34=", "temperature": 0, "max_tokens": 8, "stream": True}, timeout=60) as r:
+    with httpx.stream("POST", gen["url"] + "/generate", json={"prompt": "12+34=", "temperature": 0, "max_tokens": 8, "stream": True},
+                      timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in r.iter_lines() if line]
     deltas, done = lines[:-1], lines[-1]

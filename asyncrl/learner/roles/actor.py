@@ -142,7 +142,8 @@ class ActorRole:
             if algo.policy_loss == "gspo":
                 pg, metrics = gspo_policy_loss(lp, x["old"], x["adv"], mask, clip_low=algo.clip_low, clip_high=algo.clip_high, **kw)
             else:
-                pg, metrics = ppo_policy_loss(lp, x["old"], x["adv"], mask, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, **kw)
+                pg, metrics = ppo_policy_loss(lp, x["old"], x["adv"], mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
+                                              dual_clip=algo.dual_clip, **kw)
             share = pg * (pg_denom / max(denoms["pg"], 1.0))
             metrics["actor/pg_loss"] = share.detach()
             loss = share
