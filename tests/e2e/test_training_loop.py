@@ -287,12 +287,14 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
     the learner trains on them with the buffer's accounting intact. Weights go over ipc (the CPU form:
     shared files), so the one engine replica takes each push in one call: it begins, receives, checks
     the sender's fingerprint and commits in its load (both over the replica's push channel, opened with
-    the groups at the start)."""
+    the groups at the start). The actor trains LoRA adapters (learner.lora): each push carries the merged
+    weights W + (alpha / r) B A, so at eta 0 the engine's log-probs of step 2 (sampled after the first push)
+    are the learner's."""
     seen = _run(ray_session, demo_model_path, tmp_path,
                 # the starting evaluation only (eval_interval_steps 0 would skip it too)
                 trainer={"total_steps": 2, "eval_interval_steps": 100}, checkpoint={"interval_steps": 0},
                 rollout={"kind": "agent", "function": "asyncrl.agents.arithmetic:two_step_per_turn"},
-                weightsync={"transport": "ipc"})
+                weightsync={"transport": "ipc"}, learner={"lora": {"rank": 8, "alpha": 16}, "lr": 5e-3})
     final = seen["statuses"][-1]
     assert final["state"] == "finished", final
     records = _lines(tmp_path / "metrics.jsonl")
@@ -303,6 +305,10 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
     # the follow-up question (and the first answer's template tail) are in every sample, masked out of the loss
     assert all(0 < m["train/loss_tokens"] < m["train/response_tokens"] for m in metrics)
     assert all(math.isfinite(m["actor/loss"]) and m["weightsync/failed"] == 0 for m in metrics)
+    # LoRA: step 1's update moved the adapters by about lr (B from 0); had the push carried the base weights alone,
+    # step 2's engine log-probs would be the base's, 1e-2 and more off the learner's; they are the merged weights'
+    assert all(m["mismatch/gap0/tokens"] == m["train/loss_tokens"] and m["mismatch/gap0/abs_diff_max"] < 1e-3
+               for m in metrics), [m["mismatch/gap0/abs_diff_max"] for m in metrics]
     assert all(m["weightsync/transport/ipc/bytes"] == m["weightsync/bytes"] > 0 and m["weightsync/begin_in_load"] == 1.0
                and m["weightsync/commit_in_load"] == 1.0 and m["weightsync/apply_direct"] == 1.0 for m in metrics)
     # the groups formed at the start: the first push asked whether they still hold; the second, after a clean
