@@ -212,8 +212,9 @@ def run_tp(rank: int, world: int, demo: str, qwen3: str, ids: torch.Tensor, ckpt
     return res
 
 
-def run_pp_ep(rank: int, world: int, demo: str, moe_dirs: list[str], ids: torch.Tensor, ckpt: str) -> dict[str, Any]:
-    """PP=2: parity and round trip; PP=2 x VPP=2: parity, round trip and a checkpoint that TP=1
+def run_pp_ep(rank: int, world: int, demo: str, moe_dirs: list[str], ids: torch.Tensor, ckpt: str,
+              lora_weights: torch.Tensor | None = None) -> dict[str, Any]:
+    """PP=2: parity and round trip (and LoRA's check); PP=2 x VPP=2: parity, round trip and a checkpoint that TP=1
     (DP=2) loads; then EP=2 (DP=2) for each MoE model: parity and round trip."""
     from asyncrl.learner.checkpoint import load_checkpoint, save_checkpoint
 
@@ -225,6 +226,8 @@ def run_pp_ep(rank: int, world: int, demo: str, moe_dirs: list[str], ids: torch.
     res["pp2_export"] = export(chunks, hf)
     del chunks
     reset_parallel()
+    if lora_weights is not None:
+        res["lora_pp2"] = lora_check(world, pp2, demo, ids, lora_weights)
 
     vpp2 = {**pp2, "virtual_pipeline_model_parallel_size": 2}
     hf, chunks = setup(world, vpp2, demo)
@@ -358,7 +361,7 @@ def lora_check(world: int, strategy: dict, demo: str, ids: torch.Tensor, weights
         grads[hf_name + ".A"] = _gather(m.A[p].grad, 1, tp) if m.row else m.A[p].grad.clone()
         grads[hf_name + ".B"] = m.B[p].grad.clone() if m.row else _gather(m.B[p].grad, 0, tp)
     res = {"count": count, "trainable": trainable, "init_b_zero": init_b_zero, "init_a": init_a,
-           "logits": kept[0] if tp_rank == 0 else None, "grads": grads, "export": export(chunks, hf)}
+           "logits": kept[0] if kept and tp_rank == 0 else None, "grads": grads, "export": export(chunks, hf)}
     del chunks
     reset_parallel()
     return res

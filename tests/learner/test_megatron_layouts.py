@@ -92,7 +92,8 @@ def tp_run(demo_model_path, tiny_dirs, tmp_path_factory) -> dict:
 def pp_ep_run(demo_model_path, tiny_dirs, tmp_path_factory) -> dict:
     moe = [tiny_dirs["qwen2_moe"], tiny_dirs["qwen3_moe"]]
     ckpt = tmp_path_factory.mktemp("ckpt_vpp") / "step3"
-    return {"ranks": run_ranks(_workers.run_pp_ep, 2, str(demo_model_path), moe, IDS, str(ckpt)), "ckpt": ckpt}
+    return {"ranks": run_ranks(_workers.run_pp_ep, 2, str(demo_model_path), moe, IDS, str(ckpt), _lora_weights(demo_model_path)),
+            "ckpt": ckpt}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -275,29 +276,31 @@ def peft_run(demo_model_path) -> dict:
     return {"logits": logits.detach(), "grads": grads, "merged": merged}
 
 
-@pytest.mark.parametrize("layout", ["lora_tp1", "lora_tp2"])
-def test_lora_trains_the_adapters_alone_and_equals_peft(tp_run, peft_run, layout):
-    """learner.lora at TP=1 and TP=2: only adapter parameters train; B starts at zero and A is drawn the same at any
-    TP degree; with the same adapter values as PEFT the logits, every adapter's gradient and the merged export
+@pytest.mark.parametrize("layout", ["lora_tp1", "lora_tp2", "lora_pp2"])
+def test_lora_trains_the_adapters_alone_and_equals_peft(tp_run, pp_ep_run, peft_run, layout):
+    """learner.lora at TP=1, TP=2 and PP=2: only adapter parameters train; B starts at zero and A is drawn the same
+    at any layout; with the same adapter values as PEFT the logits, every adapter's gradient and the merged export
     equal PEFT's (fp32)."""
-    first, second = (r[layout] for r in tp_run["ranks"])
-    for r in (first, second):
+    ranks = [r[layout] for r in (pp_ep_run if layout == "lora_pp2" else tp_run)["ranks"]]
+    for r in ranks:
         assert r["trainable"] and all("_lora." in n for n in r["trainable"])
-        assert r["init_b_zero"]
-    assert first["count"] > 0
+        assert r["init_b_zero"] and r["count"] > 0
+    # a PP stage holds its own layers' adapters: the model's are the ranks' together
+    logits = next(r["logits"] for r in ranks if r["logits"] is not None)
+    grads = {k: v for r in ranks for k, v in r["grads"].items()}
+    init_a = {k: v for r in ranks for k, v in r["init_a"].items()}
+    exported = {k: v for r in ranks if r["export"] is not None for k, v in r["export"].items()}
     tp1_a = tp_run["ranks"][0]["lora_tp1"]["init_a"]
-    for name, a in first["init_a"].items():  # the seeded init: TP=2's adapters are TP=1's
+    for name, a in init_a.items():  # the seeded init: every layout's adapters are TP=1's
         assert torch.equal(a, tp1_a[name]), name
-    assert _close(first["logits"], peft_run["logits"]) < 1e-4
-    assert set(first["grads"]) == set(peft_run["grads"]) and len(first["grads"]) == 7 * 2 * 4  # 4 layers
-    for name, g in first["grads"].items():
+    assert _close(logits, peft_run["logits"]) < 1e-4
+    assert set(grads) == set(peft_run["grads"]) and len(grads) == 7 * 2 * 4  # 4 layers
+    for name, g in grads.items():
         ref = peft_run["grads"][name]
         assert _close(g, ref) <= 1e-4 * max(1.0, ref.abs().max().item()), name
     merged = peft_run["merged"]
-    exported = first["export"]
-    assert set(exported) <= set(merged)
+    assert set(exported) <= set(merged) and "model.layers.3.mlp.down_proj.weight" in exported
     for name, t in exported.items():
         assert _close(t, merged[name]) < 1e-5, name
     base = _hf_tensors(str(tp_run["demo"]))
     assert _close(exported["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"]) > 1e-4
-
