@@ -84,7 +84,8 @@ class LinearAdapters(torch.nn.Module):
         return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axis, sharded_offsets)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The adapters' output for the linear's input `x` ([..., in] on this rank), in its output layout."""
+        """The adapters' output for the linear's input `x` ([..., in] on this rank), in its output layout. One
+        dropout mask serves the linear's parts (PEFT draws one per target module: the same in expectation)."""
         from megatron.core.tensor_parallel.mappings import (
             copy_to_tensor_model_parallel_region,
             reduce_from_tensor_model_parallel_region,
@@ -97,11 +98,7 @@ class LinearAdapters(torch.nn.Module):
             # column: every TP rank's B reads the same h, so A's gradient is the sum over TP; row: h is partial
             h = reduce_from_tensor_model_parallel_region(h) if self.row else copy_to_tensor_model_parallel_region(h)
             outs[p] = (h @ self.B[p].t()) * self.scale
-        if self.row:
-            return outs[self.parts[0]]
-        lead = tuple(x.shape[:-1])
-        flat = {p: o.reshape(-1, o.shape[-1]) for p, o in outs.items()}
-        return self._assemble({p: o.t() for p, o in flat.items()}, ()).t().reshape(*lead, -1)
+        return self._assemble(outs, tuple(x.shape[:-1]))
 
     @torch.no_grad()
     def delta(self) -> torch.Tensor:
@@ -148,8 +145,7 @@ def add_adapters(chunks: list[torch.nn.Module], hf_config: Any, *, rank: int, al
             parts = {p: rows[p] for p in SLOTS[slot] if p in targets}
             if not parts:
                 continue
-            layer = module.layer_number if hasattr(module, "layer_number") else _layer_of(name, c)
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + layer * 16 + list(SLOTS).index(slot))
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + _layer_of(name, c) * 16 + list(SLOTS).index(slot))
             weight = module.weight
             adapters = LinearAdapters(slot, parts, ins[slot], rank=rank, alpha=alpha, dropout=dropout, tp_rank=tp_rank,
                                       tp_size=tp_size, layout=(kv, heads // kv, hd), generator=gen,
