@@ -12,6 +12,7 @@ Must never: change a base weight, its name or the layout exports read; leave a n
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -38,7 +39,7 @@ class LinearAdapters(torch.nn.Module):
 
         super().__init__()
         self.slot, self.row, self.scale, self.layout = slot, slot in ROW, alpha / rank, layout
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size, self.enabled = tp_rank, tp_size, True
         self.parts = [p for p in SLOTS[slot] if p in parts]
         self.sizes = {p: n // (1 if self.row else tp_size) for p, n in parts.items()}  # this rank's rows
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
@@ -108,9 +109,27 @@ class LinearAdapters(torch.nn.Module):
 
 
 def _hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    adapters = module.__dict__[REF]
+    if not adapters.enabled:
+        return output
     out, bias = output if isinstance(output, tuple) else (output, None)
-    out = out + module.__dict__[REF](args[0]).to(out.dtype)
+    out = out + adapters(args[0]).to(out.dtype)
     return (out, bias) if isinstance(output, tuple) else out
+
+
+@contextlib.contextmanager
+def adapters_off(chunks: list[torch.nn.Module]):
+    """The base model for the block's passes (the KL reference of a LoRA actor, without a copy of its own)."""
+    found = [m for c in chunks for m in c.modules() if isinstance(m, LinearAdapters)]
+    if not found:
+        raise ValueError("adapters_off: the model has no LoRA adapters")
+    for m in found:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m in found:
+            m.enabled = True
 
 
 def add_adapters(chunks: list[torch.nn.Module], hf_config: Any, *, rank: int, alpha: float, dropout: float,

@@ -80,6 +80,15 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [found[k] for k in sorted(found)]
 
 
+def distinct(*groups: Any, but: Any = None) -> list[Any]:
+    """The learner groups given, each once, without None (a LoRA actor is also the reference) nor `but`."""
+    out: list[Any] = []
+    for g in groups:
+        if g is not None and g is not but and all(g is not o for o in out):
+            out.append(g)
+    return out
+
+
 async def _start_learners(cfg: RootConfig, engine: Any) -> tuple[Any, Any, Any, Any]:
     """The run's learner groups (actor; reference and critic where the algorithm needs them),
     started, and their placement beside the engines."""
@@ -87,10 +96,12 @@ async def _start_learners(cfg: RootConfig, engine: Any) -> tuple[Any, Any, Any, 
     from asyncrl.learner.group import LearnerGroup
 
     actor = LearnerGroup("actor", cfg.model, cfg.learner, cfg.algorithm, cfg.profiler)
-    reference = LearnerGroup("reference", cfg.model, cfg.learner, cfg.algorithm) if needs_reference(cfg.algorithm) else None
+    # A LoRA actor's frozen base is the reference: the actor group answers compute_ref_log_prob with its adapters off
+    reference = (None if not needs_reference(cfg.algorithm) else actor if cfg.learner.lora is not None
+                 else LearnerGroup("reference", cfg.model, cfg.learner, cfg.algorithm))
     critic = LearnerGroup("critic", cfg.model, cfg.learner, cfg.algorithm) if cfg.algorithm.name == "ppo" else None
-    await asyncio.gather(*(g.start() for g in (actor, reference, critic) if g is not None))
-    placement = build_placement(cfg.hybrid, EngineControl(engine), actor, [reference, critic],
+    await asyncio.gather(*(g.start() for g in distinct(actor, reference, critic)))
+    placement = build_placement(cfg.hybrid, EngineControl(engine), actor, distinct(reference, critic, but=actor),
                                 engine_memory_fraction=float(cfg.generator.engine_kwargs.get("gpu_memory_utilization", 0.9)))
     await placement.start()
     return actor, reference, critic, placement
@@ -359,10 +370,9 @@ class TrainerParts:
         if not done and version > 0:
             raise RuntimeError(f"trainer.max_restarts: no complete checkpoint under {cfg.checkpoint.dir} to restart the "
                                f"learner from (the engines serve version {version}); set checkpoint.interval_steps")
-        for g in (self.actor, self.reference, self.critic):
-            if g is not None:
-                with contextlib.suppress(Exception):  # its ranks may be dead already
-                    await g.shutdown()
+        for g in distinct(self.actor, self.reference, self.critic):
+            with contextlib.suppress(Exception):  # its ranks may be dead already
+                await g.shutdown()
         self.actor, self.reference, self.critic, self.placement = await _start_learners(cfg, self.engine)
         await warm_up_learners(cfg, [self.actor, self.critic], self.placement, self.prompt_tokens)
         restored = int((await self._load_learner_state(done[-1]))["version"]) if done else None
@@ -387,7 +397,6 @@ class TrainerParts:
             self.rewards.close()
         if self.eval_scorer is not self.rewards:
             self.eval_scorer.close()
-        for g in (self.actor, self.reference, self.critic):
-            if g is not None:
-                await g.shutdown()
+        for g in distinct(self.actor, self.reference, self.critic):
+            await g.shutdown()
         self.tracker.close()

@@ -289,12 +289,13 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
     the sender's fingerprint and commits in its load (both over the replica's push channel, opened with
     the groups at the start). The actor trains LoRA adapters (learner.lora): each push carries the merged
     weights W + (alpha / r) B A, so at eta 0 the engine's log-probs of step 2 (sampled after the first push)
-    are the learner's."""
+    are the learner's; with a KL loss its reference is its own base (adapters off), not a second group."""
     seen = _run(ray_session, demo_model_path, tmp_path,
                 # the starting evaluation only (eval_interval_steps 0 would skip it too)
                 trainer={"total_steps": 2, "eval_interval_steps": 100}, checkpoint={"interval_steps": 0},
                 rollout={"kind": "agent", "function": "asyncrl.agents.arithmetic:two_step_per_turn"},
-                weightsync={"transport": "ipc"}, learner={"lora": {"rank": 8, "alpha": 16}, "lr": 5e-3})
+                weightsync={"transport": "ipc"}, learner={"lora": {"rank": 8, "alpha": 16}, "lr": 5e-3},
+                algorithm={"kl_coef": 0.01})
     final = seen["statuses"][-1]
     assert final["state"] == "finished", final
     records = _lines(tmp_path / "metrics.jsonl")
@@ -309,6 +310,9 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
     # step 2's engine log-probs would be the base's, 1e-2 and more off the learner's; they are the merged weights'
     assert all(m["mismatch/gap0/tokens"] == m["train/loss_tokens"] and m["mismatch/gap0/abs_diff_max"] < 1e-3
                for m in metrics), [m["mismatch/gap0/abs_diff_max"] for m in metrics]
+    # the KL against the base: none before the first update, some after it (the adapters moved the policy)
+    assert metrics[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6) and metrics[1]["actor/kl_loss"] > 1e-6, \
+        [m["actor/kl_loss"] for m in metrics]
     assert all(m["weightsync/transport/ipc/bytes"] == m["weightsync/bytes"] > 0 and m["weightsync/begin_in_load"] == 1.0
                and m["weightsync/commit_in_load"] == 1.0 and m["weightsync/apply_direct"] == 1.0 for m in metrics)
     # the groups formed at the start: the first push asked whether they still hold; the second, after a clean

@@ -248,6 +248,9 @@ def test_lora_actor_trains_its_adapters_exports_merged_weights_and_checkpoints_t
     assert losses[-1] < losses[0] - 1e-3, losses
     trained = run(lora.compute_log_prob(samples))
     assert max_diff(trained, state["initial"]) > 1e-3
+    # the KL reference of a LoRA actor is its own frozen base (adapters off): the initial policy, no second copy
+    assert max_diff(run(lora.compute_ref_log_prob(samples)), state["initial"]) < 1e-5
+    assert max_diff(run(lora.compute_log_prob(samples)), trained) == 0.0  # adapters back on
     packed = run(lora.export_hf_tensors_packed(bucket_mb=0.5))
     tensors = {n: t.clone() for n, t in iter_unpacked(ray.get(packed.buckets))}
     initial = hf_model.state_dict()

@@ -217,3 +217,16 @@ def test_the_learner_warm_up_runs_once_per_trainable_group_only_where_asked_insi
                                                              "enable_weights_cpu_backup": True}}}
     run(with_backup, 9, backed)
     assert backed.entered == 1
+
+
+def test_a_lora_actor_that_is_also_the_reference_is_started_switched_and_shut_down_once():
+    """With learner.lora the actor group answers for the reference (parts._start_learners): every loop over the
+    run's groups (start, the placement's others, shutdown) takes each group once."""
+    from asyncrl.trainer.parts import distinct
+
+    actor, critic = object(), object()
+    assert distinct(actor, actor, critic) == [actor, critic]
+    assert distinct(actor, None, critic) == [actor, critic]
+    assert distinct(actor, critic, but=actor) == [critic]
+    assert distinct(None, None) == []
+

@@ -81,6 +81,15 @@ class ActorRole:
         with self.offloader.onloaded():
             return compute_token_logprobs(self.runner, samples)
 
+    def compute_ref_log_prob(self, samples: Sequence[Sample]) -> dict[str, PerToken] | None:
+        """A LoRA actor is its own KL reference: its frozen base, the adapters off (no second model copy)."""
+        from asyncrl.learner.lora import adapters_off
+
+        if not self.runner.adapter_params:
+            raise ValueError("compute_ref_log_prob on the actor needs learner.lora (the reference is its base model)")
+        with self.offloader.onloaded(), adapters_off(self.runner.chunks):
+            return compute_token_logprobs(self.runner, samples, with_entropy=False)
+
     # ------------------------------------------------------------------ update
 
     def warm_up(self, samples: Sequence[Sample]) -> dict[str, float]:
