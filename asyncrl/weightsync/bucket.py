@@ -1,17 +1,14 @@
 """Bucketing: a stream of (name, tensor) packed into flat byte buckets, and unpacked back to views.
 
-Owns: the wire shape of one bucket (`Bucket`: one contiguous uint8 buffer + a small metadata
-list), the lazy packer (`iter_buckets`), the zero-copy unpacker (`unpack_bucket`), and the same
-bucket as a shared-memory file (`SharedBucket`: written once, mapped copy-on-write by any process
-on the host). A bucket is one object to move: one `ray.put`, one file, one NCCL broadcast.
-
-Shared files are how a replica hands a bucket to its vLLM workers (vLLM's `collective_rpc`
-msgpack channel copied every bucket several times) and what the shm transport puts: a mapping
-outlives the file's unlinking for as long as a view of it is held.
-
-Must never: hold more than the bucket being filled plus the one being emitted (the packer pulls
-tensors from the iterator lazily, so peak extra memory is one or two buckets, not the model),
-talk to a transport, or know about versions.
+Owns: the wire shape of one bucket (`Bucket`: one contiguous uint8 buffer + a small metadata list), the lazy packer
+(`iter_buckets`), the zero-copy unpacker (`unpack_bucket`), and the same bucket as a shared-memory file
+(`SharedBucket`: written once, mapped copy-on-write by any process on the host; a mapping outlives the file's
+unlinking while a view of it is held). A bucket is one object to move: one `ray.put`, one file, one NCCL broadcast.
+Why shared files: they are how a replica hands a bucket to its vLLM workers (vLLM's `collective_rpc` msgpack channel
+copied every bucket several times) and what the shm transport puts.
+Must never: hold more than the bucket being filled plus the one being emitted (the packer pulls tensors lazily: peak
+extra memory is one or two buckets, not the model), talk to a transport, or know about versions.
+Details: docs/design/weightsync.md, "Bucketing".
 """
 
 from __future__ import annotations

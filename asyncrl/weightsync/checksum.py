@@ -1,25 +1,14 @@
 """The 64-bit position-weighted checksum of a byte range, the same number on host and device.
 
-Owns: `segment_checksums(buffer, segments)`, the content check of `verify: checksum`. For one
-segment (a tensor's bytes inside a bucket), read as little-endian 64-bit words w_i counted from
-the segment's start, the last one zero-padded:
-
-    sum_i  w_i * t[i mod CH] * (2 * (i div CH) + 1)    (mod 2^64)
-
-with t a fixed table of CH odd constants (splitmix64 of the position, forced odd). Every multiplier
-is odd, so changing any single word changes the sum; moving words or whole chunks changes their
-multipliers. Other corruptions go unseen with probability about 2^-64 unless crafted: a check
-against transport and staging errors, not against an adversary. A segment's checksum depends
-only on its own bytes, not on where it sits in a bucket.
-
-Where it runs: a numpy pass over host memory (CH words at a time, so the products stay in cache:
-about memcpy speed), ONE Triton kernel for all segments of a CUDA buffer (memory bandwidth; 8
-bytes per segment come back, in one copy), and a chunked torch fallback on other devices. Host
-and device results are equal bit for bit, so a bucket checked on a GPU on one side and in host
-memory on the other (a restore from the host copy) compares.
-
-Must never: copy a device buffer to host to check it, or hold more than one chunk of host
-temporaries.
+Owns: `segment_checksums(buffer, segments)`, the content check of `verify: checksum`. A segment (a tensor's bytes in
+a bucket) is read as little-endian 64-bit words, each multiplied by an odd factor set by its position, summed mod
+2^64: any single changed word changes the sum, moved words or chunks change their multipliers, and other corruptions
+go unseen with probability about 2^-64 unless crafted (a check against transport and staging errors, not against an
+adversary). A segment's checksum depends only on its own bytes. It runs as numpy on host memory, one Triton kernel
+for all segments of a CUDA buffer, or a chunked torch fallback; host and device results are equal bit for bit, so a
+bucket checked on a device on one side and in host memory on the other compares.
+Must never: copy a device buffer to host to check it, or hold more than one chunk of host temporaries.
+Details (the formula, each path's cost): docs/design/weightsync.md, "The position-weighted checksum".
 """
 
 from __future__ import annotations

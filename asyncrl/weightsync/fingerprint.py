@@ -1,24 +1,15 @@
 """Fingerprints: the digest both sides of a weight push agree on before anything is applied.
 
-Owns: the three verify modes, per-tensor digests (`tensor_digests` for loose tensors,
-`bucket_digests` for a packed bucket in one pass over it) and their combination into a version's
-fingerprint (`combine_digests`, `tensor_fingerprint`); the digests as material (`PendingDigests.words`:
-what a device computed, 8 bytes a tensor for `checksum`, sent as is after a whole version and
-turned back into the digests by `digests_from_material` at the other end).
-
-Fingerprints are two-level: a sha256 digest per tensor (its name, dtype, shape and, by mode, its
-bytes), then a sha256 over the sorted (name, digest) pairs, so arrival order and bucketing do not
-matter and each side hashes a bucket as it passes. A push in the engine's layout (plan.py) hashes
-the engine's parameters as packed (names prefixed with the engine rank when there are several);
-a push in the Hugging Face layout hashes the HF tensors. The mode is part of the fingerprint
-("full:<hex>"):
-  full     every byte of every tensor (sha256)
-  checksum every byte, as the 64-bit position-weighted sum of checksum.py, computed where the bytes
-           are (one kernel per bucket on a GPU, 8 bytes per tensor to host; numpy on host memory):
-           any single changed word changes it; for transport errors, not for an adversary
-  off      names, dtypes and shapes only (a missing, extra or reshaped tensor still fails)
-
+Owns: the three verify modes, per-tensor digests (`tensor_digests` for loose tensors, `bucket_digests` for a packed
+bucket in one pass) and their combination into a version's fingerprint (`combine_digests`, `tensor_fingerprint`); the
+digests as material (`PendingDigests.words`, turned back into digests by `digests_from_material` at the other end).
+How: a sha256 digest per tensor (name, dtype, shape and, by mode, its bytes), then a sha256 over the sorted
+(name, digest) pairs, so arrival order and bucketing do not matter; the mode is part of it ("full:<hex>"). Modes:
+`full` (sha256 of every byte), `checksum` (checksum.py's sum of every byte, computed where the bytes are: against
+transport errors, not an adversary), `off` (names, dtypes and shapes only: a missing, extra or reshaped tensor still
+fails). An engine-layout push (plan.py) hashes the engine's parameters as packed, a Hugging Face push the HF tensors.
 Must never: talk to an engine or a transport, or decide when a version is committed.
+Details: docs/design/weightsync.md, "Fingerprints".
 """
 
 from __future__ import annotations

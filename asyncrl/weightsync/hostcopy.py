@@ -1,21 +1,14 @@
 """The sending rank's host copies of a collective push, made off the push's critical path.
 
-A collective push keeps a host copy of every bucket it sends: the publisher restores replicas
-from it after a later push fails, hands it to the WeightStore for late joiners, and releases it
-when the next version is live. Nothing reads it before the commit, so making it must not hold the
-engines paused. Each sent device bucket is copied into pinned host memory on a side stream
-(overlapping the next bucket's pack and send), and a thread hands each finished copy to `keep`
-(the rank's `ray.put`), run by `KEEP_THREADS` keeper threads at once, results in bucket order.
-The sender returns once its last bucket is sent; the publisher collects the kept copies
-(`HostCopies.result`) while the replicas commit.
-
-Memory: at most `max_device` sent buckets wait on the device for their copy. The pinned pool
-(`PinnedPool`) holds one model's worth of host memory, allocated by the first push and reused by
-the later ones: a fresh pinned allocation costs about as much as the copy itself. A bucket already
-in host memory (a CPU sender) is kept as it is.
-
-Must never: drop a device bucket before its copy completed, reuse a pinned buffer before the
-last push's copies were kept (`HostCopies.close` waits), or wait without a deadline.
+Why: the publisher restores replicas from a version's host copy after a later push fails, hands it to the WeightStore
+for late joiners and releases it once the next version is live; nothing reads it before the commit, so making it must
+not hold the engines paused. How: each sent device bucket is copied into pinned host memory on a side stream, and
+`KEEP_THREADS` keeper threads hand the finished copies to `keep` (the rank's `ray.put`), results in bucket order; the
+publisher collects them (`HostCopies.result`) while the replicas commit. Memory: at most `max_device` sent buckets
+wait on the device; the pinned pool (`PinnedPool`) holds one model's worth, allocated by the first push and reused.
+Must never: drop a device bucket before its copy completed, reuse a pinned buffer before the last push's copies were
+kept (`HostCopies.close` waits), or wait without a deadline.
+Details: docs/design/weightsync.md, "Host copies".
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
 """The ipc transport: sender and engine workers share a device, so a bucket travels as a handle.
 
-Owns: one push on an ipc group (collective.py's `CollectiveGroup` with backend "ipc"). The
-sender packs each bucket into a buffer of its `IpcRing` (device buffers kept for the group's
-life and reused by every push, so each receiver opens each buffer's CUDA IPC handle once, not
-once per bucket per push: opening a handle can cost more than copying a 64 MiB bucket),
-publishes the handle and the bucket's tensor table with the sender's digests in the group's
-TCPStore, and each receiver copies the bucket into its own memory (device to device) and
-acknowledges it. A buffer is reused once every receiver acknowledged its bucket and its host
-copy is made; at most `ipc_window` buckets are published unacknowledged. A CPU bucket goes as a
-shared-memory file instead. A receiver that fails records why in the store and the sender stops
-at once instead of waiting out its deadline; an export that fails tells the receivers (abort).
-
-With `ipc_window` 0 (weightsync.staging full) the ring is the staging area: the sender packs the
-whole version into it, enqueues every bucket's digests, waits for the device once and publishes
-one record with every bucket; each receiver stages views of the ring (no copy of its own, no
-second copy of the model on the device) and acknowledges once; the commit copies from the ring
-into the live parameters. The ring is rewritten only by the sender's next push, which starts
-after this one was committed or aborted, and only once this push's host copies have read it.
-
-Either way the sender ends by publishing every digest of the push in one record (`d`), so that a
-receiver which commits by itself (a single engine replica: its load checks the fingerprint and
-applies in the same call, without the publisher's commit round trip) compares against them.
-
-Handles are keyed by GPU UUID, so a receiver with another CUDA_VISIBLE_DEVICES order opens the
-same physical GPU.
-
-Must never: reuse a buffer a receiver may still read, or free one a receiver still maps.
+Owns: one push on an ipc group (collective.py's `CollectiveGroup`, backend "ipc"). The sender packs each bucket into a
+buffer of its `IpcRing` (kept for the group's life, so each receiver opens each CUDA IPC handle once, not per bucket
+per push) and publishes the handle, tensor table and digests in the group's TCPStore; each receiver copies the bucket
+into its own memory and acknowledges it (at most `ipc_window` unacknowledged; a CPU bucket goes as a shared-memory
+file). With `ipc_window` 0 (full staging) the ring is the staging area: receivers stage views of it and the commit
+copies from it. The sender ends with every digest of the push in one record, for a receiver that commits by itself.
+Handles are keyed by GPU UUID (any CUDA_VISIBLE_DEVICES order); a failing receiver or export stops the other side.
+Must never: reuse a buffer a receiver may still read (only once every receiver acknowledged it and its host copy is
+made; the ring is rewritten only by the next push), or free one a receiver still maps.
+Details: docs/design/weightsync.md, "The ipc transport".
 """
 
 from __future__ import annotations

@@ -1,50 +1,14 @@
 """Metrics of one weight push, returned as a flat `weightsync/...` dict (never logged from here).
 
-Owns: the timers and counters a push fills in, and their names:
-  weightsync/version, bytes, num_tensors, num_buckets, num_replicas, attempts, retries, failed
-  weightsync/push_seconds          begin of registration -> live (or failure); with the host copy,
-                                   except for collective transports (below)
-  weightsync/stage_seconds         first bucket sent -> last bucket loaded on every replica
-  weightsync/commit_seconds        commit call -> every replica answered (0 with commit_in_load)
-  weightsync/begin_in_load         1 when the replicas began the update in their load call (ipc)
-  weightsync/commit_in_load        1 when the one engine replica also checked the sender's fingerprint
-                                   and committed in it (ipc, full staging): one call per side per push
-  weightsync/applied_as_received   1 when every replica copied each bucket into its live weights as it
-                                   landed (a broadcast committed in its load, the engine paused first)
-  weightsync/fingerprint_seconds   the publisher hashing buckets (overlapped with the replicas staging)
-  weightsync/gbps                  bytes / push_seconds (what one replica effectively received)
-  weightsync/aggregate_gbps        bytes * replicas / stage_seconds (what the transport moved)
-  weightsync/transport/<name>/{bytes,put_seconds,put_gbps}
-  weightsync/sender/<phase>_seconds  collective transports: the sending ranks' pack, broadcast,
-                                   host_copy (blocked starting copies) and hash seconds (hash_wait:
-                                   the part of hash spent waiting for the device's checksums)
-                                   (put_seconds = broadcast); host_copy_thread_copy / _keep: the
-                                   copy thread's wait for device-to-host copies and the keeper
-                                   threads' `ray.put` time (summed), off the critical path
-  weightsync/on_live_seconds       the `on_live` hook (the WeightStore copy for late joiners)
-  weightsync/paused_seconds        pause sent -> every replica resumed (what generation lost); with one
-                                   engine replica and full staging, the commit's own pause, as it reports it
-  weightsync/pack_seconds          the publisher packing buckets (a collective sender's: sender/pack_seconds)
-  weightsync/apply_seconds         the slowest replica's apply inside its commit (the copy into its
-                                   parameters, or vLLM's reload_weights)
-  weightsync/{pack,stage,verify,apply}_gbps  bytes / that phase's seconds (verify: fingerprint_seconds)
-  weightsync/apply_direct          1 when every replica copied engine-layout buckets into its
-                                   parameters, 0 when they reloaded Hugging Face tensors
-  weightsync/layout_engine, staging_bucketed   1 for an engine-layout push / bucketed staging
-Collective transports keep the live version's host copy after the push returned (push.py, "the
-tail"); the next push reports it, i.e. these describe the PREVIOUS version:
-  weightsync/host_copy_seconds     live -> its host copies collected from the sender
-  weightsync/host_copy_wait_seconds  how long this push waited for them before starting
-  weightsync/on_live_seconds, store_failed, sender/host_copy_thread_{copy,keep}_seconds
-  weightsync/replica/<name>/{load_seconds,load_gbps,commit_seconds}
-  weightsync/replica/<name>/reload_seconds   the engine's own in-place reload within its commit
-                                   (vLLM's reload_weights on the slowest worker), as the replica reports it
-  weightsync/replica/<name>/<step>_seconds   every other step too (pause, begin_update, resume, ...)
-  weightsync/timeline/<state>_s    seconds from registration to entering each state
-Cumulative counters (pushes_total, pushes_failed_total, retries_total, ...) are added by the
-publisher.
-
+Owns: the timers and counters a push fills in, and their names: `weightsync/` version, bytes and counts, the phase
+seconds and rates (push, stage, commit, fingerprint, pack, apply, paused; `*_gbps`), how the push ran (begin_in_load,
+commit_in_load, applied_as_received, apply_direct, layout_engine, staging_bucketed), `transport/<name>/...`,
+`sender/<phase>_seconds` (collective senders), `replica/<name>/<step>_seconds` and `timeline/<state>_s`. Collective
+transports keep the live version's host copy after the push returned (push.py, "the tail"), so its metrics
+(host_copy_seconds, host_copy_wait_seconds, on_live_seconds, ...) come with the next push and describe the PREVIOUS
+version. Cumulative counters (pushes_total, ...) are added by the publisher.
 Must never: import Ray, a transport or the registry.
+Details (every name and what it measures): docs/design/weightsync.md, "Push metrics".
 """
 
 from __future__ import annotations

@@ -1,49 +1,15 @@
 """Push orchestration: publish one weight version to every engine replica, atomically.
 
-Owns: the order of a push, its atomicity, timeouts and retries, the publisher's host copy of the
-last live version (its bucket handles), and per-push metrics. The order depends on
-`weightsync.staging`:
-- full (default): begin_update -> load_bucket* (every replica receives and verifies the whole
-  version beside its live weights while it keeps generating) -> pause("keep") ->
-  commit_update(fingerprint) -> resume. The engines are paused only for the apply. With a single
-  engine replica the pause and resume are the commit's own (one call fewer): its commit pauses,
-  applies, relabels and resumes, and a failed apply leaves it paused for the restore.
-- bucketed: pause -> begin_update -> load_bucket* (each bucket applied as soon as it verified
-  against the sender's digests) -> commit_update(fingerprint) -> resume; any failure once a
-  bucket may have been applied restores every replica from the last live version's host copy.
-Through a collective transport one `load_bucket` per replica receives the sender's broadcast
-(`publish_streamed`). Buckets are in the engines' own layout when a push plan is set (plan.py;
-the engines copy them into their parameters), else Hugging Face tensors (engines reload).
-
-Atomicity, as designed with the generator's interface (replicas.py lists the contract):
-- Staging never touches live weights (full staging), so any failure before the commit (a bucket
-  fails to load, a step times out, a replica dies) is undone by `abort_update` on every replica:
-  they keep serving the last committed version. The version goes FAILED and is never live.
-- The fingerprint (per-tensor digests in the configured `verify` mode, fingerprint.py) is checked
-  by each replica before it applies anything, so a corrupted bucket fails the commit cleanly.
-- A commit that fails for any other reason may have applied part of the tensors; replicas that
-  did commit the new version while a peer failed are ahead of it. Both kinds are restored
-  while still paused: the last live version's buckets (kept in the transport by this
-  publisher) are pushed again through begin/load/commit. A replica that cannot be restored (no
-  host copy, or the restore itself fails) is reported out of service: it is dropped from the registry, the
-  `on_out_of_service` hook runs (the controller restarts it; on start it loads the
-  WeightStore) and the error lists it.
-- Every call is bounded by `timeout_s`; a failed attempt is retried `retries` times (restaged
-  from scratch, buckets replayed from their handles, the tensor stream is read once);
-  a dead replica or a failing tensor stream is not retried. Paused replicas are always resumed.
-
-Collective pushes end when the version is live: the sender's host copy of it (what a later
-restore pushes again, and what `on_live` hands to the WeightStore for late joiners) is still
-being made then, and a background task (the "tail") collects it, swaps it in for the previous
-version's and runs `on_live`. Everything that reads the host copy waits for the tail first: the
-next push (before it pauses anyone; its sender reuses the pinned buffers too) and `load_live`.
-The tail's warnings and seconds are reported with the next push.
-
-`preserve_rng_state` wraps every publish because the tensor stream (the learner's export) is
-consumed lazily inside it.
-
-Must never: pack or unpack tensors itself (bucket.py, plan.py), know the transport's medium
-(transport.py), or let a version go live that some live replica did not commit.
+Owns: the order of a push, its atomicity, timeouts and retries, the publisher's host copy of the last live version
+(its bucket handles), and per-push metrics. Order, by `weightsync.staging`: full: begin_update -> load_bucket* (staged
+and verified beside the live weights) -> pause -> commit_update(fingerprint) -> resume; bucketed: pause -> begin ->
+load* (each bucket applied once verified) -> commit -> resume. Atomicity (replicas.py's contract): a failure before the
+commit is undone by `abort_update` (the version goes FAILED); a part-applied or ahead replica is restored from the host
+copy while paused, else reported out of service. Every call is bounded by `timeout_s`, a failed attempt is retried,
+paused replicas are always resumed. A collective push's host copy is collected after it by a "tail" its readers await.
+Must never: pack or unpack tensors itself (bucket.py, plan.py), know the transport's medium (transport.py), or let a
+version go live that some live replica did not commit.
+Details: docs/design/weightsync.md, "Push orchestration".
 """
 
 from __future__ import annotations

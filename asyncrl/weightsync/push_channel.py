@@ -1,29 +1,15 @@
-"""A direct socket from the publisher to an engine replica, for the one call every push makes on its
-critical path: the replica's load (`EngineAPI.load_bucket`), which receives, checks and commits.
+"""A direct socket from the publisher to an engine replica for the one call on every push's critical path: its load.
 
-Owns: `ChannelServer` (the replica's side: started on the replica's own event loop the first time
-`EngineAPI.push_channel` asks for its address, it runs the verbs it was given on that loop, as a Ray
-or Serve call would) and `ChannelClient` (the publisher's side: one connection per replica, calls in
-flight matched to their replies by id). Frames are an 8-byte length and a pickle: a call is
-(id, verb, args), a reply (id, ok, result or exception). The first frame of a connection is the
-token the address came with; a connection that does not present it is closed unread.
-
-Why: the push's other costs are bytes on the wire, but its calls went through Ray (an actor call's
-round trip) and, in the training loop, through Serve's broadcast, before its first byte and after its
-last: milliseconds each, of the order of the whole wire for a small model (docs/BENCHMARKS.md).
-
-`BlockingChannel` (and `call_once`, one call on one) is the client of a thread without an event loop: an engine
-worker's receive that runs apart from its engine reports the wire's end and then its answer to the replica over
-the replica's channel (worker_verbs.py), on one connection opened beside the wire.
-
-`ThreadServer` is the same protocol served by an engine worker (threads, no event loop of ours): the replica
-starts a receive apart from the engine on each worker through it (`ChannelClient`), instead of through vLLM's
-utility call, which waits in the engine's input queue for the step in flight to end (a decode step of a large
-model under load: docs/BENCHMARKS.md).
-
-Must never: run a verb it was not given, read a frame before the token was checked, or leave a call
-waiting on a connection that is gone (every call in flight fails with `ChannelClosed` the moment
-the connection drops; the caller falls back to Ray or Serve next time).
+Owns: `ChannelServer` (the replica's side, on its own event loop, running the verbs it was given as a Ray or Serve call
+would), `ChannelClient` (the publisher's: one connection per replica, calls matched to replies by id), `BlockingChannel`
+/ `call_once` (the client of a thread without an event loop) and `ThreadServer` (the protocol served by an engine
+worker's threads, so a receive apart starts without waiting in the engine's input queue). Frames: an 8-byte length and
+a pickle; a connection's first frame is its token. Why: a Ray or Serve call costs a round trip before a push's first
+byte and after its last, each about as long as the whole wire for a small model.
+Must never: run a verb it was not given, read a frame before the token was checked (a connection without it is closed
+unread), or leave a call waiting on a connection that is gone (every call in flight fails with `ChannelClosed` the
+moment it drops; the caller falls back to Ray or Serve next time).
+Details: docs/design/weightsync.md, "The push channel".
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
 """The receiving half of a push, inside one engine worker: stage, verify, apply.
 
-Owns: one worker's staged update (`WorkerReceiver`): the buckets of one version as they arrive
-(their tensors' digests computed as each is staged, in the push's verify mode), and the apply.
-Two layouts arrive:
-- engine layout (a bucket with an engine `rank`, packed by plan.py for this worker's parameters):
-  the apply is a copy of each staged parameter into the live parameter storage (one fused
-  `_foreach_copy_` for all of them: no Python per tensor), keeping every address (captured CUDA
-  graphs stay valid). Only used where `check_layout` proved at start that the engine's loaders
-  are pure copies and its loaded parameters equal them (no post-load processing);
-- Hugging Face tensors: the apply is the engine's own `reload` (vLLM's `reload_weights`, which
-  re-runs every post-load hook), the fallback for everything else.
-Two staging modes: `full` keeps every bucket until the commit applies them all in one pass;
-`bucketed` applies each bucket as soon as it verified against the digests the sender put in
-band (`expected`), so a worker holds about one bucket; a later failure leaves the weights part
-new, part old, and weightsync restores the last live version before anyone is resumed. A full
-staging of engine-layout buckets that arrive one after another (a gloo / NCCL broadcast) into an
-engine already paused for the commit may also be applied as it lands (`apply_as_received`): the
-copy into the live weights then runs beside the wire instead of after it, and a fingerprint that
-differs at the commit is undone as a failed apply is (the last live version restored, paused).
-
-The engine is reached through `EngineHooks` (engine.py's vLLM adapter implements it).
-
-Must never: change what the engine serves before the commit (full staging) or outside a pause
-(bucketed staging and `apply_as_received`: the caller pauses first), or apply a staged tensor
-whose digest differs and then let the engine run (`apply_as_received`: its caller restores).
+Owns: one worker's staged update (`WorkerReceiver`): one version's buckets as they arrive, each tensor's digest
+computed as it is staged, and the apply: engine-layout buckets (plan.py) by one fused copy into the live parameters,
+keeping every address (captured CUDA graphs stay valid; only where `check_layout` proved the loaders are pure copies),
+Hugging Face tensors by the engine's own `reload`. Staging `full` keeps every bucket until the commit; `bucketed`
+applies each once it verified against the sender's digests; `apply_as_received` applies a full staging's buckets as
+they land in an engine paused for the commit. The engine is reached through `EngineHooks`.
+Must never: change what the engine serves before the commit (full staging) or outside a pause (bucketed staging and
+`apply_as_received`: the caller pauses first), or apply a staged tensor whose digest differs and then let the engine
+run (`apply_as_received`: its caller restores).
+Details: docs/design/weightsync.md, "The worker's receiver".
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """The weight-version registry: which version is live, and how each push went.
 
-Owns: one `WeightVersion` record per pushed version and its lifecycle
-(IDLE -> STAGING -> COMMITTING -> LIVE | FAILED, every transition in `_TRANSITIONS`), the
-timeline of each version (a timestamp per state entered), which replica serves which version,
-and the rule that a version becomes LIVE only when every live replica committed it (the publisher's own,
-in the trainer's process: no other process reads it).
-
-Ownership of the late-joiner weights: NOT here. The bytes live in the generator's `WeightStore`
-actor (replicas read it when they start); weightsync publishes to it only after a version went
-LIVE here. This registry owns the state, the store owns the bytes.
-
+Owns: one `WeightVersion` record per pushed version and its lifecycle (IDLE -> STAGING -> COMMITTING -> LIVE | FAILED,
+every transition in `_TRANSITIONS`), each version's timeline (a timestamp per state entered), which replica serves
+which version, and the rule that a version becomes LIVE only when every live replica committed it (the publisher's
+own, in the trainer's process: no other process reads it).
+Not the late-joiner weights: those bytes live in the generator's `WeightStore` actor, which weightsync publishes to
+only after a version went LIVE here. This registry owns the state, the store owns the bytes.
 Must never: move tensors, talk to replicas, or let a FAILED version become live.
+Details: docs/design/weightsync.md, "The weight-version registry".
 """
 
 from __future__ import annotations

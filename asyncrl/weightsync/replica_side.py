@@ -1,22 +1,15 @@
-"""The receiving half of a push at the engine replica: hand each payload to the workers, collect
-their digests, check the fingerprint before anything is applied, then apply.
+"""The receiving half of a push at the engine replica: hand each payload to the workers, collect their digests, check
+the fingerprint before anything is applied, then apply.
 
-Owns: `ReplicaStaging`, the weight-update part of an engine replica (generator/engine.py keeps the
-replica's lifecycle, pause/resume and version label, and calls this). Payloads it stages: a
-`SharedBucket` (shm transport: the workers map the same file), a `Bucket` (object store: written
-once into a shared file), a `CollectiveReceive` (the workers receive from the sending learner
-ranks themselves), loose named tensors (tests, tools: packed into shared files here), each
-optionally wrapped in `WithDigests` (the sender's digests, for bucketed staging).
-
-The workers are reached through `rpc(verb, *args, timeout=None)` -> one result per worker, the
-verb one of `asyncrl.interfaces.WorkerAPI` by reference (vllm_worker.py implements them; the
-replica's `_rpc` calls vLLM's `collective_rpc`).
-
-A load that commits into an engine paused for it may have the workers apply each bucket as it lands
-(`load(early=...)`, gloo / NCCL in the engine layout); `apply` then only hands back their report.
-
-Must never: apply a staged version whose fingerprint differs (where it was applied as it landed: let
-the caller resume before it is restored), or touch the version label.
+Owns: `ReplicaStaging`, the weight-update part of an engine replica (generator/engine.py keeps the replica's lifecycle,
+pause/resume and version label, and calls this). Payloads it stages: a `SharedBucket` (shm), a `Bucket` (object
+store: written once into a shared file), a `CollectiveReceive` (the workers receive from the senders themselves) or
+loose named tensors, each optionally `WithDigests` (the sender's digests, for bucketed staging). The workers are
+reached through `rpc(verb, *args, timeout=None)` -> one result per worker (`asyncrl.interfaces.WorkerAPI`'s verbs).
+A load into an engine paused for its commit may have the workers apply each bucket as it lands (`load(early=...)`).
+Must never: apply a staged version whose fingerprint differs (where it was applied as it landed: let the caller
+resume before it is restored), or touch the version label.
+Details: docs/design/weightsync.md, "Replica staging".
 """
 
 from __future__ import annotations

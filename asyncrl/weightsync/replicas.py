@@ -1,40 +1,15 @@
 """The publisher's view of one engine replica: the update steps it calls, nothing else.
 
-Owns: the `ReplicaClient` protocol (the update verbs of `asyncrl.interfaces.EngineAPI`, the
-part of the engine's interface a push needs), `ActorReplica`, the adapter for a Ray actor
-handle or a Serve replica handle that implements `EngineAPI`, and `DeploymentReplicas`, every
-running replica of the engine deployment as one client (the training loop's); both send a
-collective push's load over the replicas' push channels once open (push_channel.py).
-
-The contract weightsync relies on (generator side):
-  pause(mode)                     stop scheduling; "keep" keeps in-flight requests' KV
-  begin_update(version, verify, staging, layout, plan_id)
-                                  drop any staged copy; start staging `version`, hashing each
-                                  bucket as it arrives in `verify` mode (full | checksum | off);
-                                  layout "engine" (buckets of push plan `plan_id`, copied into the
-                                  parameters; a replica without that plan refuses: Refusal.PLAN_MISSING) or
-                                  "hf" (reloaded); staging "full" or "bucketed" (apply each bucket
-                                  once it matches the sender's digests that come with it)
-  load_bucket(bucket, version)    stage one `Bucket` (the transport payload: for the object store
-                                  an ObjectRef that Ray resolves to the bucket; a `Bucket`
-                                  iterates as (name, tensor) views, so it is a NamedTensors);
-                                  never touches live weights
-  commit_update(version, fp)      verify the staged tensors hash to `fp` ("<mode>:<hex>") FIRST, then apply them
-                                  in place and relabel the version; a fingerprint mismatch must
-                                  raise before anything is applied (an error whose `.refusal`,
-                                  or its cause's, is Refusal.VERIFY_FAILED), any later error may leave the
-                                  weights partially applied. A replica not paused by the caller
-                                  pauses for the apply itself and resumes after it (a failed
-                                  apply leaves it paused until `resume`)
-  abort_update()                  drop staged tensors; idempotent; the live version is untouched
-  resume()                        resume scheduling
-Restoring a replica whose commit failed part-way (or that committed while a peer failed) from
-the publisher's host copy: `begin_update` accepts the last live version again (a version <=
-the replica's current one is a restore; the replica's label goes back with its weights). A
-replica that still cannot be restored is reported out of service (push.py), to be restarted;
-on start it loads the generator's WeightStore.
-
+Owns: the `ReplicaClient` protocol (the update verbs of `asyncrl.interfaces.EngineAPI`), `ActorReplica` (for a Ray
+actor or Serve replica handle) and `DeploymentReplicas` (every running replica of the engine deployment as one
+client); both send a collective push's load over the replicas' push channels once open (push_channel.py).
+The contract weightsync relies on: pause(mode); begin_update(version, verify, staging, layout, plan_id) drops any
+staged copy and starts staging (a replica without the plan refuses: Refusal.PLAN_MISSING); load_bucket stages one
+bucket and never touches live weights; commit_update(version, fp) raises before applying anything when the
+fingerprint differs (Refusal.VERIFY_FAILED) and may leave the weights part-applied on any later error; abort_update is
+idempotent and leaves the live version untouched; resume. A version <= the replica's current one is a restore.
 Must never: retry, time out or order calls (push.py does all three).
+Details (every verb in full): docs/design/weightsync.md, "Replica clients".
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """The sending half of a push, inside a learner rank: pack, hash, put or broadcast, keep host copies.
 
-Owns: `SenderEndpoint`, one learner rank's state for weight pushes (its broadcast group and the
-rendezvous port it holds until the group forms, the push plan it packs for, the host copies of
-its last broadcast), and `pack_into_transport` (the learner's export packed into host buckets for
-the shm / object-store transports, each hashed as it is packed). The learner rank calls these
-with its exported HF tensor stream; every rank drives that stream to its end (its TP/EP gathers
-are collective) and only the sending ranks (TP/CP/DP rank 0 of each PP stage) pack.
-
-With a push plan (plan.py) the buckets are in the engines' layout (fused, sharded, padded);
-without one they hold the HF tensors as exported.
+Owns: `SenderEndpoint`, one learner rank's push state (its broadcast group and the rendezvous port it holds until the
+group forms, the push plan it packs for, the host copies of its last broadcast), and `pack_into_transport` (the
+export packed into host buckets for the shm / object-store transports, each hashed as it is packed). Every rank
+drives its exported HF tensor stream to its end (its TP/EP gathers are collective); only the sending ranks (TP/CP/DP
+rank 0 of each PP stage) pack: in the engines' layout with a push plan (plan.py), else the HF tensors as exported.
 
 Must never: import the learner (it gets a tensor stream), or decide when a push happens.
+Details: docs/design/weightsync.md, "The sender endpoint".
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
 """Where a push's buckets come from, as the publisher sees them (push.py drives them).
 
-Owns: the steps of a push and their failure record (`Step`, `StepFailed`), and the three
-sources: `BucketSource` packs a tensor stream itself (Hugging Face tensors, or with a push plan
-the engines' layout) and puts each bucket into the transport once, a retry replaying the handles;
-`BucketSource.from_handles` replays buckets the learner ranks packed and put themselves, with
-their digests; `StreamedSource` is a collective push, where the sending learner ranks broadcast
-every bucket while each replica's single `load_bucket` receives them (`StreamedSend`: what the
-sender reports; `KeptCopies`: its host copies, made after the push returned).
-
-Every bucket is hashed before it is handed out (its digests can go with it: bucketed staging
-checks each bucket before applying it).
+Owns: the steps of a push and their failure record (`Step`, `StepFailed`), and the three sources: `BucketSource`
+packs a tensor stream itself (HF tensors, or the engines' layout with a push plan) and puts each bucket into the
+transport once, a retry replaying the handles; `BucketSource.from_handles` replays buckets the learner ranks packed
+and put themselves, with their digests; `StreamedSource` is a collective push, where the sending ranks broadcast every
+bucket into each replica's single `load_bucket` (`StreamedSend`: the sender's report; `KeptCopies`: its host copies,
+made after the push returned). Every bucket is hashed before it is handed out (bucketed staging checks each bucket
+before applying it).
 
 Must never: order replica calls or decide what is live (push.py).
+Details: docs/design/weightsync.md, "Push sources".
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """The `WeightStore`: the latest live version's weights, for replicas that start later.
 
-Owns: a tiny named Ray actor (`WeightStore`) that remembers the latest committed (version,
-buckets, fingerprint, plan) so that a replica that starts late (autoscaling, a restart) loads the
-live weights before it reports healthy; `weight_store_hook`, the publisher's `on_live` hook that sends
-it each live version (as ObjectRefs where the transport's handles are, read by the store where they
-lie) without the training loop waiting; and `load_hf_tensors` (a checkpoint directory's tensors:
-tests, benchmarks, seeding a store).
-
-Buckets are kept as packed `Bucket`s: Ray moves their numpy buffers out of band (a list of torch
-tensors is slow to pickle even for the small demo model), and a late replica
-stages them as they are. Buckets in an engine's layout (plan.py) come with their push plan, so a
-replica whose engines share that layout applies them directly and any other rebuilds the Hugging
-Face tensors from them.
-
-Must never: decide when a version is live (the publisher calls `publish` only after every live
-replica committed it).
+Owns: a tiny named Ray actor (`WeightStore`) remembering the latest committed (version, buckets, fingerprint, plan), so
+a replica that starts late (autoscaling, a restart) loads the live weights before it reports healthy;
+`weight_store_hook`, the publisher's `on_live` hook that sends it each live version without the training loop waiting;
+and `load_hf_tensors` (a checkpoint directory's tensors). Buckets are kept packed (Ray moves their numpy buffers out of
+band; a list of torch tensors is slow to pickle) and an engine-layout version comes with its push plan, so a replica
+whose engines share that layout applies it directly and any other rebuilds the Hugging Face tensors from it.
+Must never: decide when a version is live (the publisher calls `publish` only after every live replica committed it).
+Details: docs/design/weightsync.md, "The WeightStore".
 """
 
 from __future__ import annotations

@@ -1,35 +1,15 @@
-"""One push on a gloo / NCCL group (collective.py's `CollectiveGroup`): the sender's loop and the
-receiver's, and the helpers the ipc transport (ipc.py) shares with them. wire.py picks this or ipc.py
-by the group's backend.
+"""One push on a gloo / NCCL group (collective.py's `CollectiveGroup`): the sender's loop and the receiver's.
 
-Owns: the wire protocol of one push (per bucket: a 3 x int64 header, the tensor table as JSON
-bytes with the sender's digests, the bucket buffer, and an end or abort header after the last;
-whole version: one header and table (with the verify mode), every bucket, the trailer (the sender's
-digest material, fingerprint.py's `PendingDigests.words`: 8 bytes a tensor for `checksum`, still on
-the device) and the end or abort header, which a receiver takes as one enqueue), `broadcast_send_stream`
-(the sender's loop: pack on the tensors' device, in the engines' layout with a plan; hash in the
-verify mode; broadcast; start the host copy (hostcopy.py: made off the critical path, collected
-by the publisher while replicas commit)) and `broadcast_receive_stream` (the receiver's loop: allocate on
-its device, receive, hand each bucket on with the sender's digests).
-
-With `ipc_window` 0 (weightsync.staging full: the receivers stage the whole version anyway) the
-sender packs every bucket, sends one table of every bucket (without digests: full staging
-compares one fingerprint at the commit), then enqueues the buckets' broadcasts back to back and
-its checksums behind them, so that hashing runs beside the wire, then the trailer and the end header
-right behind the buckets (no wait between), and waits once at the end (the
-host copies start after that, unless `full` verification hashes them); each
-receiver receives them into one allocation and hashes each bucket as it lands. With a push plan
-the table is the plan's, so it goes first and each bucket is broadcast as soon as it is packed
-(`_send_whole_planned`: packing overlaps the wire, and the arena is hashed in a few passes as it is
-packed, on a side stream the wire does not wait for, so only the last pass comes after it). Per bucket that
-saves the header and table round trips and the waits. The sender then holds its whole packed
-version on its device until the broadcast ends (bucketed staging: one bucket at a time), unless its
-device cannot hold it beside the learner's state: then it packs through a `SenderRing` of a few
-reused slots, each packed again once its broadcast and host copy are done (the receivers see no
-difference).
-
-Must never: wait without a deadline, or leave the receivers waiting on a sender that failed
-(an export error sends the abort header first).
+Owns: the wire protocol of one push (per bucket: a 3 x int64 header, the tensor table as JSON with the sender's
+digests, the buffer; then an end or abort header; whole version: one header and table, every bucket, the digest
+trailer and the end header, one enqueue for a receiver), `broadcast_send_stream` (the sender's loop: pack, hash,
+broadcast, start the host copy off the critical path), `broadcast_receive_stream` (the receiver's: allocate on its
+device, receive, hand each bucket on with the sender's digests) and the helpers ipc.py shares (wire.py picks this or
+ipc.py by backend). With `ipc_window` 0 (full staging) the sender enqueues the whole version back to back, hashing
+beside the wire, and waits once; a sender whose device cannot hold it packs through a `SenderRing` of reused slots.
+Must never: wait without a deadline, or leave the receivers waiting on a sender that failed (an export error sends
+the abort header first).
+Details: docs/design/weightsync.md, "Collective push loops".
 """
 
 from __future__ import annotations

@@ -1,18 +1,15 @@
 """Timeline marks of a weight push across its processes, to find where its time goes on a GPU host.
 
-With `ASYNCRL_PUSH_TRACE=DIR` in the environment every process that takes part in a push (the
-publisher, the sending learner rank, the engine replica, its workers) appends one line per mark,
-`<wall time> <label>`, to `DIR/trace_<pid>.txt`; `benchmarks/push_timeline.py DIR` lines the files
-up, push by push. The processes share a host's clock, which is what makes their marks comparable:
-on several hosts only each host's own marks are. Unset (the default), `mark` returns at once.
+With `ASYNCRL_PUSH_TRACE=DIR` set, every process in a push (publisher, sending learner rank, engine replica, its
+workers) appends `<wall time> <label>` per mark to `DIR/trace_<pid>.txt`; `benchmarks/push_timeline.py DIR` lines the
+files up, push by push (marks compare across the processes of one host, which share its clock). Unset (the default),
+`mark` returns at once. `watch()` around a stretch of a push: while traced, a stretch lasting longer than `STALL_S`
+writes every thread's Python stack to `DIR/stacks_<pid>.txt` (`faulthandler`, which writes even while a thread holds
+the interpreter lock in a CUDA call), and again every `STALL_S`: where a stalled push waits.
 
-`watch()` around a stretch of a push: while traced, a stretch that lasts longer than `STALL_S`
-writes every thread's Python stack to `DIR/stacks_<pid>.txt`, and again every `STALL_S` while it
-lasts (`faulthandler`, whose own thread writes even while a thread holds the interpreter lock in a
-CUDA call): where a push that stalls waits, which the marks alone cannot tell.
-
-Owns: the marks' file and format. Must never: raise (a mark is an observation, never a failure of
-the push), or be left on in a timed run that reports figures (each mark costs a few microseconds).
+Owns: the marks' file and format. Must never: raise (a mark is an observation, never a failure of the push), or be
+left on in a timed run that reports figures (each mark costs a few microseconds).
+Details: docs/design/weightsync.md, "Push trace marks".
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
 """Transports: how one packed bucket gets from the publisher to every replica.
 
-Owns: the `Transport` protocol (put a bucket once, hand every replica the same payload, read it
-back on the owner side, release it) and its implementations, plus `select_transport`, which maps
-`WeightsyncConfig.transport` and the placement to one of them.
-
-Implemented: `ObjectStoreTransport` (any placement: one `ray.put` per bucket, every replica
-receives the same ObjectRef as a top-level argument, so Ray hands it a read-only zero-copy
-numpy view; the replica then writes it once into a shared file for its workers),
-`SharedMemoryTransport` (publisher and replicas on one host: each bucket is written once into a
-file under /dev/shm and every replica's workers map that same file, so a replica copies
-nothing) and `LocalTransport` (in-process replicas; tests and single-process tools).
-
-`CollectiveTransport` (nccl on GPUs, gloo on CPU hosts, ipc on a shared device): the sending
-learner ranks move each bucket straight into the engine workers' memory (collective.py;
-`Publisher.publish_streamed` drives it): by broadcast, or with ipc as a handle to the sender's
-own buffer (CUDA IPC, or a shared-memory file for a CPU bucket) that each worker copies. Its
-handles are the senders' host copies in the object store, so restores, retries and late joiners
-go the object-store way.
-
-vLLM's own `vllm.distributed.weight_transfer` engines apply weights as they arrive in
-`receive_weights`, so they cannot stage-then-commit atomically with a fingerprint check; the
-collective transport uses the same mechanisms underneath instead (vLLM's PyNccl communicator;
-torch's CUDA IPC handles keyed by GPU UUID, as vLLM's IPC engine does).
-
+Owns: the `Transport` protocol (put a bucket once, hand every replica the same payload, read it back on the owner
+side, release it), its implementations and `select_transport` (`WeightsyncConfig.transport` and the placement -> one
+of them): `ObjectStoreTransport` (any placement: one `ray.put` per bucket, every replica gets a zero-copy read-only
+view), `SharedMemoryTransport` (one host: each bucket written once into a /dev/shm file every replica's workers map),
+`LocalTransport` (in-process replicas) and `CollectiveTransport` (nccl, gloo or ipc: the sending learner ranks move
+each bucket straight into the engine workers' memory, collective.py; its handles are the senders' host copies in the
+object store, so restores, retries and late joiners go the object-store way).
+Why not vLLM's `weight_transfer` engines: they apply weights as they arrive, with no stage-then-commit check.
 Must never: decide ordering or retries (push.py does), or look inside a bucket.
+Details: docs/design/weightsync.md, "Transports".
 """
 
 from __future__ import annotations

