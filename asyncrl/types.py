@@ -233,6 +233,15 @@ def learner_failure(err: BaseException) -> BaseException | None:
     return next((e for e in chain if isinstance(e, LearnerRankError)), None)
 
 
+def lost_object_or_actor(err: BaseException) -> bool:
+    """Whether Ray lost an object (its owner died, or it could not be rebuilt) or an actor behind `err`."""
+    try:
+        import ray.exceptions as rx
+    except ImportError:  # pragma: no cover - Ray is a dependency
+        return False
+    return any(isinstance(e, (rx.ObjectLostError, rx.RayActorError)) for e in error_chain(err))  # OwnerDiedError: lost
+
+
 class Refusal(enum.Enum):
     """Why an engine replica refused a weight-update step without touching its live weights. Errors
     carry it as `.refusal` across Ray and Serve, so a caller matches the kind, never the message."""

@@ -331,6 +331,23 @@ class LearnerGroup:
     async def state(self) -> list[dict[str, Any]]:
         return await self._all(LearnerRankAPI.state)
 
+    async def dead_ranks(self, timeout_s: float = 10.0) -> list[int]:
+        """Ranks whose actor is gone (died, or its node lost): each is asked for its state alone, apart from the
+        group's calls, so the answer does not depend on (or change) whether the group is still usable."""
+        import ray
+
+        async def gone(rank: Any) -> bool:
+            try:
+                await asyncio.wait_for(getattr(rank, verb_name(LearnerRankAPI, LearnerRankAPI.state)).remote(), timeout_s)
+                return False
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+                return True
+            except Exception:  # noqa: BLE001 - it answered (with an error): alive
+                return False
+
+        answers = await asyncio.gather(*(gone(r) for r in self.ranks))
+        return [i for i, dead in enumerate(answers) if dead]
+
 
 def _slowest(per_rank: Iterable[dict[str, float]]) -> dict[str, float]:
     """Each phase's largest seconds over the sending ranks."""

@@ -18,9 +18,9 @@ from typing import Any
 
 from asyncrl.config import RootConfig
 from asyncrl.trainer.logging_setup import progress_line
-from asyncrl.trainer.parts import TrainerParts
+from asyncrl.trainer.parts import TrainerParts, distinct
 from asyncrl.trainer.step import compute_advantages
-from asyncrl.types import learner_failure
+from asyncrl.types import LearnerRankError, learner_failure, lost_object_or_actor
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,8 @@ class Trainer:
         """Re-raise `err` unless a learner rank failed and `trainer.max_restarts` allows another
         restart; else start the learner groups again from the last complete checkpoint."""
         failed = learner_failure(err)
+        if failed is None and not self._stop.is_set() and self.restarts < self.cfg.trainer.max_restarts:
+            failed = await self._learner_object_lost(err)
         if failed is None or self._stop.is_set() or self.restarts >= self.cfg.trainer.max_restarts:
             raise err
         self.restarts += 1
@@ -178,6 +180,18 @@ class Trainer:
         restored = await self.p.restart_learners(self.version)
         log.info("learner restarted from %s", f"the checkpoint of version {restored}" if restored is not None
                  else "the model's initial weights")
+
+    async def _learner_object_lost(self, err: Exception) -> LearnerRankError | None:
+        """A Ray object or actor lost behind `err` (e.g. a version's bucket a learner rank put, gone with the rank's
+        node: OwnerDiedError) is the learner's failure when one of its ranks is gone: the restart path, not a bare run
+        failure. Other losses (an engine's) stay `err`'s."""
+        if not lost_object_or_actor(err):
+            return None
+        for group in distinct(self.p.actor, getattr(self.p, "reference", None), getattr(self.p, "critic", None)):
+            dead = await group.dead_ranks()
+            if dead:
+                return LearnerRankError(dead[0], "(an object or actor it owned was lost)", f"{type(err).__name__}: {err}")
+        return None
 
     def request_stop(self) -> None:
         """End the loop at the next step boundary: a step in progress (its update and push) finishes,

@@ -8,6 +8,7 @@ state (the actor's weights move forward), each asserting what it changed.
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import ray
@@ -291,3 +292,16 @@ def test_lora_actor_trains_its_adapters_exports_merged_weights_and_checkpoints_t
     finally:
         run(resumed.shutdown())
 
+
+
+def test_dead_ranks_names_a_killed_rank(groups):
+    """LearnerGroup.dead_ranks (the loop's test of whether a lost Ray object was the learner's): none while every
+    rank answers, the index of one that was killed. (The last test here: it kills the reward model's rank.)"""
+    assert all(run(g.dead_ranks()) == [] for g in groups.values())
+    doomed = groups["reward_model"]
+    ray.kill(doomed.ranks[0], no_restart=True)  # (asynchronous: a call right after it may still be answered)
+    deadline, dead = time.monotonic() + 60, []
+    while time.monotonic() < deadline and not dead:
+        dead = run(doomed.dead_ranks(timeout_s=30))
+        time.sleep(0.5)
+    assert dead == [0]
