@@ -1,20 +1,12 @@
 """The typed interfaces of asyncrl's remote components, and the one way to name their verbs.
 
-Owns: `EngineAPI` (every verb of an engine replica: `EngineReplica` implements it in-process, the
-Serve deployment `GeneratorEngine` forwards its control verbs, `EngineControl` fans one verb out
-to every replica, weightsync's `ActorReplica` calls one replica), `WorkerAPI` (the verbs of one
-vLLM worker process), `LearnerRankAPI` (every verb of a learner rank actor) and `RoleAPI` (the
-role verbs a rank runs for its group), and `verb_name`,
-which turns a verb given by method reference (`EngineAPI.pause`) into the name a Ray or Serve
-handle needs.
-
-A caller names a remote verb by reference, never by a string: a verb the interface lacks fails
-where it is written (`verb_name` raises TypeError), an IDE follows it to its definition and its
-signature, and renaming it renames every caller. The only names written as strings are those a
-library requires as strings, in the adapter to that library (vLLM's `collective_rpc`, in
-`generator/engine_update.py`'s `WeightUpdates._rpc`).
-
+Owns: `EngineAPI` (every verb of an engine replica), `WorkerAPI` (of one vLLM worker process), `LearnerRankAPI` (of
+a learner rank actor), `RoleAPI` (the role verbs a rank runs for its group) and `verb_name`, which turns a verb
+given by method reference (`EngineAPI.pause`) into the name a Ray or Serve handle needs.
+Why: a verb named by reference fails where it is written when the interface lacks it, and renames with it; names
+are strings only where a library requires them, in the adapter to that library (vLLM's `collective_rpc`).
 Must never: import a component (this module is imported by all of them), or hold behaviour.
+Details: docs/design/interfaces.md, "The typed interfaces".
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """Rollout correction: importance weights between the proximal policy and the engine that sampled.
 
-The tokens a learner trains on were sampled by an engine (other kernels, maybe older weights) with
-log-probs `behavior`; the proximal policy gives `old` on the same tokens. Their ratio
-w = pi_prox / pi_behave corrects the policy loss (decoupled PPO), and tokens or sequences whose ratio
-leaves a band are dropped or their weight truncated.
-
-Levels (the ratio each token's weight is taken from; d_t = old_t - behavior_t on valid tokens):
-  token       w_t = exp(d_t)
-  sequence    w_i = exp(sum_t d_t)                  (the sequence's likelihood ratio)
-  geometric   w_i = exp(sum_t d_t / n_i)            (its per-token geometric mean; n_i valid tokens)
-every log-ratio clamped to [-20, 20] before exp.
-
-Modes:
-  mask        (MIS; with `lower`, IcePop's two-sided band) tokens whose weight is above `upper` or below
-              `lower` leave the loss; the others keep their weight
-  truncate    (TIS) every weight above `upper` is set to `upper`; no token leaves the loss
-`reject_sequence` (mask mode): a sequence with any token out of the band leaves the loss whole.
-
-The default (token, mask, upper 5, no lower) is decoupled PPO with its weight cap, as before.
-
-Must never: let a masked-out position (padding holding -inf / nan) reach a weight, or send a
-gradient through a weight (they are constants of the loss).
+Owns: the weight w = pi_prox / pi_behave (decoupled PPO) from d_t = old_t - behavior_t on valid tokens, at one of
+three levels (token exp(d_t); sequence exp(sum d_t); geometric exp(mean d_t)), every log-ratio clamped to [-20, 20],
+and its modes: mask (MIS, or IcePop's band with `lower`: tokens outside [lower, upper] leave the loss, the others
+keep their weight), truncate (TIS: weights capped at `upper`, no token leaves) and `reject_sequence` (mask mode: a
+sequence with any token out of the band leaves whole). The default (token, mask, upper 5, no lower) is decoupled PPO
+with its weight cap.
+Must never: let a masked-out position (padding holding -inf / nan) reach a weight, or send a gradient through a
+weight (they are constants of the loss).
+Details: docs/design/algorithms.md, "Rollout correction".
 """
 
 from __future__ import annotations

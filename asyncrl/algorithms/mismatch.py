@@ -1,19 +1,11 @@
 """The engine/learner log-prob mismatch: how far the policy that sampled a token is from the proximal one.
 
-Owns: the per-token statistics of d = log pi_prox - log pi_behave over valid tokens, split by how many
-versions behind the learner each token was sampled (version gap 0, 1, 2 or more), as sums a caller
-can add up over micro-batches and data-parallel ranks (`mismatch_sums`, on the device, no host read),
-and the metrics made from those sums (`mismatch_metrics`, on the host).
-
-The metrics (each over the bucket's valid tokens; tokens are samples of pi_behave):
-  k1                KL(pi_behave || pi_prox) estimate  mean(-d)
-  k3                the low-variance estimate          mean(exp(d) - 1 - d)    (d clamped to +-20)
-  abs_diff_mean / abs_diff_max                         mean |d|, max |d|
-  ppl_behavior / ppl_proximal                          exp(mean(-log pi)), each policy's
-  ppl_ratio                                            ppl_proximal / ppl_behavior
-  out_of_band_frac  tokens whose ratio pi_prox / pi_behave is outside [1/MISMATCH_BAND, MISMATCH_BAND]
-  tokens            how many
+Owns: the per-token statistics of d = log pi_prox - log pi_behave over valid tokens, split by version gap (0, 1, 2
+or more), as sums a caller adds up over micro-batches and DP ranks (`mismatch_sums`, on the device, no host read),
+and the metrics made from them on the host (`mismatch_metrics`: the k1 and k3 KL estimates, mean and max |d|, each
+policy's perplexity and their ratio, the fraction of tokens outside `MISMATCH_BAND`, the token count).
 Must never: change a loss, or read the device (sums stay tensors until the caller reads them once).
+Details: docs/design/algorithms.md, "The log-prob mismatch".
 """
 
 from __future__ import annotations

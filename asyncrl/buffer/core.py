@@ -1,25 +1,14 @@
 """The buffer component's logic: admission control and the replay buffer, kept consistent.
 
-Owns: the glue between StalenessManager and ReplayBuffer: a pushed group consumes the running
-slots its rollout reserved (kept samples become accepted, dropped ones are released), stale
-drops credit their slots back, and one checkpoint holds both halves.
+Owns: the glue between StalenessManager and ReplayBuffer: a pushed group consumes the running slots its rollout
+reserved (kept samples become accepted, dropped ones are released), stale drops credit their slots back, and one
+checkpoint holds both halves. A rollout: try_acquire(n, key) -> generate -> put_group(all n samples, key), or
+release (cancelled, never counted) or abandon (given up on, counted dropped_failed); the key names the reservation.
+With `overdue: wait` batches are drawn oldest first and a draw waits rather than leave a still-generating overdue
+group to go stale (`_must_wait`); a reservation without a key is never waited for. A failed completion is pushed as
+ABORTED (its group dropped invalid, all n slots released); put_group consumes exactly len(samples) running slots.
 Must never: wait, block, or know about Ray or asyncio. The actor (actor.py) adds the waiting.
-
-Protocol of one rollout (the controller's side):
-    try_acquire(n, key)  ->  generate n completions  ->  put_group(all n samples, key)
-                                                    (or release(n, key): cancelled, never counted;
-                                                     or abandon(n, key): given up on, counted dropped_failed)
-The key (a string the caller makes unique) names the reservation, so the buffer knows at which version
-each running rollout was admitted. A rollout admitted at version a <= v - eta is *overdue*: a batch drawn
-at v without its group would leave that group older than v + 1 - eta at the next draw, dropped. With
-`overdue: wait` (the default) batches are drawn oldest first, and a draw waits while it would leave more
-samples due within the next k draws than k batches hold, some of them still generating (`_must_wait`;
-k = 0: every overdue group is in this batch): a slow (long) group is trained in time instead of dropped.
-A reservation without a key is never waited for (it can still be dropped stale).
-A group is pushed with every sample it reserved; a completion that failed is pushed with status
-ABORTED (the group is then dropped as invalid and all n slots released). Pushing fewer samples
-than reserved is not possible: put_group consumes exactly len(samples) running slots, and the
-caller releases any others itself.
+Details: docs/design/buffer.md, "The buffer core".
 """
 
 from __future__ import annotations

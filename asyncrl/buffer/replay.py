@@ -1,35 +1,15 @@
 """The replay buffer: accepted GRPO groups waiting to be trained, and the sample accounting.
 
-Owns: the queue of whole groups, the invalid / group-filter / stale drops, batch assembly, the
-counters of the accounting identity, and the buffer part of a checkpoint.
+Owns: the queue of whole groups, the invalid / group-filter / stale drops, batch assembly, the counters of the
+accounting identity, and the buffer part of a checkpoint. Groups stay whole: one invalid member drops its group (a
+missing member biases the GRPO baseline; ragged groups could deadlock admission), staleness is judged by a group's
+oldest token, and batches are whole groups, oldest first. A rollout given up on counts as generated and
+dropped_failed. `put_group` raises BufferFullError past `capacity` (changing nothing), except while the waiting
+samples cannot form a batch or the learner may wait for the group (`force`), so learner and producers never wait
+on each other.
 Must never: wait, know about Ray or admission control, or let a sample vanish uncounted:
-
     generated = trained + dropped_stale + dropped_invalid + dropped_filtered + dropped_failed + waiting
-
-Decisions:
-* Groups stay whole. A group holding any invalid sample (status != VALID, non-finite reward, or
-  no response tokens, hence no version) is dropped entirely and all its samples count as
-  dropped_invalid: a GRPO group with a missing member has a biased baseline. Dropping only the
-  invalid samples was rejected for a second reason: ragged groups leave the buffer holding fewer
-  than B samples that cannot be completed while admission is exhausted (a deadlock).
-  `buffer/invalid_samples` counts the samples that were themselves invalid.
-* Staleness is judged per group by its oldest token (min over members), so a group is trained or
-  dropped whole; a dropped group counts all its samples as dropped_stale.
-* A rollout given up on (its generation failed or timed out on every attempt: a poisoned prompt,
-  a straggler) never reaches the buffer as samples, but its reserved samples are counted as
-  generated and dropped_failed (`abandon`), so a prompt group that cannot finish is visible in
-  the identity and never retried forever.
-* Batches are whole groups, oldest first: ordered by each group's oldest token version, FIFO among
-  equals (so FIFO whenever every group started at one version, eta = 0). A long group that arrives
-  after younger short ones is the nearest to going stale, so it goes first. When group sizes divide
-  B (the controller's fixed n) every batch is exactly B. With mixed sizes the batch is the longest
-  prefix of at most B samples, handed out only once it is exactly B or the next group does not fit
-  (waiting longer could not make it larger without reordering).
-* Capacity: `put_group` raises BufferFullError (changing nothing) rather than grow past
-  `capacity`; the actor turns that into back-pressure. One exception keeps the run live: while
-  the waiting samples cannot form a batch, a group is let in even over capacity (the overshoot is
-  below B + one group), since otherwise the learner and the producers would wait on each other;
-  and a group the learner may wait for (`force`: BufferCore._may_be_waited_for) is always let in.
+Details: docs/design/buffer.md, "The replay buffer".
 """
 
 from __future__ import annotations

@@ -1,36 +1,14 @@
 """Staleness admission control: may another rollout start now?
 
-Owns: the counts of rollout slots by lifecycle state and the admission rule of docs/ARCHITECTURE.md.
+Owns: the counts of rollout slots by lifecycle state and the admission rule of docs/ARCHITECTURE.md: a rollout of n
+samples may start only if admitted + running + n <= (eta + v + 1) * B (v the learner version, B the batch size, eta
+the max staleness; `+ n <=`, as the strict per-sample form would overshoot by n - 1), so at most eta + 1 batches are
+waiting or in flight. Slots go RUNNING -> ACCEPTED -> DROPPED, or RUNNING -> REJECTED (`_TRANSITIONS`); rejected
+and stale-dropped slots are credited back (counting them would leak capacity until admission deadlocks), and the
+bound uses admitted = accepted_total - dropped.
+Invariant (checked by the tests at every step): admitted + running <= (eta + v + 1) * B.
 Must never: hold samples, wait, or know about Ray; it is a pure counter, checked on every call.
-
-The rule, in units of samples (a GRPO rollout of one prompt with group size n reserves n slots):
-
-    a rollout of n samples may start only if   admitted + running + n <= (eta + v + 1) * B
-
-where v is the learner version, B the batch size, eta the max staleness, `running` the slots
-reserved by rollouts still generating and `admitted` the samples accepted into the buffer that
-still count against the bound (trained or waiting). The team's notes write the check as
-`accepted + running < (eta + v + 1) * B` before one more sample; for n samples reserved at once
-the equivalent is `+ n <=`: the strict form with n > 1 could overshoot the bound by n - 1.
-
-Invariant (checked by the tests at every step): `admitted + running <= (eta + v + 1) * B`.
-Since the learner has trained v * B samples at version v, this says at most (eta + 1) batches
-are waiting or in flight, which is what bounds how stale an admitted sample can get.
-
-Slot lifecycle (one place, `_TRANSITIONS`):
-
-    (new) -> RUNNING -> ACCEPTED -> DROPPED
-                     -> REJECTED
-
-* REJECTED: the rollout failed, aborted, or its group was filtered/invalid before entering the
-  buffer. Its slots are released and do *not* count as accepted, although the samples were
-  generated: they will never be trained, so they cannot make a trained sample stale, and
-  counting them would leak admission capacity until the run deadlocks (with eta = 0 a single
-  filtered group would block admission forever while the buffer holds fewer than B samples).
-* DROPPED: accepted, then dropped as stale by the buffer. Same reasoning: the slots are
-  credited back, otherwise every stale drop permanently shrinks the in-flight window and after
-  eta * B drops in the whole run admission stops for good. `accepted_total` (cumulative, incl.
-  dropped) is still reported; the bound uses `admitted = accepted_total - dropped`.
+Details: docs/design/buffer.md, "Staleness admission control".
 """
 
 from __future__ import annotations

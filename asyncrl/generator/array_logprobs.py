@@ -1,32 +1,15 @@
 """Behaviour log-probs as one array per completion, instead of vLLM's per-token Python objects.
 
-Owns: the vLLM adapter (engine-core side) that carries the sampled token's log-prob of a
-final-only request from the workers to the replica as one float32 array, and the replica-side
-reading of it.
-
-Why: with `logprobs=0` vLLM computes the sampled token's log-prob on the device (cheap), then
-slices it per request and step into three small numpy arrays, serialises them to the frontend,
-and there turns each token into a dict of `Logprob` objects and a decoded token string. At small
-models that bookkeeping, not the GPU, sets the pace: it can halve `vllm serve`'s throughput
-(docs/BENCHMARKS.md). A request that wants only the final result needs none of the
-per-step objects, so for it the engine core keeps the values and sends them once, when the
-completion ends.
-
-How: the replica asks for `logprobs=0` as before (the workers compute exactly what vLLM's own
-path returns, in the engine's `logprobs_mode`) and marks the request with `extra_args[FLAG]`.
-`ArrayLogprobsMixin`, mixed into the engine core's scheduler, keeps each marked request's values
-and takes them out of what goes to the frontend: when every request of a step that wants
-log-probs is marked (a rollout batch), it reads the sampled column of the whole batch once and
-vLLM's scheduler slices nothing; in a mixed batch it takes the column of each marked request's
-slice. On the step that finishes the sequence it attaches the whole array to that output's
-`routed_experts` field: the one per-sequence array field the frontend passes through untouched,
-concatenating it into `CompletionOutput.routed_experts`. The replica refuses the path when the
-engine itself returns routed experts (a MoE replay option), so the field is never shared. An
-output the engine core builds outside its scheduler (an abort on pause or shutdown) carries no
-array: such a completion comes back without log-probs.
-
-Must never: change a token, a log-prob or the order of either (the values are the workers'
-own), or keep state for a request the scheduler no longer holds.
+Owns: the vLLM adapter (engine-core side) that carries the sampled token's log-prob of a final-only request from the
+workers to the replica as one float32 array, and the replica-side reading of it.
+Why: vLLM's per-token log-prob bookkeeping, not the device, sets the pace at small models; a final-only request
+needs none of it. How: the replica asks for `logprobs=0` and marks the request (`extra_args[FLAG]`);
+`ArrayLogprobsMixin`, in the engine core's scheduler, keeps its values and on the finishing step attaches the array
+to the output's `routed_experts` field (passed through untouched; refused when the engine returns routed experts
+itself). An output built outside the scheduler (an abort on pause or shutdown) comes back without log-probs.
+Must never: change a token, a log-prob or the order of either (the values are the workers' own), or keep state for
+a request the scheduler no longer holds.
+Details: docs/design/generator.md, "Array log-probs".
 """
 
 from __future__ import annotations

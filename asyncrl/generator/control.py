@@ -1,17 +1,12 @@
 """Control operations that must reach every live engine replica (pause, weight updates, sleep, stats).
 
-Owns: fanning one call out to all RUNNING replicas of the engine deployment through Ray Serve's
-`DeploymentHandle.broadcast` (public, alpha in Serve 2.60), collecting one result per replica keyed
-by replica id, and raising `ReplicaControlError` naming every replica that failed. Weight pushes
-are weightsync's (its publisher calls the update steps through `call`).
-
-Must never: route a control call through load balancing (it would reach one replica), or report
-success when any replica failed.
-
-Scope: broadcast reaches the replicas the router knows as running when the call is made. A
-replica still starting is not reached; it loads the latest weights from the `WeightStore` in its
-constructor instead (weightsync writes each version to the store once it is live: store.py's
-`weight_store_hook`).
+Owns: fanning one call out to all RUNNING replicas through Ray Serve's `DeploymentHandle.broadcast`, one result per
+replica keyed by replica id, and `ReplicaControlError` naming every replica that failed. Weight pushes are
+weightsync's (its publisher calls the update steps through `call`). A replica still starting is not reached: it
+loads the latest weights from the `WeightStore` in its constructor.
+Must never: route a control call through load balancing (it would reach one replica), or report success when any
+replica failed.
+Details: docs/design/generator.md, "Control operations".
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """One engine replica: an engine (behind its driver) plus its weight version, lifecycle and counters.
 
-Owns: the replica's lifecycle (start, catch up from a `WeightStore` before a late replica serves,
-pause/resume, sleep/wake, shutdown), token-level generation with a weight version on every token,
-stats and health. Its parts: `driver.py` (what it asks of the engine; `vllm_engine.py` is vLLM's
-driver: starting it, every read of its private state), `engine_update.py` (the update protocol: begin/load/commit or abort),
-`version_source.py` (each token's version: the engine's stamps or the replica's ledger) and
-`replica_types.py` (states and errors). `EngineReplica` implements `asyncrl.interfaces.EngineAPI`;
-it is a plain class (usable in-process); `deployment.py` wraps it for Ray Serve.
-
-Must never: accept a request that has not passed `validate_request`, change the version label
-while the engine is producing tokens, or apply staged tensors whose fingerprint differs from
-the one the caller committed.
+Owns: the replica's lifecycle (start, catch up from a `WeightStore` before a late replica serves, pause/resume,
+sleep/wake, shutdown), token-level generation with a weight version on every token, stats and health.
+`EngineReplica` implements `asyncrl.interfaces.EngineAPI` as a plain class; its parts are driver.py (vLLM's:
+vllm_engine.py), engine_update.py, version_source.py and replica_types.py; deployment.py wraps it for Ray Serve.
+Must never: accept a request that has not passed `validate_request`, change the version label while the engine is
+producing tokens, or apply staged tensors whose fingerprint differs from the one the caller committed.
+Details: docs/design/generator.md, "The engine replica".
 """
 
 from __future__ import annotations

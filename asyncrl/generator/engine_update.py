@@ -1,17 +1,12 @@
 """The engine replica's side of a weight push: its update state machine and the paused apply.
 
-Owns: begin -> load bucket(s) -> commit (fingerprint check, pause, apply, relabel, resume) or abort,
-the replica's collective-group membership (weightsync/collective.py), the push plan it accepts,
-and moving the per-token version labels at a commit (through the replica's `VersionSource`:
-version_source.py). The receiving half of the wire lives in weightsync (replica_side.py at this
-level, vllm_worker.py in the workers); this is the state machine around it.
-
-`WeightUpdates` is a part of `EngineReplica` (engine.py), which sets the attributes it reads:
-`engine` (its driver), `replica_id`, `version`, `state`, `update_state`, `counters`, `_staging`, `_versions`,
-`_control_lock`, `_asleep`, `_receive_reached` and the pause helpers.
-
-Must never: change the version label while the engine runs a step, or apply staged tensors whose
-fingerprint differs from the one the caller committed.
+Owns: begin -> load bucket(s) -> commit (fingerprint check, pause, apply, relabel, resume) or abort, the replica's
+collective-group membership, the push plan it accepts, and moving the per-token version labels at a commit
+(through the replica's `VersionSource`). The wire's receiving half is weightsync's (replica_side.py, vllm_worker.py).
+`WeightUpdates` is a part of `EngineReplica` (engine.py), which sets the attributes it reads.
+Must never: change the version label while the engine runs a step, or apply staged tensors whose fingerprint
+differs from the one the caller committed.
+Details: docs/design/generator.md, "The replica's weight updates".
 """
 
 from __future__ import annotations

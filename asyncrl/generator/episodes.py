@@ -1,20 +1,13 @@
 """Multi-turn episodes over the OpenAI API: what the engine saw and sampled, turn by turn.
 
-Owns: the episode ledger a gateway keeps (open -> turns -> finish, or abandoned past its idle
-timeout), the limits of one episode (turns, tokens), and the assembly of a finished episode into
-token-exact training samples (`assemble`). A client opens an episode (`POST /v1/episodes`), sends
-`x-asyncrl-episode: ID` with every `/v1/chat/completions` call of it, then finishes it with a reward
-(`POST /v1/episodes/ID/finish`), optionally with one reward per turn. Each turn is recorded as the prompt ids the engine got (after the
-chat template), the sampled ids, their log-probs and weight versions.
-
-Assembly: a turn whose prompt starts with everything before it (the previous prompt + its sampled
-tokens) extends the sample: the new prompt tokens join the response with loss mask 0, the sampled
-ones with mask 1. A prompt that does not extend it (the client edited the history, or the chat
-template re-tokenised an answer differently) starts a new sample and is counted as a mismatch;
-tokens are never re-tokenised and never glued across a mismatch.
-
-Must never: re-tokenise text, drop a recorded turn without counting it, or hold an episode past its
-idle timeout (it is dropped and counted as abandoned).
+Owns: the episode ledger a gateway keeps (open -> turns -> finish, or abandoned past its idle timeout), the limits
+of one episode (turns, tokens), and assembling a finished episode into token-exact training samples (`assemble`).
+Each turn records the prompt ids the engine got, the sampled ids, their log-probs and weight versions. A turn whose
+prompt extends everything before it extends the sample (new prompt tokens with loss mask 0, sampled ones 1); one
+that does not starts a new sample and counts as a mismatch.
+Must never: re-tokenise text, glue tokens across a mismatch, drop a recorded turn without counting it, or hold an
+episode past its idle timeout (it is dropped and counted as abandoned).
+Details: docs/design/generator.md, "Multi-turn episodes".
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """The HTTP gateway: one FastAPI ingress in front of the engine deployment, for people and programs.
 
-Owns: the Serve deployment (`GeneratorGateway`) and its FastAPI app: the token-level `/generate`
-route, health/metrics/train-status, the admin routes (bearer token); it registers the
-OpenAI-compatible routes of `openai_api.py`. Parsing, limits and error mapping live in
-`gateway_core.py`.
-
+Owns: the Serve deployment (`GeneratorGateway`) and its FastAPI app: the token-level `/generate` route (streamed as
+NDJSON `CompletionDelta` lines, then a final `{"done": true, "versions": [...]}` line; the body's per-token versions
+are authoritative), health/metrics/train-status, the admin routes (bearer token), and the OpenAI-compatible routes
+of `openai_api.py`. Parsing, limits and error mapping live in `gateway_core.py`.
 Must never: forward a request that failed validation, hang when the engines are saturated (Serve's
 BackPressureError becomes 503), or open admin routes without a configured token.
-
-Streaming format of `/generate` with `"stream": true`: NDJSON (`application/x-ndjson`), one
-`CompletionDelta` object per line, then a final `{"done": true, "versions": [...]}` line. Headers
-are sent with the first chunk, so a stream's header names the version(s) of its first tokens;
-the per-token versions in the body are authoritative.
+Details: docs/design/generator.md, "The HTTP gateway".
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, and the episode
-routes around them (/v1/episodes: open, describe, finish; episodes.py keeps the ledger).
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, and the episode routes.
 
-Owns: translating vLLM's OpenAI protocol models (request parsing and response shapes are vLLM's
-own pydantic classes, so the official `openai` client works unmodified) to and from our
-token-level `GenerationRequest`/`GenerationResult`. Every choice carries two extra fields,
-`token_ids` and `versions` (weight version per token). Streams are SSE (`data: {...}` lines,
-ending with `data: [DONE]`).
-
-A chat completion sent with `x-asyncrl-episode: ID` is one turn of that episode: n must be 1; the
-prompt ids after the chat template, the sampled ids, their log-probs and weight versions are
-recorded whether or not the client asked for log-probs. A streamed turn is recorded when its stream
-ends with the completion's last token (a stream cut short records nothing, as a failed turn).
-
-Chat completions take OpenAI function `tools` when `generator.tool_parser` names vLLM's parser for the
-model's chat template: the template renders the tools and earlier tool calls and results, the parser
-turns the sampled text into `tool_calls` (tool_choice auto or none; not streamed).
-
-Must never: accept an option it would silently ignore when ignoring changes the output
-(echo, suffix, beam search, forced tool choice, streamed tool calls, top-k log-probs beyond the sampled
-token): those get 400.
+Owns: translating vLLM's OpenAI protocol models (so the official `openai` client works unmodified) to and from our
+token-level `GenerationRequest`/`GenerationResult` (every choice carries `token_ids` and `versions`; streams are
+SSE), and the /v1/episodes routes (episodes.py keeps the ledger). A chat completion with `x-asyncrl-episode: ID` is
+one turn of it (n must be 1; recorded whether or not log-probs were asked; a stream cut short records nothing).
+Chat tools work when `generator.tool_parser` names vLLM's parser for the chat template (auto or none; not streamed).
+Must never: accept an option it would silently ignore when ignoring changes the output (echo, suffix, beam search,
+forced tool choice, streamed tool calls, top-k log-probs beyond the sampled token): those get 400.
+Details: docs/design/generator.md, "OpenAI-compatible routes".
 """
 
 from __future__ import annotations

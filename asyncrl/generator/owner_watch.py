@@ -1,18 +1,12 @@
 """Engine processes end with the replica that started them.
 
-Owns: the owner mark (the replica's pid and start time, in the environment every engine process
-inherits) and the watch each engine process runs on it. vLLM starts its EngineCore and workers as
-child processes of the replica; when Serve or `ray stop --force` kills the replica with SIGKILL,
-nothing tells them, and they would keep their memory (and a GPU) with parent 1. Each engine
-process that loads asyncrl code (the workers through the worker extension, the EngineCore through
-the array log-prob scheduler; with vLLM's multiprocess executor an EngineCore whose workers died
-shuts itself down) runs a daemon thread that ends the process once the owner is gone.
-
-A pid alone is not an identity: the owner is recognised by its pid and its start time
-(/proc/<pid>/stat), so a reused pid does not keep an orphan alive, and a zombie owner (killed,
-not yet reaped) counts as gone. Linux only; elsewhere the watch is not started.
-
+Owns: the owner mark (the replica's pid and start time, in the environment every engine process inherits) and the
+watch each engine process that loads asyncrl code runs on it: a daemon thread that ends the process once the owner
+is gone. Why: vLLM's EngineCore and workers are child processes of the replica; when the replica is killed with
+SIGKILL nothing tells them, and they would keep their memory (and a GPU) with parent 1. The owner is known by pid
+and start time, so a reused pid keeps no orphan alive and a zombie owner counts as gone. Linux only.
 Must never: end the replica's own process, or signal any process but the one it runs in.
+Details: docs/design/generator.md, "Owner watch".
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Prefix-affinity request routing for the engine deployment (`generator.routing: prefix_affinity`).
 
-Owns: a Ray Serve `RequestRouter` that sends requests whose prompts share their first
-`prefix_tokens` tokens to the same replica (rendezvous hashing over the live replica ids, so a
-replica joining or leaving moves only its share of prefixes), falling back to the other replicas
-when the preferred one refuses (its queue is full). Same-prefix requests (multi-turn sessions,
-repeated system prompts, retries of one prompt) then hit a warm prefix cache.
-
-Why not Serve's `PrefixCacheAffinityRouter`: it keys on a text `prompt`/`messages` attribute and
-keeps a prefix-tree actor with a blocking `ray.get` per routed request; our requests are token
-ids and the handle runs inside the gateway's event loop.
-
+Owns: a Ray Serve `RequestRouter` that sends requests whose prompts share their first `prefix_tokens` tokens to the
+same replica (rendezvous hashing over the live replica ids, so a replica joining or leaving moves only its share),
+falling back to the others when the preferred one refuses, so same-prefix requests hit a warm prefix cache.
+Why not Serve's `PrefixCacheAffinityRouter`: it keys on text prompts and blocks on a `ray.get` per routed request;
+ours are token ids, routed inside the gateway's event loop.
 Must never: block, or refuse to route when the preferred replica is unavailable.
+Details: docs/design/generator.md, "Prefix-affinity routing".
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
-"""The replica's adapter to SGLang: `SglangDriver` (driver.py's `EngineDriver` for SGLang 0.5.15), starting
-it, every call into it and every read of its state (issue 23; docs/design/sglang-engine.md).
+"""The replica's adapter to SGLang: `SglangDriver` (driver.py's `EngineDriver` for SGLang), starting it, every call
+into it and every read of its state (docs/design/sglang-engine.md).
 
-Owns: SGLang's server arguments built from `ModelConfig` + `GeneratorConfig` (`engine_kwargs` passed
-straight through and winning; ours: token ids in and out, incremental streaming (asked only of a request that
-is streamed or has stop strings: any other comes whole), ports of its own per
-replica, the memory share), the engine built in a thread of its own that lives as long as the engine, then
-driven only through its TokenizerManager's coroutines on the replica's event loop, one SGLang request per sequence
-(sglang_protocol.py), text decoded here from the model's tokenizer, the pause modes, sleep / wake through
-SGLang's memory saver, the version salt of the prefix cache, and the weight worker in this process
-(sglang_worker.py).
-
-What differs from vLLM, on purpose (measured: docs/BENCHMARKS.md):
-- the prefix cache: SGLang keeps KV of the old weights across an update with `flush_cache=False`, and
-  cannot flush while retracted requests are parked. Every request is admitted with `extra_key=f"w{version}"`
-  (the version live then), so no request admitted after a commit reuses KV of an older version; a request
-  retracted by the commit's pause re-prefills under its own admission key, so its prefix may come from the
-  old version's KV (vLLM's keep mode recomputes it). Idle, the cache is flushed at each commit.
-- per-token versions come from the replica's ledger (SGLang labels chunks on the TokenizerManager side);
-- sleep aborts the requests in flight (SGLang releases memory only when its scheduler is idle): they come
-  back to their callers finished with "abort".
-
+Owns: SGLang's server arguments from `ModelConfig` + `GeneratorConfig` (`engine_kwargs` win), the engine built in a
+thread of its own and driven through its TokenizerManager's coroutines on the replica's event loop, one SGLang
+request per sequence (sglang_protocol.py), text decoding, the pause modes, sleep / wake through SGLang's memory
+saver, the prefix cache's version salt, and the weight worker in this process (sglang_worker.py).
+Differs from vLLM on purpose: each request is admitted with `extra_key=f"w{version}"`, so none admitted after a
+commit reuses an older version's KV; per-token versions come from the replica's ledger; sleep aborts the requests
+in flight (they finish with "abort").
 Must never: import SGLang at module import time, or serve a request (the replica does).
+Details: docs/design/generator.md, "The SGLang driver".
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
-"""SGLang's request and output shapes, translated to and from the replica's (issue 23).
+"""SGLang's request and output shapes, translated to and from the replica's.
 
-Owns: the rules by which one replica request becomes SGLang requests and their results become the
-sequence outputs the replica reads (driver.py: `index`, `token_ids`, `finish_reason`, `stop_reason`,
-`text`, log-probs), for SGLang 0.5.15's in-process engine with `skip_tokenizer_init=True` and
-`incremental_streaming_output=True` (docs/design/sglang-0.5.15-api.md, section b):
-- `n > 1` is expanded here into `n` requests with rids of our own (SGLang's parallel sampling gives
-  its copies random rids, so none could be aborted alone, and sends a prefill-only request first);
-- SGLang aborts by rid *prefix*, so no rid of ours is a prefix of another (`sequence_rids`);
-- `sampling_seed`, not `seed`, and only under `enable_deterministic_inference`, where one seed makes
-  the n samples identical: each sequence gets its own (`to_sglang`); without that mode a seeded request
-  is refused rather than sampled unseeded;
-- stop strings need SGLang's tokenizer, which the replica does not start: they are not sent to SGLang, and
-  the driver matches them on its own decoded text (`find_stop`; sglang_engine.py aborts the sequence there);
-- `output_ids` include the matched stop token, as vLLM's do, and `finish_reason` arrives as a dict.
-The SGLang driver that starts the engine and calls it is sglang_engine.py; this module imports no SGLang.
-
-Must never: import SGLang, or let a request through that SGLang would sample differently from what
-it asked (an unhonoured seed).
+Owns: the rules by which one replica request becomes SGLang requests and their results the sequence outputs the
+replica reads (driver.py), for SGLang's in-process engine with token ids in and incremental streaming out
+(docs/design/sglang-0.5.15-api.md): `n > 1` expanded into n requests with rids of our own, none a prefix of another
+(SGLang aborts by rid prefix); a per-sequence `sampling_seed` only under deterministic inference, else a seeded
+request is refused; stop strings matched on the driver's own decoded text (`find_stop`), not sent to SGLang.
+The SGLang driver that starts the engine and calls it is sglang_engine.py.
+Must never: import SGLang, or let a request through that SGLang would sample differently from what it asked (an
+unhonoured seed).
+Details: docs/design/generator.md, "SGLang's request shapes".
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
-"""The SGLang replica's weight worker: weightsync's verbs (worker_verbs.py) in the replica's own process,
-which stage and verify a push there, then hand the verified tensors to SGLang (issue 23).
+"""The SGLang replica's weight worker: weightsync's verbs (worker_verbs.py) in the replica's own process.
 
-Owns: `SglangHooks` (weightsync's `EngineHooks` where the model lives in SGLang's scheduler processes: no
-model here, so pushes arrive in Hugging Face layout and the apply is SGLang's `update_weights_from_tensor`,
-its CUDA-IPC load into the model's own `load_weights`), and `SglangWorker` (the verbs, run by the driver in
-a thread of the replica's process; the version ledger's count query among them).
-
-SGLang has no hook to verify inside its processes, so this replica receives the whole version into its own
-device staging (a share of the engine's GPU), checks the fingerprint, and only then hands the tensors over:
-one device copy of the version more than vLLM's direct apply (docs/design/sglang-engine.md, "Weights").
-
-Must never: import SGLang at module import time (the driver's start does), or hand SGLang a tensor whose
-digest was not checked (the receiver's apply runs only after the commit's fingerprint check).
+Owns: `SglangHooks` (weightsync's `EngineHooks` where the model lives in SGLang's scheduler processes: pushes arrive
+in Hugging Face layout and the apply is SGLang's `update_weights_from_tensor`) and `SglangWorker` (the verbs, run by
+the driver in a thread of the replica's process; the version ledger's count query among them).
+How: SGLang has no hook to verify inside its processes, so the whole version is staged on this replica's device,
+its fingerprint checked, and only then handed over (one device copy of the version more than vLLM's direct apply).
+Must never: import SGLang at module import time (the driver's start does), or hand SGLang a tensor whose digest was
+not checked (the receiver's apply runs only after the commit's fingerprint check).
+Details: docs/design/generator.md, "The SGLang weight worker".
 """
 
 from __future__ import annotations

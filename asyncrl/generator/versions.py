@@ -1,16 +1,11 @@
 """Per-token weight-version bookkeeping for one request (pure logic, no engine).
 
-How versions are exact: the vLLM engine core stamps every output batch with the weight-version
-label it holds when the batch is *produced* (`EngineCoreOutputs.weight_version`), and the replica
-changes that label only while generation is paused, right after the new weights are loaded.
-Tokens still in the pipe (ZMQ socket, output handler, the request's queue) when a commit
-happens therefore keep the old label. The frontend's output processor turns those labels into
-spans `(label, first output-token index)` per sequence; a finished sequence reports them as
-`CompletionOutput.weight_versions`. This module turns spans into one version per token and
-accumulates DELTA outputs into completions. Engines without stamps (vLLM 0.24) get the same spans
-from `VersionLedger`, which the replica fills at each commit from the workers' sampled counts.
-
+Owns: turning the engine's version spans `(label, first output-token index)` into one version per token, and
+accumulating DELTA outputs into completions. Versions are exact because the engine core stamps each output batch
+with the label it holds when the batch is produced, and the replica changes that label only while generation is
+paused; engines without stamps get the same spans from `VersionLedger`, which the replica fills at each commit.
 Must never: guess a version from the replica's current state when the engine gave one.
+Details: docs/design/generator.md, "Per-token weight versions".
 """
 
 from __future__ import annotations

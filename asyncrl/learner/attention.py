@@ -1,24 +1,13 @@
 """Fused core attention for Megatron's `SelfAttention`, with context parallelism, needing no TE.
 
-Owns: `SDPAttention` (the `core_attention` submodule of the learner's layer spec), the document
-layout a packed row carries into it (`DocLayout`, passed where Megatron passes `packed_seq_params`),
-the zig-zag context-parallel split of a sequence (`cp_chunk_index`, `split_for_cp`), the K/V
-all-gather over the CP group with its reduce-scatter backward, and the plan of attention
-segments each rank computes (`plan_segments`, pure).
-
-How a rank computes attention. Its queries are the sequence positions it holds (all of them
-without CP; with CP the two load-balanced chunks r and 2*CP-1-r of 2*CP equal chunks). Its keys
-and values are the whole sequence (gathered over CP when CP > 1). Each (query chunk, document)
-intersection is one segment: queries [qs, qe) of a document that starts at ds attend to keys
-[ds, qe), causally aligned at the bottom right. A segment whose queries start at its document's
-start is plain causal attention. Every segment is one `scaled_dot_product_attention` call
-(flash / cuDNN / memory-efficient kernels on GPU, the math kernel on CPU), grouped-query heads
-passed as they are (`enable_gqa`, no K/V repeat), and no mask tensor is ever built: a packed
-row of several documents costs one call per document, not an S x S mask.
-
-Must never: gather K/V over CP without a matching backward (the gradient of a rank's keys is the
-sum of every rank's contribution), or read the device to plan segments (plans come from Python
-ints the batch layout already knows, so no host synchronisation happens in the forward).
+Owns: `SDPAttention` (the layer spec's `core_attention`), the document layout of a packed row (`DocLayout`, passed
+where Megatron passes `packed_seq_params`), the zig-zag CP split (`cp_chunk_index`, `split_for_cp`), the K/V
+all-gather over CP with its reduce-scatter backward, and the plan of attention segments per rank (`plan_segments`).
+How: each (query chunk, document) intersection is one causal `scaled_dot_product_attention` call against that
+document's keys (grouped-query heads passed as they are); no mask tensor is ever built.
+Must never: gather K/V over CP without a matching backward (the gradient of a rank's keys is the sum of every rank's
+contribution), or read the device to plan segments (plans come from Python ints, so the forward never syncs).
+Details: docs/design/learner.md, "Fused core attention".
 """
 
 from __future__ import annotations

@@ -1,37 +1,15 @@
 """Samples -> model-ready tensors for one learner rank: alignment, micro-batches, packing, DP split.
 
-Owns: the token layout every role uses, and the plans that cut a batch into micro-batches (by
-count or by a token budget), pack several sequences into one row, and split a batch over DP.
-
-Alignment (the one rule every role relies on). A sequence is `prompt_ids + response_ids`,
-P prompt and R response tokens, placed in row `r` of `input_ids` at column offset `o`
-(o = 0 without packing). The model's output at column t is computed from tokens <= t, so it
-*predicts* the token at column t + 1. Response token j (0-based) sits at column o + P + j, so
-its log-prob, entropy and the critic's value "before emitting it" are read at column
-    o + P + j - 1        (j = 0 .. R-1)
-`MicroBatch.gather_index[i, j]` is that column flattened (`row * T + column`) for the i-th
-sequence of the micro-batch; `response_mask[i, j]` is True for j < R where the sample's loss mask is
-1 (a multi-turn episode's user and tool tokens inside the response are 0). Every per-token input
-(behaviour/old/ref log-probs, advantages, returns, old values) and output therefore lives in the
-"response layout" [num_seqs, L]: one row per sample, response tokens left-aligned, the same
-layout `asyncrl.trainer.step` uses. L is the longest response of the whole batch (not of the
-micro-batch), so "seq-mean-token-sum-norm" sees one constant width. A sample needs P >= 1.
-
-Packing: with `pack=True` a micro-batch is one row holding its sequences back to back, with
-position ids restarting at 0 per sequence. The fused attention (`asyncrl.learner.attention`)
-reads the document boundaries from the placements and attends within each document, with no
-mask tensor; Megatron's unfused local attention (`learner.attention: local`) needs a
-block-diagonal causal mask instead ([1, 1, T, T], True = masked, Megatron's convention), built
-only when `dense_mask=True`. RoPE in Megatron's GPTModel is computed from the column, not from
-`position_ids`; since RoPE scores depend only on q/k distance and attention never crosses a
-sequence boundary, packed results equal unpacked ones up to float rounding.
-
-Width: `width_multiple` pads every row on the right to a multiple (context parallelism splits a
-row into 2 x CP equal chunks, sequence parallelism into TP equal parts). Pad columns come after
-every real token of their row, so causal attention never lets a real token see them.
-
-Must never: touch a model, a process group or Ray; reorder samples inside a DP shard (results
-are scattered back by index, but order is kept so runs are reproducible).
+Owns: the token layout every role uses, and the plans that cut a batch into micro-batches (by count or by a token
+budget), pack several sequences into one row, and split a batch over DP. Alignment: response token j of a sequence
+at column offset o after P prompt tokens is predicted at column o + P + j - 1 (`MicroBatch.gather_index`), and
+every per-token tensor lives in the response layout [num_seqs, L] (L the batch's longest response; `response_mask`
+from the loss mask); a sample needs P >= 1. Packed rows restart position ids per sequence and attention stays
+within each document, so packed results equal unpacked ones up to rounding. `width_multiple` pads rows on the
+right, after every real token.
+Must never: touch a model, a process group or Ray; reorder samples inside a DP shard (results are scattered back by
+index, but order is kept so runs are reproducible).
+Details: docs/design/learner.md, "Batching".
 """
 
 from __future__ import annotations

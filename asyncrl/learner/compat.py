@@ -1,49 +1,13 @@
 """Device-compat layer: lets megatron-core run on a CPU-only torch build (gloo backend).
 
-Owns: the list of CUDA calls Megatron-core makes unconditionally, and their CPU stand-ins;
-installing them (idempotent, lock-guarded), undoing them exactly, and a global grad-norm clip
-that works over gloo (Megatron's own clip asserts CUDA tensors).
-
-Must never: do anything when CUDA is available (then `install_cpu_compat()` returns an inactive
-handle and logs that it did nothing), change numerics, or patch anything at import time.
-
-What is redirected, and why (megatron-core 0.16.1 call sites; 0.19.x has the same ones):
-
-| call                                         | CPU stand-in                              | why Megatron needs it                                   |
-|----------------------------------------------|-------------------------------------------|---------------------------------------------------------|
-| `torch.cuda.current_device()`                | `torch.device("cpu")`                     | `device=torch.cuda.current_device()` in ~100 factories  |
-|                                              |                                           | (TP mappings, p2p shapes, RoPE `inv_freq.to(...)`, DDP) |
-| `torch.cuda.set_device/synchronize/empty_cache` | no-op                                 | called around collectives, offload and checkpointing     |
-| `torch.cuda.memory_*`, `max_memory_*`, `device_count` | 0 / {} / 1                        | memory reports and `rank % device_count()`             |
-| `torch.cuda.get_rng_state/set_rng_state`     | CPU generator state                       | `CudaRNGStatesTracker.add/fork` save and restore it     |
-| `torch.cuda.manual_seed(_all)`               | seeds the CPU default generator           | `model_parallel_cuda_manual_seed`                       |
-| `torch.cuda.default_generators[i]`           | `torch.default_generator` for any `i`     | `_set_cuda_rng_state` callback                          |
-| `torch.cuda._lazy_call/_lazy_init` (also the | call the callback now / no-op             | CPU torch queues lazy calls forever (no CUDA init), so  |
-|  names bound in `tensor_parallel.random`)    |                                           | RNG restores would silently never happen                |
-| `torch.cuda.Stream/Event/current_stream/default_stream/stream/set_stream` | inert objects | DDP comm stream, shared-expert overlap, MoE d2h stream |
-| `torch.cuda.nvtx.range_push/range_pop/range` | no-op                                     | CPU build raises "NVTX functions not installed"         |
-| `megatron...moe_utils.te_general_gemm`       | `None` when the name is missing           | the router reads it unguarded without TE (NameError)    |
-| `maybe_move_tensor_to_cpu` (moe_utils and the | also converts CPU tensors to numpy when   | MoE alltoall split sizes must be host numpy; gloo      |
-|  name bound in `token_dispatcher`)            | `as_numpy=True`                           | rejects tensors                                        |
-| `Tensor.cuda(...)`                           | returns the tensor itself                 | `weight.data.cuda()`, `data[key].cuda()`                |
-| `Tensor.pin_memory()`, `Tensor.record_stream` | returns self / no-op                     | CPU build raises without an accelerator                 |
-| `device="cuda"`/`"cuda:N"`/int device, `pin_memory=True` in any torch call | CPU, False | literal `device="cuda"` in causal masks, MoE aux-loss |
-|   (a `TorchFunctionMode`, per thread)         |                                           | trackers, checkpoint exchange, `.to("cuda")`           |
-
-Everything but the last row is process-wide (module attributes). The `TorchFunctionMode` is
-pushed on the thread that calls `install_cpu_compat()`: torch keeps function modes per thread,
-so another thread that runs Megatron code (e.g. a threaded Ray actor) enters
-`cpu_compat_thread()` around that code.
-
-CPU RNG note: the "CUDA" generator *is* the CPU default generator here, so Megatron's tracker
-forks switch the CPU generator's state for the region and restore it after, which is the
-same contract Megatron relies on for the CUDA generator.
-
-Known limits: Megatron's grad clipping asserts CUDA tensors, so build the optimizer with
-`clip_grad=0` and call `clip_grad_norm_` below. Sequence and context parallelism run on CPU with
-the learner's own spec (`asyncrl.learner.layer_spec`, `learner.attention: sdpa`), not with
-Megatron's local spec. torch.compile (inductor) does not run under this layer, so fusions that
-Megatron compiles stay off on CPU.
+Owns: the list of CUDA calls Megatron-core makes unconditionally, and their CPU stand-ins (process-wide module
+attributes, plus a per-thread `TorchFunctionMode` mapping cuda devices and pinned memory to CPU; another thread
+running Megatron code enters `cpu_compat_thread()`); installing them (idempotent, lock-guarded), undoing them
+exactly, and a global grad-norm clip that works over gloo (Megatron's own asserts CUDA tensors: build the optimizer
+with `clip_grad=0`). The "CUDA" generator is the CPU default generator, so Megatron's RNG tracker keeps its contract.
+Must never: do anything when CUDA is available (then `install_cpu_compat()` returns an inactive handle and logs that
+it did nothing), change numerics, or patch anything at import time.
+Details: docs/design/learner.md, "The CPU compat layer".
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Hugging Face <-> Megatron weight conversion, shard by shard, inside one learner rank.
 
-Owns: the name map between Megatron parameters and HF checkpoint tensors, and the layout
-transforms: grouped QKV (Megatron's `linear_qkv` rows are, per query group g,
-[q heads of g, k_g, v_g]; a TP rank owns a contiguous range of groups), fused SwiGLU
-(`linear_fc1` = [gate; up], each half split per TP rank), row-parallel splits (o_proj,
-down_proj), vocab padding and splitting (embedding, output layer), PP stage ownership (a chunk
-holds global layers from `TransformerLayer.layer_number`), EP ownership (`local_expert_indices`)
-and the tied embedding copy on the last stage.
-
-Must never: materialise the whole model. Loading reads only the HF tensors this rank needs;
-export yields one full HF tensor at a time (the only full-size tensor alive is the one yielded).
-
-Export is collective: every rank of a TP group (and of an EP group, for MoE) must drive its
+Owns: the name map between Megatron parameters and HF checkpoint tensors, and the layout transforms: grouped QKV,
+fused SwiGLU, row-parallel splits, vocab padding and splitting, PP stage and EP ownership, and the tied embedding
+copy on the last stage. Export is collective: every rank of a TP group (and of an EP group, for MoE) drives its
 iterator to the end in lockstep, even ranks that drop what they get.
+Must never: materialise the whole model. Loading reads only the HF tensors this rank needs; export yields one full
+HF tensor at a time (the only full-size tensor alive is the one yielded).
+Details: docs/design/learner.md, "Weight conversion".
 """
 
 from __future__ import annotations

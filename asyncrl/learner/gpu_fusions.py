@@ -1,23 +1,13 @@
 """Fused GPU kernels for the learner's Megatron model and optimizer, without apex or TE.
 
-Owns: `install_wgrad_fusion`, the stand-in for apex's `fused_weight_gradient_mlp_cuda` that Megatron's
-`LinearWithGradAccumulationAndAsyncCommunication` calls when `gradient_accumulation_fusion` is
-on: `main_grad += grad_output^T @ input`, one cuBLAS GEMM writing float32 straight into the
-DDP's float32 gradient buffer from bf16 operands (`torch.addmm(..., out_dtype=float32, out=)`).
-Without it every micro-batch writes a bf16 `.grad` per weight that DDP's hook then adds into
-`main_grad`: a full extra read and write of all gradients per micro-batch.
-
-Also: `install_rope_fusion` (rotary embedding as one compiled kernel each way, where Megatron
-would run about a dozen unfused ops on q and k in every layer) and `use_fused_adam` (torch's
-fused Adam under Megatron's optimizer).
-
-This is the one adapter that reads Megatron's private module state (STYLE 14): the module-level
-`fused_weight_gradient_mlp_cuda` and `_grad_accum_fusion_available` of
-`megatron.core.tensor_parallel.layers`, and `fused_apply_rotary_pos_emb` of
-`megatron.core.models.common.embeddings.rope_utils` (TE's slot; 0.16.1 and 0.19.2 have all three).
-
-Must never: install anything whose self-check fails (then Megatron's unfused path stays), or
-install anything on CPU (the eager RoPE functions run there only in tests).
+Owns: `install_wgrad_fusion` (apex's `fused_weight_gradient_mlp_cuda` stand-in: `main_grad += grad_output^T @ input`
+as one GEMM writing float32 straight into DDP's gradient buffer, saving a full extra read and write of all gradients
+per micro-batch), `install_rope_fusion` (rotary embedding as one compiled kernel each way) and `use_fused_adam`.
+The one adapter that reads Megatron's private module state (STYLE 14): `fused_weight_gradient_mlp_cuda`,
+`_grad_accum_fusion_available` (tensor_parallel.layers) and `fused_apply_rotary_pos_emb` (rope_utils).
+Must never: install anything whose self-check fails (then Megatron's unfused path stays), or install anything on
+CPU (the eager RoPE functions run there only in tests).
+Details: docs/design/learner.md, "GPU fusions".
 """
 
 from __future__ import annotations

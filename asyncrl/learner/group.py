@@ -1,16 +1,13 @@
 """A learner group: `world_size` rank actors of one role, and the dispatch/collect between them.
 
-Owns: the placement group (one bundle per rank: its CPU share and GPU), starting the ranks
-(rank 0 hosts the rendezvous), and the "Megatron compute" protocol: a batch is split over DP
-(GRPO groups kept whole when possible), each DP shard is put in the object store once and sent to
-every TP/PP/CP rank of that DP group, results come back from TP rank 0 / CP rank 0 of the last
-PP stage, and are re-assembled in the batch's sample order. Init-style calls (checkpoints,
-state, export) go to every rank. A failure on any rank surfaces as one `LearnerRankError` naming
-the rank and the call; a call that does not finish in `call_timeout_s` raises instead of hanging,
-and the group refuses further calls (peers may be stuck in a collective).
-
-Must never: compute anything itself, or hand per-token results back in any other layout than
-one python list per sample (response tokens only, in the batch's order).
+Owns: the placement group (one bundle per rank), starting the ranks (rank 0 hosts the rendezvous), and the "Megatron
+compute" protocol: a batch split over DP (GRPO groups kept whole when possible), each DP shard put in the object
+store once for every TP/PP/CP rank of its DP group, results from TP rank 0 / CP rank 0 of the last PP stage
+re-assembled in sample order; init-style calls go to every rank. A failure on any rank surfaces as one
+`LearnerRankError` naming the rank and call; a call past `call_timeout_s` raises, and the group refuses further calls.
+Must never: compute anything itself, or hand per-token results back in any other layout than one python list per
+sample (response tokens only, in the batch's order).
+Details: docs/design/learner.md, "The learner group".
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """Token log-probs and entropy straight from hidden states: the LM head inside a token chunk.
 
-Owns: `DeferredLMHead` behaviour for GPTModel (the output layer hands back the final hidden
-states, TP-replicated, instead of [tokens, V/TP] logits) and `linear_logprobs`, the fused
-`hidden @ W.T -> / temperature -> log-softmax -> pick the label` over the vocab-parallel weight,
-computed chunk by chunk so at most one chunk's [chunk, V/TP] float32 logits exist at a time, in
-the forward and in the backward (which recomputes them: nothing vocab-wide is kept for backward
-but one float per token, the log-sum-exp).
-
-Why: the full [tokens, V] float32 logits of a 4k-token micro-batch of a 150k-vocab model are
-2.5 GB, plus as much again for their softmax and gradient; computing them for every token when
-only response tokens are read was the learner's largest memory cost and a large share of its time.
-
-Must never: gather the full vocabulary on one rank (TP ranks exchange 3 floats per token), or read
-device values on the host (no synchronisation).
+Owns: `DeferredLMHead` behaviour for GPTModel (the output layer hands back the final hidden states, TP-replicated,
+instead of logits) and `linear_logprobs`, the fused `hidden @ W.T -> / temperature -> log-softmax -> pick the label`
+over the vocab-parallel weight, chunk by chunk, so at most one chunk's float32 logits exist at a time, in the forward
+and in the backward (which recomputes them, keeping only each token's log-sum-exp).
+Why: full [tokens, V] logits, computed for every token though only response tokens are read, were the learner's
+largest memory cost and a large share of its time.
+Must never: gather the full vocabulary on one rank (TP ranks exchange 3 floats per token), or read device values on
+the host (no synchronisation).
+Details: docs/design/learner.md, "The chunked LM head".
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Triton kernels for the LM head's vocab-wide passes (`lm_head.linear_logprobs`), CUDA only.
 
-Owns: `row_stats` (one pass over a chunk's [c, V/TP] logits: the running max, sum of exp and
-sum of exp times logit, the online-softmax way, plus the label's logit) and `grad_logits_` (the
-logits' gradient written over the logits themselves). `available(x)` says when they apply.
-
-Why: the torch versions (`lm_head._row_max` / `_row_stats` / `_grad_logits`, which CPU runs),
-even compiled, read the chunk twice in the forward (max, then the sums) and ran at a fraction of
-the memory bandwidth with dynamic shapes (about three times the time their bytes take).
-
-Online statistics of one row, x_v = logit_v / temperature (padded-vocab columns at MASKED_LOGIT):
-m = max x, s0 = sum exp(x - m), s1 = sum exp(x - m) (x - m). Moving to a larger max m' multiplies
-s0 by a = exp(m - m') and makes s1 = a (s1 + (m - m') s0). `combine` does the same across TP ranks.
-
-Must never: read the device from the host, or hand back a different answer than the torch path
-(the GPU test compares them).
+Owns: `row_stats` (one pass over a chunk's logits: the online-softmax running max, sum of exp and sum of exp times
+logit, plus the label's logit), `grad_logits_` (the logits' gradient written over the logits themselves),
+`available(x)` (when they apply) and `combine` (the same statistics merged across TP ranks).
+Why: the torch versions (which CPU runs) read the chunk twice in the forward and ran well below memory bandwidth.
+Must never: read the device from the host, or hand back a different answer than the torch path (the GPU test
+compares them).
+Details: docs/design/learner.md, "LM head kernels".
 """
 
 from __future__ import annotations

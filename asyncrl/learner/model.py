@@ -1,17 +1,13 @@
 """Megatron `GPTModel` from a Hugging Face config (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE).
 
-Owns: the mapping HF config -> `TransformerConfig` (attention layout, norms, RoPE, SwiGLU,
-MoE routing), the layer spec choice (`learner.attention`: `sdpa`, the fused spec of
-`layer_spec.py`, on CPU and GPU; `local`, Megatron's unfused local spec; `te`, Transformer
-Engine; `auto` = TE where it imports on GPU, else `sdpa`), vocab padding, and building the model
-chunk(s) of this rank.
-
-Must never: read weights (see `convert.py`), touch torch.distributed beyond what Megatron's
-constructors do, or silently accept an architecture feature it does not reproduce (those raise
-`UnsupportedModelError` naming `model_type` and the feature).
-
-Precedence: Megatron options in `strategy_config` that are `TransformerConfig` fields override
-the values derived here (passed straight through).
+Owns: the mapping HF config -> `TransformerConfig` (attention layout, norms, RoPE, SwiGLU, MoE routing; Megatron
+options in `strategy_config` that are `TransformerConfig` fields override it), the layer spec choice
+(`learner.attention`: sdpa, local, te, or auto = TE where it imports on GPU, else sdpa), vocab padding, and building
+the model chunk(s) of this rank.
+Must never: read weights (see `convert.py`), touch torch.distributed beyond what Megatron's constructors do, or
+silently accept an architecture feature it does not reproduce (those raise `UnsupportedModelError` naming
+`model_type` and the feature).
+Details: docs/design/learner.md, "The Megatron model".
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Moving a role's params, grads and optimizer state off the accelerator and back (hybrid mode).
 
-Owns: the three moves, driven by a role's `RoleOffload` flags (`param_offload`, `grad_offload`,
-`optimizer_offload`), and the device-memory numbers around them. Between calls a role keeps what
-its flags say on the host; `onloaded()` brings it back for the duration of a compute call, a
-weight export or a checkpoint, and `hold`/`release` keep it on the device across the hybrid
-loop's learner phase (held parts are counted, so nested holders never move anything twice).
-
-Grads of Megatron DDP live in its contiguous grad buffers (`param.main_grad` are views into
-them), so those buffers' storage is freed (`resize_(0)`) and re-allocated zeroed on the way back,
-the way verl and slime do it; grads are always zeroed before the next step, so nothing is lost.
-
-On a CPU-only machine the host *is* the device: every move is a no-op and memory reads 0
-(`offload/noop` = 1). Must never: run while a forward/backward is in flight, or change numerics.
+Owns: the three moves, driven by a role's `RoleOffload` flags, and the device-memory numbers around them. Between
+calls a role keeps what its flags say on the host; `onloaded()` brings it back for a compute call, a weight export
+or a checkpoint, and `hold`/`release` keep it on the device across the hybrid loop's learner phase (counted, so
+nested holders never move anything twice). DDP's grad buffers are freed and re-allocated zeroed on the way back
+(grads are zeroed before the next step anyway). On a CPU-only machine every move is a no-op and memory reads 0.
+Must never: run while a forward/backward is in flight, or change numerics.
+Details: docs/design/learner.md, "Offload".
 """
 
 from __future__ import annotations

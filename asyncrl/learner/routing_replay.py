@@ -1,16 +1,13 @@
 """Routing replay (R3) for MoE models: the learner's routers take the experts the engine chose for each token.
 
-Owns: the routes' wire form on a `Sample` (little-endian int16 bytes of [tokens, MoE layers, top-k], the engine's
-order: prompt then response tokens), their layout in a micro-batch's rows, and handing each router of this rank's
-model its tokens' experts before a forward (Megatron's `RouterReplay`, `moe_enable_routing_replay`).
+Owns: the routes' wire form on a `Sample` (little-endian int16 [tokens, MoE layers, top-k], prompt then response),
+their layout in a micro-batch's rows, and handing each router of this rank's model its tokens' experts before a
+forward (Megatron's `RouterReplay`).
+Why: expert choices that differ between the engine's and the learner's kernels dominate an MoE model's engine/learner
+mismatch; the gates' weights still come from the learner's own scores, so they train as before.
 Must never: replay under a layout whose routers see other tokens than the micro-batch's whole rows (sequence or
 context parallel, pipeline stages: the config refuses those), or replay a batch only part of which has routes.
-
-Why: an MoE model's router picks each token's experts by a top-k over scores that differ in the last bits between
-the engine's kernels and the learner's; a token routed to other experts gets another log-prob, and that gap, not
-the weights' staleness, dominates the engine/learner mismatch of MoE runs. Replaying the engine's routes in the
-log-prob and update passes makes both sides compute the same experts; the gates' weights still come from the
-learner's own scores (gathered at the replayed experts), so they train as before.
+Details: docs/design/learner.md, "Routing replay".
 """
 
 from __future__ import annotations

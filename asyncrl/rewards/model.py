@@ -1,16 +1,13 @@
 """Reward-model rewards (`reward.kind: model`): a reward model on a Megatron group of its own scores each sequence.
 
-Owns: `check_reward_model` (the directory is a one-label sequence-classification checkpoint with a
-score head, on a supported architecture, sharing the policy's tokenizer) and `ModelRewards`, the
-trainer's scorer (RewardPool's score and metrics; `aclose`, which the trainer awaits) over a `LearnerGroup` of the
-`reward_model` role: it gathers the completions of concurrent rollouts into passes of at most
-`reward.model.batch_size` (waiting at most `max_wait_s` for company), bounds each pass by
-`timeout_s`, restarts the group after its ranks fail (at most `max_restarts` times), and keeps the
-`reward/model_*` counters.
-
-Must never: re-tokenise text (it scores the token ids the engine consumed and produced), score a
-failed pass as 0 (its completions are INVALID_REWARD with the reason, and the buffer drops their
-groups), or wait on the group without a deadline.
+Owns: `check_reward_model` (a one-label sequence-classification checkpoint with a score head, on a supported
+architecture, sharing the policy's tokenizer) and `ModelRewards`, the trainer's scorer over a `LearnerGroup` of the
+`reward_model` role: passes of at most `reward.model.batch_size` (waiting at most `max_wait_s`), each bounded by
+`timeout_s`, the group restarted after its ranks fail (at most `max_restarts` times), and the `reward/model_*` counters.
+Must never: re-tokenise text (it scores the token ids the engine consumed and produced), score a failed pass as 0
+(its completions are INVALID_REWARD with the reason, and the buffer drops their groups), or wait on the group
+without a deadline.
+Details: docs/design/rewards.md, "Reward-model rewards".
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Rule rewards run in a pool of killable worker processes, with a timeout per call.
 
-Owns: resolving the reward function ('module:function'), the worker processes (spawned, never
-forked: the caller is usually a threaded Ray process), dispatching one call per idle worker,
-turning every failure into an INVALID_REWARD outcome, and the `reward/*` counters.
-Must never: score a failed call as 0, let a stuck reward function wedge the pool, or run a reward
-function in the caller's process.
-
-Why not ProcessPoolExecutor: it cannot cancel a running task, so one `while True` reward would
-occupy a worker for ever. Here each worker is a `multiprocessing.Process` with its own pipe; a call
-that exceeds `timeout_s` (or whose worker dies) gets its worker killed, and a fresh one is started
-lazily by the next call. The event loop is never blocked: replies are awaited with `add_reader`
-on the pipe. Use one pool from one event loop.
+Owns: resolving the reward function ('module:function'), the worker processes (spawned, never forked), dispatching
+one call per idle worker, turning every failure into an INVALID_REWARD outcome, and the `reward/*` counters. A call
+past `timeout_s` (or whose worker dies) gets its worker killed; the next call starts a fresh one. Replies are
+awaited with `add_reader`, never blocking the event loop; use one pool from one event loop.
+Why not ProcessPoolExecutor: it cannot cancel a running task, so one endless reward would hold a worker for ever.
+Must never: score a failed call as 0, let a stuck reward function wedge the pool, or run a reward function in the
+caller's process.
+Details: docs/design/rewards.md, "The reward pool".
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """Math answers checked for mathematical equality by math-verify (Hugging Face's verifier).
 
-`math_reward` is a rule reward (`reward.function: asyncrl.rewards.verified_math:math_reward`, or
-`reward.eval_function`): 1.0 when the completion's final answer equals the reference answer as
-mathematics, not as text: `\\boxed{\\frac{1}{2}}` = `0.5` = `1/2`, `\\dfrac34` = `0.75`, `x = 3` = `3`,
-`\\{1, 2\\}` = `\\{2, 1\\}`, units and `\\text{...}` dropped, a GSM8K reference's `#### 72` read as `72`.
-The completion's answer is its last `\\boxed{}` when it has one (the priority math-verify gives it),
-else its last LaTeX or plain expression. Data: a verl-style parquet (`data.kind: parquet`, the answer
-at `reward_model.ground_truth`) or JSONL with an `answer` column; see docs/GUIDE.md, "Your data".
-
-Timeouts: math-verify bounds each parse and each comparison (`PARSE_TIMEOUT_S`, `VERIFY_TIMEOUT_S`,
-signal alarms in the reward pool's worker process, whose main thread runs the call): one that runs
-out scores 0, as a wrong answer. Their sum (4 s) stays under the pool's own default `reward.timeout_s`
-(5 s), which kills the worker and marks the sample invalid.
-
-Needs the `math` extra: pip install 'asyncrl[math]' (math-verify with its LaTeX parser). Without it,
-importing this module fails with that instruction, and so does a reward pool configured with it, at
-start.
-
-Must never: run the comparison in a thread (math-verify's timeouts are signals: main thread only), or
-score an unparsable reference as a match.
+Owns: `math_reward`, a rule reward: 1.0 when the completion's final answer (its last boxed answer, else its last
+expression) equals the reference answer as mathematics, not as text (a GSM8K reference's `#### 72` reads as 72).
+Each parse and comparison is bounded (`PARSE_TIMEOUT_S`, `VERIFY_TIMEOUT_S`, signal alarms; one that runs out
+scores 0), their sum under the pool's default `reward.timeout_s`. Needs the `math` extra (pip install
+'asyncrl[math]'); without it, importing this module, and a reward pool configured with it, fail at start with that.
+Must never: run the comparison in a thread (math-verify's timeouts are signals: main thread only), or score an
+unparsable reference as a match.
+Details: docs/design/rewards.md, "Verified math rewards".
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
-"""Agent rollouts (`rollout.kind: agent`): a user's async function drives the live OpenAI API over
-episodes, and each finished episode becomes one token-exact training sample.
+"""Agent rollouts (`rollout.kind: agent`): a user's async function drives the live OpenAI API over episodes,
+and each finished episode becomes one token-exact training sample.
 
-Owns: running `rollout.function` for every member of a prompt's group (group_size episodes at once,
-under the staleness slots the worker acquired, exactly as single-turn groups), the episode calls to
-the gateway (open with the learner's temperature, finish with the function's reward, and its
-per-turn rewards when it returns `{"reward": r, "turn_rewards": [...]}`), and turning the gateway's
-samples into `Sample`s (loss mask on the sampled tokens, a version per token, where each turn ends).
-
-An episode that fails (the function raised, returned no finite reward, ran past
-`rollout.episode_timeout_s`, or took no turn) is ABORTED; one whose turns did not extend each other
-(the gateway split it) is SPLIT: either drops its whole group as invalid (a GRPO baseline needs every
-member), and both are counted. The gateway drops a failed episode that was never finished as
-abandoned after its idle timeout.
-
-Must never: re-tokenise what the engine saw, glue a split episode, or leave a slot unaccounted
-(every acquired member is pushed, valid or not).
+Owns: running `rollout.function` for every member of a prompt's group under the staleness slots the worker
+acquired, the episode calls to the gateway (open with the learner's temperature, finish with the reward and any
+per-turn rewards), and turning the gateway's samples into `Sample`s. A failed episode is ABORTED, one the gateway
+split is SPLIT: either drops its whole group as invalid (a GRPO baseline needs every member), and both are counted.
+Must never: re-tokenise what the engine saw, glue a split episode, or leave a slot unaccounted (every acquired
+member is pushed, valid or not).
+Details: docs/design/trainer.md, "Agent rollouts".
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """Where the learner and the engines run between learner steps: separated, or co-located (hybrid).
 
-Owns: the phase switch around each learner step. `Separated` (own devices each) switches
-nothing. `Colocation` (learner and engines time-share devices) is a small state machine:
-
-    GENERATING --to_learner--> LEARNING --to_engines(publish)--> SYNCING --> GENERATING
-    engines awake,             engines asleep (KV and weights     engine weights awake, KV still
-    learner state on host      released), learner state held      released; the actor's params stay
-                               on its device                      on device for the export; then
-                                                                  params go to host, KV wakes
-
-With `hybrid.learner_offload: when_short` the learner's state stays on its device instead, where the
-engines' wake fits beside it: each rank decides at the switch to the engines, with the engines
-asleep and its state still there (free memory >= the engines' gpu_memory_utilization of the device
-+ one version's bytes for the push's staging + `wake_headroom_gib`), and the params follow the
-grads' and optimizer's decision.
-
-Wake order is weights first, then KV cache: the push needs engine weights and learner params on
-the device together, never the KV cache as well. Requests that arrive while engines sleep wait in
-the engine (a sleeping replica never runs a step); requests that were running are preempted and
-recompute after the wake, on the new weights, so their per-token versions show the switch.
-
-Must never: decide the order of a training step (trainer/loop.py), reach into engine or learner
-internals (it calls the generator's sleep / wake_up and the learner groups' hold / release only),
-or leave engines asleep after a failed push (the wake runs in `finally`).
+Owns: the phase switch around each learner step. `Separated` switches nothing; `Colocation` is a state machine:
+GENERATING -to_learner-> LEARNING (engines asleep) -to_engines(publish)-> SYNCING (engine weights awake, KV still
+released) -> GENERATING. Wake order is weights first, then KV cache: the push needs engine weights and learner
+params on the device together, never the KV cache as well. With `hybrid.learner_offload: when_short` each rank
+keeps its state on its device where the engines' wake fits beside it, decided at the switch to the engines.
+Must never: decide the order of a training step (trainer/loop.py), reach into engine or learner internals (it calls
+the generator's sleep / wake_up and the learner groups' hold / release only), or leave engines asleep after a failed
+push (the wake runs in `finally`).
+Details: docs/design/trainer.md, "Placement".
 """
 
 from __future__ import annotations

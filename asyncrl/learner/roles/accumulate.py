@@ -1,16 +1,11 @@
 """Gradient accumulation that equals the full-batch loss, whatever the micro-batching and DP split.
 
-Owns: the denominator each aggregation mode divides by, and the factor that turns one
-micro-batch's `aggregate(...)` into its exact share of the loss over the whole (all-DP) batch.
-
-Why: `aggregate` normalises by its own micro-batch (token count, sequence count, or B * L).
-Summing those would weight micro-batches equally, not tokens/sequences. With D_mb the
-micro-batch's denominator and D the batch's (summed over DP ranks),
-    share = aggregate_mb * D_mb / D,   and  sum over micro-batches and DP ranks of share = loss.
-Megatron then divides each micro-batch loss by the number of micro-batches and DDP averages
-grads over DP, so the value handed back to Megatron is `share * num_microbatches * dp_size`.
-
+Owns: the denominator each aggregation mode divides by, and the factor that turns one micro-batch's `aggregate(...)`
+into its exact share of the loss over the whole (all-DP) batch: share = aggregate_mb * D_mb / D, handed to Megatron
+as `share * num_microbatches * dp_size` (it divides by the micro-batch count and DDP averages grads over DP).
+Why: `aggregate` normalises by its own micro-batch, so a plain sum would weight micro-batches, not tokens/sequences.
 Must never: compute a loss itself (asyncrl.algorithms does) or hold state.
+Details: docs/design/learner.md, "Gradient accumulation".
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """The model half every role shares: build this rank's Megatron chunks, load HF weights, run passes.
 
-Owns: `RoleContext` (what a role is handed inside an initialised rank), `ModelRunner` (model
-chunks, the optional scalar head that turns the LM into a critic / reward model, Megatron DDP
-wrapping for trainable roles, and one forward(-backward) pass over micro-batches through
-`get_forward_backward_func`, so pipeline parallelism works unchanged), each rank's share of a
-row under context parallelism (zig-zag chunks; packed rows carry their document bounds to the
-attention), and the token math: log-probs and entropy from the final hidden states with the
-vocab-parallel LM head applied per token chunk (`lm_head.py`: no [tokens, V] logits are built),
-scalar-head values, and the sum over CP ranks of the tokens each one holds. Results stay on the
-device; nothing in a pass reads device values on the host.
-
-Must never: start processes or touch Ray, pick an algorithm (roles do), or hold optimizer state
-(see `optim.py`). Runs only after `init_distributed` + `init_model_parallel` on this rank.
+Owns: `RoleContext` (what a role is handed inside an initialised rank), `ModelRunner` (model chunks, the optional
+scalar head of a critic / reward model, Megatron DDP wrapping for trainable roles, one forward(-backward) pass over
+micro-batches through `get_forward_backward_func`), each rank's share of a row under CP, and the token math:
+log-probs and entropy through the chunked vocab-parallel LM head (`lm_head.py`), scalar-head values, and sums over
+CP ranks. Results stay on the device; nothing in a pass reads device values on the host.
+Must never: start processes or touch Ray, pick an algorithm (roles do), or hold optimizer state (see `optim.py`).
+Runs only after `init_distributed` + `init_model_parallel` on this rank.
+Details: docs/design/learner.md, "The role model runner".
 """
 
 from __future__ import annotations
