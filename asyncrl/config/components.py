@@ -303,7 +303,8 @@ def resolve_lora_targets(targets: str | list[str] | tuple[str, ...]) -> tuple[st
 class LoraConfig(_Section):
     """LoRA adapters trained in place of the actor's weights (PEFT's formulation: W x + (alpha / r) B A x, A
     Kaiming-uniform, B zero); every base weight frozen, the optimizer's state for the adapters alone. Exports
-    (the push to the engines, `asyncrl export`) carry the merged weight W + (alpha / r) B A."""
+    (the push to the engines, `asyncrl export`) carry the merged weight W + (alpha / r) B A. With a KL term the
+    actor's base (adapters off) is the reference; a PPO critic still trains every weight of its own copy."""
 
     rank: int = Field(gt=0, description="The adapters' rank r.")
     alpha: float = Field(16.0, gt=0, description="The scale's numerator: adapters add (alpha / rank) B A.")
