@@ -352,11 +352,14 @@ class LearnerRank:
             return load_checkpoint(path, chunks, optimizer, scheduler=schedule)
 
     def state(self) -> dict[str, Any]:
+        import ray
+
         return {
             "rank": self.rank,
             "role": self.role_name,
             "ready": self.role is not None,
             "coords": self.coords.__dict__ if self.coords else None,
+            "node_id": ray.get_runtime_context().get_node_id(),
             "metrics": self.role.state() if self.role is not None else {},
             "trace": str(self.profiler.trace_path) if getattr(self, "profiler", None) and self.profiler.trace_path else None,
         }

@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,41 @@ def complete_checkpoints(root: Path) -> list[Path]:
         if suffix in ("", "old") and (p / CHECKPOINT_STATE).exists() and (suffix == "" or base not in found):
             found[base] = p
     return [found[k] for k in sorted(found)]
+
+
+def _sees(path: str) -> bool:
+    return os.path.exists(path)
+
+
+async def check_shared_checkpoint_dir(directory: str, groups: list[Any], sees: Any = None, here: str | None = None) -> None:
+    """Refuse a checkpoint.dir that some learner rank's node does not share with this (the trainer's) one: each rank
+    writes its shard of a checkpoint there and the trainer its state, so a node-local path gives checkpoints that no
+    one can load. A marker written here must be visible from every node that runs a learner rank (`sees(node_id,
+    path)`, default: a zero-CPU Ray task on that node)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted({r["node_id"] for g in groups for r in await g.state() if r.get("node_id")})
+    here = here or ray.get_runtime_context().get_node_id()
+    if not [n for n in nodes if n != here]:
+        return
+    root = Path(directory).absolute()
+    root.mkdir(parents=True, exist_ok=True)
+    marker = root / f".asyncrl-shared-{uuid.uuid4().hex}"
+    marker.write_text(here)
+    try:
+        if sees is None:
+            task = ray.remote(num_cpus=0)(_sees)
+
+            async def sees(node: str, path: str) -> bool:
+                return await task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(path)
+        blind = [n for n in nodes if n != here and not await sees(n, str(marker))]
+    finally:
+        marker.unlink(missing_ok=True)
+    if blind:
+        raise RuntimeError(f"checkpoint.dir {root} is not shared: learner node(s) {', '.join(b[:12] for b in blind)} do not "
+                           f"see a file the trainer's node wrote there; checkpoints would be split between nodes. Set "
+                           "checkpoint.dir to storage every learner node mounts (or checkpoint.interval_steps: 0)")
 
 
 def distinct(*groups: Any, but: Any = None) -> list[Any]:
@@ -248,6 +284,8 @@ class TrainerParts:
         weights = WeightPublisher(cfg.weightsync, engine=EngineControl(engine), learner=actor, hybrid=cfg.hybrid.enabled,
                                   on_gpu=cfg.learner.num_gpus_per_rank > 0,
                                   own_gpus=cfg.learner.num_gpus_per_rank >= 1 and cfg.generator.num_gpus >= 1)
+        if cfg.checkpoint.interval_steps or cfg.checkpoint.resume:
+            await check_shared_checkpoint_dir(cfg.checkpoint.dir, distinct(actor, critic))
         await weights.start(initial_version=0)  # once the engine replicas are ready
         await warm_up_learners(cfg, [actor, critic], placement, prompt_tokens, weights)
         _write_run_record(cfg)

@@ -230,3 +230,37 @@ def test_a_lora_actor_that_is_also_the_reference_is_started_switched_and_shut_do
     assert distinct(actor, critic, but=actor) == [critic]
     assert distinct(None, None) == []
 
+
+
+def test_a_checkpoint_dir_that_a_learner_node_does_not_see_is_refused_naming_it(tmp_path):
+    """checkpoint.dir on several nodes (parts.check_shared_checkpoint_dir): a marker the trainer's node writes must
+    be visible from every node that runs a learner rank; one that cannot see it fails the start, naming the setting.
+    Ranks all on the trainer's node need no check (and leave no marker)."""
+    import asyncio
+    from pathlib import Path
+
+    from asyncrl.trainer.parts import check_shared_checkpoint_dir
+
+    class Group:
+        def __init__(self, *nodes):
+            self.nodes = nodes
+
+        async def state(self):
+            return [{"rank": i, "node_id": n} for i, n in enumerate(self.nodes)]
+
+    seen: list = []
+
+    def sees_from(visible):
+        async def sees(node, path):
+            seen.append((node, Path(path).parent == tmp_path, Path(path).exists()))
+            return node in visible
+        return sees
+
+    groups = [Group("node-a", "node-b"), Group("node-c")]
+    asyncio.run(check_shared_checkpoint_dir(str(tmp_path), groups, sees_from({"node-b", "node-c"}), here="node-a"))
+    assert seen == [("node-b", True, True), ("node-c", True, True)] and list(tmp_path.iterdir()) == []  # marker gone
+    with pytest.raises(RuntimeError, match=r"checkpoint.dir .* is not shared: learner node\(s\) node-c do not see"):
+        asyncio.run(check_shared_checkpoint_dir(str(tmp_path), groups, sees_from({"node-b"}), here="node-a"))
+    del seen[:]
+    asyncio.run(check_shared_checkpoint_dir(str(tmp_path / "local"), [Group("node-a")], sees_from(set()), here="node-a"))
+    assert seen == [] and not (tmp_path / "local").exists()
