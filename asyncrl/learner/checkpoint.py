@@ -125,6 +125,13 @@ def save_checkpoint(
     return path
 
 
+def saved_extra(path: str | Path) -> dict[str, Any]:
+    """The `extra` a checkpoint was saved with (its common state alone: no model is built or read)."""
+    from megatron.core import dist_checkpointing
+
+    return dict(dist_checkpointing.load_common_state_dict(str(path)).get("extra", {}))
+
+
 def load_checkpoint(
     path: str | Path,
     model_chunks: list[torch.nn.Module],

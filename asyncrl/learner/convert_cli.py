@@ -93,13 +93,11 @@ def _mcore_to_hf_rank(rank: int, world: int, mcore: str, out: str, hf_config_dir
     from megatron.core import parallel_state as ps
     from safetensors.torch import save_file
 
-    from asyncrl.learner.checkpoint import load_checkpoint
+    from asyncrl.learner.checkpoint import load_checkpoint, saved_extra
     from asyncrl.learner.convert import export_hf_tensors
 
-    from megatron.core import dist_checkpointing
-
     hf, chunks = _setup(world, strategy, hf_config_dir)
-    lora = dist_checkpointing.load_common_state_dict(mcore).get("extra", {}).get("lora")
+    lora = saved_extra(mcore).get("lora")
     if lora:  # a LoRA run's actor: its adapters loaded beside the base, the export merges them
         from asyncrl.config.components import resolve_lora_targets
         from asyncrl.learner.lora import add_adapters
@@ -142,11 +140,10 @@ def mcore_to_hf(mcore: str, out: str, hf_config_dir: str, tp: int = 1, pp: int =
         if f.is_file() and f.suffix in _NON_WEIGHT_SUFFIXES and f.name != "model.safetensors.index.json":
             shutil.copy2(f, out_dir / f.name)
     if peft_out is not None:
-        from megatron.core import dist_checkpointing
-
+        from asyncrl.learner.checkpoint import saved_extra
         from asyncrl.learner.lora import peft_adapter_config
 
-        lora = dist_checkpointing.load_common_state_dict(mcore).get("extra", {}).get("lora")
+        lora = saved_extra(mcore).get("lora")
         if not lora:
             raise ValueError(f"--peft-out: checkpoint {mcore} was not trained with learner.lora (no adapters to write)")
         Path(peft_out).mkdir(parents=True, exist_ok=True)

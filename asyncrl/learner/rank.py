@@ -337,12 +337,10 @@ class LearnerRank:
         return lora.model_dump(mode="json") if lora is not None and self.role_name == "actor" else None
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        from asyncrl.learner.checkpoint import load_checkpoint
-
-        from megatron.core import dist_checkpointing
+        from asyncrl.learner.checkpoint import load_checkpoint, saved_extra
 
         self._ready()
-        saved = dist_checkpointing.load_common_state_dict(path).get("extra", {}).get("lora")
+        saved = saved_extra(path).get("lora")
         if (saved is None) != (self._lora() is None):  # Megatron would load the base weights alone, or fail on keys
             raise ValueError(f"checkpoint {path} was written {'with learner.lora ' + str(saved) if saved else 'without LoRA'}"
                              f", and this learner {'trains LoRA adapters' if saved is None else 'has no learner.lora'}: "
