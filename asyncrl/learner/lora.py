@@ -213,12 +213,14 @@ def _named_adapters(chunks: list[torch.nn.Module]):
 
 
 def _tp_gather(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """The whole of a TP-split tensor, concatenated along `dim` (convert.py's gather)."""
+    """The whole of a TP-split tensor, concatenated along `dim` (convert.py imports this module: no call back)."""
     from megatron.core import parallel_state as ps
 
-    from asyncrl.learner.convert import _all_gather
-
-    return torch.cat(_all_gather(t.detach(), size, ps.get_tensor_model_parallel_group() if size > 1 else None), dim=dim)
+    if size == 1:
+        return t.detach()
+    parts = [torch.empty_like(t) for _ in range(size)]
+    torch.distributed.all_gather(parts, t.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=dim)
 
 
 @torch.no_grad()
