@@ -76,12 +76,16 @@ class TrainerDeployment:
                 parts.tracker.plot()
 
     async def status(self) -> dict[str, Any]:
+        from asyncrl.cluster import waits_now
+
         if self._trainer is not None:
             snapshot = self._trainer.status()
             if self._phase == "failed":
                 snapshot.update(state="failed", error=self._error)
-            return snapshot
-        return {"state": self._phase, "error": self._error, "step": 0, "policy_version": 0}
+        else:
+            snapshot = {"state": self._phase, "error": self._error, "step": 0, "policy_version": 0}
+        # What the start or a learner restart waits for Ray to place, and why (a pool no live node offers)
+        return snapshot | {"waiting_for": waits_now()}
 
     async def __del__(self) -> None:
         """Serve is stopping this replica: end the loop at a step boundary, log the accounting,

@@ -4,7 +4,8 @@ Owns: what one replica / rank / worker of each component asks Ray for (CPU, GPU,
 resources and node labels), matching Ray's label selectors against node labels, and the check run
 when the app is built (`check_pools`): a pool that no live node offers, or a learner placement
 group that no set of nodes can hold, is a `PoolUnavailable` naming the config field and listing
-every node's resources and labels. Ray itself would keep such an actor pending for ever.
+every node's resources and labels (Ray would keep it pending for ever); what this process waits
+for Ray to place now, and why (`waiting_for`, `waits_now`: `/train/status`'s `waiting_for`).
 
 Must never: start, place or kill anything (it only reads `ray.nodes()`), or judge current load: it
 checks what the nodes *offer* (their totals), so a pool that is merely busy passes and waits in
@@ -13,7 +14,11 @@ Ray's queue as usual.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from asyncrl.config import ConfigError, ResourcePool, RootConfig
@@ -101,12 +106,25 @@ def demands(cfg: RootConfig) -> list[Demand]:
     return out
 
 
-def unmet(demand: Demand, nodes: list[NodeOffer]) -> str | None:
-    """Why the nodes cannot host `demand` (None = they can)."""
-    fits = [d for d in (demand.fits(n) for n in nodes) if d > 0]
+def engine_demand(cfg: RootConfig) -> Demand:
+    """What the engine deployment asks for (generator.engine_pool), as `demands` counts it."""
+    return demands(cfg)[0]
+
+
+ENGINES_STARTING = "no engine replica answers yet: starting, or the nodes that qualify are busy"
+
+
+def _asks(demand: Demand) -> str:
     asks = "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(demand.resources.items())) + "}"
     if demand.labels:
         asks += " on labels {" + ", ".join(f"{k}={v}" for k, v in sorted(demand.labels.items())) + "}"
+    return asks
+
+
+def unmet(demand: Demand, nodes: list[NodeOffer]) -> str | None:
+    """Why the nodes cannot host `demand` (None = they can)."""
+    fits = [d for d in (demand.fits(n) for n in nodes) if d > 0]
+    asks = _asks(demand)
     if not fits:
         return f"no live node offers {asks}"
     if demand.strategy == "strict_pack" and max(fits) < demand.count:
@@ -144,3 +162,41 @@ def check_live_cluster(cfg: RootConfig) -> None:
              cfg.reward.model.pool)
     if ray.is_initialized() and (any(p.is_set() for p in pools) or cfg.learner.placement_strategy != "pack"):
         check_pools(cfg, live_nodes())
+
+
+# What this process waits for Ray to place now (`waiting_for`), read by `/train/status` (`waits_now`).
+_WAITS: dict[int, tuple[Demand, float, str]] = {}
+_WAIT_KEYS = itertools.count()
+
+
+@contextlib.contextmanager
+def waiting_for(demand: Demand, placeable: str = "the nodes that qualify are busy") -> Iterator[None]:
+    """Mark the block as waiting for Ray to place `demand` (a learner placement group, the engine
+    replicas): `waits_now` lists it until the block ends. `placeable`: what to say while the live nodes
+    could hold it (busy ones, or units still starting)."""
+    key = next(_WAIT_KEYS)
+    _WAITS[key] = (demand, time.monotonic(), placeable)
+    try:
+        yield
+    finally:
+        del _WAITS[key]
+
+
+def waits_now(nodes: list[NodeOffer] | None = None) -> list[dict[str, object]]:
+    """The waits in progress, oldest first: the pool's config field, what it asks, for how long, and
+    why it is not placed (checked against `nodes`, the live cluster by default: a pool no live node
+    offers any more, e.g. after a node loss, says so)."""
+    if not _WAITS:
+        return []
+    unreadable = None
+    if nodes is None:
+        try:
+            nodes = live_nodes()
+        except Exception as err:  # noqa: BLE001 - a status read never fails on the cluster's answer
+            nodes, unreadable = [], f"the cluster's nodes could not be read: {err!r}"
+    now, out = time.monotonic(), []
+    for demand, since, placeable in sorted(_WAITS.values(), key=lambda w: w[1]):
+        why = unreadable or unmet(demand, nodes) or placeable
+        out.append({"pool": demand.field, "asks": f"{demand.count} x {_asks(demand)}", "for_s": round(now - since, 1),
+                    "why": why})
+    return out

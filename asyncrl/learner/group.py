@@ -112,17 +112,19 @@ class LearnerGroup:
     async def _wait_placed(self, bundle: dict[str, float]) -> None:
         """Wait for the placement group; past `call_timeout_s` raise, saying whether any set of live
         nodes could hold it at all (a lost node) or the cluster is only busy."""
-        from asyncrl.cluster import Demand, live_nodes, unmet
+        from asyncrl.cluster import Demand, live_nodes, unmet, waiting_for
 
+        cfg = self.learner_cfg
+        demand = Demand("learner.pool", bundle, dict(cfg.pool.labels), cfg.world_size, cfg.placement_strategy)
         try:
-            await asyncio.wait_for(self._pg.ready(), self.call_timeout_s)
+            with waiting_for(demand):  # /train/status names the pool while Ray has not placed it
+                await asyncio.wait_for(self._pg.ready(), self.call_timeout_s)
         except asyncio.TimeoutError:
             import ray
 
             ray.util.remove_placement_group(self._pg)
             self._pg = None
-            cfg = self.learner_cfg
-            why = unmet(Demand("learner.pool", bundle, dict(cfg.pool.labels), cfg.world_size, cfg.placement_strategy), live_nodes())
+            why = unmet(demand, live_nodes())
             raise LearnerRankError(None, "placement", (
                 f"the placement group of {cfg.world_size} x {bundle} ({cfg.placement_strategy}) was not ready after "
                 f"{self.call_timeout_s:.0f} s: " + (f"learner.pool: {why}" if why else "the nodes that qualify are busy"))) from None

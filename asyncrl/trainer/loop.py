@@ -11,11 +11,13 @@ the event loop (every remote call is awaited).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
 from typing import Any
 
+from asyncrl.cluster import engine_demand, waiting_for
 from asyncrl.config import RootConfig
 from asyncrl.trainer.logging_setup import progress_line
 from asyncrl.trainer.parts import TrainerParts, distinct
@@ -49,6 +51,12 @@ _LOOP_MOVES = {
     LoopState.STARTING: {LoopState.TRAINING},
     LoopState.TRAINING: {LoopState.FINISHED, LoopState.STOPPED, LoopState.FAILED},
 }
+
+
+# A batch wait asks the engines whether any replica answers every this many seconds (none: /train/status's
+# waiting_for names generator.engine_pool, e.g. after the pool's last node was lost)
+ENGINE_CHECK_S = 10.0
+NO_ENGINE = "no engine replica answers: Serve starts one where the pool has room"
 
 
 class BatchTimeout(RuntimeError):
@@ -206,19 +214,46 @@ class Trainer:
         """The next batch, or None once a stop was requested."""
         limit = self.cfg.trainer.batch_timeout_s
         deadline = time.monotonic() + limit
-        while not self._stop.is_set():
-            batch = await self.p.buffer.get_batch.remote(timeout_s=min(1.0, max(0.0, deadline - time.monotonic())))
-            if batch is not None:
-                # Sample order inside a batch follows completion timing; sort it so a step is a
-                # function of the batch's content (exact resume and reproducible updates).
-                batch.samples.sort(key=lambda s: (s.prompt_index, s.group_id))
-                return batch
-            if rollouts.done():
-                rollouts.result()  # re-raise the rollout failure instead of waiting forever
-                raise RuntimeError("rollout workers stopped before the batch was complete")
-            if time.monotonic() >= deadline:
-                raise BatchTimeout(await self._batch_timeout_message(limit))
-        return None
+        check_at, no_engine = time.monotonic() + ENGINE_CHECK_S, None
+        try:
+            while not self._stop.is_set():
+                batch = await self.p.buffer.get_batch.remote(timeout_s=min(1.0, max(0.0, deadline - time.monotonic())))
+                if batch is not None:
+                    # Sample order inside a batch follows completion timing; sort it so a step is a
+                    # function of the batch's content (exact resume and reproducible updates).
+                    batch.samples.sort(key=lambda s: (s.prompt_index, s.group_id))
+                    return batch
+                if rollouts.done():
+                    rollouts.result()  # re-raise the rollout failure instead of waiting forever
+                    raise RuntimeError("rollout workers stopped before the batch was complete")
+                if time.monotonic() >= deadline:
+                    raise BatchTimeout(await self._batch_timeout_message(limit))
+                if time.monotonic() >= check_at:  # a long wait: is any engine replica there to fill it?
+                    check_at = time.monotonic() + ENGINE_CHECK_S
+                    running = await self._engines_running()
+                    if running is False and no_engine is None:
+                        no_engine = contextlib.ExitStack()
+                        no_engine.enter_context(waiting_for(engine_demand(self.cfg), NO_ENGINE))
+                    elif running and no_engine is not None:
+                        no_engine, _ = None, no_engine.close()
+            return None
+        finally:
+            if no_engine is not None:
+                no_engine.close()
+
+    async def _engines_running(self) -> bool | None:
+        """Whether any engine replica answers `stats` (None: not known: no engine handle, or the call failed)."""
+        engine = getattr(self.p, "engine", None)
+        if engine is None:
+            return None
+        from asyncrl.generator.control import EngineControl
+        from asyncrl.interfaces import EngineAPI
+
+        try:
+            return bool(await EngineControl(engine).call(EngineAPI.stats, timeout_s=ENGINE_CHECK_S))
+        except Exception as err:  # noqa: BLE001 - a failing replica is not a missing one: say nothing
+            log.debug("engine check during a batch wait: %r", err)
+            return None
 
     async def _batch_timeout_message(self, limit: float) -> str:
         buf = await self.p.buffer.metrics.remote()

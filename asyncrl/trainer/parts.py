@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.cluster import ENGINES_STARTING, engine_demand, waiting_for
 from asyncrl.config import DataConfig, RootConfig
 from asyncrl.data import ArithmeticTask, Prompt, load_jsonl_prompts, render_prompt
 from asyncrl.trainer.data_stream import PromptStream
@@ -139,7 +140,8 @@ async def _start_learners(cfg: RootConfig, engine: Any) -> tuple[Any, Any, Any, 
     await asyncio.gather(*(g.start() for g in distinct(actor, reference, critic)))
     placement = build_placement(cfg.hybrid, EngineControl(engine), actor, distinct(reference, critic, but=actor),
                                 engine_memory_fraction=float(cfg.generator.engine_kwargs.get("gpu_memory_utilization", 0.9)))
-    await placement.start()
+    with waiting_for(engine_demand(cfg), ENGINES_STARTING):  # hybrid: the engines' first answer
+        await placement.start()
     return actor, reference, critic, placement
 
 
@@ -286,7 +288,8 @@ class TrainerParts:
                                   own_gpus=cfg.learner.num_gpus_per_rank >= 1 and cfg.generator.num_gpus >= 1)
         if cfg.checkpoint.interval_steps or cfg.checkpoint.resume:
             await check_shared_checkpoint_dir(cfg.checkpoint.dir, distinct(actor, critic))
-        await weights.start(initial_version=0)  # once the engine replicas are ready
+        with waiting_for(engine_demand(cfg), ENGINES_STARTING):
+            await weights.start(initial_version=0)  # once the engine replicas are ready
         await warm_up_learners(cfg, [actor, critic], placement, prompt_tokens, weights)
         _write_run_record(cfg)
         tracker = MetricsTracker(cfg.logging.dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,

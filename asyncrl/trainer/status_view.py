@@ -90,6 +90,8 @@ def format_status(status: dict[str, Any]) -> str:
                      + f"   rollout {_num(m.get('rollout/tokens_per_s'), '.0f')} tokens/s")
     if status.get("learner_restarts"):
         lines.append(f"restarts     {status['learner_restarts']} learner restart(s)")
+    for w in status.get("waiting_for") or []:  # what Ray has not placed yet, and why
+        lines.append(f"waiting      {w.get('pool')}: {w.get('asks')} for {_duration(w.get('for_s'))}: {w.get('why')}")
     if status.get("error"):
         lines.append(f"error        {status['error']}")
     return "\n".join(lines)

@@ -171,6 +171,9 @@ def test_grpo_trains_and_publishes_while_the_api_answers(run_a):
     final = seen["statuses"][-1]
     assert final["state"] == "finished", final
     assert final["step"] == final["policy_version"] == STEPS
+    # Every snapshot says what the run waits for Ray to place (learner.pool, generator.engine_pool); nothing at the end
+    assert all(w["pool"] in ("learner.pool", "generator.engine_pool") for s in seen["statuses"] for w in s["waiting_for"])
+    assert final["waiting_for"] == []
     # Stopping the app leaves none of its processes behind (engine cores and workers, learner
     # ranks, replicas) and takes well under a minute.
     assert seen["left_after_shutdown"] == [], seen["left_after_shutdown"]

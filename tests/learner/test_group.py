@@ -180,3 +180,31 @@ def test_a_pipelined_critic_computes_and_updates_like_tp1(critic_runs):
         # that differ by rounding (other reduction orders under TP/SP/CP) can move a weight the
         # other way: up to ~2e-3 seen on one CPU; a wrong layout is off by orders more.
         assert max_diff(r["after"], base["after"]) < 3e-3, name
+
+
+def test_a_pool_no_node_offers_is_named_while_waiting_and_when_the_wait_ends(ray_session, demo_model_path):
+    """A learner placement group that asks for a resource no live node has: while Ray holds it pending,
+    `waits_now` (behind /train/status's `waiting_for`) names learner.pool and why; past the group's call
+    timeout the start fails saying the same, and nothing is left waiting or placed."""
+    import asyncio
+
+    from asyncrl.cluster import waits_now
+    from asyncrl.types import LearnerRankError
+
+    learner = LearnerConfig(world_size=2, num_cpus_per_rank=0.5, pool={"resources": {"nowhere_node": 1}})
+    group = LearnerGroup("actor", ModelConfig(path=str(demo_model_path)), learner, AlgorithmConfig(), call_timeout_s=4.0)
+
+    async def start_and_look():
+        task = asyncio.ensure_future(group.start())
+        await asyncio.sleep(1.5)
+        seen = waits_now()
+        with pytest.raises(LearnerRankError) as err:
+            await task
+        return seen, err.value
+
+    seen, err = run(start_and_look())
+    assert [(w["pool"], w["asks"], w["why"]) for w in seen] == [
+        ("learner.pool", "2 x {CPU: 0.5, nowhere_node: 1}", "no live node offers {CPU: 0.5, nowhere_node: 1}")]
+    assert seen[0]["for_s"] >= 1.0
+    assert "learner.pool: no live node offers {CPU: 0.5, nowhere_node: 1}" in str(err)
+    assert waits_now() == [] and group._pg is None and group.ranks == []

@@ -181,6 +181,47 @@ async def test_a_stop_request_ends_the_wait_for_a_batch():
     never.cancel()
 
 
+async def test_a_long_batch_wait_with_no_engine_replica_names_the_engine_pool(monkeypatch):
+    """While the learner waits for a batch and no engine replica answers (the pool's last node lost), the
+    wait is listed for /train/status (`waiting_for`: generator.engine_pool and why); once a replica answers
+    again, or the wait ends, it is not."""
+    import asyncrl.trainer.loop as loop
+    from asyncrl.cluster import NodeOffer, waits_now
+
+    monkeypatch.setattr(loop, "ENGINE_CHECK_S", 0.05)
+    replicas: list[dict] = []
+
+    class Broadcast:  # Serve's DeploymentHandle.broadcast(...): one result per running replica
+        async def results_async(self, timeout_s, return_exceptions):
+            return [dict(r) for r in replicas]
+
+    handle = types.SimpleNamespace(broadcast=lambda method, *a, **kw: Broadcast())
+    cfg = RootConfig.model_validate({"buffer": {"batch_size": 4, "max_staleness": 0}, "algorithm": {"group_size": 2},
+                                     "generator": {"engine_pool": {"labels": {"pool": "inference"}}}})
+    buffer = BufferService(cfg.buffer)
+    trainer = Trainer(cfg, types.SimpleNamespace(start_version=0, buffer=Remote(buffer), rollouts=None, engine=handle))
+    never = asyncio.create_task(asyncio.sleep(3600))
+    waiting = asyncio.create_task(trainer._next_batch(never))
+    head = [NodeOffer("head0000", {"CPU": 2.0}, {"pool": "head"})]
+    try:
+        await asyncio.sleep(1.3)  # the buffer's get_batch waits 1 s a call
+        (w,) = waits_now(head)
+        assert w["pool"] == "generator.engine_pool" and w["why"] == "no live node offers {CPU: 0.5} on labels {pool=inference}"
+        assert waits_now(head + [NodeOffer("infer000", {"CPU": 2.0}, {"pool": "inference"})])[0]["why"] == loop.NO_ENGINE
+        replicas.append({"replica_id": "r1", "version": 0})  # Serve started one again
+        await asyncio.sleep(1.3)  # the buffer's get_batch waits 1 s a call
+        assert waits_now(head) == []
+        replicas.clear()
+        await asyncio.sleep(1.3)  # the buffer's get_batch waits 1 s a call
+        assert len(waits_now(head)) == 1
+        trainer.request_stop()
+        assert await asyncio.wait_for(waiting, 5) is None
+        assert waits_now(head) == []  # the wait ended: nothing left listed
+    finally:
+        never.cancel()
+        waiting.cancel()
+
+
 async def test_an_engine_side_timeout_error_is_a_failed_attempt_not_a_deadline():
     from asyncrl.trainer.rollout import RolloutCounters, generate_with_retry
 

@@ -132,3 +132,32 @@ def test_a_reward_model_group_counts_against_its_own_pool():
     with pytest.raises(PoolUnavailable, match=r"reward.model.pool: no live node offers \{CPU: 0.5\} on labels \{pool=rm\}"):
         check_pools(cfg, _nodes())
     check_pools(_cfg(reward={"kind": "model", "model": {"path": "x", "pool": {"labels": {"pool": "training"}}}}), _nodes())
+
+
+def test_waits_name_the_pool_and_why_it_is_not_placed():
+    """What `/train/status` shows while the start or a learner restart waits for Ray (`waiting_for`): the pool's
+    field, what it asks, for how long, and why, against the live nodes; nothing once the wait ends."""
+    from asyncrl.cluster import ENGINES_STARTING, Demand, engine_demand, waiting_for, waits_now
+    from asyncrl.trainer.status_view import format_status
+
+    nowhere = Demand("learner.pool", {"CPU": 0.5, "gpu_node": 1.0}, {}, count=2)
+    engines = engine_demand(_cfg(generator={"engine_pool": {"labels": {"pool": "inference"}}}))
+    assert engines.field == "generator.engine_pool" and engines.labels == {"pool": "inference"}
+    assert waits_now(_nodes()) == []
+    with waiting_for(nowhere):
+        with waiting_for(engines, ENGINES_STARTING):
+            waits = waits_now(_nodes())
+            assert [w["pool"] for w in waits] == ["learner.pool", "generator.engine_pool"]  # oldest first
+            assert waits[0]["asks"] == "2 x {CPU: 0.5, gpu_node: 1}" and waits[0]["for_s"] >= 0
+            assert waits[0]["why"] == "no live node offers {CPU: 0.5, gpu_node: 1}"
+            assert waits[1]["why"] == ENGINES_STARTING  # the inference node can hold it: starting or busy
+            # the inference node lost: the engines' pool is one no live node offers any more
+            lost = [n for n in _nodes() if n.labels.get("pool") != "inference"]
+            assert waits_now(lost)[1]["why"].startswith("no live node offers {CPU: ") and "pool=inference" in waits_now(lost)[1]["why"]
+            text = format_status({"state": "starting", "step": 0, "policy_version": 0, "waiting_for": waits})
+            assert "waiting      learner.pool: 2 x {CPU: 0.5, gpu_node: 1} for 0m00s: no live node offers" in text
+        assert [w["pool"] for w in waits_now(_nodes())] == ["learner.pool"]
+    assert waits_now(_nodes()) == []
+    with pytest.raises(RuntimeError), waiting_for(nowhere):
+        raise RuntimeError("the wait failed")
+    assert waits_now(_nodes()) == []  # a failed wait leaves nothing behind
