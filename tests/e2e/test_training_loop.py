@@ -228,21 +228,19 @@ def test_grpo_trains_and_publishes_while_the_api_answers(run_a):
     assert f"generated {b['buffer/generated']:g} = trained {STEPS * 16}" in out and "does not add up" not in out
 
 
-def test_export_of_the_newest_checkpoint_decodes_like_the_live_engine(run_a, tmp_path):
-    """`asyncrl export RUN_DIR --out DIR` writes the newest actor checkpoint (step 3, the version the
-    engine served last) as a Hugging Face directory: transformers loads it with its tokenizer and
-    its greedy tokens are the live engine's at that version."""
+def _export_decodes_like_the_live_engine(run_dir: Path, seen: dict, tmp_path: Path, version: int) -> Path:
+    """`asyncrl export RUN_DIR` of the newest checkpoint (`version`, the one the engine served last), loaded by
+    transformers: its greedy tokens for the run's last /generate request are the live engine's. The export's dir."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from asyncrl.cli import main
 
-    run_dir, seen = run_a
-    version, body = seen["greedy"]
-    assert version == str(STEPS)
+    served, body = seen["greedy"]
+    assert served == str(version)
     out = tmp_path / "hf"
     assert main(["export", str(run_dir), "--out", str(out)]) == 0  # the run directory: run.json names ckpt/
-    assert json.loads((out / "asyncrl_export.json").read_text())["policy_version"] == STEPS
+    assert json.loads((out / "asyncrl_export.json").read_text())["policy_version"] == version
     tok = AutoTokenizer.from_pretrained(str(out))
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 23 + 45?"}], add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -252,6 +250,17 @@ def test_export_of_the_newest_checkpoint_decodes_like_the_live_engine(run_a, tmp
         generated = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
     engine_tokens = body["completions"][0]["token_ids"]  # up to and with the end-of-turn token, as generate's
     assert len(engine_tokens) > 1 and generated[0, len(ids):].tolist() == engine_tokens
+    return out
+
+
+def test_export_of_the_newest_checkpoint_decodes_like_the_live_engine(run_a, tmp_path):
+    """`asyncrl export RUN_DIR --out DIR` writes the newest actor checkpoint (step 3, the version the
+    engine served last) as a Hugging Face directory: transformers loads it with its tokenizer and
+    its greedy tokens are the live engine's at that version."""
+    import torch
+
+    run_dir, seen = run_a
+    out = _export_decodes_like_the_live_engine(run_dir, seen, tmp_path, STEPS)
     # The trained weights, not the warm start: the export differs from the model the run began with.
     from safetensors.torch import load_file
 
@@ -295,7 +304,7 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
     are the learner's; with a KL loss its reference is its own base (adapters off), not a second group."""
     seen = _run(ray_session, demo_model_path, tmp_path,
                 # the starting evaluation only (eval_interval_steps 0 would skip it too)
-                trainer={"total_steps": 2, "eval_interval_steps": 100}, checkpoint={"interval_steps": 0},
+                trainer={"total_steps": 2, "eval_interval_steps": 100}, checkpoint={"interval_steps": 2},
                 rollout={"kind": "agent", "function": "asyncrl.agents.arithmetic:two_step_per_turn"},
                 weightsync={"transport": "ipc"}, learner={"lora": {"rank": 8, "alpha": 16}, "lr": 5e-3},
                 algorithm={"kl_coef": 0.01})
@@ -332,6 +341,9 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
     assert b["buffer/generated"] == (b["buffer/trained"] + b["buffer/dropped_stale"] + b["buffer/dropped_invalid"] + b["buffer/dropped_filtered"]
                                      + b["buffer/dropped_failed"] + b["buffer/waiting"])
     assert last["rollout/episodes_failed"] == 0
+    # The engine serves base + (alpha / r) B A: transformers on the checkpoint's merged export (step 2, the version
+    # served last) decodes the live engine's greedy tokens
+    _export_decodes_like_the_live_engine(tmp_path, seen, tmp_path / "export", 2)
 
 
 def test_ppo_with_critic_and_reference_kl(ray_session, demo_model_path, tiny_reward_model, tmp_path):
