@@ -27,7 +27,7 @@ MAX_COLUMN = _COLUMNS.index("abs_max")  # the one column whose parts combine by 
 def combine_mismatch_sums(parts: Sequence[Tensor], device: torch.device | str = "cpu") -> Tensor:
     """Several `mismatch_sums` as one (sums added, `MAX_COLUMN` maxed); zeros when there are none."""
     if not parts:
-        return torch.zeros(len(GAP_BUCKETS), len(_COLUMNS), dtype=torch.float32, device=device)
+        return torch.zeros(len(GAP_BUCKETS), len(_COLUMNS), dtype=torch.float64, device=device)
     stacked = torch.stack(list(parts))
     total = stacked.sum(0)
     total[:, MAX_COLUMN] = stacked[:, :, MAX_COLUMN].amax(0)
@@ -35,22 +35,24 @@ def combine_mismatch_sums(parts: Sequence[Tensor], device: torch.device | str = 
 
 
 def mismatch_sums(proximal: Tensor, behavior: Tensor, mask: Tensor, gaps: Tensor | None = None) -> Tensor:
-    """[len(GAP_BUCKETS), 8] float32 sums over the valid tokens of [B, T] inputs: per bucket (all tokens,
+    """[len(GAP_BUCKETS), 8] float64 sums over the valid tokens of [B, T] inputs: per bucket (all tokens,
     then version gap 0, 1, >= 2 from `gaps`, a [B, T] integer tensor; without it those rows are 0) the
     token count, sum d, sum k3, sum |d|, max |d|, sum -log pi_behave, sum -log pi_prox, tokens out of band.
     Sums (and maxima) of several calls add (and max) up to the sums of their union."""
     m = as_bool_mask(mask)
-    prox, beh = proximal.detach().float(), behavior.detach().float()
+    # float64: two float32 log-probs differ by ~1e-6 at fp32's floor; exp(d) - 1 - d in float32 reads ~1e-9 there
+    # whatever the gap (k3 ~ d^2 / 2 ~ 1e-13), and token sums of 1e5 lose what float32 cannot hold
+    prox, beh = proximal.detach().double(), behavior.detach().double()
     d = torch.clamp(prox - beh, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     per_token = torch.stack([
-        torch.ones_like(d), d, torch.exp(d) - 1 - d, d.abs(), d.abs(), -beh, -prox,
-        (d.abs() > math.log(MISMATCH_BAND)).float(),
+        torch.ones_like(d), d, torch.expm1(d) - d, d.abs(), d.abs(), -beh, -prox,
+        (d.abs() > math.log(MISMATCH_BAND)).double(),
     ])  # [8, B, T]
     rows = [m]
     if gaps is not None:
         g = gaps.to(d.device)
         rows += [m & (g == 0), m & (g == 1), m & (g >= 2)]
-    out = torch.zeros(len(GAP_BUCKETS), len(_COLUMNS), dtype=torch.float32, device=d.device)
+    out = torch.zeros(len(GAP_BUCKETS), len(_COLUMNS), dtype=torch.float64, device=d.device)
     for i, sel in enumerate(rows):
         vals = torch.where(sel, per_token, 0.0)
         out[i] = vals.flatten(1).sum(1)

@@ -55,3 +55,17 @@ def test_the_same_policy_has_no_mismatch():
     lp = torch.log_softmax(torch.randn(3, 5, 7), -1)[..., 0]
     m = mismatch_metrics(mismatch_sums(lp, lp.clone(), torch.ones(3, 5)))
     assert m["mismatch/k3"] == 0.0 and m["mismatch/abs_diff_max"] == 0.0 and m["mismatch/ppl_ratio"] == 1.0
+
+
+def test_k3_reads_the_gap_at_float32s_floor():
+    """Two float32 log-probs a few ulps apart (the fp32 engine against the learner: d ~ 1e-6): k3 is ~d^2 / 2,
+    1e-13, not the ~1e-9 that exp(d) - 1 - d in float32 reads whatever d is."""
+    torch.manual_seed(0)
+    behave = -torch.rand(64, 128) * 5
+    d32 = torch.randn(64, 128) * 1e-6
+    prox = (behave.double() + d32.double()).float()  # the nearest float32: the gap as float32 holds it
+    d = prox.double() - behave.double()
+    want = float(((d.exp() - 1 - d).sum() / d.numel()))  # float64 reference
+    m = mismatch_metrics(mismatch_sums(prox, behave, torch.ones(64, 128)))
+    assert 1e-14 < m["mismatch/k3"] < 1e-11 and m["mismatch/k3"] == pytest.approx(want, rel=1e-3)
+    assert m["mismatch/abs_diff_max"] == pytest.approx(float(d.abs().max()), rel=1e-9)
