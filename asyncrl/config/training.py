@@ -150,6 +150,9 @@ class RewardConfig(_Section):
         default_factory=ResourcePool, description="Nodes that may run the reward workers. Set: the worker processes run "
         "under one Ray actor on such a node; empty: beside the trainer, in its replica's process tree.")
     num_cpus: float = Field(0.1, ge=0, description="Ray CPUs of that reward actor (reward.pool set).")
+    max_restarts: int = Field(3, ge=0, description="Times that reward actor (reward.pool set) is started again on "
+                              "another node of the pool when its own is lost; a call it was scoring is retried there "
+                              "(reward/worker_retries counts them). 0: the first loss fails the rollouts it scored.")
 
     @model_validator(mode="after")
     def _judge_named(self) -> "RewardConfig":

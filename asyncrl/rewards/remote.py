@@ -4,11 +4,14 @@ Owns: the actor (`RewardWorkers`, async, placed by `reward.pool`) that runs a `R
 worker processes on its node, and `RemoteRewardPool`, the client with RewardPool's interface
 (`score`, `close`) that the trainer holds instead of an in-process pool.
 Must never: score anything itself, or change what an outcome means: every failure inside the
-actor is the pool's INVALID_REWARD as before; only the actor's own death (its node lost) raises.
+actor is the pool's INVALID_REWARD as before. The actor's death (its node lost): Ray starts it again
+on the pool (`reward.max_restarts`) and the call is retried there (scoring is a pure function of its
+inputs); past that the call raises.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import ray
@@ -38,6 +41,7 @@ class RewardWorkersService:
 
 
 RewardWorkers = ray.remote(RewardWorkersService)
+log = logging.getLogger(__name__)
 
 
 class RemoteRewardPool:
@@ -46,11 +50,31 @@ class RemoteRewardPool:
     def __init__(self, config: RewardConfig) -> None:
         resolve_reward_function(config.function)  # a bad path fails here too, before an actor starts
         self.config = config
-        self.actor = RewardWorkers.options(num_cpus=config.num_cpus, **config.pool.actor_options()).remote(config)
+        self.retries = 0  # calls retried after the actor died (its node lost), over the pool's life
+        # max_task_retries 0: a call the dead actor held fails here, counted and retried by `score`
+        self.actor = RewardWorkers.options(num_cpus=config.num_cpus, max_restarts=config.max_restarts, max_task_retries=0,
+                                           **config.pool.actor_options()).remote(config)
 
     async def score(self, completions: list[str], answers: list[str], metadata: list[dict[str, Any]] | None = None,
                     token_ids: TokenIds | None = None) -> list[RewardOutcome]:
-        return await self.actor.score.remote(completions, answers, metadata)
+        """The pool's outcomes; a call the actor died in is retried on the actor Ray starts again (at most
+        `reward.max_restarts` times a call); past that, or once Ray gives the actor up, the error raises."""
+        from ray.exceptions import RayActorError  # ActorDiedError, ActorUnavailableError (restarting) are ones
+
+        for attempt in range(self.config.max_restarts + 1):
+            try:
+                return await self.actor.score.remote(completions, answers, metadata)
+            except RayActorError as err:  # the call waits for the restart; a given-up actor fails it at once
+                if attempt == self.config.max_restarts:
+                    raise
+                self.retries += 1
+                log.warning("reward actor lost (%s); retrying the call on its restart (%d of %d)",
+                            type(err).__name__, attempt + 1, self.config.max_restarts)
+        raise AssertionError("unreachable")
+
+    def metrics(self) -> dict[str, float]:
+        """The client's own counter (the workers' counters stay in their actor)."""
+        return {"reward/worker_retries": float(self.retries)}
 
     async def node_id(self) -> str:
         return await self.actor.node_id.remote()

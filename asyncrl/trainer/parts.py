@@ -334,8 +334,8 @@ class TrainerParts:
         return await self.weights.publish(version)
 
     def reward_metrics(self) -> dict[str, float]:
-        """The scorer's `reward/*` counters (a judge's, a reward model's, the rule pool's); none from
-        rule workers on another node (their counters stay in their actor)."""
+        """The scorer's `reward/*` counters (a judge's, a reward model's, the rule pool's); of rule workers on
+        another node, the calls retried after their actor was lost (their own counters stay in it)."""
         metrics = getattr(self.rewards, "metrics", None)
         return dict(metrics()) if callable(metrics) else {}
 

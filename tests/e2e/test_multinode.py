@@ -141,6 +141,47 @@ def test_reward_workers_run_on_their_pool(cluster):
     assert outcomes[2].status in (SampleStatus.VALID, SampleStatus.INVALID_REWARD)
 
 
+def test_reward_workers_start_again_on_their_pool_when_their_node_is_lost(cluster):
+    """reward.pool on two nodes of its own: the node hosting the reward actor is lost (its raylet and every
+    process killed); Ray starts the actor on the pool's other node (reward.max_restarts) and the next call is
+    scored there. (Without restarts, or past them, the call fails: tests/unit/test_reward_remote.py.)"""
+    import asyncio
+
+    import ray
+
+    from asyncrl.config import RewardConfig
+    from asyncrl.rewards.remote import RemoteRewardPool
+
+    c, _ = cluster
+    added = [c.add_node(num_cpus=1, labels={"pool": "reward"}, object_store_memory=NODE_MEMORY) for _ in range(2)]
+    c.wait_for_nodes()
+
+    async def lose_its_node(max_restarts: int):
+        pool = RemoteRewardPool(RewardConfig(pool={"labels": {"pool": "reward"}}, num_cpus=0.5, max_restarts=max_restarts))
+        try:
+            first = await pool.node_id()
+            assert [o.reward for o in await pool.score(["46", "45"], ["46", "46"], [{}, {}])] == [1.0, 0.0]
+            lost = next(n for n in added if n.node_id == first)
+            c.remove_node(lost, allow_graceful=False)
+            added.remove(lost)
+            # until the GCS marks the node dead, the actor's orphaned worker may still answer calls directly
+            deadline = time.monotonic() + 90
+            while any(n["NodeID"] == first and n["Alive"] for n in ray.nodes()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            after = await asyncio.wait_for(pool.score(["7"], ["7"], [{}]), 180)
+            return first, await pool.node_id(), [o.reward for o in after], pool.metrics()
+        finally:
+            pool.close()
+
+    try:
+        first, second, after, metrics = asyncio.run(lose_its_node(max_restarts=3))
+        assert second is not None and second != first and second in [n.node_id for n in added]
+        assert after == [1.0] and metrics["reward/worker_retries"] in (0.0, 1.0)  # 1 when the call met the dead actor
+    finally:
+        for n in added:
+            c.remove_node(n)
+
+
 def _add_spare(c, nodes: dict, pool: str, **node_args) -> dict:
     """A second node of `pool`; returns the node map with it as `<pool>-spare`."""
     spare = c.add_node(num_cpus=2, labels={"pool": pool}, object_store_memory=NODE_MEMORY, **node_args)
