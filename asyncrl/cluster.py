@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from asyncrl.config import ConfigError, ResourcePool, RootConfig
+from asyncrl.config import ConfigError, ResourcePool, RewardConfig, RootConfig
 
 # Ray rounds fractional resources to 1/10000; a demand within this of a total still fits.
 _EPS = 1e-4
@@ -104,6 +104,11 @@ def demands(cfg: RootConfig) -> list[Demand]:
         out.append(_demand("reward.model.pool", rm.pool, rm.num_cpus_per_rank or 0.01, rm.gpus_per_rank(lrn), count=rm.world_size,
                            strategy=lrn.placement_strategy))
     return out
+
+
+def reward_demand(reward: RewardConfig) -> Demand:
+    """What the reward actor on reward.pool asks for, as `demands` counts it."""
+    return _demand("reward.pool", reward.pool, reward.num_cpus, 0.0)
 
 
 def engine_demand(cfg: RootConfig) -> Demand:

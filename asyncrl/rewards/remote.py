@@ -11,6 +11,7 @@ inputs); past that the call raises.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -42,6 +43,7 @@ class RewardWorkersService:
 
 RewardWorkers = ray.remote(RewardWorkersService)
 log = logging.getLogger(__name__)
+RESTART_WAIT_S = 300.0  # how long a retried call waits for the actor Ray starts again
 
 
 class RemoteRewardPool:
@@ -61,9 +63,19 @@ class RemoteRewardPool:
         `reward.max_restarts` times a call); past that, or once Ray gives the actor up, the error raises."""
         from ray.exceptions import RayActorError  # ActorDiedError, ActorUnavailableError (restarting) are ones
 
+        from asyncrl.cluster import reward_demand, waiting_for
+
         for attempt in range(self.config.max_restarts + 1):
             try:
-                return await self.actor.score.remote(completions, answers, metadata)
+                if not attempt:
+                    return await self.actor.score.remote(completions, answers, metadata)
+                # a retry waits for Ray to start the actor again: /train/status names reward.pool meanwhile, and a
+                # pool with no node left fails the call instead of holding the rollout for ever
+                with waiting_for(reward_demand(self.config), "the reward actor is starting again"):
+                    return await asyncio.wait_for(self.actor.score.remote(completions, answers, metadata), RESTART_WAIT_S)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"reward.pool: the reward actor was lost and not running again within {RESTART_WAIT_S:g} s "
+                                   "(no node of the pool left to start it on?)") from None
             except RayActorError as err:  # the call waits for the restart; a given-up actor fails it at once
                 if attempt == self.config.max_restarts:
                     raise

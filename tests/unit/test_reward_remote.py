@@ -55,3 +55,36 @@ def test_past_max_restarts_the_actors_error_raises():
 def test_max_restarts_is_validated():
     with pytest.raises(ValueError, match="max_restarts"):
         RewardConfig(max_restarts=-1)
+
+
+def test_a_retry_names_the_pool_while_it_waits_and_gives_up_with_a_clear_error(monkeypatch):
+    """The retried call waits for Ray to start the actor again: meanwhile `waits_now` (/train/status) names
+    reward.pool; a pool with no node left (the call never answered) fails it after RESTART_WAIT_S, saying so."""
+    import asyncrl.rewards.remote as remote
+    from asyncrl.cluster import NodeOffer, waits_now
+
+    monkeypatch.setattr(remote, "RESTART_WAIT_S", 0.5)
+    pool = _pool(3, [ActorDiedError()])
+    never = asyncio.Event()
+
+    class Hung(_Score):
+        def remote(self, completions, answers, metadata):
+            self.calls += 1
+            if self.failures:
+                return super().remote(completions, answers, metadata)
+            return never.wait()  # the restarted actor never comes: no node of the pool left
+
+    pool.actor.score = Hung([ActorDiedError()])
+
+    async def go():
+        task = asyncio.ensure_future(pool.score(["1"], ["1"]))
+        await asyncio.sleep(0.2)
+        seen = waits_now([NodeOffer("head0000", {"CPU": 2.0}, {"pool": "head"})])
+        with pytest.raises(TimeoutError) as err:
+            await task
+        return seen, str(err.value)
+
+    seen, err = asyncio.run(go())
+    assert [(w["pool"], w["why"]) for w in seen] == [("reward.pool", "no live node offers {CPU: 0.1} on labels {pool=reward}")]
+    assert "reward.pool: the reward actor was lost and not running again within 0.5 s" in err
+    assert pool.retries == 1 and waits_now([]) == []
