@@ -235,7 +235,8 @@ class Trainer:
                         no_engine = contextlib.ExitStack()
                         no_engine.enter_context(waiting_for(engine_demand(self.cfg), NO_ENGINE))
                     elif running and no_engine is not None:
-                        no_engine, _ = None, no_engine.close()
+                        no_engine.close()
+                        no_engine = None
             return None
         finally:
             if no_engine is not None:
