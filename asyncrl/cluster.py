@@ -98,7 +98,7 @@ def demands(cfg: RootConfig) -> list[Demand]:
                 count=lrn.world_size, strategy=lrn.placement_strategy),
     ]
     if cfg.reward.pool.is_set():
-        out.append(_demand("reward.pool", cfg.reward.pool, cfg.reward.num_cpus, 0.0))
+        out.append(reward_demand(cfg.reward))
     if cfg.reward.kind == "model":
         rm = cfg.reward.model
         out.append(_demand("reward.model.pool", rm.pool, rm.num_cpus_per_rank or 0.01, rm.gpus_per_rank(lrn), count=rm.world_size,
@@ -113,7 +113,7 @@ def reward_demand(reward: RewardConfig) -> Demand:
 
 def engine_demand(cfg: RootConfig) -> Demand:
     """What the engine deployment asks for (generator.engine_pool), as `demands` counts it."""
-    return demands(cfg)[0]
+    return next(d for d in demands(cfg) if d.field == "generator.engine_pool")
 
 
 ENGINES_STARTING = "no engine replica answers yet: starting, or the nodes that qualify are busy"
