@@ -84,22 +84,35 @@ class LinearAdapters(torch.nn.Module):
         axis = {f"{'A' if self.row else 'B'}.{p}": 1 if self.row else 0 for p in self.parts}
         return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axis, sharded_offsets)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The adapters' output for the linear's input `x` ([..., in] on this rank), in its output layout. One
-        dropout mask serves the linear's parts (PEFT draws one per target module: the same in expectation)."""
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`out` (the linear's output for its input `x`, [..., in] on this rank) plus the adapters' output. One GEMM
+        for every part's A (their rows stacked), then one `addmm` of B's (each part's B in its own column block, its
+        rows in the linear's layout) into `out`, the scale as its alpha: `x` is read once and the sum written once,
+        where a GEMM, a scale, a concatenation and an add per linear each made a pass over the output. One dropout
+        mask serves the linear's parts (PEFT draws one per target module: the same in expectation)."""
         from megatron.core.tensor_parallel.mappings import (
             copy_to_tensor_model_parallel_region,
             reduce_from_tensor_model_parallel_region,
         )
 
         x = self.dropout(x)
-        outs = {}
-        for p in self.parts:
-            h = x @ self.A[p].t()
-            # column: every TP rank's B reads the same h, so A's gradient is the sum over TP; row: h is partial
+        a = self.A[self.parts[0]] if len(self.parts) == 1 else torch.cat([self.A[p] for p in self.parts])
+        h = x @ a.t()
+        # column: every TP rank's B reads the same h, so A's gradient is the sum over TP; row: h is partial
+        if self.tp_size > 1:
             h = reduce_from_tensor_model_parallel_region(h) if self.row else copy_to_tensor_model_parallel_region(h)
-            outs[p] = (h @ self.B[p].t()) * self.scale
-        return self._assemble(outs, tuple(x.shape[:-1]))
+        y = torch.addmm(out.reshape(-1, out.shape[-1]), h.reshape(-1, h.shape[-1]).to(out.dtype),
+                        self._b_blocks().to(out.dtype).t(), alpha=self.scale)
+        return y.view(out.shape)
+
+    def _b_blocks(self) -> torch.Tensor:
+        """[local out, parts x r]: part i's B in columns i r .. (i + 1) r of its rows (the linear's layout), zeros
+        elsewhere, so h (every part's A x, stacked) @ this^T is the sum of the parts' B A x."""
+        if len(self.parts) == 1 and self.slot not in ("linear_qkv", "linear_fc1"):
+            return self.B[self.parts[0]]
+        r, n = self.B[self.parts[0]].shape[1], len(self.parts)
+        padded = {p: torch.nn.functional.pad(self.B[p], (i * r, (n - 1 - i) * r)) for i, p in enumerate(self.parts)}
+        return self._assemble(padded, ())
 
     @torch.no_grad()
     def delta(self) -> torch.Tensor:
@@ -113,7 +126,7 @@ def _hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
     if not adapters.enabled:
         return output
     out, bias = output if isinstance(output, tuple) else (output, None)
-    out = out + adapters(args[0]).to(out.dtype)
+    out = adapters.add_to(out, args[0])
     return (out, bias) if isinstance(output, tuple) else out
 
 
