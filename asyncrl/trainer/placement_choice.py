@@ -21,9 +21,8 @@ GIB = float(2**30)
 # Per parameter on the learner's device: bf16 weights 2 + fp32 main params 4 + Adam's two moments 8 + fp32
 # grads 4 (Megatron's DDP reduces grads in fp32, asyncrl/learner/roles/base.py).
 BYTES_PER_PARAM = 18
-# Per token, hidden unit and layer kept for the backward without recompute, in bf16 (Megatron's own
-# activation estimate for a GPT layer: 34 s b h bytes, attention scores left to flash kernels).
-ACTIVATION_BYTES = 34
+# Bytes per element of what a layer keeps for its backward (bf16).
+ACTIVATION_ELEMENT_BYTES = 2
 # Of the device, what the two may take together: the CUDA context, allocator fragmentation and the push's
 # staging need the rest.
 FIT_SHARE = 0.9
@@ -76,13 +75,33 @@ def bytes_per_param(learner: Any = None) -> float:
     return BYTES_PER_PARAM
 
 
+def layer_activation_bytes(hf_config: Any) -> float:
+    """Bytes one token keeps for the backward in one decoder layer without recompute (bf16): both norms' inputs and
+    outputs (the linears' inputs), q, k and v before and after RoPE, the attention output, and the MLP's SwiGLU input
+    (2 x FFN) and output (FFN); MoE: the routed experts' FFN per token and the permuted copies of its input. Megatron's
+    34 h bytes assumes a GeLU MLP of FFN = 4 h, and under-counts a SwiGLU of FFN > 4 h by a third: an estimate that
+    is short picks a placement that runs out of memory, so this one errs high."""
+    c = hf_config
+    h, heads = c.hidden_size, c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or h // heads
+    q, kv = heads * head_dim, (getattr(c, "num_key_value_heads", None) or heads) * head_dim
+    experts_per_token = getattr(c, "num_experts_per_tok", 0) if getattr(c, "num_experts", 0) else 0
+    if experts_per_token:
+        ffn = c.moe_intermediate_size * experts_per_token + (getattr(c, "shared_expert_intermediate_size", 0) or 0)
+        routed = 2 * h * experts_per_token
+    else:
+        ffn, routed = c.intermediate_size, 0
+    elements = 4 * h + 2 * (q + 2 * kv) + q + q + 3 * ffn + routed
+    return float(ACTIVATION_ELEMENT_BYTES * elements)
+
+
 def learner_bytes(hf_config: Any, tokens_per_micro_batch: int, logprob_chunk: int, learner: Any = None) -> float:
     """What the actor needs on its device while it trains: its state (`bytes_per_param`: LoRA and a host optimizer
     keep less), one micro-batch's activations (with full recompute, each layer's input and one layer's whole) and
     the LM head's chunk of logits (float32, forward and backward)."""
     c = hf_config
     state = bytes_per_param(learner) * model_params(c)
-    layer = ACTIVATION_BYTES * tokens_per_micro_batch * c.hidden_size
+    layer = layer_activation_bytes(c) * tokens_per_micro_batch
     if learner is not None and learner.memory.recompute == "full":
         activations = 2 * tokens_per_micro_batch * c.hidden_size * c.num_hidden_layers + layer
     else:
@@ -108,7 +127,9 @@ def choose_placement(cfg: Any, hf_config: Any, device_bytes: float | None) -> Pl
     engine = share * device_bytes
     room = FIT_SHARE * device_bytes
     fits = need + engine <= room
-    sizes = (f"the learner needs ~{need / GIB:.0f} GiB ({model_params(hf_config) / 1e9:.2f}B parameters x "
+    n = model_params(hf_config)
+    count = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+    sizes = (f"the learner needs ~{need / GIB:.{0 if need >= 10 * GIB else 1}f} GiB ({count} parameters x "
              f"{bytes_per_param(learner):g} B, and a micro-batch of {tokens} tokens), the engine "
              f"{engine / GIB:.0f} GiB (gpu_memory_utilization {share:g} of {device_bytes / GIB:.0f} GiB)")
     if fits:

@@ -8,7 +8,8 @@ from transformers import Qwen2Config
 
 from asyncrl.config import HybridConfig, load_config
 from asyncrl.trainer.placement import build_placement
-from asyncrl.trainer.placement_choice import apply_choice, choose_placement, model_params, resolve_placement
+from asyncrl.trainer.placement_choice import (apply_choice, choose_placement, layer_activation_bytes, model_params,
+                                              resolve_placement)
 
 H200 = 143_771 * 2**20  # bytes, as nvidia-smi reports the card
 
@@ -59,7 +60,7 @@ def test_a_7b_does_not_fit_beside_its_engine_so_it_runs_hybrid_with_sleep_and_of
 
 @pytest.mark.parametrize("learner, per_param, hybrid", [
     ({"lora": {"rank": 64}}, "x 2 B", False),  # frozen bf16 weights alone: no grads, no optimizer state
-    ({"memory": {"optimizer": "host"}}, "x 10 B", True),  # Adam's moments on the host: 71 GiB + 21 GiB activations
+    ({"memory": {"optimizer": "host"}}, "x 10 B", True),  # Adam's moments on the host: 71 GiB + 28 GiB activations
     ({"memory": {"optimizer": "host", "recompute": "full"}}, "x 10 B", False),  # ... and each layer's input alone
 ])
 def test_lora_a_host_optimizer_and_recompute_count_in_the_choice(learner, per_param, hybrid):
@@ -68,6 +69,18 @@ def test_lora_a_host_optimizer_and_recompute_count_in_the_choice(learner, per_pa
     it counted."""
     choice = choose_placement(_one_gpu(learner=learner), QWEN_7B, H200)
     assert choice.hybrid is hybrid and per_param in choice.reason, choice.reason
+
+
+def test_a_wide_swiglu_micro_batch_counts_what_it_keeps():
+    """The 7B with LoRA beside its engine ran out of memory on one H200 with micro-batches of 16 x 1,152 tokens
+    (18,432: 89.4 GiB held by the learner when it failed in its warm-up's forward, the engine 45.6 GiB), where
+    Megatron's 34 h bytes a token and layer said 74 GiB; with micro-batches of 4 it trained beside the engine. The
+    estimate counts Qwen's SwiGLU (FFN 5.3 h): the first takes turns, the second runs separated."""
+    for micro_batch, hybrid in ((16, True), (4, False)):
+        cfg = _one_gpu(model={"max_model_len": 1152}, learner={"lora": {"rank": 64}, "micro_batch_size": micro_batch})
+        choice = choose_placement(cfg, QWEN_7B, H200)
+        assert choice.hybrid is hybrid, choice.reason
+    assert layer_activation_bytes(QWEN_7B) > 34 * QWEN_7B.hidden_size * 1.35
 
 
 @pytest.mark.parametrize("over, device, words", [
