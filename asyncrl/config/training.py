@@ -207,6 +207,10 @@ class TrainerConfig(_Section):
         1800.0, gt=0, description="Longest the learner waits for one batch; past it training stops with an error that "
         "says what the buffer and the rollouts hold (a batch that cannot fill never hangs the run).")
     eval_interval_steps: int = Field(10, ge=0)
+    warm_up_rollouts: bool = Field(
+        True, description="Before the first step: one short generation of the first prompt per engine replica with the "
+        "rollouts' sampling settings (16 tokens at most), its completions scored and then thrown away, so the first "
+        "step does not pay the engines' first requests and the reward workers' start.")
     max_restarts: int = Field(
         0, ge=0, description="A learner rank that dies (or hangs past its call timeout) fails the step; up to this many "
         "times per run the learner groups are started again from the last complete checkpoint and the step is redone "

@@ -43,6 +43,12 @@ class PromptStream:
         self._consumed += 1
         return index, prompt
 
+    def peek(self) -> Prompt:
+        """The prompt `next` returns next, the position left where it is (the start's warm-up request)."""
+        if self._pos == len(self._order):
+            return self._prompts[self._permutation(self._epoch + 1)[0]]
+        return self._prompts[self._order[self._pos]]
+
     @property
     def consumed(self) -> int:
         return self._consumed

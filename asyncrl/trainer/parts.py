@@ -36,6 +36,8 @@ from asyncrl.types import GenerationRequest, GenerationResult, Sample, SamplingP
 log = logging.getLogger(__name__)
 
 CHECKPOINT_STATE = "trainer_state.json"
+# Longest the start's rollout warm-up may take (16 tokens a request): past it the start goes on without it.
+WARM_UP_TIMEOUT_S = 120.0
 
 
 def load_prompts(data: DataConfig) -> tuple[list[Prompt], list[Prompt]]:
@@ -299,7 +301,30 @@ class TrainerParts:
                     PromptStream(train, cfg.trainer.seed), held_out, prompt_tokens=prompt_tokens)
         if cfg.checkpoint.resume and cfg.checkpoint.interval_steps:
             await parts.restore_latest()
+        if cfg.trainer.warm_up_rollouts:
+            await parts.warm_up_rollouts()
         return parts
+
+    async def warm_up_rollouts(self) -> None:
+        """`RolloutWorkers.warm_up` on the first training prompt, one request per engine replica (each replica's
+        first request pays for paths vLLM's own start leaves cold), every rule worker started. Agent rollouts
+        (their own HTTP path) are left alone; a failure is logged, not raised: the first
+        step then pays it, as without the warm-up."""
+        from asyncrl.generator.control import EngineControl
+        from asyncrl.trainer.agent import AgentRollouts
+
+        if isinstance(self.rollouts, AgentRollouts):
+            return
+        try:
+            replicas = len(await EngineControl(self.engine).stats()) or 1
+            workers = self.cfg.reward.num_workers if self.cfg.reward.kind == "rule" else 1
+            m = await asyncio.wait_for(self.rollouts.warm_up(self.stream.peek(), replicas, score_at_least=workers),
+                                       WARM_UP_TIMEOUT_S)
+            log.info("rollouts warmed up: %d request(s) in %.2f s, %d completion(s) scored in %.2f s",
+                     replicas, m["generate_s"], int(m["completions"]), m["score_s"])
+        except Exception as err:  # noqa: BLE001 - an optimisation: the first step pays it instead
+            log.warning("rollout warm-up failed (%s: %s); the first step pays the engines' first requests",
+                        type(err).__name__, err)
 
     # ---- engine-facing adapters ----------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> GenerationResult:

@@ -17,10 +17,13 @@ import asyncio
 import itertools
 import logging
 import math
+import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
+
+import msgspec
 
 from asyncrl.config import AlgorithmConfig
 from asyncrl.data.prompts import Prompt, render_prompt
@@ -36,6 +39,9 @@ GenerateFn = Callable[[GenerationRequest], Awaitable[GenerationResult]]
 # A request refused for one of these fields is its prompt's (too long, bad tokens): that prompt is dropped and the
 # run goes on. Refused for any other (sampling parameters: the run's settings), every prompt would be: the run stops.
 PROMPT_FIELDS = ("prompt_ids", "max_tokens")
+# The start's warm-up generation (`RolloutWorkers.warm_up`): enough tokens to run both the prefill and the decode
+# path with the run's sampling settings, few enough to cost little at start.
+WARM_UP_TOKENS = 16
 
 
 class RolloutRefused(RuntimeError):
@@ -232,6 +238,25 @@ class RolloutWorkers:
                                   group_id=index, prompt_index=index, status=SampleStatus.ABORTED))
         await self._buffer.put_group.remote(samples, key=key)
         self.counters.finished += 1
+
+    async def warm_up(self, prompt: Prompt, requests: int, max_tokens: int = WARM_UP_TOKENS,
+                      score_at_least: int = 1) -> dict[str, float]:
+        """Before the first step: `requests` generations of `prompt` at once with the rollouts' sampling settings
+        (n, temperature, logprobs) but at most `max_tokens` tokens, then their completions scored, repeated up to
+        `score_at_least` (a rule pool's worker count: each starts its process). Nothing reaches the buffer and no
+        counter moves: the first step then finds the engines' request path and the reward workers already up."""
+        t0 = time.perf_counter()
+        base = self._request(0, prompt)
+        request = GenerationRequest(prompt_ids=base.prompt_ids, sampling=msgspec.structs.replace(
+            base.sampling, max_tokens=max(1, min(max_tokens, base.sampling.max_tokens)), seed=None))
+        results = await asyncio.gather(*(self._generate(request) for _ in range(max(1, requests))))
+        t1 = time.perf_counter()
+        done = [(r.prompt_ids, c) for r in results for c in r.completions]
+        if done:
+            done = (done * -(-score_at_least // len(done)))[:max(score_at_least, len(done))]
+            await self._rewards.score([c.text for _, c in done], [prompt.answer] * len(done), [prompt.metadata] * len(done),
+                                      token_ids=[(p, list(c.token_ids)) for p, c in done])
+        return {"generate_s": t1 - t0, "score_s": time.perf_counter() - t1, "completions": float(len(done))}
 
     async def quiesce(self) -> None:
         """Stop starting rollouts and wait until none is in flight (every acquired group pushed).

@@ -306,3 +306,38 @@ def test_rollouts_are_seeded_only_where_the_engine_samples_by_a_seed():
         w = workers(Engine(), BufferService(BufferConfig(batch_size=2, max_staleness=0)), [], seeded=seeded)
         seed = w._request(5, _prompt("one")).sampling.seed
         assert seed == (request_seed(0, 5) if seeded else None)
+
+
+async def test_the_start_warm_up_generates_and_scores_but_nothing_reaches_the_buffer():
+    buffer, engine = BufferService(BufferConfig(batch_size=2, max_staleness=0)), Engine()
+    seen, scored = [], []
+
+    async def generate(request):
+        seen.append(request.sampling)
+        return await engine.generate(request)
+
+    class Counting(Rewards):
+        async def score(self, texts, answers, metadata, token_ids=None):
+            scored.append(len(texts))
+            assert token_ids is not None and len(token_ids) == len(texts)
+            return await super().score(texts, answers, metadata, token_ids)
+
+    w = RolloutWorkers(stream=Stream([]), tokenizer=Tokenizer(), generate=generate, rewards=Counting(), buffer=Remote(buffer),
+                       algorithm=AlgorithmConfig(group_size=N, max_new_tokens=256, temperature=0.7), concurrency=1, seed=0)
+    m = await w.warm_up(_prompt("ok"), requests=3, score_at_least=8)
+    # one request per replica, the rollouts' n and temperature, a short cut, no seed (a rollout's seed is its index's)
+    assert [(s.n, s.temperature, s.max_tokens, s.seed, s.logprobs) for s in seen] == [(N, 0.7, 16, None, True)] * 3
+    assert scored == [8] and m["completions"] == 8  # 6 completions repeated up to the 8 rule workers
+    c, b = w.counters, await buffer.metrics()
+    assert (c.started, c.finished, c.tokens) == (0, 0, 0)
+    assert (b["buffer/generated"], b["buffer/waiting"]) == (0, 0)
+
+
+def test_the_prompt_stream_peeks_without_moving():
+    from asyncrl.trainer.data_stream import PromptStream
+
+    prompts = [Prompt(prompt=str(i), answer=str(i)) for i in range(3)]
+    s = PromptStream(prompts, seed=1)
+    for _ in range(7):  # across epochs too
+        p = s.peek()
+        assert s.next()[1] is p
