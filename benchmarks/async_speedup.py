@@ -199,6 +199,9 @@ def _figures(cfg: Any, eta: int, records: list[dict], rows: list[dict], warmup: 
         "staleness_mean": sum(r.get("buffer/staleness_mean", 0.0) for r in timed) / len(timed),
         "reward_mean": sum(r["train/reward_mean"] for r in timed) / len(timed),
         "train_tokens_per_step": tokens / len(timed), "learner_mfu": mfu,
+        # the most a learner rank held on its GPU in an update (None on the CPU)
+        "learner_peak_gib": max((r["actor/device_peak_gib"] for r in rows if r.get("actor/device_peak_gib") is not None),
+                                default=None),
         "rollout_tokens_per_s": gen_tokens / wall,
         "push_s": _mean(timed, "weightsync/push_seconds"), "push_gbps": _mean(timed, "weightsync/gbps"),
         "push_paused_s": _mean(timed, "weightsync/paused_seconds"), "push_gb": (_mean(timed, "weightsync/bytes") or 0) / 1e9,

@@ -149,6 +149,7 @@ def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str,
         "settings": {"config": str(a.config or CONFIGS[a.placement]), "overrides": knob_overrides(a, eta) + a.overrides,
                      "staleness_mean": res.get("staleness_mean"), "push_s": res.get("push_s"),
                      "push_failed": res.get("push_failed"), "learner_mfu": res.get("learner_mfu"),
+                     "learner_peak_gib": res.get("learner_peak_gib"),
                      "learner_state_kept": statistics.fmean(kept) if kept else None,
                      # the buffer's accounting at the last step: a group dropped stale is generation thrown away
                      # (and, on a long tail, the longest responses trained less often)

@@ -142,6 +142,9 @@ def test_the_figures_time_the_steps_after_the_warm_up_and_keep_each_pushs_breakd
     last = out["per_step"][-1]
     assert last["weightsync/sender/broadcast_seconds"] == 0.3 and last["weightsync/replica/r1/load_bucket_seconds"] == 0.33
     assert last["weightsync/bytes"] == 15e9 and "rollout/tokens" not in last
+    assert out["learner_peak_gib"] is None  # (a CPU learner reports none)
+    rows[2]["actor/device_peak_gib"], rows[3]["actor/device_peak_gib"] = 41.5, 40.0
+    assert bench._figures(cfg, 2, rows, rows, 1, 989e12, [])["learner_peak_gib"] == 41.5
 
 
 def test_an_interrupted_run_reports_the_steps_it_finished_before_it_stops(bench, tmp_path, monkeypatch):

@@ -181,6 +181,9 @@ class ActorRole:
 
         out: dict[str, float] = {}
         mismatch: dict[str, float] = {}
+        on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats()
         with self.offloader.onloaded():
             for epoch in range(cfg.ppo_epochs):
                 rescale = true_denominator if old_logprobs is None and epoch == 0 else None
@@ -194,6 +197,11 @@ class ActorRole:
         out["actor/skipped_steps"] = float(self.optim.skipped_steps)
         out["actor/applied_steps"] = float(self.optim.applied_steps)
         out["actor/proximal_from_update"] = float(old_logprobs is None)
+        if on_cuda:  # the most any rank held on its device during the update (its state, activations, logits)
+            peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
+            if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+                torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+            out["actor/device_peak_gib"] = float(peak)
         return out
 
     def _one_step(self, mbs: list[MicroBatch], loss_fn, rescale: Callable[[], float] | None = None) -> dict[str, float]:
