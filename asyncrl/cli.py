@@ -51,10 +51,9 @@ def _demo_judge_model(args: argparse.Namespace) -> int:
 
     import yaml
 
+    from asyncrl.config import ConfigError, load_config
     from asyncrl.trainer.export import ExportError, export_run
     from asyncrl.trainer.status_view import StatusUnavailable, fetch_status
-
-    from asyncrl.config import ConfigError, load_config
 
     try:
         serve_cfg = yaml.safe_load(Path(args.config).read_text())

@@ -38,7 +38,6 @@ from typing import Any, Callable
 
 import httpx
 import yaml
-
 from bench_ray import init_ray
 
 

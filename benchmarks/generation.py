@@ -398,8 +398,8 @@ def side_asyncrl(args: argparse.Namespace, sections: dict, ids, label: str, repl
     import ray
     from ray import serve
 
-    from asyncrl.config import load_config
     from asyncrl.app import run_generator
+    from asyncrl.config import load_config
     from asyncrl.generator.deployment import ENGINE_DEPLOYMENT
 
     runtime_env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"], "TOKENIZERS_PARALLELISM": "false"}}

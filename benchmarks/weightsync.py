@@ -509,9 +509,9 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
     """Every transport's pushes at one bucket size: {transport: (push seconds, host-copy tails, metrics)}."""
     from asyncrl.config import WeightsyncConfig
     from asyncrl.weightsync.collective import ipc_window_for
+    from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.registry import VersionRegistry
-    from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.transport import select_transport
 
     runs = {}

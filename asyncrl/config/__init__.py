@@ -20,11 +20,7 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from asyncrl.config.base import (
-    ConfigError,
-    ResourcePool,
-    _Section,
-)
+from asyncrl.config.base import ConfigError, ResourcePool, _Section
 from asyncrl.config.components import (
     AlgorithmConfig,
     AutoscalingConfig,
@@ -40,15 +36,7 @@ from asyncrl.config.components import (
     WandbConfig,
     WeightsyncConfig,
 )
-from asyncrl.config.training import (
-    DataColumns,
-    DataConfig,
-    JudgeConfig,
-    RewardConfig,
-    RewardModelConfig,
-    RolloutConfig,
-    TrainerConfig,
-)
+from asyncrl.config.training import DataColumns, DataConfig, JudgeConfig, RewardConfig, RewardModelConfig, RolloutConfig, TrainerConfig
 
 
 class RootConfig(_Section):

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from asyncrl.config.base import ResourcePool, _Section, _need_package
+from asyncrl.config.base import ResourcePool, _need_package, _Section
 
 
 class ModelConfig(_Section):

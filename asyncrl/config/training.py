@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from asyncrl.config.base import ResourcePool, _Section, _need_package
+from asyncrl.config.base import ResourcePool, _need_package, _Section
 from asyncrl.config.components import LearnerConfig
 
 

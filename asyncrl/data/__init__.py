@@ -5,8 +5,8 @@ Owns: the `Prompt` record and the loaders. Must never: tokenize (the chat templa
 the tokenizer, see `render_prompt`) or call a model.
 """
 
-from asyncrl.data.prompts import ColumnMap, Prompt, PromptDataError, load_jsonl_prompts, parse_row, render_chat_prompt, render_prompt
 from asyncrl.data.arithmetic import ArithmeticTask
+from asyncrl.data.prompts import ColumnMap, Prompt, PromptDataError, load_jsonl_prompts, parse_row, render_chat_prompt, render_prompt
 
 __all__ = ["ColumnMap", "Prompt", "PromptDataError", "load_jsonl_prompts", "parse_row", "render_chat_prompt", "render_prompt",
            "ArithmeticTask"]

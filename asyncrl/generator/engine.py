@@ -20,17 +20,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
-from asyncrl.generator.engine_update import WeightUpdates
-from asyncrl.generator.replica_types import (  # noqa: F401 - WeightUpdateError: the replica's vocabulary
-    SLEEP_TAGS,
-    PauseMode,
-    ReplicaNotReady,
-    ReplicaState,
-    UpdateState,
-    VersionTracking,
-    WeightUpdateError,
-)
 from asyncrl.generator.driver import EngineDriver, start_driver
+from asyncrl.generator.engine_update import WeightUpdates
+from asyncrl.generator.replica_types import SLEEP_TAGS, PauseMode, ReplicaNotReady, ReplicaState, UpdateState, VersionTracking, WeightUpdateError  # noqa: F401 - WeightUpdateError: the replica's vocabulary
 from asyncrl.generator.sampling import Limits, validate_request
 from asyncrl.generator.version_source import EngineStamps, LedgerVersions, VersionSource
 from asyncrl.generator.versions import CompletionAccumulator

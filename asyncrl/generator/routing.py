@@ -17,6 +17,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+
 def rank_replicas(replica_ids: Sequence[str], prompt_ids: Sequence[int], prefix_tokens: int) -> list[str]:
     """Replica ids ordered by rendezvous score for this prompt prefix (best first)."""
     key = ",".join(map(str, prompt_ids[:prefix_tokens])).encode()

@@ -105,9 +105,8 @@ def to_vllm(sp: SamplingParams, *, final_only: bool = False, detokenize: bool = 
     log-probs come in vLLM's flat containers where it has them, not as a dict per token.
     """
     from vllm import SamplingParams as VllmSamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
     from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import RequestOutputKind
 
     if sp.stop and not detokenize:
         raise ValueError("stop strings need the engine to detokenize")

@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
-from asyncrl.generator.sglang_protocol import (SequenceOutput, find_stop, read_chunk, refused, sequence_rids,
-                                               to_sglang)
+from asyncrl.generator.sglang_protocol import SequenceOutput, find_stop, read_chunk, refused, sequence_rids, to_sglang
 
 logger = logging.getLogger(__name__)
 

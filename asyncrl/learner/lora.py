@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-
 # Megatron's linear -> the PEFT targets it fuses, in its output order
 SLOTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
          "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
@@ -90,10 +89,7 @@ class LinearAdapters(torch.nn.Module):
         rows in the linear's layout) into `out`, the scale as its alpha: `x` is read once and the sum written once,
         where a GEMM, a scale, a concatenation and an add per linear each made a pass over the output. One dropout
         mask serves the linear's parts (PEFT draws one per target module: the same in expectation)."""
-        from megatron.core.tensor_parallel.mappings import (
-            copy_to_tensor_model_parallel_region,
-            reduce_from_tensor_model_parallel_region,
-        )
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 
         x = self.dropout(x)
         a = self.A[self.parts[0]] if len(self.parts) == 1 else torch.cat([self.A[p] for p in self.parts])

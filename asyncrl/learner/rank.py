@@ -21,7 +21,6 @@ from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, Profiler
 from asyncrl.interfaces import ROLE_TRAINING_VERBS, ROLE_VERBS, RoleAPI, verb_name
 
 
-
 class LearnerRank:
     """Wrapped with `ray.remote` by `LearnerGroup`; plain class so it is testable without Ray."""
 

@@ -4,12 +4,6 @@ A rule reward is `fn(completion: str, answer: str, metadata: dict) -> float | No
 marks the sample invalid (it is counted, never silently scored 0).
 """
 
-from asyncrl.rewards.pool import (
-    RewardFunctionError,
-    RewardOutcome,
-    RewardPool,
-    RewardPoolError,
-    resolve_reward_function,
-)
+from asyncrl.rewards.pool import RewardFunctionError, RewardOutcome, RewardPool, RewardPoolError, resolve_reward_function
 
 __all__ = ["RewardFunctionError", "RewardOutcome", "RewardPool", "RewardPoolError", "resolve_reward_function"]

@@ -26,7 +26,6 @@ import torch
 
 from asyncrl.weightsync.bucket import Bucket
 
-
 KEEP_THREADS = 2  # buckets kept (put into the object store) at once: more contend for the host's copies
 
 

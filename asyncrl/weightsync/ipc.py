@@ -38,7 +38,6 @@ from asyncrl.weightsync.stream import (
 )
 
 
-
 class IpcRing:
     """Device buffers an ipc sender packs buckets into, kept across pushes. `take(nbytes)` hands
     out a free one (growing or adding one when none fits); `free` returns it."""

@@ -22,11 +22,8 @@ from typing import Any, Protocol
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, digest_key_prefix, dtype_from_name, unpack_bucket
-from asyncrl.weightsync.fingerprint import (PendingDigests, bucket_digests, bucket_digests_lazy, buckets_digests_lazy,
-                                            check_verify_mode)
-from asyncrl.weightsync.plan import (
-    EngineLayout, ManifestEntry, PlanError, PushPlan, probe_layout, same_ops, verify_layout,
-)
+from asyncrl.weightsync.fingerprint import PendingDigests, bucket_digests, bucket_digests_lazy, buckets_digests_lazy, check_verify_mode
+from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, PlanError, PushPlan, probe_layout, same_ops, verify_layout
 from asyncrl.weightsync.shards import plan_layout
 
 STAGING_MODES = ("full", "bucketed")

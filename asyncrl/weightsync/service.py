@@ -25,9 +25,9 @@ from asyncrl.interfaces import EngineAPI
 from asyncrl.types import Refusal, learner_failure
 from asyncrl.weightsync.link import CollectiveLink
 from asyncrl.weightsync.push import Publisher
-from asyncrl.weightsync.store import weight_store_hook
 from asyncrl.weightsync.registry import VersionRegistry
 from asyncrl.weightsync.replicas import DeploymentReplicas
+from asyncrl.weightsync.store import weight_store_hook
 from asyncrl.weightsync.transport import select_transport
 
 log = logging.getLogger(__name__)

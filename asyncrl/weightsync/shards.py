@@ -15,10 +15,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, dtype_from_name
-from asyncrl.weightsync.plan import (  # noqa: F401 - Piece, piece_name: the shard vocabulary, defined beside the plan
-    EngineLayout, ManifestEntry, Op, ParamLayout, PlanError, Piece, PushPlan, View, build_plan, piece_name,
-)
-
+from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, Op, ParamLayout, Piece, PlanError, PushPlan, View, build_plan, piece_name  # noqa: F401 - Piece, piece_name: the shard vocabulary, defined beside the plan
 
 
 def _strides(shape: Sequence[int]) -> list[int]:

@@ -42,7 +42,8 @@ def install_cpu_unpacked() -> bool:
 
     if not current_platform.is_cpu():
         return False
-    from vllm.model_executor.layers import linear, vocab_parallel_embedding as vpe
+    from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers import vocab_parallel_embedding as vpe
 
     if getattr(linear.UnquantizedLinearMethod, "_asyncrl_unpacked", False):
         return True

@@ -45,8 +45,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
 from async_speedup import BUFFER_KEYS, _args_from, apply_overrides, model_params  # noqa: E402
 from bench_ray import init_ray  # noqa: E402
-from common import (StepTime, add_knob_arguments, check_knobs, emit, gpu_name, knobs, max_model_len,  # noqa: E402
-                    package_version, summarize)
+from common import StepTime, add_knob_arguments, check_knobs, emit, gpu_name, knobs, max_model_len, package_version, summarize  # noqa: E402
 
 CONFIGS = {"hybrid": Path("deploy/rlhf-hybrid1.yaml"), "separated": Path("deploy/rlhf-gpu1.yaml")}
 VERSIONS = ("vllm", "megatron-core", "ray", "torch", "transformers")
@@ -161,7 +160,6 @@ def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str,
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     import ray
-
     from async_speedup import run_once
 
     config = a.config or CONFIGS[a.placement]

@@ -49,8 +49,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (StepTime, add_knob_arguments, check_knobs, emit, gpu_name, knobs, max_model_len,  # noqa: E402
-                    package_version, summarize)
+from common import StepTime, add_knob_arguments, check_knobs, emit, gpu_name, knobs, max_model_len, package_version, summarize  # noqa: E402
 
 # The GRPOTrainer methods timed, by name: TRL 1.16.0's private methods, all read here and nowhere else.
 TRAINER_PHASES = {

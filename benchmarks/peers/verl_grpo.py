@@ -46,17 +46,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 if str(HERE.parents[2]) not in sys.path:  # asyncrl, for verl's reward workers that load this file by its path
     sys.path.append(str(HERE.parents[2]))
-from common import (
-    StepTime,
-    add_knob_arguments,
-    check_knobs,
-    emit,
-    gpu_name,
-    knobs,
-    max_model_len,
-    package_version,
-    summarize,
-)
+from common import StepTime, add_knob_arguments, check_knobs, emit, gpu_name, knobs, max_model_len, package_version, summarize
 from trl_grpo import build_prompts  # the same prompts, in the same order, as TRL's side
 
 MODES = {"sync": ("colocate", 0), "colocate_async": ("colocate-async", 1)}  # trainer_mode: (placement, eta)

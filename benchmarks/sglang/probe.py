@@ -103,8 +103,7 @@ async def main() -> None:
     await step("start", start(), timeout=240)
     if engine is None:
         return
-    from sglang.srt.managers.io_struct import (ContinueGenerationReqInput, PauseGenerationReqInput,
-                                               UpdateWeightsFromTensorReqInput)
+    from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput, UpdateWeightsFromTensorReqInput
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 

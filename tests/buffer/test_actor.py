@@ -9,7 +9,6 @@ import pytest
 
 from asyncrl.buffer.actor import BufferActor, BufferClosedError, BufferService
 from asyncrl.config import BufferConfig
-
 from tests.buffer._helpers import make_group
 
 CFG = dict(batch_size=2, max_staleness=0, capacity=2)

@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 from asyncrl.buffer import BufferCore
 from asyncrl.config import BufferConfig
 from asyncrl.types import SampleStatus
-
 from tests.buffer._helpers import make_group
 
 PUSH = st.tuples(

@@ -10,7 +10,6 @@ import pytest
 from asyncrl.buffer import BufferCore, BufferFullError, ReplayBuffer
 from asyncrl.config import BufferConfig
 from asyncrl.types import SampleStatus
-
 from tests.buffer._helpers import make_group
 
 IDENTITY = ("trained", "dropped_stale", "dropped_invalid", "dropped_filtered", "dropped_failed", "waiting")

@@ -15,14 +15,14 @@ import threading
 import httpx
 import pytest
 import ray
+from generator_testlib import free_port, perturbed_weights, push_weights, wait_until
 
-from asyncrl.config import load_config
 from asyncrl.app import run_generator
+from asyncrl.config import load_config
 from asyncrl.generator.control import EngineControl
 from asyncrl.interfaces import EngineAPI
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from asyncrl.weightsync.store import WeightStore
-from generator_testlib import free_port, perturbed_weights, push_weights, wait_until
 
 pytestmark = pytest.mark.slow
 

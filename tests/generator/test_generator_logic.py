@@ -14,27 +14,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrl.generator.gateway_core import (
-    GatewayCore, GenerateBody, HTTPError, engine_error_to_http, parse_model, plain_message, prompt_ids_of, version_header,
+    GatewayCore,
+    GenerateBody,
+    HTTPError,
+    engine_error_to_http,
+    parse_model,
+    plain_message,
+    prompt_ids_of,
+    version_header,
 )
 from asyncrl.generator.metrics import GatewayMetrics
 from asyncrl.generator.routing import rank_replicas
 from asyncrl.generator.sampling import Limits, RequestError, to_vllm, validate_request
-from asyncrl.generator.versions import (
-    CompletionAccumulator,
-    VersionLabelError,
-    VersionLedger,
-    versions_from_spans,
-    versions_from_starts,
-)
-from asyncrl.weightsync.store import WeightStore
-from asyncrl.weightsync.fingerprint import (
-    combine_digests,
-    fingerprint_mode,
-    tensor_digest,
-    tensor_digests,
-    tensor_fingerprint,
-)
+from asyncrl.generator.versions import CompletionAccumulator, VersionLabelError, VersionLedger, versions_from_spans, versions_from_starts
 from asyncrl.types import GenerationRequest, SamplingParams
+from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode, tensor_digest, tensor_digests, tensor_fingerprint
+from asyncrl.weightsync.store import WeightStore
 
 LIMITS = Limits(max_n=4, max_model_len=32, vocab_size=100)
 

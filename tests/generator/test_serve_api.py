@@ -7,8 +7,8 @@ Tests that change the weight version run last, in file order.
 from __future__ import annotations
 
 import asyncio
-import math
 import json
+import math
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,16 +16,23 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from generator_testlib import (
+    ADMIN_TOKEN,
+    form_push_plan,
+    free_port,
+    generate_across_a_commit,
+    hf_greedy,
+    perturbed_weights,
+    push_by_steps,
+    push_weights,
+    wait_until,
+)
 
 from asyncrl.app import run_generator
 from asyncrl.config import load_config
 from asyncrl.generator.control import EngineControl, ReplicaControlError
 from asyncrl.types import SampleStatus
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
-from generator_testlib import (
-    ADMIN_TOKEN, form_push_plan, free_port, generate_across_a_commit, hf_greedy, perturbed_weights, push_by_steps,
-    push_weights, wait_until,
-)
 
 pytestmark = pytest.mark.slow
 

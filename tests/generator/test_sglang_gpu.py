@@ -20,14 +20,20 @@ from pathlib import Path
 
 import httpx
 import pytest
+from generator_testlib import (
+    ADMIN_TOKEN,
+    assert_half_precision_greedy,
+    free_port,
+    generate_across_a_commit,
+    perturbed_weights,
+    push_by_steps,
+    push_weights,
+    wait_until,
+)
 
 from asyncrl.generator.control import ReplicaControlError
 from asyncrl.interfaces import EngineAPI
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
-from generator_testlib import (
-    ADMIN_TOKEN, assert_half_precision_greedy, free_port, generate_across_a_commit, perturbed_weights, push_by_steps,
-    push_weights, wait_until,
-)
 
 pytestmark = pytest.mark.gpu
 

@@ -15,9 +15,9 @@ import asyncio
 import pytest
 
 from asyncrl.config import GeneratorConfig, ModelConfig
+from asyncrl.types import GenerationRequest, SamplingParams
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from asyncrl.weightsync.store import load_hf_tensors
-from asyncrl.types import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.gpu
 

@@ -17,13 +17,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from generator_testlib import perturbed_weights
 
 from asyncrl.config import GeneratorConfig, ModelConfig
 from asyncrl.generator.versions import versions_from_spans
-from asyncrl.weightsync.store import load_hf_tensors
-from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from asyncrl.types import GenerationRequest, SamplingParams
-from generator_testlib import perturbed_weights
+from asyncrl.weightsync.fingerprint import tensor_fingerprint
+from asyncrl.weightsync.store import load_hf_tensors
 
 pytestmark = pytest.mark.slow
 

@@ -12,14 +12,7 @@ import torch
 from asyncrl.algorithms import aggregate
 from asyncrl.algorithms.correction import Correction
 from asyncrl.config import LearnerConfig, ProfilerConfig
-from asyncrl.learner.batching import (
-    build_micro_batch,
-    make_micro_batches,
-    plan_micro_batches,
-    response_tensor,
-    split_by_groups,
-    unpad_response,
-)
+from asyncrl.learner.batching import build_micro_batch, make_micro_batches, plan_micro_batches, response_tensor, split_by_groups, unpad_response
 from asyncrl.learner.profiler import StepProfiler
 from asyncrl.learner.roles.accumulate import behavior_loss_mask, denominator
 from asyncrl.learner.roles.optim import lr_at

@@ -22,7 +22,6 @@ from asyncrl.config import RootConfig
 from asyncrl.data.prompts import Prompt
 from asyncrl.trainer.data_stream import PromptStream
 from asyncrl.trainer.parts import TrainerParts, complete_checkpoints
-
 from tests.trainer._helpers import Remote
 
 CHILD = textwrap.dedent("""

@@ -8,8 +8,7 @@ from transformers import Qwen2Config
 
 from asyncrl.config import HybridConfig, load_config
 from asyncrl.trainer.placement import build_placement
-from asyncrl.trainer.placement_choice import (apply_choice, choose_placement, layer_activation_bytes, model_params,
-                                              resolve_placement)
+from asyncrl.trainer.placement_choice import apply_choice, choose_placement, layer_activation_bytes, model_params, resolve_placement
 
 H200 = 143_771 * 2**20  # bytes, as nvidia-smi reports the card
 

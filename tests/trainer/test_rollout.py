@@ -16,12 +16,11 @@ import pytest
 
 from asyncrl.buffer.actor import BufferService
 from asyncrl.config import AlgorithmConfig, BufferConfig, RootConfig
-from asyncrl.trainer.loop import BatchTimeout, Trainer
 from asyncrl.data.prompts import Prompt
 from asyncrl.rewards import RewardOutcome
+from asyncrl.trainer.loop import BatchTimeout, Trainer
 from asyncrl.trainer.rollout import RolloutWorkers
 from asyncrl.types import Completion, GenerationResult, SampleStatus
-
 from tests.trainer._helpers import Remote
 
 N = 2

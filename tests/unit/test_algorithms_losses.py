@@ -7,13 +7,7 @@ import math
 import pytest
 import torch
 
-from asyncrl.algorithms import (
-    aggregate,
-    kl_divergence,
-    kl_loss_term,
-    kl_penalty_rewards,
-    value_loss,
-)
+from asyncrl.algorithms import aggregate, kl_divergence, kl_loss_term, kl_penalty_rewards, value_loss
 
 DTYPES = [torch.float32, torch.float64]
 F64 = torch.float64

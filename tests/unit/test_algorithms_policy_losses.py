@@ -7,12 +7,7 @@ import math
 import pytest
 import torch
 
-from asyncrl.algorithms import (
-    gspo_policy_loss,
-    kl_loss_term,
-    ppo_policy_loss,
-    value_loss,
-)
+from asyncrl.algorithms import gspo_policy_loss, kl_loss_term, ppo_policy_loss, value_loss
 
 DTYPES = [torch.float32, torch.float64]
 F64 = torch.float64

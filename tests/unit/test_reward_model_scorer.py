@@ -11,8 +11,8 @@ import pytest
 
 from asyncrl.config import AlgorithmConfig, ConfigError, LearnerConfig, ModelConfig, RewardConfig, load_config
 from asyncrl.rewards.model import ModelRewards, RewardModelError, check_reward_model
-from asyncrl.types import SampleStatus
 from asyncrl.trainer.checks import check_trainable
+from asyncrl.types import SampleStatus
 
 
 class ScriptedGroup:

@@ -12,7 +12,6 @@ from typing import Any
 from asyncrl.config import WandbConfig, load_config
 from asyncrl.trainer.tracking import MetricsTracker
 
-
 _BLOCK, _HEADER = 32768, 7  # the leveldb log layout of W&B's `.wandb` files: 32 KiB blocks, 7-byte record headers
 
 

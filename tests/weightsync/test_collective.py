@@ -16,18 +16,26 @@ import pytest
 import torch
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.weightsync.fingerprint import combine_digests, tensor_digests, tensor_fingerprint
 from asyncrl.generator.worker_ext import WeightUpdateExtension
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.bucket import FILE_PREFIX, shared_dir, unpack_bucket
 from asyncrl.weightsync.collective import (
-    IPC_WINDOW, CollectiveError, CollectiveGroup, CollectiveReceive, GroupSpec, SenderAborted, form_specs, free_port,
-    ipc_window_for, join_as_sender, reserve_port,
+    IPC_WINDOW,
+    CollectiveError,
+    CollectiveGroup,
+    CollectiveReceive,
+    GroupSpec,
+    SenderAborted,
+    form_specs,
+    free_port,
+    ipc_window_for,
+    join_as_sender,
+    reserve_port,
 )
-from asyncrl.weightsync.fingerprint import bucket_digests
-from asyncrl.weightsync.wire import receive_stream, send_stream, sender_digests
-from asyncrl.weightsync.push import KeptCopies, Publisher, StreamedSend, Step, WeightsyncError
+from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_digests, tensor_fingerprint
+from asyncrl.weightsync.push import KeptCopies, Publisher, Step, StreamedSend, WeightsyncError
 from asyncrl.weightsync.transport import LocalTransport
+from asyncrl.weightsync.wire import receive_stream, send_stream, sender_digests
 
 from .fakes import FakeReplica, model
 
@@ -427,8 +435,8 @@ def test_a_sender_ring_waits_for_the_oldest_sent_bucket_and_grows_rather_than_wa
 
 
 def test_a_whole_arena_gives_each_planned_bucket_an_aligned_window_of_one_allocation():
-    from asyncrl.weightsync.bucket import ALIGN
     from asyncrl.weightsync.arena import whole_arena
+    from asyncrl.weightsync.bucket import ALIGN
 
     weights = {f"t{i}": torch.full((1000 + 37 * i,), float(i)) for i in range(6)}  # sizes off the alignment
     planned = _identity_plan(weights, 0.004).for_sender(0)

@@ -17,9 +17,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrier, pushes: int, step: mp.Barrier,
             planned: bool = False, arena: str = "auto") -> None:
-    from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_fingerprint
     from asyncrl.weightsync.bucket import digest_key_prefix, unpack_bucket
     from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
+    from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_fingerprint
     from asyncrl.weightsync.wire import receive_stream, send_stream
 
     try:

@@ -162,9 +162,9 @@ async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl", re
     from asyncrl.generator.engine import EngineReplica
     from asyncrl.types import GenerationRequest, Refusal, SamplingParams
     from asyncrl.weightsync.collective import CollectiveGroup
+    from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.push import Publisher, WeightsyncError
     from asyncrl.weightsync.registry import VersionRegistry
-    from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.transport import select_transport
 
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),

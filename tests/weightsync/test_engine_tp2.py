@@ -38,9 +38,9 @@ async def _scenario(model_path: str) -> dict:
     from asyncrl.types import GenerationRequest, SamplingParams
     from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
-    from asyncrl.weightsync.shards import build_shard_plan
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.replica_side import dump_manifest
+    from asyncrl.weightsync.shards import build_shard_plan
     from asyncrl.weightsync.transport import SharedMemoryTransport
     from tests.learner._data import advantages, make_samples
 
@@ -98,12 +98,12 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
     """Version 2 as the service pushes over gloo: each learner TP rank broadcasts its own shards over a group
     of its own (CollectiveLink, publish_streamed) that holds only the engine worker it feeds."""
     from asyncrl.config import WeightsyncConfig
+    from asyncrl.interfaces import WorkerAPI
     from asyncrl.types import GenerationRequest
     from asyncrl.weightsync.bucket import iter_unpacked
+    from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.registry import VersionRegistry
-    from asyncrl.weightsync.link import CollectiveLink
-    from asyncrl.interfaces import WorkerAPI
     from asyncrl.weightsync.shards import hf_from_engine, sender_ranks
     from asyncrl.weightsync.transport import select_transport
     from tests.learner._data import advantages, make_samples

@@ -262,15 +262,14 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
     import pickle
 
     import ray
+    from transformers import AutoTokenizer
 
     from asyncrl.config import WeightsyncConfig
     from asyncrl.weightsync.push import Publisher, Step, WeightsyncError
-    from asyncrl.weightsync.store import weight_store_hook
     from asyncrl.weightsync.registry import VersionRegistry
     from asyncrl.weightsync.replicas import ActorReplica
-    from asyncrl.weightsync.store import WeightStore, load_hf_tensors
+    from asyncrl.weightsync.store import WeightStore, load_hf_tensors, weight_store_hook
     from asyncrl.weightsync.transport import ObjectStoreTransport
-    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(demo_model_path))
     prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
@@ -440,11 +439,11 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.collective import ipc_window_for
+    from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.plan import ManifestEntry
-    from asyncrl.weightsync.shards import hf_from_engine
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.replicas import ActorReplica
-    from asyncrl.weightsync.link import CollectiveLink
+    from asyncrl.weightsync.shards import hf_from_engine
     from asyncrl.weightsync.transport import select_transport
     from tests.learner._data import advantages, make_samples
 
@@ -571,10 +570,10 @@ class _OneEngine:
         return one
 
     def __init__(self, engine, sender, cfg, start: int, plan, **link_kw) -> None:
+        from asyncrl.weightsync.link import CollectiveLink
         from asyncrl.weightsync.push import Publisher
         from asyncrl.weightsync.registry import VersionRegistry
         from asyncrl.weightsync.replicas import ActorReplica
-        from asyncrl.weightsync.link import CollectiveLink
         from asyncrl.weightsync.transport import select_transport
 
         async def members():
@@ -622,12 +621,13 @@ async def test_one_engine_over_ipc_takes_a_push_in_one_call_and_refuses_a_corrup
     group, so the push fails at once rather than at its deadline, and names the refusal."""
     import time
 
+    from transformers import AutoTokenizer
+
     from asyncrl.config import WeightsyncConfig
     from asyncrl.types import Refusal
     from asyncrl.weightsync import ipc
     from asyncrl.weightsync.bucket import Bucket
     from asyncrl.weightsync.push import WeightsyncError
-    from transformers import AutoTokenizer
 
     engine = engines[0]
     cfg = WeightsyncConfig(transport="ipc", bucket_mb=0.25, timeout_s=60, verify="checksum", retries=0, staging="full")
@@ -689,9 +689,10 @@ async def test_one_engine_over_gloo_receiving_apart_pauses_only_for_the_commit_a
     same one call. The pushed weights serve transformers' tokens. A byte flipped on the wire fails the check after
     the worker applied it: the last live version is restored (one rollback), and its exact tokens served; the next
     push is carried."""
+    from transformers import AutoTokenizer
+
     from asyncrl.config import WeightsyncConfig
     from asyncrl.weightsync.collective import CollectiveGroup
-    from transformers import AutoTokenizer
 
     engine = engines[0]
     cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, timeout_s=60, verify="checksum", retries=1, staging="full",
@@ -749,11 +750,12 @@ async def test_one_engine_over_gloo_commits_in_its_receive_and_refuses_a_bucket_
 
     import time
 
+    from transformers import AutoTokenizer
+
     from asyncrl.config import WeightsyncConfig
     from asyncrl.types import Refusal
     from asyncrl.weightsync.collective import CollectiveGroup
     from asyncrl.weightsync.push import WeightsyncError
-    from transformers import AutoTokenizer
 
     engine = engines[0]
     cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, timeout_s=60, verify="checksum", retries=1, staging="full")

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.weightsync.plan import (EngineLayout, ManifestEntry, Op, ParamLayout, PlanError, PlannedPacker, View,
-                                     build_plan)
+from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, Op, ParamLayout, PlanError, PlannedPacker, View, build_plan
 
 
 def _fused(rows: dict[str, int], cols: int, fill_rows: int = 0) -> tuple[list[ManifestEntry], ParamLayout]:

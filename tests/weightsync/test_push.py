@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from asyncrl.types import WeightUpdateState as S
+from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from asyncrl.weightsync.push import Publisher, Step, WeightsyncError, preserve_rng_state
 from asyncrl.weightsync.transport import LocalTransport
 

@@ -9,9 +9,8 @@ import asyncio
 
 import pytest
 
-from asyncrl.types import ReplicaControlError
 from asyncrl.generator.replica_types import WeightUpdateError
-from asyncrl.types import Refusal
+from asyncrl.types import Refusal, ReplicaControlError
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.push_channel import ChannelClient, ChannelClosed, ChannelServer, _frame
 from asyncrl.weightsync.replicas import DeploymentReplicas

@@ -13,9 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.learner.convert import (
-    ParamMap, ShardExportError, shard_from_hf, shard_pieces, vocab_edges, vocab_from_edges, vocab_window,
-)
+from asyncrl.learner.convert import ParamMap, ShardExportError, shard_from_hf, shard_pieces, vocab_edges, vocab_from_edges, vocab_window
 from asyncrl.learner.model import ModelArch
 from asyncrl.weightsync.plan import ManifestEntry, PlanError, PlannedPacker, build_plan, fill_param, probe_layout
 from asyncrl.weightsync.shards import Piece, build_shard_plan, hf_from_engine, localize_layout, piece_name, plan_layout

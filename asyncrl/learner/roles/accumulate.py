@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.algorithms.losses import AggMode
 from asyncrl.algorithms.correction import Correction, correction_weights
+from asyncrl.algorithms.losses import AggMode
 
 
 def denominator(mask: torch.Tensor, mode: AggMode) -> float:

@@ -23,8 +23,16 @@ from asyncrl.algorithms import gspo_policy_loss, kl_loss_term, ppo_policy_loss
 from asyncrl.algorithms.mismatch import MAX_COLUMN, combine_mismatch_sums, mismatch_metrics, mismatch_sums
 from asyncrl.learner.batching import MicroBatch, response_tensor, unpad_response
 from asyncrl.learner.offload import Offloader
-from asyncrl.learner.roles.accumulate import (behavior_loss_mask, denominator, denominator_tensor, dp_all_reduce,
-                                              dp_mean, dp_size, dp_sum, from_last_stage)
+from asyncrl.learner.roles.accumulate import (
+    behavior_loss_mask,
+    denominator,
+    denominator_tensor,
+    dp_all_reduce,
+    dp_mean,
+    dp_size,
+    dp_sum,
+    from_last_stage,
+)
 from asyncrl.learner.roles.base import ModelRunner, RoleContext, _to_device
 from asyncrl.learner.roles.optim import GuardedOptimizer, warm_up_update
 from asyncrl.types import Sample
