@@ -1,0 +1,394 @@
+"""Chaos soak (issue 66): `make serve`'s app under API load for a long run with faults recurring, then SIGTERM.
+
+`asyncrl serve` on a copy of deploy/rlhf.yaml (the CPU demo; its training made endless, `trainer.max_restarts` 1 and a
+checkpoint every --checkpoint-every steps so a learner can restart) while --concurrency clients of the `openai`
+package send chat and completion requests (every other one streamed) to the app's HTTP API. Every --kill-every
+minutes an engine's EngineCore is killed (SIGKILL); at --learner-kill-at minutes one learner rank is. After
+--minutes the app gets SIGTERM. It reports requests by status and latency, steps and versions, the buffer's
+accounting identity at every status poll (and the ones around each kill), restarts, the RSS of every long-lived
+process over time, the exit and what is left running, and checks:
+
+- 0 samples lost: generated = trained + every dropped_* + waiting, at every poll, at each kill and at the end;
+- versions published once each and in order (the run's metrics.jsonl);
+- >= 99 % of the API requests answered 200, every other one a 503 inside a kill's recovery window (--window s);
+- the RSS of every process alive from --rss-reference minutes to the end within +15 % of its value then;
+- exit 0 after SIGTERM within 30 s, and none of the app's processes left running.
+
+    python benchmarks/chaos_soak.py --minutes 60 --kill-every 10 --out docs/results/chaos_soak_cpu_DATE.jsonl
+
+Exit status 1 when a check fails. The run's own files (config, log, metrics) go under --run-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DROPPED = ("buffer/dropped_stale", "buffer/dropped_invalid", "buffer/dropped_filtered", "buffer/dropped_failed")
+# Command-line markers of the app's processes (RSS is sampled per process; leftovers are looked for after the exit)
+PROCESSES = {"engine core": "VLLM::EngineCore", "engine replica": "ServeReplica:asyncrl:GeneratorEngine",
+             "trainer": "ServeReplica:asyncrl:Trainer", "gateway": "ServeReplica:asyncrl:GeneratorGateway",
+             "learner rank": "ray::LearnerRank", "buffer": "ray::BufferActor", "serve controller": "ServeController",
+             "proxy": "ProxyActor", "raylet": "raylet", "gcs": "gcs_server", "serve cli": "asyncrl serve"}
+LEFTOVER_MARKERS = ("VLLM::", "ray::", "raylet", "gcs_server")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, default=ROOT / "deploy/rlhf.yaml", help="the Serve config to soak")
+    ap.add_argument("--minutes", type=float, default=60.0, help="from the first step to the SIGTERM")
+    ap.add_argument("--kill-every", type=float, default=10.0, help="minutes between engine kills (0: none)")
+    ap.add_argument("--learner-kill-at", type=float, default=None,
+                    help="minute of the one learner-rank kill (default: 45 %% of --minutes; negative: none)")
+    ap.add_argument("--concurrency", type=int, default=16, help="API clients at once")
+    ap.add_argument("--max-tokens", type=int, default=8, help="tokens per API request")
+    ap.add_argument("--window", type=float, default=60.0, help="seconds after a kill in which a 503 is expected")
+    ap.add_argument("--rss-every", type=float, default=30.0, help="seconds between RSS samples")
+    ap.add_argument("--rss-reference", type=float, default=10.0,
+                    help="minute whose RSS the end is held to (at most a third of --minutes)")
+    ap.add_argument("--checkpoint-every", type=int, default=20, help="checkpoint.interval_steps (the learner's restart point)")
+    ap.add_argument("--run-dir", type=Path, default=ROOT / "runs/soak", help="the run's config, log, metrics, checkpoints")
+    ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds to the first step")
+    ap.add_argument("--out", type=Path, default=None, help="append the JSON row to this file")
+    a = ap.parse_args(argv)
+    if a.minutes <= 0 or a.concurrency <= 0 or a.window <= 0 or a.rss_every <= 0:
+        ap.error("--minutes, --concurrency, --window and --rss-every must be positive")
+    if a.learner_kill_at is None:
+        a.learner_kill_at = 0.45 * a.minutes
+    return a
+
+
+# ---- pure checks (tests/unit/test_chaos_soak.py) ---------------------------------------------------------------
+
+def identity_gap(buffer: dict[str, float]) -> float | None:
+    """generated - (trained + every dropped_* + waiting) of a status's buffer snapshot (0: nothing lost); None for an
+    empty snapshot (before the first step)."""
+    if "buffer/generated" not in buffer:
+        return None
+    return buffer["buffer/generated"] - (buffer.get("buffer/trained", 0.0) + sum(buffer.get(k, 0.0) for k in DROPPED)
+                                         + buffer.get("buffer/waiting", 0.0))
+
+
+def in_order_once(versions: list[int]) -> bool:
+    """Whether the published versions are 1, 2, ... n, each once."""
+    return versions == list(range(1, len(versions) + 1))
+
+
+def judge_requests(requests: list[tuple[float, float, str, Any]], kills: list[float], window: float) -> dict[str, Any]:
+    """`requests`: (start time, seconds, kind, status: 200, another HTTP code, or a word for a transport error).
+    The share answered 200, the counts by status, and the non-200 answers that are not a 503 started inside
+    [kill, kill + window] of some kill (each such one fails the soak)."""
+    by_status: dict[str, int] = {}
+    unexpected = []
+    for t, _, kind, status in requests:
+        by_status[str(status)] = by_status.get(str(status), 0) + 1
+        if status != 200 and not (status == 503 and any(k <= t <= k + window for k in kills)):
+            unexpected.append({"t": round(t, 1), "kind": kind, "status": status})
+    total = len(requests)
+    return {"total": total, "ok_share": by_status.get("200", 0) / total if total else 0.0, "by_status": by_status,
+            "unexpected": unexpected}
+
+
+def latency_figures(requests: list[tuple[float, float, str, Any]]) -> dict[str, dict[str, float]]:
+    """Per kind, of the answered (200) requests: count, mean, p50, p90, p99, max seconds."""
+    out: dict[str, dict[str, float]] = {}
+    for kind in sorted({k for _, _, k, _ in requests}):
+        xs = sorted(s for _, s, k, st in requests if k == kind and st == 200)
+        if not xs:
+            continue
+
+        def q(p: float) -> float:
+            return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+        out[kind] = {"count": len(xs), "mean": statistics.fmean(xs), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99),
+                     "max": xs[-1]}
+    return out
+
+
+def rss_growth(samples: list[tuple[float, dict[str, float]]], reference_s: float) -> dict[str, dict[str, float]]:
+    """`samples`: (seconds since the first step, {process: RSS bytes}). For every process seen in the first sample
+    at or after `reference_s` and in the last sample: its RSS then and at the end, and the growth (end / then - 1)."""
+    later = [s for s in samples if s[0] >= reference_s]
+    if not later:
+        return {}
+    (_, ref), (_, end) = later[0], samples[-1]
+    return {name: {"reference_mb": ref[name] / 2**20, "end_mb": end[name] / 2**20, "growth": end[name] / ref[name] - 1}
+            for name in sorted(ref) if name in end and ref[name] > 0}
+
+
+# ---- the run ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Soak:
+    args: argparse.Namespace
+    launched: float = 0.0  # wall clock (time.time) of the app's launch: processes created after it are the app's
+    t0: float = 0.0  # monotonic time of the first step
+    url: str = ""
+    requests: list[tuple[float, float, str, Any]] = field(default_factory=list)
+    statuses: list[dict[str, Any]] = field(default_factory=list)
+    kills: list[dict[str, Any]] = field(default_factory=list)
+    rss: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def processes(self) -> list[tuple[str, Any]]:
+        """(label, psutil.Process) of the app's processes (created since the launch), by their command line."""
+        import psutil
+
+        out = []
+        for p in psutil.process_iter(["cmdline", "create_time", "status"]):
+            try:
+                if p.info["create_time"] < self.launched - 1 or p.info["status"] == psutil.STATUS_ZOMBIE:
+                    continue
+                text = " ".join(p.info["cmdline"] or [])
+                label = next((name for name, marker in PROCESSES.items() if marker in text), None)
+                if label is not None:
+                    out.append((label, p))
+            except psutil.Error:
+                continue
+        return out
+
+    async def status(self, client: Any) -> dict[str, Any] | None:
+        try:
+            r = await client.get(f"{self.url}/train/status", timeout=30)
+            return r.json() if r.status_code == 200 else None
+        except Exception:  # noqa: BLE001 - the app is restarting a part: the next poll sees it
+            return None
+
+    async def monitor(self, client: Any) -> None:
+        while not self.stop.is_set():
+            s = await self.status(client)
+            if s is not None:
+                gap = identity_gap(s.get("buffer") or {})
+                self.statuses.append({"t": round(self.now(), 1), "state": s.get("state"), "step": s.get("step"),
+                                      "policy_version": s.get("policy_version"), "restarts": s.get("learner_restarts"),
+                                      "gap": gap, "buffer": s.get("buffer")})
+                if s.get("state") in ("failed", "finished"):
+                    self.stop.set()
+                    return
+            await asyncio.sleep(5.0)
+
+    async def sample_rss(self) -> None:
+        while not self.stop.is_set():
+            by_process: dict[str, float] = {}
+            for label, p in self.processes():
+                try:
+                    by_process[f"{label} {p.pid}"] = float(p.memory_info().rss)
+                except Exception:  # noqa: BLE001 - gone between the listing and the read
+                    continue
+            self.rss.append((round(self.now(), 1), by_process))
+            try:
+                await asyncio.wait_for(self.stop.wait(), self.args.rss_every)
+            except asyncio.TimeoutError:
+                pass
+
+    async def client(self, i: int, api: Any, model: str) -> None:
+        import openai
+
+        k = i
+        while not self.stop.is_set():
+            kind = ("chat", "completion")[k % 2] + ("_stream" if (k // 2) % 2 else "")
+            k += 1
+            t, start = self.now(), time.monotonic()
+            status: Any = 200
+            try:
+                if kind.startswith("chat"):
+                    out = await api.chat.completions.create(
+                        model=model, messages=[{"role": "user", "content": f"What is {10 + k % 80} + {k % 50}?"}],
+                        max_tokens=self.args.max_tokens, stream=kind.endswith("stream"))
+                else:
+                    out = await api.completions.create(model=model, prompt=f"{k % 90} + {k % 40} =",
+                                                       max_tokens=self.args.max_tokens, stream=kind.endswith("stream"))
+                if kind.endswith("stream"):
+                    async for _ in out:
+                        pass
+            except openai.APIStatusError as err:
+                status = err.status_code
+            except openai.APITimeoutError:
+                status = "timeout"
+            except openai.APIConnectionError:
+                status = "connection"
+            except Exception as err:  # noqa: BLE001 - e.g. a stream cut mid-way: counted, never fatal
+                status = type(err).__name__
+            self.requests.append((round(t, 3), time.monotonic() - start, kind, status))
+            if status != 200:
+                await asyncio.sleep(0.5)  # (a client backs off a little after an error)
+
+    def kill(self, what: str, marker: str) -> None:
+        import psutil
+
+        victims = sorted((p for label, p in self.processes() if marker in " ".join(p.cmdline())), key=lambda p: p.pid)
+        last = self.statuses[-1] if self.statuses else {}
+        record = {"what": what, "t": round(self.now(), 1), "step": last.get("step"), "gap_before": last.get("gap")}
+        if victims:
+            try:
+                victims[0].send_signal(signal.SIGKILL)
+                record["pid"] = victims[0].pid
+            except psutil.Error as err:
+                record["error"] = str(err)
+        else:
+            record["error"] = f"no {marker} process"
+        self.kills.append(record)
+        print(f"[soak] t={record['t']:.0f} s step {record.get('step')}: killed {what} {record.get('pid', record.get('error'))}",
+              flush=True)
+
+    async def faults(self) -> None:
+        a = self.args
+        plan = [(a.kill_every * 60 * k, "engine", "VLLM::EngineCore")
+                for k in range(1, int(a.minutes / a.kill_every) + 1) if a.kill_every > 0 and a.kill_every * k < a.minutes]
+        if 0 <= a.learner_kill_at < a.minutes:
+            plan.append((a.learner_kill_at * 60, "learner rank", "ray::LearnerRank"))
+        for at, what, marker in sorted(plan):
+            try:
+                await asyncio.wait_for(self.stop.wait(), max(0.0, at - self.now()))
+                return
+            except asyncio.TimeoutError:
+                self.kill(what, marker)
+
+    async def run(self) -> dict[str, Any]:
+        import httpx
+        import openai
+
+        a = self.args
+        cfg = yaml.safe_load(a.config.read_text())
+        app = cfg["applications"][0]["args"]
+        a.run_dir.mkdir(parents=True, exist_ok=True)
+        app.setdefault("trainer", {}).update({"total_steps": 1_000_000, "max_restarts": 1})
+        app.setdefault("checkpoint", {}).update({"dir": str(a.run_dir / "checkpoints"), "interval_steps": a.checkpoint_every})
+        app.setdefault("logging", {}).update({"dir": str(a.run_dir)})
+        config = a.run_dir / "soak.yaml"
+        config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        self.url = f"http://{cfg['http_options']['host']}:{cfg['http_options']['port']}"
+        log = open(a.run_dir / "serve.log", "w")
+        self.launched = time.time()
+        proc = subprocess.Popen([str(ROOT / ".venv/bin/asyncrl"), "serve", str(config)], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        report: dict[str, Any] = {"benchmark": "chaos_soak", "config": str(a.config), "minutes": a.minutes,
+                                  "kill_every_min": a.kill_every, "learner_kill_at_min": a.learner_kill_at,
+                                  "concurrency": a.concurrency}
+        async with httpx.AsyncClient() as http:
+            start = time.monotonic()
+            while True:  # to the first step
+                s = await self.status(http)
+                if s is not None and (s.get("step") or 0) >= 1:
+                    break
+                if proc.poll() is not None or time.monotonic() - start > a.start_timeout:
+                    proc.kill()
+                    raise RuntimeError(f"the app did not reach its first step in {a.start_timeout:.0f} s "
+                                       f"(exit {proc.poll()}; see {a.run_dir / 'serve.log'})")
+                await asyncio.sleep(2.0)
+            report["start_s"] = time.monotonic() - start
+            self.t0 = time.monotonic()
+            print(f"[soak] first step after {report['start_s']:.0f} s; {a.minutes:g} minutes of load and faults", flush=True)
+            api = openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="-", max_retries=0, timeout=60.0)
+            model = (await api.models.list()).data[0].id  # the name the app serves the model under
+            tasks = [asyncio.create_task(self.monitor(http)), asyncio.create_task(self.sample_rss()),
+                     asyncio.create_task(self.faults())]
+            tasks += [asyncio.create_task(self.client(i, api, model)) for i in range(a.concurrency)]
+            try:
+                await asyncio.wait_for(self.stop.wait(), a.minutes * 60)
+            except asyncio.TimeoutError:
+                pass
+            self.stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            final = await self.status(http)
+        report["final"] = {k: final.get(k) for k in ("state", "step", "policy_version", "learner_restarts", "error")} if final else None
+        gap_end = identity_gap((final or {}).get("buffer") or {})
+        t = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            rc = None
+        exit_s = time.monotonic() - t
+        log.close()
+        await asyncio.sleep(5.0)
+        left = [f"{p.pid} {' '.join(p.cmdline())[:80]}" for _, p in self.processes()
+                if any(m in " ".join(p.cmdline()) for m in LEFTOVER_MARKERS)]
+        if rc is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        return self.judge(report, gap_end, rc, exit_s, left)
+
+    def judge(self, report: dict[str, Any], gap_end: float | None, rc: int | None, exit_s: float,
+              left: list[str]) -> dict[str, Any]:
+        a = self.args
+        metrics = a.run_dir / "metrics.jsonl"
+        records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        versions = [int(r["weightsync/version"]) for r in records if "train/step" in r and "weightsync/version" in r]
+        kill_times = [k["t"] for k in self.kills]
+        api = judge_requests(self.requests, kill_times, a.window)
+        gaps = [s["gap"] for s in self.statuses if s["gap"] is not None]
+        for k in self.kills:  # the first poll after each kill
+            after = next((s for s in self.statuses if s["t"] > k["t"] and s["gap"] is not None), None)
+            k["gap_after"] = after and after["gap"]
+        reference = min(a.rss_reference * 60, a.minutes * 60 / 3)
+        growth = rss_growth(self.rss, reference)
+        steps = [s["step"] for s in self.statuses if s["step"] is not None]
+        checks = {
+            "no_sample_lost": gap_end == 0 and all(g == 0 for g in gaps)
+                              and all(k.get("gap_before") in (0, None) and k.get("gap_after") in (0, None) for k in self.kills),
+            "versions_in_order_once": bool(versions) and in_order_once(versions),
+            "api_99pct_200": api["ok_share"] >= 0.99,
+            "non_200_only_503_in_windows": not api["unexpected"],
+            "rss_within_15pct": bool(growth) and all(g["growth"] <= 0.15 for g in growth.values()),
+            "exit_0_within_30s": rc == 0 and exit_s <= 30.0,
+            "nothing_left": not left,
+            "kills_done": all("pid" in k for k in self.kills),
+        }
+        report.update({
+            "requests": {k: v for k, v in api.items() if k != "unexpected"}, "unexpected_non_200": api["unexpected"][:50],
+            "latency_s": latency_figures(self.requests), "steps": max(steps, default=0),
+            "steps_per_min": (max(steps, default=0) / a.minutes), "versions": len(versions),
+            "identity_checks": len(gaps) + 1, "identity_gap_end": gap_end, "kills": self.kills,
+            "rss_reference_s": reference, "rss": growth, "rss_samples": len(self.rss),
+            "exit_code": rc, "exit_s": exit_s, "left": left, "checks": checks, "passed": all(checks.values()),
+        })
+        return report
+
+
+def summary(r: dict[str, Any]) -> str:
+    req = r["requests"]
+    lines = [f"[soak] {r['minutes']:g} min, {r['steps']} steps ({r['steps_per_min']:.1f}/min), {r['versions']} versions, "
+             f"final {r['final']}",
+             f"[soak] requests {req['total']}: {req['by_status']} ({req['ok_share']:.2%} answered 200); "
+             f"unexpected non-200: {len(r['unexpected_non_200'])}",
+             *(f"[soak] latency {k}: mean {v['mean']:.3f} s, p50 {v['p50']:.3f}, p99 {v['p99']:.3f}, max {v['max']:.2f} "
+               f"({v['count']})" for k, v in r["latency_s"].items()),
+             *(f"[soak] kill {k['what']} at {k['t']:.0f} s (step {k['step']}): gap before {k.get('gap_before')}, after "
+               f"{k.get('gap_after')}" for k in r["kills"]),
+             *(f"[soak] rss {name}: {v['reference_mb']:.0f} -> {v['end_mb']:.0f} MiB ({v['growth']:+.1%})"
+               for name, v in r["rss"].items()),
+             f"[soak] SIGTERM: exit {r['exit_code']} in {r['exit_s']:.1f} s; left running: {len(r['left'])}",
+             "[soak] checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in r["checks"].items())]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = asyncio.run(Soak(args).run())
+    print(summary(report), flush=True)
+    line = json.dumps(report)
+    print(line)
+    if args.out is not None:
+        with args.out.open("a") as f:
+            f.write(line + "\n")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

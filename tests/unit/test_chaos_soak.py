@@ -1,0 +1,53 @@
+"""benchmarks/chaos_soak.py's judgement of a soak (issue 66), on made-up observations: the accounting identity, the
+versions' order, which non-200 answers a kill excuses, latencies by kind and the RSS growth. The soak itself runs
+the real app: `python benchmarks/chaos_soak.py --minutes 60` (docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import import_benchmark
+
+
+@pytest.fixture(scope="module")
+def soak():
+    return import_benchmark("chaos_soak")
+
+
+def test_the_identity_counts_every_dropped_kind_and_the_waiting(soak):
+    buffer = {"buffer/generated": 100.0, "buffer/trained": 64.0, "buffer/dropped_stale": 8.0, "buffer/dropped_invalid": 4.0,
+              "buffer/dropped_filtered": 2.0, "buffer/dropped_failed": 4.0, "buffer/waiting": 18.0}
+    assert soak.identity_gap(buffer) == 0
+    assert soak.identity_gap({**buffer, "buffer/dropped_failed": 0.0}) == 4  # four samples nobody accounts for
+    assert soak.identity_gap({}) is None  # (before the first step)
+
+
+def test_versions_must_be_one_to_n_each_once(soak):
+    assert soak.in_order_once([1, 2, 3])
+    assert not soak.in_order_once([1, 2, 2, 3]) and not soak.in_order_once([1, 3]) and not soak.in_order_once([2, 1])
+
+
+def test_only_a_503_inside_a_kills_window_is_excused(soak):
+    requests = [(10.0, 0.1, "chat", 200), (101.0, 0.2, "chat", 503), (170.0, 0.1, "completion", 503),
+                (102.0, 0.1, "chat_stream", "connection"), (103.0, 0.1, "chat", 500)] + [(t, 0.1, "chat", 200) for t in range(200)]
+    out = soak.judge_requests(requests, kills=[100.0], window=60.0)
+    assert out["total"] == 205 and out["by_status"] == {"200": 201, "503": 2, "connection": 1, "500": 1}
+    # the 503 at 101 s is the kill's; the one at 170 s is past its window; a dropped connection or a 500 never is
+    assert [(u["t"], u["status"]) for u in out["unexpected"]] == [(170.0, 503), (102.0, "connection"), (103.0, 500)]
+    assert out["ok_share"] == pytest.approx(201 / 205)
+
+
+def test_latencies_are_of_answered_requests_by_kind(soak):
+    requests = [(0.0, s, "chat", 200) for s in (0.1, 0.2, 0.3, 0.4)] + [(0.0, 9.0, "chat", 503), (0.0, 1.0, "completion", 200)]
+    lat = soak.latency_figures(requests)
+    assert lat["chat"]["count"] == 4 and lat["chat"]["max"] == 0.4 and lat["chat"]["mean"] == pytest.approx(0.25)
+    assert lat["completion"]["p99"] == 1.0
+
+
+def test_rss_growth_is_held_to_the_reference_minute_for_processes_alive_through_the_end(soak):
+    mb = 2**20
+    samples = [(0.0, {"trainer 1": 100 * mb}), (600.0, {"trainer 1": 200 * mb, "engine core 2": 300 * mb}),
+               (1200.0, {"trainer 1": 220 * mb, "engine core 3": 290 * mb})]  # engine core 2 was killed and replaced
+    growth = soak.rss_growth(samples, reference_s=600.0)
+    assert list(growth) == ["trainer 1"] and growth["trainer 1"]["growth"] == pytest.approx(0.10)
+    assert soak.rss_growth(samples, reference_s=5000.0) == {}
