@@ -3,10 +3,13 @@
 Owns: low-rank adapters (PEFT's: y = W x + (alpha / r) B A dropout(x), A Kaiming-uniform, B zero) on the dense
 layers' fused linears under PEFT's target names, at any TP degree; freezing every other parameter; and the
 merged weight W + (alpha / r) B A that exports (pushes, HF export: convert.py) read in place of W.
-How: a forward hook adds each targeted linear's adapter output to its own, in the linear's local layout
-(query groups interleaved for QKV, [gate; up] for fc1, input shards for the row-parallel ones). A column
-linear's A is replicated over TP (its gradient summed over TP), a row linear's A split along its input; B the
-other way. Every A is drawn from one seeded generator whole, so any TP degree starts from the same adapters.
+How: without dropout each targeted linear multiplies by its merged weight W + (alpha / r) B A (one GEMM, as
+the engine that serves the merged push does) and computes only the adapters' gradients in backward (no weight
+gradient of the base: `_MergedLinear`); with dropout a forward hook adds the adapters' output to the linear's.
+Both work in the linear's local layout (query groups interleaved for QKV, [gate; up] for fc1, input shards for
+the row-parallel ones). A column linear's A is replicated over TP (its gradient summed over TP), a row linear's
+A split along its input; B the other way. Every A is drawn from one seeded generator whole, so any TP degree
+starts from the same adapters.
 Must never: change a base weight, its name or the layout exports read; leave a non-adapter parameter trainable.
 """
 
@@ -101,6 +104,21 @@ class LinearAdapters(torch.nn.Module):
                         self._b_blocks().to(out.dtype).t(), alpha=self.scale)
         return y.view(out.shape)
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               dgrad_group: Any) -> torch.Tensor:
+        """The linear's output for `x` with the adapters merged into `weight` (this rank's shard), in place of
+        Megatron's frozen-weight linear: `dgrad_group` all-reduces the input gradient where Megatron's would."""
+        from megatron.core import parallel_state as ps
+
+        a = self.A[self.parts[0]] if len(self.parts) == 1 else torch.cat([self.A[p] for p in self.parts])
+        b = self._b_blocks()
+        if not torch.is_grad_enabled() or not (a.requires_grad or b.requires_grad):
+            y = torch.matmul(x, torch.addmm(weight, b, a, alpha=self.scale).t())
+            return y + bias if bias is not None else y
+        tp = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
+        return _MergedLinear.apply(x, weight, bias, a, b, self.scale, tp if self.row else None,
+                                   None if self.row else tp, dgrad_group)
+
     def _b_blocks(self) -> torch.Tensor:
         """[local out, parts x r]: part i's B in columns i r .. (i + 1) r of its rows (the linear's layout), zeros
         elsewhere, so h (every part's A x, stacked) @ this^T is the sum of the parts' B A x."""
@@ -115,6 +133,65 @@ class LinearAdapters(torch.nn.Module):
         """(alpha / r) B A for this rank's shard of the linear's weight, in its layout (float32)."""
         rows = {p: self.B[p].float() @ self.A[p].float() for p in self.parts}
         return self._assemble(rows, ()) * self.scale
+
+
+class _MergedLinear(torch.autograd.Function):
+    """y = x (W + s B A)^T (+ bias) with W frozen: forward one GEMM by the merged weight (rebuilt by one `addmm`, not
+    kept), backward the input gradient through it and the adapters' gradients from u = x A^T (saved, [tokens, P r]):
+    dB = s dy^T u, dA = (s dy B)^T x, so no pass of the base's weight gradient and none over the output beyond
+    Megatron's. A row linear's u is summed over TP in forward (B reads all of x), a column linear's dy B in backward
+    (A is replicated)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
+                b: torch.Tensor, scale: float, u_group: Any, du_group: Any, dgrad_group: Any) -> torch.Tensor:
+        y = torch.matmul(x, torch.addmm(weight, b, a, alpha=scale).t())
+        if bias is not None:
+            y = y + bias
+        u = torch.matmul(x.reshape(-1, x.shape[-1]), a.t())
+        if u_group is not None:
+            torch.distributed.all_reduce(u, group=u_group)
+        ctx.save_for_backward(x, weight, a, b, u)
+        ctx.scale, ctx.du_group, ctx.dgrad_group = scale, du_group, dgrad_group
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        x, weight, a, b, u = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = torch.matmul(dy2, torch.addmm(weight, b, a, alpha=ctx.scale)).view(*dy.shape[:-1], weight.shape[1])
+        pending = None
+        if ctx.dgrad_group is not None:
+            pending = torch.distributed.all_reduce(dx, group=ctx.dgrad_group, async_op=True)
+        du = torch.matmul(dy2, b).mul_(ctx.scale)
+        if ctx.du_group is not None:
+            torch.distributed.all_reduce(du, group=ctx.du_group)
+        da = torch.matmul(du.t(), x.reshape(-1, x.shape[-1]))
+        db = torch.matmul(dy2.t(), u).mul_(ctx.scale)
+        if pending is not None:
+            pending.wait()
+        return dx, None, None, da, db, None, None, None, None
+
+
+def _merged_impl(module: torch.nn.Module, original: Any) -> Any:
+    """`module._forward_impl` (Megatron's parallel linears call it with the TP-local input and weight) through
+    the adapters' merged weight; with the adapters switched off (`adapters_off`), Megatron's own."""
+
+    def impl(input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        adapters = module.__dict__[REF]
+        if not adapters.enabled:
+            return original(input, weight, *args, **kwargs)
+        if args or kwargs.get("sequence_parallel"):  # (a Megatron whose linears call it otherwise: never drop B A)
+            raise RuntimeError(f"learner.lora: {adapters.slot}'s Megatron linear called with positional arguments or "
+                               "sequence parallelism, which the merged adapters do not handle")
+        group = kwargs.get("tp_group") if kwargs.get("allreduce_dgrad") else None
+        if kwargs.get("allreduce_dgrad") and group is None:
+            from megatron.core import parallel_state as ps
+
+            group = ps.get_tensor_model_parallel_group()
+        return adapters.linear(input, weight, kwargs.get("bias"), group)
+
+    return impl
 
 
 def _hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -181,7 +258,10 @@ def add_adapters(chunks: list[torch.nn.Module], hf_config: Any, *, rank: int, al
             parent = c.get_submodule(name.rsplit(".", 1)[0])
             parent.add_module(slot + SUFFIX, adapters)
             module.__dict__[REF] = adapters  # (not a submodule: its parameters are named once, under the parent)
-            module.register_forward_hook(_hook)
+            if dropout > 0 or not hasattr(module, "_forward_impl"):  # dropout: the adapters see other inputs than W
+                module.register_forward_hook(_hook)
+            else:
+                module._forward_impl = _merged_impl(module, module._forward_impl)
             count += sum(p.numel() for p in adapters.parameters())
     if not count:
         raise ValueError(f"learner.lora.target_modules {list(targets)}: no such linear on this rank's layers")
