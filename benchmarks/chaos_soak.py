@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kill-every", type=float, default=10.0, help="minutes between engine kills (0: none)")
     ap.add_argument("--learner-kill-at", type=float, default=None,
                     help="minute of the one learner-rank kill (default: 45 %% of --minutes; negative: none)")
+    ap.add_argument("--engine-replicas", type=int, default=2,
+                    help="engine replicas kept (min = initial); with one, the API is down while a killed one is replaced")
     ap.add_argument("--concurrency", type=int, default=16, help="API clients at once")
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens per API request")
     ap.add_argument("--window", type=float, default=60.0, help="seconds after a kill in which a 503 is expected")
@@ -269,6 +271,9 @@ class Soak:
         app = cfg["applications"][0]["args"]
         a.run_dir.mkdir(parents=True, exist_ok=True)
         app.setdefault("trainer", {}).update({"total_steps": 1_000_000, "max_restarts": 1})
+        scaling = app.setdefault("generator", {}).setdefault("autoscaling", {})
+        scaling.update({"min_replicas": a.engine_replicas, "initial_replicas": a.engine_replicas,
+                        "max_replicas": max(a.engine_replicas, int(scaling.get("max_replicas", 1)))})
         app.setdefault("checkpoint", {}).update({"dir": str(a.run_dir / "checkpoints"), "interval_steps": a.checkpoint_every})
         app.setdefault("logging", {}).update({"dir": str(a.run_dir)})
         config = a.run_dir / "soak.yaml"
@@ -280,7 +285,7 @@ class Soak:
                                 stderr=subprocess.STDOUT, start_new_session=True)
         report: dict[str, Any] = {"benchmark": "chaos_soak", "config": str(a.config), "minutes": a.minutes,
                                   "kill_every_min": a.kill_every, "learner_kill_at_min": a.learner_kill_at,
-                                  "concurrency": a.concurrency}
+                                  "concurrency": a.concurrency, "engine_replicas": a.engine_replicas}
         async with httpx.AsyncClient() as http:
             start = time.monotonic()
             while True:  # to the first step

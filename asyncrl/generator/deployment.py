@@ -147,6 +147,8 @@ def engine_deployment_options(gen: GeneratorConfig) -> dict[str, Any]:
                               **_engine_runtime_env(gen)},
         # Engines take ~20 s to boot on CPU; the default 30 s startup budget is too tight under load.
         "health_check_timeout_s": 60,
+        # A dead engine fails its replica's health check at once (check_health): found within 2 s, not Serve's 10
+        "health_check_period_s": 2,
         "graceful_shutdown_timeout_s": 10,
     }
 

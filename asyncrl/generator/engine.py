@@ -184,6 +184,7 @@ class EngineReplica(WeightUpdates):
         assert self.limits is not None and self.engine is not None
         validate_request(request, self.limits)
         engine = self.engine
+        self._raise_if_dead()
         prepared = engine.prepare(request.sampling, stream=stream)
         # Callers may reuse request ids (GRPO groups, retries); the engine's id must be unique in flight.
         engine_id = f"{request.request_id}-{next(self._seq)}"
@@ -212,12 +213,24 @@ class EngineReplica(WeightUpdates):
                     self.counters["tokens_generated"] += len(new)
                 if deltas:
                     yield deltas, accs
+        except Exception as err:
+            self.counters["requests_failed"] += 1
+            self._raise_if_dead(err)
+            raise
         except BaseException:
             self.counters["requests_failed"] += 1
             raise
         finally:
             self.counters["ongoing"] -= 1
             source.close(engine_id)
+
+    def _raise_if_dead(self, cause: BaseException | None = None) -> None:
+        """A request to (or on) a replica whose engine died is the service being unavailable until Serve's health
+        check replaces the replica (HTTP 503 with Retry-After at the gateway, which retries it once), not an error
+        of the request."""
+        dead = self.engine.dead() if self.engine is not None else None
+        if dead:
+            raise ReplicaNotReady(f"replica {self.replica_id}: {dead}; it is being replaced") from cause
 
     # ---- pause / resume --------------------------------------------------------------------
 

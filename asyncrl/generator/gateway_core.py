@@ -12,6 +12,7 @@ Must never: forward a request that failed validation, or register a route.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from collections.abc import AsyncIterator
@@ -50,6 +51,18 @@ def _unwrap(err: BaseException) -> list[BaseException]:
         err = getattr(err, "cause", None) or err.__cause__
         seen += 1
     return chain
+
+
+# A request that met a replica not serving (starting, or its engine dead and the replica being replaced) produced
+# nothing: it goes to the router again this many times in all, this far apart (another replica may take it)
+UNAVAILABLE_ATTEMPTS, UNAVAILABLE_RETRY_S = 3, 0.5
+
+
+def replica_unavailable(err: BaseException) -> bool:
+    """Whether `err` says the replica that took the request was not serving (nothing generated: safe to resend)."""
+    from asyncrl.generator.replica_types import ReplicaNotReady
+
+    return any(isinstance(e, ReplicaNotReady) for e in _unwrap(err))
 
 
 def engine_error_to_http(err: BaseException) -> HTTPError:
@@ -183,22 +196,29 @@ class GatewayCore:
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         self.check(request)
-        try:
-            return await self.engine.generate.remote(request)
-        except Exception as err:
-            raise engine_error_to_http(err) from None
+        for attempt in range(UNAVAILABLE_ATTEMPTS):
+            try:
+                return await self.engine.generate.remote(request)
+            except Exception as err:
+                if attempt + 1 == UNAVAILABLE_ATTEMPTS or not replica_unavailable(err):
+                    raise engine_error_to_http(err) from None
+            await asyncio.sleep(UNAVAILABLE_RETRY_S)
+        raise AssertionError("unreachable")
 
     async def stream(self, request: GenerationRequest) -> tuple[list[CompletionDelta], AsyncIterator[list[CompletionDelta]]]:
         """(first chunk, rest). The first chunk is awaited here so errors become statuses, not broken streams."""
         self.check(request)
-        gen = self._stream_handle.generate_stream.remote(request)
-        try:
-            first = await gen.__anext__()
-        except StopAsyncIteration:
-            first = []
-        except Exception as err:
-            raise engine_error_to_http(err) from None
-        return first, gen
+        for attempt in range(UNAVAILABLE_ATTEMPTS):
+            gen = self._stream_handle.generate_stream.remote(request)
+            try:
+                return await gen.__anext__(), gen
+            except StopAsyncIteration:
+                return [], gen
+            except Exception as err:
+                if attempt + 1 == UNAVAILABLE_ATTEMPTS or not replica_unavailable(err):
+                    raise engine_error_to_http(err) from None
+            await asyncio.sleep(UNAVAILABLE_RETRY_S)
+        raise AssertionError("unreachable")
 
     # ---- admin / status --------------------------------------------------------------------
 

@@ -428,8 +428,10 @@ def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_sess
     assert b["buffer/trained"] == total * 16
     assert b["buffer/generated"] == (b["buffer/trained"] + b["buffer/dropped_stale"] + b["buffer/dropped_invalid"] + b["buffer/dropped_filtered"]
                                      + b["buffer/dropped_failed"] + b["buffer/waiting"])
-    # The API answered after the fault (a new engine, on the live weights), and ended on the last version.
+    # The API answered after the fault (a new engine, on the live weights), and ended on the last version; while the
+    # replica was down it answered 503 (its engine dead: unavailable, with Retry-After), never 500.
     assert any(code == 200 and t > fault["at"] for t, code in seen["answers"])
+    assert {code for _, code in seen["answers"]} <= {200, 503}, seen["answers"]
     assert seen["openai_status"] == 200 and seen["openai_header"] == str(total)
     metrics = _steps(_lines(tmp_path / "metrics.jsonl"))
     assert [m["step"] for m in metrics] == list(range(1, total + 1))

@@ -647,3 +647,78 @@ def test_a_max_model_len_the_kv_cache_cannot_hold_fails_before_the_engine_starts
     check_kv_budget(config(), model, device_bytes=(weights + per_token * 256) / 0.1 + 1)
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0.1 of the device's .* less this worker's"):
         check_kv_budget(config(), model, device_bytes=(weights + per_token * 100) / 0.1)
+
+
+def test_a_request_that_meets_a_replica_not_serving_is_resent_then_503():
+    """A replica whose engine died raises ReplicaNotReady (nothing generated): the gateway sends the request to the
+    router again (another replica may take it) and, when every attempt meets one, answers 503 with Retry-After, never
+    500. A request error is never resent."""
+    from asyncrl.generator import gateway_core
+    from asyncrl.generator.replica_types import ReplicaNotReady
+
+    def core(answers: list) -> SimpleNamespace:
+        async def remote(request):
+            answer = answers.pop(0)
+            if isinstance(answer, BaseException):
+                wrapped = RuntimeError("ray task error")  # as Ray wraps a replica's exception
+                wrapped.cause = answer
+                raise wrapped
+            return answer
+
+        return SimpleNamespace(check=lambda r: None, engine=SimpleNamespace(generate=SimpleNamespace(remote=remote)), answers=answers)
+
+    request = GenerationRequest(request_id="r", prompt_ids=[1], sampling=SamplingParams(max_tokens=1))
+    dead = ReplicaNotReady("replica x: engine is dead; it is being replaced")
+    gateway_core.UNAVAILABLE_RETRY_S, saved = 0.0, gateway_core.UNAVAILABLE_RETRY_S
+    try:
+        ok = core([dead, "result"])
+        assert asyncio.run(GatewayCore.generate(ok, request)) == "result" and not ok.answers
+        down = core([dead] * gateway_core.UNAVAILABLE_ATTEMPTS)
+        with pytest.raises(HTTPError) as err:
+            asyncio.run(GatewayCore.generate(down, request))
+        assert err.value.status == 503 and err.value.headers["Retry-After"] and not down.answers
+        bad = core([RequestError("n", "too big"), "never sent"])
+        with pytest.raises(HTTPError) as err:
+            asyncio.run(GatewayCore.generate(bad, request))
+        assert err.value.status == 400 and bad.answers == ["never sent"]
+    finally:
+        gateway_core.UNAVAILABLE_RETRY_S = saved
+
+
+def test_a_replica_whose_engine_died_refuses_requests_as_not_ready():
+    """EngineReplica._iterate on a dead engine (before and during a request) raises ReplicaNotReady, which the gateway
+    answers with 503, instead of the engine's own error (a 500)."""
+    from asyncrl.generator.engine import EngineReplica
+    from asyncrl.generator.replica_types import ReplicaNotReady, ReplicaState
+
+    class DeadEngine:
+        def __init__(self, dead_at_start: bool) -> None:
+            self.is_dead = dead_at_start
+
+        def dead(self):
+            return "engine is dead: EngineCore died" if self.is_dead else None
+
+        def prepare(self, sampling, stream):
+            return None
+
+        async def outputs(self, engine_id, prompt_ids, prepared, handed_over):
+            self.is_dead = True
+            raise RuntimeError("EngineDeadError")
+            yield  # (an async generator)
+
+    class Source:
+        def open(self, *a): pass
+        def close(self, *a): pass
+        def handed_over(self, *a): pass
+
+    for dead_at_start in (True, False):
+        replica = EngineReplica.__new__(EngineReplica)
+        replica.state, replica.replica_id, replica.version = ReplicaState.READY, "x", 0
+        replica.limits = Limits(max_n=4, max_model_len=64, vocab_size=100)
+        replica.engine, replica._versions = DeadEngine(dead_at_start), Source()
+        replica.counters = {"requests": 0, "ongoing": 0, "requests_failed": 0}
+        replica._seq = iter(range(10))
+        request = GenerationRequest(request_id="r", prompt_ids=[1], sampling=SamplingParams(max_tokens=1))
+        with pytest.raises(ReplicaNotReady, match="engine is dead"):
+            asyncio.run(replica.generate(request))
+        assert engine_error_to_http(ReplicaNotReady("x")).status == 503
