@@ -54,8 +54,9 @@ def _unwrap(err: BaseException) -> list[BaseException]:
 
 
 # A request that met a replica not serving (starting, or its engine dead and the replica being replaced) produced
-# nothing: it goes to the router again this many times in all, this far apart (another replica may take it)
-UNAVAILABLE_ATTEMPTS, UNAVAILABLE_RETRY_S = 3, 0.5
+# nothing: it goes to the router again, this many times in all, the waits doubling from UNAVAILABLE_RETRY_S (0.5,
+# 1, 2 s: past the engine deployment's 2 s health check, after which the router no longer picks that replica)
+UNAVAILABLE_ATTEMPTS, UNAVAILABLE_RETRY_S = 4, 0.5
 
 
 def replica_unavailable(err: BaseException) -> bool:
@@ -202,7 +203,7 @@ class GatewayCore:
             except Exception as err:
                 if attempt + 1 == UNAVAILABLE_ATTEMPTS or not replica_unavailable(err):
                     raise engine_error_to_http(err) from None
-            await asyncio.sleep(UNAVAILABLE_RETRY_S)
+            await asyncio.sleep(UNAVAILABLE_RETRY_S * 2**attempt)
         raise AssertionError("unreachable")
 
     async def stream(self, request: GenerationRequest) -> tuple[list[CompletionDelta], AsyncIterator[list[CompletionDelta]]]:
@@ -217,7 +218,7 @@ class GatewayCore:
             except Exception as err:
                 if attempt + 1 == UNAVAILABLE_ATTEMPTS or not replica_unavailable(err):
                     raise engine_error_to_http(err) from None
-            await asyncio.sleep(UNAVAILABLE_RETRY_S)
+            await asyncio.sleep(UNAVAILABLE_RETRY_S * 2**attempt)
         raise AssertionError("unreachable")
 
     # ---- admin / status --------------------------------------------------------------------

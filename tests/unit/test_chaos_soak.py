@@ -29,12 +29,15 @@ def test_versions_must_be_one_to_n_each_once(soak):
 
 def test_only_a_503_inside_a_kills_window_is_excused(soak):
     requests = [(10.0, 0.1, "chat", 200), (101.0, 0.2, "chat", 503), (170.0, 0.1, "completion", 503),
-                (102.0, 0.1, "chat_stream", "connection"), (103.0, 0.1, "chat", 500)] + [(t, 0.1, "chat", 200) for t in range(200)]
+                (102.0, 0.1, "chat_stream", "connection"), (103.0, 0.1, "chat", 500), (99.0, 1.5, "chat", 503),
+                (98.0, 1.0, "chat", 503)] + [(t, 0.1, "chat", 200) for t in range(200)]
     out = soak.judge_requests(requests, kills=[100.0], window=60.0)
-    assert out["total"] == 205 and out["by_status"] == {"200": 201, "503": 2, "connection": 1, "500": 1}
-    # the 503 at 101 s is the kill's; the one at 170 s is past its window; a dropped connection or a 500 never is
-    assert [(u["t"], u["status"]) for u in out["unexpected"]] == [(170.0, 503), (102.0, "connection"), (103.0, 500)]
-    assert out["ok_share"] == pytest.approx(201 / 205)
+    assert out["total"] == 207 and out["by_status"] == {"200": 201, "503": 4, "connection": 1, "500": 1}
+    # the 503 at 101 s is the kill's, and so is the one in flight at it (99 s for 1.5 s); the one at 170 s is past its
+    # window, the one that ended before the kill (98 s for 1 s) came before it; a dropped connection or a 500 never is
+    assert [(u["t"], u["status"]) for u in out["unexpected"]] == [(170.0, 503), (102.0, "connection"), (103.0, 500),
+                                                                  (98.0, 503)]
+    assert out["ok_share"] == pytest.approx(201 / 207)
 
 
 def test_latencies_are_of_answered_requests_by_kind(soak):
