@@ -27,6 +27,7 @@ from asyncrl.config import GeneratorConfig, ModelConfig
 from asyncrl.generator.control import EngineControl, ReplicaControlError
 from asyncrl.generator.episodes import EpisodeLedger
 from asyncrl.generator.metrics import GatewayMetrics
+from asyncrl.generator.replica_types import replica_unavailable
 from asyncrl.generator.sampling import Limits, RequestError, validate_request
 from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult, SamplingParams
 
@@ -57,13 +58,6 @@ def _unwrap(err: BaseException) -> list[BaseException]:
 # nothing: it goes to the router again, this many times in all, the waits doubling from UNAVAILABLE_RETRY_S (0.5,
 # 1, 2 s: past the engine deployment's 2 s health check, after which the router no longer picks that replica)
 UNAVAILABLE_ATTEMPTS, UNAVAILABLE_RETRY_S = 4, 0.5
-
-
-def replica_unavailable(err: BaseException) -> bool:
-    """Whether `err` says the replica that took the request was not serving (nothing generated: safe to resend)."""
-    from asyncrl.generator.replica_types import ReplicaNotReady
-
-    return any(isinstance(e, ReplicaNotReady) for e in _unwrap(err))
 
 
 def engine_error_to_http(err: BaseException) -> HTTPError:

@@ -47,4 +47,15 @@ class WeightUpdateError(RuntimeError):
 
 
 class ReplicaNotReady(RuntimeError):
-    """The replica cannot serve (starting, catching up, stopped)."""
+    """The replica cannot serve (starting, catching up, stopped, its engine dead): nothing was generated."""
+
+
+def replica_unavailable(err: BaseException) -> bool:
+    """Whether `err` (or what it wraps: Ray's `cause`, `__cause__`) says the replica that took the request was not
+    serving, so the request may be sent again as it was."""
+    seen = 0
+    while err is not None and seen < 6:
+        if isinstance(err, ReplicaNotReady):
+            return True
+        err, seen = getattr(err, "cause", None) or err.__cause__, seen + 1
+    return False

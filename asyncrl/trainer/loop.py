@@ -281,7 +281,15 @@ class Trainer:
         return {**metrics, **adv_metrics}
 
     async def _evaluate(self) -> dict[str, float]:
-        accuracy = await self.p.evaluate()
+        """The held-out accuracy at this version; an evaluation that fails (every attempt of a request, an engine
+        lost meanwhile) is skipped with a warning and `eval/failed`, never the run's failure."""
+        try:
+            accuracy = await self.p.evaluate()
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a measurement, not training: the next interval evaluates again
+            log.warning("evaluation at version %d failed, skipped: %s: %s", self.version, type(err).__name__, err)
+            return {"eval/failed": 1.0}
         self.eval_history.append((self.version, accuracy))
         return {"eval/accuracy": accuracy}
 

@@ -28,7 +28,7 @@ from asyncrl.config import DataConfig, RootConfig
 from asyncrl.data import ArithmeticTask, Prompt, load_jsonl_prompts, render_prompt
 from asyncrl.trainer.data_stream import PromptStream
 from asyncrl.trainer.placement import build_placement
-from asyncrl.trainer.rollout import RolloutWorkers
+from asyncrl.trainer.rollout import RolloutCounters, RolloutWorkers, generate_with_retry
 from asyncrl.trainer.step import needs_reference
 from asyncrl.trainer.tracking import MetricsTracker
 from asyncrl.types import GenerationRequest, GenerationResult, Sample, SamplingParams
@@ -345,8 +345,9 @@ class TrainerParts:
             ids = self.tokenizer(render_prompt(self.tokenizer, p), add_special_tokens=False)["input_ids"]
             req = GenerationRequest(prompt_ids=ids,
                                     sampling=SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.algorithm.max_new_tokens, logprobs=False))
-            async with sem:
-                result = await self.generate(req)
+            async with sem:  # (a replica being replaced is waited out, a failed call retried as a rollout's)
+                result = await generate_with_retry(self.generate, req, attempts=self.cfg.trainer.rollout_attempts,
+                                                   counters=RolloutCounters(), timeout_s=self.cfg.trainer.rollout_timeout_s)
             c = result.completions[0]
             outcome = (await self.eval_scorer.score([c.text], [p.answer], [p.metadata],
                                                     token_ids=[(result.prompt_ids, list(c.token_ids))]))[0]

@@ -27,6 +27,7 @@ import msgspec
 
 from asyncrl.config import AlgorithmConfig
 from asyncrl.data.prompts import Prompt, render_prompt
+from asyncrl.generator.replica_types import replica_unavailable
 from asyncrl.generator.sampling import RequestError
 from asyncrl.rewards.pool import RewardOutcome
 from asyncrl.trainer.data_stream import PromptStream
@@ -61,6 +62,7 @@ class RolloutCounters:
     failed: int = 0  # generation failed after all attempts: given up on (buffer/dropped_failed)
     retries: int = 0
     timeouts: int = 0  # attempts that ran past the rollout deadline (aborted in the engine)
+    unavailable: int = 0  # calls that met a replica not serving (waited out, not counted as attempts)
     tokens: int = 0
     staleness_sum: float = 0.0  # version spread inside completions (first token vs last token)
     version_switches: int = 0  # completions whose tokens span more than one weight version
@@ -74,6 +76,7 @@ class RolloutCounters:
             "rollout/failed": self.failed,
             "rollout/retries": self.retries,
             "rollout/timeouts": self.timeouts,
+            "rollout/unavailable": self.unavailable,
             "rollout/tokens": self.tokens,
             "rollout/multi_version_completions": self.version_switches,
         }
@@ -83,13 +86,24 @@ class RolloutTimeout(TimeoutError):
     """One generation attempt ran past `trainer.rollout_timeout_s` (it was cancelled in the engine)."""
 
 
+# A replica that says it is not serving (its engine dead and the replica being replaced, or starting) is waited out,
+# the waits doubling up to UNAVAILABLE_MAX_WAIT_S, for UNAVAILABLE_FOR_S at most without using up an attempt: Serve's
+# router keeps picking a dead replica until its health check fails (seconds), and with one replica the API has
+# nothing else until the new one loaded the live version (tens of seconds on 2 CPU cores)
+UNAVAILABLE_FOR_S, UNAVAILABLE_MAX_WAIT_S = 120.0, 4.0
+
+
 async def generate_with_retry(generate: GenerateFn, request: GenerationRequest, *, attempts: int, counters: RolloutCounters,
                               backoff_s: float = 0.5, timeout_s: float | None = None) -> GenerationResult:
     """Call the engine deployment; a replica that died mid-request, or an attempt that ran past
     `timeout_s` (cancelled, which aborts the request in the engine), is retried (Serve routes the
     retry to a live replica). Re-raises the last error after `attempts` tries, and a request the engine refused
-    (`RequestError`: bad sampling parameters, a prompt too long) at once."""
-    for attempt in range(attempts):
+    (`RequestError`: bad sampling parameters, a prompt too long) at once. A replica not serving (`ReplicaNotReady`,
+    nothing generated) is retried without counting as an attempt, for `UNAVAILABLE_FOR_S` at most."""
+    loop = asyncio.get_running_loop()
+    unavailable_until, wait = loop.time() + UNAVAILABLE_FOR_S, backoff_s
+    attempt = 0
+    while True:
         try:
             deadline = asyncio.timeout(timeout_s)
             try:
@@ -103,12 +117,19 @@ async def generate_with_retry(generate: GenerateFn, request: GenerationRequest, 
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001 - any replica failure is retryable here
-            if attempt == attempts - 1 or isinstance(err, RequestError):  # (a refused request is refused again)
+            if isinstance(err, RequestError):  # (a refused request is refused again)
+                raise
+            if replica_unavailable(err) and loop.time() + wait < unavailable_until:
+                counters.unavailable += 1
+                await asyncio.sleep(wait)
+                wait = min(2 * wait, UNAVAILABLE_MAX_WAIT_S)
+                continue
+            if attempt == attempts - 1:
                 raise
             counters.retries += 1
             log.warning("generation attempt %d failed (%s); retrying", attempt + 1, err)
             await asyncio.sleep(backoff_s * (2**attempt))
-    raise AssertionError("unreachable")
+            attempt += 1
 
 
 class RolloutWorkers:

@@ -160,6 +160,29 @@ async def test_no_evaluation_at_all_when_none_is_asked_for():
     assert trainer.state == "finished" and ("evaluate",) not in log and trainer.status()["eval_history"] == []
 
 
+async def test_an_evaluation_that_fails_is_skipped_and_training_goes_on():
+    """An engine lost while the held-out set is generated (the chaos soak's run failed on this): that evaluation is
+    skipped with `eval/failed`, the run trains to its end and the next interval evaluates again."""
+    log: list = []
+    parts = _parts(log)
+    calls = []
+
+    async def evaluate():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("ReplicaNotReady: engine is dead")
+        return 0.5
+
+    parts.evaluate = evaluate
+    logged = []
+    parts.log = lambda version, metrics: logged.append((version, dict(metrics)))
+    trainer = Trainer(_cfg(3, eval_interval_steps=1), parts)
+    await trainer.run()
+    assert trainer.state == "finished" and trainer.version == 3 and len(calls) == 4
+    assert trainer.status()["eval_history"] == [(0, 0.5), (2, 0.5), (3, 0.5)]
+    assert [m.get("eval/failed") for _, m in logged if "eval/failed" in m] == [1.0]
+
+
 @pytest.mark.parametrize("algorithm, separate", [
     ({}, False),  # no reference: the update's first forward is the proximal pass
     ({"proximal_logprobs": "separate_pass"}, True),  # asked for

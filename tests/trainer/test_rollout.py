@@ -233,6 +233,48 @@ async def test_an_engine_side_timeout_error_is_a_failed_attempt_not_a_deadline()
     assert (counters.timeouts, counters.retries) == (0, 1)
 
 
+async def test_a_replica_not_serving_is_waited_out_without_using_an_attempt(monkeypatch):
+    """ReplicaNotReady (an engine that died, its replica being replaced) is retried with doubling waits and no attempt
+    used up, so a prompt is not given up on while Serve still routes to the dead replica; past UNAVAILABLE_FOR_S it is
+    an attempt like any failure. A request error is raised at once."""
+    from asyncrl.generator.replica_types import ReplicaNotReady
+    from asyncrl.generator.sampling import RequestError
+    from asyncrl.trainer import rollout
+    from asyncrl.trainer.rollout import RolloutCounters, generate_with_retry
+
+    sleeps = []
+
+    async def sleep(s):
+        sleeps.append(s)
+
+    monkeypatch.setattr(rollout.asyncio, "sleep", sleep)
+    answers = [ReplicaNotReady("dead")] * 5 + [RuntimeError("replica died mid-request"), "result"]
+
+    async def engine(request):
+        answer = answers.pop(0)
+        if isinstance(answer, RequestError):  # (Ray's error for it is also a RequestError)
+            raise answer
+        if isinstance(answer, BaseException):
+            wrapped = RuntimeError("ray task error")
+            wrapped.cause = answer
+            raise wrapped
+        return answer
+
+    counters = RolloutCounters()
+    assert await generate_with_retry(engine, None, attempts=2, counters=counters, backoff_s=0.5) == "result"
+    assert (counters.unavailable, counters.retries) == (5, 1)
+    assert sleeps == [0.5, 1.0, 2.0, 4.0, 4.0, 0.5]  # doubling to UNAVAILABLE_MAX_WAIT_S, then the attempt's backoff
+
+    monkeypatch.setattr(rollout, "UNAVAILABLE_FOR_S", 0.0)  # no time left to wait: an attempt like any failure
+    answers[:] = [ReplicaNotReady("dead")] * 2
+    with pytest.raises(RuntimeError):
+        await generate_with_retry(engine, None, attempts=2, counters=RolloutCounters(), backoff_s=0.0)
+    answers[:] = [RequestError("n", "too big"), "never"]
+    with pytest.raises(RequestError):
+        await generate_with_retry(engine, None, attempts=3, counters=RolloutCounters(), backoff_s=0.0)
+    assert answers == ["never"]
+
+
 def test_chat_prompts_are_sent_as_their_whole_chat(demo_model_path):
     """A dataset's chat prompt (system turn and all) reaches the engine rendered by the chat
     template; the same question without the chat is another prompt (the cache keys on both)."""
