@@ -198,6 +198,9 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"asyncrl serve: drain: {err!r}", flush=True)
         raise KeyboardInterrupt(f"signal {signum}")
 
+    # A Ray that this starts keeps the events of at most 10k tasks in its GCS: with Ray's default (100k) the GCS
+    # grows for most of a long run, every request and control call being a task; a value set outside wins
+    os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "10000")
     ray.init(address=args.address, namespace=SERVE_NAMESPACE)  # as `serve run` would; it then reuses it
     signal.signal(signal.SIGTERM, drain)  # after ray.init, which installs its own
     signal.signal(signal.SIGINT, drain)

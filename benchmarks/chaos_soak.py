@@ -121,14 +121,20 @@ def latency_figures(requests: list[tuple[float, float, str, Any]]) -> dict[str, 
 
 
 def rss_growth(samples: list[tuple[float, dict[str, float]]], reference_s: float) -> dict[str, dict[str, float]]:
-    """`samples`: (seconds since the first step, {process: RSS bytes}). For every process seen in the first sample
-    at or after `reference_s` and in the last sample: its RSS then and at the end, and the growth (end / then - 1)."""
-    later = [s for s in samples if s[0] >= reference_s]
-    if not later:
+    """`samples`: (seconds since the first step, {process: RSS bytes}). For every process in the last sample: its RSS
+    `reference_s` into its own life (at the run's `reference_s` for one there from the start; a replacement started
+    later, e.g. an engine replica after a kill, from its own start: its first minutes are its load, not growth) and at
+    the end, and the growth (end / then - 1); a process younger than that at the end is not judged."""
+    if not samples:
         return {}
-    (_, ref), (_, end) = later[0], samples[-1]
-    return {name: {"reference_mb": ref[name] / 2**20, "end_mb": end[name] / 2**20, "growth": end[name] / ref[name] - 1}
-            for name in sorted(ref) if name in end and ref[name] > 0}
+    end = samples[-1][1]
+    out = {}
+    for name in sorted(end):
+        born = next(t for t, by in samples if name in by)
+        ref = next((by[name] for t, by in samples if t >= born + reference_s and name in by), None)
+        if ref:
+            out[name] = {"reference_mb": ref / 2**20, "end_mb": end[name] / 2**20, "growth": end[name] / ref - 1}
+    return out
 
 
 # ---- the run ------------------------------------------------------------------------------------------------------

@@ -49,8 +49,13 @@ def test_latencies_are_of_answered_requests_by_kind(soak):
 
 def test_rss_growth_is_held_to_the_reference_minute_for_processes_alive_through_the_end(soak):
     mb = 2**20
+    # engine core 2 was killed and replaced by 3 at 600 s; 4 started at 1500 s, too young at the end to be judged
     samples = [(0.0, {"trainer 1": 100 * mb}), (600.0, {"trainer 1": 200 * mb, "engine core 2": 300 * mb}),
-               (1200.0, {"trainer 1": 220 * mb, "engine core 3": 290 * mb})]  # engine core 2 was killed and replaced
+               (630.0, {"trainer 1": 200 * mb, "engine core 3": 100 * mb}),  # (loading)
+               (1230.0, {"trainer 1": 210 * mb, "engine core 3": 280 * mb}),
+               (1800.0, {"trainer 1": 220 * mb, "engine core 3": 294 * mb, "engine core 4": 300 * mb})]
     growth = soak.rss_growth(samples, reference_s=600.0)
-    assert list(growth) == ["trainer 1"] and growth["trainer 1"]["growth"] == pytest.approx(0.10)
+    assert list(growth) == ["engine core 3", "trainer 1"]
+    assert growth["trainer 1"]["growth"] == pytest.approx(0.10)  # from 200 at the run's 600 s
+    assert growth["engine core 3"]["growth"] == pytest.approx(0.05)  # from 280, 600 s into its own life
     assert soak.rss_growth(samples, reference_s=5000.0) == {}
