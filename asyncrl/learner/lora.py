@@ -6,10 +6,9 @@ merged weight W + (alpha / r) B A that exports (pushes, HF export: convert.py) r
 How: without dropout each targeted linear multiplies by its merged weight W + (alpha / r) B A (one GEMM, as
 the engine that serves the merged push does) and computes only the adapters' gradients in backward (no weight
 gradient of the base: `_MergedLinear`); with dropout a forward hook adds the adapters' output to the linear's.
-Both work in the linear's local layout (query groups interleaved for QKV, [gate; up] for fc1, input shards for
-the row-parallel ones). A column linear's A is replicated over TP (its gradient summed over TP), a row linear's
-A split along its input; B the other way. Every A is drawn from one seeded generator whole, so any TP degree
-starts from the same adapters.
+Both work in the linear's local layout (QKV query groups interleaved, fc1 [gate; up], row linears' input
+shards): a column linear's A is replicated over TP (gradient summed over TP), a row linear's A split along its
+input, B the other way; every A comes whole from one seeded generator, so any TP degree starts alike.
 Must never: change a base weight, its name or the layout exports read; leave a non-adapter parameter trainable.
 """
 
