@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
+from asyncrl.types import CommitReport, CompletionDelta, GenerationRequest, GenerationResult, LoadReport, UpdateAck
 
 
 def api_verbs(api: type) -> list[str]:
@@ -23,7 +23,8 @@ def api_verbs(api: type) -> list[str]:
 
 
 class EngineAPI(Protocol):
-    """One engine replica. Every control verb answers a dict with the replica's `replica_id`."""
+    """One engine replica. Every control verb answers with the replica's `replica_id` (a `ReplicaAnswer`, or a
+    dict holding it)."""
 
     # ---- generation (routed to one replica by Serve)
     async def generate(self, request: GenerationRequest) -> GenerationResult: ...
@@ -40,14 +41,14 @@ class EngineAPI(Protocol):
     async def resume(self) -> dict[str, Any]: ...
 
     async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
-                           plan_id: str | None = None) -> dict[str, Any]:
+                           plan_id: str | None = None) -> UpdateAck:
         """Start staging `version` (see weightsync/replicas.py for the update contract)."""
 
-    async def load_bucket(self, named_tensors: Any, version: int | None = None) -> dict[str, Any]: ...
+    async def load_bucket(self, named_tensors: Any, version: int | None = None) -> LoadReport | CommitReport: ...
 
-    async def commit_update(self, version: int, fingerprint: str) -> dict[str, Any]: ...
+    async def commit_update(self, version: int, fingerprint: str) -> CommitReport: ...
 
-    async def abort_update(self) -> dict[str, Any]: ...
+    async def abort_update(self) -> UpdateAck: ...
 
     async def engine_layout(self, manifest: bytes) -> dict[str, Any]: ...
 

@@ -177,6 +177,38 @@ class WeightVersion(msgspec.Struct, kw_only=True):
     error: str | None = None
 
 
+class ReplicaAnswer(msgspec.Struct, kw_only=True, frozen=True):
+    """What an engine replica answers a weight verb: every answer names its replica (EngineControl keys a
+    fan-out's answers by it)."""
+
+    replica_id: str
+
+
+class UpdateAck(ReplicaAnswer, frozen=True):
+    """`begin_update`: the version the replica now stages; `abort_update`: the version it serves."""
+
+    version: int
+
+
+class LoadReport(ReplicaAnswer, frozen=True):
+    """`load_bucket` that only staged: the tensors this call staged."""
+
+    staged_tensors: int
+
+
+class CommitReport(ReplicaAnswer, frozen=True):
+    """A replica's commit (`commit_update`, or a `load_bucket` that committed): the version now live and how it
+    was applied (`path`: "direct" copy into the parameters, "reload" through the engine's loaders); `seconds`:
+    where its paused window went (apply, reload, paused, pause_call, apply_rpc, relabel, resume_call)."""
+
+    version: int
+    path: str
+    applied_as_received: bool = False
+    seconds: dict[str, float] = msgspec.field(default_factory=dict)
+    fingerprint: str | None = None  # a load that committed: the senders' fingerprint it checked
+    staged_tensors: int = 0  # a load that committed: the tensors it staged
+
+
 # Errors that cross a boundary: raised by a learner group, caught by the loop and by weightsync.
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from asyncrl.generator.deployment import ENGINE_DEPLOYMENT, ReplicaCallError
 from asyncrl.interfaces import ENGINE_BROADCAST_VERBS, EngineAPI, verb_name
-from asyncrl.types import Refusal, ReplicaControlError  # noqa: F401 - ReplicaControlError: re-exported, what EngineControl raises
+from asyncrl.types import Refusal, ReplicaAnswer, ReplicaControlError  # noqa: F401 - ReplicaControlError: re-exported, what EngineControl raises
 
 
 def _replica_error(err: BaseException) -> ReplicaCallError | None:
@@ -61,6 +61,8 @@ class EngineControl:
                     refusals[rid] = tagged.refusal
                 if tagged is not None and tagged.applying:
                     applying.add(rid)
+            elif isinstance(outcome, ReplicaAnswer):
+                results[outcome.replica_id] = outcome
             elif isinstance(outcome, dict) and "replica_id" in outcome:
                 results[outcome["replica_id"]] = outcome
             else:

@@ -17,9 +17,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from asyncrl.generator.replica_types import ReplicaState, UpdateState, WeightUpdateError
 from asyncrl.interfaces import WorkerAPI, verb_name
-from asyncrl.types import Refusal, refusal_of
+from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck, refusal_of
 from asyncrl.weightsync import trace
 from asyncrl.weightsync.collective import CollectiveReceive, is_gate_closed
 from asyncrl.weightsync.fingerprint import check_verify_mode
@@ -64,7 +66,7 @@ class WeightUpdates:
             return {"replica_id": self.replica_id, "plan_id": plan_id}
 
     async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
-                           plan_id: str | None = None) -> dict[str, Any]:
+                           plan_id: str | None = None) -> UpdateAck:
         """Start staging `version`; buckets are hashed as they arrive in `verify` mode (weightsync/fingerprint.py).
         `layout`: "engine" (packed for a copy into the parameters) or "hf"; `staging`: "full" or "bucketed"."""
         trace.mark("rep.begin")
@@ -72,7 +74,7 @@ class WeightUpdates:
             return await self._begin(version, verify, staging, layout, plan_id)
 
     async def _begin(self, version: int, verify: str, staging: str, layout: str, plan_id: str | None,
-                     with_receive: Any = None) -> dict[str, Any]:
+                     with_receive: Any = None) -> UpdateAck:
         """`begin_update` under the control lock. `with_receive` (a `CollectiveReceive`): the
         workers begin in its receive; a refusal here tells its senders at once."""
         try:
@@ -93,9 +95,9 @@ class WeightUpdates:
             # the label goes back with the weights, so tokens stay truthfully tagged.
             logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
         self.update_state, self._staging_version, self._staged_tensors = UpdateState.STAGING, version, 0
-        return {"replica_id": self.replica_id, "staging": version}
+        return UpdateAck(replica_id=self.replica_id, version=version)
 
-    async def load_bucket(self, named_tensors: Any, version: int | None = None) -> dict[str, Any]:
+    async def load_bucket(self, named_tensors: Any, version: int | None = None) -> LoadReport | CommitReport:
         """Stage a payload. A `CollectiveReceive` with `begin` begins the update in the same call
         (and its workers in their receive); one with `commit` then checks the senders' own
         fingerprint and commits, as `commit_update` would (with `begin`: one call for the push)."""
@@ -120,7 +122,7 @@ class WeightUpdates:
         except Exception as refuse_err:  # noqa: BLE001 - the load's own failure is the one reported
             logger.warning("replica %s: could not refuse the push: %s", self.replica_id, refuse_err)
 
-    async def _load_bucket(self, named_tensors: Any, version: int | None) -> dict[str, Any]:
+    async def _load_bucket(self, named_tensors: Any, version: int | None) -> LoadReport | CommitReport:
         """`load_bucket` under the control lock."""
         folded = isinstance(named_tensors, CollectiveReceive) and named_tensors.begin is not None
         if folded:
@@ -133,7 +135,7 @@ class WeightUpdates:
             named_tensors = await named_tensors
         commit = isinstance(named_tensors, CollectiveReceive) and named_tensors.commit
         if not commit:
-            return {"replica_id": self.replica_id, "staged_tensors": await self._load(named_tensors)}
+            return LoadReport(replica_id=self.replica_id, staged_tensors=await self._load(named_tensors))
         # A load that commits pauses the engine while it receives: the pause's round trip runs
         # beside the receive's instead of after it, and either order is correct (nothing is
         # applied before both are done). The engine runs no step during the receive anyway: the
@@ -217,7 +219,7 @@ class WeightUpdates:
             trace.mark("rep.checked")
             committed = await self._commit(self._staging_version, fingerprint, paused_at=paused_at)
             trace.mark("rep.return")
-            return {**committed, "fingerprint": fingerprint, "staged_tensors": staged}
+            return msgspec.structs.replace(committed, fingerprint=fingerprint, staged_tensors=staged)
         except BaseException as err:
             if isinstance(loads, asyncio.Future) and not loads.done():  # this call was cancelled
                 loads.cancel()
@@ -337,7 +339,7 @@ class WeightUpdates:
         await self._rpc(WorkerAPI.asyncrl_leave_collective)
         return {"replica_id": self.replica_id}
 
-    async def commit_update(self, version: int, fingerprint: str) -> dict[str, Any]:
+    async def commit_update(self, version: int, fingerprint: str) -> CommitReport:
         """Check the staged version against `fingerprint` (nothing applied if it differs), then,
         paused, apply it and relabel. A caller that did not pause gets the pause here, and the
         resume after a successful apply; a failed apply leaves the replica paused (weightsync
@@ -345,7 +347,7 @@ class WeightUpdates:
         async with self._control_lock:
             return await self._commit(version, fingerprint)
 
-    async def _commit(self, version: int, fingerprint: str, paused_at: float | None = None) -> dict[str, Any]:
+    async def _commit(self, version: int, fingerprint: str, paused_at: float | None = None) -> CommitReport:
         """`commit_update` under the control lock. `paused_at`: the caller paused the engine for
         this commit (then), and this resumes it after the apply, as for its own pause."""
         if self.update_state is not UpdateState.STAGING or self._staging_version != version:
@@ -409,14 +411,16 @@ class WeightUpdates:
         elif self.state is ReplicaState.READY and (paused_here or self._may_run()):
             await self._settle()
         end = time.perf_counter()
-        return {"replica_id": self.replica_id, "version": self.version, "path": applied["path"],
-                "apply_seconds": applied["apply_seconds"], "applied_as_received": bool(applied.get("early")),
-                "reload_seconds": applied["apply_seconds"] if applied["path"] == "reload" else 0.0,
-                "paused_seconds": end - t_pause if paused_here else 0.0,
-                # where the paused window goes: the engine's pause, the workers' round trip
-                # (the apply inside it), the relabel, the resume
-                "pause_call_seconds": t_paused - t_pause, "apply_rpc_seconds": t_applied - t_paused,
-                "relabel_seconds": t_relabelled - t_applied, "resume_call_seconds": end - t_relabelled}
+        apply_s = float(applied["apply_seconds"])
+        return CommitReport(
+            replica_id=self.replica_id, version=self.version, path=applied["path"],
+            applied_as_received=bool(applied.get("early")),
+            # where the paused window goes: the engine's pause, the workers' round trip (the apply
+            # inside it), the relabel, the resume
+            seconds={"apply": apply_s, "reload": apply_s if applied["path"] == "reload" else 0.0,
+                     "paused": end - t_pause if paused_here else 0.0, "pause_call": t_paused - t_pause,
+                     "apply_rpc": t_applied - t_paused, "relabel": t_relabelled - t_applied,
+                     "resume_call": end - t_relabelled})
 
     async def _resume_sent(self) -> None:
         """Resume the engine this commit paused, without waiting for the engine's answer: the call
@@ -433,10 +437,10 @@ class WeightUpdates:
         self._resuming = task  # (kept referenced until it is done)
         await asyncio.sleep(0)
 
-    async def abort_update(self) -> dict[str, Any]:
+    async def abort_update(self) -> UpdateAck:
         async with self._control_lock:
             await self._drop_staged()
-            return {"replica_id": self.replica_id, "version": self.version}
+            return UpdateAck(replica_id=self.replica_id, version=self.version)
 
     async def _drop_staged(self) -> None:
         await self._staging.abort()

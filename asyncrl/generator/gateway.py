@@ -137,7 +137,9 @@ def _register_admin(app: FastAPI, core: GatewayCore, max_bytes: int) -> None:
         try:
             results = await core.control.call(verb, *args)
         except ReplicaControlError as err:
-            return JSONResponse({"detail": str(err), "failures": err.failures, "results": err.results}, status_code=502)
+            return JSONResponse({"detail": str(err), "failures": err.failures,
+                                 "results": msgspec.to_builtins(err.results)}, status_code=502)
+        results = msgspec.to_builtins(results)  # (typed answers, e.g. abort_update's, as JSON objects)
         versions = [r["version"] for r in results.values() if isinstance(r, dict) and "version" in r]
         return JSONResponse({"replicas": results}, headers={VERSION_HEADER: version_header(versions)} if versions else None)
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.types import Refusal, WeightUpdateState, refusal_of
+from asyncrl.types import CommitReport, Refusal, WeightUpdateState, refusal_of
 from asyncrl.weightsync import trace
 from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.metrics import PushMetrics
@@ -280,10 +280,15 @@ class Publisher:
             if committed is not None:  # each replica checked the senders' fingerprint and committed in its load
                 wrong = {}
                 for r in replicas:
-                    for name, row in self._record_commit(r.name, committed[r.name], m):
-                        if row.get("fingerprint") != fingerprint:
-                            wrong[name] = FingerprintDiffers(f"replica {name} committed {str(row.get('fingerprint'))[:24]}, "
-                                                             f"the sender reported {fingerprint[:24]}")
+                    rows = self._record_commit(committed[r.name], m)
+                    if not rows:
+                        wrong[r.name] = FingerprintDiffers(f"replica {r.name}'s load reported no commit: "
+                                                           f"{committed[r.name]!r}")
+                    for row in rows:
+                        if row.fingerprint != fingerprint:
+                            wrong[row.replica_id] = FingerprintDiffers(
+                                f"replica {row.replica_id} committed {str(row.fingerprint)[:24]}, "
+                                f"the sender reported {fingerprint[:24]}")
                 if wrong:
                     raise StepFailed(Step.COMMIT, wrong, restore=[r.name for r in replicas])
                 for r in replicas:
@@ -349,28 +354,20 @@ class Publisher:
         except BaseException:
             m.failed_commit = True
             raise
-        cls._record_commit(r.name, out, m)
+        cls._record_commit(out, m)
 
     @staticmethod
-    def _record_commit(client: str, out: Any, m: PushMetrics) -> list[tuple[str, dict[str, Any]]]:
-        """A commit's report (one replica's, or {replica id: report} from a client that fans out)
-        into `m`; returns (replica name, report) per engine replica."""
-        rows = []
-        for row in (out.values() if isinstance(out, dict) and "replica_id" not in out and "version" not in out else [out]):
-            if not isinstance(row, dict):
-                continue
-            name = str(row.get("replica_id", client))
-            rows.append((name, row))
-            for key in ("apply_seconds", "reload_seconds", "paused_seconds", "pause_call_seconds", "apply_rpc_seconds",
-                        "relabel_seconds", "resume_call_seconds"):
-                if isinstance(row.get(key), (int, float)):
-                    m.replica_time(name, key.removesuffix("_seconds"), float(row[key]))
-            if isinstance(row.get("path"), str):
-                m.paths.add(row["path"])
-            if "applied_as_received" in row:  # every replica must have: one that applied at its commit clears it
-                m.applied_as_received = bool(row["applied_as_received"]) and m.applied_as_received is not False
-            if isinstance(row.get("paused_seconds"), (int, float)):
-                m.own_paused = max(m.own_paused, float(row["paused_seconds"]))
+    def _record_commit(out: Any, m: PushMetrics) -> list[CommitReport]:
+        """A commit's reports (one replica's `CommitReport`, or {replica id: report} from a client that fans
+        out) into `m`; returns them."""
+        rows = [r for r in (out.values() if isinstance(out, dict) else [out]) if isinstance(r, CommitReport)]
+        for row in rows:
+            for step, seconds in row.seconds.items():
+                m.replica_time(row.replica_id, step, seconds)
+            m.paths.add(row.path)
+            # every replica must have applied as received: one that applied at its commit clears it
+            m.applied_as_received = row.applied_as_received and m.applied_as_received is not False
+            m.own_paused = max(m.own_paused, row.seconds.get("paused", 0.0))
         return rows
 
     async def _run(self, step: Step, replicas: Sequence[ReplicaClient], call: Callable[[ReplicaClient], Awaitable[Any]],

@@ -20,25 +20,30 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.interfaces import EngineAPI, verb_name
-from asyncrl.types import Refusal, error_chain, failed_applying, refusal_of
+from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck, error_chain, failed_applying, refusal_of
 
 log = logging.getLogger(__name__)
+
+Loaded = LoadReport | CommitReport  # a load that only staged, or one that also committed
 
 
 @runtime_checkable
 class ReplicaClient(Protocol):
+    """Each update verb answers one replica's typed answer (asyncrl.types), or {replica id: answer} from a
+    client that fans out."""
+
     name: str
 
     async def pause(self, mode: str) -> Any: ...
 
     async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
-                           plan_id: str | None = None) -> Any: ...
+                           plan_id: str | None = None) -> UpdateAck | dict[str, UpdateAck]: ...
 
-    async def load_bucket(self, payload: Any, version: int) -> Any: ...
+    async def load_bucket(self, payload: Any, version: int) -> Loaded | dict[str, Loaded]: ...
 
-    async def commit_update(self, version: int, fingerprint: str) -> Any: ...
+    async def commit_update(self, version: int, fingerprint: str) -> CommitReport | dict[str, CommitReport]: ...
 
-    async def abort_update(self) -> Any: ...
+    async def abort_update(self) -> UpdateAck | dict[str, UpdateAck]: ...
 
     async def resume(self) -> Any: ...
 
@@ -75,10 +80,10 @@ class ActorReplica:
         return await self._call(EngineAPI.pause, mode)
 
     async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
-                           plan_id: str | None = None) -> Any:
+                           plan_id: str | None = None) -> UpdateAck | dict[str, UpdateAck]:
         return await self._call(EngineAPI.begin_update, version, verify, staging, layout, plan_id)
 
-    async def load_bucket(self, payload: Any, version: int) -> Any:
+    async def load_bucket(self, payload: Any, version: int) -> Loaded | dict[str, Loaded]:
         channel = self.channel
         if channel is not None and not channel.closed and is_collective_receive(payload):
             from asyncrl.weightsync.push_channel import ChannelClosed
@@ -91,10 +96,10 @@ class ActorReplica:
         # The payload goes as a top-level argument so Ray resolves an ObjectRef before the call.
         return await self._call(EngineAPI.load_bucket, payload, version)
 
-    async def commit_update(self, version: int, fingerprint: str) -> Any:
+    async def commit_update(self, version: int, fingerprint: str) -> CommitReport | dict[str, CommitReport]:
         return await self._call(EngineAPI.commit_update, version, fingerprint)
 
-    async def abort_update(self) -> Any:
+    async def abort_update(self) -> UpdateAck | dict[str, UpdateAck]:
         return await self._call(EngineAPI.abort_update)
 
     async def resume(self) -> Any:
@@ -154,7 +159,7 @@ class DeploymentReplicas(ActorReplica):
             return None
         return self.channels
 
-    async def load_bucket(self, payload: Any, version: int) -> Any:
+    async def load_bucket(self, payload: Any, version: int) -> Loaded | dict[str, Loaded]:
         """A collective push's load over the replicas' push channels when they are exactly the groups'
         members (else through Serve): {replica id: its answer}, or `ReplicaControlError` as a Serve
         call raises it (failures, refusals, the replicas that failed while applying, the others' answers)."""

@@ -15,6 +15,7 @@ from asyncrl.config import GeneratorConfig, ModelConfig
 from asyncrl.generator.engine import EngineReplica, ReplicaState, WeightUpdateError
 from asyncrl.generator.version_source import EngineStamps
 from asyncrl.generator.vllm_engine import VllmDriver
+from asyncrl.types import CommitReport
 from asyncrl.weightsync.fingerprint import combine_digests
 
 NOTHING = combine_digests({}, "off")  # the fingerprint of an update that staged no tensors
@@ -237,7 +238,7 @@ def test_a_committing_load_pauses_beside_the_receive_or_after_it_when_the_engine
 
     async def commit(version, fingerprint, paused_at=None):
         log.append(("commit", r._paused_mode))
-        return {"version": version}
+        return CommitReport(replica_id=r.replica_id, version=version, path="direct")
 
     async def scenario():
         r._load, r._commit = load, commit

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.types import Refusal
+from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, unpack_bucket
 from asyncrl.weightsync.fingerprint import bucket_digests, tensor_fingerprint
 from asyncrl.weightsync.replica_side import WithDigests
@@ -51,7 +51,7 @@ class FakeReplica:
         self.paused = True
 
     async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
-                           plan_id: str | None = None) -> None:
+                           plan_id: str | None = None) -> UpdateAck:
         self.log.append((self.name, f"begin:{version}"))
         self.verify, self.staging = verify, staging
         self.attempt += 1
@@ -59,8 +59,9 @@ class FakeReplica:
             raise Fault(f"version {version} must be > current {self.version}")
         await self._maybe_fault("begin")
         self.staged = {}
+        return UpdateAck(replica_id=self.name, version=version)
 
-    async def load_bucket(self, bucket: Bucket, version: int) -> None:
+    async def load_bucket(self, bucket: Bucket, version: int) -> LoadReport:
         self.log.append((self.name, "load"))
         self.loads += 1
         await self._maybe_fault("load")
@@ -78,10 +79,12 @@ class FakeReplica:
                 self.weights[name] = t.clone()
                 if self.faults.get(("apply", self.attempt)) == "raise":
                     raise Fault("copy into the parameters crashed")
-        for name, t in unpack_bucket(bucket):
+        tensors = unpack_bucket(bucket)
+        for name, t in tensors:
             self.staged[name] = t.clone()
+        return LoadReport(replica_id=self.name, staged_tensors=len(tensors))
 
-    async def commit_update(self, version: int, fingerprint: str) -> None:
+    async def commit_update(self, version: int, fingerprint: str) -> CommitReport:
         self.log.append((self.name, f"commit:{version}"))
         staged, self.staged = self.staged, None
         actual = tensor_fingerprint(staged or {}, self.verify)
@@ -95,10 +98,12 @@ class FakeReplica:
             raise Fault("reload_weights crashed")
         await self._maybe_fault("commit")
         self.weights, self.version = dict(staged), version
+        return CommitReport(replica_id=self.name, version=version, path="reload")
 
-    async def abort_update(self) -> None:
+    async def abort_update(self) -> UpdateAck:
         self.log.append((self.name, "abort"))
         self.staged = None
+        return UpdateAck(replica_id=self.name, version=self.version)
 
     async def resume(self) -> None:
         self.log.append((self.name, "resume"))

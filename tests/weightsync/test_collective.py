@@ -17,6 +17,7 @@ import torch
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.generator.worker_ext import WeightUpdateExtension
+from asyncrl.types import LoadReport
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.bucket import FILE_PREFIX, shared_dir, unpack_bucket
 from asyncrl.weightsync.collective import (
@@ -719,12 +720,15 @@ class GlooReplica(FakeReplica):
         await self._maybe_fault("load")
         deadline = time.monotonic() + payload.timeout_s
 
-        def receive():
+        def receive() -> int:
+            n = 0
             for bucket, _ in receive_stream(self.group, deadline):
                 for name, t in unpack_bucket(bucket):
                     self.staged[name] = t.clone()
+                    n += 1
+            return n
 
-        await asyncio.to_thread(receive)
+        return LoadReport(replica_id=self.name, staged_tensors=await asyncio.to_thread(receive))
 
 
 async def _kept(copies) -> KeptCopies:
