@@ -120,11 +120,13 @@ def latency_figures(requests: list[tuple[float, float, str, Any]]) -> dict[str, 
     return out
 
 
-def rss_growth(samples: list[tuple[float, dict[str, float]]], reference_s: float) -> dict[str, dict[str, float]]:
+def rss_growth(samples: list[tuple[float, dict[str, float]]], reference_s: float,
+               series_s: float = 300.0) -> dict[str, dict[str, Any]]:
     """`samples`: (seconds since the first step, {process: RSS bytes}). For every process in the last sample: its RSS
     `reference_s` into its own life (at the run's `reference_s` for one there from the start; a replacement started
     later, e.g. an engine replica after a kill, from its own start: its first minutes are its load, not growth) and at
-    the end, and the growth (end / then - 1); a process younger than that at the end is not judged."""
+    the end, and the growth (end / then - 1); a process younger than that at the end is not judged. `series_mb`: its
+    RSS about every `series_s` of its life, to tell a steady leak from steps at the kills."""
     if not samples:
         return {}
     end = samples[-1][1]
@@ -133,7 +135,13 @@ def rss_growth(samples: list[tuple[float, dict[str, float]]], reference_s: float
         born = next(t for t, by in samples if name in by)
         ref = next((by[name] for t, by in samples if t >= born + reference_s and name in by), None)
         if ref:
-            out[name] = {"reference_mb": ref / 2**20, "end_mb": end[name] / 2**20, "growth": end[name] / ref - 1}
+            series, last = [], None
+            for t, by in samples:
+                if name in by and (last is None or t >= last + series_s or by is end):
+                    series.append([t, round(by[name] / 2**20, 1)])
+                    last = t
+            out[name] = {"reference_mb": ref / 2**20, "end_mb": end[name] / 2**20, "growth": end[name] / ref - 1,
+                         "series_mb": series}
     return out
 
 

@@ -58,4 +58,7 @@ def test_rss_growth_is_held_to_the_reference_minute_for_processes_alive_through_
     assert list(growth) == ["engine core 3", "trainer 1"]
     assert growth["trainer 1"]["growth"] == pytest.approx(0.10)  # from 200 at the run's 600 s
     assert growth["engine core 3"]["growth"] == pytest.approx(0.05)  # from 280, 600 s into its own life
+    # every 300 s of its life, and the last sample
+    assert growth["trainer 1"]["series_mb"] == [[0.0, 100.0], [600.0, 200.0], [1230.0, 210.0], [1800.0, 220.0]]
+    assert growth["engine core 3"]["series_mb"] == [[630.0, 100.0], [1230.0, 280.0], [1800.0, 294.0]]
     assert soak.rss_growth(samples, reference_s=5000.0) == {}
