@@ -356,7 +356,7 @@ class Soak:
             after = next((s for s in self.statuses if s["t"] > k["t"] and s["gap"] is not None), None)
             k["gap_after"] = after and after["gap"]
         reference = min(a.rss_reference * 60, a.minutes * 60 / 3)
-        growth = rss_growth(self.rss, reference)
+        growth = rss_growth(self.rss, reference, series_s=max(60.0, a.minutes * 5))  # about 12 points a run
         steps = [s["step"] for s in self.statuses if s["step"] is not None]
         checks = {
             "no_sample_lost": gap_end == 0 and all(g == 0 for g in gaps)
