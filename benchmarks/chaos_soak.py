@@ -239,6 +239,9 @@ class Soak:
                 status = "timeout"
             except openai.APIConnectionError:
                 status = "connection"
+            except openai.APIError as err:  # an error event in a stream that had begun: the code the server put in it
+                code = str(err.code)
+                status = int(code) if code.isdigit() else f"APIError: {err.message[:120]}"
             except Exception as err:  # noqa: BLE001 - e.g. a stream cut mid-way: counted, never fatal
                 status = type(err).__name__
             self.requests.append((round(t, 3), time.monotonic() - start, kind, status))

@@ -94,12 +94,14 @@ UNAVAILABLE_FOR_S, UNAVAILABLE_MAX_WAIT_S = 120.0, 4.0
 
 
 async def generate_with_retry(generate: GenerateFn, request: GenerationRequest, *, attempts: int, counters: RolloutCounters,
-                              backoff_s: float = 0.5, timeout_s: float | None = None) -> GenerationResult:
+                              backoff_s: float = 0.5, timeout_s: float | None = None,
+                              stopping: Callable[[], bool] | None = None) -> GenerationResult:
     """Call the engine deployment; a replica that died mid-request, or an attempt that ran past
     `timeout_s` (cancelled, which aborts the request in the engine), is retried (Serve routes the
     retry to a live replica). Re-raises the last error after `attempts` tries, and a request the engine refused
     (`RequestError`: bad sampling parameters, a prompt too long) at once. A replica not serving (`ReplicaNotReady`,
-    nothing generated) is retried without counting as an attempt, for `UNAVAILABLE_FOR_S` at most."""
+    nothing generated) is retried without counting as an attempt, for `UNAVAILABLE_FOR_S` at most, and not at all once
+    `stopping()` (the app is stopping: Serve is taking the engines down too, and the stop must not wait for them)."""
     loop = asyncio.get_running_loop()
     unavailable_until, wait = loop.time() + UNAVAILABLE_FOR_S, backoff_s
     attempt = 0
@@ -118,6 +120,8 @@ async def generate_with_retry(generate: GenerateFn, request: GenerationRequest, 
             raise
         except Exception as err:  # noqa: BLE001 - any replica failure is retryable here
             if isinstance(err, RequestError):  # (a refused request is refused again)
+                raise
+            if replica_unavailable(err) and stopping is not None and stopping():
                 raise
             if replica_unavailable(err) and loop.time() + wait < unavailable_until:
                 counters.unavailable += 1
@@ -174,6 +178,7 @@ class RolloutWorkers:
         self._active = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._stop = asyncio.Event()  # `run`'s: once set, a replica not serving is not waited out
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         key = (prompt.prompt, prompt.messages)
@@ -204,7 +209,8 @@ class RolloutWorkers:
         self.counters.started += 1
         try:
             result = await generate_with_retry(self._generate, self._request(index, prompt), attempts=self._attempts,
-                                               counters=self.counters, backoff_s=self._backoff_s, timeout_s=self._timeout_s)
+                                               counters=self.counters, backoff_s=self._backoff_s, timeout_s=self._timeout_s,
+                                               stopping=self._stop.is_set)
         except asyncio.CancelledError:
             await self._buffer.release.remote(n, key=key)
             raise
@@ -312,6 +318,7 @@ class RolloutWorkers:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set; in-flight rollouts finish (their groups are pushed)."""
+        self._stop = stop
         tasks = [asyncio.create_task(self._worker(stop), name=f"rollout-{i}") for i in range(self._concurrency)]
         try:
             await asyncio.gather(*tasks)

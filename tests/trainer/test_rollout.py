@@ -274,6 +274,14 @@ async def test_a_replica_not_serving_is_waited_out_without_using_an_attempt(monk
         await generate_with_retry(engine, None, attempts=3, counters=RolloutCounters(), backoff_s=0.0)
     assert answers == ["never"]
 
+    monkeypatch.setattr(rollout, "UNAVAILABLE_FOR_S", 120.0)
+    answers[:] = [ReplicaNotReady("dead"), "never"]  # stopping: Serve takes the engines down, nothing is waited out
+    sleeps.clear()
+    with pytest.raises(RuntimeError, match="ray task error"):
+        await generate_with_retry(engine, None, attempts=3, counters=RolloutCounters(), backoff_s=0.5,
+                                  stopping=lambda: True)
+    assert answers == ["never"] and sleeps == []
+
 
 def test_chat_prompts_are_sent_as_their_whole_chat(demo_model_path):
     """A dataset's chat prompt (system turn and all) reaches the engine rendered by the chat
