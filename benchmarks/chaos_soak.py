@@ -157,6 +157,7 @@ class Soak:
     statuses: list[dict[str, Any]] = field(default_factory=list)
     kills: list[dict[str, Any]] = field(default_factory=list)
     rss: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+    private_rss: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # RSS less shared pages
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     def now(self) -> float:
@@ -202,12 +203,16 @@ class Soak:
     async def sample_rss(self) -> None:
         while not self.stop.is_set():
             by_process: dict[str, float] = {}
+            private: dict[str, float] = {}  # RSS less shared pages (the object store's shared memory a process touched)
             for label, p in self.processes():
                 try:
-                    by_process[f"{label} {p.pid}"] = float(p.memory_info().rss)
+                    info = p.memory_info()
+                    by_process[f"{label} {p.pid}"] = float(info.rss)
+                    private[f"{label} {p.pid}"] = float(info.rss - getattr(info, "shared", 0))
                 except Exception:  # noqa: BLE001 - gone between the listing and the read
                     continue
             self.rss.append((round(self.now(), 1), by_process))
+            self.private_rss.append((round(self.now(), 1), private))
             try:
                 await asyncio.wait_for(self.stop.wait(), self.args.rss_every)
             except asyncio.TimeoutError:
@@ -378,6 +383,7 @@ class Soak:
             "steps_per_min": (max(steps, default=0) / a.minutes), "versions": len(versions),
             "identity_checks": len(gaps) + 1, "identity_gap_end": gap_end, "kills": self.kills,
             "rss_reference_s": reference, "rss": growth, "rss_samples": len(self.rss),
+            "private_rss": rss_growth(self.private_rss, reference, series_s=max(60.0, a.minutes * 5)),
             "exit_code": rc, "exit_s": exit_s, "left": left, "checks": checks, "passed": all(checks.values()),
         })
         return report
