@@ -121,13 +121,14 @@ async def generate_with_retry(generate: GenerateFn, request: GenerationRequest, 
         except Exception as err:  # noqa: BLE001 - any replica failure is retryable here
             if isinstance(err, RequestError):  # (a refused request is refused again)
                 raise
-            if replica_unavailable(err) and stopping is not None and stopping():
-                raise
-            if replica_unavailable(err) and loop.time() + wait < unavailable_until:
-                counters.unavailable += 1
-                await asyncio.sleep(wait)
-                wait = min(2 * wait, UNAVAILABLE_MAX_WAIT_S)
-                continue
+            if replica_unavailable(err):
+                if stopping is not None and stopping():
+                    raise
+                if loop.time() + wait < unavailable_until:
+                    counters.unavailable += 1
+                    await asyncio.sleep(wait)
+                    wait = min(2 * wait, UNAVAILABLE_MAX_WAIT_S)
+                    continue
             if attempt == attempts - 1:
                 raise
             counters.retries += 1
