@@ -211,8 +211,9 @@ class Soak:
                     private[f"{label} {p.pid}"] = float(info.rss - getattr(info, "shared", 0))
                 except Exception:  # noqa: BLE001 - gone between the listing and the read
                     continue
-            self.rss.append((round(self.now(), 1), by_process))
-            self.private_rss.append((round(self.now(), 1), private))
+            t = round(self.now(), 1)
+            self.rss.append((t, by_process))
+            self.private_rss.append((t, private))
             try:
                 await asyncio.wait_for(self.stop.wait(), self.args.rss_every)
             except asyncio.TimeoutError:
@@ -364,7 +365,8 @@ class Soak:
             after = next((s for s in self.statuses if s["t"] > k["t"] and s["gap"] is not None), None)
             k["gap_after"] = after and after["gap"]
         reference = min(a.rss_reference * 60, a.minutes * 60 / 3)
-        growth = rss_growth(self.rss, reference, series_s=max(60.0, a.minutes * 5))  # about 12 points a run
+        series_s = max(60.0, a.minutes * 5)  # about 12 points a run
+        growth = rss_growth(self.rss, reference, series_s)
         steps = [s["step"] for s in self.statuses if s["step"] is not None]
         checks = {
             "no_sample_lost": gap_end == 0 and all(g == 0 for g in gaps)
@@ -383,7 +385,7 @@ class Soak:
             "steps_per_min": (max(steps, default=0) / a.minutes), "versions": len(versions),
             "identity_checks": len(gaps) + 1, "identity_gap_end": gap_end, "kills": self.kills,
             "rss_reference_s": reference, "rss": growth, "rss_samples": len(self.rss),
-            "private_rss": rss_growth(self.private_rss, reference, series_s=max(60.0, a.minutes * 5)),
+            "private_rss": rss_growth(self.private_rss, reference, series_s),
             "exit_code": rc, "exit_s": exit_s, "left": left, "checks": checks, "passed": all(checks.values()),
         })
         return report
