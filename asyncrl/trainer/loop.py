@@ -284,7 +284,7 @@ class Trainer:
         """The held-out accuracy at this version; an evaluation that fails (every attempt of a request, an engine
         lost meanwhile) is skipped with a warning and `eval/failed`, never the run's failure."""
         try:
-            accuracy = await self.p.evaluate()
+            accuracy = await self.p.evaluate(stopping=self._stop.is_set)  # (a stopping app waits for no engine)
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001 - a measurement, not training: the next interval evaluates again

@@ -17,6 +17,7 @@ import os
 import random
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -330,9 +331,9 @@ class TrainerParts:
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         return await self.engine.generate.remote(request)
 
-    async def evaluate(self) -> float:
+    async def evaluate(self, stopping: Callable[[], bool] | None = None) -> float:
         """Greedy accuracy on the held-out prompts, through the live engines (agent rollouts: the
-        agent's mean reward over greedy episodes)."""
+        agent's mean reward over greedy episodes). `stopping`: as `generate_with_retry`'s."""
         if not self.eval_prompts:
             return float("nan")
         from asyncrl.trainer.agent import AgentRollouts
@@ -347,7 +348,8 @@ class TrainerParts:
                                     sampling=SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.algorithm.max_new_tokens, logprobs=False))
             async with sem:  # (a replica being replaced is waited out, a failed call retried as a rollout's)
                 result = await generate_with_retry(self.generate, req, attempts=self.cfg.trainer.rollout_attempts,
-                                                   counters=RolloutCounters(), timeout_s=self.cfg.trainer.rollout_timeout_s)
+                                                   counters=RolloutCounters(), timeout_s=self.cfg.trainer.rollout_timeout_s,
+                                                   stopping=stopping)
             c = result.completions[0]
             outcome = (await self.eval_scorer.score([c.text], [p.answer], [p.metadata],
                                                     token_ids=[(result.prompt_ids, list(c.token_ids))]))[0]

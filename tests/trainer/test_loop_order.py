@@ -83,7 +83,8 @@ def _parts(log: list, *, start_version: int = 0, kl: bool = False, on_step=None)
     async def save_checkpoint(version):
         log.append(("save_checkpoint", version))
 
-    async def evaluate():
+    async def evaluate(stopping):
+        assert stopping() is False  # the loop's stop, which the evaluation's requests read
         log.append(("evaluate",))
         return 0.5
 
@@ -167,7 +168,7 @@ async def test_an_evaluation_that_fails_is_skipped_and_training_goes_on():
     parts = _parts(log)
     calls = []
 
-    async def evaluate():
+    async def evaluate(stopping):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("ReplicaNotReady: engine is dead")
