@@ -363,8 +363,8 @@ peers)
     asets+=(--set "$kv"); done
   for run in $runs; do
     case $run in trl) cap=${TRL_TIMEOUT:-240} ;; hybrid|hybrid-resident|hybrid-always|hybrid-level1) cap=${HYBRID_TIMEOUT:-300} ;;
-                 gpu1|gpu1-separate|gpu1-r3|gpu1-fp8|gpu1-lora|gpu1-lora-fp8) cap=${GPU1_TIMEOUT:-320} ;; serve) cap=${SERVE_TIMEOUT:-400} ;; verl) cap=${VERL_TIMEOUT:-300} ;;
-                 *) echo "peers: unknown run '$run' (trl hybrid hybrid-resident hybrid-always hybrid-level1 gpu1 gpu1-separate gpu1-r3 gpu1-fp8 gpu1-lora gpu1-lora-fp8 serve verl)"; continue ;; esac
+                 gpu1|gpu1-separate|gpu1-r3|gpu1-fp8|gpu1-lora) cap=${GPU1_TIMEOUT:-320} ;; serve) cap=${SERVE_TIMEOUT:-400} ;; verl) cap=${VERL_TIMEOUT:-300} ;;
+                 *) echo "peers: unknown run '$run' (trl hybrid hybrid-resident hybrid-always hybrid-level1 gpu1 gpu1-separate gpu1-r3 gpu1-fp8 gpu1-lora serve verl)"; continue ;; esac
     left=$(( ${PEERS_BUDGET:-560} - SECONDS )); [ $cap -lt $left ] && left=$cap
     if [ $left -lt 60 ]; then echo "peers $run: skipped, $left s left of PEERS_BUDGET"; continue; fi
     # ray.init's own start timed out here after TRL's run ("node timed out during startup"): clear what is
@@ -398,7 +398,7 @@ peers)
       esac
       timeout -s INT -k 30 $left python3 benchmarks/peers/asyncrl_side.py --placement hybrid --etas ${HYBRID_ETAS:-0} \
           --num-cpus 16 "${asets[@]}" "${extra[@]}" "${knobs[@]}" > $log 2>&1 ;;
-    gpu1|gpu1-separate|gpu1-r3|gpu1-fp8|gpu1-lora|gpu1-lora-fp8)
+    gpu1|gpu1-separate|gpu1-r3|gpu1-fp8|gpu1-lora)
       # gpu1-separate: the proximal log-probs from a pass of their own before each update (the default takes them
       # from the update's first forward), for the ratio of the two in one call; gpu1-r3 (a MoE PEERS_MODEL, e.g.
       # PEERS_SHAPE="--experts 16 ..."): the learner's routers replay the engine's routes (learner.routing_replay),
@@ -409,10 +409,8 @@ peers)
       # vLLM's layerwise reload; the row's mismatch is bf16 learner vs FP8 engine (issue 61)
       [ $run = gpu1-fp8 ] && extra=(--tag "(FP8 rollouts)" --set generator.engine_kwargs.quantization=fp8)
       # gpu1-lora: LoRA adapters (LORA_RANK, 64; alpha twice it) on every linear, the base frozen (issue 65)
-      # gpu1-lora-fp8: the same with learner.lora.base_fp8 (the frozen base's GEMMs in FP8)
-      case $run in gpu1-lora*) extra=(--tag "(LoRA r${LORA_RANK:-64}$([ $run = gpu1-lora-fp8 ] && echo ', FP8 base'))"
-          --set learner.lora.rank=${LORA_RANK:-64} --set learner.lora.alpha=$(( 2 * ${LORA_RANK:-64} ))
-          --set learner.lora.base_fp8=$([ $run = gpu1-lora-fp8 ] && echo true || echo false)) ;; esac
+      [ $run = gpu1-lora ] && extra=(--tag "(LoRA r${LORA_RANK:-64})" --set learner.lora.rank=${LORA_RANK:-64}
+                                     --set learner.lora.alpha=$(( 2 * ${LORA_RANK:-64} )))
       timeout -s INT -k 30 $left python3 benchmarks/peers/asyncrl_side.py --placement separated --etas ${GPU1_ETAS:-0 2} \
           --num-cpus 16 "${asets[@]}" "${extra[@]}" "${knobs[@]}" > $log 2>&1 ;;
     verl)

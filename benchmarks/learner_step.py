@@ -400,15 +400,12 @@ def _configs():
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig
     from asyncrl.config.components import MemoryConfig
 
-    def lora_cfg():
-        return {"rank": ARGS.lora_rank, "alpha": ARGS.lora_alpha, "base_fp8": ARGS.lora_base_fp8} if ARGS.lora_rank else None
-
     model = ModelConfig(path=ARGS.model, dtype=ARGS.dtype, max_model_len=ARGS.seq_len)
     memory = MemoryConfig(recompute=ARGS.recompute, recompute_method=ARGS.recompute_method,
                           recompute_layers=ARGS.recompute_layers, optimizer=ARGS.optimizer,
                           optimizer_host_fraction=ARGS.optimizer_host_fraction)
     learner = LearnerConfig(world_size=world(), strategy_config=strategy(), micro_batch_size=ARGS.micro_batch_size, lr=1e-6,
-                            memory=memory, lora=lora_cfg(),
+                            memory=memory, lora={"rank": ARGS.lora_rank, "alpha": ARGS.lora_alpha} if ARGS.lora_rank else None,
                             attention=ARGS.attention, sequence_packing=ARGS.pack, max_tokens_per_micro_batch=ARGS.max_tokens,
                             num_cpus_per_rank=ARGS.num_cpus_per_rank,
                             num_gpus_per_rank=1.0 if torch.cuda.is_available() else 0.0)
@@ -715,7 +712,6 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=0, help="learner.lora.rank of role / group (0: every weight trains); "
                     "MFU still counts 6 x params a token (a LoRA step computes no base weight grads: about 4)")
     ap.add_argument("--lora-alpha", type=float, default=16.0, help="learner.lora.alpha")
-    ap.add_argument("--lora-base-fp8", action="store_true", help="learner.lora.base_fp8: the frozen base's GEMMs in FP8")
     ap.add_argument("--sync-debug", action="store_true", help="role section: list what made the host wait for the device in one more update")
     ARGS = ap.parse_args()
     ARGS.model = os.path.abspath(ARGS.model)

@@ -312,12 +312,6 @@ class LoraConfig(_Section):
     target_modules: list[str] | str = Field(
         "all-linear", description="PEFT's names of the linears that get adapters: q_proj, k_proj, v_proj, o_proj, "
         "gate_proj, up_proj, down_proj, or all-linear (every one of them). Dense models; no sequence parallelism.")
-    base_fp8: bool = Field(
-        False, description="Run the frozen base's GEMMs of the targeted linears (forward and input gradient) in FP8 "
-        "e4m3: the weight quantized once per output and per input channel, activations and gradients per row; the "
-        "adapters and their gradients stay in the model's dtype. Faster on GPUs with FP8 (compute capability 8.9+); "
-        "the learner's log-probs then differ from the engine's bf16 ones by FP8's rounding (the mismatch metrics "
-        "show how much). Exports and pushes still carry the bf16 merged weight.")
     init_from: str | None = Field(
         None, description="A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start the "
         "adapters from instead of PEFT's init; its r, lora_alpha and target_modules must be these.")

@@ -33,7 +33,7 @@ class LinearAdapters(torch.nn.Module):
 
     def __init__(self, slot: str, parts: dict[str, int], in_features: int, *, rank: int, alpha: float,
                  dropout: float, tp_rank: int, tp_size: int, layout: tuple[int, int, int] | None,
-                 generator: torch.Generator, dtype: torch.dtype, device: torch.device, base_fp8: bool = False) -> None:
+                 generator: torch.Generator, dtype: torch.dtype, device: torch.device) -> None:
         """`parts`: each targeted part's global output rows; `layout`: (query groups, heads a group, head dim)
         for QKV. A row linear's `in_features` is global (its A is drawn whole, then this rank's columns kept)."""
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -44,11 +44,6 @@ class LinearAdapters(torch.nn.Module):
         self.parts = [p for p in SLOTS[slot] if p in parts]
         self.sizes = {p: n // (1 if self.row else tp_size) for p, n in parts.items()}  # this rank's rows
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
-        self.w8 = None
-        if base_fp8:  # the frozen base's GEMMs in FP8 (learner/lora_fp8.py), its copies made at first use
-            from asyncrl.learner.lora_fp8 import Fp8Weight
-
-            self.w8 = Fp8Weight()
         self.A, self.B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
         local_in = in_features // tp_size if self.row else in_features
         for p in self.parts:
@@ -116,13 +111,6 @@ class LinearAdapters(torch.nn.Module):
 
         a = self.A[self.parts[0]] if len(self.parts) == 1 else torch.cat([self.A[p] for p in self.parts])
         b = self._b_blocks()
-        if self.w8 is not None:
-            from asyncrl.learner.lora_fp8 import fp8_lora_linear
-
-            tp = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
-            x_a = self.dropout(x) if isinstance(self.dropout, torch.nn.Dropout) and self.training else x
-            return fp8_lora_linear(x, x_a, self.w8.of(weight), bias, a, b.to(x.dtype), self.scale,
-                                   tp if self.row else None, None if self.row else tp, dgrad_group)
         if not torch.is_grad_enabled() or not (a.requires_grad or b.requires_grad):
             y = torch.matmul(x, torch.addmm(weight, b, a, alpha=self.scale).t())
             return y + bias if bias is not None else y
@@ -230,10 +218,9 @@ def adapters_off(chunks: list[torch.nn.Module]):
 
 
 def add_adapters(chunks: list[torch.nn.Module], hf_config: Any, *, rank: int, alpha: float, dropout: float,
-                 targets: tuple[str, ...], seed: int, base_fp8: bool = False) -> int:
+                 targets: tuple[str, ...], seed: int) -> int:
     """Adapters on every targeted linear of `chunks` (this rank's, after the base weights loaded), every other
-    parameter frozen; `base_fp8`: the targeted linears' base GEMMs in FP8. Returns the adapters' parameter count
-    on this rank."""
+    parameter frozen. Returns the adapters' parameter count on this rank."""
     from megatron.core import parallel_state as ps
 
     from asyncrl.learner.model import model_arch
@@ -264,21 +251,13 @@ def add_adapters(chunks: list[torch.nn.Module], hf_config: Any, *, rank: int, al
                 continue
             gen = torch.Generator().manual_seed(seed * 1_000_003 + _layer_of(name, c) * 16 + list(SLOTS).index(slot))
             weight = module.weight
-            if base_fp8:
-                from asyncrl.learner.lora_fp8 import fp8_unsupported
-
-                why = fp8_unsupported(weight)
-                if why:
-                    raise ValueError(f"learner.lora.base_fp8: {name}: {why}; set base_fp8 false")
             adapters = LinearAdapters(slot, parts, ins[slot], rank=rank, alpha=alpha, dropout=dropout, tp_rank=tp_rank,
                                       tp_size=tp_size, layout=(kv, heads // kv, hd), generator=gen,
-                                      dtype=weight.dtype, device=weight.device, base_fp8=base_fp8)
+                                      dtype=weight.dtype, device=weight.device)
             parent = c.get_submodule(name.rsplit(".", 1)[0])
             parent.add_module(slot + SUFFIX, adapters)
             module.__dict__[REF] = adapters  # (not a submodule: its parameters are named once, under the parent)
-            if base_fp8 and not hasattr(module, "_forward_impl"):
-                raise ValueError(f"learner.lora.base_fp8: {name} is not a Megatron parallel linear (no _forward_impl)")
-            if (dropout > 0 and not base_fp8) or not hasattr(module, "_forward_impl"):  # dropout: other inputs than W
+            if dropout > 0 or not hasattr(module, "_forward_impl"):  # dropout: the adapters see other inputs than W
                 module.register_forward_hook(_hook)
             else:
                 module._forward_impl = _merged_impl(module, module._forward_impl)

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from asyncrl.config import RoleOffload
-from asyncrl.learner.lora_fp8 import Fp8Weight
 
 
 def device_memory_bytes() -> int:
@@ -50,9 +49,6 @@ def offload_params(chunks: list[torch.nn.Module]) -> list[tuple[Any, Any]]:
     Storages shared by several parameters move once."""
     saved, seen = [], set()
     for c in chunks:
-        for m in c.modules():  # copies derived from the weights (LoRA's FP8 base): freed, rebuilt at next use
-            if isinstance(getattr(m, "w8", None), Fp8Weight):
-                m.w8.drop()
         for p in c.parameters():
             storage = p.data.untyped_storage()
             if p.device.type == "cpu" or storage.size() == 0 or storage.data_ptr() in seen:

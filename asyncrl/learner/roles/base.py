@@ -118,7 +118,7 @@ class ModelRunner:
             lc = ctx.learner_cfg.lora
             targets = resolve_lora_targets(lc.target_modules)
             self.adapter_params = add_adapters(chunks, ctx.hf_config, rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout,
-                                               targets=targets, seed=ctx.learner_cfg.seed, base_fp8=lc.base_fp8)
+                                               targets=targets, seed=ctx.learner_cfg.seed)
             if lc.init_from:
                 from asyncrl.learner.lora import load_peft_adapter
 
