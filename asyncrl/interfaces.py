@@ -14,7 +14,22 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from asyncrl.types import CommitReport, CompletionDelta, GenerationRequest, GenerationResult, LoadReport, UpdateAck
+from asyncrl.types import (
+    ChannelAddress,
+    CommitReport,
+    CompletionDelta,
+    Endpoint,
+    FingerprintReport,
+    GenerationRequest,
+    GenerationResult,
+    GroupsReport,
+    LayoutReport,
+    LoadReport,
+    PlanAck,
+    ReplicaAnswer,
+    SyncReport,
+    UpdateAck,
+)
 
 
 def api_verbs(api: type) -> list[str]:
@@ -50,21 +65,21 @@ class EngineAPI(Protocol):
 
     async def abort_update(self) -> UpdateAck: ...
 
-    async def engine_layout(self, manifest: bytes) -> dict[str, Any]: ...
+    async def engine_layout(self, manifest: bytes) -> LayoutReport: ...
 
-    async def set_push_plan(self, plan: bytes | None) -> dict[str, Any]: ...
+    async def set_push_plan(self, plan: bytes | None) -> PlanAck: ...
 
-    async def collective_info(self) -> dict[str, Any]: ...
+    async def collective_info(self) -> GroupsReport: ...
 
-    async def push_channel(self) -> dict[str, Any]:
+    async def push_channel(self) -> ChannelAddress:
         """Where this replica takes a push's load directly, off Ray and Serve (host, port, token:
         weightsync/push_channel.py); the channel starts at the first ask."""
 
-    async def join_collective(self, specs: list[dict[str, Any]], timeout_s: float = 120.0) -> dict[str, Any]: ...
+    async def join_collective(self, specs: list[dict[str, Any]], timeout_s: float = 120.0) -> GroupsReport: ...
 
-    async def leave_collective(self) -> dict[str, Any]: ...
+    async def leave_collective(self) -> ReplicaAnswer: ...
 
-    async def sync_from_source(self) -> dict[str, Any]: ...
+    async def sync_from_source(self) -> SyncReport: ...
 
     async def sleep(self, level: int = 1) -> dict[str, Any]: ...
 
@@ -72,7 +87,7 @@ class EngineAPI(Protocol):
 
     async def stats(self) -> dict[str, Any]: ...
 
-    async def live_fingerprint(self) -> dict[str, Any]: ...
+    async def live_fingerprint(self) -> FingerprintReport: ...
 
 
 # Written by hand in the Serve deployment: generation (Serve routes it to one replica) and Serve's
@@ -113,8 +128,8 @@ class WorkerAPI(Protocol):
         """`asyncrl_receive_collective` in a thread of the worker (the engine steps on); returns at once, and the
         answer goes to the replica's `receive_done` over its push channel (`reply`: its address and the call id)."""
 
-    def asyncrl_start_channel(self, host: str) -> dict[str, Any]:
-        """{host, port, token} of the worker's own channel (push_channel.ThreadServer), where the replica starts
+    def asyncrl_start_channel(self, host: str) -> Endpoint:
+        """The endpoint of the worker's own channel (push_channel.ThreadServer), where the replica starts
         `asyncrl_receive_start` without waiting for the engine's step in flight."""
 
     def asyncrl_engine_paused(self, call: str, ok: bool) -> None:

@@ -209,6 +209,58 @@ class CommitReport(ReplicaAnswer, frozen=True):
     staged_tensors: int = 0  # a load that committed: the tensors it staged
 
 
+class LayoutReport(ReplicaAnswer, frozen=True):
+    """`engine_layout`: every worker's parameter layout for the learner's manifest (pickled `EngineLayout`s,
+    weightsync/plan.py) and what each worker's start-time layout check found."""
+
+    layouts: list[bytes]
+    check: list[dict[str, Any]] = msgspec.field(default_factory=list)
+
+
+class PlanAck(ReplicaAnswer, frozen=True):
+    """`set_push_plan`: the push plan the replica's workers now hold (None: pushes reload)."""
+
+    plan_id: str | None
+
+
+class Endpoint(msgspec.Struct, frozen=True):
+    """Where a push channel's server listens (weightsync/push_channel.py) and the token its clients present."""
+
+    host: str
+    port: int
+    token: str
+
+
+class ChannelAddress(ReplicaAnswer, frozen=True):
+    """`push_channel`: where the replica's push channel listens."""
+
+    endpoint: Endpoint
+
+
+class GroupsReport(ReplicaAnswer, frozen=True):
+    """`collective_info`: the replica's engine workers (one receiver rank each) and the broadcast groups every
+    one of them holds; `join_collective`: the groups joined (`workers` as the join found them)."""
+
+    workers: int
+    groups: list[str]
+
+
+class FingerprintReport(ReplicaAnswer, frozen=True):
+    """`live_fingerprint`: the live parameters' fingerprint, as a full push of them would have."""
+
+    fingerprint: str
+
+
+class SyncReport(ReplicaAnswer, frozen=True):
+    """`sync_from_source`: the version served after catching up with the weight store (`loaded`: whether it
+    loaded one, in `layout`), and the push plan held after (`push_plan`, None where it holds none)."""
+
+    version: int
+    loaded: bool
+    layout: str | None = None
+    push_plan: str | None = None
+
+
 # Errors that cross a boundary: raised by a learner group, caught by the loop and by weightsync.
 
 

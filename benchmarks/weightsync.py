@@ -407,7 +407,7 @@ async def _form_plan(actors, base, bucket_mb: float, apply: str):
         return None, "apply=reload"
     manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in base.items()]
     answers = await asyncio.gather(*(a.engine_layout.remote(dump_manifest(manifest)) for a in actors))
-    layouts = [[pickle.loads(b) for b in ans["layouts"]] for ans in answers]
+    layouts = [[pickle.loads(b) for b in ans.layouts] for ans in answers]
     problems = [lay.problem for lays in layouts for lay in lays if lay.problem]
     if problems:
         if apply == "direct":

@@ -27,7 +27,7 @@ from asyncrl.generator.sampling import Limits, validate_request
 from asyncrl.generator.version_source import EngineStamps, LedgerVersions, VersionSource
 from asyncrl.generator.versions import CompletionAccumulator
 from asyncrl.interfaces import WorkerAPI
-from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult
+from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult, GroupsReport, SyncReport
 from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.replica_side import ReplicaStaging, adopt_push_plan
 
@@ -65,7 +65,7 @@ class EngineReplica(WeightUpdates):
         self._pause_waits: collections.deque[float] = collections.deque(maxlen=8)  # seconds the last pauses at a wire's end took
         # What the workers answered at the last join (None: ask them). A group breaks only inside
         # a receive, which fails this replica's load_bucket: that drops the cache.
-        self._groups_joined: dict[str, Any] | None = None
+        self._groups_joined: GroupsReport | None = None
         self._receive_reached = False  # this load_bucket's workers received (or refused) a collective push
         self._paused_mode: str | None = None  # a pause some caller holds (resume clears it)
         self._asleep: set[str] = set()  # SLEEP_TAGS released now; the engine never runs while any is
@@ -106,25 +106,27 @@ class EngineReplica(WeightUpdates):
         await self.sync_from_source()
         self.state = ReplicaState.READY
 
-    async def sync_from_source(self) -> dict[str, Any]:
+    async def sync_from_source(self) -> SyncReport:
         """Load the weight source's latest version if it is newer than ours (late joiners), then
         take the push plan the pushes use now."""
         if not self.weight_source:
-            return {"replica_id": self.replica_id, "version": self.version, "loaded": False}
+            return SyncReport(replica_id=self.replica_id, version=self.version, loaded=False)
         import ray
 
         try:
             store = ray.get_actor(self.weight_source, namespace=self.weight_source_namespace)
         except ValueError:
-            return {"replica_id": self.replica_id, "version": self.version, "loaded": False}
-        out = await self._load_latest(store)
-        out["push_plan"] = await adopt_push_plan(await store.push_plan.remote(), self._staging, self.replica_id)
-        return out
+            return SyncReport(replica_id=self.replica_id, version=self.version, loaded=False)
+        layout = await self._load_latest(store)
+        plan_id = await adopt_push_plan(await store.push_plan.remote(), self._staging, self.replica_id)
+        return SyncReport(replica_id=self.replica_id, version=self.version, loaded=layout is not None, layout=layout,
+                          push_plan=plan_id)
 
-    async def _load_latest(self, store: Any) -> dict[str, Any]:
+    async def _load_latest(self, store: Any) -> str | None:
+        """The store's latest version loaded if newer than ours; the layout it came in (None: nothing loaded)."""
         version, buckets, fingerprint = await store.latest.remote()
         if version <= self.version or buckets is None:
-            return {"replica_id": self.replica_id, "version": self.version, "loaded": False}
+            return None
         logger.info("replica %s catching up to weight version %d", self.replica_id, version)
         t0 = time.perf_counter()
         mode = fingerprint_mode(fingerprint)
@@ -150,7 +152,7 @@ class EngineReplica(WeightUpdates):
         await self.commit_update(version, fingerprint)
         logger.info("replica %s serves weight version %d (caught up in %.1f s, %s layout)", self.replica_id,
                     self.version, time.perf_counter() - t0, layout)
-        return {"replica_id": self.replica_id, "version": self.version, "loaded": True, "layout": layout}
+        return layout
 
     def shutdown(self) -> None:
         self.close_push_channel()

@@ -21,7 +21,19 @@ import msgspec
 
 from asyncrl.generator.replica_types import ReplicaState, UpdateState, WeightUpdateError
 from asyncrl.interfaces import WorkerAPI, verb_name
-from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck, refusal_of
+from asyncrl.types import (
+    ChannelAddress,
+    CommitReport,
+    FingerprintReport,
+    GroupsReport,
+    LayoutReport,
+    LoadReport,
+    PlanAck,
+    Refusal,
+    ReplicaAnswer,
+    UpdateAck,
+    refusal_of,
+)
 from asyncrl.weightsync import trace
 from asyncrl.weightsync.collective import CollectiveReceive, is_gate_closed
 from asyncrl.weightsync.fingerprint import check_verify_mode
@@ -52,18 +64,17 @@ class WeightUpdates:
         this is the one place that turns a worker verb into it."""
         return await self.engine.worker_call(verb_name(WorkerAPI, verb), args, timeout)
 
-    async def engine_layout(self, manifest: bytes) -> dict[str, Any]:
+    async def engine_layout(self, manifest: bytes) -> LayoutReport:
         """Every worker's parameter layout for the learner's export `manifest` (pickled
         `EngineLayout`s, weightsync/plan.py), and what the start-time check found."""
-        return {"replica_id": self.replica_id, "layouts": await self._staging.layouts(manifest),
-                "check": self._staging.layout_report}
+        return LayoutReport(replica_id=self.replica_id, layouts=await self._staging.layouts(manifest),
+                            check=list(self._staging.layout_report))
 
-    async def set_push_plan(self, plan: bytes | None) -> dict[str, Any]:
+    async def set_push_plan(self, plan: bytes | None) -> PlanAck:
         """Engine-layout buckets of this push plan (pickled, weightsync/plan.py) may be applied by a
         copy from now on; every worker checks its own layout is the plan's. None: reload only."""
         async with self._control_lock:
-            plan_id = await self._staging.set_plan(plan)
-            return {"replica_id": self.replica_id, "plan_id": plan_id}
+            return PlanAck(replica_id=self.replica_id, plan_id=await self._staging.set_plan(plan))
 
     async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
                            plan_id: str | None = None) -> UpdateAck:
@@ -291,14 +302,14 @@ class WeightUpdates:
 
     # ---- the push's direct channel (weightsync/push_channel.py) -------------------------------
 
-    async def push_channel(self) -> dict[str, Any]:
+    async def push_channel(self) -> ChannelAddress:
         """The address of this replica's push channel: the publisher's load goes there instead of
         through Ray or Serve (the same verb, run on this loop). Started at the first ask."""
         from asyncrl.weightsync.push_channel import RECEIVE_DONE, WIRE_END, ChannelServer, node_host
 
         if getattr(self, "_channel", None) is None:
             self._channel = ChannelServer(self, ["load_bucket", RECEIVE_DONE, WIRE_END])
-        return {"replica_id": self.replica_id, **await self._channel.address(node_host())}
+        return ChannelAddress(replica_id=self.replica_id, endpoint=await self._channel.address(node_host()))
 
     async def receive_done(self, call: str, rank: int, ok: bool, answer: Any) -> None:
         """A worker's receive apart from the engine ended (`CollectiveReceive.apart`; it reports over this channel)."""
@@ -316,28 +327,29 @@ class WeightUpdates:
 
     # ---- collective transport groups (weightsync/collective.py) --------------------------------
 
-    async def collective_info(self) -> dict[str, Any]:
+    async def collective_info(self) -> GroupsReport:
         """How many engine workers this replica has (each is one receiver rank) and which groups
         every one of them still holds."""
         if self._groups_joined is not None:  # asked before every collective push: no round trip to the workers
-            return {"replica_id": self.replica_id, **self._groups_joined}
+            return self._groups_joined
         per_worker = await self._rpc(WorkerAPI.asyncrl_collective_groups)
         common = set(per_worker[0]).intersection(*map(set, per_worker[1:])) if per_worker else set()
-        return {"replica_id": self.replica_id, "workers": len(per_worker), "groups": sorted(common)}
+        return GroupsReport(replica_id=self.replica_id, workers=len(per_worker), groups=sorted(common))
 
-    async def join_collective(self, specs: list[dict[str, Any]], timeout_s: float = 120.0) -> dict[str, Any]:
+    async def join_collective(self, specs: list[dict[str, Any]], timeout_s: float = 120.0) -> GroupsReport:
         """Join the groups `specs` (every worker, concurrently with the senders)."""
         async with self._control_lock:
             self._groups_joined = None
             joined = await self._rpc(WorkerAPI.asyncrl_join_collective, self.replica_id, list(specs), timeout=timeout_s + 30.0)
+            answer = GroupsReport(replica_id=self.replica_id, workers=len(joined), groups=sorted(joined[0]))
             if joined and all(j == joined[0] for j in joined):
-                self._groups_joined = {"workers": len(joined), "groups": sorted(joined[0])}
-            return {"replica_id": self.replica_id, "groups": joined[0]}
+                self._groups_joined = answer
+            return answer
 
-    async def leave_collective(self) -> dict[str, Any]:
+    async def leave_collective(self) -> ReplicaAnswer:
         self._groups_joined = None
         await self._rpc(WorkerAPI.asyncrl_leave_collective)
-        return {"replica_id": self.replica_id}
+        return ReplicaAnswer(replica_id=self.replica_id)
 
     async def commit_update(self, version: int, fingerprint: str) -> CommitReport:
         """Check the staged version against `fingerprint` (nothing applied if it differs), then,
@@ -446,9 +458,9 @@ class WeightUpdates:
         await self._staging.abort()
         self.update_state, self._staging_version, self._staged_tensors = UpdateState.IDLE, None, 0
 
-    async def live_fingerprint(self) -> dict[str, Any]:
+    async def live_fingerprint(self) -> FingerprintReport:
         """The fingerprint of the live parameters, as a full push of them would have."""
         if "weights" in self._asleep:
             raise WeightUpdateError(f"replica {self.replica_id}: weights are asleep, nothing to fingerprint")
         (fp, *_) = await self._rpc(WorkerAPI.asyncrl_fingerprint_params)
-        return {"replica_id": self.replica_id, "fingerprint": fp}
+        return FingerprintReport(replica_id=self.replica_id, fingerprint=fp)

@@ -390,11 +390,6 @@ class CollectiveGroup:
         if decision != GATE_OPEN:
             raise GateClosed(f"group {self.spec.group_id}: push {token} {GATE_CLOSED} before it began ({decision})")
 
-    def pass_gate(self, token: str, deadline: float) -> None:
-        """`arrive` then `await_gate`: a member of one group."""
-        self.arrive(token)
-        self.await_gate(token, deadline)
-
     def close_gate(self, token: str, why: str) -> str:
         """Close push `token`'s gate from this member (it will not take the push); the decision."""
         return close_gate(self._kv(), self.spec.group_id, token, f"rank {self.rank}: {why}")

@@ -19,6 +19,8 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from asyncrl.types import GroupsReport
+
 log = logging.getLogger("asyncrl.weightsync.service")  # (one logger name for the whole service's lines)
 
 
@@ -26,7 +28,7 @@ class CollectiveLink:
     """The broadcast groups between a learner group's sending ranks (one group each, PP stage
     order) and every engine worker of a set of replicas, for collective transports.
 
-    `members()` returns {replica_id: {"workers": n, "groups": [ids every worker holds]}} and
+    `members()` returns {replica_id: GroupsReport (its workers, the groups every one holds)} and
     `join(specs)` makes every replica join (both as the generator's replicas answer
     `collective_info` / `join_collective`). `ensure()` forms the groups unless the current ones
     still hold exactly the running replicas and no member's group broke (a timed-out or failed
@@ -179,13 +181,13 @@ class CollectiveLink:
         return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds, collect=self._collect,
                             num_buckets=sent.num_buckets)
 
-    def _replicas_fit(self, info: dict[str, Any]) -> tuple[dict[str, int], str | None]:
+    def _replicas_fit(self, info: dict[str, GroupsReport]) -> tuple[dict[str, int], str | None]:
         """The replicas' `collective_info` answers as {replica id: engine workers}, and what keeps them from
         the current groups (None: they are exactly the groups' members, each holding every group)."""
-        members = {rid: int(i["workers"]) for rid, i in info.items()}
+        members = {rid: i.workers for rid, i in info.items()}
         if members != self.members:
             return members, f"the running replicas {sorted(members)} are not the groups' members {sorted(self.members)}"
-        if not all(set(self.group_ids) <= set(i["groups"]) for i in info.values()):
+        if not all(set(self.group_ids) <= set(i.groups) for i in info.values()):
             return members, "a replica no longer holds every group"
         return members, None
 

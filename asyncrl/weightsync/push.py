@@ -401,13 +401,6 @@ class Publisher:
             raise StepFailed(step, bad, retryable=not any(map(is_replica_dead, bad.values())))
 
     # ---- restore / late load ---------------------------------------------------------------
-    async def load_live(self, replicas: Sequence[ReplicaClient]) -> list[str]:
-        """Push the host copy of the live version to `replicas` (restore or late join).
-        Returns the replicas that could not be loaded (left out of service)."""
-        m = PushMetrics(self.registry.live_version, self._transport.name, len(replicas))
-        await self._settled(m)
-        return await self._restore(list(replicas), m)
-
     async def _restore(self, replicas: list[ReplicaClient], m: PushMetrics) -> list[str]:
         host, failed = self._host, [r.name for r in replicas]
         if host is not None and replicas:

@@ -25,6 +25,8 @@ import struct
 from collections.abc import Iterable
 from typing import Any
 
+from asyncrl.types import Endpoint
+
 _LEN = struct.Struct("!Q")
 RECEIVE_DONE = "receive_done"  # the replica's verb a worker's receive apart from the engine reports its end to
 WIRE_END = "wire_end"  # ... and the one it reports its last bucket landed to (before its digests are read)
@@ -81,20 +83,20 @@ class ChannelServer:
         self._target, self._verbs = target, frozenset(verbs)
         self._server: asyncio.base_events.Server | None = None
         self._token = secrets.token_hex(16)
-        self._address: dict[str, Any] | None = None
+        self._address: Endpoint | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self._starting: asyncio.Lock | None = None
 
-    async def address(self, host: str) -> dict[str, Any]:
-        """{host, port, token}; the server starts (on the running loop) at the first call."""
+    async def address(self, host: str) -> Endpoint:
+        """Where it listens; the server starts (on the running loop) at the first call."""
         if self._starting is None:
             self._starting = asyncio.Lock()
         async with self._starting:  # (two first asks start one server)
             if self._address is None:
                 self._server = await asyncio.start_server(self._serve, host=host, port=0)
                 port = self._server.sockets[0].getsockname()[1]
-                self._address = {"host": host, "port": int(port), "token": self._token}
-            return dict(self._address)
+                self._address = Endpoint(host, int(port), self._token)
+            return self._address
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._connections.add(writer)
@@ -150,17 +152,17 @@ class ChannelClient:
         self._replies = asyncio.ensure_future(self._read_replies())
 
     @classmethod
-    async def connect(cls, address: dict[str, Any], name: str = "", timeout_s: float = 10.0) -> "ChannelClient":
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(address["host"], int(address["port"])), timeout_s)
+    async def connect(cls, address: Endpoint, name: str = "", timeout_s: float = 10.0) -> "ChannelClient":
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(address.host, address.port), timeout_s)
         sock = writer.get_extra_info("socket")
         if sock is not None:  # small frames both ways: no Nagle delay
             import socket
 
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        writer.write(_frame(str(address["token"]).encode()))
+        writer.write(_frame(address.token.encode()))
         await writer.drain()
-        return cls(reader, writer, name or f"{address['host']}:{address['port']}")
+        return cls(reader, writer, name or f"{address.host}:{address.port}")
 
     @property
     def closed(self) -> bool:
@@ -215,15 +217,15 @@ class BlockingChannel:
     once (its reply is read, and dropped, by a later `call`); `call` sends one and waits for its reply, its result
     returned or its exception raised. `ChannelClosed` if the connection fails."""
 
-    def __init__(self, address: dict[str, Any], timeout_s: float = 30.0) -> None:
+    def __init__(self, address: Endpoint, timeout_s: float = 30.0) -> None:
         import socket
 
-        self.name = f"{address.get('host')}:{address.get('port')}"
+        self.name = f"{address.host}:{address.port}"
         self._ids = itertools.count()
         try:
-            self._sock = socket.create_connection((address["host"], int(address["port"])), timeout=timeout_s)
+            self._sock = socket.create_connection((address.host, address.port), timeout=timeout_s)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock.sendall(_frame(str(address["token"]).encode()))
+            self._sock.sendall(_frame(address.token.encode()))
         except OSError as err:
             raise ChannelClosed(f"push channel to {self.name}: {type(err).__name__}: {err}") from err
 
@@ -272,7 +274,7 @@ class ThreadServer:
         self._target, self._verbs = target, frozenset(verbs)
         self._token = secrets.token_hex(16)
         self._sock = socket.create_server((host, 0))
-        self.address = {"host": host, "port": int(self._sock.getsockname()[1]), "token": self._token}
+        self.address = Endpoint(host, int(self._sock.getsockname()[1]), self._token)
         self._closed = False
         self._connections: set[Any] = set()
         threading.Thread(target=self._accept, name="asyncrl-worker-channel", daemon=True).start()
@@ -322,8 +324,8 @@ class ThreadServer:
             sock.close()
 
 
-def call_once(address: dict[str, Any], verb: str, *args: Any, timeout_s: float = 30.0) -> Any:
-    """`verb(*args)` on the server at `address` ({host, port, token}) from a thread without an event loop: one
+def call_once(address: Endpoint, verb: str, *args: Any, timeout_s: float = 30.0) -> Any:
+    """`verb(*args)` on the server at `address` from a thread without an event loop: one
     connection, one call, its result (or its exception raised here); `ChannelClosed` if the connection fails."""
     with BlockingChannel(address, timeout_s) as channel:
         return channel.call(verb, *args)

@@ -43,7 +43,6 @@ class VersionRegistry:
         self._lock = threading.Lock()
         self._records: dict[int, WeightVersion] = {}
         self._timeline: dict[int, list[tuple[str, float]]] = {}
-        self._failed_history: list[WeightVersion] = []
         self._live: int = initial_version
         self._in_flight: int | None = None
         self._replica_versions: dict[str, int] = {}
@@ -66,9 +65,6 @@ class VersionRegistry:
     def records(self) -> list[WeightVersion]:
         return [self._records[v] for v in sorted(self._records)]
 
-    def failed_history(self) -> list[WeightVersion]:
-        return list(self._failed_history)
-
     def timeline(self, version: int) -> list[tuple[str, float]]:
         """(state value, unix time) for every state the version entered, in order."""
         self.get(version)
@@ -89,10 +85,8 @@ class VersionRegistry:
             if version <= self._live:
                 raise RegistryError(f"version {version} is not newer than the live version {self._live}")
             old = self._records.get(version)
-            if old is not None:
-                if old.state is not S.FAILED:
-                    raise RegistryError(f"version {version} already registered in state {old.state.value}")
-                self._failed_history.append(old)
+            if old is not None and old.state is not S.FAILED:
+                raise RegistryError(f"version {version} already registered in state {old.state.value}")
             record = WeightVersion(version=version, num_bytes=num_bytes, num_tensors=num_tensors)
             self._records[version] = record
             self._timeline[version] = [(S.IDLE.value, record.created_at)]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.interfaces import WorkerAPI, verb_name
-from asyncrl.types import Refusal
+from asyncrl.types import ChannelAddress, Refusal
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import check_verify_mode, combine_digests, fingerprint_mode
 
@@ -109,7 +109,7 @@ class ReplicaStaging:
         self.applied_early: dict[str, Any] | None = None
         # a receive apart from the engine (`CollectiveReceive.apart`): where the workers report its end (the
         # replica's push channel address, set by the replica), and the receives waiting for them, by call id
-        self.reply_address: Callable[[], Awaitable[dict[str, Any]]] | None = None
+        self.reply_address: Callable[[], Awaitable[ChannelAddress]] | None = None
         self._apart: dict[str, _ApartCall] = {}
         # called once when every worker of a receive apart has its last bucket (their digests are still being
         # read): the replica pauses its engine then, beside that read (set by the replica for one load)
@@ -228,7 +228,7 @@ class ReplicaStaging:
         waiting = self._apart[call] = _ApartCall(asyncio.get_running_loop().create_future(), on_wire_end=self.on_wire_end)
         try:
             clients = await self._open_worker_channels()
-            reply = {**await self.reply_address(), "call": call, "lead_s": self.pause_lead_s}
+            reply = {"endpoint": (await self.reply_address()).endpoint, "call": call, "lead_s": self.pause_lead_s}
             if clients is not None and payload.commit and self.apply_paused_query is not None:
                 reply.update(apply_paused=True, query=self.apply_paused_query)
                 self._notice_call = call
@@ -286,7 +286,7 @@ class ReplicaStaging:
             return self._worker_clients
         self.close_worker_channels()
         try:
-            host = (await self.reply_address())["host"]
+            host = (await self.reply_address()).endpoint.host
             addresses = await self.rpc(WorkerAPI.asyncrl_start_channel, host, timeout=60.0)
             self._worker_clients = [await ChannelClient.connect(a, f"{self.replica_id} worker {i}")
                                     for i, a in enumerate(addresses)]

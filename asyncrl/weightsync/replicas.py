@@ -64,9 +64,9 @@ class ActorReplica:
         over it instead of through Ray."""
         from asyncrl.weightsync.push_channel import ChannelClient
 
-        address = await self._call(EngineAPI.push_channel)
+        answer = await self._call(EngineAPI.push_channel)
         self.close_channel()
-        self.channel = await ChannelClient.connect(address, self.name, timeout_s)
+        self.channel = await ChannelClient.connect(answer.endpoint, self.name, timeout_s)
 
     def close_channel(self) -> None:
         channel, self.channel = self.channel, None
@@ -134,7 +134,7 @@ class DeploymentReplicas(ActorReplica):
         answers = await self.control.call(EngineAPI.push_channel, timeout_s=self.timeout_s)
         if set(answers) != set(members):
             return False  # the replicas changed since the groups formed: the next push forms them again first
-        clients = await asyncio.gather(*(ChannelClient.connect(a, rid, min(10.0, self.timeout_s))
+        clients = await asyncio.gather(*(ChannelClient.connect(a.endpoint, rid, min(10.0, self.timeout_s))
                                          for rid, a in answers.items()), return_exceptions=True)
         opened = {rid: c for rid, c in zip(answers, clients) if not isinstance(c, BaseException)}
         if len(opened) != len(answers):

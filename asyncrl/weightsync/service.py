@@ -141,7 +141,7 @@ class WeightPublisher:
             answers = await self.replicas.control.call(EngineAPI.engine_layout, dump_manifest(self.manifest),
                                                         timeout_s=max(600.0, self.cfg.timeout_s))
             per_replica: dict[str, list[EngineLayout]] = {
-                rid: [pickle.loads(b) for b in a["layouts"]] for rid, a in answers.items()}
+                rid: [pickle.loads(b) for b in a.layouts] for rid, a in answers.items()}
             problems = sorted({f"{rid}: {lay.problem}" for rid, lays in per_replica.items() for lay in lays if lay.problem})
             digests = {tuple(lay.digest for lay in lays) for lays in per_replica.values()}
             if problems:

@@ -369,7 +369,7 @@ class WorkerVerbs:
             device = getattr(self, "device", None)
             if device is not None and torch.device(device).type == "cuda":
                 torch.cuda.set_device(torch.device(device))  # (a new thread starts on device 0, not the worker's)
-            address = {k: reply[k] for k in ("host", "port", "token")}
+            address = reply["endpoint"]
             # One connection to the replica for both reports, opened in a thread of its own beside the wire (not
             # before it: the receive reaches its gate first); the answer goes on a fresh one if it could not.
             opening = self._asyncrl_runner("asyncrl-report").submit(BlockingChannel, address, timeout_s)
@@ -409,7 +409,7 @@ class WorkerVerbs:
     def asyncrl_start_channel(self, host: str) -> dict[str, Any]:
         """Where the replica may start this worker's receives apart from the engine (`asyncrl_receive_start`)
         without going through the engine's input queue, which holds a call until the step in flight ends:
-        {host, port, token} of this worker's `ThreadServer` (push_channel.py), started at the first call.
+        the `Endpoint` of this worker's `ThreadServer` (push_channel.py), started at the first call.
         `host`: the replica's node, which is this worker's unless Ray places it elsewhere."""
         from asyncrl.weightsync.push_channel import ThreadServer, node_host
 
@@ -417,7 +417,7 @@ class WorkerVerbs:
         if server is None:  # (Ray's address for this node where this worker is a Ray process: a multi-node engine)
             server = self.__dict__["_asyncrl_channel"] = ThreadServer(
                 self, ["asyncrl_receive_start", "asyncrl_engine_paused"], node_host(host))
-        return dict(server.address)
+        return server.address
 
     def asyncrl_engine_paused(self, call: str, ok: bool) -> None:
         """The replica's engine paused (`ok`) for the commit of receive `call`, or could not (a receive started with

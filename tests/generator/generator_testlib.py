@@ -91,7 +91,7 @@ def form_push_plan(control, tensors: dict[str, torch.Tensor], bucket_mb: float =
 
     manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
     answers = asyncio.run(control.call(EngineAPI.engine_layout, dump_manifest(manifest)))
-    layouts = [pickle.loads(b) for b in next(iter(answers.values()))["layouts"]]
+    layouts = [pickle.loads(b) for b in next(iter(answers.values())).layouts]
     assert not any(lay.problem for lay in layouts), [lay.problem for lay in layouts]
     plan = build_plan(manifest, layouts, bucket_mb)
     asyncio.run(control.call(EngineAPI.set_push_plan, pickle.dumps(plan)))

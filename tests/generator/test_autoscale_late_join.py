@@ -42,7 +42,7 @@ def _plan_for(control: EngineControl, replica_id: str, weights: dict):
 
     manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in weights.items()]
     answers = asyncio.run(control.call(EngineAPI.engine_layout, dump_manifest(manifest)))
-    return build_plan(manifest, [pickle.loads(b) for b in answers[replica_id]["layouts"]], 0.25)
+    return build_plan(manifest, [pickle.loads(b) for b in answers[replica_id].layouts], 0.25)
 
 
 def test_scale_up_with_late_joiner_on_current_version_and_back_down(ray_session, demo_model_path):

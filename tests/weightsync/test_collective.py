@@ -17,7 +17,7 @@ import torch
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.generator.worker_ext import WeightUpdateExtension
-from asyncrl.types import LoadReport
+from asyncrl.types import GroupsReport, LoadReport
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.bucket import FILE_PREFIX, shared_dir, unpack_bucket
 from asyncrl.weightsync.collective import (
@@ -964,7 +964,7 @@ def _fake_replicas():
 
     async def members():
         asked["n"] += 1
-        return {rid: dict(i) for rid, i in replicas.items()}
+        return {rid: GroupsReport(replica_id=rid, **i) for rid, i in replicas.items()}
 
     async def join(wire):
         for i in replicas.values():
@@ -1057,7 +1057,7 @@ async def test_a_broadcast_link_checks_its_members_beside_each_push_and_stops_it
         checked["n"] += 1
         if checked["fail"]:
             raise RuntimeError("replica b is dead")
-        return {rid: {"replica_id": rid, **i} for rid, i in replicas.items()}
+        return {rid: GroupsReport(replica_id=rid, **i) for rid, i in replicas.items()}
 
     link = CollectiveLink("nccl", learner, members=members, join=join, bucket_mb=1, timeout_s=5, check=check)
     assert link.fold_begin
@@ -1155,7 +1155,8 @@ def test_the_gate_opens_once_every_member_arrived_and_a_closed_or_missed_gate_st
     def at_gate(token, members, deadline_s=10.0):
         def one(g):
             try:
-                g.pass_gate(token, time.monotonic() + deadline_s)
+                g.arrive(token)
+                g.await_gate(token, time.monotonic() + deadline_s)
                 return "open"
             except GateClosed as err:
                 return str(err)
@@ -1213,7 +1214,8 @@ def test_a_sender_at_a_closed_gate_reads_its_export_to_the_end_and_its_next_push
     got: dict[str, torch.Tensor] = {}
 
     def receive(g):
-        g.pass_gate("p2", time.monotonic() + 20)
+        g.arrive("p2")
+        g.await_gate("p2", time.monotonic() + 20)
         for bucket, _ in receive_stream(g, time.monotonic() + 20):
             got.update((n, t.clone()) for n, t in unpack_bucket(bucket))
 

@@ -50,7 +50,7 @@ async def _plan_for(replica, model_path: str) -> tuple[dict, object]:
 
     base = load_hf_tensors(model_path)
     manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in base.items()]
-    (layout,) = [pickle.loads(b) for b in (await replica.engine_layout(dump_manifest(manifest)))["layouts"]]
+    (layout,) = [pickle.loads(b) for b in (await replica.engine_layout(dump_manifest(manifest))).layouts]
     plan = build_plan(manifest, [layout], 0.5)
     await replica.set_push_plan(pickle.dumps(plan))
     return base, plan

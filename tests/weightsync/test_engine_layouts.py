@@ -59,7 +59,7 @@ async def _scenario(path: str) -> dict:
     try:
         base = load_hf_tensors(path)
         manifest = [ManifestEntry(n, "float32", tuple(t.shape)) for n, t in base.items()]
-        (layout,) = [pickle.loads(b) for b in (await replica.engine_layout(dump_manifest(manifest)))["layouts"]]
+        (layout,) = [pickle.loads(b) for b in (await replica.engine_layout(dump_manifest(manifest))).layouts]
         plan = None
         if not layout.problem:
             plan = build_plan(manifest, [layout], 0.25)

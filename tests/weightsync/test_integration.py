@@ -20,6 +20,7 @@ import asyncio
 import pytest
 import torch
 
+from asyncrl.types import GroupsReport
 from asyncrl.types import WeightUpdateState as S
 
 pytestmark = pytest.mark.slow
@@ -166,7 +167,7 @@ async def _form_plan(handles, tensors, bucket_mb):
     manifest = tensors if isinstance(tensors, list) else \
         [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
     answers = await asyncio.gather(*(h.engine_layout.remote(dump_manifest(manifest)) for h in handles))
-    layouts = [[pickle.loads(b) for b in a["layouts"]] for a in answers]
+    layouts = [[pickle.loads(b) for b in a.layouts] for a in answers]
     assert all(not lay.problem for lays in layouts for lay in lays), [lay.problem for lays in layouts for lay in lays]
     assert len({tuple(lay.digest for lay in lays) for lays in layouts}) == 1
     plan = build_plan(manifest, layouts[0], bucket_mb)
@@ -459,7 +460,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
 
     async def members():
         infos = await asyncio.gather(*(h.collective_info.remote() for h in engines))
-        return {i["replica_id"]: i for i in infos}
+        return {i.replica_id: i for i in infos}
 
     async def join(wire):
         return await asyncio.gather(*(h.join_collective.remote(wire, cfg.timeout_s) for h in engines))
@@ -499,7 +500,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
             kept = hf_from_engine(plan, [transport.fetch(h) for h in pub._host.handles])
             assert kept.keys() == exported.keys() and all(torch.equal(kept[n], exported[n]) for n in exported)
             await _engines_serve(engines, demo_model_path, exported, start + step)
-        assert (await engines[0].collective_info.remote())["groups"] == link.group_ids
+        assert (await engines[0].collective_info.remote()).groups == link.group_ids
     finally:
         await group.shutdown()
 
@@ -578,7 +579,7 @@ class _OneEngine:
 
         async def members():
             info = await engine.collective_info.remote()
-            return {info["replica_id"]: info}
+            return {info.replica_id: info}
 
         async def join(wire):
             return [await engine.join_collective.remote(wire, cfg.timeout_s)]
@@ -824,7 +825,7 @@ async def test_one_engine_over_gloo_commits_in_its_receive_and_refuses_a_bucket_
     running = await members()
 
     async def with_a_newcomer():
-        return {**running, "engine-new": {"replica_id": "engine-new", "workers": 1, "groups": []}}
+        return {**running, "engine-new": GroupsReport(replica_id="engine-new", workers=1, groups=[])}
 
     link._check_call = with_a_newcomer
     with pytest.raises(WeightsyncError, match="stopped at its gate"):

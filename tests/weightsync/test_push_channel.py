@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from asyncrl.generator.replica_types import WeightUpdateError
-from asyncrl.types import Refusal, ReplicaControlError
+from asyncrl.types import ChannelAddress, Endpoint, Refusal, ReplicaControlError
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.push_channel import ChannelClient, ChannelClosed, ChannelServer, _frame
 from asyncrl.weightsync.replicas import DeploymentReplicas
@@ -74,12 +75,12 @@ def test_a_wrong_token_or_a_lost_connection_fails_every_call_at_once():
         replica = Replica("r")
         server = ChannelServer(replica, ["load_bucket"])
         address = await server.address("127.0.0.1")
-        stranger = await ChannelClient.connect({**address, "token": "0" * 32})
+        stranger = await ChannelClient.connect(msgspec.structs.replace(address, token="0" * 32))
         with pytest.raises(ChannelClosed):
             await stranger.call("load_bucket", "p", 1)
         assert replica.calls == []  # nothing read past the wrong token
-        reader, writer = await asyncio.open_connection(address["host"], address["port"])
-        writer.write(_frame(address["token"].encode()) + _frame(b"not a pickle"))
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        writer.write(_frame(address.token.encode()) + _frame(b"not a pickle"))
         assert await reader.read() == b""  # a malformed call ends that connection, not the server
         assert await (await ChannelClient.connect(address)).call("load_bucket", "p", 0) == {"replica_id": "r", "version": 0}
         replica.calls.clear()
@@ -98,6 +99,11 @@ def test_a_wrong_token_or_a_lost_connection_fails_every_call_at_once():
     run(scenario())
 
 
+async def _answer(server: ChannelServer) -> ChannelAddress:
+    """The replica's `push_channel` answer for its server."""
+    return ChannelAddress(replica_id="r", endpoint=await server.address("127.0.0.1"))
+
+
 class Control:
     """The generator's EngineControl: answers `push_channel` with each replica's address and records
     what goes through Serve."""
@@ -110,7 +116,7 @@ class Control:
     async def call(self, verb, *args, timeout_s=None):
         self.calls.append(verb.__name__)
         if verb.__name__ == "push_channel":
-            return {rid: {"replica_id": rid, **await s.address("127.0.0.1")} for rid, s in self.servers.items()}
+            return {rid: ChannelAddress(replica_id=rid, endpoint=await s.address("127.0.0.1")) for rid, s in self.servers.items()}
         outcomes = await asyncio.gather(*(getattr(r, verb.__name__)(*args) for r in self.replicas.values()),
                                         return_exceptions=True)
         failures = {rid: str(o) for rid, o in zip(self.replicas, outcomes) if isinstance(o, BaseException)}
@@ -239,7 +245,7 @@ def test_a_thread_without_a_loop_calls_the_replica_once_and_gets_its_answer_or_i
             except ValueError as err:
                 out["err"] = str(err)
             try:
-                call_once({**address, "token": "wrong"}, "receive_done", "c3", 0, True, None, timeout_s=2)
+                call_once(msgspec.structs.replace(address, token="wrong"), "receive_done", "c3", 0, True, None, timeout_s=2)
             except ChannelClosed as err:  # the server closes a connection that does not present its token
                 out["closed"] = str(err)
 
@@ -280,7 +286,7 @@ def test_a_receive_apart_waits_for_every_worker_whenever_its_answer_comes_and_ra
             return [None, None]  # two workers started
 
         async def address():
-            return {"host": "h", "port": 1, "token": "t"}
+            return ChannelAddress(replica_id="r", endpoint=Endpoint("h", 1, "t"))
 
         staging = ReplicaStaging(rpc, "r")
         staging.reply_address = address
@@ -344,13 +350,13 @@ def test_a_workers_own_channel_serves_its_verbs_from_threads_and_refuses_the_res
         with pytest.raises(ValueError, match="'asyncrl_apply' is not served here"):
             await client.call("asyncrl_apply", 3)
         out["both"] = await asyncio.gather(*(client.call("asyncrl_receive_start", v, {}) for v in (4, 5)))
-        wrong = await ChannelClient.connect({**server.address, "token": "nope"}, "w0")
+        wrong = await ChannelClient.connect(msgspec.structs.replace(server.address, token="nope"), "w0")
         with pytest.raises(ChannelClosed):
             await asyncio.wait_for(wrong.call("asyncrl_receive_start", 9, {}), 5)
         client.close()
         server.close()
         with pytest.raises(OSError):
-            await asyncio.wait_for(asyncio.open_connection("127.0.0.1", server.address["port"]), 5)
+            await asyncio.wait_for(asyncio.open_connection("127.0.0.1", server.address.port), 5)
         return out, worker.started
 
     out, started = run(main())
@@ -375,7 +381,7 @@ def test_a_receive_apart_starts_over_the_workers_channels_and_reports_over_the_r
 
         def asyncrl_receive_start(self, version, group_ids, timeout_s, begin, with_sender, gate, reply):
             self.starts.append((version, reply["lead_s"]))
-            address = {k: reply[k] for k in ("host", "port", "token")}
+            address = reply["endpoint"]
             threading.Thread(target=call_once, args=(address, RECEIVE_DONE, reply["call"], self.rank, True,
                                                      f"w{self.rank}")).start()
 
@@ -389,7 +395,7 @@ def test_a_receive_apart_starts_over_the_workers_channels_and_reports_over_the_r
             engine_calls.append(name)
             if name == "asyncrl_start_channel":
                 assert args == ("127.0.0.1",)
-                return [dict(s.address) for s in servers]
+                return [s.address for s in servers]
             assert name == "asyncrl_receive_start"
             return [w.asyncrl_receive_start(*args) for w in workers]
 
@@ -400,7 +406,7 @@ def test_a_receive_apart_starts_over_the_workers_channels_and_reports_over_the_r
                 staging.receive_done(*args)
 
         replica = ChannelServer(ReplicaSide(), [RECEIVE_DONE])
-        staging.reply_address = lambda: replica.address("127.0.0.1")
+        staging.reply_address = lambda: _answer(replica)
         staging.direct_start, staging.pause_lead_s, staging.version = direct, 0.004, 7
         payload = CollectiveReceive(("g",), 7, 10.0, apart=True)
         out = [await staging._receive_apart(payload, 7, None), await staging._receive_apart(payload, 7, None)]
@@ -510,7 +516,7 @@ def test_workers_told_the_engine_paused_apply_themselves_and_a_receive_that_ends
         def asyncrl_receive_start(self, version, group_ids, timeout_s, begin, with_sender, gate, reply):
             assert reply["apply_paused"] and reply["query"] == "asyncrl_sampled_token_counts"
             self.notice, call = PauseNotice(), reply["call"]
-            address = {k: reply[k] for k in ("host", "port", "token")}
+            address = reply["endpoint"]
 
             def run():
                 told = self.notice.wait(10)
@@ -528,7 +534,7 @@ def test_workers_told_the_engine_paused_apply_themselves_and_a_receive_that_ends
         servers = [ThreadServer(w, ["asyncrl_receive_start", "asyncrl_engine_paused"], "127.0.0.1") for w in workers]
 
         async def rpc(verb, *args, timeout=None):
-            return [dict(s.address) for s in servers]  # (asyncrl_start_channel: nothing else goes through the engine)
+            return [s.address for s in servers]  # (asyncrl_start_channel: nothing else goes through the engine)
 
         staging = ReplicaStaging(rpc, "r")
 
@@ -537,7 +543,7 @@ def test_workers_told_the_engine_paused_apply_themselves_and_a_receive_that_ends
                 staging.receive_done(*args)
 
         replica = ChannelServer(ReplicaSide(), [RECEIVE_DONE])
-        staging.reply_address = lambda: replica.address("127.0.0.1")
+        staging.reply_address = lambda: _answer(replica)
         staging.direct_start, staging.version = True, 3
         staging.apply_paused_query = "asyncrl_sampled_token_counts"
         payload = CollectiveReceive(("g",), 3, 10.0, apart=True, commit=True)
