@@ -26,7 +26,6 @@ from asyncrl.types import (
     LayoutReport,
     LoadReport,
     PlanAck,
-    ReplicaAnswer,
     SyncReport,
     UpdateAck,
 )
@@ -77,7 +76,7 @@ class EngineAPI(Protocol):
 
     async def join_collective(self, specs: list[dict[str, Any]], timeout_s: float = 120.0) -> GroupsReport: ...
 
-    async def leave_collective(self) -> ReplicaAnswer: ...
+    async def leave_collective(self) -> GroupsReport: ...
 
     async def sync_from_source(self) -> SyncReport: ...
 

@@ -30,7 +30,6 @@ from asyncrl.types import (
     LoadReport,
     PlanAck,
     Refusal,
-    ReplicaAnswer,
     UpdateAck,
     refusal_of,
 )
@@ -346,10 +345,11 @@ class WeightUpdates:
                 self._groups_joined = answer
             return answer
 
-    async def leave_collective(self) -> ReplicaAnswer:
+    async def leave_collective(self) -> GroupsReport:
+        """Every worker leaves its broadcast groups: the answer holds none."""
         self._groups_joined = None
-        await self._rpc(WorkerAPI.asyncrl_leave_collective)
-        return ReplicaAnswer(replica_id=self.replica_id)
+        left = await self._rpc(WorkerAPI.asyncrl_leave_collective)
+        return GroupsReport(replica_id=self.replica_id, workers=len(left), groups=[])
 
     async def commit_update(self, version: int, fingerprint: str) -> CommitReport:
         """Check the staged version against `fingerprint` (nothing applied if it differs), then,

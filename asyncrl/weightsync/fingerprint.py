@@ -203,10 +203,6 @@ def tensor_digests(pairs: Iterable[tuple[str, Any]], mode: VerifyMode = "full") 
     return out
 
 
-def tensor_digest(name: str, tensor: Any, mode: VerifyMode = "full") -> bytes:
-    return tensor_digests([(name, tensor)], mode)[name]
-
-
 def bucket_digests(bucket: Any, mode: VerifyMode = "full", prefix: str = "") -> dict[str, bytes]:
     """Digests of every tensor packed in `bucket` (bucket.py), read where its buffer is, one pass
     (equal to `tensor_digests` of its unpacked tensors, with `prefix` before each name)."""

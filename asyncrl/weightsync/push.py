@@ -125,10 +125,6 @@ class Publisher:
         self.last_metrics: dict[str, float] = {}
         self.totals = {k: 0 for k in ("pushes_total", "pushes_failed_total", "retries_total", "rollbacks_total", "out_of_service_total")}
 
-    @property
-    def host_version(self) -> int | None:
-        return self._host.version if self._host else None
-
     def set_plan(self, plan: Any) -> None:
         """Pack `publish`'s tensor stream into the engines' layout of this push plan (None: HF tensors)."""
         self.plan = plan

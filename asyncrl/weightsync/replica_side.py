@@ -22,8 +22,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from asyncrl.interfaces import WorkerAPI, verb_name
-from asyncrl.types import ChannelAddress, Refusal
+from asyncrl.types import ChannelAddress, Endpoint, Refusal
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import check_verify_mode, combine_digests, fingerprint_mode
 
@@ -228,7 +230,9 @@ class ReplicaStaging:
         waiting = self._apart[call] = _ApartCall(asyncio.get_running_loop().create_future(), on_wire_end=self.on_wire_end)
         try:
             clients = await self._open_worker_channels()
-            reply = {"endpoint": (await self.reply_address()).endpoint, "call": call, "lead_s": self.pause_lead_s}
+            # (the engine's RPC carries builtins: the endpoint goes as a dict, the worker converts it back)
+            reply = {"endpoint": msgspec.to_builtins((await self.reply_address()).endpoint), "call": call,
+                     "lead_s": self.pause_lead_s}
             if clients is not None and payload.commit and self.apply_paused_query is not None:
                 reply.update(apply_paused=True, query=self.apply_paused_query)
                 self._notice_call = call
@@ -288,7 +292,7 @@ class ReplicaStaging:
         try:
             host = (await self.reply_address()).endpoint.host
             addresses = await self.rpc(WorkerAPI.asyncrl_start_channel, host, timeout=60.0)
-            self._worker_clients = [await ChannelClient.connect(a, f"{self.replica_id} worker {i}")
+            self._worker_clients = [await ChannelClient.connect(msgspec.convert(a, Endpoint), f"{self.replica_id} worker {i}")
                                     for i, a in enumerate(addresses)]
         except Exception as err:  # noqa: BLE001 - through the engine from now on: slower, as correct
             self.close_worker_channels()

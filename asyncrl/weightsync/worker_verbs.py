@@ -20,6 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
+from asyncrl.types import Endpoint
 from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import SharedBucket
 from asyncrl.weightsync.receiver import EngineHooks, WorkerReceiver
@@ -369,7 +372,7 @@ class WorkerVerbs:
             device = getattr(self, "device", None)
             if device is not None and torch.device(device).type == "cuda":
                 torch.cuda.set_device(torch.device(device))  # (a new thread starts on device 0, not the worker's)
-            address = reply["endpoint"]
+            address = msgspec.convert(reply["endpoint"], Endpoint)
             # One connection to the replica for both reports, opened in a thread of its own beside the wire (not
             # before it: the receive reaches its gate first); the answer goes on a fresh one if it could not.
             opening = self._asyncrl_runner("asyncrl-report").submit(BlockingChannel, address, timeout_s)

@@ -28,13 +28,18 @@ from asyncrl.generator.routing import rank_replicas
 from asyncrl.generator.sampling import Limits, RequestError, to_vllm, validate_request
 from asyncrl.generator.versions import CompletionAccumulator, VersionLabelError, VersionLedger, versions_from_spans, versions_from_starts
 from asyncrl.types import GenerationRequest, SamplingParams
-from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode, tensor_digest, tensor_digests, tensor_fingerprint
+from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode, tensor_digests, tensor_fingerprint
 from asyncrl.weightsync.store import WeightStore
 
 LIMITS = Limits(max_n=4, max_model_len=32, vocab_size=100)
 
 
 # ---- per-token version bookkeeping ---------------------------------------------------------
+
+
+def tensor_digest(name, tensor, mode="full"):
+    """One tensor's digest, as `tensor_digests` gives it."""
+    return tensor_digests([(name, tensor)], mode)[name]
 
 
 def test_versions_from_starts_switches_at_the_span_start():

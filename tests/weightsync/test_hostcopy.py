@@ -193,11 +193,11 @@ def test_deferred_device_copies_start_only_when_collected_and_read_the_bytes_the
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_digests_of_device_tensors_equal_those_of_their_host_copies():
-    from asyncrl.weightsync.fingerprint import tensor_digest, tensor_digests
+    from asyncrl.weightsync.fingerprint import tensor_digests
 
     g = torch.Generator().manual_seed(7)
     a = {"w": torch.randn(1000, 300, generator=g).to(torch.bfloat16), "b": torch.randn(5, generator=g),
          "e": torch.empty(0, 2), "odd": torch.arange(7, dtype=torch.uint8), "big": torch.randn(3 << 20, generator=g)}
     on_gpu = [(n, t.cuda()) for n, t in a.items()]
     for mode in ("full", "checksum", "off"):  # checksum: CUDA int64 arithmetic wraps as on the host
-        assert tensor_digests(on_gpu, mode) == {n: tensor_digest(n, t, mode) for n, t in a.items()}, mode
+        assert tensor_digests(on_gpu, mode) == {n: tensor_digests([(n, t)], mode)[n] for n, t in a.items()}, mode

@@ -381,7 +381,7 @@ def test_a_receive_apart_starts_over_the_workers_channels_and_reports_over_the_r
 
         def asyncrl_receive_start(self, version, group_ids, timeout_s, begin, with_sender, gate, reply):
             self.starts.append((version, reply["lead_s"]))
-            address = reply["endpoint"]
+            address = msgspec.convert(reply["endpoint"], Endpoint)  # (as the worker does)
             threading.Thread(target=call_once, args=(address, RECEIVE_DONE, reply["call"], self.rank, True,
                                                      f"w{self.rank}")).start()
 
@@ -516,7 +516,7 @@ def test_workers_told_the_engine_paused_apply_themselves_and_a_receive_that_ends
         def asyncrl_receive_start(self, version, group_ids, timeout_s, begin, with_sender, gate, reply):
             assert reply["apply_paused"] and reply["query"] == "asyncrl_sampled_token_counts"
             self.notice, call = PauseNotice(), reply["call"]
-            address = reply["endpoint"]
+            address = msgspec.convert(reply["endpoint"], Endpoint)  # (as the worker does)
 
             def run():
                 told = self.notice.wait(10)
