@@ -265,13 +265,15 @@ class _Control:
         import pickle
 
         from asyncrl.interfaces import EngineAPI
+        from asyncrl.types import LayoutReport, PlanAck
 
         if verb is EngineAPI.engine_layout:
             manifest = pickle.loads(args[0])  # (replica_side.dump_manifest)
-            return {"r0": {"layouts": [pickle.dumps(probe_layout(_Engine(r, self.tp), manifest, r)) for r in range(self.tp)]}}
+            return {"r0": LayoutReport(replica_id="r0", layouts=[pickle.dumps(probe_layout(_Engine(r, self.tp), manifest, r))
+                                                                  for r in range(self.tp)])}
         if verb is EngineAPI.set_push_plan:
             self.plans.append(pickle.loads(args[0]) if args[0] is not None else None)
-            return {}
+            return {"r0": PlanAck(replica_id="r0", plan_id=None)}
         raise AssertionError(verb)
 
 
