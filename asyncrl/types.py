@@ -239,7 +239,7 @@ class ChannelAddress(ReplicaAnswer, frozen=True):
 
 class GroupsReport(ReplicaAnswer, frozen=True):
     """`collective_info`: the replica's engine workers (one receiver rank each) and the broadcast groups every
-    one of them holds; `join_collective`: the groups joined (`workers` as the join found them)."""
+    one of them holds; `join_collective`: the groups joined; `leave_collective`: none."""
 
     workers: int
     groups: list[str]
