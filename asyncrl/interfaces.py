@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from asyncrl.types import (
+    ApplyReport,
     ChannelAddress,
     CommitReport,
     CompletionDelta,
@@ -23,9 +24,11 @@ from asyncrl.types import (
     GenerationRequest,
     GenerationResult,
     GroupsReport,
+    LayoutCheck,
     LayoutReport,
     LoadReport,
     PlanAck,
+    ReceiveReport,
     SyncReport,
     UpdateAck,
 )
@@ -105,7 +108,7 @@ class WorkerAPI(Protocol):
     at once through vLLM's `collective_rpc`, which wants a method name: `WeightUpdates._rpc`
     (generator/engine_update.py) is the one place that turns a verb into it."""
 
-    def asyncrl_check_layout(self) -> dict[str, Any]: ...
+    def asyncrl_check_layout(self) -> LayoutCheck: ...
 
     def asyncrl_layout(self, manifest: bytes) -> bytes: ...
 
@@ -117,10 +120,10 @@ class WorkerAPI(Protocol):
 
     def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float,
                                    begin: tuple | None = None, with_sender: bool = False,
-                                   early: str | None = None, gate: str = "") -> Any:
-        """The staged digests; with `with_sender` {"digests": staged, "sender": the senders' own,
-        "applied": the apply's report where `early` (a query verb, "" none) had each bucket applied as
-        it landed, "before": that query's answer}. `gate`: the push's gate token (gloo / NCCL)."""
+                                   early: str | None = None, gate: str = "") -> ReceiveReport:
+        """The staged digests; with `with_sender` the senders' own too, and where `early` (a query verb, "" none)
+        had each bucket applied as it landed, the apply's report and that query's answer. `gate`: the push's gate
+        token (gloo / NCCL)."""
 
     def asyncrl_receive_start(self, version: int, group_ids: list[str], timeout_s: float, begin: tuple | None,
                               with_sender: bool, gate: str, reply: dict[str, Any]) -> None:
@@ -137,9 +140,9 @@ class WorkerAPI(Protocol):
 
     def asyncrl_refuse_collective(self, group_ids: list[str], why: str, gate: str = "") -> None: ...
 
-    def asyncrl_apply(self, version: int) -> dict[str, Any]: ...
+    def asyncrl_apply(self, version: int) -> ApplyReport: ...
 
-    def asyncrl_apply_after(self, version: int, before: str) -> tuple[Any, dict[str, Any]]:
+    def asyncrl_apply_after(self, version: int, before: str) -> tuple[Any, ApplyReport]:
         """The worker query `before` (the name of a verb of this interface without arguments), then
         the apply: one round trip."""
 

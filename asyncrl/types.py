@@ -209,12 +209,46 @@ class CommitReport(ReplicaAnswer, frozen=True):
     staged_tensors: int = 0  # a load that committed: the tensors it staged
 
 
+class LayoutCheck(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's start-time layout check (`asyncrl_check_layout`): whether a push may copy straight into its
+    parameters (`direct`), why not (`problem`), the parameters it laid out and the check's seconds."""
+
+    rank: int
+    direct: bool
+    problem: str | None = None
+    seconds: float = 0.0
+    params: int = 0
+
+
+class ApplyReport(msgspec.Struct, frozen=True, kw_only=True):
+    """An apply of a staged version: its `path` ("direct" copy into the parameters, "reload" through the engine's
+    loaders, "none"), seconds and tensors; `early`: applied as its buckets landed. The replica's report over its
+    workers adds its round trip (`rpc_seconds`) and the query each worker answered first (`before`)."""
+
+    path: str
+    apply_seconds: float = 0.0
+    tensors: int = 0
+    early: bool = False
+    rpc_seconds: float = 0.0
+    before: list[Any] = msgspec.field(default_factory=list)
+
+
+class ReceiveReport(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's collective receive (`asyncrl_receive_collective`): the digests it staged; the senders' own (where
+    asked); the apply's report and the answer of the query read before it, where it applied as the buckets landed."""
+
+    digests: dict[str, bytes]
+    sender: dict[str, bytes] = msgspec.field(default_factory=dict)
+    applied: ApplyReport | None = None
+    before: Any = None
+
+
 class LayoutReport(ReplicaAnswer, frozen=True):
     """`engine_layout`: every worker's parameter layout for the learner's manifest (pickled `EngineLayout`s,
     weightsync/plan.py) and what each worker's start-time layout check found."""
 
     layouts: list[bytes]
-    check: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    check: list[LayoutCheck] = msgspec.field(default_factory=list)
 
 
 class PlanAck(ReplicaAnswer, frozen=True):

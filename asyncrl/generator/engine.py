@@ -96,12 +96,12 @@ class EngineReplica(WeightUpdates):
         await engine.relabel(self.version)
         self._staging.direct_start = bool(getattr(engine, "workers_listen", False))
         checks = await self._staging.check_layout()
-        problems = sorted({c["problem"] for c in checks if c.get("problem")})
+        problems = sorted({c.problem for c in checks if c.problem})
         if problems:
             logger.info("replica %s: weight pushes will reload through the engine's loader (%s)", self.replica_id, "; ".join(problems))
         else:
             logger.info("replica %s: weight pushes can copy into the live parameters (layout checked in %.2f s)",
-                        self.replica_id, max(c["seconds"] for c in checks))
+                        self.replica_id, max(c.seconds for c in checks))
         self.state = ReplicaState.CATCHING_UP
         await self.sync_from_source()
         self.state = ReplicaState.READY

@@ -394,7 +394,7 @@ class WeightUpdates:
             # apply, one round trip) hold until resume.
             applied = await self._staging.apply(version, before=self._versions.counts_query)
             trace.mark("rep.applied")
-            sampled = await self._versions.counts(applied["before"])
+            sampled = await self._versions.counts(applied.before)
             trace.mark("rep.counted")
         except Exception as err:
             self.counters["updates_failed"] += 1
@@ -423,13 +423,13 @@ class WeightUpdates:
         elif self.state is ReplicaState.READY and (paused_here or self._may_run()):
             await self._settle()
         end = time.perf_counter()
-        apply_s = float(applied["apply_seconds"])
+        apply_s = applied.apply_seconds
         return CommitReport(
-            replica_id=self.replica_id, version=self.version, path=applied["path"],
-            applied_as_received=bool(applied.get("early")),
+            replica_id=self.replica_id, version=self.version, path=applied.path,
+            applied_as_received=applied.early,
             # where the paused window goes: the engine's pause, the workers' round trip (the apply
             # inside it), the relabel, the resume
-            seconds={"apply": apply_s, "reload": apply_s if applied["path"] == "reload" else 0.0,
+            seconds={"apply": apply_s, "reload": apply_s if applied.path == "reload" else 0.0,
                      "paused": end - t_pause if paused_here else 0.0, "pause_call": t_paused - t_pause,
                      "apply_rpc": t_applied - t_paused, "relabel": t_relabelled - t_applied,
                      "resume_call": end - t_relabelled})

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.types import ApplyReport
 from asyncrl.weightsync.plan import ManifestEntry
 from asyncrl.weightsync.worker_verbs import WorkerVerbs
 
@@ -124,11 +125,11 @@ class SglangWorker(WorkerVerbs):
     def _asyncrl_hooks(self) -> SglangHooks:
         return self._hooks
 
-    def asyncrl_apply(self, version: int) -> dict[str, Any]:
+    def asyncrl_apply(self, version: int) -> ApplyReport:
         self._hooks.version = version
         return super().asyncrl_apply(version)
 
-    def asyncrl_apply_after(self, version: int, before: str) -> tuple[Any, dict[str, Any]]:
+    def asyncrl_apply_after(self, version: int, before: str) -> tuple[Any, ApplyReport]:
         self._hooks.version = version
         return super().asyncrl_apply_after(version, before)
 

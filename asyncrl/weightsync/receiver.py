@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from asyncrl.types import ApplyReport, LayoutCheck
 from asyncrl.weightsync.bucket import Bucket, digest_key_prefix, dtype_from_name, unpack_bucket
 from asyncrl.weightsync.fingerprint import PendingDigests, bucket_digests, bucket_digests_lazy, buckets_digests_lazy, check_verify_mode
 from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, PlanError, PushPlan, probe_layout, same_ops, verify_layout
@@ -106,7 +107,7 @@ class WorkerReceiver:
 
     # ---- layout ---------------------------------------------------------------------------------
 
-    def check_layout(self) -> dict[str, Any]:
+    def check_layout(self) -> LayoutCheck:
         """At engine start, before any push: read this worker's layout from the engine's loaders
         and check that it rebuilds the loaded parameters from the checkpoint bit for bit."""
         t = time.perf_counter()
@@ -122,8 +123,8 @@ class WorkerReceiver:
             problem = verify_layout(layout, dict(model.named_parameters()), read)
         self.verified = layout if not problem else None
         self.direct_problem = problem
-        return {"rank": self.hooks.rank, "direct": not problem, "problem": problem, "seconds": time.perf_counter() - t,
-                "params": len(layout.params) if layout else 0}
+        return LayoutCheck(rank=self.hooks.rank, direct=not problem, problem=problem, seconds=time.perf_counter() - t,
+                           params=len(layout.params) if layout else 0)
 
     def layout_for(self, manifest: list[ManifestEntry]) -> EngineLayout:
         """This worker's layout for the learner's export `manifest`; its `problem` says why a
@@ -280,7 +281,7 @@ class WorkerReceiver:
         staged.early = True
         return nbytes
 
-    def finish_received(self, version: int) -> dict[str, Any]:
+    def finish_received(self, version: int) -> ApplyReport:
         """The end of an update applied as received, once its digests were read: wait for the
         copies, drop the staged buffers. The apply's report (`apply`'s), `early` set."""
         staged = self._state(version)
@@ -293,7 +294,7 @@ class WorkerReceiver:
             if self.hooks.device.type == "cuda":
                 torch.cuda.synchronize(self.hooks.device)
             self._views = staged.seen  # the next push's buckets are most likely these
-            return {"path": "direct", "apply_seconds": time.perf_counter() - t, "tensors": staged.applied, "early": True}
+            return ApplyReport(path="direct", apply_seconds=time.perf_counter() - t, tensors=staged.applied, early=True)
         finally:
             self._staged = None
 
@@ -337,7 +338,7 @@ class WorkerReceiver:
         self._apply_lists = (key, [live[name] for name, _ in views], src) \
             if key is not None and same_device and dst else None
 
-    def apply(self, version: int) -> dict[str, Any]:
+    def apply(self, version: int) -> ApplyReport:
         """Apply what is staged for `version` (the caller verified the fingerprint and paused the
         engine). Returns the apply path and its seconds. The staged copy is spent either way."""
         staged = self._state(version)
@@ -358,8 +359,7 @@ class WorkerReceiver:
                 self.hooks.reload(iter(sorted(staged.hf.items())))
                 path = "reload"
             self._views = staged.seen  # the next push's record is most likely this one
-            return {"path": path, "apply_seconds": time.perf_counter() - t,
-                    "tensors": len(staged.digests)}
+            return ApplyReport(path=path, apply_seconds=time.perf_counter() - t, tensors=len(staged.digests))
         except BaseException:
             self._views, self._apply_lists = {}, None
             raise

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.interfaces import WorkerAPI, verb_name
-from asyncrl.types import ChannelAddress, Endpoint, Refusal
+from asyncrl.types import ApplyReport, ChannelAddress, Endpoint, LayoutCheck, ReceiveReport, Refusal
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import check_verify_mode, combine_digests, fingerprint_mode
 
@@ -98,7 +98,7 @@ class ReplicaStaging:
     def __init__(self, rpc: Rpc, replica_id: str) -> None:
         self.rpc, self.replica_id = rpc, replica_id
         self.plan_id: str | None = None
-        self.layout_report: list[dict[str, Any]] = []
+        self.layout_report: list[LayoutCheck] = []
         self.version: int | None = None
         self.layout = "hf"
         self.staging = "full"
@@ -108,7 +108,7 @@ class ReplicaStaging:
         self.sender_digests: dict[str, bytes] | None = None  # what the senders computed (a load that commits)
         # a load that commits into a paused engine: the workers applied each bucket as it landed (their
         # apply's report, the `before` query's answers), so the commit only checks and relabels
-        self.applied_early: dict[str, Any] | None = None
+        self.applied_early: ApplyReport | None = None
         # a receive apart from the engine (`CollectiveReceive.apart`): where the workers report its end (the
         # replica's push channel address, set by the replica), and the receives waiting for them, by call id
         self.reply_address: Callable[[], Awaitable[ChannelAddress]] | None = None
@@ -129,8 +129,8 @@ class ReplicaStaging:
         self.told_apply = False  # ... and they were told to apply: a failure of that receive may have applied part
 
     # ---- layout and plan ---------------------------------------------------------------------
-    async def check_layout(self) -> list[dict[str, Any]]:
-        self.layout_report = list(await self.rpc(WorkerAPI.asyncrl_check_layout, timeout=600.0))
+    async def check_layout(self) -> list[LayoutCheck]:
+        self.layout_report = [msgspec.convert(c, LayoutCheck) for c in await self.rpc(WorkerAPI.asyncrl_check_layout, timeout=600.0)]
         return self.layout_report
 
     async def layouts(self, manifest: bytes) -> list[bytes]:
@@ -198,18 +198,18 @@ class ReplicaStaging:
                 results = await self.rpc(WorkerAPI.asyncrl_receive_collective, version, list(payload.group_ids),
                                          payload.timeout_s, begin, payload.commit, query, payload.gate,
                                          timeout=payload.timeout_s + 30.0)
+            results = [msgspec.convert(r, ReceiveReport) for r in results]
             if payload.commit:  # each worker read the digests of the senders whose groups it is in (every sender's,
                 self.sender_digests = {}  # unless a shard plan's groups hold only the ranks each sender feeds)
                 for r in results:
-                    self.sender_digests.update(r["sender"])
-                applied = [r.get("applied") for r in results]
+                    self.sender_digests.update(r.sender)
+                applied = [r.applied for r in results]
                 if results and all(a is not None for a in applied):
-                    self.applied_early = {"path": "direct", "apply_seconds": max(a["apply_seconds"] for a in applied),
-                                          "rpc_seconds": 0.0, "before": [r.get("before") for r in results], "early": True}
+                    self.applied_early = ApplyReport(path="direct", apply_seconds=max(a.apply_seconds for a in applied),
+                                                     before=[r.before for r in results], early=True)
                 elif any(a is not None for a in applied):  # never: the workers of one replica stage alike
                     raise RuntimeError(f"workers disagree on applying as received: {applied}")
-                results = [r["digests"] for r in results]
-            self._per_worker = [dict(r) for r in results]
+            self._per_worker = [dict(r.digests) for r in results]
         else:
             async for shared, owned in _as_shared(payload):
                 try:
@@ -349,7 +349,7 @@ class ReplicaStaging:
                                           f"staged tensors hash to {actual[:24]}")
         return fingerprint
 
-    async def apply(self, version: int, before: Callable[..., Any] | None = None) -> dict[str, Any]:
+    async def apply(self, version: int, before: Callable[..., Any] | None = None) -> ApplyReport:
         """Apply the staged version on every worker. `before`: a `WorkerAPI` verb (no arguments)
         each worker calls first, in the same round trip (the engine reads its paused state so);
         its results, one per worker, come back as "before". A version the workers applied as it
@@ -367,9 +367,10 @@ class ReplicaStaging:
                 first, results = [p[0] for p in pairs], [p[1] for p in pairs]
         finally:
             self.version, self._per_worker = None, []
-        return {"path": results[0]["path"] if results else "none",
-                "apply_seconds": max((r["apply_seconds"] for r in results), default=0.0),
-                "rpc_seconds": time.perf_counter() - t, "before": first}
+        results = [msgspec.convert(r, ApplyReport) for r in results]
+        return ApplyReport(path=results[0].path if results else "none",
+                           apply_seconds=max((r.apply_seconds for r in results), default=0.0),
+                           rpc_seconds=time.perf_counter() - t, before=first)
 
     async def abort(self) -> None:
         await self.rpc(WorkerAPI.asyncrl_abort_update)

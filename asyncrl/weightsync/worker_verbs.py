@@ -3,7 +3,7 @@ any engine: vLLM's workers mix it in (vllm_worker.py: `WeightsyncWorkerExtension
 `collective_rpc`), and the SGLang replica holds one in its own process (generator/sglang_engine.py), which
 stages and verifies there and hands the tensors to SGLang.
 
-Owns: layout, plan, begin / stage / receive / apply / abort, collective groups, kept buffers, the wire probe.
+Owns: layout, plan, begin / stage / receive / apply / abort, collective groups, kept buffers.
 
 Must never: import an engine (a vLLM worker never imports SGLang, and the reverse), or change the engine's
 weight version label (the replica does, while paused).
@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.types import Endpoint
+from asyncrl.types import ApplyReport, Endpoint, LayoutCheck, ReceiveReport
 from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import SharedBucket
 from asyncrl.weightsync.receiver import EngineHooks, WorkerReceiver
@@ -181,7 +181,7 @@ class WorkerVerbs:
         return rx
 
     # ---- layout and plan ------------------------------------------------------------------------
-    def asyncrl_check_layout(self) -> dict[str, Any]:
+    def asyncrl_check_layout(self) -> LayoutCheck:
         return self._asyncrl_rx().check_layout()
 
     def asyncrl_layout(self, manifest: bytes) -> bytes:
@@ -220,22 +220,21 @@ class WorkerVerbs:
 
     def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float,
                                    begin: tuple | None = None, with_sender: bool = False,
-                                   early: str | None = None, gate: str = "") -> Any:
+                                   early: str | None = None, gate: str = "") -> ReceiveReport:
         """Stage every bucket of `version` from the groups `group_ids` (in order), each straight
-        into this worker's memory; returns the digests staged. `begin` (verify, staging, layout):
-        begin the update first, in this call. `with_sender`: also read every digest the senders
-        computed, and return {"digests": staged, "sender": theirs, "applied": ..., "before": ...}.
+        into this worker's memory; returns the digests staged. `begin` (verify, staging, layout): begin the update
+        first, in this call. `with_sender`: also read the senders' digests (the report's `sender`).
         `early` (with `with_sender`; the engine is paused for this commit): on broadcast groups with
         an engine-layout full staging, read `early` (an `asyncrl_` query of this worker, "" none:
         the ledger's counts, as `asyncrl_apply_after` reads them) first, then copy each bucket into
-        the live weights as it lands (`WorkerReceiver.apply_as_received`); "applied" is then the
-        apply's report and "before" the query's answer, else both None (the commit applies).
+        the live weights as it lands (`WorkerReceiver.apply_as_received`); the report's `applied` is then
+        the apply's report and `before` the query's answer, else both None (the commit applies).
         `gate` (broadcast groups): the push's gate token. This worker passes every group's gate once it
         has begun (collective.py), and closes them instead if it cannot take the push."""
         return self._asyncrl_receive(version, group_ids, timeout_s, begin, with_sender, early, gate)
 
     def _asyncrl_receive(self, version: int, group_ids: list[str], timeout_s: float, begin: tuple | None,
-                         with_sender: bool, early: str | None, gate: str, apart: "ApartReceive | None" = None) -> Any:
+                         with_sender: bool, early: str | None, gate: str, apart: "ApartReceive | None" = None) -> ReceiveReport:
         """`asyncrl_receive_collective`; `apart`: a receive apart from the engine (`ApartReceive`). Traced: where a
         stalled receive waits (trace.py)."""
         with trace.watch():
@@ -269,7 +268,7 @@ class WorkerVerbs:
             self.__dict__["_asyncrl_copy_rate"] = nbytes / max(start.elapsed_time(end) / 1e3, 1e-6)
 
     def _asyncrl_receive_watched(self, version: int, group_ids: list[str], timeout_s: float, begin: tuple | None,
-                                 with_sender: bool, early: str | None, gate: str, apart: "ApartReceive | None") -> Any:
+                                 with_sender: bool, early: str | None, gate: str, apart: "ApartReceive | None") -> ReceiveReport:
         from asyncrl.weightsync.collective import CollectiveError
         from asyncrl.weightsync.wire import receive_stream, sender_digests
 
@@ -342,7 +341,7 @@ class WorkerVerbs:
             applied = rx.finish_received(version)
             self._asyncrl_copy_timed(timing)
         trace.mark("wrk.return")
-        return {"digests": digests, "sender": theirs, "applied": applied, "before": first} if with_sender else digests
+        return ReceiveReport(digests=digests, sender=theirs, applied=applied, before=first)
 
     def asyncrl_receive_start(self, version: int, group_ids: list[str], timeout_s: float, begin: tuple | None,
                               with_sender: bool, gate: str, reply: dict[str, Any]) -> None:
@@ -409,7 +408,7 @@ class WorkerVerbs:
             runners[name] = _Runner(name)
         return runners[name]
 
-    def asyncrl_start_channel(self, host: str) -> dict[str, Any]:
+    def asyncrl_start_channel(self, host: str) -> Endpoint:
         """Where the replica may start this worker's receives apart from the engine (`asyncrl_receive_start`)
         without going through the engine's input queue, which holds a call until the step in flight ends:
         the `Endpoint` of this worker's `ThreadServer` (push_channel.py), started at the first call.
@@ -442,7 +441,7 @@ class WorkerVerbs:
                 except Exception:  # noqa: BLE001 - a group whose store is gone has nobody waiting
                     pass
 
-    def asyncrl_apply(self, version: int) -> dict[str, Any]:
+    def asyncrl_apply(self, version: int) -> ApplyReport:
         return self._asyncrl_rx().apply(version)
 
     def _asyncrl_query(self, name: str) -> Any:
@@ -451,7 +450,7 @@ class WorkerVerbs:
             raise ValueError(f"{name!r} is not a worker query to run before an apply")
         return getattr(self, name)
 
-    def asyncrl_apply_after(self, version: int, before: str) -> tuple[Any, dict[str, Any]]:
+    def asyncrl_apply_after(self, version: int, before: str) -> tuple[Any, ApplyReport]:
         """`before` (an `asyncrl_` method of this worker, no arguments), then the apply: one round trip."""
         first = self._asyncrl_query(before)()
         return first, self._asyncrl_rx().apply(version)

@@ -17,7 +17,7 @@ import pytest
 from asyncrl.generator.sampling import RequestError
 from asyncrl.generator.sglang_engine import SglangDriver, server_kwargs
 from asyncrl.generator.sglang_protocol import sequence_rids
-from asyncrl.types import SamplingParams
+from asyncrl.types import ApplyReport, SamplingParams
 
 
 class _Req:
@@ -521,16 +521,16 @@ def test_a_verified_push_is_handed_to_sglang_whole_with_its_version_and_no_cache
         fp = tensor_fingerprint(weights)
         staging = ReplicaStaging(lambda verb, *args, timeout=None: driver.worker_call(verb_name(WorkerAPI, verb), args,
                                                                                       timeout), "sg0")
-        assert (await staging.check_layout())[0]["direct"] is False
+        assert (await staging.check_layout())[0].direct is False
 
-        async def push(version: int, tensors: dict) -> dict:
+        async def push(version: int, tensors: dict) -> ApplyReport:
             await staging.begin(version, "full", "full", "hf")
             await staging.load(dict(tensors), version)
             staging.check(version, fp)
             return await staging.apply(version, before=WorkerAPI.asyncrl_sampled_token_counts)
 
         applied = await push(5, weights)
-        assert applied["path"] == "reload" and applied["before"] == [{}]
+        assert applied.path == "reload" and applied.before == [{}]
         (update,) = tm.updates
         kind, named = update.serialized_named_tensors[0]
         assert len(update.serialized_named_tensors) == 2 and update.flush_cache is False

@@ -914,8 +914,8 @@ def test_engine_workers_receive_from_two_sending_ranks_in_stage_order():
         received = [f.result(60) for f in received]
     expected = combine_digests({**sent[0].digests, **sent[1].digests}, "full")
     assert expected == tensor_fingerprint(weights)
-    for w, digests in zip(workers, received):
-        assert combine_digests(digests, "full") == expected  # what the replica checks at commit
+    for w, report in zip(workers, received):
+        assert combine_digests(report.digests, "full") == expected  # what the replica checks at commit
         state = w.staged(5)
         assert all(torch.equal(state.hf[n], weights[n]) for n in names)
         assert w.asyncrl_collective_groups() == ["pp-s0", "pp-s1"]

@@ -112,7 +112,7 @@ async def _scenario(model_path: str) -> dict:
 
 def test_a_direct_push_into_a_gpu_engine_decodes_transformers_tokens(demo_model_path):
     out = asyncio.run(_scenario(str(demo_model_path)))
-    assert out["check"]["direct"], out["check"]
+    assert out["check"].direct, out["check"]
     assert out["metrics"]["weightsync/apply_direct"] == 1.0 and out["metrics"]["weightsync/staging_bucketed"] == 1.0
     assert out["same_addresses"]  # copied into the live storage: captured CUDA graphs still point at it
     _assert_transformers_argmax(str(demo_model_path), out["new"], out["prompts"], list(zip(out["tokens"], out["versions"])))

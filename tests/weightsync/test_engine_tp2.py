@@ -143,7 +143,7 @@ def test_a_tp2_engine_decodes_transformers_tokens_after_a_tp2_learners_push(ray_
     first, second = out["layouts"]
     assert not first.problem and not second.problem, (first.problem, second.problem)
     assert first.digest != second.digest  # each TP rank holds its own shards
-    assert all(r["direct"] for r in out["check"]), out["check"]
+    assert all(r.direct for r in out["check"]), out["check"]
     # both learner ranks packed their own shards (no gather), and each engine rank's buckets came from the
     # learner rank of its TP index: half the bytes each
     plan, gathered = out["plan"], out["gathered"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from asyncrl.types import ApplyReport
 from asyncrl.weightsync.bucket import Bucket, TensorMeta
 from asyncrl.weightsync.receiver import WorkerReceiver
 
@@ -36,7 +37,7 @@ def _fill(buckets: list[Bucket], value: float) -> dict[str, torch.Tensor]:
     return want
 
 
-def _push(rx: WorkerReceiver, version: int, buckets: list[Bucket]) -> dict:
+def _push(rx: WorkerReceiver, version: int, buckets: list[Bucket]) -> ApplyReport:
     rx.begin(version, "checksum", "full", "engine")
     for b in buckets:
         rx.stage(version, b, lazy=True, batch=True)
@@ -54,7 +55,7 @@ def test_a_receiver_keeps_the_views_of_a_reused_record_and_applies_the_bytes_sta
     for version, value in enumerate((1.0, 10.0, 100.0), start=1):
         want = _fill(ring, value)
         views_before = {k: v.views for k, v in rx._views.items()}
-        assert _push(rx, version, ring)["path"] == "direct"
+        assert _push(rx, version, ring).path == "direct"
         assert all(torch.equal(live[n], want[n]) for n in names), version
         if version > 1:  # the same bucket objects: their views were not unpacked again
             assert {k: v.views for k, v in rx._views.items()} == views_before
@@ -87,7 +88,7 @@ def test_a_receiver_keeps_the_views_of_a_reused_record_and_applies_the_bytes_sta
     assert rx._views == {} and rx._apply_lists is None
 
 
-def _received(rx: WorkerReceiver, version: int, buckets: list[Bucket]) -> dict:
+def _received(rx: WorkerReceiver, version: int, buckets: list[Bucket]) -> ApplyReport:
     """A broadcast push applied as it lands (the engine paused): stage each bucket, then finish."""
     rx.begin(version, "checksum", "full", "engine")
     assert rx.apply_as_received(version)
@@ -112,7 +113,7 @@ def test_buckets_applied_as_they_land_keep_their_copy_lists_and_always_apply_the
     first = None
     for version, value in enumerate((1.0, 10.0, 100.0), start=1):
         want = _fill(ring, value)
-        assert _received(rx, version, ring)["early"]
+        assert _received(rx, version, ring).early
         assert all(torch.equal(live[n], want[n]) for n in names), version
         kept = {k: (v.views, v.copy) for k, v in rx._views.items()}
         assert set(kept) == {id(b) for b in ring} and all(c is not None for _, c in kept.values())
@@ -168,7 +169,7 @@ def test_an_update_staged_in_part_goes_live_when_the_engine_pauses_and_the_rest_
             assert rx.apply_staged_now(version) == 2 * 24 * len(ring)
         rx.digests(version)
         report = rx.finish_received(version)
-        assert report["early"] and report["tensors"] == len(names)
+        assert report.early and report.tensors == len(names)
         assert all(torch.equal(live[n], want[n]) for n in names), version
     rx.begin(4, "checksum", "full", "hf")
     assert rx.apply_staged_now(4) is None and not rx.applying_as_received
