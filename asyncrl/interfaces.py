@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from asyncrl.types import (
     ApplyReport,
     ChannelAddress,
+    CollectiveExport,
     CommitReport,
     CompletionDelta,
     Endpoint,
@@ -24,11 +25,15 @@ from asyncrl.types import (
     GenerationRequest,
     GenerationResult,
     GroupsReport,
+    HostCopies,
     LayoutCheck,
     LayoutReport,
     LoadReport,
+    PackedExport,
+    PieceManifest,
     PlanAck,
     ReceiveReport,
+    SenderAddress,
     SyncReport,
     UpdateAck,
 )
@@ -206,12 +211,12 @@ class LearnerRankAPI(Protocol):
 
     def set_push_plan(self, plan: bytes | None) -> str | None: ...
 
-    def piece_manifest(self) -> dict[str, Any] | None: ...
+    def piece_manifest(self) -> PieceManifest | None: ...
 
     def export_hf_tensors_packed(self, bucket_mb: float, transport: str = "object_store", verify: str = "full",
-                                 layout: str = "hf") -> dict[str, Any] | None: ...
+                                 layout: str = "hf") -> PackedExport | None: ...
 
-    def collective_address(self) -> dict[str, Any] | None: ...
+    def collective_address(self) -> SenderAddress | None: ...
 
     def join_collective(self, specs: list[dict[str, Any]]) -> str | None: ...
 
@@ -220,9 +225,9 @@ class LearnerRankAPI(Protocol):
     def leave_collective(self) -> None: ...
 
     def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float,
-                             gate: str = "") -> dict[str, Any] | None: ...
+                             gate: str = "") -> CollectiveExport | None: ...
 
-    def take_host_copies(self, timeout_s: float) -> dict[str, Any] | None: ...
+    def take_host_copies(self, timeout_s: float) -> HostCopies | None: ...
 
     def hold_device(self, parts: list[str] | None = None) -> dict[str, Any]: ...
 

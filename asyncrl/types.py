@@ -14,6 +14,7 @@ import math
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -293,6 +294,69 @@ class SyncReport(ReplicaAnswer, frozen=True):
     loaded: bool
     layout: str | None = None
     push_plan: str | None = None
+
+
+# What a learner rank answers the weight verbs (Ray pickles them: they may hold ObjectRefs).
+@dataclass
+class PackedExport:
+    """One policy version packed into host buckets of the weightsync transport (`export_hf_tensors_packed`).
+
+    `buckets[i]` is an ObjectRef to a `weightsync.bucket.Bucket` (a shared file's handle for shm); `metas[i]` lists
+    its tensors (name, dtype, shape, offset, nbytes). A learner group's: the sending ranks' buckets in sender order.
+    """
+
+    buckets: list[Any] = field(default_factory=list)
+    metas: list[list[Any]] = field(default_factory=list)
+    senders: list[int] = field(default_factory=list)  # the sending rank that packed each bucket (its PP stage for HF)
+    digests: list[dict[str, bytes]] = field(default_factory=list)  # each bucket's, as its packer hashed it
+    seconds: dict[str, float] = field(default_factory=dict)  # the slowest sender's pack / hash / put
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for ms in self.metas for m in ms]
+
+
+@dataclass
+class CollectiveExport:
+    """What the sending ranks report after broadcasting one version (weightsync/collective.py):
+    per-tensor digests, sizes and the slowest sender's seconds per phase. Their host copies
+    follow (`LearnerGroup.take_host_copies`)."""
+
+    digests: dict[str, bytes] = field(default_factory=dict)
+    bytes: int = 0
+    num_tensors: int = 0
+    num_buckets: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HostCopies:
+    """A sending learner rank's host copies of its last broadcast (ObjectRefs, in bucket order) and its copy
+    threads' seconds (`take_host_copies`)."""
+
+    sender: int
+    buckets: list[Any]
+    seconds: dict[str, float]
+
+
+@dataclass(frozen=True)
+class SenderAddress:
+    """Where the broadcast group a sending learner rank will host can rendezvous (`collective_address`)."""
+
+    sender: int
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class PieceManifest:
+    """What a would-be sending learner rank holds of the HF tensors without gathering TP shards
+    (`piece_manifest`): (HF name, dtype, HF shape, window) per piece, or why it cannot send so (`problem`)."""
+
+    sender: int = -1
+    tp: int = 0
+    pieces: list[tuple[Any, ...]] = field(default_factory=list)
+    problem: str = ""
 
 
 # Errors that cross a boundary: raised by a learner group, caught by the loop and by weightsync.

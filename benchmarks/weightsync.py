@@ -222,7 +222,9 @@ class Sender:
             self.reserved.close()
         host = ray.util.get_node_ip_address()
         self.reserved = reserve_port(host)
-        return {"sender": 0, "host": host, "port": self.reserved.getsockname()[1]}
+        from asyncrl.types import SenderAddress
+
+        return SenderAddress(0, host, self.reserved.getsockname()[1])
 
     def _join(self, spec: dict):
         from asyncrl.weightsync.collective import GroupSpec, join_as_sender
@@ -359,7 +361,7 @@ class SenderAsLearner:
         return await self.actor.groups.remote()
 
     async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s, gate=""):
-        from asyncrl.learner.group import CollectiveExport
+        from asyncrl.types import CollectiveExport
 
         return CollectiveExport(**await self.actor.send.remote(bucket_mb, verify, timeout_s, gate))
 
@@ -523,7 +525,7 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
         link = links.get(kind)  # one per transport, kept across bucket sizes (its groups, the receivers' buffers)
         if kind in collective and link is None:
             async def members():
-                return {i["replica_id"]: i for i in await asyncio.gather(*(a.collective_info.remote() for a in actors))}
+                return {i.replica_id: i for i in await asyncio.gather(*(a.collective_info.remote() for a in actors))}
 
             async def join(wire):
                 return await asyncio.gather(*(a.join_collective.remote(wire) for a in actors))
@@ -624,7 +626,7 @@ async def _raw_floors(name, transports, collective, sender, sinks, gpu_sinks, jo
             [int(b.nbytes) for b in iter_buckets(iter(same.items()), bucket_mb)]
         if kind not in joined:
             addr = await sender.address.remote()
-            (spec,) = form_specs(kind, [(addr["host"], addr["port"])], {f"sink{i}": 1 for i in range(len(gpu_sinks))},
+            (spec,) = form_specs(kind, [(addr.host, addr.port)], {f"sink{i}": 1 for i in range(len(gpu_sinks))},
                                  timeout_s=timeout_s, group_prefix=f"raw-{kind}")
             wire = asdict(spec)
             await asyncio.gather(sender.raw_join.remote(wire, sizes),

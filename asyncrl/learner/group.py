@@ -14,48 +14,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, ProfilerConfig
 from asyncrl.interfaces import ROLE_VERBS, LearnerRankAPI, RoleAPI, verb_name
 from asyncrl.learner.batching import split_by_groups
 from asyncrl.learner.parallel import ParallelLayout, megatron_compute_plan
-from asyncrl.types import LearnerRankError, Sample, TrainBatch, error_chain
+from asyncrl.types import CollectiveExport, LearnerRankError, PackedExport, Sample, SenderAddress, TrainBatch, error_chain
 
 PerToken = list[list[float]]
-
-
-@dataclass
-class PackedExport:
-    """HF tensors of one policy version as weightsync buckets in the object store.
-
-    `buckets[i]` is an ObjectRef to a `weightsync.bucket.Bucket`; `metas[i]` lists its tensors
-    (name, dtype, shape, offset, nbytes). Buckets of PP stage 0 come first, then stage 1, ...
-    """
-
-    buckets: list[Any] = field(default_factory=list)
-    metas: list[list[Any]] = field(default_factory=list)
-    senders: list[int] = field(default_factory=list)  # the sending rank that packed each bucket (its PP stage for HF)
-    digests: list[dict[str, bytes]] = field(default_factory=list)  # each bucket's, as its packer hashed it
-    seconds: dict[str, float] = field(default_factory=dict)  # the slowest sender's pack / hash / put
-
-    @property
-    def names(self) -> list[str]:
-        return [m.name for ms in self.metas for m in ms]
-
-
-@dataclass
-class CollectiveExport:
-    """What the sending ranks report after broadcasting one version (weightsync/collective.py):
-    per-tensor digests, sizes and the slowest sender's seconds per phase. Their host copies
-    follow (`LearnerGroup.take_host_copies`)."""
-
-    digests: dict[str, bytes] = field(default_factory=dict)
-    bytes: int = 0
-    num_tensors: int = 0
-    num_buckets: int = 0
-    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def _samples(batch: TrainBatch | Sequence[Sample]) -> list[Sample]:
@@ -247,12 +214,12 @@ class LearnerGroup:
                                        layout: str = "hf") -> PackedExport:
         """The export packed into host buckets by the sending ranks (engine layout: the push plan's)."""
         outs = [o for o in await self._all(LearnerRankAPI.export_hf_tensors_packed, bucket_mb, transport, verify, layout) if o is not None]
-        packed = PackedExport(seconds=_slowest(o["seconds"] for o in outs))
-        for o in sorted(outs, key=lambda o: o["sender"]):
-            packed.buckets += o["buckets"]
-            packed.metas += o["metas"]
-            packed.senders += [o["sender"]] * len(o["buckets"])
-            packed.digests += o["digests"]
+        packed = PackedExport(seconds=_slowest(o.seconds for o in outs))
+        for o in sorted(outs, key=lambda o: o.senders[0] if o.senders else -1):
+            packed.buckets += o.buckets
+            packed.metas += o.metas
+            packed.senders += o.senders
+            packed.digests += o.digests
         return packed
 
     async def set_push_plan(self, plan: bytes | None) -> None:
@@ -264,18 +231,17 @@ class LearnerGroup:
         `plan.Piece`s in sender order (each rank's in its export order), and why not ("": it can)."""
         from asyncrl.weightsync.shards import Piece
 
-        outs = sorted((o for o in await self._all(LearnerRankAPI.piece_manifest) if o is not None),
-                      key=lambda o: o.get("sender", -1))
-        problems = [o["problem"] for o in outs if "problem" in o]
+        outs = sorted((o for o in await self._all(LearnerRankAPI.piece_manifest) if o is not None), key=lambda o: o.sender)
+        problems = [o.problem for o in outs if o.problem]
         if problems:
             return [], problems[0]
-        pieces = [Piece(hf, o["sender"], o["tp"], dtype, tuple(full), tuple(window) if window else None)
-                  for o in outs for hf, dtype, full, window in o["pieces"]]
+        pieces = [Piece(hf, o.sender, o.tp, dtype, tuple(full), tuple(window) if window else None)
+                  for o in outs for hf, dtype, full, window in o.pieces]
         return pieces, ""
 
-    async def collective_addresses(self) -> list[dict[str, Any]]:
+    async def collective_addresses(self) -> list[SenderAddress]:
         """Rendezvous addresses of the sending ranks (one per PP stage; per TP rank of it with a shard plan), in sender order."""
-        return sorted((a for a in await self._all(LearnerRankAPI.collective_address) if a is not None), key=lambda a: a["sender"])
+        return sorted((a for a in await self._all(LearnerRankAPI.collective_address) if a is not None), key=lambda a: a.sender)
 
     async def join_collective(self, specs: list[dict[str, Any]]) -> list[str]:
         return [g for g in await self._all(LearnerRankAPI.join_collective, specs) if g is not None]
@@ -296,19 +262,19 @@ class LearnerGroup:
 
         outs = [o for o in await self._all(LearnerRankAPI.broadcast_hf_tensors, bucket_mb, verify, timeout_s, gate,
                                            survivable=(CollectiveError,)) if o is not None]
-        sent = CollectiveExport(seconds=_slowest(o["seconds"] for o in outs))  # stages send one after another's end
+        sent = CollectiveExport(seconds=_slowest(o.seconds for o in outs))  # stages send one after another's end
         for o in outs:
-            sent.digests.update(o["digests"])
-            sent.bytes += o["bytes"]
-            sent.num_tensors += o["num_tensors"]
-            sent.num_buckets += o["num_buckets"]
+            sent.digests.update(o.digests)
+            sent.bytes += o.bytes
+            sent.num_tensors += o.num_tensors
+            sent.num_buckets += o.num_buckets
         return sent
 
     async def take_host_copies(self, timeout_s: float) -> tuple[list[Any], dict[str, float]]:
         """The last broadcast's host copies (ObjectRefs, stage 0 first), once every sender kept
         them, and the slowest sender's copy-thread seconds."""
-        outs = sorted((o for o in await self._all(LearnerRankAPI.take_host_copies, timeout_s) if o is not None), key=lambda o: o["sender"])
-        return [ref for o in outs for ref in o["buckets"]], _slowest(o["seconds"] for o in outs)
+        outs = sorted((o for o in await self._all(LearnerRankAPI.take_host_copies, timeout_s) if o is not None), key=lambda o: o.sender)
+        return [ref for o in outs for ref in o.buckets], _slowest(o.seconds for o in outs)
 
     async def hold_device(self, parts: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """Every rank keeps `parts` (params, grads, optimizer; default all) of its offloaded state on

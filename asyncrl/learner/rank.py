@@ -19,6 +19,7 @@ from typing import Any
 
 from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, ProfilerConfig
 from asyncrl.interfaces import ROLE_TRAINING_VERBS, ROLE_VERBS, RoleAPI, verb_name
+from asyncrl.types import CollectiveExport, HostCopies, PackedExport, PieceManifest, SenderAddress
 
 
 class LearnerRank:
@@ -183,10 +184,9 @@ class LearnerRank:
         self._ready()
         return self._endpoint().set_plan(plan)
 
-    def piece_manifest(self) -> dict[str, Any] | None:
-        """What this rank would send of its own under a shard plan (TP shards not gathered): {"sender", "tp",
-        "pieces": [(HF name, dtype, HF shape, window)]}, or {"problem"} where the model cannot be sent that
-        way. Ranks that never send (CP / DP rank > 0): None."""
+    def piece_manifest(self) -> PieceManifest | None:
+        """What this rank would send of its own under a shard plan (TP shards not gathered), or why the model
+        cannot be sent that way. Ranks that never send (CP / DP rank > 0): None."""
         self._ready()
         c = self.coords
         if c.cp != 0 or c.dp != 0:
@@ -195,15 +195,15 @@ class LearnerRank:
 
         export = getattr(self.role, "export_hf_pieces", None)
         if export is None:  # (a failing verb would leave the learner group unusable: a reason instead)
-            return {"problem": f"role {self.role_name!r} has no shard export"}
+            return PieceManifest(problem=f"role {self.role_name!r} has no shard export")
         try:
             pieces = [(hf, dtype, tuple(full), window) for hf, _, full, window, dtype in export(data=False)]
         except (ShardExportError, RuntimeError) as err:
-            return {"problem": str(err)}
-        return {"sender": self._shard_sender_id(), "tp": c.tp, "pieces": pieces}
+            return PieceManifest(problem=str(err))
+        return PieceManifest(sender=self._shard_sender_id(), tp=c.tp, pieces=pieces)
 
     def export_hf_tensors_packed(self, bucket_mb: float, transport: str = "object_store", verify: str = "full",
-                                 layout: str = "hf") -> dict[str, Any] | None:
+                                 layout: str = "hf") -> PackedExport | None:
         """Pack this PP stage's export into host buckets of the weightsync transport (sending ranks
         only): a shared file each for shm, an object-store object each otherwise; in the engines'
         layout when `layout` is "engine" (the push plan set with `set_push_plan`). Each bucket is
@@ -222,10 +222,9 @@ class LearnerRank:
             if layout == "engine" and plan is None:
                 self._drain(tensors)
                 raise RuntimeError(f"rank {self.rank}: an engine-layout export without a push plan (set_push_plan first)")
-            out = pack_into_transport(tensors, bucket_mb, transport, verify, plan, sender)
-        return {"sender": sender, **out}
+            return pack_into_transport(tensors, bucket_mb, transport, verify, plan, sender)
 
-    def collective_address(self) -> dict[str, Any] | None:
+    def collective_address(self) -> SenderAddress | None:
         """Sending ranks (TP/CP/DP rank 0 of each PP stage): where the weight broadcast group this
         rank will host can rendezvous. Others: None."""
         self._ready()
@@ -252,7 +251,7 @@ class LearnerRank:
         if self._sender is not None:
             self._sender.leave()
 
-    def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float, gate: str = "") -> dict[str, Any] | None:
+    def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float, gate: str = "") -> CollectiveExport | None:
         """One collective push from this rank: every rank drives the export iterator (its TP/EP
         gathers are collective); the sending rank packs the tensors on its device (in the push
         plan's engine layout when one is set), broadcasts each bucket to the engine workers, and
@@ -265,16 +264,14 @@ class LearnerRank:
             if not self._is_sender():
                 self._drain(tensors)
                 return None
-            sender = self._sender_id()
-            out = self._endpoint().broadcast(tensors, bucket_mb, verify, timeout_s, sender, gate=gate)
-        return {"sender": sender, **out}
+            return self._endpoint().broadcast(tensors, bucket_mb, verify, timeout_s, self._sender_id(), gate=gate)
 
-    def take_host_copies(self, timeout_s: float) -> dict[str, Any] | None:
+    def take_host_copies(self, timeout_s: float) -> HostCopies | None:
         """The host copies (ObjectRefs, in bucket order) of this rank's last broadcast, once all
         are in the object store (non-sending ranks: None). Each push's copies are taken once."""
         if not self._is_sender():
             return None
-        return {"sender": self._sender_id(), **self._endpoint().take_host_copies(timeout_s)}
+        return self._endpoint().take_host_copies(timeout_s, self._sender_id())
 
     # ------------------------------------------------------------------ device residency (hybrid)
 

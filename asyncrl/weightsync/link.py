@@ -138,7 +138,7 @@ class CollectiveLink:
         if self.specs and problem is None and set(senders) == set(self.group_ids) and membership == self.membership:
             return
         addresses = await self.learner.collective_addresses()
-        specs = form_specs(self.backend, [(a["host"], a["port"]) for a in addresses], members, timeout_s=self.timeout_s,
+        specs = form_specs(self.backend, [(a.host, a.port) for a in addresses], members, timeout_s=self.timeout_s,
                            group_prefix=f"asyncrl-ws{os.getpid()}-{self.formed + 1}", ipc_window=self.ipc_window,
                            ranks_of=membership)
         wire = [asdict(s) for s in specs]

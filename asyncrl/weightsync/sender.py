@@ -19,16 +19,16 @@ from typing import Any
 
 import torch
 
+from asyncrl.types import CollectiveExport, HostCopies, PackedExport, SenderAddress
 from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import SharedAllocator, digest_key_prefix, iter_buckets, write_shared
 from asyncrl.weightsync.fingerprint import bucket_digests
 
 
 def pack_into_transport(tensors: Iterable[tuple[str, Any]], bucket_mb: float, transport: str, verify: str,
-                        plan: Any = None, sender: int = 0) -> dict[str, Any]:
+                        plan: Any = None, sender: int = 0) -> PackedExport:
     """Pack the stream into host buckets (engine layout with `plan`), each written straight into
-    its shared file (shm) or put into the object store, and hash each as it is packed. Returns
-    {"buckets": handles, "metas": tables, "digests": per bucket, "seconds": pack/hash/put}."""
+    its shared file (shm) or put into the object store, and hash each as it is packed."""
     import ray
 
     if transport not in ("object_store", "shm"):
@@ -69,7 +69,7 @@ def pack_into_transport(tensors: Iterable[tuple[str, Any]], bucket_mb: float, tr
             for h in handles:
                 h.unlink()
         raise
-    return {"buckets": handles, "metas": metas, "digests": digests, "seconds": seconds}
+    return PackedExport(buckets=handles, metas=metas, senders=[sender] * len(handles), digests=digests, seconds=seconds)
 
 
 class SenderEndpoint:
@@ -85,14 +85,14 @@ class SenderEndpoint:
         self.plan = pickle.loads(plan) if plan is not None else None
         return None if self.plan is None else self.plan.plan_id
 
-    def address(self, host: str, sender: int) -> dict[str, Any]:
+    def address(self, host: str, sender: int) -> SenderAddress:
         """Where the group this rank will host can rendezvous; the port stays bound (and
         listening) until `join` hands it to the group's store."""
         from asyncrl.weightsync.collective import reserve_port
 
         self.drop_reserved()
         self.reserved = reserve_port(host)
-        return {"sender": sender, "host": host, "port": self.reserved.getsockname()[1]}
+        return SenderAddress(sender, host, self.reserved.getsockname()[1])
 
     def drop_reserved(self) -> None:
         sock, self.reserved = self.reserved, None
@@ -136,7 +136,7 @@ class SenderEndpoint:
             group.close()
 
     def broadcast(self, tensors: Iterable[tuple[str, Any]], bucket_mb: float, verify: str, timeout_s: float,
-                  sender: int, gate: str = "") -> dict[str, Any]:
+                  sender: int, gate: str = "") -> CollectiveExport:
         """One collective push of `tensors` (engine layout when a plan is set); starts the host
         copies `take_host_copies` collects. The stream is always read to its end. `gate`: the push's
         gate token (gloo / NCCL)."""
@@ -160,14 +160,14 @@ class SenderEndpoint:
                 pass
             raise
         self.host_copies = sent.host_copies
-        return {"digests": sent.digests, "bytes": sent.bytes, "num_tensors": sent.num_tensors,
-                "num_buckets": sent.num_buckets, "seconds": sent.seconds}
+        return CollectiveExport(digests=sent.digests, bytes=sent.bytes, num_tensors=sent.num_tensors,
+                                num_buckets=sent.num_buckets, seconds=sent.seconds)
 
-    def take_host_copies(self, timeout_s: float) -> dict[str, Any]:
+    def take_host_copies(self, timeout_s: float, sender: int = 0) -> HostCopies:
         """The host copies (ObjectRefs, in bucket order) of the last broadcast, once all are in
         the object store. Each push's copies are taken once."""
         copies, self.host_copies = self.host_copies, None
         if copies is None:
             raise RuntimeError("no broadcast whose host copies are untaken")
         refs = copies.result(time.monotonic() + timeout_s)
-        return {"buckets": refs, "seconds": dict(copies.seconds)}
+        return HostCopies(sender, refs, dict(copies.seconds))

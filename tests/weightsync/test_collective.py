@@ -17,7 +17,7 @@ import torch
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.generator.worker_ext import WeightUpdateExtension
-from asyncrl.types import GroupsReport, LoadReport
+from asyncrl.types import GroupsReport, LoadReport, SenderAddress
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.bucket import FILE_PREFIX, shared_dir, unpack_bucket
 from asyncrl.weightsync.collective import (
@@ -936,7 +936,7 @@ class _FakeLearner:
         self.fail = False
 
     async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s, gate=""):
-        from asyncrl.learner.group import CollectiveExport
+        from asyncrl.types import CollectiveExport
 
         self.gates.append(gate)
         await asyncio.sleep(0.05)  # (the link's check runs beside it)
@@ -945,7 +945,7 @@ class _FakeLearner:
         return CollectiveExport()
 
     async def collective_addresses(self):
-        return [{"sender": 0, "host": "127.0.0.1", "port": 1}]
+        return [SenderAddress(0, "127.0.0.1", 1)]
 
     async def join_collective(self, wire):
         self.joined.append(wire)
@@ -1004,7 +1004,7 @@ async def test_a_shard_plans_groups_form_again_when_the_ranks_each_sender_feeds_
     learner = _FakeLearner()
 
     async def addresses():
-        return [{"sender": i, "host": "127.0.0.1", "port": 1 + i} for i in range(2)]
+        return [SenderAddress(i, "127.0.0.1", 1 + i) for i in range(2)]
 
     learner.collective_addresses = addresses
     replicas, _, members, join = _fake_replicas()

@@ -37,7 +37,7 @@ class _Receiver:
 
 async def _form(group: LearnerGroup, prefix: str) -> tuple[list[dict], object]:
     addresses = await group.collective_addresses()
-    specs = form_specs("gloo", [(a["host"], a["port"]) for a in addresses], {"engine": 1}, timeout_s=30.0,
+    specs = form_specs("gloo", [(a.host, a.port) for a in addresses], {"engine": 1}, timeout_s=30.0,
                        group_prefix=prefix, ipc_window=0)
     wire = [asdict(s) for s in specs]
     receiver = ray.remote(num_cpus=0)(_Receiver).remote()
