@@ -229,7 +229,7 @@ class Publisher:
     async def _attempt(self, version: int, source: "BucketSource | StreamedSource", replicas: list[ReplicaClient], m: PushMetrics) -> str:
         bucketed = self._cfg.staging == "bucketed"
         # One engine replica behind all clients: its commit pauses, applies and resumes by itself.
-        own_pause = not bucketed and sum(int(getattr(r, "fanout", 1)) for r in replicas) == 1
+        own_pause = not bucketed and sum(r.fanout for r in replicas) == 1
         # ipc: each replica begins in its receive's call (no collective there can hang on a replica
         # that refuses: it tells the sender); gloo / NCCL begin in a call of their own first. Any
         # collective push to one engine replica, fully staged, commits in that receive's call.
@@ -259,7 +259,7 @@ class Publisher:
             except StepFailed as f:
                 if bucketed:  # buckets may have been applied: restore everyone
                     f.restore = [r.name for r in replicas]
-                elif getattr(source, "committing", False):  # a load that commits: restore whoever applied (part of) it
+                elif source.committing:  # a load that commits: restore whoever applied (part of) it
                     # (a client that fans out may have failed on one replica and committed on another)
                     applying = [n for n, e in f.failures.items() if is_apply_failure(e) or partly_done(e)]
                     f.restore = list(dict.fromkeys(f.restore + applying))
@@ -315,7 +315,7 @@ class Publisher:
                 f.out_of_service = await self._restore([r for r in replicas if r.name in f.restore], m)
             raise
         finally:
-            if pause_sent or (commit_sent and m.failed_commit and (own_pause or getattr(source, "committing", False))):
+            if pause_sent or (commit_sent and m.failed_commit and (own_pause or source.committing)):
                 # A failed apply under the commit's own pause leaves the replica paused too.
                 await self._run(Step.RESUME, replicas, lambda r: r.resume(), m)
             if pause_sent:
@@ -469,7 +469,7 @@ class Publisher:
         if kept and self._on_live is not None:
             t = time.perf_counter()
             try:
-                by_ref = getattr(self._transport, "by_reference", False)
+                by_ref = self._transport.by_reference
                 buckets = list(source.handles) if by_ref else [self._transport.fetch(h) for h in source.handles]
                 await asyncio.wait_for(_maybe_await(self._on_live(version, fingerprint, buckets)), self._cfg.timeout_s)
             except Exception as exc:  # the version is live on every replica; only late joiners lag

@@ -33,6 +33,7 @@ class ReplicaClient(Protocol):
     client that fans out."""
 
     name: str
+    fanout: int  # engine replicas one call reaches
 
     async def pause(self, mode: str) -> Any: ...
 

@@ -83,7 +83,7 @@ class WeightPublisher:
             on_live=weight_store_hook(self.store, lambda version: self.plan),
         )
         self.transport = transport
-        if getattr(transport, "streamed", False):
+        if transport.streamed:
             from asyncrl.weightsync.collective import ipc_window_for
 
             control = self.replicas.control
@@ -182,7 +182,7 @@ class WeightPublisher:
         from asyncrl.weightsync.plan import PlanError
         from asyncrl.weightsync.shards import build_shard_plan
 
-        if not self.cfg.shard_senders or getattr(self.transport, "backend", None) == "ipc":
+        if not self.cfg.shard_senders or (self.transport is not None and self.transport.backend == "ipc"):
             return None
         pieces, problem = await self.learner.piece_manifest()
         if problem or not pieces or max(p.tp for p in pieces) == 0:
@@ -345,4 +345,4 @@ class WeightPublisher:
 
 def _put_kind(transport: Any) -> str:
     """How the learner ranks put host buckets for `transport`: itself, or (collective) the object store."""
-    return "object_store" if getattr(transport, "streamed", False) else transport.name
+    return "object_store" if transport.streamed else transport.name

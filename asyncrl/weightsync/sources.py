@@ -87,11 +87,12 @@ class BucketSource:
         else:
             from asyncrl.weightsync.plan import PlannedPacker
 
-            alloc = getattr(transport, "alloc", None)  # shm: pack straight into the shared file
+            alloc = transport.alloc  # shm: pack straight into the shared file
             buffer = None if alloc is None else (lambda b: alloc(b.nbytes))
             self._buckets = iter(PlannedPacker(plan, 0, "cpu", buffer).pack(named))
         self.layout = "hf" if plan is None else "engine"
         self.plan_id = None if plan is None else plan.plan_id
+        self.committing = False  # (a load never commits: the publisher's commit does)
         self._transport, self._m = transport, m
         self.verify = check_verify_mode(verify)
         self.handles: list[Any] = []
@@ -236,7 +237,7 @@ class StreamedSource:
         trace.mark("pub.prepared")
         payload = self._payload(version)
         # (the fan-out is read after `prepare`, which asked every replica: the count is current)
-        self.committing = bool(commit and sum(int(getattr(r, "fanout", 1)) for r in replicas) == 1)
+        self.committing = bool(commit and sum(r.fanout for r in replicas) == 1)
         if begin is not None or self.committing:
             if not isinstance(payload, CollectiveReceive):
                 raise TypeError(f"a push whose replicas begin or commit in their load needs a CollectiveReceive payload, "

@@ -15,7 +15,8 @@ Details: docs/design/weightsync.md, "Transports".
 from __future__ import annotations
 
 import weakref
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.weightsync.bucket import Bucket, SharedAllocator, SharedBucket, write_shared
@@ -25,28 +26,32 @@ class TransportUnavailable(ValueError):
     """The configured transport is not available for this placement / build."""
 
 
-@runtime_checkable
-class Transport(Protocol):
-    name: str
+class Transport:
+    """How buckets reach the replicas. `streamed`: the senders broadcast while the replicas receive (collective),
+    what is put being only their host copies; `by_reference`: any Ray process reads a handle where it lies (the
+    WeightStore keeps the handles as they are); `alloc`: a buffer to pack a bucket into so that `put` copies
+    nothing (None: none); `backend`: a collective transport's (gloo, nccl, ipc)."""
 
-    def put(self, bucket: Bucket) -> Any:
-        """Make `bucket` available to every replica; called once per bucket. Returns a handle."""
-        ...
+    name = ""
+    streamed = False
+    by_reference = False
+    backend: str | None = None
+    alloc: Callable[[int], Any] | None = None
 
-    def payload(self, handle: Any) -> Any:
-        """What a replica's `load_bucket` receives for this bucket (the same for every replica)."""
-        ...
+    def put(self, bucket: Bucket) -> Any:  # `bucket` made available to every replica, once a bucket: its handle
+        raise NotImplementedError
 
-    def fetch(self, handle: Any) -> Bucket:
-        """Read the bucket back on the publisher's side (fingerprint, rollback)."""
-        ...
+    def payload(self, handle: Any) -> Any:  # what every replica's `load_bucket` receives for this bucket
+        raise NotImplementedError
 
-    def release(self, handle: Any) -> None:
-        """The bucket is no longer needed by anyone."""
-        ...
+    def fetch(self, handle: Any) -> Bucket:  # the bucket read back on the publisher's side (fingerprint, rollback)
+        raise NotImplementedError
+
+    def release(self, handle: Any) -> None:  # the bucket is no longer needed by anyone
+        raise NotImplementedError
 
 
-class LocalTransport:
+class LocalTransport(Transport):
     """In-process: the handle is the bucket itself."""
 
     name = "local"
@@ -64,7 +69,7 @@ class LocalTransport:
         return None
 
 
-class ObjectStoreTransport:
+class ObjectStoreTransport(Transport):
     """Ray object store: one `ray.put` per bucket, the same ObjectRef fans out to all replicas.
 
     The publisher's process owns the objects, so they live as long as it holds the handles
@@ -72,9 +77,7 @@ class ObjectStoreTransport:
     """
 
     name = "object_store"
-    # Its handles are ObjectRefs, which any Ray process reads where they lie: the publisher hands them to the
-    # WeightStore as they are (push.py, `_keep_live`), where fetching and sending them again copied every byte.
-    by_reference = True
+    by_reference = True  # ObjectRefs: the WeightStore keeps them as they are (push.py, `_keep_live`)
 
     def __init__(self, get_timeout_s: float = 120.0) -> None:
         import ray
@@ -100,7 +103,7 @@ class ObjectStoreTransport:
         return None
 
 
-class SharedMemoryTransport:
+class SharedMemoryTransport(Transport):
     """Same host only: one shared file per bucket (bucket.py's `SharedBucket`), mapped by every
     replica's workers. Buckets the learner ranks wrote themselves are adopted when first read.
 
@@ -119,7 +122,7 @@ class SharedMemoryTransport:
         self._allocator.discard()
         self._finalizer()
 
-    def alloc(self, nbytes: int) -> Any:
+    def alloc(self, nbytes: int) -> Any:  # type: ignore[override]
         """A buffer that is already a shared file: a bucket packed into it is put without a copy."""
         return self._allocator(nbytes)
 

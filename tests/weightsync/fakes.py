@@ -26,6 +26,7 @@ class FakeReplica:
     """Stages by name, verifies the fingerprint at commit before applying, like the generator's
     replica. `faults` maps (step, attempt) -> "raise" | "hang" | "partial"."""
 
+    fanout = 1  # (one engine replica per client)
     name: str
     log: list[tuple[str, str]]
     weights: dict[str, torch.Tensor] = field(default_factory=dict)

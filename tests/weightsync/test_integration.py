@@ -22,6 +22,7 @@ import torch
 
 from asyncrl.types import GroupsReport
 from asyncrl.types import WeightUpdateState as S
+from asyncrl.weightsync.transport import Transport
 
 pytestmark = pytest.mark.slow
 
@@ -198,7 +199,7 @@ async def _store_at(store, version: int, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.1)
 
 
-class _KillOnBucket:
+class _KillOnBucket(Transport):
     """Object store transport that kills `victim` (a replica actor) when bucket `index` is sent."""
 
     def __init__(self, inner, index: int, victim) -> None:
@@ -223,7 +224,7 @@ class _KillOnBucket:
         self._inner.release(handle)
 
 
-class _CorruptInTransit:
+class _CorruptInTransit(Transport):
     """Object store transport whose replicas receive bucket `index` with one byte flipped."""
 
     def __init__(self, inner, index: int) -> None:
