@@ -269,17 +269,6 @@ def test_export_of_the_newest_checkpoint_decodes_like_the_live_engine(run_a, tmp
     assert set(trained) == set(original) and any(not torch.equal(trained[k], original[k]) for k in original)
 
 
-def test_resume_continues_the_same_sample_stream(run_a, ray_session, demo_model_path, tmp_path):
-    run_dir, _ = run_a
-    shutil.copytree(run_dir / "ckpt" / "step_000002", tmp_path / "ckpt" / "step_000002")
-    seen = _run(ray_session, demo_model_path, tmp_path)
-    assert seen["statuses"][-1]["state"] == "finished", seen["statuses"][-1]
-    resumed = _lines(tmp_path / "batches.jsonl")
-    uninterrupted = _lines(run_dir / "batches.jsonl")
-    assert [r["step"] for r in resumed] == [3]
-    assert resumed[0] == uninterrupted[2]
-
-
 def _verl_parquet(path: Path, prompts) -> Path:
     """Prompts as a verl dataset holds them: a chat prompt, the answer in reward_model.ground_truth."""
     import pyarrow as pa
@@ -387,8 +376,9 @@ def test_ppo_with_critic_and_reference_kl(ray_session, demo_model_path, tiny_rew
         assert logged <= set(run["history"][record["step"]]), logged - set(run["history"][record["step"]])
 
 
-@pytest.mark.parametrize("transport", ["ipc", "gloo"])
-def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_session, demo_model_path, tmp_path, transport):
+@pytest.mark.parametrize("transport, resumed", [("ipc", False), ("gloo", True)], ids=["ipc", "gloo-resumed"])
+def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(run_a, ray_session, demo_model_path, tmp_path, transport,
+                                                                        resumed):
     """kill -9 of the vLLM engine core while the demo trains (one engine replica): Serve replaces
     the replica, the new one loads the live version before it serves, the rollouts that were in
     flight are retried or counted as failed, and training runs to its end, >= 10 steps after the
@@ -400,18 +390,22 @@ def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_sess
     replica's load failed), and its retry forms the groups with the new replica. Over gloo (NCCL's
     twin) the check is skipped only where the push's own begin was answered by exactly the groups'
     members: the new replica answers instead of the dead one, so the groups are formed again
-    before any byte is broadcast."""
+    before any byte is broadcast. The gloo run first resumes from run_a's checkpoint of step 2 (an app
+    start saved): its first step, 3, trains the very samples run_a's step 3 did, and the fault comes after it."""
     import os
     import signal
 
     started = time.time()
-    total = 14
+    first = 3 if resumed else 1  # (the run's first step)
+    total = first + 13
     fault: dict = {}
+    if resumed:
+        shutil.copytree(run_a[0] / "ckpt" / "step_000002", tmp_path / "ckpt" / "step_000002")
 
     def kill_the_engine(seen: dict) -> None:
-        # At the first poll past step 1: one poll can span several steps on a loaded machine (CI
-        # saw step 4 first), and the test needs >= 10 steps after the kill.
-        if fault or not seen["statuses"] or seen["statuses"][-1]["step"] < 1:
+        # At the first poll past the first step: one poll can span several steps on a loaded machine
+        # (CI saw step 4 first), and the test needs >= 10 steps after the kill.
+        if fault or not seen["statuses"] or seen["statuses"][-1]["step"] < first:
             return
         (pid,) = _pids(started, "VLLM::EngineCore")  # one replica, one engine core
         os.kill(pid, signal.SIGKILL)
@@ -419,13 +413,16 @@ def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_sess
 
     seen = _run(ray_session, demo_model_path, tmp_path, during=kill_the_engine,
                 trainer={"total_steps": total, "eval_interval_steps": 0, "rollout_timeout_s": 120},
-                checkpoint={"interval_steps": 0}, weightsync={"recovery_s": 600, "transport": transport, "timeout_s": 600})
+                checkpoint={"interval_steps": 100 if resumed else 0},  # (resuming needs checkpoints on; none is written)
+                weightsync={"recovery_s": 600, "transport": transport, "timeout_s": 600})
     final = seen["statuses"][-1]
     assert fault, "the run ended before the fault could be injected"
     assert final["state"] == "finished", final
     assert final["step"] == final["policy_version"] == total and total - fault["step"] >= 10
+    if resumed:  # the sample stream went on across the restart
+        assert _lines(tmp_path / "batches.jsonl")[0] == _lines(run_a[0] / "batches.jsonl")[2]
     b = final["buffer"]
-    assert b["buffer/trained"] == total * 16
+    assert b["buffer/trained"] == total * 16  # (a resumed run's buffer counts from its checkpoint's)
     assert b["buffer/generated"] == (b["buffer/trained"] + b["buffer/dropped_stale"] + b["buffer/dropped_invalid"] + b["buffer/dropped_filtered"]
                                      + b["buffer/dropped_failed"] + b["buffer/waiting"])
     # The API answered after the fault (a new engine, on the live weights), and ended on the last version; while the
@@ -434,8 +431,8 @@ def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(ray_sess
     assert {code for _, code in seen["answers"]} <= {200, 503}, seen["answers"]
     assert seen["openai_status"] == 200 and seen["openai_header"] == str(total)
     metrics = _steps(_lines(tmp_path / "metrics.jsonl"))
-    assert [m["step"] for m in metrics] == list(range(1, total + 1))
-    assert [m["weightsync/version"] for m in metrics] == list(range(1, total + 1))  # every version published once, in order
+    assert [m["step"] for m in metrics] == list(range(first, total + 1))
+    assert [m["weightsync/version"] for m in metrics] == list(range(first, total + 1))  # every version published once, in order
     # The step that met the dead engine waited for the new replica to start (tens of seconds on
     # 2 cores), never for a push's 600 s deadline (a sender left waiting for the dead worker).
     assert max(m["time/sync_s"] for m in metrics) < 300, [round(m["time/sync_s"], 1) for m in metrics]
