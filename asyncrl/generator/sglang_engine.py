@@ -309,7 +309,7 @@ class SglangDriver:
         """One SGLang request per sequence; each engine output holds the chunks that arrived together. A
         streamed request, or one with stop strings (matched here, on the text as it comes), gets SGLang's
         incremental chunks; any other comes whole at its end (SGLang's stream=False: no Python step per token per
-        request in its TokenizerManager or here, 1.6x the tokens/s of per-step chunks in-process, docs/BENCHMARKS.md),
+        request in its TokenizerManager or here: more tokens/s than per-step chunks in-process, docs/BENCHMARKS.md),
         while its `rid_to_state` entry still grows token by token, which is what the ledger reads at a commit.
         `handed_over` at the first chunk: before it a sequence is either waiting out a pause in the
         TokenizerManager (not yet in the engine) or in its `rid_to_state` (the ledger reads it there).
