@@ -97,6 +97,27 @@ def test_the_worker_extension_implements_every_worker_verb():
     assert _missing_or_different(WorkerAPI, WeightUpdateExtension, api_verbs(WorkerAPI)) == {}
 
 
+# The weight verbs of each interface: each answers one type (issue 64), never a dict read by which keys are present.
+_WEIGHT_VERBS = {
+    EngineAPI: ["begin_update", "load_bucket", "commit_update", "abort_update", "engine_layout", "set_push_plan",
+                "collective_info", "push_channel", "join_collective", "leave_collective", "sync_from_source",
+                "live_fingerprint"],
+    WorkerAPI: api_verbs(WorkerAPI),
+    LearnerRankAPI: ["set_push_plan", "piece_manifest", "export_hf_tensors_packed", "collective_address",
+                     "join_collective", "collective_group", "leave_collective", "broadcast_hf_tensors", "take_host_copies"],
+}
+
+
+@pytest.mark.parametrize("api", list(_WEIGHT_VERBS), ids=lambda a: a.__name__)
+def test_every_weight_verb_answers_one_declared_type(api):
+    untyped = {}
+    for name in _WEIGHT_VERBS[api]:
+        answer = inspect.signature(getattr(api, name)).return_annotation
+        if answer in (inspect.Signature.empty, "Any") or "dict[str, Any]" in str(answer):
+            untyped[name] = answer
+    assert untyped == {}
+
+
 def test_the_learner_rank_and_roles_implement_their_verbs():
     from asyncrl.learner.rank import LearnerRank
     from asyncrl.learner.roles import ROLE_CLASSES
