@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import ray
@@ -44,6 +45,7 @@ class RewardWorkersService:
 RewardWorkers = ray.remote(RewardWorkersService)
 log = logging.getLogger(__name__)
 RESTART_WAIT_S = 300.0  # how long a retried call waits for the actor Ray starts again
+UNAVAILABLE_RETRY_S = 0.5  # between a call's tries while Ray says the actor is being started again
 
 
 class RemoteRewardPool:
@@ -60,29 +62,42 @@ class RemoteRewardPool:
     async def score(self, completions: list[str], answers: list[str], metadata: list[dict[str, Any]] | None = None,
                     token_ids: TokenIds | None = None) -> list[RewardOutcome]:
         """The pool's outcomes; a call the actor died in is retried on the actor Ray starts again (at most
-        `reward.max_restarts` times a call); past that, or once Ray gives the actor up, the error raises."""
-        from ray.exceptions import RayActorError  # ActorDiedError, ActorUnavailableError (restarting) are ones
+        `reward.max_restarts` deaths a call); past that, or once Ray gives the actor up, the error raises. While the
+        actor is being started again (Ray answers it is unavailable) the call waits for it, up to RESTART_WAIT_S:
+        a restart that takes a while is one restart, not several."""
+        from ray.exceptions import ActorUnavailableError, RayActorError  # (ActorDiedError is one too)
 
         from asyncrl.cluster import reward_demand, waiting_for
 
-        for attempt in range(self.config.max_restarts + 1):
+        deaths, deadline = 0, None
+        while True:
             try:
-                if not attempt:
+                if deadline is None:
                     return await self.actor.score.remote(completions, answers, metadata)
                 # a retry waits for Ray to start the actor again: /train/status names reward.pool meanwhile, and a
                 # pool with no node left fails the call instead of holding the rollout for ever
                 with waiting_for(reward_demand(self.config), "the reward actor is starting again"):
-                    return await asyncio.wait_for(self.actor.score.remote(completions, answers, metadata), RESTART_WAIT_S)
+                    return await asyncio.wait_for(self.actor.score.remote(completions, answers, metadata),
+                                                  max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 raise TimeoutError(f"reward.pool: the reward actor was lost and not running again within {RESTART_WAIT_S:g} s "
                                    "(no node of the pool left to start it on?)") from None
             except RayActorError as err:  # the call waits for the restart; a given-up actor fails it at once
-                if attempt == self.config.max_restarts:
+                restarting = isinstance(err, ActorUnavailableError)
+                if self.config.max_restarts == 0 or (not restarting and deaths == self.config.max_restarts):
                     raise
-                self.retries += 1
-                log.warning("reward actor lost (%s); retrying the call on its restart (%d of %d)",
-                            type(err).__name__, attempt + 1, self.config.max_restarts)
-        raise AssertionError("unreachable")
+                if deadline is None:  # (counted once a call)
+                    self.retries += 1
+                if not restarting or deadline is None:
+                    deaths += not restarting
+                    deadline = time.monotonic() + RESTART_WAIT_S
+                    log.warning("reward actor lost (%s); retrying the call on its restart (%d of %d)",
+                                type(err).__name__, max(deaths, 1), self.config.max_restarts)
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"reward.pool: the reward actor was lost and not running again within "
+                                       f"{RESTART_WAIT_S:g} s (no node of the pool left to start it on?)") from None
+                if restarting:
+                    await asyncio.sleep(UNAVAILABLE_RETRY_S)
 
     def metrics(self) -> dict[str, float]:
         """The client's own counter (the workers' counters stay in their actor)."""

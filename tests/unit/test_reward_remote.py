@@ -1,5 +1,6 @@
 """The remote reward pool's client (asyncrl/rewards/remote.py): a call its actor died in is retried on the
-actor Ray starts again, counted, at most reward.max_restarts times; past that the actor's error raises.
+actor Ray starts again, counted, at most reward.max_restarts times; past that the actor's error raises. While Ray
+says the actor is being started again, the call waits for it (one restart, however many tries).
 (The real thing, a node lost: tests/e2e/test_multinode.py.)"""
 
 from __future__ import annotations
@@ -38,7 +39,24 @@ def _pool(max_restarts: int, failures: list[BaseException]) -> RemoteRewardPool:
 def test_a_call_the_actor_died_in_is_retried_and_counted():
     pool = _pool(3, [ActorDiedError(), ActorUnavailableError("restarting", None)])
     assert asyncio.run(pool.score(["1", "2"], ["1", "1"])) == [1.0, 0.0]
-    assert pool.actor.score.calls == 3 and pool.metrics() == {"reward/worker_retries": 2.0}
+    assert pool.actor.score.calls == 3 and pool.metrics() == {"reward/worker_retries": 1.0}  # (one call retried)
+
+
+def test_an_actor_still_restarting_is_waited_for_without_spending_the_restarts(monkeypatch):
+    """A node lost: Ray answers 'unavailable' every try until the actor runs again elsewhere. Those tries are one
+    restart (the CI saw two of them on a loaded machine), so even max_restarts 1 outlasts many; past the wait, the
+    call fails saying so."""
+    import asyncrl.rewards.remote as remote
+
+    monkeypatch.setattr(remote, "UNAVAILABLE_RETRY_S", 0.01)
+    restarting = [ActorUnavailableError("restarting", None) for _ in range(5)]
+    pool = _pool(1, [ActorDiedError(), *restarting])
+    assert asyncio.run(pool.score(["1"], ["1"])) == [1.0]
+    assert pool.actor.score.calls == 7 and pool.retries == 1
+    monkeypatch.setattr(remote, "RESTART_WAIT_S", 0.1)
+    pool = _pool(1, [ActorUnavailableError("restarting", None) for _ in range(1000)])
+    with pytest.raises(TimeoutError, match="not running again within 0.1 s"):
+        asyncio.run(pool.score(["1"], ["1"]))
 
 
 def test_past_max_restarts_the_actors_error_raises():
