@@ -88,8 +88,9 @@ class RemoteRewardPool:
                     raise
                 if deadline is None:  # (counted once a call)
                     self.retries += 1
-                if not restarting or deadline is None:
-                    deaths += not restarting
+                if not restarting:
+                    deaths += 1
+                if not restarting or deadline is None:  # a new restart to wait for
                     deadline = time.monotonic() + RESTART_WAIT_S
                     log.warning("reward actor lost (%s); retrying the call on its restart (%d of %d)",
                                 type(err).__name__, max(deaths, 1), self.config.max_restarts)
