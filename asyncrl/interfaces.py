@@ -16,11 +16,9 @@ from typing import Any, Protocol
 
 from asyncrl.types import (
     ApplyReport,
-    ChannelAddress,
     CollectiveExport,
     CommitReport,
     CompletionDelta,
-    Endpoint,
     FingerprintReport,
     GenerationRequest,
     GenerationResult,
@@ -78,10 +76,6 @@ class EngineAPI(Protocol):
 
     async def collective_info(self) -> GroupsReport: ...
 
-    async def push_channel(self) -> ChannelAddress:
-        """Where this replica takes a push's load directly, off Ray and Serve (host, port, token:
-        weightsync/push_channel.py); the channel starts at the first ask."""
-
     async def join_collective(self, specs: list[dict[str, Any]], timeout_s: float = 120.0) -> GroupsReport: ...
 
     async def leave_collective(self) -> GroupsReport: ...
@@ -129,19 +123,6 @@ class WorkerAPI(Protocol):
         """The staged digests; with `with_sender` the senders' own too, and where `early` (a query verb, "" none)
         had each bucket applied as it landed, the apply's report and that query's answer. `gate`: the push's gate
         token (gloo / NCCL)."""
-
-    def asyncrl_receive_start(self, version: int, group_ids: list[str], timeout_s: float, begin: tuple | None,
-                              with_sender: bool, gate: str, reply: dict[str, Any]) -> None:
-        """`asyncrl_receive_collective` in a thread of the worker (the engine steps on); returns at once, and the
-        answer goes to the replica's `receive_done` over its push channel (`reply`: its address and the call id)."""
-
-    def asyncrl_start_channel(self, host: str) -> Endpoint:
-        """The endpoint of the worker's own channel (push_channel.ThreadServer), where the replica starts
-        `asyncrl_receive_start` without waiting for the engine's step in flight."""
-
-    def asyncrl_engine_paused(self, call: str, ok: bool) -> None:
-        """The engine paused (`ok`) for the commit of the receive apart `call`, or could not: a receive started
-        with `apply_paused` applies what landed once told (from the worker's channel)."""
 
     def asyncrl_refuse_collective(self, group_ids: list[str], why: str, gate: str = "") -> None: ...
 

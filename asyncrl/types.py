@@ -258,20 +258,6 @@ class PlanAck(ReplicaAnswer, frozen=True):
     plan_id: str | None
 
 
-class Endpoint(msgspec.Struct, frozen=True):
-    """Where a push channel's server listens (weightsync/push_channel.py) and the token its clients present."""
-
-    host: str
-    port: int
-    token: str
-
-
-class ChannelAddress(ReplicaAnswer, frozen=True):
-    """`push_channel`: where the replica's push channel listens."""
-
-    endpoint: Endpoint
-
-
 class GroupsReport(ReplicaAnswer, frozen=True):
     """`collective_info`: the replica's engine workers (one receiver rank each) and the broadcast groups every
     one of them holds; `join_collective`: the groups joined; `leave_collective`: none."""

@@ -83,14 +83,11 @@ push)
       # TRACE=1: every push's marks across its processes (asyncrl/weightsync/trace.py), lined up after the bench
       # BENCH_TIMEOUT (360): a fresh host's random 1.5B took 204 s to build and start its engine (2026-11-27, H100s)
       tag=${m##*/}${ENGINE:+_$ENGINE}; tdir=${TRACE:+$OUT/trace_$tag}  # (one per engine: both may push one model)
-      # RECEIVE_APART (off): on / both, the workers receive in threads while the engine steps (weightsync.receive_apart);
       # ENGINE (vllm): sglang pushes into SGLang replicas (after sglang-install; HF layout, its own staging);
-      # BUCKET_MB (64): a size in MiB, or a comma list measured in turn on the same engines (64,256); PUSH_CHANNEL
-      # (on): the loads over each replica's push channel, off: through Ray, both: each size through Ray then the channel
+      # BUCKET_MB (64): a size in MiB, or a comma list measured in turn on the same engines (64,256)
       ASYNCRL_PUSH_TRACE=$tdir ASYNCRL_PROFILE_DIR=${PROFILE_DIR:-} timeout ${BENCH_TIMEOUT:-360} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports $t \
           --gpus 0.5 --dtype bfloat16 --verify $v --staging ${STAGING:-full} --sender-arena ${SENDER_ARENA:-auto} \
-          --bucket-mb ${BUCKET_MB:-64} --push-channel ${PUSH_CHANNEL:-on} --timeout-s ${PUSH_TIMEOUT:-90} \
-          --receive-apart ${RECEIVE_APART:-off} --engine ${ENGINE:-vllm} --engine-pythonpath "$([ "${ENGINE:-vllm}" = sglang ] && echo /tmp/site-sglang:/tmp/site:$PWD)" > $log 2>&1
+          --bucket-mb ${BUCKET_MB:-64} --timeout-s ${PUSH_TIMEOUT:-90} --engine ${ENGINE:-vllm} --engine-pythonpath "$([ "${ENGINE:-vllm}" = sglang ] && echo /tmp/site-sglang:/tmp/site:$PWD)" > $log 2>&1
       echo "weightsync $t $m verify=$v rc=$?"; grep '^{' $log | tee -a $OUT/ws_push.json
       grep '^\[weightsync' $log | tail -4  # where it got (each push's time)
       if [ -n "$tdir" ] && [ -d "$tdir" ]; then

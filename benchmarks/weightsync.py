@@ -121,9 +121,6 @@ class EngineActor:
     async def abort_update(self):
         return await self.replica.abort_update()
 
-    async def push_channel(self):
-        return await self.replica.push_channel()
-
     async def ping(self) -> None:
         return None
 
@@ -433,8 +430,7 @@ def _engine_dtypes(plan, base):
 async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket_mbs: list[float],
                       transports: list[str], verify: str, gpus: float, apply: str = "auto",
                       staging: str = "full", dtype: str = "float32", sender_arena: str = "auto",
-                      timeout_s: float = 120.0, push_channel: str = "on", engine_name: str = "vllm",
-                      engine_pythonpath: str = "", receive_apart: str = "off") -> list[dict]:
+                      timeout_s: float = 120.0, engine_name: str = "vllm", engine_pythonpath: str = "") -> list[dict]:
     """Rows for every transport at every bucket size in `bucket_mbs`, each size measured in turn on
     the same engines and sender (its plan formed again; the raw floor in buckets of its sizes)."""
     import pickle
@@ -473,21 +469,12 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
         if sender is not None:
             await sender.set_plan.remote(pickle.dumps(plan) if plan is not None else None)
             say(f"{name}: {bucket_mb:g} MiB buckets, plan {'none' if plan is None else f'{len(plan.buckets)} buckets'}")
-        by_mode = {}
-        channels = [False, True] if push_channel == "both" else [push_channel == "on"]
-        aparts = [False, True] if receive_apart == "both" else [receive_apart == "on"]
-        for channel in channels:
-            for apart in aparts:
-                by_mode[channel, apart], version = await _pushes(name, transports, collective, actors, clients, sender, base,
-                                                                 plan, bucket_mb, repeats, verify, staging, timeout_s, gpus,
-                                                                 version, links, channel, apart)
+        runs, version = await _pushes(name, transports, collective, actors, clients, sender, base, plan, bucket_mb,
+                                      repeats, verify, staging, timeout_s, gpus, version, links)
         raw = await _raw_floors(name, transports, collective, sender, sinks, gpu_sinks, joined, plan, same, bucket_mb,
                                 repeats, timeout_s)
-        for (channel, apart), runs in by_mode.items():
-            out += [{**row, "push_channel": channel and row["transport"] in collective,
-                     "receive_apart": apart and row["transport"] in collective and row["transport"] != "ipc"}
-                    for row in _rows(name, runs, raw, collective, params, why_not, verify, staging, sender_arena, replicas,
-                                     gpus, bucket_mb, repeats)]
+        out += _rows(name, runs, raw, collective, params, why_not, verify, staging, sender_arena, replicas, gpus,
+                     bucket_mb, repeats)
     say(f"{name}: raw floors done; round trips")
     floors = await actors[0].round_trips.remote()
     pings = []
@@ -507,7 +494,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
 
 
 async def _pushes(name, transports, collective, actors, clients, sender, base, plan, bucket_mb, repeats, verify,
-                  staging, timeout_s, gpus, version, links, push_channel=True, receive_apart=False):
+                  staging, timeout_s, gpus, version, links):
     """Every transport's pushes at one bucket size: {transport: (push seconds, host-copy tails, metrics)}."""
     from asyncrl.config import WeightsyncConfig
     from asyncrl.weightsync.collective import ipc_window_for
@@ -535,7 +522,6 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
                                                 timeout_s=timeout_s, ipc_window=ipc_window_for(cfg.staging), check=members)
         if link is not None:
             link.bucket_mb = bucket_mb  # (the plan's buckets where there is one; the sender's own cut where not)
-            link.receive_apart = receive_apart  # (gloo / NCCL: the workers receive in threads, the engine steps on)
         push, tails, metrics = [], [], []
         for i in range(repeats + 1):  # the first push of each transport is a warm-up (and forms groups), not timed
             version += 1
@@ -561,12 +547,6 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
                 push.append(live - t)
                 tails.append(time.perf_counter() - live)
                 metrics.append({**result.metrics, **tail})
-            elif link is not None and push_channel and any(c.channel is None for c in clients):
-                # as the service does once the groups are formed: the loads go over each replica's channel
-                await asyncio.gather(*(c.open_channel() for c in clients))
-            elif not push_channel:
-                for c in clients:
-                    c.close_channel()
         profile_dir = os.environ.get("ASYNCRL_PROFILE_DIR")
         if profile_dir and link is not None:  # one more push, profiled (sender, replica, this driver), not timed
             import cProfile
@@ -721,13 +701,6 @@ def main() -> None:
                     help="the engine replicas' engine (sglang: GPU only, pushes in HF layout through its update_weights_from_tensor)")
     ap.add_argument("--engine-pythonpath", default="",
                     help="put before the engine actors' PYTHONPATH (SGLang's packages on the GPU host: /tmp/site-sglang:/tmp/site:$PWD)")
-    ap.add_argument("--receive-apart", default="off", choices=["on", "off", "both"],
-                    help="gloo / nccl: the engine workers receive in threads of their own while the engine steps on "
-                         "(weightsync.receive_apart); both: each bucket size without, then with (a row each)")
-    ap.add_argument("--push-channel", default="on", choices=["on", "off", "both"],
-                    help="collective transports: each replica's load over its push channel (weightsync.push_channel, "
-                         "opened after the warm-up push, as the service opens it once the groups form), or through Ray; "
-                         "both: each bucket size's pushes through Ray, then over the channel, on the same engines (a row each)")
     args = ap.parse_args()
     unknown = set(args.transports.split(",")) - set(TRANSPORTS)
     if unknown:
@@ -773,8 +746,7 @@ def main() -> None:
                 rows = asyncio.run(bench_model(name, path, args.replicas, args.repeats, sizes,
                                                args.transports.split(","), args.verify, args.gpus, args.apply, args.staging,
                                                args.dtype, args.sender_arena, args.timeout_s,
-                                               args.push_channel, args.engine, args.engine_pythonpath,
-                                               args.receive_apart))
+                                               args.engine, args.engine_pythonpath))
                 for row in rows:
                     print(json.dumps({"engine": args.engine, **row}), flush=True)
     finally:

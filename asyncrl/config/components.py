@@ -479,22 +479,6 @@ class WeightsyncConfig(_Section):
         "each bucket as soon as it verified (about one bucket of extra memory: hybrid and memory-bound placements), a "
         "failure restoring the last live version from its host copy.")
     timeout_s: float = Field(120.0, gt=0)
-    receive_apart: bool = Field(
-        False, description="gloo / NCCL: each engine worker receives a push in a thread of its own while the engine "
-        "keeps generating, and reports the end to its replica, which pauses the engine only for the check and the apply "
-        "(no apply as each bucket lands). False: the receive runs inside the engine's own call, which the engine waits for "
-        "(vLLM: between steps). SGLang's replicas always receive apart from their engine.")
-    shard_senders: bool = Field(
-        True, description="A learner with tensor parallelism sends each TP rank's own shards of the weights (a push "
-        "plan with one sender per TP rank: no gather of the shards, each rank packs and sends its part) wherever every "
-        "engine parameter comes from one learner rank's shard (engines of the learner's TP size, or a multiple of it) "
-        "and the transport is not ipc; otherwise, or false, TP rank 0 gathers the shards and sends them all (the "
-        "gather then precedes the wire; docs/BENCHMARKS.md has both measured).")
-    push_channel: bool = Field(
-        True, description="gloo / nccl / ipc: the push's load reaches each engine replica over a socket of its own "
-        "(opened once the groups are formed; asyncrl/weightsync/push_channel.py) instead of through Serve, which costs "
-        "milliseconds a call; false = always through Serve (e.g. where the learner's node may not open TCP "
-        "connections to the engines' nodes).")
     retries: int = Field(1, ge=0)
     recovery_s: float = Field(
         600.0, ge=0, description="A push that failed on the engine side (a replica died, is restarting) is tried again, "

@@ -34,9 +34,6 @@ class EngineDriver(Protocol):
     # engine may step while a push is on the wire: a load that commits pauses it once the receive is done
     # (vLLM's workers receive inside its utility call, between steps: the pause goes out beside the receive)
     receives_apart: bool
-    # its workers serve a channel of their own (`WorkerAPI.asyncrl_start_channel`): a receive apart from the engine
-    # starts there, not behind the engine's step in flight (vLLM's utility calls wait for it)
-    workers_listen: bool
 
     # ---- generation ----------------------------------------------------------------------
     def prepare(self, sampling: SamplingParams, *, stream: bool) -> Any:

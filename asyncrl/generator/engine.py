@@ -12,7 +12,6 @@ Details: docs/design/generator.md, "The engine replica".
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import time
@@ -61,8 +60,6 @@ class EngineReplica(WeightUpdates):
         self._staging_version: int | None = None
         self._staged_tensors = 0
         self._staging = ReplicaStaging(self._rpc, replica_id)  # the receiving half of weight pushes
-        self._staging.reply_address = self.push_channel  # (where workers receiving apart report their end)
-        self._pause_waits: collections.deque[float] = collections.deque(maxlen=8)  # seconds the last pauses at a wire's end took
         # What the workers answered at the last join (None: ask them). A group breaks only inside
         # a receive, which fails this replica's load_bucket: that drops the cache.
         self._groups_joined: GroupsReport | None = None
@@ -94,7 +91,6 @@ class EngineReplica(WeightUpdates):
         else:
             self._versions = EngineStamps(engine, self.counters, lambda: self.version)
         await engine.relabel(self.version)
-        self._staging.direct_start = bool(getattr(engine, "workers_listen", False))
         checks = await self._staging.check_layout()
         problems = sorted({c.problem for c in checks if c.problem})
         if problems:
@@ -155,7 +151,6 @@ class EngineReplica(WeightUpdates):
         return layout
 
     def shutdown(self) -> None:
-        self.close_push_channel()
         if self.engine is not None:
             self.engine.shutdown()
         self.state = ReplicaState.STOPPED

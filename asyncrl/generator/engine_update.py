@@ -21,37 +21,13 @@ import msgspec
 
 from asyncrl.generator.replica_types import ReplicaState, UpdateState, WeightUpdateError
 from asyncrl.interfaces import WorkerAPI, verb_name
-from asyncrl.types import (
-    ChannelAddress,
-    CommitReport,
-    FingerprintReport,
-    GroupsReport,
-    LayoutReport,
-    LoadReport,
-    PlanAck,
-    Refusal,
-    UpdateAck,
-    refusal_of,
-)
+from asyncrl.types import CommitReport, FingerprintReport, GroupsReport, LayoutReport, LoadReport, PlanAck, Refusal, UpdateAck, refusal_of
 from asyncrl.weightsync import trace
 from asyncrl.weightsync.collective import CollectiveReceive, is_gate_closed
 from asyncrl.weightsync.fingerprint import check_verify_mode
 from asyncrl.weightsync.replica_side import FingerprintMismatch, is_object_ref
 
 logger = logging.getLogger(__name__)
-
-
-PAUSE_LEAD_MAX_S = 0.25  # a receive apart never reports its wire's end earlier than this (a slow prefill's pause)
-
-
-def pause_lead(waits: Any) -> float:
-    """How far ahead of its last bucket a receive apart should report the wire's end: about how long this engine
-    takes to pause (the median of its recent pauses at a wire's end, with half again for spread; at most
-    `PAUSE_LEAD_MAX_S`); 0 before the first (the report comes when the last bucket is in)."""
-    recent = sorted(float(w) for w in waits)
-    if not recent:
-        return 0.0
-    return min(PAUSE_LEAD_MAX_S, 1.5 * recent[len(recent) // 2])
 
 
 class WeightUpdates:
@@ -154,50 +130,21 @@ class WeightUpdates:
         # beside the wire: then the pause goes out first (no step may run on them before the check;
         # the receive follows at once when no request is in the engine, else after the pause's reply:
         # `_pause_before_receive`), the ledger's counts are read in the receive before any weight changes, and a check
-        # that fails at the end is a failed apply (restored from the last live version, paused). A driver that
-        # receives apart from its engine (`receives_apart`: SGLang; `weightsync.receive_apart`) keeps the engine
-        # stepping during the receive and pauses it at the wire's end (its workers report their last bucket, over
-        # the push channel, before they read their digests) or, without that report, once the receive is done:
-        # paused only for the digests, the check and the apply.
-        pausing, paused_at, overlapped, late_pause = None, None, False, False
-        apart = self.engine.receives_apart or named_tensors.apart
+        # that fails at the end is a failed apply (restored from the last live version, paused). A driver whose
+        # workers receive apart from its engine (`receives_apart`: SGLang's replica holds its own) keeps the engine
+        # stepping during the receive and pauses it once the receive is done: paused only for the check and the apply.
+        pausing, paused_at, overlapped = None, None, False
+        apart = self.engine.receives_apart
         early = (named_tensors.stream and self._staging.layout == "engine" and self._staging.staging == "full"
                  and "weights" not in self._asleep and not apart)
+        running = self.state is ReplicaState.READY and self._may_run()
         if early:
             # (not running: asleep but for its weights, or paused by a caller: no step can run anyway)
-            if self.state is ReplicaState.READY and self._may_run():
+            if running:
                 paused_at = time.perf_counter()
                 pausing, overlapped = await self._pause_before_receive()
             loads: Any = self._load(named_tensors, early=self._versions.counts_query, applying=True)
-        elif self.state is ReplicaState.READY and self._may_run() and apart:
-            # the engine steps on beside the wire; the workers report its end as far ahead as this engine's pauses
-            # have lately taken (`pause_waits`), so that it is paused about when the last bucket lands
-            self._staging.pause_lead_s = pause_lead(self._pause_waits)
-            # where the workers are reached directly, they apply the version themselves once the engine has paused:
-            # what landed by then at once, the rest as it lands (the ledger's counts read first), not in a copy after
-            if self._staging.layout == "engine" and self._staging.staging == "full":
-                query = self._versions.counts_query
-                self._staging.apply_paused_query = "" if query is None else verb_name(WorkerAPI, query)
-            loads, late_pause = self._load(named_tensors), True
-
-            def pause_late() -> None:  # at the wire's end (the workers report it), else once the receive is done
-                nonlocal pausing, paused_at
-                if pausing is None:
-                    trace.mark("rep.pausing")
-                    paused_at = asked = time.perf_counter()
-                    pausing = asyncio.ensure_future(self._pause_engine("keep"))
-
-                    def paused(f: asyncio.Future) -> None:  # (its time is the next receive's lead; the workers hear)
-                        trace.mark("rep.paused")
-                        ok = not f.cancelled() and f.exception() is None
-                        if ok:
-                            self._pause_waits.append(time.perf_counter() - asked)
-                        self._staging.engine_paused(ok)
-
-                    pausing.add_done_callback(paused)
-
-            self._staging.on_wire_end = pause_late
-        elif self.state is ReplicaState.READY and self._may_run():
+        elif running and not apart:
             receiving = asyncio.ensure_future(self._load(named_tensors))
             await asyncio.sleep(0)  # (its call goes out first)
             paused_at = time.perf_counter()
@@ -209,10 +156,10 @@ class WeightUpdates:
             try:
                 staged = await loads
                 trace.mark("rep.received")
-                if late_pause:  # received apart from the engine, which stepped on: paused for the commit (if
-                    pause_late()  # the wire's end did not already), the digests' check and the apply
+                if running and apart:  # received apart from the engine, which stepped on: paused for the check
+                    paused_at = time.perf_counter()  # and the apply
+                    pausing = asyncio.ensure_future(self._pause_engine("keep"))
             finally:
-                self._staging.on_wire_end, self._staging.apply_paused_query = None, None
                 if pausing is not None:  # paused (or failed to) before anything else happens
                     await asyncio.wait([pausing])
             if pausing is not None:
@@ -276,8 +223,8 @@ class WeightUpdates:
         except Exception as err:
             self._groups_joined = None  # a failed receive may have broken a worker's group
             await self._drop_staged()
-            # (a push stopped at its gate touched nothing; workers told to apply once paused may have applied part)
-            if (applying or self._staging.told_apply) and not is_gate_closed(err):
+            # (a push stopped at its gate touched nothing)
+            if applying and not is_gate_closed(err):
                 self.counters["updates_failed"] += 1
                 raise WeightUpdateError(f"replica {self.replica_id}: staging failed while applying as received "
                                         f"(possibly part applied; the replica stays paused until restored): {err}",
@@ -298,31 +245,6 @@ class WeightUpdates:
                 await self._settle()
             except Exception as err:  # the load's own failure is the one reported
                 logger.warning("replica %s: resume after a failed load: %s", self.replica_id, err)
-
-    # ---- the push's direct channel (weightsync/push_channel.py) -------------------------------
-
-    async def push_channel(self) -> ChannelAddress:
-        """The address of this replica's push channel: the publisher's load goes there instead of
-        through Ray or Serve (the same verb, run on this loop). Started at the first ask."""
-        from asyncrl.weightsync.push_channel import RECEIVE_DONE, WIRE_END, ChannelServer, node_host
-
-        if getattr(self, "_channel", None) is None:
-            self._channel = ChannelServer(self, ["load_bucket", RECEIVE_DONE, WIRE_END])
-        return ChannelAddress(replica_id=self.replica_id, endpoint=await self._channel.address(node_host()))
-
-    async def receive_done(self, call: str, rank: int, ok: bool, answer: Any) -> None:
-        """A worker's receive apart from the engine ended (`CollectiveReceive.apart`; it reports over this channel)."""
-        self._staging.receive_done(call, rank, ok, answer)
-
-    async def wire_end(self, call: str, rank: int) -> None:
-        """A worker's receive apart from the engine has its last bucket: the commit's pause may start."""
-        self._staging.wire_end(call, rank)
-
-    def close_push_channel(self) -> None:
-        self._staging.close_worker_channels()
-        channel, self._channel = getattr(self, "_channel", None), None
-        if channel is not None:
-            channel.close()
 
     # ---- collective transport groups (weightsync/collective.py) --------------------------------
 

@@ -235,7 +235,6 @@ class SglangDriver:
     stamps_versions = False  # the replica keeps a ledger
     pause_ordered = False  # SGLang's pause is fire-and-forget: a receive never overlaps it
     receives_apart = True  # the replica's own worker receives: SGLang decodes on while a push is on the wire
-    workers_listen = False  # (its worker is the replica's own: no engine queue to skip)
 
     def __init__(self, engine: Any, *, tokenizer: Any, vocab_size: int, deterministic: bool, memory_saver: bool,
                  cpu_backup: bool, tp_size: int) -> None:

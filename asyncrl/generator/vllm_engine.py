@@ -318,7 +318,6 @@ class VllmDriver:
     # input socket before their first suspension, and the engine core takes its input in order
     pause_ordered = True
     receives_apart = False  # (its workers receive inside its utility calls)
-    workers_listen = True  # (WeightsyncWorkerExtension.asyncrl_start_channel)
 
     def __init__(self, llm: Any, *, array: bool = False, tokenizer: Any = None, vocab_size: int = 0) -> None:
         self.llm = llm

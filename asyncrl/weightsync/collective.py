@@ -146,9 +146,6 @@ class CollectiveReceive:
     # the buckets land one after another (gloo / NCCL broadcasts, not ipc's handles): a replica that
     # commits may apply each as it lands, its engine paused (engine_update.load_bucket)
     stream: bool = False
-    # the workers receive in threads of their own while the engine steps on (weightsync.receive_apart), and
-    # report the end to the replica; a load that commits then pauses the engine only for the check and the apply
-    apart: bool = False
 
 
 def free_port(host: str = "") -> int:

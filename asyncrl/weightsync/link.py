@@ -46,7 +46,6 @@ class CollectiveLink:
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
                  ipc_window: int | None = None, check: Callable[[], Awaitable[dict[str, Any]]] | None = None,
-                 receive_apart: bool = False,
                  ranks_of: Callable[[], dict[int, tuple[int, ...]] | None] | None = None) -> None:
         from asyncrl.weightsync.collective import IPC_WINDOW
 
@@ -56,7 +55,6 @@ class CollectiveLink:
         self._ranks_of = ranks_of
         self.membership: dict[int, tuple[int, ...]] | None = None  # ... as the groups were formed
         self.bucket_mb, self.timeout_s = bucket_mb, timeout_s
-        self.receive_apart = receive_apart  # gloo / NCCL: the replicas' workers receive apart from their engines
         self.ipc_window = IPC_WINDOW if ipc_window is None else ipc_window
         self.specs: list[Any] = []
         self.members: dict[str, int] = {}  # replica id -> engine workers, as the groups were formed
@@ -157,8 +155,7 @@ class CollectiveLink:
 
         broadcast = self.backend != "ipc"
         self._gate = f"v{version}-{uuid.uuid4().hex[:12]}" if broadcast else ""
-        return CollectiveReceive(tuple(self.group_ids), version, self.timeout_s, stream=broadcast, gate=self._gate,
-                                 apart=broadcast and self.receive_apart)
+        return CollectiveReceive(tuple(self.group_ids), version, self.timeout_s, stream=broadcast, gate=self._gate)
 
     async def send(self, version: int, verify: str) -> Any:  # noqa: ARG002 - the label travels with the payload
         """The senders' side of the attempt `payload` described. On gloo / NCCL the replicas are asked

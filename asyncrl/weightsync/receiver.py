@@ -265,22 +265,6 @@ class WorkerReceiver:
         """Whether `staged` can be copied into the live weights as it lands: engine layout, full staging, a plan."""
         return staged.layout == "engine" and staged.staging == "full" and self._live is not None
 
-    def apply_staged_now(self, version: int) -> int | None:
-        """`apply_as_received` for an update partly staged already (a receive apart from the engine, whose engine
-        has just paused for this commit): copy what is staged into the live weights now, and each later bucket as
-        it is staged; the digests are still compared at the commit, as there. The bytes copied now (enqueued);
-        None, and nothing changes, for an HF-layout or bucketed update, or one applied as received already."""
-        staged = self._state(version)
-        if not self._copies_live(staged) or staged.early:
-            return None
-        nbytes = sum(view.numel() * view.element_size() for _, view in staged.engine)
-        if staged.engine:
-            self._copy_into_live(staged.engine)
-            staged.applied += len(staged.engine)
-            staged.engine.clear()
-        staged.early = True
-        return nbytes
-
     def finish_received(self, version: int) -> ApplyReport:
         """The end of an update applied as received, once its digests were read: wait for the
         copies, drop the staged buffers. The apply's report (`apply`'s), `early` set."""

@@ -19,13 +19,13 @@ import logging
 import pickle
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from asyncrl.interfaces import WorkerAPI, verb_name
-from asyncrl.types import ApplyReport, ChannelAddress, Endpoint, LayoutCheck, ReceiveReport, Refusal
+from asyncrl.types import ApplyReport, LayoutCheck, ReceiveReport, Refusal
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import check_verify_mode, combine_digests, fingerprint_mode
 
@@ -73,27 +73,6 @@ async def _as_shared(payload: Any) -> AsyncIterator[tuple[Any, bool]]:
         yield await asyncio.to_thread(write_shared, bucket), True
 
 
-@dataclass
-class _ApartCall:
-    """One receive apart from the engine: the workers' answers by rank, complete once every worker started
-    (`workers`, known when the start call returns: an answer may come before that) has answered."""
-
-    future: asyncio.Future
-    answers: dict[int, tuple[bool, Any]] = field(default_factory=dict)
-    workers: int | None = None
-    wired: set[int] = field(default_factory=set)  # the workers whose last bucket landed (`wire_end`)
-    on_wire_end: Callable[[], None] | None = None  # called once, when every worker's last bucket landed
-
-    def settle(self) -> None:
-        if self.workers is None:
-            return
-        if self.on_wire_end is not None and len(self.wired | set(self.answers)) >= self.workers:
-            on_wire_end, self.on_wire_end = self.on_wire_end, None
-            on_wire_end()
-        if len(self.answers) >= self.workers and not self.future.done():
-            self.future.set_result(None)
-
-
 class ReplicaStaging:
     def __init__(self, rpc: Rpc, replica_id: str) -> None:
         self.rpc, self.replica_id = rpc, replica_id
@@ -109,24 +88,6 @@ class ReplicaStaging:
         # a load that commits into a paused engine: the workers applied each bucket as it landed (their
         # apply's report, the `before` query's answers), so the commit only checks and relabels
         self.applied_early: ApplyReport | None = None
-        # a receive apart from the engine (`CollectiveReceive.apart`): where the workers report its end (the
-        # replica's push channel address, set by the replica), and the receives waiting for them, by call id
-        self.reply_address: Callable[[], Awaitable[ChannelAddress]] | None = None
-        self._apart: dict[str, _ApartCall] = {}
-        # called once when every worker of a receive apart has its last bucket (their digests are still being
-        # read): the replica pauses its engine then, beside that read (set by the replica for one load)
-        self.on_wire_end: Callable[[], None] | None = None
-        # ... or that many seconds before (how long the engine takes to pause; the workers forecast it)
-        self.pause_lead_s = 0.0
-        # a receive apart starts over each worker's own channel (`asyncrl_start_channel`), not through the
-        # engine's input queue (set by the replica for engines whose workers serve one: vLLM's)
-        self.direct_start = False
-        self._worker_clients: list[Any] | None = None
-        # set by the replica for one receive apart that commits: the workers apply it themselves once told the
-        # engine paused (`engine_paused`), reading this query first ("" none); None: the commit applies
-        self.apply_paused_query: str | None = None
-        self._notice_call: str | None = None  # the receive apart whose workers wait for that word
-        self.told_apply = False  # ... and they were told to apply: a failure of that receive may have applied part
 
     # ---- layout and plan ---------------------------------------------------------------------
     async def check_layout(self) -> list[LayoutCheck]:
@@ -158,7 +119,7 @@ class ReplicaStaging:
             self._begin_with_receive = None
             await self.rpc(WorkerAPI.asyncrl_begin_update, version, verify, staging, layout)
         self.version, self.layout, self.staging, self.verify = version, layout, staging, verify
-        self._per_worker, self.sender_digests, self.applied_early, self.told_apply = [], None, None, False
+        self._per_worker, self.sender_digests, self.applied_early = [], None, None
 
     async def refuse(self, payload: Any, why: str) -> None:
         """A collective push this replica will not take (its begin was refused before the workers
@@ -192,12 +153,9 @@ class ReplicaStaging:
             query = None
             if early is not False and payload.commit:
                 query = "" if early is None else verb_name(WorkerAPI, early)
-            if payload.apart:
-                results = await self._receive_apart(payload, version, begin)
-            else:
-                results = await self.rpc(WorkerAPI.asyncrl_receive_collective, version, list(payload.group_ids),
-                                         payload.timeout_s, begin, payload.commit, query, payload.gate,
-                                         timeout=payload.timeout_s + 30.0)
+            results = await self.rpc(WorkerAPI.asyncrl_receive_collective, version, list(payload.group_ids),
+                                     payload.timeout_s, begin, payload.commit, query, payload.gate,
+                                     timeout=payload.timeout_s + 30.0)
             results = [msgspec.convert(r, ReceiveReport) for r in results]
             if payload.commit:  # each worker read the digests of the senders whose groups it is in (every sender's,
                 self.sender_digests = {}  # unless a shard plan's groups hold only the ranks each sender feeds)
@@ -218,108 +176,6 @@ class ReplicaStaging:
                     if owned:  # written here; the workers hold their own mappings now
                         shared.unlink()
         return sum(len(d) for d in self._per_worker)
-
-    async def _receive_apart(self, payload: Any, version: int, begin: Any) -> list[Any]:
-        """The workers receive in threads of their own (`asyncrl_receive_start`: the engine steps on), and report
-        their answers to `receive_done` (the replica's push channel); the answers, in worker order."""
-        import secrets
-
-        if self.reply_address is None:
-            raise RuntimeError("a receive apart from the engine needs the replica's push channel to report to")
-        call = secrets.token_hex(8)
-        waiting = self._apart[call] = _ApartCall(asyncio.get_running_loop().create_future(), on_wire_end=self.on_wire_end)
-        try:
-            clients = await self._open_worker_channels()
-            # (the engine's RPC carries builtins: the endpoint goes as a dict, the worker converts it back)
-            reply = {"endpoint": msgspec.to_builtins((await self.reply_address()).endpoint), "call": call,
-                     "lead_s": self.pause_lead_s}
-            if clients is not None and payload.commit and self.apply_paused_query is not None:
-                reply.update(apply_paused=True, query=self.apply_paused_query)
-                self._notice_call = call
-            started = await self._start_apart(clients, version, list(payload.group_ids), payload.timeout_s, begin,
-                                              payload.commit, payload.gate, reply)
-            waiting.workers = len(started)
-            waiting.settle()
-            await asyncio.wait_for(asyncio.shield(waiting.future), payload.timeout_s + 30.0)
-        finally:
-            self._apart.pop(call, None)
-            if self._notice_call == call:  # (never told: the workers must not wait for a pause that is not coming)
-                self.engine_paused(False)
-        answers = [waiting.answers[rank] for rank in sorted(waiting.answers)]
-        failed = [answer for ok, answer in answers if not ok]
-        if failed:
-            raise RuntimeError(f"a worker's receive failed: {failed[0]}")  # (its text: a gate closed says so)
-        return [answer for _, answer in answers]
-
-    def engine_paused(self, ok: bool) -> None:
-        """Tell the workers of the receive apart that waits for it (`apply_paused_query`) that the engine paused for
-        its commit (`ok`: they apply), or could not (they fail, nothing applied). Once per receive."""
-        call, self._notice_call = self._notice_call, None
-        if call is None:
-            return
-        verb = verb_name(WorkerAPI, WorkerAPI.asyncrl_engine_paused)
-        self.told_apply = bool(ok)
-        for client in self._worker_clients or ():
-            told = asyncio.ensure_future(client.call(verb, call, bool(ok)))
-            # (a worker whose channel is gone fails its receive at its deadline, or is gone itself)
-            told.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-    async def _start_apart(self, clients: list[Any] | None, *args: Any) -> list[Any]:
-        """`asyncrl_receive_start(*args)` on every worker: over the workers' own channels (`clients`, where they
-        serve one), else through the engine (`rpc`), which waits for its step in flight. A channel that fails
-        fails this receive (the worker is gone), and the next opens them again."""
-        from asyncrl.weightsync.push_channel import ChannelClosed
-
-        if clients is None:
-            return list(await self.rpc(WorkerAPI.asyncrl_receive_start, *args, timeout=60.0))
-        verb = verb_name(WorkerAPI, WorkerAPI.asyncrl_receive_start)
-        try:
-            return list(await asyncio.wait_for(asyncio.gather(*(c.call(verb, *args) for c in clients)), 60.0))
-        except (ChannelClosed, asyncio.TimeoutError) as err:
-            self.close_worker_channels()
-            raise RuntimeError(f"replica {self.replica_id}: a worker's channel failed starting a receive: "
-                               f"{type(err).__name__}: {err}") from err
-
-    async def _open_worker_channels(self) -> list[Any] | None:
-        """The open channels to the workers, in rank order (None: start through the engine)."""
-        from asyncrl.weightsync.push_channel import ChannelClient
-
-        if not self.direct_start or self.reply_address is None:
-            return None
-        if self._worker_clients is not None and not any(c.closed for c in self._worker_clients):
-            return self._worker_clients
-        self.close_worker_channels()
-        try:
-            host = (await self.reply_address()).endpoint.host
-            addresses = await self.rpc(WorkerAPI.asyncrl_start_channel, host, timeout=60.0)
-            self._worker_clients = [await ChannelClient.connect(msgspec.convert(a, Endpoint), f"{self.replica_id} worker {i}")
-                                    for i, a in enumerate(addresses)]
-        except Exception as err:  # noqa: BLE001 - through the engine from now on: slower, as correct
-            self.close_worker_channels()
-            self.direct_start = False
-            log.warning("replica %s: no channel to its workers (%s: %s); receives apart start through the engine",
-                        self.replica_id, type(err).__name__, err)
-            return None
-        return self._worker_clients
-
-    def close_worker_channels(self) -> None:
-        clients, self._worker_clients = self._worker_clients, None
-        for client in clients or ():
-            client.close()
-
-    def receive_done(self, call: str, rank: int, ok: bool, answer: Any) -> None:
-        """A worker's receive apart from the engine ended (`answer`: its result, or its error's text)."""
-        waiting = self._apart.get(call)
-        if waiting is not None:  # (else a receive its load gave up on)
-            waiting.answers[int(rank)] = (bool(ok), answer)
-            waiting.settle()
-
-    def wire_end(self, call: str, rank: int) -> None:
-        """A worker's receive apart from the engine has its last bucket (its digests are being read)."""
-        waiting = self._apart.get(call)
-        if waiting is not None:
-            waiting.wired.add(int(rank))
-            waiting.settle()
 
     def sender_fingerprint(self) -> str:
         """The fingerprint of what the senders sent, from their own digests (a load that commits)."""

@@ -2,7 +2,7 @@
 
 Owns: the `ReplicaClient` protocol (the update verbs of `asyncrl.interfaces.EngineAPI`), `ActorReplica` (for a Ray
 actor or Serve replica handle) and `DeploymentReplicas` (every running replica of the engine deployment as one
-client); both send a collective push's load over the replicas' push channels once open (push_channel.py).
+client).
 The contract weightsync relies on: pause(mode); begin_update(version, verify, staging, layout, plan_id) drops any
 staged copy and starts staging (a replica without the plan refuses: Refusal.PLAN_MISSING); load_bucket stages one
 bucket and never touches live weights; commit_update(version, fp) raises before applying anything when the
@@ -14,15 +14,11 @@ Details (every verb in full): docs/design/weightsync.md, "Replica clients".
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.interfaces import EngineAPI, verb_name
 from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck, error_chain, failed_applying, refusal_of
-
-log = logging.getLogger(__name__)
 
 Loaded = LoadReport | CommitReport  # a load that only staged, or one that also committed
 
@@ -58,21 +54,6 @@ class ActorReplica:
     def __init__(self, handle: Any, name: str) -> None:
         self.handle = handle
         self.name = name
-        self.channel: Any = None  # a push channel's client (push_channel.py): the collective load goes there
-
-    async def open_channel(self, timeout_s: float = 10.0) -> None:
-        """Ask the replica for its push channel and connect: a collective push's load then goes
-        over it instead of through Ray."""
-        from asyncrl.weightsync.push_channel import ChannelClient
-
-        answer = await self._call(EngineAPI.push_channel)
-        self.close_channel()
-        self.channel = await ChannelClient.connect(answer.endpoint, self.name, timeout_s)
-
-    def close_channel(self) -> None:
-        channel, self.channel = self.channel, None
-        if channel is not None:
-            channel.close()
 
     async def _call(self, verb: Callable[..., Any], *args: Any) -> Any:
         return await getattr(self.handle, verb_name(EngineAPI, verb)).remote(*args)
@@ -85,15 +66,6 @@ class ActorReplica:
         return await self._call(EngineAPI.begin_update, version, verify, staging, layout, plan_id)
 
     async def load_bucket(self, payload: Any, version: int) -> Loaded | dict[str, Loaded]:
-        channel = self.channel
-        if channel is not None and not channel.closed and is_collective_receive(payload):
-            from asyncrl.weightsync.push_channel import ChannelClosed
-
-            try:
-                return await channel.call(verb_name(EngineAPI, EngineAPI.load_bucket), payload, version)
-            except ChannelClosed:
-                self.channel = None  # (the next push goes through Ray until a channel is opened again)
-                raise
         # The payload goes as a top-level argument so Ray resolves an ObjectRef before the call.
         return await self._call(EngineAPI.load_bucket, payload, version)
 
@@ -120,80 +92,6 @@ class DeploymentReplicas(ActorReplica):
         super().__init__(getattr(control, "handle", None), name)
         self.control, self.timeout_s = control, timeout_s
         self.last_results: dict[str, Any] = {}
-        self.channels: dict[str, Any] = {}  # replica id -> its push channel's client (push_channel.py)
-        self.channel_members: Callable[[], Any] | None = None  # the groups' members: loads go over channels only to exactly them
-        self.last_load_channel = False  # the last load went over the push channels (not through Serve)
-
-    async def open_channels(self, members: Any) -> bool | None:
-        """Connect to the push channel of every running replica, for the next collective loads. They
-        are used while the replicas with a channel are exactly the groups' `channel_members()`; a
-        replica that does not answer, or a connection that fails, leaves loads going through Serve.
-        True: opened; False: the running replicas are not `members` (none opened); None: a connection failed."""
-        from asyncrl.weightsync.push_channel import ChannelClient
-
-        self.close_channels()
-        answers = await self.control.call(EngineAPI.push_channel, timeout_s=self.timeout_s)
-        if set(answers) != set(members):
-            return False  # the replicas changed since the groups formed: the next push forms them again first
-        clients = await asyncio.gather(*(ChannelClient.connect(a.endpoint, rid, min(10.0, self.timeout_s))
-                                         for rid, a in answers.items()), return_exceptions=True)
-        opened = {rid: c for rid, c in zip(answers, clients) if not isinstance(c, BaseException)}
-        if len(opened) != len(answers):
-            for c in opened.values():
-                c.close()
-            bad = {rid: c for rid, c in zip(answers, clients) if isinstance(c, BaseException)}
-            log.warning("weightsync: no push channel to %s; loads go through Serve", {r: str(e) for r, e in bad.items()})
-            return None
-        self.channels = opened
-        return True
-
-    def close_channels(self) -> None:
-        channels, self.channels = self.channels, {}
-        for c in channels.values():
-            c.close()
-
-    def _channels_for_load(self, payload: Any) -> dict[str, Any] | None:
-        if not self.channels or not is_collective_receive(payload) or self.channel_members is None:
-            return None
-        if any(c.closed for c in self.channels.values()) or set(self.channels) != set(self.channel_members()):
-            self.close_channels()  # (opened again after the push, for the groups it forms)
-            return None
-        return self.channels
-
-    async def load_bucket(self, payload: Any, version: int) -> Loaded | dict[str, Loaded]:
-        """A collective push's load over the replicas' push channels when they are exactly the groups'
-        members (else through Serve): {replica id: its answer}, or `ReplicaControlError` as a Serve
-        call raises it (failures, refusals, the replicas that failed while applying, the others' answers)."""
-        channels = self._channels_for_load(payload)
-        self.last_load_channel = channels is not None
-        if channels is None:
-            return await super().load_bucket(payload, version)
-        from asyncrl.types import ReplicaControlError
-        from asyncrl.weightsync.push_channel import ChannelClosed
-
-        method = verb_name(EngineAPI, EngineAPI.load_bucket)
-        outcomes = await asyncio.gather(*(c.call(method, payload, version) for c in channels.values()),
-                                        return_exceptions=True)
-        results: dict[str, Any] = {}
-        failures: dict[str, str] = {}
-        refusals: dict[str, Any] = {}
-        applying: set[str] = set()
-        for rid, out in zip(channels, outcomes):
-            if isinstance(out, BaseException):
-                if isinstance(out, ChannelClosed):
-                    self.close_channels()
-                failures[rid] = f"{type(out).__name__}: {out}"
-                refusal = refusal_of(out)
-                if refusal is not None:
-                    refusals[rid] = refusal
-                if failed_applying(out):
-                    applying.add(rid)
-            else:
-                results[rid] = out
-        if failures:
-            raise ReplicaControlError(method, failures, results, refusals, applying)
-        self.last_results = results
-        return results
 
     @property
     def fanout(self) -> int:  # type: ignore[override]
@@ -207,14 +105,6 @@ class DeploymentReplicas(ActorReplica):
     async def broadcast(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
         """`verb` on every running replica, {replica id: result}; `fanout` counts them from now on."""
         return await self._call(verb, *args)
-
-
-def is_collective_receive(payload: Any) -> bool:
-    """A collective push's load (the payload names groups, no tensors or object refs): what a push
-    channel carries."""
-    from asyncrl.weightsync.collective import CollectiveReceive
-
-    return isinstance(payload, CollectiveReceive)
 
 
 def is_verify_failure(exc: BaseException) -> bool:

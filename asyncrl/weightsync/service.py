@@ -32,8 +32,6 @@ from asyncrl.weightsync.transport import select_transport
 
 log = logging.getLogger(__name__)
 
-CHANNEL_RETRY_PUSHES = 20  # push channels that failed to open are tried again this many pushes later
-
 
 class WeightPublisher:
     """`start()` once, then `publish(version)` after each learner update."""
@@ -58,7 +56,6 @@ class WeightPublisher:
         self.link: CollectiveLink | None = None  # collective transports only
         self.recoveries_total = 0
         self._stopping = asyncio.Event()  # the run is stopping: a failed push is not pushed again
-        self._channels_failed: tuple[frozenset[str], int] | None = None  # (members, version) push channels last failed for
 
     async def start(self, initial_version: int = 0) -> None:
         """Create (or attach to) the store and registry actors, and keep a host copy of the
@@ -89,7 +86,7 @@ class WeightPublisher:
             control = self.replicas.control
             self.link = CollectiveLink(
                 transport.backend, self.learner, bucket_mb=self.cfg.bucket_mb, timeout_s=self.cfg.timeout_s,
-                ipc_window=ipc_window_for(self.cfg.staging), receive_apart=self.cfg.receive_apart,
+                ipc_window=ipc_window_for(self.cfg.staging),
                 # through the replicas' client: the fan-out a push reads is then the one just counted
                 members=lambda: self.replicas.broadcast(EngineAPI.collective_info),
                 # beside each push (its fan-out count untouched): are the groups' members still the replicas?
@@ -97,7 +94,6 @@ class WeightPublisher:
                 join=lambda wire: control.call(EngineAPI.join_collective, wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
                 ranks_of=self.sender_ranks,
             )
-            self.replicas.channel_members = lambda: self.link.members if self.link is not None else {}
         # The seed (and, for collective transports, every host copy) lives in the object store.
         export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, _put_kind(transport), self.cfg.verify)
         from asyncrl.weightsync.bucket import iter_unpacked
@@ -116,15 +112,13 @@ class WeightPublisher:
 
     async def form_groups(self) -> None:
         """What the first push would pay first, paid now: the groups formed (push kernels warmed, pinned
-        buffers allocated), the push channels opened. By `start` when separated; hybrid: in the start's
+        buffers allocated). By `start` when separated; hybrid: in the start's
         warm-up switch, memory as a push finds it (Colocation.warm_up). A push re-forms lost groups."""
         if self.link is None:
             return
         t = time.monotonic()
         await self.link.ensure()
-        await self._refresh_channels(self.publisher.registry.live_version)
-        log.info("weightsync: groups formed%s before the first push in %.1f s",
-                 " and push channels opened" if self.replicas.channels else "", time.monotonic() - t)
+        log.info("weightsync: groups formed before the first push in %.1f s", time.monotonic() - t)
 
     async def form_plan(self) -> None:
         """Ask every engine replica for its layout of the learner's export and, if they agree and
@@ -176,13 +170,13 @@ class WeightPublisher:
             log.info("weightsync: pushes carry HF tensors and engines reload them (%s)", problem)
 
     async def _shard_plan(self, layouts: list[Any]) -> Any:
-        """A plan in which every TP rank of the learner sends its own shards (weightsync.shard_senders), or None
+        """A plan in which every TP rank of the learner sends its own shards (no gather before the wire), or None
         (the reason logged) where the learner has no TP, the transport is ipc, or some engine parameter spans
         learner ranks."""
         from asyncrl.weightsync.plan import PlanError
         from asyncrl.weightsync.shards import build_shard_plan
 
-        if not self.cfg.shard_senders or (self.transport is not None and self.transport.backend == "ipc"):
+        if self.transport is not None and self.transport.backend == "ipc":
             return None
         pieces, problem = await self.learner.piece_manifest()
         if problem or not pieces or max(p.tp for p in pieces) == 0:
@@ -289,26 +283,6 @@ class WeightPublisher:
                 await asyncio.wait_for(self._stopping.wait(), delay)
             delay = min(2 * delay, 10.0)
 
-    async def _refresh_channels(self, version: int) -> None:
-        """After collective push `version`: push channels to exactly the groups' members, for the next
-        loads (weightsync.push_channel); nothing to do while they already are. Channels that could not
-        be opened for these members are tried again once the members change, or CHANNEL_RETRY_PUSHES later."""
-        if not self.cfg.push_channel or self.link is None or not self.link.members:
-            return
-        members = frozenset(self.link.members)
-        if self.replicas.channels and set(self.replicas.channels) == members:
-            return
-        failed = self._channels_failed
-        if failed is not None and failed[0] == members and version < failed[1] + CHANNEL_RETRY_PUSHES:
-            return
-        try:
-            opened = await self.replicas.open_channels(list(members))
-        except Exception as err:  # noqa: BLE001 - the loads go through Serve meanwhile
-            log.warning("weightsync: push channels not opened (%s); loads go through Serve", err)
-            opened = None
-        # (not running yet as the groups' members, `opened` False: asked again after the next push)
-        self._channels_failed = (members, version) if opened is None else None
-
     async def _publish_once(self, version: int) -> dict[str, float]:
         plan_id = None if self.plan is None else self.plan.plan_id
         if self.link is not None:
@@ -316,7 +290,6 @@ class WeightPublisher:
                 version, self.link.send, self.link.payload, [self.replicas], prepare=self.link.ensure, plan_id=plan_id,
                 fold_begin=self.link.fold_begin, cancel=self.link.cancel)
             self.link.pushed(self.replicas.last_results)
-            await self._refresh_channels(version)
         else:
             export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, self.transport.name, self.cfg.verify,
                                                                  "hf" if plan_id is None else "engine")
@@ -324,8 +297,6 @@ class WeightPublisher:
             result.metrics.update({f"weightsync/sender/{k}_seconds": v for k, v in export.seconds.items()})
         metrics = dict(result.metrics)
         metrics["weightsync/engine_replicas"] = float(len(self.replicas.last_results))
-        if self.link is not None:  # 1: the load reached the replicas over their push channels, 0: through Serve
-            metrics["weightsync/push_channel"] = float(self.replicas.last_load_channel)
         if self.link is not None:  # pushes that went without asking the replicas and senders first
             metrics["weightsync/group_checks_skipped"] = float(self.link.checks_skipped)
         for warning in result.warnings:

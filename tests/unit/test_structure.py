@@ -132,7 +132,7 @@ def test_weightsync_imports_neither_the_learner_nor_the_generator():
 
 # Issue 64's goal is weightsync and the engine-side weight code in <= 4,500 lines and <= 16 files; until it is met,
 # today's size is the ceiling: lower these as the code shrinks, never raise them.
-WEIGHTSYNC_MAX_LINES, WEIGHTSYNC_MAX_FILES = 8_976, 32
+WEIGHTSYNC_MAX_LINES, WEIGHTSYNC_MAX_FILES = 7_970, 31
 
 
 def test_the_weight_code_does_not_grow():
@@ -140,6 +140,13 @@ def test_the_weight_code_does_not_grow():
         ROOT / "generator" / "engine_update.py", ROOT / "generator" / "worker_ext.py"]
     lines = sum(len(f.read_text().splitlines()) for f in files)
     assert len(files) <= WEIGHTSYNC_MAX_FILES and lines <= WEIGHTSYNC_MAX_LINES, (len(files), lines)
+
+
+def test_the_weightsync_config_holds_at_most_eight_fields():
+    """Issue 64: what a user sets about pushes fits in eight fields; tuning constants live beside their code."""
+    from asyncrl.config import WeightsyncConfig
+
+    assert len(WeightsyncConfig.model_fields) <= 8, sorted(WeightsyncConfig.model_fields)
 
 
 def test_no_file_over_600_lines():

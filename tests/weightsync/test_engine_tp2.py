@@ -67,7 +67,7 @@ async def _scenario(model_path: str) -> dict:
                     for metas, sender in zip(hf_export.metas, hf_export.senders) for m in metas]
         layouts = [pickle.loads(b) for b in (await replica.engine_layout(dump_manifest(manifest))).layouts]
         gathered = build_plan(manifest, layouts, 0.25)
-        # what the service forms for this layout (weightsync.shard_senders): each TP rank sends its own shards
+        # what the service forms for this layout (a shard plan): each TP rank sends its own shards
         pieces, problem = await group.piece_manifest()
         assert not problem, problem
         plan = build_shard_plan(manifest, pieces, layouts, 0.25)

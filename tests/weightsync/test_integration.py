@@ -53,13 +53,6 @@ class _EngineActor:
     async def stats(self):
         return await self.replica.stats()
 
-    async def receive_starts(self):
-        """How this replica starts a receive apart from its engine: over its workers' own channels (how many are
-        open), and the pauses at the wire's end it took (their seconds: the next receive's lead)."""
-        staging = self.replica._staging
-        return {"direct": staging.direct_start, "channels": len(staging._worker_clients or ()),
-                "pause_waits": len(self.replica._pause_waits), "lead_s": staging.pause_lead_s}
-
     async def resume(self):
         return await self.replica.resume()
 
@@ -677,62 +670,6 @@ async def test_one_engine_over_ipc_takes_a_push_in_one_call_and_refuses_a_corrup
     await _engines_serve([engine], demo_model_path, sender.weights, start + 4)
     await push(start + 6)  # a new group (the refusal broke the old one on both sides)
     assert link.formed == 2 and pub.registry.live_version == start + 6
-
-
-async def test_one_engine_over_gloo_receiving_apart_pauses_only_for_the_commit_and_refuses_a_corrupt_bucket(
-        engines, demo_model_path, monkeypatch):
-    """weightsync.receive_apart: the engine's worker receives the broadcast in a thread of its own, started over
-    the worker's own channel (not behind the engine's step), so the engine is not paused (nor held in a call) for
-    the wire; the worker reports the wire's end over the replica's push channel, the replica pauses, and the
-    worker, told so, applies what landed itself; the replica checks the sender's fingerprint and resumes, in the
-    same one call. The pushed weights serve transformers' tokens. A byte flipped on the wire fails the check after
-    the worker applied it: the last live version is restored (one rollback), and its exact tokens served; the next
-    push is carried."""
-    from transformers import AutoTokenizer
-
-    from asyncrl.config import WeightsyncConfig
-    from asyncrl.weightsync.collective import CollectiveGroup
-
-    engine = engines[0]
-    cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, timeout_s=60, verify="checksum", retries=1, staging="full",
-                           receive_apart=True)
-    one = await _OneEngine.create(engine, demo_model_path, 31, cfg, receive_apart=cfg.receive_apart)
-    result = await one.push(one.start + 1)
-    m = result.metrics
-    assert one.replica.calls == ["load_bucket"] and m["weightsync/commit_in_load"] == 1.0
-    assert m["weightsync/applied_as_received"] == 1.0 and m["weightsync/apply_direct"] == 1.0  # (by the worker)
-    # paused for the check and the apply only: not for the wire, which the stage time holds
-    assert 0 < m["weightsync/paused_seconds"] < m["weightsync/stage_seconds"]
-    # started over the worker's own channel, not through the engine's queue; its first lead was 0 (no pause yet)
-    assert await engine.receive_starts.remote() == {"direct": True, "channels": 1, "pause_waits": 1, "lead_s": 0.0}
-    await _engines_serve([engine], demo_model_path, one.sender.weights, one.start + 1)
-    tok = AutoTokenizer.from_pretrained(str(demo_model_path))
-    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
-    before = await engine.greedy.remote(prompt_ids)
-
-    enqueue, calls = CollectiveGroup.enqueue_broadcasts, []
-
-    def corrupting(self, tensors, deadline, **kw):
-        if self.rank == 0:
-            calls.append(len(tensors))
-            if len(calls) == 3:  # (header, table, then the first bucket's bytes)
-                bad = tensors[0].clone()
-                bad[0] ^= 0x40
-                tensors = [bad, *tensors[1:]]
-        return enqueue(self, tensors, deadline, **kw)
-
-    monkeypatch.setattr(CollectiveGroup, "enqueue_broadcasts", corrupting)
-    monkeypatch.setattr(one.pub._cfg, "retries", 0)
-    one.sender.weights = _perturbed(one.base, 32)
-    rollbacks = one.pub.totals["rollbacks_total"]
-    await one.push_is_refused_by_its_fingerprint(engine, one.start + 2, prompt_ids, before)
-    assert len(calls) >= 3 and one.pub.totals["rollbacks_total"] == rollbacks + 1  # applied once paused: restored
-    monkeypatch.setattr(CollectiveGroup, "enqueue_broadcasts", enqueue)
-    await one.push(one.start + 3)
-    starts = await engine.receive_starts.remote()  # the later receives told the worker how long a pause takes
-    assert starts["channels"] == 1 and starts["pause_waits"] >= 2 and 0 < starts["lead_s"] <= 0.25
-    assert one.pub.registry.live_version == one.start + 3
-    await _engines_serve([engine], demo_model_path, one.sender.weights, one.start + 3)
 
 
 async def test_one_engine_over_gloo_commits_in_its_receive_and_refuses_a_bucket_corrupted_on_the_wire(engines, demo_model_path, monkeypatch):

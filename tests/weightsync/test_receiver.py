@@ -142,34 +142,3 @@ def test_buckets_applied_as_they_land_keep_their_copy_lists_and_always_apply_the
         assert "staged twice" in str(err)
     rx.abort()
     assert rx._views == {}
-
-
-def test_an_update_staged_in_part_goes_live_when_the_engine_pauses_and_the_rest_as_it_lands():
-    """`apply_staged_now` (a receive apart from the engine whose engine has just paused): what was staged is copied
-    into the live weights at once, each later bucket as it lands; the engine's weights are the version's after the
-    finish, and before the switch nothing live changed. An HF-layout update, or one already applied as it lands,
-    is left alone (None)."""
-    names = [f"p{i}" for i in range(6)]
-    live = {n: torch.nn.Parameter(torch.zeros(2, 3), requires_grad=False) for n in names}
-    rx = WorkerReceiver(_Hooks())
-    rx.plan_id, rx._live = "plan", live
-    for version, switch_at in ((1, 2), (2, 0), (3, 3)):  # after 2 of 3 buckets, before any, after all
-        ring = _buckets(names)
-        want = _fill(ring, 10.0 * version)
-        was = {n: live[n].clone() for n in names}
-        rx.begin(version, "checksum", "full", "engine")
-        for k, b in enumerate(ring):
-            if k == switch_at:
-                assert rx.apply_staged_now(version) == 2 * 24 * k and rx.applying_as_received
-                assert rx.apply_staged_now(version) is None  # (once)
-            rx.stage(version, b, lazy=True)
-            if k < switch_at:  # still staged only: nothing live changed
-                assert all(torch.equal(live[n], was[n]) for n in names)
-        if switch_at == len(ring):
-            assert rx.apply_staged_now(version) == 2 * 24 * len(ring)
-        rx.digests(version)
-        report = rx.finish_received(version)
-        assert report.early and report.tensors == len(names)
-        assert all(torch.equal(live[n], want[n]) for n in names), version
-    rx.begin(4, "checksum", "full", "hf")
-    assert rx.apply_staged_now(4) is None and not rx.applying_as_received

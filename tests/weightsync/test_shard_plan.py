@@ -308,20 +308,18 @@ def _publisher(engine_tp: int, learner: _Learner, backend: str = "gloo", **cfg):
     return pub, control, forgot
 
 
-@pytest.mark.parametrize("engine_tp,backend,shard_senders,senders", [
-    (2, "gloo", True, 2),   # equal TP: each learner rank sends its own shards
-    (2, "nccl", True, 2),
-    (1, "gloo", True, 1),   # an engine of smaller TP: gathered (its fused QKV spans both learner ranks)
-    (2, "ipc", True, 1),    # ipc: always gathered
-    (2, "gloo", False, 1),  # weightsync.shard_senders: false
+@pytest.mark.parametrize("engine_tp,backend,senders", [
+    (2, "gloo", 2),   # equal TP: each learner rank sends its own shards
+    (2, "nccl", 2),
+    (1, "gloo", 1),   # an engine of smaller TP: gathered (its fused QKV spans both learner ranks)
+    (2, "ipc", 1),    # ipc: always gathered
 ])
-def test_the_service_forms_a_shard_plan_where_it_can_and_the_gathered_one_otherwise(engine_tp, backend, shard_senders,
-                                                                                   senders):
+def test_the_service_forms_a_shard_plan_where_it_can_and_the_gathered_one_otherwise(engine_tp, backend, senders):
     import asyncio
 
     pieces, _ = _learner(_hf(), 2)
     learner = _Learner(pieces)
-    pub, control, forgot = _publisher(engine_tp, learner, backend, shard_senders=shard_senders)
+    pub, control, forgot = _publisher(engine_tp, learner, backend)
     asyncio.run(pub.form_plan())
     assert pub.plan is not None and pub.plan.senders == senders and bool(pub.plan.pieces) == (senders == 2)
     # the engines and every learner rank hold the same plan; the groups form again with the new senders
@@ -337,6 +335,6 @@ def test_a_learner_that_cannot_send_its_shards_gets_the_gathered_plan():
     import asyncio
 
     learner = _Learner([], "expert parameter decoder.layers.0.mlp.experts...: sent gathered")
-    pub, _, _ = _publisher(2, learner, shard_senders=True)
+    pub, _, _ = _publisher(2, learner)
     asyncio.run(pub.form_plan())
     assert learner.asked == 1 and pub.plan.senders == 1 and not pub.plan.pieces
