@@ -64,7 +64,7 @@ class EngineAPI(Protocol):
                            plan_id: str | None = None) -> UpdateAck:
         """Start staging `version` (see weightsync/replicas.py for the update contract)."""
 
-    async def load_bucket(self, named_tensors: Any, version: int | None = None) -> LoadReport | CommitReport: ...
+    async def load_bucket(self, named_tensors: Any, version: int | None = None) -> LoadReport: ...
 
     async def commit_update(self, version: int, fingerprint: str) -> CommitReport: ...
 
@@ -117,12 +117,8 @@ class WorkerAPI(Protocol):
 
     def asyncrl_stage_file(self, version: int, wire: tuple, expected: dict[str, bytes] | None = None) -> dict[str, bytes]: ...
 
-    def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float,
-                                   begin: tuple | None = None, with_sender: bool = False,
-                                   early: str | None = None, gate: str = "") -> ReceiveReport:
-        """The staged digests; with `with_sender` the senders' own too, and where `early` (a query verb, "" none)
-        had each bucket applied as it landed, the apply's report and that query's answer. `gate`: the push's gate
-        token (gloo / NCCL)."""
+    def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float, gate: str = "") -> ReceiveReport:
+        """The staged digests. `gate`: the push's gate token (gloo / NCCL)."""
 
     def asyncrl_refuse_collective(self, group_ids: list[str], why: str, gate: str = "") -> None: ...
 

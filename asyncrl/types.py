@@ -198,16 +198,13 @@ class LoadReport(ReplicaAnswer, frozen=True):
 
 
 class CommitReport(ReplicaAnswer, frozen=True):
-    """A replica's commit (`commit_update`, or a `load_bucket` that committed): the version now live and how it
+    """A replica's commit (`commit_update`): the version now live and how it
     was applied (`path`: "direct" copy into the parameters, "reload" through the engine's loaders); `seconds`:
     where its paused window went (apply, reload, paused, pause_call, apply_rpc, relabel, resume_call)."""
 
     version: int
     path: str
-    applied_as_received: bool = False
     seconds: dict[str, float] = msgspec.field(default_factory=dict)
-    fingerprint: str | None = None  # a load that committed: the senders' fingerprint it checked
-    staged_tensors: int = 0  # a load that committed: the tensors it staged
 
 
 class LayoutCheck(msgspec.Struct, frozen=True, kw_only=True):
@@ -223,25 +220,20 @@ class LayoutCheck(msgspec.Struct, frozen=True, kw_only=True):
 
 class ApplyReport(msgspec.Struct, frozen=True, kw_only=True):
     """An apply of a staged version: its `path` ("direct" copy into the parameters, "reload" through the engine's
-    loaders, "none"), seconds and tensors; `early`: applied as its buckets landed. The replica's report over its
+    loaders, "none"), seconds and tensors. The replica's report over its
     workers adds its round trip (`rpc_seconds`) and the query each worker answered first (`before`)."""
 
     path: str
     apply_seconds: float = 0.0
     tensors: int = 0
-    early: bool = False
     rpc_seconds: float = 0.0
     before: list[Any] = msgspec.field(default_factory=list)
 
 
 class ReceiveReport(msgspec.Struct, frozen=True, kw_only=True):
-    """A worker's collective receive (`asyncrl_receive_collective`): the digests it staged; the senders' own (where
-    asked); the apply's report and the answer of the query read before it, where it applied as the buckets landed."""
+    """A worker's collective receive (`asyncrl_receive_collective`): the digests it staged."""
 
     digests: dict[str, bytes]
-    sender: dict[str, bytes] = msgspec.field(default_factory=dict)
-    applied: ApplyReport | None = None
-    before: Any = None
 
 
 class LayoutReport(ReplicaAnswer, frozen=True):

@@ -529,7 +529,7 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
                 await sender.perturb.remote(version)
                 t = time.perf_counter()
                 result = await pub.publish_streamed(version, link.send, link.payload, clients, prepare=link.ensure,
-                                                    plan_id=None if plan is None else plan.plan_id, fold_begin=link.fold_begin,
+                                                    plan_id=None if plan is None else plan.plan_id,
                                                     cancel=link.cancel)
                 link.pushed({c.name: None for c in clients})  # as the service does: the next push skips the check
             else:
@@ -560,7 +560,7 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
             prof = cProfile.Profile()
             prof.enable()
             await pub.publish_streamed(version, link.send, link.payload, clients, prepare=link.ensure,
-                                       plan_id=None if plan is None else plan.plan_id, fold_begin=link.fold_begin,
+                                       plan_id=None if plan is None else plan.plan_id,
                                        cancel=link.cancel)
             link.pushed({c.name: None for c in clients})
             prof.disable()

@@ -27,13 +27,6 @@ class EngineDriver(Protocol):
     name: str  # "vllm", ...
     vocab_size: int
     stamps_versions: bool  # the engine labels every token with the weight version that made it
-    # `pause`'s request is on the engine's one ordered input channel once its coroutine has run a step: a
-    # call (`worker_call`) started after that reaches the engine after it (engine_update overlaps the two)
-    pause_ordered: bool
-    # the weights are received outside the engine (SGLang: the replica's own worker, sglang_worker.py), so the
-    # engine may step while a push is on the wire: a load that commits pauses it once the receive is done
-    # (vLLM's workers receive inside its utility call, between steps: the pause goes out beside the receive)
-    receives_apart: bool
 
     # ---- generation ----------------------------------------------------------------------
     def prepare(self, sampling: SamplingParams, *, stream: bool) -> Any:

@@ -233,8 +233,6 @@ class SglangDriver:
 
     name = "sglang"
     stamps_versions = False  # the replica keeps a ledger
-    pause_ordered = False  # SGLang's pause is fire-and-forget: a receive never overlaps it
-    receives_apart = True  # the replica's own worker receives: SGLang decodes on while a push is on the wire
 
     def __init__(self, engine: Any, *, tokenizer: Any, vocab_size: int, deterministic: bool, memory_saver: bool,
                  cpu_backup: bool, tp_size: int) -> None:

@@ -314,10 +314,6 @@ class VllmDriver:
     tokenizer here."""
 
     name = "vllm"
-    # vLLM's utility calls (the scheduler's pause, collective_rpc) put their message on the engine core's
-    # input socket before their first suspension, and the engine core takes its input in order
-    pause_ordered = True
-    receives_apart = False  # (its workers receive inside its utility calls)
 
     def __init__(self, llm: Any, *, array: bool = False, tokenizer: Any = None, vocab_size: int = 0) -> None:
         self.llm = llm

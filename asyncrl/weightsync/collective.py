@@ -135,17 +135,8 @@ class CollectiveReceive:
     group_ids: tuple[str, ...]
     version: int
     timeout_s: float = 120.0
-    # the replica begins the update in the same call, with these (verify, staging, layout, plan_id); a
-    # refusal tells the other members (ipc: the sender; gloo / NCCL: everyone, at the push's gate)
-    begin: tuple[Any, ...] | None = None
     # gloo / NCCL: the push's gate token (every member waits at it before the wire; collective.py)
     gate: str = ""
-    # any backend, full staging, one engine replica: the replica then checks the senders' own
-    # fingerprint (their digests come with the push) and commits by itself, in the same call
-    commit: bool = False
-    # the buckets land one after another (gloo / NCCL broadcasts, not ipc's handles): a replica that
-    # commits may apply each as it lands, its engine paused (engine_update.load_bucket)
-    stream: bool = False
 
 
 def free_port(host: str = "") -> int:

@@ -40,8 +40,7 @@ class CollectiveLink:
     retry forms the groups again: on ipc its receive fails at once, or it is missing and `cancel`
     stops the sender; on gloo / NCCL every member waits at the push's gate (collective.py) before
     the wire, and `send` asks the replicas (`check`) beside the push, closing the gate when the
-    running replicas are not the groups' members. So every backend begins in the receive's call
-    (`fold_begin`), and a replica that refuses closes the gate itself."""
+    running replicas are not the groups' members."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
@@ -115,12 +114,6 @@ class CollectiveLink:
     def group_ids(self) -> list[str]:
         return [s.group_id for s in self.specs]
 
-    @property
-    def fold_begin(self) -> bool:
-        """Replicas begin a push in their receive (`publish_streamed(fold_begin=...)`): one that
-        refuses tells the sender (ipc) or closes the push's gate (gloo / NCCL)."""
-        return True
-
     async def ensure(self) -> None:
         from dataclasses import asdict
 
@@ -155,7 +148,7 @@ class CollectiveLink:
 
         broadcast = self.backend != "ipc"
         self._gate = f"v{version}-{uuid.uuid4().hex[:12]}" if broadcast else ""
-        return CollectiveReceive(tuple(self.group_ids), version, self.timeout_s, stream=broadcast, gate=self._gate)
+        return CollectiveReceive(tuple(self.group_ids), version, self.timeout_s, gate=self._gate)
 
     async def send(self, version: int, verify: str) -> Any:  # noqa: ARG002 - the label travels with the payload
         """The senders' side of the attempt `payload` described. On gloo / NCCL the replicas are asked

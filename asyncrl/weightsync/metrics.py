@@ -1,8 +1,8 @@
 """Metrics of one weight push, returned as a flat `weightsync/...` dict (never logged from here).
 
 Owns: the timers and counters a push fills in, and their names: `weightsync/` version, bytes and counts, the phase
-seconds and rates (push, stage, commit, fingerprint, pack, apply, paused; `*_gbps`), how the push ran (begin_in_load,
-commit_in_load, applied_as_received, apply_direct, layout_engine, staging_bucketed), `transport/<name>/...`,
+seconds and rates (push, stage, commit, fingerprint, pack, apply, paused; `*_gbps`), how the push ran (apply_direct,
+layout_engine, staging_bucketed), `transport/<name>/...`,
 `sender/<phase>_seconds` (collective senders), `replica/<name>/<step>_seconds` and `timeline/<state>_s`. Collective
 transports keep the live version's host copy after the push returned (push.py, "the tail"), so its metrics
 (host_copy_seconds, host_copy_wait_seconds, on_live_seconds, ...) come with the next push and describe the PREVIOUS
@@ -39,9 +39,6 @@ class PushMetrics:
     push_seconds: float = 0.0
     stage_seconds: float = 0.0
     commit_seconds: float = 0.0
-    begin_in_load: bool = False
-    commit_in_load: bool = False
-    applied_as_received: bool | None = None  # None until a commit reports it; False once one did not
     fingerprint_seconds: float = 0.0
     put_seconds: float = 0.0
     rollbacks: int = 0
@@ -96,9 +93,6 @@ class PushMetrics:
             p + "verify_gbps": _rate(self.bytes, self.fingerprint_seconds),
             p + "layout_engine": float(self.layout == "engine"),
             p + "staging_bucketed": float(self.staging == "bucketed"),
-            p + "begin_in_load": float(self.begin_in_load),
-            p + "commit_in_load": float(self.commit_in_load),
-            p + "applied_as_received": float(bool(self.applied_as_received)),
             p + "aggregate_gbps": _rate(self.bytes * self.num_replicas, self.stage_seconds),
         }
         t = f"{p}transport/{self.transport}/"

@@ -32,7 +32,7 @@ from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.metrics import PushMetrics
 from asyncrl.weightsync.registry import VersionRegistry
 from asyncrl.weightsync.replica_side import WithDigests
-from asyncrl.weightsync.replicas import ReplicaClient, is_apply_failure, is_replica_dead, is_verify_failure, partly_done
+from asyncrl.weightsync.replicas import ReplicaClient, is_replica_dead, is_verify_failure
 from asyncrl.weightsync.sources import BucketSource, KeptCopies, Send, Step, StepFailed, StreamedSend, StreamedSource  # noqa: F401 - re-exported: the publisher's vocabulary
 from asyncrl.weightsync.transport import Transport
 
@@ -65,10 +65,6 @@ class WeightsyncError(RuntimeError):
 
 class StepTimeout(TimeoutError):
     pass
-
-
-class FingerprintDiffers(ValueError):
-    """A replica that committed in its load reports another fingerprint than the sender's."""
 
 
 @dataclass
@@ -163,19 +159,17 @@ class Publisher:
 
     async def publish_streamed(self, version: int, send: Send, payload: Callable[[int], Any],
                                replicas: Sequence[ReplicaClient], prepare: Callable[[], Awaitable[Any]] | None = None,
-                               plan_id: str | None = None, fold_begin: bool = False,
+                               plan_id: str | None = None,
                                cancel: Callable[[str], Awaitable[Any]] | None = None) -> PushResult:
         """`publish` through a collective transport: `send(version, verify)` broadcasts the
         weights (and returns a `StreamedSend`) while every replica's `load_bucket(payload(version))`
         receives them; `prepare()` runs before each attempt (e.g. forms the broadcast group).
-        `plan_id`: the sender packs the engines' layout of this plan. `fold_begin` (ipc, where a
-        replica that refuses tells the sender): the replicas begin in their load call, and a
-        single engine replica with full staging commits in it too (one call per side per push).
-        `cancel(why)` stops a sender still waiting once every replica's load returned (ipc: a
-        member the loads did not reach would otherwise keep it waiting to its deadline)."""
+        `plan_id`: the sender packs the engines' layout of this plan. `cancel(why)` stops a sender
+        still waiting once every replica's load returned (ipc: a member the loads did not reach would
+        otherwise keep it waiting to its deadline)."""
         rng = preserve_rng_state() if self._preserve_rng else contextlib.nullcontext()
         with rng:
-            source = StreamedSource(send, payload, prepare, self._cfg.verify, plan_id, fold_begin=fold_begin, cancel=cancel)
+            source = StreamedSource(send, payload, prepare, self._cfg.verify, plan_id, cancel=cancel)
             return await self._publish(version, None, list(replicas), source=source)
 
     async def _publish(self, version: int, named: NamedTensorIter | None, replicas: list[ReplicaClient],
@@ -230,68 +224,34 @@ class Publisher:
         bucketed = self._cfg.staging == "bucketed"
         # One engine replica behind all clients: its commit pauses, applies and resumes by itself.
         own_pause = not bucketed and sum(r.fanout for r in replicas) == 1
-        # ipc: each replica begins in its receive's call (no collective there can hang on a replica
-        # that refuses: it tells the sender); gloo / NCCL begin in a call of their own first. Any
-        # collective push to one engine replica, fully staged, commits in that receive's call.
-        fold = isinstance(source, StreamedSource) and source.fold_begin
         pause_sent = begin_sent = commit_sent = False
         paused = 0.0
-        committed: dict[str, Any] | None = None
         try:
             if bucketed:
                 pause_sent, paused = True, time.perf_counter()
                 await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
             begin_sent = True
             trace.mark("pub.attempt")
-            if not fold:
-                await self._step(Step.BEGIN, replicas, lambda r: r.begin_update(
-                    version, source.verify, staging=self._cfg.staging, layout=source.layout, plan_id=source.plan_id), m)
+            await self._step(Step.BEGIN, replicas, lambda r: r.begin_update(
+                version, source.verify, staging=self._cfg.staging, layout=source.layout, plan_id=source.plan_id), m)
             trace.mark("pub.begun")
             t = time.perf_counter()
             try:
                 if isinstance(source, StreamedSource):
-                    begin = (source.verify, self._cfg.staging, source.layout, source.plan_id) if fold else None
-                    m.begin_in_load = fold
-                    committed = await source.stream(self, version, replicas, m, begin=begin, commit=not bucketed)
-                    commit_sent = m.commit_in_load = committed is not None
+                    await source.stream(self, version, replicas, m)
                 else:
                     await self._stream(version, source, replicas, m, with_digests=bucketed)
             except StepFailed as f:
                 if bucketed:  # buckets may have been applied: restore everyone
                     f.restore = [r.name for r in replicas]
-                elif source.committing:  # a load that commits: restore whoever applied (part of) it
-                    # (a client that fans out may have failed on one replica and committed on another)
-                    applying = [n for n, e in f.failures.items() if is_apply_failure(e) or partly_done(e)]
-                    f.restore = list(dict.fromkeys(f.restore + applying))
-                    commit_sent, m.failed_commit = True, m.failed_commit or bool(applying)
                 raise
             m.stage_seconds += time.perf_counter() - t
             try:
                 fingerprint = source.fingerprint()
             except Exception as exc:
-                raise StepFailed(Step.FINGERPRINT, {"publisher": exc},
-                                 restore=list(committed or ())) from exc
+                raise StepFailed(Step.FINGERPRINT, {"publisher": exc}) from exc
             self.registry.set_payload(version, fingerprint=fingerprint, num_bytes=m.bytes, num_tensors=m.num_tensors)
             self.registry.transition(version, S.COMMITTING)
-            if committed is not None:  # each replica checked the senders' fingerprint and committed in its load
-                wrong = {}
-                for r in replicas:
-                    rows = self._record_commit(committed[r.name], m)
-                    if not rows:
-                        wrong[r.name] = FingerprintDiffers(f"replica {r.name}'s load reported no commit: "
-                                                           f"{committed[r.name]!r}")
-                    for row in rows:
-                        if row.fingerprint != fingerprint:
-                            wrong[row.replica_id] = FingerprintDiffers(
-                                f"replica {row.replica_id} committed {str(row.fingerprint)[:24]}, "
-                                f"the sender reported {fingerprint[:24]}")
-                if wrong:
-                    raise StepFailed(Step.COMMIT, wrong, restore=[r.name for r in replicas])
-                for r in replicas:
-                    self.registry.replica_committed(version, r.name)
-                self.registry.go_live(version, [r.name for r in replicas])
-                trace.mark("pub.live")
-                return fingerprint
             if not pause_sent and not own_pause:
                 pause_sent, paused = True, time.perf_counter()
                 await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
@@ -315,7 +275,7 @@ class Publisher:
                 f.out_of_service = await self._restore([r for r in replicas if r.name in f.restore], m)
             raise
         finally:
-            if pause_sent or (commit_sent and m.failed_commit and (own_pause or source.committing)):
+            if pause_sent or (commit_sent and m.failed_commit and own_pause):
                 # A failed apply under the commit's own pause leaves the replica paused too.
                 await self._run(Step.RESUME, replicas, lambda r: r.resume(), m)
             if pause_sent:
@@ -361,8 +321,6 @@ class Publisher:
             for step, seconds in row.seconds.items():
                 m.replica_time(row.replica_id, step, seconds)
             m.paths.add(row.path)
-            # every replica must have applied as received: one that applied at its commit clears it
-            m.applied_as_received = row.applied_as_received and m.applied_as_received is not False
             m.own_paused = max(m.own_paused, row.seconds.get("paused", 0.0))
         return rows
 

@@ -4,11 +4,9 @@ Owns: one worker's staged update (`WorkerReceiver`): one version's buckets as th
 computed as it is staged, and the apply: engine-layout buckets (plan.py) by one fused copy into the live parameters,
 keeping every address (captured CUDA graphs stay valid; only where `check_layout` proved the loaders are pure copies),
 Hugging Face tensors by the engine's own `reload`. Staging `full` keeps every bucket until the commit; `bucketed`
-applies each once it verified against the sender's digests; `apply_as_received` applies a full staging's buckets as
-they land in an engine paused for the commit. The engine is reached through `EngineHooks`.
-Must never: change what the engine serves before the commit (full staging) or outside a pause (bucketed staging and
-`apply_as_received`: the caller pauses first), or apply a staged tensor whose digest differs and then let the engine
-run (`apply_as_received`: its caller restores).
+applies each once it verified against the sender's digests. The engine is reached through `EngineHooks`.
+Must never: change what the engine serves before the commit (full staging) or outside a pause (bucketed staging:
+the caller pauses first), or apply a staged tensor whose digest differs.
 Details: docs/design/weightsync.md, "The worker's receiver".
 """
 
@@ -75,8 +73,7 @@ class _Staged:
     hf: dict[str, torch.Tensor] = field(default_factory=dict)
     engine: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     keep: list[Any] = field(default_factory=list)  # buffers the staged views point into
-    applied: int = 0  # bucketed, early: parameters already copied into the live weights
-    early: bool = False  # full staging applied as each bucket landed (apply_as_received)
+    applied: int = 0  # bucketed: parameters already copied into the live weights
     pending: list[PendingDigests] = field(default_factory=list)  # lazy digests still on the device (`digests` waits once)
     batch: list[tuple[Bucket, str]] = field(default_factory=list)  # buckets hashed together at `digests`
     seen: dict[int, _Kept] = field(default_factory=dict)  # reused buckets (and batch), by id
@@ -99,8 +96,7 @@ class WorkerReceiver:
         # A whole-version ipc push stages views of the sender's ring, which are the same bucket
         # objects while the ring is (ipc.py's record cache): their unpacked views, and the apply's
         # parameter lists built from them, are kept from one push to the next.
-        # So are a broadcast group's whole-version buckets (stream.py): their views, and the lists of each
-        # one's copy into the live parameters (applied as received), are kept the same way.
+        # So are a broadcast group's whole-version buckets (stream.py): their views are kept the same way.
         self._views: dict[int, _Kept] = {}
         # (key, live parameters, sources); set_plan, the one place the live parameters change, drops it
         self._apply_lists: tuple[tuple[int, ...], list[torch.Tensor], list[torch.Tensor]] | None = None
@@ -231,10 +227,6 @@ class WorkerReceiver:
             staged.applied += len(views)
             staged.engine.clear()
             staged.keep.clear()
-        elif staged.early:  # into the live weights now; the buffer stays kept for its (lazy) digests
-            self._copy_into_live(views, kept=kept)
-            staged.applied += len(views)
-            staged.engine.clear()
         return digests
 
     def digests(self, version: int) -> dict[str, bytes]:
@@ -248,39 +240,6 @@ class WorkerReceiver:
             staged.digests.update(finish())
         staged.pending.clear()
         return dict(staged.digests)
-
-    def apply_as_received(self, version: int) -> bool:
-        """From now on, copy each engine-layout bucket of `version` (full staging) into the live
-        weights as it is staged. Only for an engine its caller has paused for this commit (no step
-        runs until it is resumed) and buckets that land one after another; the digests are still
-        compared at the commit, and a difference there is a failed apply (restore, then resume).
-        False (nothing changes) for an HF-layout or bucketed update, or once a bucket was staged."""
-        staged = self._state(version)
-        if not self._copies_live(staged) or staged.digests:
-            return False
-        staged.early = True
-        return True
-
-    def _copies_live(self, staged: _Staged) -> bool:
-        """Whether `staged` can be copied into the live weights as it lands: engine layout, full staging, a plan."""
-        return staged.layout == "engine" and staged.staging == "full" and self._live is not None
-
-    def finish_received(self, version: int) -> ApplyReport:
-        """The end of an update applied as received, once its digests were read: wait for the
-        copies, drop the staged buffers. The apply's report (`apply`'s), `early` set."""
-        staged = self._state(version)
-        if not staged.early:
-            raise RuntimeError(f"version {version} was not applied as received")
-        if staged.pending or staged.batch:
-            raise RuntimeError(f"version {version} finished before its staged digests were read")
-        t = time.perf_counter()
-        try:
-            if self.hooks.device.type == "cuda":
-                torch.cuda.synchronize(self.hooks.device)
-            self._views = staged.seen  # the next push's buckets are most likely these
-            return ApplyReport(path="direct", apply_seconds=time.perf_counter() - t, tensors=staged.applied, early=True)
-        finally:
-            self._staged = None
 
     # ---- apply -----------------------------------------------------------------------------------
 
@@ -358,11 +317,6 @@ class WorkerReceiver:
         """Drop the views kept from the last push (its groups are gone: on ipc they map the old
         sender's buffers, which they would otherwise keep allocated until the next push)."""
         self._views, self._apply_lists = {}, None
-
-    @property
-    def applying_as_received(self) -> bool:
-        """The update being staged is copied into the live weights as it lands (apply_as_received)."""
-        return self._staged is not None and self._staged.early
 
 
 def copy_to(bucket: Bucket, device: torch.device) -> Bucket:

@@ -6,9 +6,7 @@ pause/resume and version label, and calls this). Payloads it stages: a `SharedBu
 store: written once into a shared file), a `CollectiveReceive` (the workers receive from the senders themselves) or
 loose named tensors, each optionally `WithDigests` (the sender's digests, for bucketed staging). The workers are
 reached through `rpc(verb, *args, timeout=None)` -> one result per worker (`asyncrl.interfaces.WorkerAPI`'s verbs).
-A load into an engine paused for its commit may have the workers apply each bucket as it lands (`load(early=...)`).
-Must never: apply a staged version whose fingerprint differs (where it was applied as it landed: let the caller
-resume before it is restored), or touch the version label.
+Must never: apply a staged version whose fingerprint differs, or touch the version label.
 Details: docs/design/weightsync.md, "Replica staging".
 """
 
@@ -27,7 +25,7 @@ import msgspec
 from asyncrl.interfaces import WorkerAPI, verb_name
 from asyncrl.types import ApplyReport, LayoutCheck, ReceiveReport, Refusal
 from asyncrl.weightsync.collective import CollectiveReceive
-from asyncrl.weightsync.fingerprint import check_verify_mode, combine_digests, fingerprint_mode
+from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +80,7 @@ class ReplicaStaging:
         self.layout = "hf"
         self.staging = "full"
         self._per_worker: list[dict[str, bytes]] = []
-        self._begin_with_receive: tuple[Any, ...] | None = None  # the workers begin in the receive's call
         self.verify = "full"
-        self.sender_digests: dict[str, bytes] | None = None  # what the senders computed (a load that commits)
-        # a load that commits into a paused engine: the workers applied each bucket as it landed (their
-        # apply's report, the `before` query's answers), so the commit only checks and relabels
-        self.applied_early: ApplyReport | None = None
 
     # ---- layout and plan ---------------------------------------------------------------------
     async def check_layout(self) -> list[LayoutCheck]:
@@ -108,18 +101,13 @@ class ReplicaStaging:
 
     # ---- one update ------------------------------------------------------------------------------
     async def begin(self, version: int, verify: str, staging: str = "full", layout: str = "hf",
-                    plan_id: str | None = None, with_receive: bool = False) -> None:
-        """Start staging `version`. `with_receive`: the workers begin in the collective receive's
-        own call (`load`), not in a round trip of their own."""
+                    plan_id: str | None = None) -> None:
+        """Start staging `version` on every worker."""
         if layout == "engine" and (self.plan_id is None or (plan_id is not None and plan_id != self.plan_id)):
             raise PlanMissing(f"an engine-layout push for plan {plan_id} but this replica holds plan {self.plan_id}")
-        if with_receive:
-            self._begin_with_receive = (verify, staging, layout)
-        else:
-            self._begin_with_receive = None
-            await self.rpc(WorkerAPI.asyncrl_begin_update, version, verify, staging, layout)
+        await self.rpc(WorkerAPI.asyncrl_begin_update, version, verify, staging, layout)
         self.version, self.layout, self.staging, self.verify = version, layout, staging, verify
-        self._per_worker, self.sender_digests, self.applied_early = [], None, None
+        self._per_worker = []
 
     async def refuse(self, payload: Any, why: str) -> None:
         """A collective push this replica will not take (its begin was refused before the workers
@@ -134,11 +122,8 @@ class ReplicaStaging:
         for mine, got in zip(self._per_worker, results):
             mine.update(got)
 
-    async def load(self, payload: Any, version: int, early: Callable[..., Any] | None | bool = False) -> int:
-        """Stage one payload on every worker; returns the tensors staged so far (all workers).
-        `early` (a `CollectiveReceive` that commits, into an engine paused for it): the workers may
-        apply each bucket as it lands, reading this `WorkerAPI` query first (None: no query);
-        `applied_early` then says they did."""
+    async def load(self, payload: Any, version: int) -> int:
+        """Stage one payload on every worker; returns the tensors staged so far (all workers)."""
         if version != self.version:
             raise ValueError(f"bucket for version {version}, staging {self.version}")
         expected = None
@@ -149,24 +134,9 @@ class ReplicaStaging:
         if isinstance(payload, CollectiveReceive):
             if payload.version != version:
                 raise ValueError(f"collective push of version {payload.version}, staging {version}")
-            begin, self._begin_with_receive = self._begin_with_receive, None
-            query = None
-            if early is not False and payload.commit:
-                query = "" if early is None else verb_name(WorkerAPI, early)
             results = await self.rpc(WorkerAPI.asyncrl_receive_collective, version, list(payload.group_ids),
-                                     payload.timeout_s, begin, payload.commit, query, payload.gate,
-                                     timeout=payload.timeout_s + 30.0)
+                                     payload.timeout_s, payload.gate, timeout=payload.timeout_s + 30.0)
             results = [msgspec.convert(r, ReceiveReport) for r in results]
-            if payload.commit:  # each worker read the digests of the senders whose groups it is in (every sender's,
-                self.sender_digests = {}  # unless a shard plan's groups hold only the ranks each sender feeds)
-                for r in results:
-                    self.sender_digests.update(r.sender)
-                applied = [r.applied for r in results]
-                if results and all(a is not None for a in applied):
-                    self.applied_early = ApplyReport(path="direct", apply_seconds=max(a.apply_seconds for a in applied),
-                                                     before=[r.before for r in results], early=True)
-                elif any(a is not None for a in applied):  # never: the workers of one replica stage alike
-                    raise RuntimeError(f"workers disagree on applying as received: {applied}")
             self._per_worker = [dict(r.digests) for r in results]
         else:
             async for shared, owned in _as_shared(payload):
@@ -176,12 +146,6 @@ class ReplicaStaging:
                     if owned:  # written here; the workers hold their own mappings now
                         shared.unlink()
         return sum(len(d) for d in self._per_worker)
-
-    def sender_fingerprint(self) -> str:
-        """The fingerprint of what the senders sent, from their own digests (a load that commits)."""
-        if self.sender_digests is None:
-            raise FingerprintMismatch("no sender digests were received with this push")
-        return combine_digests(self.sender_digests, check_verify_mode(self.verify))
 
     def check(self, version: int, fingerprint: str) -> str:
         """Raise FingerprintMismatch unless what the workers staged hashes to `fingerprint`."""
@@ -208,12 +172,7 @@ class ReplicaStaging:
     async def apply(self, version: int, before: Callable[..., Any] | None = None) -> ApplyReport:
         """Apply the staged version on every worker. `before`: a `WorkerAPI` verb (no arguments)
         each worker calls first, in the same round trip (the engine reads its paused state so);
-        its results, one per worker, come back as "before". A version the workers applied as it
-        landed (`applied_early`) is not applied again: its report comes back at once."""
-        if self.applied_early is not None and version == self.version:
-            early, self.applied_early = self.applied_early, None
-            self.version, self._per_worker = None, []
-            return early
+        its results, one per worker, come back as "before"."""
         t = time.perf_counter()
         try:
             if before is None:
@@ -230,8 +189,7 @@ class ReplicaStaging:
 
     async def abort(self) -> None:
         await self.rpc(WorkerAPI.asyncrl_abort_update)
-        self.version, self._per_worker, self._begin_with_receive, self.sender_digests = None, [], None, None
-        self.applied_early = None
+        self.version, self._per_worker = None, []
 
 
 def is_object_ref(value: Any) -> bool:

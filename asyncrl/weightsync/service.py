@@ -288,7 +288,7 @@ class WeightPublisher:
         if self.link is not None:
             result = await self.publisher.publish_streamed(
                 version, self.link.send, self.link.payload, [self.replicas], prepare=self.link.ensure, plan_id=plan_id,
-                fold_begin=self.link.fold_begin, cancel=self.link.cancel)
+                cancel=self.link.cancel)
             self.link.pushed(self.replicas.last_results)
         else:
             export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, self.transport.name, self.cfg.verify,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import enum
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -25,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import Bucket, digest_key_prefix, iter_buckets
-from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import VerifyMode, bucket_digests, check_verify_mode, combine_digests
 from asyncrl.weightsync.metrics import PushMetrics
 from asyncrl.weightsync.transport import Transport
@@ -92,7 +90,6 @@ class BucketSource:
             self._buckets = iter(PlannedPacker(plan, 0, "cpu", buffer).pack(named))
         self.layout = "hf" if plan is None else "engine"
         self.plan_id = None if plan is None else plan.plan_id
-        self.committing = False  # (a load never commits: the publisher's commit does)
         self._transport, self._m = transport, m
         self.verify = check_verify_mode(verify)
         self.handles: list[Any] = []
@@ -207,24 +204,18 @@ class StreamedSource:
     Each attempt runs `prepare` (form or check the broadcast group) and sends afresh."""
 
     def __init__(self, send: Send, payload: Callable[[int], Any], prepare: Callable[[], Awaitable[Any]] | None,
-                 verify: VerifyMode = "full", plan_id: str | None = None, fold_begin: bool = False,
+                 verify: VerifyMode = "full", plan_id: str | None = None,
                  cancel: Callable[[str], Awaitable[Any]] | None = None) -> None:
         self._send, self._payload, self._prepare, self._cancel = send, payload, prepare, cancel
         self.verify = check_verify_mode(verify)
         self.layout = "hf" if plan_id is None else "engine"
         self.plan_id = plan_id
-        self.fold_begin = fold_begin  # the replicas begin in their load (the payload carries the begin)
-        self.committing = False  # this attempt's loads commit too (one engine replica)
         self.handles: list[Any] = []
         self._digests: dict[str, bytes] | None = None
         self._collecting: asyncio.Future | None = None
 
-    async def stream(self, publisher: StreamDriver, version: int, replicas: list[ReplicaClient], m: PushMetrics,
-                     begin: tuple[Any, ...] | None = None, commit: bool = False) -> dict[str, Any] | None:
-        """One attempt. `begin` (verify, staging, layout, plan_id): the replicas begin in their load
-        (else they began in a call of their own). `commit`: where, once the groups are formed, one
-        engine replica is behind `replicas`, its load also checks the senders' fingerprint and
-        commits; then returns {client name: its load's report} (else None)."""
+    async def stream(self, publisher: StreamDriver, version: int, replicas: list[ReplicaClient], m: PushMetrics) -> None:
+        """One attempt: every replica's load (begun already) receives what the senders broadcast."""
         self.discard(publisher._transport)  # an earlier attempt's host copies
         self.handles, self._digests = [], None
         t = time.perf_counter()
@@ -236,16 +227,7 @@ class StreamedSource:
         prepared = time.perf_counter()
         trace.mark("pub.prepared")
         payload = self._payload(version)
-        # (the fan-out is read after `prepare`, which asked every replica: the count is current)
-        self.committing = bool(commit and sum(r.fanout for r in replicas) == 1)
-        if begin is not None or self.committing:
-            if not isinstance(payload, CollectiveReceive):
-                raise TypeError(f"a push whose replicas begin or commit in their load needs a CollectiveReceive payload, "
-                                f"not {payload!r}")
-            payload = dataclasses.replace(payload, begin=None if begin is None else tuple(begin), commit=self.committing)
-        reports: dict[str, Any] = {}
-        receiving = asyncio.ensure_future(publisher._step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version), m,
-                                                          results=reports))
+        receiving = asyncio.ensure_future(publisher._step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version), m))
         try:
             sent = await self._sent(version, receiving, publisher._cfg.timeout_s)
         except Exception as exc:
@@ -257,14 +239,10 @@ class StreamedSource:
                 receivers = f
             except BaseException:
                 pass
-            # (a replica whose load committed before the sender failed is ahead: put it back)
-            restore = list(reports) if self.committing else []
-            if receivers is not None and begin is not None:
-                # A replica that refused (or failed) in its load stopped the sender: its failure,
-                # and why it refused (a plan it lacks), is what the caller acts on.
-                raise StepFailed(Step.LOAD, {**receivers.failures, "publisher": exc}, receivers.retryable,
-                                 restore=list(dict.fromkeys(receivers.restore + restore))) from exc
-            raise StepFailed(Step.EXPORT, {"publisher": exc}, restore=restore) from exc
+            if receivers is not None:
+                # A replica that failed in its load stopped the sender: its failure is what the caller acts on.
+                raise StepFailed(Step.LOAD, {**receivers.failures, "publisher": exc}, receivers.retryable) from exc
+            raise StepFailed(Step.EXPORT, {"publisher": exc}) from exc
         except BaseException:
             receiving.cancel()
             raise
@@ -272,10 +250,6 @@ class StreamedSource:
         trace.mark("pub.sender_returned")
         try:
             await receiving
-        except StepFailed as f:
-            if self.committing:  # replicas whose load committed while a peer failed are ahead
-                f.restore = list(dict.fromkeys(f.restore + list(reports)))
-            raise
         finally:
             # The host copies are collected (an ipc sender only starts them then) once the replicas
             # are done: on a shared GPU they would otherwise take turns with the engines' apply.
@@ -292,7 +266,6 @@ class StreamedSource:
         m.put_seconds = sent.seconds.get("broadcast", 0.0)
         m.fingerprint_seconds = sent.seconds.get("hash", 0.0)
         m.sender_seconds.update({k: v for k, v in sent.seconds.items() if k not in ("prepare", "call", "receivers_after")})
-        return reports if self.committing else None
 
     async def _sent(self, version: int, receiving: asyncio.Future, timeout_s: float) -> StreamedSend:
         """The sender's call, bounded by `timeout_s`. Once every replica's load has returned, a

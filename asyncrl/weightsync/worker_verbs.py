@@ -81,31 +81,17 @@ class WorkerVerbs:
                 bucket = copy_to(bucket, rx.hooks.device)  # staged where the parameters live
         return rx.stage(version, bucket, expected)
 
-    def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float,
-                                   begin: tuple | None = None, with_sender: bool = False,
-                                   early: str | None = None, gate: str = "") -> ReceiveReport:
-        """Stage every bucket of `version` from the groups `group_ids` (in order), each straight
-        into this worker's memory; returns the digests staged. `begin` (verify, staging, layout): begin the update
-        first, in this call. `with_sender`: also read the senders' digests (the report's `sender`).
-        `early` (with `with_sender`; the engine is paused for this commit): on broadcast groups with
-        an engine-layout full staging, read `early` (an `asyncrl_` query of this worker, "" none:
-        the ledger's counts, as `asyncrl_apply_after` reads them) first, then copy each bucket into
-        the live weights as it lands (`WorkerReceiver.apply_as_received`); the report's `applied` is then
-        the apply's report and `before` the query's answer, else both None (the commit applies).
-        `gate` (broadcast groups): the push's gate token. This worker passes every group's gate once it
-        has begun (collective.py), and closes them instead if it cannot take the push."""
-        return self._asyncrl_receive(version, group_ids, timeout_s, begin, with_sender, early, gate)
-
-    def _asyncrl_receive(self, version: int, group_ids: list[str], timeout_s: float, begin: tuple | None,
-                         with_sender: bool, early: str | None, gate: str) -> ReceiveReport:
-        """`asyncrl_receive_collective`, traced: where a stalled receive waits (trace.py)."""
+    def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float, gate: str = "") -> ReceiveReport:
+        """Stage every bucket of `version` from the groups `group_ids` (in order), each straight into this worker's
+        memory; returns the digests staged. `gate` (broadcast groups): the push's gate token. This worker passes
+        every group's gate (collective.py), and closes them instead if it cannot take the push. Traced: where a
+        stalled receive waits (trace.py)."""
         with trace.watch():
-            return self._asyncrl_receive_watched(version, group_ids, timeout_s, begin, with_sender, early, gate)
+            return self._asyncrl_receive(version, group_ids, timeout_s, gate)
 
-    def _asyncrl_receive_watched(self, version: int, group_ids: list[str], timeout_s: float, begin: tuple | None,
-                                 with_sender: bool, early: str | None, gate: str) -> ReceiveReport:
+    def _asyncrl_receive(self, version: int, group_ids: list[str], timeout_s: float, gate: str) -> ReceiveReport:
         from asyncrl.weightsync.collective import CollectiveError
-        from asyncrl.weightsync.wire import receive_stream, sender_digests
+        from asyncrl.weightsync.wire import receive_stream
 
         trace.mark("wrk.receive")
         groups = self.__dict__.get("_asyncrl_groups", {})
@@ -113,24 +99,12 @@ class WorkerVerbs:
         group_ids = [gid for gid in group_ids if gid not in skipped]  # (formed without this worker's rank)
         deadline = time.monotonic() + timeout_s
         rx = self._asyncrl_rx()
-        try:
-            if begin is not None:
-                rx.begin(version, *begin)
-            missing = [gid for gid in group_ids if gid not in groups or groups[gid].broken]
-            if missing:
-                raise CollectiveError(f"worker holds no usable group {missing[0]!r} (has {sorted(groups)})")
-        except Exception as err:
+        missing = [gid for gid in group_ids if gid not in groups or groups[gid].broken]
+        if missing:
+            err = CollectiveError(f"worker holds no usable group {missing[0]!r} (has {sorted(groups)})")
             self.asyncrl_refuse_collective(group_ids, f"{type(err).__name__}: {err}", gate)
-            raise
-        trace.mark("wrk.begun")
-        theirs: dict[str, bytes] = {}
-        first, applied = None, None
-        streamed = all(groups[gid].spec.backend != "ipc" for gid in group_ids)
-        if early is not None and with_sender and streamed:
-            first = self._asyncrl_query(early)() if early else None  # read before any live weight changes
-            if not rx.apply_as_received(version):
-                first = None
-        gated = bool(gate) and streamed
+            raise err
+        gated = bool(gate) and all(groups[gid].spec.backend != "ipc" for gid in group_ids)
         if gated:  # ready on every group at once; each group's decision is awaited when its turn comes (a
             for gid in group_ids:  # later PP stage may only start sending once an earlier one is done)
                 groups[gid].arrive(gate)
@@ -141,20 +115,13 @@ class WorkerVerbs:
                 group.await_gate(gate, deadline)
                 trace.mark("wrk.gate_open")
             ipc = group.spec.backend == "ipc"  # buckets that arrive at once, mapped: hashed in one pass at the end
-            trace.mark("wrk.streaming")
             for k, (bucket, expected) in enumerate(receive_stream(group, deadline)):
                 trace.mark(f"wrk.landed.{k}")
                 rx.stage(version, bucket, expected, lazy=True, batch=ipc)  # full staging: one wait for every digest, below
-                trace.mark(f"wrk.staged.{k}")
             trace.mark("wrk.end_header")
-            if with_sender:
-                theirs.update(sender_digests(group, deadline))
         digests = rx.digests(version)
-        trace.mark("wrk.digests")
-        if rx.applying_as_received:
-            applied = rx.finish_received(version)
         trace.mark("wrk.return")
-        return ReceiveReport(digests=digests, sender=theirs, applied=applied, before=first)
+        return ReceiveReport(digests=digests)
 
     def asyncrl_refuse_collective(self, group_ids: list[str], why: str, gate: str = "") -> None:
         """Refuse the coming push on the groups `group_ids` (its begin failed): its sender (ipc), or

@@ -5,8 +5,8 @@ copy (so a push verified on the GPU and a restore verified from host memory agre
 engine on the GPU proves at start that a copy into its parameters is a correct apply, and after a
 push in its layout (bucketed staging: applied bucket by bucket) its greedy tokens are transformers'
 argmax on the pushed weights, tied embeddings included, with its parameters at the same addresses
-(captured CUDA graphs stay valid). With two GPUs: an NCCL push from a sender on cuda:1, each bucket
-applied as it lands, the same tokens; a corrupted bucket restored before the engine runs again
+(captured CUDA graphs stay valid). With two GPUs: an NCCL push from a sender on cuda:1, staged then
+applied at the commit, the same tokens; a corrupted bucket refused by the commit's check, nothing applied
 (`_nccl_scenario(..., backend="gloo")` runs the same scenario on a CPU, by hand: 2026-11-27, it
 passed there). On one GPU: the same scenario from a gloo sender on the host into the GPU worker."""
 
@@ -185,7 +185,7 @@ async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl") ->
 
         async def push(version):
             result = await pub.publish_streamed(version, link.send, link.payload, [client], prepare=link.ensure,
-                                                plan_id=plan.plan_id, fold_begin=link.fold_begin, cancel=link.cancel)
+                                                plan_id=plan.plan_id, cancel=link.cancel)
             link.pushed({"gpu0": result})
             return result
 
@@ -230,34 +230,31 @@ async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl") ->
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL sender needs a GPU of its own: two GPUs")
-def test_an_nccl_push_into_a_gpu_engine_applies_each_bucket_as_it_lands_and_restores_a_corrupt_one(
+def test_an_nccl_push_into_a_gpu_engine_applies_at_its_commit_and_refuses_a_corrupt_one(
         demo_model_path, ray_session, monkeypatch):
     """One engine replica (cuda:0) takes a push from a sending rank on cuda:1 over NCCL, full staging in
-    its layout: paused first, it copies each bucket into its live weights as the bucket lands, checks the
-    sender's fingerprint, relabels and resumes, then decodes transformers' argmax tokens for the pushed
-    weights. A byte flipped on the wire after the sender hashed it fails the check: that version was in the
-    live weights already, so the replica is restored from the last live version's host copy before it
-    runs, and serves version 1's exact tokens again."""
+    its layout: it stages every bucket, then its commit checks the fingerprint, pauses, copies the version
+    into its live weights, relabels and resumes; it decodes transformers' argmax tokens for the pushed
+    weights. A byte flipped on the wire after the sender hashed it fails that check: nothing applied, and
+    it serves version 1's exact tokens again."""
     out = asyncio.run(_nccl_scenario(str(demo_model_path), monkeypatch))
     m = out["metrics"]
-    assert m["weightsync/applied_as_received"] == 1.0 and m["weightsync/commit_in_load"] == 1.0
     assert m["weightsync/apply_direct"] == 1.0 and m["weightsync/num_buckets"] > 1
     _assert_transformers_argmax(str(demo_model_path), out["new"], out["prompts"], out["served"])
-    assert out["refused"] and out["rollbacks"] == 1 and out["live"] == 1
-    assert out["after"] == out["served"]  # restored: version 1's exact tokens and tags
+    assert out["refused"] and out["rollbacks"] == 0 and out["live"] == 1
+    assert out["after"] == out["served"]  # version 1's exact tokens and tags
 
 
-def test_a_gloo_push_from_the_host_into_a_gpu_engine_applies_as_it_lands_and_restores_a_corrupt_one(
+def test_a_gloo_push_from_the_host_into_a_gpu_engine_applies_at_its_commit_and_refuses_a_corrupt_one(
         demo_model_path, ray_session, monkeypatch):
-    """One GPU: a gloo sender on the host, the engine (cuda:0) paused for the push in its receive's call, each bucket
-    copied into the live weights on the device as it lands, the sender's fingerprint checked, relabelled and resumed:
-    transformers' argmax tokens for the pushed weights. A byte flipped on the wire fails that check after the copy:
-    restored (one rollback), the previous version's exact tokens; the next push is carried."""
+    """One GPU: a gloo sender on the host, the engine (cuda:0) staging every bucket on the device, its commit
+    checking the fingerprint, then paused, applied, relabelled and resumed: transformers' argmax tokens for the
+    pushed weights. A byte flipped on the wire fails that check: nothing applied, the previous version's exact
+    tokens; the next push is carried."""
     out = asyncio.run(_nccl_scenario(str(demo_model_path), monkeypatch, backend="gloo"))
     m = out["metrics"]
-    assert m["weightsync/applied_as_received"] == 1.0 and m["weightsync/commit_in_load"] == 1.0
     assert m["weightsync/apply_direct"] == 1.0 and m["weightsync/num_buckets"] > 1
     _assert_transformers_argmax(str(demo_model_path), out["new"], out["prompts"], out["served"])
-    assert out["refused"] and out["rollbacks"] == 1 and out["live"] == 1
+    assert out["refused"] and out["rollbacks"] == 0 and out["live"] == 1
     assert out["after"] == out["served"]
-    assert out["third"]["weightsync/applied_as_received"] == 1.0 and out["live_after"] == 3
+    assert out["third"]["weightsync/apply_direct"] == 1.0 and out["live_after"] == 3

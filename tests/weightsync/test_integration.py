@@ -479,16 +479,15 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
             old = await group.compute_log_prob(samples)
             await group.update_actor(samples, advantages(samples), old)
             result = await pub.publish_streamed(start + step, link.send, link.payload, replicas, prepare=link.ensure,
-                                                plan_id=plan.plan_id, fold_begin=link.fold_begin)
+                                                plan_id=plan.plan_id)
             m = result.metrics
             assert result.fingerprint.startswith("checksum:") and m["weightsync/apply_direct"] == 1.0
             assert m[f"weightsync/transport/{backend}/bytes"] > 0 and m["weightsync/num_buckets"] > 1
             assert m["weightsync/sender/broadcast_seconds"] > 0
             assert link.formed == 1 and link.members == {"engine-0": 1, "engine-1": 1}
-            # each replica began in its load (two replicas: each still commits on the publisher's call)
+            # each replica began, loaded and committed in a call each
             begins = [k for k in m if k.startswith("weightsync/replica/") and k.endswith("/begin_update_seconds")]
-            assert begins == [] and m["weightsync/commit_seconds"] > 0
-            assert m["weightsync/begin_in_load"] == 1.0 and m["weightsync/commit_in_load"] == 0
+            assert len(begins) == 2 and m["weightsync/commit_seconds"] > 0
             assert (await pub.drain())[1] == [] and _host_version(pub) == start + step  # its host copy, kept after the push
             exported, _ = await hf_export()
             kept = hf_from_engine(plan, [transport.fetch(h) for h in pub._host.handles])
@@ -584,8 +583,7 @@ class _OneEngine:
     async def push(self, version, plan_id=None):
         link = self.link
         result = await self.pub.publish_streamed(version, link.send, link.payload, [self.replica], prepare=link.ensure,
-                                                 plan_id=plan_id or self.plan.plan_id, fold_begin=link.fold_begin,
-                                                 cancel=link.cancel)
+                                                 plan_id=plan_id or self.plan.plan_id, cancel=link.cancel)
         link.pushed({"engine-0": result})  # as the service does: the next push may ask nobody first
         return result
 
@@ -603,14 +601,14 @@ class _OneEngine:
         assert await engine.greedy.remote(prompt_ids) == before
 
 
-async def test_one_engine_over_ipc_takes_a_push_in_one_call_and_refuses_a_corrupt_or_unplanned_one(engines, demo_model_path, monkeypatch):
-    """ipc with one engine replica (full staging): the replica begins, receives, checks the
-    sender's fingerprint (published in the group's store) and commits in ONE call, and serves
-    transformers' greedy tokens for the pushed weights. A bucket corrupted in transit (the file
-    the receiver maps differs from what the sender hashed) is refused by that check: nothing is
-    applied, it keeps serving the previous version's exact tokens, and the group carries the next
-    push. A replica that refuses the begin (it lacks the push plan) tells the sender through the
-    group, so the push fails at once rather than at its deadline, and names the refusal."""
+async def test_one_engine_over_ipc_takes_a_push_and_refuses_a_corrupt_or_unplanned_one(engines, demo_model_path, monkeypatch):
+    """ipc with one engine replica (full staging): the replica begins, receives, then its commit checks
+    the sender's fingerprint and pauses, applies and resumes by itself (one engine replica: no pause call
+    of the publisher's), and it serves transformers' greedy tokens for the pushed weights. A bucket
+    corrupted in transit (the file the receiver maps differs from what the sender hashed) is refused by
+    that check: nothing is applied, it keeps serving the previous version's exact tokens, and the group
+    carries the next push. A replica that refuses the begin (it lacks the push plan) fails the push
+    before the sender starts, naming the refusal; the group carries the next push."""
     import time
 
     from transformers import AutoTokenizer
@@ -627,13 +625,13 @@ async def test_one_engine_over_ipc_takes_a_push_in_one_call_and_refuses_a_corrup
     link, pub, replica, push, sender, start, base = one.link, one.pub, one.replica, one.push, one.sender, one.start, one.base
 
     result = await push(start + 1)
-    assert replica.calls == ["load_bucket"]  # begin, receive, verify, pause, apply, resume: one call
+    assert replica.calls == ["begin_update", "load_bucket", "commit_update"]  # the commit pauses and resumes
     await push(start + 2)  # after a clean push the link asks nobody first
     assert link.checks_skipped == 1 and link.formed == 1
     m = result.metrics
     assert result.fingerprint.startswith("checksum:") and m["weightsync/apply_direct"] == 1.0
     assert m["weightsync/paused_seconds"] > 0 and pub.registry.live_version == start + 2
-    assert m["weightsync/begin_in_load"] == m["weightsync/commit_in_load"] == 1.0 and m["weightsync/commit_seconds"] == 0
+    assert m["weightsync/commit_seconds"] > 0
     await _engines_serve([engine], demo_model_path, sender.weights, start + 2)
     tok = AutoTokenizer.from_pretrained(str(demo_model_path))
     prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
@@ -661,28 +659,25 @@ async def test_one_engine_over_ipc_takes_a_push_in_one_call_and_refuses_a_corrup
     assert link.formed == 1
     await _engines_serve([engine], demo_model_path, sender.weights, start + 4)
 
-    # The replica refuses an engine-layout push for a plan it does not hold: the sender stops at once.
+    # The replica refuses an engine-layout push for a plan it does not hold: the push fails at its begin.
     t = time.monotonic()
     with pytest.raises(WeightsyncError) as info:
         await push(start + 5, plan_id="a-plan-nobody-holds")
     assert time.monotonic() - t < cfg.timeout_s / 2
-    assert info.value.refusals.get("engine-0") is Refusal.PLAN_MISSING
+    assert info.value.refusals.get("engine-0") is Refusal.PLAN_MISSING and info.value.step.value == "begin_update"
     await _engines_serve([engine], demo_model_path, sender.weights, start + 4)
-    await push(start + 6)  # a new group (the refusal broke the old one on both sides)
-    assert link.formed == 2 and pub.registry.live_version == start + 6
+    await push(start + 6)  # the same group (nothing reached the wire)
+    assert link.formed == 1 and pub.registry.live_version == start + 6
 
 
-async def test_one_engine_over_gloo_commits_in_its_receive_and_refuses_a_bucket_corrupted_on_the_wire(engines, demo_model_path, monkeypatch):
-    """A broadcast push (gloo, the NCCL path's twin) to one engine replica with full staging, in one
-    call: the replica begins, pauses, waits at the push's gate with the sender (collective.py), then
-    receives while copying each bucket into its live weights as it lands, checks the sender's
-    fingerprint (its digests follow the buckets on the wire), relabels and resumes, and serves
-    transformers' greedy tokens for the pushed weights. After a clean push the link asks nobody
-    first. A replica that refuses the begin (it lacks the push plan) closes the gate: the sender
-    stops before the wire, at once, and the groups carry the next push. A byte
-    flipped on the wire, after the sender hashed it, fails that check: the version was already in the
-    live weights, so the replica stays paused, is restored from the last live version's host copy and
-    resumed, and serves the previous version's exact tokens; a retry carries the next push."""
+async def test_one_engine_over_gloo_takes_a_push_and_refuses_a_bucket_corrupted_on_the_wire(engines, demo_model_path, monkeypatch):
+    """A broadcast push (gloo, the NCCL path's twin) to one engine replica with full staging: the
+    replica begins, waits at the push's gate with the sender (collective.py), receives, then its commit
+    checks the fingerprint, pauses, applies, relabels and resumes, and it serves transformers' greedy
+    tokens for the pushed weights. After a clean push the link asks nobody first. A replica that refuses
+    the begin (it lacks the push plan) fails the push before the wire, at once, and the groups carry the
+    next push. A byte flipped on the wire, after the sender hashed it, fails the commit's check: nothing
+    applied, the previous version's exact tokens served; the next push is carried."""
 
     import time
 
@@ -699,11 +694,10 @@ async def test_one_engine_over_gloo_commits_in_its_receive_and_refuses_a_bucket_
     link, pub, replica, push, sender, start, base = one.link, one.pub, one.replica, one.push, one.sender, one.start, one.base
 
     result = await push(start + 1)
-    assert replica.calls == ["load_bucket"]  # begin, pause, gate, receive, verify, apply, resume: one call
+    assert replica.calls == ["begin_update", "load_bucket", "commit_update"]  # the commit pauses and resumes
     m = result.metrics
-    assert m["weightsync/begin_in_load"] == 1.0 and m["weightsync/commit_in_load"] == 1.0 and m["weightsync/commit_seconds"] == 0
+    assert m["weightsync/commit_seconds"] > 0
     assert m["weightsync/paused_seconds"] > 0 and m["weightsync/apply_direct"] == 1.0 and m["weightsync/num_buckets"] > 1
-    assert m["weightsync/applied_as_received"] == 1.0  # each bucket copied in as it landed, not at the commit
     await push(start + 2)
     assert link.checks_skipped == 1 and link.formed == 1 and pub.registry.live_version == start + 2
     await _engines_serve([engine], demo_model_path, sender.weights, start + 2)
@@ -731,29 +725,28 @@ async def test_one_engine_over_gloo_commits_in_its_receive_and_refuses_a_bucket_
     rollbacks = pub.totals["rollbacks_total"]
     await one.push_is_refused_by_its_fingerprint(engine, start + 3, prompt_ids, before)
     assert hit and pub.registry.live_version == start + 2
-    assert pub.totals["rollbacks_total"] == rollbacks + 1  # applied as it landed, so restored (then resumed)
+    assert pub.totals["rollbacks_total"] == rollbacks  # refused before anything was applied: nothing to restore
     monkeypatch.setattr(CollectiveGroup, "enqueue_broadcasts", enqueue)
     skipped = link.checks_skipped  # (the failed push's check was skipped: the one before it was clean)
     await push(start + 4)  # checked again after the failure, then carried
     assert link.checks_skipped == skipped == 2 and pub.registry.live_version == start + 4
     await _engines_serve([engine], demo_model_path, sender.weights, start + 4)
 
-    # The replica refuses a push for a plan it does not hold: it closes the gate, and the sender stops
-    # before the wire, at once (not at its deadline), naming the refusal; the groups carry the next push.
+    # The replica refuses a push for a plan it does not hold: the push fails at its begin, before the
+    # wire, at once (not at its deadline), naming the refusal; the groups carry the next push.
     formed = link.formed
     t = time.monotonic()
     with pytest.raises(WeightsyncError) as info:
         await push(start + 5, plan_id="a-plan-nobody-holds")
     assert time.monotonic() - t < cfg.timeout_s / 2
-    assert info.value.refusals.get("engine-0") is Refusal.PLAN_MISSING
-    assert "stopped at its gate" in str(info.value) or "stopped at its gate" in str(info.value.__cause__)
+    assert info.value.refusals.get("engine-0") is Refusal.PLAN_MISSING and info.value.step.value == "begin_update"
     await push(start + 6)
     assert link.formed == formed and pub.registry.live_version == start + 6
     await _engines_serve([engine], demo_model_path, sender.weights, start + 6)
 
     # The link's check beside a push finds a replica outside the groups (one that Serve just started): it
-    # closes the gate, and the engine, paused for it, stops before anything reached its weights: not a
-    # failed apply (no restore), the engine runs again, and the retry forms the groups again and carries it.
+    # closes the gate, and the engine stops before anything reached its weights: not a failed apply (no
+    # restore), the engine runs on, and the retry forms the groups again and carries it.
     # The check answers at once (the replicas were asked before): it races the members reaching the gate,
     # and a round trip to the replica in it could lose that race (then the push is carried, correctly).
     members, rollbacks = link._check_call, pub.totals["rollbacks_total"]

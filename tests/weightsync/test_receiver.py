@@ -89,18 +89,17 @@ def test_a_receiver_keeps_the_views_of_a_reused_record_and_applies_the_bytes_sta
 
 
 def _received(rx: WorkerReceiver, version: int, buckets: list[Bucket]) -> ApplyReport:
-    """A broadcast push applied as it lands (the engine paused): stage each bucket, then finish."""
+    """A broadcast push, fully staged: stage each bucket as it lands, read the digests, apply."""
     rx.begin(version, "checksum", "full", "engine")
-    assert rx.apply_as_received(version)
     for b in buckets:
         rx.stage(version, b, lazy=True)
     rx.digests(version)
-    return rx.finish_received(version)
+    return rx.apply(version)
 
 
-def test_buckets_applied_as_they_land_keep_their_copy_lists_and_always_apply_the_bytes_received_now():
+def test_reused_buckets_keep_their_views_and_copy_lists_and_always_apply_the_bytes_received_now():
     """A broadcast group's whole-version buckets come back as the same objects push after push
-    (`Bucket.reused`): the receiver unpacks each once and keeps the lists of its copy into the live
+    (`Bucket.reused`): the receiver unpacks each once and keeps the lists of the apply's copy into the live
     parameters, yet every push applies the bytes that landed in it, follows a parameter whose storage
     the engine replaced, and keeps nothing of buckets that are not reused."""
     names = [f"p{i}" for i in range(6)]
@@ -113,14 +112,14 @@ def test_buckets_applied_as_they_land_keep_their_copy_lists_and_always_apply_the
     first = None
     for version, value in enumerate((1.0, 10.0, 100.0), start=1):
         want = _fill(ring, value)
-        assert _received(rx, version, ring).early
+        assert _received(rx, version, ring).path == "direct"
         assert all(torch.equal(live[n], want[n]) for n in names), version
-        kept = {k: (v.views, v.copy) for k, v in rx._views.items()}
-        assert set(kept) == {id(b) for b in ring} and all(c is not None for _, c in kept.values())
+        kept = {k: v.views for k, v in rx._views.items()}
+        assert set(kept) == {id(b) for b in ring} and rx._apply_lists is not None
         if first is None:
-            first = kept
+            first = (kept, rx._apply_lists)
         else:  # unpacked once, the copy lists made once
-            assert all(kept[k][0] is first[k][0] and kept[k][1] is first[k][1] for k in kept)
+            assert all(kept[k] is first[0][k] for k in kept) and rx._apply_lists is first[1]
 
     fresh = torch.zeros(2, 3)  # the engine replaced a parameter's storage: the kept list holds the parameter
     live["p4"].data = fresh
