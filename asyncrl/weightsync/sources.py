@@ -231,17 +231,10 @@ class StreamedSource:
         try:
             sent = await self._sent(version, receiving, publisher._cfg.timeout_s)
         except Exception as exc:
-            # The sender told the receivers (abort header), or they give up at their deadline.
-            receivers: StepFailed | None = None
-            try:
+            # The sender told the receivers (abort header), or they give up at their deadline; their
+            # failures follow from the sender's.
+            with contextlib.suppress(BaseException):
                 await receiving
-            except StepFailed as f:
-                receivers = f
-            except BaseException:
-                pass
-            if receivers is not None:
-                # A replica that failed in its load stopped the sender: its failure is what the caller acts on.
-                raise StepFailed(Step.LOAD, {**receivers.failures, "publisher": exc}, receivers.retryable) from exc
             raise StepFailed(Step.EXPORT, {"publisher": exc}) from exc
         except BaseException:
             receiving.cancel()

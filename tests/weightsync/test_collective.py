@@ -982,7 +982,7 @@ async def test_groups_are_formed_again_only_when_replicas_change_or_a_member_bro
     await link.ensure()
     payload = link.payload(3)
     assert link.formed == 1 and link.members == {"a": 1}
-    assert payload == CollectiveReceive(tuple(link.group_ids), 3, 5, stream=True, gate=payload.gate) and payload.gate
+    assert payload == CollectiveReceive(tuple(link.group_ids), 3, 5, gate=payload.gate) and payload.gate
     await link.ensure()
     assert link.formed == 1  # nothing changed: the groups are reused
     learner.held = []  # the sender's broadcast timed out: its group is broken
@@ -1071,7 +1071,7 @@ async def test_a_broadcast_link_checks_its_members_beside_each_push_and_stops_it
 
     link.cancel = cancel
     payload = link.payload(3)
-    assert payload.gate and payload.gate.startswith("v3-") and payload.stream
+    assert payload.gate and payload.gate.startswith("v3-")
     await link.send(3, "checksum")
     assert learner.gates == [payload.gate] and checked["n"] == 1 and stopped == []
     assert link.payload(3).gate != payload.gate  # each attempt its own gate
