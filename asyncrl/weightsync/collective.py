@@ -29,7 +29,7 @@ IPC_WINDOW = 2  # ipc: buckets a sender keeps published (and unacknowledged) bef
 # Header kinds (first int64 of a header): a bucket follows, the sender is done, the sender failed.
 BUCKET, END, ABORT = 1, 2, 3
 WHOLE = 4  # ipc_window 0: one record (ipc) or one table (gloo / nccl) holds every bucket of the push (gloo / nccl:
-# then every bucket, the trailer of the sender's digest material and an END / ABORT header, as one receive)
+# then every bucket and an END / ABORT header, as one receive)
 
 
 class CollectiveError(RuntimeError):
@@ -265,7 +265,6 @@ class CollectiveGroup:
     _ring_sender: bool = False  # gloo / nccl sender: its device could not hold a whole version (arena.SenderRing)
     _ring_copies: list = field(default_factory=list, repr=False)  # ipc_window 0: the host copies still reading them
     _opened: dict = field(default_factory=dict, repr=False)  # ipc receiver: the sender's buffers, opened once
-    _sender_digests: dict | None = field(default=None, repr=False)  # gloo / nccl receiver: the last push's, as sent
     _gate_keys: list = field(default_factory=list, repr=False)  # sender: this push's gate keys (stale at the next)
     _stale_gate_keys: list = field(default_factory=list, repr=False)  # sender: earlier pushes', to drop (drop_stale_gate_keys)
     _whole_table: Any = field(default=None, repr=False)  # gloo / nccl receiver: the last whole version's table (stream_receive.py)
@@ -462,7 +461,7 @@ SPIN_S = 0.0005  # a host waiting for a CUDA event polls without sleeping this l
 
 def _poll(event: Any, deadline: float, what: str) -> None:
     """Return once `event` completed (by `deadline`, time.monotonic()). The first `SPIN_S` poll without
-    sleeping: a push's small broadcasts (headers, its table, the trailer) and a bucket that is about to
+    sleeping: a push's small broadcasts (headers, its table) and a bucket that is about to
     land complete within it, where a sleep's granularity (~60-250 us each) added up on every one of them,
     on both ends. Longer waits sleep 100 us between polls."""
     if event.query():

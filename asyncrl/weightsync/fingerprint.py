@@ -1,8 +1,7 @@
 """Fingerprints: the digest both sides of a weight push agree on before anything is applied.
 
 Owns: the three verify modes, per-tensor digests (`tensor_digests` for loose tensors, `bucket_digests` for a packed
-bucket in one pass) and their combination into a version's fingerprint (`combine_digests`, `tensor_fingerprint`); the
-digests as material (`PendingDigests.words`, turned back into digests by `digests_from_material` at the other end).
+bucket in one pass) and their combination into a version's fingerprint (`combine_digests`, `tensor_fingerprint`).
 How: a sha256 digest per tensor (name, dtype, shape and, by mode, its bytes), then a sha256 over the sorted
 (name, digest) pairs, so arrival order and bucketing do not matter; the mode is part of it ("full:<hex>"). Modes:
 `full` (sha256 of every byte), `checksum` (checksum.py's sum of every byte, computed where the bytes are: against
@@ -81,35 +80,21 @@ def meta_entries(metas: Iterable[Any], prefix: str = "", base: int = 0) -> list[
     return [(prefix + m.name, "torch." + m.dtype, tuple(m.shape), base + m.offset, m.nbytes) for m in metas]
 
 
-def material_words(entries: Sequence[Entry], mode: VerifyMode) -> int:
-    """How many 64-bit words the digest material of `entries` has in `mode` (`PendingDigests.words`):
-    one checksum per tensor (`checksum`), or each tensor's 32-byte digest (`full`, `off`)."""
-    return len(entries) if mode == "checksum" else 4 * len(entries)
-
-
-def digests_from_material(entries: Sequence[Entry], mode: VerifyMode, words: Any) -> dict[str, bytes]:
-    """The digests of `entries` from their material (`PendingDigests.words`, any sequence of
-    unsigned 64-bit values): what the other end of a push computes from the words it was sent."""
-    check_verify_mode(mode)
-    words = np.asarray(words).view(np.uint64) if isinstance(words, np.ndarray) else np.array(words, dtype=np.uint64)
-    if words.size != material_words(entries, mode):
-        raise ValueError(f"{words.size} words of digest material for {len(entries)} tensors in mode {mode!r} "
-                         f"(expected {material_words(entries, mode)})")
-    if mode in ("full", "off"):
-        raw = words.astype("<u8", copy=False).tobytes()
-        return {key: raw[32 * i : 32 * i + 32] for i, (key, *_) in enumerate(entries)}
+def _checksum_digests(entries: Sequence[Entry], words: np.ndarray) -> dict[str, bytes]:
+    """The `checksum` digests of `entries` from their checksums (one unsigned 64-bit word a tensor, in order)."""
+    if words.size != len(entries):
+        raise ValueError(f"{words.size} checksums for {len(entries)} tensors")
     heads = {key: _head(key, dtype, shape) for key, dtype, shape, _, _ in entries}
-    for (key, _, _, _, n), value in zip(entries, words.tolist()):  # checksum: (length, sum) per tensor
+    for (key, _, _, _, n), value in zip(entries, words.tolist()):  # (length, sum) per tensor
         heads[key].update(int(n).to_bytes(8, "little") + int(value).to_bytes(8, "little"))
     return {k: h.digest() for k, h in heads.items()}
 
 
 class PendingDigests:
     """The digests of some tensors in one mode, their device reads enqueued: calling it waits for
-    them and returns the digests. `words()` is the same result as digest material (64-bit words in
-    the tensors' order, `digests_from_material` turns them back into the digests): a sender sends
-    that after a whole version, and `device_words` (when not None) is it still on the device, to
-    send without a host round trip (`checksum` on a GPU)."""
+    them and returns the digests. `checksum` comes as `words` (a checksum a tensor, in order), still
+    on the device as `device_words` where it was computed there (so that several reach the host in
+    one copy, `merge`); `full` and `off` as `digests`."""
 
     def __init__(self, entries: Sequence[Entry], mode: VerifyMode, *, words: Callable[[], Any] | None = None,
                  digests: Callable[[], dict[str, bytes]] | None = None, device_words: torch.Tensor | None = None) -> None:
@@ -121,19 +106,17 @@ class PendingDigests:
         self._digests: dict[str, bytes] | None = None
 
     def words(self) -> np.ndarray:
+        """The checksums (`checksum` mode only), one word a tensor in order."""
+        if self._words_fn is None:
+            raise ValueError(f"{self.mode!r} digests come whole, not as checksums")
         if self._words is None:
-            if self._words_fn is not None:
-                self._words = np.asarray(self._words_fn(), dtype=np.uint64).reshape(-1)
-            else:
-                d = self()
-                raw = b"".join(d[key] for key, *_ in self.entries)
-                self._words = np.frombuffer(raw, dtype="<u8").astype(np.uint64) if raw else np.empty(0, np.uint64)
+            self._words = np.asarray(self._words_fn(), dtype=np.uint64).reshape(-1)
         return self._words
 
     def __call__(self) -> dict[str, bytes]:
         if self._digests is None:
             self._digests = self._digests_fn() if self._digests_fn is not None \
-                else digests_from_material(self.entries, self.mode, self.words())
+                else _checksum_digests(self.entries, self.words())
         return self._digests
 
     @staticmethod
@@ -150,7 +133,7 @@ class PendingDigests:
         if all(d is not None for d in device):  # one copy to host for all of them
             on_device = torch.cat(device)  # type: ignore[arg-type]
             return PendingDigests(entries, mode, words=lambda: on_device.cpu().numpy().view(np.uint64), device_words=on_device)
-        return PendingDigests(entries, mode, words=lambda: np.concatenate([p.words() for p in parts]))
+        return PendingDigests(entries, mode, digests=lambda: {k: v for p in parts for k, v in p().items()})
 
 
 def _digests_lazy(flat: Any, entries: list[Entry], mode: VerifyMode) -> PendingDigests:

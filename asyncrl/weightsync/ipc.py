@@ -5,7 +5,7 @@ buffer of its `IpcRing` (kept for the group's life, so each receiver opens each 
 per push) and publishes the handle, tensor table and digests in the group's TCPStore; each receiver copies the bucket
 into its own memory and acknowledges it (at most `ipc_window` unacknowledged; a CPU bucket goes as a shared-memory
 file). With `ipc_window` 0 (full staging) the ring is the staging area: receivers stage views of it and the commit
-copies from it. The sender ends with every digest of the push in one record, for a receiver that commits by itself.
+copies from it.
 Handles are keyed by GPU UUID (any CUDA_VISIBLE_DEVICES order); a failing receiver or export stops the other side.
 Must never: reuse a buffer a receiver may still read (only once every receiver acknowledged it and its host copy is
 made; the ring is rewritten only by the next push), or free one a receiver still maps.
@@ -293,10 +293,8 @@ def ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, A
             out.seconds["broadcast"] += time.perf_counter() - t
             del bucket
             k += 1
-        # every digest of the push, for a receiver that checks the fingerprint itself (`ipc_sender_digests`)
-        store.set(_key(group, "d"), pickle.dumps(out.digests))
         store.set(_key(group, f"b{k}"), pickle.dumps({"kind": END}))
-        group._leftover += [_key(group, f"b{k}"), _key(group, "d")]
+        group._leftover.append(_key(group, f"b{k}"))
         t = time.perf_counter()
         while published:
             done, kept, done_copy = published.popleft()
@@ -306,7 +304,7 @@ def ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, A
         copies.finish()
     except BaseException as err:
         # (before any handle the receivers may hold is freed)
-        _abort_send(group, copies, f"b{k}", [_key(group, f"{w}{j}") for j in range(k + 1) for w in "ba"] + [_key(group, "d")])
+        _abort_send(group, copies, f"b{k}", [_key(group, f"{w}{j}") for j in range(k + 1) for w in "ba"])
         for _, kept, _ in published:
             _ipc_free(kept)
         _raise_send_failure(group, err, export)
@@ -382,10 +380,6 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
             hash_whole_lazy(buckets, verify, out)()
         for _, finish, _ in packed:  # full: each waits for its host copy
             finish()
-        t = time.perf_counter()
-        # every digest of the push, for a receiver that checks the fingerprint itself (`ipc_sender_digests`)
-        store.set(_key(group, "d"), pickle.dumps(out.digests))
-        out.seconds["broadcast"] += time.perf_counter() - t
         if not early:
             t = time.perf_counter()
             for bucket in buckets:
@@ -398,12 +392,12 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
         out.seconds["broadcast"] += time.perf_counter() - t
         copies.finish()
     except BaseException as err:
-        _abort_send(group, copies, "b0", [_key(group, w) for w in ("b0", "a0", "d")], keep_published=True)
+        _abort_send(group, copies, "b0", [_key(group, w) for w in ("b0", "a0")], keep_published=True)
         _raise_send_failure(group, err, export)
     finally:
         for keep_it in kept:  # shared files: the receivers' mappings outlive the unlink
             _ipc_free(keep_it)
-    group._leftover += [_key(group, w) for w in ("b0", "a0", "d")]
+    group._leftover += [_key(group, w) for w in ("b0", "a0")]
     return out
 
 
@@ -465,28 +459,6 @@ def ipc_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tupl
     except BaseException:  # the consumer stopped reading mid-push (its staging failed) or was interrupted
         _failed(group, CollectiveError(f"stopped reading at bucket {k}"), report=f"stopped reading at bucket {k}")
         raise
-
-
-def ipc_sender_digests(group: CollectiveGroup, deadline: float) -> dict[str, bytes]:
-    """Every digest the sender computed for the push just received (published once its checksums
-    are in; a receiver that checks the fingerprint itself, and commits without the publisher's
-    round trip, reads them). Raises `SenderAborted` if the sender aborted instead."""
-    store = group._store
-    if group.broken or store is None:
-        raise CollectiveError(f"group {group.spec.group_id} is broken (an earlier step failed); form a new one")
-    key, aborted = _key(group, "d"), _key(group, "aborted")
-    try:
-        while not store.check([key]):
-            if store.check([aborted]):
-                raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
-            if time.monotonic() > deadline:
-                raise CollectiveError(f"group {group.spec.group_id}: the sender's digests did not arrive by the deadline")
-            time.sleep(0.0002)
-        return pickle.loads(store.get(key))
-    except SenderAborted:
-        raise
-    except Exception as err:
-        raise _failed(group, err, report=f"{type(err).__name__}: {err}") from err
 
 
 def ipc_refuse(group: CollectiveGroup, why: str) -> None:

@@ -1,8 +1,8 @@
 """One push on a gloo / NCCL group (collective.py's `CollectiveGroup`): the sender's loop and the receiver's.
 
 Owns: the wire protocol of one push (per bucket: a 3 x int64 header, the tensor table as JSON with the sender's
-digests, the buffer; then an end or abort header; whole version: one header and table, every bucket, the digest
-trailer and the end header, one enqueue for a receiver), `broadcast_send_stream` (the sender's loop: pack, hash,
+digests, the buffer; then an end or abort header; whole version: one header and table, every bucket and the end
+header, one enqueue for a receiver), `broadcast_send_stream` (the sender's loop: pack, hash,
 broadcast, start the host copy off the critical path), `broadcast_receive_stream` (the receiver's: allocate on its
 device, receive, hand each bucket on with the sender's digests) and the helpers ipc.py shares (wire.py picks this or
 ipc.py by backend). With `ipc_window` 0 (full staging) the sender enqueues the whole version back to back, hashing
@@ -21,14 +21,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from asyncrl.weightsync import trace
 from asyncrl.weightsync.arena import SenderRing, whole_arena
 from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets, rank_key_prefix
 from asyncrl.weightsync.collective import ABORT, BUCKET, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup
-from asyncrl.weightsync.fingerprint import PendingDigests, material_words, meta_entries
+from asyncrl.weightsync.fingerprint import PendingDigests, meta_entries
 from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
 
 
@@ -134,7 +133,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
                                 planned_buffer=buffers), out)
     try:
         # the plan's table is known before anything is packed: made (and kept with the plan) while the gate is shut
-        announce = whole_table(group, lambda: [(b.metas(), b.rank, b.nbytes) for b in planned], verify, plan, sender) \
+        announce = whole_table(group, lambda: [(b.metas(), b.rank, b.nbytes) for b in planned], plan, sender) \
             if planned is not None else None
         if gate:
             group.arrive(gate)
@@ -158,7 +157,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
             # group stays usable (LearnerGroup.broadcast_hf_tensors).
             export.drain()
         raise
-    if not whole:  # (a whole version's trailer and end went out with its buckets, and its stale gate keys went
+    if not whole:  # (a whole version's end went out with its buckets, and its stale gate keys went
         group.broadcast(_header(group, END), deadline)  # while its wire ran: _finish_whole)
         trace.mark("snd.end_sent")
         group.drop_stale_gate_keys()
@@ -195,71 +194,48 @@ def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, ve
         finish = hash_and_copy_lazy(copies, bucket, verify, out)[0] if early else None
         packed.append((bucket, finish))
     t = time.perf_counter()
-    _announce_whole(group, [(b.metas, b.rank, b.nbytes) for b, _ in packed], verify, deadline)
+    _announce_whole(group, [(b.metas, b.rank, b.nbytes) for b, _ in packed], deadline)
     sending = group.enqueue_broadcasts([b.buffer for b, _ in packed if b.nbytes], deadline)
     out.seconds["broadcast"] += time.perf_counter() - t
     _finish_whole(group, packed, [sending], copies, verify, out, deadline)
 
 
-def _announce_whole(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], int | None, int]], verify: str,
-                    deadline: float) -> None:
+def _announce_whole(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], int | None, int]], deadline: float) -> None:
     """The whole version's header and table (`whole_table`), sent and waited for."""
-    group.broadcast_all(whole_table(group, buckets, verify), deadline)
+    group.broadcast_all(whole_table(group, buckets), deadline)
 
 
-def whole_table(group: CollectiveGroup, buckets: Any, verify: str, plan: Any = None, sender: int = 0) -> list[torch.Tensor]:
+def whole_table(group: CollectiveGroup, buckets: Any, plan: Any = None, sender: int = 0) -> list[torch.Tensor]:
     """The whole version's header and table, on the group's device: every bucket's (tensors, engine
-    rank, size), without digests, and the verify mode the trailer's digest material is in
-    (`_finish_whole`). With the push `plan` the buckets are `sender`'s of, they are kept on the group
-    (with the plan itself, compared by identity) for the plan's next push, whose table is the same.
-    `buckets`: a list of (tensors, engine rank, size), or a call that makes it (not called when kept)."""
+    rank, size), without digests (the receivers' are compared with the sender's at the commit). With
+    the push `plan` the buckets are `sender`'s of, they are kept on the group (with the plan itself,
+    compared by identity) for the plan's next push, whose table is the same. `buckets`: a list of
+    (tensors, engine rank, size), or a call that makes it (not called when kept)."""
     kept = group._announce
-    if plan is not None and kept is not None and kept[0] is plan and kept[1:3] == (sender, verify):
-        return kept[3]
+    if plan is not None and kept is not None and kept[0] is plan and kept[1] == sender:
+        return kept[2]
     if callable(buckets):
         buckets = buckets()
     tables = [encode_table(Bucket(buffer=None, metas=metas, rank=rank), {}).decode()  # type: ignore[arg-type]
               for metas, rank, _ in buckets]
-    raw = json.dumps({"v": verify, "b": [[t, n] for t, (*_, n) in zip(tables, buckets)]}).encode()
+    raw = json.dumps({"b": [[t, n] for t, (*_, n) in zip(tables, buckets)]}).encode()
     out = [_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)), _bytes_tensor(group, raw)]
-    group._announce = (plan, sender, verify, out) if plan is not None else None
+    group._announce = (plan, sender, out) if plan is not None else None
     return out
 
 
 def whole_entries(buckets: Iterable[tuple[list[TensorMeta], int | None]]) -> list[Any]:
-    """The fingerprint entries (fingerprint.py) of a whole version's buckets (tensors, engine rank), in
-    the order its trailer's digest material follows."""
+    """The fingerprint entries (fingerprint.py) of buckets (tensors, engine rank), in order."""
     return [e for metas, rank in buckets for e in meta_entries(metas, rank_key_prefix(rank))]
-
-
-def _trailer(group: CollectiveGroup, pending: list[PendingDigests], verify: str, tensors: int) -> torch.Tensor:
-    """A whole version's trailer: the digest material of every bucket (`tensors` tensors in all), in
-    order (int64 words). Still on the device where the checksums are (nothing waits for them: the wire
-    takes it behind them), else made on the host once the digests are done."""
-    device = [p.device_words for p in pending]
-    if pending and all(d is not None for d in device):
-        words = torch.cat(device) if len(device) > 1 else device[0]  # type: ignore[arg-type]
-    else:
-        host = np.concatenate([p.words() for p in pending]) if pending else np.empty(0, np.uint64)
-        words = torch.from_numpy(host.astype(np.uint64).view(np.int64)).to(group.device)
-    # (the receivers size the trailer from the table: a different size would never match on the wire)
-    want = sum(material_words(p.entries, verify) for p in pending)  # type: ignore[arg-type]
-    have = sum(len(p.entries) for p in pending)
-    if words.numel() != want or have != tensors:
-        raise CollectiveError(f"group {group.spec.group_id}: {words.numel()} words of digest material for "
-                              f"{have} tensors, where the table has {tensors} ({want} words)")
-    return words.to(torch.int64)
 
 
 def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], sending: list[Broadcasts],
                   copies: HostCopies, verify: str, out: SendResult, deadline: float, *, each: bool = False,
                   hashed: list[Any] | None = None) -> None:
     """A whole version's end on the sender: the checksums of what is not hashed yet enqueued behind the
-    buckets (beside the wire on a device; `full` hashed the host copies as it packed), then the trailer
-    (the digest material of every bucket, `_trailer`) and the end header go on the wire right behind
-    the buckets, with no wait in between: a receiver reads the sender's digests the moment its last
-    bucket is in. One wait for all of it; then the digests on the host and the host copies (deferred,
-    unless `full`), which run while the replicas commit. `each`: every bucket was hashed and its copy
+    buckets (beside the wire on a device; `full` hashed the host copies as it packed), and the end
+    header right behind the buckets, with no wait in between. One wait for the wire; then the digests
+    on the host and the host copies (deferred, unless `full`), which run while the replicas commit. `each`: every bucket was hashed and its copy
     started as it was packed (a `SenderRing`); `hashed`: the hashes of the buckets before the rest,
     launched while packing (`_send_whole_planned`)."""
     done = list(hashed or [])
@@ -270,11 +246,10 @@ def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], send
         rest = [b for b, _ in packed[sum(f.buckets for f in done):]]
         finishes = done + ([hash_whole_lazy(rest, verify, out)] if rest else [])
     trace.mark("snd.all_enqueued")
-    _join_hash_stream(group)
     t = time.perf_counter()
-    trailer = _trailer(group, [f.pending for f in finishes], verify, sum(len(b.metas) for b, _ in packed))
-    tail = group.enqueue_broadcasts([x for x in (trailer,) if x.numel()] + [_header(group, END)], deadline)
+    tail = group.enqueue_broadcasts([_header(group, END)], deadline)
     out.seconds["broadcast"] += time.perf_counter() - t
+    _join_hash_stream(group)  # (behind the end header: the wire does not wait for the checksums)
     if not copied:  # (deferred: they start once the digests are read, below; registered while the wire runs)
         t = time.perf_counter()
         for bucket, _ in packed:
@@ -343,7 +318,7 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
         return [(b.metas(), b.rank, b.nbytes) for b in planned]
 
     # (made before the gate opened, kept with the plan): enqueued, not waited for, the first buckets right behind
-    sending = [group.enqueue_broadcasts(announce or whole_table(group, tables, verify), deadline)]
+    sending = [group.enqueue_broadcasts(announce or whole_table(group, tables), deadline)]
     trace.mark("snd.announced")
     out.seconds["broadcast"] += time.perf_counter() - t
     packed: list[tuple[Bucket, Any]] = []
@@ -393,8 +368,7 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
         if not isinstance(err, CollectiveError):  # not the wire: the receivers are told (abort header)
             export.failed = True
         if export.failed and not group.broken:
-            _fill(group, planned[len(packed):], deadline, trailer=material_words(
-                whole_entries((m, r) for m, r, _ in tables()), verify))  # type: ignore[arg-type]
+            _fill(group, planned[len(packed):], deadline)
         raise
     finally:
         if ring is not None:
@@ -402,10 +376,10 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
     _finish_whole(group, packed, sending, copies, verify, out, deadline, each=ring is not None, hashed=hashed)
 
 
-def _fill(group: CollectiveGroup, rest: list[Any], deadline: float, trailer: int = 0) -> None:
-    """Zeros for the announced buckets an export that failed did not send, and for the trailer's `trailer`
-    words (the receivers wait for them all, then read the abort header behind them)."""
-    sizes = [b.nbytes for b in rest if b.nbytes] + ([8 * trailer] if trailer else [])
+def _fill(group: CollectiveGroup, rest: list[Any], deadline: float) -> None:
+    """Zeros for the announced buckets an export that failed did not send (the receivers wait for them
+    all, then read the abort header behind them)."""
+    sizes = [b.nbytes for b in rest if b.nbytes]
     if not sizes:
         return
     try:

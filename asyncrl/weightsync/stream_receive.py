@@ -2,7 +2,7 @@
 loop, beside the sender's in stream.py, whose wire protocol it reads.
 
 Owns: `broadcast_receive_stream` (allocate on this member's device, receive, hand each bucket on with
-the sender's digests), `broadcast_sender_digests`, and what a receiver keeps from one push to the next
+the sender's digests where they come in band), and what a receiver keeps from one push to the next
 of the same table: the decoded table (`WholeTable`) and, on a GPU, the buffers and `Bucket` objects
 it received into (`KEEP_RECEIVE_BUFFERS`, `Bucket.reused`), until `CollectiveGroup.release_kept`.
 
@@ -14,30 +14,23 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, TensorMeta
 from asyncrl.weightsync.collective import ABORT, BUCKET, END, WHOLE, CollectiveError, CollectiveGroup, SenderAborted
-from asyncrl.weightsync.fingerprint import check_verify_mode, digests_from_material, material_words
-from asyncrl.weightsync.stream import decode_table, whole_entries
+from asyncrl.weightsync.stream import decode_table
 
 
 def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
     """The receiver's loop for one push on one group: yields each bucket (its buffer on this
-    member's device) with the sender's digests of it, until the sender's end header. Raises
-    SenderAborted on an abort header. Every digest the sender sent (in band, or in a whole
-    version's trailer) is then `sender_digests(group)`."""
-    group._sender_digests = None
-    theirs: dict[str, bytes] = {}
+    member's device) with the sender's digests of it ({} for a whole version's: its table carries
+    none), until the sender's end header. Raises SenderAborted on an abort header."""
     while True:
         header = torch.empty(3, dtype=torch.int64, device=group.device)
         group.broadcast(header, deadline)
         kind, table_len, nbytes = (int(v) for v in header.tolist())
         if kind == END:
-            group._sender_digests = theirs
             return
         if kind == ABORT:
             raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
@@ -51,33 +44,21 @@ def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterato
         raw = torch.empty(table_len, dtype=torch.uint8, device=group.device)
         group.broadcast(raw, deadline)
         metas, rank, digests = decode_table(raw.cpu().numpy().tobytes())
-        theirs.update(digests)
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
         if nbytes:
             group.broadcast(buffer, deadline)
         yield Bucket(buffer=buffer, metas=metas, rank=rank), digests
 
 
-def broadcast_sender_digests(group: CollectiveGroup) -> dict[str, bytes]:
-    """Every digest the sender sent with the last push this member received to its end."""
-    if group._sender_digests is None:
-        raise CollectiveError(f"group {group.spec.group_id}: no push was received to its end, so no sender digests")
-    return dict(group._sender_digests)
-
-
 @dataclass
 class WholeTable:
-    """A whole version's table as a receiver reads it: the verify mode of the sender's digest material,
-    each bucket's (tensors, engine rank, size), and the fingerprint entries the material follows.
+    """A whole version's table as a receiver reads it: each bucket's (tensors, engine rank, size).
     Kept by the group from one push to the next: a plan's table is the same every push, so the next
     one skips the decoding (its raw bytes are compared instead)."""
 
     raw: bytes
     nbytes: int
-    verify: str
     buckets: list[tuple[list[TensorMeta], int | None, int]]
-    entries: list[Any]
-    words: int
 
     @classmethod
     def decode(cls, raw: bytes, group_id: str, nbytes: int) -> "WholeTable":
@@ -89,9 +70,7 @@ class WholeTable:
         sizes = [n for *_, n in buckets]
         if sum(sizes) != nbytes or any(n < 0 for n in sizes):
             raise CollectiveError(f"group {group_id}: a whole-version table of {sizes} bytes for a header of {nbytes}")
-        entries = whole_entries((m, r) for m, r, _ in buckets)
-        verify = check_verify_mode(str(table["v"]))
-        return cls(raw, nbytes, verify, buckets, entries, material_words(entries, verify))
+        return cls(raw, nbytes, buckets)
 
 
 # Devices on which a receiver keeps a whole version's buffers from push to push (`_receive_whole`): a GPU's caching
@@ -121,11 +100,9 @@ def _read_table(group: CollectiveGroup, table_len: int, nbytes: int, deadline: f
 def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int,
                    deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
     """A whole version: one table, then every bucket back to back into one allocation of
-    `nbytes`, then the trailer (the sender's digest material) and the end header, all received as
-    one enqueue. Each bucket is handed on as soon as it is complete here (`Broadcasts.ready`: by
+    `nbytes`, then the end header, all received as one enqueue. Each bucket is handed on as soon as it is complete here (`Broadcasts.ready`: by
     the deadline), while the later ones are still arriving, so the consumer's checksums of it run
-    beside the wire. The generator ends with the push (the sender's digests read from the trailer),
-    or raises SenderAborted at an abort header behind the buckets. The next push of the same table
+    beside the wire. The generator ends with the push, or raises SenderAborted at an abort header behind the buckets. The next push of the same table
     reuses the buckets, and the memory they were received into, on a GPU (`Bucket.reused`,
     `KEEP_RECEIVE_BUFFERS`; the group keeps them, as the caching allocator would keep that memory
     anyway, until `release_kept` or its close): a
@@ -140,14 +117,13 @@ def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int,
         for metas, rank, n in table.buckets:
             buckets.append(Bucket(buffer=block.narrow(0, at, n), metas=metas, rank=rank, reused=keep))
             at += n
-        trailer = torch.empty(table.words, dtype=torch.int64, device=group.device)
         end = torch.empty(3, dtype=torch.int64, device=group.device)
-        kept = (table, buckets, trailer, end)
+        kept = (table, buckets, end)
         group._kept = kept if keep else None
-    _, buckets, trailer, end = kept
+    _, buckets, end = kept
     end.fill_(0)  # (no end header read from a push that did not send one)
-    receiving = group.enqueue_broadcasts([b.buffer for b in buckets if b.nbytes] + [t for t in (trailer,) if t.numel()]
-                                         + [end], deadline, events=group.device.type == "cuda")
+    receiving = group.enqueue_broadcasts([b.buffer for b in buckets if b.nbytes] + [end], deadline,
+                                         events=group.device.type == "cuda")
     k = 0
     try:
         for bucket in buckets:
@@ -167,5 +143,3 @@ def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int,
         group.broken = True
         group.close()
         raise CollectiveError(f"group {group.spec.group_id}: malformed end header {end.tolist()} after a whole version")
-    words = trailer.cpu().numpy().view(np.uint64)
-    group._sender_digests = digests_from_material(table.entries, table.verify, words)  # type: ignore[arg-type]

@@ -81,7 +81,7 @@ def _warm(dev: torch.device, dtypes: tuple[torch.dtype, ...]) -> list[str]:
             torch._foreach_copy_(dst, src)
             torch.cat(src).narrow(0, 1, 64).contiguous()
             ran.append(f"copy:{str(dtype).removeprefix('torch.')}")
-        words = torch.zeros(16, dtype=torch.int64, device=dev)  # the trailer's and the headers' int64 work
+        words = torch.zeros(16, dtype=torch.int64, device=dev)  # the checksums' and the headers' int64 work
         torch.cat([words, words]).fill_(0)
         ran.append("int64")
     return ran

@@ -15,9 +15,9 @@ from typing import Any
 
 from asyncrl.weightsync.bucket import Bucket
 from asyncrl.weightsync.collective import CollectiveGroup
-from asyncrl.weightsync.ipc import ipc_receive_stream, ipc_refuse, ipc_send_stream, ipc_sender_digests
+from asyncrl.weightsync.ipc import ipc_receive_stream, ipc_refuse, ipc_send_stream
 from asyncrl.weightsync.stream import SendResult, broadcast_send_stream
-from asyncrl.weightsync.stream_receive import broadcast_receive_stream, broadcast_sender_digests
+from asyncrl.weightsync.stream_receive import broadcast_receive_stream
 
 
 def send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
@@ -40,14 +40,6 @@ def receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bu
     the sender's end; raises `SenderAborted` when the sender aborted."""
     loop = ipc_receive_stream if group.spec.backend == "ipc" else broadcast_receive_stream
     return loop(group, deadline)
-
-
-def sender_digests(group: CollectiveGroup, deadline: float) -> dict[str, bytes]:
-    """After `receive_stream` ended: every digest the sender computed for that push (ipc: its store
-    carries them; a broadcast group sent them with the push, in band or after the last bucket)."""
-    if group.spec.backend != "ipc":
-        return broadcast_sender_digests(group)
-    return ipc_sender_digests(group, deadline)
 
 
 def refuse_push(group: CollectiveGroup, why: str, gate: str = "") -> None:

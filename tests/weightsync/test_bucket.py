@@ -119,7 +119,7 @@ def test_buckets_sharing_one_buffer_hash_in_one_pass_to_the_same_digests(mode, d
     """An ipc arena: every bucket a view of one buffer. `buckets_digests_lazy` reads them in one
     pass over that buffer and must give each tensor the digest `bucket_digests` gives it alone,
     with each bucket's key prefix; buckets in separate buffers take the per-bucket path, same digests."""
-    from asyncrl.weightsync.fingerprint import bucket_digests, buckets_digests_lazy, digests_from_material, material_words
+    from asyncrl.weightsync.fingerprint import PendingDigests, bucket_digests, bucket_digests_lazy, buckets_digests_lazy
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
@@ -142,22 +142,17 @@ def test_buckets_sharing_one_buffer_hash_in_one_pass_to_the_same_digests(mode, d
     apart = [(Bucket(buffer=b.buffer.clone(), metas=list(b.metas), rank=None), prefix) for b, prefix in shared]
     assert buckets_digests_lazy(apart, mode)() == want
     assert len(want) == len(tensors)
-    for pairs in (shared, apart):  # the digests as material (what a whole push's trailer carries), and back
-        pending = buckets_digests_lazy(pairs, mode)
-        words = pending.words()
-        assert words.dtype == np.uint64 and words.size == material_words(pending.entries, mode)
-        assert digests_from_material(pending.entries, mode, words) == want
-        if device == "cuda" and mode == "checksum":  # the trailer can leave without a host round trip
-            assert pending.device_words is not None
-            assert np.array_equal(pending.device_words.cpu().numpy().view(np.uint64), words)
-    if mode != "off":  # one word changed in the material changes the digest of the tensor it belongs to, only
-        pending = buckets_digests_lazy(shared, mode)
-        words = pending.words().copy()
-        words[-1] ^= np.uint64(1)
-        changed = {k for k, d in digests_from_material(pending.entries, mode, words).items() if want[k] != d}
-        assert changed == {pending.entries[-1][0]}
-    with pytest.raises(ValueError, match="words of digest material"):
-        digests_from_material(pending.entries, mode, pending.words()[:-1])
+    for pairs in (shared, apart):  # per bucket, then merged as a receiver does (one copy to host where all are on it)
+        merged = PendingDigests.merge([bucket_digests_lazy(bk, mode, prefix) for bk, prefix in pairs])
+        if device == "cuda" and mode == "checksum":
+            assert merged.device_words is not None
+        assert merged() == want
+    if mode != "off":  # one byte changed in the arena changes the digest of the tensor it lies in, only
+        last = shared[-1][0]
+        arena[last.metas[-1].offset + (last.buffer.data_ptr() - arena.data_ptr())] ^= 1
+        changed = {k for k, d in buckets_digests_lazy(shared, mode)().items() if want[k] != d}
+        assert changed == {shared[-1][1] + last.metas[-1].name}
+        arena[last.metas[-1].offset + (last.buffer.data_ptr() - arena.data_ptr())] ^= 1
     on_host = {}  # the same digests where the bytes are host memory (a restore from the host copy)
     for b, prefix in shared:
         on_host.update(bucket_digests(Bucket(buffer=b.buffer.cpu().numpy(), metas=list(b.metas), rank=None), mode, prefix))

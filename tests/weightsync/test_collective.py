@@ -19,7 +19,7 @@ from asyncrl.config import WeightsyncConfig
 from asyncrl.generator.worker_ext import WeightUpdateExtension
 from asyncrl.types import GroupsReport, LoadReport, SenderAddress
 from asyncrl.types import WeightUpdateState as S
-from asyncrl.weightsync.bucket import FILE_PREFIX, shared_dir, unpack_bucket
+from asyncrl.weightsync.bucket import FILE_PREFIX, digest_key_prefix, shared_dir, unpack_bucket
 from asyncrl.weightsync.collective import (
     IPC_WINDOW,
     CollectiveError,
@@ -36,7 +36,7 @@ from asyncrl.weightsync.collective import (
 from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_digests, tensor_fingerprint
 from asyncrl.weightsync.push import KeptCopies, Publisher, Step, StreamedSend, WeightsyncError
 from asyncrl.weightsync.transport import LocalTransport
-from asyncrl.weightsync.wire import receive_stream, send_stream, sender_digests
+from asyncrl.weightsync.wire import receive_stream, send_stream
 
 from .fakes import FakeReplica, model
 
@@ -167,27 +167,24 @@ def test_every_receiver_gets_every_bucket_bit_exact_and_the_sender_keeps_host_co
     weights["empty"] = torch.empty(0, 3)
     got: dict[int, dict[str, torch.Tensor]] = {}
 
-    mine: dict[str, bytes] = {}
+    mine: dict[int, dict[str, bytes]] = {}
 
     def receive(group: CollectiveGroup) -> None:
-        out = {}
+        out: dict[str, torch.Tensor] = {}
+        own = mine.setdefault(group.rank, {})
         for bucket, digests in receive_stream(group, time.monotonic() + 20):
             if backend.endswith("-whole"):  # full staging: one fingerprint at the commit, nothing in band
                 assert digests == {}
-                mine.update(bucket_digests(bucket, "full"))
             else:
                 assert digests == bucket_digests(bucket, "full")  # the sender's, in band, before the bytes
+            own.update(bucket_digests(bucket, "full"))
             out.update({n: t.clone() for n, t in unpack_bucket(bucket)})
         got[group.rank] = out
-        # every digest the sender sent (in band, or after a whole version), for a receiver that commits by itself
-        theirs[group.rank] = sender_digests(group, time.monotonic() + 20)
 
-    theirs: dict[int, dict[str, bytes]] = {}
     sent = _push_while_receiving(sender, receivers, receive, weights, "full")
     assert sorted(got) == [1, 2]
-    assert theirs == {1: sent.digests, 2: sent.digests} and len(sent.digests) == len(weights)
-    if backend.endswith("-whole"):  # what the receivers hashed is what the sender hashed, after the bytes
-        assert mine == sent.digests
+    # what each receiver hashes of what landed is what the sender hashed (the publisher compares the two at the commit)
+    assert mine == {1: sent.digests, 2: sent.digests} and len(sent.digests) == len(weights)
     for out in got.values():
         assert out.keys() == weights.keys() and all(torch.equal(out[k], weights[k]) for k in weights)
     kept = sent.host_copies.result()
@@ -280,7 +277,7 @@ def test_a_planned_whole_push_puts_each_bucket_on_the_wire_as_soon_as_it_is_pack
         for bucket, _ in receive_stream(group, time.monotonic() + 20):
             received.append(time.monotonic())
             got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
-        theirs.update(sender_digests(group, time.monotonic() + 5))
+            theirs.update(bucket_digests(bucket, "checksum", digest_key_prefix(bucket)))
 
     th = threading.Thread(target=receive, args=(receiver,))
     th.start()
@@ -297,14 +294,14 @@ def test_a_planned_whole_push_puts_each_bucket_on_the_wire_as_soon_as_it_is_pack
 
 
 def _planned_push(sender, receiver, weights, plan, **send_kw):
-    """One planned whole-version push over gloo; (sent, what the receiver staged, the sender's digests it read)."""
+    """One planned whole-version push over gloo; (sent, what the receiver staged, its digests of what landed)."""
     got: dict[str, torch.Tensor] = {}
     theirs: dict[str, bytes] = {}
 
     def receive(group):
         for bucket, _ in receive_stream(group, time.monotonic() + 20):
             got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
-        theirs.update(sender_digests(group, time.monotonic() + 5))
+            theirs.update(bucket_digests(bucket, "checksum", digest_key_prefix(bucket)))
 
     th = threading.Thread(target=receive, args=(receiver,))
     th.start()
@@ -314,10 +311,9 @@ def _planned_push(sender, receiver, weights, plan, **send_kw):
 
 
 @pytest.mark.parametrize("verify", ["full", "checksum", "off"])
-def test_a_whole_push_ends_with_the_senders_digest_material_and_the_receiver_keeps_its_table(verify, monkeypatch):
-    """A whole planned version ends with a trailer of the sender's digest material right behind the
-    buckets (the receiver takes buckets, trailer and end header as one receive): the receiver's
-    `sender_digests` are the sender's own in every verify mode. A second push of the same plan reuses
+def test_a_whole_push_is_hashed_alike_on_both_ends_and_the_receiver_keeps_its_table(verify, monkeypatch):
+    """A whole planned version's buckets and end header are one receive, and what the receiver hashes
+    of what landed is what the sender hashed, in every verify mode. A second push of the same plan reuses
     the table the sender made (kept with the plan) and the one the receiver decoded for the first,
     and the same buckets (`reused`), holding its own bytes; after `release_kept` the next push receives
     into new ones, and another plan (other buckets) gets a table and buckets of its own. (Buffers are
@@ -346,8 +342,8 @@ def test_a_whole_push_ends_with_the_senders_digest_material_and_the_receiver_kee
                 assert bucket.reused
                 handed[-1].append(bucket)
                 got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
+                theirs.update(bucket_digests(bucket, verify, digest_key_prefix(bucket)))
             assert got.keys() == pushed.keys() and all(torch.equal(got[k], pushed[k]) for k in got)
-            theirs.update(sender_digests(group, time.monotonic() + 5))
             tables.append(group._whole_table)
 
         th = threading.Thread(target=receive, args=(receiver,))
@@ -357,8 +353,8 @@ def test_a_whole_push_ends_with_the_senders_digest_material_and_the_receiver_kee
         assert theirs == sent.digests and len(theirs) == len(weights)
         assert theirs == tensor_digests([(f"0/{k}", v) for k, v in pushed.items()], verify)  # (engine rank 0's keys)
         sent.host_copies.result()
-        announced.append(sender._announce[3])
-    assert tables[0] is tables[1] is tables[2] and tables[0].verify == verify and len(handed[0]) == len(plans[0].buckets)
+        announced.append(sender._announce[2])
+    assert tables[0] is tables[1] is tables[2] and len(handed[0]) == len(plans[0].buckets)
     assert announced[0] is announced[1] is announced[2]  # the sender's table made once for the plan
     assert all(a is b for a, b in zip(handed[0], handed[1]))  # the same buckets, with the second push's bytes
     assert not any(a is b for a, b in zip(handed[0], handed[2]))  # released: new ones
