@@ -400,7 +400,7 @@ async def _form_plan(actors, base, bucket_mb: float, apply: str):
     import pickle
 
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
-    from asyncrl.weightsync.replica_side import dump_manifest
+    from asyncrl.weightsync.service import dump_manifest
 
     if apply == "reload":
         return None, "apply=reload"

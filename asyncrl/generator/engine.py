@@ -26,9 +26,8 @@ from asyncrl.generator.sampling import Limits, validate_request
 from asyncrl.generator.version_source import EngineStamps, LedgerVersions, VersionSource
 from asyncrl.generator.versions import CompletionAccumulator
 from asyncrl.interfaces import WorkerAPI
-from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult, GroupsReport, SyncReport
+from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult, SyncReport
 from asyncrl.weightsync.fingerprint import fingerprint_mode
-from asyncrl.weightsync.replica_side import ReplicaStaging, adopt_push_plan
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +54,8 @@ class EngineReplica(WeightUpdates):
         self.replica_id = replica_id
         self.weight_source, self.weight_source_namespace = weight_source, weight_source_namespace
         self.state = ReplicaState.STARTING
-        self.update_state = UpdateState.IDLE
         self.version = 0
-        self._staging_version: int | None = None
-        self._staged_tensors = 0
-        self._staging = ReplicaStaging(self._rpc, replica_id)  # the receiving half of weight pushes
-        # What the workers answered at the last join (None: ask them). A group breaks only inside
-        # a receive, which fails this replica's load_bucket: that drops the cache.
-        self._groups_joined: GroupsReport | None = None
-        self._receive_reached = False  # this load_bucket's workers received (or refused) a collective push
+        self._init_weight_updates()
         self._paused_mode: str | None = None  # a pause some caller holds (resume clears it)
         self._asleep: set[str] = set()  # SLEEP_TAGS released now; the engine never runs while any is
         self._weights_discarded = False  # a level-2 sleep dropped the weights; cleared by the next commit
@@ -91,7 +83,7 @@ class EngineReplica(WeightUpdates):
         else:
             self._versions = EngineStamps(engine, self.counters, lambda: self.version)
         await engine.relabel(self.version)
-        checks = await self._staging.check_layout()
+        checks = await self._check_layout()
         problems = sorted({c.problem for c in checks if c.problem})
         if problems:
             logger.info("replica %s: weight pushes will reload through the engine's loader (%s)", self.replica_id, "; ".join(problems))
@@ -114,7 +106,7 @@ class EngineReplica(WeightUpdates):
         except ValueError:
             return SyncReport(replica_id=self.replica_id, version=self.version, loaded=False)
         layout = await self._load_latest(store)
-        plan_id = await adopt_push_plan(await store.push_plan.remote(), self._staging, self.replica_id)
+        plan_id = await self._adopt_plan(await store.push_plan.remote())
         return SyncReport(replica_id=self.replica_id, version=self.version, loaded=layout is not None, layout=layout,
                           push_plan=plan_id)
 
@@ -132,7 +124,7 @@ class EngineReplica(WeightUpdates):
             import pickle
 
             try:
-                plan_id = await self._staging.set_plan(pickle.dumps(plan))
+                plan_id = await self._set_plan(pickle.dumps(plan))
                 layout = "engine"
             except Exception as err:
                 from asyncrl.weightsync.fingerprint import tensor_fingerprint
@@ -321,7 +313,7 @@ class EngineReplica(WeightUpdates):
             "state": self.state.value,
             "update_state": self.update_state.value,
             "version": self.version,
-            "push_plan": self._staging.plan_id,  # the push plan whose engine-layout buckets it copies in (None: reloads)
+            "push_plan": self.plan_id,  # the push plan whose engine-layout buckets it copies in (None: reloads)
             "paused": self._paused_mode is not None,
             "pause_mode": self._paused_mode,
             "asleep": sorted(self._asleep),

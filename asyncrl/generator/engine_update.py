@@ -1,9 +1,11 @@
-"""The engine replica's side of a weight push: its update state machine and the paused apply.
+"""The engine replica's side of a weight push: its update state machine, from the payload to the paused apply.
 
-Owns: begin -> load bucket(s) -> commit (fingerprint check, pause, apply, relabel, resume) or abort, the replica's
-collective-group membership, the push plan it accepts, and moving the per-token version labels at a commit
-(through the replica's `VersionSource`). The wire's receiving half is weightsync's (replica_side.py, vllm_worker.py).
-`WeightUpdates` is a part of `EngineReplica` (engine.py), which sets the attributes it reads.
+Owns: begin -> load bucket(s) -> commit (fingerprint check, pause, apply, relabel, resume) or abort, what the workers
+staged (their digests, per worker), the replica's collective-group membership, the push plan it holds, and moving the
+per-token version labels at a commit (through the replica's `VersionSource`). Payloads: a `SharedBucket` (shm), a
+`Bucket` (object store: written once into a shared file), a `CollectiveReceive` (the workers receive from the senders
+themselves) or loose named tensors, each optionally `WithDigests` (bucketed staging). The workers' half is
+weightsync's (worker_verbs.py, receiver.py, vllm_worker.py). `WeightUpdates` is a part of `EngineReplica` (engine.py).
 Must never: change the version label while the engine runs a step, or apply staged tensors whose fingerprint
 differs from the one the caller committed.
 Details: docs/design/generator.md, "The replica's weight updates".
@@ -13,23 +15,90 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
+
+import msgspec
 
 from asyncrl.generator.replica_types import ReplicaState, UpdateState, WeightUpdateError
 from asyncrl.interfaces import WorkerAPI, verb_name
-from asyncrl.types import CommitReport, FingerprintReport, GroupsReport, LayoutReport, LoadReport, PlanAck, Refusal, UpdateAck, refusal_of
+from asyncrl.types import (
+    ApplyReport,
+    CommitReport,
+    FingerprintReport,
+    GroupsReport,
+    LayoutCheck,
+    LayoutReport,
+    LoadReport,
+    PlanAck,
+    ReceiveReport,
+    Refusal,
+    UpdateAck,
+    refusal_of,
+)
 from asyncrl.weightsync import trace
+from asyncrl.weightsync.bucket import WithDigests
 from asyncrl.weightsync.collective import CollectiveReceive
-from asyncrl.weightsync.fingerprint import check_verify_mode
-from asyncrl.weightsync.replica_side import FingerprintMismatch, is_object_ref
+from asyncrl.weightsync.fingerprint import check_verify_mode, combine_digests, fingerprint_mode
 
 logger = logging.getLogger(__name__)
 
 
+class PlanMissing(ValueError):
+    """An engine-layout push for a plan this replica does not hold (it started later): the
+    publisher forms the plan again."""
+
+    refusal = Refusal.PLAN_MISSING
+
+
+class FingerprintMismatch(ValueError):
+    """The staged tensors do not hash to the committed fingerprint; nothing was applied."""
+
+    refusal = Refusal.VERIFY_FAILED
+
+
+def is_object_ref(value: Any) -> bool:
+    """A Ray object handle that travelled nested in another value (Ray resolves only top-level arguments)."""
+    import ray
+
+    return isinstance(value, ray.ObjectRef)
+
+
+async def _as_shared(payload: Any) -> AsyncIterator[tuple[Any, bool]]:
+    """The payload as shared bucket files for the workers, with whether this replica wrote (and
+    so must unlink) each."""
+    from asyncrl.weightsync.bucket import Bucket, SharedBucket, iter_buckets, write_shared
+
+    if isinstance(payload, SharedBucket):
+        yield payload, False
+        return
+    if isinstance(payload, Bucket):
+        buckets: Any = [payload]
+    else:  # iter_buckets checks the names and brings each tensor to contiguous CPU memory
+        pairs = payload.items() if isinstance(payload, Mapping) else payload
+        buckets = iter_buckets(pairs, 256.0)
+    for bucket in buckets:
+        yield await asyncio.to_thread(write_shared, bucket), True
+
+
 class WeightUpdates:
-    """The update protocol's verbs of an engine replica (see the module docstring)."""
+    """The update protocol's verbs of an engine replica (see the module docstring). Its state is
+    set by `_init_weight_updates`; the replica (engine.py) provides `engine`, `version`, `state`,
+    the pause and the control lock."""
+
+    def _init_weight_updates(self) -> None:
+        self.update_state = UpdateState.IDLE
+        self._staging_version: int | None = None
+        self._staged_layout = "hf"  # of the version staged: "engine" (one plan's buckets per rank) or "hf"
+        self._staged: list[dict[str, bytes]] = []  # per worker: the digests of what it staged
+        self.plan_id: str | None = None  # the push plan the workers hold (engine-layout buckets copy in)
+        self.layout_checks: list[LayoutCheck] = []  # the start-time check of the engine's parameter layout
+        # What the workers answered at the last join (None: ask them). A group breaks only inside
+        # a receive, which fails this replica's load_bucket: that drops the cache.
+        self._groups_joined: GroupsReport | None = None
+        self._receive_reached = False  # this load_bucket's workers received (or refused) a collective push
 
     async def _rpc(self, verb: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
         """Run the worker verb `verb` (by reference: `WorkerAPI.asyncrl_apply`) on every worker of the
@@ -37,17 +106,46 @@ class WeightUpdates:
         this is the one place that turns a worker verb into it."""
         return await self.engine.worker_call(verb_name(WorkerAPI, verb), args, timeout)
 
+    async def _check_layout(self) -> list[LayoutCheck]:
+        """Whether each worker can copy pushed tensors into its live parameters (at start)."""
+        checks = await self._rpc(WorkerAPI.asyncrl_check_layout, timeout=600.0)
+        self.layout_checks = [msgspec.convert(c, LayoutCheck) for c in checks]
+        return self.layout_checks
+
     async def engine_layout(self, manifest: bytes) -> LayoutReport:
         """Every worker's parameter layout for the learner's export `manifest` (pickled
         `EngineLayout`s, weightsync/plan.py), and what the start-time check found."""
-        return LayoutReport(replica_id=self.replica_id, layouts=await self._staging.layouts(manifest),
-                            check=list(self._staging.layout_report))
+        layouts = await self._rpc(WorkerAPI.asyncrl_layout, manifest, timeout=600.0)
+        return LayoutReport(replica_id=self.replica_id, layouts=list(layouts), check=list(self.layout_checks))
 
     async def set_push_plan(self, plan: bytes | None) -> PlanAck:
         """Engine-layout buckets of this push plan (pickled, weightsync/plan.py) may be applied by a
         copy from now on; every worker checks its own layout is the plan's. None: reload only."""
         async with self._control_lock:
-            return PlanAck(replica_id=self.replica_id, plan_id=await self._staging.set_plan(plan))
+            return PlanAck(replica_id=self.replica_id, plan_id=await self._set_plan(plan))
+
+    async def _set_plan(self, plan: bytes | None) -> str | None:
+        self.plan_id = None
+        ids = set(await self._rpc(WorkerAPI.asyncrl_set_plan, plan, timeout=600.0))
+        if len(ids) != 1:
+            raise ValueError(f"workers disagree on the push plan: {sorted(map(str, ids))}")
+        self.plan_id = ids.pop()
+        return self.plan_id
+
+    async def _adopt_plan(self, plan: Any) -> str | None:
+        """A replica that starts after the push plan was formed takes it (from the WeightStore), so the
+        next push finds it holding that plan (without it, that push was refused: PLAN_MISSING, a failed
+        attempt, then a plan formed again). A plan this replica's workers refuse (their layout is not
+        the plan's) is left alone: the next push is refused and the service forms a plan with this
+        replica. Returns the plan id held after."""
+        if plan is None or plan.plan_id == self.plan_id:
+            return self.plan_id
+        try:
+            return await self._set_plan(pickle.dumps(plan))
+        except Exception as err:  # its layout differs: the service's PLAN_MISSING path handles it
+            logger.info("replica %s: the push plan %s does not fit this engine (%s); the next push forms one with it",
+                        self.replica_id, plan.plan_id, err)
+            return None
 
     async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
                            plan_id: str | None = None) -> UpdateAck:
@@ -63,14 +161,17 @@ class WeightUpdates:
             raise WeightUpdateError(f"replica {self.replica_id}: version {version!r} must be an int >= 0")
         try:
             check_verify_mode(verify)
-            await self._staging.begin(version, verify, staging, layout, plan_id)
+            if layout == "engine" and (self.plan_id is None or (plan_id is not None and plan_id != self.plan_id)):
+                raise PlanMissing(f"an engine-layout push for plan {plan_id} but this replica holds plan {self.plan_id}")
+            await self._rpc(WorkerAPI.asyncrl_begin_update, version, verify, staging, layout)
         except ValueError as err:
             raise WeightUpdateError(f"replica {self.replica_id}: {type(err).__name__}: {err}", refusal_of(err)) from None
         if version <= self.version:
             # weightsync restoring the last live version after a torn push (its host copy):
             # the label goes back with the weights, so tokens stay truthfully tagged.
             logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
-        self.update_state, self._staging_version, self._staged_tensors = UpdateState.STAGING, version, 0
+        self.update_state, self._staging_version = UpdateState.STAGING, version
+        self._staged_layout, self._staged = layout, []
         return UpdateAck(replica_id=self.replica_id, version=version)
 
     async def load_bucket(self, named_tensors: Any, version: int | None = None) -> LoadReport:
@@ -91,8 +192,9 @@ class WeightUpdates:
         """Tell a collective push's other members that this replica will not take it (best effort,
         bounded: a worker stuck elsewhere must not hold the failure back)."""
         self._groups_joined = None  # refusing may break a worker's group (ipc): ask them next time
-        try:
-            await asyncio.wait_for(self._staging.refuse(payload, f"replica {self.replica_id}: {err}"), 30.0)
+        try:  # (the workers tell the sender (ipc), or close the push's gate (gloo / NCCL): every member stops)
+            await asyncio.wait_for(self._rpc(WorkerAPI.asyncrl_refuse_collective, list(payload.group_ids),
+                                             f"replica {self.replica_id}: {err}", payload.gate), 30.0)
         except Exception as refuse_err:  # noqa: BLE001 - the load's own failure is the one reported
             logger.warning("replica %s: could not refuse the push: %s", self.replica_id, refuse_err)
 
@@ -106,13 +208,67 @@ class WeightUpdates:
             named_tensors = await named_tensors
         self._receive_reached = True  # the workers receive, or refuse, from here on
         try:
-            staged = await self._staging.load(named_tensors, self._staging_version)
+            await self._stage(named_tensors, self._staging_version)
         except Exception as err:
             self._groups_joined = None  # a failed receive may have broken a worker's group
             await self._drop_staged()
             raise WeightUpdateError(f"replica {self.replica_id}: staging failed: {err}") from err
-        self._staged_tensors = staged
-        return LoadReport(replica_id=self.replica_id, staged_tensors=staged)
+        return LoadReport(replica_id=self.replica_id, staged_tensors=sum(len(d) for d in self._staged))
+
+    async def _stage(self, payload: Any, version: int) -> None:
+        """Stage one payload on every worker (their digests kept per worker)."""
+        expected = None
+        if isinstance(payload, WithDigests):
+            payload, expected = payload.payload, payload.digests
+            if is_object_ref(payload):  # nested in the wrapper, so Ray did not resolve it
+                payload = await payload
+        if isinstance(payload, CollectiveReceive):
+            if payload.version != version:
+                raise ValueError(f"collective push of version {payload.version}, staging {version}")
+            results = await self._rpc(WorkerAPI.asyncrl_receive_collective, version, list(payload.group_ids),
+                                      payload.timeout_s, payload.gate, timeout=payload.timeout_s + 30.0)
+            self._staged = [dict(msgspec.convert(r, ReceiveReport).digests) for r in results]
+            return
+        async for shared, owned in _as_shared(payload):
+            try:
+                results = await self._rpc(WorkerAPI.asyncrl_stage_file, version, shared.wire(), expected)
+            finally:
+                if owned:  # written here; the workers hold their own mappings now
+                    shared.unlink()
+            self._staged = self._staged or [{} for _ in results]
+            for mine, got in zip(self._staged, results):
+                mine.update(got)
+
+    def _check_staged(self, version: int, fingerprint: str) -> None:
+        """Raise FingerprintMismatch unless what the workers staged hashes to `fingerprint`."""
+        try:
+            mode = fingerprint_mode(fingerprint)
+        except ValueError as err:
+            raise FingerprintMismatch(f"fingerprint mismatch for version {version}: {err}") from None
+        if self._staged_layout == "engine":  # each rank staged its own parameters (keys carry the rank)
+            candidates = [{k: v for d in self._staged for k, v in d.items()}]
+        else:  # every worker staged every HF tensor
+            candidates = self._staged or [{}]
+        for digests in candidates:
+            actual = combine_digests(digests, mode)
+            if actual != fingerprint:
+                raise FingerprintMismatch(f"fingerprint mismatch for version {version}: expected {fingerprint[:24]}, "
+                                          f"staged tensors hash to {actual[:24]}")
+
+    async def _apply_staged(self, version: int, before: Callable[..., Any] | None = None) -> ApplyReport:
+        """Apply the staged version on every worker. `before`: a `WorkerAPI` verb (no arguments)
+        each worker calls first, in the same round trip (the engine reads its paused state so);
+        its results, one per worker, come back as "before"."""
+        t = time.perf_counter()
+        if before is None:
+            results, first = await self._rpc(WorkerAPI.asyncrl_apply, version, timeout=600.0), []
+        else:
+            pairs = await self._rpc(WorkerAPI.asyncrl_apply_after, version, verb_name(WorkerAPI, before), timeout=600.0)
+            first, results = [p[0] for p in pairs], [p[1] for p in pairs]
+        results = [msgspec.convert(r, ApplyReport) for r in results]
+        return ApplyReport(path=results[0].path if results else "none",
+                           apply_seconds=max((r.apply_seconds for r in results), default=0.0),
+                           rpc_seconds=time.perf_counter() - t, before=first)
 
     # ---- collective transport groups (weightsync/collective.py) --------------------------------
 
@@ -159,7 +315,7 @@ class WeightUpdates:
             raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} while its weights are "
                                     "asleep (wake_up(['weights']) first); nothing applied")
         try:
-            self._staging.check(version, fingerprint)
+            self._check_staged(version, fingerprint)
         except FingerprintMismatch as err:
             self.counters["updates_failed"] += 1
             await self._drop_staged()
@@ -176,7 +332,7 @@ class WeightUpdates:
         try:
             # Paused: no step runs, so the counts the workers read (in the same call as the
             # apply, one round trip) hold until resume.
-            applied = await self._staging.apply(version, before=self._versions.counts_query)
+            applied = await self._apply_staged(version, before=self._versions.counts_query)
             trace.mark("rep.applied")
             sampled = await self._versions.counts(applied.before)
             trace.mark("rep.counted")
@@ -187,7 +343,7 @@ class WeightUpdates:
                 f"applied; the replica stays paused until restored): {err}", applying=True
             ) from err
         finally:
-            self.update_state, self._staging_version, self._staged_tensors = UpdateState.IDLE, None, 0
+            self.update_state, self._staging_version, self._staged = UpdateState.IDLE, None, []
         t_applied = time.perf_counter()
         await self.engine.relabel(version)
         if not paused_here:  # our own pause above cleared the caches, and nothing ran since
@@ -238,8 +394,8 @@ class WeightUpdates:
             return UpdateAck(replica_id=self.replica_id, version=self.version)
 
     async def _drop_staged(self) -> None:
-        await self._staging.abort()
-        self.update_state, self._staging_version, self._staged_tensors = UpdateState.IDLE, None, 0
+        await self._rpc(WorkerAPI.asyncrl_abort_update)
+        self.update_state, self._staging_version, self._staged = UpdateState.IDLE, None, []
 
     async def live_fingerprint(self) -> FingerprintReport:
         """The fingerprint of the live parameters, as a full push of them would have."""

@@ -244,6 +244,15 @@ def shared_dir(nbytes: int) -> str:
     return tempfile.gettempdir()
 
 
+@dataclass(frozen=True)
+class WithDigests:
+    """A push payload with the sender's digests of its tensors (bucketed staging checks each bucket
+    against them before applying it)."""
+
+    payload: Any
+    digests: dict[str, bytes]
+
+
 @dataclass(frozen=True, slots=True)
 class SharedBucket:
     """A `Bucket` whose buffer lives in a file; `path` is None when it has no bytes."""

@@ -126,7 +126,6 @@ class WeightPublisher:
         import pickle
 
         from asyncrl.weightsync.plan import EngineLayout, PlanError, build_plan
-        from asyncrl.weightsync.replica_side import dump_manifest
 
         plan, problem = None, ""
         if self.cfg.apply == "reload":
@@ -312,6 +311,13 @@ class WeightPublisher:
 
     def snapshot(self) -> dict[str, Any]:
         return self.publisher.registry.snapshot() if self.publisher else {}
+
+
+def dump_manifest(manifest: Any) -> bytes:
+    """The learner's export manifest as `EngineAPI.engine_layout` takes it."""
+    import pickle
+
+    return pickle.dumps(list(manifest), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _put_kind(transport: Any) -> str:

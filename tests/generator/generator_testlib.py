@@ -87,7 +87,7 @@ def form_push_plan(control, tensors: dict[str, torch.Tensor], bucket_mb: float =
     import pickle
 
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
-    from asyncrl.weightsync.replica_side import dump_manifest
+    from asyncrl.weightsync.service import dump_manifest
 
     manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
     answers = asyncio.run(control.call(EngineAPI.engine_layout, dump_manifest(manifest)))

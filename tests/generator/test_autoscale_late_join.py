@@ -38,7 +38,7 @@ def _replicas(control: EngineControl, count: int) -> dict[str, int] | None:
 def _plan_for(control: EngineControl, replica_id: str, weights: dict):
     """A push plan for these tensors in the layout of `replica_id`'s engine, as the service forms one."""
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
-    from asyncrl.weightsync.replica_side import dump_manifest
+    from asyncrl.weightsync.service import dump_manifest
 
     manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in weights.items()]
     answers = asyncio.run(control.call(EngineAPI.engine_layout, dump_manifest(manifest)))

@@ -357,34 +357,38 @@ class _Plan:
         self.plan_id = plan_id
 
 
-class _Staging:
-    """The replica staging's plan handling: set_plan hands the workers a plan, which they refuse
-    where their layout is not the plan's (as ReplicaStaging.set_plan raises)."""
+def _staging(plan_id: str | None = None, refuses: bool = False):
+    """The replica's weight-update part with workers that take a plan (`_set_plan`), or refuse it
+    where their layout is not the plan's (as the real workers' disagreement raises)."""
+    from asyncrl.generator.engine_update import WeightUpdates
 
-    def __init__(self, plan_id: str | None = None, refuses: bool = False) -> None:
-        self.plan_id, self.refuses, self.sets = plan_id, refuses, []
+    class Staging(WeightUpdates):
+        def __init__(self) -> None:
+            self.replica_id, self.sets = "r", []
+            self._init_weight_updates()
+            self.plan_id = plan_id
 
-    async def set_plan(self, blob: bytes) -> str:
-        import pickle
+        async def _set_plan(self, blob: bytes) -> str:
+            import pickle
 
-        self.plan_id = None
-        plan = pickle.loads(blob)
-        self.sets.append(plan.plan_id)
-        if self.refuses:
-            raise ValueError("workers disagree on the push plan")
-        self.plan_id = plan.plan_id
-        return plan.plan_id
+            self.plan_id = None
+            plan = pickle.loads(blob)
+            self.sets.append(plan.plan_id)
+            if refuses:
+                raise ValueError("workers disagree on the push plan")
+            self.plan_id = plan.plan_id
+            return plan.plan_id
+
+    return Staging()
 
 
 def test_a_starting_replica_adopts_the_stores_push_plan_once_and_survives_one_that_does_not_fit():
-    from asyncrl.weightsync.replica_side import adopt_push_plan
-
-    fresh = _Staging()
-    assert asyncio.run(adopt_push_plan(_Plan("p1"), fresh, "r")) == "p1" and fresh.sets == ["p1"]
-    assert asyncio.run(adopt_push_plan(_Plan("p1"), fresh, "r")) == "p1" and fresh.sets == ["p1"]  # held: no call
-    assert asyncio.run(adopt_push_plan(None, fresh, "r")) == "p1"  # no plan formed yet: what it holds stays
-    other = _Staging(refuses=True)  # its layout differs: left without a plan, no error at start
-    assert asyncio.run(adopt_push_plan(_Plan("p2"), other, "r")) is None and other.plan_id is None
+    fresh = _staging()
+    assert asyncio.run(fresh._adopt_plan(_Plan("p1"))) == "p1" and fresh.sets == ["p1"]
+    assert asyncio.run(fresh._adopt_plan(_Plan("p1"))) == "p1" and fresh.sets == ["p1"]  # held: no call
+    assert asyncio.run(fresh._adopt_plan(None)) == "p1"  # no plan formed yet: what it holds stays
+    other = _staging(refuses=True)  # its layout differs: left without a plan, no error at start
+    assert asyncio.run(other._adopt_plan(_Plan("p2"))) is None and other.plan_id is None
 
 
 # ---- gateway helpers ------------------------------------------------------------------------

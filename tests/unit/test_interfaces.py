@@ -170,9 +170,9 @@ def test_a_refusal_is_a_type_that_survives_the_boundaries():
 
     from asyncrl.generator.control import ReplicaControlError
     from asyncrl.generator.deployment import ReplicaCallError
+    from asyncrl.generator.engine_update import FingerprintMismatch, PlanMissing
     from asyncrl.generator.replica_types import WeightUpdateError
     from asyncrl.types import Refusal, refusal_of
-    from asyncrl.weightsync.replica_side import FingerprintMismatch, PlanMissing
     from asyncrl.weightsync.replicas import is_verify_failure
 
     err = pickle.loads(pickle.dumps(WeightUpdateError("replica r: rejected", Refusal.VERIFY_FAILED)))

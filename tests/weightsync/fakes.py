@@ -9,9 +9,8 @@ from typing import Any
 import torch
 
 from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck
-from asyncrl.weightsync.bucket import Bucket, SharedBucket, unpack_bucket
+from asyncrl.weightsync.bucket import Bucket, SharedBucket, WithDigests, unpack_bucket
 from asyncrl.weightsync.fingerprint import bucket_digests, tensor_fingerprint
-from asyncrl.weightsync.replica_side import WithDigests
 from asyncrl.weightsync.transport import LocalTransport
 
 

@@ -43,7 +43,7 @@ def test_device_checksums_equal_host_checksums_segment_for_segment():
 async def _plan_for(replica, model_path: str) -> tuple[dict, object]:
     """The checkpoint's tensors, and a push plan in `replica`'s own layout, set on it."""
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
-    from asyncrl.weightsync.replica_side import dump_manifest
+    from asyncrl.weightsync.service import dump_manifest
     from asyncrl.weightsync.store import load_hf_tensors
 
     base = load_hf_tensors(model_path)
@@ -101,7 +101,7 @@ async def _scenario(model_path: str) -> dict:
         prompts = [[5, 17, 9, 33, 2], [12, 4, 4, 7]]
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=False)
         outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in prompts]
-        return {"check": replica._staging.layout_report[0], "metrics": result.metrics, "new": new, "prompts": prompts,
+        return {"check": replica.layout_checks[0], "metrics": result.metrics, "new": new, "prompts": prompts,
                 "tokens": [o.completions[0].token_ids for o in outs], "versions": [o.completions[0].versions for o in outs],
                 "same_addresses": before == await param_addresses()}
     finally:

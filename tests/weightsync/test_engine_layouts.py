@@ -50,7 +50,7 @@ async def _scenario(path: str) -> dict:
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.registry import VersionRegistry
-    from asyncrl.weightsync.replica_side import dump_manifest
+    from asyncrl.weightsync.service import dump_manifest
     from asyncrl.weightsync.store import load_hf_tensors
     from asyncrl.weightsync.transport import SharedMemoryTransport
 
@@ -74,7 +74,7 @@ async def _scenario(path: str) -> dict:
         transport.close()
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=False)
         out = await replica.generate(GenerationRequest(prompt_ids=PROMPT, sampling=sp))
-        return {"check": replica._staging.layout_report[0], "layout": layout, "metrics": result.metrics, "new": new,
+        return {"check": replica.layout_checks[0], "layout": layout, "metrics": result.metrics, "new": new,
                 "tokens": out.completions[0].token_ids, "versions": out.completions[0].versions}
     finally:
         replica.shutdown()

@@ -39,7 +39,7 @@ async def _scenario(model_path: str) -> dict:
     from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
     from asyncrl.weightsync.push import Publisher
-    from asyncrl.weightsync.replica_side import dump_manifest
+    from asyncrl.weightsync.service import dump_manifest
     from asyncrl.weightsync.shards import build_shard_plan
     from asyncrl.weightsync.transport import SharedMemoryTransport
     from tests.learner._data import advantages, make_samples
@@ -84,7 +84,7 @@ async def _scenario(model_path: str) -> dict:
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=False)
         outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in PROMPTS]
         broadcast = {} if torch.cuda.is_available() else await _broadcast_push(group, replica, plan, sp)
-        return {"layouts": layouts, "check": replica._staging.layout_report, "metrics": result.metrics,
+        return {"layouts": layouts, "check": replica.layout_checks, "metrics": result.metrics,
                 "plan": plan, "gathered": gathered, "senders": sorted(set(export.senders)), "broadcast": broadcast,
                 "update": metrics, "exported": exported, "same_addresses": before == await addresses(),
                 "tokens": [o.completions[0].token_ids for o in outs], "versions": [o.completions[0].versions for o in outs]}

@@ -156,7 +156,7 @@ async def _form_plan(handles, tensors, bucket_mb):
     import pickle
 
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
-    from asyncrl.weightsync.replica_side import dump_manifest
+    from asyncrl.weightsync.service import dump_manifest
 
     manifest = tensors if isinstance(tensors, list) else \
         [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]

@@ -268,7 +268,7 @@ class _Control:
         from asyncrl.types import LayoutReport, PlanAck
 
         if verb is EngineAPI.engine_layout:
-            manifest = pickle.loads(args[0])  # (replica_side.dump_manifest)
+            manifest = pickle.loads(args[0])  # (service.dump_manifest)
             return {"r0": LayoutReport(replica_id="r0", layouts=[pickle.dumps(probe_layout(_Engine(r, self.tp), manifest, r))
                                                                   for r in range(self.tp)])}
         if verb is EngineAPI.set_push_plan:
