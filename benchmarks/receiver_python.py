@@ -17,7 +17,7 @@ import time
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, TensorMeta
-from asyncrl.weightsync.receiver import WorkerReceiver
+from asyncrl.weightsync.worker_verbs import WorkerReceiver
 
 
 class _Hooks:

@@ -265,7 +265,7 @@ class Sender:
     def send(self, bucket_mb: float, verify: str, timeout_s: float, gate: str = "") -> dict:
         import ray
 
-        from asyncrl.weightsync.wire import send_stream
+        from asyncrl.weightsync.sender import send_stream
 
         if getattr(self, "profiling", False):
             self.profiling = False

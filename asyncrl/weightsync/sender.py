@@ -15,7 +15,7 @@ from __future__ import annotations
 import pickle
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,29 @@ from asyncrl.types import CollectiveExport, HostCopies, PackedExport, SenderAddr
 from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import SharedAllocator, digest_key_prefix, iter_buckets, write_shared
 from asyncrl.weightsync.fingerprint import bucket_digests
+
+if TYPE_CHECKING:
+    from asyncrl.weightsync.collective import CollectiveGroup
+    from asyncrl.weightsync.stream import SendResult
+
+
+def send_stream(group: "CollectiveGroup", named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
+                verify: str, timeout_s: float, keep: Any = None, plan: Any = None, sender: int = 0,
+                arena: str = "auto", gate: str = "") -> "SendResult":
+    """Send one version over `group`, by its backend's loop (stream.py: gloo / NCCL; ipc.py: a shared
+    device): bucket (in the engines' layout with a `plan`), hash in the `verify` mode, send, and hand
+    each bucket's host copy to `keep` off the critical path. `arena` (gloo / NCCL, a whole planned
+    version): where the sender packs it; an ipc sender packs into its own ring. `gate` (gloo / NCCL):
+    the push's gate token; ipc needs none (a receiver that refuses tells its sender through the store)."""
+    if group.spec.backend == "ipc":
+        from asyncrl.weightsync.ipc import ipc_send_stream
+
+        return ipc_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=keep, plan=plan,
+                               sender=sender)
+    from asyncrl.weightsync.stream import broadcast_send_stream
+
+    return broadcast_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=keep,
+                                 plan=plan, sender=sender, arena=arena, gate=gate)
 
 
 def pack_into_transport(tensors: Iterable[tuple[str, Any]], bucket_mb: float, transport: str, verify: str,
@@ -143,7 +166,6 @@ class SenderEndpoint:
         import ray
 
         from asyncrl.weightsync.collective import CollectiveError
-        from asyncrl.weightsync.wire import send_stream
 
         tensors = iter(tensors)
         group = self.group

@@ -4,9 +4,9 @@ Owns: the wire protocol of one push (per bucket: a 3 x int64 header, the tensor 
 digests, the buffer; then an end or abort header; whole version: one header and table, every bucket and the end
 header, one enqueue for a receiver), `broadcast_send_stream` (the sender's loop: pack, hash,
 broadcast, start the host copy off the critical path), `broadcast_receive_stream` (the receiver's: allocate on its
-device, receive, hand each bucket on with the sender's digests) and the helpers ipc.py shares (wire.py picks this or
-ipc.py by backend). With `ipc_window` 0 (full staging) the sender enqueues the whole version back to back, hashing
-beside the wire, and waits once; a sender whose device cannot hold it packs through a `SenderRing` of reused slots.
+device, receive, hand each bucket on with the sender's digests) and the helpers ipc.py shares (sender.send_stream and
+worker_verbs.receive_stream pick this or ipc.py by backend). With `ipc_window` 0 (full staging) the sender enqueues
+the whole version back to back, hashing beside the wire, and waits once; a sender whose device cannot hold it packs through a `SenderRing` of reused slots.
 Must never: wait without a deadline, or leave the receivers waiting on a sender that failed (an export error sends
 the abort header first).
 Details: docs/design/weightsync.md, "Collective push loops".

@@ -35,8 +35,9 @@ from asyncrl.weightsync.collective import (
 )
 from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_digests, tensor_fingerprint
 from asyncrl.weightsync.push import KeptCopies, Publisher, Step, StreamedSend, WeightsyncError
+from asyncrl.weightsync.sender import send_stream
 from asyncrl.weightsync.transport import LocalTransport
-from asyncrl.weightsync.wire import receive_stream, send_stream
+from asyncrl.weightsync.worker_verbs import receive_stream
 
 from .fakes import FakeReplica, model
 

@@ -20,7 +20,8 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
     from asyncrl.weightsync.bucket import digest_key_prefix, unpack_bucket
     from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
     from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_fingerprint
-    from asyncrl.weightsync.wire import receive_stream, send_stream
+    from asyncrl.weightsync.sender import send_stream
+    from asyncrl.weightsync.worker_verbs import receive_stream
 
     try:
         spec_ = GroupSpec(**spec)

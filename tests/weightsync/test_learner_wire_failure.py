@@ -30,7 +30,7 @@ class _Receiver:
         return True
 
     def receive(self, timeout_s: float) -> int:
-        from asyncrl.weightsync.wire import receive_stream
+        from asyncrl.weightsync.worker_verbs import receive_stream
 
         return sum(bucket.buffer.numel() for bucket, _ in receive_stream(self.group, time.monotonic() + timeout_s))
 

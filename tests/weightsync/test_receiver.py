@@ -9,7 +9,7 @@ import torch
 
 from asyncrl.types import ApplyReport
 from asyncrl.weightsync.bucket import Bucket, TensorMeta
-from asyncrl.weightsync.receiver import WorkerReceiver
+from asyncrl.weightsync.worker_verbs import WorkerReceiver
 
 
 class _Hooks:
