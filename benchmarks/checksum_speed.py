@@ -19,7 +19,7 @@ import time
 def main() -> None:
     import torch
 
-    from asyncrl.weightsync import checksum as ck
+    from asyncrl.weightsync import fingerprint as ck
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=1.07)

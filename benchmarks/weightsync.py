@@ -290,7 +290,7 @@ class Sender:
         checksums (the Triton kernel `verify: checksum` runs on both sides of a push)."""
         import torch
 
-        from asyncrl.weightsync.checksum import segment_checksums
+        from asyncrl.weightsync.fingerprint import segment_checksums
 
         if self.device.type != "cuda":
             return {}

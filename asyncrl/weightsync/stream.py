@@ -1,12 +1,11 @@
-"""One push on a gloo / NCCL group (collective.py's `CollectiveGroup`): the sender's loop and the receiver's.
+"""One push on a gloo / NCCL group (collective.py's `CollectiveGroup`): the sender's loop and the wire protocol.
 
 Owns: the wire protocol of one push (per bucket: a 3 x int64 header, the tensor table as JSON with the sender's
 digests, the buffer; then an end or abort header; whole version: one header and table, every bucket and the end
-header, one enqueue for a receiver), `broadcast_send_stream` (the sender's loop: pack, hash,
-broadcast, start the host copy off the critical path), `broadcast_receive_stream` (the receiver's: allocate on its
-device, receive, hand each bucket on with the sender's digests) and the helpers ipc.py shares (sender.send_stream and
-worker_verbs.receive_stream pick this or ipc.py by backend). With `ipc_window` 0 (full staging) the sender enqueues
-the whole version back to back, hashing beside the wire, and waits once; a sender whose device cannot hold it packs through a `SenderRing` of reused slots.
+header, one enqueue for a receiver), `broadcast_send_stream` (pack, hash, broadcast, start the host copy off the
+critical path) and the helpers ipc.py and stream_receive.py share. With `ipc_window` 0 (full staging) the sender
+enqueues the whole version back to back, hashing beside the wire, and waits once; a sender whose device cannot hold
+it packs through a `SenderRing` of reused slots. `sender.send_stream` picks this or ipc.py by backend.
 Must never: wait without a deadline, or leave the receivers waiting on a sender that failed (an export error sends
 the abort header first).
 Details: docs/design/weightsync.md, "Collective push loops".
@@ -24,8 +23,7 @@ from typing import Any
 import torch
 
 from asyncrl.weightsync import trace
-from asyncrl.weightsync.arena import SenderRing, whole_arena
-from asyncrl.weightsync.bucket import Bucket, TensorMeta, iter_buckets, rank_key_prefix
+from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, iter_buckets, rank_key_prefix, whole_arena
 from asyncrl.weightsync.collective import ABORT, BUCKET, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup
 from asyncrl.weightsync.fingerprint import PendingDigests, meta_entries
 from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool

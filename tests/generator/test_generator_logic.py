@@ -256,7 +256,7 @@ def test_batched_digests_equal_per_tensor_digests_and_stay_stable():
 def test_checksum_sees_every_word_and_where_it_is():
     """checksum mode: a flipped bit anywhere (in any chunk, in a tail shorter than a word), two
     swapped words, and two swapped chunks all change the digest; equal tensors agree."""
-    from asyncrl.weightsync.checksum import CH
+    from asyncrl.weightsync.fingerprint import CH
 
     g = torch.Generator().manual_seed(3)
     for t in (torch.randn(2 * CH * 2 + 5, generator=g), torch.randn(2 * CH + 1, generator=g).to(torch.bfloat16),
@@ -283,7 +283,7 @@ def test_checksums_are_equal_on_host_and_through_the_device_path_and_per_segment
     for bit, and a tensor's checksum inside a bucket equals its checksum alone."""
     import numpy as np
 
-    from asyncrl.weightsync.checksum import _torch_segment, segment_checksums
+    from asyncrl.weightsync.fingerprint import _torch_segment, segment_checksums
 
     g = torch.Generator().manual_seed(5)
     buf = torch.randint(0, 255, ((1 << 19) * 3 + 13,), dtype=torch.uint8, generator=g)

@@ -369,7 +369,7 @@ def test_a_sender_ring_sends_a_planned_version_through_reused_slots_bit_exact(mo
     whole arena's allocation ran out of memory) packs it through a few reused slots. The receiver gets
     the same table and bytes, the digests are the whole arena's, and the host copies (what a restore
     and the late joiners read) are every bucket's own bytes though their slots were overwritten."""
-    import asyncrl.weightsync.arena as arena
+    import asyncrl.weightsync.bucket as arena
     import asyncrl.weightsync.stream as stream
 
     spec = _spec(receivers=1, backend="gloo-whole")
@@ -409,7 +409,7 @@ def test_a_sender_ring_sends_a_planned_version_through_reused_slots_bit_exact(mo
 def test_a_sender_ring_waits_for_the_oldest_sent_bucket_and_grows_rather_than_wait_on_one_being_packed():
     """The ring reuses the oldest sent slot only once its broadcast and host copy are done; an export
     that keeps more buckets open than the ring has free slots gets another slot (no wait could end)."""
-    from asyncrl.weightsync.arena import RING_SLOTS, SenderRing
+    from asyncrl.weightsync.bucket import RING_SLOTS, SenderRing
 
     weights = {f"t{i}": torch.full((2048,), float(i)) for i in range(12)}
     planned = _identity_plan(weights, 2 * BUCKET_MB).for_sender(0)
@@ -433,8 +433,7 @@ def test_a_sender_ring_waits_for_the_oldest_sent_bucket_and_grows_rather_than_wa
 
 
 def test_a_whole_arena_gives_each_planned_bucket_an_aligned_window_of_one_allocation():
-    from asyncrl.weightsync.arena import whole_arena
-    from asyncrl.weightsync.bucket import ALIGN
+    from asyncrl.weightsync.bucket import ALIGN, whole_arena
 
     weights = {f"t{i}": torch.full((1000 + 37 * i,), float(i)) for i in range(6)}  # sizes off the alignment
     planned = _identity_plan(weights, 0.004).for_sender(0)

@@ -26,8 +26,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 def test_device_checksums_equal_host_checksums_segment_for_segment():
     from asyncrl.weightsync.bucket import iter_buckets
-    from asyncrl.weightsync.checksum import segment_checksums
-    from asyncrl.weightsync.fingerprint import bucket_digests
+    from asyncrl.weightsync.fingerprint import bucket_digests, segment_checksums
 
     g = torch.Generator().manual_seed(0)
     host = torch.randint(0, 255, (3 * (1 << 20) + 7,), dtype=torch.uint8, generator=g)
