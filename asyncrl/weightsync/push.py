@@ -30,10 +30,9 @@ from asyncrl.types import CommitReport, Refusal, WeightUpdateState, refusal_of
 from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import WithDigests
 from asyncrl.weightsync.fingerprint import fingerprint_mode
-from asyncrl.weightsync.metrics import PushMetrics
 from asyncrl.weightsync.registry import VersionRegistry
 from asyncrl.weightsync.replicas import ReplicaClient, is_replica_dead, is_verify_failure
-from asyncrl.weightsync.sources import BucketSource, KeptCopies, Send, Step, StepFailed, StreamedSend, StreamedSource  # noqa: F401 - re-exported: the publisher's vocabulary
+from asyncrl.weightsync.sources import BucketSource, KeptCopies, PushMetrics, Send, Step, StepFailed, StreamedSend, StreamedSource  # noqa: F401 - re-exported: the publisher's vocabulary
 from asyncrl.weightsync.transport import Transport
 
 log = logging.getLogger(__name__)
