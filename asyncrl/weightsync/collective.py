@@ -45,17 +45,6 @@ class GateClosed(SenderAborted):
     stopped it, or a member never came by the deadline. The group stays usable."""
 
 
-GATE_CLOSED = "stopped at its gate"  # in every GateClosed's message: it survives vLLM's RPC, which keeps only text
-
-
-def is_gate_closed(err: BaseException) -> bool:
-    """Whether `err` (or one it was raised from, here or in a worker) is a push stopped at its gate:
-    nothing of that push reached a buffer, let alone the live weights."""
-    from asyncrl.types import error_chain
-
-    return any(isinstance(e, GateClosed) or GATE_CLOSED in str(e) for e in error_chain(err))
-
-
 GATE_OPEN = "open"
 
 
@@ -375,7 +364,7 @@ class CollectiveGroup:
         except Exception as err:
             raise self._failed([], err) from err
         if decision != GATE_OPEN:
-            raise GateClosed(f"group {self.spec.group_id}: push {token} {GATE_CLOSED} before it began ({decision})")
+            raise GateClosed(f"group {self.spec.group_id}: push {token} stopped at its gate before it began ({decision})")
 
     def close_gate(self, token: str, why: str) -> str:
         """Close push `token`'s gate from this member (it will not take the push); the decision."""

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.interfaces import EngineAPI, verb_name
-from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck, error_chain, failed_applying, refusal_of
+from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck, refusal_of
 
 Loaded = LoadReport | CommitReport  # a load that only staged, or one that also committed
 
@@ -111,18 +111,6 @@ def is_verify_failure(exc: BaseException) -> bool:
     """A commit that failed its fingerprint check applied nothing (generator contract above): the
     replica refused it with `Refusal.VERIFY_FAILED`."""
     return refusal_of(exc) is Refusal.VERIFY_FAILED
-
-
-def is_apply_failure(exc: BaseException) -> bool:
-    """A replica failed while applying (its error, or one it was raised from, says `applying`): it
-    may be part applied and stays paused until it is restored."""
-    return failed_applying(exc)
-
-
-def partly_done(exc: BaseException) -> bool:
-    """A call that fanned out failed on some replicas but returned on others (the error, or one it
-    was raised from, carries their non-empty `results`, as the generator's EngineControl does)."""
-    return any(isinstance(getattr(e, "results", None), dict) and bool(e.results) for e in error_chain(exc))
 
 
 def is_replica_dead(exc: BaseException) -> bool:

@@ -1176,15 +1176,6 @@ def test_the_gate_opens_once_every_member_arrived_and_a_closed_or_missed_gate_st
     assert at_gate("t4", groups) == ["open"] * 3 and groups[1].close_gate("t4", "too late") == "open"
     for g in groups:
         g.close()
-    # a worker's GateClosed reaches its replica as text only (vLLM's RPC): still recognised, and nothing else is
-    from asyncrl.weightsync.collective import is_gate_closed
-    try:
-        try:
-            raise RuntimeError(f"Call to asyncrl_receive_collective failed: {out[0]}")
-        except RuntimeError as inner:
-            raise ValueError("staging failed") from inner
-    except ValueError as err:
-        assert is_gate_closed(err) and not is_gate_closed(ValueError("a checksum differs"))
 
 
 def test_a_sender_at_a_closed_gate_reads_its_export_to_the_end_and_its_next_push_goes_through():
