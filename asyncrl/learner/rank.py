@@ -264,7 +264,7 @@ class LearnerRank:
             if not self._is_sender():
                 self._drain(tensors)
                 return None
-            return self._endpoint().broadcast(tensors, bucket_mb, verify, timeout_s, self._sender_id(), gate=gate)
+            return self._endpoint().send_version(tensors, bucket_mb, verify, timeout_s, self._sender_id(), gate=gate)
 
     def take_host_copies(self, timeout_s: float) -> HostCopies | None:
         """The host copies (ObjectRefs, in bucket order) of this rank's last broadcast, once all

@@ -102,7 +102,7 @@ class DeploymentReplicas(ActorReplica):
         self.last_results = await self.control.call(verb, *args, timeout_s=self.timeout_s)
         return self.last_results
 
-    async def broadcast(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
+    async def call_all(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
         """`verb` on every running replica, {replica id: result}; `fanout` counts them from now on."""
         return await self._call(verb, *args)
 

@@ -158,7 +158,7 @@ class SenderEndpoint:
         if group is not None:
             group.close()
 
-    def broadcast(self, tensors: Iterable[tuple[str, Any]], bucket_mb: float, verify: str, timeout_s: float,
+    def send_version(self, tensors: Iterable[tuple[str, Any]], bucket_mb: float, verify: str, timeout_s: float,
                   sender: int, gate: str = "") -> CollectiveExport:
         """One collective push of `tensors` (engine layout when a plan is set); starts the host
         copies `take_host_copies` collects. The stream is always read to its end. `gate`: the push's

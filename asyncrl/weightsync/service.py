@@ -88,7 +88,7 @@ class WeightPublisher:
                 transport.backend, self.learner, bucket_mb=self.cfg.bucket_mb, timeout_s=self.cfg.timeout_s,
                 ipc_window=ipc_window_for(self.cfg.staging),
                 # through the replicas' client: the fan-out a push reads is then the one just counted
-                members=lambda: self.replicas.broadcast(EngineAPI.collective_info),
+                members=lambda: self.replicas.call_all(EngineAPI.collective_info),
                 # beside each push (its fan-out count untouched): are the groups' members still the replicas?
                 check=lambda: control.call(EngineAPI.collective_info, timeout_s=min(30.0, self.cfg.timeout_s)),
                 join=lambda wire: control.call(EngineAPI.join_collective, wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),

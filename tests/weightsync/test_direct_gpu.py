@@ -144,7 +144,7 @@ class _SenderOnGpu1:
         return [g for g in [self.endpoint.group_id()] if g is not None]
 
     async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s, gate=""):
-        return await self._on_gpu1(self.endpoint.broadcast, iter(self.weights.items()), bucket_mb, verify, timeout_s, 0, gate)
+        return await self._on_gpu1(self.endpoint.send_version, iter(self.weights.items()), bucket_mb, verify, timeout_s, 0, gate)
 
     async def take_host_copies(self, timeout_s):
         out = await asyncio.to_thread(self.endpoint.take_host_copies, timeout_s)
