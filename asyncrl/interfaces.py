@@ -122,11 +122,9 @@ class WorkerAPI(Protocol):
 
     def asyncrl_refuse_collective(self, group_ids: list[str], why: str, gate: str = "") -> None: ...
 
-    def asyncrl_apply(self, version: int) -> ApplyReport: ...
-
-    def asyncrl_apply_after(self, version: int, before: str) -> tuple[Any, ApplyReport]:
-        """The worker query `before` (the name of a verb of this interface without arguments), then
-        the apply: one round trip."""
+    def asyncrl_apply(self, version: int, before: str = "") -> ApplyReport:
+        """The apply of the staged version; `before` (the name of a verb of this interface without
+        arguments) runs first, in the same round trip, and answers in the report's `before`."""
 
     def asyncrl_abort_update(self) -> None: ...
 

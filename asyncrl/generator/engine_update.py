@@ -260,15 +260,11 @@ class WeightUpdates:
         each worker calls first, in the same round trip (the engine reads its paused state so);
         its results, one per worker, come back as "before"."""
         t = time.perf_counter()
-        if before is None:
-            results, first = await self._rpc(WorkerAPI.asyncrl_apply, version, timeout=600.0), []
-        else:
-            pairs = await self._rpc(WorkerAPI.asyncrl_apply_after, version, verb_name(WorkerAPI, before), timeout=600.0)
-            first, results = [p[0] for p in pairs], [p[1] for p in pairs]
-        results = [msgspec.convert(r, ApplyReport) for r in results]
+        query = "" if before is None else verb_name(WorkerAPI, before)
+        results = [msgspec.convert(r, ApplyReport) for r in await self._rpc(WorkerAPI.asyncrl_apply, version, query, timeout=600.0)]
         return ApplyReport(path=results[0].path if results else "none",
                            apply_seconds=max((r.apply_seconds for r in results), default=0.0),
-                           rpc_seconds=time.perf_counter() - t, before=first)
+                           rpc_seconds=time.perf_counter() - t, before=[r.before[0] for r in results] if query else [])
 
     # ---- collective transport groups (weightsync/collective.py) --------------------------------
 

@@ -472,19 +472,14 @@ class WorkerVerbs:
                 except Exception:  # noqa: BLE001 - a group whose store is gone has nobody waiting
                     pass
 
-    def asyncrl_apply(self, version: int) -> ApplyReport:
-        return self._asyncrl_rx().apply(version)
-
-    def _asyncrl_query(self, name: str) -> Any:
-        """This worker's `asyncrl_` query `name`, to run before an apply (never an apply itself)."""
-        if not name.startswith("asyncrl_") or name.startswith("asyncrl_apply"):
-            raise ValueError(f"{name!r} is not a worker query to run before an apply")
-        return getattr(self, name)
-
-    def asyncrl_apply_after(self, version: int, before: str) -> tuple[Any, ApplyReport]:
-        """`before` (an `asyncrl_` method of this worker, no arguments), then the apply: one round trip."""
-        first = self._asyncrl_query(before)()
-        return first, self._asyncrl_rx().apply(version)
+    def asyncrl_apply(self, version: int, before: str = "") -> ApplyReport:
+        """Apply the staged `version`. `before`: an `asyncrl_` query of this worker (no arguments, never
+        an apply) run first, in the same round trip; its answer is the report's `before`."""
+        if before and (not before.startswith("asyncrl_") or before.startswith("asyncrl_apply")):
+            raise ValueError(f"{before!r} is not a worker query to run before an apply")
+        first = [getattr(self, before)()] if before else []
+        report = self._asyncrl_rx().apply(version)
+        return ApplyReport(path=report.path, apply_seconds=report.apply_seconds, tensors=report.tensors, before=first)
 
     def asyncrl_abort_update(self) -> None:
         self._asyncrl_rx().abort()
