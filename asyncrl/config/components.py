@@ -517,6 +517,9 @@ class CheckpointConfig(_Section):
 
 class ProfilerConfig(_Section):
     use_profile: bool = False
+    heap: bool = Field(False, description="Python heap growth from step_start to step_end (tracemalloc): the lines "
+                       "whose allocations grew most, and the RSS, in {save_path}/rank{rank}_heap_steps{start}-{end}.txt; "
+                       "for a rank whose memory grows step by step. Slows the rank's Python while on.")
     profile_ranks: list[int] = Field(default_factory=lambda: [0])
     step_start: int = Field(1, ge=0)
     step_end: int = Field(2, ge=0)

@@ -159,6 +159,27 @@ def test_profiler_writes_one_trace_for_the_chosen_rank_and_range(tmp_path):
     assert "asyncrl/step_1" not in names and "asyncrl/step_4" not in names
 
 
+def test_the_heap_profile_names_the_line_whose_allocations_grew_over_its_steps(tmp_path):
+    """`heap`: the lines whose Python allocations grew from step_start to step_end, largest first, for the
+    chosen rank only; a list that grows every step is named, with its growth."""
+    cfg = ProfilerConfig(heap=True, profile_ranks=[0], step_start=2, step_end=4, save_path=str(tmp_path))
+    chosen, other = StepProfiler(cfg, rank=0), StepProfiler(cfg, rank=1)
+    kept: list[bytes] = []
+    for _ in range(5):
+        for prof in (chosen, other):
+            with prof.step():
+                kept.append(bytes(256 * 1024))  # the leak: 256 KiB a step, kept
+    assert other.heap_path is None and chosen.trace_path is None  # (no torch trace: use_profile is off)
+    assert chosen.heap_path == tmp_path / "rank0_heap_steps2-4.txt"
+    head, columns, first, *_ = chosen.heap_path.read_text().splitlines()
+    assert "steps 2-4 (3)" in head and "RSS" in head and columns.startswith("size_diff_kib")
+    kib, count, where = first.split(" ", 2)
+    assert "test_roles_batching.py" in where and float(kib) >= 3 * 256  # (at least the chosen rank's three steps)
+    import tracemalloc
+
+    assert not tracemalloc.is_tracing()  # stopped again: it was not on before
+
+
 def test_offload_round_trip_keeps_state_and_reports_memory():
     from asyncrl.config import RoleOffload
     from asyncrl.learner.offload import Offloader
