@@ -1,21 +1,26 @@
-"""Running out of device memory in a learner verb: recognised where it happens, reported as one typed error.
+"""A learner rank's memory: running out of device memory, recognised and reported; host memory given back.
 
 Owns: which errors are the device running out of memory (torch's own, and NCCL failing to allocate, which is
 how an exhausted device first shows inside a collective), and the message a user can act on: which verb and
-rank, the largest micro-batch's tokens, the device's peak and size, and the settings that make it fit.
+rank, the largest micro-batch's tokens, the device's peak and size, and the settings that make it fit. And
+`HostMemoryTrim`: the host memory a rank's freed tensors leave in the C library's heaps, given back when the
+rank's resident set crept past its level after a step (glibc `malloc_trim`).
 Must never: retry or shrink a batch by itself (a step must stay a function of its batch), or match any other
 error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from asyncrl.types import LearnerOutOfMemory
 
+log = logging.getLogger(__name__)
 GIB = float(2**30)
 # What NCCL says when cudaMalloc / cudaCalloc fails inside a collective (torch wraps it as DistBackendError).
 _NCCL_OOM_WORDS = ("Failed to CUDA calloc", "out of memory", "cudaErrorMemoryAllocation")
@@ -70,3 +75,59 @@ def device_memory() -> tuple[float | None, float | None]:
     if not torch.cuda.is_available():
         return None, None
     return float(torch.cuda.max_memory_allocated()), float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set now (Linux's /proc), None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def malloc_trim() -> bool:
+    """glibc's `malloc_trim(0)`: free blocks of every heap go back to the system. False where the C
+    library has none (musl, macOS)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(ctypes.c_size_t(0))
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+class HostMemoryTrim:
+    """Called after each training step: gives freed host memory back once the resident set is more than
+    `slack` above its level at the end of the first step since the last trim (the step's own working
+    set, which the heaps keep on purpose: the next step reuses it without faulting its pages in again).
+    Why: glibc keeps freed blocks, and once a step frees large buffers it raises its mmap threshold, so
+    later steps allocate from its heaps too; the rank's resident set then creeps up step after step
+    though nothing is kept. A trim after every step would make every step fault its working set in
+    again; this trims about once per `slack` of creep."""
+
+    def __init__(self, slack: float = 0.10, resident: Callable[[], int | None] = resident_bytes,
+                 trim: Callable[[], bool] = malloc_trim) -> None:
+        self.slack, self._resident, self._trim = slack, resident, trim
+        self.level: int | None = None  # the resident set after the first step since the last trim
+        self.trims = 0
+
+    def after_step(self) -> bool:
+        """Trim if the resident set crept past its level; whether it did."""
+        now = self._resident()
+        if now is None:
+            return False
+        if self.level is None:
+            self.level = now
+            return False
+        if now <= self.level * (1 + self.slack) or not self._trim():
+            return False
+        self.trims += 1
+        after = self._resident()
+        log.info("host memory trimmed after a step (%d so far): resident %.0f -> %s MB, level %.0f MB", self.trims,
+                 now / 1e6, "?" if after is None else f"{after / 1e6:.0f}", self.level / 1e6)
+        self.level = None  # (measured again after the next step: its working set, faulted in anew)
+        return True

@@ -44,6 +44,9 @@ class LearnerRank:
         self.layout: Any = None
         self.coords: Any = None
         self._sender: Any = None  # sending ranks: their end of weight pushes (weightsync/sender.py)
+        from asyncrl.learner.memory import HostMemoryTrim
+
+        self.host_trim = HostMemoryTrim()  # freed host memory given back as the resident set creeps (memory.py)
         self._store: Any = None  # rank 0: the group's rendezvous store, bound before setup
 
     # ------------------------------------------------------------------ setup
@@ -128,7 +131,8 @@ class LearnerRank:
                     with self.profiler.step():
                         out = getattr(self.role, method)(*args, **kwargs)
                         _finish_device_work()
-                        return out
+                    self.host_trim.after_step()
+                    return out
                 return getattr(self.role, method)(*args, **kwargs)
         except Exception as err:
             if not is_out_of_memory(err):

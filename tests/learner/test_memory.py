@@ -128,3 +128,64 @@ def test_a_host_optimizer_that_would_not_fit_the_hosts_memory_is_refused_with_th
     with pytest.raises(ValueError, match=r"4 learner ranks x 1,903,750,000 parameters x 1 .* need about 113.5 GiB"):
         check_host_memory(seven_b, cfg, available=100 * 2**30, dp=4, ranks_on_node=4)
     check_host_memory(seven_b, cfg, available=100 * 2**30, dp=4, ranks_on_node=2)  # the other two elsewhere: 57 GiB
+
+
+def test_host_memory_is_trimmed_once_the_resident_set_creeps_past_its_level():
+    """After each training step: the first step's resident set is the level; a creep within `slack` is left alone
+    (the heaps keep the step's working set on purpose), past it the freed memory goes back, and the level is
+    measured again after the next step."""
+    from asyncrl.learner.memory import HostMemoryTrim
+
+    readings, trims = iter([1000, 1080, 1100, 1111, 900, 1000, 1090, 1101, 950]), []  # (read again after each trim)
+    trim = HostMemoryTrim(slack=0.10, resident=lambda: next(readings), trim=lambda: trims.append(1) or True)
+    assert [trim.after_step() for _ in range(7)] == [False, False, False, True, False, False, True]
+    assert trim.trims == 2 and trim.level is None
+    unreadable = HostMemoryTrim(resident=lambda: None, trim=lambda: pytest.fail("trimmed blind"))
+    assert not unreadable.after_step() and not unreadable.after_step()
+
+
+class _StepRole:
+    def update_actor(self, *args, **kwargs):
+        return {"ok": 1}
+
+    def compute_log_prob(self, samples):
+        return None
+
+
+def test_a_rank_trims_after_its_training_steps_only():
+    from asyncrl.learner.memory import HostMemoryTrim
+
+    rank = LearnerRank(0, 1, "actor", ModelConfig(), LearnerConfig(), AlgorithmConfig(), role_classes={"actor": _StepRole})
+    from asyncrl.learner.profiler import StepProfiler
+
+    rank.role, rank.profiler = _StepRole(), StepProfiler(None, 0)  # (what setup makes)
+    seen: list[str] = []
+    rank.host_trim = HostMemoryTrim(resident=lambda: seen.append("read") or 1, trim=lambda: True)
+    rank.call(RoleAPI.compute_log_prob, [])
+    assert seen == []  # not a training step
+    assert rank.call(RoleAPI.update_actor, [], None, None, None) == {"ok": 1} and seen == ["read"]
+
+
+def test_malloc_trim_gives_the_heaps_freed_blocks_back():
+    """What the trim relies on (glibc, Linux): blocks freed inside a heap stay resident until `malloc_trim`."""
+    import ctypes
+    import ctypes.util
+
+    from asyncrl.learner.memory import malloc_trim, resident_bytes
+
+    if resident_bytes() is None or not ctypes.util.find_library("c"):
+        pytest.skip("no /proc or no C library to load")
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    size, n = 64 * 1024, 2000  # 125 MiB in blocks under glibc's mmap threshold: from the heap
+    blocks = [libc.malloc(size) for _ in range(n)]
+    for b in blocks:
+        ctypes.memset(b, 1, size)  # resident
+    for b in blocks[:-1]:  # the last one pins the heap's top: only a trim returns the rest
+        libc.free(b)
+    held = resident_bytes()
+    assert malloc_trim()
+    given_back = held - resident_bytes()  # type: ignore[operator]
+    libc.free(blocks[-1])
+    assert given_back > 0.5 * size * n, given_back
