@@ -30,6 +30,7 @@ from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult, 
 from asyncrl.weightsync.fingerprint import fingerprint_mode
 
 logger = logging.getLogger(__name__)
+HOST_TRIM_EVERY_S = 30.0  # how often a replica looks at its resident set (a read of /proc; a trim only past its slack)
 
 
 class EngineReplica(WeightUpdates):
@@ -67,6 +68,10 @@ class EngineReplica(WeightUpdates):
                          "updates_committed": 0, "updates_failed": 0, "version_fallbacks": 0,
                          "sleeps": 0, "sleep_seconds": 0.0, "wake_seconds": 0.0}
         self.started_at = time.time()
+        from asyncrl.learner.memory import HostMemoryTrim
+
+        self.host_trim = HostMemoryTrim()  # freed host memory given back as the resident set creeps (learner/memory.py)
+        self._trim_task: asyncio.Task | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -93,6 +98,18 @@ class EngineReplica(WeightUpdates):
         self.state = ReplicaState.CATCHING_UP
         await self.sync_from_source()
         self.state = ReplicaState.READY
+        self._trim_task = asyncio.get_running_loop().create_task(self._trim_host_memory())
+
+    async def _trim_host_memory(self, every_s: float = HOST_TRIM_EVERY_S) -> None:
+        """The replica's heaps keep what requests and pushes freed (tokenizing, detokenizing, bucket reads), so its
+        resident set creeps under load though nothing is kept; every `every_s` the creep past its level is given back
+        (`HostMemoryTrim`), off the event loop: a trim walks every heap."""
+        while self.state is not ReplicaState.STOPPED:
+            await asyncio.sleep(every_s)
+            try:
+                await asyncio.to_thread(self.host_trim.after_step)
+            except Exception:  # (never the replica's failure: it only serves memory back)
+                logger.exception("replica %s: host memory trim failed", self.replica_id)
 
     async def sync_from_source(self) -> SyncReport:
         """Load the weight source's latest version if it is newer than ours (late joiners), then
@@ -143,6 +160,8 @@ class EngineReplica(WeightUpdates):
         return layout
 
     def shutdown(self) -> None:
+        if self._trim_task is not None:
+            self._trim_task.cancel()
         if self.engine is not None:
             self.engine.shutdown()
         self.state = ReplicaState.STOPPED
@@ -321,6 +340,7 @@ class EngineReplica(WeightUpdates):
             "sleep_unsupported": self.engine.sleep_unsupported() if self.engine else None,
             "engine_unfinished_requests": self.engine.unfinished_requests() if self.engine else 0,
             "uptime_s": time.time() - self.started_at,
+            "host_memory_trims": self.host_trim.trims,
             **{f"generator/{k}": v for k, v in self.counters.items()},
             "generator/tokens_in_flight": self._tokens_in_flight(),
         }

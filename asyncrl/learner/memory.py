@@ -101,8 +101,8 @@ def malloc_trim() -> bool:
 
 
 class HostMemoryTrim:
-    """Called after each training step: gives freed host memory back once the resident set is more than
-    `slack` above its level at the end of the first step since the last trim (the step's own working
+    """Called after each training step (by an engine replica, every `HOST_TRIM_EVERY_S`): gives freed host
+    memory back once the resident set is more than `slack` above its level at the end of the first step since the last trim (the step's own working
     set, which the heaps keep on purpose: the next step reuses it without faulting its pages in again).
     Why: glibc keeps freed blocks, and once a step frees large buffers it raises its mmap threshold, so
     later steps allocate from its heaps too; the rank's resident set then creeps up step after step
@@ -127,7 +127,7 @@ class HostMemoryTrim:
             return False
         self.trims += 1
         after = self._resident()
-        log.info("host memory trimmed after a step (%d so far): resident %.0f -> %s MB, level %.0f MB", self.trims,
+        log.info("host memory trimmed (%d so far): resident %.0f -> %s MB, level %.0f MB", self.trims,
                  now / 1e6, "?" if after is None else f"{after / 1e6:.0f}", self.level / 1e6)
         self.level = None  # (measured again after the next step: its working set, faulted in anew)
         return True

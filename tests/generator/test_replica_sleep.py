@@ -139,3 +139,21 @@ def test_bad_sleep_and_wake_arguments_are_refused():
         run(r.wake_up(["gpu"]))
     with pytest.raises(ValueError, match="wake_up tags must be a non-empty subset"):
         run(r.wake_up([]))
+
+
+def test_a_replica_gives_back_host_memory_on_its_own_until_it_stops():
+    """The replica's trim loop looks at its resident set every period, off the event loop, trims past the slack
+    (`HostMemoryTrim`, unit-tested in tests/learner/test_memory.py), and ends with the replica."""
+    from asyncrl.learner.memory import HostMemoryTrim
+
+    async def go() -> tuple[int, int]:
+        r = replica([])
+        readings, trims = iter([1000, 1200, 1000] + [1000] * 100), []
+        r.host_trim = HostMemoryTrim(resident=lambda: next(readings), trim=lambda: trims.append(1) or True)
+        task = asyncio.get_running_loop().create_task(r._trim_host_memory(every_s=0.01))
+        await asyncio.sleep(0.2)
+        r.state = ReplicaState.STOPPED
+        await asyncio.wait_for(task, 1.0)
+        return len(trims), r.host_trim.trims
+
+    assert run(go()) == (1, 1)
