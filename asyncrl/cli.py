@@ -199,8 +199,11 @@ def _serve(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt(f"signal {signum}")
 
     # A Ray that this starts keeps the events of at most 10k tasks in its GCS: with Ray's default (100k) the GCS
-    # grows for most of a long run, every request and control call being a task; a value set outside wins
+    # grows for most of a long run, every request and control call being a task; and it tracks at most 10k of the
+    # task attempts whose events it dropped past that cap (Ray's default, a million a job, kept the GCS growing
+    # through an hour's soak). A value set outside wins.
     os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "10000")
+    os.environ.setdefault("RAY_task_events_max_dropped_task_attempts_tracked_per_job_in_gcs", "10000")
     ray.init(address=args.address, namespace=SERVE_NAMESPACE)  # as `serve run` would; it then reuses it
     signal.signal(signal.SIGTERM, drain)  # after ray.init, which installs its own
     signal.signal(signal.SIGINT, drain)

@@ -8,6 +8,29 @@
 # benchmarks/gpu_bg.sh start peers` and follow with `gpu_bg.sh wait`.
 set -uo pipefail
 root=$PWD; before=/tmp/ab-before
+# Each run's row, as soon as it is written (the next run's overwrites it), into $OUT/ab.jsonl (`ab_side` added) and
+# a line on stdout: a device call brings back only a few files (and a lost machine none), so the figures also stand
+# in the call's output tail.
+keep_row() {
+python3 - "$OUT" "$1" <<'PY'
+import json
+import pathlib
+import sys
+
+out, side = pathlib.Path(sys.argv[1]), sys.argv[2]
+path = out / side / "peers.json"
+rows = json.loads(path.read_text()) if path.is_file() else []
+with open(out / "ab.jsonl", "a") as f:
+    for row in rows if isinstance(rows, list) else [rows]:
+        row["ab_side"] = side
+        f.write(json.dumps(row) + "\n")
+        s, st = row.get("split_s", {}), row.get("settings", {})
+        print(f"ab row: {side} {row.get('placement')} eta={row.get('eta')} mean {row.get('s_per_step_mean', 0):.3f} "
+              f"median {row.get('s_per_step_median', 0):.3f} train {s.get('training', 0):.3f} sync {s.get('weight_sync', 0):.3f} "
+              f"push {st.get('push_s') or 0:.3f} wake {st.get('engine_wake_s_mean') or 0:.3f} "
+              f"tok/s {row.get('tokens_per_s', 0):,.0f}")
+PY
+}
 # (a copy outside this tree: run from a hidden folder inside it, the hybrid run's learner rank could not import
 # asyncrl.weightsync, 43rd session; from /tmp both placements ran)
 rm -rf $before && cp -r "${AB_BEFORE:?set AB_BEFORE to the tree of the commit to compare against}" $before || exit 1
@@ -15,9 +38,9 @@ ln -sfn "$root/artifacts" "$before/artifacts"  # (the demo model's tokenizer)
 for run in ${AB_RUNS:-gpu1 hybrid}; do
   for side in before after; do
     dir=$root; [ $side = before ] && dir=$before
-    mkdir -p "$OUT/$side"
+    mkdir -p "$OUT/$side" && rm -f "$OUT/$side/peers.json"
     (cd "$dir" && OUT=$OUT/$side PEERS_RUNS=$run PEERS_BUDGET=${AB_BUDGET:-100000} bash benchmarks/gpu_session.sh ${1:-peers}) \
         >> "$OUT/ab_$side.log" 2>&1
-    echo "ab: $run $side rc=$? t=$SECONDS s"; grep -E '^\[asyncrl\]|^\| ' "$OUT/$side/peers_$run.log" 2> /dev/null | tail -3 | cut -c1-300
+    echo "ab: $run $side rc=$? t=$SECONDS s"; keep_row $side; grep -E '^\[asyncrl\]|^\| ' "$OUT/$side/peers_$run.log" 2> /dev/null | tail -3 | cut -c1-300
   done
 done

@@ -212,7 +212,11 @@ def _figures(cfg: Any, eta: int, records: list[dict], rows: list[dict], warmup: 
                                                 "weightsync/push_seconds", "weightsync/paused_seconds", "weightsync/engine_replicas",
                                                 "weightsync/failed", "buffer/staleness_mean", "weightsync/bytes",
                                                 "weightsync/host_copy_wait_seconds", "weightsync/host_copy_seconds",
-                                                "weightsync/on_live_seconds", *BUFFER_KEYS)},
+                                                "weightsync/on_live_seconds", *BUFFER_KEYS,
+                                                # hybrid: the switches (the sync's part beside the push, the training's
+                                                # part beside the update) and whether the learner's state stayed
+                                                "hybrid/engine_wake_s", "hybrid/engine_sleep_s", "hybrid/learner_onload_s",
+                                                "hybrid/learner_state_kept")},
                       # where each push's time went: the senders' pack / broadcast / hash / ring waits, each replica's calls
                       **{k: v for k, v in r.items() if k.startswith(("weightsync/sender/", "weightsync/replica/", "mismatch/"))}}
                      for r in rows],

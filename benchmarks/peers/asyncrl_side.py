@@ -150,6 +150,11 @@ def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str,
                      "push_failed": res.get("push_failed"), "learner_mfu": res.get("learner_mfu"),
                      "learner_peak_gib": res.get("learner_peak_gib"),
                      "learner_state_kept": statistics.fmean(kept) if kept else None,
+                     # hybrid: the switches' means over the timed steps, as split_s's (weight_sync_s = push + engine wake)
+                     **{f"{k}_mean": statistics.fmean(v) for k in ("engine_wake_s", "engine_sleep_s", "learner_onload_s")
+                        if (v := [r[f"hybrid/{k}"] for r in res["per_step"]
+                                  if int(r["train/step"]) > a.warmup_steps and r.get("eval/accuracy") is None
+                                  and r.get(f"hybrid/{k}") is not None])},
                      # the buffer's accounting at the last step: a group dropped stale is generation thrown away
                      # (and, on a long tail, the longest responses trained less often)
                      "buffer": {k.removeprefix("buffer/"): last[k] for k in BUFFER_KEYS if k in last},

@@ -125,7 +125,7 @@ def test_asyncrl_row_splits_each_step_and_leaves_out_warmup_and_evaluation_steps
                                  "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4"])
     # time/elapsed_s from the loop's start; the row of step 2 holds an evaluation (its time is inside the step)
     per_step = [{"train/step": n, "time/elapsed_s": t, "time/train_s": tr, "time/sync_s": sy, "train/response_tokens": 16,
-                 "train/reward_mean": 0.5, "eval/accuracy": acc}
+                 "train/reward_mean": 0.5, "eval/accuracy": acc, "hybrid/engine_wake_s": sy / 2}
                 for n, t, tr, sy, acc in [(1, 30.0, 2.0, 1.0, None), (2, 34.0, 1.0, 0.5, 0.25), (3, 36.0, 1.2, 0.3, None),
                                           (4, 39.0, 1.5, 0.5, None)]]
     evals = [{"step": 0, "time": 1000.0, "accuracy": 0.2}, {"step": 2, "time": 1034.0, "accuracy": 0.25}]
@@ -139,3 +139,4 @@ def test_asyncrl_row_splits_each_step_and_leaves_out_warmup_and_evaluation_steps
     assert row["tokens_per_s"] == pytest.approx(32 / 5)
     assert row["eval"] == [{"step": 0, "wall_s": 0.0, "accuracy": 0.2}, {"step": 2, "wall_s": 34.0, "accuracy": 0.25}]
     assert row["params"] > 0 and row["version"].startswith("asyncrl ")
+    assert row["settings"]["engine_wake_s_mean"] == pytest.approx(0.2) and "engine_sleep_s_mean" not in row["settings"]
