@@ -7,8 +7,8 @@
 #
 # The device machine keeps a process that started a session of its own (setsid) while calls follow each other
 # within its idle release (30 s); it ends with the machine. The stage's output goes to /tmp/bg-out (its own $OUT);
-# `wait` copies what is there to this call's $OUT (the session log, the rows, the runs' logs, verl's metrics) and
-# prints the session log's end, whether the stage has ended or not. The stage's environment is this call's (set
+# `wait` copies what is there to this call's $OUT (the session log, the rows, ab_session.sh's ab.jsonl, the runs' logs,
+# verl's metrics) and prints the session log's end, whether the stage has ended or not. The stage's environment is this call's (set
 # PEERS_RUNS, VERL_TIMEOUT, PEERS_BUDGET ... on `start`).
 set -uo pipefail
 BG=/tmp/bg-out
@@ -29,7 +29,7 @@ wait)
     sleep 5
   done
   if kill -0 "$pid" 2> /dev/null; then echo "bg: still running after $limit s"; else echo "bg: ended"; touch $BG/.ended; fi
-  mkdir -p "$OUT" && cp $BG/session.log $BG/peers*.json $BG/peers_*.log $BG/make_model.log "$OUT"/ 2> /dev/null
+  mkdir -p "$OUT" && cp $BG/session.log $BG/peers*.json $BG/peers_*.log $BG/make_model.log $BG/ab.jsonl "$OUT"/ 2> /dev/null
   [ -f /tmp/verl-work/metrics.jsonl ] && cp /tmp/verl-work/metrics.jsonl "$OUT"/verl_metrics.jsonl
   tail -25 $BG/session.log | cut -c1-300
   [ -f $BG/.ended ] ;;  # the exit status: 0 once the stage has ended
