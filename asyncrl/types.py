@@ -252,7 +252,7 @@ class PlanAck(ReplicaAnswer, frozen=True):
 
 class GroupsReport(ReplicaAnswer, frozen=True):
     """`collective_info`: the replica's engine workers (one receiver rank each) and the broadcast groups every
-    one of them holds; `join_collective`: the groups joined; `leave_collective`: none."""
+    one of them holds; `join_collective`: the groups joined."""
 
     workers: int
     groups: list[str]

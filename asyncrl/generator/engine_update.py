@@ -193,7 +193,7 @@ class WeightUpdates:
         bounded: a worker stuck elsewhere must not hold the failure back)."""
         self._groups_joined = None  # refusing may break a worker's group (ipc): ask them next time
         try:  # (the workers tell the sender (ipc), or close the push's gate (gloo / NCCL): every member stops)
-            await asyncio.wait_for(self._rpc(WorkerAPI.asyncrl_refuse_collective, list(payload.group_ids),
+            await asyncio.wait_for(self._rpc(WorkerAPI.asyncrl_abort_update, list(payload.group_ids),
                                              f"replica {self.replica_id}: {err}", payload.gate), 30.0)
         except Exception as refuse_err:  # noqa: BLE001 - the load's own failure is the one reported
             logger.warning("replica %s: could not refuse the push: %s", self.replica_id, refuse_err)
@@ -286,12 +286,6 @@ class WeightUpdates:
             if joined and all(j == joined[0] for j in joined):
                 self._groups_joined = answer
             return answer
-
-    async def leave_collective(self) -> GroupsReport:
-        """Every worker leaves its broadcast groups: the answer holds none."""
-        self._groups_joined = None
-        left = await self._rpc(WorkerAPI.asyncrl_leave_collective)
-        return GroupsReport(replica_id=self.replica_id, workers=len(left), groups=[])
 
     async def commit_update(self, version: int, fingerprint: str) -> CommitReport:
         """Check the staged version against `fingerprint` (nothing applied if it differs), then,

@@ -250,9 +250,6 @@ class LearnerGroup:
         """Ids of the sending ranks' broadcast groups that can still carry a push."""
         return [g for g in await self._all(LearnerRankAPI.collective_group) if g is not None]
 
-    async def leave_collective(self) -> None:
-        await self._all(LearnerRankAPI.leave_collective)
-
     async def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float, gate: str = "") -> CollectiveExport:
         """One collective push (every rank takes part in the export; senders broadcast). A broadcast that
         failed on the wire (a receiver died; every rank finished its part of the export) raises the

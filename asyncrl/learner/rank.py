@@ -241,7 +241,7 @@ class LearnerRank:
     def join_collective(self, specs: list[dict[str, Any]]) -> str | None:
         """Sending ranks: leave any earlier group, join (as group rank 0) the spec for this PP stage."""
         self._ready()
-        self.leave_collective()
+        self._leave_collective()
         if not self._is_sender():
             return None
         with self._thread():
@@ -251,7 +251,7 @@ class LearnerRank:
         """The id of this rank's broadcast group if it can still carry a push, else None."""
         return self._sender.group_id() if self._sender is not None else None
 
-    def leave_collective(self) -> None:
+    def _leave_collective(self) -> None:
         if self._sender is not None:
             self._sender.leave()
 
@@ -365,7 +365,7 @@ class LearnerRank:
     def teardown(self) -> None:
         from asyncrl.learner.parallel import destroy_model_parallel
 
-        self.leave_collective()
+        self._leave_collective()
         if self._sender is not None:
             self._sender.drop_reserved()
         if self.role is not None:

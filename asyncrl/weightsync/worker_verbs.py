@@ -440,7 +440,7 @@ class WorkerVerbs:
         missing = [gid for gid in group_ids if gid not in groups or groups[gid].broken]
         if missing:
             err = CollectiveError(f"worker holds no usable group {missing[0]!r} (has {sorted(groups)})")
-            self.asyncrl_refuse_collective(group_ids, f"{type(err).__name__}: {err}", gate)
+            self._asyncrl_refuse(group_ids, f"{type(err).__name__}: {err}", gate)
             raise err
         gated = bool(gate) and all(groups[gid].spec.backend != "ipc" for gid in group_ids)
         if gated:  # ready on every group at once; each group's decision is awaited when its turn comes (a
@@ -461,9 +461,9 @@ class WorkerVerbs:
         trace.mark("wrk.return")
         return ReceiveReport(digests=digests)
 
-    def asyncrl_refuse_collective(self, group_ids: list[str], why: str, gate: str = "") -> None:
-        """Refuse the coming push on the groups `group_ids` (its begin failed): its sender (ipc), or
-        every member at its gate `gate` (gloo / NCCL), stops at once. Best effort on each group."""
+    def _asyncrl_refuse(self, group_ids: list[str], why: str, gate: str = "") -> None:
+        """Refuse the coming push on the groups `group_ids`: its sender (ipc), or every member at its gate
+        `gate` (gloo / NCCL), stops at once. Best effort on each group."""
         for gid in group_ids:
             group = self.__dict__.get("_asyncrl_groups", {}).get(gid)
             if group is not None and not group.broken:
@@ -481,8 +481,12 @@ class WorkerVerbs:
         report = self._asyncrl_rx().apply(version)
         return ApplyReport(path=report.path, apply_seconds=report.apply_seconds, tensors=report.tensors, before=first)
 
-    def asyncrl_abort_update(self) -> None:
+    def asyncrl_abort_update(self, group_ids: list[str] | None = None, why: str = "", gate: str = "") -> None:
+        """Drop what is staged; with `group_ids` (the replica's load failed before its receive), refuse the
+        coming push on those groups too."""
         self._asyncrl_rx().abort()
+        if group_ids:
+            self._asyncrl_refuse(group_ids, why, gate)
 
     # ---- collective groups (weightsync/collective.py) ---------------------------------------------
     def asyncrl_join_collective(self, replica_id: str, specs: list[dict[str, Any]]) -> list[str]:
@@ -492,7 +496,7 @@ class WorkerVerbs:
         `specs` (the same on every worker: those it is not a member of it is done with)."""
         from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
 
-        self.asyncrl_leave_collective()
+        self._asyncrl_leave()
         groups: dict[str, Any] = {}
         parsed = [GroupSpec(**raw) for raw in specs]
         mine = int(self.rank)  # type: ignore[attr-defined]
@@ -514,7 +518,7 @@ class WorkerVerbs:
         groups = self.__dict__.get("_asyncrl_groups", {})
         return [gid for gid in self.__dict__.get("_asyncrl_group_order", []) if gid not in groups]
 
-    def asyncrl_leave_collective(self) -> None:
+    def _asyncrl_leave(self) -> None:
         self.__dict__.pop("_asyncrl_group_order", None)
         for group in self.__dict__.pop("_asyncrl_groups", {}).values():
             group.close()
