@@ -5,7 +5,7 @@ staged (their digests, per worker), the replica's collective-group membership, t
 per-token version labels at a commit (through the replica's `VersionSource`). Payloads: a `SharedBucket` (shm), a
 `Bucket` (object store: written once into a shared file), a `CollectiveReceive` (the workers receive from the senders
 themselves) or loose named tensors, each optionally `WithDigests` (bucketed staging). The workers' half is
-weightsync's (worker_verbs.py, vllm_worker.py). `WeightUpdates` is a part of `EngineReplica` (engine.py).
+weightsync's worker_verbs.py, on vLLM in worker_ext.py. `WeightUpdates` is a part of `EngineReplica` (engine.py).
 Must never: change the version label while the engine runs a step, or apply staged tensors whose fingerprint
 differs from the one the caller committed.
 Details: docs/design/generator.md, "The replica's weight updates".

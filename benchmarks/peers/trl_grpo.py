@@ -288,7 +288,8 @@ def cpu_engine_patch() -> None:
 
     if torch.cuda.is_available():
         return
-    from asyncrl.weightsync.vllm_worker import CPU_UNPACKED_ENV, install_cpu_unpacked
+    from asyncrl.generator.vllm_engine import CPU_UNPACKED_ENV
+    from asyncrl.generator.worker_ext import install_cpu_unpacked
 
     os.environ[CPU_UNPACKED_ENV] = "1"
     if install_cpu_unpacked():

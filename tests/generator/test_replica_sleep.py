@@ -46,7 +46,7 @@ class Engine:
 
     async def collective_rpc(self, method: str, *, args=(), timeout=None):
         self.log.append((method,))
-        if method == "asyncrl_apply":  # what one worker answers (weightsync/vllm_worker.py)
+        if method == "asyncrl_apply":  # what one worker answers (generator/worker_ext.py)
             return [{"path": "reload", "apply_seconds": 0.0}]
         return [None]
 

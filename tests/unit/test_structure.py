@@ -132,7 +132,7 @@ def test_weightsync_imports_neither_the_learner_nor_the_generator():
 
 # Issue 64's goal is weightsync and the engine-side weight code in <= 4,500 lines and <= 16 files; until it is met,
 # today's size is the ceiling: lower these as the code shrinks, never raise them.
-WEIGHTSYNC_MAX_LINES, WEIGHTSYNC_MAX_FILES = 7_346, 25
+WEIGHTSYNC_MAX_LINES, WEIGHTSYNC_MAX_FILES = 7_324, 24
 
 
 def test_the_weight_code_does_not_grow():
@@ -247,13 +247,12 @@ def test_the_replica_reaches_its_engine_only_through_the_driver():
     allowed = {f"driver.py:{n.lineno} imports {n.module}" for n in ast.walk(start) if isinstance(n, ast.ImportFrom)}
     assert len(allowed) == 2 and sorted(set(bad) - allowed) == []
     # A vLLM replica never imports SGLang, and the reverse (their pins clash; SGLang's packages live apart)
-    sides = {"vllm": ["generator/vllm_engine.py", "generator/worker_ext.py", "generator/array_logprobs.py",
-                      "weightsync/vllm_worker.py"],
+    sides = {"vllm": ["generator/vllm_engine.py", "generator/worker_ext.py", "generator/array_logprobs.py"],
              "sglang": ["generator/sglang_engine.py", "generator/sglang_worker.py", "generator/sglang_protocol.py",
                         "weightsync/worker_verbs.py"]}
     other = {"vllm": ("sglang", "asyncrl.generator.sglang_engine", "asyncrl.generator.sglang_worker"),
              "sglang": ("vllm", "asyncrl.generator.vllm_engine", "asyncrl.generator.worker_ext",
-                        "asyncrl.generator.array_logprobs", "asyncrl.weightsync.vllm_worker")}
+                        "asyncrl.generator.array_logprobs")}
     crossed = [f"{f}:{line} imports {mod}" for side, files in sides.items() for f in files
                for mod, line in imports(ROOT / f) if mod in other[side] or mod.split(".")[0] in other[side]]
     assert crossed == []

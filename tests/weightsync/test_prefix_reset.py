@@ -1,4 +1,4 @@
-"""The prefix-cache reset a push's pause runs (vllm_worker.install_fast_prefix_reset), on vLLM's
+"""The prefix-cache reset a push's pause runs (worker_ext.install_fast_prefix_reset), on vLLM's
 own BlockPool: it leaves the pool exactly as vLLM's reset does, while clearing only the blocks that
 hold a hash."""
 
@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 from vllm.v1.core import block_pool as bp  # noqa: E402
 from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock, make_block_hash_with_group_id  # noqa: E402
 
-from asyncrl.weightsync.vllm_worker import install_fast_prefix_reset  # noqa: E402
+from asyncrl.generator.worker_ext import install_fast_prefix_reset  # noqa: E402
 
 
 def _pool_with_cached_blocks(n: int = 64, cached: int = 5, shared: int = 2) -> tuple[bp.BlockPool, list]:
