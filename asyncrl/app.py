@@ -20,8 +20,8 @@ from asyncrl.cluster import GATEWAY_NUM_CPUS, TRAINER_NUM_CPUS, check_live_clust
 from asyncrl.config import RootConfig, load_config
 from asyncrl.generator.deployment import GeneratorEngine, engine_deployment_options
 from asyncrl.generator.gateway import GeneratorGateway
-from asyncrl.weightsync.store import STORE_NAME as WEIGHT_STORE_NAME
-from asyncrl.weightsync.store import STORE_NAMESPACE as WEIGHT_STORE_NAMESPACE
+from asyncrl.weightsync.service import STORE_NAME as WEIGHT_STORE_NAME
+from asyncrl.weightsync.service import STORE_NAMESPACE as WEIGHT_STORE_NAMESPACE
 
 log = logging.getLogger(__name__)
 

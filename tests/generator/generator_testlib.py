@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.interfaces import EngineAPI
-from asyncrl.weightsync.store import load_hf_tensors
+from asyncrl.weightsync.service import load_hf_tensors
 
 ADMIN_TOKEN = "test-admin-token"
 

@@ -22,7 +22,7 @@ from asyncrl.config import load_config
 from asyncrl.generator.control import EngineControl
 from asyncrl.interfaces import EngineAPI
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
-from asyncrl.weightsync.store import WeightStore
+from asyncrl.weightsync.service import WeightStore
 
 pytestmark = pytest.mark.slow
 

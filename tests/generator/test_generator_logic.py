@@ -29,7 +29,7 @@ from asyncrl.generator.sampling import Limits, RequestError, to_vllm, validate_r
 from asyncrl.generator.versions import CompletionAccumulator, VersionLabelError, VersionLedger, versions_from_spans, versions_from_starts
 from asyncrl.types import GenerationRequest, SamplingParams
 from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode, tensor_digests, tensor_fingerprint
-from asyncrl.weightsync.store import WeightStore
+from asyncrl.weightsync.service import WeightStore
 
 LIMITS = Limits(max_n=4, max_model_len=32, vocab_size=100)
 

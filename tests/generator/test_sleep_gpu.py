@@ -17,7 +17,7 @@ import pytest
 from asyncrl.config import GeneratorConfig, ModelConfig
 from asyncrl.types import GenerationRequest, SamplingParams
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
-from asyncrl.weightsync.store import load_hf_tensors
+from asyncrl.weightsync.service import load_hf_tensors
 
 pytestmark = pytest.mark.gpu
 

@@ -23,7 +23,7 @@ from asyncrl.config import GeneratorConfig, ModelConfig
 from asyncrl.generator.versions import versions_from_spans
 from asyncrl.types import GenerationRequest, SamplingParams
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
-from asyncrl.weightsync.store import load_hf_tensors
+from asyncrl.weightsync.service import load_hf_tensors
 
 pytestmark = pytest.mark.slow
 

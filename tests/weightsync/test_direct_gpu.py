@@ -42,8 +42,7 @@ def test_device_checksums_equal_host_checksums_segment_for_segment():
 async def _plan_for(replica, model_path: str) -> tuple[dict, object]:
     """The checkpoint's tensors, and a push plan in `replica`'s own layout, set on it."""
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
-    from asyncrl.weightsync.service import dump_manifest
-    from asyncrl.weightsync.store import load_hf_tensors
+    from asyncrl.weightsync.service import dump_manifest, load_hf_tensors
 
     base = load_hf_tensors(model_path)
     manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in base.items()]

@@ -50,8 +50,7 @@ async def _scenario(path: str) -> dict:
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.registry import VersionRegistry
-    from asyncrl.weightsync.service import dump_manifest
-    from asyncrl.weightsync.store import load_hf_tensors
+    from asyncrl.weightsync.service import dump_manifest, load_hf_tensors
     from asyncrl.weightsync.transport import SharedMemoryTransport
 
     replica = EngineReplica(ModelConfig(path=path, max_model_len=256), GeneratorConfig(), replica_id="e0")

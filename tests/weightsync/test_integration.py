@@ -263,7 +263,7 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
     from asyncrl.weightsync.push import Publisher, Step, WeightsyncError
     from asyncrl.weightsync.registry import VersionRegistry
     from asyncrl.weightsync.replicas import ActorReplica
-    from asyncrl.weightsync.store import WeightStore, load_hf_tensors, weight_store_hook
+    from asyncrl.weightsync.service import WeightStore, load_hf_tensors, weight_store_hook
     from asyncrl.weightsync.transport import ObjectStoreTransport
 
     tok = AutoTokenizer.from_pretrained(str(demo_model_path))
@@ -377,7 +377,7 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
     from asyncrl.weightsync.plan import ManifestEntry
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.replicas import ActorReplica
-    from asyncrl.weightsync.store import load_hf_tensors
+    from asyncrl.weightsync.service import load_hf_tensors
     from asyncrl.weightsync.transport import SharedMemoryTransport
     from tests.learner._data import advantages, make_samples
 
@@ -549,7 +549,7 @@ class _OneEngine:
         """A sender of the demo model's weights perturbed by `seed`, with the engine's push plan."""
         import pickle
 
-        from asyncrl.weightsync.store import load_hf_tensors
+        from asyncrl.weightsync.service import load_hf_tensors
 
         start = (await engine.greedy.remote([[1, 2, 3]]))[0][1][0]
         base = load_hf_tensors(str(demo_model_path))

@@ -479,7 +479,7 @@ async def test_the_store_hook_never_waits_and_sends_the_newest_version_after_the
     """`weight_store_hook`: one store update in flight; versions that go live meanwhile wait in one slot
     (the newest replaces the older), the hook returns at once, and a failed update is the next call's error."""
     from asyncrl.weightsync.bucket import Bucket
-    from asyncrl.weightsync.store import weight_store_hook
+    from asyncrl.weightsync.service import weight_store_hook
 
     sent: list[tuple[int, Any]] = []
     gates: list[asyncio.Future] = []
@@ -529,7 +529,7 @@ def test_the_store_reads_a_versions_object_refs_where_they_lie(ray_session):
     handles) is read there, not copied through the publisher: a late joiner gets the same buckets, with the
     plan for engine-layout buckets and without one for Hugging Face buckets."""
     from asyncrl.weightsync.bucket import iter_buckets, iter_unpacked
-    from asyncrl.weightsync.store import WeightStore
+    from asyncrl.weightsync.service import WeightStore
 
     ray = ray_session
     store = ray.remote(WeightStore).options(num_cpus=0).remote()
@@ -544,7 +544,7 @@ def test_the_store_reads_a_versions_object_refs_where_they_lie(ray_session):
     twice = list(iter_buckets(w2.items(), 1e-5))
     for b in twice:
         b.rank = 0
-    from asyncrl.weightsync.store import buckets_fingerprint
+    from asyncrl.weightsync.service import buckets_fingerprint
 
     fp2 = buckets_fingerprint(twice, "full")
     with pytest.raises(ray.exceptions.RayTaskError, match="fingerprint mismatch"):
