@@ -19,7 +19,6 @@ from asyncrl.types import (
     CollectiveExport,
     CommitReport,
     CompletionDelta,
-    FingerprintReport,
     GenerationRequest,
     GenerationResult,
     GroupsReport,
@@ -86,8 +85,6 @@ class EngineAPI(Protocol):
 
     async def stats(self) -> dict[str, Any]: ...
 
-    async def live_fingerprint(self) -> FingerprintReport: ...
-
 
 # Written by hand in the Serve deployment: generation (Serve routes it to one replica) and Serve's
 # own health check.
@@ -134,8 +131,6 @@ class WorkerAPI(Protocol):
     def asyncrl_collective_groups(self) -> list[str]: ...
 
     def asyncrl_param_addresses(self) -> list[int]: ...
-
-    def asyncrl_fingerprint_params(self, names: list[str] | None = None) -> str: ...
 
     def asyncrl_sampled_token_counts(self) -> dict[str, int] | None:
         """Tokens sampled so far per sequence this worker holds (read while paused)."""

@@ -258,12 +258,6 @@ class GroupsReport(ReplicaAnswer, frozen=True):
     groups: list[str]
 
 
-class FingerprintReport(ReplicaAnswer, frozen=True):
-    """`live_fingerprint`: the live parameters' fingerprint, as a full push of them would have."""
-
-    fingerprint: str
-
-
 class SyncReport(ReplicaAnswer, frozen=True):
     """`sync_from_source`: the version served after catching up with the weight store (`loaded`: whether it
     loaded one, in `layout`), and the push plan held after (`push_plan`, None where it holds none)."""

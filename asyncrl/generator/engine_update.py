@@ -27,7 +27,6 @@ from asyncrl.interfaces import WorkerAPI, verb_name
 from asyncrl.types import (
     ApplyReport,
     CommitReport,
-    FingerprintReport,
     GroupsReport,
     LayoutCheck,
     LayoutReport,
@@ -386,10 +385,3 @@ class WeightUpdates:
     async def _drop_staged(self) -> None:
         await self._rpc(WorkerAPI.asyncrl_abort_update)
         self.update_state, self._staging_version, self._staged = UpdateState.IDLE, None, []
-
-    async def live_fingerprint(self) -> FingerprintReport:
-        """The fingerprint of the live parameters, as a full push of them would have."""
-        if "weights" in self._asleep:
-            raise WeightUpdateError(f"replica {self.replica_id}: weights are asleep, nothing to fingerprint")
-        (fp, *_) = await self._rpc(WorkerAPI.asyncrl_fingerprint_params)
-        return FingerprintReport(replica_id=self.replica_id, fingerprint=fp)

@@ -138,9 +138,6 @@ class SglangWorker(WorkerVerbs):
     def asyncrl_param_addresses(self) -> list[int]:
         raise RuntimeError(NO_DIRECT)
 
-    def asyncrl_fingerprint_params(self, names: list[str] | None = None) -> str:
-        raise RuntimeError(NO_DIRECT)
-
 
 def run_on(loop: asyncio.AbstractEventLoop) -> Callable[..., Any]:
     """`call(coro, timeout)`: run `coro` on `loop` from another thread and wait for its result."""

@@ -227,7 +227,7 @@ class VllmHooks:
 
 class WeightUpdateExtension(WorkerVerbs):
     """Mixed into every vLLM worker (`worker_extension_cls`): weightsync's verbs (worker_verbs.py) on `VllmHooks`,
-    the sampled-token counts, and two reads of the worker's model for tests. Methods are prefixed `asyncrl_` so
+    the sampled-token counts, and a read of the worker's parameter addresses for tests. Methods are prefixed `asyncrl_` so
     they never clash with the worker's own attributes."""
 
     def _asyncrl_hooks(self) -> VllmHooks:
@@ -236,14 +236,6 @@ class WeightUpdateExtension(WorkerVerbs):
     def asyncrl_param_addresses(self) -> list[int]:
         """Where each live parameter's storage is (a direct apply keeps them); tests only."""
         return [p.data_ptr() for p in self.model_runner.get_model().parameters()]  # type: ignore[attr-defined]
-
-    def asyncrl_fingerprint_params(self, names: list[str] | None = None) -> str:
-        """Fingerprint of the model's live parameters (vLLM's layout); tests only."""
-        from asyncrl.weightsync.fingerprint import tensor_fingerprint
-
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        params = {n: p.data for n, p in model.named_parameters() if names is None or n in names}
-        return tensor_fingerprint(params)
 
     def asyncrl_sampled_token_counts(self) -> dict[str, int] | None:
         """Output tokens sampled so far per sequence this worker holds (engine-internal ids).

@@ -100,8 +100,7 @@ def test_the_worker_extension_implements_every_worker_verb():
 # The weight verbs of each interface: each answers one type (issue 64), never a dict read by which keys are present.
 _WEIGHT_VERBS = {
     EngineAPI: ["begin_update", "load_bucket", "commit_update", "abort_update", "engine_layout", "set_push_plan",
-                "collective_info", "join_collective", "sync_from_source",
-                "live_fingerprint"],
+                "collective_info", "join_collective", "sync_from_source"],
     WorkerAPI: api_verbs(WorkerAPI),
     LearnerRankAPI: ["set_push_plan", "piece_manifest", "export_hf_tensors_packed", "collective_address",
                      "join_collective", "collective_group", "broadcast_hf_tensors", "take_host_copies"],
