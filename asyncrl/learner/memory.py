@@ -102,8 +102,9 @@ def malloc_trim() -> bool:
 
 class HostMemoryTrim:
     """Called after each training step (by an engine replica, every `HOST_TRIM_EVERY_S`): gives freed host
-    memory back once the resident set is more than `slack` above its level at the end of the first step since the last trim (the step's own working
-    set, which the heaps keep on purpose: the next step reuses it without faulting its pages in again).
+    memory back once the resident set is more than `slack` above its level at the end of the first step since
+    the last trim (the step's own working set, which the heaps keep on purpose: the next step reuses it
+    without faulting its pages in again).
     Why: glibc keeps freed blocks, and once a step frees large buffers it raises its mmap threshold, so
     later steps allocate from its heaps too; the rank's resident set then creeps up step after step
     though nothing is kept. A trim after every step would make every step fault its working set in
