@@ -137,6 +137,7 @@ def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str,
     mismatch = {k.removeprefix("mismatch/"): statistics.fmean(r[k] for r in res["per_step"] if r.get(k) is not None)
                 for k in names if any(r.get(k) is not None for r in res["per_step"])}
     kept = [r["hybrid/learner_state_kept"] for r in res["per_step"] if r.get("hybrid/learner_state_kept") is not None]
+    timed = {s.step for s in steps if not s.warmup}  # (the steps split_s is over)
     return {
         "system": "asyncrl", "placement": placement, "eta": eta, "version": _versions(),
         "model": a.model, "params": model_params(a.model), **knobs(a, "bf16"), "warmup_steps": a.warmup_steps,
@@ -153,8 +154,7 @@ def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str,
                      # hybrid: the switches' means over the timed steps, as split_s's (weight_sync_s = push + engine wake)
                      **{f"{k}_mean": statistics.fmean(v) for k in ("engine_wake_s", "engine_sleep_s", "learner_onload_s")
                         if (v := [r[f"hybrid/{k}"] for r in res["per_step"]
-                                  if int(r["train/step"]) > a.warmup_steps and r.get("eval/accuracy") is None
-                                  and r.get(f"hybrid/{k}") is not None])},
+                                  if int(r["train/step"]) in timed and r.get(f"hybrid/{k}") is not None])},
                      # the buffer's accounting at the last step: a group dropped stale is generation thrown away
                      # (and, on a long tail, the longest responses trained less often)
                      "buffer": {k.removeprefix("buffer/"): last[k] for k in BUFFER_KEYS if k in last},
