@@ -79,6 +79,10 @@ def model_params(path: str) -> int:
 
 
 # The buffer's accounting kept in each per-step row: a group dropped stale is generation thrown away.
+# hybrid: the switches' seconds (trainer/placement.py): engine_wake_s, the sync's part beside the push, is the sum of
+# the last four; engine_sleep_s and learner_onload_s, the training's part beside the update
+HYBRID_SWITCH_KEYS = ("engine_wake_s", "engine_sleep_s", "learner_onload_s", "learner_release_s", "weights_wake_s",
+                      "params_release_s", "kv_wake_s")
 BUFFER_KEYS = ("buffer/generated", "buffer/trained", "buffer/dropped_stale", "buffer/dropped_failed", "buffer/overdue")
 
 
@@ -213,10 +217,8 @@ def _figures(cfg: Any, eta: int, records: list[dict], rows: list[dict], warmup: 
                                                 "weightsync/failed", "buffer/staleness_mean", "weightsync/bytes",
                                                 "weightsync/host_copy_wait_seconds", "weightsync/host_copy_seconds",
                                                 "weightsync/on_live_seconds", *BUFFER_KEYS,
-                                                # hybrid: the switches (the sync's part beside the push, the training's
-                                                # part beside the update) and whether the learner's state stayed
-                                                "hybrid/engine_wake_s", "hybrid/engine_sleep_s", "hybrid/learner_onload_s",
-                                                "hybrid/learner_state_kept")},
+                                                # hybrid: whether the learner's state stayed, the switches' parts
+                                                "hybrid/learner_state_kept", *(f"hybrid/{k}" for k in HYBRID_SWITCH_KEYS))},
                       # where each push's time went: the senders' pack / broadcast / hash / ring waits, each replica's calls
                       **{k: v for k, v in r.items() if k.startswith(("weightsync/sender/", "weightsync/replica/", "mismatch/"))}}
                      for r in rows],

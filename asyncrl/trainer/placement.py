@@ -154,28 +154,36 @@ class Colocation:
 
     async def to_engines(self, publish: Publish) -> dict[str, float]:
         """The learner puts away all but the actor's params, engine weights wake, `publish()` pushes
-        the new version, the params go to host, the KV cache wakes and the engines run again."""
+        the new version, the params go to host, the KV cache wakes and the engines run again. Each
+        part's seconds are a metric (`hybrid/learner_release_s`, `weights_wake_s`, `params_release_s`,
+        `kv_wake_s`); `hybrid/engine_wake_s` is their sum, the switch around the push."""
         self._expect(Phase.LEARNING, "to_engines")
         t0 = self.clock()
         metrics: dict[str, float] = {}
+        parts: dict[str, float] = {}
         try:
             need = {} if self.wake_need is None else {"wake_need": self.wake_need}
             mine, theirs = await asyncio.gather(self.exporter.release_device(["grads", "optimizer"], **need),
                                                 self._each(lambda g: g.release_device(**need), self.others))
+            parts["learner_release_s"] = self.clock() - t0
             kept = [r["learner/state_kept"] for a in (*mine, *theirs) if "learner/state_kept" in (r := a.get("report") or {})]
             if kept:  # 1: every rank's flagged state stayed on its device (when_short found room)
                 metrics["hybrid/learner_state_kept"] = min(kept)
             await self._engines(EngineAPI.wake_up, ["weights"])
             self.phase = Phase.SYNCING
             t1 = self.clock()
+            parts["weights_wake_s"] = t1 - t0 - parts["learner_release_s"]
             metrics |= await publish()
-            t2 = self.clock()
         finally:
+            t2 = self.clock()
             released = await self.exporter.release_device(["params"])
+            t3 = self.clock()
             await self._engines(EngineAPI.wake_up, ["kv_cache"])
+            parts |= {"params_release_s": t3 - t2, "kv_wake_s": self.clock() - t3}
             self.phase = Phase.GENERATING
             self.switches += 1
-        metrics |= {"hybrid/engine_wake_s": (t1 - t0) + (self.clock() - t2), "hybrid/switches": float(self.switches)}
+        metrics |= {f"hybrid/{k}": v for k, v in parts.items()}
+        metrics |= {"hybrid/engine_wake_s": sum(parts.values()), "hybrid/switches": float(self.switches)}
         if released:
             metrics["hybrid/device_free_gib_learner_away"] = min(a["device_free_bytes"] for a in released) / GIB
         return metrics

@@ -43,7 +43,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
-from async_speedup import BUFFER_KEYS, _args_from, apply_overrides, model_params  # noqa: E402
+from async_speedup import BUFFER_KEYS, HYBRID_SWITCH_KEYS, _args_from, apply_overrides, model_params  # noqa: E402
 from bench_ray import init_ray  # noqa: E402
 from common import StepTime, add_knob_arguments, check_knobs, emit, gpu_name, knobs, max_model_len, package_version, summarize  # noqa: E402
 
@@ -152,7 +152,7 @@ def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str,
                      "learner_peak_gib": res.get("learner_peak_gib"),
                      "learner_state_kept": statistics.fmean(kept) if kept else None,
                      # hybrid: the switches' means over the timed steps, as split_s's (weight_sync_s = push + engine wake)
-                     **{f"{k}_mean": statistics.fmean(v) for k in ("engine_wake_s", "engine_sleep_s", "learner_onload_s")
+                     **{f"{k}_mean": statistics.fmean(v) for k in HYBRID_SWITCH_KEYS
                         if (v := [r[f"hybrid/{k}"] for r in res["per_step"]
                                   if int(r["train/step"]) in timed and r.get(f"hybrid/{k}") is not None])},
                      # the buffer's accounting at the last step: a group dropped stale is generation thrown away

@@ -78,6 +78,28 @@ def test_a_step_sleeps_engines_before_the_learner_and_wakes_weights_before_kv_ar
     assert m2["hybrid/device_free_gib_learner_away"] == 5.0
 
 
+def test_the_switch_to_the_engines_times_each_of_its_parts_apart_from_the_push():
+    """`hybrid/engine_wake_s` (the switch around the push) is the sum of its four parts, each its own
+    metric: the clock here advances one second per logged call, the push's own included."""
+    log: list = []
+    place = _colocation(log)
+    place.clock = lambda: float(len(log))
+
+    async def publish():
+        log.append(("publish",))
+        return {}
+
+    async def step():
+        await place.start()
+        await place.to_learner()
+        return await place.to_engines(publish)
+
+    m = asyncio.run(step())
+    parts = {k: m[f"hybrid/{k}"] for k in ("learner_release_s", "weights_wake_s", "params_release_s", "kv_wake_s")}
+    assert parts == {"learner_release_s": 2.0, "weights_wake_s": 1.0, "params_release_s": 1.0, "kv_wake_s": 1.0}
+    assert m["hybrid/engine_wake_s"] == sum(parts.values()) == 5.0
+
+
 def test_when_short_asks_each_group_to_decide_with_the_engines_share_and_reports_what_stayed():
     """`learner_offload: when_short`: the first release of the switch (engines asleep, the learner's
     state still on its devices) carries the engines' wake need (their gpu_memory_utilization share
