@@ -48,11 +48,10 @@ class LearnerGroup:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> list[dict[str, Any]]:
-        import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from asyncrl.learner.rank import LearnerRank
+        from asyncrl.learner.rank import actor_class
 
         cfg = self.learner_cfg
         bundle: dict[str, float] = {"CPU": cfg.num_cpus_per_rank or 0.01}
@@ -65,7 +64,7 @@ class LearnerGroup:
         self._pg = placement_group([dict(bundle) for _ in range(cfg.world_size)],
                                    strategy=cfg.placement_strategy.upper(), **labels)
         await self._wait_placed(bundle)
-        actor_cls = ray.remote(LearnerRank)
+        actor_cls = actor_class()
         for r in range(cfg.world_size):
             self.ranks.append(actor_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=cfg.num_gpus_per_rank, resources=dict(cfg.pool.resources) or None,

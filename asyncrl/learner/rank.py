@@ -17,13 +17,25 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import ray
+
 from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, ProfilerConfig
 from asyncrl.interfaces import ROLE_TRAINING_VERBS, ROLE_VERBS, RoleAPI, verb_name
 from asyncrl.types import CollectiveExport, HostCopies, PackedExport, PieceManifest, SenderAddress
 
+# The actor's calls run one at a time, in order, except `take_host_copies`: it waits for the device-to-host copies of
+# the last push (the rank's own threads make them) in a concurrency group of its own, so that the calls behind it
+# (the hybrid switch's release of the params, the next step's training) never wait for those copies.
+CONCURRENCY_GROUPS = {"host_copies": 1}
+
+
+def actor_class(cls: type | None = None) -> Any:
+    """`cls` (default `LearnerRank`) as the Ray actor class `LearnerGroup` starts: with `CONCURRENCY_GROUPS`."""
+    return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(cls or LearnerRank)
+
 
 class LearnerRank:
-    """Wrapped with `ray.remote` by `LearnerGroup`; plain class so it is testable without Ray."""
+    """Made a Ray actor by `actor_class` (`LearnerGroup`); plain class so it is testable without Ray."""
 
     def __init__(
         self, rank: int, world_size: int, role: str, model_cfg: ModelConfig, learner_cfg: LearnerConfig,
@@ -270,9 +282,11 @@ class LearnerRank:
                 return None
             return self._endpoint().send_version(tensors, bucket_mb, verify, timeout_s, self._sender_id(), gate=gate)
 
+    @ray.method(concurrency_group="host_copies")
     def take_host_copies(self, timeout_s: float) -> HostCopies | None:
         """The host copies (ObjectRefs, in bucket order) of this rank's last broadcast, once all
-        are in the object store (non-sending ranks: None). Each push's copies are taken once."""
+        are in the object store (non-sending ranks: None). Each push's copies are taken once. Runs
+        beside the rank's other calls (`CONCURRENCY_GROUPS`): it only waits for the copies' threads."""
         if not self._is_sender():
             return None
         return self._endpoint().take_host_copies(timeout_s, self._sender_id())

@@ -355,8 +355,6 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
     packed: list[tuple[Bucket, Callable[[], dict[str, bytes]], Any]] = []
     kept: list[Any] = []
     try:
-        # The host copies start after the record is out (off the critical path: the receivers
-        # stage meanwhile), except that `full` verification hashes them.
         early = verify == "full"
         buckets: list[Bucket] = []
         for bucket in export:

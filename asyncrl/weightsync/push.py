@@ -393,7 +393,8 @@ class Publisher:
                                out_of_service=f.out_of_service, metrics=self._finish(m, version), refusals=refusals)
 
     async def _went_live(self, version: int, fingerprint: str, source: "BucketSource | StreamedSource", m: PushMetrics) -> list[str]:
-        if isinstance(source, StreamedSource):  # its host copy is still being made: keep it in the background
+        if isinstance(source, StreamedSource):  # its host copy is made from now on: keep it in the background
+            source.collect_host_copies()
             self._tail = asyncio.ensure_future(self._keep_live(version, fingerprint, source))
             return []
         report, warnings = await self._keep_live(version, fingerprint, source)

@@ -276,7 +276,7 @@ class StreamedSend:
     """What a collective sender reports for one version (weightsync/collective.py): per-tensor
     digests, sizes, its phase seconds and its host copies in the transport (handles). A sender
     that makes them off the critical path gives `collect` instead, which returns them once made;
-    the publisher awaits it while the replicas commit."""
+    the publisher calls it once the version is live and awaits it before the next push."""
 
     handles: list[Any]
     digests: dict[str, bytes]
@@ -319,6 +319,7 @@ class StreamedSource:
         self.plan_id = plan_id
         self.handles: list[Any] = []
         self._digests: dict[str, bytes] | None = None
+        self._collect: Callable[[], Awaitable[KeptCopies]] | None = None  # the last attempt's, not yet started
         self._collecting: asyncio.Future | None = None
 
     async def stream(self, publisher: StreamDriver, version: int, replicas: list[ReplicaClient], m: PushMetrics) -> None:
@@ -348,13 +349,8 @@ class StreamedSource:
             raise
         sent_at = time.perf_counter()
         trace.mark("pub.sender_returned")
-        try:
-            await receiving
-        finally:
-            # The host copies are collected (an ipc sender only starts them then) once the replicas
-            # are done: on a shared GPU they would otherwise take turns with the engines' apply.
-            if sent.collect is not None:
-                self._collecting = asyncio.ensure_future(sent.collect())
+        self._collect = sent.collect  # once live: an ipc sender's copies would take turns with the engines' apply
+        await receiving
         # where the stage's time goes, as the publisher sees it: forming / checking the groups,
         # the sender's call (its own seconds are in sent.seconds), the receivers after it returned
         trace.mark("pub.loads_returned")
@@ -393,6 +389,12 @@ class StreamedSource:
             raise RuntimeError("fingerprint before the sender finished")
         return combine_digests(self._digests, self.verify)
 
+    def collect_host_copies(self) -> None:
+        """Start collecting the last attempt's host copies (`settle` waits for them): once live, or dropped."""
+        collect, self._collect = self._collect, None
+        if collect is not None:
+            self._collecting = asyncio.ensure_future(collect())
+
     async def settle(self, timeout_s: float) -> dict[str, float]:
         """Wait for the sender's host copies (they become `handles`); returns the copy thread's seconds."""
         collecting, self._collecting = self._collecting, None
@@ -403,16 +405,15 @@ class StreamedSource:
         return dict(kept.seconds)
 
     def discard(self, transport: Transport) -> None:
-        """Release host copies still being collected once they arrive (a failed or retried attempt)."""
+        """Release host copies once they arrive (a failed or retried attempt's: none may linger)."""
+        self.collect_host_copies()
         collecting, self._collecting = self._collecting, None
-        if collecting is None:
-            return
 
         def release(done: asyncio.Future) -> None:
-            if done.cancelled() or done.exception() is not None:
-                return
-            for h in done.result().handles:
-                with contextlib.suppress(Exception):
-                    transport.release(h)
+            if not done.cancelled() and done.exception() is None:
+                for h in done.result().handles:
+                    with contextlib.suppress(Exception):
+                        transport.release(h)
 
-        collecting.add_done_callback(release)
+        if collecting is not None:
+            collecting.add_done_callback(release)

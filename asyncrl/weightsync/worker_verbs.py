@@ -100,10 +100,9 @@ class WorkerReceiver:
         self.plan_id: str | None = None
         self._live: dict[str, torch.Tensor] | None = None
         self._staged: _Staged | None = None
-        # A whole-version ipc push stages views of the sender's ring, which are the same bucket
-        # objects while the ring is (ipc.py's record cache): their unpacked views, and the apply's
-        # parameter lists built from them, are kept from one push to the next.
-        # So are a broadcast group's whole-version buckets (stream.py): their views are kept the same way.
+        # A whole-version push stages views of the same bucket objects from one push to the next (ipc.py's
+        # record cache of the sender's ring; stream.py's whole-version buckets): their unpacked views, and the
+        # apply's parameter lists built from them, are kept.
         self._views: dict[int, _Kept] = {}
         # (key, live parameters, sources); set_plan, the one place the live parameters change, drops it
         self._apply_lists: tuple[tuple[int, ...], list[torch.Tensor], list[torch.Tensor]] | None = None

@@ -751,18 +751,26 @@ def _streamed_setup(n=2, retries=0, timeout_s=20.0):
 
 
 async def test_publish_streamed_goes_live_with_the_senders_fingerprint_and_host_copies():
+    """The host copies are collected once the version is live (after every replica's commit: on a
+    shared GPU, an ipc sender's copies would take turns with the engine's apply)."""
     pub, replicas, log, _, state, prepare = _streamed_setup()
     new = model(1)
 
     async def send(version, verify):
         sent = await asyncio.to_thread(send_stream, state["sender"], iter(new.items()), BUCKET_MB, verify=verify, timeout_s=20)
-        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds,
-                            collect=lambda: _kept(sent.host_copies), num_buckets=sent.num_buckets)
+
+        async def collect():
+            log.append(("publisher", "collect"))
+            return await _kept(sent.host_copies)
+
+        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds, collect=collect, num_buckets=sent.num_buckets)
 
     result = await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
     for r in replicas:
         assert [e for n, e in log if n == r.name] == ["begin:1", "load", "pause:keep", "commit:1", "resume"]
         assert r.version == 1 and all(torch.equal(r.weights[k], new[k]) for k in new)
+    await asyncio.sleep(0)  # (the collect's task runs)
+    assert log.index(("publisher", "collect")) > max(log.index((r.name, "commit:1")) for r in replicas)
     assert result.fingerprint == tensor_fingerprint(new) and pub.registry.live_version == 1
     m = result.metrics
     assert m["weightsync/num_buckets"] == 3 and m["weightsync/bytes"] == 5 * 64 * 16 * 4
