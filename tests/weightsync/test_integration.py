@@ -747,20 +747,29 @@ async def test_one_engine_over_gloo_takes_a_push_and_refuses_a_bucket_corrupted_
     # The link's check beside a push finds a replica outside the groups (one that Serve just started): it
     # closes the gate, and the engine stops before anything reached its weights: not a failed apply (no
     # restore), the engine runs on, and the retry forms the groups again and carries it.
-    # The check answers at once (the replicas were asked before): it races the members reaching the gate,
-    # and a round trip to the replica in it could lose that race (then the push is carried, correctly).
+    # The check races the members reaching the gate (a gate they all reached is open: the push is then carried,
+    # correctly); here the sender reaches it only once the check closed it, so the race is always the check's.
     members, rollbacks = link._check_call, pub.totals["rollbacks_total"]
     running = await members()
+    closed, cancel, broadcast = asyncio.Event(), link.cancel, sender.broadcast_hf_tensors
 
     async def with_a_newcomer():
         return {**running, "engine-new": GroupsReport(replica_id="engine-new", workers=1, groups=[])}
 
-    link._check_call = with_a_newcomer
+    async def cancel_noted(why):
+        await cancel(why)
+        closed.set()
+
+    async def after_the_check(*args, **kwargs):
+        await asyncio.wait_for(closed.wait(), cfg.timeout_s)
+        return await broadcast(*args, **kwargs)
+
+    link._check_call, link.cancel, sender.broadcast_hf_tensors = with_a_newcomer, cancel_noted, after_the_check
     with pytest.raises(WeightsyncError, match="stopped at its gate"):
         await push(start + 7)
     assert pub.totals["rollbacks_total"] == rollbacks and pub.registry.live_version == start + 6
     assert not (await engine.stats.remote())["paused"]
-    link._check_call = members
+    link._check_call, link.cancel, sender.broadcast_hf_tensors = members, cancel, broadcast
     await push(start + 8)
     assert pub.registry.live_version == start + 8
     await _engines_serve([engine], demo_model_path, sender.weights, start + 8)
