@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -20,7 +21,7 @@ LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 
 
 
 class GatewayMetrics:
-    def __init__(self, rate_window_s: float = 30.0) -> None:
+    def __init__(self, rate_window_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("asyncrl_generator_requests", "HTTP generation requests", ["route", "status"], registry=self.registry)
         self.tokens = Counter("asyncrl_generator_tokens_generated", "Completion tokens returned", registry=self.registry)
@@ -35,7 +36,7 @@ class GatewayMetrics:
                                              "Requests the engine holds (queued or running), per engine replica", ["replica"], registry=self.registry)
         self.replica_in_flight = Gauge("asyncrl_generator_replica_tokens_in_flight",
                                        "Tokens produced for sequences still running, per engine replica", ["replica"], registry=self.registry)
-        self._window = rate_window_s
+        self._window, self._clock = rate_window_s, clock
         self._events: collections.deque[tuple[float, int]] = collections.deque()
         self._totals: dict[str, float] = collections.defaultdict(float)
 
@@ -51,12 +52,16 @@ class GatewayMetrics:
         if tokens:
             self.tokens.inc(tokens)
             self._totals["tokens_generated"] += tokens
-            self._events.append((time.monotonic(), tokens))
+            now = self._clock()
+            self._events.append((now, tokens))
+            self._forget(now)  # (also here: a gateway nobody scrapes must not keep every request's tokens)
 
-    def tokens_per_second(self) -> float:
-        now = time.monotonic()
+    def _forget(self, now: float) -> None:
         while self._events and self._events[0][0] < now - self._window:
             self._events.popleft()
+
+    def tokens_per_second(self) -> float:
+        self._forget(self._clock())
         return sum(n for _, n in self._events) / self._window
 
     def snapshot(self) -> dict[str, Any]:

@@ -496,6 +496,16 @@ def test_metrics_render_prometheus_text_with_replica_versions():
     assert snap["generator/requests"] == 2 and snap["generator/requests_failed"] == 1 and snap["generator/tokens_per_s"] > 0
 
 
+def test_the_gateways_token_rate_keeps_only_its_window_though_nobody_reads_it():
+    now = [0.0]
+    m = GatewayMetrics(rate_window_s=30.0, clock=lambda: now[0])
+    for i in range(10_000):  # a request every 10 ms for 100 s, no scrape
+        now[0] = i * 0.01
+        m.observe("/generate", 200, 0.1, 5)
+    assert len(m._events) <= 3_001  # the last 30 s of requests, not all 10,000
+    assert m.tokens_per_second() == pytest.approx(5 * 3_000 / 30.0, rel=0.01)
+
+
 def test_prefix_affinity_ranking_is_stable_and_moves_little_when_replicas_change():
     prompts = [[i, i + 1, 7] for i in range(200)]
     two = {tuple(p): rank_replicas(["a", "b"], p, 64)[0] for p in prompts}
