@@ -1,6 +1,6 @@
 """The weight-version registry: which version is live, and how each push went.
 
-Owns: one `WeightVersion` record per pushed version and its lifecycle (IDLE -> STAGING -> COMMITTING -> LIVE | FAILED,
+Owns: a `WeightVersion` record for each of the last `history` pushed versions and its lifecycle (IDLE -> STAGING -> COMMITTING -> LIVE | FAILED,
 every transition in `_TRANSITIONS`), each version's timeline (a timestamp per state entered), which replica serves
 which version, and the rule that a version becomes LIVE only when every live replica committed it (the publisher's
 own, in the trainer's process: no other process reads it).
@@ -37,9 +37,14 @@ class RegistryError(RuntimeError):
 
 
 class VersionRegistry:
-    """Plain, in-process registry. Thread-safe so one instance can back a threaded Ray actor."""
+    """Plain, in-process registry. Thread-safe so one instance can back a threaded Ray actor. It keeps the
+    records of the last `history` versions pushed (and always the live one's): a run pushes once a step, for
+    days, and a record per push would grow the trainer's memory and every `snapshot` without bound."""
 
-    def __init__(self, initial_version: int = 0) -> None:
+    def __init__(self, initial_version: int = 0, history: int = 256) -> None:
+        if history < 1:
+            raise ValueError(f"history={history} must be >= 1")
+        self.history = history
         self._lock = threading.Lock()
         self._records: dict[int, WeightVersion] = {}
         self._timeline: dict[int, list[tuple[str, float]]] = {}
@@ -91,6 +96,9 @@ class VersionRegistry:
             self._records[version] = record
             self._timeline[version] = [(S.IDLE.value, record.created_at)]
             self._in_flight = version
+            stale = [v for v in sorted(self._records) if v not in (self._live, version)]
+            for v in stale[: max(0, len(self._records) - self.history)]:
+                del self._records[v], self._timeline[v]
             return record
 
     def transition(self, version: int, new: WeightUpdateState, *, error: str | None = None) -> WeightVersion:
@@ -162,17 +170,7 @@ class VersionRegistry:
                 "live_version": self._live,
                 "in_flight": self._in_flight,
                 "replica_versions": dict(self._replica_versions),
-                "versions": [
-                    {
-                        "version": r.version,
-                        "state": r.state.value,
-                        "fingerprint": r.fingerprint,
-                        "num_bytes": r.num_bytes,
-                        "num_tensors": r.num_tensors,
-                        "replicas": list(r.replicas),
-                        "error": r.error,
-                        "timeline": list(self._timeline[r.version]),
-                    }
-                    for r in (self._records[v] for v in sorted(self._records))
-                ],
+                "versions": [{"version": r.version, "state": r.state.value, "fingerprint": r.fingerprint, "num_bytes": r.num_bytes,
+                              "num_tensors": r.num_tensors, "replicas": list(r.replicas), "error": r.error,
+                              "timeline": list(self._timeline[r.version])} for r in (self._records[v] for v in sorted(self._records))],
             }

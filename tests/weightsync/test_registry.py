@@ -93,3 +93,26 @@ def test_retry_from_committing_restages_and_clears_committed_replicas():
     with pytest.raises(RegistryError):
         reg.go_live(1, ["a"])  # "a" committed an earlier attempt only
 
+
+
+def test_only_the_last_versions_records_are_kept_and_the_live_ones_always():
+    reg = VersionRegistry(history=3)
+    for v in range(1, 11):  # v10 fails: v9 stays live
+        reg.begin(v)
+        reg.transition(v, S.STAGING)
+        if v == 10:
+            reg.transition(v, S.FAILED, error="x")
+            continue
+        reg.transition(v, S.COMMITTING)
+        reg.replica_committed(v, "r0")
+        reg.go_live(v, ["r0"])
+    assert [r.version for r in reg.records()] == [8, 9, 10] and reg.live_version == 9
+    with pytest.raises(RegistryError, match="not registered"):
+        reg.timeline(7)
+    assert [v["version"] for v in reg.snapshot()["versions"]] == [8, 9, 10]
+    for v in (11, 12, 13):  # failed pushes do not push the live version's record out
+        reg.begin(v)
+        reg.transition(v, S.FAILED, error="x")
+    assert [r.version for r in reg.records()] == [9, 12, 13] and reg.get(9).state is S.LIVE
+    with pytest.raises(ValueError, match="history"):
+        VersionRegistry(history=0)
