@@ -165,14 +165,14 @@ class Colocation:
             need = {} if self.wake_need is None else {"wake_need": self.wake_need}
             mine, theirs = await asyncio.gather(self.exporter.release_device(["grads", "optimizer"], **need),
                                                 self._each(lambda g: g.release_device(**need), self.others))
-            parts["learner_release_s"] = self.clock() - t0
+            released_at = self.clock()
+            parts["learner_release_s"] = released_at - t0
             kept = [r["learner/state_kept"] for a in (*mine, *theirs) if "learner/state_kept" in (r := a.get("report") or {})]
             if kept:  # 1: every rank's flagged state stayed on its device (when_short found room)
                 metrics["hybrid/learner_state_kept"] = min(kept)
             await self._engines(EngineAPI.wake_up, ["weights"])
             self.phase = Phase.SYNCING
-            t1 = self.clock()
-            parts["weights_wake_s"] = t1 - t0 - parts["learner_release_s"]
+            parts["weights_wake_s"] = self.clock() - released_at
             metrics |= await publish()
         finally:
             t2 = self.clock()
