@@ -130,8 +130,6 @@ class WorkerAPI(Protocol):
 
     def asyncrl_collective_groups(self) -> list[str]: ...
 
-    def asyncrl_param_addresses(self) -> list[int]: ...
-
     def asyncrl_sampled_token_counts(self) -> dict[str, int] | None:
         """Tokens sampled so far per sequence this worker holds (read while paused)."""
 

@@ -80,21 +80,14 @@ push)
       # the install call's random 7B (bench:/tmp/qwen2-7b-random) may still be being written
       for i in $(seq 1 60); do pgrep -f "[m]ake_random_qwen2.py.*$m.tmp" > /dev/null || break; sleep 5; done
       # SENDER_ARENA (gloo / nccl): auto, whole or ring (weightsync.py --sender-arena)
-      # TRACE=1: every push's marks across its processes (asyncrl/weightsync/trace.py), lined up after the bench
       # BENCH_TIMEOUT (360): a fresh host's random 1.5B took 204 s to build and start its engine (2026-11-27, H100s)
-      tag=${m##*/}${ENGINE:+_$ENGINE}; tdir=${TRACE:+$OUT/trace_$tag}  # (one per engine: both may push one model)
       # ENGINE (vllm): sglang pushes into SGLang replicas (after sglang-install; HF layout, its own staging);
       # BUCKET_MB (64): a size in MiB, or a comma list measured in turn on the same engines (64,256)
-      ASYNCRL_PUSH_TRACE=$tdir ASYNCRL_PROFILE_DIR=${PROFILE_DIR:-} timeout ${BENCH_TIMEOUT:-360} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports $t \
+      ASYNCRL_PROFILE_DIR=${PROFILE_DIR:-} timeout ${BENCH_TIMEOUT:-360} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports $t \
           --gpus 0.5 --dtype bfloat16 --verify $v --staging ${STAGING:-full} --sender-arena ${SENDER_ARENA:-auto} \
           --bucket-mb ${BUCKET_MB:-64} --timeout-s ${PUSH_TIMEOUT:-90} --engine ${ENGINE:-vllm} --engine-pythonpath "$([ "${ENGINE:-vllm}" = sglang ] && echo /tmp/site-sglang:/tmp/site:$PWD)" > $log 2>&1
       echo "weightsync $t $m verify=$v rc=$?"; grep '^{' $log | tee -a $OUT/ws_push.json
       grep '^\[weightsync' $log | tail -4  # where it got (each push's time)
-      if [ -n "$tdir" ] && [ -d "$tdir" ]; then
-        g=4; [ -n "${PROFILE_DIR:-}" ] && g=5  # pushes per bucket size: a warm-up, 3 timed (and one profiled)
-        python3 benchmarks/push_timeline.py $tdir --group $g --json $OUT/timeline_$tag.json > $OUT/timeline_$tag.txt 2>&1
-        grep -A40 "^median of" $OUT/timeline_$tag.txt | grep -E "median|snd.enter|rep.load|rep.paus|wrk.begun|arrived|gate_open|announced|first_packed|applied_landed|wire_end_forecast|landed|wire_done|digests|wrk.return|rep.received|rep.return|pub\."; tar czf $OUT/trace_$tag.tgz -C $OUT trace_$tag && rm -rf $tdir
-      fi
       grep -v '^{' $log | grep -iE "error|Traceback|layout" | tail -8 | cut -c1-400
       ;;
     ckspeed)  # the device checksum against a plain read and a copy of the same bytes
@@ -208,8 +201,6 @@ gpu4)
   # ray.init's own start gave up after 30 s once on a fresh 4-GPU host ("node timed out during startup",
   # no raylet log): start the node apart, where its errors are printed, and connect to it.
   # no expandable_segments here: vLLM TP = 2 custom all-reduce fails on it (custom_all_reduce.cuh: invalid argument)
-  # TRACE=1: every push's marks across its processes (the Ray head passes the variable to everything it starts)
-  [ -n "${TRACE:-}" ] && export ASYNCRL_PUSH_TRACE=$OUT/trace_gpu4
   timeout 180 ray start --head --num-cpus 48 --include-dashboard=false --disable-usage-stats > $OUT/ray_start.log 2>&1
   echo "ray start rc=$?"; grep -iE "error|fail|started" $OUT/ray_start.log | head -5 | cut -c1-300
   # the app's own limit 45 s before the call's: a run cut short still reports the steps it finished
@@ -220,12 +211,6 @@ gpu4)
   # which senders the push plan chose (each TP rank its own shards, or TP rank 0 gathering), and the raw probe
   grep -hE "sends its own shards|TP shards are gathered|raw broadcast of" $OUT/gpu4.log /tmp/ray/session_latest/logs/*.err \
       /tmp/ray/session_latest/logs/*.out 2>/dev/null | sort -u | head -6 | cut -c1-300
-  if [ -d "${ASYNCRL_PUSH_TRACE:-/nonexistent}" ]; then
-    # a stretch of a push that stalled past ASYNCRL_PUSH_TRACE_STALL_S (20 s): every thread's stack, per process
-    for f in $ASYNCRL_PUSH_TRACE/stacks_*.txt; do [ -s "$f" ] && { echo "== $f"; grep -A14 "^Thread\|^Current thread" "$f" | head -80 | cut -c1-200; }; done
-    python3 benchmarks/push_timeline.py $ASYNCRL_PUSH_TRACE --skip 1 --json $OUT/timeline_gpu4.json > $OUT/timeline_gpu4.txt 2>&1
-    tail -40 $OUT/timeline_gpu4.txt; tar czf $OUT/trace_gpu4.tgz -C $OUT trace_gpu4 && rm -rf $ASYNCRL_PUSH_TRACE
-  fi
   grep -iE "error|Traceback|out of memory|OOM" $OUT/gpu4.log | head -12 | cut -c1-400
   ls /tmp/ray/session_latest/logs > /dev/null 2>&1 && tar czf $OUT/ray_logs.tgz -C /tmp/ray/session_latest logs 2>/dev/null
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
@@ -557,9 +542,6 @@ scale)
   for kv in ${SETS:-}; do sets+=(--set "$kv"); done
   echo "sets: ${sets[*]}"
   pkill -9 -f "[r]ay::"; pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; rm -rf /tmp/ray/session_*; sleep 1
-  # TRACE=1: every push's marks in the run's own layout (asyncrl/weightsync/trace.py); the Ray head passes the
-  # variable to the trainer, the learner ranks and the engine replicas it starts
-  [ -n "${TRACE:-}" ] && export ASYNCRL_PUSH_TRACE=$OUT/trace_scale
   timeout 180 ray start --head --num-cpus 48 --include-dashboard=false --disable-usage-stats > $OUT/ray_start.log 2>&1
   echo "ray start rc=$?"
   # The app's own limit comes 45 s before the call's, so a run cut short still reports the steps it finished
@@ -567,10 +549,6 @@ scale)
       --config deploy/rlhf-gpu4-scale.yaml --steps ${NSTEPS:-10} --etas ${ETAS:-2} --num-cpus 48 "${sets[@]}" \
       --out $OUT/scale.json > $OUT/scale.log 2>&1
   echo "scale rc=$? t=$SECONDS s"; grep -v '^{' $OUT/scale.log | grep -E '^\||machine|joined|failed|push / raw' | cut -c1-400
-  if [ -d "${ASYNCRL_PUSH_TRACE:-/nonexistent}" ]; then
-    python3 benchmarks/push_timeline.py $ASYNCRL_PUSH_TRACE --json $OUT/timeline_scale.json > $OUT/timeline_scale.txt 2>&1
-    tail -40 $OUT/timeline_scale.txt; tar czf $OUT/trace_scale.tgz -C $OUT trace_scale && rm -rf $ASYNCRL_PUSH_TRACE
-  fi
   grep -iE "Traceback|Error|out of memory" $OUT/scale.log | grep -v Warning | tail -10 | cut -c1-400
   ls /tmp/ray/session_latest/logs > /dev/null 2>&1 && tar czf $OUT/ray_logs.tgz -C /tmp/ray/session_latest logs 2>/dev/null
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader

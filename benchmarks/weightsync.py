@@ -724,8 +724,6 @@ def main() -> None:
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     runtime_env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}}
-    if os.environ.get("ASYNCRL_PUSH_TRACE"):  # the actors' (and their engines') push marks (asyncrl/weightsync/trace.py)
-        runtime_env["env_vars"]["ASYNCRL_PUSH_TRACE"] = os.environ["ASYNCRL_PUSH_TRACE"]
     init_ray(max(4, os.cpu_count() or 4), runtime_env=runtime_env)
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -37,7 +37,6 @@ from asyncrl.types import (
     UpdateAck,
     refusal_of,
 )
-from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import WithDigests
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import check_verify_mode, combine_digests, fingerprint_mode
@@ -150,7 +149,6 @@ class WeightUpdates:
                            plan_id: str | None = None) -> UpdateAck:
         """Start staging `version`; buckets are hashed as they arrive in `verify` mode (weightsync/fingerprint.py).
         `layout`: "engine" (packed for a copy into the parameters) or "hf"; `staging`: "full" or "bucketed"."""
-        trace.mark("rep.begin")
         async with self._control_lock:
             return await self._begin(version, verify, staging, layout, plan_id)
 
@@ -175,7 +173,6 @@ class WeightUpdates:
 
     async def load_bucket(self, named_tensors: Any, version: int | None = None) -> LoadReport:
         """Stage a payload (a bucket, its handle, or a `CollectiveReceive`: the workers receive from the senders)."""
-        trace.mark("rep.load")
         async with self._control_lock:
             self._receive_reached = False
             try:
@@ -322,9 +319,7 @@ class WeightUpdates:
             # Paused: no step runs, so the counts the workers read (in the same call as the
             # apply, one round trip) hold until resume.
             applied = await self._apply_staged(version, before=self._versions.counts_query)
-            trace.mark("rep.applied")
             sampled = await self._versions.counts(applied.before)
-            trace.mark("rep.counted")
         except Exception as err:
             self.counters["updates_failed"] += 1
             raise WeightUpdateError(
@@ -346,7 +341,6 @@ class WeightUpdates:
         if paused_here:
             self._paused_mode = None
         t_relabelled = time.perf_counter()
-        trace.mark("rep.relabelled")
         if self.state is ReplicaState.READY and paused_here and self._may_run():
             await self._resume_sent()
         elif self.state is ReplicaState.READY and (paused_here or self._may_run()):

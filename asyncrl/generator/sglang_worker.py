@@ -135,9 +135,6 @@ class SglangWorker(WorkerVerbs):
         before it has arrived (the scheduler answers its calls in order, on the same path as its outputs)."""
         return self._counts()
 
-    def asyncrl_param_addresses(self) -> list[int]:
-        raise RuntimeError(NO_DIRECT)
-
 
 def run_on(loop: asyncio.AbstractEventLoop) -> Callable[..., Any]:
     """`call(coro, timeout)`: run `coro` on `loop` from another thread and wait for its result."""

@@ -226,16 +226,11 @@ class VllmHooks:
 
 
 class WeightUpdateExtension(WorkerVerbs):
-    """Mixed into every vLLM worker (`worker_extension_cls`): weightsync's verbs (worker_verbs.py) on `VllmHooks`,
-    the sampled-token counts, and a read of the worker's parameter addresses for tests. Methods are prefixed `asyncrl_` so
-    they never clash with the worker's own attributes."""
+    """Mixed into every vLLM worker (`worker_extension_cls`): weightsync's verbs (worker_verbs.py) on `VllmHooks`
+    and the sampled-token counts. Methods are prefixed `asyncrl_` so they never clash with the worker's own."""
 
     def _asyncrl_hooks(self) -> VllmHooks:
         return VllmHooks(self)
-
-    def asyncrl_param_addresses(self) -> list[int]:
-        """Where each live parameter's storage is (a direct apply keeps them); tests only."""
-        return [p.data_ptr() for p in self.model_runner.get_model().parameters()]  # type: ignore[attr-defined]
 
     def asyncrl_sampled_token_counts(self) -> dict[str, int] | None:
         """Output tokens sampled so far per sequence this worker holds (engine-internal ids).

@@ -5,23 +5,26 @@ rendezvous port (`reserve_port`), `CollectiveGroup` (join, broadcast with a dead
 kinds, over NCCL on GPUs (vLLM's PyNcclCommunicator), gloo on CPUs, or `ipc` handles to the sender's own buffers
 when sender and receivers share a device. One push's loops are stream.py's (ipc: ipc.py's). The gate: no member
 touches the wire for a push until every member is ready for it; one that cannot take it closes the gate and all
-leave without a byte sent, the group usable (`GateClosed`). Memory, ipc's window and the gate in full:
-docs/design/weightsync.md, "Collective transports".
-Must never: block without a deadline (a timed-out group is broken, closed and formed again by the next push), use
-the default torch.distributed group, decide when a push happens or what is live (push.py), or apply anything to
-live weights (the worker stages; commit applies).
+leave without a byte sent, the group usable (`GateClosed`). A joining member loads every kernel a push launches
+(`warm_push_kernels`; in a push a first launch waits for the queued broadcasts). Details: docs/design/weightsync.md.
+Must never: block without a deadline (a broken group is formed again by the next push), use the default
+torch.distributed group, decide when a push happens or what is live (push.py), or apply anything to live weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from asyncrl.weightsync.bucket import Bucket, pack_bucket
+from asyncrl.weightsync.fingerprint import bucket_digests_lazy, buckets_digests_lazy
 from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
 
 BACKENDS = ("gloo", "nccl", "ipc")
@@ -215,13 +218,62 @@ def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: di
     return specs
 
 
-def _warmed(group: "CollectiveGroup") -> "CollectiveGroup":
-    """`group`, its member's device having launched every kernel a push launches (warmup.py: before any
-    broadcast is queued on it, where a kernel's first launch would wait for the queue)."""
-    from asyncrl.weightsync.warmup import warm_push_kernels
+# ---- kernel warm-up: a push's kernels loaded when a member joins, before any broadcast is queued on its device ----
 
-    warm_push_kernels(group.device)
-    return group
+WARM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+WARM_VERIFY_MODES = ("checksum", "full")
+
+_WARM_LOCK = threading.Lock()
+_WARMED: set[tuple[str, tuple[torch.dtype, ...]]] = set()
+
+
+def warm_push_kernels(device: torch.device | str | None, dtypes: tuple[torch.dtype, ...] = WARM_DTYPES) -> list[str]:
+    """Launch once, on scratch tensors of `device`, every kernel a push launches there, then wait
+    for them. Returns what it ran ([] when this process warmed that device for these dtypes already,
+    or on a device other than CUDA, whose kernels need no loading)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type != "cuda":
+        return []
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = (str(dev), tuple(dtypes))
+    with _WARM_LOCK:
+        if key in _WARMED:
+            return []
+        ran = _warm(dev, tuple(dtypes))
+        torch.cuda.synchronize(dev)
+        _WARMED.add(key)
+    return ran
+
+
+def _warm(dev: torch.device, dtypes: tuple[torch.dtype, ...]) -> list[str]:
+    ran: list[str] = []
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # (the host: the same calls, for tests)
+        # a few small tensors of each dtype, sized so that a bucket of them has a short last word
+        named = [(f"warm.{str(t).removeprefix('torch.')}.{n}", torch.ones(n, dtype=t, device=dev)) for t in dtypes for n in (3, 67)]
+        bucket = pack_bucket(named, dev)  # the packer's byte copies
+        ran.append("pack")
+        # the same bytes 8 bytes into a larger buffer: Triton compiles a kernel per 16-byte alignment of its pointers
+        shifted = torch.zeros(bucket.nbytes + 64, dtype=torch.uint8, device=dev)
+        shifted[8 : 8 + bucket.nbytes].copy_(bucket.buffer)
+        moved = Bucket(buffer=shifted.narrow(0, 8, bucket.nbytes), metas=bucket.metas)
+        for mode in WARM_VERIFY_MODES:
+            for b in (bucket, moved):
+                bucket_digests_lazy(b, mode)()  # type: ignore[arg-type]
+            # a whole version's one pass over buckets that share a storage (sender and receiver alike)
+            parts = [Bucket(buffer=shifted.narrow(0, 0, 64), metas=[]), moved]
+            buckets_digests_lazy([(b, f"r{i}/") for i, b in enumerate(parts)], mode)()  # type: ignore[arg-type]
+            ran.append(f"digests:{mode}")
+        for dtype in dtypes:  # the apply's fused copies into live weights, the export's cat and slices
+            src = [torch.ones(n, dtype=dtype, device=dev) for n in (5, 129)]
+            dst = [torch.empty_like(t) for t in src]
+            torch._foreach_copy_(dst, src)
+            torch.cat(src).narrow(0, 1, 64).contiguous()
+            ran.append(f"copy:{str(dtype).removeprefix('torch.')}")
+        words = torch.zeros(16, dtype=torch.int64, device=dev)  # the checksums' and the headers' int64 work
+        torch.cat([words, words]).fill_(0)
+        ran.append("int64")
+    return ran
 
 
 def _member_device(device: torch.device | str | None) -> torch.device:
@@ -278,7 +330,9 @@ class CollectiveGroup:
             pg = dist.ProcessGroupGloo(dist.PrefixStore(spec.group_id + "/", store), rank, spec.world_size, timeout)
             return cls(spec, rank, torch.device("cpu"), _pg=pg, _store=store)
         if spec.backend == "ipc":
-            return _warmed(cls._join_ipc(spec, rank, device, timeout, listen_socket))
+            group = cls._join_ipc(spec, rank, device, timeout, listen_socket)
+            warm_push_kernels(group.device)  # before any broadcast is queued on its device
+            return group
         if not torch.cuda.is_available():
             raise CollectiveError(f"group {spec.group_id}: backend nccl needs CUDA on every member (this one has none)")
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
@@ -293,7 +347,8 @@ class CollectiveGroup:
             if getattr(comm, "disabled", False):
                 raise CollectiveError(f"group {spec.group_id}: vLLM's PyNccl is disabled here (VLLM_DISABLE_PYNCCL?)")
             stream = torch.cuda.Stream(device=dev)
-        return _warmed(cls(spec, rank, dev, _comm=comm, _stream=stream, _store=pg))
+        warm_push_kernels(dev)  # before any broadcast is queued on it
+        return cls(spec, rank, dev, _comm=comm, _stream=stream, _store=pg)
 
     @classmethod
     def _join_ipc(cls, spec: GroupSpec, rank: int, device: torch.device | str | None,

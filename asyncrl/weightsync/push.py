@@ -27,7 +27,6 @@ import torch
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.types import CommitReport, Refusal, WeightUpdateState, refusal_of
-from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import WithDigests
 from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.registry import VersionRegistry
@@ -230,10 +229,8 @@ class Publisher:
                 pause_sent, paused = True, time.perf_counter()
                 await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
             begin_sent = True
-            trace.mark("pub.attempt")
             await self._step(Step.BEGIN, replicas, lambda r: r.begin_update(
                 version, source.verify, staging=self._cfg.staging, layout=source.layout, plan_id=source.plan_id), m)
-            trace.mark("pub.begun")
             t = time.perf_counter()
             try:
                 if isinstance(source, StreamedSource):

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncrl.types import CollectiveExport, HostCopies, PackedExport, SenderAddress
-from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import SharedAllocator, digest_key_prefix, iter_buckets, write_shared
 from asyncrl.weightsync.fingerprint import bucket_digests
 
@@ -174,9 +173,8 @@ class SenderEndpoint:
                 pass
             raise CollectiveError("no usable weight broadcast group (join_collective first)")
         try:
-            with trace.watch():  # traced: where a stalled push waits (trace.py)
-                sent = send_stream(group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=ray.put,
-                                   plan=self.plan, sender=sender, gate=gate)
+            sent = send_stream(group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=ray.put,
+                               plan=self.plan, sender=sender, gate=gate)
         except BaseException:
             for _ in tensors:  # a failed broadcast: still finish the export the TP peers are gathering
                 pass

@@ -23,7 +23,6 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import Bucket, digest_key_prefix, iter_buckets
 from asyncrl.weightsync.fingerprint import VerifyMode, bucket_digests, check_verify_mode, combine_digests
 from asyncrl.weightsync.transport import Transport
@@ -97,35 +96,17 @@ class PushMetrics:
 
     def as_dict(self, timeline: list[tuple[str, float]] | None = None) -> dict[str, float]:
         p = "weightsync/"
-        out: dict[str, float] = {
-            p + "version": self.version,
-            p + "bytes": self.bytes,
-            p + "num_tensors": self.num_tensors,
-            p + "num_buckets": self.num_buckets,
-            p + "num_replicas": self.num_replicas,
-            p + "attempts": self.attempts,
-            p + "retries": self.retries,
-            p + "failed": float(self.failed),
-            p + "rollbacks": self.rollbacks,
-            p + "out_of_service": self.out_of_service,
-            p + "store_failed": float(self.store_failed),
-            p + "push_seconds": self.push_seconds,
-            p + "on_live_seconds": self.on_live_seconds,
-            p + "paused_seconds": self.paused_seconds,
-            p + "host_copy_wait_seconds": self.host_copy_wait_seconds,
-            p + "host_copy_seconds": self.host_copy_seconds,
-            p + "stage_seconds": self.stage_seconds,
-            p + "commit_seconds": self.commit_seconds,
-            p + "fingerprint_seconds": self.fingerprint_seconds,
-            p + "gbps": _rate(self.bytes, self.push_seconds),
-            p + "pack_seconds": self.pack_seconds,
-            p + "pack_gbps": _rate(self.bytes, self.pack_seconds),
-            p + "stage_gbps": _rate(self.bytes, self.stage_seconds),
-            p + "verify_gbps": _rate(self.bytes, self.fingerprint_seconds),
-            p + "layout_engine": float(self.layout == "engine"),
-            p + "staging_bucketed": float(self.staging == "bucketed"),
-            p + "aggregate_gbps": _rate(self.bytes * self.num_replicas, self.stage_seconds),
-        }
+        plain = ("version", "bytes", "num_tensors", "num_buckets", "num_replicas", "attempts", "retries", "failed",
+                 "rollbacks", "out_of_service", "store_failed", "push_seconds", "on_live_seconds", "paused_seconds",
+                 "host_copy_wait_seconds", "host_copy_seconds", "stage_seconds", "commit_seconds", "fingerprint_seconds",
+                 "pack_seconds")
+        out: dict[str, float] = {p + k: float(v) if isinstance(v := getattr(self, k), bool) else v for k in plain}
+        out.update({p + "gbps": _rate(self.bytes, self.push_seconds), p + "pack_gbps": _rate(self.bytes, self.pack_seconds),
+                    p + "stage_gbps": _rate(self.bytes, self.stage_seconds),
+                    p + "verify_gbps": _rate(self.bytes, self.fingerprint_seconds),
+                    p + "layout_engine": float(self.layout == "engine"),
+                    p + "staging_bucketed": float(self.staging == "bucketed"),
+                    p + "aggregate_gbps": _rate(self.bytes * self.num_replicas, self.stage_seconds)})
         t = f"{p}transport/{self.transport}/"
         out[t + "bytes"] = self.bytes
         out[t + "put_seconds"] = self.put_seconds
@@ -333,7 +314,6 @@ class StreamedSource:
             except Exception as exc:
                 raise StepFailed(Step.LOAD, {"broadcast group": exc}) from exc
         prepared = time.perf_counter()
-        trace.mark("pub.prepared")
         payload = self._payload(version)
         receiving = asyncio.ensure_future(publisher._step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version), m))
         try:
@@ -348,12 +328,10 @@ class StreamedSource:
             receiving.cancel()
             raise
         sent_at = time.perf_counter()
-        trace.mark("pub.sender_returned")
         self._collect = sent.collect  # once live: an ipc sender's copies would take turns with the engines' apply
         await receiving
         # where the stage's time goes, as the publisher sees it: forming / checking the groups,
         # the sender's call (its own seconds are in sent.seconds), the receivers after it returned
-        trace.mark("pub.loads_returned")
         m.sender_seconds.update({"prepare": prepared - t, "call": sent_at - prepared,
                                  "receivers_after": time.perf_counter() - sent_at})
         self.handles, self._digests = list(sent.handles), dict(sent.digests)

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, iter_buckets, rank_key_prefix, whole_arena
 from asyncrl.weightsync.collective import ABORT, BUCKET, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup
 from asyncrl.weightsync.fingerprint import PendingDigests, meta_entries
@@ -98,7 +97,6 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     still read to its end, and the group stays usable)."""
     if arena not in ("auto", "whole", "ring"):
         raise ValueError(f"arena must be auto, whole or ring, not {arena!r}")
-    trace.mark("snd.enter")
     deadline = time.monotonic() + timeout_s
     out = SendResult()
     whole = group.spec.ipc_window == 0  # every bucket kept until the broadcasts end: no limit on copies in flight
@@ -135,9 +133,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
             if planned is not None else None
         if gate:
             group.arrive(gate)
-            trace.mark("snd.arrived")  # (whose arrival opened the gate: the later of this and wrk.arrived)
             group.await_gate(gate, deadline)
-            trace.mark("snd.gate_open")
         if planned is not None:  # the table is the plan's: sent first, each bucket on the wire as it is packed
             _send_whole_planned(group, export, copies, verify, deadline, out, planned, ring, announce)
         else:
@@ -157,7 +153,6 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
         raise
     if not whole:  # (a whole version's end went out with its buckets, and its stale gate keys went
         group.broadcast(_header(group, END), deadline)  # while its wire ran: _finish_whole)
-        trace.mark("snd.end_sent")
         group.drop_stale_gate_keys()
     copies.finish()
     return out
@@ -243,7 +238,6 @@ def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], send
     else:  # buckets in one arena (whole_arena) are hashed in one pass, others each in their own
         rest = [b for b, _ in packed[sum(f.buckets for f in done):]]
         finishes = done + ([hash_whole_lazy(rest, verify, out)] if rest else [])
-    trace.mark("snd.all_enqueued")
     t = time.perf_counter()
     tail = group.enqueue_broadcasts([_header(group, END)], deadline)
     out.seconds["broadcast"] += time.perf_counter() - t
@@ -257,13 +251,10 @@ def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], send
     t = time.perf_counter()
     for s in sending:
         s.wait()
-    trace.mark("snd.wire_done")
     tail.wait()
-    trace.mark("snd.end_sent")
     out.seconds["broadcast"] += time.perf_counter() - t
     for finish in finishes:  # the first waits for the device's checksums, the rest are there by then
         finish()
-    trace.mark("snd.digests_ready")
     copies.start_copies()
 
 
@@ -317,7 +308,6 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
 
     # (made before the gate opened, kept with the plan): enqueued, not waited for, the first buckets right behind
     sending = [group.enqueue_broadcasts(announce or whole_table(group, tables), deadline)]
-    trace.mark("snd.announced")
     out.seconds["broadcast"] += time.perf_counter() - t
     packed: list[tuple[Bucket, Any]] = []
     # the arena's checksums in a few passes as it is packed (each beside the wire), so the last bytes
@@ -329,8 +319,6 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
     try:
         for bucket in export:
             k = len(packed)
-            if k == 0:  # (the export's own collectives and the first bucket's packing are behind it)
-                trace.mark("snd.first_packed")
             want = planned[k] if k < len(planned) else None
             if want is None or (bucket.rank, bucket.nbytes, bucket.names) != (want.rank, want.nbytes, [p.name for p, _ in want.params]):
                 export.failed = True  # the table the receivers hold does not describe it: nothing more goes out as data

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from asyncrl.types import ApplyReport, LayoutCheck, ReceiveReport
-from asyncrl.weightsync import trace
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, digest_key_prefix, unpack_bucket
 from asyncrl.weightsync.fingerprint import PendingDigests, bucket_digests, bucket_digests_lazy, buckets_digests_lazy, check_verify_mode
 from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, PlanError, PushPlan, probe_layout, same_ops, verify_layout
@@ -399,7 +398,6 @@ class WorkerVerbs:
 
     # ---- one update -----------------------------------------------------------------------------
     def asyncrl_begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf") -> None:
-        trace.mark("wrk.begin")
         self._asyncrl_rx().begin(version, verify, staging, layout)
 
     def asyncrl_stage_file(self, version: int, wire: tuple, expected: dict[str, bytes] | None = None) -> dict[str, bytes]:
@@ -422,15 +420,9 @@ class WorkerVerbs:
     def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float, gate: str = "") -> ReceiveReport:
         """Stage every bucket of `version` from the groups `group_ids` (in order), each straight into this worker's
         memory; returns the digests staged. `gate` (broadcast groups): the push's gate token. This worker passes
-        every group's gate (collective.py), and closes them instead if it cannot take the push. Traced: where a
-        stalled receive waits (trace.py)."""
-        with trace.watch():
-            return self._asyncrl_receive(version, group_ids, timeout_s, gate)
-
-    def _asyncrl_receive(self, version: int, group_ids: list[str], timeout_s: float, gate: str) -> ReceiveReport:
+        every group's gate (collective.py), and closes them instead if it cannot take the push."""
         from asyncrl.weightsync.collective import CollectiveError
 
-        trace.mark("wrk.receive")
         groups = self.__dict__.get("_asyncrl_groups", {})
         skipped = set(self._asyncrl_not_member())
         group_ids = [gid for gid in group_ids if gid not in skipped]  # (formed without this worker's rank)
@@ -445,20 +437,14 @@ class WorkerVerbs:
         if gated:  # ready on every group at once; each group's decision is awaited when its turn comes (a
             for gid in group_ids:  # later PP stage may only start sending once an earlier one is done)
                 groups[gid].arrive(gate)
-            trace.mark("wrk.arrived")
         for gid in group_ids:
             group = groups[gid]
             if gated:
                 group.await_gate(gate, deadline)
-                trace.mark("wrk.gate_open")
             ipc = group.spec.backend == "ipc"  # buckets that arrive at once, mapped: hashed in one pass at the end
-            for k, (bucket, expected) in enumerate(receive_stream(group, deadline)):
-                trace.mark(f"wrk.landed.{k}")
+            for bucket, expected in receive_stream(group, deadline):
                 rx.stage(version, bucket, expected, lazy=True, batch=ipc)  # full staging: one wait for every digest, below
-            trace.mark("wrk.end_header")
-        digests = rx.digests(version)
-        trace.mark("wrk.return")
-        return ReceiveReport(digests=digests)
+        return ReceiveReport(digests=rx.digests(version))
 
     def _asyncrl_refuse(self, group_ids: list[str], why: str, gate: str = "") -> None:
         """Refuse the coming push on the groups `group_ids`: its sender (ipc), or every member at its gate

@@ -158,3 +158,11 @@ class LocalClient:
 
     async def abort_update(self):
         return await self.r.abort_update()
+
+
+async def param_addresses(replica: Any) -> list[list[int]]:
+    """Where each vLLM worker's live parameters are (a direct apply keeps every address): a function run in every
+    worker through vLLM's `collective_rpc`, which ships a callable only with VLLM_ALLOW_INSECURE_SERIALIZATION set
+    (before the engine starts). A test probe, not a weight verb."""
+    return await replica.engine.llm.collective_rpc(
+        lambda worker: [p.data_ptr() for p in worker.model_runner.get_model().parameters()])

@@ -13,13 +13,14 @@ passed there). On one GPU: the same scenario from a gloo sender on the host into
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 
 import numpy as np
 import pytest
 import torch
 
-from .fakes import LocalClient
+from .fakes import LocalClient, param_addresses
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -75,22 +76,19 @@ def _assert_transformers_argmax(model_path: str, weights: dict, prompts: list, s
 async def _scenario(model_path: str) -> dict:
     from asyncrl.config import GeneratorConfig, ModelConfig, WeightsyncConfig
     from asyncrl.generator.engine import EngineReplica
-    from asyncrl.interfaces import WorkerAPI
     from asyncrl.types import GenerationRequest, SamplingParams
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.registry import VersionRegistry
     from asyncrl.weightsync.transport import LocalTransport
 
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # (the tests' probe: a callable through collective_rpc)
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),
                             GeneratorConfig(engine_kwargs={"gpu_memory_utilization": 0.3}), replica_id="gpu0")
     await replica.start()
     try:
         base, plan = await _plan_for(replica, model_path)
 
-        async def param_addresses() -> list[int]:
-            return (await replica._rpc(WorkerAPI.asyncrl_param_addresses))[0]
-
-        before = await param_addresses()
+        before = await param_addresses(replica)
         new = _perturbed(base)
         pub = Publisher(WeightsyncConfig(bucket_mb=0.5, verify="checksum", staging="bucketed", timeout_s=120),
                         transport=LocalTransport(), registry=VersionRegistry(0))
@@ -101,7 +99,7 @@ async def _scenario(model_path: str) -> dict:
         outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in prompts]
         return {"check": replica.layout_checks[0], "metrics": result.metrics, "new": new, "prompts": prompts,
                 "tokens": [o.completions[0].token_ids for o in outs], "versions": [o.completions[0].versions for o in outs],
-                "same_addresses": before == await param_addresses()}
+                "same_addresses": before == await param_addresses(replica)}
     finally:
         replica.shutdown()
 

@@ -17,12 +17,13 @@ stay valid). Both engine workers report that a copy into their parameters is a c
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 
 import pytest
 import torch
 
-from .fakes import LocalClient
+from .fakes import LocalClient, param_addresses
 from .test_integration import MAX_TOKENS, _is_hf_greedy, _load_hf
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,6 @@ PROMPTS = [[5, 17, 9, 33, 2], [12, 4, 4, 7], [100, 3, 250, 8, 8, 61]]
 async def _scenario(model_path: str) -> dict:
     from asyncrl.config import AlgorithmConfig, GeneratorConfig, LearnerConfig, ModelConfig, WeightsyncConfig
     from asyncrl.generator.engine import EngineReplica
-    from asyncrl.interfaces import WorkerAPI
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.types import GenerationRequest, SamplingParams
     from asyncrl.weightsync.bucket import iter_unpacked
@@ -44,7 +44,9 @@ async def _scenario(model_path: str) -> dict:
     from asyncrl.weightsync.transport import SharedMemoryTransport
     from tests.learner._data import advantages, make_samples
 
-    # The engine first: vLLM sizes its KV cache from the memory free when it starts.
+    # The engine first: vLLM sizes its KV cache from the memory free when it starts. (Its workers run the tests'
+    # probe of their parameter addresses: a callable through collective_rpc.)
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256), GeneratorConfig(engine_kwargs={
         "tensor_parallel_size": 2, "distributed_executor_backend": "mp", "gpu_memory_utilization": 0.3}), replica_id="tp2")
     await replica.start()
@@ -74,10 +76,7 @@ async def _scenario(model_path: str) -> dict:
         await replica.set_push_plan(pickle.dumps(plan))
         await group.set_push_plan(pickle.dumps(plan))
 
-        async def addresses() -> list[list[int]]:
-            return await replica._rpc(WorkerAPI.asyncrl_param_addresses)
-
-        before = await addresses()
+        before = await param_addresses(replica)
         export = await group.export_hf_tensors_packed(0.25, "shm", "checksum", "engine")
         pub = Publisher(WeightsyncConfig(bucket_mb=0.25, timeout_s=120, verify="checksum"), transport=transport)
         result = await pub.publish_handles(1, export.buckets, [LocalClient(replica)], export.digests, plan.plan_id)
@@ -86,7 +85,7 @@ async def _scenario(model_path: str) -> dict:
         broadcast = {} if torch.cuda.is_available() else await _broadcast_push(group, replica, plan, sp)
         return {"layouts": layouts, "check": replica.layout_checks, "metrics": result.metrics,
                 "plan": plan, "gathered": gathered, "senders": sorted(set(export.senders)), "broadcast": broadcast,
-                "update": metrics, "exported": exported, "same_addresses": before == await addresses(),
+                "update": metrics, "exported": exported, "same_addresses": before == await param_addresses(replica),
                 "tokens": [o.completions[0].token_ids for o in outs], "versions": [o.completions[0].versions for o in outs]}
     finally:
         await group.shutdown()

@@ -1,4 +1,4 @@
-"""The push's kernels loaded when a group forms (asyncrl/weightsync/warmup.py): the warm-up's calls are
+"""The push's kernels loaded when a group forms (asyncrl/weightsync/collective.py's warm-up): the warm-up's calls are
 the push's own and run (on the host here), it is a no-op off CUDA and once per device, and on a GPU a
 warmed process launches a push's checksums behind queued work without waiting for it to drain, where a
 cold one waits (the first launch of a kernel loads its module, and that load waits for the device)."""
@@ -12,25 +12,25 @@ import textwrap
 import pytest
 import torch
 
-from asyncrl.weightsync import warmup
+from asyncrl.weightsync import collective as warmup
 
 
 def test_the_warm_up_runs_the_push_calls_in_every_mode_and_dtype():
-    ran = warmup._warm(torch.device("cpu"), warmup.DTYPES)
+    ran = warmup._warm(torch.device("cpu"), warmup.WARM_DTYPES)
     assert ran == ["pack", "digests:checksum", "digests:full",
                    "copy:bfloat16", "copy:float16", "copy:float32", "int64"]
 
 
 def test_nothing_is_warmed_off_cuda():
     assert warmup.warm_push_kernels("cpu") == [] and warmup.warm_push_kernels(None) == []
-    assert warmup.warmed() == []
+    assert not warmup._WARMED
 
 
 _PROBE = textwrap.dedent("""
     import sys, time, torch
     from asyncrl.weightsync.bucket import pack_bucket
     from asyncrl.weightsync.fingerprint import bucket_digests_lazy
-    from asyncrl.weightsync.warmup import warm_push_kernels
+    from asyncrl.weightsync.collective import warm_push_kernels
     dev = torch.device("cuda", 0)
     if sys.argv[1] == "warm":
         assert warm_push_kernels(dev) and not warm_push_kernels(dev)  # once per process
