@@ -13,7 +13,6 @@ passed there). On one GPU: the same scenario from a gloo sender on the host into
 from __future__ import annotations
 
 import asyncio
-import os
 import pickle
 
 import numpy as np
@@ -81,7 +80,6 @@ async def _scenario(model_path: str) -> dict:
     from asyncrl.weightsync.registry import VersionRegistry
     from asyncrl.weightsync.transport import LocalTransport
 
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # (the tests' probe: a callable through collective_rpc)
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),
                             GeneratorConfig(engine_kwargs={"gpu_memory_utilization": 0.3}), replica_id="gpu0")
     await replica.start()
@@ -104,7 +102,8 @@ async def _scenario(model_path: str) -> dict:
         replica.shutdown()
 
 
-def test_a_direct_push_into_a_gpu_engine_decodes_transformers_tokens(demo_model_path):
+def test_a_direct_push_into_a_gpu_engine_decodes_transformers_tokens(demo_model_path, monkeypatch):
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # (the probe of the worker's parameter addresses)
     out = asyncio.run(_scenario(str(demo_model_path)))
     assert out["check"].direct, out["check"]
     assert out["metrics"]["weightsync/apply_direct"] == 1.0 and out["metrics"]["weightsync/staging_bucketed"] == 1.0

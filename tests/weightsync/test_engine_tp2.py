@@ -17,7 +17,6 @@ stay valid). Both engine workers report that a copy into their parameters is a c
 from __future__ import annotations
 
 import asyncio
-import os
 import pickle
 
 import pytest
@@ -44,9 +43,7 @@ async def _scenario(model_path: str) -> dict:
     from asyncrl.weightsync.transport import SharedMemoryTransport
     from tests.learner._data import advantages, make_samples
 
-    # The engine first: vLLM sizes its KV cache from the memory free when it starts. (Its workers run the tests'
-    # probe of their parameter addresses: a callable through collective_rpc.)
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    # The engine first: vLLM sizes its KV cache from the memory free when it starts.
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256), GeneratorConfig(engine_kwargs={
         "tensor_parallel_size": 2, "distributed_executor_backend": "mp", "gpu_memory_utilization": 0.3}), replica_id="tp2")
     await replica.start()
@@ -134,9 +131,10 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
             "tokens": [o.completions[0].token_ids for o in outs], "versions": [o.completions[0].versions for o in outs]}
 
 
-def test_a_tp2_engine_decodes_transformers_tokens_after_a_tp2_learners_push(ray_session, demo_model_path):
+def test_a_tp2_engine_decodes_transformers_tokens_after_a_tp2_learners_push(ray_session, demo_model_path, monkeypatch):
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip(f"an engine with tensor parallel 2 needs two GPUs, found {torch.cuda.device_count()}")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # (the probe of the workers' parameter addresses)
     out = asyncio.run(_scenario(str(demo_model_path)))
     assert out["update"]["actor/applied_steps"] == 1
     first, second = out["layouts"]
