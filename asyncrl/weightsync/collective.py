@@ -231,11 +231,9 @@ def warm_push_kernels(device: torch.device | str | None, dtypes: tuple[torch.dty
     """Launch once, on scratch tensors of `device`, every kernel a push launches there, then wait
     for them. Returns what it ran ([] when this process warmed that device for these dtypes already,
     or on a device other than CUDA, whose kernels need no loading)."""
-    dev = torch.device(device) if device is not None else torch.device("cpu")
+    dev = _member_device(device) if device is not None else torch.device("cpu")
     if dev.type != "cuda":
         return []
-    if dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
     key = (str(dev), tuple(dtypes))
     with _WARM_LOCK:
         if key in _WARMED:
