@@ -315,6 +315,10 @@ class LoraConfig(_Section):
     init_from: str | None = Field(
         None, description="A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start the "
         "adapters from instead of PEFT's init; its r, lora_alpha and target_modules must be these.")
+    hold_merged: bool = Field(
+        True, description="Keep each targeted linear's merged weight W + (alpha / rank) B A on the device over a "
+        "pass's micro-batches (built once a pass instead of in each micro-batch's forward and backward), at the cost "
+        "of a copy of the targeted base weights during the pass; false where device memory is short.")
 
     @field_validator("target_modules")
     @classmethod

@@ -41,6 +41,7 @@ class LinearAdapters(torch.nn.Module):
         super().__init__()
         self.slot, self.row, self.scale, self.layout = slot, slot in ROW, alpha / rank, layout
         self.tp_rank, self.tp_size, self.enabled = tp_rank, tp_size, True
+        self.held: dict[int, torch.Tensor] | None = None  # the merged weight, inside `hold_merged`
         self.parts = [p for p in SLOTS[slot] if p in parts]
         self.sizes = {p: n // (1 if self.row else tp_size) for p, n in parts.items()}  # this rank's rows
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
@@ -111,12 +112,37 @@ class LinearAdapters(torch.nn.Module):
 
         a = self.A[self.parts[0]] if len(self.parts) == 1 else torch.cat([self.A[p] for p in self.parts])
         b = self._b_blocks()
+        merged = self.held.get(id(weight)) if self.held is not None else None
+        if merged is None and (self.held is not None or not torch.is_grad_enabled()):
+            with torch.no_grad():
+                merged = torch.addmm(weight, b, a, alpha=self.scale)
+            if self.held is not None:
+                self.held[id(weight)] = merged
         if not torch.is_grad_enabled() or not (a.requires_grad or b.requires_grad):
-            y = torch.matmul(x, torch.addmm(weight, b, a, alpha=self.scale).t())
+            y = torch.matmul(x, merged.t())
             return y + bias if bias is not None else y
         tp = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
-        return _MergedLinear.apply(x, weight, bias, a, b, self.scale, tp if self.row else None,
+        return _MergedLinear.apply(x, weight, merged, bias, a, b, self, tp if self.row else None,
                                    None if self.row else tp, dgrad_group)
+
+    def rows(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        """Part i's rows of `t` ([local out, ...], the linear's layout): a view where they are contiguous (fc1's
+        halves, a linear of one part), a copy of QKV's, whose parts interleave by query group."""
+        groups, per, start, n = self._span(i)
+        return t.view(groups, per, -1)[:, start:start + n].reshape(groups * n, -1)
+
+    def _span(self, i: int) -> tuple[int, int, int, int]:
+        """(groups, rows a group, part i's first row in its group, its rows a group) in the local output layout."""
+        part = self.parts[i]
+        if self.slot == "linear_qkv":
+            groups, per_group, head_dim = self.layout
+            start = {"q_proj": 0, "k_proj": per_group * head_dim, "v_proj": (per_group + 1) * head_dim}[part]
+            n = per_group * head_dim if part == "q_proj" else head_dim
+            return groups // self.tp_size, (per_group + 2) * head_dim, start, n
+        if self.slot == "linear_fc1":
+            half = next(iter(self.sizes.values()))
+            return 1, 2 * half, ("gate_proj", "up_proj").index(part) * half, half
+        return 1, self.sizes[part], 0, self.sizes[part]
 
     def _b_blocks(self) -> torch.Tensor:
         """[local out, parts x r]: part i's B in columns i r .. (i + 1) r of its rows (the linear's layout), zeros
@@ -135,41 +161,81 @@ class LinearAdapters(torch.nn.Module):
 
 
 class _MergedLinear(torch.autograd.Function):
-    """y = x (W + s B A)^T (+ bias) with W frozen: forward one GEMM by the merged weight (rebuilt by one `addmm`, not
-    kept), backward the input gradient through it and the adapters' gradients from u = x A^T (saved, [tokens, P r]):
-    dB = s dy^T u, dA = (s dy B)^T x, so no pass of the base's weight gradient and none over the output beyond
-    Megatron's. A row linear's u is summed over TP in forward (B reads all of x), a column linear's dy B in backward
-    (A is replicated)."""
+    """y = x (W + s B A)^T (+ bias) with W frozen: forward one GEMM by the merged weight (`merged`, held over the
+    pass's micro-batches by `hold_merged`; else rebuilt by one `addmm` here and again in backward), backward the
+    input gradient through it and the adapters' gradients from u = x A^T (saved, [tokens, P r]), part by part
+    over that part's rows alone: dB_p = s dy_p^T u_p, dA_p = (s dy_p B_p)^T x, so no pass of the base's weight
+    gradient, none over the output beyond Megatron's and none over another part's rows. A row linear's u is summed
+    over TP in forward (B reads all of x), a column linear's dy B in backward (A is replicated)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
-                b: torch.Tensor, scale: float, u_group: Any, du_group: Any, dgrad_group: Any) -> torch.Tensor:
-        y = torch.matmul(x, torch.addmm(weight, b, a, alpha=scale).t())
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, merged: torch.Tensor | None, bias: torch.Tensor | None,
+                a: torch.Tensor, b: torch.Tensor, adapters: LinearAdapters, u_group: Any, du_group: Any,
+                dgrad_group: Any) -> torch.Tensor:
+        w = merged if merged is not None else torch.addmm(weight, b, a, alpha=adapters.scale)
+        y = torch.matmul(x, w.t())
         if bias is not None:
             y = y + bias
         u = torch.matmul(x.reshape(-1, x.shape[-1]), a.t())
         if u_group is not None:
             torch.distributed.all_reduce(u, group=u_group)
-        ctx.save_for_backward(x, weight, a, b, u)
-        ctx.scale, ctx.du_group, ctx.dgrad_group = scale, du_group, dgrad_group
+        ctx.save_for_backward(x, weight if merged is None else merged, a, b, u)
+        ctx.rebuild, ctx.adapters, ctx.du_group, ctx.dgrad_group = merged is None, adapters, du_group, dgrad_group
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
-        x, weight, a, b, u = ctx.saved_tensors
+        x, w, a, b, u = ctx.saved_tensors
+        adapters, scale = ctx.adapters, ctx.adapters.scale
+        if ctx.rebuild:
+            w = torch.addmm(w, b, a, alpha=scale)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = torch.matmul(dy2, torch.addmm(weight, b, a, alpha=ctx.scale)).view(*dy.shape[:-1], weight.shape[1])
+        dx = torch.matmul(dy2, w).view(*dy.shape[:-1], w.shape[1])
         pending = None
         if ctx.dgrad_group is not None:
             pending = torch.distributed.all_reduce(dx, group=ctx.dgrad_group, async_op=True)
-        du = torch.matmul(dy2, b).mul_(ctx.scale)
+        r = a.shape[0] // len(adapters.parts)
+        dyt = dy2.t()  # [out, tokens]: a part's rows of it, then back, are its columns of dy
+        groups, _, _, n = adapters._span(0)
+        whole = len(adapters.parts) == 1 and groups * n == b.shape[0]  # (else B's blocks hold zero rows too)
+        db = None if whole else b.new_zeros(b.shape)
+        dus = []
+        for i in range(len(adapters.parts)):
+            cols = slice(i * r, (i + 1) * r)
+            dy_i = adapters.rows(dyt, i)
+            dus.append(torch.matmul(dy_i.t(), adapters.rows(b, i)[:, cols]))
+            db_i = torch.matmul(dy_i, u[:, cols]).mul_(scale)
+            if whole:
+                db = db_i
+            else:
+                groups, per, start, n = adapters._span(i)
+                db.view(groups, per, -1)[:, start:start + n, cols] = db_i.view(groups, n, r)
+        du = (dus[0] if len(dus) == 1 else torch.cat(dus, dim=1)).mul_(scale)
         if ctx.du_group is not None:
             torch.distributed.all_reduce(du, group=ctx.du_group)
         da = torch.matmul(du.t(), x.reshape(-1, x.shape[-1]))
-        db = torch.matmul(dy2.t(), u).mul_(ctx.scale)
         if pending is not None:
             pending.wait()
-        return dx, None, None, da, db, None, None, None, None
+        return dx, None, None, None, da, db, None, None, None, None
+
+
+@contextlib.contextmanager
+def hold_merged(adapters: list[LinearAdapters]):
+    """Each of `adapters`' merged weights built at its first use inside the block and reused by every later pass
+    (each micro-batch's forward and backward, a recompute), then freed: one pass over a step's micro-batches, in
+    which the adapters do not change (the optimizer steps after it). Costs a copy of the targeted base weights
+    on the device (`learner.lora.hold_merged`)."""
+    for m in adapters:
+        m.held = {}
+    try:
+        yield
+    finally:
+        for m in adapters:
+            m.held = None
+
+
+def adapter_modules(chunks: list[torch.nn.Module]) -> list[LinearAdapters]:
+    return [m for c in chunks for m in c.modules() if isinstance(m, LinearAdapters)]
 
 
 def _merged_impl(module: torch.nn.Module, original: Any) -> Any:
@@ -205,7 +271,7 @@ def _hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
 @contextlib.contextmanager
 def adapters_off(chunks: list[torch.nn.Module]):
     """The base model for the block's passes (the KL reference of a LoRA actor, without a copy of its own)."""
-    found = [m for c in chunks for m in c.modules() if isinstance(m, LinearAdapters)]
+    found = adapter_modules(chunks)
     if not found:
         raise ValueError("adapters_off: the model has no LoRA adapters")
     for m in found:

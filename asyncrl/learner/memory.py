@@ -61,6 +61,8 @@ def out_of_memory_error(verb: str, rank: int, lengths: Sequence[int], learner_cf
                  f"learner.micro_batch_size (now {cfg.micro_batch_size})")
     fixes.append(f"a smaller learner.logprob_chunk_size (now {cfg.logprob_chunk_size}: tokens whose vocabulary-wide "
                  "logits exist at once)")
+    if cfg.lora is not None and cfg.lora.hold_merged:
+        fixes.append("no merged copy of the adapted weights during a pass: learner.lora.hold_merged: false")
     if cfg.memory.optimizer != "host" and total_bytes:
         fixes.append("Adam's moments on the host: learner.memory.optimizer: host (8 bytes a parameter off the device)")
     fixes.append("more ranks to shard over: tensor_model_parallel_size / context_parallel_size in learner.strategy_config")

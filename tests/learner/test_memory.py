@@ -56,6 +56,11 @@ def test_the_report_names_the_verb_the_tokens_the_peak_and_the_settings_that_fit
     assert "recompute_granularity" not in str(out_of_memory_error("compute_log_prob", 0, [10], already, None, None))
     by_memory = LearnerConfig(memory={"recompute": "full"})  # the same setting, by learner.memory
     assert "recompute" not in str(out_of_memory_error("compute_log_prob", 0, [10], by_memory, None, None))
+    assert "hold_merged" not in text
+    lora = LearnerConfig(lora={"rank": 8})
+    assert "learner.lora.hold_merged: false" in str(out_of_memory_error("update_actor", 0, [10], lora, None, None))
+    held_off = LearnerConfig(lora={"rank": 8, "hold_merged": False})
+    assert "hold_merged" not in str(out_of_memory_error("update_actor", 0, [10], held_off, None, None))
 
 
 def test_the_memory_section_becomes_megatrons_options_and_must_agree_with_them():

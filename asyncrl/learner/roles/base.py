@@ -23,6 +23,7 @@ from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig
 from asyncrl.learner.attention import DocLayout, combine_over_cp, local_positions, split_for_cp
 from asyncrl.learner.batching import MicroBatch, make_micro_batches
 from asyncrl.learner.lm_head import defer_lm_head, head_input, linear_logprobs, lm_head_weight
+from asyncrl.learner.lora import hold_merged
 from asyncrl.learner.parallel import ParallelLayout
 from asyncrl.types import Sample
 
@@ -110,15 +111,16 @@ class ModelRunner:
         for c in chunks:
             # Micro-batch shapes vary (dynamic batch size, packing): let PP p2p send shapes first.
             c.config.variable_seq_lengths = True
-        self.adapter_params = 0
+        self.adapter_params, self.held_adapters = 0, []
         if lora and ctx.learner_cfg.lora is not None:
             from asyncrl.config.components import resolve_lora_targets
-            from asyncrl.learner.lora import add_adapters
+            from asyncrl.learner.lora import adapter_modules, add_adapters
 
             lc = ctx.learner_cfg.lora
             targets = resolve_lora_targets(lc.target_modules)
             self.adapter_params = add_adapters(chunks, ctx.hf_config, rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout,
                                                targets=targets, seed=ctx.learner_cfg.seed)
+            self.held_adapters = adapter_modules(chunks) if lc.hold_merged else []
             if lc.init_from:
                 from asyncrl.learner.lora import load_peft_adapter
 
@@ -221,7 +223,7 @@ class ModelRunner:
             return out, partial(_loss_on_device, loss_fn, mb, dev, scale)
 
         data = iter(mbs) if len(self.chunks) == 1 else [iter(mbs) for _ in self.chunks]
-        with torch.set_grad_enabled(not forward_only):
+        with torch.set_grad_enabled(not forward_only), hold_merged(self.held_adapters):
             out = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=data, model=self.chunks,
                 num_microbatches=len(mbs), seq_length=max(m.input_ids.shape[1] for m in mbs),
