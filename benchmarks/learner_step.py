@@ -404,8 +404,9 @@ def _configs():
     memory = MemoryConfig(recompute=ARGS.recompute, recompute_method=ARGS.recompute_method,
                           recompute_layers=ARGS.recompute_layers, optimizer=ARGS.optimizer,
                           optimizer_host_fraction=ARGS.optimizer_host_fraction)
+    lora = {"rank": ARGS.lora_rank, "alpha": ARGS.lora_alpha, "hold_merged": not ARGS.lora_rebuild_merged}
     learner = LearnerConfig(world_size=world(), strategy_config=strategy(), micro_batch_size=ARGS.micro_batch_size, lr=1e-6,
-                            memory=memory, lora={"rank": ARGS.lora_rank, "alpha": ARGS.lora_alpha} if ARGS.lora_rank else None,
+                            memory=memory, lora=lora if ARGS.lora_rank else None,
                             attention=ARGS.attention, sequence_packing=ARGS.pack, max_tokens_per_micro_batch=ARGS.max_tokens,
                             num_cpus_per_rank=ARGS.num_cpus_per_rank,
                             num_gpus_per_rank=1.0 if torch.cuda.is_available() else 0.0)
@@ -712,6 +713,7 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=0, help="learner.lora.rank of role / group (0: every weight trains); "
                     "MFU still counts 6 x params a token (a LoRA step computes no base weight grads: about 4)")
     ap.add_argument("--lora-alpha", type=float, default=16.0, help="learner.lora.alpha")
+    ap.add_argument("--lora-rebuild-merged", action="store_true", help="learner.lora.hold_merged: false")
     ap.add_argument("--sync-debug", action="store_true", help="role section: list what made the host wait for the device in one more update")
     ARGS = ap.parse_args()
     ARGS.model = os.path.abspath(ARGS.model)

@@ -41,7 +41,7 @@ class LinearAdapters(torch.nn.Module):
         super().__init__()
         self.slot, self.row, self.scale, self.layout = slot, slot in ROW, alpha / rank, layout
         self.tp_rank, self.tp_size, self.enabled = tp_rank, tp_size, True
-        self.held: dict[int, torch.Tensor] | None = None  # the merged weight, inside `hold_merged`
+        self.held: dict[int, tuple] | None = None  # `_merge`'s tensors by weight, inside `hold_merged`
         self.parts = [p for p in SLOTS[slot] if p in parts]
         self.sizes = {p: n // (1 if self.row else tp_size) for p, n in parts.items()}  # this rank's rows
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
@@ -110,26 +110,33 @@ class LinearAdapters(torch.nn.Module):
         Megatron's frozen-weight linear: `dgrad_group` all-reduces the input gradient where Megatron's would."""
         from megatron.core import parallel_state as ps
 
+        held = self.held.get(id(weight)) if self.held is not None else None
+        if held is None:
+            held = self._merge(weight)
+            if self.held is not None:
+                self.held[id(weight)] = held
+        merged, a_s, b_s = held
+        params = [self.A[p] for p in self.parts] + [self.B[p] for p in self.parts]
+        if not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
+            return torch.nn.functional.linear(x, merged, bias)
+        tp = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
+        return _MergedLinear.apply(x, weight, merged, self.held is not None, bias, a_s, b_s, self,
+                                   tp if self.row else None, None if self.row else tp, dgrad_group, *params)
+
+    @torch.no_grad()
+    def _merge(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(W + s B A, s A with the parts' rows stacked, s B as `_b_blocks`) for this rank's shard `weight`."""
         a = self.A[self.parts[0]] if len(self.parts) == 1 else torch.cat([self.A[p] for p in self.parts])
         b = self._b_blocks()
-        merged = self.held.get(id(weight)) if self.held is not None else None
-        if merged is None and (self.held is not None or not torch.is_grad_enabled()):
-            with torch.no_grad():
-                merged = torch.addmm(weight, b, a, alpha=self.scale)
-            if self.held is not None:
-                self.held[id(weight)] = merged
-        if not torch.is_grad_enabled() or not (a.requires_grad or b.requires_grad):
-            y = torch.matmul(x, merged.t())
-            return y + bias if bias is not None else y
-        tp = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
-        return _MergedLinear.apply(x, weight, merged, bias, a, b, self, tp if self.row else None,
-                                   None if self.row else tp, dgrad_group)
+        return torch.addmm(weight, b, a, alpha=self.scale), a * self.scale, b * self.scale
 
-    def rows(self, t: torch.Tensor, i: int) -> torch.Tensor:
-        """Part i's rows of `t` ([local out, ...], the linear's layout): a view where they are contiguous (fc1's
-        halves, a linear of one part), a copy of QKV's, whose parts interleave by query group."""
+    def block(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        """Part i's block of `t` ([local out, parts x r], `_b_blocks`' layout): its rows, its r columns. A view
+        where its rows are contiguous (fc1's halves, a linear of one part), a copy of QKV's (interleaved by query
+        group)."""
         groups, per, start, n = self._span(i)
-        return t.view(groups, per, -1)[:, start:start + n].reshape(groups * n, -1)
+        r = t.shape[1] // len(self.parts)
+        return t.view(groups, per, -1)[:, start:start + n, i * r:(i + 1) * r].reshape(groups * n, r)
 
     def _span(self, i: int) -> tuple[int, int, int, int]:
         """(groups, rows a group, part i's first row in its group, its rows a group) in the local output layout."""
@@ -161,62 +168,46 @@ class LinearAdapters(torch.nn.Module):
 
 
 class _MergedLinear(torch.autograd.Function):
-    """y = x (W + s B A)^T (+ bias) with W frozen: forward one GEMM by the merged weight (`merged`, held over the
-    pass's micro-batches by `hold_merged`; else rebuilt by one `addmm` here and again in backward), backward the
-    input gradient through it and the adapters' gradients from u = x A^T (saved, [tokens, P r]), part by part
-    over that part's rows alone: dB_p = s dy_p^T u_p, dA_p = (s dy_p B_p)^T x, so no pass of the base's weight
-    gradient, none over the output beyond Megatron's and none over another part's rows. A row linear's u is summed
-    over TP in forward (B reads all of x), a column linear's dy B in backward (A is replicated)."""
+    """y = x (W + s B A)^T (+ bias) with W frozen: forward one GEMM by the merged weight (kept for backward when
+    held over the pass by `hold_merged`; else rebuilt there), backward the input gradient through it and the
+    adapters' gradients from u = x (s A)^T (saved, [tokens, P r]): dB = dy^T u, dA = (dy s B)^T x over every
+    part at once (B's block matrix: zeros outside each part's rows), each part's block then read out. No pass of
+    the base's weight gradient; the adapters' parameters are inputs, so no autograd op assembles them per call.
+    A row linear's u is summed over TP in forward (B reads all of x), a column linear's dy B in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, merged: torch.Tensor | None, bias: torch.Tensor | None,
-                a: torch.Tensor, b: torch.Tensor, adapters: LinearAdapters, u_group: Any, du_group: Any,
-                dgrad_group: Any) -> torch.Tensor:
-        w = merged if merged is not None else torch.addmm(weight, b, a, alpha=adapters.scale)
-        y = torch.matmul(x, w.t())
-        if bias is not None:
-            y = y + bias
-        u = torch.matmul(x.reshape(-1, x.shape[-1]), a.t())
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, merged: torch.Tensor, keep: bool,
+                bias: torch.Tensor | None, a_s: torch.Tensor, b_s: torch.Tensor, adapters: LinearAdapters,
+                u_group: Any, du_group: Any, dgrad_group: Any, *params: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.linear(x, merged, bias)
+        u = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), a_s)
         if u_group is not None:
             torch.distributed.all_reduce(u, group=u_group)
-        ctx.save_for_backward(x, weight if merged is None else merged, a, b, u)
-        ctx.rebuild, ctx.adapters, ctx.du_group, ctx.dgrad_group = merged is None, adapters, du_group, dgrad_group
+        ctx.save_for_backward(x, merged if keep else weight, a_s, b_s, u)
+        ctx.keep, ctx.adapters, ctx.du_group, ctx.dgrad_group = keep, adapters, du_group, dgrad_group
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
-        x, w, a, b, u = ctx.saved_tensors
-        adapters, scale = ctx.adapters, ctx.adapters.scale
-        if ctx.rebuild:
-            w = torch.addmm(w, b, a, alpha=scale)
+        x, w, a_s, b_s, u = ctx.saved_tensors
+        adapters = ctx.adapters
+        if not ctx.keep:
+            w = torch.addmm(w, b_s, a_s, alpha=1.0 / adapters.scale)
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = torch.matmul(dy2, w).view(*dy.shape[:-1], w.shape[1])
         pending = None
         if ctx.dgrad_group is not None:
             pending = torch.distributed.all_reduce(dx, group=ctx.dgrad_group, async_op=True)
-        r = a.shape[0] // len(adapters.parts)
-        dyt = dy2.t()  # [out, tokens]: a part's rows of it, then back, are its columns of dy
-        groups, _, _, n = adapters._span(0)
-        whole = len(adapters.parts) == 1 and groups * n == b.shape[0]  # (else B's blocks hold zero rows too)
-        db = None if whole else b.new_zeros(b.shape)
-        dus = []
-        for i in range(len(adapters.parts)):
-            cols = slice(i * r, (i + 1) * r)
-            dy_i = adapters.rows(dyt, i)
-            dus.append(torch.matmul(dy_i.t(), adapters.rows(b, i)[:, cols]))
-            db_i = torch.matmul(dy_i, u[:, cols]).mul_(scale)
-            if whole:
-                db = db_i
-            else:
-                groups, per, start, n = adapters._span(i)
-                db.view(groups, per, -1)[:, start:start + n, cols] = db_i.view(groups, n, r)
-        du = (dus[0] if len(dus) == 1 else torch.cat(dus, dim=1)).mul_(scale)
+        du = torch.matmul(dy2, b_s)
         if ctx.du_group is not None:
             torch.distributed.all_reduce(du, group=ctx.du_group)
         da = torch.matmul(du.t(), x.reshape(-1, x.shape[-1]))
+        db = torch.matmul(dy2.t(), u)
+        n, r = len(adapters.parts), a_s.shape[0] // len(adapters.parts)
+        grads = [da[i * r:(i + 1) * r] for i in range(n)] + [adapters.block(db, i) for i in range(n)]
         if pending is not None:
             pending.wait()
-        return dx, None, None, None, da, db, None, None, None, None
+        return (dx, None, None, None, None, None, None, None, None, None, None, *grads)
 
 
 @contextlib.contextmanager

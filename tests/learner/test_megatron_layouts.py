@@ -297,7 +297,9 @@ def test_lora_trains_the_adapters_alone_and_equals_peft(tp_run, pp_ep_run, peft_
     assert set(grads) == set(peft_run["grads"]) and len(grads) == 7 * 2 * 4  # 4 layers
     for name, g in grads.items():
         ref = peft_run["grads"][name]
-        assert _close(g, ref) <= 1e-4 * max(1.0, ref.abs().max().item()), name
+        # relative to the tensor's norm: fp32 sums in another order differ by ~1e-4 of it (TP=2, a fresh demo
+        # model's larger gradients), a wrong part, scale or layout by its whole size
+        assert (g - ref).norm() <= 1e-3 * ref.norm(), name
     merged = peft_run["merged"]
     assert set(exported) <= set(merged) and "model.layers.3.mlp.down_proj.weight" in exported
     for name, t in exported.items():
