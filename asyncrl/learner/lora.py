@@ -191,13 +191,14 @@ class _MergedLinear(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         x, w, a_s, b_s, u = ctx.saved_tensors
         adapters = ctx.adapters
-        if not ctx.keep:
+        if not ctx.keep and ctx.needs_input_grad[0]:
             w = torch.addmm(w, b_s, a_s, alpha=1.0 / adapters.scale)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = torch.matmul(dy2, w).view(*dy.shape[:-1], w.shape[1])
-        pending = None
-        if ctx.dgrad_group is not None:
-            pending = torch.distributed.all_reduce(dx, group=ctx.dgrad_group, async_op=True)
+        dx = pending = None
+        if ctx.needs_input_grad[0]:  # (not below the first adapted linear: the embeddings and norms are frozen)
+            dx = torch.matmul(dy2, w).view(*dy.shape[:-1], w.shape[1])
+            if ctx.dgrad_group is not None:
+                pending = torch.distributed.all_reduce(dx, group=ctx.dgrad_group, async_op=True)
         du = torch.matmul(dy2, b_s)
         if ctx.du_group is not None:
             torch.distributed.all_reduce(du, group=ctx.du_group)

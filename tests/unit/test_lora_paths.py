@@ -2,7 +2,8 @@
 hook's `add_to` (dropout > 0, here in eval mode where dropout is the identity), on one TP rank in float64: outputs,
 the input's gradient and every adapter's. The Megatron equality with PEFT (tests/learner/test_megatron_layouts.py)
 runs the merged path only. Inside `hold_merged` (a pass over a step's micro-batches) the merged weight is built once
-and reused, and gone after it: a later change of the adapters reaches the output."""
+and reused, and gone after it: a later change of the adapters reaches the output. An input that needs no gradient
+gets none; the adapters' gradients are the same."""
 
 from __future__ import annotations
 
@@ -58,6 +59,13 @@ def test_the_merged_linear_equals_the_hooks_output_and_gradients(slot, parts, ro
     assert g1.keys() == g2.keys() and all(g1[k] is not None for k in g1)
     for k in g1:
         torch.testing.assert_close(g1[k], g2[k], msg=k)
+    # an input that needs no gradient (the first adapted linear's: embeddings and norms frozen): none computed for
+    # it, the adapters' all the same
+    merged.zero_grad(set_to_none=True)
+    merged.linear(x, weight, bias, None).backward(grad)
+    for k, t in (("A", merged.A), ("B", merged.B)):
+        for p in t:
+            torch.testing.assert_close(t[p].grad, g2[f"{k}.{p}"], msg=f"{k}.{p}")
     with torch.no_grad():  # the logprob pass: the merged weight alone
         torch.testing.assert_close(merged.linear(x, weight, bias, None), y1)
     with torch.no_grad():  # after the pass the adapters change (the optimizer's step): the output follows
