@@ -110,10 +110,9 @@ class WorkerAPI(Protocol):
 
     def asyncrl_begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf") -> None: ...
 
-    def asyncrl_stage_file(self, version: int, wire: tuple, expected: dict[str, bytes] | None = None) -> dict[str, bytes]: ...
-
-    def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float, gate: str = "") -> ReceiveReport:
-        """The staged digests. `gate`: the push's gate token (gloo / NCCL)."""
+    def asyncrl_receive(self, version: int, wire: tuple | None, expected: dict[str, bytes] | None = None,
+                        groups: list[str] | None = None, timeout_s: float = 0.0, gate: str = "") -> ReceiveReport:
+        """The staged digests: of a shared file's bucket (`wire`), or of every bucket from `groups` (gate: gloo / NCCL)."""
 
     def asyncrl_apply(self, version: int, before: str = "") -> ApplyReport:
         """The apply of the staged version; `before` (the name of a verb of this interface without

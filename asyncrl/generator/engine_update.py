@@ -221,19 +221,19 @@ class WeightUpdates:
         if isinstance(payload, CollectiveReceive):
             if payload.version != version:
                 raise ValueError(f"collective push of version {payload.version}, staging {version}")
-            results = await self._rpc(WorkerAPI.asyncrl_receive_collective, version, list(payload.group_ids),
+            results = await self._rpc(WorkerAPI.asyncrl_receive, version, None, None, list(payload.group_ids),
                                       payload.timeout_s, payload.gate, timeout=payload.timeout_s + 30.0)
             self._staged = [dict(msgspec.convert(r, ReceiveReport).digests) for r in results]
             return
         async for shared, owned in _as_shared(payload):
             try:
-                results = await self._rpc(WorkerAPI.asyncrl_stage_file, version, shared.wire(), expected)
+                results = await self._rpc(WorkerAPI.asyncrl_receive, version, shared.wire(), expected)
             finally:
                 if owned:  # written here; the workers hold their own mappings now
                     shared.unlink()
             self._staged = self._staged or [{} for _ in results]
             for mine, got in zip(self._staged, results):
-                mine.update(got)
+                mine.update(msgspec.convert(got, ReceiveReport).digests)
 
     def _check_staged(self, version: int, fingerprint: str) -> None:
         """Raise FingerprintMismatch unless what the workers staged hashes to `fingerprint`."""

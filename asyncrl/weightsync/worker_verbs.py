@@ -400,51 +400,51 @@ class WorkerVerbs:
     def asyncrl_begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf") -> None:
         self._asyncrl_rx().begin(version, verify, staging, layout)
 
-    def asyncrl_stage_file(self, version: int, wire: tuple, expected: dict[str, bytes] | None = None) -> dict[str, bytes]:
-        """Stage one bucket from the replica's shared file; returns its digests."""
-        path, metas, rank = wire
-        shared = SharedBucket.from_wire(path, metas, rank)
-        rx = self._asyncrl_rx()
-        if rank is None:  # HF tensors for the engine's loaders: a private, writable mapping
-            bucket = shared.open()
-            if self._asyncrl_hf_on_device and rx.hooks.device.type != "cpu":
-                bucket = copy_to(bucket, rx.hooks.device)
-        else:  # read-only, and the same mapping as the file's last use (the sender reuses its files)
-            from asyncrl.weightsync.bucket import SharedMaps
-
-            bucket = self.__dict__.setdefault("_asyncrl_maps", SharedMaps()).open(shared, version)
-            if rx.hooks.device.type != "cpu":
-                bucket = copy_to(bucket, rx.hooks.device)  # staged where the parameters live
-        return rx.stage(version, bucket, expected)
-
-    def asyncrl_receive_collective(self, version: int, group_ids: list[str], timeout_s: float, gate: str = "") -> ReceiveReport:
-        """Stage every bucket of `version` from the groups `group_ids` (in order), each straight into this worker's
-        memory; returns the digests staged. `gate` (broadcast groups): the push's gate token. This worker passes
-        every group's gate (collective.py), and closes them instead if it cannot take the push."""
+    def asyncrl_receive(self, version: int, wire: tuple | None, expected: dict[str, bytes] | None = None,
+                        groups: list[str] | None = None, timeout_s: float = 0.0, gate: str = "") -> ReceiveReport:
+        """Stage for `version` one bucket from a shared file (`wire`: `SharedBucket.wire()`, `expected` its sender's
+        digests) or, with `groups`, every bucket from those collective groups in order, each straight into this
+        worker's memory, within `timeout_s`; `gate` (broadcast groups): the push's gate token, which this worker
+        passes on every group, or closes them if it cannot take the push. Returns the digests staged. (Plain
+        arguments: vLLM's RPC carries them as msgpack, where a dataclass arrives as a map.)"""
+        if groups is None:
+            return ReceiveReport(digests=self._asyncrl_rx().stage(version, self._asyncrl_open(wire, version), expected))
         from asyncrl.weightsync.collective import CollectiveError
 
-        groups = self.__dict__.get("_asyncrl_groups", {})
+        held = self.__dict__.get("_asyncrl_groups", {})
         skipped = set(self._asyncrl_not_member())
-        group_ids = [gid for gid in group_ids if gid not in skipped]  # (formed without this worker's rank)
+        group_ids = [gid for gid in groups if gid not in skipped]  # (formed without this worker's rank)
         deadline = time.monotonic() + timeout_s
         rx = self._asyncrl_rx()
-        missing = [gid for gid in group_ids if gid not in groups or groups[gid].broken]
+        missing = [gid for gid in group_ids if gid not in held or held[gid].broken]
         if missing:
-            err = CollectiveError(f"worker holds no usable group {missing[0]!r} (has {sorted(groups)})")
+            err = CollectiveError(f"worker holds no usable group {missing[0]!r} (has {sorted(held)})")
             self._asyncrl_refuse(group_ids, f"{type(err).__name__}: {err}", gate)
             raise err
-        gated = bool(gate) and all(groups[gid].spec.backend != "ipc" for gid in group_ids)
+        gated = bool(gate) and all(held[gid].spec.backend != "ipc" for gid in group_ids)
         if gated:  # ready on every group at once; each group's decision is awaited when its turn comes (a
             for gid in group_ids:  # later PP stage may only start sending once an earlier one is done)
-                groups[gid].arrive(gate)
+                held[gid].arrive(gate)
         for gid in group_ids:
-            group = groups[gid]
+            group = held[gid]
             if gated:
                 group.await_gate(gate, deadline)
             ipc = group.spec.backend == "ipc"  # buckets that arrive at once, mapped: hashed in one pass at the end
             for bucket, expected in receive_stream(group, deadline):
                 rx.stage(version, bucket, expected, lazy=True, batch=ipc)  # full staging: one wait for every digest, below
         return ReceiveReport(digests=rx.digests(version))
+
+    def _asyncrl_open(self, wire: tuple, version: int) -> Bucket:
+        """The bucket of a shared file's `wire`, where the parameters live."""
+        path, metas, rank = wire
+        shared, device = SharedBucket.from_wire(path, metas, rank), self._asyncrl_rx().hooks.device
+        if rank is None:  # HF tensors for the engine's loaders: a private, writable mapping
+            bucket = shared.open()
+            return copy_to(bucket, device) if self._asyncrl_hf_on_device and device.type != "cpu" else bucket
+        from asyncrl.weightsync.bucket import SharedMaps  # read-only, the file's last mapping (its files are reused)
+
+        bucket = self.__dict__.setdefault("_asyncrl_maps", SharedMaps()).open(shared, version)
+        return copy_to(bucket, device) if device.type != "cpu" else bucket
 
     def _asyncrl_refuse(self, group_ids: list[str], why: str, gate: str = "") -> None:
         """Refuse the coming push on the groups `group_ids`: its sender (ipc), or every member at its gate

@@ -911,7 +911,7 @@ def test_engine_workers_receive_from_two_sending_ranks_in_stage_order():
     for w in workers:
         w.asyncrl_begin_update(5, "full")
     with ThreadPoolExecutor(4) as pool:
-        received = [pool.submit(w.asyncrl_receive_collective, 5, ["pp-s0", "pp-s1"], 30) for w in workers]
+        received = [pool.submit(w.asyncrl_receive, 5, None, None, ["pp-s0", "pp-s1"], 30) for w in workers]
         sent = [pool.submit(send_stream, g, iter(st.items()), BUCKET_MB, verify="full", timeout_s=30)
                 for g, st in zip(senders, stages)]
         sent = [f.result(60) for f in sent]
@@ -927,7 +927,7 @@ def test_engine_workers_receive_from_two_sending_ranks_in_stage_order():
         assert w.asyncrl_collective_groups() == []
     # A worker that holds no group for the push fails it by name.
     with pytest.raises(CollectiveError, match="no usable group 'pp-s0'"):
-        workers[0].asyncrl_receive_collective(5, ["pp-s0"], 1)
+        workers[0].asyncrl_receive(5, None, None, ["pp-s0"], 1)
     for g in senders:
         g.close()
 
