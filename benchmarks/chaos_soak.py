@@ -43,7 +43,7 @@ PROCESSES = {"engine core": "VLLM::EngineCore", "engine replica": "ServeReplica:
              "trainer": "ServeReplica:asyncrl:Trainer", "gateway": "ServeReplica:asyncrl:GeneratorGateway",
              "learner rank": "ray::LearnerRank", "buffer": "ray::BufferActor", "serve controller": "ServeController",
              "proxy": "ProxyActor", "raylet": "raylet", "gcs": "gcs_server", "serve cli": "asyncrl serve"}
-LEFTOVER_MARKERS = ("VLLM::", "ray::", "raylet", "gcs_server")
+LEFTOVER_MARKERS = ("VLLM::", "ray::", "raylet", "gcs_server", "multiprocessing.spawn")  # (spawned helpers too)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -14,7 +14,12 @@ All functions are collective over the default process group.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import shutil
+import threading
+import time
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +86,34 @@ def _build(model_chunks, optimizer, scheduler, rng: bool, layout: dict[str, int]
 def _strategy():
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
+    _writer_queue_ends_with_this_process()
     return get_default_save_sharded_strategy("torch_dist")
+
+
+def _writer_queue_ends_with_this_process() -> None:
+    """Megatron's torch_dist writer reports through a queue served by a `multiprocessing` Manager process that it
+    starts at the first save (`filesystem_async._results_queue`). A rank killed with SIGKILL where nothing reaps its
+    children (its node's raylet gone with it) left that process running with parent 1: the queue is made here
+    instead, by a Manager whose process ends once its parent is gone. Idempotent."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "absent") is not None:  # made already, or a Megatron without it
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=end_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()  # (the proxy keeps its manager)
+
+
+def end_with_parent(parent: int, poll_s: float = 0.5) -> None:
+    """In a child process: a daemon thread that ends it once `parent` is no longer its parent (it died, and the
+    child was handed to another)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="asyncrl-parent-watch", daemon=True).start()
 
 
 def save_checkpoint(

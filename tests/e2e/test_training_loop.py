@@ -106,7 +106,8 @@ def _run(ray_session, demo_model_path: Path, run_dir: Path, during=None, **secti
         seen["left_after_shutdown"] = _ours_left(started, within_s=30.0)
 
 
-OURS = ("VLLM::EngineCore", "VLLM::Worker", "ray::LearnerRank", "ray::ServeReplica")
+# (and the helper processes they spawn through multiprocessing, e.g. the checkpoint writer's queue: learner/checkpoint.py)
+OURS = ("VLLM::EngineCore", "VLLM::Worker", "ray::LearnerRank", "ray::ServeReplica", "multiprocessing.spawn")
 
 
 def _pids(since: float, marker: str) -> list[int]:
@@ -125,8 +126,8 @@ def _pids(since: float, marker: str) -> list[int]:
 
 
 def _ours_left(since: float, within_s: float) -> list[str]:
-    """Engine, learner and replica processes started since `since` that are still alive after
-    `within_s` (zombies, already dead, do not count)."""
+    """Engine, learner and replica processes (and their spawned helpers) started since `since` that are still
+    alive after `within_s` (zombies, already dead, do not count)."""
     import psutil
 
     deadline = time.monotonic() + within_s
