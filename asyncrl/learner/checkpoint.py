@@ -86,7 +86,6 @@ def _build(model_chunks, optimizer, scheduler, rng: bool, layout: dict[str, int]
 def _strategy():
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
-    _writer_queue_ends_with_this_process()
     return get_default_save_sharded_strategy("torch_dist")
 
 
@@ -100,11 +99,11 @@ def _writer_queue_ends_with_this_process() -> None:
     if getattr(filesystem_async, "_results_queue", "absent") is not None:  # made already, or a Megatron without it
         return
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=end_with_parent, initargs=(os.getpid(),))
+    manager.start(initializer=_end_with_parent, initargs=(os.getpid(),))
     filesystem_async._results_queue = manager.Queue()  # (the proxy keeps its manager)
 
 
-def end_with_parent(parent: int, poll_s: float = 0.5) -> None:
+def _end_with_parent(parent: int, poll_s: float = 0.5) -> None:
     """In a child process: a daemon thread that ends it once `parent` is no longer its parent (it died, and the
     child was handed to another)."""
 
@@ -142,6 +141,7 @@ def save_checkpoint(
     state = _build(model_chunks, optimizer, scheduler, save_rng, layout)
     state["extra"] = dict(extra or {})
     state[LAYOUT_KEY] = layout
+    _writer_queue_ends_with_this_process()
     dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategy())
     torch.distributed.barrier()
     if rank == 0:
