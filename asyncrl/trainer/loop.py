@@ -57,6 +57,9 @@ _LOOP_MOVES = {
 # waiting_for names generator.engine_pool, e.g. after the pool's last node was lost)
 ENGINE_CHECK_S = 10.0
 NO_ENGINE = "no engine replica answers: Serve starts one where the pool has room"
+# A stop requested by the app: how long rollouts in flight may still take before they are cancelled (their slots
+# released). Serve takes the engines down beside the trainer, so a request in flight may never be answered.
+STOP_ROLLOUTS_S = 5.0
 
 
 class BatchTimeout(RuntimeError):
@@ -141,6 +144,10 @@ class Trainer:
         finally:
             stop.set()
             if rollouts is not None:
+                if self._stop.is_set():
+                    done, _ = await asyncio.wait({rollouts}, timeout=STOP_ROLLOUTS_S)
+                    if not done:
+                        rollouts.cancel()
                 await asyncio.gather(rollouts, return_exceptions=True)
 
     def _move(self, new: LoopState) -> None:
@@ -203,7 +210,8 @@ class Trainer:
 
     def request_stop(self) -> None:
         """End the loop at the next step boundary: a step in progress (its update and push) finishes,
-        no new one starts, rollouts stop (those in flight push their groups), `state` = stopped.
+        no new one starts, rollouts stop (those in flight push their groups, or are cancelled after
+        `STOP_ROLLOUTS_S` with their slots released), `state` = stopped.
         A push that fails meanwhile (the engines may be stopping too) is not retried."""
         self._stop.set()
         weights = getattr(self.p, "weights", None)

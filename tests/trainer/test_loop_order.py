@@ -249,3 +249,28 @@ async def test_a_stop_lets_the_step_in_progress_finish_and_starts_no_other():
     assert [e for e in log if e[0] in ("publish", "save_checkpoint", "buffer.set_version")] == [
         ("publish", 1), ("save_checkpoint", 1), ("buffer.set_version", 1)]
     assert sum(e[0] == "buffer.get_batch" for e in log) == 1
+
+
+async def test_a_stop_cancels_rollouts_still_waiting_for_an_engine_after_a_grace(monkeypatch):
+    """On the app's stop Serve takes the engines down beside the trainer: a rollout whose request is never answered
+    is cancelled `STOP_ROLLOUTS_S` after the step ended (its slots released by the cancel), not waited for until the
+    app's drain deadline."""
+    import asyncrl.trainer.loop as loop
+
+    monkeypatch.setattr(loop, "STOP_ROLLOUTS_S", 0.2)
+    log: list = []
+    trainer: Trainer | None = None
+    parts = _parts(log, on_step=lambda version: trainer.request_stop())
+
+    async def deaf_rollouts(stop):
+        log.append(("rollouts.run",))
+        try:
+            await asyncio.sleep(3600)  # a request to an engine that went away: `stop` is never looked at
+        except asyncio.CancelledError:
+            log.append(("rollouts.cancelled",))
+            raise
+
+    parts.rollouts.run = deaf_rollouts
+    trainer = Trainer(_cfg(10), parts)
+    await asyncio.wait_for(trainer.run(), 10)
+    assert trainer.state == "stopped" and ("rollouts.cancelled",) in log
