@@ -14,9 +14,11 @@ All functions are collective over the default process group.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import shutil
+import sys
 import threading
 import time
 from multiprocessing.managers import SyncManager
@@ -115,6 +117,43 @@ def _end_with_parent(parent: int, poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="asyncrl-parent-watch", daemon=True).start()
 
 
+@contextlib.contextmanager
+def _a_killed_writer_ends_this_rank(poll_s: float = 0.2):
+    """Megatron's torch_dist save forks its writer processes and waits for each to report, without a deadline: a
+    writer killed (the OOM killer, a kill -9) left the save, the rank and the run waiting forever. While a save runs,
+    a child of this process ended by a signal ends the rank too (exit 1, the reason on stderr), so that the trainer's
+    restart path takes over from the last complete checkpoint. (`waitid` with WNOWAIT reads a child's end without
+    reaping it: its `multiprocessing` owner still does.)"""
+    import psutil
+
+    me = psutil.Process()
+    before = {c.pid for c in me.children()}
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(poll_s):
+            for child in me.children():
+                if child.pid in before:
+                    continue
+                try:
+                    end = os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                except ChildProcessError:  # reaped meanwhile: it ended normally
+                    continue
+                if end is not None and end.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+                    print(f"asyncrl: checkpoint writer process {child.pid} was killed by signal {end.si_status} during "
+                          "a save, which would wait for it forever: ending this learner rank, so that the learner "
+                          "restarts from the last complete checkpoint", file=sys.stderr, flush=True)
+                    os._exit(1)
+
+    thread = threading.Thread(target=watch, name="asyncrl-writer-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def save_checkpoint(
     path: str | Path,
     model_chunks: list[torch.nn.Module],
@@ -142,7 +181,8 @@ def save_checkpoint(
     state["extra"] = dict(extra or {})
     state[LAYOUT_KEY] = layout
     _writer_queue_ends_with_this_process()
-    dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategy())
+    with _a_killed_writer_ends_this_rank():
+        dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategy())
     torch.distributed.barrier()
     if rank == 0:
         old = path.parent / f".{path.name}.old"

@@ -1,9 +1,10 @@
-"""The checkpoint writer's helper process ends with the learner rank that started it (learner/checkpoint.py).
+"""The checkpoint writer's helper processes and the learner rank that starts them (learner/checkpoint.py).
 
 Megatron's torch_dist writer reports through a queue served by a `multiprocessing` Manager process; a rank killed
 with SIGKILL whose children nobody reaps (its node's raylet lost with it, tests/e2e/test_multinode.py) left that
 process running with parent 1. Here a process standing in for the rank makes the queue as a save would, the queue
-carries an item, and after the process is killed the Manager's process ends within seconds."""
+carries an item, and after the process is killed the Manager's process ends within seconds. And the other way
+round: a writer process killed mid-save (the save would wait for it forever) ends the rank."""
 
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ import time
 
 import psutil
 import pytest
-
-pytestmark = pytest.mark.slow
 
 RANK = """
 import time
@@ -40,6 +39,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_the_writers_queue_process_ends_when_the_rank_is_killed():
     rank = subprocess.Popen([sys.executable, "-c", RANK], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
     try:
@@ -55,3 +55,38 @@ def test_the_writers_queue_process_ends_when_the_rank_is_killed():
         assert _gone(manager), f"the Manager process {manager} outlived its rank"
     finally:
         rank.kill()
+
+
+SAVE = """
+import multiprocessing, os, signal, sys, time
+from asyncrl.learner.checkpoint import _a_killed_writer_ends_this_rank
+
+def write(seconds):
+    time.sleep(seconds)
+
+killed = sys.argv[1] == "kill"
+with _a_killed_writer_ends_this_rank(poll_s=0.05):
+    ctx = multiprocessing.get_context("fork")  # as Megatron's writers
+    done = ctx.Process(target=write, args=(0.0,))
+    done.start()
+    done.join()  # a writer that ended normally is no reason to stop
+    writer = ctx.Process(target=write, args=(600.0 if killed else 0.5,))
+    writer.start()
+    if killed:
+        os.kill(writer.pid, signal.SIGKILL)
+        time.sleep(30)  # the save waiting for it (Megatron's wait has no deadline)
+        print("still waiting", flush=True)
+    writer.join()
+print("saved", flush=True)
+"""
+
+
+@pytest.mark.parametrize("fault", ["kill", "none"])
+def test_a_writer_killed_mid_save_ends_the_rank_instead_of_a_wait_forever(fault):
+    t = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", SAVE, fault], capture_output=True, text=True, timeout=60, cwd=os.getcwd())
+    if fault == "kill":
+        assert run.returncode == 1 and time.monotonic() - t < 20 and "still waiting" not in run.stdout
+        assert "checkpoint writer process" in run.stderr and "killed by signal 9" in run.stderr, run.stderr
+    else:
+        assert run.returncode == 0 and run.stdout.strip() == "saved", (run.stdout, run.stderr)
