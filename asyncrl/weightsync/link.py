@@ -64,6 +64,8 @@ class CollectiveLink:
         self.checks_skipped = 0  # ensure() calls that asked nobody (right after a clean push)
         self._clean = False  # the last push reached exactly the groups' members, and every one took it
         self._stores: dict[str, Any] = {}  # group id -> a client of its store (cancel)
+        # this attempt was stopped for the receivers' sake (`stop`): a failed send is then the engines' failure
+        self.receivers_failed = False
 
     def forget(self) -> None:
         """The groups are gone (a new learner group): the next `ensure` forms them."""
@@ -97,6 +99,13 @@ class CollectiveLink:
                     log.warning("weightsync: could not stop the push on group %s: %s", spec.group_id, err)
 
         await asyncio.to_thread(put)
+
+    async def stop(self, why: str) -> None:
+        """`cancel` for the receivers' sake: a member that will not answer (every replica's load returned), or
+        running replicas that are not the groups' members. The push then failed on the engines' side (the
+        service recovers it once they are healthy), however the senders report it."""
+        self.receivers_failed = True
+        await self.cancel(why)
 
     def _store(self, spec: Any) -> Any:
         """A client of `spec`'s group store, made once per group."""
@@ -147,6 +156,7 @@ class CollectiveLink:
         from asyncrl.weightsync.collective import CollectiveReceive
 
         broadcast = self.backend != "ipc"
+        self.receivers_failed = False
         self._gate = f"v{version}-{uuid.uuid4().hex[:12]}" if broadcast else ""
         return CollectiveReceive(tuple(self.group_ids), version, self.timeout_s, gate=self._gate)
 
@@ -190,7 +200,7 @@ class CollectiveLink:
             problem = f"the replicas did not answer ({type(err).__name__}: {str(err)[:300]})"
         if problem is not None and gate == self._gate:
             log.info("weightsync: push %s stopped at its gate: %s", gate, problem)
-            await self.cancel(problem)
+            await self.stop(problem)
 
     async def _collect(self) -> Any:
         from asyncrl.weightsync.push import KeptCopies

@@ -252,10 +252,14 @@ class WeightPublisher:
 
     async def _receivers_may_be_at_fault(self) -> bool:
         """After an EXPORT failure: a collective send also fails when a receiving replica died
-        mid-broadcast, so it is worth recovering unless every running replica is healthy (then
+        mid-broadcast, or when the publisher stopped it for the receivers (a group member that no
+        load reached: the running replicas changed between the push's begin and its groups), so it is
+        worth recovering unless every running replica is healthy and the publisher did not stop it (then
         the learner's export itself failed). A file/object-store export involves no replica."""
         if self.link is None:
             return False
+        if self.link.receivers_failed:
+            return True
         try:
             return not await self.replicas.control.call(EngineAPI.check_health, timeout_s=min(30.0, self.cfg.timeout_s))
         except Exception:
@@ -286,7 +290,7 @@ class WeightPublisher:
         if self.link is not None:
             result = await self.publisher.publish_streamed(
                 version, self.link.send, self.link.payload, [self.replicas], prepare=self.link.ensure, plan_id=plan_id,
-                cancel=self.link.cancel)
+                cancel=self.link.stop)
             self.link.pushed(self.replicas.last_results)
         else:
             export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, self.transport.name, self.cfg.verify,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import types
 from typing import Any
 
 import numpy as np
@@ -461,18 +462,24 @@ async def test_a_push_that_failed_because_a_learner_rank_died_is_not_retried():
     assert attempts == [4] and wp.replicas.control.calls == [] and learner_failure(err.value) is not None
 
 
-async def test_a_failed_collective_send_is_recovered_only_when_a_receiver_is_unhealthy():
+async def test_a_failed_collective_send_is_recovered_only_when_a_receiver_is_unhealthy_or_was_waited_for():
     # The broadcast failed and a replica is dead: the receivers' side, so it is pushed again.
     wp, attempts = _recovering_publisher([Step.EXPORT], unhealthy=1)
-    wp.link = object()  # a collective transport: the sender streams into the replicas
+    wp.link = types.SimpleNamespace(receivers_failed=False)  # a collective transport: the sender streams into the replicas
     metrics = await wp.publish(4)
     assert attempts == [4, 4] and metrics["weightsync/recoveries"] == 1
     # Every replica healthy: the learner's export itself failed, stop at once.
     wp, attempts = _recovering_publisher([Step.EXPORT], unhealthy=0)
-    wp.link = object()
+    wp.link = types.SimpleNamespace(receivers_failed=False)
     with pytest.raises(WeightsyncError, match="failed at export"):
         await wp.publish(5)
     assert attempts == [5] and wp.replicas.control.calls == ["check_health"]
+    # Every replica healthy now, but the publisher stopped the sender, which waited for a group member no load
+    # reached (the chaos soak: a replacement replica joined the groups after the push's begin): pushed again.
+    wp, attempts = _recovering_publisher([Step.EXPORT], unhealthy=0)
+    wp.link = types.SimpleNamespace(receivers_failed=True)
+    metrics = await wp.publish(6)
+    assert attempts == [6, 6] and metrics["weightsync/recoveries"] == 1
 
 
 async def test_the_store_hook_never_waits_and_sends_the_newest_version_after_the_one_in_flight():
