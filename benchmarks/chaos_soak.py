@@ -16,6 +16,8 @@ process over time, the exit and what is left running, and checks:
 
     python benchmarks/chaos_soak.py --minutes 60 --kill-every 10 --out docs/results/chaos_soak_cpu_DATE.jsonl
 
+Its short variant runs in `make test` (tests/e2e/test_chaos_soak.py): 90 s, one kill of each, over ipc.
+
 Exit status 1 when a check fails. The run's own files (config, log, metrics) go under --run-dir.
 """
 
@@ -65,7 +67,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--run-dir", type=Path, default=ROOT / "runs/soak", help="the run's config, log, metrics, checkpoints")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds to the first step")
     ap.add_argument("--out", type=Path, default=None, help="append the JSON row to this file")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a config value of the app (VALUE read as YAML), e.g. weightsync.transport=ipc; repeatable")
+    ap.add_argument("--free-ports", action="store_true",
+                    help="serve the API on free ports instead of the config's (a machine where they are taken: CI)")
     a = ap.parse_args(argv)
+    for item in a.overrides:
+        key, eq, _ = item.partition("=")
+        if not eq or "." not in key:
+            ap.error(f"--set {item!r}: expected SECTION.KEY=VALUE")
     if a.minutes <= 0 or a.concurrency <= 0 or a.window <= 0 or a.rss_every <= 0:
         ap.error("--minutes, --concurrency, --window and --rss-every must be positive")
     if a.learner_kill_at is None:
@@ -145,6 +155,14 @@ def rss_growth(samples: list[tuple[float, dict[str, float]]], reference_s: float
     return out
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 # ---- the run ------------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -159,6 +177,7 @@ class Soak:
     rss: list[tuple[float, dict[str, float]]] = field(default_factory=list)
     private_rss: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # RSS less shared pages
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    push_timeout_s: float = 120.0  # weightsync.timeout_s of the app
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -257,7 +276,16 @@ class Soak:
     def kill(self, what: str, marker: str) -> None:
         import psutil
 
-        victims = sorted((p for label, p in self.processes() if marker in " ".join(p.cmdline())), key=lambda p: p.pid)
+        # the process itself, not a child forked with its title (a learner rank's checkpoint writers); oldest first
+        rows = []
+        for _, p in self.processes():
+            try:
+                if marker in " ".join(p.cmdline()):
+                    rows.append((p.create_time(), p.ppid(), p))
+            except psutil.Error:  # gone since the listing
+                continue
+        pids = {p.pid for *_, p in rows}
+        victims = [p for _, ppid, p in sorted(rows, key=lambda r: r[0]) if ppid not in pids]
         last = self.statuses[-1] if self.statuses else {}
         record = {"what": what, "t": round(self.now(), 1), "step": last.get("step"), "gap_before": last.get("gap")}
         if victims:
@@ -299,13 +327,26 @@ class Soak:
                         "max_replicas": max(a.engine_replicas, int(scaling.get("max_replicas", 1)))})
         app.setdefault("checkpoint", {}).update({"dir": str(a.run_dir / "checkpoints"), "interval_steps": a.checkpoint_every})
         app.setdefault("logging", {}).update({"dir": str(a.run_dir)})
+        for item in a.overrides:
+            key, _, value = item.partition("=")
+            *sections, last = key.split(".")
+            node = app
+            for name in sections:
+                node = node.setdefault(name, {})
+            node[last] = yaml.safe_load(value)
+        if a.free_ports:
+            cfg["http_options"]["port"] = _free_port()
+            if "direct_http_port" in app.get("generator", {}):
+                app["generator"]["direct_http_port"] = _free_port()
+        self.push_timeout_s = float(app.get("weightsync", {}).get("timeout_s", 120.0))
         config = a.run_dir / "soak.yaml"
         config.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.url = f"http://{cfg['http_options']['host']}:{cfg['http_options']['port']}"
         log = open(a.run_dir / "serve.log", "w")
         self.launched = time.time()
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a cluster of its own, as `make serve`
         proc = subprocess.Popen([str(ROOT / ".venv/bin/asyncrl"), "serve", str(config)], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
         report: dict[str, Any] = {"benchmark": "chaos_soak", "config": str(a.config), "minutes": a.minutes,
                                   "kill_every_min": a.kill_every, "learner_kill_at_min": a.learner_kill_at,
                                   "concurrency": a.concurrency, "engine_replicas": a.engine_replicas}
@@ -357,7 +398,10 @@ class Soak:
         a = self.args
         metrics = a.run_dir / "metrics.jsonl"
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-        versions = [int(r["weightsync/version"]) for r in records if "train/step" in r and "weightsync/version" in r]
+        steps_logged = [r for r in records if "train/step" in r]
+        versions = [int(r["weightsync/version"]) for r in steps_logged if "weightsync/version" in r]
+        # a push that met a killed engine waits for its replacement at most, never out its deadline
+        sync_max = max((float(r.get("time/sync_s", 0.0)) for r in steps_logged), default=0.0)
         kill_times = [k["t"] for k in self.kills]
         api = judge_requests(self.requests, kill_times, a.window)
         gaps = [s["gap"] for s in self.statuses if s["gap"] is not None]
@@ -368,6 +412,7 @@ class Soak:
         series_s = max(60.0, a.minutes * 5)  # about 12 points a run
         growth = rss_growth(self.rss, reference, series_s)
         steps = [s["step"] for s in self.statuses if s["step"] is not None]
+        final = report.get("final") or {}
         checks = {
             "no_sample_lost": gap_end == 0 and all(g == 0 for g in gaps)
                               and all(k.get("gap_before") in (0, None) and k.get("gap_after") in (0, None) for k in self.kills),
@@ -378,11 +423,16 @@ class Soak:
             "exit_0_within_30s": rc == 0 and exit_s <= 30.0,
             "nothing_left": not left,
             "kills_done": all("pid" in k for k in self.kills),
+            "no_push_waited_out_its_deadline": sync_max < self.push_timeout_s,
+            # each learner kill restarted the learner once, and training went on past the last kill
+            "training_went_on": final.get("state") == "training"
+                                and final.get("learner_restarts") == sum(k["what"] == "learner rank" for k in self.kills)
+                                and (final.get("step") or 0) > max((k.get("step") or 0 for k in self.kills), default=0),
         }
         report.update({
             "requests": {k: v for k, v in api.items() if k != "unexpected"}, "unexpected_non_200": api["unexpected"][:50],
             "latency_s": latency_figures(self.requests), "steps": max(steps, default=0),
-            "steps_per_min": (max(steps, default=0) / a.minutes), "versions": len(versions),
+            "steps_per_min": (max(steps, default=0) / a.minutes), "versions": len(versions), "sync_s_max": sync_max,
             "identity_checks": len(gaps) + 1, "identity_gap_end": gap_end, "kills": self.kills,
             "rss_reference_s": reference, "rss": growth, "rss_samples": len(self.rss),
             "private_rss": rss_growth(self.private_rss, reference, series_s),
