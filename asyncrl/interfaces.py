@@ -61,7 +61,7 @@ class EngineAPI(Protocol):
 
     async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
                            plan_id: str | None = None) -> UpdateAck:
-        """Start staging `version` (see weightsync/replicas.py for the update contract)."""
+        """Start staging `version` (see weightsync/sources.py for the update contract)."""
 
     async def load_bucket(self, named_tensors: Any, version: int | None = None) -> LoadReport: ...
 

@@ -437,7 +437,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
 
     import ray
 
-    from asyncrl.weightsync.replicas import ActorReplica
+    from asyncrl.weightsync.push import ActorReplica
     from asyncrl.weightsync.service import load_hf_tensors
 
     base = load_hf_tensors(str(path))

@@ -306,7 +306,7 @@ class CollectiveGroup:
     _opened: dict = field(default_factory=dict, repr=False)  # ipc receiver: the sender's buffers, opened once
     _gate_keys: list = field(default_factory=list, repr=False)  # sender: this push's gate keys (stale at the next)
     _stale_gate_keys: list = field(default_factory=list, repr=False)  # sender: earlier pushes', to drop (drop_stale_gate_keys)
-    _whole_table: Any = field(default=None, repr=False)  # gloo / nccl receiver: the last whole version's table (stream_receive.py)
+    _whole_table: Any = field(default=None, repr=False)  # gloo / nccl receiver: the last whole version's table (stream.py)
     _kept: Any = field(default=None, repr=False)  # ... and what it received that version into, kept for the next
     _announce: Any = field(default=None, repr=False)  # gloo / nccl sender: a plan's whole-version table, kept (stream.py)
     _hash_stream: Any = field(default=None, repr=False)  # nccl sender: the stream it hashes packed buckets on (stream.py)
@@ -481,7 +481,7 @@ class CollectiveGroup:
                                f"{type(err).__name__}: {err}")
 
     def release_kept(self) -> None:
-        """Drop the receive buffers kept from the last push (a receiver: `stream_receive._receive_whole`); the next
+        """Drop the receive buffers kept from the last push (a receiver: `stream._receive_whole`); the next
         push allocates them again. For an engine about to release its memory (sleep)."""
         self._kept = None
 

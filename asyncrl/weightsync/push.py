@@ -1,15 +1,15 @@
 """Push orchestration: publish one weight version to every engine replica, atomically.
 
-Owns: the order of a push, its atomicity, timeouts and retries, the publisher's host copy of the last live version
-(its bucket handles), and per-push metrics. Order, by `weightsync.staging`: full: begin_update -> load_bucket* (staged
-and verified beside the live weights) -> pause -> commit_update(fingerprint) -> resume; bucketed: pause -> begin ->
-load* (each bucket applied once verified) -> commit -> resume. Atomicity (replicas.py's contract): a failure before the
-commit is undone by `abort_update` (the version goes FAILED); a part-applied or ahead replica is restored from the host
-copy while paused, else reported out of service. Every call is bounded by `timeout_s`, a failed attempt is retried,
-paused replicas are always resumed. A collective push's host copy is collected after it by a "tail" its readers await.
-Must never: pack or unpack tensors itself (bucket.py, plan.py), know the transport's medium (transport.py), or let a
-version go live that some live replica did not commit.
-Details: docs/design/weightsync.md, "Push orchestration".
+Owns: the order of a push, its atomicity, timeouts and retries, the replica clients (`ActorReplica`: one Ray actor
+or Serve replica handle; `DeploymentReplicas`: every running replica of the engine deployment), the host copy of
+the last live version (its bucket handles), per-push metrics. Order, by `weightsync.staging`: full: begin_update ->
+load_bucket* (staged and verified beside the live weights) -> pause -> commit_update(fingerprint) -> resume;
+bucketed: pause -> begin -> load* (each bucket applied once verified) -> commit -> resume. Atomicity (the replicas'
+contract, sources.py): a failure before the commit is undone by `abort_update` (the version goes FAILED); a
+part-applied or ahead replica is restored from the host copy while paused, else reported out of service. Every call
+is bounded by `timeout_s`, a failed attempt retried, paused replicas always resumed.
+Must never: pack or unpack tensors (bucket.py, plan.py), know the transport's medium, or let a version go live that
+some live replica did not commit. Details: docs/design/weightsync.md, "Push orchestration".
 """
 
 from __future__ import annotations
@@ -26,12 +26,25 @@ from typing import Any
 import torch
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.types import CommitReport, Refusal, WeightUpdateState, refusal_of
+from asyncrl.interfaces import EngineAPI, verb_name
+from asyncrl.types import CommitReport, Refusal, UpdateAck, WeightUpdateState, refusal_of
 from asyncrl.weightsync.bucket import WithDigests
 from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.registry import VersionRegistry
-from asyncrl.weightsync.replicas import ReplicaClient, is_replica_dead, is_verify_failure
-from asyncrl.weightsync.sources import BucketSource, KeptCopies, PushMetrics, Send, Step, StepFailed, StreamedSend, StreamedSource  # noqa: F401 - re-exported: the publisher's vocabulary
+from asyncrl.weightsync.sources import (  # noqa: F401 - re-exported: the publisher's vocabulary
+    BucketSource,
+    KeptCopies,
+    Loaded,
+    PushMetrics,
+    ReplicaClient,
+    Send,
+    Step,
+    StepFailed,
+    StreamedSend,
+    StreamedSource,
+    is_replica_dead,
+    is_verify_failure,
+)
 from asyncrl.weightsync.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -72,6 +85,68 @@ class PushResult:
     replicas: list[str]
     metrics: dict[str, float]
     warnings: list[str] = field(default_factory=list)
+
+
+class ActorReplica:
+    """Adapter for a handle whose `handle.<method>.remote(...)` returns something awaitable
+    (a Ray ObjectRef for an actor, a DeploymentResponse for a Serve replica handle)."""
+
+    fanout = 1  # engine replicas one call reaches
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self.handle = handle
+        self.name = name
+
+    async def _call(self, verb: Callable[..., Any], *args: Any) -> Any:
+        return await getattr(self.handle, verb_name(EngineAPI, verb)).remote(*args)
+
+    async def pause(self, mode: str) -> Any:
+        return await self._call(EngineAPI.pause, mode)
+
+    async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
+                           plan_id: str | None = None) -> UpdateAck | dict[str, UpdateAck]:
+        return await self._call(EngineAPI.begin_update, version, verify, staging, layout, plan_id)
+
+    async def load_bucket(self, payload: Any, version: int) -> Loaded | dict[str, Loaded]:
+        # The payload goes as a top-level argument so Ray resolves an ObjectRef before the call.
+        return await self._call(EngineAPI.load_bucket, payload, version)
+
+    async def commit_update(self, version: int, fingerprint: str) -> CommitReport | dict[str, CommitReport]:
+        return await self._call(EngineAPI.commit_update, version, fingerprint)
+
+    async def abort_update(self) -> UpdateAck | dict[str, UpdateAck]:
+        return await self._call(EngineAPI.abort_update)
+
+    async def resume(self) -> Any:
+        return await self._call(EngineAPI.resume)
+
+    def __repr__(self) -> str:
+        return f"ActorReplica({self.name!r})"
+
+
+class DeploymentReplicas(ActorReplica):
+    """`ReplicaClient` for every running replica of the engine deployment, one broadcast per step
+    (the update steps are ActorReplica's; only how a call reaches the replicas differs).
+    `control` fans a verb out (`await control.call(EngineAPI.pause, *args, timeout_s=...)` ->
+    {replica id: result}: the generator's EngineControl)."""
+
+    def __init__(self, control: Any, timeout_s: float, name: str = "engines") -> None:
+        super().__init__(getattr(control, "handle", None), name)
+        self.control, self.timeout_s = control, timeout_s
+        self.last_results: dict[str, Any] = {}
+
+    @property
+    def fanout(self) -> int:  # type: ignore[override]
+        """Engine replicas the last call reached (2 before any: not known to be one)."""
+        return len(self.last_results) if self.last_results else 2
+
+    async def _call(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
+        self.last_results = await self.control.call(verb, *args, timeout_s=self.timeout_s)
+        return self.last_results
+
+    async def call_all(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
+        """`verb` on every running replica, {replica id: result}; `fanout` counts them from now on."""
+        return await self._call(verb, *args)
 
 
 @dataclass

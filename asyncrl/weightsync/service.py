@@ -28,9 +28,8 @@ from asyncrl.interfaces import EngineAPI
 from asyncrl.types import Refusal, learner_failure
 from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
 from asyncrl.weightsync.link import CollectiveLink
-from asyncrl.weightsync.push import Publisher
+from asyncrl.weightsync.push import DeploymentReplicas, Publisher
 from asyncrl.weightsync.registry import VersionRegistry
-from asyncrl.weightsync.replicas import DeploymentReplicas
 from asyncrl.weightsync.transport import select_transport
 
 log = logging.getLogger(__name__)

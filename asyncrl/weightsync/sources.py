@@ -1,15 +1,14 @@
-"""Where a push's buckets come from, as the publisher sees them (push.py drives them).
+"""Where a push's buckets come from, as the publisher sees them (push.py drives them), and what a replica is to it.
 
-Owns: the steps of a push and their failure record (`Step`, `StepFailed`), and the three sources: `BucketSource`
-packs a tensor stream itself (HF tensors, or the engines' layout with a push plan) and puts each bucket into the
-transport once, a retry replaying the handles; `BucketSource.from_handles` replays buckets the learner ranks packed
-and put themselves, with their digests; `StreamedSource` is a collective push, where the sending ranks broadcast every
-bucket into each replica's single `load_bucket` (`StreamedSend`: the sender's report; `KeptCopies`: its host copies,
-made after the push returned). Every bucket is hashed before it is handed out (bucketed staging checks each bucket
-before applying it). And a push's metrics (`PushMetrics`: its timers and counters, as a flat `weightsync/...` dict;
-a collective push's host-copy figures describe the previous version, kept after its push returned).
-Must never: order replica calls or decide what is live (push.py).
-Details: docs/design/weightsync.md, "Push sources" and "Push metrics".
+Owns: `Step` / `StepFailed`; `ReplicaClient` and the replicas' contract: pause(mode); begin_update(version, verify,
+staging, layout, plan_id) drops any staged copy (no plan: Refusal.PLAN_MISSING); load_bucket never touches live
+weights; commit_update(version, fp) applies nothing on a fingerprint mismatch (Refusal.VERIFY_FAILED), may leave the
+weights part-applied on a later error; abort_update is idempotent; a version <= the live one restores. The sources:
+`BucketSource` packs a tensor stream and puts each bucket once (a retry replays the handles), or replays buckets the
+learner ranks put (`from_handles`, with their digests); `StreamedSource` is a collective push, the senders
+broadcasting into each replica's single `load_bucket` (`StreamedSend`; `KeptCopies`, their host copies once made).
+And a push's metrics (`PushMetrics`, a flat `weightsync/...` dict).
+Must never: order replica calls or decide what is live (push.py). Details: docs/design/weightsync.md.
 """
 
 from __future__ import annotations
@@ -21,17 +20,58 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck, refusal_of
 from asyncrl.weightsync.bucket import Bucket, digest_key_prefix, iter_buckets
 from asyncrl.weightsync.fingerprint import VerifyMode, bucket_digests, check_verify_mode, combine_digests
 from asyncrl.weightsync.transport import Transport
 
 if TYPE_CHECKING:
     from asyncrl.weightsync.plan import PushPlan
-    from asyncrl.weightsync.replicas import ReplicaClient
 
 NamedTensorIter = Iterable[tuple[str, Any]]
+
+
+Loaded = LoadReport | CommitReport  # a load that only staged, or one that also committed
+
+
+@runtime_checkable
+class ReplicaClient(Protocol):
+    """Each update verb answers one replica's typed answer (asyncrl.types), or {replica id: answer} from a
+    client that fans out."""
+
+    name: str
+    fanout: int  # engine replicas one call reaches
+
+    async def pause(self, mode: str) -> Any: ...
+
+    async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
+                           plan_id: str | None = None) -> UpdateAck | dict[str, UpdateAck]: ...
+
+    async def load_bucket(self, payload: Any, version: int) -> Loaded | dict[str, Loaded]: ...
+
+    async def commit_update(self, version: int, fingerprint: str) -> CommitReport | dict[str, CommitReport]: ...
+
+    async def abort_update(self) -> UpdateAck | dict[str, UpdateAck]: ...
+
+    async def resume(self) -> Any: ...
+
+
+
+def is_verify_failure(exc: BaseException) -> bool:
+    """A commit that failed its fingerprint check applied nothing (generator contract above): the
+    replica refused it with `Refusal.VERIFY_FAILED`."""
+    return refusal_of(exc) is Refusal.VERIFY_FAILED
+
+
+def is_replica_dead(exc: BaseException) -> bool:
+    """The replica process is gone: retrying the same replica cannot help."""
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return isinstance(exc, RayActorError) and type(exc).__name__ != "ActorUnavailableError"
 
 
 class StreamDriver(Protocol):

@@ -1,13 +1,14 @@
-"""One push on a gloo / NCCL group (collective.py's `CollectiveGroup`): the sender's loop and the wire protocol.
+"""One push on a gloo / NCCL group (collective.py's `CollectiveGroup`): the wire protocol and both ends' loops.
 
 Owns: the wire protocol of one push (per bucket: a 3 x int64 header, the tensor table as JSON with the sender's
 digests, the buffer; then an end or abort header; whole version: one header and table, every bucket and the end
 header, one enqueue for a receiver), `broadcast_send_stream` (pack, hash, broadcast, start the host copy off the
-critical path) and the helpers ipc.py and stream_receive.py share. With `ipc_window` 0 (full staging) the sender
-enqueues the whole version back to back, hashing beside the wire, and waits once; a sender whose device cannot hold
-it packs through a `SenderRing` of reused slots. `sender.send_stream` picks this or ipc.py by backend.
-Must never: wait without a deadline, or leave the receivers waiting on a sender that failed (an export error sends
-the abort header first).
+critical path), `broadcast_receive_stream` (allocate on this member's device, receive, hand each bucket on), what a
+receiver keeps from one push of the same table to the next (`WholeTable`, and on a GPU its buffers), and the
+helpers ipc.py shares. With `ipc_window` 0 (full staging) the sender enqueues the whole version back to back,
+hashing beside the wire, and waits once; a sender whose device cannot hold it packs through a `SenderRing`.
+Must never: wait without a deadline, hand on a bucket before its bytes are here, or leave the receivers waiting on
+a sender that failed (an export error sends the abort header first).
 Details: docs/design/weightsync.md, "Collective push loops".
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, iter_buckets, rank_key_prefix, whole_arena
-from asyncrl.weightsync.collective import ABORT, BUCKET, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup
+from asyncrl.weightsync.collective import ABORT, BUCKET, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup, SenderAborted
 from asyncrl.weightsync.fingerprint import PendingDigests, meta_entries
 from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
 
@@ -48,15 +49,10 @@ def _bytes_tensor(group: CollectiveGroup, raw: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device)
 
 
-def _send_bytes(group: CollectiveGroup, raw: bytes, deadline: float) -> None:
-    group.broadcast(_bytes_tensor(group, raw), deadline)
-
-
 @dataclass
 class SendResult:
-    """What a sender hands back to the publisher: per-tensor digests in the push's verify mode,
-    sizes and timings. Its host copies (for rollbacks, retries and late joiners) are still being
-    made when it returns: `host_copies.result()` waits for them (hostcopy.py)."""
+    """What a sender hands back to the publisher: per-tensor digests in the push's verify mode, sizes and timings.
+    Its host copies (rollbacks, retries, late joiners) are still being made: `host_copies.result()` waits for them."""
 
     host_copies: HostCopies | None = None
     digests: dict[str, bytes] = field(default_factory=dict)
@@ -64,17 +60,15 @@ class SendResult:
     num_tensors: int = 0
     num_buckets: int = 0
     # hash: enqueueing the checksums and waiting for them; hash_wait: the waiting part alone (the device's reads)
-    seconds: dict[str, float] = field(default_factory=lambda: {"pack": 0.0, "broadcast": 0.0, "host_copy": 0.0, "hash": 0.0,
-                                                               "hash_wait": 0.0})
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("pack", "broadcast", "host_copy", "hash", "hash_wait"), 0.0))
 
 
 def pack_stream(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, device: torch.device, *,
                 plan: Any = None, sender: int = 0, alloc: Callable[[int], torch.Tensor] | None = None,
                 planned_buffer: Callable[[Any], torch.Tensor] | None = None) -> Iterator[Bucket]:
-    """The sender's buckets on `device`: Hugging Face tensors as they come (`iter_buckets`), or,
-    with a push `plan` (plan.py), this sender's buckets in the engines' layout. `alloc(nbytes)`
-    supplies reused buffers (ipc); `planned_buffer(planned bucket)` a planned bucket's buffer
-    (`whole_arena`)."""
+    """The sender's buckets on `device`: Hugging Face tensors as they come (`iter_buckets`), or, with a push `plan`
+    (plan.py), this sender's in the engines' layout. `alloc(nbytes)`: reused buffers (ipc); `planned_buffer(planned
+    bucket)`: a planned bucket's buffer (`whole_arena`)."""
     if plan is None:
         return iter_buckets(named_tensors, bucket_mb, device=device, alloc=alloc)
     from asyncrl.weightsync.plan import PlannedPacker
@@ -86,15 +80,13 @@ def pack_stream(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, devi
 def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
                           verify: str, timeout_s: float, keep: Callable[[Bucket], Any] | None = None,
                           plan: Any = None, sender: int = 0, arena: str = "auto", gate: str = "") -> SendResult:
-    """The sender's loop for one push: bucket the stream on the tensors' device (in the engines'
-    layout with a `plan`), hash each bucket (its digests go in band, before its bytes), send it,
-    and start its host copy (`keep` is called with each finished copy, off the critical path).
-    If the stream fails, the receivers are told (abort header) before the error propagates.
-    `arena`, for a whole planned version: "whole" packs it into one allocation, "ring" through a
-    `SenderRing` of reused slots, "auto" the whole one unless the device cannot hold it (then the
-    ring, for this group's later pushes too). `gate`: the push's gate token (collective.py): nothing
-    goes on the wire until every member is ready; a closed gate raises `GateClosed` (the stream is
-    still read to its end, and the group stays usable)."""
+    """The sender's loop for one push: bucket the stream on the tensors' device (the engines' layout with a `plan`),
+    hash each bucket (digests in band, before its bytes), send it, start its host copy (`keep` gets each finished
+    one, off the critical path). A failed stream tells the receivers (abort header) before the error propagates.
+    `arena` (a whole planned version): "whole" packs it into one allocation, "ring" through a `SenderRing` of
+    reused slots, "auto" the whole one unless the device cannot hold it (then the ring, for this group's later
+    pushes too). `gate`: the push's gate token (collective.py): nothing goes on the wire until every member is
+    ready; a closed gate raises `GateClosed` (the stream still read to its end, the group still usable)."""
     if arena not in ("auto", "whole", "ring"):
         raise ValueError(f"arena must be auto, whole or ring, not {arena!r}")
     deadline = time.monotonic() + timeout_s
@@ -166,7 +158,7 @@ def _send_each(group: CollectiveGroup, export: "Export", copies: HostCopies, ver
         t = time.perf_counter()
         table = encode_table(bucket, digests)
         group.broadcast(_header(group, BUCKET, len(table), bucket.nbytes), deadline)
-        _send_bytes(group, table, deadline)
+        group.broadcast(_bytes_tensor(group, table), deadline)
         if bucket.nbytes:
             group.broadcast(bucket.buffer, deadline)
         out.seconds["broadcast"] += time.perf_counter() - t
@@ -187,15 +179,10 @@ def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, ve
         finish = hash_and_copy_lazy(copies, bucket, verify, out)[0] if early else None
         packed.append((bucket, finish))
     t = time.perf_counter()
-    _announce_whole(group, [(b.metas, b.rank, b.nbytes) for b, _ in packed], deadline)
+    group.broadcast_all(whole_table(group, [(b.metas, b.rank, b.nbytes) for b, _ in packed]), deadline)
     sending = group.enqueue_broadcasts([b.buffer for b, _ in packed if b.nbytes], deadline)
     out.seconds["broadcast"] += time.perf_counter() - t
     _finish_whole(group, packed, [sending], copies, verify, out, deadline)
-
-
-def _announce_whole(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], int | None, int]], deadline: float) -> None:
-    """The whole version's header and table (`whole_table`), sent and waited for."""
-    group.broadcast_all(whole_table(group, buckets), deadline)
 
 
 def whole_table(group: CollectiveGroup, buckets: Any, plan: Any = None, sender: int = 0) -> list[torch.Tensor]:
@@ -259,11 +246,8 @@ def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], send
 
 
 def _hash_stream(group: CollectiveGroup) -> Any:
-    """The side stream a CUDA sender hashes packed buckets on while it packs the next (None on a host):
-    the wire, which waits for the packing stream, does not wait for these checksums."""
-    if group.device.type != "cuda":
-        return None
-    if group._hash_stream is None:
+    """The side stream a CUDA sender hashes packed buckets on while it packs the next (None on a host)."""
+    if group.device.type == "cuda" and group._hash_stream is None:
         group._hash_stream = torch.cuda.Stream(device=group.device)
     return group._hash_stream
 
@@ -493,3 +477,124 @@ class Export:
                 pass
         except Exception:  # noqa: BLE001 - the send already failed; that error is the one reported
             pass
+
+
+# ---- the receiver's loop ----------------------------------------------------------------------------------------
+
+def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
+    """The receiver's loop for one push on one group: yields each bucket (its buffer on this member's device) with
+    the sender's digests of it ({} for a whole version's: its table has none) to the end header; SenderAborted at
+    an abort header."""
+    while True:
+        header = torch.empty(3, dtype=torch.int64, device=group.device)
+        group.broadcast(header, deadline)
+        kind, table_len, nbytes = (int(v) for v in header.tolist())
+        if kind == END:
+            return
+        if kind == ABORT:
+            raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
+        if kind == WHOLE and table_len > 0 and nbytes >= 0:
+            yield from _receive_whole(group, table_len, nbytes, deadline)
+            return
+        if kind != BUCKET or table_len <= 0 or nbytes < 0:
+            group.broken = True
+            group.close()
+            raise CollectiveError(f"group {group.spec.group_id}: malformed header {[kind, table_len, nbytes]}")
+        raw = torch.empty(table_len, dtype=torch.uint8, device=group.device)
+        group.broadcast(raw, deadline)
+        metas, rank, digests = decode_table(raw.cpu().numpy().tobytes())
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+        if nbytes:
+            group.broadcast(buffer, deadline)
+        yield Bucket(buffer=buffer, metas=metas, rank=rank), digests
+
+
+@dataclass
+class WholeTable:
+    """A whole version's table as a receiver reads it: each bucket's (tensors, engine rank, size). Kept by the group
+    for the next push: a plan's table is the same every push, so the next compares raw bytes instead of decoding."""
+
+    raw: bytes
+    nbytes: int
+    buckets: list[tuple[list[TensorMeta], int | None, int]]
+
+    @classmethod
+    def decode(cls, raw: bytes, group_id: str, nbytes: int) -> "WholeTable":
+        table = json.loads(raw.decode())
+        buckets = []
+        for text, n in table["b"]:
+            metas, rank, _ = decode_table(text.encode())
+            buckets.append((metas, rank, int(n)))
+        sizes = [n for *_, n in buckets]
+        if sum(sizes) != nbytes or any(n < 0 for n in sizes):
+            raise CollectiveError(f"group {group_id}: a whole-version table of {sizes} bytes for a header of {nbytes}")
+        return cls(raw, nbytes, buckets)
+
+
+# Devices on which a receiver keeps a whole version's buffers from push to push (`_receive_whole`): a GPU's caching
+# allocator holds that memory between pushes anyway, where host memory would go back to the system.
+KEEP_RECEIVE_BUFFERS = {"cuda"}
+
+
+def _read_table(group: CollectiveGroup, table_len: int, nbytes: int, deadline: float) -> WholeTable:
+    raw_t = torch.empty(table_len, dtype=torch.uint8, device=group.device)
+    group.broadcast(raw_t, deadline)
+    raw = raw_t.cpu().numpy().tobytes()
+    kept = group._whole_table
+    if kept is not None and kept.raw == raw and kept.nbytes == nbytes:
+        return kept
+    try:
+        table = WholeTable.decode(raw, group.spec.group_id, nbytes)
+    except Exception as err:
+        group.broken = True
+        group.close()
+        if isinstance(err, CollectiveError):
+            raise
+        raise CollectiveError(f"group {group.spec.group_id}: malformed whole-version table: {type(err).__name__}: {err}") from err
+    group._whole_table = table
+    return table
+
+
+def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int,
+                   deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
+    """A whole version: one table, then every bucket back to back into one allocation of `nbytes`, then the end
+    header, all received as one enqueue. Each bucket is handed on once complete here (`Broadcasts.ready`), while
+    later ones still arrive, so its consumer's checksums run beside the wire; SenderAborted at an abort header. On
+    a GPU the next push of the same table reuses the buckets and their memory (`Bucket.reused`, kept by the group
+    until `release_kept` or its close, as the caching allocator would keep it): a consumer keeps its work per
+    bucket (views, copy lists) instead of redoing it, host time that would put the receiver behind the wire."""
+    table = _read_table(group, table_len, nbytes, deadline)
+    kept = group._kept
+    if kept is None or kept[0] is not table:  # (the same table: the same buckets, into the same memory)
+        keep = group.device.type in KEEP_RECEIVE_BUFFERS
+        block = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+        buckets, at = [], 0
+        for metas, rank, n in table.buckets:
+            buckets.append(Bucket(buffer=block.narrow(0, at, n), metas=metas, rank=rank, reused=keep))
+            at += n
+        end = torch.empty(3, dtype=torch.int64, device=group.device)
+        kept = (table, buckets, end)
+        group._kept = kept if keep else None
+    _, buckets, end = kept
+    end.fill_(0)  # (no end header read from a push that did not send one)
+    receiving = group.enqueue_broadcasts([b.buffer for b in buckets if b.nbytes] + [end], deadline,
+                                         events=group.device.type == "cuda")
+    k = 0
+    try:
+        for bucket in buckets:
+            if bucket.nbytes:
+                receiving.ready(k)
+                k += 1
+            yield bucket, {}
+    except GeneratorExit:  # the consumer failed mid-version: the rest of the push is unread
+        group.broken = True
+        group.close()
+        raise
+    receiving.wait()
+    kind = int(end[0].item())
+    if kind == ABORT:
+        raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
+    if kind != END:
+        group.broken = True
+        group.close()
+        raise CollectiveError(f"group {group.spec.group_id}: malformed end header {end.tolist()} after a whole version")

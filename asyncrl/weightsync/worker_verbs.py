@@ -344,7 +344,7 @@ def receive_stream(group: "CollectiveGroup", deadline: float) -> Iterator[tuple[
         from asyncrl.weightsync.ipc import ipc_receive_stream
 
         return ipc_receive_stream(group, deadline)
-    from asyncrl.weightsync.stream_receive import broadcast_receive_stream
+    from asyncrl.weightsync.stream import broadcast_receive_stream
 
     return broadcast_receive_stream(group, deadline)
 

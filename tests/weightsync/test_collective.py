@@ -319,9 +319,9 @@ def test_a_whole_push_is_hashed_alike_on_both_ends_and_the_receiver_keeps_its_ta
     and the same buckets (`reused`), holding its own bytes; after `release_kept` the next push receives
     into new ones, and another plan (other buckets) gets a table and buckets of its own. (Buffers are
     kept on GPUs only: here the host's are, as a GPU's would be; without that, nothing is kept.)"""
-    import asyncrl.weightsync.stream_receive as stream_receive
+    import asyncrl.weightsync.stream as stream
 
-    monkeypatch.setattr(stream_receive, "KEEP_RECEIVE_BUFFERS", {"cuda", "cpu"})
+    monkeypatch.setattr(stream, "KEEP_RECEIVE_BUFFERS", {"cuda", "cpu"})
     spec = _spec(receivers=1, backend="gloo-whole")
     sender, receiver = _join_all(spec)
     g = torch.Generator().manual_seed(5)

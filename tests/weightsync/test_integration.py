@@ -260,9 +260,8 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
     from transformers import AutoTokenizer
 
     from asyncrl.config import WeightsyncConfig
-    from asyncrl.weightsync.push import Publisher, Step, WeightsyncError
+    from asyncrl.weightsync.push import ActorReplica, Publisher, Step, WeightsyncError
     from asyncrl.weightsync.registry import VersionRegistry
-    from asyncrl.weightsync.replicas import ActorReplica
     from asyncrl.weightsync.service import WeightStore, load_hf_tensors, weight_store_hook
     from asyncrl.weightsync.transport import ObjectStoreTransport
 
@@ -375,8 +374,7 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.plan import ManifestEntry
-    from asyncrl.weightsync.push import Publisher
-    from asyncrl.weightsync.replicas import ActorReplica
+    from asyncrl.weightsync.push import ActorReplica, Publisher
     from asyncrl.weightsync.service import load_hf_tensors
     from asyncrl.weightsync.transport import SharedMemoryTransport
     from tests.learner._data import advantages, make_samples
@@ -436,8 +434,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     from asyncrl.weightsync.collective import ipc_window_for
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.plan import ManifestEntry
-    from asyncrl.weightsync.push import Publisher
-    from asyncrl.weightsync.replicas import ActorReplica
+    from asyncrl.weightsync.push import ActorReplica, Publisher
     from asyncrl.weightsync.shards import hf_from_engine
     from asyncrl.weightsync.transport import select_transport
     from tests.learner._data import advantages, make_samples
@@ -562,9 +559,8 @@ class _OneEngine:
 
     def __init__(self, engine, sender, cfg, start: int, plan, **link_kw) -> None:
         from asyncrl.weightsync.link import CollectiveLink
-        from asyncrl.weightsync.push import Publisher
+        from asyncrl.weightsync.push import ActorReplica, Publisher
         from asyncrl.weightsync.registry import VersionRegistry
-        from asyncrl.weightsync.replicas import ActorReplica
         from asyncrl.weightsync.transport import select_transport
 
         async def members():
