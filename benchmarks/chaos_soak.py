@@ -94,6 +94,14 @@ def identity_gap(buffer: dict[str, float]) -> float | None:
                                          + buffer.get("buffer/waiting", 0.0))
 
 
+def victims_of(rows: list[tuple[float, int, Any]]) -> list[Any]:
+    """`rows`: (create time, parent pid, process) of the processes whose title names what is to be killed. The processes
+    themselves, oldest first, and not a child forked with its parent's title (a learner rank's checkpoint writers):
+    pids wrap, so the lowest is not the oldest."""
+    pids = {p.pid for *_, p in rows}
+    return [p for _, ppid, p in sorted(rows, key=lambda r: r[0]) if ppid not in pids]
+
+
 def in_order_once(versions: list[int]) -> bool:
     """Whether the published versions are 1, 2, ... n, each once."""
     return versions == list(range(1, len(versions) + 1))
@@ -284,8 +292,7 @@ class Soak:
                     rows.append((p.create_time(), p.ppid(), p))
             except psutil.Error:  # gone since the listing
                 continue
-        pids = {p.pid for *_, p in rows}
-        victims = [p for _, ppid, p in sorted(rows, key=lambda r: r[0]) if ppid not in pids]
+        victims = victims_of(rows)
         last = self.statuses[-1] if self.statuses else {}
         record = {"what": what, "t": round(self.now(), 1), "step": last.get("step"), "gap_before": last.get("gap")}
         if victims:

@@ -1,5 +1,6 @@
 """benchmarks/chaos_soak.py's judgement of a soak (issue 66), on made-up observations: the accounting identity, the
-versions' order, which non-200 answers a kill excuses, latencies by kind and the RSS growth. The soak itself runs
+versions' order, which non-200 answers a kill excuses, latencies by kind and the RSS growth; and which process a kill
+takes. The soak itself runs
 the real app: `python benchmarks/chaos_soak.py --minutes 60` (docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
@@ -62,3 +63,16 @@ def test_rss_growth_is_held_to_the_reference_minute_for_processes_alive_through_
     assert growth["trainer 1"]["series_mb"] == [[0.0, 100.0], [600.0, 200.0], [1230.0, 210.0], [1800.0, 220.0]]
     assert growth["engine core 3"]["series_mb"] == [[630.0, 100.0], [1230.0, 280.0], [1800.0, 294.0]]
     assert soak.rss_growth(samples, reference_s=5000.0) == {}
+
+
+def test_a_kill_takes_the_oldest_process_of_a_title_never_a_fork_of_it(soak):
+    """The 49th session's soak killed a checkpoint writer the learner rank had forked (it keeps the rank's title): pids
+    had wrapped, and the lowest pid was taken. The rank (pid 32371, parent the raylet 100) is the victim, not its fork
+    (pid 569), however the pids sort."""
+    import types
+
+    rank, fork, other = (types.SimpleNamespace(pid=p) for p in (32371, 569, 40000))
+    rows = [(1_000.0, 32371, fork), (500.0, 100, rank), (900.0, 100, other)]
+    assert soak.victims_of(rows) == [rank, other]
+    assert soak.victims_of([(1_000.0, 32371, fork)]) == [fork]  # (its parent gone from the listing: it is the process)
+    assert soak.victims_of([]) == []
