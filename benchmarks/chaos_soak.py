@@ -163,14 +163,6 @@ def rss_growth(samples: list[tuple[float, dict[str, float]]], reference_s: float
     return out
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # ---- the run ------------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -342,9 +334,11 @@ class Soak:
                 node = node.setdefault(name, {})
             node[last] = yaml.safe_load(value)
         if a.free_ports:
-            cfg["http_options"]["port"] = _free_port()
+            from asyncrl.weightsync.collective import free_port
+
+            cfg["http_options"]["port"] = free_port("127.0.0.1")
             if "direct_http_port" in app.get("generator", {}):
-                app["generator"]["direct_http_port"] = _free_port()
+                app["generator"]["direct_http_port"] = free_port("127.0.0.1")
         self.push_timeout_s = float(app.get("weightsync", {}).get("timeout_s", 120.0))
         config = a.run_dir / "soak.yaml"
         config.write_text(yaml.safe_dump(cfg, sort_keys=False))
