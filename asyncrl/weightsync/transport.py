@@ -4,7 +4,7 @@ Owns: the `Transport` protocol (put a bucket once, hand every replica the same p
 side, release it), its implementations and `select_transport` (`WeightsyncConfig.transport` and the placement -> one
 of them): `ObjectStoreTransport` (any placement: one `ray.put` per bucket, every replica gets a zero-copy read-only
 view), `SharedMemoryTransport` (one host: each bucket written once into a /dev/shm file every replica's workers map),
-`LocalTransport` (in-process replicas) and `CollectiveTransport` (nccl, gloo or ipc: the sending learner ranks move
+and `CollectiveTransport` (nccl, gloo or ipc: the sending learner ranks move
 each bucket straight into the engine workers' memory, collective.py; its handles are the senders' host copies in the
 object store, so restores, retries and late joiners go the object-store way).
 Why not vLLM's `weight_transfer` engines: they apply weights as they arrive, with no stage-then-commit check.
@@ -49,24 +49,6 @@ class Transport:
 
     def release(self, handle: Any) -> None:  # the bucket is no longer needed by anyone
         raise NotImplementedError
-
-
-class LocalTransport(Transport):
-    """In-process: the handle is the bucket itself."""
-
-    name = "local"
-
-    def put(self, bucket: Bucket) -> Bucket:
-        return bucket
-
-    def payload(self, handle: Bucket) -> Bucket:
-        return handle
-
-    def fetch(self, handle: Bucket) -> Bucket:
-        return handle
-
-    def release(self, handle: Bucket) -> None:
-        return None
 
 
 class ObjectStoreTransport(Transport):

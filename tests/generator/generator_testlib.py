@@ -108,7 +108,7 @@ def push_weights(control, version: int, tensors: dict[str, torch.Tensor], *, pla
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.registry import VersionRegistry
     from asyncrl.weightsync.service import DeploymentReplicas
-    from asyncrl.weightsync.transport import LocalTransport
+    from tests.weightsync.fakes import LocalTransport
 
     cfg = WeightsyncConfig(bucket_mb=bucket_mb, verify=verify, staging=staging, timeout_s=120.0)
     pub = Publisher(cfg, transport=LocalTransport(), registry=VersionRegistry(version - 1), preserve_rng=False)

@@ -11,7 +11,25 @@ import torch
 from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, WithDigests, unpack_bucket
 from asyncrl.weightsync.fingerprint import bucket_digests, tensor_fingerprint
-from asyncrl.weightsync.transport import LocalTransport
+from asyncrl.weightsync.transport import Transport
+
+
+class LocalTransport(Transport):
+    """In-process: the handle is the bucket itself (replicas in this process, no Ray)."""
+
+    name = "local"
+
+    def put(self, bucket: Bucket) -> Bucket:
+        return bucket
+
+    def payload(self, handle: Bucket) -> Bucket:
+        return handle
+
+    def fetch(self, handle: Bucket) -> Bucket:
+        return handle
+
+    def release(self, handle: Bucket) -> None:
+        return None
 
 
 class Fault(Exception):

@@ -36,10 +36,9 @@ from asyncrl.weightsync.collective import (
 from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_digests, tensor_fingerprint
 from asyncrl.weightsync.push import KeptCopies, Publisher, Step, StreamedSend, WeightsyncError
 from asyncrl.weightsync.sender import send_stream
-from asyncrl.weightsync.transport import LocalTransport
 from asyncrl.weightsync.worker_verbs import receive_stream
 
-from .fakes import FakeReplica, model
+from .fakes import FakeReplica, LocalTransport, model
 
 BUCKET_MB = 8192 / (1 << 20)  # two 4 KiB tensors per bucket -> 3 buckets for 5 tensors
 

@@ -78,7 +78,7 @@ async def _scenario(model_path: str) -> dict:
     from asyncrl.types import GenerationRequest, SamplingParams
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.registry import VersionRegistry
-    from asyncrl.weightsync.transport import LocalTransport
+    from tests.weightsync.fakes import LocalTransport
 
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),
                             GeneratorConfig(engine_kwargs={"gpu_memory_utilization": 0.3}), replica_id="gpu0")

@@ -14,9 +14,8 @@ from asyncrl.config import WeightsyncConfig
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from asyncrl.weightsync.push import Publisher, Step, WeightsyncError, preserve_rng_state
-from asyncrl.weightsync.transport import LocalTransport
 
-from .fakes import CorruptingTransport, FakeReplica, model
+from .fakes import CorruptingTransport, FakeReplica, LocalTransport, model
 
 BUCKET_MB = 8192 / (1 << 20)  # two 4 KiB tensors per bucket -> 3 buckets for 5 tensors
 
