@@ -25,9 +25,8 @@ import torch
 
 from asyncrl.weightsync.bucket import Bucket, pack_bucket
 from asyncrl.weightsync.fingerprint import bucket_digests_lazy, buckets_digests_lazy
-from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
+from asyncrl.weightsync.transport import BACKENDS, HostCopies, PinnedPool
 
-BACKENDS = ("gloo", "nccl", "ipc")
 IPC_WINDOW = 2  # ipc: buckets a sender keeps published (and unacknowledged) before waiting; 0: the whole version
 # Header kinds (first int64 of a header): a bucket follows, the sender is done, the sender failed.
 BUCKET, END, ABORT = 1, 2, 3

@@ -136,10 +136,10 @@ class SenderEndpoint:
         return spec.group_id
 
     def _pin_host_copies(self, sender: int) -> None:
-        """A sender on a GPU keeps a pinned host copy of every bucket it sends (hostcopy.py); with a push
+        """A sender on a GPU keeps a pinned host copy of every bucket it sends (transport.py); with a push
         plan its buckets' sizes are known, so the pool is allocated now, as the group forms, rather than
         inside the first push (a fresh pinned allocation costs about as much as the copy)."""
-        from asyncrl.weightsync.hostcopy import PinnedPool
+        from asyncrl.weightsync.transport import PinnedPool
 
         group = self.group
         if self.plan is None or group is None or group.device.type != "cuda":

@@ -26,7 +26,7 @@ import torch
 from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, iter_buckets, rank_key_prefix, whole_arena
 from asyncrl.weightsync.collective import ABORT, BUCKET, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup, SenderAborted
 from asyncrl.weightsync.fingerprint import PendingDigests, meta_entries
-from asyncrl.weightsync.hostcopy import HostCopies, PinnedPool
+from asyncrl.weightsync.transport import HostCopies, PinnedPool
 
 
 def encode_table(bucket: Bucket, digests: dict[str, bytes]) -> bytes:

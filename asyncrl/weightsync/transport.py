@@ -1,25 +1,34 @@
-"""Transports: how one packed bucket gets from the publisher to every replica.
+"""Transports: how one packed bucket gets from the publisher to every replica, and a sending rank's host copies.
 
-Owns: the `Transport` protocol (put a bucket once, hand every replica the same payload, read it back on the owner
-side, release it), its implementations and `select_transport` (`WeightsyncConfig.transport` and the placement -> one
-of them): `ObjectStoreTransport` (any placement: one `ray.put` per bucket, every replica gets a zero-copy read-only
-view), `SharedMemoryTransport` (one host: each bucket written once into a /dev/shm file every replica's workers map),
-and `CollectiveTransport` (nccl, gloo or ipc: the sending learner ranks move
-each bucket straight into the engine workers' memory, collective.py; its handles are the senders' host copies in the
-object store, so restores, retries and late joiners go the object-store way).
-Why not vLLM's `weight_transfer` engines: they apply weights as they arrive, with no stage-then-commit check.
-Must never: decide ordering or retries (push.py does), or look inside a bucket.
-Details: docs/design/weightsync.md, "Transports".
+Owns: the `Transport` protocol (put a bucket once, hand every replica the same payload, read it back, release it) and
+`select_transport` (`WeightsyncConfig.transport` and the placement -> one of them): `ObjectStoreTransport` (one
+`ray.put` per bucket, every replica a zero-copy read-only view), `SharedMemoryTransport` (one host: each bucket
+written once into a /dev/shm file every replica's workers map) and `CollectiveTransport` (nccl, gloo or ipc: the
+senders move each bucket straight into the engine workers' memory, collective.py; its handles are the senders' host
+copies in the object store). And those host copies (`HostCopies`, `PinnedPool`): each sent device bucket copied to
+pinned host memory on a side stream and kept (`ray.put`) by `KEEP_THREADS` threads, off the push's critical path.
+Must never: decide ordering or retries (push.py), look inside a bucket, drop a device bucket before its copy is done,
+or wait without a deadline. Details: docs/design/weightsync.md, "Transports" and "Host copies".
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 import weakref
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.weightsync.bucket import Bucket, SharedAllocator, SharedBucket, write_shared
+
+BACKENDS = ("gloo", "nccl", "ipc")  # the collective transports (collective.py)
 
 
 class TransportUnavailable(ValueError):
@@ -142,8 +151,6 @@ class CollectiveTransport(ObjectStoreTransport):
     streamed = True
 
     def __init__(self, backend: str, get_timeout_s: float = 120.0) -> None:
-        from asyncrl.weightsync.collective import BACKENDS
-
         if backend not in BACKENDS:
             raise TransportUnavailable(f"collective backend must be one of {BACKENDS}, got {backend!r}")
         super().__init__(get_timeout_s)
@@ -212,3 +219,274 @@ def select_transport(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: 
         f"weightsync.transport={config.transport!r} resolves to {kind!r} (on_gpu={on_gpu}, hybrid={hybrid}), "
         "which is not implemented in this build; use transport='nccl' (GPUs), 'ipc' (shared devices), 'gloo', 'shm' (one host) or 'object_store'"
     )
+
+
+# ---- a sending rank's host copies -------------------------------------------------------------------------------
+
+KEEP_THREADS = 2  # buckets kept (put into the object store) at once: more contend for the host's copies
+
+
+class HostCopyError(RuntimeError):
+    pass
+
+
+class PinnedPool:
+    """Pinned host buffers by bucket index, kept between pushes (a push's k-th bucket reuses the
+    last push's k-th buffer when it is large enough)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = []
+
+    def get(self, index: int, nbytes: int) -> torch.Tensor:
+        while len(self._buffers) <= index:
+            self._buffers.append(None)
+        buf = self._buffers[index]
+        if buf is None or buf.numel() < nbytes:
+            buf = self._buffers[index] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return buf[:nbytes]
+
+    def trim(self, count: int) -> None:
+        """Free the buffers past the first `count` (the model shrank, or the bucket size changed)."""
+        del self._buffers[count:]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(b.numel()) for b in self._buffers if b is not None)
+
+
+@dataclass
+class _Copy:
+    host: Bucket
+    device: Bucket | None = None  # held until `event` completed: the copy still reads it
+    event: Any = None  # torch.cuda.Event on the copy stream
+    slot: bool = False  # a host bucket: holds one of the unkept slots until kept
+    pending: bool = False  # a deferred copy not started yet (HostCopies.start_copies)
+    pinned: Any = None  # a deferred copy's pinned destination (`host` is its numpy view)
+
+    def done(self) -> bool:
+        return not self.pending and (self.event is None or self.event.query())
+
+    def wait(self, deadline: float) -> Bucket:
+        while self.pending:  # started by another thread (start_copies), or dropped by close
+            if time.monotonic() > deadline:
+                raise HostCopyError("device-to-host copy of a bucket not started by the deadline")
+            time.sleep(0.0002)
+        if self.event is not None:
+            while not self.event.query():
+                if time.monotonic() > deadline:
+                    raise HostCopyError("device-to-host copy of a bucket not complete by the deadline")
+                time.sleep(0.0002)
+        self.device = None
+        return self.host
+
+
+class HostCopies:
+    """The host copies of one push from one sender; `add` each sent bucket, then `finish`.
+
+    `add` returns at once, unless `max_device` device buckets are still being copied (or, for
+    host buckets, that many are not kept yet); `host(copy)` waits for one copy (full verification
+    hashes it); `result` waits for all and returns what `keep` returned for each, in bucket order.
+    `seconds`: `wait` is the time `add` spent blocked (on the critical path), `copy` and `keep` the
+    thread's time waiting for copies and keeping them. `keep` runs behind the copies: only pinned
+    host memory waits for it."""
+
+    def __init__(self, keep: Callable[[Bucket], Any] | None, pool: PinnedPool | None, *, deadline: float,
+                 max_device: int = 4, keep_threads: int = KEEP_THREADS, defer_keep: bool = False,
+                 defer_copy: bool = False) -> None:
+        self._keep = keep if keep is not None else (lambda bucket: bucket)
+        self._keepers = ThreadPoolExecutor(keep_threads, thread_name_prefix="asyncrl-host-keep")
+        self._kept_futures: list[Future] = []
+        self._pool, self._deadline = pool, deadline
+        self._max_device = max_device
+        self._on_device: deque[_Copy] = deque()  # device buckets whose copies may still run (sender's thread)
+        self._host_slots = threading.Semaphore(max_device)
+        self._queue: queue.Queue[_Copy | None] = queue.Queue()
+        self._kept: list[Any] = []
+        self._error: BaseException | None = None
+        self._streams: dict[torch.device, Any] = {}
+        self._count = 0
+        self._finished = False
+        # defer_keep: `keep` starts only at `finish` (its serialisation competes for this process's
+        # GIL with a sender still waiting on its receivers); the device-to-host copies run at once.
+        self._release = threading.Event()
+        if not defer_keep:
+            self._release.set()
+        # defer_copy: the device-to-host copies start only at `start_copies` (or `result`), i.e. once
+        # the push is live: on a GPU the receivers share (ipc), copies running in this process
+        # would take turns on the device with the engine's apply, inside its paused window.
+        self._deferred: list[_Copy] = []
+        self._copy_gate = threading.Event()
+        if not defer_copy:
+            self._copy_gate.set()
+        self.seconds = {"wait": 0.0, "copy": 0.0, "keep": 0.0}  # keep: summed over the keeper threads
+        self._lock = threading.Lock()
+        # Started by the first bucket (or `result`), not here: a sender makes this before its push's gate, and a
+        # thread's start waits for the new thread to run, milliseconds of that path in a busy process. A whole version
+        # adds its buckets while the wire runs.
+        self._thread = threading.Thread(target=self._run, name="asyncrl-host-copies", daemon=True)
+
+    # ---- the sender's side -------------------------------------------------------------------
+    def add(self, bucket: Bucket) -> _Copy:
+        self._check()
+        self._start_thread()
+        t = time.perf_counter()
+        buf = bucket.buffer
+        if isinstance(buf, torch.Tensor) and buf.is_cuda:
+            self._retire()
+            while len(self._on_device) >= self._max_device:  # bounded by the copies, not by `keep`
+                self._on_device[0].wait(self._deadline)
+                self._retire()
+            if self._copy_gate.is_set():
+                copy = self._start_device_copy(bucket)
+            else:
+                pinned = self._pinned(bucket)
+                copy = _Copy(Bucket(buffer=pinned.numpy(), metas=list(bucket.metas), rank=bucket.rank),
+                             device=bucket, pending=True, pinned=pinned)
+                self._deferred.append(copy)
+            self._on_device.append(copy)
+        else:  # already host memory (a fresh buffer per bucket), kept as it is; bounded by `keep`
+            while not self._host_slots.acquire(timeout=0.05):
+                self._check()
+                if time.monotonic() > self._deadline:
+                    raise HostCopyError(f"host copies fell behind: {self._max_device} buckets still unkept at the deadline")
+            copy = _Copy(Bucket(buffer=buf.numpy() if isinstance(buf, torch.Tensor) else buf, metas=list(bucket.metas), rank=bucket.rank),
+                         slot=True)
+        self.seconds["wait"] += time.perf_counter() - t
+        self._count += 1
+        self._queue.put(copy)
+        return copy
+
+    def _start_thread(self) -> None:
+        if self._thread.ident is None:  # (set once started)
+            with self._lock:
+                if self._thread.ident is None:
+                    self._thread.start()
+
+    def _retire(self) -> None:
+        """Drop the device buckets whose copies completed (the oldest first)."""
+        while self._on_device and self._on_device[0].done():
+            self._on_device.popleft().device = None
+
+    def _pinned(self, bucket: Bucket) -> torch.Tensor:
+        nbytes = int(bucket.buffer.numel())
+        return self._pool.get(self._count, nbytes) if self._pool is not None else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def _enqueue_copy(self, bucket: Bucket, pinned: torch.Tensor) -> Any:
+        buf: torch.Tensor = bucket.buffer
+        stream = self._streams.get(buf.device)
+        if stream is None:
+            stream = self._streams[buf.device] = torch.cuda.Stream(buf.device)
+        stream.wait_stream(torch.cuda.current_stream(buf.device))  # the pack that wrote it
+        with torch.cuda.stream(stream):
+            pinned.copy_(buf.view(torch.uint8).reshape(-1), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def _start_device_copy(self, bucket: Bucket) -> _Copy:
+        pinned = self._pinned(bucket)
+        return _Copy(Bucket(buffer=pinned.numpy(), metas=list(bucket.metas), rank=bucket.rank), device=bucket,
+                     event=self._enqueue_copy(bucket, pinned))
+
+    def start_copies(self) -> None:
+        """Start the deferred device-to-host copies (`defer_copy`); idempotent. Not after `close`."""
+        if self._copy_gate.is_set():
+            return
+        with self._lock:
+            if self._error is None:
+                for copy in self._deferred:
+                    copy.event = self._enqueue_copy(copy.device, copy.pinned)  # type: ignore[arg-type]
+                    copy.pending, copy.pinned = False, None
+            self._deferred = []
+            self._copy_gate.set()
+
+    def host(self, copy: _Copy) -> Bucket:
+        """`copy`'s host bucket once the copy is complete."""
+        return copy.wait(self._deadline)
+
+    def finish(self) -> None:
+        """No more buckets: the pool keeps as many buffers as this push used."""
+        if self._pool is not None:
+            self._pool.trim(self._count)
+        self._end()
+
+    def _end(self) -> None:
+        self._release.set()
+        if not self._finished:
+            self._finished = True
+            self._queue.put(None)
+
+    def result(self, deadline: float | None = None) -> list[Any]:
+        """What `keep` returned for every bucket, in order; raises the first failure."""
+        self.start_copies()
+        self._end()
+        self._start_thread()
+        self._thread.join(max(0.0, (deadline if deadline is not None else self._deadline) - time.monotonic()))
+        if self._thread.is_alive():
+            kept = sum(f.done() for f in self._kept_futures)
+            raise HostCopyError(f"host copies of {self._count} buckets not kept by the deadline ({kept} kept)")
+        self._check()
+        return list(self._kept)
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Stop the thread and drop what was kept; returns whether it ended, i.e. whether the pool
+        is free again (a `keep` stuck past `timeout_s` may still read its pinned buffer)."""
+        if self._error is None:
+            self._error = HostCopyError("closed")
+        with self._lock:  # copies never started read nothing: drop them
+            for copy in self._deferred:
+                copy.device, copy.pending = None, False
+            self._deferred = []
+            self._copy_gate.set()
+        self._end()
+        if self._thread.ident is not None:
+            self._thread.join(timeout_s)
+        self._kept.clear()
+        return not self._thread.is_alive()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise HostCopyError(f"host copy failed: {type(self._error).__name__}: {self._error}") from self._error
+
+    # ---- the threads ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        """Wait for each copy in order, hand it to a keeper thread; at the end, collect in order."""
+        while (copy := self._queue.get()) is not None:
+            try:
+                self._copy_gate.wait(max(0.0, self._deadline - time.monotonic()))
+                if self._error is None:
+                    t = time.perf_counter()
+                    host = copy.wait(self._deadline)
+                    self.seconds["copy"] += time.perf_counter() - t  # `wait` dropped the device bucket
+                    self._release.wait(max(0.0, self._deadline - time.monotonic()))
+                    self._kept_futures.append(self._keepers.submit(self._keep_one, host, copy.slot))
+                    continue
+            except BaseException as err:  # noqa: BLE001 - reported by `result` / the next `add`
+                self._error = err
+            copy.device = None
+            if copy.slot:
+                self._host_slots.release()
+        for future in self._kept_futures:  # in bucket order
+            try:
+                self._kept.append(future.result())
+            except BaseException as err:  # noqa: BLE001
+                if self._error is None:
+                    self._error = err
+        self._keepers.shutdown(wait=False)
+
+    def _keep_one(self, host: Bucket, slot: bool) -> Any:
+        t = time.perf_counter()
+        try:
+            if self._error is not None:  # an earlier bucket failed or the push was closed: keep nothing more
+                raise self._error
+            return self._keep(host)
+        except BaseException as err:
+            if self._error is None:
+                self._error = err
+            raise
+        finally:
+            with self._lock:
+                self.seconds["keep"] += time.perf_counter() - t
+            if slot:
+                self._host_slots.release()
+

@@ -1,4 +1,4 @@
-"""The sender's host copies (weightsync/hostcopy.py): kept in order off the caller's thread, failures
+"""The sender's host copies (weightsync/transport.py): kept in order off the caller's thread, failures
 reported, bounded, and (on a GPU) copied into pinned buffers that later pushes reuse."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncrl.weightsync.bucket import iter_buckets, unpack_bucket
-from asyncrl.weightsync.hostcopy import HostCopies, HostCopyError, PinnedPool
+from asyncrl.weightsync.transport import HostCopies, HostCopyError, PinnedPool
 
 from .fakes import model
 
