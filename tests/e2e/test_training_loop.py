@@ -306,9 +306,11 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
     # step 2's engine log-probs would be the base's, 1e-2 and more off the learner's; they are the merged weights'
     assert all(m["mismatch/gap0/tokens"] == m["train/loss_tokens"] and m["mismatch/gap0/abs_diff_max"] < 1e-3
                for m in metrics), [m["mismatch/gap0/abs_diff_max"] for m in metrics]
-    # the KL against the base: none before the first update, some after it (the adapters moved the policy)
-    assert metrics[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6) and metrics[1]["actor/kl_loss"] > 1e-6, \
-        [m["actor/kl_loss"] for m in metrics]
+    # the KL against the base: none before the first update, some after it where it moved the adapters; a first batch
+    # whose groups all scored alike has no advantage and no gradient (seen in CI), and then no KL either
+    moved = metrics[0]["actor/grad_norm"] > 0
+    assert metrics[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6) and (metrics[1]["actor/kl_loss"] > 1e-6) == moved, \
+        [(m["actor/grad_norm"], m["actor/kl_loss"]) for m in metrics]
     assert all(m["weightsync/transport/ipc/bytes"] == m["weightsync/bytes"] > 0 and m["weightsync/commit_seconds"] > 0
                and m["weightsync/apply_direct"] == 1.0 for m in metrics)
     # the groups formed at the start: the first push asked whether they still hold; the second, after a clean
