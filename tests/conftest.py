@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -22,6 +23,24 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engines started in the test process must not fork it once CUDA is initialised (GPU runs).
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process `pid` has ended (gone, or a zombie its parent has not reaped yet)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_gone(pids: list[int], within_s: float) -> list[int]:
+    """The processes of `pids` still running after up to `within_s` seconds of waiting for them to end."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and not all(map(process_gone, pids)):
+        time.sleep(0.1)
+    return [p for p in pids if not process_gone(p)]
 
 
 def import_benchmark(name: str, *folders: str) -> ModuleType:

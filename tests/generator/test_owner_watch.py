@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from asyncrl.generator import owner_watch
+from tests.conftest import process_gone, wait_gone
 
 CHILD = textwrap.dedent("""
     import sys, time
@@ -41,21 +42,6 @@ OWNER = textwrap.dedent("""
 """)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _wait_gone(pids: list[int], within_s: float) -> list[int]:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        left = [p for p in pids if not _gone(p)]
-        if not left:
-            return []
-        time.sleep(0.1)
-    return [p for p in pids if not _gone(p)]
 
 
 def test_a_watched_process_exits_once_its_owner_is_killed():
@@ -65,9 +51,9 @@ def test_a_watched_process_exits_once_its_owner_is_killed():
     try:
         child = int(owner.stdout.readline())
         time.sleep(0.5)
-        assert not _gone(child), "the watched process ended while its owner lives"
+        assert not process_gone(child), "the watched process ended while its owner lives"
         os.kill(owner.pid, signal.SIGKILL)  # no clean-up runs in the owner
-        assert _wait_gone([child], 5.0) == [], "the watched process outlived its killed owner"
+        assert wait_gone([child], 5.0) == [], "the watched process outlived its killed owner"
     finally:
         owner.kill()
         owner.wait()
@@ -121,7 +107,7 @@ def test_killing_a_replica_takes_its_engine_processes_with_it(demo_model_path):
         names = {p: psutil.Process(p).name() for p in engine}
         assert any("EngineCore" in n for n in names.values()), f"no vLLM engine core among the replica's children: {names}"
         os.kill(replica.pid, signal.SIGKILL)
-        left = _wait_gone(engine, 30.0)
+        left = wait_gone(engine, 30.0)
         assert left == [], f"engine processes outlived their replica: {[(p, names[p]) for p in left]}"
     finally:
         replica.kill()

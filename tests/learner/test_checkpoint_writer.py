@@ -17,6 +17,8 @@ import time
 import psutil
 import pytest
 
+from tests.conftest import process_gone, wait_gone
+
 RANK = """
 import time
 from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
@@ -32,27 +34,17 @@ time.sleep(600)
 """
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 @pytest.mark.slow
 def test_the_writers_queue_process_ends_when_the_rank_is_killed():
     rank = subprocess.Popen([sys.executable, "-c", RANK], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
     try:
         manager = int(rank.stdout.readline().strip())  # (the rank's asserts passed to get here)
-        assert psutil.Process(manager).ppid() == rank.pid and not _gone(manager)
+        assert psutil.Process(manager).ppid() == rank.pid and not process_gone(manager)
         time.sleep(1.5)  # alive while its parent lives
-        assert not _gone(manager)
+        assert not process_gone(manager)
         rank.send_signal(signal.SIGKILL)
         rank.wait(30)
-        deadline = time.monotonic() + 20
-        while not _gone(manager) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _gone(manager), f"the Manager process {manager} outlived its rank"
+        assert wait_gone([manager], 20.0) == [], f"the Manager process {manager} outlived its rank"
     finally:
         rank.kill()
 
