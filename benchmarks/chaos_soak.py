@@ -73,9 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="serve the API on free ports instead of the config's (a machine where they are taken: CI)")
     a = ap.parse_args(argv)
     for item in a.overrides:
-        key, eq, _ = item.partition("=")
+        key, eq, value = item.partition("=")
         if not eq or "." not in key:
             ap.error(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        try:
+            yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            ap.error(f"--set {item!r}: the value is not YAML ({str(err).splitlines()[0]})")
     if a.minutes <= 0 or a.concurrency <= 0 or a.window <= 0 or a.rss_every <= 0:
         ap.error("--minutes, --concurrency, --window and --rss-every must be positive")
     if a.learner_kill_at is None:

@@ -76,3 +76,11 @@ def test_a_kill_takes_the_oldest_process_of_a_title_never_a_fork_of_it(soak):
     assert soak.victims_of(rows) == [rank, other]
     assert soak.victims_of([(1_000.0, 32371, fork)]) == [fork]  # (its parent gone from the listing: it is the process)
     assert soak.victims_of([]) == []
+
+
+def test_a_bad_set_is_refused_naming_it(soak, capsys):
+    for bad, says in (("ab=1", "expected SECTION.KEY=VALUE"), ("a.b", "expected SECTION.KEY=VALUE"), ("a.b=[", "not YAML")):
+        with pytest.raises(SystemExit):
+            soak.parse_args(["--set", bad])
+        assert says in capsys.readouterr().err
+    assert soak.parse_args(["--set", "weightsync.transport=ipc"]).overrides == ["weightsync.transport=ipc"]
