@@ -16,7 +16,6 @@ from typing import Any, Protocol
 
 from asyncrl.types import (
     ApplyReport,
-    CollectiveExport,
     CommitReport,
     CompletionDelta,
     GenerationRequest,
@@ -26,13 +25,13 @@ from asyncrl.types import (
     LayoutCheck,
     LayoutReport,
     LoadReport,
-    PackedExport,
     PieceManifest,
     PlanAck,
     ReceiveReport,
     SenderAddress,
     SyncReport,
     UpdateAck,
+    WeightExport,
 )
 
 
@@ -73,9 +72,8 @@ class EngineAPI(Protocol):
 
     async def set_push_plan(self, plan: bytes | None) -> PlanAck: ...
 
-    async def collective_info(self) -> GroupsReport: ...
-
-    async def join_collective(self, specs: list[dict[str, Any]], timeout_s: float = 120.0) -> GroupsReport: ...
+    async def join_collective(self, specs: list[dict[str, Any]] | None = None, timeout_s: float = 120.0) -> GroupsReport:
+        """Join the broadcast groups `specs` (None: none); answers the replica's workers and the groups all hold."""
 
     async def sync_from_source(self) -> SyncReport: ...
 
@@ -102,32 +100,29 @@ class WorkerAPI(Protocol):
     at once through vLLM's `collective_rpc`, which wants a method name: `WeightUpdates._rpc`
     (generator/engine_update.py) is the one place that turns a verb into it."""
 
-    def asyncrl_check_layout(self) -> LayoutCheck: ...
-
-    def asyncrl_layout(self, manifest: bytes) -> bytes: ...
+    def asyncrl_layout(self, manifest: bytes | None = None) -> LayoutCheck:
+        """The start-time layout check (no `manifest`), or its answer and this worker's layout for `manifest`."""
 
     def asyncrl_set_plan(self, plan: bytes | None) -> str | None: ...
 
-    def asyncrl_begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf") -> None: ...
-
     def asyncrl_receive(self, version: int, wire: tuple | None, expected: dict[str, bytes] | None = None,
-                        groups: list[str] | None = None, timeout_s: float = 0.0, gate: str = "") -> ReceiveReport:
-        """The staged digests: of a shared file's bucket (`wire`), or of every bucket from `groups` (gate: gloo / NCCL)."""
+                        groups: list[str] | None = None, timeout_s: float = 0.0, gate: str = "",
+                        begin: list[str] | None = None) -> ReceiveReport:
+        """The staged digests: of a shared file's bucket (`wire`), or of every bucket from `groups` (gate: gloo /
+        NCCL); `begin` on an update's first receive (verify, staging, layout) starts it."""
 
-    def asyncrl_apply(self, version: int, before: str = "") -> ApplyReport:
+    def asyncrl_apply(self, version: int, before: str = "", begin: list[str] | None = None) -> ApplyReport:
         """The apply of the staged version; `before` (the name of a verb of this interface without
-        arguments) runs first, in the same round trip, and answers in the report's `before`."""
+        arguments) runs first, in the same round trip, and answers in the report's `before`; `begin`: an
+        update no receive reached starts here."""
 
     def asyncrl_abort_update(self, group_ids: list[str] | None = None, why: str = "", gate: str = "") -> None:
-        """Drop what is staged; with `group_ids` (a load that failed before its receive), refuse the coming push on
-        those groups too, so that its other members stop at once. `gate`: the push's gate token (gloo / NCCL)."""
+        """Drop what is staged and the receive buffers kept from one push to the next (also before the engine
+        sleeps); with `group_ids` (a load that failed before its receive), refuse the coming push on those groups
+        too, so that its other members stop at once. `gate`: the push's gate token (gloo / NCCL)."""
 
-    def asyncrl_join_collective(self, replica_id: str, specs: list[dict[str, Any]]) -> list[str]: ...
-
-    def asyncrl_release_buffers(self) -> None:
-        """Drop the receive buffers kept from one push to the next (before the engine sleeps)."""
-
-    def asyncrl_collective_groups(self) -> list[str]: ...
+    def asyncrl_join_collective(self, replica_id: str, specs: list[dict[str, Any]] | None = None) -> list[str]:
+        """Join the groups `specs` (None: stay); answers the ids of the groups this worker is ready for."""
 
     def asyncrl_sampled_token_counts(self) -> dict[str, int] | None:
         """Tokens sampled so far per sequence this worker holds (read while paused)."""
@@ -176,17 +171,13 @@ class LearnerRankAPI(Protocol):
 
     def piece_manifest(self) -> PieceManifest | None: ...
 
-    def export_hf_tensors_packed(self, bucket_mb: float, transport: str = "object_store", verify: str = "full",
-                                 layout: str = "hf") -> PackedExport | None: ...
+    def export_weights(self, bucket_mb: float, transport: str = "object_store", verify: str = "full", layout: str = "hf",
+                       timeout_s: float = 600.0, gate: str = "") -> WeightExport | None:
+        """One version packed into host buckets (shm, object_store) or broadcast to the engine workers (nccl,
+        gloo, ipc) by a sending rank; None from the others."""
 
-    def collective_address(self) -> SenderAddress | None: ...
-
-    def join_collective(self, specs: list[dict[str, Any]]) -> str | None: ...
-
-    def collective_group(self) -> str | None: ...
-
-    def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float,
-                             gate: str = "") -> CollectiveExport | None: ...
+    def join_collective(self, specs: list[dict[str, Any]] | None = None) -> SenderAddress | None:
+        """A sending rank joins its group of `specs` (None: holds a port for the next); where it stands after."""
 
     def take_host_copies(self, timeout_s: float) -> HostCopies | None: ...
 

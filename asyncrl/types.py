@@ -208,14 +208,16 @@ class CommitReport(ReplicaAnswer, frozen=True):
 
 
 class LayoutCheck(msgspec.Struct, frozen=True, kw_only=True):
-    """A worker's start-time layout check (`asyncrl_check_layout`): whether a push may copy straight into its
-    parameters (`direct`), why not (`problem`), the parameters it laid out and the check's seconds."""
+    """A worker's start-time layout check (`asyncrl_layout`): whether a push may copy straight into its
+    parameters (`direct`), why not (`problem`), the parameters it laid out and the check's seconds; asked with
+    the learner's manifest, also the worker's layout for it (`layout`: a pickled `EngineLayout`)."""
 
     rank: int
     direct: bool
     problem: str | None = None
     seconds: float = 0.0
     params: int = 0
+    layout: bytes = b""
 
 
 class ApplyReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -251,8 +253,8 @@ class PlanAck(ReplicaAnswer, frozen=True):
 
 
 class GroupsReport(ReplicaAnswer, frozen=True):
-    """`collective_info`: the replica's engine workers (one receiver rank each) and the broadcast groups every
-    one of them holds; `join_collective`: the groups joined."""
+    """`join_collective`: the replica's engine workers (one receiver rank each) and the broadcast groups every
+    one of them holds (after joining, where it was given groups to join)."""
 
     workers: int
     groups: list[str]
@@ -270,35 +272,31 @@ class SyncReport(ReplicaAnswer, frozen=True):
 
 # What a learner rank answers the weight verbs (Ray pickles them: they may hold ObjectRefs).
 @dataclass
-class PackedExport:
-    """One policy version packed into host buckets of the weightsync transport (`export_hf_tensors_packed`).
+class WeightExport:
+    """One policy version out of the sending learner ranks (`export_weights`), in sender order.
 
-    `buckets[i]` is an ObjectRef to a `weightsync.bucket.Bucket` (a shared file's handle for shm); `metas[i]` lists
-    its tensors (name, dtype, shape, offset, nbytes). A learner group's: the sending ranks' buckets in sender order.
-    """
+    Packed into host buckets (shm, object store): `buckets[i]` is an ObjectRef to a `weightsync.bucket.Bucket` (a
+    shared file's handle for shm), `metas[i]` its tensors (name, dtype, shape, offset, nbytes), `senders[i]` the
+    rank that packed it (its PP stage for HF tensors), `digests[i]` as hashed when packed. Broadcast to the engine
+    workers (nccl, gloo, ipc): no buckets (their host copies follow, `take_host_copies`), `digests` one per sender.
+    Sizes, and the slowest sender's seconds per phase, either way."""
 
     buckets: list[Any] = field(default_factory=list)
     metas: list[list[Any]] = field(default_factory=list)
-    senders: list[int] = field(default_factory=list)  # the sending rank that packed each bucket (its PP stage for HF)
-    digests: list[dict[str, bytes]] = field(default_factory=list)  # each bucket's, as its packer hashed it
-    seconds: dict[str, float] = field(default_factory=dict)  # the slowest sender's pack / hash / put
+    senders: list[int] = field(default_factory=list)
+    digests: list[dict[str, bytes]] = field(default_factory=list)
+    bytes: int = 0
+    num_tensors: int = 0
+    num_buckets: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
         return [m.name for ms in self.metas for m in ms]
 
-
-@dataclass
-class CollectiveExport:
-    """What the sending ranks report after broadcasting one version (weightsync/collective.py):
-    per-tensor digests, sizes and the slowest sender's seconds per phase. Their host copies
-    follow (`LearnerGroup.take_host_copies`)."""
-
-    digests: dict[str, bytes] = field(default_factory=dict)
-    bytes: int = 0
-    num_tensors: int = 0
-    num_buckets: int = 0
-    seconds: dict[str, float] = field(default_factory=dict)
+    def tensor_digests(self) -> dict[str, bytes]:
+        """Every tensor's digest, whichever bucket or sender it came in."""
+        return {k: v for d in self.digests for k, v in d.items()}
 
 
 @dataclass(frozen=True)
@@ -313,11 +311,13 @@ class HostCopies:
 
 @dataclass(frozen=True)
 class SenderAddress:
-    """Where the broadcast group a sending learner rank will host can rendezvous (`collective_address`)."""
+    """Where the broadcast group a sending learner rank will host can rendezvous (`join_collective`), and
+    the group it holds now that can still carry a push ("": none)."""
 
     sender: int
     host: str
     port: int
+    group: str = ""
 
 
 @dataclass(frozen=True)

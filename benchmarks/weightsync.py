@@ -81,10 +81,7 @@ class EngineActor:
         else:
             self.engine_kwargs = {"gpu_memory_utilization": share} if share else {}
 
-    async def collective_info(self):
-        return await self.replica.collective_info()
-
-    async def join_collective(self, specs, timeout_s=600.0):
+    async def join_collective(self, specs=None, timeout_s=600.0):
         return await self.replica.join_collective(specs, timeout_s)
 
     async def start(self) -> None:
@@ -136,7 +133,7 @@ class EngineActor:
         rpc, pause = [], []
         for _ in range(n):
             t = time.perf_counter()
-            await self.replica._rpc(WorkerAPI.asyncrl_collective_groups)
+            await self.replica._rpc(WorkerAPI.asyncrl_join_collective, self.replica.replica_id)
             rpc.append(time.perf_counter() - t)
             t = time.perf_counter()
             await self.replica._pause_engine("keep")
@@ -221,7 +218,8 @@ class Sender:
         self.reserved = reserve_port(host)
         from asyncrl.types import SenderAddress
 
-        return SenderAddress(0, host, self.reserved.getsockname()[1])
+        held = self.group.spec.group_id if self.group is not None and not self.group.broken else ""
+        return SenderAddress(0, host, self.reserved.getsockname()[1], held)
 
     def _join(self, spec: dict):
         from asyncrl.weightsync.collective import GroupSpec, join_as_sender
@@ -234,9 +232,6 @@ class Sender:
             self.group.close()
         self.group = self._join(specs[0])
         return self.group.spec.group_id
-
-    def groups(self) -> list[str]:
-        return [self.group.spec.group_id] if self.group is not None and not self.group.broken else []
 
     def perturb(self, seed: int) -> None:
         import torch
@@ -265,7 +260,7 @@ class Sender:
     def send(self, bucket_mb: float, verify: str, timeout_s: float, gate: str = "") -> dict:
         import ray
 
-        from asyncrl.weightsync.sender import send_stream
+        from asyncrl.weightsync.link import send_stream
 
         if getattr(self, "profiling", False):
             self.profiling = False
@@ -278,8 +273,8 @@ class Sender:
                            keep=ray.put, plan=getattr(self, "plan", None), gate=gate,
                            **({"arena": getattr(self, "arena", "auto")} if self.group.spec.backend != "ipc" else {}))
         self.copies = sent.host_copies
-        return {"digests": sent.digests, "bytes": sent.bytes, "num_tensors": sent.num_tensors, "num_buckets": sent.num_buckets,
-                "seconds": sent.seconds}
+        return {"digests": [sent.digests], "bytes": sent.bytes, "num_tensors": sent.num_tensors,
+                "num_buckets": sent.num_buckets, "seconds": sent.seconds}
 
     def take(self, timeout_s: float) -> tuple[list, dict]:
         copies, self.copies = self.copies, None
@@ -354,13 +349,10 @@ class SenderAsLearner:
     async def join_collective(self, wire):
         return [await self.actor.join.remote(wire)]
 
-    async def collective_groups(self):
-        return await self.actor.groups.remote()
+    async def export_weights(self, bucket_mb, transport, verify, layout, timeout_s, gate=""):  # noqa: ARG002
+        from asyncrl.types import WeightExport
 
-    async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s, gate=""):
-        from asyncrl.types import CollectiveExport
-
-        return CollectiveExport(**await self.actor.send.remote(bucket_mb, verify, timeout_s, gate))
+        return WeightExport(**await self.actor.send.remote(bucket_mb, verify, timeout_s, gate))
 
     async def take_host_copies(self, timeout_s):
         return await self.actor.take.remote(timeout_s)
@@ -512,7 +504,7 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
         link = links.get(kind)  # one per transport, kept across bucket sizes (its groups, the receivers' buffers)
         if kind in collective and link is None:
             async def members():
-                return {i.replica_id: i for i in await asyncio.gather(*(a.collective_info.remote() for a in actors))}
+                return {i.replica_id: i for i in await asyncio.gather(*(a.join_collective.remote() for a in actors))}
 
             async def join(wire):
                 return await asyncio.gather(*(a.join_collective.remote(wire) for a in actors))

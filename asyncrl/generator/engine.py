@@ -25,7 +25,6 @@ from asyncrl.generator.replica_types import SLEEP_TAGS, PauseMode, ReplicaNotRea
 from asyncrl.generator.sampling import Limits, validate_request
 from asyncrl.generator.version_source import EngineStamps, LedgerVersions, VersionSource
 from asyncrl.generator.versions import CompletionAccumulator
-from asyncrl.interfaces import WorkerAPI
 from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult, SyncReport
 from asyncrl.weightsync.fingerprint import fingerprint_mode
 
@@ -284,7 +283,7 @@ class EngineReplica(WeightUpdates):
             if not self._asleep:
                 t0 = time.perf_counter()
                 await self.engine.preempt()
-                await self._rpc(WorkerAPI.asyncrl_release_buffers)  # (a push's kept receive buffers: released too)
+                await self._drop_staged()  # (and a push's kept receive buffers: released with the engine's memory)
                 await self.engine.sleep(level)  # keeping the preempted requests
                 self._asleep = set(SLEEP_TAGS)
                 self._weights_discarded = level == 2

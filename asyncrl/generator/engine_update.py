@@ -39,7 +39,9 @@ from asyncrl.types import (
 )
 from asyncrl.weightsync.bucket import WithDigests
 from asyncrl.weightsync.collective import CollectiveReceive
-from asyncrl.weightsync.fingerprint import check_verify_mode, combine_digests, fingerprint_mode
+from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
+from asyncrl.weightsync.transport import is_object_ref
+from asyncrl.weightsync.worker_verbs import check_begin
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +57,6 @@ class FingerprintMismatch(ValueError):
     """The staged tensors do not hash to the committed fingerprint; nothing was applied."""
 
     refusal = Refusal.VERIFY_FAILED
-
-
-def is_object_ref(value: Any) -> bool:
-    """A Ray object handle that travelled nested in another value (Ray resolves only top-level arguments)."""
-    import ray
-
-    return isinstance(value, ray.ObjectRef)
 
 
 async def _as_shared(payload: Any) -> AsyncIterator[tuple[Any, bool]]:
@@ -90,6 +85,7 @@ class WeightUpdates:
         self.update_state = UpdateState.IDLE
         self._staging_version: int | None = None
         self._staged_layout = "hf"  # of the version staged: "engine" (one plan's buckets per rank) or "hf"
+        self._begin_args: list[str] | None = None  # (verify, staging, layout) until the workers' first receive
         self._staged: list[dict[str, bytes]] = []  # per worker: the digests of what it staged
         self.plan_id: str | None = None  # the push plan the workers hold (engine-layout buckets copy in)
         self.layout_checks: list[LayoutCheck] = []  # the start-time check of the engine's parameter layout
@@ -106,15 +102,16 @@ class WeightUpdates:
 
     async def _check_layout(self) -> list[LayoutCheck]:
         """Whether each worker can copy pushed tensors into its live parameters (at start)."""
-        checks = await self._rpc(WorkerAPI.asyncrl_check_layout, timeout=600.0)
+        checks = await self._rpc(WorkerAPI.asyncrl_layout, timeout=600.0)
         self.layout_checks = [msgspec.convert(c, LayoutCheck) for c in checks]
         return self.layout_checks
 
     async def engine_layout(self, manifest: bytes) -> LayoutReport:
         """Every worker's parameter layout for the learner's export `manifest` (pickled
         `EngineLayout`s, weightsync/plan.py), and what the start-time check found."""
-        layouts = await self._rpc(WorkerAPI.asyncrl_layout, manifest, timeout=600.0)
-        return LayoutReport(replica_id=self.replica_id, layouts=list(layouts), check=list(self.layout_checks))
+        answers = [msgspec.convert(a, LayoutCheck) for a in await self._rpc(WorkerAPI.asyncrl_layout, manifest, timeout=600.0)]
+        return LayoutReport(replica_id=self.replica_id, layouts=[a.layout for a in answers],
+                            check=[msgspec.structs.replace(a, layout=b"") for a in answers])
 
     async def set_push_plan(self, plan: bytes | None) -> PlanAck:
         """Engine-layout buckets of this push plan (pickled, weightsync/plan.py) may be applied by a
@@ -156,11 +153,10 @@ class WeightUpdates:
         """`begin_update` under the control lock."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise WeightUpdateError(f"replica {self.replica_id}: version {version!r} must be an int >= 0")
-        try:
-            check_verify_mode(verify)
+        try:  # (the workers start staging at the update's first receive, `_stage`)
+            check_begin(verify, staging, layout)
             if layout == "engine" and (self.plan_id is None or (plan_id is not None and plan_id != self.plan_id)):
                 raise PlanMissing(f"an engine-layout push for plan {plan_id} but this replica holds plan {self.plan_id}")
-            await self._rpc(WorkerAPI.asyncrl_begin_update, version, verify, staging, layout)
         except ValueError as err:
             raise WeightUpdateError(f"replica {self.replica_id}: {type(err).__name__}: {err}", refusal_of(err)) from None
         if version <= self.version:
@@ -168,7 +164,7 @@ class WeightUpdates:
             # the label goes back with the weights, so tokens stay truthfully tagged.
             logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
         self.update_state, self._staging_version = UpdateState.STAGING, version
-        self._staged_layout, self._staged = layout, []
+        self._staged_layout, self._staged, self._begin_args = layout, [], [verify, staging, layout]
         return UpdateAck(replica_id=self.replica_id, version=version)
 
     async def load_bucket(self, named_tensors: Any, version: int | None = None) -> LoadReport:
@@ -222,18 +218,24 @@ class WeightUpdates:
             if payload.version != version:
                 raise ValueError(f"collective push of version {payload.version}, staging {version}")
             results = await self._rpc(WorkerAPI.asyncrl_receive, version, None, None, list(payload.group_ids),
-                                      payload.timeout_s, payload.gate, timeout=payload.timeout_s + 30.0)
+                                      payload.timeout_s, payload.gate, self._take_begin(), timeout=payload.timeout_s + 30.0)
             self._staged = [dict(msgspec.convert(r, ReceiveReport).digests) for r in results]
             return
         async for shared, owned in _as_shared(payload):
             try:
-                results = await self._rpc(WorkerAPI.asyncrl_receive, version, shared.wire(), expected)
+                results = await self._rpc(WorkerAPI.asyncrl_receive, version, shared.wire(), expected, None, 0.0, "",
+                                          self._take_begin())
             finally:
                 if owned:  # written here; the workers hold their own mappings now
                     shared.unlink()
             self._staged = self._staged or [{} for _ in results]
             for mine, got in zip(self._staged, results):
                 mine.update(msgspec.convert(got, ReceiveReport).digests)
+
+    def _take_begin(self) -> list[str] | None:
+        """The update's (verify, staging, layout) for the workers' first receive (it starts their staging), once."""
+        begin, self._begin_args = self._begin_args, None
+        return begin
 
     def _check_staged(self, version: int, fingerprint: str) -> None:
         """Raise FingerprintMismatch unless what the workers staged hashes to `fingerprint`."""
@@ -257,24 +259,24 @@ class WeightUpdates:
         its results, one per worker, come back as "before"."""
         t = time.perf_counter()
         query = "" if before is None else verb_name(WorkerAPI, before)
-        results = [msgspec.convert(r, ApplyReport) for r in await self._rpc(WorkerAPI.asyncrl_apply, version, query, timeout=600.0)]
+        results = [msgspec.convert(r, ApplyReport) for r in await self._rpc(WorkerAPI.asyncrl_apply, version, query,
+                                                                          self._take_begin(), timeout=600.0)]
         return ApplyReport(path=results[0].path if results else "none",
                            apply_seconds=max((r.apply_seconds for r in results), default=0.0),
                            rpc_seconds=time.perf_counter() - t, before=[r.before[0] for r in results] if query else [])
 
     # ---- collective transport groups (weightsync/collective.py) --------------------------------
 
-    async def collective_info(self) -> GroupsReport:
-        """How many engine workers this replica has (each is one receiver rank) and which groups
-        every one of them still holds."""
-        if self._groups_joined is not None:  # asked before every collective push: no round trip to the workers
-            return self._groups_joined
-        per_worker = await self._rpc(WorkerAPI.asyncrl_collective_groups)
-        common = set(per_worker[0]).intersection(*map(set, per_worker[1:])) if per_worker else set()
-        return GroupsReport(replica_id=self.replica_id, workers=len(per_worker), groups=sorted(common))
-
-    async def join_collective(self, specs: list[dict[str, Any]], timeout_s: float = 120.0) -> GroupsReport:
-        """Join the groups `specs` (every worker, concurrently with the senders)."""
+    async def join_collective(self, specs: list[dict[str, Any]] | None = None, timeout_s: float = 120.0) -> GroupsReport:
+        """Join the groups `specs` (every worker, concurrently with the senders); None: join nothing. Answers
+        how many engine workers this replica has (each is one receiver rank) and which groups every one of
+        them holds."""
+        if specs is None:
+            if self._groups_joined is not None:  # asked before every collective push: no round trip to the workers
+                return self._groups_joined
+            per_worker = await self._rpc(WorkerAPI.asyncrl_join_collective, self.replica_id)
+            common = set(per_worker[0]).intersection(*map(set, per_worker[1:])) if per_worker else set()
+            return GroupsReport(replica_id=self.replica_id, workers=len(per_worker), groups=sorted(common))
         async with self._control_lock:
             self._groups_joined = None
             joined = await self._rpc(WorkerAPI.asyncrl_join_collective, self.replica_id, list(specs), timeout=timeout_s + 30.0)

@@ -20,7 +20,7 @@ from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, Profiler
 from asyncrl.interfaces import ROLE_VERBS, LearnerRankAPI, RoleAPI, verb_name
 from asyncrl.learner.batching import split_by_groups
 from asyncrl.learner.parallel import ParallelLayout, megatron_compute_plan
-from asyncrl.types import CollectiveExport, LearnerRankError, PackedExport, Sample, SenderAddress, TrainBatch, error_chain
+from asyncrl.types import LearnerRankError, Sample, SenderAddress, TrainBatch, WeightExport, error_chain
 
 PerToken = list[list[float]]
 
@@ -209,17 +209,27 @@ class LearnerGroup:
         results, _ = await self._compute(RoleAPI.warm_up, list(samples))
         return _slowest(r for r in results if r)
 
-    async def export_hf_tensors_packed(self, bucket_mb: float, transport: str = "object_store", verify: str = "full",
-                                       layout: str = "hf") -> PackedExport:
-        """The export packed into host buckets by the sending ranks (engine layout: the push plan's)."""
-        outs = [o for o in await self._all(LearnerRankAPI.export_hf_tensors_packed, bucket_mb, transport, verify, layout) if o is not None]
-        packed = PackedExport(seconds=_slowest(o.seconds for o in outs))
+    async def export_weights(self, bucket_mb: float, transport: str = "object_store", verify: str = "full",
+                             layout: str = "hf", timeout_s: float = 600.0, gate: str = "") -> WeightExport:
+        """One version out of the sending ranks, every rank driving its part (`LearnerRank.export_weights`): packed
+        into host buckets (shm, object_store), or broadcast to the engine workers (nccl, gloo, ipc). A broadcast
+        that failed on the wire (a receiver died; every rank finished its part of the export) raises the
+        sender's `CollectiveError` and leaves the group usable: its broadcast group is closed and the next push
+        forms a new one. Anything else is a `LearnerRankError`."""
+        from asyncrl.weightsync.collective import CollectiveError
+
+        outs = [o for o in await self._all(LearnerRankAPI.export_weights, bucket_mb, transport, verify, layout,
+                                           timeout_s, gate, survivable=(CollectiveError,)) if o is not None]
+        out = WeightExport(seconds=_slowest(o.seconds for o in outs))  # stages send one after another's end
         for o in sorted(outs, key=lambda o: o.senders[0] if o.senders else -1):
-            packed.buckets += o.buckets
-            packed.metas += o.metas
-            packed.senders += o.senders
-            packed.digests += o.digests
-        return packed
+            out.buckets += o.buckets
+            out.metas += o.metas
+            out.senders += o.senders
+            out.digests += o.digests
+            out.bytes += o.bytes
+            out.num_tensors += o.num_tensors
+            out.num_buckets += o.num_buckets
+        return out
 
     async def set_push_plan(self, plan: bytes | None) -> None:
         """The sending ranks pack later pushes for this push plan (weightsync/plan.py; None: HF tensors)."""
@@ -239,32 +249,16 @@ class LearnerGroup:
         return pieces, ""
 
     async def collective_addresses(self) -> list[SenderAddress]:
-        """Rendezvous addresses of the sending ranks (one per PP stage; per TP rank of it with a shard plan), in sender order."""
-        return sorted((a for a in await self._all(LearnerRankAPI.collective_address) if a is not None), key=lambda a: a.sender)
+        """Rendezvous addresses of the sending ranks (one per PP stage; per TP rank of it with a shard plan), in
+        sender order, each with the group the rank holds now that can still carry a push."""
+        return sorted((a for a in await self._all(LearnerRankAPI.join_collective, None) if a is not None),
+                      key=lambda a: a.sender)
 
     async def join_collective(self, specs: list[dict[str, Any]]) -> list[str]:
-        return [g for g in await self._all(LearnerRankAPI.join_collective, specs) if g is not None]
-
-    async def collective_groups(self) -> list[str]:
-        """Ids of the sending ranks' broadcast groups that can still carry a push."""
-        return [g for g in await self._all(LearnerRankAPI.collective_group) if g is not None]
-
-    async def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float, gate: str = "") -> CollectiveExport:
-        """One collective push (every rank takes part in the export; senders broadcast). A broadcast that
-        failed on the wire (a receiver died; every rank finished its part of the export) raises the
-        sender's `CollectiveError` and leaves the group usable: its broadcast group is closed and the next
-        push forms a new one. Anything else is a `LearnerRankError`."""
-        from asyncrl.weightsync.collective import CollectiveError
-
-        outs = [o for o in await self._all(LearnerRankAPI.broadcast_hf_tensors, bucket_mb, verify, timeout_s, gate,
-                                           survivable=(CollectiveError,)) if o is not None]
-        sent = CollectiveExport(seconds=_slowest(o.seconds for o in outs))  # stages send one after another's end
-        for o in outs:
-            sent.digests.update(o.digests)
-            sent.bytes += o.bytes
-            sent.num_tensors += o.num_tensors
-            sent.num_buckets += o.num_buckets
-        return sent
+        """The sending ranks join their groups of `specs`; the ids joined, in sender order."""
+        joined = sorted((a for a in await self._all(LearnerRankAPI.join_collective, specs) if a is not None),
+                        key=lambda a: a.sender)
+        return [a.group for a in joined]
 
     async def take_host_copies(self, timeout_s: float) -> tuple[list[Any], dict[str, float]]:
         """The last broadcast's host copies (ObjectRefs, stage 0 first), once every sender kept

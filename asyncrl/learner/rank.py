@@ -21,7 +21,7 @@ import ray
 
 from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, ProfilerConfig
 from asyncrl.interfaces import ROLE_TRAINING_VERBS, ROLE_VERBS, RoleAPI, verb_name
-from asyncrl.types import CollectiveExport, HostCopies, PackedExport, PieceManifest, SenderAddress
+from asyncrl.types import HostCopies, PieceManifest, SenderAddress, WeightExport
 
 # The actor's calls run one at a time, in order, except `take_host_copies`: it waits for the device-to-host copies of
 # the last push (the rank's own threads make them) in a concurrency group of its own, so that the calls behind it
@@ -55,7 +55,7 @@ class LearnerRank:
         self.role: Any = None
         self.layout: Any = None
         self.coords: Any = None
-        self._sender: Any = None  # sending ranks: their end of weight pushes (weightsync/sender.py)
+        self._sender: Any = None  # sending ranks: their end of weight pushes (weightsync/link.py)
         from asyncrl.learner.memory import HostMemoryTrim
 
         self.host_trim = HostMemoryTrim()  # freed host memory given back as the resident set creeps (memory.py)
@@ -153,7 +153,7 @@ class LearnerRank:
             lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
             raise out_of_memory_error(method, self.rank, lengths, self.learner_cfg, *device_memory()) from err
 
-    # ------------------------------------------------------------------ weight pushes (weightsync/sender.py)
+    # ------------------------------------------------------------------ weight pushes (weightsync/link.py)
 
     def _is_sender(self) -> bool:
         """TP/CP/DP rank 0 of each PP stage; with a shard plan every TP rank of them (each sends its own shards)."""
@@ -185,7 +185,7 @@ class LearnerRank:
 
     def _endpoint(self) -> Any:
         if self._sender is None:
-            from asyncrl.weightsync.sender import SenderEndpoint
+            from asyncrl.weightsync.link import SenderEndpoint
 
             self._sender = SenderEndpoint()
         return self._sender
@@ -218,69 +218,51 @@ class LearnerRank:
             return PieceManifest(problem=str(err))
         return PieceManifest(sender=self._shard_sender_id(), tp=c.tp, pieces=pieces)
 
-    def export_hf_tensors_packed(self, bucket_mb: float, transport: str = "object_store", verify: str = "full",
-                                 layout: str = "hf") -> PackedExport | None:
-        """Pack this PP stage's export into host buckets of the weightsync transport (sending ranks
-        only): a shared file each for shm, an object-store object each otherwise; in the engines'
-        layout when `layout` is "engine" (the push plan set with `set_push_plan`). Each bucket is
-        hashed in `verify` mode as it is packed."""
-        from asyncrl.weightsync.sender import pack_into_transport
+    def export_weights(self, bucket_mb: float, transport: str = "object_store", verify: str = "full",
+                       layout: str = "hf", timeout_s: float = 600.0, gate: str = "") -> WeightExport | None:
+        """One version out of this rank (sending ranks; the others drive their part of the export, whose TP/EP
+        gathers are collective, and answer None). `layout`: "engine", the push plan's (`set_push_plan`; HF
+        tensors where none is set), or "hf", the HF tensors as exported. Over nccl / gloo / ipc (`transport`):
+        packed on the device and broadcast to the engine workers over this rank's group, whose host copies
+        (rollbacks, retries, late joiners) `take_host_copies` collects, within `timeout_s`; `gate`: the push's
+        gate token (gloo / NCCL: nothing goes out until every receiver is ready; collective.py). Over shm /
+        object_store: packed into host buckets of it, a shared file or an object each. Every bucket is hashed
+        in `verify` mode as it is packed."""
+        from asyncrl.weightsync.transport import BACKENDS, pack_into_transport
 
         self._ready()
+        engine, c = layout == "engine", self.coords
         with self._thread(), self._held(("params",)):
             tensors = self._export(layout)
-            sender = self._sender_id() if layout == "engine" else self.coords.pp
-            if not (self._is_sender() if layout == "engine" else self.coords.tp == 0 and self.coords.cp == 0
-                    and self.coords.dp == 0):
+            if not (self._is_sender() if engine else c.tp == 0 and c.cp == 0 and c.dp == 0):
                 self._drain(tensors)
                 return None
-            plan = self._endpoint().plan if layout == "engine" else None
-            if layout == "engine" and plan is None:
-                self._drain(tensors)
-                raise RuntimeError(f"rank {self.rank}: an engine-layout export without a push plan (set_push_plan first)")
+            plan, sender = (self._endpoint().plan, self._sender_id()) if engine else (None, c.pp)
+            if transport in BACKENDS:
+                return self._endpoint().send_version(tensors, bucket_mb, verify, timeout_s, sender, plan, gate)
             return pack_into_transport(tensors, bucket_mb, transport, verify, plan, sender)
 
-    def collective_address(self) -> SenderAddress | None:
-        """Sending ranks (TP/CP/DP rank 0 of each PP stage): where the weight broadcast group this
-        rank will host can rendezvous. Others: None."""
-        self._ready()
-        if not self._is_sender():
-            return None
+    def join_collective(self, specs: list[dict[str, Any]] | None = None) -> SenderAddress | None:
+        """Sending ranks (TP/CP/DP rank 0 of each PP stage; every TP rank of it under a shard plan): leave any
+        earlier weight broadcast group and join (as group rank 0) this rank's group of `specs`; None: join
+        nothing, and hold a port where the next group this rank hosts can rendezvous. Answers that address
+        (port 0 after a join) and the group held now if it can still carry a push. Others: None."""
         import ray
 
-        return self._endpoint().address(ray.util.get_node_ip_address(), self._sender_id())
-
-    def join_collective(self, specs: list[dict[str, Any]]) -> str | None:
-        """Sending ranks: leave any earlier group, join (as group rank 0) the spec for this PP stage."""
         self._ready()
-        self._leave_collective()
+        if specs is not None:
+            self._leave_collective()
         if not self._is_sender():
             return None
+        host, sender = ray.util.get_node_ip_address(), self._sender_id()
+        if specs is None:
+            return self._endpoint().address(host, sender)
         with self._thread():
-            return self._endpoint().join(specs, self._sender_id(), self.rank)
-
-    def collective_group(self) -> str | None:
-        """The id of this rank's broadcast group if it can still carry a push, else None."""
-        return self._sender.group_id() if self._sender is not None else None
+            return SenderAddress(sender, host, 0, self._endpoint().join(specs, sender, self.rank))
 
     def _leave_collective(self) -> None:
         if self._sender is not None:
             self._sender.leave()
-
-    def broadcast_hf_tensors(self, bucket_mb: float, verify: str, timeout_s: float, gate: str = "") -> CollectiveExport | None:
-        """One collective push from this rank: every rank drives the export iterator (its TP/EP
-        gathers are collective); the sending rank packs the tensors on its device (in the push
-        plan's engine layout when one is set), broadcasts each bucket to the engine workers, and
-        starts a host copy of it into the object store (for rollbacks, retries and late joiners),
-        which `take_host_copies` collects. Returns the sender's digests, sizes and timings. `gate`: the
-        push's gate token (gloo / NCCL: nothing goes out until every receiver is ready; collective.py)."""
-        self._ready()
-        with self._thread(), self._held(("params",)):
-            tensors = self._export()
-            if not self._is_sender():
-                self._drain(tensors)
-                return None
-            return self._endpoint().send_version(tensors, bucket_mb, verify, timeout_s, self._sender_id(), gate=gate)
 
     @ray.method(concurrency_group="host_copies")
     def take_host_copies(self, timeout_s: float) -> HostCopies | None:

@@ -1,13 +1,14 @@
-"""The broadcast groups of a collective push (gloo / NCCL / ipc), as the publisher keeps them.
+"""The broadcast groups of a collective push (gloo / NCCL / ipc), from outside the engines: the sending
+learner rank's end and the publisher's.
 
-Owns: `CollectiveLink`, the groups between a learner group's sending ranks and every engine worker
-of the running replicas: formed before the first push and again whenever the running replicas,
-the senders or (under a shard plan) the engine ranks each sender feeds change; each push's gate
-token, its senders' call and the replicas' check beside it. service.py builds one per run; the
-replicas' and the learner's sides are the calls it is given.
-
-Must never: decide when a version is live (push.py), or reach a replica except through the calls
-it was given.
+Owns: `SenderEndpoint`, one sending learner rank's push state (its broadcast group and the rendezvous port it
+holds until the group forms, the push plan it packs for, the host copies of its last broadcast) and `send_stream`
+(one version over its group, by the backend's loop); `CollectiveLink`, the groups between a learner group's
+sending ranks and every engine worker of the running replicas, as the publisher keeps them: formed before the
+first push and again whenever the running replicas, the senders or (under a shard plan) the engine ranks each
+sender feeds change; each push's gate token, its senders' call and the replicas' check beside it.
+Must never: import the learner (a rank hands its tensor stream in), decide when a version is live (push.py), or
+reach a replica except through the calls it was given. Details: docs/design/weightsync.md, "The sender endpoint".
 """
 
 from __future__ import annotations
@@ -15,32 +16,149 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pickle
+import time
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
-from asyncrl.types import GroupsReport
+from asyncrl.types import GroupsReport, HostCopies, SenderAddress, WeightExport
+
+if TYPE_CHECKING:
+    from asyncrl.weightsync.collective import CollectiveGroup
+    from asyncrl.weightsync.stream import SendResult
 
 log = logging.getLogger("asyncrl.weightsync.service")  # (one logger name for the whole service's lines)
 
 
+def send_stream(group: "CollectiveGroup", named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
+                verify: str, timeout_s: float, keep: Any = None, plan: Any = None, sender: int = 0,
+                arena: str = "auto", gate: str = "") -> "SendResult":
+    """Send one version over `group`, by its backend's loop (stream.py: gloo / NCCL; ipc.py: a shared
+    device): bucket (in the engines' layout with a `plan`), hash in the `verify` mode, send, and hand
+    each bucket's host copy to `keep` off the critical path. `arena` (gloo / NCCL, a whole planned
+    version): where the sender packs it; an ipc sender packs into its own ring. `gate` (gloo / NCCL):
+    the push's gate token; ipc needs none (a receiver that refuses tells its sender through the store)."""
+    if group.spec.backend == "ipc":
+        from asyncrl.weightsync.ipc import ipc_send_stream
+
+        return ipc_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=keep, plan=plan,
+                               sender=sender)
+    from asyncrl.weightsync.stream import broadcast_send_stream
+
+    return broadcast_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=keep,
+                                 plan=plan, sender=sender, arena=arena, gate=gate)
+
+
+class SenderEndpoint:
+    """One sending learner rank's end of the weight broadcast groups."""
+
+    def __init__(self) -> None:
+        self.group: Any = None  # this rank's broadcast group (collective.py)
+        self.reserved: Any = None  # the listening socket of the next group's store
+        self.host_copies: Any = None  # its last broadcast's host copies, until taken
+        self.plan: Any = None  # the push plan buckets are packed for (None: HF tensors)
+
+    def set_plan(self, plan: bytes | None) -> str | None:
+        self.plan = pickle.loads(plan) if plan is not None else None
+        return None if self.plan is None else self.plan.plan_id
+
+    def address(self, host: str, sender: int) -> SenderAddress:
+        """Where the group this rank will host can rendezvous (the port stays bound, and listening, until
+        `join` hands it to the group's store), and the group it holds now if that can still carry a push."""
+        from asyncrl.weightsync.collective import reserve_port
+
+        self.drop_reserved()
+        self.reserved = reserve_port(host)
+        return SenderAddress(sender, host, self.reserved.getsockname()[1], self.group_id() or "")
+
+    def drop_reserved(self) -> None:
+        sock, self.reserved = self.reserved, None
+        if sock is not None:
+            sock.close()
+
+    def join(self, specs: list[dict[str, Any]], sender: int, rank: int) -> str:
+        """Leave any earlier group, join (as group rank 0) the spec for this stage."""
+        from asyncrl.weightsync.collective import GroupSpec, join_as_sender
+
+        self.leave()
+        mine = [s for s in specs if s["sender"] == sender]
+        if len(mine) != 1:
+            raise ValueError(f"rank {rank} (pp stage {sender}): expected one group spec, got {len(mine)}")
+        spec = GroupSpec(**mine[0])
+        sock, self.reserved = self.reserved, None
+        self.group = join_as_sender(spec, sock)
+        self._pin_host_copies(sender)
+        return spec.group_id
+
+    def _pin_host_copies(self, sender: int) -> None:
+        """A sender on a GPU keeps a pinned host copy of every bucket it sends (transport.py); with a push
+        plan its buckets' sizes are known, so the pool is allocated now, as the group forms, rather than
+        inside the first push (a fresh pinned allocation costs about as much as the copy)."""
+        from asyncrl.weightsync.transport import PinnedPool
+
+        group = self.group
+        if self.plan is None or group is None or group.device.type != "cuda":
+            return
+        pool = group._pinned = group._pinned or PinnedPool()
+        for i, bucket in enumerate(self.plan.for_sender(sender)):
+            pool.get(i, int(bucket.nbytes))
+
+    def group_id(self) -> str | None:
+        group = self.group
+        return group.spec.group_id if group is not None and not group.broken else None
+
+    def leave(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
+
+    def send_version(self, tensors: Iterable[tuple[str, Any]], bucket_mb: float, verify: str, timeout_s: float,
+                     sender: int, plan: Any = None, gate: str = "") -> WeightExport:
+        """One collective push of `tensors` (in `plan`'s engine layout, else as HF tensors); starts the host
+        copies `take_host_copies` collects. The stream is always read to its end. `gate`: the push's gate
+        token (gloo / NCCL)."""
+        import ray
+
+        from asyncrl.weightsync.collective import CollectiveError
+
+        tensors = iter(tensors)
+        group = self.group
+        if group is None or group.broken:
+            for _ in tensors:  # keep the TP peers' gathers going before failing
+                pass
+            raise CollectiveError("no usable weight broadcast group (join_collective first)")
+        try:
+            sent = send_stream(group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=ray.put,
+                               plan=plan, sender=sender, gate=gate)
+        except BaseException:
+            for _ in tensors:  # a failed broadcast: still finish the export the TP peers are gathering
+                pass
+            raise
+        self.host_copies = sent.host_copies
+        return WeightExport(senders=[sender], digests=[sent.digests], bytes=sent.bytes, num_tensors=sent.num_tensors,
+                            num_buckets=sent.num_buckets, seconds=sent.seconds)
+
+    def take_host_copies(self, timeout_s: float, sender: int = 0) -> HostCopies:
+        """The host copies (ObjectRefs, in bucket order) of the last broadcast, once all are in
+        the object store. Each push's copies are taken once."""
+        copies, self.host_copies = self.host_copies, None
+        if copies is None:
+            raise RuntimeError("no broadcast whose host copies are untaken")
+        refs = copies.result(time.monotonic() + timeout_s)
+        return HostCopies(sender, refs, dict(copies.seconds))
+
+
 class CollectiveLink:
-    """The broadcast groups between a learner group's sending ranks (one group each, PP stage
-    order) and every engine worker of a set of replicas, for collective transports.
-
-    `members()` returns {replica_id: GroupsReport (its workers, the groups every one holds)} and
-    `join(specs)` makes every replica join (both as the generator's replicas answer
-    `collective_info` / `join_collective`). `ensure()` forms the groups unless the current ones
-    still hold exactly the running replicas and no member's group broke (a timed-out or failed
-    broadcast breaks it on that member); `send`, `payload` and `cancel` are `publish_streamed`'s.
-
-    `ensure()` asks nobody right after a push that every member of the groups took and no other
-    replica was sent (`pushed`), which saves two round trips per push. A replica that has gone
-    since, or one outside the groups, fails that push without waiting for its deadline, and the
-    retry forms the groups again: on ipc its receive fails at once, or it is missing and `cancel`
-    stops the sender; on gloo / NCCL every member waits at the push's gate (collective.py) before
-    the wire, and `send` asks the replicas (`check`) beside the push, closing the gate when the
-    running replicas are not the groups' members."""
+    """The broadcast groups between a learner group's sending ranks (one group each, PP stage order) and
+    every engine worker of a set of replicas. `members()` answers {replica_id: GroupsReport}, `join(specs)`
+    makes every replica join (the replicas' `join_collective`). `ensure()` forms the groups unless they still
+    hold exactly the running replicas and no member's group broke; right after a push every member took and
+    no other replica was sent (`pushed`) it asks nobody (two round trips a push saved): a replica gone since,
+    or one outside the groups, then fails that push without waiting for its deadline and the retry forms the
+    groups again (ipc: its receive fails at once, or `cancel` stops the sender; gloo / NCCL: every member
+    waits at the push's gate, and `send` asks the replicas beside the push, closing the gate when they are
+    not the groups' members). `send`, `payload` and `cancel` are `publish_streamed`'s."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
@@ -58,7 +176,7 @@ class CollectiveLink:
         self.specs: list[Any] = []
         self.members: dict[str, int] = {}  # replica id -> engine workers, as the groups were formed
         self.formed = 0  # how many times groups were formed
-        # gloo / NCCL: the replicas' collective_info, asked beside each push (None: not checked)
+        # gloo / NCCL: the replicas' join_collective(), asked beside each push (None: not checked)
         self._check_call = check
         self._gate = ""  # gloo / NCCL: the gate token of the push in flight (payload -> send, cancel)
         self.checks_skipped = 0  # ensure() calls that asked nobody (right after a clean push)
@@ -132,12 +250,12 @@ class CollectiveLink:
         if clean and self.specs:
             self.checks_skipped += 1
             return
-        info, senders = await asyncio.gather(self._members_call(), self.learner.collective_groups())
+        info, addresses = await asyncio.gather(self._members_call(), self.learner.collective_addresses())
         members, problem = self._replicas_fit(info)
         membership = self._ranks_of() if self._ranks_of is not None else None
-        if self.specs and problem is None and set(senders) == set(self.group_ids) and membership == self.membership:
+        held = {a.group for a in addresses if a.group}
+        if self.specs and problem is None and held == set(self.group_ids) and membership == self.membership:
             return
-        addresses = await self.learner.collective_addresses()
         specs = form_specs(self.backend, [(a.host, a.port) for a in addresses], members, timeout_s=self.timeout_s,
                            group_prefix=f"asyncrl-ws{os.getpid()}-{self.formed + 1}", ipc_window=self.ipc_window,
                            ranks_of=membership)
@@ -170,7 +288,7 @@ class CollectiveLink:
         gate = self._gate
         checking = asyncio.ensure_future(self._check_members(gate)) if gate and self._check_call is not None else None
         try:
-            sent = await self.learner.broadcast_hf_tensors(self.bucket_mb, verify, self.timeout_s, gate)
+            sent = await self.learner.export_weights(self.bucket_mb, self.backend, verify, "engine", self.timeout_s, gate)
         except BaseException as err:
             if gate:
                 await self.cancel(f"a sender failed: {type(err).__name__}: {str(err)[:300]}")
@@ -178,11 +296,11 @@ class CollectiveLink:
         finally:
             if checking is not None and not checking.done():  # the senders are past the gate: it is moot
                 checking.cancel()
-        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds, collect=self._collect,
+        return StreamedSend([], sent.tensor_digests(), sent.bytes, sent.num_tensors, sent.seconds, collect=self._collect,
                             num_buckets=sent.num_buckets)
 
     def _replicas_fit(self, info: dict[str, GroupsReport]) -> tuple[dict[str, int], str | None]:
-        """The replicas' `collective_info` answers as {replica id: engine workers}, and what keeps them from
+        """The replicas' `join_collective()` answers as {replica id: engine workers}, and what keeps them from
         the current groups (None: they are exactly the groups' members, each holding every group)."""
         members = {rid: i.workers for rid, i in info.items()}
         if members != self.members:

@@ -223,7 +223,7 @@ class Publisher:
 
     async def publish_handles(self, version: int, handles: Sequence[Any], replicas: Sequence[ReplicaClient],
                               digests: Sequence[dict[str, bytes]] | None = None, plan_id: str | None = None) -> PushResult:
-        """`publish` for buckets already in the transport (e.g. `LearnerGroup.export_hf_tensors_packed`),
+        """`publish` for buckets already in the transport (e.g. `LearnerGroup.export_weights`),
         with the digests their packer computed (else hashed here) and, for engine-layout buckets,
         the plan they were packed for."""
         rng = preserve_rng_state() if self._preserve_rng else contextlib.nullcontext()

@@ -30,7 +30,7 @@ from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
 from asyncrl.weightsync.link import CollectiveLink
 from asyncrl.weightsync.push import DeploymentReplicas, Publisher
 from asyncrl.weightsync.registry import VersionRegistry
-from asyncrl.weightsync.transport import select_transport
+from asyncrl.weightsync.transport import is_object_ref, select_transport
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +86,14 @@ class WeightPublisher:
                 transport.backend, self.learner, bucket_mb=self.cfg.bucket_mb, timeout_s=self.cfg.timeout_s,
                 ipc_window=ipc_window_for(self.cfg.staging),
                 # through the replicas' client: the fan-out a push reads is then the one just counted
-                members=lambda: self.replicas.call_all(EngineAPI.collective_info),
+                members=lambda: self.replicas.call_all(EngineAPI.join_collective),
                 # beside each push (its fan-out count untouched): are the groups' members still the replicas?
-                check=lambda: control.call(EngineAPI.collective_info, timeout_s=min(30.0, self.cfg.timeout_s)),
+                check=lambda: control.call(EngineAPI.join_collective, timeout_s=min(30.0, self.cfg.timeout_s)),
                 join=lambda wire: control.call(EngineAPI.join_collective, wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
                 ranks_of=self.sender_ranks,
             )
         # The seed (and, for collective transports, every host copy) lives in the object store.
-        export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, _put_kind(transport), self.cfg.verify)
+        export = await self.learner.export_weights(self.cfg.bucket_mb, _put_kind(transport), self.cfg.verify)
         from asyncrl.weightsync.bucket import iter_unpacked
         from asyncrl.weightsync.plan import ManifestEntry
 
@@ -292,8 +292,8 @@ class WeightPublisher:
                 cancel=self.link.stop)
             self.link.pushed(self.replicas.last_results)
         else:
-            export = await self.learner.export_hf_tensors_packed(self.cfg.bucket_mb, self.transport.name, self.cfg.verify,
-                                                                 "hf" if plan_id is None else "engine")
+            export = await self.learner.export_weights(self.cfg.bucket_mb, self.transport.name, self.cfg.verify,
+                                                       "hf" if plan_id is None else "engine")
             result = await self.publisher.publish_handles(version, export.buckets, [self.replicas], export.digests, plan_id)
             result.metrics.update({f"weightsync/sender/{k}_seconds": v for k, v in export.seconds.items()})
         metrics = dict(result.metrics)
@@ -356,17 +356,10 @@ def buckets_fingerprint(buckets: list[Any], mode: str) -> str:
 
 
 class WeightStore:
-    """Holds the latest committed (version, buckets, fingerprint, plan). Run as a named Ray actor.
-
-    Interface (kept small on purpose):
-      publish(version, buckets | named_tensors, fingerprint, plan=None) -> None   # version must increase; fingerprint checked
-      latest() -> (version, buckets | None, fingerprint)   # (0, None, "") before any publish
-      plan() -> the push plan of the latest buckets (None: Hugging Face layout)
-      set_push_plan(plan) / push_plan() -> the plan pushes use now (formed with the replicas running
-          then): a replica that starts before the first push has no stored version to load, but
-          takes this plan, so that push does not find it without one
-      version() -> int
-    """
+    """Holds the latest committed (version, buckets, fingerprint, plan): `publish` (the version must increase,
+    the fingerprint must match), `latest` ((0, None, "") before any), `plan` (the latest buckets' push plan; None:
+    HF tensors). Run as a named Ray actor. Also the plan pushes use now (`set_push_plan` / `push_plan`): a replica
+    that starts before the first push has no stored version to load, but takes it, so that push finds it held."""
 
     BUCKET_MB = 256.0
 
@@ -384,12 +377,12 @@ class WeightStore:
         if not isinstance(version, int) or version <= self._version:
             raise ValueError(f"version={version!r} must be an int greater than the stored {self._version}")
         weights = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
-        refs = [w for w in weights if _is_ref(w)]
+        refs = [w for w in weights if is_object_ref(w)]
         if refs:  # a version's ObjectRefs (push.py, `weight_store_hook`, below): read here, where they lie (mapped,
             import ray  # not copied, on the same node); the refs are kept with them, which keeps the objects
 
             got = iter(ray.get(refs))
-            weights = [next(got) if _is_ref(w) else w for w in weights]
+            weights = [next(got) if is_object_ref(w) else w for w in weights]
         if all(isinstance(b, Bucket) for b in weights):
             buckets = weights
         else:
@@ -416,14 +409,6 @@ class WeightStore:
 
     def version(self) -> int:
         return self._version
-
-
-def _is_ref(value: Any) -> bool:
-    try:
-        import ray
-    except ImportError:
-        return False
-    return isinstance(value, ray.ObjectRef)
 
 
 def weight_store_hook(store: Any, plan_of: Callable[[str], Any] | None = None) -> Callable[[int, str, list[Any]], Any]:

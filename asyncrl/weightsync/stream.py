@@ -140,7 +140,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
         elif isinstance(err, CollectiveError):
             # The wire failed (a receiver died), not the export: finish it unsent, so that the ranks
             # exporting beside this one (TP / PP gathers) are not left waiting for it, and the learner
-            # group stays usable (LearnerGroup.broadcast_hf_tensors).
+            # group stays usable (LearnerGroup.export_weights).
             export.drain()
         raise
     if not whole:  # (a whole version's end went out with its buckets, and its stale gate keys went

@@ -6,7 +6,8 @@ Owns: the `Transport` protocol (put a bucket once, hand every replica the same p
 written once into a /dev/shm file every replica's workers map) and `CollectiveTransport` (nccl, gloo or ipc: the
 senders move each bucket straight into the engine workers' memory, collective.py; its handles are the senders' host
 copies in the object store). And those host copies (`HostCopies`, `PinnedPool`): each sent device bucket copied to
-pinned host memory on a side stream and kept (`ray.put`) by `KEEP_THREADS` threads, off the push's critical path.
+pinned host memory on a side stream and kept (`ray.put`) by `KEEP_THREADS` threads, off the push's critical path;
+and a sending learner rank's export packed into host buckets of shm or the object store (`pack_into_transport`).
 Must never: decide ordering or retries (push.py), look inside a bucket, drop a device bucket before its copy is done,
 or wait without a deadline. Details: docs/design/weightsync.md, "Transports" and "Host copies".
 """
@@ -18,7 +19,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -26,9 +27,18 @@ from typing import Any
 import torch
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.weightsync.bucket import Bucket, SharedAllocator, SharedBucket, write_shared
+from asyncrl.types import WeightExport
+from asyncrl.weightsync.bucket import Bucket, SharedAllocator, SharedBucket, digest_key_prefix, iter_buckets, write_shared
+from asyncrl.weightsync.fingerprint import bucket_digests
 
 BACKENDS = ("gloo", "nccl", "ipc")  # the collective transports (collective.py)
+
+
+def is_object_ref(value: Any) -> bool:
+    """A Ray object handle (one that travelled nested in another value is left unresolved by Ray)."""
+    import ray
+
+    return isinstance(value, ray.ObjectRef)
 
 
 class TransportUnavailable(ValueError):
@@ -490,3 +500,51 @@ class HostCopies:
             if slot:
                 self._host_slots.release()
 
+
+def pack_into_transport(tensors: Iterable[tuple[str, Any]], bucket_mb: float, transport: str, verify: str,
+                        plan: Any = None, sender: int = 0) -> WeightExport:
+    """Pack the stream into host buckets (engine layout with `plan`), each written straight into
+    its shared file (shm) or put into the object store, and hash each as it is packed."""
+    import ray
+
+    if transport not in ("object_store", "shm"):
+        raise ValueError(f"transport={transport!r}: learner ranks can put buckets into object_store or shm only")
+    allocator = SharedAllocator() if transport == "shm" else None
+    if plan is None:
+        buckets = iter_buckets(tensors, bucket_mb, device="cpu", alloc=allocator)
+    else:
+        from asyncrl.weightsync.plan import PlannedPacker
+
+        buffer = None if allocator is None else (lambda b: allocator(b.nbytes))
+        buckets = PlannedPacker(plan, sender, "cpu", buffer).pack(tensors)
+    handles, metas, digests = [], [], []
+    seconds = {"pack": 0.0, "hash": 0.0, "put": 0.0}
+    try:
+        while True:
+            t = time.perf_counter()
+            bucket = next(buckets, None)
+            seconds["pack"] += time.perf_counter() - t
+            if bucket is None:
+                break
+            t = time.perf_counter()
+            digests.append(bucket_digests(bucket, verify, digest_key_prefix(bucket)))  # type: ignore[arg-type]
+            seconds["hash"] += time.perf_counter() - t
+            t = time.perf_counter()
+            metas.append(list(bucket.metas))
+            if allocator is not None:
+                handles.append(write_shared(bucket, allocator))
+            else:
+                host = bucket if not isinstance(bucket.buffer, torch.Tensor) else type(bucket)(
+                    buffer=bucket.buffer.numpy(), metas=list(bucket.metas), rank=bucket.rank)
+                handles.append(ray.put(host))
+            seconds["put"] += time.perf_counter() - t
+            del bucket  # one packed bucket alive at a time in this heap
+    except BaseException:
+        if allocator is not None:  # object-store refs free themselves when dropped
+            allocator.discard()
+            for h in handles:
+                h.unlink()
+        raise
+    return WeightExport(buckets=handles, metas=metas, senders=[sender] * len(handles), digests=digests,
+                        bytes=sum(m.nbytes for ms in metas for m in ms), num_tensors=sum(map(len, metas)),
+                        num_buckets=len(handles), seconds=seconds)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
 import torch
 
 from asyncrl.types import ApplyReport, LayoutCheck, ReceiveReport
@@ -32,6 +33,15 @@ if TYPE_CHECKING:
     from asyncrl.weightsync.collective import CollectiveGroup
 
 STAGING_MODES = ("full", "bucketed")
+
+
+def check_begin(verify: str, staging: str, layout: str) -> None:
+    """ValueError unless an update's verify mode, staging mode and layout are known ones."""
+    check_verify_mode(verify)
+    if staging not in STAGING_MODES:
+        raise ValueError(f"staging mode {staging!r} is not one of {list(STAGING_MODES)}")
+    if layout not in ("hf", "engine"):
+        raise ValueError(f"layout {layout!r} is not 'hf' or 'engine'")
 
 
 class EngineHooks(Protocol):
@@ -96,6 +106,7 @@ class WorkerReceiver:
         self.hooks = hooks
         self.verified: EngineLayout | None = None  # the start-time layout, checked against the checkpoint
         self.direct_problem = "layout not checked yet"
+        self.checked = LayoutCheck(rank=hooks.rank, direct=False, problem=self.direct_problem)  # the start-time check
         self.plan_id: str | None = None
         self._live: dict[str, torch.Tensor] | None = None
         self._staged: _Staged | None = None
@@ -124,8 +135,9 @@ class WorkerReceiver:
             problem = verify_layout(layout, dict(model.named_parameters()), read)
         self.verified = layout if not problem else None
         self.direct_problem = problem
-        return LayoutCheck(rank=self.hooks.rank, direct=not problem, problem=problem, seconds=time.perf_counter() - t,
-                           params=len(layout.params) if layout else 0)
+        self.checked = LayoutCheck(rank=self.hooks.rank, direct=not problem, problem=problem,
+                                   seconds=time.perf_counter() - t, params=len(layout.params) if layout else 0)
+        return self.checked
 
     def layout_for(self, manifest: list[ManifestEntry]) -> EngineLayout:
         """This worker's layout for the learner's export `manifest`; its `problem` says why a
@@ -163,13 +175,10 @@ class WorkerReceiver:
     # ---- staging ---------------------------------------------------------------------------------
 
     def begin(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf") -> None:
-        if staging not in STAGING_MODES:
-            raise ValueError(f"staging mode {staging!r} is not one of {list(STAGING_MODES)}")
-        if layout not in ("hf", "engine"):
-            raise ValueError(f"layout {layout!r} is not 'hf' or 'engine'")
+        check_begin(verify, staging, layout)
         if layout == "engine" and self.plan_id is None:
             raise ValueError("engine-layout buckets but this worker has no push plan (set_plan first)")
-        self._staged = _Staged(version, check_verify_mode(verify), staging, layout)
+        self._staged = _Staged(version, verify, staging, layout)
 
     def _state(self, version: int) -> _Staged:
         staged = self._staged
@@ -383,12 +392,14 @@ class WorkerVerbs:
         return rx
 
     # ---- layout and plan ------------------------------------------------------------------------
-    def asyncrl_check_layout(self) -> LayoutCheck:
-        return self._asyncrl_rx().check_layout()
-
-    def asyncrl_layout(self, manifest: bytes) -> bytes:
-        """This worker's layout (pickled `EngineLayout`) for the learner's export manifest."""
-        return _dump(self._asyncrl_rx().layout_for(pickle.loads(manifest)))
+    def asyncrl_layout(self, manifest: bytes | None = None) -> LayoutCheck:
+        """Without `manifest` (at engine start, before any push): check this worker's layout against the
+        checkpoint it loaded. With one: that check's answer and this worker's layout for the learner's export
+        manifest (`layout`: a pickled `EngineLayout`)."""
+        rx = self._asyncrl_rx()
+        if manifest is None:
+            return rx.check_layout()
+        return msgspec.structs.replace(rx.checked, layout=_dump(rx.layout_for(pickle.loads(manifest))))
 
     def asyncrl_set_plan(self, plan: bytes | None) -> str | None:
         """Accept a push plan (pickled `PushPlan`) if this worker's layout is the plan's; returns its id."""
@@ -397,16 +408,17 @@ class WorkerVerbs:
         return rx.plan_id
 
     # ---- one update -----------------------------------------------------------------------------
-    def asyncrl_begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf") -> None:
-        self._asyncrl_rx().begin(version, verify, staging, layout)
-
     def asyncrl_receive(self, version: int, wire: tuple | None, expected: dict[str, bytes] | None = None,
-                        groups: list[str] | None = None, timeout_s: float = 0.0, gate: str = "") -> ReceiveReport:
+                        groups: list[str] | None = None, timeout_s: float = 0.0, gate: str = "",
+                        begin: list[str] | None = None) -> ReceiveReport:
         """Stage for `version` one bucket from a shared file (`wire`: `SharedBucket.wire()`, `expected` its sender's
         digests) or, with `groups`, every bucket from those collective groups in order, each straight into this
         worker's memory, within `timeout_s`; `gate` (broadcast groups): the push's gate token, which this worker
-        passes on every group, or closes them if it cannot take the push. Returns the digests staged. (Plain
-        arguments: vLLM's RPC carries them as msgpack, where a dataclass arrives as a map.)"""
+        passes on every group, or closes them if it cannot take the push. `begin` (the update's first receive:
+        its verify mode, staging and layout): what this worker staged before is dropped first. Returns the
+        digests staged. (Plain arguments: vLLM's RPC carries them as msgpack, where a dataclass arrives as a map.)"""
+        if begin is not None:
+            self._asyncrl_rx().begin(version, *begin)
         if groups is None:
             return ReceiveReport(digests=self._asyncrl_rx().stage(version, self._asyncrl_open(wire, version), expected))
         from asyncrl.weightsync.collective import CollectiveError
@@ -457,30 +469,40 @@ class WorkerVerbs:
                 except Exception:  # noqa: BLE001 - a group whose store is gone has nobody waiting
                     pass
 
-    def asyncrl_apply(self, version: int, before: str = "") -> ApplyReport:
+    def asyncrl_apply(self, version: int, before: str = "", begin: list[str] | None = None) -> ApplyReport:
         """Apply the staged `version`. `before`: an `asyncrl_` query of this worker (no arguments, never
-        an apply) run first, in the same round trip; its answer is the report's `before`."""
+        an apply) run first, in the same round trip; its answer is the report's `before`. `begin`: an update
+        that no receive reached (nothing to stage) starts here, as `asyncrl_receive`'s does."""
         if before and (not before.startswith("asyncrl_") or before.startswith("asyncrl_apply")):
             raise ValueError(f"{before!r} is not a worker query to run before an apply")
         first = [getattr(self, before)()] if before else []
+        if begin is not None:
+            self._asyncrl_rx().begin(version, *begin)
         report = self._asyncrl_rx().apply(version)
         return ApplyReport(path=report.path, apply_seconds=report.apply_seconds, tensors=report.tensors, before=first)
 
     def asyncrl_abort_update(self, group_ids: list[str] | None = None, why: str = "", gate: str = "") -> None:
-        """Drop what is staged; with `group_ids` (the replica's load failed before its receive), refuse the
-        coming push on those groups too."""
+        """Drop what is staged and what this worker keeps in device memory from one push to the next (each
+        group's receive buffers and the receiver's views of them: the next push allocates them again; the
+        replica aborts so before its engine sleeps, which then releases that memory too). With `group_ids`
+        (the replica's load failed before its receive), refuse the coming push on those groups too."""
         self._asyncrl_rx().abort()
+        for group in self.__dict__.get("_asyncrl_groups", {}).values():
+            group.release_kept()
         if group_ids:
             self._asyncrl_refuse(group_ids, why, gate)
 
     # ---- collective groups (weightsync/collective.py) ---------------------------------------------
-    def asyncrl_join_collective(self, replica_id: str, specs: list[dict[str, Any]]) -> list[str]:
-        """Leave any earlier groups, then join each group in `specs` (one per sending learner
-        rank, in sender order) that takes this worker's engine rank (`GroupSpec.takes`: a shard
-        plan's sender feeds only some), as its receiver rank. Returns the ids of every group in
-        `specs` (the same on every worker: those it is not a member of it is done with)."""
+    def asyncrl_join_collective(self, replica_id: str, specs: list[dict[str, Any]] | None = None) -> list[str]:
+        """Leave any earlier groups, then join each group in `specs` (one per sending learner rank, in sender
+        order) that takes this worker's engine rank (`GroupSpec.takes`: a shard plan's sender feeds only
+        some), as its receiver rank; None: stay in the groups held. Returns the ids of the groups this worker
+        is ready for: those it holds that can still carry a push, and those formed without it."""
         from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
 
+        if specs is None:
+            held = [gid for gid, g in self.__dict__.get("_asyncrl_groups", {}).items() if not g.broken]
+            return held + self._asyncrl_not_member()
         self._asyncrl_leave()
         groups: dict[str, Any] = {}
         parsed = [GroupSpec(**raw) for raw in specs]
@@ -508,17 +530,3 @@ class WorkerVerbs:
         for group in self.__dict__.pop("_asyncrl_groups", {}).values():
             group.close()
         self._asyncrl_rx().release_views()  # (views of the groups' buffers, kept for their next push)
-
-    def asyncrl_release_buffers(self) -> None:
-        """Drop what this worker keeps from one push to the next in device memory: each group's receive
-        buffers and the receiver's views of them (the next push allocates them again). The replica calls it
-        before the engine sleeps, so that sleeping releases that memory too."""
-        for group in self.__dict__.get("_asyncrl_groups", {}).values():
-            group.release_kept()
-        self._asyncrl_rx().release_views()
-
-    def asyncrl_collective_groups(self) -> list[str]:
-        """Ids of the groups this worker is ready for: those it holds that can still carry a push, and
-        those formed without it (`GroupSpec.takes`)."""
-        held = [gid for gid, g in self.__dict__.get("_asyncrl_groups", {}).items() if not g.broken]
-        return held + self._asyncrl_not_member()

@@ -49,7 +49,7 @@ def _export(group: LearnerGroup) -> dict:
 
     from asyncrl.weightsync.bucket import iter_unpacked
 
-    packed = run(group.export_hf_tensors_packed(bucket_mb=1.0))
+    packed = run(group.export_weights(bucket_mb=1.0))
     return {n: t.clone() for n, t in iter_unpacked(ray.get(packed.buckets))}
 
 

@@ -142,7 +142,7 @@ def test_export_reloads_into_transformers(groups, hf_model, state):
 
     from asyncrl.weightsync.bucket import iter_unpacked
 
-    packed = run(groups["actor"].export_hf_tensors_packed(bucket_mb=0.5))
+    packed = run(groups["actor"].export_weights(bucket_mb=0.5))
     assert len(packed.buckets) > 1  # 0.5 MiB buckets: the 3.3 MB model needs several
     tensors = {n: t.clone() for n, t in iter_unpacked(ray.get(packed.buckets))}
     initial = hf_model.state_dict()
@@ -252,7 +252,7 @@ def test_lora_actor_trains_its_adapters_exports_merged_weights_and_checkpoints_t
     # the KL reference of a LoRA actor is its own frozen base (adapters off): the initial policy, no second copy
     assert max_diff(run(lora.compute_ref_log_prob(samples)), state["initial"]) < 1e-5
     assert max_diff(run(lora.compute_log_prob(samples)), trained) == 0.0  # adapters back on
-    packed = run(lora.export_hf_tensors_packed(bucket_mb=0.5))
+    packed = run(lora.export_weights(bucket_mb=0.5))
     tensors = {n: t.clone() for n, t in iter_unpacked(ray.get(packed.buckets))}
     initial = hf_model.state_dict()
     changed = {n for n, t in tensors.items() if not torch.equal(t, initial[n])}

@@ -92,18 +92,20 @@ async def test_engine_control_refuses_a_verb_by_string_before_calling_anything()
 
 
 def test_the_worker_extension_implements_every_worker_verb():
+    from asyncrl.generator.sglang_worker import SglangWorker
     from asyncrl.generator.worker_ext import WeightUpdateExtension
 
     assert _missing_or_different(WorkerAPI, WeightUpdateExtension, api_verbs(WorkerAPI)) == {}
+    assert _missing_or_different(WorkerAPI, SglangWorker, api_verbs(WorkerAPI)) == {}  # (SGLang's replica: the same)
 
 
 # The weight verbs of each interface: each answers one type (issue 64), never a dict read by which keys are present.
 _WEIGHT_VERBS = {
     EngineAPI: ["begin_update", "load_bucket", "commit_update", "abort_update", "engine_layout", "set_push_plan",
-                "collective_info", "join_collective", "sync_from_source"],
+                "join_collective", "sync_from_source"],
     WorkerAPI: api_verbs(WorkerAPI),
-    LearnerRankAPI: ["set_push_plan", "piece_manifest", "export_hf_tensors_packed", "collective_address",
-                     "join_collective", "collective_group", "broadcast_hf_tensors", "take_host_copies"],
+    LearnerRankAPI: ["set_push_plan", "piece_manifest", "export_weights", "join_collective",
+                     "take_host_copies"],
 }
 
 

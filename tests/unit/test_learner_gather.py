@@ -40,12 +40,12 @@ def _wrapped(err: BaseException) -> RuntimeError:
 
 
 def _run(group: LearnerGroup, refs, survivable=()):
-    return asyncio.run(group._gather("broadcast_hf_tensors", refs, survivable=survivable))
+    return asyncio.run(group._gather("export_weights", refs, survivable=survivable))
 
 
 def test_a_wire_failure_on_every_failing_rank_is_raised_as_itself_and_the_group_goes_on():
     group = _group()
-    with pytest.raises(CollectiveError, match="rank 1 in broadcast_hf_tensors: .*connection closed") as err:
+    with pytest.raises(CollectiveError, match="rank 1 in export_weights: .*connection closed") as err:
         _run(group, [_ok(), _raise(_wrapped(CollectiveError("connection closed")))], survivable=(CollectiveError,))
     assert not isinstance(err.value, LearnerRankError) and group._broken is None
     assert _run(group, [_ok(), _ok()]) == ["ok", "ok"]  # still usable
@@ -59,7 +59,7 @@ def test_anything_else_beside_it_leaves_the_group_unusable(second):
         _run(group, [_raise(_wrapped(CollectiveError("connection closed"))), other], survivable=(CollectiveError,))
     assert group._broken is not None
     # refused before it awaits anything, naming the rank that broke it (a run that fails says which)
-    with pytest.raises(LearnerRankError, match="learner rank 0 failed in broadcast_hf_tensors: group unusable after an earlier failure"):
+    with pytest.raises(LearnerRankError, match="learner rank 0 failed in export_weights: group unusable after an earlier failure"):
         _run(group, [])
 
 
@@ -67,4 +67,4 @@ def test_a_call_that_names_nothing_survivable_breaks_on_a_wire_failure_too():
     group = _group()
     with pytest.raises(LearnerRankError):
         _run(group, [_raise(_wrapped(CollectiveError("connection closed")))])
-    assert group._broken == "rank 0 failed in broadcast_hf_tensors"
+    assert group._broken == "rank 0 failed in export_weights"

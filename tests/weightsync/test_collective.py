@@ -34,8 +34,8 @@ from asyncrl.weightsync.collective import (
     reserve_port,
 )
 from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_digests, tensor_fingerprint
+from asyncrl.weightsync.link import send_stream
 from asyncrl.weightsync.push import KeptCopies, Publisher, Step, StreamedSend, WeightsyncError
-from asyncrl.weightsync.sender import send_stream
 from asyncrl.weightsync.worker_verbs import receive_stream
 
 from .fakes import FakeReplica, LocalTransport, model
@@ -907,10 +907,9 @@ def test_engine_workers_receive_from_two_sending_ranks_in_stage_order():
         joined = [pool.submit(w.asyncrl_join_collective, "rep", wire) for w in workers]
         senders = [f.result(60) for f in [pool.submit(CollectiveGroup.join, s, 0) for s in specs]]
         assert all(f.result(60) == ["pp-s0", "pp-s1"] for f in joined)
-    for w in workers:
-        w.asyncrl_begin_update(5, "full")
     with ThreadPoolExecutor(4) as pool:
-        received = [pool.submit(w.asyncrl_receive, 5, None, None, ["pp-s0", "pp-s1"], 30) for w in workers]
+        received = [pool.submit(w.asyncrl_receive, 5, None, None, ["pp-s0", "pp-s1"], 30, "", ["full", "full", "hf"])
+                    for w in workers]
         sent = [pool.submit(send_stream, g, iter(st.items()), BUCKET_MB, verify="full", timeout_s=30)
                 for g, st in zip(senders, stages)]
         sent = [f.result(60) for f in sent]
@@ -921,9 +920,9 @@ def test_engine_workers_receive_from_two_sending_ranks_in_stage_order():
         assert combine_digests(report.digests, "full") == expected  # what the replica checks at commit
         state = w.staged(5)
         assert all(torch.equal(state.hf[n], weights[n]) for n in names)
-        assert w.asyncrl_collective_groups() == ["pp-s0", "pp-s1"]
+        assert w.asyncrl_join_collective("rep") == ["pp-s0", "pp-s1"]
         w.asyncrl_join_collective("r0", [])  # (joining none leaves every group)
-        assert w.asyncrl_collective_groups() == []
+        assert w.asyncrl_join_collective("rep") == []
     # A worker that holds no group for the push fails it by name.
     with pytest.raises(CollectiveError, match="no usable group 'pp-s0'"):
         workers[0].asyncrl_receive(5, None, None, ["pp-s0"], 1)
@@ -938,24 +937,21 @@ class _FakeLearner:
         self.gates: list[str] = []
         self.fail = False
 
-    async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s, gate=""):
-        from asyncrl.types import CollectiveExport
+    async def export_weights(self, bucket_mb, transport, verify, layout, timeout_s, gate=""):
+        from asyncrl.types import WeightExport
 
         self.gates.append(gate)
         await asyncio.sleep(0.05)  # (the link's check runs beside it)
         if self.fail:
             raise RuntimeError("export failed")
-        return CollectiveExport()
+        return WeightExport()
 
     async def collective_addresses(self):
-        return [SenderAddress(0, "127.0.0.1", 1)]
+        return [SenderAddress(0, "127.0.0.1", 1, self.held[0] if self.held else "")]
 
     async def join_collective(self, wire):
         self.joined.append(wire)
         self.held = [s["group_id"] for s in wire]
-        return self.held
-
-    async def collective_groups(self):
         return self.held
 
 
@@ -1007,7 +1003,7 @@ async def test_a_shard_plans_groups_form_again_when_the_ranks_each_sender_feeds_
     learner = _FakeLearner()
 
     async def addresses():
-        return [SenderAddress(i, "127.0.0.1", 1 + i) for i in range(2)]
+        return [SenderAddress(i, "127.0.0.1", 1 + i, learner.held[i] if learner.held else "") for i in range(2)]
 
     learner.collective_addresses = addresses
     replicas, _, members, join = _fake_replicas()

@@ -20,7 +20,7 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
     from asyncrl.weightsync.bucket import digest_key_prefix, unpack_bucket
     from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
     from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_fingerprint
-    from asyncrl.weightsync.sender import send_stream
+    from asyncrl.weightsync.link import send_stream
     from asyncrl.weightsync.worker_verbs import receive_stream
 
     try:

@@ -117,7 +117,7 @@ class _SenderOnGpu1:
     `gpu` None: this process's own device, for a gloo run of the same scenario)."""
 
     def __init__(self, weights: dict, plan, gpu: int | None = 1) -> None:
-        from asyncrl.weightsync.sender import SenderEndpoint
+        from asyncrl.weightsync.link import SenderEndpoint
 
         self.endpoint, self.weights, self.gpu = SenderEndpoint(), weights, gpu
         self.endpoint.set_plan(pickle.dumps(plan))
@@ -136,11 +136,9 @@ class _SenderOnGpu1:
     async def join_collective(self, wire):
         return [await self._on_gpu1(self.endpoint.join, wire, 0, 0)]
 
-    async def collective_groups(self):
-        return [g for g in [self.endpoint.group_id()] if g is not None]
-
-    async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s, gate=""):
-        return await self._on_gpu1(self.endpoint.send_version, iter(self.weights.items()), bucket_mb, verify, timeout_s, 0, gate)
+    async def export_weights(self, bucket_mb, transport, verify, layout, timeout_s, gate=""):
+        return await self._on_gpu1(self.endpoint.send_version, iter(self.weights.items()), bucket_mb, verify, timeout_s, 0,
+                                   self.endpoint.plan, gate)
 
     async def take_host_copies(self, timeout_s):
         out = await asyncio.to_thread(self.endpoint.take_host_copies, timeout_s)
@@ -167,7 +165,7 @@ async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl") ->
         sender = _SenderOnGpu1(new, plan, 1 if backend == "nccl" else None)
 
         async def members():
-            return {"gpu0": await replica.collective_info()}
+            return {"gpu0": await replica.join_collective()}
 
         async def join(wire):
             return [await replica.join_collective(wire, 120.0)]

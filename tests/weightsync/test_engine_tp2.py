@@ -58,7 +58,7 @@ async def _scenario(model_path: str) -> dict:
         samples = make_samples(8, group_size=2)
         old = await group.compute_log_prob(samples)
         metrics = await group.update_actor(samples, advantages(samples), old)
-        hf_export = await group.export_hf_tensors_packed(0.25, "shm")  # what transformers loads
+        hf_export = await group.export_weights(0.25, "shm")  # what transformers loads
         exported = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in hf_export.buckets)}
         for h in hf_export.buckets:
             transport.release(h)
@@ -74,7 +74,7 @@ async def _scenario(model_path: str) -> dict:
         await group.set_push_plan(pickle.dumps(plan))
 
         before = await param_addresses(replica)
-        export = await group.export_hf_tensors_packed(0.25, "shm", "checksum", "engine")
+        export = await group.export_weights(0.25, "shm", "checksum", "engine")
         pub = Publisher(WeightsyncConfig(bucket_mb=0.25, timeout_s=120, verify="checksum"), transport=transport)
         result = await pub.publish_handles(1, export.buckets, [LocalClient(replica)], export.digests, plan.plan_id)
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=False)
@@ -108,7 +108,7 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
     transport = select_transport(cfg)
 
     async def members():
-        return {"tp2": await replica.collective_info()}
+        return {"tp2": await replica.join_collective()}
 
     async def join(wire):
         return [await replica.join_collective(wire, 120.0)]
@@ -123,11 +123,11 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
                                         plan_id=plan.plan_id, cancel=link.cancel)
     await pub.drain()
     kept = hf_from_engine(plan, [transport.fetch(h) for h in pub._host.handles])  # the host copy, in HF tensors
-    packed = await group.export_hf_tensors_packed(0.25, "object_store")
+    packed = await group.export_weights(0.25, "object_store")
     exported = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in packed.buckets)}
     outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in PROMPTS]
     return {"metrics": result.metrics, "groups": list(link.group_ids), "kept": kept, "exported": exported,
-            "ranks": [s.ranks for s in link.specs], "held": await replica._rpc(WorkerAPI.asyncrl_collective_groups),
+            "ranks": [s.ranks for s in link.specs], "held": await replica._rpc(WorkerAPI.asyncrl_join_collective, replica.replica_id),
             "tokens": [o.completions[0].token_ids for o in outs], "versions": [o.completions[0].versions for o in outs]}
 
 

@@ -74,10 +74,7 @@ class _EngineActor:
     async def abort_update(self):
         return await self.replica.abort_update()
 
-    async def collective_info(self):
-        return await self.replica.collective_info()
-
-    async def join_collective(self, specs, timeout_s=120.0):
+    async def join_collective(self, specs=None, timeout_s=120.0):
         return await self.replica.join_collective(specs, timeout_s)
 
     async def greedy(self, prompts: list[list[int]]) -> list[tuple[list[int], list[int]]]:
@@ -391,7 +388,7 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
         old = await group.compute_log_prob(samples)
         metrics = await group.update_actor(samples, advantages(samples), old)
         assert metrics["actor/applied_steps"] == 1
-        hf_export = await group.export_hf_tensors_packed(0.25, "shm")  # what transformers loads
+        hf_export = await group.export_weights(0.25, "shm")  # what transformers loads
         exported = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in hf_export.buckets)}
         for h in hf_export.buckets:
             transport.release(h)
@@ -401,7 +398,7 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
                     for metas, sender in zip(hf_export.metas, hf_export.senders) for m in metas]
         plan = await _form_plan(engines, manifest, 0.25)
         await group.set_push_plan(pickle.dumps(plan))
-        export = await group.export_hf_tensors_packed(0.25, "shm", "checksum", "engine")
+        export = await group.export_weights(0.25, "shm", "checksum", "engine")
         files = [h.path for h in export.buckets]
         assert len(files) > 1 and all(os.path.exists(f) for f in files) and len(export.digests) == len(files)
         pub = Publisher(WeightsyncConfig(bucket_mb=0.25, timeout_s=120, verify="checksum"), transport=transport)
@@ -450,7 +447,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     await group.start()
 
     async def members():
-        infos = await asyncio.gather(*(h.collective_info.remote() for h in engines))
+        infos = await asyncio.gather(*(h.join_collective.remote() for h in engines))
         return {i.replica_id: i for i in infos}
 
     async def join(wire):
@@ -463,7 +460,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     replicas = [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)]
 
     async def hf_export():
-        packed = await group.export_hf_tensors_packed(0.25, "object_store")
+        packed = await group.export_weights(0.25, "object_store")
         tensors = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in packed.buckets)}
         return tensors, [ManifestEntry(m.name, m.dtype, tuple(m.shape), s) for ms, s in zip(packed.metas, packed.senders) for m in ms]
 
@@ -490,7 +487,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
             kept = hf_from_engine(plan, [transport.fetch(h) for h in pub._host.handles])
             assert kept.keys() == exported.keys() and all(torch.equal(kept[n], exported[n]) for n in exported)
             await _engines_serve(engines, demo_model_path, exported, start + step)
-        assert (await engines[0].collective_info.remote()).groups == link.group_ids
+        assert (await engines[0].join_collective.remote()).groups == link.group_ids
     finally:
         await group.shutdown()
 
@@ -500,7 +497,7 @@ class _LocalSender:
     own `SenderEndpoint` over `weights` (so a test can reach into the sender's wire)."""
 
     def __init__(self, weights) -> None:
-        from asyncrl.weightsync.sender import SenderEndpoint
+        from asyncrl.weightsync.link import SenderEndpoint
 
         self.endpoint, self.weights = SenderEndpoint(), weights
 
@@ -512,11 +509,9 @@ class _LocalSender:
     async def join_collective(self, wire):
         return [await asyncio.to_thread(self.endpoint.join, wire, 0, 0)]
 
-    async def collective_groups(self):
-        return [g for g in [self.endpoint.group_id()] if g is not None]
-
-    async def broadcast_hf_tensors(self, bucket_mb, verify, timeout_s, gate=""):
-        return await asyncio.to_thread(self.endpoint.send_version, iter(self.weights.items()), bucket_mb, verify, timeout_s, 0, gate)
+    async def export_weights(self, bucket_mb, transport, verify, layout, timeout_s, gate=""):
+        return await asyncio.to_thread(self.endpoint.send_version, iter(self.weights.items()), bucket_mb, verify, timeout_s, 0,
+                                       self.endpoint.plan, gate)
 
     async def take_host_copies(self, timeout_s):
         out = await asyncio.to_thread(self.endpoint.take_host_copies, timeout_s)
@@ -564,7 +559,7 @@ class _OneEngine:
         from asyncrl.weightsync.transport import select_transport
 
         async def members():
-            info = await engine.collective_info.remote()
+            info = await engine.join_collective.remote()
             return {info.replica_id: info}
 
         async def join(wire):
@@ -747,7 +742,7 @@ async def test_one_engine_over_gloo_takes_a_push_and_refuses_a_bucket_corrupted_
     # correctly); here the sender reaches it only once the check closed it, so the race is always the check's.
     members, rollbacks = link._check_call, pub.totals["rollbacks_total"]
     running = await members()
-    closed, cancel, broadcast = asyncio.Event(), link.cancel, sender.broadcast_hf_tensors
+    closed, cancel, broadcast = asyncio.Event(), link.cancel, sender.export_weights
 
     async def with_a_newcomer():
         return {**running, "engine-new": GroupsReport(replica_id="engine-new", workers=1, groups=[])}
@@ -760,12 +755,12 @@ async def test_one_engine_over_gloo_takes_a_push_and_refuses_a_bucket_corrupted_
         await asyncio.wait_for(closed.wait(), cfg.timeout_s)
         return await broadcast(*args, **kwargs)
 
-    link._check_call, link.cancel, sender.broadcast_hf_tensors = with_a_newcomer, cancel_noted, after_the_check
+    link._check_call, link.cancel, sender.export_weights = with_a_newcomer, cancel_noted, after_the_check
     with pytest.raises(WeightsyncError, match="stopped at its gate"):
         await push(start + 7)
     assert pub.totals["rollbacks_total"] == rollbacks and pub.registry.live_version == start + 6
     assert not (await engine.stats.remote())["paused"]
-    link._check_call, link.cancel, sender.broadcast_hf_tensors = members, cancel, broadcast
+    link._check_call, link.cancel, sender.export_weights = members, cancel, broadcast
     await push(start + 8)
     assert pub.registry.live_version == start + 8
     await _engines_serve([engine], demo_model_path, sender.weights, start + 8)

@@ -53,18 +53,19 @@ def test_a_broadcast_into_a_dead_receiver_fails_on_the_wire_and_the_learner_grou
         await group.start()
         try:
             wire, receiver = await _form(group, "dead")
-            assert await group.collective_groups() == [wire[0]["group_id"]]
+            assert [a.group for a in await group.collective_addresses()] == [wire[0]["group_id"]]
             ray.kill(receiver, no_restart=True)
             await asyncio.sleep(1.0)
             t0 = time.monotonic()
-            with pytest.raises(CollectiveError, match="rank 0 in broadcast_hf_tensors") as err:
-                await group.broadcast_hf_tensors(0.25, "checksum", 30.0)
+            with pytest.raises(CollectiveError, match="rank 0 in export_weights") as err:
+                await group.export_weights(0.25, "gloo", "checksum", "engine", 30.0)
             assert not isinstance(err.value, LearnerRankError) and time.monotonic() - t0 < 25  # the wire, not the deadline
-            assert await group.collective_groups() == []  # that group is closed: the next push forms another
+            # that group is closed: the next push forms another
+            assert [a.group for a in await group.collective_addresses()] == [""]
             states = await group.state()  # the group itself answers, as before the push
             assert len(states) == 1
             wire2, receiver2 = await _form(group, "live")
-            got, sent = await asyncio.gather(receiver2.receive.remote(30.0), group.broadcast_hf_tensors(0.25, "checksum", 30.0))
+            got, sent = await asyncio.gather(receiver2.receive.remote(30.0), group.export_weights(0.25, "gloo", "checksum", "engine", 30.0))
             assert sent.num_tensors > 0 and got == sent.bytes
         finally:
             await group.shutdown()
