@@ -520,9 +520,7 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
             if link is not None:
                 await sender.perturb.remote(version)
                 t = time.perf_counter()
-                result = await pub.publish_streamed(version, link.send, link.payload, clients, prepare=link.ensure,
-                                                    plan_id=None if plan is None else plan.plan_id,
-                                                    cancel=link.cancel)
+                result = await pub.publish_streamed(version, link, clients, None if plan is None else plan.plan_id)
                 link.pushed({c.name: None for c in clients})  # as the service does: the next push skips the check
             else:
                 weights = perturbed(base, version)
@@ -551,9 +549,7 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
             await actors[0].profile.remote(True)
             prof = cProfile.Profile()
             prof.enable()
-            await pub.publish_streamed(version, link.send, link.payload, clients, prepare=link.ensure,
-                                       plan_id=None if plan is None else plan.plan_id,
-                                       cancel=link.cancel)
+            await pub.publish_streamed(version, link, clients, None if plan is None else plan.plan_id)
             link.pushed({c.name: None for c in clients})
             prof.disable()
             text = io.StringIO()

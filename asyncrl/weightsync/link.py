@@ -158,7 +158,7 @@ class CollectiveLink:
     or one outside the groups, then fails that push without waiting for its deadline and the retry forms the
     groups again (ipc: its receive fails at once, or `cancel` stops the sender; gloo / NCCL: every member
     waits at the push's gate, and `send` asks the replicas beside the push, closing the gate when they are
-    not the groups' members). `send`, `payload` and `cancel` are `publish_streamed`'s."""
+    not the groups' members). It is `publish_streamed`'s `Link` (sources.py)."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
@@ -278,13 +278,11 @@ class CollectiveLink:
         self._gate = f"v{version}-{uuid.uuid4().hex[:12]}" if broadcast else ""
         return CollectiveReceive(tuple(self.group_ids), version, self.timeout_s, gate=self._gate)
 
-    async def send(self, version: int, verify: str) -> Any:  # noqa: ARG002 - the label travels with the payload
+    async def send(self, version: int, verify: str) -> WeightExport:  # noqa: ARG002 - the label travels with the payload
         """The senders' side of the attempt `payload` described. On gloo / NCCL the replicas are asked
         beside it whether they are still the groups' members; if not, the gate closes (nobody waits
         for a member that is gone, or sends to a group a new replica is not in), and the retry forms
         the groups again. A sender that failed closes the gate too (receivers still at it leave)."""
-        from asyncrl.weightsync.push import StreamedSend
-
         gate = self._gate
         checking = asyncio.ensure_future(self._check_members(gate)) if gate and self._check_call is not None else None
         try:
@@ -296,8 +294,7 @@ class CollectiveLink:
         finally:
             if checking is not None and not checking.done():  # the senders are past the gate: it is moot
                 checking.cancel()
-        return StreamedSend([], sent.tensor_digests(), sent.bytes, sent.num_tensors, sent.seconds, collect=self._collect,
-                            num_buckets=sent.num_buckets)
+        return sent
 
     def _replicas_fit(self, info: dict[str, GroupsReport]) -> tuple[dict[str, int], str | None]:
         """The replicas' `join_collective()` answers as {replica id: engine workers}, and what keeps them from
@@ -320,8 +317,7 @@ class CollectiveLink:
             log.info("weightsync: push %s stopped at its gate: %s", gate, problem)
             await self.stop(problem)
 
-    async def _collect(self) -> Any:
-        from asyncrl.weightsync.push import KeptCopies
-
+    async def collect(self) -> HostCopies:
+        """The last send's host copies (every sender's, in sender order), once made."""
         refs, seconds = await self.learner.take_host_copies(self.timeout_s)
-        return KeptCopies(refs, seconds)
+        return HostCopies(-1, refs, seconds)

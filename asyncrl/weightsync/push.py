@@ -33,14 +33,12 @@ from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.registry import VersionRegistry
 from asyncrl.weightsync.sources import (  # noqa: F401 - re-exported: the publisher's vocabulary
     BucketSource,
-    KeptCopies,
+    Link,
     Loaded,
     PushMetrics,
     ReplicaClient,
-    Send,
     Step,
     StepFailed,
-    StreamedSend,
     StreamedSource,
     is_replica_dead,
     is_verify_failure,
@@ -54,7 +52,6 @@ NamedTensorIter = Iterable[tuple[str, Any]]
 # on_live(version, fingerprint, buckets): the live version's buckets, or their handles where the transport's are
 # ObjectRefs (`by_reference`): a Ray actor takes those as they are, where sending the buckets copies every byte
 OnLive = Callable[[int, str, list[Any]], Any]
-OnOutOfService = Callable[[str, str], Any]
 
 
 class WeightsyncError(RuntimeError):
@@ -182,12 +179,10 @@ class Publisher:
     """Pushes versions to replicas. One push at a time (the registry refuses a second)."""
 
     def __init__(self, config: WeightsyncConfig, *, transport: Transport, registry: VersionRegistry | None = None,
-                 on_live: OnLive | None = None, on_out_of_service: OnOutOfService | None = None,
-                 preserve_rng: bool = True) -> None:
+                 on_live: OnLive | None = None) -> None:
         self._cfg, self._transport = config, transport
         self.registry = registry if registry is not None else VersionRegistry()
-        self._on_live, self._on_oos = on_live, on_out_of_service
-        self._preserve_rng = preserve_rng
+        self._on_live = on_live
         self._host: _HostCopy | None = None
         self.plan: Any = None  # push plan `publish` packs for (set_plan)
         self._tail: asyncio.Future | None = None  # the last live version's host copy, being kept
@@ -217,33 +212,21 @@ class Publisher:
     # ---- one push ------------------------------------------------------------------------
     async def publish(self, version: int, named_tensors: NamedTensorIter, replicas: Sequence[ReplicaClient]) -> PushResult:
         """Pack `named_tensors` (HF names; into the engines' layout when a plan is set) and push them."""
-        rng = preserve_rng_state() if self._preserve_rng else contextlib.nullcontext()
-        with rng:
-            return await self._publish(version, named_tensors, list(replicas))
+        return await self._publish(version, named_tensors, list(replicas))
 
     async def publish_handles(self, version: int, handles: Sequence[Any], replicas: Sequence[ReplicaClient],
                               digests: Sequence[dict[str, bytes]] | None = None, plan_id: str | None = None) -> PushResult:
         """`publish` for buckets already in the transport (e.g. `LearnerGroup.export_weights`),
         with the digests their packer computed (else hashed here) and, for engine-layout buckets,
         the plan they were packed for."""
-        rng = preserve_rng_state() if self._preserve_rng else contextlib.nullcontext()
-        with rng:
-            return await self._publish(version, None, list(replicas), handles=list(handles), digests=digests, plan_id=plan_id)
+        return await self._publish(version, None, list(replicas), handles=list(handles), digests=digests, plan_id=plan_id)
 
-    async def publish_streamed(self, version: int, send: Send, payload: Callable[[int], Any],
-                               replicas: Sequence[ReplicaClient], prepare: Callable[[], Awaitable[Any]] | None = None,
-                               plan_id: str | None = None,
-                               cancel: Callable[[str], Awaitable[Any]] | None = None) -> PushResult:
-        """`publish` through a collective transport: `send(version, verify)` broadcasts the
-        weights (and returns a `StreamedSend`) while every replica's `load_bucket(payload(version))`
-        receives them; `prepare()` runs before each attempt (e.g. forms the broadcast group).
-        `plan_id`: the sender packs the engines' layout of this plan. `cancel(why)` stops a sender
-        still waiting once every replica's load returned (ipc: a member the loads did not reach would
-        otherwise keep it waiting to its deadline)."""
-        rng = preserve_rng_state() if self._preserve_rng else contextlib.nullcontext()
-        with rng:
-            source = StreamedSource(send, payload, prepare, self._cfg.verify, plan_id, cancel=cancel)
-            return await self._publish(version, None, list(replicas), source=source)
+    async def publish_streamed(self, version: int, link: Link, replicas: Sequence[ReplicaClient],
+                               plan_id: str | None = None) -> PushResult:
+        """`publish` through a collective transport: `link`'s senders broadcast the weights while every replica's
+        `load_bucket(link.payload(version))` receives them (the engines' layout of `plan_id`'s plan when given)."""
+        source = StreamedSource(link, self._transport, self._cfg.timeout_s, self._cfg.verify, plan_id)
+        return await self._publish(version, None, list(replicas), source=source)
 
     async def _publish(self, version: int, named: NamedTensorIter | None, replicas: list[ReplicaClient],
                        handles: list[Any] | None = None, source: "BucketSource | StreamedSource | None" = None,
@@ -258,7 +241,8 @@ class Publisher:
         elif source is None:
             source = BucketSource(named, self._cfg.bucket_mb, self._transport, m, self._cfg.verify, self.plan)
         m.layout, m.staging = source.layout, self._cfg.staging
-        return await self._publish_held(version, source, replicas, names, m, tail_warnings)
+        with preserve_rng_state():  # exporting and moving weights never shifts the learner's random stream
+            return await self._publish_held(version, source, replicas, names, m, tail_warnings)
 
     async def _publish_held(self, version: int, source: "BucketSource | StreamedSource", replicas: list[ReplicaClient],
                             names: list[str], m: PushMetrics, tail_warnings: list[str]) -> PushResult:
@@ -284,7 +268,7 @@ class Publisher:
                 with contextlib.suppress(Exception):
                     self._transport.release(h)
             if isinstance(source, StreamedSource):
-                source.discard(self._transport)
+                source.discard()
             if self.registry.in_flight == version:  # cancelled, or a bug: never leave it in flight
                 self.registry.transition(version, S.FAILED, error=f"{type(exc).__name__}: {exc}")
                 m.failed = True
@@ -309,7 +293,7 @@ class Publisher:
             t = time.perf_counter()
             try:
                 if isinstance(source, StreamedSource):
-                    await source.stream(self, version, replicas, m)
+                    await source.stream(self._step, version, replicas, m)
                 else:
                     await self._stream(version, source, replicas, m, with_digests=bucketed)
             except StepFailed as f:
@@ -445,9 +429,6 @@ class Publisher:
             self.registry.replica_removed(name)
             m.out_of_service += 1
             self.totals["out_of_service_total"] += 1
-            if self._on_oos is not None:
-                with contextlib.suppress(Exception):
-                    await _maybe_await(self._on_oos(name, "could not be restored to the last live version"))
         return failed
 
     # ---- outcome -----------------------------------------------------------------------------

@@ -287,9 +287,7 @@ class WeightPublisher:
     async def _publish_once(self, version: int) -> dict[str, float]:
         plan_id = None if self.plan is None else self.plan.plan_id
         if self.link is not None:
-            result = await self.publisher.publish_streamed(
-                version, self.link.send, self.link.payload, [self.replicas], prepare=self.link.ensure, plan_id=plan_id,
-                cancel=self.link.stop)
+            result = await self.publisher.publish_streamed(version, self.link, [self.replicas], plan_id)
             self.link.pushed(self.replicas.last_results)
         else:
             export = await self.learner.export_weights(self.cfg.bucket_mb, self.transport.name, self.cfg.verify,

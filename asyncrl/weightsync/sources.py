@@ -6,7 +6,7 @@ weights; commit_update(version, fp) applies nothing on a fingerprint mismatch (R
 weights part-applied on a later error; abort_update is idempotent; a version <= the live one restores. The sources:
 `BucketSource` packs a tensor stream and puts each bucket once (a retry replays the handles), or replays buckets the
 learner ranks put (`from_handles`, with their digests); `StreamedSource` is a collective push, the senders
-broadcasting into each replica's single `load_bucket` (`StreamedSend`; `KeptCopies`, their host copies once made).
+broadcasting over the groups of a `Link` (link.py's `CollectiveLink`) into each replica's single `load_bucket`.
 And a push's metrics (`PushMetrics`, a flat `weightsync/...` dict).
 Must never: order replica calls or decide what is live (push.py). Details: docs/design/weightsync.md.
 """
@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck, refusal_of
+from asyncrl.types import CommitReport, HostCopies, LoadReport, Refusal, UpdateAck, WeightExport, refusal_of
 from asyncrl.weightsync.bucket import Bucket, digest_key_prefix, iter_buckets
 from asyncrl.weightsync.fingerprint import VerifyMode, bucket_digests, check_verify_mode, combine_digests
 from asyncrl.weightsync.transport import Transport
@@ -72,17 +72,6 @@ def is_replica_dead(exc: BaseException) -> bool:
     except ImportError:  # pragma: no cover - ray is a dependency
         return False
     return isinstance(exc, RayActorError) and type(exc).__name__ != "ActorUnavailableError"
-
-
-class StreamDriver(Protocol):
-    """What a streamed attempt needs of the publisher driving it (`push.Publisher`): its transport, its
-    timeouts, and one step run on every replica (a failure raised as StepFailed)."""
-
-    _transport: Transport
-    _cfg: Any
-
-    async def _step(self, step: Step, replicas: Sequence[ReplicaClient], call: Callable[[ReplicaClient], Awaitable[Any]],
-                    m: PushMetrics, results: dict[str, Any] | None = None) -> None: ...
 
 
 # ---- a push's metrics ------------------------------------------------------------------------------------
@@ -292,32 +281,22 @@ class BucketSource:
         return combine_digests(merged, self.verify)
 
 
-@dataclass
-class StreamedSend:
-    """What a collective sender reports for one version (weightsync/collective.py): per-tensor
-    digests, sizes, its phase seconds and its host copies in the transport (handles). A sender
-    that makes them off the critical path gives `collect` instead, which returns them once made;
-    the publisher calls it once the version is live and awaits it before the next push."""
+class Link(Protocol):
+    """What a collective push needs of its broadcast groups (link.py's `CollectiveLink`): `ensure` them before each
+    attempt, the replicas' `payload` of an attempt, the senders' `send` of it (a `WeightExport`: digests per sender,
+    sizes, seconds), `stop` a sender still waiting for a member that will not answer, and `collect` the last send's
+    host copies once made (off the critical path: the publisher calls it once the version is live)."""
 
-    handles: list[Any]
-    digests: dict[str, bytes]
-    bytes: int
-    num_tensors: int
-    seconds: dict[str, float] = field(default_factory=dict)
-    collect: Callable[[], Awaitable["KeptCopies"]] | None = None
-    num_buckets: int | None = None  # None: len(handles)
+    async def ensure(self) -> Any: ...
 
+    def payload(self, version: int) -> Any: ...
 
-@dataclass
-class KeptCopies:
-    """A sender's host copies once made (`StreamedSend.collect`): handles in bucket order, and the
-    seconds its copy thread waited for device-to-host copies (`copy`) and spent keeping them (`keep`)."""
+    async def send(self, version: int, verify: str) -> WeightExport: ...
 
-    handles: list[Any]
-    seconds: dict[str, float] = field(default_factory=dict)
+    async def stop(self, why: str) -> Any: ...
 
+    async def collect(self) -> HostCopies: ...
 
-Send = Callable[[int, VerifyMode], Awaitable[StreamedSend]]
 
 # After every receiver's load returned, how long a sender may still take before it is stopped
 # (`StreamedSource`): a receiver acknowledges before its load returns, and a sender polls its
@@ -326,38 +305,37 @@ CANCEL_GRACE_S = 1.0
 
 
 class StreamedSource:
-    """A collective push: the sender broadcasts every bucket while each replica's single
-    `load_bucket(payload)` receives them; no bucket passes through the publisher. The sender's
-    host copies become the handles (restores, late joiners) and its digests the fingerprint.
-    Each attempt runs `prepare` (form or check the broadcast group) and sends afresh."""
+    """A collective push: the senders broadcast every bucket (`link.send`) while each replica's single
+    `load_bucket(link.payload(version))` receives them; no bucket passes through the publisher. The senders' host
+    copies become the handles (restores, late joiners) and their digests the fingerprint. Each attempt ensures the
+    groups first (`link.ensure`) and sends afresh."""
 
-    def __init__(self, send: Send, payload: Callable[[int], Any], prepare: Callable[[], Awaitable[Any]] | None,
-                 verify: VerifyMode = "full", plan_id: str | None = None,
-                 cancel: Callable[[str], Awaitable[Any]] | None = None) -> None:
-        self._send, self._payload, self._prepare, self._cancel = send, payload, prepare, cancel
+    def __init__(self, link: Link, transport: Transport, timeout_s: float, verify: VerifyMode = "full",
+                 plan_id: str | None = None) -> None:
+        self._link, self._transport, self._timeout_s = link, transport, timeout_s
         self.verify = check_verify_mode(verify)
         self.layout = "hf" if plan_id is None else "engine"
         self.plan_id = plan_id
         self.handles: list[Any] = []
         self._digests: dict[str, bytes] | None = None
-        self._collect: Callable[[], Awaitable[KeptCopies]] | None = None  # the last attempt's, not yet started
+        self._sent = False  # the last attempt sent: its host copies are there to collect
         self._collecting: asyncio.Future | None = None
 
-    async def stream(self, publisher: StreamDriver, version: int, replicas: list[ReplicaClient], m: PushMetrics) -> None:
+    async def stream(self, step: Callable[..., Awaitable[None]], version: int, replicas: list[ReplicaClient],
+                     m: PushMetrics) -> None:
         """One attempt: every replica's load (begun already) receives what the senders broadcast."""
-        self.discard(publisher._transport)  # an earlier attempt's host copies
+        self.discard()  # an earlier attempt's host copies
         self.handles, self._digests = [], None
         t = time.perf_counter()
-        if self._prepare is not None:
-            try:
-                await asyncio.wait_for(self._prepare(), publisher._cfg.timeout_s)
-            except Exception as exc:
-                raise StepFailed(Step.LOAD, {"broadcast group": exc}) from exc
-        prepared = time.perf_counter()
-        payload = self._payload(version)
-        receiving = asyncio.ensure_future(publisher._step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version), m))
         try:
-            sent = await self._sent(version, receiving, publisher._cfg.timeout_s)
+            await asyncio.wait_for(self._link.ensure(), self._timeout_s)
+        except Exception as exc:
+            raise StepFailed(Step.LOAD, {"broadcast group": exc}) from exc
+        prepared = time.perf_counter()
+        payload = self._link.payload(version)
+        receiving = asyncio.ensure_future(step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version), m))
+        try:
+            sent = await self._send(version, receiving, self._timeout_s)
         except Exception as exc:
             # The sender told the receivers (abort header), or they give up at their deadline; their
             # failures follow from the sender's.
@@ -368,35 +346,33 @@ class StreamedSource:
             receiving.cancel()
             raise
         sent_at = time.perf_counter()
-        self._collect = sent.collect  # once live: an ipc sender's copies would take turns with the engines' apply
+        self._sent = True  # collected once live: an ipc sender's copies would take turns with the engines' apply
         await receiving
         # where the stage's time goes, as the publisher sees it: forming / checking the groups,
         # the sender's call (its own seconds are in sent.seconds), the receivers after it returned
         m.sender_seconds.update({"prepare": prepared - t, "call": sent_at - prepared,
                                  "receivers_after": time.perf_counter() - sent_at})
-        self.handles, self._digests = list(sent.handles), dict(sent.digests)
-        m.bytes, m.num_tensors = sent.bytes, sent.num_tensors
-        m.num_buckets = len(sent.handles) if sent.num_buckets is None else sent.num_buckets
+        self._digests = sent.tensor_digests()
+        m.bytes, m.num_tensors, m.num_buckets = sent.bytes, sent.num_tensors, sent.num_buckets
         m.put_seconds = sent.seconds.get("broadcast", 0.0)
         m.fingerprint_seconds = sent.seconds.get("hash", 0.0)
         m.sender_seconds.update({k: v for k, v in sent.seconds.items() if k not in ("prepare", "call", "receivers_after")})
 
-    async def _sent(self, version: int, receiving: asyncio.Future, timeout_s: float) -> StreamedSend:
-        """The sender's call, bounded by `timeout_s`. Once every replica's load has returned, a
+    async def _send(self, version: int, receiving: asyncio.Future, timeout_s: float) -> WeightExport:
+        """The senders' call, bounded by `timeout_s`. Once every replica's load has returned, a
         sender still running after `CANCEL_GRACE_S` waits for a member that will not answer (one
         the loads did not reach, or whose load failed before it could tell the sender): it is
-        stopped through `cancel` instead of at its deadline."""
-        sending = asyncio.ensure_future(asyncio.wait_for(self._send(version, self.verify), timeout_s))
+        stopped (`link.stop`) instead of at its deadline."""
+        sending = asyncio.ensure_future(asyncio.wait_for(self._link.send(version, self.verify), timeout_s))
         try:
-            if self._cancel is not None:
-                await asyncio.wait({sending, receiving}, return_when=asyncio.FIRST_COMPLETED)
-                if not sending.done():
-                    done, _ = await asyncio.wait({sending}, timeout=CANCEL_GRACE_S)
-                    if not done:
-                        failed = receiving.exception() if not receiving.cancelled() else None
-                        await self._cancel(f"every replica's load of version {version} returned "
-                                           f"({'failed: ' + str(failed)[:500] if failed else 'ok'}) "
-                                           f"and the sender still waited {CANCEL_GRACE_S:.0f} s later")
+            await asyncio.wait({sending, receiving}, return_when=asyncio.FIRST_COMPLETED)
+            if not sending.done():
+                done, _ = await asyncio.wait({sending}, timeout=CANCEL_GRACE_S)
+                if not done:
+                    failed = receiving.exception() if not receiving.cancelled() else None
+                    await self._link.stop(f"every replica's load of version {version} returned "
+                                          f"({'failed: ' + str(failed)[:500] if failed else 'ok'}) "
+                                          f"and the sender still waited {CANCEL_GRACE_S:.0f} s later")
             return await sending
         except BaseException:
             sending.cancel()
@@ -409,9 +385,9 @@ class StreamedSource:
 
     def collect_host_copies(self) -> None:
         """Start collecting the last attempt's host copies (`settle` waits for them): once live, or dropped."""
-        collect, self._collect = self._collect, None
-        if collect is not None:
-            self._collecting = asyncio.ensure_future(collect())
+        sent, self._sent = self._sent, False
+        if sent:
+            self._collecting = asyncio.ensure_future(self._link.collect())
 
     async def settle(self, timeout_s: float) -> dict[str, float]:
         """Wait for the sender's host copies (they become `handles`); returns the copy thread's seconds."""
@@ -419,19 +395,19 @@ class StreamedSource:
         if collecting is None:
             return {}
         kept = await asyncio.wait_for(collecting, timeout_s)
-        self.handles = list(kept.handles)
+        self.handles = list(kept.buckets)
         return dict(kept.seconds)
 
-    def discard(self, transport: Transport) -> None:
+    def discard(self) -> None:
         """Release host copies once they arrive (a failed or retried attempt's: none may linger)."""
         self.collect_host_copies()
         collecting, self._collecting = self._collecting, None
 
         def release(done: asyncio.Future) -> None:
             if not done.cancelled() and done.exception() is None:
-                for h in done.result().handles:
+                for h in done.result().buckets:
                     with contextlib.suppress(Exception):
-                        transport.release(h)
+                        self._transport.release(h)
 
         if collecting is not None:
             collecting.add_done_callback(release)

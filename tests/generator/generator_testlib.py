@@ -111,7 +111,7 @@ def push_weights(control, version: int, tensors: dict[str, torch.Tensor], *, pla
     from tests.weightsync.fakes import LocalTransport
 
     cfg = WeightsyncConfig(bucket_mb=bucket_mb, verify=verify, staging=staging, timeout_s=120.0)
-    pub = Publisher(cfg, transport=LocalTransport(), registry=VersionRegistry(version - 1), preserve_rng=False)
+    pub = Publisher(cfg, transport=LocalTransport(), registry=VersionRegistry(version - 1))
     pub.set_plan(plan)
     return asyncio.run(pub.publish(version, iter(tensors.items()), [DeploymentReplicas(control, cfg.timeout_s)]))
 

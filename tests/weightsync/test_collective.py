@@ -17,7 +17,7 @@ import torch
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.generator.worker_ext import WeightUpdateExtension
-from asyncrl.types import GroupsReport, LoadReport, SenderAddress
+from asyncrl.types import GroupsReport, HostCopies, LoadReport, SenderAddress, WeightExport
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.bucket import FILE_PREFIX, digest_key_prefix, shared_dir, unpack_bucket
 from asyncrl.weightsync.collective import (
@@ -35,7 +35,7 @@ from asyncrl.weightsync.collective import (
 )
 from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_digests, tensor_fingerprint
 from asyncrl.weightsync.link import send_stream
-from asyncrl.weightsync.push import KeptCopies, Publisher, Step, StreamedSend, WeightsyncError
+from asyncrl.weightsync.push import Publisher, Step, WeightsyncError
 from asyncrl.weightsync.worker_verbs import receive_stream
 
 from .fakes import FakeReplica, LocalTransport, model
@@ -726,8 +726,37 @@ class GlooReplica(FakeReplica):
         return LoadReport(replica_id=self.name, staged_tensors=await asyncio.to_thread(receive))
 
 
-async def _kept(copies) -> KeptCopies:
-    return KeptCopies(await asyncio.to_thread(copies.result), dict(copies.seconds))
+async def _kept(copies) -> HostCopies:
+    return HostCopies(-1, await asyncio.to_thread(copies.result), dict(copies.seconds))
+
+
+def _export(sent) -> WeightExport:
+    """A sender's `SendResult` as the learner group answers it."""
+    return WeightExport(digests=[sent.digests], bytes=sent.bytes, num_tensors=sent.num_tensors,
+                        num_buckets=sent.num_buckets, seconds=dict(sent.seconds))
+
+
+class _Link:
+    """A `Link` (sources.py) over a test's groups: `send(version, verify)` is the test's, answering the senders'
+    `WeightExport` and how to collect that send's host copies (None: none kept); `ensure` forms the groups."""
+
+    def __init__(self, send, payload, ensure=None, stop=None) -> None:
+        self._send, self.payload, self._ensure, self._stop, self._collect = send, payload, ensure, stop, None
+
+    async def ensure(self) -> None:
+        if self._ensure is not None:
+            await self._ensure()
+
+    async def send(self, version, verify) -> WeightExport:
+        sent, self._collect = await self._send(version, verify)
+        return sent
+
+    async def stop(self, why: str) -> None:
+        if self._stop is not None:
+            await self._stop(why)
+
+    async def collect(self) -> HostCopies:
+        return HostCopies(-1, [], {}) if self._collect is None else await self._collect()
 
 
 def _streamed_setup(n=2, retries=0, timeout_s=20.0):
@@ -762,9 +791,9 @@ async def test_publish_streamed_goes_live_with_the_senders_fingerprint_and_host_
             log.append(("publisher", "collect"))
             return await _kept(sent.host_copies)
 
-        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds, collect=collect, num_buckets=sent.num_buckets)
+        return _export(sent), collect
 
-    result = await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
+    result = await pub.publish_streamed(1, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare), replicas)
     for r in replicas:
         assert [e for n, e in log if n == r.name] == ["begin:1", "load", "pause:keep", "commit:1", "resume"]
         assert r.version == 1 and all(torch.equal(r.weights[k], new[k]) for k in new)
@@ -799,17 +828,17 @@ async def test_a_push_returns_before_its_host_copy_and_the_next_push_restores_fr
                     await gate.wait()
                 return await _kept(sent.host_copies)
 
-            return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds, collect=collect, num_buckets=sent.num_buckets)
+            return _export(sent), collect
         return send
 
-    await pub.publish_streamed(1, sender(v1, True), payload, replicas, prepare=prepare)
+    await pub.publish_streamed(1, _Link(sender(v1, True), payload, prepare), replicas)
     assert pub.registry.live_version == 1 and all(r.version == 1 for r in replicas)
     assert _host_version(pub) is None  # live, its host copy still being made
     asyncio.get_running_loop().call_later(0.3, gate.set)
 
     replicas[1].faults[("commit", 2)] = "partial"  # v2: r1 half applies it; r0 commits it
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish_streamed(2, sender(v2, False), payload, replicas, prepare=prepare)
+        await pub.publish_streamed(2, _Link(sender(v2, False), payload, prepare), replicas)
     assert info.value.step is Step.COMMIT and info.value.out_of_service == []
     for r in replicas:  # both restored from v1's host copy, kept after v1's push had returned
         assert r.version == 1 and all(torch.equal(r.weights[k], v1[k]) for k in v1), r.name
@@ -834,9 +863,9 @@ async def test_host_copies_that_fail_after_the_commit_leave_the_version_live_wit
             await _kept(sent.host_copies)
             raise RuntimeError("object store full")
 
-        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds, collect=collect)
+        return _export(sent), collect
 
-    result = await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
+    result = await pub.publish_streamed(1, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare), replicas)
     assert pub.registry.live_version == 1 and all(r.version == 1 for r in replicas) and result.warnings == []
     tail, warnings = await pub.drain()  # what the next push would report
     assert tail["weightsync/store_failed"] == 1.0
@@ -860,10 +889,9 @@ async def test_a_sender_failure_publishes_nothing_and_a_retry_forms_a_new_group(
                 raise RuntimeError("export failed mid-stream")
             stream = broken()
         sent = await asyncio.to_thread(send_stream, state["sender"], stream, BUCKET_MB, verify=verify, timeout_s=20)
-        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds,
-                            collect=lambda: _kept(sent.host_copies), num_buckets=sent.num_buckets)
+        return _export(sent), lambda: _kept(sent.host_copies)
 
-    result = await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
+    result = await pub.publish_streamed(1, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare), replicas)
     assert state["prepares"] == 2 and calls["n"] == 2 and result.metrics["weightsync/retries"] == 1
     for r in replicas:
         assert [e for n, e in log if n == r.name] == ["begin:1", "load", "abort",
@@ -874,7 +902,7 @@ async def test_a_sender_failure_publishes_nothing_and_a_retry_forms_a_new_group(
     pub, replicas, log, old, state, prepare = _streamed_setup(retries=0)
     calls["n"] = 0
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish_streamed(1, send, lambda v: CollectiveReceive(("g",), v, 20.0), replicas, prepare=prepare)
+        await pub.publish_streamed(1, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare), replicas)
     assert info.value.step is Step.EXPORT and pub.registry.get(1).state is S.FAILED and pub.registry.live_version == 0
     for r in replicas:
         assert r.version == 0 and all(torch.equal(r.weights[k], old[k]) for k in old) and not r.paused
@@ -938,8 +966,6 @@ class _FakeLearner:
         self.fail = False
 
     async def export_weights(self, bucket_mb, transport, verify, layout, timeout_s, gate=""):
-        from asyncrl.types import WeightExport
-
         self.gates.append(gate)
         await asyncio.sleep(0.05)  # (the link's check runs beside it)
         if self.fail:
@@ -1112,13 +1138,13 @@ async def test_a_push_whose_loads_all_returned_stops_an_ipc_sender_waiting_for_a
 
     async def send(version, verify):
         sent = await asyncio.to_thread(send_stream, sender, iter(new.items()), BUCKET_MB, verify=verify, timeout_s=60)
-        return StreamedSend([], sent.digests, sent.bytes, sent.num_tensors, sent.seconds, num_buckets=sent.num_buckets)
+        return _export(sent), None
 
     pub = Publisher(WeightsyncConfig(bucket_mb=BUCKET_MB, retries=0, timeout_s=60), transport=LocalTransport())
     t0 = time.monotonic()
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish_streamed(1, send, lambda v: CollectiveReceive((spec.group_id,), v, 60.0), replicas,
-                                   cancel=link.cancel)
+        await pub.publish_streamed(1, _Link(send, lambda v: CollectiveReceive((spec.group_id,), v, 60.0), stop=link.cancel),
+                                   replicas)
     assert time.monotonic() - t0 < 20  # not the 60 s deadline
     cause = info.value.__cause__
     assert isinstance(cause, CollectiveError) and "acknowledged by 2 of 3" in str(cause) \

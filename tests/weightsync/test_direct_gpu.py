@@ -177,8 +177,7 @@ async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl") ->
         client = LocalClient(replica)
 
         async def push(version):
-            result = await pub.publish_streamed(version, link.send, link.payload, [client], prepare=link.ensure,
-                                                plan_id=plan.plan_id, cancel=link.cancel)
+            result = await pub.publish_streamed(version, link, [client], plan.plan_id)
             link.pushed({"gpu0": result})
             return result
 

@@ -119,8 +119,7 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
     samples = make_samples(8, group_size=2)
     old = await group.compute_log_prob(samples)
     await group.update_actor(samples, advantages(samples), old)
-    result = await pub.publish_streamed(2, link.send, link.payload, [LocalClient(replica)], prepare=link.ensure,
-                                        plan_id=plan.plan_id, cancel=link.cancel)
+    result = await pub.publish_streamed(2, link, [LocalClient(replica)], plan.plan_id)
     await pub.drain()
     kept = hf_from_engine(plan, [transport.fetch(h) for h in pub._host.handles])  # the host copy, in HF tensors
     packed = await group.export_weights(0.25, "object_store")

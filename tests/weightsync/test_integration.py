@@ -472,8 +472,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
             samples = make_samples(8, group_size=2)
             old = await group.compute_log_prob(samples)
             await group.update_actor(samples, advantages(samples), old)
-            result = await pub.publish_streamed(start + step, link.send, link.payload, replicas, prepare=link.ensure,
-                                                plan_id=plan.plan_id)
+            result = await pub.publish_streamed(start + step, link, replicas, plan.plan_id)
             m = result.metrics
             assert result.fingerprint.startswith("checksum:") and m["weightsync/apply_direct"] == 1.0
             assert m[f"weightsync/transport/{backend}/bytes"] > 0 and m["weightsync/num_buckets"] > 1
@@ -573,8 +572,7 @@ class _OneEngine:
 
     async def push(self, version, plan_id=None):
         link = self.link
-        result = await self.pub.publish_streamed(version, link.send, link.payload, [self.replica], prepare=link.ensure,
-                                                 plan_id=plan_id or self.plan.plan_id, cancel=link.cancel)
+        result = await self.pub.publish_streamed(version, link, [self.replica], plan_id or self.plan.plan_id)
         link.pushed({"engine-0": result})  # as the service does: the next push may ask nobody first
         return result
 

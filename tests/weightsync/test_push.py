@@ -185,16 +185,16 @@ async def test_partial_commit_restores_every_replica_to_the_last_live_version():
 
 
 async def test_unrestorable_replicas_are_reported_out_of_service():
-    removed = []
-    pub, replicas, log, _ = _setup(on_out_of_service=lambda name, why: removed.append(name))
+    pub, replicas, log, _ = _setup()
     pub.seed(0, iter(model(0).items()))
     for r in replicas:
         r.allow_reload = False  # like the generator today: begin_update needs a newer version
     replicas[1].faults[("commit", 1)] = "partial"
     with pytest.raises(WeightsyncError, match="out of service") as info:
         await pub.publish(1, iter(model(1).items()), replicas)
-    assert sorted(info.value.out_of_service) == ["r0", "r1"] == sorted(removed)
+    assert sorted(info.value.out_of_service) == ["r0", "r1"] and pub.registry.replica_versions() == {}
     assert pub.registry.get(1).state is S.FAILED and pub.registry.live_version == 0
+    assert info.value.metrics["weightsync/out_of_service"] == 2 and pub.totals["out_of_service_total"] == 2
 
 
 async def test_failing_export_is_not_retried():
@@ -249,6 +249,25 @@ def test_preserve_rng_state_restores_the_stream():
     with preserve_rng_state():
         torch.rand(100)  # e.g. random init inside an export
     assert torch.equal(torch.rand(3), expected)
+
+
+async def test_a_push_leaves_the_learners_random_stream_where_it_was():
+    """Whatever draws random numbers while a push runs in the learner's process (here: each replica's load), the
+    learner's stream goes on after the push as if there had been none."""
+    pub, replicas, _, _ = _setup()
+    for r in replicas:
+        load = r.load_bucket
+
+        async def drawing(bucket, version, load=load):
+            torch.rand(10)
+            return await load(bucket, version)
+
+        r.load_bucket = drawing
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    await pub.publish(1, iter(model(1).items()), replicas)
+    assert pub.registry.live_version == 1 and torch.equal(torch.rand(3), expected)
 
 
 @pytest.mark.parametrize("kind, hybrid", [("auto", True), ("ipc", False)])
