@@ -22,7 +22,6 @@ import torch
 
 from asyncrl.generator.owner_watch import watch_owner
 from asyncrl.generator.vllm_engine import CPU_UNPACKED_ENV, worker_sampled_token_counts
-from asyncrl.weightsync.bucket import Bucket, WireMeta
 from asyncrl.weightsync.plan import ManifestEntry
 from asyncrl.weightsync.worker_verbs import WorkerVerbs
 
@@ -248,4 +247,4 @@ watch_owner()
 install_cpu_unpacked()
 install_fast_prefix_reset()
 
-__all__ = ["Bucket", "VllmHooks", "WeightUpdateExtension", "WireMeta", "install_cpu_unpacked", "install_fast_prefix_reset"]
+__all__ = ["VllmHooks", "WeightUpdateExtension", "install_cpu_unpacked", "install_fast_prefix_reset"]
