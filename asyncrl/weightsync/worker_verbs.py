@@ -393,9 +393,8 @@ class WorkerVerbs:
 
     # ---- layout and plan ------------------------------------------------------------------------
     def asyncrl_layout(self, manifest: bytes | None = None) -> LayoutCheck:
-        """Without `manifest` (at engine start, before any push): check this worker's layout against the
-        checkpoint it loaded. With one: that check's answer and this worker's layout for the learner's export
-        manifest (`layout`: a pickled `EngineLayout`)."""
+        """No `manifest` (at engine start, before any push): check this worker's layout against its checkpoint.
+        With one: that check's answer, and its layout for the learner's manifest (a pickled `EngineLayout`)."""
         rx = self._asyncrl_rx()
         if manifest is None:
             return rx.check_layout()
@@ -411,28 +410,31 @@ class WorkerVerbs:
     def asyncrl_receive(self, version: int, wire: tuple | None, expected: dict[str, bytes] | None = None,
                         groups: list[str] | None = None, timeout_s: float = 0.0, gate: str = "",
                         begin: list[str] | None = None) -> ReceiveReport:
-        """Stage for `version` one bucket from a shared file (`wire`: `SharedBucket.wire()`, `expected` its sender's
-        digests) or, with `groups`, every bucket from those collective groups in order, each straight into this
-        worker's memory, within `timeout_s`; `gate` (broadcast groups): the push's gate token, which this worker
-        passes on every group, or closes them if it cannot take the push. `begin` (the update's first receive:
-        its verify mode, staging and layout): what this worker staged before is dropped first. Returns the
-        digests staged. (Plain arguments: vLLM's RPC carries them as msgpack, where a dataclass arrives as a map.)"""
-        if begin is not None:
-            self._asyncrl_rx().begin(version, *begin)
+        """Stage for `version` one bucket from a shared file (`wire`, `expected` its sender's digests) or every
+        bucket from the collective `groups` in order, straight into this worker's memory, within `timeout_s`;
+        `gate`: the broadcast push's gate token, passed on every group or closed if this worker cannot take the
+        push. `begin` (verify, staging, layout) on the update's first receive starts it. Returns the digests
+        staged. (Plain arguments: vLLM's RPC carries them as msgpack, where a dataclass arrives as a map.)"""
+        rx = self._asyncrl_rx()
         if groups is None:
-            return ReceiveReport(digests=self._asyncrl_rx().stage(version, self._asyncrl_open(wire, version), expected))
+            if begin is not None:
+                rx.begin(version, *begin)
+            return ReceiveReport(digests=rx.stage(version, self._asyncrl_open(wire, version), expected))
         from asyncrl.weightsync.collective import CollectiveError
 
         held = self.__dict__.get("_asyncrl_groups", {})
         skipped = set(self._asyncrl_not_member())
         group_ids = [gid for gid in groups if gid not in skipped]  # (formed without this worker's rank)
         deadline = time.monotonic() + timeout_s
-        rx = self._asyncrl_rx()
-        missing = [gid for gid in group_ids if gid not in held or held[gid].broken]
-        if missing:
-            err = CollectiveError(f"worker holds no usable group {missing[0]!r} (has {sorted(held)})")
+        try:  # one that cannot take the push refuses it: its other members must not wait for this worker
+            if begin is not None:
+                rx.begin(version, *begin)
+            missing = [gid for gid in group_ids if gid not in held or held[gid].broken]
+            if missing:
+                raise CollectiveError(f"worker holds no usable group {missing[0]!r} (has {sorted(held)})")
+        except (ValueError, CollectiveError) as err:
             self._asyncrl_refuse(group_ids, f"{type(err).__name__}: {err}", gate)
-            raise err
+            raise
         gated = bool(gate) and all(held[gid].spec.backend != "ipc" for gid in group_ids)
         if gated:  # ready on every group at once; each group's decision is awaited when its turn comes (a
             for gid in group_ids:  # later PP stage may only start sending once an earlier one is done)
@@ -482,10 +484,9 @@ class WorkerVerbs:
         return ApplyReport(path=report.path, apply_seconds=report.apply_seconds, tensors=report.tensors, before=first)
 
     def asyncrl_abort_update(self, group_ids: list[str] | None = None, why: str = "", gate: str = "") -> None:
-        """Drop what is staged and what this worker keeps in device memory from one push to the next (each
-        group's receive buffers and the receiver's views of them: the next push allocates them again; the
-        replica aborts so before its engine sleeps, which then releases that memory too). With `group_ids`
-        (the replica's load failed before its receive), refuse the coming push on those groups too."""
+        """Drop what is staged and the device memory kept from one push to the next (the groups' receive buffers,
+        the views of them; the replica aborts before its engine sleeps). With `group_ids` (the replica's load
+        failed before its receive), refuse the coming push on those groups too."""
         self._asyncrl_rx().abort()
         for group in self.__dict__.get("_asyncrl_groups", {}).values():
             group.release_kept()
@@ -494,10 +495,9 @@ class WorkerVerbs:
 
     # ---- collective groups (weightsync/collective.py) ---------------------------------------------
     def asyncrl_join_collective(self, replica_id: str, specs: list[dict[str, Any]] | None = None) -> list[str]:
-        """Leave any earlier groups, then join each group in `specs` (one per sending learner rank, in sender
-        order) that takes this worker's engine rank (`GroupSpec.takes`: a shard plan's sender feeds only
-        some), as its receiver rank; None: stay in the groups held. Returns the ids of the groups this worker
-        is ready for: those it holds that can still carry a push, and those formed without it."""
+        """Leave any earlier groups, then join each group of `specs` (one per sending learner rank, in sender order)
+        that takes this worker's engine rank (`GroupSpec.takes`: a shard plan's sender feeds only some); None: stay.
+        Returns the ids of the groups this worker is ready for: those it holds still usable, those formed without it."""
         from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
 
         if specs is None:

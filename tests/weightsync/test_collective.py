@@ -1156,6 +1156,33 @@ async def test_a_push_whose_loads_all_returned_stops_an_ipc_sender_waiting_for_a
         g.close()
 
 
+def test_a_worker_whose_update_cannot_begin_refuses_the_push_at_its_gate():
+    """The update's first receive starts it on the worker (`begin`): one the worker cannot start (engine-layout
+    buckets, no push plan) fails by name and closes the push's gate, so the sender stops before the wire, not at
+    its deadline, and the group carries the next push."""
+    from asyncrl.weightsync.collective import GateClosed
+
+    spec = _spec(receivers=1, timeout_s=20.0, gid="begin", backend="gloo-whole")
+    worker = _Worker(0)
+    with ThreadPoolExecutor(2) as pool:
+        joined = pool.submit(worker.asyncrl_join_collective, "rep", [asdict(spec)])
+        sender = pool.submit(CollectiveGroup.join, spec, 0).result(60)
+        assert joined.result(60) == [spec.group_id]
+    with pytest.raises(ValueError, match="no push plan"):
+        worker.asyncrl_receive(5, None, None, [spec.group_id], 20, "p1", ["checksum", "full", "engine"])
+    weights = model(2)
+    t = time.monotonic()
+    with pytest.raises(GateClosed, match="no push plan"):
+        send_stream(sender, iter(weights.items()), BUCKET_MB, verify="checksum", timeout_s=20, gate="p1")
+    assert time.monotonic() - t < 10 and not sender.broken
+    with ThreadPoolExecutor(2) as pool:
+        received = pool.submit(worker.asyncrl_receive, 6, None, None, [spec.group_id], 20, "p2", ["checksum", "full", "hf"])
+        send_stream(sender, iter(weights.items()), BUCKET_MB, verify="checksum", timeout_s=20, gate="p2")
+        assert combine_digests(received.result(60).digests, "checksum") == tensor_fingerprint(weights, "checksum")
+    worker.asyncrl_join_collective("rep", [])
+    sender.close()
+
+
 def test_the_gate_opens_once_every_member_arrived_and_a_closed_or_missed_gate_stops_everyone_before_the_wire():
     """A broadcast push's gate (collective.py): nobody goes on until every member is ready; a member that
     refuses, or one that never comes by the deadline, sends everyone away with nothing on the wire, and
