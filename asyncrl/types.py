@@ -290,10 +290,6 @@ class WeightExport:
     num_buckets: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def names(self) -> list[str]:
-        return [m.name for ms in self.metas for m in ms]
-
     def tensor_digests(self) -> dict[str, bytes]:
         """Every tensor's digest, whichever bucket or sender it came in."""
         return {k: v for d in self.digests for k, v in d.items()}
