@@ -70,9 +70,10 @@ class Pusher:
         from asyncrl.weightsync.registry import VersionRegistry
         from asyncrl.weightsync.service import dump_manifest, load_hf_tensors
         from asyncrl.weightsync.transport import SharedMemoryTransport
-        from tests.weightsync.fakes import LocalClient
+        from tests.weightsync.fakes import LocalClient, source_of
 
         self.replica, self.client, self.version, self._torch = replica, LocalClient(replica), 0, torch
+        self.plan, self._source_of = None, source_of
         self.base = load_hf_tensors(str(model))
         self._manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in self.base.items()]
         self._dump, self._pickle, self._build = dump_manifest, pickle, build_plan
@@ -85,14 +86,14 @@ class Pusher:
         if not layout.problem:
             plan = self._build(self._manifest, [layout], 16)
             await self.replica.set_push_plan(self._pickle.dumps(plan))
-            self.pub.set_plan(plan)
+            self.plan = plan
 
     async def push(self, n: int) -> None:
         for _ in range(n):
             self.version += 1
             scale = 1e-3 * self.version
             new = {k: t + scale for k, t in self.base.items()}
-            await self.pub.publish(self.version, iter(new.items()), [self.client])
+            await self.pub.publish(self.version, self._source_of(self.pub, new, self.plan), [self.client])
 
 
 async def main_async(args: argparse.Namespace) -> dict:

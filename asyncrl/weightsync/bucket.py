@@ -298,31 +298,23 @@ class SharedBucket:
 
 class SharedAllocator:
     """Buffers that are shared files from the start: a packer writes a bucket straight into its
-    file, and `write_shared` of that bucket copies nothing (it adopts the file). A released file
-    (`release`: its version is no longer needed) is handed out again with its mapping, so a push
-    after the first writes into pages that are already there (a fresh tmpfs page costs a fault)."""
+    file, and `write_shared` of that bucket copies nothing (it adopts the file)."""
 
     def __init__(self) -> None:
         self._owned: dict[str, tuple[mmap.mmap, np.ndarray]] = {}  # path -> its mapping, for the allocator's life
         self._by_address: dict[int, str] = {}  # buffer handed out, not adopted yet
-        self._free: list[str] = []
 
     def __call__(self, nbytes: int) -> torch.Tensor:
-        fits = [p for p in self._free if self._owned[p][1].size >= nbytes]
-        if fits:
-            path = min(fits, key=lambda p: self._owned[p][1].size)
-            self._free.remove(path)
-        else:
-            fd, path = tempfile.mkstemp(prefix=FILE_PREFIX, dir=shared_dir(nbytes))
-            try:
-                os.ftruncate(fd, max(nbytes, 1))
-                mapped = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            except BaseException:
-                os.close(fd)
-                os.unlink(path)
-                raise
+        fd, path = tempfile.mkstemp(prefix=FILE_PREFIX, dir=shared_dir(nbytes))
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+            mapped = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
             os.close(fd)
-            self._owned[path] = (mapped, np.frombuffer(mapped, dtype=np.uint8))
+            os.unlink(path)
+            raise
+        os.close(fd)
+        self._owned[path] = (mapped, np.frombuffer(mapped, dtype=np.uint8))
         array = self._owned[path][1][:nbytes]
         self._by_address[array.ctypes.data] = path
         return torch.from_numpy(array)
@@ -336,14 +328,6 @@ class SharedAllocator:
             return None
         return SharedBucket(path, list(bucket.metas), bucket.nbytes, bucket.rank)
 
-    def owns(self, path: str | None) -> bool:
-        return path in self._owned
-
-    def release(self, path: str) -> None:
-        """`path` is no longer read by anyone: hand it out again."""
-        if path in self._owned and path not in self._free:
-            self._free.append(path)
-
     def discard(self) -> None:
         """Unlink every file (the allocator's owner is done with all of them)."""
         for path in list(self._owned):
@@ -351,36 +335,6 @@ class SharedAllocator:
                 os.unlink(path)
         self._owned.clear()
         self._by_address.clear()
-        self._free.clear()
-
-
-class SharedMaps:
-    """A receiver's read-only mappings of shared bucket files, kept while the sender reuses the
-    files (SharedAllocator): mapping a file again costs a page fault per page. An entry unused for
-    two pushes is dropped (its file may be gone; the mapping would keep its pages alive)."""
-
-    def __init__(self) -> None:
-        self._maps: dict[tuple[str, int], tuple[np.ndarray, int]] = {}
-
-    def open(self, shared: SharedBucket, push: int) -> Bucket:
-        if shared.path is None:
-            return shared.open()
-        st = os.stat(shared.path)
-        key = (shared.path, st.st_ino)
-        entry = self._maps.get(key)
-        if entry is None or entry[0].size < st.st_size:
-            with open(shared.path, "rb") as f:
-                mapped = mmap.mmap(f.fileno(), st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            entry = (np.frombuffer(mapped, dtype=np.uint8), push)
-        if entry[0].size < shared.nbytes:
-            raise ValueError(f"shared bucket {shared.path} has {entry[0].size} bytes, expected {shared.nbytes}")
-        self._maps[key] = (entry[0], push)
-        for k in [k for k, (_, used) in self._maps.items() if used < push - 1]:
-            del self._maps[k]
-        return Bucket(buffer=entry[0], metas=list(shared.metas), rank=shared.rank)
-
-    def clear(self) -> None:
-        self._maps.clear()
 
 
 def write_shared(bucket: Bucket, allocator: SharedAllocator | None = None) -> SharedBucket:

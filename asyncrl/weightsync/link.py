@@ -158,7 +158,7 @@ class CollectiveLink:
     or one outside the groups, then fails that push without waiting for its deadline and the retry forms the
     groups again (ipc: its receive fails at once, or `cancel` stops the sender; gloo / NCCL: every member
     waits at the push's gate, and `send` asks the replicas beside the push, closing the gate when they are
-    not the groups' members). It is `publish_streamed`'s `Link` (sources.py)."""
+    not the groups' members). It is a `StreamedSource`'s `Link` (sources.py)."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,

@@ -19,7 +19,7 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,6 @@ from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.registry import VersionRegistry
 from asyncrl.weightsync.sources import (  # noqa: F401 - re-exported: the publisher's vocabulary
     BucketSource,
-    Link,
     Loaded,
     PushMetrics,
     ReplicaClient,
@@ -48,7 +47,6 @@ from asyncrl.weightsync.transport import Transport
 log = logging.getLogger(__name__)
 
 S = WeightUpdateState
-NamedTensorIter = Iterable[tuple[str, Any]]
 # on_live(version, fingerprint, buckets): the live version's buckets, or their handles where the transport's are
 # ObjectRefs (`by_reference`): a Ray actor takes those as they are, where sending the buckets copies every byte
 OnLive = Callable[[int, str, list[Any]], Any]
@@ -184,65 +182,32 @@ class Publisher:
         self.registry = registry if registry is not None else VersionRegistry()
         self._on_live = on_live
         self._host: _HostCopy | None = None
-        self.plan: Any = None  # push plan `publish` packs for (set_plan)
         self._tail: asyncio.Future | None = None  # the last live version's host copy, being kept
         self.last_metrics: dict[str, float] = {}
         self.totals = {k: 0 for k in ("pushes_total", "pushes_failed_total", "retries_total", "rollbacks_total", "out_of_service_total")}
 
-    def set_plan(self, plan: Any) -> None:
-        """Pack `publish`'s tensor stream into the engines' layout of this push plan (None: HF tensors)."""
-        self.plan = plan
-
-    def seed(self, version: int, named_tensors: NamedTensorIter) -> str:
-        """Keep a host copy of weights the replicas already serve (e.g. loaded from disk at
-        start), so a failed first push can still restore them. Returns their fingerprint.
-        Kept as Hugging Face tensors: a restore reloads them, whatever the engines' layout."""
+    def seed(self, version: int, source: BucketSource) -> str:
+        """Keep the buckets of weights the replicas already serve (e.g. loaded from disk at start) as the host
+        copy a failed first push restores. Returns their fingerprint."""
         if version != self.registry.live_version:
             raise ValueError(f"seed version {version} is not the registry's live version {self.registry.live_version}")
-        source = BucketSource(named_tensors, self._cfg.bucket_mb, self._transport,
-                              PushMetrics(version, self._transport.name, 0), self._cfg.verify)
-        try:
-            for _ in source:
-                pass
-        except StepFailed as f:
-            raise f.failures["publisher"] from None
-        self._host = _HostCopy(version, source.fingerprint(), source.handles)
+        self._host = _HostCopy(version, source.fingerprint(), source.handles, source.layout, source.plan_id)
         return self._host.fingerprint
 
     # ---- one push ------------------------------------------------------------------------
-    async def publish(self, version: int, named_tensors: NamedTensorIter, replicas: Sequence[ReplicaClient]) -> PushResult:
-        """Pack `named_tensors` (HF names; into the engines' layout when a plan is set) and push them."""
-        return await self._publish(version, named_tensors, list(replicas))
-
-    async def publish_handles(self, version: int, handles: Sequence[Any], replicas: Sequence[ReplicaClient],
-                              digests: Sequence[dict[str, bytes]] | None = None, plan_id: str | None = None) -> PushResult:
-        """`publish` for buckets already in the transport (e.g. `LearnerGroup.export_weights`),
-        with the digests their packer computed (else hashed here) and, for engine-layout buckets,
-        the plan they were packed for."""
-        return await self._publish(version, None, list(replicas), handles=list(handles), digests=digests, plan_id=plan_id)
-
-    async def publish_streamed(self, version: int, link: Link, replicas: Sequence[ReplicaClient],
-                               plan_id: str | None = None) -> PushResult:
-        """`publish` through a collective transport: `link`'s senders broadcast the weights while every replica's
-        `load_bucket(link.payload(version))` receives them (the engines' layout of `plan_id`'s plan when given)."""
-        source = StreamedSource(link, self._transport, self._cfg.timeout_s, self._cfg.verify, plan_id)
-        return await self._publish(version, None, list(replicas), source=source)
-
-    async def _publish(self, version: int, named: NamedTensorIter | None, replicas: list[ReplicaClient],
-                       handles: list[Any] | None = None, source: "BucketSource | StreamedSource | None" = None,
-                       digests: Sequence[dict[str, bytes]] | None = None, plan_id: str | None = None) -> PushResult:
+    async def publish(self, version: int, source: BucketSource | StreamedSource, replicas: Sequence[ReplicaClient]) -> PushResult:
+        """Push `source` as `version` to every replica: buckets the learner ranks put (`BucketSource`), or a
+        collective push (`StreamedSource`: its senders broadcast while every replica's load receives)."""
         names = [r.name for r in replicas]
         if len(set(names)) != len(names):
             raise ValueError(f"replica names must be unique, got {names}")
         m = PushMetrics(version, self._transport.name, len(replicas))
         tail_warnings = await self._settled(m)
-        if handles is not None:  # read before registering: a bad handle leaves nothing in flight
-            source = BucketSource.from_handles(handles, self._transport, m, self._cfg.verify, digests, plan_id)
-        elif source is None:
-            source = BucketSource(named, self._cfg.bucket_mb, self._transport, m, self._cfg.verify, self.plan)
+        if isinstance(source, BucketSource):
+            source.count(m)
         m.layout, m.staging = source.layout, self._cfg.staging
         with preserve_rng_state():  # exporting and moving weights never shifts the learner's random stream
-            return await self._publish_held(version, source, replicas, names, m, tail_warnings)
+            return await self._publish_held(version, source, list(replicas), names, m, tail_warnings)
 
     async def _publish_held(self, version: int, source: "BucketSource | StreamedSource", replicas: list[ReplicaClient],
                             names: list[str], m: PushMetrics, tail_warnings: list[str]) -> PushResult:
@@ -338,24 +303,12 @@ class Publisher:
 
     async def _stream(self, version: int, source: BucketSource, replicas: list[ReplicaClient], m: PushMetrics,
                       with_digests: bool = False) -> None:
-        # Pack/put bucket k+1 while bucket k loads; at most one load per replica in flight.
-        pending: asyncio.Future | None = None
-        try:
-            for handle, digests in source:
-                if pending is not None:
-                    await pending
-                payload = self._transport.payload(handle)
-                if with_digests:
-                    payload = WithDigests(payload, digests)
-                pending = asyncio.ensure_future(self._step(Step.LOAD, replicas, lambda r, p=payload: r.load_bucket(p, version), m))
-                await asyncio.sleep(0)  # let the task send its loads before this loop packs the next bucket
-            if pending is not None:
-                await pending
-        finally:
-            if pending is not None and not pending.done():
-                pending.cancel()
-                with contextlib.suppress(BaseException):
-                    await pending
+        """Every bucket to every replica, in order: one load per replica in flight."""
+        for handle, digests in zip(source.handles, source.digests):
+            payload = self._transport.payload(handle)
+            if with_digests:
+                payload = WithDigests(payload, digests)
+            await self._step(Step.LOAD, replicas, lambda r, p=payload: r.load_bucket(p, version), m)
 
     @classmethod
     async def _commit(cls, r: ReplicaClient, version: int, fingerprint: str, m: PushMetrics) -> None:

@@ -28,7 +28,7 @@ from asyncrl.interfaces import EngineAPI
 from asyncrl.types import Refusal, learner_failure
 from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
 from asyncrl.weightsync.link import CollectiveLink
-from asyncrl.weightsync.push import DeploymentReplicas, Publisher
+from asyncrl.weightsync.push import BucketSource, DeploymentReplicas, Publisher, StreamedSource
 from asyncrl.weightsync.registry import VersionRegistry
 from asyncrl.weightsync.transport import is_object_ref, select_transport
 
@@ -94,16 +94,11 @@ class WeightPublisher:
             )
         # The seed (and, for collective transports, every host copy) lives in the object store.
         export = await self.learner.export_weights(self.cfg.bucket_mb, _put_kind(transport), self.cfg.verify)
-        from asyncrl.weightsync.bucket import iter_unpacked
         from asyncrl.weightsync.plan import ManifestEntry
 
         self.manifest = [ManifestEntry(m.name, m.dtype, tuple(m.shape), sender)
                          for metas, sender in zip(export.metas, export.senders) for m in metas]
-        try:
-            self.publisher.seed(initial_version, iter_unpacked(transport.fetch(h) for h in export.buckets))
-        finally:  # seed re-packs into its own buckets
-            for h in export.buckets:
-                transport.release(h)
+        self.publisher.seed(initial_version, BucketSource(export.buckets, transport, self.cfg.verify, export.digests))
         await self.form_plan()
         if not self.hybrid:
             await self.form_groups()
@@ -156,7 +151,6 @@ class WeightPublisher:
         await asyncio.gather(self.replicas.control.call(EngineAPI.set_push_plan, blob, timeout_s=max(600.0, self.cfg.timeout_s)),
                              self.learner.set_push_plan(blob))
         self.plan, self.plan_problem = plan, problem
-        self.publisher.set_plan(plan)
         if self.link is not None and (senders_before != (plan.senders if plan is not None else None)
                                       or feeds_before != self.sender_ranks()):
             self.link.forget()  # other learner ranks send now, or to other engine ranks: the groups form again
@@ -287,12 +281,14 @@ class WeightPublisher:
     async def _publish_once(self, version: int) -> dict[str, float]:
         plan_id = None if self.plan is None else self.plan.plan_id
         if self.link is not None:
-            result = await self.publisher.publish_streamed(version, self.link, [self.replicas], plan_id)
+            source = StreamedSource(self.link, self.transport, self.cfg.timeout_s, self.cfg.verify, plan_id)
+            result = await self.publisher.publish(version, source, [self.replicas])
             self.link.pushed(self.replicas.last_results)
         else:
             export = await self.learner.export_weights(self.cfg.bucket_mb, self.transport.name, self.cfg.verify,
                                                        "hf" if plan_id is None else "engine")
-            result = await self.publisher.publish_handles(version, export.buckets, [self.replicas], export.digests, plan_id)
+            source = BucketSource(export.buckets, self.transport, self.cfg.verify, export.digests, plan_id)
+            result = await self.publisher.publish(version, source, [self.replicas])
             result.metrics.update({f"weightsync/sender/{k}_seconds": v for k, v in export.seconds.items()})
         metrics = dict(result.metrics)
         metrics["weightsync/engine_replicas"] = float(len(self.replicas.last_results))

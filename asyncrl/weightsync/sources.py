@@ -4,9 +4,8 @@ Owns: `Step` / `StepFailed`; `ReplicaClient` and the replicas' contract: pause(m
 staging, layout, plan_id) drops any staged copy (no plan: Refusal.PLAN_MISSING); load_bucket never touches live
 weights; commit_update(version, fp) applies nothing on a fingerprint mismatch (Refusal.VERIFY_FAILED), may leave the
 weights part-applied on a later error; abort_update is idempotent; a version <= the live one restores. The sources:
-`BucketSource` packs a tensor stream and puts each bucket once (a retry replays the handles), or replays buckets the
-learner ranks put (`from_handles`, with their digests); `StreamedSource` is a collective push, the senders
-broadcasting over the groups of a `Link` (link.py's `CollectiveLink`) into each replica's single `load_bucket`.
+`BucketSource` replays buckets the learner ranks put (with their digests); `StreamedSource` is a collective push, the
+senders broadcasting over the groups of a `Link` (link.py's `CollectiveLink`) into each replica's single `load_bucket`.
 And a push's metrics (`PushMetrics`, a flat `weightsync/...` dict).
 Must never: order replica calls or decide what is live (push.py). Details: docs/design/weightsync.md.
 """
@@ -18,20 +17,14 @@ import contextlib
 import enum
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.types import CommitReport, HostCopies, LoadReport, Refusal, UpdateAck, WeightExport, refusal_of
-from asyncrl.weightsync.bucket import Bucket, digest_key_prefix, iter_buckets
+from asyncrl.weightsync.bucket import digest_key_prefix
 from asyncrl.weightsync.fingerprint import VerifyMode, bucket_digests, check_verify_mode, combine_digests
 from asyncrl.weightsync.transport import Transport
-
-if TYPE_CHECKING:
-    from asyncrl.weightsync.plan import PushPlan
-
-NamedTensorIter = Iterable[tuple[str, Any]]
-
 
 Loaded = LoadReport | CommitReport  # a load that only staged, or one that also committed
 
@@ -105,7 +98,6 @@ class PushMetrics:
     store_failed: bool = False
     on_live_seconds: float = 0.0
     paused_seconds: float = 0.0
-    pack_seconds: float = 0.0
     layout: str = "hf"
     staging: str = "full"
     paths: set[str] = field(default_factory=set)  # apply paths the replicas reported ("direct", "reload")
@@ -127,10 +119,9 @@ class PushMetrics:
         p = "weightsync/"
         plain = ("version", "bytes", "num_tensors", "num_buckets", "num_replicas", "attempts", "retries", "failed",
                  "rollbacks", "out_of_service", "store_failed", "push_seconds", "on_live_seconds", "paused_seconds",
-                 "host_copy_wait_seconds", "host_copy_seconds", "stage_seconds", "commit_seconds", "fingerprint_seconds",
-                 "pack_seconds")
+                 "host_copy_wait_seconds", "host_copy_seconds", "stage_seconds", "commit_seconds", "fingerprint_seconds")
         out: dict[str, float] = {p + k: float(v) if isinstance(v := getattr(self, k), bool) else v for k in plain}
-        out.update({p + "gbps": _rate(self.bytes, self.push_seconds), p + "pack_gbps": _rate(self.bytes, self.pack_seconds),
+        out.update({p + "gbps": _rate(self.bytes, self.push_seconds),
                     p + "stage_gbps": _rate(self.bytes, self.stage_seconds),
                     p + "verify_gbps": _rate(self.bytes, self.fingerprint_seconds),
                     p + "layout_engine": float(self.layout == "engine"),
@@ -192,89 +183,45 @@ def _layout_of(buckets: Iterable[Any]) -> str:
 
 
 class BucketSource:
-    """Packs the tensor stream lazily (with `plan`: into the engines' layout) and puts each
-    bucket once; a retry replays the handles."""
+    """Buckets the learner ranks already put into the transport (`export_weights`), with the digests they
+    computed as they packed (else hashed here) and, for engine-layout buckets, the plan they were packed for.
+    Read once, when made: a bad handle, or a tensor in two buckets, fails before the push registers anything.
+    A retry replays the handles."""
 
-    def __init__(self, named: NamedTensorIter, bucket_mb: float, transport: Transport, m: PushMetrics,
-                 verify: VerifyMode = "full", plan: PushPlan | None = None) -> None:
-        if plan is None:
-            self._buckets: Iterator[Bucket] = iter_buckets(named, bucket_mb)
-        else:
-            from asyncrl.weightsync.plan import PlannedPacker
-
-            alloc = transport.alloc  # shm: pack straight into the shared file
-            buffer = None if alloc is None else (lambda b: alloc(b.nbytes))
-            self._buckets = iter(PlannedPacker(plan, 0, "cpu", buffer).pack(named))
-        self.layout = "hf" if plan is None else "engine"
-        self.plan_id = None if plan is None else plan.plan_id
-        self._transport, self._m = transport, m
+    def __init__(self, handles: Sequence[Any], transport: Transport, verify: VerifyMode = "full",
+                 digests: Sequence[dict[str, bytes]] | None = None, plan_id: str | None = None) -> None:
         self.verify = check_verify_mode(verify)
-        self.handles: list[Any] = []
-        self.digests: list[dict[str, bytes]] = []  # per handle
-        self.exhausted = False
-
-    def _hash(self, bucket: Bucket) -> dict[str, bytes]:
-        t = time.perf_counter()
-        digests = bucket_digests(bucket, self.verify, digest_key_prefix(bucket))
-        self._m.fingerprint_seconds += time.perf_counter() - t
-        return digests
-
-    def __iter__(self) -> Iterator[tuple[Any, dict[str, bytes]]]:
-        yield from zip(list(self.handles), list(self.digests))
-        while not self.exhausted:
-            t = time.perf_counter()
-            try:
-                bucket = next(self._buckets)
-            except StopIteration:
-                self.exhausted = True
-                return
-            except Exception as exc:  # the learner's export (or a bad tensor) failed: not retryable
-                raise StepFailed(Step.EXPORT, {"publisher": exc}, retryable=False) from exc
-            self._m.pack_seconds += time.perf_counter() - t
-            digests = self._hash(bucket)
-            t = time.perf_counter()
-            handle = self._transport.put(bucket)
-            self._m.put_seconds += time.perf_counter() - t
-            self._m.bytes += bucket.payload_bytes
-            self._m.num_tensors += len(bucket)
-            self._m.num_buckets += 1
-            self.handles.append(handle)
-            self.digests.append(digests)
-            del bucket  # the transport holds it now; keep at most one packed bucket in this heap
-            yield handle, digests
-
-    @classmethod
-    def from_handles(cls, handles: Sequence[Any], transport: Transport, m: PushMetrics, verify: VerifyMode = "full",
-                     digests: Sequence[dict[str, bytes]] | None = None, plan_id: str | None = None) -> "BucketSource":
-        """Buckets someone else already put (the learner ranks export straight into the
-        transport), with the digests they computed as they packed (else hashed here)."""
-        source = cls((), 1.0, transport, m, verify)
-        source.handles, source.exhausted = list(handles), True
+        self.handles, self.digests = list(handles), []
+        self.bytes = self.num_tensors = 0
+        self.hash_seconds = 0.0
         seen: set[str] = set()
         buckets = []
-        for i, h in enumerate(source.handles):
+        for i, h in enumerate(self.handles):
             bucket = transport.fetch(h)
             buckets.append(bucket)
             names = [digest_key_prefix(bucket) + n for n in bucket.names]
             if seen.intersection(names) or len(set(names)) != len(names):
-                raise ValueError(f"a tensor name appears twice across the {len(handles)} bucket handles")
+                raise ValueError(f"a tensor name appears twice across the {len(self.handles)} bucket handles")
             seen.update(names)
-            m.bytes += bucket.payload_bytes
-            m.num_tensors += len(bucket)
-            m.num_buckets += 1
-            if digests is not None and len(digests) == len(source.handles) and set(digests[i]) == set(names):
-                source.digests.append(dict(digests[i]))
+            self.bytes += bucket.payload_bytes
+            self.num_tensors += len(bucket)
+            if digests is not None and len(digests) == len(self.handles) and set(digests[i]) == set(names):
+                self.digests.append(dict(digests[i]))
             else:
-                source.digests.append(source._hash(bucket))
-        source.layout = _layout_of(buckets)
-        if source.layout == "engine" and plan_id is None:
+                t = time.perf_counter()
+                self.digests.append(bucket_digests(bucket, self.verify, digest_key_prefix(bucket)))
+                self.hash_seconds += time.perf_counter() - t
+        self.layout = _layout_of(buckets)
+        if self.layout == "engine" and plan_id is None:
             raise ValueError("engine-layout buckets without the push plan they were packed for")
-        source.plan_id = plan_id if source.layout == "engine" else None
-        return source
+        self.plan_id = plan_id if self.layout == "engine" else None
+
+    def count(self, m: PushMetrics) -> None:
+        """This push's sizes into `m`."""
+        m.bytes, m.num_tensors, m.num_buckets = self.bytes, self.num_tensors, len(self.handles)
+        m.fingerprint_seconds = self.hash_seconds
 
     def fingerprint(self) -> str:
-        if not self.exhausted:
-            raise RuntimeError("fingerprint before the tensor stream was read to its end")
         merged: dict[str, bytes] = {}
         for d in self.digests:
             merged.update(d)

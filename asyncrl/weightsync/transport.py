@@ -46,19 +46,15 @@ class TransportUnavailable(ValueError):
 
 
 class Transport:
-    """How buckets reach the replicas. `streamed`: the senders broadcast while the replicas receive (collective),
-    what is put being only their host copies; `by_reference`: any Ray process reads a handle where it lies (the
-    WeightStore keeps the handles as they are); `alloc`: a buffer to pack a bucket into so that `put` copies
-    nothing (None: none); `backend`: a collective transport's (gloo, nccl, ipc)."""
+    """How buckets reach the replicas, once the learner ranks put them (`pack_into_transport`). `streamed`: the
+    senders broadcast while the replicas receive (collective), what is put being only their host copies;
+    `by_reference`: any Ray process reads a handle where it lies (the WeightStore keeps the handles as they are);
+    `backend`: a collective transport's (gloo, nccl, ipc)."""
 
     name = ""
     streamed = False
     by_reference = False
     backend: str | None = None
-    alloc: Callable[[int], Any] | None = None
-
-    def put(self, bucket: Bucket) -> Any:  # `bucket` made available to every replica, once a bucket: its handle
-        raise NotImplementedError
 
     def payload(self, handle: Any) -> Any:  # what every replica's `load_bucket` receives for this bucket
         raise NotImplementedError
@@ -88,9 +84,6 @@ class ObjectStoreTransport(Transport):
         self._ray = ray
         self._get_timeout_s = get_timeout_s
 
-    def put(self, bucket: Bucket) -> Any:
-        return self._ray.put(bucket)
-
     def payload(self, handle: Any) -> Any:
         # Passed as a top-level actor-call argument, Ray resolves it before the call and the
         # numpy buffer inside is mapped from shared memory, not copied.
@@ -117,21 +110,9 @@ class SharedMemoryTransport(Transport):
     def __init__(self) -> None:
         self._files: set[str] = set()
         self._finalizer = weakref.finalize(self, _unlink_all, self._files)
-        self._allocator = SharedAllocator()
 
     def close(self) -> None:
-        self._allocator.discard()
         self._finalizer()
-
-    def alloc(self, nbytes: int) -> Any:  # type: ignore[override]
-        """A buffer that is already a shared file: a bucket packed into it is put without a copy."""
-        return self._allocator(nbytes)
-
-    def put(self, bucket: Bucket) -> SharedBucket:
-        shared = write_shared(bucket, self._allocator)
-        if shared.path is not None:
-            self._files.add(shared.path)
-        return shared
 
     def payload(self, handle: SharedBucket) -> SharedBucket:
         return handle
@@ -144,9 +125,6 @@ class SharedMemoryTransport(Transport):
         return handle.open()
 
     def release(self, handle: SharedBucket) -> None:
-        if self._allocator.owns(handle.path):  # packed into by this process: reused by a later push
-            self._allocator.release(handle.path)  # type: ignore[arg-type]
-            return
         handle.unlink()
         self._files.discard(handle.path)
 
@@ -154,9 +132,8 @@ class SharedMemoryTransport(Transport):
 class CollectiveTransport(ObjectStoreTransport):
     """Broadcast groups between the sending learner ranks and every engine worker (collective.py).
 
-    The broadcast itself is not a `put`: the sender streams while the replicas receive
-    (`Publisher.publish_streamed`). What this transport puts, fetches and releases are the host
-    copies the senders keep in the object store, exactly as `ObjectStoreTransport` does."""
+    The sender streams while the replicas receive (a `StreamedSource`); what this transport fetches and
+    releases are the host copies the senders keep in the object store, as `ObjectStoreTransport` does."""
 
     streamed = True
 

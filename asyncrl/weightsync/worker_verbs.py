@@ -419,7 +419,7 @@ class WorkerVerbs:
         if groups is None:
             if begin is not None:
                 rx.begin(version, *begin)
-            return ReceiveReport(digests=rx.stage(version, self._asyncrl_open(wire, version), expected))
+            return ReceiveReport(digests=rx.stage(version, self._asyncrl_open(wire), expected))
         from asyncrl.weightsync.collective import CollectiveError
 
         held = self.__dict__.get("_asyncrl_groups", {})
@@ -448,17 +448,13 @@ class WorkerVerbs:
                 rx.stage(version, bucket, expected, lazy=True, batch=ipc)  # full staging: one wait for every digest, below
         return ReceiveReport(digests=rx.digests(version))
 
-    def _asyncrl_open(self, wire: tuple, version: int) -> Bucket:
-        """The bucket of a shared file's `wire`, where the parameters live."""
+    def _asyncrl_open(self, wire: tuple) -> Bucket:
+        """The bucket of a shared file's `wire` (mapped copy-on-write), where the parameters live: HF tensors stay
+        on the host for the engine's loaders unless the engine takes them on its device."""
         path, metas, rank = wire
-        shared, device = SharedBucket.from_wire(path, metas, rank), self._asyncrl_rx().hooks.device
-        if rank is None:  # HF tensors for the engine's loaders: a private, writable mapping
-            bucket = shared.open()
-            return copy_to(bucket, device) if self._asyncrl_hf_on_device and device.type != "cpu" else bucket
-        from asyncrl.weightsync.bucket import SharedMaps  # read-only, the file's last mapping (its files are reused)
-
-        bucket = self.__dict__.setdefault("_asyncrl_maps", SharedMaps()).open(shared, version)
-        return copy_to(bucket, device) if device.type != "cpu" else bucket
+        bucket, device = SharedBucket.from_wire(path, metas, rank).open(), self._asyncrl_rx().hooks.device
+        on_device = device.type != "cpu" and (rank is not None or self._asyncrl_hf_on_device)
+        return copy_to(bucket, device) if on_device else bucket
 
     def _asyncrl_refuse(self, group_ids: list[str], why: str, gate: str = "") -> None:
         """Refuse the coming push on the groups `group_ids`: its sender (ipc), or every member at its gate

@@ -108,12 +108,11 @@ def push_weights(control, version: int, tensors: dict[str, torch.Tensor], *, pla
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.registry import VersionRegistry
     from asyncrl.weightsync.service import DeploymentReplicas
-    from tests.weightsync.fakes import LocalTransport
+    from tests.weightsync.fakes import LocalTransport, source_of
 
     cfg = WeightsyncConfig(bucket_mb=bucket_mb, verify=verify, staging=staging, timeout_s=120.0)
     pub = Publisher(cfg, transport=LocalTransport(), registry=VersionRegistry(version - 1))
-    pub.set_plan(plan)
-    return asyncio.run(pub.publish(version, iter(tensors.items()), [DeploymentReplicas(control, cfg.timeout_s)]))
+    return asyncio.run(pub.publish(version, source_of(pub, tensors, plan), [DeploymentReplicas(control, cfg.timeout_s)]))
 
 
 def push_by_steps(control, version: int, tensors: dict[str, torch.Tensor], fingerprint: str) -> dict:

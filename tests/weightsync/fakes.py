@@ -11,6 +11,7 @@ import torch
 from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, WithDigests, unpack_bucket
 from asyncrl.weightsync.fingerprint import bucket_digests, tensor_fingerprint
+from asyncrl.weightsync.sources import BucketSource
 from asyncrl.weightsync.transport import Transport
 
 
@@ -146,6 +147,27 @@ class CorruptingTransport(LocalTransport):
         return Bucket(buffer=buf, metas=list(handle.metas))
 
 
+def source_of(pub: Any, named: Any, plan: Any = None) -> BucketSource:
+    """`named` (HF name -> tensor, or (name, tensor) pairs) packed and put as the learner ranks do (in `plan`'s
+    engine layout when given), as the `BucketSource` a push of `pub` (a `Publisher`) takes: shm and the object
+    store by the learner's own packer, an in-process transport by its `put`."""
+    transport, cfg = pub._transport, pub._cfg
+    pairs = named.items() if isinstance(named, dict) else named
+    if isinstance(transport, LocalTransport):
+        from asyncrl.weightsync.bucket import iter_buckets
+        from asyncrl.weightsync.plan import PlannedPacker
+
+        packed = iter_buckets(pairs, cfg.bucket_mb) if plan is None else PlannedPacker(plan, 0, "cpu").pack(pairs)
+        handles, digests = [transport.put(b) for b in packed], None
+    else:
+        from asyncrl.weightsync.transport import pack_into_transport
+
+        kind = "shm" if transport.name == "shm" else "object_store"
+        export = pack_into_transport(pairs, cfg.bucket_mb, kind, cfg.verify, plan)
+        handles, digests = export.buckets, export.digests
+    return BucketSource(handles, transport, cfg.verify, digests, None if plan is None else plan.plan_id)
+
+
 def model(seed: int, n: int = 5) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {f"layer{i}.weight": torch.randn(64, 16, generator=g) for i in range(n)}
@@ -184,3 +206,10 @@ async def param_addresses(replica: Any) -> list[list[int]]:
     (before the engine starts). A test probe, not a weight verb."""
     return await replica.engine.llm.collective_rpc(
         lambda worker: [p.data_ptr() for p in worker.model_runner.get_model().parameters()])
+
+
+def streamed(pub: Any, link: Any, plan_id: str | None = None) -> Any:
+    """A collective push's source for `pub` (a `Publisher`): `link`'s senders broadcast into the replicas."""
+    from asyncrl.weightsync.sources import StreamedSource
+
+    return StreamedSource(link, pub._transport, pub._cfg.timeout_s, pub._cfg.verify, plan_id)

@@ -38,7 +38,7 @@ from asyncrl.weightsync.link import send_stream
 from asyncrl.weightsync.push import Publisher, Step, WeightsyncError
 from asyncrl.weightsync.worker_verbs import receive_stream
 
-from .fakes import FakeReplica, LocalTransport, model
+from .fakes import FakeReplica, LocalTransport, model, streamed
 
 BUCKET_MB = 8192 / (1 << 20)  # two 4 KiB tensors per bucket -> 3 buckets for 5 tensors
 
@@ -778,7 +778,7 @@ def _streamed_setup(n=2, retries=0, timeout_s=20.0):
     return pub, replicas, log, old, state, prepare
 
 
-async def test_publish_streamed_goes_live_with_the_senders_fingerprint_and_host_copies():
+async def test_a_streamed_push_goes_live_with_the_senders_fingerprint_and_host_copies():
     """The host copies are collected once the version is live (after every replica's commit: on a
     shared GPU, an ipc sender's copies would take turns with the engine's apply)."""
     pub, replicas, log, _, state, prepare = _streamed_setup()
@@ -793,7 +793,7 @@ async def test_publish_streamed_goes_live_with_the_senders_fingerprint_and_host_
 
         return _export(sent), collect
 
-    result = await pub.publish_streamed(1, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare), replicas)
+    result = await pub.publish(1, streamed(pub, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)), replicas)
     for r in replicas:
         assert [e for n, e in log if n == r.name] == ["begin:1", "load", "pause:keep", "commit:1", "resume"]
         assert r.version == 1 and all(torch.equal(r.weights[k], new[k]) for k in new)
@@ -831,14 +831,14 @@ async def test_a_push_returns_before_its_host_copy_and_the_next_push_restores_fr
             return _export(sent), collect
         return send
 
-    await pub.publish_streamed(1, _Link(sender(v1, True), payload, prepare), replicas)
+    await pub.publish(1, streamed(pub, _Link(sender(v1, True), payload, prepare)), replicas)
     assert pub.registry.live_version == 1 and all(r.version == 1 for r in replicas)
     assert _host_version(pub) is None  # live, its host copy still being made
     asyncio.get_running_loop().call_later(0.3, gate.set)
 
     replicas[1].faults[("commit", 2)] = "partial"  # v2: r1 half applies it; r0 commits it
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish_streamed(2, _Link(sender(v2, False), payload, prepare), replicas)
+        await pub.publish(2, streamed(pub, _Link(sender(v2, False), payload, prepare)), replicas)
     assert info.value.step is Step.COMMIT and info.value.out_of_service == []
     for r in replicas:  # both restored from v1's host copy, kept after v1's push had returned
         assert r.version == 1 and all(torch.equal(r.weights[k], v1[k]) for k in v1), r.name
@@ -865,7 +865,7 @@ async def test_host_copies_that_fail_after_the_commit_leave_the_version_live_wit
 
         return _export(sent), collect
 
-    result = await pub.publish_streamed(1, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare), replicas)
+    result = await pub.publish(1, streamed(pub, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)), replicas)
     assert pub.registry.live_version == 1 and all(r.version == 1 for r in replicas) and result.warnings == []
     tail, warnings = await pub.drain()  # what the next push would report
     assert tail["weightsync/store_failed"] == 1.0
@@ -891,7 +891,7 @@ async def test_a_sender_failure_publishes_nothing_and_a_retry_forms_a_new_group(
         sent = await asyncio.to_thread(send_stream, state["sender"], stream, BUCKET_MB, verify=verify, timeout_s=20)
         return _export(sent), lambda: _kept(sent.host_copies)
 
-    result = await pub.publish_streamed(1, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare), replicas)
+    result = await pub.publish(1, streamed(pub, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)), replicas)
     assert state["prepares"] == 2 and calls["n"] == 2 and result.metrics["weightsync/retries"] == 1
     for r in replicas:
         assert [e for n, e in log if n == r.name] == ["begin:1", "load", "abort",
@@ -902,7 +902,7 @@ async def test_a_sender_failure_publishes_nothing_and_a_retry_forms_a_new_group(
     pub, replicas, log, old, state, prepare = _streamed_setup(retries=0)
     calls["n"] = 0
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish_streamed(1, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare), replicas)
+        await pub.publish(1, streamed(pub, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)), replicas)
     assert info.value.step is Step.EXPORT and pub.registry.get(1).state is S.FAILED and pub.registry.live_version == 0
     for r in replicas:
         assert r.version == 0 and all(torch.equal(r.weights[k], old[k]) for k in old) and not r.paused
@@ -1143,8 +1143,7 @@ async def test_a_push_whose_loads_all_returned_stops_an_ipc_sender_waiting_for_a
     pub = Publisher(WeightsyncConfig(bucket_mb=BUCKET_MB, retries=0, timeout_s=60), transport=LocalTransport())
     t0 = time.monotonic()
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish_streamed(1, _Link(send, lambda v: CollectiveReceive((spec.group_id,), v, 60.0), stop=link.cancel),
-                                   replicas)
+        await pub.publish(1, streamed(pub, _Link(send, lambda v: CollectiveReceive((spec.group_id,), v, 60.0), stop=link.cancel)), replicas)
     assert time.monotonic() - t0 < 20  # not the 60 s deadline
     cause = info.value.__cause__
     assert isinstance(cause, CollectiveError) and "acknowledged by 2 of 3" in str(cause) \

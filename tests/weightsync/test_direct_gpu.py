@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from .fakes import LocalClient, param_addresses
+from .fakes import LocalClient, param_addresses, source_of, streamed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -90,8 +90,7 @@ async def _scenario(model_path: str) -> dict:
         new = _perturbed(base)
         pub = Publisher(WeightsyncConfig(bucket_mb=0.5, verify="checksum", staging="bucketed", timeout_s=120),
                         transport=LocalTransport(), registry=VersionRegistry(0))
-        pub.set_plan(plan)
-        result = await pub.publish(1, iter(new.items()), [LocalClient(replica)])
+        result = await pub.publish(1, source_of(pub, new, plan), [LocalClient(replica)])
         prompts = [[5, 17, 9, 33, 2], [12, 4, 4, 7]]
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=False)
         outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in prompts]
@@ -177,7 +176,7 @@ async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl") ->
         client = LocalClient(replica)
 
         async def push(version):
-            result = await pub.publish_streamed(version, link, [client], plan.plan_id)
+            result = await pub.publish(version, streamed(pub, link, plan.plan_id), [client])
             link.pushed({"gpu0": result})
             return result
 

@@ -21,7 +21,7 @@ import shutil
 import pytest
 import torch
 
-from .fakes import LocalClient
+from .fakes import LocalClient, source_of
 
 pytestmark = pytest.mark.slow
 
@@ -68,8 +68,7 @@ async def _scenario(path: str) -> dict:
         transport = SharedMemoryTransport()
         pub = Publisher(WeightsyncConfig(bucket_mb=0.25, verify="checksum", timeout_s=120), transport=transport,
                         registry=VersionRegistry(0))
-        pub.set_plan(plan)
-        result = await pub.publish(1, iter(new.items()), [LocalClient(replica)])
+        result = await pub.publish(1, source_of(pub, new, plan), [LocalClient(replica)])
         transport.close()
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=False)
         out = await replica.generate(GenerationRequest(prompt_ids=PROMPT, sampling=sp))

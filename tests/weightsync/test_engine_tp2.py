@@ -22,7 +22,9 @@ import pickle
 import pytest
 import torch
 
-from .fakes import LocalClient, param_addresses
+from asyncrl.weightsync.sources import BucketSource
+
+from .fakes import LocalClient, param_addresses, streamed
 from .test_integration import MAX_TOKENS, _is_hf_greedy, _load_hf
 
 pytestmark = pytest.mark.slow
@@ -76,7 +78,8 @@ async def _scenario(model_path: str) -> dict:
         before = await param_addresses(replica)
         export = await group.export_weights(0.25, "shm", "checksum", "engine")
         pub = Publisher(WeightsyncConfig(bucket_mb=0.25, timeout_s=120, verify="checksum"), transport=transport)
-        result = await pub.publish_handles(1, export.buckets, [LocalClient(replica)], export.digests, plan.plan_id)
+        source = BucketSource(export.buckets, pub._transport, pub._cfg.verify, export.digests, plan.plan_id)
+        result = await pub.publish(1, source, [LocalClient(replica)])
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=False)
         outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in PROMPTS]
         broadcast = {} if torch.cuda.is_available() else await _broadcast_push(group, replica, plan, sp)
@@ -92,7 +95,7 @@ async def _scenario(model_path: str) -> dict:
 
 async def _broadcast_push(group, replica, plan, sp) -> dict:
     """Version 2 as the service pushes over gloo: each learner TP rank broadcasts its own shards over a group
-    of its own (CollectiveLink, publish_streamed) that holds only the engine worker it feeds."""
+    of its own (CollectiveLink, a StreamedSource) that holds only the engine worker it feeds."""
     from asyncrl.config import WeightsyncConfig
     from asyncrl.interfaces import WorkerAPI
     from asyncrl.types import GenerationRequest
@@ -119,7 +122,7 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
     samples = make_samples(8, group_size=2)
     old = await group.compute_log_prob(samples)
     await group.update_actor(samples, advantages(samples), old)
-    result = await pub.publish_streamed(2, link, [LocalClient(replica)], plan.plan_id)
+    result = await pub.publish(2, streamed(pub, link, plan.plan_id), [LocalClient(replica)])
     await pub.drain()
     kept = hf_from_engine(plan, [transport.fetch(h) for h in pub._host.handles])  # the host copy, in HF tensors
     packed = await group.export_weights(0.25, "object_store")

@@ -22,7 +22,10 @@ import torch
 
 from asyncrl.types import GroupsReport
 from asyncrl.types import WeightUpdateState as S
+from asyncrl.weightsync.sources import BucketSource
 from asyncrl.weightsync.transport import Transport
+
+from .fakes import source_of, streamed
 
 pytestmark = pytest.mark.slow
 
@@ -198,9 +201,6 @@ class _KillOnBucket(Transport):
         self.name, self._inner, self._index, self._victim, self._ray = inner.name, inner, index, victim, ray
         self._sent = 0
 
-    def put(self, bucket):
-        return self._inner.put(bucket)
-
     def payload(self, handle):
         if self._sent == self._index:
             self._ray.kill(self._victim, no_restart=True)
@@ -215,7 +215,8 @@ class _KillOnBucket(Transport):
 
 
 class _CorruptInTransit(Transport):
-    """Object store transport whose replicas receive bucket `index` with one byte flipped."""
+    """Object store transport whose replicas receive the push's bucket `index` (the `index`-th handle it passes on)
+    with one byte flipped."""
 
     def __init__(self, inner, index: int) -> None:
         import ray
@@ -223,20 +224,19 @@ class _CorruptInTransit(Transport):
         self.name, self._inner, self._index, self._ray = inner.name, inner, index, ray
         self._handles, self._corrupt = [], None
 
-    def put(self, bucket):
-        handle = self._inner.put(bucket)
-        if len(self._handles) == self._index:
+    def payload(self, handle):
+        if not any(h is handle for h in self._handles):
+            self._handles.append(handle)
+        if len(self._handles) <= self._index or handle is not self._handles[self._index]:
+            return handle
+        if self._corrupt is None:
             from asyncrl.weightsync.bucket import Bucket
 
+            bucket = self._inner.fetch(handle)
             buf = bucket.buffer.copy()
             buf[bucket.metas[0].offset] ^= 0x40
             self._corrupt = self._ray.put(Bucket(buffer=buf, metas=list(bucket.metas), rank=bucket.rank))
-        self._handles.append(handle)
-        return handle
-
-    def payload(self, handle):
-        hit = len(self._handles) > self._index and handle is self._handles[self._index]
-        return self._corrupt if hit else handle
+        return self._corrupt
 
     def fetch(self, handle):
         return self._inner.fetch(handle)
@@ -282,12 +282,11 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
     store = ray.remote(WeightStore).options(name=store_name, namespace=STORE_NAMESPACE, num_cpus=0).remote()
     pub = Publisher(cfg, transport=transport, on_live=weight_store_hook(store, lambda version: plan),
                     registry=VersionRegistry(start))
-    pub.set_plan(plan)
 
     async def outputs():
         return [await h.greedy.remote(prompt_ids) for h in engines]
 
-    result = await pub.publish(start + 1, iter(v1.items()), replicas)
+    result = await pub.publish(start + 1, source_of(pub, v1, plan), replicas)
     m = result.metrics
     assert m["weightsync/num_buckets"] > 1 and m["weightsync/apply_direct"] == float(apply == "direct")
     assert m["weightsync/layout_engine"] == float(apply == "direct") and m["weightsync/paused_seconds"] > 0
@@ -300,7 +299,7 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
 
     pub._transport = _CorruptInTransit(transport, index=1)
     with pytest.raises(WeightsyncError, match="fingerprint mismatch") as info:
-        await pub.publish(start + 2, iter(v2.items()), replicas)
+        await pub.publish(start + 2, source_of(pub, v2, plan), replicas)
     # Full staging finds it at the commit (nothing applied); bucketed staging before applying that
     # bucket, having applied the ones before it: every replica is restored from version 1's host copy.
     assert info.value.step is (Step.LOAD if staging == "bucketed" else Step.COMMIT) and info.value.out_of_service == []
@@ -308,7 +307,7 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
     assert await outputs() == served1  # exactly version 1's greedy tokens and labels, on both replicas
 
     pub._transport = transport
-    result = await pub.publish(start + 2, iter(v2.items()), replicas)
+    result = await pub.publish(start + 2, source_of(pub, v2, plan), replicas)
     assert pub.registry.live_version == start + 2 and result.metrics["weightsync/failed"] == 0
     for got in await outputs():
         assert matches(hf2, got) and all(v == [start + 2] * MAX_TOKENS for _, v in got)
@@ -332,13 +331,13 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
     else:
         victim_client = _KillAtCommit(victim_client, victim)
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish(start + 3, iter(v3.items()), replicas + [victim_client])
+        await pub.publish(start + 3, source_of(pub, v3, plan), replicas + [victim_client])
     # The victim is dead: it cannot be restored where a restore was due (reported out of service).
     assert info.value.replicas == ["victim"] and set(info.value.out_of_service) <= {"victim"}
     assert pub.registry.live_version == start + 2 and pub.registry.get(start + 3).state is S.FAILED
     assert await outputs() == served2, kill
     pub._transport = transport
-    await pub.publish(start + 3, iter(v3.items()), replicas)
+    await pub.publish(start + 3, source_of(pub, v3, plan), replicas)
     for got in await outputs():
         assert matches(hf3, got) and all(v == [start + 3] * MAX_TOKENS for _, v in got)
     ray.kill(store)
@@ -403,8 +402,8 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
         assert len(files) > 1 and all(os.path.exists(f) for f in files) and len(export.digests) == len(files)
         pub = Publisher(WeightsyncConfig(bucket_mb=0.25, timeout_s=120, verify="checksum"), transport=transport)
         version = start + 1
-        result = await pub.publish_handles(version, export.buckets, [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)],
-                                           export.digests, plan.plan_id)
+        source = BucketSource(export.buckets, pub._transport, pub._cfg.verify, export.digests, plan.plan_id)
+        result = await pub.publish(version, source, [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)])
         assert result.fingerprint.startswith("checksum:") and result.metrics["weightsync/transport/shm/bytes"] > 0
         assert result.metrics["weightsync/apply_direct"] == 1.0 and result.metrics["weightsync/fingerprint_seconds"] == 0
     finally:
@@ -472,7 +471,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
             samples = make_samples(8, group_size=2)
             old = await group.compute_log_prob(samples)
             await group.update_actor(samples, advantages(samples), old)
-            result = await pub.publish_streamed(start + step, link, replicas, plan.plan_id)
+            result = await pub.publish(start + step, streamed(pub, link, plan.plan_id), replicas)
             m = result.metrics
             assert result.fingerprint.startswith("checksum:") and m["weightsync/apply_direct"] == 1.0
             assert m[f"weightsync/transport/{backend}/bytes"] > 0 and m["weightsync/num_buckets"] > 1
@@ -572,7 +571,7 @@ class _OneEngine:
 
     async def push(self, version, plan_id=None):
         link = self.link
-        result = await self.pub.publish_streamed(version, link, [self.replica], plan_id or self.plan.plan_id)
+        result = await self.pub.publish(version, streamed(self.pub, link, plan_id or self.plan.plan_id), [self.replica])
         link.pushed({"engine-0": result})  # as the service does: the next push may ask nobody first
         return result
 

@@ -13,9 +13,9 @@ import torch
 from asyncrl.config import WeightsyncConfig
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
-from asyncrl.weightsync.push import Publisher, Step, WeightsyncError, preserve_rng_state
+from asyncrl.weightsync.push import BucketSource, Publisher, Step, WeightsyncError, preserve_rng_state
 
-from .fakes import CorruptingTransport, FakeReplica, LocalTransport, model
+from .fakes import CorruptingTransport, FakeReplica, LocalTransport, model, source_of
 
 BUCKET_MB = 8192 / (1 << 20)  # two 4 KiB tensors per bucket -> 3 buckets for 5 tensors
 
@@ -40,7 +40,7 @@ def _same(a, b):
 async def test_replicas_stage_while_serving_and_are_paused_only_for_the_commit():
     pub, replicas, log, _ = _setup(n=3)
     new = model(1)
-    result = await pub.publish(1, iter(new.items()), replicas)
+    result = await pub.publish(1, source_of(pub, new), replicas)
     for r in replicas:
         assert _events(log, r.name) == ["begin:1", "load", "load", "load", "pause:keep", "commit:1", "resume"]
         assert r.version == 1 and _same(r.weights, new) and not r.paused
@@ -60,7 +60,7 @@ async def test_replicas_stage_while_serving_and_are_paused_only_for_the_commit()
 async def test_a_single_engine_replica_is_paused_by_its_own_commit():
     pub, replicas, log, _ = _setup(n=1)
     new = model(1)
-    await pub.publish(1, iter(new.items()), replicas)
+    await pub.publish(1, source_of(pub, new), replicas)
     # One call fewer: the replica's commit pauses, applies, relabels and resumes by itself.
     assert _events(log, "r0") == ["begin:1", "load", "load", "load", "commit:1", "own-pause"]
     assert replicas[0].version == 1 and _same(replicas[0].weights, new)
@@ -68,10 +68,10 @@ async def test_a_single_engine_replica_is_paused_by_its_own_commit():
 
 async def test_a_failed_apply_under_the_commits_own_pause_is_restored_then_resumed():
     pub, replicas, log, old = _setup(n=1)
-    pub.seed(0, iter(old.items()))
+    pub.seed(0, source_of(pub, old))
     replicas[0].faults[("commit", 1)] = "partial"
     with pytest.raises(WeightsyncError):
-        await pub.publish(1, iter(model(1).items()), replicas)
+        await pub.publish(1, source_of(pub, model(1)), replicas)
     ev = _events(log, "r0")
     assert ev.index("begin:0") > ev.index("commit:1") and ev[-1] == "resume"
     assert replicas[0].version == 0 and _same(replicas[0].weights, old)
@@ -80,7 +80,7 @@ async def test_a_failed_apply_under_the_commits_own_pause_is_restored_then_resum
 async def test_bucketed_staging_pauses_first_and_applies_each_bucket_as_it_verifies():
     pub, replicas, log, _ = _setup(n=2, staging="bucketed")
     new = model(1)
-    result = await pub.publish(1, iter(new.items()), replicas)
+    result = await pub.publish(1, source_of(pub, new), replicas)
     for r in replicas:
         assert _events(log, r.name) == ["pause:keep", "begin:1", "load", "load", "load", "commit:1", "resume"]
         assert r.version == 1 and _same(r.weights, new) and not r.paused
@@ -91,13 +91,13 @@ async def test_bucketed_staging_pauses_first_and_applies_each_bucket_as_it_verif
 async def test_a_bucketed_push_that_fails_mid_way_restores_every_replica_before_resuming(fault):
     transport = CorruptingTransport(index=1) if fault == "corrupt" else None
     pub, replicas, log, old = _setup(n=2, staging="bucketed", transport=transport)
-    pub.seed(0, iter(old.items()))
+    pub.seed(0, source_of(pub, old))
     if transport is not None:
         transport._puts.clear()  # count the push's buckets, not the seed's
     if fault == "apply":
         replicas[1].faults[("apply", 1)] = "raise"
     with pytest.raises(WeightsyncError, match="fingerprint mismatch" if fault == "corrupt" else "crashed"):
-        await pub.publish(1, iter(model(1).items()), replicas)
+        await pub.publish(1, source_of(pub, model(1)), replicas)
     for r in replicas:  # bucket 0 was applied before the failure: every replica is back on v0, bit for bit
         ev = _events(log, r.name)
         assert "commit:1" not in ev and ev.index("begin:0") > ev.index("begin:1") and ev[-1] == "resume"
@@ -109,7 +109,7 @@ async def test_load_failure_aborts_everywhere_and_publishes_nothing():
     pub, replicas, log, old = _setup()
     replicas[1].faults[("load", 1)] = "raise"
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish(1, iter(model(1).items()), replicas)
+        await pub.publish(1, source_of(pub, model(1)), replicas)
     err = info.value
     assert err.step is Step.LOAD and err.replicas == ["r1"] and "r1" in str(err) and "load_bucket" in str(err)
     for r in replicas:
@@ -125,25 +125,17 @@ async def test_a_hanging_replica_times_out_instead_of_hanging():
     pub, replicas, log, old = _setup(timeout_s=0.2)
     replicas[0].faults[("load", -1)] = "hang"
     with pytest.raises(WeightsyncError, match="timed out") as info:
-        await pub.publish(1, iter(model(1).items()), replicas)
+        await pub.publish(1, source_of(pub, model(1)), replicas)
     assert info.value.step is Step.LOAD and info.value.replicas == ["r0"]
     assert all(r.version == 0 and _same(r.weights, old) for r in replicas)
     assert pub.registry.get(1).state is S.FAILED and pub.registry.in_flight is None
 
 
-async def test_retry_succeeds_the_second_time_and_reads_the_stream_once():
+async def test_retry_succeeds_the_second_time():
     pub, replicas, log, _ = _setup(retries=1)
     replicas[0].faults[("load", 1)] = "raise"  # first attempt only
-    pulled = []
     new = model(1)
-
-    def stream():
-        for name, t in new.items():
-            pulled.append(name)
-            yield name, t
-
-    result = await pub.publish(1, stream(), replicas)
-    assert pulled == list(new)  # the retry replayed the buckets, not the learner's export
+    result = await pub.publish(1, source_of(pub, new), replicas)
     assert result.metrics["weightsync/retries"] == 1 and result.metrics["weightsync/attempts"] == 2
     ev = _events(log, "r0")
     assert ev[:2] == ["begin:1", "load"] and "abort" in ev
@@ -155,7 +147,7 @@ async def test_retry_succeeds_the_second_time_and_reads_the_stream_once():
 async def test_corrupted_bucket_fails_verification_and_replicas_keep_the_old_version():
     pub, replicas, log, old = _setup(retries=1, transport=CorruptingTransport(index=1))
     with pytest.raises(WeightsyncError, match="fingerprint mismatch") as info:
-        await pub.publish(1, iter(model(1).items()), replicas)
+        await pub.publish(1, source_of(pub, model(1)), replicas)
     assert info.value.step is Step.COMMIT and info.value.out_of_service == []
     assert all(r.version == 0 and _same(r.weights, old) for r in replicas)
     # A verify failure applied nothing: no restore was needed (only the two push attempts ran).
@@ -164,16 +156,16 @@ async def test_corrupted_bucket_fails_verification_and_replicas_keep_the_old_ver
     # The next, clean push succeeds.
     pub._transport = LocalTransport()
     new = model(2)
-    await pub.publish(2, iter(new.items()), replicas)
+    await pub.publish(2, source_of(pub, new), replicas)
     assert all(r.version == 2 and _same(r.weights, new) for r in replicas)
 
 
 async def test_partial_commit_restores_every_replica_to_the_last_live_version():
     pub, replicas, log, old = _setup()
-    pub.seed(0, iter(old.items()))  # what the replicas loaded from disk
+    pub.seed(0, source_of(pub, old))  # what the replicas loaded from disk
     replicas[1].faults[("commit", 1)] = "partial"
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish(1, iter(model(1).items()), replicas)
+        await pub.publish(1, source_of(pub, model(1)), replicas)
     assert info.value.step is Step.COMMIT and info.value.out_of_service == []
     # r0 had committed v1 and r1 was half applied: both are back on v0, bit for bit.
     for r in replicas:
@@ -186,42 +178,26 @@ async def test_partial_commit_restores_every_replica_to_the_last_live_version():
 
 async def test_unrestorable_replicas_are_reported_out_of_service():
     pub, replicas, log, _ = _setup()
-    pub.seed(0, iter(model(0).items()))
+    pub.seed(0, source_of(pub, model(0)))
     for r in replicas:
         r.allow_reload = False  # like the generator today: begin_update needs a newer version
     replicas[1].faults[("commit", 1)] = "partial"
     with pytest.raises(WeightsyncError, match="out of service") as info:
-        await pub.publish(1, iter(model(1).items()), replicas)
+        await pub.publish(1, source_of(pub, model(1)), replicas)
     assert sorted(info.value.out_of_service) == ["r0", "r1"] and pub.registry.replica_versions() == {}
     assert pub.registry.get(1).state is S.FAILED and pub.registry.live_version == 0
     assert info.value.metrics["weightsync/out_of_service"] == 2 and pub.totals["out_of_service_total"] == 2
 
 
-async def test_failing_export_is_not_retried():
-    pub, replicas, log, _ = _setup(retries=3)
-
-    def stream():
-        yield "a", torch.zeros(4)
-        raise RuntimeError("gather over TP failed")
-
-    with pytest.raises(WeightsyncError, match="gather over TP failed") as info:
-        await pub.publish(1, stream(), replicas)
-    assert info.value.step is Step.EXPORT and info.value.metrics["weightsync/attempts"] == 1
-    assert all("abort" in _events(log, r.name) and r.version == 0 for r in replicas)
-
-
 async def test_the_registry_records_each_push_live_or_failed():
     pub, replicas, _, _ = _setup()
-    await pub.publish(1, iter(model(1).items()), replicas)
+    await pub.publish(1, source_of(pub, model(1)), replicas)
     snap = pub.registry.snapshot()
     assert snap["live_version"] == 1 and snap["versions"][0]["state"] == "live"
 
-    def broken():
-        yield "a", torch.zeros(4)
-        raise RuntimeError("gather over TP failed")
-
+    replicas[0].faults[("load", 2)] = "raise"
     with pytest.raises(WeightsyncError):
-        await pub.publish(2, broken(), replicas)
+        await pub.publish(2, source_of(pub, model(2)), replicas)
     snap = pub.registry.snapshot()
     assert snap["versions"][-1]["state"] == "failed" and snap["live_version"] == 1
 
@@ -237,7 +213,7 @@ async def test_on_live_hook_gets_the_committed_buckets():
 
     pub, replicas, _, _ = _setup(on_live=on_live)
     new = model(1)
-    await pub.publish(1, iter(new.items()), replicas)
+    await pub.publish(1, source_of(pub, new), replicas)
     assert stored["version"] == 1 and _same(stored["tensors"], new)
     assert stored["fp"] == tensor_fingerprint(new)
 
@@ -266,7 +242,7 @@ async def test_a_push_leaves_the_learners_random_stream_where_it_was():
     torch.manual_seed(7)
     expected = torch.rand(3)
     torch.manual_seed(7)
-    await pub.publish(1, iter(model(1).items()), replicas)
+    await pub.publish(1, source_of(pub, model(1)), replicas)
     assert pub.registry.live_version == 1 and torch.equal(torch.rand(3), expected)
 
 
@@ -300,13 +276,15 @@ def test_nccl_with_a_cpu_learner_is_refused_with_the_way_out():
         select_transport(WeightsyncConfig(transport="nccl"), on_gpu=False)
 
 
-async def test_publish_handles_pushes_buckets_the_learner_already_packed():
+async def test_a_push_of_buckets_the_learner_packed_reads_its_digests_or_hashes_them():
     from asyncrl.weightsync.bucket import iter_buckets
 
     pub, replicas, log, _ = _setup(n=2)
     new = model(1)
     handles = list(iter_buckets(iter(new.items()), BUCKET_MB))  # LocalTransport: a handle is the bucket
-    result = await pub.publish_handles(1, handles, replicas)
+    source = BucketSource(handles, pub._transport)  # no digests from the packer: hashed here
+    assert source.hash_seconds > 0 and len(source.digests) == 3
+    result = await pub.publish(1, source, replicas)
     for r in replicas:
         assert _events(log, r.name) == ["begin:1", "load", "load", "load", "pause:keep", "commit:1", "resume"]
         assert r.version == 1 and _same(r.weights, new)
@@ -315,7 +293,7 @@ async def test_publish_handles_pushes_buckets_the_learner_already_packed():
     assert pub.registry.live_version == 1
 
 
-async def test_publish_handles_with_an_unreadable_handle_registers_nothing():
+async def test_a_push_with_an_unreadable_handle_registers_nothing():
     class Broken(LocalTransport):
         def fetch(self, handle):
             if handle == "gone":
@@ -324,9 +302,9 @@ async def test_publish_handles_with_an_unreadable_handle_registers_nothing():
 
     pub, replicas, log, _ = _setup(transport=Broken())
     with pytest.raises(OSError, match="object lost"):
-        await pub.publish_handles(1, ["gone"], replicas)
+        await pub.publish(1, BucketSource(["gone"], pub._transport), replicas)
     assert pub.registry.in_flight is None and pub.registry.live_version == 0 and log == []
-    assert (await pub.publish(1, iter(model(1).items()), replicas)).version == 1
+    assert (await pub.publish(1, source_of(pub, model(1)), replicas)).version == 1
 
 
 @pytest.mark.parametrize("verify, caught", [("full", True), ("checksum", True), ("off", False)])
@@ -337,10 +315,10 @@ async def test_verify_mode_decides_what_a_commit_checks(verify, caught):
     new = model(1)
     if caught:
         with pytest.raises(WeightsyncError, match="fingerprint mismatch"):
-            await pub.publish(1, iter(new.items()), replicas)
+            await pub.publish(1, source_of(pub, new), replicas)
         assert pub.registry.live_version == 0 and all(_same(r.weights, old) for r in replicas)
     else:  # `off` checks names, dtypes and shapes only: the flipped byte goes live (documented)
-        result = await pub.publish(1, iter(new.items()), replicas)
+        result = await pub.publish(1, source_of(pub, new), replicas)
         assert result.fingerprint.startswith("off:") and not _same(replicas[0].weights, new)
     assert all(r.verify == verify for r in replicas)  # the mode travels with begin_update
 
@@ -352,35 +330,35 @@ async def test_shm_transport_owns_its_files_from_push_to_release():
 
     transport = SharedMemoryTransport()
     pub, replicas, log, old = _setup(transport=transport)
-    r1 = await pub.publish(1, iter(model(1).items()), replicas)
+    r1 = await pub.publish(1, source_of(pub, model(1)), replicas)
     files1 = [h.path for h in pub._host.handles]
     assert len(files1) == 3 and all(os.path.exists(f) for f in files1)  # the host copy, for rollback
     assert all(_same(r.weights, model(1)) for r in replicas) and r1.fingerprint == tensor_fingerprint(model(1))
 
-    await pub.publish(2, iter(model(2).items()), replicas)
+    await pub.publish(2, source_of(pub, model(2)), replicas)
     files2 = [h.path for h in pub._host.handles]
     assert not any(os.path.exists(f) for f in files1) and all(os.path.exists(f) for f in files2)
 
     replicas[0].faults[("load", -1)] = "raise"  # a failed push removes its own files, keeps the live ones
-    written, put = [], transport.put
-    transport.put = lambda bucket: written.append(put(bucket)) or written[-1]
+    source = source_of(pub, model(3))
+    written = [h.path for h in source.handles]
     with pytest.raises(WeightsyncError):
-        await pub.publish(3, iter(model(3).items()), replicas)
-    assert written and not any(os.path.exists(h.path) for h in written)
+        await pub.publish(3, source, replicas)
+    assert written and not any(os.path.exists(f) for f in written)
     assert all(os.path.exists(f) for f in files2)
 
     transport.close()  # also run when the transport is collected or the process exits
     assert not any(os.path.exists(f) for f in files2)
 
 
-async def test_publish_handles_refuses_a_tensor_in_two_buckets_and_registers_nothing():
+async def test_a_push_with_a_tensor_in_two_buckets_is_refused_and_registers_nothing():
     from asyncrl.weightsync.bucket import iter_buckets
 
     pub, replicas, log, _ = _setup()
     new = model(1)
     handles = list(iter_buckets(iter(new.items()), BUCKET_MB)) + list(iter_buckets([("layer0.weight", new["layer0.weight"])], BUCKET_MB))
     with pytest.raises(ValueError, match="appears twice"):
-        await pub.publish_handles(1, handles, replicas)
+        await pub.publish(1, BucketSource(handles, pub._transport), replicas)
     assert pub.registry.in_flight is None and pub.registry.live_version == 0 and log == []
 
 
