@@ -31,6 +31,7 @@ from asyncrl.types import (
     SenderAddress,
     SyncReport,
     UpdateAck,
+    UpdateBegin,
     WeightExport,
 )
 
@@ -58,11 +59,9 @@ class EngineAPI(Protocol):
 
     async def resume(self) -> dict[str, Any]: ...
 
-    async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
-                           plan_id: str | None = None) -> UpdateAck:
-        """Start staging `version` (see weightsync/sources.py for the update contract)."""
-
-    async def load_bucket(self, named_tensors: Any, version: int | None = None) -> LoadReport: ...
+    async def load_bucket(self, named_tensors: Any, version: int, begin: UpdateBegin | None = None) -> LoadReport:
+        """Stage a bucket of `version`; `begin` (an update's first load) starts staging it (see
+        weightsync/sources.py for the update contract)."""
 
     async def commit_update(self, version: int, fingerprint: str) -> CommitReport: ...
 

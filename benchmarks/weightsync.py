@@ -101,17 +101,14 @@ class EngineActor:
     async def resume(self):
         return await self.replica.resume()
 
-    async def begin_update(self, version, verify="full", staging="full", layout="hf", plan_id=None):
-        return await self.replica.begin_update(version, verify, staging, layout, plan_id)
-
     async def engine_layout(self, manifest):
         return await self.replica.engine_layout(manifest)
 
     async def set_push_plan(self, plan):
         return await self.replica.set_push_plan(plan)
 
-    async def load_bucket(self, bucket, version):
-        return await self.replica.load_bucket(bucket, version)
+    async def load_bucket(self, bucket, version, begin=None):
+        return await self.replica.load_bucket(bucket, version, begin)
 
     async def commit_update(self, version, fingerprint):
         return await self.replica.commit_update(version, fingerprint)
@@ -643,7 +640,7 @@ def _rows(name, runs, raw, collective, params, why_not, verify, staging, sender_
                               for k in ("pack", "broadcast", "host_copy", "hash", "hash_wait", "ring_wait",
                                         "host_copy_thread_copy", "host_copy_thread_keep",
                                         "prepare", "call", "receivers_after")})
-        for step in ("begin_update", "load_bucket", "commit_update"):  # as the publisher timed each replica's call
+        for step in ("load_bucket", "commit_update"):  # as the publisher timed each replica's call
             breakdown[f"replica_{step}"] = med([max((v for k, v in m.items() if k.startswith("weightsync/replica/")
                                                      and k.endswith(f"/{step}_seconds")), default=0.0) for m in metrics])
         row = {

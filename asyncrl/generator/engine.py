@@ -25,7 +25,7 @@ from asyncrl.generator.replica_types import SLEEP_TAGS, PauseMode, ReplicaNotRea
 from asyncrl.generator.sampling import Limits, validate_request
 from asyncrl.generator.version_source import EngineStamps, LedgerVersions, VersionSource
 from asyncrl.generator.versions import CompletionAccumulator
-from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult, SyncReport
+from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult, SyncReport, UpdateBegin
 from asyncrl.weightsync.fingerprint import fingerprint_mode
 
 logger = logging.getLogger(__name__)
@@ -150,9 +150,10 @@ class EngineReplica(WeightUpdates):
                             self.replica_id, err)
                 tensors = hf_from_engine(plan, payloads)
                 payloads, fingerprint = [tensors], tensor_fingerprint(tensors, mode)
-        await self.begin_update(version, mode, layout=layout, plan_id=plan_id)
+        begin: UpdateBegin | None = UpdateBegin(mode, layout=layout, plan_id=plan_id)
         for payload in payloads:
-            await self.load_bucket(payload)
+            await self.load_bucket(payload, version, begin)
+            begin = None
         await self.commit_update(version, fingerprint)
         logger.info("replica %s serves weight version %d (caught up in %.1f s, %s layout)", self.replica_id,
                     self.version, time.perf_counter() - t0, layout)

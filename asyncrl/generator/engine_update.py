@@ -35,6 +35,7 @@ from asyncrl.types import (
     ReceiveReport,
     Refusal,
     UpdateAck,
+    UpdateBegin,
     refusal_of,
 )
 from asyncrl.weightsync.bucket import WithDigests
@@ -142,20 +143,15 @@ class WeightUpdates:
                         self.replica_id, plan.plan_id, err)
             return None
 
-    async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
-                           plan_id: str | None = None) -> UpdateAck:
-        """Start staging `version`; buckets are hashed as they arrive in `verify` mode (weightsync/fingerprint.py).
-        `layout`: "engine" (packed for a copy into the parameters) or "hf"; `staging`: "full" or "bucketed"."""
-        async with self._control_lock:
-            return await self._begin(version, verify, staging, layout, plan_id)
-
-    async def _begin(self, version: int, verify: str, staging: str, layout: str, plan_id: str | None) -> UpdateAck:
-        """`begin_update` under the control lock."""
+    def _begin(self, version: int, begin: UpdateBegin) -> None:
+        """Start staging `version` (dropping any staged copy); its buckets are hashed as they arrive in `begin.verify`
+        mode (weightsync/fingerprint.py). The workers start at the update's first receive (`_stage`)."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise WeightUpdateError(f"replica {self.replica_id}: version {version!r} must be an int >= 0")
-        try:  # (the workers start staging at the update's first receive, `_stage`)
-            check_begin(verify, staging, layout)
-            if layout == "engine" and (self.plan_id is None or (plan_id is not None and plan_id != self.plan_id)):
+        plan_id = begin.plan_id
+        try:
+            check_begin(begin.verify, begin.staging, begin.layout)
+            if begin.layout == "engine" and (self.plan_id is None or (plan_id is not None and plan_id != self.plan_id)):
                 raise PlanMissing(f"an engine-layout push for plan {plan_id} but this replica holds plan {self.plan_id}")
         except ValueError as err:
             raise WeightUpdateError(f"replica {self.replica_id}: {type(err).__name__}: {err}", refusal_of(err)) from None
@@ -164,14 +160,17 @@ class WeightUpdates:
             # the label goes back with the weights, so tokens stay truthfully tagged.
             logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
         self.update_state, self._staging_version = UpdateState.STAGING, version
-        self._staged_layout, self._staged, self._begin_args = layout, [], [verify, staging, layout]
-        return UpdateAck(replica_id=self.replica_id, version=version)
+        self._staged_layout, self._staged = begin.layout, []
+        self._begin_args = [begin.verify, begin.staging, begin.layout]
 
-    async def load_bucket(self, named_tensors: Any, version: int | None = None) -> LoadReport:
-        """Stage a payload (a bucket, its handle, or a `CollectiveReceive`: the workers receive from the senders)."""
+    async def load_bucket(self, named_tensors: Any, version: int, begin: UpdateBegin | None = None) -> LoadReport:
+        """Stage a payload (a bucket, its handle, or a `CollectiveReceive`: the workers receive from the senders) of
+        `version`; `begin`, on an update's first load, starts it (a refused begin stages nothing)."""
         async with self._control_lock:
             self._receive_reached = False
             try:
+                if begin is not None:
+                    self._begin(version, msgspec.convert(begin, UpdateBegin, from_attributes=True))
                 return await self._load_bucket(named_tensors, version)
             except Exception as err:
                 # A collective push's other members wait for this replica (ipc's sender, or everyone at a
@@ -193,7 +192,7 @@ class WeightUpdates:
     async def _load_bucket(self, named_tensors: Any, version: int | None) -> LoadReport:
         """`load_bucket` under the control lock."""
         if self.update_state is not UpdateState.STAGING:
-            raise WeightUpdateError(f"replica {self.replica_id}: load_bucket without begin_update")
+            raise WeightUpdateError(f"replica {self.replica_id}: a load_bucket that begins no update, with none begun")
         if version is not None and version != self._staging_version:
             raise WeightUpdateError(f"replica {self.replica_id}: bucket for version {version}, staging {self._staging_version}")
         if is_object_ref(named_tensors):  # a bucket handle that travelled nested, unresolved

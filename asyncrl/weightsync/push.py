@@ -2,9 +2,9 @@
 
 Owns: the order of a push, its atomicity, timeouts and retries, the replica clients (`ActorReplica`: one Ray actor
 or Serve replica handle; `DeploymentReplicas`: every running replica of the engine deployment), the host copy of
-the last live version (its bucket handles), per-push metrics. Order, by `weightsync.staging`: full: begin_update ->
-load_bucket* (staged and verified beside the live weights) -> pause -> commit_update(fingerprint) -> resume;
-bucketed: pause -> begin -> load* (each bucket applied once verified) -> commit -> resume. Atomicity (the replicas'
+the last live version (its bucket handles), per-push metrics. Order, by `weightsync.staging`: full: load_bucket*
+(the first beginning the update; staged and verified beside the live weights) -> pause -> commit_update(fingerprint)
+-> resume; bucketed: pause -> load* (each bucket applied once verified) -> commit -> resume. Atomicity (the replicas'
 contract, sources.py): a failure before the commit is undone by `abort_update` (the version goes FAILED); a
 part-applied or ahead replica is restored from the host copy while paused, else reported out of service. Every call
 is bounded by `timeout_s`, a failed attempt retried, paused replicas always resumed.
@@ -27,7 +27,7 @@ import torch
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.interfaces import EngineAPI, verb_name
-from asyncrl.types import CommitReport, Refusal, UpdateAck, WeightUpdateState, refusal_of
+from asyncrl.types import CommitReport, Refusal, UpdateAck, UpdateBegin, WeightUpdateState, refusal_of
 from asyncrl.weightsync.bucket import WithDigests
 from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.registry import VersionRegistry
@@ -98,13 +98,9 @@ class ActorReplica:
     async def pause(self, mode: str) -> Any:
         return await self._call(EngineAPI.pause, mode)
 
-    async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
-                           plan_id: str | None = None) -> UpdateAck | dict[str, UpdateAck]:
-        return await self._call(EngineAPI.begin_update, version, verify, staging, layout, plan_id)
-
-    async def load_bucket(self, payload: Any, version: int) -> Loaded | dict[str, Loaded]:
+    async def load_bucket(self, payload: Any, version: int, begin: UpdateBegin | None = None) -> Loaded | dict[str, Loaded]:
         # The payload goes as a top-level argument so Ray resolves an ObjectRef before the call.
-        return await self._call(EngineAPI.load_bucket, payload, version)
+        return await self._call(EngineAPI.load_bucket, payload, version, begin)
 
     async def commit_update(self, version: int, fingerprint: str) -> CommitReport | dict[str, CommitReport]:
         return await self._call(EngineAPI.commit_update, version, fingerprint)
@@ -252,15 +248,14 @@ class Publisher:
             if bucketed:
                 pause_sent, paused = True, time.perf_counter()
                 await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
-            begin_sent = True
-            await self._step(Step.BEGIN, replicas, lambda r: r.begin_update(
-                version, source.verify, staging=self._cfg.staging, layout=source.layout, plan_id=source.plan_id), m)
+            begin = UpdateBegin(source.verify, self._cfg.staging, source.layout, source.plan_id)
+            begin_sent = True  # with the first load
             t = time.perf_counter()
             try:
                 if isinstance(source, StreamedSource):
-                    await source.stream(self._step, version, replicas, m)
+                    await source.stream(self._step, version, replicas, m, begin)
                 else:
-                    await self._stream(version, source, replicas, m, with_digests=bucketed)
+                    await self._stream(version, source, replicas, m, begin, with_digests=bucketed)
             except StepFailed as f:
                 if bucketed:  # buckets may have been applied: restore everyone
                     f.restore = [r.name for r in replicas]
@@ -302,13 +297,14 @@ class Publisher:
                 m.paused_seconds += time.perf_counter() - paused
 
     async def _stream(self, version: int, source: BucketSource, replicas: list[ReplicaClient], m: PushMetrics,
-                      with_digests: bool = False) -> None:
-        """Every bucket to every replica, in order: one load per replica in flight."""
-        for handle, digests in zip(source.handles, source.digests):
+                      begin: UpdateBegin, with_digests: bool = False) -> None:
+        """Every bucket to every replica, in order (the first beginning the update): one load per replica in flight."""
+        for i, (handle, digests) in enumerate(zip(source.handles, source.digests)):
             payload = self._transport.payload(handle)
             if with_digests:
                 payload = WithDigests(payload, digests)
-            await self._step(Step.LOAD, replicas, lambda r, p=payload: r.load_bucket(p, version), m)
+            first = begin if i == 0 else None
+            await self._step(Step.LOAD, replicas, lambda r, p=payload, b=first: r.load_bucket(p, version, b), m)
 
     @classmethod
     async def _commit(cls, r: ReplicaClient, version: int, fingerprint: str, m: PushMetrics) -> None:
@@ -367,9 +363,11 @@ class Publisher:
         host, failed = self._host, [r.name for r in replicas]
         if host is not None and replicas:
             async def reload(r: ReplicaClient) -> None:
-                await r.begin_update(host.version, fingerprint_mode(host.fingerprint), layout=host.layout, plan_id=host.plan_id)
+                begin: UpdateBegin | None = UpdateBegin(fingerprint_mode(host.fingerprint), layout=host.layout,
+                                                        plan_id=host.plan_id)
                 for h in host.handles:
-                    await r.load_bucket(self._transport.payload(h), host.version)
+                    await r.load_bucket(self._transport.payload(h), host.version, begin)
+                    begin = None
                 await r.commit_update(host.version, host.fingerprint)
 
             ok, bad = await self._run(Step.RESTORE, replicas, reload, m)

@@ -1,9 +1,10 @@
 """Where a push's buckets come from, as the publisher sees them (push.py drives them), and what a replica is to it.
 
-Owns: `Step` / `StepFailed`; `ReplicaClient` and the replicas' contract: pause(mode); begin_update(version, verify,
-staging, layout, plan_id) drops any staged copy (no plan: Refusal.PLAN_MISSING); load_bucket never touches live
-weights; commit_update(version, fp) applies nothing on a fingerprint mismatch (Refusal.VERIFY_FAILED), may leave the
-weights part-applied on a later error; abort_update is idempotent; a version <= the live one restores. The sources:
+Owns: `Step` / `StepFailed`; `ReplicaClient` and the replicas' contract: pause(mode); load_bucket(payload, version,
+begin) never touches live weights, and with `begin` (an `UpdateBegin`: the update's first load) first drops any
+staged copy (an engine layout without the plan: Refusal.PLAN_MISSING, nothing staged); commit_update(version, fp)
+applies nothing on a fingerprint mismatch (Refusal.VERIFY_FAILED), may leave the weights part-applied on a later
+error; abort_update is idempotent; a version <= the live one restores. The sources:
 `BucketSource` replays buckets the learner ranks put (with their digests); `StreamedSource` is a collective push, the
 senders broadcasting over the groups of a `Link` (link.py's `CollectiveLink`) into each replica's single `load_bucket`.
 And a push's metrics (`PushMetrics`, a flat `weightsync/...` dict).
@@ -21,7 +22,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from asyncrl.types import CommitReport, HostCopies, LoadReport, Refusal, UpdateAck, WeightExport, refusal_of
+from asyncrl.types import CommitReport, HostCopies, LoadReport, Refusal, UpdateAck, UpdateBegin, WeightExport, refusal_of
 from asyncrl.weightsync.bucket import digest_key_prefix
 from asyncrl.weightsync.fingerprint import VerifyMode, bucket_digests, check_verify_mode, combine_digests
 from asyncrl.weightsync.transport import Transport
@@ -39,10 +40,7 @@ class ReplicaClient(Protocol):
 
     async def pause(self, mode: str) -> Any: ...
 
-    async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
-                           plan_id: str | None = None) -> UpdateAck | dict[str, UpdateAck]: ...
-
-    async def load_bucket(self, payload: Any, version: int) -> Loaded | dict[str, Loaded]: ...
+    async def load_bucket(self, payload: Any, version: int, begin: UpdateBegin | None = None) -> Loaded | dict[str, Loaded]: ...
 
     async def commit_update(self, version: int, fingerprint: str) -> CommitReport | dict[str, CommitReport]: ...
 
@@ -157,7 +155,6 @@ class PushMetrics:
 class Step(str, enum.Enum):
     EXPORT = "export"  # reading the tensor stream / packing
     PAUSE = "pause"
-    BEGIN = "begin_update"
     LOAD = "load_bucket"
     FINGERPRINT = "fingerprint"
     COMMIT = "commit_update"
@@ -269,8 +266,8 @@ class StreamedSource:
         self._collecting: asyncio.Future | None = None
 
     async def stream(self, step: Callable[..., Awaitable[None]], version: int, replicas: list[ReplicaClient],
-                     m: PushMetrics) -> None:
-        """One attempt: every replica's load (begun already) receives what the senders broadcast."""
+                     m: PushMetrics, begin: UpdateBegin) -> None:
+        """One attempt: every replica's load (beginning the update) receives what the senders broadcast."""
         self.discard()  # an earlier attempt's host copies
         self.handles, self._digests = [], None
         t = time.perf_counter()
@@ -280,14 +277,18 @@ class StreamedSource:
             raise StepFailed(Step.LOAD, {"broadcast group": exc}) from exc
         prepared = time.perf_counter()
         payload = self._link.payload(version)
-        receiving = asyncio.ensure_future(step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version), m))
+        receiving = asyncio.ensure_future(step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version, begin), m))
         try:
             sent = await self._send(version, receiving, self._timeout_s)
         except Exception as exc:
-            # The sender told the receivers (abort header), or they give up at their deadline; their
-            # failures follow from the sender's.
+            # The sender told the receivers (abort header), or they give up at their deadline: their failures
+            # follow from the sender's. Unless a receiver refused the push (its update could not begin, e.g.
+            # PLAN_MISSING): then the sender's failure follows from that refusal, which is what the push reports.
             with contextlib.suppress(BaseException):
                 await receiving
+            refused = receiving.exception() if receiving.done() and not receiving.cancelled() else None
+            if isinstance(refused, StepFailed) and any(map(refusal_of, refused.failures.values())):
+                raise refused from exc
             raise StepFailed(Step.EXPORT, {"publisher": exc}) from exc
         except BaseException:
             receiving.cancel()

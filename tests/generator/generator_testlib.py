@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.interfaces import EngineAPI
+from asyncrl.types import UpdateBegin
 from asyncrl.weightsync.service import load_hf_tensors
 
 ADMIN_TOKEN = "test-admin-token"
@@ -121,8 +122,7 @@ def push_by_steps(control, version: int, tensors: dict[str, torch.Tensor], finge
     import asyncio
 
     try:
-        asyncio.run(control.call(EngineAPI.begin_update, version))
-        asyncio.run(control.call(EngineAPI.load_bucket, tensors, version))
+        asyncio.run(control.call(EngineAPI.load_bucket, tensors, version, UpdateBegin()))
         return asyncio.run(control.call(EngineAPI.commit_update, version, fingerprint))
     except BaseException:
         asyncio.run(control.call(EngineAPI.abort_update))
@@ -146,8 +146,7 @@ def generate_across_a_commit(post, control, body: dict, tensors: dict[str, torch
                    60, interval_s=interval_s, what="first tokens")
         asyncio.run(control.pause("keep"))
         try:
-            asyncio.run(control.call(EngineAPI.begin_update, version))
-            asyncio.run(control.call(EngineAPI.load_bucket, tensors, version))
+            asyncio.run(control.call(EngineAPI.load_bucket, tensors, version, UpdateBegin()))
             asyncio.run(control.call(EngineAPI.commit_update, version, tensor_fingerprint(tensors)))
         finally:
             asyncio.run(control.resume())

@@ -15,6 +15,7 @@ from asyncrl.config import GeneratorConfig, ModelConfig
 from asyncrl.generator.engine import EngineReplica, ReplicaState, WeightUpdateError
 from asyncrl.generator.version_source import EngineStamps
 from asyncrl.generator.vllm_engine import VllmDriver
+from asyncrl.types import UpdateBegin
 from asyncrl.weightsync.fingerprint import combine_digests
 
 NOTHING = combine_digests({}, "off")  # the fingerprint of an update that staged no tensors
@@ -82,12 +83,12 @@ def test_hybrid_sequence_sleeps_stays_stopped_through_a_push_and_runs_at_the_las
         del log[:]
         # the push's pause / resume on a sleeping replica touch nothing in the engine
         await r.pause("keep")
-        await r.begin_update(1, "off")
+        await r.load_bucket({}, 1, UpdateBegin("off"))
         with pytest.raises(WeightUpdateError, match="weights are asleep"):
             await r.commit_update(1, NOTHING)
         assert ("asyncrl_apply",) not in log and r.version == 0
         await r.wake_up(["weights"])
-        await r.begin_update(1, "off")
+        await r.load_bucket({}, 1, UpdateBegin("off"))
         await r.commit_update(1, NOTHING)
         assert (await r.resume())["running"] is False
         assert r.version == 1 and r.state is ReplicaState.SLEEPING
@@ -109,7 +110,7 @@ def test_level_two_sleep_keeps_the_engine_stopped_until_new_weights_are_committe
         assert log[3] == ("wake_up", ["weights", "kv_cache"])  # (pause, release, sleep, wake)
         assert out["running"] is False and log[-1] == ("pause", "keep", False)
         del log[:]
-        await r.begin_update(3, "off")
+        await r.load_bucket({}, 3, UpdateBegin("off"))
         await r.commit_update(3, NOTHING)  # no pause held by a caller: the commit starts the engine
         assert log[-1] == ("resume",) and r.version == 3
 

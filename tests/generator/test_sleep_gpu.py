@@ -15,7 +15,7 @@ import asyncio
 import pytest
 
 from asyncrl.config import GeneratorConfig, ModelConfig
-from asyncrl.types import GenerationRequest, SamplingParams
+from asyncrl.types import GenerationRequest, SamplingParams, UpdateBegin
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from asyncrl.weightsync.service import load_hf_tensors
 
@@ -57,8 +57,7 @@ async def _scenario(model_path, level: int) -> dict:
         await replica.wake_up(["weights"])
         weights = load_hf_tensors(str(model_path))
         await replica.pause("keep")
-        await replica.begin_update(1)
-        await replica.load_bucket(weights, 1)
+        await replica.load_bucket(weights, 1, UpdateBegin())
         await replica.commit_update(1, tensor_fingerprint(weights))
         resumed = await replica.resume()
         await asyncio.sleep(0.5)

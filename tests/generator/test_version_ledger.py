@@ -21,7 +21,7 @@ from generator_testlib import perturbed_weights
 
 from asyncrl.config import GeneratorConfig, ModelConfig
 from asyncrl.generator.versions import versions_from_spans
-from asyncrl.types import GenerationRequest, SamplingParams
+from asyncrl.types import GenerationRequest, SamplingParams, UpdateBegin
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from asyncrl.weightsync.service import load_hf_tensors
 
@@ -121,8 +121,7 @@ async def _push(replica, version: int, weights, gate: _Gate | None = None, while
     try:
         if while_paused is not None:
             await while_paused()
-        await replica.begin_update(version)
-        await replica.load_bucket(weights, version)
+        await replica.load_bucket(weights, version, UpdateBegin())
         await replica.commit_update(version, tensor_fingerprint(weights))
     finally:
         await replica.resume()

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck
+from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck, UpdateBegin
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, WithDigests, unpack_bucket
 from asyncrl.weightsync.fingerprint import bucket_digests, tensor_fingerprint
 from asyncrl.weightsync.sources import BucketSource
@@ -42,7 +42,7 @@ class Fault(Exception):
 @dataclass
 class FakeReplica:
     """Stages by name, verifies the fingerprint at commit before applying, like the generator's
-    replica. `faults` maps (step, attempt) -> "raise" | "hang" | "partial"."""
+    replica. `faults` maps (step, attempt) -> "raise" | "refuse" | "hang" | "partial"."""
 
     fanout = 1  # (one engine replica per client)
     name: str
@@ -52,7 +52,7 @@ class FakeReplica:
     faults: dict[tuple[str, int], str] = field(default_factory=dict)
     allow_reload: bool = True
     paused: bool = False
-    attempt: int = 0  # counts begin_update calls
+    attempt: int = 0  # counts the updates begun
     verify: str = "full"
     staging: str = "full"
     staged: dict[str, torch.Tensor] | None = None
@@ -62,6 +62,8 @@ class FakeReplica:
         kind = self.faults.get((step, self.attempt)) or self.faults.get((step, -1))
         if kind == "raise":
             raise Fault(f"injected {step} failure on {self.name}")
+        if kind == "refuse":  # as a replica without the push's plan refuses it
+            raise Fault(f"{self.name} holds no push plan", Refusal.PLAN_MISSING)
         if kind == "hang":
             await asyncio.Event().wait()
 
@@ -69,18 +71,19 @@ class FakeReplica:
         self.log.append((self.name, f"pause:{mode}"))
         self.paused = True
 
-    async def begin_update(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
-                           plan_id: str | None = None) -> UpdateAck:
+    async def _begin(self, version: int, begin: UpdateBegin) -> None:
+        """An update's first load begins it (logged as a step of its own: the tests read the update's order)."""
         self.log.append((self.name, f"begin:{version}"))
-        self.verify, self.staging = verify, staging
+        self.verify, self.staging = begin.verify, begin.staging
         self.attempt += 1
         if version <= self.version and not self.allow_reload:
             raise Fault(f"version {version} must be > current {self.version}")
         await self._maybe_fault("begin")
         self.staged = {}
-        return UpdateAck(replica_id=self.name, version=version)
 
-    async def load_bucket(self, bucket: Bucket, version: int) -> LoadReport:
+    async def load_bucket(self, bucket: Bucket, version: int, begin: UpdateBegin | None = None) -> LoadReport:
+        if begin is not None:
+            await self._begin(version, begin)
         self.log.append((self.name, "load"))
         self.loads += 1
         await self._maybe_fault("load")
@@ -187,11 +190,8 @@ class LocalClient:
     async def resume(self):
         return await self.r.resume()
 
-    async def begin_update(self, version, verify="full", staging="full", layout="hf", plan_id=None):
-        return await self.r.begin_update(version, verify, staging, layout, plan_id)
-
-    async def load_bucket(self, payload, version):
-        return await self.r.load_bucket(payload, version)
+    async def load_bucket(self, payload, version, begin=None):
+        return await self.r.load_bucket(payload, version, begin)
 
     async def commit_update(self, version, fingerprint):
         return await self.r.commit_update(version, fingerprint)

@@ -707,10 +707,12 @@ class GlooReplica(FakeReplica):
 
     group: CollectiveGroup | None = None
 
-    async def load_bucket(self, payload, version):
+    async def load_bucket(self, payload, version, begin=None):
         if not isinstance(payload, CollectiveReceive):  # a restore replays the host copy's buckets
-            return await super().load_bucket(payload, version)
+            return await super().load_bucket(payload, version, begin)
         assert payload.version == version
+        if begin is not None:
+            await self._begin(version, begin)
         self.log.append((self.name, "load"))
         await self._maybe_fault("load")
         deadline = time.monotonic() + payload.timeout_s
@@ -906,6 +908,25 @@ async def test_a_sender_failure_publishes_nothing_and_a_retry_forms_a_new_group(
     assert info.value.step is Step.EXPORT and pub.registry.get(1).state is S.FAILED and pub.registry.live_version == 0
     for r in replicas:
         assert r.version == 0 and all(torch.equal(r.weights[k], old[k]) for k in old) and not r.paused
+
+
+async def test_a_streamed_push_a_replica_refuses_reports_the_refusal_not_the_senders_failure():
+    """A replica whose update cannot begin (here: it lacks the push plan) refuses at its load, closing the push's
+    gate; the sender then fails too, but the push reports the refusal (the service re-forms the plan on it)."""
+    from asyncrl.types import Refusal
+    from asyncrl.weightsync.collective import CollectiveError
+
+    pub, replicas, log, old, state, prepare = _streamed_setup(n=1)
+    replicas[0].faults[("begin", 1)] = "refuse"
+
+    async def send(version, verify):
+        await asyncio.sleep(0.1)
+        raise CollectiveError("the push's gate was closed by a receiver")
+
+    with pytest.raises(WeightsyncError) as info:
+        await pub.publish(1, streamed(pub, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)), replicas)
+    assert info.value.step is Step.LOAD and info.value.refusals == {"r0": Refusal.PLAN_MISSING}
+    assert [e for n, e in log if n == "r0"] == ["begin:1", "abort"] and replicas[0].version == 0
 
 
 # ---- the engine worker's half, and group (re)formation ---------------------------------------------

@@ -59,17 +59,14 @@ class _EngineActor:
     async def resume(self):
         return await self.replica.resume()
 
-    async def begin_update(self, version, verify="full", staging="full", layout="hf", plan_id=None):
-        return await self.replica.begin_update(version, verify, staging, layout, plan_id)
-
     async def engine_layout(self, manifest):
         return await self.replica.engine_layout(manifest)
 
     async def set_push_plan(self, plan):
         return await self.replica.set_push_plan(plan)
 
-    async def load_bucket(self, bucket, version):
-        return await self.replica.load_bucket(bucket, version)
+    async def load_bucket(self, bucket, version, begin=None):
+        return await self.replica.load_bucket(bucket, version, begin)
 
     async def commit_update(self, version, fingerprint):
         return await self.replica.commit_update(version, fingerprint)
@@ -477,9 +474,9 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
             assert m[f"weightsync/transport/{backend}/bytes"] > 0 and m["weightsync/num_buckets"] > 1
             assert m["weightsync/sender/broadcast_seconds"] > 0
             assert link.formed == 1 and link.members == {"engine-0": 1, "engine-1": 1}
-            # each replica began, loaded and committed in a call each
-            begins = [k for k in m if k.startswith("weightsync/replica/") and k.endswith("/begin_update_seconds")]
-            assert len(begins) == 2 and m["weightsync/commit_seconds"] > 0
+            # each replica loaded (its load beginning the update) and committed in a call each
+            assert all(m[f"weightsync/replica/{r.name}/load_seconds"] > 0 for r in replicas)
+            assert not any(k.endswith("/begin_update_seconds") for k in m) and m["weightsync/commit_seconds"] > 0
             assert (await pub.drain())[1] == [] and _host_version(pub) == start + step  # its host copy, kept after the push
             exported, _ = await hf_export()
             kept = hf_from_engine(plan, [transport.fetch(h) for h in pub._host.handles])
@@ -613,7 +610,7 @@ async def test_one_engine_over_ipc_takes_a_push_and_refuses_a_corrupt_or_unplann
     link, pub, replica, push, sender, start, base = one.link, one.pub, one.replica, one.push, one.sender, one.start, one.base
 
     result = await push(start + 1)
-    assert replica.calls == ["begin_update", "load_bucket", "commit_update"]  # the commit pauses and resumes
+    assert replica.calls == ["load_bucket", "commit_update"]  # the load begins, the commit pauses and resumes
     await push(start + 2)  # after a clean push the link asks nobody first
     assert link.checks_skipped == 1 and link.formed == 1
     m = result.metrics
@@ -647,15 +644,16 @@ async def test_one_engine_over_ipc_takes_a_push_and_refuses_a_corrupt_or_unplann
     assert link.formed == 1
     await _engines_serve([engine], demo_model_path, sender.weights, start + 4)
 
-    # The replica refuses an engine-layout push for a plan it does not hold: the push fails at its begin.
+    # The replica refuses an engine-layout push for a plan it does not hold: the push fails at its first load's
+    # begin, at once, the replica telling the sender (which breaks the ipc group: the next push forms another).
     t = time.monotonic()
     with pytest.raises(WeightsyncError) as info:
         await push(start + 5, plan_id="a-plan-nobody-holds")
     assert time.monotonic() - t < cfg.timeout_s / 2
-    assert info.value.refusals.get("engine-0") is Refusal.PLAN_MISSING and info.value.step.value == "begin_update"
+    assert info.value.refusals.get("engine-0") is Refusal.PLAN_MISSING and info.value.step.value == "load_bucket"
     await _engines_serve([engine], demo_model_path, sender.weights, start + 4)
-    await push(start + 6)  # the same group (nothing reached the wire)
-    assert link.formed == 1 and pub.registry.live_version == start + 6
+    await push(start + 6)
+    assert link.formed == 2 and pub.registry.live_version == start + 6
 
 
 async def test_one_engine_over_gloo_takes_a_push_and_refuses_a_bucket_corrupted_on_the_wire(engines, demo_model_path, monkeypatch):
@@ -682,7 +680,7 @@ async def test_one_engine_over_gloo_takes_a_push_and_refuses_a_bucket_corrupted_
     link, pub, replica, push, sender, start, base = one.link, one.pub, one.replica, one.push, one.sender, one.start, one.base
 
     result = await push(start + 1)
-    assert replica.calls == ["begin_update", "load_bucket", "commit_update"]  # the commit pauses and resumes
+    assert replica.calls == ["load_bucket", "commit_update"]  # the load begins, the commit pauses and resumes
     m = result.metrics
     assert m["weightsync/commit_seconds"] > 0
     assert m["weightsync/paused_seconds"] > 0 and m["weightsync/apply_direct"] == 1.0 and m["weightsync/num_buckets"] > 1
@@ -720,14 +718,14 @@ async def test_one_engine_over_gloo_takes_a_push_and_refuses_a_bucket_corrupted_
     assert link.checks_skipped == skipped == 2 and pub.registry.live_version == start + 4
     await _engines_serve([engine], demo_model_path, sender.weights, start + 4)
 
-    # The replica refuses a push for a plan it does not hold: the push fails at its begin, before the
-    # wire, at once (not at its deadline), naming the refusal; the groups carry the next push.
+    # The replica refuses a push for a plan it does not hold: the push fails at its first load's begin, at the
+    # push's gate (before the wire), at once (not at its deadline), naming the refusal; the groups carry the next.
     formed = link.formed
     t = time.monotonic()
     with pytest.raises(WeightsyncError) as info:
         await push(start + 5, plan_id="a-plan-nobody-holds")
     assert time.monotonic() - t < cfg.timeout_s / 2
-    assert info.value.refusals.get("engine-0") is Refusal.PLAN_MISSING and info.value.step.value == "begin_update"
+    assert info.value.refusals.get("engine-0") is Refusal.PLAN_MISSING and info.value.step.value == "load_bucket"
     await push(start + 6)
     assert link.formed == formed and pub.registry.live_version == start + 6
     await _engines_serve([engine], demo_model_path, sender.weights, start + 6)

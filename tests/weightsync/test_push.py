@@ -52,7 +52,7 @@ async def test_replicas_stage_while_serving_and_are_paused_only_for_the_commit()
     assert m["weightsync/failed"] == 0 and m["weightsync/attempts"] == 1
     assert {"weightsync/replica/r0/load_seconds", "weightsync/transport/local/put_gbps",
             "weightsync/timeline/live_s", "weightsync/gbps", "weightsync/pushes_total", "weightsync/on_live_seconds",
-            "weightsync/replica/r0/pause_seconds", "weightsync/replica/r0/begin_update_seconds",
+            "weightsync/replica/r0/pause_seconds",
             "weightsync/replica/r0/resume_seconds"} <= m.keys()
     assert m["weightsync/timeline/staging_s"] <= m["weightsync/timeline/committing_s"] <= m["weightsync/timeline/live_s"]
 
@@ -180,7 +180,7 @@ async def test_unrestorable_replicas_are_reported_out_of_service():
     pub, replicas, log, _ = _setup()
     pub.seed(0, source_of(pub, model(0)))
     for r in replicas:
-        r.allow_reload = False  # like the generator today: begin_update needs a newer version
+        r.allow_reload = False  # a replica that refuses to begin an older version
     replicas[1].faults[("commit", 1)] = "partial"
     with pytest.raises(WeightsyncError, match="out of service") as info:
         await pub.publish(1, source_of(pub, model(1)), replicas)
@@ -234,9 +234,9 @@ async def test_a_push_leaves_the_learners_random_stream_where_it_was():
     for r in replicas:
         load = r.load_bucket
 
-        async def drawing(bucket, version, load=load):
+        async def drawing(bucket, version, begin=None, load=load):
             torch.rand(10)
-            return await load(bucket, version)
+            return await load(bucket, version, begin)
 
         r.load_bucket = drawing
     torch.manual_seed(7)
@@ -320,7 +320,7 @@ async def test_verify_mode_decides_what_a_commit_checks(verify, caught):
     else:  # `off` checks names, dtypes and shapes only: the flipped byte goes live (documented)
         result = await pub.publish(1, source_of(pub, new), replicas)
         assert result.fingerprint.startswith("off:") and not _same(replicas[0].weights, new)
-    assert all(r.verify == verify for r in replicas)  # the mode travels with begin_update
+    assert all(r.verify == verify for r in replicas)  # the mode travels with the update's first load
 
 
 async def test_shm_transport_owns_its_files_from_push_to_release():
