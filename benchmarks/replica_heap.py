@@ -66,8 +66,7 @@ class Pusher:
 
         from asyncrl.config import WeightsyncConfig
         from asyncrl.weightsync.plan import ManifestEntry, build_plan
-        from asyncrl.weightsync.push import Publisher
-        from asyncrl.weightsync.registry import VersionRegistry
+        from asyncrl.weightsync.push import Publisher, VersionRegistry
         from asyncrl.weightsync.service import dump_manifest, load_hf_tensors
         from asyncrl.weightsync.transport import SharedMemoryTransport
         from tests.weightsync.fakes import LocalClient, source_of

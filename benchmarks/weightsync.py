@@ -489,8 +489,7 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
     from asyncrl.config import WeightsyncConfig
     from asyncrl.weightsync.collective import ipc_window_for
     from asyncrl.weightsync.link import CollectiveLink
-    from asyncrl.weightsync.push import BucketSource, Publisher, StreamedSource
-    from asyncrl.weightsync.registry import VersionRegistry
+    from asyncrl.weightsync.push import BucketSource, Publisher, StreamedSource, VersionRegistry
     from asyncrl.weightsync.transport import pack_into_transport, select_transport
 
     runs = {}

@@ -1,13 +1,13 @@
 """Push orchestration: publish one weight version to every engine replica, atomically.
 
-Owns: the order of a push, its atomicity, timeouts and retries, the replica clients (`ActorReplica`: one Ray actor
-or Serve replica handle; `DeploymentReplicas`: every running replica of the engine deployment), the host copy of
-the last live version (its bucket handles), per-push metrics. Order, by `weightsync.staging`: full: load_bucket*
-(the first beginning the update; staged and verified beside the live weights) -> pause -> commit_update(fingerprint)
--> resume; bucketed: pause -> load* (each bucket applied once verified) -> commit -> resume. Atomicity (the replicas'
-contract, sources.py): a failure before the commit is undone by `abort_update` (the version goes FAILED); a
-part-applied or ahead replica is restored from the host copy while paused, else reported out of service. Every call
-is bounded by `timeout_s`, a failed attempt retried, paused replicas always resumed.
+Owns: the order of a push, its atomicity, timeouts and retries, the registry of versions (`VersionRegistry`: each
+one's lifecycle IDLE -> STAGING -> COMMITTING -> LIVE | FAILED and timeline, which replica serves which), the host
+copy of the last live version (its bucket handles), per-push metrics. Order, by `weightsync.staging`: full:
+load_bucket* (the first beginning the update; staged and verified beside the live weights) -> pause ->
+commit_update(fingerprint) -> resume; bucketed: pause -> load* (each bucket applied once verified) -> commit ->
+resume. Atomicity (the replicas' contract, sources.py): a failure before the commit is undone by `abort_update` (the
+version goes FAILED); a part-applied or ahead replica is restored from the host copy while paused, else reported out
+of service. Every call is bounded by `timeout_s`, a failed attempt retried, paused replicas always resumed.
 Must never: pack or unpack tensors (bucket.py, plan.py), know the transport's medium, or let a version go live that
 some live replica did not commit. Details: docs/design/weightsync.md, "Push orchestration".
 """
@@ -16,23 +16,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.interfaces import EngineAPI, verb_name
-from asyncrl.types import CommitReport, Refusal, UpdateAck, UpdateBegin, WeightUpdateState, refusal_of
+from asyncrl.types import CommitReport, Refusal, UpdateBegin, WeightUpdateState, WeightVersion, refusal_of
 from asyncrl.weightsync.bucket import WithDigests
 from asyncrl.weightsync.fingerprint import fingerprint_mode
-from asyncrl.weightsync.registry import VersionRegistry
 from asyncrl.weightsync.sources import (  # noqa: F401 - re-exported: the publisher's vocabulary
+    ActorReplica,
     BucketSource,
+    DeploymentReplicas,
     Loaded,
     PushMetrics,
     ReplicaClient,
@@ -49,7 +48,7 @@ log = logging.getLogger(__name__)
 S = WeightUpdateState
 # on_live(version, fingerprint, buckets): the live version's buckets, or their handles where the transport's are
 # ObjectRefs (`by_reference`): a Ray actor takes those as they are, where sending the buckets copies every byte
-OnLive = Callable[[int, str, list[Any]], Any]
+OnLive = Callable[[int, str, list[Any]], Awaitable[Any]]
 
 
 class WeightsyncError(RuntimeError):
@@ -82,62 +81,136 @@ class PushResult:
     warnings: list[str] = field(default_factory=list)
 
 
-class ActorReplica:
-    """Adapter for a handle whose `handle.<method>.remote(...)` returns something awaitable
-    (a Ray ObjectRef for an actor, a DeploymentResponse for a Serve replica handle)."""
-
-    fanout = 1  # engine replicas one call reaches
-
-    def __init__(self, handle: Any, name: str) -> None:
-        self.handle = handle
-        self.name = name
-
-    async def _call(self, verb: Callable[..., Any], *args: Any) -> Any:
-        return await getattr(self.handle, verb_name(EngineAPI, verb)).remote(*args)
-
-    async def pause(self, mode: str) -> Any:
-        return await self._call(EngineAPI.pause, mode)
-
-    async def load_bucket(self, payload: Any, version: int, begin: UpdateBegin | None = None) -> Loaded | dict[str, Loaded]:
-        # The payload goes as a top-level argument so Ray resolves an ObjectRef before the call.
-        return await self._call(EngineAPI.load_bucket, payload, version, begin)
-
-    async def commit_update(self, version: int, fingerprint: str) -> CommitReport | dict[str, CommitReport]:
-        return await self._call(EngineAPI.commit_update, version, fingerprint)
-
-    async def abort_update(self) -> UpdateAck | dict[str, UpdateAck]:
-        return await self._call(EngineAPI.abort_update)
-
-    async def resume(self) -> Any:
-        return await self._call(EngineAPI.resume)
-
-    def __repr__(self) -> str:
-        return f"ActorReplica({self.name!r})"
+# The one place transitions are defined. COMMITTING -> STAGING is a retry that restages from
+# scratch after a failed commit (the engines dropped their staged copy).
+_TRANSITIONS: dict[WeightUpdateState, frozenset[WeightUpdateState]] = {
+    S.IDLE: frozenset({S.STAGING, S.FAILED}),
+    S.STAGING: frozenset({S.STAGING, S.COMMITTING, S.FAILED}),
+    S.COMMITTING: frozenset({S.STAGING, S.LIVE, S.FAILED}),
+    S.LIVE: frozenset(),
+    S.FAILED: frozenset(),
+}
 
 
-class DeploymentReplicas(ActorReplica):
-    """`ReplicaClient` for every running replica of the engine deployment, one broadcast per step
-    (the update steps are ActorReplica's; only how a call reaches the replicas differs).
-    `control` fans a verb out (`await control.call(EngineAPI.pause, *args, timeout_s=...)` ->
-    {replica id: result}: the generator's EngineControl)."""
+class RegistryError(RuntimeError):
+    """An illegal registry operation (bad transition, version not newer, replica missing)."""
 
-    def __init__(self, control: Any, timeout_s: float, name: str = "engines") -> None:
-        super().__init__(getattr(control, "handle", None), name)
-        self.control, self.timeout_s = control, timeout_s
-        self.last_results: dict[str, Any] = {}
+
+class VersionRegistry:
+    """Plain, in-process registry: the publisher's, on the trainer's event loop (no lock: one thread calls it). It
+    keeps the records of the last `history` versions pushed (and always the live one's): a run pushes once a step, for
+    days, and a record per push would grow the trainer's memory and every `snapshot` without bound."""
+
+    def __init__(self, initial_version: int = 0, history: int = 256) -> None:
+        if history < 1:
+            raise ValueError(f"history={history} must be >= 1")
+        self.history = history
+        self._records: dict[int, WeightVersion] = {}
+        self._timeline: dict[int, list[tuple[str, float]]] = {}
+        self._live: int = initial_version
+        self._in_flight: int | None = None
+        self._replica_versions: dict[str, int] = {}
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def live_version(self) -> int:
+        return self._live
 
     @property
-    def fanout(self) -> int:  # type: ignore[override]
-        """Engine replicas the last call reached (2 before any: not known to be one)."""
-        return len(self.last_results) if self.last_results else 2
+    def in_flight(self) -> int | None:
+        return self._in_flight
 
-    async def _call(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
-        self.last_results = await self.control.call(verb, *args, timeout_s=self.timeout_s)
-        return self.last_results
+    def get(self, version: int) -> WeightVersion:
+        try:
+            return self._records[version]
+        except KeyError:
+            raise RegistryError(f"version {version} is not registered") from None
 
-    async def call_all(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
-        """`verb` on every running replica, {replica id: result}; `fanout` counts them from now on."""
-        return await self._call(verb, *args)
+    def records(self) -> list[WeightVersion]:
+        return [self._records[v] for v in sorted(self._records)]
+
+    def timeline(self, version: int) -> list[tuple[str, float]]:
+        """(state value, unix time) for every state the version entered, in order."""
+        self.get(version)
+        return list(self._timeline[version])
+
+    def replica_versions(self) -> dict[str, int]:
+        return dict(self._replica_versions)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def begin(self, version: int) -> WeightVersion:
+        """Register `version` (IDLE) for a push. It must be newer than the live one and no
+        other push may be in flight. A version number that FAILED before may be pushed again."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise RegistryError(f"version={version!r} must be an int")
+        if self._in_flight is not None:
+            raise RegistryError(f"version {self._in_flight} is still being pushed; cannot begin {version}")
+        if version <= self._live:
+            raise RegistryError(f"version {version} is not newer than the live version {self._live}")
+        old = self._records.get(version)
+        if old is not None and old.state is not S.FAILED:
+            raise RegistryError(f"version {version} already registered in state {old.state.value}")
+        record = WeightVersion(version=version)
+        self._records[version] = record
+        self._timeline[version] = [(S.IDLE.value, record.created_at)]
+        self._in_flight = version
+        stale = [v for v in sorted(self._records) if v not in (self._live, version)]
+        for v in stale[: max(0, len(self._records) - self.history)]:
+            del self._records[v], self._timeline[v]
+        return record
+
+    def transition(self, version: int, new: WeightUpdateState, *, error: str | None = None) -> WeightVersion:
+        record = self.get(version)
+        if new not in _TRANSITIONS[record.state]:
+            raise RegistryError(f"version {version}: illegal transition {record.state.value} -> {new.value}")
+        if new is S.LIVE:
+            raise RegistryError("LIVE is entered only through go_live(), which checks every replica committed")
+        record.state = new
+        if new is S.STAGING:
+            record.replicas = []  # a retry restages every replica from scratch
+        if new is S.FAILED:
+            record.error = error or "unknown error"
+            self._in_flight = None
+        self._timeline[version].append((new.value, time.time()))
+        return record
+
+    def set_payload(self, version: int, *, fingerprint: str, num_bytes: int, num_tensors: int) -> None:
+        record = self.get(version)
+        record.fingerprint, record.num_bytes, record.num_tensors = fingerprint, num_bytes, num_tensors
+
+    def replica_committed(self, version: int, replica: str) -> None:
+        record = self.get(version)
+        if record.state is not S.COMMITTING:
+            raise RegistryError(f"replica {replica} committed version {version} in state {record.state.value}")
+        if replica not in record.replicas:
+            record.replicas.append(replica)
+
+    def go_live(self, version: int, live_replicas: Iterable[str]) -> WeightVersion:
+        """COMMITTING -> LIVE, only if every replica in `live_replicas` committed `version`."""
+        record = self.get(version)
+        if record.state is not S.COMMITTING:
+            raise RegistryError(f"version {version}: illegal transition {record.state.value} -> live")
+        expected = set(live_replicas)
+        missing = sorted(expected - set(record.replicas))
+        if missing:
+            raise RegistryError(f"version {version} cannot go live: replicas {missing} have not committed it")
+        now = time.time()
+        record.state, record.committed_at = S.LIVE, now
+        self._timeline[version].append((S.LIVE.value, now))
+        self._live, self._in_flight = version, None
+        for replica in expected:
+            self._replica_versions[replica] = version
+        return record
+
+    def replica_loaded(self, replica: str, version: int) -> None:
+        """A replica now serves `version` (late joiner loaded the store, or a rollback)."""
+        record = self._records.get(version)
+        if record is not None and record.state is not S.LIVE:
+            raise RegistryError(f"replica {replica} cannot serve version {version}: it is {record.state.value}")
+        self._replica_versions[replica] = version
+
+    def replica_removed(self, replica: str) -> None:
+        self._replica_versions.pop(replica, None)
 
 
 @dataclass
@@ -163,10 +236,6 @@ def preserve_rng_state() -> Iterator[None]:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
-
-
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
 
 
 class Publisher:
@@ -433,7 +502,7 @@ class Publisher:
             try:
                 by_ref = self._transport.by_reference
                 buckets = list(source.handles) if by_ref else [self._transport.fetch(h) for h in source.handles]
-                await asyncio.wait_for(_maybe_await(self._on_live(version, fingerprint, buckets)), self._cfg.timeout_s)
+                await asyncio.wait_for(self._on_live(version, fingerprint, buckets), self._cfg.timeout_s)
             except Exception as exc:  # the version is live on every replica; only late joiners lag
                 report["store_failed"] = 1.0
                 warnings.append(f"on_live hook failed for version {version}: {type(exc).__name__}: {exc}")

@@ -28,8 +28,7 @@ from asyncrl.interfaces import EngineAPI
 from asyncrl.types import Refusal, learner_failure
 from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
 from asyncrl.weightsync.link import CollectiveLink
-from asyncrl.weightsync.push import BucketSource, DeploymentReplicas, Publisher, StreamedSource
-from asyncrl.weightsync.registry import VersionRegistry
+from asyncrl.weightsync.push import BucketSource, DeploymentReplicas, Publisher, StreamedSource, VersionRegistry
 from asyncrl.weightsync.transport import is_object_ref, select_transport
 
 log = logging.getLogger(__name__)
@@ -48,7 +47,6 @@ class WeightPublisher:
         self.store_name = store_name or STORE_NAME
         self.namespace = namespace or STORE_NAMESPACE
         self.plan: Any = None  # the push plan the engines and the learner's senders hold (None: HF tensors)
-        self.plan_problem = "no plan formed yet"
         self.manifest: list[Any] = []
         self.publisher: Publisher | None = None
         self.transport: Any = None
@@ -150,7 +148,7 @@ class WeightPublisher:
             await self.store.set_push_plan.remote(plan)
         await asyncio.gather(self.replicas.control.call(EngineAPI.set_push_plan, blob, timeout_s=max(600.0, self.cfg.timeout_s)),
                              self.learner.set_push_plan(blob))
-        self.plan, self.plan_problem = plan, problem
+        self.plan = plan
         if self.link is not None and (senders_before != (plan.senders if plan is not None else None)
                                       or feeds_before != self.sender_ranks()):
             self.link.forget()  # other learner ranks send now, or to other engine ranks: the groups form again
@@ -304,9 +302,6 @@ class WeightPublisher:
             _, warnings = await self.publisher.drain()
             for warning in warnings:
                 log.warning("%s", warning)
-
-    def snapshot(self) -> dict[str, Any]:
-        return self.publisher.registry.snapshot() if self.publisher else {}
 
 
 def dump_manifest(manifest: Any) -> bytes:

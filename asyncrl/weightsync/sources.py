@@ -1,13 +1,14 @@
 """Where a push's buckets come from, as the publisher sees them (push.py drives them), and what a replica is to it.
 
-Owns: `Step` / `StepFailed`; `ReplicaClient` and the replicas' contract: pause(mode); load_bucket(payload, version,
-begin) never touches live weights, and with `begin` (an `UpdateBegin`: the update's first load) first drops any
-staged copy (an engine layout without the plan: Refusal.PLAN_MISSING, nothing staged); commit_update(version, fp)
-applies nothing on a fingerprint mismatch (Refusal.VERIFY_FAILED), may leave the weights part-applied on a later
-error; abort_update is idempotent; a version <= the live one restores. The sources:
+Owns: `Step` / `StepFailed`; `ReplicaClient` (its adapters: `ActorReplica`, one Ray actor or Serve replica handle;
+`DeploymentReplicas`, every running replica of the engine deployment) and the replicas' contract: pause(mode);
+load_bucket(payload, version, begin) never touches live weights, and with `begin` (an `UpdateBegin`: the update's
+first load) first drops any staged copy (an engine layout without the plan: Refusal.PLAN_MISSING, nothing staged);
+commit_update(version, fp) applies nothing on a fingerprint mismatch (Refusal.VERIFY_FAILED), may leave the weights
+part-applied on a later error; abort_update is idempotent; a version <= the live one restores. The sources:
 `BucketSource` replays buckets the learner ranks put (with their digests); `StreamedSource` is a collective push, the
-senders broadcasting over the groups of a `Link` (link.py's `CollectiveLink`) into each replica's single `load_bucket`.
-And a push's metrics (`PushMetrics`, a flat `weightsync/...` dict).
+senders broadcasting over the groups of a `Link` (link.py's `CollectiveLink`) into each replica's single load. And a
+push's metrics (`PushMetrics`, a flat `weightsync/...` dict).
 Must never: order replica calls or decide what is live (push.py). Details: docs/design/weightsync.md.
 """
 
@@ -22,6 +23,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from asyncrl.interfaces import EngineAPI, verb_name
 from asyncrl.types import CommitReport, HostCopies, LoadReport, Refusal, UpdateAck, UpdateBegin, WeightExport, refusal_of
 from asyncrl.weightsync.bucket import digest_key_prefix
 from asyncrl.weightsync.fingerprint import VerifyMode, bucket_digests, check_verify_mode, combine_digests
@@ -48,6 +50,63 @@ class ReplicaClient(Protocol):
 
     async def resume(self) -> Any: ...
 
+
+class ActorReplica:
+    """Adapter for a handle whose `handle.<method>.remote(...)` returns something awaitable
+    (a Ray ObjectRef for an actor, a DeploymentResponse for a Serve replica handle)."""
+
+    fanout = 1  # engine replicas one call reaches
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self.handle = handle
+        self.name = name
+
+    async def _call(self, verb: Callable[..., Any], *args: Any) -> Any:
+        return await getattr(self.handle, verb_name(EngineAPI, verb)).remote(*args)
+
+    async def pause(self, mode: str) -> Any:
+        return await self._call(EngineAPI.pause, mode)
+
+    async def load_bucket(self, payload: Any, version: int, begin: UpdateBegin | None = None) -> Loaded | dict[str, Loaded]:
+        # The payload goes as a top-level argument so Ray resolves an ObjectRef before the call.
+        return await self._call(EngineAPI.load_bucket, payload, version, begin)
+
+    async def commit_update(self, version: int, fingerprint: str) -> CommitReport | dict[str, CommitReport]:
+        return await self._call(EngineAPI.commit_update, version, fingerprint)
+
+    async def abort_update(self) -> UpdateAck | dict[str, UpdateAck]:
+        return await self._call(EngineAPI.abort_update)
+
+    async def resume(self) -> Any:
+        return await self._call(EngineAPI.resume)
+
+    def __repr__(self) -> str:
+        return f"ActorReplica({self.name!r})"
+
+
+class DeploymentReplicas(ActorReplica):
+    """`ReplicaClient` for every running replica of the engine deployment, one broadcast per step
+    (the update steps are ActorReplica's; only how a call reaches the replicas differs).
+    `control` fans a verb out (`await control.call(EngineAPI.pause, *args, timeout_s=...)` ->
+    {replica id: result}: the generator's EngineControl)."""
+
+    def __init__(self, control: Any, timeout_s: float, name: str = "engines") -> None:
+        super().__init__(getattr(control, "handle", None), name)
+        self.control, self.timeout_s = control, timeout_s
+        self.last_results: dict[str, Any] = {}
+
+    @property
+    def fanout(self) -> int:  # type: ignore[override]
+        """Engine replicas the last call reached (2 before any: not known to be one)."""
+        return len(self.last_results) if self.last_results else 2
+
+    async def _call(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
+        self.last_results = await self.control.call(verb, *args, timeout_s=self.timeout_s)
+        return self.last_results
+
+    async def call_all(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
+        """`verb` on every running replica, {replica id: result}; `fanout` counts them from now on."""
+        return await self._call(verb, *args)
 
 
 def is_verify_failure(exc: BaseException) -> bool:

@@ -106,8 +106,7 @@ def push_weights(control, version: int, tensors: dict[str, torch.Tensor], *, pla
     import asyncio
 
     from asyncrl.config import WeightsyncConfig
-    from asyncrl.weightsync.push import Publisher
-    from asyncrl.weightsync.registry import VersionRegistry
+    from asyncrl.weightsync.push import Publisher, VersionRegistry
     from asyncrl.weightsync.service import DeploymentReplicas
     from tests.weightsync.fakes import LocalTransport, source_of
 

@@ -76,8 +76,7 @@ async def _scenario(model_path: str) -> dict:
     from asyncrl.config import GeneratorConfig, ModelConfig, WeightsyncConfig
     from asyncrl.generator.engine import EngineReplica
     from asyncrl.types import GenerationRequest, SamplingParams
-    from asyncrl.weightsync.push import Publisher
-    from asyncrl.weightsync.registry import VersionRegistry
+    from asyncrl.weightsync.push import Publisher, VersionRegistry
     from tests.weightsync.fakes import LocalTransport
 
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),
@@ -150,8 +149,7 @@ async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl") ->
     from asyncrl.types import GenerationRequest, Refusal, SamplingParams
     from asyncrl.weightsync.collective import CollectiveGroup
     from asyncrl.weightsync.link import CollectiveLink
-    from asyncrl.weightsync.push import Publisher, WeightsyncError
-    from asyncrl.weightsync.registry import VersionRegistry
+    from asyncrl.weightsync.push import Publisher, VersionRegistry, WeightsyncError
     from asyncrl.weightsync.transport import select_transport
 
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),

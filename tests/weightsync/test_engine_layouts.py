@@ -48,8 +48,7 @@ async def _scenario(path: str) -> dict:
     from asyncrl.generator.engine import EngineReplica
     from asyncrl.types import GenerationRequest, SamplingParams
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
-    from asyncrl.weightsync.push import Publisher
-    from asyncrl.weightsync.registry import VersionRegistry
+    from asyncrl.weightsync.push import Publisher, VersionRegistry
     from asyncrl.weightsync.service import dump_manifest, load_hf_tensors
     from asyncrl.weightsync.transport import SharedMemoryTransport
 

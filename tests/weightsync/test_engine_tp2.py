@@ -101,8 +101,7 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
     from asyncrl.types import GenerationRequest
     from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.link import CollectiveLink
-    from asyncrl.weightsync.push import Publisher
-    from asyncrl.weightsync.registry import VersionRegistry
+    from asyncrl.weightsync.push import Publisher, VersionRegistry
     from asyncrl.weightsync.shards import hf_from_engine, sender_ranks
     from asyncrl.weightsync.transport import select_transport
     from tests.learner._data import advantages, make_samples

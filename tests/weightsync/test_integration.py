@@ -254,8 +254,7 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
     from transformers import AutoTokenizer
 
     from asyncrl.config import WeightsyncConfig
-    from asyncrl.weightsync.push import ActorReplica, Publisher, Step, WeightsyncError
-    from asyncrl.weightsync.registry import VersionRegistry
+    from asyncrl.weightsync.push import ActorReplica, Publisher, Step, VersionRegistry, WeightsyncError
     from asyncrl.weightsync.service import WeightStore, load_hf_tensors, weight_store_hook
     from asyncrl.weightsync.transport import ObjectStoreTransport
 
@@ -549,8 +548,7 @@ class _OneEngine:
 
     def __init__(self, engine, sender, cfg, start: int, plan, **link_kw) -> None:
         from asyncrl.weightsync.link import CollectiveLink
-        from asyncrl.weightsync.push import ActorReplica, Publisher
-        from asyncrl.weightsync.registry import VersionRegistry
+        from asyncrl.weightsync.push import ActorReplica, Publisher, VersionRegistry
         from asyncrl.weightsync.transport import select_transport
 
         async def members():

@@ -192,14 +192,13 @@ async def test_unrestorable_replicas_are_reported_out_of_service():
 async def test_the_registry_records_each_push_live_or_failed():
     pub, replicas, _, _ = _setup()
     await pub.publish(1, source_of(pub, model(1)), replicas)
-    snap = pub.registry.snapshot()
-    assert snap["live_version"] == 1 and snap["versions"][0]["state"] == "live"
+    assert pub.registry.live_version == 1 and [r.state for r in pub.registry.records()] == [S.LIVE]
 
     replicas[0].faults[("load", 2)] = "raise"
     with pytest.raises(WeightsyncError):
         await pub.publish(2, source_of(pub, model(2)), replicas)
-    snap = pub.registry.snapshot()
-    assert snap["versions"][-1]["state"] == "failed" and snap["live_version"] == 1
+    assert [r.state for r in pub.registry.records()] == [S.LIVE, S.FAILED] and pub.registry.live_version == 1
+    assert "injected load failure" in pub.registry.get(2).error
 
 
 async def test_on_live_hook_gets_the_committed_buckets():
@@ -207,7 +206,7 @@ async def test_on_live_hook_gets_the_committed_buckets():
 
     stored = {}
 
-    def on_live(version, fingerprint, buckets):
+    async def on_live(version, fingerprint, buckets):
         assert all(isinstance(b, Bucket) for b in buckets)  # cheap to hand to an actor: numpy, out of band
         stored.update(version=version, fp=fingerprint, tensors={n: t.clone() for n, t in iter_unpacked(buckets)})
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.types import WeightUpdateState as S
-from asyncrl.weightsync.registry import RegistryError, VersionRegistry
+from asyncrl.weightsync.push import RegistryError, VersionRegistry
 
 
 def _to_committing(reg: VersionRegistry, version: int) -> None:
@@ -109,7 +109,6 @@ def test_only_the_last_versions_records_are_kept_and_the_live_ones_always():
     assert [r.version for r in reg.records()] == [8, 9, 10] and reg.live_version == 9
     with pytest.raises(RegistryError, match="not registered"):
         reg.timeline(7)
-    assert [v["version"] for v in reg.snapshot()["versions"]] == [8, 9, 10]
     for v in (11, 12, 13):  # failed pushes do not push the live version's record out
         reg.begin(v)
         reg.transition(v, S.FAILED, error="x")
