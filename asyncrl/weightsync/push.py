@@ -99,7 +99,7 @@ class RegistryError(RuntimeError):
 class VersionRegistry:
     """Plain, in-process registry: the publisher's, on the trainer's event loop (no lock: one thread calls it). It
     keeps the records of the last `history` versions pushed (and always the live one's): a run pushes once a step, for
-    days, and a record per push would grow the trainer's memory and every `snapshot` without bound."""
+    days, and a record per push would grow the trainer's memory without bound."""
 
     def __init__(self, initial_version: int = 0, history: int = 256) -> None:
         if history < 1:

@@ -512,6 +512,7 @@ def test_a_verified_push_is_handed_to_sglang_whole_with_its_version_and_no_cache
 
     from asyncrl.generator.engine_update import FingerprintMismatch, WeightUpdates
     from asyncrl.interfaces import WorkerAPI
+    from asyncrl.types import UpdateBegin
     from asyncrl.weightsync.fingerprint import tensor_fingerprint
 
     class Staging(WeightUpdates):  # the replica's weight-update part alone, on the SGLang driver
@@ -528,7 +529,7 @@ def test_a_verified_push_is_handed_to_sglang_whole_with_its_version_and_no_cache
         assert (await staging._check_layout())[0].direct is False
 
         async def push(version: int, tensors: dict) -> ApplyReport:
-            await staging._begin(version, "full", "full", "hf", None)
+            staging._begin(version, UpdateBegin())
             await staging._load_bucket(dict(tensors), version)
             staging._check_staged(version, fp)
             return await staging._apply_staged(version, before=WorkerAPI.asyncrl_sampled_token_counts)
