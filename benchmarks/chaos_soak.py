@@ -10,7 +10,8 @@ process over time, the exit and what is left running, and checks:
 
 - 0 samples lost: generated = trained + every dropped_* + waiting, at every poll, at each kill and at the end;
 - versions published once each and in order (the run's metrics.jsonl);
-- >= 99 % of the API requests answered 200, every other one a 503 inside a kill's recovery window (--window s);
+- >= 99 % of the API requests outside the kills' recovery windows (--window s) answered 200, and every non-200
+  answer a 503 inside such a window (a killed engine's requests have nowhere else to go until it is replaced);
 - the RSS of every process alive from --rss-reference minutes to the end within +15 % of its value then;
 - exit 0 after SIGTERM within 30 s, and none of the app's processes left running.
 
@@ -113,16 +114,22 @@ def in_order_once(versions: list[int]) -> bool:
 
 def judge_requests(requests: list[tuple[float, float, str, Any]], kills: list[float], window: float) -> dict[str, Any]:
     """`requests`: (start time, seconds, kind, status: 200, another HTTP code, or a word for a transport error).
-    The share answered 200, the counts by status, and the non-200 answers that are not a 503 of a request that ran
-    at some time in [kill, kill + window] of some kill, in flight at the kill included (each such one fails the soak)."""
+    A request is in a window if it ran at some time in [kill, kill + window] of some kill (in flight at the kill
+    included). The counts by status, the share answered 200 of all and of those outside every window, and the non-200
+    answers that are not a 503 in a window (each such one fails the soak)."""
     by_status: dict[str, int] = {}
     unexpected = []
+    outside = outside_ok = 0
     for t, seconds, kind, status in requests:
         by_status[str(status)] = by_status.get(str(status), 0) + 1
-        if status != 200 and not (status == 503 and any(t <= k + window and t + seconds >= k for k in kills)):
+        in_window = any(t <= k + window and t + seconds >= k for k in kills)
+        outside += not in_window
+        outside_ok += not in_window and status == 200
+        if status != 200 and not (status == 503 and in_window):
             unexpected.append({"t": round(t, 1), "kind": kind, "status": status})
     total = len(requests)
     return {"total": total, "ok_share": by_status.get("200", 0) / total if total else 0.0, "by_status": by_status,
+            "outside_windows": outside, "outside_ok_share": outside_ok / outside if outside else 0.0,
             "unexpected": unexpected}
 
 
@@ -422,7 +429,8 @@ class Soak:
             "no_sample_lost": gap_end == 0 and all(g == 0 for g in gaps)
                               and all(k.get("gap_before") in (0, None) and k.get("gap_after") in (0, None) for k in self.kills),
             "versions_in_order_once": bool(versions) and in_order_once(versions),
-            "api_99pct_200": api["ok_share"] >= 0.99,
+            # a 503 while a killed engine is replaced is allowed (below); away from the kills 99 % must be answered
+            "api_99pct_200_outside_windows": api["outside_ok_share"] >= 0.99,
             "non_200_only_503_in_windows": not api["unexpected"],
             "rss_within_15pct": bool(growth) and all(g["growth"] <= 0.15 for g in growth.values()),
             "exit_0_within_30s": rc == 0 and exit_s <= 30.0,
@@ -450,7 +458,8 @@ def summary(r: dict[str, Any]) -> str:
     req = r["requests"]
     lines = [f"[soak] {r['minutes']:g} min, {r['steps']} steps ({r['steps_per_min']:.1f}/min), {r['versions']} versions, "
              f"final {r['final']}",
-             f"[soak] requests {req['total']}: {req['by_status']} ({req['ok_share']:.2%} answered 200); "
+             f"[soak] requests {req['total']}: {req['by_status']} ({req['ok_share']:.2%} answered 200; "
+             f"{req['outside_ok_share']:.2%} of the {req['outside_windows']} outside the kills' windows); "
              f"unexpected non-200: {len(r['unexpected_non_200'])}",
              *(f"[soak] latency {k}: mean {v['mean']:.3f} s, p50 {v['p50']:.3f}, p99 {v['p99']:.3f}, max {v['max']:.2f} "
                f"({v['count']})" for k, v in r["latency_s"].items()),
