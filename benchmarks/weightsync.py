@@ -557,7 +557,7 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
             pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
             await pub.drain()
             Path(profile_dir).mkdir(parents=True, exist_ok=True)
-            Path(profile_dir, f"profile_{name}_{kind}_{bucket_mb:g}mb.txt").write_text(
+            Path(profile_dir, f"profile_{Path(name).name}_{kind}_{bucket_mb:g}mb.txt").write_text(
                 "== sender\n" + await sender.profiled.remote() + "\n== replica actor\n"
                 + await actors[0].profile.remote(False) + "\n== driver (publisher)\n" + text.getvalue())
         runs[kind] = (push, tails, metrics)

@@ -189,11 +189,11 @@ class WeightUpdates:
         except Exception as refuse_err:  # noqa: BLE001 - the load's own failure is the one reported
             logger.warning("replica %s: could not refuse the push: %s", self.replica_id, refuse_err)
 
-    async def _load_bucket(self, named_tensors: Any, version: int | None) -> LoadReport:
+    async def _load_bucket(self, named_tensors: Any, version: int) -> LoadReport:
         """`load_bucket` under the control lock."""
         if self.update_state is not UpdateState.STAGING:
             raise WeightUpdateError(f"replica {self.replica_id}: a load_bucket that begins no update, with none begun")
-        if version is not None and version != self._staging_version:
+        if version != self._staging_version:
             raise WeightUpdateError(f"replica {self.replica_id}: bucket for version {version}, staging {self._staging_version}")
         if is_object_ref(named_tensors):  # a bucket handle that travelled nested, unresolved
             named_tensors = await named_tensors

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import pickle
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -96,7 +97,12 @@ class WeightPublisher:
 
         self.manifest = [ManifestEntry(m.name, m.dtype, tuple(m.shape), sender)
                          for metas, sender in zip(export.metas, export.senders) for m in metas]
-        self.publisher.seed(initial_version, BucketSource(export.buckets, transport, self.cfg.verify, export.digests))
+        try:
+            self.publisher.seed(initial_version, BucketSource(export.buckets, transport, self.cfg.verify, export.digests))
+        except BaseException:  # nothing keeps the start export's buckets: free them (shm files) now
+            for handle in export.buckets:
+                transport.release(handle)
+            raise
         await self.form_plan()
         if not self.hybrid:
             await self.form_groups()
@@ -114,8 +120,6 @@ class WeightPublisher:
     async def form_plan(self) -> None:
         """Ask every engine replica for its layout of the learner's export and, if they agree and
         each proved a copy correct, hand the plan to them and to the sending learner ranks."""
-        import pickle
-
         from asyncrl.weightsync.plan import EngineLayout, PlanError, build_plan
 
         plan, problem = None, ""
@@ -192,8 +196,6 @@ class WeightPublisher:
         """A restarted learner group takes the old one's place: it packs for the same push plan
         (same model, same manifest), and the broadcast groups are formed again with its ranks at
         the next push. The live version's host copy stays as it is."""
-        import pickle
-
         self.learner = learner
         if self.link is not None:
             self.link.learner = learner
@@ -306,8 +308,6 @@ class WeightPublisher:
 
 def dump_manifest(manifest: Any) -> bytes:
     """The learner's export manifest as `EngineAPI.engine_layout` takes it."""
-    import pickle
-
     return pickle.dumps(list(manifest), protocol=pickle.HIGHEST_PROTOCOL)
 
 
