@@ -23,10 +23,10 @@ from asyncrl.types import (
     GroupsReport,
     HostCopies,
     LayoutCheck,
-    LayoutReport,
     LoadReport,
     PieceManifest,
     PlanAck,
+    PlanRequest,
     ReceiveReport,
     SenderAddress,
     SyncReport,
@@ -67,9 +67,9 @@ class EngineAPI(Protocol):
 
     async def abort_update(self) -> UpdateAck: ...
 
-    async def engine_layout(self, manifest: bytes) -> LayoutReport: ...
-
-    async def set_push_plan(self, plan: bytes | None) -> PlanAck: ...
+    async def set_push_plan(self, request: PlanRequest | None) -> PlanAck:
+        """Form the push plan for the learner's export from the workers' layouts and hold it (None: pushes
+        reload); answers the plan, which every replica of one engine kind forms alike."""
 
     async def join_collective(self, specs: list[dict[str, Any]] | None = None, timeout_s: float = 120.0) -> GroupsReport:
         """Join the broadcast groups `specs` (None: none); answers the replica's workers and the groups all hold."""

@@ -249,18 +249,23 @@ class ReceiveReport(msgspec.Struct, frozen=True, kw_only=True):
     digests: dict[str, bytes]
 
 
-class LayoutReport(ReplicaAnswer, frozen=True):
-    """`engine_layout`: every worker's parameter layout for the learner's manifest (pickled `EngineLayout`s,
-    weightsync/plan.py) and what each worker's start-time layout check found."""
+class PlanRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """`set_push_plan`: what a replica forms its push plan from: the learner's export manifest (pickled
+    `plan.ManifestEntry`s), the bucket size, and the learner's TP pieces (pickled `plan.Piece`s; empty:
+    the learner gathers its shards before the wire)."""
 
-    layouts: list[bytes]
-    check: list[LayoutCheck] = msgspec.field(default_factory=list)
+    manifest: bytes
+    bucket_mb: float
+    pieces: bytes = b""
 
 
 class PlanAck(ReplicaAnswer, frozen=True):
-    """`set_push_plan`: the push plan the replica's workers now hold (None: pushes reload)."""
+    """`set_push_plan`: the push plan the replica's workers now hold (pickled `plan.PushPlan` and its id; None:
+    pushes reload, `problem` says why)."""
 
     plan_id: str | None
+    plan: bytes | None = None
+    problem: str = ""
 
 
 class GroupsReport(ReplicaAnswer, frozen=True):

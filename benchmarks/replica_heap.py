@@ -65,7 +65,8 @@ class Pusher:
         import torch
 
         from asyncrl.config import WeightsyncConfig
-        from asyncrl.weightsync.plan import ManifestEntry, build_plan
+        from asyncrl.types import PlanRequest
+        from asyncrl.weightsync.plan import ManifestEntry
         from asyncrl.weightsync.push import Publisher, VersionRegistry
         from asyncrl.weightsync.service import dump_manifest, load_hf_tensors
         from asyncrl.weightsync.transport import SharedMemoryTransport
@@ -75,17 +76,15 @@ class Pusher:
         self.plan, self._source_of = None, source_of
         self.base = load_hf_tensors(str(model))
         self._manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in self.base.items()]
-        self._dump, self._pickle, self._build = dump_manifest, pickle, build_plan
+        self._dump, self._pickle, self._request = dump_manifest, pickle, PlanRequest
         self.transport = SharedMemoryTransport()
         self.pub = Publisher(WeightsyncConfig(bucket_mb=16, verify="checksum", timeout_s=120), transport=self.transport,
                              registry=VersionRegistry(0))
 
     async def plan(self) -> None:
-        (layout,) = [self._pickle.loads(b) for b in (await self.replica.engine_layout(self._dump(self._manifest))).layouts]
-        if not layout.problem:
-            plan = self._build(self._manifest, [layout], 16)
-            await self.replica.set_push_plan(self._pickle.dumps(plan))
-            self.plan = plan
+        ack = await self.replica.set_push_plan(self._request(manifest=self._dump(self._manifest), bucket_mb=16))
+        if ack.plan is not None:
+            self.plan = self._pickle.loads(ack.plan)
 
     async def push(self, n: int) -> None:
         for _ in range(n):

@@ -101,11 +101,8 @@ class EngineActor:
     async def resume(self):
         return await self.replica.resume()
 
-    async def engine_layout(self, manifest):
-        return await self.replica.engine_layout(manifest)
-
-    async def set_push_plan(self, plan):
-        return await self.replica.set_push_plan(plan)
+    async def set_push_plan(self, request):
+        return await self.replica.set_push_plan(request)
 
     async def load_bucket(self, bucket, version, begin=None):
         return await self.replica.load_bucket(bucket, version, begin)
@@ -386,25 +383,26 @@ def perturbed(base, seed):
 
 
 async def _form_plan(actors, base, bucket_mb: float, apply: str):
-    """The push plan, as the training loop forms it: every engine's layout of the export."""
+    """The push plan, as the training loop forms it: every engine forms it from its layout of the export."""
     import pickle
 
-    from asyncrl.weightsync.plan import ManifestEntry, build_plan
+    from asyncrl.types import PlanRequest
+    from asyncrl.weightsync.plan import ManifestEntry
     from asyncrl.weightsync.service import dump_manifest
 
     if apply == "reload":
         return None, "apply=reload"
     manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in base.items()]
-    answers = await asyncio.gather(*(a.engine_layout.remote(dump_manifest(manifest)) for a in actors))
-    layouts = [[pickle.loads(b) for b in ans.layouts] for ans in answers]
-    problems = [lay.problem for lays in layouts for lay in lays if lay.problem]
-    if problems:
+    request = PlanRequest(manifest=dump_manifest(manifest), bucket_mb=bucket_mb)
+    acks = await asyncio.gather(*(a.set_push_plan.remote(request) for a in actors))
+    problems = [a.problem for a in acks if a.plan is None]
+    if problems or len({a.plan_id for a in acks}) != 1:
+        await asyncio.gather(*(a.set_push_plan.remote(None) for a in actors))
+        problem = problems[0] if problems else "the engines formed different plans"
         if apply == "direct":
-            raise SystemExit(f"--apply direct: {problems[0]}")
-        return None, problems[0]
-    plan = build_plan(manifest, layouts[0], bucket_mb)
-    await asyncio.gather(*(a.set_push_plan.remote(pickle.dumps(plan)) for a in actors))
-    return plan, ""
+            raise SystemExit(f"--apply direct: {problem}")
+        return None, problem
+    return pickle.loads(acks[0].plan), ""
 
 
 def _engine_dtypes(plan, base):

@@ -29,9 +29,9 @@ from asyncrl.types import (
     CommitReport,
     GroupsReport,
     LayoutCheck,
-    LayoutReport,
     LoadReport,
     PlanAck,
+    PlanRequest,
     ReceiveReport,
     Refusal,
     UpdateAck,
@@ -41,6 +41,7 @@ from asyncrl.types import (
 from asyncrl.weightsync.bucket import WithDigests
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
+from asyncrl.weightsync.shards import plan_for
 from asyncrl.weightsync.transport import is_object_ref
 from asyncrl.weightsync.worker_verbs import check_begin
 
@@ -107,18 +108,18 @@ class WeightUpdates:
         self.layout_checks = [msgspec.convert(c, LayoutCheck) for c in checks]
         return self.layout_checks
 
-    async def engine_layout(self, manifest: bytes) -> LayoutReport:
-        """Every worker's parameter layout for the learner's export `manifest` (pickled
-        `EngineLayout`s, weightsync/plan.py), and what the start-time check found."""
-        answers = [msgspec.convert(a, LayoutCheck) for a in await self._rpc(WorkerAPI.asyncrl_layout, manifest, timeout=600.0)]
-        return LayoutReport(replica_id=self.replica_id, layouts=[a.layout for a in answers],
-                            check=[msgspec.structs.replace(a, layout=b"") for a in answers])
-
-    async def set_push_plan(self, plan: bytes | None) -> PlanAck:
-        """Engine-layout buckets of this push plan (pickled, weightsync/plan.py) may be applied by a
-        copy from now on; every worker checks its own layout is the plan's. None: reload only."""
+    async def set_push_plan(self, request: PlanRequest | None) -> PlanAck:
+        """Form the push plan of the export `request` describes from the workers' layouts for it, and hold it: its
+        buckets are applied by a copy from then on. None, or no plan fits: pushes reload (`problem` says why)."""
         async with self._control_lock:
-            return PlanAck(replica_id=self.replica_id, plan_id=await self._set_plan(plan))
+            plan, why = None, "no plan asked for"
+            if request is not None:
+                answers = await self._rpc(WorkerAPI.asyncrl_layout, request.manifest, timeout=600.0)
+                layouts = [pickle.loads(msgspec.convert(a, LayoutCheck).layout) for a in answers]
+                plan, why = plan_for(pickle.loads(request.manifest), layouts, request.bucket_mb,
+                                     pickle.loads(request.pieces) if request.pieces else ())
+            blob = pickle.dumps(plan) if plan is not None else None
+            return PlanAck(replica_id=self.replica_id, plan_id=await self._set_plan(blob), plan=blob, problem=why)
 
     async def _set_plan(self, plan: bytes | None) -> str | None:
         self.plan_id = None

@@ -26,7 +26,7 @@ import torch
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.interfaces import EngineAPI
-from asyncrl.types import Refusal, learner_failure
+from asyncrl.types import PlanRequest, Refusal, learner_failure
 from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
 from asyncrl.weightsync.link import CollectiveLink
 from asyncrl.weightsync.push import BucketSource, DeploymentReplicas, Publisher, StreamedSource, VersionRegistry
@@ -118,71 +118,52 @@ class WeightPublisher:
         log.info("weightsync: groups formed before the first push in %.1f s", time.monotonic() - t)
 
     async def form_plan(self) -> None:
-        """Ask every engine replica for its layout of the learner's export and, if they agree and
-        each proved a copy correct, hand the plan to them and to the sending learner ranks."""
-        from asyncrl.weightsync.plan import EngineLayout, PlanError, build_plan
+        """Every engine replica forms the push plan of the learner's export from its workers' layouts; if all formed
+        the same one, the sending learner ranks get it, else every replica drops its own (pushes reload)."""
+        from asyncrl.weightsync.plan import PlanError
 
-        plan, problem = None, ""
-        if self.cfg.apply == "reload":
-            problem = "weightsync.apply is 'reload'"
-        else:
-            answers = await self.replicas.control.call(EngineAPI.engine_layout, dump_manifest(self.manifest),
-                                                        timeout_s=max(600.0, self.cfg.timeout_s))
-            per_replica: dict[str, list[EngineLayout]] = {
-                rid: [pickle.loads(b) for b in a.layouts] for rid, a in answers.items()}
-            problems = sorted({f"{rid}: {lay.problem}" for rid, lays in per_replica.items() for lay in lays if lay.problem})
-            digests = {tuple(lay.digest for lay in lays) for lays in per_replica.values()}
+        plan, problem, timeout_s = None, "weightsync.apply is 'reload'", max(600.0, self.cfg.timeout_s)
+        if self.cfg.apply != "reload":
+            request = PlanRequest(manifest=dump_manifest(self.manifest), bucket_mb=self.cfg.bucket_mb,
+                                  pieces=await self._pieces())
+            acks = await self.replicas.control.call(EngineAPI.set_push_plan, request, timeout_s=timeout_s)
+            problems = sorted({f"{rid}: {a.problem}" for rid, a in acks.items() if a.plan is None})
             if problems:
                 problem = problems[0]
-            elif len(digests) != 1:
-                problem = f"the engine replicas' parameter layouts differ ({len(digests)} kinds)"
+            elif len({a.plan_id for a in acks.values()}) != 1:
+                problem = f"the engine replicas' push plans differ ({len({a.plan_id for a in acks.values()})} kinds)"
             else:
-                layouts = next(iter(per_replica.values()))
-                try:
-                    plan = build_plan(self.manifest, layouts, self.cfg.bucket_mb)
-                except PlanError as err:
-                    problem = str(err)
-                if plan is not None:
-                    plan = await self._shard_plan(layouts) or plan
-        if plan is None and self.cfg.apply == "direct":
-            raise PlanError(f"weightsync.apply is 'direct' but no push plan can be made: {problem}")
+                plan = pickle.loads(next(iter(acks.values())).plan)
+                for why in {a.problem for a in acks.values() if a.problem}:
+                    log.info("weightsync: %s", why)
+        if plan is None:
+            await self.replicas.control.call(EngineAPI.set_push_plan, None, timeout_s=timeout_s)
+            if self.cfg.apply == "direct":
+                raise PlanError(f"weightsync.apply is 'direct' but no push plan can be made: {problem}")
         senders_before, feeds_before = (self.plan.senders if self.plan is not None else None), self.sender_ranks()
-        blob = pickle.dumps(plan) if plan is not None else None
-        if self.store is not None:  # first: a replica starting from here on takes it there (engine.sync_from_source)
+        if self.store is not None:  # a replica starting from here on takes it there (engine.sync_from_source)
             await self.store.set_push_plan.remote(plan)
-        await asyncio.gather(self.replicas.control.call(EngineAPI.set_push_plan, blob, timeout_s=max(600.0, self.cfg.timeout_s)),
-                             self.learner.set_push_plan(blob))
+        await self.learner.set_push_plan(pickle.dumps(plan) if plan is not None else None)
         self.plan = plan
         if self.link is not None and (senders_before != (plan.senders if plan is not None else None)
                                       or feeds_before != self.sender_ranks()):
             self.link.forget()  # other learner ranks send now, or to other engine ranks: the groups form again
         if plan is not None:
-            log.info("weightsync: push plan %s: %d engine rank(s), %d buckets, %.1f MB; engines copy into their parameters",
-                     plan.plan_id, plan.ranks, len(plan.buckets), plan.nbytes / 1e6)
+            log.info("weightsync: push plan %s: %d engine rank(s), %d buckets, %.1f MB, %s; engines copy into their "
+                     "parameters", plan.plan_id, plan.ranks, len(plan.buckets), plan.nbytes / 1e6,
+                     f"each of {plan.senders} learner ranks sending its own shards" if plan.pieces else "gathered")
         else:
             log.info("weightsync: pushes carry HF tensors and engines reload them (%s)", problem)
 
-    async def _shard_plan(self, layouts: list[Any]) -> Any:
-        """A plan in which every TP rank of the learner sends its own shards (no gather before the wire), or None
-        (the reason logged) where the learner has no TP, the transport is ipc, or some engine parameter spans
-        learner ranks."""
-        from asyncrl.weightsync.plan import PlanError
-        from asyncrl.weightsync.shards import build_shard_plan
-
+    async def _pieces(self) -> bytes:
+        """The learner's TP pieces (pickled) for a shard plan, or b"" where its ranks gather their shards before
+        the wire: ipc (one sender), no TP, or a rank that cannot send its shards as they are."""
         if self.transport is not None and self.transport.backend == "ipc":
-            return None
+            return b""
         pieces, problem = await self.learner.piece_manifest()
-        if problem or not pieces or max(p.tp for p in pieces) == 0:
-            if problem:
-                log.info("weightsync: TP shards are gathered before each push (%s)", problem)
-            return None
-        try:
-            plan = build_shard_plan(self.manifest, pieces, layouts, self.cfg.bucket_mb)
-        except PlanError as err:
-            log.info("weightsync: TP shards are gathered before each push: %s", err)
-            return None
-        log.info("weightsync: each of %d learner ranks sends its own shards (no TP gather)", plan.senders)
-        return plan
+        if problem:
+            log.info("weightsync: TP shards are gathered before each push (%s)", problem)
+        return pickle.dumps(pieces) if pieces and max(p.tp for p in pieces) > 0 and not problem else b""
 
     def sender_ranks(self) -> dict[int, tuple[int, ...]] | None:
         """sender -> the engine ranks its buckets are for, for each sender of the plan that feeds only some
@@ -307,7 +288,7 @@ class WeightPublisher:
 
 
 def dump_manifest(manifest: Any) -> bytes:
-    """The learner's export manifest as `EngineAPI.engine_layout` takes it."""
+    """The learner's export manifest as `PlanRequest` carries it."""
     return pickle.dumps(list(manifest), protocol=pickle.HIGHEST_PROTOCOL)
 
 

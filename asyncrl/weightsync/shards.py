@@ -144,6 +144,24 @@ def plan_layout(plan: PushPlan, hf_layout: EngineLayout) -> EngineLayout:
     return localize_layout(hf_layout, plan.pieces, plan.ranks) if plan.pieces else hf_layout
 
 
+def plan_for(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout], bucket_mb: float,
+             pieces: Sequence[Piece] = ()) -> tuple[PushPlan | None, str]:
+    """The push plan for engine ranks of `layouts`: a shard plan where the learner's TP `pieces` allow one, else
+    the gathered plan, else None; and why it is not the better one ("" when it is)."""
+    problems = sorted({layout.problem for layout in layouts if layout.problem})
+    if problems:
+        return None, problems[0]
+    try:
+        plan = build_plan(manifest, layouts, bucket_mb)
+    except PlanError as err:
+        return None, str(err)
+    if pieces:
+        try:
+            return build_shard_plan(manifest, pieces, layouts, bucket_mb), ""
+        except PlanError as err:
+            return plan, f"TP shards are gathered before each push: {err}"
+    return plan, ""
+
 def hf_from_engine(plan: PushPlan, buckets: Iterable[Bucket]) -> dict[str, torch.Tensor]:
     """The HF tensors rebuilt from engine-layout buckets of `plan` (each source element from any
     copy of it); host tensors in the manifest's dtypes. Raises PlanError if some source was never

@@ -83,20 +83,19 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.5, what: str =
 
 def form_push_plan(control, tensors: dict[str, torch.Tensor], bucket_mb: float = 64.0):
     """A push plan for `tensors` with every engine replica behind `control` (as weightsync's
-    service forms it): their layouts of the export, the plan, handed back to them."""
+    service asks for it): each forms it from its workers' layouts of the export and holds it."""
     import asyncio
     import pickle
 
-    from asyncrl.weightsync.plan import ManifestEntry, build_plan
+    from asyncrl.types import PlanRequest
+    from asyncrl.weightsync.plan import ManifestEntry
     from asyncrl.weightsync.service import dump_manifest
 
     manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
-    answers = asyncio.run(control.call(EngineAPI.engine_layout, dump_manifest(manifest)))
-    layouts = [pickle.loads(b) for b in next(iter(answers.values())).layouts]
-    assert not any(lay.problem for lay in layouts), [lay.problem for lay in layouts]
-    plan = build_plan(manifest, layouts, bucket_mb)
-    asyncio.run(control.call(EngineAPI.set_push_plan, pickle.dumps(plan)))
-    return plan
+    acks = asyncio.run(control.call(EngineAPI.set_push_plan, PlanRequest(manifest=dump_manifest(manifest), bucket_mb=bucket_mb)))
+    assert all(a.plan is not None for a in acks.values()), [a.problem for a in acks.values()]
+    assert len({a.plan_id for a in acks.values()}) == 1
+    return pickle.loads(next(iter(acks.values())).plan)
 
 
 def push_weights(control, version: int, tensors: dict[str, torch.Tensor], *, plan=None, bucket_mb: float = 64.0,

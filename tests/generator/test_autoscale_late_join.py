@@ -36,13 +36,14 @@ def _replicas(control: EngineControl, count: int) -> dict[str, int] | None:
 
 
 def _plan_for(control: EngineControl, replica_id: str, weights: dict):
-    """A push plan for these tensors in the layout of `replica_id`'s engine, as the service forms one."""
-    from asyncrl.weightsync.plan import ManifestEntry, build_plan
+    """The push plan `replica_id`'s engine forms for these tensors, as the service asks for it."""
+    from asyncrl.types import PlanRequest
+    from asyncrl.weightsync.plan import ManifestEntry
     from asyncrl.weightsync.service import dump_manifest
 
     manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in weights.items()]
-    answers = asyncio.run(control.call(EngineAPI.engine_layout, dump_manifest(manifest)))
-    return build_plan(manifest, [pickle.loads(b) for b in answers[replica_id].layouts], 0.25)
+    acks = asyncio.run(control.call(EngineAPI.set_push_plan, PlanRequest(manifest=dump_manifest(manifest), bucket_mb=0.25)))
+    return pickle.loads(acks[replica_id].plan)
 
 
 def test_scale_up_with_late_joiner_on_current_version_and_back_down(ray_session, demo_model_path):

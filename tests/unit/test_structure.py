@@ -144,7 +144,7 @@ def test_the_weight_code_does_not_grow():
 
 # Issue 64's goal is 15 weight verbs in all; until it is met, today's count is the ceiling (lower it, never raise it).
 # A verb of these interfaces is a weight verb unless it is named here: a new one is counted, or named here on purpose.
-WEIGHT_VERBS_MAX = 18
+WEIGHT_VERBS_MAX = 17
 NOT_WEIGHT_VERBS = {
     "EngineAPI": {"generate", "generate_stream", "check_health", "pause", "resume", "sleep", "wake_up", "stats"},
     "WorkerAPI": {"asyncrl_sampled_token_counts"},

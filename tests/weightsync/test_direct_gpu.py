@@ -40,16 +40,16 @@ def test_device_checksums_equal_host_checksums_segment_for_segment():
 
 
 async def _plan_for(replica, model_path: str) -> tuple[dict, object]:
-    """The checkpoint's tensors, and a push plan in `replica`'s own layout, set on it."""
-    from asyncrl.weightsync.plan import ManifestEntry, build_plan
+    """The checkpoint's tensors, and the push plan `replica` forms in its own layout and holds."""
+    from asyncrl.types import PlanRequest
+    from asyncrl.weightsync.plan import ManifestEntry
     from asyncrl.weightsync.service import dump_manifest, load_hf_tensors
 
     base = load_hf_tensors(model_path)
     manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in base.items()]
-    (layout,) = [pickle.loads(b) for b in (await replica.engine_layout(dump_manifest(manifest))).layouts]
-    plan = build_plan(manifest, [layout], 0.5)
-    await replica.set_push_plan(pickle.dumps(plan))
-    return base, plan
+    ack = await replica.set_push_plan(PlanRequest(manifest=dump_manifest(manifest), bucket_mb=0.5))
+    assert ack.plan is not None, ack.problem
+    return base, pickle.loads(ack.plan)
 
 
 def _perturbed(base: dict, seed: int = 3) -> dict:

@@ -18,6 +18,7 @@ import os
 import pickle
 import shutil
 
+import msgspec
 import pytest
 import torch
 
@@ -46,8 +47,9 @@ def _build(kind: str, out: str, demo: str) -> None:
 async def _scenario(path: str) -> dict:
     from asyncrl.config import GeneratorConfig, ModelConfig, WeightsyncConfig
     from asyncrl.generator.engine import EngineReplica
-    from asyncrl.types import GenerationRequest, SamplingParams
-    from asyncrl.weightsync.plan import ManifestEntry, build_plan
+    from asyncrl.interfaces import WorkerAPI
+    from asyncrl.types import GenerationRequest, LayoutCheck, PlanRequest, SamplingParams
+    from asyncrl.weightsync.plan import ManifestEntry
     from asyncrl.weightsync.push import Publisher, VersionRegistry
     from asyncrl.weightsync.service import dump_manifest, load_hf_tensors
     from asyncrl.weightsync.transport import SharedMemoryTransport
@@ -57,11 +59,12 @@ async def _scenario(path: str) -> dict:
     try:
         base = load_hf_tensors(path)
         manifest = [ManifestEntry(n, "float32", tuple(t.shape)) for n, t in base.items()]
-        (layout,) = [pickle.loads(b) for b in (await replica.engine_layout(dump_manifest(manifest))).layouts]
-        plan = None
-        if not layout.problem:
-            plan = build_plan(manifest, [layout], 0.25)
-            await replica.set_push_plan(pickle.dumps(plan))
+        ack = await replica.set_push_plan(PlanRequest(manifest=dump_manifest(manifest), bucket_mb=0.25))
+        plan = pickle.loads(ack.plan) if ack.plan is not None else None
+        # the layout the plan was formed from (also where it allows none: what the loaders gave)
+        (answer,) = await replica._rpc(WorkerAPI.asyncrl_layout, dump_manifest(manifest))
+        layout = pickle.loads(msgspec.convert(answer, LayoutCheck).layout)
+        assert (plan is None) == bool(layout.problem) and (plan is None or plan.layouts[0].digest == layout.digest)
         g = torch.Generator().manual_seed(7)
         new = {n: t + 0.5 * t.std().clamp_min(1e-3) * torch.randn(t.shape, generator=g) for n, t in base.items()}
         transport = SharedMemoryTransport()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 
+import msgspec
 import pytest
 import torch
 
@@ -35,13 +36,13 @@ PROMPTS = [[5, 17, 9, 33, 2], [12, 4, 4, 7], [100, 3, 250, 8, 8, 61]]
 async def _scenario(model_path: str) -> dict:
     from asyncrl.config import AlgorithmConfig, GeneratorConfig, LearnerConfig, ModelConfig, WeightsyncConfig
     from asyncrl.generator.engine import EngineReplica
+    from asyncrl.interfaces import WorkerAPI
     from asyncrl.learner.group import LearnerGroup
-    from asyncrl.types import GenerationRequest, SamplingParams
+    from asyncrl.types import GenerationRequest, LayoutCheck, PlanRequest, SamplingParams
     from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.service import dump_manifest
-    from asyncrl.weightsync.shards import build_shard_plan
     from asyncrl.weightsync.transport import SharedMemoryTransport
     from tests.learner._data import advantages, make_samples
 
@@ -66,14 +67,17 @@ async def _scenario(model_path: str) -> dict:
             transport.release(h)
         manifest = [ManifestEntry(m.name, m.dtype, tuple(m.shape), sender)
                     for metas, sender in zip(hf_export.metas, hf_export.senders) for m in metas]
-        layouts = [pickle.loads(b) for b in (await replica.engine_layout(dump_manifest(manifest))).layouts]
+        answers = await replica._rpc(WorkerAPI.asyncrl_layout, dump_manifest(manifest))
+        layouts = [pickle.loads(msgspec.convert(a, LayoutCheck).layout) for a in answers]
         gathered = build_plan(manifest, layouts, 0.25)
-        # what the service forms for this layout (a shard plan): each TP rank sends its own shards
+        # what the service asks for and the replica forms for this layout (a shard plan): each TP rank sends
+        # its own shards
         pieces, problem = await group.piece_manifest()
         assert not problem, problem
-        plan = build_shard_plan(manifest, pieces, layouts, 0.25)
-        await replica.set_push_plan(pickle.dumps(plan))
-        await group.set_push_plan(pickle.dumps(plan))
+        ack = await replica.set_push_plan(PlanRequest(manifest=dump_manifest(manifest), bucket_mb=0.25,
+                                                      pieces=pickle.dumps(pieces)))
+        plan = pickle.loads(ack.plan)
+        await group.set_push_plan(ack.plan)
 
         before = await param_addresses(replica)
         export = await group.export_weights(0.25, "shm", "checksum", "engine")

@@ -59,11 +59,8 @@ class _EngineActor:
     async def resume(self):
         return await self.replica.resume()
 
-    async def engine_layout(self, manifest):
-        return await self.replica.engine_layout(manifest)
-
-    async def set_push_plan(self, plan):
-        return await self.replica.set_push_plan(plan)
+    async def set_push_plan(self, request):
+        return await self.replica.set_push_plan(request)
 
     async def load_bucket(self, bucket, version, begin=None):
         return await self.replica.load_bucket(bucket, version, begin)
@@ -147,23 +144,25 @@ class _KillAtCommit:
         return await self._inner.commit_update(version, fingerprint)
 
 
-async def _form_plan(handles, tensors, bucket_mb):
-    """The push plan every engine agrees on for an export of `tensors` ({name: tensor}, or the
-    manifest itself), as weightsync's service forms it."""
-    import pickle
-
-    from asyncrl.weightsync.plan import ManifestEntry, build_plan
+def _plan_request(tensors, bucket_mb):
+    """What the service asks the replicas for an export of `tensors` ({name: tensor}, or the manifest itself)."""
+    from asyncrl.types import PlanRequest
+    from asyncrl.weightsync.plan import ManifestEntry
     from asyncrl.weightsync.service import dump_manifest
 
     manifest = tensors if isinstance(tensors, list) else \
         [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
-    answers = await asyncio.gather(*(h.engine_layout.remote(dump_manifest(manifest)) for h in handles))
-    layouts = [[pickle.loads(b) for b in a.layouts] for a in answers]
-    assert all(not lay.problem for lays in layouts for lay in lays), [lay.problem for lays in layouts for lay in lays]
-    assert len({tuple(lay.digest for lay in lays) for lays in layouts}) == 1
-    plan = build_plan(manifest, layouts[0], bucket_mb)
-    await asyncio.gather(*(h.set_push_plan.remote(pickle.dumps(plan)) for h in handles))
-    return plan
+    return PlanRequest(manifest=dump_manifest(manifest), bucket_mb=bucket_mb)
+
+
+async def _form_plan(handles, tensors, bucket_mb):
+    """The push plan every engine forms alike for an export of `tensors`, as weightsync's service asks for it."""
+    import pickle
+
+    acks = await asyncio.gather(*(h.set_push_plan.remote(_plan_request(tensors, bucket_mb)) for h in handles))
+    assert all(a.plan is not None for a in acks), [a.problem for a in acks]
+    assert len({a.plan_id for a in acks}) == 1
+    return pickle.loads(acks[0].plan)
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +247,6 @@ class _CorruptInTransit(Transport):
     ("direct", "bucketed", "staging"),  # buckets applied as they verify: dying mid-push is dying mid-apply
 ])
 async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, demo_model_path, apply, staging, kill):
-    import pickle
 
     import ray
     from transformers import AutoTokenizer
@@ -320,7 +318,7 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
     got = await victim.greedy.remote(prompt_ids)
     assert matches(hf2, got) and all(v == [start + 2] * MAX_TOKENS for _, v in got)
     if plan is not None:
-        await victim.set_push_plan.remote(pickle.dumps(plan))
+        assert (await victim.set_push_plan.remote(_plan_request(base, 0.25))).plan_id == plan.plan_id
     victim_client = ActorReplica(victim, "victim")
     if kill == "staging":
         pub._transport = _KillOnBucket(transport, index=1, victim=victim)

@@ -256,7 +256,8 @@ def test_a_window_that_is_no_box_of_the_tensor_is_refused():
 
 
 class _Control:
-    """The engine replicas' fan-out, as `WeightPublisher.form_plan` calls it: one replica of `tp` ranks."""
+    """The engine replicas' fan-out, as `WeightPublisher.form_plan` calls it: one replica of `tp` ranks that
+    forms its plan as a replica does (shards.plan_for over its ranks' probed layouts)."""
 
     def __init__(self, tp: int) -> None:
         self.tp, self.plans = tp, []
@@ -265,16 +266,18 @@ class _Control:
         import pickle
 
         from asyncrl.interfaces import EngineAPI
-        from asyncrl.types import LayoutReport, PlanAck
+        from asyncrl.types import PlanAck
+        from asyncrl.weightsync.shards import plan_for
 
-        if verb is EngineAPI.engine_layout:
-            manifest = pickle.loads(args[0])  # (service.dump_manifest)
-            return {"r0": LayoutReport(replica_id="r0", layouts=[pickle.dumps(probe_layout(_Engine(r, self.tp), manifest, r))
-                                                                  for r in range(self.tp)])}
-        if verb is EngineAPI.set_push_plan:
-            self.plans.append(pickle.loads(args[0]) if args[0] is not None else None)
-            return {"r0": PlanAck(replica_id="r0", plan_id=None)}
-        raise AssertionError(verb)
+        if verb is not EngineAPI.set_push_plan:
+            raise AssertionError(verb)
+        plan, why, request = None, "no plan asked for", args[0]
+        if request is not None:
+            manifest = pickle.loads(request.manifest)  # (service.dump_manifest)
+            layouts = [probe_layout(_Engine(r, self.tp), manifest, r) for r in range(self.tp)]
+            plan, why = plan_for(manifest, layouts, request.bucket_mb, pickle.loads(request.pieces) if request.pieces else ())
+        self.plans.append(plan)
+        return {"r0": PlanAck(replica_id="r0", plan_id=plan and plan.plan_id, plan=plan and pickle.dumps(plan), problem=why)}
 
 
 class _Learner:
