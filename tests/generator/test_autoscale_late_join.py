@@ -76,6 +76,7 @@ def test_scale_up_with_late_joiner_on_current_version_and_back_down(ray_session,
         # before handing it to the running replicas): a replica starting later takes it there.
         plan = _plan_for(control, first_replica, w1)
         ray.get(store.set_push_plan.remote(plan))
+        asyncio.run(control.call(EngineAPI.set_push_plan, None))  # the first replica drops it: only the store holds it
 
         counter = itertools.count()
 
