@@ -17,7 +17,7 @@ process over time, the exit and what is left running, and checks:
 
     python benchmarks/chaos_soak.py --minutes 60 --kill-every 10 --out docs/results/chaos_soak_cpu_DATE.jsonl
 
-Its short variant runs in `make test` (tests/e2e/test_chaos_soak.py): 90 s, one kill of each, over ipc.
+Its short variant runs in `make test` (tests/e2e/test_chaos_soak.py): 2 minutes, one kill of each, over ipc.
 
 Exit status 1 when a check fails. The run's own files (config, log, metrics) go under --run-dir.
 """
