@@ -87,12 +87,9 @@ def form_push_plan(control, tensors: dict[str, torch.Tensor], bucket_mb: float =
     import asyncio
     import pickle
 
-    from asyncrl.types import PlanRequest
-    from asyncrl.weightsync.plan import ManifestEntry
-    from asyncrl.weightsync.service import dump_manifest
+    from tests.weightsync.fakes import plan_request
 
-    manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
-    acks = asyncio.run(control.call(EngineAPI.set_push_plan, PlanRequest(manifest=dump_manifest(manifest), bucket_mb=bucket_mb)))
+    acks = asyncio.run(control.call(EngineAPI.set_push_plan, plan_request(tensors, bucket_mb)))
     assert all(a.plan is not None for a in acks.values()), [a.problem for a in acks.values()]
     assert len({a.plan_id for a in acks.values()}) == 1
     return pickle.loads(next(iter(acks.values())).plan)

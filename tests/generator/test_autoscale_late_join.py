@@ -37,12 +37,9 @@ def _replicas(control: EngineControl, count: int) -> dict[str, int] | None:
 
 def _plan_for(control: EngineControl, replica_id: str, weights: dict):
     """The push plan `replica_id`'s engine forms for these tensors, as the service asks for it."""
-    from asyncrl.types import PlanRequest
-    from asyncrl.weightsync.plan import ManifestEntry
-    from asyncrl.weightsync.service import dump_manifest
+    from tests.weightsync.fakes import plan_request
 
-    manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in weights.items()]
-    acks = asyncio.run(control.call(EngineAPI.set_push_plan, PlanRequest(manifest=dump_manifest(manifest), bucket_mb=0.25)))
+    acks = asyncio.run(control.call(EngineAPI.set_push_plan, plan_request(weights, 0.25)))
     return pickle.loads(acks[replica_id].plan)
 
 

@@ -150,6 +150,18 @@ class CorruptingTransport(LocalTransport):
         return Bucket(buffer=buf, metas=list(handle.metas))
 
 
+def plan_request(tensors: Any, bucket_mb: float) -> Any:
+    """What the service asks the replicas to form their push plan from, for an export of `tensors` ({name: tensor},
+    or the manifest itself)."""
+    from asyncrl.types import PlanRequest
+    from asyncrl.weightsync.plan import ManifestEntry
+    from asyncrl.weightsync.service import dump_manifest
+
+    manifest = tensors if isinstance(tensors, list) else \
+        [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
+    return PlanRequest(manifest=dump_manifest(manifest), bucket_mb=bucket_mb)
+
+
 def source_of(pub: Any, named: Any, plan: Any = None) -> BucketSource:
     """`named` (HF name -> tensor, or (name, tensor) pairs) packed and put as the learner ranks do (in `plan`'s
     engine layout when given), as the `BucketSource` a push of `pub` (a `Publisher`) takes: shm and the object

@@ -41,13 +41,12 @@ def test_device_checksums_equal_host_checksums_segment_for_segment():
 
 async def _plan_for(replica, model_path: str) -> tuple[dict, object]:
     """The checkpoint's tensors, and the push plan `replica` forms in its own layout and holds."""
-    from asyncrl.types import PlanRequest
-    from asyncrl.weightsync.plan import ManifestEntry
-    from asyncrl.weightsync.service import dump_manifest, load_hf_tensors
+    from asyncrl.weightsync.service import load_hf_tensors
+
+    from .fakes import plan_request
 
     base = load_hf_tensors(model_path)
-    manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in base.items()]
-    ack = await replica.set_push_plan(PlanRequest(manifest=dump_manifest(manifest), bucket_mb=0.5))
+    ack = await replica.set_push_plan(plan_request(base, 0.5))
     assert ack.plan is not None, ack.problem
     return base, pickle.loads(ack.plan)
 

@@ -25,7 +25,7 @@ from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.sources import BucketSource
 from asyncrl.weightsync.transport import Transport
 
-from .fakes import source_of, streamed
+from .fakes import plan_request, source_of, streamed
 
 pytestmark = pytest.mark.slow
 
@@ -144,22 +144,11 @@ class _KillAtCommit:
         return await self._inner.commit_update(version, fingerprint)
 
 
-def _plan_request(tensors, bucket_mb):
-    """What the service asks the replicas for an export of `tensors` ({name: tensor}, or the manifest itself)."""
-    from asyncrl.types import PlanRequest
-    from asyncrl.weightsync.plan import ManifestEntry
-    from asyncrl.weightsync.service import dump_manifest
-
-    manifest = tensors if isinstance(tensors, list) else \
-        [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
-    return PlanRequest(manifest=dump_manifest(manifest), bucket_mb=bucket_mb)
-
-
 async def _form_plan(handles, tensors, bucket_mb):
     """The push plan every engine forms alike for an export of `tensors`, as weightsync's service asks for it."""
     import pickle
 
-    acks = await asyncio.gather(*(h.set_push_plan.remote(_plan_request(tensors, bucket_mb)) for h in handles))
+    acks = await asyncio.gather(*(h.set_push_plan.remote(plan_request(tensors, bucket_mb)) for h in handles))
     assert all(a.plan is not None for a in acks), [a.problem for a in acks]
     assert len({a.plan_id for a in acks}) == 1
     return pickle.loads(acks[0].plan)
@@ -318,7 +307,7 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
     got = await victim.greedy.remote(prompt_ids)
     assert matches(hf2, got) and all(v == [start + 2] * MAX_TOKENS for _, v in got)
     if plan is not None:
-        assert (await victim.set_push_plan.remote(_plan_request(base, 0.25))).plan_id == plan.plan_id
+        assert (await victim.set_push_plan.remote(plan_request(base, 0.25))).plan_id == plan.plan_id
     victim_client = ActorReplica(victim, "victim")
     if kill == "staging":
         pub._transport = _KillOnBucket(transport, index=1, victim=victim)
