@@ -351,7 +351,7 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
 
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, WeightsyncConfig
     from asyncrl.learner.group import LearnerGroup
-    from asyncrl.weightsync.bucket import unpack_bucket
+    from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.plan import ManifestEntry
     from asyncrl.weightsync.push import ActorReplica, Publisher
     from asyncrl.weightsync.service import load_hf_tensors
@@ -371,7 +371,7 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
         metrics = await group.update_actor(samples, advantages(samples), old)
         assert metrics["actor/applied_steps"] == 1
         hf_export = await group.export_weights(0.25, "shm")  # what transformers loads
-        exported = {n: t.clone() for h in hf_export.buckets for n, t in unpack_bucket(transport.fetch(h))}
+        exported = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in hf_export.buckets)}
         for h in hf_export.buckets:
             transport.release(h)
         base = load_hf_tensors(str(demo_model_path))
@@ -409,7 +409,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
 
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, WeightsyncConfig
     from asyncrl.learner.group import LearnerGroup
-    from asyncrl.weightsync.bucket import unpack_bucket
+    from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.collective import ipc_window_for
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.plan import ManifestEntry
@@ -443,7 +443,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
 
     async def hf_export():
         packed = await group.export_weights(0.25, "object_store")
-        tensors = {n: t.clone() for h in packed.buckets for n, t in unpack_bucket(transport.fetch(h))}
+        tensors = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in packed.buckets)}
         return tensors, [ManifestEntry(m.name, m.dtype, tuple(m.shape), s) for ms, s in zip(packed.metas, packed.senders) for m in ms]
 
     try:
