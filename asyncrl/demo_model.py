@@ -263,3 +263,16 @@ def build_demo_model(out: str | os.PathLike[str], spec: DemoSpec | None = None, 
     save_model_dir(out, model, tokenizer, meta)
     log(f"wrote {out} in {meta['build_seconds']} s")
     return meta
+
+
+def load_hf_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF safetensors checkpoint directory (this demo model's, or any)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors

@@ -24,7 +24,6 @@ from asyncrl.types import (
     HostCopies,
     LayoutCheck,
     LoadReport,
-    PieceManifest,
     PlanAck,
     PlanRequest,
     ReceiveReport,
@@ -167,8 +166,6 @@ class LearnerRankAPI(Protocol):
         """Run the role verb `verb` (a member of ROLE_VERBS) on this rank's role."""
 
     def set_push_plan(self, plan: bytes | None) -> str | None: ...
-
-    def piece_manifest(self) -> PieceManifest | None: ...
 
     def export_weights(self, bucket_mb: float, transport: str = "object_store", verify: str = "full", layout: str = "hf",
                        timeout_s: float = 600.0, gate: str = "") -> WeightExport | None:

@@ -295,7 +295,8 @@ class WeightExport:
     shared file's handle for shm), `metas[i]` its tensors (name, dtype, shape, offset, nbytes), `senders[i]` the
     rank that packed it (its PP stage for HF tensors), `digests[i]` as hashed when packed. Broadcast to the engine
     workers (nccl, gloo, ipc): no buckets (their host copies follow, `take_host_copies`), `digests` one per sender.
-    Sizes, and the slowest sender's seconds per phase, either way."""
+    Sizes, and the slowest sender's seconds per phase, either way. An HF-layout export also carries what each
+    would-be sender of a shard plan holds of it without a TP gather (`pieces`, one per such rank)."""
 
     buckets: list[Any] = field(default_factory=list)
     metas: list[list[Any]] = field(default_factory=list)
@@ -305,6 +306,7 @@ class WeightExport:
     num_tensors: int = 0
     num_buckets: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
+    pieces: list[PieceManifest] = field(default_factory=list)
 
     def tensor_digests(self) -> dict[str, bytes]:
         """Every tensor's digest, whichever bucket or sender it came in."""
@@ -334,8 +336,8 @@ class SenderAddress:
 
 @dataclass(frozen=True)
 class PieceManifest:
-    """What a would-be sending learner rank holds of the HF tensors without gathering TP shards
-    (`piece_manifest`): (HF name, dtype, HF shape, window) per piece, or why it cannot send so (`problem`)."""
+    """What a would-be sending learner rank holds of the HF tensors without gathering TP shards (with an
+    HF-layout `WeightExport`): (HF name, dtype, HF shape, window) per piece, or why it cannot send so (`problem`)."""
 
     sender: int = -1
     tp: int = 0

@@ -65,10 +65,11 @@ class Pusher:
         import torch
 
         from asyncrl.config import WeightsyncConfig
+        from asyncrl.demo_model import load_hf_tensors
         from asyncrl.types import PlanRequest
         from asyncrl.weightsync.plan import ManifestEntry
         from asyncrl.weightsync.push import Publisher, VersionRegistry
-        from asyncrl.weightsync.service import dump_manifest, load_hf_tensors
+        from asyncrl.weightsync.service import dump_manifest
         from asyncrl.weightsync.transport import SharedMemoryTransport
         from tests.weightsync.fakes import LocalClient, source_of
 

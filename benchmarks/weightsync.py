@@ -195,7 +195,7 @@ class Sender:
     def __init__(self, model_path: str) -> None:
         import torch
 
-        from asyncrl.weightsync.service import load_hf_tensors
+        from asyncrl.demo_model import load_hf_tensors
 
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.base = {n: t.to(self.device) for n, t in load_hf_tensors(model_path).items()}
@@ -425,8 +425,8 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
 
     import ray
 
+    from asyncrl.demo_model import load_hf_tensors
     from asyncrl.weightsync.push import ActorReplica
-    from asyncrl.weightsync.service import load_hf_tensors
 
     base = load_hf_tensors(str(path))
     params = sum(t.numel() for t in base.values())

@@ -229,24 +229,12 @@ class LearnerGroup:
             out.bytes += o.bytes
             out.num_tensors += o.num_tensors
             out.num_buckets += o.num_buckets
+            out.pieces += o.pieces
         return out
 
     async def set_push_plan(self, plan: bytes | None) -> None:
         """The sending ranks pack later pushes for this push plan (weightsync/plan.py; None: HF tensors)."""
         await self._all(LearnerRankAPI.set_push_plan, plan)
-
-    async def piece_manifest(self) -> tuple[list[Any], str]:
-        """What each would-be sending rank holds of the HF tensors without gathering TP shards, as
-        `plan.Piece`s in sender order (each rank's in its export order), and why not ("": it can)."""
-        from asyncrl.weightsync.shards import Piece
-
-        outs = sorted((o for o in await self._all(LearnerRankAPI.piece_manifest) if o is not None), key=lambda o: o.sender)
-        problems = [o.problem for o in outs if o.problem]
-        if problems:
-            return [], problems[0]
-        pieces = [Piece(hf, o.sender, o.tp, dtype, tuple(full), tuple(window) if window else None)
-                  for o in outs for hf, dtype, full, window in o.pieces]
-        return pieces, ""
 
     async def collective_addresses(self) -> list[SenderAddress]:
         """Rendezvous addresses of the sending ranks (one per PP stage; per TP rank of it with a shard plan), in

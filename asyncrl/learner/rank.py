@@ -56,6 +56,7 @@ class LearnerRank:
         self.layout: Any = None
         self.coords: Any = None
         self._sender: Any = None  # sending ranks: their end of weight pushes (weightsync/link.py)
+        self._piece_manifest: PieceManifest | None = None  # what it would send under a shard plan (`_pieces`)
         from asyncrl.learner.memory import HostMemoryTrim
 
         self.host_trim = HostMemoryTrim()  # freed host memory given back as the resident set creeps (memory.py)
@@ -200,23 +201,22 @@ class LearnerRank:
         self._ready()
         return self._endpoint().set_plan(plan)
 
-    def piece_manifest(self) -> PieceManifest | None:
+    def _pieces(self) -> PieceManifest:
         """What this rank would send of its own under a shard plan (TP shards not gathered), or why the model
-        cannot be sent that way. Ranks that never send (CP / DP rank > 0): None."""
-        self._ready()
-        c = self.coords
-        if c.cp != 0 or c.dp != 0:
-            return None
-        from asyncrl.learner.convert import ShardExportError
+        cannot be sent that way; the model's structure does not change, so it is read once."""
+        if self._piece_manifest is None:
+            from asyncrl.learner.convert import ShardExportError
 
-        export = getattr(self.role, "export_hf_pieces", None)
-        if export is None:  # (a failing verb would leave the learner group unusable: a reason instead)
-            return PieceManifest(problem=f"role {self.role_name!r} has no shard export")
-        try:
-            pieces = [(hf, dtype, tuple(full), window) for hf, _, full, window, dtype in export(data=False)]
-        except (ShardExportError, RuntimeError) as err:
-            return PieceManifest(problem=str(err))
-        return PieceManifest(sender=self._shard_sender_id(), tp=c.tp, pieces=pieces)
+            export = getattr(self.role, "export_hf_pieces", None)
+            if export is None:  # (a failing verb would leave the learner group unusable: a reason instead)
+                self._piece_manifest = PieceManifest(problem=f"role {self.role_name!r} has no shard export")
+            else:
+                try:
+                    pieces = [(hf, dtype, tuple(full), window) for hf, _, full, window, dtype in export(data=False)]
+                    self._piece_manifest = PieceManifest(sender=self._shard_sender_id(), tp=self.coords.tp, pieces=pieces)
+                except (ShardExportError, RuntimeError) as err:
+                    self._piece_manifest = PieceManifest(problem=str(err))
+        return self._piece_manifest
 
     def export_weights(self, bucket_mb: float, transport: str = "object_store", verify: str = "full",
                        layout: str = "hf", timeout_s: float = 600.0, gate: str = "") -> WeightExport | None:
@@ -227,20 +227,25 @@ class LearnerRank:
         (rollbacks, retries, late joiners) `take_host_copies` collects, within `timeout_s`; `gate`: the push's
         gate token (gloo / NCCL: nothing goes out until every receiver is ready; collective.py). Over shm /
         object_store: packed into host buckets of it, a shared file or an object each. Every bucket is hashed
-        in `verify` mode as it is packed."""
+        in `verify` mode as it is packed. An HF-layout export also answers, from each rank that would send under a
+        shard plan (TP ranks of CP / DP rank 0), what it holds of it without a TP gather (`WeightExport.pieces`)."""
         from asyncrl.weightsync.transport import BACKENDS, pack_into_transport
 
         self._ready()
         engine, c = layout == "engine", self.coords
         with self._thread(), self._held(("params",)):
             tensors = self._export(layout)
+            pieces = [self._pieces()] if not engine and c.cp == 0 and c.dp == 0 else []
             if not (self._is_sender() if engine else c.tp == 0 and c.cp == 0 and c.dp == 0):
                 self._drain(tensors)
-                return None
+                return WeightExport(pieces=pieces) if pieces else None
             plan, sender = (self._endpoint().plan, self._sender_id()) if engine else (None, c.pp)
             if transport in BACKENDS:
-                return self._endpoint().send_version(tensors, bucket_mb, verify, timeout_s, sender, plan, gate)
-            return pack_into_transport(tensors, bucket_mb, transport, verify, plan, sender)
+                out = self._endpoint().send_version(tensors, bucket_mb, verify, timeout_s, sender, plan, gate)
+            else:
+                out = pack_into_transport(tensors, bucket_mb, transport, verify, plan, sender)
+            out.pieces = pieces
+            return out
 
     def join_collective(self, specs: list[dict[str, Any]] | None = None) -> SenderAddress | None:
         """Sending ranks (TP/CP/DP rank 0 of each PP stage; every TP rank of it under a shard plan): leave any

@@ -19,14 +19,11 @@ import logging
 import pickle
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
-
-import torch
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.interfaces import EngineAPI
-from asyncrl.types import PlanRequest, Refusal, learner_failure
+from asyncrl.types import PlanRequest, Refusal, WeightExport, learner_failure
 from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
 from asyncrl.weightsync.link import CollectiveLink
 from asyncrl.weightsync.push import BucketSource, DeploymentReplicas, Publisher, StreamedSource, VersionRegistry
@@ -49,6 +46,7 @@ class WeightPublisher:
         self.namespace = namespace or STORE_NAMESPACE
         self.plan: Any = None  # the push plan the engines and the learner's senders hold (None: HF tensors)
         self.manifest: list[Any] = []
+        self.pieces = b""  # the learner's TP pieces for a shard plan (pickled), read from its start export
         self.publisher: Publisher | None = None
         self.transport: Any = None
         self.store: Any = None
@@ -97,6 +95,7 @@ class WeightPublisher:
 
         self.manifest = [ManifestEntry(m.name, m.dtype, tuple(m.shape), sender)
                          for metas, sender in zip(export.metas, export.senders) for m in metas]
+        self.pieces = self._pieces(export)
         try:
             self.publisher.seed(initial_version, BucketSource(export.buckets, transport, self.cfg.verify, export.digests))
         except BaseException:  # nothing keeps the start export's buckets: free them (shm files) now
@@ -125,7 +124,7 @@ class WeightPublisher:
         plan, problem, timeout_s = None, "weightsync.apply is 'reload'", max(600.0, self.cfg.timeout_s)
         if self.cfg.apply != "reload":
             request = PlanRequest(manifest=dump_manifest(self.manifest), bucket_mb=self.cfg.bucket_mb,
-                                  pieces=await self._pieces())
+                                  pieces=self.pieces)
             acks = await self.replicas.control.call(EngineAPI.set_push_plan, request, timeout_s=timeout_s)
             problems = sorted({f"{rid}: {a.problem}" for rid, a in acks.items() if a.plan is None})
             if problems:
@@ -155,15 +154,19 @@ class WeightPublisher:
         else:
             log.info("weightsync: pushes carry HF tensors and engines reload them (%s)", problem)
 
-    async def _pieces(self) -> bytes:
-        """The learner's TP pieces (pickled) for a shard plan, or b"" where its ranks gather their shards before
-        the wire: ipc (one sender), no TP, or a rank that cannot send its shards as they are."""
-        if self.transport is not None and self.transport.backend == "ipc":
+    def _pieces(self, export: WeightExport) -> bytes:
+        """What each would-be sending rank holds of the start export without a TP gather, as `plan.Piece`s (pickled,
+        in sender order) for a shard plan; b"" where the ranks gather their shards before the wire: ipc (one
+        sender), no TP, or a rank that cannot send its shards as they are."""
+        from asyncrl.weightsync.shards import Piece
+
+        problem = next((o.problem for o in export.pieces if o.problem), "")
+        if (self.transport is not None and self.transport.backend == "ipc") or problem:
+            log.info("weightsync: TP shards are gathered before each push (%s)", problem or "ipc")
             return b""
-        pieces, problem = await self.learner.piece_manifest()
-        if problem:
-            log.info("weightsync: TP shards are gathered before each push (%s)", problem)
-        return pickle.dumps(pieces) if pieces and max(p.tp for p in pieces) > 0 and not problem else b""
+        pieces = [Piece(hf, o.sender, o.tp, dtype, tuple(full), tuple(window) if window else None)
+                  for o in sorted(export.pieces, key=lambda o: o.sender) for hf, dtype, full, window in o.pieces]
+        return pickle.dumps(pieces) if pieces and max(p.tp for p in pieces) > 0 else b""
 
     def sender_ranks(self) -> dict[int, tuple[int, ...]] | None:
         """sender -> the engine ranks its buckets are for, for each sender of the plan that feeds only some
@@ -299,19 +302,6 @@ def _put_kind(transport: Any) -> str:
 
 STORE_NAME = "asyncrl_weight_store"  # the named actor late replicas load from
 STORE_NAMESPACE = "asyncrl"
-
-
-def load_hf_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF safetensors checkpoint directory."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    return tensors
 
 
 def buckets_fingerprint(buckets: list[Any], mode: str) -> str:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.demo_model import load_hf_tensors
 from asyncrl.interfaces import EngineAPI
 from asyncrl.types import UpdateBegin
-from asyncrl.weightsync.service import load_hf_tensors
 
 ADMIN_TOKEN = "test-admin-token"
 

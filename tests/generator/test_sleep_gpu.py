@@ -15,9 +15,9 @@ import asyncio
 import pytest
 
 from asyncrl.config import GeneratorConfig, ModelConfig
+from asyncrl.demo_model import load_hf_tensors
 from asyncrl.types import GenerationRequest, SamplingParams, UpdateBegin
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
-from asyncrl.weightsync.service import load_hf_tensors
 
 pytestmark = pytest.mark.gpu
 

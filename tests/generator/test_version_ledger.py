@@ -20,10 +20,10 @@ import pytest
 from generator_testlib import perturbed_weights
 
 from asyncrl.config import GeneratorConfig, ModelConfig
+from asyncrl.demo_model import load_hf_tensors
 from asyncrl.generator.versions import versions_from_spans
 from asyncrl.types import GenerationRequest, SamplingParams, UpdateBegin
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
-from asyncrl.weightsync.service import load_hf_tensors
 
 pytestmark = pytest.mark.slow
 

@@ -103,7 +103,7 @@ def test_the_worker_extension_implements_every_worker_verb():
 _WEIGHT_VERBS = {
     EngineAPI: ["load_bucket", "commit_update", "abort_update", "set_push_plan", "join_collective", "sync_from_source"],
     WorkerAPI: api_verbs(WorkerAPI),
-    LearnerRankAPI: ["set_push_plan", "piece_manifest", "export_weights", "join_collective",
+    LearnerRankAPI: ["set_push_plan", "export_weights", "join_collective",
                      "take_host_copies"],
 }
 

@@ -41,7 +41,7 @@ def test_device_checksums_equal_host_checksums_segment_for_segment():
 
 async def _plan_for(replica, model_path: str) -> tuple[dict, object]:
     """The checkpoint's tensors, and the push plan `replica` forms in its own layout and holds."""
-    from asyncrl.weightsync.service import load_hf_tensors
+    from asyncrl.demo_model import load_hf_tensors
 
     from .fakes import plan_request
 

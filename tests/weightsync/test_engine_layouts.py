@@ -46,12 +46,13 @@ def _build(kind: str, out: str, demo: str) -> None:
 
 async def _scenario(path: str) -> dict:
     from asyncrl.config import GeneratorConfig, ModelConfig, WeightsyncConfig
+    from asyncrl.demo_model import load_hf_tensors
     from asyncrl.generator.engine import EngineReplica
     from asyncrl.interfaces import WorkerAPI
     from asyncrl.types import GenerationRequest, LayoutCheck, PlanRequest, SamplingParams
     from asyncrl.weightsync.plan import ManifestEntry
     from asyncrl.weightsync.push import Publisher, VersionRegistry
-    from asyncrl.weightsync.service import dump_manifest, load_hf_tensors
+    from asyncrl.weightsync.service import dump_manifest
     from asyncrl.weightsync.transport import SharedMemoryTransport
 
     replica = EngineReplica(ModelConfig(path=path, max_model_len=256), GeneratorConfig(), replica_id="e0")

@@ -42,7 +42,7 @@ async def _scenario(model_path: str) -> dict:
     from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
     from asyncrl.weightsync.push import Publisher
-    from asyncrl.weightsync.service import dump_manifest
+    from asyncrl.weightsync.service import WeightPublisher, dump_manifest
     from asyncrl.weightsync.transport import SharedMemoryTransport
     from tests.learner._data import advantages, make_samples
 
@@ -72,10 +72,9 @@ async def _scenario(model_path: str) -> dict:
         gathered = build_plan(manifest, layouts, 0.25)
         # what the service asks for and the replica forms for this layout (a shard plan): each TP rank sends
         # its own shards
-        pieces, problem = await group.piece_manifest()
-        assert not problem, problem
-        ack = await replica.set_push_plan(PlanRequest(manifest=dump_manifest(manifest), bucket_mb=0.25,
-                                                      pieces=pickle.dumps(pieces)))
+        assert len(hf_export.pieces) == 2 and not any(p.problem for p in hf_export.pieces), hf_export.pieces
+        pieces = WeightPublisher(WeightsyncConfig(), engine=None, learner=group)._pieces(hf_export)
+        ack = await replica.set_push_plan(PlanRequest(manifest=dump_manifest(manifest), bucket_mb=0.25, pieces=pieces))
         plan = pickle.loads(ack.plan)
         await group.set_push_plan(ack.plan)
 

@@ -241,8 +241,9 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
     from transformers import AutoTokenizer
 
     from asyncrl.config import WeightsyncConfig
+    from asyncrl.demo_model import load_hf_tensors
     from asyncrl.weightsync.push import ActorReplica, Publisher, Step, VersionRegistry, WeightsyncError
-    from asyncrl.weightsync.service import WeightStore, load_hf_tensors, weight_store_hook
+    from asyncrl.weightsync.service import WeightStore, weight_store_hook
     from asyncrl.weightsync.transport import ObjectStoreTransport
 
     tok = AutoTokenizer.from_pretrained(str(demo_model_path))
@@ -350,11 +351,11 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
     import pickle
 
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, WeightsyncConfig
+    from asyncrl.demo_model import load_hf_tensors
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.plan import ManifestEntry
     from asyncrl.weightsync.push import ActorReplica, Publisher
-    from asyncrl.weightsync.service import load_hf_tensors
     from asyncrl.weightsync.transport import SharedMemoryTransport
     from tests.learner._data import advantages, make_samples
 
@@ -522,7 +523,7 @@ class _OneEngine:
         """A sender of the demo model's weights perturbed by `seed`, with the engine's push plan."""
         import pickle
 
-        from asyncrl.weightsync.service import load_hf_tensors
+        from asyncrl.demo_model import load_hf_tensors
 
         start = (await engine.greedy.remote([[1, 2, 3]]))[0][1][0]
         base = load_hf_tensors(str(demo_model_path))

@@ -281,12 +281,17 @@ class _Control:
 
 
 class _Learner:
-    def __init__(self, pieces, problem: str = "") -> None:
-        self.pieces, self.problem, self.plans, self.asked = pieces, problem, [], 0
+    """The learner group as `form_plan` calls it; `export` is its start export as the ranks answer it: one
+    `PieceManifest` per TP rank (the pieces it holds, or why it cannot send them as they are)."""
 
-    async def piece_manifest(self):
-        self.asked += 1
-        return (self.pieces, self.problem)
+    def __init__(self, pieces, problem: str = "") -> None:
+        from asyncrl.types import PieceManifest, WeightExport
+
+        by_rank = sorted({p.sender for p in pieces})
+        self.export = WeightExport(pieces=[PieceManifest(problem=problem)] if problem else [
+            PieceManifest(sender=r, tp=r, pieces=[(p.hf, p.dtype, p.full, p.window) for p in pieces if p.sender == r])
+            for r in reversed(by_rank)])  # (the service orders them by sender)
+        self.plans = []
 
     async def set_push_plan(self, blob):
         import pickle
@@ -305,6 +310,7 @@ def _publisher(engine_tp: int, learner: _Learner, backend: str = "gloo", **cfg):
     pub.replicas = SimpleNamespace(control=control)
     pub.manifest = _manifest(_hf())
     pub.transport = SimpleNamespace(backend=backend)
+    pub.pieces = pub._pieces(learner.export)  # as `start` reads them from the learner's start export
     pub.publisher = SimpleNamespace(set_plan=lambda plan: None)
     forgot = []
     pub.link = SimpleNamespace(forget=lambda: forgot.append(1))
@@ -340,4 +346,4 @@ def test_a_learner_that_cannot_send_its_shards_gets_the_gathered_plan():
     learner = _Learner([], "expert parameter decoder.layers.0.mlp.experts...: sent gathered")
     pub, _, _ = _publisher(2, learner)
     asyncio.run(pub.form_plan())
-    assert learner.asked == 1 and pub.plan.senders == 1 and not pub.plan.pieces
+    assert pub.pieces == b"" and pub.plan.senders == 1 and not pub.plan.pieces
