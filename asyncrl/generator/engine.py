@@ -150,10 +150,7 @@ class EngineReplica(WeightUpdates):
                             self.replica_id, err)
                 tensors = hf_from_engine(plan, payloads)
                 payloads, fingerprint = [tensors], tensor_fingerprint(tensors, mode)
-        begin: UpdateBegin | None = UpdateBegin(mode, layout=layout, plan_id=plan_id)
-        for payload in payloads:
-            await self.load_bucket(payload, version, begin)
-            begin = None
+        await self.load_bucket(payloads, version, UpdateBegin(mode, layout=layout, plan_id=plan_id))
         await self.commit_update(version, fingerprint)
         logger.info("replica %s serves weight version %d (caught up in %.1f s, %s layout)", self.replica_id,
                     self.version, time.perf_counter() - t0, layout)

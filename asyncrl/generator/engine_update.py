@@ -2,9 +2,9 @@
 
 Owns: begin -> load bucket(s) -> commit (fingerprint check, pause, apply, relabel, resume) or abort, what the workers
 staged (their digests, per worker), the replica's collective-group membership, the push plan it holds, and moving the
-per-token version labels at a commit (through the replica's `VersionSource`). Payloads: a `SharedBucket` (shm), a
-`Bucket` (object store: written once into a shared file), a `CollectiveReceive` (the workers receive from the senders
-themselves) or loose named tensors, each optionally `WithDigests` (bucketed staging). The workers' half is
+per-token version labels at a commit (through the replica's `VersionSource`). Payloads: a `CollectiveReceive` (the
+workers receive from the senders themselves), or a list of `SharedBucket`s (shm), `Bucket`s (object store: each written
+once into a shared file) or loose named tensors, optionally `WithDigests` (bucketed staging). The workers' half is
 weightsync's worker_verbs.py, on vLLM in worker_ext.py. `WeightUpdates` is a part of `EngineReplica` (engine.py).
 Must never: change the version label while the engine runs a step, or apply staged tensors whose fingerprint
 differs from the one the caller committed.
@@ -165,8 +165,9 @@ class WeightUpdates:
         self._begin_args = [begin.verify, begin.staging, begin.layout]
 
     async def load_bucket(self, named_tensors: Any, version: int, begin: UpdateBegin | None = None) -> LoadReport:
-        """Stage a payload (a bucket, its handle, or a `CollectiveReceive`: the workers receive from the senders) of
-        `version`; `begin`, on an update's first load, starts it (a refused begin stages nothing)."""
+        """Stage `version` from a payload: a `CollectiveReceive` (the workers receive from the senders), or a list of
+        its buckets (shared files, buckets or their ObjectRefs; in `WithDigests` with the sender's digests of each);
+        `begin`, on an update's first load, starts it (a refused begin stages nothing)."""
         async with self._control_lock:
             self._receive_reached = False
             try:
@@ -196,8 +197,6 @@ class WeightUpdates:
             raise WeightUpdateError(f"replica {self.replica_id}: a load_bucket that begins no update, with none begun")
         if version != self._staging_version:
             raise WeightUpdateError(f"replica {self.replica_id}: bucket for version {version}, staging {self._staging_version}")
-        if is_object_ref(named_tensors):  # a bucket handle that travelled nested, unresolved
-            named_tensors = await named_tensors
         self._receive_reached = True  # the workers receive, or refuse, from here on
         try:
             await self._stage(named_tensors, self._staging_version)
@@ -208,12 +207,8 @@ class WeightUpdates:
         return LoadReport(replica_id=self.replica_id, staged_tensors=sum(len(d) for d in self._staged))
 
     async def _stage(self, payload: Any, version: int) -> None:
-        """Stage one payload on every worker (their digests kept per worker)."""
-        expected = None
-        if isinstance(payload, WithDigests):
-            payload, expected = payload.payload, payload.digests
-            if is_object_ref(payload):  # nested in the wrapper, so Ray did not resolve it
-                payload = await payload
+        """Stage the version on every worker (their digests kept per worker), from the senders or from each of its
+        buckets in turn (with the sender's digests of each where each is applied once verified)."""
         if isinstance(payload, CollectiveReceive):
             if payload.version != version:
                 raise ValueError(f"collective push of version {payload.version}, staging {version}")
@@ -221,16 +216,19 @@ class WeightUpdates:
                                       payload.timeout_s, payload.gate, self._take_begin(), timeout=payload.timeout_s + 30.0)
             self._staged = [dict(msgspec.convert(r, ReceiveReport).digests) for r in results]
             return
-        async for shared, owned in _as_shared(payload):
-            try:
-                results = await self._rpc(WorkerAPI.asyncrl_receive, version, shared.wire(), expected, None, 0.0, "",
-                                          self._take_begin())
-            finally:
-                if owned:  # written here; the workers hold their own mappings now
-                    shared.unlink()
-            self._staged = self._staged or [{} for _ in results]
-            for mine, got in zip(self._staged, results):
-                mine.update(msgspec.convert(got, ReceiveReport).digests)
+        payload, expected = (payload.payload, payload.digests) if isinstance(payload, WithDigests) else (payload, None)
+        for i, item in enumerate(payload if isinstance(payload, list) else [payload]):
+            item = await item if is_object_ref(item) else item  # (in a list, Ray resolved none of them)
+            async for shared, owned in _as_shared(item):
+                try:
+                    results = await self._rpc(WorkerAPI.asyncrl_receive, version, shared.wire(),
+                                              expected[i] if expected else None, None, 0.0, "", self._take_begin())
+                finally:
+                    if owned:  # written here; the workers hold their own mappings now
+                        shared.unlink()
+                self._staged = self._staged or [{} for _ in results]
+                for mine, got in zip(self._staged, results):
+                    mine.update(msgspec.convert(got, ReceiveReport).digests)
 
     def _take_begin(self) -> list[str] | None:
         """The update's (verify, staging, layout) for the workers' first receive (it starts their staging), once."""

@@ -249,11 +249,11 @@ def shared_dir(nbytes: int) -> str:
 
 @dataclass(frozen=True)
 class WithDigests:
-    """A push payload with the sender's digests of its tensors (bucketed staging checks each bucket
-    against them before applying it)."""
+    """A push's buckets with the sender's digests of each, in the same order (bucketed staging checks each
+    bucket against them before applying it)."""
 
-    payload: Any
-    digests: dict[str, bytes]
+    payload: list[Any]
+    digests: list[dict[str, bytes]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,10 @@
 """Push orchestration: publish one weight version to every engine replica, atomically.
 
 Owns: the order of a push, its atomicity, timeouts and retries, the registry of versions (`VersionRegistry`: each
-one's lifecycle IDLE -> STAGING -> COMMITTING -> LIVE | FAILED and timeline, which replica serves which), the host
+one's lifecycle IDLE -> STAGING -> COMMITTING -> LIVE | FAILED and timeline, who committed it), the host
 copy of the last live version (its bucket handles), per-push metrics. Order, by `weightsync.staging`: full:
-load_bucket* (the first beginning the update; staged and verified beside the live weights) -> pause ->
-commit_update(fingerprint) -> resume; bucketed: pause -> load* (each bucket applied once verified) -> commit ->
+load_bucket (one a replica, beginning the update; staged and verified beside the live weights) -> pause ->
+commit_update(fingerprint) -> resume; bucketed: pause -> load (each bucket applied once verified) -> commit ->
 resume. Atomicity (the replicas' contract, sources.py): a failure before the commit is undone by `abort_update` (the
 version goes FAILED); a part-applied or ahead replica is restored from the host copy while paused, else reported out
 of service. Every call is bounded by `timeout_s`, a failed attempt retried, paused replicas always resumed.
@@ -26,7 +26,6 @@ import torch
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.types import CommitReport, Refusal, UpdateBegin, WeightUpdateState, WeightVersion, refusal_of
-from asyncrl.weightsync.bucket import WithDigests
 from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.sources import (  # noqa: F401 - re-exported: the publisher's vocabulary
     ActorReplica,
@@ -109,7 +108,6 @@ class VersionRegistry:
         self._timeline: dict[int, list[tuple[str, float]]] = {}
         self._live: int = initial_version
         self._in_flight: int | None = None
-        self._replica_versions: dict[str, int] = {}
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -133,9 +131,6 @@ class VersionRegistry:
         """(state value, unix time) for every state the version entered, in order."""
         self.get(version)
         return list(self._timeline[version])
-
-    def replica_versions(self) -> dict[str, int]:
-        return dict(self._replica_versions)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def begin(self, version: int) -> WeightVersion:
@@ -198,19 +193,7 @@ class VersionRegistry:
         record.state, record.committed_at = S.LIVE, now
         self._timeline[version].append((S.LIVE.value, now))
         self._live, self._in_flight = version, None
-        for replica in expected:
-            self._replica_versions[replica] = version
         return record
-
-    def replica_loaded(self, replica: str, version: int) -> None:
-        """A replica now serves `version` (late joiner loaded the store, or a rollback)."""
-        record = self._records.get(version)
-        if record is not None and record.state is not S.LIVE:
-            raise RegistryError(f"replica {replica} cannot serve version {version}: it is {record.state.value}")
-        self._replica_versions[replica] = version
-
-    def replica_removed(self, replica: str) -> None:
-        self._replica_versions.pop(replica, None)
 
 
 @dataclass
@@ -321,10 +304,7 @@ class Publisher:
             begin_sent = True  # with the first load
             t = time.perf_counter()
             try:
-                if isinstance(source, StreamedSource):
-                    await source.stream(self._step, version, replicas, m, begin)
-                else:
-                    await self._stream(version, source, replicas, m, begin, with_digests=bucketed)
+                await source.stream(self._step, version, replicas, m, begin)
             except StepFailed as f:
                 if bucketed:  # buckets may have been applied: restore everyone
                     f.restore = [r.name for r in replicas]
@@ -364,16 +344,6 @@ class Publisher:
                 await self._run(Step.RESUME, replicas, lambda r: r.resume(), m)
             if pause_sent:
                 m.paused_seconds += time.perf_counter() - paused
-
-    async def _stream(self, version: int, source: BucketSource, replicas: list[ReplicaClient], m: PushMetrics,
-                      begin: UpdateBegin, with_digests: bool = False) -> None:
-        """Every bucket to every replica, in order (the first beginning the update): one load per replica in flight."""
-        for i, (handle, digests) in enumerate(zip(source.handles, source.digests)):
-            payload = self._transport.payload(handle)
-            if with_digests:
-                payload = WithDigests(payload, digests)
-            first = begin if i == 0 else None
-            await self._step(Step.LOAD, replicas, lambda r, p=payload, b=first: r.load_bucket(p, version, b), m)
 
     @classmethod
     async def _commit(cls, r: ReplicaClient, version: int, fingerprint: str, m: PushMetrics) -> None:
@@ -432,23 +402,16 @@ class Publisher:
         host, failed = self._host, [r.name for r in replicas]
         if host is not None and replicas:
             async def reload(r: ReplicaClient) -> None:
-                begin: UpdateBegin | None = UpdateBegin(fingerprint_mode(host.fingerprint), layout=host.layout,
-                                                        plan_id=host.plan_id)
-                for h in host.handles:
-                    await r.load_bucket(self._transport.payload(h), host.version, begin)
-                    begin = None
+                begin = UpdateBegin(fingerprint_mode(host.fingerprint), layout=host.layout, plan_id=host.plan_id)
+                await r.load_bucket([self._transport.payload(h) for h in host.handles], host.version, begin)
                 await r.commit_update(host.version, host.fingerprint)
 
             ok, bad = await self._run(Step.RESTORE, replicas, reload, m)
-            for name in ok:
-                self.registry.replica_loaded(name, host.version)
             failed = list(bad)
             m.rollbacks += len(ok)
             self.totals["rollbacks_total"] += len(ok)
-        for name in failed:
-            self.registry.replica_removed(name)
-            m.out_of_service += 1
-            self.totals["out_of_service_total"] += 1
+        m.out_of_service += len(failed)
+        self.totals["out_of_service_total"] += len(failed)
         return failed
 
     # ---- outcome -----------------------------------------------------------------------------

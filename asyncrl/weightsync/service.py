@@ -18,7 +18,7 @@ import contextlib
 import logging
 import pickle
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from asyncrl.config import WeightsyncConfig
@@ -83,7 +83,7 @@ class WeightPublisher:
                 transport.backend, self.learner, bucket_mb=self.cfg.bucket_mb, timeout_s=self.cfg.timeout_s,
                 ipc_window=ipc_window_for(self.cfg.staging),
                 # through the replicas' client: the fan-out a push reads is then the one just counted
-                members=lambda: self.replicas.call_all(EngineAPI.join_collective),
+                members=lambda: self.replicas.call(EngineAPI.join_collective),
                 # beside each push (its fan-out count untouched): are the groups' members still the replicas?
                 check=lambda: control.call(EngineAPI.join_collective, timeout_s=min(30.0, self.cfg.timeout_s)),
                 join=lambda wire: control.call(EngineAPI.join_collective, wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
@@ -304,24 +304,11 @@ STORE_NAME = "asyncrl_weight_store"  # the named actor late replicas load from
 STORE_NAMESPACE = "asyncrl"
 
 
-def buckets_fingerprint(buckets: list[Any], mode: str) -> str:
-    """The fingerprint of packed buckets (HF or engine layout), as a push computes it."""
-    from asyncrl.weightsync.bucket import digest_key_prefix
-    from asyncrl.weightsync.fingerprint import bucket_digests
-
-    digests: dict[str, bytes] = {}
-    for bucket in buckets:
-        digests.update(bucket_digests(bucket, mode, digest_key_prefix(bucket)))  # type: ignore[arg-type]
-    return combine_digests(digests, mode)  # type: ignore[arg-type]
-
-
 class WeightStore:
     """Holds the latest committed (version, buckets, fingerprint, plan): `publish` (the version must increase,
     the fingerprint must match), `latest` ((0, None, "") before any), `plan` (the latest buckets' push plan; None:
     HF tensors). Run as a named Ray actor. Also the plan pushes use now (`set_push_plan` / `push_plan`): a replica
     that starts before the first push has no stored version to load, but takes it, so that push finds it held."""
-
-    BUCKET_MB = 256.0
 
     def __init__(self) -> None:
         self._version = 0
@@ -331,28 +318,31 @@ class WeightStore:
         self._push_plan: Any = None
         self._refs: list[Any] = []  # the latest version's ObjectRefs, when it came as such
 
-    def publish(self, version: int, weights: Any, fingerprint: str, plan: Any = None) -> None:
-        from asyncrl.weightsync.bucket import Bucket, iter_buckets
+    def publish(self, version: int, buckets: list[Any], fingerprint: str, plan: Any = None) -> None:
+        """`buckets`: packed (bucket.py), or ObjectRefs of buckets (read here, where they lie: mapped, not copied,
+        on the same node; the refs are kept with them, which keeps the objects)."""
+        from asyncrl.weightsync.bucket import Bucket, digest_key_prefix
+        from asyncrl.weightsync.fingerprint import bucket_digests
 
         if not isinstance(version, int) or version <= self._version:
             raise ValueError(f"version={version!r} must be an int greater than the stored {self._version}")
-        weights = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
-        refs = [w for w in weights if is_object_ref(w)]
-        if refs:  # a version's ObjectRefs (push.py, `weight_store_hook`, below): read here, where they lie (mapped,
-            import ray  # not copied, on the same node); the refs are kept with them, which keeps the objects
+        refs = [b for b in buckets if is_object_ref(b)]
+        if refs:
+            import ray
 
             got = iter(ray.get(refs))
-            weights = [next(got) if is_object_ref(w) else w for w in weights]
-        if all(isinstance(b, Bucket) for b in weights):
-            buckets = weights
-        else:
-            buckets = list(iter_buckets(weights, self.BUCKET_MB))  # checks names, brings tensors to CPU
-        actual = buckets_fingerprint(buckets, fingerprint_mode(fingerprint))
+            buckets = [next(got) if is_object_ref(b) else b for b in buckets]
+        if not all(isinstance(b, Bucket) for b in buckets):
+            raise TypeError(f"the store keeps packed buckets, got {sorted({type(b).__name__ for b in buckets})}")
+        mode, digests = fingerprint_mode(fingerprint), {}
+        for bucket in buckets:
+            digests.update(bucket_digests(bucket, mode, digest_key_prefix(bucket)))
+        actual = combine_digests(digests, mode)
         if actual != fingerprint:
             raise ValueError(f"fingerprint mismatch for version {version}: given {fingerprint[:24]}, tensors hash to {actual[:24]}")
-        if refs and all(getattr(b, "rank", None) is None for b in buckets):
+        if refs and all(b.rank is None for b in buckets):
             plan = None  # (sent as refs, unseen by the hook) Hugging Face buckets: no engine layout to apply them in
-        self._version, self._buckets, self._fingerprint, self._plan = version, buckets, fingerprint, plan
+        self._version, self._buckets, self._fingerprint, self._plan = version, list(buckets), fingerprint, plan
         self._refs = refs
 
     def latest(self) -> tuple[int, list[Any] | None, str]:

@@ -2,12 +2,12 @@
 
 Owns: `Step` / `StepFailed`; `ReplicaClient` (its adapters: `ActorReplica`, one Ray actor or Serve replica handle;
 `DeploymentReplicas`, every running replica of the engine deployment) and the replicas' contract: pause(mode);
-load_bucket(payload, version, begin) never touches live weights, and with `begin` (an `UpdateBegin`: the update's
-first load) first drops any staged copy (an engine layout without the plan: Refusal.PLAN_MISSING, nothing staged);
+load_bucket(payload, version, begin) stages the whole version (one load a push) and never touches live weights, and
+with `begin` (an `UpdateBegin`) first drops any staged copy (an engine layout without the plan: Refusal.PLAN_MISSING);
 commit_update(version, fp) applies nothing on a fingerprint mismatch (Refusal.VERIFY_FAILED), may leave the weights
 part-applied on a later error; abort_update is idempotent; a version <= the live one restores. The sources:
-`BucketSource` replays buckets the learner ranks put (with their digests); `StreamedSource` is a collective push, the
-senders broadcasting over the groups of a `Link` (link.py's `CollectiveLink`) into each replica's single load. And a
+`BucketSource` hands each replica's load the buckets the learner ranks put (with their digests); `StreamedSource` is a
+collective push, the senders broadcasting over the groups of a `Link` (link.py's `CollectiveLink`) into that load. And a
 push's metrics (`PushMetrics`, a flat `weightsync/...` dict).
 Must never: order replica calls or decide what is live (push.py). Details: docs/design/weightsync.md.
 """
@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.interfaces import EngineAPI, verb_name
 from asyncrl.types import CommitReport, HostCopies, LoadReport, Refusal, UpdateAck, UpdateBegin, WeightExport, refusal_of
-from asyncrl.weightsync.bucket import digest_key_prefix
+from asyncrl.weightsync.bucket import WithDigests, digest_key_prefix
 from asyncrl.weightsync.fingerprint import VerifyMode, bucket_digests, check_verify_mode, combine_digests
 from asyncrl.weightsync.transport import Transport
 
@@ -61,24 +61,24 @@ class ActorReplica:
         self.handle = handle
         self.name = name
 
-    async def _call(self, verb: Callable[..., Any], *args: Any) -> Any:
+    async def call(self, verb: Callable[..., Any], *args: Any) -> Any:
+        """`verb` (an `EngineAPI` method) on the replica(s) this client reaches."""
         return await getattr(self.handle, verb_name(EngineAPI, verb)).remote(*args)
 
     async def pause(self, mode: str) -> Any:
-        return await self._call(EngineAPI.pause, mode)
+        return await self.call(EngineAPI.pause, mode)
 
     async def load_bucket(self, payload: Any, version: int, begin: UpdateBegin | None = None) -> Loaded | dict[str, Loaded]:
-        # The payload goes as a top-level argument so Ray resolves an ObjectRef before the call.
-        return await self._call(EngineAPI.load_bucket, payload, version, begin)
+        return await self.call(EngineAPI.load_bucket, payload, version, begin)
 
     async def commit_update(self, version: int, fingerprint: str) -> CommitReport | dict[str, CommitReport]:
-        return await self._call(EngineAPI.commit_update, version, fingerprint)
+        return await self.call(EngineAPI.commit_update, version, fingerprint)
 
     async def abort_update(self) -> UpdateAck | dict[str, UpdateAck]:
-        return await self._call(EngineAPI.abort_update)
+        return await self.call(EngineAPI.abort_update)
 
     async def resume(self) -> Any:
-        return await self._call(EngineAPI.resume)
+        return await self.call(EngineAPI.resume)
 
     def __repr__(self) -> str:
         return f"ActorReplica({self.name!r})"
@@ -100,13 +100,10 @@ class DeploymentReplicas(ActorReplica):
         """Engine replicas the last call reached (2 before any: not known to be one)."""
         return len(self.last_results) if self.last_results else 2
 
-    async def _call(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
+    async def call(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
+        """`verb` on every running replica, {replica id: result}; `fanout` counts them from now on."""
         self.last_results = await self.control.call(verb, *args, timeout_s=self.timeout_s)
         return self.last_results
-
-    async def call_all(self, verb: Callable[..., Any], *args: Any) -> dict[str, Any]:
-        """`verb` on every running replica, {replica id: result}; `fanout` counts them from now on."""
-        return await self._call(verb, *args)
 
 
 def is_verify_failure(exc: BaseException) -> bool:
@@ -246,7 +243,7 @@ class BucketSource:
 
     def __init__(self, handles: Sequence[Any], transport: Transport, verify: VerifyMode = "full",
                  digests: Sequence[dict[str, bytes]] | None = None, plan_id: str | None = None) -> None:
-        self.verify = check_verify_mode(verify)
+        self.verify, self._transport = check_verify_mode(verify), transport
         self.handles, self.digests = list(handles), []
         self.bytes = self.num_tensors = 0
         self.hash_seconds = 0.0
@@ -271,6 +268,15 @@ class BucketSource:
         if self.layout == "engine" and plan_id is None:
             raise ValueError("engine-layout buckets without the push plan they were packed for")
         self.plan_id = plan_id if self.layout == "engine" else None
+
+    async def stream(self, step: Callable[..., Awaitable[None]], version: int, replicas: list[ReplicaClient],
+                     m: PushMetrics, begin: UpdateBegin) -> None:
+        """One attempt: every replica's one load (beginning the update) takes every bucket, in order, with the
+        sender's digests of each where each is applied once verified (bucketed staging)."""
+        payload: Any = [self._transport.payload(h) for h in self.handles]
+        if begin.staging == "bucketed":
+            payload = WithDigests(payload, self.digests)
+        await step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version, begin), m)
 
     def count(self, m: PushMetrics) -> None:
         """This push's sizes into `m`."""

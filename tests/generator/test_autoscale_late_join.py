@@ -21,6 +21,7 @@ from asyncrl.app import run_generator
 from asyncrl.config import load_config
 from asyncrl.generator.control import EngineControl
 from asyncrl.interfaces import EngineAPI
+from asyncrl.weightsync.bucket import iter_buckets
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from asyncrl.weightsync.service import WeightStore
 
@@ -66,7 +67,7 @@ def test_scale_up_with_late_joiner_on_current_version_and_back_down(ray_session,
         (first_replica,) = asyncio.run(control.versions())
         # Version 1 goes to the store first (late joiners read it), then to the live replica.
         w1 = perturbed_weights(demo_model_path, seed=11)
-        ray.get(store.publish.remote(1, w1, tensor_fingerprint(w1)))
+        ray.get(store.publish.remote(1, list(iter_buckets(w1.items(), 64.0)), tensor_fingerprint(w1)))
         push_weights(control, 1, w1)
         assert asyncio.run(control.versions()) == {first_replica: 1}
         # The push plan formed after the first replica started (the service puts it in the store

@@ -323,14 +323,17 @@ def test_shared_bucket_file_is_bit_exact_and_survives_unlinking():
 def test_weight_store_keeps_latest_verified_version():
     store = WeightStore()
     assert store.latest() == (0, None, "")
-    w = {"a": np.ones(3, dtype=np.float32)}
-    with pytest.raises(ValueError):
-        store.publish(1, w, "bad")
-    store.publish(1, w, tensor_fingerprint(w))
-    with pytest.raises(ValueError):
-        store.publish(1, w, tensor_fingerprint(w))  # not newer
-    version, buckets, fp = store.latest()
     from asyncrl.weightsync.bucket import iter_buckets, iter_unpacked
+
+    w = {"a": np.ones(3, dtype=np.float32)}
+    with pytest.raises(TypeError, match="packed buckets"):
+        store.publish(1, list(w.items()), tensor_fingerprint(w))
+    with pytest.raises(ValueError):
+        store.publish(1, list(iter_buckets(w.items(), 1.0)), "bad")
+    store.publish(1, list(iter_buckets(w.items(), 1.0)), tensor_fingerprint(w))
+    with pytest.raises(ValueError):
+        store.publish(1, list(iter_buckets(w.items(), 1.0)), tensor_fingerprint(w))  # not newer
+    version, buckets, fp = store.latest()
 
     assert version == 1 and fp == tensor_fingerprint(iter_unpacked(buckets))
     w2 = {"a": torch.zeros(3), "b": torch.ones(2, dtype=torch.bfloat16)}
@@ -347,8 +350,10 @@ def test_weight_store_keeps_the_current_push_plan_apart_from_the_stored_versions
     store = WeightStore()
     assert store.push_plan() is None and store.plan() is None
     store.set_push_plan("plan-now")
+    from asyncrl.weightsync.bucket import iter_buckets
+
     w = {"a": np.ones(3, dtype=np.float32)}
-    store.publish(1, w, tensor_fingerprint(w), plan="plan-of-v1")
+    store.publish(1, list(iter_buckets(w.items(), 1.0)), tensor_fingerprint(w), plan="plan-of-v1")
     assert store.push_plan() == "plan-now" and store.plan() == "plan-of-v1"
 
 

@@ -12,7 +12,7 @@ from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck, UpdateBe
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, WithDigests, unpack_bucket
 from asyncrl.weightsync.fingerprint import bucket_digests, tensor_fingerprint
 from asyncrl.weightsync.sources import BucketSource
-from asyncrl.weightsync.transport import Transport
+from asyncrl.weightsync.transport import Transport, is_object_ref
 
 
 class LocalTransport(Transport):
@@ -81,30 +81,34 @@ class FakeReplica:
         await self._maybe_fault("begin")
         self.staged = {}
 
-    async def load_bucket(self, bucket: Bucket, version: int, begin: UpdateBegin | None = None) -> LoadReport:
+    async def load_bucket(self, payload: Any, version: int, begin: UpdateBegin | None = None) -> LoadReport:
+        """The whole version in one load, as the replica takes it: its buckets (shm files, buckets or ObjectRefs)."""
         if begin is not None:
             await self._begin(version, begin)
         self.log.append((self.name, "load"))
         self.loads += 1
         await self._maybe_fault("load")
         assert self.staged is not None, "load before begin"
-        expected = None
-        if isinstance(bucket, WithDigests):
-            bucket, expected = bucket.payload, bucket.digests
-        if isinstance(bucket, SharedBucket):  # the shm transport's payload: map the file
-            bucket = bucket.open()
-        if self.staging == "bucketed":  # like the engine: check the bucket, then apply it at once
-            assert self.paused, "bucketed staging while serving"
-            if expected != bucket_digests(bucket, self.verify):
-                raise Fault(f"fingerprint mismatch in a bucket for version {version}")
-            for name, t in unpack_bucket(bucket):
-                self.weights[name] = t.clone()
-                if self.faults.get(("apply", self.attempt)) == "raise":
-                    raise Fault("copy into the parameters crashed")
-        tensors = unpack_bucket(bucket)
-        for name, t in tensors:
-            self.staged[name] = t.clone()
-        return LoadReport(replica_id=self.name, staged_tensors=len(tensors))
+        payload, expected = (payload.payload, payload.digests) if isinstance(payload, WithDigests) else (payload, None)
+        count = 0
+        for i, bucket in enumerate(payload if isinstance(payload, list) else [payload]):
+            if is_object_ref(bucket):
+                bucket = await bucket
+            if isinstance(bucket, SharedBucket):  # the shm transport's payload: map the file
+                bucket = bucket.open()
+            if self.staging == "bucketed":  # like the engine: check the bucket, then apply it at once
+                assert self.paused, "bucketed staging while serving"
+                if expected is None or expected[i] != bucket_digests(bucket, self.verify):
+                    raise Fault(f"fingerprint mismatch in a bucket for version {version}")
+                for name, t in unpack_bucket(bucket):
+                    self.weights[name] = t.clone()
+                    if self.faults.get(("apply", self.attempt)) == "raise":
+                        raise Fault("copy into the parameters crashed")
+            tensors = unpack_bucket(bucket)
+            for name, t in tensors:
+                self.staged[name] = t.clone()
+            count += len(tensors)
+        return LoadReport(replica_id=self.name, staged_tensors=count)
 
     async def commit_update(self, version: int, fingerprint: str) -> CommitReport:
         self.log.append((self.name, f"commit:{version}"))
