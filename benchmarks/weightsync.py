@@ -572,6 +572,7 @@ async def _raw_floors(name, transports, collective, sender, sinks, gpu_sinks, jo
     from dataclasses import asdict
 
     import ray
+    import torch
 
     from asyncrl.weightsync.bucket import iter_buckets
     from asyncrl.weightsync.collective import form_specs
@@ -579,10 +580,19 @@ async def _raw_floors(name, transports, collective, sender, sinks, gpu_sinks, jo
     raw: dict[str, list[float]] = {}
     if [k for k in transports if k not in collective]:  # host floor: the sinks only map buckets, no GPU
         raw["host"] = []
+        kept: list[torch.Tensor] = []  # the pack's buffers, reused from round to round as the learner's shm files are
         for v in range(repeats + 1):  # round 0 warms the sinks up, not timed
             weights = {n: t.clone() for n, t in same.items()}
+            n = iter(range(1 << 30))
+
+            def reuse(nbytes: int, n=n) -> torch.Tensor:  # (fresh pages cost a fault each: 10x by the VM's state)
+                i = next(n)
+                if i == len(kept) or kept[i].numel() < nbytes:
+                    kept[i:i + 1] = [torch.empty(nbytes, dtype=torch.uint8)]
+                return kept[i][:nbytes]
+
             t = time.perf_counter()
-            for bucket in iter_buckets(iter(weights.items()), bucket_mb):  # packing, as the push packs
+            for bucket in iter_buckets(iter(weights.items()), bucket_mb, alloc=reuse):  # packing, as the push packs
                 ref = ray.put(bucket)
                 del bucket
                 await asyncio.gather(*(s.take.remote(ref) for s in sinks))
@@ -651,6 +661,7 @@ def _rows(name, runs, raw, collective, params, why_not, verify, staging, sender_
                 kind, "nccl/gloo broadcast of buckets of the push's sizes") if kind in collective
                 else "pack the same bytes + ray.put + sinks",
             "raw_seconds": med(floor), "raw_gbps": nbytes / med(floor) / 1e9, "push_over_raw": med(push) / med(floor),
+            "push_rounds_seconds": push, "raw_rounds_seconds": floor,  # (each run's spread: the floor swings by run)
             "paused_over_raw": breakdown["paused"] / med(floor),
             "breakdown_seconds": breakdown,
         }

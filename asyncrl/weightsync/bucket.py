@@ -2,8 +2,8 @@
 
 Owns: the wire shape of one bucket (`Bucket`: one contiguous uint8 buffer + a small metadata list), the lazy packer
 (`iter_buckets`), the zero-copy unpacker (`unpack_bucket`), and the same bucket as a shared-memory file
-(`SharedBucket`: written once, mapped copy-on-write by any process on the host; a mapping outlives the file's
-unlinking while a view of it is held). A bucket is one object to move: one `ray.put`, one file, one NCCL broadcast.
+(`SharedBucket`: written once a version, mapped copy-on-write by any process on the host; a mapping outlives the
+file's unlinking while a view of it is held). A bucket is one object to move: one `ray.put`, one file, one NCCL broadcast.
 Why shared files: they are how a replica hands a bucket to its vLLM workers (vLLM's `collective_rpc` msgpack channel
 copied every bucket several times) and what the shm transport puts.
 Must never: hold more than the bucket being filled plus the one being emitted (the packer pulls tensors lazily: peak
@@ -258,7 +258,10 @@ class WithDigests:
 
 @dataclass(frozen=True, slots=True)
 class SharedBucket:
-    """A `Bucket` whose buffer lives in a file; `path` is None when it has no bytes."""
+    """A `Bucket` whose buffer lives in a file; `path` is None when it has no bytes. Once its owner recycles it, a
+    packer may write the next version into it: a reader's mapping then shows those bytes (copy-on-write copies only
+    the pages the reader wrote), so nothing reads a recycled file (the publisher recycles a version once another is
+    live everywhere, and the replicas' apply copied it; `verify` catches a reader that did)."""
 
     path: str | None
     metas: list[TensorMeta]
@@ -288,36 +291,65 @@ class SharedBucket:
             mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         return Bucket(buffer=np.frombuffer(mapped, dtype=np.uint8), metas=list(self.metas), rank=self.rank)
 
-    def unlink(self) -> None:
+    def unlink(self, suffix: str = "") -> None:
         if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path + suffix)
+
+    def recycle(self) -> None:
+        """Nobody reads this file any more: a packer may write its next bucket of the same size into it."""
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(self.path, self.path + FREE)
+
+
+FREE = ".free"  # a bucket file released (`SharedBucket.recycle`): any packer on the host may write it again
+_MAPPED: dict[str, tuple[mmap.mmap, np.ndarray]] = {}  # the bucket files this process packed, mapped writable
 
 
 class SharedAllocator:
-    """Buffers that are shared files from the start: a packer writes a bucket straight into its
-    file, and `write_shared` of that bucket copies nothing (it adopts the file)."""
+    """Buffers that are shared files from the start: a packer writes a bucket straight into its file, and
+    `write_shared` of that bucket copies nothing (it adopts the file). A released file of the same size is written
+    again (claimed by renaming it back) through the mapping this process kept of it: a push then faults in no fresh
+    pages (each costs a zeroing fault, and far more on a VM whose host takes freed guest memory back)."""
 
     def __init__(self) -> None:
-        self._owned: dict[str, tuple[mmap.mmap, np.ndarray]] = {}  # path -> its mapping, for the allocator's life
         self._by_address: dict[int, str] = {}  # buffer handed out, not adopted yet
+        self._free: dict[int, list[str]] = {}  # released files by size, listed once
+        for path in [p for p in _MAPPED if not (os.path.exists(p) or os.path.exists(p + FREE))]:
+            del _MAPPED[path]  # unlinked by their owner since: let their pages go
+        for name in sorted(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else []:
+            if name.startswith(FILE_PREFIX) and name.endswith(FREE):
+                with contextlib.suppress(OSError):
+                    path = os.path.join(SHM_DIR, name)
+                    self._free.setdefault(os.stat(path).st_size, []).append(path)
 
     def __call__(self, nbytes: int) -> torch.Tensor:
-        fd, path = tempfile.mkstemp(prefix=FILE_PREFIX, dir=shared_dir(nbytes))
-        try:
-            os.ftruncate(fd, max(nbytes, 1))
-            mapped = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        os.close(fd)
-        self._owned[path] = (mapped, np.frombuffer(mapped, dtype=np.uint8))
-        array = self._owned[path][1][:nbytes]
+        size, array = max(nbytes, 1), None
+        while array is None and self._free.get(size):
+            free = self._free[size].pop()
+            path = free.removesuffix(FREE)
+            with contextlib.suppress(OSError):
+                os.rename(free, path)  # (another packer claimed it first: the next)
+                array = self._map(path, size)
+        if array is None:
+            fd, path = tempfile.mkstemp(prefix=FILE_PREFIX, dir=shared_dir(nbytes))
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            _MAPPED.pop(path, None)  # (a name this process mapped once, unlinked since)
+            array = self._map(path, size)
         self._by_address[array.ctypes.data] = path
-        return torch.from_numpy(array)
+        return torch.from_numpy(array[:nbytes])
+
+    @staticmethod
+    def _map(path: str, size: int) -> np.ndarray:
+        if path not in _MAPPED:
+            with open(path, "r+b") as f:
+                mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            _MAPPED[path] = (mapped, np.frombuffer(mapped, dtype=np.uint8))
+        return _MAPPED[path][1]
 
     def adopt(self, bucket: Bucket) -> SharedBucket | None:
         """The shared file `bucket` was packed into, or None if it was not packed into one."""
@@ -329,11 +361,10 @@ class SharedAllocator:
         return SharedBucket(path, list(bucket.metas), bucket.nbytes, bucket.rank)
 
     def discard(self) -> None:
-        """Unlink every file (the allocator's owner is done with all of them)."""
-        for path in list(self._owned):
+        """Unlink every file handed out and not adopted (the allocator's owner is done with them)."""
+        for path in self._by_address.values():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-        self._owned.clear()
         self._by_address.clear()
 
 

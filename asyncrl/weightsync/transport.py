@@ -28,7 +28,7 @@ import torch
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.types import WeightExport
-from asyncrl.weightsync.bucket import Bucket, SharedAllocator, SharedBucket, digest_key_prefix, iter_buckets, write_shared
+from asyncrl.weightsync.bucket import FREE, Bucket, SharedAllocator, SharedBucket, digest_key_prefix, iter_buckets, write_shared
 from asyncrl.weightsync.fingerprint import bucket_digests
 
 BACKENDS = ("gloo", "nccl", "ipc")  # the collective transports (collective.py)
@@ -101,15 +101,17 @@ class SharedMemoryTransport(Transport):
     """Same host only: one shared file per bucket (bucket.py's `SharedBucket`), mapped by every
     replica's workers. Buckets the learner ranks wrote themselves are adopted when first read.
 
-    This transport owns the files: `release` unlinks one; `close` (or the transport being
-    collected, or the process exiting) unlinks every one it still holds.
+    This transport owns the files: `release` hands one back to the packers (`SharedBucket.recycle`: the next export
+    writes into it again), and one that no export took by the export after is unlinked; `close` (or the transport
+    being collected, or the process exiting) unlinks every one it still holds.
     """
 
     name = "shm"
 
     def __init__(self) -> None:
         self._files: set[str] = set()
-        self._finalizer = weakref.finalize(self, _unlink_all, self._files)
+        self._recycled: set[str] = set()  # released since the last export was read
+        self._finalizer = weakref.finalize(self, _unlink_all, self._files, self._recycled)
 
     def close(self) -> None:
         self._finalizer()
@@ -120,13 +122,16 @@ class SharedMemoryTransport(Transport):
     def fetch(self, handle: SharedBucket) -> Bucket:
         if not isinstance(handle, SharedBucket):
             raise TypeError(f"transport=shm got a {type(handle).__name__} handle, not a SharedBucket")
-        if handle.path is not None:
+        if handle.path is not None and handle.path not in self._files:  # a new export's: the packers are done
+            _unlink_all(set(), self._recycled)  # with the files released before it: one still free stays unused
             self._files.add(handle.path)
         return handle.open()
 
     def release(self, handle: SharedBucket) -> None:
-        handle.unlink()
+        handle.recycle()
         self._files.discard(handle.path)
+        if handle.path is not None:
+            self._recycled.add(handle.path)
 
 
 class CollectiveTransport(ObjectStoreTransport):
@@ -144,10 +149,12 @@ class CollectiveTransport(ObjectStoreTransport):
         self.name = self.backend = backend
 
 
-def _unlink_all(paths: set[str]) -> None:
-    for path in list(paths):
-        SharedBucket(path, [], 0).unlink()
-    paths.clear()
+def _unlink_all(files: set[str], recycled: set[str]) -> None:
+    """Every file a transport holds, and those it released that no packer took (a taken one is another's now)."""
+    for paths, suffix in ((files, ""), (recycled, FREE)):
+        for path in list(paths):
+            SharedBucket(path, [], 0).unlink(suffix)
+        paths.clear()
 
 
 def single_host() -> bool:

@@ -322,9 +322,10 @@ async def test_verify_mode_decides_what_a_commit_checks(verify, caught):
     assert all(r.verify == verify for r in replicas)  # the mode travels with the update's first load
 
 
-async def test_shm_transport_owns_its_files_from_push_to_release():
+async def test_shm_transport_owns_its_files_from_push_to_release_and_packers_write_them_again():
     import os
 
+    from asyncrl.weightsync.bucket import FREE
     from asyncrl.weightsync.transport import SharedMemoryTransport
 
     transport = SharedMemoryTransport()
@@ -336,18 +337,27 @@ async def test_shm_transport_owns_its_files_from_push_to_release():
 
     await pub.publish(2, source_of(pub, model(2)), replicas)
     files2 = [h.path for h in pub._host.handles]
-    assert not any(os.path.exists(f) for f in files1) and all(os.path.exists(f) for f in files2)
+    assert not set(files1) & set(files2) and all(os.path.exists(f) for f in files2)
+    # version 1's files are released to the packers (no fresh pages for the next export), not unlinked
+    assert not any(os.path.exists(f) for f in files1) and all(os.path.exists(f + FREE) for f in files1)
 
-    replicas[0].faults[("load", -1)] = "raise"  # a failed push removes its own files, keeps the live ones
+    replicas[0].faults[("load", -1)] = "raise"  # a failed push releases its own files, keeps the live ones
+    free = {os.path.join(os.path.dirname(files1[0]), n) for n in os.listdir(os.path.dirname(files1[0])) if n.endswith(FREE)}
     source = source_of(pub, model(3))
     written = [h.path for h in source.handles]
+    assert len(written) == 3 and all(f + FREE in free for f in written)  # packed into released files (version 1's)
     with pytest.raises(WeightsyncError):
         await pub.publish(3, source, replicas)
-    assert written and not any(os.path.exists(f) for f in written)
-    assert all(os.path.exists(f) for f in files2)
+    assert all(os.path.exists(f + FREE) for f in written) and all(os.path.exists(f) for f in files2)
+    assert all(_same(r.weights, model(2)) for r in replicas)
+
+    # an export that takes none of them (another size): once it is read, the released files are unlinked
+    other = source_of(pub, {"x": torch.ones(7)})
+    assert not any(os.path.exists(f + FREE) or os.path.exists(f) for f in written)
+    transport.release(other.handles[0])
 
     transport.close()  # also run when the transport is collected or the process exits
-    assert not any(os.path.exists(f) for f in files2)
+    assert not any(os.path.exists(f) for f in files2) and not os.path.exists(other.handles[0].path + FREE)
 
 
 async def test_a_push_with_a_tensor_in_two_buckets_is_refused_and_registers_nothing():
