@@ -58,8 +58,8 @@ class EngineAPI(Protocol):
 
     async def resume(self) -> dict[str, Any]: ...
 
-    async def load_bucket(self, named_tensors: Any, version: int, begin: UpdateBegin | None = None) -> LoadReport:
-        """Stage a bucket of `version`; `begin` (an update's first load) starts staging it (see
+    async def load_bucket(self, named_tensors: Any, version: int, begin: UpdateBegin) -> LoadReport:
+        """Stage the whole of `version` (its buckets, or the senders' broadcast); `begin` starts the update (see
         weightsync/sources.py for the update contract)."""
 
     async def commit_update(self, version: int, fingerprint: str) -> CommitReport: ...
@@ -101,15 +101,14 @@ class WorkerAPI(Protocol):
     def asyncrl_layout(self, manifest: bytes | None = None) -> LayoutCheck:
         """The start-time layout check (no `manifest`), or its answer and this worker's layout for `manifest`."""
 
-    def asyncrl_set_plan(self, plan: bytes | None) -> str | None: ...
-
     def asyncrl_receive(self, version: int, wire: tuple | None, expected: dict[str, bytes] | None = None,
                         groups: list[str] | None = None, timeout_s: float = 0.0, gate: str = "",
-                        begin: list[str] | None = None) -> ReceiveReport:
+                        begin: list[Any] | None = None) -> ReceiveReport:
         """The staged digests: of a shared file's bucket (`wire`), or of every bucket from `groups` (gate: gloo /
-        NCCL); `begin` on an update's first receive (verify, staging, layout) starts it."""
+        NCCL); `begin` on an update's first receive (verify, staging, layout, the pickled push plan where the
+        worker may not hold it yet) starts it."""
 
-    def asyncrl_apply(self, version: int, before: str = "", begin: list[str] | None = None) -> ApplyReport:
+    def asyncrl_apply(self, version: int, before: str = "", begin: list[Any] | None = None) -> ApplyReport:
         """The apply of the staged version; `before` (the name of a verb of this interface without
         arguments) runs first, in the same round trip, and answers in the report's `before`; `begin`: an
         update no receive reached starts here."""

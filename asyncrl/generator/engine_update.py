@@ -1,6 +1,6 @@
 """The engine replica's side of a weight push: its update state machine, from the payload to the paused apply.
 
-Owns: begin -> load bucket(s) -> commit (fingerprint check, pause, apply, relabel, resume) or abort, what the workers
+Owns: load (it begins the update) -> commit (fingerprint check, pause, apply, relabel, resume) or abort, what the workers
 staged (their digests, per worker), the replica's collective-group membership, the push plan it holds, and moving the
 per-token version labels at a commit (through the replica's `VersionSource`). Payloads: a `CollectiveReceive` (the
 workers receive from the senders themselves), or a list of `SharedBucket`s (shm), `Bucket`s (object store: each written
@@ -17,7 +17,7 @@ import asyncio
 import logging
 import pickle
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -41,7 +41,8 @@ from asyncrl.types import (
 from asyncrl.weightsync.bucket import WithDigests
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
-from asyncrl.weightsync.shards import plan_for
+from asyncrl.weightsync.plan import PlanError
+from asyncrl.weightsync.shards import plan_for, plan_misfit
 from asyncrl.weightsync.transport import is_object_ref
 from asyncrl.weightsync.worker_verbs import check_begin
 
@@ -69,12 +70,8 @@ async def _as_shared(payload: Any) -> AsyncIterator[tuple[Any, bool]]:
     if isinstance(payload, SharedBucket):
         yield payload, False
         return
-    if isinstance(payload, Bucket):
-        buckets: Any = [payload]
-    else:  # iter_buckets checks the names and brings each tensor to contiguous CPU memory
-        pairs = payload.items() if isinstance(payload, Mapping) else payload
-        buckets = iter_buckets(pairs, 256.0)
-    for bucket in buckets:
+    # a bucket, or {name: tensor} (iter_buckets checks the names and brings each tensor to contiguous CPU memory)
+    for bucket in [payload] if isinstance(payload, Bucket) else iter_buckets(payload.items(), 256.0):
         yield await asyncio.to_thread(write_shared, bucket), True
 
 
@@ -87,9 +84,11 @@ class WeightUpdates:
         self.update_state = UpdateState.IDLE
         self._staging_version: int | None = None
         self._staged_layout = "hf"  # of the version staged: "engine" (one plan's buckets per rank) or "hf"
-        self._begin_args: list[str] | None = None  # (verify, staging, layout) until the workers' first receive
+        self._begin_args: list[Any] | None = None  # (verify, staging, layout, plan) until the workers' first receive
         self._staged: list[dict[str, bytes]] = []  # per worker: the digests of what it staged
-        self.plan_id: str | None = None  # the push plan the workers hold (engine-layout buckets copy in)
+        self.plan_id: str | None = None  # the push plan held (engine-layout buckets copy in) and `_plan`, pickled
+        self._plan: bytes | None = None
+        self._workers_plan: str | None = None  # the plan the workers were handed (with an update's begin)
         self.layout_checks: list[LayoutCheck] = []  # the start-time check of the engine's parameter layout
         # What the workers answered at the last join (None: ask them). A group breaks only inside
         # a receive, which fails this replica's load_bucket: that drops the cache.
@@ -114,34 +113,42 @@ class WeightUpdates:
         async with self._control_lock:
             plan, why = None, "no plan asked for"
             if request is not None:
-                answers = await self._rpc(WorkerAPI.asyncrl_layout, request.manifest, timeout=600.0)
-                layouts = [pickle.loads(msgspec.convert(a, LayoutCheck).layout) for a in answers]
-                plan, why = plan_for(pickle.loads(request.manifest), layouts, request.bucket_mb,
-                                     pickle.loads(request.pieces) if request.pieces else ())
-            blob = pickle.dumps(plan) if plan is not None else None
-            return PlanAck(replica_id=self.replica_id, plan_id=await self._set_plan(blob), plan=blob, problem=why)
+                plan, why = plan_for(pickle.loads(request.manifest), await self._layouts(request.manifest),
+                                     request.bucket_mb, pickle.loads(request.pieces) if request.pieces else ())
+            self._hold(plan)
+            return PlanAck(replica_id=self.replica_id, plan_id=self.plan_id, plan=self._plan, problem=why)
 
-    async def _set_plan(self, plan: bytes | None) -> str | None:
-        self.plan_id = None
-        ids = set(await self._rpc(WorkerAPI.asyncrl_set_plan, plan, timeout=600.0))
-        if len(ids) != 1:
-            raise ValueError(f"workers disagree on the push plan: {sorted(map(str, ids))}")
-        self.plan_id = ids.pop()
-        return self.plan_id
+    async def _layouts(self, manifest: bytes) -> list[Any]:
+        """Each worker's `EngineLayout` for the learner's export `manifest` (pickled `ManifestEntry`s)."""
+        answers = await self._rpc(WorkerAPI.asyncrl_layout, manifest, timeout=600.0)
+        return [pickle.loads(msgspec.convert(a, LayoutCheck).layout) for a in answers]
+
+    def _hold(self, plan: Any) -> None:
+        """Hold `plan` (None: none); the workers take it with the first update in its layout (`_begin`)."""
+        self._plan, self.plan_id = (pickle.dumps(plan), plan.plan_id) if plan is not None else (None, None)
+
+    async def _take_plan(self, plan: Any) -> str:
+        """Hold `plan`, formed elsewhere, if every worker's layout is the plan's; else PlanError says why not."""
+        problem = plan_misfit(plan, await self._layouts(pickle.dumps(list(plan.probed_manifest))))
+        if problem:
+            raise PlanError(problem)
+        self._hold(plan)
+        return plan.plan_id
 
     async def _adopt_plan(self, plan: Any) -> str | None:
         """A replica that starts after the push plan was formed takes it (from the WeightStore), so the
         next push finds it holding that plan (without it, that push was refused: PLAN_MISSING, a failed
-        attempt, then a plan formed again). A plan this replica's workers refuse (their layout is not
-        the plan's) is left alone: the next push is refused and the service forms a plan with this
+        attempt, then a plan formed again). A plan that does not fit this replica's workers (their layout
+        is not the plan's) is not held: the next push is refused and the service forms a plan with this
         replica. Returns the plan id held after."""
         if plan is None or plan.plan_id == self.plan_id:
             return self.plan_id
         try:
-            return await self._set_plan(pickle.dumps(plan))
+            return await self._take_plan(plan)
         except Exception as err:  # its layout differs: the service's PLAN_MISSING path handles it
             logger.info("replica %s: the push plan %s does not fit this engine (%s); the next push forms one with it",
                         self.replica_id, plan.plan_id, err)
+            self._hold(None)
             return None
 
     def _begin(self, version: int, begin: UpdateBegin) -> None:
@@ -162,17 +169,18 @@ class WeightUpdates:
             logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
         self.update_state, self._staging_version = UpdateState.STAGING, version
         self._staged_layout, self._staged = begin.layout, []
-        self._begin_args = [begin.verify, begin.staging, begin.layout]
+        # the plan goes with the update's first receive where the workers may not hold it yet
+        self._begin_args = [begin.verify, begin.staging, begin.layout,
+                            self._plan if begin.layout == "engine" and self._workers_plan != self.plan_id else None]
 
-    async def load_bucket(self, named_tensors: Any, version: int, begin: UpdateBegin | None = None) -> LoadReport:
+    async def load_bucket(self, named_tensors: Any, version: int, begin: UpdateBegin) -> LoadReport:
         """Stage `version` from a payload: a `CollectiveReceive` (the workers receive from the senders), or a list of
         its buckets (shared files, buckets or their ObjectRefs; in `WithDigests` with the sender's digests of each);
-        `begin`, on an update's first load, starts it (a refused begin stages nothing)."""
+        `begin` starts the update (a refused begin stages nothing)."""
         async with self._control_lock:
             self._receive_reached = False
             try:
-                if begin is not None:
-                    self._begin(version, msgspec.convert(begin, UpdateBegin, from_attributes=True))
+                self._begin(version, msgspec.convert(begin, UpdateBegin, from_attributes=True))
                 return await self._load_bucket(named_tensors, version)
             except Exception as err:
                 # A collective push's other members wait for this replica (ipc's sender, or everyone at a
@@ -192,14 +200,10 @@ class WeightUpdates:
             logger.warning("replica %s: could not refuse the push: %s", self.replica_id, refuse_err)
 
     async def _load_bucket(self, named_tensors: Any, version: int) -> LoadReport:
-        """`load_bucket` under the control lock."""
-        if self.update_state is not UpdateState.STAGING:
-            raise WeightUpdateError(f"replica {self.replica_id}: a load_bucket that begins no update, with none begun")
-        if version != self._staging_version:
-            raise WeightUpdateError(f"replica {self.replica_id}: bucket for version {version}, staging {self._staging_version}")
+        """`load_bucket` under the control lock, its update begun."""
         self._receive_reached = True  # the workers receive, or refuse, from here on
         try:
-            await self._stage(named_tensors, self._staging_version)
+            await self._stage(named_tensors, version)
         except Exception as err:
             self._groups_joined = None  # a failed receive may have broken a worker's group
             await self._drop_staged()
@@ -230,9 +234,11 @@ class WeightUpdates:
                 for mine, got in zip(self._staged, results):
                     mine.update(msgspec.convert(got, ReceiveReport).digests)
 
-    def _take_begin(self) -> list[str] | None:
-        """The update's (verify, staging, layout) for the workers' first receive (it starts their staging), once."""
+    def _take_begin(self) -> list[Any] | None:
+        """The update's (verify, staging, layout, plan) for the workers' first receive (it starts their staging), once."""
         begin, self._begin_args = self._begin_args, None
+        if begin is not None and begin[3] is not None:
+            self._workers_plan = self.plan_id  # (forgotten where the update fails: `_drop_staged`)
         return begin
 
     def _check_staged(self, version: int, fingerprint: str) -> None:
@@ -377,5 +383,6 @@ class WeightUpdates:
             return UpdateAck(replica_id=self.replica_id, version=self.version)
 
     async def _drop_staged(self) -> None:
+        self._workers_plan = None  # (the next engine-layout update hands its plan again)
         await self._rpc(WorkerAPI.asyncrl_abort_update)
         self.update_state, self._staging_version, self._staged = UpdateState.IDLE, None, []

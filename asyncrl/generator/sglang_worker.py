@@ -125,7 +125,7 @@ class SglangWorker(WorkerVerbs):
     def _asyncrl_hooks(self) -> SglangHooks:
         return self._hooks
 
-    def asyncrl_apply(self, version: int, before: str = "", begin: list[str] | None = None) -> ApplyReport:
+    def asyncrl_apply(self, version: int, before: str = "", begin: list[Any] | None = None) -> ApplyReport:
         self._hooks.version = version
         return super().asyncrl_apply(version, before, begin)
 

@@ -31,7 +31,6 @@ from asyncrl.weightsync.sources import (  # noqa: F401 - re-exported: the publis
     ActorReplica,
     BucketSource,
     DeploymentReplicas,
-    Loaded,
     PushMetrics,
     ReplicaClient,
     Step,
@@ -345,27 +344,20 @@ class Publisher:
             if pause_sent:
                 m.paused_seconds += time.perf_counter() - paused
 
-    @classmethod
-    async def _commit(cls, r: ReplicaClient, version: int, fingerprint: str, m: PushMetrics) -> None:
-        """One replica's commit; records the engine's apply path and seconds as the replica reports them."""
+    @staticmethod
+    async def _commit(r: ReplicaClient, version: int, fingerprint: str, m: PushMetrics) -> None:
+        """One replica's commit; records the engine's apply path and seconds as the replica reports them (one
+        `CommitReport`, or {replica id: report} from a client that fans out)."""
         try:
             out = await r.commit_update(version, fingerprint)
         except BaseException:
             m.failed_commit = True
             raise
-        cls._record_commit(out, m)
-
-    @staticmethod
-    def _record_commit(out: Any, m: PushMetrics) -> list[CommitReport]:
-        """A commit's reports (one replica's `CommitReport`, or {replica id: report} from a client that fans
-        out) into `m`; returns them."""
-        rows = [r for r in (out.values() if isinstance(out, dict) else [out]) if isinstance(r, CommitReport)]
-        for row in rows:
+        for row in [x for x in (out.values() if isinstance(out, dict) else [out]) if isinstance(x, CommitReport)]:
             for step, seconds in row.seconds.items():
                 m.replica_time(row.replica_id, step, seconds)
             m.paths.add(row.path)
             m.own_paused = max(m.own_paused, row.seconds.get("paused", 0.0))
-        return rows
 
     async def _run(self, step: Step, replicas: Sequence[ReplicaClient], call: Callable[[ReplicaClient], Awaitable[Any]],
                    m: PushMetrics | None = None, results: dict[str, Any] | None = None) -> tuple[list[str], dict[str, BaseException]]:

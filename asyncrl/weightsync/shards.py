@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, dtype_from_name
-from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, Op, ParamLayout, Piece, PlanError, PushPlan, View, build_plan, piece_name  # noqa: F401 - Piece, piece_name: the shard vocabulary, defined beside the plan
+from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, Op, ParamLayout, Piece, PlanError, PushPlan, View, build_plan, piece_name, same_ops  # noqa: F401 - Piece, piece_name: the shard vocabulary, defined beside the plan
 
 
 def _strides(shape: Sequence[int]) -> list[int]:
@@ -142,6 +142,21 @@ def build_shard_plan(hf_manifest: Sequence[ManifestEntry], pieces: Sequence[Piec
 def plan_layout(plan: PushPlan, hf_layout: EngineLayout) -> EngineLayout:
     """An engine rank's layout probed on `plan.probed_manifest`, in `plan`'s terms (what `plan.layouts` holds)."""
     return localize_layout(hf_layout, plan.pieces, plan.ranks) if plan.pieces else hf_layout
+
+
+def plan_misfit(plan: PushPlan, layouts: Sequence[EngineLayout]) -> str:
+    """Why engine ranks of `layouts` (each probed on `plan.probed_manifest`) cannot take `plan`'s buckets, or "":
+    each one's layout, in the plan's terms, must be the plan's for its rank."""
+    for mine in layouts:
+        theirs = [lay for lay in plan.layouts if lay.rank == mine.rank]
+        try:
+            fits = not mine.problem and len(theirs) == 1 and same_ops(plan_layout(plan, mine), theirs[0])
+        except PlanError as err:
+            return f"engine rank {mine.rank}: {err}"
+        if not fits:
+            why = mine.problem or "its parameter layout differs from push plan " + plan.plan_id + "'s"
+            return f"engine rank {mine.rank}: {why}"
+    return ""
 
 
 def plan_for(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout], bucket_mb: float,

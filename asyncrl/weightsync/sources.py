@@ -2,8 +2,8 @@
 
 Owns: `Step` / `StepFailed`; `ReplicaClient` (its adapters: `ActorReplica`, one Ray actor or Serve replica handle;
 `DeploymentReplicas`, every running replica of the engine deployment) and the replicas' contract: pause(mode);
-load_bucket(payload, version, begin) stages the whole version (one load a push) and never touches live weights, and
-with `begin` (an `UpdateBegin`) first drops any staged copy (an engine layout without the plan: Refusal.PLAN_MISSING);
+load_bucket(payload, version, begin) stages the whole version (one load a push) and never touches live weights; its
+`begin` (an `UpdateBegin`) first drops any staged copy (an engine layout without the plan: Refusal.PLAN_MISSING);
 commit_update(version, fp) applies nothing on a fingerprint mismatch (Refusal.VERIFY_FAILED), may leave the weights
 part-applied on a later error; abort_update is idempotent; a version <= the live one restores. The sources:
 `BucketSource` hands each replica's load the buckets the learner ranks put (with their digests); `StreamedSource` is a
@@ -29,8 +29,6 @@ from asyncrl.weightsync.bucket import WithDigests, digest_key_prefix
 from asyncrl.weightsync.fingerprint import VerifyMode, bucket_digests, check_verify_mode, combine_digests
 from asyncrl.weightsync.transport import Transport
 
-Loaded = LoadReport | CommitReport  # a load that only staged, or one that also committed
-
 
 @runtime_checkable
 class ReplicaClient(Protocol):
@@ -42,7 +40,7 @@ class ReplicaClient(Protocol):
 
     async def pause(self, mode: str) -> Any: ...
 
-    async def load_bucket(self, payload: Any, version: int, begin: UpdateBegin | None = None) -> Loaded | dict[str, Loaded]: ...
+    async def load_bucket(self, payload: Any, version: int, begin: UpdateBegin) -> LoadReport | dict[str, LoadReport]: ...
 
     async def commit_update(self, version: int, fingerprint: str) -> CommitReport | dict[str, CommitReport]: ...
 
@@ -68,7 +66,7 @@ class ActorReplica:
     async def pause(self, mode: str) -> Any:
         return await self.call(EngineAPI.pause, mode)
 
-    async def load_bucket(self, payload: Any, version: int, begin: UpdateBegin | None = None) -> Loaded | dict[str, Loaded]:
+    async def load_bucket(self, payload: Any, version: int, begin: UpdateBegin) -> LoadReport | dict[str, LoadReport]:
         return await self.call(EngineAPI.load_bucket, payload, version, begin)
 
     async def commit_update(self, version: int, fingerprint: str) -> CommitReport | dict[str, CommitReport]:

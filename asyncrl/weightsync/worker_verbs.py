@@ -26,8 +26,7 @@ import torch
 from asyncrl.types import ApplyReport, LayoutCheck, ReceiveReport
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, digest_key_prefix, unpack_bucket
 from asyncrl.weightsync.fingerprint import PendingDigests, bucket_digests, bucket_digests_lazy, buckets_digests_lazy, check_verify_mode
-from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, PlanError, PushPlan, probe_layout, same_ops, verify_layout
-from asyncrl.weightsync.shards import plan_layout
+from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, PushPlan, probe_layout, same_ops, verify_layout
 
 if TYPE_CHECKING:
     from asyncrl.weightsync.collective import CollectiveGroup
@@ -155,29 +154,23 @@ class WorkerReceiver:
                                 "from the checkpoint the engine was checked against")
         return layout
 
-    def set_plan(self, plan: PushPlan | None) -> None:
-        """Engine-layout buckets of `plan` may be applied directly from now on (None: HF only).
-        Refused (PlanError) unless this worker's own layout for the plan's manifest is the plan's."""
-        self._views, self._apply_lists = {}, None
-        if plan is None:
-            self.plan_id, self._live = None, None
-            return
-        mine = self.layout_for(plan.probed_manifest)
-        if mine.problem:
-            raise PlanError(f"engine rank {self.hooks.rank}: {mine.problem}")
-        mine = plan_layout(plan, mine)  # a shard plan's: read from the learner ranks' own pieces
-        theirs = [lay for lay in plan.layouts if lay.rank == self.hooks.rank]
-        if len(theirs) != 1 or not same_ops(mine, theirs[0]):
-            raise PlanError(f"engine rank {self.hooks.rank}: its parameter layout differs from push plan {plan.plan_id}'s")
-        self.plan_id = plan.plan_id
-        self._live = dict(self.hooks.model().named_parameters())
+    def set_plan(self, plan: PushPlan) -> None:
+        """Engine-layout buckets of `plan` are applied by a copy from now on (its replica checked that this worker's
+        layout is the plan's: `shards.plan_misfit`)."""
+        if plan.plan_id != self.plan_id:
+            self._views, self._apply_lists = {}, None
+            self.plan_id, self._live = plan.plan_id, dict(self.hooks.model().named_parameters())
 
     # ---- staging ---------------------------------------------------------------------------------
 
-    def begin(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf") -> None:
+    def begin(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
+              plan: bytes | None = None) -> None:
+        """Start staging `version`; `plan` (a pickled `PushPlan`): the plan its engine-layout buckets are of, once."""
         check_begin(verify, staging, layout)
+        if plan is not None:
+            self.set_plan(pickle.loads(plan))
         if layout == "engine" and self.plan_id is None:
-            raise ValueError("engine-layout buckets but this worker has no push plan (set_plan first)")
+            raise ValueError("engine-layout buckets but this worker has no push plan")
         self._staged = _Staged(version, verify, staging, layout)
 
     def _state(self, version: int) -> _Staged:
@@ -400,20 +393,14 @@ class WorkerVerbs:
             return rx.check_layout()
         return msgspec.structs.replace(rx.checked, layout=_dump(rx.layout_for(pickle.loads(manifest))))
 
-    def asyncrl_set_plan(self, plan: bytes | None) -> str | None:
-        """Accept a push plan (pickled `PushPlan`) if this worker's layout is the plan's; returns its id."""
-        rx = self._asyncrl_rx()
-        rx.set_plan(pickle.loads(plan) if plan is not None else None)
-        return rx.plan_id
-
     # ---- one update -----------------------------------------------------------------------------
     def asyncrl_receive(self, version: int, wire: tuple | None, expected: dict[str, bytes] | None = None,
                         groups: list[str] | None = None, timeout_s: float = 0.0, gate: str = "",
-                        begin: list[str] | None = None) -> ReceiveReport:
+                        begin: list[Any] | None = None) -> ReceiveReport:
         """Stage for `version` one bucket from a shared file (`wire`, `expected` its sender's digests) or every
         bucket from the collective `groups` in order, straight into this worker's memory, within `timeout_s`;
         `gate`: the broadcast push's gate token, passed on every group or closed if this worker cannot take the
-        push. `begin` (verify, staging, layout) on the update's first receive starts it. Returns the digests
+        push. `begin` (verify, staging, layout, plan) on the update's first receive starts it. Returns the digests
         staged. (Plain arguments: vLLM's RPC carries them as msgpack, where a dataclass arrives as a map.)"""
         rx = self._asyncrl_rx()
         if groups is None:
@@ -467,7 +454,7 @@ class WorkerVerbs:
                 except Exception:  # noqa: BLE001 - a group whose store is gone has nobody waiting
                     pass
 
-    def asyncrl_apply(self, version: int, before: str = "", begin: list[str] | None = None) -> ApplyReport:
+    def asyncrl_apply(self, version: int, before: str = "", begin: list[Any] | None = None) -> ApplyReport:
         """Apply the staged `version`. `before`: an `asyncrl_` query of this worker (no arguments, never
         an apply) run first, in the same round trip; its answer is the report's `before`. `begin`: an update
         that no receive reached (nothing to stage) starts here, as `asyncrl_receive`'s does."""

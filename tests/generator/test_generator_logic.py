@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,7 +28,7 @@ from asyncrl.generator.metrics import GatewayMetrics
 from asyncrl.generator.routing import rank_replicas
 from asyncrl.generator.sampling import Limits, RequestError, to_vllm, validate_request
 from asyncrl.generator.versions import CompletionAccumulator, VersionLabelError, VersionLedger, versions_from_spans, versions_from_starts
-from asyncrl.types import GenerationRequest, SamplingParams
+from asyncrl.types import GenerationRequest, SamplingParams, UpdateBegin
 from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode, tensor_digests, tensor_fingerprint
 from asyncrl.weightsync.service import WeightStore
 
@@ -359,39 +360,42 @@ def test_weight_store_keeps_the_current_push_plan_apart_from_the_stored_versions
 
 class _Plan:
     def __init__(self, plan_id: str) -> None:
-        self.plan_id = plan_id
+        self.plan_id, self.probed_manifest = plan_id, ["w", "b"]
 
 
 def _staging(plan_id: str | None = None, refuses: bool = False):
-    """The replica's weight-update part with workers that take a plan (`_set_plan`), or refuse it
-    where their layout is not the plan's (as the real workers' disagreement raises)."""
+    """The replica's weight-update part with workers whose layout is the plan's, or is not (`refuses`): it checks a
+    plan with `shards.plan_misfit` over the layouts its workers answer (`_layouts`)."""
     from asyncrl.generator.engine_update import WeightUpdates
 
     class Staging(WeightUpdates):
         def __init__(self) -> None:
-            self.replica_id, self.sets = "r", []
+            self.replica_id, self.sets, self.version = "r", [], 0
             self._init_weight_updates()
             self.plan_id = plan_id
 
-        async def _set_plan(self, blob: bytes) -> str:
+        async def _layouts(self, manifest: bytes) -> list:
             import pickle
 
-            self.plan_id = None
-            plan = pickle.loads(blob)
-            self.sets.append(plan.plan_id)
-            if refuses:
-                raise ValueError("workers disagree on the push plan")
-            self.plan_id = plan.plan_id
-            return plan.plan_id
+            self.sets.append(len(pickle.loads(manifest)))
+            return ["not the plan's" if refuses else "the plan's"]
 
     return Staging()
 
 
-def test_a_starting_replica_adopts_the_stores_push_plan_once_and_survives_one_that_does_not_fit():
+def test_a_starting_replica_adopts_the_stores_push_plan_once_and_survives_one_that_does_not_fit(monkeypatch):
+    import asyncrl.generator.engine_update as engine_update
+
+    monkeypatch.setattr(engine_update, "plan_misfit", lambda plan, layouts: "" if layouts == ["the plan's"] else "differs")
     fresh = _staging()
-    assert asyncio.run(fresh._adopt_plan(_Plan("p1"))) == "p1" and fresh.sets == ["p1"]
-    assert asyncio.run(fresh._adopt_plan(_Plan("p1"))) == "p1" and fresh.sets == ["p1"]  # held: no call
+    assert asyncio.run(fresh._adopt_plan(_Plan("p1"))) == "p1" and fresh.sets == [2]
+    assert asyncio.run(fresh._adopt_plan(_Plan("p1"))) == "p1" and fresh.sets == [2]  # held: no call
     assert asyncio.run(fresh._adopt_plan(None)) == "p1"  # no plan formed yet: what it holds stays
+    # the workers take it with the first update in its layout, once
+    fresh._begin(1, UpdateBegin("off", layout="engine", plan_id="p1"))
+    assert pickle.loads(fresh._take_begin()[3]).plan_id == "p1"
+    fresh._begin(2, UpdateBegin("off", layout="engine", plan_id="p1"))
+    assert fresh._take_begin()[3] is None
     other = _staging(refuses=True)  # its layout differs: left without a plan, no error at start
     assert asyncio.run(other._adopt_plan(_Plan("p2"))) is None and other.plan_id is None
 

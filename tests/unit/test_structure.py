@@ -132,7 +132,7 @@ def test_weightsync_imports_neither_the_learner_nor_the_generator():
 
 # Issue 64's goal is weightsync and the engine-side weight code in <= 4,500 lines and <= 16 files; until it is met,
 # today's size is the ceiling: lower these as the code shrinks, never raise them.
-WEIGHTSYNC_MAX_LINES, WEIGHTSYNC_MAX_FILES = 6_699, 16
+WEIGHTSYNC_MAX_LINES, WEIGHTSYNC_MAX_FILES = 6_698, 16
 
 
 def test_the_weight_code_does_not_grow():
@@ -144,7 +144,7 @@ def test_the_weight_code_does_not_grow():
 
 # Issue 64's goal is 15 weight verbs in all; until it is met, today's count is the ceiling (lower it, never raise it).
 # A verb of these interfaces is a weight verb unless it is named here: a new one is counted, or named here on purpose.
-WEIGHT_VERBS_MAX = 16
+WEIGHT_VERBS_MAX = 15
 NOT_WEIGHT_VERBS = {
     "EngineAPI": {"generate", "generate_stream", "check_health", "pause", "resume", "sleep", "wake_up", "stats"},
     "WorkerAPI": {"asyncrl_sampled_token_counts"},

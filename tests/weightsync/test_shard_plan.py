@@ -16,7 +16,7 @@ import torch
 from asyncrl.learner.convert import ParamMap, ShardExportError, shard_from_hf, shard_pieces, vocab_edges, vocab_from_edges, vocab_window
 from asyncrl.learner.model import ModelArch
 from asyncrl.weightsync.plan import ManifestEntry, PlanError, PlannedPacker, build_plan, fill_param, probe_layout
-from asyncrl.weightsync.shards import Piece, build_shard_plan, hf_from_engine, localize_layout, piece_name, plan_layout
+from asyncrl.weightsync.shards import Piece, build_shard_plan, hf_from_engine, localize_layout, piece_name, plan_layout, plan_misfit
 
 H, HEADS, KV, HD, FFN, VOCAB = 8, 4, 2, 2, 12, 14
 ARCH = ModelArch("qwen2", 1, H, HEADS, KV, HD, FFN, VOCAB, False, True, False, 1e4, 1e-6, 64)
@@ -209,8 +209,8 @@ def test_an_engine_of_smaller_tp_than_the_learner_has_no_shard_plan():
 
 
 def test_the_engines_own_plan_and_a_workers_check_agree():
-    """A worker checks a plan by probing its own layout on the HF export and localizing it (receiver.set_plan):
-    that must be exactly the plan's layout for its rank."""
+    """A replica checks a plan it did not form by probing its workers' layouts on the HF export and localizing them
+    (`shards.plan_misfit`): each must be exactly the plan's layout for its rank."""
     hf = _hf(3)
     layouts = _layouts(hf, 2)
     pieces, _ = _learner(hf, 2)
@@ -219,8 +219,10 @@ def test_the_engines_own_plan_and_a_workers_check_agree():
     for r in range(2):
         mine = plan_layout(plan, probe_layout(_Engine(r, 2), plan.probed_manifest, r))
         assert mine == plan.layouts[r]
+    assert plan_misfit(plan, [probe_layout(_Engine(r, 2), plan.probed_manifest, r) for r in range(2)]) == ""
     gathered = build_plan(_manifest(hf), layouts, 1.0)
     assert gathered.plan_id != plan.plan_id and plan_layout(gathered, layouts[0]) == layouts[0]
+    assert plan_misfit(plan, _layouts(hf, 1)).startswith("engine rank 0")  # an engine of another TP size
 
 
 def test_pieces_that_do_not_match_the_export_are_refused():
