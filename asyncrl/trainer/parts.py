@@ -380,20 +380,24 @@ class TrainerParts:
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        await self.actor.save_checkpoint(str(tmp / "actor"))
-        if self.critic:
-            await self.critic.save_checkpoint(str(tmp / "critic"))
-        # No rollout in flight while buffer and prompt position are read: every prompt taken
-        # from the stream is either in the saved buffer (or trained) or not taken yet.
-        await self.rollouts.quiesce()
         try:
-            buffer_state = await self.buffer.state_dict.remote()
-            # model_path: the config and tokenizer files `asyncrl export` writes beside the weights.
-            state = {"version": version, "stream": self.stream.state_dict(), "model_path": str(Path(self.cfg.model.path).absolute())}
-        finally:
-            self.rollouts.unquiesce()
-        torch.save(buffer_state, tmp / "buffer.pt")
-        (tmp / CHECKPOINT_STATE).write_text(json.dumps(state))  # written last: marks the directory complete
+            await self.actor.save_checkpoint(str(tmp / "actor"))
+            if self.critic:
+                await self.critic.save_checkpoint(str(tmp / "critic"))
+            # No rollout in flight while buffer and prompt position are read: every prompt taken
+            # from the stream is either in the saved buffer (or trained) or not taken yet.
+            await self.rollouts.quiesce()
+            try:
+                buffer_state = await self.buffer.state_dict.remote()
+                # model_path: the config and tokenizer files `asyncrl export` writes beside the weights.
+                state = {"version": version, "stream": self.stream.state_dict(), "model_path": str(Path(self.cfg.model.path).absolute())}
+            finally:
+                self.rollouts.unquiesce()
+            torch.save(buffer_state, tmp / "buffer.pt")
+            (tmp / CHECKPOINT_STATE).write_text(json.dumps(state))  # written last: marks the directory complete
+        except BaseException:  # (a learner rank lost mid-save): nothing half written stays behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         # A checkpoint of the same version is moved aside, not deleted, until the new one is in
         # place: a kill at any point leaves the previous complete checkpoints loadable.
         aside = final.with_name(final.name + ".old")
@@ -406,9 +410,11 @@ class TrainerParts:
         return final
 
     def _prune(self) -> None:
+        """Beyond `checkpoint.keep` complete checkpoints, the oldest go; so does any `step_N.tmp` (one save runs at a
+        time: another's is what a run killed while saving left)."""
         root = Path(self.cfg.checkpoint.dir)
         done = sorted(p for p in root.glob("step_*") if "." not in p.name)
-        for old in done[: -self.cfg.checkpoint.keep]:
+        for old in done[: -self.cfg.checkpoint.keep] + list(root.glob("step_*.tmp")):
             shutil.rmtree(old, ignore_errors=True)
 
     async def restore_latest(self) -> int | None:

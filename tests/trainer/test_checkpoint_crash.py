@@ -118,3 +118,19 @@ async def test_a_kill_during_a_checkpoint_write_leaves_the_last_complete_one(tmp
     # The prompt position and buffer come from that same checkpoint: 1 prompt taken at version 1, 3 at the second.
     assert p.stream.consumed == (1 if expected == 1 and (killed or second == 2) else 3)
     assert [c.name for c in complete_checkpoints(root)][-1].startswith(f"step_{expected:06d}")
+    await p.save_checkpoint(expected + 5)  # the next save leaves no half-written checkpoint of the killed run behind
+    assert not [x.name for x in root.iterdir() if x.name.endswith(".tmp")]
+
+
+async def test_a_save_that_fails_in_the_learner_leaves_nothing_half_written(tmp_path):
+    class Lost(Learner):
+        async def save_checkpoint(self, path: str) -> str:
+            Path(path).mkdir(parents=True)
+            raise RuntimeError("learner rank 1 died while saving")
+
+    p = parts(str(tmp_path / "ckpt"))
+    await p.save_checkpoint(1)
+    p.actor = Lost()
+    with pytest.raises(RuntimeError, match="died while saving"):
+        await p.save_checkpoint(2)
+    assert sorted(x.name for x in (tmp_path / "ckpt").iterdir()) == ["step_000001"]
