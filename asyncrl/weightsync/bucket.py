@@ -220,11 +220,6 @@ def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def iter_unpacked(buckets: Iterable[Bucket]) -> Iterator[tuple[str, torch.Tensor]]:
-    for bucket in buckets:
-        yield from unpack_bucket(bucket)
-
-
 # ---- the same bucket as a shared-memory file ---------------------------------------------------
 
 SHM_DIR = "/dev/shm"

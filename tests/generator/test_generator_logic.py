@@ -324,7 +324,8 @@ def test_shared_bucket_file_is_bit_exact_and_survives_unlinking():
 def test_weight_store_keeps_latest_verified_version():
     store = WeightStore()
     assert store.latest() == (0, None, "")
-    from asyncrl.weightsync.bucket import iter_buckets, iter_unpacked
+    from asyncrl.weightsync.bucket import iter_buckets
+    from tests.weightsync.fakes import iter_unpacked
 
     w = {"a": np.ones(3, dtype=np.float32)}
     with pytest.raises(TypeError, match="packed buckets"):

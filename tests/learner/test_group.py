@@ -47,7 +47,7 @@ FROM_UPDATE = {"dp2", "pp2", "vpp2", "tp2_sp", "cp2_packed"}
 def _export(group: LearnerGroup) -> dict:
     import ray
 
-    from asyncrl.weightsync.bucket import iter_unpacked
+    from tests.weightsync.fakes import iter_unpacked
 
     packed = run(group.export_weights(bucket_mb=1.0))
     return {n: t.clone() for n, t in iter_unpacked(ray.get(packed.buckets))}

@@ -140,7 +140,7 @@ def test_a_release_with_the_engines_wake_need_reaches_the_rank(groups):
 def test_export_reloads_into_transformers(groups, hf_model, state):
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.weightsync.bucket import iter_unpacked
+    from tests.weightsync.fakes import iter_unpacked
 
     packed = run(groups["actor"].export_weights(bucket_mb=0.5))
     assert len(packed.buckets) > 1  # 0.5 MiB buckets: the 3.3 MB model needs several
@@ -240,7 +240,7 @@ def test_lora_actor_trains_its_adapters_exports_merged_weights_and_checkpoints_t
     """learner.lora through the actor role (Megatron DDP, its optimizer over the adapters alone): it starts as the
     base model (B = 0), updates lower the loss, the export carries W + (alpha / r) B A for the adapted linears only
     (transformers on the exported weights gives the actor's log-probs), and a checkpoint holds the adapters."""
-    from asyncrl.weightsync.bucket import iter_unpacked
+    from tests.weightsync.fakes import iter_unpacked
 
     lora = groups["lora"]
     samples = with_behavior(make_samples(), state["initial"])

@@ -166,6 +166,12 @@ def plan_request(tensors: Any, bucket_mb: float) -> Any:
     return PlanRequest(manifest=dump_manifest(manifest), bucket_mb=bucket_mb)
 
 
+def iter_unpacked(buckets: Any) -> Any:
+    """Every (name, tensor view) of `buckets`, in order."""
+    for bucket in buckets:
+        yield from unpack_bucket(bucket)
+
+
 def source_of(pub: Any, named: Any, plan: Any = None) -> BucketSource:
     """`named` (HF name -> tensor, or (name, tensor) pairs) packed and put as the learner ranks do (in `plan`'s
     engine layout when given), as the `BucketSource` a push of `pub` (a `Publisher`) takes: shm and the object

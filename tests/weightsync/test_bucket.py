@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.weightsync.bucket import ALIGN, Bucket, iter_buckets, iter_unpacked, unpack_bucket
+from asyncrl.weightsync.bucket import ALIGN, Bucket, iter_buckets, unpack_bucket
+from tests.weightsync.fakes import iter_unpacked
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
           torch.int32, torch.int64, torch.bool]

@@ -39,12 +39,12 @@ async def _scenario(model_path: str) -> dict:
     from asyncrl.interfaces import WorkerAPI
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.types import GenerationRequest, LayoutCheck, PlanRequest, SamplingParams
-    from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.service import WeightPublisher, dump_manifest
     from asyncrl.weightsync.transport import SharedMemoryTransport
     from tests.learner._data import advantages, make_samples
+    from tests.weightsync.fakes import iter_unpacked
 
     # The engine first: vLLM sizes its KV cache from the memory free when it starts.
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256), GeneratorConfig(engine_kwargs={
@@ -102,12 +102,12 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
     from asyncrl.config import WeightsyncConfig
     from asyncrl.interfaces import WorkerAPI
     from asyncrl.types import GenerationRequest
-    from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.push import Publisher, VersionRegistry
     from asyncrl.weightsync.shards import hf_from_engine, sender_ranks
     from asyncrl.weightsync.transport import select_transport
     from tests.learner._data import advantages, make_samples
+    from tests.weightsync.fakes import iter_unpacked
 
     cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, verify="checksum", staging="full", timeout_s=120, retries=0)
     transport = select_transport(cfg)

@@ -353,11 +353,11 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, WeightsyncConfig
     from asyncrl.demo_model import load_hf_tensors
     from asyncrl.learner.group import LearnerGroup
-    from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.plan import ManifestEntry
     from asyncrl.weightsync.push import ActorReplica, Publisher
     from asyncrl.weightsync.transport import SharedMemoryTransport
     from tests.learner._data import advantages, make_samples
+    from tests.weightsync.fakes import iter_unpacked
 
     start = (await engines[0].greedy.remote([[1, 2, 3]]))[0][1][0]  # what the tests above left
     group = LearnerGroup("actor", ModelConfig(path=str(demo_model_path)),
@@ -410,7 +410,6 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
 
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, WeightsyncConfig
     from asyncrl.learner.group import LearnerGroup
-    from asyncrl.weightsync.bucket import iter_unpacked
     from asyncrl.weightsync.collective import ipc_window_for
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.plan import ManifestEntry
@@ -418,6 +417,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     from asyncrl.weightsync.shards import hf_from_engine
     from asyncrl.weightsync.transport import select_transport
     from tests.learner._data import advantages, make_samples
+    from tests.weightsync.fakes import iter_unpacked
 
     start = (await engines[0].greedy.remote([[1, 2, 3]]))[0][1][0]
     # checksum: the fingerprint the GPU transports use, computed by the sender and the real workers alike

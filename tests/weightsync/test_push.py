@@ -202,7 +202,8 @@ async def test_the_registry_records_each_push_live_or_failed():
 
 
 async def test_on_live_hook_gets_the_committed_buckets():
-    from asyncrl.weightsync.bucket import Bucket, iter_unpacked
+    from asyncrl.weightsync.bucket import Bucket
+    from tests.weightsync.fakes import iter_unpacked
 
     stored = {}
 
@@ -540,8 +541,9 @@ def test_the_store_reads_a_versions_object_refs_where_they_lie(ray_session):
     """A version sent to the WeightStore actor as ObjectRefs (the object-store and collective transports'
     handles) is read there, not copied through the publisher: a late joiner gets the same buckets, with the
     plan for engine-layout buckets and without one for Hugging Face buckets."""
-    from asyncrl.weightsync.bucket import iter_buckets, iter_unpacked
+    from asyncrl.weightsync.bucket import iter_buckets
     from asyncrl.weightsync.service import WeightStore
+    from tests.weightsync.fakes import iter_unpacked
 
     ray = ray_session
     store = ray.remote(WeightStore).options(num_cpus=0).remote()
