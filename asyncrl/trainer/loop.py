@@ -290,14 +290,24 @@ class Trainer:
 
     async def _evaluate(self) -> dict[str, float]:
         """The held-out accuracy at this version; an evaluation that fails (every attempt of a request, an engine
-        lost meanwhile) is skipped with a warning and `eval/failed`, never the run's failure."""
+        lost meanwhile) is skipped with a warning and `eval/failed`, never the run's failure. A stop abandons it: Serve
+        takes the engines down beside the trainer, and requests to a deployment going away can wait past the drain."""
+        evaluation = asyncio.ensure_future(self.p.evaluate(stopping=self._stop.is_set))
+        stopped = asyncio.ensure_future(self._stop.wait())
         try:
-            accuracy = await self.p.evaluate(stopping=self._stop.is_set)  # (a stopping app waits for no engine)
+            await asyncio.wait({evaluation, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if not evaluation.done():
+                log.warning("stopping: the evaluation at version %d abandoned", self.version)
+                return {"eval/failed": 1.0}
+            accuracy = evaluation.result()
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001 - a measurement, not training: the next interval evaluates again
             log.warning("evaluation at version %d failed, skipped: %s: %s", self.version, type(err).__name__, err)
             return {"eval/failed": 1.0}
+        finally:
+            for task in (evaluation, stopped):
+                task.cancel()
         self.eval_history.append((self.version, accuracy))
         return {"eval/accuracy": accuracy}
 
