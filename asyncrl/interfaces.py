@@ -105,8 +105,7 @@ class WorkerAPI(Protocol):
                         groups: list[str] | None = None, timeout_s: float = 0.0, gate: str = "",
                         begin: list[Any] | None = None) -> ReceiveReport:
         """The staged digests: of a shared file's bucket (`wire`), or of every bucket from `groups` (gate: gloo /
-        NCCL); `begin` on an update's first receive (verify, staging, layout, the pickled push plan where the
-        worker may not hold it yet) starts it."""
+        NCCL); `begin` on an update's first receive (verify, staging, layout, push plan id) starts it."""
 
     def asyncrl_apply(self, version: int, before: str = "", begin: list[Any] | None = None) -> ApplyReport:
         """The apply of the staged version; `before` (the name of a verb of this interface without

@@ -84,11 +84,9 @@ class WeightUpdates:
         self.update_state = UpdateState.IDLE
         self._staging_version: int | None = None
         self._staged_layout = "hf"  # of the version staged: "engine" (one plan's buckets per rank) or "hf"
-        self._begin_args: list[Any] | None = None  # (verify, staging, layout, plan) until the workers' first receive
+        self._begin_args: list[Any] | None = None  # (verify, staging, layout, plan id) until the workers' first receive
         self._staged: list[dict[str, bytes]] = []  # per worker: the digests of what it staged
-        self.plan_id: str | None = None  # the push plan held (engine-layout buckets copy in) and `_plan`, pickled
-        self._plan: bytes | None = None
-        self._workers_plan: str | None = None  # the plan the workers were handed (with an update's begin)
+        self.plan_id: str | None = None  # the push plan held (its engine-layout buckets copy in; workers learn it at begin)
         self.layout_checks: list[LayoutCheck] = []  # the start-time check of the engine's parameter layout
         # What the workers answered at the last join (None: ask them). A group breaks only inside
         # a receive, which fails this replica's load_bucket: that drops the cache.
@@ -115,25 +113,22 @@ class WeightUpdates:
             if request is not None:
                 plan, why = plan_for(pickle.loads(request.manifest), await self._layouts(request.manifest),
                                      request.bucket_mb, pickle.loads(request.pieces) if request.pieces else ())
-            self._hold(plan)
-            return PlanAck(replica_id=self.replica_id, plan_id=self.plan_id, plan=self._plan, problem=why)
+            self.plan_id = plan.plan_id if plan is not None else None
+            return PlanAck(replica_id=self.replica_id, plan_id=self.plan_id, plan=pickle.dumps(plan) if plan is not None else None,
+                           problem=why)
 
     async def _layouts(self, manifest: bytes) -> list[Any]:
         """Each worker's `EngineLayout` for the learner's export `manifest` (pickled `ManifestEntry`s)."""
         answers = await self._rpc(WorkerAPI.asyncrl_layout, manifest, timeout=600.0)
         return [pickle.loads(msgspec.convert(a, LayoutCheck).layout) for a in answers]
 
-    def _hold(self, plan: Any) -> None:
-        """Hold `plan` (None: none); the workers take it with the first update in its layout (`_begin`)."""
-        self._plan, self.plan_id = (pickle.dumps(plan), plan.plan_id) if plan is not None else (None, None)
-
     async def _take_plan(self, plan: Any) -> str:
         """Hold `plan`, formed elsewhere, if every worker's layout is the plan's; else PlanError says why not."""
         problem = plan_misfit(plan, await self._layouts(pickle.dumps(list(plan.probed_manifest))))
         if problem:
             raise PlanError(problem)
-        self._hold(plan)
-        return plan.plan_id
+        self.plan_id = plan.plan_id
+        return self.plan_id
 
     async def _adopt_plan(self, plan: Any) -> str | None:
         """A replica that starts after the push plan was formed takes it (from the WeightStore), so the
@@ -148,7 +143,7 @@ class WeightUpdates:
         except Exception as err:  # its layout differs: the service's PLAN_MISSING path handles it
             logger.info("replica %s: the push plan %s does not fit this engine (%s); the next push forms one with it",
                         self.replica_id, plan.plan_id, err)
-            self._hold(None)
+            self.plan_id = None
             return None
 
     def _begin(self, version: int, begin: UpdateBegin) -> None:
@@ -169,9 +164,7 @@ class WeightUpdates:
             logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
         self.update_state, self._staging_version = UpdateState.STAGING, version
         self._staged_layout, self._staged = begin.layout, []
-        # the plan goes with the update's first receive where the workers may not hold it yet
-        self._begin_args = [begin.verify, begin.staging, begin.layout,
-                            self._plan if begin.layout == "engine" and self._workers_plan != self.plan_id else None]
+        self._begin_args = [begin.verify, begin.staging, begin.layout, self.plan_id if begin.layout == "engine" else None]
 
     async def load_bucket(self, named_tensors: Any, version: int, begin: UpdateBegin) -> LoadReport:
         """Stage `version` from a payload: a `CollectiveReceive` (the workers receive from the senders), or a list of
@@ -235,10 +228,8 @@ class WeightUpdates:
                     mine.update(msgspec.convert(got, ReceiveReport).digests)
 
     def _take_begin(self) -> list[Any] | None:
-        """The update's (verify, staging, layout, plan) for the workers' first receive (it starts their staging), once."""
+        """The update's (verify, staging, layout, plan id) for the workers' first receive (it starts their staging), once."""
         begin, self._begin_args = self._begin_args, None
-        if begin is not None and begin[3] is not None:
-            self._workers_plan = self.plan_id  # (forgotten where the update fails: `_drop_staged`)
         return begin
 
     def _check_staged(self, version: int, fingerprint: str) -> None:
@@ -383,6 +374,5 @@ class WeightUpdates:
             return UpdateAck(replica_id=self.replica_id, version=self.version)
 
     async def _drop_staged(self) -> None:
-        self._workers_plan = None  # (the next engine-layout update hands its plan again)
         await self._rpc(WorkerAPI.asyncrl_abort_update)
         self.update_state, self._staging_version, self._staged = UpdateState.IDLE, None, []

@@ -26,7 +26,7 @@ import torch
 from asyncrl.types import ApplyReport, LayoutCheck, ReceiveReport
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, digest_key_prefix, unpack_bucket
 from asyncrl.weightsync.fingerprint import PendingDigests, bucket_digests, bucket_digests_lazy, buckets_digests_lazy, check_verify_mode
-from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, PushPlan, probe_layout, same_ops, verify_layout
+from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, probe_layout, same_ops, verify_layout
 
 if TYPE_CHECKING:
     from asyncrl.weightsync.collective import CollectiveGroup
@@ -154,23 +154,18 @@ class WorkerReceiver:
                                 "from the checkpoint the engine was checked against")
         return layout
 
-    def set_plan(self, plan: PushPlan) -> None:
-        """Engine-layout buckets of `plan` are applied by a copy from now on (its replica checked that this worker's
-        layout is the plan's: `shards.plan_misfit`)."""
-        if plan.plan_id != self.plan_id:
-            self._views, self._apply_lists = {}, None
-            self.plan_id, self._live = plan.plan_id, dict(self.hooks.model().named_parameters())
-
     # ---- staging ---------------------------------------------------------------------------------
 
     def begin(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
-              plan: bytes | None = None) -> None:
-        """Start staging `version`; `plan` (a pickled `PushPlan`): the plan its engine-layout buckets are of, once."""
+              plan_id: str | None = None) -> None:
+        """Start staging `version`; engine-layout buckets are of push plan `plan_id` (its replica checked that this
+        worker's layout is the plan's), applied by a copy into the live parameters."""
         check_begin(verify, staging, layout)
-        if plan is not None:
-            self.set_plan(pickle.loads(plan))
-        if layout == "engine" and self.plan_id is None:
-            raise ValueError("engine-layout buckets but this worker has no push plan")
+        if layout == "engine" and not plan_id:
+            raise ValueError("engine-layout buckets without the push plan they were packed for")
+        if layout == "engine" and plan_id != self.plan_id:  # another plan's buckets: nothing kept from the last
+            self._views, self._apply_lists = {}, None
+            self.plan_id, self._live = plan_id, dict(self.hooks.model().named_parameters())
         self._staged = _Staged(version, verify, staging, layout)
 
     def _state(self, version: int) -> _Staged:
@@ -400,7 +395,7 @@ class WorkerVerbs:
         """Stage for `version` one bucket from a shared file (`wire`, `expected` its sender's digests) or every
         bucket from the collective `groups` in order, straight into this worker's memory, within `timeout_s`;
         `gate`: the broadcast push's gate token, passed on every group or closed if this worker cannot take the
-        push. `begin` (verify, staging, layout, plan) on the update's first receive starts it. Returns the digests
+        push. `begin` (verify, staging, layout, plan id) on the update's first receive starts it. Returns the digests
         staged. (Plain arguments: vLLM's RPC carries them as msgpack, where a dataclass arrives as a map.)"""
         rx = self._asyncrl_rx()
         if groups is None:
