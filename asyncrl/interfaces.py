@@ -101,11 +101,10 @@ class WorkerAPI(Protocol):
     def asyncrl_layout(self, manifest: bytes | None = None) -> LayoutCheck:
         """The start-time layout check (no `manifest`), or its answer and this worker's layout for `manifest`."""
 
-    def asyncrl_receive(self, version: int, wire: tuple | None, expected: dict[str, bytes] | None = None,
-                        groups: list[str] | None = None, timeout_s: float = 0.0, gate: str = "",
-                        begin: list[Any] | None = None) -> ReceiveReport:
+    def asyncrl_receive(self, version: int, wire: tuple | None, groups: list[str] | None = None,
+                        timeout_s: float = 0.0, gate: str = "", begin: list[Any] | None = None) -> ReceiveReport:
         """The staged digests: of a shared file's bucket (`wire`), or of every bucket from `groups` (gate: gloo /
-        NCCL); `begin` on an update's first receive (verify, staging, layout, push plan id) starts it."""
+        NCCL); `begin` on an update's first receive (verify, layout, push plan id) starts it."""
 
     def asyncrl_apply(self, version: int, before: str = "", begin: list[Any] | None = None) -> ApplyReport:
         """The apply of the staged version; `before` (the name of a verb of this interface without

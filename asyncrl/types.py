@@ -187,11 +187,10 @@ class ReplicaAnswer(msgspec.Struct, kw_only=True, frozen=True):
 
 class UpdateBegin(msgspec.Struct, frozen=True):
     """What an update's first `load_bucket` carries to start it: how its buckets are hashed (`verify`: full,
-    checksum, off), staged ("full": beside the live weights; "bucketed": each applied once verified) and laid out
-    ("engine": packed for the push plan `plan_id`, copied into the parameters; "hf": reloaded)."""
+    checksum, off; staged beside the live weights, verified before the commit) and laid out ("engine": packed for
+    the push plan `plan_id`, copied into the parameters; "hf": reloaded)."""
 
     verify: str = "full"
-    staging: str = "full"
     layout: str = "hf"
     plan_id: str | None = None
 

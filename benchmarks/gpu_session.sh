@@ -84,7 +84,7 @@ push)
       # ENGINE (vllm): sglang pushes into SGLang replicas (after sglang-install; HF layout, its own staging);
       # BUCKET_MB (64): a size in MiB, or a comma list measured in turn on the same engines (64,256)
       ASYNCRL_PROFILE_DIR=${PROFILE_DIR:-} timeout ${BENCH_TIMEOUT:-360} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports $t \
-          --gpus 0.5 --dtype bfloat16 --verify $v --staging ${STAGING:-full} --sender-arena ${SENDER_ARENA:-auto} \
+          --gpus 0.5 --dtype bfloat16 --verify $v --sender-arena ${SENDER_ARENA:-auto} \
           --bucket-mb ${BUCKET_MB:-64} --timeout-s ${PUSH_TIMEOUT:-90} --engine ${ENGINE:-vllm} --engine-pythonpath "$([ "${ENGINE:-vllm}" = sglang ] && echo /tmp/site-sglang:/tmp/site:$PWD)" > $log 2>&1
       echo "weightsync $t $m verify=$v rc=$?"; grep '^{' $log | tee -a $OUT/ws_push.json
       grep '^\[weightsync' $log | tail -4  # where it got (each push's time)
@@ -221,7 +221,7 @@ pair)
   ( export CUDA_VISIBLE_DEVICES=0,1 RAY_ADDRESS=local RAY_TMPDIR=/tmp/ray_a
     for m in ${MODELS:-random500m random1500m}; do
       timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/weightsync.py --models $m --replicas 1 --repeats 3 --transports nccl \
-          --gpus 0.5 --dtype bfloat16 --verify ${VERIFY:-checksum} --staging ${STAGING:-full} > $OUT/ws_push_nccl_${m##*/}.log 2>&1
+          --gpus 0.5 --dtype bfloat16 --verify ${VERIFY:-checksum} > $OUT/ws_push_nccl_${m##*/}.log 2>&1
       echo "weightsync nccl $m rc=$?" >> $OUT/pair_a.txt; grep '^{' $OUT/ws_push_nccl_${m##*/}.log >> $OUT/ws_push.json
     done ) &
   ( export CUDA_VISIBLE_DEVICES=2,3 RAY_ADDRESS=local RAY_TMPDIR=/tmp/ray_b
@@ -530,14 +530,11 @@ scale)
   echo "7b model ready at t=$SECONDS s"
   sets=(--set model.path=$M)
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  # Under 100 GB a learner rank cannot also hold the whole packed version (7.1 GiB): SCALE_STAGING=full (default) keeps
-  # full staging, the rank's sender packing through a ring of slots (stream.SenderRing, chosen when the whole arena
-  # does not fit), and gives each engine's staged version (15.2 GB) room beside vLLM (gpu_memory_utilization 0.7);
-  # SCALE_STAGING=bucketed is the layout measured on 2026-11-27 (0.6 s pushes, the engine paused throughout).
+  # Under 100 GB a learner rank cannot also hold the whole packed version (7.1 GiB): the rank's sender packs through
+  # a ring of slots (stream.SenderRing, chosen when the whole arena does not fit), and each engine's staged version
+  # (15.2 GB) gets room beside vLLM (gpu_memory_utilization 0.7).
   if [ "${mem:-0}" -lt 100000 ]; then
-    sets+=(--set learner.max_tokens_per_micro_batch=2048)
-    if [ "${SCALE_STAGING:-full}" = bucketed ]; then sets+=(--set weightsync.staging=bucketed)
-    else sets+=(--set generator.engine_kwargs.gpu_memory_utilization=0.7); fi
+    sets+=(--set learner.max_tokens_per_micro_batch=2048 --set generator.engine_kwargs.gpu_memory_utilization=0.7)
   fi
   for kv in ${SETS:-}; do sets+=(--set "$kv"); done
   echo "sets: ${sets[*]}"

@@ -42,9 +42,9 @@ def main() -> None:
     rx.plan_id, rx._live = "bench", live  # (set_plan checks a real engine's layout)
 
     def push(version: int) -> None:
-        rx.begin(version, args.verify, "full", "engine")
+        rx.begin(version, args.verify, "engine")
         for bucket in buckets:
-            rx.stage(version, bucket, None, lazy=True, batch=True)
+            rx.stage(version, bucket, lazy=True, batch=True)
         rx.digests(version)
         rx.apply(version)
 

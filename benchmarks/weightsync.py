@@ -6,7 +6,7 @@
         here: the learner's share of the push) -> through the transport into each engine's staging
         (each bucket's digests recomputed in the verify mode) -> commit (every digest matched ->
         pause -> one copy into the live parameters, or vLLM's reload_weights where `apply` says
-        so -> resume); `--staging bucketed` pauses first and applies bucket by bucket
+        so -> resume)
   raw:  the same bytes packed into buckets of the push's size, `ray.put`, and every one of N sink
         actors mapping each bucket (the floor any host-memory push pays: one copy of the bytes,
         mapped by the receivers)
@@ -417,7 +417,7 @@ def _engine_dtypes(plan, base):
 
 async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket_mbs: list[float],
                       transports: list[str], verify: str, gpus: float, apply: str = "auto",
-                      staging: str = "full", dtype: str = "float32", sender_arena: str = "auto",
+                      dtype: str = "float32", sender_arena: str = "auto",
                       timeout_s: float = 120.0, engine_name: str = "vllm", engine_pythonpath: str = "") -> list[dict]:
     """Rows for every transport at every bucket size in `bucket_mbs`, each size measured in turn on
     the same engines and sender (its plan formed again; the raw floor in buckets of its sizes)."""
@@ -458,10 +458,10 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
             await sender.set_plan.remote(pickle.dumps(plan) if plan is not None else None)
             say(f"{name}: {bucket_mb:g} MiB buckets, plan {'none' if plan is None else f'{len(plan.buckets)} buckets'}")
         runs, version = await _pushes(name, transports, collective, actors, clients, sender, base, plan, bucket_mb,
-                                      repeats, verify, staging, timeout_s, gpus, version, links)
+                                      repeats, verify, timeout_s, gpus, version, links)
         raw = await _raw_floors(name, transports, collective, sender, sinks, gpu_sinks, joined, plan, same, bucket_mb,
                                 repeats, timeout_s)
-        out += _rows(name, runs, raw, collective, params, why_not, verify, staging, sender_arena, replicas, gpus,
+        out += _rows(name, runs, raw, collective, params, why_not, verify, sender_arena, replicas, gpus,
                      bucket_mb, repeats)
     say(f"{name}: raw floors done; round trips")
     floors = await actors[0].round_trips.remote()
@@ -482,17 +482,16 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
 
 
 async def _pushes(name, transports, collective, actors, clients, sender, base, plan, bucket_mb, repeats, verify,
-                  staging, timeout_s, gpus, version, links):
+                  timeout_s, gpus, version, links):
     """Every transport's pushes at one bucket size: {transport: (push seconds, host-copy tails, metrics)}."""
     from asyncrl.config import WeightsyncConfig
-    from asyncrl.weightsync.collective import ipc_window_for
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.push import BucketSource, Publisher, StreamedSource, VersionRegistry
     from asyncrl.weightsync.transport import pack_into_transport, select_transport
 
     runs = {}
     for kind in transports:
-        cfg = WeightsyncConfig(transport=kind, bucket_mb=bucket_mb, timeout_s=timeout_s, verify=verify, staging=staging)
+        cfg = WeightsyncConfig(transport=kind, bucket_mb=bucket_mb, timeout_s=timeout_s, verify=verify)
         transport = select_transport(cfg, on_gpu=gpus > 0)
         pub = Publisher(cfg, transport=transport, registry=VersionRegistry(version))  # the engines already serve `version`
         link = links.get(kind)  # one per transport, kept across bucket sizes (its groups, the receivers' buffers)
@@ -505,7 +504,7 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
 
             # check: beside each push, as the service does (a change of members closes the push's gate)
             link = links[kind] = CollectiveLink(kind, SenderAsLearner(sender), members=members, join=join, bucket_mb=bucket_mb,
-                                                timeout_s=timeout_s, ipc_window=ipc_window_for(cfg.staging), check=members)
+                                                timeout_s=timeout_s, check=members)
         if link is not None:
             link.bucket_mb = bucket_mb  # (the plan's buckets where there is one; the sender's own cut where not)
         push, tails, metrics = [], [], []
@@ -626,7 +625,7 @@ async def _raw_floors(name, transports, collective, sender, sinks, gpu_sinks, jo
     return raw
 
 
-def _rows(name, runs, raw, collective, params, why_not, verify, staging, sender_arena, replicas, gpus, bucket_mb,
+def _rows(name, runs, raw, collective, params, why_not, verify, sender_arena, replicas, gpus, bucket_mb,
           repeats) -> list[dict]:
     med = lambda xs: statistics.median(xs)  # noqa: E731
     out = []
@@ -651,7 +650,7 @@ def _rows(name, runs, raw, collective, params, why_not, verify, staging, sender_
             breakdown[f"replica_{step}"] = med([max((v for k, v in m.items() if k.startswith("weightsync/replica/")
                                                      and k.endswith(f"/{step}_seconds")), default=0.0) for m in metrics])
         row = {
-            "model": name, "transport": kind, "verify": verify, "staging": staging, "sender_arena": sender_arena,
+            "model": name, "transport": kind, "verify": verify, "sender_arena": sender_arena,
             "apply_path": "direct" if key("weightsync/apply_direct") == 1.0 else "reload",
             "why_not_direct": why_not, "params": params, "bytes": nbytes,
             "replicas": replicas, "gpus_per_engine": gpus, "bucket_mb": bucket_mb,
@@ -689,11 +688,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="dtype the random models are saved in (bfloat16 on GPUs)")
     ap.add_argument("--apply", default="auto", choices=["auto", "direct", "reload"],
                     help="direct: engine-layout buckets copied into the parameters; reload: HF tensors through reload_weights")
-    ap.add_argument("--staging", default="full", choices=["full", "bucketed"])
     ap.add_argument("--timeout-s", type=float, default=120.0,
                     help="each push's (and group's) deadline: a stuck one fails with its error instead of hanging the run")
     ap.add_argument("--sender-arena", default="auto", choices=["auto", "whole", "ring"],
-                    help="gloo / nccl, full staging with a plan: the sender packs the whole version in one arena, or "
+                    help="gloo / nccl with a plan: the sender packs the whole version in one arena, or "
                          "through a ring of reused bucket slots (a learner short of device memory), auto = whole where it fits")
     ap.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
                     help="the engine replicas' engine (sglang: GPU only, pushes in HF layout through its update_weights_from_tensor)")
@@ -740,7 +738,7 @@ def main() -> None:
                 else:
                     raise SystemExit(f"unknown model {name!r}: demo, random50m, random500m, random1500m or an HF directory")
                 rows = asyncio.run(bench_model(name, path, args.replicas, args.repeats, sizes,
-                                               args.transports.split(","), args.verify, args.gpus, args.apply, args.staging,
+                                               args.transports.split(","), args.verify, args.gpus, args.apply,
                                                args.dtype, args.sender_arena, args.timeout_s,
                                                args.engine, args.engine_pythonpath))
                 for row in rows:

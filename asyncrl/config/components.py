@@ -477,11 +477,6 @@ class WeightsyncConfig(_Section):
         "live parameters; reload = Hugging Face tensors through vLLM's reload_weights (quantized weights, packed CPU kernels, "
         "unknown layouts). auto = direct where every engine proved it correct at start, else reload (the reason is logged "
         "and every push reports the path it took); direct = fail if it is not possible.")
-    staging: Literal["full", "bucketed"] = Field(
-        "full", description="full = each engine receives and verifies the whole version beside its live weights while it "
-        "keeps generating, then is paused only to copy it in; bucketed = engines are paused for the whole push and apply "
-        "each bucket as soon as it verified (about one bucket of extra memory: hybrid and memory-bound placements), a "
-        "failure restoring the last live version from its host copy.")
     timeout_s: float = Field(120.0, gt=0)
     retries: int = Field(1, ge=0)
     recovery_s: float = Field(

@@ -4,7 +4,7 @@ Owns: load (it begins the update) -> commit (fingerprint check, pause, apply, re
 staged (their digests, per worker), the replica's collective-group membership, the push plan it holds, and moving the
 per-token version labels at a commit (through the replica's `VersionSource`). Payloads: a `CollectiveReceive` (the
 workers receive from the senders themselves), or a list of `SharedBucket`s (shm), `Bucket`s (object store: each written
-once into a shared file) or loose named tensors, optionally `WithDigests` (bucketed staging). The workers' half is
+once into a shared file) or loose named tensors. The workers' half is
 weightsync's worker_verbs.py, on vLLM in worker_ext.py. `WeightUpdates` is a part of `EngineReplica` (engine.py).
 Must never: change the version label while the engine runs a step, or apply staged tensors whose fingerprint
 differs from the one the caller committed.
@@ -38,7 +38,6 @@ from asyncrl.types import (
     UpdateBegin,
     refusal_of,
 )
-from asyncrl.weightsync.bucket import WithDigests
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
 from asyncrl.weightsync.plan import PlanError
@@ -84,7 +83,7 @@ class WeightUpdates:
         self.update_state = UpdateState.IDLE
         self._staging_version: int | None = None
         self._staged_layout = "hf"  # of the version staged: "engine" (one plan's buckets per rank) or "hf"
-        self._begin_args: list[Any] | None = None  # (verify, staging, layout, plan id) until the workers' first receive
+        self._begin_args: list[Any] | None = None  # (verify, layout, plan id) until the workers' first receive
         self._staged: list[dict[str, bytes]] = []  # per worker: the digests of what it staged
         self.plan_id: str | None = None  # the push plan held (its engine-layout buckets copy in; workers learn it at begin)
         self.layout_checks: list[LayoutCheck] = []  # the start-time check of the engine's parameter layout
@@ -153,7 +152,7 @@ class WeightUpdates:
             raise WeightUpdateError(f"replica {self.replica_id}: version {version!r} must be an int >= 0")
         plan_id = begin.plan_id
         try:
-            check_begin(begin.verify, begin.staging, begin.layout)
+            check_begin(begin.verify, begin.layout)
             if begin.layout == "engine" and (self.plan_id is None or (plan_id is not None and plan_id != self.plan_id)):
                 raise PlanMissing(f"an engine-layout push for plan {plan_id} but this replica holds plan {self.plan_id}")
         except ValueError as err:
@@ -164,12 +163,11 @@ class WeightUpdates:
             logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
         self.update_state, self._staging_version = UpdateState.STAGING, version
         self._staged_layout, self._staged = begin.layout, []
-        self._begin_args = [begin.verify, begin.staging, begin.layout, self.plan_id if begin.layout == "engine" else None]
+        self._begin_args = [begin.verify, begin.layout, self.plan_id if begin.layout == "engine" else None]
 
     async def load_bucket(self, named_tensors: Any, version: int, begin: UpdateBegin) -> LoadReport:
         """Stage `version` from a payload: a `CollectiveReceive` (the workers receive from the senders), or a list of
-        its buckets (shared files, buckets or their ObjectRefs; in `WithDigests` with the sender's digests of each);
-        `begin` starts the update (a refused begin stages nothing)."""
+        its buckets (shared files, buckets or their ObjectRefs); `begin` starts the update (a refused begin stages nothing)."""
         async with self._control_lock:
             self._receive_reached = False
             try:
@@ -205,21 +203,20 @@ class WeightUpdates:
 
     async def _stage(self, payload: Any, version: int) -> None:
         """Stage the version on every worker (their digests kept per worker), from the senders or from each of its
-        buckets in turn (with the sender's digests of each where each is applied once verified)."""
+        buckets in turn."""
         if isinstance(payload, CollectiveReceive):
             if payload.version != version:
                 raise ValueError(f"collective push of version {payload.version}, staging {version}")
-            results = await self._rpc(WorkerAPI.asyncrl_receive, version, None, None, list(payload.group_ids),
+            results = await self._rpc(WorkerAPI.asyncrl_receive, version, None, list(payload.group_ids),
                                       payload.timeout_s, payload.gate, self._take_begin(), timeout=payload.timeout_s + 30.0)
             self._staged = [dict(msgspec.convert(r, ReceiveReport).digests) for r in results]
             return
-        payload, expected = (payload.payload, payload.digests) if isinstance(payload, WithDigests) else (payload, None)
-        for i, item in enumerate(payload if isinstance(payload, list) else [payload]):
+        for item in payload if isinstance(payload, list) else [payload]:
             item = await item if is_object_ref(item) else item  # (in a list, Ray resolved none of them)
             async for shared, owned in _as_shared(item):
                 try:
-                    results = await self._rpc(WorkerAPI.asyncrl_receive, version, shared.wire(),
-                                              expected[i] if expected else None, None, 0.0, "", self._take_begin())
+                    results = await self._rpc(WorkerAPI.asyncrl_receive, version, shared.wire(), None, 0.0, "",
+                                              self._take_begin())
                 finally:
                     if owned:  # written here; the workers hold their own mappings now
                         shared.unlink()
@@ -228,7 +225,7 @@ class WeightUpdates:
                     mine.update(msgspec.convert(got, ReceiveReport).digests)
 
     def _take_begin(self) -> list[Any] | None:
-        """The update's (verify, staging, layout, plan id) for the workers' first receive (it starts their staging), once."""
+        """The update's (verify, layout, plan id) for the workers' first receive (it starts their staging), once."""
         begin, self._begin_args = self._begin_args, None
         return begin
 

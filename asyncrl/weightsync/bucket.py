@@ -242,15 +242,6 @@ def shared_dir(nbytes: int) -> str:
     return tempfile.gettempdir()
 
 
-@dataclass(frozen=True)
-class WithDigests:
-    """A push's buckets with the sender's digests of each, in the same order (bucketed staging checks each
-    bucket against them before applying it)."""
-
-    payload: list[Any]
-    digests: list[dict[str, bytes]]
-
-
 @dataclass(frozen=True, slots=True)
 class SharedBucket:
     """A `Bucket` whose buffer lives in a file; `path` is None when it has no bytes. Once its owner recycles it, a

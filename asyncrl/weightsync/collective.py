@@ -27,11 +27,9 @@ from asyncrl.weightsync.bucket import Bucket, pack_bucket
 from asyncrl.weightsync.fingerprint import bucket_digests_lazy, buckets_digests_lazy
 from asyncrl.weightsync.transport import BACKENDS, HostCopies, PinnedPool
 
-IPC_WINDOW = 2  # ipc: buckets a sender keeps published (and unacknowledged) before waiting; 0: the whole version
-# Header kinds (first int64 of a header): a bucket follows, the sender is done, the sender failed.
-BUCKET, END, ABORT = 1, 2, 3
-WHOLE = 4  # ipc_window 0: one record (ipc) or one table (gloo / nccl) holds every bucket of the push (gloo / nccl:
-# then every bucket and an END / ABORT header, as one receive)
+# Header kinds (first int64 of a header): the sender is done, the sender failed, and the push's one record (ipc) or
+# table (gloo / nccl) of every bucket (gloo / nccl: then every bucket and an END / ABORT header, as one receive).
+END, ABORT, WHOLE = 2, 3, 4
 
 
 class CollectiveError(RuntimeError):
@@ -88,7 +86,6 @@ class GroupSpec:
     receivers: dict[str, int]
     sender: int = 0  # which sending rank (PP stage order) this group belongs to
     timeout_s: float = 120.0
-    ipc_window: int = IPC_WINDOW  # ipc: buckets published at once; 0 (any backend): the whole version at once
     ranks: tuple[int, ...] = ()  # the engine ranks whose workers are members, in every replica; () every worker
 
     def __post_init__(self) -> None:
@@ -97,8 +94,6 @@ class GroupSpec:
             raise ValueError(f"group {self.group_id}: member engine ranks {list(self.ranks)} must be distinct and >= 0")
         if self.backend not in BACKENDS:
             raise ValueError(f"collective backend must be one of {BACKENDS}, got {self.backend!r}")
-        if isinstance(self.ipc_window, bool) or not isinstance(self.ipc_window, int) or self.ipc_window < 0:
-            raise ValueError(f"group {self.group_id}: ipc_window must be an int >= 0, got {self.ipc_window!r}")
         if self.world_size < 2:
             raise ValueError(f"group {self.group_id}: world_size {self.world_size} leaves nobody to send to")
 
@@ -183,16 +178,8 @@ def _tcp_store(spec: GroupSpec, rank: int, timeout: datetime.timedelta, listen_s
         raise
 
 
-def ipc_window_for(staging: str) -> int:
-    """The window for a staging mode: full staging sends the whole version at once (ipc: kept in
-    the sender's buffers, the receivers' staging area; gloo / NCCL: one table, then every bucket
-    back to back), bucketed staging `IPC_WINDOW` buckets at a time (gloo / NCCL: one)."""
-    return 0 if staging == "full" else IPC_WINDOW
-
-
 def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: dict[str, int], *,
-               timeout_s: float, group_prefix: str, ipc_window: int = IPC_WINDOW,
-               ranks_of: dict[int, tuple[int, ...]] | None = None) -> list[GroupSpec]:
+               timeout_s: float, group_prefix: str, ranks_of: dict[int, tuple[int, ...]] | None = None) -> list[GroupSpec]:
     """One spec per sending rank (its rendezvous `(host, port)`, in sender order); replicas get
     rank blocks in id order, so every member computes the same layout. `ranks_of` (a shard plan:
     sender -> the engine ranks it feeds): sender i's group holds only those ranks' workers of each
@@ -213,7 +200,7 @@ def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: di
                 raise CollectiveError(f"sender {i} feeds engine ranks {list(ranks)}, but replica {rid!r} has "
                                       f"{replica_workers[rid]} workers")
             receivers[rid], nxt = nxt, nxt + (len(ranks) if ranks else replica_workers[rid])
-        specs.append(GroupSpec(f"{group_prefix}-s{i}", backend, host, port, nxt, receivers, i, timeout_s, ipc_window, ranks))
+        specs.append(GroupSpec(f"{group_prefix}-s{i}", backend, host, port, nxt, receivers, i, timeout_s, ranks))
     return specs
 
 
@@ -301,7 +288,7 @@ class CollectiveGroup:
     _pinned: PinnedPool | None = field(default=None, repr=False)  # sender on a GPU: their pinned buffers
     _ring: Any = field(default=None, repr=False)  # ipc sender: the buffers it packs into, reused by every push
     _ring_sender: bool = False  # gloo / nccl sender: its device could not hold a whole version (arena.SenderRing)
-    _ring_copies: list = field(default_factory=list, repr=False)  # ipc_window 0: the host copies still reading them
+    _ring_copies: list = field(default_factory=list, repr=False)  # ipc: the host copies still reading them
     _opened: dict = field(default_factory=dict, repr=False)  # ipc receiver: the sender's buffers, opened once
     _gate_keys: list = field(default_factory=list, repr=False)  # sender: this push's gate keys (stale at the next)
     _stale_gate_keys: list = field(default_factory=list, repr=False)  # sender: earlier pushes', to drop (drop_stale_gate_keys)

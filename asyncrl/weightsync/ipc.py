@@ -1,11 +1,10 @@
 """The ipc transport: sender and engine workers share a device, so a bucket travels as a handle.
 
-Owns: one push on an ipc group (collective.py's `CollectiveGroup`, backend "ipc"). The sender packs each bucket into a
-buffer of its `IpcRing` (kept for the group's life, so each receiver opens each CUDA IPC handle once, not per bucket
-per push) and publishes the handle, tensor table and digests in the group's TCPStore; each receiver copies the bucket
-into its own memory and acknowledges it (at most `ipc_window` unacknowledged; a CPU bucket goes as a shared-memory
-file). With `ipc_window` 0 (full staging) the ring is the staging area: receivers stage views of it and the commit
-copies from it.
+Owns: one push on an ipc group (collective.py's `CollectiveGroup`, backend "ipc"). The sender packs the whole version
+into the buffers of its `IpcRing` (kept for the group's life, so each receiver opens each CUDA IPC handle once, not
+per push) and publishes one record of every bucket's handle and tensor table in the group's TCPStore (a CPU bucket
+goes as a shared-memory file); the ring is the receivers' staging area: they stage views of it, acknowledge once,
+and the commit copies from it.
 Handles are keyed by GPU UUID (any CUDA_VISIBLE_DEVICES order); a failing receiver or export stops the other side.
 Must never: reuse a buffer a receiver may still read (only once every receiver acknowledged it and its host copy is
 made; the ring is rewritten only by the next push), or free one a receiver still maps.
@@ -17,20 +16,18 @@ from __future__ import annotations
 import datetime
 import pickle
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn
 
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, TensorMeta, windows, write_shared
-from asyncrl.weightsync.collective import ABORT, BUCKET, END, WHOLE, CollectiveError, CollectiveGroup, SenderAborted
+from asyncrl.weightsync.collective import ABORT, WHOLE, CollectiveError, CollectiveGroup, SenderAborted
 from asyncrl.weightsync.stream import (
     Export,
     SendResult,
     decode_table,
     encode_table,
-    hash_and_copy,
     hash_and_copy_lazy,
     hash_whole_lazy,
     host_copies_for,
@@ -39,16 +36,12 @@ from asyncrl.weightsync.stream import (
 
 
 class IpcRing:
-    """Device buffers an ipc sender packs buckets into, kept across pushes. `take(nbytes)` hands
-    out a free one (growing or adding one when none fits); `free` returns it."""
+    """Device buffers an ipc sender packs a whole version into, kept across pushes (`take_in_order`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.buffers: list[torch.Tensor] = []
         self.busy: list[bool] = []
-        # Buffers are at least this large (the push's largest bucket): any free one then fits any
-        # bucket, so a buffer (and the handle receivers opened for it) is never replaced.
-        self.min_bytes = 0
         # The handle published for each view of a buffer, made once (`ipc_export`): sharing a CUDA
         # storage again costs an event and a reference-count slot each time, and the receivers
         # reopen nothing. Dropped whenever a buffer is allocated (an address may come back).
@@ -61,22 +54,6 @@ class IpcRing:
     def _new(self, nbytes: int) -> torch.Tensor:
         self.exports.clear()
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        free = [i for i, b in enumerate(self.busy) if not b]
-        fits = [i for i in free if self.buffers[i].numel() >= nbytes]
-        size = max(nbytes, self.min_bytes)
-        if fits:
-            i = min(fits, key=lambda j: self.buffers[j].numel())
-        elif free:  # grow a free one (a larger bucket than before): a new handle for it
-            i = free[0]
-            self.buffers[i] = self._new(size)
-        else:
-            self.buffers.append(self._new(size))
-            self.busy.append(False)
-            i = len(self.buffers) - 1
-        self.busy[i] = True
-        return self.buffers[i][:nbytes]
 
     def plan_whole(self, sizes: list[int]) -> None:
         """The next whole-version pushes pack buckets of `sizes`, in this order: each gets a view of
@@ -106,12 +83,6 @@ class IpcRing:
             self.buffers[i] = self._new(nbytes)
         self.busy[i] = True
         return self.buffers[i][:nbytes]
-
-    def free(self, view: torch.Tensor) -> None:
-        for i, b in enumerate(self.buffers):
-            if b.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
-                self.busy[i] = False
-                return
 
     def release_all(self) -> None:
         self.busy = [False] * len(self.buffers)
@@ -230,18 +201,6 @@ def _wait_acks(group: CollectiveGroup, k: int, deadline: float) -> None:
         time.sleep(0.0002)
 
 
-def _retire(group: CollectiveGroup, k: int, kept: Any, copy: Any, deadline: float) -> None:
-    """Bucket `k` is acknowledged by every receiver: once its host copy has read it too, its
-    buffer goes back to the ring (a file is unlinked); its keys are dropped (the store stays small)."""
-    if isinstance(kept, Bucket) and group._ring is not None:
-        if copy is not None:
-            copy.wait(deadline)
-        group._ring.free(kept.buffer)
-    _ipc_free(kept)
-    for what in (f"b{k}", f"a{k}"):
-        group._store.delete_key(_key(group, what))
-
-
 def ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
                     verify: str, timeout_s: float, keep: Callable[[Bucket], Any] | None,
                     plan: Any = None, sender: int = 0) -> SendResult:
@@ -262,53 +221,12 @@ def ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, A
         for copy in group._ring_copies:  # a whole-version push's host copies read its buffers to the end
             copy.wait(deadline)
         group._ring_copies = []
-        group._ring.release_all()  # the last push retired all of its buckets (or failed: receivers dropped them)
-        group._ring.min_bytes = plan.max_bucket_bytes(sender) if plan is not None else int(bucket_mb * (1 << 20))
-        if group.spec.ipc_window == 0 and plan is not None:
+        group._ring.release_all()  # the last push's buckets (or a failed one's: receivers dropped them)
+        if plan is not None:
             group._ring.plan_whole([b.nbytes for b in plan.for_sender(sender)])
-        alloc = group._ring.take
-    if group.spec.ipc_window == 0:
-        return _send_whole(group, named_tensors, bucket_mb, verify=verify, deadline=deadline, keep=keep, plan=plan,
-                           sender=sender, alloc=None if alloc is None else group._ring.take_in_order, out=out)
-    published: deque[tuple[int, Any, Any]] = deque()
-    copies = out.host_copies = host_copies_for(group, keep, deadline)
-    export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender, alloc=alloc), out)
-    k = 0
-    try:
-        for bucket in export:
-            digests, copy = hash_and_copy(copies, bucket, verify, out)  # in band, before the receivers read it
-            t = time.perf_counter()
-            while len(published) >= group.spec.ipc_window:
-                done, kept, done_copy = published.popleft()
-                _wait_acks(group, done, deadline)
-                _retire(group, done, kept, done_copy, deadline)
-            if verify == "off" and group.device.type == "cuda":
-                # (any other mode read the digests back, which waited for the pack) a receiver that
-                # opened this buffer at an earlier push waits on no event: the bytes must be complete
-                torch.cuda.current_stream(group.device).synchronize()
-            handle, kept = ipc_export(bucket, None if group._ring is None else group._ring.exports)
-            store.set(_key(group, f"b{k}"), pickle.dumps({"kind": BUCKET, "handle": handle, "nbytes": bucket.nbytes,
-                                                          "table": encode_table(bucket, digests)}))
-            published.append((k, kept, copy))
-            out.seconds["broadcast"] += time.perf_counter() - t
-            del bucket
-            k += 1
-        store.set(_key(group, f"b{k}"), pickle.dumps({"kind": END}))
-        group._leftover.append(_key(group, f"b{k}"))
-        t = time.perf_counter()
-        while published:
-            done, kept, done_copy = published.popleft()
-            _wait_acks(group, done, deadline)
-            _retire(group, done, kept, done_copy, deadline)
-        out.seconds["broadcast"] += time.perf_counter() - t
-        copies.finish()
-    except BaseException as err:
-        # (before any handle the receivers may hold is freed)
-        _abort_send(group, copies, f"b{k}", [_key(group, f"{w}{j}") for j in range(k + 1) for w in "ba"])
-        for _, kept, _ in published:
-            _ipc_free(kept)
-        _raise_send_failure(group, err, export)
-    return out
+        alloc = group._ring.take_in_order
+    return _send_whole(group, named_tensors, bucket_mb, verify=verify, deadline=deadline, keep=keep, plan=plan,
+                       sender=sender, alloc=alloc, out=out)
 
 
 def _abort_send(group: CollectiveGroup, copies: Any, at: str, leftover: list[str], keep_published: bool = False) -> None:
@@ -340,16 +258,15 @@ def _raise_send_failure(group: CollectiveGroup, err: BaseException, export: Expo
 def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *, verify: str,
                 deadline: float, keep: Callable[[Bucket], Any] | None, plan: Any, sender: int,
                 alloc: Callable[[int], torch.Tensor] | None, out: SendResult) -> SendResult:
-    """ipc_window 0: pack every bucket (into the ring, kept until the next push: the receivers
-    stage views of it), wait for the device once, publish one record with every bucket, then
-    enqueue the checksums and host copies (beside the receivers' staging) and wait for every
-    receiver to have staged all of it, then for the digests. `full` verification hashes the host
-    copies, so there they start first."""
+    """Pack every bucket (into the ring, kept until the next push: the receivers stage views of it),
+    wait for the device once, publish one record with every bucket, then enqueue the checksums and
+    host copies (beside the receivers' staging) and wait for every receiver to have staged all of
+    it, then for the digests. `full` verification hashes the host copies, so there they start first."""
     store = group._store
     # The ring keeps every bucket (no limit on copies in flight); keeping starts once the receivers
     # staged. On a device the copies themselves start only when collected (after the commit: the
     # publisher collects once the version is live), except that `full` verification hashes them.
-    copies = out.host_copies = host_copies_for(group, keep, deadline, max_device=1 << 30, defer_keep=True,
+    copies = out.host_copies = host_copies_for(group, keep, deadline, defer_keep=True,
                                                defer_copy=verify != "full")
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender, alloc=alloc), out)
     packed: list[tuple[Bucket, Callable[[], dict[str, bytes]], Any]] = []
@@ -365,10 +282,10 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
             buckets.append(bucket)
         t = time.perf_counter()
         records = []
-        for bucket in buckets:  # no digests in the record: full staging compares one fingerprint at the commit
+        for bucket in buckets:  # no digests in the record: one fingerprint is compared at the commit
             handle, keep_it = ipc_export(bucket, None if group._ring is None else group._ring.exports)
             kept.append(keep_it)
-            records.append({"handle": handle, "nbytes": bucket.nbytes, "table": encode_table(bucket, {})})
+            records.append({"handle": handle, "nbytes": bucket.nbytes, "table": encode_table(bucket)})
         if group.device.type == "cuda":  # the bytes are complete before anyone reads them (the checksums need not be)
             torch.cuda.current_stream(group.device).synchronize()
         store.set(_key(group, "b0"), pickle.dumps({"kind": WHOLE, "buckets": records}))
@@ -399,57 +316,44 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
     return out
 
 
-def ipc_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
+def ipc_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[Bucket]:
+    """The receiver's side of one push: every bucket at once, staged as views of the sender's buffers (the same
+    record as the last push's: the buckets opened then); acknowledged once the consumer staged the last one."""
     if group.broken or group._store is None:
         raise CollectiveError(f"group {group.spec.group_id} is broken (an earlier step failed); form a new one")
     store = group._store
     group._pushes += 1
     k = 0
     try:
-        while True:
-            key = _key(group, f"b{k}")
-            store.wait([key], datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
-            raw = store.get(key)
-            cached = group._opened.get("whole")
-            if cached is not None and cached[0] == raw:  # the same buffers, tables and handles as the last push
-                for k, (bucket, digests) in enumerate(cached[1]):
-                    yield bucket, digests
-                store.add(_key(group, "a0"), 1)
-                return
+        key = _key(group, "b0")
+        store.wait([key], datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        raw = store.get(key)
+        cached = group._opened.get("whole")
+        if cached is not None and cached[0] == raw:  # the same buffers, tables and handles as the last push
+            opened = cached[1]
+        else:
             record = pickle.loads(raw)
-            if record["kind"] == END:
-                return
-            if record["kind"] == WHOLE:  # every bucket at once, staged as views of the sender's buffers
-                # All opened before the first is staged: a sender that aborts (another receiver
-                # failed) frees its buffers, and a mapping taken before that outlives it.
-                opened = []
-                try:
-                    for part in record["buckets"]:
-                        metas, rank, digests = decode_table(part["table"])
-                        opened.append((ipc_open(part["handle"], metas, int(part["nbytes"]), group.device, group._opened,
-                                                rank, copy=False), digests))
-                except Exception:
-                    if store.check([_key(group, "aborted")]):  # freed by the sender's abort, not broken
-                        raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push") from None
-                    raise
-                for k, staged in enumerate(opened):
-                    yield staged
-                store.add(_key(group, "a0"), 1)  # the consumer staged the last one
-                if group.device.type == "cuda":  # (views of buffers the sender keeps: valid while they are)
-                    group._opened["whole"] = (raw, opened)
-                return
             if record["kind"] == ABORT:  # the sender knows; this group stays usable for the next push
                 raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
-            metas, rank, digests = decode_table(record["table"])
+            if record["kind"] != WHOLE:
+                raise CollectiveError(f"group {group.spec.group_id}: unknown ipc record kind {record['kind']!r}")
+            # All opened before the first is staged: a sender that aborts (another receiver failed) frees its
+            # buffers, and a mapping taken before that outlives it.
+            opened = []
             try:
-                bucket = ipc_open(record["handle"], metas, int(record["nbytes"]), group.device, group._opened, rank)
+                for part in record["buckets"]:
+                    metas, rank = decode_table(part["table"])
+                    opened.append(ipc_open(part["handle"], metas, int(part["nbytes"]), group.device, group._opened,
+                                           rank, copy=False))
             except Exception:
                 if store.check([_key(group, "aborted")]):  # freed by the sender's abort, not broken
                     raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push") from None
                 raise
-            store.add(_key(group, f"a{k}"), 1)
-            yield bucket, digests
-            k += 1
+        for k, bucket in enumerate(opened):
+            yield bucket
+        store.add(_key(group, "a0"), 1)  # the consumer staged the last one
+        if group.device.type == "cuda":  # (views of buffers the sender keeps: valid while they are)
+            group._opened["whole"] = (raw, opened)
     except SenderAborted:
         raise
     except Exception as err:

@@ -162,17 +162,14 @@ class CollectiveLink:
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
-                 ipc_window: int | None = None, check: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+                 check: Callable[[], Awaitable[dict[str, Any]]] | None = None,
                  ranks_of: Callable[[], dict[int, tuple[int, ...]] | None] | None = None) -> None:
-        from asyncrl.weightsync.collective import IPC_WINDOW
-
         self.backend, self.learner = backend, learner
         self._members_call, self._join_call = members, join
         # sender -> the engine ranks whose workers its group holds (`WeightPublisher.sender_ranks`; None: all)
         self._ranks_of = ranks_of
         self.membership: dict[int, tuple[int, ...]] | None = None  # ... as the groups were formed
         self.bucket_mb, self.timeout_s = bucket_mb, timeout_s
-        self.ipc_window = IPC_WINDOW if ipc_window is None else ipc_window
         self.specs: list[Any] = []
         self.members: dict[str, int] = {}  # replica id -> engine workers, as the groups were formed
         self.formed = 0  # how many times groups were formed
@@ -257,8 +254,7 @@ class CollectiveLink:
         if self.specs and problem is None and held == set(self.group_ids) and membership == self.membership:
             return
         specs = form_specs(self.backend, [(a.host, a.port) for a in addresses], members, timeout_s=self.timeout_s,
-                           group_prefix=f"asyncrl-ws{os.getpid()}-{self.formed + 1}", ipc_window=self.ipc_window,
-                           ranks_of=membership)
+                           group_prefix=f"asyncrl-ws{os.getpid()}-{self.formed + 1}", ranks_of=membership)
         wire = [asdict(s) for s in specs]
         self.specs, self.members, self._stores = [], {}, {}
         # Every member rendezvouses at once: the replicas' workers and the sending ranks.

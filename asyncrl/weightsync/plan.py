@@ -358,9 +358,6 @@ class PushPlan:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
 
-    def max_bucket_bytes(self, sender: int | None = None) -> int:
-        return max((b.nbytes for b in self.buckets if sender is None or b.sender == sender), default=0)
-
 
 def build_plan(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout], bucket_mb: float) -> PushPlan:
     """Assign every engine parameter of every rank to its sender's buckets, in the order its first

@@ -2,12 +2,11 @@
 
 Owns: the order of a push, its atomicity, timeouts and retries, the registry of versions (`VersionRegistry`: each
 one's lifecycle IDLE -> STAGING -> COMMITTING -> LIVE | FAILED and timeline, who committed it), the host
-copy of the last live version (its bucket handles), per-push metrics. Order, by `weightsync.staging`: full:
-load_bucket (one a replica, beginning the update; staged and verified beside the live weights) -> pause ->
-commit_update(fingerprint) -> resume; bucketed: pause -> load (each bucket applied once verified) -> commit ->
-resume. Atomicity (the replicas' contract, sources.py): a failure before the commit is undone by `abort_update` (the
-version goes FAILED); a part-applied or ahead replica is restored from the host copy while paused, else reported out
-of service. Every call is bounded by `timeout_s`, a failed attempt retried, paused replicas always resumed.
+copy of the last live version (its bucket handles), per-push metrics. Order: load_bucket (one a replica, beginning
+the update; staged and verified beside the live weights) -> pause -> commit_update(fingerprint) -> resume.
+Atomicity (the replicas' contract, sources.py): a failure before the commit is undone by `abort_update` (the version
+goes FAILED); a part-applied or ahead replica is restored from the host copy while paused, else reported out of
+service. Every call is bounded by `timeout_s`, a failed attempt retried, paused replicas always resumed.
 Must never: pack or unpack tensors (bucket.py, plan.py), know the transport's medium, or let a version go live that
 some live replica did not commit. Details: docs/design/weightsync.md, "Push orchestration".
 """
@@ -252,7 +251,7 @@ class Publisher:
         tail_warnings = await self._settled(m)
         if isinstance(source, BucketSource):
             source.count(m)
-        m.layout, m.staging = source.layout, self._cfg.staging
+        m.layout = source.layout
         with preserve_rng_state():  # exporting and moving weights never shifts the learner's random stream
             return await self._publish_held(version, source, list(replicas), names, m, tail_warnings)
 
@@ -290,24 +289,15 @@ class Publisher:
         return PushResult(version, fingerprint, names, self._finish(m, version), tail_warnings + warnings)
 
     async def _attempt(self, version: int, source: "BucketSource | StreamedSource", replicas: list[ReplicaClient], m: PushMetrics) -> str:
-        bucketed = self._cfg.staging == "bucketed"
         # One engine replica behind all clients: its commit pauses, applies and resumes by itself.
-        own_pause = not bucketed and sum(r.fanout for r in replicas) == 1
+        own_pause = sum(r.fanout for r in replicas) == 1
         pause_sent = begin_sent = commit_sent = False
         paused = 0.0
         try:
-            if bucketed:
-                pause_sent, paused = True, time.perf_counter()
-                await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
-            begin = UpdateBegin(source.verify, self._cfg.staging, source.layout, source.plan_id)
+            begin = UpdateBegin(source.verify, source.layout, source.plan_id)
             begin_sent = True  # with the first load
             t = time.perf_counter()
-            try:
-                await source.stream(self._step, version, replicas, m, begin)
-            except StepFailed as f:
-                if bucketed:  # buckets may have been applied: restore everyone
-                    f.restore = [r.name for r in replicas]
-                raise
+            await source.stream(self._step, version, replicas, m, begin)
             m.stage_seconds += time.perf_counter() - t
             try:
                 fingerprint = source.fingerprint()
@@ -315,7 +305,7 @@ class Publisher:
                 raise StepFailed(Step.FINGERPRINT, {"publisher": exc}) from exc
             self.registry.set_payload(version, fingerprint=fingerprint, num_bytes=m.bytes, num_tensors=m.num_tensors)
             self.registry.transition(version, S.COMMITTING)
-            if not pause_sent and not own_pause:
+            if not own_pause:
                 pause_sent, paused = True, time.perf_counter()
                 await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
             t = time.perf_counter()
@@ -326,8 +316,8 @@ class Publisher:
                 self.registry.replica_committed(version, name)
             if bad:
                 # Committed peers are ahead of the failed ones, and a non-verify commit failure
-                # may be half applied (so may any bucketed one): all of them go back to the last live version.
-                restore = ok + [n for n, e in bad.items() if bucketed or not is_verify_failure(e)]
+                # may be half applied: all of them go back to the last live version.
+                restore = ok + [n for n, e in bad.items() if not is_verify_failure(e)]
                 raise StepFailed(Step.COMMIT, bad, retryable=not any(map(is_replica_dead, bad.values())), restore=restore)
             self.registry.go_live(version, [r.name for r in replicas])
             return fingerprint

@@ -76,12 +76,9 @@ class WeightPublisher:
         )
         self.transport = transport
         if transport.streamed:
-            from asyncrl.weightsync.collective import ipc_window_for
-
             control = self.replicas.control
             self.link = CollectiveLink(
                 transport.backend, self.learner, bucket_mb=self.cfg.bucket_mb, timeout_s=self.cfg.timeout_s,
-                ipc_window=ipc_window_for(self.cfg.staging),
                 # through the replicas' client: the fan-out a push reads is then the one just counted
                 members=lambda: self.replicas.call(EngineAPI.join_collective),
                 # beside each push (its fan-out count untouched): are the groups' members still the replicas?

@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.interfaces import EngineAPI, verb_name
 from asyncrl.types import CommitReport, HostCopies, LoadReport, Refusal, UpdateAck, UpdateBegin, WeightExport, refusal_of
-from asyncrl.weightsync.bucket import WithDigests, digest_key_prefix
+from asyncrl.weightsync.bucket import digest_key_prefix
 from asyncrl.weightsync.fingerprint import VerifyMode, bucket_digests, check_verify_mode, combine_digests
 from asyncrl.weightsync.transport import Transport
 
@@ -151,7 +151,6 @@ class PushMetrics:
     on_live_seconds: float = 0.0
     paused_seconds: float = 0.0
     layout: str = "hf"
-    staging: str = "full"
     paths: set[str] = field(default_factory=set)  # apply paths the replicas reported ("direct", "reload")
     own_paused: float = 0.0  # the longest pause a replica's commit took itself
     failed_commit: bool = False
@@ -177,7 +176,6 @@ class PushMetrics:
                     p + "stage_gbps": _rate(self.bytes, self.stage_seconds),
                     p + "verify_gbps": _rate(self.bytes, self.fingerprint_seconds),
                     p + "layout_engine": float(self.layout == "engine"),
-                    p + "staging_bucketed": float(self.staging == "bucketed"),
                     p + "aggregate_gbps": _rate(self.bytes * self.num_replicas, self.stage_seconds)})
         t = f"{p}transport/{self.transport}/"
         out[t + "bytes"] = self.bytes
@@ -269,11 +267,8 @@ class BucketSource:
 
     async def stream(self, step: Callable[..., Awaitable[None]], version: int, replicas: list[ReplicaClient],
                      m: PushMetrics, begin: UpdateBegin) -> None:
-        """One attempt: every replica's one load (beginning the update) takes every bucket, in order, with the
-        sender's digests of each where each is applied once verified (bucketed staging)."""
-        payload: Any = [self._transport.payload(h) for h in self.handles]
-        if begin.staging == "bucketed":
-            payload = WithDigests(payload, self.digests)
+        """One attempt: every replica's one load (beginning the update) takes every bucket, in order."""
+        payload = [self._transport.payload(h) for h in self.handles]
         await step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version, begin), m)
 
     def count(self, m: PushMetrics) -> None:

@@ -1,12 +1,11 @@
 """One push on a gloo / NCCL group (collective.py's `CollectiveGroup`): the wire protocol and both ends' loops.
 
-Owns: the wire protocol of one push (per bucket: a 3 x int64 header, the tensor table as JSON with the sender's
-digests, the buffer; then an end or abort header; whole version: one header and table, every bucket and the end
-header, one enqueue for a receiver), `broadcast_send_stream` (pack, hash, broadcast, start the host copy off the
-critical path), `broadcast_receive_stream` (allocate on this member's device, receive, hand each bucket on), what a
-receiver keeps from one push of the same table to the next (`WholeTable`, and on a GPU its buffers), and the
-helpers ipc.py shares. With `ipc_window` 0 (full staging) the sender enqueues the whole version back to back,
-hashing beside the wire, and waits once; a sender whose device cannot hold it packs through a `SenderRing`.
+Owns: the wire protocol of one push (a 3 x int64 header and every bucket's tensor table as JSON, every bucket back
+to back, then an end or abort header: one enqueue for a receiver), `broadcast_send_stream` (pack, broadcast, hash
+beside the wire, start the host copies off the critical path; one wait), `broadcast_receive_stream` (allocate on
+this member's device, receive, hand each bucket on as it is complete), what a receiver keeps from one push of the
+same table to the next (`WholeTable`, and on a GPU its buffers), and the helpers ipc.py shares. A sender whose
+device cannot hold the whole packed version packs through a `SenderRing`.
 Must never: wait without a deadline, hand on a bucket before its bytes are here, or leave the receivers waiting on
 a sender that failed (an export error sends the abort header first).
 Details: docs/design/weightsync.md, "Collective push loops".
@@ -24,21 +23,21 @@ from typing import Any
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, iter_buckets, rank_key_prefix, whole_arena
-from asyncrl.weightsync.collective import ABORT, BUCKET, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup, SenderAborted
+from asyncrl.weightsync.collective import ABORT, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup, SenderAborted
 from asyncrl.weightsync.fingerprint import PendingDigests, meta_entries
 from asyncrl.weightsync.transport import HostCopies, PinnedPool
 
 
-def encode_table(bucket: Bucket, digests: dict[str, bytes]) -> bytes:
-    """A bucket's tensor table, engine rank and the sender's digests (in band), as JSON bytes."""
+def encode_table(bucket: Bucket) -> bytes:
+    """A bucket's tensor table and engine rank, as JSON bytes (no digests: the receivers' are compared with the
+    sender's as one fingerprint at the commit)."""
     return json.dumps({"m": [[m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in bucket.metas],
-                       "r": bucket.rank, "d": {k: v.hex() for k, v in digests.items()}}).encode()
+                       "r": bucket.rank}).encode()
 
 
-def decode_table(raw: bytes) -> tuple[list[TensorMeta], int | None, dict[str, bytes]]:
+def decode_table(raw: bytes) -> tuple[list[TensorMeta], int | None]:
     table = json.loads(raw.decode())
-    metas = [TensorMeta(n, d, tuple(s), int(o), int(b)) for n, d, s, o, b in table["m"]]
-    return metas, table["r"], {k: bytes.fromhex(v) for k, v in table["d"].items()}
+    return [TensorMeta(n, d, tuple(s), int(o), int(b)) for n, d, s, o, b in table["m"]], table["r"]
 
 
 def _header(group: CollectiveGroup, kind: int, a: int = 0, b: int = 0) -> torch.Tensor:
@@ -81,8 +80,8 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
                           verify: str, timeout_s: float, keep: Callable[[Bucket], Any] | None = None,
                           plan: Any = None, sender: int = 0, arena: str = "auto", gate: str = "") -> SendResult:
     """The sender's loop for one push: bucket the stream on the tensors' device (the engines' layout with a `plan`),
-    hash each bucket (digests in band, before its bytes), send it, start its host copy (`keep` gets each finished
-    one, off the critical path). A failed stream tells the receivers (abort header) before the error propagates.
+    send every bucket, hash them beside the wire, start their host copies (`keep` gets each finished one, off the
+    critical path). A failed stream tells the receivers (abort header) before the error propagates.
     `arena` (a whole planned version): "whole" packs it into one allocation, "ring" through a `SenderRing` of
     reused slots, "auto" the whole one unless the device cannot hold it (then the ring, for this group's later
     pushes too). `gate`: the push's gate token (collective.py): nothing goes on the wire until every member is
@@ -91,8 +90,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
         raise ValueError(f"arena must be auto, whole or ring, not {arena!r}")
     deadline = time.monotonic() + timeout_s
     out = SendResult()
-    whole = group.spec.ipc_window == 0  # every bucket kept until the broadcasts end: no limit on copies in flight
-    planned = plan.for_sender(sender) if whole and plan is not None else None
+    planned = plan.for_sender(sender) if plan is not None else None
     # whole with a plan: the version packed into one arena (hashed in one pass), or a ring of slots
     buffers, ring = None, None
     if planned is not None:
@@ -115,8 +113,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     # whole: the device-to-host copies start once the sender has its digests (`_send_whole`). Started beside
     # the broadcasts, they hold the digests' small reads back behind gigabytes of copies. A ring copies each
     # bucket as it is sent: its slot is reused once the copy is done.
-    copies = out.host_copies = host_copies_for(group, keep, deadline, **(
-        {"max_device": 1 << 30, "defer_copy": verify != "full" and ring is None} if whole else {}))
+    copies = out.host_copies = host_copies_for(group, keep, deadline, defer_copy=verify != "full" and ring is None)
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender,
                                 planned_buffer=buffers), out)
     try:
@@ -129,7 +126,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
         if planned is not None:  # the table is the plan's: sent first, each bucket on the wire as it is packed
             _send_whole_planned(group, export, copies, verify, deadline, out, planned, ring, announce)
         else:
-            (_send_whole if whole else _send_each)(group, export, copies, verify, deadline, out)
+            _send_whole(group, export, copies, verify, deadline, out)
     except BaseException as err:
         copies.close()
         if export.failed and not group.broken:  # tell the receivers, so they fail now rather than at their deadline
@@ -143,36 +140,16 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
             # group stays usable (LearnerGroup.export_weights).
             export.drain()
         raise
-    if not whole:  # (a whole version's end went out with its buckets, and its stale gate keys went
-        group.broadcast(_header(group, END), deadline)  # while its wire ran: _finish_whole)
-        group.drop_stale_gate_keys()
-    copies.finish()
+    copies.finish()  # (the end went out with the buckets, the stale gate keys while the wire ran: _finish_whole)
     return out
-
-
-def _send_each(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
-               out: SendResult) -> None:
-    """Bucket by bucket: hash it, send its header and table, then its bytes."""
-    for bucket in export:
-        digests, _ = hash_and_copy(copies, bucket, verify, out)
-        t = time.perf_counter()
-        table = encode_table(bucket, digests)
-        group.broadcast(_header(group, BUCKET, len(table), bucket.nbytes), deadline)
-        group.broadcast(_bytes_tensor(group, table), deadline)
-        if bucket.nbytes:
-            group.broadcast(bucket.buffer, deadline)
-        out.seconds["broadcast"] += time.perf_counter() - t
-        del bucket
 
 
 def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
                 out: SendResult) -> None:
-    """ipc_window 0 on gloo / NCCL: pack every bucket, send one table of every bucket, enqueue
-    the buckets' broadcasts back to back, then the checksums and host copies (on the device they
-    run beside the wire, not before it), wait once for the broadcasts and once for the digests.
-    The table carries no digests: with full staging the receivers' digests are compared with the
-    sender's as one fingerprint at the commit (push.py), not per bucket. `full` verification
-    hashes the host copies, so there they start first."""
+    """Pack every bucket, send one table of every bucket, enqueue the buckets' broadcasts back to
+    back, then the checksums and host copies (on the device they run beside the wire, not before
+    it), wait once for the broadcasts and once for the digests. `full` verification hashes the
+    host copies, so there they start first."""
     early = verify == "full"
     packed: list[tuple[Bucket, Callable[[], dict[str, bytes]] | None]] = []
     for bucket in export:
@@ -196,7 +173,7 @@ def whole_table(group: CollectiveGroup, buckets: Any, plan: Any = None, sender: 
         return kept[2]
     if callable(buckets):
         buckets = buckets()
-    tables = [encode_table(Bucket(buffer=None, metas=metas, rank=rank), {}).decode()  # type: ignore[arg-type]
+    tables = [encode_table(Bucket(buffer=None, metas=metas, rank=rank)).decode()  # type: ignore[arg-type]
               for metas, rank, _ in buckets]
     raw = json.dumps({"b": [[t, n] for t, (*_, n) in zip(tables, buckets)]}).encode()
     out = [_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)), _bytes_tensor(group, raw)]
@@ -360,25 +337,15 @@ def _fill(group: CollectiveGroup, rest: list[Any], deadline: float) -> None:
 
 
 def host_copies_for(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None, deadline: float,
-                    max_device: int = 4, defer_keep: bool = False, defer_copy: bool = False) -> HostCopies:
+                    defer_keep: bool = False, defer_copy: bool = False) -> HostCopies:
     """This push's host copies; an earlier push's that nobody collected are dropped first (their
-    pinned buffers are this push's). `max_device`: sent device buckets whose copies may run at
-    once (the sender frees a bucket only after its copy); `defer_keep`, `defer_copy`: see HostCopies."""
+    pinned buffers are this push's). `defer_keep`, `defer_copy`: see HostCopies."""
     if group._copies is not None and not group._copies.close():
         group._pinned = None  # still read by a stuck keep: this push copies into fresh buffers
     if group.device.type == "cuda" and group._pinned is None:
         group._pinned = PinnedPool()
-    group._copies = HostCopies(keep, group._pinned, deadline=deadline, max_device=max_device, defer_keep=defer_keep,
-                               defer_copy=defer_copy)
+    group._copies = HostCopies(keep, group._pinned, deadline=deadline, defer_keep=defer_keep, defer_copy=defer_copy)
     return group._copies
-
-
-def hash_and_copy(copies: HostCopies, bucket: Bucket, verify: str, out: SendResult) -> tuple[dict[str, bytes], Any]:
-    """Start `bucket`'s host copy and hash it in `verify` mode (where it lies: `full` reads every
-    byte, from the host copy); returns its digests (they travel in band, before its bytes) and
-    the copy (done once its device buffer may be reused)."""
-    finish, copy = hash_and_copy_lazy(copies, bucket, verify, out)
-    return finish(), copy
 
 
 def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> _Recorded:
@@ -423,9 +390,10 @@ class _Recorded:
 
 def hash_and_copy_lazy(copies: HostCopies | None, bucket: Bucket, verify: str,
                        out: SendResult) -> tuple[_Recorded, Any]:
-    """`hash_and_copy` with the device reads only enqueued: the returned call waits for them and
-    records the digests in `out` (a sender that publishes a whole version waits once, at its end).
-    `copies` None: the caller starts the host copy itself (not with `full` verification)."""
+    """Start `bucket`'s host copy and hash it in `verify` mode (where it lies: `full` reads every byte, from
+    the host copy), the device reads only enqueued: the returned call waits for them and records the digests in
+    `out`; the copy is done once its device buffer may be reused. `copies` None: the caller starts the host copy
+    itself (not with `full` verification)."""
     from asyncrl.weightsync.bucket import digest_key_prefix
     from asyncrl.weightsync.fingerprint import bucket_digests, bucket_digests_lazy
 
@@ -481,32 +449,19 @@ class Export:
 
 # ---- the receiver's loop ----------------------------------------------------------------------------------------
 
-def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
-    """The receiver's loop for one push on one group: yields each bucket (its buffer on this member's device) with
-    the sender's digests of it ({} for a whole version's: its table has none) to the end header; SenderAborted at
-    an abort header."""
-    while True:
-        header = torch.empty(3, dtype=torch.int64, device=group.device)
-        group.broadcast(header, deadline)
-        kind, table_len, nbytes = (int(v) for v in header.tolist())
-        if kind == END:
-            return
-        if kind == ABORT:
-            raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
-        if kind == WHOLE and table_len > 0 and nbytes >= 0:
-            yield from _receive_whole(group, table_len, nbytes, deadline)
-            return
-        if kind != BUCKET or table_len <= 0 or nbytes < 0:
-            group.broken = True
-            group.close()
-            raise CollectiveError(f"group {group.spec.group_id}: malformed header {[kind, table_len, nbytes]}")
-        raw = torch.empty(table_len, dtype=torch.uint8, device=group.device)
-        group.broadcast(raw, deadline)
-        metas, rank, digests = decode_table(raw.cpu().numpy().tobytes())
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
-        if nbytes:
-            group.broadcast(buffer, deadline)
-        yield Bucket(buffer=buffer, metas=metas, rank=rank), digests
+def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[Bucket]:
+    """The receiver's loop for one push on one group: yields each bucket (its buffer on this member's device) to
+    the end header; SenderAborted at an abort header."""
+    header = torch.empty(3, dtype=torch.int64, device=group.device)
+    group.broadcast(header, deadline)
+    kind, table_len, nbytes = (int(v) for v in header.tolist())
+    if kind == ABORT:
+        raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
+    if kind != WHOLE or table_len <= 0 or nbytes < 0:
+        group.broken = True
+        group.close()
+        raise CollectiveError(f"group {group.spec.group_id}: malformed header {[kind, table_len, nbytes]}")
+    yield from _receive_whole(group, table_len, nbytes, deadline)
 
 
 @dataclass
@@ -523,7 +478,7 @@ class WholeTable:
         table = json.loads(raw.decode())
         buckets = []
         for text, n in table["b"]:
-            metas, rank, _ = decode_table(text.encode())
+            metas, rank = decode_table(text.encode())
             buckets.append((metas, rank, int(n)))
         sizes = [n for *_, n in buckets]
         if sum(sizes) != nbytes or any(n < 0 for n in sizes):
@@ -555,8 +510,7 @@ def _read_table(group: CollectiveGroup, table_len: int, nbytes: int, deadline: f
     return table
 
 
-def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int,
-                   deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
+def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int, deadline: float) -> Iterator[Bucket]:
     """A whole version: one table, then every bucket back to back into one allocation of `nbytes`, then the end
     header, all received as one enqueue. Each bucket is handed on once complete here (`Broadcasts.ready`), while
     later ones still arrive, so its consumer's checksums run beside the wire; SenderAborted at an abort header. On
@@ -585,7 +539,7 @@ def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int,
             if bucket.nbytes:
                 receiving.ready(k)
                 k += 1
-            yield bucket, {}
+            yield bucket
     except GeneratorExit:  # the consumer failed mid-version: the rest of the push is unread
         group.broken = True
         group.close()

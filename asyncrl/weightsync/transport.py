@@ -18,7 +18,6 @@ import queue
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -253,7 +252,6 @@ class _Copy:
     host: Bucket
     device: Bucket | None = None  # held until `event` completed: the copy still reads it
     event: Any = None  # torch.cuda.Event on the copy stream
-    slot: bool = False  # a host bucket: holds one of the unkept slots until kept
     pending: bool = False  # a deferred copy not started yet (HostCopies.start_copies)
     pinned: Any = None  # a deferred copy's pinned destination (`host` is its numpy view)
 
@@ -277,23 +275,18 @@ class _Copy:
 class HostCopies:
     """The host copies of one push from one sender; `add` each sent bucket, then `finish`.
 
-    `add` returns at once, unless `max_device` device buckets are still being copied (or, for
-    host buckets, that many are not kept yet); `host(copy)` waits for one copy (full verification
-    hashes it); `result` waits for all and returns what `keep` returned for each, in bucket order.
-    `seconds`: `wait` is the time `add` spent blocked (on the critical path), `copy` and `keep` the
-    thread's time waiting for copies and keeping them. `keep` runs behind the copies: only pinned
-    host memory waits for it."""
+    `add` returns at once (every bucket of a push is kept until the push ends, so nothing bounds
+    the copies in flight); `host(copy)` waits for one copy (full verification hashes it); `result`
+    waits for all and returns what `keep` returned for each, in bucket order. `seconds`: `wait` is
+    the time `add` spent (on the critical path), `copy` and `keep` the thread's time waiting for
+    copies and keeping them. `keep` runs behind the copies: only pinned host memory waits for it."""
 
     def __init__(self, keep: Callable[[Bucket], Any] | None, pool: PinnedPool | None, *, deadline: float,
-                 max_device: int = 4, keep_threads: int = KEEP_THREADS, defer_keep: bool = False,
-                 defer_copy: bool = False) -> None:
+                 keep_threads: int = KEEP_THREADS, defer_keep: bool = False, defer_copy: bool = False) -> None:
         self._keep = keep if keep is not None else (lambda bucket: bucket)
         self._keepers = ThreadPoolExecutor(keep_threads, thread_name_prefix="asyncrl-host-keep")
         self._kept_futures: list[Future] = []
         self._pool, self._deadline = pool, deadline
-        self._max_device = max_device
-        self._on_device: deque[_Copy] = deque()  # device buckets whose copies may still run (sender's thread)
-        self._host_slots = threading.Semaphore(max_device)
         self._queue: queue.Queue[_Copy | None] = queue.Queue()
         self._kept: list[Any] = []
         self._error: BaseException | None = None
@@ -326,10 +319,6 @@ class HostCopies:
         t = time.perf_counter()
         buf = bucket.buffer
         if isinstance(buf, torch.Tensor) and buf.is_cuda:
-            self._retire()
-            while len(self._on_device) >= self._max_device:  # bounded by the copies, not by `keep`
-                self._on_device[0].wait(self._deadline)
-                self._retire()
             if self._copy_gate.is_set():
                 copy = self._start_device_copy(bucket)
             else:
@@ -337,14 +326,9 @@ class HostCopies:
                 copy = _Copy(Bucket(buffer=pinned.numpy(), metas=list(bucket.metas), rank=bucket.rank),
                              device=bucket, pending=True, pinned=pinned)
                 self._deferred.append(copy)
-            self._on_device.append(copy)
-        else:  # already host memory (a fresh buffer per bucket), kept as it is; bounded by `keep`
-            while not self._host_slots.acquire(timeout=0.05):
-                self._check()
-                if time.monotonic() > self._deadline:
-                    raise HostCopyError(f"host copies fell behind: {self._max_device} buckets still unkept at the deadline")
-            copy = _Copy(Bucket(buffer=buf.numpy() if isinstance(buf, torch.Tensor) else buf, metas=list(bucket.metas), rank=bucket.rank),
-                         slot=True)
+        else:  # already host memory (a fresh buffer per bucket), kept as it is
+            copy = _Copy(Bucket(buffer=buf.numpy() if isinstance(buf, torch.Tensor) else buf, metas=list(bucket.metas),
+                                rank=bucket.rank))
         self.seconds["wait"] += time.perf_counter() - t
         self._count += 1
         self._queue.put(copy)
@@ -355,11 +339,6 @@ class HostCopies:
             with self._lock:
                 if self._thread.ident is None:
                     self._thread.start()
-
-    def _retire(self) -> None:
-        """Drop the device buckets whose copies completed (the oldest first)."""
-        while self._on_device and self._on_device[0].done():
-            self._on_device.popleft().device = None
 
     def _pinned(self, bucket: Bucket) -> torch.Tensor:
         nbytes = int(bucket.buffer.numel())
@@ -453,13 +432,11 @@ class HostCopies:
                     host = copy.wait(self._deadline)
                     self.seconds["copy"] += time.perf_counter() - t  # `wait` dropped the device bucket
                     self._release.wait(max(0.0, self._deadline - time.monotonic()))
-                    self._kept_futures.append(self._keepers.submit(self._keep_one, host, copy.slot))
+                    self._kept_futures.append(self._keepers.submit(self._keep_one, host))
                     continue
             except BaseException as err:  # noqa: BLE001 - reported by `result` / the next `add`
                 self._error = err
             copy.device = None
-            if copy.slot:
-                self._host_slots.release()
         for future in self._kept_futures:  # in bucket order
             try:
                 self._kept.append(future.result())
@@ -468,7 +445,7 @@ class HostCopies:
                     self._error = err
         self._keepers.shutdown(wait=False)
 
-    def _keep_one(self, host: Bucket, slot: bool) -> Any:
+    def _keep_one(self, host: Bucket) -> Any:
         t = time.perf_counter()
         try:
             if self._error is not None:  # an earlier bucket failed or the push was closed: keep nothing more
@@ -481,8 +458,6 @@ class HostCopies:
         finally:
             with self._lock:
                 self.seconds["keep"] += time.perf_counter() - t
-            if slot:
-                self._host_slots.release()
 
 
 def pack_into_transport(tensors: Iterable[tuple[str, Any]], bucket_mb: float, transport: str, verify: str,

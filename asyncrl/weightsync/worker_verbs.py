@@ -6,7 +6,7 @@ verbs (`WorkerVerbs`), apart from any engine. vLLM's workers mix the verbs in (g
 Owns: layout, plan, begin / stage / receive / apply / abort, collective groups, kept buffers. Each tensor's digest
 is computed as it is staged; the apply copies engine-layout buckets (plan.py) into the live parameters in one fused
 copy, keeping every address (where `check_layout` proved the loaders pure copies), or reloads Hugging Face tensors
-through the engine. `full` staging keeps every bucket until the commit; `bucketed` applies each once verified.
+through the engine. Every bucket is kept until the commit.
 Must never: import an engine (vLLM's worker never imports SGLang, nor the reverse), change what the engine serves
 before the commit or outside a pause, apply a tensor whose digest differs, or touch the version label.
 Details: docs/design/weightsync.md, "The worker's receiver".
@@ -31,14 +31,9 @@ from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, probe_layout, s
 if TYPE_CHECKING:
     from asyncrl.weightsync.collective import CollectiveGroup
 
-STAGING_MODES = ("full", "bucketed")
-
-
-def check_begin(verify: str, staging: str, layout: str) -> None:
-    """ValueError unless an update's verify mode, staging mode and layout are known ones."""
+def check_begin(verify: str, layout: str) -> None:
+    """ValueError unless an update's verify mode and layout are known ones."""
     check_verify_mode(verify)
-    if staging not in STAGING_MODES:
-        raise ValueError(f"staging mode {staging!r} is not one of {list(STAGING_MODES)}")
     if layout not in ("hf", "engine"):
         raise ValueError(f"layout {layout!r} is not 'hf' or 'engine'")
 
@@ -70,32 +65,25 @@ class EngineHooks(Protocol):
 class _Kept:
     """What a receiver derives from a bucket that its transport hands again at the next push (the same
     object: an ipc ring's record, a broadcast group's whole-version receive, `Bucket.reused`): its tensor
-    views, its fingerprint keys and, once copied into the live parameters, both lists of that copy."""
+    views and its fingerprint keys."""
 
     bucket: Bucket
     views: list[tuple[str, torch.Tensor]]
     keys: set[str]
-    copy: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
 
 @dataclass
 class _Staged:
     version: int
     verify: str
-    staging: str
     layout: str  # "engine" or "hf"
     digests: dict[str, bytes] = field(default_factory=dict)
     hf: dict[str, torch.Tensor] = field(default_factory=dict)
     engine: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     keep: list[Any] = field(default_factory=list)  # buffers the staged views point into
-    applied: int = 0  # bucketed: parameters already copied into the live weights
     pending: list[PendingDigests] = field(default_factory=list)  # lazy digests still on the device (`digests` waits once)
     batch: list[tuple[Bucket, str]] = field(default_factory=list)  # buckets hashed together at `digests`
     seen: dict[int, _Kept] = field(default_factory=dict)  # reused buckets (and batch), by id
-
-
-class VerificationError(ValueError):
-    """A staged bucket's digests differ from what the sender computed (nothing of it applied)."""
 
 
 class WorkerReceiver:
@@ -156,17 +144,16 @@ class WorkerReceiver:
 
     # ---- staging ---------------------------------------------------------------------------------
 
-    def begin(self, version: int, verify: str = "full", staging: str = "full", layout: str = "hf",
-              plan_id: str | None = None) -> None:
+    def begin(self, version: int, verify: str = "full", layout: str = "hf", plan_id: str | None = None) -> None:
         """Start staging `version`; engine-layout buckets are of push plan `plan_id` (its replica checked that this
         worker's layout is the plan's), applied by a copy into the live parameters."""
-        check_begin(verify, staging, layout)
+        check_begin(verify, layout)
         if layout == "engine" and not plan_id:
             raise ValueError("engine-layout buckets without the push plan they were packed for")
         if layout == "engine" and plan_id != self.plan_id:  # another plan's buckets: nothing kept from the last
             self._views, self._apply_lists = {}, None
             self.plan_id, self._live = plan_id, dict(self.hooks.model().named_parameters())
-        self._staged = _Staged(version, verify, staging, layout)
+        self._staged = _Staged(version, verify, layout)
 
     def _state(self, version: int) -> _Staged:
         staged = self._staged
@@ -174,15 +161,12 @@ class WorkerReceiver:
             raise RuntimeError(f"bucket for version {version} but staging {None if staged is None else staged.version}")
         return staged
 
-    def stage(self, version: int, bucket: Bucket, expected: dict[str, bytes] | None = None,
-              lazy: bool = False, batch: bool = False) -> dict[str, bytes]:
+    def stage(self, version: int, bucket: Bucket, lazy: bool = False, batch: bool = False) -> dict[str, bytes]:
         """Stage one bucket (views into `bucket.buffer`, which must stay valid until the commit);
-        returns its digests. Engine-layout buckets of other ranks are skipped. Bucketed staging
-        applies it at once, after checking it against `expected` (the sender's digests). `lazy`
-        (full staging): its digests are only enqueued on the device; `digests` waits for all of
-        them at once, and this returns {}. `batch` (with `lazy`; buckets that arrive together, as
-        views of one mapping on ipc): not even enqueued until `digests`, which reads them all in
-        one pass."""
+        returns its digests. Engine-layout buckets of other ranks are skipped. `lazy`: its digests
+        are only enqueued on the device; `digests` waits for all of them at once, and this returns
+        {}. `batch` (with `lazy`; buckets that arrive together, as views of one mapping on ipc):
+        not even enqueued until `digests`, which reads them all in one pass."""
         staged = self._state(version)
         if (bucket.rank is None) != (staged.layout == "hf"):
             raise ValueError(f"a {'HF' if bucket.rank is None else 'engine'}-layout bucket in a {staged.layout}-layout update")
@@ -201,7 +185,7 @@ class WorkerReceiver:
             if kept is not None:
                 staged.seen.pop(id(bucket), None)
             raise ValueError(f"tensor {dup[0] if dup else '?'!r} staged twice for version {version}")
-        if lazy and staged.staging == "full":
+        if lazy:
             if batch:
                 staged.batch.append((bucket, prefix))
             else:
@@ -210,13 +194,6 @@ class WorkerReceiver:
             digests: dict[str, bytes] = {}
         else:
             digests = bucket_digests(bucket, staged.verify, prefix)  # type: ignore[arg-type]
-            if staged.staging == "bucketed":
-                if expected is None:
-                    raise ValueError("bucketed staging needs the sender's digests with every bucket")
-                wrong = sorted(k for k, d in digests.items() if expected.get(k) != d)
-                if wrong or set(expected) != set(digests):
-                    raise VerificationError(f"fingerprint mismatch for version {version}: bucket tensors {wrong[:3]} "
-                                            "differ from the sender's digests; nothing of this bucket applied")
             staged.digests.update(digests)
         views = kept.views if kept is not None else unpack_bucket(bucket)
         if staged.layout == "hf":
@@ -224,11 +201,6 @@ class WorkerReceiver:
         else:
             staged.engine.extend(views)
         staged.keep.append(bucket.buffer)
-        if staged.staging == "bucketed" and staged.layout == "engine":
-            self._copy_into_live(views, kept=kept)
-            staged.applied += len(views)
-            staged.engine.clear()
-            staged.keep.clear()
         return digests
 
     def digests(self, version: int) -> dict[str, bytes]:
@@ -245,20 +217,14 @@ class WorkerReceiver:
 
     # ---- apply -----------------------------------------------------------------------------------
 
-    def _copy_into_live(self, views: Iterable[tuple[str, torch.Tensor]], key: tuple[int, ...] | None = None,
-                        kept: _Kept | None = None) -> None:
+    def _copy_into_live(self, views: Iterable[tuple[str, torch.Tensor]], key: tuple[int, ...] | None = None) -> None:
         """Copy staged `views` into the live parameters, one fused copy. `key` (the staged
-        buckets, when every one is the last push's): the checked lists are kept under it;
-        `kept` (the views are this reused bucket's): they are kept with it."""
+        buckets, when every one is the last push's): the checked lists are kept under it."""
         live = self._live
         if live is None:
             raise RuntimeError("no push plan: engine-layout tensors cannot be applied")
-        if kept is not None and kept.copy is not None:
-            with torch.no_grad():
-                torch._foreach_copy_(*kept.copy)
-            return
         lists = self._apply_lists
-        if kept is None and key is not None and lists is not None and lists[0] == key:
+        if key is not None and lists is not None and lists[0] == key:
             with torch.no_grad():
                 torch._foreach_copy_(lists[1], lists[2])
             return
@@ -277,9 +243,6 @@ class WorkerReceiver:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)
         # kept as the parameters themselves (a later `param.data = ...` is followed), never a temporary copy
-        if kept is not None:
-            kept.copy = ([live[name] for name, _ in views], src) if same_device and dst else None
-            return
         self._apply_lists = (key, [live[name] for name, _ in views], src) \
             if key is not None and same_device and dst else None
 
@@ -292,11 +255,9 @@ class WorkerReceiver:
             if staged.pending or staged.batch:
                 raise RuntimeError(f"apply of version {version} before its staged digests were read (and checked)")
             if staged.layout == "engine":
-                if staged.staging == "full":
-                    # (ids of buckets alive until this push ends: equal keys are the same buckets)
-                    whole = staged.seen and sum(len(k.views) for k in staged.seen.values()) == len(staged.engine)
-                    key = tuple(staged.seen) if whole else None
-                    self._copy_into_live(staged.engine, key)
+                # (ids of buckets alive until this push ends: equal keys are the same buckets)
+                whole = staged.seen and sum(len(k.views) for k in staged.seen.values()) == len(staged.engine)
+                self._copy_into_live(staged.engine, tuple(staged.seen) if whole else None)
                 if self.hooks.device.type == "cuda":
                     torch.cuda.synchronize(self.hooks.device)
                 path = "direct"
@@ -333,10 +294,9 @@ def copy_to(bucket: Bucket, device: torch.device) -> Bucket:
     return Bucket(buffer=own, metas=list(bucket.metas), rank=bucket.rank)
 
 
-def receive_stream(group: "CollectiveGroup", deadline: float) -> Iterator[tuple[Bucket, dict[str, bytes]]]:
-    """Receive one version over `group`, by its backend's loop: yields each bucket with the sender's
-    digests of it (where they come in band), until the sender's end; raises `SenderAborted` when the
-    sender aborted."""
+def receive_stream(group: "CollectiveGroup", deadline: float) -> Iterator[Bucket]:
+    """Receive one version over `group`, by its backend's loop: yields each bucket until the sender's end;
+    raises `SenderAborted` when the sender aborted."""
     if group.spec.backend == "ipc":
         from asyncrl.weightsync.ipc import ipc_receive_stream
 
@@ -389,19 +349,18 @@ class WorkerVerbs:
         return msgspec.structs.replace(rx.checked, layout=_dump(rx.layout_for(pickle.loads(manifest))))
 
     # ---- one update -----------------------------------------------------------------------------
-    def asyncrl_receive(self, version: int, wire: tuple | None, expected: dict[str, bytes] | None = None,
-                        groups: list[str] | None = None, timeout_s: float = 0.0, gate: str = "",
-                        begin: list[Any] | None = None) -> ReceiveReport:
-        """Stage for `version` one bucket from a shared file (`wire`, `expected` its sender's digests) or every
+    def asyncrl_receive(self, version: int, wire: tuple | None, groups: list[str] | None = None,
+                        timeout_s: float = 0.0, gate: str = "", begin: list[Any] | None = None) -> ReceiveReport:
+        """Stage for `version` one bucket from a shared file (`wire`) or every
         bucket from the collective `groups` in order, straight into this worker's memory, within `timeout_s`;
         `gate`: the broadcast push's gate token, passed on every group or closed if this worker cannot take the
-        push. `begin` (verify, staging, layout, plan id) on the update's first receive starts it. Returns the digests
+        push. `begin` (verify, layout, plan id) on the update's first receive starts it. Returns the digests
         staged. (Plain arguments: vLLM's RPC carries them as msgpack, where a dataclass arrives as a map.)"""
         rx = self._asyncrl_rx()
         if groups is None:
             if begin is not None:
                 rx.begin(version, *begin)
-            return ReceiveReport(digests=rx.stage(version, self._asyncrl_open(wire), expected))
+            return ReceiveReport(digests=rx.stage(version, self._asyncrl_open(wire)))
         from asyncrl.weightsync.collective import CollectiveError
 
         held = self.__dict__.get("_asyncrl_groups", {})
@@ -426,8 +385,8 @@ class WorkerVerbs:
             if gated:
                 group.await_gate(gate, deadline)
             ipc = group.spec.backend == "ipc"  # buckets that arrive at once, mapped: hashed in one pass at the end
-            for bucket, expected in receive_stream(group, deadline):
-                rx.stage(version, bucket, expected, lazy=True, batch=ipc)  # full staging: one wait for every digest, below
+            for bucket in receive_stream(group, deadline):
+                rx.stage(version, bucket, lazy=True, batch=ipc)  # one wait for every digest, below
         return ReceiveReport(digests=rx.digests(version))
 
     def _asyncrl_open(self, wire: tuple) -> Bucket:

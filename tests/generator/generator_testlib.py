@@ -96,7 +96,7 @@ def form_push_plan(control, tensors: dict[str, torch.Tensor], bucket_mb: float =
 
 
 def push_weights(control, version: int, tensors: dict[str, torch.Tensor], *, plan=None, bucket_mb: float = 64.0,
-                 verify: str = "full", staging: str = "full"):
+                 verify: str = "full"):
     """Push `tensors` as `version` to every engine replica behind `control` through weightsync's
     publisher (engine layout with `plan`, else HF tensors); returns the PushResult."""
     import asyncio
@@ -106,7 +106,7 @@ def push_weights(control, version: int, tensors: dict[str, torch.Tensor], *, pla
     from asyncrl.weightsync.service import DeploymentReplicas
     from tests.weightsync.fakes import LocalTransport, source_of
 
-    cfg = WeightsyncConfig(bucket_mb=bucket_mb, verify=verify, staging=staging, timeout_s=120.0)
+    cfg = WeightsyncConfig(bucket_mb=bucket_mb, verify=verify, timeout_s=120.0)
     pub = Publisher(cfg, transport=LocalTransport(), registry=VersionRegistry(version - 1))
     return asyncio.run(pub.publish(version, source_of(pub, tensors, plan), [DeploymentReplicas(control, cfg.timeout_s)]))
 

@@ -44,11 +44,11 @@ def test_replicas_of_the_first_poll_are_not_joins_and_a_replica_counts_once(benc
 def test_the_gpu_stage_configs_load_with_the_stage_overrides(bench, name, demo_model_path):
     from asyncrl.config import load_config
 
-    sets = [f"model.path={demo_model_path}", "weightsync.staging=bucketed"]
+    sets = [f"model.path={demo_model_path}", "weightsync.verify=full"]
     if name == "rlhf-gpu2-long.yaml":  # what the balanced stage sets after its calibration
         sets += ["buffer.batch_size=384", "trainer.rollout_concurrency=48", "algorithm.max_new_tokens=512"]
     cfg = load_config(bench.apply_overrides(bench._args_from(REPO / "deploy" / name), sets), source=name)
-    assert cfg.weightsync.staging == "bucketed"
+    assert cfg.weightsync.verify == "full"  # (the configs say checksum)
     assert cfg.algorithm.ignore_eos  # fixed-length responses from a random model
     if name in ("rlhf-gpu4-scale.yaml", "rlhf-gpu8.yaml"):
         assert cfg.generator.autoscaling.max_replicas == 2 and cfg.generator.autoscaling.initial_replicas == 1

@@ -132,7 +132,7 @@ def test_weightsync_imports_neither_the_learner_nor_the_generator():
 
 # Issue 64's goal is weightsync and the engine-side weight code in <= 4,500 lines and <= 16 files; until it is met,
 # today's size is the ceiling: lower these as the code shrinks, never raise them.
-WEIGHTSYNC_MAX_LINES, WEIGHTSYNC_MAX_FILES = 6_678, 16
+WEIGHTSYNC_MAX_LINES, WEIGHTSYNC_MAX_FILES = 6_420, 16
 
 
 def test_the_weight_code_does_not_grow():
@@ -162,11 +162,12 @@ def test_the_weight_verbs_do_not_grow():
     assert len(verbs) <= WEIGHT_VERBS_MAX, sorted(verbs)
 
 
-def test_the_weightsync_config_holds_at_most_eight_fields():
-    """Issue 64: what a user sets about pushes fits in eight fields; tuning constants live beside their code."""
+def test_the_weightsync_config_holds_at_most_seven_fields():
+    """Issue 64: what a user sets about pushes fits in eight fields (seven since `staging` went); tuning constants
+    live beside their code."""
     from asyncrl.config import WeightsyncConfig
 
-    assert len(WeightsyncConfig.model_fields) <= 8, sorted(WeightsyncConfig.model_fields)
+    assert len(WeightsyncConfig.model_fields) <= 7, sorted(WeightsyncConfig.model_fields)
 
 
 def test_no_file_over_600_lines():

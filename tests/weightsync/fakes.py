@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck, UpdateBegin
-from asyncrl.weightsync.bucket import Bucket, SharedBucket, WithDigests, unpack_bucket
-from asyncrl.weightsync.fingerprint import bucket_digests, tensor_fingerprint
+from asyncrl.weightsync.bucket import Bucket, SharedBucket, unpack_bucket
+from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from asyncrl.weightsync.sources import BucketSource
 from asyncrl.weightsync.transport import Transport, is_object_ref
 
@@ -54,7 +54,6 @@ class FakeReplica:
     paused: bool = False
     attempt: int = 0  # counts the updates begun
     verify: str = "full"
-    staging: str = "full"
     staged: dict[str, torch.Tensor] | None = None
     loads: int = 0
 
@@ -74,7 +73,7 @@ class FakeReplica:
     async def _begin(self, version: int, begin: UpdateBegin) -> None:
         """An update's first load begins it (logged as a step of its own: the tests read the update's order)."""
         self.log.append((self.name, f"begin:{version}"))
-        self.verify, self.staging = begin.verify, begin.staging
+        self.verify = begin.verify
         self.attempt += 1
         if version <= self.version and not self.allow_reload:
             raise Fault(f"version {version} must be > current {self.version}")
@@ -89,21 +88,12 @@ class FakeReplica:
         self.loads += 1
         await self._maybe_fault("load")
         assert self.staged is not None, "load before begin"
-        payload, expected = (payload.payload, payload.digests) if isinstance(payload, WithDigests) else (payload, None)
         count = 0
-        for i, bucket in enumerate(payload if isinstance(payload, list) else [payload]):
+        for bucket in payload if isinstance(payload, list) else [payload]:
             if is_object_ref(bucket):
                 bucket = await bucket
             if isinstance(bucket, SharedBucket):  # the shm transport's payload: map the file
                 bucket = bucket.open()
-            if self.staging == "bucketed":  # like the engine: check the bucket, then apply it at once
-                assert self.paused, "bucketed staging while serving"
-                if expected is None or expected[i] != bucket_digests(bucket, self.verify):
-                    raise Fault(f"fingerprint mismatch in a bucket for version {version}")
-                for name, t in unpack_bucket(bucket):
-                    self.weights[name] = t.clone()
-                    if self.faults.get(("apply", self.attempt)) == "raise":
-                        raise Fault("copy into the parameters crashed")
             tensors = unpack_bucket(bucket)
             for name, t in tensors:
                 self.staged[name] = t.clone()
@@ -116,7 +106,7 @@ class FakeReplica:
         actual = tensor_fingerprint(staged or {}, self.verify)
         if actual != fingerprint:
             raise Fault(f"fingerprint mismatch for version {version}", Refusal.VERIFY_FAILED)
-        if self.staging == "full" and not self.paused:
+        if not self.paused:
             self.log.append((self.name, "own-pause"))
         if self.faults.get(("commit", self.attempt)) == "partial":
             first = sorted(staged)[0]

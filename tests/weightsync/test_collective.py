@@ -21,7 +21,6 @@ from asyncrl.types import GroupsReport, HostCopies, LoadReport, SenderAddress, W
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.bucket import FILE_PREFIX, digest_key_prefix, shared_dir, unpack_bucket
 from asyncrl.weightsync.collective import (
-    IPC_WINDOW,
     CollectiveError,
     CollectiveGroup,
     CollectiveReceive,
@@ -29,7 +28,6 @@ from asyncrl.weightsync.collective import (
     SenderAborted,
     form_specs,
     free_port,
-    ipc_window_for,
     join_as_sender,
     reserve_port,
 )
@@ -43,19 +41,12 @@ from .fakes import FakeReplica, LocalTransport, model, streamed
 BUCKET_MB = 8192 / (1 << 20)  # two 4 KiB tensors per bucket -> 3 buckets for 5 tensors
 
 
-# "ipc-whole": ipc with window 0 (full staging: the whole version published at once, staged as views)
-BACKENDS = pytest.mark.parametrize("backend", ["gloo", "gloo-whole", "ipc", "ipc-whole"])
-
-
-def _kind(backend: str) -> tuple[str, int]:
-    """"-whole": ipc_window 0, the whole version at once (weightsync.staging full)."""
-    return (backend.removesuffix("-whole"), 0) if backend.endswith("-whole") else (backend, IPC_WINDOW)
+BACKENDS = pytest.mark.parametrize("backend", ["gloo", "ipc"])
 
 
 def _spec(receivers=2, timeout_s=20.0, gid="g", backend="gloo") -> GroupSpec:
-    kind, window = _kind(backend)
-    (spec,) = form_specs(kind, [("127.0.0.1", free_port("127.0.0.1"))], {"rep": receivers},
-                         timeout_s=timeout_s, group_prefix=gid, ipc_window=window)
+    (spec,) = form_specs(backend, [("127.0.0.1", free_port("127.0.0.1"))], {"rep": receivers},
+                         timeout_s=timeout_s, group_prefix=gid)
     return spec
 
 
@@ -109,9 +100,6 @@ def test_a_shard_plans_groups_hold_only_the_engine_ranks_each_sender_feeds():
     from dataclasses import asdict
 
     assert GroupSpec(**asdict(specs[0])) == specs[0]  # as the workers get it
-    with pytest.raises(ValueError, match="ipc_window must be an int >= 0"):
-        GroupSpec("g", "ipc", "h", 1, 2, {"a": 1}, ipc_window=-1)
-    assert ipc_window_for("full") == 0 and ipc_window_for("bucketed") == IPC_WINDOW
 
 
 @BACKENDS
@@ -120,8 +108,7 @@ def test_the_senders_reserved_port_stays_taken_until_its_store_serves_the_group_
     port = sock.getsockname()[1]
     with socket.socket() as other, pytest.raises(OSError):  # no other process can take it meanwhile
         other.bind(("127.0.0.1", port))
-    kind, window = _kind(backend)
-    (spec,) = form_specs(kind, [("127.0.0.1", port)], {"rep": 1}, timeout_s=20.0, group_prefix="reserved", ipc_window=window)
+    (spec,) = form_specs(backend, [("127.0.0.1", port)], {"rep": 1}, timeout_s=20.0, group_prefix="reserved")
     with ThreadPoolExecutor(2) as pool:
         sender, receiver = pool.map(lambda r: join_as_sender(spec, sock) if r == 0 else CollectiveGroup.join(spec, r), (0, 1))
     assert sock.fileno() == -1  # the store owns the socket now
@@ -129,7 +116,7 @@ def test_the_senders_reserved_port_stays_taken_until_its_store_serves_the_group_
     got: dict[str, torch.Tensor] = {}
 
     def receive() -> None:
-        for bucket, _ in receive_stream(receiver, time.monotonic() + 20):
+        for bucket in receive_stream(receiver, time.monotonic() + 20):
             got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
 
     thread = threading.Thread(target=receive)
@@ -172,11 +159,7 @@ def test_every_receiver_gets_every_bucket_bit_exact_and_the_sender_keeps_host_co
     def receive(group: CollectiveGroup) -> None:
         out: dict[str, torch.Tensor] = {}
         own = mine.setdefault(group.rank, {})
-        for bucket, digests in receive_stream(group, time.monotonic() + 20):
-            if backend.endswith("-whole"):  # full staging: one fingerprint at the commit, nothing in band
-                assert digests == {}
-            else:
-                assert digests == bucket_digests(bucket, "full")  # the sender's, in band, before the bytes
+        for bucket in receive_stream(group, time.monotonic() + 20):
             own.update(bucket_digests(bucket, "full"))
             out.update({n: t.clone() for n, t in unpack_bucket(bucket)})
         got[group.rank] = out
@@ -197,20 +180,16 @@ def test_every_receiver_gets_every_bucket_bit_exact_and_the_sender_keeps_host_co
         g.close()
 
 
-@pytest.mark.parametrize("backend", ["gloo", "gloo-whole"])
-def test_a_whole_version_broadcast_receives_every_bucket_into_one_allocation(backend):
-    """ipc_window 0 on a broadcast backend: one table, then every bucket back to back into one
-    receive buffer (views of it, in order), without digests in band (the sender's go back to the
-    publisher only); bucket by bucket, each bucket is its own buffer with the sender's checksums
-    in band. Both deliver the same tensors."""
-    spec = _spec(receivers=1, backend=backend)
+def test_a_whole_version_broadcast_receives_every_bucket_into_one_allocation():
+    """A broadcast push: one table, then every bucket back to back into one receive buffer (views
+    of it, in order), without digests in band (the sender's go back to the publisher only)."""
+    spec = _spec(receivers=1)
     sender, receiver = _join_all(spec)
     weights = model(3)
     seen: dict[str, list] = {"storages": [], "tensors": {}, "buffers": []}
 
     def receive(group: CollectiveGroup) -> None:
-        for bucket, digests in receive_stream(group, time.monotonic() + 20):
-            assert digests == ({} if backend == "gloo-whole" else bucket_digests(bucket, "checksum"))
+        for bucket in receive_stream(group, time.monotonic() + 20):
             assert not bucket.reused  # (receive buffers are kept from push to push on GPUs only)
             seen["buffers"].append(bucket.buffer)  # held, so a freed bucket's memory cannot come back as the next one's
             seen["storages"].append(bucket.buffer.untyped_storage().data_ptr())
@@ -218,7 +197,7 @@ def test_a_whole_version_broadcast_receives_every_bucket_into_one_allocation(bac
 
     sent = _push_while_receiving(sender, [receiver], receive, weights, "checksum")
     assert sent.num_buckets >= 3 and len(seen["storages"]) == sent.num_buckets
-    assert len(set(seen["storages"])) == (1 if backend == "gloo-whole" else sent.num_buckets)
+    assert len(set(seen["storages"])) == 1
     assert all(torch.equal(seen["tensors"][k], weights[k]) for k in weights)
     assert combine_digests(sent.digests, "checksum") == tensor_fingerprint(weights, "checksum")
     assert receiver._kept is None
@@ -257,7 +236,7 @@ def test_a_planned_whole_push_puts_each_bucket_on_the_wire_as_soon_as_it_is_pack
     one_pass = stream.hash_whole_lazy
     monkeypatch.setattr(stream, "hash_whole_lazy",
                         lambda buckets, *a, **k: passes.append((len(buckets), time.monotonic())) or one_pass(buckets, *a, **k))
-    spec = _spec(receivers=1, backend="gloo-whole")
+    spec = _spec(receivers=1, backend="gloo")
     sender, receiver = _join_all(spec)
     weights = {f"t{i}": torch.full((2048,), float(i)) for i in range(6)}  # 3 planned buckets of 2 tensors
     plan = _identity_plan(weights, 2 * BUCKET_MB)
@@ -274,7 +253,7 @@ def test_a_planned_whole_push_puts_each_bucket_on_the_wire_as_soon_as_it_is_pack
             yield n, t
 
     def receive(group):
-        for bucket, _ in receive_stream(group, time.monotonic() + 20):
+        for bucket in receive_stream(group, time.monotonic() + 20):
             received.append(time.monotonic())
             got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
             theirs.update(bucket_digests(bucket, "checksum", digest_key_prefix(bucket)))
@@ -299,7 +278,7 @@ def _planned_push(sender, receiver, weights, plan, **send_kw):
     theirs: dict[str, bytes] = {}
 
     def receive(group):
-        for bucket, _ in receive_stream(group, time.monotonic() + 20):
+        for bucket in receive_stream(group, time.monotonic() + 20):
             got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
             theirs.update(bucket_digests(bucket, "checksum", digest_key_prefix(bucket)))
 
@@ -321,7 +300,7 @@ def test_a_whole_push_is_hashed_alike_on_both_ends_and_the_receiver_keeps_its_ta
     import asyncrl.weightsync.stream as stream
 
     monkeypatch.setattr(stream, "KEEP_RECEIVE_BUFFERS", {"cuda", "cpu"})
-    spec = _spec(receivers=1, backend="gloo-whole")
+    spec = _spec(receivers=1, backend="gloo")
     sender, receiver = _join_all(spec)
     g = torch.Generator().manual_seed(5)
     weights = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate([40000, 300, 70000, 5])}  # > 128 KiB: windows
@@ -338,7 +317,7 @@ def test_a_whole_push_is_hashed_alike_on_both_ends_and_the_receiver_keeps_its_ta
         def receive(group):
             got = {}
             handed.append([])
-            for bucket, _ in receive_stream(group, time.monotonic() + 20):
+            for bucket in receive_stream(group, time.monotonic() + 20):
                 assert bucket.reused
                 handed[-1].append(bucket)
                 got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
@@ -371,7 +350,7 @@ def test_a_sender_ring_sends_a_planned_version_through_reused_slots_bit_exact(mo
     import asyncrl.weightsync.bucket as arena
     import asyncrl.weightsync.stream as stream
 
-    spec = _spec(receivers=1, backend="gloo-whole")
+    spec = _spec(receivers=1, backend="gloo")
     sender, receiver = _join_all(spec)
     weights = {f"t{i}": torch.full((2048,), float(i)) for i in range(12)}  # 6 planned buckets of 2 tensors
     plan = _identity_plan(weights, 2 * BUCKET_MB)
@@ -514,7 +493,7 @@ def _assert_a_failing_export_aborts_the_receiver_at_once(sender, receiver, faili
 
 
 def test_a_planned_whole_push_whose_export_fails_midway_aborts_the_receivers_and_the_group_carries_the_next():
-    spec = _spec(receivers=1, timeout_s=60.0, backend="gloo-whole")
+    spec = _spec(receivers=1, timeout_s=60.0, backend="gloo")
     sender, receiver = _join_all(spec)
     weights = {f"t{i}": torch.full((2048,), float(i)) for i in range(6)}
     plan = _identity_plan(weights, 2 * BUCKET_MB)
@@ -529,7 +508,7 @@ def test_a_planned_whole_push_whose_export_fails_midway_aborts_the_receivers_and
     got: dict[str, torch.Tensor] = {}
 
     def receive_all():
-        for bucket, _ in receive_stream(receiver, time.monotonic() + 20):
+        for bucket in receive_stream(receiver, time.monotonic() + 20):
             got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
 
     th = threading.Thread(target=receive_all)
@@ -574,44 +553,11 @@ def _bucket_files() -> set[str]:
     return {f for f in os.listdir(d) if f.startswith(FILE_PREFIX)}
 
 
-def test_an_ipc_sender_keeps_at_most_its_window_published_and_frees_every_bucket():
-    """Extra memory stays about IPC_WINDOW buckets: the sender waits for acknowledgements before
-    publishing more, and nothing it published outlives the push."""
-    spec = _spec(receivers=1, backend="ipc")
-    sender, receiver = _join_all(spec)
-    before = _bucket_files()
-    weights = {f"t{i}": torch.full((1024,), float(i)) for i in range(8)}  # 4 KiB each -> 4 buckets of 8 KiB
-    seen: list[int] = []
-    got: dict[str, torch.Tensor] = {}
-
-    def receive():
-        for bucket, _ in receive_stream(receiver, time.monotonic() + 20):
-            time.sleep(0.2)  # a slow receiver: the sender must wait, not run ahead
-            seen.append(len(_bucket_files() - before))
-            got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
-
-    keys = []
-    for _ in range(2):  # two pushes on the same group
-        seen.clear()
-        th = threading.Thread(target=receive)
-        th.start()
-        sent = send_stream(sender, iter(weights.items()), BUCKET_MB, verify="full", timeout_s=20)
-        th.join(30)
-        assert len(sent.host_copies.result()) == 4 and len(seen) == 4
-        assert max(seen) <= IPC_WINDOW  # never more than the window alive at once
-        assert _bucket_files() - before == set()  # every published bucket freed
-        assert all(torch.equal(got[k], weights[k]) for k in weights)
-        keys.append(sender._store.num_keys())
-    assert keys[0] == keys[1] <= 4  # the store does not grow with pushes (buckets' keys are dropped)
-    for g in (sender, receiver):
-        g.close()
-
-
-def test_a_whole_version_ipc_push_publishes_every_bucket_at_once_and_frees_them_after_the_last_stage():
-    """Window 0 (full staging): one record with every bucket, one acknowledgement per receiver
+def test_an_ipc_push_publishes_every_bucket_at_once_and_frees_them_after_the_last_stage():
+    """One record with every bucket, one acknowledgement per receiver
     after it staged the last one; the receivers' buckets are views of what the sender published
     (CPU: file mappings, which outlive the unlink), and nothing published outlives the push."""
-    spec = _spec(receivers=2, backend="ipc-whole")
+    spec = _spec(receivers=2, backend="ipc")
     sender, *receivers = _join_all(spec)
     before = _bucket_files()
     weights = {f"t{i}": torch.full((1024,), float(i)) for i in range(8)}  # 4 buckets
@@ -621,8 +567,7 @@ def test_a_whole_version_ipc_push_publishes_every_bucket_at_once_and_frees_them_
     def receive(group):
         seen[group.rank], got[group.rank] = [], {}
         staged = []
-        for bucket, digests in receive_stream(group, time.monotonic() + 20):
-            assert digests == {}  # the sender's go back to the publisher: one fingerprint at the commit
+        for bucket in receive_stream(group, time.monotonic() + 20):
             seen[group.rank].append(len(_bucket_files() - before))
             staged.append(bucket)  # kept as a staging worker keeps them, read after the push
         got[group.rank] = {n: t.clone() for b in staged for n, t in unpack_bucket(b)}
@@ -652,11 +597,10 @@ def _drain(group, fail: bool) -> Exception | None:
     return None
 
 
-@pytest.mark.parametrize("backend", ["ipc", "ipc-whole"])
-def test_an_ipc_receiver_that_stops_mid_push_fails_the_sender_at_once(backend):
-    spec = _spec(receivers=2, timeout_s=60.0, backend=backend)
+def test_an_ipc_receiver_that_stops_mid_push_fails_the_sender_at_once():
+    spec = _spec(receivers=2, timeout_s=60.0, backend="ipc")
     sender, good, bad = _join_all(spec)
-    weights = {f"t{i}": torch.ones(1024) for i in range(16)}  # 8 buckets: the window stops the sender at the 4th
+    weights = {f"t{i}": torch.ones(1024) for i in range(16)}  # 8 buckets
 
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(_drain, good, False), pool.submit(_drain, bad, True)]
@@ -665,18 +609,18 @@ def test_an_ipc_receiver_that_stops_mid_push_fails_the_sender_at_once(backend):
             send_stream(sender, iter(weights.items()), BUCKET_MB, verify="off", timeout_s=60)
         assert time.monotonic() - t0 < 30  # told through the store, not left to its 60 s deadline
         good_error, bad_error = (f.result(30) for f in futures)
-    # window 2: the good receiver is told (abort); window 0: it staged the whole version if it
-    # opened it before the sender's abort freed it, else it is told (never a missing file)
+    # the good receiver staged the whole version if it opened it before the sender's abort freed it,
+    # else it is told (never a missing file)
     assert isinstance(bad_error, ValueError)
-    assert isinstance(good_error, SenderAborted if backend == "ipc" else (type(None), SenderAborted)), good_error
+    assert isinstance(good_error, (type(None), SenderAborted)), good_error
     assert sender.broken and bad.broken
 
 
 def test_a_whole_version_receiver_that_reads_after_the_senders_abort_is_told_not_left_with_a_missing_file():
-    """Window 0: the other receiver failed and the sender freed the published buffers before this
+    """The other receiver failed and the sender freed the published buffers before this
     one read the record (a race CI hit): it gets SenderAborted (its group stays usable), not an
     error from a bucket file that is gone."""
-    spec = _spec(receivers=2, timeout_s=60.0, backend="ipc-whole")
+    spec = _spec(receivers=2, timeout_s=60.0, backend="ipc")
     sender, late, bad = _join_all(spec)
     weights = {f"t{i}": torch.ones(1024) for i in range(16)}
 
@@ -719,7 +663,7 @@ class GlooReplica(FakeReplica):
 
         def receive() -> int:
             n = 0
-            for bucket, _ in receive_stream(self.group, deadline):
+            for bucket in receive_stream(self.group, deadline):
                 for name, t in unpack_bucket(bucket):
                     self.staged[name] = t.clone()
                     n += 1
@@ -957,7 +901,7 @@ def test_engine_workers_receive_from_two_sending_ranks_in_stage_order():
         senders = [f.result(60) for f in [pool.submit(CollectiveGroup.join, s, 0) for s in specs]]
         assert all(f.result(60) == ["pp-s0", "pp-s1"] for f in joined)
     with ThreadPoolExecutor(4) as pool:
-        received = [pool.submit(w.asyncrl_receive, 5, None, None, ["pp-s0", "pp-s1"], 30, "", ["full", "full", "hf"])
+        received = [pool.submit(w.asyncrl_receive, 5, None, ["pp-s0", "pp-s1"], 30, "", ["full", "hf"])
                     for w in workers]
         sent = [pool.submit(send_stream, g, iter(st.items()), BUCKET_MB, verify="full", timeout_s=30)
                 for g, st in zip(senders, stages)]
@@ -974,7 +918,7 @@ def test_engine_workers_receive_from_two_sending_ranks_in_stage_order():
         assert w.asyncrl_join_collective("rep") == []
     # A worker that holds no group for the push fails it by name.
     with pytest.raises(CollectiveError, match="no usable group 'pp-s0'"):
-        workers[0].asyncrl_receive(5, None, None, ["pp-s0"], 1)
+        workers[0].asyncrl_receive(5, None, ["pp-s0"], 1)
     for g in senders:
         g.close()
 
@@ -1147,7 +1091,7 @@ async def test_a_push_whose_loads_all_returned_stops_an_ipc_sender_waiting_for_a
     from asyncrl.weightsync.link import CollectiveLink
 
     monkeypatch.setattr(sources, "CANCEL_GRACE_S", 0.2)
-    spec = _spec(receivers=3, timeout_s=60.0, gid="gone", backend="ipc-whole")
+    spec = _spec(receivers=3, timeout_s=60.0, gid="gone", backend="ipc")
     sender, *members = _join_all(spec)
     log: list[tuple[str, str]] = []
     old, new = model(0), model(1)
@@ -1182,21 +1126,21 @@ def test_a_worker_whose_update_cannot_begin_refuses_the_push_at_its_gate():
     its deadline, and the group carries the next push."""
     from asyncrl.weightsync.collective import GateClosed
 
-    spec = _spec(receivers=1, timeout_s=20.0, gid="begin", backend="gloo-whole")
+    spec = _spec(receivers=1, timeout_s=20.0, gid="begin", backend="gloo")
     worker = _Worker(0)
     with ThreadPoolExecutor(2) as pool:
         joined = pool.submit(worker.asyncrl_join_collective, "rep", [asdict(spec)])
         sender = pool.submit(CollectiveGroup.join, spec, 0).result(60)
         assert joined.result(60) == [spec.group_id]
     with pytest.raises(ValueError, match="without the push plan"):
-        worker.asyncrl_receive(5, None, None, [spec.group_id], 20, "p1", ["checksum", "full", "engine", None])
+        worker.asyncrl_receive(5, None, [spec.group_id], 20, "p1", ["checksum", "engine", None])
     weights = model(2)
     t = time.monotonic()
     with pytest.raises(GateClosed, match="without the push plan"):
         send_stream(sender, iter(weights.items()), BUCKET_MB, verify="checksum", timeout_s=20, gate="p1")
     assert time.monotonic() - t < 10 and not sender.broken
     with ThreadPoolExecutor(2) as pool:
-        received = pool.submit(worker.asyncrl_receive, 6, None, None, [spec.group_id], 20, "p2", ["checksum", "full", "hf"])
+        received = pool.submit(worker.asyncrl_receive, 6, None, [spec.group_id], 20, "p2", ["checksum", "hf"])
         send_stream(sender, iter(weights.items()), BUCKET_MB, verify="checksum", timeout_s=20, gate="p2")
         assert combine_digests(received.result(60).digests, "checksum") == tensor_fingerprint(weights, "checksum")
     worker.asyncrl_join_collective("rep", [])
@@ -1259,7 +1203,7 @@ def test_a_sender_at_a_closed_gate_reads_its_export_to_the_end_and_its_next_push
     sender still reads its tensors to the end (its TP peers' gathers) and the group carries the next push."""
     from asyncrl.weightsync.collective import GateClosed
 
-    spec = _spec(receivers=1, timeout_s=20.0, gid="sgate", backend="gloo-whole")
+    spec = _spec(receivers=1, timeout_s=20.0, gid="sgate", backend="gloo")
     sender, receiver = _join_all(spec)
     weights = model(3)
     read: list[str] = []
@@ -1278,7 +1222,7 @@ def test_a_sender_at_a_closed_gate_reads_its_export_to_the_end_and_its_next_push
     def receive(g):
         g.arrive("p2")
         g.await_gate("p2", time.monotonic() + 20)
-        for bucket, _ in receive_stream(g, time.monotonic() + 20):
+        for bucket in receive_stream(g, time.monotonic() + 20):
             got.update((n, t.clone()) for n, t in unpack_bucket(bucket))
 
     th = threading.Thread(target=receive, args=(receiver,))

@@ -28,7 +28,7 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
         device = torch.device("cuda", rank if spec_.backend == "nccl" else 0)  # ipc: everyone on GPU 0
         torch.cuda.set_device(device)
         group = CollectiveGroup.join(spec_, rank, device)
-        # planned: the buckets are an engine layout's (PlannedPacker), on ipc at window 0 packed into windows of
+        # planned: the buckets are an engine layout's (PlannedPacker), on ipc packed into windows of
         # the sender ring's one arena (take_in_order), where each tensor must land in its own bucket's window
         plan = _identity_plan(weights, 0.15) if planned and rank == 0 else None
         for push in range(pushes):  # the same group carries every push (ipc: the same buffers)
@@ -43,17 +43,13 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
                          tensor_fingerprint(host, "full"), ring, combine_digests(sent.digests, "checksum")))
             else:
                 got, staged, mine = {}, [], {}
-                for bucket, digests in receive_stream(group, time.monotonic() + 60):
+                for bucket in receive_stream(group, time.monotonic() + 60):
                     assert bucket.buffer.is_cuda and bucket.buffer.device == device
                     # as a worker hashes each bucket when it has it (keys prefixed by the engine rank where planned)
                     mine.update(bucket_digests(bucket, "checksum", digest_key_prefix(bucket)))
-                    if spec_.ipc_window == 0:  # full staging: the digests meet as one fingerprint at the commit
-                        assert digests == {}
-                    else:
-                        assert digests == bucket_digests(bucket, "checksum", digest_key_prefix(bucket))  # the sender's, on its copy
                     staged.append(bucket)
-                # read after the push, as a staging worker reads them at its commit (window 0:
-                # views of the sender's buffers, still intact)
+                # read after the push, as a staging worker reads them at its commit (ipc: views of the
+                # sender's buffers, still intact)
                 got.update({n: t.cpu().clone() for b in staged for n, t in unpack_bucket(b)})
                 # A fingerprint, not the tensors: torch shares CPU tensors put on a queue by file
                 # descriptor, which fails once this process has exited.
@@ -73,7 +69,7 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
 
 
 def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int, pushes: int = 1,
-                       ipc_window: int = 2, planned: bool = False, arena: str = "auto") -> tuple[dict, list, list]:
+                       planned: bool = False, arena: str = "auto") -> tuple[dict, list, list]:
     """`pushes` pushes from a sender process to `receivers` processes (push k sends the weights
     times k + 1); (weights, sent reports, receiver reports)."""
     from dataclasses import asdict
@@ -81,7 +77,7 @@ def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int, pu
     from asyncrl.weightsync.collective import form_specs, free_port
 
     (spec,) = form_specs(backend, [("127.0.0.1", free_port("127.0.0.1"))], {"engine": receivers}, timeout_s=120,
-                         group_prefix=backend, ipc_window=ipc_window)
+                         group_prefix=backend)
     g = torch.Generator().manual_seed(seed)
     weights = {f"w{i}": torch.randn(256, 128 + i, generator=g).to(torch.bfloat16) for i in range(tensors)}
     if not planned:  # an engine layout has no empty parameter
@@ -122,39 +118,35 @@ def _assert_delivered(weights: dict, sent: list, received: list, receivers: int,
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: two GPUs")
-@pytest.mark.parametrize("ipc_window", [2, 0])
-def test_nccl_broadcast_moves_every_bucket_bit_exact_between_two_gpus(ipc_window):
-    """Bucket by bucket (window 2: digests in band), or the whole version back to back (window 0:
-    the sender hashes beside the wire, each receiver hashes each bucket as it lands)."""
-    weights, sent, received = _push_in_processes("nccl", receivers=1, seed=0, tensors=6, pushes=2, ipc_window=ipc_window)
+def test_nccl_broadcast_moves_every_bucket_bit_exact_between_two_gpus():
+    """The whole version back to back: the sender hashes beside the wire, each receiver hashes each bucket
+    as it lands."""
+    weights, sent, received = _push_in_processes("nccl", receivers=1, seed=0, tensors=6, pushes=2)
     _assert_delivered(weights, sent, received, receivers=1, pushes=2)
     assert len(sent[0][4]) > 1  # several buckets went over the wire
 
 
-@pytest.mark.parametrize("ipc_window", [2, 0])
-def test_ipc_hands_every_bucket_bit_exact_to_processes_sharing_the_gpu(ipc_window):
+def test_ipc_hands_every_bucket_bit_exact_to_processes_sharing_the_gpu():
     """A sender and two receivers on GPU 0, in three processes: each bucket travels as a CUDA IPC
-    handle (keyed by the GPU's UUID) and each receiver copies it into its own device memory
-    (window 2), or stages views of the sender's buffers, which hold the whole version (window 0).
-    The second push packs into the same sender buffers, which the receivers opened once."""
-    weights, sent, received = _push_in_processes("ipc", receivers=2, seed=1, tensors=8, pushes=2, ipc_window=ipc_window)
+    handle (keyed by the GPU's UUID) and each receiver stages views of the sender's buffers, which
+    hold the whole version. The second push packs into the same sender buffers, which the receivers
+    opened once."""
+    weights, sent, received = _push_in_processes("ipc", receivers=2, seed=1, tensors=8, pushes=2)
     _assert_delivered(weights, sent, received, receivers=2, pushes=2)  # HF tensors: names carry no rank
-    assert len(sent[0][4]) > 2  # more buckets than the window: the sender waited for acknowledgements
+    assert len(sent[0][4]) > 2  # several buckets
     assert sent[0][6] == sent[1][6] > 0  # the second push allocated no new sender buffer
-    if ipc_window == 0:  # the whole version stays in the sender's buffers (the receivers' staging)
-        assert sent[0][6] >= sum(sent[0][4])
+    assert sent[0][6] >= sum(sent[0][4])  # the whole version stays in the sender's buffers (the receivers' staging)
     for rank in (1, 2):
         opened = [r[5] for r in received if r[2] == rank]
         assert opened[0] == opened[1] > 0  # ... so the receivers opened no new handle
 
 
 def test_ipc_hands_a_planned_whole_version_bit_exact_from_the_senders_arena():
-    """The whole version in an engine layout (a push plan) over ipc at window 0: the sender packs every
+    """The whole version in an engine layout (a push plan) over ipc: the sender packs every
     planned bucket into its window of the ring's one arena (take_in_order) and the receivers stage views
     of those windows. Each tensor must arrive in its own window: an offset counted from the window rather
     than the storage once wrote every bucket over the first, and both sides' checksums still agreed."""
-    weights, sent, received = _push_in_processes("ipc", receivers=2, seed=2, tensors=8, pushes=2, ipc_window=0,
-                                                 planned=True)
+    weights, sent, received = _push_in_processes("ipc", receivers=2, seed=2, tensors=8, pushes=2, planned=True)
     _assert_delivered(weights, sent, received, receivers=2, pushes=2, key_prefix="0/")
     assert len(sent[0][4]) > 2  # several planned buckets, so several windows of the arena
     assert sent[0][6] >= sum(sent[0][4])  # ... which holds the whole version
@@ -165,7 +157,7 @@ def test_nccl_sends_a_planned_whole_version_through_a_sender_ring_bit_exact():
     """A sender short of device memory for the whole packed version (a 7B learner rank on an 80 GB GPU)
     packs it through a ring of reused slots (stream.SenderRing): each slot is packed again only once its
     broadcast and its host copy are done, so every receiver and the host copies get each bucket's own bytes."""
-    weights, sent, received = _push_in_processes("nccl", receivers=1, seed=3, tensors=16, pushes=2, ipc_window=0,
-                                                 planned=True, arena="ring")
+    weights, sent, received = _push_in_processes("nccl", receivers=1, seed=3, tensors=16, pushes=2, planned=True,
+                                                 arena="ring")
     _assert_delivered(weights, sent, received, receivers=1, pushes=2, key_prefix="0/")
     assert len(sent[0][4]) > 4  # more planned buckets than the ring's slots: slots were reused

@@ -109,7 +109,7 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
     from tests.learner._data import advantages, make_samples
     from tests.weightsync.fakes import iter_unpacked
 
-    cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, verify="checksum", staging="full", timeout_s=120, retries=0)
+    cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, verify="checksum", timeout_s=120, retries=0)
     transport = select_transport(cfg)
 
     async def members():
@@ -119,7 +119,7 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
         return [await replica.join_collective(wire, 120.0)]
 
     link = CollectiveLink("gloo", group, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
-                          ipc_window=0, check=members, ranks_of=lambda: sender_ranks(plan))
+                          check=members, ranks_of=lambda: sender_ranks(plan))
     pub = Publisher(cfg, transport=transport, registry=VersionRegistry(1))
     samples = make_samples(8, group_size=2)
     old = await group.compute_log_prob(samples)

@@ -230,12 +230,11 @@ class _CorruptInTransit(Transport):
         self._inner.release(handle)
 
 
-@pytest.mark.parametrize("apply, staging, kill", [
-    ("reload", "full", "staging"),  # vLLM's reload_weights; a replica dies while its buckets arrive
-    ("direct", "full", "commit"),  # a copy into the parameters; a replica dies while applying (peers committed)
-    ("direct", "bucketed", "staging"),  # buckets applied as they verify: dying mid-push is dying mid-apply
+@pytest.mark.parametrize("apply, kill", [
+    ("reload", "staging"),  # vLLM's reload_weights; a replica dies while its buckets arrive
+    ("direct", "commit"),  # a copy into the parameters; a replica dies while applying (peers committed)
 ])
-async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, demo_model_path, apply, staging, kill):
+async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, demo_model_path, apply, kill):
 
     import ray
     from transformers import AutoTokenizer
@@ -260,9 +259,9 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
 
     replicas = [ActorReplica(h, f"engine-{i}") for i, h in enumerate(engines)]
     plan = await _form_plan(engines, base, 0.25) if apply == "direct" else None
-    cfg = WeightsyncConfig(bucket_mb=0.25, retries=1, timeout_s=120, staging=staging)
+    cfg = WeightsyncConfig(bucket_mb=0.25, retries=1, timeout_s=120)
     transport = ObjectStoreTransport()
-    store_name = f"{STORE_NAME}-{apply}-{staging}"
+    store_name = f"{STORE_NAME}-{apply}"
     store = ray.remote(WeightStore).options(name=store_name, namespace=STORE_NAMESPACE, num_cpus=0).remote()
     pub = Publisher(cfg, transport=transport, on_live=weight_store_hook(store, lambda version: plan),
                     registry=VersionRegistry(start))
@@ -275,8 +274,7 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
     assert m["weightsync/num_buckets"] > 1 and m["weightsync/apply_direct"] == float(apply == "direct")
     assert m["weightsync/layout_engine"] == float(apply == "direct") and m["weightsync/paused_seconds"] > 0
     for r in replicas:  # the engine's own apply, as each replica reports it: a part of its commit
-        assert 0 < m[f"weightsync/replica/{r.name}/apply_seconds"] < m[f"weightsync/replica/{r.name}/commit_seconds"] \
-            or staging == "bucketed"  # bucketed: applied while staging, the commit only relabels
+        assert 0 < m[f"weightsync/replica/{r.name}/apply_seconds"] < m[f"weightsync/replica/{r.name}/commit_seconds"]
     for got in await outputs():
         assert matches(hf1, got) and all(v == [start + 1] * MAX_TOKENS for _, v in got)
     served1 = await outputs()
@@ -284,9 +282,8 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
     pub._transport = _CorruptInTransit(transport, index=1)
     with pytest.raises(WeightsyncError, match="fingerprint mismatch") as info:
         await pub.publish(start + 2, source_of(pub, v2, plan), replicas)
-    # Full staging finds it at the commit (nothing applied); bucketed staging before applying that
-    # bucket, having applied the ones before it: every replica is restored from version 1's host copy.
-    assert info.value.step is (Step.LOAD if staging == "bucketed" else Step.COMMIT) and info.value.out_of_service == []
+    # found at the commit, nothing applied
+    assert info.value.step is Step.COMMIT and info.value.out_of_service == []
     assert pub.registry.live_version == start + 1 and pub.registry.get(start + 2).state is S.FAILED
     assert await outputs() == served1  # exactly version 1's greedy tokens and labels, on both replicas
 
@@ -410,7 +407,6 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
 
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, WeightsyncConfig
     from asyncrl.learner.group import LearnerGroup
-    from asyncrl.weightsync.collective import ipc_window_for
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.plan import ManifestEntry
     from asyncrl.weightsync.push import ActorReplica, Publisher
@@ -436,9 +432,8 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     async def join(wire):
         return await asyncio.gather(*(h.join_collective.remote(wire, cfg.timeout_s) for h in engines))
 
-    # As the service forms it: full staging -> ipc stages views of the sender's buffers (window 0)
-    link = CollectiveLink(backend, group, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
-                          ipc_window=ipc_window_for(cfg.staging))
+    # As the service forms it (ipc stages views of the sender's buffers)
+    link = CollectiveLink(backend, group, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
     pub = Publisher(cfg, transport=transport)
     replicas = [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)]
 
@@ -515,7 +510,7 @@ class _Calls:
 
 class _OneEngine:
     """One engine replica pushed to over `cfg.transport` by a `_LocalSender` in this process, as the
-    service links them (full staging: window 0): `push(version)` publishes and tells the link, as
+    service links them: `push(version)` publishes and tells the link, as
     the service does after a push; `replica.calls` records the update verbs each push made."""
 
     @classmethod
@@ -548,7 +543,7 @@ class _OneEngine:
 
         self.plan, self.sender, self.start, self.base = plan, sender, start, None
         self.link = CollectiveLink(cfg.transport, sender, members=members, join=join, bucket_mb=cfg.bucket_mb,
-                                   timeout_s=cfg.timeout_s, ipc_window=0, check=members, **link_kw)
+                                   timeout_s=cfg.timeout_s, check=members, **link_kw)
         self.pub = Publisher(cfg, transport=select_transport(cfg), registry=VersionRegistry(start))
         self.replica = _Calls(ActorReplica(engine, "engine-0"))
 
@@ -573,7 +568,7 @@ class _OneEngine:
 
 
 async def test_one_engine_over_ipc_takes_a_push_and_refuses_a_corrupt_or_unplanned_one(engines, demo_model_path, monkeypatch):
-    """ipc with one engine replica (full staging): the replica begins, receives, then its commit checks
+    """ipc with one engine replica: the replica begins, receives, then its commit checks
     the sender's fingerprint and pauses, applies and resumes by itself (one engine replica: no pause call
     of the publisher's), and it serves transformers' greedy tokens for the pushed weights. A bucket
     corrupted in transit (the file the receiver maps differs from what the sender hashed) is refused by
@@ -591,7 +586,7 @@ async def test_one_engine_over_ipc_takes_a_push_and_refuses_a_corrupt_or_unplann
     from asyncrl.weightsync.push import WeightsyncError
 
     engine = engines[0]
-    cfg = WeightsyncConfig(transport="ipc", bucket_mb=0.25, timeout_s=60, verify="checksum", retries=0, staging="full")
+    cfg = WeightsyncConfig(transport="ipc", bucket_mb=0.25, timeout_s=60, verify="checksum", retries=0)
     one = await _OneEngine.create(engine, demo_model_path, 11, cfg)
     link, pub, replica, push, sender, start, base = one.link, one.pub, one.replica, one.push, one.sender, one.start, one.base
 
@@ -643,7 +638,7 @@ async def test_one_engine_over_ipc_takes_a_push_and_refuses_a_corrupt_or_unplann
 
 
 async def test_one_engine_over_gloo_takes_a_push_and_refuses_a_bucket_corrupted_on_the_wire(engines, demo_model_path, monkeypatch):
-    """A broadcast push (gloo, the NCCL path's twin) to one engine replica with full staging: the
+    """A broadcast push (gloo, the NCCL path's twin) to one engine replica: the
     replica begins, waits at the push's gate with the sender (collective.py), receives, then its commit
     checks the fingerprint, pauses, applies, relabels and resumes, and it serves transformers' greedy
     tokens for the pushed weights. After a clean push the link asks nobody first. A replica that refuses
@@ -661,7 +656,7 @@ async def test_one_engine_over_gloo_takes_a_push_and_refuses_a_bucket_corrupted_
     from asyncrl.weightsync.push import WeightsyncError
 
     engine = engines[0]
-    cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, timeout_s=60, verify="checksum", retries=1, staging="full")
+    cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, timeout_s=60, verify="checksum", retries=1)
     one = await _OneEngine.create(engine, demo_model_path, 21, cfg)
     link, pub, replica, push, sender, start, base = one.link, one.pub, one.replica, one.push, one.sender, one.start, one.base
 

@@ -32,13 +32,13 @@ class _Receiver:
     def receive(self, timeout_s: float) -> int:
         from asyncrl.weightsync.worker_verbs import receive_stream
 
-        return sum(bucket.buffer.numel() for bucket, _ in receive_stream(self.group, time.monotonic() + timeout_s))
+        return sum(bucket.buffer.numel() for bucket in receive_stream(self.group, time.monotonic() + timeout_s))
 
 
 async def _form(group: LearnerGroup, prefix: str) -> tuple[list[dict], object]:
     addresses = await group.collective_addresses()
     specs = form_specs("gloo", [(a.host, a.port) for a in addresses], {"engine": 1}, timeout_s=30.0,
-                       group_prefix=prefix, ipc_window=0)
+                       group_prefix=prefix)
     wire = [asdict(s) for s in specs]
     receiver = ray.remote(num_cpus=0)(_Receiver).remote()
     await asyncio.gather(receiver.join.remote(wire[0], 1), group.join_collective(wire))

@@ -20,11 +20,11 @@ from .fakes import CorruptingTransport, FakeReplica, LocalTransport, model, sour
 BUCKET_MB = 8192 / (1 << 20)  # two 4 KiB tensors per bucket -> 3 buckets for 5 tensors
 
 
-def _setup(n=2, retries=0, timeout_s=30.0, transport=None, staging="full", **kw):
+def _setup(n=2, retries=0, timeout_s=30.0, transport=None, **kw):
     log: list[tuple[str, str]] = []
     old = model(0)
     replicas = [FakeReplica(f"r{i}", log, weights=dict(old)) for i in range(n)]
-    cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, retries=retries, timeout_s=timeout_s, staging=staging)
+    cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, retries=retries, timeout_s=timeout_s)
     pub = Publisher(cfg, transport=transport or LocalTransport(), **kw)
     return pub, replicas, log, old
 
@@ -75,34 +75,6 @@ async def test_a_failed_apply_under_the_commits_own_pause_is_restored_then_resum
     ev = _events(log, "r0")
     assert ev.index("begin:0") > ev.index("commit:1") and ev[-1] == "resume"
     assert replicas[0].version == 0 and _same(replicas[0].weights, old)
-
-
-async def test_bucketed_staging_pauses_first_and_applies_each_bucket_as_it_verifies():
-    pub, replicas, log, _ = _setup(n=2, staging="bucketed")
-    new = model(1)
-    result = await pub.publish(1, source_of(pub, new), replicas)
-    for r in replicas:
-        assert _events(log, r.name) == ["pause:keep", "begin:1", "load", "commit:1", "resume"]
-        assert r.version == 1 and _same(r.weights, new) and not r.paused
-    assert result.metrics["weightsync/staging_bucketed"] == 1.0
-
-
-@pytest.mark.parametrize("fault", ["corrupt", "apply"])
-async def test_a_bucketed_push_that_fails_mid_way_restores_every_replica_before_resuming(fault):
-    transport = CorruptingTransport(index=1) if fault == "corrupt" else None
-    pub, replicas, log, old = _setup(n=2, staging="bucketed", transport=transport)
-    pub.seed(0, source_of(pub, old))
-    if transport is not None:
-        transport._puts.clear()  # count the push's buckets, not the seed's
-    if fault == "apply":
-        replicas[1].faults[("apply", 1)] = "raise"
-    with pytest.raises(WeightsyncError, match="fingerprint mismatch" if fault == "corrupt" else "crashed"):
-        await pub.publish(1, source_of(pub, model(1)), replicas)
-    for r in replicas:  # bucket 0 was applied before the failure: every replica is back on v0, bit for bit
-        ev = _events(log, r.name)
-        assert "commit:1" not in ev and ev.index("begin:0") > ev.index("begin:1") and ev[-1] == "resume"
-        assert r.version == 0 and _same(r.weights, old) and not r.paused
-    assert pub.registry.live_version == 0
 
 
 async def test_load_failure_aborts_everywhere_and_publishes_nothing():

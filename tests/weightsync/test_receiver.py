@@ -38,7 +38,7 @@ def _fill(buckets: list[Bucket], value: float) -> dict[str, torch.Tensor]:
 
 
 def _push(rx: WorkerReceiver, version: int, buckets: list[Bucket]) -> ApplyReport:
-    rx.begin(version, "checksum", "full", "engine", "plan")
+    rx.begin(version, "checksum", "engine", "plan")
     for b in buckets:
         rx.stage(version, b, lazy=True, batch=True)
     rx.digests(version)
@@ -82,7 +82,7 @@ def test_a_receiver_keeps_the_views_of_a_reused_record_and_applies_the_bytes_sta
     assert all(torch.equal(live[n], want[n]) for n in names)
 
     # An aborted update keeps nothing.
-    rx.begin(7, "checksum", "full", "engine", "plan")
+    rx.begin(7, "checksum", "engine", "plan")
     rx.stage(7, other[0], lazy=True, batch=True)
     rx.abort()
     assert rx._views == {} and rx._apply_lists is None
@@ -90,7 +90,7 @@ def test_a_receiver_keeps_the_views_of_a_reused_record_and_applies_the_bytes_sta
 
 def _received(rx: WorkerReceiver, version: int, buckets: list[Bucket]) -> ApplyReport:
     """A broadcast push, fully staged: stage each bucket as it lands, read the digests, apply."""
-    rx.begin(version, "checksum", "full", "engine", "plan")
+    rx.begin(version, "checksum", "engine", "plan")
     for b in buckets:
         rx.stage(version, b, lazy=True)
     rx.digests(version)
@@ -132,7 +132,7 @@ def test_reused_buckets_keep_their_views_and_copy_lists_and_always_apply_the_byt
     _received(rx, 5, loose)
     assert all(torch.equal(live[n], want[n]) for n in names) and rx._views == {}
 
-    rx.begin(6, "checksum", "full", "engine", "plan")  # a tensor staged twice is refused, a reused bucket too
+    rx.begin(6, "checksum", "engine", "plan")  # a tensor staged twice is refused, a reused bucket too
     rx.stage(6, ring[0], lazy=True)
     try:
         rx.stage(6, ring[0], lazy=True)
