@@ -101,15 +101,14 @@ class WorkerAPI(Protocol):
     def asyncrl_layout(self, manifest: bytes | None = None) -> LayoutCheck:
         """The start-time layout check (no `manifest`), or its answer and this worker's layout for `manifest`."""
 
-    def asyncrl_receive(self, version: int, wire: tuple | None, groups: list[str] | None = None,
+    def asyncrl_receive(self, version: int, wires: list[tuple] | None, groups: list[str] | None = None,
                         timeout_s: float = 0.0, gate: str = "", begin: list[Any] | None = None) -> ReceiveReport:
-        """The staged digests: of a shared file's bucket (`wire`), or of every bucket from `groups` (gate: gloo /
-        NCCL); `begin` on an update's first receive (verify, layout, push plan id) starts it."""
+        """An update (`begin`: verify, layout, push plan id) staged whole, in one call: the buckets of shared files
+        (`wires`), or every bucket from `groups` (gate: gloo / NCCL); the staged digests."""
 
-    def asyncrl_apply(self, version: int, before: str = "", begin: list[Any] | None = None) -> ApplyReport:
+    def asyncrl_apply(self, version: int, before: str = "") -> ApplyReport:
         """The apply of the staged version; `before` (the name of a verb of this interface without
-        arguments) runs first, in the same round trip, and answers in the report's `before`; `begin`: an
-        update no receive reached starts here."""
+        arguments) runs first, in the same round trip, and answers in the report's `before`."""
 
     def asyncrl_abort_update(self, group_ids: list[str] | None = None, why: str = "", gate: str = "") -> None:
         """Drop what is staged and the receive buffers kept from one push to the next (also before the engine

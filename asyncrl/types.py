@@ -243,7 +243,7 @@ class ApplyReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ReceiveReport(msgspec.Struct, frozen=True, kw_only=True):
-    """A worker's receive (`asyncrl_receive`, a shared file's bucket or a collective push): the digests it staged."""
+    """A worker's receive (`asyncrl_receive`, a version's shared files or a collective push): the digests it staged."""
 
     digests: dict[str, bytes]
 

@@ -83,7 +83,7 @@ class WeightUpdates:
         self.update_state = UpdateState.IDLE
         self._staging_version: int | None = None
         self._staged_layout = "hf"  # of the version staged: "engine" (one plan's buckets per rank) or "hf"
-        self._begin_args: list[Any] | None = None  # (verify, layout, plan id) until the workers' first receive
+        self._begin_args: list[Any] = []  # (verify, layout, plan id): the workers' receive starts their update
         self._staged: list[dict[str, bytes]] = []  # per worker: the digests of what it staged
         self.plan_id: str | None = None  # the push plan held (its engine-layout buckets copy in; workers learn it at begin)
         self.layout_checks: list[LayoutCheck] = []  # the start-time check of the engine's parameter layout
@@ -202,32 +202,26 @@ class WeightUpdates:
         return LoadReport(replica_id=self.replica_id, staged_tensors=sum(len(d) for d in self._staged))
 
     async def _stage(self, payload: Any, version: int) -> None:
-        """Stage the version on every worker (their digests kept per worker), from the senders or from each of its
-        buckets in turn."""
+        """Stage the version on every worker in one receive each (their digests kept per worker): from the senders,
+        or from its buckets as shared files."""
         if isinstance(payload, CollectiveReceive):
             if payload.version != version:
                 raise ValueError(f"collective push of version {payload.version}, staging {version}")
             results = await self._rpc(WorkerAPI.asyncrl_receive, version, None, list(payload.group_ids),
-                                      payload.timeout_s, payload.gate, self._take_begin(), timeout=payload.timeout_s + 30.0)
-            self._staged = [dict(msgspec.convert(r, ReceiveReport).digests) for r in results]
-            return
-        for item in payload if isinstance(payload, list) else [payload]:
-            item = await item if is_object_ref(item) else item  # (in a list, Ray resolved none of them)
-            async for shared, owned in _as_shared(item):
-                try:
-                    results = await self._rpc(WorkerAPI.asyncrl_receive, version, shared.wire(), None, 0.0, "",
-                                              self._take_begin())
-                finally:
+                                      payload.timeout_s, payload.gate, self._begin_args, timeout=payload.timeout_s + 30.0)
+        else:
+            files: list[tuple[Any, bool]] = []
+            try:
+                for item in payload if isinstance(payload, list) else [payload]:
+                    item = await item if is_object_ref(item) else item  # (in a list, Ray resolved none of them)
+                    files += [shared async for shared in _as_shared(item)]
+                results = await self._rpc(WorkerAPI.asyncrl_receive, version, [f.wire() for f, _ in files], None, 0.0,
+                                          "", self._begin_args)
+            finally:
+                for shared, owned in files:
                     if owned:  # written here; the workers hold their own mappings now
                         shared.unlink()
-                self._staged = self._staged or [{} for _ in results]
-                for mine, got in zip(self._staged, results):
-                    mine.update(msgspec.convert(got, ReceiveReport).digests)
-
-    def _take_begin(self) -> list[Any] | None:
-        """The update's (verify, layout, plan id) for the workers' first receive (it starts their staging), once."""
-        begin, self._begin_args = self._begin_args, None
-        return begin
+        self._staged = [dict(msgspec.convert(r, ReceiveReport).digests) for r in results]
 
     def _check_staged(self, version: int, fingerprint: str) -> None:
         """Raise FingerprintMismatch unless what the workers staged hashes to `fingerprint`."""
@@ -252,7 +246,7 @@ class WeightUpdates:
         t = time.perf_counter()
         query = "" if before is None else verb_name(WorkerAPI, before)
         results = [msgspec.convert(r, ApplyReport) for r in await self._rpc(WorkerAPI.asyncrl_apply, version, query,
-                                                                          self._take_begin(), timeout=600.0)]
+                                                                          timeout=600.0)]
         return ApplyReport(path=results[0].path if results else "none",
                            apply_seconds=max((r.apply_seconds for r in results), default=0.0),
                            rpc_seconds=time.perf_counter() - t, before=[r.before[0] for r in results] if query else [])

@@ -125,9 +125,9 @@ class SglangWorker(WorkerVerbs):
     def _asyncrl_hooks(self) -> SglangHooks:
         return self._hooks
 
-    def asyncrl_apply(self, version: int, before: str = "", begin: list[Any] | None = None) -> ApplyReport:
+    def asyncrl_apply(self, version: int, before: str = "") -> ApplyReport:
         self._hooks.version = version
-        return super().asyncrl_apply(version, before, begin)
+        return super().asyncrl_apply(version, before)
 
     def asyncrl_sampled_token_counts(self) -> dict[str, int]:
         """Output tokens per sequence (SGLang rid) as the replica's TokenizerManager holds them, read while

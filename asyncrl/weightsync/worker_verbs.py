@@ -349,18 +349,19 @@ class WorkerVerbs:
         return msgspec.structs.replace(rx.checked, layout=_dump(rx.layout_for(pickle.loads(manifest))))
 
     # ---- one update -----------------------------------------------------------------------------
-    def asyncrl_receive(self, version: int, wire: tuple | None, groups: list[str] | None = None,
+    def asyncrl_receive(self, version: int, wires: list[tuple] | None, groups: list[str] | None = None,
                         timeout_s: float = 0.0, gate: str = "", begin: list[Any] | None = None) -> ReceiveReport:
-        """Stage for `version` one bucket from a shared file (`wire`) or every
-        bucket from the collective `groups` in order, straight into this worker's memory, within `timeout_s`;
-        `gate`: the broadcast push's gate token, passed on every group or closed if this worker cannot take the
-        push. `begin` (verify, layout, plan id) on the update's first receive starts it. Returns the digests
-        staged. (Plain arguments: vLLM's RPC carries them as msgpack, where a dataclass arrives as a map.)"""
+        """Start the update of `version` (`begin`: verify, layout, plan id) and stage all of it, straight into this
+        worker's memory: the buckets of shared files (`wires`), or every bucket from the collective `groups` in
+        order within `timeout_s`; `gate`: the broadcast push's gate token, passed on every group or closed if this
+        worker cannot take the push. Returns the digests staged. (Plain arguments: vLLM's RPC carries them as
+        msgpack, where a dataclass arrives as a map.)"""
         rx = self._asyncrl_rx()
         if groups is None:
-            if begin is not None:
-                rx.begin(version, *begin)
-            return ReceiveReport(digests=rx.stage(version, self._asyncrl_open(wire)))
+            rx.begin(version, *(begin or []))
+            for wire in wires or []:
+                rx.stage(version, self._asyncrl_open(wire))
+            return ReceiveReport(digests=rx.digests(version))
         from asyncrl.weightsync.collective import CollectiveError
 
         held = self.__dict__.get("_asyncrl_groups", {})
@@ -368,8 +369,7 @@ class WorkerVerbs:
         group_ids = [gid for gid in groups if gid not in skipped]  # (formed without this worker's rank)
         deadline = time.monotonic() + timeout_s
         try:  # one that cannot take the push refuses it: its other members must not wait for this worker
-            if begin is not None:
-                rx.begin(version, *begin)
+            rx.begin(version, *(begin or []))
             missing = [gid for gid in group_ids if gid not in held or held[gid].broken]
             if missing:
                 raise CollectiveError(f"worker holds no usable group {missing[0]!r} (has {sorted(held)})")
@@ -408,15 +408,12 @@ class WorkerVerbs:
                 except Exception:  # noqa: BLE001 - a group whose store is gone has nobody waiting
                     pass
 
-    def asyncrl_apply(self, version: int, before: str = "", begin: list[Any] | None = None) -> ApplyReport:
+    def asyncrl_apply(self, version: int, before: str = "") -> ApplyReport:
         """Apply the staged `version`. `before`: an `asyncrl_` query of this worker (no arguments, never
-        an apply) run first, in the same round trip; its answer is the report's `before`. `begin`: an update
-        that no receive reached (nothing to stage) starts here, as `asyncrl_receive`'s does."""
+        an apply) run first, in the same round trip; its answer is the report's `before`."""
         if before and (not before.startswith("asyncrl_") or before.startswith("asyncrl_apply")):
             raise ValueError(f"{before!r} is not a worker query to run before an apply")
         first = [getattr(self, before)()] if before else []
-        if begin is not None:
-            self._asyncrl_rx().begin(version, *begin)
         report = self._asyncrl_rx().apply(version)
         return ApplyReport(path=report.path, apply_seconds=report.apply_seconds, tensors=report.tensors, before=first)
 

@@ -393,7 +393,7 @@ def test_a_starting_replica_adopts_the_stores_push_plan_once_and_survives_one_th
     assert asyncio.run(fresh._adopt_plan(None)) == "p1"  # no plan formed yet: what it holds stays
     # its workers learn it with each update in its layout (the begin's plan id)
     fresh._begin(1, UpdateBegin("off", layout="engine", plan_id="p1"))
-    assert fresh._take_begin() == ["off", "engine", "p1"]
+    assert fresh._begin_args == ["off", "engine", "p1"]
     other = _staging(refuses=True)  # its layout differs: left without a plan, no error at start
     assert asyncio.run(other._adopt_plan(_Plan("p2"))) is None and other.plan_id is None
 

@@ -49,6 +49,8 @@ class Engine:
         self.log.append((method,))
         if method == "asyncrl_apply":  # what one worker answers (generator/worker_ext.py)
             return [{"path": "reload", "apply_seconds": 0.0}]
+        if method == "asyncrl_receive":
+            return [{"digests": {}}]
         return [None]
 
     async def update_weight_version(self, version: str) -> None:
