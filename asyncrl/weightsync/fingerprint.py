@@ -8,7 +8,7 @@ How: a sha256 digest per tensor (name, dtype, shape and, by mode, its bytes), th
 on the host, one Triton kernel on a device, equal bit for bit; against transport errors, not an adversary), `off`
 (names, dtypes and shapes only). An engine-layout push hashes the engine's parameters as packed (plan.py).
 Must never: talk to an engine or a transport, decide when a version is committed, or copy a device buffer to host to
-check it. Details: docs/design/weightsync.md, "Fingerprints" and "The position-weighted checksum".
+check it in `checksum` or `off` mode. Details: docs/design/weightsync.md, "Fingerprints" and "The position-weighted checksum".
 """
 
 from __future__ import annotations
@@ -360,23 +360,28 @@ def _digests_lazy(flat: Any, entries: list[Entry], mode: VerifyMode) -> PendingD
                               device_words=on_device)
     heads = {key: _head(key, dtype, shape) for key, dtype, shape, _, _ in entries}
     if isinstance(flat, torch.Tensor) and flat.device.type != "cpu":
-        parts = [flat[o : o + n] for _, _, _, o, n in entries]
-        gathered = torch.cat(parts) if parts else None  # enqueued; read to host when finished
+        # `full` on a device (checksum is its fast mode): the bytes copied to host in stream order, so a later
+        # write into the buffer (a ring's slot reused) cannot reach what is hashed; no device memory is taken
+        host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=flat.device.type == "cuda")
+        host.copy_(flat, non_blocking=True)
+        copied = torch.cuda.Event() if flat.device.type == "cuda" else None
+        if copied is not None:
+            copied.record()
 
         def hashed() -> dict[str, bytes]:
-            host = gathered.cpu().numpy() if gathered is not None else np.empty(0, dtype=np.uint8)
-            at = 0
-            for key, _, _, _, n in entries:
-                heads[key].update(memoryview(host[at : at + n]))
-                at += n
-            return {k: h.digest() for k, h in heads.items()}
+            if copied is not None:
+                copied.synchronize()
+            return _sha(host.numpy(), entries, heads)
 
         return PendingDigests(entries, mode, digests=hashed)
-    array = flat.numpy() if isinstance(flat, torch.Tensor) else flat
+    digests = _sha(flat.numpy() if isinstance(flat, torch.Tensor) else flat, entries, heads)
+    return PendingDigests(entries, mode, digests=lambda: digests)
+
+
+def _sha(array: np.ndarray, entries: list[Entry], heads: dict[str, Any]) -> dict[str, bytes]:
     for key, _, _, o, n in entries:
         heads[key].update(memoryview(array[o : o + n]))
-    digests = {k: h.digest() for k, h in heads.items()}
-    return PendingDigests(entries, mode, digests=lambda: digests)
+    return {k: h.digest() for k, h in heads.items()}
 
 
 def _as_flat(t: torch.Tensor) -> Any:

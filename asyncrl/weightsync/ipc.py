@@ -23,16 +23,7 @@ import torch
 
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, TensorMeta, windows, write_shared
 from asyncrl.weightsync.collective import ABORT, WHOLE, CollectiveError, CollectiveGroup, SenderAborted
-from asyncrl.weightsync.stream import (
-    Export,
-    SendResult,
-    decode_table,
-    encode_table,
-    hash_and_copy_lazy,
-    hash_whole_lazy,
-    host_copies_for,
-    pack_stream,
-)
+from asyncrl.weightsync.stream import Export, SendResult, decode_table, encode_table, hash_whole_lazy, host_copies_for, pack_stream
 
 
 class IpcRing:
@@ -259,27 +250,16 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
                 deadline: float, keep: Callable[[Bucket], Any] | None, plan: Any, sender: int,
                 alloc: Callable[[int], torch.Tensor] | None, out: SendResult) -> SendResult:
     """Pack every bucket (into the ring, kept until the next push: the receivers stage views of it),
-    wait for the device once, publish one record with every bucket, then enqueue the checksums and
-    host copies (beside the receivers' staging) and wait for every receiver to have staged all of
-    it, then for the digests. `full` verification hashes the host copies, so there they start first."""
+    wait for the device once, publish one record with every bucket, then enqueue the checksums (beside
+    the receivers' staging) and wait for every receiver to have staged all of it, then for the digests."""
     store = group._store
-    # The ring keeps every bucket (no limit on copies in flight); keeping starts once the receivers
-    # staged. On a device the copies themselves start only when collected (after the commit: the
-    # publisher collects once the version is live), except that `full` verification hashes them.
-    copies = out.host_copies = host_copies_for(group, keep, deadline, defer_keep=True,
-                                               defer_copy=verify != "full")
+    # The ring keeps every bucket (no limit on copies in flight); keeping starts once the receivers staged. On a
+    # device the copies themselves start only when collected (the publisher collects once the version is live).
+    copies = out.host_copies = host_copies_for(group, keep, deadline, defer_keep=True, defer_copy=True)
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender, alloc=alloc), out)
-    packed: list[tuple[Bucket, Callable[[], dict[str, bytes]], Any]] = []
     kept: list[Any] = []
     try:
-        early = verify == "full"
-        buckets: list[Bucket] = []
-        for bucket in export:
-            if early:
-                finish, copy = hash_and_copy_lazy(copies, bucket, verify, out)
-                group._ring_copies.append(copy)  # the next push repacks this buffer only after its copy read it
-                packed.append((bucket, finish, copy))
-            buckets.append(bucket)
+        buckets = list(export)
         t = time.perf_counter()
         records = []
         for bucket in buckets:  # no digests in the record: one fingerprint is compared at the commit
@@ -290,18 +270,14 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
             torch.cuda.current_stream(group.device).synchronize()
         store.set(_key(group, "b0"), pickle.dumps({"kind": WHOLE, "buckets": records}))
         out.seconds["broadcast"] += time.perf_counter() - t
-        if not early:  # the checksums run while the receivers stage (one pass where the buckets share
-            # the ring's arena); the host copies start once the digests are out
-            hash_whole_lazy(buckets, verify, out)()
-        for _, finish, _ in packed:  # full: each waits for its host copy
-            finish()
-        if not early:
-            t = time.perf_counter()
-            for bucket in buckets:
-                group._ring_copies.append(copies.add(bucket))
-            out.seconds["host_copy"] += time.perf_counter() - t
+        # the checksums run while the receivers stage (one pass where the buckets share the ring's arena); the
+        # host copies start once the digests are out
+        hash_whole_lazy(buckets, verify, out)()
+        t = time.perf_counter()
+        for bucket in buckets:
+            group._ring_copies.append(copies.add(bucket))
+        out.seconds["host_copy"] += time.perf_counter() - t
         buckets.clear()
-        packed.clear()
         t = time.perf_counter()
         _wait_acks(group, 0, deadline)
         out.seconds["broadcast"] += time.perf_counter() - t

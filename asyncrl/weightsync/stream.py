@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, iter_buckets, rank_key_prefix, whole_arena
+from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, iter_buckets, whole_arena
 from asyncrl.weightsync.collective import ABORT, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup, SenderAborted
-from asyncrl.weightsync.fingerprint import PendingDigests, meta_entries
+from asyncrl.weightsync.fingerprint import PendingDigests
 from asyncrl.weightsync.transport import HostCopies, PinnedPool
 
 
@@ -113,7 +113,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     # whole: the device-to-host copies start once the sender has its digests (`_send_whole`). Started beside
     # the broadcasts, they hold the digests' small reads back behind gigabytes of copies. A ring copies each
     # bucket as it is sent: its slot is reused once the copy is done.
-    copies = out.host_copies = host_copies_for(group, keep, deadline, defer_copy=verify != "full" and ring is None)
+    copies = out.host_copies = host_copies_for(group, keep, deadline, defer_copy=ring is None)
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender,
                                 planned_buffer=buffers), out)
     try:
@@ -148,18 +148,13 @@ def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, ve
                 out: SendResult) -> None:
     """Pack every bucket, send one table of every bucket, enqueue the buckets' broadcasts back to
     back, then the checksums and host copies (on the device they run beside the wire, not before
-    it), wait once for the broadcasts and once for the digests. `full` verification hashes the
-    host copies, so there they start first."""
-    early = verify == "full"
-    packed: list[tuple[Bucket, Callable[[], dict[str, bytes]] | None]] = []
-    for bucket in export:
-        finish = hash_and_copy_lazy(copies, bucket, verify, out)[0] if early else None
-        packed.append((bucket, finish))
+    it), wait once for the broadcasts and once for the digests."""
+    buckets = list(export)
     t = time.perf_counter()
-    group.broadcast_all(whole_table(group, [(b.metas, b.rank, b.nbytes) for b, _ in packed]), deadline)
-    sending = group.enqueue_broadcasts([b.buffer for b, _ in packed if b.nbytes], deadline)
+    group.broadcast_all(whole_table(group, [(b.metas, b.rank, b.nbytes) for b in buckets]), deadline)
+    sending = group.enqueue_broadcasts([b.buffer for b in buckets if b.nbytes], deadline)
     out.seconds["broadcast"] += time.perf_counter() - t
-    _finish_whole(group, packed, [sending], copies, verify, out, deadline)
+    _finish_whole(group, [(b, None) for b in buckets], [sending], copies, verify, out, deadline)
 
 
 def whole_table(group: CollectiveGroup, buckets: Any, plan: Any = None, sender: int = 0) -> list[torch.Tensor]:
@@ -181,23 +176,17 @@ def whole_table(group: CollectiveGroup, buckets: Any, plan: Any = None, sender: 
     return out
 
 
-def whole_entries(buckets: Iterable[tuple[list[TensorMeta], int | None]]) -> list[Any]:
-    """The fingerprint entries (fingerprint.py) of buckets (tensors, engine rank), in order."""
-    return [e for metas, rank in buckets for e in meta_entries(metas, rank_key_prefix(rank))]
-
-
 def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], sending: list[Broadcasts],
                   copies: HostCopies, verify: str, out: SendResult, deadline: float, *, each: bool = False,
                   hashed: list[Any] | None = None) -> None:
     """A whole version's end on the sender: the checksums of what is not hashed yet enqueued behind the
-    buckets (beside the wire on a device; `full` hashed the host copies as it packed), and the end
-    header right behind the buckets, with no wait in between. One wait for the wire; then the digests
-    on the host and the host copies (deferred, unless `full`), which run while the replicas commit. `each`: every bucket was hashed and its copy
-    started as it was packed (a `SenderRing`); `hashed`: the hashes of the buckets before the rest,
-    launched while packing (`_send_whole_planned`)."""
+    buckets (beside the wire on a device), and the end header right behind the buckets, with no wait in
+    between. One wait for the wire; then the digests on the host and the deferred host copies, which run
+    while the replicas commit. `each`: every bucket was hashed and its copy started as it was packed (a
+    `SenderRing`); `hashed`: the hashes of the buckets before the rest, launched while packing
+    (`_send_whole_planned`)."""
     done = list(hashed or [])
-    copied = verify == "full" or each
-    if copied:
+    if each:
         finishes = [finish for _, finish in packed]
     else:  # buckets in one arena (whole_arena) are hashed in one pass, others each in their own
         rest = [b for b, _ in packed[sum(f.buckets for f in done):]]
@@ -206,7 +195,7 @@ def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], send
     tail = group.enqueue_broadcasts([_header(group, END)], deadline)
     out.seconds["broadcast"] += time.perf_counter() - t
     _join_hash_stream(group)  # (behind the end header: the wire does not wait for the checksums)
-    if not copied:  # (deferred: they start once the digests are read, below; registered while the wire runs)
+    if not each:  # (deferred: they start once the digests are read, below; registered while the wire runs)
         t = time.perf_counter()
         for bucket, _ in packed:
             copies.add(bucket)
@@ -262,7 +251,7 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
     then the caller's abort header, so the receivers fail at once rather than at their deadline.
     With a `ring` each bucket is hashed and its host copy started as it is packed (its slot is reused
     once both are done), where the whole arena hashes every bucket in one pass at the end."""
-    early = verify == "full" or ring is not None
+    early = ring is not None
     t = time.perf_counter()
     def tables() -> list[tuple[list[TensorMeta], int | None, int]]:
         return [(b.metas(), b.rank, b.nbytes) for b in planned]
@@ -349,15 +338,12 @@ def host_copies_for(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None
 
 
 def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> _Recorded:
-    """Every bucket of a whole-version push hashed in `verify` mode (not `full`: that hashes the
-    host copies), in one pass where the buckets share one buffer (`buckets_digests_lazy`); the
-    returned call waits for the device and records the digests in `out`. Host copies are the
-    caller's."""
+    """Every bucket of a whole-version push hashed in `verify` mode, in one pass where the buckets share
+    one buffer (`buckets_digests_lazy`); the returned call waits for the device and records the digests
+    in `out`. Host copies are the caller's."""
     from asyncrl.weightsync.bucket import digest_key_prefix
     from asyncrl.weightsync.fingerprint import buckets_digests_lazy
 
-    if verify == "full":
-        raise ValueError("full verification hashes the host copies: hash each with hash_and_copy_lazy")
     t = time.perf_counter()
     pending = buckets_digests_lazy([(b, digest_key_prefix(b)) for b in buckets], verify)  # type: ignore[arg-type]
     out.seconds["hash"] += time.perf_counter() - t
@@ -388,28 +374,19 @@ class _Recorded:
         return digests
 
 
-def hash_and_copy_lazy(copies: HostCopies | None, bucket: Bucket, verify: str,
-                       out: SendResult) -> tuple[_Recorded, Any]:
-    """Start `bucket`'s host copy and hash it in `verify` mode (where it lies: `full` reads every byte, from
-    the host copy), the device reads only enqueued: the returned call waits for them and records the digests in
-    `out`; the copy is done once its device buffer may be reused. `copies` None: the caller starts the host copy
-    itself (not with `full` verification)."""
+def hash_and_copy_lazy(copies: HostCopies, bucket: Bucket, verify: str, out: SendResult) -> tuple[_Recorded, Any]:
+    """Start `bucket`'s host copy and hash it in `verify` mode where it lies, the device reads only enqueued:
+    the returned call waits for them and records the digests in `out`; the copy is done once its device
+    buffer may be reused (a `SenderRing`'s slot)."""
     from asyncrl.weightsync.bucket import digest_key_prefix
-    from asyncrl.weightsync.fingerprint import bucket_digests, bucket_digests_lazy
+    from asyncrl.weightsync.fingerprint import bucket_digests_lazy
 
     t = time.perf_counter()
-    if copies is None and verify == "full":
-        raise ValueError("full verification hashes the host copy: start it here")
-    copy = copies.add(bucket) if copies is not None else None
+    copy = copies.add(bucket)
     out.num_buckets += 1
     out.seconds["host_copy"] += time.perf_counter() - t
     t = time.perf_counter()
-    prefix = digest_key_prefix(bucket)
-    if verify == "full":
-        entries = whole_entries([(bucket.metas, bucket.rank)])
-        pending = PendingDigests(entries, "full", digests=lambda: bucket_digests(copies.host(copy), "full", prefix))  # type: ignore[union-attr]
-    else:
-        pending = bucket_digests_lazy(bucket, verify, prefix)  # type: ignore[arg-type]
+    pending = bucket_digests_lazy(bucket, verify, digest_key_prefix(bucket))  # type: ignore[arg-type]
     out.seconds["hash"] += time.perf_counter() - t
     out.bytes += bucket.payload_bytes
     out.num_tensors += len(bucket)

@@ -276,10 +276,9 @@ class HostCopies:
     """The host copies of one push from one sender; `add` each sent bucket, then `finish`.
 
     `add` returns at once (every bucket of a push is kept until the push ends, so nothing bounds
-    the copies in flight); `host(copy)` waits for one copy (full verification hashes it); `result`
-    waits for all and returns what `keep` returned for each, in bucket order. `seconds`: `wait` is
-    the time `add` spent (on the critical path), `copy` and `keep` the thread's time waiting for
-    copies and keeping them. `keep` runs behind the copies: only pinned host memory waits for it."""
+    the copies in flight); `result` waits for all and returns what `keep` returned for each, in
+    bucket order. `seconds`: `wait` is the time `add` spent (on the critical path), `copy` and
+    `keep` the thread's time waiting for copies and keeping them. `keep` runs behind the copies."""
 
     def __init__(self, keep: Callable[[Bucket], Any] | None, pool: PinnedPool | None, *, deadline: float,
                  keep_threads: int = KEEP_THREADS, defer_keep: bool = False, defer_copy: bool = False) -> None:
@@ -372,10 +371,6 @@ class HostCopies:
                     copy.pending, copy.pinned = False, None
             self._deferred = []
             self._copy_gate.set()
-
-    def host(self, copy: _Copy) -> Bucket:
-        """`copy`'s host bucket once the copy is complete."""
-        return copy.wait(self._deadline)
 
     def finish(self) -> None:
         """No more buckets: the pool keeps as many buffers as this push used."""
