@@ -172,27 +172,20 @@ class PushMetrics:
                  "rollbacks", "out_of_service", "store_failed", "push_seconds", "on_live_seconds", "paused_seconds",
                  "host_copy_wait_seconds", "host_copy_seconds", "stage_seconds", "commit_seconds", "fingerprint_seconds")
         out: dict[str, float] = {p + k: float(v) if isinstance(v := getattr(self, k), bool) else v for k in plain}
-        out.update({p + "gbps": _rate(self.bytes, self.push_seconds),
-                    p + "stage_gbps": _rate(self.bytes, self.stage_seconds),
-                    p + "verify_gbps": _rate(self.bytes, self.fingerprint_seconds),
-                    p + "layout_engine": float(self.layout == "engine"),
-                    p + "aggregate_gbps": _rate(self.bytes * self.num_replicas, self.stage_seconds)})
+        out.update({p + "gbps": _rate(self.bytes, self.push_seconds),  # (other rates: bytes over a phase's seconds)
+                    p + "layout_engine": float(self.layout == "engine")})
         t = f"{p}transport/{self.transport}/"
         out[t + "bytes"] = self.bytes
         out[t + "put_seconds"] = self.put_seconds
-        out[t + "put_gbps"] = _rate(self.bytes, self.put_seconds)
         for phase, seconds in sorted(self.sender_seconds.items()):
             out[f"{p}sender/{phase}_seconds"] = seconds
         apply_s = max((steps.get("apply", 0.0) for steps in self.replica_seconds.values()), default=0.0)
         out[p + "apply_seconds"] = apply_s
-        out[p + "apply_gbps"] = _rate(self.bytes, apply_s)
         if self.paths:
             out[p + "apply_direct"] = float(self.paths == {"direct"})
         for name, steps in sorted(self.replica_seconds.items()):
             r = f"{p}replica/{name}/"
-            load = steps.get("load_bucket", 0.0)
-            out[r + "load_seconds"] = load
-            out[r + "load_gbps"] = _rate(self.bytes, load)
+            out[r + "load_seconds"] = steps.get("load_bucket", 0.0)
             out[r + "commit_seconds"] = steps.get("commit_update", 0.0)
             for step, seconds in steps.items():
                 if step not in ("load_bucket", "commit_update"):

@@ -528,9 +528,9 @@ def test_training_metrics_render_as_prometheus_gauges():
     from asyncrl.generator.metrics import render_training
 
     text = render_training({"weightsync/push_seconds": 0.5, "buffer/trained": 64, "eval/accuracy": 0.4,
-                            "weightsync/replica/engines/load_gbps": 1.5, "other/x": 1.0, "train/note": "text"}).decode()
+                            "weightsync/replica/engines/load_seconds": 1.5, "other/x": 1.0, "train/note": "text"}).decode()
     assert "asyncrl_weightsync_push_seconds 0.5\n" in text and "asyncrl_buffer_trained 64.0\n" in text
-    assert "asyncrl_weightsync_replica_engines_load_gbps 1.5" in text and "# TYPE asyncrl_eval_accuracy gauge" in text
+    assert "asyncrl_weightsync_replica_engines_load_seconds 1.5" in text and "# TYPE asyncrl_eval_accuracy gauge" in text
     assert "other" not in text and "note" not in text
     assert render_training(None) == b"" and render_training({}) == b""
 

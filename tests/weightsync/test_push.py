@@ -50,7 +50,7 @@ async def test_replicas_stage_while_serving_and_are_paused_only_for_the_commit()
     m = result.metrics
     assert m["weightsync/bytes"] == 5 * 64 * 16 * 4 and m["weightsync/num_buckets"] == 3
     assert m["weightsync/failed"] == 0 and m["weightsync/attempts"] == 1
-    assert {"weightsync/replica/r0/load_seconds", "weightsync/transport/local/put_gbps",
+    assert {"weightsync/replica/r0/load_seconds", "weightsync/transport/local/put_seconds",
             "weightsync/timeline/live_s", "weightsync/gbps", "weightsync/pushes_total", "weightsync/on_live_seconds",
             "weightsync/replica/r0/pause_seconds",
             "weightsync/replica/r0/resume_seconds"} <= m.keys()
