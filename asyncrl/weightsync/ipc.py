@@ -32,7 +32,7 @@ class IpcRing:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.buffers: list[torch.Tensor] = []
-        self.busy: list[bool] = []
+        self.taken = 0  # buffers this push has packed into (the first `taken`, in order)
         # The handle published for each view of a buffer, made once (`ipc_export`): sharing a CUDA
         # storage again costs an event and a reference-count slot each time, and the receivers
         # reopen nothing. Dropped whenever a buffer is allocated (an address may come back).
@@ -52,7 +52,7 @@ class IpcRing:
         and a receiver maps one allocation. The buffer is kept while it fits."""
         offsets, total = windows(sizes, 256)
         if self.arena is None or self.arena.numel() < total:
-            self.buffers, self.busy = [], []  # per-bucket buffers of an earlier layout go
+            self.buffers = []  # per-bucket buffers of an earlier layout go
             self.arena = self._new(max(total, 256))
         self.slots, self.next_slot = list(zip(offsets, map(int, sizes))), 0
 
@@ -66,18 +66,15 @@ class IpcRing:
                 self.next_slot += 1
                 return self.arena[offset : offset + nbytes]  # type: ignore[index]
             self.slots = []  # the push left its plan: the rest get buffers of their own
-        i = sum(self.busy)
+        i, self.taken = self.taken, self.taken + 1
         if i == len(self.buffers):
             self.buffers.append(self._new(nbytes))
-            self.busy.append(False)
-        elif self.busy[i] or self.buffers[i].numel() < nbytes:
+        elif self.buffers[i].numel() < nbytes:
             self.buffers[i] = self._new(nbytes)
-        self.busy[i] = True
         return self.buffers[i][:nbytes]
 
     def release_all(self) -> None:
-        self.busy = [False] * len(self.buffers)
-        self.next_slot = 0
+        self.taken = self.next_slot = 0
 
     @property
     def nbytes(self) -> int:
@@ -220,15 +217,15 @@ def ipc_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, A
                        sender=sender, alloc=alloc, out=out)
 
 
-def _abort_send(group: CollectiveGroup, copies: Any, at: str, leftover: list[str], keep_published: bool = False) -> None:
+def _abort_send(group: CollectiveGroup, copies: Any, at: str, leftover: list[str]) -> None:
     """A push failed on the sender: drop its host copies and tell the receivers at once (an abort
-    record at key `at`, unless `keep_published` and a record is there already) instead of at their
-    deadline; the push's keys go when the next push starts."""
+    record at key `at`, unless the push's record is there already) instead of at their deadline;
+    the push's keys go when the next push starts."""
     copies.close()
     store = group._store
     try:
         store.set(_key(group, "aborted"), b"1")
-        if not (keep_published and store.check([_key(group, at)])):
+        if not store.check([_key(group, at)]):
             store.set(_key(group, at), pickle.dumps({"kind": ABORT}))
     except Exception:  # the store is gone too
         pass
@@ -283,7 +280,7 @@ def _send_whole(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]]
         out.seconds["broadcast"] += time.perf_counter() - t
         copies.finish()
     except BaseException as err:
-        _abort_send(group, copies, "b0", [_key(group, w) for w in ("b0", "a0")], keep_published=True)
+        _abort_send(group, copies, "b0", [_key(group, w) for w in ("b0", "a0")])
         _raise_send_failure(group, err, export)
     finally:
         for keep_it in kept:  # shared files: the receivers' mappings outlive the unlink
