@@ -293,7 +293,8 @@ class WeightExport:
     Packed into host buckets (shm, object store): `buckets[i]` is an ObjectRef to a `weightsync.bucket.Bucket` (a
     shared file's handle for shm), `metas[i]` its tensors (name, dtype, shape, offset, nbytes), `senders[i]` the
     rank that packed it (its PP stage for HF tensors), `digests[i]` as hashed when packed. Broadcast to the engine
-    workers (nccl, gloo, ipc): no buckets (their host copies follow, `take_host_copies`), `digests` one per sender.
+    workers (nccl, gloo): no buckets (their host copies follow, `take_host_copies`), `digests` one per sender; ipc:
+    `buckets` the `IpcBucket` handles every replica's load opens (host copies as broadcast), `digests` one per sender.
     Sizes, and the slowest sender's seconds per phase, either way. An HF-layout export also carries what each
     would-be sender of a shard plan holds of it without a TP gather (`pieces`, one per such rank)."""
 

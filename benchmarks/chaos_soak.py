@@ -17,7 +17,7 @@ process over time, the exit and what is left running, and checks:
 
     python benchmarks/chaos_soak.py --minutes 60 --kill-every 10 --out docs/results/chaos_soak_cpu_DATE.jsonl
 
-Its short variant runs in `make test` (tests/e2e/test_chaos_soak.py): 2 minutes, one kill of each, over ipc.
+Its short variant runs in `make test` (tests/e2e/test_chaos_soak.py): 2 minutes, one kill of each, over gloo.
 
 Exit status 1 when a check fails. The run's own files (config, log, metrics) go under --run-dir.
 """
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds to the first step")
     ap.add_argument("--out", type=Path, default=None, help="append the JSON row to this file")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="a config value of the app (VALUE read as YAML), e.g. weightsync.transport=ipc; repeatable")
+                    help="a config value of the app (VALUE read as YAML), e.g. weightsync.transport=gloo; repeatable")
     ap.add_argument("--free-ports", action="store_true",
                     help="serve the API on free ports instead of the config's (a machine where they are taken: CI)")
     a = ap.parse_args(argv)

@@ -18,8 +18,8 @@ the same buckets, already packed on the sender's device, broadcast over a group 
 shape to sink actors (engine and sink share a GPU: --gpus-per-engine 0.5).
 
 ipc (co-located: sender and engines on the same device, --gpus 0.5 puts both on one GPU): the
-sender publishes a CUDA IPC handle per bucket and every engine worker copies it device to
-device; raw is the same packed buckets opened by handle and copied once by each sink.
+sender answers a CUDA IPC handle per bucket, every engine worker stages views of them and the commit
+copies device to device; raw is the same packed buckets opened by handle and copied once by each sink.
 
 A push ends when the version is live on every replica. Collective transports keep its host copy
 (for restores and late joiners) after that, overlapping what follows the push: it is timed apart
@@ -177,15 +177,20 @@ class Sink:
             self.group.broadcast(torch.empty(n, dtype=torch.uint8, device=self.group.device), deadline)
         return len(sizes)
 
-    def receive_ipc(self, handles: list[tuple[dict, int]], cached: bool = False) -> int:
+    def receive_ipc(self, handles: list[bytes], cached: bool = False) -> int:
         """The ipc floor: open each bucket by its handle and copy it once into this process's memory
         (`cached`: buffers opened by an earlier round stay open, as the push's receivers keep them)."""
+        import torch
+
         from asyncrl.weightsync.ipc import ipc_open
 
-        device = self.group.device
-        opened = self.__dict__.setdefault("opened", {}) if cached else None
-        for handle, nbytes in handles:
-            ipc_open(handle, [], nbytes, device, opened)
+        opened = self.__dict__.setdefault("opened", {}) if cached else {}
+        for handle in handles:
+            bucket = opened.get(handle) or ipc_open(handle, [])
+            if cached:
+                opened[handle] = bucket
+            torch.empty_like(bucket.buffer).copy_(bucket.buffer)
+        torch.cuda.synchronize()
         return len(handles)
 
 
@@ -200,6 +205,9 @@ class Sender:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.base = {n: t.to(self.device) for n, t in load_hf_tensors(model_path).items()}
         self.group = self.raw_group = self.reserved = None
+        from asyncrl.weightsync.link import SenderEndpoint
+
+        self.endpoint = SenderEndpoint()  # ipc: its ring and host copies, as a learner rank's
 
     def address(self) -> dict:
         """Where the next group rendezvouses: a port held open until a join takes it (as a learner rank does)."""
@@ -264,9 +272,14 @@ class Sender:
                 return self.send(bucket_mb, verify, timeout_s, gate)
             finally:
                 self.profile_text = _profile(self, False)
+        if self.group is None:  # ipc: no group, the handles every engine opens
+            out = self.endpoint.send_version(iter(self.weights.items()), bucket_mb, verify, timeout_s, 0,
+                                             getattr(self, "plan", None), backend="ipc")
+            self.copies = self.endpoint.host_copies
+            return {"buckets": out.buckets, "digests": out.digests, "bytes": out.bytes, "num_tensors": out.num_tensors,
+                    "num_buckets": out.num_buckets, "seconds": out.seconds}
         sent = send_stream(self.group, iter(self.weights.items()), bucket_mb, verify=verify, timeout_s=timeout_s,
-                           keep=ray.put, plan=getattr(self, "plan", None), gate=gate,
-                           **({"arena": getattr(self, "arena", "auto")} if self.group.spec.backend != "ipc" else {}))
+                           keep=ray.put, plan=getattr(self, "plan", None), gate=gate, arena=getattr(self, "arena", "auto"))
         self.copies = sent.host_copies
         return {"digests": [sent.digests], "bytes": sent.bytes, "num_tensors": sent.num_tensors,
                 "num_buckets": sent.num_buckets, "seconds": sent.seconds}
@@ -316,13 +329,11 @@ class Sender:
         self.packed = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=self.device) for n in sizes]
         return [int(b.numel()) for b in self.packed]
 
-    def raw_handles(self) -> list[tuple[dict, int]]:
-        """ipc floor: a handle per packed bucket (kept alive here until the next call)."""
-        from asyncrl.weightsync.bucket import Bucket
+    def raw_handles(self) -> list[bytes]:
+        """ipc floor: a handle per packed bucket (its buffer kept alive here until the next call)."""
         from asyncrl.weightsync.ipc import ipc_export
 
-        self.kept = [ipc_export(Bucket(buffer=buf, metas=[])) for buf in self.packed]
-        return [(handle, int(buf.numel())) for (handle, _), buf in zip(self.kept, self.packed)]
+        return [ipc_export(buf) for buf in self.packed]
 
     def raw_send(self) -> float:
         t = time.perf_counter()
@@ -600,7 +611,9 @@ async def _raw_floors(name, transports, collective, sender, sinks, gpu_sinks, jo
     for kind in collective:
         sizes = [int(b.nbytes) for b in plan.buckets] if plan is not None else \
             [int(b.nbytes) for b in iter_buckets(iter(same.items()), bucket_mb)]
-        if kind not in joined:
+        if kind == "ipc":  # (no group: handles)
+            await sender.raw_sizes.remote(sizes)
+        elif kind not in joined:
             addr = await sender.address.remote()
             (spec,) = form_specs(kind, [(addr.host, addr.port)], {f"sink{i}": 1 for i in range(len(gpu_sinks))},
                                  timeout_s=timeout_s, group_prefix=f"raw-{kind}")

@@ -461,11 +461,11 @@ class WeightsyncConfig(_Section):
     """Learner -> engine weight pushes."""
 
     transport: Literal["auto", "object_store", "shm", "nccl", "gloo", "ipc"] = Field(
-        "auto", description="auto: hybrid -> ipc; one node: a GPU learner -> ipc on a one-GPU host, nccl where every "
-        "learner rank and engine holds whole GPUs, else shm (also for a CPU learner); several nodes: nccl with a GPU "
-        "learner, else object_store. "
+        "auto", description="auto: hybrid -> ipc on GPUs (shm on CPUs); one node: a GPU learner -> ipc on a one-GPU host, "
+        "nccl where every learner rank and engine holds whole GPUs, else shm (also for a CPU learner); several nodes: nccl "
+        "with a GPU learner, else object_store. "
         "nccl / gloo broadcast from the learner's sending ranks straight into the engine workers; ipc hands them "
-        "handles to the sender's buffers instead (CUDA IPC on a GPU the learner and engines share, shared-memory files on CPU).")
+        "CUDA IPC handles to the sender's buffers instead (a GPU the learner and engines share; refused on CPUs).")
     bucket_mb: float = Field(64.0, gt=0)
     verify: Literal["full", "checksum", "off"] = Field(
         "full", description="What the commit-time fingerprint covers: full = every byte (sha256), checksum = every byte as a 64-bit "

@@ -3,8 +3,8 @@
 Owns: load (it begins the update) -> commit (fingerprint check, pause, apply, relabel, resume) or abort, what the workers
 staged (their digests, per worker), the replica's collective-group membership, the push plan it holds, and moving the
 per-token version labels at a commit (through the replica's `VersionSource`). Payloads: a `CollectiveReceive` (the
-workers receive from the senders themselves), or a list of `SharedBucket`s (shm), `Bucket`s (object store: each written
-once into a shared file) or loose named tensors. The workers' half is
+workers receive from the senders themselves), or a list of `SharedBucket`s (shm), `IpcBucket`s (the ipc senders'
+handles), `Bucket`s (object store: each written once into a shared file) or loose named tensors. The workers' half is
 weightsync's worker_verbs.py, on vLLM in worker_ext.py. `WeightUpdates` is a part of `EngineReplica` (engine.py).
 Must never: change the version label while the engine runs a step, or apply staged tensors whose fingerprint
 differs from the one the caller committed.
@@ -62,11 +62,12 @@ class FingerprintMismatch(ValueError):
 
 
 async def _as_shared(payload: Any) -> AsyncIterator[tuple[Any, bool]]:
-    """The payload as shared bucket files for the workers, with whether this replica wrote (and
-    so must unlink) each."""
+    """The payload as shared bucket files (or an ipc sender's handles) for the workers, with whether this replica
+    wrote (and so must unlink) each."""
     from asyncrl.weightsync.bucket import Bucket, SharedBucket, iter_buckets, write_shared
+    from asyncrl.weightsync.ipc import IpcBucket
 
-    if isinstance(payload, SharedBucket):
+    if isinstance(payload, (SharedBucket, IpcBucket)):
         yield payload, False
         return
     # a bucket, or {name: tensor} (iter_buckets checks the names and brings each tensor to contiguous CPU memory)
@@ -174,8 +175,8 @@ class WeightUpdates:
                 self._begin(version, msgspec.convert(begin, UpdateBegin, from_attributes=True))
                 return await self._load_bucket(named_tensors, version)
             except Exception as err:
-                # A collective push's other members wait for this replica (ipc's sender, or everyone at a
-                # broadcast's gate) until its workers receive or refuse: a failure before then refuses.
+                # A broadcast's other members wait at its gate for this replica until its workers receive or
+                # refuse: a failure before then refuses.
                 if isinstance(named_tensors, CollectiveReceive) and not self._receive_reached:
                     await self._refuse_receive(named_tensors, err)
                 raise
@@ -183,8 +184,8 @@ class WeightUpdates:
     async def _refuse_receive(self, payload: CollectiveReceive, err: BaseException) -> None:
         """Tell a collective push's other members that this replica will not take it (best effort,
         bounded: a worker stuck elsewhere must not hold the failure back)."""
-        self._groups_joined = None  # refusing may break a worker's group (ipc): ask them next time
-        try:  # (the workers tell the sender (ipc), or close the push's gate (gloo / NCCL): every member stops)
+        self._groups_joined = None  # ask the workers next time
+        try:  # (the workers close the push's gate: every member stops)
             await asyncio.wait_for(self._rpc(WorkerAPI.asyncrl_abort_update, list(payload.group_ids),
                                              f"replica {self.replica_id}: {err}", payload.gate), 30.0)
         except Exception as refuse_err:  # noqa: BLE001 - the load's own failure is the one reported

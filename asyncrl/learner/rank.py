@@ -241,7 +241,7 @@ class LearnerRank:
                 return WeightExport(pieces=pieces) if pieces else None
             plan, sender = (self._endpoint().plan, self._sender_id()) if engine else (None, c.pp)
             if transport in BACKENDS:
-                out = self._endpoint().send_version(tensors, bucket_mb, verify, timeout_s, sender, plan, gate)
+                out = self._endpoint().send_version(tensors, bucket_mb, verify, timeout_s, sender, plan, gate, transport)
             else:
                 out = pack_into_transport(tensors, bucket_mb, transport, verify, plan, sender)
             out.pieces = pieces

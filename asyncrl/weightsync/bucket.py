@@ -230,6 +230,10 @@ WireMeta = tuple[str, str, list[int], int, int]
 Wire = tuple[str | None, list[WireMeta], int | None]  # a SharedBucket: path, tensor table, engine rank
 
 
+def metas_from_wire(metas: Iterable[WireMeta]) -> list[TensorMeta]:
+    return [TensorMeta(n, d, tuple(s), int(o), int(b)) for n, d, s, o, b in metas]
+
+
 def shared_dir(nbytes: int) -> str:
     """Where a shared file of `nbytes` goes: /dev/shm while it has room for it twice over
     (containers often mount a 64 MiB one), else the temp dir (page cache, still no disk wait)."""
@@ -263,8 +267,7 @@ class SharedBucket:
 
     @classmethod
     def from_wire(cls, path: str | None, metas: Iterable[WireMeta], rank: int | None = None) -> "SharedBucket":
-        table = [TensorMeta(n, d, tuple(s), int(o), int(b)) for n, d, s, o, b in metas]
-        return cls(path, table, os.stat(path).st_size if path is not None else 0, rank)
+        return cls(path, metas_from_wire(metas), os.stat(path).st_size if path is not None else 0, rank)
 
     def open(self) -> Bucket:
         """Map the file copy-on-write: views read the shared pages, a write copies only its page."""

@@ -2,8 +2,8 @@
 
 Owns: `GroupSpec` (one group per sending rank, group rank 0, every engine worker a receiver), the sending rank's
 rendezvous port (`reserve_port`), `CollectiveGroup` (join, broadcast with a deadline, close) and the wire's header
-kinds, over NCCL on GPUs (vLLM's PyNcclCommunicator), gloo on CPUs, or `ipc` handles to the sender's own buffers
-when sender and receivers share a device. One push's loops are stream.py's (ipc: ipc.py's). The gate: no member
+kinds, over NCCL on GPUs (vLLM's PyNcclCommunicator) or gloo on CPUs (ipc needs no group: ipc.py). One push's
+loops are stream.py's. The gate: no member
 touches the wire for a push until every member is ready for it; one that cannot take it closes the gate and all
 leave without a byte sent, the group usable (`GateClosed`). A joining member loads every kernel a push launches
 (`warm_push_kernels`; in a push a first launch waits for the queued broadcasts). Details: docs/design/weightsync.md.
@@ -25,10 +25,10 @@ import torch
 
 from asyncrl.weightsync.bucket import Bucket, pack_bucket
 from asyncrl.weightsync.fingerprint import bucket_digests_lazy, buckets_digests_lazy
-from asyncrl.weightsync.transport import BACKENDS, HostCopies, PinnedPool
+from asyncrl.weightsync.transport import HostCopies, PinnedPool
 
-# Header kinds (first int64 of a header): the sender is done, the sender failed, and the push's one record (ipc) or
-# table (gloo / nccl) of every bucket (gloo / nccl: then every bucket and an END / ABORT header, as one receive).
+# Header kinds (first int64 of a header): the sender is done, the sender failed, and the push's one table of every
+# bucket (gloo / nccl: then every bucket and an END / ABORT header, as one receive).
 END, ABORT, WHOLE = 2, 3, 4
 
 
@@ -92,8 +92,8 @@ class GroupSpec:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
         if len(set(self.ranks)) != len(self.ranks) or any(r < 0 for r in self.ranks):
             raise ValueError(f"group {self.group_id}: member engine ranks {list(self.ranks)} must be distinct and >= 0")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"collective backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"a broadcast group's backend is gloo or nccl, not {self.backend!r}")
         if self.world_size < 2:
             raise ValueError(f"group {self.group_id}: world_size {self.world_size} leaves nobody to send to")
 
@@ -282,14 +282,9 @@ class CollectiveGroup:
     _stream: Any = None
     broken: bool = False
     _store: Any = field(default=None, repr=False)
-    _pushes: int = 0  # ipc: pushes started on this group (both ends count alike; keys carry it)
-    _leftover: list[str] = field(default_factory=list)  # ipc sender: the last push's keys, dropped at the next
     _copies: HostCopies | None = field(default=None, repr=False)  # sender: the last push's host copies
     _pinned: PinnedPool | None = field(default=None, repr=False)  # sender on a GPU: their pinned buffers
-    _ring: Any = field(default=None, repr=False)  # ipc sender: the buffers it packs into, reused by every push
     _ring_sender: bool = False  # gloo / nccl sender: its device could not hold a whole version (arena.SenderRing)
-    _ring_copies: list = field(default_factory=list, repr=False)  # ipc: the host copies still reading them
-    _opened: dict = field(default_factory=dict, repr=False)  # ipc receiver: the sender's buffers, opened once
     _gate_keys: list = field(default_factory=list, repr=False)  # sender: this push's gate keys (stale at the next)
     _stale_gate_keys: list = field(default_factory=list, repr=False)  # sender: earlier pushes', to drop (drop_stale_gate_keys)
     _whole_table: Any = field(default=None, repr=False)  # gloo / nccl receiver: the last whole version's table (stream.py)
@@ -313,10 +308,6 @@ class CollectiveGroup:
             store = _tcp_store(spec, rank, timeout, listen_socket)
             pg = dist.ProcessGroupGloo(dist.PrefixStore(spec.group_id + "/", store), rank, spec.world_size, timeout)
             return cls(spec, rank, torch.device("cpu"), _pg=pg, _store=store)
-        if spec.backend == "ipc":
-            group = cls._join_ipc(spec, rank, device, timeout, listen_socket)
-            warm_push_kernels(group.device)  # before any broadcast is queued on its device
-            return group
         if not torch.cuda.is_available():
             raise CollectiveError(f"group {spec.group_id}: backend nccl needs CUDA on every member (this one has none)")
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
@@ -333,24 +324,6 @@ class CollectiveGroup:
             stream = torch.cuda.Stream(device=dev)
         warm_push_kernels(dev)  # before any broadcast is queued on it
         return cls(spec, rank, dev, _comm=comm, _stream=stream, _store=pg)
-
-    @classmethod
-    def _join_ipc(cls, spec: GroupSpec, rank: int, device: torch.device | str | None,
-                  timeout: datetime.timedelta, listen_socket: socket.socket | None) -> "CollectiveGroup":
-        """ipc: only the store (handles and acknowledgements travel through it); every member
-        checks in and waits for the others, so a missing member fails the join, not the push."""
-        store = _tcp_store(spec, rank, timeout, listen_socket)
-        group = cls(spec, rank, _member_device(device), _store=store)
-        key = f"{spec.group_id}/joined"
-        store.add(key, 1)
-        deadline = time.monotonic() + spec.timeout_s
-        while store.add(key, 0) < spec.world_size:
-            if time.monotonic() > deadline:
-                group.close()
-                raise CollectiveError(f"group {spec.group_id}: only {store.add(key, 0)} of {spec.world_size} members "
-                                      f"joined within {spec.timeout_s}s")
-            time.sleep(0.002)
-        return group
 
     # ---- the gate of one push (gloo / NCCL) ----------------------------------------------------
     def _kv(self) -> Any:
@@ -430,8 +403,6 @@ class CollectiveGroup:
         mid-broadcast would stall the engine's stream for good): the host polls them."""
         if self.broken:
             raise CollectiveError(f"group {self.spec.group_id} is broken (an earlier step failed); form a new one")
-        if self.spec.backend == "ipc":
-            raise CollectiveError(f"group {self.spec.group_id}: an ipc group passes handles (send_stream), it does not broadcast")
         try:
             if self._pg is not None:
                 import torch.distributed as dist
@@ -474,8 +445,6 @@ class CollectiveGroup:
     def close(self) -> None:
         comm, self._comm, self._pg, self._store = self._comm, None, None, None
         self.broken = True
-        self._opened.clear()
-        self._ring = None
         self._kept = None
         if comm is not None:
             try:

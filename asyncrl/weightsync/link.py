@@ -1,9 +1,9 @@
-"""The broadcast groups of a collective push (gloo / NCCL / ipc), from outside the engines: the sending
+"""The broadcast groups of a collective push (gloo / NCCL; ipc needs none), from outside the engines: the sending
 learner rank's end and the publisher's.
 
 Owns: `SenderEndpoint`, one sending learner rank's push state (its broadcast group and the rendezvous port it
-holds until the group forms, the push plan it packs for, the host copies of its last broadcast) and `send_stream`
-(one version over its group, by the backend's loop); `CollectiveLink`, the groups between a learner group's
+holds until the group forms, or its ipc ring; the push plan it packs for, the host copies of its last push) and
+`send_stream` (one version over its group); `CollectiveLink`, the groups between a learner group's
 sending ranks and every engine worker of the running replicas, as the publisher keeps them: formed before the
 first push and again whenever the running replicas, the senders or (under a shard plan) the engine ranks each
 sender feeds change; each push's gate token, its senders' call and the replicas' check beside it.
@@ -34,16 +34,9 @@ log = logging.getLogger("asyncrl.weightsync.service")  # (one logger name for th
 def send_stream(group: "CollectiveGroup", named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
                 verify: str, timeout_s: float, keep: Any = None, plan: Any = None, sender: int = 0,
                 arena: str = "auto", gate: str = "") -> "SendResult":
-    """Send one version over `group`, by its backend's loop (stream.py: gloo / NCCL; ipc.py: a shared
-    device): bucket (in the engines' layout with a `plan`), hash in the `verify` mode, send, and hand
-    each bucket's host copy to `keep` off the critical path. `arena` (gloo / NCCL, a whole planned
-    version): where the sender packs it; an ipc sender packs into its own ring. `gate` (gloo / NCCL):
-    the push's gate token; ipc needs none (a receiver that refuses tells its sender through the store)."""
-    if group.spec.backend == "ipc":
-        from asyncrl.weightsync.ipc import ipc_send_stream
-
-        return ipc_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=keep, plan=plan,
-                               sender=sender)
+    """Send one version over the gloo / NCCL `group` (stream.py): bucket (in the engines' layout with a `plan`),
+    hash in the `verify` mode, send, and register each bucket's host copy for `keep`. `arena` (a whole planned
+    version): where the sender packs it. `gate`: the push's gate token."""
     from asyncrl.weightsync.stream import broadcast_send_stream
 
     return broadcast_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=keep,
@@ -58,9 +51,20 @@ class SenderEndpoint:
         self.reserved: Any = None  # the listening socket of the next group's store
         self.host_copies: Any = None  # its last broadcast's host copies, until taken
         self.plan: Any = None  # the push plan buckets are packed for (None: HF tensors)
+        self.ring: Any = None  # ipc: the device buffers each version is packed into (ipc.py)
+        self._ipc_copies: Any = None  # ipc: the last push's host copies (they read the ring)
+        self._pinned: Any = None  # ipc: their pinned host buffers
 
     def set_plan(self, plan: bytes | None) -> str | None:
+        """The push plan later pushes pack for (at start, before any push: the push's kernels are loaded here, where
+        a member of a group loads them as it joins, and an ipc sender joins none)."""
+        import torch
+
+        from asyncrl.weightsync.collective import warm_push_kernels
+
         self.plan = pickle.loads(plan) if plan is not None else None
+        if torch.cuda.is_available():
+            warm_push_kernels("cuda")  # (this process's device)
         return None if self.plan is None else self.plan.plan_id
 
     def address(self, host: str, sender: int) -> SenderAddress:
@@ -114,29 +118,49 @@ class SenderEndpoint:
             group.close()
 
     def send_version(self, tensors: Iterable[tuple[str, Any]], bucket_mb: float, verify: str, timeout_s: float,
-                     sender: int, plan: Any = None, gate: str = "") -> WeightExport:
-        """One collective push of `tensors` (in `plan`'s engine layout, else as HF tensors); starts the host
-        copies `take_host_copies` collects. The stream is always read to its end. `gate`: the push's gate
-        token (gloo / NCCL)."""
+                     sender: int, plan: Any = None, gate: str = "", backend: str = "") -> WeightExport:
+        """One collective push of `tensors` (in `plan`'s engine layout, else as HF tensors); registers the host
+        copies `take_host_copies` collects. The stream is always read to its end. `gate`: the push's gate token
+        (gloo / NCCL). ipc (`backend`): no group; the answer carries the handles every replica's load opens."""
         import ray
 
         from asyncrl.weightsync.collective import CollectiveError
 
         tensors = iter(tensors)
         group = self.group
-        if group is None or group.broken:
-            for _ in tensors:  # keep the TP peers' gathers going before failing
-                pass
-            raise CollectiveError("no usable weight broadcast group (join_collective first)")
         try:
+            if backend == "ipc":
+                return self._send_ipc(tensors, bucket_mb, verify, sender, plan)
+            if group is None or group.broken:
+                raise CollectiveError("no usable weight broadcast group (join_collective first)")
             sent = send_stream(group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=ray.put,
                                plan=plan, sender=sender, gate=gate)
         except BaseException:
-            for _ in tensors:  # a failed broadcast: still finish the export the TP peers are gathering
+            for _ in tensors:  # a failed push: still finish the export the TP peers are gathering
                 pass
             raise
         self.host_copies = sent.host_copies
         return WeightExport(senders=[sender], digests=[sent.digests], bytes=sent.bytes, num_tensors=sent.num_tensors,
+                            num_buckets=sent.num_buckets, seconds=sent.seconds)
+
+    def _send_ipc(self, tensors: Iterable[tuple[str, Any]], bucket_mb: float, verify: str, sender: int,
+                  plan: Any) -> WeightExport:
+        import ray
+        import torch
+
+        from asyncrl.weightsync.ipc import IpcRing, ipc_send
+        from asyncrl.weightsync.transport import HostCopies, PinnedPool
+
+        if self._ipc_copies is not None and not self._ipc_copies.close():  # (first: they read the ring)
+            self._pinned = None  # still read by a stuck keep: this push copies into fresh buffers
+        if self.ring is None:
+            self.ring = IpcRing(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                                else torch.device("cpu"))
+        self._pinned = self._pinned or PinnedPool()
+        copies = self.host_copies = self._ipc_copies = HostCopies(ray.put, self._pinned)
+        handles, sent = ipc_send(self.ring, copies, tensors, bucket_mb, verify=verify, plan=plan, sender=sender)
+        return WeightExport(buckets=handles, metas=[h.metas for h in handles], senders=[sender] * len(handles),
+                            digests=[sent.digests], bytes=sent.bytes, num_tensors=sent.num_tensors,
                             num_buckets=sent.num_buckets, seconds=sent.seconds)
 
     def take_host_copies(self, timeout_s: float, sender: int = 0) -> HostCopies:
@@ -156,15 +180,17 @@ class CollectiveLink:
     hold exactly the running replicas and no member's group broke; right after a push every member took and
     no other replica was sent (`pushed`) it asks nobody (two round trips a push saved): a replica gone since,
     or one outside the groups, then fails that push without waiting for its deadline and the retry forms the
-    groups again (ipc: its receive fails at once, or `cancel` stops the sender; gloo / NCCL: every member
-    waits at the push's gate, and `send` asks the replicas beside the push, closing the gate when they are
-    not the groups' members). It is a `StreamedSource`'s `Link` (sources.py)."""
+    groups again (every member waits at the push's gate, and `send` asks the replicas beside the push, closing
+    the gate when they are not the groups' members). It is a `StreamedSource`'s `Link` (sources.py). ipc
+    (`sequential`): no group; the senders' `send` answers the handles that are every replica's `payload`."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
                  check: Callable[[], Awaitable[dict[str, Any]]] | None = None,
                  ranks_of: Callable[[], dict[int, tuple[int, ...]] | None] | None = None) -> None:
         self.backend, self.learner = backend, learner
+        self.sequential = backend == "ipc"  # the loads follow the senders' export (its handles are their payload)
+        self._handles: list[Any] = []  # ipc: the last send's
         self._members_call, self._join_call = members, join
         # sender -> the engine ranks whose workers its group holds (`WeightPublisher.sender_ranks`; None: all)
         self._ranks_of = ranks_of
@@ -192,24 +218,18 @@ class CollectiveLink:
 
     async def cancel(self, why: str) -> None:
         """Stop the push in flight where members still wait for one that is gone (every receiver's
-        call has returned): ipc's sender waiting for acknowledgements, or (gloo / NCCL) everyone
-        still at the push's gate. A broadcast already on the wire cannot be stopped so: it ends at
-        its deadline. Best effort; never raises."""
+        call has returned): everyone still at the push's gate. A broadcast already on the wire cannot
+        be stopped so: it ends at its deadline. Best effort; never raises."""
         from asyncrl.weightsync.collective import close_gate
-        from asyncrl.weightsync.ipc import cancel_key
 
         gate = self._gate
-        if self.backend != "ipc" and not gate:
+        if not gate:
             return
 
         def put() -> None:
             for spec in self.specs:
                 try:
-                    store = self._store(spec)
-                    if self.backend == "ipc":
-                        store.set(cancel_key(spec.group_id), why[:2000])
-                    else:
-                        close_gate(store, spec.group_id, gate, f"the publisher: {why}")
+                    close_gate(self._store(spec), spec.group_id, gate, f"the publisher: {why}")
                 except Exception as err:  # the sender's process (the store) is gone: it is not waiting either
                     log.warning("weightsync: could not stop the push on group %s: %s", spec.group_id, err)
 
@@ -244,6 +264,8 @@ class CollectiveLink:
         from asyncrl.weightsync.collective import form_specs
 
         clean, self._clean = self._clean, False  # once: a failed push's retry asks
+        if self.sequential:  # (ipc: no group)
+            return
         if clean and self.specs:
             self.checks_skipped += 1
             return
@@ -266,12 +288,14 @@ class CollectiveLink:
                  f" (engine ranks per sender: {membership})" if membership else "")
 
     def payload(self, version: int) -> Any:
-        """The replicas' side of one push attempt; on gloo / NCCL it names a new gate, which `send` uses."""
+        """The replicas' side of one push attempt: on gloo / NCCL it names a new gate, which `send` uses; on ipc,
+        the handles the last `send` answered."""
         from asyncrl.weightsync.collective import CollectiveReceive
 
-        broadcast = self.backend != "ipc"
+        if self.sequential:
+            return list(self._handles)
         self.receivers_failed = False
-        self._gate = f"v{version}-{uuid.uuid4().hex[:12]}" if broadcast else ""
+        self._gate = f"v{version}-{uuid.uuid4().hex[:12]}"
         return CollectiveReceive(tuple(self.group_ids), version, self.timeout_s, gate=self._gate)
 
     async def send(self, version: int, verify: str) -> WeightExport:  # noqa: ARG002 - the label travels with the payload
@@ -283,6 +307,7 @@ class CollectiveLink:
         checking = asyncio.ensure_future(self._check_members(gate)) if gate and self._check_call is not None else None
         try:
             sent = await self.learner.export_weights(self.bucket_mb, self.backend, verify, "engine", self.timeout_s, gate)
+            self._handles = list(sent.buckets)  # (ipc's: the payload; gloo / NCCL answer none)
         except BaseException as err:
             if gate:
                 await self.cancel(f"a sender failed: {type(err).__name__}: {str(err)[:300]}")

@@ -280,7 +280,10 @@ class Link(Protocol):
     """What a collective push needs of its broadcast groups (link.py's `CollectiveLink`): `ensure` them before each
     attempt, the replicas' `payload` of an attempt, the senders' `send` of it (a `WeightExport`: digests per sender,
     sizes, seconds), `stop` a sender still waiting for a member that will not answer, and `collect` the last send's
-    host copies once made (off the critical path: the publisher calls it once the version is live)."""
+    host copies once made (off the critical path: the publisher calls it once the version is live). `sequential`
+    (ipc): the payload is what the send answered, so the loads start once it returned."""
+
+    sequential: bool
 
     async def ensure(self) -> Any: ...
 
@@ -327,25 +330,35 @@ class StreamedSource:
         except Exception as exc:
             raise StepFailed(Step.LOAD, {"broadcast group": exc}) from exc
         prepared = time.perf_counter()
-        payload = self._link.payload(version)
-        receiving = asyncio.ensure_future(step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version, begin), m))
-        try:
-            sent = await self._send(version, receiving, self._timeout_s)
-        except Exception as exc:
-            # The sender told the receivers (abort header), or they give up at their deadline: their failures
-            # follow from the sender's. Unless a receiver refused the push (its update could not begin, e.g.
-            # PLAN_MISSING): then the sender's failure follows from that refusal, which is what the push reports.
-            with contextlib.suppress(BaseException):
-                await receiving
-            refused = receiving.exception() if receiving.done() and not receiving.cancelled() else None
-            if isinstance(refused, StepFailed) and any(map(refusal_of, refused.failures.values())):
-                raise refused from exc
-            raise StepFailed(Step.EXPORT, {"publisher": exc}) from exc
-        except BaseException:
-            receiving.cancel()
-            raise
+
+        def loads(payload: Any) -> asyncio.Future:
+            return asyncio.ensure_future(step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version, begin), m))
+
+        if self._link.sequential:  # (ipc: the loads open the handles the senders' export answered)
+            try:
+                sent = await asyncio.wait_for(self._link.send(version, self.verify), self._timeout_s)
+            except Exception as exc:
+                raise StepFailed(Step.EXPORT, {"publisher": exc}) from exc
+            receiving = loads(self._link.payload(version))
+        else:
+            receiving = loads(self._link.payload(version))
+            try:
+                sent = await self._send(version, receiving, self._timeout_s)
+            except Exception as exc:
+                # The sender told the receivers (abort header), or they give up at their deadline: their failures
+                # follow from the sender's. Unless a receiver refused the push (its update could not begin, e.g.
+                # PLAN_MISSING): then the sender's failure follows from that refusal, which is what the push reports.
+                with contextlib.suppress(BaseException):
+                    await receiving
+                refused = receiving.exception() if receiving.done() and not receiving.cancelled() else None
+                if isinstance(refused, StepFailed) and any(map(refusal_of, refused.failures.values())):
+                    raise refused from exc
+                raise StepFailed(Step.EXPORT, {"publisher": exc}) from exc
+            except BaseException:
+                receiving.cancel()
+                raise
         sent_at = time.perf_counter()
-        self._sent = True  # collected once live: an ipc sender's copies would take turns with the engines' apply
+        self._sent = True  # collected once live: on a shared GPU the copies would take turns with the engines' apply
         await receiving
         # where the stage's time goes, as the publisher sees it: forming / checking the groups,
         # the sender's call (its own seconds are in sent.seconds), the receivers after it returned

@@ -51,7 +51,7 @@ def _bytes_tensor(group: CollectiveGroup, raw: bytes) -> torch.Tensor:
 @dataclass
 class SendResult:
     """What a sender hands back to the publisher: per-tensor digests in the push's verify mode, sizes and timings.
-    Its host copies (rollbacks, retries, late joiners) are still being made: `host_copies.result()` waits for them."""
+    Its host copies (rollbacks, retries, late joiners) are made when collected (`host_copies.result()`)."""
 
     host_copies: HostCopies | None = None
     digests: dict[str, bytes] = field(default_factory=dict)
@@ -80,8 +80,8 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
                           verify: str, timeout_s: float, keep: Callable[[Bucket], Any] | None = None,
                           plan: Any = None, sender: int = 0, arena: str = "auto", gate: str = "") -> SendResult:
     """The sender's loop for one push: bucket the stream on the tensors' device (the engines' layout with a `plan`),
-    send every bucket, hash them beside the wire, start their host copies (`keep` gets each finished one, off the
-    critical path). A failed stream tells the receivers (abort header) before the error propagates.
+    send every bucket, hash them beside the wire, register their host copies (`keep` gets each, made when
+    collected). A failed stream tells the receivers (abort header) before the error propagates.
     `arena` (a whole planned version): "whole" packs it into one allocation, "ring" through a `SenderRing` of
     reused slots, "auto" the whole one unless the device cannot hold it (then the ring, for this group's later
     pushes too). `gate`: the push's gate token (collective.py): nothing goes on the wire until every member is
@@ -90,6 +90,8 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
         raise ValueError(f"arena must be auto, whole or ring, not {arena!r}")
     deadline = time.monotonic() + timeout_s
     out = SendResult()
+    # (first: the last push's copies let go of its buckets, or the stream waits for those still being made)
+    copies = out.host_copies = host_copies_for(group, keep)
     planned = plan.for_sender(sender) if plan is not None else None
     # whole with a plan: the version packed into one arena (hashed in one pass), or a ring of slots
     buffers, ring = None, None
@@ -110,10 +112,9 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
 
             ring = SenderRing(planned, group.device, deadline, open_at_once=PlannedPacker(plan, sender, "cpu").max_open())
             buffers = ring.buffer
-    # whole: the device-to-host copies start once the sender has its digests (`_send_whole`). Started beside
-    # the broadcasts, they hold the digests' small reads back behind gigabytes of copies. A ring copies each
+    # whole: the device-to-host copies are made when collected, once the version is live (started beside the
+    # broadcasts, they would hold the digests' small reads back behind gigabytes of copies). A ring copies each
     # bucket as it is sent: its slot is reused once the copy is done.
-    copies = out.host_copies = host_copies_for(group, keep, deadline, defer_copy=ring is None)
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender,
                                 planned_buffer=buffers), out)
     try:
@@ -140,8 +141,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
             # group stays usable (LearnerGroup.export_weights).
             export.drain()
         raise
-    copies.finish()  # (the end went out with the buckets, the stale gate keys while the wire ran: _finish_whole)
-    return out
+    return out  # (the end went out with the buckets, the stale gate keys while the wire ran: _finish_whole)
 
 
 def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
@@ -181,8 +181,7 @@ def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], send
                   hashed: list[Any] | None = None) -> None:
     """A whole version's end on the sender: the checksums of what is not hashed yet enqueued behind the
     buckets (beside the wire on a device), and the end header right behind the buckets, with no wait in
-    between. One wait for the wire; then the digests on the host and the deferred host copies, which run
-    while the replicas commit. `each`: every bucket was hashed and its copy started as it was packed (a
+    between. One wait for the wire; then the digests on the host. `each`: every bucket was hashed and its copy started as it was packed (a
     `SenderRing`); `hashed`: the hashes of the buckets before the rest, launched while packing
     (`_send_whole_planned`)."""
     done = list(hashed or [])
@@ -195,7 +194,7 @@ def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], send
     tail = group.enqueue_broadcasts([_header(group, END)], deadline)
     out.seconds["broadcast"] += time.perf_counter() - t
     _join_hash_stream(group)  # (behind the end header: the wire does not wait for the checksums)
-    if not each:  # (deferred: they start once the digests are read, below; registered while the wire runs)
+    if not each:  # (made once collected; registered while the wire runs)
         t = time.perf_counter()
         for bucket, _ in packed:
             copies.add(bucket)
@@ -208,7 +207,6 @@ def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], send
     out.seconds["broadcast"] += time.perf_counter() - t
     for finish in finishes:  # the first waits for the device's checksums, the rest are there by then
         finish()
-    copies.start_copies()
 
 
 def _hash_stream(group: CollectiveGroup) -> Any:
@@ -325,15 +323,14 @@ def _fill(group: CollectiveGroup, rest: list[Any], deadline: float) -> None:
         pass
 
 
-def host_copies_for(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None, deadline: float,
-                    defer_keep: bool = False, defer_copy: bool = False) -> HostCopies:
+def host_copies_for(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None) -> HostCopies:
     """This push's host copies; an earlier push's that nobody collected are dropped first (their
-    pinned buffers are this push's). `defer_keep`, `defer_copy`: see HostCopies."""
+    pinned buffers are this push's)."""
     if group._copies is not None and not group._copies.close():
         group._pinned = None  # still read by a stuck keep: this push copies into fresh buffers
     if group.device.type == "cuda" and group._pinned is None:
         group._pinned = PinnedPool()
-    group._copies = HostCopies(keep, group._pinned, deadline=deadline, defer_keep=defer_keep, defer_copy=defer_copy)
+    group._copies = HostCopies(keep, group._pinned)
     return group._copies
 
 
@@ -382,7 +379,7 @@ def hash_and_copy_lazy(copies: HostCopies, bucket: Bucket, verify: str, out: Sen
     from asyncrl.weightsync.fingerprint import bucket_digests_lazy
 
     t = time.perf_counter()
-    copy = copies.add(bucket)
+    copy = copies.add(bucket, now=True)
     out.num_buckets += 1
     out.seconds["host_copy"] += time.perf_counter() - t
     t = time.perf_counter()

@@ -3,23 +3,22 @@
 Owns: the `Transport` protocol (put a bucket once, hand every replica the same payload, read it back, release it) and
 `select_transport` (`WeightsyncConfig.transport` and the placement -> one of them): `ObjectStoreTransport` (one
 `ray.put` per bucket, every replica a zero-copy read-only view), `SharedMemoryTransport` (one host: each bucket
-written once into a /dev/shm file every replica's workers map) and `CollectiveTransport` (nccl, gloo or ipc: the
-senders move each bucket straight into the engine workers' memory, collective.py; its handles are the senders' host
-copies in the object store). And those host copies (`HostCopies`, `PinnedPool`): each sent device bucket copied to
-pinned host memory on a side stream and kept (`ray.put`) by `KEEP_THREADS` threads, off the push's critical path;
-and a sending learner rank's export packed into host buckets of shm or the object store (`pack_into_transport`).
+written once into a /dev/shm file every replica's workers map) and `CollectiveTransport` (nccl, gloo: collective.py;
+ipc: ipc.py; its handles are the senders' host copies in the object store). And those host copies (`HostCopies`,
+`PinnedPool`: made once collected, off the push's critical path) and a sending learner rank's export packed into host
+buckets of shm or the object store (`pack_into_transport`).
 Must never: decide ordering or retries (push.py), look inside a bucket, drop a device bucket before its copy is done,
 or wait without a deadline. Details: docs/design/weightsync.md, "Transports" and "Host copies".
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +29,7 @@ from asyncrl.types import WeightExport
 from asyncrl.weightsync.bucket import FREE, Bucket, SharedAllocator, SharedBucket, digest_key_prefix, iter_buckets, write_shared
 from asyncrl.weightsync.fingerprint import bucket_digests
 
-BACKENDS = ("gloo", "nccl", "ipc")  # the collective transports (collective.py)
+BACKENDS = ("gloo", "nccl", "ipc")  # the collective transports (collective.py; ipc.py's needs no group)
 
 
 def is_object_ref(value: Any) -> bool:
@@ -172,14 +171,14 @@ def cluster_gpus() -> float:
 
 def auto_transport(*, on_gpu: bool, hybrid: bool, own_gpus: bool, one_host: bool, gpus: float) -> str:
     """What `transport: auto` means (the rule, apart from the cluster it reads):
-    - hybrid (learner and engines take turns on the same devices): ipc;
+    - hybrid (learner and engines take turns on the same devices): ipc on GPUs, shm on CPUs;
     - one host with the learner on GPUs: ipc when the host has one GPU (every rank and engine shares it:
       handles, no copy through host memory), nccl when each learner rank and each engine holds whole GPUs
       of its own (`own_gpus`), else shm (fractional GPUs on a host of several: where they sit is Ray's choice);
     - one host, CPU learner: shm; several hosts: nccl with a GPU learner, object_store on CPU hosts.
     On one GPU ipc is the fastest by far: no bytes cross host memory (docs/BENCHMARKS.md)."""
     if hybrid:
-        return "ipc"
+        return "ipc" if on_gpu else "shm"
     if one_host:
         if on_gpu and 0 < gpus <= 1:
             return "ipc"
@@ -206,6 +205,9 @@ def select_transport(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: 
     if kind == "nccl" and not on_gpu:
         raise TransportUnavailable("weightsync.transport='nccl' needs the learner on GPUs (learner.num_gpus_per_rank > 0); "
                                    "use 'gloo' for the same broadcast path on CPU hosts")
+    if kind == "ipc" and not on_gpu:
+        raise TransportUnavailable("weightsync.transport='ipc' hands the engines CUDA memory of the learner's and needs "
+                                   "the learner on GPUs (learner.num_gpus_per_rank > 0); use 'shm' on one CPU host")
     if kind in ("nccl", "gloo", "ipc"):
         return CollectiveTransport(kind, get_timeout_s=config.timeout_s)
     raise TransportUnavailable(
@@ -238,10 +240,6 @@ class PinnedPool:
             buf = self._buffers[index] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         return buf[:nbytes]
 
-    def trim(self, count: int) -> None:
-        """Free the buffers past the first `count` (the model shrank, or the bucket size changed)."""
-        del self._buffers[count:]
-
     @property
     def nbytes(self) -> int:
         return sum(int(b.numel()) for b in self._buffers if b is not None)
@@ -250,209 +248,107 @@ class PinnedPool:
 @dataclass
 class _Copy:
     host: Bucket
-    device: Bucket | None = None  # held until `event` completed: the copy still reads it
-    event: Any = None  # torch.cuda.Event on the copy stream
-    pending: bool = False  # a deferred copy not started yet (HostCopies.start_copies)
-    pinned: Any = None  # a deferred copy's pinned destination (`host` is its numpy view)
-
-    def done(self) -> bool:
-        return not self.pending and (self.event is None or self.event.query())
+    device: Bucket | None = None  # the sent bucket, read by the copy
+    pinned: Any = None  # the copy's pinned destination (`host` is its numpy view)
+    event: Any = None  # torch.cuda.Event on the copy stream, once the copy is enqueued
 
     def wait(self, deadline: float) -> Bucket:
-        while self.pending:  # started by another thread (start_copies), or dropped by close
+        while self.event is not None and not self.event.query():
             if time.monotonic() > deadline:
-                raise HostCopyError("device-to-host copy of a bucket not started by the deadline")
+                raise HostCopyError("device-to-host copy of a bucket not complete by the deadline")
             time.sleep(0.0002)
-        if self.event is not None:
-            while not self.event.query():
-                if time.monotonic() > deadline:
-                    raise HostCopyError("device-to-host copy of a bucket not complete by the deadline")
-                time.sleep(0.0002)
-        self.device = None
+        self.device = self.event = None
         return self.host
 
 
 class HostCopies:
-    """The host copies of one push from one sender; `add` each sent bucket, then `finish`.
+    """The host copies of one push from one sender. `add` each sent bucket: the sender keeps its buffer unwritten
+    until its next push, which `close`s these first. `result` (the publisher collects once the version is live,
+    off the push's critical path; on a shared GPU a copy made earlier would take turns with the engine's apply)
+    copies every device bucket into pinned host memory on a side stream and keeps each (`keep`, e.g. `ray.put`)
+    on `KEEP_THREADS` threads, in bucket order. `add(bucket, now=True)` copies at once: a `SenderRing` reuses the
+    slot once that copy is done."""
 
-    `add` returns at once (every bucket of a push is kept until the push ends, so nothing bounds
-    the copies in flight); `result` waits for all and returns what `keep` returned for each, in
-    bucket order. `seconds`: `wait` is the time `add` spent (on the critical path), `copy` and
-    `keep` the thread's time waiting for copies and keeping them. `keep` runs behind the copies."""
-
-    def __init__(self, keep: Callable[[Bucket], Any] | None, pool: PinnedPool | None, *, deadline: float,
-                 keep_threads: int = KEEP_THREADS, defer_keep: bool = False, defer_copy: bool = False) -> None:
+    def __init__(self, keep: Callable[[Bucket], Any] | None, pool: PinnedPool | None) -> None:
         self._keep = keep if keep is not None else (lambda bucket: bucket)
-        self._keepers = ThreadPoolExecutor(keep_threads, thread_name_prefix="asyncrl-host-keep")
-        self._kept_futures: list[Future] = []
-        self._pool, self._deadline = pool, deadline
-        self._queue: queue.Queue[_Copy | None] = queue.Queue()
-        self._kept: list[Any] = []
-        self._error: BaseException | None = None
-        self._streams: dict[torch.device, Any] = {}
-        self._count = 0
-        self._finished = False
-        # defer_keep: `keep` starts only at `finish` (its serialisation competes for this process's
-        # GIL with a sender still waiting on its receivers); the device-to-host copies run at once.
-        self._release = threading.Event()
-        if not defer_keep:
-            self._release.set()
-        # defer_copy: the device-to-host copies start only at `start_copies` (or `result`), i.e. once
-        # the push is live: on a GPU the receivers share (ipc), copies running in this process
-        # would take turns on the device with the engine's apply, inside its paused window.
-        self._deferred: list[_Copy] = []
-        self._copy_gate = threading.Event()
-        if not defer_copy:
-            self._copy_gate.set()
-        self.seconds = {"wait": 0.0, "copy": 0.0, "keep": 0.0}  # keep: summed over the keeper threads
+        self._pool = pool
+        self._copies: list[_Copy] = []
         self._lock = threading.Lock()
-        # Started by the first bucket (or `result`), not here: a sender makes this before its push's gate, and a
-        # thread's start waits for the new thread to run, milliseconds of that path in a busy process. A whole version
-        # adds its buckets while the wire runs.
-        self._thread = threading.Thread(target=self._run, name="asyncrl-host-copies", daemon=True)
+        self._closed = False
+        self._keeping = False  # `result` is keeping: the pinned buffers are read until it returns
+        self.seconds = {"copy": 0.0, "keep": 0.0}
 
-    # ---- the sender's side -------------------------------------------------------------------
-    def add(self, bucket: Bucket) -> _Copy:
-        self._check()
-        self._start_thread()
-        t = time.perf_counter()
+    def add(self, bucket: Bucket, now: bool = False) -> _Copy:
         buf = bucket.buffer
         if isinstance(buf, torch.Tensor) and buf.is_cuda:
-            if self._copy_gate.is_set():
-                copy = self._start_device_copy(bucket)
-            else:
-                pinned = self._pinned(bucket)
-                copy = _Copy(Bucket(buffer=pinned.numpy(), metas=list(bucket.metas), rank=bucket.rank),
-                             device=bucket, pending=True, pinned=pinned)
-                self._deferred.append(copy)
+            nbytes = int(buf.numel())
+            pinned = self._pool.get(len(self._copies), nbytes) if self._pool is not None \
+                else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            copy = _Copy(Bucket(buffer=pinned.numpy(), metas=list(bucket.metas), rank=bucket.rank), bucket, pinned)
+            if now:
+                self._enqueue(copy)
         else:  # already host memory (a fresh buffer per bucket), kept as it is
             copy = _Copy(Bucket(buffer=buf.numpy() if isinstance(buf, torch.Tensor) else buf, metas=list(bucket.metas),
                                 rank=bucket.rank))
-        self.seconds["wait"] += time.perf_counter() - t
-        self._count += 1
-        self._queue.put(copy)
+        self._copies.append(copy)
         return copy
 
-    def _start_thread(self) -> None:
-        if self._thread.ident is None:  # (set once started)
-            with self._lock:
-                if self._thread.ident is None:
-                    self._thread.start()
-
-    def _pinned(self, bucket: Bucket) -> torch.Tensor:
-        nbytes = int(bucket.buffer.numel())
-        return self._pool.get(self._count, nbytes) if self._pool is not None else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def _enqueue_copy(self, bucket: Bucket, pinned: torch.Tensor) -> Any:
-        buf: torch.Tensor = bucket.buffer
-        stream = self._streams.get(buf.device)
+    @staticmethod
+    def _enqueue(copy: _Copy) -> None:
+        buf: torch.Tensor = copy.device.buffer  # type: ignore[union-attr]
+        stream = _COPY_STREAMS.get(buf.device)
         if stream is None:
-            stream = self._streams[buf.device] = torch.cuda.Stream(buf.device)
+            stream = _COPY_STREAMS[buf.device] = torch.cuda.Stream(buf.device)
         stream.wait_stream(torch.cuda.current_stream(buf.device))  # the pack that wrote it
         with torch.cuda.stream(stream):
-            pinned.copy_(buf.view(torch.uint8).reshape(-1), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return event
-
-    def _start_device_copy(self, bucket: Bucket) -> _Copy:
-        pinned = self._pinned(bucket)
-        return _Copy(Bucket(buffer=pinned.numpy(), metas=list(bucket.metas), rank=bucket.rank), device=bucket,
-                     event=self._enqueue_copy(bucket, pinned))
-
-    def start_copies(self) -> None:
-        """Start the deferred device-to-host copies (`defer_copy`); idempotent. Not after `close`."""
-        if self._copy_gate.is_set():
-            return
-        with self._lock:
-            if self._error is None:
-                for copy in self._deferred:
-                    copy.event = self._enqueue_copy(copy.device, copy.pinned)  # type: ignore[arg-type]
-                    copy.pending, copy.pinned = False, None
-            self._deferred = []
-            self._copy_gate.set()
-
-    def finish(self) -> None:
-        """No more buckets: the pool keeps as many buffers as this push used."""
-        if self._pool is not None:
-            self._pool.trim(self._count)
-        self._end()
-
-    def _end(self) -> None:
-        self._release.set()
-        if not self._finished:
-            self._finished = True
-            self._queue.put(None)
+            copy.pinned.copy_(buf.view(torch.uint8).reshape(-1), non_blocking=True)
+            copy.event = torch.cuda.Event()
+            copy.event.record(stream)
 
     def result(self, deadline: float | None = None) -> list[Any]:
-        """What `keep` returned for every bucket, in order; raises the first failure."""
-        self.start_copies()
-        self._end()
-        self._start_thread()
-        self._thread.join(max(0.0, (deadline if deadline is not None else self._deadline) - time.monotonic()))
-        if self._thread.is_alive():
-            kept = sum(f.done() for f in self._kept_futures)
-            raise HostCopyError(f"host copies of {self._count} buckets not kept by the deadline ({kept} kept)")
-        self._check()
-        return list(self._kept)
-
-    def close(self, timeout_s: float = 30.0) -> bool:
-        """Stop the thread and drop what was kept; returns whether it ended, i.e. whether the pool
-        is free again (a `keep` stuck past `timeout_s` may still read its pinned buffer)."""
-        if self._error is None:
-            self._error = HostCopyError("closed")
-        with self._lock:  # copies never started read nothing: drop them
-            for copy in self._deferred:
-                copy.device, copy.pending = None, False
-            self._deferred = []
-            self._copy_gate.set()
-        self._end()
-        if self._thread.ident is not None:
-            self._thread.join(timeout_s)
-        self._kept.clear()
-        return not self._thread.is_alive()
-
-    def _check(self) -> None:
-        if self._error is not None:
-            raise HostCopyError(f"host copy failed: {type(self._error).__name__}: {self._error}") from self._error
-
-    # ---- the threads ---------------------------------------------------------------------------
-    def _run(self) -> None:
-        """Wait for each copy in order, hand it to a keeper thread; at the end, collect in order."""
-        while (copy := self._queue.get()) is not None:
-            try:
-                self._copy_gate.wait(max(0.0, self._deadline - time.monotonic()))
-                if self._error is None:
-                    t = time.perf_counter()
-                    host = copy.wait(self._deadline)
-                    self.seconds["copy"] += time.perf_counter() - t  # `wait` dropped the device bucket
-                    self._release.wait(max(0.0, self._deadline - time.monotonic()))
-                    self._kept_futures.append(self._keepers.submit(self._keep_one, host))
-                    continue
-            except BaseException as err:  # noqa: BLE001 - reported by `result` / the next `add`
-                self._error = err
-            copy.device = None
-        for future in self._kept_futures:  # in bucket order
-            try:
-                self._kept.append(future.result())
-            except BaseException as err:  # noqa: BLE001
-                if self._error is None:
-                    self._error = err
-        self._keepers.shutdown(wait=False)
-
-    def _keep_one(self, host: Bucket) -> Any:
-        t = time.perf_counter()
+        """What `keep` returned for every bucket, in order (by `deadline`, default in two minutes); raises the first
+        failure."""
+        deadline = time.monotonic() + 120.0 if deadline is None else deadline
+        with self._lock:
+            if self._closed:
+                raise HostCopyError("closed: the sender's next push reuses its buffers")
+            for copy in self._copies:
+                if copy.event is None and copy.device is not None:
+                    self._enqueue(copy)
+            self._keeping = True
         try:
-            if self._error is not None:  # an earlier bucket failed or the push was closed: keep nothing more
-                raise self._error
-            return self._keep(host)
-        except BaseException as err:
-            if self._error is None:
-                self._error = err
-            raise
-        finally:
-            with self._lock:
+            t = time.perf_counter()
+            hosts = [copy.wait(deadline) for copy in self._copies]
+            self.seconds["copy"] += time.perf_counter() - t
+            t = time.perf_counter()
+            keepers = ThreadPoolExecutor(KEEP_THREADS, thread_name_prefix="asyncrl-host-keep")
+            try:
+                return list(keepers.map(self._keep, hosts, timeout=max(0.0, deadline - time.monotonic())))
+            except FuturesTimeout:
+                raise HostCopyError(f"host copies of {len(hosts)} buckets not kept by the deadline") from None
+            except Exception as err:
+                raise HostCopyError(f"host copy failed: {type(err).__name__}: {err}") from err
+            finally:
+                keepers.shutdown(wait=False, cancel_futures=True)
                 self.seconds["keep"] += time.perf_counter() - t
+        finally:
+            self._keeping = False
+
+    def close(self) -> bool:
+        """No `result` from now on; the caller's stream waits for every copy already enqueued (the next push may
+        then write the device buffers). Returns whether the pinned buffers are free again (False while a `keep`
+        still reads them)."""
+        with self._lock:
+            self._closed = True
+            for copy in self._copies:
+                device, event = copy.device, copy.event
+                if event is not None and device is not None:  # (not waited for yet)
+                    torch.cuda.current_stream(device.buffer.device).wait_event(event)
+                copy.device = None
+        return not self._keeping
+
+
+_COPY_STREAMS: dict[torch.device, Any] = {}  # the side stream host copies run on, one a device
 
 
 def pack_into_transport(tensors: Iterable[tuple[str, Any]], bucket_mb: float, transport: str, verify: str,

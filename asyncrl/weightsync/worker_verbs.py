@@ -18,18 +18,16 @@ import pickle
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import msgspec
 import torch
 
 from asyncrl.types import ApplyReport, LayoutCheck, ReceiveReport
-from asyncrl.weightsync.bucket import Bucket, SharedBucket, digest_key_prefix, unpack_bucket
+from asyncrl.weightsync.bucket import Bucket, SharedBucket, digest_key_prefix, metas_from_wire, unpack_bucket
 from asyncrl.weightsync.fingerprint import PendingDigests, bucket_digests, bucket_digests_lazy, buckets_digests_lazy, check_verify_mode
 from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, probe_layout, same_ops, verify_layout
 
-if TYPE_CHECKING:
-    from asyncrl.weightsync.collective import CollectiveGroup
 
 def check_begin(verify: str, layout: str) -> None:
     """ValueError unless an update's verify mode and layout are known ones."""
@@ -64,7 +62,7 @@ class EngineHooks(Protocol):
 @dataclass
 class _Kept:
     """What a receiver derives from a bucket that its transport hands again at the next push (the same
-    object: an ipc ring's record, a broadcast group's whole-version receive, `Bucket.reused`): its tensor
+    object: the ipc sender's buffers opened once, a broadcast group's whole-version receive, `Bucket.reused`): its tensor
     views and its fingerprint keys."""
 
     bucket: Bucket
@@ -97,8 +95,8 @@ class WorkerReceiver:
         self.plan_id: str | None = None
         self._live: dict[str, torch.Tensor] | None = None
         self._staged: _Staged | None = None
-        # A whole-version push stages views of the same bucket objects from one push to the next (ipc.py's
-        # record cache of the sender's ring; stream.py's whole-version buckets): their unpacked views, and the
+        # A whole-version push stages views of the same bucket objects from one push to the next (the ipc sender's
+        # buffers as `asyncrl_receive` opened them; stream.py's whole-version buckets): their unpacked views, and the
         # apply's parameter lists built from them, are kept.
         self._views: dict[int, _Kept] = {}
         # (key, live parameters, sources); set_plan, the one place the live parameters change, drops it
@@ -277,8 +275,7 @@ class WorkerReceiver:
         self.release_views()
 
     def release_views(self) -> None:
-        """Drop the views kept from the last push (its groups are gone: on ipc they map the old
-        sender's buffers, which they would otherwise keep allocated until the next push)."""
+        """Drop the views kept from the last push (its groups are gone, or the engine is about to sleep)."""
         self._views, self._apply_lists = {}, None
 
 
@@ -292,29 +289,6 @@ def copy_to(bucket: Bucket, device: torch.device) -> Bucket:
     else:
         own = torch.from_numpy(buffer).to(device) if device.type != "cpu" else buffer
     return Bucket(buffer=own, metas=list(bucket.metas), rank=bucket.rank)
-
-
-def receive_stream(group: "CollectiveGroup", deadline: float) -> Iterator[Bucket]:
-    """Receive one version over `group`, by its backend's loop: yields each bucket until the sender's end;
-    raises `SenderAborted` when the sender aborted."""
-    if group.spec.backend == "ipc":
-        from asyncrl.weightsync.ipc import ipc_receive_stream
-
-        return ipc_receive_stream(group, deadline)
-    from asyncrl.weightsync.stream import broadcast_receive_stream
-
-    return broadcast_receive_stream(group, deadline)
-
-
-def refuse_push(group: "CollectiveGroup", why: str, gate: str = "") -> None:
-    """This receiver refuses the coming push before reading any of it: ipc tells the sender through
-    the store; a broadcast group closes the push's gate (`gate`), so every member leaves before the wire."""
-    if group.spec.backend == "ipc":
-        from asyncrl.weightsync.ipc import ipc_refuse
-
-        ipc_refuse(group, why)
-    elif gate:
-        group.close_gate(gate, why)
 
 
 def _dump(value: Any) -> bytes:
@@ -343,7 +317,10 @@ class WorkerVerbs:
     def asyncrl_layout(self, manifest: bytes | None = None) -> LayoutCheck:
         """No `manifest` (at engine start, before any push): check this worker's layout against its checkpoint.
         With one: that check's answer, and its layout for the learner's manifest (a pickled `EngineLayout`)."""
+        from asyncrl.weightsync.collective import warm_push_kernels
+
         rx = self._asyncrl_rx()
+        warm_push_kernels(rx.hooks.device)  # (before any push, as a group member does at its join; ipc joins none)
         if manifest is None:
             return rx.check_layout()
         return msgspec.structs.replace(rx.checked, layout=_dump(rx.layout_for(pickle.loads(manifest))))
@@ -359,10 +336,20 @@ class WorkerVerbs:
         rx = self._asyncrl_rx()
         if groups is None:
             rx.begin(version, *(begin or []))
+            from asyncrl.weightsync.ipc import ipc_open
+
+            opened = self.__dict__.get("_asyncrl_ipc", {})  # ipc: the sender's buffers, as the last push opened them
+            now: dict[bytes, Bucket] = {}
             for wire in wires or []:
-                rx.stage(version, self._asyncrl_open(wire))
+                if isinstance(wire[0], bytes):  # views of the sender's ring, hashed in one pass at the end
+                    bucket = now[wire[0]] = opened.get(wire[0]) or ipc_open(wire[0], metas_from_wire(wire[1]), wire[2])
+                    rx.stage(version, bucket, lazy=True, batch=True)
+                else:
+                    rx.stage(version, self._asyncrl_open(wire))
+            self.__dict__["_asyncrl_ipc"] = now  # (one push's: an older ring's mapping goes)
             return ReceiveReport(digests=rx.digests(version))
         from asyncrl.weightsync.collective import CollectiveError
+        from asyncrl.weightsync.stream import broadcast_receive_stream
 
         held = self.__dict__.get("_asyncrl_groups", {})
         skipped = set(self._asyncrl_not_member())
@@ -376,17 +363,15 @@ class WorkerVerbs:
         except (ValueError, CollectiveError) as err:
             self._asyncrl_refuse(group_ids, f"{type(err).__name__}: {err}", gate)
             raise
-        gated = bool(gate) and all(held[gid].spec.backend != "ipc" for gid in group_ids)
-        if gated:  # ready on every group at once; each group's decision is awaited when its turn comes (a
+        if gate:  # ready on every group at once; each group's decision is awaited when its turn comes (a
             for gid in group_ids:  # later PP stage may only start sending once an earlier one is done)
                 held[gid].arrive(gate)
         for gid in group_ids:
             group = held[gid]
-            if gated:
+            if gate:
                 group.await_gate(gate, deadline)
-            ipc = group.spec.backend == "ipc"  # buckets that arrive at once, mapped: hashed in one pass at the end
-            for bucket in receive_stream(group, deadline):
-                rx.stage(version, bucket, lazy=True, batch=ipc)  # one wait for every digest, below
+            for bucket in broadcast_receive_stream(group, deadline):
+                rx.stage(version, bucket, lazy=True)  # one wait for every digest, below
         return ReceiveReport(digests=rx.digests(version))
 
     def _asyncrl_open(self, wire: tuple) -> Bucket:
@@ -398,13 +383,13 @@ class WorkerVerbs:
         return copy_to(bucket, device) if on_device else bucket
 
     def _asyncrl_refuse(self, group_ids: list[str], why: str, gate: str = "") -> None:
-        """Refuse the coming push on the groups `group_ids`: its sender (ipc), or every member at its gate
-        `gate` (gloo / NCCL), stops at once. Best effort on each group."""
+        """Refuse the coming push on the groups `group_ids`: every member at its gate `gate` stops at once. Best
+        effort on each group."""
         for gid in group_ids:
             group = self.__dict__.get("_asyncrl_groups", {}).get(gid)
-            if group is not None and not group.broken:
+            if group is not None and not group.broken and gate:
                 try:
-                    refuse_push(group, why, gate)
+                    group.close_gate(gate, why)
                 except Exception:  # noqa: BLE001 - a group whose store is gone has nobody waiting
                     pass
 

@@ -1,6 +1,6 @@
 """The chaos soak's short variant (benchmarks/chaos_soak.py; the hour-long run: docs/BENCHMARKS.md, "Reliability"):
 `make serve`'s app started by `asyncrl serve` in a Ray cluster of its own, under API load from the `openai` client,
-one learner rank killed (SIGKILL) and, later, one engine's EngineCore, then SIGTERM. Over ipc, so a push meets
+one learner rank killed (SIGKILL) and, later, one engine's EngineCore, then SIGTERM. Over gloo, so a push meets
 the engine that died mid-push on the collective path. Every check of the soak holds: no sample lost at any poll
 or kill, versions once each and in order, 99 % of the requests away from the kills answered 200 and every non-200
 a 503 inside a kill's window, no push waiting out its deadline, the learner restarted once and training going on,
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def test_a_short_soak_with_a_learner_and_an_engine_killed_loses_nothing_and_exits_clean(demo_model_path, tmp_path):
     soak = import_benchmark("chaos_soak")
     args = soak.parse_args(["--minutes", "2", "--kill-every", "1", "--learner-kill-at", "0.5", "--concurrency", "4",
-                            "--checkpoint-every", "5", "--set", "weightsync.transport=ipc",
+                            "--checkpoint-every", "5", "--set", "weightsync.transport=gloo",
                             "--set", f"model.path={demo_model_path}", "--free-ports", "--run-dir", str(tmp_path)])
     report = asyncio.run(soak.Soak(args).run())
     print(soak.summary(report))

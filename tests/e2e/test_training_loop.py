@@ -281,8 +281,8 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
     """rollout.kind agent: the demo's two-turn agent (a question, then "Add C to that." on its answer),
     rewarded per turn, drives the live OpenAI API through the gateway, one episode per group member;
     every episode is one sample, its follow-up question inside the response and out of the loss, and
-    the learner trains on them with the buffer's accounting intact. Weights go over ipc (the CPU form:
-    shared files): the one engine replica begins, receives, and commits (pausing itself). The actor
+    the learner trains on them with the buffer's accounting intact. Weights go over gloo (NCCL's twin): the one
+    engine replica begins, receives, and commits (pausing itself). The actor
     trains LoRA adapters (learner.lora): each push carries the merged weights W + (alpha / r) B A, so at
     eta 0 the engine's log-probs of step 2 (sampled after the first push) are the learner's; with a KL loss
     its reference is its own base (adapters off), not a second group."""
@@ -290,7 +290,7 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
                 # the starting evaluation only (eval_interval_steps 0 would skip it too)
                 trainer={"total_steps": 2, "eval_interval_steps": 100}, checkpoint={"interval_steps": 2},
                 rollout={"kind": "agent", "function": "asyncrl.agents.arithmetic:two_step_per_turn"},
-                weightsync={"transport": "ipc"}, learner={"lora": {"rank": 8, "alpha": 16}, "lr": 5e-3},
+                weightsync={"transport": "gloo"}, learner={"lora": {"rank": 8, "alpha": 16}, "lr": 5e-3},
                 algorithm={"kl_coef": 0.01})
     final = seen["statuses"][-1]
     assert final["state"] == "finished", final
@@ -311,7 +311,7 @@ def test_agent_rollouts_train_on_two_turn_episodes(ray_session, demo_model_path,
     moved = metrics[0]["actor/grad_norm"] > 0
     assert metrics[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6) and (metrics[1]["actor/kl_loss"] > 1e-6) == moved, \
         [(m["actor/grad_norm"], m["actor/kl_loss"]) for m in metrics]
-    assert all(m["weightsync/transport/ipc/bytes"] == m["weightsync/bytes"] > 0 and m["weightsync/commit_seconds"] > 0
+    assert all(m["weightsync/transport/gloo/bytes"] == m["weightsync/bytes"] > 0 and m["weightsync/commit_seconds"] > 0
                and m["weightsync/apply_direct"] == 1.0 for m in metrics)
     # the groups formed at the start: the first push asked whether they still hold; the second, after a clean
     # push, went without asking
@@ -378,7 +378,7 @@ def test_an_engine_killed_mid_training_is_replaced_and_training_goes_on(run_a, r
     flight are retried or counted as failed, and training runs to its end, >= 10 steps after the
     kill, with every generated sample accounted for; the API answers again after the fault.
     (The pushes of host buckets, `auto`'s shm here, recover the same way; test_multinode.py loses
-    the engines' node under `auto`'s object store; over ipc, with two replicas under API load and a
+    the engines' node under `auto`'s object store; over gloo, with two replicas under API load and a
     learner rank killed too: test_chaos_soak.py.) Over gloo (NCCL's twin) the check of the groups
     is skipped only where the push's own begin was answered by exactly the groups' members: the new
     replica answers instead of the dead one, so the groups are formed again before any byte is

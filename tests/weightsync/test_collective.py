@@ -1,6 +1,5 @@
-"""The collective transport's wire protocol and its push path, over real gloo groups and real ipc
-groups (TCPStore + shared-memory handles; one rank per thread). The NCCL backend and ipc's CUDA
-handles run the same code on GPUs: tests/weightsync/test_collective_gpu.py and
+"""The collective transport's wire protocol and its push path, over real gloo groups (one rank per thread). The
+NCCL backend runs the same code on GPUs, and ipc (CUDA only) its own: tests/weightsync/test_collective_gpu.py and
 benchmarks/weightsync.py --transports nccl,ipc."""
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from asyncrl.config import WeightsyncConfig
 from asyncrl.generator.worker_ext import WeightUpdateExtension
 from asyncrl.types import GroupsReport, HostCopies, LoadReport, SenderAddress, WeightExport
 from asyncrl.types import WeightUpdateState as S
-from asyncrl.weightsync.bucket import FILE_PREFIX, digest_key_prefix, shared_dir, unpack_bucket
+from asyncrl.weightsync.bucket import digest_key_prefix, unpack_bucket
 from asyncrl.weightsync.collective import (
     CollectiveError,
     CollectiveGroup,
@@ -34,14 +33,11 @@ from asyncrl.weightsync.collective import (
 from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_digests, tensor_fingerprint
 from asyncrl.weightsync.link import send_stream
 from asyncrl.weightsync.push import Publisher, Step, WeightsyncError
-from asyncrl.weightsync.worker_verbs import receive_stream
+from asyncrl.weightsync.stream import broadcast_receive_stream as receive_stream
 
 from .fakes import FakeReplica, LocalTransport, model, streamed
 
 BUCKET_MB = 8192 / (1 << 20)  # two 4 KiB tensors per bucket -> 3 buckets for 5 tensors
-
-
-BACKENDS = pytest.mark.parametrize("backend", ["gloo", "ipc"])
 
 
 def _spec(receivers=2, timeout_s=20.0, gid="g", backend="gloo") -> GroupSpec:
@@ -102,8 +98,8 @@ def test_a_shard_plans_groups_hold_only_the_engine_ranks_each_sender_feeds():
     assert GroupSpec(**asdict(specs[0])) == specs[0]  # as the workers get it
 
 
-@BACKENDS
-def test_the_senders_reserved_port_stays_taken_until_its_store_serves_the_group_on_it(backend):
+def test_the_senders_reserved_port_stays_taken_until_its_store_serves_the_group_on_it():
+    backend = "gloo"
     sock = reserve_port("127.0.0.1")
     port = sock.getsockname()[1]
     with socket.socket() as other, pytest.raises(OSError):  # no other process can take it meanwhile
@@ -145,8 +141,8 @@ def test_join_refuses_a_reserved_socket_that_is_not_on_the_specs_port():
         g.close()
 
 
-@BACKENDS
-def test_every_receiver_gets_every_bucket_bit_exact_and_the_sender_keeps_host_copies(backend):
+def test_every_receiver_gets_every_bucket_bit_exact_and_the_sender_keeps_host_copies():
+    backend = "gloo"
     spec = _spec(receivers=2, backend=backend)
     sender, *receivers = _join_all(spec)
     weights = model(3)
@@ -520,8 +516,8 @@ def test_a_planned_whole_push_whose_export_fails_midway_aborts_the_receivers_and
         g.close()
 
 
-@BACKENDS
-def test_a_failing_export_aborts_the_receivers_at_once(backend):
+def test_a_failing_export_aborts_the_receivers_at_once():
+    backend = "gloo"
     spec = _spec(receivers=1, timeout_s=60.0, backend=backend)
     sender, receiver = _join_all(spec)
 
@@ -534,8 +530,8 @@ def test_a_failing_export_aborts_the_receivers_at_once(backend):
     _assert_a_failing_export_aborts_the_receiver_at_once(sender, receiver, failing(), verify="off")
 
 
-@BACKENDS
-def test_a_receiver_whose_sender_never_sends_times_out_and_the_group_is_broken(backend):
+def test_a_receiver_whose_sender_never_sends_times_out_and_the_group_is_broken():
+    backend = "gloo"
     spec = _spec(receivers=1, timeout_s=10.0, backend=backend)
     sender, receiver = _join_all(spec)
     with pytest.raises(CollectiveError, match="broadcast" if backend.startswith("gloo") else "ipc step failed"):
@@ -544,103 +540,6 @@ def test_a_receiver_whose_sender_never_sends_times_out_and_the_group_is_broken(b
     with pytest.raises(CollectiveError, match="broken"):
         next(receive_stream(receiver, time.monotonic() + 5))
     sender.close()
-
-
-def _bucket_files() -> set[str]:
-    import os
-
-    d = shared_dir(0)
-    return {f for f in os.listdir(d) if f.startswith(FILE_PREFIX)}
-
-
-def test_an_ipc_push_publishes_every_bucket_at_once_and_frees_them_after_the_last_stage():
-    """One record with every bucket, one acknowledgement per receiver
-    after it staged the last one; the receivers' buckets are views of what the sender published
-    (CPU: file mappings, which outlive the unlink), and nothing published outlives the push."""
-    spec = _spec(receivers=2, backend="ipc")
-    sender, *receivers = _join_all(spec)
-    before = _bucket_files()
-    weights = {f"t{i}": torch.full((1024,), float(i)) for i in range(8)}  # 4 buckets
-    seen: dict[int, list[int]] = {}
-    got: dict[int, dict[str, torch.Tensor]] = {}
-
-    def receive(group):
-        seen[group.rank], got[group.rank] = [], {}
-        staged = []
-        for bucket in receive_stream(group, time.monotonic() + 20):
-            seen[group.rank].append(len(_bucket_files() - before))
-            staged.append(bucket)  # kept as a staging worker keeps them, read after the push
-        got[group.rank] = {n: t.clone() for b in staged for n, t in unpack_bucket(b)}
-
-    keys = []
-    for _ in range(2):  # two pushes on the same group
-        sent = _push_while_receiving(sender, receivers, receive, weights, "checksum")
-        assert sent.num_buckets == 4 and len(sent.host_copies.result()) == 4
-        assert all(s == [4, 4, 4, 4] for s in seen.values())  # the whole version was out before any was staged
-        assert _bucket_files() - before == set()  # freed once both receivers staged all of it
-        assert all(torch.equal(got[r][k], weights[k]) for r in got for k in weights)
-        assert combine_digests(sent.digests, "checksum") == tensor_fingerprint(weights, "checksum")
-        keys.append(sender._store.num_keys())
-    assert keys[0] == keys[1]  # the store does not grow with pushes
-    for g in (sender, *receivers):
-        g.close()
-
-
-def _drain(group, fail: bool) -> Exception | None:
-    """Receive a push to its end (None), or fail staging its second bucket ("staging failed"); the error raised."""
-    try:
-        for i, _ in enumerate(receive_stream(group, time.monotonic() + 60)):
-            if fail and i == 1:
-                raise ValueError("staging failed")
-    except Exception as exc:
-        return exc
-    return None
-
-
-def test_an_ipc_receiver_that_stops_mid_push_fails_the_sender_at_once():
-    spec = _spec(receivers=2, timeout_s=60.0, backend="ipc")
-    sender, good, bad = _join_all(spec)
-    weights = {f"t{i}": torch.ones(1024) for i in range(16)}  # 8 buckets
-
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(_drain, good, False), pool.submit(_drain, bad, True)]
-        t0 = time.monotonic()
-        with pytest.raises(CollectiveError, match="a receiver failed: rank 2: stopped reading at bucket 1"):
-            send_stream(sender, iter(weights.items()), BUCKET_MB, verify="off", timeout_s=60)
-        assert time.monotonic() - t0 < 30  # told through the store, not left to its 60 s deadline
-        good_error, bad_error = (f.result(30) for f in futures)
-    # the good receiver staged the whole version if it opened it before the sender's abort freed it,
-    # else it is told (never a missing file)
-    assert isinstance(bad_error, ValueError)
-    assert isinstance(good_error, (type(None), SenderAborted)), good_error
-    assert sender.broken and bad.broken
-
-
-def test_a_whole_version_receiver_that_reads_after_the_senders_abort_is_told_not_left_with_a_missing_file():
-    """The other receiver failed and the sender freed the published buffers before this
-    one read the record (a race CI hit): it gets SenderAborted (its group stays usable), not an
-    error from a bucket file that is gone."""
-    spec = _spec(receivers=2, timeout_s=60.0, backend="ipc")
-    sender, late, bad = _join_all(spec)
-    weights = {f"t{i}": torch.ones(1024) for i in range(16)}
-
-    with ThreadPoolExecutor(2) as pool:
-        bad_future = pool.submit(_drain, bad, True)
-        with pytest.raises(CollectiveError, match="a receiver failed: rank 2"):
-            send_stream(sender, iter(weights.items()), BUCKET_MB, verify="off", timeout_s=60)
-        late_error = pool.submit(_drain, late, False).result(30)  # only now does it read the record
-        assert isinstance(bad_future.result(30), ValueError)
-    assert isinstance(late_error, SenderAborted), late_error
-    assert not late.broken and sender.broken
-
-
-def test_an_ipc_join_without_every_member_fails_by_count():
-    spec = _spec(receivers=2, timeout_s=1.0, backend="ipc")
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(CollectiveGroup.join, spec, r) for r in (0, 1)]
-        for f in futures:
-            with pytest.raises(CollectiveError, match="of 3 members joined"):
-                f.result(30)
 
 
 # ---- the publisher's streamed path, with replicas that receive over a real gloo group -------------
@@ -685,6 +584,8 @@ def _export(sent) -> WeightExport:
 class _Link:
     """A `Link` (sources.py) over a test's groups: `send(version, verify)` is the test's, answering the senders'
     `WeightExport` and how to collect that send's host copies (None: none kept); `ensure` forms the groups."""
+
+    sequential = False
 
     def __init__(self, send, payload, ensure=None, stop=None) -> None:
         self._send, self.payload, self._ensure, self._stop, self._collect = send, payload, ensure, stop, None
@@ -935,7 +836,7 @@ class _FakeLearner:
         await asyncio.sleep(0.05)  # (the link's check runs beside it)
         if self.fail:
             raise RuntimeError("export failed")
-        return WeightExport()
+        return WeightExport(buckets=["h0", "h1"] if transport == "ipc" else [])
 
     async def collective_addresses(self):
         return [SenderAddress(0, "127.0.0.1", 1, self.held[0] if self.held else "")]
@@ -1010,12 +911,12 @@ async def test_a_shard_plans_groups_form_again_when_the_ranks_each_sender_feeds_
     assert link.formed == 2 and [s.ranks for s in link.specs] == [(), ()]
 
 
-async def test_an_ipc_link_checks_its_groups_again_unless_the_last_push_reached_exactly_their_members():
+async def test_a_link_checks_its_groups_again_unless_the_last_push_reached_exactly_their_members():
     from asyncrl.weightsync.link import CollectiveLink
 
     learner = _FakeLearner()
     _, asked, members, join = _fake_replicas()
-    link = CollectiveLink("ipc", learner, members=members, join=join, bucket_mb=1, timeout_s=5)
+    link = CollectiveLink("gloo", learner, members=members, join=join, bucket_mb=1, timeout_s=5)
     await link.ensure()
     assert link.formed == 1 and asked["n"] == 1
     link.pushed({"a": {}})  # the push reached exactly the groups' members
@@ -1032,9 +933,22 @@ async def test_an_ipc_link_checks_its_groups_again_unless_the_last_push_reached_
     assert asked["n"] == 4 and link.formed == 2
 
 
+async def test_an_ipc_link_forms_no_group_and_hands_the_replicas_what_its_senders_answered():
+    """ipc: the loads follow the senders' export (`sequential`), their payload the handles it answered; no group
+    is formed or asked about, no gate."""
+    from asyncrl.weightsync.link import CollectiveLink
+
+    learner = _FakeLearner()
+    _, asked, members, join = _fake_replicas()
+    link = CollectiveLink("ipc", learner, members=members, join=join, bucket_mb=1, timeout_s=5, check=members)
+    await link.ensure()
+    assert link.sequential and asked["n"] == 0 and link.formed == 0 and learner.joined == []
+    sent = await link.send(1, "checksum")
+    assert link.payload(1) == sent.buckets == ["h0", "h1"] and learner.gates == [""] and asked["n"] == 0
+
 
 async def test_a_broadcast_link_checks_its_members_beside_each_push_and_stops_it_at_the_gate_when_they_changed():
-    """gloo / NCCL: after a clean push the link asks nobody first (as on ipc); instead it asks the replicas
+    """gloo / NCCL: after a clean push the link asks nobody first; instead it asks the replicas
     beside the push, and closes the push's gate (every member still waiting leaves, nothing on the wire)
     when a replica came or went, one lost a group, or they did not answer; a sender that failed closes it too."""
     from asyncrl.weightsync.link import CollectiveLink
@@ -1080,44 +994,6 @@ async def test_a_broadcast_link_checks_its_members_beside_each_push_and_stops_it
     with pytest.raises(RuntimeError, match="export failed"):
         await link.send(3, "checksum")
     assert len(stopped) == 4 and "a sender failed" in stopped[3]
-    ipc = CollectiveLink("ipc", learner, members=members, join=join, bucket_mb=1, timeout_s=5, check=check)
-    assert ipc.payload(3).gate == ""  # a receiver that refuses tells an ipc sender itself
-
-
-async def test_a_push_whose_loads_all_returned_stops_an_ipc_sender_waiting_for_a_member_that_is_gone(monkeypatch):
-    """A member of the groups the loads did not reach (it died since the last push, or its call never
-    came) would keep the sender waiting for its acknowledgement to the deadline; the publisher stops it."""
-    from asyncrl.weightsync import sources
-    from asyncrl.weightsync.link import CollectiveLink
-
-    monkeypatch.setattr(sources, "CANCEL_GRACE_S", 0.2)
-    spec = _spec(receivers=3, timeout_s=60.0, gid="gone", backend="ipc")
-    sender, *members = _join_all(spec)
-    log: list[tuple[str, str]] = []
-    old, new = model(0), model(1)
-    replicas = [GlooReplica(f"r{i}", log, weights=dict(old)) for i in range(2)]
-    for r, g in zip(replicas, members):  # members[2] joined the group but is never sent the push
-        r.group = g
-    link = CollectiveLink("ipc", None, members=None, join=None, bucket_mb=BUCKET_MB, timeout_s=60)
-    link.specs = [spec]
-
-    async def send(version, verify):
-        sent = await asyncio.to_thread(send_stream, sender, iter(new.items()), BUCKET_MB, verify=verify, timeout_s=60)
-        return _export(sent), None
-
-    pub = Publisher(WeightsyncConfig(bucket_mb=BUCKET_MB, retries=0, timeout_s=60), transport=LocalTransport())
-    t0 = time.monotonic()
-    with pytest.raises(WeightsyncError) as info:
-        await pub.publish(1, streamed(pub, _Link(send, lambda v: CollectiveReceive((spec.group_id,), v, 60.0), stop=link.cancel)), replicas)
-    assert time.monotonic() - t0 < 20  # not the 60 s deadline
-    cause = info.value.__cause__
-    assert isinstance(cause, CollectiveError) and "acknowledged by 2 of 3" in str(cause) \
-        and "the publisher stopped the push" in str(cause) and "every replica's load of version 1 returned" in str(cause)
-    assert sender.broken and pub.registry.live_version == 0
-    for r in replicas:  # nothing committed: each keeps the old weights
-        assert r.version == 0 and all(torch.equal(r.weights[k], old[k]) for k in old)
-    for g in (sender, *members):
-        g.close()
 
 
 def test_a_worker_whose_update_cannot_begin_refuses_the_push_at_its_gate():

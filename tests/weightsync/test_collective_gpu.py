@@ -1,6 +1,6 @@
 """The collective transport's GPU backends, each member its own process: NCCL between two GPUs
 (NCCL refuses two ranks on one device; skipped with fewer than two GPUs) and CUDA IPC handles
-between processes sharing one GPU. Skipped without CUDA (tests/conftest.py)."""
+(ipc.py) between processes sharing one GPU. Skipped without CUDA (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -21,26 +21,24 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
     from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
     from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_fingerprint
     from asyncrl.weightsync.link import send_stream
-    from asyncrl.weightsync.worker_verbs import receive_stream
+    from asyncrl.weightsync.stream import broadcast_receive_stream as receive_stream
 
     try:
         spec_ = GroupSpec(**spec)
-        device = torch.device("cuda", rank if spec_.backend == "nccl" else 0)  # ipc: everyone on GPU 0
+        device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
         group = CollectiveGroup.join(spec_, rank, device)
-        # planned: the buckets are an engine layout's (PlannedPacker), on ipc packed into windows of
-        # the sender ring's one arena (take_in_order), where each tensor must land in its own bucket's window
+        # planned: the buckets are an engine layout's (PlannedPacker)
         plan = _identity_plan(weights, 0.15) if planned and rank == 0 else None
-        for push in range(pushes):  # the same group carries every push (ipc: the same buffers)
+        for push in range(pushes):  # the same group carries every push
             version = {n: t * (push + 1) for n, t in weights.items()}
             if rank == 0:
                 sent = send_stream(group, ((n, t.cuda()) for n, t in version.items()), 0.15, verify="checksum", timeout_s=60,
                                    plan=plan, arena=arena)
-                kept = sent.host_copies.result()  # pinned device-to-host copies, made while sending
+                kept = sent.host_copies.result()  # pinned device-to-host copies, made when collected
                 host = {n: t for b in kept for n, t in unpack_bucket(b)}
-                ring = group._ring.nbytes if group._ring is not None else 0
                 out.put(("sent", push, sorted(sent.digests), sent.bytes, [b.nbytes for b in kept],
-                         tensor_fingerprint(host, "full"), ring, combine_digests(sent.digests, "checksum")))
+                         tensor_fingerprint(host, "full"), 0, combine_digests(sent.digests, "checksum")))
             else:
                 got, staged, mine = {}, [], {}
                 for bucket in receive_stream(group, time.monotonic() + 60):
@@ -48,12 +46,11 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
                     # as a worker hashes each bucket when it has it (keys prefixed by the engine rank where planned)
                     mine.update(bucket_digests(bucket, "checksum", digest_key_prefix(bucket)))
                     staged.append(bucket)
-                # read after the push, as a staging worker reads them at its commit (ipc: views of the
-                # sender's buffers, still intact)
+                # read after the push, as a staging worker reads them at its commit
                 got.update({n: t.cpu().clone() for b in staged for n, t in unpack_bucket(b)})
                 # A fingerprint, not the tensors: torch shares CPU tensors put on a queue by file
                 # descriptor, which fails once this process has exited.
-                out.put(("got", push, rank, sorted(got), tensor_fingerprint(got, "full"), len(group._opened),
+                out.put(("got", push, rank, sorted(got), tensor_fingerprint(got, "full"), 0,
                          combine_digests(mine, "checksum")))
             step.wait(120)  # the next push starts once this one was read (a commit, in the engines)
     except BaseException as exc:  # report, do not hang the parent
@@ -68,6 +65,51 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
         group.close()
 
 
+def _ipc_member(rank: int, weights: dict, out: mp.Queue, wires: list, pushes: int, step: mp.Barrier,
+                planned: bool) -> None:
+    """ipc.py's two ends in one process each, on GPU 0: the sender packs into its ring and answers handles (as
+    a learner rank's `send_version`), each receiver opens them (as a worker's `asyncrl_receive`, once per handle)."""
+    from asyncrl.weightsync.bucket import digest_key_prefix, metas_from_wire, unpack_bucket
+    from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_fingerprint
+    from asyncrl.weightsync.ipc import IpcRing, ipc_open, ipc_send
+    from asyncrl.weightsync.transport import HostCopies, PinnedPool
+
+    try:
+        torch.cuda.set_device(0)
+        # planned: an engine layout's buckets, packed into windows of the ring's one arena (take_in_order), where
+        # each tensor must land in its own bucket's window
+        plan = _identity_plan(weights, 0.15) if planned and rank == 0 else None
+        ring, pool, opened = IpcRing(torch.device("cuda", 0)), PinnedPool(), {}
+        for push in range(pushes):  # the same ring carries every push
+            version = {n: t * (push + 1) for n, t in weights.items()}
+            if rank == 0:
+                copies = HostCopies(None, pool)
+                handles, sent = ipc_send(ring, copies, ((n, t.cuda()) for n, t in version.items()), 0.15,
+                                         verify="checksum", plan=plan)
+                for q in wires:
+                    q.put([h.wire() for h in handles])
+                kept = copies.result()
+                host = {n: t for b in kept for n, t in unpack_bucket(b)}
+                out.put(("sent", push, sorted(sent.digests), sent.bytes, [b.nbytes for b in kept],
+                         tensor_fingerprint(host, "full"), ring.nbytes, combine_digests(sent.digests, "checksum")))
+            else:
+                now, new, mine = {}, 0, {}
+                for handle, metas, r in wires[rank - 1].get(timeout=120):
+                    bucket = opened.get(handle)
+                    if bucket is None:
+                        bucket, new = ipc_open(handle, metas_from_wire(metas), r), new + 1
+                    now[handle] = bucket
+                    assert bucket.buffer.is_cuda
+                    mine.update(bucket_digests(bucket, "checksum", digest_key_prefix(bucket)))
+                opened = now
+                got = {n: t.cpu().clone() for b in now.values() for n, t in unpack_bucket(b)}
+                out.put(("got", push, rank, sorted(got), tensor_fingerprint(got, "full"), new,
+                         combine_digests(mine, "checksum")))
+            step.wait(120)  # the next push starts once this one was read (a commit, in the engines)
+    except BaseException as exc:  # report, do not hang the parent
+        out.put(("error", rank, f"{type(exc).__name__}: {exc}"))
+
+
 def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int, pushes: int = 1,
                        planned: bool = False, arena: str = "auto") -> tuple[dict, list, list]:
     """`pushes` pushes from a sender process to `receivers` processes (push k sends the weights
@@ -76,8 +118,6 @@ def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int, pu
 
     from asyncrl.weightsync.collective import form_specs, free_port
 
-    (spec,) = form_specs(backend, [("127.0.0.1", free_port("127.0.0.1"))], {"engine": receivers}, timeout_s=120,
-                         group_prefix=backend)
     g = torch.Generator().manual_seed(seed)
     weights = {f"w{i}": torch.randn(256, 128 + i, generator=g).to(torch.bfloat16) for i in range(tensors)}
     if not planned:  # an engine layout has no empty parameter
@@ -85,8 +125,15 @@ def _push_in_processes(backend: str, receivers: int, seed: int, tensors: int, pu
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     done, step = ctx.Barrier(receivers + 1), ctx.Barrier(receivers + 1)
-    procs = [ctx.Process(target=_member, args=(r, asdict(spec), weights, out, done, pushes, step, planned, arena))
-             for r in range(receivers + 1)]
+    if backend == "ipc":
+        wires = [ctx.Queue() for _ in range(receivers)]
+        procs = [ctx.Process(target=_ipc_member, args=(r, weights, out, wires, pushes, step, planned))
+                 for r in range(receivers + 1)]
+    else:
+        (spec,) = form_specs(backend, [("127.0.0.1", free_port("127.0.0.1"))], {"engine": receivers}, timeout_s=120,
+                             group_prefix=backend)
+        procs = [ctx.Process(target=_member, args=(r, asdict(spec), weights, out, done, pushes, step, planned, arena))
+                 for r in range(receivers + 1)]
     for p in procs:
         p.start()
     results = []
@@ -129,16 +176,16 @@ def test_nccl_broadcast_moves_every_bucket_bit_exact_between_two_gpus():
 def test_ipc_hands_every_bucket_bit_exact_to_processes_sharing_the_gpu():
     """A sender and two receivers on GPU 0, in three processes: each bucket travels as a CUDA IPC
     handle (keyed by the GPU's UUID) and each receiver stages views of the sender's buffers, which
-    hold the whole version. The second push packs into the same sender buffers, which the receivers
-    opened once."""
+    hold the whole version. The second push packs into the same sender buffers, whose handles the
+    receivers opened once."""
     weights, sent, received = _push_in_processes("ipc", receivers=2, seed=1, tensors=8, pushes=2)
     _assert_delivered(weights, sent, received, receivers=2, pushes=2)  # HF tensors: names carry no rank
     assert len(sent[0][4]) > 2  # several buckets
     assert sent[0][6] == sent[1][6] > 0  # the second push allocated no new sender buffer
     assert sent[0][6] >= sum(sent[0][4])  # the whole version stays in the sender's buffers (the receivers' staging)
     for rank in (1, 2):
-        opened = [r[5] for r in received if r[2] == rank]
-        assert opened[0] == opened[1] > 0  # ... so the receivers opened no new handle
+        opened = [r[5] for r in sorted(received) if r[2] == rank]
+        assert opened[0] == len(sent[0][4]) and opened[1] == 0  # ... so the receivers opened no new handle
 
 
 def test_ipc_hands_a_planned_whole_version_bit_exact_from_the_senders_arena():

@@ -8,7 +8,8 @@ argmax on the pushed weights, tied embeddings included, with its parameters at t
 (captured CUDA graphs stay valid). With two GPUs: an NCCL push from a sender on cuda:1, staged then
 applied at the commit, the same tokens; a corrupted bucket refused by the commit's check, nothing applied
 (`_nccl_scenario(..., backend="gloo")` runs the same scenario on a CPU, by hand: 2026-11-27, it
-passed there). On one GPU: the same scenario from a gloo sender on the host into the GPU worker."""
+passed there). On one GPU: the same scenario from a gloo sender on the host into the GPU worker, and over ipc
+from a sender in this process on the engine's GPU."""
 
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ class _SenderOnGpu1:
 
     async def export_weights(self, bucket_mb, transport, verify, layout, timeout_s, gate=""):
         return await self._on_gpu1(self.endpoint.send_version, iter(self.weights.items()), bucket_mb, verify, timeout_s, 0,
-                                   self.endpoint.plan, gate)
+                                   self.endpoint.plan, gate, transport)
 
     async def take_host_copies(self, timeout_s):
         out = await asyncio.to_thread(self.endpoint.take_host_copies, timeout_s)
@@ -246,3 +247,74 @@ def test_a_gloo_push_from_the_host_into_a_gpu_engine_applies_at_its_commit_and_r
     assert out["refused"] and out["rollbacks"] == 0 and out["live"] == 1
     assert out["after"] == out["served"]
     assert out["third"]["weightsync/apply_direct"] == 1.0 and out["live_after"] == 3
+
+
+async def _ipc_scenario(model_path: str) -> dict:
+    """One engine replica (cuda:0) and a sending rank's `SenderEndpoint` in this process on the same GPU, over ipc:
+    three pushes, the second's bytes changed in the sender's buffers after it hashed them."""
+    from asyncrl.config import GeneratorConfig, ModelConfig, WeightsyncConfig
+    from asyncrl.generator.engine import EngineReplica
+    from asyncrl.types import GenerationRequest, Refusal, SamplingParams
+    from asyncrl.weightsync.link import CollectiveLink
+    from asyncrl.weightsync.push import Publisher, VersionRegistry, WeightsyncError
+    from asyncrl.weightsync.transport import select_transport
+
+    replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),
+                            GeneratorConfig(engine_kwargs={"gpu_memory_utilization": 0.3}), replica_id="gpu0")
+    await replica.start()
+    try:
+        base, plan = await _plan_for(replica, model_path)
+        new = _perturbed(base)
+        sender = _SenderOnGpu1(new, plan, 0)
+        cfg = WeightsyncConfig(transport="ipc", bucket_mb=0.5, verify="checksum", timeout_s=120, retries=0)
+        link = CollectiveLink("ipc", sender, members=None, join=None, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
+        pub = Publisher(cfg, transport=select_transport(cfg, on_gpu=True), registry=VersionRegistry(0))
+        prompts = [[5, 17, 9, 33, 2], [12, 4, 4, 7]]
+        sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=False)
+
+        async def push(version):
+            return await pub.publish(version, streamed(pub, link, plan.plan_id), [LocalClient(replica)])
+
+        async def greedy():
+            outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in prompts]
+            return [(o.completions[0].token_ids, o.completions[0].versions) for o in outs]
+
+        first = await push(1)
+        served = await greedy()
+        export = sender.export_weights
+
+        async def corrupted(*args):  # a byte of the sender's buffers changed after it hashed them
+            out = await export(*args)
+            sender.endpoint.ring.arena[:1].bitwise_xor_(0x40)
+            return out
+
+        sender.export_weights, sender.weights = corrupted, {n: t * 1.01 for n, t in new.items()}
+        refusals = None
+        try:
+            await push(2)
+        except WeightsyncError as err:
+            refusals = set(err.refusals.values())
+        sender.export_weights = export
+        out = {"metrics": first.metrics, "new": new, "prompts": prompts, "served": served,
+               "refused": refusals == {Refusal.VERIFY_FAILED}, "live": pub.registry.live_version, "after": await greedy()}
+        out["third"] = (await push(3)).metrics
+        out["live_after"] = pub.registry.live_version
+        await pub.drain()  # the host copy of version 3, made from the sender's buffers
+        out["host_copy"] = pub._host is not None and pub._host.version == 3
+        return out
+    finally:
+        replica.shutdown()
+
+
+def test_an_ipc_push_into_an_engine_on_the_same_gpu_applies_at_its_commit_and_refuses_a_corrupt_one(
+        demo_model_path, ray_session):
+    """ipc: the sender packs into its ring and answers handles; the engine's load opens them (views, no copy), its
+    commit checks the fingerprint, pauses, copies into its live weights and resumes: transformers' argmax tokens
+    for the pushed weights. Bytes changed in the sender's buffers after it hashed them fail that check: nothing
+    applied, version 1's exact tokens; the next push is carried, and its host copy kept."""
+    out = asyncio.run(_ipc_scenario(str(demo_model_path)))
+    m = out["metrics"]
+    assert m["weightsync/apply_direct"] == 1.0 and m["weightsync/num_buckets"] > 1 and m["weightsync/transport/ipc/bytes"] > 0
+    _assert_transformers_argmax(str(demo_model_path), out["new"], out["prompts"], out["served"])
+    assert out["refused"] and out["live"] == 1 and out["after"] == out["served"]
+    assert out["third"]["weightsync/apply_direct"] == 1.0 and out["live_after"] == 3 and out["host_copy"]

@@ -10,7 +10,7 @@ greedy tokens and nothing is published; the next push succeeds. A replica killed
 staging, and while applying) fails the push and every other replica serves the previous
 version's exact tokens; a replica started after three pushes loads version 3 (the WeightStore)
 before it serves. A TP=2 Megatron learner's export reaches both engines through shared-memory
-files, and through the collective transports (gloo / ipc here, NCCL on GPUs), in the engines' layout.
+files, and through the collective transports (gloo here, NCCL and ipc on GPUs), in the engines' layout.
 """
 
 from __future__ import annotations
@@ -394,13 +394,11 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
     assert not any(os.path.exists(f) for f in files)
 
 
-@pytest.mark.parametrize("backend", ["gloo", "ipc"])
-async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, demo_model_path, backend):
+async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, demo_model_path):
     """The collective transports end to end, in the engines' layout: the TP=2 learner's sending
     rank packs each bucket for the push plan and joins one group with both engines' workers and
-    broadcasts each bucket into them (gloo), or publishes a handle to each bucket that every worker
-    process opens and copies (ipc: shared-memory files on CPU, the same protocol as CUDA IPC on a
-    GPU); the workers copy them into their parameters. Both engines then decode what transformers
+    broadcasts each bucket into them (gloo; NCCL is the same on GPUs); the workers copy them into their
+    parameters. Both engines then decode what transformers
     decodes with the learner's HF export of the same weights, tagged with the new version; the
     sender's host copies rebuild exactly those HF tensors. A second push reuses the group."""
     import pickle
@@ -415,6 +413,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     from tests.learner._data import advantages, make_samples
     from tests.weightsync.fakes import iter_unpacked
 
+    backend = "gloo"
     start = (await engines[0].greedy.remote([[1, 2, 3]]))[0][1][0]
     # checksum: the fingerprint the GPU transports use, computed by the sender and the real workers alike
     cfg = WeightsyncConfig(transport=backend, bucket_mb=0.25, timeout_s=120, verify="checksum", retries=0)
@@ -432,7 +431,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     async def join(wire):
         return await asyncio.gather(*(h.join_collective.remote(wire, cfg.timeout_s) for h in engines))
 
-    # As the service forms it (ipc stages views of the sender's buffers)
+    # As the service forms it
     link = CollectiveLink(backend, group, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
     pub = Publisher(cfg, transport=transport)
     replicas = [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)]
@@ -565,76 +564,6 @@ class _OneEngine:
         assert info.value.refusals == {"engine-0": Refusal.VERIFY_FAILED}
         assert self.pub.registry.get(version).state is S.FAILED and self.pub.registry.live_version == live
         assert await engine.greedy.remote(prompt_ids) == before
-
-
-async def test_one_engine_over_ipc_takes_a_push_and_refuses_a_corrupt_or_unplanned_one(engines, demo_model_path, monkeypatch):
-    """ipc with one engine replica: the replica begins, receives, then its commit checks
-    the sender's fingerprint and pauses, applies and resumes by itself (one engine replica: no pause call
-    of the publisher's), and it serves transformers' greedy tokens for the pushed weights. A bucket
-    corrupted in transit (the file the receiver maps differs from what the sender hashed) is refused by
-    that check: nothing is applied, it keeps serving the previous version's exact tokens, and the group
-    carries the next push. A replica that refuses the begin (it lacks the push plan) fails the push
-    before the sender starts, naming the refusal; the group carries the next push."""
-    import time
-
-    from transformers import AutoTokenizer
-
-    from asyncrl.config import WeightsyncConfig
-    from asyncrl.types import Refusal
-    from asyncrl.weightsync import ipc
-    from asyncrl.weightsync.bucket import Bucket
-    from asyncrl.weightsync.push import WeightsyncError
-
-    engine = engines[0]
-    cfg = WeightsyncConfig(transport="ipc", bucket_mb=0.25, timeout_s=60, verify="checksum", retries=0)
-    one = await _OneEngine.create(engine, demo_model_path, 11, cfg)
-    link, pub, replica, push, sender, start, base = one.link, one.pub, one.replica, one.push, one.sender, one.start, one.base
-
-    result = await push(start + 1)
-    assert replica.calls == ["load_bucket", "commit_update"]  # the load begins, the commit pauses and resumes
-    await push(start + 2)  # after a clean push the link asks nobody first
-    assert link.checks_skipped == 1 and link.formed == 1
-    m = result.metrics
-    assert result.fingerprint.startswith("checksum:") and m["weightsync/apply_direct"] == 1.0
-    assert m["weightsync/paused_seconds"] > 0 and pub.registry.live_version == start + 2
-    assert m["weightsync/commit_seconds"] > 0
-    await _engines_serve([engine], demo_model_path, sender.weights, start + 2)
-    tok = AutoTokenizer.from_pretrained(str(demo_model_path))
-    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
-    before = await engine.greedy.remote(prompt_ids)
-
-    # A byte of the first bucket flipped in the file the receiver maps, after the sender hashed it.
-    export, hit = ipc.ipc_export, []
-
-    def corrupting(bucket, cache=None):
-        if not hit:
-            hit.append(True)
-            buf = bucket.buffer.clone()
-            buf[bucket.metas[0].offset] ^= 0x40
-            bucket = Bucket(buffer=buf, metas=list(bucket.metas), rank=bucket.rank)
-        return export(bucket, cache)
-
-    monkeypatch.setattr(ipc, "ipc_export", corrupting)
-    sender.weights = _perturbed(base, 12)
-    replica.calls.clear()
-    await one.push_is_refused_by_its_fingerprint(engine, start + 3, prompt_ids, before)
-    assert hit and pub.registry.live_version == start + 2
-    monkeypatch.setattr(ipc, "ipc_export", export)
-
-    await push(start + 4)  # the same group carries the next push
-    assert link.formed == 1
-    await _engines_serve([engine], demo_model_path, sender.weights, start + 4)
-
-    # The replica refuses an engine-layout push for a plan it does not hold: the push fails at its first load's
-    # begin, at once, the replica telling the sender (which breaks the ipc group: the next push forms another).
-    t = time.monotonic()
-    with pytest.raises(WeightsyncError) as info:
-        await push(start + 5, plan_id="a-plan-nobody-holds")
-    assert time.monotonic() - t < cfg.timeout_s / 2
-    assert info.value.refusals.get("engine-0") is Refusal.PLAN_MISSING and info.value.step.value == "load_bucket"
-    await _engines_serve([engine], demo_model_path, sender.weights, start + 4)
-    await push(start + 6)
-    assert link.formed == 2 and pub.registry.live_version == start + 6
 
 
 async def test_one_engine_over_gloo_takes_a_push_and_refuses_a_bucket_corrupted_on_the_wire(engines, demo_model_path, monkeypatch):

@@ -30,9 +30,9 @@ class _Receiver:
         return True
 
     def receive(self, timeout_s: float) -> int:
-        from asyncrl.weightsync.worker_verbs import receive_stream
+        from asyncrl.weightsync.stream import broadcast_receive_stream
 
-        return sum(bucket.buffer.numel() for bucket in receive_stream(self.group, time.monotonic() + timeout_s))
+        return sum(b.buffer.numel() for b in broadcast_receive_stream(self.group, time.monotonic() + timeout_s))
 
 
 async def _form(group: LearnerGroup, prefix: str) -> tuple[list[dict], object]:

@@ -226,8 +226,17 @@ def test_ipc_is_chosen_for_shared_devices_and_streams_like_the_collectives(kind,
     assert isinstance(transport, CollectiveTransport) and transport.name == "ipc" and transport.streamed
 
 
+def test_ipc_is_refused_without_a_gpu_learner_naming_what_to_use():
+    """CUDA IPC hands the engines the learner's device memory: a CPU learner gets a config error, not an alias."""
+    from asyncrl.weightsync.transport import TransportUnavailable, select_transport
+
+    with pytest.raises(TransportUnavailable, match="transport='ipc'.*use 'shm'"):
+        select_transport(WeightsyncConfig(transport="ipc"), on_gpu=False)
+
+
 @pytest.mark.parametrize("on_gpu, hybrid, own_gpus, one_host, gpus, expected", [
     (True, True, False, True, 1, "ipc"),        # hybrid: learner and engines take turns on the same devices
+    (False, True, False, True, 0, "shm"),       # ... on CPUs (ipc is CUDA memory)
     (True, False, False, True, 1, "ipc"),       # one GPU on the host: everyone shares it (was shm: 0.53 s vs 0.06 s a push)
     (True, False, True, True, 2, "nccl"),       # whole GPUs each, one host
     (True, False, False, True, 2, "shm"),       # fractional GPUs on a host of two: where they sit is Ray's choice
