@@ -163,23 +163,6 @@ def _cuda_segments(flat: torch.Tensor, segments: Sequence[Segment]) -> torch.Ten
     return out
 
 
-def _torch_segment(flat: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(device sum over the whole words, host term of the padded last word) for one segment."""
-    n = int(flat.numel())
-    whole = n - n % 8
-    body = flat[:whole]
-    if body.storage_offset() % 8:
-        body = body.clone()
-    words = body.view(torch.int64)
-    table = _device_table(flat.device)
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for c, a in enumerate(range(0, int(words.numel()), CH)):
-        w = words[a : a + CH]
-        total += (w * table[: w.numel()]).sum() * (2 * c + 1)
-    tail = _tail_term(whole // 8, flat[whole:].cpu().numpy().tobytes()) if whole != n else 0
-    return total, tail
-
-
 # ---- entry points ------------------------------------------------------------------------------
 
 
@@ -193,31 +176,29 @@ def _flat(buffer: Any) -> Any:
 
 
 def segment_checksums_lazy(buffer: Any, segments: Sequence[Segment]) -> Any:
-    """Each segment's checksum: a list of ints for host memory, or (for a device buffer) a
-    `Pending` whose `result()` brings every segment's value to host in one copy."""
+    """Each segment's checksum: a list of ints for host memory, or (for a CUDA buffer) a `Pending` whose `result()`
+    brings every segment's value to host in one copy. Elsewhere (no Triton, an unaligned view, another device) the
+    bytes come to host first."""
     flat = _flat(buffer)
     for offset, nbytes in segments:
         if offset < 0 or nbytes < 0 or offset + nbytes > (flat.numel() if isinstance(flat, torch.Tensor) else flat.size):
             raise ValueError(f"segment ({offset}, {nbytes}) outside a {flat.nbytes if hasattr(flat, 'nbytes') else flat.numel()}-byte buffer")
-    if isinstance(flat, np.ndarray):
-        return [_host_segment(flat[o : o + n]) for o, n in segments]
-    fused = _cuda_segments(flat, segments) if flat.device.type == "cuda" else None
-    if fused is not None:
-        return Pending(fused, [0] * len(segments))
-    parts = [_torch_segment(flat[o : o + n]) for o, n in segments]
-    values = torch.stack([p[0] for p in parts]) if parts else torch.zeros(0, dtype=torch.int64, device=flat.device)
-    return Pending(values, [p[1] for p in parts])
+    if isinstance(flat, torch.Tensor):
+        fused = _cuda_segments(flat, segments) if flat.device.type == "cuda" else None
+        if fused is not None:
+            return Pending(fused)
+        flat = flat.cpu().numpy()
+    return [_host_segment(flat[o : o + n]) for o, n in segments]
 
 
 class Pending:
-    """Device checksums still on the device (one int64 each), plus host terms to add."""
+    """Device checksums still on the device (one int64 each)."""
 
-    def __init__(self, values: torch.Tensor, extra: list[int]) -> None:
-        self.values, self.extra = values, extra
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values = values
 
     def result(self) -> list[int]:
-        host = self.values.cpu().tolist() if self.values.numel() else []
-        return [(int(v) + e) & _MASK for v, e in zip(host, self.extra)]
+        return [int(v) & _MASK for v in (self.values.cpu().tolist() if self.values.numel() else [])]
 
 
 def resolve(value: Any) -> list[int]:
@@ -355,7 +336,7 @@ def _digests_lazy(flat: Any, entries: list[Entry], mode: VerifyMode) -> PendingD
         return PendingDigests(entries, mode, digests=lambda: {k: _head(k, d, s).digest() for k, d, s, _, _ in entries})
     if mode == "checksum":  # each tensor's checksum, read where the bytes are (one pass for all)
         pending = segment_checksums_lazy(flat, [(o, n) for _, _, _, o, n in entries])
-        on_device = pending.values if isinstance(pending, Pending) and not any(pending.extra) else None
+        on_device = pending.values if isinstance(pending, Pending) else None
         return PendingDigests(entries, mode, words=lambda: np.array(resolve(pending), dtype=np.uint64),
                               device_words=on_device)
     heads = {key: _head(key, dtype, shape) for key, dtype, shape, _, _ in entries}

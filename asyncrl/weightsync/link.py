@@ -92,21 +92,7 @@ class SenderEndpoint:
         spec = GroupSpec(**mine[0])
         sock, self.reserved = self.reserved, None
         self.group = join_as_sender(spec, sock)
-        self._pin_host_copies(sender)
         return spec.group_id
-
-    def _pin_host_copies(self, sender: int) -> None:
-        """A sender on a GPU keeps a pinned host copy of every bucket it sends (transport.py); with a push
-        plan its buckets' sizes are known, so the pool is allocated now, as the group forms, rather than
-        inside the first push (a fresh pinned allocation costs about as much as the copy)."""
-        from asyncrl.weightsync.transport import PinnedPool
-
-        group = self.group
-        if self.plan is None or group is None or group.device.type != "cuda":
-            return
-        pool = group._pinned = group._pinned or PinnedPool()
-        for i, bucket in enumerate(self.plan.for_sender(sender)):
-            pool.get(i, int(bucket.nbytes))
 
     def group_id(self) -> str | None:
         group = self.group

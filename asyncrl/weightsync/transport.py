@@ -247,9 +247,9 @@ class PinnedPool:
 
 @dataclass
 class _Copy:
-    host: Bucket
-    device: Bucket | None = None  # the sent bucket, read by the copy
-    pinned: Any = None  # the copy's pinned destination (`host` is its numpy view)
+    host: Bucket | None  # what is kept: a device bucket's pinned copy, once enqueued
+    device: Bucket | None = None  # the sent device bucket, read by the copy
+    index: int = 0  # its place in the push (its pinned buffer's in the pool)
     event: Any = None  # torch.cuda.Event on the copy stream, once the copy is enqueued
 
     def wait(self, deadline: float) -> Bucket:
@@ -258,7 +258,7 @@ class _Copy:
                 raise HostCopyError("device-to-host copy of a bucket not complete by the deadline")
             time.sleep(0.0002)
         self.device = self.event = None
-        return self.host
+        return self.host  # type: ignore[return-value]
 
 
 class HostCopies:
@@ -281,10 +281,7 @@ class HostCopies:
     def add(self, bucket: Bucket, now: bool = False) -> _Copy:
         buf = bucket.buffer
         if isinstance(buf, torch.Tensor) and buf.is_cuda:
-            nbytes = int(buf.numel())
-            pinned = self._pool.get(len(self._copies), nbytes) if self._pool is not None \
-                else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            copy = _Copy(Bucket(buffer=pinned.numpy(), metas=list(bucket.metas), rank=bucket.rank), bucket, pinned)
+            copy = _Copy(None, bucket, len(self._copies))
             if now:
                 self._enqueue(copy)
         else:  # already host memory (a fresh buffer per bucket), kept as it is
@@ -293,15 +290,19 @@ class HostCopies:
         self._copies.append(copy)
         return copy
 
-    @staticmethod
-    def _enqueue(copy: _Copy) -> None:
-        buf: torch.Tensor = copy.device.buffer  # type: ignore[union-attr]
+    def _enqueue(self, copy: _Copy) -> None:
+        device: Bucket = copy.device  # type: ignore[assignment]
+        buf: torch.Tensor = device.buffer
+        nbytes = int(buf.numel())  # (the pinned buffer: the pool's, allocated by the first push and reused)
+        pinned = self._pool.get(copy.index, nbytes) if self._pool is not None \
+            else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        copy.host = Bucket(buffer=pinned.numpy(), metas=list(device.metas), rank=device.rank)
         stream = _COPY_STREAMS.get(buf.device)
         if stream is None:
             stream = _COPY_STREAMS[buf.device] = torch.cuda.Stream(buf.device)
         stream.wait_stream(torch.cuda.current_stream(buf.device))  # the pack that wrote it
         with torch.cuda.stream(stream):
-            copy.pinned.copy_(buf.view(torch.uint8).reshape(-1), non_blocking=True)
+            pinned.copy_(buf.view(torch.uint8).reshape(-1), non_blocking=True)
             copy.event = torch.cuda.Event()
             copy.event.record(stream)
 
