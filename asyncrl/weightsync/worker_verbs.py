@@ -339,10 +339,13 @@ class WorkerVerbs:
             from asyncrl.weightsync.ipc import ipc_open
 
             opened = self.__dict__.get("_asyncrl_ipc", {})  # ipc: the sender's buffers, as the last push opened them
-            now: dict[bytes, Bucket] = {}
+            now: dict[bytes, tuple[Any, Bucket]] = {}
             for wire in wires or []:
                 if isinstance(wire[0], bytes):  # views of the sender's ring, hashed in one pass at the end
-                    bucket = now[wire[0]] = opened.get(wire[0]) or ipc_open(wire[0], metas_from_wire(wire[1]), wire[2])
+                    kept = opened.get(wire[0])  # (the same view with the same table: the same bucket object)
+                    bucket = kept[1] if kept is not None and kept[0] == wire[1:] else \
+                        ipc_open(wire[0], metas_from_wire(wire[1]), wire[2])
+                    now[wire[0]] = (wire[1:], bucket)
                     rx.stage(version, bucket, lazy=True, batch=True)
                 else:
                     rx.stage(version, self._asyncrl_open(wire))
