@@ -209,13 +209,6 @@ def segment_checksums(buffer: Any, segments: Sequence[Segment]) -> list[int]:
     return resolve(segment_checksums_lazy(buffer, segments))
 
 
-def checksum(buffer: Any) -> int:
-    """The checksum of a whole buffer (one segment)."""
-    flat = _flat(buffer)
-    size = int(flat.numel() if isinstance(flat, torch.Tensor) else flat.size)
-    return segment_checksums(flat, [(0, size)])[0]
-
-
 NamedTensors = Mapping[str, Any] | Iterable[tuple[str, Any]]
 VerifyMode = Literal["full", "checksum", "off"]
 VERIFY_MODES: tuple[str, ...] = ("full", "checksum", "off")
