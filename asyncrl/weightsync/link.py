@@ -143,8 +143,9 @@ class SenderEndpoint:
             self.ring = IpcRing(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                                 else torch.device("cpu"))
         self._pinned = self._pinned or PinnedPool()
-        copies = self.host_copies = self._ipc_copies = HostCopies(ray.put, self._pinned)
+        copies = self._ipc_copies = HostCopies(ray.put, self._pinned)
         handles, sent = ipc_send(self.ring, copies, tensors, bucket_mb, verify=verify, plan=plan, sender=sender)
+        self.host_copies = copies  # (once sent: a collect of the attempt before this one takes that one's)
         return WeightExport(buckets=handles, metas=[h.metas for h in handles], senders=[sender] * len(handles),
                             digests=[sent.digests], bytes=sent.bytes, num_tensors=sent.num_tensors,
                             num_buckets=sent.num_buckets, seconds=sent.seconds)
