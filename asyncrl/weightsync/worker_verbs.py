@@ -26,6 +26,7 @@ import torch
 from asyncrl.types import ApplyReport, LayoutCheck, ReceiveReport
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, digest_key_prefix, metas_from_wire, unpack_bucket
 from asyncrl.weightsync.fingerprint import PendingDigests, bucket_digests, bucket_digests_lazy, buckets_digests_lazy, check_verify_mode
+from asyncrl.weightsync.ipc import ipc_open
 from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, probe_layout, same_ops, verify_layout
 
 
@@ -336,8 +337,6 @@ class WorkerVerbs:
         rx = self._asyncrl_rx()
         if groups is None:
             rx.begin(version, *(begin or []))
-            from asyncrl.weightsync.ipc import ipc_open
-
             opened = self.__dict__.get("_asyncrl_ipc", {})  # ipc: the sender's buffers, as the last push opened them
             now: dict[bytes, tuple[Any, Bucket]] = {}
             for wire in wires or []:
