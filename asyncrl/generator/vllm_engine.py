@@ -12,6 +12,7 @@ Details: docs/design/generator.md, "The vLLM driver".
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -392,8 +393,6 @@ class VllmDriver:
         """The request's next output. A request added as the engine core died, after vLLM failed the ones it held,
         is never answered: it ends with `EngineDeadError` (a 503 at the gateway) once the engine is known dead,
         checked every `DEAD_POLL_S`, instead of holding its client to the client's own timeout."""
-        import asyncio
-
         from vllm.v1.engine.exceptions import EngineDeadError
 
         while True:
