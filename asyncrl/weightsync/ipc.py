@@ -90,10 +90,6 @@ class IpcBucket:
     metas: list[TensorMeta]
     rank: int | None = None
 
-    @property
-    def payload_bytes(self) -> int:
-        return sum(m.nbytes for m in self.metas)
-
     def wire(self) -> tuple[bytes, list[WireMeta], int | None]:
         return self.handle, [(m.name, m.dtype, list(m.shape), m.offset, m.nbytes) for m in self.metas], self.rank
 
