@@ -1,7 +1,7 @@
 """How fast the device checksum of `verify: checksum` reads a push's bytes, against the floors.
 
 Times, on one CUDA device, for a buffer of --gb gigabytes cut into --segments equal segments (a
-push's tensors): the checksum kernel as weightsync launches it (`segment_checksums_lazy`, with
+push's tensors): the checksum kernel as weightsync launches it (`segment_checksums`, with
 its result brought to host) and the same kernel at other warp counts, beside a plain int64 sum
 of the buffer (a read at memory bandwidth) and a device copy of it. Prints one JSON object.
 
@@ -44,7 +44,7 @@ def main() -> None:
         return statistics.median(out)
 
     row = {"device": torch.cuda.get_device_name(dev), "bytes": nbytes, "segments": args.segments}
-    row["checksum_s"] = timed(lambda: ck.segment_checksums_lazy(buf, segments).result())
+    row["checksum_s"] = timed(lambda: ck.segment_checksums(buf, segments))
     kernel = ck._triton_kernel()
     starts, firsts, counts, masks, _ = ck._programs(segments, dev)
     partials = torch.empty(starts.numel(), dtype=torch.int64, device=dev)

@@ -513,9 +513,8 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
             async def join(wire):
                 return await asyncio.gather(*(a.join_collective.remote(wire) for a in actors))
 
-            # check: beside each push, as the service does (a change of members closes the push's gate)
             link = links[kind] = CollectiveLink(kind, SenderAsLearner(sender), members=members, join=join, bucket_mb=bucket_mb,
-                                                timeout_s=timeout_s, check=members)
+                                                timeout_s=timeout_s)
         if link is not None:
             link.bucket_mb = bucket_mb  # (the plan's buckets where there is one; the sender's own cut where not)
         push, tails, metrics = [], [], []
@@ -526,7 +525,6 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
                 t = time.perf_counter()
                 source = StreamedSource(link, transport, timeout_s, verify, None if plan is None else plan.plan_id)
                 result = await pub.publish(version, source, clients)
-                link.pushed({c.name: None for c in clients})  # as the service does: the next push skips the check
             else:
                 weights = perturbed(base, version)
                 t = time.perf_counter()
@@ -559,7 +557,6 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
             prof.enable()
             await pub.publish(version, StreamedSource(link, transport, timeout_s, verify, None if plan is None else plan.plan_id),
                               clients)
-            link.pushed({c.name: None for c in clients})
             prof.disable()
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)

@@ -167,46 +167,33 @@ def _cuda_segments(flat: torch.Tensor, segments: Sequence[Segment]) -> torch.Ten
 
 
 def _flat(buffer: Any) -> Any:
+    """A buffer's bytes, flat: numpy in host memory, a uint8 tensor on a device."""
     if isinstance(buffer, torch.Tensor):
-        if buffer.numel() == 0:
-            return torch.empty(0, dtype=torch.uint8, device=buffer.device)
-        flat = buffer.detach().reshape(-1).view(torch.uint8)
+        flat = buffer.detach().reshape(-1).view(torch.uint8) if buffer.numel() else \
+            torch.empty(0, dtype=torch.uint8, device=buffer.device)
         return flat.numpy() if flat.device.type == "cpu" else flat
     return np.asarray(buffer).reshape(-1).view(np.uint8)
 
 
 def segment_checksums_lazy(buffer: Any, segments: Sequence[Segment]) -> Any:
-    """Each segment's checksum: a list of ints for host memory, or (for a CUDA buffer) a `Pending` whose `result()`
-    brings every segment's value to host in one copy. Elsewhere (no Triton, an unaligned view, another device) the
-    bytes come to host first."""
+    """Each segment's checksum: a list of ints for host memory, or (a CUDA buffer) an int64 tensor still being
+    computed on the device (`segment_checksums` brings it to host in one copy). Elsewhere (no Triton, an unaligned
+    view, another device) the bytes come to host first."""
     flat = _flat(buffer)
     for offset, nbytes in segments:
-        if offset < 0 or nbytes < 0 or offset + nbytes > (flat.numel() if isinstance(flat, torch.Tensor) else flat.size):
-            raise ValueError(f"segment ({offset}, {nbytes}) outside a {flat.nbytes if hasattr(flat, 'nbytes') else flat.numel()}-byte buffer")
+        if offset < 0 or nbytes < 0 or offset + nbytes > len(flat):
+            raise ValueError(f"segment ({offset}, {nbytes}) outside a {len(flat)}-byte buffer")
     if isinstance(flat, torch.Tensor):
         fused = _cuda_segments(flat, segments) if flat.device.type == "cuda" else None
         if fused is not None:
-            return Pending(fused)
+            return fused
         flat = flat.cpu().numpy()
     return [_host_segment(flat[o : o + n]) for o, n in segments]
 
 
-class Pending:
-    """Device checksums still on the device (one int64 each)."""
-
-    def __init__(self, values: torch.Tensor) -> None:
-        self.values = values
-
-    def result(self) -> list[int]:
-        return [int(v) & _MASK for v in (self.values.cpu().tolist() if self.values.numel() else [])]
-
-
-def resolve(value: Any) -> list[int]:
-    return value.result() if isinstance(value, Pending) else list(value)
-
-
 def segment_checksums(buffer: Any, segments: Sequence[Segment]) -> list[int]:
-    return resolve(segment_checksums_lazy(buffer, segments))
+    sums = segment_checksums_lazy(buffer, segments)
+    return [int(v) & _MASK for v in sums.cpu().tolist()] if isinstance(sums, torch.Tensor) else sums
 
 
 NamedTensors = Mapping[str, Any] | Iterable[tuple[str, Any]]
@@ -250,13 +237,6 @@ def _head_state(name: str, dtype: str, shape: tuple[int, ...]) -> Any:
     return h
 
 
-def _digests(flat: Any, entries: list["Entry"], mode: VerifyMode) -> dict[str, bytes]:
-    """Digests of tensors laid out in one flat uint8 buffer (numpy or torch, any device):
-    entries are (key, dtype name, shape, byte offset, byte length). What a mode reads of a device
-    buffer comes to host in one copy (checksum: 8 bytes per tensor)."""
-    return _digests_lazy(flat, entries, mode)()
-
-
 Entry = tuple[str, str, tuple[int, ...], int, int]  # (key, dtype name, shape, byte offset, byte length)
 
 
@@ -266,72 +246,52 @@ def meta_entries(metas: Iterable[Any], prefix: str = "", base: int = 0) -> list[
     return [(prefix + m.name, "torch." + m.dtype, tuple(m.shape), base + m.offset, m.nbytes) for m in metas]
 
 
-def _checksum_digests(entries: Sequence[Entry], words: np.ndarray) -> dict[str, bytes]:
-    """The `checksum` digests of `entries` from their checksums (one unsigned 64-bit word a tensor, in order)."""
-    if words.size != len(entries):
-        raise ValueError(f"{words.size} checksums for {len(entries)} tensors")
-    heads = {key: _head(key, dtype, shape) for key, dtype, shape, _, _ in entries}
-    for (key, _, _, _, n), value in zip(entries, words.tolist()):  # (length, sum) per tensor
-        heads[key].update(int(n).to_bytes(8, "little") + int(value).to_bytes(8, "little"))
-    return {k: h.digest() for k, h in heads.items()}
-
-
 class PendingDigests:
-    """The digests of some tensors in one mode, their device reads enqueued: calling it waits for
-    them and returns the digests. `checksum` comes as `words` (a checksum a tensor, in order), still
-    on the device as `device_words` where it was computed there (so that several reach the host in
-    one copy, `merge`); `full` and `off` as `digests`."""
+    """The digests of some tensors in one mode, their device reads enqueued: calling it waits for them and returns
+    the digests. `checksum` comes as `words` (a checksum a tensor, in order: the host's ints, or an int64 tensor
+    still on the device, so that several reach the host in one copy, `merge`); `full` and `off` as `digests`."""
 
-    def __init__(self, entries: Sequence[Entry], mode: VerifyMode, *, words: Callable[[], Any] | None = None,
-                 digests: Callable[[], dict[str, bytes]] | None = None, device_words: torch.Tensor | None = None) -> None:
+    def __init__(self, entries: Sequence[Entry], mode: VerifyMode, *, words: Any = None,
+                 digests: Callable[[], dict[str, bytes]] | None = None) -> None:
         if (words is None) == (digests is None):
             raise ValueError("PendingDigests takes one source: words (checksum) or digests (full, off)")
-        self.entries, self.mode, self.device_words = list(entries), mode, device_words
-        self._words_fn, self._digests_fn = words, digests
-        self._words: np.ndarray | None = None
+        self.entries, self.mode, self._words, self._digests_fn = list(entries), mode, words, digests
+        self.device_words = words if isinstance(words, torch.Tensor) else None
         self._digests: dict[str, bytes] | None = None
 
-    def words(self) -> np.ndarray:
-        """The checksums (`checksum` mode only), one word a tensor in order."""
-        if self._words_fn is None:
-            raise ValueError(f"{self.mode!r} digests come whole, not as checksums")
-        if self._words is None:
-            self._words = np.asarray(self._words_fn(), dtype=np.uint64).reshape(-1)
-        return self._words
-
     def __call__(self) -> dict[str, bytes]:
-        if self._digests is None:
-            self._digests = self._digests_fn() if self._digests_fn is not None \
-                else _checksum_digests(self.entries, self.words())
+        if self._digests is None and self._digests_fn is not None:
+            self._digests = self._digests_fn()
+        elif self._digests is None:
+            words = self._words.cpu().numpy().view(np.uint64) if self.device_words is not None \
+                else np.array(self._words, dtype=np.uint64)
+            if words.size != len(self.entries):
+                raise ValueError(f"{words.size} checksums for {len(self.entries)} tensors")
+            heads = {key: _head(key, dtype, shape) for key, dtype, shape, _, _ in self.entries}
+            for (key, _, _, _, n), value in zip(self.entries, words.tolist()):  # (length, sum) per tensor
+                heads[key].update(int(n).to_bytes(8, "little") + int(value).to_bytes(8, "little"))
+            self._digests = {k: h.digest() for k, h in heads.items()}
         return self._digests
 
     @staticmethod
     def merge(parts: Sequence["PendingDigests"]) -> "PendingDigests":
         """One result of several (in order); where every part is still on the device, it is too, and
         reaches the host in one copy."""
-        if not parts:
-            raise ValueError("nothing to merge")
-        mode = parts[0].mode
-        if any(p.mode != mode for p in parts):
-            raise ValueError("PendingDigests of different modes")
-        entries = [e for p in parts for e in p.entries]
-        device = [p.device_words for p in parts]
+        if not parts or any(p.mode != parts[0].mode for p in parts):
+            raise ValueError("merge takes PendingDigests of one mode")
+        entries, device = [e for p in parts for e in p.entries], [p.device_words for p in parts]
         if all(d is not None for d in device):  # one copy to host for all of them
-            on_device = torch.cat(device)  # type: ignore[arg-type]
-            return PendingDigests(entries, mode, words=lambda: on_device.cpu().numpy().view(np.uint64), device_words=on_device)
-        return PendingDigests(entries, mode, digests=lambda: {k: v for p in parts for k, v in p().items()})
+            return PendingDigests(entries, parts[0].mode, words=torch.cat(device))  # type: ignore[arg-type]
+        return PendingDigests(entries, parts[0].mode, digests=lambda: {k: v for p in parts for k, v in p().items()})
 
 
 def _digests_lazy(flat: Any, entries: list[Entry], mode: VerifyMode) -> PendingDigests:
-    """`_digests`, with a device buffer's reads only enqueued: the returned call waits for them
-    (so a sender can enqueue every bucket's and wait once)."""
+    """The digests of tensors laid out in one flat uint8 buffer (`_flat`), a device buffer's reads only enqueued:
+    the returned call waits for them (so a sender can enqueue every bucket's and wait once)."""
     if mode == "off":
         return PendingDigests(entries, mode, digests=lambda: {k: _head(k, d, s).digest() for k, d, s, _, _ in entries})
     if mode == "checksum":  # each tensor's checksum, read where the bytes are (one pass for all)
-        pending = segment_checksums_lazy(flat, [(o, n) for _, _, _, o, n in entries])
-        on_device = pending.values if isinstance(pending, Pending) else None
-        return PendingDigests(entries, mode, words=lambda: np.array(resolve(pending), dtype=np.uint64),
-                              device_words=on_device)
+        return PendingDigests(entries, mode, words=segment_checksums_lazy(flat, [(o, n) for _, _, _, o, n in entries]))
     heads = {key: _head(key, dtype, shape) for key, dtype, shape, _, _ in entries}
     if isinstance(flat, torch.Tensor) and flat.device.type != "cpu":
         # `full` on a device (checksum is its fast mode): the bytes copied to host in stream order, so a later
@@ -348,7 +308,7 @@ def _digests_lazy(flat: Any, entries: list[Entry], mode: VerifyMode) -> PendingD
             return _sha(host.numpy(), entries, heads)
 
         return PendingDigests(entries, mode, digests=hashed)
-    digests = _sha(flat.numpy() if isinstance(flat, torch.Tensor) else flat, entries, heads)
+    digests = _sha(flat, entries, heads)
     return PendingDigests(entries, mode, digests=lambda: digests)
 
 
@@ -358,11 +318,6 @@ def _sha(array: np.ndarray, entries: list[Entry], heads: dict[str, Any]) -> dict
     return {k: h.digest() for k, h in heads.items()}
 
 
-def _as_flat(t: torch.Tensor) -> Any:
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
-    return flat.numpy() if flat.device.type == "cpu" else flat
-
-
 def tensor_digests(pairs: Iterable[tuple[str, Any]], mode: VerifyMode = "full") -> dict[str, bytes]:
     """sha256 of each (name, tensor)'s name, dtype, shape and (by `mode`) bytes."""
     check_verify_mode(mode)
@@ -370,50 +325,38 @@ def tensor_digests(pairs: Iterable[tuple[str, Any]], mode: VerifyMode = "full") 
     for name, tensor in pairs:
         if not isinstance(name, str) or not name:
             raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
-        t = tensor.detach() if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu" else contiguous_tensor(tensor)
-        flat = _as_flat(t)
-        size = int(flat.size if isinstance(flat, np.ndarray) else flat.numel())
-        out.update(_digests(flat, [(name, str(t.dtype), tuple(t.shape), 0, size)], mode))
+        t = tensor.detach().contiguous() if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu" \
+            else contiguous_tensor(tensor)
+        flat = _flat(t)
+        out.update(_digests_lazy(flat, [(name, str(t.dtype), tuple(t.shape), 0, len(flat))], mode)())
     return out
 
 
 def bucket_digests(bucket: Any, mode: VerifyMode = "full", prefix: str = "") -> dict[str, bytes]:
     """Digests of every tensor packed in `bucket` (bucket.py), read where its buffer is, one pass
     (equal to `tensor_digests` of its unpacked tensors, with `prefix` before each name)."""
-    return bucket_digests_lazy(bucket, mode, prefix)()
+    return buckets_digests_lazy([(bucket, prefix)], mode)()
 
 
 def bucket_digests_lazy(bucket: Any, mode: VerifyMode = "full", prefix: str = "") -> PendingDigests:
     """`bucket_digests` whose device reads are enqueued now and waited for by the returned call."""
-    check_verify_mode(mode)
-    buffer = bucket.buffer
-    if isinstance(buffer, torch.Tensor):
-        flat = buffer.reshape(-1).view(torch.uint8)
-        flat = flat.numpy() if flat.device.type == "cpu" else flat
-    else:
-        flat = np.asarray(buffer).reshape(-1).view(np.uint8)
-    entries = meta_entries(bucket.metas, prefix)
-    return _digests_lazy(flat, entries, mode)
+    return buckets_digests_lazy([(bucket, prefix)], mode)
 
 
 def buckets_digests_lazy(buckets: Sequence[tuple[Any, str]], mode: VerifyMode = "full") -> PendingDigests:
-    """`bucket_digests_lazy` of several (bucket, prefix) pairs, merged. Where every bucket is a
-    contiguous torch view of one storage (an ipc sender's arena, and a receiver's mapping of it)
-    they are read in one pass over it: on a device, one kernel launch and one copy to host."""
+    """`bucket_digests_lazy` of several (bucket, prefix) pairs, merged. Where they are contiguous torch views of one
+    storage (an ipc sender's arena, and a receiver's mapping of it) they are read in one pass over it: on a device,
+    one kernel launch and one copy to host."""
     check_verify_mode(mode)
     bufs = [b.buffer for b, _ in buckets]
-    shared = bool(bufs) and all(isinstance(x, torch.Tensor) and x.is_contiguous() and x.dtype == torch.uint8 for x in bufs) \
-        and len({(x.device, x.untyped_storage().data_ptr()) for x in bufs}) == 1
-    if not buckets:
-        return PendingDigests([], mode, digests=dict)
-    if not shared:
-        return PendingDigests.merge([bucket_digests_lazy(b, mode, prefix) for b, prefix in buckets])
-    storage = bufs[0].untyped_storage()
-    flat: Any = torch.empty(0, dtype=torch.uint8, device=bufs[0].device).set_(storage, 0, (storage.nbytes(),))
-    if flat.device.type == "cpu":
-        flat = flat.numpy()
-    entries = [e for b, prefix in buckets for e in meta_entries(b.metas, prefix, b.buffer.storage_offset())]
-    return _digests_lazy(flat, entries, mode)
+    if len(bufs) > 1 and all(isinstance(x, torch.Tensor) and x.is_contiguous() and x.dtype == torch.uint8 for x in bufs) \
+            and len({(x.device, x.untyped_storage().data_ptr()) for x in bufs}) == 1:
+        storage = bufs[0].untyped_storage()
+        flat = _flat(torch.empty(0, dtype=torch.uint8, device=bufs[0].device).set_(storage, 0, (storage.nbytes(),)))
+        entries = [e for b, prefix in buckets for e in meta_entries(b.metas, prefix, b.buffer.storage_offset())]
+        return _digests_lazy(flat, entries, mode)
+    parts = [_digests_lazy(_flat(b.buffer), meta_entries(b.metas, prefix), mode) for b, prefix in buckets]
+    return parts[0] if len(parts) == 1 else PendingDigests.merge(parts) if parts else PendingDigests([], mode, digests=dict)
 
 
 def combine_digests(digests: Mapping[str, bytes], mode: VerifyMode = "full") -> str:

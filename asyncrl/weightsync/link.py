@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.types import GroupsReport, HostCopies, SenderAddress, WeightExport
+from asyncrl.types import HostCopies, SenderAddress, WeightExport
 
 if TYPE_CHECKING:
     from asyncrl.weightsync.collective import CollectiveGroup
@@ -163,17 +163,14 @@ class SenderEndpoint:
 class CollectiveLink:
     """The broadcast groups between a learner group's sending ranks (one group each, PP stage order) and
     every engine worker of a set of replicas. `members()` answers {replica_id: GroupsReport}, `join(specs)`
-    makes every replica join (the replicas' `join_collective`). `ensure()` forms the groups unless they still
-    hold exactly the running replicas and no member's group broke; right after a push every member took and
-    no other replica was sent (`pushed`) it asks nobody (two round trips a push saved): a replica gone since,
-    or one outside the groups, then fails that push without waiting for its deadline and the retry forms the
-    groups again (every member waits at the push's gate, and `send` asks the replicas beside the push, closing
-    the gate when they are not the groups' members). It is a `StreamedSource`'s `Link` (sources.py). ipc
+    makes every replica join (the replicas' `join_collective`). `ensure()`, before each push attempt, forms the
+    groups unless they still hold exactly the running replicas and no member's group broke; a replica that
+    comes or goes after it fails that attempt at the push's gate (or, once every load returned, `stop`s the
+    senders) and the retry forms the groups again. It is a `StreamedSource`'s `Link` (sources.py). ipc
     (`sequential`): no group; the senders' `send` answers the handles that are every replica's `payload`."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
-                 check: Callable[[], Awaitable[dict[str, Any]]] | None = None,
                  ranks_of: Callable[[], dict[int, tuple[int, ...]] | None] | None = None) -> None:
         self.backend, self.learner = backend, learner
         self.sequential = backend == "ipc"  # the loads follow the senders' export (its handles are their payload)
@@ -186,22 +183,14 @@ class CollectiveLink:
         self.specs: list[Any] = []
         self.members: dict[str, int] = {}  # replica id -> engine workers, as the groups were formed
         self.formed = 0  # how many times groups were formed
-        # gloo / NCCL: the replicas' join_collective(), asked beside each push (None: not checked)
-        self._check_call = check
         self._gate = ""  # gloo / NCCL: the gate token of the push in flight (payload -> send, cancel)
-        self.checks_skipped = 0  # ensure() calls that asked nobody (right after a clean push)
-        self._clean = False  # the last push reached exactly the groups' members, and every one took it
         self._stores: dict[str, Any] = {}  # group id -> a client of its store (cancel)
         # this attempt was stopped for the receivers' sake (`stop`): a failed send is then the engines' failure
         self.receivers_failed = False
 
     def forget(self) -> None:
         """The groups are gone (a new learner group): the next `ensure` forms them."""
-        self.specs, self.members, self._clean, self._stores, self.membership = [], {}, False, {}, None
-
-    def pushed(self, reached: dict[str, Any]) -> None:
-        """A push over the current groups succeeded, and reached (and was taken by) the replicas `reached`."""
-        self._clean = bool(self.specs) and set(reached) == set(self.members)
+        self.specs, self.members, self._stores, self.membership = [], {}, {}, None
 
     async def cancel(self, why: str) -> None:
         """Stop the push in flight where members still wait for one that is gone (every receiver's
@@ -250,17 +239,15 @@ class CollectiveLink:
 
         from asyncrl.weightsync.collective import form_specs
 
-        clean, self._clean = self._clean, False  # once: a failed push's retry asks
         if self.sequential:  # (ipc: no group)
             return
-        if clean and self.specs:
-            self.checks_skipped += 1
-            return
         info, addresses = await asyncio.gather(self._members_call(), self.learner.collective_addresses())
-        members, problem = self._replicas_fit(info)
+        # {replica id: engine workers}: kept while exactly the groups' members run, each holding every group
+        members = {rid: i.workers for rid, i in info.items()}
         membership = self._ranks_of() if self._ranks_of is not None else None
         held = {a.group for a in addresses if a.group}
-        if self.specs and problem is None and held == set(self.group_ids) and membership == self.membership:
+        if self.specs and members == self.members and held == set(self.group_ids) and membership == self.membership \
+                and all(held <= set(i.groups) for i in info.values()):
             return
         specs = form_specs(self.backend, [(a.host, a.port) for a in addresses], members, timeout_s=self.timeout_s,
                            group_prefix=f"asyncrl-ws{os.getpid()}-{self.formed + 1}", ranks_of=membership)
@@ -286,12 +273,9 @@ class CollectiveLink:
         return CollectiveReceive(tuple(self.group_ids), version, self.timeout_s, gate=self._gate)
 
     async def send(self, version: int, verify: str) -> WeightExport:  # noqa: ARG002 - the label travels with the payload
-        """The senders' side of the attempt `payload` described. On gloo / NCCL the replicas are asked
-        beside it whether they are still the groups' members; if not, the gate closes (nobody waits
-        for a member that is gone, or sends to a group a new replica is not in), and the retry forms
-        the groups again. A sender that failed closes the gate too (receivers still at it leave)."""
+        """The senders' side of the attempt `payload` described. A sender that failed closes the push's gate
+        (gloo / NCCL: receivers still at it leave)."""
         gate = self._gate
-        checking = asyncio.ensure_future(self._check_members(gate)) if gate and self._check_call is not None else None
         try:
             sent = await self.learner.export_weights(self.bucket_mb, self.backend, verify, "engine", self.timeout_s, gate)
             self._handles = list(sent.buckets)  # (ipc's: the payload; gloo / NCCL answer none)
@@ -299,31 +283,7 @@ class CollectiveLink:
             if gate:
                 await self.cancel(f"a sender failed: {type(err).__name__}: {str(err)[:300]}")
             raise
-        finally:
-            if checking is not None and not checking.done():  # the senders are past the gate: it is moot
-                checking.cancel()
         return sent
-
-    def _replicas_fit(self, info: dict[str, GroupsReport]) -> tuple[dict[str, int], str | None]:
-        """The replicas' `join_collective()` answers as {replica id: engine workers}, and what keeps them from
-        the current groups (None: they are exactly the groups' members, each holding every group)."""
-        members = {rid: i.workers for rid, i in info.items()}
-        if members != self.members:
-            return members, f"the running replicas {sorted(members)} are not the groups' members {sorted(self.members)}"
-        if not all(set(self.group_ids) <= set(i.groups) for i in info.values()):
-            return members, "a replica no longer holds every group"
-        return members, None
-
-    async def _check_members(self, gate: str) -> None:
-        """Close push `gate`'s gate unless the running replicas are exactly the groups' members, each
-        still holding every group (a gate every member reached is open already: then this changes nothing)."""
-        try:
-            _, problem = self._replicas_fit(await self._check_call())  # type: ignore[misc]
-        except Exception as err:  # a replica that cannot answer is not there to receive either
-            problem = f"the replicas did not answer ({type(err).__name__}: {str(err)[:300]})"
-        if problem is not None and gate == self._gate:
-            log.info("weightsync: push %s stopped at its gate: %s", gate, problem)
-            await self.stop(problem)
 
     async def collect(self) -> HostCopies:
         """The last send's host copies (every sender's, in sender order), once made."""

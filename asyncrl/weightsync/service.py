@@ -81,8 +81,6 @@ class WeightPublisher:
                 transport.backend, self.learner, bucket_mb=self.cfg.bucket_mb, timeout_s=self.cfg.timeout_s,
                 # through the replicas' client: the fan-out a push reads is then the one just counted
                 members=lambda: self.replicas.call(EngineAPI.join_collective),
-                # beside each push (its fan-out count untouched): are the groups' members still the replicas?
-                check=lambda: control.call(EngineAPI.join_collective, timeout_s=min(30.0, self.cfg.timeout_s)),
                 join=lambda wire: control.call(EngineAPI.join_collective, wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
                 ranks_of=self.sender_ranks,
             )
@@ -264,7 +262,6 @@ class WeightPublisher:
         if self.link is not None:
             source = StreamedSource(self.link, self.transport, self.cfg.timeout_s, self.cfg.verify, plan_id)
             result = await self.publisher.publish(version, source, [self.replicas])
-            self.link.pushed(self.replicas.last_results)
         else:
             export = await self.learner.export_weights(self.cfg.bucket_mb, self.transport.name, self.cfg.verify,
                                                        "hf" if plan_id is None else "engine")
@@ -273,8 +270,8 @@ class WeightPublisher:
             result.metrics.update({f"weightsync/sender/{k}_seconds": v for k, v in export.seconds.items()})
         metrics = dict(result.metrics)
         metrics["weightsync/engine_replicas"] = float(len(self.replicas.last_results))
-        if self.link is not None:  # pushes that went without asking the replicas and senders first
-            metrics["weightsync/group_checks_skipped"] = float(self.link.checks_skipped)
+        if self.link is not None:  # how often the broadcast groups formed: at start, again when the replicas changed
+            metrics["weightsync/groups_formed"] = float(self.link.formed)
         for warning in result.warnings:
             log.warning("%s", warning)
         return metrics

@@ -168,15 +168,12 @@ async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl") ->
             return [await replica.join_collective(wire, 120.0)]
 
         cfg = WeightsyncConfig(transport=backend, bucket_mb=0.5, verify="checksum", timeout_s=120, retries=0)
-        link = CollectiveLink(backend, sender, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
-                              check=members)
+        link = CollectiveLink(backend, sender, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
         pub = Publisher(cfg, transport=select_transport(cfg, on_gpu=backend == "nccl"), registry=VersionRegistry(0))
         client = LocalClient(replica)
 
         async def push(version):
-            result = await pub.publish(version, streamed(pub, link, plan.plan_id), [client])
-            link.pushed({"gpu0": result})
-            return result
+            return await pub.publish(version, streamed(pub, link, plan.plan_id), [client])
 
         prompts = [[5, 17, 9, 33, 2], [12, 4, 4, 7]]
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=False)

@@ -119,7 +119,7 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
         return [await replica.join_collective(wire, 120.0)]
 
     link = CollectiveLink("gloo", group, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
-                          check=members, ranks_of=lambda: sender_ranks(plan))
+                          ranks_of=lambda: sender_ranks(plan))
     pub = Publisher(cfg, transport=transport, registry=VersionRegistry(1))
     samples = make_samples(8, group_size=2)
     old = await group.compute_log_prob(samples)

@@ -542,15 +542,12 @@ class _OneEngine:
 
         self.plan, self.sender, self.start, self.base = plan, sender, start, None
         self.link = CollectiveLink(cfg.transport, sender, members=members, join=join, bucket_mb=cfg.bucket_mb,
-                                   timeout_s=cfg.timeout_s, check=members, **link_kw)
+                                   timeout_s=cfg.timeout_s, **link_kw)
         self.pub = Publisher(cfg, transport=select_transport(cfg), registry=VersionRegistry(start))
         self.replica = _Calls(ActorReplica(engine, "engine-0"))
 
     async def push(self, version, plan_id=None):
-        link = self.link
-        result = await self.pub.publish(version, streamed(self.pub, link, plan_id or self.plan.plan_id), [self.replica])
-        link.pushed({"engine-0": result})  # as the service does: the next push may ask nobody first
-        return result
+        return await self.pub.publish(version, streamed(self.pub, self.link, plan_id or self.plan.plan_id), [self.replica])
 
     async def push_is_refused_by_its_fingerprint(self, engine, version, prompt_ids, before) -> None:
         """`version`'s push (its bytes corrupted after the sender hashed them) fails on the replica's
@@ -570,7 +567,7 @@ async def test_one_engine_over_gloo_takes_a_push_and_refuses_a_bucket_corrupted_
     """A broadcast push (gloo, the NCCL path's twin) to one engine replica: the
     replica begins, waits at the push's gate with the sender (collective.py), receives, then its commit
     checks the fingerprint, pauses, applies, relabels and resumes, and it serves transformers' greedy
-    tokens for the pushed weights. After a clean push the link asks nobody first. A replica that refuses
+    tokens for the pushed weights; the next push reuses the groups. A replica that refuses
     the begin (it lacks the push plan) fails the push before the wire, at once, and the groups carry the
     next push. A byte flipped on the wire, after the sender hashed it, fails the commit's check: nothing
     applied, the previous version's exact tokens served; the next push is carried."""
@@ -595,7 +592,7 @@ async def test_one_engine_over_gloo_takes_a_push_and_refuses_a_bucket_corrupted_
     assert m["weightsync/commit_seconds"] > 0
     assert m["weightsync/paused_seconds"] > 0 and m["weightsync/apply_direct"] == 1.0 and m["weightsync/num_buckets"] > 1
     await push(start + 2)
-    assert link.checks_skipped == 1 and link.formed == 1 and pub.registry.live_version == start + 2
+    assert link.formed == 1 and pub.registry.live_version == start + 2
     await _engines_serve([engine], demo_model_path, sender.weights, start + 2)
     tok = AutoTokenizer.from_pretrained(str(demo_model_path))
     prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
@@ -623,9 +620,8 @@ async def test_one_engine_over_gloo_takes_a_push_and_refuses_a_bucket_corrupted_
     assert hit and pub.registry.live_version == start + 2
     assert pub.totals["rollbacks_total"] == rollbacks  # refused before anything was applied: nothing to restore
     monkeypatch.setattr(CollectiveGroup, "enqueue_broadcasts", enqueue)
-    skipped = link.checks_skipped  # (the failed push's check was skipped: the one before it was clean)
-    await push(start + 4)  # checked again after the failure, then carried
-    assert link.checks_skipped == skipped == 2 and pub.registry.live_version == start + 4
+    await push(start + 4)  # carried by the same groups
+    assert link.formed == 1 and pub.registry.live_version == start + 4
     await _engines_serve([engine], demo_model_path, sender.weights, start + 4)
 
     # The replica refuses a push for a plan it does not hold: the push fails at its first load's begin, at the
