@@ -127,12 +127,7 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
 def digest_key_prefix(bucket: "Bucket | SharedBucket") -> str:
     """What a bucket's tensor names are prefixed with in a fingerprint: the engine rank for an
     engine-layout bucket (the same parameter name exists on every rank), nothing for HF tensors."""
-    return rank_key_prefix(bucket.rank)
-
-
-def rank_key_prefix(rank: int | None) -> str:
-    """`digest_key_prefix` of a bucket of engine rank `rank` (None: Hugging Face tensors)."""
-    return "" if rank is None else f"{rank}/"
+    return "" if bucket.rank is None else f"{bucket.rank}/"
 
 
 def pack_bucket(named: list[tuple[str, torch.Tensor]], device: torch.device | None = None,

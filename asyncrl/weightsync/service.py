@@ -85,7 +85,8 @@ class WeightPublisher:
                 ranks_of=self.sender_ranks,
             )
         # The seed (and, for collective transports, every host copy) lives in the object store.
-        export = await self.learner.export_weights(self.cfg.bucket_mb, _put_kind(transport), self.cfg.verify)
+        export = await self.learner.export_weights(self.cfg.bucket_mb, "object_store" if transport.streamed
+                                                   else transport.name, self.cfg.verify)
         from asyncrl.weightsync.plan import ManifestEntry
 
         self.manifest = [ManifestEntry(m.name, m.dtype, tuple(m.shape), sender)
@@ -287,11 +288,6 @@ class WeightPublisher:
 def dump_manifest(manifest: Any) -> bytes:
     """The learner's export manifest as `PlanRequest` carries it."""
     return pickle.dumps(list(manifest), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _put_kind(transport: Any) -> str:
-    """How the learner ranks put host buckets for `transport`: itself, or (collective) the object store."""
-    return "object_store" if transport.streamed else transport.name
 
 
 STORE_NAME = "asyncrl_weight_store"  # the named actor late replicas load from

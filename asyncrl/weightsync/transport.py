@@ -155,20 +155,6 @@ def _unlink_all(files: set[str], recycled: set[str]) -> None:
         paths.clear()
 
 
-def single_host() -> bool:
-    """Whether the running Ray cluster has one live node (so every process shares /dev/shm)."""
-    import ray
-
-    return ray.is_initialized() and sum(1 for n in ray.nodes() if n.get("Alive")) == 1
-
-
-def cluster_gpus() -> float:
-    """GPUs of the running Ray cluster (0 without one)."""
-    import ray
-
-    return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
-
-
 def auto_transport(*, on_gpu: bool, hybrid: bool, own_gpus: bool, one_host: bool, gpus: float) -> str:
     """What `transport: auto` means (the rule, apart from the cluster it reads):
     - hybrid (learner and engines take turns on the same devices): ipc on GPUs, shm on CPUs;
@@ -194,10 +180,12 @@ def select_transport(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: 
     `on_gpu`: the learner's ranks hold GPUs (whatever this process sees); `own_gpus`: every learner
     rank and every engine replica holds at least one whole GPU."""
     kind = config.transport
-    if kind == "auto":
-        one_host = single_host()
+    if kind == "auto":  # (one live node: every process shares /dev/shm; its GPUs)
+        import ray
+
+        one_host = ray.is_initialized() and sum(1 for n in ray.nodes() if n.get("Alive")) == 1
         kind = auto_transport(on_gpu=on_gpu, hybrid=hybrid, own_gpus=own_gpus, one_host=one_host,
-                              gpus=cluster_gpus() if one_host and on_gpu else 0.0)
+                              gpus=float(ray.cluster_resources().get("GPU", 0)) if one_host and on_gpu else 0.0)
     if kind == "object_store":
         return ObjectStoreTransport(get_timeout_s=config.timeout_s)
     if kind == "shm":
