@@ -9,8 +9,7 @@ copied every bucket several times) and what the shm transport puts.
 Must never: hold more than the bucket being filled plus the one being emitted (the packer pulls tensors lazily: peak
 extra memory is one or two buckets, not the model), talk to a transport, or know about versions. Also where a gloo /
 NCCL sender packs a whole planned version: one arena (`whole_arena`), or a ring of reused slots (`SenderRing`).
-Details: docs/design/weightsync.md, "Bucketing".
-"""
+Details: docs/design/weightsync.md, "Bucketing"."""
 
 from __future__ import annotations
 

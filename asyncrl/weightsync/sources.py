@@ -8,9 +8,8 @@ commit_update(version, fp) applies nothing on a fingerprint mismatch (Refusal.VE
 part-applied on a later error; abort_update is idempotent; a version <= the live one restores. The sources:
 `BucketSource` hands each replica's load the buckets the learner ranks put (with their digests); `StreamedSource` is a
 collective push, the senders broadcasting over the groups of a `Link` (link.py's `CollectiveLink`) into that load. And a
-push's metrics (`PushMetrics`, a flat `weightsync/...` dict).
-Must never: order replica calls or decide what is live (push.py). Details: docs/design/weightsync.md.
-"""
+push's metrics (`PushMetrics`, a flat `weightsync/...` dict). Must never: order replica calls or decide what is live
+(push.py). Details: docs/design/weightsync.md."""
 
 from __future__ import annotations
 

@@ -6,11 +6,9 @@ verbs (`WorkerVerbs`), apart from any engine. vLLM's workers mix the verbs in (g
 Owns: layout, plan, begin / stage / receive / apply / abort, collective groups, kept buffers. Each tensor's digest
 is computed as it is staged; the apply copies engine-layout buckets (plan.py) into the live parameters in one fused
 copy, keeping every address (where `check_layout` proved the loaders pure copies), or reloads Hugging Face tensors
-through the engine. Every bucket is kept until the commit.
+through the engine. Every bucket is kept until the commit. Details: docs/design/weightsync.md, "The worker's receiver".
 Must never: import an engine (vLLM's worker never imports SGLang, nor the reverse), change what the engine serves
-before the commit or outside a pause, apply a tensor whose digest differs, or touch the version label.
-Details: docs/design/weightsync.md, "The worker's receiver".
-"""
+before the commit or outside a pause, apply a tensor whose digest differs, or touch the version label."""
 
 from __future__ import annotations
 
