@@ -25,7 +25,7 @@ import torch
 
 from asyncrl.weightsync.bucket import Bucket, pack_bucket
 from asyncrl.weightsync.fingerprint import bucket_digests_lazy, buckets_digests_lazy
-from asyncrl.weightsync.transport import HostCopies, PinnedPool
+from asyncrl.weightsync.transport import HostCopies
 
 # Header kinds (first int64 of a header): the sender is done, the sender failed, and the push's one table of every
 # bucket (gloo / nccl: then every bucket and an END / ABORT header, as one receive).
@@ -283,7 +283,6 @@ class CollectiveGroup:
     broken: bool = False
     _store: Any = field(default=None, repr=False)
     _copies: HostCopies | None = field(default=None, repr=False)  # sender: the last push's host copies
-    _pinned: PinnedPool | None = field(default=None, repr=False)  # sender on a GPU: their pinned buffers
     _ring_sender: bool = False  # gloo / nccl sender: its device could not hold a whole version (arena.SenderRing)
     _gate_keys: list = field(default_factory=list, repr=False)  # sender: this push's gate keys (stale at the next)
     _stale_gate_keys: list = field(default_factory=list, repr=False)  # sender: earlier pushes', to drop (drop_stale_gate_keys)

@@ -53,7 +53,6 @@ class SenderEndpoint:
         self.plan: Any = None  # the push plan buckets are packed for (None: HF tensors)
         self.ring: Any = None  # ipc: the device buffers each version is packed into (ipc.py)
         self._ipc_copies: Any = None  # ipc: the last push's host copies (they read the ring)
-        self._pinned: Any = None  # ipc: their pinned host buffers
 
     def set_plan(self, plan: bytes | None) -> str | None:
         """The push plan later pushes pack for (at start, before any push: the push's kernels are loaded here, where
@@ -135,15 +134,12 @@ class SenderEndpoint:
         import torch
 
         from asyncrl.weightsync.ipc import IpcRing, ipc_send
-        from asyncrl.weightsync.transport import HostCopies, PinnedPool
+        from asyncrl.weightsync.transport import HostCopies
 
-        if self._ipc_copies is not None and not self._ipc_copies.close():  # (first: they read the ring)
-            self._pinned = None  # still read by a stuck keep: this push copies into fresh buffers
+        copies = self._ipc_copies = HostCopies.after(self._ipc_copies, ray.put, pinned=True)  # (first: they read the ring)
         if self.ring is None:
             self.ring = IpcRing(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                                 else torch.device("cpu"))
-        self._pinned = self._pinned or PinnedPool()
-        copies = self._ipc_copies = HostCopies(ray.put, self._pinned)
         handles, sent = ipc_send(self.ring, copies, tensors, bucket_mb, verify=verify, plan=plan, sender=sender)
         self.host_copies = copies  # (once sent: a collect of the attempt before this one takes that one's)
         return WeightExport(buckets=handles, metas=[h.metas for h in handles], senders=[sender] * len(handles),

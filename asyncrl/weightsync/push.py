@@ -60,10 +60,6 @@ class WeightsyncError(RuntimeError):
         self.metrics = metrics or {}
         self.refusals = dict(refusals or {})  # replica client -> why it refused, where it did
 
-    @property
-    def replica(self) -> str | None:
-        return self.replicas[0] if self.replicas else None
-
 
 class StepTimeout(TimeoutError):
     pass

@@ -25,7 +25,7 @@ import torch
 from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, iter_buckets, whole_arena
 from asyncrl.weightsync.collective import ABORT, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup, SenderAborted
 from asyncrl.weightsync.fingerprint import PendingDigests
-from asyncrl.weightsync.transport import HostCopies, PinnedPool
+from asyncrl.weightsync.transport import HostCopies
 
 
 def encode_table(bucket: Bucket) -> bytes:
@@ -91,7 +91,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     deadline = time.monotonic() + timeout_s
     out = SendResult()
     # (first: the last push's copies let go of its buckets, or the stream waits for those still being made)
-    copies = out.host_copies = host_copies_for(group, keep)
+    copies = out.host_copies = group._copies = HostCopies.after(group._copies, keep, pinned=group.device.type == "cuda")
     planned = plan.for_sender(sender) if plan is not None else None
     # whole with a plan: the version packed into one arena (hashed in one pass), or a ring of slots
     buffers, ring = None, None
@@ -321,17 +321,6 @@ def _fill(group: CollectiveGroup, rest: list[Any], deadline: float) -> None:
         group.broadcast_all([zeros[:n] for n in sizes], deadline)
     except CollectiveError:  # the wire failed too: the group is broken, the receivers fail at their deadline
         pass
-
-
-def host_copies_for(group: CollectiveGroup, keep: Callable[[Bucket], Any] | None) -> HostCopies:
-    """This push's host copies; an earlier push's that nobody collected are dropped first (their
-    pinned buffers are this push's)."""
-    if group._copies is not None and not group._copies.close():
-        group._pinned = None  # still read by a stuck keep: this push copies into fresh buffers
-    if group.device.type == "cuda" and group._pinned is None:
-        group._pinned = PinnedPool()
-    group._copies = HostCopies(keep, group._pinned)
-    return group._copies
 
 
 def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> _Recorded:

@@ -266,6 +266,13 @@ class HostCopies:
         self._keeping = False  # `result` is keeping: the pinned buffers are read until it returns
         self.seconds = {"copy": 0.0, "keep": 0.0}
 
+    @classmethod
+    def after(cls, last: "HostCopies | None", keep: Callable[[Bucket], Any] | None, pinned: bool) -> "HostCopies":
+        """A sender's next push's host copies: the `last` push's are closed first (those nobody collected are dropped),
+        their pinned buffers reused unless a keep still reads them. `pinned`: device buckets (a GPU sender)."""
+        pool = last._pool if last is not None and last.close() else None
+        return cls(keep, pool or (PinnedPool() if pinned else None))
+
     def add(self, bucket: Bucket, now: bool = False) -> _Copy:
         buf = bucket.buffer
         if isinstance(buf, torch.Tensor) and buf.is_cuda:

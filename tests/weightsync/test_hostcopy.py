@@ -144,3 +144,15 @@ def test_digests_of_device_tensors_equal_those_of_their_host_copies():
     on_gpu = [(n, t.cuda()) for n, t in a.items()]
     for mode in ("full", "checksum", "off"):  # checksum: CUDA int64 arithmetic wraps as on the host
         assert tensor_digests(on_gpu, mode) == {n: tensor_digests([(n, t)], mode)[n] for n, t in a.items()}, mode
+
+
+def test_a_senders_next_host_copies_close_the_last_and_reuse_their_pinned_pool_unless_a_keep_still_reads_it():
+    first = HostCopies.after(None, None, pinned=True)
+    second = HostCopies.after(first, None, pinned=True)
+    assert second._pool is first._pool is not None
+    with pytest.raises(HostCopyError, match="closed"):
+        first.result(_deadline())  # the next push took its buffers: nothing of it is collected any more
+    second._keeping = True  # a keep of the last push's copies still reads their pinned buffers
+    third = HostCopies.after(second, None, pinned=True)
+    assert third._pool is not None and third._pool is not second._pool
+    assert HostCopies.after(None, None, pinned=False)._pool is None  # host buckets: no pinned buffers
