@@ -258,6 +258,8 @@ class WeightUpdates:
         """Join the groups `specs` (every worker, concurrently with the senders); None: join nothing. Answers
         how many engine workers this replica has (each is one receiver rank) and which groups every one of
         them holds."""
+        if (dead := self.engine.dead()) is not None:  # (its workers hold no group a push could use)
+            raise WeightUpdateError(f"replica {self.replica_id}: {dead}")
         if specs is None:
             if self._groups_joined is not None:  # asked before every collective push: no round trip to the workers
                 return self._groups_joined

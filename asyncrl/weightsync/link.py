@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from asyncrl.weightsync.stream import SendResult
 
 log = logging.getLogger("asyncrl.weightsync.service")  # (one logger name for the whole service's lines)
+WATCH_S = 2.0  # a gloo / NCCL push still sending after this long has the replicas' health asked, and again after each
 
 
 def send_stream(group: "CollectiveGroup", named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
@@ -161,13 +162,15 @@ class CollectiveLink:
     every engine worker of a set of replicas. `members()` answers {replica_id: GroupsReport}, `join(specs)`
     makes every replica join (the replicas' `join_collective`). `ensure()`, before each push attempt, forms the
     groups unless they still hold exactly the running replicas and no member's group broke; a replica that
-    comes or goes after it fails that attempt at the push's gate (or, once every load returned, `stop`s the
-    senders) and the retry forms the groups again. It is a `StreamedSource`'s `Link` (sources.py). ipc
+    comes after it fails that attempt at the push's gate, one that fails its health check (`health`, asked beside
+    a push still sending after `WATCH_S`) or whose load returned without reaching the gate `stop`s the senders,
+    and the retry forms the groups again. It is a `StreamedSource`'s `Link` (sources.py). ipc
     (`sequential`): no group; the senders' `send` answers the handles that are every replica's `payload`."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
-                 ranks_of: Callable[[], dict[int, tuple[int, ...]] | None] | None = None) -> None:
+                 ranks_of: Callable[[], dict[int, tuple[int, ...]] | None] | None = None,
+                 health: Callable[[], Awaitable[Any]] | None = None) -> None:
         self.backend, self.learner = backend, learner
         self.sequential = backend == "ipc"  # the loads follow the senders' export (its handles are their payload)
         self._handles: list[Any] = []  # ipc: the last send's
@@ -180,6 +183,7 @@ class CollectiveLink:
         self.members: dict[str, int] = {}  # replica id -> engine workers, as the groups were formed
         self.formed = 0  # how many times groups were formed
         self._gate = ""  # gloo / NCCL: the gate token of the push in flight (payload -> send, cancel)
+        self._health = health  # raises unless every running replica is healthy
         self._stores: dict[str, Any] = {}  # group id -> a client of its store (cancel)
         # this attempt was stopped for the receivers' sake (`stop`): a failed send is then the engines' failure
         self.receivers_failed = False
@@ -272,6 +276,7 @@ class CollectiveLink:
         """The senders' side of the attempt `payload` described. A sender that failed closes the push's gate
         (gloo / NCCL: receivers still at it leave)."""
         gate = self._gate
+        watching = asyncio.ensure_future(self._watch(gate)) if gate and self._health is not None else None
         try:
             sent = await self.learner.export_weights(self.bucket_mb, self.backend, verify, "engine", self.timeout_s, gate)
             self._handles = list(sent.buckets)  # (ipc's: the payload; gloo / NCCL answer none)
@@ -279,7 +284,23 @@ class CollectiveLink:
             if gate:
                 await self.cancel(f"a sender failed: {type(err).__name__}: {str(err)[:300]}")
             raise
+        finally:
+            if watching is not None:
+                watching.cancel()
         return sent
+
+    async def _watch(self, gate: str) -> None:
+        """Beside a push's senders: a replica whose engine died after `ensure` never reaches the gate, where every
+        other member (an engine's worker among them, its engine's steps held) would wait to the deadline, and the
+        replicas' loads do not all return before it; a failed health check stops the push at once instead."""
+        while True:
+            await asyncio.sleep(WATCH_S)
+            try:
+                await asyncio.wait_for(self._health(), 4 * WATCH_S)  # type: ignore[misc]
+            except Exception as err:  # (unhealthy, or no answer)
+                if gate == self._gate:
+                    await self.stop(f"a replica failed its health check ({type(err).__name__}: {str(err)[:300]})")
+                return
 
     async def collect(self) -> HostCopies:
         """The last send's host copies (every sender's, in sender order), once made."""

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.types import CommitReport, Refusal, UpdateBegin, WeightUpdateState, WeightVersion, refusal_of
+from asyncrl.types import CommitReport, Refusal, UpdateBegin, WeightUpdateState, WeightVersion
 from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.sources import (  # noqa: F401 - re-exported: the publisher's vocabulary
     ActorReplica,
@@ -37,6 +37,7 @@ from asyncrl.weightsync.sources import (  # noqa: F401 - re-exported: the publis
     StreamedSource,
     is_replica_dead,
     is_verify_failure,
+    refusals_of,
 )
 from asyncrl.weightsync.transport import Transport
 
@@ -59,10 +60,6 @@ class WeightsyncError(RuntimeError):
         self.replicas, self.out_of_service = list(replicas), list(out_of_service)
         self.metrics = metrics or {}
         self.refusals = dict(refusals or {})  # replica client -> why it refused, where it did
-
-
-class StepTimeout(TimeoutError):
-    pass
 
 
 @dataclass
@@ -359,7 +356,7 @@ class Publisher:
                     results[r.name] = out
                 return r.name, None
             except (asyncio.TimeoutError, TimeoutError):
-                return r.name, StepTimeout(f"{step.value} on replica {r.name} timed out after {timeout}s")
+                return r.name, TimeoutError(f"{step.value} on replica {r.name} timed out after {timeout}s")
             except Exception as exc:
                 return r.name, exc
             finally:
@@ -402,7 +399,7 @@ class Publisher:
         self.registry.transition(version, S.FAILED, error=message)
         m.failed = True
         self.totals["pushes_failed_total"] += 1
-        refusals = {name: r for name, e in f.failures.items() if (r := refusal_of(e)) is not None}
+        refusals = refusals_of(f.failures)
         return WeightsyncError(message, version=version, step=f.step, replicas=sorted(f.failures),
                                out_of_service=f.out_of_service, metrics=self._finish(m, version), refusals=refusals)
 

@@ -83,6 +83,7 @@ class WeightPublisher:
                 members=lambda: self.replicas.call(EngineAPI.join_collective),
                 join=lambda wire: control.call(EngineAPI.join_collective, wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
                 ranks_of=self.sender_ranks,
+                health=lambda: control.call(EngineAPI.check_health, timeout_s=min(30.0, self.cfg.timeout_s)),
             )
         # The seed (and, for collective transports, every host copy) lives in the object store.
         export = await self.learner.export_weights(self.cfg.bucket_mb, "object_store" if transport.streamed

@@ -18,12 +18,12 @@ import contextlib
 import enum
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.interfaces import EngineAPI, verb_name
-from asyncrl.types import CommitReport, HostCopies, LoadReport, Refusal, UpdateAck, UpdateBegin, WeightExport, refusal_of
+from asyncrl.types import CommitReport, HostCopies, LoadReport, Refusal, ReplicaControlError, UpdateAck, UpdateBegin, WeightExport, refusal_of
 from asyncrl.weightsync.bucket import digest_key_prefix
 from asyncrl.weightsync.fingerprint import VerifyMode, bucket_digests, check_verify_mode, combine_digests
 from asyncrl.weightsync.transport import Transport
@@ -109,6 +109,15 @@ def is_verify_failure(exc: BaseException) -> bool:
     return refusal_of(exc) is Refusal.VERIFY_FAILED
 
 
+def refusals_of(failures: dict[str, BaseException]) -> dict[str, Refusal]:
+    """{replica: why it refused} of a step's failures: a fanned-out call's per replica (one replica's refusal
+    closes a broadcast push's gate, and the others then fail without one), else each client's own."""
+    out: dict[str, Refusal] = {}
+    for name, e in failures.items():
+        out.update(e.refusals if isinstance(e, ReplicaControlError) else {name: r} if (r := refusal_of(e)) else {})
+    return out
+
+
 def is_replica_dead(exc: BaseException) -> bool:
     """The replica process is gone: retrying the same replica cannot help."""
     try:
@@ -119,13 +128,6 @@ def is_replica_dead(exc: BaseException) -> bool:
 
 
 # ---- a push's metrics ------------------------------------------------------------------------------------
-
-_GB = 1e9
-
-
-def _rate(num_bytes: float, seconds: float) -> float:
-    return num_bytes / seconds / _GB if seconds > 0 else 0.0
-
 
 @dataclass
 class PushMetrics:
@@ -171,7 +173,7 @@ class PushMetrics:
                  "rollbacks", "out_of_service", "store_failed", "push_seconds", "on_live_seconds", "paused_seconds",
                  "host_copy_wait_seconds", "host_copy_seconds", "stage_seconds", "commit_seconds", "fingerprint_seconds")
         out: dict[str, float] = {p + k: float(v) if isinstance(v := getattr(self, k), bool) else v for k in plain}
-        out.update({p + "gbps": _rate(self.bytes, self.push_seconds),  # (other rates: bytes over a phase's seconds)
+        out.update({p + "gbps": self.bytes / self.push_seconds / 1e9 if self.push_seconds > 0 else 0.0,
                     p + "layout_engine": float(self.layout == "engine")})
         t = f"{p}transport/{self.transport}/"
         out[t + "bytes"] = self.bytes
@@ -216,13 +218,6 @@ class StepFailed(Exception):
     out_of_service: list[str] = field(default_factory=list)
 
 
-def _layout_of(buckets: Iterable[Any]) -> str:
-    ranks = {getattr(b, "rank", None) for b in buckets}
-    if len(ranks) > 1 and None in ranks:
-        raise ValueError("a push mixes engine-layout and Hugging Face buckets")
-    return "hf" if ranks in ({None}, set()) else "engine"
-
-
 class BucketSource:
     """Buckets the learner ranks already put into the transport (`export_weights`), with the digests they
     computed as they packed (else hashed here) and, for engine-layout buckets, the plan they were packed for.
@@ -252,7 +247,10 @@ class BucketSource:
                 t = time.perf_counter()
                 self.digests.append(bucket_digests(bucket, self.verify, digest_key_prefix(bucket)))
                 self.hash_seconds += time.perf_counter() - t
-        self.layout = _layout_of(buckets)
+        ranks = {b.rank for b in buckets}
+        if len(ranks) > 1 and None in ranks:
+            raise ValueError("a push mixes engine-layout and Hugging Face buckets")
+        self.layout = "hf" if ranks in ({None}, set()) else "engine"
         if self.layout == "engine" and plan_id is None:
             raise ValueError("engine-layout buckets without the push plan they were packed for")
         self.plan_id = plan_id if self.layout == "engine" else None
@@ -350,7 +348,7 @@ class StreamedSource:
                 with contextlib.suppress(BaseException):
                     await receiving
                 refused = receiving.exception() if receiving.done() and not receiving.cancelled() else None
-                if isinstance(refused, StepFailed) and any(map(refusal_of, refused.failures.values())):
+                if isinstance(refused, StepFailed) and refusals_of(refused.failures):
                     raise refused from exc
                 raise StepFailed(Step.EXPORT, {"publisher": exc}) from exc
             except BaseException:

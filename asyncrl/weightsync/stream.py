@@ -44,10 +44,6 @@ def _header(group: CollectiveGroup, kind: int, a: int = 0, b: int = 0) -> torch.
     return torch.tensor([kind, a, b], dtype=torch.int64, device=group.device)
 
 
-def _bytes_tensor(group: CollectiveGroup, raw: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device)
-
-
 @dataclass
 class SendResult:
     """What a sender hands back to the publisher: per-tensor digests in the push's verify mode, sizes and timings.
@@ -171,7 +167,8 @@ def whole_table(group: CollectiveGroup, buckets: Any, plan: Any = None, sender: 
     tables = [encode_table(Bucket(buffer=None, metas=metas, rank=rank)).decode()  # type: ignore[arg-type]
               for metas, rank, _ in buckets]
     raw = json.dumps({"b": [[t, n] for t, (*_, n) in zip(tables, buckets)]}).encode()
-    out = [_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)), _bytes_tensor(group, raw)]
+    out = [_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)),
+           torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device)]
     group._announce = (plan, sender, out) if plan is not None else None
     return out
 

@@ -278,22 +278,6 @@ class WorkerReceiver:
         self._views, self._apply_lists = {}, None
 
 
-def copy_to(bucket: Bucket, device: torch.device) -> Bucket:
-    """`bucket` with its buffer in this worker's own memory on `device` (one copy), so that the
-    staged views outlive the transport's buffer."""
-    buffer = bucket.buffer
-    if isinstance(buffer, torch.Tensor):
-        own = torch.empty(buffer.numel(), dtype=torch.uint8, device=device)
-        own.copy_(buffer.reshape(-1).view(torch.uint8), non_blocking=True)
-    else:
-        own = torch.from_numpy(buffer).to(device) if device.type != "cpu" else buffer
-    return Bucket(buffer=own, metas=list(bucket.metas), rank=bucket.rank)
-
-
-def _dump(value: Any) -> bytes:
-    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-
-
 class WorkerVerbs:
     """The `asyncrl_*` verbs of one worker that holds weights; methods are prefixed `asyncrl_` so they never
     clash with the worker's own. A subclass says where the engine is (`_asyncrl_hooks`) and has `rank`
@@ -322,7 +306,8 @@ class WorkerVerbs:
         warm_push_kernels(rx.hooks.device)  # (before any push, as a group member does at its join; ipc joins none)
         if manifest is None:
             return rx.check_layout()
-        return msgspec.structs.replace(rx.checked, layout=_dump(rx.layout_for(pickle.loads(manifest))))
+        layout = pickle.dumps(rx.layout_for(pickle.loads(manifest)), protocol=pickle.HIGHEST_PROTOCOL)
+        return msgspec.structs.replace(rx.checked, layout=layout)
 
     # ---- one update -----------------------------------------------------------------------------
     def asyncrl_receive(self, version: int, wires: list[tuple] | None, groups: list[str] | None = None,
@@ -379,8 +364,10 @@ class WorkerVerbs:
         on the host for the engine's loaders unless the engine takes them on its device."""
         path, metas, rank = wire
         bucket, device = SharedBucket.from_wire(path, metas, rank).open(), self._asyncrl_rx().hooks.device
-        on_device = device.type != "cpu" and (rank is not None or self._asyncrl_hf_on_device)
-        return copy_to(bucket, device) if on_device else bucket
+        if device.type == "cpu" or (rank is None and not self._asyncrl_hf_on_device):
+            return bucket
+        # one copy into this worker's own device memory: the staged views outlive the file's mapping
+        return Bucket(buffer=torch.from_numpy(bucket.buffer).to(device), metas=list(bucket.metas), rank=rank)
 
     def _asyncrl_refuse(self, group_ids: list[str], why: str, gate: str = "") -> None:
         """Refuse the coming push on the groups `group_ids`: every member at its gate `gate` stops at once. Best

@@ -713,9 +713,9 @@ def test_a_request_that_meets_a_replica_not_serving_is_resent_then_503():
 
 def test_a_replica_whose_engine_died_refuses_requests_as_not_ready():
     """EngineReplica._iterate on a dead engine (before and during a request) raises ReplicaNotReady, which the gateway
-    answers with 503, instead of the engine's own error (a 500)."""
+    answers with 503, instead of the engine's own error (a 500); its join_collective raises too."""
     from asyncrl.generator.engine import EngineReplica
-    from asyncrl.generator.replica_types import ReplicaNotReady, ReplicaState
+    from asyncrl.generator.replica_types import ReplicaNotReady, ReplicaState, WeightUpdateError
 
     class DeadEngine:
         def __init__(self, dead_at_start: bool) -> None:
@@ -748,3 +748,7 @@ def test_a_replica_whose_engine_died_refuses_requests_as_not_ready():
         with pytest.raises(ReplicaNotReady, match="engine is dead"):
             asyncio.run(replica.generate(request))
         assert engine_error_to_http(ReplicaNotReady("x")).status == 503
+    # nor does it answer, before a gloo / NCCL push, that it still holds the broadcast groups (its answer is cached)
+    replica._groups_joined = object()
+    with pytest.raises(WeightUpdateError, match="engine is dead"):
+        asyncio.run(replica.join_collective())

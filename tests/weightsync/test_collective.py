@@ -23,6 +23,7 @@ from asyncrl.weightsync.collective import (
     CollectiveError,
     CollectiveGroup,
     CollectiveReceive,
+    GateClosed,
     GroupSpec,
     SenderAborted,
     form_specs,
@@ -774,6 +775,36 @@ async def test_a_streamed_push_a_replica_refuses_reports_the_refusal_not_the_sen
     assert [e for n, e in log if n == "r0"] == ["begin:1", "abort"] and replicas[0].version == 0
 
 
+async def test_one_replicas_refusal_is_the_pushs_when_the_others_left_its_closed_gate_without_one():
+    """Through a client that fans out (the service's `DeploymentReplicas`): one replica refuses (it lacks the push
+    plan, e.g. it started as the plan was formed) and closes the gate, the others fail there without a refusal; the
+    push still reports that replica's refusal, at the load, so the service forms the plan again and recovers (when
+    only a refusal every replica gave counted, the senders' failure was reported and training stopped)."""
+    from asyncrl.types import Refusal, ReplicaControlError
+    from asyncrl.weightsync.collective import CollectiveError
+
+    pub, _, _, _, _, prepare = _streamed_setup(n=1)
+
+    class Engines:
+        name, fanout = "engines", 2
+
+        async def load_bucket(self, payload, version, begin):
+            await asyncio.sleep(0.05)
+            raise ReplicaControlError("load_bucket", {"a": "PlanMissing: no plan", "b": "GateClosed: stopped at its gate"},
+                                      {}, {"a": Refusal.PLAN_MISSING})
+
+        async def abort_update(self):
+            return {}
+
+    async def send(version, verify):
+        await asyncio.sleep(0.1)
+        raise CollectiveError("the push's gate was closed by a receiver")
+
+    with pytest.raises(WeightsyncError) as info:
+        await pub.publish(1, streamed(pub, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)), [Engines()])
+    assert info.value.step is Step.LOAD and info.value.refusals == {"a": Refusal.PLAN_MISSING}
+
+
 # ---- the engine worker's half, and group (re)formation ---------------------------------------------
 
 
@@ -948,6 +979,52 @@ async def test_a_broadcast_push_has_a_gate_of_its_own_which_a_failed_sender_clos
     with pytest.raises(RuntimeError, match="export failed"):
         await link.send(3, "checksum")
     assert len(stopped) == 1 and "a sender failed" in stopped[0]
+
+
+async def test_a_replica_that_fails_its_health_check_while_the_senders_wait_stops_the_push_at_its_gate(monkeypatch):
+    """gloo / NCCL: a push still sending after `WATCH_S` has the replicas' health asked, and again after each: while
+    they are healthy nothing is stopped; one that is not (its engine died after the groups were checked: it never
+    comes to the gate, where the others would wait to the deadline) closes the push's gate at once, as the
+    receivers' failure (`receivers_failed`: the service recovers it once the replicas are healthy)."""
+    from asyncrl.weightsync import link as link_module
+    from asyncrl.weightsync.link import CollectiveLink
+
+    monkeypatch.setattr(link_module, "WATCH_S", 0.02)
+    learner = _FakeLearner()
+    _, _, members, join = _fake_replicas()
+    health = {"asked": 0, "dead": False}
+
+    async def check_health():
+        health["asked"] += 1
+        if health["dead"]:
+            raise RuntimeError("replica b: engine is dead")
+
+    link = CollectiveLink("gloo", learner, members=members, join=join, bucket_mb=1, timeout_s=5, health=check_health)
+    await link.ensure()
+    closed, why = asyncio.Event(), []
+
+    async def cancel(reason):
+        why.append(reason)
+        closed.set()
+
+    async def slow_export(*args, **kwargs):  # a sender at the gate: it leaves once the gate is closed, or sends
+        try:
+            await asyncio.wait_for(closed.wait(), 0.2)
+        except asyncio.TimeoutError:
+            return WeightExport()
+        raise GateClosed("stopped at its gate")
+
+    link.cancel, learner.export_weights = cancel, slow_export
+    link.payload(3)
+    await link.send(3, "checksum")  # healthy: asked, and carried
+    assert health["asked"] >= 2 and why == [] and not link.receivers_failed
+    health["dead"] = True
+    link.payload(3)
+    t = time.monotonic()
+    with pytest.raises(GateClosed):
+        await link.send(3, "checksum")
+    assert time.monotonic() - t < 0.2 and link.receivers_failed
+    assert "health check" in why[0] and "engine is dead" in why[0]  # (then the failed sender closes it too)
 
 
 def test_a_worker_whose_update_cannot_begin_refuses_the_push_at_its_gate():
