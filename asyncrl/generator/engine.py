@@ -137,10 +137,8 @@ class EngineReplica(WeightUpdates):
         layout, plan_id, payloads = "hf", None, list(buckets)
         plan = await store.plan.remote()
         if plan is not None:  # buckets in an engine layout: ours, or rebuild the HF tensors from them
-            import pickle
-
             try:
-                plan_id = await self._set_plan(pickle.dumps(plan))
+                plan_id = await self._take_plan(plan)
                 layout = "engine"
             except Exception as err:
                 from asyncrl.weightsync.fingerprint import tensor_fingerprint

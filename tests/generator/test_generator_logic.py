@@ -7,6 +7,7 @@ import asyncio
 import os
 import pickle
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -752,3 +753,47 @@ def test_a_replica_whose_engine_died_refuses_requests_as_not_ready():
     replica._groups_joined = object()
     with pytest.raises(WeightUpdateError, match="engine is dead"):
         asyncio.run(replica.join_collective())
+
+
+def test_a_late_joiner_loads_an_engine_layout_version_in_that_layout_when_the_plan_fits_it():
+    """`_load_latest`: the store's version packed for a push plan is staged in that layout once the replica's workers
+    fit the plan (it then holds the plan); one that does not fit them is rebuilt into HF tensors and reloaded. (The
+    replica once called a method that no longer existed here, so every late joiner took the HF path.)"""
+    from asyncrl.generator.engine import EngineReplica
+    from asyncrl.weightsync.fingerprint import tensor_fingerprint
+
+    plan = SimpleNamespace(plan_id="p1")
+
+    class Store:
+        def __getattr__(self, name):
+            answers = {"latest": (3, ["b0"], "checksum:abc"), "plan": plan}
+
+            async def answer():
+                return answers[name]
+
+            return SimpleNamespace(remote=answer)
+
+    for fits in (True, False):
+        replica = EngineReplica.__new__(EngineReplica)
+        replica.replica_id, replica.version, loads = "x", 1, []
+
+        async def take_plan(p, fits=fits):
+            if not fits:
+                raise ValueError("another layout")
+            replica.plan_id = p.plan_id
+            return p.plan_id
+
+        async def load_bucket(payload, version, begin):
+            loads.append((payload, version, begin.layout, begin.plan_id))
+
+        async def commit_update(version, fingerprint):
+            loads.append(fingerprint)
+
+        tensors = {"w": torch.ones(2)}
+        replica._take_plan, replica.load_bucket, replica.commit_update = take_plan, load_bucket, commit_update
+        with patch("asyncrl.weightsync.shards.hf_from_engine", lambda p, buckets: tensors):
+            layout = asyncio.run(replica._load_latest(Store()))
+        if fits:
+            assert layout == "engine" and loads == [(["b0"], 3, "engine", "p1"), "checksum:abc"]
+        else:
+            assert layout == "hf" and loads == [([tensors], 3, "hf", None), tensor_fingerprint(tensors, "checksum")]
