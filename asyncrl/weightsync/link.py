@@ -290,14 +290,15 @@ class CollectiveLink:
         return sent
 
     async def _watch(self, gate: str) -> None:
-        """Beside a push's senders: a replica whose engine died after `ensure` never reaches the gate, where every
-        other member (an engine's worker among them, its engine's steps held) would wait to the deadline, and the
-        replicas' loads do not all return before it; a failed health check stops the push at once instead."""
+        """Beside a push's senders: a replica whose engine died after `ensure` never comes to the gate, where the other
+        members (an engine's worker among them, its steps held) would wait to the deadline: a failed check stops it."""
         while True:
             await asyncio.sleep(WATCH_S)
             try:
                 await asyncio.wait_for(self._health(), 4 * WATCH_S)  # type: ignore[misc]
-            except Exception as err:  # (unhealthy, or no answer)
+            except (asyncio.TimeoutError, TimeoutError):  # no answer yet is no failure (the deadline bounds a hung one)
+                continue
+            except Exception as err:  # unhealthy
                 if gate == self._gate:
                     await self.stop(f"a replica failed its health check ({type(err).__name__}: {str(err)[:300]})")
                 return

@@ -112,10 +112,8 @@ def is_verify_failure(exc: BaseException) -> bool:
 def refusals_of(failures: dict[str, BaseException]) -> dict[str, Refusal]:
     """{replica: why it refused} of a step's failures: a fanned-out call's per replica (one replica's refusal
     closes a broadcast push's gate, and the others then fail without one), else each client's own."""
-    out: dict[str, Refusal] = {}
-    for name, e in failures.items():
-        out.update(e.refusals if isinstance(e, ReplicaControlError) else {name: r} if (r := refusal_of(e)) else {})
-    return out
+    return {k: r for name, e in failures.items()
+            for k, r in (e.refusals if isinstance(e, ReplicaControlError) else {name: refusal_of(e)}).items() if r}
 
 
 def is_replica_dead(exc: BaseException) -> bool:

@@ -983,7 +983,7 @@ async def test_a_broadcast_push_has_a_gate_of_its_own_which_a_failed_sender_clos
 
 async def test_a_replica_that_fails_its_health_check_while_the_senders_wait_stops_the_push_at_its_gate(monkeypatch):
     """gloo / NCCL: a push still sending after `WATCH_S` has the replicas' health asked, and again after each: while
-    they are healthy nothing is stopped; one that is not (its engine died after the groups were checked: it never
+    they are healthy, or slow to answer, nothing is stopped; one that is not (its engine died after the groups were checked: it never
     comes to the gate, where the others would wait to the deadline) closes the push's gate at once, as the
     receivers' failure (`receivers_failed`: the service recovers it once the replicas are healthy)."""
     from asyncrl.weightsync import link as link_module
@@ -992,10 +992,12 @@ async def test_a_replica_that_fails_its_health_check_while_the_senders_wait_stop
     monkeypatch.setattr(link_module, "WATCH_S", 0.02)
     learner = _FakeLearner()
     _, _, members, join = _fake_replicas()
-    health = {"asked": 0, "dead": False}
+    health = {"asked": 0, "dead": False, "slow": False}
 
     async def check_health():
         health["asked"] += 1
+        if health["slow"]:
+            await asyncio.sleep(1.0)
         if health["dead"]:
             raise RuntimeError("replica b: engine is dead")
 
@@ -1018,7 +1020,11 @@ async def test_a_replica_that_fails_its_health_check_while_the_senders_wait_stop
     link.payload(3)
     await link.send(3, "checksum")  # healthy: asked, and carried
     assert health["asked"] >= 2 and why == [] and not link.receivers_failed
-    health["dead"] = True
+    health["slow"] = True  # no answer yet is no failure: the push goes on (its deadline bounds a hung replica)
+    link.payload(3)
+    await link.send(3, "checksum")
+    assert why == [] and not link.receivers_failed
+    health["slow"], health["dead"] = False, True
     link.payload(3)
     t = time.monotonic()
     with pytest.raises(GateClosed):
