@@ -393,14 +393,14 @@ class VllmDriver:
         """The request's next output. A request added as the engine core died, after vLLM failed the ones it held,
         is never answered: it ends with `EngineDeadError` (a 503 at the gateway) once the engine is known dead,
         checked every `DEAD_POLL_S`, instead of holding its client to the client's own timeout."""
-        from vllm.v1.engine.exceptions import EngineDeadError
-
         while True:
             try:
                 async with asyncio.timeout(DEAD_POLL_S):
                     return await collector.get()
             except TimeoutError:
                 if self.llm.errored:
+                    from vllm.v1.engine.exceptions import EngineDeadError  # (only here: this waits on every output)
+
                     raise EngineDeadError() from None
 
     def read(self, sequence: Any, new: list[int], prepared: "_Prepared") -> tuple[list[float] | None, str]:
