@@ -73,9 +73,6 @@ class Bucket:
     buffer: np.ndarray
     metas: list[TensorMeta] = field(default_factory=list)
     rank: int | None = None  # engine rank of an engine-layout bucket (plan.py); None: Hugging Face tensors
-    # The transport hands this same object (buffer and table) again at its next push of the same plan (a broadcast
-    # group's whole-version receive, stream.py): a consumer may keep what it derives from it, by identity.
-    reused: bool = False
 
     @property
     def nbytes(self) -> int:

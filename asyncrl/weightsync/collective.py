@@ -286,11 +286,6 @@ class CollectiveGroup:
     _ring_sender: bool = False  # gloo / nccl sender: its device could not hold a whole version (arena.SenderRing)
     _gate_keys: list = field(default_factory=list, repr=False)  # sender: this push's gate keys (stale at the next)
     _stale_gate_keys: list = field(default_factory=list, repr=False)  # sender: earlier pushes', to drop (drop_stale_gate_keys)
-    _whole_table: Any = field(default=None, repr=False)  # gloo / nccl receiver: the last whole version's table (stream.py)
-    _kept: Any = field(default=None, repr=False)  # ... and what it received that version into, kept for the next
-    _announce: Any = field(default=None, repr=False)  # gloo / nccl sender: a plan's whole-version table, kept (stream.py)
-    _hash_stream: Any = field(default=None, repr=False)  # nccl sender: the stream it hashes packed buckets on (stream.py)
-    _hash_launched: bool = False  # ... with checksums launched there that the packing stream has not waited for
 
     @classmethod
     def join(cls, spec: GroupSpec, rank: int, device: torch.device | str | None = None, *,
@@ -436,15 +431,9 @@ class CollectiveGroup:
         return CollectiveError(f"group {self.spec.group_id} rank {self.rank}: broadcast of {what} failed: "
                                f"{type(err).__name__}: {err}")
 
-    def release_kept(self) -> None:
-        """Drop the receive buffers kept from the last push (a receiver: `stream._receive_whole`); the next
-        push allocates them again. For an engine about to release its memory (sleep)."""
-        self._kept = None
-
     def close(self) -> None:
         comm, self._comm, self._pg, self._store = self._comm, None, None, None
         self.broken = True
-        self._kept = None
         if comm is not None:
             try:
                 comm.destroy()

@@ -3,9 +3,8 @@
 Owns: the wire protocol of one push (a 3 x int64 header and every bucket's tensor table as JSON, every bucket back
 to back, then an end or abort header: one enqueue for a receiver), `broadcast_send_stream` (pack, broadcast, hash
 beside the wire, start the host copies off the critical path; one wait), `broadcast_receive_stream` (allocate on
-this member's device, receive, hand each bucket on as it is complete), what a receiver keeps from one push of the
-same table to the next (`WholeTable`, and on a GPU its buffers), and the helpers ipc.py shares. A sender whose
-device cannot hold the whole packed version packs through a `SenderRing`.
+this member's device, receive, hand each bucket on as it is complete), and the helpers ipc.py shares. A sender
+whose device cannot hold the whole packed version packs through a `SenderRing`.
 Must never: wait without a deadline, hand on a bucket before its bytes are here, or leave the receivers waiting on
 a sender that failed (an export error sends the abort header first).
 Details: docs/design/weightsync.md, "Collective push loops".
@@ -114,9 +113,8 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender,
                                 planned_buffer=buffers), out)
     try:
-        # the plan's table is known before anything is packed: made (and kept with the plan) while the gate is shut
-        announce = whole_table(group, lambda: [(b.metas(), b.rank, b.nbytes) for b in planned], plan, sender) \
-            if planned is not None else None
+        # the plan's table is known before anything is packed: made while the gate is shut
+        announce = whole_table(group, [(b.metas(), b.rank, b.nbytes) for b in planned]) if planned is not None else None
         if gate:
             group.arrive(gate)
             group.await_gate(gate, deadline)
@@ -153,47 +151,30 @@ def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, ve
     _finish_whole(group, [(b, None) for b in buckets], [sending], copies, verify, out, deadline)
 
 
-def whole_table(group: CollectiveGroup, buckets: Any, plan: Any = None, sender: int = 0) -> list[torch.Tensor]:
+def whole_table(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], int | None, int]]) -> list[torch.Tensor]:
     """The whole version's header and table, on the group's device: every bucket's (tensors, engine
-    rank, size), without digests (the receivers' are compared with the sender's at the commit). With
-    the push `plan` the buckets are `sender`'s of, they are kept on the group (with the plan itself,
-    compared by identity) for the plan's next push, whose table is the same. `buckets`: a list of
-    (tensors, engine rank, size), or a call that makes it (not called when kept)."""
-    kept = group._announce
-    if plan is not None and kept is not None and kept[0] is plan and kept[1] == sender:
-        return kept[2]
-    if callable(buckets):
-        buckets = buckets()
+    rank, size), without digests (the receivers' are compared with the sender's at the commit)."""
     tables = [encode_table(Bucket(buffer=None, metas=metas, rank=rank)).decode()  # type: ignore[arg-type]
               for metas, rank, _ in buckets]
     raw = json.dumps({"b": [[t, n] for t, (*_, n) in zip(tables, buckets)]}).encode()
-    out = [_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)),
-           torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device)]
-    group._announce = (plan, sender, out) if plan is not None else None
-    return out
+    return [_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)),
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device)]
 
 
 def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], sending: list[Broadcasts],
-                  copies: HostCopies, verify: str, out: SendResult, deadline: float, *, each: bool = False,
-                  hashed: list[Any] | None = None) -> None:
-    """A whole version's end on the sender: the checksums of what is not hashed yet enqueued behind the
-    buckets (beside the wire on a device), and the end header right behind the buckets, with no wait in
-    between. One wait for the wire; then the digests on the host. `each`: every bucket was hashed and its copy started as it was packed (a
-    `SenderRing`); `hashed`: the hashes of the buckets before the rest, launched while packing
-    (`_send_whole_planned`)."""
-    done = list(hashed or [])
-    if each:
-        finishes = [finish for _, finish in packed]
-    else:  # buckets in one arena (whole_arena) are hashed in one pass, others each in their own
-        rest = [b for b, _ in packed[sum(f.buckets for f in done):]]
-        finishes = done + ([hash_whole_lazy(rest, verify, out)] if rest else [])
+                  copies: HostCopies, verify: str, out: SendResult, deadline: float, *, each: bool = False) -> None:
+    """A whole version's end on the sender: the end header enqueued right behind the buckets, then the checksums
+    (beside the wire on a device; the wire never waits for them), one wait for the wire, then the digests on the
+    host. `each`: every bucket was hashed and its copy started as it was packed (a `SenderRing`)."""
     t = time.perf_counter()
     tail = group.enqueue_broadcasts([_header(group, END)], deadline)
     out.seconds["broadcast"] += time.perf_counter() - t
-    _join_hash_stream(group)  # (behind the end header: the wire does not wait for the checksums)
-    if not each:  # (made once collected; registered while the wire runs)
+    if each:
+        finishes = [finish for _, finish in packed]
+    else:  # buckets in one arena (whole_arena) are hashed in one pass, others each in their own
+        finishes = [hash_whole_lazy([b for b, _ in packed], verify, out)] if packed else []
         t = time.perf_counter()
-        for bucket, _ in packed:
+        for bucket, _ in packed:  # (made once collected; registered while the wire runs)
             copies.add(bucket)
         out.seconds["host_copy"] += time.perf_counter() - t
     group.drop_stale_gate_keys()  # (while the wire runs)
@@ -206,61 +187,21 @@ def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], send
         finish()
 
 
-def _hash_stream(group: CollectiveGroup) -> Any:
-    """The side stream a CUDA sender hashes packed buckets on while it packs the next (None on a host)."""
-    if group.device.type == "cuda" and group._hash_stream is None:
-        group._hash_stream = torch.cuda.Stream(device=group.device)
-    return group._hash_stream
-
-
-def _join_hash_stream(group: CollectiveGroup) -> None:
-    """The packing stream waits for every checksum launched on the hash stream (before it reads them)."""
-    if group._hash_stream is not None and group._hash_launched:
-        torch.cuda.current_stream(group.device).wait_stream(group._hash_stream)
-        group._hash_launched = False
-
-
-def _hash_now(group: CollectiveGroup, buckets: list[Bucket], verify: str, out: SendResult) -> Any:
-    """`hash_whole_lazy` of `buckets` (packed, sent or on their way) on the hash stream, once what packed
-    them is done."""
-    side = _hash_stream(group)
-    if side is None:
-        return hash_whole_lazy(buckets, verify, out)
-    side.wait_stream(torch.cuda.current_stream(group.device))
-    group._hash_launched = True
-    with torch.cuda.stream(side):
-        return hash_whole_lazy(buckets, verify, out)
-
-
-HASH_CHUNKS = 8  # a whole arena is hashed in about this many passes as it is packed: the last one after the wire
-
-
 def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
-                        out: SendResult, planned: list[Any], ring: SenderRing | None = None,
-                        announce: list[torch.Tensor] | None = None) -> None:
-    """`_send_whole` with a push plan: the table (every bucket's tensors and size, known from the plan)
-    goes first, and each bucket's broadcast is enqueued as soon as it is packed, so packing bucket k + 1
-    overlaps bucket k on the wire (on a device: the broadcast waits for that bucket's copies only).
-    The checksums and host copies follow as in `_send_whole`. Once the table is out the receivers wait
-    for every bucket of it: an export that fails midway sends zeros for the buckets it did not pack,
-    then the caller's abort header, so the receivers fail at once rather than at their deadline.
-    With a `ring` each bucket is hashed and its host copy started as it is packed (its slot is reused
-    once both are done), where the whole arena hashes every bucket in one pass at the end."""
-    early = ring is not None
+                        out: SendResult, planned: list[Any], ring: SenderRing | None,
+                        announce: list[torch.Tensor]) -> None:
+    """`_send_whole` with a push plan: the table (every bucket's tensors and size, known from the plan, made
+    before the gate opened: `announce`) goes first, and each bucket's broadcast is enqueued as soon as it is
+    packed, so packing bucket k + 1 overlaps bucket k on the wire (on a device: the broadcast waits for that
+    bucket's copies only). The checksums and host copies follow as in `_send_whole`. Once the table is out the
+    receivers wait for every bucket of it: an export that fails midway sends zeros for the buckets it did not
+    pack, then the caller's abort header, so the receivers fail at once rather than at their deadline. With a
+    `ring` each bucket is hashed and its host copy started as it is packed (its slot is reused once both are
+    done), where the whole arena hashes every bucket in one pass at the end."""
     t = time.perf_counter()
-    def tables() -> list[tuple[list[TensorMeta], int | None, int]]:
-        return [(b.metas(), b.rank, b.nbytes) for b in planned]
-
-    # (made before the gate opened, kept with the plan): enqueued, not waited for, the first buckets right behind
-    sending = [group.enqueue_broadcasts(announce or whole_table(group, tables), deadline)]
+    sending = [group.enqueue_broadcasts(announce, deadline)]  # (not waited for: the first buckets right behind)
     out.seconds["broadcast"] += time.perf_counter() - t
     packed: list[tuple[Bucket, Any]] = []
-    # the arena's checksums in a few passes as it is packed (each beside the wire), so the last bytes
-    # sent wait for one pass over the last chunk only
-    chunk = max(1, sum(b.nbytes for b in planned) // HASH_CHUNKS)
-    hashed: list[Any] = []
-    unhashed: list[Bucket] = []
-    unhashed_bytes = 0
     try:
         for bucket in export:
             k = len(packed)
@@ -269,14 +210,12 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
                 export.failed = True  # the table the receivers hold does not describe it: nothing more goes out as data
                 raise CollectiveError(f"group {group.spec.group_id}: packed bucket {k} ({bucket.nbytes} bytes, rank "
                                       f"{bucket.rank}) is not the plan's bucket {k} the table announced")
-            copy = None
-            if early:
+            finish = copy = None
+            if ring is not None:
                 # a ring's slot on the host is no copy: it is overwritten by a later bucket (CPU senders, tests)
-                kept = bucket if ring is None or bucket.buffer.is_cuda else Bucket(
+                kept = bucket if bucket.buffer.is_cuda else Bucket(
                     buffer=bucket.buffer.clone(), metas=bucket.metas, rank=bucket.rank)
                 finish, copy = hash_and_copy_lazy(copies, kept, verify, out)
-            else:
-                finish = None
             t = time.perf_counter()
             bc = group.enqueue_broadcasts([bucket.buffer], deadline) if bucket.nbytes else None
             if bc is not None:
@@ -285,12 +224,6 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
             if ring is not None:
                 ring.sent(want.index, bc, copy)
             packed.append((bucket, finish))
-            if not early:
-                unhashed.append(bucket)
-                unhashed_bytes += bucket.nbytes
-                if unhashed_bytes >= chunk and len(packed) < len(planned):
-                    hashed.append(_hash_now(group, unhashed, verify, out))
-                    unhashed, unhashed_bytes = [], 0
         if len(packed) != len(planned):
             export.failed = True
             raise CollectiveError(f"group {group.spec.group_id}: the export gave {len(packed)} buckets, the plan's table "
@@ -304,7 +237,7 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
     finally:
         if ring is not None:
             out.seconds["ring_wait"] = ring.waited
-    _finish_whole(group, packed, sending, copies, verify, out, deadline, each=ring is not None, hashed=hashed)
+    _finish_whole(group, packed, sending, copies, verify, out, deadline, each=ring is not None)
 
 
 def _fill(group: CollectiveGroup, rest: list[Any], deadline: float) -> None:
@@ -424,73 +357,36 @@ def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterato
     yield from _receive_whole(group, table_len, nbytes, deadline)
 
 
-@dataclass
-class WholeTable:
-    """A whole version's table as a receiver reads it: each bucket's (tensors, engine rank, size). Kept by the group
-    for the next push: a plan's table is the same every push, so the next compares raw bytes instead of decoding."""
-
-    raw: bytes
-    nbytes: int
-    buckets: list[tuple[list[TensorMeta], int | None, int]]
-
-    @classmethod
-    def decode(cls, raw: bytes, group_id: str, nbytes: int) -> "WholeTable":
-        table = json.loads(raw.decode())
+def _read_table(group: CollectiveGroup, table_len: int, nbytes: int,
+                deadline: float) -> list[tuple[list[TensorMeta], int | None, int]]:
+    """A whole version's table as a receiver reads it: each bucket's (tensors, engine rank, size)."""
+    raw_t = torch.empty(table_len, dtype=torch.uint8, device=group.device)
+    group.broadcast(raw_t, deadline)
+    try:
         buckets = []
-        for text, n in table["b"]:
+        for text, n in json.loads(raw_t.cpu().numpy().tobytes().decode())["b"]:
             metas, rank = decode_table(text.encode())
             buckets.append((metas, rank, int(n)))
         sizes = [n for *_, n in buckets]
         if sum(sizes) != nbytes or any(n < 0 for n in sizes):
-            raise CollectiveError(f"group {group_id}: a whole-version table of {sizes} bytes for a header of {nbytes}")
-        return cls(raw, nbytes, buckets)
-
-
-# Devices on which a receiver keeps a whole version's buffers from push to push (`_receive_whole`): a GPU's caching
-# allocator holds that memory between pushes anyway, where host memory would go back to the system.
-KEEP_RECEIVE_BUFFERS = {"cuda"}
-
-
-def _read_table(group: CollectiveGroup, table_len: int, nbytes: int, deadline: float) -> WholeTable:
-    raw_t = torch.empty(table_len, dtype=torch.uint8, device=group.device)
-    group.broadcast(raw_t, deadline)
-    raw = raw_t.cpu().numpy().tobytes()
-    kept = group._whole_table
-    if kept is not None and kept.raw == raw and kept.nbytes == nbytes:
-        return kept
-    try:
-        table = WholeTable.decode(raw, group.spec.group_id, nbytes)
+            raise ValueError(f"a whole-version table of {sizes} bytes for a header of {nbytes}")
     except Exception as err:
         group.broken = True
         group.close()
-        if isinstance(err, CollectiveError):
-            raise
         raise CollectiveError(f"group {group.spec.group_id}: malformed whole-version table: {type(err).__name__}: {err}") from err
-    group._whole_table = table
-    return table
+    return buckets
 
 
 def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int, deadline: float) -> Iterator[Bucket]:
     """A whole version: one table, then every bucket back to back into one allocation of `nbytes`, then the end
     header, all received as one enqueue. Each bucket is handed on once complete here (`Broadcasts.ready`), while
-    later ones still arrive, so its consumer's checksums run beside the wire; SenderAborted at an abort header. On
-    a GPU the next push of the same table reuses the buckets and their memory (`Bucket.reused`, kept by the group
-    until `release_kept` or its close, as the caching allocator would keep it): a consumer keeps its work per
-    bucket (views, copy lists) instead of redoing it, host time that would put the receiver behind the wire."""
-    table = _read_table(group, table_len, nbytes, deadline)
-    kept = group._kept
-    if kept is None or kept[0] is not table:  # (the same table: the same buckets, into the same memory)
-        keep = group.device.type in KEEP_RECEIVE_BUFFERS
-        block = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
-        buckets, at = [], 0
-        for metas, rank, n in table.buckets:
-            buckets.append(Bucket(buffer=block.narrow(0, at, n), metas=metas, rank=rank, reused=keep))
-            at += n
-        end = torch.empty(3, dtype=torch.int64, device=group.device)
-        kept = (table, buckets, end)
-        group._kept = kept if keep else None
-    _, buckets, end = kept
-    end.fill_(0)  # (no end header read from a push that did not send one)
+    later ones still arrive, so its consumer's checksums run beside the wire; SenderAborted at an abort header."""
+    block = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+    buckets, at = [], 0
+    for metas, rank, n in _read_table(group, table_len, nbytes, deadline):
+        buckets.append(Bucket(buffer=block.narrow(0, at, n), metas=metas, rank=rank))
+        at += n
+    end = torch.zeros(3, dtype=torch.int64, device=group.device)  # (no end header read from a push that sent none)
     receiving = group.enqueue_broadcasts([b.buffer for b in buckets if b.nbytes] + [end], deadline,
                                          events=group.device.type == "cuda")
     k = 0

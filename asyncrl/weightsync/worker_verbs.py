@@ -59,17 +59,6 @@ class EngineHooks(Protocol):
 
 
 @dataclass
-class _Kept:
-    """What a receiver derives from a bucket that its transport hands again at the next push (the same
-    object: the ipc sender's buffers opened once, a broadcast group's whole-version receive, `Bucket.reused`): its tensor
-    views and its fingerprint keys."""
-
-    bucket: Bucket
-    views: list[tuple[str, torch.Tensor]]
-    keys: set[str]
-
-
-@dataclass
 class _Staged:
     version: int
     verify: str
@@ -80,7 +69,6 @@ class _Staged:
     keep: list[Any] = field(default_factory=list)  # buffers the staged views point into
     pending: list[PendingDigests] = field(default_factory=list)  # lazy digests still on the device (`digests` waits once)
     batch: list[tuple[Bucket, str]] = field(default_factory=list)  # buckets hashed together at `digests`
-    seen: dict[int, _Kept] = field(default_factory=dict)  # reused buckets (and batch), by id
 
 
 class WorkerReceiver:
@@ -94,12 +82,6 @@ class WorkerReceiver:
         self.plan_id: str | None = None
         self._live: dict[str, torch.Tensor] | None = None
         self._staged: _Staged | None = None
-        # A whole-version push stages views of the same bucket objects from one push to the next (the ipc sender's
-        # buffers as `asyncrl_receive` opened them; stream.py's whole-version buckets): their unpacked views, and the
-        # apply's parameter lists built from them, are kept.
-        self._views: dict[int, _Kept] = {}
-        # (key, live parameters, sources); set_plan, the one place the live parameters change, drops it
-        self._apply_lists: tuple[tuple[int, ...], list[torch.Tensor], list[torch.Tensor]] | None = None
 
     # ---- layout ---------------------------------------------------------------------------------
 
@@ -147,8 +129,7 @@ class WorkerReceiver:
         check_begin(verify, layout)
         if layout == "engine" and not plan_id:
             raise ValueError("engine-layout buckets without the push plan they were packed for")
-        if layout == "engine" and plan_id != self.plan_id:  # another plan's buckets: nothing kept from the last
-            self._views, self._apply_lists = {}, None
+        if layout == "engine" and plan_id != self.plan_id:  # another plan's buckets: read the parameters again
             self.plan_id, self._live = plan_id, dict(self.hooks.model().named_parameters())
         self._staged = _Staged(version, verify, layout)
 
@@ -170,17 +151,9 @@ class WorkerReceiver:
         if bucket.rank is not None and bucket.rank != self.hooks.rank:
             return {}
         prefix = digest_key_prefix(bucket)
-        kept: _Kept | None = None
-        if batch or bucket.reused:  # the same bucket as at the last push: what it gave then, again
-            kept = self._views.get(id(bucket))
-            if kept is None or kept.bucket is not bucket:
-                kept = _Kept(bucket, unpack_bucket(bucket), {prefix + m.name for m in bucket.metas})
-            staged.seen[id(bucket)] = kept
-        keys = kept.keys if kept is not None else {prefix + m.name for m in bucket.metas}
+        keys = {prefix + m.name for m in bucket.metas}
         dup = sorted(k for k in keys if k in staged.digests)
         if len(keys) != len(bucket.metas) or dup:
-            if kept is not None:
-                staged.seen.pop(id(bucket), None)
             raise ValueError(f"tensor {dup[0] if dup else '?'!r} staged twice for version {version}")
         if lazy:
             if batch:
@@ -192,7 +165,7 @@ class WorkerReceiver:
         else:
             digests = bucket_digests(bucket, staged.verify, prefix)  # type: ignore[arg-type]
             staged.digests.update(digests)
-        views = kept.views if kept is not None else unpack_bucket(bucket)
+        views = unpack_bucket(bucket)
         if staged.layout == "hf":
             staged.hf.update(views)
         else:
@@ -214,34 +187,23 @@ class WorkerReceiver:
 
     # ---- apply -----------------------------------------------------------------------------------
 
-    def _copy_into_live(self, views: Iterable[tuple[str, torch.Tensor]], key: tuple[int, ...] | None = None) -> None:
-        """Copy staged `views` into the live parameters, one fused copy. `key` (the staged
-        buckets, when every one is the last push's): the checked lists are kept under it."""
+    def _copy_into_live(self, views: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy staged `views` into the live parameters, one fused copy."""
         live = self._live
         if live is None:
             raise RuntimeError("no push plan: engine-layout tensors cannot be applied")
-        lists = self._apply_lists
-        if key is not None and lists is not None and lists[0] == key:
-            with torch.no_grad():
-                torch._foreach_copy_(lists[1], lists[2])
-            return
         dst, src = [], []
-        same_device = True
         for name, view in views:
             target = live.get(name)
             if target is None:
                 raise KeyError(f"engine parameter {name!r} of the plan is not in the engine")
             if target.shape != view.shape or target.dtype != view.dtype:
                 raise ValueError(f"{name}: staged {tuple(view.shape)} {view.dtype}, live {tuple(target.shape)} {target.dtype}")
-            dst.append(target.data)
-            same_device = same_device and view.device == target.device
+            dst.append(target.data)  # (the parameter as it is now: a later `param.data = ...` is followed)
             src.append(view if view.device == target.device else view.to(target.device, non_blocking=True))
         if dst:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)
-        # kept as the parameters themselves (a later `param.data = ...` is followed), never a temporary copy
-        self._apply_lists = (key, [live[name] for name, _ in views], src) \
-            if key is not None and same_device and dst else None
 
     def apply(self, version: int) -> ApplyReport:
         """Apply what is staged for `version` (the caller verified the fingerprint and paused the
@@ -252,30 +214,19 @@ class WorkerReceiver:
             if staged.pending or staged.batch:
                 raise RuntimeError(f"apply of version {version} before its staged digests were read (and checked)")
             if staged.layout == "engine":
-                # (ids of buckets alive until this push ends: equal keys are the same buckets)
-                whole = staged.seen and sum(len(k.views) for k in staged.seen.values()) == len(staged.engine)
-                self._copy_into_live(staged.engine, tuple(staged.seen) if whole else None)
+                self._copy_into_live(staged.engine)
                 if self.hooks.device.type == "cuda":
                     torch.cuda.synchronize(self.hooks.device)
                 path = "direct"
             else:
                 self.hooks.reload(iter(sorted(staged.hf.items())))
                 path = "reload"
-            self._views = staged.seen  # the next push's record is most likely this one
             return ApplyReport(path=path, apply_seconds=time.perf_counter() - t, tensors=len(staged.digests))
-        except BaseException:
-            self._views, self._apply_lists = {}, None
-            raise
         finally:
             self._staged = None
 
     def abort(self) -> None:
         self._staged = None
-        self.release_views()
-
-    def release_views(self) -> None:
-        """Drop the views kept from the last push (its groups are gone, or the engine is about to sleep)."""
-        self._views, self._apply_lists = {}, None
 
 
 class WorkerVerbs:
@@ -390,12 +341,9 @@ class WorkerVerbs:
         return ApplyReport(path=report.path, apply_seconds=report.apply_seconds, tensors=report.tensors, before=first)
 
     def asyncrl_abort_update(self, group_ids: list[str] | None = None, why: str = "", gate: str = "") -> None:
-        """Drop what is staged and the device memory kept from one push to the next (the groups' receive buffers,
-        the views of them; the replica aborts before its engine sleeps). With `group_ids` (the replica's load
+        """Drop what is staged (the replica aborts before its engine sleeps). With `group_ids` (the replica's load
         failed before its receive), refuse the coming push on those groups too."""
         self._asyncrl_rx().abort()
-        for group in self.__dict__.get("_asyncrl_groups", {}).values():
-            group.release_kept()
         if group_ids:
             self._asyncrl_refuse(group_ids, why, gate)
 
@@ -435,4 +383,3 @@ class WorkerVerbs:
         self.__dict__.pop("_asyncrl_group_order", None)
         for group in self.__dict__.pop("_asyncrl_groups", {}).values():
             group.close()
-        self._asyncrl_rx().release_views()  # (views of the groups' buffers, kept for their next push)
