@@ -3,7 +3,7 @@ learner rank's end and the publisher's.
 
 Owns: `SenderEndpoint`, one sending learner rank's push state (its broadcast group and the rendezvous port it
 holds until the group forms, or its ipc ring; the push plan it packs for, the host copies of its last push) and
-`send_stream` (one version over its group); `CollectiveLink`, the groups between a learner group's
+the sending of one version over it; `CollectiveLink`, the groups between a learner group's
 sending ranks and every engine worker of the running replicas, as the publisher keeps them: formed before the
 first push and again whenever the running replicas, the senders or (under a shard plan) the engine ranks each
 sender feeds change; each push's gate token, its senders' call and the replicas' check beside it.
@@ -20,28 +20,12 @@ import pickle
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from asyncrl.types import HostCopies, SenderAddress, WeightExport
 
-if TYPE_CHECKING:
-    from asyncrl.weightsync.collective import CollectiveGroup
-    from asyncrl.weightsync.stream import SendResult
-
 log = logging.getLogger("asyncrl.weightsync.service")  # (one logger name for the whole service's lines)
 WATCH_S = 2.0  # a gloo / NCCL push still sending after this long has the replicas' health asked, and again after each
-
-
-def send_stream(group: "CollectiveGroup", named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
-                verify: str, timeout_s: float, keep: Any = None, plan: Any = None, sender: int = 0,
-                arena: str = "auto", gate: str = "") -> "SendResult":
-    """Send one version over the gloo / NCCL `group` (stream.py): bucket (in the engines' layout with a `plan`),
-    hash in the `verify` mode, send, and register each bucket's host copy for `keep`. `arena` (a whole planned
-    version): where the sender packs it. `gate`: the push's gate token."""
-    from asyncrl.weightsync.stream import broadcast_send_stream
-
-    return broadcast_send_stream(group, named_tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=keep,
-                                 plan=plan, sender=sender, arena=arena, gate=gate)
 
 
 class SenderEndpoint:
@@ -111,6 +95,7 @@ class SenderEndpoint:
         import ray
 
         from asyncrl.weightsync.collective import CollectiveError
+        from asyncrl.weightsync.stream import broadcast_send_stream
 
         tensors = iter(tensors)
         group = self.group
@@ -119,8 +104,8 @@ class SenderEndpoint:
                 return self._send_ipc(tensors, bucket_mb, verify, sender, plan)
             if group is None or group.broken:
                 raise CollectiveError("no usable weight broadcast group (join_collective first)")
-            sent = send_stream(group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=ray.put,
-                               plan=plan, sender=sender, gate=gate)
+            sent = broadcast_send_stream(group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=ray.put,
+                                         plan=plan, sender=sender, gate=gate)
         except BaseException:
             for _ in tensors:  # a failed push: still finish the export the TP peers are gathering
                 pass

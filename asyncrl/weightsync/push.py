@@ -222,7 +222,6 @@ class Publisher:
         self._on_live = on_live
         self._host: _HostCopy | None = None
         self._tail: asyncio.Future | None = None  # the last live version's host copy, being kept
-        self.last_metrics: dict[str, float] = {}
         self.totals = {k: 0 for k in ("pushes_total", "pushes_failed_total", "retries_total", "rollbacks_total", "out_of_service_total")}
 
     def seed(self, version: int, source: BucketSource) -> str:
@@ -472,7 +471,6 @@ class Publisher:
         m.finish()
         out = m.as_dict(self.registry.timeline(version))
         out.update({f"weightsync/{k}": float(v) for k, v in self.totals.items()})
-        self.last_metrics = out
         return out
 
 

@@ -83,7 +83,7 @@ class WeightPublisher:
                 members=lambda: self.replicas.call(EngineAPI.join_collective),
                 join=lambda wire: control.call(EngineAPI.join_collective, wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
                 ranks_of=self.sender_ranks,
-                health=lambda: control.call(EngineAPI.check_health, timeout_s=min(30.0, self.cfg.timeout_s)),
+                health=self._healthy,
             )
         # The seed (and, for collective transports, every host copy) lives in the object store.
         export = await self.learner.export_weights(self.cfg.bucket_mb, "object_store" if transport.streamed
@@ -235,9 +235,13 @@ class WeightPublisher:
         if self.link.receivers_failed:
             return True
         try:
-            return not await self.replicas.control.call(EngineAPI.check_health, timeout_s=min(30.0, self.cfg.timeout_s))
+            return not await self._healthy()
         except Exception:
             return True
+
+    async def _healthy(self, timeout_s: float = 30.0) -> bool:
+        """Whether a replica runs and every running one passes its health check (raises for one that fails it)."""
+        return await self.replicas.control.call(EngineAPI.check_health, timeout_s=min(timeout_s, self.cfg.timeout_s))
 
     async def _wait_healthy(self, deadline: float) -> None:
         """Until at least one replica runs and every running one passes its health check (Serve has
@@ -247,7 +251,7 @@ class WeightPublisher:
         while True:
             try:
                 timeout = max(1.0, min(self.cfg.timeout_s, deadline - time.monotonic()))
-                if await self.replicas.control.call(EngineAPI.check_health, timeout_s=timeout):
+                if await self._healthy(timeout):
                     return
                 problem: object = "no running replica"
             except Exception as err:  # a dead or starting replica: wait for Serve to settle

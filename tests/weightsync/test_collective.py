@@ -32,9 +32,9 @@ from asyncrl.weightsync.collective import (
     reserve_port,
 )
 from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_digests, tensor_fingerprint
-from asyncrl.weightsync.link import send_stream
 from asyncrl.weightsync.push import Publisher, Step, WeightsyncError
 from asyncrl.weightsync.stream import broadcast_receive_stream as receive_stream
+from asyncrl.weightsync.stream import broadcast_send_stream as send_stream
 
 from .fakes import FakeReplica, LocalTransport, model, streamed
 
