@@ -120,6 +120,25 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layout(args: argparse.Namespace) -> int:
+    from asyncrl.config import ConfigError, load_config_file
+    from asyncrl.trainer.layout_advice import advise_file
+
+    try:
+        cfg = load_config_file(args.config)
+        if args.model:
+            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": args.model})})
+        advice = advise_file(cfg, args.gpus, args.gpu_gib)
+    except (ConfigError, ValueError) as err:
+        print(f"asyncrl layout: {err}", file=sys.stderr)
+        return 2
+    print(advice.message)
+    if advice.best is not None:
+        print(f"fastest that fits: {advice.best.layout.describe()}, ~{advice.best.bytes / 2**30:.1f} GiB a rank, "
+              f"{advice.best.speed:.2f}x one GPU's training throughput (estimates: asyncrl/trainer/layout_advice.py)")
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     import json
     import time
@@ -285,6 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--watch", type=_positive_float, default=None, metavar="SECONDS", help="print again every SECONDS until training ends")
     status.add_argument("--timeout", type=_positive_float, default=10.0, help="HTTP timeout in seconds")
     status.set_defaults(func=_status)
+
+    layout = sub.add_parser("layout", help="the learner layout (DP / TP / CP / PP, recompute) estimated fastest of those "
+                            "that fit its GPUs, against the config's")
+    layout.add_argument("config", help="a config YAML (or a Serve config: its first app's args)")
+    layout.add_argument("--gpus", type=_positive_int, default=None, help="learner ranks (default: learner.world_size)")
+    layout.add_argument("--gpu-gib", type=_positive_float, required=True, help="one GPU's memory in GiB (e.g. 80, 141)")
+    layout.add_argument("--model", default=None, help="a Hugging Face model directory in place of model.path")
+    layout.set_defaults(func=_layout)
 
     convert = sub.add_parser("convert", help="convert weights between a Hugging Face dir and a Megatron dist checkpoint")
     csub = convert.add_subparsers(dest="direction", required=True)

@@ -110,6 +110,14 @@ def learner_bytes(hf_config: Any, tokens_per_micro_batch: int, logprob_chunk: in
     return float(state + activations + logits)
 
 
+def micro_batch_tokens(cfg: Any) -> int:
+    """The most tokens one of the learner's micro-batches holds (its token budget, or micro_batch_size sequences of
+    model.max_model_len)."""
+    learner = cfg.learner
+    return learner.max_tokens_per_micro_batch or learner.micro_batch_size * (
+        cfg.model.max_model_len or cfg.algorithm.max_new_tokens + 512)
+
+
 def choose_placement(cfg: Any, hf_config: Any, device_bytes: float | None) -> PlacementChoice:
     """The placement for `cfg` (a RootConfig) on devices of `device_bytes` each (None: no GPU)."""
     gen, learner = cfg.generator, cfg.learner
@@ -120,8 +128,7 @@ def choose_placement(cfg: Any, hf_config: Any, device_bytes: float | None) -> Pl
         return PlacementChoice(False, f"separated: the engines (generator.num_gpus={gen.num_gpus:g}) and the learner "
                                       f"ranks (learner.num_gpus_per_rank={learner.num_gpus_per_rank:g}) have devices "
                                       "of their own")
-    tokens = learner.max_tokens_per_micro_batch or learner.micro_batch_size * (
-        cfg.model.max_model_len or cfg.algorithm.max_new_tokens + 512)
+    tokens = micro_batch_tokens(cfg)
     need = learner_bytes(hf_config, tokens, learner.logprob_chunk_size, learner)
     share = float(gen.engine_kwargs.get("gpu_memory_utilization", VLLM_DEFAULT_UTILIZATION))
     engine = share * device_bytes

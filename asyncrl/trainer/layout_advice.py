@@ -1,0 +1,235 @@
+"""The learner's layout advisor: the data / tensor / context / pipeline parallel sizes and the activation recompute a
+learner group would train fastest with, among those estimated to fit its ranks' devices; said at start (and by
+`asyncrl layout CONFIG`), with a warning where the configured layout does not fit, or is estimated slower than one that
+does.
+
+Owns: a layout's memory on each rank (`rank_bytes`: placement_choice.py's model of the actor's state and activations,
+divided as Megatron divides them), its speed against one GPU (`relative_speed`: the measured cost of each kind of
+parallelism, below), the search over a group's layouts (`advise`), and the report (`log_layout_advice`).
+Must never: change the configured layout (the user's choice stands: the advice names what to set and why), or fail a
+start (an advice that cannot be made is not given).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.trainer.placement_choice import (
+    ACTIVATION_ELEMENT_BYTES,
+    FIT_SHARE,
+    GIB,
+    VLLM_DEFAULT_UTILIZATION,
+    bytes_per_param,
+    layer_activation_bytes,
+    micro_batch_tokens,
+    model_params,
+)
+
+log = logging.getLogger(__name__)
+
+# Each parallelism's efficiency a GPU, against one GPU training the same tokens. Measured on two GPUs of one host (a random 1.5B,
+# 8 x 8192 tokens, micro-batch 1; issue 67): TP=2 with sequence parallelism trained 0.81x one GPU's tokens/s (0.405 a
+# GPU: its all-gathers and reduce-scatters do not overlap compute without Transformer Engine), CP=2 0.40x (0.20 a GPU).
+# Each further doubling is taken to cost the same share again. DP's gradient all-reduce runs beside the backward: 0.95 a
+# GPU (issue 67's goal, not yet measured). A pipeline sends activations between its stages (taken as DP's cost, not
+# yet measured) and idles for its bubble: m / (m + p - 1) with m micro-batches a step.
+TP2_EFFICIENCY = 0.405
+CP2_EFFICIENCY = 0.20
+DP_EFFICIENCY = PP_EFFICIENCY = 0.95
+# Recompute reruns in the backward: full, each layer's forward (a third more FLOPs); selective, core attention only.
+RECOMPUTE_SPEED = {"none": 1.0, "selective": 0.97, "full": 0.75}
+RECOMPUTES = ("none", "selective", "full")
+SLOWER_WARNS = 0.9  # the configured layout is warned about below this share of the best estimate
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    def describe(self) -> str:
+        sp = " + SP" if self.sequence_parallel else ""
+        return f"DP {self.dp} x TP {self.tp}{sp} x CP {self.cp} x PP {self.pp}, recompute {self.recompute}"
+
+    def settings(self) -> str:
+        """What to write in the config for it."""
+        s = {"tensor_model_parallel_size": self.tp, "context_parallel_size": self.cp,
+             "pipeline_model_parallel_size": self.pp}
+        parts = [f"{k}: {v}" for k, v in s.items() if v > 1]
+        parts += ["sequence_parallel: true"] if self.sequence_parallel else []
+        strategy = f"learner.strategy_config {{{', '.join(parts)}}}" if parts else "learner.strategy_config without TP, CP or PP"
+        return f"{strategy}, learner.memory.recompute: {self.recompute}"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    bytes: float  # on each rank's device
+    speed: float  # the group's tokens/s against one GPU's, no recompute
+
+    def fits(self, room: float) -> bool:
+        return self.bytes <= room
+
+
+@dataclass(frozen=True)
+class Advice:
+    configured: Estimate
+    best: Estimate | None  # None: no layout of this group is estimated to fit
+    room: float  # bytes a rank may take on its device
+    level: int  # logging.INFO, or WARNING where the configured layout does not fit or is slower than the best
+    message: str
+
+
+def rank_bytes(hf_config: Any, layout: Layout, tokens: int, logprob_chunk: int, learner: Any = None) -> float:
+    """What the actor needs on each rank's device while it trains with `layout`: its state split over TP x PP; one
+    micro-batch of `tokens` tokens' activations split over CP and TP (the norms' inputs too with sequence
+    parallelism), the first pipeline stage holding PP micro-batches of its layers (every layer's worth); and the LM
+    head's chunk of logits, vocab split over TP."""
+    c = hf_config
+    state = bytes_per_param(learner) * model_params(c) / (layout.tp * layout.pp)
+    layer = layer_activation_bytes(c)
+    norms = ACTIVATION_ELEMENT_BYTES * 4 * c.hidden_size  # replicated over TP without sequence parallelism
+    per_token = ((layer - norms) / layout.tp + norms / (layout.tp if layout.sequence_parallel else 1)) / layout.cp
+    local = tokens * per_token
+    if layout.recompute == "full":  # each layer's input kept (split as the norms are), one layer's whole at a time
+        activations = tokens * norms / 4 / (layout.tp if layout.sequence_parallel else 1) / layout.cp \
+            * c.num_hidden_layers + local
+    else:  # (selective: its core attention keeps nothing beyond its inputs on the fused kernels: counted as none)
+        activations = local * c.num_hidden_layers
+    logits = 2 * 4 * min(logprob_chunk, max(1, tokens // layout.cp)) * c.vocab_size / layout.tp
+    return float(state + activations + logits)
+
+
+def relative_speed(layout: Layout, micro_batches: int) -> float:
+    """The group's training throughput against one GPU without recompute (the measured efficiencies above)."""
+    eff = (DP_EFFICIENCY if layout.dp > 1 else 1.0) * (PP_EFFICIENCY if layout.pp > 1 else 1.0) \
+        * TP2_EFFICIENCY ** math.log2(layout.tp) \
+        * CP2_EFFICIENCY ** math.log2(layout.cp) * RECOMPUTE_SPEED[layout.recompute]
+    bubble = micro_batches / (micro_batches + layout.pp - 1)
+    return layout.gpus * eff * bubble
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(hf_config: Any, gpus: int) -> list[Layout]:
+    """Every layout of `gpus` ranks Megatron takes for this model (heads and KV heads divide by TP, layers by PP), each
+    recompute setting; TP with sequence parallelism."""
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    out = []
+    for tp in _divisors(gpus):
+        if heads % tp or kv % tp:
+            continue
+        for cp in _divisors(gpus // tp):
+            for pp in _divisors(gpus // (tp * cp)):
+                if hf_config.num_hidden_layers % pp:
+                    continue
+                dp = gpus // (tp * cp * pp)
+                out += [Layout(tp, cp, pp, dp, r, tp > 1) for r in RECOMPUTES]
+    return out
+
+
+def configured_layout(learner: Any) -> Layout:
+    s = learner.strategy_config
+    tp, cp, pp = (int(s.get(k, 1)) for k in ("tensor_model_parallel_size", "context_parallel_size",
+                                               "pipeline_model_parallel_size"))
+    return Layout(tp, cp, pp, max(1, learner.world_size // (tp * cp * pp)), learner.memory.recompute,
+                  bool(s.get("sequence_parallel", False)))
+
+
+def learner_room(cfg: Any, device_bytes: float) -> float:
+    """What a learner rank may take of its device: the fit share, less the engine's where the engine shares the
+    device with it awake (separated on a fraction of one GPU)."""
+    room = FIT_SHARE * device_bytes
+    if not cfg.hybrid.enabled and cfg.learner.num_gpus_per_rank < 1 and cfg.generator.num_gpus < 1:
+        room -= float(cfg.generator.engine_kwargs.get("gpu_memory_utilization", VLLM_DEFAULT_UTILIZATION)) * device_bytes
+    return room
+
+
+def advise(cfg: Any, hf_config: Any, device_bytes: float) -> Advice:
+    """The advice for `cfg` (a RootConfig, `hybrid.enabled` resolved) on ranks' devices of `device_bytes` each."""
+    learner = cfg.learner
+    tokens = micro_batch_tokens(cfg)
+    room = learner_room(cfg, device_bytes)
+
+    def estimate(layout: Layout) -> Estimate:
+        micro_batches = max(1, math.ceil(cfg.buffer.batch_size / layout.dp / learner.micro_batch_size))
+        return Estimate(layout, rank_bytes(hf_config, layout, tokens, learner.logprob_chunk_size, learner),
+                        relative_speed(layout, micro_batches))
+
+    mine = estimate(configured_layout(learner))
+    fitting = [e for e in map(estimate, candidate_layouts(hf_config, learner.world_size)) if e.fits(room)]
+    # the fastest; of equal estimates, the one with the fewest model-parallel ranks and the least recompute
+    best = max(fitting, key=lambda e: (round(e.speed, 6), -e.layout.tp * e.layout.cp * e.layout.pp,
+                                       -RECOMPUTES.index(e.layout.recompute)), default=None)
+    gib = lambda b: f"{b / GIB:.1f} GiB" if b >= GIB else f"{b / 2**20:.0f} MiB"  # noqa: E731
+    sizes = f"{tokens} tokens a micro-batch, {learner.world_size} rank(s) of {gib(room)} for the learner"
+    if best is None:
+        return Advice(mine, None, room, logging.WARNING,
+                      f"no layout of {learner.world_size} learner rank(s) is estimated to fit ({sizes}; the configured "
+                      f"{mine.layout.describe()} needs ~{gib(mine.bytes)} a rank): more GPUs, a smaller "
+                      "learner.max_tokens_per_micro_batch / micro_batch_size, or learner.memory.optimizer: host")
+    if not mine.fits(room):
+        return Advice(mine, best, room, logging.WARNING,
+                      f"the configured {mine.layout.describe()} is estimated to need ~{gib(mine.bytes)} a rank, more "
+                      f"than fits ({sizes}): {best.layout.describe()} fits (~{gib(best.bytes)}); set {best.layout.settings()}")
+    if mine.speed < SLOWER_WARNS * best.speed:
+        return Advice(mine, best, room, logging.WARNING,
+                      f"the configured {mine.layout.describe()} fits (~{gib(mine.bytes)} a rank; {sizes}) but is estimated "
+                      f"at {mine.speed / best.speed:.2f}x the training throughput of {best.layout.describe()} "
+                      f"(~{gib(best.bytes)}): set {best.layout.settings()}")
+    return Advice(mine, best, room, logging.INFO,
+                  f"the configured {mine.layout.describe()} is estimated to fit (~{gib(mine.bytes)} a rank; {sizes}) "
+                  f"and to train within {1 - SLOWER_WARNS:.0%} of the fastest layout that fits")
+
+
+def advise_file(cfg: Any, gpus: int | None, gpu_gib: float) -> Advice:
+    """`asyncrl layout`: the advice for `cfg`'s learner on `gpus` ranks (its world_size by default) of `gpu_gib` GiB
+    each, a GPU apiece."""
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(cfg.model.path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model.path={cfg.model.path!r} holds no readable Hugging Face config ({err})") from None
+    learner = cfg.learner.model_copy(update={"world_size": gpus or cfg.learner.world_size,
+                                             "num_gpus_per_rank": max(1.0, cfg.learner.num_gpus_per_rank)})
+    return advise(cfg.model_copy(update={"learner": learner}), hf_config, gpu_gib * GIB)
+
+
+def log_layout_advice(cfg: Any, probe: Any = None) -> Advice | None:
+    """Log the advice for a learner on GPUs (`probe()`: one GPU's bytes, placement_choice's by default); None where none
+    is given: a learner without GPUs, a mixture-of-experts model (its expert parallelism is not searched), or a model
+    whose config or device cannot be read."""
+    if cfg.learner.num_gpus_per_rank <= 0:
+        return None
+    try:
+        from transformers import AutoConfig
+
+        from asyncrl.trainer.placement_choice import device_memory_bytes
+
+        hf_config = AutoConfig.from_pretrained(cfg.model.path)
+        if getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0):
+            return None
+        device_bytes = (probe or device_memory_bytes)()
+        if device_bytes is None:
+            return None
+        advice = advise(cfg, hf_config, device_bytes)
+    except Exception as err:  # noqa: BLE001 - advice only: the start goes on without it
+        log.info("learner layout advice not given: %s: %s", type(err).__name__, err)
+        return None
+    log.log(advice.level, "learner layout: %s", advice.message)
+    return advice
