@@ -263,7 +263,7 @@ class Sender:
     def send(self, bucket_mb: float, verify: str, timeout_s: float, gate: str = "") -> dict:
         import ray
 
-        from asyncrl.weightsync.link import send_stream
+        from asyncrl.weightsync.stream import broadcast_send_stream as send_stream
 
         if getattr(self, "profiling", False):
             self.profiling = False

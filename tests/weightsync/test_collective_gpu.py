@@ -20,8 +20,8 @@ def _member(rank: int, spec: dict, weights: dict, out: mp.Queue, done: mp.Barrie
     from asyncrl.weightsync.bucket import digest_key_prefix, unpack_bucket
     from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
     from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_fingerprint
-    from asyncrl.weightsync.link import send_stream
     from asyncrl.weightsync.stream import broadcast_receive_stream as receive_stream
+    from asyncrl.weightsync.stream import broadcast_send_stream as send_stream
 
     try:
         spec_ = GroupSpec(**spec)
