@@ -161,15 +161,22 @@ def apply_choice(cfg: Any, choice: PlacementChoice) -> Any:
     return type(cfg).model_validate(cfg.model_copy(update=update).model_dump())
 
 
-def device_memory_bytes() -> float | None:
+def device_memory_bytes(timeout_s: float = 60.0) -> float | None:
     """One GPU's memory: from a Ray task on a GPU when Ray runs (the driver may have none), else from this
-    process; None without a GPU."""
+    process; None without a GPU. A task no GPU takes within `timeout_s` (every one busy) is cancelled and
+    raises `GetTimeoutError`."""
     import ray
 
     if ray.is_initialized():
         if ray.cluster_resources().get("GPU", 0) <= 0:
             return None
-        return float(ray.get(ray.remote(num_gpus=0.01, num_cpus=0)(_total_memory).remote()))
+        ref = ray.remote(num_gpus=0.01, num_cpus=0)(_total_memory).remote()
+        try:
+            total = ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref, force=True)
+            raise
+        return None if total is None else float(total)  # (a node that declares GPUs CUDA does not see)
     return _total_memory()
 
 
