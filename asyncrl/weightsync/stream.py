@@ -21,22 +21,10 @@ from typing import Any
 
 import torch
 
-from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, iter_buckets, whole_arena
+from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, iter_buckets, metas_from_wire, whole_arena
 from asyncrl.weightsync.collective import ABORT, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup, SenderAborted
 from asyncrl.weightsync.fingerprint import PendingDigests
 from asyncrl.weightsync.transport import HostCopies
-
-
-def encode_table(bucket: Bucket) -> bytes:
-    """A bucket's tensor table and engine rank, as JSON bytes (no digests: the receivers' are compared with the
-    sender's as one fingerprint at the commit)."""
-    return json.dumps({"m": [[m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in bucket.metas],
-                       "r": bucket.rank}).encode()
-
-
-def decode_table(raw: bytes) -> tuple[list[TensorMeta], int | None]:
-    table = json.loads(raw.decode())
-    return [TensorMeta(n, d, tuple(s), int(o), int(b)) for n, d, s, o, b in table["m"]], table["r"]
 
 
 def _header(group: CollectiveGroup, kind: int, a: int = 0, b: int = 0) -> torch.Tensor:
@@ -154,9 +142,8 @@ def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, ve
 def whole_table(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], int | None, int]]) -> list[torch.Tensor]:
     """The whole version's header and table, on the group's device: every bucket's (tensors, engine
     rank, size), without digests (the receivers' are compared with the sender's at the commit)."""
-    tables = [encode_table(Bucket(buffer=None, metas=metas, rank=rank)).decode()  # type: ignore[arg-type]
-              for metas, rank, _ in buckets]
-    raw = json.dumps({"b": [[t, n] for t, (*_, n) in zip(tables, buckets)]}).encode()
+    raw = json.dumps({"b": [[[[m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in metas], rank, n]
+                            for metas, rank, n in buckets]}).encode()
     return [_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)),
             torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device)]
 
@@ -364,9 +351,8 @@ def _read_table(group: CollectiveGroup, table_len: int, nbytes: int,
     group.broadcast(raw_t, deadline)
     try:
         buckets = []
-        for text, n in json.loads(raw_t.cpu().numpy().tobytes().decode())["b"]:
-            metas, rank = decode_table(text.encode())
-            buckets.append((metas, rank, int(n)))
+        for metas, rank, n in json.loads(raw_t.cpu().numpy().tobytes().decode())["b"]:
+            buckets.append((metas_from_wire(metas), rank, int(n)))
         sizes = [n for *_, n in buckets]
         if sum(sizes) != nbytes or any(n < 0 for n in sizes):
             raise ValueError(f"a whole-version table of {sizes} bytes for a header of {nbytes}")
