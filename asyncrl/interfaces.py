@@ -161,7 +161,7 @@ class LearnerRankAPI(Protocol):
     def call(self, verb: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run the role verb `verb` (a member of ROLE_VERBS) on this rank's role."""
 
-    def set_push_plan(self, plan: bytes | None) -> str | None: ...
+    def set_push_plan(self, plan: bytes | None, host_copies: bool = False) -> str | None: ...
 
     def export_weights(self, bucket_mb: float, transport: str = "object_store", verify: str = "full", layout: str = "hf",
                        timeout_s: float = 600.0, gate: str = "") -> WeightExport | None:

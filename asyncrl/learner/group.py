@@ -232,9 +232,10 @@ class LearnerGroup:
             out.pieces += o.pieces
         return out
 
-    async def set_push_plan(self, plan: bytes | None) -> None:
-        """The sending ranks pack later pushes for this push plan (weightsync/plan.py; None: HF tensors)."""
-        await self._all(LearnerRankAPI.set_push_plan, plan)
+    async def set_push_plan(self, plan: bytes | None, host_copies: bool = False) -> None:
+        """The sending ranks pack later pushes for this push plan (weightsync/plan.py; None: HF tensors);
+        `host_copies`: GPU senders allocate their host copies' pinned buffers now (LearnerRank.set_push_plan)."""
+        await self._all(LearnerRankAPI.set_push_plan, plan, host_copies)
 
     async def collective_addresses(self) -> list[SenderAddress]:
         """Rendezvous addresses of the sending ranks (one per PP stage; per TP rank of it with a shard plan), in

@@ -195,11 +195,15 @@ class LearnerRank:
         for _ in tensors:  # every rank drives the export to its end: its TP/EP gathers are collective
             pass
 
-    def set_push_plan(self, plan: bytes | None) -> str | None:
+    def set_push_plan(self, plan: bytes | None, host_copies: bool = False) -> str | None:
         """Every rank keeps the push plan (None: HF tensors): its sending ranks pack later pushes in the engines'
-        layout of it, and a shard plan makes every TP rank a sender of its own pieces."""
+        layout of it, and a shard plan makes every TP rank a sender of its own pieces. `host_copies` (ipc or NCCL
+        from GPUs): a sending rank allocates the pinned buffers of its pushes' host copies now (link.py)."""
         self._ready()
-        return self._endpoint().set_plan(plan)
+        held = self._endpoint().set_plan(plan)
+        if host_copies and self._is_sender():
+            self._endpoint().pin_host_copies(self._sender_id())
+        return held
 
     def _pieces(self) -> PieceManifest:
         """What this rank would send of its own under a shard plan (TP shards not gathered), or why the model

@@ -38,6 +38,8 @@ class SenderEndpoint:
         self.plan: Any = None  # the push plan buckets are packed for (None: HF tensors)
         self.ring: Any = None  # ipc: the device buffers each version is packed into (ipc.py)
         self._ipc_copies: Any = None  # ipc: the last push's host copies (they read the ring)
+        self.pool: Any = None  # pinned host buffers for the first push's host copies (`pin_host_copies`), until taken
+        self._pinned = False
 
     def set_plan(self, plan: bytes | None) -> str | None:
         """The push plan later pushes pack for (at start, before any push: the push's kernels are loaded here, where
@@ -50,6 +52,30 @@ class SenderEndpoint:
         if torch.cuda.is_available():
             warm_push_kernels("cuda")  # (this process's device)
         return None if self.plan is None else self.plan.plan_id
+
+    def pin_host_copies(self, sender: int) -> None:
+        """A sender on a GPU keeps a pinned host copy of every bucket it sends (transport.py's `HostCopies`); with a
+        push plan their sizes are known, so the buffers are allocated now, once, at start: allocated by the first
+        push's copies (made once it is live), the pinning of a whole version held the next step's training back
+        by seconds. The first push takes them (`_unsent`); later pushes reuse theirs."""
+        import torch
+
+        from asyncrl.weightsync.transport import PinnedPool
+
+        if self._pinned or self.plan is None or not torch.cuda.is_available():
+            return
+        pool = PinnedPool()
+        for i, bucket in enumerate(self.plan.for_sender(sender)):
+            pool.get(i, int(bucket.nbytes))
+        self.pool, self._pinned = pool, True
+
+    def _unsent(self) -> Any:
+        """Before this rank's first push (over ipc, or its first group): an empty `HostCopies` holding the buffers
+        `pin_host_copies` made, for the push's `HostCopies.after` to take; once."""
+        from asyncrl.weightsync.transport import HostCopies
+
+        pool, self.pool = self.pool, None
+        return HostCopies(None, pool) if pool is not None else None
 
     def address(self, host: str, sender: int) -> SenderAddress:
         """Where the group this rank will host can rendezvous (the port stays bound, and listening, until
@@ -76,6 +102,8 @@ class SenderEndpoint:
         spec = GroupSpec(**mine[0])
         sock, self.reserved = self.reserved, None
         self.group = join_as_sender(spec, sock)
+        if self.group.device.type == "cuda" and self.group._copies is None:
+            self.group._copies = self._unsent()
         return spec.group_id
 
     def group_id(self) -> str | None:
@@ -122,7 +150,8 @@ class SenderEndpoint:
         from asyncrl.weightsync.ipc import IpcRing, ipc_send
         from asyncrl.weightsync.transport import HostCopies
 
-        copies = self._ipc_copies = HostCopies.after(self._ipc_copies, ray.put, pinned=True)  # (first: they read the ring)
+        # (first: the last push's copies read the ring; before the first push, the buffers pinned at start)
+        copies = self._ipc_copies = HostCopies.after(self._ipc_copies or self._unsent(), ray.put, pinned=True)
         if self.ring is None:
             self.ring = IpcRing(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                                 else torch.device("cpu"))

@@ -139,7 +139,7 @@ class WeightPublisher:
         senders_before, feeds_before = (self.plan.senders if self.plan is not None else None), self.sender_ranks()
         if self.store is not None:  # a replica starting from here on takes it there (engine.sync_from_source)
             await self.store.set_push_plan.remote(plan)
-        await self.learner.set_push_plan(pickle.dumps(plan) if plan is not None else None)
+        await self.learner.set_push_plan(pickle.dumps(plan) if plan is not None else None, host_copies=self._pins())
         self.plan = plan
         if self.link is not None and (senders_before != (plan.senders if plan is not None else None)
                                       or feeds_before != self.sender_ranks()):
@@ -165,6 +165,10 @@ class WeightPublisher:
                   for o in sorted(export.pieces, key=lambda o: o.sender) for hf, dtype, full, window in o.pieces]
         return pickle.dumps(pieces) if pieces and max(p.tp for p in pieces) > 0 else b""
 
+    def _pins(self) -> bool:
+        """Whether the sending ranks keep pinned host copies of what they send (ipc, NCCL: device buckets)."""
+        return self.on_gpu and self.transport is not None and self.transport.backend in ("ipc", "nccl")
+
     def sender_ranks(self) -> dict[int, tuple[int, ...]] | None:
         """sender -> the engine ranks its buckets are for, for each sender of the plan that feeds only some
         (a shard plan): its broadcast group then holds only those ranks' workers, so the senders' groups
@@ -181,7 +185,7 @@ class WeightPublisher:
         if self.link is not None:
             self.link.learner = learner
             self.link.forget()
-        await learner.set_push_plan(pickle.dumps(self.plan) if self.plan is not None else None)
+        await learner.set_push_plan(pickle.dumps(self.plan) if self.plan is not None else None, host_copies=self._pins())
 
     async def publish(self, version: int) -> dict[str, float]:
         """Push the learner's current weights as `version`; returns the push metrics.

@@ -156,3 +156,30 @@ def test_a_senders_next_host_copies_close_the_last_and_reuse_their_pinned_pool_u
     third = HostCopies.after(second, None, pinned=True)
     assert third._pool is not None and third._pool is not second._pool
     assert HostCopies.after(None, None, pinned=False)._pool is None  # host buckets: no pinned buffers
+
+
+def test_a_gpu_sender_pins_its_first_push_host_buffers_at_start_once(monkeypatch):
+    """`SenderEndpoint.pin_host_copies` (the learner rank's `set_push_plan(..., host_copies=True)`): the pinned
+    buffers of the sender's planned buckets are allocated then, not by the first push's copies (beside the next
+    step's training); the first push (ipc, or a group's first) takes them through `HostCopies.after`, and a plan
+    formed again later allocates nothing more. (Pinning is recorded here, not done: this host has no GPU.)"""
+    import pickle
+
+    from asyncrl.weightsync.link import SenderEndpoint
+
+    from .test_collective import _identity_plan
+
+    pinned: list[tuple[int, int]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(PinnedPool, "get", lambda self, i, n: pinned.append((i, n)))
+    plan = _identity_plan({f"t{i}": torch.zeros(2048) for i in range(6)}, 0.01)
+    endpoint = SenderEndpoint()
+    endpoint.plan = pickle.loads(pickle.dumps(plan))
+    endpoint.pin_host_copies(0)
+    assert pinned == [(i, b.nbytes) for i, b in enumerate(plan.for_sender(0))] and len(pinned) >= 3
+    pool = endpoint.pool
+    first = HostCopies.after(endpoint._ipc_copies or endpoint._unsent(), None, pinned=True)
+    assert first._pool is pool and endpoint.pool is None and endpoint._unsent() is None  # taken once
+    endpoint.pin_host_copies(0)  # the plan formed again: the buffers in use stay the sender's, none more pinned
+    assert endpoint.pool is None and len(pinned) == len(plan.for_sender(0))
+    assert HostCopies.after(first, None, pinned=True)._pool is pool  # and the next push reuses them

@@ -295,7 +295,7 @@ class _Learner:
             for r in reversed(by_rank)])  # (the service orders them by sender)
         self.plans = []
 
-    async def set_push_plan(self, blob):
+    async def set_push_plan(self, blob, host_copies=False):
         import pickle
 
         self.plans.append(pickle.loads(blob) if blob is not None else None)
