@@ -37,7 +37,9 @@ class SenderEndpoint:
         self.host_copies: Any = None  # its last broadcast's host copies, until taken
         self.plan: Any = None  # the push plan buckets are packed for (None: HF tensors)
         self.ring: Any = None  # ipc: the device buffers each version is packed into (ipc.py)
-        self._ipc_copies: Any = None  # ipc: the last push's host copies (they read the ring)
+        # the last push's host copies over ipc, or the group's it left: the next push closes them first (they read
+        # the buffers it writes, and their pinned buffers are its own once no keep reads them)
+        self._copies: Any = None
         self.pool: Any = None  # pinned host buffers for the first push's host copies (`pin_host_copies`), until taken
         self._pinned = False
 
@@ -70,8 +72,8 @@ class SenderEndpoint:
         self.pool, self._pinned = pool, True
 
     def _unsent(self) -> Any:
-        """Before this rank's first push (over ipc, or its first group): an empty `HostCopies` holding the buffers
-        `pin_host_copies` made, for the push's `HostCopies.after` to take; once."""
+        """Before this rank's first push: an empty `HostCopies` holding the buffers `pin_host_copies` made, for the
+        push's `HostCopies.after` to take; once."""
         from asyncrl.weightsync.transport import HostCopies
 
         pool, self.pool = self.pool, None
@@ -102,8 +104,7 @@ class SenderEndpoint:
         spec = GroupSpec(**mine[0])
         sock, self.reserved = self.reserved, None
         self.group = join_as_sender(spec, sock)
-        if self.group.device.type == "cuda" and self.group._copies is None:
-            self.group._copies = self._unsent()
+        self.group._copies, self._copies = self._copies or self._unsent(), None
         return spec.group_id
 
     def group_id(self) -> str | None:
@@ -113,6 +114,7 @@ class SenderEndpoint:
     def leave(self) -> None:
         group, self.group = self.group, None
         if group is not None:
+            self._copies = group._copies or self._copies
             group.close()
 
     def send_version(self, tensors: Iterable[tuple[str, Any]], bucket_mb: float, verify: str, timeout_s: float,
@@ -151,7 +153,7 @@ class SenderEndpoint:
         from asyncrl.weightsync.transport import HostCopies
 
         # (first: the last push's copies read the ring; before the first push, the buffers pinned at start)
-        copies = self._ipc_copies = HostCopies.after(self._ipc_copies or self._unsent(), ray.put, pinned=True)
+        copies = self._copies = HostCopies.after(self._copies or self._unsent(), ray.put, pinned=True)
         if self.ring is None:
             self.ring = IpcRing(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                                 else torch.device("cpu"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -178,8 +179,12 @@ def test_a_gpu_sender_pins_its_first_push_host_buffers_at_start_once(monkeypatch
     endpoint.pin_host_copies(0)
     assert pinned == [(i, b.nbytes) for i, b in enumerate(plan.for_sender(0))] and len(pinned) >= 3
     pool = endpoint.pool
-    first = HostCopies.after(endpoint._ipc_copies or endpoint._unsent(), None, pinned=True)
+    first = HostCopies.after(endpoint._copies or endpoint._unsent(), None, pinned=True)
     assert first._pool is pool and endpoint.pool is None and endpoint._unsent() is None  # taken once
     endpoint.pin_host_copies(0)  # the plan formed again: the buffers in use stay the sender's, none more pinned
     assert endpoint.pool is None and len(pinned) == len(plan.for_sender(0))
     assert HostCopies.after(first, None, pinned=True)._pool is pool  # and the next push reuses them
+    left = HostCopies(None, pool)
+    endpoint.group = types.SimpleNamespace(_copies=left, close=lambda: None)
+    endpoint.leave()  # a group left (the replicas changed): its last copies go to the next group's first push,
+    assert endpoint._copies is left and HostCopies.after(endpoint._copies, None, pinned=True)._pool is pool  # with the pool
