@@ -205,9 +205,14 @@ def advise_file(cfg: Any, gpus: int | None, gpu_gib: float) -> Advice:
         hf_config = AutoConfig.from_pretrained(cfg.model.path)
     except (OSError, ValueError) as err:
         raise ValueError(f"model.path={cfg.model.path!r} holds no readable Hugging Face config ({err})") from None
+    if getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0):
+        raise ValueError(f"{cfg.model.path} is a mixture-of-experts model: the advisor does not search expert parallelism")
     learner = cfg.learner.model_copy(update={"world_size": gpus or cfg.learner.world_size,
                                              "num_gpus_per_rank": max(1.0, cfg.learner.num_gpus_per_rank)})
-    return advise(cfg.model_copy(update={"learner": learner}), hf_config, gpu_gib * GIB)
+    try:
+        return advise(cfg.model_copy(update={"learner": learner}), hf_config, gpu_gib * GIB)
+    except AttributeError as err:  # a config without a decoder's sizes (hidden_size, intermediate_size, ...)
+        raise ValueError(f"{cfg.model.path}'s config is not a decoder the advisor can size: {err}") from None
 
 
 def log_layout_advice(cfg: Any, probe: Any = None) -> Advice | None:

@@ -255,15 +255,14 @@ def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> _Rec
         out.bytes += b.payload_bytes
         out.num_tensors += len(b)
 
-    return _Recorded(pending, out, len(buckets))
+    return _Recorded(pending, out)
 
 
 class _Recorded:
-    """`pending` (waits for the device's reads) of `buckets` buckets; calling it records its digests
-    and its wait in `out` (once)."""
+    """`pending` (waits for the device's reads); calling it records its digests and its wait in `out` (once)."""
 
-    def __init__(self, pending: PendingDigests, out: SendResult, buckets: int = 1) -> None:
-        self.pending, self.buckets, self._out, self._done = pending, buckets, out, False
+    def __init__(self, pending: PendingDigests, out: SendResult) -> None:
+        self.pending, self._out, self._done = pending, out, False
 
     def __call__(self) -> dict[str, bytes]:
         t = time.perf_counter()

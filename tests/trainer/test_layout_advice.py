@@ -133,3 +133,8 @@ def test_asyncrl_layout_prints_the_advice_for_a_config_file(tmp_path, capsys, de
     assert main(["layout", str(config), "--gpu-gib", "80"]) == 2 and "no readable" in capsys.readouterr().err
     assert main(["layout", str(config), "--gpu-gib", "80", "--gpus", "4", "--model", str(demo_model_path)]) == 0
     assert "4 rank(s)" in capsys.readouterr().out
+    encoder = tmp_path / "gpt2"  # a config without the sizes the advisor reads: a clear error, not a traceback
+    encoder.mkdir()
+    (encoder / "config.json").write_text('{"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2}')
+    assert main(["layout", str(config), "--gpu-gib", "80", "--model", str(encoder)]) == 2
+    assert "not a decoder the advisor can size" in capsys.readouterr().err
