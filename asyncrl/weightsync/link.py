@@ -37,9 +37,7 @@ class SenderEndpoint:
         self.host_copies: Any = None  # its last broadcast's host copies, until taken
         self.plan: Any = None  # the push plan buckets are packed for (None: HF tensors)
         self.ring: Any = None  # ipc: the device buffers each version is packed into (ipc.py)
-        # the last push's host copies over ipc, or the group's it left: the next push closes them first (they read
-        # the buffers it writes, and their pinned buffers are its own once no keep reads them)
-        self._copies: Any = None
+        self._copies: Any = None  # the last push's host copies over ipc, or the left group's: the next push's to close
         self.pool: Any = None  # pinned host buffers for the first push's host copies (`pin_host_copies`), until taken
         self._pinned = False
 
