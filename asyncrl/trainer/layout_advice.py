@@ -125,29 +125,34 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(hf_config: Any, gpus: int) -> list[Layout]:
-    """Every layout of `gpus` ranks Megatron takes for this model (heads and KV heads divide by TP, layers by PP), each
-    recompute setting; TP with sequence parallelism."""
-    heads = hf_config.num_attention_heads
-    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    """Every layout of `gpus` ranks the learner takes for this model (`validate_layout`: heads and KV heads divide by
+    TP, layers by PP), each recompute setting; TP with sequence parallelism."""
+    from asyncrl.config import ConfigError
+    from asyncrl.learner.parallel import ParallelLayout, validate_layout
+
     out = []
     for tp in _divisors(gpus):
-        if heads % tp or kv % tp:
-            continue
         for cp in _divisors(gpus // tp):
             for pp in _divisors(gpus // (tp * cp)):
-                if hf_config.num_hidden_layers % pp:
+                try:
+                    validate_layout(ParallelLayout(gpus, tp=tp, pp=pp, cp=cp, sequence_parallel=tp > 1), hf_config)
+                except ConfigError:
                     continue
-                dp = gpus // (tp * cp * pp)
-                out += [Layout(tp, cp, pp, dp, r, tp > 1) for r in RECOMPUTES]
+                out += [Layout(tp, cp, pp, gpus // (tp * cp * pp), r, tp > 1) for r in RECOMPUTES]
     return out
 
 
 def configured_layout(learner: Any) -> Layout:
-    s = learner.strategy_config
-    tp, cp, pp = (int(s.get(k, 1)) for k in ("tensor_model_parallel_size", "context_parallel_size",
-                                               "pipeline_model_parallel_size"))
-    return Layout(tp, cp, pp, max(1, learner.world_size // (tp * cp * pp)), learner.memory.recompute,
-                  bool(s.get("sequence_parallel", False)))
+    from asyncrl.learner.parallel import ParallelLayout
+
+    p = ParallelLayout.from_learner_config(learner)
+    return Layout(p.tp, p.cp, p.pp, max(1, p.dp), learner.memory.recompute, p.sequence_parallel)
+
+
+def check_dense(hf_config: Any, path: str) -> None:
+    """ValueError for a mixture-of-experts model: the advisor does not search expert parallelism."""
+    if getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0):
+        raise ValueError(f"{path} is a mixture-of-experts model: the advisor does not search expert parallelism")
 
 
 def learner_room(cfg: Any, device_bytes: float) -> float:
@@ -205,8 +210,7 @@ def advise_file(cfg: Any, gpus: int | None, gpu_gib: float) -> Advice:
         hf_config = AutoConfig.from_pretrained(cfg.model.path)
     except (OSError, ValueError) as err:
         raise ValueError(f"model.path={cfg.model.path!r} holds no readable Hugging Face config ({err})") from None
-    if getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0):
-        raise ValueError(f"{cfg.model.path} is a mixture-of-experts model: the advisor does not search expert parallelism")
+    check_dense(hf_config, cfg.model.path)
     learner = cfg.learner.model_copy(update={"world_size": gpus or cfg.learner.world_size,
                                              "num_gpus_per_rank": max(1.0, cfg.learner.num_gpus_per_rank)})
     try:
@@ -227,8 +231,7 @@ def log_layout_advice(cfg: Any, probe: Any = None) -> Advice | None:
         from asyncrl.trainer.placement_choice import device_memory_bytes
 
         hf_config = AutoConfig.from_pretrained(cfg.model.path)
-        if getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0):
-            return None
+        check_dense(hf_config, cfg.model.path)  # (before the device probe's task)
         device_bytes = (probe or device_memory_bytes)()
         if device_bytes is None:
             return None
