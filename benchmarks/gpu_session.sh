@@ -234,6 +234,15 @@ pair)
   cat $OUT/pair_b.txt; grep -E '^(PASSED|FAILED|ERROR|SKIPPED) | in [0-9.]+s( |$)' $OUT/learner2.log | cut -c1-300
   tail -4 $OUT/learner2.log | cut -c1-400
   ;;
+cp-attention)
+  # Issue 67, one GPU: a CP rank's attention (its bottom-right causal segment on flash, against SDPA's
+  # causal_lower_right bias) vs the row on one GPU (benchmarks/cp_attention.py), then its GPU test.
+  timeout ${CP_TIMEOUT:-240} python3 benchmarks/cp_attention.py --widths ${CP_WIDTHS:-8192 32768 65536} --cp ${CP:-2} \
+      --out $OUT/cp_attention.jsonl > $OUT/cp_attention.log 2>&1
+  echo "cp_attention rc=$?"; cut -c1-1500 $OUT/cp_attention.log | tail -8
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/learner/test_attention_gpu.py > $OUT/attn_gpu.log 2>&1
+  echo "pytest rc=$?"; tail -5 $OUT/attn_gpu.log | cut -c1-600
+  ;;
 moe)
   # A random Qwen2-MoE (16 routed experts, top 4, a gated shared expert) through the learner on one GPU:
   # parity vs transformers, HF round trip, bare fwd+bwd and ActorRole step time (EP = 1).

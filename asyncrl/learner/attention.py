@@ -255,21 +255,92 @@ class SDPAttention(torch.nn.Module):
             value = gather_sequence(value, width, self.cp_group)
         # [s, b, h, d] -> [b, h, s, d]: views, the head dim stays contiguous for the fused kernels
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        gqa = k.shape[1] != heads
-        segments = plan_segments(width, self.cp_size, self.cp_rank, bounds)
-        if len(segments) == 1 and segments[0].square:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
-        else:
-            parts = [self._segment(q, k, v, s, gqa) for s in segments]
-            out = torch.cat(parts, dim=2)
+        out = attend_segments(q, k, v, plan_segments(width, self.cp_size, self.cp_rank, bounds), self.scale)
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
 
-    def _segment(self, q, k, v, s: Segment, gqa: bool) -> torch.Tensor:
-        from torch.nn.attention.bias import causal_lower_right
 
-        qs = q[:, :, s.q_start : s.q_end]
-        ks, vs = k[:, :, s.k_start : s.k_end], v[:, :, s.k_start : s.k_end]
+def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: tuple[Segment, ...],
+                    scale: float) -> torch.Tensor:
+    """Queries [b, h, sq, d] (this rank's positions) against keys / values [b, g, sk, d] (the whole row, g dividing
+    h), one fused call per segment, concatenated in local query order."""
+    gqa = k.shape[1] != q.shape[1]
+    if len(segments) == 1 and segments[0].square:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    parts = []
+    for s in segments:
+        qs, ks, vs = q[:, :, s.q_start : s.q_end], k[:, :, s.k_start : s.k_end], v[:, :, s.k_start : s.k_end]
         if s.square:
-            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=gqa)
-        mask = causal_lower_right(s.q_end - s.q_start, s.k_end - s.k_start)
-        return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+            parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa))
+        else:
+            parts.append(lower_right_attention(qs, ks, vs, scale))
+    return torch.cat(parts, dim=2)
+
+
+# Below this many queries a bottom-right call stays one call: the split's two launches, copies and merge cost more
+# than cuDNN saves on so little work (benchmarks/cp_attention.py: a CP=2 rank at 8k tokens a row was slower split).
+MERGE_MIN_QUERIES = 4096
+
+
+def cudnn_lower_right_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether `lower_right_attention` takes the split path on cuDNN's kernels: CUDA on Hopper or later (where SDPA
+    picks cuDNN first), half precision, heads of at most 128 in multiples of 8, grouped-query heads dividing."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128
+            and q.shape[1] % k.shape[1] == 0 and torch.backends.cuda.cudnn_sdp_enabled()
+            and torch.cuda.get_device_capability(q.device) >= (9, 0))
+
+
+def lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of queries that are the last `sq` of the `sk` key positions (a CP rank's later chunk, or a
+    document begun in an earlier chunk): query i sees keys [0, sk - sq + i]. On cuDNN (`cudnn_lower_right_ok`, at
+    least `MERGE_MIN_QUERIES` queries) it is two calls merged by their log-sum-exps (`_MergedLowerRight`); elsewhere
+    SDPA's `causal_lower_right` bias, which runs on flash where flash takes the call (slower than cuDNN where SDPA
+    prefers cuDNN) and else materialises the mask."""
+    if q.shape[2] >= MERGE_MIN_QUERIES and cudnn_lower_right_ok(q, k):
+        return _MergedLowerRight.apply(q, k, v, scale, (_cudnn_forward, _cudnn_backward))
+    from torch.nn.attention.bias import causal_lower_right
+
+    mask = causal_lower_right(q.shape[2], k.shape[2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _cudnn_forward(q, k, v, causal: bool, scale: float):
+    """One fused attention call: (output, log-sum-exp [b, h, sq, 1] fp32, what its backward needs)."""
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float, saved):
+    cum_q, cum_k, max_q, max_k, seed, offset = saved
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale)
+
+
+class _MergedLowerRight(torch.autograd.Function):
+    """Bottom-right causal attention as two fused calls: the queries against the keys before their own block (no
+    mask) and against their own block (square, causal); outputs merged by the log-sum-exps, in fp32. Backward: each
+    call's own backward kernel fed the merged output and log-sum-exp (its probabilities are then the merged softmax's,
+    and its row terms dO . O the merged output's), query gradients summed, key / value gradients side by side.
+    `kernels`: (forward, backward) of one call, `_cudnn_forward` / `_cudnn_backward`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, kernels):  # type: ignore[override]
+        forward, _ = kernels
+        p = k.shape[2] - q.shape[2]
+        q = q.contiguous()
+        parts = [(k[:, :, :p].contiguous(), v[:, :, :p].contiguous(), False),
+                 (k[:, :, p:].contiguous(), v[:, :, p:].contiguous(), True)]
+        (o1, l1, s1), (o2, l2, s2) = (forward(q, kk, vv, causal, scale) for kk, vv, causal in parts)
+        lse = torch.logaddexp(l1, l2)
+        out = (o1.float() * torch.exp(l1 - lse) + o2.float() * torch.exp(l2 - lse)).to(q.dtype)
+        ctx.save_for_backward(q, out, lse, parts[0][0], parts[0][1], parts[1][0], parts[1][1])
+        ctx.scale, ctx.kernels, ctx.calls = scale, kernels, (s1, s2)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, out, lse, k1, v1, k2, v2 = ctx.saved_tensors
+        backward, dout = ctx.kernels[1], dout.contiguous()
+        dq1, dk1, dv1 = backward(dout, q, k1, v1, out, lse, False, ctx.scale, ctx.calls[0])
+        dq2, dk2, dv2 = backward(dout, q, k2, v2, out, lse, True, ctx.scale, ctx.calls[1])
+        return dq1 + dq2, torch.cat([dk1, dk2], dim=2), torch.cat([dv1, dv2], dim=2), None, None

@@ -65,3 +65,83 @@ def test_config_errors_name_the_field(strategy, kw, match):
     ws = strategy.get("tensor_model_parallel_size", 1) * strategy.get("context_parallel_size", 1)
     with pytest.raises(ValueError, match=match):
         LearnerConfig(world_size=ws, strategy_config=strategy, **kw)
+
+
+def _reference(q, k, v, width, cp, rank, bounds, scale=0.125):
+    """One rank's attention through an explicit mask: each local query sees its document's causal keys."""
+    doc = torch.zeros(width, dtype=torch.long)
+    for d, (a, b) in enumerate(zip(bounds or (0, width), (bounds or (0, width))[1:])):
+        doc[a:b] = d
+    pos = torch.tensor(local_positions(width, cp, rank))
+    keys = torch.arange(width)
+    mask = (keys[None, :] <= pos[:, None]) & (doc[keys][None, :] == doc[pos][:, None])
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device), scale=scale,
+                                                            enable_gqa=True)
+
+
+@pytest.mark.parametrize("cp,bounds", [(1, None), (2, None), (2, (0, 5, 13, 16)), (4, (0, 1, 9, 16))])
+def test_segments_attend_as_the_document_causal_mask_grouped_heads(cp, bounds):
+    """`attend_segments` (square causal calls and bottom-right ones) equals the masked attention, outputs and the
+    gradients of queries, keys and values, with grouped-query heads (4 query heads on 2 K/V heads)."""
+    from asyncrl.learner.attention import attend_segments
+
+    width, g = 16, torch.Generator().manual_seed(0)
+    q_all = torch.randn(1, 4, width, 64, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, width, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    for rank in range(cp):
+        grads = []
+        for fn in (lambda a, b, c: attend_segments(a, b, c, plan_segments(width, cp, rank, bounds), 0.125),
+                   lambda a, b, c: _reference(a, b, c, width, cp, rank, bounds)):
+            x, y, z = (t.detach().clone().requires_grad_() for t in (split_for_cp(q_all, cp, rank, dim=2), k, v))
+            out = fn(x, y, z)
+            out.pow(2).sum().backward()
+            grads.append([out, x.grad, y.grad, z.grad])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b)
+
+
+def _math_forward(q, k, v, causal, scale):
+    """A fused call's contract, in plain torch (float64): output, log-sum-exp [b, h, sq, 1], nothing saved."""
+    r = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(r, 1).transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    lse = scores.logsumexp(-1, keepdim=True)
+    return (scores - lse).exp() @ v.repeat_interleave(r, 1), lse, None
+
+
+def _math_backward(dout, q, k, v, out, lse, causal, scale, _saved):
+    """A fused call's backward from the given output and log-sum-exp (the merged ones, in `_MergedLowerRight`)."""
+    r = q.shape[1] // k.shape[1]
+    ke, ve = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+    scores = q @ ke.transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    p = (scores - lse).exp()
+    ds = p * (dout @ ve.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
+    fold = lambda t: t.view(t.shape[0], k.shape[1], r, *t.shape[2:]).sum(2)  # noqa: E731
+    return ds @ ke * scale, fold(ds.transpose(-1, -2) @ q * scale), fold(p.transpose(-1, -2) @ dout)
+
+
+@pytest.mark.parametrize("sq,sk", [(4, 16), (7, 8), (8, 24)])
+def test_merged_lower_right_equals_the_masked_call_with_its_gradients(sq, sk):
+    """The split-and-merge of a bottom-right causal call (its forward and backward, `_MergedLowerRight`) against
+    SDPA with the `causal_lower_right` bias: outputs and the gradients of queries, keys and values (GQA 4 on 2)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from asyncrl.learner.attention import _MergedLowerRight
+
+    g = torch.Generator().manual_seed(1)
+    q0 = torch.randn(2, 4, sq, 8, generator=g, dtype=torch.float64)
+    k0, v0 = (torch.randn(2, 2, sk, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(2, 4, sq, 8, generator=g, dtype=torch.float64)
+    results = []
+    for fn in (lambda a, b, c: _MergedLowerRight.apply(a, b, c, 0.3, (_math_forward, _math_backward)),
+               lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
+                   a, b, c, attn_mask=causal_lower_right(sq, sk), scale=0.3, enable_gqa=True)):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        out = fn(q, k, v)
+        out.backward(dout)
+        results.append([out, q.grad, k.grad, v.grad])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
