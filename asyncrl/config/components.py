@@ -264,12 +264,15 @@ class MemoryConfig(_Section):
         "the first recompute_layers layers of each pipeline stage are recomputed, the rest keep their activations.")
     recompute_layers: int = Field(1, gt=0, description="full: layers per recomputed group (uniform) or recomputed "
                                   "layers per stage (block).")
-    optimizer: Literal["device", "host"] = Field(
-        "device", description="Where the optimizer keeps Adam's two fp32 moments and steps: device, or host = Megatron's "
-        "CPU-offloaded optimizer (its distributed optimizer, each shard stepped by torch's fused AdamW on the host; grads "
-        "go down and params come back each step; the fp32 master weights stay on the device). Frees 8 bytes a "
-        "parameter of device memory, e.g. a 7B's long sequences on one GPU, for a step that waits on the host's Adam. A learner without "
-        "an accelerator keeps it on the host either way.")
+    optimizer: Literal["device", "sharded", "host"] = Field(
+        "device", description="Where the optimizer keeps Adam's two fp32 moments and fp32 master weights and steps: "
+        "device (every data-parallel rank all of them); sharded = Megatron's distributed optimizer (each data-parallel "
+        "rank holds and steps 1/DP of them: grads reduce-scattered, params all-gathered after the step; 12 bytes a "
+        "parameter become 12/DP); or host = Megatron's CPU-offloaded optimizer (its distributed optimizer, each shard "
+        "stepped by torch's fused AdamW on the host; grads go down and params come back each step; the fp32 master "
+        "weights stay on the device). host frees 8 bytes a parameter of device memory, e.g. a 7B's long sequences on "
+        "one GPU, for a step that waits on the host's Adam. A learner without an accelerator keeps its optimizer on "
+        "the host either way (sharded needs GPUs).")
     optimizer_host_fraction: float = Field(
         1.0, gt=0, le=1, description="optimizer host: the share of the parameters (in order) whose optimizer state and "
         "step live on the host; the rest stay on the device (Megatron's optimizer_offload_fraction). Below 1 where the "
@@ -399,6 +402,13 @@ class LearnerConfig(_Section):
                 raise ValueError(f"learner.memory asks for {key}={value!r} but learner.strategy_config sets {key}="
                                  f"{s[key]!r}: set one of them")
             s[key] = value
+        if self.memory.optimizer == "sharded" and self.num_gpus_per_rank == 0:
+            raise ValueError("learner.memory.optimizer sharded (Megatron's distributed optimizer, which takes CUDA "
+                             "parameters only) needs the learner on GPUs (learner.num_gpus_per_rank > 0): use device")
+        if self.memory.optimizer != "device" and s.get("expert_model_parallel_size", 1) > 1:
+            raise ValueError(f"learner.memory.optimizer {self.memory.optimizer} (Megatron's distributed optimizer) with "
+                             f"strategy_config.expert_model_parallel_size={s['expert_model_parallel_size']} is not "
+                             "supported: use learner.memory.optimizer device")
         return self
 
     @model_validator(mode="after")

@@ -313,14 +313,17 @@ def _names(originals: dict[tuple[Any, str], Any]) -> list[str]:
 # ----------------------------------------------------------------------------- grad clipping
 
 
-def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm: float | None = None) -> float:
+def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm: float | None = None,
+                    dp_sharded: bool = False) -> float:
     """Clip gradients by their global L2 norm over every model-parallel rank; returns the norm before clipping.
 
     Works on gloo (Megatron's `clip_grad_norm_fp32` asserts CUDA tensors). Each gradient is counted
     once, with Megatron's own filters: tensor-parallel duplicates only on TP rank 0 and the
     pipeline copy of a tied embedding (`shared=True`) not at all. Dense grads are summed over
     the model-parallel group (TP x PP), expert grads (`allreduce=False`) over the expert
-    TP x EP x PP group. DP replicas hold equal (all-reduced) grads, so DP is not reduced.
+    TP x EP x PP group. DP replicas hold equal (all-reduced) grads, so DP is not reduced, unless `dp_sharded` (the
+    parameters are a distributed optimizer's shards: each DP rank holds its own part of every gradient, and the sums
+    are then reduced over DP, with CP, too; its expert shards are refused by the optimizer, so every grad is dense).
     Uses `main_grad` when Megatron DDP put the gradient there. `norm`: the global norm if the
     caller already measured it (then only the scaling runs). The per-tensor norms are one
     multi-tensor pass (`_foreach_norm`, float32 accumulation), no float32 copy of any gradient.
@@ -357,6 +360,8 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, n
         if initialized:
             torch.distributed.all_reduce(sq[0:1], group=ps.get_model_parallel_group())
             torch.distributed.all_reduce(sq[1:2], group=ps.get_expert_tensor_model_pipeline_parallel_group())
+            if dp_sharded:
+                torch.distributed.all_reduce(sq, group=ps.get_data_parallel_group(with_context_parallel=True))
         dense, expert = sq.tolist()
         norm = math.sqrt(dense + expert)
     if max_norm > 0 and norm > max_norm:

@@ -29,6 +29,8 @@ LAYOUTS = {
     "tp1": (1, {}, 3),
     "tp2": (2, {"tensor_model_parallel_size": 2}, 3),
     "dp2": (2, {}, 3),
+    # Megatron's distributed optimizer: each DP rank steps half of the fp32 state; the grad norm summed over DP
+    "dp2_sharded": (2, {}, 3, {"memory": {"optimizer": "sharded"}}),
     "pp2": (2, {"pipeline_model_parallel_size": 2}, 3),
     "vpp2": (2, VPP2, 3),
     "vpp2_one_mb": (2, VPP2, 8),
@@ -41,7 +43,7 @@ LAYOUTS = {
 }
 # Layouts whose update is handed no proximal log-probs: its first forward gives them (the policy
 # denominator's capped tokens counted over DP, the rescale sent to every PP stage).
-FROM_UPDATE = {"dp2", "pp2", "vpp2", "tp2_sp", "cp2_packed"}
+FROM_UPDATE = {"dp2", "dp2_sharded", "pp2", "vpp2", "tp2_sp", "cp2_packed"}
 
 
 def _export(group: LearnerGroup) -> dict:
@@ -57,6 +59,8 @@ def _export(group: LearnerGroup) -> dict:
 def runs(ray_session, demo_model_path) -> dict[str, dict]:
     """Per layout (tp1 first: its log-probs are every group's behaviour and old log-probs): where its
     ranks ran, its log-probs, its first update's metrics, its log-probs after it, and its export."""
+    import torch
+
     model = ModelConfig(path=str(demo_model_path))
     algo = AlgorithmConfig(group_size=2)
     samples = make_samples()
@@ -64,8 +68,8 @@ def runs(ray_session, demo_model_path) -> dict[str, dict]:
     adv[0] = [0.3 * (j + 1) for j in range(len(adv[0]))]  # not a plain sign pattern
     out: dict[str, dict] = {}
     for name, (ws, strategy, mbs, *extra) in LAYOUTS.items():
-        if not fits(ws):  # e.g. tp2_cp2's four NCCL ranks on a two-GPU host: the other layouts still run
-            continue
+        if not fits(ws) or (name.endswith("_sharded") and not torch.cuda.is_available()):
+            continue  # e.g. tp2_cp2's four NCCL ranks on a two-GPU host; a sharded optimizer needs CUDA
         group = LearnerGroup("actor", model, LearnerConfig(
             world_size=ws, strategy_config=strategy, lr=1e-4, micro_batch_size=mbs, num_cpus_per_rank=0.5,
             num_gpus_per_rank=num_gpus_per_rank(ws), **(extra[0] if extra else {}),

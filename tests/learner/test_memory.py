@@ -194,3 +194,13 @@ def test_malloc_trim_gives_the_heaps_freed_blocks_back():
     given_back = held - resident_bytes()  # type: ignore[operator]
     libc.free(blocks[-1])
     assert given_back > 0.5 * size * n, given_back
+
+
+def test_a_sharded_optimizer_without_gpus_or_with_expert_parallelism_is_refused_naming_the_fields():
+    for optimizer in ("sharded", "host"):
+        with pytest.raises(ValueError, match=f"learner.memory.optimizer {optimizer} .*expert_model_parallel_size=2"):
+            LearnerConfig(world_size=2, memory={"optimizer": optimizer}, num_gpus_per_rank=1,
+                          strategy_config={"expert_model_parallel_size": 2})
+    with pytest.raises(ValueError, match="optimizer sharded .* needs the learner on GPUs"):
+        LearnerConfig(world_size=2, memory={"optimizer": "sharded"})
+    assert LearnerConfig(world_size=2, memory={"optimizer": "sharded"}, num_gpus_per_rank=1).memory.optimizer == "sharded"

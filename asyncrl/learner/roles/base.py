@@ -149,11 +149,11 @@ class ModelRunner:
     def _wrap_ddp(self, chunk: torch.nn.Module) -> torch.nn.Module:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        from asyncrl.learner.roles.optim import optimizer_on_host
+        from asyncrl.learner.roles.optim import optimizer_sharded
 
-        ddp_cfg = DistributedDataParallelConfig(  # Megatron's host optimizer is its distributed one
+        ddp_cfg = DistributedDataParallelConfig(  # (Megatron's host optimizer is its distributed one)
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=optimizer_on_host(self.ctx.learner_cfg),
+            use_distributed_optimizer=optimizer_sharded(self.ctx.learner_cfg),
         )
         ddp = DistributedDataParallel(config=chunk.config, ddp_config=ddp_cfg, module=chunk)
         ddp.broadcast_params()  # one starting point on every DP replica, whatever was loaded

@@ -43,6 +43,11 @@ def optimizer_on_host(cfg: LearnerConfig) -> bool:
     return cfg.memory.optimizer == "host" and torch.cuda.is_available()
 
 
+def optimizer_sharded(cfg: LearnerConfig) -> bool:
+    """Megatron's distributed optimizer: learner.memory.optimizer sharded, or host (its CPU offload needs it)."""
+    return cfg.memory.optimizer == "sharded" or optimizer_on_host(cfg)
+
+
 # What Megatron's host optimizer keeps on the host per offloaded parameter: its fp32 copy and grad (pinned), Adam's
 # two fp32 moments.
 HOST_OPTIMIZER_BYTES_PER_PARAM = 16
@@ -119,7 +124,7 @@ class GuardedOptimizer:
         from asyncrl.learner.gpu_fusions import use_fused_adam
 
         self.chunks, self.cfg = chunks, cfg
-        self.on_host = optimizer_on_host(cfg)
+        self.on_host, self.sharded = optimizer_on_host(cfg), optimizer_sharded(cfg)
         if self.on_host and dtype not in ("bfloat16", "float16"):
             raise ValueError(f"learner.memory.optimizer host needs 16-bit weights (model.dtype bfloat16 or float16), got "
                              f"{dtype}: Megatron offloads the fp32 master copies a 16-bit model's optimizer keeps")
@@ -128,7 +133,7 @@ class GuardedOptimizer:
             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=0.0,
             bf16=dtype == "bfloat16", fp16=dtype == "float16", params_dtype=torch.float32,
             # learner.memory.optimizer host: Megatron's CPU offload, which only its distributed optimizer takes
-            use_distributed_optimizer=self.on_host, optimizer_cpu_offload=self.on_host,
+            use_distributed_optimizer=self.sharded, optimizer_cpu_offload=self.on_host,
             optimizer_offload_fraction=cfg.memory.optimizer_host_fraction if self.on_host else 0.0,
         )
         if self.on_host:
@@ -185,7 +190,8 @@ class GuardedOptimizer:
             for p in self._main_params():
                 if p.grad is not None:
                     p.grad.mul_(grad_scale)
-        norm = clip_grad_norm_(self._main_params(), 0.0)  # measure first: clipping nan grads is moot
+        # measure first (clipping nan grads is moot); a sharded optimizer's grads are each rank's DP shard
+        norm = clip_grad_norm_(self._main_params(), 0.0, dp_sharded=self.sharded)
         bad = torch.tensor([0.0 if (loss_finite and not found_inf and math.isfinite(norm)) else 1.0],
                            device=collective_device())
         if torch.distributed.is_initialized():
@@ -196,7 +202,7 @@ class GuardedOptimizer:
             self.zero_grad()
             return {"skipped": 1.0, "grad_norm": norm, "lr": lr}
         if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
-            clip_grad_norm_(self._main_params(), self.cfg.grad_clip, norm=norm)
+            clip_grad_norm_(self._main_params(), self.cfg.grad_clip, norm=norm, dp_sharded=self.sharded)
         self.optimizer.step_with_ready_grads()
         self.schedule.step()
         self.applied_steps += 1
