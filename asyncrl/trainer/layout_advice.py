@@ -42,6 +42,10 @@ DP_EFFICIENCY = PP_EFFICIENCY = 0.95
 # Recompute reruns in the backward: full, each layer's forward (a third more FLOPs); selective, core attention only.
 RECOMPUTE_SPEED = {"none": 1.0, "selective": 0.97, "full": 0.75}
 RECOMPUTES = ("none", "selective", "full")
+# learner.memory.optimizer sharded (Megatron's distributed optimizer) splits the fp32 main params (4 bytes) and Adam's
+# moments (8) of BYTES_PER_PARAM over the DP x CP ranks; its reduce-scatter and all-gather carry an all-reduce's
+# bytes, so its speed is taken as the device optimizer's (not yet measured: issue 67).
+SHARDED_STATE_BYTES = 12
 SLOWER_WARNS = 0.9  # the configured layout is warned about below this share of the best estimate
 
 
@@ -53,6 +57,7 @@ class Layout:
     dp: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
+    optimizer: str = "device"  # or "sharded": learner.memory.optimizer
 
     @property
     def gpus(self) -> int:
@@ -60,7 +65,8 @@ class Layout:
 
     def describe(self) -> str:
         sp = " + SP" if self.sequence_parallel else ""
-        return f"DP {self.dp} x TP {self.tp}{sp} x CP {self.cp} x PP {self.pp}, recompute {self.recompute}"
+        sharded = ", optimizer sharded" if self.optimizer == "sharded" else ""
+        return f"DP {self.dp} x TP {self.tp}{sp} x CP {self.cp} x PP {self.pp}, recompute {self.recompute}{sharded}"
 
     def settings(self) -> str:
         """What to write in the config for it."""
@@ -69,7 +75,8 @@ class Layout:
         parts = [f"{k}: {v}" for k, v in s.items() if v > 1]
         parts += ["sequence_parallel: true"] if self.sequence_parallel else []
         strategy = f"learner.strategy_config {{{', '.join(parts)}}}" if parts else "learner.strategy_config without TP, CP or PP"
-        return f"{strategy}, learner.memory.recompute: {self.recompute}"
+        sharded = ", learner.memory.optimizer: sharded" if self.optimizer == "sharded" else ""
+        return f"{strategy}, learner.memory.recompute: {self.recompute}{sharded}"
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,10 @@ def rank_bytes(hf_config: Any, layout: Layout, tokens: int, logprob_chunk: int, 
     parallelism), the first pipeline stage holding PP micro-batches of its layers (every layer's worth); and the LM
     head's chunk of logits, vocab split over TP."""
     c = hf_config
-    state = bytes_per_param(learner) * model_params(c) / (layout.tp * layout.pp)
+    per_param = bytes_per_param(learner)
+    if layout.optimizer == "sharded":  # (offered only where the learner's optimizer is the device's)
+        per_param -= SHARDED_STATE_BYTES * (1 - 1 / (layout.dp * layout.cp))
+    state = per_param * model_params(c) / (layout.tp * layout.pp)
     layer = layer_activation_bytes(c)
     norms = ACTIVATION_ELEMENT_BYTES * 4 * c.hidden_size  # replicated over TP without sequence parallelism
     per_token = ((layer - norms) / layout.tp + norms / (layout.tp if layout.sequence_parallel else 1)) / layout.cp
@@ -124,9 +134,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(hf_config: Any, gpus: int) -> list[Layout]:
+def candidate_layouts(hf_config: Any, gpus: int, shard: bool = True) -> list[Layout]:
     """Every layout of `gpus` ranks the learner takes for this model (`validate_layout`: heads and KV heads divide by
-    TP, layers by PP), each recompute setting; TP with sequence parallelism."""
+    TP, layers by PP), each recompute setting; TP with sequence parallelism; with more than one DP x CP rank, each also
+    with the sharded optimizer (`shard`: on GPU ranks with the device optimizer, where the learner takes it)."""
     from asyncrl.config import ConfigError
     from asyncrl.learner.parallel import ParallelLayout, validate_layout
 
@@ -138,7 +149,9 @@ def candidate_layouts(hf_config: Any, gpus: int) -> list[Layout]:
                     validate_layout(ParallelLayout(gpus, tp=tp, pp=pp, cp=cp, sequence_parallel=tp > 1), hf_config)
                 except ConfigError:
                     continue
-                out += [Layout(tp, cp, pp, gpus // (tp * cp * pp), r, tp > 1) for r in RECOMPUTES]
+                dp = gpus // (tp * cp * pp)
+                optimizers = ("device", "sharded") if shard and dp * cp > 1 else ("device",)
+                out += [Layout(tp, cp, pp, dp, r, tp > 1, o) for o in optimizers for r in RECOMPUTES]
     return out
 
 
@@ -146,7 +159,8 @@ def configured_layout(learner: Any) -> Layout:
     from asyncrl.learner.parallel import ParallelLayout
 
     p = ParallelLayout.from_learner_config(learner)
-    return Layout(p.tp, p.cp, p.pp, max(1, p.dp), learner.memory.recompute, p.sequence_parallel)
+    return Layout(p.tp, p.cp, p.pp, max(1, p.dp), learner.memory.recompute, p.sequence_parallel,
+                  "sharded" if learner.memory.optimizer == "sharded" else "device")
 
 
 def check_dense(hf_config: Any, path: str) -> None:
@@ -176,10 +190,12 @@ def advise(cfg: Any, hf_config: Any, device_bytes: float) -> Advice:
                         relative_speed(layout, micro_batches))
 
     mine = estimate(configured_layout(learner))
-    fitting = [e for e in map(estimate, candidate_layouts(hf_config, learner.world_size)) if e.fits(room)]
-    # the fastest; of equal estimates, the one with the fewest model-parallel ranks and the least recompute
+    shard = learner.memory.optimizer in ("device", "sharded") and learner.lora is None and learner.num_gpus_per_rank > 0
+    fitting = [e for e in map(estimate, candidate_layouts(hf_config, learner.world_size, shard)) if e.fits(room)]
+    # the fastest; of equal estimates, the one with the fewest model-parallel ranks, the least recompute, unsharded
     best = max(fitting, key=lambda e: (round(e.speed, 6), -e.layout.tp * e.layout.cp * e.layout.pp,
-                                       -RECOMPUTES.index(e.layout.recompute)), default=None)
+                                       -RECOMPUTES.index(e.layout.recompute), e.layout.optimizer == "device"),
+               default=None)
     gib = lambda b: f"{b / GIB:.1f} GiB" if b >= GIB else f"{b / 2**20:.0f} MiB"  # noqa: E731
     sizes = f"{tokens} tokens a micro-batch, {learner.world_size} rank(s) of {gib(room)} for the learner"
     if best is None:

@@ -138,3 +138,19 @@ def test_asyncrl_layout_prints_the_advice_for_a_config_file(tmp_path, capsys, de
     (encoder / "config.json").write_text('{"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2}')
     assert main(["layout", str(config), "--gpu-gib", "80", "--model", str(encoder)]) == 2
     assert "not a decoder the advisor can size" in capsys.readouterr().err
+
+
+def test_a_sharded_optimizer_lets_data_parallelism_hold_a_model_its_ranks_could_not_hold_whole():
+    """The 7B on two H200s at 4,096 tokens: each rank holding the whole optimizer needs ~147 GiB; Megatron's
+    distributed optimizer (learner.memory.optimizer: sharded) halves the fp32 main params and Adam's moments, ~105 GiB,
+    and DP 2 is estimated faster than any model-parallel layout that fits."""
+    advice = advise(_cfg(2, 4096), QWEN_7B, H200)
+    assert advice.level == logging.WARNING and not advice.configured.fits(advice.room)
+    assert advice.best.layout == Layout(dp=2, optimizer="sharded")
+    assert "learner.memory.optimizer: sharded" in advice.message
+    device, sharded = (rank_bytes(QWEN_7B, Layout(dp=2, optimizer=o), 4096, 1024) for o in ("device", "sharded"))
+    assert device - sharded == pytest.approx(6 * 7_614_699_008)  # 12 bytes a parameter, half of them on each rank
+    # configured so, it is what the advice estimates; a LoRA actor or a host optimizer is never offered it
+    assert advise(_cfg(2, 4096, memory={"optimizer": "sharded"}), QWEN_7B, H200).configured.layout.optimizer == "sharded"
+    lora = advise(_cfg(2, 4096, lora={"rank": 16}), QWEN_7B, H200)
+    assert lora.best is not None and lora.best.layout.optimizer == "device"
