@@ -110,6 +110,14 @@ def response_lengths(run_dir: Path) -> dict[int, list[int]]:
             if "train/step" in r and isinstance(r.get("train/response_lengths"), list)}
 
 
+# the per-step push metrics a row keeps (`weightsync_per_step`)
+WEIGHTSYNC_STEP_KEYS = ("weightsync/push_seconds", "weightsync/paused_seconds", "weightsync/host_copy_wait_seconds",
+                        "weightsync/host_copy_seconds", "weightsync/on_live_seconds",
+                        "weightsync/sender/host_copy_thread_copy_seconds",
+                        "weightsync/sender/host_copy_thread_keep_seconds", "weightsync/sender/broadcast_seconds",
+                        "weightsync/sender/hash_seconds", "weightsync/sender/receivers_after_seconds")
+
+
 def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str,
            lengths: dict[int, list[int]] | None = None) -> dict[str, Any]:
     """run_once's result as a common row: per-step walls from time/elapsed_s, the split from time/*, the
@@ -146,6 +154,10 @@ def row_of(a: argparse.Namespace, eta: int, res: dict[str, Any], placement: str,
         "start_s": res.get("start_s"), "first_step_s": res.get("first_step_s"),
         # where step 1's time went: its split, push phases (weightsync/sender/*, replica/*) and sizes
         "first_step": next((r for r in res["per_step"] if int(r["train/step"]) == 1), None),
+        # every step's push and the last push's host copies (a collective push's are kept beside the next step and
+        # reported by the push after it): where a step's time beside the weights went
+        "weightsync_per_step": [{"step": int(r["train/step"]), **{k.removeprefix("weightsync/"): r[k] for k in
+                                 WEIGHTSYNC_STEP_KEYS if r.get(k) is not None}} for r in res["per_step"]],
         "settings": {"config": str(a.config or CONFIGS[a.placement]), "overrides": knob_overrides(a, eta) + a.overrides,
                      "staleness_mean": res.get("staleness_mean"), "push_s": res.get("push_s"),
                      "push_failed": res.get("push_failed"), "learner_mfu": res.get("learner_mfu"),

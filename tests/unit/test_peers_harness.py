@@ -125,7 +125,8 @@ def test_asyncrl_row_splits_each_step_and_leaves_out_warmup_and_evaluation_steps
                                  "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4"])
     # time/elapsed_s from the loop's start; the row of step 2 holds an evaluation (its time is inside the step)
     per_step = [{"train/step": n, "time/elapsed_s": t, "time/train_s": tr, "time/sync_s": sy, "train/response_tokens": 16,
-                 "train/reward_mean": 0.5, "eval/accuracy": acc, "hybrid/engine_wake_s": sy / 2}
+                 "train/reward_mean": 0.5, "eval/accuracy": acc, "hybrid/engine_wake_s": sy / 2,
+                 "weightsync/push_seconds": sy / 4, "weightsync/sender/host_copy_thread_keep_seconds": tr / 10}
                 for n, t, tr, sy, acc in [(1, 30.0, 2.0, 1.0, None), (2, 34.0, 1.0, 0.5, 0.25), (3, 36.0, 1.2, 0.3, None),
                                           (4, 39.0, 1.5, 0.5, None)]]
     evals = [{"step": 0, "time": 1000.0, "accuracy": 0.2}, {"step": 2, "time": 1034.0, "accuracy": 0.25}]
@@ -140,3 +141,5 @@ def test_asyncrl_row_splits_each_step_and_leaves_out_warmup_and_evaluation_steps
     assert row["eval"] == [{"step": 0, "wall_s": 0.0, "accuracy": 0.2}, {"step": 2, "wall_s": 34.0, "accuracy": 0.25}]
     assert row["params"] > 0 and row["version"].startswith("asyncrl ")
     assert row["settings"]["engine_wake_s_mean"] == pytest.approx(0.2) and "engine_sleep_s_mean" not in row["settings"]
+    # every step's push and the host copies kept beside it, named without the prefix
+    assert row["weightsync_per_step"][2] == {"step": 3, "push_seconds": 0.075, "sender/host_copy_thread_keep_seconds": 0.12}
