@@ -176,10 +176,15 @@ learner2)
 learner2-speed)
   # The learner at 1.5B, 8 x 8192 tokens, micro-batch 1 (issue 29): one GPU, then TP=2 + SP and CP=2 over
   # both GPUs, in one call (the same random model and batch). learner_speed.sh finds the wheels installed.
+  # Data parallelism runs through the group section (the batch split over DP as a run's): LAYOUTS="1gpu-group dp2
+  # dp2sh" (dp2sh: learner.memory.optimizer sharded), e.g. SHAPES=3b:16x4096:2 for issue 67's DP=2 on the 3B.
   touch /tmp/site/.learner-wheels
   for lay in ${LAYOUTS:-1gpu tp2sp cp2}; do
-    case $lay in 1gpu) par="" ;; tp2sp) par="--tp 2 --sequence-parallel" ;; cp2) par="--cp 2" ;; tp2) par="--tp 2" ;; esac
-    OUT=$OUT SECTIONS=${SECTIONS:-role} TAG=$lay PARALLEL="$par" STEP_TIMEOUT=${STEP_TIMEOUT:-200} \
+    sec=${SECTIONS:-role}
+    case $lay in 1gpu) par="" ;; tp2sp) par="--tp 2 --sequence-parallel" ;; cp2) par="--cp 2" ;; tp2) par="--tp 2" ;;
+      1gpu-group) par=""; sec=group ;; dp2) par="--dp 2"; sec=group ;; dp2sh) par="--dp 2 --optimizer sharded"; sec=group ;;
+    esac
+    OUT=$OUT SECTIONS=$sec TAG=$lay PARALLEL="$par" STEP_TIMEOUT=${STEP_TIMEOUT:-200} \
         bash benchmarks/learner_speed.sh ${SHAPES:-1.5b:8x8192:1}
   done
   ;;

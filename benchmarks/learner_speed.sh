@@ -25,6 +25,8 @@ model_dir() {
     case $1 in
     0.5b) echo /tmp/qwen2-0.5b-random ;;
     1.5b) echo /tmp/qwen2-1.5b-random ;;
+    3b) echo /tmp/qwen2.5-3b-random ;;
+    7b) echo /tmp/qwen2-7b-random ;;
     esac
 }
 build_model() {
@@ -33,6 +35,8 @@ build_model() {
     case $1 in
     0.5b) args="" ;;
     1.5b) args="--layers 28 --hidden 1536 --heads 12 --kv-heads 2 --ffn 8960" ;;
+    3b) args="--layers 36 --hidden 2048 --heads 16 --kv-heads 2 --ffn 11008" ;;
+    7b) args="--layers 28 --hidden 3584 --heads 28 --kv-heads 4 --ffn 18944 --untied" ;;
     esac
     timeout 240 python3 benchmarks/make_random_qwen2.py --tokenizer-from artifacts/demo-model --out "$dir" $args 2>&1 | tail -1
 }

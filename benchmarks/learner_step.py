@@ -166,8 +166,8 @@ def stats(times: list[float], tokens: int, params: int, peak_flops: float, forwa
 
 
 def world() -> int:
-    """Ranks (GPUs) of the in-process sections and of the group: --tp x --cp."""
-    return ARGS.tp * ARGS.cp
+    """Ranks (GPUs) of the in-process sections and of the group: --tp x --cp (x --dp: the group section alone)."""
+    return ARGS.tp * ARGS.cp * ARGS.dp
 
 
 def strategy() -> dict[str, Any]:
@@ -638,10 +638,11 @@ def group() -> dict[str, Any]:
 
             logprob_times = await timed_async(lambda: g.compute_log_prob(samples))
             update_times = await timed_async(update)
-            params = RESULTS.get("role", {}).get("params") or RESULTS.get("bare", {}).get("params") or 0
+            params = RESULTS.get("role", {}).get("params") or RESULTS.get("bare", {}).get("params") or \
+                flop_params(HF_CFG, hf_params(HF_CFG))  # (the group section alone: the checkpoint's count)
             return {
                 "setup": setup, "start_seconds": round(start_s, 1), "params": params,
-                "tp": ARGS.tp, "cp": ARGS.cp, "strategy_config": learner_cfg.strategy_config,
+                "tp": ARGS.tp, "cp": ARGS.cp, "dp": ARGS.dp, "strategy_config": learner_cfg.strategy_config,
                 "update_actor": stats(update_times, tokens, params or 1, peak()),
                 "compute_log_prob": stats(logprob_times, tokens, params or 1, peak(), forward_only=True),
                 "last_metrics": {k: metrics[k] for k in sorted(metrics) if k.startswith("actor/")},
@@ -699,6 +700,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (GPUs); > 1 runs the in-process sections in tp processes")
     ap.add_argument("--sequence-parallel", action="store_true", help="with --tp > 1: Megatron sequence parallelism")
     ap.add_argument("--cp", type=int, default=1, help="context parallel size; the sections run on --tp x --cp GPUs (parity, bare: --cp 1)")
+    ap.add_argument("--dp", type=int, default=1, help="data parallel size: the group section alone (its batch split over "
+                    "DP as a run's is), on --tp x --cp x --dp GPUs")
     ap.add_argument("--collective-timeout-s", type=float, default=600.0, help="torch.distributed timeout of the in-process sections")
     ap.add_argument("--offload-each-flag", action="store_true", help="offload section: also each offload flag alone")
     ap.add_argument("--out", default=None, help="also write the JSON here (rewritten after each section)")
@@ -708,7 +711,8 @@ def main() -> None:
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"], help="learner.memory.recompute of role / group")
     ap.add_argument("--recompute-method", default="uniform", choices=["uniform", "block"], help="learner.memory.recompute_method")
     ap.add_argument("--recompute-layers", type=int, default=1, help="learner.memory.recompute_layers")
-    ap.add_argument("--optimizer", default="device", choices=["device", "host"], help="learner.memory.optimizer of role / group")
+    ap.add_argument("--optimizer", default="device", choices=["device", "sharded", "host"],
+                    help="learner.memory.optimizer of role / group (sharded: Megatron's distributed optimizer over DP)")
     ap.add_argument("--optimizer-host-fraction", type=float, default=1.0, help="learner.memory.optimizer_host_fraction")
     ap.add_argument("--lora-rank", type=int, default=0, help="learner.lora.rank of role / group (0: every weight trains); "
                     "MFU still counts 6 x params a token (a LoRA step computes no base weight grads: about 4)")
@@ -716,10 +720,13 @@ def main() -> None:
     ap.add_argument("--lora-rebuild-merged", action="store_true", help="learner.lora.hold_merged: false")
     ap.add_argument("--sync-debug", action="store_true", help="role section: list what made the host wait for the device in one more update")
     ARGS = ap.parse_args()
+    wanted = ARGS.sections.split(",")
+    if ARGS.dp < 1 or (ARGS.dp > 1 and wanted != ["group"]):
+        ap.error(f"--dp {ARGS.dp}: data parallelism runs in the group section alone (--sections group), which splits "
+                 "the batch over DP as a run does (the in-process sections would train the whole batch on every rank)")
     ARGS.model = os.path.abspath(ARGS.model)
     global HF_CFG
     HF_CFG = __import__("transformers").AutoConfig.from_pretrained(ARGS.model)
-    wanted = ARGS.sections.split(",")
     RESULTS["env"] = env()
     RESULTS["args"] = vars(ARGS)
     _save(ARGS.out)
@@ -761,7 +768,7 @@ def _tp_worker(rank: int, args: argparse.Namespace, results: dict[str, Any], por
     global ARGS, RESULTS, RANK, HF_CFG
     ARGS, RESULTS, RANK = args, results, rank
     HF_CFG = __import__("transformers").AutoConfig.from_pretrained(args.model)
-    hf = init_rank(rank, args.tp * args.cp, port)
+    hf = init_rank(rank, world(), port)
     run_in_process(hf, args.sections.split(","))
 
 
