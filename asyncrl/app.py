@@ -144,9 +144,10 @@ def build_app(
 
         check_trainable(cfg)
         cfg = resolve_placement(cfg)  # hybrid.enabled: auto -> true / false, with its reason logged
-        from asyncrl.trainer.layout_advice import log_layout_advice
+        from asyncrl.trainer.layout_advice import advised_config, log_layout_advice
 
-        log_layout_advice(cfg)  # a GPU learner: the layout estimated fastest that fits, against the configured one
+        # a GPU learner: the layout estimated fastest that fits, against the configured one (taken with layout: advised)
+        cfg = advised_config(cfg, log_layout_advice(cfg))
         check_live_cluster(cfg)  # a pool no node offers fails here, not as a replica pending for ever
     if cfg.generator.tool_parser is not None:  # a name vLLM does not know is a config error here, not a 400 later
         from asyncrl.generator.vllm_engine import tool_parser_class

@@ -385,6 +385,13 @@ class LearnerConfig(_Section):
     actor: RoleOffload = Field(default_factory=RoleOffload)
     critic: RoleOffload = Field(default_factory=RoleOffload)
     reference: RoleOffload = Field(default_factory=RoleOffload)
+    layout: Literal["configured", "advised"] = Field(
+        "configured", description="configured: train with strategy_config's TP / CP / PP and memory's recompute and "
+        "optimizer as written (the layout advice at start only says what would be faster). advised: a learner on GPUs "
+        "takes the layout the advisor estimates fastest among those that fit its ranks' devices (TP with sequence "
+        "parallelism, CP, PP, recompute, and the sharded optimizer where the optimizer is on the device; "
+        "asyncrl/trainer/layout_advice.py), logged at start; where no advice can be made (a CPU learner, a mixture of "
+        "experts, no layout fits) the configured one stands.")
 
     @field_validator("strategy_config")
     @classmethod

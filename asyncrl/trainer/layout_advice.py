@@ -6,8 +6,8 @@ does.
 Owns: a layout's memory on each rank (`rank_bytes`: placement_choice.py's model of the actor's state and activations,
 divided as Megatron divides them), its speed against one GPU (`relative_speed`: the measured cost of each kind of
 parallelism, below), the search over a group's layouts (`advise`), and the report (`log_layout_advice`).
-Must never: change the configured layout (the user's choice stands: the advice names what to set and why), or fail a
-start (an advice that cannot be made is not given).
+Must never: change the configured layout unless `learner.layout: advised` asks it to (`advised_config`; else the
+advice names what to set and why), or fail a start (an advice that cannot be made is not given).
 """
 
 from __future__ import annotations
@@ -257,3 +257,36 @@ def log_layout_advice(cfg: Any, probe: Any = None) -> Advice | None:
         return None
     log.log(advice.level, "learner layout: %s", advice.message)
     return advice
+
+
+# strategy_config keys a layout sets or that depend on its sizes (a virtual pipeline on the configured PP), and those
+# learner.memory writes there (its validator writes them again from the advised memory)
+LAYOUT_KEYS = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
+               "virtual_pipeline_model_parallel_size", "recompute_granularity", "recompute_method", "recompute_num_layers")
+
+
+def advised_config(cfg: Any, advice: Advice | None) -> Any:
+    """`cfg` with its learner in the advised layout where `learner.layout: advised` asks for it and an advice that
+    fits was made (else `cfg` as it is): the layout's sizes and sequence parallelism into strategy_config, its
+    recompute and optimizer into learner.memory, validated as a config written so would be."""
+    if cfg.learner.layout != "advised" or advice is None or advice.best is None:
+        return cfg
+    best = advice.best.layout
+    if best == advice.configured.layout:
+        return cfg
+    learner = cfg.learner.model_dump()
+    learner["strategy_config"] = {k: v for k, v in learner["strategy_config"].items() if k not in LAYOUT_KEYS}
+    learner["strategy_config"].update({k: v for k, v in (("tensor_model_parallel_size", best.tp),
+                                                         ("context_parallel_size", best.cp),
+                                                         ("pipeline_model_parallel_size", best.pp)) if v > 1})
+    if best.sequence_parallel:
+        learner["strategy_config"]["sequence_parallel"] = True
+    learner["memory"]["recompute"] = best.recompute
+    if learner["memory"]["optimizer"] != "host":  # (a host optimizer stays: the advice was made with it)
+        learner["memory"]["optimizer"] = best.optimizer
+    data = cfg.model_dump()
+    data["learner"] = learner
+    advised = type(cfg).model_validate(data)
+    log.warning("learner layout advised (learner.layout: advised): training with %s instead of the configured %s",
+                best.describe(), advice.configured.layout.describe())
+    return advised

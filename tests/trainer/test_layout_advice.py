@@ -154,3 +154,29 @@ def test_a_sharded_optimizer_lets_data_parallelism_hold_a_model_its_ranks_could_
     assert advise(_cfg(2, 4096, memory={"optimizer": "sharded"}), QWEN_7B, H200).configured.layout.optimizer == "sharded"
     lora = advise(_cfg(2, 4096, lora={"rank": 16}), QWEN_7B, H200)
     assert lora.best is not None and lora.best.layout.optimizer == "device"
+
+
+def test_an_advised_layout_is_taken_only_where_the_config_asks_for_it():
+    """learner.layout: advised turns the advice into the learner's config (sizes, SP, recompute, the sharded
+    optimizer), validated as written so; configured (the default) keeps the layout, and so does an advice without a
+    layout that fits."""
+    from asyncrl.trainer.layout_advice import advised_config
+
+    tp2 = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+    configured = _cfg(2, 4096, tp2)
+    advice = advise(configured, QWEN_7B, H200)  # DP 2 with the sharded optimizer: ~1.9x one GPU against TP 2's 0.81x
+    assert advice.best.layout == Layout(dp=2, optimizer="sharded")
+    assert advised_config(configured, advice) is configured
+    asked = _cfg(2, 4096, tp2, layout="advised")
+    taken = advised_config(asked, advise(asked, QWEN_7B, H200))
+    assert taken.learner.strategy_config.get("tensor_model_parallel_size", 1) == 1
+    assert "sequence_parallel" not in taken.learner.strategy_config and taken.learner.memory.optimizer == "sharded"
+    assert taken.learner.world_size == 2 and taken.learner.layout == "advised"
+    # long sequences on one rank: full recompute, written as Megatron's options too
+    long = _cfg(1, 65536, layout="advised")
+    full = advised_config(long, advise(long, QWEN_3B, H200))
+    assert full.learner.memory.recompute == "full" and full.learner.strategy_config["recompute_granularity"] == "full"
+    # nothing fits: the configured layout stands (the advice warned)
+    huge = _cfg(1, 8192, layout="advised")
+    nothing = advise(huge, QWEN_7B, H100)
+    assert nothing.best is None and advised_config(huge, nothing) is huge
