@@ -240,8 +240,9 @@ pair)
   tail -4 $OUT/learner2.log | cut -c1-400
   ;;
 cp-attention)
-  # Issue 67, one GPU: a CP rank's attention (its bottom-right causal segment on flash, against SDPA's
-  # causal_lower_right bias) vs the row on one GPU (benchmarks/cp_attention.py), then its GPU test.
+  # Issue 67, one GPU: a CP rank's attention (its bottom-right causal segments as the product computes them, two
+  # cuDNN calls merged on Hopper, against SDPA's causal_lower_right bias) vs the row on one GPU
+  # (benchmarks/cp_attention.py), then its GPU test.
   timeout ${CP_TIMEOUT:-240} python3 benchmarks/cp_attention.py --widths ${CP_WIDTHS:-8192 32768 65536} --cp ${CP:-2} \
       --out $OUT/cp_attention.jsonl > $OUT/cp_attention.log 2>&1
   echo "cp_attention rc=$?"; cut -c1-1500 $OUT/cp_attention.log | tail -8
