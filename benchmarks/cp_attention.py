@@ -22,25 +22,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from asyncrl.learner.attention import lower_right_attention, plan_segments, split_for_cp
-
-
-def bias_attention(q, k, v, scale):
-    """The late segment as it was computed before: SDPA with the `causal_lower_right` bias."""
-    from torch.nn.attention.bias import causal_lower_right
-
-    mask = causal_lower_right(q.shape[2], k.shape[2])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-
-
-def segments_with(late, q, k, v, segments, scale):
-    parts = []
-    for s in segments:
-        qs, ks, vs = q[:, :, s.q_start : s.q_end], k[:, :, s.k_start : s.k_end], v[:, :, s.k_start : s.k_end]
-        parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                    enable_gqa=k.shape[1] != q.shape[1]) if s.square
-                     else late(qs, ks, vs, scale))
-    return torch.cat(parts, dim=2)
+from asyncrl.learner.attention import attend_segments, bias_lower_right, lower_right_attention, plan_segments, split_for_cp
 
 
 def flash_refusal(q, k) -> str:
@@ -94,10 +76,10 @@ def check(width: int, cp: int, heads: int, kv: int, dim: int, device: str = "cud
         ql = split_for_cp(q, cp, rank, dim=2)
         segs = plan_segments(width, cp, rank, None)
         results = {}
-        for name, late, dtype in (("ref", bias_attention, torch.float32), ("merged", lower_right_attention, None),
-                                  ("bias", bias_attention, None)):
+        for name, late, dtype in (("ref", bias_lower_right, torch.float32), ("merged", lower_right_attention, None),
+                                  ("bias", bias_lower_right, None)):
             x, y, z = (t.detach().to(dtype or t.dtype).requires_grad_() for t in (ql, k, v))
-            o = segments_with(late, x, y, z, segs, scale)
+            o = attend_segments(x, y, z, segs, scale, late)
             o.backward(grad.to(o.dtype))
             results[name] = [t.detach().float() for t in (o, x.grad, y.grad, z.grad)]
         for name in ("merged", "bias"):
@@ -140,9 +122,9 @@ def main() -> None:
             late = next(s for s in segs if not s.square)
             row[f"rank{rank}_flash_refusal"] = flash_refusal(ql[:, :, late.q_start : late.q_end],
                                                              k[:, :, late.k_start : late.k_end])
-            row[f"rank{rank}_merged"] = timed(lambda a, b, c: segments_with(lower_right_attention, a, b, c, segs, scale),
+            row[f"rank{rank}_merged"] = timed(lambda a, b, c: attend_segments(a, b, c, segs, scale, lower_right_attention),
                                               ql, k, v, args.repeats)
-            row[f"rank{rank}_bias"] = (timed(lambda a, b, c: segments_with(bias_attention, a, b, c, segs, scale),
+            row[f"rank{rank}_bias"] = (timed(lambda a, b, c: attend_segments(a, b, c, segs, scale, bias_lower_right),
                                              ql, k, v, args.repeats) if width <= args.skip_bias_over
                                        else {"error": "skipped"})
         one = row["one_gpu"].get("mean_s")

@@ -260,9 +260,11 @@ class SDPAttention(torch.nn.Module):
 
 
 def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: tuple[Segment, ...],
-                    scale: float) -> torch.Tensor:
+                    scale: float, lower_right: Any = None) -> torch.Tensor:
     """Queries [b, h, sq, d] (this rank's positions) against keys / values [b, g, sk, d] (the whole row, g dividing
-    h), one fused call per segment, concatenated in local query order."""
+    h), one fused call per segment, concatenated in local query order. `lower_right(q, k, v, scale)`: the
+    bottom-right segments' call (`lower_right_attention`; benchmarks/cp_attention.py times `bias_lower_right`)."""
+    lower_right = lower_right or lower_right_attention
     gqa = k.shape[1] != q.shape[1]
     if len(segments) == 1 and segments[0].square:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -272,7 +274,7 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments:
         if s.square:
             parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa))
         else:
-            parts.append(lower_right_attention(qs, ks, vs, scale))
+            parts.append(lower_right(qs, ks, vs, scale))
     return torch.cat(parts, dim=2)
 
 
@@ -297,6 +299,12 @@ def lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     prefers cuDNN) and else materialises the mask."""
     if q.shape[2] >= MERGE_MIN_QUERIES and cudnn_lower_right_ok(q, k):
         return _MergedLowerRight.apply(q, k, v, scale, (_cudnn_forward, _cudnn_backward))
+    return bias_lower_right(q, k, v, scale)
+
+
+def bias_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The bottom-right causal call as one SDPA call with its `causal_lower_right` bias (no mask tensor unless SDPA
+    falls back to the math kernel)."""
     from torch.nn.attention.bias import causal_lower_right
 
     mask = causal_lower_right(q.shape[2], k.shape[2])

@@ -68,12 +68,15 @@ class Layout:
         sharded = ", optimizer sharded" if self.optimizer == "sharded" else ""
         return f"DP {self.dp} x TP {self.tp}{sp} x CP {self.cp} x PP {self.pp}, recompute {self.recompute}{sharded}"
 
+    def strategy(self) -> dict[str, Any]:
+        """Its learner.strategy_config keys (the sizes above 1, sequence parallelism where on)."""
+        s: dict[str, Any] = {k: v for k, v in (("tensor_model_parallel_size", self.tp), ("context_parallel_size", self.cp),
+                                               ("pipeline_model_parallel_size", self.pp)) if v > 1}
+        return {**s, "sequence_parallel": True} if self.sequence_parallel else s
+
     def settings(self) -> str:
         """What to write in the config for it."""
-        s = {"tensor_model_parallel_size": self.tp, "context_parallel_size": self.cp,
-             "pipeline_model_parallel_size": self.pp}
-        parts = [f"{k}: {v}" for k, v in s.items() if v > 1]
-        parts += ["sequence_parallel: true"] if self.sequence_parallel else []
+        parts = [f"{k}: {str(v).lower()}" for k, v in self.strategy().items()]
         strategy = f"learner.strategy_config {{{', '.join(parts)}}}" if parts else "learner.strategy_config without TP, CP or PP"
         sharded = ", learner.memory.optimizer: sharded" if self.optimizer == "sharded" else ""
         return f"{strategy}, learner.memory.recompute: {self.recompute}{sharded}"
@@ -275,12 +278,8 @@ def advised_config(cfg: Any, advice: Advice | None) -> Any:
     if best == advice.configured.layout:
         return cfg
     learner = cfg.learner.model_dump()
-    learner["strategy_config"] = {k: v for k, v in learner["strategy_config"].items() if k not in LAYOUT_KEYS}
-    learner["strategy_config"].update({k: v for k, v in (("tensor_model_parallel_size", best.tp),
-                                                         ("context_parallel_size", best.cp),
-                                                         ("pipeline_model_parallel_size", best.pp)) if v > 1})
-    if best.sequence_parallel:
-        learner["strategy_config"]["sequence_parallel"] = True
+    learner["strategy_config"] = {**{k: v for k, v in learner["strategy_config"].items() if k not in LAYOUT_KEYS},
+                                  **best.strategy()}
     learner["memory"]["recompute"] = best.recompute
     if learner["memory"]["optimizer"] != "host":  # (a host optimizer stays: the advice was made with it)
         learner["memory"]["optimizer"] = best.optimizer
