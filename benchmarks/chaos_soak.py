@@ -46,6 +46,7 @@ PROCESSES = {"engine core": "VLLM::EngineCore", "engine replica": "ServeReplica:
              "trainer": "ServeReplica:asyncrl:Trainer", "gateway": "ServeReplica:asyncrl:GeneratorGateway",
              "learner rank": "ray::LearnerRank", "buffer": "ray::BufferActor", "serve controller": "ServeController",
              "proxy": "ProxyActor", "raylet": "raylet", "gcs": "gcs_server", "serve cli": "asyncrl serve"}
+LOG_TAIL_LINES = 120  # of the app's log, in the report of a run with a failed check
 LEFTOVER_MARKERS = ("VLLM::", "ray::", "raylet", "gcs_server", "multiprocessing.spawn")  # (spawned helpers too)
 
 
@@ -61,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=16, help="API clients at once")
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens per API request")
     ap.add_argument("--window", type=float, default=60.0, help="seconds after a kill in which a 503 is expected")
+    ap.add_argument("--settle", type=float, default=0.0,
+                    help="seconds the load may go on past --minutes while training has not gone past the last kill "
+                         "(a slow machine's engine replacement), before the SIGTERM")
     ap.add_argument("--rss-every", type=float, default=30.0, help="seconds between RSS samples")
     ap.add_argument("--rss-reference", type=float, default=10.0,
                     help="minute whose RSS the end is held to (at most a third of --minutes)")
@@ -99,12 +103,14 @@ def identity_gap(buffer: dict[str, float]) -> float | None:
                                          + buffer.get("buffer/waiting", 0.0))
 
 
-def victims_of(rows: list[tuple[float, int, Any]]) -> list[Any]:
+def victims_of(rows: list[tuple[float, int, Any]], parents: set[int] | None = None) -> list[Any]:
     """`rows`: (create time, parent pid, process) of the processes whose title names what is to be killed. The processes
     themselves, oldest first, and not a child forked with its parent's title (a learner rank's checkpoint writers):
-    pids wrap, so the lowest is not the oldest."""
+    pids wrap, so the lowest is not the oldest. With `parents` (a Ray actor's: the raylets), only their children: a
+    fork whose rank is gone, or any other process that kept the title, is not the actor."""
     pids = {p.pid for *_, p in rows}
-    return [p for _, ppid, p in sorted(rows, key=lambda r: r[0]) if ppid not in pids]
+    return [p for _, ppid, p in sorted(rows, key=lambda r: r[0])
+            if ppid not in pids and (parents is None or ppid in parents)]
 
 
 def in_order_once(versions: list[int]) -> bool:
@@ -287,17 +293,21 @@ class Soak:
     def kill(self, what: str, marker: str) -> None:
         import psutil
 
-        # the process itself, not a child forked with its title (a learner rank's checkpoint writers); oldest first
-        rows = []
-        for _, p in self.processes():
+        # the process itself, not a child forked with its title (a learner rank's checkpoint writers); oldest first;
+        # a Ray actor (the learner rank) only as a child of a raylet
+        rows, raylets = [], set()
+        for label, p in self.processes():
             try:
+                if label == "raylet":
+                    raylets.add(p.pid)
                 if marker in " ".join(p.cmdline()):
                     rows.append((p.create_time(), p.ppid(), p))
             except psutil.Error:  # gone since the listing
                 continue
-        victims = victims_of(rows)
+        victims = victims_of(rows, raylets if marker.startswith("ray::") else None)
         last = self.statuses[-1] if self.statuses else {}
-        record = {"what": what, "t": round(self.now(), 1), "step": last.get("step"), "gap_before": last.get("gap")}
+        record = {"what": what, "t": round(self.now(), 1), "step": last.get("step"), "gap_before": last.get("gap"),
+                  "candidates": [[p.pid, ppid, round(created - self.launched, 1)] for created, ppid, p in rows]}
         if victims:
             try:
                 victims[0].send_signal(signal.SIGKILL)
@@ -305,10 +315,10 @@ class Soak:
             except psutil.Error as err:
                 record["error"] = str(err)
         else:
-            record["error"] = f"no {marker} process"
+            record["error"] = f"no {marker} process" + (" under a raylet" if rows else "")
         self.kills.append(record)
-        print(f"[soak] t={record['t']:.0f} s step {record.get('step')}: killed {what} {record.get('pid', record.get('error'))}",
-              flush=True)
+        print(f"[soak] t={record['t']:.0f} s step {record.get('step')}: killed {what} {record.get('pid', record.get('error'))} "
+              f"of {record['candidates']} (pid, parent, s after launch)", flush=True)
 
     async def faults(self) -> None:
         a = self.args
@@ -385,6 +395,10 @@ class Soak:
                 await asyncio.wait_for(self.stop.wait(), a.minutes * 60)
             except asyncio.TimeoutError:
                 pass
+            settle_end = time.monotonic() + a.settle
+            while not self.stop.is_set() and not self.went_on() and time.monotonic() < settle_end:
+                await asyncio.sleep(2.0)
+            report["settle_s"] = round(max(0.0, self.now() - a.minutes * 60), 1)
             self.stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
             final = await self.status(http)
@@ -404,6 +418,12 @@ class Soak:
         if rc is None:
             os.killpg(proc.pid, signal.SIGKILL)
         return self.judge(report, gap_end, rc, exit_s, left)
+
+    def went_on(self) -> bool:
+        """Whether the last status shows each learner kill's restart done and a step past the last kill."""
+        last = self.statuses[-1] if self.statuses else {}
+        return (last.get("restarts") == sum(k["what"] == "learner rank" for k in self.kills)
+                and (last.get("step") or 0) > max((k.get("step") or 0 for k in self.kills), default=0))
 
     def judge(self, report: dict[str, Any], gap_end: float | None, rc: int | None, exit_s: float,
               left: list[str]) -> dict[str, Any]:
@@ -447,10 +467,14 @@ class Soak:
             "latency_s": latency_figures(self.requests), "steps": max(steps, default=0),
             "steps_per_min": (max(steps, default=0) / a.minutes), "versions": len(versions), "sync_s_max": sync_max,
             "identity_checks": len(gaps) + 1, "identity_gap_end": gap_end, "kills": self.kills,
+            "statuses": [{k: s[k] for k in ("t", "state", "step", "restarts")} for s in self.statuses],
             "rss_reference_s": reference, "rss": growth, "rss_samples": len(self.rss),
             "private_rss": rss_growth(self.private_rss, reference, series_s),
             "exit_code": rc, "exit_s": exit_s, "left": left, "checks": checks, "passed": all(checks.values()),
         })
+        if not report["passed"]:  # what the app said, where a failed check is read (CI keeps no run directory)
+            log = a.run_dir / "serve.log"
+            report["log_tail"] = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:] if log.exists() else []
         return report
 
 
@@ -468,7 +492,10 @@ def summary(r: dict[str, Any]) -> str:
              *(f"[soak] rss {name}: {v['reference_mb']:.0f} -> {v['end_mb']:.0f} MiB ({v['growth']:+.1%})"
                for name, v in r["rss"].items()),
              f"[soak] SIGTERM: exit {r['exit_code']} in {r['exit_s']:.1f} s; left running: {len(r['left'])}",
-             "[soak] checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in r["checks"].items())]
+             "[soak] checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in r["checks"].items()),
+             *(f"[soak] status t={s['t']} {s['state']} step {s['step']} restarts {s['restarts']}"
+               for s in r.get("statuses", []) if not r["passed"]),
+             *(f"[app] {line}" for line in r.get("log_tail", []))]
     return "\n".join(lines)
 
 

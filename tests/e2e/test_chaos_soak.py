@@ -5,8 +5,8 @@ the engine that died mid-push on the collective path. Every check of the soak ho
 or kill, versions once each and in order, 99 % of the requests away from the kills answered 200 and every non-200
 a 503 inside a kill's window, no push waiting out its deadline, the learner restarted once and training going on,
 exit 0 within 30 s of SIGTERM, nothing left running; all but the RSS bound, which 2 minutes cannot judge (the processes'
-first minutes are their warm-up, not a leak). Two minutes, not 90 s: on a slow run the engine killed at 60 s took
-60 s to be replaced, and training waited for it (the 52nd session's suite run 18)."""
+first minutes are their warm-up, not a leak). Two minutes, not 90 s, and up to 60 s more while training has not gone
+past the last kill: on a slow run the engine killed at 60 s took 60 s to be replaced, and training waited for it."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def test_a_short_soak_with_a_learner_and_an_engine_killed_loses_nothing_and_exits_clean(demo_model_path, tmp_path):
     soak = import_benchmark("chaos_soak")
     args = soak.parse_args(["--minutes", "2", "--kill-every", "1", "--learner-kill-at", "0.5", "--concurrency", "4",
-                            "--checkpoint-every", "5", "--set", "weightsync.transport=gloo",
+                            "--checkpoint-every", "5", "--settle", "60", "--set", "weightsync.transport=gloo",
                             "--set", f"model.path={demo_model_path}", "--free-ports", "--run-dir", str(tmp_path)])
     report = asyncio.run(soak.Soak(args).run())
     print(soak.summary(report))

@@ -78,6 +78,11 @@ def test_a_kill_takes_the_oldest_process_of_a_title_never_a_fork_of_it(soak):
     assert soak.victims_of(rows) == [rank, other]
     assert soak.victims_of([(1_000.0, 32371, fork)]) == [fork]  # (its parent gone from the listing: it is the process)
     assert soak.victims_of([]) == []
+    # a Ray actor is a raylet's child: a fork left by a killed rank (parent 1) or any other process that kept the
+    # title is never taken for it (a CI soak killed one with the rank's title: no restart followed, and training went on)
+    orphan = types.SimpleNamespace(pid=24239)
+    assert soak.victims_of([(400.0, 1, orphan), *rows], parents={100}) == [rank, other]
+    assert soak.victims_of([(400.0, 1, orphan)], parents={100}) == []
 
 
 def test_a_bad_set_is_refused_naming_it(soak, capsys):
