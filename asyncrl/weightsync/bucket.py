@@ -1,14 +1,12 @@
 """Bucketing: a stream of (name, tensor) packed into flat byte buckets, and unpacked back to views.
 
-Owns: the wire shape of one bucket (`Bucket`: one contiguous uint8 buffer + a small metadata list), the lazy packer
-(`iter_buckets`), the zero-copy unpacker (`unpack_bucket`), and the same bucket as a shared-memory file
-(`SharedBucket`: written once a version, mapped copy-on-write by any process on the host; a mapping outlives the
-file's unlinking while a view of it is held). A bucket is one object to move: one `ray.put`, one file, one NCCL broadcast.
-Why shared files: they are how a replica hands a bucket to its vLLM workers (vLLM's `collective_rpc` msgpack channel
-copied every bucket several times) and what the shm transport puts.
-Must never: hold more than the bucket being filled plus the one being emitted (the packer pulls tensors lazily: peak
-extra memory is one or two buckets, not the model), talk to a transport, or know about versions. Also where a gloo /
-NCCL sender packs a whole planned version: one arena (`whole_arena`), or a ring of reused slots (`SenderRing`).
+Owns: `Bucket` (one contiguous uint8 buffer + its tensor table: one object to move, one `ray.put`, one file, one
+broadcast), the lazy packer (`iter_buckets`), the zero-copy unpacker (`unpack_bucket`), the same bucket as a
+shared-memory file (`SharedBucket`: how a replica hands a bucket to its vLLM workers, whose msgpack `collective_rpc`
+copied every bucket several times, and what the shm transport puts), and where a gloo / NCCL sender packs a whole
+planned version: one arena (`whole_arena`) or a ring of reused slots (`SenderRing`).
+Must never: hold more than the bucket being filled plus the one being emitted (tensors are pulled lazily: peak extra
+memory is one or two buckets, not the model), talk to a transport, or know about versions.
 Details: docs/design/weightsync.md, "Bucketing"."""
 
 from __future__ import annotations
@@ -40,8 +38,7 @@ def _align(n: int) -> int:
 
 
 def windows(sizes: Iterable[int], align: int = ALIGN) -> tuple[list[int], int]:
-    """Where buffers of `sizes` start, in order, as `align`-aligned windows of one allocation, and that
-    allocation's bytes (the ipc ring's arena, a whole planned version's arena)."""
+    """Where buffers of `sizes` start as `align`-aligned windows of one allocation, in order, and its bytes."""
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
@@ -62,13 +59,9 @@ class TensorMeta:
 
 @dataclass(slots=True, eq=False)  # equality of numpy buffers is ambiguous: identity
 class Bucket:
-    """A group of tensors flattened into one byte buffer.
-
-    `buffer` is a numpy uint8 array so that Ray's pickle-5 path moves it out of band: a replica
-    that receives a bucket through the object store maps it read-only, without a copy. Inside a
-    collective push (collective.py) it is a uint8 torch tensor on the sender's or receiver's
-    device; such a bucket never leaves its process (`to_host` first).
-    """
+    """A group of tensors flattened into one byte buffer: a numpy uint8 array, which Ray's pickle-5 path moves out
+    of band (a replica reading it from the object store maps it read-only, no copy); inside a collective push, a
+    uint8 tensor on the sender's or receiver's device, which never leaves its process (`to_host` first)."""
 
     buffer: np.ndarray
     metas: list[TensorMeta] = field(default_factory=list)
@@ -95,8 +88,7 @@ class Bucket:
         return iter(unpack_bucket(self))
 
     def to_host(self) -> "Bucket":
-        """This bucket with its buffer in host memory as numpy (itself if it already is): a
-        device bucket (packed with `iter_buckets(..., device=...)`) is copied once."""
+        """This bucket with a numpy buffer in host memory: itself if it has one, else a device bucket copied once."""
         if isinstance(self.buffer, np.ndarray):
             return self
         host = np.empty(int(self.buffer.numel()), dtype=np.uint8)
@@ -111,15 +103,6 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    # Through uint8 so dtypes numpy lacks (bfloat16, float8) copy bit-exactly.
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=t.device)
-    if t.dim() == 0:
-        t = t.reshape(1)
-    return t.reshape(-1).view(torch.uint8)
-
-
 def digest_key_prefix(bucket: "Bucket | SharedBucket") -> str:
     """What a bucket's tensor names are prefixed with in a fingerprint: the engine rank for an
     engine-layout bucket (the same parameter name exists on every rank), nothing for HF tensors."""
@@ -128,36 +111,30 @@ def digest_key_prefix(bucket: "Bucket | SharedBucket") -> str:
 
 def pack_bucket(named: list[tuple[str, torch.Tensor]], device: torch.device | None = None,
                 alloc: Callable[[int], torch.Tensor] | None = None) -> Bucket:
-    """Flatten contiguous tensors into one buffer (one copy per tensor): a numpy buffer when
-    `device` is None (the tensors are on CPU), else a uint8 tensor on `device` (theirs), from
-    `alloc(nbytes)` when given (a reused buffer)."""
+    """Flatten contiguous tensors into one buffer (one copy per tensor): numpy when `device` is None (CPU tensors),
+    else a uint8 tensor on `device` (theirs), from `alloc(nbytes)` when given (a reused buffer)."""
     metas: list[TensorMeta] = []
     offset = 0
     for name, t in named:
         nbytes = t.numel() * t.element_size()
         metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
         offset = _align(offset + nbytes)
-    if device is not None:
-        buffer: Any = alloc(offset) if alloc is not None else torch.empty(offset, dtype=torch.uint8, device=device)
-        flat = buffer
-    else:
-        buffer = np.empty(offset, dtype=np.uint8)
+    if device is None:
+        buffer: Any = np.empty(offset, dtype=np.uint8)
         flat = torch.from_numpy(buffer)
+    else:
+        buffer = flat = alloc(offset) if alloc is not None else torch.empty(offset, dtype=torch.uint8, device=device)
     for meta, (_, t) in zip(metas, named):
-        if meta.nbytes:
-            flat[meta.offset : meta.offset + meta.nbytes].copy_(_byte_view(t))
+        if meta.nbytes:  # through uint8, so dtypes numpy lacks (bfloat16, float8) copy bit-exactly
+            flat[meta.offset : meta.offset + meta.nbytes].copy_(t.reshape(-1).view(torch.uint8))
     return Bucket(buffer=buffer, metas=metas)
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float,
                  device: torch.device | str | None = None, alloc: Callable[[int], torch.Tensor] | None = None) -> Iterator[Bucket]:
-    """Pack a (name, tensor) stream into buckets of at most `bucket_mb` MiB of tensor bytes.
-
-    Tensors keep their stream order. A tensor larger than a bucket goes alone in its own bucket.
-    Duplicate names raise (the fingerprint would otherwise depend on which copy wins).
-    With `device`, buckets are uint8 tensors on that device (a collective transport broadcasts
-    them from there; `Bucket.to_host` copies one out); else numpy buffers in host memory.
-    """
+    """Pack a (name, tensor) stream, in order, into buckets of at most `bucket_mb` MiB of tensor bytes (a larger
+    tensor goes alone in its own). Duplicate names raise: the fingerprint would depend on which copy wins. With
+    `device`, buffers are uint8 tensors there (a collective transport broadcasts them from there), else numpy."""
     device = torch.device(device) if device is not None else None
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb={bucket_mb!r} must be positive")
@@ -228,30 +205,23 @@ def metas_from_wire(metas: Iterable[WireMeta]) -> list[TensorMeta]:
 def shared_dir(nbytes: int) -> str:
     """Where a shared file of `nbytes` goes: /dev/shm while it has room for it twice over
     (containers often mount a 64 MiB one), else the temp dir (page cache, still no disk wait)."""
-    try:
+    with contextlib.suppress(OSError):
         st = os.statvfs(SHM_DIR)
         if st.f_bavail * st.f_frsize >= 2 * nbytes:
             return SHM_DIR
-    except OSError:
-        pass
     return tempfile.gettempdir()
 
 
 @dataclass(frozen=True, slots=True)
 class SharedBucket:
-    """A `Bucket` whose buffer lives in a file; `path` is None when it has no bytes. Once its owner recycles it, a
-    packer may write the next version into it: a reader's mapping then shows those bytes (copy-on-write copies only
-    the pages the reader wrote), so nothing reads a recycled file (the publisher recycles a version once another is
-    live everywhere, and the replicas' apply copied it; `verify` catches a reader that did)."""
+    """A `Bucket` whose buffer lives in a file (`path` None: no bytes). A recycled file may get the next version's
+    bytes, which a reader's mapping then shows, so nothing reads one: the publisher recycles a version once another
+    is live everywhere and the replicas' apply copied it (`verify` catches a reader that did)."""
 
     path: str | None
     metas: list[TensorMeta]
     nbytes: int
     rank: int | None = None
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(m.nbytes for m in self.metas)
 
     def wire(self) -> Wire:
         return self.path, [(m.name, m.dtype, list(m.shape), m.offset, m.nbytes) for m in self.metas], self.rank
@@ -261,7 +231,8 @@ class SharedBucket:
         return cls(path, metas_from_wire(metas), os.stat(path).st_size if path is not None else 0, rank)
 
     def open(self) -> Bucket:
-        """Map the file copy-on-write: views read the shared pages, a write copies only its page."""
+        """Map the file copy-on-write: views read the shared pages, a write copies only its page. The mapping
+        outlives the file's unlinking while a view of it is held."""
         if self.path is None:
             return Bucket(buffer=np.empty(0, dtype=np.uint8), metas=list(self.metas), rank=self.rank)
         with open(self.path, "rb") as f:
@@ -336,9 +307,7 @@ class SharedAllocator:
         buffer = bucket.buffer
         address = buffer.data_ptr() if isinstance(buffer, torch.Tensor) else np.asarray(buffer).ctypes.data
         path = self._by_address.pop(address, None)
-        if path is None:
-            return None
-        return SharedBucket(path, list(bucket.metas), bucket.nbytes, bucket.rank)
+        return None if path is None else SharedBucket(path, list(bucket.metas), bucket.nbytes, bucket.rank)
 
     def discard(self) -> None:
         """Unlink every file handed out and not adopted (the allocator's owner is done with them)."""
@@ -349,12 +318,10 @@ class SharedAllocator:
 
 
 def write_shared(bucket: Bucket, allocator: SharedAllocator | None = None) -> SharedBucket:
-    """A shared file holding `bucket` (the caller unlinks it): the file it was packed into when
-    `allocator` handed out its buffer, else a new file with a copy of its bytes."""
-    if allocator is not None:
-        adopted = allocator.adopt(bucket)
-        if adopted is not None:
-            return adopted
+    """A shared file holding `bucket` (the caller unlinks it): the one `allocator` packed it into, else a new copy."""
+    adopted = allocator.adopt(bucket) if allocator is not None else None
+    if adopted is not None:
+        return adopted
     if bucket.nbytes == 0:
         return SharedBucket(None, list(bucket.metas), 0, bucket.rank)
     fd, path = tempfile.mkstemp(prefix=FILE_PREFIX, dir=shared_dir(bucket.nbytes))
@@ -373,10 +340,9 @@ def write_shared(bucket: Bucket, allocator: SharedAllocator | None = None) -> Sh
 # ---- where a gloo / NCCL sender packs a whole planned version (stream.py's `_send_whole_planned`) ----------
 
 def whole_arena(planned: list[Any], device: torch.device) -> Callable[[Any], torch.Tensor]:
-    """One allocation for a sender's whole planned version, each bucket a 64-byte-aligned window of
-    it by its plan index: the buckets are then hashed in one pass (one kernel launch on a device,
-    `hash_whole_lazy`) instead of one launch per bucket. Whole-version pushes keep every bucket until
-    the broadcasts end anyway, so this holds no more memory than separate buffers. Raises
+    """One allocation for a sender's whole planned version, each bucket a 64-byte-aligned window by plan index, so
+    the buckets hash in one pass (`hash_whole_lazy`: one kernel launch, not one a bucket). It holds no more memory
+    than separate buffers: a whole-version push keeps every bucket until its broadcasts end. Raises
     torch.OutOfMemoryError where the device cannot hold it (`SenderRing` then)."""
     starts, total = windows(b.nbytes for b in planned)
     offsets = {b.index: at for b, at in zip(planned, starts)}
@@ -388,24 +354,20 @@ RING_SLOTS = 4  # a ring's least slots: buckets on the wire or being copied to t
 
 
 class SenderRing:
-    """A whole planned version sent through a few reused slots, for a sender whose device cannot
-    hold the whole version beside its own state (a 7B learner rank at TP = 2 on an 80 GB GPU: 64 GiB of
-    weights, gradients and Adam state, and 7.1 GiB of packed version). The receivers are unchanged:
-    they get the same table and the same buckets, in the same order, into their whole staging.
+    """A whole planned version sent through a few reused slots, for a sender whose device cannot hold the whole
+    version beside its own state. Receivers are unchanged: the same table and buckets, in the same order.
 
-    `buffer(planned bucket)` (the packer's `planned_buffer`) hands out a free slot; when none is free it
-    waits, on the host and by the deadline, for the oldest sent bucket's broadcast and host copy, then
-    reuses its slot. Its checksums need no wait: they run on the stream that packs the next bucket,
-    before it. `sent(plan index, broadcasts, host copy)` hands a packed bucket's slot to the wire.
-    Slots: `max(slots, the packer's most open buckets + 2)`, so a bucket still being packed never
-    waits for one behind it; an export that opens more at once (another order than the plan's manifest)
-    gets one more slot rather than a wait that could not end. Costs against the whole arena: a hash
-    launch per bucket, not one pass."""
+    `buffer(planned bucket)` (the packer's `planned_buffer`) hands out a free slot; with none free it waits, on the
+    host and by the deadline, for the oldest sent bucket's broadcast and host copy, then reuses its slot (its
+    checksums need no wait: they run on the packing stream, before the next bucket). `sent(plan index, broadcasts,
+    host copy)` hands a packed bucket's slot to the wire. Slots: `max(RING_SLOTS, the packer's most open buckets + 2)`,
+    so a bucket being packed never waits for one behind it; an export opening more at once (another order than the
+    plan's) gets one more slot rather than a wait that could not end. Cost against `whole_arena`: a hash launch per
+    bucket, not one pass."""
 
-    def __init__(self, planned: list[Any], device: torch.device, deadline: float, *, slots: int = RING_SLOTS,
-                 open_at_once: int = 1) -> None:
+    def __init__(self, planned: list[Any], device: torch.device, deadline: float, *, open_at_once: int = 1) -> None:
         size = max((b.nbytes for b in planned), default=0)
-        count = max(2, slots, open_at_once + 2)
+        count = max(RING_SLOTS, open_at_once + 2)
         starts, total = windows([size] * count)
         arena = torch.empty(total, dtype=torch.uint8, device=device)
         self._slots = [arena.narrow(0, at, size) for at in starts]

@@ -2,13 +2,13 @@
 
 Owns: `GroupSpec` (one group per sending rank, group rank 0, every engine worker a receiver), the sending rank's
 rendezvous port (`reserve_port`), `CollectiveGroup` (join, broadcast with a deadline, close) and the wire's header
-kinds, over NCCL on GPUs (vLLM's PyNcclCommunicator) or gloo on CPUs (ipc needs no group: ipc.py). One push's
-loops are stream.py's. The gate: no member
-touches the wire for a push until every member is ready for it; one that cannot take it closes the gate and all
-leave without a byte sent, the group usable (`GateClosed`). A joining member loads every kernel a push launches
-(`warm_push_kernels`; in a push a first launch waits for the queued broadcasts). Details: docs/design/weightsync.md.
+kinds, over NCCL on GPUs (vLLM's PyNcclCommunicator) or gloo on CPUs (ipc needs no group). One push's loops are
+stream.py's. The gate: no member touches the wire for a push until every member is ready for it; one that cannot
+take it closes the gate and all leave without a byte sent, the group usable (`GateClosed`). A joining member loads
+every kernel a push launches (`warm_push_kernels`; in a push a first launch waits for the queued broadcasts).
 Must never: block without a deadline (a broken group is formed again by the next push), use the default
 torch.distributed group, decide when a push happens or what is live (push.py), or apply anything to live weights.
+Details: docs/design/weightsync.md.
 """
 
 from __future__ import annotations
@@ -72,10 +72,9 @@ def close_gate(store: Any, group_id: str, token: str, why: str) -> str:
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """One broadcast group: the sending learner rank (group rank 0, hosts the rendezvous) and
-    every engine worker of the replicas named in `receivers` (replica id -> its workers' first
-    group rank; a worker adds its rank inside the engine), or, with `ranks`, only the workers of
-    those engine ranks in each replica (a shard plan's sender feeds only them; the i-th of them is
+    """One broadcast group: the sending learner rank (group rank 0, hosts the rendezvous) and every engine worker
+    of the replicas in `receivers` (replica id -> its workers' first group rank; a worker adds its engine rank),
+    or with `ranks` only those engine ranks' workers (a shard plan's sender feeds only them; the i-th of them is
     the replica's first group rank + i)."""
 
     group_id: str
@@ -121,22 +120,19 @@ class CollectiveReceive:
     group_ids: tuple[str, ...]
     version: int
     timeout_s: float = 120.0
-    # gloo / NCCL: the push's gate token (every member waits at it before the wire; collective.py)
-    gate: str = ""
+    gate: str = ""  # the push's gate token: every member waits at it before the wire
 
 
 def free_port(host: str = "") -> int:
-    """A port that was free a moment ago (tests only: another process may take it before it is
-    bound again; a sending rank holds its port with `reserve_port`)."""
+    """A port free a moment ago (tests: another process may take it before it is bound; senders `reserve_port`)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
 def reserve_port(host: str) -> socket.socket:
-    """A listening socket on an OS-chosen port of `host`, held until the group's store takes it
-    over (`CollectiveGroup.join(..., listen_socket=)`), so no other process can take the port
-    between the rendezvous address going out and the group forming."""
+    """A listening socket on an OS-chosen port of `host`, held until the group's store takes it over
+    (`CollectiveGroup.join(..., listen_socket=)`), so no other process takes the port before the group forms."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.bind((host, 0))
@@ -149,9 +145,8 @@ def reserve_port(host: str) -> socket.socket:
 
 def join_as_sender(spec: GroupSpec, reserved: socket.socket | None,
                    device: torch.device | str | None = None) -> "CollectiveGroup":
-    """Join `spec` as its sending rank (group rank 0), serving the store on `reserved` (from
-    `reserve_port`) when that listens on the spec's port; one on another port (an older address)
-    is dropped. A socket the store did not take over is closed, whatever happens."""
+    """Join `spec` as group rank 0, serving the store on `reserved` (`reserve_port`) if it listens on the spec's port
+    (one on another port, an older address, is dropped); a socket the store did not take over is always closed."""
     if reserved is not None and reserved.getsockname()[1] != spec.port:
         reserved.close()
         reserved = None
@@ -180,10 +175,9 @@ def _tcp_store(spec: GroupSpec, rank: int, timeout: datetime.timedelta, listen_s
 
 def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: dict[str, int], *,
                timeout_s: float, group_prefix: str, ranks_of: dict[int, tuple[int, ...]] | None = None) -> list[GroupSpec]:
-    """One spec per sending rank (its rendezvous `(host, port)`, in sender order); replicas get
-    rank blocks in id order, so every member computes the same layout. `ranks_of` (a shard plan:
-    sender -> the engine ranks it feeds): sender i's group holds only those ranks' workers of each
-    replica; a sender it does not name, every worker."""
+    """One spec per sending rank (its rendezvous `(host, port)`, in sender order); replicas get rank blocks in id
+    order, so every member computes the same layout. `ranks_of` (a shard plan: sender -> the engine ranks it
+    feeds): sender i's group holds only those ranks' workers of each replica; an unnamed sender, every worker."""
     if not senders:
         raise CollectiveError("no sending learner rank to form a weight broadcast group with")
     if not replica_workers:
@@ -214,9 +208,9 @@ _WARMED: set[tuple[str, tuple[torch.dtype, ...]]] = set()
 
 
 def warm_push_kernels(device: torch.device | str | None, dtypes: tuple[torch.dtype, ...] = WARM_DTYPES) -> list[str]:
-    """Launch once, on scratch tensors of `device`, every kernel a push launches there, then wait
-    for them. Returns what it ran ([] when this process warmed that device for these dtypes already,
-    or on a device other than CUDA, whose kernels need no loading)."""
+    """Launch once, on scratch tensors of `device`, every kernel a push launches there, then wait for them.
+    Returns what it ran ([] when this process warmed that device for these dtypes already, or off CUDA, whose
+    kernels need no loading). Details: docs/design/weightsync.md, "Kernel warmup"."""
     dev = _member_device(device) if device is not None else torch.device("cpu")
     if dev.type != "cuda":
         return []
@@ -261,8 +255,7 @@ def _warm(dev: torch.device, dtypes: tuple[torch.dtype, ...]) -> list[str]:
 
 
 def _member_device(device: torch.device | str | None) -> torch.device:
-    """`device` with a CUDA index resolved; without one, this process's current CUDA device (CPU
-    when it has none)."""
+    """`device` with a CUDA index resolved; without one, this process's current CUDA device (else CPU)."""
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dev = torch.device(device)
@@ -283,7 +276,7 @@ class CollectiveGroup:
     broken: bool = False
     _store: Any = field(default=None, repr=False)
     _copies: HostCopies | None = field(default=None, repr=False)  # sender: the last push's host copies
-    _ring_sender: bool = False  # gloo / nccl sender: its device could not hold a whole version (arena.SenderRing)
+    _ring_sender: bool = False  # gloo / nccl sender: its device could not hold a whole version (bucket.py's SenderRing)
     _gate_keys: list = field(default_factory=list, repr=False)  # sender: this push's gate keys (stale at the next)
     _stale_gate_keys: list = field(default_factory=list, repr=False)  # sender: earlier pushes', to drop (drop_stale_gate_keys)
 
@@ -346,14 +339,12 @@ class CollectiveGroup:
             return
         kv = self._kv()
         for key in keys:
-            try:
+            with contextlib.suppress(Exception):  # housekeeping only
                 kv.delete_key(key)
-            except Exception:  # noqa: BLE001 - housekeeping only
-                pass
 
     def await_gate(self, token: str, deadline: float) -> None:
-        """Return once push `token`'s gate is open (every member arrived); raise `GateClosed` if it was
-        closed, or closes it at `deadline` (a member never came). Nothing touches the wire either way."""
+        """Return once push `token`'s gate is open (every member arrived); raise `GateClosed` if it was closed, or
+        close it at `deadline` (a member never came). Nothing touches the wire either way."""
         _, go, decided = gate_keys(self.spec.group_id, token)
         kv = self._kv()
         try:
@@ -365,8 +356,6 @@ class CollectiveGroup:
                     raise
                 decision = close_gate(kv, self.spec.group_id, token,
                                       f"rank {self.rank} waited to the deadline for every member ({type(err).__name__})")
-        except GateClosed:
-            raise
         except Exception as err:
             raise self._failed([], err) from err
         if decision != GATE_OPEN:
@@ -384,29 +373,24 @@ class CollectiveGroup:
         self.broadcast_all([tensor], deadline)
 
     def broadcast_all(self, tensors: list[torch.Tensor], deadline: float) -> None:
-        """`broadcast` of every tensor in order, enqueued back to back (no wait between them), then
-        one wait for all: the whole version's buckets at wire speed. Same failure rules."""
+        """`broadcast` of every tensor in order, enqueued back to back, then one wait for all; same failure rules."""
         self.enqueue_broadcasts(tensors, deadline).wait()
 
     def enqueue_broadcasts(self, tensors: list[torch.Tensor], deadline: float, *, events: bool = False) -> "Broadcasts":
-        """`broadcast_all` without its wait: the broadcasts are enqueued (NCCL: behind what this
-        member's current stream has enqueued so far, not what it enqueues after) and `wait()` on
-        the result waits for them, by `deadline`. Work enqueued in between overlaps the wire (the
-        sender's checksums, the receivers' per bucket). `events` (NCCL): one CUDA event per
-        tensor, for `ready(i)`. No stream is made to wait on those events (a sender that dies
-        mid-broadcast would stall the engine's stream for good): the host polls them."""
+        """`broadcast_all` without its wait: the broadcasts are enqueued (NCCL: behind what this member's current
+        stream has enqueued so far, not what it enqueues after); `wait()` on the result waits for them by
+        `deadline`, and work enqueued in between overlaps the wire. `events` (NCCL): one CUDA event per tensor, for
+        `ready(i)`. No stream is made to wait on those events (a sender that dies mid-broadcast would stall the
+        engine's stream for good): the host polls them."""
         if self.broken:
             raise CollectiveError(f"group {self.spec.group_id} is broken (an earlier step failed); form a new one")
         try:
             if self._pg is not None:
                 import torch.distributed as dist
 
-                works = []
-                for t in tensors:
-                    opts = dist.BroadcastOptions()
-                    opts.rootRank, opts.rootTensor = 0, 0
-                    works.append(self._pg.broadcast([t], opts))
-                return Broadcasts(self, tensors, deadline, works=works)
+                opts = dist.BroadcastOptions()
+                opts.rootRank, opts.rootTensor = 0, 0
+                return Broadcasts(self, tensors, deadline, works=[self._pg.broadcast([t], opts) for t in tensors])
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             marks = []
             for t in tensors:
@@ -422,7 +406,6 @@ class CollectiveGroup:
             raise self._failed(tensors, err) from err
 
     def _failed(self, tensors: list[torch.Tensor], err: BaseException) -> "CollectiveError":
-        self.broken = True
         self.close()
         if not tensors:
             return CollectiveError(f"group {self.spec.group_id} rank {self.rank}: {type(err).__name__}: {err}")
@@ -435,20 +418,17 @@ class CollectiveGroup:
         comm, self._comm, self._pg, self._store = self._comm, None, None, None
         self.broken = True
         if comm is not None:
-            try:
+            with contextlib.suppress(Exception):  # best effort: the process may be tearing down
                 comm.destroy()
-            except Exception:  # best effort: the process may be tearing down
-                pass
 
 
 SPIN_S = 0.0005  # a host waiting for a CUDA event polls without sleeping this long first
 
 
 def _poll(event: Any, deadline: float, what: str) -> None:
-    """Return once `event` completed (by `deadline`, time.monotonic()). The first `SPIN_S` poll without
-    sleeping: a push's small broadcasts (headers, its table) and a bucket that is about to
-    land complete within it, where a sleep's granularity (~60-250 us each) added up on every one of them,
-    on both ends. Longer waits sleep 100 us between polls."""
+    """Return once `event` completed (by `deadline`, time.monotonic()). The first `SPIN_S` poll without sleeping:
+    a push's small broadcasts (headers, its table) and a bucket about to land complete within it, where a sleep's
+    granularity would add up on every one of them. Longer waits sleep 100 us between polls."""
     if event.query():
         return
     spin_until = time.perf_counter() + SPIN_S
@@ -473,9 +453,8 @@ class Broadcasts:
     events: list[Any] = field(default_factory=list)  # nccl, on request: one per tensor
 
     def ready(self, i: int) -> None:
-        """Wait (by the deadline) until tensor `i` is complete here: gloo waits for its broadcast,
-        NCCL polls its event (`events=True`). Work the caller enqueues after this overlaps the
-        broadcasts still running; no stream is ever made to wait on the wire."""
+        """Wait (by the deadline) until tensor `i` is complete here: gloo waits for its broadcast, NCCL polls its
+        event (`events=True`). Work enqueued after this overlaps the broadcasts still running."""
         try:
             if self.works:
                 self.works[i].wait(datetime.timedelta(seconds=max(0.001, self.deadline - time.monotonic())))

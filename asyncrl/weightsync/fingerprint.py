@@ -63,18 +63,14 @@ def _host_words(flat: np.ndarray) -> int:
     return total & _MASK
 
 
-def _tail_term(index: int, tail: bytes) -> int:
-    """The term of a zero-padded last word at word `index`."""
-    c, j = divmod(index, CH)
-    return (int.from_bytes(tail.ljust(8, b"\0"), "little") * int(_HOST_TABLE[j]) * (2 * c + 1)) & _MASK
-
-
 def _host_segment(flat: np.ndarray) -> int:
     n = int(flat.size)
     whole = n - n % 8
     value = _host_words(flat[:whole]) if whole else 0
-    if whole != n:
-        value = (value + _tail_term(whole // 8, flat[whole:].tobytes())) & _MASK
+    if whole != n:  # the last word, zero-padded, at word index whole // 8
+        c, j = divmod(whole // 8, CH)
+        tail = int.from_bytes(flat[whole:].tobytes().ljust(8, b"\0"), "little")
+        value = (value + tail * int(_HOST_TABLE[j]) * (2 * c + 1)) & _MASK
     return value
 
 
@@ -93,12 +89,11 @@ def _triton_kernel() -> Any:
 
         @triton.jit
         def segment_kernel(words, table, starts, firsts, counts, masks, partials, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-            # One program = one block of one segment: `starts` (its first word in the buffer),
-            # `firsts` (that word's index within the segment), `counts` (valid words), `masks`
-            # (bytes of the segment's last word that are its own, as a word mask).
-            # A block starts at a multiple of BLOCK within its segment and BLOCK divides CHUNK, so
-            # the whole block lies in one chunk: its table entries are one contiguous slice and its
-            # chunk factor (2 * chunk + 1) multiplies the block's sum once (mod 2^64 alike).
+            # One program = one block of one segment: `starts` (its first word in the buffer), `firsts` (that
+            # word's index within the segment), `counts` (valid words), `masks` (bytes of the segment's last word
+            # that are its own, as a word mask). A block starts at a multiple of BLOCK within its segment and BLOCK
+            # divides CHUNK, so the whole block lies in one chunk: its table entries are one contiguous slice and
+            # its chunk factor (2 * chunk + 1) multiplies the block's sum once (mod 2^64 alike).
             pid = tl.program_id(0)
             start = tl.load(starts + pid)
             first = tl.load(firsts + pid)
@@ -133,8 +128,7 @@ def _programs(segments: Sequence[Segment], device: torch.device) -> tuple[torch.
             starts.append(offset // 8 + b)
             firsts.append(b)
             counts.append(count)
-            is_last = b + count == nwords
-            masks.append(((1 << (8 * rem)) - 1) if (is_last and rem) else -1)
+            masks.append((1 << (8 * rem)) - 1 if rem and b + count == nwords else -1)  # the last word's own bytes
             owner.append(s)
     as_i64 = lambda xs: torch.tensor(np.array(xs, dtype=np.uint64).view(np.int64), device=device)  # noqa: E731
     tables = (as_i64(starts), as_i64(firsts), as_i64(counts), as_i64([m & _MASK for m in masks]), as_i64(owner))
@@ -145,7 +139,7 @@ def _programs(segments: Sequence[Segment], device: torch.device) -> tuple[torch.
 
 
 def _cuda_segments(flat: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor | None:
-    """Per-segment sums as an int64 tensor on the device, or None where Triton is missing."""
+    """Per-segment sums as an int64 tensor on the device, or None without Triton or 8-byte alignment."""
     try:
         kernel = _triton_kernel()
     except ImportError:
@@ -369,10 +363,8 @@ def combine_digests(digests: Mapping[str, bytes], mode: VerifyMode = "full") -> 
 
 
 def tensor_fingerprint(named_tensors: NamedTensors, mode: VerifyMode = "full") -> str:
-    """The fingerprint of a set of tensors; arrival order does not matter.
-
-    Duplicate names are an error: the digest would otherwise depend on which copy wins.
-    """
+    """The fingerprint of a set of tensors; arrival order does not matter. Duplicate names are an error: the
+    digest would otherwise depend on which copy wins."""
     check_verify_mode(mode)
     pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
     names = [n for n, _ in pairs]

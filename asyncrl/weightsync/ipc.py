@@ -1,14 +1,13 @@
 """The ipc transport: the sending learner rank and the engine workers share a GPU, so a bucket travels as a handle.
 
-Owns: `IpcRing` (the device buffers a sending rank packs each version into, kept from push to push, so a receiver
-opens each CUDA IPC handle once, not per push), `ipc_send` (pack, hash, register the host copies, answer one
-`IpcBucket` a bucket: its handle and tensor table) and `ipc_open` (a receiver's view of the sender's buffer, opened
-once per handle). No group and no acknowledgement: the publisher hands the senders' handles to every replica's load
-once the export returned, the workers stage views of the buffers, and the commit copies from them. The next push
-rewrites the buffers only after this one was committed or aborted (the publisher's order), its host copies made or
-dropped first. Handles are keyed by GPU UUID (any CUDA_VISIBLE_DEVICES order); a host without CUDA refuses ipc.
+Owns: `IpcRing` (a sender's device buffers, kept from push to push so a receiver opens each handle once), `ipc_send`
+(pack, hash, register the host copies, answer one `IpcBucket` a bucket) and `ipc_open` (a receiver's view of the
+sender's buffer). No group, no acknowledgement: the publisher hands the handles to every replica's load once the
+export returned, the workers stage views, the commit copies from them. The next push rewrites the buffers only after
+this one was committed or aborted (the publisher's order), its host copies made or dropped first. Handles are keyed
+by GPU UUID (any CUDA_VISIBLE_DEVICES order); a host without CUDA refuses ipc.
 Must never: rewrite a buffer a receiver may still read, or free one a receiver still maps.
-"""
+Details: docs/design/weightsync.md, "The ipc transport"."""
 
 from __future__ import annotations
 
@@ -33,12 +32,10 @@ class IpcRing:
         self.device = device
         self.buffers: list[torch.Tensor] = []
         self.taken = 0  # buffers this push has packed into (the first `taken`, in order)
-        # The handle published for each view of a buffer, made once (`ipc_export`): sharing a CUDA
-        # storage again costs an event and a reference-count slot each time, and the receivers
-        # reopen nothing. Dropped whenever a buffer is allocated (an address may come back).
+        # The handle of each view of a buffer, made once (`ipc_export`): sharing a storage again costs an event and a
+        # reference-count slot, and receivers reopen nothing. Dropped on each allocation (an address may come back).
         self.exports: dict[tuple[int, int, int], bytes] = {}
-        # A whole-version push with a plan: one buffer for every bucket (`plan_whole`).
-        self.arena: torch.Tensor | None = None
+        self.arena: torch.Tensor | None = None  # a planned whole-version push's one buffer (`plan_whole`)
         self.slots: list[tuple[int, int]] = []  # (offset, nbytes) of each planned bucket in the arena
         self.next_slot = 0
 
@@ -47,9 +44,8 @@ class IpcRing:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def plan_whole(self, sizes: list[int]) -> None:
-        """The next whole-version pushes pack buckets of `sizes`, in this order: each gets a view of
-        one buffer (256-byte aligned), so each side hashes the whole version in one kernel launch
-        and a receiver maps one allocation. The buffer is kept while it fits."""
+        """The next whole-version pushes pack buckets of `sizes`, in order, into 256-byte aligned views of one buffer
+        (kept while it fits): each side hashes the version in one kernel launch, a receiver maps one allocation."""
         offsets, total = windows(sizes, 256)
         if self.arena is None or self.arena.numel() < total:
             self.buffers = []  # per-bucket buffers of an earlier layout go
@@ -57,9 +53,8 @@ class IpcRing:
         self.slots, self.next_slot = list(zip(offsets, map(int, sizes))), 0
 
     def take_in_order(self, nbytes: int) -> torch.Tensor:
-        """A whole-version push: its k-th bucket gets slot k of the arena (`plan_whole`), else buffer
-        k (a plan packs the same sizes in the same order every push, so every buffer, and every
-        handle a receiver opened, is reused)."""
+        """A push's k-th bucket: slot k of the arena (`plan_whole`), else buffer k (a plan packs the same sizes in the
+        same order every push, so every buffer, and every handle a receiver opened, is reused)."""
         if self.next_slot < len(self.slots):
             offset, size = self.slots[self.next_slot]
             if size == nbytes:
@@ -114,8 +109,7 @@ def ipc_export(buf: torch.Tensor, cache: dict | None = None) -> bytes:
 
 
 def ipc_open(handle: bytes, metas: list[TensorMeta], rank: int | None = None) -> Bucket:
-    """A view of the sender's buffer `handle` names (valid until its next push; the sender finished writing it
-    before it answered the handle)."""
+    """A view of the sender's buffer `handle` names, valid until its next push (written in full before it answered)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     record = pickle.loads(handle)

@@ -1,12 +1,11 @@
 """The broadcast groups of a collective push (gloo / NCCL; ipc needs none), from outside the engines: the sending
 learner rank's end and the publisher's.
 
-Owns: `SenderEndpoint`, one sending learner rank's push state (its broadcast group and the rendezvous port it
-holds until the group forms, or its ipc ring; the push plan it packs for, the host copies of its last push) and
-the sending of one version over it; `CollectiveLink`, the groups between a learner group's
-sending ranks and every engine worker of the running replicas, as the publisher keeps them: formed before the
-first push and again whenever the running replicas, the senders or (under a shard plan) the engine ranks each
-sender feeds change; each push's gate token, its senders' call and the replicas' check beside it.
+Owns: `SenderEndpoint`, one sending learner rank's push state (its group and the rendezvous port it holds until the
+group forms, or its ipc ring; its push plan, the host copies of its last push) and the sending of one version;
+`CollectiveLink`, the groups between a learner group's sending ranks and every engine worker of the running
+replicas as the publisher keeps them (formed again whenever the replicas, the senders or the engine ranks each
+sender feeds change), each push's gate token, its senders' call and the replicas' health check beside it.
 Must never: import the learner (a rank hands its tensor stream in), decide when a version is live (push.py), or
 reach a replica except through the calls it was given. Details: docs/design/weightsync.md, "The sender endpoint".
 """
@@ -54,10 +53,9 @@ class SenderEndpoint:
         return None if self.plan is None else self.plan.plan_id
 
     def pin_host_copies(self, sender: int) -> None:
-        """A sender on a GPU keeps a pinned host copy of every bucket it sends (transport.py's `HostCopies`); with a
-        push plan their sizes are known, so the buffers are allocated now, once, at start: allocated by the first
-        push's copies (made once it is live), the pinning of a whole version held the next step's training back
-        by seconds. The first push takes them (`_unsent`); later pushes reuse theirs."""
+        """Allocate, once at start, the pinned host buffers of a GPU sender's host copies (sizes known from the push
+        plan): pinned by the first push's copies instead, a whole version would hold the next training step back.
+        The first push takes them (`_unsent`); later pushes reuse theirs."""
         import torch
 
         from asyncrl.weightsync.transport import PinnedPool
@@ -172,14 +170,13 @@ class SenderEndpoint:
 
 
 class CollectiveLink:
-    """The broadcast groups between a learner group's sending ranks (one group each, PP stage order) and
-    every engine worker of a set of replicas. `members()` answers {replica_id: GroupsReport}, `join(specs)`
-    makes every replica join (the replicas' `join_collective`). `ensure()`, before each push attempt, forms the
-    groups unless they still hold exactly the running replicas and no member's group broke; a replica that
-    comes after it fails that attempt at the push's gate, one that fails its health check (`health`, asked beside
-    a push still sending after `WATCH_S`) or whose load returned without reaching the gate `stop`s the senders,
-    and the retry forms the groups again. It is a `StreamedSource`'s `Link` (sources.py). ipc
-    (`sequential`): no group; the senders' `send` answers the handles that are every replica's `payload`."""
+    """A `StreamedSource`'s `Link` (sources.py): the groups between a learner group's sending ranks (one each, PP
+    stage order) and every engine worker of the replicas that `members()` ({replica_id: GroupsReport}) names and
+    `join(specs)` joins. `ensure()`, before each push attempt, forms the groups unless they still hold exactly the
+    running replicas and no member's group broke; a replica that comes later fails that attempt at the gate, one
+    that fails its `health` check (beside a push still sending after `WATCH_S`) or whose load returned without
+    reaching the gate `stop`s the senders, and the retry forms the groups again. ipc (`sequential`): no group; the
+    senders' `send` answers the handles that are every replica's `payload`."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
@@ -189,8 +186,7 @@ class CollectiveLink:
         self.sequential = backend == "ipc"  # the loads follow the senders' export (its handles are their payload)
         self._handles: list[Any] = []  # ipc: the last send's
         self._members_call, self._join_call = members, join
-        # sender -> the engine ranks whose workers its group holds (`WeightPublisher.sender_ranks`; None: all)
-        self._ranks_of = ranks_of
+        self._ranks_of = ranks_of  # sender -> engine ranks its group holds (WeightPublisher.sender_ranks; None: all)
         self.membership: dict[int, tuple[int, ...]] | None = None  # ... as the groups were formed
         self.bucket_mb, self.timeout_s = bucket_mb, timeout_s
         self.specs: list[Any] = []
@@ -199,17 +195,15 @@ class CollectiveLink:
         self._gate = ""  # gloo / NCCL: the gate token of the push in flight (payload -> send, cancel)
         self._health = health  # raises unless every running replica is healthy
         self._stores: dict[str, Any] = {}  # group id -> a client of its store (cancel)
-        # this attempt was stopped for the receivers' sake (`stop`): a failed send is then the engines' failure
-        self.receivers_failed = False
+        self.receivers_failed = False  # stopped for the receivers (`stop`): a failed send is then the engines' failure
 
     def forget(self) -> None:
         """The groups are gone (a new learner group): the next `ensure` forms them."""
         self.specs, self.members, self._stores, self.membership = [], {}, {}, None
 
     async def cancel(self, why: str) -> None:
-        """Stop the push in flight where members still wait for one that is gone (every receiver's
-        call has returned): everyone still at the push's gate. A broadcast already on the wire cannot
-        be stopped so: it ends at its deadline. Best effort; never raises."""
+        """Close the gate of the push in flight, where members still wait for one that is gone (every receiver's
+        call has returned). A broadcast already on the wire ends at its deadline. Best effort; never raises."""
         from asyncrl.weightsync.collective import close_gate
 
         gate = self._gate
@@ -304,8 +298,8 @@ class CollectiveLink:
         return sent
 
     async def _watch(self, gate: str) -> None:
-        """Beside a push's senders: a replica whose engine died after `ensure` never comes to the gate, where the other
-        members (an engine's worker among them, its steps held) would wait to the deadline: a failed check stops it."""
+        """Beside a push's senders: a replica whose engine died after `ensure` never comes to the gate, where the
+        other members (engine workers, their steps held) would wait to the deadline; a failed check stops it."""
         while True:
             await asyncio.sleep(WATCH_S)
             try:

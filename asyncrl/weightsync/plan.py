@@ -1,19 +1,19 @@
 """The push plan: where every byte of an engine's parameters comes from, read from the engine itself.
 
-Owns: `probe_layout` (the engine model's own `load_weights` run once on meta tensors under a dispatch mode
-that records each copy its loaders make and each fill: fused QKV / gate-up, TP shards, padded vocab, tied
-embeddings, fused experts; a loader doing anything else is named as unusable), `verify_layout` (the layout
-reproduces the loaded parameters bit for bit), `build_plan` -> `PushPlan` (each engine parameter given a
-sending learner rank, a bucket and an offset), `PlannedPacker` (a sender writes each HF tensor straight
-into its places in the buckets), and the shard-plan vocabulary (`Piece`; the plans are in shards.py).
-Must never: touch an engine's live parameter data (the probe swaps in meta twins and puts the originals
-back), or import vLLM (the engine adapter hands in the model).
+Owns: `probe_layout` (the engine's own `load_weights` run on meta tensors, recording each copy and fill its loaders
+make: fused QKV / gate-up, TP shards, padded vocab, tied embeddings, fused experts; a loader doing anything else is
+named as unusable), `verify_layout` (the layout rebuilds the loaded parameters bit for bit), `build_plan` -> `PushPlan`
+(each engine parameter given a sending learner rank, a bucket and an offset), `PlannedPacker` (a sender writes each HF
+tensor straight into its places in the buckets), and `Piece`, the shard plans' vocabulary (the plans are in shards.py).
+Must never: touch an engine's live parameter data (the probe swaps in meta twins and puts the originals back), or import
+vLLM (the engine adapter hands in the model).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -42,10 +42,7 @@ class View:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def of(self, base: torch.Tensor) -> torch.Tensor:
         """This window of `base` (a contiguous tensor or view)."""
@@ -80,10 +77,7 @@ class ParamLayout:
 
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    n = dtype_from_name(dtype).itemsize
-    for d in shape:
-        n *= int(d)
-    return n
+    return dtype_from_name(dtype).itemsize * math.prod(int(d) for d in shape)
 
 
 @dataclass(frozen=True)
@@ -140,8 +134,7 @@ class EngineLayout:
     @property
     def digest(self) -> str:
         """Identifies the layout (names, dtypes, shapes, ops); equal across replicas that agree."""
-        h = hashlib.sha256(repr((self.rank, self.params, self.problem)).encode())
-        return h.hexdigest()[:24]
+        return hashlib.sha256(repr((self.rank, self.params, self.problem)).encode()).hexdigest()[:24]
 
 
 # ---- reading the layout from the engine's own loaders ----------------------------------------------
@@ -212,7 +205,6 @@ def probe_layout(model: torch.nn.Module, manifest: Sequence[ManifestEntry], rank
 
     Every parameter is swapped for a meta twin (same class and attributes) for the duration, so the
     loaders run for real but move no data; the live parameters are put back untouched."""
-    names = {id(p): n for n, p in model.named_parameters()}
     live = dict(model.named_parameters())
     twins: dict[int, torch.nn.Parameter] = {}
     saved: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
@@ -220,12 +212,11 @@ def probe_layout(model: torch.nn.Module, manifest: Sequence[ManifestEntry], rank
         for key, p in list(module._parameters.items()):
             if p is None:
                 continue
-            twin = twins.get(id(p))
-            if twin is None:
-                twin = twins[id(p)] = _meta_twin(p)
+            if id(p) not in twins:
+                twins[id(p)] = _meta_twin(p)
             saved.append((module, key, p))
-            module._parameters[key] = twin
-    param_keys = {twins[i].untyped_storage()._cdata: n for i, n in names.items()}
+            module._parameters[key] = twins[id(p)]
+    param_keys = {twins[id(p)].untyped_storage()._cdata: n for n, p in live.items()}
     source_keys: dict[int, str] = {}
     keep: list[torch.Tensor] = []  # source storages must stay alive: their ids key the table
 
@@ -248,8 +239,7 @@ def probe_layout(model: torch.nn.Module, manifest: Sequence[ManifestEntry], rank
             module._parameters[key] = p
     if recorder.unsupported and not problem:
         problem = "the engine's weight loaders do more than copy: " + "; ".join(sorted(set(recorder.unsupported))[:5])
-    params = []
-    untouched = []
+    params, untouched = [], []
     for name, p in live.items():
         # Canonical order, by where each step writes (stable: a loader's own order at one offset, e.g. a
         # fill before the copy over it): the layout does not depend on the order of the export.
@@ -279,11 +269,8 @@ def fill_param(layout: ParamLayout, out: torch.Tensor, get: Callable[[str], torc
     for op in layout.ops:
         if op.src is None:
             op.dst.of(out).fill_(op.value)
-        else:
-            src = get(op.src)
-            if not src.is_contiguous():
-                src = src.contiguous()
-            op.dst.of(out).copy_(op.src_view.of(src))  # type: ignore[union-attr]
+        else:  # (contiguous() is the tensor itself when it already is)
+            op.dst.of(out).copy_(op.src_view.of(get(op.src).contiguous()))  # type: ignore[union-attr]
     return out
 
 
@@ -388,29 +375,27 @@ def build_plan(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout
     buckets: list[PlannedBucket] = []
     senders_used = sorted({s for s, _ in per_stream})
     for sender in senders_used:
-        chunks: dict[int, list[list[tuple[ParamLayout, int]]]] = {}
-        sizes: dict[int, list[int]] = {}
+        chunks: dict[int, list[tuple[list[tuple[ParamLayout, int]], int]]] = {}  # rank -> [(params, nbytes)]
         for rank in ranks:
             params = sorted(per_stream.get((sender, rank), []), key=lambda p: min(order[s] for s in p.sources))
-            chunks[rank], sizes[rank] = [], []
+            chunks[rank] = []
             current: list[tuple[ParamLayout, int]] = []
             offset = 0
             for p in params:
                 size = (p.nbytes + ALIGN - 1) // ALIGN * ALIGN
                 if current and offset + size > cap:
-                    chunks[rank].append(current)
-                    sizes[rank].append(offset)
+                    chunks[rank].append((current, offset))
                     current, offset = [], 0
                 current.append((p, offset))
                 offset += size
             if current:
-                chunks[rank].append(current)
-                sizes[rank].append(offset)
+                chunks[rank].append((current, offset))
         index = 0
         for k in range(max(len(c) for c in chunks.values())):
             for rank in ranks:  # ranks interleaved: bucket k of every rank holds the same sources
                 if k < len(chunks[rank]):
-                    buckets.append(PlannedBucket(sender, rank, index, sizes[rank][k], tuple(chunks[rank][k])))
+                    chunk, nbytes = chunks[rank][k]
+                    buckets.append(PlannedBucket(sender, rank, index, nbytes, tuple(chunk)))
                     index += 1
     blob = json.dumps([[b.sender, b.rank, b.nbytes, [[p.name, p.dtype, list(p.shape), off] for p, off in b.params]]
                        for b in buckets] + [[e.name, e.dtype, list(e.shape), e.sender] for e in manifest]
@@ -423,11 +408,10 @@ def build_plan(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout
 
 
 class _PackProgram:
-    """What packing one sender's part of a plan does, worked out once per (plan, sender) and kept
-    (`_program`): the pack runs per exported tensor in Python on every push, on the sender's path to
-    the wire. Per bucket: its tensors' table, the copies into it (each a slot in its copy list, in
-    plan order) and its fills; per source: the slots it goes to, and whether each takes the whole
-    tensor (as the manifest shapes it) or a strided window of it."""
+    """What packing one sender's part of a plan does, worked out once per (plan, sender) and kept (`_program`):
+    the pack runs in Python per exported tensor on every push, on the sender's path to the wire. Per bucket: its
+    tensors' table, its copies (one slot each, in plan order) and its fills; per source: the slots it goes to, and
+    whether each takes the whole tensor (as the manifest shapes it) or a strided window of it."""
 
     def __init__(self, plan: PushPlan, sender: int) -> None:
         self.buckets = plan.for_sender(sender)
@@ -465,8 +449,7 @@ _PROGRAMS_LOCK = threading.Lock()
 
 
 def _program(plan: PushPlan, sender: int) -> _PackProgram:
-    """The kept `_PackProgram` of (plan, sender): the plan compared by identity (a weak reference),
-    the few most recent kept."""
+    """The kept `_PackProgram` of (plan, sender), the plan compared by identity (a weak reference); a few kept."""
     key = (id(plan), sender)
     hit = _PROGRAMS.get(key)
     if hit is not None and hit[0]() is plan:
@@ -481,13 +464,12 @@ def _program(plan: PushPlan, sender: int) -> _PackProgram:
 
 
 class PlannedPacker:
-    """Packs one sender's export into its planned buckets, each HF tensor written straight into
-    its place as it arrives; yields complete buckets in plan order.
+    """Packs one sender's export into its planned buckets, each HF tensor written straight into its place as it
+    arrives; yields complete buckets in plan order.
 
-    `buffer(bucket)` returns the uint8 buffer to pack a bucket into (a reused one, e.g. a persistent
-    IPC buffer); by default a fresh one on `device`. Host buckets come out as numpy buffers unless
-    `host_numpy` is False. The stream must carry every source the plan names, each once; extra
-    tensors are counted in `unused` and ignored."""
+    `buffer(bucket)` returns the uint8 buffer to pack a bucket into (a reused one, e.g. a persistent IPC buffer);
+    by default a fresh one on `device`. Host buckets come out as numpy buffers unless `host_numpy` is False. The
+    stream must carry every source the plan names, each once; extra tensors are listed in `unused` and ignored."""
 
     def __init__(self, plan: PushPlan, sender: int, device: torch.device | str,
                  buffer: Callable[[PlannedBucket], torch.Tensor] | None = None, host_numpy: bool = True) -> None:
@@ -534,7 +516,10 @@ class PlannedPacker:
             if dst:
                 torch._foreach_copy_(dst, sources[pos])
             sources[pos] = []
-            return self._emit(pos, buf)
+            # Host buckets are numpy (Ray moves them out of band) unless a collective sends them (torch).
+            numpy = self.host_numpy and buf.device.type == "cpu"
+            return Bucket(buffer=buf.numpy() if numpy else buf, metas=list(prog.metas[pos]),
+                          rank=self.buckets[pos].rank)
 
         for name, tensor in named_tensors:
             uses = uses_of.get(name)
@@ -586,10 +571,4 @@ class PlannedPacker:
                 opened.discard(emitted)
                 emitted += 1
         return max(1, most)
-
-    def _emit(self, pos: int, buf: torch.Tensor) -> Bucket:
-        b = self.buckets[pos]
-        # Host buckets are numpy (Ray moves them out of band) unless a collective sends them (torch).
-        numpy = self.host_numpy and buf.device.type == "cpu"
-        return Bucket(buffer=buf.numpy() if numpy else buf, metas=list(self._prog.metas[pos]), rank=b.rank)
 

@@ -87,9 +87,8 @@ class RegistryError(RuntimeError):
 
 
 class VersionRegistry:
-    """Plain, in-process registry: the publisher's, on the trainer's event loop (no lock: one thread calls it). It
-    keeps the records of the last `history` versions pushed (and always the live one's): a run pushes once a step, for
-    days, and a record per push would grow the trainer's memory without bound."""
+    """The publisher's in-process registry (no lock: only the trainer's event loop calls it). Keeps the records of the
+    last `history` versions and always the live one's: a record per push, for days of pushes, would grow unbounded."""
 
     def __init__(self, initial_version: int = 0, history: int = 256) -> None:
         if history < 1:
@@ -100,7 +99,6 @@ class VersionRegistry:
         self._live: int = initial_version
         self._in_flight: int | None = None
 
-    # ---- queries -------------------------------------------------------------------------
     @property
     def live_version(self) -> int:
         return self._live
@@ -123,7 +121,6 @@ class VersionRegistry:
         self.get(version)
         return list(self._timeline[version])
 
-    # ---- lifecycle -----------------------------------------------------------------------
     def begin(self, version: int) -> WeightVersion:
         """Register `version` (IDLE) for a push. It must be newer than the live one and no
         other push may be in flight. A version number that FAILED before may be pushed again."""
@@ -176,8 +173,7 @@ class VersionRegistry:
         record = self.get(version)
         if record.state is not S.COMMITTING:
             raise RegistryError(f"version {version}: illegal transition {record.state.value} -> live")
-        expected = set(live_replicas)
-        missing = sorted(expected - set(record.replicas))
+        missing = sorted(set(live_replicas) - set(record.replicas))
         if missing:
             raise RegistryError(f"version {version} cannot go live: replicas {missing} have not committed it")
         now = time.time()
@@ -244,7 +240,7 @@ class Publisher:
         if isinstance(source, BucketSource):
             source.count(m)
         m.layout = source.layout
-        with preserve_rng_state():  # exporting and moving weights never shifts the learner's random stream
+        with preserve_rng_state():
             return await self._publish_held(version, source, list(replicas), names, m, tail_warnings)
 
     async def _publish_held(self, version: int, source: "BucketSource | StreamedSource", replicas: list[ReplicaClient],
@@ -277,17 +273,22 @@ class Publisher:
                 m.failed = True
                 self._finish(m, version)
             raise
-        warnings = await self._went_live(version, fingerprint, source, m)
+        if isinstance(source, StreamedSource):  # its host copy is made from now on: keep it in the background
+            source.collect_host_copies()
+            self._tail = asyncio.ensure_future(self._keep_live(version, fingerprint, source))
+            warnings: list[str] = []
+        else:
+            report, warnings = await self._keep_live(version, fingerprint, source)
+            _report_keep(m, report)
         return PushResult(version, fingerprint, names, self._finish(m, version), tail_warnings + warnings)
 
     async def _attempt(self, version: int, source: "BucketSource | StreamedSource", replicas: list[ReplicaClient], m: PushMetrics) -> str:
         # One engine replica behind all clients: its commit pauses, applies and resumes by itself.
         own_pause = sum(r.fanout for r in replicas) == 1
-        pause_sent = begin_sent = commit_sent = False
+        pause_sent = commit_sent = False
         paused = 0.0
+        begin = UpdateBegin(source.verify, source.layout, source.plan_id)
         try:
-            begin = UpdateBegin(source.verify, source.layout, source.plan_id)
-            begin_sent = True  # with the first load
             t = time.perf_counter()
             await source.stream(self._step, version, replicas, m, begin)
             m.stage_seconds += time.perf_counter() - t
@@ -313,9 +314,8 @@ class Publisher:
                 raise StepFailed(Step.COMMIT, bad, retryable=not any(map(is_replica_dead, bad.values())), restore=restore)
             self.registry.go_live(version, [r.name for r in replicas])
             return fingerprint
-        except StepFailed as f:
-            if begin_sent:
-                await self._run(Step.ABORT, replicas, lambda r: r.abort_update(), m)
+        except StepFailed as f:  # every replica, its update begun or not: abort_update is idempotent
+            await self._run(Step.ABORT, replicas, lambda r: r.abort_update(), m)
             if f.restore:
                 f.out_of_service = await self._restore([r for r in replicas if r.name in f.restore], m)
             raise
@@ -342,32 +342,28 @@ class Publisher:
             m.own_paused = max(m.own_paused, row.seconds.get("paused", 0.0))
 
     async def _run(self, step: Step, replicas: Sequence[ReplicaClient], call: Callable[[ReplicaClient], Awaitable[Any]],
-                   m: PushMetrics | None = None, results: dict[str, Any] | None = None) -> tuple[list[str], dict[str, BaseException]]:
-        """Call `step` on every replica concurrently, each bounded by timeout_s. Never raises.
-        `results`: gets {replica name: what its call returned} for those that succeeded."""
+                   m: PushMetrics) -> tuple[list[str], dict[str, BaseException]]:
+        """Call `step` on every replica concurrently, each bounded by timeout_s. Never raises."""
         timeout = self._cfg.timeout_s
 
         async def one(r: ReplicaClient) -> tuple[str, BaseException | None]:
             t = time.perf_counter()
             try:
-                out = await asyncio.wait_for(call(r), timeout)
-                if results is not None:
-                    results[r.name] = out
+                await asyncio.wait_for(call(r), timeout)
                 return r.name, None
             except (asyncio.TimeoutError, TimeoutError):
                 return r.name, TimeoutError(f"{step.value} on replica {r.name} timed out after {timeout}s")
             except Exception as exc:
                 return r.name, exc
             finally:
-                if m is not None:
-                    m.replica_time(r.name, step.value, time.perf_counter() - t)
+                m.replica_time(r.name, step.value, time.perf_counter() - t)
 
         results = await asyncio.gather(*(one(r) for r in replicas))
         return [n for n, e in results if e is None], {n: e for n, e in results if e is not None}
 
     async def _step(self, step: Step, replicas: Sequence[ReplicaClient], call: Callable[[ReplicaClient], Awaitable[Any]],
-                    m: PushMetrics, results: dict[str, Any] | None = None) -> None:
-        _, bad = await self._run(step, replicas, call, m, results)
+                    m: PushMetrics) -> None:
+        _, bad = await self._run(step, replicas, call, m)
         if bad:
             raise StepFailed(step, bad, retryable=not any(map(is_replica_dead, bad.values())))
 
@@ -401,15 +397,6 @@ class Publisher:
         refusals = refusals_of(f.failures)
         return WeightsyncError(message, version=version, step=f.step, replicas=sorted(f.failures),
                                out_of_service=f.out_of_service, metrics=self._finish(m, version), refusals=refusals)
-
-    async def _went_live(self, version: int, fingerprint: str, source: "BucketSource | StreamedSource", m: PushMetrics) -> list[str]:
-        if isinstance(source, StreamedSource):  # its host copy is made from now on: keep it in the background
-            source.collect_host_copies()
-            self._tail = asyncio.ensure_future(self._keep_live(version, fingerprint, source))
-            return []
-        report, warnings = await self._keep_live(version, fingerprint, source)
-        _report_keep(m, report)
-        return warnings
 
     async def _keep_live(self, version: int, fingerprint: str, source: "BucketSource | StreamedSource") -> tuple[dict[str, float], list[str]]:
         """Make `version`'s host copy the one restores use, then run `on_live`. Never raises:

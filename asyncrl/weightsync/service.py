@@ -3,10 +3,9 @@ of the live version for replicas that start later.
 
 Owns: wiring one run's pieces — the learner group's packed export, the push plan (plan.py: formed with the engines at
 start, again when a replica refuses it; without agreement, pushes carry HF tensors and engines reload, or `apply:
-direct` fails), the `Publisher` (order, atomicity, retries, metrics), the deployment as a `ReplicaClient`, collective
-groups formed before the first push and again whenever the running replicas change; and the `WeightStore`, a named
-Ray actor holding the latest live (version, buckets, fingerprint, plan) so that a late replica (autoscaling, a
-restart) loads it before it reports healthy, fed by `weight_store_hook` without the training loop waiting.
+direct` fails), the `Publisher`, the deployment as a `ReplicaClient`, collective groups formed before the first push
+and again whenever the running replicas change; and the `WeightStore`, a named Ray actor holding the latest live
+(version, buckets, fingerprint, plan) that a late replica loads before it reports healthy, fed by `weight_store_hook`.
 Must never: sequence a training step (trainer/loop.py), or let a version go live that a running replica did not
 commit (push.py enforces it; the store is only told once it is live). Details: docs/design/weightsync.md.
 """
@@ -55,14 +54,13 @@ class WeightPublisher:
         self._stopping = asyncio.Event()  # the run is stopping: a failed push is not pushed again
 
     async def start(self, initial_version: int = 0) -> None:
-        """Create (or attach to) the store and registry actors, and keep a host copy of the
-        weights the engines already serve (`initial_version`) so a torn first push can roll back."""
+        """Create (or attach to) the store actor, and keep a host copy of the weights the engines already serve
+        (`initial_version`) so a torn first push can roll back."""
         import ray
 
         await self.replicas.control.wait_ready(timeout_s=max(600.0, self.cfg.timeout_s))
-        # On this (the trainer's) node, hard: they hold the live version's host copy and its
-        # registry, so they must not die with an engine or learner node. Ray's default placement
-        # put them on any node; soft affinity still did about half the time (zero-resource actors).
+        # On this (the trainer's) node, hard: the store holds the live version and must not die with an engine or
+        # learner node; Ray often places a zero-resource actor elsewhere, even under soft affinity.
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -104,9 +102,9 @@ class WeightPublisher:
             await self.form_groups()
 
     async def form_groups(self) -> None:
-        """What the first push would pay first, paid now: the groups formed (push kernels warmed, pinned
-        buffers allocated). By `start` when separated; hybrid: in the start's
-        warm-up switch, memory as a push finds it (Colocation.warm_up). A push re-forms lost groups."""
+        """Form the groups now rather than in the first push (push kernels warmed, pinned buffers allocated; a push
+        re-forms lost ones): by `start` when separated; hybrid, in the start's warm-up switch, memory as a push finds
+        it (Colocation.warm_up)."""
         if self.link is None:
             return
         t = time.monotonic()
@@ -178,9 +176,8 @@ class WeightPublisher:
         return sender_ranks(self.plan) if self.plan is not None else None
 
     async def rebind_learner(self, learner: Any) -> None:
-        """A restarted learner group takes the old one's place: it packs for the same push plan
-        (same model, same manifest), and the broadcast groups are formed again with its ranks at
-        the next push. The live version's host copy stays as it is."""
+        """A restarted learner group takes the old one's place: it packs for the same push plan (same model and
+        manifest); the next push forms the groups again with its ranks. The live version's host copy stays."""
         self.learner = learner
         if self.link is not None:
             self.link.learner = learner
@@ -190,12 +187,11 @@ class WeightPublisher:
     async def publish(self, version: int) -> dict[str, float]:
         """Push the learner's current weights as `version`; returns the push metrics.
 
-        A push that failed on the engine side (a replica's engine died; Serve replaces it) is
-        pushed again once every running replica passes a health check, until
-        `weightsync.recovery_s` runs out; the learner's weights have not changed, so it is the
-        same version. A collective send that failed counts as engine-side unless every replica
-        is healthy. Raises `WeightsyncError` (nothing published, engines on the previous
-        version) when the export itself failed or recovery ran out."""
+        A push that failed on the engine side (a replica's engine died; Serve replaces it) is pushed again, as the
+        same version (the learner's weights have not changed), once every running replica passes a health check,
+        until `weightsync.recovery_s` runs out; a failed collective send counts as engine-side unless every replica
+        is healthy. Raises `WeightsyncError` (nothing published, engines on the previous version) when the export
+        itself failed or recovery ran out."""
         if self.publisher is None:
             raise RuntimeError("WeightPublisher.start() was not called")
         from asyncrl.weightsync.push import Step, WeightsyncError
@@ -212,9 +208,8 @@ class WeightPublisher:
             except WeightsyncError as err:
                 if self._stopping.is_set() or time.monotonic() >= deadline or learner_failure(err) is not None or (
                         err.step is Step.EXPORT and not await self._receivers_may_be_at_fault()):
-                    # A learner rank that failed (its group is unusable until the trainer restarts it
-                    # from a checkpoint) is not the engines' to recover: retrying would spin until
-                    # recovery_s, so it goes up at once.
+                    # A failed learner rank (its group unusable until the trainer restarts it from a checkpoint)
+                    # is not the engines' to recover: retrying would spin until recovery_s, so it goes up at once.
                     raise
                 if Refusal.PLAN_MISSING in err.refusals.values():  # a replica that started later: form the plan with it
                     await self.form_plan()
@@ -224,16 +219,15 @@ class WeightPublisher:
                 await self._wait_healthy(deadline)
 
     def stop_recovering(self) -> None:
-        """The run is stopping (its engines may be going away): a push in progress that fails, or
-        one waiting for the engines to recover, gives up at once instead of after `recovery_s`."""
+        """The run is stopping (its engines may be going away): a push that fails, or one waiting for the engines
+        to recover, gives up at once instead of after `recovery_s`."""
         self._stopping.set()
 
     async def _receivers_may_be_at_fault(self) -> bool:
-        """After an EXPORT failure: a collective send also fails when a receiving replica died
-        mid-broadcast, or when the publisher stopped it for the receivers (a group member that no
-        load reached: the running replicas changed between the push's begin and its groups), so it is
-        worth recovering unless every running replica is healthy and the publisher did not stop it (then
-        the learner's export itself failed). A file/object-store export involves no replica."""
+        """After an EXPORT failure, whether to recover: a collective send also fails when a receiving replica died
+        mid-broadcast, or when the publisher stopped it for a group member no load reached (the running replicas
+        changed between the push's begin and its groups); not when every running replica is healthy and the
+        publisher did not stop it (the learner's export itself failed). A file/object-store export involves none."""
         if self.link is None:
             return False
         if self.link.receivers_failed:
@@ -361,15 +355,14 @@ class WeightStore:
 
 
 def weight_store_hook(store: Any, plan_of: Callable[[str], Any] | None = None) -> Callable[[int, str, list[Any]], Any]:
-    """`on_live` hook publishing a live version to the `WeightStore` actor (above), with the push
-    plan (`plan_of(version)`, read as the version goes live) for engine-layout buckets (the store tells those sent as ObjectRefs).
+    """`on_live` hook publishing a live version to the `WeightStore` actor, with the push plan (`plan_of(version)`,
+    read as the version goes live) for engine-layout buckets (the store tells those sent as ObjectRefs).
 
-    The store's copy only serves replicas that start later, so nothing waits for it: the hook
-    returns at once. One store update is in flight at a time (sent from a thread: sending buckets
-    rather than ObjectRefs copies them into the object store); a version that goes live meanwhile
-    waits for it, and a newer one replaces it there (the store only ever serves the latest, and a
-    late joiner that loads an older one is brought up by the next push). A failed update surfaces
-    as the next call's error, which the publisher reports as a warning."""
+    It returns at once: the store only serves replicas that start later. One store update is in flight at a time
+    (sent from a thread: sending buckets rather than ObjectRefs copies them into the object store); a version that
+    goes live meanwhile waits for it, a newer one replacing it there (the store serves only the latest; a late joiner
+    that loads an older one is brought up by the next push). A failed update is the next call's error, which the
+    publisher reports as a warning."""
     state: dict[str, Any] = {"task": None, "next": None, "error": None}
 
     async def send(args: tuple[int, str, list[Any], Any] | None) -> None:

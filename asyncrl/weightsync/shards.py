@@ -49,8 +49,7 @@ def _box(view: View, shape: tuple[int, ...]) -> tuple[list[int], list[int | None
 
 def _rebase(view: View, box: tuple[list[int], list[int | None]], shape: tuple[int, ...], dim: int, shift: int) -> View:
     """The same box in a contiguous tensor of `shape` whose index along `dim` is the old one + `shift`."""
-    start, dims = box
-    start = list(start)
+    start, dims = list(box[0]), box[1]
     start[dim] += shift
     strides = _strides(shape)
     return View(sum(a * s for a, s in zip(start, strides)), view.shape,
@@ -67,13 +66,12 @@ def _inside(box: tuple[list[int], list[int | None]], view: View, window: tuple[i
 
 
 def localize_layout(layout: EngineLayout, pieces: Sequence[Piece], ranks: int) -> EngineLayout:
-    """An engine rank's layout (its ops read from HF tensors) rewritten to read from the learner ranks'
-    pieces: every parameter from the pieces of one sending rank, where its pieces hold every op's window:
-    the learner TP rank whose shard holds this engine rank's (engine rank x learner TP // `ranks`, the
-    engine's TP size; engine rank modulo learner TP for an engine of smaller TP), else the lowest. So an
-    engine rank's replicated parameters come from the rank that sends its shards. Raises PlanError naming
-    a parameter no single rank holds (e.g. an engine of a smaller TP size than the learner's: its fused
-    QKV spans every learner rank's rows)."""
+    """An engine rank's layout (its ops read from HF tensors) rewritten to read from the learner ranks' pieces, each
+    parameter from one sending rank whose pieces hold every op's window: the learner TP rank whose shard holds this
+    engine rank's (engine rank x learner TP // `ranks`, the engine's TP size; engine rank modulo learner TP for an
+    engine of smaller TP), else the lowest, so an engine rank's replicated parameters come from the rank that sends
+    its shards. Raises PlanError naming a parameter no single rank holds (e.g. an engine of a smaller TP size than
+    the learner's: its fused QKV spans every learner rank's rows)."""
     if layout.problem:
         return layout
     tp_size = 1 + max((p.tp for p in pieces), default=0)

@@ -38,13 +38,9 @@ class ReplicaClient(Protocol):
     fanout: int  # engine replicas one call reaches
 
     async def pause(self, mode: str) -> Any: ...
-
     async def load_bucket(self, payload: Any, version: int, begin: UpdateBegin) -> LoadReport | dict[str, LoadReport]: ...
-
     async def commit_update(self, version: int, fingerprint: str) -> CommitReport | dict[str, CommitReport]: ...
-
     async def abort_update(self) -> UpdateAck | dict[str, UpdateAck]: ...
-
     async def resume(self) -> Any: ...
 
 
@@ -52,11 +48,10 @@ class ActorReplica:
     """Adapter for a handle whose `handle.<method>.remote(...)` returns something awaitable
     (a Ray ObjectRef for an actor, a DeploymentResponse for a Serve replica handle)."""
 
-    fanout = 1  # engine replicas one call reaches
+    fanout = 1
 
     def __init__(self, handle: Any, name: str) -> None:
-        self.handle = handle
-        self.name = name
+        self.handle, self.name = handle, name
 
     async def call(self, verb: Callable[..., Any], *args: Any) -> Any:
         """`verb` (an `EngineAPI` method) on the replica(s) this client reaches."""
@@ -82,10 +77,9 @@ class ActorReplica:
 
 
 class DeploymentReplicas(ActorReplica):
-    """`ReplicaClient` for every running replica of the engine deployment, one broadcast per step
-    (the update steps are ActorReplica's; only how a call reaches the replicas differs).
-    `control` fans a verb out (`await control.call(EngineAPI.pause, *args, timeout_s=...)` ->
-    {replica id: result}: the generator's EngineControl)."""
+    """`ReplicaClient` for every running replica of the engine deployment, one broadcast per step (ActorReplica's
+    steps; only `call` differs). `control`, the generator's EngineControl, fans a verb out:
+    `await control.call(EngineAPI.pause, *args, timeout_s=...)` -> {replica id: result}."""
 
     def __init__(self, control: Any, timeout_s: float, name: str = "engines") -> None:
         super().__init__(getattr(control, "handle", None), name)
@@ -104,8 +98,7 @@ class DeploymentReplicas(ActorReplica):
 
 
 def is_verify_failure(exc: BaseException) -> bool:
-    """A commit that failed its fingerprint check applied nothing (generator contract above): the
-    replica refused it with `Refusal.VERIFY_FAILED`."""
+    """The replica refused the commit with `Refusal.VERIFY_FAILED`: it applied nothing (the contract above)."""
     return refusal_of(exc) is Refusal.VERIFY_FAILED
 
 
@@ -260,7 +253,6 @@ class BucketSource:
         await step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version, begin), m)
 
     def count(self, m: PushMetrics) -> None:
-        """This push's sizes into `m`."""
         m.bytes, m.num_tensors, m.num_buckets = self.bytes, self.num_tensors, len(self.handles)
         m.fingerprint_seconds = self.hash_seconds
 
@@ -281,19 +273,14 @@ class Link(Protocol):
     sequential: bool
 
     async def ensure(self) -> Any: ...
-
     def payload(self, version: int) -> Any: ...
-
     async def send(self, version: int, verify: str) -> WeightExport: ...
-
     async def stop(self, why: str) -> Any: ...
-
     async def collect(self) -> HostCopies: ...
 
 
-# After every receiver's load returned, how long a sender may still take before it is stopped
-# (`StreamedSource`): a receiver acknowledges before its load returns, and a sender polls its
-# acknowledgements every fraction of a millisecond.
+# How long a sender may still run once every receiver's load returned before it is stopped: a receiver
+# acknowledges before its load returns, and a sender polls acknowledgements every fraction of a millisecond.
 CANCEL_GRACE_S = 1.0
 
 
@@ -340,9 +327,8 @@ class StreamedSource:
             try:
                 sent = await self._send(version, receiving, self._timeout_s)
             except Exception as exc:
-                # The sender told the receivers (abort header), or they give up at their deadline: their failures
-                # follow from the sender's. Unless a receiver refused the push (its update could not begin, e.g.
-                # PLAN_MISSING): then the sender's failure follows from that refusal, which is what the push reports.
+                # The receivers' failures follow from the sender's (its abort header, or their deadline), unless
+                # one refused the push (e.g. PLAN_MISSING): then the sender's follows from it, and the push reports it.
                 with contextlib.suppress(BaseException):
                     await receiving
                 refused = receiving.exception() if receiving.done() and not receiving.cancelled() else None
@@ -366,10 +352,9 @@ class StreamedSource:
         m.sender_seconds.update({k: v for k, v in sent.seconds.items() if k not in ("prepare", "call", "receivers_after")})
 
     async def _send(self, version: int, receiving: asyncio.Future, timeout_s: float) -> WeightExport:
-        """The senders' call, bounded by `timeout_s`. Once every replica's load has returned, a
-        sender still running after `CANCEL_GRACE_S` waits for a member that will not answer (one
-        the loads did not reach, or whose load failed before it could tell the sender): it is
-        stopped (`link.stop`) instead of at its deadline."""
+        """The senders' call, bounded by `timeout_s`. A sender still running `CANCEL_GRACE_S` after every replica's
+        load returned waits for a member that will not answer (one no load reached, or whose load failed before it
+        could tell the sender): it is stopped (`link.stop`) instead of at its deadline."""
         sending = asyncio.ensure_future(asyncio.wait_for(self._link.send(version, self.verify), timeout_s))
         try:
             await asyncio.wait({sending, receiving}, return_when=asyncio.FIRST_COMPLETED)

@@ -1,17 +1,18 @@
 """One push on a gloo / NCCL group (collective.py's `CollectiveGroup`): the wire protocol and both ends' loops.
 
-Owns: the wire protocol of one push (a 3 x int64 header and every bucket's tensor table as JSON, every bucket back
-to back, then an end or abort header: one enqueue for a receiver), `broadcast_send_stream` (pack, broadcast, hash
-beside the wire, start the host copies off the critical path; one wait), `broadcast_receive_stream` (allocate on
-this member's device, receive, hand each bucket on as it is complete), and the helpers ipc.py shares. A sender
-whose device cannot hold the whole packed version packs through a `SenderRing`.
+Owns: the wire protocol (a 3 x int64 header and every bucket's tensor table as JSON, the buckets back to back, then
+an end or abort header: one enqueue for a receiver); `broadcast_send_stream` (pack, broadcast, hash beside the wire,
+host copies off the critical path; one wait), through a `SenderRing` where the device cannot hold the whole packed
+version; `broadcast_receive_stream` (receive on this member's device, hand each bucket on once complete); the
+helpers ipc.py shares.
 Must never: wait without a deadline, hand on a bucket before its bytes are here, or leave the receivers waiting on
-a sender that failed (an export error sends the abort header first).
-Details: docs/design/weightsync.md, "Collective push loops".
+a sender that failed (an export error sends the abort header first). Details: docs/design/weightsync.md,
+"Collective push loops".
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -23,7 +24,7 @@ import torch
 
 from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, iter_buckets, metas_from_wire, whole_arena
 from asyncrl.weightsync.collective import ABORT, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup, SenderAborted
-from asyncrl.weightsync.fingerprint import PendingDigests
+from asyncrl.weightsync.fingerprint import PendingDigests, bucket_digests_lazy, buckets_digests_lazy
 from asyncrl.weightsync.transport import HostCopies
 
 
@@ -48,9 +49,9 @@ class SendResult:
 def pack_stream(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, device: torch.device, *,
                 plan: Any = None, sender: int = 0, alloc: Callable[[int], torch.Tensor] | None = None,
                 planned_buffer: Callable[[Any], torch.Tensor] | None = None) -> Iterator[Bucket]:
-    """The sender's buckets on `device`: Hugging Face tensors as they come (`iter_buckets`), or, with a push `plan`
-    (plan.py), this sender's in the engines' layout. `alloc(nbytes)`: reused buffers (ipc); `planned_buffer(planned
-    bucket)`: a planned bucket's buffer (`whole_arena`)."""
+    """The sender's buckets on `device`: HF tensors as they come (`iter_buckets`), or with a push `plan` (plan.py)
+    this sender's in the engines' layout. `alloc(nbytes)`: reused buffers (ipc); `planned_buffer(planned bucket)`:
+    a planned bucket's buffer (`whole_arena`)."""
     if plan is None:
         return iter_buckets(named_tensors, bucket_mb, device=device, alloc=alloc)
     from asyncrl.weightsync.plan import PlannedPacker
@@ -65,10 +66,10 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     """The sender's loop for one push: bucket the stream on the tensors' device (the engines' layout with a `plan`),
     send every bucket, hash them beside the wire, register their host copies (`keep` gets each, made when
     collected). A failed stream tells the receivers (abort header) before the error propagates.
-    `arena` (a whole planned version): "whole" packs it into one allocation, "ring" through a `SenderRing` of
-    reused slots, "auto" the whole one unless the device cannot hold it (then the ring, for this group's later
-    pushes too). `gate`: the push's gate token (collective.py): nothing goes on the wire until every member is
-    ready; a closed gate raises `GateClosed` (the stream still read to its end, the group still usable)."""
+    `arena` (a planned version): "whole" packs it into one allocation, "ring" through a `SenderRing` of reused
+    slots, "auto" the whole one unless the device cannot hold it (then the ring, for this group's later pushes too).
+    `gate`: the push's gate token (collective.py): nothing goes on the wire until every member is ready; a closed
+    gate raises `GateClosed` (the stream still read to its end, the group still usable)."""
     if arena not in ("auto", "whole", "ring"):
         raise ValueError(f"arena must be auto, whole or ring, not {arena!r}")
     deadline = time.monotonic() + timeout_s
@@ -76,7 +77,6 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     # (first: the last push's copies let go of its buckets, or the stream waits for those still being made)
     copies = out.host_copies = group._copies = HostCopies.after(group._copies, keep, pinned=group.device.type == "cuda")
     planned = plan.for_sender(sender) if plan is not None else None
-    # whole with a plan: the version packed into one arena (hashed in one pass), or a ring of slots
     buffers, ring = None, None
     if planned is not None:
         if arena == "whole" or (arena == "auto" and not group._ring_sender):
@@ -95,9 +95,8 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
 
             ring = SenderRing(planned, group.device, deadline, open_at_once=PlannedPacker(plan, sender, "cpu").max_open())
             buffers = ring.buffer
-    # whole: the device-to-host copies are made when collected, once the version is live (started beside the
-    # broadcasts, they would hold the digests' small reads back behind gigabytes of copies). A ring copies each
-    # bucket as it is sent: its slot is reused once the copy is done.
+    # Host copies of a whole version are made when collected, once it is live: beside the broadcasts they would hold
+    # the digests' small reads back. A ring copies each bucket as it is sent: its slot is reused once that is done.
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender,
                                 planned_buffer=buffers), out)
     try:
@@ -106,21 +105,18 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
         if gate:
             group.arrive(gate)
             group.await_gate(gate, deadline)
-        if planned is not None:  # the table is the plan's: sent first, each bucket on the wire as it is packed
+        if planned is not None:
             _send_whole_planned(group, export, copies, verify, deadline, out, planned, ring, announce)
         else:
             _send_whole(group, export, copies, verify, deadline, out)
     except BaseException as err:
         copies.close()
         if export.failed and not group.broken:  # tell the receivers, so they fail now rather than at their deadline
-            try:
+            with contextlib.suppress(CollectiveError):
                 group.broadcast(_header(group, ABORT), deadline)
-            except CollectiveError:
-                pass
         elif isinstance(err, CollectiveError):
-            # The wire failed (a receiver died), not the export: finish it unsent, so that the ranks
-            # exporting beside this one (TP / PP gathers) are not left waiting for it, and the learner
-            # group stays usable (LearnerGroup.export_weights).
+            # the wire failed, not the export: finish it unsent, so the ranks exporting beside this one (TP / PP
+            # gathers) are not left waiting for it and the learner group stays usable (LearnerGroup.export_weights)
             export.drain()
         raise
     return out  # (the end went out with the buckets, the stale gate keys while the wire ran: _finish_whole)
@@ -128,9 +124,8 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
 
 def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
                 out: SendResult) -> None:
-    """Pack every bucket, send one table of every bucket, enqueue the buckets' broadcasts back to
-    back, then the checksums and host copies (on the device they run beside the wire, not before
-    it), wait once for the broadcasts and once for the digests."""
+    """Pack every bucket, send one table of them all, enqueue their broadcasts back to back, then finish
+    (`_finish_whole`: checksums and host copies beside the wire, one wait)."""
     buckets = list(export)
     t = time.perf_counter()
     group.broadcast_all(whole_table(group, [(b.metas, b.rank, b.nbytes) for b in buckets]), deadline)
@@ -140,8 +135,8 @@ def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, ve
 
 
 def whole_table(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], int | None, int]]) -> list[torch.Tensor]:
-    """The whole version's header and table, on the group's device: every bucket's (tensors, engine
-    rank, size), without digests (the receivers' are compared with the sender's at the commit)."""
+    """The whole version's header and table on the group's device: every bucket's (tensors, engine rank, size),
+    without digests (the receivers' are compared with the sender's at the commit)."""
     raw = json.dumps({"b": [[[[m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in metas], rank, n]
                             for metas, rank, n in buckets]}).encode()
     return [_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)),
@@ -177,14 +172,11 @@ def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], send
 def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
                         out: SendResult, planned: list[Any], ring: SenderRing | None,
                         announce: list[torch.Tensor]) -> None:
-    """`_send_whole` with a push plan: the table (every bucket's tensors and size, known from the plan, made
-    before the gate opened: `announce`) goes first, and each bucket's broadcast is enqueued as soon as it is
-    packed, so packing bucket k + 1 overlaps bucket k on the wire (on a device: the broadcast waits for that
-    bucket's copies only). The checksums and host copies follow as in `_send_whole`. Once the table is out the
-    receivers wait for every bucket of it: an export that fails midway sends zeros for the buckets it did not
-    pack, then the caller's abort header, so the receivers fail at once rather than at their deadline. With a
-    `ring` each bucket is hashed and its host copy started as it is packed (its slot is reused once both are
-    done), where the whole arena hashes every bucket in one pass at the end."""
+    """`_send_whole` with a push plan: the plan's table (`announce`, made before the gate opened) goes first and each
+    bucket is enqueued as soon as it is packed, so packing bucket k + 1 overlaps bucket k on the wire. Once the
+    table is out the receivers wait for all of it: an export that fails midway sends zeros for the buckets it did
+    not pack, then the caller's abort header, so they fail at once rather than at their deadline. A `ring` hashes
+    and starts the host copy of each bucket as it is packed (its slot is reused once both are done)."""
     t = time.perf_counter()
     sending = [group.enqueue_broadcasts(announce, deadline)]  # (not waited for: the first buckets right behind)
     out.seconds["broadcast"] += time.perf_counter() - t
@@ -228,33 +220,27 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
 
 
 def _fill(group: CollectiveGroup, rest: list[Any], deadline: float) -> None:
-    """Zeros for the announced buckets an export that failed did not send (the receivers wait for them
-    all, then read the abort header behind them)."""
+    """Zeros for the announced buckets a failed export did not send (the receivers wait for them all, then read
+    the abort header behind them)."""
     sizes = [b.nbytes for b in rest if b.nbytes]
     if not sizes:
         return
-    try:
+    with contextlib.suppress(CollectiveError):  # the wire failed too: the group is broken, the receivers time out
         zeros = torch.zeros(max(sizes), dtype=torch.uint8, device=group.device)
         group.broadcast_all([zeros[:n] for n in sizes], deadline)
-    except CollectiveError:  # the wire failed too: the group is broken, the receivers fail at their deadline
-        pass
 
 
 def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> _Recorded:
-    """Every bucket of a whole-version push hashed in `verify` mode, in one pass where the buckets share
-    one buffer (`buckets_digests_lazy`); the returned call waits for the device and records the digests
-    in `out`. Host copies are the caller's."""
+    """Every bucket of a whole-version push hashed in `verify` mode, in one pass where they share one buffer; the
+    returned call waits for the device and records the digests in `out`. Host copies are the caller's."""
     from asyncrl.weightsync.bucket import digest_key_prefix
-    from asyncrl.weightsync.fingerprint import buckets_digests_lazy
 
     t = time.perf_counter()
     pending = buckets_digests_lazy([(b, digest_key_prefix(b)) for b in buckets], verify)  # type: ignore[arg-type]
     out.seconds["hash"] += time.perf_counter() - t
-    for b in buckets:
-        out.num_buckets += 1
-        out.bytes += b.payload_bytes
-        out.num_tensors += len(b)
-
+    out.num_buckets += len(buckets)
+    out.bytes += sum(b.payload_bytes for b in buckets)
+    out.num_tensors += sum(len(b) for b in buckets)
     return _Recorded(pending, out)
 
 
@@ -277,11 +263,9 @@ class _Recorded:
 
 
 def hash_and_copy_lazy(copies: HostCopies, bucket: Bucket, verify: str, out: SendResult) -> tuple[_Recorded, Any]:
-    """Start `bucket`'s host copy and hash it in `verify` mode where it lies, the device reads only enqueued:
-    the returned call waits for them and records the digests in `out`; the copy is done once its device
-    buffer may be reused (a `SenderRing`'s slot)."""
+    """Start `bucket`'s host copy and enqueue its hash in `verify` mode: the returned call waits for the device and
+    records the digests in `out`; the copy is done once its device buffer may be reused (a `SenderRing`'s slot)."""
     from asyncrl.weightsync.bucket import digest_key_prefix
-    from asyncrl.weightsync.fingerprint import bucket_digests_lazy
 
     t = time.perf_counter()
     copy = copies.add(bucket, now=True)
@@ -292,13 +276,12 @@ def hash_and_copy_lazy(copies: HostCopies, bucket: Bucket, verify: str, out: Sen
     out.seconds["hash"] += time.perf_counter() - t
     out.bytes += bucket.payload_bytes
     out.num_tensors += len(bucket)
-
     return _Recorded(pending, out), copy
 
 
 class Export:
-    """The sender's bucket stream (timed as `pack`); `failed` tells an export error (the tensor
-    stream raised) from a send error, which only the sender sees."""
+    """The sender's bucket stream (timed as `pack`); `failed` tells an export error (the tensor stream raised) from
+    a send error, which only the sender sees."""
 
     def __init__(self, buckets: Iterable[Bucket], out: SendResult) -> None:
         self._buckets = iter(buckets)
@@ -319,53 +302,26 @@ class Export:
 
     def drain(self) -> None:
         """Run the rest of the export, dropping its buckets (a failure in it is left to the caller's error)."""
-        try:
+        with contextlib.suppress(Exception):  # the send already failed; that error is the one reported
             for _ in self:
                 pass
-        except Exception:  # noqa: BLE001 - the send already failed; that error is the one reported
-            pass
 
 
 # ---- the receiver's loop ----------------------------------------------------------------------------------------
 
 def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[Bucket]:
-    """The receiver's loop for one push on one group: yields each bucket (its buffer on this member's device) to
-    the end header; SenderAborted at an abort header."""
+    """The receiver's loop for one push on one group: after the header and table, every bucket (back to back, into
+    one allocation) and the end header are received as one enqueue; each bucket (on this member's device) is yielded
+    once complete here (`Broadcasts.ready`) while later ones still arrive, so its consumer's checksums run beside
+    the wire. SenderAborted at an abort header."""
     header = torch.empty(3, dtype=torch.int64, device=group.device)
     group.broadcast(header, deadline)
     kind, table_len, nbytes = (int(v) for v in header.tolist())
     if kind == ABORT:
         raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
     if kind != WHOLE or table_len <= 0 or nbytes < 0:
-        group.broken = True
         group.close()
         raise CollectiveError(f"group {group.spec.group_id}: malformed header {[kind, table_len, nbytes]}")
-    yield from _receive_whole(group, table_len, nbytes, deadline)
-
-
-def _read_table(group: CollectiveGroup, table_len: int, nbytes: int,
-                deadline: float) -> list[tuple[list[TensorMeta], int | None, int]]:
-    """A whole version's table as a receiver reads it: each bucket's (tensors, engine rank, size)."""
-    raw_t = torch.empty(table_len, dtype=torch.uint8, device=group.device)
-    group.broadcast(raw_t, deadline)
-    try:
-        buckets = []
-        for metas, rank, n in json.loads(raw_t.cpu().numpy().tobytes().decode())["b"]:
-            buckets.append((metas_from_wire(metas), rank, int(n)))
-        sizes = [n for *_, n in buckets]
-        if sum(sizes) != nbytes or any(n < 0 for n in sizes):
-            raise ValueError(f"a whole-version table of {sizes} bytes for a header of {nbytes}")
-    except Exception as err:
-        group.broken = True
-        group.close()
-        raise CollectiveError(f"group {group.spec.group_id}: malformed whole-version table: {type(err).__name__}: {err}") from err
-    return buckets
-
-
-def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int, deadline: float) -> Iterator[Bucket]:
-    """A whole version: one table, then every bucket back to back into one allocation of `nbytes`, then the end
-    header, all received as one enqueue. Each bucket is handed on once complete here (`Broadcasts.ready`), while
-    later ones still arrive, so its consumer's checksums run beside the wire; SenderAborted at an abort header."""
     block = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
     buckets, at = [], 0
     for metas, rank, n in _read_table(group, table_len, nbytes, deadline):
@@ -382,7 +338,6 @@ def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int, deadline
                 k += 1
             yield bucket
     except GeneratorExit:  # the consumer failed mid-version: the rest of the push is unread
-        group.broken = True
         group.close()
         raise
     receiving.wait()
@@ -390,6 +345,22 @@ def _receive_whole(group: CollectiveGroup, table_len: int, nbytes: int, deadline
     if kind == ABORT:
         raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
     if kind != END:
-        group.broken = True
         group.close()
         raise CollectiveError(f"group {group.spec.group_id}: malformed end header {end.tolist()} after a whole version")
+
+
+def _read_table(group: CollectiveGroup, table_len: int, nbytes: int,
+                deadline: float) -> list[tuple[list[TensorMeta], int | None, int]]:
+    """A whole version's table as a receiver reads it: each bucket's (tensors, engine rank, size)."""
+    raw_t = torch.empty(table_len, dtype=torch.uint8, device=group.device)
+    group.broadcast(raw_t, deadline)
+    try:
+        rows = json.loads(raw_t.cpu().numpy().tobytes().decode())["b"]
+        buckets = [(metas_from_wire(metas), rank, int(n)) for metas, rank, n in rows]
+        sizes = [n for *_, n in buckets]
+        if sum(sizes) != nbytes or any(n < 0 for n in sizes):
+            raise ValueError(f"a whole-version table of {sizes} bytes for a header of {nbytes}")
+    except Exception as err:
+        group.close()
+        raise CollectiveError(f"group {group.spec.group_id}: malformed whole-version table: {type(err).__name__}: {err}") from err
+    return buckets

@@ -1,15 +1,13 @@
 """Transports: how one packed bucket gets from the publisher to every replica, and a sending rank's host copies.
 
-Owns: the `Transport` protocol (put a bucket once, hand every replica the same payload, read it back, release it) and
-`select_transport` (`WeightsyncConfig.transport` and the placement -> one of them): `ObjectStoreTransport` (one
-`ray.put` per bucket, every replica a zero-copy read-only view), `SharedMemoryTransport` (one host: each bucket
-written once into a /dev/shm file every replica's workers map) and `CollectiveTransport` (nccl, gloo: collective.py;
-ipc: ipc.py; its handles are the senders' host copies in the object store). And those host copies (`HostCopies`,
-`PinnedPool`: made once collected, off the push's critical path) and a sending learner rank's export packed into host
-buckets of shm or the object store (`pack_into_transport`).
+Owns: the `Transport` protocol (put a bucket once, hand every replica the same payload, read it back, release it),
+`select_transport` (config and placement -> `ObjectStoreTransport`: one `ray.put` a bucket, read as zero-copy views;
+`SharedMemoryTransport`: one host, one /dev/shm file a bucket that every replica's workers map; `CollectiveTransport`:
+nccl, gloo (collective.py) or ipc (ipc.py), whose handles are the senders' host copies in the object store), those
+host copies (`HostCopies`, `PinnedPool`: made once collected, off the push's critical path), and a learner rank's
+export packed into shm or object-store buckets (`pack_into_transport`).
 Must never: decide ordering or retries (push.py), look inside a bucket, drop a device bucket before its copy is done,
-or wait without a deadline. Details: docs/design/weightsync.md, "Transports" and "Host copies".
-"""
+or wait without a deadline. Details: docs/design/weightsync.md, "Transports" and "Host copies"."""
 
 from __future__ import annotations
 
@@ -65,11 +63,8 @@ class Transport:
 
 
 class ObjectStoreTransport(Transport):
-    """Ray object store: one `ray.put` per bucket, the same ObjectRef fans out to all replicas.
-
-    The publisher's process owns the objects, so they live as long as it holds the handles
-    (the last live version's buckets are kept for rollbacks; see push.py).
-    """
+    """Ray object store: one `ray.put` per bucket, whose ObjectRef fans out to every replica. The publisher's process
+    owns the objects: they live while it holds the handles (the last live version's are kept for rollbacks, push.py)."""
 
     name = "object_store"
     by_reference = True  # ObjectRefs: the WeightStore keeps them as they are (push.py, `_keep_live`)
@@ -91,18 +86,14 @@ class ObjectStoreTransport(Transport):
         return self._ray.get(handle, timeout=self._get_timeout_s)
 
     def release(self, handle: Any) -> None:
-        # Dropping the last reference frees the object; nothing to do beyond letting go.
-        return None
+        return None  # dropping the last reference frees the object
 
 
 class SharedMemoryTransport(Transport):
-    """Same host only: one shared file per bucket (bucket.py's `SharedBucket`), mapped by every
-    replica's workers. Buckets the learner ranks wrote themselves are adopted when first read.
-
-    This transport owns the files: `release` hands one back to the packers (`SharedBucket.recycle`: the next export
-    writes into it again), and one that no export took by the export after is unlinked; `close` (or the transport
-    being collected, or the process exiting) unlinks every one it still holds.
-    """
+    """Same host only: one shared file per bucket (`SharedBucket`), mapped by every replica's workers. It owns the
+    files, adopting one the learner ranks wrote when first read: `release` hands one back to the packers
+    (`SharedBucket.recycle`: the next export writes into it again), one no export took by the export after is
+    unlinked, and `close` (or the transport's collection, or process exit) unlinks every one it still holds."""
 
     name = "shm"
 
@@ -133,10 +124,8 @@ class SharedMemoryTransport(Transport):
 
 
 class CollectiveTransport(ObjectStoreTransport):
-    """Broadcast groups between the sending learner ranks and every engine worker (collective.py).
-
-    The sender streams while the replicas receive (a `StreamedSource`); what this transport fetches and
-    releases are the host copies the senders keep in the object store, as `ObjectStoreTransport` does."""
+    """Broadcast groups between the sending learner ranks and every engine worker (collective.py): the senders stream
+    while the replicas receive (`StreamedSource`); it fetches and releases their host copies in the object store."""
 
     streamed = True
 
@@ -158,11 +147,10 @@ def _unlink_all(files: set[str], recycled: set[str]) -> None:
 def auto_transport(*, on_gpu: bool, hybrid: bool, own_gpus: bool, one_host: bool, gpus: float) -> str:
     """What `transport: auto` means (the rule, apart from the cluster it reads):
     - hybrid (learner and engines take turns on the same devices): ipc on GPUs, shm on CPUs;
-    - one host with the learner on GPUs: ipc when the host has one GPU (every rank and engine shares it:
-      handles, no copy through host memory), nccl when each learner rank and each engine holds whole GPUs
+    - one host, GPU learner: ipc when the host has one GPU (every rank and engine shares it: handles, no bytes cross
+      host memory, by far the fastest, docs/BENCHMARKS.md), nccl when each learner rank and engine holds whole GPUs
       of its own (`own_gpus`), else shm (fractional GPUs on a host of several: where they sit is Ray's choice);
-    - one host, CPU learner: shm; several hosts: nccl with a GPU learner, object_store on CPU hosts.
-    On one GPU ipc is the fastest by far: no bytes cross host memory (docs/BENCHMARKS.md)."""
+    - one host, CPU learner: shm; several hosts: nccl with a GPU learner, object_store on CPU hosts."""
     if hybrid:
         return "ipc" if on_gpu else "shm"
     if one_host:
@@ -196,7 +184,7 @@ def select_transport(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: 
     if kind == "ipc" and not on_gpu:
         raise TransportUnavailable("weightsync.transport='ipc' hands the engines CUDA memory of the learner's and needs "
                                    "the learner on GPUs (learner.num_gpus_per_rank > 0); use 'shm' on one CPU host")
-    if kind in ("nccl", "gloo", "ipc"):
+    if kind in BACKENDS:
         return CollectiveTransport(kind, get_timeout_s=config.timeout_s)
     raise TransportUnavailable(
         f"weightsync.transport={config.transport!r} resolves to {kind!r} (on_gpu={on_gpu}, hybrid={hybrid}), "
@@ -214,15 +202,13 @@ class HostCopyError(RuntimeError):
 
 
 class PinnedPool:
-    """Pinned host buffers by bucket index, kept between pushes (a push's k-th bucket reuses the
-    last push's k-th buffer when it is large enough)."""
+    """Pinned host buffers kept between pushes: a push's k-th bucket reuses the last push's k-th buffer if it fits."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor | None] = []
 
     def get(self, index: int, nbytes: int) -> torch.Tensor:
-        while len(self._buffers) <= index:
-            self._buffers.append(None)
+        self._buffers += [None] * (index + 1 - len(self._buffers))
         buf = self._buffers[index]
         if buf is None or buf.numel() < nbytes:
             buf = self._buffers[index] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -251,11 +237,10 @@ class _Copy:
 
 class HostCopies:
     """The host copies of one push from one sender. `add` each sent bucket: the sender keeps its buffer unwritten
-    until its next push, which `close`s these first. `result` (the publisher collects once the version is live,
-    off the push's critical path; on a shared GPU a copy made earlier would take turns with the engine's apply)
-    copies every device bucket into pinned host memory on a side stream and keeps each (`keep`, e.g. `ray.put`)
-    on `KEEP_THREADS` threads, in bucket order. `add(bucket, now=True)` copies at once: a `SenderRing` reuses the
-    slot once that copy is done."""
+    until its next push, which `close`s these first. `result` (collected once the version is live: on a shared GPU
+    an earlier copy would take turns with the engine's apply) copies each device bucket into pinned host memory on
+    a side stream and keeps each (`keep`, e.g. `ray.put`) on `KEEP_THREADS` threads, in bucket order.
+    `add(bucket, now=True)` copies at once: a `SenderRing` reuses the slot once that copy is done."""
 
     def __init__(self, keep: Callable[[Bucket], Any] | None, pool: PinnedPool | None) -> None:
         self._keep = keep if keep is not None else (lambda bucket: bucket)
@@ -331,9 +316,8 @@ class HostCopies:
             self._keeping = False
 
     def close(self) -> bool:
-        """No `result` from now on; the caller's stream waits for every copy already enqueued (the next push may
-        then write the device buffers). Returns whether the pinned buffers are free again (False while a `keep`
-        still reads them)."""
+        """No `result` from now on; the caller's stream waits for the copies enqueued (so the next push may write the
+        device buffers). Returns whether the pinned buffers are free again (False while a `keep` still reads them)."""
         with self._lock:
             self._closed = True
             for copy in self._copies:

@@ -1,12 +1,11 @@
 """The receiving half of a push inside one worker that holds weights: its staged update (`WorkerReceiver`) and its
-verbs (`WorkerVerbs`), apart from any engine. vLLM's workers mix the verbs in (generator/worker_ext.py:
-`WeightUpdateExtension`, called through `collective_rpc`); the SGLang replica holds one in its own process
-(generator/sglang_engine.py), which stages and verifies there and hands the tensors to SGLang.
+verbs (`WorkerVerbs`), apart from any engine. vLLM's workers mix the verbs in (generator/worker_ext.py); the SGLang
+replica holds one in its own process (generator/sglang_engine.py) and hands the verified tensors to SGLang.
 
-Owns: layout, plan, begin / stage / receive / apply / abort, collective groups, kept buffers. Each tensor's digest
-is computed as it is staged; the apply copies engine-layout buckets (plan.py) into the live parameters in one fused
-copy, keeping every address (where `check_layout` proved the loaders pure copies), or reloads Hugging Face tensors
-through the engine. Every bucket is kept until the commit. Details: docs/design/weightsync.md, "The worker's receiver".
+Owns: layout, plan, begin / stage / receive / apply / abort, collective groups, kept buffers. Digests are computed as
+tensors are staged; the apply copies engine-layout buckets (plan.py) into the live parameters in one fused copy,
+keeping every address (where `check_layout` proved the loaders pure copies), or reloads HF tensors through the engine.
+Every bucket is kept until the commit. Details: docs/design/weightsync.md, "The worker's receiver".
 Must never: import an engine (vLLM's worker never imports SGLang, nor the reverse), change what the engine serves
 before the commit or outside a pause, apply a tensor whose digest differs, or touch the version label."""
 
@@ -42,8 +41,8 @@ class EngineHooks(Protocol):
     device: torch.device
 
     def model(self) -> torch.nn.Module | None:
-        """The engine's model in this process; None where it lives in another (SGLang's scheduler): pushes then
-        arrive in Hugging Face layout and `reload` hands them over, and `direct_problem(None)` says why."""
+        """The model in this process; None where it lives in another (SGLang's scheduler): pushes then arrive in
+        HF layout for `reload`, and `direct_problem(None)` says why."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
         """The model's own `load_weights` (probed on meta tensors by plan.py)."""
@@ -83,8 +82,6 @@ class WorkerReceiver:
         self._live: dict[str, torch.Tensor] | None = None
         self._staged: _Staged | None = None
 
-    # ---- layout ---------------------------------------------------------------------------------
-
     def check_layout(self) -> LayoutCheck:
         """At engine start, before any push: read this worker's layout from the engine's loaders
         and check that it rebuilds the loaded parameters from the checkpoint bit for bit."""
@@ -121,8 +118,6 @@ class WorkerReceiver:
                                 "from the checkpoint the engine was checked against")
         return layout
 
-    # ---- staging ---------------------------------------------------------------------------------
-
     def begin(self, version: int, verify: str = "full", layout: str = "hf", plan_id: str | None = None) -> None:
         """Start staging `version`; engine-layout buckets are of push plan `plan_id` (its replica checked that this
         worker's layout is the plan's), applied by a copy into the live parameters."""
@@ -140,11 +135,10 @@ class WorkerReceiver:
         return staged
 
     def stage(self, version: int, bucket: Bucket, lazy: bool = False, batch: bool = False) -> dict[str, bytes]:
-        """Stage one bucket (views into `bucket.buffer`, which must stay valid until the commit);
-        returns its digests. Engine-layout buckets of other ranks are skipped. `lazy`: its digests
-        are only enqueued on the device; `digests` waits for all of them at once, and this returns
-        {}. `batch` (with `lazy`; buckets that arrive together, as views of one mapping on ipc):
-        not even enqueued until `digests`, which reads them all in one pass."""
+        """Stage one bucket (views into `bucket.buffer`, which must stay valid until the commit); returns its digests.
+        Engine-layout buckets of other ranks are skipped. `lazy`: digests only enqueued on the device, {} returned;
+        `digests` waits for all at once. `batch` (with `lazy`; buckets that arrive together, views of one ipc
+        mapping): not even enqueued until `digests`, which hashes them all in one pass."""
         staged = self._state(version)
         if (bucket.rank is None) != (staged.layout == "hf"):
             raise ValueError(f"a {'HF' if bucket.rank is None else 'engine'}-layout bucket in a {staged.layout}-layout update")
@@ -185,10 +179,7 @@ class WorkerReceiver:
         staged.pending.clear()
         return dict(staged.digests)
 
-    # ---- apply -----------------------------------------------------------------------------------
-
     def _copy_into_live(self, views: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy staged `views` into the live parameters, one fused copy."""
         live = self._live
         if live is None:
             raise RuntimeError("no push plan: engine-layout tensors cannot be applied")
@@ -230,12 +221,10 @@ class WorkerReceiver:
 
 
 class WorkerVerbs:
-    """The `asyncrl_*` verbs of one worker that holds weights; methods are prefixed `asyncrl_` so they never
-    clash with the worker's own. A subclass says where the engine is (`_asyncrl_hooks`) and has `rank`
-    (its rank in the engine) and, off the CPU, `device`."""
+    """The `asyncrl_*` verbs of one worker that holds weights (the prefix: never a clash with the worker's own).
+    A subclass gives the engine (`_asyncrl_hooks`), `rank` (its rank in the engine) and, off the CPU, `device`."""
 
-    # HF buckets from a shared file staged on the worker's device (SGLang takes them over CUDA IPC); vLLM's
-    # loaders read them from a private host mapping
+    # HF buckets of a shared file go to the device (SGLang takes them over CUDA IPC); vLLM's loaders read host ones
     _asyncrl_hf_on_device = False
 
     def _asyncrl_hooks(self) -> EngineHooks:
@@ -263,11 +252,10 @@ class WorkerVerbs:
     # ---- one update -----------------------------------------------------------------------------
     def asyncrl_receive(self, version: int, wires: list[tuple] | None, groups: list[str] | None = None,
                         timeout_s: float = 0.0, gate: str = "", begin: list[Any] | None = None) -> ReceiveReport:
-        """Start the update of `version` (`begin`: verify, layout, plan id) and stage all of it, straight into this
-        worker's memory: the buckets of shared files (`wires`), or every bucket from the collective `groups` in
-        order within `timeout_s`; `gate`: the broadcast push's gate token, passed on every group or closed if this
-        worker cannot take the push. Returns the digests staged. (Plain arguments: vLLM's RPC carries them as
-        msgpack, where a dataclass arrives as a map.)"""
+        """Start the update of `version` (`begin`: verify, layout, plan id) and stage all of it into this worker's
+        memory: the buckets of shared files (`wires`), or every bucket from the collective `groups` in order within
+        `timeout_s`; `gate`: the broadcast's gate token, passed on every group, or closed if this worker cannot take
+        the push. Returns the digests staged. (Plain arguments: vLLM's RPC sends msgpack, a dataclass as a map.)"""
         rx = self._asyncrl_rx()
         if groups is None:
             rx.begin(version, *(begin or []))
@@ -321,8 +309,7 @@ class WorkerVerbs:
         return Bucket(buffer=torch.from_numpy(bucket.buffer).to(device), metas=list(bucket.metas), rank=rank)
 
     def _asyncrl_refuse(self, group_ids: list[str], why: str, gate: str = "") -> None:
-        """Refuse the coming push on the groups `group_ids`: every member at its gate `gate` stops at once. Best
-        effort on each group."""
+        """Refuse the coming push on `group_ids`, best effort: every member at the gate `gate` stops at once."""
         for gid in group_ids:
             group = self.__dict__.get("_asyncrl_groups", {}).get(gid)
             if group is not None and not group.broken and gate:
@@ -337,8 +324,7 @@ class WorkerVerbs:
         if before and (not before.startswith("asyncrl_") or before.startswith("asyncrl_apply")):
             raise ValueError(f"{before!r} is not a worker query to run before an apply")
         first = [getattr(self, before)()] if before else []
-        report = self._asyncrl_rx().apply(version)
-        return ApplyReport(path=report.path, apply_seconds=report.apply_seconds, tensors=report.tensors, before=first)
+        return msgspec.structs.replace(self._asyncrl_rx().apply(version), before=first)
 
     def asyncrl_abort_update(self, group_ids: list[str] | None = None, why: str = "", gate: str = "") -> None:
         """Drop what is staged (the replica aborts before its engine sleeps). With `group_ids` (the replica's load
@@ -357,7 +343,9 @@ class WorkerVerbs:
         if specs is None:
             held = [gid for gid, g in self.__dict__.get("_asyncrl_groups", {}).items() if not g.broken]
             return held + self._asyncrl_not_member()
-        self._asyncrl_leave()
+        self.__dict__.pop("_asyncrl_group_order", None)
+        for group in self.__dict__.pop("_asyncrl_groups", {}).values():
+            group.close()
         groups: dict[str, Any] = {}
         parsed = [GroupSpec(**raw) for raw in specs]
         mine = int(self.rank)  # type: ignore[attr-defined]
@@ -378,8 +366,3 @@ class WorkerVerbs:
         """The groups formed without this worker's engine rank (`GroupSpec.takes`), in sender order."""
         groups = self.__dict__.get("_asyncrl_groups", {})
         return [gid for gid in self.__dict__.get("_asyncrl_group_order", []) if gid not in groups]
-
-    def _asyncrl_leave(self) -> None:
-        self.__dict__.pop("_asyncrl_group_order", None)
-        for group in self.__dict__.pop("_asyncrl_groups", {}).values():
-            group.close()
