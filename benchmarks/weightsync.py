@@ -581,7 +581,7 @@ async def _raw_floors(name, transports, collective, sender, sinks, gpu_sinks, jo
     import ray
     import torch
 
-    from asyncrl.weightsync.bucket import iter_buckets
+    from asyncrl.weightsync.bucket import Bucket, iter_buckets
     from asyncrl.weightsync.collective import form_specs
 
     raw: dict[str, list[float]] = {}
@@ -599,8 +599,9 @@ async def _raw_floors(name, transports, collective, sender, sinks, gpu_sinks, jo
                 return kept[i][:nbytes]
 
             t = time.perf_counter()
-            for bucket in iter_buckets(iter(weights.items()), bucket_mb, alloc=reuse):  # packing, as the push packs
-                ref = ray.put(bucket)
+            # packing as the push packs (transport.pack_into_transport): into reused host buffers, put as numpy
+            for bucket in iter_buckets(iter(weights.items()), bucket_mb, device="cpu", alloc=reuse):
+                ref = ray.put(Bucket(buffer=bucket.buffer.numpy(), metas=list(bucket.metas), rank=bucket.rank))
                 del bucket
                 await asyncio.gather(*(s.take.remote(ref) for s in sinks))
             if v:
