@@ -216,6 +216,18 @@ class Soak:
                 continue
         return out
 
+    def table(self) -> list[list[Any]]:
+        """The app's processes now: [label, pid, parent pid, seconds since launch, title], for a failed run's report."""
+        import psutil
+
+        rows = []
+        for label, p in self.processes():
+            try:
+                rows.append([label, p.pid, p.ppid(), round(p.create_time() - self.launched, 1), " ".join(p.cmdline())[:60]])
+            except psutil.Error:  # gone since the listing
+                continue
+        return rows
+
     async def status(self, client: Any) -> dict[str, Any] | None:
         try:
             r = await client.get(f"{self.url}/train/status", timeout=30)
@@ -402,6 +414,7 @@ class Soak:
             self.stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
             final = await self.status(http)
+        report["processes_at_end"] = self.table()
         report["final"] = {k: final.get(k) for k in ("state", "step", "policy_version", "learner_restarts", "error")} if final else None
         gap_end = identity_gap((final or {}).get("buffer") or {})
         t = time.monotonic()
@@ -495,6 +508,7 @@ def summary(r: dict[str, Any]) -> str:
              "[soak] checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in r["checks"].items()),
              *(f"[soak] status t={s['t']} {s['state']} step {s['step']} restarts {s['restarts']}"
                for s in r.get("statuses", []) if not r["passed"]),
+             *(f"[soak] at the end: {row}" for row in r.get("processes_at_end", []) if not r["passed"]),
              *(f"[app] {line}" for line in r.get("log_tail", []))]
     return "\n".join(lines)
 
