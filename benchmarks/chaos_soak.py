@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--free-ports", action="store_true",
                     help="serve the API on free ports instead of the config's (a machine where they are taken: CI)")
     a = ap.parse_args(argv)
+    if a.settle < 0:
+        ap.error(f"--settle {a.settle:g}: seconds, >= 0")
     for item in a.overrides:
         key, eq, value = item.partition("=")
         if not eq or "." not in key:
@@ -408,7 +410,8 @@ class Soak:
             except asyncio.TimeoutError:
                 pass
             settle_end = time.monotonic() + a.settle
-            while not self.stop.is_set() and not self.went_on() and time.monotonic() < settle_end:
+            while not self.stop.is_set() and time.monotonic() < settle_end and not (
+                    self.statuses and self.went_on(self.statuses[-1]["step"], self.statuses[-1]["restarts"])):
                 await asyncio.sleep(2.0)
             report["settle_s"] = round(max(0.0, self.now() - a.minutes * 60), 1)
             self.stop.set()
@@ -432,11 +435,10 @@ class Soak:
             os.killpg(proc.pid, signal.SIGKILL)
         return self.judge(report, gap_end, rc, exit_s, left)
 
-    def went_on(self) -> bool:
-        """Whether the last status shows each learner kill's restart done and a step past the last kill."""
-        last = self.statuses[-1] if self.statuses else {}
-        return (last.get("restarts") == sum(k["what"] == "learner rank" for k in self.kills)
-                and (last.get("step") or 0) > max((k.get("step") or 0 for k in self.kills), default=0))
+    def went_on(self, step: int | None, restarts: int | None) -> bool:
+        """Whether a status's `step` and `restarts` show each learner kill's restart done and a step past the last kill."""
+        return (restarts == sum(k["what"] == "learner rank" for k in self.kills)
+                and (step or 0) > max((k.get("step") or 0 for k in self.kills), default=0))
 
     def judge(self, report: dict[str, Any], gap_end: float | None, rc: int | None, exit_s: float,
               left: list[str]) -> dict[str, Any]:
@@ -472,8 +474,7 @@ class Soak:
             "no_push_waited_out_its_deadline": sync_max < self.push_timeout_s,
             # each learner kill restarted the learner once, and training went on past the last kill
             "training_went_on": final.get("state") == "training"
-                                and final.get("learner_restarts") == sum(k["what"] == "learner rank" for k in self.kills)
-                                and (final.get("step") or 0) > max((k.get("step") or 0 for k in self.kills), default=0),
+                                and self.went_on(final.get("step"), final.get("learner_restarts")),
         }
         report.update({
             "requests": {k: v for k, v in api.items() if k != "unexpected"}, "unexpected_non_200": api["unexpected"][:50],

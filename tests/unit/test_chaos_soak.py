@@ -91,3 +91,16 @@ def test_a_bad_set_is_refused_naming_it(soak, capsys):
             soak.parse_args(["--set", bad])
         assert says in capsys.readouterr().err
     assert soak.parse_args(["--set", "weightsync.transport=ipc"]).overrides == ["weightsync.transport=ipc"]
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--settle", "-1"])
+    assert "--settle -1: seconds, >= 0" in capsys.readouterr().err
+
+
+def test_training_went_on_needs_each_learner_kills_restart_and_a_step_past_the_last_kill(soak):
+    """The check of the end, and the settle phase's wait before it."""
+    run = soak.Soak(soak.parse_args([]))
+    run.kills = [{"what": "learner rank", "step": 10}, {"what": "engine", "step": 15}]
+    assert run.went_on(16, 1)
+    assert not run.went_on(15, 1)  # not past the engine kill's step
+    assert not run.went_on(16, 0)  # the learner kill restarted nothing
+    assert not run.went_on(None, None)
