@@ -250,12 +250,10 @@ class ReceiveReport(msgspec.Struct, frozen=True, kw_only=True):
 
 class PlanRequest(msgspec.Struct, frozen=True, kw_only=True):
     """`set_push_plan`: what a replica forms its push plan from: the learner's export manifest (pickled
-    `plan.ManifestEntry`s), the bucket size, and the learner's TP pieces (pickled `plan.Piece`s; empty:
-    the learner gathers its shards before the wire)."""
+    `plan.ManifestEntry`s) and the bucket size."""
 
     manifest: bytes
     bucket_mb: float
-    pieces: bytes = b""
 
 
 class PlanAck(ReplicaAnswer, frozen=True):
@@ -295,8 +293,7 @@ class WeightExport:
     rank that packed it (its PP stage for HF tensors), `digests[i]` as hashed when packed. Broadcast to the engine
     workers (nccl, gloo): no buckets (their host copies follow, `take_host_copies`), `digests` one per sender; ipc:
     `buckets` the `IpcBucket` handles every replica's load opens (host copies as broadcast), `digests` one per sender.
-    Sizes, and the slowest sender's seconds per phase, either way. An HF-layout export also carries what each
-    would-be sender of a shard plan holds of it without a TP gather (`pieces`, one per such rank)."""
+    Sizes, and the slowest sender's seconds per phase, either way."""
 
     buckets: list[Any] = field(default_factory=list)
     metas: list[list[Any]] = field(default_factory=list)
@@ -306,7 +303,6 @@ class WeightExport:
     num_tensors: int = 0
     num_buckets: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
-    pieces: list[PieceManifest] = field(default_factory=list)
 
     def tensor_digests(self) -> dict[str, bytes]:
         """Every tensor's digest, whichever bucket or sender it came in."""
@@ -332,17 +328,6 @@ class SenderAddress:
     host: str
     port: int
     group: str = ""
-
-
-@dataclass(frozen=True)
-class PieceManifest:
-    """What a would-be sending learner rank holds of the HF tensors without gathering TP shards (with an
-    HF-layout `WeightExport`): (HF name, dtype, HF shape, window) per piece, or why it cannot send so (`problem`)."""
-
-    sender: int = -1
-    tp: int = 0
-    pieces: list[tuple[Any, ...]] = field(default_factory=list)
-    problem: str = ""
 
 
 # Errors that cross a boundary: raised by a learner group, caught by the loop and by weightsync.

@@ -213,8 +213,8 @@ gpu4)
       --config deploy/rlhf-gpu4.yaml --steps ${NSTEPS:-6} --etas ${ETAS:-0} --num-cpus 48 "${sets[@]}" \
       --out $OUT/gpu4_eta${ETAS// /_}.json > $OUT/gpu4.log 2>&1
   echo "gpu4 rc=$?"; grep -v '^{' $OUT/gpu4.log | grep -E '^\||machine|push / raw' | cut -c1-400
-  # which senders the push plan chose (each TP rank its own shards, or TP rank 0 gathering), and the raw probe
-  grep -hE "sends its own shards|TP shards are gathered|raw broadcast of" $OUT/gpu4.log /tmp/ray/session_latest/logs/*.err \
+  # the push plan formed, and the raw probe
+  grep -hE "push plan |raw broadcast of" $OUT/gpu4.log /tmp/ray/session_latest/logs/*.err \
       /tmp/ray/session_latest/logs/*.out 2>/dev/null | sort -u | head -6 | cut -c1-300
   grep -iE "error|Traceback|out of memory|OOM" $OUT/gpu4.log | head -12 | cut -c1-400
   ls /tmp/ray/session_latest/logs > /dev/null 2>&1 && tar czf $OUT/ray_logs.tgz -C /tmp/ray/session_latest logs 2>/dev/null

@@ -142,7 +142,7 @@ class EngineReplica(WeightUpdates):
                 layout = "engine"
             except Exception as err:
                 from asyncrl.weightsync.fingerprint import tensor_fingerprint
-                from asyncrl.weightsync.shards import hf_from_engine
+                from asyncrl.weightsync.plan import hf_from_engine
 
                 logger.info("replica %s: the stored version's layout is not this engine's (%s); loading it as HF tensors",
                             self.replica_id, err)

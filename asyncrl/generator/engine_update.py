@@ -38,8 +38,7 @@ from asyncrl.types import (
 )
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
-from asyncrl.weightsync.plan import PlanError
-from asyncrl.weightsync.shards import plan_for, plan_misfit
+from asyncrl.weightsync.plan import PlanError, plan_for, plan_misfit
 from asyncrl.weightsync.transport import is_object_ref
 from asyncrl.weightsync.worker_verbs import check_begin
 
@@ -106,7 +105,7 @@ class WeightUpdates:
             plan, why = None, "no plan asked for"
             if request is not None:
                 plan, why = plan_for(pickle.loads(request.manifest), await self._layouts(request.manifest),
-                                     request.bucket_mb, pickle.loads(request.pieces) if request.pieces else ())
+                                     request.bucket_mb)
             self.plan_id = plan.plan_id if plan is not None else None
             return PlanAck(replica_id=self.replica_id, plan_id=self.plan_id, plan=pickle.dumps(plan) if plan is not None else None,
                            problem=why)
@@ -118,7 +117,7 @@ class WeightUpdates:
 
     async def _take_plan(self, plan: Any) -> str:
         """Hold `plan`, formed elsewhere, if every worker's layout is the plan's; else PlanError says why not."""
-        problem = plan_misfit(plan, await self._layouts(pickle.dumps(list(plan.probed_manifest))))
+        problem = plan_misfit(plan, await self._layouts(pickle.dumps(list(plan.manifest))))
         if problem:
             raise PlanError(problem)
         self.plan_id = plan.plan_id

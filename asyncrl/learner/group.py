@@ -229,7 +229,6 @@ class LearnerGroup:
             out.bytes += o.bytes
             out.num_tensors += o.num_tensors
             out.num_buckets += o.num_buckets
-            out.pieces += o.pieces
         return out
 
     async def set_push_plan(self, plan: bytes | None, host_copies: bool = False) -> None:
@@ -238,7 +237,7 @@ class LearnerGroup:
         await self._all(LearnerRankAPI.set_push_plan, plan, host_copies)
 
     async def collective_addresses(self) -> list[SenderAddress]:
-        """Rendezvous addresses of the sending ranks (one per PP stage; per TP rank of it with a shard plan), in
+        """Rendezvous addresses of the sending ranks (one per PP stage), in
         sender order, each with the group the rank holds now that can still carry a push."""
         return sorted((a for a in await self._all(LearnerRankAPI.join_collective, None) if a is not None),
                       key=lambda a: a.sender)

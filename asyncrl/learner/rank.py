@@ -21,7 +21,7 @@ import ray
 
 from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, ProfilerConfig
 from asyncrl.interfaces import ROLE_TRAINING_VERBS, ROLE_VERBS, RoleAPI, verb_name
-from asyncrl.types import HostCopies, PieceManifest, SenderAddress, WeightExport
+from asyncrl.types import HostCopies, SenderAddress, WeightExport
 
 # The actor's calls run one at a time, in order, except `take_host_copies`: it waits for the device-to-host copies of
 # the last push (the rank's own threads make them) in a concurrency group of its own, so that the calls behind it
@@ -56,7 +56,6 @@ class LearnerRank:
         self.layout: Any = None
         self.coords: Any = None
         self._sender: Any = None  # sending ranks: their end of weight pushes (weightsync/link.py)
-        self._piece_manifest: PieceManifest | None = None  # what it would send under a shard plan (`_pieces`)
         from asyncrl.learner.memory import HostMemoryTrim
 
         self.host_trim = HostMemoryTrim()  # freed host memory given back as the resident set creeps (memory.py)
@@ -157,32 +156,9 @@ class LearnerRank:
     # ------------------------------------------------------------------ weight pushes (weightsync/link.py)
 
     def _is_sender(self) -> bool:
-        """TP/CP/DP rank 0 of each PP stage; with a shard plan every TP rank of them (each sends its own shards)."""
+        """TP/CP/DP rank 0 of each PP stage (its sender id is its PP stage)."""
         c = self.coords
-        return c.cp == 0 and c.dp == 0 and (c.tp == 0 or self._shard_plan())
-
-    def _shard_plan(self) -> bool:
-        plan = self._sender.plan if self._sender is not None else None
-        return plan is not None and bool(plan.pieces)
-
-    def _sender_id(self) -> int:
-        """This rank's index among the sending ranks: its PP stage, or (shard plan) `_shard_sender_id`."""
-        return self._shard_sender_id() if self._shard_plan() else self.coords.pp
-
-    def _shard_sender_id(self) -> int:
-        """This rank's index among a shard plan's sending ranks: PP stage x TP size + TP rank."""
-        return self.coords.pp * self.layout.tp + self.coords.tp
-
-    def _export(self, layout: str = "engine") -> Any:
-        """The stream this rank drives for a push: (name, tensor) pairs, every TP shard gathered, or (shard
-        plan, engine layout) this rank's own pieces under their plan names. Every rank of the group drives the
-        same kind (the gathers are collective)."""
-        if layout != "engine" or not self._shard_plan():
-            return self.role.export_hf_tensors()
-        from asyncrl.weightsync.shards import piece_name
-
-        sender = self._sender_id()
-        return ((piece_name(hf, sender), t) for hf, t, _, _, _ in self.role.export_hf_pieces())
+        return c.tp == 0 and c.cp == 0 and c.dp == 0
 
     def _endpoint(self) -> Any:
         if self._sender is None:
@@ -197,30 +173,12 @@ class LearnerRank:
 
     def set_push_plan(self, plan: bytes | None, host_copies: bool = False) -> str | None:
         """Every rank keeps the push plan (None: HF tensors): its sending ranks pack later pushes in the engines'
-        layout of it, and a shard plan makes every TP rank a sender of its own pieces. `host_copies` (ipc or NCCL
-        from GPUs): a sending rank allocates the pinned buffers of its pushes' host copies now (link.py)."""
+        layout of it. `host_copies` (ipc or NCCL from GPUs): a sending rank allocates the pinned buffers of its pushes' host copies now (link.py)."""
         self._ready()
         held = self._endpoint().set_plan(plan)
         if host_copies and self._is_sender():
-            self._endpoint().pin_host_copies(self._sender_id())
+            self._endpoint().pin_host_copies(self.coords.pp)
         return held
-
-    def _pieces(self) -> PieceManifest:
-        """What this rank would send of its own under a shard plan (TP shards not gathered), or why the model
-        cannot be sent that way; the model's structure does not change, so it is read once."""
-        if self._piece_manifest is None:
-            from asyncrl.learner.convert import ShardExportError
-
-            export = getattr(self.role, "export_hf_pieces", None)
-            if export is None:  # (a failing verb would leave the learner group unusable: a reason instead)
-                self._piece_manifest = PieceManifest(problem=f"role {self.role_name!r} has no shard export")
-            else:
-                try:
-                    pieces = [(hf, dtype, tuple(full), window) for hf, _, full, window, dtype in export(data=False)]
-                    self._piece_manifest = PieceManifest(sender=self._shard_sender_id(), tp=self.coords.tp, pieces=pieces)
-                except (ShardExportError, RuntimeError) as err:
-                    self._piece_manifest = PieceManifest(problem=str(err))
-        return self._piece_manifest
 
     def export_weights(self, bucket_mb: float, transport: str = "object_store", verify: str = "full",
                        layout: str = "hf", timeout_s: float = 600.0, gate: str = "") -> WeightExport | None:
@@ -231,28 +189,22 @@ class LearnerRank:
         (rollbacks, retries, late joiners) `take_host_copies` collects, within `timeout_s`; `gate`: the push's
         gate token (gloo / NCCL: nothing goes out until every receiver is ready; collective.py). Over shm /
         object_store: packed into host buckets of it, a shared file or an object each. Every bucket is hashed
-        in `verify` mode as it is packed. An HF-layout export also answers, from each rank that would send under a
-        shard plan (TP ranks of CP / DP rank 0), what it holds of it without a TP gather (`WeightExport.pieces`)."""
+        in `verify` mode as it is packed."""
         from asyncrl.weightsync.transport import BACKENDS, pack_into_transport
 
         self._ready()
-        engine, c = layout == "engine", self.coords
         with self._thread(), self._held(("params",)):
-            tensors = self._export(layout)
-            pieces = [self._pieces()] if not engine and c.cp == 0 and c.dp == 0 else []
-            if not (self._is_sender() if engine else c.tp == 0 and c.cp == 0 and c.dp == 0):
+            tensors = self.role.export_hf_tensors()
+            if not self._is_sender():
                 self._drain(tensors)
-                return WeightExport(pieces=pieces) if pieces else None
-            plan, sender = (self._endpoint().plan, self._sender_id()) if engine else (None, c.pp)
+                return None
+            plan, sender = (self._endpoint().plan if layout == "engine" else None), self.coords.pp
             if transport in BACKENDS:
-                out = self._endpoint().send_version(tensors, bucket_mb, verify, timeout_s, sender, plan, gate, transport)
-            else:
-                out = pack_into_transport(tensors, bucket_mb, transport, verify, plan, sender)
-            out.pieces = pieces
-            return out
+                return self._endpoint().send_version(tensors, bucket_mb, verify, timeout_s, sender, plan, gate, transport)
+            return pack_into_transport(tensors, bucket_mb, transport, verify, plan, sender)
 
     def join_collective(self, specs: list[dict[str, Any]] | None = None) -> SenderAddress | None:
-        """Sending ranks (TP/CP/DP rank 0 of each PP stage; every TP rank of it under a shard plan): leave any
+        """Sending ranks (TP/CP/DP rank 0 of each PP stage): leave any
         earlier weight broadcast group and join (as group rank 0) this rank's group of `specs`; None: join
         nothing, and hold a port where the next group this rank hosts can rendezvous. Answers that address
         (port 0 after a join) and the group held now if it can still carry a push. Others: None."""
@@ -263,7 +215,7 @@ class LearnerRank:
             self._leave_collective()
         if not self._is_sender():
             return None
-        host, sender = ray.util.get_node_ip_address(), self._sender_id()
+        host, sender = ray.util.get_node_ip_address(), self.coords.pp
         if specs is None:
             return self._endpoint().address(host, sender)
         with self._thread():
@@ -280,7 +232,7 @@ class LearnerRank:
         beside the rank's other calls (`CONCURRENCY_GROUPS`): it only waits for the copies' threads."""
         if not self._is_sender():
             return None
-        return self._endpoint().take_host_copies(timeout_s, self._sender_id())
+        return self._endpoint().take_host_copies(timeout_s, self.coords.pp)
 
     # ------------------------------------------------------------------ device residency (hybrid)
 

@@ -73,9 +73,7 @@ def close_gate(store: Any, group_id: str, token: str, why: str) -> str:
 @dataclass(frozen=True)
 class GroupSpec:
     """One broadcast group: the sending learner rank (group rank 0, hosts the rendezvous) and every engine worker
-    of the replicas in `receivers` (replica id -> its workers' first group rank; a worker adds its engine rank),
-    or with `ranks` only those engine ranks' workers (a shard plan's sender feeds only them; the i-th of them is
-    the replica's first group rank + i)."""
+    of the replicas in `receivers` (replica id -> its workers' first group rank; a worker adds its engine rank)."""
 
     group_id: str
     backend: str
@@ -85,27 +83,17 @@ class GroupSpec:
     receivers: dict[str, int]
     sender: int = 0  # which sending rank (PP stage order) this group belongs to
     timeout_s: float = 120.0
-    ranks: tuple[int, ...] = ()  # the engine ranks whose workers are members, in every replica; () every worker
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
-        if len(set(self.ranks)) != len(self.ranks) or any(r < 0 for r in self.ranks):
-            raise ValueError(f"group {self.group_id}: member engine ranks {list(self.ranks)} must be distinct and >= 0")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"a broadcast group's backend is gloo or nccl, not {self.backend!r}")
         if self.world_size < 2:
             raise ValueError(f"group {self.group_id}: world_size {self.world_size} leaves nobody to send to")
 
-    def takes(self, worker_rank: int) -> bool:
-        """Whether the worker of engine rank `worker_rank` is a member (every worker is, without `ranks`)."""
-        return not self.ranks or worker_rank in self.ranks
-
     def receiver_rank(self, replica_id: str, worker_rank: int) -> int:
         if replica_id not in self.receivers:
             raise CollectiveError(f"group {self.group_id} was formed without replica {replica_id!r}")
-        if not self.takes(worker_rank):
-            raise CollectiveError(f"group {self.group_id}: engine rank {worker_rank} is not among its members {list(self.ranks)}")
-        rank = self.receivers[replica_id] + (self.ranks.index(worker_rank) if self.ranks else worker_rank)
+        rank = self.receivers[replica_id] + worker_rank
         if not 0 < rank < self.world_size:
             raise CollectiveError(f"group {self.group_id}: replica {replica_id!r} worker {worker_rank} -> rank {rank}, "
                                   f"outside 1..{self.world_size - 1}")
@@ -174,10 +162,9 @@ def _tcp_store(spec: GroupSpec, rank: int, timeout: datetime.timedelta, listen_s
 
 
 def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: dict[str, int], *,
-               timeout_s: float, group_prefix: str, ranks_of: dict[int, tuple[int, ...]] | None = None) -> list[GroupSpec]:
+               timeout_s: float, group_prefix: str) -> list[GroupSpec]:
     """One spec per sending rank (its rendezvous `(host, port)`, in sender order); replicas get rank blocks in id
-    order, so every member computes the same layout. `ranks_of` (a shard plan: sender -> the engine ranks it
-    feeds): sender i's group holds only those ranks' workers of each replica; an unnamed sender, every worker."""
+    order, so every member computes the same layout."""
     if not senders:
         raise CollectiveError("no sending learner rank to form a weight broadcast group with")
     if not replica_workers:
@@ -187,14 +174,10 @@ def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: di
             raise CollectiveError(f"replica {rid!r} reports {n} workers")
     specs = []
     for i, (host, port) in enumerate(senders):
-        ranks = tuple(sorted((ranks_of or {}).get(i, ())))
         receivers, nxt = {}, 1
         for rid in sorted(replica_workers):
-            if ranks and ranks[-1] >= replica_workers[rid]:
-                raise CollectiveError(f"sender {i} feeds engine ranks {list(ranks)}, but replica {rid!r} has "
-                                      f"{replica_workers[rid]} workers")
-            receivers[rid], nxt = nxt, nxt + (len(ranks) if ranks else replica_workers[rid])
-        specs.append(GroupSpec(f"{group_prefix}-s{i}", backend, host, port, nxt, receivers, i, timeout_s, ranks))
+            receivers[rid], nxt = nxt, nxt + replica_workers[rid]
+        specs.append(GroupSpec(f"{group_prefix}-s{i}", backend, host, port, nxt, receivers, i, timeout_s))
     return specs
 
 

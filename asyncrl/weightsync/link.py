@@ -4,8 +4,8 @@ learner rank's end and the publisher's.
 Owns: `SenderEndpoint`, one sending learner rank's push state (its group and the rendezvous port it holds until the
 group forms, or its ipc ring; its push plan, the host copies of its last push) and the sending of one version;
 `CollectiveLink`, the groups between a learner group's sending ranks and every engine worker of the running
-replicas as the publisher keeps them (formed again whenever the replicas, the senders or the engine ranks each
-sender feeds change), each push's gate token, its senders' call and the replicas' health check beside it.
+replicas as the publisher keeps them (formed again whenever the replicas or the senders change), each push's gate
+token, its senders' call and the replicas' health check beside it.
 Must never: import the learner (a rank hands its tensor stream in), decide when a version is live (push.py), or
 reach a replica except through the calls it was given. Details: docs/design/weightsync.md, "The sender endpoint".
 """
@@ -180,14 +180,11 @@ class CollectiveLink:
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
-                 ranks_of: Callable[[], dict[int, tuple[int, ...]] | None] | None = None,
                  health: Callable[[], Awaitable[Any]] | None = None) -> None:
         self.backend, self.learner = backend, learner
         self.sequential = backend == "ipc"  # the loads follow the senders' export (its handles are their payload)
         self._handles: list[Any] = []  # ipc: the last send's
         self._members_call, self._join_call = members, join
-        self._ranks_of = ranks_of  # sender -> engine ranks its group holds (WeightPublisher.sender_ranks; None: all)
-        self.membership: dict[int, tuple[int, ...]] | None = None  # ... as the groups were formed
         self.bucket_mb, self.timeout_s = bucket_mb, timeout_s
         self.specs: list[Any] = []
         self.members: dict[str, int] = {}  # replica id -> engine workers, as the groups were formed
@@ -199,7 +196,7 @@ class CollectiveLink:
 
     def forget(self) -> None:
         """The groups are gone (a new learner group): the next `ensure` forms them."""
-        self.specs, self.members, self._stores, self.membership = [], {}, {}, None
+        self.specs, self.members, self._stores = [], {}, {}
 
     async def cancel(self, why: str) -> None:
         """Close the gate of the push in flight, where members still wait for one that is gone (every receiver's
@@ -252,22 +249,20 @@ class CollectiveLink:
         info, addresses = await asyncio.gather(self._members_call(), self.learner.collective_addresses())
         # {replica id: engine workers}: kept while exactly the groups' members run, each holding every group
         members = {rid: i.workers for rid, i in info.items()}
-        membership = self._ranks_of() if self._ranks_of is not None else None
         held = {a.group for a in addresses if a.group}
-        if self.specs and members == self.members and held == set(self.group_ids) and membership == self.membership \
+        if self.specs and members == self.members and held == set(self.group_ids) \
                 and all(held <= set(i.groups) for i in info.values()):
             return
         specs = form_specs(self.backend, [(a.host, a.port) for a in addresses], members, timeout_s=self.timeout_s,
-                           group_prefix=f"asyncrl-ws{os.getpid()}-{self.formed + 1}", ranks_of=membership)
+                           group_prefix=f"asyncrl-ws{os.getpid()}-{self.formed + 1}")
         wire = [asdict(s) for s in specs]
         self.specs, self.members, self._stores = [], {}, {}
         # Every member rendezvouses at once: the replicas' workers and the sending ranks.
         await asyncio.gather(self._join_call(wire), self.learner.join_collective(wire))
-        self.specs, self.members, self.membership = specs, members, membership
+        self.specs, self.members = specs, members
         self.formed += 1
-        log.info("weightsync: %s broadcast group(s) %s formed with %d replica(s), %s ranks%s", self.backend,
-                 self.group_ids, len(members), "/".join(str(s.world_size) for s in specs),
-                 f" (engine ranks per sender: {membership})" if membership else "")
+        log.info("weightsync: %s broadcast group(s) %s formed with %d replica(s), %s ranks", self.backend,
+                 self.group_ids, len(members), "/".join(str(s.world_size) for s in specs))
 
     def payload(self, version: int) -> Any:
         """The replicas' side of one push attempt: on gloo / NCCL it names a new gate, which `send` uses; on ipc,

@@ -3,8 +3,9 @@
 Owns: `probe_layout` (the engine's own `load_weights` run on meta tensors, recording each copy and fill its loaders
 make: fused QKV / gate-up, TP shards, padded vocab, tied embeddings, fused experts; a loader doing anything else is
 named as unusable), `verify_layout` (the layout rebuilds the loaded parameters bit for bit), `build_plan` -> `PushPlan`
-(each engine parameter given a sending learner rank, a bucket and an offset), `PlannedPacker` (a sender writes each HF
-tensor straight into its places in the buckets), and `Piece`, the shard plans' vocabulary (the plans are in shards.py).
+(each engine parameter given a sending learner rank, a bucket and an offset), `plan_for` / `plan_misfit` (a plan for,
+or the misfit of, engine ranks' layouts), `PlannedPacker` (a sender writes each HF tensor straight into its places in
+the buckets) and `hf_from_engine` (the HF tensors back from engine-layout buckets).
 Must never: touch an engine's live parameter data (the probe swaps in meta twins and puts the originals back), or import
 vLLM (the engine adapter hands in the model).
 """
@@ -90,36 +91,6 @@ class ManifestEntry:
     @property
     def nbytes(self) -> int:
         return _nbytes(self.dtype, self.shape)
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """One learner rank's part of an HF tensor from its shard export: `window` = (dim, lo, hi) of the `full`
-    shape, None for all of it; `sender` = PP stage x TP size + TP rank, `tp` its TP rank."""
-
-    hf: str
-    sender: int
-    tp: int
-    dtype: str
-    full: tuple[int, ...]
-    window: tuple[int, int, int] | None = None
-
-    @property
-    def name(self) -> str:
-        return piece_name(self.hf, self.sender)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        w = self.window
-        return self.full if w is None else self.full[:w[0]] + (w[2] - w[1],) + self.full[w[0] + 1:]
-
-    def entry(self) -> ManifestEntry:
-        return ManifestEntry(self.name, self.dtype, self.shape, self.sender)
-
-
-def piece_name(hf: str, sender: int) -> str:
-    """The name a shard export gives sending rank `sender`'s piece of HF tensor `hf`."""
-    return f"{hf}@{sender}"
 
 
 @dataclass(frozen=True)
@@ -328,15 +299,6 @@ class PushPlan:
     buckets: tuple[PlannedBucket, ...]
     manifest: tuple[ManifestEntry, ...]
     layouts: tuple[EngineLayout, ...] = field(repr=False)
-    # A shard plan (shards.build_shard_plan): `manifest` names every learner rank's own pieces, `layouts`
-    # read from them (shards.localize_layout), `hf_manifest` is the export the engines probed. Empty otherwise.
-    pieces: tuple[Piece, ...] = field(default=(), repr=False)
-    hf_manifest: tuple[ManifestEntry, ...] = field(default=(), repr=False)
-
-    @property
-    def probed_manifest(self) -> list[ManifestEntry]:
-        """The HF export the engines' layouts are read for (`probe_layout`)."""
-        return list(self.hf_manifest or self.manifest)
 
     def for_sender(self, sender: int) -> list[PlannedBucket]:
         return [b for b in self.buckets if b.sender == sender]
@@ -572,3 +534,47 @@ class PlannedPacker:
                 emitted += 1
         return max(1, most)
 
+
+
+def plan_for(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout], bucket_mb: float
+             ) -> tuple[PushPlan | None, str]:
+    """The push plan for engine ranks of `layouts`, or None and why not."""
+    problems = sorted({layout.problem for layout in layouts if layout.problem})
+    if problems:
+        return None, problems[0]
+    try:
+        return build_plan(manifest, layouts, bucket_mb), ""
+    except PlanError as err:
+        return None, str(err)
+
+
+def plan_misfit(plan: PushPlan, layouts: Sequence[EngineLayout]) -> str:
+    """Why engine ranks of `layouts` (each probed on `plan.manifest`) cannot take `plan`'s buckets, or ""."""
+    for mine in layouts:
+        theirs = [lay for lay in plan.layouts if lay.rank == mine.rank]
+        if mine.problem or len(theirs) != 1 or not same_ops(mine, theirs[0]):
+            return f"engine rank {mine.rank}: {mine.problem or 'its parameter layout differs from plan ' + plan.plan_id}"
+    return ""
+
+
+def hf_from_engine(plan: PushPlan, buckets: Iterable[Bucket]) -> dict[str, torch.Tensor]:
+    """The HF tensors rebuilt from engine-layout buckets of `plan` (each source element from any copy of it): host
+    tensors in the manifest's dtypes. Raises PlanError if some source was never copied anywhere."""
+    out = {e.name: torch.empty(e.shape, dtype=dtype_from_name(e.dtype)) for e in plan.manifest}
+    by_key = {(b.rank, tuple(m.name for m in b.metas())): b for b in plan.buckets}
+    seen: set[str] = set()
+    for bucket in buckets:
+        b = by_key.get((bucket.rank, tuple(bucket.names)))
+        if b is None:
+            raise PlanError(f"a bucket of rank {bucket.rank} starting with {bucket.names[:1]} is not in plan {plan.plan_id}")
+        host = bucket.to_host()
+        flat = torch.from_numpy(host.buffer) if not isinstance(host.buffer, torch.Tensor) else host.buffer
+        for p, off in b.params:
+            view = flat[off : off + p.nbytes].view(dtype_from_name(p.dtype)).view(p.shape)
+            for op in (op for op in p.ops if op.src is not None):
+                op.src_view.of(out[op.src]).copy_(op.dst.of(view))  # type: ignore[union-attr]
+                seen.add(op.src)
+    missing = [e.name for e in plan.manifest if e.name not in seen]
+    if missing:
+        raise PlanError(f"{len(missing)} exported tensors are not in any engine parameter, e.g. {missing[:3]}")
+    return out

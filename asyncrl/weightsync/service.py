@@ -22,7 +22,7 @@ from typing import Any
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.interfaces import EngineAPI
-from asyncrl.types import PlanRequest, Refusal, WeightExport, learner_failure
+from asyncrl.types import PlanRequest, Refusal, learner_failure
 from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
 from asyncrl.weightsync.link import CollectiveLink
 from asyncrl.weightsync.push import BucketSource, DeploymentReplicas, Publisher, StreamedSource, VersionRegistry
@@ -45,7 +45,6 @@ class WeightPublisher:
         self.namespace = namespace or STORE_NAMESPACE
         self.plan: Any = None  # the push plan the engines and the learner's senders hold (None: HF tensors)
         self.manifest: list[Any] = []
-        self.pieces = b""  # the learner's TP pieces for a shard plan (pickled), read from its start export
         self.publisher: Publisher | None = None
         self.transport: Any = None
         self.store: Any = None
@@ -80,7 +79,6 @@ class WeightPublisher:
                 # through the replicas' client: the fan-out a push reads is then the one just counted
                 members=lambda: self.replicas.call(EngineAPI.join_collective),
                 join=lambda wire: control.call(EngineAPI.join_collective, wire, self.cfg.timeout_s, timeout_s=self.cfg.timeout_s + 30.0),
-                ranks_of=self.sender_ranks,
                 health=self._healthy,
             )
         # The seed (and, for collective transports, every host copy) lives in the object store.
@@ -90,7 +88,6 @@ class WeightPublisher:
 
         self.manifest = [ManifestEntry(m.name, m.dtype, tuple(m.shape), sender)
                          for metas, sender in zip(export.metas, export.senders) for m in metas]
-        self.pieces = self._pieces(export)
         try:
             self.publisher.seed(initial_version, BucketSource(export.buckets, transport, self.cfg.verify, export.digests))
         except BaseException:  # nothing keeps the start export's buckets: free them (shm files) now
@@ -118,8 +115,7 @@ class WeightPublisher:
 
         plan, problem, timeout_s = None, "weightsync.apply is 'reload'", max(600.0, self.cfg.timeout_s)
         if self.cfg.apply != "reload":
-            request = PlanRequest(manifest=dump_manifest(self.manifest), bucket_mb=self.cfg.bucket_mb,
-                                  pieces=self.pieces)
+            request = PlanRequest(manifest=dump_manifest(self.manifest), bucket_mb=self.cfg.bucket_mb)
             acks = await self.replicas.control.call(EngineAPI.set_push_plan, request, timeout_s=timeout_s)
             problems = sorted({f"{rid}: {a.problem}" for rid, a in acks.items() if a.plan is None})
             if problems:
@@ -134,46 +130,22 @@ class WeightPublisher:
             await self.replicas.control.call(EngineAPI.set_push_plan, None, timeout_s=timeout_s)
             if self.cfg.apply == "direct":
                 raise PlanError(f"weightsync.apply is 'direct' but no push plan can be made: {problem}")
-        senders_before, feeds_before = (self.plan.senders if self.plan is not None else None), self.sender_ranks()
+        senders_before = self.plan.senders if self.plan is not None else None
         if self.store is not None:  # a replica starting from here on takes it there (engine.sync_from_source)
             await self.store.set_push_plan.remote(plan)
         await self.learner.set_push_plan(pickle.dumps(plan) if plan is not None else None, host_copies=self._pins())
         self.plan = plan
-        if self.link is not None and (senders_before != (plan.senders if plan is not None else None)
-                                      or feeds_before != self.sender_ranks()):
-            self.link.forget()  # other learner ranks send now, or to other engine ranks: the groups form again
+        if self.link is not None and senders_before != (plan.senders if plan is not None else None):
+            self.link.forget()  # other learner ranks send now: the groups form again
         if plan is not None:
-            log.info("weightsync: push plan %s: %d engine rank(s), %d buckets, %.1f MB, %s; engines copy into their "
-                     "parameters", plan.plan_id, plan.ranks, len(plan.buckets), plan.nbytes / 1e6,
-                     f"each of {plan.senders} learner ranks sending its own shards" if plan.pieces else "gathered")
+            log.info("weightsync: push plan %s: %d engine rank(s), %d buckets, %.1f MB; engines copy into their "
+                     "parameters", plan.plan_id, plan.ranks, len(plan.buckets), plan.nbytes / 1e6)
         else:
             log.info("weightsync: pushes carry HF tensors and engines reload them (%s)", problem)
-
-    def _pieces(self, export: WeightExport) -> bytes:
-        """What each would-be sending rank holds of the start export without a TP gather, as `plan.Piece`s (pickled,
-        in sender order) for a shard plan; b"" where the ranks gather their shards before the wire: ipc (one
-        sender), no TP, or a rank that cannot send its shards as they are."""
-        from asyncrl.weightsync.shards import Piece
-
-        problem = next((o.problem for o in export.pieces if o.problem), "")
-        if (self.transport is not None and self.transport.backend == "ipc") or problem:
-            log.info("weightsync: TP shards are gathered before each push (%s)", problem or "ipc")
-            return b""
-        pieces = [Piece(hf, o.sender, o.tp, dtype, tuple(full), tuple(window) if window else None)
-                  for o in sorted(export.pieces, key=lambda o: o.sender) for hf, dtype, full, window in o.pieces]
-        return pickle.dumps(pieces) if pieces and max(p.tp for p in pieces) > 0 else b""
 
     def _pins(self) -> bool:
         """Whether the sending ranks keep pinned host copies of what they send (ipc, NCCL: device buckets)."""
         return self.on_gpu and self.transport is not None and self.transport.backend in ("ipc", "nccl")
-
-    def sender_ranks(self) -> dict[int, tuple[int, ...]] | None:
-        """sender -> the engine ranks its buckets are for, for each sender of the plan that feeds only some
-        (a shard plan): its broadcast group then holds only those ranks' workers, so the senders' groups
-        share no receiver and run at once. None: every sender feeds every rank (or there is no plan)."""
-        from asyncrl.weightsync.shards import sender_ranks
-
-        return sender_ranks(self.plan) if self.plan is not None else None
 
     async def rebind_learner(self, learner: Any) -> None:
         """A restarted learner group takes the old one's place: it packs for the same push plan (same model and

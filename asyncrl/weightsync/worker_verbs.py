@@ -276,8 +276,7 @@ class WorkerVerbs:
         from asyncrl.weightsync.stream import broadcast_receive_stream
 
         held = self.__dict__.get("_asyncrl_groups", {})
-        skipped = set(self._asyncrl_not_member())
-        group_ids = [gid for gid in groups if gid not in skipped]  # (formed without this worker's rank)
+        group_ids = list(groups)
         deadline = time.monotonic() + timeout_s
         try:  # one that cannot take the push refuses it: its other members must not wait for this worker
             rx.begin(version, *(begin or []))
@@ -335,15 +334,12 @@ class WorkerVerbs:
 
     # ---- collective groups (weightsync/collective.py) ---------------------------------------------
     def asyncrl_join_collective(self, replica_id: str, specs: list[dict[str, Any]] | None = None) -> list[str]:
-        """Leave any earlier groups, then join each group of `specs` (one per sending learner rank, in sender order)
-        that takes this worker's engine rank (`GroupSpec.takes`: a shard plan's sender feeds only some); None: stay.
-        Returns the ids of the groups this worker is ready for: those it holds still usable, those formed without it."""
+        """Leave any earlier groups, then join each group of `specs` (one per sending learner rank, in sender order);
+        None: stay. Returns the ids of the groups this worker holds still usable."""
         from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
 
         if specs is None:
-            held = [gid for gid, g in self.__dict__.get("_asyncrl_groups", {}).items() if not g.broken]
-            return held + self._asyncrl_not_member()
-        self.__dict__.pop("_asyncrl_group_order", None)
+            return [gid for gid, g in self.__dict__.get("_asyncrl_groups", {}).items() if not g.broken]
         for group in self.__dict__.pop("_asyncrl_groups", {}).values():
             group.close()
         groups: dict[str, Any] = {}
@@ -351,18 +347,11 @@ class WorkerVerbs:
         mine = int(self.rank)  # type: ignore[attr-defined]
         try:
             for spec in parsed:
-                if spec.takes(mine):
-                    rank = spec.receiver_rank(replica_id, mine)
-                    groups[spec.group_id] = CollectiveGroup.join(spec, rank, getattr(self, "device", None))
+                groups[spec.group_id] = CollectiveGroup.join(spec, spec.receiver_rank(replica_id, mine),
+                                                             getattr(self, "device", None))
         except BaseException:
             for group in groups.values():
                 group.close()
             raise
         self.__dict__["_asyncrl_groups"] = groups
-        self.__dict__["_asyncrl_group_order"] = [s.group_id for s in parsed]  # (those not in `groups`: formed without it)
         return [s.group_id for s in parsed]
-
-    def _asyncrl_not_member(self) -> list[str]:
-        """The groups formed without this worker's engine rank (`GroupSpec.takes`), in sender order."""
-        groups = self.__dict__.get("_asyncrl_groups", {})
-        return [gid for gid in self.__dict__.get("_asyncrl_group_order", []) if gid not in groups]

@@ -363,12 +363,12 @@ def test_weight_store_keeps_the_current_push_plan_apart_from_the_stored_versions
 
 class _Plan:
     def __init__(self, plan_id: str) -> None:
-        self.plan_id, self.probed_manifest = plan_id, ["w", "b"]
+        self.plan_id, self.manifest = plan_id, ["w", "b"]
 
 
 def _staging(plan_id: str | None = None, refuses: bool = False):
     """The replica's weight-update part with workers whose layout is the plan's, or is not (`refuses`): it checks a
-    plan with `shards.plan_misfit` over the layouts its workers answer (`_layouts`)."""
+    plan with `plan.plan_misfit` over the layouts its workers answer (`_layouts`)."""
     from asyncrl.generator.engine_update import WeightUpdates
 
     class Staging(WeightUpdates):
@@ -791,7 +791,7 @@ def test_a_late_joiner_loads_an_engine_layout_version_in_that_layout_when_the_pl
 
         tensors = {"w": torch.ones(2)}
         replica._take_plan, replica.load_bucket, replica.commit_update = take_plan, load_bucket, commit_update
-        with patch("asyncrl.weightsync.shards.hf_from_engine", lambda p, buckets: tensors):
+        with patch("asyncrl.weightsync.plan.hf_from_engine", lambda p, buckets: tensors):
             layout = asyncio.run(replica._load_latest(Store()))
         if fits:
             assert layout == "engine" and loads == [(["b0"], 3, "engine", "p1"), "checksum:abc"]

@@ -77,26 +77,9 @@ def test_form_specs_gives_each_replica_a_rank_block_in_id_order():
         form_specs("gloo", [("h", 1)], {}, timeout_s=5, group_prefix="x")
     with pytest.raises(ValueError, match="backend"):
         GroupSpec("g", "mpi", "h", 1, 2, {"a": 1})
-
-
-def test_a_shard_plans_groups_hold_only_the_engine_ranks_each_sender_feeds():
-    # two senders feeding engine ranks {0, 1} and {2, 3} of two replicas of 4 workers each; a third feeds all
-    specs = form_specs("nccl", [("h0", 1), ("h1", 2), ("h2", 3)], {"b": 4, "a": 4}, timeout_s=5, group_prefix="x",
-                       ranks_of={0: (1, 0), 1: (2, 3)})
-    assert [s.ranks for s in specs] == [(0, 1), (2, 3), ()]
-    assert specs[0].world_size == specs[1].world_size == 5 and specs[2].world_size == 9
-    assert specs[0].receivers == specs[1].receivers == {"a": 1, "b": 3} and specs[2].receivers == {"a": 1, "b": 5}
-    assert specs[1].takes(3) and not specs[1].takes(1) and all(specs[2].takes(r) for r in range(4))
-    assert [specs[1].receiver_rank("b", r) for r in (2, 3)] == [3, 4] and specs[2].receiver_rank("b", 3) == 8
-    with pytest.raises(CollectiveError, match="not among its members"):
-        specs[1].receiver_rank("a", 0)
-    with pytest.raises(CollectiveError, match="has 2 workers"):
-        form_specs("nccl", [("h0", 1)], {"a": 2}, timeout_s=5, group_prefix="x", ranks_of={0: (2,)})
-    with pytest.raises(ValueError, match="distinct"):
-        GroupSpec("g", "gloo", "h", 1, 3, {"a": 1}, ranks=(1, 1))
     from dataclasses import asdict
 
-    assert GroupSpec(**asdict(specs[0])) == specs[0]  # as the workers get it
+    assert GroupSpec(**asdict(specs[1])) == specs[1]  # as the workers get it
 
 
 def test_the_senders_reserved_port_stays_taken_until_its_store_serves_the_group_on_it():
@@ -894,30 +877,6 @@ async def test_groups_are_formed_again_only_when_replicas_change_or_a_member_bro
     replicas["b"] = {"workers": 2, "groups": []}  # scale-up: a new member needs ranks
     await link.ensure()
     assert link.formed == 4 and link.members == {"a": 1, "b": 2} and link.specs[0].world_size == 4
-
-
-async def test_a_shard_plans_groups_form_again_when_the_ranks_each_sender_feeds_change():
-    """`ranks_of` (the service's `sender_ranks`): the groups hold only the ranks each sender feeds, and form again
-    when that changes."""
-    from asyncrl.weightsync.link import CollectiveLink
-
-    learner = _FakeLearner()
-
-    async def addresses():
-        return [SenderAddress(i, "127.0.0.1", 1 + i, learner.held[i] if learner.held else "") for i in range(2)]
-
-    learner.collective_addresses = addresses
-    replicas, _, members, join = _fake_replicas()
-    replicas["a"]["workers"] = 2
-    feeds = {"now": {0: (0,), 1: (1,)}}
-    link = CollectiveLink("nccl", learner, members=members, join=join, bucket_mb=1, timeout_s=5, ranks_of=lambda: feeds["now"])
-    await link.ensure()
-    assert [s.ranks for s in link.specs] == [(0,), (1,)] and all(s.world_size == 2 for s in link.specs)
-    await link.ensure()
-    assert link.formed == 1  # the same members and ranks: kept
-    feeds["now"] = None  # a gathered plan now: every worker in every group
-    await link.ensure()
-    assert link.formed == 2 and [s.ranks for s in link.specs] == [(), ()]
 
 
 async def test_an_ipc_link_forms_no_group_and_hands_the_replicas_what_its_senders_answered():

@@ -5,10 +5,9 @@ The engine (`EngineReplica`, tensor_parallel_size 2: one worker process per GPU,
 the host's CPUs) reports one layout
 per TP rank, read from its own loaders: each rank holds half of the fused QKV and gate/up rows, half
 of every row-parallel column, one of the two KV heads, half of the padded vocabulary. A TP=2 Megatron
-learner (two Ray rank actors, one GPU each on a GPU host) updates once, then packs its export straight into
-that plan's buckets in
-shared-memory files, each TP rank its own shards (the service's shard plan: no gather, engine rank r's
-buckets from learner rank r); the publisher pushes them with checksum verification. The engine's greedy
+learner (two Ray rank actors, one GPU each on a GPU host) updates once, then TP rank 0 packs its gathered export
+straight into that plan's buckets (both engine ranks') in shared-memory files; the publisher pushes them with
+checksum verification. The engine's greedy
 tokens then equal `transformers`' argmax on the learner's HF export of the same weights, tagged with
 the new version, and every parameter of both workers is still at its address (captured CUDA graphs
 stay valid). Both engine workers report that a copy into their parameters is a correct apply.
@@ -41,7 +40,7 @@ async def _scenario(model_path: str) -> dict:
     from asyncrl.types import GenerationRequest, LayoutCheck, PlanRequest, SamplingParams
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
     from asyncrl.weightsync.push import Publisher
-    from asyncrl.weightsync.service import WeightPublisher, dump_manifest
+    from asyncrl.weightsync.service import dump_manifest
     from asyncrl.weightsync.transport import SharedMemoryTransport
     from tests.learner._data import advantages, make_samples
     from tests.weightsync.fakes import iter_unpacked
@@ -70,11 +69,8 @@ async def _scenario(model_path: str) -> dict:
         answers = await replica._rpc(WorkerAPI.asyncrl_layout, dump_manifest(manifest))
         layouts = [pickle.loads(msgspec.convert(a, LayoutCheck).layout) for a in answers]
         gathered = build_plan(manifest, layouts, 0.25)
-        # what the service asks for and the replica forms for this layout (a shard plan): each TP rank sends
-        # its own shards
-        assert len(hf_export.pieces) == 2 and not any(p.problem for p in hf_export.pieces), hf_export.pieces
-        pieces = WeightPublisher(WeightsyncConfig(), engine=None, learner=group)._pieces(hf_export)
-        ack = await replica.set_push_plan(PlanRequest(manifest=dump_manifest(manifest), bucket_mb=0.25, pieces=pieces))
+        # what the service asks for and the replica forms for this layout: the learner's TP rank 0 sends it all
+        ack = await replica.set_push_plan(PlanRequest(manifest=dump_manifest(manifest), bucket_mb=0.25))
         plan = pickle.loads(ack.plan)
         await group.set_push_plan(ack.plan)
 
@@ -97,14 +93,14 @@ async def _scenario(model_path: str) -> dict:
 
 
 async def _broadcast_push(group, replica, plan, sp) -> dict:
-    """Version 2 as the service pushes over gloo: each learner TP rank broadcasts its own shards over a group
-    of its own (CollectiveLink, a StreamedSource) that holds only the engine worker it feeds."""
+    """Version 2 as the service pushes over gloo: the learner's TP rank 0 broadcasts the gathered export, every
+    engine rank's buckets, over one group that holds both engine workers (CollectiveLink, a StreamedSource)."""
     from asyncrl.config import WeightsyncConfig
     from asyncrl.interfaces import WorkerAPI
     from asyncrl.types import GenerationRequest
     from asyncrl.weightsync.link import CollectiveLink
+    from asyncrl.weightsync.plan import hf_from_engine
     from asyncrl.weightsync.push import Publisher, VersionRegistry
-    from asyncrl.weightsync.shards import hf_from_engine, sender_ranks
     from asyncrl.weightsync.transport import select_transport
     from tests.learner._data import advantages, make_samples
     from tests.weightsync.fakes import iter_unpacked
@@ -118,8 +114,7 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
     async def join(wire):
         return [await replica.join_collective(wire, 120.0)]
 
-    link = CollectiveLink("gloo", group, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s,
-                          ranks_of=lambda: sender_ranks(plan))
+    link = CollectiveLink("gloo", group, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
     pub = Publisher(cfg, transport=transport, registry=VersionRegistry(1))
     samples = make_samples(8, group_size=2)
     old = await group.compute_log_prob(samples)
@@ -131,7 +126,7 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
     exported = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in packed.buckets)}
     outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in PROMPTS]
     return {"metrics": result.metrics, "groups": list(link.group_ids), "kept": kept, "exported": exported,
-            "ranks": [s.ranks for s in link.specs], "held": await replica._rpc(WorkerAPI.asyncrl_join_collective, replica.replica_id),
+            "world": [s.world_size for s in link.specs], "held": await replica._rpc(WorkerAPI.asyncrl_join_collective, replica.replica_id),
             "tokens": [o.completions[0].token_ids for o in outs], "versions": [o.completions[0].versions for o in outs]}
 
 
@@ -143,14 +138,12 @@ def test_a_tp2_engine_decodes_transformers_tokens_after_a_tp2_learners_push(ray_
     assert out["update"]["actor/applied_steps"] == 1
     first, second = out["layouts"]
     assert not first.problem and not second.problem, (first.problem, second.problem)
-    assert first.digest != second.digest  # each TP rank holds its own shards
+    assert first.digest != second.digest  # each engine TP rank holds its own shards
     assert all(r.direct for r in out["check"]), out["check"]
-    # both learner ranks packed their own shards (no gather), and each engine rank's buckets came from the
-    # learner rank of its TP index: half the bytes each
+    # the replica formed the plan of both engine ranks' layouts, sent by the learner's TP rank 0 alone
     plan, gathered = out["plan"], out["gathered"]
-    assert out["senders"] == [0, 1] and plan.senders == 2 and gathered.senders == 1
-    assert all(b.sender == b.rank for b in plan.buckets)
-    assert plan.nbytes == gathered.nbytes
+    assert out["senders"] == [0] and plan.senders == 1 and plan.plan_id == gathered.plan_id
+    assert {b.rank for b in plan.buckets} == {0, 1}
     assert out["metrics"]["weightsync/apply_direct"] == 1.0
     assert out["same_addresses"]
     hf = _load_hf(str(demo_model_path), out["exported"])
@@ -159,11 +152,9 @@ def test_a_tp2_engine_decodes_transformers_tokens_after_a_tp2_learners_push(ray_
     if torch.cuda.is_available():
         return  # (the gloo push: CPU only; on GPUs the NCCL push is the gpu4 benchmark's)
     b = out["broadcast"]
-    # over gloo: one broadcast group per learner TP rank, every bucket applied directly, version 2 live
-    assert len(b["groups"]) == 2 and b["metrics"]["weightsync/apply_direct"] == 1.0
-    # each group holds only the engine worker its sender feeds: sender r's group, engine rank r; every worker
-    # still answers that it is ready for both (holding its own, formed without the other)
-    assert b["ranks"] == [(0,), (1,)] and all(sorted(h) == sorted(b["groups"]) for h in b["held"])
+    # over gloo: one broadcast group (the sender and both engine workers), every bucket applied directly, version 2
+    assert len(b["groups"]) == 1 and b["world"] == [3] and b["metrics"]["weightsync/apply_direct"] == 1.0
+    assert all(h == b["groups"] for h in b["held"])
     assert b["metrics"]["weightsync/transport/gloo/bytes"] == plan.nbytes
     assert b["kept"].keys() == b["exported"].keys() and all(torch.equal(b["kept"][n], b["exported"][n]) for n in b["kept"])
     assert not all(torch.equal(b["exported"][n], out["exported"][n]) for n in b["exported"])  # the second update moved them

@@ -406,9 +406,8 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     from asyncrl.config import AlgorithmConfig, LearnerConfig, ModelConfig, WeightsyncConfig
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.weightsync.link import CollectiveLink
-    from asyncrl.weightsync.plan import ManifestEntry
+    from asyncrl.weightsync.plan import ManifestEntry, hf_from_engine
     from asyncrl.weightsync.push import ActorReplica, Publisher
-    from asyncrl.weightsync.shards import hf_from_engine
     from asyncrl.weightsync.transport import select_transport
     from tests.learner._data import advantages, make_samples
     from tests.weightsync.fakes import iter_unpacked

@@ -252,9 +252,6 @@ class ActorRole:
     def export_hf_tensors(self):
         return self.runner.export_hf_tensors()
 
-    def export_hf_pieces(self, data: bool = True):
-        return self.runner.export_hf_pieces(data)
-
     def checkpoint_parts(self) -> tuple[list[torch.nn.Module], Any, Any]:
         return self.runner.chunks, self.optim.optimizer, self.optim.schedule
 

@@ -302,15 +302,6 @@ class ModelRunner:
             raise RuntimeError("only a language-model head exports HF tensors")
         return export_hf_tensors(self.chunks, self.ctx.hf_config)
 
-    @torch.no_grad()
-    def export_hf_pieces(self, data: bool = True):
-        """This rank's own parts of the HF tensors, TP shards not gathered (convert.export_hf_pieces)."""
-        from asyncrl.learner.convert import export_hf_pieces
-
-        if self.head != "lm":
-            raise RuntimeError("only a language-model head exports HF tensors")
-        return export_hf_pieces(self.chunks, self.ctx.hf_config, data)
-
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for c in self.chunks for p in c.parameters()]
 

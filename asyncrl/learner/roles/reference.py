@@ -38,9 +38,6 @@ class ReferenceRole:
     def export_hf_tensors(self):
         return self.runner.export_hf_tensors()
 
-    def export_hf_pieces(self, data: bool = True):
-        return self.runner.export_hf_pieces(data)
-
     def checkpoint_parts(self) -> tuple[list[torch.nn.Module], None, None]:
         return self.runner.chunks, None, None
 
