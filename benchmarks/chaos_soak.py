@@ -479,7 +479,9 @@ class Soak:
         report.update({
             "requests": {k: v for k, v in api.items() if k != "unexpected"}, "unexpected_non_200": api["unexpected"][:50],
             "latency_s": latency_figures(self.requests), "steps": max(steps, default=0),
-            "steps_per_min": (max(steps, default=0) / a.minutes), "versions": len(versions), "sync_s_max": sync_max,
+            # over the load's whole time: --minutes and any settle past them
+            "steps_per_min": max(steps, default=0) / (a.minutes + report.get("settle_s", 0.0) / 60),
+            "versions": len(versions), "sync_s_max": sync_max,
             "identity_checks": len(gaps) + 1, "identity_gap_end": gap_end, "kills": self.kills,
             "statuses": [{k: s[k] for k in ("t", "state", "step", "restarts")} for s in self.statuses],
             "rss_reference_s": reference, "rss": growth, "rss_samples": len(self.rss),
