@@ -495,7 +495,6 @@ class WeightsyncConfig(_Section):
         "unknown layouts). auto = direct where every engine proved it correct at start, else reload (the reason is logged "
         "and every push reports the path it took); direct = fail if it is not possible.")
     timeout_s: float = Field(120.0, gt=0)
-    retries: int = Field(1, ge=0)
     recovery_s: float = Field(
         600.0, ge=0, description="A push that failed on the engine side (a replica died, is restarting) is tried again, "
         "once the running replicas answer a health check, for up to this long before training stops with the error; 0 = stop at once.")

@@ -175,7 +175,7 @@ class CollectiveLink:
     `join(specs)` joins. `ensure()`, before each push attempt, forms the groups unless they still hold exactly the
     running replicas and no member's group broke; a replica that comes later fails that attempt at the gate, one
     that fails its `health` check (beside a push still sending after `WATCH_S`) or whose load returned without
-    reaching the gate `stop`s the senders, and the retry forms the groups again. ipc (`sequential`): no group; the
+    reaching the gate `stop`s the senders, and the push made again (service.py) forms them again. ipc (`sequential`): no group; the
     senders' `send` answers the handles that are every replica's `payload`."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],

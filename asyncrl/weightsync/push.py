@@ -1,12 +1,13 @@
 """Push orchestration: publish one weight version to every engine replica, atomically.
 
-Owns: the order of a push, its atomicity, timeouts and retries, the registry of versions (`VersionRegistry`: each
+Owns: the order of a push, its atomicity and timeouts, the registry of versions (`VersionRegistry`: each
 one's lifecycle IDLE -> STAGING -> COMMITTING -> LIVE | FAILED and timeline, who committed it), the host
 copy of the last live version (its bucket handles), per-push metrics. Order: load_bucket (one a replica, beginning
 the update; staged and verified beside the live weights) -> pause -> commit_update(fingerprint) -> resume.
 Atomicity (the replicas' contract, sources.py): a failure before the commit is undone by `abort_update` (the version
 goes FAILED); a part-applied or ahead replica is restored from the host copy while paused, else reported out of
-service. Every call is bounded by `timeout_s`, a failed attempt retried, paused replicas always resumed.
+service. Every call is bounded by `timeout_s`, paused replicas always resumed; a failed push is pushed again by the
+one recovery path, `WeightPublisher.publish` (service.py).
 Must never: pack or unpack tensors (bucket.py, plan.py), know the transport's medium, or let a version go live that
 some live replica did not commit. Details: docs/design/weightsync.md, "Push orchestration".
 """
@@ -35,7 +36,6 @@ from asyncrl.weightsync.sources import (  # noqa: F401 - re-exported: the publis
     Step,
     StepFailed,
     StreamedSource,
-    is_replica_dead,
     is_verify_failure,
     refusals_of,
 )
@@ -71,12 +71,11 @@ class PushResult:
     warnings: list[str] = field(default_factory=list)
 
 
-# The one place transitions are defined. COMMITTING -> STAGING is a retry that restages from
-# scratch after a failed commit (the engines dropped their staged copy).
+# The one place transitions are defined (a push that failed is a FAILED record; pushing it again begins a new one).
 _TRANSITIONS: dict[WeightUpdateState, frozenset[WeightUpdateState]] = {
     S.IDLE: frozenset({S.STAGING, S.FAILED}),
-    S.STAGING: frozenset({S.STAGING, S.COMMITTING, S.FAILED}),
-    S.COMMITTING: frozenset({S.STAGING, S.LIVE, S.FAILED}),
+    S.STAGING: frozenset({S.COMMITTING, S.FAILED}),
+    S.COMMITTING: frozenset({S.LIVE, S.FAILED}),
     S.LIVE: frozenset(),
     S.FAILED: frozenset(),
 }
@@ -149,8 +148,6 @@ class VersionRegistry:
         if new is S.LIVE:
             raise RegistryError("LIVE is entered only through go_live(), which checks every replica committed")
         record.state = new
-        if new is S.STAGING:
-            record.replicas = []  # a retry restages every replica from scratch
         if new is S.FAILED:
             record.error = error or "unknown error"
             self._in_flight = None
@@ -218,7 +215,7 @@ class Publisher:
         self._on_live = on_live
         self._host: _HostCopy | None = None
         self._tail: asyncio.Future | None = None  # the last live version's host copy, being kept
-        self.totals = {k: 0 for k in ("pushes_total", "pushes_failed_total", "retries_total", "rollbacks_total", "out_of_service_total")}
+        self.totals = {k: 0 for k in ("pushes_total", "pushes_failed_total", "rollbacks_total", "out_of_service_total")}
 
     def seed(self, version: int, source: BucketSource) -> str:
         """Keep the buckets of weights the replicas already serve (e.g. loaded from disk at start) as the host
@@ -248,20 +245,11 @@ class Publisher:
         self.registry.begin(version)
         self.totals["pushes_total"] += 1
         try:
-            for attempt in range(self._cfg.retries + 1):
-                m.attempts = attempt + 1
-                self.registry.transition(version, S.STAGING)
-                try:
-                    fingerprint = await self._attempt(version, source, replicas, m)
-                    break
-                except StepFailed as f:
-                    if not f.retryable or attempt == self._cfg.retries or f.out_of_service:
-                        raise self._fail(version, f, m) from next(iter(f.failures.values()), None)
-                    log.warning("weightsync: push of version %d, attempt %d failed at %s (%s); trying again", version,
-                                attempt + 1, f.step.value,
-                                "; ".join(f"{n}: {type(e).__name__}: {str(e)[:300]}" for n, e in f.failures.items()))
-                    m.retries += 1
-                    self.totals["retries_total"] += 1
+            self.registry.transition(version, S.STAGING)
+            try:
+                fingerprint = await self._attempt(version, source, replicas, m)
+            except StepFailed as f:
+                raise self._fail(version, f, m) from next(iter(f.failures.values()), None)
         except BaseException as exc:
             for h in source.handles:  # the failed version's buckets: nobody will read them again
                 with contextlib.suppress(Exception):
@@ -311,7 +299,7 @@ class Publisher:
                 # Committed peers are ahead of the failed ones, and a non-verify commit failure
                 # may be half applied: all of them go back to the last live version.
                 restore = ok + [n for n, e in bad.items() if not is_verify_failure(e)]
-                raise StepFailed(Step.COMMIT, bad, retryable=not any(map(is_replica_dead, bad.values())), restore=restore)
+                raise StepFailed(Step.COMMIT, bad, restore=restore)
             self.registry.go_live(version, [r.name for r in replicas])
             return fingerprint
         except StepFailed as f:  # every replica, its update begun or not: abort_update is idempotent
@@ -365,7 +353,7 @@ class Publisher:
                     m: PushMetrics) -> None:
         _, bad = await self._run(step, replicas, call, m)
         if bad:
-            raise StepFailed(step, bad, retryable=not any(map(is_replica_dead, bad.values())))
+            raise StepFailed(step, bad)
 
     # ---- restore / late load ---------------------------------------------------------------
     async def _restore(self, replicas: list[ReplicaClient], m: PushMetrics) -> list[str]:
@@ -387,8 +375,7 @@ class Publisher:
     # ---- outcome -----------------------------------------------------------------------------
     def _fail(self, version: int, f: StepFailed, m: PushMetrics) -> WeightsyncError:
         detail = "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in f.failures.items())
-        message = (f"weight push of version {version} failed at step {f.step.value} on replica(s) {sorted(f.failures)} "
-                   f"after {m.attempts} attempt(s): {detail}")
+        message = f"weight push of version {version} failed at step {f.step.value} on replica(s) {sorted(f.failures)}: {detail}"
         if f.out_of_service:
             message += f"; out of service (need restart): {f.out_of_service}"
         self.registry.transition(version, S.FAILED, error=message)

@@ -109,15 +109,6 @@ def refusals_of(failures: dict[str, BaseException]) -> dict[str, Refusal]:
             for k, r in (e.refusals if isinstance(e, ReplicaControlError) else {name: refusal_of(e)}).items() if r}
 
 
-def is_replica_dead(exc: BaseException) -> bool:
-    """The replica process is gone: retrying the same replica cannot help."""
-    try:
-        from ray.exceptions import RayActorError
-    except ImportError:  # pragma: no cover - ray is a dependency
-        return False
-    return isinstance(exc, RayActorError) and type(exc).__name__ != "ActorUnavailableError"
-
-
 # ---- a push's metrics ------------------------------------------------------------------------------------
 
 @dataclass
@@ -129,8 +120,6 @@ class PushMetrics:
     bytes: int = 0
     num_tensors: int = 0
     num_buckets: int = 0
-    attempts: int = 0
-    retries: int = 0
     failed: bool = False
     push_seconds: float = 0.0
     stage_seconds: float = 0.0
@@ -160,7 +149,7 @@ class PushMetrics:
 
     def as_dict(self, timeline: list[tuple[str, float]] | None = None) -> dict[str, float]:
         p = "weightsync/"
-        plain = ("version", "bytes", "num_tensors", "num_buckets", "num_replicas", "attempts", "retries", "failed",
+        plain = ("version", "bytes", "num_tensors", "num_buckets", "num_replicas", "failed",
                  "rollbacks", "out_of_service", "store_failed", "push_seconds", "on_live_seconds", "paused_seconds",
                  "host_copy_wait_seconds", "host_copy_seconds", "stage_seconds", "commit_seconds", "fingerprint_seconds")
         out: dict[str, float] = {p + k: float(v) if isinstance(v := getattr(self, k), bool) else v for k in plain}
@@ -185,7 +174,7 @@ class PushMetrics:
         if timeline:
             t0 = timeline[0][1]
             for state, ts in timeline:
-                out[f"{p}timeline/{state}_s"] = ts - t0  # a retry's later entry overwrites: last wins
+                out[f"{p}timeline/{state}_s"] = ts - t0
         return out
 
 
@@ -204,7 +193,6 @@ class Step(str, enum.Enum):
 class StepFailed(Exception):
     step: Step
     failures: dict[str, BaseException]
-    retryable: bool = True
     restore: list[str] = field(default_factory=list)  # replicas to put back on the last live version
     out_of_service: list[str] = field(default_factory=list)
 
@@ -212,8 +200,7 @@ class StepFailed(Exception):
 class BucketSource:
     """Buckets the learner ranks already put into the transport (`export_weights`), with the digests they
     computed as they packed (else hashed here) and, for engine-layout buckets, the plan they were packed for.
-    Read once, when made: a bad handle, or a tensor in two buckets, fails before the push registers anything.
-    A retry replays the handles."""
+    Read once, when made: a bad handle, or a tensor in two buckets, fails before the push registers anything."""
 
     def __init__(self, handles: Sequence[Any], transport: Transport, verify: VerifyMode = "full",
                  digests: Sequence[dict[str, bytes]] | None = None, plan_id: str | None = None) -> None:
@@ -248,7 +235,7 @@ class BucketSource:
 
     async def stream(self, step: Callable[..., Awaitable[None]], version: int, replicas: list[ReplicaClient],
                      m: PushMetrics, begin: UpdateBegin) -> None:
-        """One attempt: every replica's one load (beginning the update) takes every bucket, in order."""
+        """Every replica's one load (beginning the update) takes every bucket, in order."""
         payload = [self._transport.payload(h) for h in self.handles]
         await step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version, begin), m)
 
@@ -287,8 +274,8 @@ CANCEL_GRACE_S = 1.0
 class StreamedSource:
     """A collective push: the senders broadcast every bucket (`link.send`) while each replica's single
     `load_bucket(link.payload(version))` receives them; no bucket passes through the publisher. The senders' host
-    copies become the handles (restores, late joiners) and their digests the fingerprint. Each attempt ensures the
-    groups first (`link.ensure`) and sends afresh."""
+    copies become the handles (restores, late joiners) and their digests the fingerprint. The groups are ensured
+    first (`link.ensure`)."""
 
     def __init__(self, link: Link, transport: Transport, timeout_s: float, verify: VerifyMode = "full",
                  plan_id: str | None = None) -> None:
@@ -298,14 +285,12 @@ class StreamedSource:
         self.plan_id = plan_id
         self.handles: list[Any] = []
         self._digests: dict[str, bytes] | None = None
-        self._sent = False  # the last attempt sent: its host copies are there to collect
+        self._sent = False  # the senders sent: their host copies are there to collect
         self._collecting: asyncio.Future | None = None
 
     async def stream(self, step: Callable[..., Awaitable[None]], version: int, replicas: list[ReplicaClient],
                      m: PushMetrics, begin: UpdateBegin) -> None:
-        """One attempt: every replica's load (beginning the update) receives what the senders broadcast."""
-        self.discard()  # an earlier attempt's host copies
-        self.handles, self._digests = [], None
+        """Every replica's load (beginning the update) receives what the senders broadcast."""
         t = time.perf_counter()
         try:
             await asyncio.wait_for(self._link.ensure(), self._timeout_s)
@@ -376,7 +361,7 @@ class StreamedSource:
         return combine_digests(self._digests, self.verify)
 
     def collect_host_copies(self) -> None:
-        """Start collecting the last attempt's host copies (`settle` waits for them): once live, or dropped."""
+        """Start collecting the senders' host copies (`settle` waits for them): once live, or dropped."""
         sent, self._sent = self._sent, False
         if sent:
             self._collecting = asyncio.ensure_future(self._link.collect())
@@ -391,7 +376,7 @@ class StreamedSource:
         return dict(kept.seconds)
 
     def discard(self) -> None:
-        """Release host copies once they arrive (a failed or retried attempt's: none may linger)."""
+        """Release host copies once they arrive (a failed push's: none may linger)."""
         self.collect_host_copies()
         collecting, self._collecting = self._collecting, None
 

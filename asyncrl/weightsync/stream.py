@@ -35,7 +35,7 @@ def _header(group: CollectiveGroup, kind: int, a: int = 0, b: int = 0) -> torch.
 @dataclass
 class SendResult:
     """What a sender hands back to the publisher: per-tensor digests in the push's verify mode, sizes and timings.
-    Its host copies (rollbacks, retries, late joiners) are made when collected (`host_copies.result()`)."""
+    Its host copies (rollbacks, late joiners) are made when collected (`host_copies.result()`)."""
 
     host_copies: HostCopies | None = None
     digests: dict[str, bytes] = field(default_factory=dict)

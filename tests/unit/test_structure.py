@@ -132,7 +132,7 @@ def test_weightsync_imports_neither_the_learner_nor_the_generator():
 
 # Issue 64's goal is weightsync and the engine-side weight code in <= 4,500 lines and <= 16 files; until it is met,
 # today's size is the ceiling: lower these as the code shrinks, never raise them.
-WEIGHTSYNC_MAX_LINES, WEIGHTSYNC_MAX_FILES = 5_206, 15
+WEIGHTSYNC_MAX_LINES, WEIGHTSYNC_MAX_FILES = 5_178, 15
 
 
 def test_the_weight_code_does_not_grow():
@@ -162,12 +162,12 @@ def test_the_weight_verbs_do_not_grow():
     assert len(verbs) <= WEIGHT_VERBS_MAX, sorted(verbs)
 
 
-def test_the_weightsync_config_holds_at_most_seven_fields():
-    """Issue 64: what a user sets about pushes fits in eight fields (seven since `staging` went); tuning constants
-    live beside their code."""
+def test_the_weightsync_config_holds_at_most_six_fields():
+    """Issue 64: what a user sets about pushes fits in eight fields (six since `staging` and `retries` went); tuning
+    constants live beside their code."""
     from asyncrl.config import WeightsyncConfig
 
-    assert len(WeightsyncConfig.model_fields) <= 7, sorted(WeightsyncConfig.model_fields)
+    assert len(WeightsyncConfig.model_fields) <= 6, sorted(WeightsyncConfig.model_fields)
 
 
 def test_no_file_over_600_lines():

@@ -569,7 +569,7 @@ class _Link:
         return HostCopies(-1, [], {}) if self._collect is None else await self._collect()
 
 
-def _streamed_setup(n=2, retries=0, timeout_s=20.0):
+def _streamed_setup(n=2, timeout_s=20.0):
     log: list[tuple[str, str]] = []
     old = model(0)
     replicas = [GlooReplica(f"r{i}", log, weights=dict(old)) for i in range(n)]
@@ -583,7 +583,7 @@ def _streamed_setup(n=2, retries=0, timeout_s=20.0):
         for r, g in zip(replicas, groups[1:]):
             r.group = g
 
-    cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, retries=retries, timeout_s=timeout_s)
+    cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, timeout_s=timeout_s)
     pub = Publisher(cfg, transport=LocalTransport())
     return pub, replicas, log, old, state, prepare
 
@@ -683,8 +683,8 @@ async def test_host_copies_that_fail_after_the_commit_leave_the_version_live_wit
     assert len(warnings) == 1 and "object store full" in warnings[0]
 
 
-async def test_a_sender_failure_publishes_nothing_and_a_retry_forms_a_new_group():
-    pub, replicas, log, old, state, prepare = _streamed_setup(retries=1)
+async def test_a_sender_failure_publishes_nothing_and_the_push_made_again_forms_a_new_group():
+    pub, replicas, log, old, state, prepare = _streamed_setup()
     new = model(1)
     calls = {"n": 0}
 
@@ -701,21 +701,20 @@ async def test_a_sender_failure_publishes_nothing_and_a_retry_forms_a_new_group(
         sent = await asyncio.to_thread(send_stream, state["sender"], stream, BUCKET_MB, verify=verify, timeout_s=20)
         return _export(sent), lambda: _kept(sent.host_copies)
 
-    result = await pub.publish(1, streamed(pub, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)), replicas)
-    assert state["prepares"] == 2 and calls["n"] == 2 and result.metrics["weightsync/retries"] == 1
+    link = _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)
+    # The version fails and every replica keeps serving the old weights.
+    with pytest.raises(WeightsyncError) as info:
+        await pub.publish(1, streamed(pub, link), replicas)
+    assert info.value.step is Step.EXPORT and pub.registry.get(1).state is S.FAILED and pub.registry.live_version == 0
+    for r in replicas:
+        assert r.version == 0 and all(torch.equal(r.weights[k], old[k]) for k in old) and not r.paused
+    # Pushed again (as `WeightPublisher.publish`'s recovery does), over groups formed again: live.
+    result = await pub.publish(1, streamed(pub, link), replicas)
+    assert state["prepares"] == 2 and calls["n"] == 2 and result.metrics["weightsync/failed"] == 0
     for r in replicas:
         assert [e for n, e in log if n == r.name] == ["begin:1", "load", "abort",
                                                       "begin:1", "load", "pause:keep", "commit:1", "resume"]
         assert r.version == 1 and all(torch.equal(r.weights[k], new[k]) for k in new)
-
-    # Without retries the version fails and every replica keeps serving the old weights.
-    pub, replicas, log, old, state, prepare = _streamed_setup(retries=0)
-    calls["n"] = 0
-    with pytest.raises(WeightsyncError) as info:
-        await pub.publish(1, streamed(pub, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)), replicas)
-    assert info.value.step is Step.EXPORT and pub.registry.get(1).state is S.FAILED and pub.registry.live_version == 0
-    for r in replicas:
-        assert r.version == 0 and all(torch.equal(r.weights[k], old[k]) for k in old) and not r.paused
 
 
 async def test_a_streamed_push_a_replica_refuses_reports_the_refusal_not_the_senders_failure():

@@ -167,7 +167,7 @@ async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl") ->
         async def join(wire):
             return [await replica.join_collective(wire, 120.0)]
 
-        cfg = WeightsyncConfig(transport=backend, bucket_mb=0.5, verify="checksum", timeout_s=120, retries=0)
+        cfg = WeightsyncConfig(transport=backend, bucket_mb=0.5, verify="checksum", timeout_s=120)
         link = CollectiveLink(backend, sender, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
         pub = Publisher(cfg, transport=select_transport(cfg, on_gpu=backend == "nccl"), registry=VersionRegistry(0))
         client = LocalClient(replica)
@@ -263,7 +263,7 @@ async def _ipc_scenario(model_path: str) -> dict:
         base, plan = await _plan_for(replica, model_path)
         new = _perturbed(base)
         sender = _SenderOnGpu1(new, plan, 0)
-        cfg = WeightsyncConfig(transport="ipc", bucket_mb=0.5, verify="checksum", timeout_s=120, retries=0)
+        cfg = WeightsyncConfig(transport="ipc", bucket_mb=0.5, verify="checksum", timeout_s=120)
         link = CollectiveLink("ipc", sender, members=None, join=None, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
         pub = Publisher(cfg, transport=select_transport(cfg, on_gpu=True), registry=VersionRegistry(0))
         prompts = [[5, 17, 9, 33, 2], [12, 4, 4, 7]]

@@ -105,7 +105,7 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
     from tests.learner._data import advantages, make_samples
     from tests.weightsync.fakes import iter_unpacked
 
-    cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, verify="checksum", timeout_s=120, retries=0)
+    cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, verify="checksum", timeout_s=120)
     transport = select_transport(cfg)
 
     async def members():

@@ -259,7 +259,7 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
 
     replicas = [ActorReplica(h, f"engine-{i}") for i, h in enumerate(engines)]
     plan = await _form_plan(engines, base, 0.25) if apply == "direct" else None
-    cfg = WeightsyncConfig(bucket_mb=0.25, retries=1, timeout_s=120)
+    cfg = WeightsyncConfig(bucket_mb=0.25, timeout_s=120)
     transport = ObjectStoreTransport()
     store_name = f"{STORE_NAME}-{apply}"
     store = ray.remote(WeightStore).options(name=store_name, namespace=STORE_NAMESPACE, num_cpus=0).remote()
@@ -415,7 +415,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     backend = "gloo"
     start = (await engines[0].greedy.remote([[1, 2, 3]]))[0][1][0]
     # checksum: the fingerprint the GPU transports use, computed by the sender and the real workers alike
-    cfg = WeightsyncConfig(transport=backend, bucket_mb=0.25, timeout_s=120, verify="checksum", retries=0)
+    cfg = WeightsyncConfig(transport=backend, bucket_mb=0.25, timeout_s=120, verify="checksum")
     transport = select_transport(cfg)
     group = LearnerGroup("actor", ModelConfig(path=str(demo_model_path)),
                          LearnerConfig(world_size=2, strategy_config={"tensor_model_parallel_size": 2}, lr=1e-3,
@@ -582,7 +582,7 @@ async def test_one_engine_over_gloo_takes_a_push_and_refuses_a_bucket_corrupted_
     from asyncrl.weightsync.push import WeightsyncError
 
     engine = engines[0]
-    cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, timeout_s=60, verify="checksum", retries=1)
+    cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, timeout_s=60, verify="checksum")
     one = await _OneEngine.create(engine, demo_model_path, 21, cfg)
     link, pub, replica, push, sender, start, base = one.link, one.pub, one.replica, one.push, one.sender, one.start, one.base
 
@@ -613,7 +613,6 @@ async def test_one_engine_over_gloo_takes_a_push_and_refuses_a_bucket_corrupted_
         return enqueue(self, tensors, deadline, **kw)
 
     monkeypatch.setattr(CollectiveGroup, "enqueue_broadcasts", corrupting)
-    monkeypatch.setattr(pub._cfg, "retries", 0)
     sender.weights = _perturbed(base, 22)
     rollbacks = pub.totals["rollbacks_total"]
     await one.push_is_refused_by_its_fingerprint(engine, start + 3, prompt_ids, before)

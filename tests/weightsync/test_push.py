@@ -1,4 +1,4 @@
-"""Push orchestration against in-process fake replicas: event order, atomicity, timeouts, retries."""
+"""Push orchestration against in-process fake replicas: event order, atomicity, timeouts, a push made again."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from .fakes import CorruptingTransport, FakeReplica, LocalTransport, model, sour
 BUCKET_MB = 8192 / (1 << 20)  # two 4 KiB tensors per bucket -> 3 buckets for 5 tensors
 
 
-def _setup(n=2, retries=0, timeout_s=30.0, transport=None, **kw):
+def _setup(n=2, timeout_s=30.0, transport=None, **kw):
     log: list[tuple[str, str]] = []
     old = model(0)
     replicas = [FakeReplica(f"r{i}", log, weights=dict(old)) for i in range(n)]
-    cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, retries=retries, timeout_s=timeout_s)
+    cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, timeout_s=timeout_s)
     pub = Publisher(cfg, transport=transport or LocalTransport(), **kw)
     return pub, replicas, log, old
 
@@ -49,7 +49,7 @@ async def test_replicas_stage_while_serving_and_are_paused_only_for_the_commit()
     assert sorted(pub.registry.get(1).replicas) == ["r0", "r1", "r2"]
     m = result.metrics
     assert m["weightsync/bytes"] == 5 * 64 * 16 * 4 and m["weightsync/num_buckets"] == 3
-    assert m["weightsync/failed"] == 0 and m["weightsync/attempts"] == 1
+    assert m["weightsync/failed"] == 0
     assert {"weightsync/replica/r0/load_seconds", "weightsync/transport/local/put_seconds",
             "weightsync/timeline/live_s", "weightsync/gbps", "weightsync/pushes_total", "weightsync/on_live_seconds",
             "weightsync/replica/r0/pause_seconds",
@@ -103,27 +103,33 @@ async def test_a_hanging_replica_times_out_instead_of_hanging():
     assert pub.registry.get(1).state is S.FAILED and pub.registry.in_flight is None
 
 
-async def test_retry_succeeds_the_second_time():
-    pub, replicas, log, _ = _setup(retries=1)
-    replicas[0].faults[("load", 1)] = "raise"  # first attempt only
+async def test_a_failed_push_is_aborted_everywhere_and_goes_live_when_pushed_again():
+    """One attempt a push: a failed one is FAILED and aborted on every replica; the same version pushed again (what
+    `WeightPublisher.publish`'s recovery does) is a new record that goes live."""
+    pub, replicas, log, old = _setup()
+    replicas[0].faults[("load", 1)] = "raise"  # the first load only
     new = model(1)
+    with pytest.raises(WeightsyncError) as info:
+        await pub.publish(1, source_of(pub, new), replicas)
+    assert info.value.step is Step.LOAD and pub.registry.get(1).state is S.FAILED
+    assert all(r.version == 0 and _same(r.weights, old) and _events(log, r.name)[-1] == "abort" for r in replicas)
     result = await pub.publish(1, source_of(pub, new), replicas)
-    assert result.metrics["weightsync/retries"] == 1 and result.metrics["weightsync/attempts"] == 2
     ev = _events(log, "r0")
     assert ev[:2] == ["begin:1", "load"] and "abort" in ev
     assert ev[ev.index("abort"):] == ["abort", "begin:1", "load", "pause:keep", "commit:1", "resume"]
     assert all(r.version == 1 and _same(r.weights, new) for r in replicas)
-    assert [s for s, _ in pub.registry.timeline(1)] == ["idle", "staging", "staging", "committing", "live"]
+    assert [s for s, _ in pub.registry.timeline(1)] == ["idle", "staging", "committing", "live"]
+    assert result.metrics["weightsync/pushes_failed_total"] == 1 and result.metrics["weightsync/pushes_total"] == 2
 
 
 async def test_corrupted_bucket_fails_verification_and_replicas_keep_the_old_version():
-    pub, replicas, log, old = _setup(retries=1, transport=CorruptingTransport(index=1))
+    pub, replicas, log, old = _setup(transport=CorruptingTransport(index=1))
     with pytest.raises(WeightsyncError, match="fingerprint mismatch") as info:
         await pub.publish(1, source_of(pub, model(1)), replicas)
     assert info.value.step is Step.COMMIT and info.value.out_of_service == []
     assert all(r.version == 0 and _same(r.weights, old) for r in replicas)
-    # A verify failure applied nothing: no restore was needed (only the two push attempts ran).
-    assert _events(log, "r0").count("begin:1") == 2 and not any(e == "begin:0" for _, e in log)
+    # A verify failure applied nothing: no restore was needed (only the push ran).
+    assert _events(log, "r0").count("begin:1") == 1 and not any(e == "begin:0" for _, e in log)
     assert pub.registry.live_version == 0
     # The next, clean push succeeds.
     pub._transport = LocalTransport()
@@ -292,7 +298,7 @@ async def test_a_push_with_an_unreadable_handle_registers_nothing():
 async def test_verify_mode_decides_what_a_commit_checks(verify, caught):
     # One flipped byte at the start of a tensor.
     pub, replicas, log, old = _setup(transport=CorruptingTransport(index=1))
-    pub._cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, retries=0, timeout_s=30.0, verify=verify)
+    pub._cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, timeout_s=30.0, verify=verify)
     new = model(1)
     if caught:
         with pytest.raises(WeightsyncError, match="fingerprint mismatch"):

@@ -80,16 +80,17 @@ def test_versions_must_increase_and_one_push_at_a_time():
             reg.begin(v)
 
 
-def test_retry_from_committing_restages_and_clears_committed_replicas():
+def test_a_version_pushed_again_starts_a_record_without_the_failed_pushs_commits():
     reg = VersionRegistry()
     _to_committing(reg, 1)
     reg.replica_committed(1, "a")
-    reg.transition(1, S.STAGING)  # retry
-    assert reg.get(1).replicas == []
-    reg.transition(1, S.COMMITTING)
     with pytest.raises(RegistryError):
-        reg.go_live(1, ["a"])  # "a" committed an earlier attempt only
-
+        reg.transition(1, S.STAGING)  # one attempt a push: a failed one ends FAILED
+    reg.transition(1, S.FAILED, error="b failed")
+    _to_committing(reg, 1)  # pushed again
+    assert reg.get(1).replicas == []
+    with pytest.raises(RegistryError):
+        reg.go_live(1, ["a"])  # "a" committed the failed push only
 
 
 def test_only_the_last_versions_records_are_kept_and_the_live_ones_always():
