@@ -237,8 +237,8 @@ class LearnerGroup:
         await self._all(LearnerRankAPI.set_push_plan, plan, host_copies)
 
     async def collective_addresses(self) -> list[SenderAddress]:
-        """Rendezvous addresses of the sending ranks (one per PP stage), in
-        sender order, each with the group the rank holds now that can still carry a push."""
+        """Rendezvous addresses of the sending ranks (one per PP stage), in sender order, each with the group the
+        rank holds now that can still carry a push."""
         return sorted((a for a in await self._all(LearnerRankAPI.join_collective, None) if a is not None),
                       key=lambda a: a.sender)
 

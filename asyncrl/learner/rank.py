@@ -173,7 +173,8 @@ class LearnerRank:
 
     def set_push_plan(self, plan: bytes | None, host_copies: bool = False) -> str | None:
         """Every rank keeps the push plan (None: HF tensors): its sending ranks pack later pushes in the engines'
-        layout of it. `host_copies` (ipc or NCCL from GPUs): a sending rank allocates the pinned buffers of its pushes' host copies now (link.py)."""
+        layout of it. `host_copies` (ipc or NCCL from GPUs): a sending rank allocates the pinned buffers of its
+        pushes' host copies now (link.py)."""
         self._ready()
         held = self._endpoint().set_plan(plan)
         if host_copies and self._is_sender():
@@ -186,7 +187,7 @@ class LearnerRank:
         gathers are collective, and answer None). `layout`: "engine", the push plan's (`set_push_plan`; HF
         tensors where none is set), or "hf", the HF tensors as exported. Over nccl / gloo / ipc (`transport`):
         packed on the device and broadcast to the engine workers over this rank's group, whose host copies
-        (rollbacks, retries, late joiners) `take_host_copies` collects, within `timeout_s`; `gate`: the push's
+        (rollbacks, late joiners) `take_host_copies` collects, within `timeout_s`; `gate`: the push's
         gate token (gloo / NCCL: nothing goes out until every receiver is ready; collective.py). Over shm /
         object_store: packed into host buckets of it, a shared file or an object each. Every bucket is hashed
         in `verify` mode as it is packed."""
@@ -204,9 +205,9 @@ class LearnerRank:
             return pack_into_transport(tensors, bucket_mb, transport, verify, plan, sender)
 
     def join_collective(self, specs: list[dict[str, Any]] | None = None) -> SenderAddress | None:
-        """Sending ranks (TP/CP/DP rank 0 of each PP stage): leave any
-        earlier weight broadcast group and join (as group rank 0) this rank's group of `specs`; None: join
-        nothing, and hold a port where the next group this rank hosts can rendezvous. Answers that address
+        """Sending ranks (TP/CP/DP rank 0 of each PP stage): leave any earlier weight broadcast group and join (as
+        group rank 0) this rank's group of `specs`; None: join nothing, and hold a port where the next group this
+        rank hosts can rendezvous. Answers that address
         (port 0 after a join) and the group held now if it can still carry a push. Others: None."""
         import ray
 

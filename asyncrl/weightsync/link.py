@@ -172,10 +172,10 @@ class SenderEndpoint:
 class CollectiveLink:
     """A `StreamedSource`'s `Link` (sources.py): the groups between a learner group's sending ranks (one each, PP
     stage order) and every engine worker of the replicas that `members()` ({replica_id: GroupsReport}) names and
-    `join(specs)` joins. `ensure()`, before each push attempt, forms the groups unless they still hold exactly the
-    running replicas and no member's group broke; a replica that comes later fails that attempt at the gate, one
-    that fails its `health` check (beside a push still sending after `WATCH_S`) or whose load returned without
-    reaching the gate `stop`s the senders, and the push made again (service.py) forms them again. ipc (`sequential`): no group; the
+    `join(specs)` joins. `ensure()`, before each push, forms the groups unless they still hold exactly the running
+    replicas and no member's group broke; a replica that comes later fails that push at the gate, one that fails its
+    `health` check (beside a push still sending after `WATCH_S`) or whose load returned without reaching the gate
+    `stop`s the senders, and the push made again (service.py) forms them again. ipc (`sequential`): no group; the
     senders' `send` answers the handles that are every replica's `payload`."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
