@@ -276,20 +276,19 @@ class WorkerVerbs:
         from asyncrl.weightsync.stream import broadcast_receive_stream
 
         held = self.__dict__.get("_asyncrl_groups", {})
-        group_ids = list(groups)
         deadline = time.monotonic() + timeout_s
         try:  # one that cannot take the push refuses it: its other members must not wait for this worker
             rx.begin(version, *(begin or []))
-            missing = [gid for gid in group_ids if gid not in held or held[gid].broken]
+            missing = [gid for gid in groups if gid not in held or held[gid].broken]
             if missing:
                 raise CollectiveError(f"worker holds no usable group {missing[0]!r} (has {sorted(held)})")
         except (ValueError, CollectiveError) as err:
-            self._asyncrl_refuse(group_ids, f"{type(err).__name__}: {err}", gate)
+            self._asyncrl_refuse(groups, f"{type(err).__name__}: {err}", gate)
             raise
         if gate:  # ready on every group at once; each group's decision is awaited when its turn comes (a
-            for gid in group_ids:  # later PP stage may only start sending once an earlier one is done)
+            for gid in groups:  # later PP stage may only start sending once an earlier one is done)
                 held[gid].arrive(gate)
-        for gid in group_ids:
+        for gid in groups:
             group = held[gid]
             if gate:
                 group.await_gate(gate, deadline)
