@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, pack_bucket
-from asyncrl.weightsync.fingerprint import bucket_digests_lazy, buckets_digests_lazy
+from asyncrl.weightsync.fingerprint import buckets_digests_lazy
 from asyncrl.weightsync.transport import HostCopies
 
 # Header kinds (first int64 of a header): the sender is done, the sender failed, and the push's one table of every
@@ -220,7 +220,7 @@ def _warm(dev: torch.device, dtypes: tuple[torch.dtype, ...]) -> list[str]:
         moved = Bucket(buffer=shifted.narrow(0, 8, bucket.nbytes), metas=bucket.metas)
         for mode in WARM_VERIFY_MODES:
             for b in (bucket, moved):
-                bucket_digests_lazy(b, mode)()  # type: ignore[arg-type]
+                buckets_digests_lazy([(b, "")], mode)()  # type: ignore[arg-type]
             # a whole version's one pass over buckets that share a storage (sender and receiver alike)
             parts = [Bucket(buffer=shifted.narrow(0, 0, 64), metas=[]), moved]
             buckets_digests_lazy([(b, f"r{i}/") for i, b in enumerate(parts)], mode)()  # type: ignore[arg-type]

@@ -332,13 +332,9 @@ def bucket_digests(bucket: Any, mode: VerifyMode = "full", prefix: str = "") -> 
     return buckets_digests_lazy([(bucket, prefix)], mode)()
 
 
-def bucket_digests_lazy(bucket: Any, mode: VerifyMode = "full", prefix: str = "") -> PendingDigests:
-    """`bucket_digests` whose device reads are enqueued now and waited for by the returned call."""
-    return buckets_digests_lazy([(bucket, prefix)], mode)
-
-
 def buckets_digests_lazy(buckets: Sequence[tuple[Any, str]], mode: VerifyMode = "full") -> PendingDigests:
-    """`bucket_digests_lazy` of several (bucket, prefix) pairs, merged. Where they are contiguous torch views of one
+    """`bucket_digests` of several (bucket, prefix) pairs, merged, whose device reads are enqueued now and waited for
+    by the returned call. Where they are contiguous torch views of one
     storage (an ipc sender's arena, and a receiver's mapping of it) they are read in one pass over it: on a device,
     one kernel launch and one copy to host."""
     check_verify_mode(mode)

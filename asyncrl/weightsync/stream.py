@@ -24,7 +24,7 @@ import torch
 
 from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, iter_buckets, metas_from_wire, whole_arena
 from asyncrl.weightsync.collective import ABORT, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup, SenderAborted
-from asyncrl.weightsync.fingerprint import PendingDigests, bucket_digests_lazy, buckets_digests_lazy
+from asyncrl.weightsync.fingerprint import buckets_digests_lazy
 from asyncrl.weightsync.transport import HostCopies
 
 
@@ -194,7 +194,10 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
                 # a ring's slot on the host is no copy: it is overwritten by a later bucket (CPU senders, tests)
                 kept = bucket if bucket.buffer.is_cuda else Bucket(
                     buffer=bucket.buffer.clone(), metas=bucket.metas, rank=bucket.rank)
-                finish, copy = hash_and_copy_lazy(copies, kept, verify, out)
+                t = time.perf_counter()
+                copy = copies.add(kept, now=True)  # done once the slot may be reused
+                out.seconds["host_copy"] += time.perf_counter() - t
+                finish = hash_whole_lazy([kept], verify, out)
             t = time.perf_counter()
             bc = group.enqueue_broadcasts([bucket.buffer], deadline) if bucket.nbytes else None
             if bc is not None:
@@ -230,9 +233,10 @@ def _fill(group: CollectiveGroup, rest: list[Any], deadline: float) -> None:
         group.broadcast_all([zeros[:n] for n in sizes], deadline)
 
 
-def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> _Recorded:
+def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> Callable[[], dict[str, bytes]]:
     """Every bucket of a whole-version push hashed in `verify` mode, in one pass where they share one buffer; the
-    returned call waits for the device and records the digests in `out`. Host copies are the caller's."""
+    returned call waits for the device and records the digests and its wait in `out` (once). Host copies are the
+    caller's."""
     from asyncrl.weightsync.bucket import digest_key_prefix
 
     t = time.perf_counter()
@@ -241,42 +245,20 @@ def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> _Rec
     out.num_buckets += len(buckets)
     out.bytes += sum(b.payload_bytes for b in buckets)
     out.num_tensors += sum(len(b) for b in buckets)
-    return _Recorded(pending, out)
+    recorded: list[bool] = []
 
-
-class _Recorded:
-    """`pending` (waits for the device's reads); calling it records its digests and its wait in `out` (once)."""
-
-    def __init__(self, pending: PendingDigests, out: SendResult) -> None:
-        self.pending, self._out, self._done = pending, out, False
-
-    def __call__(self) -> dict[str, bytes]:
+    def finish() -> dict[str, bytes]:
         t = time.perf_counter()
-        digests = self.pending()
-        if not self._done:
-            self._done = True
-            self._out.digests.update(digests)
+        digests = pending()
+        if not recorded:
+            recorded.append(True)
+            out.digests.update(digests)
             waited = time.perf_counter() - t
-            self._out.seconds["hash"] += waited
-            self._out.seconds["hash_wait"] += waited
+            out.seconds["hash"] += waited
+            out.seconds["hash_wait"] += waited
         return digests
 
-
-def hash_and_copy_lazy(copies: HostCopies, bucket: Bucket, verify: str, out: SendResult) -> tuple[_Recorded, Any]:
-    """Start `bucket`'s host copy and enqueue its hash in `verify` mode: the returned call waits for the device and
-    records the digests in `out`; the copy is done once its device buffer may be reused (a `SenderRing`'s slot)."""
-    from asyncrl.weightsync.bucket import digest_key_prefix
-
-    t = time.perf_counter()
-    copy = copies.add(bucket, now=True)
-    out.num_buckets += 1
-    out.seconds["host_copy"] += time.perf_counter() - t
-    t = time.perf_counter()
-    pending = bucket_digests_lazy(bucket, verify, digest_key_prefix(bucket))  # type: ignore[arg-type]
-    out.seconds["hash"] += time.perf_counter() - t
-    out.bytes += bucket.payload_bytes
-    out.num_tensors += len(bucket)
-    return _Recorded(pending, out), copy
+    return finish
 
 
 class Export:

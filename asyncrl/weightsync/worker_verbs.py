@@ -22,7 +22,7 @@ import torch
 
 from asyncrl.types import ApplyReport, LayoutCheck, ReceiveReport
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, digest_key_prefix, metas_from_wire, unpack_bucket
-from asyncrl.weightsync.fingerprint import PendingDigests, bucket_digests, bucket_digests_lazy, buckets_digests_lazy, check_verify_mode
+from asyncrl.weightsync.fingerprint import PendingDigests, bucket_digests, buckets_digests_lazy, check_verify_mode
 from asyncrl.weightsync.ipc import ipc_open
 from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, probe_layout, same_ops, verify_layout
 
@@ -153,7 +153,7 @@ class WorkerReceiver:
             if batch:
                 staged.batch.append((bucket, prefix))
             else:
-                staged.pending.append(bucket_digests_lazy(bucket, staged.verify, prefix))  # type: ignore[arg-type]
+                staged.pending.append(buckets_digests_lazy([(bucket, prefix)], staged.verify))  # type: ignore[arg-type]
             staged.digests.update(dict.fromkeys(keys, b""))  # resolved by `digests`
             digests: dict[str, bytes] = {}
         else:

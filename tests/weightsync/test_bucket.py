@@ -120,7 +120,7 @@ def test_buckets_sharing_one_buffer_hash_in_one_pass_to_the_same_digests(mode, d
     """An ipc arena: every bucket a view of one buffer. `buckets_digests_lazy` reads them in one
     pass over that buffer and must give each tensor the digest `bucket_digests` gives it alone,
     with each bucket's key prefix; buckets in separate buffers take the per-bucket path, same digests."""
-    from asyncrl.weightsync.fingerprint import PendingDigests, bucket_digests, bucket_digests_lazy, buckets_digests_lazy
+    from asyncrl.weightsync.fingerprint import PendingDigests, bucket_digests, buckets_digests_lazy
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
@@ -144,7 +144,7 @@ def test_buckets_sharing_one_buffer_hash_in_one_pass_to_the_same_digests(mode, d
     assert buckets_digests_lazy(apart, mode)() == want
     assert len(want) == len(tensors)
     for pairs in (shared, apart):  # per bucket, then merged as a receiver does (one copy to host where all are on it)
-        merged = PendingDigests.merge([bucket_digests_lazy(bk, mode, prefix) for bk, prefix in pairs])
+        merged = PendingDigests.merge([buckets_digests_lazy([pair], mode) for pair in pairs])
         if device == "cuda" and mode == "checksum":
             assert merged.device_words is not None
         assert merged() == want

@@ -29,7 +29,7 @@ def test_nothing_is_warmed_off_cuda():
 _PROBE = textwrap.dedent("""
     import sys, time, torch
     from asyncrl.weightsync.bucket import pack_bucket
-    from asyncrl.weightsync.fingerprint import bucket_digests_lazy
+    from asyncrl.weightsync.fingerprint import buckets_digests_lazy
     from asyncrl.weightsync.collective import warm_push_kernels
     dev = torch.device("cuda", 0)
     if sys.argv[1] == "warm":
@@ -40,7 +40,7 @@ _PROBE = textwrap.dedent("""
     with torch.cuda.stream(side):
         torch.cuda._sleep(int(4e9))  # a few seconds of queued work, as a push's broadcasts are
     t = time.perf_counter()
-    pending = bucket_digests_lazy(bucket, "checksum")  # only enqueues: returns at once unless a module loads
+    pending = buckets_digests_lazy([(bucket, "")], "checksum")  # only enqueues: returns at once unless a module loads
     print(f"enqueue_s={time.perf_counter() - t:.3f}")
     pending()
 """)
