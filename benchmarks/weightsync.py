@@ -174,7 +174,7 @@ class Sink:
 
         deadline = time.monotonic() + 600
         for n in sizes:
-            self.group.broadcast(torch.empty(n, dtype=torch.uint8, device=self.group.device), deadline)
+            self.group.broadcast_all([torch.empty(n, dtype=torch.uint8, device=self.group.device)], deadline)
         return len(sizes)
 
     def receive_ipc(self, handles: list[bytes], cached: bool = False) -> int:
@@ -339,7 +339,7 @@ class Sender:
         t = time.perf_counter()
         deadline = time.monotonic() + 600
         for buf in self.packed:
-            self.raw_group.broadcast(buf, deadline)
+            self.raw_group.broadcast_all([buf], deadline)
         return time.perf_counter() - t
 
 

@@ -349,14 +349,10 @@ class CollectiveGroup:
         return close_gate(self._kv(), self.spec.group_id, token, f"rank {self.rank}: {why}")
 
     # ---- one broadcast from group rank 0 -------------------------------------------------------
-    def broadcast(self, tensor: torch.Tensor, deadline: float) -> None:
-        """Broadcast `tensor` from the sender into every member's `tensor` (same shape, dtype,
-        and this member's device), returning once it is complete here. Raises CollectiveError
-        (and the group is broken) if that does not happen by `deadline` (time.monotonic())."""
-        self.broadcast_all([tensor], deadline)
-
     def broadcast_all(self, tensors: list[torch.Tensor], deadline: float) -> None:
-        """`broadcast` of every tensor in order, enqueued back to back, then one wait for all; same failure rules."""
+        """Broadcast each of `tensors` from the sender into every member's (same shape, dtype, and this member's
+        device), enqueued back to back, returning once all are complete here. Raises CollectiveError (and the group
+        is broken) if that does not happen by `deadline` (time.monotonic())."""
         self.enqueue_broadcasts(tensors, deadline).wait()
 
     def enqueue_broadcasts(self, tensors: list[torch.Tensor], deadline: float, *, events: bool = False) -> "Broadcasts":

@@ -113,7 +113,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
         copies.close()
         if export.failed and not group.broken:  # tell the receivers, so they fail now rather than at their deadline
             with contextlib.suppress(CollectiveError):
-                group.broadcast(_header(group, ABORT), deadline)
+                group.broadcast_all([_header(group, ABORT)], deadline)
         elif isinstance(err, CollectiveError):
             # the wire failed, not the export: finish it unsent, so the ranks exporting beside this one (TP / PP
             # gathers) are not left waiting for it and the learner group stays usable (LearnerGroup.export_weights)
@@ -297,7 +297,7 @@ def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterato
     once complete here (`Broadcasts.ready`) while later ones still arrive, so its consumer's checksums run beside
     the wire. SenderAborted at an abort header."""
     header = torch.empty(3, dtype=torch.int64, device=group.device)
-    group.broadcast(header, deadline)
+    group.broadcast_all([header], deadline)
     kind, table_len, nbytes = (int(v) for v in header.tolist())
     if kind == ABORT:
         raise SenderAborted(f"group {group.spec.group_id}: the sender aborted this push")
@@ -335,7 +335,7 @@ def _read_table(group: CollectiveGroup, table_len: int, nbytes: int,
                 deadline: float) -> list[tuple[list[TensorMeta], int | None, int]]:
     """A whole version's table as a receiver reads it: each bucket's (tensors, engine rank, size)."""
     raw_t = torch.empty(table_len, dtype=torch.uint8, device=group.device)
-    group.broadcast(raw_t, deadline)
+    group.broadcast_all([raw_t], deadline)
     try:
         rows = json.loads(raw_t.cpu().numpy().tobytes().decode())["b"]
         buckets = [(metas_from_wire(metas), rank, int(n)) for metas, rank, n in rows]

@@ -1014,7 +1014,7 @@ def test_the_gate_opens_once_every_member_arrived_and_a_closed_or_missed_gate_st
     def still_usable():
         got = [torch.zeros(8) if g.rank else probe.clone() for g in groups]
         with ThreadPoolExecutor(3) as pool:
-            list(pool.map(lambda gt: gt[0].broadcast(gt[1], time.monotonic() + 10), zip(groups, got)))
+            list(pool.map(lambda gt: gt[0].broadcast_all([gt[1]], time.monotonic() + 10), zip(groups, got)))
         assert all(torch.equal(t, probe) for t in got) and not any(g.broken for g in groups)
 
     def at_gate(token, members, deadline_s=10.0):
