@@ -52,8 +52,10 @@ class Transport:
     by_reference = False
     backend: str | None = None
 
-    def payload(self, handle: Any) -> Any:  # what every replica's `load_bucket` receives for this bucket
-        raise NotImplementedError
+    def payload(self, handle: Any) -> Any:
+        """What every replica's `load_bucket` receives for this bucket: the handle itself (an ObjectRef, passed as a
+        top-level actor-call argument, is resolved by Ray before the call, its numpy buffer mapped, not copied)."""
+        return handle
 
     def fetch(self, handle: Any) -> Bucket:  # the bucket read back on the publisher's side (fingerprint, rollback)
         raise NotImplementedError
@@ -77,11 +79,6 @@ class ObjectStoreTransport(Transport):
         self._ray = ray
         self._get_timeout_s = get_timeout_s
 
-    def payload(self, handle: Any) -> Any:
-        # Passed as a top-level actor-call argument, Ray resolves it before the call and the
-        # numpy buffer inside is mapped from shared memory, not copied.
-        return handle
-
     def fetch(self, handle: Any) -> Bucket:
         return self._ray.get(handle, timeout=self._get_timeout_s)
 
@@ -104,9 +101,6 @@ class SharedMemoryTransport(Transport):
 
     def close(self) -> None:
         self._finalizer()
-
-    def payload(self, handle: SharedBucket) -> SharedBucket:
-        return handle
 
     def fetch(self, handle: SharedBucket) -> Bucket:
         if not isinstance(handle, SharedBucket):
