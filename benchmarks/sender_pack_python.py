@@ -101,7 +101,7 @@ def main() -> None:
     packed = {}
     for k, m in packers.items():  # the same tensors' bytes from each (alignment gaps are not written)
         packed[k] = [[b.buffer[t.offset:t.offset + t.nbytes].clone() for t in b.metas]
-                     for b in m.PlannedPacker(plans[k], 0, "cpu", host_numpy=False).pack(iter(tensors))]
+                     for b in m.PlannedPacker(plans[k], 0, "cpu").pack(iter(tensors))]
     ref = packed["current"]
     for k, buckets in packed.items():
         if len(buckets) != len(ref) or not all(len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
@@ -112,7 +112,7 @@ def main() -> None:
         for k, m in packers.items():
             t = time.perf_counter()
             for _ in range(args.pushes):
-                for _ in m.PlannedPacker(plans[k], 0, "cpu", host_numpy=False).pack(iter(tensors)):
+                for _ in m.PlannedPacker(plans[k], 0, "cpu").pack(iter(tensors)):
                     pass
             if r:
                 times[k].append((time.perf_counter() - t) / args.pushes)

@@ -5,7 +5,8 @@ make: fused QKV / gate-up, TP shards, padded vocab, tied embeddings, fused exper
 named as unusable), `verify_layout` (the layout rebuilds the loaded parameters bit for bit), `build_plan` -> `PushPlan`
 (each engine parameter given a sending learner rank, a bucket and an offset), `plan_for` / `plan_misfit` (a plan for,
 or the misfit of, engine ranks' layouts), `PlannedPacker` (a sender writes each HF tensor straight into its places in
-the buckets) and `hf_from_engine` (the HF tensors back from engine-layout buckets).
+the buckets; `pack_stream`: a sender's buckets, planned or HF) and `hf_from_engine` (the HF tensors back from
+engine-layout buckets).
 Must never: touch an engine's live parameter data (the probe swaps in meta twins and puts the originals back), or import
 vLLM (the engine adapter hands in the model).
 """
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from asyncrl.weightsync.bucket import ALIGN, Bucket, TensorMeta, dtype_from_name
+from asyncrl.weightsync.bucket import ALIGN, Bucket, TensorMeta, dtype_from_name, iter_buckets
 
 aten = torch.ops.aten
 
@@ -429,13 +430,13 @@ class PlannedPacker:
     """Packs one sender's export into its planned buckets, each HF tensor written straight into its place as it
     arrives; yields complete buckets in plan order.
 
-    `buffer(bucket)` returns the uint8 buffer to pack a bucket into (a reused one, e.g. a persistent IPC buffer);
-    by default a fresh one on `device`. Host buckets come out as numpy buffers unless `host_numpy` is False. The
-    stream must carry every source the plan names, each once; extra tensors are listed in `unused` and ignored."""
+    `buffer(bucket)` returns the uint8 buffer (a tensor, on the host too) to pack a bucket into (a reused one, e.g.
+    a persistent IPC buffer); by default a fresh one on `device`. The stream must carry every source the plan names,
+    each once; extra tensors are listed in `unused` and ignored."""
 
     def __init__(self, plan: PushPlan, sender: int, device: torch.device | str,
-                 buffer: Callable[[PlannedBucket], torch.Tensor] | None = None, host_numpy: bool = True) -> None:
-        self.plan, self.sender, self.host_numpy = plan, sender, host_numpy
+                 buffer: Callable[[PlannedBucket], torch.Tensor] | None = None) -> None:
+        self.plan, self.sender = plan, sender
         self.device = torch.device(device)
         self._prog = _program(plan, sender)
         self.buckets = self._prog.buckets
@@ -478,10 +479,7 @@ class PlannedPacker:
             if dst:
                 torch._foreach_copy_(dst, sources[pos])
             sources[pos] = []
-            # Host buckets are numpy (Ray moves them out of band) unless a collective sends them (torch).
-            numpy = self.host_numpy and buf.device.type == "cpu"
-            return Bucket(buffer=buf.numpy() if numpy else buf, metas=list(prog.metas[pos]),
-                          rank=self.buckets[pos].rank)
+            return Bucket(buffer=buf, metas=list(prog.metas[pos]), rank=self.buckets[pos].rank)
 
         for name, tensor in named_tensors:
             uses = uses_of.get(name)
@@ -534,6 +532,17 @@ class PlannedPacker:
                 emitted += 1
         return max(1, most)
 
+
+def pack_stream(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, device: torch.device, *,
+                plan: PushPlan | None = None, sender: int = 0, alloc: Callable[[int], torch.Tensor] | None = None,
+                planned_buffer: Callable[[PlannedBucket], torch.Tensor] | None = None) -> Iterator[Bucket]:
+    """The sender's buckets on `device`: HF tensors as they come (`iter_buckets`), or with a push `plan` this
+    sender's in the engines' layout. `alloc(nbytes)`: reused buffers (ipc); `planned_buffer(planned bucket)`:
+    a planned bucket's buffer (`whole_arena`)."""
+    if plan is None:
+        return iter_buckets(named_tensors, bucket_mb, device=device, alloc=alloc)
+    buffer = planned_buffer or (None if alloc is None else (lambda b: alloc(b.nbytes)))
+    return PlannedPacker(plan, sender, device, buffer).pack(named_tensors)
 
 
 def plan_for(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout], bucket_mb: float

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, iter_buckets, metas_from_wire, whole_arena
+from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, metas_from_wire, whole_arena
 from asyncrl.weightsync.collective import ABORT, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup, SenderAborted
 from asyncrl.weightsync.fingerprint import buckets_digests_lazy
+from asyncrl.weightsync.plan import PlannedPacker, pack_stream
 from asyncrl.weightsync.transport import HostCopies
 
 
@@ -44,20 +45,6 @@ class SendResult:
     num_buckets: int = 0
     # hash: enqueueing the checksums and waiting for them; hash_wait: the waiting part alone (the device's reads)
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("pack", "broadcast", "host_copy", "hash", "hash_wait"), 0.0))
-
-
-def pack_stream(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, device: torch.device, *,
-                plan: Any = None, sender: int = 0, alloc: Callable[[int], torch.Tensor] | None = None,
-                planned_buffer: Callable[[Any], torch.Tensor] | None = None) -> Iterator[Bucket]:
-    """The sender's buckets on `device`: HF tensors as they come (`iter_buckets`), or with a push `plan` (plan.py)
-    this sender's in the engines' layout. `alloc(nbytes)`: reused buffers (ipc); `planned_buffer(planned bucket)`:
-    a planned bucket's buffer (`whole_arena`)."""
-    if plan is None:
-        return iter_buckets(named_tensors, bucket_mb, device=device, alloc=alloc)
-    from asyncrl.weightsync.plan import PlannedPacker
-
-    buffer = planned_buffer or (None if alloc is None else (lambda b: alloc(b.nbytes)))
-    return PlannedPacker(plan, sender, device, buffer, host_numpy=False).pack(named_tensors)
 
 
 def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
@@ -91,8 +78,6 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
                     "sending through a ring of reused bucket slots from now on", group.spec.group_id, group.rank,
                     sum(b.nbytes for b in planned) / 1e9)
         if buffers is None:
-            from asyncrl.weightsync.plan import PlannedPacker
-
             ring = SenderRing(planned, group.device, deadline, open_at_once=PlannedPacker(plan, sender, "cpu").max_open())
             buffers = ring.buffer
     # Host copies of a whole version are made when collected, once it is live: beside the broadcasts they would hold

@@ -24,7 +24,7 @@ import torch
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.types import WeightExport
-from asyncrl.weightsync.bucket import FREE, Bucket, SharedAllocator, SharedBucket, digest_key_prefix, iter_buckets, write_shared
+from asyncrl.weightsync.bucket import FREE, Bucket, SharedAllocator, SharedBucket, digest_key_prefix, write_shared
 from asyncrl.weightsync.fingerprint import bucket_digests
 
 BACKENDS = ("gloo", "nccl", "ipc")  # the collective transports (collective.py; ipc.py's needs no group)
@@ -334,13 +334,9 @@ def pack_into_transport(tensors: Iterable[tuple[str, Any]], bucket_mb: float, tr
     if transport not in ("object_store", "shm"):
         raise ValueError(f"transport={transport!r}: learner ranks can put buckets into object_store or shm only")
     allocator = SharedAllocator() if transport == "shm" else None
-    if plan is None:
-        buckets = iter_buckets(tensors, bucket_mb, device="cpu", alloc=allocator)
-    else:
-        from asyncrl.weightsync.plan import PlannedPacker
+    from asyncrl.weightsync.plan import pack_stream
 
-        buffer = None if allocator is None else (lambda b: allocator(b.nbytes))
-        buckets = PlannedPacker(plan, sender, "cpu", buffer).pack(tensors)
+    buckets = pack_stream(tensors, bucket_mb, torch.device("cpu"), plan=plan, sender=sender, alloc=allocator)
     handles, metas, digests = [], [], []
     seconds = {"pack": 0.0, "hash": 0.0, "put": 0.0}
     try:
@@ -358,9 +354,8 @@ def pack_into_transport(tensors: Iterable[tuple[str, Any]], bucket_mb: float, tr
             if allocator is not None:
                 handles.append(write_shared(bucket, allocator))
             else:
-                host = bucket if not isinstance(bucket.buffer, torch.Tensor) else type(bucket)(
-                    buffer=bucket.buffer.numpy(), metas=list(bucket.metas), rank=bucket.rank)
-                handles.append(ray.put(host))
+                # numpy: Ray's pickle-5 path moves it out of band
+                handles.append(ray.put(Bucket(buffer=bucket.buffer.numpy(), metas=list(bucket.metas), rank=bucket.rank)))
             seconds["put"] += time.perf_counter() - t
             del bucket  # one packed bucket alive at a time in this heap
     except BaseException:

@@ -401,7 +401,7 @@ def test_a_planned_packer_writes_each_bucket_into_its_window_of_a_larger_buffer(
         slots[b.index] = at
         at += -(-b.nbytes // 256) * 256
     got: dict[str, torch.Tensor] = {}
-    packer = PlannedPacker(planned, 0, "cpu", lambda b: arena[slots[b.index] : slots[b.index] + b.nbytes], host_numpy=False)
+    packer = PlannedPacker(planned, 0, "cpu", lambda b: arena[slots[b.index] : slots[b.index] + b.nbytes])
     for bucket in packer.pack(weights.items()):
         got.update({n: t.clone() for n, t in unpack_bucket(bucket)})
     assert got.keys() == weights.keys() and all(torch.equal(got[n], w) for n, w in weights.items())

@@ -60,7 +60,7 @@ def test_every_push_packs_its_own_tensors_into_the_plans_places():
     assert len(plan.buckets) > 3
     for push in range(3):  # the program is kept: later pushes must still write this push's values
         tensors = {e.name: torch.randn(e.shape) + push for e in manifest}
-        got = _unpack(PlannedPacker(plan, 0, "cpu", host_numpy=False).pack(tensors.items()), layout)
+        got = _unpack(PlannedPacker(plan, 0, "cpu").pack(tensors.items()), layout)
         want = _expected(layout, tensors)
         assert all(torch.equal(got[n], want[n]) for n in want)
 
@@ -70,7 +70,7 @@ def test_a_new_plan_is_packed_by_its_own_program_not_a_kept_one():
     tensors = {e.name: torch.randn(e.shape) for e in manifest}
     for bucket_mb in (0.0005, 1.0, 0.0005):
         plan = build_plan(manifest, [layout], bucket_mb)
-        buckets = list(PlannedPacker(plan, 0, "cpu", host_numpy=False).pack(tensors.items()))
+        buckets = list(PlannedPacker(plan, 0, "cpu").pack(tensors.items()))
         assert len(buckets) == len(plan.buckets)
         got, want = _unpack(buckets, layout), _expected(layout, tensors)
         assert all(torch.equal(got[n], want[n]) for n in want)
@@ -83,7 +83,7 @@ def test_a_source_shaped_otherwise_than_the_manifest_is_read_through_its_window(
     plan = build_plan(manifest, [layout], 1.0)
     tensors = {e.name: torch.randn(e.shape) for e in manifest}
     flat = {n: t.reshape(-1) for n, t in tensors.items()}
-    got, want = _unpack(PlannedPacker(plan, 0, "cpu", host_numpy=False).pack(flat.items()), layout), _expected(layout, tensors)
+    got, want = _unpack(PlannedPacker(plan, 0, "cpu").pack(flat.items()), layout), _expected(layout, tensors)
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
