@@ -134,16 +134,16 @@ class WorkerReceiver:
             raise RuntimeError(f"bucket for version {version} but staging {None if staged is None else staged.version}")
         return staged
 
-    def stage(self, version: int, bucket: Bucket, lazy: bool = False, batch: bool = False) -> dict[str, bytes]:
-        """Stage one bucket (views into `bucket.buffer`, which must stay valid until the commit); returns its digests.
-        Engine-layout buckets of other ranks are skipped. `lazy`: digests only enqueued on the device, {} returned;
+    def stage(self, version: int, bucket: Bucket, lazy: bool = False, batch: bool = False) -> None:
+        """Stage one bucket (views into `bucket.buffer`, which must stay valid until the commit) and its digests.
+        Engine-layout buckets of other ranks are skipped. `lazy`: digests only enqueued on the device;
         `digests` waits for all at once. `batch` (with `lazy`; buckets that arrive together, views of one ipc
         mapping): not even enqueued until `digests`, which hashes them all in one pass."""
         staged = self._state(version)
         if (bucket.rank is None) != (staged.layout == "hf"):
             raise ValueError(f"a {'HF' if bucket.rank is None else 'engine'}-layout bucket in a {staged.layout}-layout update")
         if bucket.rank is not None and bucket.rank != self.hooks.rank:
-            return {}
+            return
         prefix = digest_key_prefix(bucket)
         keys = {prefix + m.name for m in bucket.metas}
         dup = sorted(k for k in keys if k in staged.digests)
@@ -155,17 +155,14 @@ class WorkerReceiver:
             else:
                 staged.pending.append(buckets_digests_lazy([(bucket, prefix)], staged.verify))  # type: ignore[arg-type]
             staged.digests.update(dict.fromkeys(keys, b""))  # resolved by `digests`
-            digests: dict[str, bytes] = {}
         else:
-            digests = bucket_digests(bucket, staged.verify, prefix)  # type: ignore[arg-type]
-            staged.digests.update(digests)
+            staged.digests.update(bucket_digests(bucket, staged.verify, prefix))  # type: ignore[arg-type]
         views = unpack_bucket(bucket)
         if staged.layout == "hf":
             staged.hf.update(views)
         else:
             staged.engine.extend(views)
         staged.keep.append(bucket.buffer)
-        return digests
 
     def digests(self, version: int) -> dict[str, bytes]:
         staged = self._state(version)
