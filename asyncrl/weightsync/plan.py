@@ -71,15 +71,11 @@ class ParamLayout:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.dtype, self.shape)
+        return dtype_from_name(self.dtype).itemsize * math.prod(int(d) for d in self.shape)
 
     @property
     def sources(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(op.src for op in self.ops if op.src is not None))
-
-
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return dtype_from_name(dtype).itemsize * math.prod(int(d) for d in shape)
 
 
 @dataclass(frozen=True)
@@ -88,10 +84,6 @@ class ManifestEntry:
     dtype: str
     shape: tuple[int, ...]
     sender: int = 0  # which sending learner rank (PP stage) exports it
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.dtype, self.shape)
 
 
 @dataclass(frozen=True)
