@@ -227,17 +227,6 @@ def same_ops(a: EngineLayout, b: EngineLayout) -> bool:
         [(p.name, p.dtype, p.shape, p.ops) for p in b.params]
 
 
-def fill_param(layout: ParamLayout, out: torch.Tensor, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
-    """Write `layout`'s parameter into `out` (a contiguous tensor of its shape and dtype) from the
-    HF tensors `get(name)` returns, replaying the loaders' steps in order."""
-    for op in layout.ops:
-        if op.src is None:
-            op.dst.of(out).fill_(op.value)
-        else:  # (contiguous() is the tensor itself when it already is)
-            op.dst.of(out).copy_(op.src_view.of(get(op.src).contiguous()))  # type: ignore[union-attr]
-    return out
-
-
 def verify_layout(layout: EngineLayout, live: dict[str, torch.Tensor], read: Callable[[str], torch.Tensor]) -> str:
     """'' when the layout rebuilds every live parameter exactly from the checkpoint tensors
     `read(name)` returns (on host), else which parameter differs and how."""
@@ -250,14 +239,15 @@ def verify_layout(layout: EngineLayout, live: dict[str, torch.Tensor], read: Cal
             return f"{p.name}: not an engine parameter any more"
         if tuple(target.shape) != p.shape or str(target.dtype).removeprefix("torch.") != p.dtype:
             return f"{p.name}: the engine holds {tuple(target.shape)} {target.dtype}, the loaders wrote {p.shape} {p.dtype}"
-
-        def get(name: str) -> torch.Tensor:
-            t = cache.get(name)
-            if t is None:
-                t = cache[name] = read(name).to(target.device)
-            return t
-
-        rebuilt = fill_param(p, torch.empty(p.shape, dtype=target.dtype, device=target.device), get)
+        rebuilt = torch.empty(p.shape, dtype=target.dtype, device=target.device)
+        for op in p.ops:  # the loaders' steps replayed, in order
+            if op.src is None:
+                op.dst.of(rebuilt).fill_(op.value)
+                continue
+            if op.src not in cache:
+                cache[op.src] = read(op.src).to(target.device)
+            # (contiguous() is the tensor itself when it already is)
+            op.dst.of(rebuilt).copy_(op.src_view.of(cache[op.src].contiguous()))  # type: ignore[union-attr]
         if not torch.equal(rebuilt, target.detach()):
             return (f"{p.name}: the engine's loaded values differ from its loaders' copies of the checkpoint "
                     "(post-load processing changed them)")
