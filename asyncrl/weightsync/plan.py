@@ -558,8 +558,7 @@ def hf_from_engine(plan: PushPlan, buckets: Iterable[Bucket]) -> dict[str, torch
         b = by_key.get((bucket.rank, tuple(bucket.names)))
         if b is None:
             raise PlanError(f"a bucket of rank {bucket.rank} starting with {bucket.names[:1]} is not in plan {plan.plan_id}")
-        host = bucket.to_host()
-        flat = torch.from_numpy(host.buffer) if not isinstance(host.buffer, torch.Tensor) else host.buffer
+        flat = torch.from_numpy(bucket.to_host().buffer)  # (to_host: always a numpy buffer)
         for p, off in b.params:
             view = flat[off : off + p.nbytes].view(dtype_from_name(p.dtype)).view(p.shape)
             for op in (op for op in p.ops if op.src is not None):
