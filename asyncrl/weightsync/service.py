@@ -23,9 +23,12 @@ from typing import Any
 from asyncrl.config import WeightsyncConfig
 from asyncrl.interfaces import EngineAPI
 from asyncrl.types import PlanRequest, Refusal, learner_failure
-from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
+from asyncrl.weightsync.bucket import Bucket, digest_key_prefix
+from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, fingerprint_mode
 from asyncrl.weightsync.link import CollectiveLink
-from asyncrl.weightsync.push import BucketSource, DeploymentReplicas, Publisher, StreamedSource, VersionRegistry
+from asyncrl.weightsync.plan import ManifestEntry, PlanError
+from asyncrl.weightsync.push import Publisher, VersionRegistry, WeightsyncError
+from asyncrl.weightsync.sources import BucketSource, DeploymentReplicas, Step, StreamedSource
 from asyncrl.weightsync.transport import is_object_ref, select_transport
 
 log = logging.getLogger(__name__)
@@ -84,8 +87,6 @@ class WeightPublisher:
         # The seed (and, for collective transports, every host copy) lives in the object store.
         export = await self.learner.export_weights(self.cfg.bucket_mb, "object_store" if transport.streamed
                                                    else transport.name, self.cfg.verify)
-        from asyncrl.weightsync.plan import ManifestEntry
-
         self.manifest = [ManifestEntry(m.name, m.dtype, tuple(m.shape), sender)
                          for metas, sender in zip(export.metas, export.senders) for m in metas]
         try:
@@ -111,8 +112,6 @@ class WeightPublisher:
     async def form_plan(self) -> None:
         """Every engine replica forms the push plan of the learner's export from its workers' layouts; if all formed
         the same one, the sending learner ranks get it, else every replica drops its own (pushes reload)."""
-        from asyncrl.weightsync.plan import PlanError
-
         plan, problem, timeout_s = None, "weightsync.apply is 'reload'", max(600.0, self.cfg.timeout_s)
         if self.cfg.apply != "reload":
             request = PlanRequest(manifest=dump_manifest(self.manifest), bucket_mb=self.cfg.bucket_mb)
@@ -166,8 +165,6 @@ class WeightPublisher:
         itself failed or recovery ran out."""
         if self.publisher is None:
             raise RuntimeError("WeightPublisher.start() was not called")
-        from asyncrl.weightsync.push import Step, WeightsyncError
-
         deadline = time.monotonic() + self.cfg.recovery_s
         recoveries = 0
         while True:
@@ -286,9 +283,6 @@ class WeightStore:
     def publish(self, version: int, buckets: list[Any], fingerprint: str, plan: Any = None) -> None:
         """`buckets`: packed (bucket.py), or ObjectRefs of buckets (read here, where they lie: mapped, not copied,
         on the same node; the refs are kept with them, which keeps the objects)."""
-        from asyncrl.weightsync.bucket import Bucket, digest_key_prefix
-        from asyncrl.weightsync.fingerprint import bucket_digests
-
         if not isinstance(version, int) or version <= self._version:
             raise ValueError(f"version={version!r} must be an int greater than the stored {self._version}")
         refs = [b for b in buckets if is_object_ref(b)]

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, metas_from_wire, whole_arena
+from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, digest_key_prefix, metas_from_wire, whole_arena
 from asyncrl.weightsync.collective import ABORT, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup, SenderAborted
 from asyncrl.weightsync.fingerprint import buckets_digests_lazy
 from asyncrl.weightsync.plan import PlannedPacker, pack_stream
@@ -222,8 +222,6 @@ def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> Call
     """Every bucket of a whole-version push hashed in `verify` mode, in one pass where they share one buffer; the
     returned call waits for the device and records the digests and its wait in `out` (once). Host copies are the
     caller's."""
-    from asyncrl.weightsync.bucket import digest_key_prefix
-
     t = time.perf_counter()
     pending = buckets_digests_lazy([(b, digest_key_prefix(b)) for b in buckets], verify)  # type: ignore[arg-type]
     out.seconds["hash"] += time.perf_counter() - t

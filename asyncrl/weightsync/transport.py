@@ -26,6 +26,7 @@ from asyncrl.config import WeightsyncConfig
 from asyncrl.types import WeightExport
 from asyncrl.weightsync.bucket import FREE, Bucket, SharedAllocator, SharedBucket, digest_key_prefix, write_shared
 from asyncrl.weightsync.fingerprint import bucket_digests
+from asyncrl.weightsync.plan import pack_stream
 
 BACKENDS = ("gloo", "nccl", "ipc")  # the collective transports (collective.py; ipc.py's needs no group)
 
@@ -334,8 +335,6 @@ def pack_into_transport(tensors: Iterable[tuple[str, Any]], bucket_mb: float, tr
     if transport not in ("object_store", "shm"):
         raise ValueError(f"transport={transport!r}: learner ranks can put buckets into object_store or shm only")
     allocator = SharedAllocator() if transport == "shm" else None
-    from asyncrl.weightsync.plan import pack_stream
-
     buckets = pack_stream(tensors, bucket_mb, torch.device("cpu"), plan=plan, sender=sender, alloc=allocator)
     handles, metas, digests = [], [], []
     seconds = {"pack": 0.0, "hash": 0.0, "put": 0.0}
