@@ -282,8 +282,7 @@ class HostCopies:
             copy.event.record(stream)
 
     def result(self, deadline: float | None = None) -> list[Any]:
-        """What `keep` returned for every bucket, in order (by `deadline`, default in two minutes); raises the first
-        failure."""
+        """Every bucket's `keep` result, in order, by `deadline` (default: two minutes); raises the first failure."""
         deadline = time.monotonic() + 120.0 if deadline is None else deadline
         with self._lock:
             if self._closed:
@@ -353,8 +352,8 @@ def pack_into_transport(tensors: Iterable[tuple[str, Any]], bucket_mb: float, tr
             if allocator is not None:
                 handles.append(write_shared(bucket, allocator))
             else:
-                # numpy: Ray's pickle-5 path moves it out of band
-                handles.append(ray.put(Bucket(buffer=bucket.buffer.numpy(), metas=list(bucket.metas), rank=bucket.rank)))
+                host = Bucket(buffer=bucket.buffer.numpy(), metas=list(bucket.metas), rank=bucket.rank)
+                handles.append(ray.put(host))  # (numpy: Ray's pickle-5 path moves it out of band)
             seconds["put"] += time.perf_counter() - t
             del bucket  # one packed bucket alive at a time in this heap
     except BaseException:
