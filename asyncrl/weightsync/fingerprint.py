@@ -333,10 +333,9 @@ def bucket_digests(bucket: Any, mode: VerifyMode = "full", prefix: str = "") -> 
 
 
 def buckets_digests_lazy(buckets: Sequence[tuple[Any, str]], mode: VerifyMode = "full") -> PendingDigests:
-    """`bucket_digests` of several (bucket, prefix) pairs, merged, whose device reads are enqueued now and waited for
-    by the returned call. Where they are contiguous torch views of one
-    storage (an ipc sender's arena, and a receiver's mapping of it) they are read in one pass over it: on a device,
-    one kernel launch and one copy to host."""
+    """`bucket_digests` of several (bucket, prefix) pairs, merged, their device reads enqueued now and waited for by
+    the returned call. Where they are contiguous torch views of one storage (an ipc sender's arena, and a receiver's
+    mapping of it) they are read in one pass over it: on a device, one kernel launch and one copy to host."""
     check_verify_mode(mode)
     bufs = [b.buffer for b, _ in buckets]
     if len(bufs) > 1 and all(isinstance(x, torch.Tensor) and x.is_contiguous() and x.dtype == torch.uint8 for x in bufs) \

@@ -11,6 +11,7 @@ before the commit or outside a pause, apply a tensor whose digest differs, or to
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -308,10 +309,8 @@ class WorkerVerbs:
         for gid in group_ids:
             group = self.__dict__.get("_asyncrl_groups", {}).get(gid)
             if group is not None and not group.broken and gate:
-                try:
+                with contextlib.suppress(Exception):  # a group whose store is gone has nobody waiting
                     group.close_gate(gate, why)
-                except Exception:  # noqa: BLE001 - a group whose store is gone has nobody waiting
-                    pass
 
     def asyncrl_apply(self, version: int, before: str = "") -> ApplyReport:
         """Apply the staged `version`. `before`: an `asyncrl_` query of this worker (no arguments, never
