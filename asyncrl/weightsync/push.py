@@ -238,33 +238,37 @@ class Publisher:
             source.count(m)
         m.layout = source.layout
         with preserve_rng_state():
-            self.registry.begin(version)
-            self.totals["pushes_total"] += 1
+            return await self._publish_held(version, source, list(replicas), names, m, tail_warnings)
+
+    async def _publish_held(self, version: int, source: "BucketSource | StreamedSource", replicas: list[ReplicaClient],
+                            names: list[str], m: PushMetrics, tail_warnings: list[str]) -> PushResult:
+        self.registry.begin(version)
+        self.totals["pushes_total"] += 1
+        try:
+            self.registry.transition(version, S.STAGING)
             try:
-                self.registry.transition(version, S.STAGING)
-                try:
-                    fingerprint = await self._attempt(version, source, replicas, m)
-                except StepFailed as f:
-                    raise self._fail(version, f, m) from next(iter(f.failures.values()), None)
-            except BaseException as exc:
-                for h in source.handles:  # the failed version's buckets: nobody will read them again
-                    with contextlib.suppress(Exception):
-                        self._transport.release(h)
-                if isinstance(source, StreamedSource):
-                    source.discard()
-                if self.registry.in_flight == version:  # cancelled, or a bug: never leave it in flight
-                    self.registry.transition(version, S.FAILED, error=f"{type(exc).__name__}: {exc}")
-                    m.failed = True
-                    self._finish(m, version)
-                raise
-            if isinstance(source, StreamedSource):  # its host copy is made from now on: keep it in the background
-                source.collect_host_copies()
-                self._tail = asyncio.ensure_future(self._keep_live(version, fingerprint, source))
-                warnings: list[str] = []
-            else:
-                report, warnings = await self._keep_live(version, fingerprint, source)
-                _report_keep(m, report)
-            return PushResult(version, fingerprint, names, self._finish(m, version), tail_warnings + warnings)
+                fingerprint = await self._attempt(version, source, replicas, m)
+            except StepFailed as f:
+                raise self._fail(version, f, m) from next(iter(f.failures.values()), None)
+        except BaseException as exc:
+            for h in source.handles:  # the failed version's buckets: nobody will read them again
+                with contextlib.suppress(Exception):
+                    self._transport.release(h)
+            if isinstance(source, StreamedSource):
+                source.discard()
+            if self.registry.in_flight == version:  # cancelled, or a bug: never leave it in flight
+                self.registry.transition(version, S.FAILED, error=f"{type(exc).__name__}: {exc}")
+                m.failed = True
+                self._finish(m, version)
+            raise
+        if isinstance(source, StreamedSource):  # its host copy is made from now on: keep it in the background
+            source.collect_host_copies()
+            self._tail = asyncio.ensure_future(self._keep_live(version, fingerprint, source))
+            warnings: list[str] = []
+        else:
+            report, warnings = await self._keep_live(version, fingerprint, source)
+            _report_keep(m, report)
+        return PushResult(version, fingerprint, names, self._finish(m, version), tail_warnings + warnings)
 
     async def _attempt(self, version: int, source: "BucketSource | StreamedSource", replicas: list[ReplicaClient], m: PushMetrics) -> str:
         # One engine replica behind all clients: its commit pauses, applies and resumes by itself.
