@@ -72,10 +72,13 @@ class _Staged:
 
 
 class WorkerReceiver:
-    """One engine worker's receiving state; `hooks` is the engine."""
+    """One engine worker's weight-update state, all of it: its checked layout, the plan, what is staged, the
+    collective groups it holds and the ipc senders' buffers it has open; `hooks` is the engine."""
 
     def __init__(self, hooks: EngineHooks) -> None:
         self.hooks = hooks
+        self.groups: dict[str, Any] = {}  # group id -> `CollectiveGroup` (weightsync/collective.py)
+        self.opened: dict[bytes, tuple[Any, Bucket]] = {}  # ipc: a handle -> (its table, its view), as last opened
         self.verified: EngineLayout | None = None  # the start-time layout, checked against the checkpoint
         self.direct_problem = "layout not checked yet"
         self.checked = LayoutCheck(rank=hooks.rank, direct=False, problem=self.direct_problem)  # the start-time check
@@ -219,8 +222,8 @@ class WorkerReceiver:
 
 
 class WorkerVerbs:
-    """The `asyncrl_*` verbs of one worker that holds weights (the prefix: never a clash with the worker's own).
-    A subclass gives the engine (`_asyncrl_hooks`), `rank` (its rank in the engine) and, off the CPU, `device`."""
+    """The `asyncrl_*` verbs of one worker that holds weights (the prefix: never a clash with the worker's own), over
+    its one `WorkerReceiver`. A subclass gives the engine (`_asyncrl_hooks`), `rank` and, off the CPU, `device`."""
 
     # HF buckets of a shared file go to the device (SGLang takes them over CUDA IPC); vLLM's loaders read host ones
     _asyncrl_hf_on_device = False
@@ -257,23 +260,22 @@ class WorkerVerbs:
         rx = self._asyncrl_rx()
         if groups is None:
             rx.begin(version, *(begin or []))
-            opened = self.__dict__.get("_asyncrl_ipc", {})  # ipc: the sender's buffers, as the last push opened them
             now: dict[bytes, tuple[Any, Bucket]] = {}
             for wire in wires or []:
                 if isinstance(wire[0], bytes):  # views of the sender's ring, hashed in one pass at the end
-                    kept = opened.get(wire[0])  # (the same view with the same table: the same bucket object)
+                    kept = rx.opened.get(wire[0])  # (the same view with the same table: the same bucket object)
                     bucket = kept[1] if kept is not None and kept[0] == wire[1:] else \
                         ipc_open(wire[0], metas_from_wire(wire[1]), wire[2])
                     now[wire[0]] = (wire[1:], bucket)
                     rx.stage(version, bucket, lazy=True, batch=True)
                 else:
                     rx.stage(version, self._asyncrl_open(wire))
-            self.__dict__["_asyncrl_ipc"] = now  # (one push's: an older ring's mapping goes)
+            rx.opened = now  # (one push's: an older ring's mapping goes)
             return ReceiveReport(digests=rx.digests(version))
         from asyncrl.weightsync.collective import CollectiveError
         from asyncrl.weightsync.stream import broadcast_receive_stream
 
-        held = self.__dict__.get("_asyncrl_groups", {})
+        held = rx.groups
         deadline = time.monotonic() + timeout_s
         try:  # one that cannot take the push refuses it: its other members must not wait for this worker
             rx.begin(version, *(begin or []))
@@ -307,7 +309,7 @@ class WorkerVerbs:
     def _asyncrl_refuse(self, group_ids: list[str], why: str, gate: str = "") -> None:
         """Refuse the coming push on `group_ids`, best effort: every member at the gate `gate` stops at once."""
         for gid in group_ids:
-            group = self.__dict__.get("_asyncrl_groups", {}).get(gid)
+            group = self._asyncrl_rx().groups.get(gid)
             if group is not None and not group.broken and gate:
                 with contextlib.suppress(Exception):  # a group whose store is gone has nobody waiting
                     group.close_gate(gate, why)
@@ -333,10 +335,12 @@ class WorkerVerbs:
         None: stay. Returns the ids of the groups this worker holds still usable."""
         from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
 
+        rx = self._asyncrl_rx()
         if specs is None:
-            return [gid for gid, g in self.__dict__.get("_asyncrl_groups", {}).items() if not g.broken]
-        for group in self.__dict__.pop("_asyncrl_groups", {}).values():
+            return [gid for gid, g in rx.groups.items() if not g.broken]
+        for group in rx.groups.values():
             group.close()
+        rx.groups = {}
         groups: dict[str, Any] = {}
         parsed = [GroupSpec(**raw) for raw in specs]
         mine = int(self.rank)  # type: ignore[attr-defined]
@@ -348,5 +352,5 @@ class WorkerVerbs:
             for group in groups.values():
                 group.close()
             raise
-        self.__dict__["_asyncrl_groups"] = groups
+        rx.groups = groups
         return [s.group_id for s in parsed]
