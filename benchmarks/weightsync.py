@@ -89,6 +89,8 @@ class EngineActor:
         from asyncrl.config import GeneratorConfig, ModelConfig
         from asyncrl.generator.engine import EngineReplica
 
+        if os.environ.get("ASYNCRL_PROFILE_DIR"):  # (the workers' profile: a function run in them)
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         # The engine holds the weights in the checkpoint's dtype (what the learner exports).
         self.replica = EngineReplica(ModelConfig(path=self.model_path, dtype=self.dtype),
                                      GeneratorConfig(engine=self.engine, num_gpus=self.gpus, engine_kwargs=self.engine_kwargs),
@@ -117,8 +119,13 @@ class EngineActor:
         return None
 
     async def profile(self, on: bool) -> str:
-        """cProfile of this actor's event loop (the replica's side of a push), on then off: its top entries."""
-        return _profile(self, on)
+        """cProfile of this actor's event loop (the replica's side of a push), on then off: its top entries; and of
+        its workers' receive and apply (a function run in them, which vLLM ships with VLLM_ALLOW_INSECURE_SERIALIZATION)."""
+        text = _profile(self, on)
+        if self.engine == "vllm" and os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") == "1":
+            workers = await self.replica.engine.llm.collective_rpc(_profile_worker_verbs, args=(on,))
+            text += "".join(f"\n== worker {i} (asyncrl_receive + asyncrl_apply)\n{w}" for i, w in enumerate(workers))
+        return text
 
     async def round_trips(self, n: int = 20) -> dict:
         """Medians of this engine's own round trips (what a push's steps are made of): a worker
@@ -138,6 +145,35 @@ class EngineActor:
 
     def shutdown(self) -> None:
         self.replica.shutdown()
+
+
+def _profile_worker_verbs(worker, on: bool) -> str:
+    """In a vLLM worker: wrap its receive and apply verbs in one cProfile (on), or unwrap them and answer the
+    profile (off)."""
+    import cProfile
+    import io
+    import pstats
+
+    cls, verbs = type(getattr(worker, "worker", worker)), ("asyncrl_receive", "asyncrl_apply")  # (vLLM's wrapper)
+    if on:
+        prof = cls._bench_prof = cProfile.Profile()
+        for verb in verbs:
+            def wrapped(self, *args, _inner=getattr(cls, verb), **kwargs):
+                prof.enable()
+                try:
+                    return _inner(self, *args, **kwargs)
+                finally:
+                    prof.disable()
+            wrapped._inner = getattr(cls, verb)
+            setattr(cls, verb, wrapped)
+        return ""
+    for verb in verbs:
+        setattr(cls, verb, getattr(cls, verb)._inner)
+    out = io.StringIO()
+    stats = pstats.Stats(cls._bench_prof, stream=out)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    return out.getvalue()
 
 
 def _profile(owner, on: bool) -> str:
@@ -441,7 +477,9 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
 
     base = load_hf_tensors(str(path))
     params = sum(t.numel() for t in base.values())
-    env = {"runtime_env": {"env_vars": {"PYTHONPATH": engine_pythonpath}}} if engine_pythonpath else {}
+    env_vars = {k: v for k, v in {"PYTHONPATH": engine_pythonpath,
+                                  "ASYNCRL_PROFILE_DIR": os.environ.get("ASYNCRL_PROFILE_DIR", "")}.items() if v}
+    env = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
     engine = ray.remote(num_cpus=0.5, num_gpus=gpus, **env)(EngineActor)
     actors = [engine.remote(str(path), f"engine-{i}", gpus, dtype if name != "demo" else "float32", engine_name)
               for i in range(replicas)]
