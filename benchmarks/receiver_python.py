@@ -44,7 +44,7 @@ def main() -> None:
     def push(version: int) -> None:
         rx.begin(version, args.verify, "engine")
         for bucket in buckets:
-            rx.stage(version, bucket, lazy=True, batch=True)
+            rx.stage(version, bucket, batch=True)
         rx.digests(version)
         rx.apply(version)
 

@@ -23,7 +23,7 @@ import torch
 
 from asyncrl.types import ApplyReport, LayoutCheck, ReceiveReport
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, digest_key_prefix, metas_from_wire, unpack_bucket
-from asyncrl.weightsync.fingerprint import PendingDigests, bucket_digests, buckets_digests_lazy, check_verify_mode
+from asyncrl.weightsync.fingerprint import PendingDigests, buckets_digests_lazy, check_verify_mode
 from asyncrl.weightsync.ipc import ipc_open
 from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, probe_layout, same_ops, verify_layout
 
@@ -138,11 +138,11 @@ class WorkerReceiver:
             raise RuntimeError(f"bucket for version {version} but staging {None if staged is None else staged.version}")
         return staged
 
-    def stage(self, version: int, bucket: Bucket, lazy: bool = False, batch: bool = False) -> None:
-        """Stage one bucket (views into `bucket.buffer`, which must stay valid until the commit) and its digests.
-        Engine-layout buckets of other ranks are skipped. `lazy`: digests only enqueued on the device;
-        `digests` waits for all at once. `batch` (with `lazy`; buckets that arrive together, views of one ipc
-        mapping): not even enqueued until `digests`, which hashes them all in one pass."""
+    def stage(self, version: int, bucket: Bucket, batch: bool = False) -> None:
+        """Stage one bucket (views into `bucket.buffer`, which must stay valid until the commit) and its digests,
+        a device's only enqueued (`digests` waits for all at once). Engine-layout buckets of other ranks are skipped.
+        `batch` (buckets that arrive together, views of one ipc mapping): not even enqueued until `digests`, which
+        hashes them all in one pass."""
         staged = self._state(version)
         if (bucket.rank is None) != (staged.layout == "hf"):
             raise ValueError(f"a {'HF' if bucket.rank is None else 'engine'}-layout bucket in a {staged.layout}-layout update")
@@ -153,14 +153,11 @@ class WorkerReceiver:
         dup = sorted(k for k in keys if k in staged.digests)
         if len(keys) != len(bucket.metas) or dup:
             raise ValueError(f"tensor {dup[0] if dup else '?'!r} staged twice for version {version}")
-        if lazy:
-            if batch:
-                staged.batch.append((bucket, prefix))
-            else:
-                staged.pending.append(buckets_digests_lazy([(bucket, prefix)], staged.verify))  # type: ignore[arg-type]
-            staged.digests.update(dict.fromkeys(keys, b""))  # resolved by `digests`
+        if batch:
+            staged.batch.append((bucket, prefix))
         else:
-            staged.digests.update(bucket_digests(bucket, staged.verify, prefix))  # type: ignore[arg-type]
+            staged.pending.append(buckets_digests_lazy([(bucket, prefix)], staged.verify))  # type: ignore[arg-type]
+        staged.digests.update(dict.fromkeys(keys, b""))  # resolved by `digests`
         views = unpack_bucket(bucket)
         if staged.layout == "hf":
             staged.hf.update(views)
@@ -267,7 +264,7 @@ class WorkerVerbs:
                     bucket = kept[1] if kept is not None and kept[0] == wire[1:] else \
                         ipc_open(wire[0], metas_from_wire(wire[1]), wire[2])
                     now[wire[0]] = (wire[1:], bucket)
-                    rx.stage(version, bucket, lazy=True, batch=True)
+                    rx.stage(version, bucket, batch=True)
                 else:
                     rx.stage(version, self._asyncrl_open(wire))
             rx.opened = now  # (one push's: an older ring's mapping goes)
@@ -275,25 +272,24 @@ class WorkerVerbs:
         from asyncrl.weightsync.collective import CollectiveError
         from asyncrl.weightsync.stream import broadcast_receive_stream
 
-        held = rx.groups
         deadline = time.monotonic() + timeout_s
         try:  # one that cannot take the push refuses it: its other members must not wait for this worker
             rx.begin(version, *(begin or []))
-            missing = [gid for gid in groups if gid not in held or held[gid].broken]
+            missing = [gid for gid in groups if gid not in rx.groups or rx.groups[gid].broken]
             if missing:
-                raise CollectiveError(f"worker holds no usable group {missing[0]!r} (has {sorted(held)})")
+                raise CollectiveError(f"worker holds no usable group {missing[0]!r} (has {sorted(rx.groups)})")
         except (ValueError, CollectiveError) as err:
             self._asyncrl_refuse(groups, f"{type(err).__name__}: {err}", gate)
             raise
         if gate:  # ready on every group at once; each group's decision is awaited when its turn comes (a
             for gid in groups:  # later PP stage may only start sending once an earlier one is done)
-                held[gid].arrive(gate)
+                rx.groups[gid].arrive(gate)
         for gid in groups:
-            group = held[gid]
+            group = rx.groups[gid]
             if gate:
                 group.await_gate(gate, deadline)
             for bucket in broadcast_receive_stream(group, deadline):
-                rx.stage(version, bucket, lazy=True)  # one wait for every digest, below
+                rx.stage(version, bucket)  # one wait for every digest, below
         return ReceiveReport(digests=rx.digests(version))
 
     def _asyncrl_open(self, wire: tuple) -> Bucket:

@@ -40,7 +40,7 @@ def _fill(buckets: list[Bucket], value: float) -> dict[str, torch.Tensor]:
 def _push(rx: WorkerReceiver, version: int, buckets: list[Bucket], batch: bool) -> ApplyReport:
     rx.begin(version, "checksum", "engine", "plan")
     for b in buckets:
-        rx.stage(version, b, lazy=True, batch=batch)
+        rx.stage(version, b, batch=batch)
     rx.digests(version)
     return rx.apply(version)
 
@@ -70,9 +70,9 @@ def test_a_receiver_applies_the_bytes_staged_now_push_after_push(batch):
     assert all(torch.equal(live[n], want[n]) for n in names)
 
     rx.begin(6, "checksum", "engine", "plan")  # a tensor staged twice is refused
-    rx.stage(6, ring[0], lazy=True, batch=batch)
+    rx.stage(6, ring[0], batch=batch)
     with pytest.raises(ValueError, match="staged twice"):
-        rx.stage(6, ring[0], lazy=True, batch=batch)
+        rx.stage(6, ring[0], batch=batch)
     rx.abort()  # nothing staged is left
     with pytest.raises(RuntimeError, match="staging None"):
         rx.apply(6)
