@@ -85,7 +85,6 @@ class WeightUpdates:
         self.layout_checks: list[LayoutCheck] = []  # the start-time check of the engine's parameter layout
         # the last join's answer (None: ask them); a group breaks only in a receive, whose failed load_bucket drops it
         self._groups_joined: GroupsReport | None = None
-        self._receive_reached = False  # this load_bucket's workers received (or refused) a collective push
 
     async def _rpc(self, verb: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
         """Run the worker verb `verb` (by reference: `WorkerAPI.asyncrl_apply`) on every worker; one answer each.
@@ -161,15 +160,14 @@ class WeightUpdates:
         """Stage `version` from a payload (a `CollectiveReceive`, or a list of shared files, buckets or their
         ObjectRefs); `begin` starts the update (a refused begin stages nothing)."""
         async with self._control_lock:
-            self._receive_reached = False
             try:
                 self._begin(version, msgspec.convert(begin, UpdateBegin, from_attributes=True))
-                return await self._load_bucket(named_tensors, version)
             except Exception as err:
                 # a broadcast's other members wait at its gate until this replica's workers receive or refuse
-                if isinstance(named_tensors, CollectiveReceive) and not self._receive_reached:
+                if isinstance(named_tensors, CollectiveReceive):
                     await self._refuse_receive(named_tensors, err)
                 raise
+            return await self._load_bucket(named_tensors, version)
 
     async def _refuse_receive(self, payload: CollectiveReceive, err: BaseException) -> None:
         """Tell a collective push's other members this replica will not take it (best effort, bounded: a worker
@@ -182,8 +180,7 @@ class WeightUpdates:
             logger.warning("replica %s: could not refuse the push: %s", self.replica_id, refuse_err)
 
     async def _load_bucket(self, named_tensors: Any, version: int) -> LoadReport:
-        """`load_bucket` under the control lock, its update begun."""
-        self._receive_reached = True  # the workers receive, or refuse, from here on
+        """`load_bucket` under the control lock, its update begun: the workers receive, or refuse, from here on."""
         try:
             await self._stage(named_tensors, version)
         except Exception as err:
