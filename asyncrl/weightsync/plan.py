@@ -13,11 +13,10 @@ vLLM (the engine adapter hands in the model).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
-import threading
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -272,7 +271,7 @@ class PlannedBucket:
         return [TensorMeta(p.name, p.dtype, p.shape, off, p.nbytes) for p, off in self.params]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (equal only to itself: its packer is kept by identity, `_program`)
 class PushPlan:
     """Per engine rank, every parameter in a bucket of one sending learner rank."""
 
@@ -388,24 +387,10 @@ class _PackProgram:
         self.counts = [len(c) for c in self.copies]
 
 
-_PROGRAMS: dict[tuple[int, int], tuple[Any, _PackProgram]] = {}
-_PROGRAMS_KEPT = 8
-_PROGRAMS_LOCK = threading.Lock()
-
-
+@functools.lru_cache(maxsize=8)
 def _program(plan: PushPlan, sender: int) -> _PackProgram:
-    """The kept `_PackProgram` of (plan, sender), the plan compared by identity (a weak reference); a few kept."""
-    key = (id(plan), sender)
-    hit = _PROGRAMS.get(key)
-    if hit is not None and hit[0]() is plan:
-        return hit[1]
-    program = _PackProgram(plan, sender)
-    with _PROGRAMS_LOCK:  # (senders of one process may pack on threads of their own)
-        _PROGRAMS.pop(key, None)
-        while len(_PROGRAMS) >= _PROGRAMS_KEPT:
-            _PROGRAMS.pop(next(iter(_PROGRAMS)))
-        _PROGRAMS[key] = (weakref.ref(plan), program)
-    return program
+    """The `_PackProgram` of (plan, sender), kept for the last few (a plan hashes by identity)."""
+    return _PackProgram(plan, sender)
 
 
 class PlannedPacker:
