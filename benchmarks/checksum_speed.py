@@ -46,7 +46,7 @@ def main() -> None:
     row = {"device": torch.cuda.get_device_name(dev), "bytes": nbytes, "segments": args.segments}
     row["checksum_s"] = timed(lambda: ck.segment_checksums(buf, segments))
     kernel = ck._triton_kernel()
-    starts, firsts, counts, masks, _ = ck._programs(segments, dev)
+    starts, firsts, counts, masks, _ = ck._programs(tuple(segments), dev)
     partials = torch.empty(starts.numel(), dtype=torch.int64, device=dev)
     table = ck._device_table(dev)
     for warps in (2, 4, 8, 16):

@@ -110,15 +110,9 @@ def _triton_kernel() -> Any:
     return _KERNEL
 
 
-_PROGRAMS: dict[tuple, tuple[torch.Tensor, ...]] = {}
-
-
-def _programs(segments: Sequence[Segment], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The kernel's per-program table for these segments (cached: a plan's buckets repeat)."""
-    key = (tuple(segments), device)
-    cached = _PROGRAMS.get(key)
-    if cached is not None:
-        return cached
+@functools.lru_cache(maxsize=256)
+def _programs(segments: tuple[Segment, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The kernel's per-program table for these segments (kept: a plan's buckets repeat)."""
     starts, firsts, counts, masks, owner = [], [], [], [], []
     for s, (offset, nbytes) in enumerate(segments):
         nwords = (nbytes + 7) // 8
@@ -131,11 +125,7 @@ def _programs(segments: Sequence[Segment], device: torch.device) -> tuple[torch.
             masks.append((1 << (8 * rem)) - 1 if rem and b + count == nwords else -1)  # the last word's own bytes
             owner.append(s)
     as_i64 = lambda xs: torch.tensor(np.array(xs, dtype=np.uint64).view(np.int64), device=device)  # noqa: E731
-    tables = (as_i64(starts), as_i64(firsts), as_i64(counts), as_i64([m & _MASK for m in masks]), as_i64(owner))
-    if len(_PROGRAMS) > 256:
-        _PROGRAMS.clear()
-    _PROGRAMS[key] = tables
-    return tables
+    return as_i64(starts), as_i64(firsts), as_i64(counts), as_i64([m & _MASK for m in masks]), as_i64(owner)
 
 
 def _cuda_segments(flat: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor | None:
@@ -146,7 +136,7 @@ def _cuda_segments(flat: torch.Tensor, segments: Sequence[Segment]) -> torch.Ten
         return None
     if any(offset % 8 for offset, _ in segments) or flat.storage_offset() % 8 or flat.numel() % 8:
         return None
-    starts, firsts, counts, masks, owner = _programs(segments, flat.device)
+    starts, firsts, counts, masks, owner = _programs(tuple(segments), flat.device)
     out = torch.zeros(len(segments), dtype=torch.int64, device=flat.device)
     if starts.numel():
         partials = torch.empty(starts.numel(), dtype=torch.int64, device=flat.device)
