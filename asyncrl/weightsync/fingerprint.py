@@ -37,14 +37,11 @@ def _table() -> np.ndarray:
 
 
 _HOST_TABLE = _table()
-_DEVICE_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
+@functools.cache
 def _device_table(device: torch.device) -> torch.Tensor:
-    table = _DEVICE_TABLES.get(device)
-    if table is None:
-        table = _DEVICE_TABLES[device] = torch.from_numpy(_HOST_TABLE.view(np.int64).copy()).to(device)
-    return table
+    return torch.from_numpy(_HOST_TABLE.view(np.int64).copy()).to(device)
 
 
 # ---- host --------------------------------------------------------------------------------------
@@ -76,38 +73,35 @@ def _host_segment(flat: np.ndarray) -> int:
 
 # ---- device ------------------------------------------------------------------------------------
 
-_KERNEL: Any = None
 _BLOCK = 4096  # words per program
 assert CH % _BLOCK == 0  # a program's block never straddles two chunks (the kernel relies on it)
 
 
+@functools.cache  # (an ImportError is not kept: raised again at each call)
 def _triton_kernel() -> Any:
-    global _KERNEL
-    if _KERNEL is None:
-        import triton
-        import triton.language as tl
+    import triton
+    import triton.language as tl
 
-        @triton.jit
-        def segment_kernel(words, table, starts, firsts, counts, masks, partials, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-            # One program = one block of one segment: `starts` (its first word in the buffer), `firsts` (that
-            # word's index within the segment), `counts` (valid words), `masks` (bytes of the segment's last word
-            # that are its own, as a word mask). A block starts at a multiple of BLOCK within its segment and BLOCK
-            # divides CHUNK, so the whole block lies in one chunk: its table entries are one contiguous slice and
-            # its chunk factor (2 * chunk + 1) multiplies the block's sum once (mod 2^64 alike).
-            pid = tl.program_id(0)
-            start = tl.load(starts + pid)
-            first = tl.load(firsts + pid)
-            count = tl.load(counts + pid)
-            last_mask = tl.load(masks + pid)
-            lane = tl.arange(0, BLOCK).to(tl.int64)
-            valid = lane < count
-            w = tl.load(words + start + lane, mask=valid, other=0)
-            w = tl.where(lane == count - 1, w & last_mask, w)
-            m = tl.load(table + first % CHUNK + lane, mask=valid, other=0)
-            tl.store(partials + pid, tl.sum(w * m, axis=0) * (2 * (first // CHUNK) + 1))
+    @triton.jit
+    def segment_kernel(words, table, starts, firsts, counts, masks, partials, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+        # One program = one block of one segment: `starts` (its first word in the buffer), `firsts` (that
+        # word's index within the segment), `counts` (valid words), `masks` (bytes of the segment's last word
+        # that are its own, as a word mask). A block starts at a multiple of BLOCK within its segment and BLOCK
+        # divides CHUNK, so the whole block lies in one chunk: its table entries are one contiguous slice and
+        # its chunk factor (2 * chunk + 1) multiplies the block's sum once (mod 2^64 alike).
+        pid = tl.program_id(0)
+        start = tl.load(starts + pid)
+        first = tl.load(firsts + pid)
+        count = tl.load(counts + pid)
+        last_mask = tl.load(masks + pid)
+        lane = tl.arange(0, BLOCK).to(tl.int64)
+        valid = lane < count
+        w = tl.load(words + start + lane, mask=valid, other=0)
+        w = tl.where(lane == count - 1, w & last_mask, w)
+        m = tl.load(table + first % CHUNK + lane, mask=valid, other=0)
+        tl.store(partials + pid, tl.sum(w * m, axis=0) * (2 * (first // CHUNK) + 1))
 
-        _KERNEL = segment_kernel
-    return _KERNEL
+    return segment_kernel
 
 
 @functools.lru_cache(maxsize=256)
