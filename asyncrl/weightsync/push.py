@@ -25,20 +25,9 @@ from typing import Any
 import torch
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.types import CommitReport, Refusal, UpdateBegin, WeightUpdateState, WeightVersion
+from asyncrl.types import CommitReport, Refusal, UpdateBegin, WeightUpdateState, WeightVersion, refusal_of
 from asyncrl.weightsync.fingerprint import fingerprint_mode
-from asyncrl.weightsync.sources import (  # noqa: F401 - re-exported: the publisher's vocabulary
-    ActorReplica,
-    BucketSource,
-    DeploymentReplicas,
-    PushMetrics,
-    ReplicaClient,
-    Step,
-    StepFailed,
-    StreamedSource,
-    is_verify_failure,
-    refusals_of,
-)
+from asyncrl.weightsync.sources import BucketSource, PushMetrics, ReplicaClient, Step, StepFailed, StreamedSource, refusals_of
 from asyncrl.weightsync.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -234,13 +223,11 @@ class Publisher:
             raise ValueError(f"replica names must be unique, got {names}")
         m = PushMetrics(version, self._transport.name, len(replicas))
         tail_warnings = await self._settled(m)
-        if isinstance(source, BucketSource):
-            source.count(m)
         m.layout = source.layout
         with preserve_rng_state():
             return await self._publish_held(version, source, list(replicas), names, m, tail_warnings)
 
-    async def _publish_held(self, version: int, source: "BucketSource | StreamedSource", replicas: list[ReplicaClient],
+    async def _publish_held(self, version: int, source: BucketSource | StreamedSource, replicas: list[ReplicaClient],
                             names: list[str], m: PushMetrics, tail_warnings: list[str]) -> PushResult:
         self.registry.begin(version)
         self.totals["pushes_total"] += 1
@@ -251,26 +238,22 @@ class Publisher:
             except StepFailed as f:
                 raise self._fail(version, f, m) from next(iter(f.failures.values()), None)
         except BaseException as exc:
-            for h in source.handles:  # the failed version's buckets: nobody will read them again
-                with contextlib.suppress(Exception):
-                    self._transport.release(h)
-            if isinstance(source, StreamedSource):
-                source.discard()
+            source.discard()
             if self.registry.in_flight == version:  # cancelled, or a bug: never leave it in flight
                 self.registry.transition(version, S.FAILED, error=f"{type(exc).__name__}: {exc}")
                 m.failed = True
                 self._finish(m, version)
             raise
+        source.collect_host_copies()
+        keeping = self._keep_live(version, fingerprint, source)
         if isinstance(source, StreamedSource):  # its host copy is made from now on: keep it in the background
-            source.collect_host_copies()
-            self._tail = asyncio.ensure_future(self._keep_live(version, fingerprint, source))
-            warnings: list[str] = []
+            self._tail, warnings = asyncio.ensure_future(keeping), []
         else:
-            report, warnings = await self._keep_live(version, fingerprint, source)
+            report, warnings = await keeping
             _report_keep(m, report)
         return PushResult(version, fingerprint, names, self._finish(m, version), tail_warnings + warnings)
 
-    async def _attempt(self, version: int, source: "BucketSource | StreamedSource", replicas: list[ReplicaClient], m: PushMetrics) -> str:
+    async def _attempt(self, version: int, source: BucketSource | StreamedSource, replicas: list[ReplicaClient], m: PushMetrics) -> str:
         # One engine replica behind all clients: its commit pauses, applies and resumes by itself.
         own_pause = sum(r.fanout for r in replicas) == 1
         pause_sent = commit_sent = False
@@ -298,7 +281,7 @@ class Publisher:
             if bad:
                 # Committed peers are ahead of the failed ones, and a non-verify commit failure
                 # may be half applied: all of them go back to the last live version.
-                restore = ok + [n for n, e in bad.items() if not is_verify_failure(e)]
+                restore = ok + [n for n, e in bad.items() if refusal_of(e) is not Refusal.VERIFY_FAILED]
                 raise StepFailed(Step.COMMIT, bad, restore=restore)
             self.registry.go_live(version, [r.name for r in replicas])
             return fingerprint
@@ -385,30 +368,26 @@ class Publisher:
         return WeightsyncError(message, version=version, step=f.step, replicas=sorted(f.failures),
                                out_of_service=f.out_of_service, metrics=self._finish(m, version), refusals=refusals)
 
-    async def _keep_live(self, version: int, fingerprint: str, source: "BucketSource | StreamedSource") -> tuple[dict[str, float], list[str]]:
+    async def _keep_live(self, version: int, fingerprint: str, source: BucketSource | StreamedSource) -> tuple[dict[str, float], list[str]]:
         """Make `version`'s host copy the one restores use, then run `on_live`. Never raises:
         returns its seconds and its warnings (a live version without a host copy or a store)."""
-        t0 = time.perf_counter()
+        t = time.perf_counter()
         report: dict[str, float] = {}
         warnings: list[str] = []
-        kept = True
-        if isinstance(source, StreamedSource):
-            try:
-                report.update({f"thread_{k}": v for k, v in (await source.settle(self._cfg.timeout_s)).items()})
-            except Exception as exc:  # live everywhere, but nothing to restore from or hand to late joiners
-                kept = False
-                report["store_failed"] = 1.0
-                warnings.append(f"version {version} is live, but the sender's host copies failed ({type(exc).__name__}: {exc}): "
-                                "no host copy is kept until the next push (a failed push cannot roll back; late joiners load the last "
-                                "stored version)")
-            report["kept"] = time.perf_counter() - t0
-        old, self._host = self._host, (_HostCopy(version, fingerprint, source.handles, source.layout, source.plan_id)
-                                       if kept else None)
-        if old is not None:
-            for h in old.handles:
-                with contextlib.suppress(Exception):
-                    self._transport.release(h)
-        if kept and self._on_live is not None:
+        try:
+            report.update({f"thread_{k}": v for k, v in (await source.settle(self._cfg.timeout_s)).items()})
+            kept: _HostCopy | None = _HostCopy(version, fingerprint, source.handles, source.layout, source.plan_id)
+        except Exception as exc:  # live everywhere, but nothing to restore from or hand to late joiners
+            kept, report["store_failed"] = None, 1.0
+            warnings.append(f"version {version} is live, but the sender's host copies failed ({type(exc).__name__}: {exc}): "
+                            "no host copy is kept until the next push (a failed push cannot roll back; late joiners load the last "
+                            "stored version)")
+        report["kept"] = time.perf_counter() - t
+        old, self._host = self._host, kept
+        for h in old.handles if old is not None else []:
+            with contextlib.suppress(Exception):
+                self._transport.release(h)
+        if kept is not None and self._on_live is not None:
             t = time.perf_counter()
             try:
                 by_ref = self._transport.by_reference
