@@ -1,13 +1,10 @@
 """Push orchestration: publish one weight version to every engine replica, atomically.
 
-Owns: the order of a push, its atomicity and timeouts, the registry of versions (`VersionRegistry`: each
-one's lifecycle IDLE -> STAGING -> COMMITTING -> LIVE | FAILED and timeline, who committed it), the host
-copy of the last live version (its bucket handles), per-push metrics. Order: load_bucket (one a replica, beginning
-the update; staged and verified beside the live weights) -> pause -> commit_update(fingerprint) -> resume.
-Atomicity (the replicas' contract, sources.py): a failure before the commit is undone by `abort_update` (the version
-goes FAILED); a part-applied or ahead replica is restored from the host copy while paused, else reported out of
-service. Every call is bounded by `timeout_s`, paused replicas always resumed; a failed push is pushed again by the
-one recovery path, `WeightPublisher.publish` (service.py).
+Owns: the order of a push (load_bucket, staged and verified beside the live weights -> pause ->
+commit_update(fingerprint) -> resume), the registry of versions (`VersionRegistry`), the host copy of the last live
+version, per-push metrics. Atomicity (the replicas' contract, sources.py): a failure before the commit is aborted
+everywhere (the version goes FAILED); a part-applied or ahead replica is restored from the host copy while paused, else
+reported out of service. Every call is bounded by `timeout_s`, paused replicas are always resumed.
 Must never: pack or unpack tensors (bucket.py, plan.py), know the transport's medium, or let a version go live that
 some live replica did not commit. Details: docs/design/weightsync.md, "Push orchestration".
 """
@@ -110,8 +107,7 @@ class VersionRegistry:
         return list(self._timeline[version])
 
     def begin(self, version: int) -> WeightVersion:
-        """Register `version` (IDLE) for a push. It must be newer than the live one and no
-        other push may be in flight. A version number that FAILED before may be pushed again."""
+        """Register `version` (IDLE) for a push; a version number that FAILED before may be pushed again."""
         if not isinstance(version, int) or isinstance(version, bool):
             raise RegistryError(f"version={version!r} must be an int")
         if self._in_flight is not None:
@@ -182,8 +178,7 @@ class _HostCopy:
 
 @contextlib.contextmanager
 def preserve_rng_state() -> Iterator[None]:
-    """Save torch's CPU (and, if initialised, CUDA) RNG state and restore it afterwards, so that
-    exporting and moving weights never shifts the learner's random stream."""
+    """Exporting and moving weights never shifts the learner's random stream (CPU, and CUDA if initialised)."""
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     try:
@@ -207,17 +202,14 @@ class Publisher:
         self.totals = {k: 0 for k in ("pushes_total", "pushes_failed_total", "rollbacks_total", "out_of_service_total")}
 
     def seed(self, version: int, source: BucketSource) -> str:
-        """Keep the buckets of weights the replicas already serve (e.g. loaded from disk at start) as the host
-        copy a failed first push restores. Returns their fingerprint."""
+        """Keep the weights the replicas already serve as the host copy a failed first push restores."""
         if version != self.registry.live_version:
             raise ValueError(f"seed version {version} is not the registry's live version {self.registry.live_version}")
         self._host = _HostCopy(version, source.fingerprint(), source.handles, source.layout, source.plan_id)
         return self._host.fingerprint
 
-    # ---- one push ------------------------------------------------------------------------
     async def publish(self, version: int, source: BucketSource | StreamedSource, replicas: Sequence[ReplicaClient]) -> PushResult:
-        """Push `source` as `version` to every replica: buckets the learner ranks put (`BucketSource`), or a
-        collective push (`StreamedSource`: its senders broadcast while every replica's load receives)."""
+        """Push `source` as `version` to every replica."""
         names = [r.name for r in replicas]
         if len(set(names)) != len(names):
             raise ValueError(f"replica names must be unique, got {names}")
@@ -299,8 +291,7 @@ class Publisher:
 
     @staticmethod
     async def _commit(r: ReplicaClient, version: int, fingerprint: str, m: PushMetrics) -> None:
-        """One replica's commit; records the engine's apply path and seconds as the replica reports them (one
-        `CommitReport`, or {replica id: report} from a client that fans out)."""
+        """One replica's commit; records the apply path and seconds its `CommitReport`(s) name."""
         try:
             out = await r.commit_update(version, fingerprint)
         except BaseException:
@@ -338,7 +329,6 @@ class Publisher:
         if bad:
             raise StepFailed(step, bad)
 
-    # ---- restore / late load ---------------------------------------------------------------
     async def _restore(self, replicas: list[ReplicaClient], m: PushMetrics) -> list[str]:
         host, failed = self._host, [r.name for r in replicas]
         if host is not None and replicas:
@@ -355,7 +345,6 @@ class Publisher:
         self.totals["out_of_service_total"] += len(failed)
         return failed
 
-    # ---- outcome -----------------------------------------------------------------------------
     def _fail(self, version: int, f: StepFailed, m: PushMetrics) -> WeightsyncError:
         detail = "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in f.failures.items())
         message = f"weight push of version {version} failed at step {f.step.value} on replica(s) {sorted(f.failures)}: {detail}"
@@ -400,8 +389,8 @@ class Publisher:
         return report, warnings
 
     async def _settled(self, m: PushMetrics) -> list[str]:
-        """Wait for the last live version's host copy (the tail) before anything reads it; its
-        seconds go into `m` (as the previous version's) and its warnings are returned."""
+        """Wait for the last live version's host copy (the tail) before anything reads it: its seconds go into `m`,
+        its warnings are returned."""
         tail, self._tail = self._tail, None
         if tail is None:
             return []
@@ -412,8 +401,7 @@ class Publisher:
         return warnings
 
     async def drain(self) -> tuple[dict[str, float], list[str]]:
-        """Wait for the last live version's host copy; returns its metrics (the keys a next push
-        would report for it) and its warnings."""
+        """Wait for the last live version's host copy: the metrics a next push would report for it, and warnings."""
         m = PushMetrics(self.registry.live_version, self._transport.name, 0)
         warnings = await self._settled(m)
         tail = {"host_copy_seconds", "host_copy_wait_seconds", "on_live_seconds", "store_failed"}

@@ -1,15 +1,12 @@
 """Where a push's buckets come from, as the publisher sees them (push.py drives them), and what a replica is to it.
 
-Owns: `Step` / `StepFailed`; `ReplicaClient` (its adapters: `ActorReplica`, one Ray actor or Serve replica handle;
-`DeploymentReplicas`, every running replica of the engine deployment) and the replicas' contract: pause(mode);
-load_bucket(payload, version, begin) stages the whole version (one load a push) and never touches live weights; its
-`begin` (an `UpdateBegin`) first drops any staged copy (an engine layout without the plan: Refusal.PLAN_MISSING);
-commit_update(version, fp) applies nothing on a fingerprint mismatch (Refusal.VERIFY_FAILED), may leave the weights
-part-applied on a later error; abort_update is idempotent; a version <= the live one restores. The sources:
-`BucketSource` hands each replica's load the buckets the learner ranks put (with their digests); `StreamedSource` is a
-collective push, the senders broadcasting over the groups of a `Link` (link.py's `CollectiveLink`) into that load. And a
-push's metrics (`PushMetrics`, a flat `weightsync/...` dict). Must never: order replica calls or decide what is live
-(push.py). Details: docs/design/weightsync.md."""
+Owns: `Step` / `StepFailed`, a push's metrics (`PushMetrics`), `ReplicaClient` (`ActorReplica`: one Ray actor or Serve
+replica; `DeploymentReplicas`: every running replica) and the replicas' contract: pause(mode); load_bucket(payload,
+version, begin) stages the whole version and never touches live weights, its `begin` first drops any staged copy (an
+engine layout without the plan: Refusal.PLAN_MISSING); commit_update(version, fp) applies nothing on a fingerprint
+mismatch (Refusal.VERIFY_FAILED), may leave the weights part-applied on a later error; abort_update is idempotent; a
+version <= the live one restores. The sources: `BucketSource`, the buckets the learner ranks put; `StreamedSource`, a
+collective push over a `Link` (link.py). Must never: order replica calls or decide what is live (push.py)."""
 
 from __future__ import annotations
 
@@ -77,9 +74,8 @@ class ActorReplica:
 
 
 class DeploymentReplicas(ActorReplica):
-    """`ReplicaClient` for every running replica of the engine deployment, one broadcast per step (ActorReplica's
-    steps; only `call` differs). `control`, the generator's EngineControl, fans a verb out:
-    `await control.call(EngineAPI.pause, *args, timeout_s=...)` -> {replica id: result}."""
+    """Every running replica of the engine deployment, one broadcast a step through `control` (the generator's
+    EngineControl: `await control.call(EngineAPI.pause, *args, timeout_s=...)` -> {replica id: result})."""
 
     def __init__(self, control: Any, timeout_s: float, name: str = "engines") -> None:
         super().__init__(None, name)
@@ -224,9 +220,8 @@ class _Source:
 
 
 class BucketSource(_Source):
-    """Buckets the learner ranks already put into the transport (`export_weights`), with the digests they
-    computed as they packed (else hashed here) and, for engine-layout buckets, the plan they were packed for.
-    Read once, when made: a bad handle, or a tensor in two buckets, fails before the push registers anything."""
+    """Buckets the learner ranks already put into the transport, with the digests they computed as they packed (else
+    hashed here). Read once, when made: a bad handle, or a tensor in two buckets, fails before the push registers."""
 
     def __init__(self, handles: Sequence[Any], transport: Transport, verify: VerifyMode = "full",
                  digests: Sequence[dict[str, bytes]] | None = None, plan_id: str | None = None) -> None:
@@ -290,8 +285,7 @@ CANCEL_GRACE_S = 1.0
 class StreamedSource(_Source):
     """A collective push: the senders broadcast every bucket (`link.send`) while each replica's single
     `load_bucket(link.payload(version))` receives them; no bucket passes through the publisher. The senders' host
-    copies become the handles (restores, late joiners) and their digests the fingerprint. The groups are ensured
-    first (`link.ensure`)."""
+    copies become the handles, their digests the fingerprint."""
 
     def __init__(self, link: Link, transport: Transport, timeout_s: float, verify: VerifyMode = "full",
                  plan_id: str | None = None) -> None:
