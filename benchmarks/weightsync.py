@@ -473,7 +473,7 @@ async def bench_model(name: str, path: Path, replicas: int, repeats: int, bucket
     import ray
 
     from asyncrl.demo_model import load_hf_tensors
-    from asyncrl.weightsync.push import ActorReplica
+    from asyncrl.weightsync.sources import ActorReplica
 
     base = load_hf_tensors(str(path))
     params = sum(t.numel() for t in base.values())

@@ -1,13 +1,10 @@
 """Push orchestration: publish one weight version to every engine replica, atomically.
 
-Owns: the order of a push, its atomicity and timeouts, the registry of versions (`VersionRegistry`: each
-one's lifecycle IDLE -> STAGING -> COMMITTING -> LIVE | FAILED and timeline, who committed it), the host
-copy of the last live version (its bucket handles), per-push metrics. Order: load_bucket (one a replica, beginning
-the update; staged and verified beside the live weights) -> pause -> commit_update(fingerprint) -> resume.
-Atomicity (the replicas' contract, sources.py): a failure before the commit is undone by `abort_update` (the version
-goes FAILED); a part-applied or ahead replica is restored from the host copy while paused, else reported out of
-service. Every call is bounded by `timeout_s`, paused replicas always resumed; a failed push is pushed again by the
-one recovery path, `WeightPublisher.publish` (service.py).
+Owns: the order of a push (load_bucket, staged and verified beside the live weights -> pause ->
+commit_update(fingerprint) -> resume), the registry of versions (`VersionRegistry`), the host copy of the last live
+version, per-push metrics. Atomicity (the replicas' contract, sources.py): a failure before the commit is aborted
+everywhere (the version goes FAILED); a part-applied or ahead replica is restored from the host copy while paused, else
+reported out of service. Every call is bounded by `timeout_s`, paused replicas are always resumed.
 Must never: pack or unpack tensors (bucket.py, plan.py), know the transport's medium, or let a version go live that
 some live replica did not commit. Details: docs/design/weightsync.md, "Push orchestration".
 """
@@ -25,20 +22,9 @@ from typing import Any
 import torch
 
 from asyncrl.config import WeightsyncConfig
-from asyncrl.types import CommitReport, Refusal, UpdateBegin, WeightUpdateState, WeightVersion
+from asyncrl.types import CommitReport, Refusal, UpdateBegin, WeightUpdateState, WeightVersion, refusal_of
 from asyncrl.weightsync.fingerprint import fingerprint_mode
-from asyncrl.weightsync.sources import (  # noqa: F401 - re-exported: the publisher's vocabulary
-    ActorReplica,
-    BucketSource,
-    DeploymentReplicas,
-    PushMetrics,
-    ReplicaClient,
-    Step,
-    StepFailed,
-    StreamedSource,
-    is_verify_failure,
-    refusals_of,
-)
+from asyncrl.weightsync.sources import BucketSource, PushMetrics, ReplicaClient, Step, StepFailed, StreamedSource, refusals_of
 from asyncrl.weightsync.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -121,8 +107,7 @@ class VersionRegistry:
         return list(self._timeline[version])
 
     def begin(self, version: int) -> WeightVersion:
-        """Register `version` (IDLE) for a push. It must be newer than the live one and no
-        other push may be in flight. A version number that FAILED before may be pushed again."""
+        """Register `version` (IDLE) for a push; a version number that FAILED before may be pushed again."""
         if not isinstance(version, int) or isinstance(version, bool):
             raise RegistryError(f"version={version!r} must be an int")
         if self._in_flight is not None:
@@ -193,8 +178,7 @@ class _HostCopy:
 
 @contextlib.contextmanager
 def preserve_rng_state() -> Iterator[None]:
-    """Save torch's CPU (and, if initialised, CUDA) RNG state and restore it afterwards, so that
-    exporting and moving weights never shifts the learner's random stream."""
+    """Exporting and moving weights never shifts the learner's random stream (CPU, and CUDA if initialised)."""
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     try:
@@ -218,29 +202,24 @@ class Publisher:
         self.totals = {k: 0 for k in ("pushes_total", "pushes_failed_total", "rollbacks_total", "out_of_service_total")}
 
     def seed(self, version: int, source: BucketSource) -> str:
-        """Keep the buckets of weights the replicas already serve (e.g. loaded from disk at start) as the host
-        copy a failed first push restores. Returns their fingerprint."""
+        """Keep the weights the replicas already serve as the host copy a failed first push restores."""
         if version != self.registry.live_version:
             raise ValueError(f"seed version {version} is not the registry's live version {self.registry.live_version}")
         self._host = _HostCopy(version, source.fingerprint(), source.handles, source.layout, source.plan_id)
         return self._host.fingerprint
 
-    # ---- one push ------------------------------------------------------------------------
     async def publish(self, version: int, source: BucketSource | StreamedSource, replicas: Sequence[ReplicaClient]) -> PushResult:
-        """Push `source` as `version` to every replica: buckets the learner ranks put (`BucketSource`), or a
-        collective push (`StreamedSource`: its senders broadcast while every replica's load receives)."""
+        """Push `source` as `version` to every replica."""
         names = [r.name for r in replicas]
         if len(set(names)) != len(names):
             raise ValueError(f"replica names must be unique, got {names}")
         m = PushMetrics(version, self._transport.name, len(replicas))
         tail_warnings = await self._settled(m)
-        if isinstance(source, BucketSource):
-            source.count(m)
         m.layout = source.layout
         with preserve_rng_state():
             return await self._publish_held(version, source, list(replicas), names, m, tail_warnings)
 
-    async def _publish_held(self, version: int, source: "BucketSource | StreamedSource", replicas: list[ReplicaClient],
+    async def _publish_held(self, version: int, source: BucketSource | StreamedSource, replicas: list[ReplicaClient],
                             names: list[str], m: PushMetrics, tail_warnings: list[str]) -> PushResult:
         self.registry.begin(version)
         self.totals["pushes_total"] += 1
@@ -251,26 +230,22 @@ class Publisher:
             except StepFailed as f:
                 raise self._fail(version, f, m) from next(iter(f.failures.values()), None)
         except BaseException as exc:
-            for h in source.handles:  # the failed version's buckets: nobody will read them again
-                with contextlib.suppress(Exception):
-                    self._transport.release(h)
-            if isinstance(source, StreamedSource):
-                source.discard()
+            source.discard()
             if self.registry.in_flight == version:  # cancelled, or a bug: never leave it in flight
                 self.registry.transition(version, S.FAILED, error=f"{type(exc).__name__}: {exc}")
                 m.failed = True
                 self._finish(m, version)
             raise
+        source.collect_host_copies()
+        keeping = self._keep_live(version, fingerprint, source)
         if isinstance(source, StreamedSource):  # its host copy is made from now on: keep it in the background
-            source.collect_host_copies()
-            self._tail = asyncio.ensure_future(self._keep_live(version, fingerprint, source))
-            warnings: list[str] = []
+            self._tail, warnings = asyncio.ensure_future(keeping), []
         else:
-            report, warnings = await self._keep_live(version, fingerprint, source)
+            report, warnings = await keeping
             _report_keep(m, report)
         return PushResult(version, fingerprint, names, self._finish(m, version), tail_warnings + warnings)
 
-    async def _attempt(self, version: int, source: "BucketSource | StreamedSource", replicas: list[ReplicaClient], m: PushMetrics) -> str:
+    async def _attempt(self, version: int, source: BucketSource | StreamedSource, replicas: list[ReplicaClient], m: PushMetrics) -> str:
         # One engine replica behind all clients: its commit pauses, applies and resumes by itself.
         own_pause = sum(r.fanout for r in replicas) == 1
         pause_sent = commit_sent = False
@@ -298,7 +273,7 @@ class Publisher:
             if bad:
                 # Committed peers are ahead of the failed ones, and a non-verify commit failure
                 # may be half applied: all of them go back to the last live version.
-                restore = ok + [n for n, e in bad.items() if not is_verify_failure(e)]
+                restore = ok + [n for n, e in bad.items() if refusal_of(e) is not Refusal.VERIFY_FAILED]
                 raise StepFailed(Step.COMMIT, bad, restore=restore)
             self.registry.go_live(version, [r.name for r in replicas])
             return fingerprint
@@ -316,8 +291,7 @@ class Publisher:
 
     @staticmethod
     async def _commit(r: ReplicaClient, version: int, fingerprint: str, m: PushMetrics) -> None:
-        """One replica's commit; records the engine's apply path and seconds as the replica reports them (one
-        `CommitReport`, or {replica id: report} from a client that fans out)."""
+        """One replica's commit; records the apply path and seconds its `CommitReport`(s) name."""
         try:
             out = await r.commit_update(version, fingerprint)
         except BaseException:
@@ -355,7 +329,6 @@ class Publisher:
         if bad:
             raise StepFailed(step, bad)
 
-    # ---- restore / late load ---------------------------------------------------------------
     async def _restore(self, replicas: list[ReplicaClient], m: PushMetrics) -> list[str]:
         host, failed = self._host, [r.name for r in replicas]
         if host is not None and replicas:
@@ -372,7 +345,6 @@ class Publisher:
         self.totals["out_of_service_total"] += len(failed)
         return failed
 
-    # ---- outcome -----------------------------------------------------------------------------
     def _fail(self, version: int, f: StepFailed, m: PushMetrics) -> WeightsyncError:
         detail = "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in f.failures.items())
         message = f"weight push of version {version} failed at step {f.step.value} on replica(s) {sorted(f.failures)}: {detail}"
@@ -385,30 +357,26 @@ class Publisher:
         return WeightsyncError(message, version=version, step=f.step, replicas=sorted(f.failures),
                                out_of_service=f.out_of_service, metrics=self._finish(m, version), refusals=refusals)
 
-    async def _keep_live(self, version: int, fingerprint: str, source: "BucketSource | StreamedSource") -> tuple[dict[str, float], list[str]]:
+    async def _keep_live(self, version: int, fingerprint: str, source: BucketSource | StreamedSource) -> tuple[dict[str, float], list[str]]:
         """Make `version`'s host copy the one restores use, then run `on_live`. Never raises:
         returns its seconds and its warnings (a live version without a host copy or a store)."""
-        t0 = time.perf_counter()
+        t = time.perf_counter()
         report: dict[str, float] = {}
         warnings: list[str] = []
-        kept = True
-        if isinstance(source, StreamedSource):
-            try:
-                report.update({f"thread_{k}": v for k, v in (await source.settle(self._cfg.timeout_s)).items()})
-            except Exception as exc:  # live everywhere, but nothing to restore from or hand to late joiners
-                kept = False
-                report["store_failed"] = 1.0
-                warnings.append(f"version {version} is live, but the sender's host copies failed ({type(exc).__name__}: {exc}): "
-                                "no host copy is kept until the next push (a failed push cannot roll back; late joiners load the last "
-                                "stored version)")
-            report["kept"] = time.perf_counter() - t0
-        old, self._host = self._host, (_HostCopy(version, fingerprint, source.handles, source.layout, source.plan_id)
-                                       if kept else None)
-        if old is not None:
-            for h in old.handles:
-                with contextlib.suppress(Exception):
-                    self._transport.release(h)
-        if kept and self._on_live is not None:
+        try:
+            report.update({f"thread_{k}": v for k, v in (await source.settle(self._cfg.timeout_s)).items()})
+            kept: _HostCopy | None = _HostCopy(version, fingerprint, source.handles, source.layout, source.plan_id)
+        except Exception as exc:  # live everywhere, but nothing to restore from or hand to late joiners
+            kept, report["store_failed"] = None, 1.0
+            warnings.append(f"version {version} is live, but the sender's host copies failed ({type(exc).__name__}: {exc}): "
+                            "no host copy is kept until the next push (a failed push cannot roll back; late joiners load the last "
+                            "stored version)")
+        report["kept"] = time.perf_counter() - t
+        old, self._host = self._host, kept
+        for h in old.handles if old is not None else []:
+            with contextlib.suppress(Exception):
+                self._transport.release(h)
+        if kept is not None and self._on_live is not None:
             t = time.perf_counter()
             try:
                 by_ref = self._transport.by_reference
@@ -421,8 +389,8 @@ class Publisher:
         return report, warnings
 
     async def _settled(self, m: PushMetrics) -> list[str]:
-        """Wait for the last live version's host copy (the tail) before anything reads it; its
-        seconds go into `m` (as the previous version's) and its warnings are returned."""
+        """Wait for the last live version's host copy (the tail) before anything reads it: its seconds go into `m`,
+        its warnings are returned."""
         tail, self._tail = self._tail, None
         if tail is None:
             return []
@@ -433,8 +401,7 @@ class Publisher:
         return warnings
 
     async def drain(self) -> tuple[dict[str, float], list[str]]:
-        """Wait for the last live version's host copy; returns its metrics (the keys a next push
-        would report for it) and its warnings."""
+        """Wait for the last live version's host copy: the metrics a next push would report for it, and warnings."""
         m = PushMetrics(self.registry.live_version, self._transport.name, 0)
         warnings = await self._settled(m)
         tail = {"host_copy_seconds", "host_copy_wait_seconds", "on_live_seconds", "store_failed"}

@@ -1,13 +1,11 @@
-"""The training loop's weightsync entry point: learner export -> atomic push -> every engine replica; and the store
+"""The training loop's weightsync entry point (learner export -> atomic push -> every engine replica), and the store
 of the live version for replicas that start later.
 
-Owns: wiring one run's pieces — the learner group's packed export, the push plan (plan.py: formed with the engines at
-start, again when a replica refuses it; without agreement, pushes carry HF tensors and engines reload, or `apply:
-direct` fails), the `Publisher`, the deployment as a `ReplicaClient`, collective groups formed before the first push
-and again whenever the running replicas change; and the `WeightStore`, a named Ray actor holding the latest live
-(version, buckets, fingerprint, plan) that a late replica loads before it reports healthy, fed by `weight_store_hook`.
-Must never: sequence a training step (trainer/loop.py), or let a version go live that a running replica did not
-commit (push.py enforces it; the store is only told once it is live). Details: docs/design/weightsync.md.
+Owns: wiring one run's pieces (the learner's export, the push plan formed with the engines, the `Publisher`, the
+deployment as one `ReplicaClient`, the collective groups), the one recovery path (`WeightPublisher.publish` pushes a
+failed version again once the replicas are healthy), and the `WeightStore` actor a late replica loads before it
+reports healthy. Must never: sequence a training step (trainer/loop.py), or let a version go live that a running
+replica did not commit (push.py; the store is told only once it is live). Details: docs/design/weightsync.md.
 """
 
 from __future__ import annotations
@@ -100,9 +98,8 @@ class WeightPublisher:
             await self.form_groups()
 
     async def form_groups(self) -> None:
-        """Form the groups now rather than in the first push (push kernels warmed, pinned buffers allocated; a push
-        re-forms lost ones): by `start` when separated; hybrid, in the start's warm-up switch, memory as a push finds
-        it (Colocation.warm_up)."""
+        """Form the groups before the first push (a push re-forms lost ones): by `start` when separated; hybrid, in
+        the start's warm-up switch, memory as a push finds it (Colocation.warm_up)."""
         if self.link is None:
             return
         t = time.monotonic()
@@ -156,13 +153,10 @@ class WeightPublisher:
         await learner.set_push_plan(pickle.dumps(self.plan) if self.plan is not None else None, host_copies=self._pins())
 
     async def publish(self, version: int) -> dict[str, float]:
-        """Push the learner's current weights as `version`; returns the push metrics.
-
-        A push that failed on the engine side (a replica's engine died; Serve replaces it) is pushed again, as the
-        same version (the learner's weights have not changed), once every running replica passes a health check,
-        until `weightsync.recovery_s` runs out; a failed collective send counts as engine-side unless every replica
-        is healthy. Raises `WeightsyncError` (nothing published, engines on the previous version) when the export
-        itself failed or recovery ran out."""
+        """Push the learner's current weights as `version`; returns the push metrics. A push that failed on the engine
+        side (Serve replaces a dead replica) is pushed again, as the same version, once every running replica is
+        healthy, until `weightsync.recovery_s` runs out. Raises `WeightsyncError` (engines on the previous version)
+        when the export itself failed or recovery ran out."""
         if self.publisher is None:
             raise RuntimeError("WeightPublisher.start() was not called")
         deadline = time.monotonic() + self.cfg.recovery_s
@@ -194,9 +188,8 @@ class WeightPublisher:
 
     async def _receivers_may_be_at_fault(self) -> bool:
         """After an EXPORT failure, whether to recover: a collective send also fails when a receiving replica died
-        mid-broadcast, or when the publisher stopped it for a group member no load reached (the running replicas
-        changed between the push's begin and its groups); not when every running replica is healthy and the
-        publisher did not stop it (the learner's export itself failed). A file/object-store export involves none."""
+        mid-broadcast, or when the publisher stopped it for a group member no load reached; not when every running
+        replica is healthy and it was not stopped (the learner's export failed). A host transport's involves none."""
         if self.link is None:
             return False
         if self.link.receivers_failed:
@@ -267,10 +260,9 @@ STORE_NAMESPACE = "asyncrl"
 
 
 class WeightStore:
-    """Holds the latest committed (version, buckets, fingerprint, plan): `publish` (the version must increase,
-    the fingerprint must match), `latest` ((0, None, "") before any), `plan` (the latest buckets' push plan; None:
-    HF tensors). Run as a named Ray actor. Also the plan pushes use now (`set_push_plan` / `push_plan`): a replica
-    that starts before the first push has no stored version to load, but takes it, so that push finds it held."""
+    """The latest committed (version, buckets, fingerprint, plan), as a named Ray actor: `publish` checks the version
+    increases and the fingerprint matches; `latest` is (0, None, "") before any. Also the plan pushes use now
+    (`push_plan`): a replica that starts before the first push takes it, so that push finds it held."""
 
     def __init__(self) -> None:
         self._version = 0
@@ -322,13 +314,10 @@ class WeightStore:
 
 def weight_store_hook(store: Any, plan_of: Callable[[str], Any] | None = None) -> Callable[[int, str, list[Any]], Any]:
     """`on_live` hook publishing a live version to the `WeightStore` actor, with the push plan (`plan_of(version)`,
-    read as the version goes live) for engine-layout buckets (the store tells those sent as ObjectRefs).
-
-    It returns at once: the store only serves replicas that start later. One store update is in flight at a time
-    (sent from a thread: sending buckets rather than ObjectRefs copies them into the object store); a version that
-    goes live meanwhile waits for it, a newer one replacing it there (the store serves only the latest; a late joiner
-    that loads an older one is brought up by the next push). A failed update is the next call's error, which the
-    publisher reports as a warning."""
+    read as it goes live) for engine-layout buckets. It returns at once: the store only serves replicas that start
+    later. One update is in flight at a time (sent from a thread: sending buckets copies them into the object store);
+    a version that goes live meanwhile waits, a newer one replacing it (a late joiner that loads an older one is
+    brought up by the next push). A failed update is the next call's error (the publisher warns)."""
     state: dict[str, Any] = {"task": None, "next": None, "error": None}
 
     async def send(args: tuple[int, str, list[Any], Any] | None) -> None:
@@ -343,7 +332,7 @@ def weight_store_hook(store: Any, plan_of: Callable[[str], Any] | None = None) -
             args, state["next"] = state["next"], None
 
     async def publish(version: int, fingerprint: str, buckets: list[Any]) -> None:
-        hf = all(getattr(b, "rank", 0) is None for b in buckets)  # (an ObjectRef has no rank: the store tells)
+        hf = all(isinstance(b, Bucket) and b.rank is None for b in buckets)  # (ObjectRefs: the store tells)
         args = (version, fingerprint, buckets, plan_of(version) if plan_of is not None and not hf else None)  # as it went live
         task = state["task"]
         if task is not None and not task.done():

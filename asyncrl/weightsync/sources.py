@@ -1,15 +1,12 @@
 """Where a push's buckets come from, as the publisher sees them (push.py drives them), and what a replica is to it.
 
-Owns: `Step` / `StepFailed`; `ReplicaClient` (its adapters: `ActorReplica`, one Ray actor or Serve replica handle;
-`DeploymentReplicas`, every running replica of the engine deployment) and the replicas' contract: pause(mode);
-load_bucket(payload, version, begin) stages the whole version (one load a push) and never touches live weights; its
-`begin` (an `UpdateBegin`) first drops any staged copy (an engine layout without the plan: Refusal.PLAN_MISSING);
-commit_update(version, fp) applies nothing on a fingerprint mismatch (Refusal.VERIFY_FAILED), may leave the weights
-part-applied on a later error; abort_update is idempotent; a version <= the live one restores. The sources:
-`BucketSource` hands each replica's load the buckets the learner ranks put (with their digests); `StreamedSource` is a
-collective push, the senders broadcasting over the groups of a `Link` (link.py's `CollectiveLink`) into that load. And a
-push's metrics (`PushMetrics`, a flat `weightsync/...` dict). Must never: order replica calls or decide what is live
-(push.py). Details: docs/design/weightsync.md."""
+Owns: `Step` / `StepFailed`, a push's metrics (`PushMetrics`), `ReplicaClient` (`ActorReplica`: one Ray actor or Serve
+replica; `DeploymentReplicas`: every running replica) and the replicas' contract: pause(mode); load_bucket(payload,
+version, begin) stages the whole version and never touches live weights, its `begin` first drops any staged copy (an
+engine layout without the plan: Refusal.PLAN_MISSING); commit_update(version, fp) applies nothing on a fingerprint
+mismatch (Refusal.VERIFY_FAILED), may leave the weights part-applied on a later error; abort_update is idempotent; a
+version <= the live one restores. The sources: `BucketSource`, the buckets the learner ranks put; `StreamedSource`, a
+collective push over a `Link` (link.py). Must never: order replica calls or decide what is live (push.py)."""
 
 from __future__ import annotations
 
@@ -77,12 +74,11 @@ class ActorReplica:
 
 
 class DeploymentReplicas(ActorReplica):
-    """`ReplicaClient` for every running replica of the engine deployment, one broadcast per step (ActorReplica's
-    steps; only `call` differs). `control`, the generator's EngineControl, fans a verb out:
-    `await control.call(EngineAPI.pause, *args, timeout_s=...)` -> {replica id: result}."""
+    """Every running replica of the engine deployment, one broadcast a step through `control` (the generator's
+    EngineControl: `await control.call(EngineAPI.pause, *args, timeout_s=...)` -> {replica id: result})."""
 
     def __init__(self, control: Any, timeout_s: float, name: str = "engines") -> None:
-        super().__init__(getattr(control, "handle", None), name)
+        super().__init__(None, name)
         self.control, self.timeout_s = control, timeout_s
         self.last_results: dict[str, Any] = {}
 
@@ -95,11 +91,6 @@ class DeploymentReplicas(ActorReplica):
         """`verb` on every running replica, {replica id: result}; `fanout` counts them from now on."""
         self.last_results = await self.control.call(verb, *args, timeout_s=self.timeout_s)
         return self.last_results
-
-
-def is_verify_failure(exc: BaseException) -> bool:
-    """The replica refused the commit with `Refusal.VERIFY_FAILED`: it applied nothing (the contract above)."""
-    return refusal_of(exc) is Refusal.VERIFY_FAILED
 
 
 def refusals_of(failures: dict[str, BaseException]) -> dict[str, Refusal]:
@@ -197,57 +188,77 @@ class StepFailed(Exception):
     out_of_service: list[str] = field(default_factory=list)
 
 
-class BucketSource:
-    """Buckets the learner ranks already put into the transport (`export_weights`), with the digests they
-    computed as they packed (else hashed here) and, for engine-layout buckets, the plan they were packed for.
-    Read once, when made: a bad handle, or a tensor in two buckets, fails before the push registers anything."""
+class _Source:
+    """What the publisher reads of a source: its verify mode and layout, the handles of its buckets once they are there
+    (what a restore pushes again, what late joiners load), their fingerprint, and what becomes of them after the push."""
+
+    layout: str = "hf"  # "engine": packed for `plan_id`
+    plan_id: str | None = None
+
+    def __init__(self, transport: Transport, verify: VerifyMode) -> None:
+        self._transport, self.verify = transport, check_verify_mode(verify)
+        self.handles: list[Any] = []
+        self._digests: dict[str, bytes] | None = None
+
+    def fingerprint(self) -> str:
+        if self._digests is None:
+            raise RuntimeError("fingerprint before the sender finished")
+        return combine_digests(self._digests, self.verify)
+
+    def collect_host_copies(self) -> None:
+        """Start collecting the host copies made after the push returned (`settle` waits for them)."""
+
+    async def settle(self, timeout_s: float) -> dict[str, float]:
+        """Wait for the host copies (they become `handles`); returns the seconds of the thread that made them."""
+        return {}
+
+    def discard(self) -> None:
+        """Release a failed push's buckets: nobody will read them again."""
+        for h in self.handles:
+            with contextlib.suppress(Exception):
+                self._transport.release(h)
+
+
+class BucketSource(_Source):
+    """Buckets the learner ranks already put into the transport, with the digests they computed as they packed (else
+    hashed here). Read once, when made: a bad handle, or a tensor in two buckets, fails before the push registers."""
 
     def __init__(self, handles: Sequence[Any], transport: Transport, verify: VerifyMode = "full",
                  digests: Sequence[dict[str, bytes]] | None = None, plan_id: str | None = None) -> None:
-        self.verify, self._transport = check_verify_mode(verify), transport
-        self.handles, self.digests = list(handles), []
+        super().__init__(transport, verify)
+        self.handles, self._digests = list(handles), {}
         self.bytes = self.num_tensors = 0
         self.hash_seconds = 0.0
-        seen: set[str] = set()
-        buckets = []
-        for i, h in enumerate(self.handles):
+        if digests is None or len(digests) != len(self.handles):
+            digests = [{}] * len(self.handles)
+        ranks = set()
+        for h, given in zip(self.handles, digests):
             bucket = transport.fetch(h)
-            buckets.append(bucket)
-            names = [digest_key_prefix(bucket) + n for n in bucket.names]
-            if seen.intersection(names) or len(set(names)) != len(names):
+            ranks.add(bucket.rank)
+            names = {digest_key_prefix(bucket) + n for n in bucket.names}
+            if len(names) != len(bucket.names) or not names.isdisjoint(self._digests):
                 raise ValueError(f"a tensor name appears twice across the {len(self.handles)} bucket handles")
-            seen.update(names)
             self.bytes += bucket.payload_bytes
             self.num_tensors += len(bucket)
-            if digests is not None and len(digests) == len(self.handles) and set(digests[i]) == set(names):
-                self.digests.append(dict(digests[i]))
-            else:
+            if set(given) != names:
                 t = time.perf_counter()
-                self.digests.append(bucket_digests(bucket, self.verify, digest_key_prefix(bucket)))
+                given = bucket_digests(bucket, self.verify, digest_key_prefix(bucket))
                 self.hash_seconds += time.perf_counter() - t
-        ranks = {b.rank for b in buckets}
+            self._digests.update(given)
         if len(ranks) > 1 and None in ranks:
             raise ValueError("a push mixes engine-layout and Hugging Face buckets")
-        self.layout = "hf" if ranks in ({None}, set()) else "engine"
-        if self.layout == "engine" and plan_id is None:
-            raise ValueError("engine-layout buckets without the push plan they were packed for")
-        self.plan_id = plan_id if self.layout == "engine" else None
+        if ranks - {None}:
+            if plan_id is None:
+                raise ValueError("engine-layout buckets without the push plan they were packed for")
+            self.layout, self.plan_id = "engine", plan_id
 
     async def stream(self, step: Callable[..., Awaitable[None]], version: int, replicas: list[ReplicaClient],
                      m: PushMetrics, begin: UpdateBegin) -> None:
         """Every replica's one load (beginning the update) takes every bucket, in order."""
-        payload = [self._transport.payload(h) for h in self.handles]
-        await step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version, begin), m)
-
-    def count(self, m: PushMetrics) -> None:
         m.bytes, m.num_tensors, m.num_buckets = self.bytes, self.num_tensors, len(self.handles)
         m.fingerprint_seconds = self.hash_seconds
-
-    def fingerprint(self) -> str:
-        merged: dict[str, bytes] = {}
-        for d in self.digests:
-            merged.update(d)
-        return combine_digests(merged, self.verify)
+        payload = [self._transport.payload(h) for h in self.handles]
+        await step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version, begin), m)
 
 
 class Link(Protocol):
@@ -271,20 +282,17 @@ class Link(Protocol):
 CANCEL_GRACE_S = 1.0
 
 
-class StreamedSource:
+class StreamedSource(_Source):
     """A collective push: the senders broadcast every bucket (`link.send`) while each replica's single
     `load_bucket(link.payload(version))` receives them; no bucket passes through the publisher. The senders' host
-    copies become the handles (restores, late joiners) and their digests the fingerprint. The groups are ensured
-    first (`link.ensure`)."""
+    copies become the handles, their digests the fingerprint."""
 
     def __init__(self, link: Link, transport: Transport, timeout_s: float, verify: VerifyMode = "full",
                  plan_id: str | None = None) -> None:
-        self._link, self._transport, self._timeout_s = link, transport, timeout_s
-        self.verify = check_verify_mode(verify)
-        self.layout = "hf" if plan_id is None else "engine"
-        self.plan_id = plan_id
-        self.handles: list[Any] = []
-        self._digests: dict[str, bytes] | None = None
+        super().__init__(transport, verify)
+        self._link, self._timeout_s = link, timeout_s
+        if plan_id is not None:
+            self.layout, self.plan_id = "engine", plan_id
         self._sent = False  # the senders sent: their host copies are there to collect
         self._collecting: asyncio.Future | None = None
 
@@ -301,49 +309,45 @@ class StreamedSource:
         def loads(payload: Any) -> asyncio.Future:
             return asyncio.ensure_future(step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version, begin), m))
 
-        if self._link.sequential:  # (ipc: the loads open the handles the senders' export answered)
-            try:
-                sent = await asyncio.wait_for(self._link.send(version, self.verify), self._timeout_s)
-            except Exception as exc:
-                raise StepFailed(Step.EXPORT, {"publisher": exc}) from exc
-            receiving = loads(self._link.payload(version))
-        else:
-            receiving = loads(self._link.payload(version))
-            try:
-                sent = await self._send(version, receiving, self._timeout_s)
-            except Exception as exc:
-                # The receivers' failures follow from the sender's (its abort header, or their deadline), unless
-                # one refused the push (e.g. PLAN_MISSING): then the sender's follows from it, and the push reports it.
+        # ipc (`sequential`): the loads open the handles the senders' export answered, so they start after it
+        receiving = None if self._link.sequential else loads(self._link.payload(version))
+        try:
+            sent = await self._send(version, receiving)
+        except Exception as exc:
+            # The receivers' failures follow from the sender's (its abort header, or their deadline), unless
+            # one refused the push (e.g. PLAN_MISSING): then the sender's follows from it, and the push reports it.
+            if receiving is not None:
                 with contextlib.suppress(BaseException):
                     await receiving
                 refused = receiving.exception() if receiving.done() and not receiving.cancelled() else None
                 if isinstance(refused, StepFailed) and refusals_of(refused.failures):
                     raise refused from exc
-                raise StepFailed(Step.EXPORT, {"publisher": exc}) from exc
-            except BaseException:
+            raise StepFailed(Step.EXPORT, {"publisher": exc}) from exc
+        except BaseException:
+            if receiving is not None:
                 receiving.cancel()
-                raise
+            raise
         sent_at = time.perf_counter()
         self._sent = True  # collected once live: on a shared GPU the copies would take turns with the engines' apply
-        await receiving
-        # where the stage's time goes, as the publisher sees it: forming / checking the groups,
-        # the sender's call (its own seconds are in sent.seconds), the receivers after it returned
-        m.sender_seconds.update({"prepare": prepared - t, "call": sent_at - prepared,
-                                 "receivers_after": time.perf_counter() - sent_at})
+        await (receiving or loads(self._link.payload(version)))
         self._digests = sent.tensor_digests()
         m.bytes, m.num_tensors, m.num_buckets = sent.bytes, sent.num_tensors, sent.num_buckets
         m.put_seconds = sent.seconds.get("broadcast", 0.0)
         m.fingerprint_seconds = sent.seconds.get("hash", 0.0)
-        m.sender_seconds.update({k: v for k, v in sent.seconds.items() if k not in ("prepare", "call", "receivers_after")})
+        m.sender_seconds.update(sent.seconds)
+        # where the stage's time goes, as the publisher sees it: forming / checking the groups,
+        # the sender's call (its own seconds are in sent.seconds), the receivers after it returned
+        m.sender_seconds.update({"prepare": prepared - t, "call": sent_at - prepared,
+                                 "receivers_after": time.perf_counter() - sent_at})
 
-    async def _send(self, version: int, receiving: asyncio.Future, timeout_s: float) -> WeightExport:
-        """The senders' call, bounded by `timeout_s`. A sender still running `CANCEL_GRACE_S` after every replica's
+    async def _send(self, version: int, receiving: asyncio.Future | None) -> WeightExport:
+        """The senders' call, bounded by the timeout. A sender still running `CANCEL_GRACE_S` after every replica's
         load returned waits for a member that will not answer (one no load reached, or whose load failed before it
         could tell the sender): it is stopped (`link.stop`) instead of at its deadline."""
-        sending = asyncio.ensure_future(asyncio.wait_for(self._link.send(version, self.verify), timeout_s))
+        sending = asyncio.ensure_future(asyncio.wait_for(self._link.send(version, self.verify), self._timeout_s))
         try:
-            await asyncio.wait({sending, receiving}, return_when=asyncio.FIRST_COMPLETED)
-            if not sending.done():
+            if receiving is not None:
+                await asyncio.wait({sending, receiving}, return_when=asyncio.FIRST_COMPLETED)
                 done, _ = await asyncio.wait({sending}, timeout=CANCEL_GRACE_S)
                 if not done:
                     failed = receiving.exception() if not receiving.cancelled() else None
@@ -355,19 +359,12 @@ class StreamedSource:
             sending.cancel()
             raise
 
-    def fingerprint(self) -> str:
-        if self._digests is None:
-            raise RuntimeError("fingerprint before the sender finished")
-        return combine_digests(self._digests, self.verify)
-
     def collect_host_copies(self) -> None:
-        """Start collecting the senders' host copies (`settle` waits for them): once live, or dropped."""
         sent, self._sent = self._sent, False
         if sent:
             self._collecting = asyncio.ensure_future(self._link.collect())
 
     async def settle(self, timeout_s: float) -> dict[str, float]:
-        """Wait for the sender's host copies (they become `handles`); returns the copy thread's seconds."""
         collecting, self._collecting = self._collecting, None
         if collecting is None:
             return {}
@@ -375,8 +372,7 @@ class StreamedSource:
         self.handles = list(kept.buckets)
         return dict(kept.seconds)
 
-    def discard(self) -> None:
-        """Release host copies once they arrive (a failed push's: none may linger)."""
+    def discard(self) -> None:  # (the host copies of a failed push, once they arrive: none may linger)
         self.collect_host_copies()
         collecting, self._collecting = self._collecting, None
 

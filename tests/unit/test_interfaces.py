@@ -173,7 +173,9 @@ def test_a_refusal_is_a_type_that_survives_the_boundaries():
     from asyncrl.generator.engine_update import FingerprintMismatch, PlanMissing
     from asyncrl.generator.replica_types import WeightUpdateError
     from asyncrl.types import Refusal, refusal_of
-    from asyncrl.weightsync.push import is_verify_failure
+
+    def is_verify_failure(exc: BaseException) -> bool:  # what the publisher asks of a failed commit: nothing applied
+        return refusal_of(exc) is Refusal.VERIFY_FAILED
 
     err = pickle.loads(pickle.dumps(WeightUpdateError("replica r: rejected", Refusal.VERIFY_FAILED)))
     assert err.refusal is Refusal.VERIFY_FAILED and str(err) == "replica r: rejected"

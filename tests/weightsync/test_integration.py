@@ -241,8 +241,9 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
 
     from asyncrl.config import WeightsyncConfig
     from asyncrl.demo_model import load_hf_tensors
-    from asyncrl.weightsync.push import ActorReplica, Publisher, Step, VersionRegistry, WeightsyncError
+    from asyncrl.weightsync.push import Publisher, Step, VersionRegistry, WeightsyncError
     from asyncrl.weightsync.service import WeightStore, weight_store_hook
+    from asyncrl.weightsync.sources import ActorReplica
     from asyncrl.weightsync.transport import ObjectStoreTransport
 
     tok = AutoTokenizer.from_pretrained(str(demo_model_path))
@@ -351,7 +352,8 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
     from asyncrl.demo_model import load_hf_tensors
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.weightsync.plan import ManifestEntry
-    from asyncrl.weightsync.push import ActorReplica, Publisher
+    from asyncrl.weightsync.push import Publisher
+    from asyncrl.weightsync.sources import ActorReplica
     from asyncrl.weightsync.transport import SharedMemoryTransport
     from tests.learner._data import advantages, make_samples
     from tests.weightsync.fakes import iter_unpacked
@@ -407,7 +409,8 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.plan import ManifestEntry, hf_from_engine
-    from asyncrl.weightsync.push import ActorReplica, Publisher
+    from asyncrl.weightsync.push import Publisher
+    from asyncrl.weightsync.sources import ActorReplica
     from asyncrl.weightsync.transport import select_transport
     from tests.learner._data import advantages, make_samples
     from tests.weightsync.fakes import iter_unpacked
@@ -529,7 +532,8 @@ class _OneEngine:
 
     def __init__(self, engine, sender, cfg, start: int, plan, **link_kw) -> None:
         from asyncrl.weightsync.link import CollectiveLink
-        from asyncrl.weightsync.push import ActorReplica, Publisher, VersionRegistry
+        from asyncrl.weightsync.push import Publisher, VersionRegistry
+        from asyncrl.weightsync.sources import ActorReplica
         from asyncrl.weightsync.transport import select_transport
 
         async def members():
