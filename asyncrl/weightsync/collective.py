@@ -194,7 +194,7 @@ def warm_push_kernels(device: torch.device | str | None, dtypes: tuple[torch.dty
     """Launch once, on scratch tensors of `device`, every kernel a push launches there, then wait for them.
     Returns what it ran ([] when this process warmed that device for these dtypes already, or off CUDA, whose
     kernels need no loading). Details: docs/design/weightsync.md, "Kernel warmup"."""
-    dev = _member_device(device) if device is not None else torch.device("cpu")
+    dev = member_device(device) if device is not None else torch.device("cpu")
     if dev.type != "cuda":
         return []
     key = (str(dev), tuple(dtypes))
@@ -237,7 +237,7 @@ def _warm(dev: torch.device, dtypes: tuple[torch.dtype, ...]) -> list[str]:
     return ran
 
 
-def _member_device(device: torch.device | str | None) -> torch.device:
+def member_device(device: torch.device | str | None) -> torch.device:
     """`device` with a CUDA index resolved; without one, this process's current CUDA device (else CPU)."""
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -283,7 +283,7 @@ class CollectiveGroup:
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
-        dev = _member_device(device)
+        dev = member_device(device)
         with torch.cuda.device(dev):
             pg = StatelessProcessGroup.create(spec.host, spec.port, rank, spec.world_size,
                                               store_timeout=int(spec.timeout_s),
