@@ -85,15 +85,18 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender,
                                 planned_buffer=buffers), out)
     try:
-        # the plan's table is known before anything is packed: made while the gate is shut
-        announce = whole_table(group, [(b.metas(), b.rank, b.nbytes) for b in planned]) if planned is not None else None
+        # a plan's table is known before anything is packed: made while the gate is shut
+        rows = [(b.metas(), b.rank, b.nbytes) for b in planned] if planned is not None else []
+        announce = whole_table(group, rows) if planned is not None else []
         if gate:
             group.arrive(gate)
             group.await_gate(gate, deadline)
-        if planned is not None:
-            _send_whole_planned(group, export, copies, verify, deadline, out, planned, ring, announce)
-        else:
-            _send_whole(group, export, copies, verify, deadline, out)
+        buckets: Iterable[Bucket] = export
+        if planned is None:  # without a plan every bucket is packed first, and the table is theirs
+            buckets = list(export)
+            rows = [(b.metas, b.rank, b.nbytes) for b in buckets]
+            announce = whole_table(group, rows)
+        _send_whole(group, export, buckets, rows, announce, copies, verify, deadline, out, planned, ring)
     except BaseException as err:
         copies.close()
         if export.failed and not group.broken:  # tell the receivers, so they fail now rather than at their deadline
@@ -107,18 +110,6 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     return out  # (the end went out with the buckets, the stale gate keys while the wire ran: _finish_whole)
 
 
-def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
-                out: SendResult) -> None:
-    """Pack every bucket, send one table of them all, enqueue their broadcasts back to back, then finish
-    (`_finish_whole`: checksums and host copies beside the wire, one wait)."""
-    buckets = list(export)
-    t = time.perf_counter()
-    group.broadcast_all(whole_table(group, [(b.metas, b.rank, b.nbytes) for b in buckets]), deadline)
-    sending = group.enqueue_broadcasts([b.buffer for b in buckets if b.nbytes], deadline)
-    out.seconds["broadcast"] += time.perf_counter() - t
-    _finish_whole(group, [(b, None) for b in buckets], [sending], copies, verify, out, deadline)
-
-
 def whole_table(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], int | None, int]]) -> list[torch.Tensor]:
     """The whole version's header and table on the group's device: every bucket's (tensors, engine rank, size),
     without digests (the receivers' are compared with the sender's at the commit)."""
@@ -126,6 +117,58 @@ def whole_table(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], in
                             for metas, rank, n in buckets]}).encode()
     return [_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)),
             torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device)]
+
+
+def _send_whole(group: CollectiveGroup, export: "Export", buckets: Iterable[Bucket], rows: list[Any],
+                announce: list[torch.Tensor], copies: HostCopies, verify: str, deadline: float, out: SendResult,
+                planned: list[Any] | None, ring: SenderRing | None) -> None:
+    """The table (`announce`, of `rows`) goes first and each bucket is enqueued as soon as it is packed, so packing
+    bucket k + 1 overlaps bucket k on the wire. Once the table is out the receivers wait for all of it: an export
+    that fails midway sends zeros for the buckets it did not pack, then the caller's abort header, so they fail at
+    once rather than at their deadline. A `ring` hashes and starts the host copy of each bucket as it is packed (its
+    slot is reused once both are done)."""
+    t = time.perf_counter()
+    sending = [group.enqueue_broadcasts(announce, deadline)]  # (not waited for: the first buckets right behind)
+    out.seconds["broadcast"] += time.perf_counter() - t
+    packed: list[tuple[Bucket, Any]] = []
+    try:
+        for bucket in buckets:
+            k = len(packed)
+            if k >= len(rows) or (bucket.metas, bucket.rank, bucket.nbytes) != rows[k]:
+                export.failed = True  # the table the receivers hold does not describe it: nothing more goes out as data
+                raise CollectiveError(f"group {group.spec.group_id}: packed bucket {k} ({bucket.nbytes} bytes, rank "
+                                      f"{bucket.rank}) is not the bucket {k} the table announced")
+            finish = copy = None
+            if ring is not None:
+                # a ring's slot on the host is no copy: it is overwritten by a later bucket (CPU senders, tests)
+                kept = bucket if bucket.buffer.is_cuda else Bucket(
+                    buffer=bucket.buffer.clone(), metas=bucket.metas, rank=bucket.rank)
+                t = time.perf_counter()
+                copy = copies.add(kept, now=True)  # done once the slot may be reused
+                out.seconds["host_copy"] += time.perf_counter() - t
+                finish = hash_whole_lazy([kept], verify, out)
+            t = time.perf_counter()
+            bc = group.enqueue_broadcasts([bucket.buffer], deadline) if bucket.nbytes else None
+            if bc is not None:
+                sending.append(bc)
+            out.seconds["broadcast"] += time.perf_counter() - t
+            if ring is not None:
+                ring.sent(planned[k].index, bc, copy)  # type: ignore[index]
+            packed.append((bucket, finish))
+        if len(packed) != len(rows):
+            export.failed = True
+            raise CollectiveError(f"group {group.spec.group_id}: the export gave {len(packed)} buckets, the table "
+                                  f"{len(rows)}")
+    except BaseException as err:
+        if not isinstance(err, CollectiveError):  # not the wire: the receivers are told (abort header)
+            export.failed = True
+        if export.failed and not group.broken:
+            _fill(group, [n for *_, n in rows[len(packed):]], deadline)
+        raise
+    finally:
+        if ring is not None:
+            out.seconds["ring_wait"] = ring.waited
+    _finish_whole(group, packed, sending, copies, verify, out, deadline, each=ring is not None)
 
 
 def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], sending: list[Broadcasts],
@@ -154,63 +197,10 @@ def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], send
         finish()
 
 
-def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
-                        out: SendResult, planned: list[Any], ring: SenderRing | None,
-                        announce: list[torch.Tensor]) -> None:
-    """`_send_whole` with a push plan: the plan's table (`announce`, made before the gate opened) goes first and each
-    bucket is enqueued as soon as it is packed, so packing bucket k + 1 overlaps bucket k on the wire. Once the
-    table is out the receivers wait for all of it: an export that fails midway sends zeros for the buckets it did
-    not pack, then the caller's abort header, so they fail at once rather than at their deadline. A `ring` hashes
-    and starts the host copy of each bucket as it is packed (its slot is reused once both are done)."""
-    t = time.perf_counter()
-    sending = [group.enqueue_broadcasts(announce, deadline)]  # (not waited for: the first buckets right behind)
-    out.seconds["broadcast"] += time.perf_counter() - t
-    packed: list[tuple[Bucket, Any]] = []
-    try:
-        for bucket in export:
-            k = len(packed)
-            want = planned[k] if k < len(planned) else None
-            if want is None or (bucket.rank, bucket.nbytes, bucket.names) != (want.rank, want.nbytes, [p.name for p, _ in want.params]):
-                export.failed = True  # the table the receivers hold does not describe it: nothing more goes out as data
-                raise CollectiveError(f"group {group.spec.group_id}: packed bucket {k} ({bucket.nbytes} bytes, rank "
-                                      f"{bucket.rank}) is not the plan's bucket {k} the table announced")
-            finish = copy = None
-            if ring is not None:
-                # a ring's slot on the host is no copy: it is overwritten by a later bucket (CPU senders, tests)
-                kept = bucket if bucket.buffer.is_cuda else Bucket(
-                    buffer=bucket.buffer.clone(), metas=bucket.metas, rank=bucket.rank)
-                t = time.perf_counter()
-                copy = copies.add(kept, now=True)  # done once the slot may be reused
-                out.seconds["host_copy"] += time.perf_counter() - t
-                finish = hash_whole_lazy([kept], verify, out)
-            t = time.perf_counter()
-            bc = group.enqueue_broadcasts([bucket.buffer], deadline) if bucket.nbytes else None
-            if bc is not None:
-                sending.append(bc)
-            out.seconds["broadcast"] += time.perf_counter() - t
-            if ring is not None:
-                ring.sent(want.index, bc, copy)
-            packed.append((bucket, finish))
-        if len(packed) != len(planned):
-            export.failed = True
-            raise CollectiveError(f"group {group.spec.group_id}: the export gave {len(packed)} buckets, the plan's table "
-                                  f"{len(planned)}")
-    except BaseException as err:
-        if not isinstance(err, CollectiveError):  # not the wire: the receivers are told (abort header)
-            export.failed = True
-        if export.failed and not group.broken:
-            _fill(group, planned[len(packed):], deadline)
-        raise
-    finally:
-        if ring is not None:
-            out.seconds["ring_wait"] = ring.waited
-    _finish_whole(group, packed, sending, copies, verify, out, deadline, each=ring is not None)
-
-
-def _fill(group: CollectiveGroup, rest: list[Any], deadline: float) -> None:
+def _fill(group: CollectiveGroup, sizes: list[int], deadline: float) -> None:
     """Zeros for the announced buckets a failed export did not send (the receivers wait for them all, then read
     the abort header behind them)."""
-    sizes = [b.nbytes for b in rest if b.nbytes]
+    sizes = [n for n in sizes if n]
     if not sizes:
         return
     with contextlib.suppress(CollectiveError):  # the wire failed too: the group is broken, the receivers time out
