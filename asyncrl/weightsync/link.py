@@ -44,8 +44,9 @@ class SenderEndpoint:
         self.host_copies: Any = None  # its last broadcast's host copies, until taken
         self.plan: Any = None  # the push plan buckets are packed for (None: HF tensors)
         self.ring: Any = None  # ipc: the device buffers each version is packed into (ipc.py)
-        self._copies: Any = None  # the last push's host copies over ipc, or the left group's: the next push's to close
-        self.pool: Any = None  # pinned host buffers for the first push's host copies (`pin_host_copies`), until taken
+        # the next push's `HostCopies.after` closes these: the last ipc push's, the left group's, or before the first
+        # push an empty one holding the buffers `pin_host_copies` made
+        self._copies: Any = None
         self._pinned = False
 
     def set_plan(self, plan: bytes | None) -> str | None:
@@ -59,19 +60,13 @@ class SenderEndpoint:
     def pin_host_copies(self, sender: int) -> None:
         """Allocate, once at start, the pinned host buffers of a GPU sender's host copies (sizes known from the push
         plan): pinned by the first push's copies instead, a whole version would hold the next training step back.
-        The first push takes them (`_unsent`); later pushes reuse theirs."""
-        if self._pinned or self.plan is None or not torch.cuda.is_available():
+        The first push takes them (`HostCopies.after`); later pushes reuse theirs."""
+        if self._pinned or self._copies is not None or self.plan is None or not torch.cuda.is_available():
             return
         pool = transport.PinnedPool()
         for i, bucket in enumerate(self.plan.for_sender(sender)):
             pool.get(i, int(bucket.nbytes))
-        self.pool, self._pinned = pool, True
-
-    def _unsent(self) -> Any:
-        """Before this rank's first push: an empty `HostCopies` holding the buffers `pin_host_copies` made, for the
-        push's `HostCopies.after` to take; once."""
-        pool, self.pool = self.pool, None
-        return transport.HostCopies(None, pool) if pool is not None else None
+        self._copies, self._pinned = transport.HostCopies(None, pool), True
 
     def address(self, host: str, sender: int) -> SenderAddress:
         """Where the group this rank will host can rendezvous (the port stays bound, and listening, until
@@ -94,7 +89,7 @@ class SenderEndpoint:
         spec = collective.GroupSpec(**mine[0])
         sock, self.reserved = self.reserved, None
         self.group = collective.join_as_sender(spec, sock)
-        self.group._copies, self._copies = self._copies or self._unsent(), None
+        self.group._copies, self._copies = self._copies, None
         return spec.group_id
 
     def group_id(self) -> str | None:
@@ -115,35 +110,28 @@ class SenderEndpoint:
         import ray
 
         tensors = iter(tensors)
-        group = self.group
+        handles: list[Any] = []
         try:
             if backend == "ipc":
-                return self._send_ipc(tensors, bucket_mb, verify, sender, plan)
-            if group is None or group.broken:
+                # (first: the last push's copies read the ring; before the first push, the buffers pinned at start)
+                copies = self._copies = transport.HostCopies.after(self._copies, ray.put, pinned=True)
+                if self.ring is None:
+                    self.ring = IpcRing(collective.member_device(None))
+                handles, sent = ipc_send(self.ring, copies, tensors, bucket_mb, verify=verify, plan=plan, sender=sender)
+            elif self.group is None or self.group.broken:
                 raise collective.CollectiveError("no usable weight broadcast group (join_collective first)")
-            sent = broadcast_send_stream(group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=ray.put,
-                                         plan=plan, sender=sender, gate=gate)
+            else:
+                sent = broadcast_send_stream(self.group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s,
+                                             keep=ray.put, plan=plan, sender=sender, gate=gate)
         except BaseException:
             for _ in tensors:  # a failed push: still finish the export the TP peers are gathering
                 pass
             raise
-        self.host_copies = sent.host_copies
-        return WeightExport(senders=[sender], digests=[sent.digests], bytes=sent.bytes, num_tensors=sent.num_tensors,
-                            num_buckets=sent.num_buckets, seconds=sent.seconds)
-
-    def _send_ipc(self, tensors: Iterable[tuple[str, Any]], bucket_mb: float, verify: str, sender: int,
-                  plan: Any) -> WeightExport:
-        import ray
-
-        # (first: the last push's copies read the ring; before the first push, the buffers pinned at start)
-        copies = self._copies = transport.HostCopies.after(self._copies or self._unsent(), ray.put, pinned=True)
-        if self.ring is None:
-            self.ring = IpcRing(collective.member_device(None))
-        handles, sent = ipc_send(self.ring, copies, tensors, bucket_mb, verify=verify, plan=plan, sender=sender)
-        self.host_copies = copies  # (once sent: a collect of the attempt before this one takes that one's)
-        return WeightExport(buckets=handles, metas=[h.metas for h in handles], senders=[sender] * len(handles),
-                            digests=[sent.digests], bytes=sent.bytes, num_tensors=sent.num_tensors,
-                            num_buckets=sent.num_buckets, seconds=sent.seconds)
+        self.host_copies = sent.host_copies  # (once sent: a collect of the attempt before this one takes that one's)
+        return WeightExport(buckets=handles, metas=[h.metas for h in handles],
+                            senders=[sender] * len(handles) if backend == "ipc" else [sender], digests=[sent.digests],
+                            bytes=sent.bytes, num_tensors=sent.num_tensors, num_buckets=sent.num_buckets,
+                            seconds=sent.seconds)
 
     def take_host_copies(self, timeout_s: float, sender: int = 0) -> HostCopies:
         """The host copies (ObjectRefs, in bucket order) of the last broadcast, once all are in
