@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from asyncrl.weightsync.bucket import Bucket, pack_bucket
 from asyncrl.weightsync.fingerprint import buckets_digests_lazy
@@ -147,8 +148,6 @@ def join_as_sender(spec: GroupSpec, reserved: socket.socket | None,
 
 def _tcp_store(spec: GroupSpec, rank: int, timeout: datetime.timedelta, listen_socket: socket.socket | None) -> Any:
     """The group's TCPStore: rank 0 serves it (on `listen_socket` when given), the others connect."""
-    import torch.distributed as dist
-
     kwargs: dict[str, Any] = {"world_size": spec.world_size, "is_master": rank == 0, "timeout": timeout,
                               "wait_for_workers": False}
     if listen_socket is None or rank != 0:
@@ -172,13 +171,11 @@ def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: di
     for rid, n in replica_workers.items():
         if n < 1:
             raise CollectiveError(f"replica {rid!r} reports {n} workers")
-    specs = []
-    for i, (host, port) in enumerate(senders):
-        receivers, nxt = {}, 1
-        for rid in sorted(replica_workers):
-            receivers[rid], nxt = nxt, nxt + replica_workers[rid]
-        specs.append(GroupSpec(f"{group_prefix}-s{i}", backend, host, port, nxt, receivers, i, timeout_s))
-    return specs
+    receivers, nxt = {}, 1
+    for rid in sorted(replica_workers):
+        receivers[rid], nxt = nxt, nxt + replica_workers[rid]
+    return [GroupSpec(f"{group_prefix}-s{i}", backend, host, port, nxt, dict(receivers), i, timeout_s)
+            for i, (host, port) in enumerate(senders)]
 
 
 # ---- kernel warm-up: a push's kernels loaded when a member joins, before any broadcast is queued on its device ----
@@ -257,7 +254,7 @@ class CollectiveGroup:
     _comm: Any = None  # nccl: PyNcclCommunicator
     _stream: Any = None
     broken: bool = False
-    _store: Any = field(default=None, repr=False)
+    _store: Any = field(default=None, repr=False)  # the rendezvous TCPStore (the gate's)
     _copies: HostCopies | None = field(default=None, repr=False)  # sender: the last push's host copies
     _ring_sender: bool = False  # gloo / nccl sender: its device could not hold a whole version (bucket.py's SenderRing)
     _gate_keys: list = field(default_factory=list, repr=False)  # sender: this push's gate keys (stale at the next)
@@ -273,8 +270,6 @@ class CollectiveGroup:
             raise CollectiveError(f"group {spec.group_id}: the reserved socket listens on port "
                                   f"{listen_socket.getsockname()[1]}, the spec names {spec.port}")
         if spec.backend == "gloo":
-            import torch.distributed as dist
-
             store = _tcp_store(spec, rank, timeout, listen_socket)
             pg = dist.ProcessGroupGloo(dist.PrefixStore(spec.group_id + "/", store), rank, spec.world_size, timeout)
             return cls(spec, rank, torch.device("cpu"), _pg=pg, _store=store)
@@ -293,14 +288,13 @@ class CollectiveGroup:
                 raise CollectiveError(f"group {spec.group_id}: vLLM's PyNccl is disabled here (VLLM_DISABLE_PYNCCL?)")
             stream = torch.cuda.Stream(device=dev)
         warm_push_kernels(dev)  # before any broadcast is queued on it
-        return cls(spec, rank, dev, _comm=comm, _stream=stream, _store=pg)
+        return cls(spec, rank, dev, _comm=comm, _stream=stream, _store=pg.store)
 
     # ---- the gate of one push (gloo / NCCL) ----------------------------------------------------
     def _kv(self) -> Any:
-        """The group's store (NCCL: the TCPStore under vLLM's StatelessProcessGroup)."""
         if self._store is None:
             raise CollectiveError(f"group {self.spec.group_id} is closed")
-        return self._store.store if self.spec.backend == "nccl" else self._store
+        return self._store
 
     def arrive(self, token: str) -> None:
         """This member is ready for push `token`; the member that completes the count opens the gate."""
@@ -365,8 +359,6 @@ class CollectiveGroup:
             raise CollectiveError(f"group {self.spec.group_id} is broken (an earlier step failed); form a new one")
         try:
             if self._pg is not None:
-                import torch.distributed as dist
-
                 opts = dist.BroadcastOptions()
                 opts.rootRank, opts.rootTensor = 0, 0
                 return Broadcasts(self, tensors, deadline, works=[self._pg.broadcast([t], opts) for t in tensors])
