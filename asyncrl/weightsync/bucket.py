@@ -33,8 +33,8 @@ from asyncrl.weightsync.fingerprint import contiguous_tensor
 ALIGN = 64
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _align(n: int, align: int = ALIGN) -> int:
+    return (int(n) + align - 1) // align * align
 
 
 def windows(sizes: Iterable[int], align: int = ALIGN) -> tuple[list[int], int]:
@@ -42,7 +42,7 @@ def windows(sizes: Iterable[int], align: int = ALIGN) -> tuple[list[int], int]:
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
-        total += (int(n) + align - 1) // align * align
+        total += _align(n, align)
     return offsets, total
 
 

@@ -208,28 +208,23 @@ def _fill(group: CollectiveGroup, sizes: list[int], deadline: float) -> None:
         group.broadcast_all([zeros[:n] for n in sizes], deadline)
 
 
-def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> Callable[[], dict[str, bytes]]:
+def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> Callable[[], None]:
     """Every bucket of a whole-version push hashed in `verify` mode, in one pass where they share one buffer; the
-    returned call waits for the device and records the digests and its wait in `out` (once). Host copies are the
-    caller's."""
+    returned call (made once) waits for the device and records the digests and its wait in `out`. Host copies are
+    the caller's."""
     t = time.perf_counter()
     pending = buckets_digests_lazy([(b, digest_key_prefix(b)) for b in buckets], verify)  # type: ignore[arg-type]
     out.seconds["hash"] += time.perf_counter() - t
     out.num_buckets += len(buckets)
     out.bytes += sum(b.payload_bytes for b in buckets)
     out.num_tensors += sum(len(b) for b in buckets)
-    recorded: list[bool] = []
 
-    def finish() -> dict[str, bytes]:
+    def finish() -> None:
         t = time.perf_counter()
-        digests = pending()
-        if not recorded:
-            recorded.append(True)
-            out.digests.update(digests)
-            waited = time.perf_counter() - t
-            out.seconds["hash"] += waited
-            out.seconds["hash_wait"] += waited
-        return digests
+        out.digests.update(pending())
+        waited = time.perf_counter() - t
+        out.seconds["hash"] += waited
+        out.seconds["hash_wait"] += waited
 
     return finish
 
