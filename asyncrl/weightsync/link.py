@@ -165,12 +165,11 @@ class CollectiveLink:
         self.formed = 0  # how many times groups were formed
         self._gate = ""  # gloo / NCCL: the gate token of the push in flight (payload -> send, cancel)
         self._health = health  # raises unless every running replica is healthy
-        self._stores: dict[str, Any] = {}  # group id -> a client of its store (cancel)
         self.receivers_failed = False  # stopped for the receivers (`stop`): a failed send is then the engines' failure
 
     def forget(self) -> None:
         """The groups are gone (a new learner group): the next `ensure` forms them."""
-        self.specs, self.members, self._stores = [], {}, {}
+        self.specs, self.members = [], {}
 
     async def cancel(self, why: str) -> None:
         """Close the gate of the push in flight, where members still wait for one that is gone (every receiver's
@@ -181,8 +180,10 @@ class CollectiveLink:
 
         def put() -> None:
             for spec in self.specs:
-                try:
-                    collective.close_gate(self._store(spec), spec.group_id, gate, f"the publisher: {why}")
+                try:  # (a client of the group's store, made here: a cancel is a failed push's, rare)
+                    store = dist.TCPStore(spec.host, spec.port, is_master=False, timeout=datetime.timedelta(seconds=10),
+                                          wait_for_workers=False)
+                    collective.close_gate(store, spec.group_id, gate, f"the publisher: {why}")
                 except Exception as err:  # the sender's process (the store) is gone: it is not waiting either
                     log.warning("weightsync: could not stop the push on group %s: %s", spec.group_id, err)
 
@@ -194,14 +195,6 @@ class CollectiveLink:
         service recovers it once they are healthy), however the senders report it."""
         self.receivers_failed = True
         await self.cancel(why)
-
-    def _store(self, spec: Any) -> Any:
-        """A client of `spec`'s group store, made once per group."""
-        store = self._stores.get(spec.group_id)
-        if store is None:
-            store = self._stores[spec.group_id] = dist.TCPStore(
-                spec.host, spec.port, is_master=False, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
-        return store
 
     @property
     def group_ids(self) -> list[str]:
@@ -220,7 +213,7 @@ class CollectiveLink:
         specs = collective.form_specs(self.backend, [(a.host, a.port) for a in addresses], members,
                                       timeout_s=self.timeout_s, group_prefix=f"asyncrl-ws{os.getpid()}-{self.formed + 1}")
         wire = [asdict(s) for s in specs]
-        self.specs, self.members, self._stores = [], {}, {}
+        self.specs, self.members = [], {}
         # Every member rendezvouses at once: the replicas' workers and the sending ranks.
         await asyncio.gather(self._join_call(wire), self.learner.join_collective(wire))
         self.specs, self.members = specs, members
