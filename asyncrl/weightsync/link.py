@@ -73,7 +73,8 @@ class SenderEndpoint:
         `join` hands it to the group's store), and the group it holds now if that can still carry a push."""
         self.drop_reserved()
         self.reserved = collective.reserve_port(host)
-        return SenderAddress(sender, host, self.reserved.getsockname()[1], self.group_id() or "")
+        held = self.group.spec.group_id if self.group is not None and not self.group.broken else ""
+        return SenderAddress(sender, host, self.reserved.getsockname()[1], held)
 
     def drop_reserved(self) -> None:
         sock, self.reserved = self.reserved, None
@@ -91,10 +92,6 @@ class SenderEndpoint:
         self.group = collective.join_as_sender(spec, sock)
         self.group._copies, self._copies = self._copies, None
         return spec.group_id
-
-    def group_id(self) -> str | None:
-        group = self.group
-        return group.spec.group_id if group is not None and not group.broken else None
 
     def leave(self) -> None:
         group, self.group = self.group, None

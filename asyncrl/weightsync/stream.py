@@ -272,9 +272,19 @@ def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterato
     if kind != WHOLE or table_len <= 0 or nbytes < 0:
         group.close()
         raise CollectiveError(f"group {group.spec.group_id}: malformed header {[kind, table_len, nbytes]}")
+    raw = torch.empty(table_len, dtype=torch.uint8, device=group.device)
+    group.broadcast_all([raw], deadline)
+    try:  # each bucket's (tensors, engine rank, size)
+        rows = [(metas_from_wire(metas), rank, int(n)) for metas, rank, n in json.loads(raw.cpu().numpy().tobytes())["b"]]
+        sizes = [n for *_, n in rows]
+        if sum(sizes) != nbytes or any(n < 0 for n in sizes):
+            raise ValueError(f"a whole-version table of {sizes} bytes for a header of {nbytes}")
+    except Exception as err:
+        group.close()
+        raise CollectiveError(f"group {group.spec.group_id}: malformed whole-version table: {type(err).__name__}: {err}") from err
     block = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
     buckets, at = [], 0
-    for metas, rank, n in _read_table(group, table_len, nbytes, deadline):
+    for metas, rank, n in rows:
         buckets.append(Bucket(buffer=block.narrow(0, at, n), metas=metas, rank=rank))
         at += n
     end = torch.zeros(3, dtype=torch.int64, device=group.device)  # (no end header read from a push that sent none)
@@ -298,19 +308,3 @@ def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterato
         group.close()
         raise CollectiveError(f"group {group.spec.group_id}: malformed end header {end.tolist()} after a whole version")
 
-
-def _read_table(group: CollectiveGroup, table_len: int, nbytes: int,
-                deadline: float) -> list[tuple[list[TensorMeta], int | None, int]]:
-    """A whole version's table as a receiver reads it: each bucket's (tensors, engine rank, size)."""
-    raw_t = torch.empty(table_len, dtype=torch.uint8, device=group.device)
-    group.broadcast_all([raw_t], deadline)
-    try:
-        rows = json.loads(raw_t.cpu().numpy().tobytes().decode())["b"]
-        buckets = [(metas_from_wire(metas), rank, int(n)) for metas, rank, n in rows]
-        sizes = [n for *_, n in buckets]
-        if sum(sizes) != nbytes or any(n < 0 for n in sizes):
-            raise ValueError(f"a whole-version table of {sizes} bytes for a header of {nbytes}")
-    except Exception as err:
-        group.close()
-        raise CollectiveError(f"group {group.spec.group_id}: malformed whole-version table: {type(err).__name__}: {err}") from err
-    return buckets
