@@ -354,16 +354,13 @@ RING_SLOTS = 4  # a ring's least slots: buckets on the wire or being copied to t
 
 
 class SenderRing:
-    """A whole planned version sent through a few reused slots, for a sender whose device cannot hold the whole
-    version beside its own state. Receivers are unchanged: the same table and buckets, in the same order.
-
-    `buffer(planned bucket)` (the packer's `planned_buffer`) hands out a free slot; with none free it waits, on the
-    host and by the deadline, for the oldest sent bucket's broadcast and host copy, then reuses its slot (its
-    checksums need no wait: they run on the packing stream, before the next bucket). `sent(plan index, broadcasts,
-    host copy)` hands a packed bucket's slot to the wire. Slots: `max(RING_SLOTS, the packer's most open buckets + 2)`,
-    so a bucket being packed never waits for one behind it; an export opening more at once (another order than the
-    plan's) gets one more slot rather than a wait that could not end. Cost against `whole_arena`: a hash launch per
-    bucket, not one pass."""
+    """A whole planned version sent through a few reused slots, for a sender whose device cannot hold it beside its
+    own state (receivers see the same table and buckets). `buffer(planned bucket)` (the packer's `planned_buffer`)
+    hands out a free slot; with none free it waits, on the host and by the deadline, for the oldest sent bucket's
+    broadcast and host copy (its checksums ran on the packing stream before the next bucket). `sent(plan index,
+    broadcasts, host copy)` hands a packed bucket's slot to the wire. `max(RING_SLOTS, the packer's most open buckets
+    + 2)` slots, so a bucket being packed never waits for one behind it; an export opening more at once (another
+    order than the plan's) gets one more slot rather than a wait that could not end."""
 
     def __init__(self, planned: list[Any], device: torch.device, deadline: float, *, open_at_once: int = 1) -> None:
         size = max((b.nbytes for b in planned), default=0)

@@ -31,6 +31,7 @@ from asyncrl.weightsync.transport import HostCopies
 # Header kinds (first int64 of a header): the sender is done, the sender failed, and the push's one table of every
 # bucket (gloo / nccl: then every bucket and an END / ABORT header, as one receive).
 END, ABORT, WHOLE = 2, 3, 4
+GATE_OPEN = "open"  # a gate's decision once every member arrived (else "closed: <why>")
 
 
 class CollectiveError(RuntimeError):
@@ -44,9 +45,6 @@ class SenderAborted(CollectiveError):
 class GateClosed(SenderAborted):
     """The push was stopped at its gate, before any byte went out: a member refused it, the publisher
     stopped it, or a member never came by the deadline. The group stays usable."""
-
-
-GATE_OPEN = "open"
 
 
 def gate_keys(group_id: str, token: str) -> tuple[str, str, str]:
@@ -136,14 +134,12 @@ def join_as_sender(spec: GroupSpec, reserved: socket.socket | None,
                    device: torch.device | str | None = None) -> "CollectiveGroup":
     """Join `spec` as group rank 0, serving the store on `reserved` (`reserve_port`) if it listens on the spec's port
     (one on another port, an older address, is dropped); a socket the store did not take over is always closed."""
-    if reserved is not None and reserved.getsockname()[1] != spec.port:
-        reserved.close()
-        reserved = None
+    on_port = reserved is not None and reserved.getsockname()[1] == spec.port
     try:
-        return CollectiveGroup.join(spec, 0, device, listen_socket=reserved)
+        return CollectiveGroup.join(spec, 0, device, listen_socket=reserved if on_port else None)
     finally:
-        if reserved is not None and reserved.fileno() != -1:
-            reserved.close()
+        if reserved is not None:
+            reserved.close()  # (no-op once the store detached it)
 
 
 def _tcp_store(spec: GroupSpec, rank: int, timeout: datetime.timedelta, listen_socket: socket.socket | None) -> Any:
@@ -263,8 +259,7 @@ class CollectiveGroup:
     @classmethod
     def join(cls, spec: GroupSpec, rank: int, device: torch.device | str | None = None, *,
              listen_socket: socket.socket | None = None) -> "CollectiveGroup":
-        """Join as `rank`. Rank 0 serves the rendezvous store, on `listen_socket` (from
-        `reserve_port`, bound to spec.port; the store takes it over) when given."""
+        """Join as `rank`; rank 0 serves the rendezvous store, on `listen_socket` (`reserve_port`'s) when given."""
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         if listen_socket is not None and listen_socket.getsockname()[1] != spec.port:
             raise CollectiveError(f"group {spec.group_id}: the reserved socket listens on port "
@@ -300,9 +295,8 @@ class CollectiveGroup:
         """This member is ready for push `token`; the member that completes the count opens the gate."""
         keys = gate_keys(self.spec.group_id, token)
         kv = self._kv()
-        if self.rank == 0:  # every member was past the last push's keys: the sender drops them once the wire runs
-            self._stale_gate_keys += self._gate_keys  # (`drop_stale_gate_keys`: three round trips to the store, which
-            self._gate_keys = list(keys)  # had been the last thing before this arrival)
+        if self.rank == 0:  # every member is past the last push's keys: dropped while this push's wire runs, not here
+            self._stale_gate_keys, self._gate_keys = self._stale_gate_keys + self._gate_keys, list(keys)
         try:
             if kv.add(keys[0], 1) >= self.spec.world_size:
                 _decide(kv, self.spec.group_id, token, GATE_OPEN)
@@ -312,12 +306,9 @@ class CollectiveGroup:
     def drop_stale_gate_keys(self) -> None:
         """The sender drops the gate keys of its earlier pushes from the store (housekeeping: nobody reads them)."""
         keys, self._stale_gate_keys = self._stale_gate_keys, []
-        if not keys or self._store is None:
-            return
-        kv = self._kv()
-        for key in keys:
+        for key in keys if self._store is not None else ():
             with contextlib.suppress(Exception):  # housekeeping only
-                kv.delete_key(key)
+                self._store.delete_key(key)
 
     def await_gate(self, token: str, deadline: float) -> None:
         """Return once push `token`'s gate is open (every member arrived); raise `GateClosed` if it was closed, or
@@ -344,9 +335,8 @@ class CollectiveGroup:
 
     # ---- one broadcast from group rank 0 -------------------------------------------------------
     def broadcast_all(self, tensors: list[torch.Tensor], deadline: float) -> None:
-        """Broadcast each of `tensors` from the sender into every member's (same shape, dtype, and this member's
-        device), enqueued back to back, returning once all are complete here. Raises CollectiveError (and the group
-        is broken) if that does not happen by `deadline` (time.monotonic())."""
+        """Broadcast each of `tensors` from the sender into every member's (same shape and dtype, on this member's
+        device) and return once all are complete here, by `deadline` (time.monotonic()): past it, CollectiveError."""
         self.enqueue_broadcasts(tensors, deadline).wait()
 
     def enqueue_broadcasts(self, tensors: list[torch.Tensor], deadline: float, *, events: bool = False) -> "Broadcasts":
@@ -397,9 +387,8 @@ SPIN_S = 0.0005  # a host waiting for a CUDA event polls without sleeping this l
 
 
 def _poll(event: Any, deadline: float, what: str) -> None:
-    """Return once `event` completed (by `deadline`, time.monotonic()). The first `SPIN_S` poll without sleeping:
-    a push's small broadcasts (headers, its table) and a bucket about to land complete within it, where a sleep's
-    granularity would add up on every one of them. Longer waits sleep 100 us between polls."""
+    """Return once `event` completed, by `deadline` (time.monotonic()). The first `SPIN_S` poll without sleeping: a
+    push's headers, its table and a bucket about to land complete within it, where each sleep's granularity adds up."""
     if event.query():
         return
     spin_until = time.perf_counter() + SPIN_S
