@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, digest_key_prefix, metas_from_wire, whole_arena
-from asyncrl.weightsync.collective import ABORT, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup, SenderAborted
+from asyncrl.weightsync.collective import ABORT, END, WHOLE, CollectiveError, CollectiveGroup, SenderAborted
 from asyncrl.weightsync.fingerprint import buckets_digests_lazy
 from asyncrl.weightsync.plan import PlannedPacker, pack_stream
 from asyncrl.weightsync.transport import HostCopies
@@ -107,7 +107,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
             # gathers) are not left waiting for it and the learner group stays usable (LearnerGroup.export_weights)
             export.drain()
         raise
-    return out  # (the end went out with the buckets, the stale gate keys while the wire ran: _finish_whole)
+    return out  # (the end went out with the buckets, the stale gate keys while the wire ran: _send_whole)
 
 
 def whole_table(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], int | None, int]]) -> list[torch.Tensor]:
@@ -125,8 +125,8 @@ def _send_whole(group: CollectiveGroup, export: "Export", buckets: Iterable[Buck
     """The table (`announce`, of `rows`) goes first and each bucket is enqueued as soon as it is packed, so packing
     bucket k + 1 overlaps bucket k on the wire. Once the table is out the receivers wait for all of it: an export
     that fails midway sends zeros for the buckets it did not pack, then the caller's abort header, so they fail at
-    once rather than at their deadline. A `ring` hashes and starts the host copy of each bucket as it is packed (its
-    slot is reused once both are done)."""
+    once rather than at their deadline. Then the end header right behind the buckets, the checksums (beside the wire
+    on a device; the wire never waits for them), one wait for the wire, and the digests on the host."""
     t = time.perf_counter()
     sending = [group.enqueue_broadcasts(announce, deadline)]  # (not waited for: the first buckets right behind)
     out.seconds["broadcast"] += time.perf_counter() - t
@@ -168,18 +168,10 @@ def _send_whole(group: CollectiveGroup, export: "Export", buckets: Iterable[Buck
     finally:
         if ring is not None:
             out.seconds["ring_wait"] = ring.waited
-    _finish_whole(group, packed, sending, copies, verify, out, deadline, each=ring is not None)
-
-
-def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], sending: list[Broadcasts],
-                  copies: HostCopies, verify: str, out: SendResult, deadline: float, *, each: bool = False) -> None:
-    """A whole version's end on the sender: the end header enqueued right behind the buckets, then the checksums
-    (beside the wire on a device; the wire never waits for them), one wait for the wire, then the digests on the
-    host. `each`: every bucket was hashed and its copy started as it was packed (a `SenderRing`)."""
     t = time.perf_counter()
-    tail = group.enqueue_broadcasts([_header(group, END)], deadline)
+    sending.append(group.enqueue_broadcasts([_header(group, END)], deadline))
     out.seconds["broadcast"] += time.perf_counter() - t
-    if each:
+    if ring is not None:  # every bucket was hashed and its copy started as it was packed
         finishes = [finish for _, finish in packed]
     else:  # buckets in one arena (whole_arena) are hashed in one pass, others each in their own
         finishes = [hash_whole_lazy([b for b, _ in packed], verify, out)] if packed else []
@@ -191,7 +183,6 @@ def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], send
     t = time.perf_counter()
     for s in sending:
         s.wait()
-    tail.wait()
     out.seconds["broadcast"] += time.perf_counter() - t
     for finish in finishes:  # the first waits for the device's checksums, the rest are there by then
         finish()
