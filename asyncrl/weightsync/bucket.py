@@ -326,11 +326,8 @@ def write_shared(bucket: Bucket, allocator: SharedAllocator | None = None) -> Sh
         return SharedBucket(None, list(bucket.metas), 0, bucket.rank)
     fd, path = tempfile.mkstemp(prefix=FILE_PREFIX, dir=shared_dir(bucket.nbytes))
     try:
-        with os.fdopen(fd, "wb", buffering=0) as f:
-            view = memoryview(np.ascontiguousarray(bucket.buffer).reshape(-1).view(np.uint8))
-            written = 0
-            while written < len(view):
-                written += f.write(view[written:])
+        with os.fdopen(fd, "wb") as f:  # (a buffered write writes every byte; a large one bypasses the buffer)
+            f.write(memoryview(np.ascontiguousarray(bucket.buffer).reshape(-1).view(np.uint8)))
     except BaseException:
         os.unlink(path)
         raise

@@ -141,13 +141,11 @@ class SenderEndpoint:
 
 
 class CollectiveLink:
-    """A `StreamedSource`'s `Link` (sources.py): the groups between a learner group's sending ranks (one each, PP
-    stage order) and every engine worker of the replicas that `members()` ({replica_id: GroupsReport}) names and
-    `join(specs)` joins. `ensure()`, before each push, forms the groups unless they still hold exactly the running
-    replicas and no member's group broke; a replica that comes later fails that push at the gate, one that fails its
-    `health` check (beside a push still sending after `WATCH_S`) or whose load returned without reaching the gate
-    `stop`s the senders, and the push made again (service.py) forms them again. ipc (`sequential`): no group; the
-    senders' `send` answers the handles that are every replica's `payload`."""
+    """A `StreamedSource`'s `Link` (sources.py) over the groups of the replicas `members()` ({replica_id:
+    GroupsReport}) names and `join(specs)` joins, one a sending rank in PP stage order. `ensure()`, before each push,
+    forms them unless they hold exactly the running replicas and no member's group broke; a replica that comes later
+    fails that push at the gate, one that fails its `health` check or whose load returned without reaching the gate
+    `stop`s the senders, and the push made again (service.py) forms them again. ipc (`sequential`): no group."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
@@ -187,9 +185,8 @@ class CollectiveLink:
         await asyncio.to_thread(put)
 
     async def stop(self, why: str) -> None:
-        """`cancel` for the receivers' sake: a member that will not answer (every replica's load returned), or
-        running replicas that are not the groups' members. The push then failed on the engines' side (the
-        service recovers it once they are healthy), however the senders report it."""
+        """`cancel` for the receivers' sake (a member that will not answer, or running replicas that are not the
+        groups' members): the push failed on the engines' side, however the senders report it."""
         self.receivers_failed = True
         await self.cancel(why)
 
