@@ -338,9 +338,8 @@ def write_shared(bucket: Bucket, allocator: SharedAllocator | None = None) -> Sh
 
 def whole_arena(planned: list[Any], device: torch.device) -> Callable[[Any], torch.Tensor]:
     """One allocation for a sender's whole planned version, each bucket a 64-byte-aligned window by plan index, so
-    the buckets hash in one pass (`hash_whole_lazy`: one kernel launch, not one a bucket). It holds no more memory
-    than separate buffers: a whole-version push keeps every bucket until its broadcasts end. Raises
-    torch.OutOfMemoryError where the device cannot hold it (`SenderRing` then)."""
+    the buckets hash in one pass (one kernel launch, not one a bucket); no more memory than separate buffers, which a
+    push keeps until its broadcasts end. Raises torch.OutOfMemoryError where the device cannot hold it (a ring then)."""
     starts, total = windows(b.nbytes for b in planned)
     offsets = {b.index: at for b, at in zip(planned, starts)}
     arena = torch.empty(total, dtype=torch.uint8, device=device)

@@ -112,8 +112,7 @@ class CollectiveReceive:
 
 def free_port(host: str = "") -> int:
     """A port free a moment ago (tests: another process may take it before it is bound; senders `reserve_port`)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
+    with reserve_port(host) as s:
         return int(s.getsockname()[1])
 
 
@@ -340,11 +339,10 @@ class CollectiveGroup:
         self.enqueue_broadcasts(tensors, deadline).wait()
 
     def enqueue_broadcasts(self, tensors: list[torch.Tensor], deadline: float, *, events: bool = False) -> "Broadcasts":
-        """`broadcast_all` without its wait: the broadcasts are enqueued (NCCL: behind what this member's current
-        stream has enqueued so far, not what it enqueues after); `wait()` on the result waits for them by
-        `deadline`, and work enqueued in between overlaps the wire. `events` (NCCL): one CUDA event per tensor, for
-        `ready(i)`. No stream is made to wait on those events (a sender that dies mid-broadcast would stall the
-        engine's stream for good): the host polls them."""
+        """`broadcast_all` without its wait: enqueued (NCCL: behind what this member's current stream enqueued so
+        far), `wait()` on the result waits for them by `deadline`, and work enqueued in between overlaps the wire.
+        `events` (NCCL): one CUDA event per tensor, for `ready(i)`, which the host polls: a stream made to wait on one
+        would stall the engine's stream for good if the sender died mid-broadcast."""
         if self.broken:
             raise CollectiveError(f"group {self.spec.group_id} is broken (an earlier step failed); form a new one")
         try:

@@ -122,11 +122,10 @@ def whole_table(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], in
 def _send_whole(group: CollectiveGroup, export: "Export", buckets: Iterable[Bucket], rows: list[Any],
                 announce: list[torch.Tensor], copies: HostCopies, verify: str, deadline: float, out: SendResult,
                 planned: list[Any] | None, ring: SenderRing | None) -> None:
-    """The table (`announce`, of `rows`) goes first and each bucket is enqueued as soon as it is packed, so packing
-    bucket k + 1 overlaps bucket k on the wire. Once the table is out the receivers wait for all of it: an export
-    that fails midway sends zeros for the buckets it did not pack, then the caller's abort header, so they fail at
-    once rather than at their deadline. Then the end header right behind the buckets, the checksums (beside the wire
-    on a device; the wire never waits for them), one wait for the wire, and the digests on the host."""
+    """The table (`announce`, of `rows`) goes first, then each bucket as soon as it is packed (packing bucket k + 1
+    overlaps bucket k on the wire); past the table the receivers wait for all of it, so a failed export sends zeros
+    for the rest before the caller's abort header, and they fail at once. Then the end header, the checksums beside
+    the wire (which never waits for them), one wait for the wire, and the digests on the host."""
     t = time.perf_counter()
     sending = [group.enqueue_broadcasts(announce, deadline)]  # (not waited for: the first buckets right behind)
     out.seconds["broadcast"] += time.perf_counter() - t
@@ -162,8 +161,13 @@ def _send_whole(group: CollectiveGroup, export: "Export", buckets: Iterable[Buck
     except BaseException as err:
         if not isinstance(err, CollectiveError):  # not the wire: the receivers are told (abort header)
             export.failed = True
-        if export.failed and not group.broken:
-            _fill(group, [n for *_, n in rows[len(packed):]], deadline)
+        sizes = [n for *_, n in rows[len(packed):] if n]
+        if export.failed and not group.broken and sizes:
+            # zeros for the announced buckets not sent: the receivers wait for them all, then read the abort header
+            # behind them (a wire failing too breaks the group: they time out)
+            with contextlib.suppress(CollectiveError):
+                zeros = torch.zeros(max(sizes), dtype=torch.uint8, device=group.device)
+                group.broadcast_all([zeros[:n] for n in sizes], deadline)
         raise
     finally:
         if ring is not None:
@@ -186,17 +190,6 @@ def _send_whole(group: CollectiveGroup, export: "Export", buckets: Iterable[Buck
     out.seconds["broadcast"] += time.perf_counter() - t
     for finish in finishes:  # the first waits for the device's checksums, the rest are there by then
         finish()
-
-
-def _fill(group: CollectiveGroup, sizes: list[int], deadline: float) -> None:
-    """Zeros for the announced buckets a failed export did not send (the receivers wait for them all, then read
-    the abort header behind them)."""
-    sizes = [n for n in sizes if n]
-    if not sizes:
-        return
-    with contextlib.suppress(CollectiveError):  # the wire failed too: the group is broken, the receivers time out
-        zeros = torch.zeros(max(sizes), dtype=torch.uint8, device=group.device)
-        group.broadcast_all([zeros[:n] for n in sizes], deadline)
 
 
 def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> Callable[[], None]:

@@ -230,10 +230,9 @@ class _Copy:
 
 class HostCopies:
     """The host copies of one push from one sender. `add` each sent bucket: the sender keeps its buffer unwritten
-    until its next push, which `close`s these first. `result` (collected once the version is live: on a shared GPU
-    an earlier copy would take turns with the engine's apply) copies each device bucket into pinned host memory on
-    a side stream and keeps each (`keep`, e.g. `ray.put`) on `KEEP_THREADS` threads, in bucket order.
-    `add(bucket, now=True)` copies at once: a `SenderRing` reuses the slot once that copy is done."""
+    until its next push, which `close`s these first. `result` (once the version is live: on a shared GPU an earlier
+    copy would take turns with the engine's apply) copies each device bucket into pinned memory on a side stream and
+    keeps each (`keep`, e.g. `ray.put`) on `KEEP_THREADS` threads, in order; `add(bucket, now=True)` copies at once."""
 
     def __init__(self, keep: Callable[[Bucket], Any] | None, pool: PinnedPool | None) -> None:
         self._keep = keep if keep is not None else (lambda bucket: bucket)
