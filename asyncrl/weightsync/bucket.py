@@ -33,8 +33,8 @@ from asyncrl.weightsync.fingerprint import contiguous_tensor
 ALIGN = 64
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _align(n: int, align: int = ALIGN) -> int:
+    return (int(n) + align - 1) // align * align
 
 
 def windows(sizes: Iterable[int], align: int = ALIGN) -> tuple[list[int], int]:
@@ -42,7 +42,7 @@ def windows(sizes: Iterable[int], align: int = ALIGN) -> tuple[list[int], int]:
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
-        total += (int(n) + align - 1) // align * align
+        total += _align(n, align)
     return offsets, total
 
 
@@ -326,24 +326,20 @@ def write_shared(bucket: Bucket, allocator: SharedAllocator | None = None) -> Sh
         return SharedBucket(None, list(bucket.metas), 0, bucket.rank)
     fd, path = tempfile.mkstemp(prefix=FILE_PREFIX, dir=shared_dir(bucket.nbytes))
     try:
-        with os.fdopen(fd, "wb", buffering=0) as f:
-            view = memoryview(np.ascontiguousarray(bucket.buffer).reshape(-1).view(np.uint8))
-            written = 0
-            while written < len(view):
-                written += f.write(view[written:])
+        with os.fdopen(fd, "wb") as f:  # (a buffered write writes every byte; a large one bypasses the buffer)
+            f.write(memoryview(np.ascontiguousarray(bucket.buffer).reshape(-1).view(np.uint8)))
     except BaseException:
         os.unlink(path)
         raise
     return SharedBucket(path, list(bucket.metas), bucket.nbytes, bucket.rank)
 
 
-# ---- where a gloo / NCCL sender packs a whole planned version (stream.py's `_send_whole_planned`) ----------
+# ---- where a gloo / NCCL sender packs a whole planned version (stream.py's `_send_whole`) ------------------
 
 def whole_arena(planned: list[Any], device: torch.device) -> Callable[[Any], torch.Tensor]:
     """One allocation for a sender's whole planned version, each bucket a 64-byte-aligned window by plan index, so
-    the buckets hash in one pass (`hash_whole_lazy`: one kernel launch, not one a bucket). It holds no more memory
-    than separate buffers: a whole-version push keeps every bucket until its broadcasts end. Raises
-    torch.OutOfMemoryError where the device cannot hold it (`SenderRing` then)."""
+    the buckets hash in one pass (one kernel launch, not one a bucket); no more memory than separate buffers, which a
+    push keeps until its broadcasts end. Raises torch.OutOfMemoryError where the device cannot hold it (a ring then)."""
     starts, total = windows(b.nbytes for b in planned)
     offsets = {b.index: at for b, at in zip(planned, starts)}
     arena = torch.empty(total, dtype=torch.uint8, device=device)
@@ -354,16 +350,13 @@ RING_SLOTS = 4  # a ring's least slots: buckets on the wire or being copied to t
 
 
 class SenderRing:
-    """A whole planned version sent through a few reused slots, for a sender whose device cannot hold the whole
-    version beside its own state. Receivers are unchanged: the same table and buckets, in the same order.
-
-    `buffer(planned bucket)` (the packer's `planned_buffer`) hands out a free slot; with none free it waits, on the
-    host and by the deadline, for the oldest sent bucket's broadcast and host copy, then reuses its slot (its
-    checksums need no wait: they run on the packing stream, before the next bucket). `sent(plan index, broadcasts,
-    host copy)` hands a packed bucket's slot to the wire. Slots: `max(RING_SLOTS, the packer's most open buckets + 2)`,
-    so a bucket being packed never waits for one behind it; an export opening more at once (another order than the
-    plan's) gets one more slot rather than a wait that could not end. Cost against `whole_arena`: a hash launch per
-    bucket, not one pass."""
+    """A whole planned version sent through a few reused slots, for a sender whose device cannot hold it beside its
+    own state (receivers see the same table and buckets). `buffer(planned bucket)` (the packer's `planned_buffer`)
+    hands out a free slot; with none free it waits, on the host and by the deadline, for the oldest sent bucket's
+    broadcast and host copy (its checksums ran on the packing stream before the next bucket). `sent(plan index,
+    broadcasts, host copy)` hands a packed bucket's slot to the wire. `max(RING_SLOTS, the packer's most open buckets
+    + 2)` slots, so a bucket being packed never waits for one behind it; an export opening more at once (another
+    order than the plan's) gets one more slot rather than a wait that could not end."""
 
     def __init__(self, planned: list[Any], device: torch.device, deadline: float, *, open_at_once: int = 1) -> None:
         size = max((b.nbytes for b in planned), default=0)

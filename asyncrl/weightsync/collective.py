@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from asyncrl.weightsync.bucket import Bucket, pack_bucket
 from asyncrl.weightsync.fingerprint import buckets_digests_lazy
@@ -30,6 +31,7 @@ from asyncrl.weightsync.transport import HostCopies
 # Header kinds (first int64 of a header): the sender is done, the sender failed, and the push's one table of every
 # bucket (gloo / nccl: then every bucket and an END / ABORT header, as one receive).
 END, ABORT, WHOLE = 2, 3, 4
+GATE_OPEN = "open"  # a gate's decision once every member arrived (else "closed: <why>")
 
 
 class CollectiveError(RuntimeError):
@@ -43,9 +45,6 @@ class SenderAborted(CollectiveError):
 class GateClosed(SenderAborted):
     """The push was stopped at its gate, before any byte went out: a member refused it, the publisher
     stopped it, or a member never came by the deadline. The group stays usable."""
-
-
-GATE_OPEN = "open"
 
 
 def gate_keys(group_id: str, token: str) -> tuple[str, str, str]:
@@ -113,8 +112,7 @@ class CollectiveReceive:
 
 def free_port(host: str = "") -> int:
     """A port free a moment ago (tests: another process may take it before it is bound; senders `reserve_port`)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
+    with reserve_port(host) as s:
         return int(s.getsockname()[1])
 
 
@@ -135,20 +133,16 @@ def join_as_sender(spec: GroupSpec, reserved: socket.socket | None,
                    device: torch.device | str | None = None) -> "CollectiveGroup":
     """Join `spec` as group rank 0, serving the store on `reserved` (`reserve_port`) if it listens on the spec's port
     (one on another port, an older address, is dropped); a socket the store did not take over is always closed."""
-    if reserved is not None and reserved.getsockname()[1] != spec.port:
-        reserved.close()
-        reserved = None
+    on_port = reserved is not None and reserved.getsockname()[1] == spec.port
     try:
-        return CollectiveGroup.join(spec, 0, device, listen_socket=reserved)
+        return CollectiveGroup.join(spec, 0, device, listen_socket=reserved if on_port else None)
     finally:
-        if reserved is not None and reserved.fileno() != -1:
-            reserved.close()
+        if reserved is not None:
+            reserved.close()  # (no-op once the store detached it)
 
 
 def _tcp_store(spec: GroupSpec, rank: int, timeout: datetime.timedelta, listen_socket: socket.socket | None) -> Any:
     """The group's TCPStore: rank 0 serves it (on `listen_socket` when given), the others connect."""
-    import torch.distributed as dist
-
     kwargs: dict[str, Any] = {"world_size": spec.world_size, "is_master": rank == 0, "timeout": timeout,
                               "wait_for_workers": False}
     if listen_socket is None or rank != 0:
@@ -172,13 +166,11 @@ def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: di
     for rid, n in replica_workers.items():
         if n < 1:
             raise CollectiveError(f"replica {rid!r} reports {n} workers")
-    specs = []
-    for i, (host, port) in enumerate(senders):
-        receivers, nxt = {}, 1
-        for rid in sorted(replica_workers):
-            receivers[rid], nxt = nxt, nxt + replica_workers[rid]
-        specs.append(GroupSpec(f"{group_prefix}-s{i}", backend, host, port, nxt, receivers, i, timeout_s))
-    return specs
+    receivers, nxt = {}, 1
+    for rid in sorted(replica_workers):
+        receivers[rid], nxt = nxt, nxt + replica_workers[rid]
+    return [GroupSpec(f"{group_prefix}-s{i}", backend, host, port, nxt, dict(receivers), i, timeout_s)
+            for i, (host, port) in enumerate(senders)]
 
 
 # ---- kernel warm-up: a push's kernels loaded when a member joins, before any broadcast is queued on its device ----
@@ -194,7 +186,7 @@ def warm_push_kernels(device: torch.device | str | None, dtypes: tuple[torch.dty
     """Launch once, on scratch tensors of `device`, every kernel a push launches there, then wait for them.
     Returns what it ran ([] when this process warmed that device for these dtypes already, or off CUDA, whose
     kernels need no loading). Details: docs/design/weightsync.md, "Kernel warmup"."""
-    dev = _member_device(device) if device is not None else torch.device("cpu")
+    dev = member_device(device) if device is not None else torch.device("cpu")
     if dev.type != "cuda":
         return []
     key = (str(dev), tuple(dtypes))
@@ -237,7 +229,7 @@ def _warm(dev: torch.device, dtypes: tuple[torch.dtype, ...]) -> list[str]:
     return ran
 
 
-def _member_device(device: torch.device | str | None) -> torch.device:
+def member_device(device: torch.device | str | None) -> torch.device:
     """`device` with a CUDA index resolved; without one, this process's current CUDA device (else CPU)."""
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -257,7 +249,7 @@ class CollectiveGroup:
     _comm: Any = None  # nccl: PyNcclCommunicator
     _stream: Any = None
     broken: bool = False
-    _store: Any = field(default=None, repr=False)
+    _store: Any = field(default=None, repr=False)  # the rendezvous TCPStore (the gate's)
     _copies: HostCopies | None = field(default=None, repr=False)  # sender: the last push's host copies
     _ring_sender: bool = False  # gloo / nccl sender: its device could not hold a whole version (bucket.py's SenderRing)
     _gate_keys: list = field(default_factory=list, repr=False)  # sender: this push's gate keys (stale at the next)
@@ -266,15 +258,12 @@ class CollectiveGroup:
     @classmethod
     def join(cls, spec: GroupSpec, rank: int, device: torch.device | str | None = None, *,
              listen_socket: socket.socket | None = None) -> "CollectiveGroup":
-        """Join as `rank`. Rank 0 serves the rendezvous store, on `listen_socket` (from
-        `reserve_port`, bound to spec.port; the store takes it over) when given."""
+        """Join as `rank`; rank 0 serves the rendezvous store, on `listen_socket` (`reserve_port`'s) when given."""
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         if listen_socket is not None and listen_socket.getsockname()[1] != spec.port:
             raise CollectiveError(f"group {spec.group_id}: the reserved socket listens on port "
                                   f"{listen_socket.getsockname()[1]}, the spec names {spec.port}")
         if spec.backend == "gloo":
-            import torch.distributed as dist
-
             store = _tcp_store(spec, rank, timeout, listen_socket)
             pg = dist.ProcessGroupGloo(dist.PrefixStore(spec.group_id + "/", store), rank, spec.world_size, timeout)
             return cls(spec, rank, torch.device("cpu"), _pg=pg, _store=store)
@@ -283,7 +272,7 @@ class CollectiveGroup:
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
-        dev = _member_device(device)
+        dev = member_device(device)
         with torch.cuda.device(dev):
             pg = StatelessProcessGroup.create(spec.host, spec.port, rank, spec.world_size,
                                               store_timeout=int(spec.timeout_s),
@@ -293,22 +282,20 @@ class CollectiveGroup:
                 raise CollectiveError(f"group {spec.group_id}: vLLM's PyNccl is disabled here (VLLM_DISABLE_PYNCCL?)")
             stream = torch.cuda.Stream(device=dev)
         warm_push_kernels(dev)  # before any broadcast is queued on it
-        return cls(spec, rank, dev, _comm=comm, _stream=stream, _store=pg)
+        return cls(spec, rank, dev, _comm=comm, _stream=stream, _store=pg.store)
 
     # ---- the gate of one push (gloo / NCCL) ----------------------------------------------------
     def _kv(self) -> Any:
-        """The group's store (NCCL: the TCPStore under vLLM's StatelessProcessGroup)."""
         if self._store is None:
             raise CollectiveError(f"group {self.spec.group_id} is closed")
-        return self._store.store if self.spec.backend == "nccl" else self._store
+        return self._store
 
     def arrive(self, token: str) -> None:
         """This member is ready for push `token`; the member that completes the count opens the gate."""
         keys = gate_keys(self.spec.group_id, token)
         kv = self._kv()
-        if self.rank == 0:  # every member was past the last push's keys: the sender drops them once the wire runs
-            self._stale_gate_keys += self._gate_keys  # (`drop_stale_gate_keys`: three round trips to the store, which
-            self._gate_keys = list(keys)  # had been the last thing before this arrival)
+        if self.rank == 0:  # every member is past the last push's keys: dropped while this push's wire runs, not here
+            self._stale_gate_keys, self._gate_keys = self._stale_gate_keys + self._gate_keys, list(keys)
         try:
             if kv.add(keys[0], 1) >= self.spec.world_size:
                 _decide(kv, self.spec.group_id, token, GATE_OPEN)
@@ -318,12 +305,9 @@ class CollectiveGroup:
     def drop_stale_gate_keys(self) -> None:
         """The sender drops the gate keys of its earlier pushes from the store (housekeeping: nobody reads them)."""
         keys, self._stale_gate_keys = self._stale_gate_keys, []
-        if not keys or self._store is None:
-            return
-        kv = self._kv()
-        for key in keys:
+        for key in keys if self._store is not None else ():
             with contextlib.suppress(Exception):  # housekeeping only
-                kv.delete_key(key)
+                self._store.delete_key(key)
 
     def await_gate(self, token: str, deadline: float) -> None:
         """Return once push `token`'s gate is open (every member arrived); raise `GateClosed` if it was closed, or
@@ -350,23 +334,19 @@ class CollectiveGroup:
 
     # ---- one broadcast from group rank 0 -------------------------------------------------------
     def broadcast_all(self, tensors: list[torch.Tensor], deadline: float) -> None:
-        """Broadcast each of `tensors` from the sender into every member's (same shape, dtype, and this member's
-        device), enqueued back to back, returning once all are complete here. Raises CollectiveError (and the group
-        is broken) if that does not happen by `deadline` (time.monotonic())."""
+        """Broadcast each of `tensors` from the sender into every member's (same shape and dtype, on this member's
+        device) and return once all are complete here, by `deadline` (time.monotonic()): past it, CollectiveError."""
         self.enqueue_broadcasts(tensors, deadline).wait()
 
     def enqueue_broadcasts(self, tensors: list[torch.Tensor], deadline: float, *, events: bool = False) -> "Broadcasts":
-        """`broadcast_all` without its wait: the broadcasts are enqueued (NCCL: behind what this member's current
-        stream has enqueued so far, not what it enqueues after); `wait()` on the result waits for them by
-        `deadline`, and work enqueued in between overlaps the wire. `events` (NCCL): one CUDA event per tensor, for
-        `ready(i)`. No stream is made to wait on those events (a sender that dies mid-broadcast would stall the
-        engine's stream for good): the host polls them."""
+        """`broadcast_all` without its wait: enqueued (NCCL: behind what this member's current stream enqueued so
+        far), `wait()` on the result waits for them by `deadline`, and work enqueued in between overlaps the wire.
+        `events` (NCCL): one CUDA event per tensor, for `ready(i)`, which the host polls: a stream made to wait on one
+        would stall the engine's stream for good if the sender died mid-broadcast."""
         if self.broken:
             raise CollectiveError(f"group {self.spec.group_id} is broken (an earlier step failed); form a new one")
         try:
             if self._pg is not None:
-                import torch.distributed as dist
-
                 opts = dist.BroadcastOptions()
                 opts.rootRank, opts.rootTensor = 0, 0
                 return Broadcasts(self, tensors, deadline, works=[self._pg.broadcast([t], opts) for t in tensors])
@@ -405,9 +385,8 @@ SPIN_S = 0.0005  # a host waiting for a CUDA event polls without sleeping this l
 
 
 def _poll(event: Any, deadline: float, what: str) -> None:
-    """Return once `event` completed (by `deadline`, time.monotonic()). The first `SPIN_S` poll without sleeping:
-    a push's small broadcasts (headers, its table) and a bucket about to land complete within it, where a sleep's
-    granularity would add up on every one of them. Longer waits sleep 100 us between polls."""
+    """Return once `event` completed, by `deadline` (time.monotonic()). The first `SPIN_S` poll without sleeping: a
+    push's headers, its table and a bucket about to land complete within it, where each sleep's granularity adds up."""
     if event.query():
         return
     spin_until = time.perf_counter() + SPIN_S

@@ -13,15 +13,23 @@ reach a replica except through the calls it was given. Details: docs/design/weig
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import os
 import pickle
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import asdict
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from asyncrl.types import HostCopies, SenderAddress, WeightExport
+from asyncrl.weightsync import collective, transport
+from asyncrl.weightsync.ipc import IpcRing, ipc_send
+from asyncrl.weightsync.stream import broadcast_send_stream
 
 log = logging.getLogger("asyncrl.weightsync.service")  # (one logger name for the whole service's lines)
 WATCH_S = 2.0  # a gloo / NCCL push still sending after this long has the replicas' health asked, and again after each
@@ -36,53 +44,37 @@ class SenderEndpoint:
         self.host_copies: Any = None  # its last broadcast's host copies, until taken
         self.plan: Any = None  # the push plan buckets are packed for (None: HF tensors)
         self.ring: Any = None  # ipc: the device buffers each version is packed into (ipc.py)
-        self._copies: Any = None  # the last push's host copies over ipc, or the left group's: the next push's to close
-        self.pool: Any = None  # pinned host buffers for the first push's host copies (`pin_host_copies`), until taken
+        # the next push's `HostCopies.after` closes these: the last ipc push's, the left group's, or before the first
+        # push an empty one holding the buffers `pin_host_copies` made
+        self._copies: Any = None
         self._pinned = False
 
     def set_plan(self, plan: bytes | None) -> str | None:
         """The push plan later pushes pack for (at start, before any push: the push's kernels are loaded here, where
         a member of a group loads them as it joins, and an ipc sender joins none)."""
-        import torch
-
-        from asyncrl.weightsync.collective import warm_push_kernels
-
         self.plan = pickle.loads(plan) if plan is not None else None
         if torch.cuda.is_available():
-            warm_push_kernels("cuda")  # (this process's device)
+            collective.warm_push_kernels("cuda")  # (this process's device)
         return None if self.plan is None else self.plan.plan_id
 
     def pin_host_copies(self, sender: int) -> None:
         """Allocate, once at start, the pinned host buffers of a GPU sender's host copies (sizes known from the push
         plan): pinned by the first push's copies instead, a whole version would hold the next training step back.
-        The first push takes them (`_unsent`); later pushes reuse theirs."""
-        import torch
-
-        from asyncrl.weightsync.transport import PinnedPool
-
-        if self._pinned or self.plan is None or not torch.cuda.is_available():
+        The first push takes them (`HostCopies.after`); later pushes reuse theirs."""
+        if self._pinned or self._copies is not None or self.plan is None or not torch.cuda.is_available():
             return
-        pool = PinnedPool()
+        pool = transport.PinnedPool()
         for i, bucket in enumerate(self.plan.for_sender(sender)):
             pool.get(i, int(bucket.nbytes))
-        self.pool, self._pinned = pool, True
-
-    def _unsent(self) -> Any:
-        """Before this rank's first push: an empty `HostCopies` holding the buffers `pin_host_copies` made, for the
-        push's `HostCopies.after` to take; once."""
-        from asyncrl.weightsync.transport import HostCopies
-
-        pool, self.pool = self.pool, None
-        return HostCopies(None, pool) if pool is not None else None
+        self._copies, self._pinned = transport.HostCopies(None, pool), True
 
     def address(self, host: str, sender: int) -> SenderAddress:
         """Where the group this rank will host can rendezvous (the port stays bound, and listening, until
         `join` hands it to the group's store), and the group it holds now if that can still carry a push."""
-        from asyncrl.weightsync.collective import reserve_port
-
         self.drop_reserved()
-        self.reserved = reserve_port(host)
-        return SenderAddress(sender, host, self.reserved.getsockname()[1], self.group_id() or "")
+        self.reserved = collective.reserve_port(host)
+        held = self.group.spec.group_id if self.group is not None and not self.group.broken else ""
+        return SenderAddress(sender, host, self.reserved.getsockname()[1], held)
 
     def drop_reserved(self) -> None:
         sock, self.reserved = self.reserved, None
@@ -91,21 +83,15 @@ class SenderEndpoint:
 
     def join(self, specs: list[dict[str, Any]], sender: int, rank: int) -> str:
         """Leave any earlier group, join (as group rank 0) the spec for this stage."""
-        from asyncrl.weightsync.collective import GroupSpec, join_as_sender
-
         self.leave()
         mine = [s for s in specs if s["sender"] == sender]
         if len(mine) != 1:
             raise ValueError(f"rank {rank} (pp stage {sender}): expected one group spec, got {len(mine)}")
-        spec = GroupSpec(**mine[0])
+        spec = collective.GroupSpec(**mine[0])
         sock, self.reserved = self.reserved, None
-        self.group = join_as_sender(spec, sock)
-        self.group._copies, self._copies = self._copies or self._unsent(), None
+        self.group = collective.join_as_sender(spec, sock)
+        self.group._copies, self._copies = self._copies, None
         return spec.group_id
-
-    def group_id(self) -> str | None:
-        group = self.group
-        return group.spec.group_id if group is not None and not group.broken else None
 
     def leave(self) -> None:
         group, self.group = self.group, None
@@ -120,44 +106,29 @@ class SenderEndpoint:
         (gloo / NCCL). ipc (`backend`): no group; the answer carries the handles every replica's load opens."""
         import ray
 
-        from asyncrl.weightsync.collective import CollectiveError
-        from asyncrl.weightsync.stream import broadcast_send_stream
-
         tensors = iter(tensors)
-        group = self.group
+        handles: list[Any] = []
         try:
             if backend == "ipc":
-                return self._send_ipc(tensors, bucket_mb, verify, sender, plan)
-            if group is None or group.broken:
-                raise CollectiveError("no usable weight broadcast group (join_collective first)")
-            sent = broadcast_send_stream(group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s, keep=ray.put,
-                                         plan=plan, sender=sender, gate=gate)
+                # (first: the last push's copies read the ring; before the first push, the buffers pinned at start)
+                copies = self._copies = transport.HostCopies.after(self._copies, ray.put, pinned=True)
+                if self.ring is None:
+                    self.ring = IpcRing(collective.member_device(None))
+                handles, sent = ipc_send(self.ring, copies, tensors, bucket_mb, verify=verify, plan=plan, sender=sender)
+            elif self.group is None or self.group.broken:
+                raise collective.CollectiveError("no usable weight broadcast group (join_collective first)")
+            else:
+                sent = broadcast_send_stream(self.group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s,
+                                             keep=ray.put, plan=plan, sender=sender, gate=gate)
         except BaseException:
             for _ in tensors:  # a failed push: still finish the export the TP peers are gathering
                 pass
             raise
-        self.host_copies = sent.host_copies
-        return WeightExport(senders=[sender], digests=[sent.digests], bytes=sent.bytes, num_tensors=sent.num_tensors,
-                            num_buckets=sent.num_buckets, seconds=sent.seconds)
-
-    def _send_ipc(self, tensors: Iterable[tuple[str, Any]], bucket_mb: float, verify: str, sender: int,
-                  plan: Any) -> WeightExport:
-        import ray
-        import torch
-
-        from asyncrl.weightsync.ipc import IpcRing, ipc_send
-        from asyncrl.weightsync.transport import HostCopies
-
-        # (first: the last push's copies read the ring; before the first push, the buffers pinned at start)
-        copies = self._copies = HostCopies.after(self._copies or self._unsent(), ray.put, pinned=True)
-        if self.ring is None:
-            self.ring = IpcRing(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                                else torch.device("cpu"))
-        handles, sent = ipc_send(self.ring, copies, tensors, bucket_mb, verify=verify, plan=plan, sender=sender)
-        self.host_copies = copies  # (once sent: a collect of the attempt before this one takes that one's)
-        return WeightExport(buckets=handles, metas=[h.metas for h in handles], senders=[sender] * len(handles),
-                            digests=[sent.digests], bytes=sent.bytes, num_tensors=sent.num_tensors,
-                            num_buckets=sent.num_buckets, seconds=sent.seconds)
+        self.host_copies = sent.host_copies  # (once sent: a collect of the attempt before this one takes that one's)
+        return WeightExport(buckets=handles, metas=[h.metas for h in handles],
+                            senders=[sender] * len(handles) if backend == "ipc" else [sender], digests=[sent.digests],
+                            bytes=sent.bytes, num_tensors=sent.num_tensors, num_buckets=sent.num_buckets,
+                            seconds=sent.seconds)
 
     def take_host_copies(self, timeout_s: float, sender: int = 0) -> HostCopies:
         """The host copies (ObjectRefs, in bucket order) of the last broadcast, once all are in
@@ -170,13 +141,11 @@ class SenderEndpoint:
 
 
 class CollectiveLink:
-    """A `StreamedSource`'s `Link` (sources.py): the groups between a learner group's sending ranks (one each, PP
-    stage order) and every engine worker of the replicas that `members()` ({replica_id: GroupsReport}) names and
-    `join(specs)` joins. `ensure()`, before each push, forms the groups unless they still hold exactly the running
-    replicas and no member's group broke; a replica that comes later fails that push at the gate, one that fails its
-    `health` check (beside a push still sending after `WATCH_S`) or whose load returned without reaching the gate
-    `stop`s the senders, and the push made again (service.py) forms them again. ipc (`sequential`): no group; the
-    senders' `send` answers the handles that are every replica's `payload`."""
+    """A `StreamedSource`'s `Link` (sources.py) over the groups of the replicas `members()` ({replica_id:
+    GroupsReport}) names and `join(specs)` joins, one a sending rank in PP stage order. `ensure()`, before each push,
+    forms them unless they hold exactly the running replicas and no member's group broke; a replica that comes later
+    fails that push at the gate, one that fails its `health` check or whose load returned without reaching the gate
+    `stop`s the senders, and the push made again (service.py) forms them again. ipc (`sequential`): no group."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
@@ -191,59 +160,41 @@ class CollectiveLink:
         self.formed = 0  # how many times groups were formed
         self._gate = ""  # gloo / NCCL: the gate token of the push in flight (payload -> send, cancel)
         self._health = health  # raises unless every running replica is healthy
-        self._stores: dict[str, Any] = {}  # group id -> a client of its store (cancel)
         self.receivers_failed = False  # stopped for the receivers (`stop`): a failed send is then the engines' failure
 
     def forget(self) -> None:
         """The groups are gone (a new learner group): the next `ensure` forms them."""
-        self.specs, self.members, self._stores = [], {}, {}
+        self.specs, self.members = [], {}
 
     async def cancel(self, why: str) -> None:
         """Close the gate of the push in flight, where members still wait for one that is gone (every receiver's
         call has returned). A broadcast already on the wire ends at its deadline. Best effort; never raises."""
-        from asyncrl.weightsync.collective import close_gate
-
         gate = self._gate
         if not gate:
             return
 
         def put() -> None:
             for spec in self.specs:
-                try:
-                    close_gate(self._store(spec), spec.group_id, gate, f"the publisher: {why}")
+                try:  # (a client of the group's store, made here: a cancel is a failed push's, rare)
+                    store = dist.TCPStore(spec.host, spec.port, is_master=False, timeout=datetime.timedelta(seconds=10),
+                                          wait_for_workers=False)
+                    collective.close_gate(store, spec.group_id, gate, f"the publisher: {why}")
                 except Exception as err:  # the sender's process (the store) is gone: it is not waiting either
                     log.warning("weightsync: could not stop the push on group %s: %s", spec.group_id, err)
 
         await asyncio.to_thread(put)
 
     async def stop(self, why: str) -> None:
-        """`cancel` for the receivers' sake: a member that will not answer (every replica's load returned), or
-        running replicas that are not the groups' members. The push then failed on the engines' side (the
-        service recovers it once they are healthy), however the senders report it."""
+        """`cancel` for the receivers' sake (a member that will not answer, or running replicas that are not the
+        groups' members): the push failed on the engines' side, however the senders report it."""
         self.receivers_failed = True
         await self.cancel(why)
-
-    def _store(self, spec: Any) -> Any:
-        """A client of `spec`'s group store, made once per group."""
-        import datetime
-
-        import torch.distributed as dist
-
-        store = self._stores.get(spec.group_id)
-        if store is None:
-            store = self._stores[spec.group_id] = dist.TCPStore(
-                spec.host, spec.port, is_master=False, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
-        return store
 
     @property
     def group_ids(self) -> list[str]:
         return [s.group_id for s in self.specs]
 
     async def ensure(self) -> None:
-        from dataclasses import asdict
-
-        from asyncrl.weightsync.collective import form_specs
-
         if self.sequential:  # (ipc: no group)
             return
         info, addresses = await asyncio.gather(self._members_call(), self.learner.collective_addresses())
@@ -253,10 +204,10 @@ class CollectiveLink:
         if self.specs and members == self.members and held == set(self.group_ids) \
                 and all(held <= set(i.groups) for i in info.values()):
             return
-        specs = form_specs(self.backend, [(a.host, a.port) for a in addresses], members, timeout_s=self.timeout_s,
-                           group_prefix=f"asyncrl-ws{os.getpid()}-{self.formed + 1}")
+        specs = collective.form_specs(self.backend, [(a.host, a.port) for a in addresses], members,
+                                      timeout_s=self.timeout_s, group_prefix=f"asyncrl-ws{os.getpid()}-{self.formed + 1}")
         wire = [asdict(s) for s in specs]
-        self.specs, self.members, self._stores = [], {}, {}
+        self.specs, self.members = [], {}
         # Every member rendezvouses at once: the replicas' workers and the sending ranks.
         await asyncio.gather(self._join_call(wire), self.learner.join_collective(wire))
         self.specs, self.members = specs, members
@@ -267,13 +218,11 @@ class CollectiveLink:
     def payload(self, version: int) -> Any:
         """The replicas' side of one push attempt: on gloo / NCCL it names a new gate, which `send` uses; on ipc,
         the handles the last `send` answered."""
-        from asyncrl.weightsync.collective import CollectiveReceive
-
         if self.sequential:
             return list(self._handles)
         self.receivers_failed = False
         self._gate = f"v{version}-{uuid.uuid4().hex[:12]}"
-        return CollectiveReceive(tuple(self.group_ids), version, self.timeout_s, gate=self._gate)
+        return collective.CollectiveReceive(tuple(self.group_ids), version, self.timeout_s, gate=self._gate)
 
     async def send(self, version: int, verify: str) -> WeightExport:  # noqa: ARG002 - the label travels with the payload
         """The senders' side of the attempt `payload` described. A sender that failed closes the push's gate

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, SenderRing, TensorMeta, digest_key_prefix, metas_from_wire, whole_arena
-from asyncrl.weightsync.collective import ABORT, END, WHOLE, Broadcasts, CollectiveError, CollectiveGroup, SenderAborted
+from asyncrl.weightsync.collective import ABORT, END, WHOLE, CollectiveError, CollectiveGroup, SenderAborted
 from asyncrl.weightsync.fingerprint import buckets_digests_lazy
 from asyncrl.weightsync.plan import PlannedPacker, pack_stream
 from asyncrl.weightsync.transport import HostCopies
@@ -85,15 +85,18 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender,
                                 planned_buffer=buffers), out)
     try:
-        # the plan's table is known before anything is packed: made while the gate is shut
-        announce = whole_table(group, [(b.metas(), b.rank, b.nbytes) for b in planned]) if planned is not None else None
+        # a plan's table is known before anything is packed: made while the gate is shut
+        rows = [(b.metas(), b.rank, b.nbytes) for b in planned] if planned is not None else []
+        announce = whole_table(group, rows) if planned is not None else []
         if gate:
             group.arrive(gate)
             group.await_gate(gate, deadline)
-        if planned is not None:
-            _send_whole_planned(group, export, copies, verify, deadline, out, planned, ring, announce)
-        else:
-            _send_whole(group, export, copies, verify, deadline, out)
+        buckets: Iterable[Bucket] = export
+        if planned is None:  # without a plan every bucket is packed first, and the table is theirs
+            buckets = list(export)
+            rows = [(b.metas, b.rank, b.nbytes) for b in buckets]
+            announce = whole_table(group, rows)
+        _send_whole(group, export, buckets, rows, announce, copies, verify, deadline, out, planned, ring)
     except BaseException as err:
         copies.close()
         if export.failed and not group.broken:  # tell the receivers, so they fail now rather than at their deadline
@@ -104,19 +107,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
             # gathers) are not left waiting for it and the learner group stays usable (LearnerGroup.export_weights)
             export.drain()
         raise
-    return out  # (the end went out with the buckets, the stale gate keys while the wire ran: _finish_whole)
-
-
-def _send_whole(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
-                out: SendResult) -> None:
-    """Pack every bucket, send one table of them all, enqueue their broadcasts back to back, then finish
-    (`_finish_whole`: checksums and host copies beside the wire, one wait)."""
-    buckets = list(export)
-    t = time.perf_counter()
-    group.broadcast_all(whole_table(group, [(b.metas, b.rank, b.nbytes) for b in buckets]), deadline)
-    sending = group.enqueue_broadcasts([b.buffer for b in buckets if b.nbytes], deadline)
-    out.seconds["broadcast"] += time.perf_counter() - t
-    _finish_whole(group, [(b, None) for b in buckets], [sending], copies, verify, out, deadline)
+    return out  # (the end went out with the buckets, the stale gate keys while the wire ran: _send_whole)
 
 
 def whole_table(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], int | None, int]]) -> list[torch.Tensor]:
@@ -128,52 +119,24 @@ def whole_table(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], in
             torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device)]
 
 
-def _finish_whole(group: CollectiveGroup, packed: list[tuple[Bucket, Any]], sending: list[Broadcasts],
-                  copies: HostCopies, verify: str, out: SendResult, deadline: float, *, each: bool = False) -> None:
-    """A whole version's end on the sender: the end header enqueued right behind the buckets, then the checksums
-    (beside the wire on a device; the wire never waits for them), one wait for the wire, then the digests on the
-    host. `each`: every bucket was hashed and its copy started as it was packed (a `SenderRing`)."""
-    t = time.perf_counter()
-    tail = group.enqueue_broadcasts([_header(group, END)], deadline)
-    out.seconds["broadcast"] += time.perf_counter() - t
-    if each:
-        finishes = [finish for _, finish in packed]
-    else:  # buckets in one arena (whole_arena) are hashed in one pass, others each in their own
-        finishes = [hash_whole_lazy([b for b, _ in packed], verify, out)] if packed else []
-        t = time.perf_counter()
-        for bucket, _ in packed:  # (made once collected; registered while the wire runs)
-            copies.add(bucket)
-        out.seconds["host_copy"] += time.perf_counter() - t
-    group.drop_stale_gate_keys()  # (while the wire runs)
-    t = time.perf_counter()
-    for s in sending:
-        s.wait()
-    tail.wait()
-    out.seconds["broadcast"] += time.perf_counter() - t
-    for finish in finishes:  # the first waits for the device's checksums, the rest are there by then
-        finish()
-
-
-def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCopies, verify: str, deadline: float,
-                        out: SendResult, planned: list[Any], ring: SenderRing | None,
-                        announce: list[torch.Tensor]) -> None:
-    """`_send_whole` with a push plan: the plan's table (`announce`, made before the gate opened) goes first and each
-    bucket is enqueued as soon as it is packed, so packing bucket k + 1 overlaps bucket k on the wire. Once the
-    table is out the receivers wait for all of it: an export that fails midway sends zeros for the buckets it did
-    not pack, then the caller's abort header, so they fail at once rather than at their deadline. A `ring` hashes
-    and starts the host copy of each bucket as it is packed (its slot is reused once both are done)."""
+def _send_whole(group: CollectiveGroup, export: "Export", buckets: Iterable[Bucket], rows: list[Any],
+                announce: list[torch.Tensor], copies: HostCopies, verify: str, deadline: float, out: SendResult,
+                planned: list[Any] | None, ring: SenderRing | None) -> None:
+    """The table (`announce`, of `rows`) goes first, then each bucket as soon as it is packed (packing bucket k + 1
+    overlaps bucket k on the wire); past the table the receivers wait for all of it, so a failed export sends zeros
+    for the rest before the caller's abort header, and they fail at once. Then the end header, the checksums beside
+    the wire (which never waits for them), one wait for the wire, and the digests on the host."""
     t = time.perf_counter()
     sending = [group.enqueue_broadcasts(announce, deadline)]  # (not waited for: the first buckets right behind)
     out.seconds["broadcast"] += time.perf_counter() - t
     packed: list[tuple[Bucket, Any]] = []
     try:
-        for bucket in export:
+        for bucket in buckets:
             k = len(packed)
-            want = planned[k] if k < len(planned) else None
-            if want is None or (bucket.rank, bucket.nbytes, bucket.names) != (want.rank, want.nbytes, [p.name for p, _ in want.params]):
+            if k >= len(rows) or (bucket.metas, bucket.rank, bucket.nbytes) != rows[k]:
                 export.failed = True  # the table the receivers hold does not describe it: nothing more goes out as data
                 raise CollectiveError(f"group {group.spec.group_id}: packed bucket {k} ({bucket.nbytes} bytes, rank "
-                                      f"{bucket.rank}) is not the plan's bucket {k} the table announced")
+                                      f"{bucket.rank}) is not the bucket {k} the table announced")
             finish = copy = None
             if ring is not None:
                 # a ring's slot on the host is no copy: it is overwritten by a later bucket (CPU senders, tests)
@@ -189,57 +152,63 @@ def _send_whole_planned(group: CollectiveGroup, export: "Export", copies: HostCo
                 sending.append(bc)
             out.seconds["broadcast"] += time.perf_counter() - t
             if ring is not None:
-                ring.sent(want.index, bc, copy)
+                ring.sent(planned[k].index, bc, copy)  # type: ignore[index]
             packed.append((bucket, finish))
-        if len(packed) != len(planned):
+        if len(packed) != len(rows):
             export.failed = True
-            raise CollectiveError(f"group {group.spec.group_id}: the export gave {len(packed)} buckets, the plan's table "
-                                  f"{len(planned)}")
+            raise CollectiveError(f"group {group.spec.group_id}: the export gave {len(packed)} buckets, the table "
+                                  f"{len(rows)}")
     except BaseException as err:
         if not isinstance(err, CollectiveError):  # not the wire: the receivers are told (abort header)
             export.failed = True
-        if export.failed and not group.broken:
-            _fill(group, planned[len(packed):], deadline)
+        sizes = [n for *_, n in rows[len(packed):] if n]
+        if export.failed and not group.broken and sizes:
+            # zeros for the announced buckets not sent: the receivers wait for them all, then read the abort header
+            # behind them (a wire failing too breaks the group: they time out)
+            with contextlib.suppress(CollectiveError):
+                zeros = torch.zeros(max(sizes), dtype=torch.uint8, device=group.device)
+                group.broadcast_all([zeros[:n] for n in sizes], deadline)
         raise
     finally:
         if ring is not None:
             out.seconds["ring_wait"] = ring.waited
-    _finish_whole(group, packed, sending, copies, verify, out, deadline, each=ring is not None)
+    t = time.perf_counter()
+    sending.append(group.enqueue_broadcasts([_header(group, END)], deadline))
+    out.seconds["broadcast"] += time.perf_counter() - t
+    if ring is not None:  # every bucket was hashed and its copy started as it was packed
+        finishes = [finish for _, finish in packed]
+    else:  # buckets in one arena (whole_arena) are hashed in one pass, others each in their own
+        finishes = [hash_whole_lazy([b for b, _ in packed], verify, out)] if packed else []
+        t = time.perf_counter()
+        for bucket, _ in packed:  # (made once collected; registered while the wire runs)
+            copies.add(bucket)
+        out.seconds["host_copy"] += time.perf_counter() - t
+    group.drop_stale_gate_keys()  # (while the wire runs)
+    t = time.perf_counter()
+    for s in sending:
+        s.wait()
+    out.seconds["broadcast"] += time.perf_counter() - t
+    for finish in finishes:  # the first waits for the device's checksums, the rest are there by then
+        finish()
 
 
-def _fill(group: CollectiveGroup, rest: list[Any], deadline: float) -> None:
-    """Zeros for the announced buckets a failed export did not send (the receivers wait for them all, then read
-    the abort header behind them)."""
-    sizes = [b.nbytes for b in rest if b.nbytes]
-    if not sizes:
-        return
-    with contextlib.suppress(CollectiveError):  # the wire failed too: the group is broken, the receivers time out
-        zeros = torch.zeros(max(sizes), dtype=torch.uint8, device=group.device)
-        group.broadcast_all([zeros[:n] for n in sizes], deadline)
-
-
-def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> Callable[[], dict[str, bytes]]:
+def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> Callable[[], None]:
     """Every bucket of a whole-version push hashed in `verify` mode, in one pass where they share one buffer; the
-    returned call waits for the device and records the digests and its wait in `out` (once). Host copies are the
-    caller's."""
+    returned call (made once) waits for the device and records the digests and its wait in `out`. Host copies are
+    the caller's."""
     t = time.perf_counter()
     pending = buckets_digests_lazy([(b, digest_key_prefix(b)) for b in buckets], verify)  # type: ignore[arg-type]
     out.seconds["hash"] += time.perf_counter() - t
     out.num_buckets += len(buckets)
     out.bytes += sum(b.payload_bytes for b in buckets)
     out.num_tensors += sum(len(b) for b in buckets)
-    recorded: list[bool] = []
 
-    def finish() -> dict[str, bytes]:
+    def finish() -> None:
         t = time.perf_counter()
-        digests = pending()
-        if not recorded:
-            recorded.append(True)
-            out.digests.update(digests)
-            waited = time.perf_counter() - t
-            out.seconds["hash"] += waited
-            out.seconds["hash_wait"] += waited
-        return digests
+        out.digests.update(pending())
+        waited = time.perf_counter() - t
+        out.seconds["hash"] += waited
+        out.seconds["hash_wait"] += waited
 
     return finish
 
@@ -287,9 +256,19 @@ def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterato
     if kind != WHOLE or table_len <= 0 or nbytes < 0:
         group.close()
         raise CollectiveError(f"group {group.spec.group_id}: malformed header {[kind, table_len, nbytes]}")
+    raw = torch.empty(table_len, dtype=torch.uint8, device=group.device)
+    group.broadcast_all([raw], deadline)
+    try:  # each bucket's (tensors, engine rank, size)
+        rows = [(metas_from_wire(metas), rank, int(n)) for metas, rank, n in json.loads(raw.cpu().numpy().tobytes())["b"]]
+        sizes = [n for *_, n in rows]
+        if sum(sizes) != nbytes or any(n < 0 for n in sizes):
+            raise ValueError(f"a whole-version table of {sizes} bytes for a header of {nbytes}")
+    except Exception as err:
+        group.close()
+        raise CollectiveError(f"group {group.spec.group_id}: malformed whole-version table: {type(err).__name__}: {err}") from err
     block = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
     buckets, at = [], 0
-    for metas, rank, n in _read_table(group, table_len, nbytes, deadline):
+    for metas, rank, n in rows:
         buckets.append(Bucket(buffer=block.narrow(0, at, n), metas=metas, rank=rank))
         at += n
     end = torch.zeros(3, dtype=torch.int64, device=group.device)  # (no end header read from a push that sent none)
@@ -313,19 +292,3 @@ def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterato
         group.close()
         raise CollectiveError(f"group {group.spec.group_id}: malformed end header {end.tolist()} after a whole version")
 
-
-def _read_table(group: CollectiveGroup, table_len: int, nbytes: int,
-                deadline: float) -> list[tuple[list[TensorMeta], int | None, int]]:
-    """A whole version's table as a receiver reads it: each bucket's (tensors, engine rank, size)."""
-    raw_t = torch.empty(table_len, dtype=torch.uint8, device=group.device)
-    group.broadcast_all([raw_t], deadline)
-    try:
-        rows = json.loads(raw_t.cpu().numpy().tobytes().decode())["b"]
-        buckets = [(metas_from_wire(metas), rank, int(n)) for metas, rank, n in rows]
-        sizes = [n for *_, n in buckets]
-        if sum(sizes) != nbytes or any(n < 0 for n in sizes):
-            raise ValueError(f"a whole-version table of {sizes} bytes for a header of {nbytes}")
-    except Exception as err:
-        group.close()
-        raise CollectiveError(f"group {group.spec.group_id}: malformed whole-version table: {type(err).__name__}: {err}") from err
-    return buckets

@@ -140,12 +140,10 @@ def _unlink_all(files: set[str], recycled: set[str]) -> None:
 
 
 def auto_transport(*, on_gpu: bool, hybrid: bool, own_gpus: bool, one_host: bool, gpus: float) -> str:
-    """What `transport: auto` means (the rule, apart from the cluster it reads):
-    - hybrid (learner and engines take turns on the same devices): ipc on GPUs, shm on CPUs;
-    - one host, GPU learner: ipc when the host has one GPU (every rank and engine shares it: handles, no bytes cross
-      host memory, by far the fastest, docs/BENCHMARKS.md), nccl when each learner rank and engine holds whole GPUs
-      of its own (`own_gpus`), else shm (fractional GPUs on a host of several: where they sit is Ray's choice);
-    - one host, CPU learner: shm; several hosts: nccl with a GPU learner, object_store on CPU hosts."""
+    """What `transport: auto` means, apart from the cluster it reads: ipc where the learner and the engines share
+    GPUs (hybrid, or a host of one GPU: handles, no bytes cross host memory); nccl where each holds whole GPUs of
+    its own, and across GPU hosts; shm for a hybrid or one-host run otherwise (CPUs, or fractional GPUs on a host of
+    several: where they sit is Ray's choice); object_store across CPU hosts."""
     if hybrid:
         return "ipc" if on_gpu else "shm"
     if one_host:
@@ -232,10 +230,9 @@ class _Copy:
 
 class HostCopies:
     """The host copies of one push from one sender. `add` each sent bucket: the sender keeps its buffer unwritten
-    until its next push, which `close`s these first. `result` (collected once the version is live: on a shared GPU
-    an earlier copy would take turns with the engine's apply) copies each device bucket into pinned host memory on
-    a side stream and keeps each (`keep`, e.g. `ray.put`) on `KEEP_THREADS` threads, in bucket order.
-    `add(bucket, now=True)` copies at once: a `SenderRing` reuses the slot once that copy is done."""
+    until its next push, which `close`s these first. `result` (once the version is live: on a shared GPU an earlier
+    copy would take turns with the engine's apply) copies each device bucket into pinned memory on a side stream and
+    keeps each (`keep`, e.g. `ray.put`) on `KEEP_THREADS` threads, in order; `add(bucket, now=True)` copies at once."""
 
     def __init__(self, keep: Callable[[Bucket], Any] | None, pool: PinnedPool | None) -> None:
         self._keep = keep if keep is not None else (lambda bucket: bucket)
@@ -338,12 +335,9 @@ def pack_into_transport(tensors: Iterable[tuple[str, Any]], bucket_mb: float, tr
     handles, metas, digests = [], [], []
     seconds = {"pack": 0.0, "hash": 0.0, "put": 0.0}
     try:
-        while True:
-            t = time.perf_counter()
-            bucket = next(buckets, None)
+        t = time.perf_counter()
+        for bucket in buckets:
             seconds["pack"] += time.perf_counter() - t
-            if bucket is None:
-                break
             t = time.perf_counter()
             digests.append(bucket_digests(bucket, verify, digest_key_prefix(bucket)))  # type: ignore[arg-type]
             seconds["hash"] += time.perf_counter() - t
@@ -356,6 +350,8 @@ def pack_into_transport(tensors: Iterable[tuple[str, Any]], bucket_mb: float, tr
                 handles.append(ray.put(host))  # (numpy: Ray's pickle-5 path moves it out of band)
             seconds["put"] += time.perf_counter() - t
             del bucket  # one packed bucket alive at a time in this heap
+            t = time.perf_counter()
+        seconds["pack"] += time.perf_counter() - t  # (the export's end)
     except BaseException:
         if allocator is not None:  # object-store refs free themselves when dropped
             allocator.discard()

@@ -178,11 +178,12 @@ def test_a_gpu_sender_pins_its_first_push_host_buffers_at_start_once(monkeypatch
     endpoint.plan = pickle.loads(pickle.dumps(plan))
     endpoint.pin_host_copies(0)
     assert pinned == [(i, b.nbytes) for i, b in enumerate(plan.for_sender(0))] and len(pinned) >= 3
-    pool = endpoint.pool
-    first = HostCopies.after(endpoint._copies or endpoint._unsent(), None, pinned=True)
-    assert first._pool is pool and endpoint.pool is None and endpoint._unsent() is None  # taken once
+    unsent = endpoint._copies  # an empty HostCopies holding the pool, which the first push closes
+    pool = unsent._pool
+    first = endpoint._copies = HostCopies.after(unsent, None, pinned=True)  # (the first push, as an ipc one takes it)
+    assert first._pool is pool and pool is not None
     endpoint.pin_host_copies(0)  # the plan formed again: the buffers in use stay the sender's, none more pinned
-    assert endpoint.pool is None and len(pinned) == len(plan.for_sender(0))
+    assert endpoint._copies is first and len(pinned) == len(plan.for_sender(0))
     assert HostCopies.after(first, None, pinned=True)._pool is pool  # and the next push reuses them
     left = HostCopies(None, pool)
     endpoint.group = types.SimpleNamespace(_copies=left, close=lambda: None)
