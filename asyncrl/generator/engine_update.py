@@ -38,7 +38,7 @@ from asyncrl.types import (
 )
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
-from asyncrl.weightsync.plan import PlanError, plan_for, plan_misfit
+from asyncrl.weightsync.plan import PlanError, build_plan, plan_misfit
 from asyncrl.weightsync.transport import is_object_ref
 from asyncrl.weightsync.worker_verbs import check_begin
 
@@ -103,8 +103,11 @@ class WeightUpdates:
         async with self._control_lock:
             plan, why = None, "no plan asked for"
             if request is not None:
-                plan, why = plan_for(pickle.loads(request.manifest), await self._layouts(request.manifest),
-                                     request.bucket_mb)
+                try:
+                    plan, why = build_plan(pickle.loads(request.manifest), await self._layouts(request.manifest),
+                                           request.bucket_mb), ""
+                except PlanError as err:
+                    why = str(err)
             self.plan_id = plan.plan_id if plan is not None else None
             return PlanAck(replica_id=self.replica_id, plan_id=self.plan_id, plan=pickle.dumps(plan) if plan is not None else None,
                            problem=why)
