@@ -232,13 +232,12 @@ class WeightUpdates:
     async def _apply_staged(self, version: int, before: Callable[..., Any] | None = None) -> ApplyReport:
         """Apply the staged version on every worker. `before`: a `WorkerAPI` verb (no arguments) each worker calls
         first, in the same round trip (so it reads the paused state); its answers, one per worker, are `before`."""
-        t = time.perf_counter()
         query = "" if before is None else verb_name(WorkerAPI, before)
         results = [msgspec.convert(r, ApplyReport) for r in await self._rpc(WorkerAPI.asyncrl_apply, version, query,
                                                                           timeout=600.0)]
         return ApplyReport(path=results[0].path if results else "none",
                            apply_seconds=max((r.apply_seconds for r in results), default=0.0),
-                           rpc_seconds=time.perf_counter() - t, before=[r.before[0] for r in results] if query else [])
+                           before=[r.before[0] for r in results] if query else [])
 
     # ---- collective transport groups (weightsync/collective.py) --------------------------------
 
