@@ -163,11 +163,9 @@ class WorkerReceiver:
         if staged.batch:
             staged.pending.append(buckets_digests_lazy(staged.batch, staged.verify))  # type: ignore[arg-type]
             staged.batch = []
-        if len(staged.pending) > 1 and all(p.device_words is not None for p in staged.pending):
-            staged.pending = [PendingDigests.merge(staged.pending)]  # every bucket's checksums: one copy to host
-        for finish in staged.pending:  # the first waits for the device, the rest are there by then
-            staged.digests.update(finish())
-        staged.pending.clear()
+        if staged.pending:  # (checksums all still on the device reach the host in one copy)
+            staged.digests.update(PendingDigests.merge(staged.pending)())
+            staged.pending.clear()
         return dict(staged.digests)
 
     def _copy_into_live(self, views: Iterable[tuple[str, torch.Tensor]]) -> None:
