@@ -78,8 +78,7 @@ class WeightUpdates:
     def _init_weight_updates(self) -> None:
         self.update_state = UpdateState.IDLE
         self._staging_version: int | None = None
-        self._staged_layout = "hf"  # of the version staged: "engine" (one plan's buckets per rank) or "hf"
-        self._begin_args: list[Any] = []  # (verify, layout, plan id): the workers' receive starts their update
+        self._begin_args: list[Any] = []  # (verify, layout, plan id) of the version staged: the workers' begin
         self._staged: list[dict[str, bytes]] = []  # per worker: the digests of what it staged
         self.plan_id: str | None = None  # the push plan held (its engine-layout buckets copy in; workers learn it at begin)
         self.layout_checks: list[LayoutCheck] = []  # the start-time check of the engine's parameter layout
@@ -156,7 +155,7 @@ class WeightUpdates:
             # weights, so tokens stay truthfully tagged
             logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
         self.update_state, self._staging_version = UpdateState.STAGING, version
-        self._staged_layout, self._staged = begin.layout, []
+        self._staged = []
         self._begin_args = [begin.verify, begin.layout, self.plan_id if begin.layout == "engine" else None]
 
     async def load_bucket(self, named_tensors: Any, version: int, begin: UpdateBegin) -> LoadReport:
@@ -219,7 +218,7 @@ class WeightUpdates:
             mode = fingerprint_mode(fingerprint)
         except ValueError as err:
             raise FingerprintMismatch(f"fingerprint mismatch for version {version}: {err}") from None
-        if self._staged_layout == "engine":  # each rank staged its own parameters (keys carry the rank)
+        if self._begin_args[1] == "engine":  # each rank staged its own parameters (keys carry the rank)
             candidates = [{k: v for d in self._staged for k, v in d.items()}]
         else:  # every worker staged every HF tensor
             candidates = self._staged or [{}]
@@ -268,7 +267,6 @@ class WeightUpdates:
             return await self._commit(version, fingerprint)
 
     async def _commit(self, version: int, fingerprint: str) -> CommitReport:
-        """`commit_update` under the control lock."""
         if self.update_state is not UpdateState.STAGING or self._staging_version != version:
             raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} but staging "
                                     f"{self._staging_version}")
