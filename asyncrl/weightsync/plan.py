@@ -387,10 +387,8 @@ class _PackProgram:
         self.counts = [len(c) for c in self.copies]
 
 
-@functools.lru_cache(maxsize=8)
-def _program(plan: PushPlan, sender: int) -> _PackProgram:
-    """The `_PackProgram` of (plan, sender), kept for the last few (a plan hashes by identity)."""
-    return _PackProgram(plan, sender)
+# the `_PackProgram` of (plan, sender), kept for the last few (a plan hashes by identity)
+_program = functools.lru_cache(maxsize=8)(_PackProgram)
 
 
 class PlannedPacker:
