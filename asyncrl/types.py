@@ -232,13 +232,12 @@ class LayoutCheck(msgspec.Struct, frozen=True, kw_only=True):
 
 class ApplyReport(msgspec.Struct, frozen=True, kw_only=True):
     """An apply of a staged version: its `path` ("direct" copy into the parameters, "reload" through the engine's
-    loaders, "none"), seconds and tensors. The replica's report over its
-    workers adds its round trip (`rpc_seconds`) and the query each worker answered first (`before`)."""
+    loaders, "none"), seconds and tensors. The replica's report over its workers adds the query each worker answered
+    first (`before`)."""
 
     path: str
     apply_seconds: float = 0.0
     tensors: int = 0
-    rpc_seconds: float = 0.0
     before: list[Any] = msgspec.field(default_factory=list)
 
 

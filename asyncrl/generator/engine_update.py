@@ -38,7 +38,7 @@ from asyncrl.types import (
 )
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
-from asyncrl.weightsync.plan import PlanError, plan_for, plan_misfit
+from asyncrl.weightsync.plan import PlanError, build_plan, plan_misfit
 from asyncrl.weightsync.transport import is_object_ref
 from asyncrl.weightsync.worker_verbs import check_begin
 
@@ -78,8 +78,7 @@ class WeightUpdates:
     def _init_weight_updates(self) -> None:
         self.update_state = UpdateState.IDLE
         self._staging_version: int | None = None
-        self._staged_layout = "hf"  # of the version staged: "engine" (one plan's buckets per rank) or "hf"
-        self._begin_args: list[Any] = []  # (verify, layout, plan id): the workers' receive starts their update
+        self._begin_args: list[Any] = []  # (verify, layout, plan id) of the version staged: the workers' begin
         self._staged: list[dict[str, bytes]] = []  # per worker: the digests of what it staged
         self.plan_id: str | None = None  # the push plan held (its engine-layout buckets copy in; workers learn it at begin)
         self.layout_checks: list[LayoutCheck] = []  # the start-time check of the engine's parameter layout
@@ -103,8 +102,11 @@ class WeightUpdates:
         async with self._control_lock:
             plan, why = None, "no plan asked for"
             if request is not None:
-                plan, why = plan_for(pickle.loads(request.manifest), await self._layouts(request.manifest),
-                                     request.bucket_mb)
+                try:
+                    plan, why = build_plan(pickle.loads(request.manifest), await self._layouts(request.manifest),
+                                           request.bucket_mb), ""
+                except PlanError as err:
+                    why = str(err)
             self.plan_id = plan.plan_id if plan is not None else None
             return PlanAck(replica_id=self.replica_id, plan_id=self.plan_id, plan=pickle.dumps(plan) if plan is not None else None,
                            problem=why)
@@ -153,7 +155,7 @@ class WeightUpdates:
             # weights, so tokens stay truthfully tagged
             logger.warning("replica %s: staging version %d while serving %d (restore)", self.replica_id, version, self.version)
         self.update_state, self._staging_version = UpdateState.STAGING, version
-        self._staged_layout, self._staged = begin.layout, []
+        self._staged = []
         self._begin_args = [begin.verify, begin.layout, self.plan_id if begin.layout == "engine" else None]
 
     async def load_bucket(self, named_tensors: Any, version: int, begin: UpdateBegin) -> LoadReport:
@@ -216,7 +218,7 @@ class WeightUpdates:
             mode = fingerprint_mode(fingerprint)
         except ValueError as err:
             raise FingerprintMismatch(f"fingerprint mismatch for version {version}: {err}") from None
-        if self._staged_layout == "engine":  # each rank staged its own parameters (keys carry the rank)
+        if self._begin_args[1] == "engine":  # each rank staged its own parameters (keys carry the rank)
             candidates = [{k: v for d in self._staged for k, v in d.items()}]
         else:  # every worker staged every HF tensor
             candidates = self._staged or [{}]
@@ -229,13 +231,12 @@ class WeightUpdates:
     async def _apply_staged(self, version: int, before: Callable[..., Any] | None = None) -> ApplyReport:
         """Apply the staged version on every worker. `before`: a `WorkerAPI` verb (no arguments) each worker calls
         first, in the same round trip (so it reads the paused state); its answers, one per worker, are `before`."""
-        t = time.perf_counter()
         query = "" if before is None else verb_name(WorkerAPI, before)
         results = [msgspec.convert(r, ApplyReport) for r in await self._rpc(WorkerAPI.asyncrl_apply, version, query,
                                                                           timeout=600.0)]
         return ApplyReport(path=results[0].path if results else "none",
                            apply_seconds=max((r.apply_seconds for r in results), default=0.0),
-                           rpc_seconds=time.perf_counter() - t, before=[r.before[0] for r in results] if query else [])
+                           before=[r.before[0] for r in results] if query else [])
 
     # ---- collective transport groups (weightsync/collective.py) --------------------------------
 
@@ -266,7 +267,6 @@ class WeightUpdates:
             return await self._commit(version, fingerprint)
 
     async def _commit(self, version: int, fingerprint: str) -> CommitReport:
-        """`commit_update` under the control lock."""
         if self.update_state is not UpdateState.STAGING or self._staging_version != version:
             raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} but staging "
                                     f"{self._staging_version}")

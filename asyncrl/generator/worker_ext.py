@@ -117,8 +117,7 @@ class VllmHooks:
     def __init__(self, worker: Any) -> None:
         self.worker = worker
         self.rank = int(getattr(worker, "rank", 0))
-        device = getattr(worker, "device", None)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = torch.device(getattr(worker, "device", None) or "cpu")
 
     def model(self) -> torch.nn.Module:
         return self.worker.model_runner.get_model()

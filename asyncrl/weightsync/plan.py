@@ -3,8 +3,8 @@
 Owns: `probe_layout` (the engine's own `load_weights` run on meta tensors, recording each copy and fill its loaders
 make: fused QKV / gate-up, TP shards, padded vocab, tied embeddings, fused experts; a loader doing anything else is
 named as unusable), `verify_layout` (the layout rebuilds the loaded parameters bit for bit), `build_plan` -> `PushPlan`
-(each engine parameter given a sending learner rank, a bucket and an offset), `plan_for` / `plan_misfit` (a plan for,
-or the misfit of, engine ranks' layouts), `PlannedPacker` (a sender writes each HF tensor straight into its places in
+(each engine parameter given a sending learner rank, a bucket and an offset), `plan_misfit` (why engine ranks'
+layouts cannot take a plan), `PlannedPacker` (a sender writes each HF tensor straight into its places in
 the buckets; `pack_stream`: a sender's buckets, planned or HF) and `hf_from_engine` (the HF tensors back from
 engine-layout buckets).
 Must never: touch an engine's live parameter data (the probe swaps in meta twins and puts the originals back), or import
@@ -387,10 +387,8 @@ class _PackProgram:
         self.counts = [len(c) for c in self.copies]
 
 
-@functools.lru_cache(maxsize=8)
-def _program(plan: PushPlan, sender: int) -> _PackProgram:
-    """The `_PackProgram` of (plan, sender), kept for the last few (a plan hashes by identity)."""
-    return _PackProgram(plan, sender)
+# the `_PackProgram` of (plan, sender), kept for the last few (a plan hashes by identity)
+_program = functools.lru_cache(maxsize=8)(_PackProgram)
 
 
 class PlannedPacker:
@@ -403,13 +401,12 @@ class PlannedPacker:
 
     def __init__(self, plan: PushPlan, sender: int, device: torch.device | str,
                  buffer: Callable[[PlannedBucket], torch.Tensor] | None = None) -> None:
-        self.plan, self.sender = plan, sender
+        self.plan = plan
         self.device = torch.device(device)
         self._prog = _program(plan, sender)
         self.buckets = self._prog.buckets
         self._buffer = buffer or (lambda b: torch.empty(b.nbytes, dtype=torch.uint8, device=self.device))
         self.unused: list[str] = []
-        self.ops = 0
 
     def _targets(self, pos: int, buf: torch.Tensor) -> list[torch.Tensor]:
         """Bucket `pos`'s copy destinations in `buf` (by slot), its fills written."""
@@ -472,7 +469,6 @@ class PlannedPacker:
                     same = sv.offset == 0 and sv.shape == tuple(src.shape) and sv.stride == tuple(src.stride())  # type: ignore[union-attr]
                     sources[pos][slot] = src if same else sv.of(src)  # type: ignore[union-attr]
                 remaining[pos] -= 1
-            self.ops += len(uses)
             while emitted < n and remaining[emitted] == 0:
                 yield emit(emitted)
                 emitted += 1
@@ -510,18 +506,6 @@ def pack_stream(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, devi
         return iter_buckets(named_tensors, bucket_mb, device=device, alloc=alloc)
     buffer = planned_buffer or (None if alloc is None else (lambda b: alloc(b.nbytes)))
     return PlannedPacker(plan, sender, device, buffer).pack(named_tensors)
-
-
-def plan_for(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout], bucket_mb: float
-             ) -> tuple[PushPlan | None, str]:
-    """The push plan for engine ranks of `layouts`, or None and why not."""
-    problems = sorted({layout.problem for layout in layouts if layout.problem})
-    if problems:
-        return None, problems[0]
-    try:
-        return build_plan(manifest, layouts, bucket_mb), ""
-    except PlanError as err:
-        return None, str(err)
 
 
 def plan_misfit(plan: PushPlan, layouts: Sequence[EngineLayout]) -> str:

@@ -64,8 +64,7 @@ class _Staged:
     verify: str
     layout: str  # "engine" or "hf"
     digests: dict[str, bytes] = field(default_factory=dict)
-    hf: dict[str, torch.Tensor] = field(default_factory=dict)
-    engine: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    views: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # every staged tensor (names are unique)
     keep: list[Any] = field(default_factory=list)  # buffers the staged views point into
     pending: list[PendingDigests] = field(default_factory=list)  # lazy digests still on the device (`digests` waits once)
     batch: list[tuple[Bucket, str]] = field(default_factory=list)  # buckets hashed together at `digests`
@@ -80,8 +79,7 @@ class WorkerReceiver:
         self.groups: dict[str, Any] = {}  # group id -> `CollectiveGroup` (weightsync/collective.py)
         self.opened: dict[bytes, tuple[Any, Bucket]] = {}  # ipc: a handle -> (its table, its view), as last opened
         self.verified: EngineLayout | None = None  # the start-time layout, checked against the checkpoint
-        self.direct_problem = "layout not checked yet"
-        self.checked = LayoutCheck(rank=hooks.rank, direct=False, problem=self.direct_problem)  # the start-time check
+        self.checked = LayoutCheck(rank=hooks.rank, direct=False, problem="layout not checked yet")  # the start-time check
         self.plan_id: str | None = None
         self._live: dict[str, torch.Tensor] | None = None
         self._staged: _Staged | None = None
@@ -101,7 +99,6 @@ class WorkerReceiver:
             layout = probe_layout(model, manifest, self.hooks.rank, self.hooks.load_weights)
             problem = verify_layout(layout, dict(model.named_parameters()), read)
         self.verified = layout if not problem else None
-        self.direct_problem = problem
         self.checked = LayoutCheck(rank=self.hooks.rank, direct=not problem, problem=problem,
                                    seconds=time.perf_counter() - t, params=len(layout.params) if layout else 0)
         return self.checked
@@ -115,8 +112,8 @@ class WorkerReceiver:
         layout = probe_layout(model, manifest, self.hooks.rank, self.hooks.load_weights)
         if layout.problem:
             return layout
-        if self.direct_problem:
-            return EngineLayout(layout.rank, layout.params, self.direct_problem)
+        if self.checked.problem:
+            return EngineLayout(layout.rank, layout.params, self.checked.problem)
         if self.verified is None or not same_ops(layout, self.verified):
             return EngineLayout(layout.rank, layout.params, "the learner's export fills the engine parameters differently "
                                 "from the checkpoint the engine was checked against")
@@ -158,11 +155,7 @@ class WorkerReceiver:
         else:
             staged.pending.append(buckets_digests_lazy([(bucket, prefix)], staged.verify))  # type: ignore[arg-type]
         staged.digests.update(dict.fromkeys(keys, b""))  # resolved by `digests`
-        views = unpack_bucket(bucket)
-        if staged.layout == "hf":
-            staged.hf.update(views)
-        else:
-            staged.engine.extend(views)
+        staged.views.extend(unpack_bucket(bucket))
         staged.keep.append(bucket.buffer)
 
     def digests(self, version: int) -> dict[str, bytes]:
@@ -170,11 +163,9 @@ class WorkerReceiver:
         if staged.batch:
             staged.pending.append(buckets_digests_lazy(staged.batch, staged.verify))  # type: ignore[arg-type]
             staged.batch = []
-        if len(staged.pending) > 1 and all(p.device_words is not None for p in staged.pending):
-            staged.pending = [PendingDigests.merge(staged.pending)]  # every bucket's checksums: one copy to host
-        for finish in staged.pending:  # the first waits for the device, the rest are there by then
-            staged.digests.update(finish())
-        staged.pending.clear()
+        if staged.pending:  # (checksums all still on the device reach the host in one copy)
+            staged.digests.update(PendingDigests.merge(staged.pending)())
+            staged.pending.clear()
         return dict(staged.digests)
 
     def _copy_into_live(self, views: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -203,12 +194,12 @@ class WorkerReceiver:
             if staged.pending or staged.batch:
                 raise RuntimeError(f"apply of version {version} before its staged digests were read (and checked)")
             if staged.layout == "engine":
-                self._copy_into_live(staged.engine)
+                self._copy_into_live(staged.views)
                 if self.hooks.device.type == "cuda":
                     torch.cuda.synchronize(self.hooks.device)
                 path = "direct"
             else:
-                self.hooks.reload(iter(sorted(staged.hf.items())))
+                self.hooks.reload(iter(sorted(staged.views, key=lambda kv: kv[0])))
                 path = "reload"
             return ApplyReport(path=path, apply_seconds=time.perf_counter() - t, tensors=len(staged.digests))
         finally:

@@ -805,7 +805,7 @@ def test_engine_workers_receive_from_two_sending_ranks_in_stage_order():
     for w, report in zip(workers, received):
         assert combine_digests(report.digests, "full") == expected  # what the replica checks at commit
         state = w.staged(5)
-        assert all(torch.equal(state.hf[n], weights[n]) for n in names)
+        assert all(torch.equal(dict(state.views)[n], weights[n]) for n in names)
         assert w.asyncrl_join_collective("rep") == ["pp-s0", "pp-s1"]
         w.asyncrl_join_collective("r0", [])  # (joining none leaves every group)
         assert w.asyncrl_join_collective("rep") == []
