@@ -21,7 +21,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -46,9 +46,8 @@ def windows(sizes: Iterable[int], align: int = ALIGN) -> tuple[list[int], int]:
     return offsets, total
 
 
-@dataclass(frozen=True, slots=True)
-class TensorMeta:
-    """Where one tensor lives inside a bucket buffer."""
+class TensorMeta(NamedTuple):
+    """Where one tensor lives inside a bucket buffer; a plain tuple on every wire (pickle, msgpack, JSON)."""
 
     name: str  # engine-layout (HF) parameter name
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
@@ -192,13 +191,10 @@ def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
 
 SHM_DIR = "/dev/shm"
 FILE_PREFIX = "asyncrl-bucket-"
-# One tensor-table row as plain msgpack-able values (vLLM's utility channel decodes arguments
-# without type hints): name, dtype, shape, offset, nbytes.
-WireMeta = tuple[str, str, list[int], int, int]
-Wire = tuple[str | None, list[WireMeta], int | None]  # a SharedBucket: path, tensor table, engine rank
 
 
-def metas_from_wire(metas: Iterable[WireMeta]) -> list[TensorMeta]:
+def metas_from_wire(metas: Iterable[Any]) -> list[TensorMeta]:
+    """A tensor table as it came off a wire (a list of lists: msgpack and JSON keep no tuples)."""
     return [TensorMeta(n, d, tuple(s), int(o), int(b)) for n, d, s, o, b in metas]
 
 
@@ -223,11 +219,11 @@ class SharedBucket:
     nbytes: int
     rank: int | None = None
 
-    def wire(self) -> Wire:
-        return self.path, [(m.name, m.dtype, list(m.shape), m.offset, m.nbytes) for m in self.metas], self.rank
+    def wire(self) -> tuple[str | None, list[TensorMeta], int | None]:
+        return self.path, self.metas, self.rank
 
     @classmethod
-    def from_wire(cls, path: str | None, metas: Iterable[WireMeta], rank: int | None = None) -> "SharedBucket":
+    def from_wire(cls, path: str | None, metas: Iterable[Any], rank: int | None = None) -> "SharedBucket":
         return cls(path, metas_from_wire(metas), os.stat(path).st_size if path is not None else 0, rank)
 
     def open(self) -> Bucket:

@@ -14,12 +14,11 @@ from __future__ import annotations
 import pickle
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from asyncrl.weightsync.bucket import Bucket, TensorMeta, WireMeta, windows
+from asyncrl.weightsync.bucket import Bucket, TensorMeta, windows
 from asyncrl.weightsync.collective import CollectiveError
 from asyncrl.weightsync.stream import Export, SendResult, hash_whole_lazy, pack_stream
 from asyncrl.weightsync.transport import HostCopies
@@ -76,17 +75,16 @@ class IpcRing:
         return sum(int(b.numel()) for b in self.buffers) + (0 if self.arena is None else int(self.arena.numel()))
 
 
-@dataclass(frozen=True)
-class IpcBucket:
+class IpcBucket(NamedTuple):
     """One bucket of an ipc push as every replica's load receives it: its CUDA IPC handle (pickled: it crosses
-    vLLM's worker RPC as bytes) and tensor table."""
+    vLLM's worker RPC as bytes) and tensor table; a plain tuple on every wire."""
 
     handle: bytes
     metas: list[TensorMeta]
     rank: int | None = None
 
-    def wire(self) -> tuple[bytes, list[WireMeta], int | None]:
-        return self.handle, [(m.name, m.dtype, list(m.shape), m.offset, m.nbytes) for m in self.metas], self.rank
+    def wire(self) -> tuple[bytes, list[TensorMeta], int | None]:
+        return self
 
 
 def _gpu_uuid(device: torch.device) -> str:

@@ -113,8 +113,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
 def whole_table(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], int | None, int]]) -> list[torch.Tensor]:
     """The whole version's header and table on the group's device: every bucket's (tensors, engine rank, size),
     without digests (the receivers' are compared with the sender's at the commit)."""
-    raw = json.dumps({"b": [[[[m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in metas], rank, n]
-                            for metas, rank, n in buckets]}).encode()
+    raw = json.dumps({"b": buckets}).encode()
     return [_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)),
             torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device)]
 
