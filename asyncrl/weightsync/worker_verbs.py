@@ -77,7 +77,7 @@ class WorkerReceiver:
     def __init__(self, hooks: EngineHooks) -> None:
         self.hooks = hooks
         self.groups: dict[str, Any] = {}  # group id -> `CollectiveGroup` (weightsync/collective.py)
-        self.opened: dict[bytes, tuple[Any, Bucket]] = {}  # ipc: a handle -> (its table, its view), as last opened
+        self.opened: dict[bytes, tuple[Any, Bucket, list]] = {}  # ipc: a handle -> (its table, its view, its tensors)
         self.verified: EngineLayout | None = None  # the start-time layout, checked against the checkpoint
         self.checked = LayoutCheck(rank=hooks.rank, direct=False, problem="layout not checked yet")  # the start-time check
         self.plan_id: str | None = None
@@ -135,11 +135,12 @@ class WorkerReceiver:
             raise RuntimeError(f"bucket for version {version} but staging {None if staged is None else staged.version}")
         return staged
 
-    def stage(self, version: int, bucket: Bucket, batch: bool = False) -> None:
+    def stage(self, version: int, bucket: Bucket, batch: bool = False,
+              views: list[tuple[str, torch.Tensor]] | None = None) -> None:
         """Stage one bucket (views into `bucket.buffer`, which must stay valid until the commit) and its digests,
         a device's only enqueued (`digests` waits for all at once). Engine-layout buckets of other ranks are skipped.
         `batch` (buckets that arrive together, views of one ipc mapping): not even enqueued until `digests`, which
-        hashes them all in one pass."""
+        hashes them all in one pass. `views`: the bucket's tensors, unpacked before (an ipc buffer opened earlier)."""
         staged = self._state(version)
         if (bucket.rank is None) != (staged.layout == "hf"):
             raise ValueError(f"a {'HF' if bucket.rank is None else 'engine'}-layout bucket in a {staged.layout}-layout update")
@@ -155,7 +156,7 @@ class WorkerReceiver:
         else:
             staged.pending.append(buckets_digests_lazy([(bucket, prefix)], staged.verify))  # type: ignore[arg-type]
         staged.digests.update(dict.fromkeys(keys, b""))  # resolved by `digests`
-        staged.views.extend(unpack_bucket(bucket))
+        staged.views.extend(unpack_bucket(bucket) if views is None else views)
         staged.keep.append(bucket.buffer)
 
     def digests(self, version: int) -> dict[str, bytes]:
@@ -173,14 +174,16 @@ class WorkerReceiver:
         if live is None:
             raise RuntimeError("no push plan: engine-layout tensors cannot be applied")
         dst, src = [], []
-        for name, view in views:
-            target = live.get(name)
-            if target is None:
-                raise KeyError(f"engine parameter {name!r} of the plan is not in the engine")
-            if target.shape != view.shape or target.dtype != view.dtype:
-                raise ValueError(f"{name}: staged {tuple(view.shape)} {view.dtype}, live {tuple(target.shape)} {target.dtype}")
-            dst.append(target.data)  # (the parameter as it is now: a later `param.data = ...` is followed)
-            src.append(view if view.device == target.device else view.to(target.device, non_blocking=True))
+        # (vLLM's parameter classes take every attribute read through their `__torch_function__`: not here)
+        with torch._C.DisableTorchFunctionSubclass():
+            for name, view in views:
+                target = live.get(name)
+                if target is None:
+                    raise KeyError(f"engine parameter {name!r} of the plan is not in the engine")
+                if target.shape != view.shape or target.dtype != view.dtype:
+                    raise ValueError(f"{name}: staged {tuple(view.shape)} {view.dtype}, live {tuple(target.shape)} {target.dtype}")
+                dst.append(target.data)  # (the parameter as it is now: a later `param.data = ...` is followed)
+                src.append(view if view.device == target.device else view.to(target.device, non_blocking=True))
         if dst:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)
@@ -248,14 +251,15 @@ class WorkerVerbs:
         rx = self._asyncrl_rx()
         if groups is None:
             rx.begin(version, *(begin or []))
-            now: dict[bytes, tuple[Any, Bucket]] = {}
+            now: dict[bytes, tuple[Any, Bucket, list]] = {}
             for wire in wires or []:
                 if isinstance(wire[0], bytes):  # views of the sender's ring, hashed in one pass at the end
-                    kept = rx.opened.get(wire[0])  # (the same view with the same table: the same bucket object)
-                    bucket = kept[1] if kept is not None and kept[0] == wire[1:] else \
-                        ipc_open(wire[0], metas_from_wire(wire[1]), wire[2])
-                    now[wire[0]] = (wire[1:], bucket)
-                    rx.stage(version, bucket, batch=True)
+                    kept = rx.opened.get(wire[0])  # (the same view with the same table: the same bucket and views)
+                    if kept is None or kept[0] != wire[1:]:
+                        bucket = ipc_open(wire[0], metas_from_wire(wire[1]), wire[2])
+                        kept = (wire[1:], bucket, unpack_bucket(bucket))
+                    now[wire[0]] = kept
+                    rx.stage(version, kept[1], batch=True, views=kept[2])
                 else:
                     rx.stage(version, self._asyncrl_open(wire))
             rx.opened = now  # (one push's: an older ring's mapping goes)
