@@ -52,7 +52,6 @@ class WeightsyncError(RuntimeError):
 class PushResult:
     version: int
     fingerprint: str
-    replicas: list[str]
     metrics: dict[str, float]
     warnings: list[str] = field(default_factory=list)
 
@@ -97,9 +96,6 @@ class VersionRegistry:
             return self._records[version]
         except KeyError:
             raise RegistryError(f"version {version} is not registered") from None
-
-    def records(self) -> list[WeightVersion]:
-        return [self._records[v] for v in sorted(self._records)]
 
     def timeline(self, version: int) -> list[tuple[str, float]]:
         """(state value, unix time) for every state the version entered, in order."""
@@ -217,10 +213,10 @@ class Publisher:
         tail_warnings = await self._settled(m)
         m.layout = source.layout
         with preserve_rng_state():
-            return await self._publish_held(version, source, list(replicas), names, m, tail_warnings)
+            return await self._publish_held(version, source, list(replicas), m, tail_warnings)
 
     async def _publish_held(self, version: int, source: BucketSource | StreamedSource, replicas: list[ReplicaClient],
-                            names: list[str], m: PushMetrics, tail_warnings: list[str]) -> PushResult:
+                            m: PushMetrics, tail_warnings: list[str]) -> PushResult:
         self.registry.begin(version)
         self.totals["pushes_total"] += 1
         try:
@@ -243,7 +239,7 @@ class Publisher:
         else:
             report, warnings = await keeping
             _report_keep(m, report)
-        return PushResult(version, fingerprint, names, self._finish(m, version), tail_warnings + warnings)
+        return PushResult(version, fingerprint, self._finish(m, version), tail_warnings + warnings)
 
     async def _attempt(self, version: int, source: BucketSource | StreamedSource, replicas: list[ReplicaClient], m: PushMetrics) -> str:
         # One engine replica behind all clients: its commit pauses, applies and resumes by itself.

@@ -308,9 +308,6 @@ class WeightStore:
     def push_plan(self) -> Any:
         return self._push_plan
 
-    def version(self) -> int:
-        return self._version
-
 
 def weight_store_hook(store: Any, plan_of: Callable[[str], Any] | None = None) -> Callable[[int, str, list[Any]], Any]:
     """`on_live` hook publishing a live version to the `WeightStore` actor, with the push plan (`plan_of(version)`,

@@ -207,10 +207,6 @@ class PinnedPool:
             buf = self._buffers[index] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         return buf[:nbytes]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(int(b.numel()) for b in self._buffers if b is not None)
-
 
 @dataclass
 class _Copy:

@@ -13,7 +13,7 @@ import torch
 from asyncrl.config import WeightsyncConfig
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
-from asyncrl.weightsync.push import BucketSource, Publisher, Step, WeightsyncError, preserve_rng_state
+from asyncrl.weightsync.push import BucketSource, Publisher, RegistryError, Step, WeightsyncError, preserve_rng_state
 
 from .fakes import CorruptingTransport, FakeReplica, LocalTransport, model, source_of
 
@@ -170,12 +170,16 @@ async def test_unrestorable_replicas_are_reported_out_of_service():
 async def test_the_registry_records_each_push_live_or_failed():
     pub, replicas, _, _ = _setup()
     await pub.publish(1, source_of(pub, model(1)), replicas)
-    assert pub.registry.live_version == 1 and [r.state for r in pub.registry.records()] == [S.LIVE]
+    assert pub.registry.live_version == 1 and pub.registry.get(1).state is S.LIVE
+    with pytest.raises(RegistryError, match="not registered"):  # the one record: no other version's
+        pub.registry.get(2)
 
     replicas[0].faults[("load", 2)] = "raise"
     with pytest.raises(WeightsyncError):
         await pub.publish(2, source_of(pub, model(2)), replicas)
-    assert [r.state for r in pub.registry.records()] == [S.LIVE, S.FAILED] and pub.registry.live_version == 1
+    assert [pub.registry.get(v).state for v in (1, 2)] == [S.LIVE, S.FAILED] and pub.registry.live_version == 1
+    with pytest.raises(RegistryError, match="not registered"):
+        pub.registry.get(3)
     assert "injected load failure" in pub.registry.get(2).error
 
 
@@ -552,4 +556,4 @@ def test_the_store_reads_a_versions_object_refs_where_they_lie(ray_session):
     with pytest.raises(ray.exceptions.RayTaskError, match="fingerprint mismatch"):
         ray.get(store.publish.remote(2, [ray.put(b) for b in twice], fp))
     ray.get(store.publish.remote(2, [ray.put(twice[0]), twice[1]], fp2, "a-plan"))  # refs and buckets alike
-    assert ray.get(store.version.remote()) == 2 and ray.get(store.plan.remote()) == "a-plan"
+    assert ray.get(store.latest.remote())[0] == 2 and ray.get(store.plan.remote()) == "a-plan"
