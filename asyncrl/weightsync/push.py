@@ -135,10 +135,6 @@ class VersionRegistry:
         self._timeline[version].append((new.value, time.time()))
         return record
 
-    def set_payload(self, version: int, *, fingerprint: str, num_bytes: int, num_tensors: int) -> None:
-        record = self.get(version)
-        record.fingerprint, record.num_bytes, record.num_tensors = fingerprint, num_bytes, num_tensors
-
     def replica_committed(self, version: int, replica: str) -> None:
         record = self.get(version)
         if record.state is not S.COMMITTING:
@@ -213,39 +209,32 @@ class Publisher:
         tail_warnings = await self._settled(m)
         m.layout = source.layout
         with preserve_rng_state():
-            return await self._publish_held(version, source, list(replicas), m, tail_warnings)
-
-    async def _publish_held(self, version: int, source: BucketSource | StreamedSource, replicas: list[ReplicaClient],
-                            m: PushMetrics, tail_warnings: list[str]) -> PushResult:
-        self.registry.begin(version)
-        self.totals["pushes_total"] += 1
-        try:
-            self.registry.transition(version, S.STAGING)
+            self.registry.begin(version)
+            self.totals["pushes_total"] += 1
             try:
-                fingerprint = await self._attempt(version, source, replicas, m)
-            except StepFailed as f:
-                raise self._fail(version, f, m) from next(iter(f.failures.values()), None)
-        except BaseException as exc:
-            source.discard()
-            if self.registry.in_flight == version:  # cancelled, or a bug: never leave it in flight
-                self.registry.transition(version, S.FAILED, error=f"{type(exc).__name__}: {exc}")
-                m.failed = True
-                self._finish(m, version)
-            raise
-        source.collect_host_copies()
-        keeping = self._keep_live(version, fingerprint, source)
-        if isinstance(source, StreamedSource):  # its host copy is made from now on: keep it in the background
-            self._tail, warnings = asyncio.ensure_future(keeping), []
-        else:
-            report, warnings = await keeping
-            _report_keep(m, report)
-        return PushResult(version, fingerprint, self._finish(m, version), tail_warnings + warnings)
+                self.registry.transition(version, S.STAGING)
+                try:
+                    fingerprint = await self._attempt(version, source, list(replicas), m)
+                except StepFailed as f:
+                    raise self._fail(version, f, m) from next(iter(f.failures.values()), None)
+            except BaseException as exc:
+                source.discard()
+                if self.registry.in_flight == version:  # cancelled, or a bug: never leave it in flight
+                    self.registry.transition(version, S.FAILED, error=f"{type(exc).__name__}: {exc}")
+                    m.failed = True
+                    self._finish(m, version)
+                raise
+            source.collect_host_copies()
+            keeping = self._keep_live(version, fingerprint, source)
+            if isinstance(source, StreamedSource):  # its host copy is made from now on: keep it in the background
+                self._tail, warnings = asyncio.ensure_future(keeping), []
+            else:
+                report, warnings = await keeping
+                _report_keep(m, report)
+            return PushResult(version, fingerprint, self._finish(m, version), tail_warnings + warnings)
 
     async def _attempt(self, version: int, source: BucketSource | StreamedSource, replicas: list[ReplicaClient], m: PushMetrics) -> str:
-        # One engine replica behind all clients: its commit pauses, applies and resumes by itself.
-        own_pause = sum(r.fanout for r in replicas) == 1
-        pause_sent = commit_sent = False
-        paused = 0.0
+        paused: float | None = None  # when the pause went out (None: not sent)
         begin = UpdateBegin(source.verify, source.layout, source.plan_id)
         try:
             t = time.perf_counter()
@@ -255,13 +244,12 @@ class Publisher:
                 fingerprint = source.fingerprint()
             except Exception as exc:
                 raise StepFailed(Step.FINGERPRINT, {"publisher": exc}) from exc
-            self.registry.set_payload(version, fingerprint=fingerprint, num_bytes=m.bytes, num_tensors=m.num_tensors)
-            self.registry.transition(version, S.COMMITTING)
-            if not own_pause:
-                pause_sent, paused = True, time.perf_counter()
+            record = self.registry.transition(version, S.COMMITTING)
+            record.fingerprint, record.num_bytes, record.num_tensors = fingerprint, m.bytes, m.num_tensors
+            if sum(r.fanout for r in replicas) != 1:  # (one engine replica's commit pauses, applies and resumes itself)
+                paused = time.perf_counter()
                 await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
             t = time.perf_counter()
-            commit_sent = True
             ok, bad = await self._run(Step.COMMIT, replicas, lambda r: self._commit(r, version, fingerprint, m), m)
             m.commit_seconds += time.perf_counter() - t
             for name in ok:
@@ -279,10 +267,9 @@ class Publisher:
                 f.out_of_service = await self._restore([r for r in replicas if r.name in f.restore], m)
             raise
         finally:
-            if pause_sent or (commit_sent and m.failed_commit and own_pause):
-                # A failed apply under the commit's own pause leaves the replica paused too.
+            if paused is not None or m.failed_commit:  # a failed apply under the commit's own pause leaves it paused
                 await self._run(Step.RESUME, replicas, lambda r: r.resume(), m)
-            if pause_sent:
+            if paused is not None:
                 m.paused_seconds += time.perf_counter() - paused
 
     @staticmethod
@@ -327,7 +314,7 @@ class Publisher:
 
     async def _restore(self, replicas: list[ReplicaClient], m: PushMetrics) -> list[str]:
         host, failed = self._host, [r.name for r in replicas]
-        if host is not None and replicas:
+        if host is not None:
             async def reload(r: ReplicaClient) -> None:
                 begin = UpdateBegin(fingerprint_mode(host.fingerprint), layout=host.layout, plan_id=host.plan_id)
                 await r.load_bucket([self._transport.payload(h) for h in host.handles], host.version, begin)
