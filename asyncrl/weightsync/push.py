@@ -23,7 +23,6 @@ import torch
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.types import CommitReport, Refusal, UpdateBegin, WeightUpdateState, WeightVersion, refusal_of
-from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.sources import BucketSource, PushMetrics, ReplicaClient, Step, StepFailed, StreamedSource, refusals_of
 from asyncrl.weightsync.transport import Transport
 
@@ -157,17 +156,6 @@ class VersionRegistry:
         return record
 
 
-@dataclass
-class _HostCopy:
-    """The last live version's buckets, held by their transport handles (not in this heap)."""
-
-    version: int
-    fingerprint: str
-    handles: list[Any]
-    layout: str = "hf"  # "engine": packed for `plan_id`
-    plan_id: str | None = None
-
-
 @contextlib.contextmanager
 def preserve_rng_state() -> Iterator[None]:
     """Exporting and moving weights never shifts the learner's random stream (CPU, and CUDA if initialised)."""
@@ -189,7 +177,7 @@ class Publisher:
         self._cfg, self._transport = config, transport
         self.registry = registry if registry is not None else VersionRegistry()
         self._on_live = on_live
-        self._host: _HostCopy | None = None
+        self._host: BucketSource | StreamedSource | None = None  # the last live version's, its `version` set
         self._tail: asyncio.Future | None = None  # the last live version's host copy, being kept
         self.totals = {k: 0 for k in ("pushes_total", "pushes_failed_total", "rollbacks_total", "out_of_service_total")}
 
@@ -197,8 +185,8 @@ class Publisher:
         """Keep the weights the replicas already serve as the host copy a failed first push restores."""
         if version != self.registry.live_version:
             raise ValueError(f"seed version {version} is not the registry's live version {self.registry.live_version}")
-        self._host = _HostCopy(version, source.fingerprint(), source.handles, source.layout, source.plan_id)
-        return self._host.fingerprint
+        source.version, self._host = version, source
+        return source.fingerprint()
 
     async def publish(self, version: int, source: BucketSource | StreamedSource, replicas: Sequence[ReplicaClient]) -> PushResult:
         """Push `source` as `version` to every replica."""
@@ -316,9 +304,9 @@ class Publisher:
         host, failed = self._host, [r.name for r in replicas]
         if host is not None:
             async def reload(r: ReplicaClient) -> None:
-                begin = UpdateBegin(fingerprint_mode(host.fingerprint), layout=host.layout, plan_id=host.plan_id)
+                begin = UpdateBegin(host.verify, host.layout, host.plan_id)
                 await r.load_bucket([self._transport.payload(h) for h in host.handles], host.version, begin)
-                await r.commit_update(host.version, host.fingerprint)
+                await r.commit_update(host.version, host.fingerprint())
 
             ok, bad = await self._run(Step.RESTORE, replicas, reload, m)
             failed = list(bad)
@@ -346,11 +334,12 @@ class Publisher:
         t = time.perf_counter()
         report: dict[str, float] = {}
         warnings: list[str] = []
+        kept = None
         try:
             report.update({f"thread_{k}": v for k, v in (await source.settle(self._cfg.timeout_s)).items()})
-            kept: _HostCopy | None = _HostCopy(version, fingerprint, source.handles, source.layout, source.plan_id)
+            kept, source.version = source, version
         except Exception as exc:  # live everywhere, but nothing to restore from or hand to late joiners
-            kept, report["store_failed"] = None, 1.0
+            report["store_failed"] = 1.0
             warnings.append(f"version {version} is live, but the sender's host copies failed ({type(exc).__name__}: {exc}): "
                             "no host copy is kept until the next push (a failed push cannot roll back; late joiners load the last "
                             "stored version)")

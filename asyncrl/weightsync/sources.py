@@ -194,6 +194,7 @@ class _Source:
 
     layout: str = "hf"  # "engine": packed for `plan_id`
     plan_id: str | None = None
+    version: int | None = None  # the version it went live as, once it is the host copy a restore pushes again
 
     def __init__(self, transport: Transport, verify: VerifyMode) -> None:
         self._transport, self.verify = transport, check_verify_mode(verify)
