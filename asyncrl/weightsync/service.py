@@ -36,14 +36,12 @@ class WeightPublisher:
     """`start()` once, then `publish(version)` after each learner update."""
 
     def __init__(self, cfg: WeightsyncConfig, *, engine: Any, learner: Any, hybrid: bool = False, on_gpu: bool = False,
-                 own_gpus: bool = False, store_name: str | None = None, namespace: str | None = None) -> None:
+                 own_gpus: bool = False) -> None:
         # engine: fans a call out to every engine replica (the generator's EngineControl).
         # on_gpu: the learner ranks hold GPUs (this process may not: it is the controller's).
         # own_gpus: every learner rank and engine replica holds whole GPUs (transport auto: nccl on one host).
         self.cfg, self.learner, self.hybrid, self.on_gpu, self.own_gpus = cfg, learner, hybrid, on_gpu, own_gpus
         self.replicas = DeploymentReplicas(engine, cfg.timeout_s)
-        self.store_name = store_name or STORE_NAME
-        self.namespace = namespace or STORE_NAMESPACE
         self.plan: Any = None  # the push plan the engines and the learner's senders hold (None: HF tensors)
         self.manifest: list[Any] = []
         self.publisher: Publisher | None = None
@@ -65,7 +63,7 @@ class WeightPublisher:
 
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.store = ray.remote(WeightStore).options(
-            name=self.store_name, namespace=self.namespace, get_if_exists=True, num_cpus=0, scheduling_strategy=here
+            name=STORE_NAME, namespace=STORE_NAMESPACE, get_if_exists=True, num_cpus=0, scheduling_strategy=here
         ).remote()
         transport = select_transport(self.cfg, on_gpu=self.on_gpu, hybrid=self.hybrid, own_gpus=self.own_gpus)
         self.publisher = Publisher(
