@@ -228,10 +228,7 @@ class Publisher:
             t = time.perf_counter()
             await source.stream(self._step, version, replicas, m, begin)
             m.stage_seconds += time.perf_counter() - t
-            try:
-                fingerprint = source.fingerprint()
-            except Exception as exc:
-                raise StepFailed(Step.FINGERPRINT, {"publisher": exc}) from exc
+            fingerprint = source.fingerprint()  # (its digests are known once `stream` returned)
             record = self.registry.transition(version, S.COMMITTING)
             record.fingerprint, record.num_bytes, record.num_tensors = fingerprint, m.bytes, m.num_tensors
             if sum(r.fanout for r in replicas) != 1:  # (one engine replica's commit pauses, applies and resumes itself)

@@ -69,9 +69,6 @@ class ActorReplica:
     async def resume(self) -> Any:
         return await self.call(EngineAPI.resume)
 
-    def __repr__(self) -> str:
-        return f"ActorReplica({self.name!r})"
-
 
 class DeploymentReplicas(ActorReplica):
     """Every running replica of the engine deployment, one broadcast a step through `control` (the generator's
@@ -173,7 +170,6 @@ class Step(str, enum.Enum):
     EXPORT = "export"  # reading the tensor stream / packing
     PAUSE = "pause"
     LOAD = "load_bucket"
-    FINGERPRINT = "fingerprint"
     COMMIT = "commit_update"
     ABORT = "abort_update"
     RESUME = "resume"
