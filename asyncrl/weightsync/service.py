@@ -259,7 +259,7 @@ STORE_NAMESPACE = "asyncrl"
 
 class WeightStore:
     """The latest committed (version, buckets, fingerprint, plan), as a named Ray actor: `publish` checks the version
-    increases and the fingerprint matches; `latest` is (0, None, "") before any. Also the plan pushes use now
+    increases and the fingerprint matches; `latest` is (0, None, "", None) before any. Also the plan pushes use now
     (`push_plan`): a replica that starts before the first push takes it, so that push finds it held."""
 
     def __init__(self) -> None:
@@ -294,11 +294,9 @@ class WeightStore:
         self._version, self._buckets, self._fingerprint, self._plan = version, list(buckets), fingerprint, plan
         self._refs = refs
 
-    def latest(self) -> tuple[int, list[Any] | None, str]:
-        return self._version, self._buckets, self._fingerprint
-
-    def plan(self) -> Any:
-        return self._plan
+    def latest(self) -> tuple[int, list[Any] | None, str, Any]:
+        """(version, buckets, fingerprint, the plan of engine-layout buckets) in one call: a version and its plan."""
+        return self._version, self._buckets, self._fingerprint, self._plan
 
     def set_push_plan(self, plan: Any) -> None:
         self._push_plan = plan

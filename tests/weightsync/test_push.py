@@ -542,8 +542,8 @@ def test_the_store_reads_a_versions_object_refs_where_they_lie(ray_session):
     buckets = list(iter_buckets(w.items(), 1e-5))  # one tensor a bucket
     assert len(buckets) == 2
     ray.get(store.publish.remote(1, [ray.put(b) for b in buckets], tensor_fingerprint(w), "a-plan"))
-    version, got, fp = ray.get(store.latest.remote())
-    assert version == 1 and fp == tensor_fingerprint(w) and ray.get(store.plan.remote()) is None  # HF: no plan
+    version, got, fp, plan = ray.get(store.latest.remote())
+    assert version == 1 and fp == tensor_fingerprint(w) and plan is None  # HF: no plan
     assert _same(dict(iter_unpacked(got)), w)
     w2 = {k: v * 2 for k, v in w.items()}
     twice = list(iter_buckets(w2.items(), 1e-5))
@@ -556,4 +556,5 @@ def test_the_store_reads_a_versions_object_refs_where_they_lie(ray_session):
     with pytest.raises(ray.exceptions.RayTaskError, match="fingerprint mismatch"):
         ray.get(store.publish.remote(2, [ray.put(b) for b in twice], fp))
     ray.get(store.publish.remote(2, [ray.put(twice[0]), twice[1]], fp2, "a-plan"))  # refs and buckets alike
-    assert ray.get(store.latest.remote())[0] == 2 and ray.get(store.plan.remote()) == "a-plan"
+    version, _, _, plan = ray.get(store.latest.remote())
+    assert version == 2 and plan == "a-plan"
