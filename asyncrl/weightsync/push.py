@@ -49,7 +49,6 @@ class WeightsyncError(RuntimeError):
 
 @dataclass
 class PushResult:
-    version: int
     fingerprint: str
     metrics: dict[str, float]
     warnings: list[str] = field(default_factory=list)
@@ -219,7 +218,7 @@ class Publisher:
             else:
                 report, warnings = await keeping
                 _report_keep(m, report)
-            return PushResult(version, fingerprint, self._finish(m, version), tail_warnings + warnings)
+            return PushResult(fingerprint, self._finish(m, version), tail_warnings + warnings)
 
     async def _attempt(self, version: int, source: BucketSource | StreamedSource, replicas: list[ReplicaClient], m: PushMetrics) -> str:
         paused: float | None = None  # when the pause went out (None: not sent)

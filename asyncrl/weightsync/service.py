@@ -313,20 +313,17 @@ def weight_store_hook(store: Any, plan_of: Callable[[str], Any] | None = None) -
     brought up by the next push). A failed update is the next call's error (the publisher warns)."""
     state: dict[str, Any] = {"task": None, "next": None, "error": None}
 
-    async def send(args: tuple[int, str, list[Any], Any] | None) -> None:
-        loop = asyncio.get_running_loop()
+    async def send(args: tuple[int, list[Any], str, Any] | None) -> None:  # (store.publish's arguments)
         while args is not None:
-            version, fingerprint, buckets, plan = args
             try:
-                ref = await loop.run_in_executor(None, lambda: store.publish.remote(version, buckets, fingerprint, plan))
-                await ref
+                await (await asyncio.to_thread(store.publish.remote, *args))
             except Exception as exc:  # noqa: BLE001 - the next call raises it
                 state["error"] = exc
             args, state["next"] = state["next"], None
 
     async def publish(version: int, fingerprint: str, buckets: list[Any]) -> None:
         hf = all(isinstance(b, Bucket) and b.rank is None for b in buckets)  # (ObjectRefs: the store tells)
-        args = (version, fingerprint, buckets, plan_of(version) if plan_of is not None and not hf else None)  # as it went live
+        args = (version, buckets, fingerprint, plan_of(version) if plan_of is not None and not hf else None)  # as it went live
         task = state["task"]
         if task is not None and not task.done():
             state["next"] = args  # (replacing one that waited)

@@ -17,7 +17,7 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from asyncrl.interfaces import EngineAPI, verb_name
 from asyncrl.types import CommitReport, HostCopies, LoadReport, Refusal, ReplicaControlError, UpdateAck, UpdateBegin, WeightExport, refusal_of
@@ -26,7 +26,6 @@ from asyncrl.weightsync.fingerprint import VerifyMode, bucket_digests, check_ver
 from asyncrl.weightsync.transport import Transport
 
 
-@runtime_checkable
 class ReplicaClient(Protocol):
     """Each update verb answers one replica's typed answer (asyncrl.types), or {replica id: answer} from a
     client that fans out."""
@@ -259,11 +258,9 @@ class BucketSource(_Source):
 
 
 class Link(Protocol):
-    """What a collective push needs of its broadcast groups (link.py's `CollectiveLink`): `ensure` them before each
-    attempt, the replicas' `payload` of an attempt, the senders' `send` of it (a `WeightExport`: digests per sender,
-    sizes, seconds), `stop` a sender still waiting for a member that will not answer, and `collect` the last send's
-    host copies once made (off the critical path: the publisher calls it once the version is live). `sequential`
-    (ipc): the payload is what the send answered, so the loads start once it returned."""
+    """A collective push's broadcast groups (link.py's `CollectiveLink`): `ensure` them before each attempt, the
+    replicas' `payload`, the senders' `send` (a `WeightExport`), `stop` a sender waiting for a member that will not
+    answer, `collect` the last send's host copies once live. `sequential` (ipc): loads open what `send` answered."""
 
     sequential: bool
 
