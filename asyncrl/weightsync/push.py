@@ -211,7 +211,6 @@ class Publisher:
                     m.failed = True
                     self._finish(m, version)
                 raise
-            source.collect_host_copies()
             keeping = self._keep_live(version, fingerprint, source)
             if isinstance(source, StreamedSource):  # its host copy is made from now on: keep it in the background
                 self._tail, warnings = asyncio.ensure_future(keeping), []

@@ -201,11 +201,9 @@ class _Source:
             raise RuntimeError("fingerprint before the sender finished")
         return combine_digests(self._digests, self.verify)
 
-    def collect_host_copies(self) -> None:
-        """Start collecting the host copies made after the push returned (`settle` waits for them)."""
-
     async def settle(self, timeout_s: float) -> dict[str, float]:
-        """Wait for the host copies (they become `handles`); returns the seconds of the thread that made them."""
+        """Collect the host copies, made once the push went live (they become `handles`); returns the seconds of the
+        thread that made them."""
         return {}
 
     def discard(self) -> None:
@@ -288,7 +286,6 @@ class StreamedSource(_Source):
         if plan_id is not None:
             self.layout, self.plan_id = "engine", plan_id
         self._sent = False  # the senders sent: their host copies are there to collect
-        self._collecting: asyncio.Future | None = None
 
     async def stream(self, step: Callable[..., Awaitable[None]], version: int, replicas: list[ReplicaClient],
                      m: PushMetrics, begin: UpdateBegin) -> None:
@@ -353,22 +350,16 @@ class StreamedSource(_Source):
             sending.cancel()
             raise
 
-    def collect_host_copies(self) -> None:
-        sent, self._sent = self._sent, False
-        if sent:
-            self._collecting = asyncio.ensure_future(self._link.collect())
-
     async def settle(self, timeout_s: float) -> dict[str, float]:
-        collecting, self._collecting = self._collecting, None
-        if collecting is None:
+        sent, self._sent = self._sent, False
+        if not sent:
             return {}
-        kept = await asyncio.wait_for(collecting, timeout_s)
+        kept = await asyncio.wait_for(self._link.collect(), timeout_s)
         self.handles = list(kept.buckets)
         return dict(kept.seconds)
 
     def discard(self) -> None:  # (the host copies of a failed push, once they arrive: none may linger)
-        self.collect_host_copies()
-        collecting, self._collecting = self._collecting, None
+        sent, self._sent = self._sent, False
 
         def release(done: asyncio.Future) -> None:
             if not done.cancelled() and done.exception() is None:
@@ -376,5 +367,5 @@ class StreamedSource(_Source):
                     with contextlib.suppress(Exception):
                         self._transport.release(h)
 
-        if collecting is not None:
-            collecting.add_done_callback(release)
+        if sent:
+            asyncio.ensure_future(self._link.collect()).add_done_callback(release)
