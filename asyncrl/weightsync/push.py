@@ -180,12 +180,11 @@ class Publisher:
         self._tail: asyncio.Future | None = None  # the last live version's host copy, being kept
         self.totals = {k: 0 for k in ("pushes_total", "pushes_failed_total", "rollbacks_total", "out_of_service_total")}
 
-    def seed(self, version: int, source: BucketSource) -> str:
+    def seed(self, version: int, source: BucketSource) -> None:
         """Keep the weights the replicas already serve as the host copy a failed first push restores."""
         if version != self.registry.live_version:
             raise ValueError(f"seed version {version} is not the registry's live version {self.registry.live_version}")
         source.version, self._host = version, source
-        return source.fingerprint()
 
     async def publish(self, version: int, source: BucketSource | StreamedSource, replicas: Sequence[ReplicaClient]) -> PushResult:
         """Push `source` as `version` to every replica."""
