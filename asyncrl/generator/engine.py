@@ -128,14 +128,13 @@ class EngineReplica(WeightUpdates):
 
     async def _load_latest(self, store: Any) -> str | None:
         """The store's latest version loaded if newer than ours; the layout it came in (None: nothing loaded)."""
-        version, buckets, fingerprint = await store.latest.remote()
+        version, buckets, fingerprint, plan = await store.latest.remote()
         if version <= self.version or buckets is None:
             return None
         logger.info("replica %s catching up to weight version %d", self.replica_id, version)
         t0 = time.perf_counter()
         mode = fingerprint_mode(fingerprint)
         layout, plan_id, payloads = "hf", None, list(buckets)
-        plan = await store.plan.remote()
         if plan is not None:  # buckets in an engine layout: ours, or rebuild the HF tensors from them
             try:
                 plan_id = await self._take_plan(plan)

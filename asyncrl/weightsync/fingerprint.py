@@ -231,8 +231,6 @@ class PendingDigests:
 
     def __init__(self, entries: Sequence[Entry], mode: VerifyMode, *, words: Any = None,
                  digests: Callable[[], dict[str, bytes]] | None = None) -> None:
-        if (words is None) == (digests is None):
-            raise ValueError("PendingDigests takes one source: words (checksum) or digests (full, off)")
         self.entries, self.mode, self._words, self._digests_fn = list(entries), mode, words, digests
         self.device_words = words if isinstance(words, torch.Tensor) else None
         self._digests: dict[str, bytes] | None = None

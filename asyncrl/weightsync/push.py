@@ -23,7 +23,6 @@ import torch
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.types import CommitReport, Refusal, UpdateBegin, WeightUpdateState, WeightVersion, refusal_of
-from asyncrl.weightsync.fingerprint import fingerprint_mode
 from asyncrl.weightsync.sources import BucketSource, PushMetrics, ReplicaClient, Step, StepFailed, StreamedSource, refusals_of
 from asyncrl.weightsync.transport import Transport
 
@@ -50,9 +49,7 @@ class WeightsyncError(RuntimeError):
 
 @dataclass
 class PushResult:
-    version: int
     fingerprint: str
-    replicas: list[str]
     metrics: dict[str, float]
     warnings: list[str] = field(default_factory=list)
 
@@ -98,9 +95,6 @@ class VersionRegistry:
         except KeyError:
             raise RegistryError(f"version {version} is not registered") from None
 
-    def records(self) -> list[WeightVersion]:
-        return [self._records[v] for v in sorted(self._records)]
-
     def timeline(self, version: int) -> list[tuple[str, float]]:
         """(state value, unix time) for every state the version entered, in order."""
         self.get(version)
@@ -139,10 +133,6 @@ class VersionRegistry:
         self._timeline[version].append((new.value, time.time()))
         return record
 
-    def set_payload(self, version: int, *, fingerprint: str, num_bytes: int, num_tensors: int) -> None:
-        record = self.get(version)
-        record.fingerprint, record.num_bytes, record.num_tensors = fingerprint, num_bytes, num_tensors
-
     def replica_committed(self, version: int, replica: str) -> None:
         record = self.get(version)
         if record.state is not S.COMMITTING:
@@ -163,17 +153,6 @@ class VersionRegistry:
         self._timeline[version].append((S.LIVE.value, now))
         self._live, self._in_flight = version, None
         return record
-
-
-@dataclass
-class _HostCopy:
-    """The last live version's buckets, held by their transport handles (not in this heap)."""
-
-    version: int
-    fingerprint: str
-    handles: list[Any]
-    layout: str = "hf"  # "engine": packed for `plan_id`
-    plan_id: str | None = None
 
 
 @contextlib.contextmanager
@@ -197,16 +176,15 @@ class Publisher:
         self._cfg, self._transport = config, transport
         self.registry = registry if registry is not None else VersionRegistry()
         self._on_live = on_live
-        self._host: _HostCopy | None = None
+        self._host: BucketSource | StreamedSource | None = None  # the last live version's, its `version` set
         self._tail: asyncio.Future | None = None  # the last live version's host copy, being kept
         self.totals = {k: 0 for k in ("pushes_total", "pushes_failed_total", "rollbacks_total", "out_of_service_total")}
 
-    def seed(self, version: int, source: BucketSource) -> str:
+    def seed(self, version: int, source: BucketSource) -> None:
         """Keep the weights the replicas already serve as the host copy a failed first push restores."""
         if version != self.registry.live_version:
             raise ValueError(f"seed version {version} is not the registry's live version {self.registry.live_version}")
-        self._host = _HostCopy(version, source.fingerprint(), source.handles, source.layout, source.plan_id)
-        return self._host.fingerprint
+        source.version, self._host = version, source
 
     async def publish(self, version: int, source: BucketSource | StreamedSource, replicas: Sequence[ReplicaClient]) -> PushResult:
         """Push `source` as `version` to every replica."""
@@ -217,55 +195,43 @@ class Publisher:
         tail_warnings = await self._settled(m)
         m.layout = source.layout
         with preserve_rng_state():
-            return await self._publish_held(version, source, list(replicas), names, m, tail_warnings)
-
-    async def _publish_held(self, version: int, source: BucketSource | StreamedSource, replicas: list[ReplicaClient],
-                            names: list[str], m: PushMetrics, tail_warnings: list[str]) -> PushResult:
-        self.registry.begin(version)
-        self.totals["pushes_total"] += 1
-        try:
-            self.registry.transition(version, S.STAGING)
+            self.registry.begin(version)
+            self.totals["pushes_total"] += 1
             try:
-                fingerprint = await self._attempt(version, source, replicas, m)
-            except StepFailed as f:
-                raise self._fail(version, f, m) from next(iter(f.failures.values()), None)
-        except BaseException as exc:
-            source.discard()
-            if self.registry.in_flight == version:  # cancelled, or a bug: never leave it in flight
-                self.registry.transition(version, S.FAILED, error=f"{type(exc).__name__}: {exc}")
-                m.failed = True
-                self._finish(m, version)
-            raise
-        source.collect_host_copies()
-        keeping = self._keep_live(version, fingerprint, source)
-        if isinstance(source, StreamedSource):  # its host copy is made from now on: keep it in the background
-            self._tail, warnings = asyncio.ensure_future(keeping), []
-        else:
-            report, warnings = await keeping
-            _report_keep(m, report)
-        return PushResult(version, fingerprint, names, self._finish(m, version), tail_warnings + warnings)
+                self.registry.transition(version, S.STAGING)
+                try:
+                    fingerprint = await self._attempt(version, source, list(replicas), m)
+                except StepFailed as f:
+                    raise self._fail(version, f, m) from next(iter(f.failures.values()), None)
+            except BaseException as exc:
+                source.discard()
+                if self.registry.in_flight == version:  # cancelled, or a bug: never leave it in flight
+                    self.registry.transition(version, S.FAILED, error=f"{type(exc).__name__}: {exc}")
+                    m.failed = True
+                    self._finish(m, version)
+                raise
+            keeping = self._keep_live(version, fingerprint, source)
+            if isinstance(source, StreamedSource):  # its host copy is made from now on: keep it in the background
+                self._tail, warnings = asyncio.ensure_future(keeping), []
+            else:
+                report, warnings = await keeping
+                _report_keep(m, report)
+            return PushResult(fingerprint, self._finish(m, version), tail_warnings + warnings)
 
     async def _attempt(self, version: int, source: BucketSource | StreamedSource, replicas: list[ReplicaClient], m: PushMetrics) -> str:
-        # One engine replica behind all clients: its commit pauses, applies and resumes by itself.
-        own_pause = sum(r.fanout for r in replicas) == 1
-        pause_sent = commit_sent = False
-        paused = 0.0
+        paused: float | None = None  # when the pause went out (None: not sent)
         begin = UpdateBegin(source.verify, source.layout, source.plan_id)
         try:
             t = time.perf_counter()
             await source.stream(self._step, version, replicas, m, begin)
             m.stage_seconds += time.perf_counter() - t
-            try:
-                fingerprint = source.fingerprint()
-            except Exception as exc:
-                raise StepFailed(Step.FINGERPRINT, {"publisher": exc}) from exc
-            self.registry.set_payload(version, fingerprint=fingerprint, num_bytes=m.bytes, num_tensors=m.num_tensors)
-            self.registry.transition(version, S.COMMITTING)
-            if not own_pause:
-                pause_sent, paused = True, time.perf_counter()
+            fingerprint = source.fingerprint()  # (its digests are known once `stream` returned)
+            record = self.registry.transition(version, S.COMMITTING)
+            record.fingerprint, record.num_bytes, record.num_tensors = fingerprint, m.bytes, m.num_tensors
+            if sum(r.fanout for r in replicas) != 1:  # (one engine replica's commit pauses, applies and resumes itself)
+                paused = time.perf_counter()
                 await self._step(Step.PAUSE, replicas, lambda r: r.pause("keep"), m)
             t = time.perf_counter()
-            commit_sent = True
             ok, bad = await self._run(Step.COMMIT, replicas, lambda r: self._commit(r, version, fingerprint, m), m)
             m.commit_seconds += time.perf_counter() - t
             for name in ok:
@@ -283,10 +249,9 @@ class Publisher:
                 f.out_of_service = await self._restore([r for r in replicas if r.name in f.restore], m)
             raise
         finally:
-            if pause_sent or (commit_sent and m.failed_commit and own_pause):
-                # A failed apply under the commit's own pause leaves the replica paused too.
+            if paused is not None or m.failed_commit:  # a failed apply under the commit's own pause leaves it paused
                 await self._run(Step.RESUME, replicas, lambda r: r.resume(), m)
-            if pause_sent:
+            if paused is not None:
                 m.paused_seconds += time.perf_counter() - paused
 
     @staticmethod
@@ -331,11 +296,11 @@ class Publisher:
 
     async def _restore(self, replicas: list[ReplicaClient], m: PushMetrics) -> list[str]:
         host, failed = self._host, [r.name for r in replicas]
-        if host is not None and replicas:
+        if host is not None:
             async def reload(r: ReplicaClient) -> None:
-                begin = UpdateBegin(fingerprint_mode(host.fingerprint), layout=host.layout, plan_id=host.plan_id)
+                begin = UpdateBegin(host.verify, host.layout, host.plan_id)
                 await r.load_bucket([self._transport.payload(h) for h in host.handles], host.version, begin)
-                await r.commit_update(host.version, host.fingerprint)
+                await r.commit_update(host.version, host.fingerprint())
 
             ok, bad = await self._run(Step.RESTORE, replicas, reload, m)
             failed = list(bad)
@@ -363,11 +328,12 @@ class Publisher:
         t = time.perf_counter()
         report: dict[str, float] = {}
         warnings: list[str] = []
+        kept = None
         try:
             report.update({f"thread_{k}": v for k, v in (await source.settle(self._cfg.timeout_s)).items()})
-            kept: _HostCopy | None = _HostCopy(version, fingerprint, source.handles, source.layout, source.plan_id)
+            kept, source.version = source, version
         except Exception as exc:  # live everywhere, but nothing to restore from or hand to late joiners
-            kept, report["store_failed"] = None, 1.0
+            report["store_failed"] = 1.0
             warnings.append(f"version {version} is live, but the sender's host copies failed ({type(exc).__name__}: {exc}): "
                             "no host copy is kept until the next push (a failed push cannot roll back; late joiners load the last "
                             "stored version)")

@@ -36,14 +36,12 @@ class WeightPublisher:
     """`start()` once, then `publish(version)` after each learner update."""
 
     def __init__(self, cfg: WeightsyncConfig, *, engine: Any, learner: Any, hybrid: bool = False, on_gpu: bool = False,
-                 own_gpus: bool = False, store_name: str | None = None, namespace: str | None = None) -> None:
+                 own_gpus: bool = False) -> None:
         # engine: fans a call out to every engine replica (the generator's EngineControl).
         # on_gpu: the learner ranks hold GPUs (this process may not: it is the controller's).
         # own_gpus: every learner rank and engine replica holds whole GPUs (transport auto: nccl on one host).
         self.cfg, self.learner, self.hybrid, self.on_gpu, self.own_gpus = cfg, learner, hybrid, on_gpu, own_gpus
         self.replicas = DeploymentReplicas(engine, cfg.timeout_s)
-        self.store_name = store_name or STORE_NAME
-        self.namespace = namespace or STORE_NAMESPACE
         self.plan: Any = None  # the push plan the engines and the learner's senders hold (None: HF tensors)
         self.manifest: list[Any] = []
         self.publisher: Publisher | None = None
@@ -65,7 +63,7 @@ class WeightPublisher:
 
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.store = ray.remote(WeightStore).options(
-            name=self.store_name, namespace=self.namespace, get_if_exists=True, num_cpus=0, scheduling_strategy=here
+            name=STORE_NAME, namespace=STORE_NAMESPACE, get_if_exists=True, num_cpus=0, scheduling_strategy=here
         ).remote()
         transport = select_transport(self.cfg, on_gpu=self.on_gpu, hybrid=self.hybrid, own_gpus=self.own_gpus)
         self.publisher = Publisher(
@@ -261,7 +259,7 @@ STORE_NAMESPACE = "asyncrl"
 
 class WeightStore:
     """The latest committed (version, buckets, fingerprint, plan), as a named Ray actor: `publish` checks the version
-    increases and the fingerprint matches; `latest` is (0, None, "") before any. Also the plan pushes use now
+    increases and the fingerprint matches; `latest` is (0, None, "", None) before any. Also the plan pushes use now
     (`push_plan`): a replica that starts before the first push takes it, so that push finds it held."""
 
     def __init__(self) -> None:
@@ -296,20 +294,15 @@ class WeightStore:
         self._version, self._buckets, self._fingerprint, self._plan = version, list(buckets), fingerprint, plan
         self._refs = refs
 
-    def latest(self) -> tuple[int, list[Any] | None, str]:
-        return self._version, self._buckets, self._fingerprint
-
-    def plan(self) -> Any:
-        return self._plan
+    def latest(self) -> tuple[int, list[Any] | None, str, Any]:
+        """(version, buckets, fingerprint, the plan of engine-layout buckets) in one call: a version and its plan."""
+        return self._version, self._buckets, self._fingerprint, self._plan
 
     def set_push_plan(self, plan: Any) -> None:
         self._push_plan = plan
 
     def push_plan(self) -> Any:
         return self._push_plan
-
-    def version(self) -> int:
-        return self._version
 
 
 def weight_store_hook(store: Any, plan_of: Callable[[str], Any] | None = None) -> Callable[[int, str, list[Any]], Any]:
@@ -320,20 +313,17 @@ def weight_store_hook(store: Any, plan_of: Callable[[str], Any] | None = None) -
     brought up by the next push). A failed update is the next call's error (the publisher warns)."""
     state: dict[str, Any] = {"task": None, "next": None, "error": None}
 
-    async def send(args: tuple[int, str, list[Any], Any] | None) -> None:
-        loop = asyncio.get_running_loop()
+    async def send(args: tuple[int, list[Any], str, Any] | None) -> None:  # (store.publish's arguments)
         while args is not None:
-            version, fingerprint, buckets, plan = args
             try:
-                ref = await loop.run_in_executor(None, lambda: store.publish.remote(version, buckets, fingerprint, plan))
-                await ref
+                await (await asyncio.to_thread(store.publish.remote, *args))
             except Exception as exc:  # noqa: BLE001 - the next call raises it
                 state["error"] = exc
             args, state["next"] = state["next"], None
 
     async def publish(version: int, fingerprint: str, buckets: list[Any]) -> None:
         hf = all(isinstance(b, Bucket) and b.rank is None for b in buckets)  # (ObjectRefs: the store tells)
-        args = (version, fingerprint, buckets, plan_of(version) if plan_of is not None and not hf else None)  # as it went live
+        args = (version, buckets, fingerprint, plan_of(version) if plan_of is not None and not hf else None)  # as it went live
         task = state["task"]
         if task is not None and not task.done():
             state["next"] = args  # (replacing one that waited)

@@ -17,7 +17,7 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from asyncrl.interfaces import EngineAPI, verb_name
 from asyncrl.types import CommitReport, HostCopies, LoadReport, Refusal, ReplicaControlError, UpdateAck, UpdateBegin, WeightExport, refusal_of
@@ -26,7 +26,6 @@ from asyncrl.weightsync.fingerprint import VerifyMode, bucket_digests, check_ver
 from asyncrl.weightsync.transport import Transport
 
 
-@runtime_checkable
 class ReplicaClient(Protocol):
     """Each update verb answers one replica's typed answer (asyncrl.types), or {replica id: answer} from a
     client that fans out."""
@@ -68,9 +67,6 @@ class ActorReplica:
 
     async def resume(self) -> Any:
         return await self.call(EngineAPI.resume)
-
-    def __repr__(self) -> str:
-        return f"ActorReplica({self.name!r})"
 
 
 class DeploymentReplicas(ActorReplica):
@@ -173,7 +169,6 @@ class Step(str, enum.Enum):
     EXPORT = "export"  # reading the tensor stream / packing
     PAUSE = "pause"
     LOAD = "load_bucket"
-    FINGERPRINT = "fingerprint"
     COMMIT = "commit_update"
     ABORT = "abort_update"
     RESUME = "resume"
@@ -194,6 +189,7 @@ class _Source:
 
     layout: str = "hf"  # "engine": packed for `plan_id`
     plan_id: str | None = None
+    version: int | None = None  # the version it went live as, once it is the host copy a restore pushes again
 
     def __init__(self, transport: Transport, verify: VerifyMode) -> None:
         self._transport, self.verify = transport, check_verify_mode(verify)
@@ -205,11 +201,9 @@ class _Source:
             raise RuntimeError("fingerprint before the sender finished")
         return combine_digests(self._digests, self.verify)
 
-    def collect_host_copies(self) -> None:
-        """Start collecting the host copies made after the push returned (`settle` waits for them)."""
-
     async def settle(self, timeout_s: float) -> dict[str, float]:
-        """Wait for the host copies (they become `handles`); returns the seconds of the thread that made them."""
+        """Collect the host copies, made once the push went live (they become `handles`); returns the seconds of the
+        thread that made them."""
         return {}
 
     def discard(self) -> None:
@@ -262,11 +256,9 @@ class BucketSource(_Source):
 
 
 class Link(Protocol):
-    """What a collective push needs of its broadcast groups (link.py's `CollectiveLink`): `ensure` them before each
-    attempt, the replicas' `payload` of an attempt, the senders' `send` of it (a `WeightExport`: digests per sender,
-    sizes, seconds), `stop` a sender still waiting for a member that will not answer, and `collect` the last send's
-    host copies once made (off the critical path: the publisher calls it once the version is live). `sequential`
-    (ipc): the payload is what the send answered, so the loads start once it returned."""
+    """A collective push's broadcast groups (link.py's `CollectiveLink`): `ensure` them before each attempt, the
+    replicas' `payload`, the senders' `send` (a `WeightExport`), `stop` a sender waiting for a member that will not
+    answer, `collect` the last send's host copies once live. `sequential` (ipc): loads open what `send` answered."""
 
     sequential: bool
 
@@ -294,7 +286,6 @@ class StreamedSource(_Source):
         if plan_id is not None:
             self.layout, self.plan_id = "engine", plan_id
         self._sent = False  # the senders sent: their host copies are there to collect
-        self._collecting: asyncio.Future | None = None
 
     async def stream(self, step: Callable[..., Awaitable[None]], version: int, replicas: list[ReplicaClient],
                      m: PushMetrics, begin: UpdateBegin) -> None:
@@ -359,22 +350,16 @@ class StreamedSource(_Source):
             sending.cancel()
             raise
 
-    def collect_host_copies(self) -> None:
-        sent, self._sent = self._sent, False
-        if sent:
-            self._collecting = asyncio.ensure_future(self._link.collect())
-
     async def settle(self, timeout_s: float) -> dict[str, float]:
-        collecting, self._collecting = self._collecting, None
-        if collecting is None:
+        sent, self._sent = self._sent, False
+        if not sent:
             return {}
-        kept = await asyncio.wait_for(collecting, timeout_s)
+        kept = await asyncio.wait_for(self._link.collect(), timeout_s)
         self.handles = list(kept.buckets)
         return dict(kept.seconds)
 
     def discard(self) -> None:  # (the host copies of a failed push, once they arrive: none may linger)
-        self.collect_host_copies()
-        collecting, self._collecting = self._collecting, None
+        sent, self._sent = self._sent, False
 
         def release(done: asyncio.Future) -> None:
             if not done.cancelled() and done.exception() is None:
@@ -382,5 +367,5 @@ class StreamedSource(_Source):
                     with contextlib.suppress(Exception):
                         self._transport.release(h)
 
-        if collecting is not None:
-            collecting.add_done_callback(release)
+        if sent:
+            asyncio.ensure_future(self._link.collect()).add_done_callback(release)

@@ -1,6 +1,6 @@
 """Transports: how one packed bucket gets from the publisher to every replica, and a sending rank's host copies.
 
-Owns: the `Transport` protocol (put a bucket once, hand every replica the same payload, read it back, release it),
+Owns: the `Transport` protocol (hand every replica the payload of a bucket the learner ranks put, read it, release it),
 `select_transport` (config and placement -> `ObjectStoreTransport`: one `ray.put` a bucket, read as zero-copy views;
 `SharedMemoryTransport`: one host, one /dev/shm file a bucket that every replica's workers map; `CollectiveTransport`:
 nccl, gloo (collective.py) or ipc (ipc.py), whose handles are the senders' host copies in the object store), those
@@ -43,15 +43,12 @@ class TransportUnavailable(ValueError):
 
 
 class Transport:
-    """How buckets reach the replicas, once the learner ranks put them (`pack_into_transport`). `streamed`: the
-    senders broadcast while the replicas receive (collective), what is put being only their host copies;
-    `by_reference`: any Ray process reads a handle where it lies (the WeightStore keeps the handles as they are);
-    `backend`: a collective transport's (gloo, nccl, ipc)."""
+    """How buckets reach the replicas, once the learner ranks put them (`pack_into_transport`)."""
 
     name = ""
-    streamed = False
-    by_reference = False
-    backend: str | None = None
+    streamed = False  # the senders broadcast while the replicas receive (collective); what is put: their host copies
+    by_reference = False  # any Ray process reads a handle where it lies (the WeightStore keeps the handles as they are)
+    backend: str | None = None  # a collective transport's (gloo, nccl, ipc)
 
     def payload(self, handle: Any) -> Any:
         """What every replica's `load_bucket` receives for this bucket: the handle itself (an ObjectRef, passed as a
@@ -70,7 +67,7 @@ class ObjectStoreTransport(Transport):
     owns the objects: they live while it holds the handles (the last live version's are kept for rollbacks, push.py)."""
 
     name = "object_store"
-    by_reference = True  # ObjectRefs: the WeightStore keeps them as they are (push.py, `_keep_live`)
+    by_reference = True
 
     def __init__(self, get_timeout_s: float = 120.0) -> None:
         import ray
@@ -177,12 +174,7 @@ def select_transport(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: 
     if kind == "ipc" and not on_gpu:
         raise TransportUnavailable("weightsync.transport='ipc' hands the engines CUDA memory of the learner's and needs "
                                    "the learner on GPUs (learner.num_gpus_per_rank > 0); use 'shm' on one CPU host")
-    if kind in BACKENDS:
-        return CollectiveTransport(kind, get_timeout_s=config.timeout_s)
-    raise TransportUnavailable(
-        f"weightsync.transport={config.transport!r} resolves to {kind!r} (on_gpu={on_gpu}, hybrid={hybrid}), "
-        "which is not implemented in this build; use transport='nccl' (GPUs), 'ipc' (shared devices), 'gloo', 'shm' (one host) or 'object_store'"
-    )
+    return CollectiveTransport(kind, get_timeout_s=config.timeout_s)  # (which refuses a kind that is not a backend)
 
 
 # ---- a sending rank's host copies -------------------------------------------------------------------------------
@@ -206,10 +198,6 @@ class PinnedPool:
         if buf is None or buf.numel() < nbytes:
             buf = self._buffers[index] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         return buf[:nbytes]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(b.numel()) for b in self._buffers if b is not None)
 
 
 @dataclass

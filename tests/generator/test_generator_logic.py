@@ -325,7 +325,7 @@ def test_shared_bucket_file_is_bit_exact_and_survives_unlinking():
 
 def test_weight_store_keeps_latest_verified_version():
     store = WeightStore()
-    assert store.latest() == (0, None, "")
+    assert store.latest() == (0, None, "", None)
     from asyncrl.weightsync.bucket import iter_buckets
     from tests.weightsync.fakes import iter_unpacked
 
@@ -337,7 +337,7 @@ def test_weight_store_keeps_latest_verified_version():
     store.publish(1, list(iter_buckets(w.items(), 1.0)), tensor_fingerprint(w))
     with pytest.raises(ValueError):
         store.publish(1, list(iter_buckets(w.items(), 1.0)), tensor_fingerprint(w))  # not newer
-    version, buckets, fp = store.latest()
+    version, buckets, fp, _ = store.latest()
 
     assert version == 1 and fp == tensor_fingerprint(iter_unpacked(buckets))
     w2 = {"a": torch.zeros(3), "b": torch.ones(2, dtype=torch.bfloat16)}
@@ -345,20 +345,20 @@ def test_weight_store_keeps_latest_verified_version():
     with pytest.raises(ValueError, match="fingerprint mismatch"):
         store.publish(2, packed, tensor_fingerprint(w))
     store.publish(2, packed, tensor_fingerprint(w2, "checksum"))
-    assert store.latest()[1] is not None and store.latest()[2].startswith("checksum:") and store.version() == 2
+    assert store.latest()[1] is not None and store.latest()[2].startswith("checksum:") and store.latest()[0] == 2
 
 
 def test_weight_store_keeps_the_current_push_plan_apart_from_the_stored_versions_plan():
     """The plan pushes use now is there before any version (a replica starting before the first push
     takes it), and a version published with the plan of its buckets does not replace it."""
     store = WeightStore()
-    assert store.push_plan() is None and store.plan() is None
+    assert store.push_plan() is None and store.latest()[3] is None
     store.set_push_plan("plan-now")
     from asyncrl.weightsync.bucket import iter_buckets
 
     w = {"a": np.ones(3, dtype=np.float32)}
     store.publish(1, list(iter_buckets(w.items(), 1.0)), tensor_fingerprint(w), plan="plan-of-v1")
-    assert store.push_plan() == "plan-now" and store.plan() == "plan-of-v1"
+    assert store.push_plan() == "plan-now" and store.latest()[3] == "plan-of-v1"
 
 
 class _Plan:
@@ -766,7 +766,7 @@ def test_a_late_joiner_loads_an_engine_layout_version_in_that_layout_when_the_pl
 
     class Store:
         def __getattr__(self, name):
-            answers = {"latest": (3, ["b0"], "checksum:abc"), "plan": plan}
+            answers = {"latest": (3, ["b0"], "checksum:abc", plan)}
 
             async def answer():
                 return answers[name]

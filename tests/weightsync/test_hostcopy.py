@@ -113,7 +113,8 @@ def test_device_buckets_are_copied_into_pinned_buffers_that_the_next_push_reuses
         pointers.append([b.buffer.ctypes.data for b in kept])
         weights = model(seed)
         assert all(torch.equal(t, weights[n]) for n, t in _unpacked(kept).items())
-    assert pointers[0] == pointers[1] and pool.nbytes >= sum(t.numel() * 4 for t in model(0).values())
+    assert pointers[0] == pointers[1] and sum(b.nbytes for b in kept) >= sum(t.numel() * 4 for t in model(0).values())
+    assert [pool.get(i, b.nbytes).data_ptr() for i, b in enumerate(kept)] == pointers[1]  # the pool's own buffers
 
 
 @pytest.mark.gpu

@@ -172,7 +172,7 @@ async def _store_at(store, version: int, timeout_s: float = 60.0) -> None:
     import time
 
     deadline = time.monotonic() + timeout_s
-    while await store.version.remote() != version:
+    while (await store.latest.remote())[0] != version:
         assert time.monotonic() < deadline, f"store never reached version {version}"
         await asyncio.sleep(0.1)
 

@@ -13,7 +13,7 @@ import torch
 from asyncrl.config import WeightsyncConfig
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
-from asyncrl.weightsync.push import BucketSource, Publisher, Step, WeightsyncError, preserve_rng_state
+from asyncrl.weightsync.push import BucketSource, Publisher, RegistryError, Step, WeightsyncError, preserve_rng_state
 
 from .fakes import CorruptingTransport, FakeReplica, LocalTransport, model, source_of
 
@@ -170,12 +170,16 @@ async def test_unrestorable_replicas_are_reported_out_of_service():
 async def test_the_registry_records_each_push_live_or_failed():
     pub, replicas, _, _ = _setup()
     await pub.publish(1, source_of(pub, model(1)), replicas)
-    assert pub.registry.live_version == 1 and [r.state for r in pub.registry.records()] == [S.LIVE]
+    assert pub.registry.live_version == 1 and pub.registry.get(1).state is S.LIVE
+    with pytest.raises(RegistryError, match="not registered"):  # the one record: no other version's
+        pub.registry.get(2)
 
     replicas[0].faults[("load", 2)] = "raise"
     with pytest.raises(WeightsyncError):
         await pub.publish(2, source_of(pub, model(2)), replicas)
-    assert [r.state for r in pub.registry.records()] == [S.LIVE, S.FAILED] and pub.registry.live_version == 1
+    assert [pub.registry.get(v).state for v in (1, 2)] == [S.LIVE, S.FAILED] and pub.registry.live_version == 1
+    with pytest.raises(RegistryError, match="not registered"):
+        pub.registry.get(3)
     assert "injected load failure" in pub.registry.get(2).error
 
 
@@ -291,7 +295,8 @@ async def test_a_push_with_an_unreadable_handle_registers_nothing():
     with pytest.raises(OSError, match="object lost"):
         await pub.publish(1, BucketSource(["gone"], pub._transport), replicas)
     assert pub.registry.in_flight is None and pub.registry.live_version == 0 and log == []
-    assert (await pub.publish(1, source_of(pub, model(1)), replicas)).version == 1
+    assert (await pub.publish(1, source_of(pub, model(1)), replicas)).fingerprint == tensor_fingerprint(model(1))
+    assert pub.registry.live_version == 1
 
 
 @pytest.mark.parametrize("verify, caught", [("full", True), ("checksum", True), ("off", False)])
@@ -538,8 +543,8 @@ def test_the_store_reads_a_versions_object_refs_where_they_lie(ray_session):
     buckets = list(iter_buckets(w.items(), 1e-5))  # one tensor a bucket
     assert len(buckets) == 2
     ray.get(store.publish.remote(1, [ray.put(b) for b in buckets], tensor_fingerprint(w), "a-plan"))
-    version, got, fp = ray.get(store.latest.remote())
-    assert version == 1 and fp == tensor_fingerprint(w) and ray.get(store.plan.remote()) is None  # HF: no plan
+    version, got, fp, plan = ray.get(store.latest.remote())
+    assert version == 1 and fp == tensor_fingerprint(w) and plan is None  # HF: no plan
     assert _same(dict(iter_unpacked(got)), w)
     w2 = {k: v * 2 for k, v in w.items()}
     twice = list(iter_buckets(w2.items(), 1e-5))
@@ -552,4 +557,5 @@ def test_the_store_reads_a_versions_object_refs_where_they_lie(ray_session):
     with pytest.raises(ray.exceptions.RayTaskError, match="fingerprint mismatch"):
         ray.get(store.publish.remote(2, [ray.put(b) for b in twice], fp))
     ray.get(store.publish.remote(2, [ray.put(twice[0]), twice[1]], fp2, "a-plan"))  # refs and buckets alike
-    assert ray.get(store.version.remote()) == 2 and ray.get(store.plan.remote()) == "a-plan"
+    version, _, _, plan = ray.get(store.latest.remote())
+    assert version == 2 and plan == "a-plan"
