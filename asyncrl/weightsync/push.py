@@ -15,11 +15,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from asyncrl.config import WeightsyncConfig
 from asyncrl.types import CommitReport, Refusal, UpdateBegin, WeightUpdateState, WeightVersion, refusal_of
@@ -155,19 +153,6 @@ class VersionRegistry:
         return record
 
 
-@contextlib.contextmanager
-def preserve_rng_state() -> Iterator[None]:
-    """Exporting and moving weights never shifts the learner's random stream (CPU, and CUDA if initialised)."""
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-
 class Publisher:
     """Pushes versions to replicas. One push at a time (the registry refuses a second)."""
 
@@ -194,29 +179,28 @@ class Publisher:
         m = PushMetrics(version, self._transport.name, len(replicas))
         tail_warnings = await self._settled(m)
         m.layout = source.layout
-        with preserve_rng_state():
-            self.registry.begin(version)
-            self.totals["pushes_total"] += 1
+        self.registry.begin(version)
+        self.totals["pushes_total"] += 1
+        try:
+            self.registry.transition(version, S.STAGING)
             try:
-                self.registry.transition(version, S.STAGING)
-                try:
-                    fingerprint = await self._attempt(version, source, list(replicas), m)
-                except StepFailed as f:
-                    raise self._fail(version, f, m) from next(iter(f.failures.values()), None)
-            except BaseException as exc:
-                source.discard()
-                if self.registry.in_flight == version:  # cancelled, or a bug: never leave it in flight
-                    self.registry.transition(version, S.FAILED, error=f"{type(exc).__name__}: {exc}")
-                    m.failed = True
-                    self._finish(m, version)
-                raise
-            keeping = self._keep_live(version, fingerprint, source)
-            if isinstance(source, StreamedSource):  # its host copy is made from now on: keep it in the background
-                self._tail, warnings = asyncio.ensure_future(keeping), []
-            else:
-                report, warnings = await keeping
-                _report_keep(m, report)
-            return PushResult(fingerprint, self._finish(m, version), tail_warnings + warnings)
+                fingerprint = await self._attempt(version, source, list(replicas), m)
+            except StepFailed as f:
+                raise self._fail(version, f, m) from next(iter(f.failures.values()), None)
+        except BaseException as exc:
+            source.discard()
+            if self.registry.in_flight == version:  # cancelled, or a bug: never leave it in flight
+                self.registry.transition(version, S.FAILED, error=f"{type(exc).__name__}: {exc}")
+                m.failed = True
+                self._finish(m, version)
+            raise
+        keeping = self._keep_live(version, fingerprint, source)
+        if isinstance(source, StreamedSource):  # its host copy is made from now on: keep it in the background
+            self._tail, warnings = asyncio.ensure_future(keeping), []
+        else:
+            report, warnings = await keeping
+            _report_keep(m, report)
+        return PushResult(fingerprint, self._finish(m, version), tail_warnings + warnings)
 
     async def _attempt(self, version: int, source: BucketSource | StreamedSource, replicas: list[ReplicaClient], m: PushMetrics) -> str:
         paused: float | None = None  # when the pause went out (None: not sent)

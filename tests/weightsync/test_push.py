@@ -13,7 +13,7 @@ import torch
 from asyncrl.config import WeightsyncConfig
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
-from asyncrl.weightsync.push import BucketSource, Publisher, RegistryError, Step, WeightsyncError, preserve_rng_state
+from asyncrl.weightsync.push import BucketSource, Publisher, RegistryError, Step, WeightsyncError
 
 from .fakes import CorruptingTransport, FakeReplica, LocalTransport, model, source_of
 
@@ -198,34 +198,6 @@ async def test_on_live_hook_gets_the_committed_buckets():
     await pub.publish(1, source_of(pub, new), replicas)
     assert stored["version"] == 1 and _same(stored["tensors"], new)
     assert stored["fp"] == tensor_fingerprint(new)
-
-
-def test_preserve_rng_state_restores_the_stream():
-    torch.manual_seed(7)
-    expected = torch.rand(3)
-    torch.manual_seed(7)
-    with preserve_rng_state():
-        torch.rand(100)  # e.g. random init inside an export
-    assert torch.equal(torch.rand(3), expected)
-
-
-async def test_a_push_leaves_the_learners_random_stream_where_it_was():
-    """Whatever draws random numbers while a push runs in the learner's process (here: each replica's load), the
-    learner's stream goes on after the push as if there had been none."""
-    pub, replicas, _, _ = _setup()
-    for r in replicas:
-        load = r.load_bucket
-
-        async def drawing(bucket, version, begin=None, load=load):
-            torch.rand(10)
-            return await load(bucket, version, begin)
-
-        r.load_bucket = drawing
-    torch.manual_seed(7)
-    expected = torch.rand(3)
-    torch.manual_seed(7)
-    await pub.publish(1, source_of(pub, model(1)), replicas)
-    assert pub.registry.live_version == 1 and torch.equal(torch.rand(3), expected)
 
 
 @pytest.mark.parametrize("kind, hybrid", [("auto", True), ("ipc", False)])
