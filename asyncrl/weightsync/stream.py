@@ -66,7 +66,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     deadline = time.monotonic() + timeout_s
     out = SendResult()
     # (first: the last push's copies let go of its buckets, or the stream waits for those still being made)
-    copies = out.host_copies = group._copies = HostCopies.after(group._copies, keep, pinned=group.device.type == "cuda")
+    copies = out.host_copies = group._copies = HostCopies.after(group._copies, keep)
     planned = plan.for_sender(sender) if plan is not None else None
     buffers, ring = None, None
     if planned is not None:

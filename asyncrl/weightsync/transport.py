@@ -217,7 +217,7 @@ class HostCopies:
 
     def __init__(self, keep: Callable[[Bucket], Any] | None, pool: PinnedPool | None) -> None:
         self._keep = keep if keep is not None else (lambda bucket: bucket)
-        self._pool = pool
+        self._pool = pool if pool is not None else PinnedPool()  # (allocates only for device buckets)
         self._copies: list[_Copy] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -225,11 +225,10 @@ class HostCopies:
         self.seconds = {"copy": 0.0, "keep": 0.0}
 
     @classmethod
-    def after(cls, last: "HostCopies | None", keep: Callable[[Bucket], Any] | None, pinned: bool) -> "HostCopies":
+    def after(cls, last: "HostCopies | None", keep: Callable[[Bucket], Any] | None) -> "HostCopies":
         """A sender's next push's host copies: the `last` push's are closed first (those nobody collected are dropped),
-        their pinned buffers reused unless a keep still reads them. `pinned`: device buckets (a GPU sender)."""
-        pool = last._pool if last is not None and last.close() else None
-        return cls(keep, pool or (PinnedPool() if pinned else None))
+        their pinned buffers reused unless a keep still reads them."""
+        return cls(keep, last._pool if last is not None and last.close() else None)
 
     def add(self, bucket: Bucket, now: bool = False) -> _Copy:
         buf = bucket.buffer
@@ -247,8 +246,7 @@ class HostCopies:
         device: Bucket = copy.device  # type: ignore[assignment]
         buf: torch.Tensor = device.buffer
         nbytes = int(buf.numel())  # (the pinned buffer: the pool's, allocated by the first push and reused)
-        pinned = self._pool.get(copy.index, nbytes) if self._pool is not None \
-            else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        pinned = self._pool.get(copy.index, nbytes)
         copy.host = Bucket(buffer=pinned.numpy(), metas=list(device.metas), rank=device.rank)
         stream = _COPY_STREAMS.get(buf.device)
         if stream is None:
