@@ -253,10 +253,7 @@ def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterato
         group.close()
         raise CollectiveError(f"group {group.spec.group_id}: malformed whole-version table: {type(err).__name__}: {err}") from err
     block = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
-    buckets, at = [], 0
-    for metas, rank, n in rows:
-        buckets.append(Bucket(buffer=block.narrow(0, at, n), metas=metas, rank=rank))
-        at += n
+    buckets = [Bucket(buffer=view, metas=metas, rank=rank) for view, (metas, rank, _) in zip(block.split(sizes), rows)]
     end = torch.zeros(3, dtype=torch.int64, device=group.device)  # (no end header read from a push that sent none)
     receiving = group.enqueue_broadcasts([b.buffer for b in buckets if b.nbytes] + [end], deadline,
                                          events=group.device.type == "cuda")
