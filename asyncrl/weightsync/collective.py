@@ -119,14 +119,7 @@ def free_port(host: str = "") -> int:
 def reserve_port(host: str) -> socket.socket:
     """A listening socket on an OS-chosen port of `host`, held until the group's store takes it over
     (`CollectiveGroup.join(..., listen_socket=)`), so no other process takes the port before the group forms."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind((host, 0))
-        sock.listen()
-    except OSError:
-        sock.close()
-        raise
-    return sock
+    return socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
 
 
 def join_as_sender(spec: GroupSpec, reserved: socket.socket | None,
@@ -252,8 +245,7 @@ class CollectiveGroup:
     _store: Any = field(default=None, repr=False)  # the rendezvous TCPStore (the gate's)
     _copies: HostCopies | None = field(default=None, repr=False)  # sender: the last push's host copies
     _ring_sender: bool = False  # gloo / nccl sender: its device could not hold a whole version (bucket.py's SenderRing)
-    _gate_keys: list = field(default_factory=list, repr=False)  # sender: this push's gate keys (stale at the next)
-    _stale_gate_keys: list = field(default_factory=list, repr=False)  # sender: earlier pushes', to drop (drop_stale_gate_keys)
+    _gate_keys: list = field(default_factory=list, repr=False)  # sender: the gate keys of every push not dropped yet
 
     @classmethod
     def join(cls, spec: GroupSpec, rank: int, device: torch.device | str | None = None, *,
@@ -295,7 +287,7 @@ class CollectiveGroup:
         keys = gate_keys(self.spec.group_id, token)
         kv = self._kv()
         if self.rank == 0:  # every member is past the last push's keys: dropped while this push's wire runs, not here
-            self._stale_gate_keys, self._gate_keys = self._stale_gate_keys + self._gate_keys, list(keys)
+            self._gate_keys += keys
         try:
             if kv.add(keys[0], 1) >= self.spec.world_size:
                 _decide(kv, self.spec.group_id, token, GATE_OPEN)
@@ -304,7 +296,7 @@ class CollectiveGroup:
 
     def drop_stale_gate_keys(self) -> None:
         """The sender drops the gate keys of its earlier pushes from the store (housekeeping: nobody reads them)."""
-        keys, self._stale_gate_keys = self._stale_gate_keys, []
+        keys, self._gate_keys = self._gate_keys[:-3], self._gate_keys[-3:]  # (the last push's three are in use)
         for key in keys if self._store is not None else ():
             with contextlib.suppress(Exception):  # housekeeping only
                 self._store.delete_key(key)
