@@ -224,9 +224,7 @@ def _warm(dev: torch.device, dtypes: tuple[torch.dtype, ...]) -> list[str]:
 
 def member_device(device: torch.device | str | None) -> torch.device:
     """`device` with a CUDA index resolved; without one, this process's current CUDA device (else CPU)."""
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dev = torch.device(device)
+    dev = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
 
 
