@@ -169,57 +169,49 @@ def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: di
 # ---- kernel warm-up: a push's kernels loaded when a member joins, before any broadcast is queued on its device ----
 
 WARM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-WARM_VERIFY_MODES = ("checksum", "full")
 
 _WARM_LOCK = threading.Lock()
-_WARMED: set[tuple[str, tuple[torch.dtype, ...]]] = set()
+_WARMED: set[str] = set()  # the devices this process warmed
 
 
-def warm_push_kernels(device: torch.device | str | None, dtypes: tuple[torch.dtype, ...] = WARM_DTYPES) -> list[str]:
-    """Launch once, on scratch tensors of `device`, every kernel a push launches there, then wait for them.
-    Returns what it ran ([] when this process warmed that device for these dtypes already, or off CUDA, whose
-    kernels need no loading). Details: docs/design/weightsync.md, "Kernel warmup"."""
+def warm_push_kernels(device: torch.device | str | None) -> None:
+    """Launch once, on scratch tensors of `device`, every kernel a push launches there, then wait for them (nothing
+    off CUDA, whose kernels need no loading, or on a device this process warmed already). Details:
+    docs/design/weightsync.md, "Kernel warmup"."""
     dev = member_device(device) if device is not None else torch.device("cpu")
     if dev.type != "cuda":
-        return []
-    key = (str(dev), tuple(dtypes))
+        return
     with _WARM_LOCK:
-        if key in _WARMED:
-            return []
-        ran = _warm(dev, tuple(dtypes))
+        if str(dev) in _WARMED:
+            return
+        _warm(dev)
         torch.cuda.synchronize(dev)
-        _WARMED.add(key)
-    return ran
+        _WARMED.add(str(dev))
 
 
-def _warm(dev: torch.device, dtypes: tuple[torch.dtype, ...]) -> list[str]:
-    ran: list[str] = []
+def _warm(dev: torch.device) -> None:
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # (the host: the same calls, for tests)
         # a few small tensors of each dtype, sized so that a bucket of them has a short last word
-        named = [(f"warm.{str(t).removeprefix('torch.')}.{n}", torch.ones(n, dtype=t, device=dev)) for t in dtypes for n in (3, 67)]
+        named = [(f"warm.{str(t).removeprefix('torch.')}.{n}", torch.ones(n, dtype=t, device=dev))
+                 for t in WARM_DTYPES for n in (3, 67)]
         bucket = pack_bucket(named, dev)  # the packer's byte copies
-        ran.append("pack")
         # the same bytes 8 bytes into a larger buffer: Triton compiles a kernel per 16-byte alignment of its pointers
         shifted = torch.zeros(bucket.nbytes + 64, dtype=torch.uint8, device=dev)
         shifted[8 : 8 + bucket.nbytes].copy_(bucket.buffer)
         moved = Bucket(buffer=shifted.narrow(0, 8, bucket.nbytes), metas=bucket.metas)
-        for mode in WARM_VERIFY_MODES:
+        for mode in ("checksum", "full"):
             for b in (bucket, moved):
                 buckets_digests_lazy([(b, "")], mode)()  # type: ignore[arg-type]
             # a whole version's one pass over buckets that share a storage (sender and receiver alike)
             parts = [Bucket(buffer=shifted.narrow(0, 0, 64), metas=[]), moved]
             buckets_digests_lazy([(b, f"r{i}/") for i, b in enumerate(parts)], mode)()  # type: ignore[arg-type]
-            ran.append(f"digests:{mode}")
-        for dtype in dtypes:  # the apply's fused copies into live weights, the export's cat and slices
+        for dtype in WARM_DTYPES:  # the apply's fused copies into live weights, the export's cat and slices
             src = [torch.ones(n, dtype=dtype, device=dev) for n in (5, 129)]
             dst = [torch.empty_like(t) for t in src]
             torch._foreach_copy_(dst, src)
             torch.cat(src).narrow(0, 1, 64).contiguous()
-            ran.append(f"copy:{str(dtype).removeprefix('torch.')}")
         words = torch.zeros(16, dtype=torch.int64, device=dev)  # the checksums' and the headers' int64 work
         torch.cat([words, words]).fill_(0)
-        ran.append("int64")
-    return ran
 
 
 def member_device(device: torch.device | str | None) -> torch.device:
