@@ -338,11 +338,8 @@ class CollectiveGroup:
                 self._comm.broadcast(t, src=0, stream=self._stream)
                 t.record_stream(self._stream)
                 if events:
-                    marks.append(torch.cuda.Event())
-                    marks[-1].record(self._stream)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-            return Broadcasts(self, tensors, deadline, done=done, events=marks)
+                    marks.append(self._stream.record_event())
+            return Broadcasts(self, tensors, deadline, done=self._stream.record_event(), events=marks)
         except Exception as err:
             raise self._failed(tensors, err) from err
 
@@ -369,8 +366,6 @@ SPIN_S = 0.0005  # a host waiting for a CUDA event polls without sleeping this l
 def _poll(event: Any, deadline: float, what: str) -> None:
     """Return once `event` completed, by `deadline` (time.monotonic()). The first `SPIN_S` poll without sleeping: a
     push's headers, its table and a bucket about to land complete within it, where each sleep's granularity adds up."""
-    if event.query():
-        return
     spin_until = time.perf_counter() + SPIN_S
     while not event.query():
         if time.perf_counter() < spin_until:

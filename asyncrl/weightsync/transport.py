@@ -254,8 +254,7 @@ class HostCopies:
         stream.wait_stream(torch.cuda.current_stream(buf.device))  # the pack that wrote it
         with torch.cuda.stream(stream):
             pinned.copy_(buf.view(torch.uint8).reshape(-1), non_blocking=True)
-            copy.event = torch.cuda.Event()
-            copy.event.record(stream)
+            copy.event = stream.record_event()
 
     def result(self, deadline: float | None = None) -> list[Any]:
         """Every bucket's `keep` result, in order, by `deadline` (default: two minutes); raises the first failure."""
