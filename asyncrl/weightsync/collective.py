@@ -119,14 +119,7 @@ def free_port(host: str = "") -> int:
 def reserve_port(host: str) -> socket.socket:
     """A listening socket on an OS-chosen port of `host`, held until the group's store takes it over
     (`CollectiveGroup.join(..., listen_socket=)`), so no other process takes the port before the group forms."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind((host, 0))
-        sock.listen()
-    except OSError:
-        sock.close()
-        raise
-    return sock
+    return socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
 
 
 def join_as_sender(spec: GroupSpec, reserved: socket.socket | None,
@@ -176,64 +169,54 @@ def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: di
 # ---- kernel warm-up: a push's kernels loaded when a member joins, before any broadcast is queued on its device ----
 
 WARM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-WARM_VERIFY_MODES = ("checksum", "full")
 
 _WARM_LOCK = threading.Lock()
-_WARMED: set[tuple[str, tuple[torch.dtype, ...]]] = set()
+_WARMED: set[str] = set()  # the devices this process warmed
 
 
-def warm_push_kernels(device: torch.device | str | None, dtypes: tuple[torch.dtype, ...] = WARM_DTYPES) -> list[str]:
-    """Launch once, on scratch tensors of `device`, every kernel a push launches there, then wait for them.
-    Returns what it ran ([] when this process warmed that device for these dtypes already, or off CUDA, whose
-    kernels need no loading). Details: docs/design/weightsync.md, "Kernel warmup"."""
+def warm_push_kernels(device: torch.device | str | None) -> None:
+    """Launch once, on scratch tensors of `device`, every kernel a push launches there, then wait for them (nothing
+    off CUDA, whose kernels need no loading, or on a device this process warmed already). Details:
+    docs/design/weightsync.md, "Kernel warmup"."""
     dev = member_device(device) if device is not None else torch.device("cpu")
     if dev.type != "cuda":
-        return []
-    key = (str(dev), tuple(dtypes))
+        return
     with _WARM_LOCK:
-        if key in _WARMED:
-            return []
-        ran = _warm(dev, tuple(dtypes))
+        if str(dev) in _WARMED:
+            return
+        _warm(dev)
         torch.cuda.synchronize(dev)
-        _WARMED.add(key)
-    return ran
+        _WARMED.add(str(dev))
 
 
-def _warm(dev: torch.device, dtypes: tuple[torch.dtype, ...]) -> list[str]:
-    ran: list[str] = []
+def _warm(dev: torch.device) -> None:
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # (the host: the same calls, for tests)
         # a few small tensors of each dtype, sized so that a bucket of them has a short last word
-        named = [(f"warm.{str(t).removeprefix('torch.')}.{n}", torch.ones(n, dtype=t, device=dev)) for t in dtypes for n in (3, 67)]
+        named = [(f"warm.{str(t).removeprefix('torch.')}.{n}", torch.ones(n, dtype=t, device=dev))
+                 for t in WARM_DTYPES for n in (3, 67)]
         bucket = pack_bucket(named, dev)  # the packer's byte copies
-        ran.append("pack")
         # the same bytes 8 bytes into a larger buffer: Triton compiles a kernel per 16-byte alignment of its pointers
         shifted = torch.zeros(bucket.nbytes + 64, dtype=torch.uint8, device=dev)
         shifted[8 : 8 + bucket.nbytes].copy_(bucket.buffer)
         moved = Bucket(buffer=shifted.narrow(0, 8, bucket.nbytes), metas=bucket.metas)
-        for mode in WARM_VERIFY_MODES:
+        for mode in ("checksum", "full"):
             for b in (bucket, moved):
                 buckets_digests_lazy([(b, "")], mode)()  # type: ignore[arg-type]
             # a whole version's one pass over buckets that share a storage (sender and receiver alike)
             parts = [Bucket(buffer=shifted.narrow(0, 0, 64), metas=[]), moved]
             buckets_digests_lazy([(b, f"r{i}/") for i, b in enumerate(parts)], mode)()  # type: ignore[arg-type]
-            ran.append(f"digests:{mode}")
-        for dtype in dtypes:  # the apply's fused copies into live weights, the export's cat and slices
+        for dtype in WARM_DTYPES:  # the apply's fused copies into live weights, the export's cat and slices
             src = [torch.ones(n, dtype=dtype, device=dev) for n in (5, 129)]
             dst = [torch.empty_like(t) for t in src]
             torch._foreach_copy_(dst, src)
             torch.cat(src).narrow(0, 1, 64).contiguous()
-            ran.append(f"copy:{str(dtype).removeprefix('torch.')}")
         words = torch.zeros(16, dtype=torch.int64, device=dev)  # the checksums' and the headers' int64 work
         torch.cat([words, words]).fill_(0)
-        ran.append("int64")
-    return ran
 
 
 def member_device(device: torch.device | str | None) -> torch.device:
     """`device` with a CUDA index resolved; without one, this process's current CUDA device (else CPU)."""
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dev = torch.device(device)
+    dev = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
 
 
@@ -252,8 +235,7 @@ class CollectiveGroup:
     _store: Any = field(default=None, repr=False)  # the rendezvous TCPStore (the gate's)
     _copies: HostCopies | None = field(default=None, repr=False)  # sender: the last push's host copies
     _ring_sender: bool = False  # gloo / nccl sender: its device could not hold a whole version (bucket.py's SenderRing)
-    _gate_keys: list = field(default_factory=list, repr=False)  # sender: this push's gate keys (stale at the next)
-    _stale_gate_keys: list = field(default_factory=list, repr=False)  # sender: earlier pushes', to drop (drop_stale_gate_keys)
+    _gate_keys: list = field(default_factory=list, repr=False)  # sender: the gate keys of every push not dropped yet
 
     @classmethod
     def join(cls, spec: GroupSpec, rank: int, device: torch.device | str | None = None, *,
@@ -295,7 +277,7 @@ class CollectiveGroup:
         keys = gate_keys(self.spec.group_id, token)
         kv = self._kv()
         if self.rank == 0:  # every member is past the last push's keys: dropped while this push's wire runs, not here
-            self._stale_gate_keys, self._gate_keys = self._stale_gate_keys + self._gate_keys, list(keys)
+            self._gate_keys += keys
         try:
             if kv.add(keys[0], 1) >= self.spec.world_size:
                 _decide(kv, self.spec.group_id, token, GATE_OPEN)
@@ -304,7 +286,7 @@ class CollectiveGroup:
 
     def drop_stale_gate_keys(self) -> None:
         """The sender drops the gate keys of its earlier pushes from the store (housekeeping: nobody reads them)."""
-        keys, self._stale_gate_keys = self._stale_gate_keys, []
+        keys, self._gate_keys = self._gate_keys[:-3], self._gate_keys[-3:]  # (the last push's three are in use)
         for key in keys if self._store is not None else ():
             with contextlib.suppress(Exception):  # housekeeping only
                 self._store.delete_key(key)
@@ -356,11 +338,8 @@ class CollectiveGroup:
                 self._comm.broadcast(t, src=0, stream=self._stream)
                 t.record_stream(self._stream)
                 if events:
-                    marks.append(torch.cuda.Event())
-                    marks[-1].record(self._stream)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-            return Broadcasts(self, tensors, deadline, done=done, events=marks)
+                    marks.append(self._stream.record_event())
+            return Broadcasts(self, tensors, deadline, done=self._stream.record_event(), events=marks)
         except Exception as err:
             raise self._failed(tensors, err) from err
 
@@ -387,8 +366,6 @@ SPIN_S = 0.0005  # a host waiting for a CUDA event polls without sleeping this l
 def _poll(event: Any, deadline: float, what: str) -> None:
     """Return once `event` completed, by `deadline` (time.monotonic()). The first `SPIN_S` poll without sleeping: a
     push's headers, its table and a bucket about to land complete within it, where each sleep's granularity adds up."""
-    if event.query():
-        return
     spin_until = time.perf_counter() + SPIN_S
     while not event.query():
         if time.perf_counter() < spin_until:

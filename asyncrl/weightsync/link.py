@@ -111,7 +111,7 @@ class SenderEndpoint:
         try:
             if backend == "ipc":
                 # (first: the last push's copies read the ring; before the first push, the buffers pinned at start)
-                copies = self._copies = transport.HostCopies.after(self._copies, ray.put, pinned=True)
+                copies = self._copies = transport.HostCopies.after(self._copies, ray.put)
                 if self.ring is None:
                     self.ring = IpcRing(collective.member_device(None))
                 handles, sent = ipc_send(self.ring, copies, tensors, bucket_mb, verify=verify, plan=plan, sender=sender)

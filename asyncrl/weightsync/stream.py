@@ -56,13 +56,17 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     `arena` (a planned version): "whole" packs it into one allocation, "ring" through a `SenderRing` of reused
     slots, "auto" the whole one unless the device cannot hold it (then the ring, for this group's later pushes too).
     `gate`: the push's gate token (collective.py): nothing goes on the wire until every member is ready; a closed
-    gate raises `GateClosed` (the stream still read to its end, the group still usable)."""
+    gate raises `GateClosed` (the stream still read to its end, the group still usable).
+    The table goes first, then each bucket as soon as it is packed (packing bucket k + 1 overlaps bucket k on the
+    wire); past the table the receivers wait for all of it, so a failed export sends zeros for the rest before the
+    abort header, and they fail at once. Then the end header, the checksums beside the wire (which never waits for
+    them), one wait for the wire, and the digests on the host."""
     if arena not in ("auto", "whole", "ring"):
         raise ValueError(f"arena must be auto, whole or ring, not {arena!r}")
     deadline = time.monotonic() + timeout_s
     out = SendResult()
     # (first: the last push's copies let go of its buckets, or the stream waits for those still being made)
-    copies = out.host_copies = group._copies = HostCopies.after(group._copies, keep, pinned=group.device.type == "cuda")
+    copies = out.host_copies = group._copies = HostCopies.after(group._copies, keep)
     planned = plan.for_sender(sender) if plan is not None else None
     buffers, ring = None, None
     if planned is not None:
@@ -84,6 +88,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     # the digests' small reads back. A ring copies each bucket as it is sent: its slot is reused once that is done.
     export = Export(pack_stream(named_tensors, bucket_mb, group.device, plan=plan, sender=sender,
                                 planned_buffer=buffers), out)
+    unsent: list[int] | None = None  # the sizes of the buckets the table announced and the wire has not carried yet
     try:
         # a plan's table is known before anything is packed: made while the gate is shut
         rows = [(b.metas(), b.rank, b.nbytes) for b in planned] if planned is not None else []
@@ -96,42 +101,12 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
             buckets = list(export)
             rows = [(b.metas, b.rank, b.nbytes) for b in buckets]
             announce = whole_table(group, rows)
-        _send_whole(group, export, buckets, rows, announce, copies, verify, deadline, out, planned, ring)
-    except BaseException as err:
-        copies.close()
-        if export.failed and not group.broken:  # tell the receivers, so they fail now rather than at their deadline
-            with contextlib.suppress(CollectiveError):
-                group.broadcast_all([_header(group, ABORT)], deadline)
-        elif isinstance(err, CollectiveError):
-            # the wire failed, not the export: finish it unsent, so the ranks exporting beside this one (TP / PP
-            # gathers) are not left waiting for it and the learner group stays usable (LearnerGroup.export_weights)
-            export.drain()
-        raise
-    return out  # (the end went out with the buckets, the stale gate keys while the wire ran: _send_whole)
-
-
-def whole_table(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], int | None, int]]) -> list[torch.Tensor]:
-    """The whole version's header and table on the group's device: every bucket's (tensors, engine rank, size),
-    without digests (the receivers' are compared with the sender's at the commit)."""
-    raw = json.dumps({"b": buckets}).encode()
-    return [_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)),
-            torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device)]
-
-
-def _send_whole(group: CollectiveGroup, export: "Export", buckets: Iterable[Bucket], rows: list[Any],
-                announce: list[torch.Tensor], copies: HostCopies, verify: str, deadline: float, out: SendResult,
-                planned: list[Any] | None, ring: SenderRing | None) -> None:
-    """The table (`announce`, of `rows`) goes first, then each bucket as soon as it is packed (packing bucket k + 1
-    overlaps bucket k on the wire); past the table the receivers wait for all of it, so a failed export sends zeros
-    for the rest before the caller's abort header, and they fail at once. Then the end header, the checksums beside
-    the wire (which never waits for them), one wait for the wire, and the digests on the host."""
-    t = time.perf_counter()
-    sending = [group.enqueue_broadcasts(announce, deadline)]  # (not waited for: the first buckets right behind)
-    out.seconds["broadcast"] += time.perf_counter() - t
-    packed: list[tuple[Bucket, Any]] = []
-    try:
-        for bucket in buckets:
-            k = len(packed)
+        t = time.perf_counter()
+        sending = [group.enqueue_broadcasts(announce, deadline)]  # (not waited for: the first buckets right behind)
+        out.seconds["broadcast"] += time.perf_counter() - t
+        unsent = [n for *_, n in rows]
+        packed: list[tuple[Bucket, Any]] = []
+        for k, bucket in enumerate(buckets):
             if k >= len(rows) or (bucket.metas, bucket.rank, bucket.nbytes) != rows[k]:
                 export.failed = True  # the table the receivers hold does not describe it: nothing more goes out as data
                 raise CollectiveError(f"group {group.spec.group_id}: packed bucket {k} ({bucket.nbytes} bytes, rank "
@@ -153,42 +128,60 @@ def _send_whole(group: CollectiveGroup, export: "Export", buckets: Iterable[Buck
             if ring is not None:
                 ring.sent(planned[k].index, bc, copy)  # type: ignore[index]
             packed.append((bucket, finish))
-        if len(packed) != len(rows):
+            unsent.pop(0)
+        if unsent:
             export.failed = True
             raise CollectiveError(f"group {group.spec.group_id}: the export gave {len(packed)} buckets, the table "
                                   f"{len(rows)}")
+        unsent = None  # (every announced bucket is on the wire: a failure from here on is the wire's or the host's)
+        t = time.perf_counter()
+        sending.append(group.enqueue_broadcasts([_header(group, END)], deadline))
+        out.seconds["broadcast"] += time.perf_counter() - t
+        if ring is not None:  # every bucket was hashed and its copy started as it was packed
+            finishes = [finish for _, finish in packed]
+        else:  # buckets in one arena (whole_arena) are hashed in one pass, others each in their own
+            finishes = [hash_whole_lazy([b for b, _ in packed], verify, out)] if packed else []
+            t = time.perf_counter()
+            for bucket, _ in packed:  # (made once collected; registered while the wire runs)
+                copies.add(bucket)
+            out.seconds["host_copy"] += time.perf_counter() - t
+        group.drop_stale_gate_keys()  # (while the wire runs)
+        t = time.perf_counter()
+        for s in sending:
+            s.wait()
+        out.seconds["broadcast"] += time.perf_counter() - t
+        for finish in finishes:  # the first waits for the device's checksums, the rest are there by then
+            finish()
     except BaseException as err:
-        if not isinstance(err, CollectiveError):  # not the wire: the receivers are told (abort header)
+        copies.close()
+        if unsent is not None and not isinstance(err, CollectiveError):  # not the wire: the receivers are told
             export.failed = True
-        sizes = [n for *_, n in rows[len(packed):] if n]
-        if export.failed and not group.broken and sizes:
-            # zeros for the announced buckets not sent: the receivers wait for them all, then read the abort header
-            # behind them (a wire failing too breaks the group: they time out)
+        if export.failed and not group.broken:  # tell the receivers, so they fail now rather than at their deadline
+            # zeros for the announced buckets not sent (they wait for them all), then the abort header behind them
+            # (a wire failing too breaks the group: they time out)
+            sizes = [n for n in unsent or () if n]
             with contextlib.suppress(CollectiveError):
-                zeros = torch.zeros(max(sizes), dtype=torch.uint8, device=group.device)
-                group.broadcast_all([zeros[:n] for n in sizes], deadline)
+                zeros = torch.zeros(max(sizes, default=0), dtype=torch.uint8, device=group.device)
+                group.broadcast_all([zeros[:n] for n in sizes] + [_header(group, ABORT)], deadline)
+        elif isinstance(err, CollectiveError):
+            # the wire failed, not the export: finish it unsent, so the ranks exporting beside this one (TP / PP
+            # gathers) are not left waiting for it and the learner group stays usable (LearnerGroup.export_weights)
+            with contextlib.suppress(Exception):  # the send already failed; that error is the one reported
+                for _ in export:
+                    pass
         raise
     finally:
         if ring is not None:
             out.seconds["ring_wait"] = ring.waited
-    t = time.perf_counter()
-    sending.append(group.enqueue_broadcasts([_header(group, END)], deadline))
-    out.seconds["broadcast"] += time.perf_counter() - t
-    if ring is not None:  # every bucket was hashed and its copy started as it was packed
-        finishes = [finish for _, finish in packed]
-    else:  # buckets in one arena (whole_arena) are hashed in one pass, others each in their own
-        finishes = [hash_whole_lazy([b for b, _ in packed], verify, out)] if packed else []
-        t = time.perf_counter()
-        for bucket, _ in packed:  # (made once collected; registered while the wire runs)
-            copies.add(bucket)
-        out.seconds["host_copy"] += time.perf_counter() - t
-    group.drop_stale_gate_keys()  # (while the wire runs)
-    t = time.perf_counter()
-    for s in sending:
-        s.wait()
-    out.seconds["broadcast"] += time.perf_counter() - t
-    for finish in finishes:  # the first waits for the device's checksums, the rest are there by then
-        finish()
+    return out
+
+
+def whole_table(group: CollectiveGroup, buckets: list[tuple[list[TensorMeta], int | None, int]]) -> list[torch.Tensor]:
+    """The whole version's header and table on the group's device: every bucket's (tensors, engine rank, size),
+    without digests (the receivers' are compared with the sender's at the commit)."""
+    raw = json.dumps({"b": buckets}).encode()
+    return [_header(group, WHOLE, len(raw), sum(n for *_, n in buckets)),
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device)]
 
 
 def hash_whole_lazy(buckets: list[Bucket], verify: str, out: SendResult) -> Callable[[], None]:
@@ -233,12 +226,6 @@ class Export:
             self._out.seconds["pack"] += time.perf_counter() - t
             yield bucket
 
-    def drain(self) -> None:
-        """Run the rest of the export, dropping its buckets (a failure in it is left to the caller's error)."""
-        with contextlib.suppress(Exception):  # the send already failed; that error is the one reported
-            for _ in self:
-                pass
-
 
 # ---- the receiver's loop ----------------------------------------------------------------------------------------
 
@@ -266,10 +253,7 @@ def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterato
         group.close()
         raise CollectiveError(f"group {group.spec.group_id}: malformed whole-version table: {type(err).__name__}: {err}") from err
     block = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
-    buckets, at = [], 0
-    for metas, rank, n in rows:
-        buckets.append(Bucket(buffer=block.narrow(0, at, n), metas=metas, rank=rank))
-        at += n
+    buckets = [Bucket(buffer=view, metas=metas, rank=rank) for view, (metas, rank, _) in zip(block.split(sizes), rows)]
     end = torch.zeros(3, dtype=torch.int64, device=group.device)  # (no end header read from a push that sent none)
     receiving = group.enqueue_broadcasts([b.buffer for b in buckets if b.nbytes] + [end], deadline,
                                          events=group.device.type == "cuda")

@@ -149,15 +149,18 @@ def test_digests_of_device_tensors_equal_those_of_their_host_copies():
 
 
 def test_a_senders_next_host_copies_close_the_last_and_reuse_their_pinned_pool_unless_a_keep_still_reads_it():
-    first = HostCopies.after(None, None, pinned=True)
-    second = HostCopies.after(first, None, pinned=True)
+    first = HostCopies.after(None, None)
+    second = HostCopies.after(first, None)
     assert second._pool is first._pool is not None
     with pytest.raises(HostCopyError, match="closed"):
         first.result(_deadline())  # the next push took its buffers: nothing of it is collected any more
     second._keeping = True  # a keep of the last push's copies still reads their pinned buffers
-    third = HostCopies.after(second, None, pinned=True)
+    third = HostCopies.after(second, None)
     assert third._pool is not None and third._pool is not second._pool
-    assert HostCopies.after(None, None, pinned=False)._pool is None  # host buckets: no pinned buffers
+    host = HostCopies.after(None, None)
+    for bucket in _buckets(3, "cpu"):
+        host.add(bucket, now=True)
+    assert len(host.result(_deadline())) == 3 and host._pool._buffers == []  # host buckets: no pinned buffers
 
 
 def test_a_gpu_sender_pins_its_first_push_host_buffers_at_start_once(monkeypatch):
@@ -181,12 +184,12 @@ def test_a_gpu_sender_pins_its_first_push_host_buffers_at_start_once(monkeypatch
     assert pinned == [(i, b.nbytes) for i, b in enumerate(plan.for_sender(0))] and len(pinned) >= 3
     unsent = endpoint._copies  # an empty HostCopies holding the pool, which the first push closes
     pool = unsent._pool
-    first = endpoint._copies = HostCopies.after(unsent, None, pinned=True)  # (the first push, as an ipc one takes it)
+    first = endpoint._copies = HostCopies.after(unsent, None)  # (the first push, as an ipc one takes it)
     assert first._pool is pool and pool is not None
     endpoint.pin_host_copies(0)  # the plan formed again: the buffers in use stay the sender's, none more pinned
     assert endpoint._copies is first and len(pinned) == len(plan.for_sender(0))
-    assert HostCopies.after(first, None, pinned=True)._pool is pool  # and the next push reuses them
+    assert HostCopies.after(first, None)._pool is pool  # and the next push reuses them
     left = HostCopies(None, pool)
     endpoint.group = types.SimpleNamespace(_copies=left, close=lambda: None)
     endpoint.leave()  # a group left (the replicas changed): its last copies go to the next group's first push,
-    assert endpoint._copies is left and HostCopies.after(endpoint._copies, None, pinned=True)._pool is pool  # with the pool
+    assert endpoint._copies is left and HostCopies.after(endpoint._copies, None)._pool is pool  # with the pool

@@ -15,14 +15,22 @@ import torch
 from asyncrl.weightsync import collective as warmup
 
 
-def test_the_warm_up_runs_the_push_calls_in_every_mode_and_dtype():
-    ran = warmup._warm(torch.device("cpu"), warmup.WARM_DTYPES)
-    assert ran == ["pack", "digests:checksum", "digests:full",
-                   "copy:bfloat16", "copy:float16", "copy:float32", "int64"]
+def test_the_warm_up_runs_the_push_calls_in_every_mode_and_dtype(monkeypatch):
+    ran: list[str] = []
+    pack, digests, copy = warmup.pack_bucket, warmup.buckets_digests_lazy, torch._foreach_copy_
+    monkeypatch.setattr(warmup, "pack_bucket", lambda *a: ran.append("pack") or pack(*a))
+    monkeypatch.setattr(warmup, "buckets_digests_lazy", lambda b, mode: ran.append(f"digests:{mode}") or digests(b, mode))
+    monkeypatch.setattr(torch, "_foreach_copy_",
+                        lambda dst, src: ran.append(f"copy:{str(src[0].dtype).removeprefix('torch.')}") or copy(dst, src))
+    warmup._warm(torch.device("cpu"))
+    # each mode: a bucket at both pointer alignments, then a whole version's one pass
+    assert ran == ["pack", *["digests:checksum"] * 3, *["digests:full"] * 3, "copy:bfloat16", "copy:float16", "copy:float32"]
 
 
-def test_nothing_is_warmed_off_cuda():
-    assert warmup.warm_push_kernels("cpu") == [] and warmup.warm_push_kernels(None) == []
+def test_nothing_is_warmed_off_cuda(monkeypatch):
+    monkeypatch.setattr(warmup, "_warm", lambda dev: pytest.fail(f"warmed {dev}"))
+    warmup.warm_push_kernels("cpu")
+    warmup.warm_push_kernels(None)
     assert not warmup._WARMED
 
 
@@ -30,10 +38,12 @@ _PROBE = textwrap.dedent("""
     import sys, time, torch
     from asyncrl.weightsync.bucket import pack_bucket
     from asyncrl.weightsync.fingerprint import buckets_digests_lazy
-    from asyncrl.weightsync.collective import warm_push_kernels
+    from asyncrl.weightsync import collective
     dev = torch.device("cuda", 0)
     if sys.argv[1] == "warm":
-        assert warm_push_kernels(dev) and not warm_push_kernels(dev)  # once per process
+        collective.warm_push_kernels(dev)
+        collective._warm = None  # once per process: warming the device again runs nothing
+        collective.warm_push_kernels(dev)
     bucket = pack_bucket([("w", torch.ones(1000, dtype=torch.bfloat16, device=dev))], dev)
     torch.cuda.synchronize(dev)
     side = torch.cuda.Stream(dev)
