@@ -361,8 +361,6 @@ class SenderRing:
         arena = torch.empty(total, dtype=torch.uint8, device=device)
         self._slots = [arena.narrow(0, at, size) for at in starts]
         self._size, self._device, self.deadline = size, device, deadline
-        self.nbytes = total  # device memory the ring holds (more where it grew)
-        self.grown = 0  # slots added because the export opened more buckets at once than the plan's order does
         self._free = list(range(count - 1, -1, -1))
         self._open: dict[int, int] = {}  # plan index -> slot, being packed
         self._flight: deque[tuple[int, Any, Any]] = deque()  # (slot, Broadcasts, host copy), sent
@@ -372,8 +370,6 @@ class SenderRing:
         if not self._free and not self._flight:  # every slot holds a bucket still being packed: one more slot
             self._slots.append(torch.empty(self._size, dtype=torch.uint8, device=self._device))
             self._free.append(len(self._slots) - 1)
-            self.grown += 1
-            self.nbytes += self._size
         if not self._free:
             t = time.perf_counter()
             slot, sending, copy = self._flight.popleft()
