@@ -60,7 +60,7 @@ class TensorMeta(NamedTuple):
 class Bucket:
     """A group of tensors flattened into one byte buffer: a numpy uint8 array, which Ray's pickle-5 path moves out
     of band (a replica reading it from the object store maps it read-only, no copy); inside a collective push, a
-    uint8 tensor on the sender's or receiver's device, which never leaves its process (`to_host` first)."""
+    uint8 tensor on the sender's or receiver's device, which never leaves its process."""
 
     buffer: np.ndarray
     metas: list[TensorMeta] = field(default_factory=list)
@@ -85,14 +85,6 @@ class Bucket:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) views, so a bucket can be handed to anything taking NamedTensors."""
         return iter(unpack_bucket(self))
-
-    def to_host(self) -> "Bucket":
-        """This bucket with a numpy buffer in host memory: itself if it has one, else a device bucket copied once."""
-        if isinstance(self.buffer, np.ndarray):
-            return self
-        host = np.empty(int(self.buffer.numel()), dtype=np.uint8)
-        torch.from_numpy(host).copy_(self.buffer.view(torch.uint8).reshape(-1))
-        return Bucket(buffer=host, metas=list(self.metas), rank=self.rank)
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from asyncrl.weightsync.bucket import ALIGN, Bucket, TensorMeta, dtype_from_name, iter_buckets
+from asyncrl.weightsync.bucket import ALIGN, Bucket, TensorMeta, dtype_from_name, iter_buckets, unpack_bucket
 
 aten = torch.ops.aten
 
@@ -527,11 +527,10 @@ def hf_from_engine(plan: PushPlan, buckets: Iterable[Bucket]) -> dict[str, torch
         b = by_key.get((bucket.rank, tuple(bucket.names)))
         if b is None:
             raise PlanError(f"a bucket of rank {bucket.rank} starting with {bucket.names[:1]} is not in plan {plan.plan_id}")
-        flat = torch.from_numpy(bucket.to_host().buffer)  # (to_host: always a numpy buffer)
-        for p, off in b.params:
-            view = flat[off : off + p.nbytes].view(dtype_from_name(p.dtype)).view(p.shape)
+        views = dict(unpack_bucket(bucket))  # (on its device: each copy lands in a host tensor)
+        for p, _ in b.params:
             for op in (op for op in p.ops if op.src is not None):
-                op.src_view.of(out[op.src]).copy_(op.dst.of(view))  # type: ignore[union-attr]
+                op.src_view.of(out[op.src]).copy_(op.dst.of(views[p.name]))  # type: ignore[union-attr]
                 seen.add(op.src)
     missing = [e.name for e in plan.manifest if e.name not in seen]
     if missing:
