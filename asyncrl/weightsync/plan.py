@@ -354,15 +354,12 @@ def build_plan(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout
 class _PackProgram:
     """What packing one sender's part of a plan does, worked out once per (plan, sender) and kept (`_program`):
     the pack runs in Python per exported tensor on every push, on the sender's path to the wire. Per bucket: its
-    tensors' table, its copies (one slot each, in plan order) and its fills; per source: the slots it goes to, and
-    whether each takes the whole tensor (as the manifest shapes it) or a strided window of it."""
+    tensors' table, its copies (one slot each, in plan order) and its fills; per source: the slots it goes to."""
 
     def __init__(self, plan: PushPlan, sender: int) -> None:
         self.buckets = plan.for_sender(sender)
         self.metas = [b.metas() for b in self.buckets]
-        self.shapes = {e.name: torch.Size(e.shape) for e in plan.manifest}
-        # source name -> [(bucket position, slot, whole, op)]
-        self.uses: dict[str, list[tuple[int, int, bool, Op]]] = {}
+        self.uses: dict[str, list[tuple[int, int, Op]]] = {}  # source name -> [(bucket position, slot, op)]
         # per bucket, each window as (dtype, shape, stride, element offset in the buffer viewed in that dtype):
         self.copies: list[list[tuple[str, tuple[int, ...], tuple[int, ...], int]]] = []  # by slot
         self.fills: list[list[tuple[str, tuple[int, ...], tuple[int, ...], int, float]]] = []  # (..., value)
@@ -376,10 +373,7 @@ class _PackProgram:
                     if op.src is None:
                         fills.append((p.dtype, op.dst.shape, op.dst.stride, at + op.dst.offset, op.value))
                         continue
-                    shape, sv = self.shapes.get(op.src), op.src_view
-                    whole = (shape is not None and sv is not None and sv.offset == 0 and sv.shape == tuple(shape)
-                             and sv.stride == torch.empty(shape, device="meta").stride())
-                    self.uses.setdefault(op.src, []).append((pos, len(slots), whole, op))
+                    self.uses.setdefault(op.src, []).append((pos, len(slots), op))
                     slots.append((p.dtype, op.dst.shape, op.dst.stride, at + op.dst.offset))
             self.copies.append(slots)
             self.fills.append(fills)
@@ -397,37 +391,18 @@ class PlannedPacker:
 
     `buffer(bucket)` returns the uint8 buffer (a tensor, on the host too) to pack a bucket into (a reused one, e.g.
     a persistent IPC buffer); by default a fresh one on `device`. The stream must carry every source the plan names,
-    each once; extra tensors are listed in `unused` and ignored."""
+    each once; extra tensors are ignored."""
 
     def __init__(self, plan: PushPlan, sender: int, device: torch.device | str,
                  buffer: Callable[[PlannedBucket], torch.Tensor] | None = None) -> None:
         self.plan = plan
         self.device = torch.device(device)
         self._prog = _program(plan, sender)
-        self.buckets = self._prog.buckets
         self._buffer = buffer or (lambda b: torch.empty(b.nbytes, dtype=torch.uint8, device=self.device))
-        self.unused: list[str] = []
-
-    def _targets(self, pos: int, buf: torch.Tensor) -> list[torch.Tensor]:
-        """Bucket `pos`'s copy destinations in `buf` (by slot), its fills written."""
-        typed: dict[str, tuple[torch.Tensor, int]] = {}  # the buffer viewed in each dtype, and its storage offset
-        for dtype in self._prog.dtypes[pos]:
-            dt = dtype_from_name(dtype)
-            t = buf[: buf.numel() - buf.numel() % dt.itemsize].view(dt)
-            # (as_strided's offset is the storage's: a buffer may be a window of a larger one, whole_arena)
-            typed[dtype] = (t, t.storage_offset())
-        for dtype, shape, stride, at, value in self._prog.fills[pos]:
-            t, base = typed[dtype]
-            t.as_strided(shape, stride, base + at).fill_(value)
-        out = []
-        for dtype, shape, stride, at in self._prog.copies[pos]:
-            t, base = typed[dtype]
-            out.append(t.as_strided(shape, stride, base + at))
-        return out
 
     def pack(self, named_tensors: Iterable[tuple[str, Any]]) -> Iterator[Bucket]:
         prog, n = self._prog, len(self._prog.buckets)
-        uses_of, shapes, device = prog.uses, prog.shapes, self.device
+        uses_of, device = prog.uses, self.device
         remaining = list(prog.counts)
         buffers: dict[int, torch.Tensor] = {}
         # a bucket's sources by slot, copied together once it is complete (one fused call, not one per op)
@@ -438,17 +413,25 @@ class PlannedPacker:
         def emit(pos: int) -> Bucket:
             buf = buffers.pop(pos, None)
             if buf is None:
-                buf = self._buffer(self.buckets[pos])
-            dst = self._targets(pos, buf)
+                buf = self._buffer(prog.buckets[pos])
+            typed: dict[str, tuple[torch.Tensor, int]] = {}  # the buffer viewed in each dtype, and its storage offset
+            for dtype in prog.dtypes[pos]:
+                dt = dtype_from_name(dtype)
+                t = buf[: buf.numel() - buf.numel() % dt.itemsize].view(dt)
+                # (as_strided's offset is the storage's: a buffer may be a window of a larger one, whole_arena)
+                typed[dtype] = (t, t.storage_offset())
+            for dtype, shape, stride, at, value in prog.fills[pos]:
+                t, base = typed[dtype]
+                t.as_strided(shape, stride, base + at).fill_(value)
+            dst = [typed[d][0].as_strided(shape, stride, typed[d][1] + at) for d, shape, stride, at in prog.copies[pos]]
             if dst:
                 torch._foreach_copy_(dst, sources[pos])
             sources[pos] = []
-            return Bucket(buffer=buf, metas=list(prog.metas[pos]), rank=self.buckets[pos].rank)
+            return Bucket(buffer=buf, metas=list(prog.metas[pos]), rank=prog.buckets[pos].rank)
 
         for name, tensor in named_tensors:
             uses = uses_of.get(name)
-            if uses is None:
-                self.unused.append(name)
+            if uses is None:  # (a tensor no engine parameter takes)
                 continue
             if name in seen:
                 raise PlanError(f"the export yielded {name} twice")
@@ -458,16 +441,13 @@ class PlannedPacker:
                 src = src.to(device, non_blocking=True)
             if not src.is_contiguous():
                 src = src.contiguous()
-            as_planned = src.shape == shapes[name]
-            for pos, slot, whole, op in uses:
+            shape, stride = tuple(src.shape), src.stride()
+            for pos, slot, op in uses:
                 if pos not in buffers:  # (the buffer is taken when the bucket's first source arrives)
-                    buffers[pos] = self._buffer(self.buckets[pos])
-                if whole and as_planned:
-                    sources[pos][slot] = src
-                else:
-                    sv = op.src_view
-                    same = sv.offset == 0 and sv.shape == tuple(src.shape) and sv.stride == tuple(src.stride())  # type: ignore[union-attr]
-                    sources[pos][slot] = src if same else sv.of(src)  # type: ignore[union-attr]
+                    buffers[pos] = self._buffer(prog.buckets[pos])
+                sv = op.src_view
+                whole = sv.offset == 0 and sv.shape == shape and sv.stride == stride  # type: ignore[union-attr]
+                sources[pos][slot] = src if whole else sv.of(src)  # type: ignore[union-attr]
                 remaining[pos] -= 1
             while emitted < n and remaining[emitted] == 0:
                 yield emit(emitted)
