@@ -41,10 +41,6 @@ class View:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
     def of(self, base: torch.Tensor) -> torch.Tensor:
         """This window of `base` (a contiguous tensor or view)."""
         return base.as_strided(self.shape, self.stride, base.storage_offset() + self.offset)
@@ -93,11 +89,6 @@ class EngineLayout:
     rank: int
     params: tuple[ParamLayout, ...]
     problem: str = ""
-
-    @property
-    def digest(self) -> str:
-        """Identifies the layout (names, dtypes, shapes, ops); equal across replicas that agree."""
-        return hashlib.sha256(repr((self.rank, self.params, self.problem)).encode()).hexdigest()[:24]
 
 
 # ---- reading the layout from the engine's own loaders ----------------------------------------------
@@ -155,13 +146,6 @@ class _Recorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _meta_twin(p: torch.nn.Parameter) -> torch.nn.Parameter:
-    data = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
-    twin = torch.nn.Parameter._make_subclass(type(p), data, False)
-    twin.__dict__.update(p.__dict__)  # weight_loader, output_dim, input_dim, packed_dim, ...
-    return twin
-
-
 def probe_layout(model: torch.nn.Module, manifest: Sequence[ManifestEntry], rank: int = 0,
                  load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] | None = None) -> EngineLayout:
     """The layout `model.load_weights` (or `load`) gives the tensors of `manifest` on this rank.
@@ -175,8 +159,10 @@ def probe_layout(model: torch.nn.Module, manifest: Sequence[ManifestEntry], rank
         for key, p in list(module._parameters.items()):
             if p is None:
                 continue
-            if id(p) not in twins:
-                twins[id(p)] = _meta_twin(p)
+            if id(p) not in twins:  # the same class and attributes (weight_loader, output_dim, ...), on meta
+                data = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
+                twins[id(p)] = torch.nn.Parameter._make_subclass(type(p), data, False)
+                twins[id(p)].__dict__.update(p.__dict__)
             saved.append((module, key, p))
             module._parameters[key] = twins[id(p)]
     param_keys = {twins[id(p)].untyped_storage()._cdata: n for n, p in live.items()}
@@ -210,20 +196,18 @@ def probe_layout(model: torch.nn.Module, manifest: Sequence[ManifestEntry], rank
         if not ops:
             untouched.append(name)
             continue
-        layout = ParamLayout(name, str(p.dtype).removeprefix("torch."), tuple(int(s) for s in p.shape), ops)
-        covered = sum(op.dst.numel for op in ops)
+        covered = sum(math.prod(op.dst.shape) for op in ops)
         if covered != p.numel() and not problem:
             problem = f"{name}: the loaders write {covered} of its {p.numel()} elements"
-        params.append(layout)
+        params.append(ParamLayout(name, str(p.dtype).removeprefix("torch."), tuple(int(s) for s in p.shape), ops))
     if untouched and not problem:
         problem = f"{len(untouched)} engine parameters get nothing from the export, e.g. {untouched[:3]}"
     return EngineLayout(rank, tuple(params), problem)
 
 
 def same_ops(a: EngineLayout, b: EngineLayout) -> bool:
-    """Two layouts copy the same windows into the same parameters (source dtypes aside)."""
-    return a.rank == b.rank and [(p.name, p.dtype, p.shape, p.ops) for p in a.params] == \
-        [(p.name, p.dtype, p.shape, p.ops) for p in b.params]
+    """Two layouts copy the same windows into the same parameters (their problems aside)."""
+    return a.rank == b.rank and a.params == b.params
 
 
 def verify_layout(layout: EngineLayout, live: dict[str, torch.Tensor], read: Callable[[str], torch.Tensor]) -> str:
@@ -244,9 +228,8 @@ def verify_layout(layout: EngineLayout, live: dict[str, torch.Tensor], read: Cal
                 op.dst.of(rebuilt).fill_(op.value)
                 continue
             if op.src not in cache:
-                cache[op.src] = read(op.src).to(target.device)
-            # (contiguous() is the tensor itself when it already is)
-            op.dst.of(rebuilt).copy_(op.src_view.of(cache[op.src].contiguous()))  # type: ignore[union-attr]
+                cache[op.src] = read(op.src).to(target.device).contiguous()
+            op.dst.of(rebuilt).copy_(op.src_view.of(cache[op.src]))  # type: ignore[union-attr]
         if not torch.equal(rebuilt, target.detach()):
             return (f"{p.name}: the engine's loaded values differ from its loaders' copies of the checkpoint "
                     "(post-load processing changed them)")
@@ -343,7 +326,7 @@ def build_plan(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout
                     index += 1
     blob = json.dumps([[b.sender, b.rank, b.nbytes, [[p.name, p.dtype, list(p.shape), off] for p, off in b.params]]
                        for b in buckets] + [[e.name, e.dtype, list(e.shape), e.sender] for e in manifest]
-                      + [lay.digest for lay in layouts])
+                      + [repr((lay.rank, lay.params, lay.problem)) for lay in layouts])
     plan_id = hashlib.sha256(blob.encode()).hexdigest()[:16]
     return PushPlan(plan_id, len(ranks), len(senders_used), tuple(buckets), tuple(manifest), tuple(layouts))
 
