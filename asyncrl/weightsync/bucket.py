@@ -104,17 +104,15 @@ def pack_bucket(named: list[tuple[str, torch.Tensor]], device: torch.device | No
                 alloc: Callable[[int], torch.Tensor] | None = None) -> Bucket:
     """Flatten contiguous tensors into one buffer (one copy per tensor): numpy when `device` is None (CPU tensors),
     else a uint8 tensor on `device` (theirs), from `alloc(nbytes)` when given (a reused buffer)."""
-    metas: list[TensorMeta] = []
-    offset = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
-        offset = _align(offset + nbytes)
+    sizes = [t.numel() * t.element_size() for _, t in named]
+    offsets, total = windows(sizes)
+    metas = [TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), at, nbytes)
+             for (name, t), at, nbytes in zip(named, offsets, sizes)]
     if device is None:
-        buffer: Any = np.empty(offset, dtype=np.uint8)
+        buffer: Any = np.empty(total, dtype=np.uint8)
         flat = torch.from_numpy(buffer)
     else:
-        buffer = flat = alloc(offset) if alloc is not None else torch.empty(offset, dtype=torch.uint8, device=device)
+        buffer = flat = alloc(total) if alloc is not None else torch.empty(total, dtype=torch.uint8, device=device)
     for meta, (_, t) in zip(metas, named):
         if meta.nbytes:  # through uint8, so dtypes numpy lacks (bfloat16, float8) copy bit-exactly
             flat[meta.offset : meta.offset + meta.nbytes].copy_(t.reshape(-1).view(torch.uint8))
@@ -150,22 +148,16 @@ def iter_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float,
         yield pack_bucket(pending, device, alloc)
 
 
-def _flat_tensor(buffer: Any) -> torch.Tensor:
-    if isinstance(buffer, torch.Tensor):
-        return buffer.view(torch.uint8).reshape(-1)
-    array = np.asarray(buffer)
-    if array.dtype != np.uint8:
-        array = array.view(np.uint8)
-    with warnings.catch_warnings():
-        # Buckets read from the object store are read-only mappings; the views are only read
-        # (hashed or copied into the engine), never written.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(array.reshape(-1))
-
-
 def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) views into the bucket buffer: no copy. Read-only if the buffer is."""
-    flat = _flat_tensor(bucket.buffer)
+    if isinstance(bucket.buffer, torch.Tensor):
+        flat = bucket.buffer.view(torch.uint8).reshape(-1)
+    else:
+        with warnings.catch_warnings():
+            # Buckets read from the object store are read-only mappings; the views are only read
+            # (hashed or copied into the engine), never written.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(np.asarray(bucket.buffer).view(np.uint8).reshape(-1))
     out = []
     for m in bucket.metas:
         dtype = dtype_from_name(m.dtype)
