@@ -113,28 +113,25 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        # (a copy or fill touching no meta tensor falls through: it runs)
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
             param, source = self.params.get(self._key(dst)), self.sources.get(self._key(src))
-            if param is None or source is None:
-                if self._key(dst) is not None or self._key(src) is not None:
-                    self.unsupported.append(f"a copy the plan cannot follow (into {param or 'an untracked tensor'} "
-                                            f"from {source or 'a derived tensor'})")
-                    return dst
-                return func(*args, **kwargs)
-            if dst.dtype != src.dtype and src.dtype.is_floating_point != dst.dtype.is_floating_point:
-                self.unsupported.append(f"{param}: copies {src.dtype} into {dst.dtype}")
-            self.ops.setdefault(param, []).append(Op(self._view(dst), source, self._view(src)))
-            return dst
-        if func in (aten.fill_.Scalar, aten.zero_.default):
-            dst = args[0]
+            if param is not None and source is not None:
+                if dst.dtype != src.dtype and src.dtype.is_floating_point != dst.dtype.is_floating_point:
+                    self.unsupported.append(f"{param}: copies {src.dtype} into {dst.dtype}")
+                self.ops.setdefault(param, []).append(Op(self._view(dst), source, self._view(src)))
+                return dst
+            if self._key(dst) is not None or self._key(src) is not None:
+                self.unsupported.append(f"a copy the plan cannot follow (into {param or 'an untracked tensor'} "
+                                        f"from {source or 'a derived tensor'})")
+                return dst
+        elif func in (aten.fill_.Scalar, aten.zero_.default) and self._key(dst := args[0]) is not None:
             param = self.params.get(self._key(dst))
             if param is None:
-                if self._key(dst) is not None:
-                    self.unsupported.append(f"{func} on an untracked tensor")
-                    return dst
-                return func(*args, **kwargs)
-            self.ops.setdefault(param, []).append(Op(self._view(dst), value=float(args[1]) if len(args) > 1 else 0.0))
+                self.unsupported.append(f"{func} on an untracked tensor")
+            else:
+                self.ops.setdefault(param, []).append(Op(self._view(dst), value=float(args[1]) if len(args) > 1 else 0.0))
             return dst
         if getattr(func, "is_view", False) or func in (aten.detach.default, aten.alias.default):
             return func(*args, **kwargs)
@@ -166,21 +163,13 @@ def probe_layout(model: torch.nn.Module, manifest: Sequence[ManifestEntry], rank
             saved.append((module, key, p))
             module._parameters[key] = twins[id(p)]
     param_keys = {twins[id(p)].untyped_storage()._cdata: n for n, p in live.items()}
-    source_keys: dict[int, str] = {}
-    keep: list[torch.Tensor] = []  # source storages must stay alive: their ids key the table
-
-    def sources() -> Iterator[tuple[str, torch.Tensor]]:
-        for entry in manifest:
-            t = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype), device="meta")
-            keep.append(t)
-            source_keys[t.untyped_storage()._cdata] = entry.name
-            yield entry.name, t
-
-    recorder = _Recorder(param_keys, source_keys)
+    # (the list keeps the source storages alive: their ids key the table)
+    sources = [(e.name, torch.empty(e.shape, dtype=dtype_from_name(e.dtype), device="meta")) for e in manifest]
+    recorder = _Recorder(param_keys, {t.untyped_storage()._cdata: name for name, t in sources})
     problem = ""
     try:
         with recorder:
-            (load or model.load_weights)(sources())  # type: ignore[operator]
+            (load or model.load_weights)(iter(sources))  # type: ignore[operator]
     except Exception as err:  # a loader that needs real data
         problem = f"the engine's weight loaders could not run on the plan's probe ({type(err).__name__}: {err})"
     finally:
@@ -317,13 +306,12 @@ def build_plan(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout
                 offset += size
             if current:
                 chunks[rank].append((current, offset))
-        index = 0
+        first = len(buckets)  # (a bucket's index counts the sender's buckets before it)
         for k in range(max(len(c) for c in chunks.values())):
             for rank in ranks:  # ranks interleaved: bucket k of every rank holds the same sources
                 if k < len(chunks[rank]):
                     chunk, nbytes = chunks[rank][k]
-                    buckets.append(PlannedBucket(sender, rank, index, nbytes, tuple(chunk)))
-                    index += 1
+                    buckets.append(PlannedBucket(sender, rank, len(buckets) - first, nbytes, tuple(chunk)))
     blob = json.dumps([[b.sender, b.rank, b.nbytes, [[p.name, p.dtype, list(p.shape), off] for p, off in b.params]]
                        for b in buckets] + [[e.name, e.dtype, list(e.shape), e.sender] for e in manifest]
                       + [repr((lay.rank, lay.params, lay.problem)) for lay in layouts])
