@@ -357,10 +357,9 @@ class SenderRing:
         if not self._free:
             t = time.perf_counter()
             slot, sending, copy = self._flight.popleft()
-            if sending is not None:
+            if sending is not None:  # (None: an empty bucket, nothing on the wire)
                 sending.wait()
-            if copy is not None:
-                copy.wait(self.deadline)
+            copy.wait(self.deadline)
             self.waited += time.perf_counter() - t
             self._free.append(slot)
         slot = self._free.pop()

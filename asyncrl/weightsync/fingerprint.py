@@ -168,7 +168,6 @@ def segment_checksums(buffer: Any, segments: Sequence[Segment]) -> list[int]:
     return [int(v) & _MASK for v in sums.cpu().tolist()] if isinstance(sums, torch.Tensor) else sums
 
 
-NamedTensors = Mapping[str, Any] | Iterable[tuple[str, Any]]
 VerifyMode = Literal["full", "checksum", "off"]
 VERIFY_MODES: tuple[str, ...] = ("full", "checksum", "off")
 
@@ -285,12 +284,15 @@ def _sha(array: np.ndarray, entries: list[Entry], heads: dict[str, Any]) -> dict
 
 
 def tensor_digests(pairs: Iterable[tuple[str, Any]], mode: VerifyMode = "full") -> dict[str, bytes]:
-    """sha256 of each (name, tensor)'s name, dtype, shape and (by `mode`) bytes."""
+    """sha256 of each (name, tensor)'s name, dtype, shape and (by `mode`) bytes. Duplicate names are an error: the
+    digest would otherwise depend on which copy wins."""
     check_verify_mode(mode)
     out: dict[str, bytes] = {}
     for name, tensor in pairs:
         if not isinstance(name, str) or not name:
             raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
+        if name in out:
+            raise ValueError(f"duplicate tensor names: [{name!r}]")
         t = contiguous_tensor(tensor, tensor.device if isinstance(tensor, torch.Tensor) else None)  # (where it is)
         flat = _flat(t)
         out.update(_digests_lazy(flat, [(name, str(t.dtype), tuple(t.shape), 0, len(flat))], mode)())
@@ -328,12 +330,7 @@ def combine_digests(digests: Mapping[str, bytes], mode: VerifyMode = "full") -> 
     return f"{mode}:{h.hexdigest()}"
 
 
-def tensor_fingerprint(named_tensors: NamedTensors, mode: VerifyMode = "full") -> str:
-    """The fingerprint of a set of tensors; arrival order does not matter. Duplicate names are an error: the
-    digest would otherwise depend on which copy wins."""
-    pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-    names = [n for n, _ in pairs]
-    if len(set(names)) != len(names):
-        dup = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"duplicate tensor names: {dup}")
+def tensor_fingerprint(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], mode: VerifyMode = "full") -> str:
+    """The fingerprint of a set of tensors (`tensor_digests`); arrival order does not matter."""
+    pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     return combine_digests(tensor_digests(pairs, mode), mode)

@@ -408,10 +408,7 @@ class PlannedPacker:
                 raise PlanError(f"the export yielded {name} twice")
             seen.add(name)
             src = tensor if isinstance(tensor, torch.Tensor) else torch.as_tensor(tensor)
-            if src.device != device:
-                src = src.to(device, non_blocking=True)
-            if not src.is_contiguous():
-                src = src.contiguous()
+            src = src.to(device, non_blocking=True).contiguous()  # (itself where it already is both)
             shape, stride = tuple(src.shape), src.stride()
             for pos, slot, op in uses:
                 if pos not in buffers:  # (the buffer is taken when the bucket's first source arrives)
