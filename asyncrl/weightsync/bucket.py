@@ -100,7 +100,7 @@ def digest_key_prefix(bucket: "Bucket | SharedBucket") -> str:
     return "" if bucket.rank is None else f"{bucket.rank}/"
 
 
-def pack_bucket(named: list[tuple[str, torch.Tensor]], device: torch.device | None = None,
+def pack_bucket(named: list[tuple[str, torch.Tensor]], device: torch.device | str | None = None,
                 alloc: Callable[[int], torch.Tensor] | None = None) -> Bucket:
     """Flatten contiguous tensors into one buffer (one copy per tensor): numpy when `device` is None (CPU tensors),
     else a uint8 tensor on `device` (theirs), from `alloc(nbytes)` when given (a reused buffer)."""
@@ -124,7 +124,6 @@ def iter_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float,
     """Pack a (name, tensor) stream, in order, into buckets of at most `bucket_mb` MiB of tensor bytes (a larger
     tensor goes alone in its own). Duplicate names raise: the fingerprint would depend on which copy wins. With
     `device`, buffers are uint8 tensors there (a collective transport broadcasts them from there), else numpy."""
-    device = torch.device(device) if device is not None else None
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb={bucket_mb!r} must be positive")
     cap = int(bucket_mb * (1 << 20))

@@ -417,12 +417,9 @@ class PlannedPacker:
                 whole = sv.offset == 0 and sv.shape == shape and sv.stride == stride  # type: ignore[union-attr]
                 sources[pos][slot] = src if whole else sv.of(src)  # type: ignore[union-attr]
                 remaining[pos] -= 1
-            while emitted < n and remaining[emitted] == 0:
+            while emitted < n and remaining[emitted] == 0:  # (every bucket has a source: build_plan)
                 yield emit(emitted)
                 emitted += 1
-        while emitted < n and remaining[emitted] == 0:
-            yield emit(emitted)
-            emitted += 1
         if emitted < n:
             missing = sorted({name for name, uses in uses_of.items() if name not in seen})
             raise PlanError(f"the export ended without {len(missing)} tensors the plan needs, e.g. {missing[:3]}")
