@@ -229,9 +229,7 @@ class PendingDigests:
             self._digests = self._digests_fn()
         elif self._digests is None:
             words = self._words.cpu().numpy().view(np.uint64) if self.device_words is not None \
-                else np.array(self._words, dtype=np.uint64)
-            if words.size != len(self.entries):
-                raise ValueError(f"{words.size} checksums for {len(self.entries)} tensors")
+                else np.array(self._words, dtype=np.uint64)  # (one a tensor: segment_checksums_lazy of the entries)
             heads = {key: _head(key, dtype, shape).copy() for key, dtype, shape, _, _ in self.entries}
             for (key, _, _, _, n), value in zip(self.entries, words.tolist()):  # (length, sum) per tensor
                 heads[key].update(int(n).to_bytes(8, "little") + int(value).to_bytes(8, "little"))
@@ -240,10 +238,8 @@ class PendingDigests:
 
     @staticmethod
     def merge(parts: Sequence["PendingDigests"]) -> "PendingDigests":
-        """One result of several (in order); where every part is still on the device, it is too, and
+        """One result of several of one mode (in order); where every part is still on the device, it is too, and
         reaches the host in one copy."""
-        if not parts or any(p.mode != parts[0].mode for p in parts):
-            raise ValueError("merge takes PendingDigests of one mode")
         entries, device = [e for p in parts for e in p.entries], [p.device_words for p in parts]
         if all(d is not None for d in device):  # one copy to host for all of them
             return PendingDigests(entries, parts[0].mode, words=torch.cat(device))  # type: ignore[arg-type]

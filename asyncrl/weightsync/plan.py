@@ -135,8 +135,7 @@ class _Recorder(TorchDispatchMode):
             return dst
         if getattr(func, "is_view", False) or func in (aten.detach.default, aten.alias.default):
             return func(*args, **kwargs)
-        touched = [a for a in list(args) + list(kwargs.values()) if self._key(a) is not None]
-        if touched:
+        if any(self._key(a) is not None for a in list(args) + list(kwargs.values())):
             self.unsupported.append(str(func))
             if func._schema.is_mutable:
                 return args[0]
@@ -336,8 +335,9 @@ class _PackProgram:
         self.fills: list[list[tuple[str, tuple[int, ...], tuple[int, ...], int, float]]] = []  # (..., value)
         self.dtypes: list[set[str]] = []
         for pos, b in enumerate(self.buckets):
-            slots: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
-            fills: list[tuple[str, tuple[int, ...], tuple[int, ...], int, float]] = []
+            slots, fills = [], []
+            self.copies.append(slots)
+            self.fills.append(fills)
             for p, off in b.params:
                 at = off // dtype_from_name(p.dtype).itemsize
                 for op in p.ops:
@@ -346,8 +346,6 @@ class _PackProgram:
                         continue
                     self.uses.setdefault(op.src, []).append((pos, len(slots), op))
                     slots.append((p.dtype, op.dst.shape, op.dst.stride, at + op.dst.offset))
-            self.copies.append(slots)
-            self.fills.append(fills)
             self.dtypes.append({p.dtype for p, _ in b.params})
         self.counts = [len(c) for c in self.copies]
 
