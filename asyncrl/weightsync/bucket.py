@@ -82,10 +82,6 @@ class Bucket:
     def __len__(self) -> int:
         return len(self.metas)
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) views, so a bucket can be handed to anything taking NamedTensors."""
-        return iter(unpack_bucket(self))
-
 
 def dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
