@@ -406,7 +406,8 @@ class PlannedPacker:
                 raise PlanError(f"the export yielded {name} twice")
             seen.add(name)
             src = tensor if isinstance(tensor, torch.Tensor) else torch.as_tensor(tensor)
-            src = src.to(device, non_blocking=True).contiguous()  # (itself where it already is both)
+            if src.device != device or not src.is_contiguous():
+                src = src.to(device, non_blocking=True).contiguous()
             shape, stride = tuple(src.shape), src.stride()
             for pos, slot, op in uses:
                 if pos not in buffers:  # (the buffer is taken when the bucket's first source arrives)
