@@ -130,8 +130,8 @@ class _Recorder(TorchDispatchMode):
             param = self.params.get(self._key(dst))
             if param is None:
                 self.unsupported.append(f"{func} on an untracked tensor")
-            else:
-                self.ops.setdefault(param, []).append(Op(self._view(dst), value=float(args[1]) if len(args) > 1 else 0.0))
+                return dst
+            self.ops.setdefault(param, []).append(Op(self._view(dst), value=float(args[1]) if len(args) > 1 else 0.0))
             return dst
         if getattr(func, "is_view", False) or func in (aten.detach.default, aten.alias.default):
             return func(*args, **kwargs)
