@@ -25,11 +25,12 @@ from typing import Any
 import torch
 
 from asyncrl.weightsync import plan as current
-from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, Op, ParamLayout, View
+from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, ParamLayout
 
 
-def qwen2_like(layers: int, hidden: int, vocab: int) -> tuple[list[ManifestEntry], EngineLayout]:
-    """The HF export and one engine rank's layout of a Qwen2-shaped model (tied embeddings)."""
+def qwen2_like(layers: int, hidden: int, vocab: int, m: Any = current) -> tuple[list[ManifestEntry], EngineLayout]:
+    """The HF export and one engine rank's layout of a Qwen2-shaped model (tied embeddings), in plan module `m`'s
+    types (a revision's plan.py reads its own)."""
     manifest: list[ManifestEntry] = []
     params: list[ParamLayout] = []
 
@@ -39,10 +40,10 @@ def qwen2_like(layers: int, hidden: int, vocab: int) -> tuple[list[ManifestEntry
         ops, row = [], 0
         for hf, rows in sources:
             hshape = (rows,) + shape[1:]
-            manifest.append(ManifestEntry(hf, "bfloat16", hshape))
-            ops.append(Op(View(row * cols, hshape, stride), hf, View(0, hshape, stride)))
+            manifest.append(m.ManifestEntry(hf, "bfloat16", hshape))
+            ops.append(m.Op(m.View(row * cols, hshape, stride), hf, m.View(0, hshape, stride)))
             row += rows
-        params.append(ParamLayout(name, "bfloat16", shape, tuple(ops)))
+        params.append(m.ParamLayout(name, "bfloat16", shape, tuple(ops)))
 
     h, kv, ffn = hidden, max(hidden // 7, 8), hidden * 5
     param("model.embed_tokens.weight", (vocab, h), [("model.embed_tokens.weight", vocab)])
@@ -58,7 +59,7 @@ def qwen2_like(layers: int, hidden: int, vocab: int) -> tuple[list[ManifestEntry
         param(p + "input_layernorm.weight", (h,), [(p + "input_layernorm.weight", h)])
         param(p + "post_attention_layernorm.weight", (h,), [(p + "post_attention_layernorm.weight", h)])
     param("model.norm.weight", (h,), [("model.norm.weight", h)])
-    return manifest, EngineLayout(0, tuple(params))
+    return manifest, m.EngineLayout(0, tuple(params))
 
 
 def plan_module_at(rev: str) -> Any:
@@ -92,12 +93,15 @@ def main() -> None:
             ap.error(f"--{flag} must be at least 1")
     if args.bucket_mb <= 0:
         ap.error("--bucket-mb must be positive")
-    manifest, layout = qwen2_like(args.layers, args.hidden, args.vocab)
+    manifest, _ = qwen2_like(args.layers, args.hidden, args.vocab)
     tensors = [(e.name, torch.randn(e.shape).to(torch.bfloat16)) for e in manifest]
     packers = {"current": current}
     if args.against:
         packers[args.against] = plan_module_at(args.against)
-    plans = {k: m.build_plan(manifest, [layout], args.bucket_mb) for k, m in packers.items()}  # each packer's own plan
+    plans = {}
+    for k, m in packers.items():  # each packer's own plan, of the same model in that module's types
+        own_manifest, own_layout = qwen2_like(args.layers, args.hidden, args.vocab, m)
+        plans[k] = m.build_plan(own_manifest, [own_layout], args.bucket_mb)
     packed = {}
     for k, m in packers.items():  # the same tensors' bytes from each (alignment gaps are not written)
         packed[k] = [[b.buffer[t.offset:t.offset + t.nbytes].clone() for t in b.metas]

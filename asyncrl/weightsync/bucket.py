@@ -60,7 +60,7 @@ class TensorMeta(NamedTuple):
 class Bucket:
     """A group of tensors flattened into one byte buffer: a numpy uint8 array, which Ray's pickle-5 path moves out
     of band (a replica reading it from the object store maps it read-only, no copy); inside a collective push, a
-    uint8 tensor on the sender's or receiver's device, which never leaves its process (`to_host` first)."""
+    uint8 tensor on the sender's or receiver's device, which never leaves its process."""
 
     buffer: np.ndarray
     metas: list[TensorMeta] = field(default_factory=list)
@@ -82,18 +82,6 @@ class Bucket:
     def __len__(self) -> int:
         return len(self.metas)
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) views, so a bucket can be handed to anything taking NamedTensors."""
-        return iter(unpack_bucket(self))
-
-    def to_host(self) -> "Bucket":
-        """This bucket with a numpy buffer in host memory: itself if it has one, else a device bucket copied once."""
-        if isinstance(self.buffer, np.ndarray):
-            return self
-        host = np.empty(int(self.buffer.numel()), dtype=np.uint8)
-        torch.from_numpy(host).copy_(self.buffer.view(torch.uint8).reshape(-1))
-        return Bucket(buffer=host, metas=list(self.metas), rank=self.rank)
-
 
 def dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
@@ -108,21 +96,19 @@ def digest_key_prefix(bucket: "Bucket | SharedBucket") -> str:
     return "" if bucket.rank is None else f"{bucket.rank}/"
 
 
-def pack_bucket(named: list[tuple[str, torch.Tensor]], device: torch.device | None = None,
+def pack_bucket(named: list[tuple[str, torch.Tensor]], device: torch.device | str | None = None,
                 alloc: Callable[[int], torch.Tensor] | None = None) -> Bucket:
     """Flatten contiguous tensors into one buffer (one copy per tensor): numpy when `device` is None (CPU tensors),
     else a uint8 tensor on `device` (theirs), from `alloc(nbytes)` when given (a reused buffer)."""
-    metas: list[TensorMeta] = []
-    offset = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
-        offset = _align(offset + nbytes)
+    sizes = [t.numel() * t.element_size() for _, t in named]
+    offsets, total = windows(sizes)
+    metas = [TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), at, nbytes)
+             for (name, t), at, nbytes in zip(named, offsets, sizes)]
     if device is None:
-        buffer: Any = np.empty(offset, dtype=np.uint8)
+        buffer: Any = np.empty(total, dtype=np.uint8)
         flat = torch.from_numpy(buffer)
     else:
-        buffer = flat = alloc(offset) if alloc is not None else torch.empty(offset, dtype=torch.uint8, device=device)
+        buffer = flat = alloc(total) if alloc is not None else torch.empty(total, dtype=torch.uint8, device=device)
     for meta, (_, t) in zip(metas, named):
         if meta.nbytes:  # through uint8, so dtypes numpy lacks (bfloat16, float8) copy bit-exactly
             flat[meta.offset : meta.offset + meta.nbytes].copy_(t.reshape(-1).view(torch.uint8))
@@ -134,7 +120,6 @@ def iter_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float,
     """Pack a (name, tensor) stream, in order, into buckets of at most `bucket_mb` MiB of tensor bytes (a larger
     tensor goes alone in its own). Duplicate names raise: the fingerprint would depend on which copy wins. With
     `device`, buffers are uint8 tensors there (a collective transport broadcasts them from there), else numpy."""
-    device = torch.device(device) if device is not None else None
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb={bucket_mb!r} must be positive")
     cap = int(bucket_mb * (1 << 20))
@@ -158,22 +143,16 @@ def iter_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float,
         yield pack_bucket(pending, device, alloc)
 
 
-def _flat_tensor(buffer: Any) -> torch.Tensor:
-    if isinstance(buffer, torch.Tensor):
-        return buffer.view(torch.uint8).reshape(-1)
-    array = np.asarray(buffer)
-    if array.dtype != np.uint8:
-        array = array.view(np.uint8)
-    with warnings.catch_warnings():
-        # Buckets read from the object store are read-only mappings; the views are only read
-        # (hashed or copied into the engine), never written.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(array.reshape(-1))
-
-
 def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) views into the bucket buffer: no copy. Read-only if the buffer is."""
-    flat = _flat_tensor(bucket.buffer)
+    if isinstance(bucket.buffer, torch.Tensor):
+        flat = bucket.buffer.view(torch.uint8).reshape(-1)
+    else:
+        with warnings.catch_warnings():
+            # Buckets read from the object store are read-only mappings; the views are only read
+            # (hashed or copied into the engine), never written.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(np.asarray(bucket.buffer).view(np.uint8).reshape(-1))
     out = []
     for m in bucket.metas:
         dtype = dtype_from_name(m.dtype)
@@ -330,7 +309,7 @@ def write_shared(bucket: Bucket, allocator: SharedAllocator | None = None) -> Sh
     return SharedBucket(path, list(bucket.metas), bucket.nbytes, bucket.rank)
 
 
-# ---- where a gloo / NCCL sender packs a whole planned version (stream.py's `_send_whole`) ------------------
+# ---- where a gloo / NCCL sender packs a whole planned version (stream.py's `broadcast_send_stream`) ------------------
 
 def whole_arena(planned: list[Any], device: torch.device) -> Callable[[Any], torch.Tensor]:
     """One allocation for a sender's whole planned version, each bucket a 64-byte-aligned window by plan index, so
@@ -361,8 +340,6 @@ class SenderRing:
         arena = torch.empty(total, dtype=torch.uint8, device=device)
         self._slots = [arena.narrow(0, at, size) for at in starts]
         self._size, self._device, self.deadline = size, device, deadline
-        self.nbytes = total  # device memory the ring holds (more where it grew)
-        self.grown = 0  # slots added because the export opened more buckets at once than the plan's order does
         self._free = list(range(count - 1, -1, -1))
         self._open: dict[int, int] = {}  # plan index -> slot, being packed
         self._flight: deque[tuple[int, Any, Any]] = deque()  # (slot, Broadcasts, host copy), sent
@@ -372,15 +349,12 @@ class SenderRing:
         if not self._free and not self._flight:  # every slot holds a bucket still being packed: one more slot
             self._slots.append(torch.empty(self._size, dtype=torch.uint8, device=self._device))
             self._free.append(len(self._slots) - 1)
-            self.grown += 1
-            self.nbytes += self._size
         if not self._free:
             t = time.perf_counter()
             slot, sending, copy = self._flight.popleft()
-            if sending is not None:
+            if sending is not None:  # (None: an empty bucket, nothing on the wire)
                 sending.wait()
-            if copy is not None:
-                copy.wait(self.deadline)
+            copy.wait(self.deadline)
             self.waited += time.perf_counter() - t
             self._free.append(slot)
         slot = self._free.pop()

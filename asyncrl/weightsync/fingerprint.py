@@ -47,9 +47,11 @@ def _device_table(device: torch.device) -> torch.Tensor:
 # ---- host --------------------------------------------------------------------------------------
 
 
-def _host_words(flat: np.ndarray) -> int:
-    """The checksum of a uint8 array whose length is a multiple of 8."""
-    words = flat.view(np.uint64) if flat.ctypes.data % 8 == 0 else flat.copy().view(np.uint64)
+def _host_segment(flat: np.ndarray) -> int:
+    """The checksum of a uint8 array."""
+    n = int(flat.size)
+    whole = n - n % 8
+    words = flat[:whole].view(np.uint64) if flat.ctypes.data % 8 == 0 else flat[:whole].copy().view(np.uint64)
     total = 0
     tmp = np.empty(min(CH, max(1, int(words.size))), dtype=np.uint64)
     for c, a in enumerate(range(0, int(words.size), CH)):
@@ -57,18 +59,10 @@ def _host_words(flat: np.ndarray) -> int:
         k = int(w.size)
         np.multiply(w, _HOST_TABLE[:k], out=tmp[:k])
         total += int(tmp[:k].sum(dtype=np.uint64)) * (2 * c + 1)
-    return total & _MASK
-
-
-def _host_segment(flat: np.ndarray) -> int:
-    n = int(flat.size)
-    whole = n - n % 8
-    value = _host_words(flat[:whole]) if whole else 0
     if whole != n:  # the last word, zero-padded, at word index whole // 8
         c, j = divmod(whole // 8, CH)
-        tail = int.from_bytes(flat[whole:].tobytes().ljust(8, b"\0"), "little")
-        value = (value + tail * int(_HOST_TABLE[j]) * (2 * c + 1)) & _MASK
-    return value
+        total += int.from_bytes(flat[whole:].tobytes().ljust(8, b"\0"), "little") * int(_HOST_TABLE[j]) * (2 * c + 1)
+    return total & _MASK
 
 
 # ---- device ------------------------------------------------------------------------------------
@@ -174,7 +168,6 @@ def segment_checksums(buffer: Any, segments: Sequence[Segment]) -> list[int]:
     return [int(v) & _MASK for v in sums.cpu().tolist()] if isinstance(sums, torch.Tensor) else sums
 
 
-NamedTensors = Mapping[str, Any] | Iterable[tuple[str, Any]]
 VerifyMode = Literal["full", "checksum", "off"]
 VERIFY_MODES: tuple[str, ...] = ("full", "checksum", "off")
 
@@ -202,14 +195,10 @@ def fingerprint_mode(fingerprint: str) -> VerifyMode:
     return mode  # type: ignore[return-value]
 
 
-def _head(name: str, dtype: Any, shape: Any) -> Any:
-    """A fresh sha256 fed the tensor's name, dtype and shape (what every mode hashes first)."""
-    return _head_state(name, str(dtype), tuple(shape)).copy()
-
-
 @functools.lru_cache(maxsize=1 << 16)
-def _head_state(name: str, dtype: str, shape: tuple[int, ...]) -> Any:
-    # A push hashes the same few hundred (name, dtype, shape) heads every time: kept, and copied.
+def _head(name: str, dtype: str, shape: tuple[int, ...]) -> Any:
+    """A sha256 fed the tensor's name, dtype and shape (what every mode hashes first), kept (a push hashes the same
+    few hundred heads every time): copy it before feeding it more."""
     h = hashlib.sha256()
     h.update(name.encode() + b"\0" + dtype.encode() + b"\0" + repr(shape).encode() + b"\0")
     return h
@@ -240,10 +229,8 @@ class PendingDigests:
             self._digests = self._digests_fn()
         elif self._digests is None:
             words = self._words.cpu().numpy().view(np.uint64) if self.device_words is not None \
-                else np.array(self._words, dtype=np.uint64)
-            if words.size != len(self.entries):
-                raise ValueError(f"{words.size} checksums for {len(self.entries)} tensors")
-            heads = {key: _head(key, dtype, shape) for key, dtype, shape, _, _ in self.entries}
+                else np.array(self._words, dtype=np.uint64)  # (one a tensor: segment_checksums_lazy of the entries)
+            heads = {key: _head(key, dtype, shape).copy() for key, dtype, shape, _, _ in self.entries}
             for (key, _, _, _, n), value in zip(self.entries, words.tolist()):  # (length, sum) per tensor
                 heads[key].update(int(n).to_bytes(8, "little") + int(value).to_bytes(8, "little"))
             self._digests = {k: h.digest() for k, h in heads.items()}
@@ -251,10 +238,8 @@ class PendingDigests:
 
     @staticmethod
     def merge(parts: Sequence["PendingDigests"]) -> "PendingDigests":
-        """One result of several (in order); where every part is still on the device, it is too, and
+        """One result of several of one mode (in order); where every part is still on the device, it is too, and
         reaches the host in one copy."""
-        if not parts or any(p.mode != parts[0].mode for p in parts):
-            raise ValueError("merge takes PendingDigests of one mode")
         entries, device = [e for p in parts for e in p.entries], [p.device_words for p in parts]
         if all(d is not None for d in device):  # one copy to host for all of them
             return PendingDigests(entries, parts[0].mode, words=torch.cat(device))  # type: ignore[arg-type]
@@ -268,7 +253,7 @@ def _digests_lazy(flat: Any, entries: list[Entry], mode: VerifyMode) -> PendingD
         return PendingDigests(entries, mode, digests=lambda: {k: _head(k, d, s).digest() for k, d, s, _, _ in entries})
     if mode == "checksum":  # each tensor's checksum, read where the bytes are (one pass for all)
         return PendingDigests(entries, mode, words=segment_checksums_lazy(flat, [(o, n) for _, _, _, o, n in entries]))
-    heads = {key: _head(key, dtype, shape) for key, dtype, shape, _, _ in entries}
+    heads = {key: _head(key, dtype, shape).copy() for key, dtype, shape, _, _ in entries}
     if isinstance(flat, torch.Tensor) and flat.device.type != "cpu":
         # `full` on a device (checksum is its fast mode): the bytes copied to host in stream order, so a later
         # write into the buffer (a ring's slot reused) cannot reach what is hashed; no device memory is taken
@@ -295,14 +280,16 @@ def _sha(array: np.ndarray, entries: list[Entry], heads: dict[str, Any]) -> dict
 
 
 def tensor_digests(pairs: Iterable[tuple[str, Any]], mode: VerifyMode = "full") -> dict[str, bytes]:
-    """sha256 of each (name, tensor)'s name, dtype, shape and (by `mode`) bytes."""
+    """sha256 of each (name, tensor)'s name, dtype, shape and (by `mode`) bytes. Duplicate names are an error: the
+    digest would otherwise depend on which copy wins."""
     check_verify_mode(mode)
     out: dict[str, bytes] = {}
     for name, tensor in pairs:
         if not isinstance(name, str) or not name:
             raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
-        t = tensor.detach().contiguous() if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu" \
-            else contiguous_tensor(tensor)
+        if name in out:
+            raise ValueError(f"duplicate tensor names: [{name!r}]")
+        t = contiguous_tensor(tensor, tensor.device if isinstance(tensor, torch.Tensor) else None)  # (where it is)
         flat = _flat(t)
         out.update(_digests_lazy(flat, [(name, str(t.dtype), tuple(t.shape), 0, len(flat))], mode)())
     return out
@@ -331,20 +318,14 @@ def buckets_digests_lazy(buckets: Sequence[tuple[Any, str]], mode: VerifyMode = 
 
 
 def combine_digests(digests: Mapping[str, bytes], mode: VerifyMode = "full") -> str:
-    """The fingerprint of a set of tensors from their digests (any arrival order)."""
-    check_verify_mode(mode)
+    """The fingerprint of a set of tensors from their digests (any arrival order), in a checked `mode`."""
     h = hashlib.sha256()
     for name in sorted(digests):
         h.update(name.encode() + b"\0" + digests[name])
     return f"{mode}:{h.hexdigest()}"
 
 
-def tensor_fingerprint(named_tensors: NamedTensors, mode: VerifyMode = "full") -> str:
-    """The fingerprint of a set of tensors; arrival order does not matter. Duplicate names are an error: the
-    digest would otherwise depend on which copy wins."""
-    pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-    names = [n for n, _ in pairs]
-    if len(set(names)) != len(names):
-        dup = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"duplicate tensor names: {dup}")
+def tensor_fingerprint(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], mode: VerifyMode = "full") -> str:
+    """The fingerprint of a set of tensors (`tensor_digests`); arrival order does not matter."""
+    pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     return combine_digests(tensor_digests(pairs, mode), mode)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from asyncrl.weightsync.bucket import ALIGN, Bucket, TensorMeta, dtype_from_name, iter_buckets
+from asyncrl.weightsync.bucket import ALIGN, Bucket, TensorMeta, dtype_from_name, iter_buckets, unpack_bucket
 
 aten = torch.ops.aten
 
@@ -40,10 +40,6 @@ class View:
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
     def of(self, base: torch.Tensor) -> torch.Tensor:
         """This window of `base` (a contiguous tensor or view)."""
@@ -94,11 +90,6 @@ class EngineLayout:
     params: tuple[ParamLayout, ...]
     problem: str = ""
 
-    @property
-    def digest(self) -> str:
-        """Identifies the layout (names, dtypes, shapes, ops); equal across replicas that agree."""
-        return hashlib.sha256(repr((self.rank, self.params, self.problem)).encode()).hexdigest()[:24]
-
 
 # ---- reading the layout from the engine's own loaders ----------------------------------------------
 
@@ -122,44 +113,33 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        # (a copy or fill touching no meta tensor falls through: it runs)
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
             param, source = self.params.get(self._key(dst)), self.sources.get(self._key(src))
-            if param is None or source is None:
-                if self._key(dst) is not None or self._key(src) is not None:
-                    self.unsupported.append(f"a copy the plan cannot follow (into {param or 'an untracked tensor'} "
-                                            f"from {source or 'a derived tensor'})")
-                    return dst
-                return func(*args, **kwargs)
-            if dst.dtype != src.dtype and src.dtype.is_floating_point != dst.dtype.is_floating_point:
-                self.unsupported.append(f"{param}: copies {src.dtype} into {dst.dtype}")
-            self.ops.setdefault(param, []).append(Op(self._view(dst), source, self._view(src)))
-            return dst
-        if func in (aten.fill_.Scalar, aten.zero_.default):
-            dst = args[0]
+            if param is not None and source is not None:
+                if dst.dtype != src.dtype and src.dtype.is_floating_point != dst.dtype.is_floating_point:
+                    self.unsupported.append(f"{param}: copies {src.dtype} into {dst.dtype}")
+                self.ops.setdefault(param, []).append(Op(self._view(dst), source, self._view(src)))
+                return dst
+            if self._key(dst) is not None or self._key(src) is not None:
+                self.unsupported.append(f"a copy the plan cannot follow (into {param or 'an untracked tensor'} "
+                                        f"from {source or 'a derived tensor'})")
+                return dst
+        elif func in (aten.fill_.Scalar, aten.zero_.default) and self._key(dst := args[0]) is not None:
             param = self.params.get(self._key(dst))
             if param is None:
-                if self._key(dst) is not None:
-                    self.unsupported.append(f"{func} on an untracked tensor")
-                    return dst
-                return func(*args, **kwargs)
+                self.unsupported.append(f"{func} on an untracked tensor")
+                return dst
             self.ops.setdefault(param, []).append(Op(self._view(dst), value=float(args[1]) if len(args) > 1 else 0.0))
             return dst
         if getattr(func, "is_view", False) or func in (aten.detach.default, aten.alias.default):
             return func(*args, **kwargs)
-        touched = [a for a in list(args) + list(kwargs.values()) if self._key(a) is not None]
-        if touched:
+        if any(self._key(a) is not None for a in list(args) + list(kwargs.values())):
             self.unsupported.append(str(func))
             if func._schema.is_mutable:
                 return args[0]
         return func(*args, **kwargs)
-
-
-def _meta_twin(p: torch.nn.Parameter) -> torch.nn.Parameter:
-    data = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
-    twin = torch.nn.Parameter._make_subclass(type(p), data, False)
-    twin.__dict__.update(p.__dict__)  # weight_loader, output_dim, input_dim, packed_dim, ...
-    return twin
 
 
 def probe_layout(model: torch.nn.Module, manifest: Sequence[ManifestEntry], rank: int = 0,
@@ -175,26 +155,20 @@ def probe_layout(model: torch.nn.Module, manifest: Sequence[ManifestEntry], rank
         for key, p in list(module._parameters.items()):
             if p is None:
                 continue
-            if id(p) not in twins:
-                twins[id(p)] = _meta_twin(p)
+            if id(p) not in twins:  # the same class and attributes (weight_loader, output_dim, ...), on meta
+                data = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
+                twins[id(p)] = torch.nn.Parameter._make_subclass(type(p), data, False)
+                twins[id(p)].__dict__.update(p.__dict__)
             saved.append((module, key, p))
             module._parameters[key] = twins[id(p)]
     param_keys = {twins[id(p)].untyped_storage()._cdata: n for n, p in live.items()}
-    source_keys: dict[int, str] = {}
-    keep: list[torch.Tensor] = []  # source storages must stay alive: their ids key the table
-
-    def sources() -> Iterator[tuple[str, torch.Tensor]]:
-        for entry in manifest:
-            t = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype), device="meta")
-            keep.append(t)
-            source_keys[t.untyped_storage()._cdata] = entry.name
-            yield entry.name, t
-
-    recorder = _Recorder(param_keys, source_keys)
+    # (the list keeps the source storages alive: their ids key the table)
+    sources = [(e.name, torch.empty(e.shape, dtype=dtype_from_name(e.dtype), device="meta")) for e in manifest]
+    recorder = _Recorder(param_keys, {t.untyped_storage()._cdata: name for name, t in sources})
     problem = ""
     try:
         with recorder:
-            (load or model.load_weights)(sources())  # type: ignore[operator]
+            (load or model.load_weights)(iter(sources))  # type: ignore[operator]
     except Exception as err:  # a loader that needs real data
         problem = f"the engine's weight loaders could not run on the plan's probe ({type(err).__name__}: {err})"
     finally:
@@ -210,20 +184,18 @@ def probe_layout(model: torch.nn.Module, manifest: Sequence[ManifestEntry], rank
         if not ops:
             untouched.append(name)
             continue
-        layout = ParamLayout(name, str(p.dtype).removeprefix("torch."), tuple(int(s) for s in p.shape), ops)
-        covered = sum(op.dst.numel for op in ops)
+        covered = sum(math.prod(op.dst.shape) for op in ops)
         if covered != p.numel() and not problem:
             problem = f"{name}: the loaders write {covered} of its {p.numel()} elements"
-        params.append(layout)
+        params.append(ParamLayout(name, str(p.dtype).removeprefix("torch."), tuple(int(s) for s in p.shape), ops))
     if untouched and not problem:
         problem = f"{len(untouched)} engine parameters get nothing from the export, e.g. {untouched[:3]}"
     return EngineLayout(rank, tuple(params), problem)
 
 
 def same_ops(a: EngineLayout, b: EngineLayout) -> bool:
-    """Two layouts copy the same windows into the same parameters (source dtypes aside)."""
-    return a.rank == b.rank and [(p.name, p.dtype, p.shape, p.ops) for p in a.params] == \
-        [(p.name, p.dtype, p.shape, p.ops) for p in b.params]
+    """Two layouts copy the same windows into the same parameters (their problems aside)."""
+    return a.rank == b.rank and a.params == b.params
 
 
 def verify_layout(layout: EngineLayout, live: dict[str, torch.Tensor], read: Callable[[str], torch.Tensor]) -> str:
@@ -244,9 +216,8 @@ def verify_layout(layout: EngineLayout, live: dict[str, torch.Tensor], read: Cal
                 op.dst.of(rebuilt).fill_(op.value)
                 continue
             if op.src not in cache:
-                cache[op.src] = read(op.src).to(target.device)
-            # (contiguous() is the tensor itself when it already is)
-            op.dst.of(rebuilt).copy_(op.src_view.of(cache[op.src].contiguous()))  # type: ignore[union-attr]
+                cache[op.src] = read(op.src).to(target.device).contiguous()
+            op.dst.of(rebuilt).copy_(op.src_view.of(cache[op.src]))  # type: ignore[union-attr]
         if not torch.equal(rebuilt, target.detach()):
             return (f"{p.name}: the engine's loaded values differ from its loaders' copies of the checkpoint "
                     "(post-load processing changed them)")
@@ -334,16 +305,15 @@ def build_plan(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout
                 offset += size
             if current:
                 chunks[rank].append((current, offset))
-        index = 0
+        first = len(buckets)  # (a bucket's index counts the sender's buckets before it)
         for k in range(max(len(c) for c in chunks.values())):
             for rank in ranks:  # ranks interleaved: bucket k of every rank holds the same sources
                 if k < len(chunks[rank]):
                     chunk, nbytes = chunks[rank][k]
-                    buckets.append(PlannedBucket(sender, rank, index, nbytes, tuple(chunk)))
-                    index += 1
+                    buckets.append(PlannedBucket(sender, rank, len(buckets) - first, nbytes, tuple(chunk)))
     blob = json.dumps([[b.sender, b.rank, b.nbytes, [[p.name, p.dtype, list(p.shape), off] for p, off in b.params]]
                        for b in buckets] + [[e.name, e.dtype, list(e.shape), e.sender] for e in manifest]
-                      + [lay.digest for lay in layouts])
+                      + [repr((lay.rank, lay.params, lay.problem)) for lay in layouts])
     plan_id = hashlib.sha256(blob.encode()).hexdigest()[:16]
     return PushPlan(plan_id, len(ranks), len(senders_used), tuple(buckets), tuple(manifest), tuple(layouts))
 
@@ -354,35 +324,28 @@ def build_plan(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout
 class _PackProgram:
     """What packing one sender's part of a plan does, worked out once per (plan, sender) and kept (`_program`):
     the pack runs in Python per exported tensor on every push, on the sender's path to the wire. Per bucket: its
-    tensors' table, its copies (one slot each, in plan order) and its fills; per source: the slots it goes to, and
-    whether each takes the whole tensor (as the manifest shapes it) or a strided window of it."""
+    tensors' table, its copies (one slot each, in plan order) and its fills; per source: the slots it goes to."""
 
     def __init__(self, plan: PushPlan, sender: int) -> None:
         self.buckets = plan.for_sender(sender)
         self.metas = [b.metas() for b in self.buckets]
-        self.shapes = {e.name: torch.Size(e.shape) for e in plan.manifest}
-        # source name -> [(bucket position, slot, whole, op)]
-        self.uses: dict[str, list[tuple[int, int, bool, Op]]] = {}
+        self.uses: dict[str, list[tuple[int, int, Op]]] = {}  # source name -> [(bucket position, slot, op)]
         # per bucket, each window as (dtype, shape, stride, element offset in the buffer viewed in that dtype):
         self.copies: list[list[tuple[str, tuple[int, ...], tuple[int, ...], int]]] = []  # by slot
         self.fills: list[list[tuple[str, tuple[int, ...], tuple[int, ...], int, float]]] = []  # (..., value)
         self.dtypes: list[set[str]] = []
         for pos, b in enumerate(self.buckets):
-            slots: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
-            fills: list[tuple[str, tuple[int, ...], tuple[int, ...], int, float]] = []
+            slots, fills = [], []
+            self.copies.append(slots)
+            self.fills.append(fills)
             for p, off in b.params:
                 at = off // dtype_from_name(p.dtype).itemsize
                 for op in p.ops:
                     if op.src is None:
                         fills.append((p.dtype, op.dst.shape, op.dst.stride, at + op.dst.offset, op.value))
                         continue
-                    shape, sv = self.shapes.get(op.src), op.src_view
-                    whole = (shape is not None and sv is not None and sv.offset == 0 and sv.shape == tuple(shape)
-                             and sv.stride == torch.empty(shape, device="meta").stride())
-                    self.uses.setdefault(op.src, []).append((pos, len(slots), whole, op))
+                    self.uses.setdefault(op.src, []).append((pos, len(slots), op))
                     slots.append((p.dtype, op.dst.shape, op.dst.stride, at + op.dst.offset))
-            self.copies.append(slots)
-            self.fills.append(fills)
             self.dtypes.append({p.dtype for p, _ in b.params})
         self.counts = [len(c) for c in self.copies]
 
@@ -397,37 +360,18 @@ class PlannedPacker:
 
     `buffer(bucket)` returns the uint8 buffer (a tensor, on the host too) to pack a bucket into (a reused one, e.g.
     a persistent IPC buffer); by default a fresh one on `device`. The stream must carry every source the plan names,
-    each once; extra tensors are listed in `unused` and ignored."""
+    each once; extra tensors are ignored."""
 
     def __init__(self, plan: PushPlan, sender: int, device: torch.device | str,
                  buffer: Callable[[PlannedBucket], torch.Tensor] | None = None) -> None:
         self.plan = plan
         self.device = torch.device(device)
         self._prog = _program(plan, sender)
-        self.buckets = self._prog.buckets
         self._buffer = buffer or (lambda b: torch.empty(b.nbytes, dtype=torch.uint8, device=self.device))
-        self.unused: list[str] = []
-
-    def _targets(self, pos: int, buf: torch.Tensor) -> list[torch.Tensor]:
-        """Bucket `pos`'s copy destinations in `buf` (by slot), its fills written."""
-        typed: dict[str, tuple[torch.Tensor, int]] = {}  # the buffer viewed in each dtype, and its storage offset
-        for dtype in self._prog.dtypes[pos]:
-            dt = dtype_from_name(dtype)
-            t = buf[: buf.numel() - buf.numel() % dt.itemsize].view(dt)
-            # (as_strided's offset is the storage's: a buffer may be a window of a larger one, whole_arena)
-            typed[dtype] = (t, t.storage_offset())
-        for dtype, shape, stride, at, value in self._prog.fills[pos]:
-            t, base = typed[dtype]
-            t.as_strided(shape, stride, base + at).fill_(value)
-        out = []
-        for dtype, shape, stride, at in self._prog.copies[pos]:
-            t, base = typed[dtype]
-            out.append(t.as_strided(shape, stride, base + at))
-        return out
 
     def pack(self, named_tensors: Iterable[tuple[str, Any]]) -> Iterator[Bucket]:
         prog, n = self._prog, len(self._prog.buckets)
-        uses_of, shapes, device = prog.uses, prog.shapes, self.device
+        uses_of, device = prog.uses, self.device
         remaining = list(prog.counts)
         buffers: dict[int, torch.Tensor] = {}
         # a bucket's sources by slot, copied together once it is complete (one fused call, not one per op)
@@ -438,43 +382,43 @@ class PlannedPacker:
         def emit(pos: int) -> Bucket:
             buf = buffers.pop(pos, None)
             if buf is None:
-                buf = self._buffer(self.buckets[pos])
-            dst = self._targets(pos, buf)
+                buf = self._buffer(prog.buckets[pos])
+            typed: dict[str, tuple[torch.Tensor, int]] = {}  # the buffer viewed in each dtype, and its storage offset
+            for dtype in prog.dtypes[pos]:
+                dt = dtype_from_name(dtype)
+                t = buf[: buf.numel() - buf.numel() % dt.itemsize].view(dt)
+                # (as_strided's offset is the storage's: a buffer may be a window of a larger one, whole_arena)
+                typed[dtype] = (t, t.storage_offset())
+            for dtype, shape, stride, at, value in prog.fills[pos]:
+                t, base = typed[dtype]
+                t.as_strided(shape, stride, base + at).fill_(value)
+            dst = [typed[d][0].as_strided(shape, stride, typed[d][1] + at) for d, shape, stride, at in prog.copies[pos]]
             if dst:
                 torch._foreach_copy_(dst, sources[pos])
             sources[pos] = []
-            return Bucket(buffer=buf, metas=list(prog.metas[pos]), rank=self.buckets[pos].rank)
+            return Bucket(buffer=buf, metas=list(prog.metas[pos]), rank=prog.buckets[pos].rank)
 
         for name, tensor in named_tensors:
             uses = uses_of.get(name)
-            if uses is None:
-                self.unused.append(name)
+            if uses is None:  # (a tensor no engine parameter takes)
                 continue
             if name in seen:
                 raise PlanError(f"the export yielded {name} twice")
             seen.add(name)
             src = tensor if isinstance(tensor, torch.Tensor) else torch.as_tensor(tensor)
-            if src.device != device:
-                src = src.to(device, non_blocking=True)
-            if not src.is_contiguous():
-                src = src.contiguous()
-            as_planned = src.shape == shapes[name]
-            for pos, slot, whole, op in uses:
+            if src.device != device or not src.is_contiguous():
+                src = src.to(device, non_blocking=True).contiguous()
+            shape, stride = tuple(src.shape), src.stride()
+            for pos, slot, op in uses:
                 if pos not in buffers:  # (the buffer is taken when the bucket's first source arrives)
-                    buffers[pos] = self._buffer(self.buckets[pos])
-                if whole and as_planned:
-                    sources[pos][slot] = src
-                else:
-                    sv = op.src_view
-                    same = sv.offset == 0 and sv.shape == tuple(src.shape) and sv.stride == tuple(src.stride())  # type: ignore[union-attr]
-                    sources[pos][slot] = src if same else sv.of(src)  # type: ignore[union-attr]
+                    buffers[pos] = self._buffer(prog.buckets[pos])
+                sv = op.src_view
+                whole = sv.offset == 0 and sv.shape == shape and sv.stride == stride  # type: ignore[union-attr]
+                sources[pos][slot] = src if whole else sv.of(src)  # type: ignore[union-attr]
                 remaining[pos] -= 1
-            while emitted < n and remaining[emitted] == 0:
+            while emitted < n and remaining[emitted] == 0:  # (every bucket has a source: build_plan)
                 yield emit(emitted)
                 emitted += 1
-        while emitted < n and remaining[emitted] == 0:
-            yield emit(emitted)
-            emitted += 1
         if emitted < n:
             missing = sorted({name for name, uses in uses_of.items() if name not in seen})
             raise PlanError(f"the export ended without {len(missing)} tensors the plan needs, e.g. {missing[:3]}")
@@ -527,11 +471,10 @@ def hf_from_engine(plan: PushPlan, buckets: Iterable[Bucket]) -> dict[str, torch
         b = by_key.get((bucket.rank, tuple(bucket.names)))
         if b is None:
             raise PlanError(f"a bucket of rank {bucket.rank} starting with {bucket.names[:1]} is not in plan {plan.plan_id}")
-        flat = torch.from_numpy(bucket.to_host().buffer)  # (to_host: always a numpy buffer)
-        for p, off in b.params:
-            view = flat[off : off + p.nbytes].view(dtype_from_name(p.dtype)).view(p.shape)
+        views = dict(unpack_bucket(bucket))  # (on its device: each copy lands in a host tensor)
+        for p, _ in b.params:
             for op in (op for op in p.ops if op.src is not None):
-                op.src_view.of(out[op.src]).copy_(op.dst.of(view))  # type: ignore[union-attr]
+                op.src_view.of(out[op.src]).copy_(op.dst.of(views[p.name]))  # type: ignore[union-attr]
                 seen.add(op.src)
     missing = [e.name for e in plan.manifest if e.name not in seen]
     if missing:

@@ -95,6 +95,8 @@ def test_an_export_that_repeats_or_misses_a_tensor_is_refused():
         list(PlannedPacker(plan, 0, "cpu").pack([tensors[0]] + tensors))
     with pytest.raises(PlanError, match=r"without 1 tensors the plan needs, e.g. \['w'\]"):
         list(PlannedPacker(plan, 0, "cpu").pack(tensors[:-1]))
-    packer = PlannedPacker(plan, 0, "cpu")
-    list(packer.pack(tensors + [("extra", torch.zeros(1))]))
-    assert packer.unused == ["extra"]
+    # a tensor no engine parameter takes is passed over: the same buckets as without it
+    extra = list(PlannedPacker(plan, 0, "cpu").pack(tensors[:3] + [("extra", torch.zeros(1))] + tensors[3:]))
+    plain = list(PlannedPacker(plan, 0, "cpu").pack(tensors))
+    assert [b.metas for b in extra] == [b.metas for b in plain]
+    assert all(torch.equal(a.buffer, b.buffer) for a, b in zip(extra, plain))
