@@ -309,7 +309,7 @@ def write_shared(bucket: Bucket, allocator: SharedAllocator | None = None) -> Sh
     return SharedBucket(path, list(bucket.metas), bucket.nbytes, bucket.rank)
 
 
-# ---- where a gloo / NCCL sender packs a whole planned version (stream.py's `broadcast_send_stream`) ------------------
+# ---- where a gloo / NCCL sender packs a whole planned version (stream.py's `broadcast_send_stream`) ----------
 
 def whole_arena(planned: list[Any], device: torch.device) -> Callable[[Any], torch.Tensor]:
     """One allocation for a sender's whole planned version, each bucket a 64-byte-aligned window by plan index, so
