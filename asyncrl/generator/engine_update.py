@@ -38,11 +38,10 @@ from asyncrl.types import (
 )
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, iter_buckets, write_shared
 from asyncrl.weightsync.collective import CollectiveReceive
-from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
+from asyncrl.weightsync.fingerprint import check_verify_mode, combine_digests, fingerprint_mode
 from asyncrl.weightsync.ipc import IpcBucket
 from asyncrl.weightsync.plan import PlanError, build_plan, plan_misfit
 from asyncrl.weightsync.transport import is_object_ref
-from asyncrl.weightsync.worker_verbs import check_begin
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +132,9 @@ class WeightUpdates:
             raise WeightUpdateError(f"replica {self.replica_id}: version {version!r} must be an int >= 0")
         plan_id = begin.plan_id
         try:
-            check_begin(begin.verify, begin.layout)
+            check_verify_mode(begin.verify)
+            if begin.layout not in ("hf", "engine"):
+                raise ValueError(f"layout {begin.layout!r} is not 'hf' or 'engine'")
             if begin.layout == "engine" and (self.plan_id is None or (plan_id is not None and plan_id != self.plan_id)):
                 raise PlanMissing(f"an engine-layout push for plan {plan_id} but this replica holds plan {self.plan_id}")
         except ValueError as err:

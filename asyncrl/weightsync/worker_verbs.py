@@ -23,16 +23,9 @@ import torch
 
 from asyncrl.types import ApplyReport, LayoutCheck, ReceiveReport
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, digest_key_prefix, metas_from_wire, unpack_bucket
-from asyncrl.weightsync.fingerprint import PendingDigests, buckets_digests_lazy, check_verify_mode
+from asyncrl.weightsync.fingerprint import PendingDigests, buckets_digests_lazy
 from asyncrl.weightsync.ipc import ipc_open
 from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, probe_layout, same_ops, verify_layout
-
-
-def check_begin(verify: str, layout: str) -> None:
-    """ValueError unless an update's verify mode and layout are known ones."""
-    check_verify_mode(verify)
-    if layout not in ("hf", "engine"):
-        raise ValueError(f"layout {layout!r} is not 'hf' or 'engine'")
 
 
 class EngineHooks(Protocol):
@@ -121,8 +114,7 @@ class WorkerReceiver:
 
     def begin(self, version: int, verify: str = "full", layout: str = "hf", plan_id: str | None = None) -> None:
         """Start staging `version`; engine-layout buckets are of push plan `plan_id` (its replica checked that this
-        worker's layout is the plan's), applied by a copy into the live parameters."""
-        check_begin(verify, layout)
+        worker's layout is the plan's), applied by a copy into the live parameters. The replica checked the modes."""
         if layout == "engine" and not plan_id:
             raise ValueError("engine-layout buckets without the push plan they were packed for")
         if layout == "engine" and plan_id != self.plan_id:  # another plan's buckets: read the parameters again
@@ -170,9 +162,7 @@ class WorkerReceiver:
         return dict(staged.digests)
 
     def _copy_into_live(self, views: Iterable[tuple[str, torch.Tensor]]) -> None:
-        live = self._live
-        if live is None:
-            raise RuntimeError("no push plan: engine-layout tensors cannot be applied")
+        live = self._live  # (taken by the engine-layout begin, which needs a plan)
         dst, src = [], []
         # (vLLM's parameter classes take every attribute read through their `__torch_function__`: not here)
         with torch._C.DisableTorchFunctionSubclass():
