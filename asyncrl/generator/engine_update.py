@@ -244,7 +244,8 @@ class WeightUpdates:
             self._groups_joined = None
             joined = await self._rpc(WorkerAPI.asyncrl_join_collective, self.replica_id, list(specs), timeout=timeout_s + 30.0)
             # (every worker joined the same groups, or the call failed)
-            self._groups_joined = GroupsReport(replica_id=self.replica_id, workers=len(joined), groups=sorted(joined[0]))
+            self._groups_joined = GroupsReport(replica_id=self.replica_id, workers=len(joined),
+                                               groups=sorted(joined[0]))
             return self._groups_joined
 
     async def commit_update(self, version: int, fingerprint: str) -> CommitReport:

@@ -57,8 +57,7 @@ class _Staged:
     verify: str
     layout: str  # "engine" or "hf"
     digests: dict[str, bytes] = field(default_factory=dict)
-    views: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # every staged tensor (names are unique)
-    keep: list[Any] = field(default_factory=list)  # buffers the staged views point into
+    views: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # every staged tensor (each holds its buffer)
     pending: list[PendingDigests] = field(default_factory=list)  # lazy digests still on the device (`digests` waits once)
     batch: list[tuple[Bucket, str]] = field(default_factory=list)  # buckets hashed together at `digests`
 
@@ -149,7 +148,6 @@ class WorkerReceiver:
             staged.pending.append(buckets_digests_lazy([(bucket, prefix)], staged.verify))  # type: ignore[arg-type]
         staged.digests.update(dict.fromkeys(keys, b""))  # resolved by `digests`
         staged.views.extend(unpack_bucket(bucket) if views is None else views)
-        staged.keep.append(bucket.buffer)
 
     def digests(self, version: int) -> dict[str, bytes]:
         staged = self._state(version)
@@ -307,8 +305,7 @@ class WorkerVerbs:
         """Drop what is staged (the replica aborts before its engine sleeps). With `group_ids` (the replica's load
         failed before its receive), refuse the coming push on those groups too."""
         self._asyncrl_rx().abort()
-        if group_ids:
-            self._asyncrl_refuse(group_ids, why, gate)
+        self._asyncrl_refuse(group_ids or [], why, gate)
 
     # ---- collective groups (weightsync/collective.py) ---------------------------------------------
     def asyncrl_join_collective(self, replica_id: str, specs: list[dict[str, Any]] | None = None) -> list[str]:
@@ -322,16 +319,15 @@ class WorkerVerbs:
         for group in rx.groups.values():
             group.close()
         rx.groups = {}
-        groups: dict[str, Any] = {}
         parsed = [GroupSpec(**raw) for raw in specs]
         mine = int(self.rank)  # type: ignore[attr-defined]
         try:
             for spec in parsed:
-                groups[spec.group_id] = CollectiveGroup.join(spec, spec.receiver_rank(replica_id, mine),
-                                                             getattr(self, "device", None))
-        except BaseException:
-            for group in groups.values():
+                rx.groups[spec.group_id] = CollectiveGroup.join(spec, spec.receiver_rank(replica_id, mine),
+                                                                getattr(self, "device", None))
+        except BaseException:  # all or none
+            for group in rx.groups.values():
                 group.close()
+            rx.groups = {}
             raise
-        rx.groups = groups
         return [s.group_id for s in parsed]
