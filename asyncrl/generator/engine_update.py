@@ -128,8 +128,6 @@ class WeightUpdates:
     def _begin(self, version: int, begin: UpdateBegin) -> None:
         """Start staging `version` (dropping any staged copy); its buckets are hashed as they arrive in `begin.verify`
         mode (weightsync/fingerprint.py). The workers start at the update's first receive (`_stage`)."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise WeightUpdateError(f"replica {self.replica_id}: version {version!r} must be an int >= 0")
         plan_id = begin.plan_id
         try:
             check_verify_mode(begin.verify)
@@ -154,9 +152,15 @@ class WeightUpdates:
             try:
                 self._begin(version, begin)
             except Exception as err:
-                # a broadcast's other members wait at its gate until this replica's workers receive or refuse
+                # a broadcast's other members wait at its gate until this replica's workers receive or refuse: they
+                # refuse (closing the gate), best effort and bounded (a worker stuck elsewhere must not hold this back)
                 if isinstance(named_tensors, CollectiveReceive):
-                    await self._refuse_receive(named_tensors, err)
+                    self._groups_joined = None  # ask the workers next time
+                    try:
+                        await asyncio.wait_for(self._rpc(WorkerAPI.asyncrl_abort_update, list(named_tensors.group_ids),
+                                                         f"replica {self.replica_id}: {err}", named_tensors.gate), 30.0)
+                    except Exception as refuse_err:  # noqa: BLE001 - the load's own failure is the one reported
+                        logger.warning("replica %s: could not refuse the push: %s", self.replica_id, refuse_err)
                 raise
             try:  # the workers receive, or refuse, from here on
                 await self._stage(named_tensors, version)
@@ -165,16 +169,6 @@ class WeightUpdates:
                 await self._drop_staged()
                 raise WeightUpdateError(f"replica {self.replica_id}: staging failed: {err}") from err
             return LoadReport(replica_id=self.replica_id, staged_tensors=sum(len(d) for d in self._staged))
-
-    async def _refuse_receive(self, payload: CollectiveReceive, err: BaseException) -> None:
-        """Tell a collective push's other members this replica will not take it (best effort, bounded: a worker
-        stuck elsewhere must not hold the failure back)."""
-        self._groups_joined = None  # ask the workers next time
-        try:  # (the workers close the push's gate: every member stops)
-            await asyncio.wait_for(self._rpc(WorkerAPI.asyncrl_abort_update, list(payload.group_ids),
-                                             f"replica {self.replica_id}: {err}", payload.gate), 30.0)
-        except Exception as refuse_err:  # noqa: BLE001 - the load's own failure is the one reported
-            logger.warning("replica %s: could not refuse the push: %s", self.replica_id, refuse_err)
 
     async def _stage(self, payload: Any, version: int) -> None:
         """Stage the version on every worker, one receive each (digests kept per worker)."""
