@@ -202,7 +202,8 @@ class WorkerReceiver:
 
 class WorkerVerbs:
     """The `asyncrl_*` verbs of one worker that holds weights (the prefix: never a clash with the worker's own), over
-    its one `WorkerReceiver`. A subclass gives the engine (`_asyncrl_hooks`), `rank` and, off the CPU, `device`."""
+    its one `WorkerReceiver`. A subclass gives the engine (`_asyncrl_hooks`), `rank` and, off the CPU, `device`.
+    What each verb takes and answers: `asyncrl.interfaces.WorkerAPI` (plain arguments: vLLM's RPC is msgpack)."""
 
     # HF buckets of a shared file go to the device (SGLang takes them over CUDA IPC); vLLM's loaders read host ones
     _asyncrl_hf_on_device = False
@@ -218,8 +219,6 @@ class WorkerVerbs:
 
     # ---- layout and plan ------------------------------------------------------------------------
     def asyncrl_layout(self, manifest: bytes | None = None) -> LayoutCheck:
-        """No `manifest` (at engine start, before any push): check this worker's layout against its checkpoint.
-        With one: that check's answer, and its layout for the learner's manifest (a pickled `EngineLayout`)."""
         from asyncrl.weightsync.collective import warm_push_kernels
 
         rx = self._asyncrl_rx()
@@ -232,10 +231,8 @@ class WorkerVerbs:
     # ---- one update -----------------------------------------------------------------------------
     def asyncrl_receive(self, version: int, wires: list[tuple] | None, groups: list[str] | None = None,
                         timeout_s: float = 0.0, gate: str = "", begin: list[Any] | None = None) -> ReceiveReport:
-        """Start the update of `version` (`begin`: verify, layout, plan id) and stage all of it into this worker's
-        memory: the buckets of shared files (`wires`), or every bucket from the collective `groups` in order within
-        `timeout_s`; `gate`: the broadcast's gate token, passed on every group, or closed if this worker cannot take
-        the push. Returns the digests staged. (Plain arguments: vLLM's RPC sends msgpack, a dataclass as a map.)"""
+        """Every bucket of `groups` is received in order within `timeout_s`; a worker that cannot take the push
+        closes the broadcast's `gate` on every group."""
         rx = self._asyncrl_rx()
         if groups is None:
             rx.begin(version, *(begin or []))
@@ -294,23 +291,18 @@ class WorkerVerbs:
                     group.close_gate(gate, why)
 
     def asyncrl_apply(self, version: int, before: str = "") -> ApplyReport:
-        """Apply the staged `version`. `before`: an `asyncrl_` query of this worker (no arguments, never
-        an apply) run first, in the same round trip; its answer is the report's `before`."""
         if before and (not before.startswith("asyncrl_") or before.startswith("asyncrl_apply")):
             raise ValueError(f"{before!r} is not a worker query to run before an apply")
         first = [getattr(self, before)()] if before else []
         return msgspec.structs.replace(self._asyncrl_rx().apply(version), before=first)
 
     def asyncrl_abort_update(self, group_ids: list[str] | None = None, why: str = "", gate: str = "") -> None:
-        """Drop what is staged (the replica aborts before its engine sleeps). With `group_ids` (the replica's load
-        failed before its receive), refuse the coming push on those groups too."""
         self._asyncrl_rx().abort()
         self._asyncrl_refuse(group_ids or [], why, gate)
 
     # ---- collective groups (weightsync/collective.py) ---------------------------------------------
     def asyncrl_join_collective(self, replica_id: str, specs: list[dict[str, Any]] | None = None) -> list[str]:
-        """Leave any earlier groups, then join each group of `specs` (one per sending learner rank, in sender order);
-        None: stay. Returns the ids of the groups this worker holds still usable."""
+        """Leave every earlier group, then join those of `specs` (one per sending learner rank, in sender order)."""
         from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
 
         rx = self._asyncrl_rx()
