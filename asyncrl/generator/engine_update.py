@@ -73,8 +73,7 @@ class WeightUpdates:
         self._groups_joined: GroupsReport | None = None
 
     async def _rpc(self, verb: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
-        """Run the worker verb `verb` (by reference: `WorkerAPI.asyncrl_apply`) on every worker; one answer each.
-        The one place that turns a verb into the method name the driver takes (vLLM's collective_rpc)."""
+        """Run the worker verb `verb` (by reference: `WorkerAPI.asyncrl_apply`) on every worker; one answer each."""
         return await self.engine.worker_call(verb_name(WorkerAPI, verb), args, timeout)
 
     async def _check_layout(self) -> list[LayoutCheck]:

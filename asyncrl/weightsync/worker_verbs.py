@@ -102,11 +102,9 @@ class WorkerReceiver:
         if model is None:
             return EngineLayout(self.hooks.rank, (), self.hooks.direct_problem(None))
         layout = probe_layout(model, manifest, self.hooks.rank, self.hooks.load_weights)
-        if layout.problem:
-            return layout
-        if self.checked.problem:
-            return EngineLayout(layout.rank, layout.params, self.checked.problem)
-        if self.verified is None or not same_ops(layout, self.verified):
+        if layout.problem or self.checked.problem:  # (a check without a problem verified a layout)
+            return EngineLayout(layout.rank, layout.params, layout.problem or self.checked.problem)
+        if not same_ops(layout, self.verified):
             return EngineLayout(layout.rank, layout.params, "the learner's export fills the engine parameters differently "
                                 "from the checkpoint the engine was checked against")
         return layout
@@ -128,10 +126,9 @@ class WorkerReceiver:
 
     def stage(self, version: int, bucket: Bucket, batch: bool = False,
               views: list[tuple[str, torch.Tensor]] | None = None) -> None:
-        """Stage one bucket (views into `bucket.buffer`, which must stay valid until the commit) and its digests,
-        a device's only enqueued (`digests` waits for all at once). Engine-layout buckets of other ranks are skipped.
-        `batch` (buckets that arrive together, views of one ipc mapping): not even enqueued until `digests`, which
-        hashes them all in one pass. `views`: the bucket's tensors, unpacked before (an ipc buffer opened earlier)."""
+        """Stage one bucket (views into `bucket.buffer`) and its digests, a device's only enqueued (`digests` waits for
+        all at once). `batch` (buckets that arrive together, views of one ipc mapping): not even enqueued until
+        `digests`, which hashes them all in one pass. `views`: the bucket's tensors, unpacked before (an ipc buffer)."""
         staged = self._state(version)
         if (bucket.rank is None) != (staged.layout == "hf"):
             raise ValueError(f"a {'HF' if bucket.rank is None else 'engine'}-layout bucket in a {staged.layout}-layout update")
@@ -259,7 +256,7 @@ class WorkerVerbs:
             if missing:
                 raise CollectiveError(f"worker holds no usable group {missing[0]!r} (has {sorted(rx.groups)})")
         except (ValueError, CollectiveError) as err:
-            self._asyncrl_refuse(groups, f"{type(err).__name__}: {err}", gate)
+            self.asyncrl_abort_update(groups, f"{type(err).__name__}: {err}", gate)
             raise
         if gate:  # ready on every group at once; each group's decision is awaited when its turn comes (a
             for gid in groups:  # later PP stage may only start sending once an earlier one is done)
@@ -282,14 +279,6 @@ class WorkerVerbs:
         # one copy into this worker's own device memory: the staged views outlive the file's mapping
         return Bucket(buffer=torch.from_numpy(bucket.buffer).to(device), metas=list(bucket.metas), rank=rank)
 
-    def _asyncrl_refuse(self, group_ids: list[str], why: str, gate: str = "") -> None:
-        """Refuse the coming push on `group_ids`, best effort: every member at the gate `gate` stops at once."""
-        for gid in group_ids:
-            group = self._asyncrl_rx().groups.get(gid)
-            if group is not None and not group.broken and gate:
-                with contextlib.suppress(Exception):  # a group whose store is gone has nobody waiting
-                    group.close_gate(gate, why)
-
     def asyncrl_apply(self, version: int, before: str = "") -> ApplyReport:
         if before and (not before.startswith("asyncrl_") or before.startswith("asyncrl_apply")):
             raise ValueError(f"{before!r} is not a worker query to run before an apply")
@@ -297,8 +286,13 @@ class WorkerVerbs:
         return msgspec.structs.replace(self._asyncrl_rx().apply(version), before=first)
 
     def asyncrl_abort_update(self, group_ids: list[str] | None = None, why: str = "", gate: str = "") -> None:
-        self._asyncrl_rx().abort()
-        self._asyncrl_refuse(group_ids or [], why, gate)
+        rx = self._asyncrl_rx()
+        rx.abort()
+        for gid in group_ids or []:  # refused, best effort: every member at the gate `gate` stops at once
+            group = rx.groups.get(gid)
+            if group is not None and not group.broken and gate:
+                with contextlib.suppress(Exception):  # a group whose store is gone has nobody waiting
+                    group.close_gate(gate, why)
 
     # ---- collective groups (weightsync/collective.py) ---------------------------------------------
     def asyncrl_join_collective(self, replica_id: str, specs: list[dict[str, Any]] | None = None) -> list[str]:
