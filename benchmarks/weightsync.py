@@ -369,7 +369,7 @@ class Sender:
         """ipc floor: a handle per packed bucket (its buffer kept alive here until the next call)."""
         from asyncrl.weightsync.ipc import ipc_export
 
-        return [ipc_export(buf) for buf in self.packed]
+        return [ipc_export(buf, {}) for buf in self.packed]  # (made anew each call)
 
     def raw_send(self) -> float:
         t = time.perf_counter()

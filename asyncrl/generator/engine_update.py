@@ -15,7 +15,7 @@ import asyncio
 import logging
 import pickle
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -36,11 +36,12 @@ from asyncrl.types import (
     UpdateBegin,
     refusal_of,
 )
+from asyncrl.weightsync.bucket import Bucket, SharedBucket, iter_buckets, write_shared
 from asyncrl.weightsync.collective import CollectiveReceive
-from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode
+from asyncrl.weightsync.fingerprint import check_verify_mode, combine_digests, fingerprint_mode
+from asyncrl.weightsync.ipc import IpcBucket
 from asyncrl.weightsync.plan import PlanError, build_plan, plan_misfit
 from asyncrl.weightsync.transport import is_object_ref
-from asyncrl.weightsync.worker_verbs import check_begin
 
 logger = logging.getLogger(__name__)
 
@@ -55,20 +56,6 @@ class FingerprintMismatch(ValueError):
     """The staged tensors do not hash to the committed fingerprint; nothing was applied."""
 
     refusal = Refusal.VERIFY_FAILED
-
-
-async def _as_shared(payload: Any) -> AsyncIterator[tuple[Any, bool]]:
-    """The payload as shared bucket files (or an ipc sender's handles) for the workers, with whether this replica
-    wrote (and so must unlink) each."""
-    from asyncrl.weightsync.bucket import Bucket, SharedBucket, iter_buckets, write_shared
-    from asyncrl.weightsync.ipc import IpcBucket
-
-    if isinstance(payload, (SharedBucket, IpcBucket)):
-        yield payload, False
-        return
-    # a bucket, or {name: tensor} (iter_buckets checks the names and brings each tensor to contiguous CPU memory)
-    for bucket in [payload] if isinstance(payload, Bucket) else iter_buckets(payload.items(), 256.0):
-        yield await asyncio.to_thread(write_shared, bucket), True
 
 
 class WeightUpdates:
@@ -86,8 +73,7 @@ class WeightUpdates:
         self._groups_joined: GroupsReport | None = None
 
     async def _rpc(self, verb: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
-        """Run the worker verb `verb` (by reference: `WorkerAPI.asyncrl_apply`) on every worker; one answer each.
-        The one place that turns a verb into the method name the driver takes (vLLM's collective_rpc)."""
+        """Run the worker verb `verb` (by reference: `WorkerAPI.asyncrl_apply`) on every worker; one answer each."""
         return await self.engine.worker_call(verb_name(WorkerAPI, verb), args, timeout)
 
     async def _check_layout(self) -> list[LayoutCheck]:
@@ -141,11 +127,11 @@ class WeightUpdates:
     def _begin(self, version: int, begin: UpdateBegin) -> None:
         """Start staging `version` (dropping any staged copy); its buckets are hashed as they arrive in `begin.verify`
         mode (weightsync/fingerprint.py). The workers start at the update's first receive (`_stage`)."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise WeightUpdateError(f"replica {self.replica_id}: version {version!r} must be an int >= 0")
         plan_id = begin.plan_id
         try:
-            check_begin(begin.verify, begin.layout)
+            check_verify_mode(begin.verify)
+            if begin.layout not in ("hf", "engine"):
+                raise ValueError(f"layout {begin.layout!r} is not 'hf' or 'engine'")
             if begin.layout == "engine" and (self.plan_id is None or (plan_id is not None and plan_id != self.plan_id)):
                 raise PlanMissing(f"an engine-layout push for plan {plan_id} but this replica holds plan {self.plan_id}")
         except ValueError as err:
@@ -163,33 +149,25 @@ class WeightUpdates:
         ObjectRefs); `begin` starts the update (a refused begin stages nothing)."""
         async with self._control_lock:
             try:
-                self._begin(version, msgspec.convert(begin, UpdateBegin, from_attributes=True))
+                self._begin(version, begin)
             except Exception as err:
-                # a broadcast's other members wait at its gate until this replica's workers receive or refuse
+                # a broadcast's other members wait at its gate until this replica's workers receive or refuse: they
+                # refuse (closing the gate), best effort and bounded (a worker stuck elsewhere must not hold this back)
                 if isinstance(named_tensors, CollectiveReceive):
-                    await self._refuse_receive(named_tensors, err)
+                    self._groups_joined = None  # ask the workers next time
+                    try:
+                        await asyncio.wait_for(self._rpc(WorkerAPI.asyncrl_abort_update, list(named_tensors.group_ids),
+                                                         f"replica {self.replica_id}: {err}", named_tensors.gate), 30.0)
+                    except Exception as refuse_err:  # noqa: BLE001 - the load's own failure is the one reported
+                        logger.warning("replica %s: could not refuse the push: %s", self.replica_id, refuse_err)
                 raise
-            return await self._load_bucket(named_tensors, version)
-
-    async def _refuse_receive(self, payload: CollectiveReceive, err: BaseException) -> None:
-        """Tell a collective push's other members this replica will not take it (best effort, bounded: a worker
-        stuck elsewhere must not hold the failure back)."""
-        self._groups_joined = None  # ask the workers next time
-        try:  # (the workers close the push's gate: every member stops)
-            await asyncio.wait_for(self._rpc(WorkerAPI.asyncrl_abort_update, list(payload.group_ids),
-                                             f"replica {self.replica_id}: {err}", payload.gate), 30.0)
-        except Exception as refuse_err:  # noqa: BLE001 - the load's own failure is the one reported
-            logger.warning("replica %s: could not refuse the push: %s", self.replica_id, refuse_err)
-
-    async def _load_bucket(self, named_tensors: Any, version: int) -> LoadReport:
-        """`load_bucket` under the control lock, its update begun: the workers receive, or refuse, from here on."""
-        try:
-            await self._stage(named_tensors, version)
-        except Exception as err:
-            self._groups_joined = None  # a failed receive may have broken a worker's group
-            await self._drop_staged()
-            raise WeightUpdateError(f"replica {self.replica_id}: staging failed: {err}") from err
-        return LoadReport(replica_id=self.replica_id, staged_tensors=sum(len(d) for d in self._staged))
+            try:  # the workers receive, or refuse, from here on
+                await self._stage(named_tensors, version)
+            except Exception as err:
+                self._groups_joined = None  # a failed receive may have broken a worker's group
+                await self._drop_staged()
+                raise WeightUpdateError(f"replica {self.replica_id}: staging failed: {err}") from err
+            return LoadReport(replica_id=self.replica_id, staged_tensors=sum(len(d) for d in self._staged))
 
     async def _stage(self, payload: Any, version: int) -> None:
         """Stage the version on every worker, one receive each (digests kept per worker)."""
@@ -203,7 +181,11 @@ class WeightUpdates:
             try:
                 for item in payload if isinstance(payload, list) else [payload]:
                     item = await item if is_object_ref(item) else item  # (in a list, Ray resolved none of them)
-                    files += [shared async for shared in _as_shared(item)]
+                    if isinstance(item, (SharedBucket, IpcBucket)):  # the workers map it (or open the sender's handles)
+                        files.append((item, False))
+                    else:  # a bucket, or {name: tensor} (made contiguous CPU tensors): written once into shared files
+                        buckets = [item] if isinstance(item, Bucket) else iter_buckets(item.items(), 256.0)
+                        files += [(await asyncio.to_thread(write_shared, bucket), True) for bucket in buckets]
                 results = await self._rpc(WorkerAPI.asyncrl_receive, version, [f.wire() for f, _ in files], None, 0.0,
                                           "", self._begin_args)
             finally:
@@ -254,77 +236,74 @@ class WeightUpdates:
         async with self._control_lock:
             self._groups_joined = None
             joined = await self._rpc(WorkerAPI.asyncrl_join_collective, self.replica_id, list(specs), timeout=timeout_s + 30.0)
-            answer = GroupsReport(replica_id=self.replica_id, workers=len(joined), groups=sorted(joined[0]))
-            if joined and all(j == joined[0] for j in joined):
-                self._groups_joined = answer
-            return answer
+            # (every worker joined the same groups, or the call failed)
+            self._groups_joined = GroupsReport(replica_id=self.replica_id, workers=len(joined),
+                                               groups=sorted(joined[0]))
+            return self._groups_joined
 
     async def commit_update(self, version: int, fingerprint: str) -> CommitReport:
         """Check the staged version against `fingerprint` (nothing applied if it differs), then, paused, apply it
         and relabel. A caller that did not pause is paused here, and resumed after a successful apply; a failed
         apply leaves the replica paused (weightsync restores the last live version, then resumes it)."""
         async with self._control_lock:
-            return await self._commit(version, fingerprint)
-
-    async def _commit(self, version: int, fingerprint: str) -> CommitReport:
-        if self.update_state is not UpdateState.STAGING or self._staging_version != version:
-            raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} but staging "
-                                    f"{self._staging_version}")
-        if "weights" in self._asleep:
-            raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} while its weights are "
-                                    "asleep (wake_up(['weights']) first); nothing applied")
-        try:
-            self._check_staged(version, fingerprint)
-        except FingerprintMismatch as err:
-            self.counters["updates_failed"] += 1
-            await self._drop_staged()
-            raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} rejected, "
-                                    f"staying on {self.version}: {err}", Refusal.VERIFY_FAILED) from None
-        self.update_state = UpdateState.COMMITTING
-        # The version label may only change while no step runs; pause here if the caller did not.
-        paused_here = self.state is ReplicaState.READY and self._may_run()
-        t_pause = time.perf_counter()
-        if paused_here:
-            await self._pause_engine("keep")
-            self._paused_mode = "keep"  # held until the apply succeeded
-        t_paused = time.perf_counter()
-        try:
-            # paused: no step runs, so the counts the workers read with the apply hold until resume
-            applied = await self._apply_staged(version, before=self._versions.counts_query)
-            sampled = await self._versions.counts(applied.before)
-        except Exception as err:
-            self.counters["updates_failed"] += 1
-            raise WeightUpdateError(
-                f"replica {self.replica_id}: commit of version {version} failed while applying (possibly part "
-                f"applied; the replica stays paused until restored): {err}", applying=True
-            ) from err
-        finally:
-            self.update_state, self._staging_version, self._staged = UpdateState.IDLE, None, []
-        t_applied = time.perf_counter()
-        await self.engine.relabel(version)
-        if not paused_here:  # our own pause above cleared the caches, and nothing ran since
-            await self.engine.reset_prefix_cache()
-        self._versions.mark(version, sampled)  # no await between this and the label change
-        self.version = version
-        self._weights_discarded = False
-        self.counters["updates_committed"] += 1
-        # resume what this commit paused, or start an awake engine a level-2 sleep had left without weights
-        if paused_here:
-            self._paused_mode = None
-        t_relabelled = time.perf_counter()
-        if self.state is ReplicaState.READY and paused_here and self._may_run():
-            await self._resume_sent()
-        elif self.state is ReplicaState.READY and (paused_here or self._may_run()):
-            await self._settle()
-        end = time.perf_counter()
-        apply_s = applied.apply_seconds
-        return CommitReport(
-            replica_id=self.replica_id, version=self.version, path=applied.path,
-            # the paused window: the engine's pause, the workers' round trip (the apply in it), relabel, resume
-            seconds={"apply": apply_s, "reload": apply_s if applied.path == "reload" else 0.0,
-                     "paused": end - t_pause if paused_here else 0.0, "pause_call": t_paused - t_pause,
-                     "apply_rpc": t_applied - t_paused, "relabel": t_relabelled - t_applied,
-                     "resume_call": end - t_relabelled})
+            if self.update_state is not UpdateState.STAGING or self._staging_version != version:
+                raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} but staging "
+                                        f"{self._staging_version}")
+            if "weights" in self._asleep:
+                raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} while its weights are "
+                                        "asleep (wake_up(['weights']) first); nothing applied")
+            try:
+                self._check_staged(version, fingerprint)
+            except FingerprintMismatch as err:
+                self.counters["updates_failed"] += 1
+                await self._drop_staged()
+                raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} rejected, "
+                                        f"staying on {self.version}: {err}", Refusal.VERIFY_FAILED) from None
+            self.update_state = UpdateState.COMMITTING
+            # The version label may only change while no step runs; pause here if the caller did not.
+            paused_here = self.state is ReplicaState.READY and self._may_run()
+            t_pause = time.perf_counter()
+            if paused_here:
+                await self._pause_engine("keep")
+                self._paused_mode = "keep"  # held until the apply succeeded
+            t_paused = time.perf_counter()
+            try:
+                # paused: no step runs, so the counts the workers read with the apply hold until resume
+                applied = await self._apply_staged(version, before=self._versions.counts_query)
+                sampled = await self._versions.counts(applied.before)
+            except Exception as err:
+                self.counters["updates_failed"] += 1
+                raise WeightUpdateError(
+                    f"replica {self.replica_id}: commit of version {version} failed while applying (possibly part "
+                    f"applied; the replica stays paused until restored): {err}", applying=True
+                ) from err
+            finally:
+                self.update_state, self._staging_version, self._staged = UpdateState.IDLE, None, []
+            t_applied = time.perf_counter()
+            await self.engine.relabel(version)
+            if not paused_here:  # our own pause above cleared the caches, and nothing ran since
+                await self.engine.reset_prefix_cache()
+            self._versions.mark(version, sampled)  # no await between this and the label change
+            self.version = version
+            self._weights_discarded = False
+            self.counters["updates_committed"] += 1
+            # resume what this commit paused, or start an awake engine a level-2 sleep had left without weights
+            if paused_here:
+                self._paused_mode = None
+            t_relabelled = time.perf_counter()
+            if self.state is ReplicaState.READY and paused_here and self._may_run():
+                await self._resume_sent()
+            elif self.state is ReplicaState.READY and (paused_here or self._may_run()):
+                await self._settle()
+            end = time.perf_counter()
+            apply_s = applied.apply_seconds
+            return CommitReport(
+                replica_id=self.replica_id, version=self.version, path=applied.path,
+                # the paused window: the engine's pause, the workers' round trip (the apply in it), relabel, resume
+                seconds={"apply": apply_s, "reload": apply_s if applied.path == "reload" else 0.0,
+                         "paused": end - t_pause if paused_here else 0.0, "pause_call": t_paused - t_pause,
+                         "apply_rpc": t_applied - t_paused, "relabel": t_relabelled - t_applied,
+                         "resume_call": end - t_relabelled})
 
     async def _resume_sent(self) -> None:
         """Resume the engine this commit paused without awaiting its answer: the call is on the wire when this

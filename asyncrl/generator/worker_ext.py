@@ -232,5 +232,3 @@ class WeightUpdateExtension(WorkerVerbs):
 watch_owner()
 install_cpu_unpacked()
 install_fast_prefix_reset()
-
-__all__ = ["VllmHooks", "WeightUpdateExtension", "install_cpu_unpacked", "install_fast_prefix_reset"]

@@ -70,10 +70,6 @@ class IpcRing:
     def release_all(self) -> None:
         self.taken = self.next_slot = 0
 
-    @property
-    def nbytes(self) -> int:
-        return sum(int(b.numel()) for b in self.buffers) + (0 if self.arena is None else int(self.arena.numel()))
-
 
 class IpcBucket(NamedTuple):
     """One bucket of an ipc push as every replica's load receives it: its CUDA IPC handle (pickled: it crosses
@@ -91,19 +87,16 @@ def _gpu_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def ipc_export(buf: torch.Tensor, cache: dict | None = None) -> bytes:
+def ipc_export(buf: torch.Tensor, cache: dict) -> bytes:
     """What a receiver needs to open the device buffer `buf` (pickled), made once per view of a ring's buffer
     (`cache`: `IpcRing.exports`)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     key = (buf.untyped_storage().data_ptr(), buf.storage_offset(), buf.numel())
-    handle = cache.get(key) if cache is not None else None
-    if handle is None:
+    if key not in cache:
         _, args = reduce_tensor(buf)
-        handle = pickle.dumps({"uuid": _gpu_uuid(buf.device), "args": args, "nbytes": int(buf.numel())})
-        if cache is not None:
-            cache[key] = handle
-    return handle
+        cache[key] = pickle.dumps({"uuid": _gpu_uuid(buf.device), "args": args, "nbytes": int(buf.numel())})
+    return cache[key]
 
 
 def ipc_open(handle: bytes, metas: list[TensorMeta], rank: int | None = None) -> Bucket:
@@ -111,10 +104,8 @@ def ipc_open(handle: bytes, metas: list[TensorMeta], rank: int | None = None) ->
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     record = pickle.loads(handle)
-    if not torch.cuda.is_available():
-        raise CollectiveError("an ipc sender published a CUDA bucket but this member has no CUDA device")
     local = [i for i in range(torch.cuda.device_count()) if _gpu_uuid(torch.device("cuda", i)) == record["uuid"]]
-    if not local:
+    if not local:  # (no CUDA device here at all, too)
         raise CollectiveError(f"the ipc sender's GPU {record['uuid']} is not visible here "
                               "(ipc needs the learner's sending rank and the engine workers on the same GPU)")
     args = list(record["args"])

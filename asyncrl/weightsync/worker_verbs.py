@@ -23,16 +23,9 @@ import torch
 
 from asyncrl.types import ApplyReport, LayoutCheck, ReceiveReport
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, digest_key_prefix, metas_from_wire, unpack_bucket
-from asyncrl.weightsync.fingerprint import PendingDigests, buckets_digests_lazy, check_verify_mode
+from asyncrl.weightsync.fingerprint import PendingDigests, buckets_digests_lazy
 from asyncrl.weightsync.ipc import ipc_open
 from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, probe_layout, same_ops, verify_layout
-
-
-def check_begin(verify: str, layout: str) -> None:
-    """ValueError unless an update's verify mode and layout are known ones."""
-    check_verify_mode(verify)
-    if layout not in ("hf", "engine"):
-        raise ValueError(f"layout {layout!r} is not 'hf' or 'engine'")
 
 
 class EngineHooks(Protocol):
@@ -64,8 +57,7 @@ class _Staged:
     verify: str
     layout: str  # "engine" or "hf"
     digests: dict[str, bytes] = field(default_factory=dict)
-    views: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # every staged tensor (names are unique)
-    keep: list[Any] = field(default_factory=list)  # buffers the staged views point into
+    views: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # every staged tensor (each holds its buffer)
     pending: list[PendingDigests] = field(default_factory=list)  # lazy digests still on the device (`digests` waits once)
     batch: list[tuple[Bucket, str]] = field(default_factory=list)  # buckets hashed together at `digests`
 
@@ -110,19 +102,16 @@ class WorkerReceiver:
         if model is None:
             return EngineLayout(self.hooks.rank, (), self.hooks.direct_problem(None))
         layout = probe_layout(model, manifest, self.hooks.rank, self.hooks.load_weights)
-        if layout.problem:
-            return layout
-        if self.checked.problem:
-            return EngineLayout(layout.rank, layout.params, self.checked.problem)
-        if self.verified is None or not same_ops(layout, self.verified):
+        if layout.problem or self.checked.problem:  # (a check without a problem verified a layout)
+            return EngineLayout(layout.rank, layout.params, layout.problem or self.checked.problem)
+        if not same_ops(layout, self.verified):
             return EngineLayout(layout.rank, layout.params, "the learner's export fills the engine parameters differently "
                                 "from the checkpoint the engine was checked against")
         return layout
 
     def begin(self, version: int, verify: str = "full", layout: str = "hf", plan_id: str | None = None) -> None:
         """Start staging `version`; engine-layout buckets are of push plan `plan_id` (its replica checked that this
-        worker's layout is the plan's), applied by a copy into the live parameters."""
-        check_begin(verify, layout)
+        worker's layout is the plan's), applied by a copy into the live parameters. The replica checked the modes."""
         if layout == "engine" and not plan_id:
             raise ValueError("engine-layout buckets without the push plan they were packed for")
         if layout == "engine" and plan_id != self.plan_id:  # another plan's buckets: read the parameters again
@@ -137,10 +126,9 @@ class WorkerReceiver:
 
     def stage(self, version: int, bucket: Bucket, batch: bool = False,
               views: list[tuple[str, torch.Tensor]] | None = None) -> None:
-        """Stage one bucket (views into `bucket.buffer`, which must stay valid until the commit) and its digests,
-        a device's only enqueued (`digests` waits for all at once). Engine-layout buckets of other ranks are skipped.
-        `batch` (buckets that arrive together, views of one ipc mapping): not even enqueued until `digests`, which
-        hashes them all in one pass. `views`: the bucket's tensors, unpacked before (an ipc buffer opened earlier)."""
+        """Stage one bucket (views into `bucket.buffer`) and its digests, a device's only enqueued (`digests` waits for
+        all at once). `batch` (buckets that arrive together, views of one ipc mapping): not even enqueued until
+        `digests`, which hashes them all in one pass. `views`: the bucket's tensors, unpacked before (an ipc buffer)."""
         staged = self._state(version)
         if (bucket.rank is None) != (staged.layout == "hf"):
             raise ValueError(f"a {'HF' if bucket.rank is None else 'engine'}-layout bucket in a {staged.layout}-layout update")
@@ -157,7 +145,6 @@ class WorkerReceiver:
             staged.pending.append(buckets_digests_lazy([(bucket, prefix)], staged.verify))  # type: ignore[arg-type]
         staged.digests.update(dict.fromkeys(keys, b""))  # resolved by `digests`
         staged.views.extend(unpack_bucket(bucket) if views is None else views)
-        staged.keep.append(bucket.buffer)
 
     def digests(self, version: int) -> dict[str, bytes]:
         staged = self._state(version)
@@ -170,9 +157,7 @@ class WorkerReceiver:
         return dict(staged.digests)
 
     def _copy_into_live(self, views: Iterable[tuple[str, torch.Tensor]]) -> None:
-        live = self._live
-        if live is None:
-            raise RuntimeError("no push plan: engine-layout tensors cannot be applied")
+        live = self._live  # (taken by the engine-layout begin, which needs a plan)
         dst, src = [], []
         # (vLLM's parameter classes take every attribute read through their `__torch_function__`: not here)
         with torch._C.DisableTorchFunctionSubclass():
@@ -214,7 +199,8 @@ class WorkerReceiver:
 
 class WorkerVerbs:
     """The `asyncrl_*` verbs of one worker that holds weights (the prefix: never a clash with the worker's own), over
-    its one `WorkerReceiver`. A subclass gives the engine (`_asyncrl_hooks`), `rank` and, off the CPU, `device`."""
+    its one `WorkerReceiver`. A subclass gives the engine (`_asyncrl_hooks`), `rank` and, off the CPU, `device`.
+    What each verb takes and answers: `asyncrl.interfaces.WorkerAPI` (plain arguments: vLLM's RPC is msgpack)."""
 
     # HF buckets of a shared file go to the device (SGLang takes them over CUDA IPC); vLLM's loaders read host ones
     _asyncrl_hf_on_device = False
@@ -230,8 +216,6 @@ class WorkerVerbs:
 
     # ---- layout and plan ------------------------------------------------------------------------
     def asyncrl_layout(self, manifest: bytes | None = None) -> LayoutCheck:
-        """No `manifest` (at engine start, before any push): check this worker's layout against its checkpoint.
-        With one: that check's answer, and its layout for the learner's manifest (a pickled `EngineLayout`)."""
         from asyncrl.weightsync.collective import warm_push_kernels
 
         rx = self._asyncrl_rx()
@@ -244,10 +228,8 @@ class WorkerVerbs:
     # ---- one update -----------------------------------------------------------------------------
     def asyncrl_receive(self, version: int, wires: list[tuple] | None, groups: list[str] | None = None,
                         timeout_s: float = 0.0, gate: str = "", begin: list[Any] | None = None) -> ReceiveReport:
-        """Start the update of `version` (`begin`: verify, layout, plan id) and stage all of it into this worker's
-        memory: the buckets of shared files (`wires`), or every bucket from the collective `groups` in order within
-        `timeout_s`; `gate`: the broadcast's gate token, passed on every group, or closed if this worker cannot take
-        the push. Returns the digests staged. (Plain arguments: vLLM's RPC sends msgpack, a dataclass as a map.)"""
+        """Every bucket of `groups` is received in order within `timeout_s`; a worker that cannot take the push
+        closes the broadcast's `gate` on every group."""
         rx = self._asyncrl_rx()
         if groups is None:
             rx.begin(version, *(begin or []))
@@ -274,7 +256,7 @@ class WorkerVerbs:
             if missing:
                 raise CollectiveError(f"worker holds no usable group {missing[0]!r} (has {sorted(rx.groups)})")
         except (ValueError, CollectiveError) as err:
-            self._asyncrl_refuse(groups, f"{type(err).__name__}: {err}", gate)
+            self.asyncrl_abort_update(groups, f"{type(err).__name__}: {err}", gate)
             raise
         if gate:  # ready on every group at once; each group's decision is awaited when its turn comes (a
             for gid in groups:  # later PP stage may only start sending once an earlier one is done)
@@ -297,33 +279,24 @@ class WorkerVerbs:
         # one copy into this worker's own device memory: the staged views outlive the file's mapping
         return Bucket(buffer=torch.from_numpy(bucket.buffer).to(device), metas=list(bucket.metas), rank=rank)
 
-    def _asyncrl_refuse(self, group_ids: list[str], why: str, gate: str = "") -> None:
-        """Refuse the coming push on `group_ids`, best effort: every member at the gate `gate` stops at once."""
-        for gid in group_ids:
-            group = self._asyncrl_rx().groups.get(gid)
-            if group is not None and not group.broken and gate:
-                with contextlib.suppress(Exception):  # a group whose store is gone has nobody waiting
-                    group.close_gate(gate, why)
-
     def asyncrl_apply(self, version: int, before: str = "") -> ApplyReport:
-        """Apply the staged `version`. `before`: an `asyncrl_` query of this worker (no arguments, never
-        an apply) run first, in the same round trip; its answer is the report's `before`."""
         if before and (not before.startswith("asyncrl_") or before.startswith("asyncrl_apply")):
             raise ValueError(f"{before!r} is not a worker query to run before an apply")
         first = [getattr(self, before)()] if before else []
         return msgspec.structs.replace(self._asyncrl_rx().apply(version), before=first)
 
     def asyncrl_abort_update(self, group_ids: list[str] | None = None, why: str = "", gate: str = "") -> None:
-        """Drop what is staged (the replica aborts before its engine sleeps). With `group_ids` (the replica's load
-        failed before its receive), refuse the coming push on those groups too."""
-        self._asyncrl_rx().abort()
-        if group_ids:
-            self._asyncrl_refuse(group_ids, why, gate)
+        rx = self._asyncrl_rx()
+        rx.abort()
+        for gid in group_ids or []:  # refused, best effort: every member at the gate `gate` stops at once
+            group = rx.groups.get(gid)
+            if group is not None and not group.broken and gate:
+                with contextlib.suppress(Exception):  # a group whose store is gone has nobody waiting
+                    group.close_gate(gate, why)
 
     # ---- collective groups (weightsync/collective.py) ---------------------------------------------
     def asyncrl_join_collective(self, replica_id: str, specs: list[dict[str, Any]] | None = None) -> list[str]:
-        """Leave any earlier groups, then join each group of `specs` (one per sending learner rank, in sender order);
-        None: stay. Returns the ids of the groups this worker holds still usable."""
+        """Leave every earlier group, then join those of `specs` (one per sending learner rank, in sender order)."""
         from asyncrl.weightsync.collective import CollectiveGroup, GroupSpec
 
         rx = self._asyncrl_rx()
@@ -332,16 +305,15 @@ class WorkerVerbs:
         for group in rx.groups.values():
             group.close()
         rx.groups = {}
-        groups: dict[str, Any] = {}
         parsed = [GroupSpec(**raw) for raw in specs]
         mine = int(self.rank)  # type: ignore[attr-defined]
         try:
             for spec in parsed:
-                groups[spec.group_id] = CollectiveGroup.join(spec, spec.receiver_rank(replica_id, mine),
-                                                             getattr(self, "device", None))
-        except BaseException:
-            for group in groups.values():
+                rx.groups[spec.group_id] = CollectiveGroup.join(spec, spec.receiver_rank(replica_id, mine),
+                                                                getattr(self, "device", None))
+        except BaseException:  # all or none
+            for group in rx.groups.values():
                 group.close()
+            rx.groups = {}
             raise
-        rx.groups = groups
         return [s.group_id for s in parsed]

@@ -387,6 +387,7 @@ def _staging(plan_id: str | None = None, refuses: bool = False):
 
 def test_a_starting_replica_adopts_the_stores_push_plan_once_and_survives_one_that_does_not_fit(monkeypatch):
     import asyncrl.generator.engine_update as engine_update
+    from asyncrl.generator.replica_types import WeightUpdateError
 
     monkeypatch.setattr(engine_update, "plan_misfit", lambda plan, layouts: "" if layouts == ["the plan's"] else "differs")
     fresh = _staging()
@@ -396,6 +397,10 @@ def test_a_starting_replica_adopts_the_stores_push_plan_once_and_survives_one_th
     # its workers learn it with each update in its layout (the begin's plan id)
     fresh._begin(1, UpdateBegin("off", layout="engine", plan_id="p1"))
     assert fresh._begin_args == ["off", "engine", "p1"]
+    for bad in (UpdateBegin("sampled"), UpdateBegin("off", layout="megatron")):  # the replica checks the modes
+        with pytest.raises(WeightUpdateError, match="is not"):
+            fresh._begin(2, bad)
+    assert fresh._begin_args == ["off", "engine", "p1"]  # nothing begun
     other = _staging(refuses=True)  # its layout differs: left without a plan, no error at start
     assert asyncio.run(other._adopt_plan(_Plan("p2"))) is None and other.plan_id is None
 

@@ -518,6 +518,7 @@ def test_a_verified_push_is_handed_to_sglang_whole_with_its_version_and_no_cache
     class Staging(WeightUpdates):  # the replica's weight-update part alone, on the SGLang driver
         def __init__(self, engine):
             self.engine, self.replica_id, self.version = engine, "sg0", 0
+            self._control_lock = asyncio.Lock()
             self._init_weight_updates()
 
     async def main():
@@ -529,8 +530,7 @@ def test_a_verified_push_is_handed_to_sglang_whole_with_its_version_and_no_cache
         assert (await staging._check_layout())[0].direct is False
 
         async def push(version: int, tensors: dict) -> ApplyReport:
-            staging._begin(version, UpdateBegin())
-            await staging._load_bucket(dict(tensors), version)
+            await staging.load_bucket(dict(tensors), version, UpdateBegin())
             staging._check_staged(version, fp)
             return await staging._apply_staged(version, before=WorkerAPI.asyncrl_sampled_token_counts)
 

@@ -90,8 +90,9 @@ def _ipc_member(rank: int, weights: dict, out: mp.Queue, wires: list, pushes: in
                     q.put([h.wire() for h in handles])
                 kept = copies.result()
                 host = {n: t for b in kept for n, t in unpack_bucket(b)}
+                ring_bytes = sum(int(b.numel()) for b in ring.buffers + ([] if ring.arena is None else [ring.arena]))
                 out.put(("sent", push, sorted(sent.digests), sent.bytes, [b.nbytes for b in kept],
-                         tensor_fingerprint(host, "full"), ring.nbytes, combine_digests(sent.digests, "checksum")))
+                         tensor_fingerprint(host, "full"), ring_bytes, combine_digests(sent.digests, "checksum")))
             else:
                 now, new, mine = {}, 0, {}
                 for handle, metas, r in wires[rank - 1].get(timeout=120):
