@@ -127,6 +127,8 @@ class WeightUpdates:
     def _begin(self, version: int, begin: UpdateBegin) -> None:
         """Start staging `version` (dropping any staged copy); its buckets are hashed as they arrive in `begin.verify`
         mode (weightsync/fingerprint.py). The workers start at the update's first receive (`_stage`)."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:  # (any client may call the verb)
+            raise WeightUpdateError(f"replica {self.replica_id}: version {version!r} must be an int >= 0")
         plan_id = begin.plan_id
         try:
             check_verify_mode(begin.verify)

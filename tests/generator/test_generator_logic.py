@@ -400,6 +400,9 @@ def test_a_starting_replica_adopts_the_stores_push_plan_once_and_survives_one_th
     for bad in (UpdateBegin("sampled"), UpdateBegin("off", layout="megatron")):  # the replica checks the modes
         with pytest.raises(WeightUpdateError, match="is not"):
             fresh._begin(2, bad)
+    for bad in ("3", -1, True):  # a version not an int >= 0 is refused at the replica's verb, naming it
+        with pytest.raises(WeightUpdateError, match="must be an int >= 0"):
+            fresh._begin(bad, UpdateBegin("off"))
     assert fresh._begin_args == ["off", "engine", "p1"]  # nothing begun
     other = _staging(refuses=True)  # its layout differs: left without a plan, no error at start
     assert asyncio.run(other._adopt_plan(_Plan("p2"))) is None and other.plan_id is None
