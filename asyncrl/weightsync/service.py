@@ -86,7 +86,7 @@ class WeightPublisher:
         self.manifest = [ManifestEntry(m.name, m.dtype, tuple(m.shape), sender)
                          for metas, sender in zip(export.metas, export.senders) for m in metas]
         try:
-            self.publisher.seed(initial_version, BucketSource(export.buckets, transport, self.cfg.verify, export.digests))
+            self.publisher.seed(BucketSource(export.buckets, transport, self.cfg.verify, export.digests))
         except BaseException:  # nothing keeps the start export's buckets: free them (shm files) now
             for handle in export.buckets:
                 transport.release(handle)

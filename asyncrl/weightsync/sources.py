@@ -196,9 +196,7 @@ class _Source:
         self.handles: list[Any] = []
         self._digests: dict[str, bytes] | None = None
 
-    def fingerprint(self) -> str:
-        if self._digests is None:
-            raise RuntimeError("fingerprint before the sender finished")
+    def fingerprint(self) -> str:  # (once `stream` returned: a streamed source's digests are the senders')
         return combine_digests(self._digests, self.verify)
 
     async def settle(self, timeout_s: float) -> dict[str, float]:
