@@ -83,12 +83,6 @@ class GroupSpec:
     sender: int = 0  # which sending rank (PP stage order) this group belongs to
     timeout_s: float = 120.0
 
-    def __post_init__(self) -> None:
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"a broadcast group's backend is gloo or nccl, not {self.backend!r}")
-        if self.world_size < 2:
-            raise ValueError(f"group {self.group_id}: world_size {self.world_size} leaves nobody to send to")
-
     def receiver_rank(self, replica_id: str, worker_rank: int) -> int:
         if replica_id not in self.receivers:
             raise CollectiveError(f"group {self.group_id} was formed without replica {replica_id!r}")
@@ -156,9 +150,6 @@ def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: di
         raise CollectiveError("no sending learner rank to form a weight broadcast group with")
     if not replica_workers:
         raise CollectiveError("no engine replica to form a weight broadcast group with")
-    for rid, n in replica_workers.items():
-        if n < 1:
-            raise CollectiveError(f"replica {rid!r} reports {n} workers")
     receivers, nxt = {}, 1
     for rid in sorted(replica_workers):
         receivers[rid], nxt = nxt, nxt + replica_workers[rid]
@@ -240,11 +231,8 @@ class CollectiveGroup:
     @classmethod
     def join(cls, spec: GroupSpec, rank: int, device: torch.device | str | None = None, *,
              listen_socket: socket.socket | None = None) -> "CollectiveGroup":
-        """Join as `rank`; rank 0 serves the rendezvous store, on `listen_socket` (`reserve_port`'s) when given."""
+        """Join as `rank`; rank 0 serves the rendezvous store, on `listen_socket` (on the spec's port) when given."""
         timeout = datetime.timedelta(seconds=spec.timeout_s)
-        if listen_socket is not None and listen_socket.getsockname()[1] != spec.port:
-            raise CollectiveError(f"group {spec.group_id}: the reserved socket listens on port "
-                                  f"{listen_socket.getsockname()[1]}, the spec names {spec.port}")
         if spec.backend == "gloo":
             store = _tcp_store(spec, rank, timeout, listen_socket)
             pg = dist.ProcessGroupGloo(dist.PrefixStore(spec.group_id + "/", store), rank, spec.world_size, timeout)
