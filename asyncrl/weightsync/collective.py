@@ -55,18 +55,13 @@ def gate_keys(group_id: str, token: str) -> tuple[str, str, str]:
     return f"{base}/n", f"{base}/go", f"{base}/decided"
 
 
-def _decide(store: Any, group_id: str, token: str, decision: str) -> str:
-    """Write `decision` unless the gate is decided already; wake the waiters; the decision that stands."""
+def decide_gate(store: Any, group_id: str, token: str, decision: str) -> str:
+    """Write the `decision` (GATE_OPEN, or "closed: <why>") of push `token`'s gate on group `group_id` unless it is
+    decided already, and wake its waiters; returns the decision that stands. `store`: a client of the group's store."""
     _, go, decided = gate_keys(group_id, token)
-    out = store.compare_set(go, "", decision).decode(errors="replace")
+    out = store.compare_set(go, "", decision[:2000]).decode(errors="replace")
     store.set(decided, "1")
     return out
-
-
-def close_gate(store: Any, group_id: str, token: str, why: str) -> str:
-    """Close the gate of push `token` on group `group_id` unless it is already decided; returns the
-    decision (GATE_OPEN if every member had arrived first). `store`: a client of the group's store."""
-    return _decide(store, group_id, token, f"closed: {why}"[:2000])
 
 
 @dataclass(frozen=True)
@@ -268,7 +263,7 @@ class CollectiveGroup:
             self._gate_keys += keys
         try:
             if kv.add(keys[0], 1) >= self.spec.world_size:
-                _decide(kv, self.spec.group_id, token, GATE_OPEN)
+                decide_gate(kv, self.spec.group_id, token, GATE_OPEN)
         except Exception as err:  # the store's owner (the sending rank) is gone
             raise self._failed([], err) from err
 
@@ -291,8 +286,8 @@ class CollectiveGroup:
             except Exception as err:  # the deadline (DistStoreError), or the store's owner is gone
                 if time.monotonic() < deadline:
                     raise
-                decision = close_gate(kv, self.spec.group_id, token,
-                                      f"rank {self.rank} waited to the deadline for every member ({type(err).__name__})")
+                decision = decide_gate(kv, self.spec.group_id, token, f"closed: rank {self.rank} waited to the "
+                                       f"deadline for every member ({type(err).__name__})")
         except Exception as err:
             raise self._failed([], err) from err
         if decision != GATE_OPEN:
@@ -300,7 +295,7 @@ class CollectiveGroup:
 
     def close_gate(self, token: str, why: str) -> str:
         """Close push `token`'s gate from this member (it will not take the push); the decision."""
-        return close_gate(self._kv(), self.spec.group_id, token, f"rank {self.rank}: {why}")
+        return decide_gate(self._kv(), self.spec.group_id, token, f"closed: rank {self.rank}: {why}")
 
     # ---- one broadcast from group rank 0 -------------------------------------------------------
     def broadcast_all(self, tensors: list[torch.Tensor], deadline: float) -> None:
