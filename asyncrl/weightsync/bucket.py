@@ -120,8 +120,6 @@ def iter_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float,
     """Pack a (name, tensor) stream, in order, into buckets of at most `bucket_mb` MiB of tensor bytes (a larger
     tensor goes alone in its own). Duplicate names raise: the fingerprint would depend on which copy wins. With
     `device`, buffers are uint8 tensors there (a collective transport broadcasts them from there), else numpy."""
-    if bucket_mb <= 0:
-        raise ValueError(f"bucket_mb={bucket_mb!r} must be positive")
     cap = int(bucket_mb * (1 << 20))
     seen: set[str] = set()
     pending: list[tuple[str, torch.Tensor]] = []

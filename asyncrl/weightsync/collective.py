@@ -55,18 +55,13 @@ def gate_keys(group_id: str, token: str) -> tuple[str, str, str]:
     return f"{base}/n", f"{base}/go", f"{base}/decided"
 
 
-def _decide(store: Any, group_id: str, token: str, decision: str) -> str:
-    """Write `decision` unless the gate is decided already; wake the waiters; the decision that stands."""
+def decide_gate(store: Any, group_id: str, token: str, decision: str) -> str:
+    """Write the `decision` (GATE_OPEN, or "closed: <why>") of push `token`'s gate on group `group_id` unless it is
+    decided already, and wake its waiters; returns the decision that stands. `store`: a client of the group's store."""
     _, go, decided = gate_keys(group_id, token)
-    out = store.compare_set(go, "", decision).decode(errors="replace")
+    out = store.compare_set(go, "", decision[:2000]).decode(errors="replace")
     store.set(decided, "1")
     return out
-
-
-def close_gate(store: Any, group_id: str, token: str, why: str) -> str:
-    """Close the gate of push `token` on group `group_id` unless it is already decided; returns the
-    decision (GATE_OPEN if every member had arrived first). `store`: a client of the group's store."""
-    return _decide(store, group_id, token, f"closed: {why}"[:2000])
 
 
 @dataclass(frozen=True)
@@ -82,12 +77,6 @@ class GroupSpec:
     receivers: dict[str, int]
     sender: int = 0  # which sending rank (PP stage order) this group belongs to
     timeout_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"a broadcast group's backend is gloo or nccl, not {self.backend!r}")
-        if self.world_size < 2:
-            raise ValueError(f"group {self.group_id}: world_size {self.world_size} leaves nobody to send to")
 
     def receiver_rank(self, replica_id: str, worker_rank: int) -> int:
         if replica_id not in self.receivers:
@@ -156,9 +145,6 @@ def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: di
         raise CollectiveError("no sending learner rank to form a weight broadcast group with")
     if not replica_workers:
         raise CollectiveError("no engine replica to form a weight broadcast group with")
-    for rid, n in replica_workers.items():
-        if n < 1:
-            raise CollectiveError(f"replica {rid!r} reports {n} workers")
     receivers, nxt = {}, 1
     for rid in sorted(replica_workers):
         receivers[rid], nxt = nxt, nxt + replica_workers[rid]
@@ -240,11 +226,8 @@ class CollectiveGroup:
     @classmethod
     def join(cls, spec: GroupSpec, rank: int, device: torch.device | str | None = None, *,
              listen_socket: socket.socket | None = None) -> "CollectiveGroup":
-        """Join as `rank`; rank 0 serves the rendezvous store, on `listen_socket` (`reserve_port`'s) when given."""
+        """Join as `rank`; rank 0 serves the rendezvous store, on `listen_socket` (on the spec's port) when given."""
         timeout = datetime.timedelta(seconds=spec.timeout_s)
-        if listen_socket is not None and listen_socket.getsockname()[1] != spec.port:
-            raise CollectiveError(f"group {spec.group_id}: the reserved socket listens on port "
-                                  f"{listen_socket.getsockname()[1]}, the spec names {spec.port}")
         if spec.backend == "gloo":
             store = _tcp_store(spec, rank, timeout, listen_socket)
             pg = dist.ProcessGroupGloo(dist.PrefixStore(spec.group_id + "/", store), rank, spec.world_size, timeout)
@@ -280,7 +263,7 @@ class CollectiveGroup:
             self._gate_keys += keys
         try:
             if kv.add(keys[0], 1) >= self.spec.world_size:
-                _decide(kv, self.spec.group_id, token, GATE_OPEN)
+                decide_gate(kv, self.spec.group_id, token, GATE_OPEN)
         except Exception as err:  # the store's owner (the sending rank) is gone
             raise self._failed([], err) from err
 
@@ -303,8 +286,8 @@ class CollectiveGroup:
             except Exception as err:  # the deadline (DistStoreError), or the store's owner is gone
                 if time.monotonic() < deadline:
                     raise
-                decision = close_gate(kv, self.spec.group_id, token,
-                                      f"rank {self.rank} waited to the deadline for every member ({type(err).__name__})")
+                decision = decide_gate(kv, self.spec.group_id, token, f"closed: rank {self.rank} waited to the "
+                                       f"deadline for every member ({type(err).__name__})")
         except Exception as err:
             raise self._failed([], err) from err
         if decision != GATE_OPEN:
@@ -312,7 +295,7 @@ class CollectiveGroup:
 
     def close_gate(self, token: str, why: str) -> str:
         """Close push `token`'s gate from this member (it will not take the push); the decision."""
-        return close_gate(self._kv(), self.spec.group_id, token, f"rank {self.rank}: {why}")
+        return decide_gate(self._kv(), self.spec.group_id, token, f"closed: rank {self.rank}: {why}")
 
     # ---- one broadcast from group rank 0 -------------------------------------------------------
     def broadcast_all(self, tensors: list[torch.Tensor], deadline: float) -> None:

@@ -178,7 +178,7 @@ class CollectiveLink:
                 try:  # (a client of the group's store, made here: a cancel is a failed push's, rare)
                     store = dist.TCPStore(spec.host, spec.port, is_master=False, timeout=datetime.timedelta(seconds=10),
                                           wait_for_workers=False)
-                    collective.close_gate(store, spec.group_id, gate, f"the publisher: {why}")
+                    collective.decide_gate(store, spec.group_id, gate, f"closed: the publisher: {why}")
                 except Exception as err:  # the sender's process (the store) is gone: it is not waiting either
                     log.warning("weightsync: could not stop the push on group %s: %s", spec.group_id, err)
 

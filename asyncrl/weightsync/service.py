@@ -86,7 +86,7 @@ class WeightPublisher:
         self.manifest = [ManifestEntry(m.name, m.dtype, tuple(m.shape), sender)
                          for metas, sender in zip(export.metas, export.senders) for m in metas]
         try:
-            self.publisher.seed(initial_version, BucketSource(export.buckets, transport, self.cfg.verify, export.digests))
+            self.publisher.seed(BucketSource(export.buckets, transport, self.cfg.verify, export.digests))
         except BaseException:  # nothing keeps the start export's buckets: free them (shm files) now
             for handle in export.buckets:
                 transport.release(handle)
@@ -125,8 +125,7 @@ class WeightPublisher:
             if self.cfg.apply == "direct":
                 raise PlanError(f"weightsync.apply is 'direct' but no push plan can be made: {problem}")
         senders_before = self.plan.senders if self.plan is not None else None
-        if self.store is not None:  # a replica starting from here on takes it there (engine.sync_from_source)
-            await self.store.set_push_plan.remote(plan)
+        await self.store.set_push_plan.remote(plan)  # a replica that starts later takes it there (sync_from_source)
         await self.learner.set_push_plan(pickle.dumps(plan) if plan is not None else None, host_copies=self._pins())
         self.plan = plan
         if self.link is not None and senders_before != (plan.senders if plan is not None else None):
@@ -281,8 +280,6 @@ class WeightStore:
 
             got = iter(ray.get(refs))
             buckets = [next(got) if is_object_ref(b) else b for b in buckets]
-        if not all(isinstance(b, Bucket) for b in buckets):
-            raise TypeError(f"the store keeps packed buckets, got {sorted({type(b).__name__ for b in buckets})}")
         mode, digests = fingerprint_mode(fingerprint), {}
         for bucket in buckets:
             digests.update(bucket_digests(bucket, mode, digest_key_prefix(bucket)))
@@ -305,7 +302,7 @@ class WeightStore:
         return self._push_plan
 
 
-def weight_store_hook(store: Any, plan_of: Callable[[str], Any] | None = None) -> Callable[[int, str, list[Any]], Any]:
+def weight_store_hook(store: Any, plan_of: Callable[[int], Any]) -> Callable[[int, str, list[Any]], Any]:
     """`on_live` hook publishing a live version to the `WeightStore` actor, with the push plan (`plan_of(version)`,
     read as it goes live) for engine-layout buckets. It returns at once: the store only serves replicas that start
     later. One update is in flight at a time (sent from a thread: sending buckets copies them into the object store);
@@ -323,7 +320,7 @@ def weight_store_hook(store: Any, plan_of: Callable[[str], Any] | None = None) -
 
     async def publish(version: int, fingerprint: str, buckets: list[Any]) -> None:
         hf = all(isinstance(b, Bucket) and b.rank is None for b in buckets)  # (ObjectRefs: the store tells)
-        args = (version, buckets, fingerprint, plan_of(version) if plan_of is not None and not hf else None)  # as it went live
+        args = (version, buckets, fingerprint, None if hf else plan_of(version))  # as it went live
         task = state["task"]
         if task is not None and not task.done():
             state["next"] = args  # (replacing one that waited)

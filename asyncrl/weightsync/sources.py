@@ -196,9 +196,7 @@ class _Source:
         self.handles: list[Any] = []
         self._digests: dict[str, bytes] | None = None
 
-    def fingerprint(self) -> str:
-        if self._digests is None:
-            raise RuntimeError("fingerprint before the sender finished")
+    def fingerprint(self) -> str:  # (once `stream` returned: a streamed source's digests are the senders')
         return combine_digests(self._digests, self.verify)
 
     async def settle(self, timeout_s: float) -> dict[str, float]:
@@ -239,9 +237,7 @@ class BucketSource(_Source):
                 given = bucket_digests(bucket, self.verify, digest_key_prefix(bucket))
                 self.hash_seconds += time.perf_counter() - t
             self._digests.update(given)
-        if len(ranks) > 1 and None in ranks:
-            raise ValueError("a push mixes engine-layout and Hugging Face buckets")
-        if ranks - {None}:
+        if ranks - {None}:  # (one export: every sender packs for the plan set on all of them, or none)
             if plan_id is None:
                 raise ValueError("engine-layout buckets without the push plan they were packed for")
             self.layout, self.plan_id = "engine", plan_id

@@ -61,8 +61,6 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     wire); past the table the receivers wait for all of it, so a failed export sends zeros for the rest before the
     abort header, and they fail at once. Then the end header, the checksums beside the wire (which never waits for
     them), one wait for the wire, and the digests on the host."""
-    if arena not in ("auto", "whole", "ring"):
-        raise ValueError(f"arena must be auto, whole or ring, not {arena!r}")
     deadline = time.monotonic() + timeout_s
     out = SendResult()
     # (first: the last push's copies let go of its buckets, or the stream waits for those still being made)

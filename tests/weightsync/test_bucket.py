@@ -103,8 +103,6 @@ def test_duplicate_names_and_bad_values_are_rejected():
         list(iter_buckets([("a", torch.zeros(1)), ("a", torch.zeros(1))], 1))
     with pytest.raises(TypeError):
         list(iter_buckets([("a", [1, 2])], 1))
-    with pytest.raises(ValueError):
-        list(iter_buckets([("a", torch.zeros(1))], 0))
 
 
 def test_corrupt_metadata_is_detected():

@@ -75,8 +75,6 @@ def test_form_specs_gives_each_replica_a_rank_block_in_id_order():
         specs[0].receiver_rank("b", 2)
     with pytest.raises(CollectiveError, match="no engine replica"):
         form_specs("gloo", [("h", 1)], {}, timeout_s=5, group_prefix="x")
-    with pytest.raises(ValueError, match="backend"):
-        GroupSpec("g", "mpi", "h", 1, 2, {"a": 1})
     from dataclasses import asdict
 
     assert GroupSpec(**asdict(specs[1])) == specs[1]  # as the workers get it
@@ -108,15 +106,9 @@ def test_the_senders_reserved_port_stays_taken_until_its_store_serves_the_group_
         g.close()
 
 
-def test_join_refuses_a_reserved_socket_that_is_not_on_the_specs_port():
-    sock = reserve_port("127.0.0.1")
+def test_the_senders_join_drops_a_reserved_socket_that_is_not_on_the_specs_port():
+    """A socket from an older address is closed, and the store serves on the spec's port."""
     spec = _spec(receivers=1)
-    try:
-        with pytest.raises(CollectiveError, match="reserved socket listens on port"):
-            CollectiveGroup.join(spec, 0, listen_socket=sock)
-    finally:
-        sock.close()
-    # The sending rank's join drops a socket from an older address and serves on the spec's port.
     older = reserve_port("127.0.0.1")
     with ThreadPoolExecutor(2) as pool:
         sender, receiver = pool.map(lambda r: join_as_sender(spec, older) if r == 0 else CollectiveGroup.join(spec, r), (0, 1))

@@ -68,7 +68,7 @@ async def test_a_single_engine_replica_is_paused_by_its_own_commit():
 
 async def test_a_failed_apply_under_the_commits_own_pause_is_restored_then_resumed():
     pub, replicas, log, old = _setup(n=1)
-    pub.seed(0, source_of(pub, old))
+    pub.seed(source_of(pub, old))
     replicas[0].faults[("commit", 1)] = "partial"
     with pytest.raises(WeightsyncError):
         await pub.publish(1, source_of(pub, model(1)), replicas)
@@ -140,7 +140,7 @@ async def test_corrupted_bucket_fails_verification_and_replicas_keep_the_old_ver
 
 async def test_partial_commit_restores_every_replica_to_the_last_live_version():
     pub, replicas, log, old = _setup()
-    pub.seed(0, source_of(pub, old))  # what the replicas loaded from disk
+    pub.seed(source_of(pub, old))  # what the replicas loaded from disk
     replicas[1].faults[("commit", 1)] = "partial"
     with pytest.raises(WeightsyncError) as info:
         await pub.publish(1, source_of(pub, model(1)), replicas)
@@ -156,7 +156,7 @@ async def test_partial_commit_restores_every_replica_to_the_last_live_version():
 
 async def test_unrestorable_replicas_are_reported_out_of_service():
     pub, replicas, log, _ = _setup()
-    pub.seed(0, source_of(pub, model(0)))
+    pub.seed(source_of(pub, model(0)))
     for r in replicas:
         r.allow_reload = False  # a replica that refuses to begin an older version
     replicas[1].faults[("commit", 1)] = "partial"
