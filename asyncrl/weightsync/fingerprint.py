@@ -254,21 +254,9 @@ def _digests_lazy(flat: Any, entries: list[Entry], mode: VerifyMode) -> PendingD
     if mode == "checksum":  # each tensor's checksum, read where the bytes are (one pass for all)
         return PendingDigests(entries, mode, words=segment_checksums_lazy(flat, [(o, n) for _, _, _, o, n in entries]))
     heads = {key: _head(key, dtype, shape).copy() for key, dtype, shape, _, _ in entries}
-    if isinstance(flat, torch.Tensor) and flat.device.type != "cpu":
-        # `full` on a device (checksum is its fast mode): the bytes copied to host in stream order, so a later
-        # write into the buffer (a ring's slot reused) cannot reach what is hashed; no device memory is taken
-        host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=flat.device.type == "cuda")
-        host.copy_(flat, non_blocking=True)
-        copied = torch.cuda.Event() if flat.device.type == "cuda" else None
-        if copied is not None:
-            copied.record()
-
-        def hashed() -> dict[str, bytes]:
-            if copied is not None:
-                copied.synchronize()
-            return _sha(host.numpy(), entries, heads)
-
-        return PendingDigests(entries, mode, digests=hashed)
+    if isinstance(flat, torch.Tensor):  # `full` on a device (checksum is its fast mode) is hashed on the host: the
+        host = flat.cpu().numpy()  # bytes copied now, so a later write into the buffer (a ring's slot) cannot reach them
+        return PendingDigests(entries, mode, digests=lambda: _sha(host, entries, heads))
     digests = _sha(flat, entries, heads)
     return PendingDigests(entries, mode, digests=lambda: digests)
 
