@@ -95,7 +95,7 @@ ENGINE_BROADCAST_VERBS = (*ENGINE_CONTROL_VERBS, EngineAPI.check_health)
 class WorkerAPI(Protocol):
     """The asyncrl verbs of one vLLM worker process (generator/worker_ext.py's `WeightUpdateExtension`, mixed into
     the worker: weightsync's worker_verbs.py and the generator's sampled-token counts). The replica reaches every worker
-    at once through vLLM's `collective_rpc`, which wants a method name: `WeightUpdates._rpc`
+    at once through vLLM's `collective_rpc`, which wants a method name: `WeightUpdates.rpc`
     (generator/engine_update.py) is the one place that turns a verb into it."""
 
     def asyncrl_layout(self, manifest: bytes | None = None) -> LayoutCheck:

@@ -135,7 +135,7 @@ class EngineActor:
         rpc, pause = [], []
         for _ in range(n):
             t = time.perf_counter()
-            await self.replica._rpc(WorkerAPI.asyncrl_join_collective, self.replica.replica_id)
+            await self.replica.weights.rpc(WorkerAPI.asyncrl_join_collective, self.replica.replica_id)
             rpc.append(time.perf_counter() - t)
             t = time.perf_counter()
             await self.replica._pause_engine("keep")

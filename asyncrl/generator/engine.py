@@ -1,9 +1,10 @@
 """One engine replica: an engine (behind its driver) plus its weight version, lifecycle and counters.
 
 Owns: the replica's lifecycle (start, catch up from a `WeightStore` before a late replica serves, pause/resume,
-sleep/wake, shutdown), token-level generation with a weight version on every token, stats and health.
-`EngineReplica` implements `asyncrl.interfaces.EngineAPI` as a plain class; its parts are driver.py (vLLM's:
-vllm_engine.py), engine_update.py, version_source.py and replica_types.py; deployment.py wraps it for Ray Serve.
+sleep/wake, shutdown), token-level generation with a weight version on every token, the commit of a staged weight
+version (paused apply, relabel, resume), stats and health. `EngineReplica` implements `asyncrl.interfaces.EngineAPI`
+as a plain class; its parts are driver.py (vLLM's: vllm_engine.py), engine_update.py (`weights`: the update state),
+version_source.py and replica_types.py; deployment.py wraps it for Ray Serve.
 Must never: accept a request that has not passed `validate_request`, change the version label while the engine is
 producing tokens, or apply staged tensors whose fingerprint differs from the one the caller committed.
 Details: docs/design/generator.md, "The engine replica".
@@ -20,19 +21,32 @@ from typing import Any
 
 from asyncrl.config import ConfigError, GeneratorConfig, ModelConfig
 from asyncrl.generator.driver import EngineDriver, start_driver
-from asyncrl.generator.engine_update import WeightUpdates
+from asyncrl.generator.engine_update import FingerprintMismatch, WeightUpdates
 from asyncrl.generator.replica_types import SLEEP_TAGS, PauseMode, ReplicaNotReady, ReplicaState, UpdateState, VersionTracking, WeightUpdateError  # noqa: F401 - WeightUpdateError: the replica's vocabulary
 from asyncrl.generator.sampling import Limits, validate_request
 from asyncrl.generator.version_source import EngineStamps, LedgerVersions, VersionSource
 from asyncrl.generator.versions import CompletionAccumulator
-from asyncrl.types import CompletionDelta, GenerationRequest, GenerationResult, SyncReport, UpdateBegin
+from asyncrl.types import (
+    CommitReport,
+    CompletionDelta,
+    GenerationRequest,
+    GenerationResult,
+    GroupsReport,
+    LoadReport,
+    PlanAck,
+    PlanRequest,
+    Refusal,
+    SyncReport,
+    UpdateAck,
+    UpdateBegin,
+)
 from asyncrl.weightsync.fingerprint import fingerprint_mode
 
 logger = logging.getLogger(__name__)
 HOST_TRIM_EVERY_S = 30.0  # how often a replica looks at its resident set (a read of /proc; a trim only past its slack)
 
 
-class EngineReplica(WeightUpdates):
+class EngineReplica:
     """The replica logic, apart from Serve. Call `await start()` before anything else."""
 
     def __init__(
@@ -55,7 +69,8 @@ class EngineReplica(WeightUpdates):
         self.weight_source, self.weight_source_namespace = weight_source, weight_source_namespace
         self.state = ReplicaState.STARTING
         self.version = 0
-        self._init_weight_updates()
+        # the weight-update state (engine_update.py), reaching the workers through the driver once it started
+        self.weights = WeightUpdates(replica_id, lambda verb, args, timeout: self.engine.worker_call(verb, args, timeout))
         self._paused_mode: str | None = None  # a pause some caller holds (resume clears it)
         self._asleep: set[str] = set()  # SLEEP_TAGS released now; the engine never runs while any is
         self._weights_discarded = False  # a level-2 sleep dropped the weights; cleared by the next commit
@@ -87,7 +102,7 @@ class EngineReplica(WeightUpdates):
         else:
             self._versions = EngineStamps(engine, self.counters, lambda: self.version)
         await engine.relabel(self.version)
-        checks = await self._check_layout()
+        checks = await self.weights.check_layout()
         problems = sorted({c.problem for c in checks if c.problem})
         if problems:
             logger.info("replica %s: weight pushes will reload through the engine's loader (%s)", self.replica_id, "; ".join(problems))
@@ -122,7 +137,7 @@ class EngineReplica(WeightUpdates):
         except ValueError:
             return SyncReport(replica_id=self.replica_id, version=self.version, loaded=False)
         layout = await self._load_latest(store)
-        plan_id = await self._adopt_plan(await store.push_plan.remote())
+        plan_id = await self.weights.adopt_plan(await store.push_plan.remote())
         return SyncReport(replica_id=self.replica_id, version=self.version, loaded=layout is not None, layout=layout,
                           push_plan=plan_id)
 
@@ -137,7 +152,7 @@ class EngineReplica(WeightUpdates):
         layout, plan_id, payloads = "hf", None, list(buckets)
         if plan is not None:  # buckets in an engine layout: ours, or rebuild the HF tensors from them
             try:
-                plan_id = await self._take_plan(plan)
+                plan_id = await self.weights.take_plan(plan)
                 layout = "engine"
             except Exception as err:
                 from asyncrl.weightsync.fingerprint import tensor_fingerprint
@@ -159,6 +174,106 @@ class EngineReplica(WeightUpdates):
         if self.engine is not None:
             self.engine.shutdown()
         self.state = ReplicaState.STOPPED
+
+    # ---- weight updates (the state: engine_update.py's WeightUpdates) ------------------------
+
+    async def set_push_plan(self, request: PlanRequest | None) -> PlanAck:
+        """Form and hold the push plan of the learner's export `request` describes (None: pushes reload)."""
+        async with self._control_lock:
+            return await self.weights.form_plan(request)
+
+    async def load_bucket(self, named_tensors: Any, version: int, begin: UpdateBegin) -> LoadReport:
+        """Stage `version` from a payload (a `CollectiveReceive`, or a list of shared files, buckets or their
+        ObjectRefs); `begin` starts the update (a refused begin stages nothing)."""
+        async with self._control_lock:
+            return await self.weights.load(named_tensors, version, begin, self.version)
+
+    async def join_collective(self, specs: list[dict[str, Any]] | None = None, timeout_s: float = 120.0) -> GroupsReport:
+        """Join the groups `specs` (every worker, concurrently with the senders); None: join nothing. Answers how many
+        workers this replica has (each one receiver rank) and which groups every one of them holds."""
+        if (dead := self.engine.dead()) is not None:  # (its workers hold no group a push could use)
+            raise WeightUpdateError(f"replica {self.replica_id}: {dead}")
+        if specs is None:
+            return await self.weights.groups()
+        async with self._control_lock:
+            return await self.weights.join(specs, timeout_s)
+
+    async def commit_update(self, version: int, fingerprint: str) -> CommitReport:
+        """Check the staged version against `fingerprint` (nothing applied if it differs), then, paused, apply it
+        and relabel. A caller that did not pause is paused here, and resumed after a successful apply; a failed
+        apply leaves the replica paused (weightsync restores the last live version, then resumes it)."""
+        async with self._control_lock:
+            if "weights" in self._asleep:
+                raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} while its weights are "
+                                        "asleep (wake_up(['weights']) first); nothing applied")
+            try:
+                self.weights.check(version, fingerprint)
+            except FingerprintMismatch as err:
+                self.counters["updates_failed"] += 1
+                await self.weights.drop()
+                raise WeightUpdateError(f"replica {self.replica_id}: commit of version {version} rejected, "
+                                        f"staying on {self.version}: {err}", Refusal.VERIFY_FAILED) from None
+            # The version label may only change while no step runs; pause here if the caller did not.
+            paused_here = self.state is ReplicaState.READY and self._may_run()
+            t_pause = time.perf_counter()
+            if paused_here:
+                await self._pause_engine("keep")
+                self._paused_mode = "keep"  # held until the apply succeeded
+            t_paused = time.perf_counter()
+            try:
+                # paused: no step runs, so the counts the workers read with the apply hold until resume
+                applied = await self.weights.apply(version, before=self._versions.counts_query)
+                sampled = await self._versions.counts(applied.before)
+            except Exception as err:
+                self.counters["updates_failed"] += 1
+                raise WeightUpdateError(
+                    f"replica {self.replica_id}: commit of version {version} failed while applying (possibly part "
+                    f"applied; the replica stays paused until restored): {err}", applying=True
+                ) from err
+            t_applied = time.perf_counter()
+            await self.engine.relabel(version)
+            if not paused_here:  # our own pause above cleared the caches, and nothing ran since
+                await self.engine.reset_prefix_cache()
+            self._versions.mark(version, sampled)  # no await between this and the label change
+            self.version = version
+            self._weights_discarded = False
+            self.counters["updates_committed"] += 1
+            # resume what this commit paused, or start an awake engine a level-2 sleep had left without weights
+            if paused_here:
+                self._paused_mode = None
+            t_relabelled = time.perf_counter()
+            if self.state is ReplicaState.READY and paused_here and self._may_run():
+                await self._resume_sent()
+            elif self.state is ReplicaState.READY and (paused_here or self._may_run()):
+                await self._settle()
+            end = time.perf_counter()
+            apply_s = applied.apply_seconds
+            return CommitReport(
+                replica_id=self.replica_id, version=self.version, path=applied.path,
+                # the paused window: the engine's pause, the workers' round trip (the apply in it), relabel, resume
+                seconds={"apply": apply_s, "reload": apply_s if applied.path == "reload" else 0.0,
+                         "paused": end - t_pause if paused_here else 0.0, "pause_call": t_paused - t_pause,
+                         "apply_rpc": t_applied - t_paused, "relabel": t_relabelled - t_applied,
+                         "resume_call": end - t_relabelled})
+
+    async def _resume_sent(self) -> None:
+        """Resume the engine this commit paused without awaiting its answer: the call is on the wire when this
+        returns, so any later call (a pause, a request) reaches the engine after it. A failure is only logged (the
+        engine is gone; its health check and the next push say so)."""
+        task = asyncio.ensure_future(self._settle())
+
+        def report(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is not None:
+                logger.warning("replica %s: resume after a commit failed: %s", self.replica_id, done.exception())
+
+        task.add_done_callback(report)
+        self._resuming = task  # (kept referenced until it is done)
+        await asyncio.sleep(0)
+
+    async def abort_update(self) -> UpdateAck:
+        async with self._control_lock:
+            await self.weights.drop()
+            return UpdateAck(replica_id=self.replica_id, version=self.version)
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -278,7 +393,7 @@ class EngineReplica(WeightUpdates):
             if not self._asleep:
                 t0 = time.perf_counter()
                 await self.engine.preempt()
-                await self._drop_staged()  # (and a push's kept receive buffers: released with the engine's memory)
+                await self.weights.drop()  # (and a push's kept receive buffers: released with the engine's memory)
                 await self.engine.sleep(level)  # keeping the preempted requests
                 self._asleep = set(SLEEP_TAGS)
                 self._weights_discarded = level == 2
@@ -324,9 +439,9 @@ class EngineReplica(WeightUpdates):
         return {
             "replica_id": self.replica_id,
             "state": self.state.value,
-            "update_state": self.update_state.value,
+            "update_state": self.weights.state.value,
             "version": self.version,
-            "push_plan": self.plan_id,  # the push plan whose engine-layout buckets it copies in (None: reloads)
+            "push_plan": self.weights.plan_id,  # the push plan whose engine-layout buckets it copies in (None: reloads)
             "paused": self._paused_mode is not None,
             "pause_mode": self._paused_mode,
             "asleep": sorted(self._asleep),

@@ -29,7 +29,7 @@ from asyncrl.generator.metrics import GatewayMetrics
 from asyncrl.generator.routing import rank_replicas
 from asyncrl.generator.sampling import Limits, RequestError, to_vllm, validate_request
 from asyncrl.generator.versions import CompletionAccumulator, VersionLabelError, VersionLedger, versions_from_spans, versions_from_starts
-from asyncrl.types import GenerationRequest, SamplingParams, UpdateBegin
+from asyncrl.types import GenerationRequest, LayoutCheck, SamplingParams, UpdateBegin
 from asyncrl.weightsync.fingerprint import combine_digests, fingerprint_mode, tensor_digests, tensor_fingerprint
 from asyncrl.weightsync.service import WeightStore
 
@@ -365,22 +365,20 @@ class _Plan:
 
 
 def _staging(plan_id: str | None = None, refuses: bool = False):
-    """The replica's weight-update part with workers whose layout is the plan's, or is not (`refuses`): it checks a
-    plan with `plan.plan_misfit` over the layouts its workers answer (`_layouts`)."""
+    """The replica's weight-update state with workers whose layout is the plan's, or is not (`refuses`): it checks a
+    plan with `plan.plan_misfit` over the layouts its workers answer (`asyncrl_layout`)."""
     from asyncrl.generator.engine_update import WeightUpdates
 
-    class Staging(WeightUpdates):
-        def __init__(self) -> None:
-            self.replica_id, self.sets, self.version = "r", [], 0
-            self._init_weight_updates()
-            self.plan_id = plan_id
+    sets: list[int] = []
 
-        async def _layouts(self, manifest: bytes) -> list:
+    async def worker_call(verb: str, args: tuple, timeout: float | None) -> list:
+        assert verb == "asyncrl_layout"
+        sets.append(len(pickle.loads(args[0])))
+        return [LayoutCheck(rank=0, direct=True, layout=pickle.dumps("not the plan's" if refuses else "the plan's"))]
 
-            self.sets.append(len(pickle.loads(manifest)))
-            return ["not the plan's" if refuses else "the plan's"]
-
-    return Staging()
+    updates = WeightUpdates("r", worker_call)
+    updates.plan_id, updates.sets = plan_id, sets
+    return updates
 
 
 def test_a_starting_replica_adopts_the_stores_push_plan_once_and_survives_one_that_does_not_fit(monkeypatch):
@@ -389,21 +387,21 @@ def test_a_starting_replica_adopts_the_stores_push_plan_once_and_survives_one_th
 
     monkeypatch.setattr(engine_update, "plan_misfit", lambda plan, layouts: "" if layouts == ["the plan's"] else "differs")
     fresh = _staging()
-    assert asyncio.run(fresh._adopt_plan(_Plan("p1"))) == "p1" and fresh.sets == [2]
-    assert asyncio.run(fresh._adopt_plan(_Plan("p1"))) == "p1" and fresh.sets == [2]  # held: no call
-    assert asyncio.run(fresh._adopt_plan(None)) == "p1"  # no plan formed yet: what it holds stays
+    assert asyncio.run(fresh.adopt_plan(_Plan("p1"))) == "p1" and fresh.sets == [2]
+    assert asyncio.run(fresh.adopt_plan(_Plan("p1"))) == "p1" and fresh.sets == [2]  # held: no call
+    assert asyncio.run(fresh.adopt_plan(None)) == "p1"  # no plan formed yet: what it holds stays
     # its workers learn it with each update in its layout (the begin's plan id)
-    fresh._begin(1, UpdateBegin("off", layout="engine", plan_id="p1"))
+    fresh.begin(1, UpdateBegin("off", layout="engine", plan_id="p1"), 0)
     assert fresh._begin_args == ["off", "engine", "p1"]
     for bad in (UpdateBegin("sampled"), UpdateBegin("off", layout="megatron")):  # the replica checks the modes
         with pytest.raises(WeightUpdateError, match="is not"):
-            fresh._begin(2, bad)
+            fresh.begin(2, bad, 0)
     for bad in ("3", -1, True):  # a version not an int >= 0 is refused at the replica's verb, naming it
         with pytest.raises(WeightUpdateError, match="must be an int >= 0"):
-            fresh._begin(bad, UpdateBegin("off"))
+            fresh.begin(bad, UpdateBegin("off"), 0)
     assert fresh._begin_args == ["off", "engine", "p1"]  # nothing begun
     other = _staging(refuses=True)  # its layout differs: left without a plan, no error at start
-    assert asyncio.run(other._adopt_plan(_Plan("p2"))) is None and other.plan_id is None
+    assert asyncio.run(other.adopt_plan(_Plan("p2"))) is None and other.plan_id is None
 
 
 # ---- gateway helpers ------------------------------------------------------------------------
@@ -756,7 +754,7 @@ def test_a_replica_whose_engine_died_refuses_requests_as_not_ready():
             asyncio.run(replica.generate(request))
         assert engine_error_to_http(ReplicaNotReady("x")).status == 503
     # nor does it answer, before a gloo / NCCL push, that it still holds the broadcast groups (its answer is cached)
-    replica._groups_joined = object()
+    replica.weights = SimpleNamespace(groups=lambda: pytest.fail("asked the groups of a dead engine"))
     with pytest.raises(WeightUpdateError, match="engine is dead"):
         asyncio.run(replica.join_collective())
 
@@ -786,7 +784,6 @@ def test_a_late_joiner_loads_an_engine_layout_version_in_that_layout_when_the_pl
         async def take_plan(p, fits=fits):
             if not fits:
                 raise ValueError("another layout")
-            replica.plan_id = p.plan_id
             return p.plan_id
 
         async def load_bucket(payload, version, begin):
@@ -796,7 +793,8 @@ def test_a_late_joiner_loads_an_engine_layout_version_in_that_layout_when_the_pl
             loads.append(fingerprint)
 
         tensors = {"w": torch.ones(2)}
-        replica._take_plan, replica.load_bucket, replica.commit_update = take_plan, load_bucket, commit_update
+        replica.weights = SimpleNamespace(take_plan=take_plan)
+        replica.load_bucket, replica.commit_update = load_bucket, commit_update
         with patch("asyncrl.weightsync.plan.hf_from_engine", lambda p, buckets: tensors):
             layout = asyncio.run(replica._load_latest(Store()))
         if fits:

@@ -515,24 +515,18 @@ def test_a_verified_push_is_handed_to_sglang_whole_with_its_version_and_no_cache
     from asyncrl.types import UpdateBegin
     from asyncrl.weightsync.fingerprint import tensor_fingerprint
 
-    class Staging(WeightUpdates):  # the replica's weight-update part alone, on the SGLang driver
-        def __init__(self, engine):
-            self.engine, self.replica_id, self.version = engine, "sg0", 0
-            self._control_lock = asyncio.Lock()
-            self._init_weight_updates()
-
     async def main():
         tm = FakeTM([])
         driver = make(tm, tp_size=2)
         weights = {"model.embed_tokens.weight": torch.randn(8, 4), "model.norm.weight": torch.ones(4)}
         fp = tensor_fingerprint(weights)
-        staging = Staging(driver)
-        assert (await staging._check_layout())[0].direct is False
+        staging = WeightUpdates("sg0", driver.worker_call)  # the replica's weight-update state alone, on SGLang's driver
+        assert (await staging.check_layout())[0].direct is False
 
         async def push(version: int, tensors: dict) -> ApplyReport:
-            await staging.load_bucket(dict(tensors), version, UpdateBegin())
-            staging._check_staged(version, fp)
-            return await staging._apply_staged(version, before=WorkerAPI.asyncrl_sampled_token_counts)
+            await staging.load(dict(tensors), version, UpdateBegin(), 0)
+            staging.check(version, fp)
+            return await staging.apply(version, before=WorkerAPI.asyncrl_sampled_token_counts)
 
         applied = await push(5, weights)
         assert applied.path == "reload" and applied.before == [{}]
@@ -545,7 +539,7 @@ def test_a_verified_push_is_handed_to_sglang_whole_with_its_version_and_no_cache
         bad = dict(weights, **{"model.norm.weight": weights["model.norm.weight"] + 1e-3})
         with pytest.raises(FingerprintMismatch):
             await push(6, bad)
-        await staging._drop_staged()
+        await staging.drop()
         assert len(tm.updates) == 1  # the corrupted version never reached SGLang
         tm.update_answer = (False, "shape mismatch")
         with pytest.raises(RuntimeError, match="SGLang refused the weights: shape mismatch"):

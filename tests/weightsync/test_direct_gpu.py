@@ -92,7 +92,7 @@ async def _scenario(model_path: str) -> dict:
         prompts = [[5, 17, 9, 33, 2], [12, 4, 4, 7]]
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=False)
         outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in prompts]
-        return {"check": replica.layout_checks[0], "metrics": result.metrics, "new": new, "prompts": prompts,
+        return {"check": replica.weights.layout_checks[0], "metrics": result.metrics, "new": new, "prompts": prompts,
                 "tokens": [o.completions[0].token_ids for o in outs], "versions": [o.completions[0].versions for o in outs],
                 "same_addresses": before == await param_addresses(replica)}
     finally:

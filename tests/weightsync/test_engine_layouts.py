@@ -63,7 +63,7 @@ async def _scenario(path: str) -> dict:
         ack = await replica.set_push_plan(PlanRequest(manifest=dump_manifest(manifest), bucket_mb=0.25))
         plan = pickle.loads(ack.plan) if ack.plan is not None else None
         # the layout the plan was formed from (also where it allows none: what the loaders gave)
-        (answer,) = await replica._rpc(WorkerAPI.asyncrl_layout, dump_manifest(manifest))
+        (answer,) = await replica.weights.rpc(WorkerAPI.asyncrl_layout, dump_manifest(manifest))
         layout = pickle.loads(msgspec.convert(answer, LayoutCheck).layout)
         assert (plan is None) == bool(layout.problem) and (plan is None or plan.layouts[0] == layout)
         g = torch.Generator().manual_seed(7)
@@ -75,7 +75,7 @@ async def _scenario(path: str) -> dict:
         transport.close()
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=False)
         out = await replica.generate(GenerationRequest(prompt_ids=PROMPT, sampling=sp))
-        return {"check": replica.layout_checks[0], "layout": layout, "metrics": result.metrics, "new": new,
+        return {"check": replica.weights.layout_checks[0], "layout": layout, "metrics": result.metrics, "new": new,
                 "tokens": out.completions[0].token_ids, "versions": out.completions[0].versions}
     finally:
         replica.shutdown()

@@ -66,7 +66,7 @@ async def _scenario(model_path: str) -> dict:
             transport.release(h)
         manifest = [ManifestEntry(m.name, m.dtype, tuple(m.shape), sender)
                     for metas, sender in zip(hf_export.metas, hf_export.senders) for m in metas]
-        answers = await replica._rpc(WorkerAPI.asyncrl_layout, dump_manifest(manifest))
+        answers = await replica.weights.rpc(WorkerAPI.asyncrl_layout, dump_manifest(manifest))
         layouts = [pickle.loads(msgspec.convert(a, LayoutCheck).layout) for a in answers]
         gathered = build_plan(manifest, layouts, 0.25)
         # what the service asks for and the replica forms for this layout: the learner's TP rank 0 sends it all
@@ -82,7 +82,7 @@ async def _scenario(model_path: str) -> dict:
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=False)
         outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in PROMPTS]
         broadcast = {} if torch.cuda.is_available() else await _broadcast_push(group, replica, plan, sp)
-        return {"layouts": layouts, "check": replica.layout_checks, "metrics": result.metrics,
+        return {"layouts": layouts, "check": replica.weights.layout_checks, "metrics": result.metrics,
                 "plan": plan, "gathered": gathered, "senders": sorted(set(export.senders)), "broadcast": broadcast,
                 "update": metrics, "exported": exported, "same_addresses": before == await param_addresses(replica),
                 "tokens": [o.completions[0].token_ids for o in outs], "versions": [o.completions[0].versions for o in outs]}
@@ -126,7 +126,7 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
     exported = {n: t.clone() for n, t in iter_unpacked(transport.fetch(h) for h in packed.buckets)}
     outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in PROMPTS]
     return {"metrics": result.metrics, "groups": list(link.group_ids), "kept": kept, "exported": exported,
-            "world": [s.world_size for s in link.specs], "held": await replica._rpc(WorkerAPI.asyncrl_join_collective, replica.replica_id),
+            "world": [s.world_size for s in link.specs], "held": await replica.weights.rpc(WorkerAPI.asyncrl_join_collective, replica.replica_id),
             "tokens": [o.completions[0].token_ids for o in outs], "versions": [o.completions[0].versions for o in outs]}
 
 
