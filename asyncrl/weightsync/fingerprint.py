@@ -44,9 +44,6 @@ def _device_table(device: torch.device) -> torch.Tensor:
     return torch.from_numpy(_HOST_TABLE.view(np.int64).copy()).to(device)
 
 
-# ---- host --------------------------------------------------------------------------------------
-
-
 def _host_segment(flat: np.ndarray) -> int:
     """The checksum of a uint8 array."""
     n = int(flat.size)
@@ -64,8 +61,6 @@ def _host_segment(flat: np.ndarray) -> int:
         total += int.from_bytes(flat[whole:].tobytes().ljust(8, b"\0"), "little") * int(_HOST_TABLE[j]) * (2 * c + 1)
     return total & _MASK
 
-
-# ---- device ------------------------------------------------------------------------------------
 
 _BLOCK = 4096  # words per program
 assert CH % _BLOCK == 0  # a program's block never straddles two chunks (the kernel relies on it)
