@@ -83,22 +83,16 @@ def install_fast_prefix_reset() -> bool:
     if getattr(reset, "_asyncrl_fast", False):
         return True
 
-    def hashed_blocks(pool: Any) -> list[Any] | None:
-        cache = getattr(getattr(pool, "cached_block_hash_to_block", None), "_cache", None)
-        if not isinstance(cache, dict) or not isinstance(getattr(pool, "blocks", None), list) \
-                or getattr(pool, "_reuse_watchers", None):  # vLLM >= 0.32 indexes `blocks` by id for these
-            return None
-        out: dict[int, Any] = {}
+    def fast_reset(self: Any) -> bool:
+        cache = getattr(getattr(self, "cached_block_hash_to_block", None), "_cache", None)
+        if not isinstance(cache, dict) or not isinstance(getattr(self, "blocks", None), list) \
+                or getattr(self, "_reuse_watchers", None):  # vLLM >= 0.32 indexes `blocks` by id for these
+            return reset(self)
+        hashed: dict[int, Any] = {}
         for entry in cache.values():  # one block, or {block_id: block} for blocks sharing a hash
             for block in (entry.values() if isinstance(entry, dict) else (entry,)):
-                out[id(block)] = block
-        return list(out.values())
-
-    def fast_reset(self: Any) -> bool:
-        hashed = hashed_blocks(self)
-        if hashed is None:
-            return reset(self)
-        blocks, self.blocks = self.blocks, hashed  # the reset's loop over every block: only these
+                hashed[id(block)] = block
+        blocks, self.blocks = self.blocks, list(hashed.values())  # the reset's loop over every block: only these
         try:
             return reset(self)
         finally:
