@@ -130,9 +130,6 @@ def _cuda_segments(flat: torch.Tensor, segments: Sequence[Segment]) -> torch.Ten
     return out
 
 
-# ---- entry points ------------------------------------------------------------------------------
-
-
 def _flat(buffer: Any) -> Any:
     """A buffer's bytes, flat: numpy in host memory, a uint8 tensor on a device."""
     if isinstance(buffer, torch.Tensor):
