@@ -215,8 +215,6 @@ class Export:
             yield bucket
 
 
-# ---- the receiver's loop ----------------------------------------------------------------------------------------
-
 def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[Bucket]:
     """The receiver's loop for one push on one group: after the header and table, every bucket (back to back, into
     one allocation) and the end header are received as one enqueue; each bucket (on this member's device) is yielded
