@@ -89,9 +89,6 @@ class EngineLayout:
     problem: str = ""
 
 
-# ---- reading the layout from the engine's own loaders ----------------------------------------------
-
-
 class _Recorder(TorchDispatchMode):
     """Records the copies and fills that land in a parameter twin; executes view ops (on meta)."""
 
@@ -221,9 +218,6 @@ def verify_layout(layout: EngineLayout, live: dict[str, torch.Tensor], read: Cal
     return ""
 
 
-# ---- the plan --------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class PlannedBucket:
     sender: int
@@ -306,9 +300,6 @@ def build_plan(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout
                       + [repr((lay.rank, lay.params, lay.problem)) for lay in layouts])
     plan_id = hashlib.sha256(blob.encode()).hexdigest()[:16]
     return PushPlan(plan_id, len(ranks), len(senders_used), tuple(buckets), tuple(manifest), tuple(layouts))
-
-
-# ---- the sender's packer ---------------------------------------------------------------------------
 
 
 class _PackProgram:
