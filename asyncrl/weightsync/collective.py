@@ -245,7 +245,6 @@ class CollectiveGroup:
         warm_push_kernels(dev)  # before any broadcast is queued on it
         return cls(spec, rank, dev, _comm=comm, _stream=stream, _store=pg.store)
 
-    # ---- the gate of one push (gloo / NCCL) ----------------------------------------------------
     def _kv(self) -> Any:
         if self._store is None:
             raise CollectiveError(f"group {self.spec.group_id} is closed")
@@ -293,7 +292,6 @@ class CollectiveGroup:
         """Close push `token`'s gate from this member (it will not take the push); the decision."""
         return decide_gate(self._kv(), self.spec.group_id, token, f"closed: rank {self.rank}: {why}")
 
-    # ---- one broadcast from group rank 0 -------------------------------------------------------
     def broadcast_all(self, tensors: list[torch.Tensor], deadline: float) -> None:
         """Broadcast each of `tensors` from the sender into every member's (same shape and dtype, on this member's
         device) and return once all are complete here, by `deadline` (time.monotonic()): past it, CollectiveError."""
