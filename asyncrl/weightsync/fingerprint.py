@@ -32,8 +32,7 @@ def _table() -> np.ndarray:
     z = np.arange(CH, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z = z ^ (z >> np.uint64(31))
-    return z | np.uint64(1)
+    return (z ^ (z >> np.uint64(31))) | np.uint64(1)
 
 
 _HOST_TABLE = _table()
