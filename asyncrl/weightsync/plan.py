@@ -338,7 +338,6 @@ _program = functools.lru_cache(maxsize=8)(_PackProgram)
 class PlannedPacker:
     """Packs one sender's export into its planned buckets, each HF tensor written straight into its place as it
     arrives; yields complete buckets in plan order.
-
     `buffer(bucket)` returns the uint8 buffer (a tensor, on the host too) to pack a bucket into (a reused one, e.g.
     a persistent IPC buffer); by default a fresh one on `device`. The stream must carry every source the plan names,
     each once; extra tensors are ignored."""
