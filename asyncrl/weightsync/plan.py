@@ -2,11 +2,9 @@
 
 Owns: `probe_layout` (the engine's own `load_weights` run on meta tensors, recording each copy and fill its loaders
 make: fused QKV / gate-up, TP shards, padded vocab, tied embeddings, fused experts; a loader doing anything else is
-named as unusable), `verify_layout` (the layout rebuilds the loaded parameters bit for bit), `build_plan` -> `PushPlan`
-(each engine parameter given a sending learner rank, a bucket and an offset), `plan_misfit` (why engine ranks'
-layouts cannot take a plan), `PlannedPacker` (a sender writes each HF tensor straight into its places in
-the buckets; `pack_stream`: a sender's buckets, planned or HF) and `hf_from_engine` (the HF tensors back from
-engine-layout buckets).
+named as unusable), `verify_layout`, `build_plan` -> `PushPlan` (each engine parameter given a sending learner rank,
+a bucket and an offset), `plan_misfit`, `PlannedPacker` / `pack_stream` (a sender writes each HF tensor straight
+into its places in the buckets) and `hf_from_engine` (the HF tensors back from engine-layout buckets).
 Must never: touch an engine's live parameter data (the probe swaps in meta twins and puts the originals back), or import
 vLLM (the engine adapter hands in the model).
 """
@@ -89,9 +87,6 @@ class EngineLayout:
     rank: int
     params: tuple[ParamLayout, ...]
     problem: str = ""
-
-
-# ---- reading the layout from the engine's own loaders ----------------------------------------------
 
 
 class _Recorder(TorchDispatchMode):
@@ -199,17 +194,13 @@ def same_ops(a: EngineLayout, b: EngineLayout) -> bool:
 
 
 def verify_layout(layout: EngineLayout, live: dict[str, torch.Tensor], read: Callable[[str], torch.Tensor]) -> str:
-    """'' when the layout rebuilds every live parameter exactly from the checkpoint tensors
-    `read(name)` returns (on host), else which parameter differs and how."""
+    """'' when the layout rebuilds every live parameter exactly from the checkpoint tensors `read(name)` returns (on
+    host), else which parameter differs. `live`: the parameters of the model the layout was just probed on."""
     if layout.problem:
         return layout.problem
     cache: dict[str, torch.Tensor] = {}
     for p in layout.params:
-        target = live.get(p.name)
-        if target is None:
-            return f"{p.name}: not an engine parameter any more"
-        if tuple(target.shape) != p.shape or str(target.dtype).removeprefix("torch.") != p.dtype:
-            return f"{p.name}: the engine holds {tuple(target.shape)} {target.dtype}, the loaders wrote {p.shape} {p.dtype}"
+        target = live[p.name]
         rebuilt = torch.empty(p.shape, dtype=target.dtype, device=target.device)
         for op in p.ops:  # the loaders' steps replayed, in order
             if op.src is None:
@@ -225,9 +216,6 @@ def verify_layout(layout: EngineLayout, live: dict[str, torch.Tensor], read: Cal
             if len(cache) > 8:
                 cache.pop(name, None)
     return ""
-
-
-# ---- the plan --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -314,9 +302,6 @@ def build_plan(manifest: Sequence[ManifestEntry], layouts: Sequence[EngineLayout
     return PushPlan(plan_id, len(ranks), len(senders_used), tuple(buckets), tuple(manifest), tuple(layouts))
 
 
-# ---- the sender's packer ---------------------------------------------------------------------------
-
-
 class _PackProgram:
     """What packing one sender's part of a plan does, worked out once per (plan, sender) and kept (`_program`):
     the pack runs in Python per exported tensor on every push, on the sender's path to the wire. Per bucket: its
@@ -353,7 +338,6 @@ _program = functools.lru_cache(maxsize=8)(_PackProgram)
 class PlannedPacker:
     """Packs one sender's export into its planned buckets, each HF tensor written straight into its place as it
     arrives; yields complete buckets in plan order.
-
     `buffer(bucket)` returns the uint8 buffer (a tensor, on the host too) to pack a bucket into (a reused one, e.g.
     a persistent IPC buffer); by default a fresh one on `device`. The stream must carry every source the plan names,
     each once; extra tensors are ignored."""
@@ -376,9 +360,7 @@ class PlannedPacker:
         emitted = 0
 
         def emit(pos: int) -> Bucket:
-            buf = buffers.pop(pos, None)
-            if buf is None:
-                buf = self._buffer(prog.buckets[pos])
+            buf = buffers.pop(pos)  # (taken when its first source arrived: every bucket has one, build_plan)
             typed: dict[str, tuple[torch.Tensor, int]] = {}  # the buffer viewed in each dtype, and its storage offset
             for dtype in prog.dtypes[pos]:
                 dt = dtype_from_name(dtype)
@@ -389,8 +371,7 @@ class PlannedPacker:
                 t, base = typed[dtype]
                 t.as_strided(shape, stride, base + at).fill_(value)
             dst = [typed[d][0].as_strided(shape, stride, typed[d][1] + at) for d, shape, stride, at in prog.copies[pos]]
-            if dst:
-                torch._foreach_copy_(dst, sources[pos])
+            torch._foreach_copy_(dst, sources[pos])
             sources[pos] = []
             return Bucket(buffer=buf, metas=list(prog.metas[pos]), rank=prog.buckets[pos].rank)
 
@@ -412,7 +393,7 @@ class PlannedPacker:
                 whole = sv.offset == 0 and sv.shape == shape and sv.stride == stride  # type: ignore[union-attr]
                 sources[pos][slot] = src if whole else sv.of(src)  # type: ignore[union-attr]
                 remaining[pos] -= 1
-            while emitted < n and remaining[emitted] == 0:  # (every bucket has a source: build_plan)
+            while emitted < n and remaining[emitted] == 0:
                 yield emit(emitted)
                 emitted += 1
         if emitted < n:
@@ -422,9 +403,8 @@ class PlannedPacker:
     def max_open(self) -> int:
         """The most buckets open at once when the export arrives in manifest order (how many
         buffers a reused pool needs besides the ones in flight)."""
-        remaining = list(self._prog.counts)
-        opened = {pos for pos, c in enumerate(remaining) if c == 0}
-        emitted, most = 0, len(opened)
+        remaining, opened = list(self._prog.counts), set()
+        emitted, most = 0, 0
         for entry in self.plan.manifest:
             for pos, *_ in self._prog.uses.get(entry.name, ()):
                 opened.add(pos)

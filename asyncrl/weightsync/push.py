@@ -27,9 +27,6 @@ from asyncrl.weightsync.transport import Transport
 log = logging.getLogger(__name__)
 
 S = WeightUpdateState
-# on_live(version, fingerprint, buckets): the live version's buckets, or their handles where the transport's are
-# ObjectRefs (`by_reference`): a Ray actor takes those as they are, where sending the buckets copies every byte
-OnLive = Callable[[int, str, list[Any]], Awaitable[Any]]
 
 
 class WeightsyncError(RuntimeError):
@@ -150,10 +147,12 @@ class VersionRegistry:
 
 
 class Publisher:
-    """Pushes versions to replicas. One push at a time (the registry refuses a second)."""
+    """Pushes versions to replicas. One push at a time (the registry refuses a second). `on_live(version, fingerprint,
+    buckets)` gets each live version's buckets, or their handles where the transport's are ObjectRefs (`by_reference`):
+    a Ray actor takes those as they are, where sending the buckets copies every byte."""
 
     def __init__(self, config: WeightsyncConfig, *, transport: Transport, registry: VersionRegistry | None = None,
-                 on_live: OnLive | None = None) -> None:
+                 on_live: Callable[[int, str, list[Any]], Awaitable[Any]] | None = None) -> None:
         self._cfg, self._transport = config, transport
         self.registry = registry if registry is not None else VersionRegistry()
         self._on_live = on_live

@@ -58,9 +58,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
     `gate`: the push's gate token (collective.py): nothing goes on the wire until every member is ready; a closed
     gate raises `GateClosed` (the stream still read to its end, the group still usable).
     The table goes first, then each bucket as soon as it is packed (packing bucket k + 1 overlaps bucket k on the
-    wire); past the table the receivers wait for all of it, so a failed export sends zeros for the rest before the
-    abort header, and they fail at once. Then the end header, the checksums beside the wire (which never waits for
-    them), one wait for the wire, and the digests on the host."""
+    wire), then the end header and one wait for the wire, the checksums running beside it."""
     deadline = time.monotonic() + timeout_s
     out = SendResult()
     # (first: the last push's copies let go of its buckets, or the stream waits for those still being made)
@@ -104,11 +102,7 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
         out.seconds["broadcast"] += time.perf_counter() - t
         unsent = [n for *_, n in rows]
         packed: list[tuple[Bucket, Any]] = []
-        for k, bucket in enumerate(buckets):
-            if k >= len(rows) or (bucket.metas, bucket.rank, bucket.nbytes) != rows[k]:
-                export.failed = True  # the table the receivers hold does not describe it: nothing more goes out as data
-                raise CollectiveError(f"group {group.spec.group_id}: packed bucket {k} ({bucket.nbytes} bytes, rank "
-                                      f"{bucket.rank}) is not the bucket {k} the table announced")
+        for k, bucket in enumerate(buckets):  # (bucket k is the table's row k: the packer emits the plan in order)
             finish = copy = None
             if ring is not None:
                 # a ring's slot on the host is no copy: it is overwritten by a later bucket (CPU senders, tests)
@@ -127,10 +121,6 @@ def broadcast_send_stream(group: CollectiveGroup, named_tensors: Iterable[tuple[
                 ring.sent(planned[k].index, bc, copy)  # type: ignore[index]
             packed.append((bucket, finish))
             unsent.pop(0)
-        if unsent:
-            export.failed = True
-            raise CollectiveError(f"group {group.spec.group_id}: the export gave {len(packed)} buckets, the table "
-                                  f"{len(rows)}")
         unsent = None  # (every announced bucket is on the wire: a failure from here on is the wire's or the host's)
         t = time.perf_counter()
         sending.append(group.enqueue_broadcasts([_header(group, END)], deadline))
@@ -224,8 +214,6 @@ class Export:
             self._out.seconds["pack"] += time.perf_counter() - t
             yield bucket
 
-
-# ---- the receiver's loop ----------------------------------------------------------------------------------------
 
 def broadcast_receive_stream(group: CollectiveGroup, deadline: float) -> Iterator[Bucket]:
     """The receiver's loop for one push on one group: after the header and table, every bucket (back to back, into
