@@ -536,12 +536,12 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
     from asyncrl.config import WeightsyncConfig
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.push import BucketSource, Publisher, StreamedSource, VersionRegistry
-    from asyncrl.weightsync.transport import pack_into_transport, select_transport
+    from asyncrl.weightsync.transport import pack_into_transport, select_channel
 
     runs = {}
     for kind in transports:
         cfg = WeightsyncConfig(transport=kind, bucket_mb=bucket_mb, timeout_s=timeout_s, verify=verify)
-        transport = select_transport(cfg, on_gpu=gpus > 0)
+        transport = select_channel(cfg, on_gpu=gpus > 0)
         pub = Publisher(cfg, transport=transport, registry=VersionRegistry(version))  # the engines already serve `version`
         link = links.get(kind)  # one per transport, kept across bucket sizes (its groups, the receivers' buffers)
         if kind in collective and link is None:

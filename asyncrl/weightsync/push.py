@@ -22,7 +22,7 @@ from typing import Any
 from asyncrl.config import WeightsyncConfig
 from asyncrl.types import CommitReport, Refusal, UpdateBegin, WeightUpdateState, WeightVersion, refusal_of
 from asyncrl.weightsync.sources import BucketSource, PushMetrics, ReplicaClient, Step, StepFailed, StreamedSource, refusals_of
-from asyncrl.weightsync.transport import Transport
+from asyncrl.weightsync.transport import Channel
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class VersionRegistry:
 class Publisher:
     """Pushes versions to replicas. One push at a time (the registry refuses a second)."""
 
-    def __init__(self, config: WeightsyncConfig, *, transport: Transport, registry: VersionRegistry | None = None,
+    def __init__(self, config: WeightsyncConfig, *, transport: Channel, registry: VersionRegistry | None = None,
                  on_live: OnLive | None = None) -> None:
         self._cfg, self._transport = config, transport
         self.registry = registry if registry is not None else VersionRegistry()

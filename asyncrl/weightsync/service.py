@@ -27,7 +27,7 @@ from asyncrl.weightsync.link import CollectiveLink
 from asyncrl.weightsync.plan import ManifestEntry, PlanError
 from asyncrl.weightsync.push import Publisher, VersionRegistry, WeightsyncError
 from asyncrl.weightsync.sources import BucketSource, DeploymentReplicas, Step, StreamedSource
-from asyncrl.weightsync.transport import is_object_ref, select_transport
+from asyncrl.weightsync.transport import is_object_ref, select_channel
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class WeightPublisher:
         self.store = ray.remote(WeightStore).options(
             name=STORE_NAME, namespace=STORE_NAMESPACE, get_if_exists=True, num_cpus=0, scheduling_strategy=here
         ).remote()
-        transport = select_transport(self.cfg, on_gpu=self.on_gpu, hybrid=self.hybrid, own_gpus=self.own_gpus)
+        transport = select_channel(self.cfg, on_gpu=self.on_gpu, hybrid=self.hybrid, own_gpus=self.own_gpus)
         self.publisher = Publisher(
             self.cfg, transport=transport, registry=VersionRegistry(initial_version),
             on_live=weight_store_hook(self.store, lambda version: self.plan),

@@ -1,8 +1,8 @@
 """Transports: how one packed bucket gets from the publisher to every replica, and a sending rank's host copies.
 
-Owns: the `Transport` protocol (hand every replica the payload of a bucket the learner ranks put, read it, release it),
-`select_transport` (config and placement -> `ObjectStoreTransport`: one `ray.put` a bucket, read as zero-copy views;
-`SharedMemoryTransport`: one host, one /dev/shm file a bucket that every replica's workers map; `CollectiveTransport`:
+Owns: the `Channel` protocol (hand every replica the payload of a bucket the learner ranks put, read it, release it),
+`select_channel` (config and placement -> `ObjectStoreChannel`: one `ray.put` a bucket, read as zero-copy views;
+`ShmChannel`: one host, one /dev/shm file a bucket that every replica's workers map; `BroadcastChannel`:
 nccl, gloo (collective.py) or ipc (ipc.py), whose handles are the senders' host copies in the object store), those
 host copies (`HostCopies`, `PinnedPool`: made once collected, off the push's critical path), and a learner rank's
 export packed into shm or object-store buckets (`pack_into_transport`).
@@ -38,11 +38,11 @@ def is_object_ref(value: Any) -> bool:
     return isinstance(value, ray.ObjectRef)
 
 
-class TransportUnavailable(ValueError):
-    """The configured transport is not available for this placement / build."""
+class ChannelUnavailable(ValueError):
+    """The configured channel is not available for this placement / build."""
 
 
-class Transport:
+class Channel:
     """How buckets reach the replicas, once the learner ranks put them (`pack_into_transport`)."""
 
     name = ""
@@ -62,7 +62,7 @@ class Transport:
         return None
 
 
-class ObjectStoreTransport(Transport):
+class ObjectStoreChannel(Channel):
     """Ray object store: one `ray.put` per bucket, whose ObjectRef fans out to every replica. The publisher's process
     owns the objects: they live while it holds the handles (the last live version's are kept for rollbacks, push.py)."""
 
@@ -73,7 +73,7 @@ class ObjectStoreTransport(Transport):
         import ray
 
         if not ray.is_initialized():
-            raise TransportUnavailable("transport=object_store needs a running Ray runtime (ray.init first)")
+            raise ChannelUnavailable("transport=object_store needs a running Ray runtime (ray.init first)")
         self._ray = ray
         self._get_timeout_s = get_timeout_s
 
@@ -81,7 +81,7 @@ class ObjectStoreTransport(Transport):
         return self._ray.get(handle, timeout=self._get_timeout_s)
 
 
-class SharedMemoryTransport(Transport):
+class ShmChannel(Channel):
     """Same host only: one shared file per bucket (`SharedBucket`), mapped by every replica's workers. It owns the
     files, adopting one the learner ranks wrote when first read: `release` hands one back to the packers
     (`SharedBucket.recycle`: the next export writes into it again), one no export took by the export after is
@@ -110,7 +110,7 @@ class SharedMemoryTransport(Transport):
             self._recycled.add(handle.path)
 
 
-class CollectiveTransport(ObjectStoreTransport):
+class BroadcastChannel(ObjectStoreChannel):
     """Broadcast groups between the sending learner ranks and every engine worker (collective.py): the senders stream
     while the replicas receive (`StreamedSource`); it fetches and releases their host copies in the object store."""
 
@@ -145,8 +145,8 @@ def auto_transport(*, on_gpu: bool, hybrid: bool, own_gpus: bool, one_host: bool
     return "nccl" if on_gpu else "object_store"
 
 
-def select_transport(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: bool = False,
-                     own_gpus: bool = False) -> Transport:
+def select_channel(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: bool = False,
+                   own_gpus: bool = False) -> Channel:
     """`config.transport`, with `auto` resolved by `auto_transport` against the running cluster.
     `on_gpu`: the learner's ranks hold GPUs (whatever this process sees); `own_gpus`: every learner
     rank and every engine replica holds at least one whole GPU."""
@@ -158,16 +158,16 @@ def select_transport(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: 
         kind = auto_transport(on_gpu=on_gpu, hybrid=hybrid, own_gpus=own_gpus, one_host=one_host,
                               gpus=float(ray.cluster_resources().get("GPU", 0)) if one_host and on_gpu else 0.0)
     if kind == "object_store":
-        return ObjectStoreTransport(get_timeout_s=config.timeout_s)
+        return ObjectStoreChannel(get_timeout_s=config.timeout_s)
     if kind == "shm":
-        return SharedMemoryTransport()
+        return ShmChannel()
     if kind == "nccl" and not on_gpu:
-        raise TransportUnavailable("weightsync.transport='nccl' needs the learner on GPUs (learner.num_gpus_per_rank > 0); "
-                                   "use 'gloo' for the same broadcast path on CPU hosts")
+        raise ChannelUnavailable("weightsync.transport='nccl' needs the learner on GPUs (learner.num_gpus_per_rank > 0); "
+                                 "use 'gloo' for the same broadcast path on CPU hosts")
     if kind == "ipc" and not on_gpu:
-        raise TransportUnavailable("weightsync.transport='ipc' hands the engines CUDA memory of the learner's and needs "
-                                   "the learner on GPUs (learner.num_gpus_per_rank > 0); use 'shm' on one CPU host")
-    return CollectiveTransport(kind, get_timeout_s=config.timeout_s)  # (gloo, nccl or ipc: the config's other kinds)
+        raise ChannelUnavailable("weightsync.transport='ipc' hands the engines CUDA memory of the learner's and needs "
+                                 "the learner on GPUs (learner.num_gpus_per_rank > 0); use 'shm' on one CPU host")
+    return BroadcastChannel(kind, get_timeout_s=config.timeout_s)  # (gloo, nccl or ipc: the config's other kinds)
 
 
 # ---- a sending rank's host copies -------------------------------------------------------------------------------

@@ -12,10 +12,10 @@ from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck, UpdateBe
 from asyncrl.weightsync.bucket import Bucket, SharedBucket, unpack_bucket
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from asyncrl.weightsync.sources import BucketSource
-from asyncrl.weightsync.transport import Transport, is_object_ref
+from asyncrl.weightsync.transport import Channel, is_object_ref
 
 
-class LocalTransport(Transport):
+class LocalChannel(Channel):
     """In-process: the handle is the bucket itself (replicas in this process, no Ray)."""
 
     name = "local"
@@ -126,7 +126,7 @@ class FakeReplica:
         self.paused = False
 
 
-class CorruptingTransport(LocalTransport):
+class CorruptingChannel(LocalChannel):
     """Flips one byte of bucket `index` in what replicas receive (the publisher's copy is intact)."""
 
     def __init__(self, index: int = 0) -> None:
@@ -168,7 +168,7 @@ def source_of(pub: Any, named: Any, plan: Any = None) -> BucketSource:
     store by the learner's own packer, an in-process transport by its `put`."""
     transport, cfg = pub._transport, pub._cfg
     pairs = named.items() if isinstance(named, dict) else named
-    if isinstance(transport, LocalTransport):
+    if isinstance(transport, LocalChannel):
         from asyncrl.weightsync.bucket import iter_buckets
         from asyncrl.weightsync.plan import PlannedPacker
 
