@@ -70,7 +70,7 @@ class Pusher:
         from asyncrl.weightsync.plan import ManifestEntry
         from asyncrl.weightsync.push import Publisher, VersionRegistry
         from asyncrl.weightsync.service import dump_manifest
-        from asyncrl.weightsync.transport import ShmChannel
+        from asyncrl.weightsync.shm import ShmChannel
         from tests.weightsync.fakes import LocalClient, source_of
 
         self.replica, self.client, self.version, self._torch = replica, LocalClient(replica), 0, torch

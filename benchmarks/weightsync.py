@@ -536,7 +536,8 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
     from asyncrl.config import WeightsyncConfig
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.push import BucketSource, Publisher, StreamedSource, VersionRegistry
-    from asyncrl.weightsync.transport import pack_into_transport, select_channel
+    from asyncrl.weightsync.service import select_channel
+    from asyncrl.weightsync.shm import pack_into_transport
 
     runs = {}
     for kind in transports:
@@ -637,7 +638,7 @@ async def _raw_floors(name, transports, collective, sender, sinks, gpu_sinks, jo
                 return kept[i][:nbytes]
 
             t = time.perf_counter()
-            # packing as the push packs (transport.pack_into_transport): into reused host buffers, put as numpy
+            # packing as the push packs (shm.pack_into_transport): into reused host buffers, put as numpy
             for bucket in iter_buckets(iter(weights.items()), bucket_mb, device="cpu", alloc=reuse):
                 ref = ray.put(Bucket(buffer=bucket.buffer.numpy(), metas=list(bucket.metas), rank=bucket.rank))
                 del bucket

@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck, UpdateBegin
-from asyncrl.weightsync.bucket import Bucket, SharedBucket, unpack_bucket
+from asyncrl.weightsync.bucket import Bucket, unpack_bucket
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
+from asyncrl.weightsync.shm import SharedBucket
 from asyncrl.weightsync.sources import BucketSource
 from asyncrl.weightsync.transport import Channel, is_object_ref
 
@@ -175,7 +176,7 @@ def source_of(pub: Any, named: Any, plan: Any = None) -> BucketSource:
         packed = iter_buckets(pairs, cfg.bucket_mb) if plan is None else PlannedPacker(plan, 0, "cpu").pack(pairs)
         handles, digests = [transport.put(b) for b in packed], None
     else:
-        from asyncrl.weightsync.transport import pack_into_transport
+        from asyncrl.weightsync.shm import pack_into_transport
 
         kind = "shm" if transport.name == "shm" else "object_store"
         export = pack_into_transport(pairs, cfg.bucket_mb, kind, cfg.verify, plan)

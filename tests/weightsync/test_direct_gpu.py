@@ -149,7 +149,7 @@ async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl") ->
     from asyncrl.weightsync.collective import CollectiveGroup
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.push import Publisher, VersionRegistry, WeightsyncError
-    from asyncrl.weightsync.transport import select_channel
+    from asyncrl.weightsync.service import select_channel
 
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),
                             GeneratorConfig(engine_kwargs={"gpu_memory_utilization": 0.3} if torch.cuda.is_available() else {}),
@@ -253,7 +253,7 @@ async def _ipc_scenario(model_path: str) -> dict:
     from asyncrl.types import GenerationRequest, Refusal, SamplingParams
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.push import Publisher, VersionRegistry, WeightsyncError
-    from asyncrl.weightsync.transport import select_channel
+    from asyncrl.weightsync.service import select_channel
 
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),
                             GeneratorConfig(engine_kwargs={"gpu_memory_utilization": 0.3}), replica_id="gpu0")

@@ -53,7 +53,7 @@ async def _scenario(path: str) -> dict:
     from asyncrl.weightsync.plan import ManifestEntry
     from asyncrl.weightsync.push import Publisher, VersionRegistry
     from asyncrl.weightsync.service import dump_manifest
-    from asyncrl.weightsync.transport import ShmChannel
+    from asyncrl.weightsync.shm import ShmChannel
 
     replica = EngineReplica(ModelConfig(path=path, max_model_len=256), GeneratorConfig(), replica_id="e0")
     await replica.start()

@@ -41,7 +41,7 @@ async def _scenario(model_path: str) -> dict:
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.service import dump_manifest
-    from asyncrl.weightsync.transport import ShmChannel
+    from asyncrl.weightsync.shm import ShmChannel
     from tests.learner._data import advantages, make_samples
     from tests.weightsync.fakes import iter_unpacked
 
@@ -101,7 +101,7 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.plan import hf_from_engine
     from asyncrl.weightsync.push import Publisher, VersionRegistry
-    from asyncrl.weightsync.transport import select_channel
+    from asyncrl.weightsync.service import select_channel
     from tests.learner._data import advantages, make_samples
     from tests.weightsync.fakes import iter_unpacked
 

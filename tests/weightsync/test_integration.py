@@ -353,8 +353,8 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.weightsync.plan import ManifestEntry
     from asyncrl.weightsync.push import Publisher
+    from asyncrl.weightsync.shm import ShmChannel
     from asyncrl.weightsync.sources import ActorReplica
-    from asyncrl.weightsync.transport import ShmChannel
     from tests.learner._data import advantages, make_samples
     from tests.weightsync.fakes import iter_unpacked
 
@@ -410,8 +410,8 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.plan import ManifestEntry, hf_from_engine
     from asyncrl.weightsync.push import Publisher
+    from asyncrl.weightsync.service import select_channel
     from asyncrl.weightsync.sources import ActorReplica
-    from asyncrl.weightsync.transport import select_channel
     from tests.learner._data import advantages, make_samples
     from tests.weightsync.fakes import iter_unpacked
 
@@ -533,8 +533,8 @@ class _OneEngine:
     def __init__(self, engine, sender, cfg, start: int, plan, **link_kw) -> None:
         from asyncrl.weightsync.link import CollectiveLink
         from asyncrl.weightsync.push import Publisher, VersionRegistry
+        from asyncrl.weightsync.service import select_channel
         from asyncrl.weightsync.sources import ActorReplica
-        from asyncrl.weightsync.transport import select_channel
 
         async def members():
             info = await engine.join_collective.remote()

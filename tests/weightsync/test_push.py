@@ -202,7 +202,8 @@ async def test_on_live_hook_gets_the_committed_buckets():
 
 @pytest.mark.parametrize("kind, hybrid", [("auto", True), ("ipc", False)])
 def test_ipc_is_chosen_for_shared_devices_and_streams_like_the_collectives(kind, hybrid, ray_session):
-    from asyncrl.weightsync.transport import BroadcastChannel, select_channel
+    from asyncrl.weightsync.service import select_channel
+    from asyncrl.weightsync.transport import BroadcastChannel
 
     transport = select_channel(WeightsyncConfig(transport=kind), on_gpu=True, hybrid=hybrid)
     assert isinstance(transport, BroadcastChannel) and transport.name == "ipc" and transport.streamed
@@ -210,7 +211,8 @@ def test_ipc_is_chosen_for_shared_devices_and_streams_like_the_collectives(kind,
 
 def test_ipc_is_refused_without_a_gpu_learner_naming_what_to_use():
     """CUDA IPC hands the engines the learner's device memory: a CPU learner gets a config error, not an alias."""
-    from asyncrl.weightsync.transport import ChannelUnavailable, select_channel
+    from asyncrl.weightsync.service import select_channel
+    from asyncrl.weightsync.transport import ChannelUnavailable
 
     with pytest.raises(ChannelUnavailable, match="transport='ipc'.*use 'shm'"):
         select_channel(WeightsyncConfig(transport="ipc"), on_gpu=False)
@@ -227,13 +229,14 @@ def test_ipc_is_refused_without_a_gpu_learner_naming_what_to_use():
     (False, False, False, False, 0, "object_store"),
 ])
 def test_auto_transport_follows_where_the_learner_and_engines_sit(on_gpu, hybrid, own_gpus, one_host, gpus, expected):
-    from asyncrl.weightsync.transport import auto_transport
+    from asyncrl.weightsync.service import auto_transport
 
     assert auto_transport(on_gpu=on_gpu, hybrid=hybrid, own_gpus=own_gpus, one_host=one_host, gpus=gpus) == expected
 
 
 def test_nccl_with_a_cpu_learner_is_refused_with_the_way_out():
-    from asyncrl.weightsync.transport import ChannelUnavailable, select_channel
+    from asyncrl.weightsync.service import select_channel
+    from asyncrl.weightsync.transport import ChannelUnavailable
 
     with pytest.raises(ChannelUnavailable, match="needs the learner on GPUs.*'gloo'"):
         select_channel(WeightsyncConfig(transport="nccl"), on_gpu=False)
@@ -290,8 +293,7 @@ async def test_verify_mode_decides_what_a_commit_checks(verify, caught):
 async def test_shm_transport_owns_its_files_from_push_to_release_and_packers_write_them_again():
     import os
 
-    from asyncrl.weightsync.bucket import FREE
-    from asyncrl.weightsync.transport import ShmChannel
+    from asyncrl.weightsync.shm import FREE, ShmChannel
 
     transport = ShmChannel()
     pub, replicas, log, old = _setup(transport=transport)
