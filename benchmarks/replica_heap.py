@@ -70,7 +70,7 @@ class Pusher:
         from asyncrl.weightsync.plan import ManifestEntry
         from asyncrl.weightsync.push import Publisher, VersionRegistry
         from asyncrl.weightsync.service import dump_manifest
-        from asyncrl.weightsync.transport import SharedMemoryTransport
+        from asyncrl.weightsync.shm import ShmChannel
         from tests.weightsync.fakes import LocalClient, source_of
 
         self.replica, self.client, self.version, self._torch = replica, LocalClient(replica), 0, torch
@@ -78,7 +78,7 @@ class Pusher:
         self.base = load_hf_tensors(str(model))
         self._manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in self.base.items()]
         self._dump, self._pickle, self._request = dump_manifest, pickle, PlanRequest
-        self.transport = SharedMemoryTransport()
+        self.transport = ShmChannel()
         self.pub = Publisher(WeightsyncConfig(bucket_mb=16, verify="checksum", timeout_s=120), transport=self.transport,
                              registry=VersionRegistry(0))
 

@@ -536,12 +536,13 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
     from asyncrl.config import WeightsyncConfig
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.push import BucketSource, Publisher, StreamedSource, VersionRegistry
-    from asyncrl.weightsync.transport import pack_into_transport, select_transport
+    from asyncrl.weightsync.service import select_channel
+    from asyncrl.weightsync.shm import pack_into_transport
 
     runs = {}
     for kind in transports:
         cfg = WeightsyncConfig(transport=kind, bucket_mb=bucket_mb, timeout_s=timeout_s, verify=verify)
-        transport = select_transport(cfg, on_gpu=gpus > 0)
+        transport = select_channel(cfg, on_gpu=gpus > 0)
         pub = Publisher(cfg, transport=transport, registry=VersionRegistry(version))  # the engines already serve `version`
         link = links.get(kind)  # one per transport, kept across bucket sizes (its groups, the receivers' buffers)
         if kind in collective and link is None:
@@ -637,7 +638,7 @@ async def _raw_floors(name, transports, collective, sender, sinks, gpu_sinks, jo
                 return kept[i][:nbytes]
 
             t = time.perf_counter()
-            # packing as the push packs (transport.pack_into_transport): into reused host buffers, put as numpy
+            # packing as the push packs (shm.pack_into_transport): into reused host buffers, put as numpy
             for bucket in iter_buckets(iter(weights.items()), bucket_mb, device="cpu", alloc=reuse):
                 ref = ray.put(Bucket(buffer=bucket.buffer.numpy(), metas=list(bucket.metas), rank=bucket.rank))
                 del bucket

@@ -21,11 +21,12 @@ import msgspec
 from asyncrl.generator.replica_types import UpdateState, WeightUpdateError
 from asyncrl.interfaces import WorkerAPI, verb_name
 from asyncrl.types import ApplyReport, GroupsReport, LayoutCheck, LoadReport, PlanAck, PlanRequest, ReceiveReport, Refusal, UpdateBegin, refusal_of
-from asyncrl.weightsync.bucket import Bucket, SharedBucket, iter_buckets, write_shared
+from asyncrl.weightsync.bucket import Bucket, iter_buckets
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import check_verify_mode, combine_digests, fingerprint_mode
 from asyncrl.weightsync.ipc import IpcBucket
 from asyncrl.weightsync.plan import PlanError, build_plan, plan_misfit
+from asyncrl.weightsync.shm import SharedBucket, write_shared
 from asyncrl.weightsync.transport import is_object_ref
 
 logger = logging.getLogger(__name__)

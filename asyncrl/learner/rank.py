@@ -191,7 +191,8 @@ class LearnerRank:
         gate token (gloo / NCCL: nothing goes out until every receiver is ready; collective.py). Over shm /
         object_store: packed into host buckets of it, a shared file or an object each. Every bucket is hashed
         in `verify` mode as it is packed."""
-        from asyncrl.weightsync.transport import BACKENDS, pack_into_transport
+        from asyncrl.weightsync.shm import pack_into_transport
+        from asyncrl.weightsync.transport import BACKENDS
 
         self._ready()
         with self._thread(), self._held(("params",)):

@@ -1,21 +1,14 @@
 """Bucketing: a stream of (name, tensor) packed into flat byte buckets, and unpacked back to views.
 
 Owns: `Bucket` (one contiguous uint8 buffer + its tensor table: one object to move, one `ray.put`, one file, one
-broadcast), the lazy packer (`iter_buckets`), the zero-copy unpacker (`unpack_bucket`), the same bucket as a
-shared-memory file (`SharedBucket`: how a replica hands a bucket to its vLLM workers, whose msgpack `collective_rpc`
-copied every bucket several times, and what the shm transport puts), and where a gloo / NCCL sender packs a whole
-planned version: one arena (`whole_arena`) or a ring of reused slots (`SenderRing`).
-Must never: hold more than the bucket being filled plus the one being emitted (tensors are pulled lazily: peak extra
-memory is one or two buckets, not the model), talk to a transport, or know about versions.
-Details: docs/design/weightsync.md, "Bucketing"."""
+broadcast), the lazy packer (`iter_buckets`), the zero-copy unpacker (`unpack_bucket`), and a gloo / NCCL sender's
+whole planned version in one arena (`whole_arena`) or a ring of reused slots (`SenderRing`). Must never: hold more
+than the bucket being filled plus the one being emitted (tensors are pulled lazily: peak extra memory is one or two
+buckets, not the model), talk to a channel or know about versions. Details: docs/design/weightsync.md, "Bucketing"."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-import mmap
-import os
-import tempfile
 import time
 import warnings
 from collections import deque
@@ -90,7 +83,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def digest_key_prefix(bucket: "Bucket | SharedBucket") -> str:
+def digest_key_prefix(bucket: Bucket) -> str:
     """What a bucket's tensor names are prefixed with in a fingerprint: the engine rank for an
     engine-layout bucket (the same parameter name exists on every rank), nothing for HF tensors."""
     return "" if bucket.rank is None else f"{bucket.rank}/"
@@ -164,147 +157,9 @@ def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-# ---- the same bucket as a shared-memory file ---------------------------------------------------
-
-SHM_DIR = "/dev/shm"
-FILE_PREFIX = "asyncrl-bucket-"
-
-
 def metas_from_wire(metas: Iterable[Any]) -> list[TensorMeta]:
     """A tensor table as it came off a wire (a list of lists: msgpack and JSON keep no tuples)."""
     return [TensorMeta(n, d, tuple(s), int(o), int(b)) for n, d, s, o, b in metas]
-
-
-def shared_dir(nbytes: int) -> str:
-    """Where a shared file of `nbytes` goes: /dev/shm while it has room for it twice over
-    (containers often mount a 64 MiB one), else the temp dir (page cache, still no disk wait)."""
-    with contextlib.suppress(OSError):
-        st = os.statvfs(SHM_DIR)
-        if st.f_bavail * st.f_frsize >= 2 * nbytes:
-            return SHM_DIR
-    return tempfile.gettempdir()
-
-
-@dataclass(frozen=True, slots=True)
-class SharedBucket:
-    """A `Bucket` whose buffer lives in a file (`path` None: no bytes). A recycled file may get the next version's
-    bytes, which a reader's mapping then shows, so nothing reads one: the publisher recycles a version once another
-    is live everywhere and the replicas' apply copied it (`verify` catches a reader that did)."""
-
-    path: str | None
-    metas: list[TensorMeta]
-    nbytes: int
-    rank: int | None = None
-
-    def wire(self) -> tuple[str | None, list[TensorMeta], int | None]:
-        return self.path, self.metas, self.rank
-
-    @classmethod
-    def from_wire(cls, path: str | None, metas: Iterable[Any], rank: int | None = None) -> "SharedBucket":
-        return cls(path, metas_from_wire(metas), os.stat(path).st_size if path is not None else 0, rank)
-
-    def open(self) -> Bucket:
-        """Map the file copy-on-write: views read the shared pages, a write copies only its page. The mapping
-        outlives the file's unlinking while a view of it is held."""
-        if self.path is None:
-            return Bucket(buffer=np.empty(0, dtype=np.uint8), metas=list(self.metas), rank=self.rank)
-        with open(self.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < self.nbytes:
-                raise ValueError(f"shared bucket {self.path} has {size} bytes, expected {self.nbytes}")
-            mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        return Bucket(buffer=np.frombuffer(mapped, dtype=np.uint8), metas=list(self.metas), rank=self.rank)
-
-    def unlink(self, suffix: str = "") -> None:
-        if self.path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path + suffix)
-
-    def recycle(self) -> None:
-        """Nobody reads this file any more: a packer may write its next bucket of the same size into it."""
-        if self.path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.rename(self.path, self.path + FREE)
-
-
-FREE = ".free"  # a bucket file released (`SharedBucket.recycle`): any packer on the host may write it again
-_MAPPED: dict[str, tuple[mmap.mmap, np.ndarray]] = {}  # the bucket files this process packed, mapped writable
-
-
-class SharedAllocator:
-    """Buffers that are shared files from the start: a packer writes a bucket straight into its file, and
-    `write_shared` of that bucket copies nothing (it adopts the file). A released file of the same size is written
-    again (claimed by renaming it back) through the mapping this process kept of it: a push then faults in no fresh
-    pages (each costs a zeroing fault, and far more on a VM whose host takes freed guest memory back)."""
-
-    def __init__(self) -> None:
-        self._by_address: dict[int, str] = {}  # buffer handed out, not adopted yet
-        self._free: dict[int, list[str]] = {}  # released files by size, listed once
-        for path in [p for p in _MAPPED if not (os.path.exists(p) or os.path.exists(p + FREE))]:
-            del _MAPPED[path]  # unlinked by their owner since: let their pages go
-        for name in sorted(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else []:
-            if name.startswith(FILE_PREFIX) and name.endswith(FREE):
-                with contextlib.suppress(OSError):
-                    path = os.path.join(SHM_DIR, name)
-                    self._free.setdefault(os.stat(path).st_size, []).append(path)
-
-    def __call__(self, nbytes: int) -> torch.Tensor:
-        size, array = max(nbytes, 1), None
-        while array is None and self._free.get(size):
-            free = self._free[size].pop()
-            path = free.removesuffix(FREE)
-            with contextlib.suppress(OSError):
-                os.rename(free, path)  # (another packer claimed it first: the next)
-                array = self._map(path, size)
-        if array is None:
-            fd, path = tempfile.mkstemp(prefix=FILE_PREFIX, dir=shared_dir(nbytes))
-            try:
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
-            _MAPPED.pop(path, None)  # (a name this process mapped once, unlinked since)
-            array = self._map(path, size)
-        self._by_address[array.ctypes.data] = path
-        return torch.from_numpy(array[:nbytes])
-
-    @staticmethod
-    def _map(path: str, size: int) -> np.ndarray:
-        if path not in _MAPPED:
-            with open(path, "r+b") as f:
-                mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            _MAPPED[path] = (mapped, np.frombuffer(mapped, dtype=np.uint8))
-        return _MAPPED[path][1]
-
-    def adopt(self, bucket: Bucket) -> SharedBucket | None:
-        """The shared file `bucket` was packed into, or None if it was not packed into one."""
-        buffer = bucket.buffer
-        address = buffer.data_ptr() if isinstance(buffer, torch.Tensor) else np.asarray(buffer).ctypes.data
-        path = self._by_address.pop(address, None)
-        return None if path is None else SharedBucket(path, list(bucket.metas), bucket.nbytes, bucket.rank)
-
-    def discard(self) -> None:
-        """Unlink every file handed out and not adopted (the allocator's owner is done with them)."""
-        for path in self._by_address.values():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        self._by_address.clear()
-
-
-def write_shared(bucket: Bucket, allocator: SharedAllocator | None = None) -> SharedBucket:
-    """A shared file holding `bucket` (the caller unlinks it): the one `allocator` packed it into, else a new copy."""
-    adopted = allocator.adopt(bucket) if allocator is not None else None
-    if adopted is not None:
-        return adopted
-    if bucket.nbytes == 0:
-        return SharedBucket(None, list(bucket.metas), 0, bucket.rank)
-    fd, path = tempfile.mkstemp(prefix=FILE_PREFIX, dir=shared_dir(bucket.nbytes))
-    try:
-        with os.fdopen(fd, "wb") as f:  # (a buffered write writes every byte; a large one bypasses the buffer)
-            f.write(memoryview(np.ascontiguousarray(bucket.buffer).reshape(-1).view(np.uint8)))
-    except BaseException:
-        os.unlink(path)
-        raise
-    return SharedBucket(path, list(bucket.metas), bucket.nbytes, bucket.rank)
 
 
 # ---- where a gloo / NCCL sender packs a whole planned version (stream.py's `broadcast_send_stream`) ----------

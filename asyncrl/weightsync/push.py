@@ -22,7 +22,7 @@ from typing import Any
 from asyncrl.config import WeightsyncConfig
 from asyncrl.types import CommitReport, Refusal, UpdateBegin, WeightUpdateState, WeightVersion, refusal_of
 from asyncrl.weightsync.sources import BucketSource, PushMetrics, ReplicaClient, Step, StepFailed, StreamedSource, refusals_of
-from asyncrl.weightsync.transport import Transport
+from asyncrl.weightsync.transport import Channel
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class Publisher:
     buckets)` gets each live version's buckets, or their handles where the transport's are ObjectRefs (`by_reference`):
     a Ray actor takes those as they are, where sending the buckets copies every byte."""
 
-    def __init__(self, config: WeightsyncConfig, *, transport: Transport, registry: VersionRegistry | None = None,
+    def __init__(self, config: WeightsyncConfig, *, transport: Channel, registry: VersionRegistry | None = None,
                  on_live: Callable[[int, str, list[Any]], Awaitable[Any]] | None = None) -> None:
         self._cfg, self._transport = config, transport
         self.registry = registry if registry is not None else VersionRegistry()

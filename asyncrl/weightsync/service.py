@@ -1,12 +1,12 @@
 """The training loop's weightsync entry point (learner export -> atomic push -> every engine replica), and the store
 of the live version for replicas that start later.
 
-Owns: wiring one run's pieces (the learner's export, the push plan formed with the engines, the `Publisher`, the
-deployment as one `ReplicaClient`, the collective groups), the one recovery path (`WeightPublisher.publish` pushes a
-failed version again once the replicas are healthy), and the `WeightStore` actor a late replica loads before it
-reports healthy. Must never: sequence a training step (trainer/loop.py), or let a version go live that a running
-replica did not commit (push.py; the store is told only once it is live). Details: docs/design/weightsync.md.
-"""
+Owns: wiring one run's pieces (its channel, `select_channel`; the learner's export, the push plan formed with the
+engines, the `Publisher`, the deployment as one `ReplicaClient`, the collective groups), the one recovery path
+(`WeightPublisher.publish` pushes a failed version again once the replicas are healthy), and the `WeightStore` actor
+a late replica loads before it reports healthy. Must never: sequence a training step (trainer/loop.py), or let a
+version go live that a running replica did not commit (push.py; the store is told only once it is live).
+Details: docs/design/weightsync.md."""
 
 from __future__ import annotations
 
@@ -26,10 +26,40 @@ from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, fing
 from asyncrl.weightsync.link import CollectiveLink
 from asyncrl.weightsync.plan import ManifestEntry, PlanError
 from asyncrl.weightsync.push import Publisher, VersionRegistry, WeightsyncError
+from asyncrl.weightsync.shm import ShmChannel
 from asyncrl.weightsync.sources import BucketSource, DeploymentReplicas, Step, StreamedSource
-from asyncrl.weightsync.transport import is_object_ref, select_transport
+from asyncrl.weightsync.transport import BroadcastChannel, Channel, ObjectStoreChannel, is_object_ref
 
 log = logging.getLogger(__name__)
+
+
+def auto_transport(*, on_gpu: bool, hybrid: bool, own_gpus: bool, one_host: bool, gpus: float) -> str:
+    """What `transport: auto` means, apart from the cluster it reads: ipc where the learner and the engines share
+    GPUs (hybrid, or a host of one GPU: handles, no bytes cross host memory); nccl where each holds whole GPUs of
+    its own, and across GPU hosts; shm for a hybrid or one-host run otherwise (CPUs, or fractional GPUs on a host of
+    several: where they sit is Ray's choice); object_store across CPU hosts."""
+    if hybrid or (one_host and on_gpu and 0 < gpus <= 1):  # the engines share the learner's devices
+        return "ipc" if on_gpu else "shm"
+    if one_host and not (on_gpu and own_gpus):  # CPUs, or GPUs where Ray places each process
+        return "shm"
+    return "nccl" if on_gpu else "object_store"
+
+
+def select_channel(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: bool = False,
+                   own_gpus: bool = False) -> Channel:
+    """`config.transport`'s channel, `auto` resolved against the running cluster (`auto_transport`; flags: as below)."""
+    kind = config.transport
+    if kind == "auto":  # (one live node: every process shares /dev/shm; its GPUs)
+        import ray
+
+        one_host = ray.is_initialized() and sum(1 for n in ray.nodes() if n.get("Alive")) == 1
+        kind = auto_transport(on_gpu=on_gpu, hybrid=hybrid, own_gpus=own_gpus, one_host=one_host,
+                              gpus=float(ray.cluster_resources().get("GPU", 0)) if one_host and on_gpu else 0.0)
+    if kind == "object_store":
+        return ObjectStoreChannel(get_timeout_s=config.timeout_s)
+    if kind == "shm":
+        return ShmChannel()
+    return BroadcastChannel(kind, on_gpu=on_gpu, get_timeout_s=config.timeout_s)  # (gloo, nccl or ipc: the rest)
 
 
 class WeightPublisher:
@@ -45,7 +75,7 @@ class WeightPublisher:
         self.plan: Any = None  # the push plan the engines and the learner's senders hold (None: HF tensors)
         self.manifest: list[Any] = []
         self.publisher: Publisher | None = None
-        self.transport: Any = None
+        self.transport: Channel | None = None
         self.store: Any = None
         self.link: CollectiveLink | None = None  # collective transports only
         self.recoveries_total = 0
@@ -65,7 +95,7 @@ class WeightPublisher:
         self.store = ray.remote(WeightStore).options(
             name=STORE_NAME, namespace=STORE_NAMESPACE, get_if_exists=True, num_cpus=0, scheduling_strategy=here
         ).remote()
-        transport = select_transport(self.cfg, on_gpu=self.on_gpu, hybrid=self.hybrid, own_gpus=self.own_gpus)
+        transport = select_channel(self.cfg, on_gpu=self.on_gpu, hybrid=self.hybrid, own_gpus=self.own_gpus)
         self.publisher = Publisher(
             self.cfg, transport=transport, registry=VersionRegistry(initial_version),
             on_live=weight_store_hook(self.store, lambda version: self.plan),

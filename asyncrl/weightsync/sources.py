@@ -23,7 +23,7 @@ from asyncrl.interfaces import EngineAPI, verb_name
 from asyncrl.types import CommitReport, HostCopies, LoadReport, Refusal, ReplicaControlError, UpdateAck, UpdateBegin, WeightExport, refusal_of
 from asyncrl.weightsync.bucket import digest_key_prefix
 from asyncrl.weightsync.fingerprint import VerifyMode, bucket_digests, check_verify_mode, combine_digests
-from asyncrl.weightsync.transport import Transport
+from asyncrl.weightsync.transport import Channel
 
 
 class ReplicaClient(Protocol):
@@ -191,7 +191,7 @@ class _Source:
     plan_id: str | None = None
     version: int | None = None  # the version it went live as, once it is the host copy a restore pushes again
 
-    def __init__(self, transport: Transport, verify: VerifyMode) -> None:
+    def __init__(self, transport: Channel, verify: VerifyMode) -> None:
         self._transport, self.verify = transport, check_verify_mode(verify)
         self.handles: list[Any] = []
         self._digests: dict[str, bytes] | None = None
@@ -215,7 +215,7 @@ class BucketSource(_Source):
     """Buckets the learner ranks already put into the transport, with the digests they computed as they packed (else
     hashed here). Read once, when made: a bad handle, or a tensor in two buckets, fails before the push registers."""
 
-    def __init__(self, handles: Sequence[Any], transport: Transport, verify: VerifyMode = "full",
+    def __init__(self, handles: Sequence[Any], transport: Channel, verify: VerifyMode = "full",
                  digests: Sequence[dict[str, bytes]] | None = None, plan_id: str | None = None) -> None:
         super().__init__(transport, verify)
         self.handles, self._digests = list(handles), {}
@@ -275,7 +275,7 @@ class StreamedSource(_Source):
     `load_bucket(link.payload(version))` receives them; no bucket passes through the publisher. The senders' host
     copies become the handles, their digests the fingerprint."""
 
-    def __init__(self, link: Link, transport: Transport, timeout_s: float, verify: VerifyMode = "full",
+    def __init__(self, link: Link, transport: Channel, timeout_s: float, verify: VerifyMode = "full",
                  plan_id: str | None = None) -> None:
         super().__init__(transport, verify)
         self._link, self._timeout_s = link, timeout_s

@@ -1,20 +1,16 @@
-"""Transports: how one packed bucket gets from the publisher to every replica, and a sending rank's host copies.
+"""Channels: how one packed bucket gets from the publisher to every replica, and a sending rank's host copies.
 
-Owns: the `Transport` protocol (hand every replica the payload of a bucket the learner ranks put, read it, release it),
-`select_transport` (config and placement -> `ObjectStoreTransport`: one `ray.put` a bucket, read as zero-copy views;
-`SharedMemoryTransport`: one host, one /dev/shm file a bucket that every replica's workers map; `CollectiveTransport`:
-nccl, gloo (collective.py) or ipc (ipc.py), whose handles are the senders' host copies in the object store), those
-host copies (`HostCopies`, `PinnedPool`: made once collected, off the push's critical path), and a learner rank's
-export packed into shm or object-store buckets (`pack_into_transport`).
+Owns: the `Channel` interface, `ObjectStoreChannel`, `BroadcastChannel` (gloo or nccl, collective.py, or ipc, ipc.py)
+and the broadcasts' host copies (`HostCopies`, `PinnedPool`: made once collected, off the push's critical path).
+The shm channel is shm.py's; service.py's `select_channel` picks one.
 Must never: decide ordering or retries (push.py), look inside a bucket, drop a device bucket before its copy is done,
-or wait without a deadline. Details: docs/design/weightsync.md, "Transports" and "Host copies"."""
+or wait without a deadline. Details: docs/design/weightsync.md, "Channels" and "Host copies"."""
 
 from __future__ import annotations
 
 import threading
 import time
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
@@ -22,13 +18,9 @@ from typing import Any
 
 import torch
 
-from asyncrl.config import WeightsyncConfig
-from asyncrl.types import WeightExport
-from asyncrl.weightsync.bucket import FREE, Bucket, SharedAllocator, SharedBucket, digest_key_prefix, write_shared
-from asyncrl.weightsync.fingerprint import bucket_digests
-from asyncrl.weightsync.plan import pack_stream
+from asyncrl.weightsync.bucket import Bucket
 
-BACKENDS = ("gloo", "nccl", "ipc")  # the collective transports (collective.py; ipc.py's needs no group)
+BACKENDS = ("gloo", "nccl", "ipc")  # the broadcast channels' (collective.py; ipc.py's needs no group)
 
 
 def is_object_ref(value: Any) -> bool:
@@ -38,31 +30,32 @@ def is_object_ref(value: Any) -> bool:
     return isinstance(value, ray.ObjectRef)
 
 
-class TransportUnavailable(ValueError):
-    """The configured transport is not available for this placement / build."""
+class ChannelUnavailable(ValueError):
+    """The configured channel is not available for this placement / build."""
 
 
-class Transport:
-    """How buckets reach the replicas, once the learner ranks put them (`pack_into_transport`)."""
+class Channel:
+    """How buckets reach the replicas once the learner ranks put them (shm.py's `pack_into_transport`) or stream them:
+    - `payload(handle)`: what each replica's `load_bucket` receives (the handle: Ray maps a top-level ObjectRef's);
+    - `fetch(handle)`: the bucket read back on the publisher's side (fingerprint, rollback);
+    - `release(handle)`: nobody needs the bucket any more (an object ref frees itself)."""
 
-    name = ""
+    name = ""  # the `weightsync.transport` value it serves
     streamed = False  # the senders broadcast while the replicas receive (collective); what is put: their host copies
     by_reference = False  # any Ray process reads a handle where it lies (the WeightStore keeps the handles as they are)
-    backend: str | None = None  # a collective transport's (gloo, nccl, ipc)
+    backend: str | None = None  # a broadcast channel's (gloo, nccl, ipc)
 
     def payload(self, handle: Any) -> Any:
-        """What every replica's `load_bucket` receives for this bucket: the handle itself (an ObjectRef, passed as a
-        top-level actor-call argument, is resolved by Ray before the call, its numpy buffer mapped, not copied)."""
         return handle
 
-    def fetch(self, handle: Any) -> Bucket:  # the bucket read back on the publisher's side (fingerprint, rollback)
+    def fetch(self, handle: Any) -> Bucket:
         raise NotImplementedError
 
-    def release(self, handle: Any) -> None:  # the bucket is no longer needed by anyone (an object ref frees itself)
+    def release(self, handle: Any) -> None:
         return None
 
 
-class ObjectStoreTransport(Transport):
+class ObjectStoreChannel(Channel):
     """Ray object store: one `ray.put` per bucket, whose ObjectRef fans out to every replica. The publisher's process
     owns the objects: they live while it holds the handles (the last live version's are kept for rollbacks, push.py)."""
 
@@ -73,101 +66,30 @@ class ObjectStoreTransport(Transport):
         import ray
 
         if not ray.is_initialized():
-            raise TransportUnavailable("transport=object_store needs a running Ray runtime (ray.init first)")
-        self._ray = ray
-        self._get_timeout_s = get_timeout_s
+            raise ChannelUnavailable("transport=object_store needs a running Ray runtime (ray.init first)")
+        self._ray, self._get_timeout_s = ray, get_timeout_s
 
     def fetch(self, handle: Any) -> Bucket:
         return self._ray.get(handle, timeout=self._get_timeout_s)
 
 
-class SharedMemoryTransport(Transport):
-    """Same host only: one shared file per bucket (`SharedBucket`), mapped by every replica's workers. It owns the
-    files, adopting one the learner ranks wrote when first read: `release` hands one back to the packers
-    (`SharedBucket.recycle`: the next export writes into it again), one no export took by the export after is
-    unlinked, and `close` (or the transport's collection, or process exit) unlinks every one it still holds."""
-
-    name = "shm"
-
-    def __init__(self) -> None:
-        self._files: set[str] = set()
-        self._recycled: set[str] = set()  # released since the last export was read
-        self._finalizer = weakref.finalize(self, _unlink_all, self._files, self._recycled)
-
-    def close(self) -> None:
-        self._finalizer()
-
-    def fetch(self, handle: SharedBucket) -> Bucket:
-        if handle.path is not None and handle.path not in self._files:  # a new export's: the packers are done
-            _unlink_all(set(), self._recycled)  # with the files released before it: one still free stays unused
-            self._files.add(handle.path)
-        return handle.open()
-
-    def release(self, handle: SharedBucket) -> None:
-        handle.recycle()
-        self._files.discard(handle.path)
-        if handle.path is not None:
-            self._recycled.add(handle.path)
-
-
-class CollectiveTransport(ObjectStoreTransport):
-    """Broadcast groups between the sending learner ranks and every engine worker (collective.py): the senders stream
-    while the replicas receive (`StreamedSource`); it fetches and releases their host copies in the object store."""
+class BroadcastChannel(ObjectStoreChannel):
+    """Broadcast groups between the sending learner ranks and every engine worker (collective.py), or CUDA IPC handles
+    (ipc.py): the senders stream while the replicas receive (`StreamedSource`); its handles are their host copies in
+    the object store. nccl and ipc are refused where the learner holds no GPU (`on_gpu`)."""
 
     streamed = True
 
-    def __init__(self, backend: str, get_timeout_s: float = 120.0) -> None:
+    def __init__(self, backend: str, *, on_gpu: bool, get_timeout_s: float = 120.0) -> None:
+        if backend == "nccl" and not on_gpu:
+            raise ChannelUnavailable("weightsync.transport='nccl' needs the learner on GPUs (learner.num_gpus_per_rank"
+                                     " > 0); use 'gloo' for the same broadcast path on CPU hosts")
+        if backend == "ipc" and not on_gpu:  # (CUDA memory of the learner's: never aliased to shared files)
+            raise ChannelUnavailable("weightsync.transport='ipc' hands the engines CUDA memory of the learner's and "
+                                     "needs the learner on GPUs (learner.num_gpus_per_rank > 0); "
+                                     "use 'shm' on one CPU host")
         super().__init__(get_timeout_s)
         self.name = self.backend = backend
-
-
-def _unlink_all(files: set[str], recycled: set[str]) -> None:
-    """Every file a transport holds, and those it released that no packer took (a taken one is another's now)."""
-    for paths, suffix in ((files, ""), (recycled, FREE)):
-        for path in list(paths):
-            SharedBucket(path, [], 0).unlink(suffix)
-        paths.clear()
-
-
-def auto_transport(*, on_gpu: bool, hybrid: bool, own_gpus: bool, one_host: bool, gpus: float) -> str:
-    """What `transport: auto` means, apart from the cluster it reads: ipc where the learner and the engines share
-    GPUs (hybrid, or a host of one GPU: handles, no bytes cross host memory); nccl where each holds whole GPUs of
-    its own, and across GPU hosts; shm for a hybrid or one-host run otherwise (CPUs, or fractional GPUs on a host of
-    several: where they sit is Ray's choice); object_store across CPU hosts."""
-    if hybrid:
-        return "ipc" if on_gpu else "shm"
-    if one_host:
-        if on_gpu and 0 < gpus <= 1:
-            return "ipc"
-        if on_gpu and own_gpus:
-            return "nccl"
-        return "shm"
-    return "nccl" if on_gpu else "object_store"
-
-
-def select_transport(config: WeightsyncConfig, *, on_gpu: bool = False, hybrid: bool = False,
-                     own_gpus: bool = False) -> Transport:
-    """`config.transport`, with `auto` resolved by `auto_transport` against the running cluster.
-    `on_gpu`: the learner's ranks hold GPUs (whatever this process sees); `own_gpus`: every learner
-    rank and every engine replica holds at least one whole GPU."""
-    kind = config.transport
-    if kind == "auto":  # (one live node: every process shares /dev/shm; its GPUs)
-        import ray
-
-        one_host = ray.is_initialized() and sum(1 for n in ray.nodes() if n.get("Alive")) == 1
-        kind = auto_transport(on_gpu=on_gpu, hybrid=hybrid, own_gpus=own_gpus, one_host=one_host,
-                              gpus=float(ray.cluster_resources().get("GPU", 0)) if one_host and on_gpu else 0.0)
-    if kind == "object_store":
-        return ObjectStoreTransport(get_timeout_s=config.timeout_s)
-    if kind == "shm":
-        return SharedMemoryTransport()
-    if kind == "nccl" and not on_gpu:
-        raise TransportUnavailable("weightsync.transport='nccl' needs the learner on GPUs (learner.num_gpus_per_rank > 0); "
-                                   "use 'gloo' for the same broadcast path on CPU hosts")
-    if kind == "ipc" and not on_gpu:
-        raise TransportUnavailable("weightsync.transport='ipc' hands the engines CUDA memory of the learner's and needs "
-                                   "the learner on GPUs (learner.num_gpus_per_rank > 0); use 'shm' on one CPU host")
-    return CollectiveTransport(kind, get_timeout_s=config.timeout_s)  # (gloo, nccl or ipc: the config's other kinds)
 
 
 # ---- a sending rank's host copies -------------------------------------------------------------------------------
@@ -298,44 +220,3 @@ class HostCopies:
 
 
 _COPY_STREAMS: dict[torch.device, Any] = {}  # the side stream host copies run on, one a device
-
-
-def pack_into_transport(tensors: Iterable[tuple[str, Any]], bucket_mb: float, transport: str, verify: str,
-                        plan: Any = None, sender: int = 0) -> WeightExport:
-    """Pack the stream into host buckets (engine layout with `plan`), each written straight into
-    its shared file (shm) or put into the object store, and hash each as it is packed."""
-    import ray
-
-    if transport not in ("object_store", "shm"):
-        raise ValueError(f"transport={transport!r}: learner ranks can put buckets into object_store or shm only")
-    allocator = SharedAllocator() if transport == "shm" else None
-    buckets = pack_stream(tensors, bucket_mb, torch.device("cpu"), plan=plan, sender=sender, alloc=allocator)
-    handles, metas, digests = [], [], []
-    seconds = {"pack": 0.0, "hash": 0.0, "put": 0.0}
-    try:
-        t = time.perf_counter()
-        for bucket in buckets:
-            seconds["pack"] += time.perf_counter() - t
-            t = time.perf_counter()
-            digests.append(bucket_digests(bucket, verify, digest_key_prefix(bucket)))  # type: ignore[arg-type]
-            seconds["hash"] += time.perf_counter() - t
-            t = time.perf_counter()
-            metas.append(list(bucket.metas))
-            if allocator is not None:
-                handles.append(write_shared(bucket, allocator))
-            else:
-                host = Bucket(buffer=bucket.buffer.numpy(), metas=list(bucket.metas), rank=bucket.rank)
-                handles.append(ray.put(host))  # (numpy: Ray's pickle-5 path moves it out of band)
-            seconds["put"] += time.perf_counter() - t
-            del bucket  # one packed bucket alive at a time in this heap
-            t = time.perf_counter()
-        seconds["pack"] += time.perf_counter() - t  # (the export's end)
-    except BaseException:
-        if allocator is not None:  # object-store refs free themselves when dropped
-            allocator.discard()
-            for h in handles:
-                h.unlink()
-        raise
-    return WeightExport(buckets=handles, metas=metas, senders=[sender] * len(handles), digests=digests,
-                        bytes=sum(m.nbytes for ms in metas for m in ms), num_tensors=sum(map(len, metas)),
-                        num_buckets=len(handles), seconds=seconds)

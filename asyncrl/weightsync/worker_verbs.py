@@ -22,10 +22,11 @@ import msgspec
 import torch
 
 from asyncrl.types import ApplyReport, LayoutCheck, ReceiveReport
-from asyncrl.weightsync.bucket import Bucket, SharedBucket, digest_key_prefix, metas_from_wire, unpack_bucket
+from asyncrl.weightsync.bucket import Bucket, digest_key_prefix, metas_from_wire, unpack_bucket
 from asyncrl.weightsync.fingerprint import PendingDigests, buckets_digests_lazy
 from asyncrl.weightsync.ipc import ipc_open
 from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, probe_layout, same_ops, verify_layout
+from asyncrl.weightsync.shm import SharedBucket
 
 
 class EngineHooks(Protocol):

@@ -298,7 +298,8 @@ def test_checksums_are_per_segment_and_equal_for_a_tensor_and_its_unaligned_view
 
 
 def test_shared_bucket_file_is_bit_exact_and_survives_unlinking():
-    from asyncrl.weightsync.bucket import SharedBucket, iter_buckets, unpack_bucket, write_shared
+    from asyncrl.weightsync.bucket import iter_buckets, unpack_bucket
+    from asyncrl.weightsync.shm import SharedBucket, write_shared
 
     a = {"x": torch.randn(3, 4), "y": torch.randn(5).to(torch.bfloat16), "z": torch.tensor(2.0), "e": torch.empty(0, 3)}
     (bucket,) = list(iter_buckets(a.items(), 1.0))

@@ -9,13 +9,14 @@ from typing import Any
 import torch
 
 from asyncrl.types import CommitReport, LoadReport, Refusal, UpdateAck, UpdateBegin
-from asyncrl.weightsync.bucket import Bucket, SharedBucket, unpack_bucket
+from asyncrl.weightsync.bucket import Bucket, unpack_bucket
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
+from asyncrl.weightsync.shm import SharedBucket
 from asyncrl.weightsync.sources import BucketSource
-from asyncrl.weightsync.transport import Transport, is_object_ref
+from asyncrl.weightsync.transport import Channel, is_object_ref
 
 
-class LocalTransport(Transport):
+class LocalChannel(Channel):
     """In-process: the handle is the bucket itself (replicas in this process, no Ray)."""
 
     name = "local"
@@ -126,7 +127,7 @@ class FakeReplica:
         self.paused = False
 
 
-class CorruptingTransport(LocalTransport):
+class CorruptingChannel(LocalChannel):
     """Flips one byte of bucket `index` in what replicas receive (the publisher's copy is intact)."""
 
     def __init__(self, index: int = 0) -> None:
@@ -168,14 +169,14 @@ def source_of(pub: Any, named: Any, plan: Any = None) -> BucketSource:
     store by the learner's own packer, an in-process transport by its `put`."""
     transport, cfg = pub._transport, pub._cfg
     pairs = named.items() if isinstance(named, dict) else named
-    if isinstance(transport, LocalTransport):
+    if isinstance(transport, LocalChannel):
         from asyncrl.weightsync.bucket import iter_buckets
         from asyncrl.weightsync.plan import PlannedPacker
 
         packed = iter_buckets(pairs, cfg.bucket_mb) if plan is None else PlannedPacker(plan, 0, "cpu").pack(pairs)
         handles, digests = [transport.put(b) for b in packed], None
     else:
-        from asyncrl.weightsync.transport import pack_into_transport
+        from asyncrl.weightsync.shm import pack_into_transport
 
         kind = "shm" if transport.name == "shm" else "object_store"
         export = pack_into_transport(pairs, cfg.bucket_mb, kind, cfg.verify, plan)

@@ -36,7 +36,7 @@ from asyncrl.weightsync.push import Publisher, Step, WeightsyncError
 from asyncrl.weightsync.stream import broadcast_receive_stream as receive_stream
 from asyncrl.weightsync.stream import broadcast_send_stream as send_stream
 
-from .fakes import FakeReplica, LocalTransport, model, streamed
+from .fakes import FakeReplica, LocalChannel, model, streamed
 
 BUCKET_MB = 8192 / (1 << 20)  # two 4 KiB tensors per bucket -> 3 buckets for 5 tensors
 
@@ -578,7 +578,7 @@ def _streamed_setup(n=2, timeout_s=20.0):
             r.group = g
 
     cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, timeout_s=timeout_s)
-    pub = Publisher(cfg, transport=LocalTransport())
+    pub = Publisher(cfg, transport=LocalChannel())
     return pub, replicas, log, old, state, prepare
 
 

@@ -76,7 +76,7 @@ async def _scenario(model_path: str) -> dict:
     from asyncrl.generator.engine import EngineReplica
     from asyncrl.types import GenerationRequest, SamplingParams
     from asyncrl.weightsync.push import Publisher, VersionRegistry
-    from tests.weightsync.fakes import LocalTransport
+    from tests.weightsync.fakes import LocalChannel
 
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),
                             GeneratorConfig(engine_kwargs={"gpu_memory_utilization": 0.3}), replica_id="gpu0")
@@ -87,7 +87,7 @@ async def _scenario(model_path: str) -> dict:
         before = await param_addresses(replica)
         new = _perturbed(base)
         pub = Publisher(WeightsyncConfig(bucket_mb=0.5, verify="checksum", timeout_s=120),
-                        transport=LocalTransport(), registry=VersionRegistry(0))
+                        transport=LocalChannel(), registry=VersionRegistry(0))
         result = await pub.publish(1, source_of(pub, new, plan), [LocalClient(replica)])
         prompts = [[5, 17, 9, 33, 2], [12, 4, 4, 7]]
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=False)
@@ -149,7 +149,7 @@ async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl") ->
     from asyncrl.weightsync.collective import CollectiveGroup
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.push import Publisher, VersionRegistry, WeightsyncError
-    from asyncrl.weightsync.transport import select_transport
+    from asyncrl.weightsync.service import select_channel
 
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),
                             GeneratorConfig(engine_kwargs={"gpu_memory_utilization": 0.3} if torch.cuda.is_available() else {}),
@@ -168,7 +168,7 @@ async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl") ->
 
         cfg = WeightsyncConfig(transport=backend, bucket_mb=0.5, verify="checksum", timeout_s=120)
         link = CollectiveLink(backend, sender, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
-        pub = Publisher(cfg, transport=select_transport(cfg, on_gpu=backend == "nccl"), registry=VersionRegistry(0))
+        pub = Publisher(cfg, transport=select_channel(cfg, on_gpu=backend == "nccl"), registry=VersionRegistry(0))
         client = LocalClient(replica)
 
         async def push(version):
@@ -253,7 +253,7 @@ async def _ipc_scenario(model_path: str) -> dict:
     from asyncrl.types import GenerationRequest, Refusal, SamplingParams
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.push import Publisher, VersionRegistry, WeightsyncError
-    from asyncrl.weightsync.transport import select_transport
+    from asyncrl.weightsync.service import select_channel
 
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),
                             GeneratorConfig(engine_kwargs={"gpu_memory_utilization": 0.3}), replica_id="gpu0")
@@ -264,7 +264,7 @@ async def _ipc_scenario(model_path: str) -> dict:
         sender = _SenderOnGpu1(new, plan, 0)
         cfg = WeightsyncConfig(transport="ipc", bucket_mb=0.5, verify="checksum", timeout_s=120)
         link = CollectiveLink("ipc", sender, members=None, join=None, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
-        pub = Publisher(cfg, transport=select_transport(cfg, on_gpu=True), registry=VersionRegistry(0))
+        pub = Publisher(cfg, transport=select_channel(cfg, on_gpu=True), registry=VersionRegistry(0))
         prompts = [[5, 17, 9, 33, 2], [12, 4, 4, 7]]
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=False)
 

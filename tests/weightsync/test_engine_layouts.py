@@ -53,7 +53,7 @@ async def _scenario(path: str) -> dict:
     from asyncrl.weightsync.plan import ManifestEntry
     from asyncrl.weightsync.push import Publisher, VersionRegistry
     from asyncrl.weightsync.service import dump_manifest
-    from asyncrl.weightsync.transport import SharedMemoryTransport
+    from asyncrl.weightsync.shm import ShmChannel
 
     replica = EngineReplica(ModelConfig(path=path, max_model_len=256), GeneratorConfig(), replica_id="e0")
     await replica.start()
@@ -68,7 +68,7 @@ async def _scenario(path: str) -> dict:
         assert (plan is None) == bool(layout.problem) and (plan is None or plan.layouts[0] == layout)
         g = torch.Generator().manual_seed(7)
         new = {n: t + 0.5 * t.std().clamp_min(1e-3) * torch.randn(t.shape, generator=g) for n, t in base.items()}
-        transport = SharedMemoryTransport()
+        transport = ShmChannel()
         pub = Publisher(WeightsyncConfig(bucket_mb=0.25, verify="checksum", timeout_s=120), transport=transport,
                         registry=VersionRegistry(0))
         result = await pub.publish(1, source_of(pub, new, plan), [LocalClient(replica)])

@@ -41,7 +41,7 @@ async def _scenario(model_path: str) -> dict:
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
     from asyncrl.weightsync.push import Publisher
     from asyncrl.weightsync.service import dump_manifest
-    from asyncrl.weightsync.transport import SharedMemoryTransport
+    from asyncrl.weightsync.shm import ShmChannel
     from tests.learner._data import advantages, make_samples
     from tests.weightsync.fakes import iter_unpacked
 
@@ -54,7 +54,7 @@ async def _scenario(model_path: str) -> dict:
                                        micro_batch_size=4, num_cpus_per_rank=0.5,
                                        num_gpus_per_rank=1.0 if torch.cuda.is_available() else 0.0),
                          AlgorithmConfig(name="grpo", group_size=2))
-    transport = SharedMemoryTransport()
+    transport = ShmChannel()
     try:
         await group.start()
         samples = make_samples(8, group_size=2)
@@ -101,12 +101,12 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.plan import hf_from_engine
     from asyncrl.weightsync.push import Publisher, VersionRegistry
-    from asyncrl.weightsync.transport import select_transport
+    from asyncrl.weightsync.service import select_channel
     from tests.learner._data import advantages, make_samples
     from tests.weightsync.fakes import iter_unpacked
 
     cfg = WeightsyncConfig(transport="gloo", bucket_mb=0.25, verify="checksum", timeout_s=120)
-    transport = select_transport(cfg)
+    transport = select_channel(cfg)
 
     async def members():
         return {"tp2": await replica.join_collective()}

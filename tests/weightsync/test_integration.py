@@ -23,7 +23,7 @@ import torch
 from asyncrl.types import GroupsReport
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.sources import BucketSource
-from asyncrl.weightsync.transport import Transport
+from asyncrl.weightsync.transport import Channel
 
 from .fakes import plan_request, source_of, streamed
 
@@ -177,7 +177,7 @@ async def _store_at(store, version: int, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.1)
 
 
-class _KillOnBucket(Transport):
+class _KillOnBucket(Channel):
     """Object store transport that kills `victim` (a replica actor) when bucket `index` is sent."""
 
     def __init__(self, inner, index: int, victim) -> None:
@@ -199,7 +199,7 @@ class _KillOnBucket(Transport):
         self._inner.release(handle)
 
 
-class _CorruptInTransit(Transport):
+class _CorruptInTransit(Channel):
     """Object store transport whose replicas receive the push's bucket `index` (the `index`-th handle it passes on)
     with one byte flipped."""
 
@@ -244,7 +244,7 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
     from asyncrl.weightsync.push import Publisher, Step, VersionRegistry, WeightsyncError
     from asyncrl.weightsync.service import WeightStore, weight_store_hook
     from asyncrl.weightsync.sources import ActorReplica
-    from asyncrl.weightsync.transport import ObjectStoreTransport
+    from asyncrl.weightsync.transport import ObjectStoreChannel
 
     tok = AutoTokenizer.from_pretrained(str(demo_model_path))
     prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
@@ -261,7 +261,7 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
     replicas = [ActorReplica(h, f"engine-{i}") for i, h in enumerate(engines)]
     plan = await _form_plan(engines, base, 0.25) if apply == "direct" else None
     cfg = WeightsyncConfig(bucket_mb=0.25, timeout_s=120)
-    transport = ObjectStoreTransport()
+    transport = ObjectStoreChannel()
     store_name = f"{STORE_NAME}-{apply}"
     store = ray.remote(WeightStore).options(name=store_name, namespace=STORE_NAMESPACE, num_cpus=0).remote()
     pub = Publisher(cfg, transport=transport, on_live=weight_store_hook(store, lambda version: plan),
@@ -353,8 +353,8 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.weightsync.plan import ManifestEntry
     from asyncrl.weightsync.push import Publisher
+    from asyncrl.weightsync.shm import ShmChannel
     from asyncrl.weightsync.sources import ActorReplica
-    from asyncrl.weightsync.transport import SharedMemoryTransport
     from tests.learner._data import advantages, make_samples
     from tests.weightsync.fakes import iter_unpacked
 
@@ -364,7 +364,7 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
                                        micro_batch_size=4, num_cpus_per_rank=0.5),
                          AlgorithmConfig(name="grpo", group_size=2))
     await group.start()
-    transport = SharedMemoryTransport()
+    transport = ShmChannel()
     try:
         samples = make_samples(8, group_size=2)
         old = await group.compute_log_prob(samples)
@@ -410,8 +410,8 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.plan import ManifestEntry, hf_from_engine
     from asyncrl.weightsync.push import Publisher
+    from asyncrl.weightsync.service import select_channel
     from asyncrl.weightsync.sources import ActorReplica
-    from asyncrl.weightsync.transport import select_transport
     from tests.learner._data import advantages, make_samples
     from tests.weightsync.fakes import iter_unpacked
 
@@ -419,7 +419,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     start = (await engines[0].greedy.remote([[1, 2, 3]]))[0][1][0]
     # checksum: the fingerprint the GPU transports use, computed by the sender and the real workers alike
     cfg = WeightsyncConfig(transport=backend, bucket_mb=0.25, timeout_s=120, verify="checksum")
-    transport = select_transport(cfg)
+    transport = select_channel(cfg)
     group = LearnerGroup("actor", ModelConfig(path=str(demo_model_path)),
                          LearnerConfig(world_size=2, strategy_config={"tensor_model_parallel_size": 2}, lr=1e-3,
                                        micro_batch_size=4, num_cpus_per_rank=0.5),
@@ -533,8 +533,8 @@ class _OneEngine:
     def __init__(self, engine, sender, cfg, start: int, plan, **link_kw) -> None:
         from asyncrl.weightsync.link import CollectiveLink
         from asyncrl.weightsync.push import Publisher, VersionRegistry
+        from asyncrl.weightsync.service import select_channel
         from asyncrl.weightsync.sources import ActorReplica
-        from asyncrl.weightsync.transport import select_transport
 
         async def members():
             info = await engine.join_collective.remote()
@@ -546,7 +546,7 @@ class _OneEngine:
         self.plan, self.sender, self.start, self.base = plan, sender, start, None
         self.link = CollectiveLink(cfg.transport, sender, members=members, join=join, bucket_mb=cfg.bucket_mb,
                                    timeout_s=cfg.timeout_s, **link_kw)
-        self.pub = Publisher(cfg, transport=select_transport(cfg), registry=VersionRegistry(start))
+        self.pub = Publisher(cfg, transport=select_channel(cfg), registry=VersionRegistry(start))
         self.replica = _Calls(ActorReplica(engine, "engine-0"))
 
     async def push(self, version, plan_id=None):

@@ -15,7 +15,7 @@ from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
 from asyncrl.weightsync.push import BucketSource, Publisher, RegistryError, Step, WeightsyncError
 
-from .fakes import CorruptingTransport, FakeReplica, LocalTransport, model, source_of
+from .fakes import CorruptingChannel, FakeReplica, LocalChannel, model, source_of
 
 BUCKET_MB = 8192 / (1 << 20)  # two 4 KiB tensors per bucket -> 3 buckets for 5 tensors
 
@@ -25,7 +25,7 @@ def _setup(n=2, timeout_s=30.0, transport=None, **kw):
     old = model(0)
     replicas = [FakeReplica(f"r{i}", log, weights=dict(old)) for i in range(n)]
     cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, timeout_s=timeout_s)
-    pub = Publisher(cfg, transport=transport or LocalTransport(), **kw)
+    pub = Publisher(cfg, transport=transport or LocalChannel(), **kw)
     return pub, replicas, log, old
 
 
@@ -123,7 +123,7 @@ async def test_a_failed_push_is_aborted_everywhere_and_goes_live_when_pushed_aga
 
 
 async def test_corrupted_bucket_fails_verification_and_replicas_keep_the_old_version():
-    pub, replicas, log, old = _setup(transport=CorruptingTransport(index=1))
+    pub, replicas, log, old = _setup(transport=CorruptingChannel(index=1))
     with pytest.raises(WeightsyncError, match="fingerprint mismatch") as info:
         await pub.publish(1, source_of(pub, model(1)), replicas)
     assert info.value.step is Step.COMMIT and info.value.out_of_service == []
@@ -132,7 +132,7 @@ async def test_corrupted_bucket_fails_verification_and_replicas_keep_the_old_ver
     assert _events(log, "r0").count("begin:1") == 1 and not any(e == "begin:0" for _, e in log)
     assert pub.registry.live_version == 0
     # The next, clean push succeeds.
-    pub._transport = LocalTransport()
+    pub._transport = LocalChannel()
     new = model(2)
     await pub.publish(2, source_of(pub, new), replicas)
     assert all(r.version == 2 and _same(r.weights, new) for r in replicas)
@@ -202,18 +202,20 @@ async def test_on_live_hook_gets_the_committed_buckets():
 
 @pytest.mark.parametrize("kind, hybrid", [("auto", True), ("ipc", False)])
 def test_ipc_is_chosen_for_shared_devices_and_streams_like_the_collectives(kind, hybrid, ray_session):
-    from asyncrl.weightsync.transport import CollectiveTransport, select_transport
+    from asyncrl.weightsync.service import select_channel
+    from asyncrl.weightsync.transport import BroadcastChannel
 
-    transport = select_transport(WeightsyncConfig(transport=kind), on_gpu=True, hybrid=hybrid)
-    assert isinstance(transport, CollectiveTransport) and transport.name == "ipc" and transport.streamed
+    transport = select_channel(WeightsyncConfig(transport=kind), on_gpu=True, hybrid=hybrid)
+    assert isinstance(transport, BroadcastChannel) and transport.name == "ipc" and transport.streamed
 
 
 def test_ipc_is_refused_without_a_gpu_learner_naming_what_to_use():
     """CUDA IPC hands the engines the learner's device memory: a CPU learner gets a config error, not an alias."""
-    from asyncrl.weightsync.transport import TransportUnavailable, select_transport
+    from asyncrl.weightsync.service import select_channel
+    from asyncrl.weightsync.transport import ChannelUnavailable
 
-    with pytest.raises(TransportUnavailable, match="transport='ipc'.*use 'shm'"):
-        select_transport(WeightsyncConfig(transport="ipc"), on_gpu=False)
+    with pytest.raises(ChannelUnavailable, match="transport='ipc'.*use 'shm'"):
+        select_channel(WeightsyncConfig(transport="ipc"), on_gpu=False)
 
 
 @pytest.mark.parametrize("on_gpu, hybrid, own_gpus, one_host, gpus, expected", [
@@ -227,16 +229,17 @@ def test_ipc_is_refused_without_a_gpu_learner_naming_what_to_use():
     (False, False, False, False, 0, "object_store"),
 ])
 def test_auto_transport_follows_where_the_learner_and_engines_sit(on_gpu, hybrid, own_gpus, one_host, gpus, expected):
-    from asyncrl.weightsync.transport import auto_transport
+    from asyncrl.weightsync.service import auto_transport
 
     assert auto_transport(on_gpu=on_gpu, hybrid=hybrid, own_gpus=own_gpus, one_host=one_host, gpus=gpus) == expected
 
 
 def test_nccl_with_a_cpu_learner_is_refused_with_the_way_out():
-    from asyncrl.weightsync.transport import TransportUnavailable, select_transport
+    from asyncrl.weightsync.service import select_channel
+    from asyncrl.weightsync.transport import ChannelUnavailable
 
-    with pytest.raises(TransportUnavailable, match="needs the learner on GPUs.*'gloo'"):
-        select_transport(WeightsyncConfig(transport="nccl"), on_gpu=False)
+    with pytest.raises(ChannelUnavailable, match="needs the learner on GPUs.*'gloo'"):
+        select_channel(WeightsyncConfig(transport="nccl"), on_gpu=False)
 
 
 async def test_a_push_of_buckets_the_learner_packed_reads_its_digests_or_hashes_them():
@@ -244,7 +247,7 @@ async def test_a_push_of_buckets_the_learner_packed_reads_its_digests_or_hashes_
 
     pub, replicas, log, _ = _setup(n=2)
     new = model(1)
-    handles = list(iter_buckets(iter(new.items()), BUCKET_MB))  # LocalTransport: a handle is the bucket
+    handles = list(iter_buckets(iter(new.items()), BUCKET_MB))  # LocalChannel: a handle is the bucket
     source = BucketSource(handles, pub._transport)  # no digests from the packer: hashed here
     assert source.hash_seconds > 0 and source.fingerprint() == tensor_fingerprint(new)
     result = await pub.publish(1, source, replicas)
@@ -257,7 +260,7 @@ async def test_a_push_of_buckets_the_learner_packed_reads_its_digests_or_hashes_
 
 
 async def test_a_push_with_an_unreadable_handle_registers_nothing():
-    class Broken(LocalTransport):
+    class Broken(LocalChannel):
         def fetch(self, handle):
             if handle == "gone":
                 raise OSError("object lost")
@@ -274,7 +277,7 @@ async def test_a_push_with_an_unreadable_handle_registers_nothing():
 @pytest.mark.parametrize("verify, caught", [("full", True), ("checksum", True), ("off", False)])
 async def test_verify_mode_decides_what_a_commit_checks(verify, caught):
     # One flipped byte at the start of a tensor.
-    pub, replicas, log, old = _setup(transport=CorruptingTransport(index=1))
+    pub, replicas, log, old = _setup(transport=CorruptingChannel(index=1))
     pub._cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, timeout_s=30.0, verify=verify)
     new = model(1)
     if caught:
@@ -290,10 +293,9 @@ async def test_verify_mode_decides_what_a_commit_checks(verify, caught):
 async def test_shm_transport_owns_its_files_from_push_to_release_and_packers_write_them_again():
     import os
 
-    from asyncrl.weightsync.bucket import FREE
-    from asyncrl.weightsync.transport import SharedMemoryTransport
+    from asyncrl.weightsync.shm import FREE, ShmChannel
 
-    transport = SharedMemoryTransport()
+    transport = ShmChannel()
     pub, replicas, log, old = _setup(transport=transport)
     r1 = await pub.publish(1, source_of(pub, model(1)), replicas)
     files1 = [h.path for h in pub._host.handles]
