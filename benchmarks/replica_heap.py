@@ -68,7 +68,7 @@ class Pusher:
         from asyncrl.demo_model import load_hf_tensors
         from asyncrl.types import PlanRequest
         from asyncrl.weightsync.plan import ManifestEntry
-        from asyncrl.weightsync.push import Publisher, VersionRegistry
+        from asyncrl.weightsync.push import Pusher, VersionRegistry
         from asyncrl.weightsync.service import dump_manifest
         from asyncrl.weightsync.shm import ShmChannel
         from tests.weightsync.fakes import LocalClient, source_of
@@ -79,7 +79,7 @@ class Pusher:
         self._manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in self.base.items()]
         self._dump, self._pickle, self._request = dump_manifest, pickle, PlanRequest
         self.transport = ShmChannel()
-        self.pub = Publisher(WeightsyncConfig(bucket_mb=16, verify="checksum", timeout_s=120), transport=self.transport,
+        self.pub = Pusher(WeightsyncConfig(bucket_mb=16, verify="checksum", timeout_s=120), transport=self.transport,
                              registry=VersionRegistry(0))
 
     async def plan(self) -> None:
@@ -92,7 +92,7 @@ class Pusher:
             self.version += 1
             scale = 1e-3 * self.version
             new = {k: t + scale for k, t in self.base.items()}
-            await self.pub.publish(self.version, self._source_of(self.pub, new, self.plan), [self.client])
+            await self.pub.push(self.version, self._source_of(self.pub, new, self.plan), [self.client])
 
 
 async def main_async(args: argparse.Namespace) -> dict:

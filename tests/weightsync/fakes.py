@@ -165,7 +165,7 @@ def iter_unpacked(buckets: Any) -> Any:
 
 def source_of(pub: Any, named: Any, plan: Any = None) -> BucketSource:
     """`named` (HF name -> tensor, or (name, tensor) pairs) packed and put as the learner ranks do (in `plan`'s
-    engine layout when given), as the `BucketSource` a push of `pub` (a `Publisher`) takes: shm and the object
+    engine layout when given), as the `BucketSource` a push of `pub` (a `Pusher`) takes: shm and the object
     store by the learner's own packer, an in-process transport by its `put`."""
     transport, cfg = pub._transport, pub._cfg
     pairs = named.items() if isinstance(named, dict) else named
@@ -222,7 +222,7 @@ async def param_addresses(replica: Any) -> list[list[int]]:
 
 
 def streamed(pub: Any, link: Any, plan_id: str | None = None) -> Any:
-    """A collective push's source for `pub` (a `Publisher`): `link`'s senders broadcast into the replicas."""
+    """A collective push's source for `pub` (a `Pusher`): `link`'s senders broadcast into the replicas."""
     from asyncrl.weightsync.sources import StreamedSource
 
     return StreamedSource(link, pub._transport, pub._cfg.timeout_s, pub._cfg.verify, plan_id)

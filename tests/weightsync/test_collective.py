@@ -32,7 +32,7 @@ from asyncrl.weightsync.collective import (
     reserve_port,
 )
 from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_digests, tensor_fingerprint
-from asyncrl.weightsync.push import Publisher, Step, WeightsyncError
+from asyncrl.weightsync.push import Pusher, Step, WeightsyncError
 from asyncrl.weightsync.stream import broadcast_receive_stream as receive_stream
 from asyncrl.weightsync.stream import broadcast_send_stream as send_stream
 
@@ -578,7 +578,7 @@ def _streamed_setup(n=2, timeout_s=20.0):
             r.group = g
 
     cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, timeout_s=timeout_s)
-    pub = Publisher(cfg, transport=LocalChannel())
+    pub = Pusher(cfg, transport=LocalChannel())
     return pub, replicas, log, old, state, prepare
 
 
@@ -597,7 +597,7 @@ async def test_a_streamed_push_goes_live_with_the_senders_fingerprint_and_host_c
 
         return _export(sent), collect
 
-    result = await pub.publish(1, streamed(pub, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)), replicas)
+    result = await pub.push(1, streamed(pub, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)), replicas)
     for r in replicas:
         assert [e for n, e in log if n == r.name] == ["begin:1", "load", "pause:keep", "commit:1", "resume"]
         assert r.version == 1 and all(torch.equal(r.weights[k], new[k]) for k in new)
@@ -634,14 +634,14 @@ async def test_a_push_returns_before_its_host_copy_and_the_next_push_restores_fr
             return _export(sent), collect
         return send
 
-    await pub.publish(1, streamed(pub, _Link(sender(v1, True), payload, prepare)), replicas)
+    await pub.push(1, streamed(pub, _Link(sender(v1, True), payload, prepare)), replicas)
     assert pub.registry.live_version == 1 and all(r.version == 1 for r in replicas)
     assert _host_version(pub) is None  # live, its host copy still being made
     asyncio.get_running_loop().call_later(0.3, gate.set)
 
     replicas[1].faults[("commit", 2)] = "partial"  # v2: r1 half applies it; r0 commits it
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish(2, streamed(pub, _Link(sender(v2, False), payload, prepare)), replicas)
+        await pub.push(2, streamed(pub, _Link(sender(v2, False), payload, prepare)), replicas)
     assert info.value.step is Step.COMMIT and info.value.out_of_service == []
     for r in replicas:  # both restored from v1's host copy, kept after v1's push had returned
         assert r.version == 1 and all(torch.equal(r.weights[k], v1[k]) for k in v1), r.name
@@ -668,7 +668,7 @@ async def test_host_copies_that_fail_after_the_commit_leave_the_version_live_wit
 
         return _export(sent), collect
 
-    result = await pub.publish(1, streamed(pub, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)), replicas)
+    result = await pub.push(1, streamed(pub, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)), replicas)
     assert pub.registry.live_version == 1 and all(r.version == 1 for r in replicas) and result.warnings == []
     tail, warnings = await pub.drain()  # what the next push would report
     assert tail["weightsync/store_failed"] == 1.0
@@ -697,12 +697,12 @@ async def test_a_sender_failure_publishes_nothing_and_the_push_made_again_forms_
     link = _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)
     # The version fails and every replica keeps serving the old weights.
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish(1, streamed(pub, link), replicas)
+        await pub.push(1, streamed(pub, link), replicas)
     assert info.value.step is Step.EXPORT and pub.registry.get(1).state is S.FAILED and pub.registry.live_version == 0
     for r in replicas:
         assert r.version == 0 and all(torch.equal(r.weights[k], old[k]) for k in old) and not r.paused
     # Pushed again (as `WeightPublisher.publish`'s recovery does), over groups formed again: live.
-    result = await pub.publish(1, streamed(pub, link), replicas)
+    result = await pub.push(1, streamed(pub, link), replicas)
     assert state["prepares"] == 2 and calls["n"] == 2 and result.metrics["weightsync/failed"] == 0
     for r in replicas:
         assert [e for n, e in log if n == r.name] == ["begin:1", "load", "abort",
@@ -724,7 +724,7 @@ async def test_a_streamed_push_a_replica_refuses_reports_the_refusal_not_the_sen
         raise CollectiveError("the push's gate was closed by a receiver")
 
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish(1, streamed(pub, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)), replicas)
+        await pub.push(1, streamed(pub, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)), replicas)
     assert info.value.step is Step.LOAD and info.value.refusals == {"r0": Refusal.PLAN_MISSING}
     assert [e for n, e in log if n == "r0"] == ["begin:1", "abort"] and replicas[0].version == 0
 
@@ -755,7 +755,7 @@ async def test_one_replicas_refusal_is_the_pushs_when_the_others_left_its_closed
         raise CollectiveError("the push's gate was closed by a receiver")
 
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish(1, streamed(pub, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)), [Engines()])
+        await pub.push(1, streamed(pub, _Link(send, lambda v: CollectiveReceive(("g",), v, 20.0), prepare)), [Engines()])
     assert info.value.step is Step.LOAD and info.value.refusals == {"a": Refusal.PLAN_MISSING}
 
 

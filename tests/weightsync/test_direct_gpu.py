@@ -75,7 +75,7 @@ async def _scenario(model_path: str) -> dict:
     from asyncrl.config import GeneratorConfig, ModelConfig, WeightsyncConfig
     from asyncrl.generator.engine import EngineReplica
     from asyncrl.types import GenerationRequest, SamplingParams
-    from asyncrl.weightsync.push import Publisher, VersionRegistry
+    from asyncrl.weightsync.push import Pusher, VersionRegistry
     from tests.weightsync.fakes import LocalChannel
 
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),
@@ -86,9 +86,9 @@ async def _scenario(model_path: str) -> dict:
 
         before = await param_addresses(replica)
         new = _perturbed(base)
-        pub = Publisher(WeightsyncConfig(bucket_mb=0.5, verify="checksum", timeout_s=120),
+        pub = Pusher(WeightsyncConfig(bucket_mb=0.5, verify="checksum", timeout_s=120),
                         transport=LocalChannel(), registry=VersionRegistry(0))
-        result = await pub.publish(1, source_of(pub, new, plan), [LocalClient(replica)])
+        result = await pub.push(1, source_of(pub, new, plan), [LocalClient(replica)])
         prompts = [[5, 17, 9, 33, 2], [12, 4, 4, 7]]
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=False)
         outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in prompts]
@@ -148,7 +148,7 @@ async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl") ->
     from asyncrl.types import GenerationRequest, Refusal, SamplingParams
     from asyncrl.weightsync.collective import CollectiveGroup
     from asyncrl.weightsync.link import CollectiveLink
-    from asyncrl.weightsync.push import Publisher, VersionRegistry, WeightsyncError
+    from asyncrl.weightsync.push import Pusher, VersionRegistry, WeightsyncError
     from asyncrl.weightsync.service import select_channel
 
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),
@@ -168,11 +168,11 @@ async def _nccl_scenario(model_path: str, monkeypatch, backend: str = "nccl") ->
 
         cfg = WeightsyncConfig(transport=backend, bucket_mb=0.5, verify="checksum", timeout_s=120)
         link = CollectiveLink(backend, sender, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
-        pub = Publisher(cfg, transport=select_channel(cfg, on_gpu=backend == "nccl"), registry=VersionRegistry(0))
+        pub = Pusher(cfg, transport=select_channel(cfg, on_gpu=backend == "nccl"), registry=VersionRegistry(0))
         client = LocalClient(replica)
 
         async def push(version):
-            return await pub.publish(version, streamed(pub, link, plan.plan_id), [client])
+            return await pub.push(version, streamed(pub, link, plan.plan_id), [client])
 
         prompts = [[5, 17, 9, 33, 2], [12, 4, 4, 7]]
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=False)
@@ -252,7 +252,7 @@ async def _ipc_scenario(model_path: str) -> dict:
     from asyncrl.generator.engine import EngineReplica
     from asyncrl.types import GenerationRequest, Refusal, SamplingParams
     from asyncrl.weightsync.link import CollectiveLink
-    from asyncrl.weightsync.push import Publisher, VersionRegistry, WeightsyncError
+    from asyncrl.weightsync.push import Pusher, VersionRegistry, WeightsyncError
     from asyncrl.weightsync.service import select_channel
 
     replica = EngineReplica(ModelConfig(path=model_path, max_model_len=256),
@@ -264,12 +264,12 @@ async def _ipc_scenario(model_path: str) -> dict:
         sender = _SenderOnGpu1(new, plan, 0)
         cfg = WeightsyncConfig(transport="ipc", bucket_mb=0.5, verify="checksum", timeout_s=120)
         link = CollectiveLink("ipc", sender, members=None, join=None, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
-        pub = Publisher(cfg, transport=select_channel(cfg, on_gpu=True), registry=VersionRegistry(0))
+        pub = Pusher(cfg, transport=select_channel(cfg, on_gpu=True), registry=VersionRegistry(0))
         prompts = [[5, 17, 9, 33, 2], [12, 4, 4, 7]]
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=False)
 
         async def push(version):
-            return await pub.publish(version, streamed(pub, link, plan.plan_id), [LocalClient(replica)])
+            return await pub.push(version, streamed(pub, link, plan.plan_id), [LocalClient(replica)])
 
         async def greedy():
             outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in prompts]

@@ -51,7 +51,7 @@ async def _scenario(path: str) -> dict:
     from asyncrl.interfaces import WorkerAPI
     from asyncrl.types import GenerationRequest, LayoutCheck, PlanRequest, SamplingParams
     from asyncrl.weightsync.plan import ManifestEntry
-    from asyncrl.weightsync.push import Publisher, VersionRegistry
+    from asyncrl.weightsync.push import Pusher, VersionRegistry
     from asyncrl.weightsync.service import dump_manifest
     from asyncrl.weightsync.shm import ShmChannel
 
@@ -69,9 +69,9 @@ async def _scenario(path: str) -> dict:
         g = torch.Generator().manual_seed(7)
         new = {n: t + 0.5 * t.std().clamp_min(1e-3) * torch.randn(t.shape, generator=g) for n, t in base.items()}
         transport = ShmChannel()
-        pub = Publisher(WeightsyncConfig(bucket_mb=0.25, verify="checksum", timeout_s=120), transport=transport,
+        pub = Pusher(WeightsyncConfig(bucket_mb=0.25, verify="checksum", timeout_s=120), transport=transport,
                         registry=VersionRegistry(0))
-        result = await pub.publish(1, source_of(pub, new, plan), [LocalClient(replica)])
+        result = await pub.push(1, source_of(pub, new, plan), [LocalClient(replica)])
         transport.close()
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=False)
         out = await replica.generate(GenerationRequest(prompt_ids=PROMPT, sampling=sp))

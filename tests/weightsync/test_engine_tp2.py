@@ -39,7 +39,7 @@ async def _scenario(model_path: str) -> dict:
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.types import GenerationRequest, LayoutCheck, PlanRequest, SamplingParams
     from asyncrl.weightsync.plan import ManifestEntry, build_plan
-    from asyncrl.weightsync.push import Publisher
+    from asyncrl.weightsync.push import Pusher
     from asyncrl.weightsync.service import dump_manifest
     from asyncrl.weightsync.shm import ShmChannel
     from tests.learner._data import advantages, make_samples
@@ -76,9 +76,9 @@ async def _scenario(model_path: str) -> dict:
 
         before = await param_addresses(replica)
         export = await group.export_weights(0.25, "shm", "checksum", "engine")
-        pub = Publisher(WeightsyncConfig(bucket_mb=0.25, timeout_s=120, verify="checksum"), transport=transport)
+        pub = Pusher(WeightsyncConfig(bucket_mb=0.25, timeout_s=120, verify="checksum"), transport=transport)
         source = BucketSource(export.buckets, pub._transport, pub._cfg.verify, export.digests, plan.plan_id)
-        result = await pub.publish(1, source, [LocalClient(replica)])
+        result = await pub.push(1, source, [LocalClient(replica)])
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=False)
         outs = [await replica.generate(GenerationRequest(prompt_ids=p, sampling=sp)) for p in PROMPTS]
         broadcast = {} if torch.cuda.is_available() else await _broadcast_push(group, replica, plan, sp)
@@ -100,7 +100,7 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
     from asyncrl.types import GenerationRequest
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.plan import hf_from_engine
-    from asyncrl.weightsync.push import Publisher, VersionRegistry
+    from asyncrl.weightsync.push import Pusher, VersionRegistry
     from asyncrl.weightsync.service import select_channel
     from tests.learner._data import advantages, make_samples
     from tests.weightsync.fakes import iter_unpacked
@@ -115,11 +115,11 @@ async def _broadcast_push(group, replica, plan, sp) -> dict:
         return [await replica.join_collective(wire, 120.0)]
 
     link = CollectiveLink("gloo", group, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
-    pub = Publisher(cfg, transport=transport, registry=VersionRegistry(1))
+    pub = Pusher(cfg, transport=transport, registry=VersionRegistry(1))
     samples = make_samples(8, group_size=2)
     old = await group.compute_log_prob(samples)
     await group.update_actor(samples, advantages(samples), old)
-    result = await pub.publish(2, streamed(pub, link, plan.plan_id), [LocalClient(replica)])
+    result = await pub.push(2, streamed(pub, link, plan.plan_id), [LocalClient(replica)])
     await pub.drain()
     kept = hf_from_engine(plan, [transport.fetch(h) for h in pub._host.handles])  # the host copy, in HF tensors
     packed = await group.export_weights(0.25, "object_store")

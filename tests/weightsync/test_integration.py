@@ -241,7 +241,7 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
 
     from asyncrl.config import WeightsyncConfig
     from asyncrl.demo_model import load_hf_tensors
-    from asyncrl.weightsync.push import Publisher, Step, VersionRegistry, WeightsyncError
+    from asyncrl.weightsync.push import Pusher, Step, VersionRegistry, WeightsyncError
     from asyncrl.weightsync.service import WeightStore, weight_store_hook
     from asyncrl.weightsync.sources import ActorReplica
     from asyncrl.weightsync.transport import ObjectStoreChannel
@@ -264,13 +264,13 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
     transport = ObjectStoreChannel()
     store_name = f"{STORE_NAME}-{apply}"
     store = ray.remote(WeightStore).options(name=store_name, namespace=STORE_NAMESPACE, num_cpus=0).remote()
-    pub = Publisher(cfg, transport=transport, on_live=weight_store_hook(store, lambda version: plan),
+    pub = Pusher(cfg, transport=transport, on_live=weight_store_hook(store, lambda version: plan),
                     registry=VersionRegistry(start))
 
     async def outputs():
         return [await h.greedy.remote(prompt_ids) for h in engines]
 
-    result = await pub.publish(start + 1, source_of(pub, v1, plan), replicas)
+    result = await pub.push(start + 1, source_of(pub, v1, plan), replicas)
     m = result.metrics
     assert m["weightsync/num_buckets"] > 1 and m["weightsync/apply_direct"] == float(apply == "direct")
     assert m["weightsync/layout_engine"] == float(apply == "direct") and m["weightsync/paused_seconds"] > 0
@@ -282,14 +282,14 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
 
     pub._transport = _CorruptInTransit(transport, index=1)
     with pytest.raises(WeightsyncError, match="fingerprint mismatch") as info:
-        await pub.publish(start + 2, source_of(pub, v2, plan), replicas)
+        await pub.push(start + 2, source_of(pub, v2, plan), replicas)
     # found at the commit, nothing applied
     assert info.value.step is Step.COMMIT and info.value.out_of_service == []
     assert pub.registry.live_version == start + 1 and pub.registry.get(start + 2).state is S.FAILED
     assert await outputs() == served1  # exactly version 1's greedy tokens and labels, on both replicas
 
     pub._transport = transport
-    result = await pub.publish(start + 2, source_of(pub, v2, plan), replicas)
+    result = await pub.push(start + 2, source_of(pub, v2, plan), replicas)
     assert pub.registry.live_version == start + 2 and result.metrics["weightsync/failed"] == 0
     for got in await outputs():
         assert matches(hf2, got) and all(v == [start + 2] * MAX_TOKENS for _, v in got)
@@ -313,13 +313,13 @@ async def test_push_to_real_engines_matches_transformers_and_is_atomic(engines, 
     else:
         victim_client = _KillAtCommit(victim_client, victim)
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish(start + 3, source_of(pub, v3, plan), replicas + [victim_client])
+        await pub.push(start + 3, source_of(pub, v3, plan), replicas + [victim_client])
     # The victim is dead: it cannot be restored where a restore was due (reported out of service).
     assert info.value.replicas == ["victim"] and set(info.value.out_of_service) <= {"victim"}
     assert pub.registry.live_version == start + 2 and pub.registry.get(start + 3).state is S.FAILED
     assert await outputs() == served2, kill
     pub._transport = transport
-    await pub.publish(start + 3, source_of(pub, v3, plan), replicas)
+    await pub.push(start + 3, source_of(pub, v3, plan), replicas)
     for got in await outputs():
         assert matches(hf3, got) and all(v == [start + 3] * MAX_TOKENS for _, v in got)
     ray.kill(store)
@@ -352,7 +352,7 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
     from asyncrl.demo_model import load_hf_tensors
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.weightsync.plan import ManifestEntry
-    from asyncrl.weightsync.push import Publisher
+    from asyncrl.weightsync.push import Pusher
     from asyncrl.weightsync.shm import ShmChannel
     from asyncrl.weightsync.sources import ActorReplica
     from tests.learner._data import advantages, make_samples
@@ -383,10 +383,10 @@ async def test_tp2_megatron_learner_trains_a_step_and_both_engines_serve_its_exp
         export = await group.export_weights(0.25, "shm", "checksum", "engine")
         files = [h.path for h in export.buckets]
         assert len(files) > 1 and all(os.path.exists(f) for f in files) and len(export.digests) == len(files)
-        pub = Publisher(WeightsyncConfig(bucket_mb=0.25, timeout_s=120, verify="checksum"), transport=transport)
+        pub = Pusher(WeightsyncConfig(bucket_mb=0.25, timeout_s=120, verify="checksum"), transport=transport)
         version = start + 1
         source = BucketSource(export.buckets, pub._transport, pub._cfg.verify, export.digests, plan.plan_id)
-        result = await pub.publish(version, source, [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)])
+        result = await pub.push(version, source, [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)])
         assert result.fingerprint.startswith("checksum:") and result.metrics["weightsync/transport/shm/bytes"] > 0
         assert result.metrics["weightsync/apply_direct"] == 1.0 and result.metrics["weightsync/fingerprint_seconds"] == 0
     finally:
@@ -409,7 +409,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.weightsync.link import CollectiveLink
     from asyncrl.weightsync.plan import ManifestEntry, hf_from_engine
-    from asyncrl.weightsync.push import Publisher
+    from asyncrl.weightsync.push import Pusher
     from asyncrl.weightsync.service import select_channel
     from asyncrl.weightsync.sources import ActorReplica
     from tests.learner._data import advantages, make_samples
@@ -435,7 +435,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
 
     # As the service forms it
     link = CollectiveLink(backend, group, members=members, join=join, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
-    pub = Publisher(cfg, transport=transport)
+    pub = Pusher(cfg, transport=transport)
     replicas = [ActorReplica(h, f"e{i}") for i, h in enumerate(engines)]
 
     async def hf_export():
@@ -451,7 +451,7 @@ async def test_tp2_learner_pushes_into_both_engines_over_a_collective(engines, d
             samples = make_samples(8, group_size=2)
             old = await group.compute_log_prob(samples)
             await group.update_actor(samples, advantages(samples), old)
-            result = await pub.publish(start + step, streamed(pub, link, plan.plan_id), replicas)
+            result = await pub.push(start + step, streamed(pub, link, plan.plan_id), replicas)
             m = result.metrics
             assert result.fingerprint.startswith("checksum:") and m["weightsync/apply_direct"] == 1.0
             assert m[f"weightsync/transport/{backend}/bytes"] > 0 and m["weightsync/num_buckets"] > 1
@@ -532,7 +532,7 @@ class _OneEngine:
 
     def __init__(self, engine, sender, cfg, start: int, plan, **link_kw) -> None:
         from asyncrl.weightsync.link import CollectiveLink
-        from asyncrl.weightsync.push import Publisher, VersionRegistry
+        from asyncrl.weightsync.push import Pusher, VersionRegistry
         from asyncrl.weightsync.service import select_channel
         from asyncrl.weightsync.sources import ActorReplica
 
@@ -546,11 +546,11 @@ class _OneEngine:
         self.plan, self.sender, self.start, self.base = plan, sender, start, None
         self.link = CollectiveLink(cfg.transport, sender, members=members, join=join, bucket_mb=cfg.bucket_mb,
                                    timeout_s=cfg.timeout_s, **link_kw)
-        self.pub = Publisher(cfg, transport=select_channel(cfg), registry=VersionRegistry(start))
+        self.pub = Pusher(cfg, transport=select_channel(cfg), registry=VersionRegistry(start))
         self.replica = _Calls(ActorReplica(engine, "engine-0"))
 
     async def push(self, version, plan_id=None):
-        return await self.pub.publish(version, streamed(self.pub, self.link, plan_id or self.plan.plan_id), [self.replica])
+        return await self.pub.push(version, streamed(self.pub, self.link, plan_id or self.plan.plan_id), [self.replica])
 
     async def push_is_refused_by_its_fingerprint(self, engine, version, prompt_ids, before) -> None:
         """`version`'s push (its bytes corrupted after the sender hashed them) fails on the replica's

@@ -13,7 +13,7 @@ import torch
 from asyncrl.config import WeightsyncConfig
 from asyncrl.types import WeightUpdateState as S
 from asyncrl.weightsync.fingerprint import tensor_fingerprint
-from asyncrl.weightsync.push import BucketSource, Publisher, RegistryError, Step, WeightsyncError
+from asyncrl.weightsync.push import BucketSource, Pusher, RegistryError, Step, WeightsyncError
 
 from .fakes import CorruptingChannel, FakeReplica, LocalChannel, model, source_of
 
@@ -25,7 +25,7 @@ def _setup(n=2, timeout_s=30.0, transport=None, **kw):
     old = model(0)
     replicas = [FakeReplica(f"r{i}", log, weights=dict(old)) for i in range(n)]
     cfg = WeightsyncConfig(bucket_mb=BUCKET_MB, timeout_s=timeout_s)
-    pub = Publisher(cfg, transport=transport or LocalChannel(), **kw)
+    pub = Pusher(cfg, transport=transport or LocalChannel(), **kw)
     return pub, replicas, log, old
 
 
@@ -40,7 +40,7 @@ def _same(a, b):
 async def test_replicas_stage_while_serving_and_are_paused_only_for_the_commit():
     pub, replicas, log, _ = _setup(n=3)
     new = model(1)
-    result = await pub.publish(1, source_of(pub, new), replicas)
+    result = await pub.push(1, source_of(pub, new), replicas)
     for r in replicas:
         assert _events(log, r.name) == ["begin:1", "load", "pause:keep", "commit:1", "resume"]
         assert r.version == 1 and _same(r.weights, new) and not r.paused
@@ -60,7 +60,7 @@ async def test_replicas_stage_while_serving_and_are_paused_only_for_the_commit()
 async def test_a_single_engine_replica_is_paused_by_its_own_commit():
     pub, replicas, log, _ = _setup(n=1)
     new = model(1)
-    await pub.publish(1, source_of(pub, new), replicas)
+    await pub.push(1, source_of(pub, new), replicas)
     # One call fewer: the replica's commit pauses, applies, relabels and resumes by itself.
     assert _events(log, "r0") == ["begin:1", "load", "commit:1", "own-pause"]
     assert replicas[0].version == 1 and _same(replicas[0].weights, new)
@@ -71,7 +71,7 @@ async def test_a_failed_apply_under_the_commits_own_pause_is_restored_then_resum
     pub.seed(source_of(pub, old))
     replicas[0].faults[("commit", 1)] = "partial"
     with pytest.raises(WeightsyncError):
-        await pub.publish(1, source_of(pub, model(1)), replicas)
+        await pub.push(1, source_of(pub, model(1)), replicas)
     ev = _events(log, "r0")
     assert ev.index("begin:0") > ev.index("commit:1") and ev[-1] == "resume"
     assert replicas[0].version == 0 and _same(replicas[0].weights, old)
@@ -81,7 +81,7 @@ async def test_load_failure_aborts_everywhere_and_publishes_nothing():
     pub, replicas, log, old = _setup()
     replicas[1].faults[("load", 1)] = "raise"
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish(1, source_of(pub, model(1)), replicas)
+        await pub.push(1, source_of(pub, model(1)), replicas)
     err = info.value
     assert err.step is Step.LOAD and err.replicas == ["r1"] and "r1" in str(err) and "load_bucket" in str(err)
     for r in replicas:
@@ -97,7 +97,7 @@ async def test_a_hanging_replica_times_out_instead_of_hanging():
     pub, replicas, log, old = _setup(timeout_s=0.2)
     replicas[0].faults[("load", -1)] = "hang"
     with pytest.raises(WeightsyncError, match="timed out") as info:
-        await pub.publish(1, source_of(pub, model(1)), replicas)
+        await pub.push(1, source_of(pub, model(1)), replicas)
     assert info.value.step is Step.LOAD and info.value.replicas == ["r0"]
     assert all(r.version == 0 and _same(r.weights, old) for r in replicas)
     assert pub.registry.get(1).state is S.FAILED and pub.registry.in_flight is None
@@ -110,10 +110,10 @@ async def test_a_failed_push_is_aborted_everywhere_and_goes_live_when_pushed_aga
     replicas[0].faults[("load", 1)] = "raise"  # the first load only
     new = model(1)
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish(1, source_of(pub, new), replicas)
+        await pub.push(1, source_of(pub, new), replicas)
     assert info.value.step is Step.LOAD and pub.registry.get(1).state is S.FAILED
     assert all(r.version == 0 and _same(r.weights, old) and _events(log, r.name)[-1] == "abort" for r in replicas)
-    result = await pub.publish(1, source_of(pub, new), replicas)
+    result = await pub.push(1, source_of(pub, new), replicas)
     ev = _events(log, "r0")
     assert ev[:2] == ["begin:1", "load"] and "abort" in ev
     assert ev[ev.index("abort"):] == ["abort", "begin:1", "load", "pause:keep", "commit:1", "resume"]
@@ -125,7 +125,7 @@ async def test_a_failed_push_is_aborted_everywhere_and_goes_live_when_pushed_aga
 async def test_corrupted_bucket_fails_verification_and_replicas_keep_the_old_version():
     pub, replicas, log, old = _setup(transport=CorruptingChannel(index=1))
     with pytest.raises(WeightsyncError, match="fingerprint mismatch") as info:
-        await pub.publish(1, source_of(pub, model(1)), replicas)
+        await pub.push(1, source_of(pub, model(1)), replicas)
     assert info.value.step is Step.COMMIT and info.value.out_of_service == []
     assert all(r.version == 0 and _same(r.weights, old) for r in replicas)
     # A verify failure applied nothing: no restore was needed (only the push ran).
@@ -134,7 +134,7 @@ async def test_corrupted_bucket_fails_verification_and_replicas_keep_the_old_ver
     # The next, clean push succeeds.
     pub._transport = LocalChannel()
     new = model(2)
-    await pub.publish(2, source_of(pub, new), replicas)
+    await pub.push(2, source_of(pub, new), replicas)
     assert all(r.version == 2 and _same(r.weights, new) for r in replicas)
 
 
@@ -143,7 +143,7 @@ async def test_partial_commit_restores_every_replica_to_the_last_live_version():
     pub.seed(source_of(pub, old))  # what the replicas loaded from disk
     replicas[1].faults[("commit", 1)] = "partial"
     with pytest.raises(WeightsyncError) as info:
-        await pub.publish(1, source_of(pub, model(1)), replicas)
+        await pub.push(1, source_of(pub, model(1)), replicas)
     assert info.value.step is Step.COMMIT and info.value.out_of_service == []
     # r0 had committed v1 and r1 was half applied: both are back on v0, bit for bit.
     for r in replicas:
@@ -161,7 +161,7 @@ async def test_unrestorable_replicas_are_reported_out_of_service():
         r.allow_reload = False  # a replica that refuses to begin an older version
     replicas[1].faults[("commit", 1)] = "partial"
     with pytest.raises(WeightsyncError, match="out of service") as info:
-        await pub.publish(1, source_of(pub, model(1)), replicas)
+        await pub.push(1, source_of(pub, model(1)), replicas)
     assert sorted(info.value.out_of_service) == ["r0", "r1"]
     assert pub.registry.get(1).state is S.FAILED and pub.registry.live_version == 0
     assert info.value.metrics["weightsync/out_of_service"] == 2 and pub.totals["out_of_service_total"] == 2
@@ -169,14 +169,14 @@ async def test_unrestorable_replicas_are_reported_out_of_service():
 
 async def test_the_registry_records_each_push_live_or_failed():
     pub, replicas, _, _ = _setup()
-    await pub.publish(1, source_of(pub, model(1)), replicas)
+    await pub.push(1, source_of(pub, model(1)), replicas)
     assert pub.registry.live_version == 1 and pub.registry.get(1).state is S.LIVE
     with pytest.raises(RegistryError, match="not registered"):  # the one record: no other version's
         pub.registry.get(2)
 
     replicas[0].faults[("load", 2)] = "raise"
     with pytest.raises(WeightsyncError):
-        await pub.publish(2, source_of(pub, model(2)), replicas)
+        await pub.push(2, source_of(pub, model(2)), replicas)
     assert [pub.registry.get(v).state for v in (1, 2)] == [S.LIVE, S.FAILED] and pub.registry.live_version == 1
     with pytest.raises(RegistryError, match="not registered"):
         pub.registry.get(3)
@@ -195,7 +195,7 @@ async def test_on_live_hook_gets_the_committed_buckets():
 
     pub, replicas, _, _ = _setup(on_live=on_live)
     new = model(1)
-    await pub.publish(1, source_of(pub, new), replicas)
+    await pub.push(1, source_of(pub, new), replicas)
     assert stored["version"] == 1 and _same(stored["tensors"], new)
     assert stored["fp"] == tensor_fingerprint(new)
 
@@ -250,7 +250,7 @@ async def test_a_push_of_buckets_the_learner_packed_reads_its_digests_or_hashes_
     handles = list(iter_buckets(iter(new.items()), BUCKET_MB))  # LocalChannel: a handle is the bucket
     source = BucketSource(handles, pub._transport)  # no digests from the packer: hashed here
     assert source.hash_seconds > 0 and source.fingerprint() == tensor_fingerprint(new)
-    result = await pub.publish(1, source, replicas)
+    result = await pub.push(1, source, replicas)
     for r in replicas:
         assert _events(log, r.name) == ["begin:1", "load", "pause:keep", "commit:1", "resume"]
         assert r.version == 1 and _same(r.weights, new)
@@ -268,9 +268,9 @@ async def test_a_push_with_an_unreadable_handle_registers_nothing():
 
     pub, replicas, log, _ = _setup(transport=Broken())
     with pytest.raises(OSError, match="object lost"):
-        await pub.publish(1, BucketSource(["gone"], pub._transport), replicas)
+        await pub.push(1, BucketSource(["gone"], pub._transport), replicas)
     assert pub.registry.in_flight is None and pub.registry.live_version == 0 and log == []
-    assert (await pub.publish(1, source_of(pub, model(1)), replicas)).fingerprint == tensor_fingerprint(model(1))
+    assert (await pub.push(1, source_of(pub, model(1)), replicas)).fingerprint == tensor_fingerprint(model(1))
     assert pub.registry.live_version == 1
 
 
@@ -282,10 +282,10 @@ async def test_verify_mode_decides_what_a_commit_checks(verify, caught):
     new = model(1)
     if caught:
         with pytest.raises(WeightsyncError, match="fingerprint mismatch"):
-            await pub.publish(1, source_of(pub, new), replicas)
+            await pub.push(1, source_of(pub, new), replicas)
         assert pub.registry.live_version == 0 and all(_same(r.weights, old) for r in replicas)
     else:  # `off` checks names, dtypes and shapes only: the flipped byte goes live (documented)
-        result = await pub.publish(1, source_of(pub, new), replicas)
+        result = await pub.push(1, source_of(pub, new), replicas)
         assert result.fingerprint.startswith("off:") and not _same(replicas[0].weights, new)
     assert all(r.verify == verify for r in replicas)  # the mode travels with the update's first load
 
@@ -297,12 +297,12 @@ async def test_shm_transport_owns_its_files_from_push_to_release_and_packers_wri
 
     transport = ShmChannel()
     pub, replicas, log, old = _setup(transport=transport)
-    r1 = await pub.publish(1, source_of(pub, model(1)), replicas)
+    r1 = await pub.push(1, source_of(pub, model(1)), replicas)
     files1 = [h.path for h in pub._host.handles]
     assert len(files1) == 3 and all(os.path.exists(f) for f in files1)  # the host copy, for rollback
     assert all(_same(r.weights, model(1)) for r in replicas) and r1.fingerprint == tensor_fingerprint(model(1))
 
-    await pub.publish(2, source_of(pub, model(2)), replicas)
+    await pub.push(2, source_of(pub, model(2)), replicas)
     files2 = [h.path for h in pub._host.handles]
     assert not set(files1) & set(files2) and all(os.path.exists(f) for f in files2)
     # version 1's files are released to the packers (no fresh pages for the next export), not unlinked
@@ -314,7 +314,7 @@ async def test_shm_transport_owns_its_files_from_push_to_release_and_packers_wri
     written = [h.path for h in source.handles]
     assert len(written) == 3 and all(f + FREE in free for f in written)  # packed into released files (version 1's)
     with pytest.raises(WeightsyncError):
-        await pub.publish(3, source, replicas)
+        await pub.push(3, source, replicas)
     assert all(os.path.exists(f + FREE) for f in written) and all(os.path.exists(f) for f in files2)
     assert all(_same(r.weights, model(2)) for r in replicas)
 
@@ -334,7 +334,7 @@ async def test_a_push_with_a_tensor_in_two_buckets_is_refused_and_registers_noth
     new = model(1)
     handles = list(iter_buckets(iter(new.items()), BUCKET_MB)) + list(iter_buckets([("layer0.weight", new["layer0.weight"])], BUCKET_MB))
     with pytest.raises(ValueError, match="appears twice"):
-        await pub.publish(1, BucketSource(handles, pub._transport), replicas)
+        await pub.push(1, BucketSource(handles, pub._transport), replicas)
     assert pub.registry.in_flight is None and pub.registry.live_version == 0 and log == []
 
 
@@ -361,7 +361,7 @@ def _recovering_publisher(failures, recovery_s=30.0, unhealthy=1, empty=0):
 
     wp = WeightPublisher.__new__(WeightPublisher)
     wp.cfg = WeightsyncConfig(recovery_s=recovery_s, timeout_s=5)
-    wp.publisher, wp.recoveries_total, wp.link = object(), 0, None
+    wp.pusher, wp.recoveries_total, wp.link = object(), 0, None
     wp._stopping = asyncio.Event()
     wp.replicas = type("R", (), {"control": _FlakyControl(unhealthy, empty)})()
     attempts = []
