@@ -218,9 +218,11 @@ class WeightUpdates:
                            before=[r.before[0] for r in results] if query else [])
 
     async def drop(self) -> None:
-        """Drop what the workers staged (and the buffers a push kept open)."""
-        await self.rpc(WorkerAPI.asyncrl_abort_update)
-        self.state, self.staging_version, self._staged = UpdateState.IDLE, None, []
+        """Drop what the workers staged (and the buffers a push kept open); nothing stages after, answered or not."""
+        try:
+            await self.rpc(WorkerAPI.asyncrl_abort_update)
+        finally:
+            self.state, self.staging_version, self._staged = UpdateState.IDLE, None, []
 
     # ---- collective transport groups (weightsync/collective.py) --------------------------------
 

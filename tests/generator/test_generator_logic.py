@@ -405,6 +405,25 @@ def test_a_starting_replica_adopts_the_stores_push_plan_once_and_survives_one_th
     assert asyncio.run(other.adopt_plan(_Plan("p2"))) is None and other.plan_id is None
 
 
+def test_a_drop_that_a_worker_does_not_answer_still_leaves_nothing_staging():
+    """A failed load, a refused commit or an abort drops the staged version; a worker that cannot answer (its process
+    gone) must not leave the replica staging it, or a later commit of that version would reach the apply."""
+    from asyncrl.generator.engine_update import WeightUpdates
+    from asyncrl.generator.replica_types import UpdateState, WeightUpdateError
+
+    async def worker_call(verb: str, args: tuple, timeout: float | None) -> list:
+        raise ConnectionError(f"{verb}: the worker is gone")
+
+    updates = WeightUpdates("r", worker_call)
+    updates.begin(3, UpdateBegin("off"), 2)
+    assert updates.state is UpdateState.STAGING and updates.staging_version == 3
+    with pytest.raises(ConnectionError, match="asyncrl_abort_update"):
+        asyncio.run(updates.drop())
+    assert updates.state is UpdateState.IDLE and updates.staging_version is None
+    with pytest.raises(WeightUpdateError, match="commit of version 3 but staging None"):
+        updates.check(3, "off:00")
+
+
 # ---- gateway helpers ------------------------------------------------------------------------
 
 
