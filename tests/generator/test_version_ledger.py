@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -53,6 +54,11 @@ class _Gate:
         self.taken: list[str] = []  # requests the engine's frontend has taken
         self._add_request = replica.engine.llm.add_request
         replica.engine.llm.add_request = self._add
+
+    def remove(self) -> None:
+        """The engine's own `add_request` again (the replica goes on to another scenario)."""
+        self.open.set()
+        self.replica.engine.llm.add_request = self._add_request
 
     async def _add(self, request_id, *args, **kwargs):
         collector = await self._add_request(request_id, *args, **kwargs)
@@ -129,11 +135,8 @@ async def _push(replica, version: int, weights, gate: _Gate | None = None, while
             gate.open.set()
 
 
-async def _scenario(model_path) -> tuple[dict, dict, dict]:
-    from asyncrl.generator.engine import EngineReplica
-
-    replica = EngineReplica(ModelConfig(path=str(model_path), max_model_len=256), GeneratorConfig(), version_tracking="ledger")
-    await replica.start()
+async def _scenario(replica, model_path) -> tuple[dict, dict, dict]:
+    """On a replica at version 0 with the model's weights: commits of versions 1 and 2."""
     engine_truth: dict[tuple[str, int], list[int]] = {}
     gate = _Gate(replica, ("long-", "done-"), engine_truth)
     try:
@@ -172,7 +175,7 @@ async def _scenario(model_path) -> tuple[dict, dict, dict]:
         assert replica.counters["version_fallbacks"] == 0
         return results, engine_truth, dict(replica.counters)
     finally:
-        replica.shutdown()
+        gate.remove()
 
 
 def _engine_stamps_versions() -> bool:
@@ -181,10 +184,56 @@ def _engine_stamps_versions() -> bool:
     return hasattr(AsyncLLM, "update_weight_version")
 
 
-def test_ledger_versions_equal_the_engine_stamps_across_commits(demo_model_path):
+class _LoopThread:
+    """An event loop on a thread of its own, so that one engine (bound to the loop that started it) serves
+    several tests."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="ledger-engine-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout_s: float = 900.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.loop.close()
+
+
+async def _started(model_path, tracking: str):
+    from asyncrl.generator.engine import EngineReplica
+
+    model = ModelConfig(path=str(model_path), max_model_len=256, dtype="float32")
+    replica = EngineReplica(model, GeneratorConfig(), version_tracking=tracking)
+    await replica.start()
+    return replica
+
+
+async def _shutdown(replica) -> None:
+    replica.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ledger_replica(demo_model_path):
+    """One engine forced onto the ledger, for both tests of the ledger (one engine start, not two): the
+    stamps comparison first (it needs version 0 and the model's weights), then the greedy boundary."""
     if not _engine_stamps_versions():
-        pytest.skip("this vLLM does not stamp versions: nothing to compare the ledger with")
-    results, truth, counters = asyncio.run(_scenario(demo_model_path))
+        pytest.skip("this vLLM does not stamp versions: the ledger is 'auto', tested as such")
+    loop = _LoopThread()
+    replica = loop.run(_started(demo_model_path, "ledger"))
+    try:
+        yield loop, replica
+    finally:
+        loop.run(_shutdown(replica), 120)
+        loop.close()
+
+
+def test_ledger_versions_equal_the_engine_stamps_across_commits(ledger_replica, demo_model_path):
+    loop, replica = ledger_replica
+    assert replica.version == 0, "the stamps comparison runs first on the module's ledger engine"
+    results, truth, counters = loop.run(_scenario(replica, demo_model_path))
     for rid, res in results.items():
         for c in res.completions:
             assert c.versions == truth[(rid, c.index)], (rid, c.index)
@@ -202,25 +251,26 @@ def _greedy(rid: str, prompt: list[int], max_tokens: int) -> GenerationRequest:
     return GenerationRequest(request_id=rid, prompt_ids=prompt, sampling=sp)
 
 
-async def _greedy_across_a_commit(model_path, tracking: str, attempts: int = 4) -> dict[str, Any]:
+async def _greedy_across_a_commit(replica, model_path, attempts: int = 4) -> dict[str, Any]:
     """A greedy request across a commit of perturbed weights, then the references: the old weights'
     whole continuation, the new weights' continuation of what the old had made by the boundary k,
     and the old weights' token at k (with the old weights pushed back). Where that token equals the
     new weights' at k the run says nothing about a boundary one token off (the same token under
-    either label): it is tried again with other weights, `attempts` times at most."""
-    from asyncrl.generator.engine import EngineReplica
-
-    model = ModelConfig(path=str(model_path), max_model_len=256, dtype="float32")
-    replica = EngineReplica(model, GeneratorConfig(), version_tracking=tracking)
-    await replica.start()
+    either label): it is tried again with other weights, `attempts` times at most. A replica that
+    took pushes before gets the model's weights back first (its version goes on from where it is)."""
+    old_weights = load_hf_tensors(str(model_path))
+    base = replica.version
+    if base:
+        base += 1
+        await _push(replica, base, old_weights)
     mode = replica._versions.name
     prompt, total = [1, 2, 3, 4, 5], 200
+    gate = _Gate(replica, "across")
     try:
-        old_weights = load_hf_tensors(str(model_path))
         reference_old = (await replica.generate(_greedy("ref-old", prompt, total))).completions[0].token_ids
-        gate = _Gate(replica, "across")
         for attempt in range(attempts):
-            old_version, new_version = 2 * attempt, 2 * attempt + 1  # (each attempt ends with the old weights back)
+            # (each attempt ends with the old weights back)
+            old_version, new_version = base + 2 * attempt, base + 2 * attempt + 1
             task = asyncio.create_task(replica.generate(_greedy(f"across{attempt}", prompt, total)))
             while (await replica.stats())["generator/tokens_in_flight"] < 20:  # its result comes whole, at the end
                 await asyncio.sleep(0.005)
@@ -242,14 +292,23 @@ async def _greedy_across_a_commit(model_path, tracking: str, attempts: int = 4) 
                 break
         return result
     finally:
-        replica.shutdown()
+        gate.remove()
 
 
 @pytest.mark.parametrize("tracking", ["auto", "ledger"])
-def test_greedy_tokens_on_each_side_of_the_version_boundary_come_from_that_version(demo_model_path, tracking):
-    if tracking == "ledger" and not _engine_stamps_versions():
-        pytest.skip("'auto' is the ledger on this vLLM")
-    r = asyncio.run(_greedy_across_a_commit(demo_model_path, tracking))
+def test_greedy_tokens_on_each_side_of_the_version_boundary_come_from_that_version(request, demo_model_path, tracking):
+    if tracking == "ledger":  # (the module's ledger engine; skipped where 'auto' is the ledger)
+        loop, replica = request.getfixturevalue("ledger_replica")
+        r = loop.run(_greedy_across_a_commit(replica, demo_model_path))
+    else:
+        async def on_its_own_engine():
+            replica = await _started(demo_model_path, tracking)
+            try:
+                return await _greedy_across_a_commit(replica, demo_model_path)
+            finally:
+                replica.shutdown()
+
+        r = asyncio.run(on_its_own_engine())
     tokens, versions, mode = r["tokens"], r["versions"], r["mode"]
     k = versions.index(1)
     assert r["labels"] == r["expected_labels"], mode  # only the versions before and after this commit
