@@ -188,7 +188,8 @@ class LearnerRank:
         tensors where none is set), or "hf", the HF tensors as exported. Over nccl / gloo / ipc (`transport`):
         packed on the device and broadcast to the engine workers over this rank's group, whose host copies
         (rollbacks, late joiners) `take_host_copies` collects, within `timeout_s`; `gate`: the push's
-        gate token (gloo / NCCL: nothing goes out until every receiver is ready; collective.py). Over shm /
+        gate token (gloo / NCCL: nothing goes out until every receiver is ready; collective.py; ipc: the attempt's
+        token, stamped once the bytes are on the device, ipc.py). Over shm /
         object_store: packed into host buckets of it, a shared file or an object each. Every bucket is hashed
         in `verify` mode as it is packed."""
         from asyncrl.weightsync.shm import pack_into_transport
