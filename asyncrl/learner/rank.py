@@ -195,16 +195,22 @@ class LearnerRank:
         from asyncrl.weightsync.shm import pack_into_transport
         from asyncrl.weightsync.transport import BACKENDS
 
-        self._ready()
-        with self._thread(), self._held(("params",)):
-            tensors = self.role.export_hf_tensors()
-            if not self._is_sender():
-                self._drain(tensors)
-                return None
-            plan, sender = (self._endpoint().plan if layout == "engine" else None), self.coords.pp
-            if transport in BACKENDS:
-                return self._endpoint().send_version(tensors, bucket_mb, verify, timeout_s, sender, plan, gate, transport)
-            return pack_into_transport(tensors, bucket_mb, transport, verify, plan, sender)
+        try:
+            self._ready()
+            with self._thread(), self._held(("params",)):
+                tensors = self.role.export_hf_tensors()
+                if not self._is_sender():
+                    self._drain(tensors)
+                    return None
+                plan, sender = (self._endpoint().plan if layout == "engine" else None), self.coords.pp
+                if transport in BACKENDS:
+                    return self._endpoint().send_version(tensors, bucket_mb, verify, timeout_s, sender, plan, gate,
+                                                         transport)
+                return pack_into_transport(tensors, bucket_mb, transport, verify, plan, sender)
+        except BaseException:
+            if transport == "ipc" and self._sender is not None:  # (the replicas' loads began with this export)
+                self._sender.fail_attempt(gate)
+            raise
 
     def join_collective(self, specs: list[dict[str, Any]] | None = None) -> SenderAddress | None:
         """Sending ranks (TP/CP/DP rank 0 of each PP stage): leave any earlier weight broadcast group and join (as

@@ -43,7 +43,6 @@ class IpcRing:
         # What the loads wait for (`ipc_wait`, `put_stamp`); never reallocated: a load holding handles of an older
         # layout reads it too, and fails on the generation.
         self.stamp = torch.zeros(1, dtype=torch.int64, device=device)
-        self.stamp_handle = b""
         self.generation = 0  # bumped whenever a buffer, or the slots a plan cut the arena into, change
 
     def _new(self, nbytes: int) -> torch.Tensor:
@@ -87,11 +86,6 @@ class IpcRing:
         """Stamp attempt `token` on the device stream, after everything enqueued before: `(token << GEN_BITS) |
         generation` (`ok`), or `-(token << GEN_BITS)` (it failed). One int64: a reader never sees half of it."""
         self.stamp.fill_(_stamp(token, self.generation) if ok else -(token << GEN_BITS))
-
-    def stamp_wire(self) -> bytes:
-        if not self.stamp_handle:
-            self.stamp_handle = ipc_export(self.stamp.view(torch.uint8), {})
-        return self.stamp_handle
 
 
 GEN_BITS = 20  # a stamp's low bits: the ring's generation (mod 2^20); the token above them
@@ -204,7 +198,7 @@ def ipc_send(ring: IpcRing, copies: HostCopies, named_tensors: Iterable[tuple[st
     finish = hash_whole_lazy(buckets, verify, out)  # one pass where the buckets share the ring's arena
     ring.put_stamp(token)
     t = time.perf_counter()
-    stamp = ring.stamp_wire()
+    stamp = ipc_export(ring.stamp.view(torch.uint8), ring.exports)
     handles = [IpcBucket(ipc_export(b.buffer, ring.exports), list(b.metas), b.rank, stamp, ring.generation)
                for b in buckets]
     out.seconds["broadcast"] += time.perf_counter() - t

@@ -125,9 +125,8 @@ class SenderEndpoint:
                 sent = broadcast_send_stream(self.group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s,
                                              keep=ray.put, plan=plan, sender=sender, gate=gate)
         except BaseException:
-            if backend == "ipc" and self.ring is not None and gate.isdigit():
-                with contextlib.suppress(Exception):  # the loads waiting for this attempt's stamp stop now
-                    self.ring.put_stamp(int(gate), ok=False)
+            if backend == "ipc":
+                self.fail_attempt(gate)
             for _ in tensors:  # a failed push: still finish the export the TP peers are gathering
                 pass
             raise
@@ -136,6 +135,12 @@ class SenderEndpoint:
                             senders=[sender] * len(handles) if backend == "ipc" else [sender], digests=[sent.digests],
                             bytes=sent.bytes, num_tensors=sent.num_tensors, num_buckets=sent.num_buckets,
                             seconds=sent.seconds)
+
+    def fail_attempt(self, gate: str) -> None:
+        """ipc: stamp the attempt `gate` failed (the loads waiting for its stamp stop now). Best effort."""
+        if self.ring is not None and gate.isdigit():
+            with contextlib.suppress(Exception):
+                self.ring.put_stamp(int(gate), ok=False)
 
     def take_host_copies(self, timeout_s: float, sender: int = 0) -> HostCopies:
         """The host copies (ObjectRefs, in bucket order) of the last broadcast, once all are in
@@ -170,8 +175,8 @@ class CollectiveLink:
         self.receivers_failed = False  # stopped for the receivers (`stop`): a failed send is then the engines' failure
 
     def forget(self) -> None:
-        """The groups are gone (a new learner group): the next `ensure` forms them."""
-        self.specs, self.members = [], {}
+        """The groups are gone (a new learner group): the next `ensure` forms them; ipc's next loads follow the send."""
+        self.specs, self.members, self._handles = [], {}, ()
 
     async def cancel(self, why: str) -> None:
         """Close the gate of the push in flight, where members still wait for one that is gone (every receiver's

@@ -433,8 +433,10 @@ def test_the_ipc_rings_whole_version_arena_packs_a_planned_version_bit_exact_pus
 def test_an_ipc_load_hashes_only_once_its_sender_stamped_the_attempt_on_the_buffers_it_holds():
     """`ipc_wait` (ipc.py) on the sender's stamp, here on host memory: it returns once the attempt's token is
     stamped for the generation the load's buckets are of (written later by another thread); a stamp of another
-    generation is a moved ring, a failed stamp the sender's abort, and no stamp by the deadline an error."""
+    generation is a moved ring, a failed stamp (`SenderEndpoint.fail_attempt`) the sender's abort, and no stamp by the
+    deadline an error."""
     from asyncrl.weightsync.ipc import IpcRing, IpcRingMoved, ipc_wait
+    from asyncrl.weightsync.link import SenderEndpoint
 
     ring = IpcRing(torch.device("cpu"))
     ring.plan_whole([4096, 4096])
@@ -447,7 +449,9 @@ def test_an_ipc_load_hashes_only_once_its_sender_stamped_the_attempt_on_the_buff
     assert time.monotonic() - t0 >= 0.25  # it waited for token 7, past token 6's stamp
     with pytest.raises(IpcRingMoved):
         ipc_wait(ring.stamp, 7, gen - 1, time.monotonic() + 30)
-    ring.put_stamp(8, ok=False)
+    sender = SenderEndpoint()  # a sending rank whose export failed stamps the attempt failed
+    sender.ring = ring
+    sender.fail_attempt("8")
     with pytest.raises(SenderAborted):
         ipc_wait(ring.stamp, 8, gen, time.monotonic() + 30)
     t0 = time.monotonic()
@@ -933,6 +937,8 @@ async def test_an_ipc_link_forms_no_group_and_starts_the_loads_on_the_handles_it
     learner.handles = ["h2", "h3"]  # the senders' ring moved: the loads begun on h0, h1 fail at the stamp
     await link.send(3, "checksum")
     assert link.after_send(third, 3) == IpcReceive(("h2", "h3"), 3, third.token, 5) and asked["n"] == 0
+    link.forget()  # a new learner group (its rings are new): the next loads follow its send again
+    assert link.payload(4) is None
 
 
 async def test_a_broadcast_push_has_a_gate_of_its_own_which_a_failed_sender_closes():
