@@ -104,8 +104,7 @@ class WorkerAPI(Protocol):
     def asyncrl_receive(self, version: int, wires: list[tuple] | None, groups: list[str] | None = None,
                         timeout_s: float = 0.0, gate: str = "", begin: list[Any] | None = None) -> ReceiveReport:
         """An update (`begin`: verify, layout, push plan id) staged whole, in one call: the buckets of shared files
-        or ipc handles (`wires`; ipc: hashed once `gate`, the attempt's token, is stamped, within `timeout_s`), or
-        every bucket from `groups` (gate: gloo / NCCL); the staged digests."""
+        (`wires`), or every bucket from `groups` (gate: gloo / NCCL); the staged digests."""
 
     def asyncrl_apply(self, version: int, before: str = "") -> ApplyReport:
         """The apply of the staged version; `before` (the name of a verb of this interface without

@@ -310,7 +310,7 @@ class Sender:
                 self.profile_text = _profile(self, False)
         if self.group is None:  # ipc: no group, the handles every engine opens
             out = self.endpoint.send_version(iter(self.weights.items()), bucket_mb, verify, timeout_s, 0,
-                                             getattr(self, "plan", None), gate=gate, backend="ipc")
+                                             getattr(self, "plan", None), backend="ipc")
             self.copies = self.endpoint.host_copies
             return {"buckets": out.buckets, "digests": out.digests, "bytes": out.bytes, "num_tensors": out.num_tensors,
                     "num_buckets": out.num_buckets, "seconds": out.seconds}

@@ -2,7 +2,7 @@
 
 Owns: the push plan the replica holds, a version's staging (begin, the workers' receive, their digests), its check
 against the committed fingerprint, the workers' apply or drop, the replica's collective groups. Payloads: a
-`CollectiveReceive` (the workers receive from the senders), an `IpcReceive`, or a list of `SharedBucket`s, `Bucket`s
+`CollectiveReceive` (the workers receive from the senders), or a list of `SharedBucket`s, `IpcBucket`s, `Bucket`s
 (each written once into a shared file) or loose named tensors. The workers' half is weightsync's worker_verbs.py;
 the replica's commit (pause, apply, relabel, resume) is engine.py's. It reaches the workers only through `rpc`.
 Must never: apply staged tensors whose fingerprint differs from the one the caller committed, or stage anything
@@ -24,7 +24,7 @@ from asyncrl.types import ApplyReport, GroupsReport, LayoutCheck, LoadReport, Pl
 from asyncrl.weightsync.bucket import Bucket, iter_buckets
 from asyncrl.weightsync.collective import CollectiveReceive
 from asyncrl.weightsync.fingerprint import check_verify_mode, combine_digests, fingerprint_mode
-from asyncrl.weightsync.ipc import IpcReceive
+from asyncrl.weightsync.ipc import IpcBucket
 from asyncrl.weightsync.plan import PlanError, build_plan, plan_misfit
 from asyncrl.weightsync.shm import SharedBucket, write_shared
 from asyncrl.weightsync.transport import is_object_ref
@@ -164,18 +164,12 @@ class WeightUpdates:
                 raise ValueError(f"collective push of version {payload.version}, staging {version}")
             results = await self.rpc(WorkerAPI.asyncrl_receive, version, None, list(payload.group_ids),
                                      payload.timeout_s, payload.gate, self._begin_args, timeout=payload.timeout_s + 30.0)
-        elif isinstance(payload, IpcReceive):  # the workers open the sender's handles and wait for its stamp
-            if payload.version != version:
-                raise ValueError(f"ipc push of version {payload.version}, staging {version}")
-            results = await self.rpc(WorkerAPI.asyncrl_receive, version, [b.wire() for b in payload.buckets], None,
-                                     payload.timeout_s, str(payload.token), self._begin_args,
-                                     timeout=payload.timeout_s + 30.0)
         else:
             files: list[tuple[Any, bool]] = []
             try:
                 for item in payload if isinstance(payload, list) else [payload]:
                     item = await item if is_object_ref(item) else item  # (in a list, Ray resolved none of them)
-                    if isinstance(item, SharedBucket):  # the workers map it
+                    if isinstance(item, (SharedBucket, IpcBucket)):  # the workers map it (or open the sender's handles)
                         files.append((item, False))
                     else:  # a bucket, or {name: tensor} (made contiguous CPU tensors): written once into shared files
                         buckets = [item] if isinstance(item, Bucket) else iter_buckets(item.items(), 256.0)

@@ -188,29 +188,22 @@ class LearnerRank:
         tensors where none is set), or "hf", the HF tensors as exported. Over nccl / gloo / ipc (`transport`):
         packed on the device and broadcast to the engine workers over this rank's group, whose host copies
         (rollbacks, late joiners) `take_host_copies` collects, within `timeout_s`; `gate`: the push's
-        gate token (gloo / NCCL: nothing goes out until every receiver is ready; collective.py; ipc: the attempt's
-        token, stamped once the bytes are on the device, ipc.py). Over shm /
+        gate token (gloo / NCCL: nothing goes out until every receiver is ready; collective.py). Over shm /
         object_store: packed into host buckets of it, a shared file or an object each. Every bucket is hashed
         in `verify` mode as it is packed."""
         from asyncrl.weightsync.shm import pack_into_transport
         from asyncrl.weightsync.transport import BACKENDS
 
-        try:
-            self._ready()
-            with self._thread(), self._held(("params",)):
-                tensors = self.role.export_hf_tensors()
-                if not self._is_sender():
-                    self._drain(tensors)
-                    return None
-                plan, sender = (self._endpoint().plan if layout == "engine" else None), self.coords.pp
-                if transport in BACKENDS:
-                    return self._endpoint().send_version(tensors, bucket_mb, verify, timeout_s, sender, plan, gate,
-                                                         transport)
-                return pack_into_transport(tensors, bucket_mb, transport, verify, plan, sender)
-        except BaseException:
-            if transport == "ipc" and self._sender is not None:  # (the replicas' loads began with this export)
-                self._sender.fail_attempt(gate)
-            raise
+        self._ready()
+        with self._thread(), self._held(("params",)):
+            tensors = self.role.export_hf_tensors()
+            if not self._is_sender():
+                self._drain(tensors)
+                return None
+            plan, sender = (self._endpoint().plan if layout == "engine" else None), self.coords.pp
+            if transport in BACKENDS:
+                return self._endpoint().send_version(tensors, bucket_mb, verify, timeout_s, sender, plan, gate, transport)
+            return pack_into_transport(tensors, bucket_mb, transport, verify, plan, sender)
 
     def join_collective(self, specs: list[dict[str, Any]] | None = None) -> SenderAddress | None:
         """Sending ranks (TP/CP/DP rank 0 of each PP stage): leave any earlier weight broadcast group and join (as

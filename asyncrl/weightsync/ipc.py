@@ -1,14 +1,12 @@
 """The ipc transport: the sending learner rank and the engine workers share a GPU, so a bucket travels as a handle.
 
-Owns: `IpcRing` (a sender's device buffers, kept from push to push so a receiver opens each handle once, and its
-stamp), `ipc_send` (pack, hash, stamp, register the host copies, answer one `IpcBucket` a bucket), `ipc_open` (a
-receiver's view of the sender's buffer) and `ipc_wait`. No group: the handles are the same from push to push, so the
-replicas' loads start with the export (the last push's handles in an `IpcReceive`), stage views and wait for the
-sender's stamp of the attempt's token (written on its stream after the pack and its checksum) before hashing; the
-commit copies from the views. A load whose handles moved fails at the stamp and the publisher loads the new ones. The
-next push rewrites the buffers only after this one was committed or aborted (the publisher's order), its host copies
-made or dropped first. Handles are keyed by GPU UUID (any CUDA_VISIBLE_DEVICES order); a host without CUDA refuses ipc.
-Must never: rewrite a buffer a receiver may still read, free one a receiver still maps, or stamp before the bytes.
+Owns: `IpcRing` (a sender's device buffers, kept from push to push so a receiver opens each handle once), `ipc_send`
+(pack, hash, register the host copies, answer one `IpcBucket` a bucket) and `ipc_open` (a receiver's view of the
+sender's buffer). No group, no acknowledgement: the publisher hands the handles to every replica's load once the
+export returned, the workers stage views, the commit copies from them. The next push rewrites the buffers only after
+this one was committed or aborted (the publisher's order), its host copies made or dropped first. Handles are keyed
+by GPU UUID (any CUDA_VISIBLE_DEVICES order); a host without CUDA refuses ipc.
+Must never: rewrite a buffer a receiver may still read, or free one a receiver still maps.
 Details: docs/design/weightsync.md, "The ipc transport"."""
 
 from __future__ import annotations
@@ -16,13 +14,12 @@ from __future__ import annotations
 import pickle
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
 from asyncrl.weightsync.bucket import Bucket, TensorMeta, windows
-from asyncrl.weightsync.collective import CollectiveError, SenderAborted
+from asyncrl.weightsync.collective import CollectiveError
 from asyncrl.weightsync.stream import Export, SendResult, hash_whole_lazy, pack_stream
 from asyncrl.weightsync.transport import HostCopies
 
@@ -40,14 +37,9 @@ class IpcRing:
         self.arena: torch.Tensor | None = None  # a planned whole-version push's one buffer (`plan_whole`)
         self.slots: list[tuple[int, int]] = []  # (offset, nbytes) of each planned bucket in the arena
         self.next_slot = 0
-        # What the loads wait for (`ipc_wait`, `put_stamp`); never reallocated: a load holding handles of an older
-        # layout reads it too, and fails on the generation.
-        self.stamp = torch.zeros(1, dtype=torch.int64, device=device)
-        self.generation = 0  # bumped whenever a buffer, or the slots a plan cut the arena into, change
 
     def _new(self, nbytes: int) -> torch.Tensor:
         self.exports.clear()
-        self.generation += 1
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def plan_whole(self, sizes: list[int]) -> None:
@@ -57,10 +49,7 @@ class IpcRing:
         if self.arena is None or self.arena.numel() < total:
             self.buffers = []  # per-bucket buffers of an earlier layout go
             self.arena = self._new(max(total, 256))
-        slots = list(zip(offsets, map(int, sizes)))
-        if slots != self.slots:
-            self.generation += 1
-        self.slots, self.next_slot = slots, 0
+        self.slots, self.next_slot = list(zip(offsets, map(int, sizes))), 0
 
     def take_in_order(self, nbytes: int) -> torch.Tensor:
         """A push's k-th bucket: slot k of the arena (`plan_whole`), else buffer k (a plan packs the same sizes in the
@@ -71,7 +60,6 @@ class IpcRing:
                 self.next_slot += 1
                 return self.arena[offset : offset + nbytes]  # type: ignore[index]
             self.slots = []  # the push left its plan: the rest get buffers of their own
-            self.generation += 1
         i, self.taken = self.taken, self.taken + 1
         if i == len(self.buffers):
             self.buffers.append(self._new(nbytes))
@@ -82,69 +70,17 @@ class IpcRing:
     def release_all(self) -> None:
         self.taken = self.next_slot = 0
 
-    def put_stamp(self, token: int, ok: bool = True) -> None:
-        """Stamp attempt `token` on the device stream, after everything enqueued before: `(token << GEN_BITS) |
-        generation` (`ok`), or `-(token << GEN_BITS)` (it failed). One int64: a reader never sees half of it."""
-        self.stamp.fill_(_stamp(token, self.generation) if ok else -(token << GEN_BITS))
-
-
-GEN_BITS = 20  # a stamp's low bits: the ring's generation (mod 2^20); the token above them
-
-
-def _stamp(token: int, generation: int) -> int:
-    if not 0 < token < 1 << (63 - GEN_BITS):
-        raise ValueError(f"an ipc push token must be in [1, 2^{63 - GEN_BITS}), got {token}")
-    return (token << GEN_BITS) | (generation % (1 << GEN_BITS))
-
 
 class IpcBucket(NamedTuple):
     """One bucket of an ipc push as every replica's load receives it: its CUDA IPC handle (pickled: it crosses
-    vLLM's worker RPC as bytes), tensor table, and the sender's stamp handle and ring generation; a plain tuple on
-    every wire."""
+    vLLM's worker RPC as bytes) and tensor table; a plain tuple on every wire."""
 
     handle: bytes
     metas: list[TensorMeta]
     rank: int | None = None
-    stamp: bytes = b""
-    generation: int = 0
 
-    def wire(self) -> tuple[bytes, list[TensorMeta], int | None, bytes, int]:
+    def wire(self) -> tuple[bytes, list[TensorMeta], int | None]:
         return self
-
-
-@dataclass(frozen=True)
-class IpcReceive:
-    """The `load_bucket` payload of an ipc push: the buckets to open, and the attempt's `token`, which each of their
-    senders stamps once its part of `version` is on the device (`ipc_wait`), within `timeout_s`."""
-
-    buckets: tuple[IpcBucket, ...]
-    version: int
-    token: int
-    timeout_s: float = 120.0
-
-
-class IpcRingMoved(CollectiveError):
-    """The sender packed this attempt into other buffers than the load's handles (the publisher loads those)."""
-
-
-def ipc_wait(stamp: torch.Tensor, token: int, generation: int, deadline: float) -> None:
-    """Return once the sender stamped attempt `token` on `stamp` (its bytes and checksum complete on the device) for
-    buffers of `generation`; IpcRingMoved for other buffers, SenderAborted if it failed, CollectiveError at
-    `deadline` (time.monotonic)."""
-    want, delay = _stamp(token, generation), 5e-5
-    while True:
-        got = int(stamp.item())  # (a read of the sender's memory: its fill is stream-ordered after its bytes)
-        if got == want:
-            return
-        if got >= 0 and got >> GEN_BITS == token:
-            raise IpcRingMoved(f"the ipc sender packed attempt {token} into new buffers (generation "
-                               f"{got % (1 << GEN_BITS)}, these are {generation % (1 << GEN_BITS)})")
-        if got == -(token << GEN_BITS):
-            raise SenderAborted(f"the ipc sender failed attempt {token}")
-        if time.monotonic() > deadline:
-            raise CollectiveError(f"the ipc sender did not stamp attempt {token} in time")
-        time.sleep(delay)
-        delay = min(2 * delay, 1e-3)
 
 
 def _gpu_uuid(device: torch.device) -> str:
@@ -182,11 +118,10 @@ def ipc_open(handle: bytes, metas: list[TensorMeta], rank: int | None = None) ->
 
 
 def ipc_send(ring: IpcRing, copies: HostCopies, named_tensors: Iterable[tuple[str, Any]], bucket_mb: float, *,
-             verify: str, token: int, plan: Any = None, sender: int = 0) -> tuple[list[IpcBucket], SendResult]:
-    """One push attempt (`token`) from an ipc sender: pack the version into `ring` (the engines' layout with a `plan`),
-    hash it in one pass, stamp the token after both on the device stream (the loads hash from there), wait for the
-    device once, register its host copies in `copies` (made when collected) and answer each bucket's handle. The
-    caller closed the last push's copies first (they read the ring); it stamps a failure (`put_stamp`)."""
+             verify: str, plan: Any = None, sender: int = 0) -> tuple[list[IpcBucket], SendResult]:
+    """One push from an ipc sender: pack the version into `ring` (the engines' layout with a `plan`), wait for the
+    device once, hash it in one pass, register its host copies in `copies` (made when collected), and answer each
+    bucket's handle. The caller closed the last push's copies first (they read the ring)."""
     if ring.device.type != "cuda":
         raise CollectiveError(f"ipc shares CUDA memory; this sender's device is {ring.device}")
     out = SendResult(host_copies=copies)
@@ -195,15 +130,11 @@ def ipc_send(ring: IpcRing, copies: HostCopies, named_tensors: Iterable[tuple[st
         ring.plan_whole([b.nbytes for b in plan.for_sender(sender)])
     buckets = list(Export(pack_stream(named_tensors, bucket_mb, ring.device, plan=plan, sender=sender,
                                       alloc=ring.take_in_order), out))
-    finish = hash_whole_lazy(buckets, verify, out)  # one pass where the buckets share the ring's arena
-    ring.put_stamp(token)
     t = time.perf_counter()
-    stamp = ipc_export(ring.stamp.view(torch.uint8), ring.exports)
-    handles = [IpcBucket(ipc_export(b.buffer, ring.exports), list(b.metas), b.rank, stamp, ring.generation)
-               for b in buckets]
+    torch.cuda.current_stream(ring.device).synchronize()  # the bytes are complete before anyone reads them
+    handles = [IpcBucket(ipc_export(b.buffer, ring.exports), list(b.metas), b.rank) for b in buckets]
     out.seconds["broadcast"] += time.perf_counter() - t
-    finish()
-    torch.cuda.current_stream(ring.device).synchronize()  # (verify "off" enqueued no checksum to wait for)
+    hash_whole_lazy(buckets, verify, out)()  # one pass where the buckets share the ring's arena
     for bucket in buckets:
         copies.add(bucket)
     return handles, out

@@ -13,7 +13,6 @@ reach a replica except through the calls it was given. Details: docs/design/weig
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 import logging
 import os
@@ -29,7 +28,7 @@ import torch.distributed as dist
 
 from asyncrl.types import HostCopies, SenderAddress, WeightExport
 from asyncrl.weightsync import collective, transport
-from asyncrl.weightsync.ipc import IpcReceive, IpcRing, ipc_send
+from asyncrl.weightsync.ipc import IpcRing, ipc_send
 from asyncrl.weightsync.stream import broadcast_send_stream
 
 log = logging.getLogger("asyncrl.weightsync.service")  # (one logger name for the whole service's lines)
@@ -111,22 +110,17 @@ class SenderEndpoint:
         handles: list[Any] = []
         try:
             if backend == "ipc":
-                if self.ring is None:
-                    self.ring = IpcRing(collective.member_device(None))
-                if not gate.isdigit():
-                    raise ValueError(f"an ipc push's gate is its attempt's token (decimal), got {gate!r}")
                 # (first: the last push's copies read the ring; before the first push, the buffers pinned at start)
                 copies = self._copies = transport.HostCopies.after(self._copies, ray.put)
-                handles, sent = ipc_send(self.ring, copies, tensors, bucket_mb, verify=verify, token=int(gate),
-                                         plan=plan, sender=sender)
+                if self.ring is None:
+                    self.ring = IpcRing(collective.member_device(None))
+                handles, sent = ipc_send(self.ring, copies, tensors, bucket_mb, verify=verify, plan=plan, sender=sender)
             elif self.group is None or self.group.broken:
                 raise collective.CollectiveError("no usable weight broadcast group (join_collective first)")
             else:
                 sent = broadcast_send_stream(self.group, tensors, bucket_mb, verify=verify, timeout_s=timeout_s,
                                              keep=ray.put, plan=plan, sender=sender, gate=gate)
         except BaseException:
-            if backend == "ipc":
-                self.fail_attempt(gate)
             for _ in tensors:  # a failed push: still finish the export the TP peers are gathering
                 pass
             raise
@@ -135,12 +129,6 @@ class SenderEndpoint:
                             senders=[sender] * len(handles) if backend == "ipc" else [sender], digests=[sent.digests],
                             bytes=sent.bytes, num_tensors=sent.num_tensors, num_buckets=sent.num_buckets,
                             seconds=sent.seconds)
-
-    def fail_attempt(self, gate: str) -> None:
-        """ipc: stamp the attempt `gate` failed (the loads waiting for its stamp stop now). Best effort."""
-        if self.ring is not None and gate.isdigit():
-            with contextlib.suppress(Exception):
-                self.ring.put_stamp(int(gate), ok=False)
 
     def take_host_copies(self, timeout_s: float, sender: int = 0) -> HostCopies:
         """The host copies (ObjectRefs, in bucket order) of the last broadcast, once all are in
@@ -157,33 +145,32 @@ class CollectiveLink:
     GroupsReport}) names and `join(specs)` joins, one a sending rank in PP stage order. `ensure()`, before each push,
     forms them unless they hold exactly the running replicas and no member's group broke; a replica that comes later
     fails that push at the gate, one that fails its `health` check or whose load returned without reaching the gate
-    `stop`s the senders, and the push made again (service.py) forms them again. ipc: no group; the loads start with
-    the senders on the handles they answered last (`after_send` names the new ones where those moved)."""
+    `stop`s the senders, and the push made again (service.py) forms them again. ipc (`sequential`): no group."""
 
     def __init__(self, backend: str, learner: Any, *, members: Callable[[], Awaitable[dict[str, Any]]],
                  join: Callable[[list[dict[str, Any]]], Awaitable[Any]], bucket_mb: float, timeout_s: float,
                  health: Callable[[], Awaitable[Any]] | None = None) -> None:
         self.backend, self.learner = backend, learner
-        self._handles: tuple[Any, ...] = ()  # ipc: the last send's (each attempt's loads open them)
+        self.sequential = backend == "ipc"  # the loads follow the senders' export (its handles are their payload)
+        self._handles: list[Any] = []  # ipc: the last send's
         self._members_call, self._join_call = members, join
         self.bucket_mb, self.timeout_s = bucket_mb, timeout_s
         self.specs: list[Any] = []
         self.members: dict[str, int] = {}  # replica id -> engine workers, as the groups were formed
         self.formed = 0  # how many times groups were formed
-        self._gate = ""  # the gate token of the push in flight (payload -> send, cancel); ipc: its stamp's token
+        self._gate = ""  # gloo / NCCL: the gate token of the push in flight (payload -> send, cancel)
         self._health = health  # raises unless every running replica is healthy
         self.receivers_failed = False  # stopped for the receivers (`stop`): a failed send is then the engines' failure
 
     def forget(self) -> None:
-        """The groups are gone (a new learner group): the next `ensure` forms them; ipc's next loads follow the send."""
-        self.specs, self.members, self._handles = [], {}, ()
+        """The groups are gone (a new learner group): the next `ensure` forms them."""
+        self.specs, self.members = [], {}
 
     async def cancel(self, why: str) -> None:
         """Close the gate of the push in flight, where members still wait for one that is gone (every receiver's
-        call has returned). A broadcast already on the wire ends at its deadline. Best effort; never raises. (ipc:
-        the loads wait for a stamp the senders write, failed or not, or their deadline.)"""
+        call has returned). A broadcast already on the wire ends at its deadline. Best effort; never raises."""
         gate = self._gate
-        if not gate or self.backend == "ipc":
+        if not gate:
             return
 
         def put() -> None:
@@ -208,7 +195,7 @@ class CollectiveLink:
         return [s.group_id for s in self.specs]
 
     async def ensure(self) -> None:
-        if self.backend == "ipc":  # (no group)
+        if self.sequential:  # (ipc: no group)
             return
         info, addresses = await asyncio.gather(self._members_call(), self.learner.collective_addresses())
         # {replica id: engine workers}: kept while exactly the groups' members run, each holding every group
@@ -229,22 +216,13 @@ class CollectiveLink:
                  self.group_ids, len(members), "/".join(str(s.world_size) for s in specs))
 
     def payload(self, version: int) -> Any:
-        """The replicas' side of one push attempt, its loads started with `send`: on gloo / NCCL it names a new
-        gate, which `send` uses; on ipc a new token, and the handles the last `send` answered (None before any)."""
+        """The replicas' side of one push attempt: on gloo / NCCL it names a new gate, which `send` uses; on ipc,
+        the handles the last `send` answered."""
+        if self.sequential:
+            return list(self._handles)
         self.receivers_failed = False
-        if self.backend == "ipc":
-            token = 1 + uuid.uuid4().int % ((1 << 40) - 1)
-            self._gate = str(token)
-            return IpcReceive(self._handles, version, token, self.timeout_s) if self._handles else None
         self._gate = f"v{version}-{uuid.uuid4().hex[:12]}"
         return collective.CollectiveReceive(tuple(self.group_ids), version, self.timeout_s, gate=self._gate)
-
-    def after_send(self, payload: Any, version: int) -> Any:
-        """ipc, once `send` answered: the loads' payload where `payload`'s could not carry this attempt (there was
-        none, or the senders packed into other buffers than it names: its loads fail at the stamp), else None."""
-        if self.backend != "ipc" or (payload is not None and payload.buckets == self._handles):
-            return None
-        return IpcReceive(self._handles, version, int(self._gate), self.timeout_s)
 
     async def send(self, version: int, verify: str) -> WeightExport:  # noqa: ARG002 - the label travels with the payload
         """The senders' side of the attempt `payload` described. A sender that failed closes the push's gate
@@ -253,7 +231,7 @@ class CollectiveLink:
         watching = asyncio.ensure_future(self._watch(gate)) if gate and self._health is not None else None
         try:
             sent = await self.learner.export_weights(self.bucket_mb, self.backend, verify, "engine", self.timeout_s, gate)
-            self._handles = tuple(sent.buckets)  # (ipc's: the payload; gloo / NCCL answer none)
+            self._handles = list(sent.buckets)  # (ipc's: the payload; gloo / NCCL answer none)
         except BaseException as err:
             if gate:
                 await self.cancel(f"a sender failed: {type(err).__name__}: {str(err)[:300]}")

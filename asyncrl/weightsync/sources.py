@@ -253,13 +253,13 @@ class BucketSource(_Source):
 
 class Link(Protocol):
     """A collective push's broadcast groups (link.py's `CollectiveLink`): `ensure` them before each attempt, the
-    replicas' `payload` (None: none before the send), the senders' `send` (a `WeightExport`), `after_send` (the
-    payload of loads that must follow the send, or None), `stop` a sender waiting for a member that will not answer,
-    `collect` the last send's host copies once live."""
+    replicas' `payload`, the senders' `send` (a `WeightExport`), `stop` a sender waiting for a member that will not
+    answer, `collect` the last send's host copies once live. `sequential` (ipc): loads open what `send` answered."""
+
+    sequential: bool
 
     async def ensure(self) -> Any: ...
     def payload(self, version: int) -> Any: ...
-    def after_send(self, payload: Any, version: int) -> Any: ...
     async def send(self, version: int, verify: str) -> WeightExport: ...
     async def stop(self, why: str) -> Any: ...
     async def collect(self) -> HostCopies: ...
@@ -296,8 +296,8 @@ class StreamedSource(_Source):
         def loads(payload: Any) -> asyncio.Future:
             return asyncio.ensure_future(step(Step.LOAD, replicas, lambda r: r.load_bucket(payload, version, begin), m))
 
-        payload = self._link.payload(version)  # (ipc's first push has none: its loads open what the senders answer)
-        receiving = None if payload is None else loads(payload)
+        # ipc (`sequential`): the loads open the handles the senders' export answered, so they start after it
+        receiving = None if self._link.sequential else loads(self._link.payload(version))
         try:
             sent = await self._send(version, receiving)
         except Exception as exc:
@@ -316,13 +316,7 @@ class StreamedSource(_Source):
             raise
         sent_at = time.perf_counter()
         self._sent = True  # collected once live: on a shared GPU the copies would take turns with the engines' apply
-        late = self._link.after_send(payload, version)
-        if late is not None:  # ipc: the loads open the buckets the senders answered (those begun had none, or old ones)
-            if receiving is not None:
-                with contextlib.suppress(Exception):  # (they fail at the stamp: IpcRingMoved)
-                    await receiving
-            receiving = loads(late)
-        await receiving
+        await (receiving or loads(self._link.payload(version)))
         self._digests = sent.tensor_digests()
         m.bytes, m.num_tensors, m.num_buckets = sent.bytes, sent.num_tensors, sent.num_buckets
         m.put_seconds = sent.seconds.get("broadcast", 0.0)

@@ -24,7 +24,7 @@ import torch
 from asyncrl.types import ApplyReport, LayoutCheck, ReceiveReport
 from asyncrl.weightsync.bucket import Bucket, digest_key_prefix, metas_from_wire, unpack_bucket
 from asyncrl.weightsync.fingerprint import PendingDigests, buckets_digests_lazy
-from asyncrl.weightsync.ipc import ipc_open, ipc_wait
+from asyncrl.weightsync.ipc import ipc_open
 from asyncrl.weightsync.plan import EngineLayout, ManifestEntry, probe_layout, same_ops, verify_layout
 from asyncrl.weightsync.shm import SharedBucket
 
@@ -71,7 +71,6 @@ class WorkerReceiver:
         self.hooks = hooks
         self.groups: dict[str, Any] = {}  # group id -> `CollectiveGroup` (weightsync/collective.py)
         self.opened: dict[bytes, tuple[Any, Bucket, list]] = {}  # ipc: a handle -> (its table, its view, its tensors)
-        self.stamps: dict[bytes, torch.Tensor] = {}  # ipc: a sender's stamp handle -> its stamp, opened
         self.verified: EngineLayout | None = None  # the start-time layout, checked against the checkpoint
         self.checked = LayoutCheck(rank=hooks.rank, direct=False, problem="layout not checked yet")  # the start-time check
         self.plan_id: str | None = None
@@ -236,25 +235,16 @@ class WorkerVerbs:
         if groups is None:
             rx.begin(version, *(begin or []))
             now: dict[bytes, tuple[Any, Bucket, list]] = {}
-            stamps: dict[bytes, int] = {}  # ipc: each sender's stamp handle -> the generation its buckets are of
             for wire in wires or []:
-                if isinstance(wire[0], bytes):  # views of the sender's ring, hashed in one pass once it stamped
+                if isinstance(wire[0], bytes):  # views of the sender's ring, hashed in one pass at the end
                     kept = rx.opened.get(wire[0])  # (the same view with the same table: the same bucket and views)
-                    if kept is None or kept[0] != wire[1:3]:
+                    if kept is None or kept[0] != wire[1:]:
                         bucket = ipc_open(wire[0], metas_from_wire(wire[1]), wire[2])
-                        kept = (wire[1:3], bucket, unpack_bucket(bucket))
+                        kept = (wire[1:], bucket, unpack_bucket(bucket))
                     now[wire[0]] = kept
                     rx.stage(version, kept[1], batch=True, views=kept[2])
-                    if stamps.setdefault(wire[3], wire[4]) != wire[4]:
-                        raise ValueError("an ipc push's buckets of one sender name two generations of its ring")
                 else:
                     rx.stage(version, self._asyncrl_open(wire))
-            deadline = time.monotonic() + timeout_s
-            for handle, generation in stamps.items():
-                stamp = rx.stamps.get(handle)
-                if stamp is None:
-                    stamp = rx.stamps[handle] = ipc_open(handle, []).buffer.view(torch.int64)
-                ipc_wait(stamp, int(gate), generation, deadline)
             rx.opened = now  # (one push's: an older ring's mapping goes)
             return ReceiveReport(digests=rx.digests(version))
         from asyncrl.weightsync.collective import CollectiveError

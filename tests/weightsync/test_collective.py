@@ -422,44 +422,6 @@ def test_the_ipc_rings_whole_version_arena_packs_a_planned_version_bit_exact_pus
         assert {b.buffer.untyped_storage().data_ptr() for b in buckets} == {ring.arena.untyped_storage().data_ptr()}
         got = {n: t.clone() for b in buckets for n, t in unpack_bucket(b)}
         assert got.keys() == version.keys() and all(torch.equal(got[n], version[n]) for n in version), push
-        if push == 1:
-            generation = ring.generation
-    assert ring.generation == generation  # the second push reused every window: a load's handles still hold
-    ring.release_all()
-    ring.plan_whole(sizes[:-1] + [sizes[-1] - 8])  # another cut of the arena (it still fits): a new generation
-    assert ring.generation == generation + 1 and ring.arena.numel() >= sum(sizes)
-
-
-def test_an_ipc_load_hashes_only_once_its_sender_stamped_the_attempt_on_the_buffers_it_holds():
-    """`ipc_wait` (ipc.py) on the sender's stamp, here on host memory: it returns once the attempt's token is
-    stamped for the generation the load's buckets are of (written later by another thread); a stamp of another
-    generation is a moved ring, a failed stamp (`SenderEndpoint.fail_attempt`) the sender's abort, and no stamp by the
-    deadline an error."""
-    from asyncrl.weightsync.ipc import IpcRing, IpcRingMoved, ipc_wait
-    from asyncrl.weightsync.link import SenderEndpoint
-
-    ring = IpcRing(torch.device("cpu"))
-    ring.plan_whole([4096, 4096])
-    gen = ring.generation
-    ring.put_stamp(6)  # the attempt before
-    stamper = threading.Timer(0.3, ring.put_stamp, args=(7,))
-    t0 = time.monotonic()
-    stamper.start()
-    ipc_wait(ring.stamp, 7, gen, time.monotonic() + 30)
-    assert time.monotonic() - t0 >= 0.25  # it waited for token 7, past token 6's stamp
-    with pytest.raises(IpcRingMoved):
-        ipc_wait(ring.stamp, 7, gen - 1, time.monotonic() + 30)
-    sender = SenderEndpoint()  # a sending rank whose export failed stamps the attempt failed
-    sender.ring = ring
-    sender.fail_attempt("8")
-    with pytest.raises(SenderAborted):
-        ipc_wait(ring.stamp, 8, gen, time.monotonic() + 30)
-    t0 = time.monotonic()
-    with pytest.raises(CollectiveError, match="did not stamp attempt 9"):
-        ipc_wait(ring.stamp, 9, gen, time.monotonic() + 0.2)
-    assert time.monotonic() - t0 < 5
-    with pytest.raises(ValueError, match="token"):
-        ring.put_stamp(0)
 
 def _assert_a_failing_export_aborts_the_receiver_at_once(sender, receiver, failing, **send_kw) -> None:
     """`failing` (an export that raises "export blew up") sent over the group: the receiver is told
@@ -580,15 +542,14 @@ class _Link:
     """A `Link` (sources.py) over a test's groups: `send(version, verify)` is the test's, answering the senders'
     `WeightExport` and how to collect that send's host copies (None: none kept); `ensure` forms the groups."""
 
+    sequential = False
+
     def __init__(self, send, payload, ensure=None, stop=None) -> None:
         self._send, self.payload, self._ensure, self._stop, self._collect = send, payload, ensure, stop, None
 
     async def ensure(self) -> None:
         if self._ensure is not None:
             await self._ensure()
-
-    def after_send(self, payload, version) -> None:
-        return None
 
     async def send(self, version, verify) -> WeightExport:
         sent, self._collect = await self._send(version, verify)
@@ -854,13 +815,12 @@ class _FakeLearner:
         self.held: list[str] = []
         self.gates: list[str] = []
         self.fail = False
-        self.handles = ["h0", "h1"]  # what an ipc export answers
 
     async def export_weights(self, bucket_mb, transport, verify, layout, timeout_s, gate=""):
         self.gates.append(gate)
         if self.fail:
             raise RuntimeError("export failed")
-        return WeightExport(buckets=list(self.handles) if transport == "ipc" else [])
+        return WeightExport(buckets=["h0", "h1"] if transport == "ipc" else [])
 
     async def collective_addresses(self):
         return [SenderAddress(0, "127.0.0.1", 1, self.held[0] if self.held else "")]
@@ -911,34 +871,18 @@ async def test_groups_are_formed_again_only_when_replicas_change_or_a_member_bro
     assert link.formed == 4 and link.members == {"a": 1, "b": 2} and link.specs[0].world_size == 4
 
 
-async def test_an_ipc_link_forms_no_group_and_starts_the_loads_on_the_handles_its_senders_answered_last():
-    """ipc: no group is formed or asked about. The first attempt's loads follow the senders' export (no handles
-    yet: `payload` None, `after_send` the handles it answered); later ones start with it, on the last handles,
-    unless the senders answered others (their ring moved): then `after_send` names those. Each attempt has a token
-    of its own, the senders' gate (they stamp it)."""
-    from asyncrl.weightsync.ipc import IpcReceive
+async def test_an_ipc_link_forms_no_group_and_hands_the_replicas_what_its_senders_answered():
+    """ipc: the loads follow the senders' export (`sequential`), their payload the handles it answered; no group
+    is formed or asked about, no gate."""
     from asyncrl.weightsync.link import CollectiveLink
 
     learner = _FakeLearner()
     _, asked, members, join = _fake_replicas()
     link = CollectiveLink("ipc", learner, members=members, join=join, bucket_mb=1, timeout_s=5)
     await link.ensure()
-    assert asked["n"] == 0 and link.formed == 0 and learner.joined == []
-    first = link.payload(1)
-    assert first is None
-    await link.send(1, "checksum")
-    late = link.after_send(first, 1)
-    assert late == IpcReceive(("h0", "h1"), 1, int(learner.gates[0]), 5) and int(learner.gates[0]) > 0
-    second = link.payload(2)  # begun with the send, on the handles answered last
-    assert second.buckets == ("h0", "h1") and second.version == 2 and second.token != late.token
-    await link.send(2, "checksum")
-    assert link.after_send(second, 2) is None and learner.gates[1] == str(second.token)
-    third = link.payload(3)
-    learner.handles = ["h2", "h3"]  # the senders' ring moved: the loads begun on h0, h1 fail at the stamp
-    await link.send(3, "checksum")
-    assert link.after_send(third, 3) == IpcReceive(("h2", "h3"), 3, third.token, 5) and asked["n"] == 0
-    link.forget()  # a new learner group (its rings are new): the next loads follow its send again
-    assert link.payload(4) is None
+    assert link.sequential and asked["n"] == 0 and link.formed == 0 and learner.joined == []
+    sent = await link.send(1, "checksum")
+    assert link.payload(1) == sent.buckets == ["h0", "h1"] and learner.gates == [""] and asked["n"] == 0
 
 
 async def test_a_broadcast_push_has_a_gate_of_its_own_which_a_failed_sender_closes():

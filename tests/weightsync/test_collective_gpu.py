@@ -71,7 +71,7 @@ def _ipc_member(rank: int, weights: dict, out: mp.Queue, wires: list, pushes: in
     a learner rank's `send_version`), each receiver opens them (as a worker's `asyncrl_receive`, once per handle)."""
     from asyncrl.weightsync.bucket import digest_key_prefix, metas_from_wire, unpack_bucket
     from asyncrl.weightsync.fingerprint import bucket_digests, combine_digests, tensor_fingerprint
-    from asyncrl.weightsync.ipc import IpcRing, ipc_open, ipc_send, ipc_wait
+    from asyncrl.weightsync.ipc import IpcRing, ipc_open, ipc_send
     from asyncrl.weightsync.transport import HostCopies, PinnedPool
 
     try:
@@ -85,7 +85,7 @@ def _ipc_member(rank: int, weights: dict, out: mp.Queue, wires: list, pushes: in
             if rank == 0:
                 copies = HostCopies(None, pool)
                 handles, sent = ipc_send(ring, copies, ((n, t.cuda()) for n, t in version.items()), 0.15,
-                                         verify="checksum", token=push + 1, plan=plan)
+                                         verify="checksum", plan=plan)
                 for q in wires:
                     q.put([h.wire() for h in handles])
                 kept = copies.result()
@@ -95,9 +95,7 @@ def _ipc_member(rank: int, weights: dict, out: mp.Queue, wires: list, pushes: in
                          tensor_fingerprint(host, "full"), ring_bytes, combine_digests(sent.digests, "checksum")))
             else:
                 now, new, mine = {}, 0, {}
-                for handle, metas, r, stamp, generation in wires[rank - 1].get(timeout=120):
-                    # the sender's stamp of this push: its bytes and checksum are on the device
-                    ipc_wait(ipc_open(stamp, []).buffer.view(torch.int64), push + 1, generation, time.monotonic() + 60)
+                for handle, metas, r in wires[rank - 1].get(timeout=120):
                     bucket = opened.get(handle)
                     if bucket is None:
                         bucket, new = ipc_open(handle, metas_from_wire(metas), r), new + 1
