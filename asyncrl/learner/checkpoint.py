@@ -117,15 +117,32 @@ def _end_with_parent(parent: int, poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="asyncrl-parent-watch", daemon=True).start()
 
 
+# The rank's pid while a save runs (0: none): a child it forks meanwhile is one of Megatron's writers.
+_SAVING = {"pid": 0, "hooked": False}
+
+
+def _writer_forked() -> None:
+    """In a child forked (`os.register_at_fork`) while its parent saves: it ends once the rank is gone. A Ray actor
+    is seen dead when its process's sockets close, and a forked writer holds copies of them: a rank killed mid-save
+    with a writer alive stayed alive to Ray, and every call to it (the trainer's save, so its restart) waited."""
+    parent, _SAVING["pid"] = _SAVING["pid"], 0  # (the writer's own forks are not writers of this rank)
+    if parent:
+        _end_with_parent(parent)
+
+
 @contextlib.contextmanager
-def _a_killed_writer_ends_this_rank(poll_s: float = 0.2):
-    """Megatron's torch_dist save forks its writer processes and waits for each to report, without a deadline: a
-    writer killed (the OOM killer, a kill -9) left the save, the rank and the run waiting forever. While a save runs,
-    a child of this process ended by a signal ends the rank too (exit 1, the reason on stderr), so that the trainer's
-    restart path takes over from the last complete checkpoint. (`waitid` with WNOWAIT reads a child's end without
-    reaping it: its `multiprocessing` owner still does.)"""
+def _writers_and_rank_end_together(poll_s: float = 0.2):
+    """While a save runs, its writer processes and this rank end together, either way round.
+    - A writer killed (the OOM killer, a kill -9): Megatron's torch_dist save waits for each writer to report, without
+      a deadline, so the save, the rank and the run waited forever. A child of this process ended by a signal ends the
+      rank too (exit 1, the reason on stderr), and the trainer's restart path takes over from the last complete
+      checkpoint. (`waitid` with WNOWAIT reads a child's end without reaping it: its `multiprocessing` owner does.)
+    - The rank killed: each writer it forked ends within a second (`_writer_forked`)."""
     import psutil
 
+    if not _SAVING["hooked"]:
+        os.register_at_fork(after_in_child=_writer_forked)
+        _SAVING["hooked"] = True
     me = psutil.Process()
     before = {c.pid for c in me.children()}
     stop = threading.Event()
@@ -147,9 +164,11 @@ def _a_killed_writer_ends_this_rank(poll_s: float = 0.2):
 
     thread = threading.Thread(target=watch, name="asyncrl-writer-watch", daemon=True)
     thread.start()
+    _SAVING["pid"] = os.getpid()
     try:
         yield
     finally:
+        _SAVING["pid"] = 0
         stop.set()
         thread.join()
 
@@ -181,7 +200,7 @@ def save_checkpoint(
     state["extra"] = dict(extra or {})
     state[LAYOUT_KEY] = layout
     _writer_queue_ends_with_this_process()
-    with _a_killed_writer_ends_this_rank():
+    with _writers_and_rank_end_together():
         dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategy())
     torch.distributed.barrier()
     if rank == 0:

@@ -3,8 +3,9 @@
 Megatron's torch_dist writer reports through a queue served by a `multiprocessing` Manager process; a rank killed
 with SIGKILL whose children nobody reaps (its node's raylet lost with it, tests/e2e/test_multinode.py) left that
 process running with parent 1. Here a process standing in for the rank makes the queue as a save would, the queue
-carries an item, and after the process is killed the Manager's process ends within seconds. And the other way
-round: a writer process killed mid-save (the save would wait for it forever) ends the rank."""
+carries an item, and after the process is killed the Manager's process ends within seconds. A writer process killed
+mid-save (the save would wait for it forever) ends the rank. And a rank (a Ray actor) killed while a writer it forked
+is alive: the writer ends, so Ray sees the rank dead and a call waiting on it fails instead of waiting forever."""
 
 from __future__ import annotations
 
@@ -51,13 +52,13 @@ def test_the_writers_queue_process_ends_when_the_rank_is_killed():
 
 SAVE = """
 import multiprocessing, os, signal, sys, time
-from asyncrl.learner.checkpoint import _a_killed_writer_ends_this_rank
+from asyncrl.learner.checkpoint import _writers_and_rank_end_together
 
 def write(seconds):
     time.sleep(seconds)
 
 killed = sys.argv[1] == "kill"
-with _a_killed_writer_ends_this_rank(poll_s=0.05):
+with _writers_and_rank_end_together(poll_s=0.05):
     ctx = multiprocessing.get_context("fork")  # as Megatron's writers
     done = ctx.Process(target=write, args=(0.0,))
     done.start()
@@ -82,3 +83,42 @@ def test_a_writer_killed_mid_save_ends_the_rank_instead_of_a_wait_forever(fault)
         assert "checkpoint writer process" in run.stderr and "killed by signal 9" in run.stderr, run.stderr
     else:
         assert run.returncode == 0 and run.stdout.strip() == "saved", (run.stdout, run.stderr)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_its_writer_runs_is_seen_dead_and_the_writer_ends(ray_session, tmp_path):
+    """The chaos soak once killed the learner rank as version 15's checkpoint began: the forked writer kept the rank's
+    sockets open, Ray never saw the rank die, and the trainer's save (so its restart) waited until the app was
+    stopped. Without the writer ending with its rank, `ray.get` below times out instead of raising."""
+    ray = ray_session
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def pid(self) -> int:
+            return os.getpid()
+
+        def save(self, note: str) -> None:
+            import multiprocessing
+            from pathlib import Path
+
+            from asyncrl.learner.checkpoint import _writers_and_rank_end_together
+
+            with _writers_and_rank_end_together(poll_s=0.05):
+                writer = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600.0,))
+                writer.start()
+                Path(note).write_text(str(writer.pid))
+                writer.join()  # (Megatron's save waits for its writers)
+
+    rank = Rank.remote()
+    pid = ray.get(rank.pid.remote())
+    note = tmp_path / "writer.pid"
+    saving = rank.save.remote(str(note))
+    deadline = time.monotonic() + 30
+    while not (note.exists() and note.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    writer = int(note.read_text())
+    assert psutil.Process(writer).ppid() == pid
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(saving, timeout=30)
+    assert wait_gone([writer], 10.0) == [], f"the writer {writer} outlived its rank"
