@@ -53,5 +53,10 @@ for run in ${AB_RUNS:-gpu1 hybrid}; do
     (cd "$dir" && OUT=$OUT/$side PEERS_RUNS=$run PEERS_BUDGET=${AB_BUDGET:-100000} bash benchmarks/gpu_session.sh $1) \
         >> "$OUT/ab_$side.log" 2>&1
     echo "ab: $run $side rc=$? t=$SECONDS s"; keep_row $side; grep -E '^\[asyncrl\]|^\| ' "$OUT/$side/peers_$run.log" 2> /dev/null | tail -3 | cut -c1-300
+    # A run that wrote no row (the stage's rc can be 0): its errors in the call's output, which comes back when the
+    # logs do not (the 68th session's separated 3B runs on an H100 ended so, and nothing said why)
+    [ -s "$OUT/$side/peers.json" ] || { echo "ab: $run $side wrote no row; its logs' last errors:"
+      grep -hiE "error|Traceback|out of memory|Killed|exceeds" "$OUT/$side/peers_$run.log" "$OUT/ab_$side.log" 2> /dev/null \
+          | tail -8 | cut -c1-300; }
   done
 done
