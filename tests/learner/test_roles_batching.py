@@ -208,12 +208,40 @@ def test_offload_round_trip_keeps_state_and_reports_memory():
     assert not Offloader([model], None, RoleOffload()).enabled
 
 
+
+@pytest.mark.gpu
+def test_params_go_to_pinned_host_buffers_reused_by_every_offload_and_come_back_in_place():
+    """The hybrid switch's params release: each storage once (a tied head shares the embedding's), into pinned host
+    memory (the fast copy), the same buffers at every offload, the device storage freed; back in place, so a view of a
+    parameter made before still reads it."""
+    from asyncrl.config import RoleOffload
+    from asyncrl.learner.offload import Offloader
+
+    emb = torch.nn.Embedding(64, 32).cuda()
+    head = torch.nn.Linear(32, 64, bias=False).cuda()
+    head.weight = torch.nn.Parameter(emb.weight.data)  # tied: another parameter over the same storage
+    model = torch.nn.ModuleList([emb, head, torch.nn.Linear(32, 32).cuda()])
+    view = emb.weight[3:7]
+    before = [p.detach().clone() for p in model.parameters()]
+    off = Offloader([model], None, RoleOffload(param_offload=True))
+    buffers = []
+    for _ in range(2):
+        off.offload()
+        assert all(p.data.untyped_storage().size() == 0 for p in model.parameters())
+        assert len(list(model.parameters())) == 4 and len(off._params_host) == 3  # the shared storage once
+        assert all(h.is_pinned() for _, h in off._params_host)
+        buffers.append([h.data_ptr() for _, h in off._params_host])
+        off.reload()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert torch.equal(view, before[0][3:7]) and head.weight.data_ptr() == emb.weight.data_ptr()
+    assert buffers[0] == buffers[1]
+
 def _recorded_moves(monkeypatch) -> list[tuple[str, str]]:
     """The offloader's moves recorded as (part, "away" | "back") instead of made; this host's device is the host."""
     import asyncrl.learner.offload as off_mod
 
     moves: list[tuple[str, str]] = []
-    monkeypatch.setattr(off_mod, "offload_params", lambda chunks: moves.append(("params", "away")) or [("s", "h")])
+    monkeypatch.setattr(off_mod, "offload_params", lambda chunks, pool: moves.append(("params", "away")) or [("s", "h")])
     monkeypatch.setattr(off_mod, "reload_params", lambda saved: moves.append(("params", "back")))
     monkeypatch.setattr(off_mod, "free_grads", lambda chunks: moves.append(("grads", "away")))
     monkeypatch.setattr(off_mod, "restore_grads", lambda chunks: moves.append(("grads", "back")))
@@ -312,7 +340,7 @@ def test_unflagged_parts_never_move(monkeypatch):
     from asyncrl.learner.offload import Offloader
 
     moves: list[str] = []
-    monkeypatch.setattr(off_mod, "offload_params", lambda chunks: moves.append("params away") or [])
+    monkeypatch.setattr(off_mod, "offload_params", lambda chunks, pool: moves.append("params away") or [])
     monkeypatch.setattr(off_mod, "free_grads", lambda chunks: moves.append("grads away"))
     off = Offloader([torch.nn.Linear(2, 2)], None, RoleOffload(param_offload=True, optimizer_offload=True))
     with off.onloaded():
