@@ -118,7 +118,7 @@ def _end_with_parent(parent: int, poll_s: float = 0.5) -> None:
 
 
 # The rank's pid while a save runs (0: none): a child it forks meanwhile is one of Megatron's writers.
-_SAVING = {"pid": 0, "hooked": False}
+_SAVING = {"pid": 0}
 
 
 def _writer_forked() -> None:
@@ -128,6 +128,9 @@ def _writer_forked() -> None:
     parent, _SAVING["pid"] = _SAVING["pid"], 0  # (the writer's own forks are not writers of this rank)
     if parent:
         _end_with_parent(parent)
+
+
+os.register_at_fork(after_in_child=_writer_forked)
 
 
 @contextlib.contextmanager
@@ -140,9 +143,6 @@ def _writers_and_rank_end_together(poll_s: float = 0.2):
     - The rank killed: each writer it forked ends within a second (`_writer_forked`)."""
     import psutil
 
-    if not _SAVING["hooked"]:
-        os.register_at_fork(after_in_child=_writer_forked)
-        _SAVING["hooked"] = True
     me = psutil.Process()
     before = {c.pid for c in me.children()}
     stop = threading.Event()
