@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import RoleOffload
+from asyncrl.weightsync.transport import PinnedPool
 
 
 def device_memory_bytes() -> int:
@@ -39,19 +40,19 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def offload_params(chunks: list[torch.nn.Module], pool: list[torch.Tensor] | None = None) -> list[tuple[Any, Any]]:
+def offload_params(chunks: list[torch.nn.Module], pool: PinnedPool | None = None) -> list[tuple[Any, Any]]:
     """Copy every accelerator-resident parameter storage to host and free it in place
     (`resize_(0)`), returning (storage, host copy) pairs for `reload_params`.
 
     In place, not `p.data = p.data.to("cpu")`: a tensor that views a parameter's storage (a
     tied head, a cached slice) keeps seeing the parameter after the round trip; re-pointing
     `p.data` left such views on the old memory, and log-probs drifted after two updates.
-    Storages shared by several parameters move once. The host copies are pinned buffers, the
-    k-th storage's kept in `pool[k]` from one offload to the next: a fresh pageable copy at every
-    hybrid switch goes through the driver's staging buffer and faults every host page in again,
-    several times slower than a copy into pinned memory. The copies are enqueued together and
+    Storages shared by several parameters move once. The host copies are pinned buffers, the k-th
+    storage's the `pool`'s k-th from one offload to the next (as a push's host copies reuse theirs):
+    a fresh pageable copy at every hybrid switch goes through the driver's staging buffer and faults
+    every host page in again, several times slower than a copy into pinned memory. The copies are enqueued together and
     waited for once, before any storage is freed."""
-    pool = [] if pool is None else pool
+    pool = PinnedPool() if pool is None else pool
     saved, seen = [], set()
     for c in chunks:
         for p in c.parameters():
@@ -59,13 +60,9 @@ def offload_params(chunks: list[torch.nn.Module], pool: list[torch.Tensor] | Non
             if p.device.type == "cpu" or storage.size() == 0 or storage.data_ptr() in seen:
                 continue
             seen.add(storage.data_ptr())
-            k, nbytes = len(saved), storage.nbytes()
-            if len(pool) <= k:
-                pool.append(torch.empty(0, dtype=torch.uint8))
-            if pool[k].numel() != nbytes:
-                pool[k] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            pool[k].copy_(_as_bytes(storage), non_blocking=True)
-            saved.append((storage, pool[k]))
+            host = pool.get(len(saved), storage.nbytes())
+            host.copy_(_as_bytes(storage), non_blocking=True)
+            saved.append((storage, host))
     if saved:
         torch.cuda.current_stream().synchronize()
     for storage, _ in saved:
@@ -147,7 +144,7 @@ class Offloader:
         self.chunks, self.optimizer, self.flags = chunks, optimizer, flags
         self._model_params = {id(p) for c in chunks for p in c.parameters()}
         self._params_host: list[tuple[Any, Any]] = []  # param storages freed on the device, with their host copies
-        self._pinned: list[torch.Tensor] = []  # the host copies' pinned buffers, reused by every offload
+        self._pinned = PinnedPool()  # the host copies' pinned buffers, reused by every offload
         self._flagged = {part for part, on in zip(PARTS, (flags.param_offload, flags.grad_offload, flags.optimizer_offload))
                          if on and (part != "optimizer" or optimizer is not None)}
         self.enabled = bool(self._flagged)

@@ -208,7 +208,6 @@ def test_offload_round_trip_keeps_state_and_reports_memory():
     assert not Offloader([model], None, RoleOffload()).enabled
 
 
-
 @pytest.mark.gpu
 def test_params_go_to_pinned_host_buffers_reused_by_every_offload_and_come_back_in_place():
     """The hybrid switch's params release: each storage once (a tied head shares the embedding's), into pinned host
@@ -235,6 +234,7 @@ def test_params_go_to_pinned_host_buffers_reused_by_every_offload_and_come_back_
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
         assert torch.equal(view, before[0][3:7]) and head.weight.data_ptr() == emb.weight.data_ptr()
     assert buffers[0] == buffers[1]
+
 
 def _recorded_moves(monkeypatch) -> list[tuple[str, str]]:
     """The offloader's moves recorded as (part, "away" | "back") instead of made; this host's device is the host."""
