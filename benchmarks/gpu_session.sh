@@ -178,10 +178,12 @@ learner2-speed)
   # both GPUs, in one call (the same random model and batch). learner_speed.sh finds the wheels installed.
   # Data parallelism runs through the group section (the batch split over DP as a run's): LAYOUTS="1gpu-group dp2
   # dp2sh" (dp2sh: learner.memory.optimizer sharded), e.g. SHAPES=3b:16x4096:2 for issue 67's DP=2 on the 3B.
+  # tp2spo: TP=2 + SP with strategy_config.tp_comm_overlap (LAYOUTS="1gpu tp2sp tp2spo" is its A/B).
   touch /tmp/site/.learner-wheels
   for lay in ${LAYOUTS:-1gpu tp2sp cp2}; do
     sec=${SECTIONS:-role}
     case $lay in 1gpu) par="" ;; tp2sp) par="--tp 2 --sequence-parallel" ;; cp2) par="--cp 2" ;; tp2) par="--tp 2" ;;
+      tp2spo) par="--tp 2 --sequence-parallel --tp-comm-overlap" ;;
       1gpu-group) par=""; sec=group ;; dp2) par="--dp 2"; sec=group ;; dp2sh) par="--dp 2 --optimizer sharded"; sec=group ;;
     esac
     OUT=$OUT SECTIONS=$sec TAG=$lay PARALLEL="$par" STEP_TIMEOUT=${STEP_TIMEOUT:-200} \

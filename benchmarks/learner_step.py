@@ -176,6 +176,8 @@ def strategy() -> dict[str, Any]:
     out: dict[str, Any] = {}
     if ARGS.tp > 1:
         out.update(tensor_model_parallel_size=ARGS.tp, sequence_parallel=ARGS.sequence_parallel)
+        if ARGS.tp_comm_overlap:
+            out["tp_comm_overlap"] = True
     if ARGS.cp > 1:
         out["context_parallel_size"] = ARGS.cp
     return out
@@ -699,6 +701,8 @@ def main() -> None:
     ap.add_argument("--peak-flops", type=float, default=989e12, help="per GPU")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (GPUs); > 1 runs the in-process sections in tp processes")
     ap.add_argument("--sequence-parallel", action="store_true", help="with --tp > 1: Megatron sequence parallelism")
+    ap.add_argument("--tp-comm-overlap", action="store_true", help="with --sequence-parallel: strategy_config.tp_comm_overlap "
+                    "(asyncrl/learner/tp_overlap.py: the all-gathers and reduce-scatters beside the GEMMs)")
     ap.add_argument("--cp", type=int, default=1, help="context parallel size; the sections run on --tp x --cp GPUs (parity, bare: --cp 1)")
     ap.add_argument("--dp", type=int, default=1, help="data parallel size: the group section alone (its batch split over "
                     "DP as a run's is), on --tp x --cp x --dp GPUs")

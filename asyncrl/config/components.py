@@ -463,6 +463,12 @@ class LearnerConfig(_Section):
                 f"strategy_config.context_parallel_size={s['context_parallel_size']} needs learner.attention "
                 "'sdpa' (or 'te'); Megatron's local attention has no context parallelism"
             )
+        if s.get("tp_comm_overlap") and not s.get("sequence_parallel"):
+            raise ValueError("strategy_config.tp_comm_overlap=True needs sequence_parallel=True: the learner overlaps "
+                             "the sequence-parallel all-gathers and reduce-scatters with the GEMMs")
+        if s.get("tp_comm_overlap") and self.attention in ("local", "te"):
+            raise ValueError(f"strategy_config.tp_comm_overlap=True needs learner.attention 'sdpa' (got "
+                             f"{self.attention!r}): the learner's own overlapped linears are in its sdpa spec")
         if s.get("sequence_parallel") and self.attention == "local":
             raise ValueError(
                 "strategy_config.sequence_parallel=True needs learner.attention 'sdpa' (or 'te'); "

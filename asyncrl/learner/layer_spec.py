@@ -4,7 +4,9 @@ Owns: which modules fill Megatron's transformer-layer spec when `learner.attenti
 (the default): Megatron's local spec (ColumnParallel / RowParallel linears, its MLP and MoE
 layers, its RoPE) with the core attention replaced by `asyncrl.learner.attention.SDPAttention`
 and every norm replaced by `RMSNorm` below, whose weight is tagged for Megatron's
-sequence-parallel gradient all-reduce, so `sequence_parallel: true` works without TE norms.
+sequence-parallel gradient all-reduce, so `sequence_parallel: true` works without TE norms; with
+`tp_comm_overlap: true` as well, the linears are `asyncrl.learner.tp_overlap`'s (their all-gathers and
+reduce-scatters overlap their GEMMs).
 
 Must never: change parameter names or shapes (weight conversion and checkpoints read the same
 state dict as with Megatron's local spec), or change numerics in float32 beyond rounding.
@@ -49,13 +51,13 @@ def _is_norm_slot(name: str) -> bool:
     return name.endswith("layernorm") or name == "layer_norm"
 
 
-def _swap(spec: Any) -> Any:
-    """A copy of `spec` with core attention and norms replaced, recursively."""
+def _swap(spec: Any, linears: dict[type, type]) -> Any:
+    """A copy of `spec` with core attention, norms and the `linears` classes replaced, recursively."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     if isinstance(spec, ModuleSpec):
         if spec.submodules is not None:
-            return dataclasses.replace(spec, submodules=_swap(spec.submodules))
+            return dataclasses.replace(spec, submodules=_swap(spec.submodules, linears))
         return spec
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         changes = {}
@@ -65,12 +67,26 @@ def _swap(spec: Any) -> Any:
                 changes[f.name] = SDPAttention
             elif _is_norm_slot(f.name) and value is not None and not _is_identity(value):
                 changes[f.name] = RMSNorm
+            elif isinstance(value, type) and value in linears:
+                changes[f.name] = linears[value]
             elif isinstance(value, ModuleSpec) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
-                changes[f.name] = _swap(value)
+                changes[f.name] = _swap(value, linears)
             elif isinstance(value, list):
-                changes[f.name] = [_swap(v) for v in value]
+                changes[f.name] = [_swap(v, linears) for v in value]
         return dataclasses.replace(spec, **changes)
     return spec
+
+
+def _overlapped_linears(config: Any) -> dict[type, type]:
+    """Megatron's parallel linears -> asyncrl's overlapped ones where `tp_comm_overlap` asks for them (Megatron reads
+    that option only in its TE layers) and sequence parallelism gives them something to overlap; {} otherwise."""
+    if not (config.tp_comm_overlap and config.sequence_parallel and config.tensor_model_parallel_size > 1):
+        return {}
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from asyncrl.learner.tp_overlap import OverlappedColumnParallelLinear, OverlappedRowParallelLinear
+
+    return {ColumnParallelLinear: OverlappedColumnParallelLinear, RowParallelLinear: OverlappedRowParallelLinear}
 
 
 def _is_identity(value: Any) -> bool:
@@ -87,10 +103,13 @@ def decoder_block_spec(config: Any, backend: str, vp_stage: int | None = None) -
 
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"learner attention={backend!r} must be one of {ATTENTION_BACKENDS}")
+    if config.tp_comm_overlap and backend != "sdpa":
+        raise ValueError(f"strategy_config.tp_comm_overlap with learner attention={backend!r}: the learner overlaps TP "
+                         "communication in its sdpa spec only (TE's overlap needs userbuffers asyncrl does not set up)")
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=backend == "te", normalization="RMSNorm", vp_stage=vp_stage)
     if backend == "te":
         return spec
     if backend == "local":
         spec.layer_norm = WrappedTorchNorm  # the local final norm must be RMSNorm (apex may be picked)
         return spec
-    return _swap(spec)
+    return _swap(spec, _overlapped_linears(config))

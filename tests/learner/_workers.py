@@ -147,6 +147,43 @@ def recompute_grads(world: int, strategy: dict, demo: str, ids: torch.Tensor) ->
     return out
 
 
+def sp_overlap_grads(world: int, demo: str, ids: torch.Tensor) -> dict[str, Any]:
+    """TP=2 with sequence parallelism, without and with `tp_comm_overlap`: this rank's loss and every parameter's
+    grad after one forward-backward of `ids` (training mode, Megatron's schedule), and the classes of the layers'
+    linears (`<overlap>_linears`)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    b, s = ids.shape
+    out: dict[str, Any] = {}
+    for overlap in (False, True):
+        _, chunks = setup(world, {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                  "tp_comm_overlap": overlap}, demo)
+        losses: list[torch.Tensor] = []
+
+        def forward_step(data_iter, model):
+            dev = next(model.parameters()).device
+            out_ = model(next(data_iter).to(dev), torch.arange(s, device=dev).expand(b, s), None)
+
+            def loss_func(output):
+                loss = output.float().square().mean()
+                losses.append(loss.detach().cpu())
+                return loss, {}
+            return out_, loss_func
+
+        for c in chunks:
+            c.train()
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([ids]), model=chunks,
+                                    num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=False)
+        grads = {n: p.grad.detach().cpu().clone() for c in chunks for n, p in c.named_parameters() if p.grad is not None}
+        grads["__loss__"] = losses[0]
+        out[overlap] = grads
+        out[f"{overlap}_linears"] = sorted({type(m).__name__ for c in chunks for n, m in c.named_modules()
+                                            if n.endswith(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))})
+        del chunks
+        reset_parallel()
+    return out
+
+
 def where() -> dict[str, str]:
     """The backend and device this rank ran on (a GPU run must not pass on gloo)."""
     from asyncrl.learner.parallel import collective_device
@@ -191,6 +228,7 @@ def run_tp(rank: int, world: int, demo: str, qwen3: str, ids: torch.Tensor, ckpt
     save_checkpoint(ckpt, chunks, extra={"step": 7})
 
     res["tp2_recompute"] = recompute_grads(world, tp2, demo, ids)
+    res["sp_overlap"] = sp_overlap_grads(world, demo, ids)
     hf3, chunks3 = setup(world, tp2, qwen3)
     res["qwen3_logits"] = forward_logits(chunks3, ids, hf3.vocab_size)
     res["qwen3_export"] = export(chunks3, hf3)

@@ -60,6 +60,9 @@ def test_bad_widths_and_bounds_name_the_value():
     ({"tensor_model_parallel_size": 1, "sequence_parallel": True}, {}, "sequence_parallel=True needs tensor_model_parallel_size > 1"),
     ({"context_parallel_size": 2}, {"attention": "local"}, "context_parallel_size=2 needs learner.attention"),
     ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, {"attention": "local"}, "sequence_parallel=True needs learner.attention"),
+    ({"tensor_model_parallel_size": 2, "tp_comm_overlap": True}, {}, "tp_comm_overlap=True needs sequence_parallel=True"),
+    ({"tensor_model_parallel_size": 2, "sequence_parallel": True, "tp_comm_overlap": True}, {"attention": "te"},
+     "tp_comm_overlap=True needs learner.attention 'sdpa'"),
 ])
 def test_config_errors_name_the_field(strategy, kw, match):
     ws = strategy.get("tensor_model_parallel_size", 1) * strategy.get("context_parallel_size", 1)

@@ -163,6 +163,21 @@ def test_recompute_selective_and_full_give_no_recompute_grads(tp_run, layout):
                 assert _close(runs[mode][name], grad) <= 1e-6 * max(1.0, grad.abs().max().item()), (mode, name)
 
 
+def test_tp_comm_overlap_gives_sequence_parallels_loss_and_grads(tp_run):
+    """strategy_config.tp_comm_overlap with TP=2 + SP (asyncrl/learner/tp_overlap.py: the all-gathers and
+    reduce-scatters go round the ring in blocks beside the GEMMs): its linears are in place, and the loss and every
+    parameter's grad are sequence parallelism's without it (fp32)."""
+    for rank in tp_run["ranks"]:
+        runs = rank["sp_overlap"]
+        assert runs["False_linears"] == ["ColumnParallelLinear", "RowParallelLinear"]
+        assert runs["True_linears"] == ["OverlappedColumnParallelLinear", "OverlappedRowParallelLinear"]
+        plain, overlapped = runs[False], runs[True]
+        assert set(plain) == set(overlapped) and len(plain) > 5
+        for name, grad in plain.items():
+            assert grad.abs().max().item() > 0, name
+            assert _close(overlapped[name], grad) <= 1e-6 * max(1.0, grad.abs().max().item()), name
+
+
 def test_checkpoint_saved_at_tp2_loads_at_tp1(tp_run, demo_model_path):
     r0, r1 = tp_run["ranks"]
     perturbed = r0["tp2_perturbed_logits"]
