@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 GIB = float(2**30)
 # What NCCL says when cudaMalloc / cudaCalloc fails inside a collective (torch wraps it as DistBackendError).
 _NCCL_OOM_WORDS = ("Failed to CUDA calloc", "out of memory", "cudaErrorMemoryAllocation")
+# Held outside a rank's allocator beyond this, its device is taken to be shared (a CUDA context, NCCL's buffers and the
+# GEMM workspaces take one to three GiB of their own).
+SHARED_DEVICE_BYTES = 4 * GIB
 
 
 def is_out_of_memory(err: BaseException) -> bool:
@@ -45,14 +48,21 @@ def micro_batch_tokens(lengths: Sequence[int], micro_batch_size: int, max_tokens
 
 
 def out_of_memory_error(verb: str, rank: int, lengths: Sequence[int], learner_cfg: Any,
-                        peak_bytes: float | None, total_bytes: float | None) -> LearnerOutOfMemory:
-    """The report of an out-of-memory in `verb` of `rank` over sequences of `lengths` tokens."""
+                        peak_bytes: float | None, total_bytes: float | None,
+                        elsewhere_bytes: float | None = None) -> LearnerOutOfMemory:
+    """The report of an out-of-memory in `verb` of `rank` over sequences of `lengths` tokens; `elsewhere_bytes`: the
+    device's memory held outside this rank's allocator (other processes, such as an engine beside it)."""
     cfg = learner_cfg
     tokens = micro_batch_tokens(lengths, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, cfg.sequence_packing)
     where = (f"peak {peak_bytes / GIB:.1f} GiB of {total_bytes / GIB:.1f} GiB on its device"
              if peak_bytes is not None and total_bytes else "device memory exhausted")
     recompute = cfg.strategy_config.get("recompute_granularity")
     fixes = []
+    if elsewhere_bytes is not None and elsewhere_bytes >= SHARED_DEVICE_BYTES:
+        where += f", {elsewhere_bytes / GIB:.1f} GiB of it held outside this rank (other processes)"
+        fixes.append("the device to the learner while it trains, if an engine shares it: hybrid.enabled: true (or "
+                     "auto; the engines sleep while the learner trains), or a smaller "
+                     "generator.engine_kwargs.gpu_memory_utilization")
     if recompute != "full":
         fixes.append("recompute activations in the backward: learner.memory.recompute: full (Megatron's "
                      "recompute_granularity: full, recompute_method: uniform, recompute_num_layers: 1)")
@@ -72,11 +82,13 @@ def out_of_memory_error(verb: str, rank: int, lengths: Sequence[int], learner_cf
     return LearnerOutOfMemory(message, verb, rank, tokens)
 
 
-def device_memory() -> tuple[float | None, float | None]:
-    """(this process's peak allocated bytes, its device's size) on CUDA; (None, None) elsewhere."""
+def device_memory() -> tuple[float | None, float | None, float | None]:
+    """(this process's peak allocated bytes, its device's size, the bytes of it neither free nor in this process's
+    allocator: other processes' and this one's CUDA context) on CUDA; (None, None, None) elsewhere."""
     if not torch.cuda.is_available():
-        return None, None
-    return float(torch.cuda.max_memory_allocated()), float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+        return None, None, None
+    free, total = torch.cuda.mem_get_info()
+    return float(torch.cuda.max_memory_allocated()), float(total), float(total - free - torch.cuda.memory_reserved())
 
 
 def resident_bytes() -> int | None:

@@ -63,6 +63,17 @@ def test_the_report_names_the_verb_the_tokens_the_peak_and_the_settings_that_fit
     assert "hold_merged" not in str(out_of_memory_error("update_actor", 0, [10], held_off, None, None))
 
 
+def test_a_device_shared_with_another_process_is_said_with_the_settings_that_free_it():
+    """The 3B's separated placement on an 80 GB card (69th session): the learner ran out at 52.6 GiB beside an engine's
+    26 GiB. The report says how much is held outside the rank and names the hybrid placement and the engines' share."""
+    cfg = LearnerConfig()
+    shared = str(out_of_memory_error("warm_up", 0, [512], cfg, 49.6 * 2**30, 79.2 * 2**30, 28.2 * 2**30))
+    assert "peak 49.6 GiB of 79.2 GiB on its device, 28.2 GiB of it held outside this rank" in shared
+    assert "hybrid.enabled: true" in shared and "generator.engine_kwargs.gpu_memory_utilization" in shared
+    alone = str(out_of_memory_error("warm_up", 0, [512], cfg, 75.0 * 2**30, 79.2 * 2**30, 1.5 * 2**30))
+    assert "held outside" not in alone and "hybrid.enabled" not in alone  # a context and workspaces only
+
+
 def test_the_memory_section_becomes_megatrons_options_and_must_agree_with_them():
     import pytest
 
