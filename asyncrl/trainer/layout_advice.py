@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 # 8 x 8192 tokens, micro-batch 1; issue 67): TP=2 with sequence parallelism trained 0.81x one GPU's tokens/s (0.405 a
 # GPU: its all-gathers and reduce-scatters do not overlap compute without Transformer Engine), CP=2 0.40x (0.20 a GPU).
 # Each further doubling is taken to cost the same share again. DP's gradient reduce runs once after the backward (one
-# all-reduce or reduce-scatter of the grads a step, not per micro-batch): 0.95 a GPU (issue 67's goal, not yet measured). A pipeline sends activations between its stages (taken as DP's cost, not
-# yet measured) and idles for its bubble: m / (m + p - 1) with m micro-batches a step.
+# all-reduce or reduce-scatter of the grads a step, not per micro-batch): 0.95 a GPU (issue 67's goal, not yet
+# measured). A pipeline sends activations between its stages (taken as DP's cost, not yet measured) and idles for its
+# bubble: m / (m + p - 1) with m micro-batches a step.
 TP2_EFFICIENCY = 0.405
 CP2_EFFICIENCY = 0.20
 DP_EFFICIENCY = PP_EFFICIENCY = 0.95
