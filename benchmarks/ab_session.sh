@@ -29,7 +29,8 @@ with open(out / "ab.jsonl", "a") as f:
               f"median {row.get('s_per_step_median', 0):.3f} train {s.get('training', 0):.3f} sync {s.get('weight_sync', 0):.3f} "
               f"push {st.get('push_s') or 0:.3f} wake {st.get('engine_wake_s_mean') or 0:.3f} "
               f"(release {st.get('learner_release_s_mean') or 0:.3f} weights {st.get('weights_wake_s_mean') or 0:.3f} "
-              f"params {st.get('params_release_s_mean') or 0:.3f} kv {st.get('kv_wake_s_mean') or 0:.3f}) "
+              f"params {st.get('params_release_s_mean') or 0:.3f} kv {st.get('kv_wake_s_mean') or 0:.3f}; "
+              f"released {st.get('learner_released_gib_mean') or 0:.1f} GiB) "
               f"tok/s {row.get('tokens_per_s', 0):,.0f}")
 PY
 }

@@ -81,7 +81,7 @@ def model_params(path: str) -> int:
 # hybrid: the switches' seconds (trainer/placement.py): engine_wake_s, the sync's part beside the push, is the sum of
 # the last four; engine_sleep_s and learner_onload_s, the training's part beside the update
 HYBRID_SWITCH_KEYS = ("engine_wake_s", "engine_sleep_s", "learner_onload_s", "learner_release_s", "weights_wake_s",
-                      "params_release_s", "kv_wake_s")
+                      "params_release_s", "kv_wake_s", "learner_released_gib")
 # The buffer's accounting kept in each per-step row: a group dropped stale is generation thrown away.
 BUFFER_KEYS = ("buffer/generated", "buffer/trained", "buffer/dropped_stale", "buffer/dropped_failed", "buffer/overdue")
 

@@ -523,7 +523,8 @@ class HybridConfig(_Section):
         "when_short", description="when_short = the learner's flagged state (learner.<role>.*_offload) stays on the "
         "device while the engines' wake fits beside it (the engines' gpu_memory_utilization of the device, one "
         "version's bytes for the push's staging and wake_headroom_gib free, measured by each rank at each switch), "
-        "and goes to host only when it does not; always = it goes to host memory at every switch to the engines "
+        "and where it does not, only the bytes short leave: the grads first (freed, no copy), then the optimizer's "
+        "state tensor by tensor, then the params; always = it all goes to host memory at every switch to the engines "
         "(the least device memory, the slowest switch).")
     wake_headroom_gib: float = Field(2.0, ge=0, description="when_short: device memory kept free beyond the engines' "
                                      "share, for their wake's own allocations and fragmentation.")

@@ -92,11 +92,15 @@ def _grad_buffers(chunks: list[torch.nn.Module]) -> list[Any]:
     return bufs
 
 
-def free_grads(chunks: list[torch.nn.Module]) -> None:
+def free_grads(chunks: list[torch.nn.Module]) -> int:
+    """Free DDP's grad buffers on the device; the bytes freed."""
+    freed = 0
     for buf in _grad_buffers(chunks):
         if buf.grad_data.device.type != "cpu" and buf.grad_data.untyped_storage().size() > 0:
             buf._asyncrl_grad_bytes = buf.grad_data.untyped_storage().size()
+            freed += buf._asyncrl_grad_bytes
             buf.grad_data.untyped_storage().resize_(0)
+    return freed
 
 
 def restore_grads(chunks: list[torch.nn.Module]) -> None:
@@ -107,27 +111,39 @@ def restore_grads(chunks: list[torch.nn.Module]) -> None:
             buf.grad_data.zero_()
 
 
-def move_optimizer_state(optimizer: Any, device: torch.device, model_params: set[int] | None = None) -> None:
+def move_optimizer_state(optimizer: Any, device: torch.device, model_params: set[int] | None = None,
+                         limit_bytes: int | None = None) -> int:
     """Move the optimizer's state (Adam moments) and the parameters it steps when they are its own
     fp32 master copies (mixed precision); the model's own parameters (ids in `model_params`) stay
-    where they are: moving those is `param_offload`'s job."""
+    where they are: moving those is `param_offload`'s job. With `limit_bytes`, tensors move one by
+    one until at least that many bytes have (the rest stay). The bytes moved."""
     keep = model_params or set()
+    moved = 0
     opts = getattr(optimizer, "chained_optimizers", [optimizer])
     for o in opts:
         inner = getattr(o, "optimizer", None)
         if inner is None or type(inner).__name__ == "HybridDeviceOptimizer":
             continue  # none, or learner.memory.optimizer host: its state lives on the host already
-        for state in inner.state.values():
-            for k, v in state.items():
-                if torch.is_tensor(v) and v.device != device:
-                    state[k] = v.to(device, non_blocking=True)
         for group in inner.param_groups:
             for p in group["params"]:
+                if limit_bytes is not None and moved >= limit_bytes:
+                    return moved
+                state = inner.state.get(p, {})
+                for k, v in state.items():
+                    if torch.is_tensor(v) and v.device != device:
+                        state[k] = v.to(device, non_blocking=True)
+                        moved += v.nbytes
                 if id(p) not in keep and p.device != device:
+                    moved += p.data.nbytes
                     p.data = p.data.to(device, non_blocking=True)
+    return moved
 
 
 PARTS = ("params", "grads", "optimizer")
+# Which parts leave first when only some bytes must: the grads cost nothing to free (they are zeroed before the next
+# step anyway), the optimizer's state and the params a copy each way (the params leave last: a weight export reads
+# them until the push is done).
+RELEASE_ORDER = ("grads", "optimizer", "params")
 
 
 class Offloader:
@@ -151,6 +167,8 @@ class Offloader:
         self._holds = dict.fromkeys(PARTS, 0)
         self._away: set[str] = set()  # flagged parts on the host now (a role starts resident)
         self._keep = False  # the last decide_residency found room: flagged parts stay on the device
+        self._short: int | None = None  # else the bytes it found short, still to move (None: no decision, move all)
+        self._away_bytes: dict[str, int] = {}  # each part's bytes on the host now
         # Bytes of the model's parameter storages, each once (tied weights, or Megatron's one buffer that all
         # params view): one pushed version, which an ipc sender stages whole beside the learner's state. Taken
         # here, where a role starts resident: an offloaded storage has no address and no bytes.
@@ -162,14 +180,16 @@ class Offloader:
         """Whether flagged parts may stay on the device from now on: the device (every process on it)
         has at least `need_bytes` free with them there, after this process's allocator returns its
         cached blocks (the learner phase's activations). The hybrid placement asks this once per
-        switch to the engines, with what their wake needs; `release` then keeps or moves by it."""
+        switch to the engines, with what their wake needs. `release` then keeps them, or moves only
+        the bytes found short: the cheapest first (`RELEASE_ORDER`)."""
         if not self._flagged:  # nothing of it ever leaves the device
-            self._keep, self.last_report = False, {}
+            self._keep, self._short, self.last_report = False, None, {}
             return True
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         free = device_free_bytes()
-        self._keep = free >= need_bytes
+        self._short = max(0, need_bytes - free)
+        self._keep = self._short == 0
         self.last_report = {"learner/residency_free_bytes": float(free), "learner/residency_need_bytes": float(need_bytes),
                             "learner/state_kept": 1.0 if self._keep else 0.0}
         return self._keep
@@ -197,7 +217,8 @@ class Offloader:
             self._holds[part] -= 1
         if self._keep:  # room was found for them: nothing goes to the host
             return {}
-        return self._move(away={p for p in parts if self._holds[p] == 0} & self._flagged - self._away)
+        return self._move(away={p for p in parts if self._holds[p] == 0} & self._flagged - self._away,
+                          partial=self._short is not None)
 
     def offload(self) -> dict[str, float]:
         """Put every flagged part that nobody holds on the host."""
@@ -207,29 +228,54 @@ class Offloader:
         """Bring every part on the host back (until the next `offload`/`release`)."""
         return self._move(back=set(self._away))
 
-    def _move(self, *, away: set[str] = frozenset(), back: set[str] = frozenset()) -> dict[str, float]:
+    def _move(self, *, away: set[str] = frozenset(), back: set[str] = frozenset(),
+              partial: bool = False) -> dict[str, float]:
+        """Move `away` to the host or `back` to the device. `partial` (after a residency decision found bytes
+        short): the parts of `away` leave in `RELEASE_ORDER` only while bytes are still short, the optimizer's
+        state tensor by tensor, and what moves counts against the shortfall."""
         assert not (away and back), "one direction per move"
         if not away and not back:
             return {}
         before = device_memory_bytes()
-        dev = torch.device("cpu") if away else _device()
-        if "params" in away:
-            self._params_host = offload_params(self.chunks, self._pinned)
-        if "params" in back:
-            reload_params(self._params_host)
-            self._params_host = []
-        if "grads" in away:
-            free_grads(self.chunks)
-        if "grads" in back:
-            restore_grads(self.chunks)
-        if "optimizer" in away or "optimizer" in back:
-            move_optimizer_state(self.optimizer, dev, self._model_params)
+        if back:
+            if "params" in back:
+                reload_params(self._params_host)
+                self._params_host = []
+            if "grads" in back:
+                restore_grads(self.chunks)
+            if "optimizer" in back:  # (every state tensor on the host: a partial release's too)
+                move_optimizer_state(self.optimizer, _device(), self._model_params)
+            if self._short is not None:  # what came back is short again until the next decision
+                self._short += sum(self._away_bytes.pop(p, 0) for p in back)
+        moved: set[str] = set()
+        released = 0
+        for part in RELEASE_ORDER:
+            if part not in away or (partial and self._short <= 0):
+                continue
+            if part == "grads":
+                freed = free_grads(self.chunks)
+            elif part == "optimizer":
+                freed = move_optimizer_state(self.optimizer, torch.device("cpu"), self._model_params,
+                                             limit_bytes=self._short if partial else None)
+            else:
+                self._params_host = offload_params(self.chunks, self._pinned)
+                freed = self.param_bytes
+            moved.add(part)
+            released += freed
+            self._away_bytes[part] = freed
+            if partial:
+                self._short -= freed
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-            if away:
+            if moved:
                 torch.cuda.empty_cache()
-        self._away = (self._away | away) - back
-        return self._report("offload" if away else "reload", before)
+        self._away = (self._away | moved) - back
+        report = self._report("offload" if away else "reload", before)
+        if away:
+            report["learner/released_bytes"] = float(released)
+        if partial:
+            report["learner/release_parts"] = float(len(moved))
+        return report
 
     def _report(self, what: str, before: int) -> dict[str, float]:
         self.last_report = {

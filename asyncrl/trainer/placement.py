@@ -161,6 +161,8 @@ class Colocation:
         t0 = self.clock()
         metrics: dict[str, float] = {}
         parts: dict[str, float] = {}
+        mine: list[dict] = []
+        theirs: list[dict] = []
         try:
             need = {} if self.wake_need is None else {"wake_need": self.wake_need}
             mine, theirs = await asyncio.gather(self.exporter.release_device(["grads", "optimizer"], **need),
@@ -186,6 +188,9 @@ class Colocation:
         metrics |= {"hybrid/engine_wake_s": sum(parts.values()), "hybrid/switches": float(self.switches)}
         if released:
             metrics["hybrid/device_free_gib_learner_away"] = min(a["device_free_bytes"] for a in released) / GIB
+        # what left the devices at this switch, all ranks (when_short moves only the bytes short)
+        metrics["hybrid/learner_released_gib"] = sum((a.get("report") or {}).get("learner/released_bytes", 0.0)
+                                                     for a in (*mine, *theirs, *(released or []))) / GIB
         return metrics
 
     def _expect(self, phase: Phase, step: str) -> None:

@@ -236,17 +236,30 @@ def test_params_go_to_pinned_host_buffers_reused_by_every_offload_and_come_back_
     assert buffers[0] == buffers[1]
 
 
+GRAD_BYTES, OPT_TENSOR_BYTES, OPT_TENSORS = 10 << 30, 10 << 30, 3  # the fakes' sizes: grads, the optimizer's tensors
+
+
 def _recorded_moves(monkeypatch) -> list[tuple[str, str]]:
-    """The offloader's moves recorded as (part, "away" | "back") instead of made; this host's device is the host."""
+    """The offloader's moves recorded as (part, "away" | "back") instead of made, with the bytes each would move
+    (an optimizer move with a limit: whole tensors until the limit is reached, as `move_optimizer_state`'s, recorded
+    as ("optimizer", "away", bytes)); this host's device is the host."""
     import asyncrl.learner.offload as off_mod
 
-    moves: list[tuple[str, str]] = []
+    moves: list[tuple] = []
+
+    def optimizer(opt, dev, keep, limit_bytes=None):
+        if dev.type != "cpu":
+            moves.append(("optimizer", "back"))
+            return OPT_TENSOR_BYTES * OPT_TENSORS
+        n = OPT_TENSORS if limit_bytes is None else min(OPT_TENSORS, -(-limit_bytes // OPT_TENSOR_BYTES))
+        moves.append(("optimizer", "away") if limit_bytes is None else ("optimizer", "away", n * OPT_TENSOR_BYTES))
+        return n * OPT_TENSOR_BYTES
+
     monkeypatch.setattr(off_mod, "offload_params", lambda chunks, pool: moves.append(("params", "away")) or [("s", "h")])
     monkeypatch.setattr(off_mod, "reload_params", lambda saved: moves.append(("params", "back")))
-    monkeypatch.setattr(off_mod, "free_grads", lambda chunks: moves.append(("grads", "away")))
+    monkeypatch.setattr(off_mod, "free_grads", lambda chunks: moves.append(("grads", "away")) or GRAD_BYTES)
     monkeypatch.setattr(off_mod, "restore_grads", lambda chunks: moves.append(("grads", "back")))
-    monkeypatch.setattr(off_mod, "move_optimizer_state",
-                        lambda opt, dev, keep: moves.append(("optimizer", "away" if dev.type == "cpu" else "back")))
+    monkeypatch.setattr(off_mod, "move_optimizer_state", optimizer)
     monkeypatch.setattr(off_mod, "_device", lambda: torch.device("meta"))
     return moves
 
@@ -318,10 +331,10 @@ def test_when_short_keeps_flagged_state_while_the_engines_wake_fits_and_moves_it
     off.hold()  # the next phase moves nothing: it stayed
     assert moves == []
     free["bytes"] = 20 << 30  # the learner grew (or the engines need more): short now
-    assert not off.decide_residency(26 << 30) and off.last_report["learner/state_kept"] == 0.0
+    assert not off.decide_residency(61 << 30) and off.last_report["learner/state_kept"] == 0.0
     off.release(("grads", "optimizer"))
-    off.release(("params",))
-    assert sorted(moves) == [("grads", "away"), ("optimizer", "away"), ("params", "away")] and off.offloaded
+    off.release(("params",))  # 41 GiB short: the grads' 10 and all three 10 GiB optimizer tensors do not cover it
+    assert moves == [("grads", "away"), ("optimizer", "away", 30 << 30), ("params", "away")] and off.offloaded
     assert Offloader([torch.nn.Linear(2, 2)], None, RoleOffload()).decide_residency(1 << 40)  # nothing flagged: stays
     tied = torch.nn.Module()
     tied.a = torch.nn.Linear(3, 5, bias=False)
@@ -332,6 +345,45 @@ def test_when_short_keeps_flagged_state_while_the_engines_wake_fits_and_moves_it
     buf = torch.zeros(40)
     flat.a, flat.b = torch.nn.Parameter(buf[:10].view(2, 5)), torch.nn.Parameter(buf[10:].view(6, 5))
     assert Offloader([flat], None, RoleOffload()).param_bytes == 40 * 4
+
+
+def test_when_short_moves_only_the_bytes_short_the_free_grads_first(monkeypatch):
+    """A switch that finds the engines' wake a few GiB short moves only that much: the grads first (freed, no copy),
+    then the optimizer's state tensor by tensor, the params last; the learner phase brings back what left, and a
+    compute call between two decisions puts as much away again."""
+    import asyncrl.learner.offload as off_mod
+    from asyncrl.config import RoleOffload
+    from asyncrl.learner.offload import Offloader
+
+    moves = _recorded_moves(monkeypatch)
+    free = {"bytes": 20 << 30}
+    monkeypatch.setattr(off_mod, "device_free_bytes", lambda: free["bytes"])
+    off = Offloader([torch.nn.Linear(2, 2)], object(), RoleOffload(param_offload=True, grad_offload=True, optimizer_offload=True))
+    off.hold()
+    assert not off.decide_residency(26 << 30)  # 6 GiB short: the grads' 10 cover it
+    off.release(("grads", "optimizer"))
+    off.release(("params",))
+    assert moves == [("grads", "away")] and off.offloaded and off.last_report["learner/release_parts"] == 0.0
+    moves.clear()
+    off.hold()
+    assert moves == [("grads", "back")] and not off.offloaded
+    moves.clear()
+    assert not off.decide_residency(35 << 30)  # 15 GiB short: the grads, then one 10 GiB optimizer tensor
+    off.release(("grads", "optimizer"))
+    off.release(("params",))
+    assert moves == [("grads", "away"), ("optimizer", "away", 10 << 30)]
+    moves.clear()
+    with off.onloaded():  # a compute call before the next decision: back, then as much away again
+        pass
+    assert moves == [("grads", "back"), ("optimizer", "back"), ("grads", "away"), ("optimizer", "away", 10 << 30)]
+    moves.clear()
+    off.hold()
+    assert sorted(moves) == [("grads", "back"), ("optimizer", "back")]
+    moves.clear()
+    assert off.decide_residency(20 << 30)  # room again: nothing moves
+    off.release(("grads", "optimizer"))
+    off.release(("params",))
+    assert moves == [] and not off.offloaded
 
 
 def test_unflagged_parts_never_move(monkeypatch):
@@ -375,6 +427,31 @@ def test_optimizer_offload_moves_master_copies_but_never_the_model_params(monkey
     moved.clear()
     move_optimizer_state(fp32, torch.device("meta"), keep)
     assert moved == []
+
+
+def test_a_limited_optimizer_move_stops_once_enough_bytes_have_moved_and_the_rest_follow_later():
+    """`limit_bytes` (a switch found only some bytes short): a parameter's state moves whole, parameter after parameter,
+    until the limit is reached; the bytes moved are the answer, and a move without a limit then takes whatever is
+    still behind."""
+    from asyncrl.learner.offload import move_optimizer_state
+
+    params = [torch.nn.Parameter(torch.ones(n)) for n in (100, 200, 300)]
+
+    class _Wrapped:
+        optimizer = torch.optim.Adam(params)
+
+    for p in params:
+        p.grad = torch.ones_like(p)
+    _Wrapped.optimizer.step()
+    state = _Wrapped.optimizer.state
+    nbytes = [sum(v.nbytes for v in state[p].values() if torch.is_tensor(v)) for p in params]  # moments (+ step)
+    keep = {id(p) for p in params}  # (the model's own params: this host's tensors cannot become meta in place)
+    meta = torch.device("meta")  # this host has one device: meta stands for the other side
+    assert move_optimizer_state(_Wrapped(), meta, keep, limit_bytes=1) == nbytes[0]
+    assert state[params[0]]["exp_avg"].device == meta and state[params[1]]["exp_avg"].device.type == "cpu"
+    assert move_optimizer_state(_Wrapped(), meta, keep, limit_bytes=nbytes[1] + 1) == nbytes[1] + nbytes[2]
+    assert all(v.device == meta for p in params for v in state[p].values() if torch.is_tensor(v))
+    assert move_optimizer_state(_Wrapped(), meta, keep) == 0  # nothing left behind
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])

@@ -36,9 +36,12 @@ class Group:
     async def release_device(self, parts=None, wake_need=None):
         self.log.append((self.name, "release", tuple(parts or ())) + ((wake_need,) if wake_need is not None else ()))
         report = {"learner/state_kept": self.kept} if wake_need is not None else {}
+        if self.released_gib:
+            report["learner/released_bytes"] = self.released_gib * 2**30
         return [{"rank": 0, "device_free_bytes": 5 * 2**30, "report": report}]
 
     kept = 1.0
+    released_gib = 0.0
 
 
 def _colocation(log, **engine_kw):  # learner_offload always: every switch moves the flagged state, no decision
@@ -124,9 +127,11 @@ def test_when_short_asks_each_group_to_decide_with_the_engines_share_and_reports
                    ("engines", "wake_up", ["weights"]), ("actor", "release", ("params",)),
                    ("engines", "wake_up", ["kv_cache"])]
     assert metrics["hybrid/learner_state_kept"] == 1.0
-    ref.kept = 0.0  # one group's device was short: not all of the learner's state stayed
+    assert metrics["hybrid/learner_released_gib"] == 0.0
+    ref.kept, ref.released_gib = 0.0, 2.5  # one group's device was short: 2.5 GiB of its state left
     asyncio.run(place.to_learner())
-    assert asyncio.run(place.to_engines(publish))["hybrid/learner_state_kept"] == 0.0
+    short = asyncio.run(place.to_engines(publish))
+    assert short["hybrid/learner_state_kept"] == 0.0 and short["hybrid/learner_released_gib"] == 2.5
     assert HybridConfig().learner_offload == "when_short"  # the default
     always = _colocation([])  # always: no decision asked, nothing reported
     asyncio.run(always.start())
