@@ -216,6 +216,24 @@ def save_checkpoint(
     return path
 
 
+def _zero_step_restored(state: Any) -> None:
+    """Megatron saves an optimizer's shared step only when it is truthy (`if step:`), so a state saved before the
+    first step (step 0: a warmed, fresh optimizer's) loads back without one and torch's Adam refuses it (KeyError
+    'step'). Each torch optimizer state dict in `state` ('state' beside 'param_groups') whose per-parameter states
+    hold no step gets Megatron's `common_step` of 0, in place."""
+    if isinstance(state, dict):
+        inner = state.get("state")
+        if isinstance(inner, dict) and "param_groups" in state and "common_step" not in inner:
+            per = [v for v in inner.values() if isinstance(v, dict)]
+            if per and all("step" not in v for v in per):
+                inner["common_step"] = 0
+        for value in state.values():
+            _zero_step_restored(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            _zero_step_restored(value)
+
+
 def saved_extra(path: str | Path) -> dict[str, Any]:
     """The `extra` a checkpoint was saved with (its common state alone: no model is built or read)."""
     from megatron.core import dist_checkpointing
@@ -255,6 +273,7 @@ def load_checkpoint(
         for i, c in enumerate(model_chunks):
             _unwrap(c).load_state_dict(loaded[f"model{i}"], strict=strict)
     if optimizer is not None:
+        _zero_step_restored(loaded["optimizer"])
         optimizer.load_state_dict(loaded["optimizer"])
         from asyncrl.learner.gpu_fusions import use_fused_adam
 

@@ -287,6 +287,10 @@ class LearnerRank:
         chunks, optimizer, schedule = self._checkpoint_parts()
         extra = {"role": self.role_name, **({"lora": lora} if (lora := self._lora()) else {})}
         with self._thread(), self._held():
+            if optimizer is not None:
+                # Before any step Adam has no state, and Megatron's load of a checkpoint without it fails on the
+                # missing keys: a fresh optimizer's state is made first (no-op once it exists; changes no weight).
+                self.role.optim.warm_up()
             out = save_checkpoint(path, chunks, optimizer, extra=extra, scheduler=schedule)
         return str(out)
 

@@ -192,6 +192,19 @@ def test_checkpoint_roundtrip_and_the_updates_own_proximal_pass(groups, tmp_path
     assert max_diff(run(groups["actor"].compute_log_prob(samples)), after_handed) < 2e-5
 
 
+def test_a_critic_saved_before_any_step_loads_back_into_a_warmed_one(groups, tmp_path):
+    """A save before the first optimizer step still loads, also into an optimizer that has made its state since
+    (the trainer's warm-up): the save makes a fresh optimizer's state first (else the checkpoint holds none for the
+    load to read), and the load gives back Megatron's step of 0, which its save leaves out."""
+    samples = make_samples()
+    assert run(groups["critic"].state())[0]["metrics"]["critic/applied_steps"] == 0.0
+    before = run(groups["critic"].compute_values(samples))
+    run(groups["critic"].save_checkpoint(str(tmp_path / "fresh")))
+    run(groups["critic"].warm_up(samples))
+    run(groups["critic"].load_checkpoint(str(tmp_path / "fresh")))
+    assert max_diff(run(groups["critic"].compute_values(samples)), before) < 1e-6
+
+
 def test_critic_fits_fixed_returns(groups):
     samples = make_samples()
     returns = [[0.5 if s.reward > 0 else -0.5] * len(s.response_ids) for s in samples]
