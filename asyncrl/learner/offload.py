@@ -115,8 +115,8 @@ def move_optimizer_state(optimizer: Any, device: torch.device, model_params: set
                          limit_bytes: int | None = None) -> int:
     """Move the optimizer's state (Adam moments) and the parameters it steps when they are its own
     fp32 master copies (mixed precision); the model's own parameters (ids in `model_params`) stay
-    where they are: moving those is `param_offload`'s job. With `limit_bytes`, tensors move one by
-    one until at least that many bytes have (the rest stay). The bytes moved."""
+    where they are: moving those is `param_offload`'s job. With `limit_bytes`, one parameter's state
+    (and master copy) at a time until at least that many bytes have moved (the rest stay). The bytes moved."""
     keep = model_params or set()
     moved = 0
     opts = getattr(optimizer, "chained_optimizers", [optimizer])

@@ -71,7 +71,7 @@ def _matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, ring: _Ring) -
     """reduce_scatter(x @ weight^T along dim 0): block d's partial sum goes round the ring from rank d + 1 and ends,
     complete, on rank d; each rank computes the next block's partial while the last one is on the wire."""
     rows = x.shape[0] // ring.size
-    acc, works, recv = None, [], None
+    works, recv = [], None
     for k in range(ring.size):
         part = torch.matmul(_rows(x, (ring.rank - 1 - k) % ring.size, rows), weight.t())
         _wait(works)
@@ -80,8 +80,7 @@ def _matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, ring: _Ring) -
         if k < ring.size - 1:
             recv = torch.empty_like(part)
             works = ring.shift(part, recv)
-        acc = part
-    return acc
+    return part  # the last block is this rank's own, complete
 
 
 def _wgrad(weight: torch.Tensor, grad_out: torch.Tensor, total_in: torch.Tensor, fusion: bool) -> torch.Tensor | None:
@@ -168,6 +167,13 @@ class _RowOverlap(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
+def _ring_of(layer: Any) -> _Ring:
+    """The layer's TP group as a ring, made at its first forward."""
+    if not hasattr(layer, "_ring"):
+        layer._ring = _Ring(layer.tp_group)
+    return layer._ring
+
+
 class OverlappedColumnParallelLinear(ColumnParallelLinear):
     """ColumnParallelLinear whose sequence-parallel all-gather overlaps its GEMM (see the module docstring)."""
 
@@ -175,10 +181,8 @@ class OverlappedColumnParallelLinear(ColumnParallelLinear):
         seq = kwargs.get("sequence_parallel", False)
         if not seq or kwargs.get("grad_output_buffer") is not None or self.tp_group.size() == 1:
             return super()._forward_impl(input, weight, *args, **kwargs)
-        if not hasattr(self, "_ring"):
-            self._ring = _Ring(self.tp_group)
         fusion = bool(kwargs.get("gradient_accumulation_fusion")) and weight.requires_grad
-        return _ColumnOverlap.apply(input, weight, kwargs.get("bias"), fusion, self._ring)
+        return _ColumnOverlap.apply(input, weight, kwargs.get("bias"), fusion, _ring_of(self))
 
 
 class OverlappedRowParallelLinear(RowParallelLinear):
@@ -187,10 +191,8 @@ class OverlappedRowParallelLinear(RowParallelLinear):
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.sequence_parallel or self.explicit_expert_comm or self.tp_group.size() == 1:
             return super().forward(input_)
-        if not hasattr(self, "_ring"):
-            self._ring = _Ring(self.tp_group)
         fusion = bool(self.gradient_accumulation_fusion) and self.weight.requires_grad
-        out = _RowOverlap.apply(input_, self.weight, fusion, self._ring)
+        out = _RowOverlap.apply(input_, self.weight, fusion, _ring_of(self))
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None
