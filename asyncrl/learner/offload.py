@@ -50,8 +50,8 @@ def offload_params(chunks: list[torch.nn.Module], pool: PinnedPool | None = None
     Storages shared by several parameters move once. The host copies are pinned buffers, the k-th
     storage's the `pool`'s k-th from one offload to the next (as a push's host copies reuse theirs):
     a fresh pageable copy at every hybrid switch goes through the driver's staging buffer and faults
-    every host page in again, several times slower than a copy into pinned memory. The copies are enqueued together and
-    waited for once, before any storage is freed."""
+    every host page in again, several times slower than a copy into pinned memory. The copies are
+    enqueued together and waited for once, before any storage is freed."""
     pool = PinnedPool() if pool is None else pool
     saved, seen = [], set()
     for c in chunks:
@@ -245,8 +245,9 @@ class Offloader:
                 restore_grads(self.chunks)
             if "optimizer" in back:  # (every state tensor on the host: a partial release's too)
                 move_optimizer_state(self.optimizer, _device(), self._model_params)
+            came_back = sum(self._away_bytes.pop(p, 0) for p in back)
             if self._short is not None:  # what came back is short again until the next decision
-                self._short += sum(self._away_bytes.pop(p, 0) for p in back)
+                self._short += came_back
         moved: set[str] = set()
         released = 0
         for part in RELEASE_ORDER:
